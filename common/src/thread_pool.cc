@@ -1,0 +1,74 @@
+#include "kvr/common/thread_pool.h"
+
+#include <algorithm>
+
+namespace kvr {
+
+ThreadPool::ThreadPool(size_t num_threads) {
+  if (num_threads == 0) num_threads = std::max(1u, std::thread::hardware_concurrency());
+  for (size_t i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t, size_t)>& fn,
+                             size_t min_chunk) {
+  if (n == 0) return;
+  const size_t threads = size();
+  if (threads == 1 || n <= min_chunk) {
+    fn(0, n);
+    return;
+  }
+  std::lock_guard<std::mutex> call_lock(call_mutex_);
+  // About four chunks per thread balances uneven work without much scheduling cost.
+  const size_t chunk = std::max(min_chunk, (n + threads * 4 - 1) / (threads * 4));
+  std::unique_lock<std::mutex> lock(mutex_);
+  fn_ = &fn;
+  n_ = n;
+  chunk_ = chunk;
+  next_ = 0;
+  pending_ = (n + chunk - 1) / chunk;
+  ++generation_;
+  work_cv_.notify_all();
+  // The calling thread works too.
+  while (next_ < n_) {
+    const size_t begin = next_;
+    next_ = std::min(n_, begin + chunk_);
+    const size_t end = next_;
+    lock.unlock();
+    fn(begin, end);
+    lock.lock();
+    --pending_;
+  }
+  done_cv_.wait(lock, [this] { return pending_ == 0; });
+  fn_ = nullptr;
+}
+
+void ThreadPool::WorkerLoop() {
+  uint64_t seen = 0;
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    work_cv_.wait(lock, [&] { return stop_ || (generation_ != seen && next_ < n_); });
+    if (stop_) return;
+    seen = generation_;
+    while (fn_ != nullptr && next_ < n_) {
+      const size_t begin = next_;
+      next_ = std::min(n_, begin + chunk_);
+      const size_t end = next_;
+      const auto* fn = fn_;
+      lock.unlock();
+      (*fn)(begin, end);
+      lock.lock();
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+}
+
+}  // namespace kvr
