@@ -16,3 +16,12 @@ std::string CacheDir() {
 std::string ModelCacheDir() { return CacheDir() + "/models"; }
 
 }  // namespace kvr
+
+namespace kvr {
+
+std::string TestModelPath() {
+  if (const char* p = std::getenv("KVR_TEST_MODEL"); p != nullptr && *p != '\0') return p;
+  return ModelCacheDir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+}  // namespace kvr

@@ -12,3 +12,11 @@ std::string CacheDir();
 std::string ModelCacheDir();
 
 }  // namespace kvr
+
+namespace kvr {
+
+// The SmolLM2-135M-Instruct GGUF that tests and the demo use: $KVR_TEST_MODEL, else its place
+// in ModelCacheDir() (scripts/fetch-model.sh puts it there).
+std::string TestModelPath();
+
+}  // namespace kvr
