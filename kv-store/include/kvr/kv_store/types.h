@@ -1,0 +1,98 @@
+#pragma once
+// Domain types of the KV store, shared by the store core, the wire format, the services and
+// the client library.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvr::kv_store {
+
+// Chosen by the caller (the controller's request id).
+using SequenceId = uint64_t;
+
+// Element type of the stored rows; values match kvr.store.v1.DType and the wire format.
+enum class DType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3 };
+
+[[nodiscard]] constexpr size_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+[[nodiscard]] absl::StatusOr<DType> DTypeFromInt(uint32_t value);
+[[nodiscard]] std::string DTypeName(DType dtype);
+
+// Shape of one sequence's KV: per (layer, kv_head) an append-only array of rows [k | v].
+struct SequenceShape {
+  uint32_t n_layers = 0;
+  uint32_t n_kv_heads = 0;
+  uint32_t head_dim = 0;
+  DType dtype = DType::kF16;
+
+  // Bytes of one [k | v] row: 2 * head_dim elements.
+  [[nodiscard]] size_t RowBytes() const { return 2 * size_t{head_dim} * DTypeSize(dtype); }
+  // Bytes of K (or of V) for one token of one layer, all kv heads.
+  [[nodiscard]] size_t TokenHalfBytes() const {
+    return size_t{n_kv_heads} * head_dim * DTypeSize(dtype);
+  }
+  // Rejects zero or absurd dimensions with a message naming the field.
+  [[nodiscard]] absl::Status Validate() const;
+  bool operator==(const SequenceShape&) const = default;
+};
+
+// Rows of one (sequence, layer, kv_head) picked by index; the unit of a gather request.
+struct GatherEntry {
+  SequenceId sequence = 0;
+  uint32_t layer = 0;
+  uint32_t head = 0;
+  std::span<const uint32_t> indices;  // [n_indices] row indices, any order, repeats allowed
+};
+
+// A contiguous run of rows [start, start + n_rows) of one (sequence, layer, kv_head).
+struct RangeEntry {
+  SequenceId sequence = 0;
+  uint32_t layer = 0;
+  uint32_t head = 0;
+  uint64_t start = 0;
+  uint64_t n_rows = 0;
+};
+
+// Rows for all kv heads of one layer, as a model produces them.
+struct LayerRows {
+  SequenceId sequence = 0;
+  uint32_t layer = 0;
+  // Row index of the first row. Rows are append-only, so it must equal the layer's current
+  // length; kAtEnd appends wherever the layer currently ends (decode).
+  uint64_t start_row = 0;
+  uint32_t n_rows = 0;
+  std::span<const uint8_t> k;  // [n_rows, n_kv_heads, head_dim] in the sequence's dtype
+  std::span<const uint8_t> v;  // [n_rows, n_kv_heads, head_dim]
+  static constexpr uint64_t kAtEnd = ~uint64_t{0};
+};
+
+struct StoreStats {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t page_bytes = 0;
+  uint64_t total_pages = 0;
+  uint64_t free_pages = 0;
+  uint64_t sequences = 0;
+  uint64_t evictions = 0;
+  uint64_t expired_sequences = 0;
+  std::string page_backing;
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+};
+
+// What a reader may see of a sequence.
+struct SequenceInfo {
+  SequenceShape shape;
+  std::vector<uint64_t> committed_rows;  // [n_layers]
+  uint32_t tokens_per_page = 0;
+  uint64_t pages = 0;
+  int64_t lease_expiry_unix_ms = 0;  // 0: no expiry
+  bool released_kept = false;
+};
+
+}  // namespace kvr::kv_store

@@ -1,0 +1,548 @@
+#include "kvr/kv_store/store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "kvr/common/status.h"
+
+namespace kvr::kv_store {
+
+class PagedKvStore::Sequence {
+ public:
+  Sequence(SequenceId id, const SequenceShape& shape, uint32_t tokens_per_page, PagePool* pool)
+      : id_(id),
+        shape_(shape),
+        tokens_per_page_(tokens_per_page),
+        row_bytes_(shape.RowBytes()),
+        pool_(pool),
+        pages_(size_t{shape.n_layers} * shape.n_kv_heads),
+        committed_(std::make_unique<std::atomic<uint64_t>[]>(shape.n_layers)) {
+    absl::MutexLock lock(&mu_);
+    reserved_.assign(shape.n_layers, 0);
+  }
+
+  ~Sequence() {
+    // Runs when the last reference (index or in-flight operation) drops: only then may the
+    // pages be reused.
+    absl::MutexLock lock(&mu_);
+    for (const std::vector<PageId>& list : pages_) pool_->Free(list);
+  }
+
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+
+  SequenceId id() const { return id_; }
+  const SequenceShape& shape() const { return shape_; }
+  uint32_t tokens_per_page() const { return tokens_per_page_; }
+  size_t row_bytes() const { return row_bytes_; }
+  uint64_t Committed(uint32_t layer) const {
+    return committed_[layer].load(std::memory_order_acquire);
+  }
+
+  // Address of row `row` of (layer, head); the row's page must exist.
+  uint8_t* RowPtr(uint32_t layer, uint32_t head, uint64_t row) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const std::vector<PageId>& list = pages_[size_t{layer} * shape_.n_kv_heads + head];
+    return pool_->PageData(list[row / tokens_per_page_]) + (row % tokens_per_page_) * row_bytes_;
+  }
+
+  // Pages needed so that every head of `layer` holds `rows` rows.
+  size_t PagesToGrow(uint32_t layer, uint64_t rows) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const size_t want = (rows + tokens_per_page_ - 1) / tokens_per_page_;
+    const size_t have = pages_[size_t{layer} * shape_.n_kv_heads].size();
+    return want > have ? (want - have) * shape_.n_kv_heads : 0;
+  }
+  // Hands `fresh` (PagesToGrow(layer, rows) of them) to the heads of `layer`.
+  void Grow(uint32_t layer, uint64_t rows, const std::vector<PageId>& fresh)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t want = (rows + tokens_per_page_ - 1) / tokens_per_page_;
+    size_t next = 0;
+    for (uint32_t h = 0; h < shape_.n_kv_heads; ++h) {
+      std::vector<PageId>& list = pages_[size_t{layer} * shape_.n_kv_heads + h];
+      while (list.size() < want) list.push_back(fresh[next++]);
+    }
+  }
+  uint64_t PageCount() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    uint64_t n = 0;
+    for (const std::vector<PageId>& list : pages_) n += list.size();
+    return n;
+  }
+
+  mutable absl::Mutex mu_;
+  std::vector<uint64_t> reserved_ ABSL_GUARDED_BY(mu_);  // [n_layers] rows incl. in-flight
+  absl::Time expiry_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  bool released_kept_ ABSL_GUARDED_BY(mu_) = false;
+
+  void Publish(uint32_t layer, uint64_t rows) {
+    committed_[layer].store(rows, std::memory_order_release);
+  }
+
+ private:
+  const SequenceId id_;
+  const SequenceShape shape_;
+  const uint32_t tokens_per_page_;
+  const size_t row_bytes_;
+  PagePool* const pool_;
+  // [n_layers * n_kv_heads] page lists; a list only grows, under mu_ held exclusively.
+  std::vector<std::vector<PageId>> pages_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<std::atomic<uint64_t>[]> committed_;  // [n_layers] reader-visible rows
+};
+
+namespace {
+
+// Validates one (sequence, layer, head) target and names it in errors.
+absl::Status CheckTarget(const SequenceShape& shape, SequenceId id, uint32_t layer,
+                         uint32_t head, size_t entry) {
+  if (layer >= shape.n_layers) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "entry %d: layer %d out of range for sequence %d (%d layers)", entry, layer, id,
+        shape.n_layers));
+  }
+  if (head >= shape.n_kv_heads) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "entry %d: kv head %d out of range for sequence %d (%d kv heads)", entry, head, id,
+        shape.n_kv_heads));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+PagedKvStore::PagedKvStore(StoreOptions options, PagePool pool)
+    : options_(std::move(options)), pool_(std::move(pool)) {}
+
+PagedKvStore::~PagedKvStore() {
+  absl::MutexLock lock(&mu_);
+  sequences_.clear();
+}
+
+absl::StatusOr<std::unique_ptr<PagedKvStore>> PagedKvStore::Create(StoreOptions options) {
+  KVR_ASSIGN_OR_RETURN(PagePool pool, PagePool::Create(options.pool));
+  if (!options.now) options.now = [] { return absl::Now(); };
+  return std::unique_ptr<PagedKvStore>(new PagedKvStore(std::move(options), std::move(pool)));
+}
+
+absl::StatusOr<std::shared_ptr<PagedKvStore::Sequence>> PagedKvStore::Find(SequenceId id) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrFormat("unknown sequence %d", id));
+  }
+  return it->second;
+}
+
+absl::StatusOr<CreateResult> PagedKvStore::CreateSequence(SequenceId id,
+                                                          const SequenceShape& shape,
+                                                          uint64_t expected_tokens,
+                                                          absl::Duration lease) {
+  KVR_RETURN_IF_ERROR(shape.Validate());
+  const size_t row_bytes = shape.RowBytes();
+  if (row_bytes > pool_.page_bytes()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "row of %d bytes (2 x head_dim %d x %s) does not fit a page of %d bytes", row_bytes,
+        shape.head_dim, DTypeName(shape.dtype), pool_.page_bytes()));
+  }
+  if (lease < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("lease must not be negative");
+  }
+  const auto tokens_per_page = static_cast<uint32_t>(pool_.page_bytes() / row_bytes);
+  auto seq = std::make_shared<Sequence>(id, shape, tokens_per_page, &pool_);
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (sequences_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrFormat("sequence %d already exists", id));
+    }
+  }
+  CreateResult result;
+  result.tokens_per_page = tokens_per_page;
+  if (expected_tokens > 0) {
+    const uint64_t per_list = (expected_tokens + tokens_per_page - 1) / tokens_per_page;
+    const uint64_t total = per_list * shape.n_layers * shape.n_kv_heads;
+    if (total > pool_.total_pages()) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "sequence %d: need %d bytes for %d expected tokens, more than the store's capacity of "
+          "%d bytes",
+          id, total * pool_.page_bytes(), expected_tokens, pool_.capacity_bytes()));
+    }
+    std::vector<PageId> fresh;
+    absl::Status st = AllocatePages(total, fresh, id);
+    if (!st.ok()) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "sequence %d (%d expected tokens): %s", id, expected_tokens, st.message()));
+    }
+    absl::MutexLock lock(&seq->mu_);
+    for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
+      std::vector<PageId> part(fresh.begin() + layer * per_list * shape.n_kv_heads,
+                               fresh.begin() + (layer + 1) * per_list * shape.n_kv_heads);
+      seq->Grow(layer, per_list * tokens_per_page, part);
+    }
+    result.reserved_bytes = total * pool_.page_bytes();
+  }
+  {
+    absl::MutexLock lock(&seq->mu_);
+    if (lease > absl::ZeroDuration()) seq->expiry_ = options_.now() + lease;
+  }
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = sequences_.emplace(id, seq);
+  if (!inserted) {
+    // Lost a race with another create of the same id; `seq` returns its pages on destruction.
+    return absl::AlreadyExistsError(absl::StrFormat("sequence %d already exists", id));
+  }
+  return result;
+}
+
+absl::Status PagedKvStore::AllocatePages(size_t n, std::vector<PageId>& out, SequenceId keep) {
+  absl::Status st = pool_.Allocate(n, out);
+  if (st.ok() || !options_.evict_expired || !absl::IsResourceExhausted(st)) return st;
+  if (EvictExpired(n, keep) == 0) return st;
+  return pool_.Allocate(n, out);
+}
+
+size_t PagedKvStore::EvictExpired(size_t pages_wanted, SequenceId keep) {
+  const absl::Time now = options_.now();
+  // Victims are destroyed (pages freed) after the index lock is dropped.
+  std::vector<std::shared_ptr<Sequence>> victims;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<std::pair<absl::Time, SequenceId>> expired;
+    for (const auto& [id, seq] : sequences_) {
+      if (id == keep) continue;
+      absl::MutexLock seq_lock(&seq->mu_);
+      if (seq->expiry_ <= now) expired.emplace_back(seq->expiry_, id);
+    }
+    std::sort(expired.begin(), expired.end());
+    uint64_t freed = pool_.free_pages();
+    for (const auto& [expiry, id] : expired) {
+      if (freed >= pages_wanted) break;
+      auto it = sequences_.find(id);
+      {
+        absl::ReaderMutexLock seq_lock(&it->second->mu_);
+        freed += it->second->PageCount();
+      }
+      victims.push_back(std::move(it->second));
+      sequences_.erase(it);
+    }
+  }
+  evictions_.fetch_add(victims.size(), std::memory_order_relaxed);
+  return victims.size();
+}
+
+size_t PagedKvStore::SweepExpired() {
+  if (!options_.evict_expired) return 0;
+  return EvictExpired(~size_t{0}, /*keep=*/~SequenceId{0});
+}
+
+absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(rows.sequence));
+  const SequenceShape& shape = seq->shape();
+  if (rows.layer >= shape.n_layers) {
+    return absl::OutOfRangeError(absl::StrFormat("layer %d out of range for sequence %d (%d layers)",
+                                                 rows.layer, rows.sequence, shape.n_layers));
+  }
+  if (rows.n_rows == 0) return absl::InvalidArgumentError("write of 0 rows");
+  const size_t half = shape.TokenHalfBytes();
+  const uint64_t want = uint64_t{rows.n_rows} * half;
+  if (rows.k.size() != want || rows.v.size() != want) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sequence %d layer %d: %d rows of [%d kv heads x head_dim %d x %s] need %d bytes each "
+        "of k and v, got k=%d v=%d",
+        rows.sequence, rows.layer, rows.n_rows, shape.n_kv_heads, shape.head_dim,
+        DTypeName(shape.dtype), want, rows.k.size(), rows.v.size()));
+  }
+
+  // Phase 1: reserve the rows and their pages.
+  uint64_t start = 0;
+  for (int attempt = 0;; ++attempt) {
+    absl::ReleasableMutexLock lock(&seq->mu_);
+    if (seq->released_kept_) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "sequence %d was released and is kept read-only for reuse", rows.sequence));
+    }
+    const uint64_t reserved = seq->reserved_[rows.layer];
+    if (reserved != seq->Committed(rows.layer)) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "sequence %d layer %d: another write is in flight", rows.sequence, rows.layer));
+    }
+    start = rows.start_row == LayerRows::kAtEnd ? reserved : rows.start_row;
+    if (start != reserved) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "sequence %d layer %d: rows are append-only; write starts at row %d but the layer "
+          "has %d rows",
+          rows.sequence, rows.layer, start, reserved));
+    }
+    const uint64_t end = start + rows.n_rows;
+    const size_t grow = seq->PagesToGrow(rows.layer, end);
+    std::vector<PageId> fresh;
+    if (grow > 0) {
+      absl::Status st = pool_.Allocate(grow, fresh);
+      if (!st.ok()) {
+        if (attempt == 0 && options_.evict_expired && absl::IsResourceExhausted(st)) {
+          // Evicting needs the index lock, which ranks above this sequence's lock.
+          lock.Release();
+          EvictExpired(grow, rows.sequence);
+          continue;
+        }
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "sequence %d layer %d, %d rows: %s", rows.sequence, rows.layer, rows.n_rows,
+            st.message()));
+      }
+      seq->Grow(rows.layer, end, fresh);
+    }
+    seq->reserved_[rows.layer] = end;
+    break;
+  }
+
+  // Phase 2: copy. Only this writer touches rows [start, end) of the layer, and readers do not
+  // look past the committed watermark, so a shared lock (keeping page lists stable) suffices.
+  {
+    absl::ReaderMutexLock lock(&seq->mu_);
+    const size_t head_bytes = half / shape.n_kv_heads;  // [head_dim] of one of k or v
+    for (uint32_t r = 0; r < rows.n_rows; ++r) {
+      for (uint32_t h = 0; h < shape.n_kv_heads; ++h) {
+        uint8_t* dst = seq->RowPtr(rows.layer, h, start + r);
+        const size_t src = size_t{r} * half + size_t{h} * head_bytes;
+        std::memcpy(dst, rows.k.data() + src, head_bytes);
+        std::memcpy(dst + head_bytes, rows.v.data() + src, head_bytes);
+      }
+    }
+  }
+  // Phase 3: publish.
+  const uint64_t end = start + rows.n_rows;
+  seq->Publish(rows.layer, end);
+  bytes_written_.fetch_add(2 * want, std::memory_order_relaxed);
+  return end;
+}
+
+absl::StatusOr<uint64_t> PagedKvStore::GatherBytes(std::span<const GatherEntry> entries) const {
+  uint64_t total = 0;
+  std::shared_ptr<Sequence> seq;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const GatherEntry& e = entries[i];
+    if (seq == nullptr || seq->id() != e.sequence) {
+      absl::StatusOr<std::shared_ptr<Sequence>> found = Find(e.sequence);
+      if (!found.ok()) {
+        return absl::NotFoundError(absl::StrFormat("entry %d: %s", i, found.status().message()));
+      }
+      seq = *std::move(found);
+    }
+    KVR_RETURN_IF_ERROR(CheckTarget(seq->shape(), e.sequence, e.layer, e.head, i));
+    const uint64_t committed = seq->Committed(e.layer);
+    for (uint32_t index : e.indices) {
+      if (index >= committed) {
+        return absl::OutOfRangeError(absl::StrFormat(
+            "entry %d: row %d of sequence %d layer %d head %d is not stored (layer has %d "
+            "committed rows)",
+            i, index, e.sequence, e.layer, e.head, committed));
+      }
+    }
+    total += e.indices.size() * seq->row_bytes();
+  }
+  return total;
+}
+
+absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
+                                  std::span<uint8_t> out) const {
+  // Validate everything before copying anything; the references taken here keep the
+  // sequences' pages alive through the copy even if they are released meanwhile.
+  std::vector<std::shared_ptr<Sequence>> seqs(entries.size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const GatherEntry& e = entries[i];
+    if (i > 0 && entries[i - 1].sequence == e.sequence) {
+      seqs[i] = seqs[i - 1];
+    } else {
+      absl::StatusOr<std::shared_ptr<Sequence>> found = Find(e.sequence);
+      if (!found.ok()) {
+        return absl::NotFoundError(absl::StrFormat("entry %d: %s", i, found.status().message()));
+      }
+      seqs[i] = *std::move(found);
+    }
+    const Sequence& seq = *seqs[i];
+    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), e.sequence, e.layer, e.head, i));
+    // Watermarks only grow, so rows checked against this snapshot stay readable.
+    const uint64_t committed = seq.Committed(e.layer);
+    for (uint32_t index : e.indices) {
+      if (index >= committed) {
+        return absl::OutOfRangeError(absl::StrFormat(
+            "entry %d: row %d of sequence %d layer %d head %d is not stored (layer has %d "
+            "committed rows)",
+            i, index, e.sequence, e.layer, e.head, committed));
+      }
+    }
+    total += e.indices.size() * seq.row_bytes();
+  }
+  if (out.size() != total) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("gather output buffer has %d bytes, the rows need %d", out.size(), total));
+  }
+  uint8_t* dst = out.data();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Sequence& seq = *seqs[i];
+    const size_t row_bytes = seq.row_bytes();
+    absl::ReaderMutexLock lock(&seq.mu_);
+    for (uint32_t index : entries[i].indices) {
+      std::memcpy(dst, seq.RowPtr(entries[i].layer, entries[i].head, index), row_bytes);
+      dst += row_bytes;
+    }
+  }
+  bytes_read_.fetch_add(total, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> PagedKvStore::RangeBytes(std::span<const RangeEntry> ranges) const {
+  uint64_t total = 0;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const RangeEntry& r = ranges[i];
+    absl::StatusOr<std::shared_ptr<Sequence>> found = Find(r.sequence);
+    if (!found.ok()) {
+      return absl::NotFoundError(absl::StrFormat("entry %d: %s", i, found.status().message()));
+    }
+    const Sequence& seq = **found;
+    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), r.sequence, r.layer, r.head, i));
+    const uint64_t committed = seq.Committed(r.layer);
+    if (r.start > committed || r.n_rows > committed - r.start) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "entry %d: rows [%d, %d) of sequence %d layer %d head %d are not stored (layer has %d "
+          "committed rows)",
+          i, r.start, r.start + r.n_rows, r.sequence, r.layer, r.head, committed));
+    }
+    total += r.n_rows * seq.row_bytes();
+  }
+  return total;
+}
+
+absl::Status PagedKvStore::RangeRead(std::span<const RangeEntry> ranges,
+                                     std::span<uint8_t> out) const {
+  std::vector<std::shared_ptr<Sequence>> seqs(ranges.size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const RangeEntry& r = ranges[i];
+    absl::StatusOr<std::shared_ptr<Sequence>> found = Find(r.sequence);
+    if (!found.ok()) {
+      return absl::NotFoundError(absl::StrFormat("entry %d: %s", i, found.status().message()));
+    }
+    seqs[i] = *std::move(found);
+    const Sequence& seq = *seqs[i];
+    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), r.sequence, r.layer, r.head, i));
+    const uint64_t committed = seq.Committed(r.layer);
+    if (r.start > committed || r.n_rows > committed - r.start) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "entry %d: rows [%d, %d) of sequence %d layer %d head %d are not stored (layer has %d "
+          "committed rows)",
+          i, r.start, r.start + r.n_rows, r.sequence, r.layer, r.head, committed));
+    }
+    total += r.n_rows * seq.row_bytes();
+  }
+  if (out.size() != total) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("range output buffer has %d bytes, the rows need %d", out.size(), total));
+  }
+  uint8_t* dst = out.data();
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const Sequence& seq = *seqs[i];
+    const RangeEntry& r = ranges[i];
+    const uint32_t tpp = seq.tokens_per_page();
+    absl::ReaderMutexLock lock(&seq.mu_);
+    // One memcpy per page-sized run: rows inside a page are contiguous.
+    for (uint64_t row = r.start; row < r.start + r.n_rows;) {
+      const uint64_t run = std::min<uint64_t>(tpp - row % tpp, r.start + r.n_rows - row);
+      const size_t bytes = run * seq.row_bytes();
+      std::memcpy(dst, seq.RowPtr(r.layer, r.head, row), bytes);
+      dst += bytes;
+      row += run;
+    }
+  }
+  bytes_read_.fetch_add(total, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PagedKvStore::Segment>> PagedKvStore::LocateRange(
+    const RangeEntry& range) const {
+  KVR_RETURN_IF_ERROR(RangeBytes(std::span<const RangeEntry>(&range, 1)).status());
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(range.sequence));
+  std::vector<Segment> segments;
+  const uint32_t tpp = seq->tokens_per_page();
+  absl::ReaderMutexLock lock(&seq->mu_);
+  for (uint64_t row = range.start; row < range.start + range.n_rows;) {
+    const uint64_t run = std::min<uint64_t>(tpp - row % tpp, range.start + range.n_rows - row);
+    const uint64_t offset =
+        static_cast<uint64_t>(seq->RowPtr(range.layer, range.head, row) - pool_.base());
+    const uint64_t bytes = run * seq->row_bytes();
+    if (!segments.empty() && segments.back().pool_offset + segments.back().bytes == offset) {
+      segments.back().bytes += bytes;
+    } else {
+      segments.push_back({offset, bytes});
+    }
+    row += run;
+  }
+  return segments;
+}
+
+absl::Status PagedKvStore::Release(SequenceId id, absl::Duration keep) {
+  if (keep < absl::ZeroDuration()) return absl::InvalidArgumentError("keep must not be negative");
+  std::shared_ptr<Sequence> victim;  // destroyed (pages freed) after the index lock is dropped
+  absl::ReleasableMutexLock lock(&mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrFormat("unknown sequence %d", id));
+  }
+  if (keep == absl::ZeroDuration()) {
+    victim = std::move(it->second);
+    sequences_.erase(it);
+    lock.Release();
+    return absl::OkStatus();
+  }
+  absl::MutexLock seq_lock(&it->second->mu_);
+  it->second->released_kept_ = true;
+  it->second->expiry_ = options_.now() + keep;
+  return absl::OkStatus();
+}
+
+absl::Status PagedKvStore::Lease(SequenceId id, absl::Duration lease) {
+  if (lease < absl::ZeroDuration()) return absl::InvalidArgumentError("lease must not be negative");
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(id));
+  absl::MutexLock lock(&seq->mu_);
+  seq->expiry_ = lease == absl::ZeroDuration() ? absl::InfiniteFuture() : options_.now() + lease;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceInfo> PagedKvStore::GetSequence(SequenceId id) const {
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(id));
+  SequenceInfo info;
+  info.shape = seq->shape();
+  info.tokens_per_page = seq->tokens_per_page();
+  for (uint32_t layer = 0; layer < info.shape.n_layers; ++layer) {
+    info.committed_rows.push_back(seq->Committed(layer));
+  }
+  absl::ReaderMutexLock lock(&seq->mu_);
+  info.pages = seq->PageCount();
+  info.released_kept = seq->released_kept_;
+  info.lease_expiry_unix_ms =
+      seq->expiry_ == absl::InfiniteFuture() ? 0 : absl::ToUnixMillis(seq->expiry_);
+  return info;
+}
+
+StoreStats PagedKvStore::Stats() const {
+  StoreStats stats;
+  stats.capacity_bytes = pool_.capacity_bytes();
+  stats.page_bytes = pool_.page_bytes();
+  stats.total_pages = pool_.total_pages();
+  stats.free_pages = pool_.free_pages();
+  stats.used_bytes = (stats.total_pages - stats.free_pages) * stats.page_bytes;
+  stats.page_backing = PageBackingName(pool_.backing());
+  stats.evictions = evictions_.load(std::memory_order_relaxed);
+  stats.bytes_written = bytes_written_.load(std::memory_order_relaxed);
+  stats.bytes_read = bytes_read_.load(std::memory_order_relaxed);
+  const absl::Time now = options_.now();
+  absl::ReaderMutexLock lock(&mu_);
+  stats.sequences = sequences_.size();
+  for (const auto& [id, seq] : sequences_) {
+    absl::ReaderMutexLock seq_lock(&seq->mu_);
+    if (seq->expiry_ <= now) ++stats.expired_sequences;
+  }
+  return stats;
+}
+
+}  // namespace kvr::kv_store
