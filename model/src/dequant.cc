@@ -1,12 +1,267 @@
 #include "kvr/model/dequant.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
+#include "kvr/common/half.h"
+
+// Every formula below follows ggml-quants.c `dequantize_row_*` operation by operation: the fp16
+// scales are widened to fp32 first, then each product and sum is a separate fp32 operation in
+// the reference's order. This file is compiled with -ffp-contract=off (model/formats.cmake) so
+// that `a * b + c` is never fused into an FMA, which would change the rounding and break
+// bit-exactness with ggml and the gguf Python package.
 
 namespace kvr::model {
+namespace {
+
+constexpr int64_t kQk = 32;    // elements per block of the Q4_0..Q8_0 family
+constexpr int64_t kQkK = 256;  // elements per super-block of the K-quants
+
+inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return Fp16ToFloat(h);
+}
+
+void DequantF16(const uint8_t* src, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = Half(src + 2 * i);
+}
+
+void DequantBf16(const uint8_t* src, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, sizeof(h));
+    y[i] = Bf16ToFloat(h);
+  }
+}
+
+// block_q4_0 { half d; uint8 qs[16]; } : 18 bytes
+void DequantQ4_0(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 18, y += kQk) {
+    const float d = Half(x);
+    const uint8_t* qs = x + 2;
+    for (int j = 0; j < kQk / 2; ++j) {
+      const int x0 = (qs[j] & 0x0F) - 8;
+      const int x1 = (qs[j] >> 4) - 8;
+      y[j] = static_cast<float>(x0) * d;
+      y[j + kQk / 2] = static_cast<float>(x1) * d;
+    }
+  }
+}
+
+// block_q4_1 { half d; half m; uint8 qs[16]; } : 20 bytes
+void DequantQ4_1(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 20, y += kQk) {
+    const float d = Half(x);
+    const float m = Half(x + 2);
+    const uint8_t* qs = x + 4;
+    for (int j = 0; j < kQk / 2; ++j) {
+      const int x0 = qs[j] & 0x0F;
+      const int x1 = qs[j] >> 4;
+      y[j] = static_cast<float>(x0) * d + m;
+      y[j + kQk / 2] = static_cast<float>(x1) * d + m;
+    }
+  }
+}
+
+// block_q5_0 { half d; uint8 qh[4]; uint8 qs[16]; } : 22 bytes; qh bit j is bit 4 of element j.
+void DequantQ5_0(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 22, y += kQk) {
+    const float d = Half(x);
+    uint32_t qh;
+    std::memcpy(&qh, x + 2, sizeof(qh));
+    const uint8_t* qs = x + 6;
+    for (int j = 0; j < kQk / 2; ++j) {
+      const uint8_t xh0 = ((qh >> (j + 0)) << 4) & 0x10;
+      const uint8_t xh1 = ((qh >> (j + 12))) & 0x10;
+      const int x0 = ((qs[j] & 0x0F) | xh0) - 16;
+      const int x1 = ((qs[j] >> 4) | xh1) - 16;
+      y[j] = static_cast<float>(x0) * d;
+      y[j + kQk / 2] = static_cast<float>(x1) * d;
+    }
+  }
+}
+
+// block_q5_1 { half d; half m; uint8 qh[4]; uint8 qs[16]; } : 24 bytes
+void DequantQ5_1(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 24, y += kQk) {
+    const float d = Half(x);
+    const float m = Half(x + 2);
+    uint32_t qh;
+    std::memcpy(&qh, x + 4, sizeof(qh));
+    const uint8_t* qs = x + 8;
+    for (int j = 0; j < kQk / 2; ++j) {
+      const uint8_t xh0 = ((qh >> (j + 0)) << 4) & 0x10;
+      const uint8_t xh1 = ((qh >> (j + 12))) & 0x10;
+      const int x0 = (qs[j] & 0x0F) | xh0;
+      const int x1 = (qs[j] >> 4) | xh1;
+      y[j] = static_cast<float>(x0) * d + m;
+      y[j + kQk / 2] = static_cast<float>(x1) * d + m;
+    }
+  }
+}
+
+// block_q8_0 { half d; int8 qs[32]; } : 34 bytes
+void DequantQ8_0(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 34, y += kQk) {
+    const float d = Half(x);
+    const auto* qs = reinterpret_cast<const int8_t*>(x + 2);
+    for (int j = 0; j < kQk; ++j) y[j] = static_cast<float>(qs[j]) * d;
+  }
+}
+
+// The 12 packed bytes of 6-bit scales and mins of Q4_K / Q5_K (ggml's get_scale_min_k4).
+inline void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+  }
+}
+
+// block_q4_K { half d; half dmin; uint8 scales[12]; uint8 qs[128]; } : 144 bytes
+void DequantQ4_K(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 144) {
+    const float d = Half(x);
+    const float min = Half(x + 2);
+    const uint8_t* scales = x + 4;
+    const uint8_t* q = x + 16;
+    int is = 0;
+    uint8_t sc, m;
+    for (int j = 0; j < kQkK; j += 64) {
+      ScaleMinK4(is + 0, scales, &sc, &m);
+      const float d1 = d * sc;
+      const float m1 = min * m;
+      ScaleMinK4(is + 1, scales, &sc, &m);
+      const float d2 = d * sc;
+      const float m2 = min * m;
+      for (int l = 0; l < 32; ++l) *y++ = d1 * static_cast<float>(q[l] & 0xF) - m1;
+      for (int l = 0; l < 32; ++l) *y++ = d2 * static_cast<float>(q[l] >> 4) - m2;
+      q += 32;
+      is += 2;
+    }
+  }
+}
+
+// block_q5_K { half d; half dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]; } : 176 bytes
+void DequantQ5_K(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 176) {
+    const float d = Half(x);
+    const float min = Half(x + 2);
+    const uint8_t* scales = x + 4;
+    const uint8_t* qh = x + 16;
+    const uint8_t* ql = x + 48;
+    int is = 0;
+    uint8_t sc, m;
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0; j < kQkK; j += 64) {
+      ScaleMinK4(is + 0, scales, &sc, &m);
+      const float d1 = d * sc;
+      const float m1 = min * m;
+      ScaleMinK4(is + 1, scales, &sc, &m);
+      const float d2 = d * sc;
+      const float m2 = min * m;
+      for (int l = 0; l < 32; ++l) {
+        *y++ = d1 * static_cast<float>((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+      }
+      for (int l = 0; l < 32; ++l) {
+        *y++ = d2 * static_cast<float>((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+      }
+      ql += 32;
+      is += 2;
+      u1 <<= 2;
+      u2 <<= 2;
+    }
+  }
+}
+
+// block_q6_K { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; half d; } : 210 bytes
+void DequantQ6_K(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 210) {
+    const float d = Half(x + 208);
+    const uint8_t* ql = x;
+    const uint8_t* qh = x + 128;
+    const auto* sc = reinterpret_cast<const int8_t*>(x + 192);
+    for (int n = 0; n < kQkK; n += 128) {
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        const int q1 = static_cast<int8_t>((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = static_cast<int8_t>((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = static_cast<int8_t>((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = static_cast<int8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        // (d * sc) first, as in the reference `d * sc[is] * q`.
+        y[l + 0] = d * static_cast<float>(sc[is + 0]) * static_cast<float>(q1);
+        y[l + 32] = d * static_cast<float>(sc[is + 2]) * static_cast<float>(q2);
+        y[l + 64] = d * static_cast<float>(sc[is + 4]) * static_cast<float>(q3);
+        y[l + 96] = d * static_cast<float>(sc[is + 6]) * static_cast<float>(q4);
+      }
+      y += 128;
+      ql += 64;
+      qh += 32;
+      sc += 8;
+    }
+  }
+}
+
+}  // namespace
 
 absl::Status DequantizeRow(GgmlType type, const void* src, int64_t n, float* dst) {
-  return absl::UnimplementedError(
-      absl::StrCat("DequantizeRow: ", GgmlTypeName(type), " not implemented yet"));
+  auto traits = GetGgmlTypeTraits(type);
+  if (!traits.ok()) return traits.status();
+  if (!traits->dequantizable) {
+    return absl::UnimplementedError(
+        absl::StrCat("dequantisation of ggml type ", traits->name, " (id ",
+                     static_cast<uint32_t>(type), ") is not supported"));
+  }
+  if (n < 0 || n % traits->block_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot dequantise ", n, " elements of ",
+                                                   traits->name, ": not a multiple of the ",
+                                                   traits->block_size, "-element block"));
+  }
+  const auto* x = static_cast<const uint8_t*>(src);
+  const int64_t nb = n / traits->block_size;
+  switch (type) {
+    case GgmlType::kF32:
+      std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float));
+      break;
+    case GgmlType::kF16:
+      DequantF16(x, n, dst);
+      break;
+    case GgmlType::kBF16:
+      DequantBf16(x, n, dst);
+      break;
+    case GgmlType::kQ4_0:
+      DequantQ4_0(x, nb, dst);
+      break;
+    case GgmlType::kQ4_1:
+      DequantQ4_1(x, nb, dst);
+      break;
+    case GgmlType::kQ5_0:
+      DequantQ5_0(x, nb, dst);
+      break;
+    case GgmlType::kQ5_1:
+      DequantQ5_1(x, nb, dst);
+      break;
+    case GgmlType::kQ8_0:
+      DequantQ8_0(x, nb, dst);
+      break;
+    case GgmlType::kQ4_K:
+      DequantQ4_K(x, nb, dst);
+      break;
+    case GgmlType::kQ5_K:
+      DequantQ5_K(x, nb, dst);
+      break;
+    case GgmlType::kQ6_K:
+      DequantQ6_K(x, nb, dst);
+      break;
+    default:
+      // Unreachable while the traits table and this switch agree.
+      return absl::InternalError(
+          absl::StrCat("dequantisation table out of sync for ", traits->name));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvr::model
