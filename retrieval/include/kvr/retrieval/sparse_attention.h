@@ -1,0 +1,102 @@
+#pragma once
+// Sparse attention on the CPU: a `kvr::model::Attention` that, at decode steps, attends exactly
+// (one softmax) over sink ∪ local window ∪ the tokens a retrieval index selects, and stays dense
+// for prefill (n_queries > 1).
+//
+// It keeps one RetrievalIndex per (sequence, layer), built lazily from the KvView at the first
+// decode step of that sequence/layer (from all rows except the query's own token; the runtime's
+// dense cache makes every row available), or from the prefill call when `build_at_prefill` is
+// set (then the prefill queries are passed too, which CTKVR needs). Every later decode step
+// appends the tokens that became indexable, so the index always covers [0, total - 1).
+//
+// The result is computed as two partials merged by log-sum-exp (partial_attention.h): resident
+// rows (sinks + local window) and selected rows; that is the decode node's computation, run here
+// in one process so the evaluator can measure it against dense attention.
+//
+// Thread safety: Attend/Release from one thread at a time (the runtime's forward pass).
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvr/model/attention.h"
+#include "kvr/retrieval/index.h"
+#include "kvr/retrieval/registry.h"
+
+namespace kvr::retrieval {
+
+struct SparseAttentionOptions {
+  std::string method = "exact";
+  IndexParams params;  // budget, n_sink, local_window and method knobs
+  RopeParams rope;     // the model's RoPE (copied into every index's shape)
+  int n_layers = 0;
+  // Build the index in the prefill call (and hand it the prefill queries). Otherwise the index
+  // is built at the first decode step from the KvView (no queries: CTKVR then needs this on).
+  bool build_at_prefill = true;
+  // Layers [0, dense_layers) stay dense. Quest/ClusterKV skip the first two layers; default 0.
+  int dense_layers = 0;
+  // Prefill queries kept for the index (the last N); CTKVR's C must not exceed it.
+  int64_t max_prefill_queries = 1024;
+};
+
+// Per-call statistics, accumulated until Reset (the evaluator reads them).
+struct SparseAttentionStats {
+  int64_t decode_calls = 0;     // (sequence, layer) decode attentions
+  int64_t selected_rows = 0;    // summed over calls and KV heads
+  int64_t attended_rows = 0;    // sink + local + selected, summed over calls and KV heads
+  double select_seconds = 0;    // time in RetrievalIndex::Select
+  double build_seconds = 0;     // time in Build/Append
+};
+
+class SparseAttention final : public kvr::model::Attention {
+ public:
+  // `registry` must outlive this object. InvalidArgument for unknown methods or bad params.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<SparseAttention>> Create(
+      const MethodRegistry* registry, SparseAttentionOptions options);
+
+  [[nodiscard]] absl::Status Attend(const kvr::model::AttentionShape& shape,
+                                    std::span<const kvr::model::AttentionRequest> batch) override;
+  void Release(kvr::model::SequenceId sequence) override;
+
+  // The index of (sequence, layer), or null when not built yet. For the evaluator and tests.
+  RetrievalIndex* FindIndex(kvr::model::SequenceId sequence, int layer) const;
+  // Bytes held by every index of the sequence.
+  int64_t IndexBytes(kvr::model::SequenceId sequence) const;
+
+  const SparseAttentionStats& stats() const { return stats_; }
+  void ResetStats() { stats_ = {}; }
+  const SparseAttentionOptions& options() const { return options_; }
+
+ private:
+  SparseAttention(const MethodRegistry* registry, SparseAttentionOptions options);
+
+  struct SequenceState {
+    std::vector<std::unique_ptr<RetrievalIndex>> layers;  // [n_layers], null until built
+  };
+
+  [[nodiscard]] absl::Status AttendOne(const kvr::model::AttentionShape& shape,
+                                       const kvr::model::AttentionRequest& request);
+
+  const MethodRegistry* registry_;
+  SparseAttentionOptions options_;
+  absl::flat_hash_map<kvr::model::SequenceId, SequenceState> sequences_;
+  SparseAttentionStats stats_;
+  // Scratch reused across calls (single-threaded use).
+  Selection selection_;
+  std::vector<int64_t> rows_;
+  std::vector<float> scores_;
+  std::vector<float> partial_out_;
+  std::vector<float> partial_lse_;
+};
+
+// Dense causal attention reference for one request (every query over positions <= its own).
+// Used for prefill and by tests. `kv.positions` must be empty (dense rows).
+[[nodiscard]] absl::Status DenseAttention(const kvr::model::AttentionShape& shape,
+                                          const kvr::model::AttentionRequest& request);
+
+}  // namespace kvr::retrieval

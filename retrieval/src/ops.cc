@@ -1,0 +1,184 @@
+#include "kvr/retrieval/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvr::retrieval {
+
+float Dot(const float* a, const float* b, int n) {
+  float s = 0.f;
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+float Norm(const float* a, int n) { return std::sqrt(Dot(a, a, n)); }
+
+std::vector<int64_t> TopKIndices(std::span<const float> scores, int64_t k) {
+  const int64_t n = static_cast<int64_t>(scores.size());
+  k = std::clamp<int64_t>(k, 0, n);
+  std::vector<int64_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  auto better = [&](int64_t a, int64_t b) {
+    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+  };
+  if (k < n) {
+    std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
+    idx.resize(k);
+  }
+  std::sort(idx.begin(), idx.end(), better);
+  return idx;
+}
+
+float SoftmaxInPlace(std::span<float> x) {
+  if (x.empty()) return -std::numeric_limits<float>::infinity();
+  const float m = *std::max_element(x.begin(), x.end());
+  if (!std::isfinite(m)) {  // all -inf: an empty distribution
+    std::fill(x.begin(), x.end(), 0.f);
+    return m;
+  }
+  double sum = 0;
+  for (float& v : x) {
+    v = std::exp(v - m);
+    sum += v;
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (float& v : x) v *= inv;
+  return m + static_cast<float>(std::log(sum));
+}
+
+namespace {
+
+void NormaliseRow(float* v, int dim) {
+  const float n = Norm(v, dim);
+  if (n > 0.f) {
+    const float inv = 1.f / n;
+    for (int i = 0; i < dim; ++i) v[i] *= inv;
+  }
+}
+
+float SquaredDistance(const float* a, const float* b, int dim) {
+  float s = 0.f;
+  for (int i = 0; i < dim; ++i) {
+    const float d = a[i] - b[i];
+    s += d * d;
+  }
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<KMeansResult> KMeans(const float* points, int64_t n_points, int dim, int64_t stride,
+                                    const KMeansOptions& options) {
+  if (n_points < 1) return absl::InvalidArgumentError("k-means: no points");
+  if (options.n_clusters < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k-means: n_clusters must be >= 1, got ", options.n_clusters));
+  }
+  if (dim < 1 || stride < dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k-means: bad dim ", dim, " / stride ", stride));
+  }
+  const int64_t k = std::min<int64_t>(options.n_clusters, n_points);
+  // Points copied contiguously (normalised for cosine): the iterations re-read them k times.
+  std::vector<float> x(n_points * dim);  // [n_points, dim]
+  for (int64_t i = 0; i < n_points; ++i) {
+    std::copy_n(points + i * stride, dim, x.data() + i * dim);
+    if (options.cosine) NormaliseRow(x.data() + i * dim, dim);
+  }
+  // Distance to be minimised: cosine -> 1 - dot (points and centroids unit norm), else L2^2.
+  auto distance = [&](const float* p, const float* c) {
+    return options.cosine ? 1.f - Dot(p, c, dim) : SquaredDistance(p, c, dim);
+  };
+
+  std::mt19937_64 rng(options.seed);
+  KMeansResult result;
+  result.centroids.assign(k * dim, 0.f);  // [k, dim]
+  if (options.plus_plus_init) {
+    std::vector<float> d2(n_points, std::numeric_limits<float>::infinity());
+    int64_t first = std::uniform_int_distribution<int64_t>(0, n_points - 1)(rng);
+    std::copy_n(x.data() + first * dim, dim, result.centroids.data());
+    for (int64_t c = 1; c < k; ++c) {
+      const float* prev = result.centroids.data() + (c - 1) * dim;
+      double total = 0;
+      for (int64_t i = 0; i < n_points; ++i) {
+        d2[i] = std::min(d2[i], std::max(0.f, distance(x.data() + i * dim, prev)));
+        total += d2[i];
+      }
+      int64_t pick = 0;
+      if (total > 0) {
+        double r = std::uniform_real_distribution<double>(0, total)(rng);
+        for (pick = 0; pick < n_points - 1; ++pick) {
+          r -= d2[pick];
+          if (r <= 0) break;
+        }
+      } else {
+        pick = std::uniform_int_distribution<int64_t>(0, n_points - 1)(rng);
+      }
+      std::copy_n(x.data() + pick * dim, dim, result.centroids.data() + c * dim);
+    }
+  } else {
+    // Distinct random points (ClusterKV: "randomly sample key vectors as initial centroids").
+    std::vector<int64_t> perm(n_points);
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int64_t c = 0; c < k; ++c) {
+      const int64_t j = std::uniform_int_distribution<int64_t>(c, n_points - 1)(rng);
+      std::swap(perm[c], perm[j]);
+      std::copy_n(x.data() + perm[c] * dim, dim, result.centroids.data() + c * dim);
+    }
+  }
+
+  result.assignment.assign(n_points, -1);
+  std::vector<float> best_d(n_points);
+  std::vector<double> sums(k * dim);
+  std::vector<int64_t> counts(k);
+  for (int it = 0; it < std::max(1, options.max_iterations); ++it) {
+    bool changed = false;
+    for (int64_t i = 0; i < n_points; ++i) {
+      const float* p = x.data() + i * dim;
+      int32_t best = 0;
+      float bd = std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < k; ++c) {
+        const float d = distance(p, result.centroids.data() + c * dim);
+        if (d < bd) {
+          bd = d;
+          best = static_cast<int32_t>(c);
+        }
+      }
+      best_d[i] = bd;
+      if (result.assignment[i] != best) {
+        result.assignment[i] = best;
+        changed = true;
+      }
+    }
+    result.iterations = it + 1;
+    if (!changed && it > 0) break;
+    std::fill(sums.begin(), sums.end(), 0.0);
+    std::fill(counts.begin(), counts.end(), 0);
+    for (int64_t i = 0; i < n_points; ++i) {
+      const int32_t c = result.assignment[i];
+      ++counts[c];
+      const float* p = x.data() + i * dim;
+      for (int j = 0; j < dim; ++j) sums[c * dim + j] += p[j];
+    }
+    for (int64_t c = 0; c < k; ++c) {
+      float* centroid = result.centroids.data() + c * dim;
+      if (counts[c] == 0) {
+        // Re-seed an empty cluster with the point worst served by its centroid.
+        const int64_t far = std::max_element(best_d.begin(), best_d.end()) - best_d.begin();
+        std::copy_n(x.data() + far * dim, dim, centroid);
+        best_d[far] = 0.f;
+        continue;
+      }
+      for (int j = 0; j < dim; ++j) centroid[j] = static_cast<float>(sums[c * dim + j] / counts[c]);
+      if (options.cosine) NormaliseRow(centroid, dim);
+    }
+  }
+  return result;
+}
+
+}  // namespace kvr::retrieval
