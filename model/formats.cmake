@@ -32,3 +32,7 @@ add_test(NAME gguf_dequant_vs_gguf_py_smollm2
   COMMAND sh -c "exec \"\${KVR_TEST_PYTHON:-${_kvr_test_python}}\" ${_kvr_compare} --tool $<TARGET_FILE:gguf_dequant_digest> --model \"\${KVR_TEST_MODEL:-$HOME/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf}\"")
 set_tests_properties(gguf_dequant_vs_gguf_py_all_types gguf_dequant_vs_gguf_py_smollm2
   PROPERTIES LABELS "unit;python" SKIP_RETURN_CODE 77)
+
+kvr_add_test(model_formats_test
+  SOURCES tests/gguf_test.cc
+  LIBS kvr::model_formats)
