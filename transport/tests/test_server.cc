@@ -1,0 +1,100 @@
+// transport_test_server: a peer process for the transport tests and benchmarks.
+//
+// Usage: transport_test_server <ucx-tls>   (e.g. "tcp" or "sm,self")
+// Prints its worker address as one hex line on stdout, then serves the requests of
+// test_protocol.h until stdin reaches EOF (the parent exits or closes the pipe) or it is killed.
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "kvr/transport/ucx.h"
+#include "test_protocol.h"
+
+namespace kt = kvr::transport;
+namespace tp = kvr::transport::testing;
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: transport_test_server <ucx-tls>\n";
+    return 2;
+  }
+  kt::ContextOptions options;
+  options.ucx_config = {{"TLS", argv[1]}};
+  auto context = kt::Context::Create(options);
+  if (!context.ok()) {
+    std::cerr << context.status() << "\n";
+    return 1;
+  }
+  auto worker = kt::Worker::Create(*context, {.name = "test-server"});
+  if (!worker.ok()) {
+    std::cerr << worker.status() << "\n";
+    return 1;
+  }
+  auto region = context->Allocate(tp::kRegionBytes);
+  if (!region.ok()) {
+    std::cerr << region.status() << "\n";
+    return 1;
+  }
+  tp::FillPattern(region->span(), tp::kRegionSeed);
+  auto rkey = region->PackRkey();
+  if (!rkey.ok()) {
+    std::cerr << rkey.status() << "\n";
+    return 1;
+  }
+
+  std::mutex hung_mu;
+  std::vector<kt::IncomingRequest> hung;  // kHang requests, kept until exit
+
+  auto check = [](absl::Status s) {
+    if (!s.ok()) std::cerr << "test-server: " << s << "\n";
+  };
+  check(worker->RegisterHandler(tp::kEcho, [&](kt::IncomingRequest req) {
+    // Replying with views into the request is safe: Reply keeps the request alive until sent.
+    kt::ByteView header = req.header();
+    kt::ByteView payload = req.payload();
+    check(req.Reply(header, {payload}, nullptr));
+  }));
+  check(worker->RegisterHandler(tp::kDelayEcho, [&](kt::IncomingRequest req) {
+    uint32_t delay_ms = 0;
+    if (req.header().size() >= sizeof(delay_ms)) {
+      std::memcpy(&delay_ms, req.header().data(), sizeof(delay_ms));
+    }
+    // Reply from another thread, as a store would after handing work to a pool.
+    std::thread([r = std::move(req), delay_ms, &check]() mutable {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+      kt::ByteView payload = r.payload();
+      check(r.Reply(r.header(), {payload}, nullptr));
+    }).detach();
+  }));
+  check(worker->RegisterHandler(tp::kHang, [&](kt::IncomingRequest req) {
+    std::lock_guard<std::mutex> lock(hung_mu);
+    hung.push_back(std::move(req));
+  }));
+  check(worker->RegisterHandler(tp::kFail, [&](kt::IncomingRequest req) {
+    check(req.ReplyError(absl::NotFoundError("no such sequence 42")));
+  }));
+  check(worker->RegisterHandler(tp::kRegionInfo, [&](kt::IncomingRequest req) {
+    tp::RegionInfo info{region->address(), region->size()};
+    std::string header(reinterpret_cast<const char*>(&info), sizeof(info));
+    header += *rkey;
+    check(req.Reply(kt::AsBytes(header)));
+  }));
+
+  std::cout << absl::BytesToHexString(worker->address()) << std::endl;
+  // Serve until the parent goes away.
+  std::string line;
+  while (std::getline(std::cin, line)) {
+  }
+  {
+    std::lock_guard<std::mutex> lock(hung_mu);
+    hung.clear();
+  }
+  worker->Shutdown();
+  return 0;
+}
