@@ -10,15 +10,13 @@
 
 namespace kvr::retrieval::internal {
 
-absl::StatusOr<std::array<float, kMagnitudeLevels>> DirectionLevels(int m) {
-  if (m < 2 || m > kMaxSubspaceDim) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("ParisKV subspace dimension must be in [2, %d], got %d", kMaxSubspaceDim, m));
-  }
-  // Discretise [0, 1] finely and run Lloyd-Max on the discretised density. 2^14 cells put the
+namespace {
+
+std::array<float, kMagnitudeLevels> ComputeDirectionLevels(int m) {
+  // Discretise [0, 1] finely and run Lloyd-Max on the discretised density. 2^13 cells put the
   // levels within ~1e-4 of the continuous optimum, far below the 3-bit quantisation step.
-  constexpr int kCells = 1 << 14;
-  constexpr int kIterations = 200;
+  constexpr int kCells = 1 << 13;
+  constexpr int kIterations = 100;
   const double exponent = (m - 3) / 2.0;
   std::vector<double> t(kCells), mass(kCells);
   for (int i = 0; i < kCells; ++i) {
@@ -57,6 +55,23 @@ absl::StatusOr<std::array<float, kMagnitudeLevels>> DirectionLevels(int m) {
   std::array<float, kMagnitudeLevels> out{};
   for (int l = 0; l < kMagnitudeLevels; ++l) out[l] = static_cast<float>(level[l]);
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::array<float, kMagnitudeLevels>> DirectionLevels(int m) {
+  if (m < 2 || m > kMaxSubspaceDim) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("ParisKV subspace dimension must be in [2, %d], got %d", kMaxSubspaceDim, m));
+  }
+  // Computed once per process (a few ms each) and immutable afterwards: indexes are created per
+  // (sequence, layer), far too often to rerun Lloyd-Max every time. Thread-safe static init.
+  static const auto* const kTable = [] {
+    auto* table = new std::array<std::array<float, kMagnitudeLevels>, kMaxSubspaceDim + 1>{};
+    for (int d = 2; d <= kMaxSubspaceDim; ++d) (*table)[d] = ComputeDirectionLevels(d);
+    return table;
+  }();
+  return (*kTable)[m];
 }
 
 float EncodeDirection(std::span<const float> u, const std::array<float, kMagnitudeLevels>& levels,

@@ -30,8 +30,9 @@
 // at beta = 0.10 rises from 61% at 5K to 84% at 100K tokens): beta = 0.10 up to 16K candidate
 // tokens, falling log-linearly to 0.05 at 128K and staying there. Our 4K-8K contexts sit at the
 // short end, where the paper's own numbers say a small beta loses recall, so C is also kept at
-// least 4x the budget. rho = min(1, 2 beta): rho >= beta as the paper requires, with room for a
-// key to score in most subspaces without the top-rho slots covering everything.
+// least 4x the budget. rho = min(1, T beta) with T tiers (2 beta for T = 1): rho >= beta as the
+// paper requires; each tier then covers about beta * n keys (see ScheduleParisKv for the
+// measurement behind it).
 
 #include <cstdint>
 #include <memory>

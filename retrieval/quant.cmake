@@ -1,0 +1,22 @@
+# kvr::retrieval_quant: ParisKV and A2ATS (codebooks, the calibration file format).
+# Built only together with kvr::retrieval_core, whose interface it implements.
+if(TARGET kvr_retrieval_core)
+  add_library(kvr_retrieval_quant
+    src/srht.cc
+    src/pariskv_codes.cc
+    src/pariskv.cc
+    src/pariskv_a2ats_register.cc)
+  add_library(kvr::retrieval_quant ALIAS kvr_retrieval_quant)
+  target_include_directories(kvr_retrieval_quant PUBLIC include)
+  target_link_libraries(kvr_retrieval_quant
+    PUBLIC kvr::retrieval_core kvr::common absl::status absl::statusor absl::strings
+    PRIVATE PkgConfig::OPENBLAS absl::str_format)
+  kvr_warnings(kvr_retrieval_quant)
+endif()
+
+if(TARGET kvr_retrieval_quant)
+  kvr_add_test(retrieval_quant_test
+    SOURCES tests/srht_test.cc tests/pariskv_test.cc
+    LIBS kvr::retrieval_quant)
+  target_include_directories(retrieval_quant_test PRIVATE src tests)
+endif()
