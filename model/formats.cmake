@@ -34,5 +34,5 @@ set_tests_properties(gguf_dequant_vs_gguf_py_all_types gguf_dequant_vs_gguf_py_s
   PROPERTIES LABELS "unit;python" SKIP_RETURN_CODE 77)
 
 kvr_add_test(model_formats_test
-  SOURCES tests/gguf_test.cc
-  LIBS kvr::model_formats)
+  SOURCES tests/gguf_test.cc tests/dequant_test.cc tests/safetensors_test.cc
+  LIBS kvr::model_formats nlohmann_json::nlohmann_json)
