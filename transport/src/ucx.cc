@@ -239,6 +239,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
   std::shared_ptr<ContextCore> context;
   std::string name;
   absl::Duration spin;
+  bool same_host_pid_watch = true;
   ucp_worker_h worker = nullptr;
   std::string address;  // AddressPrefix + ucp address
   AddressPrefix identity{};
@@ -1395,6 +1396,7 @@ absl::StatusOr<Worker> Worker::Create(const Context& context, WorkerOptions opti
   core->context = context.core_;
   core->name = options.name;
   core->spin = options.spin;
+  core->same_host_pid_watch = options.same_host_pid_watch;
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   params.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -1498,7 +1500,8 @@ absl::StatusOr<Endpoint> Worker::Connect(std::string_view peer_address, std::str
   auto state = std::make_shared<EndpointState>();
   state->core = core_.get();
   state->peer_name = std::move(peer_name);
-  const bool same_host = internal::SameHost(peer, core_->identity);
+  const bool same_host =
+      core_->same_host_pid_watch && internal::SameHost(peer, core_->identity);
   state->peer_mode = !same_host;
   if (same_host && peer.pid != core_->identity.pid) {
     state->peer_pid = static_cast<int>(peer.pid);

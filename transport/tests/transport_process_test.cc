@@ -16,8 +16,10 @@ namespace {
 namespace tp = testing;
 
 struct Param {
+  const char* name;
   const char* tls;
   bool expect_tcp;
+  bool pid_watch;  // WorkerOptions::same_host_pid_watch of the client
 };
 
 class TransportProcessTest : public ::testing::TestWithParam<Param> {
@@ -31,7 +33,8 @@ class TransportProcessTest : public ::testing::TestWithParam<Param> {
     auto context = Context::Create(options);
     ASSERT_TRUE(context.ok()) << context.status();
     context_.emplace(std::move(*context));
-    auto worker = Worker::Create(*context_, {.name = "test-client"});
+    auto worker = Worker::Create(
+        *context_, {.name = "test-client", .same_host_pid_watch = GetParam().pid_watch});
     ASSERT_TRUE(worker.ok()) << worker.status();
     worker_.emplace(std::move(*worker));
     auto ep = worker_->Connect(server_->address(), "test-server");
@@ -227,10 +230,10 @@ TEST_P(TransportProcessTest, ReportsTransportInUse) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, TransportProcessTest,
-                         ::testing::Values(Param{"tcp", true}, Param{"sm,self", false}),
-                         [](const auto& info) {
-                           return std::string(info.param.expect_tcp ? "Tcp" : "SharedMemory");
-                         });
+                         ::testing::Values(Param{"Tcp", "tcp", true, true},
+                                           Param{"TcpUcxPeerMode", "tcp", true, false},
+                                           Param{"SharedMemory", "sm,self", false, true}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace kvr::transport

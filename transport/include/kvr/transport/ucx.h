@@ -341,6 +341,13 @@ struct WorkerOptions {
   // How long the progress thread keeps polling after its last event before it sleeps on the
   // event fd. Longer = lower latency under bursty load, more CPU when idle-ish.
   absl::Duration spin = absl::Microseconds(50);
+  // How a dead peer is detected. true (default): a peer on the same kernel (same boot id and
+  // pid namespace, learnt from its worker address) is connected in UCX error mode NONE and
+  // its process is watched through a pidfd, while remote peers use UCP_ERR_HANDLING_MODE_PEER.
+  // Why: UCX 1.13's shared-memory transports refuse mode PEER, so mode PEER everywhere would
+  // silently push same-host traffic onto TCP. false: mode PEER for every peer (UCX's own
+  // detection; what a cross-host peer gets), which on one host means TCP only.
+  bool same_host_pid_watch = true;
 };
 
 // A ucp_worker plus its progress thread. Move-only. Thread-safe.
