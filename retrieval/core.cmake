@@ -7,6 +7,11 @@ add_library(kvr_retrieval_core
   src/ops.cc
   src/partial_attention.cc
   src/keydiff.cc
+  src/method_util.cc
+  src/baselines.cc
+  src/clusterkv.cc
+  src/ctkvr.cc
+  src/keydiff_index.cc
   src/core_methods.cc
   src/sparse_attention.cc)
 add_library(kvr::retrieval_core ALIAS kvr_retrieval_core)
@@ -16,3 +21,7 @@ target_link_libraries(kvr_retrieval_core
          absl::flat_hash_map
   PRIVATE PkgConfig::OPENBLAS)
 kvr_warnings(kvr_retrieval_core)
+
+kvr_add_test(retrieval_core_test
+  SOURCES tests/core_test.cc
+  LIBS kvr::retrieval_core)

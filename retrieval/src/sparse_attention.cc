@@ -1,6 +1,7 @@
 #include "kvr/retrieval/sparse_attention.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -42,12 +43,31 @@ SparseAttention::SparseAttention(const MethodRegistry* registry, SparseAttention
 
 absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::Create(
     const MethodRegistry* registry, SparseAttentionOptions options) {
-  return absl::UnimplementedError("SparseAttention: not implemented yet");
+  if (registry == nullptr) return absl::InvalidArgumentError("SparseAttention: null registry");
+  if (!registry->Has(options.method)) {
+    std::string valid;
+    for (const std::string& n : registry->Names()) absl::StrAppend(&valid, valid.empty() ? "" : ", ", n);
+    return absl::InvalidArgumentError(absl::StrCat("SparseAttention: unknown retrieval method '",
+                                                   options.method, "'; valid methods: ", valid));
+  }
+  KVR_RETURN_IF_ERROR(options.params.Validate());
+  if (options.dense_layers < 0 || options.max_prefill_queries < 0) {
+    return absl::InvalidArgumentError(
+        "SparseAttention: dense_layers and max_prefill_queries must be >= 0");
+  }
+  return std::unique_ptr<SparseAttention>(new SparseAttention(registry, std::move(options)));
 }
 
 absl::Status SparseAttention::Attend(const AttentionShape& shape,
                                      std::span<const AttentionRequest> batch) {
-  return absl::UnimplementedError("SparseAttention: not implemented yet");
+  if (shape.n_heads <= 0 || shape.n_kv_heads <= 0 || shape.head_dim <= 0 ||
+      shape.n_heads % shape.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SparseAttention: bad shape: heads ", shape.n_heads, "/", shape.n_kv_heads, " head_dim ",
+        shape.head_dim));
+  }
+  for (const AttentionRequest& r : batch) KVR_RETURN_IF_ERROR(AttendOne(shape, r));
+  return absl::OkStatus();
 }
 
 void SparseAttention::Release(kvr::model::SequenceId sequence) { sequences_.erase(sequence); }
@@ -73,7 +93,134 @@ int64_t SparseAttention::IndexBytes(kvr::model::SequenceId sequence) const {
 
 absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
                                         const AttentionRequest& request) {
-  return absl::UnimplementedError("SparseAttention: not implemented yet");
+  if (!request.kv.positions.empty()) {
+    return absl::UnimplementedError(
+        "SparseAttention: KvView rows with explicit positions (a partial cache) are not "
+        "supported; it needs the dense cache of a single process");
+  }
+  if (request.n_queries <= 0) return absl::OkStatus();
+  const int hd = shape.head_dim;
+  const int64_t end = request.first_position + request.n_queries;  // tokens visible to the last q
+  if (request.kv.n_rows < end) {
+    return absl::InvalidArgumentError(absl::StrCat("SparseAttention: KvView holds ",
+                                                   request.kv.n_rows, " rows, queries need ", end));
+  }
+  const bool sparse_layer = request.layer >= options_.dense_layers;
+  SequenceState& state = sequences_[request.sequence];
+  if (request.layer < 0 || (options_.n_layers > 0 && request.layer >= options_.n_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("SparseAttention: layer ", request.layer,
+                                                   " outside [0, ", options_.n_layers, ")"));
+  }
+  if (static_cast<int>(state.layers.size()) <= request.layer) state.layers.resize(request.layer + 1);
+  std::unique_ptr<RetrievalIndex>& index = state.layers[request.layer];
+
+  const bool prefill = request.n_queries > 1;
+  // Tokens the index should cover after this call: everything before the (last) query's token
+  // at decode; the whole prompt at prefill.
+  const int64_t index_end = prefill ? end : request.first_position;
+  auto keys_range = [&](int64_t begin, int64_t stop) {
+    TokenTensor t;
+    t.data = request.kv.k + begin * request.kv.row_stride;
+    t.n_tokens = stop - begin;
+    t.row_stride = request.kv.row_stride;
+    return t;
+  };
+  if (sparse_layer && (!prefill || options_.build_at_prefill)) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (index == nullptr) {
+      IndexShape ishape;
+      ishape.n_heads = shape.n_heads;
+      ishape.n_kv_heads = shape.n_kv_heads;
+      ishape.head_dim = hd;
+      ishape.layer = request.layer;
+      ishape.n_layers = options_.n_layers;
+      ishape.rope = options_.rope;
+      KVR_ASSIGN_OR_RETURN(index, registry_->Make(options_.method, ishape, options_.params));
+      BuildInput in;
+      in.keys = keys_range(0, index_end);
+      if (prefill) {
+        const int64_t nq = std::min(request.n_queries, options_.max_prefill_queries);
+        const int64_t row = static_cast<int64_t>(shape.n_heads) * hd;
+        in.queries.data = request.q + (request.n_queries - nq) * row;
+        in.queries.n_tokens = nq;
+        in.queries.row_stride = row;
+        in.queries_first_position = end - nq;
+      }
+      absl::Status built = index->Build(in);
+      if (!built.ok()) {
+        index.reset();
+        return absl::Status(built.code(), absl::StrCat("SparseAttention layer ", request.layer,
+                                                       ": ", built.message()));
+      }
+    } else if (index->size() < index_end) {
+      AppendInput in;
+      in.keys = keys_range(index->size(), index_end);
+      KVR_RETURN_IF_ERROR(index->Append(in));
+    }
+    stats_.build_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  if (prefill || !sparse_layer) return DenseAttention(shape, request);
+
+  // Decode: one query at position p over sinks [0, n_sink), the local window [local_begin, p]
+  // and the selected tokens in between.
+  const int64_t p = request.first_position;
+  const int64_t n_sink = std::min(options_.params.n_sink, p + 1);
+  const int64_t local_begin = std::max(n_sink, p + 1 - options_.params.local_window);
+  SelectRequest sel;
+  sel.query = request.q;
+  sel.query_position = p;
+  sel.budget = options_.params.budget;
+  sel.n_sink = n_sink;
+  sel.local_begin = local_begin;
+  const auto t0 = std::chrono::steady_clock::now();
+  KVR_RETURN_IF_ERROR(index->Select(sel, &selection_));
+  stats_.select_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (static_cast<int>(selection_.per_head.size()) != shape.n_kv_heads) {
+    return absl::InternalError(absl::StrCat("SparseAttention: method ", options_.method,
+                                            " returned ", selection_.per_head.size(),
+                                            " KV heads, expected ", shape.n_kv_heads));
+  }
+  rows_.clear();  // resident rows: sinks then the local window
+  for (int64_t t = 0; t < n_sink; ++t) rows_.push_back(t);
+  for (int64_t t = local_begin; t <= p; ++t) rows_.push_back(t);
+  const int group = shape.n_heads / shape.n_kv_heads;
+  scores_.resize(std::max<size_t>(rows_.size(), 1));
+  partial_out_.resize(hd);
+  ++stats_.decode_calls;
+  for (int kvh = 0; kvh < shape.n_kv_heads; ++kvh) {
+    const std::vector<int64_t>& picked = selection_.per_head[kvh];
+    for (int64_t id : picked) {
+      if (id < n_sink || id >= local_begin) {
+        return absl::InternalError(absl::StrCat("SparseAttention: method ", options_.method,
+                                                " selected token ", id,
+                                                " inside the sink/local range"));
+      }
+    }
+    stats_.selected_rows += static_cast<int64_t>(picked.size());
+    stats_.attended_rows += static_cast<int64_t>(picked.size() + rows_.size());
+    if (scores_.size() < picked.size()) scores_.resize(picked.size());
+    for (int g = 0; g < group; ++g) {
+      const int h = kvh * group + g;
+      PartialAttentionInput in;
+      in.q = request.q + static_cast<int64_t>(h) * hd;
+      in.keys = request.kv.k + static_cast<int64_t>(kvh) * hd;
+      in.values = request.kv.v + static_cast<int64_t>(kvh) * hd;
+      in.row_stride = request.kv.row_stride;
+      in.head_dim = hd;
+      in.scale = shape.scale;
+      in.rows = rows_;
+      float* out = request.out + static_cast<int64_t>(h) * hd;
+      float lse = AttendPartial(in, out, scores_);
+      if (!picked.empty()) {
+        in.rows = picked;
+        const float lse_b = AttendPartial(in, partial_out_.data(), scores_);
+        MergeAttentionPartial(out, &lse, partial_out_.data(), lse_b, hd);
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvr::retrieval

@@ -41,6 +41,8 @@ class KeyDiffTracker {
   void Add(const float* key);     // [head_dim]
   void Remove(const float* key);  // [head_dim] a key previously added (eviction)
   int64_t count() const { return count_; }
+  // Restores the count after a single Add of (mean * count) (deserialisation).
+  void SetCount(int64_t count) { count_ = count; }
   // cos(key, mean of the tracked keys); 0 when nothing is tracked.
   float Score(const float* key) const;
   std::vector<float> Mean() const;  // [head_dim]

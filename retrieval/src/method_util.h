@@ -1,0 +1,90 @@
+#pragma once
+// Private helpers shared by the core methods' implementations.
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kvr/retrieval/index.h"
+#include "kvr/retrieval/serialization.h"
+
+namespace kvr::retrieval::internal {
+
+// Checks that `t` is a usable [n_tokens, n_heads, head_dim] view.
+inline absl::Status ValidateTensor(const TokenTensor& t, int n_heads, int head_dim,
+                                   const char* what) {
+  if (t.n_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": negative n_tokens ", t.n_tokens));
+  }
+  if (t.n_tokens > 0 && t.data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": null data for ", t.n_tokens, " tokens"));
+  }
+  if (t.n_tokens > 0 && t.row_stride < static_cast<int64_t>(n_heads) * head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": row_stride ", t.row_stride,
+                                                   " is smaller than n_heads * head_dim = ",
+                                                   static_cast<int64_t>(n_heads) * head_dim));
+  }
+  return absl::OkStatus();
+}
+
+inline absl::Status ValidateSelect(const SelectRequest& r, const IndexShape& shape,
+                                   const Selection* out) {
+  if (out == nullptr) return absl::InvalidArgumentError("Select: null output");
+  if (r.query == nullptr) return absl::InvalidArgumentError("Select: null query");
+  if (r.budget <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Select: budget must be > 0 tokens per KV head, got ", r.budget));
+  }
+  if (r.n_sink < 0 || r.local_begin < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Select: n_sink and local_begin must be >= 0, got ", r.n_sink, ", ", r.local_begin));
+  }
+  return absl::OkStatus();
+}
+
+// Candidate positions [begin, end) of a request against an index of `size` tokens.
+struct CandidateRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t count() const { return std::max<int64_t>(0, end - begin); }
+  bool Contains(int64_t t) const { return t >= begin && t < end; }
+};
+
+inline CandidateRange Candidates(const SelectRequest& r, int64_t size) {
+  return {std::min(r.n_sink, size), std::min(r.local_begin, size)};
+}
+
+inline void ResetSelection(Selection* out, int n_kv_heads) {
+  out->per_head.resize(n_kv_heads);
+  for (auto& v : out->per_head) v.clear();
+}
+
+// Combines per-head scores of one GQA group into one score per candidate.
+// scores: [group, n] scaled logits (modified in place for kSumSoftmax); returns [n].
+std::vector<float> AggregateGroupScores(GqaAggregation how, std::span<float> scores, int group,
+                                        int64_t n);
+
+// Logits of every query head of kv head `kvh` against `n` vectors:
+// out[g * n + i] = scale * q_{kvh*group+g} . vec(i), vec(i) = base + i * stride.
+void GroupLogits(const float* query, const IndexShape& shape, int kvh, const float* base,
+                 int64_t stride, int64_t n, float scale, std::vector<float>* out);
+
+// Bounds used when reading payloads: at most this many tokens / vectors per head.
+inline constexpr uint64_t kMaxTokens = uint64_t{1} << 34;
+
+// Copies keys of all heads into packed storage [n, n_kv_heads, head_dim].
+inline void AppendPacked(const TokenTensor& t, int n_heads, int head_dim, std::vector<float>* dst) {
+  const int64_t row = static_cast<int64_t>(n_heads) * head_dim;
+  const size_t old = dst->size();
+  dst->resize(old + t.n_tokens * row);
+  for (int64_t i = 0; i < t.n_tokens; ++i) {
+    std::copy_n(t.data + i * t.row_stride, row, dst->data() + old + i * row);
+  }
+}
+
+}  // namespace kvr::retrieval::internal
