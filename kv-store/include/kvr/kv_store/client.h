@@ -1,0 +1,146 @@
+#pragma once
+// The KV store client used by prefill and decode nodes.
+//
+// KvStoreClient is the seam (CONVENTIONS.md 4): UcxKvStoreClient talks to a kvr-store over
+// gRPC (control) and UCX (data); FakeKvStoreClient runs the same store core in-process with
+// the same semantics and errors, for unit tests of the nodes.
+//
+// Deadlines: every call runs under ClientOptions::timeout from the moment it starts; control
+// RPCs carry it as the gRPC deadline, data-plane messages carry it in their wire header (the
+// store refuses work past it) and the transport fails the call locally when it passes.
+//
+// Thread safety: all methods of both implementations may be called concurrently.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvr/kv_store/store.h"
+#include "kvr/kv_store/types.h"
+
+namespace kvr::kv_store {
+
+class KvStoreClient {
+ public:
+  virtual ~KvStoreClient() = default;
+
+  // Registers a sequence; see PagedKvStore::CreateSequence.
+  [[nodiscard]] virtual absl::StatusOr<CreateResult> CreateSequence(
+      SequenceId id, const SequenceShape& shape, uint64_t expected_tokens,
+      absl::Duration lease) = 0;
+  // Writes rows for all heads of one layer (prefill's layer-wise put; rows.start_row =
+  // LayerRows::kAtEnd appends, as decode does) and returns the layer's committed rows.
+  [[nodiscard]] virtual absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) = 0;
+  // PutLayer at the layer's current end.
+  [[nodiscard]] absl::StatusOr<uint64_t> Append(LayerRows rows) {
+    rows.start_row = LayerRows::kAtEnd;
+    return PutLayer(rows);
+  }
+  // Rows by index for many (sequence, layer, head) in ONE request, into `out` in request
+  // order: out = concat over entries of [n_indices, 2 * head_dim]. `out` must be exactly the
+  // size of those rows (GatherBytes, from the shapes the caller created).
+  [[nodiscard]] virtual absl::Status Gather(std::span<const GatherEntry> entries,
+                                            std::span<uint8_t> out) = 0;
+  // Contiguous rows; out = concat over ranges of [n_rows, 2 * head_dim].
+  [[nodiscard]] virtual absl::Status RangeRead(std::span<const RangeEntry> ranges,
+                                               std::span<uint8_t> out) = 0;
+  [[nodiscard]] virtual absl::Status Release(SequenceId id, absl::Duration keep) = 0;
+  [[nodiscard]] virtual absl::Status Lease(SequenceId id, absl::Duration lease) = 0;
+  [[nodiscard]] virtual absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) = 0;
+  [[nodiscard]] virtual absl::StatusOr<StoreStats> Stats() = 0;
+};
+
+// Bytes of the reply to a gather of `entries` given each entry's row size.
+[[nodiscard]] inline uint64_t GatherBytes(std::span<const GatherEntry> entries,
+                                          size_t row_bytes) {
+  uint64_t n = 0;
+  for (const GatherEntry& e : entries) n += e.indices.size();
+  return n * row_bytes;
+}
+
+// In-process fake over a real PagedKvStore (so semantics cannot drift). Can be told to fail
+// every call with a given status, to test callers' error paths.
+class FakeKvStoreClient final : public KvStoreClient {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<FakeKvStoreClient>> Create(
+      StoreOptions options);
+
+  absl::StatusOr<CreateResult> CreateSequence(SequenceId id, const SequenceShape& shape,
+                                              uint64_t expected_tokens,
+                                              absl::Duration lease) override;
+  absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) override;
+  absl::Status Gather(std::span<const GatherEntry> entries, std::span<uint8_t> out) override;
+  absl::Status RangeRead(std::span<const RangeEntry> ranges, std::span<uint8_t> out) override;
+  absl::Status Release(SequenceId id, absl::Duration keep) override;
+  absl::Status Lease(SequenceId id, absl::Duration lease) override;
+  absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) override;
+  absl::StatusOr<StoreStats> Stats() override;
+
+  // Every later call fails with `status` (OK restores normal service).
+  void InjectFailure(absl::Status status);
+  PagedKvStore& store() { return *store_; }
+
+ private:
+  explicit FakeKvStoreClient(std::unique_ptr<PagedKvStore> store) : store_(std::move(store)) {}
+  absl::Status Injected() const;
+
+  std::unique_ptr<PagedKvStore> store_;
+  mutable absl::Mutex mu_;
+  absl::Status injected_ ABSL_GUARDED_BY(mu_);
+};
+
+struct UcxClientOptions {
+  // Budget of every call (gRPC deadline / data-plane deadline).
+  absl::Duration timeout = absl::Seconds(10);
+  // Names this client in the store's errors and logs.
+  std::string name = "kvr-store-client";
+  // UCX configuration overrides for this client's context (see transport::ContextOptions);
+  // empty: UCX_* environment.
+  std::vector<std::pair<std::string, std::string>> ucx_config;
+  // Range reads by RMA get when the endpoint has native RMA (shared memory, RDMA); otherwise,
+  // and always when false, by an active-message request answered with the rows.
+  bool rma_range_reads = true;
+};
+
+// Real client: gRPC control channel + one UCX worker/endpoint to the store's data plane.
+class UcxKvStoreClient final : public KvStoreClient {
+ public:
+  // `target` is the store's gRPC address ("host:port"). Fetches the store's worker address
+  // and pool rkey over gRPC and connects the UCX endpoint.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> Connect(
+      const std::string& target, UcxClientOptions options = {});
+  ~UcxKvStoreClient() override;
+
+  absl::StatusOr<CreateResult> CreateSequence(SequenceId id, const SequenceShape& shape,
+                                              uint64_t expected_tokens,
+                                              absl::Duration lease) override;
+  absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) override;
+  absl::Status Gather(std::span<const GatherEntry> entries, std::span<uint8_t> out) override;
+  absl::Status RangeRead(std::span<const RangeEntry> ranges, std::span<uint8_t> out) override;
+  absl::Status Release(SequenceId id, absl::Duration keep) override;
+  absl::Status Lease(SequenceId id, absl::Duration lease) override;
+  absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) override;
+  absl::StatusOr<StoreStats> Stats() override;
+
+  // Sends a raw data-plane message (for tests of the store's handling of malformed input):
+  // returns the reply header or the store's error.
+  [[nodiscard]] absl::StatusOr<std::string> RawCall(uint16_t am_id, std::span<const uint8_t> header,
+                                                    std::span<const uint8_t> payload);
+  // "rma" when range reads use RMA get on this connection, "am" otherwise.
+  [[nodiscard]] std::string range_read_path() const;
+
+ private:
+  struct Impl;
+  explicit UcxKvStoreClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvr::kv_store

@@ -1,0 +1,46 @@
+#pragma once
+// Configuration of the kvr-store binary: flags, a --config YAML file and KVR_STORE_*
+// environment variables, with precedence flag > file > env > default (CONVENTIONS.md 11).
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvr/kv_store/server.h"
+
+namespace kvr::kv_store {
+
+struct StoreConfig {
+  std::string listen = "0.0.0.0:50070";
+  uint64_t capacity_bytes = 1ull << 30;
+  uint64_t page_bytes = 64 << 10;
+  bool evict_expired = false;
+  bool huge_pages = true;
+  uint64_t data_plane_threads = 2;
+  uint64_t sweep_interval_ms = 1000;
+  std::string name = "kvr-store";
+
+  // Where each value came from ("flag", "file", "env" or "default"), in field order.
+  std::vector<std::pair<std::string, std::string>> sources;
+
+  [[nodiscard]] StoreServerOptions ToServerOptions() const;
+  // One "key: value  # source" line per field, for the start-up log.
+  [[nodiscard]] std::string Describe() const;
+};
+
+// Reads environment variables; injected so tests need not touch the process environment.
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+[[nodiscard]] EnvLookup ProcessEnv();
+
+// Parses "1073741824", "64KiB", "512MiB", "4GiB", "1G" (powers of 1024) into bytes.
+[[nodiscard]] absl::StatusOr<uint64_t> ParseByteSize(const std::string& text);
+
+// Parses argv (CLI11). --help prints usage and returns a CANCELLED status whose message is the
+// help text, so that main can print it and exit 0.
+[[nodiscard]] absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
+                                                           const EnvLookup& env);
+
+}  // namespace kvr::kv_store

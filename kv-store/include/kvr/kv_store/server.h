@@ -1,0 +1,58 @@
+#pragma once
+// StoreServer: a running KV store: the PagedKvStore core, its pool registered with UCX, the
+// UCX data-plane handlers (wire.h messages) and the gRPC control service
+// (kvr.store.v1.KvStore + grpc.health.v1.Health + server reflection). The kvr-store binary is
+// this plus configuration; tests start it in-process too.
+//
+// Threads: the transport's progress thread only parses and enqueues data-plane requests;
+// `data_plane_threads` workers run them against the store (copies of large gathers must not
+// stall UCX progress); gRPC runs its own pool; one sweeper thread evicts expired leases.
+//
+// Lifetime: Shutdown() (or destruction) stops gRPC first (no new control work), then the UCX
+// worker (pending data-plane requests fail on the client side as CANCELLED/UNAVAILABLE), then
+// the work queue and the sweeper, and last the store and its pool.
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvr/kv_store/store.h"
+
+namespace kvr::kv_store {
+
+struct StoreServerOptions {
+  StoreOptions store;
+  // gRPC listen address; port 0 picks a free port (see StoreServer::port()).
+  std::string listen = "127.0.0.1:0";
+  size_t data_plane_threads = 2;
+  // UCX configuration overrides (transport::ContextOptions::ucx_config); empty: UCX_* env.
+  std::vector<std::pair<std::string, std::string>> ucx_config;
+  // How often expired leases are swept when StoreOptions::evict_expired is set.
+  absl::Duration sweep_interval = absl::Seconds(1);
+  std::string name = "kvr-store";
+};
+
+class StoreServer {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<StoreServer>> Start(
+      StoreServerOptions options);
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+
+  // The bound gRPC port.
+  int port() const;
+  PagedKvStore& store();
+  // Idempotent; safe from any thread except gRPC/UCX callbacks.
+  void Shutdown();
+
+ private:
+  struct Impl;
+  explicit StoreServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvr::kv_store

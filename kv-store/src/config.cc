@@ -1,0 +1,212 @@
+#include "kvr/kv_store/config.h"
+
+#include <cstdlib>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "yaml-cpp/yaml.h"
+
+namespace kvr::kv_store {
+
+EnvLookup ProcessEnv() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* value = std::getenv(name.c_str());
+    if (value == nullptr) return std::nullopt;
+    return std::string(value);
+  };
+}
+
+absl::StatusOr<uint64_t> ParseByteSize(const std::string& text) {
+  std::string s(absl::StripAsciiWhitespace(text));
+  size_t digits = 0;
+  while (digits < s.size() && absl::ascii_isdigit(static_cast<unsigned char>(s[digits]))) {
+    ++digits;
+  }
+  uint64_t value = 0;
+  if (digits == 0 || !absl::SimpleAtoi(s.substr(0, digits), &value)) {
+    return absl::InvalidArgumentError(absl::StrFormat("'%s' is not a byte size", text));
+  }
+  std::string unit = absl::AsciiStrToLower(absl::StripAsciiWhitespace(s.substr(digits)));
+  int shift = 0;
+  if (unit.empty() || unit == "b") {
+    shift = 0;
+  } else if (unit == "k" || unit == "kib" || unit == "kb") {
+    shift = 10;
+  } else if (unit == "m" || unit == "mib" || unit == "mb") {
+    shift = 20;
+  } else if (unit == "g" || unit == "gib" || unit == "gb") {
+    shift = 30;
+  } else if (unit == "t" || unit == "tib" || unit == "tb") {
+    shift = 40;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("'%s': unknown size unit '%s' (use KiB, MiB, GiB, TiB)", text, unit));
+  }
+  if (shift > 0 && value > (~uint64_t{0} >> shift)) {
+    return absl::InvalidArgumentError(absl::StrFormat("'%s' overflows 64 bits", text));
+  }
+  return value << shift;
+}
+
+namespace {
+
+absl::StatusOr<bool> ParseBool(const std::string& key, const std::string& text) {
+  std::string v = absl::AsciiStrToLower(text);
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  return absl::InvalidArgumentError(absl::StrFormat("%s: '%s' is not a boolean", key, text));
+}
+
+absl::StatusOr<uint64_t> ParseUint(const std::string& key, const std::string& text) {
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(text, &v)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: '%s' is not a non-negative integer", key, text));
+  }
+  return v;
+}
+
+}  // namespace
+
+absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
+                                             const EnvLookup& env) {
+  // Every field is read as text from the first source that has it and parsed once, so all
+  // sources accept the same syntax (e.g. "4GiB").
+  CLI::App app{"kvr-store: CPU-memory KV cache store (gRPC control, UCX data plane)"};
+  std::string config_path;
+  app.add_option("--config", config_path, "YAML file with any of the options below");
+  struct Field {
+    std::string key;
+    std::string help;
+    std::string flag_value;
+    CLI::Option* option = nullptr;
+  };
+  std::vector<Field> fields = {
+      {"listen", "gRPC listen address host:port (port 0: any free port)"},
+      {"capacity_bytes", "page pool size, e.g. 4GiB"},
+      {"page_bytes",
+       "bytes per page; a page holds page_bytes / (2*head_dim*dtype size) rows of one "
+       "(sequence, layer, kv head): 64KiB = 256 tokens at head_dim 64 f16"},
+      {"evict_expired", "evict sequences whose lease expired when space runs short (bool)"},
+      {"huge_pages", "try huge pages for the pool (bool)"},
+      {"data_plane_threads", "threads serving UCX data-plane requests"},
+      {"sweep_interval_ms", "how often expired leases are swept (with evict_expired)"},
+      {"name", "name in logs and peers' error messages"},
+  };
+  for (Field& f : fields) {
+    std::string flag = "--" + f.key;
+    for (char& c : flag) c = c == '_' ? '-' : c;
+    f.option = app.add_option(flag, f.flag_value, f.help);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    return absl::CancelledError(app.help());
+  } catch (const CLI::ParseError& e) {
+    return absl::InvalidArgumentError(absl::StrCat("kvr-store: ", e.what()));
+  }
+
+  YAML::Node file;
+  if (!config_path.empty()) {
+    try {
+      file = YAML::LoadFile(config_path);
+    } catch (const YAML::Exception& e) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--config %s: %s", config_path, e.what()));
+    }
+    if (!file.IsMap() && !file.IsNull()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--config %s: expected a mapping of option: value", config_path));
+    }
+    for (const auto& item : file) {
+      const std::string key = item.first.as<std::string>();
+      bool known = false;
+      for (const Field& f : fields) known = known || f.key == key;
+      if (!known) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("--config %s: unknown option '%s'", config_path, key));
+      }
+    }
+  }
+
+  StoreConfig config;
+  for (const Field& f : fields) {
+    std::optional<std::string> text;
+    std::string source = "default";
+    if (f.option->count() > 0) {
+      text = f.flag_value;
+      source = "flag";
+    } else if (file.IsMap() && file[f.key]) {
+      text = file[f.key].as<std::string>();
+      source = "file";
+    } else if (std::string var = "KVR_STORE_" + absl::AsciiStrToUpper(f.key);
+               (text = env(var)).has_value()) {
+      source = "env";
+    }
+    config.sources.emplace_back(f.key, source);
+    if (!text) continue;
+    const std::string& k = f.key;
+    auto fail = [&](const absl::Status& st) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s (from %s)", st.message(), source));
+    };
+    if (k == "listen") {
+      config.listen = *text;
+    } else if (k == "name") {
+      config.name = *text;
+    } else if (k == "capacity_bytes" || k == "page_bytes") {
+      absl::StatusOr<uint64_t> v = ParseByteSize(*text);
+      if (!v.ok()) return fail(absl::InvalidArgumentError(absl::StrCat(k, ": ", v.status().message())));
+      (k == "capacity_bytes" ? config.capacity_bytes : config.page_bytes) = *v;
+    } else if (k == "evict_expired" || k == "huge_pages") {
+      absl::StatusOr<bool> v = ParseBool(k, *text);
+      if (!v.ok()) return fail(v.status());
+      (k == "evict_expired" ? config.evict_expired : config.huge_pages) = *v;
+    } else {
+      absl::StatusOr<uint64_t> v = ParseUint(k, *text);
+      if (!v.ok()) return fail(v.status());
+      (k == "data_plane_threads" ? config.data_plane_threads : config.sweep_interval_ms) = *v;
+    }
+  }
+  if (config.data_plane_threads == 0) {
+    return absl::InvalidArgumentError("data_plane_threads must be at least 1");
+  }
+  return config;
+}
+
+StoreServerOptions StoreConfig::ToServerOptions() const {
+  StoreServerOptions options;
+  options.listen = listen;
+  options.name = name;
+  options.store.pool = {.capacity_bytes = capacity_bytes, .page_bytes = page_bytes,
+                        .try_huge_pages = huge_pages};
+  options.store.evict_expired = evict_expired;
+  options.data_plane_threads = data_plane_threads;
+  options.sweep_interval = absl::Milliseconds(static_cast<int64_t>(sweep_interval_ms));
+  return options;
+}
+
+std::string StoreConfig::Describe() const {
+  auto source = [this](const std::string& key) {
+    for (const auto& [k, s] : sources) {
+      if (k == key) return s;
+    }
+    return std::string("default");
+  };
+  std::string out;
+  auto line = [&](const std::string& key, const std::string& value) {
+    absl::StrAppendFormat(&out, "  %s: %s  # %s\n", key, value, source(key));
+  };
+  line("listen", listen);
+  line("capacity_bytes", absl::StrCat(capacity_bytes));
+  line("page_bytes", absl::StrCat(page_bytes));
+  line("evict_expired", evict_expired ? "true" : "false");
+  line("huge_pages", huge_pages ? "true" : "false");
+  line("data_plane_threads", absl::StrCat(data_plane_threads));
+  line("sweep_interval_ms", absl::StrCat(sweep_interval_ms));
+  line("name", name);
+  return out;
+}
+
+}  // namespace kvr::kv_store

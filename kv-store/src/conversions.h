@@ -1,0 +1,69 @@
+#pragma once
+// Conversions between kvr.store.v1 protos, grpc::Status and the store's domain types; shared
+// by the gRPC service and the UCX client. Private to kv-store.
+
+#include <chrono>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "kvr/kv_store/types.h"
+#include "kvr/store/v1/store.pb.h"
+
+namespace kvr::kv_store {
+
+// absl and gRPC share the canonical code numbering.
+inline grpc::Status ToGrpc(const absl::Status& st) {
+  if (st.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+}
+inline absl::Status FromGrpc(const grpc::Status& st, const std::string& what) {
+  if (st.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(st.error_code()),
+                      absl::StrCat(what, ": ", st.error_message()));
+}
+
+inline std::chrono::system_clock::time_point ToChrono(absl::Time t) {
+  return absl::ToChronoTime(t);
+}
+
+[[nodiscard]] inline absl::StatusOr<SequenceShape> FromProto(const store::v1::SequenceShape& p) {
+  auto dtype = DTypeFromInt(static_cast<uint32_t>(p.dtype()));
+  if (!dtype.ok()) return dtype.status();
+  SequenceShape shape{.n_layers = p.n_layers(), .n_kv_heads = p.n_kv_heads(),
+                      .head_dim = p.head_dim(), .dtype = *dtype};
+  if (absl::Status st = shape.Validate(); !st.ok()) return st;
+  return shape;
+}
+
+inline void ToProto(const SequenceShape& shape, store::v1::SequenceShape* p) {
+  p->set_n_layers(shape.n_layers);
+  p->set_n_kv_heads(shape.n_kv_heads);
+  p->set_head_dim(shape.head_dim);
+  p->set_dtype(static_cast<store::v1::DType>(shape.dtype));
+}
+
+inline void ToProto(const StoreStats& s, store::v1::StatsResponse* p) {
+  p->set_capacity_bytes(s.capacity_bytes);
+  p->set_used_bytes(s.used_bytes);
+  p->set_page_bytes(s.page_bytes);
+  p->set_total_pages(s.total_pages);
+  p->set_free_pages(s.free_pages);
+  p->set_sequences(s.sequences);
+  p->set_evictions(s.evictions);
+  p->set_expired_sequences(s.expired_sequences);
+  p->set_page_backing(s.page_backing);
+  p->set_bytes_written(s.bytes_written);
+  p->set_bytes_read(s.bytes_read);
+}
+
+inline StoreStats FromProto(const store::v1::StatsResponse& p) {
+  return {.capacity_bytes = p.capacity_bytes(), .used_bytes = p.used_bytes(),
+          .page_bytes = p.page_bytes(), .total_pages = p.total_pages(),
+          .free_pages = p.free_pages(), .sequences = p.sequences(), .evictions = p.evictions(),
+          .expired_sequences = p.expired_sequences(), .page_backing = p.page_backing(),
+          .bytes_written = p.bytes_written(), .bytes_read = p.bytes_read()};
+}
+
+}  // namespace kvr::kv_store

@@ -1,0 +1,105 @@
+#include "grpc_service.h"
+
+#include <chrono>
+
+#include "conversions.h"
+#include "kvr/kv_store/wire.h"
+
+namespace kvr::kv_store {
+namespace {
+
+// Work that arrives with its deadline already past (or cancelled) is refused, not done.
+grpc::Status CheckLive(grpc::ServerContext* ctx) {
+  if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "call cancelled");
+  if (ctx->deadline() < std::chrono::system_clock::now()) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        "request arrived after its deadline");
+  }
+  return grpc::Status::OK;
+}
+
+absl::Duration Millis(uint64_t ms) { return absl::Milliseconds(static_cast<int64_t>(ms)); }
+
+}  // namespace
+
+grpc::Status KvStoreGrpcService::CreateSequence(grpc::ServerContext* ctx,
+                                                const store::v1::CreateSequenceRequest* req,
+                                                store::v1::CreateSequenceResponse* resp) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  absl::StatusOr<SequenceShape> shape = FromProto(req->shape());
+  if (!shape.ok()) return ToGrpc(shape.status());
+  absl::StatusOr<CreateResult> result = store_.CreateSequence(
+      req->sequence_id(), *shape, req->expected_tokens(), Millis(req->lease_ms()));
+  if (!result.ok()) return ToGrpc(result.status());
+  resp->set_tokens_per_page(result->tokens_per_page);
+  resp->set_reserved_bytes(result->reserved_bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreGrpcService::Append(grpc::ServerContext* ctx,
+                                        const store::v1::AppendRequest* req,
+                                        store::v1::AppendResponse* resp) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  LayerRows rows{
+      .sequence = req->sequence_id(),
+      .layer = req->layer(),
+      .start_row = req->at_end() ? LayerRows::kAtEnd : req->start_row(),
+      .n_rows = req->n_rows(),
+      .k = {reinterpret_cast<const uint8_t*>(req->k().data()), req->k().size()},
+      .v = {reinterpret_cast<const uint8_t*>(req->v().data()), req->v().size()}};
+  absl::StatusOr<uint64_t> committed = store_.Write(rows);
+  if (!committed.ok()) return ToGrpc(committed.status());
+  resp->set_committed_rows(*committed);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreGrpcService::Release(grpc::ServerContext* ctx,
+                                         const store::v1::ReleaseRequest* req,
+                                         store::v1::ReleaseResponse*) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  return ToGrpc(store_.Release(req->sequence_id(), Millis(req->keep_ms())));
+}
+
+grpc::Status KvStoreGrpcService::Lease(grpc::ServerContext* ctx,
+                                       const store::v1::LeaseRequest* req,
+                                       store::v1::LeaseResponse*) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  return ToGrpc(store_.Lease(req->sequence_id(), Millis(req->lease_ms())));
+}
+
+grpc::Status KvStoreGrpcService::GetSequence(grpc::ServerContext* ctx,
+                                             const store::v1::GetSequenceRequest* req,
+                                             store::v1::GetSequenceResponse* resp) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  absl::StatusOr<SequenceInfo> info = store_.GetSequence(req->sequence_id());
+  if (!info.ok()) return ToGrpc(info.status());
+  ToProto(info->shape, resp->mutable_shape());
+  for (uint64_t rows : info->committed_rows) resp->add_committed_rows(rows);
+  resp->set_tokens_per_page(info->tokens_per_page);
+  resp->set_pages(info->pages);
+  resp->set_lease_expiry_unix_ms(info->lease_expiry_unix_ms);
+  resp->set_released_kept(info->released_kept);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreGrpcService::Stats(grpc::ServerContext* ctx, const store::v1::StatsRequest*,
+                                       store::v1::StatsResponse* resp) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  ToProto(store_.Stats(), resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreGrpcService::GetDataPlaneInfo(grpc::ServerContext* ctx,
+                                                  const store::v1::GetDataPlaneInfoRequest*,
+                                                  store::v1::GetDataPlaneInfoResponse* resp) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  resp->set_worker_address(info_.worker_address);
+  resp->set_pool_base(info_.pool_base);
+  resp->set_pool_bytes(info_.pool_bytes);
+  resp->set_pool_rkey(info_.pool_rkey);
+  resp->set_page_bytes(store_.pool().page_bytes());
+  resp->set_wire_version(wire::kVersion);
+  return grpc::Status::OK;
+}
+
+}  // namespace kvr::kv_store

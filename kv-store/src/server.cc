@@ -1,0 +1,109 @@
+#include "kvr/kv_store/server.h"
+
+#include <optional>
+#include <thread>
+
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "data_plane.h"
+#include "grpc_service.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kvr/common/status.h"
+#include "kvr/transport/ucx.h"
+#include "work_queue.h"
+
+namespace kvr::kv_store {
+
+struct StoreServer::Impl {
+  // Declaration order is construction order; members are torn down explicitly in Shutdown().
+  std::unique_ptr<PagedKvStore> store;
+  std::optional<transport::Context> context;
+  std::optional<transport::MemoryRegion> pool_region;
+  std::optional<transport::Worker> worker;
+  std::unique_ptr<WorkQueue> queue;
+  std::unique_ptr<KvStoreGrpcService> service;
+  std::unique_ptr<grpc::Server> grpc_server;
+  int port = 0;
+  absl::Notification stop_sweeper;
+  std::thread sweeper;
+  absl::Mutex shutdown_mu;
+  bool shut_down ABSL_GUARDED_BY(shutdown_mu) = false;
+
+  void Shutdown() {
+    absl::MutexLock lock(&shutdown_mu);
+    if (shut_down) return;
+    shut_down = true;
+    if (grpc_server) grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    if (worker) worker->Shutdown();
+    if (queue) queue->Stop();
+    if (!stop_sweeper.HasBeenNotified()) stop_sweeper.Notify();
+    if (sweeper.joinable()) sweeper.join();
+  }
+};
+
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptions options) {
+  auto impl = std::make_unique<Impl>();
+  KVR_ASSIGN_OR_RETURN(impl->store, PagedKvStore::Create(options.store));
+  const PagePool& pool = impl->store->pool();
+
+  transport::ContextOptions ctx_options;
+  ctx_options.ucx_config = options.ucx_config;
+  KVR_ASSIGN_OR_RETURN(transport::Context context, transport::Context::Create(ctx_options));
+  impl->context.emplace(std::move(context));
+  // The pool is registered once, so remote readers can RMA any page with one rkey.
+  KVR_ASSIGN_OR_RETURN(transport::MemoryRegion region,
+                       impl->context->Register({pool.base(), pool.capacity_bytes()}));
+  impl->pool_region.emplace(std::move(region));
+  KVR_ASSIGN_OR_RETURN(std::string rkey, impl->pool_region->PackRkey());
+  transport::WorkerOptions worker_options;
+  worker_options.name = options.name;
+  KVR_ASSIGN_OR_RETURN(transport::Worker worker,
+                       transport::Worker::Create(*impl->context, worker_options));
+  impl->worker.emplace(std::move(worker));
+  impl->queue = std::make_unique<WorkQueue>(options.data_plane_threads);
+  KVR_RETURN_IF_ERROR(RegisterDataPlaneHandlers(*impl->worker, *impl->store, *impl->queue));
+
+  DataPlaneInfo info{.worker_address = impl->worker->address(),
+                     .pool_base = impl->pool_region->address(),
+                     .pool_bytes = impl->pool_region->size(),
+                     .pool_rkey = std::move(rkey)};
+  impl->service = std::make_unique<KvStoreGrpcService>(*impl->store, std::move(info));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
+  builder.RegisterService(impl->service.get());
+  // Appends of a few tokens are small; this bounds what a misbehaving client can make the
+  // store buffer (bulk data goes over UCX).
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  impl->grpc_server = builder.BuildAndStart();
+  if (impl->grpc_server == nullptr || impl->port == 0) {
+    impl->Shutdown();
+    return absl::UnavailableError(
+        absl::StrFormat("kvr-store: cannot listen for gRPC on '%s'", options.listen));
+  }
+
+  if (options.store.evict_expired) {
+    impl->sweeper = std::thread([raw = impl.get(), interval = options.sweep_interval] {
+      while (!raw->stop_sweeper.WaitForNotificationWithTimeout(interval)) {
+        raw->store->SweepExpired();
+      }
+    });
+  }
+  return std::unique_ptr<StoreServer>(new StoreServer(std::move(impl)));
+}
+
+StoreServer::StoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+StoreServer::~StoreServer() { Shutdown(); }
+
+int StoreServer::port() const { return impl_->port; }
+
+PagedKvStore& StoreServer::store() { return *impl_->store; }
+
+void StoreServer::Shutdown() { impl_->Shutdown(); }
+
+}  // namespace kvr::kv_store
