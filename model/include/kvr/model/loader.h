@@ -1,0 +1,51 @@
+#pragma once
+// Opens a model by path or name for `kvr generate` and the nodes: GGUF file, Hugging Face
+// directory, or a dummy shape; returns the config, the weights and (for real models) the
+// tokenizer.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvr/model/model.h"
+#include "kvr/model/tokenizer.h"
+
+namespace kvr {
+class ThreadPool;
+}  // namespace kvr
+
+namespace kvr::model {
+
+class GgufFile;
+
+enum class LoadFormat { kAuto, kGguf, kHf, kDummy };
+
+// "auto", "gguf", "hf", "dummy"; InvalidArgument otherwise.
+[[nodiscard]] absl::StatusOr<LoadFormat> ParseLoadFormat(absl::string_view name);
+
+struct LoadOptions {
+  LoadFormat format = LoadFormat::kAuto;
+  uint64_t dummy_seed = 0;
+  int dummy_layers = 0;  // > 0 overrides a dummy shape's layer count
+};
+
+struct LoadedModel {
+  std::unique_ptr<Model> model;
+  std::optional<Tokenizer> tokenizer;  // absent for dummy weights
+  std::string source;                  // the resolved path, or "dummy:<shape>"
+};
+
+// `model` is a path (a .gguf file, or a directory with config.json + safetensors), a known name
+// ("smollm2-135m-instruct" -> kvr::TestModelPath()), or with kDummy a shape from dummy.h.
+// kAuto picks gguf/hf from the path. Weights larger than the machine's memory give
+// ResourceExhausted (saying how many layers would fit) rather than an out-of-memory kill.
+[[nodiscard]] absl::StatusOr<LoadedModel> LoadModel(const std::string& model,
+                                                    const LoadOptions& options, ThreadPool* pool);
+
+// The tokenizer description stored in a GGUF file's `tokenizer.*` keys.
+[[nodiscard]] absl::StatusOr<TokenizerSpec> TokenizerSpecFromGguf(const GgufFile& file);
+
+}  // namespace kvr::model

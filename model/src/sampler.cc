@@ -1,0 +1,77 @@
+#include "kvr/model/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvr::model {
+
+int32_t ArgMax(std::span<const float> logits) {
+  int32_t best = -1;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (!std::isfinite(logits[i])) continue;
+    if (best < 0 || logits[i] > logits[best]) best = static_cast<int32_t>(i);
+  }
+  return best;
+}
+
+absl::StatusOr<Sampler> Sampler::Create(const SamplingOptions& options) {
+  if (!std::isfinite(options.temperature)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature must be finite, got ", options.temperature));
+  }
+  if (!(options.top_p > 0.f && options.top_p <= 1.f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_p must be in (0, 1], got ", options.top_p));
+  }
+  return Sampler(options);
+}
+
+absl::StatusOr<int32_t> Sampler::Sample(std::span<const float> logits) {
+  if (logits.empty()) return absl::InvalidArgumentError("Sample: empty logits");
+  const int32_t best = ArgMax(logits);
+  if (best < 0) return absl::InvalidArgumentError("Sample: no finite logit");
+  if (options_.temperature <= 0.f) return best;
+
+  // Softmax at temperature T, from the largest logit down.
+  const float max_logit = logits[best];
+  const float inv_t = 1.f / options_.temperature;
+  scratch_.clear();
+  double total = 0.0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (!std::isfinite(logits[i])) continue;
+    const float p = std::exp((logits[i] - max_logit) * inv_t);
+    if (p == 0.f) continue;
+    scratch_.emplace_back(p, static_cast<int32_t>(i));
+    total += p;
+  }
+  // Probability descending, id ascending among equals: a total order, so the result depends
+  // only on the logits and the random stream.
+  std::sort(scratch_.begin(), scratch_.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  size_t keep = scratch_.size();
+  double kept_mass = total;
+  if (options_.top_p < 1.f) {
+    double cumulative = 0.0;
+    for (size_t i = 0; i < scratch_.size(); ++i) {
+      cumulative += scratch_[i].first;
+      if (cumulative >= options_.top_p * total) {
+        keep = i + 1;
+        kept_mass = cumulative;
+        break;
+      }
+    }
+  }
+  std::uniform_real_distribution<double> uniform(0.0, kept_mass);
+  const double target = uniform(rng_);
+  double cumulative = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    cumulative += scratch_[i].first;
+    if (target < cumulative) return scratch_[i].second;
+  }
+  return scratch_[keep - 1].second;  // rounding at the top end
+}
+
+}  // namespace kvr::model

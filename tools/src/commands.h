@@ -1,0 +1,13 @@
+#pragma once
+// Registration of the `kvr` subcommands. Each Add*Command adds one subcommand (with its
+// options and its callback) to the top-level app; main.cc calls each once.
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace kvr::tools {
+
+void AddGenerateCommand(CLI::App& app);  // kvr generate
+
+}  // namespace kvr::tools

@@ -1,0 +1,13 @@
+// kvr: the command-line entry point. Subcommands register themselves through commands.h.
+
+#include <CLI/CLI.hpp>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvr: long-context LLM serving with KV retrieval"};
+  app.require_subcommand(1);
+  kvr::tools::AddGenerateCommand(app);
+  CLI11_PARSE(app, argc, argv);
+  return 0;
+}
