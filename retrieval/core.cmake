@@ -25,3 +25,11 @@ kvr_warnings(kvr_retrieval_core)
 kvr_add_test(retrieval_core_test
   SOURCES tests/core_test.cc
   LIBS kvr::retrieval_core)
+
+kvr_add_test(retrieval_methods_test
+  SOURCES tests/methods_test.cc
+  LIBS kvr::retrieval_core)
+
+kvr_add_test(retrieval_sparse_attention_test
+  SOURCES tests/sparse_attention_test.cc
+  LIBS kvr::retrieval_core)

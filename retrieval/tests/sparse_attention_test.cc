@@ -1,0 +1,183 @@
+// SparseAttention through the model's attention seam: prefill stays dense, decode attends over
+// sink + local + selected, budget >= context reproduces dense attention.
+
+#include <cmath>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvr/retrieval/registry.h"
+#include "kvr/retrieval/sparse_attention.h"
+#include "test_util.h"
+
+namespace kvr::retrieval {
+namespace {
+
+using ::testing::HasSubstr;
+using kvr::model::AttentionRequest;
+using kvr::model::AttentionShape;
+using testing::RandomTensor;
+
+constexpr int kLayers = 2;
+
+AttentionShape Shape() { return {4, 2, 16, 0.25f}; }
+
+// Drives a fake "model": prefill of n tokens, then `steps` decode steps, over both layers, with
+// random q/k/v. Returns the decode outputs [steps, layers, n_heads, head_dim].
+struct DriveResult {
+  std::vector<float> outputs;
+  absl::Status status;
+};
+
+DriveResult Drive(kvr::model::Attention& attention, int64_t n, int64_t steps) {
+  const AttentionShape s = Shape();
+  const int64_t total = n + steps;
+  const int64_t kv_row = s.n_kv_heads * s.head_dim, q_row = s.n_heads * s.head_dim;
+  std::vector<float> k = RandomTensor(total, s.n_kv_heads, s.head_dim, 1);
+  std::vector<float> v = RandomTensor(total, s.n_kv_heads, s.head_dim, 2);
+  std::vector<float> q = RandomTensor(total, s.n_heads, s.head_dim, 3);
+  DriveResult run;
+  std::vector<float> out(total * q_row);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    AttentionRequest r;
+    r.sequence = 7;
+    r.layer = layer;
+    r.first_position = 0;
+    r.n_queries = n;
+    r.q = q.data();
+    r.kv = {k.data(), v.data(), n, kv_row, {}, n};
+    r.out = out.data();
+    run.status = attention.Attend(s, {&r, 1});
+    if (!run.status.ok()) return run;
+  }
+  for (int64_t t = n; t < total; ++t) {
+    for (int layer = 0; layer < kLayers; ++layer) {
+      AttentionRequest r;
+      r.sequence = 7;
+      r.layer = layer;
+      r.first_position = t;
+      r.n_queries = 1;
+      r.q = q.data() + t * q_row;
+      r.kv = {k.data(), v.data(), t + 1, kv_row, {}, t + 1};
+      std::vector<float> o(q_row);
+      r.out = o.data();
+      run.status = attention.Attend(s, {&r, 1});
+      if (!run.status.ok()) return run;
+      run.outputs.insert(run.outputs.end(), o.begin(), o.end());
+    }
+  }
+  return run;
+}
+
+class DenseReference final : public kvr::model::Attention {
+ public:
+  absl::Status Attend(const AttentionShape& shape,
+                      std::span<const AttentionRequest> batch) override {
+    for (const auto& r : batch) {
+      absl::Status s = DenseAttention(shape, r);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+};
+
+MethodRegistry CoreRegistry() {
+  MethodRegistry r;
+  EXPECT_TRUE(RegisterCoreMethods(r).ok());
+  return r;
+}
+
+class SparseEqualsDense : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SparseEqualsDense, BudgetAtLeastContextGivesDenseOutput) {
+  MethodRegistry registry = CoreRegistry();
+  SparseAttentionOptions opt;
+  opt.method = GetParam();
+  opt.n_layers = kLayers;
+  opt.params.budget = 1000;
+  opt.params.n_sink = 4;
+  opt.params.local_window = 16;
+  opt.params.clusterkv.append_every = 8;
+  auto sparse = SparseAttention::Create(&registry, opt);
+  ASSERT_TRUE(sparse.ok()) << sparse.status();
+  DenseReference dense;
+  DriveResult a = Drive(**sparse, 120, 24);
+  DriveResult b = Drive(dense, 120, 24);
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  ASSERT_TRUE(b.status.ok()) << b.status;
+  ASSERT_EQ(a.outputs.size(), b.outputs.size());
+  for (size_t i = 0; i < a.outputs.size(); ++i) {
+    ASSERT_NEAR(a.outputs[i], b.outputs[i], 2e-5f) << GetParam() << " element " << i;
+  }
+  EXPECT_EQ((*sparse)->stats().decode_calls, 24 * kLayers);
+  ASSERT_NE((*sparse)->FindIndex(7, 1), nullptr);
+  EXPECT_EQ((*sparse)->FindIndex(7, 1)->size(), 120 + 23);
+  (*sparse)->Release(7);
+  EXPECT_EQ((*sparse)->FindIndex(7, 1), nullptr);
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, SparseEqualsDense,
+                         ::testing::Values("full", "exact", "quest", "clusterkv", "ctkvr",
+                                           "keydiff"));
+
+// With a small budget the output is no longer dense, but the oracle's selection brings it closer
+// to dense than sink + local alone (streaming) does.
+TEST(SparseAttentionTest, SmallBudgetExactBeatsStreaming) {
+  MethodRegistry registry = CoreRegistry();
+  DenseReference dense;
+  DriveResult reference = Drive(dense, 200, 4);
+  ASSERT_TRUE(reference.status.ok());
+  auto error_of = [&](const std::string& method, int64_t* selected) {
+    SparseAttentionOptions opt;
+    opt.method = method;
+    opt.n_layers = kLayers;
+    opt.params.budget = 8;
+    opt.params.n_sink = 4;
+    opt.params.local_window = 8;
+    auto sparse = SparseAttention::Create(&registry, opt);
+    EXPECT_TRUE(sparse.ok());
+    DriveResult a = Drive(**sparse, 200, 4);
+    EXPECT_TRUE(a.status.ok()) << a.status;
+    double diff = 0;
+    for (size_t i = 0; i < a.outputs.size(); ++i) {
+      diff += (a.outputs[i] - reference.outputs[i]) * (a.outputs[i] - reference.outputs[i]);
+    }
+    *selected = (*sparse)->stats().selected_rows;
+    return diff;
+  };
+  int64_t selected_exact = 0, selected_streaming = 0;
+  const double err_exact = error_of("exact", &selected_exact);
+  const double err_streaming = error_of("streaming", &selected_streaming);
+  EXPECT_GT(err_exact, 0.0);  // it really is sparse
+  EXPECT_LT(err_exact, err_streaming);
+  EXPECT_EQ(selected_exact, 4 * kLayers * 2 * 8);  // steps x layers x kv heads x budget
+  EXPECT_EQ(selected_streaming, 0);
+}
+
+TEST(SparseAttentionTest, BadOptionsAreClearErrors) {
+  MethodRegistry registry = CoreRegistry();
+  SparseAttentionOptions opt;
+  opt.method = "nope";
+  auto a = SparseAttention::Create(&registry, opt);
+  ASSERT_FALSE(a.ok());
+  EXPECT_THAT(std::string(a.status().message()), HasSubstr("valid methods: clusterkv"));
+  opt.method = "exact";
+  opt.params.budget = 0;
+  auto b = SparseAttention::Create(&registry, opt);
+  EXPECT_THAT(std::string(b.status().message()), HasSubstr("budget must be > 0"));
+}
+
+TEST(SparseAttentionTest, CtkvrWithoutPrefillQueriesExplainsItself) {
+  MethodRegistry registry = CoreRegistry();
+  SparseAttentionOptions opt;
+  opt.method = "ctkvr";
+  opt.n_layers = kLayers;
+  opt.build_at_prefill = false;
+  auto sparse = SparseAttention::Create(&registry, opt);
+  ASSERT_TRUE(sparse.ok());
+  DriveResult a = Drive(**sparse, 64, 2);
+  EXPECT_FALSE(a.status.ok());
+  EXPECT_THAT(std::string(a.status.message()), HasSubstr("prefill queries"));
+}
+
+}  // namespace
+}  // namespace kvr::retrieval
