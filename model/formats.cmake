@@ -8,7 +8,8 @@ add_library(kvr::model_formats ALIAS kvr_model_formats)
 target_include_directories(kvr_model_formats PUBLIC include)
 target_link_libraries(kvr_model_formats
   PUBLIC kvr::common absl::status absl::statusor absl::strings absl::flat_hash_map
-         nlohmann_json::nlohmann_json)
+         nlohmann_json::nlohmann_json
+  PRIVATE absl::int128)
 kvr_warnings(kvr_model_formats)
 # Bit-exactness with ggml's reference dequantisation needs unfused multiply-adds.
 set_source_files_properties(src/dequant.cc PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <sstream>
 
+#include "absl/numeric/int128.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
@@ -41,6 +43,12 @@ uint64_t MinValueBytes(GgufValueType type) {
       return 12;
   }
   return 1;
+}
+
+std::string U128ToString(absl::uint128 v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
 }
 
 }  // namespace
@@ -218,11 +226,12 @@ class GgufParser {
     }
     out_.data_offset_ = data_offset;
     for (const GgufTensorInfo& t : out_.tensors_) {
-      const uint64_t begin = data_offset + t.offset;
-      const uint64_t end = begin + t.n_bytes;  // no overflow: both bounded by checks above
+      const absl::uint128 begin = absl::uint128(data_offset) + t.offset;
+      const absl::uint128 end = begin + t.n_bytes;
       if (end > size_) {
-        return Error(begin, absl::StrCat("truncated GGUF: tensor '", t.name, "' data ends at byte ",
-                                         end, " but file has ", size_, " bytes"));
+        return Error(size_, absl::StrCat("truncated GGUF: tensor '", t.name, "' data ends at byte ",
+                                         U128ToString(end), " but file has ", size_,
+                                         " bytes"));
       }
     }
     return absl::OkStatus();
@@ -310,9 +319,11 @@ class GgufParser {
         const uint64_t min_bytes = MinValueBytes(static_cast<GgufValueType>(elem_type));
         if (count > Remaining() / min_bytes) {
           return Error(array_pos + 4,
-                       absl::StrCat("array '", key, "' claims ", count, " elements of type ",
+                       absl::StrCat("truncated GGUF or corrupt array length: array '", key,
+                                    "' claims ", count, " elements of type ",
                                     GgufValueTypeName(static_cast<GgufValueType>(elem_type)),
-                                    " but only ", Remaining(), " bytes remain"));
+                                    " (at least ", min_bytes, " bytes each) but only ",
+                                    Remaining(), " bytes remain"));
         }
         GgufArray array;
         array.element_type = static_cast<GgufValueType>(elem_type);
@@ -379,16 +390,15 @@ class GgufParser {
                                           " is not a multiple of the alignment ",
                                           out_.alignment_));
     }
-    // n_bytes = n_elements / block_size * type_size, checked against the file size so that it
-    // cannot overflow (a tensor can never be larger than the file).
-    const uint64_t n_blocks = static_cast<uint64_t>(n_elements / traits->block_size);
-    if (n_blocks > size_ / static_cast<uint64_t>(traits->type_size) || t.offset > size_) {
-      return Error(info_pos, absl::StrCat("truncated GGUF: ", what, " (", n_elements, " ",
-                                          traits->name, " elements at data offset ", t.offset,
-                                          ") is larger than the whole file of ", size_,
-                                          " bytes"));
+    // n_bytes = n_elements / block_size * type_size; whether it fits the file is checked once
+    // the data section's start is known (Parse), in 128-bit arithmetic so nothing overflows.
+    const absl::uint128 n_bytes = absl::uint128(static_cast<uint64_t>(n_elements / traits->block_size)) *
+                                  static_cast<uint64_t>(traits->type_size);
+    if (n_bytes > std::numeric_limits<uint64_t>::max()) {
+      return Error(info_pos, absl::StrCat(what, " has an absurd size (", n_elements, " ",
+                                          traits->name, " elements)"));
     }
-    t.n_bytes = n_blocks * static_cast<uint64_t>(traits->type_size);
+    t.n_bytes = static_cast<uint64_t>(n_bytes);
     if (!out_.tensor_index_.emplace(t.name, out_.tensors_.size()).second) {
       return Error(info_pos, absl::StrCat("duplicate tensor name '", t.name, "'"));
     }

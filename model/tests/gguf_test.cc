@@ -12,6 +12,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/common/half.h"
+#include "kvr/common/paths.h"
+#include "kvr/common/thread_pool.h"
 #include "kvr/model/gguf.h"
 
 namespace kvr::model {
@@ -280,9 +282,15 @@ TEST(GgufTest, HugeCountsAndLengthsAreRejected) {
   key.Counts(0, 1).Pod<uint64_t>(~uint64_t{0}).Pod<uint64_t>(0);
   EXPECT_THAT(OpenBytes("keylen", key.bytes()).message(), HasSubstr("key of metadata entry 0"));
   GgufBuilder elems(3);  // tensor larger than the file
-  elems.Counts(1, 0).TensorInfo("big", {1 << 30, 1 << 30}, 0, 0);
+  elems.Counts(1, 0).TensorInfo("big", {1 << 30, 1 << 30}, 0, 0).Align(32);
+  elems.Raw(std::vector<uint8_t>(32).data(), 32);
+  // 2^60 f32 elements = 2^62 bytes, starting at the data section (byte 96).
   EXPECT_THAT(OpenBytes("bigtensor", elems.bytes()).message(),
-              HasSubstr("tensor 'big' (1152921504606846976 f32 elements"));
+              HasSubstr("truncated GGUF: tensor 'big' data ends at byte 4611686018427388000 but "
+                        "file has 128 bytes"));
+  GgufBuilder absurd(3);  // 2^62 f64 elements = 2^65 bytes
+  absurd.Counts(1, 0).TensorInfo("absurd", {int64_t{1} << 31, int64_t{1} << 31}, 28, 0);
+  EXPECT_THAT(OpenBytes("absurd", absurd.bytes()).message(), HasSubstr("'absurd' has an absurd size"));
 }
 
 TEST(GgufTest, OtherCorruptions) {
@@ -349,6 +357,86 @@ TEST(GgufTest, RandomCorruptionDoesNotCrash) {
     }
   }
   EXPECT_GT(rejected, 0);
+}
+
+// The real test model (scripts/fetch-model.sh); skipped when it has not been fetched.
+class SmolLm2Test : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = TestModelPath();
+    if (!std::ifstream(path_).good()) GTEST_SKIP() << "test model not found at " << path_;
+  }
+  std::string path_;
+};
+
+TEST_F(SmolLm2Test, MetadataAndTensorTable) {
+  auto file = GgufFile::Open(path_);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->version(), 3u);
+  EXPECT_EQ(file->metadata().size(), 33u);
+  EXPECT_EQ(*file->GetString("general.architecture"), "llama");
+  EXPECT_EQ(*file->GetInt("llama.block_count"), 30);
+  EXPECT_EQ(*file->GetInt("llama.embedding_length"), 576);
+  EXPECT_EQ(*file->GetInt("llama.attention.head_count"), 9);
+  EXPECT_EQ(*file->GetInt("llama.attention.head_count_kv"), 3);
+  EXPECT_EQ(*file->GetFloat("llama.rope.freq_base"), 100000.0);
+  EXPECT_EQ(*file->GetFloat("llama.attention.layer_norm_rms_epsilon"), static_cast<double>(1e-5f));
+  EXPECT_EQ(*file->GetBool("tokenizer.ggml.add_bos_token"), false);
+  EXPECT_EQ(*file->GetString("tokenizer.ggml.pre"), "smollm");
+  const auto tokens = *file->GetStringArray("tokenizer.ggml.tokens");
+  ASSERT_EQ(tokens.size(), 49152u);
+  EXPECT_EQ(tokens[1], "<|im_start|>");
+  EXPECT_EQ(file->GetStringArray("tokenizer.ggml.merges")->size(), 48900u);
+  EXPECT_EQ(file->GetArray<int32_t>("tokenizer.ggml.token_type")->size(), 49152u);
+  EXPECT_THAT(*file->GetString("tokenizer.chat_template"), HasSubstr("<|im_start|>"));
+
+  ASSERT_EQ(file->tensors().size(), 272u);
+  int n_q4_1 = 0, n_f32 = 0, n_q8_0 = 0;
+  for (const GgufTensorInfo& t : file->tensors()) {
+    n_q4_1 += t.type == GgmlType::kQ4_1;
+    n_f32 += t.type == GgmlType::kF32;
+    n_q8_0 += t.type == GgmlType::kQ8_0;
+  }
+  EXPECT_EQ(n_q4_1, 210);
+  EXPECT_EQ(n_f32, 61);
+  EXPECT_EQ(n_q8_0, 1);
+  const GgufTensorInfo* embd = *file->FindTensor("token_embd.weight");
+  EXPECT_THAT(embd->dims, ::testing::ElementsAre(576, 49152));
+  EXPECT_EQ(file->data_offset() + embd->offset, 1785664u);  // as gguf-py reports it
+}
+
+TEST_F(SmolLm2Test, ParallelDequantisationEqualsSerial) {
+  auto file = GgufFile::Open(path_);
+  ASSERT_TRUE(file.ok()) << file.status();
+  ThreadPool pool(2);
+  for (const char* name : {"blk.0.ffn_down.weight", "token_embd.weight", "output_norm.weight"}) {
+    auto serial = file->DequantizeTensor(name);
+    auto parallel = file->DequantizeTensor(name, &pool);
+    ASSERT_TRUE(serial.ok() && parallel.ok()) << name;
+    ASSERT_EQ(serial->size(), parallel->size());
+    EXPECT_EQ(std::memcmp(serial->data(), parallel->data(), serial->size() * sizeof(float)), 0)
+        << name;
+  }
+}
+
+// Cuts of the real file: inside the vocabulary and just after the start of the tensor data.
+TEST_F(SmolLm2Test, TruncatedCopiesFailWithTheirPosition) {
+  auto file = GgufFile::Open(path_);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const std::span<const uint8_t> prefix_src = *file->TensorData("token_embd.weight");
+  const uint8_t* base = prefix_src.data() - file->data_offset() - (*file->FindTensor("token_embd.weight"))->offset;
+  for (size_t cut : {size_t{300000}, static_cast<size_t>(file->data_offset()) + 4096}) {
+    std::vector<uint8_t> bytes(base, base + cut);
+    absl::Status s = OpenBytes("smollm2_cut", bytes);
+    ASSERT_FALSE(s.ok()) << cut;
+    EXPECT_THAT(s.message(), HasSubstr("truncated GGUF")) << s;
+    if (cut > file->data_offset()) {
+      EXPECT_THAT(s.message(), HasSubstr("data ends at byte"));
+      EXPECT_THAT(s.message(), HasSubstr("but file has " + std::to_string(cut) + " bytes"));
+    } else {
+      EXPECT_THAT(s.message(), HasSubstr("tokenizer.ggml")) << s;
+    }
+  }
 }
 
 }  // namespace
