@@ -5,6 +5,8 @@ if(TARGET kvr_retrieval_core)
     src/srht.cc
     src/pariskv_codes.cc
     src/pariskv.cc
+    src/codebook.cc
+    src/a2ats.cc
     src/pariskv_a2ats_register.cc)
   add_library(kvr::retrieval_quant ALIAS kvr_retrieval_quant)
   target_include_directories(kvr_retrieval_quant PUBLIC include)
@@ -16,7 +18,7 @@ endif()
 
 if(TARGET kvr_retrieval_quant)
   kvr_add_test(retrieval_quant_test
-    SOURCES tests/srht_test.cc tests/pariskv_test.cc
+    SOURCES tests/srht_test.cc tests/pariskv_test.cc tests/codebook_test.cc tests/a2ats_test.cc
     LIBS kvr::retrieval_quant)
   target_include_directories(retrieval_quant_test PRIVATE src tests)
 endif()

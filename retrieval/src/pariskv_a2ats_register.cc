@@ -2,6 +2,7 @@
 // methods join a MethodRegistry.
 
 #include "kvr/common/status.h"
+#include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/pariskv.h"
 #include "kvr/retrieval/registry.h"
 
@@ -12,6 +13,11 @@ absl::Status RegisterQuantMethods(MethodRegistry& registry) {
       std::string(kParisKvMethodName),
       "ParisKV: SRHT-rotated sign-pattern collision voting, then 4-bit rerank (drift-free)",
       MakeParisKvIndex, DeserializeParisKvIndex));
+  KVR_RETURN_IF_ERROR(registry.Register(
+      std::string(kA2atsMethodName),
+      "A2ATS: windowed RoPE + query-aware VQ, one codeword id per token (needs a codebook file "
+      "from `kvr calibrate`)",
+      MakeA2atsIndex, DeserializeA2atsIndex));
   return absl::OkStatus();
 }
 
