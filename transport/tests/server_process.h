@@ -18,8 +18,9 @@ namespace kvr::transport::testing {
 
 class ServerProcess {
  public:
-  // Starts `binary <tls>` and waits for the address line.
-  static absl::StatusOr<ServerProcess> Start(const std::string& binary, const std::string& tls) {
+  // Starts `binary <tls> <spin_us>` and waits for the address line.
+  static absl::StatusOr<ServerProcess> Start(const std::string& binary, const std::string& tls,
+                                             const std::string& spin_us = "50") {
     int to_child[2], from_child[2];
     if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) return absl::InternalError("pipe");
     pid_t pid = fork();
@@ -31,7 +32,8 @@ class ServerProcess {
       close(to_child[1]);
       close(from_child[0]);
       close(from_child[1]);
-      execl(binary.c_str(), binary.c_str(), tls.c_str(), static_cast<char*>(nullptr));
+      execl(binary.c_str(), binary.c_str(), tls.c_str(), spin_us.c_str(),
+            static_cast<char*>(nullptr));
       _exit(127);
     }
     close(to_child[0]);

@@ -13,10 +13,16 @@ inline constexpr uint16_t kDelayEcho = 2;   // header = uint32 delay_ms; echoes 
 inline constexpr uint16_t kHang = 3;        // never replies (keeps the request)
 inline constexpr uint16_t kFail = 4;        // replies NOT_FOUND with a message
 inline constexpr uint16_t kRegionInfo = 5;  // reply header = RegionInfo + packed rkey
+inline constexpr uint16_t kRead = 6;        // header = ReadRequest; payload = region bytes
 
 // The test server's registered region: kRegionBytes filled with PatternByte(offset, kSeed).
-inline constexpr size_t kRegionBytes = size_t{4} << 20;
+inline constexpr size_t kRegionBytes = size_t{16} << 20;
 inline constexpr uint32_t kRegionSeed = 7;
+
+struct ReadRequest {
+  uint64_t offset;
+  uint64_t length;
+};
 
 struct RegionInfo {
   uint64_t address;

@@ -1,11 +1,13 @@
 // transport_test_server: a peer process for the transport tests and benchmarks.
 //
-// Usage: transport_test_server <ucx-tls>   (e.g. "tcp" or "sm,self")
+// Usage: transport_test_server <ucx-tls> [spin-us]   (tls e.g. "tcp" or "sm,self")
 // Prints its worker address as one hex line on stdout, then serves the requests of
 // test_protocol.h until stdin reaches EOF (the parent exits or closes the pipe) or it is killed.
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <string>
@@ -31,7 +33,10 @@ int main(int argc, char** argv) {
     std::cerr << context.status() << "\n";
     return 1;
   }
-  auto worker = kt::Worker::Create(*context, {.name = "test-server"});
+  // Optional second argument: the progress thread's spin before sleeping, in microseconds.
+  kt::WorkerOptions worker_options{.name = "test-server"};
+  if (argc > 2) worker_options.spin = absl::Microseconds(std::atoi(argv[2]));
+  auto worker = kt::Worker::Create(*context, worker_options);
   if (!worker.ok()) {
     std::cerr << worker.status() << "\n";
     return 1;
@@ -84,6 +89,21 @@ int main(int argc, char** argv) {
     std::string header(reinterpret_cast<const char*>(&info), sizeof(info));
     header += *rkey;
     check(req.Reply(kt::AsBytes(header)));
+  }));
+
+  check(worker->RegisterHandler(tp::kRead, [&](kt::IncomingRequest req) {
+    // A range read answered zero-copy from the registered region, like a store read.
+    tp::ReadRequest read{};
+    if (req.header().size() != sizeof(read)) {
+      check(req.ReplyError(absl::InvalidArgumentError("read header must be 16 bytes")));
+      return;
+    }
+    std::memcpy(&read, req.header().data(), sizeof(read));
+    if (read.offset > region->size() || read.length > region->size() - read.offset) {
+      check(req.ReplyError(absl::OutOfRangeError("read outside the region")));
+      return;
+    }
+    check(req.Reply({}, {kt::ByteView(region->data() + read.offset, read.length)}, nullptr));
   }));
 
   std::cout << absl::BytesToHexString(worker->address()) << std::endl;
