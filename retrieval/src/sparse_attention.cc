@@ -78,15 +78,15 @@ RetrievalIndex* SparseAttention::FindIndex(kvr::model::SequenceId sequence, int 
       layer >= static_cast<int>(it->second.layers.size())) {
     return nullptr;
   }
-  return it->second.layers[layer].get();
+  return it->second.layers[layer].index.get();
 }
 
 int64_t SparseAttention::IndexBytes(kvr::model::SequenceId sequence) const {
   auto it = sequences_.find(sequence);
   if (it == sequences_.end()) return 0;
   int64_t bytes = 0;
-  for (const auto& index : it->second.layers) {
-    if (index) bytes += index->MemoryBytes();
+  for (const auto& layer : it->second.layers) {
+    if (layer.index) bytes += layer.index->MemoryBytes();
   }
   return bytes;
 }
@@ -112,12 +112,29 @@ absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
                                                    " outside [0, ", options_.n_layers, ")"));
   }
   if (static_cast<int>(state.layers.size()) <= request.layer) state.layers.resize(request.layer + 1);
-  std::unique_ptr<RetrievalIndex>& index = state.layers[request.layer];
+  LayerState& layer = state.layers[request.layer];
+  std::unique_ptr<RetrievalIndex>& index = layer.index;
 
-  const bool prefill = request.n_queries > 1;
-  // Tokens the index should cover after this call: everything before the (last) query's token
-  // at decode; the whole prompt at prefill.
-  const int64_t index_end = prefill ? end : request.first_position;
+  if (request.n_queries > 1 || !sparse_layer) {
+    // Prefill (or a dense layer): dense attention; remember the last prefill queries.
+    if (sparse_layer && request.n_queries > 1 && options_.keep_prefill_queries && index == nullptr) {
+      const int64_t row = static_cast<int64_t>(shape.n_heads) * hd;
+      const int64_t keep = std::min(request.n_queries, options_.max_prefill_queries);
+      std::vector<float>& buf = layer.prefill_queries;
+      if (layer.prefill_queries_end != request.first_position) buf.clear();  // not contiguous
+      buf.insert(buf.end(), request.q + (request.n_queries - keep) * row,
+                 request.q + request.n_queries * row);
+      const int64_t have = static_cast<int64_t>(buf.size()) / row;
+      if (have > options_.max_prefill_queries) {
+        buf.erase(buf.begin(), buf.begin() + (have - options_.max_prefill_queries) * row);
+      }
+      layer.prefill_queries_end = end;
+    }
+    return DenseAttention(shape, request);
+  }
+
+  // Decode step: bring the index up to [0, p).
+  const int64_t index_end = request.first_position;
   auto keys_range = [&](int64_t begin, int64_t stop) {
     TokenTensor t;
     t.data = request.kv.k + begin * request.kv.row_stride;
@@ -125,7 +142,7 @@ absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
     t.row_stride = request.kv.row_stride;
     return t;
   };
-  if (sparse_layer && (!prefill || options_.build_at_prefill)) {
+  {
     const auto t0 = std::chrono::steady_clock::now();
     if (index == nullptr) {
       IndexShape ishape;
@@ -138,15 +155,16 @@ absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
       KVR_ASSIGN_OR_RETURN(index, registry_->Make(options_.method, ishape, options_.params));
       BuildInput in;
       in.keys = keys_range(0, index_end);
-      if (prefill) {
-        const int64_t nq = std::min(request.n_queries, options_.max_prefill_queries);
-        const int64_t row = static_cast<int64_t>(shape.n_heads) * hd;
-        in.queries.data = request.q + (request.n_queries - nq) * row;
+      const int64_t row = static_cast<int64_t>(shape.n_heads) * hd;
+      const int64_t nq = static_cast<int64_t>(layer.prefill_queries.size()) / row;
+      if (nq > 0 && layer.prefill_queries_end <= index_end) {
+        in.queries.data = layer.prefill_queries.data();
         in.queries.n_tokens = nq;
         in.queries.row_stride = row;
-        in.queries_first_position = end - nq;
+        in.queries_first_position = layer.prefill_queries_end - nq;
       }
       absl::Status built = index->Build(in);
+      layer.prefill_queries = {};  // the index has what it needs
       if (!built.ok()) {
         index.reset();
         return absl::Status(built.code(), absl::StrCat("SparseAttention layer ", request.layer,
@@ -160,7 +178,6 @@ absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
     stats_.build_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  if (prefill || !sparse_layer) return DenseAttention(shape, request);
 
   // Decode: one query at position p over sinks [0, n_sink), the local window [local_begin, p]
   // and the selected tokens in between.

@@ -37,17 +37,21 @@ DriveResult Drive(kvr::model::Attention& attention, int64_t n, int64_t steps) {
   std::vector<float> q = RandomTensor(total, s.n_heads, s.head_dim, 3);
   DriveResult run;
   std::vector<float> out(total * q_row);
-  for (int layer = 0; layer < kLayers; ++layer) {
-    AttentionRequest r;
-    r.sequence = 7;
-    r.layer = layer;
-    r.first_position = 0;
-    r.n_queries = n;
-    r.q = q.data();
-    r.kv = {k.data(), v.data(), n, kv_row, {}, n};
-    r.out = out.data();
-    run.status = attention.Attend(s, {&r, 1});
-    if (!run.status.ok()) return run;
+  // Prefill in chunks of 50 tokens, as the runtime does (Model::Prefill), layer by layer.
+  for (int64_t begin = 0; begin < n; begin += 50) {
+    const int64_t count = std::min<int64_t>(50, n - begin);
+    for (int layer = 0; layer < kLayers; ++layer) {
+      AttentionRequest r;
+      r.sequence = 7;
+      r.layer = layer;
+      r.first_position = begin;
+      r.n_queries = count;
+      r.q = q.data() + begin * q_row;
+      r.kv = {k.data(), v.data(), begin + count, kv_row, {}, begin + count};
+      r.out = out.data() + begin * q_row;
+      run.status = attention.Attend(s, {&r, 1});
+      if (!run.status.ok()) return run;
+    }
   }
   for (int64_t t = n; t < total; ++t) {
     for (int layer = 0; layer < kLayers; ++layer) {
@@ -171,7 +175,7 @@ TEST(SparseAttentionTest, CtkvrWithoutPrefillQueriesExplainsItself) {
   SparseAttentionOptions opt;
   opt.method = "ctkvr";
   opt.n_layers = kLayers;
-  opt.build_at_prefill = false;
+  opt.keep_prefill_queries = false;
   auto sparse = SparseAttention::Create(&registry, opt);
   ASSERT_TRUE(sparse.ok());
   DriveResult a = Drive(**sparse, 64, 2);

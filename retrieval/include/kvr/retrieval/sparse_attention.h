@@ -4,10 +4,11 @@
 // for prefill (n_queries > 1).
 //
 // It keeps one RetrievalIndex per (sequence, layer), built lazily from the KvView at the first
-// decode step of that sequence/layer (from all rows except the query's own token; the runtime's
-// dense cache makes every row available), or from the prefill call when `build_at_prefill` is
-// set (then the prefill queries are passed too, which CTKVR needs). Every later decode step
-// appends the tokens that became indexable, so the index always covers [0, total - 1).
+// decode step of that sequence/layer, from all rows before the query's own token (the runtime's
+// dense cache makes every row available) and the last `max_prefill_queries` prefill queries,
+// which it keeps from the prefill calls (the runtime prefills in chunks, so the last queries are
+// only known once decoding starts; CTKVR needs them). Every later decode step appends the tokens
+// that became indexable, so the index always covers [0, position of the decode token).
 //
 // The result is computed as two partials merged by log-sum-exp (partial_attention.h): resident
 // rows (sinks + local window) and selected rows; that is the decode node's computation, run here
@@ -35,13 +36,13 @@ struct SparseAttentionOptions {
   IndexParams params;  // budget, n_sink, local_window and method knobs
   RopeParams rope;     // the model's RoPE (copied into every index's shape)
   int n_layers = 0;
-  // Build the index in the prefill call (and hand it the prefill queries). Otherwise the index
-  // is built at the first decode step from the KvView (no queries: CTKVR then needs this on).
-  bool build_at_prefill = true;
+  // Keep the last `max_prefill_queries` prefill queries per layer for the index's Build (costs
+  // max_prefill_queries * n_heads * head_dim floats per layer until the first decode step).
+  bool keep_prefill_queries = true;
   // Layers [0, dense_layers) stay dense. Quest/ClusterKV skip the first two layers; default 0.
   int dense_layers = 0;
   // Prefill queries kept for the index (the last N); CTKVR's C must not exceed it.
-  int64_t max_prefill_queries = 1024;
+  int64_t max_prefill_queries = 512;
 };
 
 // Per-call statistics, accumulated until Reset (the evaluator reads them).
@@ -75,8 +76,13 @@ class SparseAttention final : public kvr::model::Attention {
  private:
   SparseAttention(const MethodRegistry* registry, SparseAttentionOptions options);
 
+  struct LayerState {
+    std::unique_ptr<RetrievalIndex> index;  // null until the first decode step
+    std::vector<float> prefill_queries;     // [n, n_heads, head_dim], the last prefill queries
+    int64_t prefill_queries_end = 0;        // position after the last kept query
+  };
   struct SequenceState {
-    std::vector<std::unique_ptr<RetrievalIndex>> layers;  // [n_layers], null until built
+    std::vector<LayerState> layers;  // [n_layers]
   };
 
   [[nodiscard]] absl::Status AttendOne(const kvr::model::AttentionShape& shape,
