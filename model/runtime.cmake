@@ -16,3 +16,14 @@ target_link_libraries(kvr_model
   PUBLIC kvr::model_api kvr::model_formats kvr::tokenizer kvr::common absl::status
          absl::statusor nlohmann_json::nlohmann_json
   PRIVATE PkgConfig::OPENBLAS absl::strings)
+
+kvr_add_test(model_runtime_test
+  SOURCES tests/runtime_ops_test.cc tests/model_test.cc
+  LIBS kvr::model kvr::model_formats kvr::common absl::strings nlohmann_json::nlohmann_json)
+
+# Needs the SmolLM2 GGUF (scripts/fetch-model.sh; CI's scripts/test.sh fetches it).
+kvr_add_test(model_logits_parity_test
+  SOURCES tests/logits_parity_test.cc
+  LIBS kvr::model kvr::common absl::strings absl::str_format nlohmann_json::nlohmann_json)
+target_compile_definitions(model_logits_parity_test PRIVATE
+  KVR_LOGITS_FIXTURE_DIR="${CMAKE_CURRENT_SOURCE_DIR}/tests/fixtures/logits")

@@ -93,6 +93,12 @@ void MatMulTransposed(ThreadPool* pool, const float* a, int64_t m, int64_t k, co
       const int64_t n0 = static_cast<int64_t>(p) * per_part;
       const int64_t n1 = std::min(n, n0 + per_part);
       if (n1 <= n0) continue;
+      if (m == 1) {
+        // OpenBLAS 0.3.21's sgemm packs all of W even for one row; sgemv streams it once.
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n1 - n0), static_cast<int>(k),
+                    1.f, w + n0 * k, static_cast<int>(k), a, 1, 0.f, c + n0, 1);
+        continue;
+      }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                   static_cast<int>(n1 - n0), static_cast<int>(k), 1.f, a, static_cast<int>(k),
                   w + n0 * k, static_cast<int>(k), 0.f, c + n0, static_cast<int>(n));
