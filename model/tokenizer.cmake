@@ -1,8 +1,12 @@
 # kvr::tokenizer: byte-level BPE (GGUF metadata and tokenizer.json), PCRE2 pre-tokenizers and
 # chat templates. Included from model/CMakeLists.txt.
 add_library(kvr_tokenizer
-  src/tokenizer.cc
+  src/bpe.cc
   src/chat_template.cc
+  src/pretokenizer.cc
+  src/tokenizer.cc
+  src/tokenizer_json.cc
+  src/tokenizer_utf8.cc
 )
 add_library(kvr::tokenizer ALIAS kvr_tokenizer)
 kvr_warnings(kvr_tokenizer)
@@ -11,3 +15,33 @@ target_link_libraries(kvr_tokenizer
   PUBLIC absl::status absl::statusor
   PRIVATE kvr::common PkgConfig::PCRE2 nlohmann_json::nlohmann_json absl::strings
           absl::str_format absl::flat_hash_map absl::synchronization)
+
+# ---- tests -------------------------------------------------------------------------------
+set(_kvr_tokenizer_fixtures ${CMAKE_CURRENT_SOURCE_DIR}/tests/fixtures/tokenizer)
+
+# Hand-made vocabularies; also reaches the internal pieces (pre-tokenizer splits, UTF-8).
+kvr_add_test(tokenizer_test
+  SOURCES tests/tokenizer_test.cc
+  LIBS kvr::tokenizer absl::strings)
+target_include_directories(tokenizer_test PRIVATE src)
+
+# The SmolLM2 GGUF against the Hugging Face reference fixture (>= 2,000 strings).
+kvr_add_test(tokenizer_reference_test
+  SOURCES tests/tokenizer_reference_test.cc tests/tokenizer_test_util.cc
+  LIBS kvr::tokenizer kvr::model_formats kvr::common nlohmann_json::nlohmann_json)
+target_compile_definitions(tokenizer_reference_test PRIVATE
+  KVR_TOKENIZER_FIXTURES="${_kvr_tokenizer_fixtures}")
+
+kvr_add_test(chat_template_test
+  SOURCES tests/chat_template_test.cc tests/tokenizer_test_util.cc
+  LIBS kvr::tokenizer kvr::model_formats kvr::common nlohmann_json::nlohmann_json)
+target_compile_definitions(chat_template_test PRIVATE
+  KVR_TOKENIZER_FIXTURES="${_kvr_tokenizer_fixtures}")
+
+# Encode throughput on the SmolLM2 vocabulary (prints tokens/s; not a test).
+add_executable(tokenizer_bench tests/tokenizer_bench.cc tests/tokenizer_test_util.cc)
+target_link_libraries(tokenizer_bench PRIVATE kvr::tokenizer kvr::model_formats kvr::common
+                      nlohmann_json::nlohmann_json)
+target_compile_definitions(tokenizer_bench PRIVATE
+  KVR_TOKENIZER_FIXTURES="${_kvr_tokenizer_fixtures}")
+kvr_warnings(tokenizer_bench)

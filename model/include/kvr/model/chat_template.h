@@ -21,9 +21,9 @@ struct ChatMessage {
 
 enum class ChatTemplateFamily {
   kChatMl,   // <|im_start|>role\n...<|im_end|>\n (SmolLM2, Qwen2); may insert a default system prompt
-  kLlama3,   // <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|>
+  kLlama3,   // <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> (3.0 and 3.1 layouts)
   kLlama2,   // <s>[INST] <<SYS>>\n...\n<</SYS>>\n\n... [/INST] ... </s>
-  kMistral,  // <s>[INST] ...[/INST]...</s> (system prompt folded into the first user turn)
+  kMistral,  // <s>[INST] ... [/INST]...</s> (Mistral-7B-Instruct v0.1/v0.2: no system role)
 };
 
 std::string_view ChatTemplateFamilyName(ChatTemplateFamily family);
@@ -35,6 +35,9 @@ struct ChatTemplateInfo {
   // "You are a helpful AI assistant named SmolLM, ...", Qwen2's "You are a helpful
   // assistant."); empty when the template inserts none.
   std::string default_system_prompt;
+  // llama3: the 3.1 layout, which always writes a system header with "Cutting Knowledge
+  // Date: December 2023" and "Today Date: 26 Jul 2024" (the template's default date_string).
+  bool llama31_system_header = false;
 };
 
 // Identifies the family of `template_text`. Unimplemented (quoting the start of the template)

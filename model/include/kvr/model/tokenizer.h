@@ -123,8 +123,10 @@ class Tokenizer {
   [[nodiscard]] absl::StatusOr<std::string> ApplyChatTemplate(
       std::span<const ChatMessage> messages, bool add_generation_prompt) const;
 
- private:
+  // Opaque state, defined in model/src (named here only so the loaders there can build it).
   struct Impl;
+
+ private:
   explicit Tokenizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
