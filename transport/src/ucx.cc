@@ -173,7 +173,7 @@ struct EndpointState {
   }
 };
 
-struct CallState {
+struct CallState : std::enable_shared_from_this<CallState> {
   // Written at submission, then read-only.
   AmId am_id = 0;
   std::span<uint8_t> reply_buffer;
@@ -391,6 +391,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
 
   static void OnCallSent(void* request, ucs_status_t status, void* user_data) {
     auto* call = static_cast<CallState*>(user_data);
+    // MaybeFinish may drop the map's reference; keep the call alive through this callback.
+    std::shared_ptr<CallState> keep = call->shared_from_this();
     WorkerCore* core = call->core;
     call->send_in_flight = false;
     ucp_request_free(request);
@@ -411,7 +413,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     // Unknown id: a late reply to a call that already timed out or was cancelled. Returning
     // UCS_OK drops eager data and, for rendezvous, releases the sender's buffer.
     if (it == core->calls.end() || it->second->has_result) return UCS_OK;
-    CallState* call = it->second.get();
+    std::shared_ptr<CallState> keep = it->second;
+    CallState* call = keep.get();
     const char* bytes = static_cast<const char*>(header);
     if (prefix.status_code != 0) {
       absl::string_view message(bytes + sizeof(ReplyPrefix), prefix.message_size);
@@ -470,6 +473,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
   static void OnReplyReceived(void* request, ucs_status_t status, size_t length,
                               void* user_data) {
     auto* call = static_cast<CallState*>(user_data);
+    std::shared_ptr<CallState> keep = call->shared_from_this();
     WorkerCore* core = call->core;
     call->recv_in_flight = false;
     ucp_request_free(request);
