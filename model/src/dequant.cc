@@ -211,9 +211,9 @@ absl::Status DequantizeRow(GgmlType type, const void* src, int64_t n, float* dst
   auto traits = GetGgmlTypeTraits(type);
   if (!traits.ok()) return traits.status();
   if (!traits->dequantizable) {
-    return absl::UnimplementedError(
-        absl::StrCat("dequantisation of ggml type ", traits->name, " (id ",
-                     static_cast<uint32_t>(type), ") is not supported"));
+    return absl::UnimplementedError(absl::StrCat("dequantisation of ggml type ", traits->name,
+                                                 " (id ", static_cast<uint32_t>(type),
+                                                 ") is not supported"));
   }
   if (n < 0 || n % traits->block_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("cannot dequantise ", n, " elements of ",

@@ -15,9 +15,9 @@ namespace kvr::model {
 namespace {
 
 constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" read as a little-endian u32
-constexpr uint32_t kMaxDims = 4;              // GGML_MAX_DIMS
-constexpr int kMaxArrayDepth = 8;             // nested arrays; guards the parser's recursion
-constexpr uint64_t kDefaultAlignment = 32;    // GGUF_DEFAULT_ALIGNMENT
+constexpr uint32_t kMaxDims = 4;             // GGML_MAX_DIMS
+constexpr int kMaxArrayDepth = 8;            // nested arrays; guards the parser's recursion
+constexpr uint64_t kDefaultAlignment = 32;   // GGUF_DEFAULT_ALIGNMENT
 
 // Smallest on-disk size of one value of `type`; used to reject counts that cannot fit in the
 // bytes that remain before allocating anything for them.
@@ -53,22 +53,34 @@ std::string U128ToString(absl::uint128 v) {
 
 }  // namespace
 
-
 absl::string_view GgufValueTypeName(GgufValueType type) {
   switch (type) {
-    case GgufValueType::kUint8: return "u8";
-    case GgufValueType::kInt8: return "i8";
-    case GgufValueType::kUint16: return "u16";
-    case GgufValueType::kInt16: return "i16";
-    case GgufValueType::kUint32: return "u32";
-    case GgufValueType::kInt32: return "i32";
-    case GgufValueType::kFloat32: return "f32";
-    case GgufValueType::kBool: return "bool";
-    case GgufValueType::kString: return "string";
-    case GgufValueType::kArray: return "array";
-    case GgufValueType::kUint64: return "u64";
-    case GgufValueType::kInt64: return "i64";
-    case GgufValueType::kFloat64: return "f64";
+    case GgufValueType::kUint8:
+      return "u8";
+    case GgufValueType::kInt8:
+      return "i8";
+    case GgufValueType::kUint16:
+      return "u16";
+    case GgufValueType::kInt16:
+      return "i16";
+    case GgufValueType::kUint32:
+      return "u32";
+    case GgufValueType::kInt32:
+      return "i32";
+    case GgufValueType::kFloat32:
+      return "f32";
+    case GgufValueType::kBool:
+      return "bool";
+    case GgufValueType::kString:
+      return "string";
+    case GgufValueType::kArray:
+      return "array";
+    case GgufValueType::kUint64:
+      return "u64";
+    case GgufValueType::kInt64:
+      return "i64";
+    case GgufValueType::kFloat64:
+      return "f64";
   }
   return "unknown";
 }
@@ -152,7 +164,8 @@ absl::StatusOr<const GgufArray*> GgufValue::AsArray() const {
 // and the byte offset of the item being read.
 class GgufParser {
  public:
-  explicit GgufParser(GgufFile& out) : out_(out), data_(out.file_.data()), size_(out.file_.size()) {}
+  explicit GgufParser(GgufFile& out)
+      : out_(out), data_(out.file_.data()), size_(out.file_.size()) {}
 
   absl::Status Parse() {
     uint32_t magic = 0;
@@ -170,8 +183,7 @@ class GgufParser {
       if (version == 0x02000000u || version == 0x03000000u) {
         return Error(4, "big-endian GGUF files are not supported");
       }
-      return Error(4, absl::StrCat("unsupported GGUF version ", version,
-                                   " (supported: 2 and 3)"));
+      return Error(4, absl::StrCat("unsupported GGUF version ", version, " (supported: 2 and 3)"));
     }
     out_.version_ = version;
 
@@ -181,12 +193,12 @@ class GgufParser {
     // Each key/value takes at least 8 (key length) + 4 (type) + 1 bytes; each tensor info at
     // least 8 (name length) + 4 (n_dims) + 4 (type) + 8 (offset).
     if (n_kv > Remaining() / 13) {
-      return Error(16, absl::StrCat("metadata key/value count ", n_kv,
-                                    " cannot fit in the file's ", size_, " bytes"));
+      return Error(16, absl::StrCat("metadata key/value count ", n_kv, " cannot fit in the file's ",
+                                    size_, " bytes"));
     }
     if (n_tensors > Remaining() / 24) {
-      return Error(8, absl::StrCat("tensor count ", n_tensors, " cannot fit in the file's ",
-                                   size_, " bytes"));
+      return Error(8, absl::StrCat("tensor count ", n_tensors, " cannot fit in the file's ", size_,
+                                   " bytes"));
     }
 
     out_.metadata_.reserve(n_kv);
@@ -205,7 +217,8 @@ class GgufParser {
     }
 
     out_.alignment_ = kDefaultAlignment;
-    if (auto it = out_.metadata_index_.find("general.alignment"); it != out_.metadata_index_.end()) {
+    if (auto it = out_.metadata_index_.find("general.alignment");
+        it != out_.metadata_index_.end()) {
       auto a = out_.metadata_[it->second].second.AsInt();
       if (!a.ok() || *a <= 0 || (*a & (*a - 1)) != 0) {
         return Error(0, "general.alignment must be a positive power-of-two integer");
@@ -230,8 +243,7 @@ class GgufParser {
       const absl::uint128 end = begin + t.n_bytes;
       if (end > size_) {
         return Error(size_, absl::StrCat("truncated GGUF: tensor '", t.name, "' data ends at byte ",
-                                         U128ToString(end), " but file has ", size_,
-                                         " bytes"));
+                                         U128ToString(end), " but file has ", size_, " bytes"));
       }
     }
     return absl::OkStatus();
@@ -246,9 +258,9 @@ class GgufParser {
   }
 
   absl::Status Truncated(uint64_t need, absl::string_view what) const {
-    return Error(pos_, absl::StrCat("truncated GGUF: reading ", what, " needs ", need,
-                                    " bytes but only ", Remaining(), " remain (file has ", size_,
-                                    " bytes)"));
+    return Error(pos_,
+                 absl::StrCat("truncated GGUF: reading ", what, " needs ", need, " bytes but only ",
+                              Remaining(), " remain (file has ", size_, " bytes)"));
   }
 
   template <typename T>
@@ -273,22 +285,32 @@ class GgufParser {
 
   absl::Status ReadValue(uint32_t type_id, const std::string& key, int depth, GgufValue* out) {
     if (type_id > static_cast<uint32_t>(GgufValueType::kFloat64)) {
-      return Error(pos_ - 4, absl::StrCat("unknown metadata value type ", type_id, " for key '",
-                                          key, "'"));
+      return Error(pos_ - 4,
+                   absl::StrCat("unknown metadata value type ", type_id, " for key '", key, "'"));
     }
     const auto type = static_cast<GgufValueType>(type_id);
     const std::string what = absl::StrCat("value of metadata key '", key, "'");
     switch (type) {
-      case GgufValueType::kUint8: return ReadScalar<uint8_t>(what, out);
-      case GgufValueType::kInt8: return ReadScalar<int8_t>(what, out);
-      case GgufValueType::kUint16: return ReadScalar<uint16_t>(what, out);
-      case GgufValueType::kInt16: return ReadScalar<int16_t>(what, out);
-      case GgufValueType::kUint32: return ReadScalar<uint32_t>(what, out);
-      case GgufValueType::kInt32: return ReadScalar<int32_t>(what, out);
-      case GgufValueType::kFloat32: return ReadScalar<float>(what, out);
-      case GgufValueType::kUint64: return ReadScalar<uint64_t>(what, out);
-      case GgufValueType::kInt64: return ReadScalar<int64_t>(what, out);
-      case GgufValueType::kFloat64: return ReadScalar<double>(what, out);
+      case GgufValueType::kUint8:
+        return ReadScalar<uint8_t>(what, out);
+      case GgufValueType::kInt8:
+        return ReadScalar<int8_t>(what, out);
+      case GgufValueType::kUint16:
+        return ReadScalar<uint16_t>(what, out);
+      case GgufValueType::kInt16:
+        return ReadScalar<int16_t>(what, out);
+      case GgufValueType::kUint32:
+        return ReadScalar<uint32_t>(what, out);
+      case GgufValueType::kInt32:
+        return ReadScalar<int32_t>(what, out);
+      case GgufValueType::kFloat32:
+        return ReadScalar<float>(what, out);
+      case GgufValueType::kUint64:
+        return ReadScalar<uint64_t>(what, out);
+      case GgufValueType::kInt64:
+        return ReadScalar<int64_t>(what, out);
+      case GgufValueType::kFloat64:
+        return ReadScalar<double>(what, out);
       case GgufValueType::kBool: {
         uint8_t b = 0;
         KVR_RETURN_IF_ERROR(ReadPod(&b, what));
@@ -313,17 +335,17 @@ class GgufParser {
         KVR_RETURN_IF_ERROR(ReadPod(&elem_type, absl::StrCat("element type of array '", key, "'")));
         KVR_RETURN_IF_ERROR(ReadPod(&count, absl::StrCat("length of array '", key, "'")));
         if (elem_type > static_cast<uint32_t>(GgufValueType::kFloat64)) {
-          return Error(array_pos, absl::StrCat("unknown element type ", elem_type, " of array '",
-                                               key, "'"));
+          return Error(array_pos,
+                       absl::StrCat("unknown element type ", elem_type, " of array '", key, "'"));
         }
         const uint64_t min_bytes = MinValueBytes(static_cast<GgufValueType>(elem_type));
         if (count > Remaining() / min_bytes) {
-          return Error(array_pos + 4,
-                       absl::StrCat("truncated GGUF or corrupt array length: array '", key,
-                                    "' claims ", count, " elements of type ",
-                                    GgufValueTypeName(static_cast<GgufValueType>(elem_type)),
-                                    " (at least ", min_bytes, " bytes each) but only ",
-                                    Remaining(), " bytes remain"));
+          return Error(
+              array_pos + 4,
+              absl::StrCat("truncated GGUF or corrupt array length: array '", key, "' claims ",
+                           count, " elements of type ",
+                           GgufValueTypeName(static_cast<GgufValueType>(elem_type)), " (at least ",
+                           min_bytes, " bytes each) but only ", Remaining(), " bytes remain"));
         }
         GgufArray array;
         array.element_type = static_cast<GgufValueType>(elem_type);
@@ -354,8 +376,8 @@ class GgufParser {
     uint32_t n_dims = 0;
     KVR_RETURN_IF_ERROR(ReadPod(&n_dims, absl::StrCat("dimension count of ", what)));
     if (n_dims > kMaxDims) {
-      return Error(pos_ - 4, absl::StrCat(what, " has ", n_dims, " dimensions (at most ",
-                                          kMaxDims, ")"));
+      return Error(pos_ - 4,
+                   absl::StrCat(what, " has ", n_dims, " dimensions (at most ", kMaxDims, ")"));
     }
     t.dims.resize(n_dims);
     int64_t n_elements = 1;
@@ -380,20 +402,20 @@ class GgufParser {
     }
     t.type = static_cast<GgmlType>(type_id);
     if (t.row_length() % traits->block_size != 0) {
-      return Error(pos_ - 4, absl::StrCat(what, " row length ", t.row_length(),
-                                          " is not a multiple of the ", traits->name,
-                                          " block size ", traits->block_size));
+      return Error(pos_ - 4,
+                   absl::StrCat(what, " row length ", t.row_length(), " is not a multiple of the ",
+                                traits->name, " block size ", traits->block_size));
     }
     KVR_RETURN_IF_ERROR(ReadPod(&t.offset, absl::StrCat("data offset of ", what)));
     if (t.offset % out_.alignment_ != 0) {
       return Error(pos_ - 8, absl::StrCat(what, " data offset ", t.offset,
-                                          " is not a multiple of the alignment ",
-                                          out_.alignment_));
+                                          " is not a multiple of the alignment ", out_.alignment_));
     }
     // n_bytes = n_elements / block_size * type_size; whether it fits the file is checked once
     // the data section's start is known (Parse), in 128-bit arithmetic so nothing overflows.
-    const absl::uint128 n_bytes = absl::uint128(static_cast<uint64_t>(n_elements / traits->block_size)) *
-                                  static_cast<uint64_t>(traits->type_size);
+    const absl::uint128 n_bytes =
+        absl::uint128(static_cast<uint64_t>(n_elements / traits->block_size)) *
+        static_cast<uint64_t>(traits->type_size);
     if (n_bytes > std::numeric_limits<uint64_t>::max()) {
       return Error(info_pos, absl::StrCat(what, " has an absurd size (", n_elements, " ",
                                           traits->name, " elements)"));
@@ -470,10 +492,10 @@ absl::StatusOr<std::vector<std::string>> GgufFile::GetStringArray(absl::string_v
   auto array = v->AsArray();
   if (!array.ok()) return KeyError(path(), key, array.status());
   if ((*array)->element_type != GgufValueType::kString) {
-    return KeyError(path(), key,
-                    absl::InvalidArgumentError(absl::StrCat(
-                        "expected an array of strings, found an array of ",
-                        GgufValueTypeName((*array)->element_type))));
+    return KeyError(
+        path(), key,
+        absl::InvalidArgumentError(absl::StrCat("expected an array of strings, found an array of ",
+                                                GgufValueTypeName((*array)->element_type))));
   }
   std::vector<std::string> out;
   out.reserve((*array)->items.size());
@@ -507,17 +529,16 @@ absl::StatusOr<std::vector<float>> GgufFile::DequantizeTensor(absl::string_view 
 absl::Status GgufFile::DequantizeTensorInto(const GgufTensorInfo& info, std::span<float> out,
                                             ThreadPool* pool) const {
   if (out.size() != static_cast<size_t>(info.n_elements)) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", info.name, "' has ",
-                                                   info.n_elements, " elements but the output has ",
-                                                   out.size()));
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", info.name, "' has ", info.n_elements,
+                                                   " elements but the output has ", out.size()));
   }
   KVR_ASSIGN_OR_RETURN(GgmlTypeTraits traits, GetGgmlTypeTraits(info.type));
   const uint8_t* src = TensorData(info).data();
   const int64_t row = info.row_length();
   const int64_t n_rows = info.n_rows();
   if (n_rows == 0) return absl::OkStatus();
-  const uint64_t row_bytes = static_cast<uint64_t>(row / traits.block_size) *
-                             static_cast<uint64_t>(traits.type_size);
+  const uint64_t row_bytes =
+      static_cast<uint64_t>(row / traits.block_size) * static_cast<uint64_t>(traits.type_size);
   auto status_or_annotate = [&](absl::Status s) {
     if (s.ok()) return s;
     return absl::Status(s.code(), absl::StrCat("tensor '", info.name, "': ", s.message()));
@@ -528,7 +549,8 @@ absl::Status GgufFile::DequantizeTensorInto(const GgufTensorInfo& info, std::spa
   }
   // Only the type can fail, and it is the same for every row: check it once up front.
   KVR_RETURN_IF_ERROR(status_or_annotate(DequantizeRow(info.type, src, row, out.data())));
-  const size_t min_rows = static_cast<size_t>(std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1)));
+  const size_t min_rows =
+      static_cast<size_t>(std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1)));
   pool->ParallelFor(
       static_cast<size_t>(n_rows),
       [&](size_t begin, size_t end) {

@@ -1,6 +1,5 @@
 #include <array>
 
-
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -96,8 +95,8 @@ absl::StatusOr<uint64_t> GgmlRowBytes(GgmlType type, int64_t n_elements) {
   }
   if (n_elements < 0 || n_elements % t->block_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(n_elements, " elements of type ", t->name,
-                                                   " are not a whole number of ",
-                                                   t->block_size, "-element blocks"));
+                                                   " are not a whole number of ", t->block_size,
+                                                   "-element blocks"));
   }
   return static_cast<uint64_t>(n_elements / t->block_size) * static_cast<uint64_t>(t->type_size);
 }

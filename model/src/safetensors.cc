@@ -27,13 +27,13 @@ struct DtypeEntry {
 };
 
 constexpr DtypeEntry kDtypes[] = {
-    {SafetensorsDtype::kBool, "BOOL", 1},    {SafetensorsDtype::kU8, "U8", 1},
-    {SafetensorsDtype::kI8, "I8", 1},        {SafetensorsDtype::kU16, "U16", 2},
-    {SafetensorsDtype::kI16, "I16", 2},      {SafetensorsDtype::kU32, "U32", 4},
-    {SafetensorsDtype::kI32, "I32", 4},      {SafetensorsDtype::kU64, "U64", 8},
-    {SafetensorsDtype::kI64, "I64", 8},      {SafetensorsDtype::kF16, "F16", 2},
-    {SafetensorsDtype::kBF16, "BF16", 2},    {SafetensorsDtype::kF32, "F32", 4},
-    {SafetensorsDtype::kF64, "F64", 8},      {SafetensorsDtype::kF8E4M3, "F8_E4M3", 1},
+    {SafetensorsDtype::kBool, "BOOL", 1},      {SafetensorsDtype::kU8, "U8", 1},
+    {SafetensorsDtype::kI8, "I8", 1},          {SafetensorsDtype::kU16, "U16", 2},
+    {SafetensorsDtype::kI16, "I16", 2},        {SafetensorsDtype::kU32, "U32", 4},
+    {SafetensorsDtype::kI32, "I32", 4},        {SafetensorsDtype::kU64, "U64", 8},
+    {SafetensorsDtype::kI64, "I64", 8},        {SafetensorsDtype::kF16, "F16", 2},
+    {SafetensorsDtype::kBF16, "BF16", 2},      {SafetensorsDtype::kF32, "F32", 4},
+    {SafetensorsDtype::kF64, "F64", 8},        {SafetensorsDtype::kF8E4M3, "F8_E4M3", 1},
     {SafetensorsDtype::kF8E5M2, "F8_E5M2", 1},
 };
 
@@ -87,13 +87,14 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   };
   const uint64_t size = mapped.size();
   if (size < 8) {
-    return error(absl::StrCat("truncated: ", size, " bytes, too short for the 8-byte header length"));
+    return error(
+        absl::StrCat("truncated: ", size, " bytes, too short for the 8-byte header length"));
   }
   uint64_t header_len = 0;
   std::memcpy(&header_len, mapped.data(), sizeof(header_len));
   if (header_len > size - 8) {
-    return error(absl::StrCat("truncated: header length ", header_len, " exceeds the ",
-                              size - 8, " bytes after the length field"));
+    return error(absl::StrCat("truncated: header length ", header_len, " exceeds the ", size - 8,
+                              " bytes after the length field"));
   }
   if (header_len > kMaxHeaderBytes) {
     return error(absl::StrCat("header length ", header_len, " exceeds the ", kMaxHeaderBytes,
@@ -115,7 +116,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     if (name == "__metadata__") {
       if (!entry.is_object()) return error("__metadata__ is not an object");
       for (const auto& [k, v] : entry.items()) {
-        if (!v.is_string()) return error(absl::StrCat("__metadata__ value of '", k, "' is not a string"));
+        if (!v.is_string())
+          return error(absl::StrCat("__metadata__ value of '", k, "' is not a string"));
         file.metadata_[k] = v.get<std::string>();
       }
       continue;
@@ -144,10 +146,12 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     info.dtype = *dtype;
     int64_t n = 1;
     for (const auto& d : *shape_it) {
-      if (!d.is_number_unsigned()) return tensor_error("shape entries must be non-negative integers");
+      if (!d.is_number_unsigned())
+        return tensor_error("shape entries must be non-negative integers");
       const uint64_t dim = d.get<uint64_t>();
       if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
-          (dim != 0 && static_cast<uint64_t>(n) > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / dim)) {
+          (dim != 0 && static_cast<uint64_t>(n) >
+                           static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / dim)) {
         return tensor_error("element count overflows int64");
       }
       n *= static_cast<int64_t>(dim);
@@ -165,8 +169,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     if (static_cast<uint64_t>(n) > std::numeric_limits<uint64_t>::max() / elem ||
         static_cast<uint64_t>(n) * elem != info.end - info.begin) {
       return tensor_error(absl::StrCat("shape holds ", n, " ", SafetensorsDtypeName(info.dtype),
-                                       " elements but data_offsets span ",
-                                       info.end - info.begin, " bytes"));
+                                       " elements but data_offsets span ", info.end - info.begin,
+                                       " bytes"));
     }
     file.tensors_.push_back(std::move(info));
   }
@@ -189,7 +193,8 @@ absl::StatusOr<const SafetensorsTensorInfo*> SafetensorsFile::FindTensor(
     absl::string_view name) const {
   auto it = index_.find(name);
   if (it == index_.end()) {
-    return absl::NotFoundError(absl::StrCat("safetensors '", path(), "' has no tensor '", name, "'"));
+    return absl::NotFoundError(
+        absl::StrCat("safetensors '", path(), "' has no tensor '", name, "'"));
   }
   return &tensors_[it->second];
 }
@@ -209,8 +214,7 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ToFloat32(absl::string_view 
 absl::Status SafetensorsFile::ToFloat32Into(const SafetensorsTensorInfo& info,
                                             std::span<float> out) const {
   if (out.size() != static_cast<size_t>(info.n_elements)) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", info.name, "' has ",
-                                                   info.n_elements,
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", info.name, "' has ", info.n_elements,
                                                    " elements but the output has ", out.size()));
   }
   const uint8_t* src = TensorData(info).data();
@@ -234,15 +238,33 @@ absl::Status SafetensorsFile::ToFloat32Into(const SafetensorsTensorInfo& info,
         dst[i] = Bf16ToFloat(h);
       }
       return absl::OkStatus();
-    case SafetensorsDtype::kF64: Convert<double>(src, n, dst); return absl::OkStatus();
-    case SafetensorsDtype::kU8: Convert<uint8_t>(src, n, dst); return absl::OkStatus();
-    case SafetensorsDtype::kI8: Convert<int8_t>(src, n, dst); return absl::OkStatus();
-    case SafetensorsDtype::kU16: Convert<uint16_t>(src, n, dst); return absl::OkStatus();
-    case SafetensorsDtype::kI16: Convert<int16_t>(src, n, dst); return absl::OkStatus();
-    case SafetensorsDtype::kU32: Convert<uint32_t>(src, n, dst); return absl::OkStatus();
-    case SafetensorsDtype::kI32: Convert<int32_t>(src, n, dst); return absl::OkStatus();
-    case SafetensorsDtype::kU64: Convert<uint64_t>(src, n, dst); return absl::OkStatus();
-    case SafetensorsDtype::kI64: Convert<int64_t>(src, n, dst); return absl::OkStatus();
+    case SafetensorsDtype::kF64:
+      Convert<double>(src, n, dst);
+      return absl::OkStatus();
+    case SafetensorsDtype::kU8:
+      Convert<uint8_t>(src, n, dst);
+      return absl::OkStatus();
+    case SafetensorsDtype::kI8:
+      Convert<int8_t>(src, n, dst);
+      return absl::OkStatus();
+    case SafetensorsDtype::kU16:
+      Convert<uint16_t>(src, n, dst);
+      return absl::OkStatus();
+    case SafetensorsDtype::kI16:
+      Convert<int16_t>(src, n, dst);
+      return absl::OkStatus();
+    case SafetensorsDtype::kU32:
+      Convert<uint32_t>(src, n, dst);
+      return absl::OkStatus();
+    case SafetensorsDtype::kI32:
+      Convert<int32_t>(src, n, dst);
+      return absl::OkStatus();
+    case SafetensorsDtype::kU64:
+      Convert<uint64_t>(src, n, dst);
+      return absl::OkStatus();
+    case SafetensorsDtype::kI64:
+      Convert<int64_t>(src, n, dst);
+      return absl::OkStatus();
     case SafetensorsDtype::kBool:
     case SafetensorsDtype::kF8E4M3:
     case SafetensorsDtype::kF8E5M2:
@@ -290,8 +312,8 @@ absl::StatusOr<SafetensorsCheckpoint> SafetensorsCheckpoint::Open(const std::str
     std::set<std::string> shard_names;
     for (const auto& [tensor, shard] : map_it->items()) {
       if (!shard.is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat("'", index_name, "': weight_map entry '",
-                                                       tensor, "' is not a string"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("'", index_name, "': weight_map entry '", tensor, "' is not a string"));
       }
       const std::string s = shard.get<std::string>();
       const fs::path p(s);
@@ -312,9 +334,9 @@ absl::StatusOr<SafetensorsCheckpoint> SafetensorsCheckpoint::Open(const std::str
     for (const auto& [tensor, shard] : map_it->items()) {
       const size_t i = shard_index.at(shard.get<std::string>());
       if (!ckpt.shards_[i].HasTensor(tensor)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("'", index_name, "' maps tensor '", tensor, "' to '",
-                         shard.get<std::string>(), "', which does not contain it"));
+        return absl::InvalidArgumentError(absl::StrCat("'", index_name, "' maps tensor '", tensor,
+                                                       "' to '", shard.get<std::string>(),
+                                                       "', which does not contain it"));
       }
       ckpt.tensor_shard_.emplace(tensor, i);
     }
@@ -357,6 +379,12 @@ absl::StatusOr<std::span<const uint8_t>> SafetensorsCheckpoint::TensorData(
 absl::StatusOr<std::vector<float>> SafetensorsCheckpoint::ToFloat32(absl::string_view name) const {
   KVR_ASSIGN_OR_RETURN(const SafetensorsTensorInfo* info, FindTensor(name));
   return shards_[tensor_shard_.find(name)->second].ToFloat32(info->name);
+}
+
+absl::Status SafetensorsCheckpoint::ToFloat32Into(absl::string_view name,
+                                                  std::span<float> out) const {
+  KVR_ASSIGN_OR_RETURN(const SafetensorsTensorInfo* info, FindTensor(name));
+  return shards_[tensor_shard_.find(name)->second].ToFloat32Into(*info, out);
 }
 
 }  // namespace kvr::model

@@ -111,8 +111,8 @@ TEST(DequantTest, Q4_KUnpacksSixBitScales) {
   for (int i = 0; i < 128; ++i) block[16 + i] = 0x21;  // low nibble 1, high nibble 2
   std::vector<float> y(256);
   ASSERT_TRUE(DequantizeRow(GgmlType::kQ4_K, block, 256, y.data()).ok());
-  EXPECT_EQ(y[0], 1.f * 2 * 1 - 0.5f * 1);    // sub-block 0, low nibbles
-  EXPECT_EQ(y[40], 1.f * 3 * 2 - 0.f);        // sub-block 1, high nibbles
+  EXPECT_EQ(y[0], 1.f * 2 * 1 - 0.5f * 1);     // sub-block 0, low nibbles
+  EXPECT_EQ(y[40], 1.f * 3 * 2 - 0.f);         // sub-block 1, high nibbles
   EXPECT_EQ(y[130], 1.f * 19 * 1 - 0.5f * 5);  // sub-block 4
 }
 
@@ -137,8 +137,8 @@ TEST(DequantTest, Q6_K) {
   auto* sc = reinterpret_cast<int8_t*>(block + 192);
   sc[0] = -3;
   sc[2] = 4;
-  block[0] = 0x0F;        // ql[0] low nibble 15 (element 0)
-  block[32] = 0x01;       // ql[32] low nibble 1 (element 32)
+  block[0] = 0x0F;          // ql[0] low nibble 15 (element 0)
+  block[32] = 0x01;         // ql[32] low nibble 1 (element 32)
   block[128] = 2 | 1 << 2;  // qh[0]: element 0 high bits 2, element 32 high bits 1
   std::vector<float> y(256);
   ASSERT_TRUE(DequantizeRow(GgmlType::kQ6_K, block, 256, y.data()).ok());

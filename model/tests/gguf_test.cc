@@ -79,7 +79,8 @@ class GgufBuilder {
 std::string WriteFile(const std::string& name, const std::vector<uint8_t>& bytes) {
   const std::string path = ::testing::TempDir() + "/kvr_gguf_test_" + name + ".gguf";
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
   return path;
 }
 
@@ -103,7 +104,12 @@ std::vector<uint8_t> ValidFile(uint32_t version = 3) {
   b.Str("t.strings").Pod<uint32_t>(9).Pod<uint32_t>(8).Pod<uint64_t>(3);
   b.Str("a").Str("").Str("ccc");
   // array of f32
-  b.Str("t.floats").Pod<uint32_t>(9).Pod<uint32_t>(6).Pod<uint64_t>(2).Pod<float>(0.5f).Pod<float>(-2.f);
+  b.Str("t.floats")
+      .Pod<uint32_t>(9)
+      .Pod<uint32_t>(6)
+      .Pod<uint64_t>(2)
+      .Pod<float>(0.5f)
+      .Pod<float>(-2.f);
   // array of i32
   b.Str("t.ints").Pod<uint32_t>(9).Pod<uint32_t>(5).Pod<uint64_t>(3);
   b.Pod<int32_t>(1).Pod<int32_t>(-2).Pod<int32_t>(300);
@@ -197,7 +203,7 @@ TEST(GgufTest, AccessorErrorsNameKeyAndType) {
   auto s = file->GetString("t.i32");
   EXPECT_THAT(s.status().message(), HasSubstr("t.i32"));
   EXPECT_THAT(s.status().message(), HasSubstr("i32"));
-  EXPECT_FALSE(file->GetInt("t.u64").ok());  // 1.8e19 does not fit int64
+  EXPECT_FALSE(file->GetInt("t.u64").ok());              // 1.8e19 does not fit int64
   EXPECT_FALSE(file->GetArray<uint8_t>("t.ints").ok());  // -2 is out of range
   EXPECT_FALSE(file->GetStringArray("t.floats").ok());
   EXPECT_FALSE(file->DequantizeTensor("nope").ok());
@@ -290,7 +296,8 @@ TEST(GgufTest, HugeCountsAndLengthsAreRejected) {
                         "file has 128 bytes"));
   GgufBuilder absurd(3);  // 2^62 f64 elements = 2^65 bytes
   absurd.Counts(1, 0).TensorInfo("absurd", {int64_t{1} << 31, int64_t{1} << 31}, 28, 0);
-  EXPECT_THAT(OpenBytes("absurd", absurd.bytes()).message(), HasSubstr("'absurd' has an absurd size"));
+  EXPECT_THAT(OpenBytes("absurd", absurd.bytes()).message(),
+              HasSubstr("'absurd' has an absurd size"));
 }
 
 TEST(GgufTest, OtherCorruptions) {
@@ -299,16 +306,22 @@ TEST(GgufTest, OtherCorruptions) {
   EXPECT_THAT(OpenBytes("valuetype", vt.bytes()).message(),
               HasSubstr("unknown metadata value type 13 for key 'k'"));
   GgufBuilder dup(3);
-  dup.Counts(0, 2).Kv<uint8_t>("k", GgufValueType::kUint8, 1).Kv<uint8_t>("k", GgufValueType::kUint8, 2);
+  dup.Counts(0, 2)
+      .Kv<uint8_t>("k", GgufValueType::kUint8, 1)
+      .Kv<uint8_t>("k", GgufValueType::kUint8, 2);
   EXPECT_THAT(OpenBytes("dup", dup.bytes()).message(), HasSubstr("duplicate metadata key 'k'"));
   GgufBuilder dims(3);
   dims.Counts(1, 0).TensorInfo("w", {1, 1, 1, 1, 1}, 0, 0);
   EXPECT_THAT(OpenBytes("dims", dims.bytes()).message(), HasSubstr("5 dimensions"));
   GgufBuilder align(3);
   align.Counts(1, 0).TensorInfo("w", {4}, 0, 8).Align(32).Raw(std::vector<uint8_t>(64).data(), 64);
-  EXPECT_THAT(OpenBytes("align", align.bytes()).message(), HasSubstr("not a multiple of the alignment"));
+  EXPECT_THAT(OpenBytes("align", align.bytes()).message(),
+              HasSubstr("not a multiple of the alignment"));
   GgufBuilder block(3);
-  block.Counts(1, 0).TensorInfo("w", {33}, 8, 0).Align(32).Raw(std::vector<uint8_t>(128).data(), 128);
+  block.Counts(1, 0)
+      .TensorInfo("w", {33}, 8, 0)
+      .Align(32)
+      .Raw(std::vector<uint8_t>(128).data(), 128);
   EXPECT_THAT(OpenBytes("block", block.bytes()).message(), HasSubstr("block size 32"));
   GgufBuilder boolean(3);
   boolean.Counts(0, 1).Kv<uint8_t>("b", GgufValueType::kBool, 7);
@@ -424,7 +437,8 @@ TEST_F(SmolLm2Test, TruncatedCopiesFailWithTheirPosition) {
   auto file = GgufFile::Open(path_);
   ASSERT_TRUE(file.ok()) << file.status();
   const std::span<const uint8_t> prefix_src = *file->TensorData("token_embd.weight");
-  const uint8_t* base = prefix_src.data() - file->data_offset() - (*file->FindTensor("token_embd.weight"))->offset;
+  const uint8_t* base =
+      prefix_src.data() - file->data_offset() - (*file->FindTensor("token_embd.weight"))->offset;
   for (size_t cut : {size_t{300000}, static_cast<size_t>(file->data_offset()) + 4096}) {
     std::vector<uint8_t> bytes(base, base + cut);
     absl::Status s = OpenBytes("smollm2_cut", bytes);

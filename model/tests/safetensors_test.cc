@@ -50,9 +50,8 @@ std::vector<uint8_t> Serialize(const std::vector<RawTensor>& tensors,
   nlohmann::json header = nlohmann::json::object();
   uint64_t offset = 0;
   for (const RawTensor& t : tensors) {
-    header[t.name] = {{"dtype", t.dtype},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + t.data.size()}}};
+    header[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};
     offset += t.data.size();
   }
   if (!metadata.is_null()) header["__metadata__"] = metadata;
@@ -77,7 +76,8 @@ std::vector<uint8_t> RawFile(const std::string& header_text, size_t data_bytes) 
 
 void Write(const std::string& path, const std::vector<uint8_t>& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
 }
 
 void WriteText(const std::string& path, const std::string& text) {
@@ -96,7 +96,10 @@ std::vector<RawTensor> SampleTensors() {
   return {
       {"w.f32", "F32", {2, 3}, Bytes<float>({1, 2, 3, 4, 5, -6.5f})},
       {"w.f16", "F16", {2}, Bytes<uint16_t>({FloatToFp16(0.5f), FloatToFp16(-3.f)})},
-      {"w.bf16", "BF16", {3}, Bytes<uint16_t>({FloatToBf16(1.f), FloatToBf16(-2.f), FloatToBf16(256.f)})},
+      {"w.bf16",
+       "BF16",
+       {3},
+       Bytes<uint16_t>({FloatToBf16(1.f), FloatToBf16(-2.f), FloatToBf16(256.f)})},
       {"ids", "I64", {2}, Bytes<int64_t>({-7, 123456})},
       {"scalar", "F64", {}, Bytes<double>({0.25})},
       {"empty", "F32", {0, 4}, {}},
@@ -150,22 +153,25 @@ TEST(SafetensorsTest, CorruptAndTruncatedFilesGiveClearErrors) {
   EXPECT_THAT(open_raw(RawFile("{\"a\": {\"dtype\": \"F32\",", 0)).message(),
               HasSubstr("corrupt JSON header"));
   EXPECT_THAT(open_raw(RawFile("[1, 2]", 0)).message(), HasSubstr("not an object"));
-  EXPECT_THAT(open_raw(RawFile(R"({"a": {"dtype": "F17", "shape": [1], "data_offsets": [0, 4]}})", 4))
-                  .message(),
-              HasSubstr("unknown safetensors dtype 'F17'"));
-  EXPECT_THAT(open_raw(RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}})", 4))
-                  .message(),
-              HasSubstr("tensor 'a': shape holds 2 F32 elements but data_offsets span 4 bytes"));
-  EXPECT_THAT(open_raw(RawFile(R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4))
-                  .message(),
-              HasSubstr("non-negative"));
+  EXPECT_THAT(
+      open_raw(RawFile(R"({"a": {"dtype": "F17", "shape": [1], "data_offsets": [0, 4]}})", 4))
+          .message(),
+      HasSubstr("unknown safetensors dtype 'F17'"));
+  EXPECT_THAT(
+      open_raw(RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}})", 4))
+          .message(),
+      HasSubstr("tensor 'a': shape holds 2 F32 elements but data_offsets span 4 bytes"));
+  EXPECT_THAT(
+      open_raw(RawFile(R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4))
+          .message(),
+      HasSubstr("non-negative"));
   EXPECT_THAT(open_raw(RawFile(R"({"a": {"dtype": "F32", "shape": [1]}})", 4)).message(),
               HasSubstr("data_offsets"));
-  EXPECT_THAT(
-      open_raw(RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                           "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8))
-          .message(),
-      HasSubstr("overlap"));
+  EXPECT_THAT(open_raw(RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                           "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                               8))
+                  .message(),
+              HasSubstr("overlap"));
   // Every prefix of a valid file fails cleanly.
   for (size_t n = 0; n < valid.size(); ++n) {
     std::vector<uint8_t> prefix(valid.begin(), valid.begin() + static_cast<std::ptrdiff_t>(n));
@@ -190,7 +196,8 @@ TEST(SafetensorsCheckpointTest, SingleFile) {
   EXPECT_EQ(ckpt->config()["model_type"], "llama");
   EXPECT_EQ(ckpt->config()["hidden_size"].get<int>(), 8);
   EXPECT_EQ(ckpt->shards().size(), 1u);
-  EXPECT_THAT(ckpt->TensorNames(), ElementsAre("empty", "ids", "scalar", "w.bf16", "w.f16", "w.f32"));
+  EXPECT_THAT(ckpt->TensorNames(),
+              ElementsAre("empty", "ids", "scalar", "w.bf16", "w.f16", "w.f32"));
   EXPECT_THAT(*ckpt->ToFloat32("w.bf16"), ElementsAre(1.f, -2.f, 256.f));
 }
 
@@ -200,13 +207,12 @@ TEST(SafetensorsCheckpointTest, ShardedIndexRoundTrip) {
   const std::vector<RawTensor> all = SampleTensors();
   Write(dir + "/model-00001-of-00002.safetensors", Serialize({all[0], all[1]}));
   Write(dir + "/model-00002-of-00002.safetensors", Serialize({all[2], all[3]}));
-  const nlohmann::json index = {
-      {"metadata", {{"total_size", 52}}},
-      {"weight_map",
-       {{"w.f32", "model-00001-of-00002.safetensors"},
-        {"w.f16", "model-00001-of-00002.safetensors"},
-        {"w.bf16", "model-00002-of-00002.safetensors"},
-        {"ids", "model-00002-of-00002.safetensors"}}}};
+  const nlohmann::json index = {{"metadata", {{"total_size", 52}}},
+                                {"weight_map",
+                                 {{"w.f32", "model-00001-of-00002.safetensors"},
+                                  {"w.f16", "model-00001-of-00002.safetensors"},
+                                  {"w.bf16", "model-00002-of-00002.safetensors"},
+                                  {"ids", "model-00002-of-00002.safetensors"}}}};
   WriteText(dir + "/model.safetensors.index.json", index.dump(2));
   auto ckpt = SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
@@ -216,6 +222,11 @@ TEST(SafetensorsCheckpointTest, ShardedIndexRoundTrip) {
   EXPECT_THAT(*ckpt->ToFloat32("ids"), ElementsAre(-7.f, 123456.f));
   EXPECT_EQ((*ckpt->FindTensor("w.bf16"))->dtype, SafetensorsDtype::kBF16);
   EXPECT_EQ((*ckpt->TensorData("w.f16")).size(), 4u);
+  std::vector<float> into(2);
+  ASSERT_TRUE(ckpt->ToFloat32Into("w.f16", into).ok());
+  EXPECT_THAT(into, ElementsAre(0.5f, -3.f));
+  into.resize(3);
+  EXPECT_THAT(ckpt->ToFloat32Into("w.f16", into).message(), HasSubstr("has 2 elements"));
   EXPECT_EQ(ckpt->FindTensor("scalar").status().code(), absl::StatusCode::kNotFound);
 
   // The index names a tensor its shard does not hold.

@@ -96,9 +96,9 @@ struct GgufTensorInfo {
   // shape [out, in] appears here as {in, out}.
   std::vector<int64_t> dims;
   GgmlType type = GgmlType::kF32;
-  uint64_t offset = 0;      // from the start of the data section (aligned)
-  uint64_t n_bytes = 0;     // size of the tensor's data
-  int64_t n_elements = 0;   // product of dims
+  uint64_t offset = 0;     // from the start of the data section (aligned)
+  uint64_t n_bytes = 0;    // size of the tensor's data
+  int64_t n_elements = 0;  // product of dims
   int64_t row_length() const { return dims.empty() ? 1 : dims[0]; }
   int64_t n_rows() const { return dims.empty() || dims[0] == 0 ? 0 : n_elements / dims[0]; }
 };
@@ -117,8 +117,8 @@ class GgufFile {
 
   const std::string& path() const { return file_.path(); }
   uint32_t version() const { return version_; }
-  uint64_t alignment() const { return alignment_; }        // general.alignment, default 32
-  uint64_t data_offset() const { return data_offset_; }    // file offset of the data section
+  uint64_t alignment() const { return alignment_; }      // general.alignment, default 32
+  uint64_t data_offset() const { return data_offset_; }  // file offset of the data section
 
   // ---- metadata -------------------------------------------------------------------------
   // Entries in file order.
@@ -127,7 +127,7 @@ class GgufFile {
   // NotFound naming the key when absent.
   [[nodiscard]] absl::StatusOr<const GgufValue*> Get(absl::string_view key) const;
   [[nodiscard]] absl::StatusOr<absl::string_view> GetString(absl::string_view key) const;
-  [[nodiscard]] absl::StatusOr<int64_t> GetInt(absl::string_view key) const;  // any integer type
+  [[nodiscard]] absl::StatusOr<int64_t> GetInt(absl::string_view key) const;   // any integer type
   [[nodiscard]] absl::StatusOr<double> GetFloat(absl::string_view key) const;  // f32/f64/integer
   [[nodiscard]] absl::StatusOr<bool> GetBool(absl::string_view key) const;
   [[nodiscard]] absl::StatusOr<std::vector<std::string>> GetStringArray(
@@ -177,7 +177,9 @@ absl::StatusOr<std::vector<T>> GgufFile::GetArray(absl::string_view key) const {
   auto value = Get(key);
   if (!value.ok()) return value.status();
   auto array = (*value)->AsArray();
-  if (!array.ok()) return absl::InvalidArgumentError(absl::StrCat("GGUF key '", key, "': ", array.status().message()));
+  if (!array.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat("GGUF key '", key, "': ", array.status().message()));
   std::vector<T> out;
   out.reserve((*array)->items.size());
   for (size_t i = 0; i < (*array)->items.size(); ++i) {
@@ -185,7 +187,8 @@ absl::StatusOr<std::vector<T>> GgufFile::GetArray(absl::string_view key) const {
     if constexpr (std::is_integral_v<T>) {
       auto v = item.AsInt();
       if (!v.ok() || *v < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
-          (*v > 0 && static_cast<uint64_t>(*v) > static_cast<uint64_t>(std::numeric_limits<T>::max()))) {
+          (*v > 0 &&
+           static_cast<uint64_t>(*v) > static_cast<uint64_t>(std::numeric_limits<T>::max()))) {
         return absl::InvalidArgumentError(
             absl::StrCat("GGUF key '", key, "' element ", i, " (", GgufValueTypeName(item.type()),
                          ") is not an integer that fits the requested type"));

@@ -56,7 +56,7 @@ struct SafetensorsTensorInfo {
   std::vector<int64_t> shape;  // PyTorch order, last dimension fastest
   uint64_t begin = 0;          // byte offsets within the data section, [begin, end)
   uint64_t end = 0;
-  int64_t n_elements = 0;      // product of shape (1 for a scalar)
+  int64_t n_elements = 0;  // product of shape (1 for a scalar)
 };
 
 class SafetensorsFile {
@@ -124,6 +124,8 @@ class SafetensorsCheckpoint {
       absl::string_view name) const;
   [[nodiscard]] absl::StatusOr<std::span<const uint8_t>> TensorData(absl::string_view name) const;
   [[nodiscard]] absl::StatusOr<std::vector<float>> ToFloat32(absl::string_view name) const;
+  // Same into caller memory (no intermediate copy); `out.size()` must equal n_elements.
+  [[nodiscard]] absl::Status ToFloat32Into(absl::string_view name, std::span<float> out) const;
 
  private:
   SafetensorsCheckpoint();

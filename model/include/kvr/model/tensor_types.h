@@ -50,9 +50,9 @@ enum class GgmlType : uint32_t {
 };
 
 struct GgmlTypeTraits {
-  absl::string_view name;     // ggml's name, e.g. "q4_K", "bf16"
-  int64_t block_size = 0;    // elements per block (1 for plain types)
-  int64_t type_size = 0;     // bytes per block
+  absl::string_view name;      // ggml's name, e.g. "q4_K", "bf16"
+  int64_t block_size = 0;      // elements per block (1 for plain types)
+  int64_t type_size = 0;       // bytes per block
   bool dequantizable = false;  // DequantizeRow supports it
 };
 
