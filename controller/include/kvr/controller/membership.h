@@ -1,0 +1,99 @@
+#pragma once
+// Cluster membership: which nodes are alive, what they can hold and how loaded they are.
+//
+// Every node holds a lease that Register and each Heartbeat renew; a node whose lease lapsed
+// is gone (expiry is evaluated lazily on every read, so no background thread is needed). A
+// node that an RPC proved dead is dropped at once with MarkFailed; it comes back by
+// registering again. Thread-safe.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvr/controller/clock.h"
+#include "kvr/controller/types.h"
+
+namespace kvr::controller {
+
+// What placement added to a node since its last load report. Heartbeats replace the node's
+// load with its own report, which from then on includes this work, so pending load is reset
+// by each heartbeat rather than subtracted when requests end.
+struct PendingLoad {
+  uint64_t prefill_tokens = 0;
+  uint32_t sequences = 0;
+  uint64_t memory_bytes = 0;
+};
+
+// A model as the live nodes describe it: the smallest context length any of them reported and
+// the retrieval methods every decode node serving it supports.
+struct ModelSummary {
+  ModelInfo info;
+  uint32_t prefill_nodes = 0;
+  uint32_t decode_nodes = 0;
+};
+
+class Membership {
+ public:
+  // `clock` must outlive the membership.
+  Membership(const Clock* clock, absl::Duration lease);
+
+  Membership(const Membership&) = delete;
+  Membership& operator=(const Membership&) = delete;
+
+  // Adds a node and returns its id. INVALID_ARGUMENT when the registration is malformed (no
+  // gRPC address, a prefill/decode node without models, a decode node without batch slots,
+  // a store without memory or UCX address, a model without a context length).
+  [[nodiscard]] absl::StatusOr<std::string> Register(NodeRegistration registration);
+
+  // Renews the lease, stores the load and returns the new lease expiry. NOT_FOUND when the id
+  // is unknown or its lease already lapsed (the node must register again).
+  [[nodiscard]] absl::StatusOr<absl::Time> Heartbeat(absl::string_view node_id, const NodeLoad& load);
+
+  // NOT_FOUND when unknown.
+  [[nodiscard]] absl::Status Deregister(absl::string_view node_id);
+
+  // Drops a node that failed an RPC; no-op when it is already gone.
+  void MarkFailed(absl::string_view node_id);
+
+  // Adds work placed on a node to its effective load until its next heartbeat.
+  void AddPending(absl::string_view node_id, const PendingLoad& pending);
+
+  // Live nodes of `role` (all roles when unset), in registration order.
+  std::vector<NodeSnapshot> LiveNodes(std::optional<NodeRole> role = std::nullopt) const;
+  std::optional<NodeSnapshot> Find(absl::string_view node_id) const;
+
+  // Models served by live prefill AND decode nodes (only those can run a request), by name.
+  std::vector<ModelSummary> Models() const;
+  std::optional<ModelSummary> FindModel(absl::string_view name) const;
+
+  absl::Duration lease() const { return lease_; }
+
+ private:
+  struct Entry {
+    NodeSnapshot snapshot;
+    NodeLoad reported;
+    PendingLoad pending;
+  };
+  // Removes entries whose lease lapsed. Called under the lock by every accessor.
+  void ExpireLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static NodeLoad Effective(const NodeLoad& reported, const PendingLoad& pending);
+
+  const Clock* clock_;
+  const absl::Duration lease_;
+  mutable absl::Mutex mu_;
+  // Keyed by serial so that iteration is registration order. Mutable: lazy expiry in const
+  // readers removes entries, which does not change the observable membership.
+  mutable absl::btree_map<uint64_t, Entry> nodes_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace kvr::controller

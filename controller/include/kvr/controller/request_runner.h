@@ -1,0 +1,93 @@
+#pragma once
+// Drives one Generate request through the cluster: admission is done by the caller; this
+// places the request, runs prefill, relays the first token and the decode node's stream to a
+// ResponseSink, and applies the retry rule of RequestStateMachine when a node fails. Plain
+// class over the node-client interfaces; the gRPC service is a thin shell around it.
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "kvr/controller/cancellation.h"
+#include "kvr/controller/clock.h"
+#include "kvr/controller/membership.h"
+#include "kvr/controller/node_clients.h"
+#include "kvr/controller/placement.h"
+#include "kvr/controller/types.h"
+
+namespace kvr::controller {
+
+struct RunnerOptions {
+  // Attempts per request (1 = no retry).
+  uint32_t max_attempts = 3;
+  // Deadline of the best-effort Cancel RPCs sent when a request ends early. Its own, because
+  // the request's deadline may be the reason it ended.
+  absl::Duration cancel_rpc_timeout = absl::Seconds(1);
+};
+
+// What the client sees at the end of a successful request.
+struct FinalReport {
+  Completion completion;
+  absl::Duration queue;
+  absl::Duration time_to_first_token;
+  absl::Duration decode;
+  absl::Duration prefill;
+  std::string prefill_node;
+  std::string decode_node;
+  std::string store_node;
+  uint32_t attempts = 0;
+};
+
+// One message to the client: new tokens, or (last) the final report.
+struct GenerateEvent {
+  TokenChunk chunk;
+  // Completion tokens sent so far, this message's included.
+  uint32_t completion_tokens = 0;
+  uint32_t prompt_tokens = 0;
+  std::optional<FinalReport> final;
+};
+
+class ResponseSink {
+ public:
+  virtual ~ResponseSink() = default;
+  // An error means the client is gone; the runner then cancels downstream.
+  [[nodiscard]] virtual absl::Status Send(const GenerateEvent& event) = 0;
+};
+
+class RequestRunner {
+ public:
+  // All pointers must outlive the runner.
+  RequestRunner(Membership* membership, Placement* placement, PrefillClient* prefill,
+                DecodeClient* decode, const Clock* clock, RunnerOptions options);
+
+  // Runs `params` to completion. `arrival` is when the controller received the request;
+  // `deadline` the client's (absolute). Returns OK after the final event was sent; otherwise
+  // the status that ends the client's stream (CANCELLED with cancel's reason when cancelled).
+  [[nodiscard]] absl::Status Run(const GenerateParams& params, absl::Time arrival,
+                                 absl::Time deadline, CancellationToken* cancel,
+                                 ResponseSink* sink);
+
+ private:
+  void CancelDownstream(const NodeSnapshot* prefill, const NodeSnapshot* decode,
+                        const GenerateParams& params, uint64_t sequence_id,
+                        absl::string_view reason);
+
+  Membership* membership_;
+  Placement* placement_;
+  PrefillClient* prefill_;
+  DecodeClient* decode_;
+  const Clock* clock_;
+  const RunnerOptions options_;
+  // Sequence ids name KV in the stores, which outlive a controller restart: they start from
+  // the start time so that a restarted controller does not reuse its predecessor's ids.
+  std::atomic<uint64_t> next_sequence_id_;
+};
+
+// The node an error names through kFailedNodePayloadUrl, if any.
+std::optional<std::string> FailedNodeOf(const absl::Status& status);
+
+}  // namespace kvr::controller

@@ -1,0 +1,215 @@
+#include "kvr/controller/request_runner.h"
+
+#include <utility>
+
+#include "absl/strings/string_view.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "kvr/controller/request_state.h"
+#include "spdlog/spdlog.h"
+
+namespace kvr::controller {
+
+std::optional<std::string> FailedNodeOf(const absl::Status& status) {
+  auto payload = status.GetPayload(kFailedNodePayloadUrl);
+  if (!payload) return std::nullopt;
+  return std::string(*payload);
+}
+
+RequestRunner::RequestRunner(Membership* membership, Placement* placement, PrefillClient* prefill,
+                             DecodeClient* decode, const Clock* clock, RunnerOptions options)
+    : membership_(membership),
+      placement_(placement),
+      prefill_(prefill),
+      decode_(decode),
+      clock_(clock),
+      options_(options),
+      next_sequence_id_(static_cast<uint64_t>(absl::ToUnixMicros(clock->Now())) << 8) {}
+
+void RequestRunner::CancelDownstream(const NodeSnapshot* prefill, const NodeSnapshot* decode,
+                                     const GenerateParams& params, uint64_t sequence_id,
+                                     absl::string_view reason) {
+  const absl::Time deadline = clock_->Now() + options_.cancel_rpc_timeout;
+  // Best effort: the node may be the one that died, or may have dropped the sequence itself.
+  if (prefill != nullptr) {
+    absl::Status s = prefill_->Cancel(*prefill, params.request_id, sequence_id, reason, deadline);
+    if (!s.ok()) spdlog::debug("cancel on {}: {}", prefill->id, s.ToString());
+  }
+  if (decode != nullptr) {
+    absl::Status s = decode_->Cancel(*decode, params.request_id, sequence_id, reason, deadline);
+    if (!s.ok()) spdlog::debug("cancel on {}: {}", decode->id, s.ToString());
+  }
+}
+
+absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival,
+                                absl::Time deadline, CancellationToken* cancel,
+                                ResponseSink* sink) {
+  RequestStateMachine state(options_.max_attempts);
+  absl::flat_hash_set<std::string> excluded;
+  absl::Status last_failure;
+
+  while (true) {
+    if (cancel->IsCancelled()) {
+      state.Cancel();
+      return cancel->reason();
+    }
+    if (clock_->Now() >= deadline) {
+      state.Fail();
+      return absl::DeadlineExceededError(absl::StrCat(
+          "deadline: passed before prefill could start",
+          last_failure.ok() ? "" : absl::StrCat(" (last failure: ", last_failure.message(), ")")));
+    }
+    if (absl::Status s = state.BeginAttempt(); !s.ok()) return s;
+
+    PlacementRequest preq{params.model, params.retrieval.method, params.prompt_tokens_bound,
+                          params.sampling.max_tokens, excluded};
+    absl::StatusOr<PlacementDecision> placed = placement_->Place(preq);
+    if (!placed.ok()) {
+      state.Fail();
+      if (!last_failure.ok()) {
+        // The cluster had room before a node failed; report the failure, not the symptom.
+        return absl::UnavailableError(absl::StrCat(
+            "no healthy node left to retry on after attempt ", state.attempts() - 1,
+            " failed (", last_failure.message(), "): ", placed.status().message()));
+      }
+      if (absl::IsNotFound(placed.status())) {
+        return absl::UnavailableError(placed.status().message());
+      }
+      return placed.status();
+    }
+    const PlacementDecision& where = *placed;
+    const uint64_t sequence_id = next_sequence_id_.fetch_add(1);
+    const absl::Time prefill_start = clock_->Now();
+    spdlog::info("request {} attempt {}: prefill {} decode {} store {} (sequence {})",
+                 params.request_id, state.attempts(), where.prefill.id, where.decode.id,
+                 where.store.id, sequence_id);
+
+    PrefillCall call{&params, sequence_id, where.decode, where.store, deadline, state.attempts()};
+    absl::StatusOr<PrefillResult> prefilled = prefill_->Prefill(where.prefill, call, cancel);
+    if (!prefilled.ok()) {
+      const absl::Status& err = prefilled.status();
+      if (cancel->IsCancelled()) {
+        state.Cancel();
+        CancelDownstream(&where.prefill, &where.decode, params, sequence_id,
+                         cancel->reason().message());
+        return cancel->reason();
+      }
+      if (!IsNodeFailure(err)) {
+        state.Fail();
+        CancelDownstream(&where.prefill, &where.decode, params, sequence_id, err.message());
+        if (absl::IsDeadlineExceeded(err)) {
+          return absl::DeadlineExceededError(
+              absl::StrCat("deadline: passed during prefill on ", where.prefill.id));
+        }
+        return err;  // e.g. INVALID_ARGUMENT from tokenization: the client's to fix.
+      }
+      const std::string failed = FailedNodeOf(err).value_or(where.prefill.id);
+      excluded.insert(failed);
+      // A busy node (RESOURCE_EXHAUSTED) is only avoided by this request; an unreachable or
+      // broken one leaves the cluster until it registers again.
+      if (!absl::IsResourceExhausted(err)) membership_->MarkFailed(failed);
+      // D may hold a partial handoff of this sequence.
+      CancelDownstream(nullptr, failed == where.decode.id ? nullptr : &where.decode, params,
+                       sequence_id, "prefill attempt failed");
+      last_failure = absl::Status(
+          err.code(), absl::StrCat("prefill on ", where.prefill.id, " failed at node ", failed,
+                                   ": ", err.message()));
+      spdlog::warn("request {}: {}", params.request_id, std::string(last_failure.message()));
+      if (state.OnNodeFailure() == RequestStateMachine::FailureAction::kRetry) continue;
+      return absl::UnavailableError(absl::StrCat("request failed after ", state.attempts(),
+                                                 " attempts: ", last_failure.message()));
+    }
+
+    // First token: from here on the request cannot be retried.
+    const PrefillResult& first = *prefilled;
+    const absl::Time first_token_time = clock_->Now();
+    FinalReport report;
+    report.queue = prefill_start - arrival;
+    report.time_to_first_token = first_token_time - arrival;
+    report.prefill = first.prefill_time;
+    report.prefill_node = where.prefill.id;
+    report.decode_node = where.decode.id;
+    report.store_node = where.store.id;
+    report.attempts = state.attempts();
+
+    GenerateEvent event;
+    event.chunk.token_ids = {first.first_token};
+    event.chunk.text = first.first_text;
+    event.prompt_tokens = first.prompt_tokens;
+    event.completion_tokens = 1;
+    (void)state.OnTokensSent(1);
+    if (absl::Status s = sink->Send(event); !s.ok()) {
+      state.Cancel();
+      CancelDownstream(nullptr, &where.decode, params, sequence_id, "client disconnected");
+      return s;
+    }
+
+    if (first.finish_reason != FinishReason::kUnspecified) {
+      report.completion.finish_reason = first.finish_reason;
+      report.completion.matched_stop = first.matched_stop;
+      report.completion.prompt_tokens = first.prompt_tokens;
+      report.completion.completion_tokens = 1;
+      report.completion.retrieval.bytes_shipped = first.kv_bytes_shipped;
+      report.decode = clock_->Now() - first_token_time;
+      GenerateEvent last;
+      last.prompt_tokens = first.prompt_tokens;
+      last.completion_tokens = 1;
+      last.final = std::move(report);
+      state.Finish();
+      return sink->Send(last);
+    }
+
+    absl::Status sink_status;
+    absl::StatusOr<Completion> done = decode_->Stream(
+        where.decode, params.request_id, sequence_id, deadline, cancel,
+        [&](const TokenChunk& chunk) -> absl::Status {
+          GenerateEvent e;
+          e.chunk = chunk;
+          (void)state.OnTokensSent(static_cast<uint32_t>(chunk.token_ids.size()));
+          e.completion_tokens = state.tokens_sent();
+          e.prompt_tokens = first.prompt_tokens;
+          sink_status = sink->Send(e);
+          return sink_status;
+        });
+    if (!done.ok()) {
+      if (cancel->IsCancelled() || !sink_status.ok()) {
+        state.Cancel();
+        const absl::Status why = cancel->IsCancelled() ? cancel->reason() : sink_status;
+        CancelDownstream(nullptr, &where.decode, params, sequence_id, why.message());
+        return why;
+      }
+      const absl::Status& err = done.status();
+      if (absl::IsDeadlineExceeded(err)) {
+        state.Fail();
+        CancelDownstream(nullptr, &where.decode, params, sequence_id, "deadline exceeded");
+        return absl::DeadlineExceededError(absl::StrCat(
+            "deadline: passed after ", state.tokens_sent(), " tokens were streamed"));
+      }
+      (void)state.OnNodeFailure();  // always kFail: tokens were sent
+      if (IsNodeFailure(err) && !absl::IsResourceExhausted(err)) {
+        membership_->MarkFailed(where.decode.id);
+      }
+      CancelDownstream(nullptr, &where.decode, params, sequence_id, "decode failed");
+      const std::string message = absl::StrCat(
+          "decode node ", where.decode.id, " (", where.decode.registration.endpoints.grpc_address,
+          ") failed after ", state.tokens_sent(),
+          " tokens were streamed; not retried because tokens were already sent: ", err.message());
+      spdlog::warn("request {}: {}", params.request_id, message);
+      return absl::UnavailableError(message);
+    }
+
+    report.completion = *done;
+    if (report.completion.prompt_tokens == 0) report.completion.prompt_tokens = first.prompt_tokens;
+    report.completion.retrieval.bytes_shipped += first.kv_bytes_shipped;
+    report.decode = clock_->Now() - first_token_time;
+    GenerateEvent last;
+    last.prompt_tokens = report.completion.prompt_tokens;
+    last.completion_tokens = std::max(report.completion.completion_tokens, state.tokens_sent());
+    report.completion.completion_tokens = last.completion_tokens;
+    last.final = std::move(report);
+    state.Finish();
+    return sink->Send(last);
+  }
+}
+
+}  // namespace kvr::controller

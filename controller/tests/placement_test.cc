@@ -1,0 +1,134 @@
+#include "kvr/controller/placement.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "test_cluster.h"
+
+namespace kvr::controller {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace kvr::controller::testing;
+
+class PlacementTest : public ::testing::Test {
+ protected:
+  std::string Add(NodeRegistration r) { return *membership_.Register(std::move(r)); }
+  PlacementRequest Request(uint64_t prompt = 100, uint32_t max_tokens = 100) {
+    return PlacementRequest{"smollm2", "full", prompt, max_tokens, {}};
+  }
+
+  ManualClock clock_;
+  Membership membership_{&clock_, absl::Seconds(10)};
+  Placement placement_{&membership_};
+};
+
+TEST_F(PlacementTest, PicksLeastLoadedNodes) {
+  Add(Prefill("p:1", /*queued=*/500));
+  const std::string p2 = Add(Prefill("p:2", /*queued=*/100));
+  Add(Decode("d:1", /*slots=*/2));
+  const std::string d2 = Add(Decode("d:2", /*slots=*/8));
+  Add(Store("s:1", 1 << 20));
+  const std::string s2 = Add(Store("s:2", 1 << 30));
+  auto d = placement_.Place(Request());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->prefill.id, p2);
+  EXPECT_EQ(d->decode.id, d2);
+  EXPECT_EQ(d->store.id, s2);
+  EXPECT_EQ(d->kv_bytes, 200u * 1000u);
+  EXPECT_EQ(d->summary_bytes, 200u * 10u);
+}
+
+TEST_F(PlacementTest, TiesGoToEarliestRegistration) {
+  const std::string p1 = Add(Prefill("p:1"));
+  Add(Prefill("p:2"));
+  const std::string d1 = Add(Decode("d:1"));
+  Add(Decode("d:2"));
+  const std::string s1 = Add(Store("s:1"));
+  Add(Store("s:2"));
+  auto d = placement_.Place(Request());
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->prefill.id, p1);
+  EXPECT_EQ(d->decode.id, d1);
+  EXPECT_EQ(d->store.id, s1);
+}
+
+TEST_F(PlacementTest, PendingLoadSpreadsConsecutiveRequests) {
+  const std::string p1 = Add(Prefill("p:1"));
+  const std::string p2 = Add(Prefill("p:2"));
+  const std::string d1 = Add(Decode("d:1"));
+  const std::string d2 = Add(Decode("d:2"));
+  Add(Store("s:1"));
+  auto a = placement_.Place(Request());
+  auto b = placement_.Place(Request());
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->prefill.id, p1);
+  EXPECT_EQ(b->prefill.id, p2);
+  EXPECT_EQ(a->decode.id, d1);
+  EXPECT_EQ(b->decode.id, d2);
+}
+
+TEST_F(PlacementTest, FullDecodeSlotsAreResourceExhausted) {
+  Add(Prefill("p:1"));
+  Add(Decode("d:1", /*slots=*/1));
+  Add(Store("s:1"));
+  ASSERT_TRUE(placement_.Place(Request()).ok());
+  auto second = placement_.Place(Request());
+  EXPECT_TRUE(absl::IsResourceExhausted(second.status())) << second.status();
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr("decode batch slots"));
+}
+
+TEST_F(PlacementTest, DecodeMemoryStoreMemoryAndPrefillQueueNameTheResource) {
+  NodeRegistration p = Prefill("p:1");
+  p.capacity.max_queued_prefill_tokens = 150;
+  Add(p);
+  Add(Decode("d:1", 4, /*free_bytes=*/1500));
+  Add(Store("s:1", /*free_bytes=*/150'000));
+
+  auto queue = placement_.Place(Request(/*prompt=*/200, 1));
+  EXPECT_TRUE(absl::IsResourceExhausted(queue.status()));
+  EXPECT_THAT(std::string(queue.status().message()), HasSubstr("prefill queue"));
+
+  auto summaries = placement_.Place(Request(/*prompt=*/100, /*max_tokens=*/100));  // 2000 B
+  EXPECT_TRUE(absl::IsResourceExhausted(summaries.status()));
+  EXPECT_THAT(std::string(summaries.status().message()), HasSubstr("decode summary memory"));
+
+  PlacementRequest cheap = Request(/*prompt=*/100, /*max_tokens=*/100);
+  cheap.method = "clusterkv";  // 2 B/token: 400 B fit; the store needs 200 kB
+  auto store = placement_.Place(cheap);
+  EXPECT_TRUE(absl::IsResourceExhausted(store.status()));
+  EXPECT_THAT(std::string(store.status().message()), HasSubstr("store memory"));
+}
+
+TEST_F(PlacementTest, ExcludedNodesAreAvoidedAndMissingRolesAreNotFound) {
+  const std::string p1 = Add(Prefill("p:1"));
+  const std::string p2 = Add(Prefill("p:2"));
+  Add(Decode("d:1"));
+  Add(Store("s:1"));
+  PlacementRequest req = Request();
+  req.excluded = {p1};
+  auto d = placement_.Place(req);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->prefill.id, p2);
+  req.excluded = {p1, p2};
+  EXPECT_TRUE(absl::IsNotFound(placement_.Place(req).status()));
+  req.excluded = {};
+  req.method = "pariskv";
+  EXPECT_THAT(std::string(placement_.Place(req).status().message()), HasSubstr("retrieval method 'pariskv'"));
+}
+
+TEST(AdmissionTest, RefusesOverTheLimitAndTicketsGiveBack) {
+  Admission admission(2);
+  auto a = admission.Admit();
+  auto b = admission.Admit();
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto c = admission.Admit();
+  EXPECT_TRUE(absl::IsResourceExhausted(c.status()));
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("requests in flight"));
+  { Admission::Ticket released = std::move(*a); }
+  EXPECT_EQ(admission.in_flight(), 1u);
+  EXPECT_TRUE(admission.Admit().ok());
+}
+
+}  // namespace
+}  // namespace kvr::controller

@@ -1,0 +1,349 @@
+#include "kvr/controller/request_runner.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <map>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "absl/strings/str_cat.h"
+#include "kvr/controller/request_state.h"
+#include "test_cluster.h"
+
+namespace kvr::controller {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using namespace kvr::controller::testing;
+
+struct CancelCall {
+  std::string node;
+  uint64_t sequence_id;
+  std::string reason;
+};
+
+class FakePrefill : public PrefillClient {
+ public:
+  using Behavior = std::function<absl::StatusOr<PrefillResult>(const PrefillCall&)>;
+  absl::StatusOr<PrefillResult> Prefill(const NodeSnapshot& node, const PrefillCall& call,
+                                        CancellationToken* cancel) override {
+    calls.push_back({node.id, call});
+    auto it = behavior.find(node.id);
+    if (it != behavior.end()) return it->second(call);
+    PrefillResult r;
+    r.prompt_tokens = 5;
+    r.first_token = 100;
+    r.first_text = "t100";
+    return r;
+  }
+  absl::Status Cancel(const NodeSnapshot& node, absl::string_view, uint64_t seq,
+                      absl::string_view reason, absl::Time) override {
+    cancels.push_back({node.id, seq, std::string(reason)});
+    return absl::OkStatus();
+  }
+  std::map<std::string, Behavior> behavior;
+  std::vector<std::pair<std::string, PrefillCall>> calls;
+  std::vector<CancelCall> cancels;
+};
+
+class FakeDecode : public DecodeClient {
+ public:
+  absl::StatusOr<Completion> Stream(const NodeSnapshot& node, absl::string_view, uint64_t seq,
+                                    absl::Time deadline, CancellationToken* cancel,
+                                    absl::FunctionRef<absl::Status(const TokenChunk&)> on_chunk) override {
+    stream_nodes.push_back(node.id);
+    stream_deadlines.push_back(deadline);
+    for (uint32_t i = 0; i < n_tokens; ++i) {
+      if (i == fail_after) return fail_status;
+      if (i == cancel_after) cancel->Cancel(absl::CancelledError("client disconnected"));
+      if (cancel->IsCancelled()) return absl::CancelledError("call cancelled");
+      TokenChunk c{{101 + i}, absl::StrCat("t", 101 + i)};
+      if (absl::Status s = on_chunk(c); !s.ok()) return s;
+    }
+    Completion done;
+    done.finish_reason = FinishReason::kLength;
+    done.completion_tokens = n_tokens + 1;
+    done.retrieval.bytes_fetched = 4096;
+    return done;
+  }
+  absl::Status Cancel(const NodeSnapshot& node, absl::string_view, uint64_t seq,
+                      absl::string_view reason, absl::Time) override {
+    cancels.push_back({node.id, seq, std::string(reason)});
+    return absl::OkStatus();
+  }
+  uint32_t n_tokens = 3;
+  uint32_t fail_after = UINT32_MAX;
+  uint32_t cancel_after = UINT32_MAX;
+  absl::Status fail_status = absl::UnavailableError("Socket closed");
+  std::vector<std::string> stream_nodes;
+  std::vector<absl::Time> stream_deadlines;
+  std::vector<CancelCall> cancels;
+};
+
+class RecordingSink : public ResponseSink {
+ public:
+  absl::Status Send(const GenerateEvent& e) override {
+    if (events.size() >= fail_after) return absl::CancelledError("client disconnected");
+    events.push_back(e);
+    return absl::OkStatus();
+  }
+  std::vector<uint32_t> Tokens() const {
+    std::vector<uint32_t> out;
+    for (const auto& e : events) out.insert(out.end(), e.chunk.token_ids.begin(), e.chunk.token_ids.end());
+    return out;
+  }
+  size_t fail_after = SIZE_MAX;
+  std::vector<GenerateEvent> events;
+};
+
+class RequestRunnerTest : public ::testing::Test {
+ protected:
+  RequestRunnerTest() {
+    p1_ = *membership_.Register(Prefill("p:1"));
+    p2_ = *membership_.Register(Prefill("p:2"));
+    d1_ = *membership_.Register(Decode("d:1"));
+    d2_ = *membership_.Register(Decode("d:2"));
+    s1_ = *membership_.Register(Store("s:1"));
+    params_.request_id = "r1";
+    params_.model = "smollm2";
+    params_.prompt = std::string("hello");
+    params_.prompt_tokens_bound = 5;
+    params_.sampling.max_tokens = 4;
+    params_.retrieval.method = "full";
+    params_.retrieval.budget = 8;
+  }
+  absl::Status Run() {
+    return runner_.Run(params_, clock_.Now(), deadline_, &cancel_, &sink_);
+  }
+
+  ManualClock clock_;
+  Membership membership_{&clock_, absl::Seconds(10)};
+  Placement placement_{&membership_};
+  FakePrefill prefill_;
+  FakeDecode decode_;
+  RequestRunner runner_{&membership_, &placement_, &prefill_, &decode_, &clock_,
+                        RunnerOptions{.max_attempts = 3}};
+  std::string p1_, p2_, d1_, d2_, s1_;
+  GenerateParams params_;
+  absl::Time deadline_ = clock_.Now() + absl::Seconds(30);
+  CancellationToken cancel_;
+  RecordingSink sink_;
+};
+
+TEST_F(RequestRunnerTest, RelaysFirstTokenThenDecodeStreamThenFinal) {
+  ASSERT_TRUE(Run().ok());
+  EXPECT_THAT(sink_.Tokens(), ElementsAre(100, 101, 102, 103));
+  ASSERT_EQ(sink_.events.size(), 5u);
+  EXPECT_EQ(sink_.events[0].chunk.text, "t100");
+  EXPECT_EQ(sink_.events[3].completion_tokens, 4u);
+  ASSERT_TRUE(sink_.events.back().final.has_value());
+  const FinalReport& f = *sink_.events.back().final;
+  EXPECT_EQ(f.completion.finish_reason, FinishReason::kLength);
+  EXPECT_EQ(f.completion.completion_tokens, 4u);
+  EXPECT_EQ(f.completion.prompt_tokens, 5u);
+  EXPECT_EQ(f.completion.retrieval.bytes_fetched, 4096u);
+  EXPECT_EQ(f.prefill_node, p1_);
+  EXPECT_EQ(f.decode_node, d1_);
+  EXPECT_EQ(f.store_node, s1_);
+  EXPECT_EQ(f.attempts, 1u);
+  ASSERT_EQ(prefill_.calls.size(), 1u);
+  EXPECT_EQ(prefill_.calls[0].second.decode.id, d1_);
+  EXPECT_EQ(prefill_.calls[0].second.store.id, s1_);
+  EXPECT_TRUE(decode_.cancels.empty());
+}
+
+TEST_F(RequestRunnerTest, DeadlineIsPropagatedToEveryDownstreamCall) {
+  ASSERT_TRUE(Run().ok());
+  ASSERT_EQ(prefill_.calls.size(), 1u);
+  EXPECT_EQ(prefill_.calls[0].second.deadline, deadline_);
+  ASSERT_EQ(decode_.stream_deadlines.size(), 1u);
+  EXPECT_EQ(decode_.stream_deadlines[0], deadline_);
+}
+
+TEST_F(RequestRunnerTest, PrefillNodeDeathBeforeAnyTokenRetriesOnAnotherNode) {
+  prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    return absl::UnavailableError("Connection refused");
+  };
+  ASSERT_TRUE(Run().ok());
+  ASSERT_EQ(prefill_.calls.size(), 2u);
+  EXPECT_EQ(prefill_.calls[0].first, p1_);
+  EXPECT_EQ(prefill_.calls[1].first, p2_);
+  EXPECT_EQ(prefill_.calls[1].second.attempt, 2u);
+  EXPECT_NE(prefill_.calls[0].second.sequence_id, prefill_.calls[1].second.sequence_id);
+  EXPECT_THAT(sink_.Tokens(), ElementsAre(100, 101, 102, 103));
+  EXPECT_EQ(sink_.events.back().final->attempts, 2u);
+  EXPECT_FALSE(membership_.Find(p1_).has_value()) << "a dead node leaves the cluster";
+}
+
+TEST_F(RequestRunnerTest, FailureNamedByPrefillExcludesThatNodeInstead) {
+  prefill_.behavior[p1_] = [&](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    absl::Status s = absl::UnavailableError("handoff failed");
+    s.SetPayload(kFailedNodePayloadUrl, absl::Cord(d1_));
+    return s;
+  };
+  ASSERT_TRUE(Run().ok());
+  ASSERT_EQ(prefill_.calls.size(), 2u);
+  // The second attempt may use p1 again (still healthy) but not d1.
+  EXPECT_EQ(prefill_.calls[1].second.decode.id, d2_);
+  EXPECT_TRUE(membership_.Find(p1_).has_value());
+  EXPECT_FALSE(membership_.Find(d1_).has_value());
+}
+
+TEST_F(RequestRunnerTest, GivesUpAfterMaxAttempts) {
+  auto fail = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    return absl::InternalError("boom");
+  };
+  prefill_.behavior[p1_] = fail;
+  prefill_.behavior[p2_] = fail;
+  const std::string p3 = *membership_.Register(Prefill("p:3"));
+  const std::string p4 = *membership_.Register(Prefill("p:4"));
+  prefill_.behavior[p3] = fail;
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("after 3 attempts"));
+  EXPECT_EQ(prefill_.calls.size(), 3u);
+  EXPECT_TRUE(sink_.events.empty());
+}
+
+TEST_F(RequestRunnerTest, NoHealthyNodeLeftIsUnavailableNamingTheFailure) {
+  auto fail = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    return absl::UnavailableError("Connection refused");
+  };
+  prefill_.behavior[p1_] = fail;
+  prefill_.behavior[p2_] = fail;
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("no healthy node left"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("Connection refused"));
+}
+
+TEST_F(RequestRunnerTest, DecodeDeathAfterTokensEndsTheStreamWithoutRetry) {
+  decode_.fail_after = 1;  // one token from D, then it dies
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("decode node " + d1_));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("after 2 tokens were streamed"));
+  EXPECT_THAT(sink_.Tokens(), ElementsAre(100, 101));
+  EXPECT_EQ(prefill_.calls.size(), 1u);
+  EXPECT_FALSE(membership_.Find(d1_).has_value());
+}
+
+TEST_F(RequestRunnerTest, InvalidArgumentFromPrefillIsFinal) {
+  prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    return absl::InvalidArgumentError("prompt: 9000 tokens exceed the context of 8192");
+  };
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("prompt:"));
+  EXPECT_EQ(prefill_.calls.size(), 1u);
+  EXPECT_TRUE(membership_.Find(p1_).has_value());
+}
+
+TEST_F(RequestRunnerTest, ClientCancellationCancelsTheDecodeNode) {
+  decode_.cancel_after = 1;
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsCancelled(s)) << s;
+  EXPECT_EQ(s.message(), "client disconnected");
+  ASSERT_EQ(decode_.cancels.size(), 1u);
+  EXPECT_EQ(decode_.cancels[0].node, d1_);
+  EXPECT_EQ(decode_.cancels[0].sequence_id, prefill_.calls[0].second.sequence_id);
+  EXPECT_TRUE(membership_.Find(d1_).has_value()) << "a cancelled request is no node failure";
+}
+
+TEST_F(RequestRunnerTest, ClientGoneOnWriteCancelsTheDecodeNode) {
+  sink_.fail_after = 2;
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsCancelled(s)) << s;
+  ASSERT_EQ(decode_.cancels.size(), 1u);
+  EXPECT_EQ(decode_.cancels[0].node, d1_);
+}
+
+TEST_F(RequestRunnerTest, CancelledDuringPrefillCancelsBothNodes) {
+  prefill_.behavior[p1_] = [&](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    cancel_.Cancel(absl::CancelledError("aborted"));
+    return absl::CancelledError("call cancelled");
+  };
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsCancelled(s)) << s;
+  EXPECT_EQ(s.message(), "aborted");
+  ASSERT_EQ(prefill_.cancels.size(), 1u);
+  ASSERT_EQ(decode_.cancels.size(), 1u);
+  EXPECT_EQ(prefill_.calls.size(), 1u) << "no retry after cancellation";
+}
+
+TEST_F(RequestRunnerTest, PastDeadlineFailsBeforeCallingNodes) {
+  deadline_ = clock_.Now();
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(s)) << s;
+  EXPECT_TRUE(prefill_.calls.empty());
+}
+
+TEST_F(RequestRunnerTest, FirstTokenThatFinishesSkipsDecode) {
+  prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    PrefillResult r;
+    r.prompt_tokens = 5;
+    r.first_token = 2;
+    r.finish_reason = FinishReason::kEos;
+    return r;
+  };
+  ASSERT_TRUE(Run().ok());
+  EXPECT_TRUE(decode_.stream_nodes.empty());
+  EXPECT_EQ(sink_.events.back().final->completion.finish_reason, FinishReason::kEos);
+  EXPECT_EQ(sink_.events.back().final->completion.completion_tokens, 1u);
+}
+
+TEST(RequestStateMachineTest, RetryOnlyBeforeTheFirstToken) {
+  RequestStateMachine m(2);
+  ASSERT_TRUE(m.BeginAttempt().ok());
+  EXPECT_EQ(m.OnNodeFailure(), RequestStateMachine::FailureAction::kRetry);
+  EXPECT_EQ(m.phase(), RequestPhase::kQueued);
+  ASSERT_TRUE(m.BeginAttempt().ok());
+  ASSERT_TRUE(m.OnTokensSent(1).ok());
+  EXPECT_EQ(m.phase(), RequestPhase::kStreaming);
+  EXPECT_EQ(m.OnNodeFailure(), RequestStateMachine::FailureAction::kFail);
+  EXPECT_EQ(m.phase(), RequestPhase::kFailed);
+  EXPECT_FALSE(m.BeginAttempt().ok());
+  EXPECT_FALSE(m.OnTokensSent(1).ok());
+}
+
+TEST(RequestStateMachineTest, AttemptsAreBounded) {
+  RequestStateMachine m(1);
+  ASSERT_TRUE(m.BeginAttempt().ok());
+  EXPECT_EQ(m.OnNodeFailure(), RequestStateMachine::FailureAction::kFail);
+  EXPECT_TRUE(IsNodeFailure(absl::UnavailableError("")));
+  EXPECT_FALSE(IsNodeFailure(absl::InvalidArgumentError("")));
+  EXPECT_FALSE(IsNodeFailure(absl::DeadlineExceededError("")));
+}
+
+TEST(CancellationTest, CallbacksRunOnceAndRegistrationsUnregister) {
+  CancellationToken token;
+  int a = 0, b = 0;
+  auto ra = token.OnCancel([&] { ++a; });
+  { auto rb = token.OnCancel([&] { ++b; }); }
+  token.Cancel(absl::CancelledError("first"));
+  token.Cancel(absl::CancelledError("second"));
+  EXPECT_EQ(a, 1);
+  EXPECT_EQ(b, 0);
+  EXPECT_EQ(token.reason().message(), "first");
+  int c = 0;
+  auto rc = token.OnCancel([&] { ++c; });
+  EXPECT_EQ(c, 1) << "registering on a cancelled token runs at once";
+}
+
+TEST(InFlightRequestsTest, DuplicateIdsAndAbort) {
+  InFlightRequests inflight;
+  CancellationToken t;
+  ASSERT_TRUE(inflight.Add("a", &t).ok());
+  EXPECT_TRUE(absl::IsAlreadyExists(inflight.Add("a", &t)));
+  EXPECT_FALSE(inflight.Cancel("b", absl::CancelledError("x")));
+  EXPECT_TRUE(inflight.Cancel("a", absl::CancelledError("aborted")));
+  EXPECT_TRUE(t.IsCancelled());
+  inflight.Remove("a");
+  EXPECT_EQ(inflight.size(), 0u);
+}
+
+}  // namespace
+}  // namespace kvr::controller
