@@ -123,6 +123,45 @@ TEST_F(SmolLm2TokenizerTest, IdsEqualReferenceOnEveryString) {
   EXPECT_EQ(CountMismatches(*tokenizer_, /*parse_special=*/true, "ids"), 0);
 }
 
+// The same vocabulary under the other pre-tokenizer families (the fixture stores the
+// reference ids where they differ from SmolLM2's; strings over 2,000 characters are left out).
+TEST_F(SmolLm2TokenizerTest, OtherPreTokenizerFamiliesEqualReference) {
+  const json& variants = (*fixture_)["pre_tokenizer_variants"];
+  ASSERT_EQ(variants.size(), 3u);
+  for (const auto& [pre, diffs] : variants.items()) {
+    SCOPED_TRACE("tokenizer.ggml.pre = " + pre);
+    EXPECT_GE(diffs.size(), 100u);  // the families really do split differently
+    TokenizerSpec spec = *spec_;
+    spec.pre = pre;
+    auto tokenizer = Tokenizer::FromGgufMetadata(spec);
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    int mismatches = 0, compared = 0;
+    const json& cases = (*fixture_)["cases"];
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const std::string text = cases[i]["text"].get<std::string>();
+      if (text.size() > 2000 * 4) continue;
+      const std::string key = std::to_string(i);
+      const auto expected =
+          (diffs.contains(key) ? diffs[key] : cases[i]["ids"]).get<std::vector<int32_t>>();
+      // Byte length is an upper bound on the script's character count; check it exactly.
+      size_t chars = 0;
+      for (unsigned char ch : text) chars += (ch & 0xC0) != 0x80;
+      if (chars > 2000) continue;
+      auto ids = tokenizer->Encode(text, {.add_special = false, .parse_special = true});
+      ++compared;
+      if (!ids.ok() || *ids != expected) {
+        if (++mismatches <= 5) {
+          ADD_FAILURE() << "text \"" << Printable(text) << "\": "
+                        << (ids.ok() ? ::testing::PrintToString(*ids) : ids.status().ToString())
+                        << " != reference " << ::testing::PrintToString(expected);
+        }
+      }
+    }
+    EXPECT_GE(compared, 2000);
+    EXPECT_EQ(mismatches, 0);
+  }
+}
+
 TEST_F(SmolLm2TokenizerTest, IdsEqualReferenceWhenSpecialTokensAreNotParsed) {
   EXPECT_EQ(CountMismatches(*tokenizer_, /*parse_special=*/false, "ids_no_special"), 0);
 }

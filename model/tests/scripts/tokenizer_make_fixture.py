@@ -36,7 +36,7 @@ import tokenizers
 import transformers
 from tokenizers import pre_tokenizers
 from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-    GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    GGUF_PRE_TOKENIZER_SPLITS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
 
 SEED = 20261122
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>",
@@ -321,13 +321,35 @@ def main():
     no_special = tokenizers.Tokenizer.from_str(reference.to_str())
     no_special.encode_special_tokens = True
 
+    # The other pre-tokenizer families, on the same vocabulary: what transformers' converter
+    # builds for a GGUF whose tokenizer.ggml.pre names them. This checks kvr's PCRE2 rendering
+    # of each family's regex against Hugging Face's Oniguruma on every string. Llama 3's own
+    # tokenizer.json sets "ignore_merges": true (llama.cpp does the same for llama-bpe), which
+    # transformers' converter leaves off; the reference turns it on.
+    variants = {"gpt2": as_converted}
+    for pre, ignore_merges in (("llama-bpe", True), ("qwen2", False)):
+        converted = convert_gguf_tokenizer(architecture,
+                                           dict(tokenizer_dict, pre_tokenizer_type=pre))[0]
+        state = json.loads(converted.to_str())
+        assert state["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == \
+            GGUF_PRE_TOKENIZER_SPLITS[pre]
+        state["model"]["ignore_merges"] = ignore_merges
+        variants[pre] = tokenizers.Tokenizer.from_str(json.dumps(state))
+
     strings = make_strings()
     cases = []
+    variant_ids = {name: {} for name in variants}
     differ_from_converter = 0
     for text in strings:
         ids = reference.encode(text, add_special_tokens=False).ids
         if as_converted.encode(text, add_special_tokens=False).ids != ids:
             differ_from_converter += 1
+        for name, variant in variants.items():
+            if len(text) > 2000:
+                continue  # the few long documents would double the file; short strings suffice
+            variant_result = variant.encode(text, add_special_tokens=False).ids
+            if variant_result != ids:  # stored only where it differs, to keep the file small
+                variant_ids[name][str(len(cases))] = variant_result
         case = {"text": text, "ids": ids}
         ids_plain = no_special.encode(text, add_special_tokens=False).ids
         if ids_plain != ids:
@@ -346,11 +368,15 @@ def main():
                       "Sequence[Digits(individual), ByteLevel] (SmolLM2 tokenizer.json)"),
         "seed": SEED,
         "cases": cases,
+        "pre_tokenizer_variants": variant_ids,
         "chat": render_templates(tokenizer_dict_template(metadata)),
     }
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(fixture, f, ensure_ascii=False, separators=(",", ":"))
     n_tokens = sum(len(c["ids"]) for c in cases)
+    for name, diffs in variant_ids.items():
+        print(f"pre-tokenizer {name}: {len(diffs)} strings encode differently from smollm",
+              file=sys.stderr)
     print(f"{len(cases)} strings, {n_tokens} tokens, "
           f"{sum('ids_no_special' in c for c in cases)} with special tokens, "
           f"{differ_from_converter} encoded differently by the unmodified GGUF converter",
