@@ -18,7 +18,7 @@ target_link_libraries(kvr_model
   PRIVATE PkgConfig::OPENBLAS absl::strings)
 
 kvr_add_test(model_runtime_test
-  SOURCES tests/runtime_ops_test.cc tests/model_test.cc
+  SOURCES tests/runtime_ops_test.cc tests/model_test.cc tests/weights_format_test.cc
   LIBS kvr::model kvr::model_formats kvr::common absl::strings nlohmann_json::nlohmann_json)
 
 # Needs the SmolLM2 GGUF (scripts/fetch-model.sh; CI's scripts/test.sh fetches it).
