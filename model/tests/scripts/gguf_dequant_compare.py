@@ -71,10 +71,11 @@ def write_synthetic(path):
     for qtype in QUANTIZABLE:
         q = gguf.quants.quantize(values, qtype)
         writer.add_tensor(f"quant.{qtype.name.lower()}", q, raw_dtype=qtype)
+    block_shape = (32, 1024)  # 128 K-quant super-blocks, 1024 blocks of the 32-element types
     for qtype in BLOCK_SCALES:
         block_size, _ = GGML_QUANT_SIZES[qtype]
-        n_blocks = shape[0] * shape[1] // block_size
-        blocks = random_blocks(rng, qtype, n_blocks).reshape(shape[0], -1)
+        n_blocks = block_shape[0] * block_shape[1] // block_size
+        blocks = random_blocks(rng, qtype, n_blocks).reshape(block_shape[0], -1)
         writer.add_tensor(f"blocks.{qtype.name.lower()}", blocks, raw_dtype=qtype)
     # A 3-d tensor to exercise dims beyond rows x cols.
     writer.add_tensor("quant3d.q8_0", gguf.quants.quantize(

@@ -68,9 +68,9 @@ int main(int argc, char** argv) {
                 Sha256Hex(buffer.data(), buffer.size() * sizeof(float)).c_str());
   }
   std::fprintf(stderr,
-               "dequantised %zu tensors, %lld elements (%.1f MB in, %.1f MB out) in %.3f s "
+               "dequantised %zu tensors, %lld elements (%.1f MB in, %.1f MB out) in %.1f ms "
                "with %zu threads: %.0f M elements/s\n",
                file->tensors().size(), static_cast<long long>(elements), bytes / 1e6,
-               elements * 4 / 1e6, seconds, pool.size(), elements / seconds / 1e6);
+               elements * 4 / 1e6, seconds * 1e3, pool.size(), elements / seconds / 1e6);
   return 0;
 }
