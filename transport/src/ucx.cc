@@ -175,6 +175,7 @@ struct EndpointState {
 
 struct CallState : std::enable_shared_from_this<CallState> {
   // Written at submission, then read-only.
+  const WorkerCore* owner = nullptr;  // the worker the call runs on (outlives the call's use)
   AmId am_id = 0;
   std::span<uint8_t> reply_buffer;
   std::function<void()> on_done;
@@ -1026,6 +1027,13 @@ OpState PendingCall::state() const {
 
 absl::StatusOr<Response> PendingCall::Wait() {
   if (state_ == nullptr) return absl::FailedPreconditionError("empty PendingCall");
+  if (state_->owner != nullptr && state_->owner->OnProgressThread() &&
+      state() == OpState::kInProgress) {
+    // The progress thread would wait for itself.
+    return absl::FailedPreconditionError(
+        "PendingCall::Wait() called on the worker's progress thread (from a handler or "
+        "on_done hook) would deadlock; reply asynchronously instead");
+  }
   absl::MutexLock lock(&state_->mu);
   state_->mu.Await(absl::Condition(&state_->done));
   if (state_->taken) return absl::FailedPreconditionError("PendingCall result already taken");
@@ -1185,6 +1193,7 @@ absl::Status Endpoint::health() const {
 PendingCall Endpoint::Call(AmId am_id, ByteView header, std::vector<ByteView> payload,
                            CallOptions options) {
   auto call = std::make_shared<CallState>();
+  call->owner = worker_.get();
   call->am_id = am_id;
   call->reply_buffer = options.reply_buffer;
   call->on_done = std::move(options.on_done);

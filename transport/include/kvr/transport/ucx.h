@@ -163,6 +163,8 @@ class PendingCall {
 
   [[nodiscard]] OpState state() const;
   // Blocks until done and returns the result (once; later calls return FAILED_PRECONDITION).
+  // Never block on the progress thread (in a handler or on_done hook): Wait() there on an
+  // unfinished call returns FAILED_PRECONDITION instead of deadlocking.
   [[nodiscard]] absl::StatusOr<Response> Wait();
 
  private:
@@ -290,7 +292,11 @@ class Endpoint {
 
   // RMA get of `local.size()` contiguous bytes at the peer's `remote_address` into `local`.
   // The remote range must lie in the region `rkey` was packed from. Over TCP UCX emulates
-  // RMA in software (slow): check `Transports()`.
+  // RMA in software (slow): check `HasNativeRma()`.
+  // `deadline` is NOT enforced yet: UCX 1.13 cannot cancel an RMA request, and `local` must
+  // stay untouched until UCX releases it, so a get ends when the transfer completes or the
+  // endpoint fails (peer death is detected as for calls). Gets are single transfers that do
+  // not wait on the peer's application, so they cannot stall on a live peer.
   [[nodiscard]] PendingTransfer Get(uint64_t remote_address, const RemoteKey& rkey,
                                     std::span<uint8_t> local,
                                     absl::Time deadline = absl::InfiniteFuture());
