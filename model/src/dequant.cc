@@ -110,6 +110,75 @@ void DequantQ8_0(const uint8_t* x, int64_t nb, float* y) {
   }
 }
 
+// block_q2_K { uint8 scales[16]; uint8 qs[64]; half d; half dmin; } : 84 bytes
+void DequantQ2_K(const uint8_t* x, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i, x += 84) {
+    const float d = Half(x + 80);
+    const float min = Half(x + 82);
+    const uint8_t* scales = x;
+    const uint8_t* q = x + 16;
+    int is = 0;
+    for (int n = 0; n < kQkK; n += 128) {
+      int shift = 0;
+      for (int j = 0; j < 4; ++j) {
+        uint8_t sc = scales[is++];
+        float dl = d * static_cast<float>(sc & 0xF);
+        float ml = min * static_cast<float>(sc >> 4);
+        for (int l = 0; l < 16; ++l) *y++ = dl * static_cast<float>((q[l] >> shift) & 3) - ml;
+        sc = scales[is++];
+        dl = d * static_cast<float>(sc & 0xF);
+        ml = min * static_cast<float>(sc >> 4);
+        for (int l = 0; l < 16; ++l) {
+          *y++ = dl * static_cast<float>((q[l + 16] >> shift) & 3) - ml;
+        }
+        shift += 2;
+      }
+      q += 32;
+    }
+  }
+}
+
+// block_q3_K { uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; half d; } : 110 bytes.
+// The 16 6-bit scales are packed as in ggml: low nibbles in bytes 0-7, high 2-bit pairs in 8-11.
+void DequantQ3_K(const uint8_t* x, int64_t nb, float* y) {
+  constexpr uint32_t kMask1 = 0x03030303;
+  constexpr uint32_t kMask2 = 0x0f0f0f0f;
+  for (int64_t i = 0; i < nb; ++i, x += 110) {
+    const float d_all = Half(x + 108);
+    const uint8_t* hm = x;
+    const uint8_t* q = x + 32;
+    uint32_t aux[4];
+    std::memcpy(aux, x + 96, 12);
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kMask2) | (((tmp >> 4) & kMask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kMask2) | (((tmp >> 6) & kMask1) << 4);
+    aux[0] = (aux[0] & kMask2) | (((tmp >> 0) & kMask1) << 4);
+    aux[1] = (aux[1] & kMask2) | (((tmp >> 2) & kMask1) << 4);
+    int8_t scales[16];
+    std::memcpy(scales, aux, 16);
+    int is = 0;
+    uint8_t m = 1;
+    for (int n = 0; n < kQkK; n += 128) {
+      int shift = 0;
+      for (int j = 0; j < 4; ++j) {
+        float dl = d_all * static_cast<float>(scales[is++] - 32);
+        for (int l = 0; l < 16; ++l) {
+          const int v = ((q[l + 0] >> shift) & 3) - ((hm[l + 0] & m) ? 0 : 4);
+          *y++ = dl * static_cast<float>(v);
+        }
+        dl = d_all * static_cast<float>(scales[is++] - 32);
+        for (int l = 0; l < 16; ++l) {
+          const int v = ((q[l + 16] >> shift) & 3) - ((hm[l + 16] & m) ? 0 : 4);
+          *y++ = dl * static_cast<float>(v);
+        }
+        shift += 2;
+        m <<= 1;
+      }
+      q += 32;
+    }
+  }
+}
+
 // The 12 packed bytes of 6-bit scales and mins of Q4_K / Q5_K (ggml's get_scale_min_k4).
 inline void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
   if (j < 4) {
@@ -246,6 +315,12 @@ absl::Status DequantizeRow(GgmlType type, const void* src, int64_t n, float* dst
       break;
     case GgmlType::kQ8_0:
       DequantQ8_0(x, nb, dst);
+      break;
+    case GgmlType::kQ2_K:
+      DequantQ2_K(x, nb, dst);
+      break;
+    case GgmlType::kQ3_K:
+      DequantQ3_K(x, nb, dst);
       break;
     case GgmlType::kQ4_K:
       DequantQ4_K(x, nb, dst);

@@ -159,9 +159,9 @@ TEST(DequantTest, PlainTypes) {
 TEST(DequantTest, ErrorsNameTheType) {
   std::vector<uint8_t> src(1024);
   std::vector<float> y(256);
-  absl::Status s = DequantizeRow(GgmlType::kQ2_K, src.data(), 256, y.data());
+  absl::Status s = DequantizeRow(GgmlType::kIQ2_XXS, src.data(), 256, y.data());
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(s.message(), HasSubstr("q2_K"));
+  EXPECT_THAT(s.message(), HasSubstr("iq2_xxs"));
   s = DequantizeRow(static_cast<GgmlType>(4), src.data(), 32, y.data());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("unknown ggml tensor type id 4"));

@@ -9,7 +9,7 @@ and compares every line with the same digest computed from `gguf.GGUFReader` +
   gguf_dequant_compare.py --tool BUILD/gguf_dequant_digest --synthetic
 
 --synthetic writes, into a temporary directory, a GGUF holding every type kvr dequantises
-(F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): quantised real-valued data
+(F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): quantised real-valued data
 where the package can quantise, plus random valid blocks (random bits with sane fp16 scales) for
 every block type, since the K-quants can only be dequantised by the package.
 
@@ -31,7 +31,7 @@ from gguf.constants import GGML_QUANT_SIZES
 # (type, byte offsets of fp16 scale fields inside one block)
 BLOCK_SCALES = {
     Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
 }
 QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16]
 

@@ -13,7 +13,8 @@ namespace kvr::model {
 
 // Decodes `n` elements of type `type` starting at `src` into dst[0..n).
 // `src` must hold GgmlRowBytes(type, n) bytes; no alignment is required.
-// Supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Other types give
+// Supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Other
+// types (Q8_1, Q8_K, the IQ and TQ families, integer types) give
 // Unimplemented naming the type; n not a multiple of the block size gives InvalidArgument.
 [[nodiscard]] absl::Status DequantizeRow(GgmlType type, const void* src, int64_t n, float* dst);
 
