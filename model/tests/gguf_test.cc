@@ -87,7 +87,7 @@ std::string WriteFile(const std::string& name, const std::vector<uint8_t>& bytes
 // A valid v3 file with every metadata type and three tensors (F32, F16, Q8_0), alignment 64.
 std::vector<uint8_t> ValidFile(uint32_t version = 3) {
   GgufBuilder b(version);
-  b.Counts(3, 17);
+  b.Counts(3, 18);
   b.Kv<uint8_t>("t.u8", GgufValueType::kUint8, 200);
   b.Kv<int8_t>("t.i8", GgufValueType::kInt8, -100);
   b.Kv<uint16_t>("t.u16", GgufValueType::kUint16, 60000);
@@ -117,6 +117,9 @@ std::vector<uint8_t> ValidFile(uint32_t version = 3) {
   b.Str("t.nested").Pod<uint32_t>(9).Pod<uint32_t>(9).Pod<uint64_t>(2);
   b.Pod<uint32_t>(2).Pod<uint64_t>(2).Pod<uint16_t>(1).Pod<uint16_t>(2);
   b.Pod<uint32_t>(2).Pod<uint64_t>(1).Pod<uint16_t>(3);
+  // array of u64, one above INT64_MAX
+  b.Str("t.u64s").Pod<uint32_t>(9).Pod<uint32_t>(10).Pod<uint64_t>(2);
+  b.Pod<uint64_t>(18000000000000000000ull).Pod<uint64_t>(5);
   b.Kv<uint32_t>("general.alignment", GgufValueType::kUint32, 64);
   // tensors: f32 [2, 3] (dims {3, 2}), f16 {4}, q8_0 {32, 2}
   b.TensorInfo("w.f32", {3, 2}, 0, 0);
@@ -139,7 +142,7 @@ TEST(GgufTest, ReadsEveryMetadataTypeAndTensors) {
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ(file->version(), 3u);
   EXPECT_EQ(file->alignment(), 64u);
-  EXPECT_EQ(file->metadata().size(), 17u);
+  EXPECT_EQ(file->metadata().size(), 18u);
   EXPECT_EQ(file->metadata()[0].first, "t.u8");
 
   EXPECT_EQ(*file->GetInt("t.u8"), 200);
@@ -160,6 +163,9 @@ TEST(GgufTest, ReadsEveryMetadataTypeAndTensors) {
   EXPECT_THAT(*file->GetArray<float>("t.floats"), ::testing::ElementsAre(0.5f, -2.f));
   EXPECT_THAT(*file->GetArray<int32_t>("t.ints"), ::testing::ElementsAre(1, -2, 300));
   EXPECT_THAT(*file->GetArray<double>("t.ints"), ::testing::ElementsAre(1.0, -2.0, 300.0));
+  EXPECT_THAT(*file->GetArray<uint64_t>("t.u64s"),
+              ::testing::ElementsAre(18000000000000000000ull, 5));
+  EXPECT_FALSE(file->GetArray<int64_t>("t.u64s").ok());
 
   const GgufArray* nested = *(*file->Get("t.nested"))->AsArray();
   ASSERT_EQ(nested->items.size(), 2u);

@@ -107,7 +107,8 @@ class GgufFile {
  public:
   // Maps and parses `path`. Errors: bad magic, unsupported version (only 2 and 3), truncated
   // header/metadata/tensor infos/data, absurd counts or lengths, unknown value or tensor types,
-  // duplicate keys or tensor names, misaligned or overlapping-out-of-file tensor data.
+  // duplicate keys or tensor names, misaligned tensor data or tensor data beyond the end of the
+  // file.
   [[nodiscard]] static absl::StatusOr<GgufFile> Open(const std::string& path);
 
   GgufFile(GgufFile&&) noexcept = default;
@@ -177,13 +178,21 @@ absl::StatusOr<std::vector<T>> GgufFile::GetArray(absl::string_view key) const {
   auto value = Get(key);
   if (!value.ok()) return value.status();
   auto array = (*value)->AsArray();
-  if (!array.ok())
+  if (!array.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("GGUF key '", key, "': ", array.status().message()));
+  }
   std::vector<T> out;
   out.reserve((*array)->items.size());
   for (size_t i = 0; i < (*array)->items.size(); ++i) {
     const GgufValue& item = (*array)->items[i];
+    if constexpr (std::is_same_v<T, uint64_t>) {
+      // u64 values above INT64_MAX do not survive AsInt(); take them as they are.
+      if (const auto* u = std::get_if<uint64_t>(&item.storage())) {
+        out.push_back(*u);
+        continue;
+      }
+    }
     if constexpr (std::is_integral_v<T>) {
       auto v = item.AsInt();
       if (!v.ok() || *v < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
