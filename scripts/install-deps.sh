@@ -20,6 +20,8 @@ packages=(
   libopenblas-dev
   # utilities (flags, config, JSON, logging, Unicode regex)
   libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libspdlog-dev libfmt-dev libpcre2-dev
+  # Unicode normalisation (NFC) for tokenizers whose tokenizer.json asks for it (Qwen2)
+  libicu-dev
   # hashing in test tools (sha256 digests of dequantised tensors)
   libssl-dev
   # tools
