@@ -1,11 +1,15 @@
 # kvr::tokenizer: byte-level BPE (GGUF metadata and tokenizer.json), PCRE2 pre-tokenizers and
 # chat templates. Included from model/CMakeLists.txt.
+# ICU provides NFC normalisation (Qwen2's tokenizer.json); Debian package libicu-dev.
+pkg_check_modules(KVR_ICU_UC REQUIRED IMPORTED_TARGET icu-uc)
+
 add_library(kvr_tokenizer
   src/bpe.cc
   src/chat_template.cc
   src/pretokenizer.cc
   src/tokenizer.cc
   src/tokenizer_json.cc
+  src/tokenizer_normalize.cc
   src/tokenizer_utf8.cc
 )
 add_library(kvr::tokenizer ALIAS kvr_tokenizer)
@@ -13,7 +17,7 @@ kvr_warnings(kvr_tokenizer)
 target_include_directories(kvr_tokenizer PUBLIC include)
 target_link_libraries(kvr_tokenizer
   PUBLIC absl::status absl::statusor
-  PRIVATE kvr::common PkgConfig::PCRE2 nlohmann_json::nlohmann_json absl::strings
+  PRIVATE kvr::common PkgConfig::PCRE2 PkgConfig::KVR_ICU_UC nlohmann_json::nlohmann_json absl::strings
           absl::str_format absl::flat_hash_map absl::synchronization)
 
 # ---- tests -------------------------------------------------------------------------------

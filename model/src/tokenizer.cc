@@ -123,6 +123,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer::Impl>> BuildTokenizerImpl(TokenizerPar
   impl->token_types = std::move(parts.token_types);
   impl->pre_tokenizer = std::move(parts.pre_tokenizer);
   impl->pre_name = std::move(parts.pre_name);
+  impl->nfc = parts.nfc;
   impl->bos_id = parts.bos_id;
   impl->eos_id = parts.eos_id;
   impl->unk_id = parts.unk_id;
@@ -232,8 +233,13 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
   if (options.add_special && impl.add_bos) ids.push_back(impl.bos_id);
 
   std::vector<std::string_view> words;
+  std::string normalized;  // owns the NFC text the words point into
   auto encode_text = [&](std::string_view segment) -> absl::Status {
     words.clear();
+    if (impl.nfc) {
+      if (auto status = internal::NormalizeNfc(segment, normalized); !status.ok()) return status;
+      segment = normalized;
+    }
     if (auto status = impl.pre_tokenizer.Split(segment, words); !status.ok()) return status;
     for (std::string_view word : words) impl.bpe.EncodeWord(word, ids);
     return absl::OkStatus();

@@ -33,6 +33,7 @@ struct TokenizerParts {
   PreTokenizer pre_tokenizer;
   std::string pre_name;
   bool ignore_merges = false;
+  bool nfc = false;  // normalise text between added tokens to NFC before pre-tokenizing
   std::vector<AddedToken> added_tokens;
   int32_t bos_id = -1, eos_id = -1, eot_id = -1, unk_id = -1, pad_id = -1;
   bool add_bos = false, add_eos = false;
@@ -48,6 +49,7 @@ struct Tokenizer::Impl {
   internal::BpeModel bpe;
   internal::PreTokenizer pre_tokenizer;
   std::string pre_name;
+  bool nfc = false;
   std::vector<internal::AddedToken> added_tokens;  // longest first
   bool added_first_byte[256] = {};                 // bytes that can start an added token
   int32_t bos_id = -1, eos_id = -1, eot_id = -1, unk_id = -1, pad_id = -1;

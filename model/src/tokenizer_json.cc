@@ -112,9 +112,14 @@ absl::StatusOr<internal::TokenizerParts> PartsFromTokenizerJsonUnchecked(const s
     return absl::UnimplementedError(absl::StrCat(path, ": BPE with byte_fallback (SentencePiece "
                                                        "style) is not supported"));
   }
+  bool nfc = false;
   if ((*root).contains("normalizer") && !(*root)["normalizer"].is_null()) {
-    return absl::UnimplementedError(absl::StrCat(
-        path, ": normalizer \"", TypeOf((*root)["normalizer"]), "\" is not supported"));
+    // NFC (Qwen2) is the one normaliser byte-level BPE vocabularies use.
+    if (TypeOf((*root)["normalizer"]) != "NFC") {
+      return absl::UnimplementedError(absl::StrCat(
+          path, ": normalizer \"", TypeOf((*root)["normalizer"]), "\" is not supported (NFC only)"));
+    }
+    nfc = true;
   }
   const std::string decoder = (*root).contains("decoder") ? TypeOf((*root)["decoder"]) : "";
   if (decoder != "ByteLevel") {
@@ -123,6 +128,7 @@ absl::StatusOr<internal::TokenizerParts> PartsFromTokenizerJsonUnchecked(const s
   }
 
   internal::TokenizerParts parts;
+  parts.nfc = nfc;
   if (!model.contains("vocab") || !model["vocab"].is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": model.vocab is missing"));
   }

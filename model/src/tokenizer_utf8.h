@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
 namespace kvr::model::internal {
@@ -38,6 +39,10 @@ inline size_t Utf8SequenceLength(uint8_t lead) {
   if ((lead & 0xF8) == 0xF0) return 4;
   return 1;
 }
+
+// Writes the Unicode NFC form of valid UTF-8 `text` to `out` (tokenizer.json "NFC" normalizer,
+// used by Qwen2). Implemented with ICU in tokenizer_normalize.cc.
+[[nodiscard]] absl::Status NormalizeNfc(std::string_view text, std::string& out);
 
 // Appends the UTF-8 encoding of code point `cp` (< 0x110000) to `out`.
 void AppendCodePoint(uint32_t cp, std::string& out);

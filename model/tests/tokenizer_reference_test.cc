@@ -36,6 +36,45 @@ std::string Printable(const std::string& s) {
   return out;
 }
 
+// SmolLM2's vocabulary written as a Hugging Face tokenizer.json with the given pre_tokenizer
+// and normalizer nodes; control tokens become special added tokens.
+void WriteTokenizerJson(const TokenizerSpec& spec, const std::filesystem::path& path,
+                        const json& pre_tokenizer, const json& normalizer, bool ignore_merges) {
+  json vocab = json::object();
+  json added = json::array();
+  for (size_t id = 0; id < spec.tokens.size(); ++id) {
+    vocab[spec.tokens[id]] = id;
+    if (spec.token_types[id] == static_cast<int32_t>(TokenType::kControl)) {
+      added.push_back({{"id", id}, {"content", spec.tokens[id]}, {"single_word", false},
+                       {"lstrip", false}, {"rstrip", false}, {"normalized", false},
+                       {"special", true}});
+    }
+  }
+  json merges = json::array();
+  for (size_t i = 0; i < spec.merges.size(); ++i) {
+    const std::string& m = spec.merges[i];
+    const size_t space = m.find(' ');
+    // Alternate the legacy "a b" and the newer ["a", "b"] spellings to exercise both.
+    if (i % 2 == 0) {
+      merges.push_back(m);
+    } else {
+      merges.push_back(json::array({m.substr(0, space), m.substr(space + 1)}));
+    }
+  }
+  json root = {
+      {"version", "1.0"},
+      {"added_tokens", added},
+      {"normalizer", normalizer},
+      {"pre_tokenizer", pre_tokenizer},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true},
+                   {"use_regex", true}}},
+      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+                 {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", ignore_merges},
+                 {"vocab", vocab}, {"merges", merges}}}};
+  std::ofstream(path) << root.dump();
+}
+
 class SmolLm2TokenizerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -127,13 +166,33 @@ TEST_F(SmolLm2TokenizerTest, IdsEqualReferenceOnEveryString) {
 // reference ids where they differ from SmolLM2's; strings over 2,000 characters are left out).
 TEST_F(SmolLm2TokenizerTest, OtherPreTokenizerFamiliesEqualReference) {
   const json& variants = (*fixture_)["pre_tokenizer_variants"];
-  ASSERT_EQ(variants.size(), 3u);
+  ASSERT_EQ(variants.size(), 4u);
   for (const auto& [pre, diffs] : variants.items()) {
     SCOPED_TRACE("tokenizer.ggml.pre = " + pre);
     EXPECT_GE(diffs.size(), 100u);  // the families really do split differently
-    TokenizerSpec spec = *spec_;
-    spec.pre = pre;
-    auto tokenizer = Tokenizer::FromGgufMetadata(spec);
+    absl::StatusOr<Tokenizer> tokenizer = absl::UnknownError("unset");
+    if (pre == "qwen2+nfc") {
+      // Qwen2's tokenizer.json layout: NFC, Split(regex) + ByteLevel(use_regex=false).
+      const auto path = std::filesystem::temp_directory_path() /
+                        ("kvr_tokenizer_qwen2_" + std::to_string(::getpid()) + ".json");
+      const std::string qwen2_regex =
+          R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+      WriteTokenizerJson(
+          *spec_, path,
+          {{"type", "Sequence"},
+           {"pretokenizers",
+            json::array({{{"type", "Split"}, {"pattern", {{"Regex", qwen2_regex}}},
+                          {"behavior", "Isolated"}, {"invert", false}},
+                         {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                          {"trim_offsets", false}, {"use_regex", false}}})}},
+          {{"type", "NFC"}}, /*ignore_merges=*/false);
+      tokenizer = Tokenizer::FromTokenizerJson(path.string());
+      std::filesystem::remove(path);
+    } else {
+      TokenizerSpec spec = *spec_;
+      spec.pre = pre;
+      tokenizer = Tokenizer::FromGgufMetadata(spec);
+    }
     ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
     int mismatches = 0, compared = 0;
     const json& cases = (*fixture_)["cases"];
@@ -224,47 +283,16 @@ TEST_F(SmolLm2TokenizerTest, AddSpecialFollowsTheModel) {
 // The same vocabulary written as a Hugging Face tokenizer.json (SmolLM2's layout: Digits +
 // ByteLevel pre-tokenizer, control tokens as special added tokens) must encode identically.
 TEST_F(SmolLm2TokenizerTest, TokenizerJsonGivesTheSameIds) {
-  json vocab = json::object();
-  json added = json::array();
-  for (size_t id = 0; id < spec_->tokens.size(); ++id) {
-    vocab[spec_->tokens[id]] = id;
-    if (spec_->token_types[id] == static_cast<int32_t>(TokenType::kControl)) {
-      added.push_back({{"id", id}, {"content", spec_->tokens[id]}, {"single_word", false},
-                       {"lstrip", false}, {"rstrip", false}, {"normalized", false},
-                       {"special", true}});
-    }
-  }
-  json merges = json::array();
-  for (size_t i = 0; i < spec_->merges.size(); ++i) {
-    const std::string& m = spec_->merges[i];
-    const size_t space = m.find(' ');
-    // Alternate the legacy "a b" and the newer ["a", "b"] spellings to exercise both.
-    if (i % 2 == 0) {
-      merges.push_back(m);
-    } else {
-      merges.push_back(json::array({m.substr(0, space), m.substr(space + 1)}));
-    }
-  }
-  json root = {
-      {"version", "1.0"},
-      {"added_tokens", added},
-      {"normalizer", nullptr},
-      {"pre_tokenizer",
-       {{"type", "Sequence"},
-        {"pretokenizers",
-         json::array({{{"type", "Digits"}, {"individual_digits", true}},
-                      {{"type", "ByteLevel"}, {"add_prefix_space", false},
-                       {"trim_offsets", true}, {"use_regex", true}}})}}},
-      {"post_processor", nullptr},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true},
-                   {"use_regex", true}}},
-      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
-                 {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
-                 {"vocab", vocab}, {"merges", merges}}}};
   const auto dir = std::filesystem::temp_directory_path() /
                    ("kvr_tokenizer_json_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
-  std::ofstream(dir / "tokenizer.json") << root.dump();
+  WriteTokenizerJson(
+      *spec_, dir / "tokenizer.json",
+      {{"type", "Sequence"},
+       {"pretokenizers", json::array({{{"type", "Digits"}, {"individual_digits", true}},
+                                      {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                                       {"trim_offsets", true}, {"use_regex", true}}})}},
+      nullptr, /*ignore_merges=*/false);
   std::ofstream(dir / "tokenizer_config.json")
       << json({{"bos_token", "<|im_start|>"},
                {"eos_token", {{"content", "<|im_end|>"}, {"special", true}}},

@@ -142,6 +142,16 @@ TEST(PreTokenizer, WhiteSpaceIsUnicodeWhiteSpace) {
   EXPECT_THAT(Split("gpt2", "a \xe2\x80\x8b" "b"), ElementsAre("a", " \xe2\x80\x8b", "b"));
 }
 
+TEST(Normalize, NfcComposes) {
+  std::string out;
+  ASSERT_TRUE(internal::NormalizeNfc("e\xcc\x81", out).ok());  // e + U+0301
+  EXPECT_EQ(out, "\xc3\xa9");                                   // U+00E9
+  ASSERT_TRUE(internal::NormalizeNfc("\xe2\x84\xab", out).ok());  // U+212B ANGSTROM SIGN
+  EXPECT_EQ(out, "\xc3\x85");                                      // U+00C5
+  ASSERT_TRUE(internal::NormalizeNfc("plain ascii", out).ok());
+  EXPECT_EQ(out, "plain ascii");
+}
+
 TEST(PreTokenizer, UnknownNameIsRefusedByName) {
   std::string name;
   bool ignore_merges = false;
@@ -328,11 +338,12 @@ TEST_F(TokenizerJsonTest, LoadsALlama3ShapedFile) {
 }
 
 TEST_F(TokenizerJsonTest, RefusesWhatItCannotDoByName) {
-  std::string nfc = kTinyJson;
-  nfc.replace(nfc.find("\"normalizer\": null"), 18, R"("normalizer": {"type": "NFC"})");
-  auto r = Tokenizer::FromTokenizerJson(Write("a.json", nfc));
+  std::string lowercase = kTinyJson;
+  lowercase.replace(lowercase.find("\"normalizer\": null"), 18,
+                    R"("normalizer": {"type": "Lowercase"})");
+  auto r = Tokenizer::FromTokenizerJson(Write("a.json", lowercase));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(r.status().message(), HasSubstr("NFC"));
+  EXPECT_THAT(r.status().message(), HasSubstr("Lowercase"));
 
   std::string unigram = kTinyJson;
   unigram.replace(unigram.find("\"type\": \"BPE\""), 13, R"("type": "Unigram")");

@@ -335,6 +335,11 @@ def main():
             GGUF_PRE_TOKENIZER_SPLITS[pre]
         state["model"]["ignore_merges"] = ignore_merges
         variants[pre] = tokenizers.Tokenizer.from_str(json.dumps(state))
+    # Qwen2's own tokenizer.json also normalises to NFC (transformers' GGUF converter and
+    # llama.cpp do not); this variant checks kvr's tokenizer.json path with that normaliser.
+    state = json.loads(variants["qwen2"].to_str())
+    state["normalizer"] = {"type": "NFC"}
+    variants["qwen2+nfc"] = tokenizers.Tokenizer.from_str(json.dumps(state))
 
     strings = make_strings()
     cases = []
