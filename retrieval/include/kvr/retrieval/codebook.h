@@ -32,6 +32,11 @@ namespace kvr {
 class ThreadPool;
 }  // namespace kvr
 
+namespace kvr::model {
+class Model;
+struct ModelConfig;
+}  // namespace kvr::model
+
 namespace kvr::retrieval {
 
 inline constexpr std::string_view kA2atsCodebooksKind = "a2ats-codebooks";
@@ -192,5 +197,27 @@ class A2atsCodebooks final : public MethodAssets {
 // FailedPrecondition when a layer got no samples.
 [[nodiscard]] absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> BuildCodebooks(
     const CalibrationSamples& samples, ThreadPool* pool);
+
+// ---- Calibration on a real model -------------------------------------------------------------
+// Declared here with the rest of the codebook API, DEFINED by kvr::retrieval_calibrate
+// (retrieval/quant.cmake), which links the model runtime; link that target to use them.
+
+// The runtime's RoPE as RopeParams: Hugging Face rotate-half pairs (weights.h), config theta.
+// Unimplemented for frequency-scaled RoPE (llama3 scaling, rope_freqs): WRoPE would need the
+// scaled frequencies, which RopeParams cannot express yet.
+[[nodiscard]] absl::StatusOr<RopeParams> RopeParamsOf(const model::ModelConfig& config);
+
+// The fingerprint of a loaded model: shape and RoPE from its config; model_name = config name;
+// model_hash = FNV-1a 64 over the hyper-parameters and a strided sample (4096 values) of every
+// weight tensor, so that another fine-tune of the same architecture is told apart without
+// hashing all weights, and the same weights loaded from GGUF or safetensors agree.
+[[nodiscard]] absl::StatusOr<ModelFingerprint> FingerprintOf(const model::Model& model);
+
+// Runs each token sequence through `model` (dense attention, chunked prefill of
+// `prefill_chunk` tokens) and records every layer's post-RoPE queries and keys into `samples`
+// (created for FingerprintOf(model)). Positions restart at 0 for each sequence.
+[[nodiscard]] absl::Status CollectCalibrationSamples(
+    const model::Model& model, std::span<const std::vector<int32_t>> sequences,
+    CalibrationSamples& samples, int64_t prefill_chunk = 512);
 
 }  // namespace kvr::retrieval
