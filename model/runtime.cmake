@@ -27,3 +27,8 @@ kvr_add_test(model_logits_parity_test
   LIBS kvr::model kvr::common absl::strings absl::str_format nlohmann_json::nlohmann_json)
 target_compile_definitions(model_logits_parity_test PRIVATE
   KVR_LOGITS_FIXTURE_DIR="${CMAKE_CURRENT_SOURCE_DIR}/tests/fixtures/logits")
+
+add_executable(model_runtime_bench bench/runtime_bench.cc)
+kvr_warnings(model_runtime_bench)
+target_link_libraries(model_runtime_bench PRIVATE kvr::model kvr::common PkgConfig::OPENBLAS
+                                                  CLI11::CLI11 absl::str_format)
