@@ -1,0 +1,54 @@
+#pragma once
+// Configuration of kvr-controller from flags, a YAML file (--config) and KVR_* environment
+// variables, with precedence flag > file > env > default (CONVENTIONS.md 11). Each setting
+// has one name in three spellings: flag --lease-seconds, YAML key lease_seconds, environment
+// variable KVR_LEASE_SECONDS.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvr/controller/validation.h"
+
+namespace kvr::controller {
+
+struct ControllerConfig {
+  // host:port of the gRPC server; port 0 picks a free port (printed at start).
+  std::string listen = "0.0.0.0:50051";
+  double lease_seconds = 5;
+  double default_timeout_seconds = 600;
+  uint32_t max_in_flight = 1024;
+  uint32_t max_attempts = 3;
+  RequestDefaults defaults;
+  std::string log_level = "info";
+};
+
+// One setting: its snake_case name, help text and how to set/print it.
+struct ConfigField {
+  std::string name;
+  std::string help;
+  std::function<absl::Status(ControllerConfig&, const std::string&)> set;
+  std::function<std::string(const ControllerConfig&)> get;
+};
+const std::vector<ConfigField>& ControllerConfigFields();
+
+// Values by setting name, from one source.
+using ConfigValues = std::map<std::string, std::string>;
+
+// Merges the sources by precedence and parses the values. INVALID_ARGUMENT names the setting
+// and the source of a bad value, or an unknown key in the file.
+[[nodiscard]] absl::StatusOr<ControllerConfig> ResolveControllerConfig(
+    const ConfigValues& flags, const std::optional<std::string>& config_file,
+    const std::function<std::optional<std::string>(const std::string&)>& getenv);
+
+// Reads a YAML file of top-level `name: value` pairs.
+[[nodiscard]] absl::StatusOr<ConfigValues> ReadConfigFile(const std::string& path);
+
+// The effective configuration, one `name: value` per line (valid YAML).
+std::string FormatConfig(const ControllerConfig& config);
+
+}  // namespace kvr::controller

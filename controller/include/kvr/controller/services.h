@@ -1,0 +1,129 @@
+#pragma once
+// The controller's gRPC services. Thin (CONVENTIONS.md 2): each handler converts the proto to
+// domain types, calls Membership / Admission / RequestRunner, and converts the status back.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/controller/cancellation.h"
+#include "kvr/controller/clock.h"
+#include "kvr/controller/membership.h"
+#include "kvr/controller/placement.h"
+#include "kvr/controller/request_runner.h"
+#include "kvr/controller/validation.h"
+#include "kvr/v1/generation.grpc.pb.h"
+
+namespace grpc {
+class ServerContext;
+}  // namespace grpc
+
+namespace kvr::controller {
+
+// Version of kvr.cluster.v1 this controller speaks (RegisterRequest.protocol_version).
+inline constexpr uint32_t kClusterProtocolVersion = 1;
+
+class MembershipService final : public kvr::cluster::v1::Membership::Service {
+ public:
+  explicit MembershipService(Membership* membership) : membership_(membership) {}
+
+  grpc::Status Register(grpc::ServerContext* context,
+                        const kvr::cluster::v1::RegisterRequest* request,
+                        kvr::cluster::v1::RegisterResponse* response) override;
+  grpc::Status Heartbeat(grpc::ServerContext* context,
+                         const kvr::cluster::v1::HeartbeatRequest* request,
+                         kvr::cluster::v1::HeartbeatResponse* response) override;
+  grpc::Status Deregister(grpc::ServerContext* context,
+                          const kvr::cluster::v1::DeregisterRequest* request,
+                          kvr::cluster::v1::DeregisterResponse* response) override;
+
+ private:
+  Membership* membership_;
+};
+
+// Watches the ServerContexts of running Generate calls and cancels a request's token when its
+// client goes away. The synchronous gRPC API gives a handler no callback for that while it
+// blocks on a downstream call, so one thread polls every context at a short period.
+class DisconnectWatcher {
+ public:
+  explicit DisconnectWatcher(absl::Duration period);
+  ~DisconnectWatcher();
+  DisconnectWatcher(const DisconnectWatcher&) = delete;
+  DisconnectWatcher& operator=(const DisconnectWatcher&) = delete;
+
+  // Watches `context` until the returned handle is destroyed (which must happen before the
+  // context and the token are).
+  class Watch {
+   public:
+    Watch(DisconnectWatcher* owner, uint64_t id) : owner_(owner), id_(id) {}
+    Watch(const Watch&) = delete;
+    Watch& operator=(const Watch&) = delete;
+    ~Watch();
+
+   private:
+    DisconnectWatcher* owner_;
+    uint64_t id_;
+  };
+  [[nodiscard]] std::unique_ptr<Watch> Add(grpc::ServerContext* context, CancellationToken* token);
+
+ private:
+  void Loop();
+  struct Entry {
+    grpc::ServerContext* context;
+    CancellationToken* token;
+  };
+  const absl::Duration period_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+struct GenerationServiceOptions {
+  RequestDefaults defaults;
+  // Deadline of requests whose client set none.
+  absl::Duration default_timeout = absl::Minutes(10);
+  absl::Duration disconnect_poll_period = absl::Milliseconds(20);
+};
+
+class GenerationService final : public kvr::v1::Generation::Service {
+ public:
+  // All pointers must outlive the service.
+  GenerationService(Membership* membership, Admission* admission, RequestRunner* runner,
+                    const Clock* clock, GenerationServiceOptions options);
+
+  grpc::Status Generate(grpc::ServerContext* context, const kvr::v1::GenerateRequest* request,
+                        grpc::ServerWriter<kvr::v1::GenerateResponse>* writer) override;
+  grpc::Status Abort(grpc::ServerContext* context, const kvr::v1::AbortRequest* request,
+                     kvr::v1::AbortResponse* response) override;
+  grpc::Status ListModels(grpc::ServerContext* context,
+                          const kvr::v1::ListModelsRequest* request,
+                          kvr::v1::ListModelsResponse* response) override;
+
+  // Cancels every request in flight (shutdown).
+  void CancelAll(absl::string_view reason);
+
+ private:
+  std::string NewRequestId();
+
+  Membership* membership_;
+  Admission* admission_;
+  RequestRunner* runner_;
+  const Clock* clock_;
+  const GenerationServiceOptions options_;
+  InFlightRequests in_flight_;
+  DisconnectWatcher watcher_;
+  std::atomic<uint64_t> next_request_;
+  absl::Mutex tokens_mu_;
+  absl::flat_hash_map<CancellationToken*, bool> tokens_ ABSL_GUARDED_BY(tokens_mu_);
+};
+
+}  // namespace kvr::controller

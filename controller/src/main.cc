@@ -1,0 +1,110 @@
+// kvr-controller: the cluster's front door. Serves kvr.v1.Generation to clients,
+// kvr.cluster.v1.Membership to nodes, gRPC health and server reflection.
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "kvr/controller/clock.h"
+#include "kvr/controller/config.h"
+#include "kvr/controller/grpc_node_clients.h"
+#include "kvr/controller/membership.h"
+#include "kvr/controller/placement.h"
+#include "kvr/controller/request_runner.h"
+#include "kvr/controller/services.h"
+#include "spdlog/spdlog.h"
+
+namespace kvr::controller {
+namespace {
+
+int Serve(const ControllerConfig& config) {
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  // Block SIGTERM/SIGINT in every thread (gRPC's included, which inherit this mask) and wait
+  // for them on one thread with sigwait: no async-signal-safety concerns, no globals.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  SystemClock clock;
+  Membership membership(&clock, absl::Seconds(config.lease_seconds));
+  Placement placement(&membership);
+  Admission admission(config.max_in_flight);
+  GrpcNodeClients clients;
+  RequestRunner runner(&membership, &placement, &clients, &clients, &clock,
+                       RunnerOptions{.max_attempts = config.max_attempts});
+  GenerationService generation(
+      &membership, &admission, &runner, &clock,
+      GenerationServiceOptions{.defaults = config.defaults,
+                               .default_timeout = absl::Seconds(config.default_timeout_seconds)});
+  MembershipService membership_service(&membership);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&generation);
+  builder.RegisterService(&membership_service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "kvr-controller: cannot listen on " << config.listen << "\n";
+    return 1;
+  }
+  const std::string host = config.listen.substr(0, config.listen.rfind(':'));
+  // One parseable line on stdout for scripts and tests (kvr up reads it).
+  std::cout << "kvr-controller listening on " << host << ":" << port << std::endl;
+
+  int received = 0;
+  sigwait(&signals, &received);
+  spdlog::info("signal {}: shutting down", received);
+  server->GetHealthCheckService()->SetServingStatus(false);
+  // New calls are refused at once; running streams get a grace period, then are cancelled.
+  generation.CancelAll("controller shutting down");
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server->Wait();
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvr::controller
+
+int main(int argc, char** argv) {
+  using namespace kvr::controller;
+  CLI::App app{"kvr-controller: membership, placement and the public Generation API"};
+  ConfigValues flag_values;
+  std::string config_file;
+  app.add_option("--config", config_file, "YAML file of settings (flag > file > KVR_* env)");
+  for (const ConfigField& field : ControllerConfigFields()) {
+    std::string flag = "--" + field.name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    app.add_option_function<std::string>(
+        flag, [&flag_values, name = field.name](const std::string& v) { flag_values[name] = v; },
+        field.help);
+  }
+  CLI11_PARSE(app, argc, argv);
+
+  absl::StatusOr<ControllerConfig> config = ResolveControllerConfig(
+      flag_values, config_file.empty() ? std::nullopt : std::optional<std::string>(config_file),
+      [](const std::string& name) -> std::optional<std::string> {
+        const char* v = std::getenv(name.c_str());
+        if (v == nullptr) return std::nullopt;
+        return std::string(v);
+      });
+  if (!config.ok()) {
+    std::cerr << "kvr-controller: " << config.status().message() << "\n";
+    return 2;
+  }
+  std::cout << "# kvr-controller effective config\n" << FormatConfig(*config) << std::flush;
+  return Serve(*config);
+}

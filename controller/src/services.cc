@@ -1,0 +1,188 @@
+#include "kvr/controller/services.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "proto_convert.h"
+#include "spdlog/spdlog.h"
+
+namespace kvr::controller {
+
+namespace cv1 = ::kvr::cluster::v1;
+namespace v1 = ::kvr::v1;
+
+grpc::Status MembershipService::Register(grpc::ServerContext*, const cv1::RegisterRequest* request,
+                                         cv1::RegisterResponse* response) {
+  if (request->protocol_version() != kClusterProtocolVersion) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("protocol_version: ", request->protocol_version(),
+                                     " is not supported; this controller speaks ",
+                                     kClusterProtocolVersion));
+  }
+  if (request->role() == cv1::NODE_ROLE_UNSPECIFIED) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "role: unspecified");
+  }
+  absl::StatusOr<std::string> id = membership_->Register(FromProto(*request));
+  if (!id.ok()) return ToGrpcStatus(id.status());
+  spdlog::info("registered {} node {} '{}' at {}", cv1::NodeRole_Name(request->role()), *id,
+               request->name(), request->endpoints().grpc_address());
+  response->set_node_id(*id);
+  SetDuration(membership_->lease(), response->mutable_lease());
+  // Three heartbeats per lease: one lost heartbeat does not drop a healthy node.
+  SetDuration(membership_->lease() / 3, response->mutable_heartbeat_interval());
+  return grpc::Status::OK;
+}
+
+grpc::Status MembershipService::Heartbeat(grpc::ServerContext*,
+                                          const cv1::HeartbeatRequest* request,
+                                          cv1::HeartbeatResponse* response) {
+  absl::StatusOr<absl::Time> expiry =
+      membership_->Heartbeat(request->node_id(), FromProto(request->load()));
+  if (!expiry.ok()) return ToGrpcStatus(expiry.status());
+  SetTimestamp(*expiry, response->mutable_lease_expiry());
+  SetDuration(membership_->lease(), response->mutable_lease());
+  return grpc::Status::OK;
+}
+
+grpc::Status MembershipService::Deregister(grpc::ServerContext*,
+                                           const cv1::DeregisterRequest* request,
+                                           cv1::DeregisterResponse*) {
+  absl::Status s = membership_->Deregister(request->node_id());
+  if (s.ok()) spdlog::info("node {} deregistered", request->node_id());
+  return ToGrpcStatus(s);
+}
+
+DisconnectWatcher::DisconnectWatcher(absl::Duration period)
+    : period_(period), thread_([this] { Loop(); }) {}
+
+DisconnectWatcher::~DisconnectWatcher() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+std::unique_ptr<DisconnectWatcher::Watch> DisconnectWatcher::Add(grpc::ServerContext* context,
+                                                                 CancellationToken* token) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t id = next_id_++;
+  entries_.emplace(id, Entry{context, token});
+  return std::make_unique<Watch>(this, id);
+}
+
+DisconnectWatcher::Watch::~Watch() {
+  absl::MutexLock lock(&owner_->mu_);
+  owner_->entries_.erase(id_);
+}
+
+void DisconnectWatcher::Loop() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    for (auto& [id, e] : entries_) {
+      if (e.context->IsCancelled()) e.token->Cancel(absl::CancelledError("client disconnected"));
+    }
+    // Sleeps for one period, or until Stop. Entries cannot be destroyed while the lock is held,
+    // so the contexts above stay valid during the scan.
+    mu_.AwaitWithTimeout(absl::Condition(&stop_), period_);
+  }
+}
+
+namespace {
+
+// Writes events to the client's stream.
+class WriterSink final : public ResponseSink {
+ public:
+  WriterSink(grpc::ServerWriter<v1::GenerateResponse>* writer, const GenerateParams* params)
+      : writer_(writer), params_(params) {}
+  absl::Status Send(const GenerateEvent& event) override {
+    if (!writer_->Write(ToGenerateResponse(event, *params_))) {
+      return absl::CancelledError("client disconnected");
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  grpc::ServerWriter<v1::GenerateResponse>* writer_;
+  const GenerateParams* params_;
+};
+
+}  // namespace
+
+GenerationService::GenerationService(Membership* membership, Admission* admission,
+                                     RequestRunner* runner, const Clock* clock,
+                                     GenerationServiceOptions options)
+    : membership_(membership),
+      admission_(admission),
+      runner_(runner),
+      clock_(clock),
+      options_(std::move(options)),
+      watcher_(options_.disconnect_poll_period),
+      next_request_(static_cast<uint64_t>(absl::ToUnixMicros(clock->Now()))) {}
+
+std::string GenerationService::NewRequestId() {
+  return absl::StrFormat("req-%016x", next_request_.fetch_add(1));
+}
+
+grpc::Status GenerationService::Generate(grpc::ServerContext* context,
+                                         const v1::GenerateRequest* request,
+                                         grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const absl::Time arrival = clock_->Now();
+  absl::StatusOr<GenerateParams> params =
+      ParseGenerateRequest(*request, membership_->Models(), options_.defaults);
+  if (!params.ok()) return ToGrpcStatus(params.status());
+  if (params->request_id.empty()) params->request_id = NewRequestId();
+
+  absl::StatusOr<Admission::Ticket> ticket = admission_->Admit();
+  if (!ticket.ok()) return ToGrpcStatus(ticket.status());
+
+  CancellationToken token;
+  if (absl::Status s = in_flight_.Add(params->request_id, &token); !s.ok()) return ToGrpcStatus(s);
+  {
+    absl::MutexLock lock(&tokens_mu_);
+    tokens_[&token] = true;
+  }
+  absl::Cleanup forget = [&] {
+    in_flight_.Remove(params->request_id);
+    absl::MutexLock lock(&tokens_mu_);
+    tokens_.erase(&token);
+  };
+  std::unique_ptr<DisconnectWatcher::Watch> watch = watcher_.Add(context, &token);
+
+  absl::Time deadline = arrival + options_.default_timeout;
+  const auto client_deadline = context->deadline();
+  if (client_deadline != std::chrono::system_clock::time_point::max()) {
+    deadline = std::min(deadline, absl::FromChrono(client_deadline));
+  }
+  WriterSink sink(writer, &*params);
+  absl::Status status = runner_->Run(*params, arrival, deadline, &token, &sink);
+  if (!status.ok()) {
+    spdlog::info("request {} ended: {}", params->request_id, status.ToString());
+  }
+  return ToGrpcStatus(status);
+}
+
+grpc::Status GenerationService::Abort(grpc::ServerContext*, const v1::AbortRequest* request,
+                                      v1::AbortResponse* response) {
+  response->set_found(in_flight_.Cancel(
+      request->request_id(),
+      absl::CancelledError(absl::StrCat("request ", request->request_id(), " aborted by Abort"))));
+  return grpc::Status::OK;
+}
+
+grpc::Status GenerationService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+                                           v1::ListModelsResponse* response) {
+  *response = ToListModelsResponse(membership_->Models());
+  return grpc::Status::OK;
+}
+
+void GenerationService::CancelAll(absl::string_view reason) {
+  absl::MutexLock lock(&tokens_mu_);
+  for (auto& [token, unused] : tokens_) token->Cancel(absl::UnavailableError(reason));
+}
+
+}  // namespace kvr::controller
