@@ -32,7 +32,7 @@ target_include_directories(tokenizer_test PRIVATE src)
 # The SmolLM2 GGUF against the Hugging Face reference fixture (>= 2,000 strings).
 kvr_add_test(tokenizer_reference_test
   SOURCES tests/tokenizer_reference_test.cc tests/tokenizer_test_util.cc
-  LIBS kvr::tokenizer kvr::model_formats kvr::common nlohmann_json::nlohmann_json)
+  LIBS kvr::tokenizer kvr::model_formats kvr::common nlohmann_json::nlohmann_json Threads::Threads)
 target_compile_definitions(tokenizer_reference_test PRIVATE
   KVR_TOKENIZER_FIXTURES="${_kvr_tokenizer_fixtures}")
 

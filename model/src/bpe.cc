@@ -44,10 +44,12 @@ absl::StatusOr<BpeModel> BpeModel::Create(
     const int32_t right_id = model.Find(right);
     const int32_t merged_id = model.Find(absl::StrCat(left, right));
     if (left_id < 0 || right_id < 0 || merged_id < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("merge ", rank, " (\"", left, " ", right, "\") refers to ",
-                       left_id < 0 ? left : right_id < 0 ? right : absl::StrCat(left, right),
-                       ", which is not in the vocabulary"));
+      return absl::InvalidArgumentError(absl::StrCat("merge ", rank, " (\"", left, " ", right,
+                                                     "\") refers to ",
+                                                     left_id < 0    ? left
+                                                     : right_id < 0 ? right
+                                                                    : absl::StrCat(left, right),
+                                                     ", which is not in the vocabulary"));
     }
     // A repeated pair keeps its first (best) rank.
     model.merges_.try_emplace(PairKey(left_id, right_id),
@@ -77,7 +79,8 @@ void BpeModel::EncodeWord(std::string_view word, std::vector<int32_t>& out) cons
   if (cacheable) {
     absl::MutexLock lock(&cache_->mu);
     if (cache_->words.size() < Cache::kMaxEntries) {
-      cache_->words.try_emplace(std::string(word), out.begin() + static_cast<ptrdiff_t>(first), out.end());
+      cache_->words.try_emplace(std::string(word), out.begin() + static_cast<ptrdiff_t>(first),
+                                out.end());
     }
   }
 }
@@ -116,7 +119,7 @@ void BpeModel::MergeWord(std::string_view word, std::vector<int32_t>& out) const
 
   struct Candidate {
     int32_t rank;
-    int32_t pos;       // left symbol
+    int32_t pos;  // left symbol
     int32_t merged_id;
     bool operator>(const Candidate& o) const {
       return rank != o.rank ? rank > o.rank : pos > o.pos;

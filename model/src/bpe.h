@@ -54,7 +54,8 @@ class BpeModel {
   void MergeWord(std::string_view word, std::vector<int32_t>& out) const;
 
   static uint64_t PairKey(int32_t left, int32_t right) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
+           static_cast<uint32_t>(right);
   }
 
   Options options_;

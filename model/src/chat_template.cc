@@ -26,7 +26,11 @@ bool IsPythonSpace(uint32_t cp) {
 // Decodes the code point starting at s[i] (lenient: a malformed byte counts as itself).
 uint32_t DecodeAt(std::string_view s, size_t i, size_t& length) {
   const auto b0 = static_cast<uint8_t>(s[i]);
-  length = b0 < 0x80 ? 1 : (b0 & 0xE0) == 0xC0 ? 2 : (b0 & 0xF0) == 0xE0 ? 3 : (b0 & 0xF8) == 0xF0 ? 4 : 1;
+  length = b0 < 0x80             ? 1
+           : (b0 & 0xE0) == 0xC0 ? 2
+           : (b0 & 0xF0) == 0xE0 ? 3
+           : (b0 & 0xF8) == 0xF0 ? 4
+                                 : 1;
   if (length == 1 || i + length > s.size()) {
     length = 1;
     return b0;
@@ -62,13 +66,28 @@ std::string UnescapeJinjaLiteral(std::string_view s) {
     if (s[i] == '\\' && i + 1 < s.size()) {
       const char e = s[++i];
       switch (e) {
-        case 'n': out.push_back('\n'); break;
-        case 't': out.push_back('\t'); break;
-        case 'r': out.push_back('\r'); break;
-        case '\\': out.push_back('\\'); break;
-        case '\'': out.push_back('\''); break;
-        case '"': out.push_back('"'); break;
-        default: out.push_back('\\'); out.push_back(e); break;
+        case 'n':
+          out.push_back('\n');
+          break;
+        case 't':
+          out.push_back('\t');
+          break;
+        case 'r':
+          out.push_back('\r');
+          break;
+        case '\\':
+          out.push_back('\\');
+          break;
+        case '\'':
+          out.push_back('\'');
+          break;
+        case '"':
+          out.push_back('"');
+          break;
+        default:
+          out.push_back('\\');
+          out.push_back(e);
+          break;
       }
     } else {
       out.push_back(s[i]);
@@ -82,8 +101,7 @@ std::string UnescapeJinjaLiteral(std::string_view s) {
 std::string FindChatMlDefaultSystemPrompt(std::string_view text) {
   constexpr std::string_view kOpen = "<|im_start|>system";
   constexpr std::string_view kClose = "<|im_end|>";
-  for (size_t at = text.find(kOpen); at != std::string_view::npos;
-       at = text.find(kOpen, at + 1)) {
+  for (size_t at = text.find(kOpen); at != std::string_view::npos; at = text.find(kOpen, at + 1)) {
     size_t body = at + kOpen.size();
     if (text.compare(body, 1, "\n") == 0) {
       body += 1;
@@ -114,9 +132,11 @@ absl::Status RequireAlternation(std::span<const ChatMessage> messages, std::stri
           "supported"));
     }
     if ((role == "user") != expect_user) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          Av(family), " chat template: conversation roles must alternate user/assistant/user/..., "
-                  "but message ", i, " is \"", role, "\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat(Av(family),
+                       " chat template: conversation roles must alternate user/assistant/user/..., "
+                       "but message ",
+                       i, " is \"", role, "\""));
     }
   }
   return absl::OkStatus();
@@ -249,13 +269,14 @@ absl::StatusOr<ChatTemplateInfo> DetectChatTemplate(std::string_view template_te
   }
   if (Contains(template_text, "[INST]")) {
     info.family = Contains(template_text, "<<SYS>>") ? ChatTemplateFamily::kLlama2
-                                                      : ChatTemplateFamily::kMistral;
+                                                     : ChatTemplateFamily::kMistral;
     return info;
   }
   constexpr size_t kQuoteChars = 120;
   return absl::UnimplementedError(absl::StrCat(
       "unrecognised chat template (kvr renders chatml, llama3, llama2 and mistral templates): \"",
-      Av(template_text.substr(0, kQuoteChars)), template_text.size() > kQuoteChars ? "...\"" : "\""));
+      Av(template_text.substr(0, kQuoteChars)),
+      template_text.size() > kQuoteChars ? "...\"" : "\""));
 }
 
 absl::StatusOr<std::string> RenderChatTemplate(const ChatTemplateInfo& info,

@@ -102,9 +102,9 @@ absl::StatusOr<RegexSplitter> RegexSplitter::Compile(std::string_view pattern) {
   if (code->code == nullptr) {
     PCRE2_UCHAR message[256];
     pcre2_get_error_message(error_code, message, sizeof(message));
-    return absl::InvalidArgumentError(absl::StrCat("pre-tokenizer regex does not compile (",
-                                                   reinterpret_cast<const char*>(message),
-                                                   " at offset ", error_offset, "): ", Av(pattern)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pre-tokenizer regex does not compile (", reinterpret_cast<const char*>(message),
+        " at offset ", error_offset, "): ", Av(pattern)));
   }
   // JIT is an optimisation only: when it is unavailable pcre2_match interprets the pattern.
   (void)pcre2_jit_compile(code->code, PCRE2_JIT_COMPLETE);
@@ -120,8 +120,8 @@ absl::Status RegexSplitter::Split(std::string_view text, std::vector<std::string
   size_t pos = 0;
   absl::Status status;
   while (pos < text.size()) {
-    int rc = pcre2_match(code_->code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, match,
-                         nullptr);
+    int rc =
+        pcre2_match(code_->code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, match, nullptr);
     if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {
       // Very long runs can exhaust the JIT's 32 KiB stack; the interpreter uses the heap.
       rc = pcre2_match(code_->code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT,

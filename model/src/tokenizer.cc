@@ -111,10 +111,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer::Impl>> BuildTokenizerImpl(TokenizerPar
   impl->added_tokens = std::move(parts.added_tokens);
   // Longest first, so that the first candidate matching at a position is the longest one
   // (Hugging Face matches added tokens leftmost-longest).
-  std::stable_sort(impl->added_tokens.begin(), impl->added_tokens.end(),
-                   [](const AddedToken& a, const AddedToken& b) {
-                     return a.content.size() > b.content.size();
-                   });
+  std::stable_sort(
+      impl->added_tokens.begin(), impl->added_tokens.end(),
+      [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
   for (const AddedToken& added : impl->added_tokens) {
     impl->added_first_byte[static_cast<uint8_t>(added.content[0])] = true;
   }
@@ -157,9 +156,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer::Impl>> BuildTokenizerImpl(TokenizerPar
   };
   add_eog(impl->eos_id);
   add_eog(impl->eot_id);
-  for (std::string_view name :
-       {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-        "<EOT>", "<|end_of_text|>"}) {
+  for (std::string_view name : {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                                "<|endoftext|>", "<|eom_id|>", "<EOT>", "<|end_of_text|>"}) {
     add_eog(find_special(name));
   }
   return impl;
@@ -174,9 +172,9 @@ Tokenizer::~Tokenizer() = default;
 
 absl::StatusOr<Tokenizer> Tokenizer::FromGgufMetadata(const TokenizerSpec& spec) {
   if (spec.model != "gpt2") {
-    return absl::UnimplementedError(absl::StrCat(
-        "tokenizer.ggml.model \"", spec.model,
-        "\" is not supported; kvr implements byte-level BPE (\"gpt2\") only"));
+    return absl::UnimplementedError(
+        absl::StrCat("tokenizer.ggml.model \"", spec.model,
+                     "\" is not supported; kvr implements byte-level BPE (\"gpt2\") only"));
   }
   internal::TokenizerParts parts;
   auto pre = internal::PreTokenizer::ForGgufPre(spec.pre, parts.pre_name, parts.ignore_merges);
@@ -190,8 +188,8 @@ absl::StatusOr<Tokenizer> Tokenizer::FromGgufMetadata(const TokenizerSpec& spec)
     const size_t space = merge.find(' ');
     if (space == std::string::npos || space == 0 || space + 1 == merge.size() ||
         merge.find(' ', space + 1) != std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tokenizer.ggml.merges[", i, "] = \"", merge, "\" is not of the form \"left right\""));
+      return absl::InvalidArgumentError(absl::StrCat("tokenizer.ggml.merges[", i, "] = \"", merge,
+                                                     "\" is not of the form \"left right\""));
     }
     parts.merges.emplace_back(merge.substr(0, space), merge.substr(space + 1));
   }
@@ -338,7 +336,9 @@ absl::StatusOr<std::string> Tokenizer::TokenBytes(int32_t id) const {
 
 absl::StatusOr<int32_t> Tokenizer::PieceToId(std::string_view piece) const {
   const int32_t id = impl_->bpe.Find(piece);
-  if (id < 0) return absl::NotFoundError(absl::StrCat("\"", internal::Av(piece), "\" is not in the vocabulary"));
+  if (id < 0)
+    return absl::NotFoundError(
+        absl::StrCat("\"", internal::Av(piece), "\" is not in the vocabulary"));
   return id;
 }
 

@@ -27,8 +27,8 @@ struct AddedToken {
 
 // Everything a loader gathers; BuildTokenizerImpl validates it and builds the tables.
 struct TokenizerParts {
-  std::vector<std::string> tokens;      // [vocab_size] byte-level spelling
-  std::vector<int32_t> token_types;     // [vocab_size] TokenType values
+  std::vector<std::string> tokens;   // [vocab_size] byte-level spelling
+  std::vector<int32_t> token_types;  // [vocab_size] TokenType values
   std::vector<std::pair<std::string, std::string>> merges;
   PreTokenizer pre_tokenizer;
   std::string pre_name;

@@ -23,7 +23,8 @@ absl::StatusOr<json> ReadJson(const std::string& path) {
   std::ostringstream text;
   text << in.rdbuf();
   json parsed = json::parse(text.str(), /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, " is not valid JSON"));
+  if (parsed.is_discarded())
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not valid JSON"));
   return parsed;
 }
 
@@ -50,8 +51,9 @@ absl::Status CollectPreTokenizer(const json& node, const std::string& path,
   const std::string type = TypeOf(node);
   if (type == "Sequence") {
     if (!node.contains("pretokenizers") || !node["pretokenizers"].is_array()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": Sequence pre_tokenizer without a "
-                                                           "pretokenizers list"));
+      return absl::InvalidArgumentError(absl::StrCat(path,
+                                                     ": Sequence pre_tokenizer without a "
+                                                     "pretokenizers list"));
     }
     for (const json& child : node["pretokenizers"]) {
       if (auto status = CollectPreTokenizer(child, path, patterns); !status.ok()) return status;
@@ -83,7 +85,8 @@ absl::Status CollectPreTokenizer(const json& node, const std::string& path,
     } else if (pattern.contains("String") && pattern["String"].is_string()) {
       patterns.push_back(QuoteLiteral(pattern["String"].get<std::string>()));
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": Split pre_tokenizer without a pattern"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": Split pre_tokenizer without a pattern"));
     }
     return absl::OkStatus();
   }
@@ -105,19 +108,21 @@ absl::StatusOr<internal::TokenizerParts> PartsFromTokenizerJsonUnchecked(const s
   if (!root.ok()) return root.status();
   const json& model = (*root).contains("model") ? (*root)["model"] : json();
   if (TypeOf(model) != "BPE") {
-    return absl::UnimplementedError(absl::StrCat(path, ": model type \"", TypeOf(model),
-                                                 "\" is not supported (BPE only)"));
+    return absl::UnimplementedError(
+        absl::StrCat(path, ": model type \"", TypeOf(model), "\" is not supported (BPE only)"));
   }
   if (model.value("byte_fallback", false)) {
-    return absl::UnimplementedError(absl::StrCat(path, ": BPE with byte_fallback (SentencePiece "
-                                                       "style) is not supported"));
+    return absl::UnimplementedError(absl::StrCat(path,
+                                                 ": BPE with byte_fallback (SentencePiece "
+                                                 "style) is not supported"));
   }
   bool nfc = false;
   if ((*root).contains("normalizer") && !(*root)["normalizer"].is_null()) {
     // NFC (Qwen2) is the one normaliser byte-level BPE vocabularies use.
     if (TypeOf((*root)["normalizer"]) != "NFC") {
-      return absl::UnimplementedError(absl::StrCat(
-          path, ": normalizer \"", TypeOf((*root)["normalizer"]), "\" is not supported (NFC only)"));
+      return absl::UnimplementedError(absl::StrCat(path, ": normalizer \"",
+                                                   TypeOf((*root)["normalizer"]),
+                                                   "\" is not supported (NFC only)"));
     }
     nfc = true;
   }
@@ -135,17 +140,18 @@ absl::StatusOr<internal::TokenizerParts> PartsFromTokenizerJsonUnchecked(const s
   int64_t max_id = -1;
   for (const auto& [token, id] : model["vocab"].items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > (1 << 24)) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": vocab entry \"", token,
-                                                     "\" has a bad id ", id.dump()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": vocab entry \"", token, "\" has a bad id ", id.dump()));
     }
     max_id = std::max<int64_t>(max_id, id.get<int64_t>());
   }
   const json added = (*root).contains("added_tokens") ? (*root)["added_tokens"] : json::array();
   for (const json& entry : added) {
-    if (!entry.contains("id") || !entry["id"].is_number_integer() || entry["id"].get<int64_t>() < 0 ||
-        !entry.contains("content") || !entry["content"].is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": malformed added_tokens entry ",
-                                                     entry.dump()));
+    if (!entry.contains("id") || !entry["id"].is_number_integer() ||
+        entry["id"].get<int64_t>() < 0 || !entry.contains("content") ||
+        !entry["content"].is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": malformed added_tokens entry ", entry.dump()));
     }
     max_id = std::max<int64_t>(max_id, entry["id"].get<int64_t>());
   }
@@ -248,7 +254,6 @@ void GuessSpecialIds(internal::TokenizerParts& parts) {
   }
 }
 
-
 }  // namespace
 
 // Defined here (not in the anonymous namespace) because it calls the private constructor.
@@ -267,45 +272,45 @@ absl::StatusOr<Tokenizer> Tokenizer::FromHuggingFaceDir(const std::string& dir) 
   if (!parts.ok()) return parts.status();
   const std::filesystem::path config_path = std::filesystem::path(dir) / "tokenizer_config.json";
   if (std::filesystem::exists(config_path)) try {
-    auto config = ReadJson(config_path.string());
-    if (!config.ok()) return config.status();
-    auto special_id = [&](const char* key, int32_t& id) -> absl::Status {
-      if (!config->contains(key) || (*config)[key].is_null()) return absl::OkStatus();
-      const std::string content = TokenContent((*config)[key]);
-      id = FindAdded(*parts, content);
-      if (id < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(config_path.string(), ": ", key, " \"",
-                                                       content, "\" is not an added token"));
+      auto config = ReadJson(config_path.string());
+      if (!config.ok()) return config.status();
+      auto special_id = [&](const char* key, int32_t& id) -> absl::Status {
+        if (!config->contains(key) || (*config)[key].is_null()) return absl::OkStatus();
+        const std::string content = TokenContent((*config)[key]);
+        id = FindAdded(*parts, content);
+        if (id < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(config_path.string(), ": ", key, " \"",
+                                                         content, "\" is not an added token"));
+        }
+        return absl::OkStatus();
+      };
+      if (auto s = special_id("bos_token", parts->bos_id); !s.ok()) return s;
+      if (auto s = special_id("eos_token", parts->eos_id); !s.ok()) return s;
+      if (auto s = special_id("unk_token", parts->unk_id); !s.ok()) return s;
+      if (auto s = special_id("pad_token", parts->pad_id); !s.ok()) return s;
+      if (config->contains("add_bos_token") && (*config)["add_bos_token"].is_boolean()) {
+        parts->add_bos = (*config)["add_bos_token"].get<bool>() || parts->add_bos;
       }
-      return absl::OkStatus();
-    };
-    if (auto s = special_id("bos_token", parts->bos_id); !s.ok()) return s;
-    if (auto s = special_id("eos_token", parts->eos_id); !s.ok()) return s;
-    if (auto s = special_id("unk_token", parts->unk_id); !s.ok()) return s;
-    if (auto s = special_id("pad_token", parts->pad_id); !s.ok()) return s;
-    if (config->contains("add_bos_token") && (*config)["add_bos_token"].is_boolean()) {
-      parts->add_bos = (*config)["add_bos_token"].get<bool>() || parts->add_bos;
-    }
-    if (config->contains("add_eos_token") && (*config)["add_eos_token"].is_boolean()) {
-      parts->add_eos = (*config)["add_eos_token"].get<bool>();
-    }
-    if (config->contains("chat_template")) {
-      const json& chat = (*config)["chat_template"];
-      if (chat.is_string()) {
-        parts->chat_template = chat.get<std::string>();
-      } else if (chat.is_array()) {
-        // Named templates: [{"name": "default", "template": "..."}, ...].
-        for (const json& entry : chat) {
-          if (entry.value("name", "") == "default" && entry.contains("template")) {
-            parts->chat_template = entry["template"].get<std::string>();
+      if (config->contains("add_eos_token") && (*config)["add_eos_token"].is_boolean()) {
+        parts->add_eos = (*config)["add_eos_token"].get<bool>();
+      }
+      if (config->contains("chat_template")) {
+        const json& chat = (*config)["chat_template"];
+        if (chat.is_string()) {
+          parts->chat_template = chat.get<std::string>();
+        } else if (chat.is_array()) {
+          // Named templates: [{"name": "default", "template": "..."}, ...].
+          for (const json& entry : chat) {
+            if (entry.value("name", "") == "default" && entry.contains("template")) {
+              parts->chat_template = entry["template"].get<std::string>();
+            }
           }
         }
       }
+    } catch (const json::exception& e) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(config_path.string(), ": unexpected structure: ", e.what()));
     }
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(config_path.string(), ": unexpected structure: ", e.what()));
-  }
   GuessSpecialIds(*parts);
   auto impl = internal::BuildTokenizerImpl(std::move(*parts));
   if (!impl.ok()) return impl.status();

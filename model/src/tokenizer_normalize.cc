@@ -26,10 +26,11 @@ absl::Status NormalizeNfc(std::string_view text, std::string& out) {
   UErrorCode status = U_ZERO_ERROR;
   const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(status);
   if (U_FAILURE(status)) {
-    return absl::InternalError(absl::StrCat("ICU NFC normaliser unavailable: ", u_errorName(status)));
+    return absl::InternalError(
+        absl::StrCat("ICU NFC normaliser unavailable: ", u_errorName(status)));
   }
-  const icu::UnicodeString source =
-      icu::UnicodeString::fromUTF8(icu::StringPiece(text.data(), static_cast<int32_t>(text.size())));
+  const icu::UnicodeString source = icu::UnicodeString::fromUTF8(
+      icu::StringPiece(text.data(), static_cast<int32_t>(text.size())));
   const icu::UnicodeString normalized = nfc->normalize(source, status);
   if (U_FAILURE(status)) {
     return absl::InternalError(absl::StrCat("ICU NFC normalisation failed: ", u_errorName(status)));

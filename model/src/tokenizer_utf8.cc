@@ -19,12 +19,12 @@ SequenceScan ScanSequence(std::string_view s, size_t i) {
     needed = 2;
   } else if (b0 >= 0xE0 && b0 <= 0xEF) {
     needed = 3;
-    if (b0 == 0xE0) lo = 0xA0;   // no overlongs
-    if (b0 == 0xED) hi = 0x9F;   // no surrogates
+    if (b0 == 0xE0) lo = 0xA0;  // no overlongs
+    if (b0 == 0xED) hi = 0x9F;  // no surrogates
   } else if (b0 >= 0xF0 && b0 <= 0xF4) {
     needed = 4;
-    if (b0 == 0xF0) lo = 0x90;   // no overlongs
-    if (b0 == 0xF4) hi = 0x8F;   // nothing above U+10FFFF
+    if (b0 == 0xF0) lo = 0x90;  // no overlongs
+    if (b0 == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
   } else {
     return {0, 0};
   }

@@ -16,8 +16,8 @@
 namespace kvr::model {
 namespace {
 
-using ::testing::HasSubstr;
 using nlohmann::json;
+using ::testing::HasSubstr;
 
 std::vector<ChatMessage> Conversation(const json& messages) {
   std::vector<ChatMessage> out;

@@ -1,11 +1,13 @@
 // The SmolLM2-135M-Instruct tokenizer (from its GGUF) against the Hugging Face reference
 // fixture: exact ids on every string, decode, streaming decode and the tokenizer.json loader.
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -45,8 +47,12 @@ void WriteTokenizerJson(const TokenizerSpec& spec, const std::filesystem::path& 
   for (size_t id = 0; id < spec.tokens.size(); ++id) {
     vocab[spec.tokens[id]] = id;
     if (spec.token_types[id] == static_cast<int32_t>(TokenType::kControl)) {
-      added.push_back({{"id", id}, {"content", spec.tokens[id]}, {"single_word", false},
-                       {"lstrip", false}, {"rstrip", false}, {"normalized", false},
+      added.push_back({{"id", id},
+                       {"content", spec.tokens[id]},
+                       {"single_word", false},
+                       {"lstrip", false},
+                       {"rstrip", false},
+                       {"normalized", false},
                        {"special", true}});
     }
   }
@@ -61,17 +67,25 @@ void WriteTokenizerJson(const TokenizerSpec& spec, const std::filesystem::path& 
       merges.push_back(json::array({m.substr(0, space), m.substr(space + 1)}));
     }
   }
-  json root = {
-      {"version", "1.0"},
-      {"added_tokens", added},
-      {"normalizer", normalizer},
-      {"pre_tokenizer", pre_tokenizer},
-      {"post_processor", nullptr},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true},
-                   {"use_regex", true}}},
-      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
-                 {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", ignore_merges},
-                 {"vocab", vocab}, {"merges", merges}}}};
+  json root = {{"version", "1.0"},
+               {"added_tokens", added},
+               {"normalizer", normalizer},
+               {"pre_tokenizer", pre_tokenizer},
+               {"post_processor", nullptr},
+               {"decoder",
+                {{"type", "ByteLevel"},
+                 {"add_prefix_space", true},
+                 {"trim_offsets", true},
+                 {"use_regex", true}}},
+               {"model",
+                {{"type", "BPE"},
+                 {"dropout", nullptr},
+                 {"unk_token", nullptr},
+                 {"fuse_unk", false},
+                 {"byte_fallback", false},
+                 {"ignore_merges", ignore_merges},
+                 {"vocab", vocab},
+                 {"merges", merges}}}};
   std::ofstream(path) << root.dump();
 }
 
@@ -97,8 +111,7 @@ class SmolLm2TokenizerTest : public ::testing::Test {
 
   // Encodes every fixture string with `tokenizer` and compares with `ids_key` (falling back to
   // "ids"); returns the number of mismatches and reports the first few.
-  static int CountMismatches(const Tokenizer& tokenizer, bool parse_special,
-                             const char* ids_key) {
+  static int CountMismatches(const Tokenizer& tokenizer, bool parse_special, const char* ids_key) {
     int mismatches = 0;
     for (const json& c : (*fixture_)["cases"]) {
       const std::string text = c["text"].get<std::string>();
@@ -134,7 +147,8 @@ TEST_F(SmolLm2TokenizerTest, FixtureCoversTheRequiredKindsOfText) {
     with_special += c.contains("ids_no_special");
     with_digits += text.find_first_of("0123456789") != std::string::npos;
     with_non_ascii += std::any_of(text.begin(), text.end(), [](char ch) { return ch & 0x80; });
-    with_space_runs += text.find("  ") != std::string::npos || text.find("\n\n") != std::string::npos;
+    with_space_runs +=
+        text.find("  ") != std::string::npos || text.find("\n\n") != std::string::npos;
   }
   EXPECT_GE(with_special, 100);
   EXPECT_GE(with_digits, 300);
@@ -177,15 +191,17 @@ TEST_F(SmolLm2TokenizerTest, OtherPreTokenizerFamiliesEqualReference) {
                         ("kvr_tokenizer_qwen2_" + std::to_string(::getpid()) + ".json");
       const std::string qwen2_regex =
           R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-      WriteTokenizerJson(
-          *spec_, path,
-          {{"type", "Sequence"},
-           {"pretokenizers",
-            json::array({{{"type", "Split"}, {"pattern", {{"Regex", qwen2_regex}}},
-                          {"behavior", "Isolated"}, {"invert", false}},
-                         {{"type", "ByteLevel"}, {"add_prefix_space", false},
-                          {"trim_offsets", false}, {"use_regex", false}}})}},
-          {{"type", "NFC"}}, /*ignore_merges=*/false);
+      WriteTokenizerJson(*spec_, path,
+                         {{"type", "Sequence"},
+                          {"pretokenizers", json::array({{{"type", "Split"},
+                                                          {"pattern", {{"Regex", qwen2_regex}}},
+                                                          {"behavior", "Isolated"},
+                                                          {"invert", false}},
+                                                         {{"type", "ByteLevel"},
+                                                          {"add_prefix_space", false},
+                                                          {"trim_offsets", false},
+                                                          {"use_regex", false}}})}},
+                         {{"type", "NFC"}}, /*ignore_merges=*/false);
       tokenizer = Tokenizer::FromTokenizerJson(path.string());
       std::filesystem::remove(path);
     } else {
@@ -223,6 +239,29 @@ TEST_F(SmolLm2TokenizerTest, OtherPreTokenizerFamiliesEqualReference) {
 
 TEST_F(SmolLm2TokenizerTest, IdsEqualReferenceWhenSpecialTokensAreNotParsed) {
   EXPECT_EQ(CountMismatches(*tokenizer_, /*parse_special=*/false, "ids_no_special"), 0);
+}
+
+// Encode is const and shares a word cache between threads: concurrent use gives the same ids.
+TEST_F(SmolLm2TokenizerTest, ConcurrentEncodeGivesTheSameIds) {
+  TokenizerSpec spec = *spec_;
+  auto tokenizer = Tokenizer::FromGgufMetadata(spec);  // fresh, so threads fill the cache together
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  const json& cases = (*fixture_)["cases"];
+  std::atomic<int> mismatches{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      // Each thread walks the cases from a different starting point.
+      for (size_t k = 0; k < cases.size(); ++k) {
+        const json& c = cases[(k + t * cases.size() / 4) % cases.size()];
+        auto ids = tokenizer->Encode(c["text"].get<std::string>(),
+                                     {.add_special = false, .parse_special = true});
+        if (!ids.ok() || *ids != c["ids"].get<std::vector<int32_t>>()) ++mismatches;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(mismatches.load(), 0);
 }
 
 TEST_F(SmolLm2TokenizerTest, DecodeEqualsReferenceAndRoundTrips) {
@@ -283,15 +322,17 @@ TEST_F(SmolLm2TokenizerTest, AddSpecialFollowsTheModel) {
 // The same vocabulary written as a Hugging Face tokenizer.json (SmolLM2's layout: Digits +
 // ByteLevel pre-tokenizer, control tokens as special added tokens) must encode identically.
 TEST_F(SmolLm2TokenizerTest, TokenizerJsonGivesTheSameIds) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("kvr_tokenizer_json_" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kvr_tokenizer_json_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   WriteTokenizerJson(
       *spec_, dir / "tokenizer.json",
       {{"type", "Sequence"},
        {"pretokenizers", json::array({{{"type", "Digits"}, {"individual_digits", true}},
-                                      {{"type", "ByteLevel"}, {"add_prefix_space", false},
-                                       {"trim_offsets", true}, {"use_regex", true}}})}},
+                                      {{"type", "ByteLevel"},
+                                       {"add_prefix_space", false},
+                                       {"trim_offsets", true},
+                                       {"use_regex", true}}})}},
       nullptr, /*ignore_merges=*/false);
   std::ofstream(dir / "tokenizer_config.json")
       << json({{"bos_token", "<|im_start|>"},

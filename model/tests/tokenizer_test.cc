@@ -76,12 +76,11 @@ TEST(Bpe, AppliesMergesByRankThenLeftmost) {
 }
 
 TEST(Bpe, BuildsWordsFromEarlierMerges) {
-  auto t = Tokenizer::FromGgufMetadata(TinySpec(
-      {"he", "ll", "hell", "hello", " w", " wo"},
-      {{"h", "e"}, {"l", "l"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}, {" w", "o"}}));
+  auto t = Tokenizer::FromGgufMetadata(
+      TinySpec({"he", "ll", "hell", "hello", " w", " wo"},
+               {{"h", "e"}, {"l", "l"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}, {" w", "o"}}));
   ASSERT_TRUE(t.ok()) << t.status();
-  EXPECT_THAT(EncodeOk(*t, "hello world"),
-              ElementsAre(259, 261, Byte('r'), Byte('l'), Byte('d')));
+  EXPECT_THAT(EncodeOk(*t, "hello world"), ElementsAre(259, 261, Byte('r'), Byte('l'), Byte('d')));
   // The cache must give the same answer the second time.
   EXPECT_THAT(EncodeOk(*t, "hello hello"), ElementsAre(259, Byte(' '), 259));
   EXPECT_EQ(*t->Decode(EncodeOk(*t, "hello world")), "hello world");
@@ -124,8 +123,7 @@ TEST(PreTokenizer, SmolLmSplitsEveryDigit) {
 }
 
 TEST(PreTokenizer, Llama3GroupsDigitsByThreeAndFoldsCase) {
-  EXPECT_THAT(Split("llama-bpe", "Hello 1234567"),
-              ElementsAre("Hello", " ", "123", "456", "7"));
+  EXPECT_THAT(Split("llama-bpe", "Hello 1234567"), ElementsAre("Hello", " ", "123", "456", "7"));
   EXPECT_THAT(Split("llama-bpe", "IT'S ok\n\n  x"),
               ElementsAre("IT", "'S", " ok", "\n\n", " ", " x"));
 }
@@ -137,17 +135,26 @@ TEST(PreTokenizer, Qwen2SplitsSingleDigits) {
 TEST(PreTokenizer, WhiteSpaceIsUnicodeWhiteSpace) {
   // U+0085 is white space; U+180E (Mongolian vowel separator) and U+200B are not, although
   // PCRE2's own \s still counts U+180E.
-  EXPECT_THAT(Split("gpt2", "a\xc2\x85" "b"), ElementsAre("a", "\xc2\x85", "b"));
-  EXPECT_THAT(Split("gpt2", "a\xe1\xa0\x8e" "b"), ElementsAre("a", "\xe1\xa0\x8e", "b"));
-  EXPECT_THAT(Split("gpt2", "a \xe2\x80\x8b" "b"), ElementsAre("a", " \xe2\x80\x8b", "b"));
+  EXPECT_THAT(Split("gpt2",
+                    "a\xc2\x85"
+                    "b"),
+              ElementsAre("a", "\xc2\x85", "b"));
+  EXPECT_THAT(Split("gpt2",
+                    "a\xe1\xa0\x8e"
+                    "b"),
+              ElementsAre("a", "\xe1\xa0\x8e", "b"));
+  EXPECT_THAT(Split("gpt2",
+                    "a \xe2\x80\x8b"
+                    "b"),
+              ElementsAre("a", " \xe2\x80\x8b", "b"));
 }
 
 TEST(Normalize, NfcComposes) {
   std::string out;
-  ASSERT_TRUE(internal::NormalizeNfc("e\xcc\x81", out).ok());  // e + U+0301
-  EXPECT_EQ(out, "\xc3\xa9");                                   // U+00E9
+  ASSERT_TRUE(internal::NormalizeNfc("e\xcc\x81", out).ok());     // e + U+0301
+  EXPECT_EQ(out, "\xc3\xa9");                                     // U+00E9
   ASSERT_TRUE(internal::NormalizeNfc("\xe2\x84\xab", out).ok());  // U+212B ANGSTROM SIGN
-  EXPECT_EQ(out, "\xc3\x85");                                      // U+00C5
+  EXPECT_EQ(out, "\xc3\x85");                                     // U+00C5
   ASSERT_TRUE(internal::NormalizeNfc("plain ascii", out).ok());
   EXPECT_EQ(out, "plain ascii");
 }
@@ -223,7 +230,9 @@ TEST(Decode, StreamHoldsBackIncompleteCharacters) {
   EXPECT_EQ(*stream.Push(0x80), "\xf0\x9f\x98\x80");
   // A byte that can never continue is released at once as U+FFFD.
   EXPECT_EQ(*stream.Push(0xE4), "");
-  EXPECT_EQ(*stream.Push('b'), "\xef\xbf\xbd" "b");
+  EXPECT_EQ(*stream.Push('b'),
+            "\xef\xbf\xbd"
+            "b");
   EXPECT_EQ(*stream.Push(0xE4), "");
   EXPECT_EQ(stream.Flush(), "\xef\xbf\xbd");
   EXPECT_EQ(stream.Flush(), "");

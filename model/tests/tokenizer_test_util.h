@@ -3,8 +3,8 @@
 
 #include <string>
 
-#include "absl/status/statusor.h"
 #include <nlohmann/json.hpp>
+#include "absl/status/statusor.h"
 #include "kvr/model/tokenizer.h"
 
 namespace kvr::model::testing {

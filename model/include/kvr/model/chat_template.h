@@ -15,12 +15,13 @@
 namespace kvr::model {
 
 struct ChatMessage {
-  std::string role;     // "system", "user" or "assistant"
+  std::string role;  // "system", "user" or "assistant"
   std::string content;
 };
 
 enum class ChatTemplateFamily {
-  kChatMl,   // <|im_start|>role\n...<|im_end|>\n (SmolLM2, Qwen2); may insert a default system prompt
+  kChatMl,   // <|im_start|>role\n...<|im_end|>\n (SmolLM2, Qwen2); may insert a default system
+             // prompt
   kLlama3,   // <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> (3.0 and 3.1 layouts)
   kLlama2,   // <s>[INST] <<SYS>>\n...\n<</SYS>>\n\n... [/INST] ... </s>
   kMistral,  // <s>[INST] ... [/INST]...</s> (Mistral-7B-Instruct v0.1/v0.2: no system role)
@@ -46,8 +47,8 @@ struct ChatTemplateInfo {
 
 struct ChatTemplateOptions {
   bool add_generation_prompt = true;  // end with the header of an assistant turn
-  std::string bos_token;              // text of BOS, for templates that write it (llama2/3, mistral)
-  std::string eos_token;              // text of EOS, for templates that write it (llama2, mistral)
+  std::string bos_token;  // text of BOS, for templates that write it (llama2/3, mistral)
+  std::string eos_token;  // text of EOS, for templates that write it (llama2, mistral)
 };
 
 // Renders `messages` as `template_text` would. InvalidArgument for a role the family cannot

@@ -29,26 +29,26 @@ enum class TokenType : int32_t {
   kControl = 3,      // special tokens such as <|im_start|>; never produced from plain text
   kUserDefined = 4,  // added tokens matched verbatim in text
   kUnused = 5,
-  kByte = 6,         // <0xNN> tokens of SentencePiece vocabularies
+  kByte = 6,  // <0xNN> tokens of SentencePiece vocabularies
 };
 
 // Plain-data description of a tokenizer, as GGUF stores it (`tokenizer.ggml.*` keys and
 // `tokenizer.chat_template`). Keeping it plain data means the tokenizer does not depend on the
 // GGUF reader; whoever reads the file fills this in.
 struct TokenizerSpec {
-  std::string model = "gpt2";          // tokenizer.ggml.model; only "gpt2" (byte-level BPE)
-  std::string pre = "default";         // tokenizer.ggml.pre: "gpt2", "llama-bpe", "smollm", "qwen2", ...
-  std::vector<std::string> tokens;     // [vocab_size] token strings (byte-level unicode form)
-  std::vector<int32_t> token_types;    // [vocab_size] TokenType values, or empty (all normal)
-  std::vector<std::string> merges;     // [n_merges] "left right", rank = index
-  int32_t bos_id = -1;                 // -1: none
+  std::string model = "gpt2";   // tokenizer.ggml.model; only "gpt2" (byte-level BPE)
+  std::string pre = "default";  // tokenizer.ggml.pre: "gpt2", "llama-bpe", "smollm", "qwen2", ...
+  std::vector<std::string> tokens;   // [vocab_size] token strings (byte-level unicode form)
+  std::vector<int32_t> token_types;  // [vocab_size] TokenType values, or empty (all normal)
+  std::vector<std::string> merges;   // [n_merges] "left right", rank = index
+  int32_t bos_id = -1;               // -1: none
   int32_t eos_id = -1;
-  int32_t eot_id = -1;                 // end of turn (e.g. <|eot_id|>); -1: none
+  int32_t eot_id = -1;  // end of turn (e.g. <|eot_id|>); -1: none
   int32_t unk_id = -1;
   int32_t pad_id = -1;
-  bool add_bos = false;                // tokenizer.ggml.add_bos_token
-  bool add_eos = false;                // tokenizer.ggml.add_eos_token
-  std::string chat_template;           // tokenizer.chat_template (Jinja text), may be empty
+  bool add_bos = false;       // tokenizer.ggml.add_bos_token
+  bool add_eos = false;       // tokenizer.ggml.add_eos_token
+  std::string chat_template;  // tokenizer.chat_template (Jinja text), may be empty
 };
 
 struct EncodeOptions {
@@ -89,8 +89,8 @@ class Tokenizer {
 
   // Token ids of `text`. Fails only on text that is not valid UTF-8 (InvalidArgument naming
   // the byte offset).
-  [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text,
-                                                            const EncodeOptions& options = {}) const;
+  [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Encode(
+      std::string_view text, const EncodeOptions& options = {}) const;
 
   // Text of `ids`. Byte sequences that are not valid UTF-8 become U+FFFD (as Hugging Face
   // does). Fails on an id outside [0, vocab_size).
@@ -120,8 +120,8 @@ class Tokenizer {
 
   // Renders `messages` with this model's chat template (see chat_template.h), filling in
   // its BOS/EOS token strings. Encode the result with {add_special=false, parse_special=true}.
-  [[nodiscard]] absl::StatusOr<std::string> ApplyChatTemplate(
-      std::span<const ChatMessage> messages, bool add_generation_prompt) const;
+  [[nodiscard]] absl::StatusOr<std::string> ApplyChatTemplate(std::span<const ChatMessage> messages,
+                                                              bool add_generation_prompt) const;
 
   // Opaque state, defined in model/src (named here only so the loaders there can build it).
   struct Impl;
