@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kvr/transport/ucx.h"
+#include "ceilings.h"
 #include "../tests/server_process.h"
 #include "../tests/test_protocol.h"
 
@@ -40,60 +41,6 @@ double Percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   size_t i = static_cast<size_t>(q * (v.size() - 1) + 0.5);
   return v[std::min(i, v.size() - 1)];
-}
-
-// memcpy GB/s at `size` bytes per copy, cycling through buffers larger than the LLC.
-double MemcpyGbps(size_t size) {
-  const size_t working_set = std::max<size_t>(size * 4, size_t{256} << 20);
-  const size_t slots = working_set / size;
-  kt::Bytes src = kt::Bytes::Uninitialized(slots * size);
-  kt::Bytes dst = kt::Bytes::Uninitialized(slots * size);
-  std::memset(src.data(), 1, src.size());
-  std::memset(dst.data(), 2, dst.size());
-  const size_t copies = std::max<size_t>(slots * 2, 64);
-  auto start = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < copies; ++i) {
-    size_t s = i % slots;
-    std::memcpy(dst.data() + s * size, src.data() + s * size, size);
-  }
-  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return static_cast<double>(copies * size) / secs / 1e9;
-}
-
-// ucx_perftest am_bw over TCP loopback at `size` bytes: overall bandwidth in GB/s, or < 0.
-double PerftestAmBwGbps(const std::string& perftest, size_t size, int port) {
-  size_t iters = std::clamp<size_t>((size_t{512} << 20) / size, 200, 20000);
-  pid_t server = fork();
-  if (server == 0) {
-    setenv("UCX_TLS", "tcp", 1);
-    int devnull = open("/dev/null", O_WRONLY);
-    dup2(devnull, 1);
-    dup2(devnull, 2);
-    execlp(perftest.c_str(), perftest.c_str(), "-p", std::to_string(port).c_str(),
-           static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  usleep(300'000);  // let the server listen
-  std::string cmd = absl::StrCat("UCX_TLS=tcp ", perftest, " localhost -p ", port,
-                                 " -t ucp_am_bw -s ", size, " -n ", iters, " -w ",
-                                 std::max<size_t>(iters / 10, 10), " -f 2>/dev/null");
-  double gbps = -1;
-  if (FILE* p = popen(cmd.c_str(), "r")) {
-    char line[1024];
-    while (fgets(line, sizeof(line), p) != nullptr) {
-      // With -f: "<iters> <p50 lat> <avg lat> <overall lat> <avg MB/s> <overall MB/s> ..."
-      // (some versions prefix "Final:"). MB here is 2^20 bytes.
-      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
-      if (!f.empty() && f[0] == "Final:") f.erase(f.begin());
-      if (f.size() >= 6 && std::isdigit(static_cast<unsigned char>(f[0][0]))) {
-        gbps = std::stod(f[5]) * 1048576.0 / 1e9;
-      }
-    }
-    pclose(p);
-  }
-  kill(server, SIGTERM);
-  waitpid(server, nullptr, 0);
-  return gbps;
 }
 
 struct Point {
@@ -204,7 +151,8 @@ int main(int argc, char** argv) {
       secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       pt.rma_gbps = static_cast<double>(get_calls * size) / secs / 1e9;
       const char* source = is_tcp ? "ucx_perftest ucp_am_bw tcp" : "memcpy";
-      pt.ceiling_gbps = is_tcp ? PerftestAmBwGbps(perftest, size, port++) : MemcpyGbps(size);
+      pt.ceiling_gbps = is_tcp ? kvr::transport::bench::PerftestAmBwGbps(perftest, size, port++)
+                            : kvr::transport::bench::MemcpyGbps(size);
       std::printf("%10zu %10.1f %10.1f %10.2f %10.2f %12.2f %10.2f  %s\n", pt.size, pt.p50_us,
                   pt.p99_us, pt.gbps, pt.rma_gbps, pt.ceiling_gbps,
                   pt.ceiling_gbps > 0 ? pt.gbps / pt.ceiling_gbps : 0.0, source);
