@@ -131,9 +131,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
       return 1;
     }
-    auto lanes = (*client)->DataPlaneTransports();
-    std::printf("\n== UCX_TLS=%s  lanes: %s\n", tls.c_str(),
-                lanes.ok() ? absl::StrJoin(*lanes, ",").c_str() : "?");
+    std::printf("\n== UCX_TLS=%s\n", tls.c_str());
     std::printf("%9s %7s %6s %12s %10s %10s %9s %9s %9s  %s\n", "row_bytes", "k/head", "heads",
                 "reply_bytes", "p50_us", "p99_us", "GB/s", "ceiling", "fraction",
                 "ceiling source");

@@ -1,5 +1,8 @@
 #include <cstring>
 #include <optional>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
 
 #include "absl/strings/str_format.h"
 #include "conversions.h"
@@ -16,10 +19,22 @@ namespace v1 = ::kvr::store::v1;
 using wire::MessageType;
 
 struct UcxKvStoreClient::Impl {
+  // A read whose peer died while its reply was streaming in: the transport keeps such a call
+  // open until UCX releases the receive, which UCX 1.13 over TCP may never do once the
+  // endpoint is force-closed (seen in the kill-the-store test). The request payload is
+  // parked here until the call finishes or the worker is gone.
+  struct Abandoned {
+    transport::PendingCall call;
+    std::shared_ptr<const std::vector<uint8_t>> request_payload;
+  };
+
   UcxClientOptions options;
   std::string target;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvStore::Stub> stub;
+  // Declared before the UCX objects so that it is destroyed after the worker has shut down.
+  absl::Mutex graveyard_mu;
+  std::vector<Abandoned> graveyard ABSL_GUARDED_BY(graveyard_mu);
   // Destroyed in reverse: rkey and endpoint before the worker, the worker before the context.
   std::optional<transport::Context> context;
   std::optional<transport::Worker> worker;
@@ -33,28 +48,71 @@ struct UcxKvStoreClient::Impl {
     ctx.set_deadline(absl::ToChronoTime(Deadline()));
   }
 
-  // One data-plane round trip; the reply payload lands in `out` (exactly its size).
-  absl::StatusOr<wire::ReplyHeader> Call(MessageType type, std::string_view header,
-                                         std::vector<transport::ByteView> payload,
-                                         std::span<uint8_t> out, absl::Time deadline) {
+  absl::Status Annotate(const absl::Status& st) const {
+    return absl::Status(st.code(), absl::StrCat("kvr-store ", target, ": ", st.message()));
+  }
+
+  // Checks a reply against the request type and the expected payload size.
+  absl::StatusOr<wire::ReplyHeader> CheckReply(MessageType type,
+                                               const transport::Response& resp,
+                                               size_t expected) const {
+    KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply,
+                         wire::ParseReply(transport::AsBytes(resp.header), type));
+    if (reply.payload_bytes != expected || resp.payload_size != expected) {
+      return absl::InternalError(absl::StrFormat(
+          "kvr-store %s replied with %d payload bytes (header says %d), expected %d", target,
+          resp.payload_size, reply.payload_bytes, expected));
+    }
+    return reply;
+  }
+
+  // A small round trip (write, locate): the transport's own deadline handling suffices.
+  absl::StatusOr<transport::Response> CallSmall(MessageType type, std::string_view header,
+                                                std::vector<transport::ByteView> payload,
+                                                absl::Time deadline) {
     transport::CallOptions call;
     call.deadline = deadline;
-    call.reply_buffer = out;
     absl::StatusOr<transport::Response> resp = endpoint->CallSync(
         static_cast<transport::AmId>(type), transport::AsBytes(header), std::move(payload),
         std::move(call));
-    if (!resp.ok()) {
-      return absl::Status(resp.status().code(),
-                          absl::StrCat("kvr-store ", target, ": ", resp.status().message()));
+    if (!resp.ok()) return Annotate(resp.status());
+    return resp;
+  }
+
+  // A read whose reply lands in `out` (zero-copy rendezvous). Waits for the transport, except
+  // that once the endpoint has failed it waits at most a short grace period: the peer is gone
+  // and the connection closed, so no further byte can land in `out`, and the caller gets
+  // UNAVAILABLE now instead of a hang.
+  absl::Status CallRead(MessageType type, std::string header,
+                        std::shared_ptr<const std::vector<uint8_t>> payload,
+                        std::span<uint8_t> out, absl::Time deadline) {
+    auto done = std::make_shared<absl::Notification>();
+    transport::CallOptions call;
+    call.deadline = deadline;
+    call.reply_buffer = out;
+    call.on_done = [done] { done->Notify(); };
+    transport::PendingCall pending =
+        endpoint->Call(static_cast<transport::AmId>(type), transport::AsBytes(header),
+                       {transport::ByteView(*payload)}, std::move(call));
+    constexpr absl::Duration kPoll = absl::Milliseconds(50);
+    constexpr absl::Duration kGrace = absl::Milliseconds(500);
+    std::optional<absl::Time> failed_since;
+    while (!done->WaitForNotificationWithTimeout(kPoll)) {
+      absl::Status health = endpoint->health();
+      if (health.ok()) continue;
+      const absl::Time now = absl::Now();
+      if (!failed_since) failed_since = now;
+      if (now - *failed_since < kGrace) continue;
+      absl::MutexLock lock(&graveyard_mu);
+      std::erase_if(graveyard, [](const Abandoned& a) {
+        return a.call.state() == transport::OpState::kDone;
+      });
+      graveyard.push_back({std::move(pending), std::move(payload)});
+      return Annotate(health);
     }
-    KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply,
-                         wire::ParseReply(transport::AsBytes(resp->header), type));
-    if (reply.payload_bytes != out.size() || resp->payload_size != out.size()) {
-      return absl::InternalError(absl::StrFormat(
-          "kvr-store %s replied with %d payload bytes (header says %d), expected %d", target,
-          resp->payload_size, reply.payload_bytes, out.size()));
-    }
-    return reply;
+    absl::StatusOr<transport::Response> resp = pending.Wait();
+    if (!resp.ok()) return Annotate(resp.status());
+    return CheckReply(type, *resp, out.size()).status();
   }
 };
 
@@ -107,6 +165,10 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
 
 std::string UcxKvStoreClient::range_read_path() const { return impl_->rkey ? "rma" : "am"; }
 
+absl::StatusOr<std::vector<std::string>> UcxKvStoreClient::DataPlaneTransports() const {
+  return impl_->endpoint->Transports();
+}
+
 absl::StatusOr<CreateResult> UcxKvStoreClient::CreateSequence(SequenceId id,
                                                               const SequenceShape& shape,
                                                               uint64_t expected_tokens,
@@ -128,8 +190,9 @@ absl::StatusOr<CreateResult> UcxKvStoreClient::CreateSequence(SequenceId id,
 absl::StatusOr<uint64_t> UcxKvStoreClient::PutLayer(const LayerRows& rows) {
   const absl::Time deadline = impl_->Deadline();
   std::string header = wire::EncodeWriteHeader(rows, deadline);
-  KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply,
-                       impl_->Call(MessageType::kWrite, header, {rows.k, rows.v}, {}, deadline));
+  KVR_ASSIGN_OR_RETURN(transport::Response resp,
+                       impl_->CallSmall(MessageType::kWrite, header, {rows.k, rows.v}, deadline));
+  KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply, impl_->CheckReply(MessageType::kWrite, resp, 0));
   return reply.value;
 }
 
@@ -137,7 +200,9 @@ absl::Status UcxKvStoreClient::Gather(std::span<const GatherEntry> entries,
                                       std::span<uint8_t> out) {
   const absl::Time deadline = impl_->Deadline();
   wire::Encoded enc = wire::EncodeGather(entries, deadline);
-  return impl_->Call(MessageType::kGather, enc.header, {enc.payload}, out, deadline).status();
+  return impl_->CallRead(
+      MessageType::kGather, std::move(enc.header),
+      std::make_shared<const std::vector<uint8_t>>(std::move(enc.payload)), out, deadline);
 }
 
 absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
@@ -145,23 +210,18 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
   const absl::Time deadline = impl_->Deadline();
   if (!impl_->rkey) {
     wire::Encoded enc = wire::EncodeRange(MessageType::kRangeRead, ranges, deadline);
-    return impl_->Call(MessageType::kRangeRead, enc.header, {enc.payload}, out, deadline)
-        .status();
+    return impl_->CallRead(
+        MessageType::kRangeRead, std::move(enc.header),
+        std::make_shared<const std::vector<uint8_t>>(std::move(enc.payload)), out, deadline);
   }
   // RMA: ask where each range lies (one small AM), then read the pages directly. The rows
   // are committed, hence immutable, and stay mapped while the sequence is held.
   size_t offset = 0;
   for (const RangeEntry& range : ranges) {
     wire::Encoded enc = wire::EncodeRange(MessageType::kLocateRange, {&range, 1}, deadline);
-    transport::CallOptions call;
-    call.deadline = deadline;
-    absl::StatusOr<transport::Response> resp = impl_->endpoint->CallSync(
-        static_cast<transport::AmId>(MessageType::kLocateRange), transport::AsBytes(enc.header),
-        {enc.payload}, std::move(call));
-    if (!resp.ok()) {
-      return absl::Status(resp.status().code(), absl::StrCat("kvr-store ", impl_->target, ": ",
-                                                             resp.status().message()));
-    }
+    absl::StatusOr<transport::Response> resp =
+        impl_->CallSmall(MessageType::kLocateRange, enc.header, {enc.payload}, deadline);
+    if (!resp.ok()) return resp.status();
     KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply, wire::ParseReply(transport::AsBytes(resp->header),
                                                                    MessageType::kLocateRange));
     if (resp->payload.size() != reply.value * sizeof(wire::SegmentWire)) {
@@ -177,10 +237,7 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
       absl::Status st = impl_->endpoint->GetSync(impl_->pool_base + seg.pool_offset,
                                                  *impl_->rkey, out.subspan(offset, seg.bytes),
                                                  deadline);
-      if (!st.ok()) {
-        return absl::Status(st.code(),
-                            absl::StrCat("kvr-store ", impl_->target, ": ", st.message()));
-      }
+      if (!st.ok()) return impl_->Annotate(st);
       offset += seg.bytes;
     }
   }

@@ -119,7 +119,9 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
   auto writer = Connect("writer", /*rma=*/true);
   auto reader = Connect("reader", /*rma=*/false);
   ASSERT_TRUE(writer && reader);
-  std::printf("range reads: writer client via %s, reader client via %s\n",
+  auto transports = writer->DataPlaneTransports();
+  std::printf("data plane over %s; range reads: writer client via %s, reader client via %s\n",
+              transports.ok() ? absl::StrJoin(*transports, ",").c_str() : "?",
               writer->range_read_path().c_str(), reader->range_read_path().c_str());
   ASSERT_TRUE(writer->CreateSequence(1, kShape, 600, absl::ZeroDuration()).ok());
   ASSERT_TRUE(reader->CreateSequence(2, kShape, 0, absl::ZeroDuration()).ok());
@@ -425,6 +427,7 @@ TEST_F(StoreScenarioTest, KillingStoreMidReadGivesUnavailableWithinDeadline) {
     entries.push_back({.sequence = 51, .layer = 0, .head = h, .indices = idx});
   }
   std::atomic<int> succeeded{0};
+  std::atomic<bool> reader_done{false};
   absl::Status failure;
   absl::Time failed_at;
   std::thread reading([&] {
@@ -436,12 +439,19 @@ TEST_F(StoreScenarioTest, KillingStoreMidReadGivesUnavailableWithinDeadline) {
       if (!st.ok()) {
         failed_at = absl::Now();
         failure = st;
-        return;
+        break;
       }
       ++succeeded;
     }
+    reader_done = true;
   });
-  while (succeeded.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (succeeded.load() < 3 && !reader_done.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (reader_done.load()) {
+    reading.join();
+    FAIL() << "reads failed before the store was killed: " << failure;
+  }
   const absl::Time killed_at = absl::Now();
   KillStore();
   reading.join();

@@ -136,6 +136,8 @@ class UcxKvStoreClient final : public KvStoreClient {
                                                     std::span<const uint8_t> payload);
   // "rma" when range reads use RMA get on this connection, "am" otherwise.
   [[nodiscard]] std::string range_read_path() const;
+  // The UCX transports of the data-plane endpoint ("tcp/kvc123", "cma/memory", ...).
+  [[nodiscard]] absl::StatusOr<std::vector<std::string>> DataPlaneTransports() const;
 
  private:
   struct Impl;

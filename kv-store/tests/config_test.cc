@@ -1,0 +1,83 @@
+#include "kvr/kv_store/config.h"
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvr::kv_store {
+namespace {
+
+using ::testing::HasSubstr;
+
+EnvLookup FakeEnv(std::map<std::string, std::string> vars) {
+  return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+absl::StatusOr<StoreConfig> Parse(std::vector<std::string> args, const EnvLookup& env) {
+  args.insert(args.begin(), "kvr-store");
+  std::vector<const char*> argv;
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  return ParseStoreConfig(static_cast<int>(argv.size()), argv.data(), env);
+}
+
+std::string WriteYaml(const std::string& text) {
+  std::string path = ::testing::TempDir() + "/kvr_store_config_test.yaml";
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(ConfigTest, PrecedenceIsFlagThenFileThenEnvThenDefault) {
+  const std::string path = WriteYaml("capacity_bytes: 2GiB\nevict_expired: true\n");
+  auto env = FakeEnv({{"KVR_STORE_CAPACITY_BYTES", "3GiB"},
+                      {"KVR_STORE_EVICT_EXPIRED", "false"},
+                      {"KVR_STORE_PAGE_BYTES", "128KiB"},
+                      {"KVR_STORE_LISTEN", "1.2.3.4:5"}});
+  auto config = Parse({"--config", path, "--listen", "127.0.0.1:0"}, env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->listen, "127.0.0.1:0");           // flag beats env
+  EXPECT_EQ(config->capacity_bytes, 2ull << 30);      // file beats env
+  EXPECT_TRUE(config->evict_expired);                 // file beats env
+  EXPECT_EQ(config->page_bytes, 128u << 10);          // env beats default
+  EXPECT_EQ(config->data_plane_threads, 2u);          // default
+  const std::string described = config->Describe();
+  EXPECT_THAT(described, HasSubstr("listen: 127.0.0.1:0  # flag"));
+  EXPECT_THAT(described, HasSubstr("capacity_bytes: 2147483648  # file"));
+  EXPECT_THAT(described, HasSubstr("page_bytes: 131072  # env"));
+  EXPECT_THAT(described, HasSubstr("data_plane_threads: 2  # default"));
+  auto options = config->ToServerOptions();
+  EXPECT_EQ(options.store.pool.capacity_bytes, 2ull << 30);
+  EXPECT_TRUE(options.store.evict_expired);
+}
+
+TEST(ConfigTest, BadValuesNameTheOptionAndSource) {
+  auto st = Parse({"--capacity-bytes", "12 parsecs"}, FakeEnv({})).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(st));
+  EXPECT_THAT(st.message(), HasSubstr("capacity_bytes"));
+  EXPECT_THAT(st.message(), HasSubstr("flag"));
+  st = Parse({}, FakeEnv({{"KVR_STORE_EVICT_EXPIRED", "maybe"}})).status();
+  EXPECT_THAT(st.message(), HasSubstr("evict_expired: 'maybe' is not a boolean (from env)"));
+  st = Parse({"--config", WriteYaml("capacity: 1\n")}, FakeEnv({})).status();
+  EXPECT_THAT(st.message(), HasSubstr("unknown option 'capacity'"));
+  st = Parse({"--no-such-flag"}, FakeEnv({})).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(st));
+  EXPECT_TRUE(absl::IsCancelled(Parse({"--help"}, FakeEnv({})).status()));
+}
+
+TEST(ConfigTest, ParsesByteSizes) {
+  EXPECT_EQ(*ParseByteSize("4096"), 4096u);
+  EXPECT_EQ(*ParseByteSize("64KiB"), 65536u);
+  EXPECT_EQ(*ParseByteSize("1g"), 1ull << 30);
+  EXPECT_EQ(*ParseByteSize(" 3 MiB "), 3ull << 20);
+  EXPECT_FALSE(ParseByteSize("MiB").ok());
+  EXPECT_FALSE(ParseByteSize("99999999999999TiB").ok());
+}
+
+}  // namespace
+}  // namespace kvr::kv_store
