@@ -1,22 +1,25 @@
 #include "bpe.h"
 
 #include <algorithm>
+#include <mutex>
 #include <queue>
+#include <shared_mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 
 namespace kvr::model::internal {
 
 // Words seen before are looked up rather than merged again: text repeats words a lot. The
 // cache stops growing at kMaxEntries (as Hugging Face's BPE cache does) so that adversarial
 // input cannot grow memory without bound, and long words are never cached.
+// std::shared_mutex rather than absl::Mutex: Debian's Abseil runs absl::Mutex's deadlock
+// detector on every acquisition (GraphCycles::GetId showed up in perf profiles of Encode).
 struct BpeModel::Cache {
   static constexpr size_t kMaxEntries = 1 << 16;
   static constexpr size_t kMaxWordBytes = 64;
-  mutable absl::Mutex mu;
-  absl::flat_hash_map<std::string, std::vector<int32_t>> words ABSL_GUARDED_BY(mu);
+  std::shared_mutex mu;
+  absl::flat_hash_map<std::string, std::vector<int32_t>> words;  // guarded by mu
 };
 
 BpeModel::BpeModel() : cache_(std::make_unique<Cache>()) { std::fill_n(byte_to_id_, 256, -1); }
@@ -67,7 +70,7 @@ void BpeModel::EncodeWord(std::string_view word, std::vector<int32_t>& out) cons
   if (word.empty()) return;
   const bool cacheable = word.size() <= Cache::kMaxWordBytes;
   if (cacheable) {
-    absl::ReaderMutexLock lock(&cache_->mu);
+    std::shared_lock lock(cache_->mu);
     auto it = cache_->words.find(absl::string_view(word.data(), word.size()));
     if (it != cache_->words.end()) {
       out.insert(out.end(), it->second.begin(), it->second.end());
@@ -77,7 +80,7 @@ void BpeModel::EncodeWord(std::string_view word, std::vector<int32_t>& out) cons
   const size_t first = out.size();
   MergeWord(word, out);
   if (cacheable) {
-    absl::MutexLock lock(&cache_->mu);
+    std::unique_lock lock(cache_->mu);
     if (cache_->words.size() < Cache::kMaxEntries) {
       cache_->words.try_emplace(std::string(word), out.begin() + static_cast<ptrdiff_t>(first),
                                 out.end());
