@@ -1,0 +1,254 @@
+// The controller with real processes: kvr-controller plus fake prefill/decode/store nodes
+// (controller_fake_node) that register over gRPC and produce a known token stream.
+
+#include <grpcpp/grpcpp.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "kvr/v1/generation.grpc.pb.h"
+#include "subprocess.h"
+
+namespace kvr::controller {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+using testing::Subprocess;
+
+struct StreamResult {
+  grpc::Status status;
+  std::vector<uint32_t> tokens;
+  std::string text;
+  std::optional<kvr::v1::Completion> completion;
+};
+
+class Cluster {
+ public:
+  Cluster() {
+    controller_ = std::make_unique<Subprocess>(std::vector<std::string>{
+        KVR_CONTROLLER_BIN, "--listen", "127.0.0.1:0", "--lease-seconds", "3",
+        "--default-max-tokens", "8", "--max-attempts", "3"});
+    const std::string line = controller_->WaitForLine("kvr-controller listening on ");
+    address_ = line.substr(line.rfind(' ') + 1);
+    channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+    stub_ = kvr::v1::Generation::NewStub(channel_);
+  }
+
+  // Starts a fake node and waits for its registration; returns its node id.
+  std::string AddNode(const std::string& role, std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {KVR_FAKE_NODE_BIN, "--controller", address_, "--role", role};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    nodes_.push_back(std::make_unique<Subprocess>(argv));
+    const std::string line = nodes_.back()->WaitForLine("registered ");
+    std::vector<std::string> parts = absl::StrSplit(line, ' ');
+    return parts.size() >= 2 ? parts[1] : "";
+  }
+  Subprocess& node(size_t i) { return *nodes_[i]; }
+
+  // Runs Generate to its end. `on_token(n)` runs after the n-th token arrived.
+  StreamResult Generate(const kvr::v1::GenerateRequest& request,
+                        absl::Duration timeout = absl::Seconds(20),
+                        std::function<void(size_t, grpc::ClientContext&)> on_token = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    auto reader = stub_->Generate(&ctx, request);
+    StreamResult out;
+    kvr::v1::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+      for (uint32_t t : msg.token_ids()) out.tokens.push_back(t);
+      out.text += msg.text();
+      if (msg.has_completion()) out.completion = msg.completion();
+      if (on_token && msg.token_ids_size() > 0) on_token(out.tokens.size(), ctx);
+    }
+    out.status = reader->Finish();
+    return out;
+  }
+
+  kvr::v1::Generation::Stub& stub() { return *stub_; }
+
+ private:
+  std::unique_ptr<Subprocess> controller_;
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<kvr::v1::Generation::Stub> stub_;
+  std::vector<std::unique_ptr<Subprocess>> nodes_;
+};
+
+kvr::v1::GenerateRequest Request(uint32_t max_tokens = 6) {
+  kvr::v1::GenerateRequest r;
+  r.set_model("smollm2");
+  r.set_prompt("hello world");
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  return r;
+}
+
+TEST(ControllerIntegrationTest, StreamsTheClusterTokens) {
+  Cluster c;
+  const std::string p = c.AddNode("prefill");
+  const std::string d = c.AddNode("decode");
+  const std::string s = c.AddNode("store");
+  ASSERT_FALSE(p.empty() || d.empty() || s.empty());
+
+  grpc::ClientContext ctx;
+  kvr::v1::ListModelsResponse models;
+  ASSERT_TRUE(c.stub().ListModels(&ctx, {}, &models).ok());
+  ASSERT_EQ(models.models_size(), 1);
+  EXPECT_EQ(models.models(0).name(), "smollm2");
+  EXPECT_EQ(models.models(0).context_length(), 256u);
+  EXPECT_THAT(models.models(0).retrieval_methods(), ElementsAre("full", "clusterkv"));
+
+  StreamResult r = c.Generate(Request(6));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_THAT(r.tokens, ElementsAre(100, 101, 102, 103, 104, 105));
+  EXPECT_EQ(r.text, "t100 t101 t102 t103 t104 t105 ");
+  ASSERT_TRUE(r.completion.has_value());
+  EXPECT_EQ(r.completion->finish_reason(), kvr::v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(r.completion->usage().completion_tokens(), 6u);
+  EXPECT_EQ(r.completion->usage().prompt_tokens(), 11u);
+  EXPECT_EQ(r.completion->retrieval().bytes_fetched(), 512u * 6);
+  EXPECT_EQ(r.completion->retrieval().method(), "full");
+  EXPECT_EQ(r.completion->prefill_node(), p);
+  EXPECT_EQ(r.completion->decode_node(), d);
+  EXPECT_EQ(r.completion->store_node(), s);
+  EXPECT_EQ(r.completion->attempts(), 1u);
+  EXPECT_GT(r.completion->timings().time_to_first_token().nanos() +
+                r.completion->timings().time_to_first_token().seconds(),
+            0);
+}
+
+TEST(ControllerIntegrationTest, BadRequestsAreInvalidArgumentNamingTheField) {
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("decode");
+  c.AddNode("store");
+  auto expect_invalid = [&](const kvr::v1::GenerateRequest& r, const std::string& field) {
+    StreamResult out = c.Generate(r);
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_THAT(out.status.error_message(), StartsWith(field + ":"));
+    EXPECT_TRUE(out.tokens.empty());
+  };
+  kvr::v1::GenerateRequest r = Request();
+  r.set_model("gpt-5");
+  expect_invalid(r, "model");
+  r = Request();
+  r.set_prompt("");
+  expect_invalid(r, "prompt");
+  r = Request();
+  for (int i = 0; i < 300; ++i) r.mutable_token_ids()->add_ids(i);  // context is 256
+  expect_invalid(r, "token_ids");
+  r = Request();
+  r.mutable_retrieval()->set_budget(0);
+  expect_invalid(r, "retrieval.budget");
+  r = Request();
+  r.mutable_retrieval()->set_method("oracle-of-delphi");
+  expect_invalid(r, "retrieval.method");
+}
+
+TEST(ControllerIntegrationTest, FullClusterIsResourceExhaustedNamingTheResource) {
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("decode");
+  // 100 kB of store: 20 prompt + 100 tokens need 120 kB at 1000 B/token.
+  c.AddNode("store", {"--memory-bytes", "100000"});
+  kvr::v1::GenerateRequest r = Request(100);
+  for (int i = 0; i < 20; ++i) r.mutable_token_ids()->add_ids(i);
+  StreamResult out = c.Generate(r);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(out.status.error_message(), HasSubstr("store memory"));
+  // A request that fits still runs.
+  StreamResult small = c.Generate(Request(4));
+  EXPECT_TRUE(small.status.ok()) << small.status.error_message();
+}
+
+TEST(ControllerIntegrationTest, DecodeNodeKilledMidStreamEndsWithClearError) {
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("decode", {"--token-delay-ms", "50"});
+  c.AddNode("store");
+  StreamResult out = c.Generate(Request(200), absl::Seconds(20), [&](size_t n, grpc::ClientContext&) {
+    if (n == 3) c.node(1).Kill();
+  });
+  // Ends well before the 20 s deadline with an error that says what happened.
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::UNAVAILABLE) << out.status.error_message();
+  EXPECT_THAT(out.status.error_message(), HasSubstr("decode node decode-2"));
+  EXPECT_THAT(out.status.error_message(), HasSubstr("not retried because tokens were already sent"));
+  EXPECT_GE(out.tokens.size(), 3u);
+  EXPECT_LT(out.tokens.size(), 200u);
+}
+
+TEST(ControllerIntegrationTest, PrefillNodeKilledBeforeAnyTokenIsRetriedOnTheOther) {
+  Cluster c;
+  // Registered first, so an idle cluster places the request on it (ties go to the earliest).
+  const std::string slow = c.AddNode("prefill", {"--prefill-delay-ms", "30000"});
+  const std::string fast = c.AddNode("prefill");
+  c.AddNode("decode");
+  c.AddNode("store");
+  auto killer = std::async(std::launch::async, [&] {
+    const std::string line = c.node(0).WaitForLine("prefill-started ");
+    c.node(0).Kill();
+    return line;
+  });
+  StreamResult out = c.Generate(Request(5));
+  EXPECT_THAT(killer.get(), StartsWith("prefill-started "));
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_THAT(out.tokens, ElementsAre(100, 101, 102, 103, 104));
+  ASSERT_TRUE(out.completion.has_value());
+  EXPECT_EQ(out.completion->attempts(), 2u);
+  EXPECT_EQ(out.completion->prefill_node(), fast);
+  EXPECT_NE(fast, slow);
+}
+
+TEST(ControllerIntegrationTest, ClientCancellationReachesTheDecodeNode) {
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("decode", {"--token-delay-ms", "50"});
+  c.AddNode("store");
+  kvr::v1::GenerateRequest r = Request(200);
+  r.set_request_id("cancel-me");
+  StreamResult out = c.Generate(r, absl::Seconds(20), [&](size_t n, grpc::ClientContext& ctx) {
+    if (n == 2) ctx.TryCancel();
+  });
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::CANCELLED);
+  // The controller noticed the disconnect and told the decode node.
+  EXPECT_EQ(c.node(1).WaitForLine("cancelled cancel-me"), "cancelled cancel-me");
+}
+
+TEST(ControllerIntegrationTest, AbortEndsTheStreamAndDeadlinePropagates) {
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("decode", {"--token-delay-ms", "50"});
+  c.AddNode("store");
+  kvr::v1::GenerateRequest r = Request(200);
+  r.set_request_id("abort-me");
+  StreamResult out = c.Generate(r, absl::Seconds(20), [&](size_t n, grpc::ClientContext&) {
+    if (n != 2) return;
+    grpc::ClientContext ctx;
+    kvr::v1::AbortRequest abort;
+    abort.set_request_id("abort-me");
+    kvr::v1::AbortResponse response;
+    EXPECT_TRUE(c.stub().Abort(&ctx, abort, &response).ok());
+    EXPECT_TRUE(response.found());
+  });
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_THAT(out.status.error_message(), HasSubstr("aborted"));
+  EXPECT_EQ(c.node(1).WaitForLine("cancelled abort-me"), "cancelled abort-me");
+
+  // A client deadline shorter than the generation ends it with DEADLINE_EXCEEDED, and the
+  // decode node's stream (which carried that deadline) stops too.
+  r.set_request_id("too-slow");
+  StreamResult late = c.Generate(r, absl::Milliseconds(600));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(c.node(1).WaitForLine("stream-cancelled too-slow"), "stream-cancelled too-slow");
+}
+
+}  // namespace
+}  // namespace kvr::controller
