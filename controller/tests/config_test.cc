@@ -1,0 +1,82 @@
+#include "kvr/controller/config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace kvr::controller {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ConfigTest : public ::testing::Test {
+ protected:
+  std::string WriteFile(const std::string& text) {
+    std::string path = ::testing::TempDir() + "/controller_config_test.yaml";
+    std::ofstream(path) << text;
+    return path;
+  }
+  std::optional<std::string> Env(const std::string& name) {
+    auto it = env_.find(name);
+    if (it == env_.end()) return std::nullopt;
+    return it->second;
+  }
+  absl::StatusOr<ControllerConfig> Resolve(const ConfigValues& flags,
+                                           std::optional<std::string> file = std::nullopt) {
+    return ResolveControllerConfig(flags, file, [this](const std::string& n) { return Env(n); });
+  }
+  std::map<std::string, std::string> env_;
+};
+
+TEST_F(ConfigTest, DefaultsWhenNothingIsSet) {
+  auto c = Resolve({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->listen, "0.0.0.0:50051");
+  EXPECT_EQ(c->max_attempts, 3u);
+  EXPECT_EQ(c->defaults.method, "full");
+}
+
+TEST_F(ConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
+  env_ = {{"KVR_LISTEN", "env:1"}, {"KVR_MAX_ATTEMPTS", "5"}, {"KVR_DEFAULT_BUDGET", "7"},
+          {"KVR_LEASE_SECONDS", "9"}};
+  const std::string file = WriteFile("listen: file:2\nmax_attempts: 4\ndefault_budget: 8\n");
+  auto c = Resolve({{"listen", "flag:3"}}, file);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, "flag:3");         // flag over file and env
+  EXPECT_EQ(c->max_attempts, 4u);          // file over env
+  EXPECT_EQ(c->defaults.budget, 8u);       // file over env
+  EXPECT_EQ(c->lease_seconds, 9.0);        // env over default
+  EXPECT_EQ(c->max_in_flight, 1024u);      // default
+}
+
+TEST_F(ConfigTest, BadValuesNameTheSettingAndSource) {
+  auto flag = Resolve({{"max_attempts", "zero"}});
+  EXPECT_TRUE(absl::IsInvalidArgument(flag.status()));
+  EXPECT_THAT(std::string(flag.status().message()), HasSubstr("max_attempts (flag --max-attempts)"));
+  env_ = {{"KVR_LEASE_SECONDS", "-1"}};
+  auto env = Resolve({});
+  EXPECT_THAT(std::string(env.status().message()),
+              HasSubstr("lease_seconds (environment KVR_LEASE_SECONDS)"));
+  env_.clear();
+  auto unknown = Resolve({}, WriteFile("listen: a:1\nlistne: b:2\n"));
+  EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("unknown setting 'listne'"));
+  auto level = Resolve({{"log_level", "loud"}});
+  EXPECT_THAT(std::string(level.status().message()), HasSubstr("log_level"));
+  auto missing = Resolve({}, std::string("/nonexistent/kvr.yaml"));
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("/nonexistent/kvr.yaml"));
+}
+
+TEST_F(ConfigTest, FormattedConfigReadsBackAsTheSameConfig) {
+  auto c = Resolve({{"listen", "127.0.0.1:0"}, {"default_method", "clusterkv"}});
+  ASSERT_TRUE(c.ok());
+  const std::string text = FormatConfig(*c);
+  EXPECT_THAT(text, HasSubstr("default_method: clusterkv\n"));
+  auto again = Resolve({}, WriteFile(text));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(FormatConfig(*again), text);
+}
+
+}  // namespace
+}  // namespace kvr::controller
