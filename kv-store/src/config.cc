@@ -89,7 +89,9 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       {"page_bytes",
        "bytes per page; a page holds page_bytes / (2*head_dim*dtype size) rows of one "
        "(sequence, layer, kv head): 64KiB = 256 tokens at head_dim 64 f16"},
-      {"evict_expired", "evict sequences whose lease expired when space runs short (bool)"},
+      {"evict_expired",
+       "evict sequences whose lease expired: when space runs short and by a periodic sweep "
+       "(bool); off: leases are reported in stats but nothing is dropped"},
       {"huge_pages", "try huge pages for the pool (bool)"},
       {"data_plane_threads", "threads serving UCX data-plane requests"},
       {"sweep_interval_ms", "how often expired leases are swept (with evict_expired)"},

@@ -10,9 +10,11 @@
 // where namespaces cannot be created (no CAP_SYS_ADMIN, no `ip`).
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <optional>
 #include <random>
@@ -22,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -469,6 +472,21 @@ TEST_F(StoreScenarioTest, KillingStoreMidReadGivesUnavailableWithinDeadline) {
   EXPECT_FALSE(c->Stats().ok());
 }
 
+TEST(StoreProcessTest, PrintsEffectiveConfigAndStopsGracefullyOnSigterm) {
+  if (Env("KVR_STORE_EXTERNAL_TARGET")) GTEST_SKIP() << "local-only";
+  auto proc = StoreProcess::Start({KVR_STORE_BINARY, "--listen", "127.0.0.1:0",
+                                   "--capacity-bytes", "8MiB"},
+                                  {"KVR_STORE_PAGE_BYTES=32KiB"}, absl::Seconds(20));
+  ASSERT_TRUE(proc.ok()) << proc.status();
+  EXPECT_THAT(proc->output(), HasSubstr("capacity_bytes: 8388608  # flag"));
+  EXPECT_THAT(proc->output(), HasSubstr("page_bytes: 32768  # env"));
+  EXPECT_THAT(proc->output(), HasSubstr("evict_expired: false  # default"));
+  const int status = proc->Kill(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_THAT(proc->output(), HasSubstr("kvr-store: stopped"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Two network namespaces.
 
@@ -492,6 +510,7 @@ class NetnsTest : public ::testing::Test {
       return;
     }
     ip_ = *ip;
+    RemoveStaleNamespaces();
     const std::string tag = absl::StrCat(getpid());
     store_ns_ = "kvrs-" + tag + "-s";
     client_ns_ = "kvrs-" + tag + "-c";
@@ -520,6 +539,21 @@ class NetnsTest : public ::testing::Test {
         return;
       }
       if (step[2] == "add" && step[1] == "netns") created_.push_back(step[3]);
+    }
+  }
+
+  // Namespaces left by an earlier run of this test that crashed (its pid is gone).
+  static void RemoveStaleNamespaces() {
+    auto list = RunProcess({ip_, "netns", "list"}, {}, absl::Seconds(10));
+    if (!list.ok() || list->exit_code != 0) return;
+    for (absl::string_view line : absl::StrSplit(list->output, '\n')) {
+      std::vector<std::string> parts = absl::StrSplit(line, absl::ByAnyChar(" -"));
+      // "kvrs-<pid>-s" or "kvrs-<pid>-c", possibly followed by " (id: N)".
+      int pid = 0;
+      if (parts.size() < 3 || parts[0] != "kvrs" || !absl::SimpleAtoi(parts[1], &pid)) continue;
+      if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+      (void)RunProcess({ip_, "netns", "del", absl::StrCat("kvrs-", pid, "-", parts[2])}, {},
+                       absl::Seconds(10));
     }
   }
 
