@@ -72,9 +72,12 @@ class Tokenizer {
   // model or pre-tokenizer, malformed merge, merge naming an unknown token, id out of range).
   [[nodiscard]] static absl::StatusOr<Tokenizer> FromGgufMetadata(const TokenizerSpec& spec);
 
-  // Loads a Hugging Face tokenizer.json (BPE model with a ByteLevel pre-tokenizer, optionally
-  // preceded by Split/Digits rules; added_tokens). Special ids are taken from the conventional
-  // added tokens; prefer FromHuggingFaceDir, which also reads tokenizer_config.json.
+  // Loads a Hugging Face tokenizer.json: BPE model (merges as "a b" or ["a", "b"],
+  // ignore_merges), pre-tokenizer built from ByteLevel / Split(Isolated) / Digits / Sequence,
+  // optional NFC normalizer (Qwen2), added_tokens (special, lstrip, rstrip), ByteLevel decoder
+  // and a TemplateProcessing post-processor that adds BOS (Llama 3). Anything else is refused
+  // with Unimplemented naming it. Special ids are guessed from conventional added-token names;
+  // prefer FromHuggingFaceDir, which reads them from tokenizer_config.json.
   [[nodiscard]] static absl::StatusOr<Tokenizer> FromTokenizerJson(const std::string& path);
 
   // Loads `dir`/tokenizer.json and, when present, `dir`/tokenizer_config.json (bos/eos tokens,
@@ -87,8 +90,8 @@ class Tokenizer {
   Tokenizer& operator=(const Tokenizer&) = delete;
   ~Tokenizer();
 
-  // Token ids of `text`. Fails only on text that is not valid UTF-8 (InvalidArgument naming
-  // the byte offset).
+  // Token ids of `text`. Fails on text that is not valid UTF-8 (InvalidArgument naming the
+  // byte offset); other failures (the regex engine) are internal errors.
   [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Encode(
       std::string_view text, const EncodeOptions& options = {}) const;
 
@@ -110,12 +113,13 @@ class Tokenizer {
   int32_t eos_id() const;
   int32_t eot_id() const;
   bool add_bos() const;
-  // Ids that end generation: EOS, EOT and the chat template's end-of-turn token
-  // (<|im_end|> for chatml, <|eot_id|> for llama3), deduplicated.
+  // Ids that end generation: EOS, EOT and the control tokens llama.cpp also treats as ends
+  // (<|im_end|>, <|eot_id|>, <|endoftext|>, <|end_of_text|>, <|eom_id|>, <end_of_turn>, ...).
   std::span<const int32_t> end_of_generation_ids() const;
   bool IsEndOfGeneration(int32_t id) const;
 
-  const std::string& pre_tokenizer() const;  // canonical name: "gpt2", "llama3", "smollm", "qwen2"
+  // "gpt2", "smollm", "llama3" or "qwen2" for GGUF; "tokenizer.json" for JSON loads.
+  const std::string& pre_tokenizer() const;
   const std::string& chat_template() const;
 
   // Renders `messages` with this model's chat template (see chat_template.h), filling in
