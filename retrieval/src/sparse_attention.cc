@@ -70,6 +70,24 @@ absl::Status SparseAttention::Attend(const AttentionShape& shape,
   return absl::OkStatus();
 }
 
+void SparseAttention::RememberPrefillQueries(kvr::model::SequenceId sequence, int layer,
+                                             int n_heads, int head_dim, const float* q, int64_t n,
+                                             int64_t end_position) {
+  SequenceState& state = sequences_[sequence];
+  if (static_cast<int>(state.layers.size()) <= layer) state.layers.resize(layer + 1);
+  LayerState& ls = state.layers[layer];
+  const int64_t row = static_cast<int64_t>(n_heads) * head_dim;
+  const int64_t keep = std::min(n, options_.max_prefill_queries);
+  std::vector<float>& buf = ls.prefill_queries;
+  if (ls.prefill_queries_end != end_position - n) buf.clear();  // not contiguous: restart
+  buf.insert(buf.end(), q + (n - keep) * row, q + n * row);
+  const int64_t have = static_cast<int64_t>(buf.size()) / row;
+  if (have > options_.max_prefill_queries) {
+    buf.erase(buf.begin(), buf.begin() + (have - options_.max_prefill_queries) * row);
+  }
+  ls.prefill_queries_end = end_position;
+}
+
 void SparseAttention::Release(kvr::model::SequenceId sequence) { sequences_.erase(sequence); }
 
 RetrievalIndex* SparseAttention::FindIndex(kvr::model::SequenceId sequence, int layer) const {
@@ -118,17 +136,8 @@ absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
   if (request.n_queries > 1 || !sparse_layer) {
     // Prefill (or a dense layer): dense attention; remember the last prefill queries.
     if (sparse_layer && request.n_queries > 1 && options_.keep_prefill_queries && index == nullptr) {
-      const int64_t row = static_cast<int64_t>(shape.n_heads) * hd;
-      const int64_t keep = std::min(request.n_queries, options_.max_prefill_queries);
-      std::vector<float>& buf = layer.prefill_queries;
-      if (layer.prefill_queries_end != request.first_position) buf.clear();  // not contiguous
-      buf.insert(buf.end(), request.q + (request.n_queries - keep) * row,
-                 request.q + request.n_queries * row);
-      const int64_t have = static_cast<int64_t>(buf.size()) / row;
-      if (have > options_.max_prefill_queries) {
-        buf.erase(buf.begin(), buf.begin() + (have - options_.max_prefill_queries) * row);
-      }
-      layer.prefill_queries_end = end;
+      RememberPrefillQueries(request.sequence, request.layer, shape.n_heads, hd, request.q,
+                             request.n_queries, end);
     }
     return DenseAttention(shape, request);
   }

@@ -64,12 +64,23 @@ class SparseAttention final : public kvr::model::Attention {
                                     std::span<const kvr::model::AttentionRequest> batch) override;
   void Release(kvr::model::SequenceId sequence) override;
 
+  // Records prefill queries of (sequence, layer) as a prefill Attend call would: `q` holds the
+  // queries [n, n_heads, head_dim] of positions [end_position - n, end_position). Lets a caller
+  // that ran the prefill elsewhere (the evaluator shares one dense prefill between methods)
+  // hand over what CTKVR needs. Keeps the last max_prefill_queries.
+  void RememberPrefillQueries(kvr::model::SequenceId sequence, int layer, int n_heads,
+                              int head_dim, const float* q, int64_t n, int64_t end_position);
+
   // The index of (sequence, layer), or null when not built yet. For the evaluator and tests.
   RetrievalIndex* FindIndex(kvr::model::SequenceId sequence, int layer) const;
   // Bytes held by every index of the sequence.
   int64_t IndexBytes(kvr::model::SequenceId sequence) const;
 
   const SparseAttentionStats& stats() const { return stats_; }
+  // The selection of the most recent decode Attend call (of its last request). The rows it
+  // attended besides are sinks [0, min(n_sink, p + 1)) and the local window
+  // [max(n_sink', p + 1 - local_window), p] (SparseAttentionOptions::params). For the evaluator.
+  const Selection& last_selection() const { return selection_; }
   void ResetStats() { stats_ = {}; }
   const SparseAttentionOptions& options() const { return options_; }
 

@@ -1,0 +1,495 @@
+#include "retrieval_eval.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "kvr/common/status.h"
+#include "kvr/model/dense_attention.h"
+#include "kvr/model/loader.h"
+#include "kvr/model/model.h"
+#include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/ops.h"
+#include "kvr/retrieval/sparse_attention.h"
+#ifdef KVR_RETRIEVAL_HAVE_QUANT
+#include "kvr/retrieval/codebook.h"
+#endif
+
+namespace kvr::retrieval::eval {
+namespace {
+
+using kvr::model::AttentionRequest;
+using kvr::model::AttentionShape;
+using kvr::model::KvCache;
+using kvr::model::SequenceId;
+using Clock = std::chrono::steady_clock;
+
+// Default natural text: license texts every Debian system ships (plain text; /usr/share/info is
+// gzip-compressed, pass such files decompressed through --text-file).
+const char* const kDefaultTexts[] = {
+    "/usr/share/common-licenses/GPL-3",     "/usr/share/common-licenses/GFDL-1.3",
+    "/usr/share/common-licenses/LGPL-3",    "/usr/share/common-licenses/Apache-2.0",
+    "/usr/share/common-licenses/GPL-2",     "/usr/share/common-licenses/MPL-2.0",
+    "/usr/share/common-licenses/LGPL-2.1",  "/usr/share/common-licenses/Artistic",
+};
+
+absl::StatusOr<std::string> ReadText(const std::vector<std::string>& files) {
+  std::string text;
+  std::vector<std::string> paths = files;
+  if (paths.empty()) paths.assign(std::begin(kDefaultTexts), std::end(kDefaultTexts));
+  for (const std::string& path : paths) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      if (files.empty()) continue;  // a default text this system lacks
+      return absl::NotFoundError(absl::StrCat("cannot read text file ", path));
+    }
+    std::stringstream ss;
+    ss << in.rdbuf();
+    absl::StrAppend(&text, ss.str(), "\n\n");
+  }
+  if (text.empty()) return absl::NotFoundError("no text to evaluate on (pass --text-file)");
+  return text;
+}
+
+// A passkey prompt of about `context` tokens: filler sentences with the key at a random depth,
+// ending with the question; the continuation is the key.
+struct PasskeyPrompt {
+  std::string prompt;
+  std::string answer;
+};
+PasskeyPrompt MakePasskey(uint64_t seed, int64_t filler_sentences, double depth) {
+  std::mt19937_64 rng(seed);
+  const int key = 10000 + static_cast<int>(rng() % 90000);
+  const std::string filler =
+      "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+      "again. ";
+  std::string text =
+      "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+      "it. I will quiz you about the important information there.\n";
+  const int64_t at = static_cast<int64_t>(depth * static_cast<double>(filler_sentences));
+  for (int64_t i = 0; i < filler_sentences; ++i) {
+    if (i == at) absl::StrAppend(&text, "The pass key is ", key, ". Remember it. ", key,
+                                 " is the pass key.\n");
+    text += filler;
+  }
+  absl::StrAppend(&text, "\nWhat is the pass key? The pass key is");
+  return {text, absl::StrCat(" ", key)};
+}
+
+struct Accum {
+  double recall_hit = 0, recall_total = 0;
+  double mass = 0, rel_error = 0;
+  int64_t head_samples = 0;
+};
+
+// Wraps SparseAttention for the evaluated sequences: after each decode call it recomputes dense
+// attention over the same KV and the oracle's selection, and accumulates the metrics.
+class MeasuringAttention final : public kvr::model::Attention {
+ public:
+  struct Entry {
+    SparseAttention* sparse = nullptr;
+    Accum* accum = nullptr;
+    int64_t budget = 0;
+  };
+  MeasuringAttention(std::map<SequenceId, Entry> entries, int64_t n_sink, int64_t local_window)
+      : entries_(std::move(entries)), n_sink_(n_sink), local_window_(local_window) {}
+
+  absl::Status Attend(const AttentionShape& shape,
+                      std::span<const AttentionRequest> batch) override {
+    for (const AttentionRequest& r : batch) {
+      auto it = entries_.find(r.sequence);
+      if (it == entries_.end()) {
+        return absl::InternalError(absl::StrCat("eval: unknown sequence ", r.sequence));
+      }
+      KVR_RETURN_IF_ERROR(it->second.sparse->Attend(shape, {&r, 1}));
+      if (r.n_queries == 1) Measure(shape, r, it->second);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  void Measure(const AttentionShape& shape, const AttentionRequest& r, const Entry& e) {
+    const int hd = shape.head_dim;
+    const int group = shape.n_heads / shape.n_kv_heads;
+    const int64_t p = r.first_position;
+    const int64_t n = p + 1;
+    const int64_t n_sink = std::min(n_sink_, n);
+    const int64_t local_begin = std::max(n_sink, n - local_window_);
+    const Selection& sel = e.sparse->last_selection();
+    probs_.resize(static_cast<size_t>(shape.n_heads) * n);
+    for (int h = 0; h < shape.n_heads; ++h) {
+      const int kvh = h / group;
+      const float* q = r.q + static_cast<int64_t>(h) * hd;
+      float* pr = probs_.data() + static_cast<int64_t>(h) * n;
+      for (int64_t t = 0; t < n; ++t) {
+        pr[t] = shape.scale * Dot(q, r.kv.k + t * r.kv.row_stride + kvh * hd, hd);
+      }
+      SoftmaxInPlace({pr, static_cast<size_t>(n)});
+    }
+    for (int kvh = 0; kvh < shape.n_kv_heads; ++kvh) {
+      const std::vector<int64_t>& picked = sel.per_head[kvh];
+      // Oracle: top-budget candidates by the group's summed probability, each head's softmax
+      // taken over the candidates (IndexParams::gqa's default; what `exact` selects).
+      const int64_t nc = std::max<int64_t>(0, local_begin - n_sink);
+      if (nc > 0) {
+        agg_.assign(nc, 0.f);
+        for (int g = 0; g < group; ++g) {
+          const float* pr = probs_.data() + static_cast<int64_t>(kvh * group + g) * n;
+          double z = 0;
+          for (int64_t i = 0; i < nc; ++i) z += pr[n_sink + i];
+          const float inv = z > 0 ? static_cast<float>(1.0 / z) : 0.f;
+          for (int64_t i = 0; i < nc; ++i) agg_[i] += pr[n_sink + i] * inv;
+        }
+        std::vector<int64_t> top = TopKIndices(agg_, e.budget);
+        std::set<int64_t> truth;
+        for (int64_t i : top) truth.insert(n_sink + i);
+        for (int64_t id : picked) e.accum->recall_hit += truth.count(id);
+        e.accum->recall_total += static_cast<double>(truth.size());
+      }
+      for (int g = 0; g < group; ++g) {
+        const int h = kvh * group + g;
+        const float* pr = probs_.data() + static_cast<int64_t>(h) * n;
+        double mass = 0;
+        for (int64_t t = 0; t < n_sink; ++t) mass += pr[t];
+        for (int64_t t = local_begin; t < n; ++t) mass += pr[t];
+        for (int64_t id : picked) mass += pr[id];
+        // Dense output from the probabilities; the sparse output is what SparseAttention wrote.
+        dense_.assign(hd, 0.f);
+        for (int64_t t = 0; t < n; ++t) {
+          const float* v = r.kv.v + t * r.kv.row_stride + kvh * hd;
+          for (int d = 0; d < hd; ++d) dense_[d] += pr[t] * v[d];
+        }
+        const float* o = r.out + static_cast<int64_t>(h) * hd;
+        double diff = 0, norm = 0;
+        for (int d = 0; d < hd; ++d) {
+          diff += (o[d] - dense_[d]) * (o[d] - dense_[d]);
+          norm += dense_[d] * dense_[d];
+        }
+        e.accum->mass += std::min(1.0, mass);
+        e.accum->rel_error += norm > 0 ? std::sqrt(diff / norm) : 0.0;
+        ++e.accum->head_samples;
+      }
+    }
+  }
+
+  std::map<SequenceId, Entry> entries_;
+  int64_t n_sink_, local_window_;
+  std::vector<float> probs_, agg_, dense_;
+};
+
+// Forwards to the runtime's dense attention and keeps the last prefill queries of every layer,
+// which are handed to each SparseAttention (CTKVR builds from them).
+class RecordingDense final : public kvr::model::Attention {
+ public:
+  RecordingDense(ThreadPool* pool, int n_layers, int64_t keep)
+      : dense_(pool), keep_(keep), queries_(n_layers), ends_(n_layers, 0) {}
+  absl::Status Attend(const AttentionShape& shape,
+                      std::span<const AttentionRequest> batch) override {
+    for (const AttentionRequest& r : batch) {
+      if (r.n_queries > 1 && r.layer < static_cast<int>(queries_.size())) {
+        const int64_t row = static_cast<int64_t>(shape.n_heads) * shape.head_dim;
+        row_ = row;
+        auto& buf = queries_[r.layer];
+        const int64_t take = std::min(r.n_queries, keep_);
+        buf.insert(buf.end(), r.q + (r.n_queries - take) * row, r.q + r.n_queries * row);
+        const int64_t have = static_cast<int64_t>(buf.size()) / row;
+        if (have > keep_) buf.erase(buf.begin(), buf.begin() + (have - keep_) * row);
+        ends_[r.layer] = r.first_position + r.n_queries;
+      }
+    }
+    return dense_.Attend(shape, batch);
+  }
+  void HandTo(SparseAttention& sparse, SequenceId id, const AttentionShape& shape) const {
+    for (size_t l = 0; l < queries_.size(); ++l) {
+      if (queries_[l].empty()) continue;
+      sparse.RememberPrefillQueries(id, static_cast<int>(l), shape.n_heads, shape.head_dim,
+                                    queries_[l].data(),
+                                    static_cast<int64_t>(queries_[l].size()) / row_, ends_[l]);
+    }
+  }
+
+ private:
+  kvr::model::DenseAttention dense_;
+  int64_t keep_;
+  int64_t row_ = 1;
+  std::vector<std::vector<float>> queries_;
+  std::vector<int64_t> ends_;
+};
+
+absl::StatusOr<KvCache> CopyCache(const kvr::model::Model& model, const KvCache& src,
+                                  int64_t reserve) {
+  KvCache dst = model.NewCache();
+  dst.Reserve(reserve);
+  for (int l = 0; l < src.n_layers(); ++l) {
+    const kvr::model::KvView v = src.View(l);
+    KVR_RETURN_IF_ERROR(dst.Append(l, v.n_rows, v.k, v.v, v.row_stride));
+  }
+  return dst;
+}
+
+double Nll(std::span<const float> logits, int32_t target) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (float x : logits) m = std::max(m, x);
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x - m));
+  return std::log(sum) + m - logits[target];
+}
+
+int32_t Argmax(std::span<const float> logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+struct PromptCase {
+  std::string name;
+  std::vector<int32_t> prompt;        // prefill tokens
+  std::vector<int32_t> continuation;  // teacher-forced tokens (first predicted by the prefill)
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options,
+                                                      const kvr::model::LoadedModel& loaded,
+                                                      ThreadPool* pool, const Progress& progress) {
+  if (!loaded.tokenizer) return absl::InvalidArgumentError("eval retrieval needs a tokenizer");
+  if (options.steps < 1) return absl::InvalidArgumentError("--steps must be >= 1");
+  for (int64_t b : options.budgets) {
+    if (b <= 0) return absl::InvalidArgumentError(absl::StrCat("budget must be > 0, got ", b));
+  }
+  const kvr::model::Model& model = *loaded.model;
+  const kvr::model::ModelConfig& cfg = model.config();
+  KVR_ASSIGN_OR_RETURN(MethodRegistry registry, AllMethods());
+  std::vector<std::string> methods = options.methods;
+  if (methods.empty()) methods = registry.Names();
+  for (const std::string& m : methods) {
+    if (!registry.Has(m)) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown method '", m, "'; valid: ",
+                                                     absl::StrJoin(registry.Names(), ", ")));
+    }
+  }
+  IndexParams base;
+  base.n_sink = options.n_sink;
+  base.local_window = options.local_window;
+  base.options = options.method_options;
+  base.pool = nullptr;
+  RopeParams rope{RopeStyle::kHalfSplit, cfg.rope_theta, 0};
+  std::shared_ptr<const MethodAssets> a2ats_assets;
+#ifdef KVR_RETRIEVAL_HAVE_QUANT
+  if (!options.a2ats_codebooks.empty()) {
+    KVR_ASSIGN_OR_RETURN(ModelFingerprint fp, FingerprintOf(model));
+    KVR_ASSIGN_OR_RETURN(a2ats_assets, A2atsCodebooks::Load(options.a2ats_codebooks, &fp));
+    KVR_ASSIGN_OR_RETURN(rope, RopeParamsOf(cfg));
+  }
+#endif
+  if (a2ats_assets == nullptr) {
+    const auto it = std::find(methods.begin(), methods.end(), "a2ats");
+    if (it != methods.end()) {
+      methods.erase(it);
+      if (progress) progress("skipping a2ats: no --a2ats-codebooks file (make one with kvr calibrate)");
+    }
+  }
+  const AttentionShape shape{cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                             1.f / std::sqrt(static_cast<float>(cfg.head_dim))};
+
+  KVR_ASSIGN_OR_RETURN(std::string text, ReadText(options.text_files));
+  KVR_ASSIGN_OR_RETURN(std::vector<int32_t> text_ids, loaded.tokenizer->Encode(text));
+
+  std::vector<EvalRow> rows;
+  for (int64_t context : options.contexts) {
+    std::vector<PromptCase> cases;
+    if (static_cast<int64_t>(text_ids.size()) < context + options.steps + 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the text has ", text_ids.size(), " tokens, context ", context, " + ", options.steps,
+          " steps needs more: pass longer --text-file(s)"));
+    }
+    cases.push_back({"text",
+                     {text_ids.begin(), text_ids.begin() + context},
+                     {text_ids.begin() + context, text_ids.begin() + context + options.steps + 1}});
+    if (options.passkey) {
+      // Size the filler so that the prompt is close to `context` tokens.
+      PasskeyPrompt probe = MakePasskey(options.seed, 100, 0.5);
+      KVR_ASSIGN_OR_RETURN(std::vector<int32_t> probe_ids, loaded.tokenizer->Encode(probe.prompt));
+      const double per_sentence = static_cast<double>(probe_ids.size()) / 100.0;
+      const int64_t sentences = std::max<int64_t>(1, static_cast<int64_t>(context / per_sentence) - 2);
+      PasskeyPrompt pk = MakePasskey(options.seed + context, sentences, 0.35);
+      KVR_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, loaded.tokenizer->Encode(pk.prompt));
+      KVR_ASSIGN_OR_RETURN(std::vector<int32_t> answer,
+                           loaded.tokenizer->Encode(pk.answer, {.add_special = false}));
+      cases.push_back({"passkey", std::move(prompt), std::move(answer)});
+    }
+    for (const PromptCase& pc : cases) {
+      const int64_t n_prompt = static_cast<int64_t>(pc.prompt.size());
+      const int64_t steps = static_cast<int64_t>(pc.continuation.size()) - 1;
+      const int64_t total = n_prompt + steps + 1;
+      if (progress) {
+        progress(absl::StrCat(pc.name, " context ", n_prompt, ": dense prefill"));
+      }
+      // Dense prefill, once; its logits predict continuation[0] for every method alike.
+      KvCache prefilled = model.NewCache();
+      prefilled.Reserve(total);
+      RecordingDense recorder(pool, cfg.n_layers, 512);
+      const auto t_prefill = Clock::now();
+      KVR_ASSIGN_OR_RETURN(std::vector<float> first_logits,
+                           model.Prefill(0, prefilled, pc.prompt, recorder, options.prefill_chunk));
+      if (progress) {
+        progress(absl::StrFormat("prefill %d tokens in %.1f s", n_prompt,
+                                 std::chrono::duration<double>(Clock::now() - t_prefill).count()));
+      }
+      // Dense reference continuation.
+      std::vector<double> ref_nll;
+      std::vector<int32_t> ref_argmax;
+      {
+        KVR_ASSIGN_OR_RETURN(KvCache cache, CopyCache(model, prefilled, total));
+        kvr::model::DenseAttention dense(pool);
+        std::vector<float> logits(cfg.vocab);
+        for (int64_t t = 1; t <= steps; ++t) {
+          const int32_t token = pc.continuation[t - 1];
+          kvr::model::ForwardSequence seq{0, &cache, {&token, 1}};
+          KVR_RETURN_IF_ERROR(model.Forward({&seq, 1}, dense, kvr::model::LogitsMode::kLast, logits));
+          ref_nll.push_back(Nll(logits, pc.continuation[t]));
+          ref_argmax.push_back(Argmax(logits));
+        }
+      }
+      for (const std::string& method : methods) {
+        const auto t_method = Clock::now();
+        std::vector<std::unique_ptr<SparseAttention>> sparse;
+        std::vector<Accum> accums(options.budgets.size());
+        std::vector<KvCache> caches;
+        std::map<SequenceId, MeasuringAttention::Entry> entries;
+        for (size_t b = 0; b < options.budgets.size(); ++b) {
+          SparseAttentionOptions so;
+          so.method = method;
+          so.params = base;
+          so.params.budget = options.budgets[b];
+          if (method == "a2ats") so.params.assets = a2ats_assets;
+          so.rope = rope;
+          so.n_layers = cfg.n_layers;
+          KVR_ASSIGN_OR_RETURN(std::unique_ptr<SparseAttention> sa,
+                               SparseAttention::Create(&registry, so));
+          const SequenceId id = b + 1;
+          recorder.HandTo(*sa, id, shape);
+          entries[id] = {sa.get(), &accums[b], options.budgets[b]};
+          sparse.push_back(std::move(sa));
+          KVR_ASSIGN_OR_RETURN(KvCache c, CopyCache(model, prefilled, total));
+          caches.push_back(std::move(c));
+        }
+        MeasuringAttention attention(std::move(entries), options.n_sink, options.local_window);
+        const size_t nb = options.budgets.size();
+        std::vector<float> logits(nb * cfg.vocab);
+        std::vector<double> nll(nb, 0.0);
+        std::vector<int64_t> agree(nb, 0);
+        std::vector<int64_t> passkey_tokens_ok(nb, 0);
+        for (int64_t t = 1; t <= steps; ++t) {
+          const int32_t token = pc.continuation[t - 1];
+          std::vector<kvr::model::ForwardSequence> batch;
+          for (size_t b = 0; b < nb; ++b) batch.push_back({b + 1, &caches[b], {&token, 1}});
+          absl::Status st = model.Forward(batch, attention, kvr::model::LogitsMode::kLast, logits);
+          if (!st.ok()) {
+            return absl::Status(st.code(), absl::StrCat("method ", method, ": ", st.message()));
+          }
+          for (size_t b = 0; b < nb; ++b) {
+            std::span<const float> lg(logits.data() + b * cfg.vocab, cfg.vocab);
+            nll[b] += Nll(lg, pc.continuation[t]);
+            const int32_t am = Argmax(lg);
+            agree[b] += am == ref_argmax[t - 1];
+            passkey_tokens_ok[b] += am == pc.continuation[t];
+          }
+        }
+        // Context bytes: every layer's index over (prompt + steps) tokens.
+        const double index_tokens = static_cast<double>(n_prompt + steps);
+        for (size_t b = 0; b < nb; ++b) {
+          EvalRow row;
+          row.prompt = pc.name;
+          row.context = n_prompt;
+          row.method = method;
+          row.budget = options.budgets[b];
+          row.steps = steps;
+          const Accum& a = accums[b];
+          row.recall = a.recall_total > 0 ? a.recall_hit / a.recall_total : 1.0;
+          row.mass = a.head_samples > 0 ? a.mass / a.head_samples : 0;
+          row.rel_error = a.head_samples > 0 ? a.rel_error / a.head_samples : 0;
+          double ref_total = 0;
+          for (double x : ref_nll) ref_total += x;
+          row.nll = nll[b] / steps;
+          row.nll_delta = (nll[b] - ref_total) / steps;
+          row.agreement = static_cast<double>(agree[b]) / steps;
+          const SparseAttention& sa = *sparse[b];
+          row.summary_bytes_per_token_head =
+              static_cast<double>(sa.IndexBytes(b + 1)) /
+              (index_tokens * cfg.n_layers * cfg.n_kv_heads);
+          row.kv_bytes_per_token_head = 4.0 * cfg.head_dim;  // fp16 K + V
+          row.select_us = sa.stats().decode_calls > 0
+                              ? 1e6 * sa.stats().select_seconds / sa.stats().decode_calls
+                              : 0;
+          row.build_s = sa.stats().build_seconds;
+          if (pc.name == "passkey") row.passkey_ok = passkey_tokens_ok[b] == steps ? 1 : 0;
+          rows.push_back(row);
+        }
+        if (progress) {
+          progress(absl::StrFormat("%s context %d: %s done in %.1f s", pc.name, n_prompt, method,
+                                   std::chrono::duration<double>(Clock::now() - t_method).count()));
+        }
+      }
+    }
+  }
+  return rows;
+}
+
+std::string FormatTable(const std::vector<EvalRow>& rows) {
+  std::string out = absl::StrFormat(
+      "%-8s %6s %-10s %6s %7s %7s %8s %8s %8s %7s %9s %9s %6s\n", "prompt", "ctx", "method",
+      "budget", "recall", "mass", "relerr", "nll", "dNLL", "agree", "B/tok/hd", "select_us",
+      "pass");
+  for (const EvalRow& r : rows) {
+    absl::StrAppendFormat(&out, "%-8s %6d %-10s %6d %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %9.2f %9.1f %6s\n",
+                          r.prompt, r.context, r.method, r.budget, r.recall, r.mass, r.rel_error,
+                          r.nll, r.nll_delta, r.agreement, r.summary_bytes_per_token_head,
+                          r.select_us,
+                          r.passkey_ok < 0 ? "-" : (r.passkey_ok ? "yes" : "no"));
+  }
+  if (!rows.empty()) {
+    absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16)\n",
+                          rows.front().kv_bytes_per_token_head);
+  }
+  return out;
+}
+
+std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows) {
+  nlohmann::json j;
+  j["options"] = {{"contexts", options.contexts}, {"budgets", options.budgets},
+                  {"methods", options.methods},   {"steps", options.steps},
+                  {"n_sink", options.n_sink},     {"local_window", options.local_window},
+                  {"text_files", options.text_files}, {"passkey", options.passkey}};
+  j["rows"] = nlohmann::json::array();
+  for (const EvalRow& r : rows) {
+    j["rows"].push_back({{"prompt", r.prompt},
+                         {"context", r.context},
+                         {"method", r.method},
+                         {"budget", r.budget},
+                         {"steps", r.steps},
+                         {"recall", r.recall},
+                         {"mass", r.mass},
+                         {"rel_error", r.rel_error},
+                         {"nll", r.nll},
+                         {"nll_delta", r.nll_delta},
+                         {"agreement", r.agreement},
+                         {"summary_bytes_per_token_head", r.summary_bytes_per_token_head},
+                         {"kv_bytes_per_token_head", r.kv_bytes_per_token_head},
+                         {"select_us", r.select_us},
+                         {"build_s", r.build_s},
+                         {"passkey_ok", r.passkey_ok}});
+  }
+  return j.dump(2);
+}
+
+}  // namespace kvr::retrieval::eval

@@ -1,0 +1,82 @@
+#pragma once
+// `kvr eval retrieval`: how close each retrieval method comes to full attention on a real
+// model's KV (issue 3, item 4).
+//
+// For every context length: the prompt (natural text, or a generated passkey prompt) is
+// prefilled once with dense attention; then every (method, budget) runs the same teacher-forced
+// continuation as its own sequence (batched over budgets, so the dense layers read the weights
+// once per step), with SparseAttention doing the decode attention. At every decode step and
+// layer the evaluator also computes dense attention over the same KV and the exact oracle's
+// selection, and records:
+//   recall@k       |selected ∩ oracle top-k| / |oracle top-k| (per KV head, same candidates)
+//   mass           softmax mass of the attended rows (sink ∪ local ∪ selected), per query head
+//   rel_error      |o_sparse - o_dense| / |o_dense| of the attention output, per query head
+//   nll / delta    mean -log p(next true token), and its difference to the dense run
+//   agreement      fraction of steps whose argmax equals the dense run's argmax (teacher-forced
+//                  on the same prefix: one flipped token does not cascade into the next ones)
+//   bytes/token/head   summary bytes (RetrievalIndex::MemoryBytes) per token per KV head,
+//                      against K+V bytes per token per head (fp16: 4 * head_dim)
+//   select_us      time in RetrievalIndex::Select per (layer, decode step), all KV heads
+// Passkey prompts additionally report whether the teacher-forced argmax reproduces every token
+// of the key (passkey_ok).
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvr {
+class ThreadPool;
+}  // namespace kvr
+namespace kvr::model {
+struct LoadedModel;
+}  // namespace kvr::model
+
+namespace kvr::retrieval::eval {
+
+struct EvalOptions {
+  std::vector<int64_t> contexts = {2048};           // prefill lengths
+  std::vector<int64_t> budgets = {64, 128, 256, 512};
+  std::vector<std::string> methods;                 // empty: every registered method
+  int64_t steps = 64;                               // teacher-forced decode steps
+  int64_t n_sink = 16;
+  int64_t local_window = 128;
+  std::vector<std::string> text_files;              // natural text; empty: license texts
+  bool passkey = false;                             // also run a passkey prompt per context
+  std::string a2ats_codebooks;                      // codebook file for a2ats ("" skips a2ats)
+  std::map<std::string, std::string, std::less<>> method_options;  // IndexParams::options
+  uint64_t seed = 7;
+  int64_t prefill_chunk = 512;
+};
+
+struct EvalRow {
+  std::string prompt;   // "text" or "passkey"
+  int64_t context = 0;
+  std::string method;
+  int64_t budget = 0;
+  int64_t steps = 0;
+  double recall = 0, mass = 0, rel_error = 0;
+  double nll = 0, nll_delta = 0, agreement = 0;
+  double summary_bytes_per_token_head = 0;
+  double kv_bytes_per_token_head = 0;  // fp16 K+V
+  double select_us = 0;
+  double build_s = 0;  // total Build/Append seconds over all layers
+  int passkey_ok = -1;  // -1: not a passkey prompt
+};
+
+using Progress = std::function<void(const std::string&)>;
+
+// Runs the evaluation on `loaded` (which must have a tokenizer).
+[[nodiscard]] absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(
+    const EvalOptions& options, const kvr::model::LoadedModel& loaded, ThreadPool* pool,
+    const Progress& progress);
+
+// A fixed-width table, one row per (prompt, context, method, budget).
+std::string FormatTable(const std::vector<EvalRow>& rows);
+// JSON document {"options": ..., "rows": [...]}.
+std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows);
+
+}  // namespace kvr::retrieval::eval

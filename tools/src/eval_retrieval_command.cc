@@ -1,0 +1,94 @@
+// kvr eval retrieval: every retrieval method and budget against dense attention on a real model
+// (retrieval/eval/retrieval_eval.h says what is measured and how).
+
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "commands.h"
+#include "kvr/common/status.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/model/loader.h"
+#include "retrieval_eval.h"
+
+namespace kvr::tools {
+namespace {
+
+struct EvalRetrievalFlags {
+  std::string model = "smollm2-135m-instruct";
+  retrieval::eval::EvalOptions eval;
+  std::vector<std::string> options;  // method options "name=value"
+  std::string json;
+  int threads = 0;
+};
+
+absl::Status RunEvalRetrieval(EvalRetrievalFlags& f) {
+  for (const std::string& kv : f.options) {
+    std::vector<std::string> parts = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    if (parts.size() != 2 || parts[0].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--option wants name=value, got '", kv, "'"));
+    }
+    f.eval.method_options[parts[0]] = parts[1];
+  }
+  ThreadPool pool(f.threads > 0 ? static_cast<size_t>(f.threads) : 0);
+  KVR_ASSIGN_OR_RETURN(model::LoadedModel loaded, model::LoadModel(f.model, {}, &pool));
+  KVR_ASSIGN_OR_RETURN(
+      std::vector<retrieval::eval::EvalRow> rows,
+      retrieval::eval::RunRetrievalEval(f.eval, loaded, &pool, [](const std::string& line) {
+        std::cerr << "[eval] " << line << std::endl;
+      }));
+  std::cout << retrieval::eval::FormatTable(rows);
+  if (!f.json.empty()) {
+    std::ofstream out(f.json);
+    if (!out) return absl::NotFoundError(absl::StrCat("cannot write --json ", f.json));
+    out << retrieval::eval::ToJson(f.eval, rows) << "\n";
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void AddEvalCommand(CLI::App& app) {
+  CLI::App* eval = app.add_subcommand("eval", "quality evaluations");
+  eval->require_subcommand(1);
+  auto flags = std::make_shared<EvalRetrievalFlags>();
+  CLI::App* cmd = eval->add_subcommand(
+      "retrieval", "retrieval methods vs dense attention: recall, mass, output error, NLL, "
+                   "agreement, summary bytes, selection time");
+  cmd->add_option("--model", flags->model, "GGUF/HF path or known name")->capture_default_str();
+  cmd->add_option("--context", flags->eval.contexts, "prefill lengths in tokens")
+      ->capture_default_str();
+  cmd->add_option("--budget", flags->eval.budgets, "tokens per KV head")->capture_default_str();
+  cmd->add_option("--method", flags->eval.methods, "methods (default: all registered)");
+  cmd->add_option("--steps", flags->eval.steps, "teacher-forced decode steps")
+      ->capture_default_str();
+  cmd->add_option("--sink", flags->eval.n_sink, "sink tokens")->capture_default_str();
+  cmd->add_option("--local", flags->eval.local_window, "local window tokens")
+      ->capture_default_str();
+  cmd->add_option("--text-file", flags->eval.text_files,
+                  "natural text (default: /usr/share/common-licenses texts)");
+  cmd->add_flag("--passkey", flags->eval.passkey, "also run a generated passkey prompt");
+  cmd->add_option("--a2ats-codebooks", flags->eval.a2ats_codebooks,
+                  "codebook file from `kvr calibrate` (a2ats is skipped without it)");
+  cmd->add_option("--option", flags->options, "method option name=value (repeatable)");
+  cmd->add_option("--json", flags->json, "write the rows as JSON here");
+  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");
+  cmd->add_option("--prefill-chunk", flags->eval.prefill_chunk, "prefill chunk in tokens")
+      ->capture_default_str();
+  cmd->callback([flags] {
+    const absl::Status status = RunEvalRetrieval(*flags);
+    if (!status.ok()) {
+      std::cerr << "kvr eval retrieval: " << status << "\n";
+      throw CLI::RuntimeError(1);
+    }
+  });
+}
+
+}  // namespace kvr::tools
