@@ -9,5 +9,6 @@ class App;
 namespace kvr::tools {
 
 void AddGenerateCommand(CLI::App& app);  // kvr generate
+void AddEvalCommand(CLI::App& app);      // kvr eval retrieval (retrieval/eval)
 
 }  // namespace kvr::tools
