@@ -13,6 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "kvr/v1/generation.grpc.pb.h"
 #include "subprocess.h"
 
@@ -74,6 +76,7 @@ class Cluster {
   }
 
   kvr::v1::Generation::Stub& stub() { return *stub_; }
+  std::shared_ptr<grpc::Channel> channel() { return channel_; }
 
  private:
   std::unique_ptr<Subprocess> controller_;
@@ -123,6 +126,32 @@ TEST(ControllerIntegrationTest, StreamsTheClusterTokens) {
   EXPECT_GT(r.completion->timings().time_to_first_token().nanos() +
                 r.completion->timings().time_to_first_token().seconds(),
             0);
+}
+
+TEST(ControllerIntegrationTest, ServesHealthAndReflection) {
+  Cluster c;
+  grpc::ClientContext health_ctx;
+  grpc::health::v1::HealthCheckResponse health;
+  ASSERT_TRUE(grpc::health::v1::Health::NewStub(c.channel())
+                  ->Check(&health_ctx, grpc::health::v1::HealthCheckRequest(), &health)
+                  .ok());
+  EXPECT_EQ(health.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  grpc::ClientContext reflection_ctx;
+  auto stream =
+      grpc::reflection::v1alpha::ServerReflection::NewStub(c.channel())->ServerReflectionInfo(
+          &reflection_ctx);
+  grpc::reflection::v1alpha::ServerReflectionRequest list;
+  list.set_list_services("");
+  ASSERT_TRUE(stream->Write(list));
+  stream->WritesDone();
+  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  std::vector<std::string> services;
+  for (const auto& s : response.list_services_response().service()) services.push_back(s.name());
+  EXPECT_THAT(services, ::testing::IsSupersetOf({"kvr.v1.Generation", "kvr.cluster.v1.Membership",
+                                                 "grpc.health.v1.Health"}));
+  EXPECT_TRUE(stream->Finish().ok());
 }
 
 TEST(ControllerIntegrationTest, BadRequestsAreInvalidArgumentNamingTheField) {
