@@ -74,6 +74,8 @@ TEST(ChatTemplate, DetectsFamiliesAndSmolLmDefaultSystemPrompt) {
   EXPECT_EQ(detect("smollm2").default_system_prompt,
             "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
   EXPECT_EQ(detect("qwen2").default_system_prompt, "You are a helpful assistant.");
+  EXPECT_EQ(detect("qwen25").default_system_prompt,
+            "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
   EXPECT_EQ(detect("chatml_plain").default_system_prompt, "");
   EXPECT_EQ(detect("llama3").family, ChatTemplateFamily::kLlama3);
   EXPECT_FALSE(detect("llama3").llama31_system_header);

@@ -203,6 +203,37 @@ QWEN2_TEMPLATE = (
     "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Qwen2.5-Instruct's layout: the default system prompt sits outside the message loop and a
+# tools branch mentions '<|im_start|>system' without a default prompt.
+QWEN25_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 CHATML_PLAIN_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
@@ -278,7 +309,7 @@ def render_templates(smollm_template):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols])
     env.globals["raise_exception"] = raise_exception
-    templates = {"smollm2": smollm_template, "qwen2": QWEN2_TEMPLATE,
+    templates = {"smollm2": smollm_template, "qwen2": QWEN2_TEMPLATE, "qwen25": QWEN25_TEMPLATE,
                  "chatml_plain": CHATML_PLAIN_TEMPLATE, "llama3": LLAMA3_TEMPLATE,
                  "llama31": LLAMA31_TEMPLATE, "llama2": LLAMA2_TEMPLATE,
                  "mistral": MISTRAL_TEMPLATE}
@@ -287,6 +318,8 @@ def render_templates(smollm_template):
     for name, text in templates.items():
         compiled = env.from_string(text)
         for conv_index, messages in enumerate(CONVERSATIONS):
+            if name == "qwen25" and not messages:
+                continue  # reads messages[0]; kvr's chatml renders an empty conversation
             for add_generation_prompt in (True, False):
                 bos_token = bos.get(name, "<s>")
                 eos_token = "</s>"
