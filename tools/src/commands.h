@@ -9,7 +9,7 @@ class App;
 namespace kvr::tools {
 
 void AddGenerateCommand(CLI::App& app);  // kvr generate
-void AddCalibrateCommand(CLI::App& app);  // kvr calibrate (A2ATS codebooks)
 void AddEvalCommand(CLI::App& app);      // kvr eval retrieval (retrieval/eval)
+void AddCalibrateCommand(CLI::App& app);  // kvr calibrate (A2ATS codebooks)
 
 }  // namespace kvr::tools
