@@ -87,22 +87,28 @@ void RunTask(const AttentionShape& shape, const Task& t, std::vector<float>& sco
   for (int64_t i = 0; i < t.n_rows_q; ++i) {
     float* s = scores.data() + i * n_keys;
     const int64_t position = t.first_position + i * t.position_step;
-    auto visible = [&](int64_t r) {
-      return kv.positions.empty() ? r <= position : kv.positions[r] <= position;
-    };
     float max_score = -std::numeric_limits<float>::infinity();
-    for (int64_t r = 0; r < n_keys; ++r) {
-      if (visible(r)) max_score = std::max(max_score, s[r]);
-    }
-    if (max_score == -std::numeric_limits<float>::infinity()) {
-      std::fill_n(s, n_keys, 0.f);  // nothing visible: the output row becomes zero
-      continue;
-    }
     float sum = 0.f;
-    for (int64_t r = 0; r < n_keys; ++r) {
-      const float e = visible(r) ? std::exp(s[r] - max_score) : 0.f;
-      s[r] = e;
-      sum += e;
+    if (kv.positions.empty()) {
+      // Dense rows: the visible keys are exactly rows [0, position]; no per-row test.
+      const int64_t visible = std::min(n_keys, position + 1);
+      for (int64_t r = 0; r < visible; ++r) max_score = std::max(max_score, s[r]);
+      for (int64_t r = 0; r < visible; ++r) sum += (s[r] = std::exp(s[r] - max_score));
+      std::fill(s + std::max<int64_t>(visible, 0), s + n_keys, 0.f);
+      if (visible <= 0) continue;  // nothing visible: the row stays zero
+    } else {
+      for (int64_t r = 0; r < n_keys; ++r) {
+        if (kv.positions[r] <= position) max_score = std::max(max_score, s[r]);
+      }
+      if (max_score == -std::numeric_limits<float>::infinity()) {
+        std::fill_n(s, n_keys, 0.f);  // nothing visible: the output row becomes zero
+        continue;
+      }
+      for (int64_t r = 0; r < n_keys; ++r) {
+        const float e = kv.positions[r] <= position ? std::exp(s[r] - max_score) : 0.f;
+        s[r] = e;
+        sum += e;
+      }
     }
     const float inv = 1.f / sum;
     for (int64_t r = 0; r < n_keys; ++r) s[r] *= inv;
