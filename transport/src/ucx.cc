@@ -189,6 +189,13 @@ struct CallState : std::enable_shared_from_this<CallState> {
   SendBuffer send;
   bool send_in_flight = false;
   bool recv_in_flight = false;
+  void* recv_request = nullptr;  // the rendezvous receive while recv_in_flight
+  // Set when the call was completed while UCX still held one of its requests (see
+  // AbandonReceives and shutdown): late UCX callbacks then only free their request.
+  bool abandoned = false;
+  // The reply being received by rendezvous. Kept apart from `pending` so that an error that
+  // beats the receive (deadline, endpoint failure) never frees a buffer UCX is writing.
+  Response recv_response;
   bool has_result = false;
   absl::StatusOr<Response> pending = absl::UnknownError("no result");
 
@@ -266,6 +273,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
   absl::flat_hash_map<AmId, std::unique_ptr<HandlerEntry>> handlers;
   std::vector<std::shared_ptr<EndpointState>> to_close;
   absl::flat_hash_set<void*> close_requests;
+  // Calls whose receive was abandoned; released after ucp_worker_destroy.
+  std::vector<std::shared_ptr<CallState>> abandoned;
 
   ~WorkerCore() {
     if (epoll_fd >= 0) close(epoll_fd);
@@ -395,8 +404,9 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     // MaybeFinish may drop the map's reference; keep the call alive through this callback.
     std::shared_ptr<CallState> keep = call->shared_from_this();
     WorkerCore* core = call->core;
-    call->send_in_flight = false;
     ucp_request_free(request);
+    if (call->abandoned) return;
+    call->send_in_flight = false;
     if (status != UCS_OK) {
       core->SetResult(call, core->FailureFor(*call->endpoint, status, "send request"));
     }
@@ -448,7 +458,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       return UCS_OK;
     }
     // Rendezvous: pull the payload straight into its destination (zero-copy on RDMA).
-    call->pending = std::move(response);
+    call->recv_response = std::move(response);
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &WorkerCore::OnReplyReceived;
@@ -458,17 +468,12 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       core->SetResult(call, core->FailureFor(*call->endpoint, UCS_PTR_STATUS(req),
                                              "receive reply payload"));
     } else if (req == nullptr) {
-      core->FinishWithPending(call);
+      core->SetResult(call, std::move(call->recv_response));
     } else {
       call->recv_in_flight = true;
+      call->recv_request = req;
     }
     return UCS_INPROGRESS;
-  }
-
-  void FinishWithPending(CallState* call) {
-    if (call->has_result) return;
-    call->has_result = true;
-    MaybeFinish(call);
   }
 
   static void OnReplyReceived(void* request, ucs_status_t status, size_t length,
@@ -476,12 +481,14 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     auto* call = static_cast<CallState*>(user_data);
     std::shared_ptr<CallState> keep = call->shared_from_this();
     WorkerCore* core = call->core;
-    call->recv_in_flight = false;
     ucp_request_free(request);
+    if (call->abandoned) return;
+    call->recv_in_flight = false;
+    call->recv_request = nullptr;
     if (status != UCS_OK) {
       core->SetResult(call, core->FailureFor(*call->endpoint, status, "receive reply payload"));
     } else {
-      core->FinishWithPending(call);
+      core->SetResult(call, std::move(call->recv_response));
     }
     core->MaybeFinish(call);
   }
@@ -576,6 +583,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     ucs_status_ptr_t req = ucp_ep_close_nbx(state->ep, &param);
     state->ep = nullptr;
     if (req != nullptr && !UCS_PTR_IS_ERR(req)) close_requests.insert(req);
+    if (!state->Health().ok()) AbandonReceives(state);
     // Rkeys unpacked on this endpoint become unusable; destroy them now (ucp_rkey_destroy
     // must not outlive the endpoint's configuration).
     for (auto it = rkeys.begin(); it != rkeys.end();) {
@@ -587,6 +595,30 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       }
     }
     endpoints.erase(state);
+  }
+
+  // A rendezvous receive from a peer that died may never complete in UCX 1.13 (seen over TCP
+  // after the force close): such a call would never finish. Once the peer is known dead and
+  // its endpoint force-closed nothing can write into the destination any more (TCP data
+  // arrives only through the closed endpoint; cma reads from the dead process fail), so the
+  // receive is cancelled and, if UCX still holds it, abandoned: the call completes with the
+  // endpoint's error, and the CallState (with any transport-owned buffer) is parked until
+  // the worker is destroyed, so a late completion callback touches only live memory.
+  void AbandonReceives(EndpointState* state) {
+    std::vector<uint64_t> ids(state->call_ids.begin(), state->call_ids.end());
+    for (uint64_t id : ids) {
+      auto it = calls.find(id);
+      if (it == calls.end() || !it->second->recv_in_flight) continue;
+      std::shared_ptr<CallState> call = it->second;
+      ucp_request_cancel(worker, call->recv_request);  // may complete it synchronously
+      if (!call->recv_in_flight) continue;
+      call->abandoned = true;
+      call->recv_request = nullptr;
+      call->recv_in_flight = false;
+      abandoned.push_back(call);
+      SetResult(call.get(), state->Health());
+      MaybeFinish(call.get());
+    }
   }
 
   void ReapCloseRequests() {
@@ -709,6 +741,9 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       ReapCloseRequests();
     }
     for (auto& [id, call] : calls) {
+      // UCX may still complete these requests inside ucp_worker_destroy: keep the states.
+      call->abandoned = true;
+      abandoned.push_back(call);
       absl::StatusOr<Response> result = cancelled;
       PublishCall(call, std::move(result));
     }
@@ -1490,6 +1525,7 @@ void Worker::Shutdown() {
   core_->thread.join();
   ucp_worker_destroy(core_->worker);
   core_->worker = nullptr;
+  core_->abandoned.clear();
 }
 
 absl::StatusOr<Endpoint> Worker::Connect(std::string_view peer_address, std::string peer_name) {

@@ -14,6 +14,8 @@ inline constexpr uint16_t kHang = 3;        // never replies (keeps the request)
 inline constexpr uint16_t kFail = 4;        // replies NOT_FOUND with a message
 inline constexpr uint16_t kRegionInfo = 5;  // reply header = RegionInfo + packed rkey
 inline constexpr uint16_t kRead = 6;        // header = ReadRequest; payload = region bytes
+inline constexpr uint16_t kReplyThenDie = 7;  // header = uint32 delay_us; replies with the
+                                              // whole region, SIGKILLs itself after delay_us
 
 // The test server's registered region: kRegionBytes filled with PatternByte(offset, kSeed).
 inline constexpr size_t kRegionBytes = size_t{16} << 20;

@@ -4,6 +4,9 @@
 // Prints its worker address as one hex line on stdout, then serves the requests of
 // test_protocol.h until stdin reaches EOF (the parent exits or closes the pipe) or it is killed.
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -104,6 +107,19 @@ int main(int argc, char** argv) {
       return;
     }
     check(req.Reply({}, {kt::ByteView(region->data() + read.offset, read.length)}, nullptr));
+  }));
+
+  check(worker->RegisterHandler(tp::kReplyThenDie, [&](kt::IncomingRequest req) {
+    uint32_t delay_us = 0;
+    if (req.header().size() >= sizeof(delay_us)) {
+      std::memcpy(&delay_us, req.header().data(), sizeof(delay_us));
+    }
+    check(req.Reply({}, {region->span()}, nullptr));
+    // Die while the rendezvous reply is (most likely) still streaming to the client.
+    std::thread([delay_us] {
+      std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+      kill(getpid(), SIGKILL);
+    }).detach();
   }));
 
   std::cout << absl::BytesToHexString(worker->address()) << std::endl;

@@ -184,10 +184,52 @@ TEST_P(TransportProcessTest, KilledServerGivesUnavailableBeforeDeadline) {
     EXPECT_NE(r.status().message().find("test-server"), absl::string_view::npos) << r.status();
   }
   EXPECT_EQ(ep_->health().code(), absl::StatusCode::kUnavailable);
+  std::printf("  detected as: %s\n", ep_->health().ToString().c_str());
   // Later calls fail at once with the same error.
   auto later = ep_->CallSync(tp::kEcho, AsBytes("late"), {big.view()},
                              {.deadline = absl::Now() + absl::Seconds(60)});
   EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable) << later.status();
+}
+
+TEST_P(TransportProcessTest, ServerDyingMidRendezvousReplyDoesNotHang) {
+  ASSERT_TRUE(ep_->CallSync(tp::kEcho, AsBytes("warm"), {},
+                            {.deadline = absl::Now() + absl::Seconds(10)})
+                  .ok());
+  for (bool caller_buffer : {false, true}) {
+    SCOPED_TRACE(caller_buffer ? "caller buffer" : "transport buffer");
+    Bytes into = Bytes::Uninitialized(tp::kRegionBytes);
+    uint32_t delay_us = 300;
+    PendingCall call = ep_->Call(
+        tp::kReplyThenDie, ByteView(reinterpret_cast<uint8_t*>(&delay_us), sizeof(delay_us)), {},
+        {.deadline = absl::Now() + absl::Seconds(60),
+         .reply_buffer = caller_buffer ? into.span() : std::span<uint8_t>()});
+    // A hang here is the bug this test guards against; poll instead of blocking forever.
+    for (int i = 0; i < 30000 && call.state() == OpState::kInProgress; ++i) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    ASSERT_EQ(call.state(), OpState::kDone) << "call hung after the server died";
+    auto r = call.Wait();
+    // Which side of the race this run hit (both are correct outcomes).
+    std::printf("  [%s] %s\n", caller_buffer ? "caller buffer" : "transport buffer",
+                r.ok() ? "reply completed before the kill" : r.status().ToString().c_str());
+    if (r.ok()) {
+      // The reply won the race with the kill: it must then be complete and exact.
+      Bytes expected = Pattern(tp::kRegionBytes, tp::kRegionSeed);
+      ByteView got = caller_buffer ? into.view() : r->payload.view();
+      EXPECT_TRUE(Equal(got, expected.view()));
+    } else {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    }
+    // Restart the server for the second round.
+    server_.reset();
+    ep_.reset();
+    auto server = tp::ServerProcess::Start(KVR_TRANSPORT_TEST_SERVER, GetParam().tls);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_.emplace(std::move(*server));
+    auto ep = worker_->Connect(server_->address(), "test-server");
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    ep_.emplace(std::move(*ep));
+  }
 }
 
 TEST_P(TransportProcessTest, RmaGetOfRegisteredRegionIsBitExact) {
