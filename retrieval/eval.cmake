@@ -23,3 +23,9 @@ if(TARGET kvr_model)
   endif()
   kvr_warnings(kvr_retrieval_eval)
 endif()
+
+if(TARGET kvr_model)
+  kvr_add_test(retrieval_model_test
+    SOURCES tests/model_greedy_test.cc
+    LIBS kvr::retrieval_core kvr::model kvr::common)
+endif()
