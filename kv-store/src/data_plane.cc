@@ -1,6 +1,7 @@
 #include "data_plane.h"
 
 #include <cstring>
+#include <algorithm>
 #include <memory>
 
 #include "kvr/kv_store/wire.h"
@@ -17,7 +18,7 @@ void Answer(IncomingRequest& req, const absl::Status& error) {
   (void)req.ReplyError(error);
 }
 
-void HandleWrite(PagedKvStore& store, IncomingRequest& req) {
+void HandleWrite(PagedKvStore& store, ReplyBufferPool&, IncomingRequest& req) {
   absl::StatusOr<LayerRows> rows = wire::ParseWrite(req.header(), req.payload(), absl::Now());
   if (!rows.ok()) return Answer(req, rows.status());
   absl::StatusOr<uint64_t> committed = store.Write(*rows);
@@ -25,33 +26,40 @@ void HandleWrite(PagedKvStore& store, IncomingRequest& req) {
   (void)req.Reply(transport::AsBytes(wire::EncodeReply(MessageType::kWrite, 0, *committed)));
 }
 
-void HandleGather(PagedKvStore& store, IncomingRequest& req) {
+// Sends `buffer` as the reply payload; the buffer goes back to its pool once UCX is done
+// with it (or at once if the reply cannot be sent).
+void ReplyWithBuffer(IncomingRequest& req, MessageType type,
+                     std::shared_ptr<ReplyBufferPool::Buffer> buffer) {
+  const std::span<uint8_t> rows = buffer->span();
+  (void)req.Reply(transport::AsBytes(wire::EncodeReply(type, rows.size(), 0)),
+                  {transport::ByteView(rows)}, [buffer](absl::Status) {});
+}
+
+void HandleGather(PagedKvStore& store, ReplyBufferPool& buffers, IncomingRequest& req) {
   absl::StatusOr<wire::ParsedGather> parsed =
       wire::ParseGather(req.header(), req.payload(), absl::Now());
   if (!parsed.ok()) return Answer(req, parsed.status());
   absl::StatusOr<uint64_t> bytes = store.GatherBytes(parsed->entries);
   if (!bytes.ok()) return Answer(req, bytes.status());
-  Bytes out = Bytes::Uninitialized(*bytes);
-  if (absl::Status st = store.Gather(parsed->entries, out.span()); !st.ok()) {
+  std::shared_ptr<ReplyBufferPool::Buffer> out = buffers.Acquire(*bytes);
+  if (absl::Status st = store.Gather(parsed->entries, out->span()); !st.ok()) {
     return Answer(req, st);
   }
-  (void)req.Reply(transport::AsBytes(wire::EncodeReply(MessageType::kGather, *bytes, 0)),
-                  std::move(out));
+  ReplyWithBuffer(req, MessageType::kGather, std::move(out));
 }
 
-void HandleRange(PagedKvStore& store, IncomingRequest& req) {
+void HandleRange(PagedKvStore& store, ReplyBufferPool& buffers, IncomingRequest& req) {
   absl::StatusOr<std::vector<RangeEntry>> ranges =
       wire::ParseRange(MessageType::kRangeRead, req.header(), req.payload(), absl::Now());
   if (!ranges.ok()) return Answer(req, ranges.status());
   absl::StatusOr<uint64_t> bytes = store.RangeBytes(*ranges);
   if (!bytes.ok()) return Answer(req, bytes.status());
-  Bytes out = Bytes::Uninitialized(*bytes);
-  if (absl::Status st = store.RangeRead(*ranges, out.span()); !st.ok()) return Answer(req, st);
-  (void)req.Reply(transport::AsBytes(wire::EncodeReply(MessageType::kRangeRead, *bytes, 0)),
-                  std::move(out));
+  std::shared_ptr<ReplyBufferPool::Buffer> out = buffers.Acquire(*bytes);
+  if (absl::Status st = store.RangeRead(*ranges, out->span()); !st.ok()) return Answer(req, st);
+  ReplyWithBuffer(req, MessageType::kRangeRead, std::move(out));
 }
 
-void HandleLocate(PagedKvStore& store, IncomingRequest& req) {
+void HandleLocate(PagedKvStore& store, ReplyBufferPool&, IncomingRequest& req) {
   absl::StatusOr<std::vector<RangeEntry>> ranges =
       wire::ParseRange(MessageType::kLocateRange, req.header(), req.payload(), absl::Now());
   if (!ranges.ok()) return Answer(req, ranges.status());
@@ -71,19 +79,58 @@ void HandleLocate(PagedKvStore& store, IncomingRequest& req) {
 
 }  // namespace
 
+std::shared_ptr<ReplyBufferPool::Buffer> ReplyBufferPool::Acquire(size_t size) {
+  Idle chosen;
+  {
+    absl::MutexLock lock(&mu_);
+    // Smallest idle buffer that fits.
+    size_t best = idle_.size();
+    for (size_t i = 0; i < idle_.size(); ++i) {
+      if (idle_[i].capacity >= size &&
+          (best == idle_.size() || idle_[i].capacity < idle_[best].capacity)) {
+        best = i;
+      }
+    }
+    if (best != idle_.size()) {
+      chosen = std::move(idle_[best]);
+      idle_.erase(idle_.begin() + static_cast<ptrdiff_t>(best));
+    }
+  }
+  if (chosen.data == nullptr) {
+    chosen.capacity = std::max<size_t>(size, 1);
+    chosen.data = std::make_unique_for_overwrite<uint8_t[]>(chosen.capacity);
+  }
+  return std::make_shared<Buffer>(this, std::move(chosen.data), chosen.capacity, size);
+}
+
+void ReplyBufferPool::Return(std::unique_ptr<uint8_t[]> data, size_t capacity) {
+  if (data == nullptr || capacity > max_kept_bytes_) return;
+  absl::MutexLock lock(&mu_);
+  if (idle_.size() >= max_buffers_) {
+    // Drop the smallest: big buffers are the expensive ones to fault in again.
+    auto smallest = std::min_element(idle_.begin(), idle_.end(), [](const Idle& a, const Idle& b) {
+      return a.capacity < b.capacity;
+    });
+    if (smallest == idle_.end() || smallest->capacity >= capacity) return;
+    idle_.erase(smallest);
+  }
+  idle_.push_back({std::move(data), capacity});
+}
+
 absl::Status RegisterDataPlaneHandlers(transport::Worker& worker, PagedKvStore& store,
-                                       WorkQueue& queue) {
-  using Fn = void (*)(PagedKvStore&, IncomingRequest&);
+                                       WorkQueue& queue, ReplyBufferPool& buffers) {
+  using Fn = void (*)(PagedKvStore&, ReplyBufferPool&, IncomingRequest&);
   const std::pair<MessageType, Fn> handlers[] = {{MessageType::kWrite, &HandleWrite},
                                                  {MessageType::kGather, &HandleGather},
                                                  {MessageType::kRangeRead, &HandleRange},
                                                  {MessageType::kLocateRange, &HandleLocate}};
   for (const auto& [type, fn] : handlers) {
     absl::Status st = worker.RegisterHandler(
-        static_cast<transport::AmId>(type), [&store, &queue, fn](IncomingRequest request) {
+        static_cast<transport::AmId>(type),
+        [&store, &queue, &buffers, fn](IncomingRequest request) {
           // Off the progress thread: a 16 MiB gather copy must not stall UCX progress.
           auto shared = std::make_shared<IncomingRequest>(std::move(request));
-          if (!queue.Push([&store, fn, shared] { fn(store, *shared); })) {
+          if (!queue.Push([&store, &buffers, fn, shared] { fn(store, buffers, *shared); })) {
             (void)shared->ReplyError(absl::UnavailableError("kvr-store is shutting down"));
           }
         });

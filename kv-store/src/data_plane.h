@@ -3,16 +3,63 @@
 // PagedKvStore on a WorkQueue, reply with rows or with an error naming what was wrong. A
 // malformed request only ever costs its sender an error reply. Private to kv-store.
 
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "kvr/kv_store/store.h"
 #include "kvr/transport/ucx.h"
 #include "work_queue.h"
 
 namespace kvr::kv_store {
 
-// Installs the handlers for every wire::MessageType on `worker`. `store` and `queue` must
-// outlive the worker's handlers (i.e. shut the worker down first).
+// Reply buffers reused across requests. A fresh multi-MiB buffer per gather costs a page fault
+// per 4 KiB on first touch (and an munmap after), which at decode's reply sizes is as much
+// work as the copy itself; reused buffers stay mapped. Thread-safe.
+class ReplyBufferPool {
+ public:
+  // A buffer on loan; returns itself to the pool when the last reference drops (after UCX
+  // sent it, or when a reply could not be sent at all).
+  class Buffer {
+   public:
+    Buffer(ReplyBufferPool* pool, std::unique_ptr<uint8_t[]> data, size_t capacity, size_t size)
+        : pool_(pool), data_(std::move(data)), capacity_(capacity), size_(size) {}
+    ~Buffer() { pool_->Return(std::move(data_), capacity_); }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    std::span<uint8_t> span() { return {data_.get(), size_}; }
+
+   private:
+    ReplyBufferPool* pool_;
+    std::unique_ptr<uint8_t[]> data_;
+    size_t capacity_;
+    size_t size_;
+  };
+
+  // Keeps at most `max_buffers` idle buffers, none larger than `max_kept_bytes`.
+  ReplyBufferPool(size_t max_buffers, size_t max_kept_bytes)
+      : max_buffers_(max_buffers), max_kept_bytes_(max_kept_bytes) {}
+  std::shared_ptr<Buffer> Acquire(size_t size);
+
+ private:
+  void Return(std::unique_ptr<uint8_t[]> data, size_t capacity);
+  struct Idle {
+    std::unique_ptr<uint8_t[]> data;
+    size_t capacity = 0;
+  };
+  const size_t max_buffers_;
+  const size_t max_kept_bytes_;
+  absl::Mutex mu_;
+  std::vector<Idle> idle_ ABSL_GUARDED_BY(mu_);
+};
+
+// Installs the handlers for every wire::MessageType on `worker`. `store`, `queue` and
+// `buffers` must outlive the worker (shut it down and destroy it first).
 [[nodiscard]] absl::Status RegisterDataPlaneHandlers(transport::Worker& worker,
-                                                     PagedKvStore& store, WorkQueue& queue);
+                                                     PagedKvStore& store, WorkQueue& queue,
+                                                     ReplyBufferPool& buffers);
 
 }  // namespace kvr::kv_store

@@ -19,6 +19,8 @@ namespace kvr::kv_store {
 struct StoreServer::Impl {
   // Declaration order is construction order; members are torn down explicitly in Shutdown().
   std::unique_ptr<PagedKvStore> store;
+  // Outlives the worker: send completions return buffers here.
+  std::unique_ptr<ReplyBufferPool> reply_buffers;
   std::optional<transport::Context> context;
   std::optional<transport::MemoryRegion> pool_region;
   std::optional<transport::Worker> worker;
@@ -63,7 +65,11 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
                        transport::Worker::Create(*impl->context, worker_options));
   impl->worker.emplace(std::move(worker));
   impl->queue = std::make_unique<WorkQueue>(options.data_plane_threads);
-  KVR_RETURN_IF_ERROR(RegisterDataPlaneHandlers(*impl->worker, *impl->store, *impl->queue));
+  // Enough idle buffers for every data-plane thread plus replies still being sent.
+  impl->reply_buffers = std::make_unique<ReplyBufferPool>(2 * options.data_plane_threads + 2,
+                                                          size_t{512} << 20);
+  KVR_RETURN_IF_ERROR(RegisterDataPlaneHandlers(*impl->worker, *impl->store, *impl->queue,
+                                                *impl->reply_buffers));
 
   DataPlaneInfo info{.worker_address = impl->worker->address(),
                      .pool_base = impl->pool_region->address(),
