@@ -3,10 +3,12 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <utility>
 
@@ -19,15 +21,11 @@ extern char** environ;
 namespace kvr::kv_store::testing {
 namespace {
 
-// Spawns argv with stdout+stderr on a pipe; returns {pid, read fd}.
+// Spawns argv with stdout+stderr on a pipe; returns {pid, read fd}. The child gets SIGKILL
+// when the spawning thread dies, so a test killed by its ctest timeout leaves no store behind.
 absl::StatusOr<std::pair<pid_t, int>> Spawn(const std::vector<std::string>& argv,
                                             const std::vector<std::string>& env) {
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], 2);
+  // Everything the child needs is built before fork: after it, only async-signal-safe calls.
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -37,22 +35,28 @@ absl::StatusOr<std::pair<pid_t, int>> Spawn(const std::vector<std::string>& argv
   std::vector<char*> envp;
   for (std::string& e : env_strings) envp.push_back(e.data());
   envp.push_back(nullptr);
-  // The child must not inherit a blocked SIGTERM from a test thread's mask.
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none;
-  sigemptyset(&none);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, args[0], &actions, &attr, args.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  close(fds[1]);
-  if (rc != 0) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
     close(fds[0]);
-    return absl::InternalError(absl::StrFormat("posix_spawn %s: %s", argv[0], strerror(rc)));
+    close(fds[1]);
+    return absl::InternalError(absl::StrFormat("fork: %s", strerror(errno)));
   }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(126);  // the parent died before prctl took effect
+    // The child must not inherit a blocked SIGTERM from a test thread's mask.
+    sigset_t none;
+    sigemptyset(&none);
+    pthread_sigmask(SIG_SETMASK, &none, nullptr);
+    dup2(fds[1], 1);
+    dup2(fds[1], 2);
+    execve(args[0], args.data(), envp.data());
+    _exit(127);
+  }
+  close(fds[1]);
   return std::make_pair(pid, fds[0]);
 }
 
