@@ -161,6 +161,28 @@ TEST(ParisKvEstimatorTest, InnerProductEstimateIsAccurateAndAlphaHelps) {
   EXPECT_LT(err_corrected, err_plain);
 }
 
+TEST(ParisKvScheduleTest, ScalesWithContextAndBudget) {
+  ParisKvOptions o;
+  // Short context: beta = 10%, but never fewer than 4x the budget.
+  ParisKvSchedule s = ScheduleParisKv(o, 8000, 64);
+  EXPECT_EQ(s.n_candidates, 800);
+  EXPECT_NEAR(s.collision_ratio, 0.6, 1e-9);  // 6 tiers x beta
+  EXPECT_EQ(ScheduleParisKv(o, 8000, 512).n_candidates, 2048);
+  // Long context: beta falls toward 5%.
+  s = ScheduleParisKv(o, 131072, 64);
+  EXPECT_EQ(s.n_candidates, 6554);
+  EXPECT_GT(ScheduleParisKv(o, 32768, 64).n_candidates, 32768 / 20);
+  EXPECT_LT(ScheduleParisKv(o, 32768, 64).n_candidates, 32768 / 10);
+  // Never more than the selectable tokens, never fewer than the budget.
+  EXPECT_EQ(ScheduleParisKv(o, 100, 90).n_candidates, 100);
+  // Explicit options win; one tier gives rho = 2 beta.
+  o.candidate_ratio = 0.2;
+  o.tiers = 1;
+  s = ScheduleParisKv(o, 10000, 10);
+  EXPECT_EQ(s.n_candidates, 2000);
+  EXPECT_NEAR(s.collision_ratio, 0.4, 1e-9);
+}
+
 // ---- the index ----
 
 IndexShape Shape(int n_heads, int n_kv_heads, int head_dim) {
