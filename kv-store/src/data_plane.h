@@ -43,6 +43,10 @@ class ReplyBufferPool {
   ReplyBufferPool(size_t max_buffers, size_t max_kept_bytes)
       : max_buffers_(max_buffers), max_kept_bytes_(max_kept_bytes) {}
   std::shared_ptr<Buffer> Acquire(size_t size);
+  size_t idle_buffers() {
+    absl::MutexLock lock(&mu_);
+    return idle_.size();
+  }
 
  private:
   void Return(std::unique_ptr<uint8_t[]> data, size_t capacity);

@@ -1,0 +1,38 @@
+#include "gtest/gtest.h"
+#include "data_plane.h"
+
+namespace kvr::kv_store {
+namespace {
+
+TEST(ReplyBufferPoolTest, ReusesReturnedBuffersAndBoundsWhatItKeeps) {
+  ReplyBufferPool pool(/*max_buffers=*/2, /*max_kept_bytes=*/1 << 20);
+  uint8_t* first = nullptr;
+  {
+    auto a = pool.Acquire(1000);
+    ASSERT_EQ(a->span().size(), 1000u);
+    first = a->span().data();
+  }
+  // The returned buffer serves the next request that fits, with the requested size.
+  {
+    auto b = pool.Acquire(600);
+    EXPECT_EQ(b->span().data(), first);
+    EXPECT_EQ(b->span().size(), 600u);
+    // While it is on loan, another request gets a different buffer.
+    auto c = pool.Acquire(600);
+    EXPECT_NE(c->span().data(), first);
+  }
+  // A request bigger than every idle buffer gets a new one.
+  auto big = pool.Acquire(5000);
+  EXPECT_NE(big->span().data(), first);
+  big.reset();
+  // At most max_buffers idle buffers are kept (the largest ones).
+  EXPECT_EQ(pool.idle_buffers(), 2u);
+  // Buffers above max_kept_bytes are not kept.
+  pool.Acquire(2 << 20).reset();
+  EXPECT_EQ(pool.idle_buffers(), 2u);
+  auto again = pool.Acquire(4000);  // served by the 5000-byte buffer
+  EXPECT_EQ(pool.idle_buffers(), 1u);
+}
+
+}  // namespace
+}  // namespace kvr::kv_store
