@@ -33,3 +33,7 @@ kvr_add_test(retrieval_methods_test
 kvr_add_test(retrieval_sparse_attention_test
   SOURCES tests/sparse_attention_test.cc
   LIBS kvr::retrieval_core)
+
+add_executable(retrieval_select_bench bench/select_bench.cc)
+target_link_libraries(retrieval_select_bench PRIVATE kvr::retrieval_core)
+kvr_warnings(retrieval_select_bench)

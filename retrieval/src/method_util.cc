@@ -1,5 +1,7 @@
 #include "method_util.h"
 
+#include <cblas.h>
+
 #include <cmath>
 
 #include "kvr/retrieval/ops.h"
@@ -24,11 +26,12 @@ void GroupLogits(const float* query, const IndexShape& shape, int kvh, const flo
   const int group = shape.group_size();
   const int hd = shape.head_dim;
   out->resize(static_cast<size_t>(group) * n);
-  for (int g = 0; g < group; ++g) {
-    const float* q = query + static_cast<int64_t>(kvh * group + g) * hd;
-    float* o = out->data() + static_cast<int64_t>(g) * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = scale * Dot(q, base + i * stride, hd);
-  }
+  if (n == 0) return;
+  // [group, hd] x [n, hd (rows `stride` apart)]^T -> [group, n]: one SGEMM reads each key once
+  // for the whole query group.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, group, static_cast<int>(n), hd, scale,
+              query + static_cast<int64_t>(kvh) * group * hd, hd, base, static_cast<int>(stride),
+              0.f, out->data(), static_cast<int>(n));
 }
 
 }  // namespace kvr::retrieval::internal
