@@ -48,7 +48,11 @@ absl::Status ValidateAttentionRequest(const AttentionShape& shape,
 }
 
 DenseAttention::DenseAttention(ThreadPool* pool, int query_block)
-    : pool_(pool), query_block_(std::max(1, query_block)) {}
+    : pool_(pool), query_block_(std::max(1, query_block)) {
+  // The pool's threads each issue their own small SGEMMs; OpenBLAS threads on top of them
+  // would oversubscribe the cores (process-wide setting, the same one Model::Create makes).
+  if (pool_ != nullptr && pool_->size() > 1) openblas_set_num_threads(1);
+}
 
 namespace {
 

@@ -4,8 +4,9 @@
 //
 // Per (sequence, head, block of queries) it forms the score block with one SGEMM, applies the
 // causal mask, a numerically stable softmax (max subtracted, float32), and multiplies by V with
-// a second SGEMM. Work is spread over the thread pool; OpenBLAS must be single-threaded (the
-// Model sets it so) because the pool's threads call it concurrently.
+// a second SGEMM. Work is spread over the thread pool, whose threads each call a
+// single-threaded OpenBLAS (the constructor sets OpenBLAS to one thread when given a pool of
+// several, as Model::Create does) so that the cores are not oversubscribed.
 //
 // Thread safety: Attend may be called from one thread at a time (it uses the pool).
 
