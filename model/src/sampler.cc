@@ -48,14 +48,22 @@ absl::StatusOr<int32_t> Sampler::Sample(std::span<const float> logits) {
   }
   // Probability descending, id ascending among equals: a total order, so the result depends
   // only on the logits and the random stream.
-  std::sort(scratch_.begin(), scratch_.end(), [](const auto& a, const auto& b) {
+  auto before = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
     return a.first != b.first ? a.first > b.first : a.second < b.second;
-  });
+  };
   size_t keep = scratch_.size();
   double kept_mass = total;
   if (options_.top_p < 1.f) {
+    // The nucleus is usually a few dozen tokens: order a prefix first and sort everything only
+    // when the prefix does not reach top_p (saves sorting the whole vocabulary every step).
+    size_t sorted = std::min<size_t>(scratch_.size(), 256);
+    std::partial_sort(scratch_.begin(), scratch_.begin() + sorted, scratch_.end(), before);
     double cumulative = 0.0;
     for (size_t i = 0; i < scratch_.size(); ++i) {
+      if (i == sorted) {
+        std::sort(scratch_.begin() + sorted, scratch_.end(), before);
+        sorted = scratch_.size();
+      }
       cumulative += scratch_[i].first;
       if (cumulative >= options_.top_p * total) {
         keep = i + 1;

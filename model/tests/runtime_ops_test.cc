@@ -305,6 +305,18 @@ TEST(SamplerTest, TopPKeepsOnlyTheNucleus) {
   EXPECT_GT(counts[1], 0);
 }
 
+TEST(SamplerTest, TopPNucleusLargerThanTheSortedPrefix) {
+  // 1000 equal logits: the nucleus at 0.9 is the 900 lowest ids (ties break by id), more than
+  // the prefix the sampler orders first.
+  const std::vector<float> logits(1000, 0.5f);
+  auto sampler = Sampler::Create({1.f, 0.9f, 11});
+  ASSERT_TRUE(sampler.ok());
+  int max_id = 0;
+  for (int i = 0; i < 3000; ++i) max_id = std::max(max_id, *sampler->Sample(logits));
+  EXPECT_LT(max_id, 900);
+  EXPECT_GT(max_id, 800);  // and the nucleus is not cut short
+}
+
 TEST(SamplerTest, RejectsBadOptions) {
   EXPECT_FALSE(Sampler::Create({1.f, 0.f, 0}).ok());
   EXPECT_FALSE(Sampler::Create({1.f, 1.5f, 0}).ok());
