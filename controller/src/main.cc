@@ -14,6 +14,8 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kvr/controller/clock.h"
 #include "kvr/controller/config.h"
 #include "kvr/controller/grpc_node_clients.h"
@@ -69,10 +71,12 @@ int Serve(const ControllerConfig& config) {
   sigwait(&signals, &received);
   spdlog::info("signal {}: shutting down", received);
   server->GetHealthCheckService()->SetServingStatus(false);
-  // New calls are refused at once; running streams get a grace period, then are cancelled.
-  generation.CancelAll("controller shutting down");
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  // New calls are refused at once; running streams may finish during the grace period. After
+  // it gRPC cancels their contexts, the disconnect watcher sees that and each request cancels
+  // its downstream calls, so no node keeps decoding for a controller that is gone.
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(config.shutdown_grace_seconds)));
   server->Wait();
+  spdlog::info("shut down");
   return 0;
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
@@ -38,7 +39,7 @@ class Cluster {
   Cluster() {
     controller_ = std::make_unique<Subprocess>(std::vector<std::string>{
         KVR_CONTROLLER_BIN, "--listen", "127.0.0.1:0", "--lease-seconds", "3",
-        "--default-max-tokens", "8", "--max-attempts", "3"});
+        "--default-max-tokens", "8", "--max-attempts", "3", "--shutdown-grace-seconds", "1"});
     const std::string line = controller_->WaitForLine("kvr-controller listening on ");
     address_ = line.substr(line.rfind(' ') + 1);
     channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
@@ -55,6 +56,7 @@ class Cluster {
     return parts.size() >= 2 ? parts[1] : "";
   }
   Subprocess& node(size_t i) { return *nodes_[i]; }
+  Subprocess& controller() { return *controller_; }
 
   // Runs Generate to its end. `on_token(n)` runs after the n-th token arrived.
   StreamResult Generate(const kvr::v1::GenerateRequest& request,
@@ -212,6 +214,26 @@ TEST(ControllerIntegrationTest, DecodeNodeKilledMidStreamEndsWithClearError) {
   EXPECT_THAT(out.status.error_message(), HasSubstr("not retried because tokens were already sent"));
   EXPECT_GE(out.tokens.size(), 3u);
   EXPECT_LT(out.tokens.size(), 200u);
+
+  // The dead node left the cluster at once (not only when its lease lapses): the next request
+  // runs on the other decode node.
+  const std::string other = c.AddNode("decode");
+  StreamResult next = c.Generate(Request(3));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.completion->decode_node(), other);
+}
+
+// SIGTERM: the controller stops taking calls and exits 0 within its grace period (1 s here;
+// gRPC's Shutdown(deadline) can use the whole period even when no call is running).
+TEST(ControllerIntegrationTest, SigtermShutsDownGracefully) {
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("decode");
+  c.AddNode("store");
+  ASSERT_TRUE(c.Generate(Request(2)).status.ok());
+  const int status = c.controller().Stop(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status)) << status << "\n" << absl::StrJoin(c.controller().Lines(), "\n");
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 TEST(ControllerIntegrationTest, PrefillNodeKilledBeforeAnyTokenIsRetriedOnTheOther) {

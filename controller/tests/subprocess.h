@@ -59,20 +59,28 @@ class Subprocess {
     return l == nullptr ? "" : *l;
   }
 
+  std::vector<std::string> Lines() {
+    absl::MutexLock lock(&mu_);
+    return lines_;
+  }
+
   // Kills the process (SIGKILL: no cleanup, like a crashed node) and reaps it.
   void Kill() { Stop(SIGKILL); }
 
- private:
-  void Stop(int signal) {
-    if (pid_ <= 0) return;
+  // Sends `signal`, waits up to 2 s for the exit (then SIGKILL) and returns the wait status.
+  int Stop(int signal) {
+    if (pid_ <= 0) return -1;
     kill(pid_, signal);
-    int status = 0;
+    int status = -1;
     for (int i = 0; i < 300 && waitpid(pid_, &status, WNOHANG) == 0; ++i) {
       usleep(10'000);
       if (i == 200) kill(pid_, SIGKILL);
     }
     pid_ = -1;
+    return status;
   }
+
+ private:
   void ReadLines(int fd) {
     std::string partial;
     char buf[4096];

@@ -21,6 +21,8 @@ struct ControllerConfig {
   std::string listen = "0.0.0.0:50051";
   double lease_seconds = 5;
   double default_timeout_seconds = 600;
+  // On SIGTERM: how long running requests may still finish before they are cancelled.
+  double shutdown_grace_seconds = 10;
   uint32_t max_in_flight = 1024;
   uint32_t max_attempts = 3;
   RequestDefaults defaults;
