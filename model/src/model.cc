@@ -87,7 +87,7 @@ void MatMulTransposed(ThreadPool* pool, const float* a, int64_t m, int64_t k, co
   constexpr int64_t kAlign = 16;
   const int64_t threads = pool == nullptr ? 1 : static_cast<int64_t>(pool->size());
   const int64_t parts = std::max<int64_t>(1, std::min(threads, n / kAlign));
-  const int64_t per_part = (n / parts + kAlign - 1) / kAlign * kAlign;
+  const int64_t per_part = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
   auto run = [&](size_t begin, size_t end) {
     for (size_t p = begin; p < end; ++p) {
       const int64_t n0 = static_cast<int64_t>(p) * per_part;
@@ -137,6 +137,14 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
   const ModelConfig& c = config_;
   if (batch.empty()) return absl::InvalidArgumentError("Forward: empty batch");
   int64_t total = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (batch[i].cache == batch[j].cache) {
+        return absl::InvalidArgumentError(absl::StrCat("Forward: sequences ", batch[j].id, " and ",
+                                                       batch[i].id, " share one KvCache"));
+      }
+    }
+  }
   for (const ForwardSequence& s : batch) {
     if (s.cache == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("Forward: sequence ", s.id, " has no cache"));

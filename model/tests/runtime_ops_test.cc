@@ -112,8 +112,9 @@ TEST(RopeTest, GgufFreqFactorsDivide) {
 
 TEST(MatMulTest, SplitGemmMatchesNaive) {
   ThreadPool pool(3);
-  for (int64_t m : {1, 2, 7}) {
-    const int64_t k = 33, n = 130;
+  // n = 50 over 3 threads: the slices (rounded to 16 columns) must still cover every column.
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{1, 130}, {2, 130}, {7, 130}, {1, 50}, {3, 50}}) {
+    const int64_t k = 33;
     const auto a = RandomVector(m * k, 4);
     const auto w = RandomVector(n * k, 5);
     std::vector<float> c(m * n, -1.f);
