@@ -29,6 +29,7 @@ constexpr double kMaxRelativeError = 1e-3;
 
 struct Prompt {
   std::string name;
+  std::string text;
   std::vector<int32_t> input_ids;
   std::vector<int32_t> greedy_ids;
   std::vector<float> last_logits;  // [vocab]
@@ -57,6 +58,7 @@ class LogitsParityTest : public testing::Test {
     for (const auto& p : meta["prompts"]) {
       Prompt prompt;
       prompt.name = p["name"].get<std::string>();
+      prompt.text = p["text"].get<std::string>();
       prompt.input_ids = p["input_ids"].get<std::vector<int32_t>>();
       prompt.greedy_ids = p["greedy_ids"].get<std::vector<int32_t>>();
       prompt.last_logits.resize(vocab);
@@ -156,6 +158,19 @@ TEST_F(LogitsParityTest, Greedy64TokenContinuationsAreIdenticalWhenDecodedAsOneB
   }
   for (size_t s = 0; s < n_seq; ++s) {
     EXPECT_EQ(generated[s], (*prompts_)[s].greedy_ids) << (*prompts_)[s].name;
+  }
+}
+
+// End to end, `kvr generate` feeds our tokenizer's ids; they must be the reference's ids for
+// these prompts (the chat prompt's special tokens included) for the parity to carry over.
+TEST_F(LogitsParityTest, TokenizerGivesTheReferenceInputIds) {
+  ASSERT_NE(loaded_, nullptr);
+  ASSERT_TRUE(loaded_->tokenizer.has_value());
+  for (const Prompt& p : *prompts_) {
+    const bool chat = p.name == "chat";
+    auto ids = loaded_->tokenizer->Encode(p.text, {.add_special = !chat, .parse_special = chat});
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    EXPECT_EQ(*ids, p.input_ids) << p.name;
   }
 }
 
