@@ -27,15 +27,37 @@ absl::StatusOr<CreateResult> FakeKvStoreClient::CreateSequence(SequenceId id,
   return store_->CreateSequence(id, shape, expected_tokens, lease);
 }
 
-absl::StatusOr<uint64_t> FakeKvStoreClient::PutLayer(const LayerRows& rows) {
-  if (absl::Status st = Injected(); !st.ok()) return st;
-  return store_->Write(rows);
+namespace {
+
+// The fake runs every operation synchronously; its op only carries the result.
+class DoneOp final : public KvStoreOp {
+ public:
+  explicit DoneOp(absl::StatusOr<uint64_t> result) : result_(std::move(result)) {}
+  bool Done() const override { return true; }
+  absl::StatusOr<uint64_t> Wait() override {
+    if (waited_) return absl::FailedPreconditionError("KvStoreOp::Wait called twice");
+    waited_ = true;
+    return std::move(result_);
+  }
+
+ private:
+  absl::StatusOr<uint64_t> result_;
+  bool waited_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<KvStoreOp> FakeKvStoreClient::StartPutLayer(const LayerRows& rows) {
+  if (absl::Status st = Injected(); !st.ok()) return std::make_unique<DoneOp>(st);
+  return std::make_unique<DoneOp>(store_->Write(rows));
 }
 
-absl::Status FakeKvStoreClient::Gather(std::span<const GatherEntry> entries,
-                                       std::span<uint8_t> out) {
-  if (absl::Status st = Injected(); !st.ok()) return st;
-  return store_->Gather(entries, out);
+std::unique_ptr<KvStoreOp> FakeKvStoreClient::StartGather(std::span<const GatherEntry> entries,
+                                                          std::span<uint8_t> out) {
+  if (absl::Status st = Injected(); !st.ok()) return std::make_unique<DoneOp>(st);
+  absl::Status st = store_->Gather(entries, out);
+  if (!st.ok()) return std::make_unique<DoneOp>(st);
+  return std::make_unique<DoneOp>(uint64_t{out.size()});
 }
 
 absl::Status FakeKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,

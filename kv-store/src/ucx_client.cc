@@ -79,42 +79,94 @@ struct UcxKvStoreClient::Impl {
     return resp;
   }
 
-  // A read whose reply lands in `out` (zero-copy rendezvous). Waits for the transport, except
-  // that once the endpoint has failed it waits at most a short grace period: the peer is gone
-  // and the connection closed, so no further byte can land in `out`, and the caller gets
-  // UNAVAILABLE now instead of a hang.
-  absl::Status CallRead(MessageType type, std::string header,
-                        std::shared_ptr<const std::vector<uint8_t>> payload,
-                        std::span<uint8_t> out, absl::Time deadline) {
-    auto done = std::make_shared<absl::Notification>();
-    transport::CallOptions call;
-    call.deadline = deadline;
-    call.reply_buffer = out;
-    call.on_done = [done] { done->Notify(); };
-    transport::PendingCall pending =
-        endpoint->Call(static_cast<transport::AmId>(type), transport::AsBytes(header),
-                       {transport::ByteView(*payload)}, std::move(call));
-    constexpr absl::Duration kPoll = absl::Milliseconds(50);
-    constexpr absl::Duration kGrace = absl::Milliseconds(500);
-    std::optional<absl::Time> failed_since;
-    while (!done->WaitForNotificationWithTimeout(kPoll)) {
-      absl::Status health = endpoint->health();
-      if (health.ok()) continue;
-      const absl::Time now = absl::Now();
-      if (!failed_since) failed_since = now;
-      if (now - *failed_since < kGrace) continue;
-      absl::MutexLock lock(&graveyard_mu);
-      std::erase_if(graveyard, [](const Abandoned& a) {
-        return a.call.state() == transport::OpState::kDone;
-      });
-      graveyard.push_back({std::move(pending), std::move(payload)});
-      return Annotate(health);
-    }
-    absl::StatusOr<transport::Response> resp = pending.Wait();
-    if (!resp.ok()) return Annotate(resp.status());
-    return CheckReply(type, *resp, out.size()).status();
+  // Starts a data-plane call whose reply payload (if any) lands in `out` (zero-copy
+  // rendezvous). `payload` views memory that stays valid until the op is done: `owned` (the
+  // encoded request) is held by the op, the rest is the caller's.
+  std::unique_ptr<KvStoreOp> Start(MessageType type, std::string header,
+                                   std::shared_ptr<const std::vector<uint8_t>> owned,
+                                   std::vector<transport::ByteView> payload,
+                                   std::span<uint8_t> out, absl::Time deadline);
+
+  // Parks a call abandoned after its endpoint failed (see Abandoned).
+  void Abandon(transport::PendingCall call,
+               std::shared_ptr<const std::vector<uint8_t>> owned) {
+    absl::MutexLock lock(&graveyard_mu);
+    std::erase_if(graveyard, [](const Abandoned& a) {
+      return a.call.state() == transport::OpState::kDone;
+    });
+    graveyard.push_back({std::move(call), std::move(owned)});
   }
 };
+
+namespace {
+
+// A data-plane call in flight. Waits for the transport, except that once the endpoint has
+// failed it waits at most a short grace period: the peer is gone and the connection closed,
+// so no further byte can land in the caller's buffer, and the caller gets UNAVAILABLE now
+// instead of a hang (the transport would otherwise hold the call until UCX releases a
+// rendezvous receive, which UCX 1.13 over TCP may never do).
+class UcxOp final : public KvStoreOp {
+ public:
+  UcxOp(UcxKvStoreClient::Impl* impl, MessageType type, transport::PendingCall call,
+        std::shared_ptr<absl::Notification> done,
+        std::shared_ptr<const std::vector<uint8_t>> owned, size_t expected_bytes)
+      : impl_(impl), type_(type), call_(std::move(call)), done_(std::move(done)),
+        owned_(std::move(owned)), expected_bytes_(expected_bytes) {}
+  ~UcxOp() override {
+    if (!waited_) (void)Wait();
+  }
+
+  bool Done() const override { return done_->HasBeenNotified(); }
+
+  absl::StatusOr<uint64_t> Wait() override;
+
+ private:
+  UcxKvStoreClient::Impl* impl_;
+  MessageType type_;
+  transport::PendingCall call_;
+  std::shared_ptr<absl::Notification> done_;
+  std::shared_ptr<const std::vector<uint8_t>> owned_;
+  size_t expected_bytes_;
+  bool waited_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<uint64_t> UcxOp::Wait() {
+  if (waited_) return absl::FailedPreconditionError("KvStoreOp::Wait called twice");
+  waited_ = true;
+  constexpr absl::Duration kPoll = absl::Milliseconds(50);
+  constexpr absl::Duration kGrace = absl::Milliseconds(500);
+  std::optional<absl::Time> failed_since;
+  while (!done_->WaitForNotificationWithTimeout(kPoll)) {
+    absl::Status health = impl_->endpoint->health();
+    if (health.ok()) continue;
+    const absl::Time now = absl::Now();
+    if (!failed_since) failed_since = now;
+    if (now - *failed_since < kGrace) continue;
+    impl_->Abandon(std::move(call_), std::move(owned_));
+    return impl_->Annotate(health);
+  }
+  absl::StatusOr<transport::Response> resp = call_.Wait();
+  if (!resp.ok()) return impl_->Annotate(resp.status());
+  KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply, impl_->CheckReply(type_, *resp, expected_bytes_));
+  return type_ == MessageType::kWrite ? reply.value : uint64_t{expected_bytes_};
+}
+
+std::unique_ptr<KvStoreOp> UcxKvStoreClient::Impl::Start(
+    MessageType type, std::string header, std::shared_ptr<const std::vector<uint8_t>> owned,
+    std::vector<transport::ByteView> payload, std::span<uint8_t> out, absl::Time deadline) {
+  auto done = std::make_shared<absl::Notification>();
+  transport::CallOptions call;
+  call.deadline = deadline;
+  call.reply_buffer = out;
+  call.on_done = [done] { done->Notify(); };
+  transport::PendingCall pending =
+      endpoint->Call(static_cast<transport::AmId>(type), transport::AsBytes(header),
+                     std::move(payload), std::move(call));
+  return std::make_unique<UcxOp>(this, type, std::move(pending), std::move(done),
+                                 std::move(owned), out.size());
+}
 
 UcxKvStoreClient::UcxKvStoreClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 UcxKvStoreClient::~UcxKvStoreClient() = default;
@@ -187,22 +239,20 @@ absl::StatusOr<CreateResult> UcxKvStoreClient::CreateSequence(SequenceId id,
                       .reserved_bytes = resp.reserved_bytes()};
 }
 
-absl::StatusOr<uint64_t> UcxKvStoreClient::PutLayer(const LayerRows& rows) {
+std::unique_ptr<KvStoreOp> UcxKvStoreClient::StartPutLayer(const LayerRows& rows) {
   const absl::Time deadline = impl_->Deadline();
-  std::string header = wire::EncodeWriteHeader(rows, deadline);
-  KVR_ASSIGN_OR_RETURN(transport::Response resp,
-                       impl_->CallSmall(MessageType::kWrite, header, {rows.k, rows.v}, deadline));
-  KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply, impl_->CheckReply(MessageType::kWrite, resp, 0));
-  return reply.value;
+  return impl_->Start(MessageType::kWrite, wire::EncodeWriteHeader(rows, deadline), nullptr,
+                      {rows.k, rows.v}, {}, deadline);
 }
 
-absl::Status UcxKvStoreClient::Gather(std::span<const GatherEntry> entries,
-                                      std::span<uint8_t> out) {
+std::unique_ptr<KvStoreOp> UcxKvStoreClient::StartGather(std::span<const GatherEntry> entries,
+                                                         std::span<uint8_t> out) {
   const absl::Time deadline = impl_->Deadline();
   wire::Encoded enc = wire::EncodeGather(entries, deadline);
-  return impl_->CallRead(
-      MessageType::kGather, std::move(enc.header),
-      std::make_shared<const std::vector<uint8_t>>(std::move(enc.payload)), out, deadline);
+  auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(enc.payload));
+  std::vector<transport::ByteView> payload = {transport::ByteView(*owned)};
+  return impl_->Start(MessageType::kGather, std::move(enc.header), std::move(owned),
+                      std::move(payload), out, deadline);
 }
 
 absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
@@ -210,9 +260,12 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
   const absl::Time deadline = impl_->Deadline();
   if (!impl_->rkey) {
     wire::Encoded enc = wire::EncodeRange(MessageType::kRangeRead, ranges, deadline);
-    return impl_->CallRead(
-        MessageType::kRangeRead, std::move(enc.header),
-        std::make_shared<const std::vector<uint8_t>>(std::move(enc.payload)), out, deadline);
+    auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(enc.payload));
+    std::vector<transport::ByteView> payload = {transport::ByteView(*owned)};
+    return impl_->Start(MessageType::kRangeRead, std::move(enc.header), std::move(owned),
+                        std::move(payload), out, deadline)
+        ->Wait()
+        .status();
   }
   // RMA: ask where each range lies (one small AM), then read the pages directly. The rows
   // are committed, hence immutable, and stay mapped while the sequence is held.

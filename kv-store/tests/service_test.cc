@@ -74,6 +74,54 @@ void ExerciseClient(KvStoreClient& client) {
   EXPECT_EQ(client.Stats()->used_bytes, 0u);
 }
 
+// Puts of several layers and gathers of several layers in flight at once, as prefill and
+// decode overlap them with compute.
+void ExerciseAsync(KvStoreClient& client) {
+  const SequenceShape shape{.n_layers = 4, .n_kv_heads = 2, .head_dim = 32,
+                            .dtype = DType::kF16};
+  ASSERT_TRUE(client.CreateSequence(9, shape, 0, absl::ZeroDuration()).ok());
+  std::vector<testing::PatternRows> rows;
+  for (uint32_t layer = 0; layer < 4; ++layer) {
+    rows.push_back(MakePatternRows(shape, 9, layer, 0, 300));
+  }
+  std::vector<std::unique_ptr<KvStoreOp>> puts;
+  for (uint32_t layer = 0; layer < 4; ++layer) {
+    puts.push_back(client.StartPutLayer({.sequence = 9, .layer = layer, .start_row = 0,
+                                         .n_rows = 300, .k = rows[layer].k,
+                                         .v = rows[layer].v}));
+  }
+  for (auto& op : puts) {
+    auto committed = op->Wait();
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    EXPECT_EQ(*committed, 300u);
+    EXPECT_TRUE(op->Done());
+    EXPECT_TRUE(absl::IsFailedPrecondition(op->Wait().status()));  // once only
+  }
+  std::vector<uint32_t> idx = {299, 7, 150};
+  std::vector<std::vector<GatherEntry>> entries(4);
+  std::vector<std::vector<uint8_t>> outs(4);
+  std::vector<std::unique_ptr<KvStoreOp>> gathers;
+  for (uint32_t layer = 0; layer < 4; ++layer) {
+    entries[layer] = {{.sequence = 9, .layer = layer, .head = 1, .indices = idx}};
+    outs[layer].resize(GatherBytes(entries[layer], shape.RowBytes()));
+    gathers.push_back(client.StartGather(entries[layer], outs[layer]));
+  }
+  for (uint32_t layer = 0; layer < 4; ++layer) {
+    auto bytes = gathers[layer]->Wait();
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(*bytes, outs[layer].size());
+    for (size_t i = 0; i < idx.size(); ++i) {
+      EXPECT_TRUE(RowMatches(shape, 9, layer, 1, idx[i],
+                             outs[layer].data() + i * shape.RowBytes()));
+    }
+  }
+  // An op dropped without Wait() still completes before its buffers go away.
+  std::vector<uint8_t> dropped_out(GatherBytes(entries[0], shape.RowBytes()));
+  client.StartGather(entries[0], dropped_out).reset();
+  EXPECT_TRUE(RowMatches(shape, 9, 0, 1, 299, dropped_out.data()));
+  ASSERT_TRUE(client.Release(9, absl::ZeroDuration()).ok());
+}
+
 TEST(ServiceTest, UcxClientAgainstInProcessServer) {
   StoreServerOptions options;
   options.store = SmallStore();
@@ -82,12 +130,14 @@ TEST(ServiceTest, UcxClientAgainstInProcessServer) {
   auto client = UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", (*server)->port()));
   ASSERT_TRUE(client.ok()) << client.status();
   ExerciseClient(**client);
+  ExerciseAsync(**client);
 }
 
 TEST(ServiceTest, FakeClientBehavesTheSame) {
   auto fake = FakeKvStoreClient::Create(SmallStore());
   ASSERT_TRUE(fake.ok());
   ExerciseClient(**fake);
+  ExerciseAsync(**fake);
   (*fake)->InjectFailure(absl::UnavailableError("injected"));
   EXPECT_TRUE(absl::IsUnavailable((*fake)->Stats().status()));
   (*fake)->InjectFailure(absl::OkStatus());

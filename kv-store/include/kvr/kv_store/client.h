@@ -28,9 +28,28 @@
 
 namespace kvr::kv_store {
 
+// A started data-plane operation (CONVENTIONS.md 3: an explicit "in progress" state), so that
+// prefill can overlap a layer's put with the next layer's compute and decode can overlap a
+// gather with other work. The caller's buffers (the rows of a put, the output of a gather)
+// must stay valid until Wait() returned; destroying an unfinished op waits for it.
+class KvStoreOp {
+ public:
+  virtual ~KvStoreOp() = default;
+  // True once Wait() would not block.
+  [[nodiscard]] virtual bool Done() const = 0;
+  // Blocks until the op finished. Puts: the layer's committed rows; gathers: the bytes
+  // received. Once only; later calls return FAILED_PRECONDITION.
+  [[nodiscard]] virtual absl::StatusOr<uint64_t> Wait() = 0;
+};
+
 class KvStoreClient {
  public:
   virtual ~KvStoreClient() = default;
+
+  // Starts a PutLayer / Gather (same contracts as below) and returns at once.
+  [[nodiscard]] virtual std::unique_ptr<KvStoreOp> StartPutLayer(const LayerRows& rows) = 0;
+  [[nodiscard]] virtual std::unique_ptr<KvStoreOp> StartGather(
+      std::span<const GatherEntry> entries, std::span<uint8_t> out) = 0;
 
   // Registers a sequence; see PagedKvStore::CreateSequence.
   [[nodiscard]] virtual absl::StatusOr<CreateResult> CreateSequence(
@@ -38,7 +57,9 @@ class KvStoreClient {
       absl::Duration lease) = 0;
   // Writes rows for all heads of one layer (prefill's layer-wise put; rows.start_row =
   // LayerRows::kAtEnd appends, as decode does) and returns the layer's committed rows.
-  [[nodiscard]] virtual absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) = 0;
+  [[nodiscard]] absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) {
+    return StartPutLayer(rows)->Wait();
+  }
   // PutLayer at the layer's current end.
   [[nodiscard]] absl::StatusOr<uint64_t> Append(LayerRows rows) {
     rows.start_row = LayerRows::kAtEnd;
@@ -47,8 +68,10 @@ class KvStoreClient {
   // Rows by index for many (sequence, layer, head) in ONE request, into `out` in request
   // order: out = concat over entries of [n_indices, 2 * head_dim]. `out` must be exactly the
   // size of those rows (GatherBytes, from the shapes the caller created).
-  [[nodiscard]] virtual absl::Status Gather(std::span<const GatherEntry> entries,
-                                            std::span<uint8_t> out) = 0;
+  [[nodiscard]] absl::Status Gather(std::span<const GatherEntry> entries,
+                                    std::span<uint8_t> out) {
+    return StartGather(entries, out)->Wait().status();
+  }
   // Contiguous rows; out = concat over ranges of [n_rows, 2 * head_dim].
   [[nodiscard]] virtual absl::Status RangeRead(std::span<const RangeEntry> ranges,
                                                std::span<uint8_t> out) = 0;
@@ -76,8 +99,10 @@ class FakeKvStoreClient final : public KvStoreClient {
   absl::StatusOr<CreateResult> CreateSequence(SequenceId id, const SequenceShape& shape,
                                               uint64_t expected_tokens,
                                               absl::Duration lease) override;
-  absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) override;
-  absl::Status Gather(std::span<const GatherEntry> entries, std::span<uint8_t> out) override;
+  // Runs the operation at once; the returned op is already done.
+  std::unique_ptr<KvStoreOp> StartPutLayer(const LayerRows& rows) override;
+  std::unique_ptr<KvStoreOp> StartGather(std::span<const GatherEntry> entries,
+                                         std::span<uint8_t> out) override;
   absl::Status RangeRead(std::span<const RangeEntry> ranges, std::span<uint8_t> out) override;
   absl::Status Release(SequenceId id, absl::Duration keep) override;
   absl::Status Lease(SequenceId id, absl::Duration lease) override;
@@ -122,8 +147,9 @@ class UcxKvStoreClient final : public KvStoreClient {
   absl::StatusOr<CreateResult> CreateSequence(SequenceId id, const SequenceShape& shape,
                                               uint64_t expected_tokens,
                                               absl::Duration lease) override;
-  absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) override;
-  absl::Status Gather(std::span<const GatherEntry> entries, std::span<uint8_t> out) override;
+  std::unique_ptr<KvStoreOp> StartPutLayer(const LayerRows& rows) override;
+  std::unique_ptr<KvStoreOp> StartGather(std::span<const GatherEntry> entries,
+                                         std::span<uint8_t> out) override;
   absl::Status RangeRead(std::span<const RangeEntry> ranges, std::span<uint8_t> out) override;
   absl::Status Release(SequenceId id, absl::Duration keep) override;
   absl::Status Lease(SequenceId id, absl::Duration lease) override;
@@ -134,13 +160,15 @@ class UcxKvStoreClient final : public KvStoreClient {
   // returns the reply header or the store's error.
   [[nodiscard]] absl::StatusOr<std::string> RawCall(uint16_t am_id, std::span<const uint8_t> header,
                                                     std::span<const uint8_t> payload);
+  // Opaque; named here (not private) so that the implementation's op type can refer to it.
+  struct Impl;
+
   // "rma" when range reads use RMA get on this connection, "am" otherwise.
   [[nodiscard]] std::string range_read_path() const;
   // The UCX transports of the data-plane endpoint ("tcp/kvc123", "cma/memory", ...).
   [[nodiscard]] absl::StatusOr<std::vector<std::string>> DataPlaneTransports() const;
 
  private:
-  struct Impl;
   explicit UcxKvStoreClient(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
