@@ -258,6 +258,56 @@ TEST(ControllerIntegrationTest, PrefillNodeKilledBeforeAnyTokenIsRetriedOnTheOth
   EXPECT_NE(fast, slow);
 }
 
+TEST(ControllerIntegrationTest, DeadDecodeNamedByPrefillIsAvoidedOnRetry) {
+  Cluster c;
+  c.AddNode("prefill");
+  const std::string dead = c.AddNode("decode");
+  const std::string alive = c.AddNode("decode");
+  c.AddNode("store");
+  // Killed while its lease still runs: the controller still places on it, P's handoff fails,
+  // P names it in "kvr-failed-node", and the retry goes to the other decode node.
+  c.node(1).Kill();
+  StreamResult out = c.Generate(Request(4));
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_THAT(out.tokens, ElementsAre(100, 101, 102, 103));
+  EXPECT_EQ(out.completion->decode_node(), alive);
+  EXPECT_EQ(out.completion->attempts(), 2u);
+  EXPECT_NE(alive, dead);
+}
+
+TEST(ControllerIntegrationTest, ConcurrentRequestsWithANodeKilledEachCompleteOrFailClearly) {
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("prefill");
+  c.AddNode("decode", {"--token-delay-ms", "20"});
+  c.AddNode("decode", {"--token-delay-ms", "20"});
+  c.AddNode("store");
+  std::vector<std::future<StreamResult>> results;
+  for (int i = 0; i < 6; ++i) {
+    results.push_back(std::async(std::launch::async, [&c, i] {
+      return c.Generate(Request(40), absl::Seconds(15), [&c, i](size_t n, grpc::ClientContext&) {
+        if (i == 0 && n == 5) c.node(2).Kill();
+      });
+    }));
+  }
+  int completed = 0, failed = 0;
+  for (auto& f : results) {
+    StreamResult r = f.get();
+    if (r.status.ok()) {
+      ++completed;
+      EXPECT_EQ(r.tokens.size(), 40u);
+    } else {
+      ++failed;
+      // Never a hang into the deadline: a clear node-failure error.
+      EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+      EXPECT_THAT(r.status.error_message(), HasSubstr("decode node"));
+    }
+  }
+  EXPECT_EQ(completed + failed, 6);
+  EXPECT_GE(failed, 1) << "requests streaming from the killed node failed";
+  EXPECT_GE(completed, 1) << "requests on the other decode node completed";
+}
+
 TEST(ControllerIntegrationTest, ClientCancellationReachesTheDecodeNode) {
   Cluster c;
   c.AddNode("prefill");
