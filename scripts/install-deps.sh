@@ -16,6 +16,7 @@ packages=(
   prometheus-cpp-dev prometheus
   # tests and benchmarks
   libgtest-dev libgmock-dev googletest libbenchmark-dev iproute2
+  python3-matplotlib  # retrieval/eval/plot_retrieval_eval.py (kvr eval retrieval plots)
   # compute
   libopenblas-dev
   # utilities (flags, config, JSON, logging, Unicode regex)

@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""Plots the JSON written by `kvr eval retrieval --json` (Debian python3-matplotlib).
+
+    /usr/bin/python3 retrieval/eval/plot_retrieval_eval.py eval.json eval.png
+
+One row of panels per (prompt, context): recall@k, attention mass, output relative error and
+greedy agreement against the budget, one line per method.
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main() -> int:
+    if len(sys.argv) != 3:
+        print(__doc__)
+        return 2
+    rows = json.load(open(sys.argv[1]))["rows"]
+    groups = sorted({(r["prompt"], r["context"]) for r in rows})
+    metrics = [("recall", "recall@k vs exact"), ("mass", "attention mass covered"),
+               ("rel_error", "relative error of output"), ("agreement", "greedy agreement")]
+    fig, axes = plt.subplots(len(groups), len(metrics), figsize=(4 * len(metrics), 3.2 * len(groups)),
+                             squeeze=False)
+    for gi, (prompt, context) in enumerate(groups):
+        sub = [r for r in rows if r["prompt"] == prompt and r["context"] == context]
+        for mi, (key, title) in enumerate(metrics):
+            ax = axes[gi][mi]
+            for method in sorted({r["method"] for r in sub}):
+                pts = sorted((r["budget"], r[key]) for r in sub if r["method"] == method)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (tokens per KV head)")
+            ax.set_title(f"{title}\n{prompt}, context {context}", fontsize=9)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(sys.argv[2], dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
