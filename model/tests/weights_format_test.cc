@@ -1,7 +1,8 @@
-// The same random llama model written as a Hugging Face checkpoint (config.json +
+// The same random llama (and qwen2) model written as a Hugging Face checkpoint (config.json +
 // model.safetensors, rotate-half Q/K rows) and as a GGUF file (llama.cpp tensor names, Q/K rows
 // permuted as llama.cpp's converter does) loads to identical weights and identical logits:
-// the loaders undo the GGUF permutation and agree on every tensor's layout.
+// the loaders undo the GGUF permutation (llama) and agree on every tensor's layout (llama,
+// qwen2 with QKV bias).
 
 #include <unistd.h>
 
@@ -99,8 +100,11 @@ std::vector<float> Permute(const std::vector<float>& w, int n_head, int d, int64
   return out;
 }
 
-// A GGUF v3 file with llama metadata and F32 tensors.
+// A GGUF v3 file with llama or qwen2 metadata and F32 tensors, as llama.cpp's converter writes
+// them: llama's Q/K rows permuted, qwen2's not (it uses NEOX rope) but with QKV biases.
 void WriteGguf(const ModelConfig& c, const TensorMap& hf, const std::string& path) {
+  const bool llama = c.arch == Architecture::kLlama;
+  const std::string a = llama ? "llama" : "qwen2";
   std::string b = "GGUF";
   auto put = [&](const void* p, size_t n) { b.append(static_cast<const char*>(p), n); };
   auto u32 = [&](uint32_t v) { put(&v, 4); };
@@ -126,9 +130,14 @@ void WriteGguf(const ModelConfig& c, const TensorMap& hf, const std::string& pat
     const std::string g = "blk." + std::to_string(i) + ".";
     const std::string p = "model.layers." + std::to_string(i) + ".";
     add(g + "attn_norm.weight", p + "input_layernorm.weight");
-    add(g + "attn_q.weight", p + "self_attn.q_proj.weight", true, c.n_heads);
-    add(g + "attn_k.weight", p + "self_attn.k_proj.weight", true, c.n_kv_heads);
+    add(g + "attn_q.weight", p + "self_attn.q_proj.weight", llama, c.n_heads);
+    add(g + "attn_k.weight", p + "self_attn.k_proj.weight", llama, c.n_kv_heads);
     add(g + "attn_v.weight", p + "self_attn.v_proj.weight");
+    if (c.qkv_bias) {
+      add(g + "attn_q.bias", p + "self_attn.q_proj.bias");
+      add(g + "attn_k.bias", p + "self_attn.k_proj.bias");
+      add(g + "attn_v.bias", p + "self_attn.v_proj.bias");
+    }
     add(g + "attn_output.weight", p + "self_attn.o_proj.weight");
     add(g + "ffn_norm.weight", p + "post_attention_layernorm.weight");
     add(g + "ffn_gate.weight", p + "mlp.gate_proj.weight");
@@ -138,16 +147,16 @@ void WriteGguf(const ModelConfig& c, const TensorMap& hf, const std::string& pat
   u32(3);
   u64(tensors.size());
   u64(10);
-  str("general.architecture"), u32(8), str("llama");
-  kv_u32("llama.block_count", c.n_layers);
-  kv_u32("llama.context_length", static_cast<uint32_t>(c.context_length));
-  kv_u32("llama.embedding_length", c.hidden);
-  kv_u32("llama.feed_forward_length", c.ffn);
-  kv_u32("llama.attention.head_count", c.n_heads);
-  kv_u32("llama.attention.head_count_kv", c.n_kv_heads);
-  kv_f32("llama.rope.freq_base", c.rope_theta);
-  kv_f32("llama.attention.layer_norm_rms_epsilon", c.rms_eps);
-  kv_u32("llama.vocab_size", c.vocab);
+  str("general.architecture"), u32(8), str(a);
+  kv_u32(a + ".block_count", c.n_layers);
+  kv_u32(a + ".context_length", static_cast<uint32_t>(c.context_length));
+  kv_u32(a + ".embedding_length", c.hidden);
+  kv_u32(a + ".feed_forward_length", c.ffn);
+  kv_u32(a + ".attention.head_count", c.n_heads);
+  kv_u32(a + ".attention.head_count_kv", c.n_kv_heads);
+  kv_f32(a + ".rope.freq_base", c.rope_theta);
+  kv_f32(a + ".attention.layer_norm_rms_epsilon", c.rms_eps);
+  kv_u32(a + ".vocab_size", c.vocab);
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     str(name);
@@ -165,12 +174,14 @@ void WriteGguf(const ModelConfig& c, const TensorMap& hf, const std::string& pat
   std::ofstream(path, std::ios::binary) << b;
 }
 
-TEST(WeightsFormatTest, HfAndGgufOfTheSameLlamaGiveTheSameModel) {
+class WeightsFormatTest : public testing::TestWithParam<Architecture> {};
+
+TEST_P(WeightsFormatTest, HfAndGgufOfTheSameModelGiveTheSameWeightsAndLogits) {
   ThreadPool pool(2);
   auto config = DummyConfig("tiny");
   ASSERT_TRUE(config.ok());
-  config->arch = Architecture::kLlama;  // llama: the architecture whose GGUF Q/K are permuted
-  config->qkv_bias = false;
+  config->arch = GetParam();
+  config->qkv_bias = GetParam() == Architecture::kQwen2;
   config->has_llama3_scaling = false;
   config->tied_embeddings = false;
   auto original = RandomWeights(*config, 9, &pool);
@@ -181,7 +192,8 @@ TEST(WeightsFormatTest, HfAndGgufOfTheSameLlamaGiveTheSameModel) {
   fs::create_directories(dir / "hf");
   WriteSafetensors(hf, (dir / "hf" / "model.safetensors").string());
   const nlohmann::json hf_config = {
-      {"architectures", {"LlamaForCausalLM"}}, {"hidden_size", config->hidden},
+      {"architectures", {GetParam() == Architecture::kLlama ? "LlamaForCausalLM" : "Qwen2ForCausalLM"}},
+      {"hidden_size", config->hidden},
       {"intermediate_size", config->ffn},       {"num_hidden_layers", config->n_layers},
       {"num_attention_heads", config->n_heads}, {"num_key_value_heads", config->n_kv_heads},
       {"vocab_size", config->vocab},            {"rms_norm_eps", config->rms_eps},
@@ -202,6 +214,9 @@ TEST(WeightsFormatTest, HfAndGgufOfTheSameLlamaGiveTheSameModel) {
   auto gguf_cfg = ConfigFromGguf(*gguf);
   ASSERT_TRUE(gguf_cfg.ok()) << gguf_cfg.status();
   EXPECT_EQ(gguf_cfg->n_kv_heads, config->n_kv_heads);
+  EXPECT_EQ(gguf_cfg->arch, GetParam());
+  EXPECT_EQ(gguf_cfg->qkv_bias, config->qkv_bias);
+  EXPECT_EQ(hf_cfg->qkv_bias, config->qkv_bias);
   EXPECT_FALSE(gguf_cfg->tied_embeddings);
   auto gguf_weights = LoadGgufWeights(*gguf, *gguf_cfg, &pool);
   ASSERT_TRUE(gguf_weights.ok()) << gguf_weights.status();
@@ -210,6 +225,8 @@ TEST(WeightsFormatTest, HfAndGgufOfTheSameLlamaGiveTheSameModel) {
   for (int i = 0; i < config->n_layers; ++i) {
     EXPECT_EQ(hf_weights->layers[i].wqkv, original->layers[i].wqkv) << "layer " << i;
     EXPECT_EQ(gguf_weights->layers[i].wqkv, original->layers[i].wqkv) << "layer " << i;
+    EXPECT_EQ(gguf_weights->layers[i].bqkv, original->layers[i].bqkv) << "layer " << i;
+    EXPECT_EQ(hf_weights->layers[i].bqkv, original->layers[i].bqkv) << "layer " << i;
     EXPECT_EQ(gguf_weights->layers[i].w_gate_up, original->layers[i].w_gate_up);
     EXPECT_EQ(gguf_weights->layers[i].w_down, original->layers[i].w_down);
   }
@@ -227,7 +244,13 @@ TEST(WeightsFormatTest, HfAndGgufOfTheSameLlamaGiveTheSameModel) {
   EXPECT_EQ(*la, *lb);
 }
 
-TEST(WeightsFormatTest, MisShapedTensorIsNamed) {
+INSTANTIATE_TEST_SUITE_P(Architectures, WeightsFormatTest,
+                         testing::Values(Architecture::kLlama, Architecture::kQwen2),
+                         [](const testing::TestParamInfo<Architecture>& info) {
+                           return std::string(ArchitectureName(info.param));
+                         });
+
+TEST(WeightsFormatErrorTest, MisShapedTensorIsNamed) {
   ThreadPool pool(1);
   auto config = DummyConfig("tiny");
   ASSERT_TRUE(config.ok());
