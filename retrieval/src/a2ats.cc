@@ -32,13 +32,13 @@ void ForEachHead(ThreadPool* pool, int n, const std::function<void(int)>& fn) {
 
 // The codebooks from params.assets, checked against the index shape.
 absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> CodebooksFor(const IndexShape& shape,
-                                                                    const IndexParams& params) {
+                                                                   const IndexParams& params) {
   for (const auto& [name, value] : params.options) {
     if (name.starts_with("a2ats.")) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown option '", name,
-          "'; a2ats has no selection options (its knobs are calibration flags of `kvr "
-          "calibrate`, stored in the codebook file)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option '", name,
+                       "'; a2ats has no selection options (its knobs are calibration flags of `kvr "
+                       "calibrate`, stored in the codebook file)"));
     }
   }
   if (params.assets == nullptr) {
@@ -63,9 +63,9 @@ absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> CodebooksFor(const IndexSh
   model.rope = shape.rope;
   KVR_RETURN_IF_ERROR(CheckFingerprint(books->model(), model));
   if (shape.layer >= books->model().n_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "a2ats: layer %d has no codebook (the file covers %d layers)", shape.layer,
-        books->model().n_layers));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a2ats: layer %d has no codebook (the file covers %d layers)", shape.layer,
+                        books->model().n_layers));
   }
   return books;
 }
@@ -84,7 +84,8 @@ class A2atsIndex final : public RetrievalIndex {
   int64_t size() const override { return size_; }
 
   absl::Status Build(const BuildInput& input) override {
-    if (size_ != 0) return absl::FailedPreconditionError("a2ats: Build called on a non-empty index");
+    if (size_ != 0)
+      return absl::FailedPreconditionError("a2ats: Build called on a non-empty index");
     return Encode(input.keys, "a2ats Build keys");
   }
   // Shared offline codebooks do not go stale within a sequence: appended keys are assigned like
@@ -111,17 +112,18 @@ class A2atsIndex final : public RetrievalIndex {
   absl::Status LoadIds(int64_t size, ByteReader& payload) {
     const int codebook_size = books_->head(shape().layer, 0).size;
     for (int h = 0; h < shape().n_kv_heads; ++h) {
-      KVR_RETURN_IF_ERROR(payload.GetArray("a2ats codeword ids", &ids_[h], static_cast<uint64_t>(size)));
+      KVR_RETURN_IF_ERROR(
+          payload.GetArray("a2ats codeword ids", &ids_[h], static_cast<uint64_t>(size)));
       if (static_cast<int64_t>(ids_[h].size()) != size) {
-        return absl::DataLossError(absl::StrFormat(
-            "a2ats payload: KV head %d has %d ids, the header says %d tokens", h, ids_[h].size(),
-            size));
+        return absl::DataLossError(
+            absl::StrFormat("a2ats payload: KV head %d has %d ids, the header says %d tokens", h,
+                            ids_[h].size(), size));
       }
       for (uint16_t id : ids_[h]) {
         if (id >= codebook_size) {
-          return absl::DataLossError(absl::StrFormat(
-              "a2ats payload: codeword id %d outside the codebook (%d codewords)", id,
-              codebook_size));
+          return absl::DataLossError(
+              absl::StrFormat("a2ats payload: codeword id %d outside the codebook (%d codewords)",
+                              id, codebook_size));
         }
       }
     }
@@ -191,8 +193,8 @@ absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
   const int d = s.head_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   // WRoPE: the query at position p was rotated by p; scores use it rotated by b instead.
-  const double rerotate =
-      static_cast<double>(books_->params().wrope_offset) - static_cast<double>(request.query_position);
+  const double rerotate = static_cast<double>(books_->params().wrope_offset) -
+                          static_cast<double>(request.query_position);
 
   ForEachHead(pool_, s.n_kv_heads, [&](int h) {
     const HeadCodebook& book = books_->head(s.layer, h);
@@ -239,9 +241,8 @@ absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
     for (int c = 0; c < size; ++c) {
       if (count[c] > 0) order.push_back(c);
     }
-    std::sort(order.begin(), order.end(), [&](int a, int b) {
-      return agg[a] != agg[b] ? agg[a] > agg[b] : a < b;
-    });
+    std::sort(order.begin(), order.end(),
+              [&](int a, int b) { return agg[a] != agg[b] ? agg[a] > agg[b] : a < b; });
     std::vector<uint8_t> take(size, 0);  // 2 = every token, 1 = the boundary codeword
     int64_t filled = 0;
     int boundary = -1;
@@ -297,9 +298,9 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeA2atsIndex(const Inde
   int32_t codebook_size = 0;
   KVR_RETURN_IF_ERROR(payload.Get("a2ats payload version", &version));
   if (version != kPayloadVersion) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "a2ats payload version %d is not supported (this build reads %d)", version,
-        kPayloadVersion));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a2ats payload version %d is not supported (this build reads %d)", version,
+                        kPayloadVersion));
   }
   KVR_RETURN_IF_ERROR(payload.Get("a2ats codebook hash", &hash));
   KVR_RETURN_IF_ERROR(payload.Get("a2ats codebook size", &codebook_size));

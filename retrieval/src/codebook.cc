@@ -51,9 +51,12 @@ double Uniform01(uint64_t& state) {
 
 std::string RopeStyleName(RopeStyle s) {
   switch (s) {
-    case RopeStyle::kNone: return "none";
-    case RopeStyle::kAdjacentPairs: return "adjacent-pairs";
-    case RopeStyle::kHalfSplit: return "half-split";
+    case RopeStyle::kNone:
+      return "none";
+    case RopeStyle::kAdjacentPairs:
+      return "adjacent-pairs";
+    case RopeStyle::kHalfSplit:
+      return "half-split";
   }
   return absl::StrCat("unknown(", static_cast<int>(s), ")");
 }
@@ -145,11 +148,13 @@ std::vector<float> KMeansPlusPlusLloyd(const std::vector<float>& points, int64_t
     for (int c = 0; c < k; ++c) {
       float* cc = centres.data() + static_cast<size_t>(c) * d;
       if (counts[c] > 0) {
-        for (int j = 0; j < d; ++j) cc[j] = static_cast<float>(sums[static_cast<size_t>(c) * d + j] / counts[c]);
+        for (int j = 0; j < d; ++j)
+          cc[j] = static_cast<float>(sums[static_cast<size_t>(c) * d + j] / counts[c]);
       } else {
         // Empty cluster: re-seed at the point currently worst served, and stop it from being
         // picked twice.
-        const int64_t far = std::max_element(best_dist.begin(), best_dist.end()) - best_dist.begin();
+        const int64_t far =
+            std::max_element(best_dist.begin(), best_dist.end()) - best_dist.begin();
         std::copy_n(points.data() + far * d, d, cc);
         best_dist[far] = 0;
       }
@@ -186,7 +191,8 @@ absl::Status CheckFingerprint(const ModelFingerprint& file, const ModelFingerpri
     diffs.push_back(absl::StrCat("model name '", file.model_name, "' vs '", model.model_name, "'"));
   }
   if (model.model_hash != 0 && file.model_hash != model.model_hash) {
-    diffs.push_back(absl::StrFormat("model hash %016x vs %016x", file.model_hash, model.model_hash));
+    diffs.push_back(
+        absl::StrFormat("model hash %016x vs %016x", file.model_hash, model.model_hash));
   }
   auto check_int = [&](const char* name, int a, int b) {
     if (a != b) diffs.push_back(absl::StrFormat("%s %d vs %d", name, a, b));
@@ -207,8 +213,8 @@ absl::Status CheckFingerprint(const ModelFingerprint& file, const ModelFingerpri
   check_int("rope rotary_dim", file_rot, model_rot);
   if (diffs.empty()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "a2ats codebook file is for another model (file vs this model): ",
-      absl::StrJoin(diffs, ", "), "; run `kvr calibrate` for this model"));
+      "a2ats codebook file is for another model (file vs this model): ", absl::StrJoin(diffs, ", "),
+      "; run `kvr calibrate` for this model"));
 }
 
 absl::Status CodebookParams::Validate() const {
@@ -221,9 +227,9 @@ absl::Status CodebookParams::Validate() const {
         absl::StrCat("a2ats max_iterations must be >= 0, got ", max_iterations));
   }
   if (wrope_offset < 0 || wrope_window < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "a2ats WRoPE offset b and window w must be >= 0, got b = %d, w = %d", wrope_offset,
-        wrope_window));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a2ats WRoPE offset b and window w must be >= 0, got b = %d, w = %d",
+                        wrope_offset, wrope_window));
   }
   if (!(ridge >= 0 && ridge < 1)) {
     return absl::InvalidArgumentError(absl::StrCat("a2ats ridge must be in [0, 1), got ", ridge));
@@ -249,15 +255,15 @@ void HeadCodebook::Assign(const float* keys, int64_t n, int64_t stride, uint16_t
                           std::vector<float>& scratch) const {
   const int d = head_dim;
   scratch.resize(static_cast<size_t>(kAssignChunk) * (d + size));
-  float* z = scratch.data();                                       // [chunk, d]
+  float* z = scratch.data();                                               // [chunk, d]
   float* scores = scratch.data() + static_cast<size_t>(kAssignChunk) * d;  // [chunk, size]
   for (int64_t begin = 0; begin < n; begin += kAssignChunk) {
     const int rows = static_cast<int>(std::min(kAssignChunk, n - begin));
     // z = k L (row vectors), then z . c^z for every codeword.
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, d, 1.f, keys + begin * stride,
                 static_cast<int>(stride), chol.data(), d, 0.f, z, d);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, size, d, 1.f, z, d,
-                codewords.data(), d, 0.f, scores, size);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, size, d, 1.f, z, d, codewords.data(),
+                d, 0.f, scores, size);
     for (int r = 0; r < rows; ++r) {
       const float* s = scores + static_cast<size_t>(r) * size;
       int best = 0;
@@ -287,19 +293,18 @@ void HeadCodebook::Scores(const float* q, float* scores, std::vector<float>& scr
 
 absl::StatusOr<HeadCodebook> BuildHeadCodebook(std::span<const double> second_moment,
                                                int64_t n_queries, std::span<const float> keys,
-                                               int d, const CodebookParams& params,
-                                               uint64_t seed) {
+                                               int d, const CodebookParams& params, uint64_t seed) {
   KVR_RETURN_IF_ERROR(params.Validate());
   if (d < 1 || second_moment.size() != static_cast<size_t>(d) * d) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "a2ats codebook: second moment has %d entries, head_dim %d needs %d",
-        second_moment.size(), d, static_cast<int64_t>(d) * d));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a2ats codebook: second moment has %d entries, head_dim %d needs %d",
+                        second_moment.size(), d, static_cast<int64_t>(d) * d));
   }
   const int64_t n_keys = static_cast<int64_t>(keys.size()) / d;
   if (n_queries < 1 || n_keys < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "a2ats codebook: need sample queries and keys, got %d queries and %d keys", n_queries,
-        n_keys));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a2ats codebook: need sample queries and keys, got %d queries and %d keys",
+                        n_queries, n_keys));
   }
   // H = E[q^T q] + ridge * trace(H) / d * I, then H = L L^T.
   std::vector<double> h(second_moment.begin(), second_moment.end());
@@ -325,7 +330,8 @@ absl::StatusOr<HeadCodebook> BuildHeadCodebook(std::span<const double> second_mo
   book.chol.assign(static_cast<size_t>(d) * d, 0.f);
   for (int i = 0; i < d; ++i) {
     for (int j = 0; j <= i; ++j) {
-      book.chol[static_cast<size_t>(i) * d + j] = static_cast<float>(h[static_cast<size_t>(i) * d + j]);
+      book.chol[static_cast<size_t>(i) * d + j] =
+          static_cast<float>(h[static_cast<size_t>(i) * d + j]);
     }
   }
   // Whitened keys z = k L.
@@ -351,7 +357,8 @@ absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> BuildCodebooks(
       return absl::FailedPreconditionError(absl::StrFormat(
           "a2ats calibration: layer %d KV head %d got %d queries and %d keys; every layer "
           "needs samples (was the calibration text run through the whole model?)",
-          i / model.n_kv_heads, i % model.n_kv_heads, head.n_queries, head.keys.size() / model.head_dim));
+          i / model.n_kv_heads, i % model.n_kv_heads, head.n_queries,
+          head.keys.size() / model.head_dim));
     }
     n_query_samples += head.n_queries;
     n_key_samples += head.n_keys_seen;
@@ -361,8 +368,8 @@ absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> BuildCodebooks(
       const auto& head = samples.head(static_cast<int>(i) / model.n_kv_heads,
                                       static_cast<int>(i) % model.n_kv_heads);
       uint64_t seed = samples.params().seed + 0x9E3779B97F4A7C15ull * (i + 1);
-      auto book = BuildHeadCodebook(head.second_moment, head.n_queries, head.keys,
-                                    model.head_dim, samples.params(), internal::SplitMix64Next(seed));
+      auto book = BuildHeadCodebook(head.second_moment, head.n_queries, head.keys, model.head_dim,
+                                    samples.params(), internal::SplitMix64Next(seed));
       if (book.ok()) {
         books[i] = *std::move(book);
       } else {
@@ -389,7 +396,9 @@ absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> BuildCodebooks(
 // ---- samples ----
 
 CalibrationSamples::CalibrationSamples(const ModelFingerprint& model, const CodebookParams& params)
-    : model_(model), params_(params), heads_(static_cast<size_t>(model.n_layers) * model.n_kv_heads) {
+    : model_(model),
+      params_(params),
+      heads_(static_cast<size_t>(model.n_layers) * model.n_kv_heads) {
   uint64_t state = params.seed;
   for (HeadSamples& h : heads_) {
     h.second_moment.assign(static_cast<size_t>(model.head_dim) * model.head_dim, 0.0);
@@ -413,9 +422,9 @@ absl::Status CheckSampleTensor(const TokenTensor& t, int layer, int n_layers, in
   }
   if (t.n_tokens < 0 || (t.n_tokens > 0 && t.data == nullptr) ||
       (t.n_tokens > 0 && t.row_stride < static_cast<int64_t>(n_heads) * head_dim)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "a2ats calibration %s: bad tensor (n_tokens %d, row_stride %d, need >= %d)", what,
-        t.n_tokens, t.row_stride, static_cast<int64_t>(n_heads) * head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a2ats calibration %s: bad tensor (n_tokens %d, row_stride %d, need >= %d)",
+                        what, t.n_tokens, t.row_stride, static_cast<int64_t>(n_heads) * head_dim));
   }
   return absl::OkStatus();
 }
@@ -437,9 +446,10 @@ absl::Status CalibrationSamples::AddQueries(int layer, const TokenTensor& querie
         float* row = rows.data() + (static_cast<size_t>(t) * group + g) * d;
         std::copy_n(queries.At(t, kv * group + g, d), d, row);
         // WRoPE: the query at position p was rotated by p; re-rotate it to the offset b.
-        ApplyRope(std::span<float>(row, d),
-                  static_cast<double>(params_.wrope_offset) - static_cast<double>(first_position + t),
-                  model_.rope);
+        ApplyRope(
+            std::span<float>(row, d),
+            static_cast<double>(params_.wrope_offset) - static_cast<double>(first_position + t),
+            model_.rope);
       }
     }
     // Gram of this batch in float (a few thousand rows), accumulated in double across batches.
@@ -461,7 +471,8 @@ absl::Status CalibrationSamples::AddQueries(int layer, const TokenTensor& querie
 absl::Status CalibrationSamples::AddKeys(int layer, const TokenTensor& keys,
                                          int64_t first_position) {
   const int d = model_.head_dim;
-  KVR_RETURN_IF_ERROR(CheckSampleTensor(keys, layer, model_.n_layers, model_.n_kv_heads, d, "keys"));
+  KVR_RETURN_IF_ERROR(
+      CheckSampleTensor(keys, layer, model_.n_layers, model_.n_kv_heads, d, "keys"));
   std::vector<float> key(d);
   for (int kv = 0; kv < model_.n_kv_heads; ++kv) {
     HeadSamples& head = heads_[static_cast<size_t>(layer) * model_.n_kv_heads + kv];
@@ -636,7 +647,8 @@ absl::Status A2atsCodebooks::Save(const std::string& path) const {
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) return absl::UnavailableError(absl::StrCat("cannot open ", tmp, " for writing"));
-    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    out.write(reinterpret_cast<const char*>(bytes.data()),
+              static_cast<std::streamsize>(bytes.size()));
     if (!out) return absl::DataLossError(absl::StrCat("short write to ", tmp));
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {

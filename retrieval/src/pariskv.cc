@@ -62,9 +62,9 @@ absl::Status CheckTokenTensor(const TokenTensor& t, int n_heads, int head_dim,
   if (t.n_tokens == 0) return absl::OkStatus();
   if (t.data == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, ": data is null"));
   if (t.row_stride < static_cast<int64_t>(n_heads) * head_dim) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: row_stride %d is smaller than n_heads * head_dim = %d", what, t.row_stride,
-        static_cast<int64_t>(n_heads) * head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: row_stride %d is smaller than n_heads * head_dim = %d", what,
+                        t.row_stride, static_cast<int64_t>(n_heads) * head_dim));
   }
   return absl::OkStatus();
 }
@@ -95,7 +95,8 @@ class ParisKvIndex final : public RetrievalIndex {
     padded_dim_ = srht_.output_dim();
     n_subspaces_ = padded_dim_ / m_;
     n_centroids_ = 1 << m_;
-    for (Head& head : heads_) head.counts.assign(static_cast<size_t>(n_subspaces_) * n_centroids_, 0);
+    for (Head& head : heads_)
+      head.counts.assign(static_cast<size_t>(n_subspaces_) * n_centroids_, 0);
   }
 
   std::string_view method() const override { return kParisKvMethodName; }
@@ -197,9 +198,8 @@ class ParisKvIndex final : public RetrievalIndex {
   int64_t size_ = 0;
 };
 
-void ParisKvIndex::EncodeKey(const float* key, std::span<float> rotated,
-                             std::span<uint8_t> nibbles, uint8_t* codes,
-                             uint16_t* weights) const {
+void ParisKvIndex::EncodeKey(const float* key, std::span<float> rotated, std::span<uint8_t> nibbles,
+                             uint8_t* codes, uint16_t* weights) const {
   const int d = shape().head_dim;
   const float norm = Norm(key, d);
   // Normalising before or after the (linear) rotation is the same; after saves a pass.
@@ -245,8 +245,7 @@ absl::Status ParisKvIndex::Encode(const TokenTensor& keys, absl::string_view wha
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = first + i;
       EncodeKey(keys.At(i, h, s.head_dim), rotated, nibbles,
-                head.codes.data() + t * (padded_dim_ / 2),
-                head.weights.data() + t * n_subspaces_);
+                head.codes.data() + t * (padded_dim_ / 2), head.weights.data() + t * n_subspaces_);
       CountToken(head, t, +1);
     }
   });
@@ -295,8 +294,8 @@ absl::Status ParisKvIndex::Select(const SelectRequest& request, Selection* out) 
       const float* q = request.query + static_cast<int64_t>(h * group + g) * d;
       qnorm[g] = Norm(q, d);
       for (int j = 0; j < d; ++j) unit[j] = qnorm[g] > 0.f ? q[j] / qnorm[g] : 0.f;
-      srht_.Apply(unit, std::span<float>(xq).subspan(static_cast<size_t>(g) * padded_dim_,
-                                                     padded_dim_));
+      srht_.Apply(unit,
+                  std::span<float>(xq).subspan(static_cast<size_t>(g) * padded_dim_, padded_dim_));
     }
     // Stage 1: per-subspace bonus tables, summed over the group: [n_subspaces, 2^m].
     std::vector<uint16_t> table(static_cast<size_t>(n_subspaces_) * n_centroids_, 0);
@@ -355,7 +354,8 @@ absl::Status ParisKvIndex::Select(const SelectRequest& request, Selection* out) 
       const float* xg = xq.data() + static_cast<size_t>(g) * padded_dim_;
       for (int p = 0; p < padded_dim_; ++p) {
         for (int code = 0; code < 16; ++code) {
-          lut[p * 16 + code] = internal::DecodeCoordinate(static_cast<uint8_t>(code), levels_) * xg[p];
+          lut[p * 16 + code] =
+              internal::DecodeCoordinate(static_cast<uint8_t>(code), levels_) * xg[p];
         }
       }
       for (int c = 0; c < n_cand; ++c) {
@@ -456,7 +456,8 @@ absl::StatusOr<ParisKvOptions> ParseParisKvOptions(const IndexParams& params) {
       }
     } else {
       return absl::InvalidArgumentError(
-          absl::StrCat("unknown option '", name, "'; valid options: ", absl::string_view(kValid.data(), kValid.size())));
+          absl::StrCat("unknown option '", name,
+                       "'; valid options: ", absl::string_view(kValid.data(), kValid.size())));
     }
   }
   return o;
@@ -488,8 +489,7 @@ ParisKvSchedule ScheduleParisKv(const ParisKvOptions& options, int64_t n_selecta
   // budgets 64/256, tests' generator): 6 tiers with rho = 0.6 beat rho = 0.1-0.3 by 2-8 recall
   // points and beat 1 tier at any rho; rho 0.6-1.0 were within 1 point of each other.
   const double rho = options.tiers > 1 ? options.tiers * effective_beta : 2 * effective_beta;
-  s.collision_ratio =
-      options.collision_ratio > 0 ? options.collision_ratio : std::min(1.0, rho);
+  s.collision_ratio = options.collision_ratio > 0 ? options.collision_ratio : std::min(1.0, rho);
   return s;
 }
 
@@ -508,8 +508,10 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> MakeParisKvIndex(const IndexShap
                                         codecs.second);
 }
 
-absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeParisKvIndex(
-    const IndexShape& shape, const IndexParams& params, int64_t size, ByteReader& payload) {
+absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeParisKvIndex(const IndexShape& shape,
+                                                                        const IndexParams& params,
+                                                                        int64_t size,
+                                                                        ByteReader& payload) {
   KVR_RETURN_IF_ERROR(shape.Validate());
   // Encoding parameters (m, rotation, levels) come from the bytes: they describe the codes.
   // Selection knobs (tiers, ratios) come from the receiver's params.
@@ -520,9 +522,9 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeParisKvIndex(
   std::vector<float> levels;
   KVR_RETURN_IF_ERROR(payload.Get("pariskv payload version", &version));
   if (version != kPayloadVersion) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "pariskv payload version %d is not supported (this build reads %d)", version,
-        kPayloadVersion));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("pariskv payload version %d is not supported (this build reads %d)",
+                        version, kPayloadVersion));
   }
   KVR_RETURN_IF_ERROR(payload.Get("pariskv subspace_dim", &m));
   KVR_RETURN_IF_ERROR(payload.Get("pariskv padded_dim", &padded_dim));
@@ -535,9 +537,9 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeParisKvIndex(
     return absl::DataLossError(absl::StrCat("pariskv payload: subspace_dim ", m, " is invalid"));
   }
   if (padded_dim != internal::NextPowerOfTwo(shape.head_dim)) {
-    return absl::DataLossError(absl::StrFormat(
-        "pariskv payload: rotated dimension %d does not match head_dim %d", padded_dim,
-        shape.head_dim));
+    return absl::DataLossError(
+        absl::StrFormat("pariskv payload: rotated dimension %d does not match head_dim %d",
+                        padded_dim, shape.head_dim));
   }
   if (levels.size() != static_cast<size_t>(kMagnitudeLevels)) {
     return absl::DataLossError(absl::StrFormat("pariskv payload: %d magnitude levels, need %d",

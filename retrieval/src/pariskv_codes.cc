@@ -32,8 +32,8 @@ std::array<float, kMagnitudeLevels> ComputeDirectionLevels(int m) {
     std::array<double, kMagnitudeLevels> sum{}, weight{};
     double cum = 0;
     for (int i = 0; i < kCells; ++i) {
-      const int slot = std::min(kMagnitudeLevels - 1,
-                                static_cast<int>(cum / total * kMagnitudeLevels));
+      const int slot =
+          std::min(kMagnitudeLevels - 1, static_cast<int>(cum / total * kMagnitudeLevels));
       sum[slot] += mass[i] * t[i];
       weight[slot] += mass[i];
       cum += mass[i];
@@ -61,8 +61,8 @@ std::array<float, kMagnitudeLevels> ComputeDirectionLevels(int m) {
 
 absl::StatusOr<std::array<float, kMagnitudeLevels>> DirectionLevels(int m) {
   if (m < 2 || m > kMaxSubspaceDim) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("ParisKV subspace dimension must be in [2, %d], got %d", kMaxSubspaceDim, m));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ParisKV subspace dimension must be in [2, %d], got %d", kMaxSubspaceDim, m));
   }
   // Computed once per process (a few ms each) and immutable afterwards: indexes are created per
   // (sequence, layer), far too often to rerun Lloyd-Max every time. Thread-safe static init.

@@ -73,9 +73,11 @@ std::shared_ptr<const A2atsCodebooks> Calibrate(const testing::ClusteredData& li
   calib.keys.assign(static_cast<size_t>(kCalibTokens) * m.n_kv_heads * m.head_dim, 0.f);
   for (int t = 0; t < kCalibTokens; ++t) {
     for (int h = 0; h < m.n_kv_heads; ++h) {
-      const float* c = like.centres.data() + (static_cast<size_t>(h) * like.n_clusters + pick(rng)) * m.head_dim;
+      const float* c =
+          like.centres.data() + (static_cast<size_t>(h) * like.n_clusters + pick(rng)) * m.head_dim;
       for (int i = 0; i < m.head_dim; ++i) {
-        calib.keys[(static_cast<size_t>(t) * m.n_kv_heads + h) * m.head_dim + i] = c[i] + 0.6f * normal(rng);
+        calib.keys[(static_cast<size_t>(t) * m.n_kv_heads + h) * m.head_dim + i] =
+            c[i] + 0.6f * normal(rng);
       }
     }
   }
@@ -88,8 +90,14 @@ std::shared_ptr<const A2atsCodebooks> Calibrate(const testing::ClusteredData& li
   // Queries sit at positions far from the keys they attend, like decode queries.
   auto post_q = Rotate(queries, kCalibTokens, m.n_heads, m.head_dim, m.rope, 0);
   for (int layer = 0; layer < m.n_layers; ++layer) {
-    EXPECT_TRUE(samples->AddKeys(layer, TokenTensor{post_k.data(), kCalibTokens, m.n_kv_heads * m.head_dim}, 0).ok());
-    EXPECT_TRUE(samples->AddQueries(layer, TokenTensor{post_q.data(), kCalibTokens, m.n_heads * m.head_dim}, 0).ok());
+    EXPECT_TRUE(
+        samples
+            ->AddKeys(layer, TokenTensor{post_k.data(), kCalibTokens, m.n_kv_heads * m.head_dim}, 0)
+            .ok());
+    EXPECT_TRUE(
+        samples
+            ->AddQueries(layer, TokenTensor{post_q.data(), kCalibTokens, m.n_heads * m.head_dim}, 0)
+            .ok());
   }
   auto books = BuildCodebooks(*samples, nullptr);
   EXPECT_TRUE(books.ok()) << books.status();
@@ -148,7 +156,11 @@ TEST(A2atsIndexTest, FindsPlantedKeysThroughRope) {
     for (int i = 0; i < kD; ++i) pre[t * kD + i] = 4.f * dir[i] + 0.05f * normal(rng);
   }
   testing::ClusteredData like;
-  like.n_tokens = kN; like.n_kv_heads = 1; like.n_heads = 2; like.head_dim = kD; like.n_clusters = 1;
+  like.n_tokens = kN;
+  like.n_kv_heads = 1;
+  like.n_heads = 2;
+  like.head_dim = kD;
+  like.n_clusters = 1;
   like.centres = dir;
   // Calibrate on these very keys (plus queries along dir): a codebook for this "model".
   CodebookParams params;
@@ -157,13 +169,15 @@ TEST(A2atsIndexTest, FindsPlantedKeysThroughRope) {
   ASSERT_TRUE(samples.ok());
   auto post = Rotate(pre, kN, 1, kD, rope, 0);
   std::vector<float> q_pre(2 * kD);
-  for (int g = 0; g < 2; ++g) for (int i = 0; i < kD; ++i) q_pre[g * kD + i] = dir[i] + 0.05f * normal(rng);
+  for (int g = 0; g < 2; ++g)
+    for (int i = 0; i < kD; ++i) q_pre[g * kD + i] = dir[i] + 0.05f * normal(rng);
   std::vector<float> calib_q;
   for (int t = 0; t < 200; ++t) calib_q.insert(calib_q.end(), q_pre.begin(), q_pre.end());
   auto calib_q_post = Rotate(calib_q, 200, 2, kD, rope, 2000);
   for (int layer = 0; layer < kLayers; ++layer) {
     ASSERT_TRUE(samples->AddKeys(layer, TokenTensor{post.data(), kN, kD}, 0).ok());
-    ASSERT_TRUE(samples->AddQueries(layer, TokenTensor{calib_q_post.data(), 200, 2 * kD}, 2000).ok());
+    ASSERT_TRUE(
+        samples->AddQueries(layer, TokenTensor{calib_q_post.data(), 200, 2 * kD}, 2000).ok());
   }
   auto books = BuildCodebooks(*samples, nullptr);
   ASSERT_TRUE(books.ok()) << books.status();
@@ -173,7 +187,8 @@ TEST(A2atsIndexTest, FindsPlantedKeysThroughRope) {
   const int64_t query_position = kN + 300;
   auto q_post = Rotate(q_pre, 1, 2, kD, rope, query_position);
   Selection sel;
-  ASSERT_TRUE((*index)->Select(SelectRequest{q_post.data(), query_position, 6, 4, kN - 64}, &sel).ok());
+  ASSERT_TRUE(
+      (*index)->Select(SelectRequest{q_post.data(), query_position, 6, 4, kN - 64}, &sel).ok());
   EXPECT_EQ(sel.per_head[0], planted);
   // The exact oracle (true RoPE scores) agrees on this set.
   EXPECT_EQ(ExactTopK(post.data(), kD, q_post.data(), 2, 1, kD, 0, 4, kN - 64, 6), planted);
@@ -232,8 +247,8 @@ TEST(A2atsIndexTest, RecallOnClusteredDataAboveFloor) {
     auto q = MakeQuery(data, 0.5f, 1.f, 100 + trial);
     ASSERT_TRUE((*index)->Select(SelectRequest{q.data(), kN, 128, 16, kN - 256}, &sel).ok());
     for (int h = 0; h < kKv; ++h) {
-      auto exact = ExactTopK(data.keys.data(), kKv * kD, q.data(), kHeads, kKv, kD, h, 16,
-                             kN - 256, 128);
+      auto exact =
+          ExactTopK(data.keys.data(), kKv * kD, q.data(), kHeads, kKv, kD, h, 16, kN - 256, 128);
       total += Recall(sel.per_head[h], exact);
       ++count;
     }
@@ -257,7 +272,8 @@ TEST(A2atsIndexTest, AppendMatchesBuildingAtOnce) {
   ASSERT_TRUE(whole.ok() && split.ok());
   ASSERT_TRUE((*whole)->Build(BuildInput{TokenTensor{post.data(), kN, 2 * kD}}).ok());
   ASSERT_TRUE((*split)->Build(BuildInput{TokenTensor{post.data(), 600, 2 * kD}}).ok());
-  ASSERT_TRUE((*split)->Append(AppendInput{TokenTensor{post.data() + 600 * 2 * kD, 400, 2 * kD}}).ok());
+  ASSERT_TRUE(
+      (*split)->Append(AppendInput{TokenTensor{post.data() + 600 * 2 * kD, 400, 2 * kD}}).ok());
   EXPECT_EQ((*split)->size(), kN);
   auto q = Rotate(MakeQuery(data, 0.4f, 1.f, 6), 1, 4, kD, rope, kN);
   Selection a, b;
@@ -293,14 +309,16 @@ TEST(A2atsSerializationTest, RoundTripCorruptAndOtherCodebooks) {
   auto other_books = Calibrate(data, m, 16, 99);
   auto refused = DeserializeIndex(*bytes, registry, WithBooks(other_books), &shape);
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("other codebooks"), std::string::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("other codebooks"), std::string::npos)
+      << refused.status();
   // No codebooks at all on the receiving side.
   EXPECT_EQ(DeserializeIndex(*bytes, registry, IndexParams{}, &shape).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // Truncations and flipped bytes: a status or a working index, never a crash.
   for (size_t cut = 0; cut < bytes->size(); cut += 13) {
-    EXPECT_FALSE(DeserializeIndex(std::span<const uint8_t>(bytes->data(), cut), registry,
-                                  WithBooks(books)).ok());
+    EXPECT_FALSE(
+        DeserializeIndex(std::span<const uint8_t>(bytes->data(), cut), registry, WithBooks(books))
+            .ok());
   }
   std::mt19937 rng(2);
   for (int trial = 0; trial < 200; ++trial) {

@@ -90,7 +90,8 @@ TEST(CalibrationTest, CalibrateSaveLoadAndRefuseOtherModel) {
   auto books = CalibrateTiny(*loaded.model, &pool);
   ASSERT_NE(books, nullptr);
   const std::string path = (std::filesystem::temp_directory_path() /
-                            ("kvr_calib_test_" + std::to_string(::getpid()) + ".kvrcb")).string();
+                            ("kvr_calib_test_" + std::to_string(::getpid()) + ".kvrcb"))
+                               .string();
   ASSERT_TRUE(books->Save(path).ok());
   auto same = FingerprintOf(*loaded.model);
   ASSERT_TRUE(same.ok());

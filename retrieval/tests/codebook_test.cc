@@ -18,8 +18,8 @@ namespace {
 struct Samples {
   std::vector<double> second_moment;  // [d, d] sum of q^T q
   int64_t n_queries = 0;
-  std::vector<float> queries;         // [n_queries, d]
-  std::vector<float> keys;            // [n_keys, d]
+  std::vector<float> queries;  // [n_queries, d]
+  std::vector<float> keys;     // [n_keys, d]
 };
 
 Samples MakeSamples(int d, int n_queries, int n_keys, int n_clusters, uint32_t seed) {
@@ -36,7 +36,8 @@ Samples MakeSamples(int d, int n_queries, int n_keys, int n_clusters, uint32_t s
     float* row = s.queries.data() + static_cast<size_t>(q) * d;
     for (int i = 0; i < d; ++i) row[i] = channel_scale[i] * normal(rng);
     for (int i = 0; i < d; ++i) {
-      for (int j = 0; j < d; ++j) s.second_moment[static_cast<size_t>(i) * d + j] += double(row[i]) * row[j];
+      for (int j = 0; j < d; ++j)
+        s.second_moment[static_cast<size_t>(i) * d + j] += double(row[i]) * row[j];
     }
   }
   std::vector<float> centres(static_cast<size_t>(n_clusters) * d);
@@ -79,8 +80,8 @@ TEST(CodebookTest, CholeskyFactorsTheQuerySecondMoment) {
       }
       double llt = 0;
       for (int k = 0; k < kD; ++k) llt += double(book->chol[i * kD + k]) * book->chol[j * kD + k];
-      const double h = s.second_moment[i * kD + j] / s.n_queries +
-                       (i == j ? params.ridge * trace / kD : 0.0);
+      const double h =
+          s.second_moment[i * kD + j] / s.n_queries + (i == j ? params.ridge * trace / kD : 0.0);
       EXPECT_NEAR(llt, h, 1e-4 * trace) << i << "," << j;
     }
   }
@@ -118,10 +119,14 @@ TEST(CodebookTest, ScoresAndAssignMatchBruteForce) {
       double dist = 0;
       for (int i = 0; i < kD; ++i) {
         for (int j = 0; j < kD; ++j) {
-          dist += (kv[i] - cw[c][i]) * s.second_moment[i * kD + j] / s.n_queries * (kv[j] - cw[c][j]);
+          dist +=
+              (kv[i] - cw[c][i]) * s.second_moment[i * kD + j] / s.n_queries * (kv[j] - cw[c][j]);
         }
       }
-      if (dist < best_d) { best_d = dist; best = c; }
+      if (dist < best_d) {
+        best_d = dist;
+        best = c;
+      }
     }
     EXPECT_EQ(ids[k], best) << "key " << k;
   }
@@ -233,8 +238,10 @@ std::shared_ptr<const A2atsCodebooks> BuildTiny(int codebook_size) {
   for (int layer = 0; layer < m.n_layers; ++layer) {
     for (float& x : q) x = normal(rng);
     for (float& x : k) x = normal(rng);
-    EXPECT_TRUE(samples->AddQueries(layer, TokenTensor{q.data(), kN, m.n_heads * m.head_dim}, 0).ok());
-    EXPECT_TRUE(samples->AddKeys(layer, TokenTensor{k.data(), kN, m.n_kv_heads * m.head_dim}, 0).ok());
+    EXPECT_TRUE(
+        samples->AddQueries(layer, TokenTensor{q.data(), kN, m.n_heads * m.head_dim}, 0).ok());
+    EXPECT_TRUE(
+        samples->AddKeys(layer, TokenTensor{k.data(), kN, m.n_kv_heads * m.head_dim}, 0).ok());
   }
   auto books = BuildCodebooks(*samples, nullptr);
   EXPECT_TRUE(books.ok()) << books.status();
@@ -254,12 +261,14 @@ TEST(CalibrationSamplesTest, KeysAreStoredPreRopeAndReservoirSampled) {
   for (int h = 0; h < m.n_kv_heads; ++h) {
     ApplyRope(std::span<float>(post.data() + h * m.head_dim, m.head_dim), 500, m.rope);
   }
-  ASSERT_TRUE(samples->AddKeys(0, TokenTensor{post.data(), 1, m.n_kv_heads * m.head_dim}, 500).ok());
+  ASSERT_TRUE(
+      samples->AddKeys(0, TokenTensor{post.data(), 1, m.n_kv_heads * m.head_dim}, 500).ok());
   const auto& head1 = samples->head(0, 1);
   ASSERT_EQ(head1.keys.size(), static_cast<size_t>(m.head_dim));
   for (int i = 0; i < m.head_dim; ++i) EXPECT_NEAR(head1.keys[i], pre[m.head_dim + i], 1e-4);
   std::vector<float> many(100 * m.n_kv_heads * m.head_dim, 1.f);
-  ASSERT_TRUE(samples->AddKeys(0, TokenTensor{many.data(), 100, m.n_kv_heads * m.head_dim}, 1).ok());
+  ASSERT_TRUE(
+      samples->AddKeys(0, TokenTensor{many.data(), 100, m.n_kv_heads * m.head_dim}, 1).ok());
   EXPECT_EQ(samples->head(0, 0).keys.size(), static_cast<size_t>(10 * m.head_dim));
   EXPECT_EQ(samples->head(0, 0).n_keys_seen, 101);
   EXPECT_FALSE(samples->AddKeys(2, TokenTensor{many.data(), 1, m.n_kv_heads * m.head_dim}, 0).ok());
@@ -277,8 +286,9 @@ TEST(CalibrationSamplesTest, MissingLayerIsAClearError) {
 TEST(CodebookFileTest, RoundTripSaveLoad) {
   auto books = BuildTiny(16);
   ASSERT_NE(books, nullptr);
-  const std::string path =
-      (std::filesystem::temp_directory_path() / ("kvr_codebook_test_" + std::to_string(::getpid()) + ".kvrcb")).string();
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("kvr_codebook_test_" + std::to_string(::getpid()) + ".kvrcb"))
+                               .string();
   ASSERT_TRUE(books->Save(path).ok());
   ModelFingerprint expected = TinyModel();
   auto loaded = A2atsCodebooks::Load(path, &expected);

@@ -54,7 +54,10 @@ TEST(DirectionCodeTest, RoundTripErrorBound) {
   for (int s = 0; s < kSamples; ++s) {
     std::vector<float> u(kM);
     double n2 = 0;
-    for (float& x : u) { x = normal(rng); n2 += x * x; }
+    for (float& x : u) {
+      x = normal(rng);
+      n2 += x * x;
+    }
     for (float& x : u) x /= std::sqrt(n2);
     std::vector<uint8_t> codes(kM);
     const float alpha = internal::EncodeDirection(u, *levels, codes);
@@ -129,11 +132,18 @@ TEST(ParisKvEstimatorTest, InnerProductEstimateIsAccurateAndAlphaHelps) {
     for (float& x : k) x = normal(rng);
     for (int i = 0; i < kD; ++i) q[i] = 0.7f * k[i] + normal(rng);  // correlated, like top keys
     double exact = 0, nk = 0, nq = 0;
-    for (int i = 0; i < kD; ++i) { exact += k[i] * q[i]; nk += k[i] * k[i]; nq += q[i] * q[i]; }
+    for (int i = 0; i < kD; ++i) {
+      exact += k[i] * q[i];
+      nk += k[i] * k[i];
+      nq += q[i] * q[i];
+    }
     nk = std::sqrt(nk);
     nq = std::sqrt(nq);
     std::vector<float> kh(kD), qh(kD), xk(kD), xq(kD);
-    for (int i = 0; i < kD; ++i) { kh[i] = k[i] / nk; qh[i] = q[i] / nq; }
+    for (int i = 0; i < kD; ++i) {
+      kh[i] = k[i] / nk;
+      qh[i] = q[i] / nq;
+    }
     srht->Apply(kh, xk);
     srht->Apply(qh, xq);
     double est = 0, plain = 0;
@@ -300,8 +310,8 @@ TEST(ParisKvIndexTest, RecallOnClusteredDataAboveFloor) {
     SelectRequest req{q.data(), kN, 128, 16, kN - 256};
     ASSERT_TRUE((*index)->Select(req, &sel).ok());
     for (int h = 0; h < kKv; ++h) {
-      auto exact = ExactTopK(data.keys.data(), kKv * kD, q.data(), kHeads, kKv, kD, h, 16,
-                             kN - 256, 128);
+      auto exact =
+          ExactTopK(data.keys.data(), kKv * kD, q.data(), kHeads, kKv, kD, h, 16, kN - 256, 128);
       total += Recall(sel.per_head[h], exact);
       ++count;
     }
@@ -336,8 +346,8 @@ TEST(ParisKvIndexTest, AppendMatchesBuildingAtOnce) {
     EXPECT_EQ(a.per_head, b.per_head);
     // And the appended half is reachable: exact top-k inside it is mostly found.
     for (int h = 0; h < kKv; ++h) {
-      auto exact = ExactTopK(data.keys.data(), kKv * kD, q.data(), kHeads, kKv, kD, h, 16,
-                             kN - 128, 64);
+      auto exact =
+          ExactTopK(data.keys.data(), kKv * kD, q.data(), kHeads, kKv, kD, h, 16, kN - 128, 64);
       EXPECT_GT(Recall(b.per_head[h], exact), 0.5);
     }
   }

@@ -34,7 +34,8 @@ inline ClusteredData MakeClusteredKeys(int n_tokens, int n_kv_heads, int n_heads
   data.keys.resize(static_cast<size_t>(n_tokens) * n_kv_heads * head_dim);
   for (int t = 0; t < n_tokens; ++t) {
     for (int h = 0; h < n_kv_heads; ++h) {
-      const float* c = data.centres.data() + (static_cast<size_t>(h) * n_clusters + pick(rng)) * head_dim;
+      const float* c =
+          data.centres.data() + (static_cast<size_t>(h) * n_clusters + pick(rng)) * head_dim;
       float* k = data.keys.data() + (static_cast<size_t>(t) * n_kv_heads + h) * head_dim;
       const float j = jitter(rng);
       for (int i = 0; i < head_dim; ++i) k[i] = j * (c[i] + noise * normal(rng));
@@ -53,8 +54,8 @@ inline std::vector<float> MakeQuery(const ClusteredData& data, float noise, floa
   const int group = data.n_heads / data.n_kv_heads;
   std::vector<float> q(static_cast<size_t>(data.n_heads) * data.head_dim);
   for (int h = 0; h < data.n_kv_heads; ++h) {
-    const float* c =
-        data.centres.data() + (static_cast<size_t>(h) * data.n_clusters + pick(rng)) * data.head_dim;
+    const float* c = data.centres.data() +
+                     (static_cast<size_t>(h) * data.n_clusters + pick(rng)) * data.head_dim;
     for (int g = 0; g < group; ++g) {
       float* qh = q.data() + static_cast<size_t>(h * group + g) * data.head_dim;
       for (int i = 0; i < data.head_dim; ++i) qh[i] = gain * (c[i] + noise * normal(rng));
@@ -89,7 +90,8 @@ inline std::vector<int64_t> ExactTopK(const float* keys, int64_t row_stride, con
   }
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return mass[a] > mass[b]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return mass[a] > mass[b]; });
   order.resize(std::min(budget, n));
   for (int64_t& i : order) i += lo;
   std::sort(order.begin(), order.end());

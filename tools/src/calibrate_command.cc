@@ -65,8 +65,8 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> Sequences(const CalibrateOptio
       for (unsigned char ch : text) ids.push_back(ch % loaded.model->config().vocab);
     }
     for (size_t begin = 0; begin < ids.size() && total < o.max_tokens;) {
-      const int64_t n = std::min<int64_t>({o.sequence_tokens, o.max_tokens - total,
-                                           static_cast<int64_t>(ids.size() - begin)});
+      const int64_t n = std::min<int64_t>(
+          {o.sequence_tokens, o.max_tokens - total, static_cast<int64_t>(ids.size() - begin)});
       out.emplace_back(ids.begin() + begin, ids.begin() + begin + n);
       begin += n;
       total += n;
@@ -120,8 +120,8 @@ absl::Status RunCalibrate(const CalibrateOptions& o) {
   const int64_t file_bytes = static_cast<int64_t>(books->Serialize().size());
   std::cerr << absl::StrFormat(
       "built %d codebooks (%d layers x %d KV heads, %d codewords of dim %d) in %.1f s\n",
-      fingerprint.n_layers * fingerprint.n_kv_heads, fingerprint.n_layers,
-      fingerprint.n_kv_heads, books->head(0, 0).size, fingerprint.head_dim, build_s);
+      fingerprint.n_layers * fingerprint.n_kv_heads, fingerprint.n_layers, fingerprint.n_kv_heads,
+      books->head(0, 0).size, fingerprint.head_dim, build_s);
   std::cout << absl::StrFormat("wrote %s: %.1f MiB, model '%s' hash %016x, content hash %016x\n",
                                o.out, file_bytes / 1048576.0, fingerprint.model_name,
                                fingerprint.model_hash, books->content_hash());
@@ -140,7 +140,8 @@ void AddCalibrateCommand(CLI::App& app) {
   cmd->add_option("--load-format", options->load_format, "auto|gguf|hf|dummy")
       ->check(CLI::IsMember({"auto", "gguf", "hf", "dummy"}))
       ->capture_default_str();
-  cmd->add_option("--text", options->texts, "sample text file(s) (e.g. /usr/share/common-licenses/*)")
+  cmd->add_option("--text", options->texts,
+                  "sample text file(s) (e.g. /usr/share/common-licenses/*)")
       ->required()
       ->expected(1, -1);
   cmd->add_option("--out", options->out, "codebook file to write (.kvrcb)")->required();

@@ -49,8 +49,8 @@ inline constexpr std::string_view kParisKvMethodName = "pariskv";
 struct ParisKvOptions {
   int subspace_dim = 8;
   int tiers = 6;
-  double candidate_ratio = 0;   // 0 = scheduled
-  double collision_ratio = 0;   // 0 = scheduled
+  double candidate_ratio = 0;  // 0 = scheduled
+  double collision_ratio = 0;  // 0 = scheduled
   int min_candidates_per_budget = 4;
 };
 
@@ -60,7 +60,7 @@ struct ParisKvOptions {
 // Candidate-set size C and collision ratio rho for `n_candidates` selectable tokens and a
 // `budget` (C >= budget; C == n_candidates when the budget covers them all).
 struct ParisKvSchedule {
-  int64_t n_candidates = 0;  // C
+  int64_t n_candidates = 0;    // C
   double collision_ratio = 0;  // rho
 };
 ParisKvSchedule ScheduleParisKv(const ParisKvOptions& options, int64_t n_selectable,
