@@ -41,9 +41,26 @@ void RequestRunner::CancelDownstream(const NodeSnapshot* prefill, const NodeSnap
   }
 }
 
+namespace {
+// Used when no observer is configured, so that the flow needs no null checks.
+class NoObserver final : public RequestObserver {};
+}  // namespace
+
 absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival,
                                 absl::Time deadline, CancellationToken* cancel,
                                 ResponseSink* sink) {
+  NoObserver none;
+  RequestObserver& observer = options_.observer != nullptr ? *options_.observer : none;
+  std::optional<FinalReport> report;
+  absl::Status status = RunAttempts(params, arrival, deadline, cancel, sink, observer, report);
+  observer.OnEnd(params, status, status.ok() && report ? &*report : nullptr);
+  return status;
+}
+
+absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time arrival,
+                                        absl::Time deadline, CancellationToken* cancel,
+                                        ResponseSink* sink, RequestObserver& observer,
+                                        std::optional<FinalReport>& final_report) {
   RequestStateMachine state(options_.max_attempts);
   absl::flat_hash_set<std::string> excluded;
   absl::Status last_failure;
@@ -84,6 +101,7 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
                  params.request_id, state.attempts(), where.prefill.id, where.decode.id,
                  where.store.id, sequence_id);
 
+    observer.OnAttempt(params, where, state.attempts());
     PrefillCall call{&params, sequence_id, where.decode, where.store, deadline, state.attempts()};
     absl::StatusOr<PrefillResult> prefilled = prefill_->Prefill(where.prefill, call, cancel);
     if (!prefilled.ok()) {
@@ -111,6 +129,7 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
       // D may hold a partial handoff of this sequence.
       CancelDownstream(nullptr, failed == where.decode.id ? nullptr : &where.decode, params,
                        sequence_id, "prefill attempt failed");
+      observer.OnNodeFailure(params, failed, err);
       last_failure = absl::Status(
           err.code(), absl::StrCat("prefill on ", where.prefill.id, " failed at node ", failed,
                                    ": ", err.message()));
@@ -138,6 +157,7 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
     event.prompt_tokens = first.prompt_tokens;
     event.completion_tokens = 1;
     (void)state.OnTokensSent(1);
+    observer.OnFirstToken(params, report.queue, report.time_to_first_token);
     if (absl::Status s = sink->Send(event); !s.ok()) {
       state.Cancel();
       CancelDownstream(nullptr, &where.decode, params, sequence_id, "client disconnected");
@@ -154,7 +174,8 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
       GenerateEvent last;
       last.prompt_tokens = first.prompt_tokens;
       last.completion_tokens = 1;
-      last.final = std::move(report);
+      last.final = report;
+      final_report = std::move(report);
       state.Finish();
       return sink->Send(last);
     }
@@ -168,6 +189,7 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
           (void)state.OnTokensSent(static_cast<uint32_t>(chunk.token_ids.size()));
           e.completion_tokens = state.tokens_sent();
           e.prompt_tokens = first.prompt_tokens;
+          observer.OnTokens(params, static_cast<uint32_t>(chunk.token_ids.size()));
           sink_status = sink->Send(e);
           return sink_status;
         });
@@ -186,6 +208,7 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
             "deadline: passed after ", state.tokens_sent(), " tokens were streamed"));
       }
       (void)state.OnNodeFailure();  // always kFail: tokens were sent
+      observer.OnNodeFailure(params, where.decode.id, err);
       if (IsNodeFailure(err) && !absl::IsResourceExhausted(err)) {
         membership_->MarkFailed(where.decode.id);
       }
@@ -206,7 +229,8 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
     last.prompt_tokens = report.completion.prompt_tokens;
     last.completion_tokens = std::max(report.completion.completion_tokens, state.tokens_sent());
     report.completion.completion_tokens = last.completion_tokens;
-    last.final = std::move(report);
+    last.final = report;
+    final_report = std::move(report);
     state.Finish();
     return sink->Send(last);
   }

@@ -128,20 +128,25 @@ std::string GenerationService::NewRequestId() {
   return absl::StrFormat("req-%016x", next_request_.fetch_add(1));
 }
 
+grpc::Status GenerationService::Reject(const absl::Status& status) {
+  if (options_.observer != nullptr) options_.observer->OnRejected(status);
+  return ToGrpcStatus(status);
+}
+
 grpc::Status GenerationService::Generate(grpc::ServerContext* context,
                                          const v1::GenerateRequest* request,
                                          grpc::ServerWriter<v1::GenerateResponse>* writer) {
   const absl::Time arrival = clock_->Now();
   absl::StatusOr<GenerateParams> params =
       ParseGenerateRequest(*request, membership_->Models(), options_.defaults);
-  if (!params.ok()) return ToGrpcStatus(params.status());
+  if (!params.ok()) return Reject(params.status());
   if (params->request_id.empty()) params->request_id = NewRequestId();
 
   absl::StatusOr<Admission::Ticket> ticket = admission_->Admit();
-  if (!ticket.ok()) return ToGrpcStatus(ticket.status());
+  if (!ticket.ok()) return Reject(ticket.status());
 
   CancellationToken token;
-  if (absl::Status s = in_flight_.Add(params->request_id, &token); !s.ok()) return ToGrpcStatus(s);
+  if (absl::Status s = in_flight_.Add(params->request_id, &token); !s.ok()) return Reject(s);
   {
     absl::MutexLock lock(&tokens_mu_);
     tokens_[&token] = true;

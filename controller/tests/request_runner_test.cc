@@ -295,6 +295,46 @@ TEST_F(RequestRunnerTest, FirstTokenThatFinishesSkipsDecode) {
   EXPECT_EQ(sink_.events.back().final->completion.completion_tokens, 1u);
 }
 
+class RecordingObserver : public RequestObserver {
+ public:
+  void OnAttempt(const GenerateParams&, const PlacementDecision& p, uint32_t attempt) override {
+    events.push_back(absl::StrCat("attempt ", attempt, " ", p.prefill.id));
+  }
+  void OnNodeFailure(const GenerateParams&, absl::string_view node, const absl::Status& e) override {
+    events.push_back(absl::StrCat("failure ", node, " ", absl::StatusCodeToString(e.code())));
+  }
+  void OnFirstToken(const GenerateParams&, absl::Duration, absl::Duration) override {
+    events.push_back("first-token");
+  }
+  void OnTokens(const GenerateParams&, uint32_t n) override { tokens += n; }
+  void OnEnd(const GenerateParams&, const absl::Status& s, const FinalReport* report) override {
+    events.push_back(absl::StrCat("end ", absl::StatusCodeToString(s.code()),
+                                  report != nullptr ? " report" : ""));
+  }
+  std::vector<std::string> events;
+  uint32_t tokens = 0;
+};
+
+TEST_F(RequestRunnerTest, ObserverSeesTheRequestsLife) {
+  RecordingObserver observer;
+  RequestRunner runner(&membership_, &placement_, &prefill_, &decode_, &clock_,
+                       RunnerOptions{.max_attempts = 3, .observer = &observer});
+  prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    return absl::UnavailableError("Connection refused");
+  };
+  ASSERT_TRUE(runner.Run(params_, clock_.Now(), deadline_, &cancel_, &sink_).ok());
+  EXPECT_THAT(observer.events,
+              ElementsAre("attempt 1 " + p1_, "failure " + p1_ + " UNAVAILABLE",
+                          "attempt 2 " + p2_, "first-token", "end OK report"));
+  EXPECT_EQ(observer.tokens, 3u);
+
+  decode_.fail_after = 0;
+  observer.events.clear();
+  EXPECT_FALSE(runner.Run(params_, clock_.Now(), deadline_, &cancel_, &sink_).ok());
+  EXPECT_THAT(observer.events, ElementsAre("attempt 1 " + p2_, "first-token",
+                                           "failure " + d1_ + " UNAVAILABLE", "end UNAVAILABLE"));
+}
+
 TEST(RequestStateMachineTest, RetryOnlyBeforeTheFirstToken) {
   RequestStateMachine m(2);
   ASSERT_TRUE(m.BeginAttempt().ok());

@@ -21,12 +21,40 @@
 
 namespace kvr::controller {
 
+struct FinalReport;
+
+// Hooks on a request's life, for metrics and tracing (the Prometheus exporter of issue 8 is
+// meant to implement this). Called on the request's own thread, so implementations must be
+// thread-safe across requests; they must not block. Every hook has an empty default.
+class RequestObserver {
+ public:
+  virtual ~RequestObserver() = default;
+  // Refused before running (validation, admission, duplicate id): `status` says why.
+  virtual void OnRejected(const absl::Status& status) {}
+  // An attempt was placed on nodes (attempt 1, 2, ...).
+  virtual void OnAttempt(const GenerateParams& params, const PlacementDecision& placement,
+                         uint32_t attempt) {}
+  // A node failed during an attempt (whether or not the request is retried).
+  virtual void OnNodeFailure(const GenerateParams& params, absl::string_view node_id,
+                             const absl::Status& error) {}
+  // The first token reached the client.
+  virtual void OnFirstToken(const GenerateParams& params, absl::Duration queue,
+                            absl::Duration time_to_first_token) {}
+  // More tokens reached the client.
+  virtual void OnTokens(const GenerateParams& params, uint32_t n) {}
+  // The request ended: OK with its report, or the error that ended the stream (report null).
+  virtual void OnEnd(const GenerateParams& params, const absl::Status& outcome,
+                     const FinalReport* report) {}
+};
+
 struct RunnerOptions {
   // Attempts per request (1 = no retry).
   uint32_t max_attempts = 3;
   // Deadline of the best-effort Cancel RPCs sent when a request ends early. Its own, because
   // the request's deadline may be the reason it ended.
   absl::Duration cancel_rpc_timeout = absl::Seconds(1);
+  // Not owned; may be null.
+  RequestObserver* observer = nullptr;
 };
 
 // What the client sees at the end of a successful request.
@@ -72,6 +100,10 @@ class RequestRunner {
                                  ResponseSink* sink);
 
  private:
+  // Run without the OnEnd hook.
+  absl::Status RunAttempts(const GenerateParams& params, absl::Time arrival, absl::Time deadline,
+                           CancellationToken* cancel, ResponseSink* sink, RequestObserver& observer,
+                           std::optional<FinalReport>& report);
   void CancelDownstream(const NodeSnapshot* prefill, const NodeSnapshot* decode,
                         const GenerateParams& params, uint64_t sequence_id,
                         absl::string_view reason);

@@ -92,6 +92,8 @@ struct GenerationServiceOptions {
   // Deadline of requests whose client set none.
   absl::Duration default_timeout = absl::Minutes(10);
   absl::Duration disconnect_poll_period = absl::Milliseconds(20);
+  // Told about requests refused before they run; not owned; may be null.
+  RequestObserver* observer = nullptr;
 };
 
 class GenerationService final : public kvr::v1::Generation::Service {
@@ -113,6 +115,7 @@ class GenerationService final : public kvr::v1::Generation::Service {
 
  private:
   std::string NewRequestId();
+  grpc::Status Reject(const absl::Status& status);
 
   Membership* membership_;
   Admission* admission_;
