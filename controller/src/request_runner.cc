@@ -97,7 +97,7 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
     const PlacementDecision& where = *placed;
     const uint64_t sequence_id = next_sequence_id_.fetch_add(1);
     const absl::Time prefill_start = clock_->Now();
-    spdlog::info("request {} attempt {}: prefill {} decode {} store {} (sequence {})",
+    spdlog::debug("request {} attempt {}: prefill {} decode {} store {} (sequence {})",
                  params.request_id, state.attempts(), where.prefill.id, where.decode.id,
                  where.store.id, sequence_id);
 
