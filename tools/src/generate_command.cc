@@ -112,6 +112,9 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   KVR_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, PromptTokens(o, loaded));
   model::DenseAttention attention(&pool);
   model::KvCache cache = m.NewCache();
+  // One allocation for the whole run instead of regrowing (and copying) during decode.
+  cache.Reserve(std::min<int64_t>(c.context_length,
+                                  static_cast<int64_t>(prompt.size()) + o.max_tokens));
   const model::SequenceId id = 1;
 
   const auto prefill_start = Clock::now();
