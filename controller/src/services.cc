@@ -147,15 +147,7 @@ grpc::Status GenerationService::Generate(grpc::ServerContext* context,
 
   CancellationToken token;
   if (absl::Status s = in_flight_.Add(params->request_id, &token); !s.ok()) return Reject(s);
-  {
-    absl::MutexLock lock(&tokens_mu_);
-    tokens_[&token] = true;
-  }
-  absl::Cleanup forget = [&] {
-    in_flight_.Remove(params->request_id);
-    absl::MutexLock lock(&tokens_mu_);
-    tokens_.erase(&token);
-  };
+  absl::Cleanup forget = [&] { in_flight_.Remove(params->request_id); };
   std::unique_ptr<DisconnectWatcher::Watch> watch = watcher_.Add(context, &token);
 
   absl::Time deadline = arrival + options_.default_timeout;
@@ -183,11 +175,6 @@ grpc::Status GenerationService::ListModels(grpc::ServerContext*, const v1::ListM
                                            v1::ListModelsResponse* response) {
   *response = ToListModelsResponse(membership_->Models());
   return grpc::Status::OK;
-}
-
-void GenerationService::CancelAll(absl::string_view reason) {
-  absl::MutexLock lock(&tokens_mu_);
-  for (auto& [token, unused] : tokens_) token->Cancel(absl::UnavailableError(reason));
 }
 
 }  // namespace kvr::controller

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <atomic>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -110,9 +111,6 @@ class GenerationService final : public kvr::v1::Generation::Service {
                           const kvr::v1::ListModelsRequest* request,
                           kvr::v1::ListModelsResponse* response) override;
 
-  // Cancels every request in flight (shutdown).
-  void CancelAll(absl::string_view reason);
-
  private:
   std::string NewRequestId();
   grpc::Status Reject(const absl::Status& status);
@@ -125,8 +123,6 @@ class GenerationService final : public kvr::v1::Generation::Service {
   InFlightRequests in_flight_;
   DisconnectWatcher watcher_;
   std::atomic<uint64_t> next_request_;
-  absl::Mutex tokens_mu_;
-  absl::flat_hash_map<CancellationToken*, bool> tokens_ ABSL_GUARDED_BY(tokens_mu_);
 };
 
 }  // namespace kvr::controller
