@@ -18,6 +18,7 @@
 #include <cstring>
 #include <deque>
 #include <set>
+#include <random>
 #include <thread>
 
 #include <ucp/api/ucp.h>
@@ -36,10 +37,22 @@ namespace {
 
 // Reply messages travel on this AM id; user ids are 1..kMaxUserAmId.
 constexpr AmId kReplyAmId = 0;
+// First message on every endpoint: the client's id and worker address, so that the server
+// answers over an endpoint it owns (see OnHello).
+constexpr AmId kHelloAmId = kMaxUserAmId + 1;
 
 // Prefix of every request's AM header (then the user header follows).
 struct RequestPrefix {
   uint64_t request_id;
+  uint64_t client_id;  // the sending endpoint's id from its hello
+};
+// Header of a hello: then the client's worker address.
+struct HelloPrefix {
+  uint64_t client_id;
+  // The client endpoint's error mode; the back-endpoint must use the same one, because UCX
+  // cannot wire up two endpoints of different error modes between the same two workers.
+  uint32_t peer_mode;
+  uint32_t reserved;
 };
 // Prefix of every reply's AM header: then `message_size` bytes of error message, then the
 // user header.
@@ -160,6 +173,8 @@ struct EndpointState {
   ucp_ep_h ep = nullptr;
   bool closed = false;
   bool peer_mode = false;  // UCP_ERR_HANDLING_MODE_PEER (else NONE + pid watch)
+  uint64_t client_id = 0;  // client side: the id announced in the hello
+  uint64_t served_client_id = 0;  // server side: the client this back-endpoint answers
   int pid_fd = -1;         // pidfd of a same-host peer process, watched in epoll
   int peer_pid = 0;
   absl::flat_hash_set<uint64_t> call_ids;
@@ -225,7 +240,10 @@ struct RkeyState {
 // One received request, owned by IncomingRequest (or by an in-flight reply once replied).
 struct IncomingState {
   std::shared_ptr<WorkerCore> core;
-  ucp_ep_h reply_ep = nullptr;
+  // The server's own endpoint back to the client. Why not UCX's reply_ep: UCX 1.13 destroys
+  // that internal endpoint when the client disconnects, and a reply sent on it later (an
+  // asynchronous handler) crashed in ucp_am_send_nbx. An endpoint we own fails cleanly.
+  std::shared_ptr<EndpointState> reply_to;
   uint64_t request_id = 0;
   AmId am_id = 0;
   std::string header;
@@ -273,6 +291,112 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
   absl::flat_hash_map<AmId, std::unique_ptr<HandlerEntry>> handlers;
   std::vector<std::shared_ptr<EndpointState>> to_close;
   absl::flat_hash_set<void*> close_requests;
+  // Server side: endpoints back to the clients that said hello, by client id.
+  absl::flat_hash_map<uint64_t, std::shared_ptr<EndpointState>> clients;
+  uint64_t client_id_base = 0;  // random per worker; endpoint ids are base + counter
+  uint64_t next_client_seq = 1;
+
+  // Creates an endpoint to a kvr worker address (progress thread). Same-host peers get error
+  // mode NONE plus a pidfd watch, others UCP_ERR_HANDLING_MODE_PEER (see AddressPrefix).
+  // `mode`: -1 decides as described; 1 / 0 force mode PEER / NONE (a back-endpoint must
+  // use its client's mode).
+  absl::StatusOr<std::shared_ptr<EndpointState>> ConnectOnThread(absl::string_view address,
+                                                                 std::string peer_name,
+                                                                 int mode = -1) {
+    if (stop_requested) {
+      return absl::FailedPreconditionError(absl::StrCat("worker '", name, "' shut down"));
+    }
+    AddressPrefix peer{};
+    if (address.size() <= sizeof(peer)) {
+      return absl::InvalidArgumentError(absl::StrCat("worker address for peer '", peer_name,
+                                                     "' is too short (", address.size(),
+                                                     " bytes)"));
+    }
+    std::memcpy(&peer, address.data(), sizeof(peer));
+    if (peer.magic != kAddressMagic) {
+      return absl::InvalidArgumentError(absl::StrCat("worker address for peer '", peer_name,
+                                                     "' is not a kvr worker address"));
+    }
+    auto state = std::make_shared<EndpointState>();
+    state->core = this;
+    state->peer_name = std::move(peer_name);
+    const bool same_host = SameHost(peer, identity);
+    state->peer_mode = mode == -1 ? !(same_host_pid_watch && same_host) : mode == 1;
+    if (!state->peer_mode && same_host && peer.pid != identity.pid) {
+      state->peer_pid = static_cast<int>(peer.pid);
+      // glibc 2.36 declares pidfd_open but does not export it; use the system call.
+      state->pid_fd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer.pid), 0));
+      if (state->pid_fd < 0) {
+        return absl::UnavailableError(absl::StrCat("peer '", state->peer_name, "' (pid ",
+                                                   peer.pid, ") is not running: ",
+                                                   std::strerror(errno)));
+      }
+    }
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(address.data() + sizeof(peer));
+    params.err_mode = state->peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    params.err_handler.cb = &WorkerCore::OnEndpointError;
+    params.err_handler.arg = state.get();
+    ucs_status_t st = ucp_ep_create(worker, &params, &state->ep);
+    if (st != UCS_OK) {
+      state->ep = nullptr;
+      if (state->pid_fd >= 0) close(state->pid_fd);
+      state->pid_fd = -1;
+      return absl::UnavailableError(absl::StrCat("connect to peer '", state->peer_name,
+                                                 "': ", ucs_status_string(st)));
+    }
+    endpoints.emplace(state.get(), state);
+    if (state->pid_fd >= 0) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = state->pid_fd;
+      epoll_ctl(epoll_fd, EPOLL_CTL_ADD, state->pid_fd, &ev);
+      pid_watches[state->pid_fd] = state.get();
+    }
+    return state;
+  }
+
+  // Client side: announces the endpoint's id and this worker's address to the server.
+  void SendHello(EndpointState* state) {
+    state->client_id = client_id_base + next_client_seq++;
+    std::string* header = new std::string(sizeof(HelloPrefix), '\0');
+    HelloPrefix hello{state->client_id, state->peer_mode ? 1u : 0u, 0};
+    std::memcpy(header->data(), &hello, sizeof(hello));
+    header->append(address);
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+      ucp_request_free(request);
+      delete static_cast<std::string*>(user_data);
+    };
+    param.user_data = header;
+    ucs_status_ptr_t req =
+        ucp_am_send_nbx(state->ep, kHelloAmId, header->data(), header->size(), nullptr, 0, &param);
+    // Errors surface through the endpoint's error handler and the first call.
+    if (req == nullptr || UCS_PTR_IS_ERR(req)) delete header;
+  }
+
+  // Server side: connects back to a client that said hello.
+  static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void*,
+                              size_t, const ucp_am_recv_param_t*) {
+    auto* core = static_cast<WorkerCore*>(arg);
+    if (header_length <= sizeof(HelloPrefix)) return UCS_OK;
+    HelloPrefix hello;
+    std::memcpy(&hello, header, sizeof(hello));
+    if (core->clients.contains(hello.client_id)) return UCS_OK;
+    absl::string_view address(static_cast<const char*>(header) + sizeof(hello),
+                              header_length - sizeof(hello));
+    absl::StatusOr<std::shared_ptr<EndpointState>> ep = core->ConnectOnThread(
+        address, absl::StrCat("client ", hello.client_id),
+        hello.peer_mode != 0 ? 1 : 0);
+    if (!ep.ok()) return UCS_OK;  // its requests are dropped; its calls hit their deadline
+    (*ep)->served_client_id = hello.client_id;
+    core->clients.emplace(hello.client_id, std::move(*ep));
+    return UCS_OK;
+  }
+
   // Calls whose receive was abandoned; released after ucp_worker_destroy.
   std::vector<std::shared_ptr<CallState>> abandoned;
 
@@ -368,7 +492,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     call->core = this;
     call->id = next_id++;
     call->endpoint = ep;
-    RequestPrefix prefix{call->id};
+    RequestPrefix prefix{call->id, ep->client_id};
     std::memcpy(call->wire_header.data(), &prefix, sizeof(prefix));
     call->send.Set(payload);
     calls.emplace(call->id, call);
@@ -376,12 +500,13 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     ep->call_ids.insert(call->id);
 
     ucp_request_param_t param{};
+    // No UCP_AM_SEND_FLAG_REPLY: the server answers over its own back-endpoint (see
+    // IncomingState::reply_to), so UCX's reply endpoint is not needed.
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_FLAGS;
+                         UCP_OP_ATTR_FIELD_DATATYPE;
     param.cb.send = &WorkerCore::OnCallSent;
     param.user_data = call.get();
     param.datatype = call->send.datatype;
-    param.flags = UCP_AM_SEND_FLAG_REPLY;
     ucs_status_ptr_t req =
         ucp_am_send_nbx(ep->ep, call->am_id, call->wire_header.data(), call->wire_header.size(),
                         call->send.buffer, call->send.count, &param);
@@ -584,6 +709,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     state->ep = nullptr;
     if (req != nullptr && !UCS_PTR_IS_ERR(req)) close_requests.insert(req);
     if (!state->Health().ok()) AbandonReceives(state);
+    if (state->served_client_id != 0) clients.erase(state->served_client_id);
     // Rkeys unpacked on this endpoint become unusable; destroy them now (ucp_rkey_destroy
     // must not outlive the endpoint's configuration).
     for (auto it = rkeys.begin(); it != rkeys.end();) {
@@ -760,11 +886,11 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
 };
 
 IncomingState::~IncomingState() {
-  if (!replied && core != nullptr && reply_ep != nullptr) {
+  if (!replied && core != nullptr && reply_to != nullptr) {
     // Dropped without a reply: answer INTERNAL so the caller does not wait for its deadline.
     auto self = std::make_unique<IncomingState>();
     self->core = core;
-    self->reply_ep = reply_ep;
+    self->reply_to = reply_to;
     self->request_id = request_id;
     self->replied = true;
     ReplyPrefix prefix{request_id, static_cast<int32_t>(absl::StatusCode::kInternal), 0};
@@ -811,6 +937,14 @@ void WorkerCore::Reply(std::unique_ptr<IncomingState> state, std::string wire_he
     finish(f, absl::CancelledError(absl::StrCat("worker '", name, "' shut down")));
     return;
   }
+  EndpointState* to = f->request->reply_to.get();
+  if (to->ep == nullptr) {
+    absl::Status health = to->Health();
+    finish(f, !health.ok() ? health
+                           : absl::UnavailableError(absl::StrCat(
+                                 "connection to ", to->peer_name, " is closed")));
+    return;
+  }
   ucp_request_param_t param{};
   param.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -823,7 +957,7 @@ void WorkerCore::Reply(std::unique_ptr<IncomingState> state, std::string wire_he
   };
   param.user_data = f;
   param.datatype = f->send.datatype;
-  ucs_status_ptr_t req = ucp_am_send_nbx(f->request->reply_ep, kReplyAmId, f->wire_header.data(),
+  ucs_status_ptr_t req = ucp_am_send_nbx(to->ep, kReplyAmId, f->wire_header.data(),
                                          f->wire_header.size(), f->send.buffer, f->send.count,
                                          &param);
   if (UCS_PTR_IS_ERR(req)) {
@@ -837,16 +971,17 @@ ucs_status_t WorkerCore::OnRequest(void* arg, const void* header, size_t header_
                                    void* data, size_t length, const ucp_am_recv_param_t* param) {
   auto* entry = static_cast<HandlerEntry*>(arg);
   WorkerCore* core = entry->core;
-  // Without a reply endpoint or our prefix there is nobody to answer: drop.
-  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr ||
-      header_length < sizeof(RequestPrefix)) {
-    return UCS_OK;
-  }
+  // Without our prefix, or from a client whose hello we do not know, there is nobody to
+  // answer: drop (the caller's deadline ends its call). Hellos precede requests on an
+  // endpoint and UCX delivers active messages of one endpoint in order.
+  if (header_length < sizeof(RequestPrefix)) return UCS_OK;
   RequestPrefix prefix;
   std::memcpy(&prefix, header, sizeof(prefix));
+  auto client = core->clients.find(prefix.client_id);
+  if (client == core->clients.end()) return UCS_OK;
   auto state = std::make_unique<IncomingState>();
   state->core = core->shared_from_this();
-  state->reply_ep = param->reply_ep;
+  state->reply_to = client->second;
   state->request_id = prefix.request_id;
   state->am_id = entry->am_id;
   state->header.assign(static_cast<const char*>(header) + sizeof(prefix),
@@ -1491,6 +1626,32 @@ absl::StatusOr<Worker> Worker::Create(const Context& context, WorkerOptions opti
   hp.arg = core.get();
   st = ucp_worker_set_am_recv_handler(core->worker, &hp);
   if (st != UCS_OK) return fail(internal::UcsError(st, "set reply AM handler"));
+  hp.id = internal::kHelloAmId;
+  hp.cb = &WorkerCore::OnHello;
+  st = ucp_worker_set_am_recv_handler(core->worker, &hp);
+  if (st != UCS_OK) return fail(internal::UcsError(st, "set hello AM handler"));
+  // Every user id gets a handler from the start: a message for an id nobody registered is
+  // answered UNIMPLEMENTED instead of silently dropped (the caller would wait for its
+  // deadline). It also works around UCX 1.13 reading an uninitialised slot of its handler
+  // array for an unregistered id below the highest registered one (crash seen under ASan).
+  for (AmId id = 1; id <= kMaxUserAmId; ++id) {
+    auto entry = std::make_unique<internal::HandlerEntry>();
+    entry->core = core.get();
+    entry->am_id = id;
+    entry->handler = [id](IncomingRequest request) {
+      (void)request.ReplyError(absl::UnimplementedError(
+          absl::StrCat("no handler is registered for active-message id ", id)));
+    };
+    hp.id = id;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
+    hp.cb = &WorkerCore::OnRequest;
+    hp.arg = entry.get();
+    st = ucp_worker_set_am_recv_handler(core->worker, &hp);
+    if (st != UCS_OK) return fail(internal::UcsError(st, "set default AM handler"));
+    core->handlers[id] = std::move(entry);
+  }
+  std::random_device random;
+  core->client_id_base = (uint64_t{random()} << 32 | random()) & ~uint64_t{0xFFFFFFFF};
 
   WorkerCore* raw = core.get();
   absl::Notification started;
@@ -1534,69 +1695,17 @@ absl::StatusOr<Endpoint> Worker::Connect(std::string_view peer_address, std::str
     return absl::InvalidArgumentError(
         absl::StrCat("empty worker address for peer '", peer_name, "'"));
   }
-  internal::AddressPrefix peer{};
-  if (peer_address.size() <= sizeof(peer)) {
-    return absl::InvalidArgumentError(absl::StrCat("worker address for peer '", peer_name,
-                                                   "' is too short (", peer_address.size(),
-                                                   " bytes)"));
-  }
-  std::memcpy(&peer, peer_address.data(), sizeof(peer));
-  if (peer.magic != internal::kAddressMagic) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("worker address for peer '", peer_name, "' is not a kvr worker address"));
-  }
-  std::string_view ucp_address = peer_address.substr(sizeof(peer));
-  auto state = std::make_shared<EndpointState>();
-  state->core = core_.get();
-  state->peer_name = std::move(peer_name);
-  const bool same_host =
-      core_->same_host_pid_watch && internal::SameHost(peer, core_->identity);
-  state->peer_mode = !same_host;
-  if (same_host && peer.pid != core_->identity.pid) {
-    state->peer_pid = static_cast<int>(peer.pid);
-    // glibc 2.36 declares pidfd_open but does not export it; use the system call.
-    state->pid_fd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer.pid), 0));
-    if (state->pid_fd < 0) {
-      return absl::UnavailableError(absl::StrCat("peer '", state->peer_name, "' (pid ",
-                                                 peer.pid, ") is not running: ",
-                                                 std::strerror(errno)));
-    }
-  }
-  absl::Status result;
+  absl::StatusOr<std::shared_ptr<EndpointState>> state =
+      absl::FailedPreconditionError("not run");
   WorkerCore* core = core_.get();
   absl::Status run = core_->RunSync([&] {
-    if (core->stop_requested) {
-      result = absl::FailedPreconditionError(absl::StrCat("worker '", core->name, "' shut down"));
-      return;
-    }
-    ucp_ep_params_t params{};
-    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.address = reinterpret_cast<const ucp_address_t*>(ucp_address.data());
-    params.err_mode = state->peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
-    params.err_handler.cb = &WorkerCore::OnEndpointError;
-    params.err_handler.arg = state.get();
-    ucs_status_t st = ucp_ep_create(core->worker, &params, &state->ep);
-    if (st != UCS_OK) {
-      state->ep = nullptr;
-      if (state->pid_fd >= 0) close(state->pid_fd);
-      state->pid_fd = -1;
-      result = absl::UnavailableError(absl::StrCat("connect to peer '", state->peer_name,
-                                                   "': ", ucs_status_string(st)));
-      return;
-    }
-    core->endpoints.emplace(state.get(), state);
-    if (state->pid_fd >= 0) {
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      ev.data.fd = state->pid_fd;
-      epoll_ctl(core->epoll_fd, EPOLL_CTL_ADD, state->pid_fd, &ev);
-      core->pid_watches[state->pid_fd] = state.get();
-    }
+    state = core->ConnectOnThread(absl::string_view(peer_address.data(), peer_address.size()),
+                                  std::move(peer_name));
+    if (state.ok()) core->SendHello(state->get());
   });
   if (!run.ok()) return run;
-  if (!result.ok()) return result;
-  return Endpoint(core_, std::move(state));
+  if (!state.ok()) return state.status();
+  return Endpoint(core_, std::move(*state));
 }
 
 absl::Status Worker::RegisterHandler(AmId am_id, RequestHandler handler,

@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
@@ -21,6 +22,12 @@ class ServerProcess {
   // Starts `binary <tls> <spin_us>` and waits for the address line.
   static absl::StatusOr<ServerProcess> Start(const std::string& binary, const std::string& tls,
                                              const std::string& spin_us = "50") {
+    return StartWithArgs(binary, {tls, spin_us});
+  }
+
+  // Starts `binary args...` and returns once it printed its first line (kept as address()).
+  static absl::StatusOr<ServerProcess> StartWithArgs(const std::string& binary,
+                                                     const std::vector<std::string>& args) {
     int to_child[2], from_child[2];
     if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) return absl::InternalError("pipe");
     pid_t pid = fork();
@@ -32,8 +39,10 @@ class ServerProcess {
       close(to_child[1]);
       close(from_child[0]);
       close(from_child[1]);
-      execl(binary.c_str(), binary.c_str(), tls.c_str(), spin_us.c_str(),
-            static_cast<char*>(nullptr));
+      std::vector<char*> argv = {const_cast<char*>(binary.c_str())};
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(binary.c_str(), argv.data());
       _exit(127);
     }
     close(to_child[0]);
@@ -46,16 +55,18 @@ class ServerProcess {
     bool got = fgets(line, sizeof(line), out) != nullptr;
     fclose(out);
     if (!got) return absl::InternalError(absl::StrCat(binary, " printed no address"));
-    std::string hex(line);
-    while (!hex.empty() && (hex.back() == '\n' || hex.back() == '\r')) hex.pop_back();
-    p.address_ = absl::HexStringToBytes(hex);
+    std::string first(line);
+    while (!first.empty() && (first.back() == '\n' || first.back() == '\r')) first.pop_back();
+    p.first_line_ = first;
+    p.address_ = absl::HexStringToBytes(first);
     return p;
   }
 
   ServerProcess(ServerProcess&& o) noexcept
       : pid_(std::exchange(o.pid_, -1)),
         stdin_fd_(std::exchange(o.stdin_fd_, -1)),
-        address_(std::move(o.address_)) {}
+        address_(std::move(o.address_)),
+        first_line_(std::move(o.first_line_)) {}
   ServerProcess& operator=(ServerProcess&&) = delete;
   ~ServerProcess() {
     if (stdin_fd_ >= 0) close(stdin_fd_);  // EOF: the server shuts down cleanly
@@ -63,6 +74,7 @@ class ServerProcess {
   }
 
   const std::string& address() const { return address_; }
+  const std::string& first_line() const { return first_line_; }
   void Kill() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);
@@ -76,6 +88,7 @@ class ServerProcess {
   pid_t pid_ = -1;
   int stdin_fd_ = -1;
   std::string address_;
+  std::string first_line_;
 };
 
 }  // namespace kvr::transport::testing

@@ -26,8 +26,29 @@ namespace tp = kvr::transport::testing;
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: transport_test_server <ucx-tls>\n";
+    std::cerr << "usage: transport_test_server <ucx-tls> [spin-us]\n"
+                 "       transport_test_server <ucx-tls> --client <hex-address>\n";
     return 2;
+  }
+  if (argc == 4 && std::string(argv[2]) == "--client") {
+    // Client mode: send one request (am 1, header "park") to the given worker, print
+    // "sent" once it is out, then wait to be killed.
+    kt::ContextOptions client_options;
+    client_options.ucx_config = {{"TLS", argv[1]}};
+    auto ctx = kt::Context::Create(client_options);
+    if (!ctx.ok()) return 1;
+    auto w = kt::Worker::Create(*ctx, {.name = "test-client-process"});
+    if (!w.ok()) return 1;
+    auto ep = w->Connect(absl::HexStringToBytes(argv[3]), "test-parent");
+    if (!ep.ok()) return 1;
+    kt::PendingCall call = ep->Call(1, kt::AsBytes("park"), {}, {});
+    // Flush the request out with a second, answered call (am 2 echoes at once).
+    auto r = ep->CallSync(2, kt::AsBytes("ping"), {}, {});
+    std::cout << (r.ok() ? "sent" : "failed") << std::endl;
+    std::string line;
+    while (std::getline(std::cin, line)) {
+    }
+    return 0;
   }
   kt::ContextOptions options;
   options.ucx_config = {{"TLS", argv[1]}};

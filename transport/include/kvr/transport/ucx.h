@@ -197,7 +197,10 @@ class PendingTransfer {
 // Server side of the active-message RPC.
 
 // One received request. Move-only. The handler may reply inline (on the progress thread) or
-// move the request to another thread and reply later; `Reply*` are thread-safe. Header and
+// move the request to another thread and reply later; `Reply*` are thread-safe. Replies go
+// over the server's own endpoint back to the client (not UCX's reply_ep, which UCX 1.13
+// frees when the client disconnects): a reply to a client that died fails cleanly, with
+// UNAVAILABLE in `on_sent`. Header and
 // payload views stay valid until the request is destroyed (UCX's persistent eager data, or
 // the buffer the rendezvous payload was received into).
 //
@@ -353,6 +356,10 @@ struct WorkerOptions {
   // Why: UCX 1.13's shared-memory transports refuse mode PEER, so mode PEER everywhere would
   // silently push same-host traffic onto TCP. false: mode PEER for every peer (UCX's own
   // detection; what a cross-host peer gets), which on one host means TCP only.
+  // Servers answer over their own endpoint back to each client (created from the client's
+  // hello, in the client's error mode), so two processes that also connect to each other
+  // directly must use the same setting: UCX refuses endpoints of different error modes
+  // between one pair of workers.
   bool same_host_pid_watch = true;
 };
 
