@@ -74,9 +74,6 @@ std::vector<float> AggregateGroupScores(GqaAggregation how, std::span<float> sco
 void GroupLogits(const float* query, const IndexShape& shape, int kvh, const float* base,
                  int64_t stride, int64_t n, float scale, std::vector<float>* out);
 
-// Bounds used when reading payloads: at most this many tokens / vectors per head.
-inline constexpr uint64_t kMaxTokens = uint64_t{1} << 34;
-
 // Copies keys of all heads into packed storage [n, n_kv_heads, head_dim].
 inline void AppendPacked(const TokenTensor& t, int n_heads, int head_dim, std::vector<float>* dst) {
   const int64_t row = static_cast<int64_t>(n_heads) * head_dim;

@@ -192,7 +192,8 @@ struct IndexParams {
   // Shared read-only resources (A2ATS codebooks). May be null for methods that need none.
   std::shared_ptr<const MethodAssets> assets;
   // Worker threads for Build/Select over heads. Not owned; must outlive the index. May be null
-  // (single-threaded).
+  // (single-threaded). The core methods do not use it yet (they run heads in sequence and rely
+  // on SGEMM for the heavy parts); callers parallelise across (sequence, layer) indexes.
   ThreadPool* pool = nullptr;
 
   // Checks method-independent fields (budget > 0, n_sink >= 0, local_window >= 0).
