@@ -28,7 +28,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 double CpuSeconds() {
   rusage u;
@@ -43,14 +45,17 @@ double SgemmCeiling(kvr::ThreadPool& pool) {
   std::vector<std::vector<float>> a(threads, std::vector<float>(n * n, 0.5f)),
       c(threads, std::vector<float>(n * n));
   const auto start = Clock::now();
-  pool.ParallelFor(threads, [&](size_t b, size_t e) {
-    for (size_t t = b; t < e; ++t) {
-      for (int r = 0; r < reps; ++r) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.f, a[t].data(), n,
-                    a[t].data(), n, 0.f, c[t].data(), n);
-      }
-    }
-  }, 1);
+  pool.ParallelFor(
+      threads,
+      [&](size_t b, size_t e) {
+        for (size_t t = b; t < e; ++t) {
+          for (int r = 0; r < reps; ++r) {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.f, a[t].data(), n,
+                        a[t].data(), n, 0.f, c[t].data(), n);
+          }
+        }
+      },
+      1);
   return 2.0 * n * n * n * reps * threads / Since(start) / 1e9;
 }
 
@@ -62,18 +67,21 @@ double ReadCeiling(kvr::ThreadPool& pool) {
   for (int rep = 0; rep < 3; ++rep) {
     const auto start = Clock::now();
     const size_t parts = pool.size();
-    pool.ParallelFor(parts, [&](size_t b, size_t e) {
-      for (size_t p = b; p < e; ++p) {
-        const size_t chunk = buffer.size() / parts;
-        float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
-        const float* x = buffer.data() + p * chunk;
-        for (size_t i = 0; i + 8 <= chunk; i += 8) {
-          s0 += x[i], s1 += x[i + 1], s2 += x[i + 2], s3 += x[i + 3];
-          s4 += x[i + 4], s5 += x[i + 5], s6 += x[i + 6], s7 += x[i + 7];
-        }
-        sums[p * 16] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7;
-      }
-    }, 1);
+    pool.ParallelFor(
+        parts,
+        [&](size_t b, size_t e) {
+          for (size_t p = b; p < e; ++p) {
+            const size_t chunk = buffer.size() / parts;
+            float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+            const float* x = buffer.data() + p * chunk;
+            for (size_t i = 0; i + 8 <= chunk; i += 8) {
+              s0 += x[i], s1 += x[i + 1], s2 += x[i + 2], s3 += x[i + 3];
+              s4 += x[i + 4], s5 += x[i + 5], s6 += x[i + 6], s7 += x[i + 7];
+            }
+            sums[p * 16] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7;
+          }
+        },
+        1);
     best = std::max(best, buffer.size() * 4.0 / Since(start) / 1e9);
   }
   return best;
@@ -113,7 +121,8 @@ int main(int argc, char** argv) {
 
   // Prefill: the same synthetic prompt for every sequence (ids spread over the vocabulary).
   std::vector<int32_t> prompt(prompt_tokens);
-  for (int64_t i = 0; i < prompt_tokens; ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % c.vocab);
+  for (int64_t i = 0; i < prompt_tokens; ++i)
+    prompt[i] = static_cast<int32_t>((i * 7919 + 13) % c.vocab);
   kvr::model::DenseAttention attention(&pool);
   std::vector<kvr::model::KvCache> caches;
   for (int b = 0; b < batch; ++b) {
@@ -132,11 +141,11 @@ int main(int argc, char** argv) {
   const double layer_params = static_cast<double>(c.ParameterCount() - embed);
   const double n = static_cast<double>(prompt_tokens);
   const double flops = 2 * layer_params * n + 4.0 * c.n_heads * c.head_dim * n * n / 2 * c.n_layers;
-  std::printf("prefill: %lld tokens in %.2f s = %.1f tok/s, %.1f GFLOP/s (%.0f%% of the sgemm "
-              "ceiling), cpu use %.0f%%\n",
-              static_cast<long long>(prompt_tokens), prefill_s, n / prefill_s,
-              flops / prefill_s / 1e9, 100 * flops / prefill_s / 1e9 / gemm_ceiling,
-              100 * prefill_cpu / (prefill_s * pool.size()));
+  std::printf(
+      "prefill: %lld tokens in %.2f s = %.1f tok/s, %.1f GFLOP/s (%.0f%% of the sgemm "
+      "ceiling), cpu use %.0f%%\n",
+      static_cast<long long>(prompt_tokens), prefill_s, n / prefill_s, flops / prefill_s / 1e9,
+      100 * flops / prefill_s / 1e9 / gemm_ceiling, 100 * prefill_cpu / (prefill_s * pool.size()));
   for (int b = 1; b < batch; ++b) {
     if (!model.Prefill(b, caches[b], prompt, attention).ok()) return 1;
   }
@@ -148,23 +157,27 @@ int main(int argc, char** argv) {
   start = Clock::now();
   for (int step = 0; step < decode_steps; ++step) {
     std::vector<kvr::model::ForwardSequence> seqs;
-    for (int b = 0; b < batch; ++b) seqs.push_back({static_cast<uint64_t>(b), &caches[b], std::span(&next[b], 1)});
+    for (int b = 0; b < batch; ++b)
+      seqs.push_back({static_cast<uint64_t>(b), &caches[b], std::span(&next[b], 1)});
     if (!model.Forward(seqs, attention, kvr::model::LogitsMode::kLast, step_logits).ok()) return 1;
     for (int b = 0; b < batch; ++b) {
-      next[b] = kvr::model::ArgMax(std::span(step_logits).subspan(static_cast<size_t>(b) * c.vocab, c.vocab));
+      next[b] = kvr::model::ArgMax(
+          std::span(step_logits).subspan(static_cast<size_t>(b) * c.vocab, c.vocab));
     }
   }
   const double decode_s = Since(start);
   const double decode_cpu = CpuSeconds() - cpu0;
   // Bytes streamed per step: every weight once (float32) plus each sequence's K and V.
-  const double kv_bytes = 2.0 * c.n_layers * c.kv_dim() * 4 * (prompt_tokens + decode_steps / 2.0) * batch;
+  const double kv_bytes =
+      2.0 * c.n_layers * c.kv_dim() * 4 * (prompt_tokens + decode_steps / 2.0) * batch;
   const double step_bytes = static_cast<double>(model.weights().allocated_bytes()) + kv_bytes;
-  std::printf("decode: batch %d at context %lld, %d steps in %.2f s = %.1f tok/s (%.1f steps/s), "
-              "%.1f GB/s of weights+KV (%.0f%% of the read ceiling), cpu use %.0f%%\n",
-              batch, static_cast<long long>(prompt_tokens), decode_steps, decode_s,
-              batch * decode_steps / decode_s, decode_steps / decode_s,
-              step_bytes * decode_steps / decode_s / 1e9,
-              100 * step_bytes * decode_steps / decode_s / 1e9 / read_ceiling,
-              100 * decode_cpu / (decode_s * pool.size()));
+  std::printf(
+      "decode: batch %d at context %lld, %d steps in %.2f s = %.1f tok/s (%.1f steps/s), "
+      "%.1f GB/s of weights+KV (%.0f%% of the read ceiling), cpu use %.0f%%\n",
+      batch, static_cast<long long>(prompt_tokens), decode_steps, decode_s,
+      batch * decode_steps / decode_s, decode_steps / decode_s,
+      step_bytes * decode_steps / decode_s / 1e9,
+      100 * step_bytes * decode_steps / decode_s / 1e9 / read_ceiling,
+      100 * decode_cpu / (decode_s * pool.size()));
   return 0;
 }

@@ -14,20 +14,22 @@ namespace kvr::model {
 
 absl::string_view ArchitectureName(Architecture arch) {
   switch (arch) {
-    case Architecture::kLlama: return "llama";
-    case Architecture::kMistral: return "mistral";
-    case Architecture::kQwen2: return "qwen2";
+    case Architecture::kLlama:
+      return "llama";
+    case Architecture::kMistral:
+      return "mistral";
+    case Architecture::kQwen2:
+      return "qwen2";
   }
   return "unknown";
 }
 
 int64_t ModelConfig::ParameterCount() const {
   const int64_t h = hidden;
-  int64_t per_layer = 2 * h                                   // norms
-                      + h * (q_dim() + 2 * kv_dim())          // wq, wk, wv
-                      + (qkv_bias ? q_dim() + 2 * kv_dim() : 0)
-                      + q_dim() * h                           // wo
-                      + 3 * h * ffn;                          // gate, up, down
+  int64_t per_layer = 2 * h                                                    // norms
+                      + h * (q_dim() + 2 * kv_dim())                           // wq, wk, wv
+                      + (qkv_bias ? q_dim() + 2 * kv_dim() : 0) + q_dim() * h  // wo
+                      + 3 * h * ffn;                                           // gate, up, down
   int64_t total = per_layer * n_layers + int64_t{vocab} * h + h;
   if (!tied_embeddings) total += int64_t{vocab} * h;
   return total;
@@ -41,12 +43,12 @@ absl::Status ModelConfig::Validate() const {
   if (n_layers <= 0) return bad(absl::StrCat("n_layers must be positive, got ", n_layers));
   if (hidden <= 0) return bad(absl::StrCat("hidden size must be positive, got ", hidden));
   if (n_heads <= 0 || n_kv_heads <= 0) {
-    return bad(absl::StrCat("head counts must be positive, got ", n_heads, " query / ",
-                            n_kv_heads, " kv"));
+    return bad(absl::StrCat("head counts must be positive, got ", n_heads, " query / ", n_kv_heads,
+                            " kv"));
   }
   if (n_heads % n_kv_heads != 0) {
-    return bad(absl::StrCat("n_heads (", n_heads, ") is not a multiple of n_kv_heads (",
-                            n_kv_heads, ")"));
+    return bad(
+        absl::StrCat("n_heads (", n_heads, ") is not a multiple of n_kv_heads (", n_kv_heads, ")"));
   }
   if (head_dim <= 0 || head_dim % 2 != 0) {
     return bad(absl::StrCat("head_dim must be positive and even, got ", head_dim));
@@ -54,12 +56,12 @@ absl::Status ModelConfig::Validate() const {
   if (ffn <= 0) return bad(absl::StrCat("ffn size must be positive, got ", ffn));
   if (vocab <= 0) return bad(absl::StrCat("vocab size must be positive, got ", vocab));
   if (!(rms_eps > 0.f)) return bad(absl::StrCat("rms eps must be positive, got ", rms_eps));
-  if (!(rope_theta > 0.f)) return bad(absl::StrCat("rope theta must be positive, got ", rope_theta));
+  if (!(rope_theta > 0.f))
+    return bad(absl::StrCat("rope theta must be positive, got ", rope_theta));
   if (context_length <= 0) {
     return bad(absl::StrCat("context length must be positive, got ", context_length));
   }
-  if (!rope_freq_factors.empty() &&
-      rope_freq_factors.size() != static_cast<size_t>(head_dim / 2)) {
+  if (!rope_freq_factors.empty() && rope_freq_factors.size() != static_cast<size_t>(head_dim / 2)) {
     return bad(absl::StrCat("rope_freq_factors has ", rope_freq_factors.size(),
                             " entries, expected head_dim / 2 = ", head_dim / 2));
   }
@@ -67,8 +69,9 @@ absl::Status ModelConfig::Validate() const {
     const Llama3RopeScaling& s = llama3_scaling;
     if (!(s.factor > 0.f) || !(s.high_freq_factor > s.low_freq_factor) ||
         s.original_context_length <= 0) {
-      return bad("llama3 rope scaling needs factor > 0, high_freq_factor > low_freq_factor and "
-                 "original_max_position_embeddings > 0");
+      return bad(
+          "llama3 rope scaling needs factor > 0, high_freq_factor > low_freq_factor and "
+          "original_max_position_embeddings > 0");
     }
   }
   return absl::OkStatus();
@@ -121,9 +124,9 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& file) {
   KVR_ASSIGN_OR_RETURN(double theta, get_float_or("rope.freq_base", 10000.0));
   KVR_ASSIGN_OR_RETURN(int64_t rope_dims, get_int_or("rope.dimension_count", head_dim));
   if (rope_dims != head_dim) {
-    return absl::UnimplementedError(absl::StrCat("partial RoPE (", a, ".rope.dimension_count = ",
-                                                 rope_dims, ", head_dim = ", head_dim,
-                                                 ") is not supported"));
+    return absl::UnimplementedError(absl::StrCat("partial RoPE (", a,
+                                                 ".rope.dimension_count = ", rope_dims,
+                                                 ", head_dim = ", head_dim, ") is not supported"));
   }
   int64_t vocab = 0;
   if (file.Has(absl::StrCat(a, ".vocab_size"))) {
@@ -172,8 +175,8 @@ absl::StatusOr<ModelConfig> ConfigFromHfJson(const nlohmann::json& j) {
   if (!j.is_object()) return absl::InvalidArgumentError("config.json is not a JSON object");
   ModelConfig c;
   std::string arch_name;
-  if (j.contains("architectures") && j["architectures"].is_array() &&
-      !j["architectures"].empty() && j["architectures"][0].is_string()) {
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
+      j["architectures"][0].is_string()) {
     arch_name = j["architectures"][0].get<std::string>();
   } else if (j.contains("model_type") && j["model_type"].is_string()) {
     arch_name = j["model_type"].get<std::string>();
@@ -236,12 +239,11 @@ absl::StatusOr<ModelConfig> ConfigFromHfJson(const nlohmann::json& j) {
 
   // transformers 5 moved rope_theta/rope_scaling into rope_parameters; accept both.
   const json empty = json::object();
-  const json& rope_params =
-      j.contains("rope_parameters") && j["rope_parameters"].is_object() ? j["rope_parameters"]
-                                                                          : empty;
+  const json& rope_params = j.contains("rope_parameters") && j["rope_parameters"].is_object()
+                                ? j["rope_parameters"]
+                                : empty;
   const json& rope_scaling =
-      j.contains("rope_scaling") && j["rope_scaling"].is_object() ? j["rope_scaling"]
-                                                                    : rope_params;
+      j.contains("rope_scaling") && j["rope_scaling"].is_object() ? j["rope_scaling"] : rope_params;
   KVR_ASSIGN_OR_RETURN(double theta, j.contains("rope_theta")
                                          ? get_float(j, "rope_theta", std::nullopt)
                                          : get_float(rope_params, "rope_theta", 10000.0));
@@ -265,9 +267,9 @@ absl::StatusOr<ModelConfig> ConfigFromHfJson(const nlohmann::json& j) {
     KVR_ASSIGN_OR_RETURN(double factor, get_float(rope_scaling, "factor", std::nullopt));
     c.rope_freq_factors.assign(c.head_dim > 0 ? c.head_dim / 2 : 0, static_cast<float>(factor));
   } else if (rope_type != "default") {
-    return absl::UnimplementedError(absl::StrCat(
-        "RoPE scaling type '", rope_type,
-        "' in config.json is not supported; kvr supports default, linear and llama3"));
+    return absl::UnimplementedError(
+        absl::StrCat("RoPE scaling type '", rope_type,
+                     "' in config.json is not supported; kvr supports default, linear and llama3"));
   }
   KVR_RETURN_IF_ERROR(c.Validate());
   return c;

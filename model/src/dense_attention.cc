@@ -16,9 +16,8 @@ namespace kvr::model {
 absl::Status ValidateAttentionRequest(const AttentionShape& shape,
                                       const AttentionRequest& request) {
   auto bad = [&](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat("attention request (sequence ",
-                                                   request.sequence, ", layer ", request.layer,
-                                                   "): ", what));
+    return absl::InvalidArgumentError(absl::StrCat("attention request (sequence ", request.sequence,
+                                                   ", layer ", request.layer, "): ", what));
   };
   if (shape.n_heads <= 0 || shape.n_kv_heads <= 0 || shape.head_dim <= 0 ||
       shape.n_heads % shape.n_kv_heads != 0) {
@@ -41,8 +40,8 @@ absl::Status ValidateAttentionRequest(const AttentionShape& shape,
     }
   }
   if (!kv.positions.empty() && static_cast<int64_t>(kv.positions.size()) != kv.n_rows) {
-    return bad(absl::StrCat("positions has ", kv.positions.size(), " entries for ", kv.n_rows,
-                            " rows"));
+    return bad(
+        absl::StrCat("positions has ", kv.positions.size(), " entries for ", kv.n_rows, " rows"));
   }
   return absl::OkStatus();
 }
@@ -75,8 +74,7 @@ void RunTask(const AttentionShape& shape, const Task& t, std::vector<float>& sco
   const int d = shape.head_dim;
   const int64_t last_position = t.first_position + (t.n_rows_q - 1) * t.position_step;
   // Dense rows are positions 0..n_rows-1: rows past the last query's position are never used.
-  const int64_t n_keys =
-      kv.positions.empty() ? std::min(kv.n_rows, last_position + 1) : kv.n_rows;
+  const int64_t n_keys = kv.positions.empty() ? std::min(kv.n_rows, last_position + 1) : kv.n_rows;
   if (n_keys <= 0) {
     for (int64_t i = 0; i < t.n_rows_q; ++i) std::fill_n(t.out + i * t.lda, d, 0.f);
     return;
@@ -138,8 +136,8 @@ absl::Status DenseAttention::Attend(const AttentionShape& shape,
       // Decode: the `group` query heads of one KV head are contiguous rows of one GEMM.
       for (int h = 0; h < shape.n_kv_heads; ++h) {
         const int64_t offset = int64_t{h} * group * shape.head_dim;
-        tasks.push_back({&r, h, r.q + offset, r.out + offset, group, shape.head_dim,
-                         r.first_position, 0});
+        tasks.push_back(
+            {&r, h, r.q + offset, r.out + offset, group, shape.head_dim, r.first_position, 0});
       }
       continue;
     }

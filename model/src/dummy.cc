@@ -42,9 +42,9 @@ absl::StatusOr<ModelConfig> DummyConfig(absl::string_view shape, int n_layers_ov
     c.llama3_scaling = {4.f, 1.f, 4.f, 64};
     c.qkv_bias = true, c.context_length = 1024;
   } else {
-    return absl::NotFoundError(absl::StrCat("unknown dummy model shape '", shape,
-                                            "'; known shapes: ",
-                                            absl::StrJoin(DummyShapeNames(), ", ")));
+    return absl::NotFoundError(
+        absl::StrCat("unknown dummy model shape '", shape,
+                     "'; known shapes: ", absl::StrJoin(DummyShapeNames(), ", ")));
   }
   if (n_layers_override > 0) c.n_layers = n_layers_override;
   KVR_RETURN_IF_ERROR(c.Validate());

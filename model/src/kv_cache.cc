@@ -31,9 +31,9 @@ absl::Status KvCache::Append(int layer, int64_t n, const float* k, const float* 
         absl::StrCat("KvCache::Append: layer ", layer, " outside [0, ", n_layers(), ")"));
   }
   if (n < 0 || (n > 0 && (k == nullptr || v == nullptr)) || src_stride < row_floats()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KvCache::Append: bad rows (n = ", n, ", src_stride = ", src_stride,
-        ", row = ", row_floats(), " floats, k/v ", k && v ? "set" : "null", ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KvCache::Append: bad rows (n = ", n, ", src_stride = ", src_stride,
+                     ", row = ", row_floats(), " floats, k/v ", k && v ? "set" : "null", ")"));
   }
   Layer& l = layers_[layer];
   Grow(l, l.n_tokens + n);

@@ -166,14 +166,13 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
     if (length > c.context_length) {
       return absl::InvalidArgumentError(absl::StrCat(
           "sequence ", s.id, " would be ", length, " tokens (", cache.n_tokens(), " cached + ",
-          s.tokens.size(), " new), longer than the model's context length of ",
-          c.context_length, " tokens"));
+          s.tokens.size(), " new), longer than the model's context length of ", c.context_length,
+          " tokens"));
     }
     for (int32_t token : s.tokens) {
       if (token < 0 || token >= c.vocab) {
-        return absl::InvalidArgumentError(absl::StrCat("Forward: token id ", token,
-                                                       " outside the vocabulary [0, ", c.vocab,
-                                                       ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Forward: token id ", token, " outside the vocabulary [0, ", c.vocab, ")"));
       }
     }
     total += static_cast<int64_t>(s.tokens.size());
@@ -186,7 +185,7 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
 
   const int64_t h = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
   const int64_t qkv_dim = q_dim + 2 * kv_dim, f = c.ffn;
-  std::vector<int64_t> positions(total);   // [total]
+  std::vector<int64_t> positions(total);  // [total]
   std::vector<int64_t> first_row(batch.size());
   {
     int64_t row = 0;
@@ -199,14 +198,14 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
   std::vector<float> cos_table, sin_table;  // [total, head_dim / 2]
   RopeTables(positions, rope_inv_freq_, cos_table, sin_table);
 
-  std::vector<float> x(total * h);         // [total, hidden] residual stream
-  std::vector<float> normed(total * h);    // [total, hidden]
-  std::vector<float> qkv(total * qkv_dim); // [total, q_dim + 2 kv_dim]
-  std::vector<float> q(total * q_dim);     // [total, n_heads, head_dim]
-  std::vector<float> attn(total * q_dim);  // [total, n_heads, head_dim]
+  std::vector<float> x(total * h);            // [total, hidden] residual stream
+  std::vector<float> normed(total * h);       // [total, hidden]
+  std::vector<float> qkv(total * qkv_dim);    // [total, q_dim + 2 kv_dim]
+  std::vector<float> q(total * q_dim);        // [total, n_heads, head_dim]
+  std::vector<float> attn(total * q_dim);     // [total, n_heads, head_dim]
   std::vector<float> gate_up(total * 2 * f);  // [total, 2 ffn]
-  std::vector<float> act(total * f);       // [total, ffn]
-  std::vector<float> proj(total * h);      // [total, hidden]
+  std::vector<float> act(total * f);          // [total, ffn]
+  std::vector<float> proj(total * h);         // [total, hidden]
   {
     int64_t row = 0;
     for (const ForwardSequence& s : batch) {
@@ -304,24 +303,23 @@ absl::StatusOr<std::vector<float>> Model::Prefill(SequenceId id, KvCache& cache,
                                                   int64_t chunk_tokens) const {
   if (tokens.empty()) return absl::InvalidArgumentError("Prefill: no tokens");
   if (chunk_tokens <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("Prefill: chunk_tokens must be positive, got ",
-                                                   chunk_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Prefill: chunk_tokens must be positive, got ", chunk_tokens));
   }
   // Check the whole prompt against the context before doing any work.
   const int64_t length = cache.n_tokens() + static_cast<int64_t>(tokens.size());
   if (length > config_.context_length) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt of ", tokens.size(), " tokens (", length, " with the ", cache.n_tokens(),
-        " already cached) is longer than the model's context length of ",
-        config_.context_length, " tokens"));
+        " already cached) is longer than the model's context length of ", config_.context_length,
+        " tokens"));
   }
   cache.Reserve(length);
   std::vector<float> logits(config_.vocab);
   for (size_t begin = 0; begin < tokens.size(); begin += static_cast<size_t>(chunk_tokens)) {
     const size_t n = std::min(tokens.size() - begin, static_cast<size_t>(chunk_tokens));
     const ForwardSequence sequence{id, &cache, tokens.subspan(begin, n)};
-    KVR_RETURN_IF_ERROR(
-        Forward(std::span(&sequence, 1), attention, LogitsMode::kLast, logits));
+    KVR_RETURN_IF_ERROR(Forward(std::span(&sequence, 1), attention, LogitsMode::kLast, logits));
   }
   return logits;
 }

@@ -22,8 +22,7 @@ absl::StatusOr<Sampler> Sampler::Create(const SamplingOptions& options) {
         absl::StrCat("temperature must be finite, got ", options.temperature));
   }
   if (!(options.top_p > 0.f && options.top_p <= 1.f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_p must be in (0, 1], got ", options.top_p));
+    return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", options.top_p));
   }
   return Sampler(options);
 }

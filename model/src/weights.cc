@@ -20,8 +20,8 @@ int64_t ModelWeights::allocated_bytes() const {
   auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size() * 4); };
   int64_t total = bytes(token_embd) + bytes(output_norm) + bytes(output);
   for (const LayerWeights& l : layers) {
-    total += bytes(l.attn_norm) + bytes(l.wqkv) + bytes(l.bqkv) + bytes(l.wo) +
-             bytes(l.ffn_norm) + bytes(l.w_gate_up) + bytes(l.w_down);
+    total += bytes(l.attn_norm) + bytes(l.wqkv) + bytes(l.bqkv) + bytes(l.wo) + bytes(l.ffn_norm) +
+             bytes(l.w_gate_up) + bytes(l.w_down);
   }
   return total;
 }
@@ -29,8 +29,8 @@ int64_t ModelWeights::allocated_bytes() const {
 absl::Status ModelWeights::CheckShapes(const ModelConfig& c) const {
   auto check = [](const std::vector<float>& v, int64_t expected, absl::string_view what) {
     if (static_cast<int64_t>(v.size()) != expected) {
-      return absl::InvalidArgumentError(absl::StrCat("weights: ", what, " has ", v.size(),
-                                                     " floats, expected ", expected));
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights: ", what, " has ", v.size(), " floats, expected ", expected));
     }
     return absl::OkStatus();
   };
@@ -75,9 +75,8 @@ void UnpermuteRopeRows(float* w, int n_head, int head_dim, int64_t in) {
 namespace {
 
 // A source of named float32 tensors with PyTorch shapes.
-using TensorReader =
-    std::function<absl::Status(const std::string& name, std::span<const int64_t> shape,
-                               std::span<float> out)>;
+using TensorReader = std::function<absl::Status(
+    const std::string& name, std::span<const int64_t> shape, std::span<float> out)>;
 
 struct TensorNames {
   std::string embd, out_norm, output;
@@ -109,8 +108,7 @@ absl::StatusOr<ModelWeights> LoadAll(const ModelConfig& c, const TensorNames& na
     KVR_RETURN_IF_ERROR(read(n("attn_norm"), std::vector<int64_t>{h}, l.attn_norm));
     l.wqkv.resize(static_cast<size_t>((q + 2 * kv) * h));
     KVR_RETURN_IF_ERROR(read(n("wq"), std::vector<int64_t>{q, h}, span_of(l.wqkv, 0, q * h)));
-    KVR_RETURN_IF_ERROR(
-        read(n("wk"), std::vector<int64_t>{kv, h}, span_of(l.wqkv, q * h, kv * h)));
+    KVR_RETURN_IF_ERROR(read(n("wk"), std::vector<int64_t>{kv, h}, span_of(l.wqkv, q * h, kv * h)));
     KVR_RETURN_IF_ERROR(
         read(n("wv"), std::vector<int64_t>{kv, h}, span_of(l.wqkv, (q + kv) * h, kv * h)));
     if (unpermute_qk) {
@@ -157,12 +155,18 @@ absl::StatusOr<ModelWeights> LoadGgufWeights(const GgufFile& file, const ModelCo
   names.output = "output.weight";
   names.layer = [](int i, absl::string_view role) {
     static constexpr std::pair<absl::string_view, absl::string_view> kRoles[] = {
-        {"attn_norm", "attn_norm.weight"}, {"wq", "attn_q.weight"},
-        {"wk", "attn_k.weight"},           {"wv", "attn_v.weight"},
-        {"bq", "attn_q.bias"},             {"bk", "attn_k.bias"},
-        {"bv", "attn_v.bias"},             {"wo", "attn_output.weight"},
-        {"ffn_norm", "ffn_norm.weight"},   {"w_gate", "ffn_gate.weight"},
-        {"w_up", "ffn_up.weight"},         {"w_down", "ffn_down.weight"}};
+        {"attn_norm", "attn_norm.weight"},
+        {"wq", "attn_q.weight"},
+        {"wk", "attn_k.weight"},
+        {"wv", "attn_v.weight"},
+        {"bq", "attn_q.bias"},
+        {"bk", "attn_k.bias"},
+        {"bv", "attn_v.bias"},
+        {"wo", "attn_output.weight"},
+        {"ffn_norm", "ffn_norm.weight"},
+        {"w_gate", "ffn_gate.weight"},
+        {"w_up", "ffn_up.weight"},
+        {"w_down", "ffn_down.weight"}};
     for (const auto& [r, suffix] : kRoles) {
       if (r == role) return absl::StrCat("blk.", i, ".", suffix);
     }
@@ -174,9 +178,9 @@ absl::StatusOr<ModelWeights> LoadGgufWeights(const GgufFile& file, const ModelCo
     // ggml dims are PyTorch's reversed.
     std::vector<int64_t> expected(shape.rbegin(), shape.rend());
     if (info->dims != expected) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("GGUF tensor '", name, "' has dims ", ShapeString(info->dims),
-                       ", the config needs ", ShapeString(expected), " (ggml order)"));
+      return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", name, "' has dims ",
+                                                     ShapeString(info->dims), ", the config needs ",
+                                                     ShapeString(expected), " (ggml order)"));
     }
     return file.DequantizeTensorInto(*info, out, pool);
   };
@@ -214,9 +218,9 @@ absl::StatusOr<ModelWeights> LoadHfWeights(const SafetensorsCheckpoint& checkpoi
                           std::span<float> out) -> absl::Status {
     KVR_ASSIGN_OR_RETURN(const SafetensorsTensorInfo* info, checkpoint.FindTensor(name));
     if (!std::equal(info->shape.begin(), info->shape.end(), shape.begin(), shape.end())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("safetensors tensor '", name, "' has shape ", ShapeString(info->shape),
-                       ", the config needs ", ShapeString(shape)));
+      return absl::InvalidArgumentError(absl::StrCat("safetensors tensor '", name, "' has shape ",
+                                                     ShapeString(info->shape),
+                                                     ", the config needs ", ShapeString(shape)));
     }
     KVR_ASSIGN_OR_RETURN(std::vector<float> values, checkpoint.ToFloat32(name));
     std::copy(values.begin(), values.end(), out.begin());
@@ -260,8 +264,7 @@ void FillUniform(std::vector<float>& v, float stddev, uint64_t seed, ThreadPool*
 
 }  // namespace
 
-absl::StatusOr<ModelWeights> RandomWeights(const ModelConfig& c, uint64_t seed,
-                                           ThreadPool* pool) {
+absl::StatusOr<ModelWeights> RandomWeights(const ModelConfig& c, uint64_t seed, ThreadPool* pool) {
   KVR_RETURN_IF_ERROR(c.Validate());
   ModelWeights w;
   const int64_t h = c.hidden, q = c.q_dim(), kv = c.kv_dim(), f = c.ffn;

@@ -32,9 +32,9 @@ struct Prompt {
   std::string text;
   std::vector<int32_t> input_ids;
   std::vector<int32_t> greedy_ids;
-  std::vector<float> last_logits;  // [vocab]
+  std::vector<float> last_logits;                                     // [vocab]
   std::vector<std::pair<int64_t, std::vector<int32_t>>> checkpoints;  // position, top-8 ids
-  std::vector<std::vector<float>> checkpoint_logits;                 // their logits
+  std::vector<std::vector<float>> checkpoint_logits;                  // their logits
 };
 
 class LogitsParityTest : public testing::Test {
@@ -154,7 +154,8 @@ TEST_F(LogitsParityTest, Greedy64TokenContinuationsAreIdenticalWhenDecodedAsOneB
     }
     if (step + 1 == steps) break;
     ASSERT_TRUE(model.Forward(batch, attention, LogitsMode::kLast, logits).ok());
-    for (size_t s = 0; s < n_seq; ++s) next[s] = ArgMax(std::span(logits).subspan(s * vocab, vocab));
+    for (size_t s = 0; s < n_seq; ++s)
+      next[s] = ArgMax(std::span(logits).subspan(s * vocab, vocab));
   }
   for (size_t s = 0; s < n_seq; ++s) {
     EXPECT_EQ(generated[s], (*prompts_)[s].greedy_ids) << (*prompts_)[s].name;

@@ -2,10 +2,10 @@
 // decode equals decoding alone, chunked prefill equals one pass, context and architecture
 // errors, dummy shapes.
 
+#include <unistd.h>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -259,7 +259,10 @@ std::string WriteGguf(const std::vector<std::pair<std::string, std::string>>& kv
   auto put = [&](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); };
   auto put_u32 = [&](uint32_t v) { put(&v, 4); };
   auto put_u64 = [&](uint64_t v) { put(&v, 8); };
-  auto put_str = [&](const std::string& s) { put_u64(s.size()); bytes += s; };
+  auto put_str = [&](const std::string& s) {
+    put_u64(s.size());
+    bytes += s;
+  };
   put_u32(3);
   put_u64(0);
   put_u64(kv.size());

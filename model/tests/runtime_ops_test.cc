@@ -228,12 +228,13 @@ TEST(DenseAttentionTest, MatchesNaiveGqaCausal) {
   const auto kb = RandomVector(7 * stride, 12, 2.f), vb = RandomVector(7 * stride, 13);
   const auto kc = RandomVector(5 * stride, 14, 2.f), vc = RandomVector(5 * stride, 15);
   const std::vector<int64_t> positions_c = {0, 3, 20, 21, 30};
-  const auto qa = RandomVector(10 * 48, 16), qb = RandomVector(48, 17), qc = RandomVector(3 * 48, 18);
+  const auto qa = RandomVector(10 * 48, 16), qb = RandomVector(48, 17),
+             qc = RandomVector(3 * 48, 18);
   std::vector<float> oa(10 * 48, NAN), ob(48, NAN), oc(3 * 48, NAN);
   std::vector<AttentionRequest> batch(3);
   batch[0] = {1, 0, 0, 10, qa.data(), {ka.data(), va.data(), 10, stride, {}, 10}, oa.data()};
   batch[1] = {2, 0, 6, 1, qb.data(), {kb.data(), vb.data(), 7, stride, {}, 7}, ob.data()};
-  batch[2] = {3, 0, 20, 3, qc.data(), {kc.data(), vc.data(), 5, stride, positions_c, 31},
+  batch[2] = {3,        0, 20, 3, qc.data(), {kc.data(), vc.data(), 5, stride, positions_c, 31},
               oc.data()};
   ASSERT_TRUE(attention.Attend(shape, batch).ok());
   std::vector<float>* outs[] = {&oa, &ob, &oc};

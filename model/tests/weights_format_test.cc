@@ -72,7 +72,8 @@ void WriteSafetensors(const TensorMap& tensors, const std::string& path) {
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     const uint64_t bytes = t.data.size() * sizeof(float);
-    header[name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {
+        {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -109,7 +110,10 @@ void WriteGguf(const ModelConfig& c, const TensorMap& hf, const std::string& pat
   auto put = [&](const void* p, size_t n) { b.append(static_cast<const char*>(p), n); };
   auto u32 = [&](uint32_t v) { put(&v, 4); };
   auto u64 = [&](uint64_t v) { put(&v, 8); };
-  auto str = [&](const std::string& s) { u64(s.size()); b += s; };
+  auto str = [&](const std::string& s) {
+    u64(s.size());
+    b += s;
+  };
   auto kv_u32 = [&](const std::string& k, uint32_t v) { str(k), u32(4), u32(v); };
   auto kv_f32 = [&](const std::string& k, float v) { str(k), u32(6), put(&v, 4); };
 
@@ -188,16 +192,22 @@ TEST_P(WeightsFormatTest, HfAndGgufOfTheSameModelGiveTheSameWeightsAndLogits) {
   ASSERT_TRUE(original.ok());
   const TensorMap hf = ToHfTensors(*config, *original);
 
-  const fs::path dir = fs::temp_directory_path() / ("kvr_weights_format_" + std::to_string(getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("kvr_weights_format_" + std::to_string(getpid()));
   fs::create_directories(dir / "hf");
   WriteSafetensors(hf, (dir / "hf" / "model.safetensors").string());
   const nlohmann::json hf_config = {
-      {"architectures", {GetParam() == Architecture::kLlama ? "LlamaForCausalLM" : "Qwen2ForCausalLM"}},
+      {"architectures",
+       {GetParam() == Architecture::kLlama ? "LlamaForCausalLM" : "Qwen2ForCausalLM"}},
       {"hidden_size", config->hidden},
-      {"intermediate_size", config->ffn},       {"num_hidden_layers", config->n_layers},
-      {"num_attention_heads", config->n_heads}, {"num_key_value_heads", config->n_kv_heads},
-      {"vocab_size", config->vocab},            {"rms_norm_eps", config->rms_eps},
-      {"rope_theta", config->rope_theta},       {"max_position_embeddings", config->context_length},
+      {"intermediate_size", config->ffn},
+      {"num_hidden_layers", config->n_layers},
+      {"num_attention_heads", config->n_heads},
+      {"num_key_value_heads", config->n_kv_heads},
+      {"vocab_size", config->vocab},
+      {"rms_norm_eps", config->rms_eps},
+      {"rope_theta", config->rope_theta},
+      {"max_position_embeddings", config->context_length},
       {"tie_word_embeddings", false}};
   std::ofstream(dir / "hf" / "config.json") << hf_config.dump();
   WriteGguf(*config, hf, (dir / "model.gguf").string());

@@ -60,7 +60,8 @@ absl::StatusOr<std::vector<int32_t>> PromptTokens(const GenerateOptions& o,
     buffer << in.rdbuf();
     text = buffer.str();
   }
-  if (text.empty()) return absl::InvalidArgumentError("the prompt is empty (--prompt or --prompt-file)");
+  if (text.empty())
+    return absl::InvalidArgumentError("the prompt is empty (--prompt or --prompt-file)");
   std::vector<int32_t> ids;
   const int vocab = loaded.model->config().vocab;
   if (!loaded.tokenizer) {
@@ -69,8 +70,8 @@ absl::StatusOr<std::vector<int32_t>> PromptTokens(const GenerateOptions& o,
     const model::ChatMessage message{"user", text};
     KVR_ASSIGN_OR_RETURN(std::string rendered,
                          loaded.tokenizer->ApplyChatTemplate(std::span(&message, 1), true));
-    KVR_ASSIGN_OR_RETURN(ids, loaded.tokenizer->Encode(
-                                  rendered, {.add_special = false, .parse_special = true}));
+    KVR_ASSIGN_OR_RETURN(
+        ids, loaded.tokenizer->Encode(rendered, {.add_special = false, .parse_special = true}));
   } else {
     KVR_ASSIGN_OR_RETURN(ids, loaded.tokenizer->Encode(text));
   }
@@ -105,16 +106,16 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   std::cerr << absl::StrFormat(
       "loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.0f MiB float32) in %.2f s "
       "on %d threads\n",
-      loaded.source, model::ArchitectureName(c.arch), c.n_layers, c.hidden, c.n_heads,
-      c.n_kv_heads, c.vocab, m.weights().allocated_bytes() / 1048576.0, Seconds(load_start),
+      loaded.source, model::ArchitectureName(c.arch), c.n_layers, c.hidden, c.n_heads, c.n_kv_heads,
+      c.vocab, m.weights().allocated_bytes() / 1048576.0, Seconds(load_start),
       static_cast<int>(pool.size()));
 
   KVR_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, PromptTokens(o, loaded));
   model::DenseAttention attention(&pool);
   model::KvCache cache = m.NewCache();
   // One allocation for the whole run instead of regrowing (and copying) during decode.
-  cache.Reserve(std::min<int64_t>(c.context_length,
-                                  static_cast<int64_t>(prompt.size()) + o.max_tokens));
+  cache.Reserve(
+      std::min<int64_t>(c.context_length, static_cast<int64_t>(prompt.size()) + o.max_tokens));
   const model::SequenceId id = 1;
 
   const auto prefill_start = Clock::now();
@@ -144,7 +145,8 @@ absl::Status RunGenerate(const GenerateOptions& o) {
     KVR_RETURN_IF_ERROR(emit(token));
     if (generated == o.max_tokens || cache.n_tokens() >= c.context_length) break;
     const model::ForwardSequence step{id, &cache, std::span(&token, 1)};
-    KVR_RETURN_IF_ERROR(m.Forward(std::span(&step, 1), attention, model::LogitsMode::kLast, logits));
+    KVR_RETURN_IF_ERROR(
+        m.Forward(std::span(&step, 1), attention, model::LogitsMode::kLast, logits));
   }
   decode_s = Seconds(decode_start);
   if (decoder) {
@@ -156,10 +158,10 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   // Decode throughput counts the forward passes of the decode loop: one per token after the
   // first (the first token's logits come from the prefill).
   const int decode_steps = std::max(0, generated - 1);
-  std::cerr << absl::StrFormat(
-      "prompt: %d tokens, %.1f tok/s | decode: %d tokens, %.1f tok/s\n",
-      static_cast<int>(prompt.size()), prompt.size() / std::max(prefill_s, 1e-9), generated,
-      decode_steps / std::max(decode_s, 1e-9));
+  std::cerr << absl::StrFormat("prompt: %d tokens, %.1f tok/s | decode: %d tokens, %.1f tok/s\n",
+                               static_cast<int>(prompt.size()),
+                               prompt.size() / std::max(prefill_s, 1e-9), generated,
+                               decode_steps / std::max(decode_s, 1e-9));
   return absl::OkStatus();
 }
 
@@ -180,7 +182,8 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--max-tokens", options->max_tokens, "tokens to generate")->capture_default_str();
   cmd->add_option("--temperature", options->temperature, "0 = greedy")->capture_default_str();
   cmd->add_option("--top-p", options->top_p, "nucleus sampling mass")->capture_default_str();
-  cmd->add_option("--seed", options->seed, "sampling (and dummy weight) seed")->capture_default_str();
+  cmd->add_option("--seed", options->seed, "sampling (and dummy weight) seed")
+      ->capture_default_str();
   cmd->add_option("--threads", options->threads, "worker threads (0 = all cores)")
       ->capture_default_str();
   cmd->add_option("--load-format", options->load_format, "auto|gguf|hf|dummy")

@@ -34,13 +34,13 @@ struct Llama3RopeScaling {
 
 struct ModelConfig {
   Architecture arch = Architecture::kLlama;
-  std::string name;        // informational (general.name / _name_or_path / dummy shape)
+  std::string name;  // informational (general.name / _name_or_path / dummy shape)
   int n_layers = 0;
-  int hidden = 0;          // embedding width
-  int n_heads = 0;         // query heads
-  int n_kv_heads = 0;      // key/value heads (GQA)
+  int hidden = 0;      // embedding width
+  int n_heads = 0;     // query heads
+  int n_kv_heads = 0;  // key/value heads (GQA)
   int head_dim = 0;
-  int ffn = 0;             // MLP intermediate width
+  int ffn = 0;  // MLP intermediate width
   int vocab = 0;
   float rms_eps = 1e-5f;
   float rope_theta = 10000.f;
@@ -51,7 +51,7 @@ struct ModelConfig {
   std::vector<float> rope_freq_factors;
   bool tied_embeddings = false;  // output projection = token embedding
   bool qkv_bias = false;
-  int64_t context_length = 0;    // maximum positions the model supports
+  int64_t context_length = 0;  // maximum positions the model supports
 
   int q_dim() const { return n_heads * head_dim; }
   int kv_dim() const { return n_kv_heads * head_dim; }

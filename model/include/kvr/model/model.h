@@ -35,8 +35,8 @@ namespace kvr::model {
 // One sequence's part of a Forward call.
 struct ForwardSequence {
   SequenceId id = 0;
-  KvCache* cache = nullptr;          // holds the sequence's earlier tokens; the new ones are appended
-  std::span<const int32_t> tokens;   // new tokens, at positions cache->n_tokens() ...
+  KvCache* cache = nullptr;  // holds the sequence's earlier tokens; the new ones are appended
+  std::span<const int32_t> tokens;  // new tokens, at positions cache->n_tokens() ...
 };
 
 enum class LogitsMode {
@@ -65,9 +65,8 @@ class Model {
   // `mode`). Errors: empty batch or sequence, token id outside the vocabulary, a sequence that
   // would run past the context length (InvalidArgument naming both numbers), logits of the
   // wrong size, or an error from `attention`.
-  [[nodiscard]] absl::Status Forward(std::span<const ForwardSequence> batch,
-                                     Attention& attention, LogitsMode mode,
-                                     std::span<float> logits) const;
+  [[nodiscard]] absl::Status Forward(std::span<const ForwardSequence> batch, Attention& attention,
+                                     LogitsMode mode, std::span<float> logits) const;
 
   // Prefill of one sequence in chunks of at most `chunk_tokens` tokens (bounds the activation
   // memory of long prompts). Returns the logits of the last token [vocab].
