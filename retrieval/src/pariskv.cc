@@ -304,7 +304,7 @@ absl::Status ParisKvIndex::Select(const SelectRequest& request, Selection* out) 
     for (int g = 0; g < group; ++g) {
       for (int b = 0; b < n_subspaces_; ++b) {
         std::span<const float> xb(xq.data() + static_cast<size_t>(g) * padded_dim_ + b * m_, m_);
-        for (int c = 0; c < n_centroids_; ++c) centroid_scores[c] = internal::CentroidDot(xb, c);
+        internal::AllCentroidDots(xb, centroid_scores);
         internal::CollisionBonus(
             centroid_scores,
             std::span<const uint32_t>(head.counts.data() + static_cast<size_t>(b) * n_centroids_,
@@ -364,11 +364,13 @@ absl::Status ParisKvIndex::Select(const SelectRequest& request, Selection* out) 
         const uint16_t* w = head.weights.data() + t * n_subspaces_;
         float est = 0.f;
         for (int b = 0; b < n_subspaces_; ++b) {
+          // Two codes per byte: coordinate p in the low nibble, p + 1 in the high one.
           float dot = 0.f;
-          for (int j = 0; j < m_; ++j) {
-            const int p = b * m_ + j;
-            const uint8_t nib = (codes[p >> 1] >> ((p & 1) * 4)) & 0xF;
-            dot += lut[p * 16 + nib];
+          const uint8_t* packed = codes + b * (m_ / 2);
+          const float* lut_b = lut.data() + static_cast<size_t>(b) * m_ * 16;
+          for (int i = 0; i < m_ / 2; ++i) {
+            const uint8_t byte = packed[i];
+            dot += lut_b[(2 * i) * 16 + (byte & 0xF)] + lut_b[(2 * i + 1) * 16 + (byte >> 4)];
           }
           est += Fp16ToFloat(w[b]) * dot;
         }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -102,6 +103,20 @@ float CentroidDot(std::span<const float> x, uint32_t id) {
   return dot / std::sqrt(static_cast<float>(x.size()));
 }
 
+void AllCentroidDots(std::span<const float> x, std::span<float> scores) {
+  const size_t m = x.size();
+  assert(scores.size() == (size_t{1} << m));
+  const float inv_sqrt_m = 1.f / std::sqrt(static_cast<float>(m));
+  float all_positive = 0.f;
+  for (float v : x) all_positive += v;
+  scores[0] = all_positive * inv_sqrt_m;
+  for (size_t j = 0; j < m; ++j) {
+    const float flip = 2.f * x[j] * inv_sqrt_m;
+    const size_t half = size_t{1} << j;
+    for (size_t c = 0; c < half; ++c) scores[half + c] = scores[c] - flip;
+  }
+}
+
 void CollisionBonus(std::span<const float> centroid_scores,
                     std::span<const uint32_t> centroid_counts, double rho_keys, int n_tiers,
                     std::span<uint8_t> bonus) {
@@ -109,17 +124,23 @@ void CollisionBonus(std::span<const float> centroid_scores,
   assert(centroid_counts.size() == n_centroids && bonus.size() == n_centroids);
   assert(n_tiers >= 1 && n_tiers <= 255);
   std::fill(bonus.begin(), bonus.end(), 0);
-  std::vector<uint32_t> order(n_centroids);
-  std::iota(order.begin(), order.end(), 0u);
-  // Ties broken by id so that the table is a pure function of its inputs.
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    if (centroid_scores[a] != centroid_scores[b]) return centroid_scores[a] > centroid_scores[b];
-    return a < b;
-  });
+  // Sort non-empty centroids by descending score with ties by id, as one 64-bit key each
+  // (order-preserving bits of -score above the id): a plain integer sort, no comparator calls.
+  std::vector<uint64_t> order;
+  order.reserve(n_centroids);
+  for (size_t c = 0; c < n_centroids; ++c) {
+    if (centroid_counts[c] == 0) continue;
+    uint32_t bits;
+    const float neg = -centroid_scores[c] + 0.f;  // + 0.f folds -0 into +0
+    std::memcpy(&bits, &neg, sizeof(bits));
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // float order -> uint order
+    order.push_back((static_cast<uint64_t>(bits) << 32) | c);
+  }
+  std::sort(order.begin(), order.end());
   const double slice = std::max(rho_keys, 1.0) / n_tiers;
   double filled = 0;
-  for (uint32_t c : order) {
-    if (centroid_counts[c] == 0) continue;
+  for (uint64_t key : order) {
+    const uint32_t c = static_cast<uint32_t>(key & 0xFFFFFFFFu);
     const int tier = static_cast<int>(filled / slice);
     if (tier >= n_tiers) break;
     bonus[c] = static_cast<uint8_t>(n_tiers - tier);

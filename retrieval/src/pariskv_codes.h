@@ -49,16 +49,21 @@ inline float DecodeCoordinate(uint8_t code, const std::array<float, kMagnitudeLe
 // Centroid id (bit j set = coordinate j negative) of one subspace whose m codes are stored as
 // nibbles, two per byte (coordinate 2i in the low nibble of byte i, 2i+1 in the high nibble).
 inline uint32_t CentroidIdFromPacked(const uint8_t* packed, int m) {
+  // Byte i holds the sign bits of coordinates 2i (bit 3) and 2i+1 (bit 7); m is even.
   uint32_t id = 0;
-  for (int j = 0; j < m; ++j) {
-    const uint8_t nib = (j & 1) ? (packed[j >> 1] >> 4) : (packed[j >> 1] & 0xF);
-    id |= static_cast<uint32_t>((nib >> 3) & 1) << j;
+  for (int i = 0; i < m / 2; ++i) {
+    const uint32_t b = packed[i];
+    id |= (((b >> 3) & 1u) | ((b >> 6) & 2u)) << (2 * i);
   }
   return id;
 }
 
 // <x, w_id> for the sign-pattern centroid w_id = (+-1/sqrt(m))^m; x: [m].
 float CentroidDot(std::span<const float> x, uint32_t id);
+
+// scores[c] = CentroidDot(x, c) for all 2^m centroids, in O(2^m): flipping the sign of
+// coordinate j subtracts 2 x_j / sqrt(m), so each score extends one with its top bit cleared.
+void AllCentroidDots(std::span<const float> x, std::span<float> scores);
 
 // Multi-tier collision bonus table for one subspace (section 4.2.2 (1), section 5.4).
 // `centroid_scores`: [2^m] = <q_b, w_c>; `centroid_counts`: [2^m] = number of indexed keys whose

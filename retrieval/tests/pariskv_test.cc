@@ -96,6 +96,9 @@ TEST(DirectionCodeTest, SignBitsAreNearestCentroid) {
       if (internal::CentroidDot(u, c) > internal::CentroidDot(u, best)) best = c;
     }
     EXPECT_EQ(internal::CentroidIdFromPacked(packed.data(), kM), best);
+    std::vector<float> all(256);
+    internal::AllCentroidDots(u, all);
+    for (uint32_t c = 0; c < 256; c += 17) EXPECT_NEAR(all[c], internal::CentroidDot(u, c), 1e-5);
   }
 }
 
