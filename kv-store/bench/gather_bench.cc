@@ -19,8 +19,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -65,8 +65,7 @@ class StoreProcess {
     if (p.port_ <= 0) return absl::InternalError(absl::StrCat(binary, " printed no port"));
     return p;
   }
-  StoreProcess(StoreProcess&& o) noexcept
-      : pid_(std::exchange(o.pid_, -1)), port_(o.port_) {}
+  StoreProcess(StoreProcess&& o) noexcept : pid_(std::exchange(o.pid_, -1)), port_(o.port_) {}
   ~StoreProcess() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);  // SIGTERM would print to the closed pipe; nothing to flush here
@@ -125,21 +124,19 @@ int main(int argc, char** argv) {
     options.ucx_config = {{"TLS", tls}};
     options.timeout = absl::Seconds(60);
     options.name = "gather-bench";
-    auto client = ks::UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", store->port()),
-                                                options);
+    auto client = ks::UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", store->port()), options);
     if (!client.ok()) {
       std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
       return 1;
     }
     std::printf("\n== UCX_TLS=%s\n", tls.c_str());
     std::printf("%9s %7s %6s %12s %10s %10s %9s %9s %9s  %s\n", "row_bytes", "k/head", "heads",
-                "reply_bytes", "p50_us", "p99_us", "GB/s", "ceiling", "fraction",
-                "ceiling source");
+                "reply_bytes", "p50_us", "p99_us", "GB/s", "ceiling", "fraction", "ceiling source");
 
     ks::SequenceId next_id = 1;
     for (uint32_t row_bytes : row_bytes_list) {
-      ks::SequenceShape shape{.n_layers = 1, .n_kv_heads = heads, .head_dim = row_bytes / 4,
-                              .dtype = ks::DType::kF16};
+      ks::SequenceShape shape{
+          .n_layers = 1, .n_kv_heads = heads, .head_dim = row_bytes / 4, .dtype = ks::DType::kF16};
       const ks::SequenceId seq = next_id++;
       auto created = (*client)->CreateSequence(seq, shape, context, absl::ZeroDuration());
       if (!created.ok()) {
@@ -155,7 +152,9 @@ int main(int argc, char** argv) {
         v[i] = static_cast<uint8_t>(i * 17 + 3);
       }
       for (uint32_t start = 0; start < context; start += chunk) {
-        ks::LayerRows rows{.sequence = seq, .layer = 0, .start_row = start,
+        ks::LayerRows rows{.sequence = seq,
+                           .layer = 0,
+                           .start_row = start,
                            .n_rows = std::min(chunk, context - start)};
         rows.k = std::span<const uint8_t>(k.data(), size_t{rows.n_rows} * shape.TokenHalfBytes());
         rows.v = std::span<const uint8_t>(v.data(), rows.k.size());
@@ -183,8 +182,7 @@ int main(int argc, char** argv) {
         const size_t reply = ks::GatherBytes(entries, shape.RowBytes());
         kvr::transport::Bytes out = kvr::transport::Bytes::Uninitialized(reply);
         std::memset(out.data(), 0, out.size());
-        const int iters =
-            static_cast<int>(std::clamp<size_t>(bytes_per_point / reply, 20, 2000));
+        const int iters = static_cast<int>(std::clamp<size_t>(bytes_per_point / reply, 20, 2000));
         std::vector<double> lat;
         for (int i = -3; i < iters; ++i) {
           auto t0 = std::chrono::steady_clock::now();
@@ -208,9 +206,9 @@ int main(int argc, char** argv) {
         const double gbps = reply / (mean_us * 1e-6) / 1e9;
         // Ceiling at the reply size (memcpy is DRAM-bound beyond a few MiB: cap the probe).
         const size_t probe = std::min<size_t>(reply, size_t{8} << 20);
-        const double ceiling = is_tcp
-                                   ? kvr::transport::bench::PerftestAmBwGbps(perftest, probe, port++)
-                                   : kvr::transport::bench::MemcpyGbps(probe);
+        const double ceiling =
+            is_tcp ? kvr::transport::bench::PerftestAmBwGbps(perftest, probe, port++)
+                   : kvr::transport::bench::MemcpyGbps(probe);
         std::printf("%9u %7u %6u %12zu %10.1f %10.1f %9.2f %9.2f %9.2f  %s\n", row_bytes, k_rows,
                     heads, reply, Percentile(lat, 0.5), Percentile(lat, 0.99), gbps, ceiling,
                     ceiling > 0 ? gbps / ceiling : 0.0,

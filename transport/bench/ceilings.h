@@ -57,9 +57,9 @@ inline double PerftestAmBwGbps(const std::string& perftest, size_t size, int por
     _exit(127);
   }
   usleep(300'000);  // let the server listen
-  std::string cmd = absl::StrCat("UCX_TLS=tcp ", perftest, " localhost -p ", port,
-                                 " -t ucp_am_bw -s ", size, " -n ", iters, " -w ",
-                                 std::max<size_t>(iters / 10, 10), " -f 2>/dev/null");
+  std::string cmd =
+      absl::StrCat("UCX_TLS=tcp ", perftest, " localhost -p ", port, " -t ucp_am_bw -s ", size,
+                   " -n ", iters, " -w ", std::max<size_t>(iters / 10, 10), " -f 2>/dev/null");
   double gbps = -1;
   if (FILE* p = popen(cmd.c_str(), "r")) {
     char line[1024];

@@ -23,14 +23,14 @@
 #include <string>
 #include <vector>
 
+#include "../tests/server_process.h"
+#include "../tests/test_protocol.h"
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "kvr/transport/ucx.h"
 #include "ceilings.h"
-#include "../tests/server_process.h"
-#include "../tests/test_protocol.h"
+#include "kvr/transport/ucx.h"
 
 namespace kt = kvr::transport;
 namespace tp = kvr::transport::testing;
@@ -80,8 +80,8 @@ int main(int argc, char** argv) {
     }
     auto context = kt::Context::Create({.ucx_config = {{"TLS", tls}}});
     if (!context.ok()) return 1;
-    auto worker = kt::Worker::Create(
-        *context, {.name = "bench", .spin = absl::Microseconds(spin_us)});
+    auto worker =
+        kt::Worker::Create(*context, {.name = "bench", .spin = absl::Microseconds(spin_us)});
     if (!worker.ok()) return 1;
     auto ep = worker->Connect(server->address(), "bench-server");
     if (!ep.ok()) return 1;
@@ -94,8 +94,8 @@ int main(int argc, char** argv) {
     auto transports = ep->Transports();
     std::printf("\n== UCX_TLS=%s  lanes: %s\n", tls.c_str(),
                 transports.ok() ? absl::StrJoin(*transports, ",").c_str() : "?");
-    std::printf("%10s %10s %10s %10s %10s %12s %10s  %s\n", "size", "p50_us", "p99_us",
-                "am_GB/s", "rma_GB/s", "ceiling", "fraction", "ceiling source");
+    std::printf("%10s %10s %10s %10s %10s %12s %10s  %s\n", "size", "p50_us", "p99_us", "am_GB/s",
+                "rma_GB/s", "ceiling", "fraction", "ceiling source");
 
     std::vector<kt::Bytes> buffers;
     for (int w = 0; w < window; ++w) buffers.push_back(kt::Bytes::Uninitialized(max_size));
@@ -138,8 +138,8 @@ int main(int argc, char** argv) {
       pt.gbps = static_cast<double>(calls * size) / secs / 1e9;
       // RMA get bandwidth, same window.
       std::vector<kt::PendingTransfer> gets(window);
-      const size_t get_calls = std::max<size_t>(
-          (is_tcp ? bytes_per_point / 8 : bytes_per_point) / size, 4 * window);
+      const size_t get_calls =
+          std::max<size_t>((is_tcp ? bytes_per_point / 8 : bytes_per_point) / size, 4 * window);
       t0 = std::chrono::steady_clock::now();
       for (size_t i = 0; i < get_calls + window; ++i) {
         size_t slot = i % window;
@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
       pt.rma_gbps = static_cast<double>(get_calls * size) / secs / 1e9;
       const char* source = is_tcp ? "ucx_perftest ucp_am_bw tcp" : "memcpy";
       pt.ceiling_gbps = is_tcp ? kvr::transport::bench::PerftestAmBwGbps(perftest, size, port++)
-                            : kvr::transport::bench::MemcpyGbps(size);
+                               : kvr::transport::bench::MemcpyGbps(size);
       std::printf("%10zu %10.1f %10.1f %10.2f %10.2f %12.2f %10.2f  %s\n", pt.size, pt.p50_us,
                   pt.p99_us, pt.gbps, pt.rma_gbps, pt.ceiling_gbps,
                   pt.ceiling_gbps > 0 ? pt.gbps / pt.ceiling_gbps : 0.0, source);

@@ -6,8 +6,8 @@
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/syscall.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,8 +17,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <set>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <ucp/api/ucp.h>
@@ -172,10 +172,10 @@ struct EndpointState {
   // Progress-thread-only.
   ucp_ep_h ep = nullptr;
   bool closed = false;
-  bool peer_mode = false;  // UCP_ERR_HANDLING_MODE_PEER (else NONE + pid watch)
-  uint64_t client_id = 0;  // client side: the id announced in the hello
+  bool peer_mode = false;         // UCP_ERR_HANDLING_MODE_PEER (else NONE + pid watch)
+  uint64_t client_id = 0;         // client side: the id announced in the hello
   uint64_t served_client_id = 0;  // server side: the client this back-endpoint answers
-  int pid_fd = -1;         // pidfd of a same-host peer process, watched in epoll
+  int pid_fd = -1;                // pidfd of a same-host peer process, watched in epoll
   int peer_pid = 0;
   absl::flat_hash_set<uint64_t> call_ids;
 
@@ -308,14 +308,13 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     }
     AddressPrefix peer{};
     if (address.size() <= sizeof(peer)) {
-      return absl::InvalidArgumentError(absl::StrCat("worker address for peer '", peer_name,
-                                                     "' is too short (", address.size(),
-                                                     " bytes)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "worker address for peer '", peer_name, "' is too short (", address.size(), " bytes)"));
     }
     std::memcpy(&peer, address.data(), sizeof(peer));
     if (peer.magic != kAddressMagic) {
-      return absl::InvalidArgumentError(absl::StrCat("worker address for peer '", peer_name,
-                                                     "' is not a kvr worker address"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("worker address for peer '", peer_name, "' is not a kvr worker address"));
     }
     auto state = std::make_shared<EndpointState>();
     state->core = this;
@@ -327,14 +326,13 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       // glibc 2.36 declares pidfd_open but does not export it; use the system call.
       state->pid_fd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer.pid), 0));
       if (state->pid_fd < 0) {
-        return absl::UnavailableError(absl::StrCat("peer '", state->peer_name, "' (pid ",
-                                                   peer.pid, ") is not running: ",
-                                                   std::strerror(errno)));
+        return absl::UnavailableError(absl::StrCat("peer '", state->peer_name, "' (pid ", peer.pid,
+                                                   ") is not running: ", std::strerror(errno)));
       }
     }
     ucp_ep_params_t params{};
-    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
     params.address = reinterpret_cast<const ucp_address_t*>(address.data() + sizeof(peer));
     params.err_mode = state->peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     params.err_handler.cb = &WorkerCore::OnEndpointError;
@@ -344,8 +342,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       state->ep = nullptr;
       if (state->pid_fd >= 0) close(state->pid_fd);
       state->pid_fd = -1;
-      return absl::UnavailableError(absl::StrCat("connect to peer '", state->peer_name,
-                                                 "': ", ucs_status_string(st)));
+      return absl::UnavailableError(
+          absl::StrCat("connect to peer '", state->peer_name, "': ", ucs_status_string(st)));
     }
     endpoints.emplace(state.get(), state);
     if (state->pid_fd >= 0) {
@@ -379,8 +377,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
   }
 
   // Server side: connects back to a client that said hello.
-  static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void*,
-                              size_t, const ucp_am_recv_param_t*) {
+  static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void*, size_t,
+                              const ucp_am_recv_param_t*) {
     auto* core = static_cast<WorkerCore*>(arg);
     if (header_length <= sizeof(HelloPrefix)) return UCS_OK;
     HelloPrefix hello;
@@ -389,8 +387,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     absl::string_view address(static_cast<const char*>(header) + sizeof(hello),
                               header_length - sizeof(hello));
     absl::StatusOr<std::shared_ptr<EndpointState>> ep = core->ConnectOnThread(
-        address, absl::StrCat("client ", hello.client_id),
-        hello.peer_mode != 0 ? 1 : 0);
+        address, absl::StrCat("client ", hello.client_id), hello.peer_mode != 0 ? 1 : 0);
     if (!ep.ok()) return UCS_OK;  // its requests are dropped; its calls hit their deadline
     (*ep)->served_client_id = hello.client_id;
     core->clients.emplace(hello.client_id, std::move(*ep));
@@ -443,8 +440,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
 
   // ---- client calls ---------------------------------------------------------------------
 
-  static void PublishCall(const std::shared_ptr<CallState>& call,
-                          absl::StatusOr<Response> result) {
+  static void PublishCall(const std::shared_ptr<CallState>& call, absl::StatusOr<Response> result) {
     std::function<void()> on_done;
     {
       absl::MutexLock lock(&call->mu);
@@ -502,8 +498,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     ucp_request_param_t param{};
     // No UCP_AM_SEND_FLAG_REPLY: the server answers over its own back-endpoint (see
     // IncomingState::reply_to), so UCX's reply endpoint is not needed.
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_DATATYPE;
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
     param.cb.send = &WorkerCore::OnCallSent;
     param.user_data = call.get();
     param.datatype = call->send.datatype;
@@ -520,8 +516,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
   absl::Status FailureFor(const EndpointState& ep, ucs_status_t status, absl::string_view what) {
     absl::Status health = ep.Health();
     if (!health.ok()) return health;
-    return UcsError(status, absl::StrCat(what, " to peer '", ep.peer_name, "' (worker '", name,
-                                         "')"));
+    return UcsError(status,
+                    absl::StrCat(what, " to peer '", ep.peer_name, "' (worker '", name, "')"));
   }
 
   static void OnCallSent(void* request, ucs_status_t status, void* user_data) {
@@ -554,9 +550,9 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     const char* bytes = static_cast<const char*>(header);
     if (prefix.status_code != 0) {
       absl::string_view message(bytes + sizeof(ReplyPrefix), prefix.message_size);
-      core->SetResult(call, absl::Status(static_cast<absl::StatusCode>(prefix.status_code),
-                                         absl::StrCat("peer '", call->endpoint->peer_name,
-                                                      "': ", message)));
+      core->SetResult(
+          call, absl::Status(static_cast<absl::StatusCode>(prefix.status_code),
+                             absl::StrCat("peer '", call->endpoint->peer_name, "': ", message)));
       return UCS_OK;
     }
     Response response;
@@ -566,10 +562,10 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     uint8_t* dest = nullptr;
     if (!call->reply_buffer.empty()) {
       if (length > call->reply_buffer.size()) {
-        core->SetResult(call, absl::OutOfRangeError(absl::StrCat(
-                                  "reply payload of ", length, " bytes from peer '",
-                                  call->endpoint->peer_name, "' does not fit the ",
-                                  call->reply_buffer.size(), "-byte reply buffer")));
+        core->SetResult(
+            call, absl::OutOfRangeError(absl::StrCat(
+                      "reply payload of ", length, " bytes from peer '", call->endpoint->peer_name,
+                      "' does not fit the ", call->reply_buffer.size(), "-byte reply buffer")));
         return UCS_OK;
       }
       dest = call->reply_buffer.data();
@@ -590,8 +586,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     rp.user_data = call;
     ucs_status_ptr_t req = ucp_am_recv_data_nbx(core->worker, data, dest, length, &rp);
     if (UCS_PTR_IS_ERR(req)) {
-      core->SetResult(call, core->FailureFor(*call->endpoint, UCS_PTR_STATUS(req),
-                                             "receive reply payload"));
+      core->SetResult(
+          call, core->FailureFor(*call->endpoint, UCS_PTR_STATUS(req), "receive reply payload"));
     } else if (req == nullptr) {
       core->SetResult(call, std::move(call->recv_response));
     } else {
@@ -601,8 +597,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
     return UCS_INPROGRESS;
   }
 
-  static void OnReplyReceived(void* request, ucs_status_t status, size_t length,
-                              void* user_data) {
+  static void OnReplyReceived(void* request, ucs_status_t status, size_t length, void* user_data) {
     auto* call = static_cast<CallState*>(user_data);
     std::shared_ptr<CallState> keep = call->shared_from_this();
     WorkerCore* core = call->core;
@@ -632,9 +627,9 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
 
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* state = static_cast<EndpointState*>(arg);
-    state->core->FailEndpoint(state, absl::UnavailableError(absl::StrCat(
-                                         "peer '", state->peer_name,
-                                         "' failed: ", ucs_status_string(status))));
+    state->core->FailEndpoint(
+        state, absl::UnavailableError(absl::StrCat("peer '", state->peer_name,
+                                                   "' failed: ", ucs_status_string(status))));
   }
 
   // Marks the endpoint failed, fails its calls and schedules the close.
@@ -666,9 +661,8 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       auto it = pid_watches.find(fd);
       if (it == pid_watches.end()) continue;
       EndpointState* state = it->second;
-      FailEndpoint(state, absl::UnavailableError(absl::StrCat(
-                              "peer '", state->peer_name, "' (pid ", state->peer_pid,
-                              ") exited")));
+      FailEndpoint(state, absl::UnavailableError(absl::StrCat("peer '", state->peer_name, "' (pid ",
+                                                              state->peer_pid, ") exited")));
     }
     if (woke_for_events != nullptr) *woke_for_events = n > 0;
   }
@@ -777,10 +771,9 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       std::shared_ptr<CallState> call = it->second;
       // A reply whose payload is already streaming in is let finish: it beat the deadline.
       if (call->has_result || call->recv_in_flight) continue;
-      SetResult(call.get(),
-                absl::DeadlineExceededError(absl::StrCat(
-                    "call (am ", call->am_id, ") to peer '", call->endpoint->peer_name,
-                    "' from worker '", name, "' exceeded its deadline")));
+      SetResult(call.get(), absl::DeadlineExceededError(absl::StrCat(
+                                "call (am ", call->am_id, ") to peer '", call->endpoint->peer_name,
+                                "' from worker '", name, "' exceeded its deadline")));
     }
   }
 
@@ -830,11 +823,11 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       int timeout_ms = -1;
       if (!deadlines.empty()) {
         absl::Duration left = deadlines.begin()->first - absl::Now();
-        timeout_ms = left <= absl::ZeroDuration()
-                         ? 0
-                         : static_cast<int>(std::min<int64_t>(
-                               absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
-                               60'000));
+        timeout_ms =
+            left <= absl::ZeroDuration()
+                ? 0
+                : static_cast<int>(std::min<int64_t>(
+                      absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))), 60'000));
       }
       CheckPidWatches(timeout_ms, nullptr);
       sleeping.store(false);
@@ -849,8 +842,7 @@ struct WorkerCore : std::enable_shared_from_this<WorkerCore> {
       accepting = false;
     }
     DrainQueue();  // commands posted before `accepting` flipped see stop_requested
-    absl::Status cancelled =
-        absl::CancelledError(absl::StrCat("worker '", name, "' shut down"));
+    absl::Status cancelled = absl::CancelledError(absl::StrCat("worker '", name, "' shut down"));
     std::vector<std::shared_ptr<EndpointState>> eps;
     for (auto& [raw, ep] : endpoints) eps.push_back(ep);
     for (auto& ep : eps) {
@@ -925,8 +917,8 @@ void WorkerCore::Reply(std::unique_ptr<IncomingState> state, std::string wire_he
     SendBuffer send;
     std::function<void(absl::Status)> on_sent;
   };
-  auto* f = new InFlight{this, std::move(state), std::move(wire_header), std::move(owned_payload),
-                         {}, std::move(on_sent)};
+  auto* f = new InFlight{this, std::move(state),  std::move(wire_header), std::move(owned_payload),
+                         {},   std::move(on_sent)};
   if (!f->owned.empty()) payload = {f->owned.view()};
   f->send.Set(payload);
   auto finish = [](InFlight* f, absl::Status status) {
@@ -941,8 +933,8 @@ void WorkerCore::Reply(std::unique_ptr<IncomingState> state, std::string wire_he
   if (to->ep == nullptr) {
     absl::Status health = to->Health();
     finish(f, !health.ok() ? health
-                           : absl::UnavailableError(absl::StrCat(
-                                 "connection to ", to->peer_name, " is closed")));
+                           : absl::UnavailableError(
+                                 absl::StrCat("connection to ", to->peer_name, " is closed")));
     return;
   }
   ucp_request_param_t param{};
@@ -957,9 +949,9 @@ void WorkerCore::Reply(std::unique_ptr<IncomingState> state, std::string wire_he
   };
   param.user_data = f;
   param.datatype = f->send.datatype;
-  ucs_status_ptr_t req = ucp_am_send_nbx(to->ep, kReplyAmId, f->wire_header.data(),
-                                         f->wire_header.size(), f->send.buffer, f->send.count,
-                                         &param);
+  ucs_status_ptr_t req =
+      ucp_am_send_nbx(to->ep, kReplyAmId, f->wire_header.data(), f->wire_header.size(),
+                      f->send.buffer, f->send.count, &param);
   if (UCS_PTR_IS_ERR(req)) {
     finish(f, UcsError(UCS_PTR_STATUS(req), "send reply"));
   } else if (req == nullptr) {
@@ -967,8 +959,8 @@ void WorkerCore::Reply(std::unique_ptr<IncomingState> state, std::string wire_he
   }
 }
 
-ucs_status_t WorkerCore::OnRequest(void* arg, const void* header, size_t header_length,
-                                   void* data, size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t WorkerCore::OnRequest(void* arg, const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param) {
   auto* entry = static_cast<HandlerEntry*>(arg);
   WorkerCore* core = entry->core;
   // Without our prefix, or from a client whose hello we do not know, there is nobody to
@@ -993,11 +985,11 @@ ucs_status_t WorkerCore::OnRequest(void* arg, const void* header, size_t header_
     absl::StatusOr<std::span<uint8_t>> chosen =
         entry->options.payload_destination(AsBytes(state->header), length);
     if (!chosen.ok() || chosen->size() < length) {
-      absl::Status error =
-          !chosen.ok() ? chosen.status()
-                       : absl::InvalidArgumentError(absl::StrCat(
-                             "payload destination of ", chosen->size(),
-                             " bytes is smaller than the ", length, "-byte payload"));
+      absl::Status error = !chosen.ok()
+                               ? chosen.status()
+                               : absl::InvalidArgumentError(absl::StrCat(
+                                     "payload destination of ", chosen->size(),
+                                     " bytes is smaller than the ", length, "-byte payload"));
       IncomingRequest request(std::move(state));
       (void)request.ReplyError(error);
       return UCS_OK;  // drops eager data / releases a rendezvous sender
@@ -1173,8 +1165,7 @@ absl::StatusOr<std::string> MemoryRegion::PackRkey() const {
   if (memh_ == nullptr) return absl::FailedPreconditionError("moved-from MemoryRegion");
   void* buffer = nullptr;
   size_t size = 0;
-  ucs_status_t st =
-      ucp_rkey_pack(core_->context, static_cast<ucp_mem_h>(memh_), &buffer, &size);
+  ucs_status_t st = ucp_rkey_pack(core_->context, static_cast<ucp_mem_h>(memh_), &buffer, &size);
   if (st != UCS_OK) return internal::UcsError(st, "ucp_rkey_pack");
   std::string packed(static_cast<const char*>(buffer), size);
   ucp_rkey_buffer_release(buffer);
@@ -1211,8 +1202,7 @@ absl::StatusOr<Response> PendingCall::Wait() {
   return std::move(state_->result);
 }
 
-PendingTransfer::PendingTransfer(std::shared_ptr<TransferState> state)
-    : state_(std::move(state)) {}
+PendingTransfer::PendingTransfer(std::shared_ptr<TransferState> state) : state_(std::move(state)) {}
 PendingTransfer::PendingTransfer(PendingTransfer&&) noexcept = default;
 PendingTransfer& PendingTransfer::operator=(PendingTransfer&&) noexcept = default;
 PendingTransfer::~PendingTransfer() = default;
@@ -1233,16 +1223,13 @@ absl::Status PendingTransfer::Wait() {
 // ---------------------------------------------------------------------------------------------
 // IncomingRequest
 
-IncomingRequest::IncomingRequest(std::unique_ptr<IncomingState> state)
-    : state_(std::move(state)) {}
+IncomingRequest::IncomingRequest(std::unique_ptr<IncomingState> state) : state_(std::move(state)) {}
 IncomingRequest::IncomingRequest(IncomingRequest&&) noexcept = default;
 IncomingRequest& IncomingRequest::operator=(IncomingRequest&&) noexcept = default;
 IncomingRequest::~IncomingRequest() = default;
 
 AmId IncomingRequest::am_id() const { return state_ ? state_->am_id : 0; }
-ByteView IncomingRequest::header() const {
-  return state_ ? AsBytes(state_->header) : ByteView();
-}
+ByteView IncomingRequest::header() const { return state_ ? AsBytes(state_->header) : ByteView(); }
 ByteView IncomingRequest::payload() const { return state_ ? state_->payload : ByteView(); }
 
 namespace {
@@ -1346,9 +1333,9 @@ Endpoint::~Endpoint() {
   std::shared_ptr<EndpointState> state = state_;
   core->Post([core, state] {
     if (state->closed) return;
-    core->FailEndpointCalls(state.get(),
-                            absl::CancelledError(absl::StrCat("endpoint to '", state->peer_name,
-                                                              "' closed by its owner")));
+    core->FailEndpointCalls(
+        state.get(), absl::CancelledError(
+                         absl::StrCat("endpoint to '", state->peer_name, "' closed by its owner")));
     core->ScheduleClose(state.get());
   });
 }
@@ -1373,9 +1360,9 @@ PendingCall Endpoint::Call(AmId am_id, ByteView header, std::vector<ByteView> pa
     return PendingCall(std::move(call));
   }
   if (am_id == 0 || am_id > kMaxUserAmId) {
-    WorkerCore::PublishCall(call, absl::InvalidArgumentError(absl::StrCat(
-                                      "active-message id ", am_id, " is outside 1..",
-                                      kMaxUserAmId)));
+    WorkerCore::PublishCall(
+        call, absl::InvalidArgumentError(
+                  absl::StrCat("active-message id ", am_id, " is outside 1..", kMaxUserAmId)));
     return PendingCall(std::move(call));
   }
   call->wire_header.resize(sizeof(internal::RequestPrefix));
@@ -1408,16 +1395,15 @@ absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) {
   std::shared_ptr<WorkerCore> core = worker_;
   absl::Status run = core->RunSync([&] {
     if (state_->ep == nullptr) {
-      result = state_->Health().ok()
-                   ? absl::FailedPreconditionError(
-                         absl::StrCat("endpoint to '", state_->peer_name, "' is closed"))
-                   : state_->Health();
+      result = state_->Health().ok() ? absl::FailedPreconditionError(absl::StrCat(
+                                           "endpoint to '", state_->peer_name, "' is closed"))
+                                     : state_->Health();
       return;
     }
     ucs_status_t st = ucp_ep_rkey_unpack(state_->ep, packed.data(), &rkey->rkey);
     if (st != UCS_OK) {
-      result = internal::UcsError(st, absl::StrCat("unpack rkey from peer '",
-                                                   state_->peer_name, "'"));
+      result =
+          internal::UcsError(st, absl::StrCat("unpack rkey from peer '", state_->peer_name, "'"));
       return;
     }
     core->rkeys.insert(rkey);
@@ -1436,8 +1422,7 @@ PendingTransfer Endpoint::Get(uint64_t remote_address, const RemoteKey& rkey,
   }
   if (rkey.state_->endpoint != state_) {
     transfer->Finish(absl::InvalidArgumentError(absl::StrCat(
-        "remote key was unpacked for another endpoint than the one to '", state_->peer_name,
-        "'")));
+        "remote key was unpacked for another endpoint than the one to '", state_->peer_name, "'")));
     return PendingTransfer(std::move(transfer));
   }
   std::shared_ptr<WorkerCore> core = worker_;
@@ -1695,8 +1680,7 @@ absl::StatusOr<Endpoint> Worker::Connect(std::string_view peer_address, std::str
     return absl::InvalidArgumentError(
         absl::StrCat("empty worker address for peer '", peer_name, "'"));
   }
-  absl::StatusOr<std::shared_ptr<EndpointState>> state =
-      absl::FailedPreconditionError("not run");
+  absl::StatusOr<std::shared_ptr<EndpointState>> state = absl::FailedPreconditionError("not run");
   WorkerCore* core = core_.get();
   absl::Status run = core_->RunSync([&] {
     state = core->ConnectOnThread(absl::string_view(peer_address.data(), peer_address.size()),
@@ -1708,8 +1692,7 @@ absl::StatusOr<Endpoint> Worker::Connect(std::string_view peer_address, std::str
   return Endpoint(core_, std::move(*state));
 }
 
-absl::Status Worker::RegisterHandler(AmId am_id, RequestHandler handler,
-                                     HandlerOptions options) {
+absl::Status Worker::RegisterHandler(AmId am_id, RequestHandler handler, HandlerOptions options) {
   if (core_ == nullptr) return absl::FailedPreconditionError("moved-from Worker");
   if (am_id == 0 || am_id > kMaxUserAmId) {
     return absl::InvalidArgumentError(

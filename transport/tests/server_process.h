@@ -1,10 +1,10 @@
 #pragma once
 // Runs transport_test_server as a child process (fork + exec) and reads its worker address.
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -29,7 +29,8 @@ class ServerProcess {
   static absl::StatusOr<ServerProcess> StartWithArgs(const std::string& binary,
                                                      const std::vector<std::string>& args) {
     int to_child[2], from_child[2];
-    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) return absl::InternalError("pipe");
+    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0)
+      return absl::InternalError("pipe");
     pid_t pid = fork();
     if (pid < 0) return absl::InternalError("fork");
     if (pid == 0) {

@@ -8,12 +8,12 @@
 namespace kvr::transport::testing {
 
 // Active-message ids served by the test server.
-inline constexpr uint16_t kEcho = 1;        // reply header = request header, payload = payload
-inline constexpr uint16_t kDelayEcho = 2;   // header = uint32 delay_ms; echoes after the delay
-inline constexpr uint16_t kHang = 3;        // never replies (keeps the request)
-inline constexpr uint16_t kFail = 4;        // replies NOT_FOUND with a message
-inline constexpr uint16_t kRegionInfo = 5;  // reply header = RegionInfo + packed rkey
-inline constexpr uint16_t kRead = 6;        // header = ReadRequest; payload = region bytes
+inline constexpr uint16_t kEcho = 1;          // reply header = request header, payload = payload
+inline constexpr uint16_t kDelayEcho = 2;     // header = uint32 delay_ms; echoes after the delay
+inline constexpr uint16_t kHang = 3;          // never replies (keeps the request)
+inline constexpr uint16_t kFail = 4;          // replies NOT_FOUND with a message
+inline constexpr uint16_t kRegionInfo = 5;    // reply header = RegionInfo + packed rkey
+inline constexpr uint16_t kRead = 6;          // header = ReadRequest; payload = region bytes
 inline constexpr uint16_t kReplyThenDie = 7;  // header = uint32 delay_us; replies with the
                                               // whole region, SIGKILLs itself after delay_us
 

@@ -25,6 +25,8 @@ struct Param {
   bool pid_watch;  // WorkerOptions::same_host_pid_watch of the client
 };
 
+void PrintTo(const Param& p, std::ostream* os) { *os << p.name; }
+
 class TransportProcessTest : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
@@ -88,8 +90,9 @@ TEST_P(TransportProcessTest, EchoLargeRendezvousIsBitExact) {
 
   Bytes into = Bytes::Uninitialized(payload.size() + 100);
   std::memset(into.data(), 0xAB, into.size());
-  auto r2 = ep_->CallSync(tp::kEcho, AsBytes("big"), {all},
-                          {.deadline = absl::Now() + absl::Seconds(20), .reply_buffer = into.span()});
+  auto r2 =
+      ep_->CallSync(tp::kEcho, AsBytes("big"), {all},
+                    {.deadline = absl::Now() + absl::Seconds(20), .reply_buffer = into.span()});
   ASSERT_TRUE(r2.ok()) << r2.status();
   EXPECT_EQ(r2->payload_size, payload.size());
   EXPECT_TRUE(r2->payload.empty());
@@ -130,8 +133,9 @@ TEST_P(TransportProcessTest, ManyConcurrentCallsFromSeveralThreads) {
 TEST_P(TransportProcessTest, DeadlineExpiresAndLateReplyIsDropped) {
   uint32_t delay_ms = 300;
   Bytes payload = Pattern(4096, 3);
-  PendingCall call = ep_->Call(tp::kDelayEcho, ByteView(reinterpret_cast<uint8_t*>(&delay_ms), 4),
-                               {payload.view()}, {.deadline = absl::Now() + absl::Milliseconds(50)});
+  PendingCall call =
+      ep_->Call(tp::kDelayEcho, ByteView(reinterpret_cast<uint8_t*>(&delay_ms), 4),
+                {payload.view()}, {.deadline = absl::Now() + absl::Milliseconds(50)});
   auto r = call.Wait();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
@@ -147,7 +151,8 @@ TEST_P(TransportProcessTest, DeadlineExpiresAndLateReplyIsDropped) {
 }
 
 TEST_P(TransportProcessTest, HandlerErrorReachesCaller) {
-  auto r = ep_->CallSync(tp::kFail, AsBytes("x"), {}, {.deadline = absl::Now() + absl::Seconds(10)});
+  auto r =
+      ep_->CallSync(tp::kFail, AsBytes("x"), {}, {.deadline = absl::Now() + absl::Seconds(10)});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(r.status().message().find("no such sequence 42"), absl::string_view::npos)
@@ -162,22 +167,25 @@ TEST_P(TransportProcessTest, UnregisteredAmIdAtPeerIsUnimplemented) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented) << r.status();
   EXPECT_NE(r.status().message().find("77"), absl::string_view::npos) << r.status();
-  auto ok = ep_->CallSync(tp::kEcho, AsBytes("y"), {}, {.deadline = absl::Now() + absl::Seconds(10)});
+  auto ok =
+      ep_->CallSync(tp::kEcho, AsBytes("y"), {}, {.deadline = absl::Now() + absl::Seconds(10)});
   EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
 TEST_P(TransportProcessTest, KilledServerGivesUnavailableBeforeDeadline) {
   // Warm the connection up, then park calls in the server and kill it.
-  ASSERT_TRUE(ep_->CallSync(tp::kEcho, AsBytes("warm"), {},
-                            {.deadline = absl::Now() + absl::Seconds(10)})
-                  .ok());
+  ASSERT_TRUE(
+      ep_->CallSync(tp::kEcho, AsBytes("warm"), {}, {.deadline = absl::Now() + absl::Seconds(10)})
+          .ok());
   std::vector<PendingCall> calls;
   Bytes big = Pattern(size_t{2} << 20, 4);
   for (int i = 0; i < 4; ++i) {
-    calls.push_back(ep_->Call(tp::kHang, AsBytes("h"), {}, {.deadline = absl::Now() + absl::Seconds(60)}));
+    calls.push_back(
+        ep_->Call(tp::kHang, AsBytes("h"), {}, {.deadline = absl::Now() + absl::Seconds(60)}));
   }
   // Let the requests reach the server before killing it.
-  auto probe = ep_->CallSync(tp::kEcho, AsBytes("probe"), {}, {.deadline = absl::Now() + absl::Seconds(10)});
+  auto probe =
+      ep_->CallSync(tp::kEcho, AsBytes("probe"), {}, {.deadline = absl::Now() + absl::Seconds(10)});
   ASSERT_TRUE(probe.ok()) << probe.status();
   server_->Kill();
   for (auto& call : calls) {
@@ -196,9 +204,9 @@ TEST_P(TransportProcessTest, KilledServerGivesUnavailableBeforeDeadline) {
 }
 
 TEST_P(TransportProcessTest, ServerDyingMidRendezvousReplyDoesNotHang) {
-  ASSERT_TRUE(ep_->CallSync(tp::kEcho, AsBytes("warm"), {},
-                            {.deadline = absl::Now() + absl::Seconds(10)})
-                  .ok());
+  ASSERT_TRUE(
+      ep_->CallSync(tp::kEcho, AsBytes("warm"), {}, {.deadline = absl::Now() + absl::Seconds(10)})
+          .ok());
   for (bool caller_buffer : {false, true}) {
     SCOPED_TRACE(caller_buffer ? "caller buffer" : "transport buffer");
     Bytes into = Bytes::Uninitialized(tp::kRegionBytes);
@@ -251,8 +259,8 @@ TEST_P(TransportProcessTest, ReplyToDeadClientCompletesAndServerKeepsServing) {
                                       parked.push_back(std::move(r));
                                     })
                   .ok());
-  ASSERT_TRUE(server->RegisterHandler(2, [](IncomingRequest r) { (void)r.Reply(r.header()); })
-                  .ok());
+  ASSERT_TRUE(
+      server->RegisterHandler(2, [](IncomingRequest r) { (void)r.Reply(r.header()); }).ok());
   for (size_t size : {size_t{64}, size_t{8} << 20}) {  // eager and rendezvous replies
     SCOPED_TRACE(size);
     auto client = tp::ServerProcess::StartWithArgs(
@@ -286,7 +294,8 @@ TEST_P(TransportProcessTest, ReplyToDeadClientCompletesAndServerKeepsServing) {
     // The server still serves other clients.
     auto ep = worker_->Connect(server->address(), "parent-server");
     ASSERT_TRUE(ep.ok()) << ep.status();
-    auto alive = ep->CallSync(2, AsBytes("alive"), {}, {.deadline = absl::Now() + absl::Seconds(10)});
+    auto alive =
+        ep->CallSync(2, AsBytes("alive"), {}, {.deadline = absl::Now() + absl::Seconds(10)});
     ASSERT_TRUE(alive.ok()) << alive.status();
     EXPECT_EQ(alive->header, "alive");
   }
@@ -319,7 +328,9 @@ TEST_P(TransportProcessTest, RmaGetOfRegisteredRegionIsBitExact) {
 
 TEST_P(TransportProcessTest, ReportsTransportInUse) {
   // Transports are chosen lazily; make one call so the lanes exist.
-  ASSERT_TRUE(ep_->CallSync(tp::kEcho, AsBytes("w"), {}, {.deadline = absl::Now() + absl::Seconds(10)}).ok());
+  ASSERT_TRUE(
+      ep_->CallSync(tp::kEcho, AsBytes("w"), {}, {.deadline = absl::Now() + absl::Seconds(10)})
+          .ok());
   auto tls = ep_->Transports();
   ASSERT_TRUE(tls.ok()) << tls.status();
   ASSERT_FALSE(tls->empty());

@@ -91,9 +91,9 @@ TEST_F(TransportUnitTest, ReplyLargerThanReplyBufferIsOutOfRange) {
     Bytes payload = Bytes::Uninitialized(size);
     std::memset(payload.data(), 1, size);
     Bytes small = Bytes::Uninitialized(size / 2);
-    auto r = ep_->CallSync(kEcho, {}, {payload.view()},
-                           {.deadline = absl::Now() + absl::Seconds(10),
-                            .reply_buffer = small.span()});
+    auto r =
+        ep_->CallSync(kEcho, {}, {payload.view()},
+                      {.deadline = absl::Now() + absl::Seconds(10), .reply_buffer = small.span()});
     ASSERT_EQ(r.status().code(), absl::StatusCode::kOutOfRange) << r.status();
     EXPECT_NE(r.status().message().find(absl::StrCat(size, " bytes")), absl::string_view::npos)
         << r.status();
@@ -112,9 +112,9 @@ TEST_F(TransportUnitTest, RequestDroppedByHandlerAnswersInternal) {
 
 TEST_F(TransportUnitTest, AsyncReplyFromAnotherThreadRunsOnDone) {
   absl::Notification done;
-  PendingCall call = ep_->Call(kHold, AsBytes("later"), {},
-                               {.deadline = absl::Now() + absl::Seconds(10),
-                                .on_done = [&] { done.Notify(); }});
+  PendingCall call =
+      ep_->Call(kHold, AsBytes("later"), {},
+                {.deadline = absl::Now() + absl::Seconds(10), .on_done = [&] { done.Notify(); }});
   // Wait until the server holds the request; the call must still be in progress.
   for (;;) {
     absl::MutexLock lock(&held_mu_);
@@ -134,8 +134,7 @@ TEST_F(TransportUnitTest, AsyncReplyFromAnotherThreadRunsOnDone) {
   std::thread replier([r = std::move(request)]() mutable {
     ASSERT_TRUE(r.Reply(AsBytes("answer"), Bytes::Copy(AsBytes("payload"))).ok());
     // A second reply is refused, not sent.
-    EXPECT_EQ(r.ReplyError(absl::InternalError("x")).code(),
-              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(r.ReplyError(absl::InternalError("x")).code(), absl::StatusCode::kFailedPrecondition);
   });
   replier.join();
   done.WaitForNotification();
@@ -156,11 +155,11 @@ TEST_F(TransportUnitTest, PayloadDestinationReceivesIntoPoolMemory) {
   options.payload_destination = [&](ByteView header,
                                     size_t length) -> absl::StatusOr<std::span<uint8_t>> {
     // Header = offset into the pool as text; refuse writes that do not fit.
-    size_t offset = std::stoul(std::string(reinterpret_cast<const char*>(header.data()),
-                                           header.size()));
+    size_t offset =
+        std::stoul(std::string(reinterpret_cast<const char*>(header.data()), header.size()));
     if (offset + length > pool->size()) {
-      return absl::ResourceExhaustedError(absl::StrCat("write of ", length, " bytes at ",
-                                                       offset, " overflows the pool"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("write of ", length, " bytes at ", offset, " overflows the pool"));
     }
     return pool->span().subspan(offset, length);
   };

@@ -120,8 +120,7 @@ class MemoryRegion {
 
  private:
   friend class Context;
-  MemoryRegion(std::shared_ptr<internal::ContextCore> core, void* memh, uint8_t* data,
-               size_t size);
+  MemoryRegion(std::shared_ptr<internal::ContextCore> core, void* memh, uint8_t* data, size_t size);
   std::shared_ptr<internal::ContextCore> core_;
   void* memh_ = nullptr;  // ucp_mem_h
   uint8_t* data_ = nullptr;
