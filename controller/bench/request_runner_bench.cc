@@ -34,9 +34,9 @@ class InstantPrefill final : public PrefillClient {
 class InstantDecode final : public DecodeClient {
  public:
   explicit InstantDecode(uint32_t tokens) : tokens_(tokens) {}
-  absl::StatusOr<Completion> Stream(const NodeSnapshot&, absl::string_view, uint64_t, absl::Time,
-                                    CancellationToken*,
-                                    absl::FunctionRef<absl::Status(const TokenChunk&)> on_chunk) override {
+  absl::StatusOr<Completion> Stream(
+      const NodeSnapshot&, absl::string_view, uint64_t, absl::Time, CancellationToken*,
+      absl::FunctionRef<absl::Status(const TokenChunk&)> on_chunk) override {
     for (uint32_t i = 1; i < tokens_; ++i) {
       if (absl::Status s = on_chunk(TokenChunk{{i}, "b"}); !s.ok()) return s;
     }

@@ -17,8 +17,7 @@ absl::Status BadValue(const std::string& value, const char* what) {
   return absl::InvalidArgumentError(absl::StrCat("'", value, "' is not ", what));
 }
 
-ConfigField StringField(std::string name, std::string help,
-                        std::string ControllerConfig::*member) {
+ConfigField StringField(std::string name, std::string help, std::string ControllerConfig::*member) {
   return {std::move(name), std::move(help),
           [member](ControllerConfig& c, const std::string& v) {
             if (v.empty()) return absl::InvalidArgumentError("empty");

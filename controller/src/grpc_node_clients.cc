@@ -17,7 +17,8 @@ absl::Status WithFailedNode(absl::Status status, const grpc::ClientContext& ctx)
   const auto& trailers = ctx.GetServerTrailingMetadata();
   auto it = trailers.find(std::string(kFailedNodeMetadataKey));
   if (it != trailers.end()) {
-    status.SetPayload(kFailedNodePayloadUrl, absl::Cord(absl::string_view(it->second.data(), it->second.size())));
+    status.SetPayload(kFailedNodePayloadUrl,
+                      absl::Cord(absl::string_view(it->second.data(), it->second.size())));
   }
   return status;
 }
@@ -80,8 +81,8 @@ absl::StatusOr<Completion> GrpcNodeClients::Stream(
   if (!consumer_error.ok()) return consumer_error;
   if (!status.ok()) return FromGrpcStatus(status);
   if (!completion) {
-    return absl::InternalError(absl::StrCat("decode node ", node.id,
-                                            " ended the stream without a final message"));
+    return absl::InternalError(
+        absl::StrCat("decode node ", node.id, " ended the stream without a final message"));
   }
   return *completion;
 }

@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/strings/string_view.h"
 #include "absl/container/btree_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace kvr::controller {
 

@@ -4,8 +4,8 @@
 #include <optional>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace kvr::controller {
 namespace {
@@ -57,14 +57,13 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
     }
   }
   if (p_candidates == 0) {
-    return absl::NotFoundError(
-        absl::StrCat("no live prefill node serves model '", req.model, "'"));
+    return absl::NotFoundError(absl::StrCat("no live prefill node serves model '", req.model, "'"));
   }
   if (best_p == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "prefill queue: all ", p_candidates, " prefill nodes of model '", req.model,
-        "' would exceed their queued prefill token limit with ", req.prompt_tokens,
-        " more tokens"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("prefill queue: all ", p_candidates, " prefill nodes of model '", req.model,
+                     "' would exceed their queued prefill token limit with ", req.prompt_tokens,
+                     " more tokens"));
   }
 
   // Decode: a free slot and summary memory; most free slots, then most free memory.
@@ -82,8 +81,8 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
     kv_bytes_per_token = std::max(kv_bytes_per_token, m->kv_bytes_per_token);
     if (FreeSlots(n) == 0) continue;
     ++d_with_slot;
-    const auto bytes =
-        static_cast<uint64_t>(std::ceil(method->summary_bytes_per_token * static_cast<double>(tokens)));
+    const auto bytes = static_cast<uint64_t>(
+        std::ceil(method->summary_bytes_per_token * static_cast<double>(tokens)));
     needed_summary_bytes = std::max(needed_summary_bytes, bytes);
     if (n.effective_load.free_memory_bytes < bytes) continue;
     if (best_d == nullptr || FreeSlots(n) > FreeSlots(*best_d) ||
@@ -98,9 +97,9 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
                                             "' with retrieval method '", req.method, "'"));
   }
   if (d_with_slot == 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("decode batch slots: all ", d_candidates, " decode nodes of model '",
-                     req.model, "' have every batch slot taken"));
+    return absl::ResourceExhaustedError(absl::StrCat("decode batch slots: all ", d_candidates,
+                                                     " decode nodes of model '", req.model,
+                                                     "' have every batch slot taken"));
   }
   if (best_d == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -125,9 +124,9 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
   }
   if (s_candidates == 0) return absl::NotFoundError("no live store node");
   if (best_s == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "store memory: no store has ", kv_bytes, " bytes free for the KV of ", tokens,
-        " tokens (most free: ", most_free, " bytes on ", s_candidates, " stores)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("store memory: no store has ", kv_bytes, " bytes free for the KV of ", tokens,
+                     " tokens (most free: ", most_free, " bytes on ", s_candidates, " stores)"));
   }
 
   PlacementDecision decision{*best_p, *best_d, *best_s, kv_bytes, best_d_bytes};

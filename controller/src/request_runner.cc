@@ -2,9 +2,9 @@
 
 #include <utility>
 
-#include "absl/strings/string_view.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "kvr/controller/request_state.h"
 #include "spdlog/spdlog.h"
 
@@ -85,9 +85,9 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       state.Fail();
       if (!last_failure.ok()) {
         // The cluster had room before a node failed; report the failure, not the symptom.
-        return absl::UnavailableError(absl::StrCat(
-            "no healthy node left to retry on after attempt ", state.attempts() - 1,
-            " failed (", last_failure.message(), "): ", placed.status().message()));
+        return absl::UnavailableError(
+            absl::StrCat("no healthy node left to retry on after attempt ", state.attempts() - 1,
+                         " failed (", last_failure.message(), "): ", placed.status().message()));
       }
       if (absl::IsNotFound(placed.status())) {
         return absl::UnavailableError(placed.status().message());
@@ -98,8 +98,8 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
     const uint64_t sequence_id = next_sequence_id_.fetch_add(1);
     const absl::Time prefill_start = clock_->Now();
     spdlog::debug("request {} attempt {}: prefill {} decode {} store {} (sequence {})",
-                 params.request_id, state.attempts(), where.prefill.id, where.decode.id,
-                 where.store.id, sequence_id);
+                  params.request_id, state.attempts(), where.prefill.id, where.decode.id,
+                  where.store.id, sequence_id);
 
     observer.OnAttempt(params, where, state.attempts());
     PrefillCall call{&params, sequence_id, where.decode, where.store, deadline, state.attempts()};
@@ -130,9 +130,9 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       CancelDownstream(nullptr, failed == where.decode.id ? nullptr : &where.decode, params,
                        sequence_id, "prefill attempt failed");
       observer.OnNodeFailure(params, failed, err);
-      last_failure = absl::Status(
-          err.code(), absl::StrCat("prefill on ", where.prefill.id, " failed at node ", failed,
-                                   ": ", err.message()));
+      last_failure =
+          absl::Status(err.code(), absl::StrCat("prefill on ", where.prefill.id, " failed at node ",
+                                                failed, ": ", err.message()));
       spdlog::warn("request {}: {}", params.request_id, std::string(last_failure.message()));
       if (state.OnNodeFailure() == RequestStateMachine::FailureAction::kRetry) continue;
       return absl::UnavailableError(absl::StrCat("request failed after ", state.attempts(),
@@ -181,18 +181,18 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
     }
 
     absl::Status sink_status;
-    absl::StatusOr<Completion> done = decode_->Stream(
-        where.decode, params.request_id, sequence_id, deadline, cancel,
-        [&](const TokenChunk& chunk) -> absl::Status {
-          GenerateEvent e;
-          e.chunk = chunk;
-          (void)state.OnTokensSent(static_cast<uint32_t>(chunk.token_ids.size()));
-          e.completion_tokens = state.tokens_sent();
-          e.prompt_tokens = first.prompt_tokens;
-          observer.OnTokens(params, static_cast<uint32_t>(chunk.token_ids.size()));
-          sink_status = sink->Send(e);
-          return sink_status;
-        });
+    absl::StatusOr<Completion> done =
+        decode_->Stream(where.decode, params.request_id, sequence_id, deadline, cancel,
+                        [&](const TokenChunk& chunk) -> absl::Status {
+                          GenerateEvent e;
+                          e.chunk = chunk;
+                          (void)state.OnTokensSent(static_cast<uint32_t>(chunk.token_ids.size()));
+                          e.completion_tokens = state.tokens_sent();
+                          e.prompt_tokens = first.prompt_tokens;
+                          observer.OnTokens(params, static_cast<uint32_t>(chunk.token_ids.size()));
+                          sink_status = sink->Send(e);
+                          return sink_status;
+                        });
     if (!done.ok()) {
       if (cancel->IsCancelled() || !sink_status.ok()) {
         state.Cancel();
@@ -204,8 +204,8 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       if (absl::IsDeadlineExceeded(err)) {
         state.Fail();
         CancelDownstream(nullptr, &where.decode, params, sequence_id, "deadline exceeded");
-        return absl::DeadlineExceededError(absl::StrCat(
-            "deadline: passed after ", state.tokens_sent(), " tokens were streamed"));
+        return absl::DeadlineExceededError(
+            absl::StrCat("deadline: passed after ", state.tokens_sent(), " tokens were streamed"));
       }
       (void)state.OnNodeFailure();  // always kFail: tokens were sent
       observer.OnNodeFailure(params, where.decode.id, err);

@@ -1,7 +1,7 @@
 #include "kvr/controller/request_state.h"
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace kvr::controller {
 

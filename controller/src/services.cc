@@ -18,10 +18,10 @@ namespace v1 = ::kvr::v1;
 grpc::Status MembershipService::Register(grpc::ServerContext*, const cv1::RegisterRequest* request,
                                          cv1::RegisterResponse* response) {
   if (request->protocol_version() != kClusterProtocolVersion) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("protocol_version: ", request->protocol_version(),
-                                     " is not supported; this controller speaks ",
-                                     kClusterProtocolVersion));
+    return grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        absl::StrCat("protocol_version: ", request->protocol_version(),
+                     " is not supported; this controller speaks ", kClusterProtocolVersion));
   }
   if (request->role() == cv1::NODE_ROLE_UNSPECIFIED) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "role: unspecified");

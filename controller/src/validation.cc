@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 
 namespace kvr::controller {
 namespace {
@@ -39,8 +39,9 @@ absl::StatusOr<GenerateParams> ParseGenerateRequest(const kvr::v1::GenerateReque
 
   // Model.
   if (request.model().empty()) return Invalid("model", "empty; see ListModels");
-  auto model_it = std::find_if(models.begin(), models.end(),
-                               [&](const ModelSummary& m) { return m.info.name == request.model(); });
+  auto model_it = std::find_if(models.begin(), models.end(), [&](const ModelSummary& m) {
+    return m.info.name == request.model();
+  });
   if (model_it == models.end()) {
     std::vector<std::string> names;
     for (const ModelSummary& m : models) names.push_back(m.info.name);
@@ -62,9 +63,9 @@ absl::StatusOr<GenerateParams> ParseGenerateRequest(const kvr::v1::GenerateReque
       const auto& ids = request.token_ids().ids();
       if (ids.empty()) return Invalid("token_ids", "empty");
       if (static_cast<uint64_t>(ids.size()) >= context) {
-        return Invalid("token_ids", absl::StrCat(ids.size(), " prompt tokens leave no room in the ",
-                                                 "context of ", context, " tokens of model '",
-                                                 model.name, "'"));
+        return Invalid("token_ids",
+                       absl::StrCat(ids.size(), " prompt tokens leave no room in the ",
+                                    "context of ", context, " tokens of model '", model.name, "'"));
       }
       out.prompt = std::vector<uint32_t>(ids.begin(), ids.end());
       out.prompt_tokens_bound = ids.size();
@@ -112,8 +113,9 @@ absl::StatusOr<GenerateParams> ParseGenerateRequest(const kvr::v1::GenerateReque
       s.max_tokens = static_cast<uint32_t>(room);
     }
   } else if (s.max_tokens >= context) {
-    return Invalid("sampling.max_tokens", absl::StrCat(s.max_tokens, " leaves no room for a prompt ",
-                                                       "in the context of ", context, " tokens"));
+    return Invalid("sampling.max_tokens",
+                   absl::StrCat(s.max_tokens, " leaves no room for a prompt ", "in the context of ",
+                                context, " tokens"));
   }
   if (!std::isfinite(sp.temperature()) || sp.temperature() < 0) {
     return Invalid("sampling.temperature", "must be a finite number >= 0");
@@ -162,7 +164,8 @@ absl::StatusOr<GenerateParams> ParseGenerateRequest(const kvr::v1::GenerateReque
   out.stream.skip_token_ids = request.stream_options().skip_token_ids();
   out.stream.continuous_usage = request.stream_options().continuous_usage();
   if (out.stream.skip_text && out.stream.skip_token_ids) {
-    return Invalid("stream_options", "skip_text and skip_token_ids together leave nothing to stream");
+    return Invalid("stream_options",
+                   "skip_text and skip_token_ids together leave nothing to stream");
   }
   return out;
 }

@@ -39,22 +39,25 @@ TEST_F(ConfigTest, DefaultsWhenNothingIsSet) {
 }
 
 TEST_F(ConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
-  env_ = {{"KVR_LISTEN", "env:1"}, {"KVR_MAX_ATTEMPTS", "5"}, {"KVR_DEFAULT_BUDGET", "7"},
+  env_ = {{"KVR_LISTEN", "env:1"},
+          {"KVR_MAX_ATTEMPTS", "5"},
+          {"KVR_DEFAULT_BUDGET", "7"},
           {"KVR_LEASE_SECONDS", "9"}};
   const std::string file = WriteFile("listen: file:2\nmax_attempts: 4\ndefault_budget: 8\n");
   auto c = Resolve({{"listen", "flag:3"}}, file);
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->listen, "flag:3");         // flag over file and env
-  EXPECT_EQ(c->max_attempts, 4u);          // file over env
-  EXPECT_EQ(c->defaults.budget, 8u);       // file over env
-  EXPECT_EQ(c->lease_seconds, 9.0);        // env over default
-  EXPECT_EQ(c->max_in_flight, 1024u);      // default
+  EXPECT_EQ(c->listen, "flag:3");      // flag over file and env
+  EXPECT_EQ(c->max_attempts, 4u);      // file over env
+  EXPECT_EQ(c->defaults.budget, 8u);   // file over env
+  EXPECT_EQ(c->lease_seconds, 9.0);    // env over default
+  EXPECT_EQ(c->max_in_flight, 1024u);  // default
 }
 
 TEST_F(ConfigTest, BadValuesNameTheSettingAndSource) {
   auto flag = Resolve({{"max_attempts", "zero"}});
   EXPECT_TRUE(absl::IsInvalidArgument(flag.status()));
-  EXPECT_THAT(std::string(flag.status().message()), HasSubstr("max_attempts (flag --max-attempts)"));
+  EXPECT_THAT(std::string(flag.status().message()),
+              HasSubstr("max_attempts (flag --max-attempts)"));
   env_ = {{"KVR_LEASE_SECONDS", "-1"}};
   auto env = Resolve({});
   EXPECT_THAT(std::string(env.status().message()),

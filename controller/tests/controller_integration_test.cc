@@ -140,9 +140,8 @@ TEST(ControllerIntegrationTest, ServesHealthAndReflection) {
   EXPECT_EQ(health.status(), grpc::health::v1::HealthCheckResponse::SERVING);
 
   grpc::ClientContext reflection_ctx;
-  auto stream =
-      grpc::reflection::v1alpha::ServerReflection::NewStub(c.channel())->ServerReflectionInfo(
-          &reflection_ctx);
+  auto stream = grpc::reflection::v1alpha::ServerReflection::NewStub(c.channel())
+                    ->ServerReflectionInfo(&reflection_ctx);
   grpc::reflection::v1alpha::ServerReflectionRequest list;
   list.set_list_services("");
   ASSERT_TRUE(stream->Write(list));
@@ -205,13 +204,15 @@ TEST(ControllerIntegrationTest, DecodeNodeKilledMidStreamEndsWithClearError) {
   c.AddNode("prefill");
   c.AddNode("decode", {"--token-delay-ms", "50"});
   c.AddNode("store");
-  StreamResult out = c.Generate(Request(200), absl::Seconds(20), [&](size_t n, grpc::ClientContext&) {
-    if (n == 3) c.node(1).Kill();
-  });
+  StreamResult out =
+      c.Generate(Request(200), absl::Seconds(20), [&](size_t n, grpc::ClientContext&) {
+        if (n == 3) c.node(1).Kill();
+      });
   // Ends well before the 20 s deadline with an error that says what happened.
   EXPECT_EQ(out.status.error_code(), grpc::StatusCode::UNAVAILABLE) << out.status.error_message();
   EXPECT_THAT(out.status.error_message(), HasSubstr("decode node decode-2"));
-  EXPECT_THAT(out.status.error_message(), HasSubstr("not retried because tokens were already sent"));
+  EXPECT_THAT(out.status.error_message(),
+              HasSubstr("not retried because tokens were already sent"));
   EXPECT_GE(out.tokens.size(), 3u);
   EXPECT_LT(out.tokens.size(), 200u);
 

@@ -34,18 +34,23 @@ TEST_F(MembershipTest, RegisterAssignsUniqueIdsInRegistrationOrder) {
 
 TEST_F(MembershipTest, RejectsMalformedRegistrationsNamingTheField) {
   NodeRegistration no_addr = Prefill("");
-  EXPECT_THAT(std::string(membership_.Register(no_addr).status().message()), HasSubstr("grpc_address"));
+  EXPECT_THAT(std::string(membership_.Register(no_addr).status().message()),
+              HasSubstr("grpc_address"));
   NodeRegistration no_models = Prefill("p:1");
   no_models.capacity.models.clear();
-  EXPECT_THAT(std::string(membership_.Register(no_models).status().message()), HasSubstr("capacity.models"));
+  EXPECT_THAT(std::string(membership_.Register(no_models).status().message()),
+              HasSubstr("capacity.models"));
   NodeRegistration no_slots = Decode("d:1", /*slots=*/0);
-  EXPECT_THAT(std::string(membership_.Register(no_slots).status().message()), HasSubstr("batch_slots"));
+  EXPECT_THAT(std::string(membership_.Register(no_slots).status().message()),
+              HasSubstr("batch_slots"));
   NodeRegistration no_ucx = Store("s:1");
   no_ucx.endpoints.ucx_worker_address.clear();
-  EXPECT_THAT(std::string(membership_.Register(no_ucx).status().message()), HasSubstr("ucx_worker_address"));
+  EXPECT_THAT(std::string(membership_.Register(no_ucx).status().message()),
+              HasSubstr("ucx_worker_address"));
   NodeRegistration no_ctx = Decode("d:1");
   no_ctx.capacity.models[0].context_length = 0;
-  EXPECT_THAT(std::string(membership_.Register(no_ctx).status().message()), HasSubstr("context_length"));
+  EXPECT_THAT(std::string(membership_.Register(no_ctx).status().message()),
+              HasSubstr("context_length"));
   EXPECT_TRUE(membership_.LiveNodes().empty());
 }
 

@@ -114,7 +114,8 @@ TEST_F(PlacementTest, ExcludedNodesAreAvoidedAndMissingRolesAreNotFound) {
   EXPECT_TRUE(absl::IsNotFound(placement_.Place(req).status()));
   req.excluded = {};
   req.method = "pariskv";
-  EXPECT_THAT(std::string(placement_.Place(req).status().message()), HasSubstr("retrieval method 'pariskv'"));
+  EXPECT_THAT(std::string(placement_.Place(req).status().message()),
+              HasSubstr("retrieval method 'pariskv'"));
 }
 
 TEST(AdmissionTest, RefusesOverTheLimitAndTicketsGiveBack) {

@@ -7,8 +7,8 @@
 #include <map>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "kvr/controller/request_state.h"
 #include "test_cluster.h"
 
@@ -51,9 +51,10 @@ class FakePrefill : public PrefillClient {
 
 class FakeDecode : public DecodeClient {
  public:
-  absl::StatusOr<Completion> Stream(const NodeSnapshot& node, absl::string_view, uint64_t seq,
-                                    absl::Time deadline, CancellationToken* cancel,
-                                    absl::FunctionRef<absl::Status(const TokenChunk&)> on_chunk) override {
+  absl::StatusOr<Completion> Stream(
+      const NodeSnapshot& node, absl::string_view, uint64_t seq, absl::Time deadline,
+      CancellationToken* cancel,
+      absl::FunctionRef<absl::Status(const TokenChunk&)> on_chunk) override {
     stream_nodes.push_back(node.id);
     stream_deadlines.push_back(deadline);
     for (uint32_t i = 0; i < n_tokens; ++i) {
@@ -92,7 +93,8 @@ class RecordingSink : public ResponseSink {
   }
   std::vector<uint32_t> Tokens() const {
     std::vector<uint32_t> out;
-    for (const auto& e : events) out.insert(out.end(), e.chunk.token_ids.begin(), e.chunk.token_ids.end());
+    for (const auto& e : events)
+      out.insert(out.end(), e.chunk.token_ids.begin(), e.chunk.token_ids.end());
     return out;
   }
   size_t fail_after = SIZE_MAX;
@@ -115,17 +117,15 @@ class RequestRunnerTest : public ::testing::Test {
     params_.retrieval.method = "full";
     params_.retrieval.budget = 8;
   }
-  absl::Status Run() {
-    return runner_.Run(params_, clock_.Now(), deadline_, &cancel_, &sink_);
-  }
+  absl::Status Run() { return runner_.Run(params_, clock_.Now(), deadline_, &cancel_, &sink_); }
 
   ManualClock clock_;
   Membership membership_{&clock_, absl::Seconds(10)};
   Placement placement_{&membership_};
   FakePrefill prefill_;
   FakeDecode decode_;
-  RequestRunner runner_{&membership_, &placement_, &prefill_, &decode_, &clock_,
-                        RunnerOptions{.max_attempts = 3}};
+  RequestRunner runner_{&membership_, &placement_, &prefill_,
+                        &decode_,     &clock_,     RunnerOptions{.max_attempts = 3}};
   std::string p1_, p2_, d1_, d2_, s1_;
   GenerateParams params_;
   absl::Time deadline_ = clock_.Now() + absl::Seconds(30);
@@ -300,7 +300,8 @@ class RecordingObserver : public RequestObserver {
   void OnAttempt(const GenerateParams&, const PlacementDecision& p, uint32_t attempt) override {
     events.push_back(absl::StrCat("attempt ", attempt, " ", p.prefill.id));
   }
-  void OnNodeFailure(const GenerateParams&, absl::string_view node, const absl::Status& e) override {
+  void OnNodeFailure(const GenerateParams&, absl::string_view node,
+                     const absl::Status& e) override {
     events.push_back(absl::StrCat("failure ", node, " ", absl::StatusCodeToString(e.code())));
   }
   void OnFirstToken(const GenerateParams&, absl::Duration, absl::Duration) override {
@@ -323,9 +324,8 @@ TEST_F(RequestRunnerTest, ObserverSeesTheRequestsLife) {
     return absl::UnavailableError("Connection refused");
   };
   ASSERT_TRUE(runner.Run(params_, clock_.Now(), deadline_, &cancel_, &sink_).ok());
-  EXPECT_THAT(observer.events,
-              ElementsAre("attempt 1 " + p1_, "failure " + p1_ + " UNAVAILABLE",
-                          "attempt 2 " + p2_, "first-token", "end OK report"));
+  EXPECT_THAT(observer.events, ElementsAre("attempt 1 " + p1_, "failure " + p1_ + " UNAVAILABLE",
+                                           "attempt 2 " + p2_, "first-token", "end OK report"));
   EXPECT_EQ(observer.tokens, 3u);
 
   decode_.fail_after = 0;
@@ -362,7 +362,9 @@ TEST(CancellationTest, CallbacksRunOnceAndRegistrationsUnregister) {
   CancellationToken token;
   int a = 0, b = 0;
   auto ra = token.OnCancel([&] { ++a; });
-  { auto rb = token.OnCancel([&] { ++b; }); }
+  {
+    auto rb = token.OnCancel([&] { ++b; });
+  }
   token.Cancel(absl::CancelledError("first"));
   token.Cancel(absl::CancelledError("second"));
   EXPECT_EQ(a, 1);

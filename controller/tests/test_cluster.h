@@ -8,8 +8,8 @@
 namespace kvr::controller::testing {
 
 inline ModelInfo TestModel(uint32_t context = 8192) {
-  return ModelInfo{"smollm2", context, /*kv_bytes_per_token=*/1000,
-                   {{"full", 10.0}, {"clusterkv", 2.0}}};
+  return ModelInfo{
+      "smollm2", context, /*kv_bytes_per_token=*/1000, {{"full", 10.0}, {"clusterkv", 2.0}}};
 }
 
 inline NodeRegistration Prefill(std::string address, uint64_t queued = 0) {

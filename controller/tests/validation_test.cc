@@ -32,8 +32,8 @@ class ValidationTest : public ::testing::Test {
   }
 
   std::vector<ModelSummary> models_;
-  RequestDefaults defaults_{.max_tokens = 16, .method = "full", .budget = 64, .n_sink = 4,
-                            .local_window = 8};
+  RequestDefaults defaults_{
+      .max_tokens = 16, .method = "full", .budget = 64, .n_sink = 4, .local_window = 8};
   kvr::v1::GenerateRequest good_;
 };
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -34,7 +35,8 @@ class CancellationToken {
    public:
     Registration() = default;
     Registration(CancellationToken* token, uint64_t id) : token_(token), id_(id) {}
-    Registration(Registration&& o) noexcept : token_(std::exchange(o.token_, nullptr)), id_(o.id_) {}
+    Registration(Registration&& o) noexcept
+        : token_(std::exchange(o.token_, nullptr)), id_(o.id_) {}
     Registration& operator=(Registration&&) = delete;
     Registration(const Registration&) = delete;
     Registration& operator=(const Registration&) = delete;

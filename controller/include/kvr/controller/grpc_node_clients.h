@@ -29,9 +29,8 @@ class GrpcNodeClients final : public PrefillClient, public DecodeClient {
       absl::Time deadline, CancellationToken* cancel,
       absl::FunctionRef<absl::Status(const TokenChunk&)> on_chunk) override;
   // Cancel is both PrefillClient's and DecodeClient's: the node's role picks the service.
-  absl::Status Cancel(const NodeSnapshot& node, absl::string_view request_id,
-                      uint64_t sequence_id, absl::string_view reason,
-                      absl::Time deadline) override;
+  absl::Status Cancel(const NodeSnapshot& node, absl::string_view request_id, uint64_t sequence_id,
+                      absl::string_view reason, absl::Time deadline) override;
 
  private:
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);

@@ -12,11 +12,11 @@
 #include <string_view>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvr/controller/clock.h"
@@ -56,7 +56,8 @@ class Membership {
 
   // Renews the lease, stores the load and returns the new lease expiry. NOT_FOUND when the id
   // is unknown or its lease already lapsed (the node must register again).
-  [[nodiscard]] absl::StatusOr<absl::Time> Heartbeat(absl::string_view node_id, const NodeLoad& load);
+  [[nodiscard]] absl::StatusOr<absl::Time> Heartbeat(absl::string_view node_id,
+                                                     const NodeLoad& load);
 
   // NOT_FOUND when unknown.
   [[nodiscard]] absl::Status Deregister(absl::string_view node_id);

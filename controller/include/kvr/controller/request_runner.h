@@ -9,8 +9,8 @@
 #include <optional>
 #include <string>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kvr/controller/cancellation.h"
 #include "kvr/controller/clock.h"

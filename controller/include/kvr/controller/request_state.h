@@ -14,8 +14,8 @@
 #include <cstdint>
 #include <string_view>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace kvr::controller {
 

@@ -2,10 +2,10 @@
 // The controller's gRPC services. Thin (CONVENTIONS.md 2): each handler converts the proto to
 // domain types, calls Membership / Admission / RequestRunner, and converts the status back.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <atomic>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -107,8 +107,7 @@ class GenerationService final : public kvr::v1::Generation::Service {
                         grpc::ServerWriter<kvr::v1::GenerateResponse>* writer) override;
   grpc::Status Abort(grpc::ServerContext* context, const kvr::v1::AbortRequest* request,
                      kvr::v1::AbortResponse* response) override;
-  grpc::Status ListModels(grpc::ServerContext* context,
-                          const kvr::v1::ListModelsRequest* request,
+  grpc::Status ListModels(grpc::ServerContext* context, const kvr::v1::ListModelsRequest* request,
                           kvr::v1::ListModelsResponse* response) override;
 
  private:
