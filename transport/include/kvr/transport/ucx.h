@@ -384,7 +384,10 @@ class Worker {
                                                  std::string peer_name);
 
   // Installs the handler for active messages `am_id` (1..kMaxUserAmId); replaces an earlier
-  // one. Handlers run on the progress thread.
+  // one (register handlers before peers send: replacing a handler while one of its
+  // rendezvous requests is being received is not supported). Ids without a handler answer
+  // UNIMPLEMENTED. Handlers run on the progress thread: keep them short and never block
+  // (hand work to a pool and reply from there).
   [[nodiscard]] absl::Status RegisterHandler(AmId am_id, RequestHandler handler,
                                              HandlerOptions options = {});
 
