@@ -123,9 +123,11 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       }
       const std::string failed = FailedNodeOf(err).value_or(where.prefill.id);
       excluded.insert(failed);
-      // A busy node (RESOURCE_EXHAUSTED) is only avoided by this request; an unreachable or
-      // broken one leaves the cluster until it registers again.
-      if (!absl::IsResourceExhausted(err)) membership_->MarkFailed(failed);
+      // An unreachable node (UNAVAILABLE: connection refused or reset, the process is gone)
+      // leaves the cluster until it registers again. Any other failure (busy, an internal
+      // error on one sequence) only makes this request avoid the node: one bad request must
+      // not take a healthy node out for everyone.
+      if (absl::IsUnavailable(err)) membership_->MarkFailed(failed);
       // D may hold a partial handoff of this sequence.
       CancelDownstream(nullptr, failed == where.decode.id ? nullptr : &where.decode, params,
                        sequence_id, "prefill attempt failed");
@@ -209,9 +211,7 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       }
       (void)state.OnNodeFailure();  // always kFail: tokens were sent
       observer.OnNodeFailure(params, where.decode.id, err);
-      if (IsNodeFailure(err) && !absl::IsResourceExhausted(err)) {
-        membership_->MarkFailed(where.decode.id);
-      }
+      if (absl::IsUnavailable(err)) membership_->MarkFailed(where.decode.id);
       CancelDownstream(nullptr, &where.decode, params, sequence_id, "decode failed");
       const std::string message = absl::StrCat(
           "decode node ", where.decode.id, " (", where.decode.registration.endpoints.grpc_address,

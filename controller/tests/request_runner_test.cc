@@ -231,6 +231,21 @@ TEST_F(RequestRunnerTest, DecodeDeathAfterTokensEndsTheStreamWithoutRetry) {
   EXPECT_FALSE(membership_.Find(d1_).has_value());
 }
 
+TEST_F(RequestRunnerTest, OnlyUnreachableNodesLeaveTheCluster) {
+  prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    return absl::ResourceExhaustedError("prefill queue full");
+  };
+  ASSERT_TRUE(Run().ok());
+  EXPECT_EQ(prefill_.calls.size(), 2u);
+  EXPECT_EQ(prefill_.calls[1].first, p2_);
+  EXPECT_TRUE(membership_.Find(p1_).has_value()) << "a busy node stays";
+
+  decode_.fail_after = 0;
+  decode_.fail_status = absl::NotFoundError("sequence: no handoff");
+  EXPECT_FALSE(Run().ok());
+  EXPECT_TRUE(membership_.Find(d1_).has_value() && membership_.Find(d2_).has_value());
+}
+
 TEST_F(RequestRunnerTest, InvalidArgumentFromPrefillIsFinal) {
   prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
     return absl::InvalidArgumentError("prompt: 9000 tokens exceed the context of 8192");
