@@ -24,9 +24,9 @@
 // budgets 64/128/256): recall vs exact 0.21/0.27/0.37, attention mass 0.82/0.85/0.88 (exact
 // 0.89/0.92/0.95, streaming 0.70), with codebooks from 4-8K tokens of license text. Neither
 // 1024 instead of 256 codewords nor b = 256 instead of 1024 moved recall by more than 0.01, so
-// the limit is not codebook resolution or the offset: one codeword id per token cannot order
-// tokens inside a codeword, and a 64-dim head with theta 1e5 keeps much of its score in fast
-// rotating pairs that WRoPE flattens. The paper's setting (d = 128, theta 5e5, 80K calibration
+// the limit is not codebook resolution or the offset. Likely causes (not yet isolated): one
+// codeword id per token cannot order tokens inside a codeword, and the part of a 64-dim head's
+// score carried by fast-rotating RoPE pairs is lost when WRoPE fixes the offset. The paper's setting (d = 128, theta 5e5, 80K calibration
 // tokens of varied text, 4096 codewords at 16K-96K contexts) is kinder on all three counts.
 
 #include <cstdint>
