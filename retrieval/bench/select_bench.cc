@@ -18,7 +18,9 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 }  // namespace
 
@@ -43,7 +45,8 @@ int main(int argc, char** argv) {
   int topic = 0;
   for (int64_t t = 0; t < n; ++t) {
     if (t % 48 == 0) topic = static_cast<int>(rng() % 64);
-    for (int64_t j = 0; j < row; ++j) keys[t * row + j] = topics[topic * hd + j % hd] + 0.5f * nd(rng);
+    for (int64_t j = 0; j < row; ++j)
+      keys[t * row + j] = topics[topic * hd + j % hd] + 0.5f * nd(rng);
   }
   const int64_t nq = 512;
   std::vector<float> queries(nq * shape.n_heads * hd);

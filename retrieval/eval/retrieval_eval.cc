@@ -38,10 +38,10 @@ using Clock = std::chrono::steady_clock;
 // Default natural text: license texts every Debian system ships (plain text; /usr/share/info is
 // gzip-compressed, pass such files decompressed through --text-file).
 const char* const kDefaultTexts[] = {
-    "/usr/share/common-licenses/GPL-3",     "/usr/share/common-licenses/GFDL-1.3",
-    "/usr/share/common-licenses/LGPL-3",    "/usr/share/common-licenses/Apache-2.0",
-    "/usr/share/common-licenses/GPL-2",     "/usr/share/common-licenses/MPL-2.0",
-    "/usr/share/common-licenses/LGPL-2.1",  "/usr/share/common-licenses/Artistic",
+    "/usr/share/common-licenses/GPL-3",    "/usr/share/common-licenses/GFDL-1.3",
+    "/usr/share/common-licenses/LGPL-3",   "/usr/share/common-licenses/Apache-2.0",
+    "/usr/share/common-licenses/GPL-2",    "/usr/share/common-licenses/MPL-2.0",
+    "/usr/share/common-licenses/LGPL-2.1", "/usr/share/common-licenses/Artistic",
 };
 
 absl::StatusOr<std::string> ReadText(const std::vector<std::string>& files) {
@@ -79,8 +79,9 @@ PasskeyPrompt MakePasskey(uint64_t seed, int64_t filler_sentences, double depth)
       "it. I will quiz you about the important information there.\n";
   const int64_t at = static_cast<int64_t>(depth * static_cast<double>(filler_sentences));
   for (int64_t i = 0; i < filler_sentences; ++i) {
-    if (i == at) absl::StrAppend(&text, "The pass key is ", key, ". Remember it. ", key,
-                                 " is the pass key.\n");
+    if (i == at)
+      absl::StrAppend(&text, "The pass key is ", key, ". Remember it. ", key,
+                      " is the pass key.\n");
     text += filler;
   }
   absl::StrAppend(&text, "\nWhat is the pass key? The pass key is");
@@ -273,8 +274,8 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   if (methods.empty()) methods = registry.Names();
   for (const std::string& m : methods) {
     if (!registry.Has(m)) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown method '", m, "'; valid: ",
-                                                     absl::StrJoin(registry.Names(), ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown method '", m, "'; valid: ", absl::StrJoin(registry.Names(), ", ")));
     }
   }
   IndexParams base;
@@ -295,7 +296,8 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
     const auto it = std::find(methods.begin(), methods.end(), "a2ats");
     if (it != methods.end()) {
       methods.erase(it);
-      if (progress) progress("skipping a2ats: no --a2ats-codebooks file (make one with kvr calibrate)");
+      if (progress)
+        progress("skipping a2ats: no --a2ats-codebooks file (make one with kvr calibrate)");
     }
   }
   const AttentionShape shape{cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
@@ -308,9 +310,9 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   for (int64_t context : options.contexts) {
     std::vector<PromptCase> cases;
     if (static_cast<int64_t>(text_ids.size()) < context + options.steps + 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the text has ", text_ids.size(), " tokens, context ", context, " + ", options.steps,
-          " steps needs more: pass longer --text-file(s)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the text has ", text_ids.size(), " tokens, context ", context, " + ",
+                       options.steps, " steps needs more: pass longer --text-file(s)"));
     }
     cases.push_back({"text",
                      {text_ids.begin(), text_ids.begin() + context},
@@ -320,7 +322,8 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
       PasskeyPrompt probe = MakePasskey(options.seed, 100, 0.5);
       KVR_ASSIGN_OR_RETURN(std::vector<int32_t> probe_ids, loaded.tokenizer->Encode(probe.prompt));
       const double per_sentence = static_cast<double>(probe_ids.size()) / 100.0;
-      const int64_t sentences = std::max<int64_t>(1, static_cast<int64_t>(context / per_sentence) - 2);
+      const int64_t sentences =
+          std::max<int64_t>(1, static_cast<int64_t>(context / per_sentence) - 2);
       PasskeyPrompt pk = MakePasskey(options.seed + context, sentences, 0.35);
       KVR_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, loaded.tokenizer->Encode(pk.prompt));
       KVR_ASSIGN_OR_RETURN(std::vector<int32_t> answer,
@@ -355,7 +358,8 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
         for (int64_t t = 1; t <= steps; ++t) {
           const int32_t token = pc.continuation[t - 1];
           kvr::model::ForwardSequence seq{0, &cache, {&token, 1}};
-          KVR_RETURN_IF_ERROR(model.Forward({&seq, 1}, dense, kvr::model::LogitsMode::kLast, logits));
+          KVR_RETURN_IF_ERROR(
+              model.Forward({&seq, 1}, dense, kvr::model::LogitsMode::kLast, logits));
           ref_nll.push_back(Nll(logits, pc.continuation[t]));
           ref_argmax.push_back(Argmax(logits));
         }
@@ -424,9 +428,8 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           row.nll_delta = (nll[b] - ref_total) / steps;
           row.agreement = static_cast<double>(agree[b]) / steps;
           const SparseAttention& sa = *sparse[b];
-          row.summary_bytes_per_token_head =
-              static_cast<double>(sa.IndexBytes(b + 1)) /
-              (index_tokens * cfg.n_layers * cfg.n_kv_heads);
+          row.summary_bytes_per_token_head = static_cast<double>(sa.IndexBytes(b + 1)) /
+                                             (index_tokens * cfg.n_layers * cfg.n_kv_heads);
           row.kv_bytes_per_token_head = 4.0 * cfg.head_dim;  // fp16 K + V
           row.select_us = sa.stats().decode_calls > 0
                               ? 1e6 * sa.stats().select_seconds / sa.stats().decode_calls
@@ -446,16 +449,15 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
 }
 
 std::string FormatTable(const std::vector<EvalRow>& rows) {
-  std::string out = absl::StrFormat(
-      "%-8s %6s %-10s %6s %7s %7s %8s %8s %8s %7s %9s %9s %6s\n", "prompt", "ctx", "method",
-      "budget", "recall", "mass", "relerr", "nll", "dNLL", "agree", "B/tok/hd", "select_us",
-      "pass");
+  std::string out = absl::StrFormat("%-8s %6s %-10s %6s %7s %7s %8s %8s %8s %7s %9s %9s %6s\n",
+                                    "prompt", "ctx", "method", "budget", "recall", "mass", "relerr",
+                                    "nll", "dNLL", "agree", "B/tok/hd", "select_us", "pass");
   for (const EvalRow& r : rows) {
-    absl::StrAppendFormat(&out, "%-8s %6d %-10s %6d %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %9.2f %9.1f %6s\n",
-                          r.prompt, r.context, r.method, r.budget, r.recall, r.mass, r.rel_error,
-                          r.nll, r.nll_delta, r.agreement, r.summary_bytes_per_token_head,
-                          r.select_us,
-                          r.passkey_ok < 0 ? "-" : (r.passkey_ok ? "yes" : "no"));
+    absl::StrAppendFormat(
+        &out, "%-8s %6d %-10s %6d %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %9.2f %9.1f %6s\n", r.prompt,
+        r.context, r.method, r.budget, r.recall, r.mass, r.rel_error, r.nll, r.nll_delta,
+        r.agreement, r.summary_bytes_per_token_head, r.select_us,
+        r.passkey_ok < 0 ? "-" : (r.passkey_ok ? "yes" : "no"));
   }
   if (!rows.empty()) {
     absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16)\n",
@@ -466,9 +468,9 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
 
 std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows) {
   nlohmann::json j;
-  j["options"] = {{"contexts", options.contexts}, {"budgets", options.budgets},
-                  {"methods", options.methods},   {"steps", options.steps},
-                  {"n_sink", options.n_sink},     {"local_window", options.local_window},
+  j["options"] = {{"contexts", options.contexts},     {"budgets", options.budgets},
+                  {"methods", options.methods},       {"steps", options.steps},
+                  {"n_sink", options.n_sink},         {"local_window", options.local_window},
                   {"text_files", options.text_files}, {"passkey", options.passkey}};
   j["rows"] = nlohmann::json::array();
   for (const EvalRow& r : rows) {

@@ -38,22 +38,22 @@ struct LoadedModel;
 namespace kvr::retrieval::eval {
 
 struct EvalOptions {
-  std::vector<int64_t> contexts = {2048};           // prefill lengths
+  std::vector<int64_t> contexts = {2048};  // prefill lengths
   std::vector<int64_t> budgets = {64, 128, 256, 512};
-  std::vector<std::string> methods;                 // empty: every registered method
-  int64_t steps = 64;                               // teacher-forced decode steps
+  std::vector<std::string> methods;  // empty: every registered method
+  int64_t steps = 64;                // teacher-forced decode steps
   int64_t n_sink = 16;
   int64_t local_window = 128;
-  std::vector<std::string> text_files;              // natural text; empty: license texts
-  bool passkey = false;                             // also run a passkey prompt per context
-  std::string a2ats_codebooks;                      // codebook file for a2ats ("" skips a2ats)
+  std::vector<std::string> text_files;  // natural text; empty: license texts
+  bool passkey = false;                 // also run a passkey prompt per context
+  std::string a2ats_codebooks;          // codebook file for a2ats ("" skips a2ats)
   std::map<std::string, std::string, std::less<>> method_options;  // IndexParams::options
   uint64_t seed = 7;
   int64_t prefill_chunk = 512;
 };
 
 struct EvalRow {
-  std::string prompt;   // "text" or "passkey"
+  std::string prompt;  // "text" or "passkey"
   int64_t context = 0;
   std::string method;
   int64_t budget = 0;
@@ -63,7 +63,7 @@ struct EvalRow {
   double summary_bytes_per_token_head = 0;
   double kv_bytes_per_token_head = 0;  // fp16 K+V
   double select_us = 0;
-  double build_s = 0;  // total Build/Append seconds over all layers
+  double build_s = 0;   // total Build/Append seconds over all layers
   int passkey_ok = -1;  // -1: not a passkey prompt
 };
 

@@ -13,8 +13,8 @@
 namespace kvr::retrieval {
 namespace {
 
-using internal::Candidates;
 using internal::CandidateRange;
+using internal::Candidates;
 
 absl::Status CheckBuilt(bool built, std::string_view method) {
   if (!built) {
@@ -34,14 +34,14 @@ class TrivialIndex final : public RetrievalIndex {
   std::string_view method() const override { return select_all_ ? "full" : "streaming"; }
   int64_t size() const override { return size_; }
   absl::Status Build(const BuildInput& input) override {
-    KVR_RETURN_IF_ERROR(internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim,
-                                                 "Build keys"));
+    KVR_RETURN_IF_ERROR(
+        internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim, "Build keys"));
     size_ = input.keys.n_tokens;
     return absl::OkStatus();
   }
   absl::Status Append(const AppendInput& input) override {
-    KVR_RETURN_IF_ERROR(internal::ValidateTensor(input.keys, shape().n_kv_heads,
-                                                 shape().head_dim, "Append keys"));
+    KVR_RETURN_IF_ERROR(
+        internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim, "Append keys"));
     size_ += input.keys.n_tokens;
     return absl::OkStatus();
   }
@@ -76,8 +76,8 @@ class ExactIndex final : public RetrievalIndex {
   int64_t size() const override { return size_; }
   absl::Status Build(const BuildInput& input) override {
     if (built_) return absl::FailedPreconditionError("exact: Build called twice");
-    KVR_RETURN_IF_ERROR(internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim,
-                                                 "Build keys"));
+    KVR_RETURN_IF_ERROR(
+        internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim, "Build keys"));
     built_ = true;
     internal::AppendPacked(input.keys, shape().n_kv_heads, shape().head_dim, &keys_);
     size_ = input.keys.n_tokens;
@@ -85,8 +85,8 @@ class ExactIndex final : public RetrievalIndex {
   }
   absl::Status Append(const AppendInput& input) override {
     KVR_RETURN_IF_ERROR(CheckBuilt(built_, method()));
-    KVR_RETURN_IF_ERROR(internal::ValidateTensor(input.keys, shape().n_kv_heads,
-                                                 shape().head_dim, "Append keys"));
+    KVR_RETURN_IF_ERROR(
+        internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim, "Append keys"));
     internal::AppendPacked(input.keys, shape().n_kv_heads, shape().head_dim, &keys_);
     size_ += input.keys.n_tokens;
     return absl::OkStatus();
@@ -147,7 +147,7 @@ class ExactIndex final : public RetrievalIndex {
   GqaAggregation gqa_;
   bool built_ = false;
   int64_t size_ = 0;
-  std::vector<float> keys_;  // [size, n_kv_heads, head_dim]
+  std::vector<float> keys_;    // [size, n_kv_heads, head_dim]
   std::vector<float> logits_;  // scratch [group, n_candidates]
 };
 
@@ -165,16 +165,16 @@ class QuestIndex final : public RetrievalIndex {
   int64_t size() const override { return size_; }
   absl::Status Build(const BuildInput& input) override {
     if (built_) return absl::FailedPreconditionError("quest: Build called twice");
-    KVR_RETURN_IF_ERROR(internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim,
-                                                 "Build keys"));
+    KVR_RETURN_IF_ERROR(
+        internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim, "Build keys"));
     built_ = true;
     AddTokens(input.keys);
     return absl::OkStatus();
   }
   absl::Status Append(const AppendInput& input) override {
     KVR_RETURN_IF_ERROR(CheckBuilt(built_, method()));
-    KVR_RETURN_IF_ERROR(internal::ValidateTensor(input.keys, shape().n_kv_heads,
-                                                 shape().head_dim, "Append keys"));
+    KVR_RETURN_IF_ERROR(
+        internal::ValidateTensor(input.keys, shape().n_kv_heads, shape().head_dim, "Append keys"));
     AddTokens(input.keys);
     return absl::OkStatus();
   }
@@ -233,8 +233,7 @@ class QuestIndex final : public RetrievalIndex {
     uint8_t gqa = 0;
     KVR_RETURN_IF_ERROR(r.Get("quest page_size", &index->page_size_));
     if (index->page_size_ <= 0 || index->page_size_ > (1 << 20)) {
-      return absl::DataLossError(
-          absl::StrCat("quest payload: bad page_size ", index->page_size_));
+      return absl::DataLossError(absl::StrCat("quest payload: bad page_size ", index->page_size_));
     }
     KVR_RETURN_IF_ERROR(r.Get("quest gqa", &gqa));
     if (gqa > static_cast<uint8_t>(GqaAggregation::kSumLogit)) {
@@ -255,7 +254,9 @@ class QuestIndex final : public RetrievalIndex {
 
  private:
   // Page layout: [n_pages][n_kv_heads][2][head_dim] (min then max).
-  int64_t PageFloats() const { return static_cast<int64_t>(shape().n_kv_heads) * 2 * shape().head_dim; }
+  int64_t PageFloats() const {
+    return static_cast<int64_t>(shape().n_kv_heads) * 2 * shape().head_dim;
+  }
   float* Min(int64_t page, int kvh) {
     return bounds_.data() + page * PageFloats() + static_cast<int64_t>(kvh) * 2 * shape().head_dim;
   }
@@ -296,7 +297,8 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> ReadTrivial(const IndexShape& sh
 absl::Status RegisterBaselines(MethodRegistry& registry) {
   KVR_RETURN_IF_ERROR(registry.Register(
       "full", "every token (dense attention through the sparse path)",
-      [](const IndexShape& s, const IndexParams&) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
+      [](const IndexShape& s,
+         const IndexParams&) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
         return std::make_unique<TrivialIndex>(s, true);
       },
       [](const IndexShape& s, const IndexParams&, int64_t size, ByteReader&) {
@@ -304,7 +306,8 @@ absl::Status RegisterBaselines(MethodRegistry& registry) {
       }));
   KVR_RETURN_IF_ERROR(registry.Register(
       "streaming", "sink + local window only (selects nothing)",
-      [](const IndexShape& s, const IndexParams&) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
+      [](const IndexShape& s,
+         const IndexParams&) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
         return std::make_unique<TrivialIndex>(s, false);
       },
       [](const IndexShape& s, const IndexParams&, int64_t size, ByteReader&) {
@@ -312,13 +315,15 @@ absl::Status RegisterBaselines(MethodRegistry& registry) {
       }));
   KVR_RETURN_IF_ERROR(registry.Register(
       "exact", "oracle top-k by true attention scores over full keys",
-      [](const IndexShape& s, const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
+      [](const IndexShape& s,
+         const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
         return std::make_unique<ExactIndex>(s, p);
       },
       &ExactIndex::Read));
   KVR_RETURN_IF_ERROR(registry.Register(
       "quest", "pages with per-channel key min/max, ranked by the score upper bound",
-      [](const IndexShape& s, const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
+      [](const IndexShape& s,
+         const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
         return std::make_unique<QuestIndex>(s, p);
       },
       &QuestIndex::Read));

@@ -64,9 +64,9 @@ class ClusterKvIndex final : public RetrievalIndex {
       c0 = std::max<int64_t>(points / 80, 4 * points / std::max<int64_t>(1, params_.budget));
       c0 = std::clamp<int64_t>(c0, 1, std::max<int64_t>(1, points / 8));
     } else if (c0 > points && points > 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "clusterkv: n_clusters (", c0, ") is larger than the ", points,
-          " clusterable prefill tokens (context ", n, " minus ", sink, " sinks)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("clusterkv: n_clusters (", c0, ") is larger than the ", points,
+                       " clusterable prefill tokens (context ", n, " minus ", sink, " sinks)"));
     }
     append_every_ = params_.clusterkv.append_every > 0
                         ? params_.clusterkv.append_every
@@ -119,8 +119,7 @@ class ClusterKvIndex final : public RetrievalIndex {
       const int64_t nc = h.n_clusters();
       // Units: clusters [0, nc), then pending tokens as singletons [nc, nc + n_pending).
       scores_.assign(static_cast<size_t>(group) * (nc + n_pending), 0.f);
-      internal::GroupLogits(request.query, shape(), kvh, h.centroids.data(), hd, nc, scale,
-                            &tmp_);
+      internal::GroupLogits(request.query, shape(), kvh, h.centroids.data(), hd, nc, scale, &tmp_);
       for (int g = 0; g < group; ++g) {
         std::copy_n(tmp_.data() + g * nc, nc, scores_.data() + g * (nc + n_pending));
       }
@@ -192,8 +191,10 @@ class ClusterKvIndex final : public RetrievalIndex {
     index->params_.gqa = static_cast<GqaAggregation>(gqa);
     KVR_RETURN_IF_ERROR(r.Get("clusterkv n_sink", &index->n_sink_));
     KVR_RETURN_IF_ERROR(r.Get("clusterkv append_every", &index->append_every_));
-    KVR_RETURN_IF_ERROR(r.Get("clusterkv append_clusters", &index->params_.clusterkv.append_clusters));
-    KVR_RETURN_IF_ERROR(r.Get("clusterkv max_iterations", &index->params_.clusterkv.max_iterations));
+    KVR_RETURN_IF_ERROR(
+        r.Get("clusterkv append_clusters", &index->params_.clusterkv.append_clusters));
+    KVR_RETURN_IF_ERROR(
+        r.Get("clusterkv max_iterations", &index->params_.clusterkv.max_iterations));
     KVR_RETURN_IF_ERROR(r.Get("clusterkv seed", &index->params_.seed));
     KVR_RETURN_IF_ERROR(r.Get("clusterkv pending_begin", &index->pending_begin_));
     if (index->append_every_ <= 0 || index->params_.clusterkv.append_clusters <= 0 ||
@@ -204,7 +205,8 @@ class ClusterKvIndex final : public RetrievalIndex {
     const int hd = shape.head_dim;
     const int64_t row = static_cast<int64_t>(shape.n_kv_heads) * hd;
     const int64_t n_pending = size - index->pending_begin_;
-    KVR_RETURN_IF_ERROR(r.GetArray("clusterkv pending keys", &index->pending_keys_, n_pending * row));
+    KVR_RETURN_IF_ERROR(
+        r.GetArray("clusterkv pending keys", &index->pending_keys_, n_pending * row));
     if (static_cast<int64_t>(index->pending_keys_.size()) != n_pending * row) {
       return absl::DataLossError("clusterkv payload: pending keys do not match the header size");
     }
@@ -280,10 +282,10 @@ class ClusterKvIndex final : public RetrievalIndex {
   int64_t size_ = 0;
   int64_t n_sink_ = 0;
   int64_t append_every_ = 320;
-  int64_t pending_begin_ = 0;          // tokens [pending_begin_, size_) are not clustered yet
-  std::vector<float> pending_keys_;   // [size_ - pending_begin_, n_kv_heads, head_dim]
-  std::vector<HeadClusters> heads_;   // [n_kv_heads]
-  std::vector<float> scores_, tmp_;   // scratch
+  int64_t pending_begin_ = 0;        // tokens [pending_begin_, size_) are not clustered yet
+  std::vector<float> pending_keys_;  // [size_ - pending_begin_, n_kv_heads, head_dim]
+  std::vector<HeadClusters> heads_;  // [n_kv_heads]
+  std::vector<float> scores_, tmp_;  // scratch
 };
 
 }  // namespace

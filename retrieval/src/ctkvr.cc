@@ -69,13 +69,12 @@ class CtkvrIndex final : public RetrievalIndex {
     if (c == 0) {
       c = std::min<int64_t>({2048, std::max<int64_t>(1, n / 16), nq});
     } else if (c > n) {
-      return absl::InvalidArgumentError(absl::StrCat("ctkvr: C (", c,
-                                                     " query centroids) is larger than the ", n,
-                                                     "-token context"));
-    } else if (c > nq) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "ctkvr: C (", c, " query centroids) is larger than the ", nq,
-          " prefill queries passed to Build (pass the last C queries)"));
+          "ctkvr: C (", c, " query centroids) is larger than the ", n, "-token context"));
+    } else if (c > nq) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ctkvr: C (", c, " query centroids) is larger than the ", nq,
+                       " prefill queries passed to Build (pass the last C queries)"));
     }
     if (c <= 0) {
       return absl::InvalidArgumentError(
@@ -249,7 +248,8 @@ class CtkvrIndex final : public RetrievalIndex {
   int64_t MemoryBytes() const override {
     int64_t bytes = 0;
     for (const auto& h : heads_) {
-      for (const Entry& e : h) bytes += (e.centroid.size() + e.norms.size() + e.list.size() + 1) * 4;
+      for (const Entry& e : h)
+        bytes += (e.centroid.size() + e.norms.size() + e.list.size() + 1) * 4;
     }
     return bytes;
   }
@@ -315,8 +315,8 @@ class CtkvrIndex final : public RetrievalIndex {
         }
         for (int32_t id : e.list) {
           if (id < 0 || id >= size) {
-            return absl::DataLossError(absl::StrCat("ctkvr payload: token id ", id, " outside [0, ",
-                                                    size, ")"));
+            return absl::DataLossError(
+                absl::StrCat("ctkvr payload: token id ", id, " outside [0, ", size, ")"));
           }
         }
       }

@@ -56,8 +56,7 @@ absl::Status IndexParams::Validate() const {
         clusterkv.n_clusters, "/", clusterkv.append_every, "/", clusterkv.append_clusters, "/",
         clusterkv.max_iterations));
   }
-  if (ctkvr.n_centroids < 0 || ctkvr.list_length < 0 || ctkvr.n_recall < 0 ||
-      ctkvr.fifo_size < 0) {
+  if (ctkvr.n_centroids < 0 || ctkvr.list_length < 0 || ctkvr.n_recall < 0 || ctkvr.fifo_size < 0) {
     return absl::InvalidArgumentError(
         "retrieval params: ctkvr n_centroids, list_length, n_recall and fifo_size must be >= 0 "
         "(0 = scaled default)");

@@ -31,8 +31,7 @@ std::vector<int64_t> KeyDiffEvictionOrder(std::span<const float> scores,
   return order;
 }
 
-KeyDiffTracker::KeyDiffTracker(int head_dim)
-    : head_dim_(head_dim), sum_d_(head_dim, 0.0) {}
+KeyDiffTracker::KeyDiffTracker(int head_dim) : head_dim_(head_dim), sum_d_(head_dim, 0.0) {}
 
 std::vector<float> KeyDiffTracker::Mean() const {
   std::vector<float> mean(head_dim_, 0.f);

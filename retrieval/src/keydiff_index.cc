@@ -137,9 +137,9 @@ class KeyDiffIndex final : public RetrievalIndex {
   float fill_;
   bool built_ = false;
   int64_t size_ = 0;
-  std::vector<KeyDiffTracker> trackers_;     // [n_kv_heads]
-  std::vector<std::vector<float>> scores_;   // [n_kv_heads][size]
-  std::vector<float> neg_;                   // scratch
+  std::vector<KeyDiffTracker> trackers_;    // [n_kv_heads]
+  std::vector<std::vector<float>> scores_;  // [n_kv_heads][size]
+  std::vector<float> neg_;                  // scratch
 };
 
 }  // namespace

@@ -22,12 +22,13 @@ inline absl::Status ValidateTensor(const TokenTensor& t, int n_heads, int head_d
     return absl::InvalidArgumentError(absl::StrCat(what, ": negative n_tokens ", t.n_tokens));
   }
   if (t.n_tokens > 0 && t.data == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": null data for ", t.n_tokens, " tokens"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": null data for ", t.n_tokens, " tokens"));
   }
   if (t.n_tokens > 0 && t.row_stride < static_cast<int64_t>(n_heads) * head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": row_stride ", t.row_stride,
-                                                   " is smaller than n_heads * head_dim = ",
-                                                   static_cast<int64_t>(n_heads) * head_dim));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": row_stride ", t.row_stride,
+        " is smaller than n_heads * head_dim = ", static_cast<int64_t>(n_heads) * head_dim));
   }
   return absl::OkStatus();
 }

@@ -89,8 +89,7 @@ absl::StatusOr<KMeansResult> KMeans(const float* points, int64_t n_points, int d
         absl::StrCat("k-means: n_clusters must be >= 1, got ", options.n_clusters));
   }
   if (dim < 1 || stride < dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("k-means: bad dim ", dim, " / stride ", stride));
+    return absl::InvalidArgumentError(absl::StrCat("k-means: bad dim ", dim, " / stride ", stride));
   }
   const int64_t k = std::min<int64_t>(options.n_clusters, n_points);
   // Points copied contiguously (normalised for cosine): the iterations re-read them k times.
@@ -159,8 +158,8 @@ absl::StatusOr<KMeansResult> KMeans(const float* points, int64_t n_points, int d
     for (int64_t i0 = 0; i0 < n_points; i0 += kChunk) {
       const int64_t rows = std::min(kChunk, n_points - i0);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
-                  static_cast<int>(k), dim, 1.f, x.data() + i0 * dim, dim,
-                  result.centroids.data(), dim, 0.f, dots.data(), static_cast<int>(k));
+                  static_cast<int>(k), dim, 1.f, x.data() + i0 * dim, dim, result.centroids.data(),
+                  dim, 0.f, dots.data(), static_cast<int>(k));
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         const float* drow = dots.data() + r * k;

@@ -51,9 +51,9 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> MethodRegistry::Make(
     KVR_RETURN_IF_ERROR(params.Validate());
     return e.factory(shape, params);
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown retrieval method '", std::string(method),
-                                                 "'; valid methods: ",
-                                                 absl::StrJoin(Names(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown retrieval method '", std::string(method),
+                   "'; valid methods: ", absl::StrJoin(Names(), ", ")));
 }
 
 absl::StatusOr<const MethodRegistry::Deserializer*> MethodRegistry::FindDeserializer(
@@ -61,9 +61,9 @@ absl::StatusOr<const MethodRegistry::Deserializer*> MethodRegistry::FindDeserial
   for (const Entry& e : entries_) {
     if (e.name == method) return &e.deserializer;
   }
-  return absl::InvalidArgumentError(absl::StrCat("index bytes name retrieval method '", std::string(method),
-                                                 "', which this registry lacks; valid methods: ",
-                                                 absl::StrJoin(Names(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("index bytes name retrieval method '", std::string(method),
+                   "', which this registry lacks; valid methods: ", absl::StrJoin(Names(), ", ")));
 }
 
 absl::StatusOr<std::vector<uint8_t>> SerializeIndex(const RetrievalIndex& index) {
@@ -92,15 +92,16 @@ absl::StatusOr<std::vector<uint8_t>> SerializeIndex(const RetrievalIndex& index)
   return w.Take();
 }
 
-absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeIndex(
-    std::span<const uint8_t> bytes, const MethodRegistry& registry, const IndexParams& params,
-    const IndexShape* expected_shape) {
+absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeIndex(std::span<const uint8_t> bytes,
+                                                                 const MethodRegistry& registry,
+                                                                 const IndexParams& params,
+                                                                 const IndexShape* expected_shape) {
   ByteReader r(bytes);
   uint32_t magic = 0;
   KVR_RETURN_IF_ERROR(r.Get("magic", &magic));
   if (magic != kIndexMagic) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "index bytes: bad magic 0x", absl::Hex(magic), " (expected 'KVRI'); not a kvr index"));
+    return absl::InvalidArgumentError(absl::StrCat("index bytes: bad magic 0x", absl::Hex(magic),
+                                                   " (expected 'KVRI'); not a kvr index"));
   }
   uint16_t version = 0, reserved = 0;
   KVR_RETURN_IF_ERROR(r.Get("version", &version));
@@ -140,11 +141,11 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeIndex(
     if (e.n_heads != shape.n_heads || e.n_kv_heads != shape.n_kv_heads ||
         e.head_dim != shape.head_dim || e.layer != shape.layer ||
         (e.n_layers != 0 && shape.n_layers != 0 && e.n_layers != shape.n_layers)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "index bytes are for another model or layer: got heads ", shape.n_heads, "/",
-          shape.n_kv_heads, " head_dim ", shape.head_dim, " layer ", shape.layer, "/",
-          shape.n_layers, ", expected ", e.n_heads, "/", e.n_kv_heads, " head_dim ", e.head_dim,
-          " layer ", e.layer, "/", e.n_layers));
+      return absl::InvalidArgumentError(
+          absl::StrCat("index bytes are for another model or layer: got heads ", shape.n_heads, "/",
+                       shape.n_kv_heads, " head_dim ", shape.head_dim, " layer ", shape.layer, "/",
+                       shape.n_layers, ", expected ", e.n_heads, "/", e.n_kv_heads, " head_dim ",
+                       e.head_dim, " layer ", e.layer, "/", e.n_layers));
     }
   }
   int64_t size = 0;
@@ -161,9 +162,8 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeIndex(
                        (*deserialize)(shape, params, size, payload));
   KVR_RETURN_IF_ERROR(payload.ExpectEnd(absl::StrCat("the ", method, " payload")));
   if (index->size() != size) {
-    return absl::DataLossError(absl::StrCat("index bytes: header says ", size,
-                                            " tokens, the ", method, " payload holds ",
-                                            index->size()));
+    return absl::DataLossError(absl::StrCat("index bytes: header says ", size, " tokens, the ",
+                                            method, " payload holds ", index->size()));
   }
   return index;
 }

@@ -46,7 +46,8 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::Create(
   if (registry == nullptr) return absl::InvalidArgumentError("SparseAttention: null registry");
   if (!registry->Has(options.method)) {
     std::string valid;
-    for (const std::string& n : registry->Names()) absl::StrAppend(&valid, valid.empty() ? "" : ", ", n);
+    for (const std::string& n : registry->Names())
+      absl::StrAppend(&valid, valid.empty() ? "" : ", ", n);
     return absl::InvalidArgumentError(absl::StrCat("SparseAttention: unknown retrieval method '",
                                                    options.method, "'; valid methods: ", valid));
   }
@@ -62,9 +63,9 @@ absl::Status SparseAttention::Attend(const AttentionShape& shape,
                                      std::span<const AttentionRequest> batch) {
   if (shape.n_heads <= 0 || shape.n_kv_heads <= 0 || shape.head_dim <= 0 ||
       shape.n_heads % shape.n_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "SparseAttention: bad shape: heads ", shape.n_heads, "/", shape.n_kv_heads, " head_dim ",
-        shape.head_dim));
+    return absl::InvalidArgumentError(absl::StrCat("SparseAttention: bad shape: heads ",
+                                                   shape.n_heads, "/", shape.n_kv_heads,
+                                                   " head_dim ", shape.head_dim));
   }
   for (const AttentionRequest& r : batch) KVR_RETURN_IF_ERROR(AttendOne(shape, r));
   return absl::OkStatus();
@@ -92,8 +93,7 @@ void SparseAttention::Release(kvr::model::SequenceId sequence) { sequences_.eras
 
 RetrievalIndex* SparseAttention::FindIndex(kvr::model::SequenceId sequence, int layer) const {
   auto it = sequences_.find(sequence);
-  if (it == sequences_.end() || layer < 0 ||
-      layer >= static_cast<int>(it->second.layers.size())) {
+  if (it == sequences_.end() || layer < 0 || layer >= static_cast<int>(it->second.layers.size())) {
     return nullptr;
   }
   return it->second.layers[layer].index.get();
@@ -129,13 +129,15 @@ absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
     return absl::InvalidArgumentError(absl::StrCat("SparseAttention: layer ", request.layer,
                                                    " outside [0, ", options_.n_layers, ")"));
   }
-  if (static_cast<int>(state.layers.size()) <= request.layer) state.layers.resize(request.layer + 1);
+  if (static_cast<int>(state.layers.size()) <= request.layer)
+    state.layers.resize(request.layer + 1);
   LayerState& layer = state.layers[request.layer];
   std::unique_ptr<RetrievalIndex>& index = layer.index;
 
   if (request.n_queries > 1 || !sparse_layer) {
     // Prefill (or a dense layer): dense attention; remember the last prefill queries.
-    if (sparse_layer && request.n_queries > 1 && options_.keep_prefill_queries && index == nullptr) {
+    if (sparse_layer && request.n_queries > 1 && options_.keep_prefill_queries &&
+        index == nullptr) {
       RememberPrefillQueries(request.sequence, request.layer, shape.n_heads, hd, request.q,
                              request.n_queries, end);
     }

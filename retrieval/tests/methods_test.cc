@@ -104,7 +104,8 @@ TEST(ClusterKvTest, SelectsTheClusterAlignedWithTheQuery) {
   for (int64_t t = 4; t < n; ++t) {
     const int axis = (t % 3 == 0) ? 2 : 1;
     if (axis == 2) axis2.push_back(t);
-    for (int h = 0; h < s.n_kv_heads; ++h) keys[(t * s.n_kv_heads + h) * s.head_dim + axis] += 1.f + (t % 5);
+    for (int h = 0; h < s.n_kv_heads; ++h)
+      keys[(t * s.n_kv_heads + h) * s.head_dim + axis] += 1.f + (t % 5);
   }
   IndexParams p;
   p.n_sink = 4;

@@ -27,8 +27,7 @@ std::vector<int32_t> Greedy(const kvr::model::Model& model, kvr::model::Attentio
   std::vector<int32_t> out;
   std::vector<float> lg = *logits;
   for (int i = 0; i < n_new; ++i) {
-    const int32_t next =
-        static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin());
+    const int32_t next = static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin());
     out.push_back(next);
     kvr::model::ForwardSequence seq{1, &cache, {&next, 1}};
     absl::Status st = model.Forward({&seq, 1}, attention, kvr::model::LogitsMode::kLast, lg);
@@ -84,8 +83,8 @@ TEST(ModelGreedyTest, FullAndExactAtFullBudgetMatchDense) {
   auto sparse = SparseAttention::Create(&registry, small);
   ASSERT_TRUE(sparse.ok());
   Greedy(model, **sparse, *prompt, 4);
-  EXPECT_EQ((*sparse)->stats().selected_rows, 4LL * model.config().n_layers *
-                                                   model.config().n_kv_heads * 4);
+  EXPECT_EQ((*sparse)->stats().selected_rows,
+            4LL * model.config().n_layers * model.config().n_kv_heads * 4);
 }
 
 }  // namespace

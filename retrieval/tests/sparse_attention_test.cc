@@ -12,9 +12,9 @@
 namespace kvr::retrieval {
 namespace {
 
-using ::testing::HasSubstr;
 using kvr::model::AttentionRequest;
 using kvr::model::AttentionShape;
+using ::testing::HasSubstr;
 using testing::RandomTensor;
 
 constexpr int kLayers = 2;

@@ -59,9 +59,10 @@ void AddEvalCommand(CLI::App& app) {
   CLI::App* eval = app.add_subcommand("eval", "quality evaluations");
   eval->require_subcommand(1);
   auto flags = std::make_shared<EvalRetrievalFlags>();
-  CLI::App* cmd = eval->add_subcommand(
-      "retrieval", "retrieval methods vs dense attention: recall, mass, output error, NLL, "
-                   "agreement, summary bytes, selection time");
+  CLI::App* cmd =
+      eval->add_subcommand("retrieval",
+                           "retrieval methods vs dense attention: recall, mass, output error, NLL, "
+                           "agreement, summary bytes, selection time");
   cmd->add_option("--model", flags->model, "GGUF/HF path or known name")->capture_default_str();
   cmd->add_option("--context", flags->eval.contexts, "prefill lengths in tokens")
       ->capture_default_str();

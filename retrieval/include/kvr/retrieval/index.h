@@ -69,8 +69,8 @@ struct IndexShape {
   int n_heads = 0;     // query heads
   int n_kv_heads = 0;  // KV heads; n_heads % n_kv_heads == 0
   int head_dim = 0;
-  int layer = 0;       // which layer this index serves (A2ATS codebooks are per layer and head)
-  int n_layers = 0;    // layers in the model (for codebook compatibility checks); 0 = unknown
+  int layer = 0;     // which layer this index serves (A2ATS codebooks are per layer and head)
+  int n_layers = 0;  // layers in the model (for codebook compatibility checks); 0 = unknown
   RopeParams rope;
 
   int group_size() const { return n_kv_heads > 0 ? n_heads / n_kv_heads : 0; }
@@ -82,7 +82,7 @@ struct IndexShape {
 struct TokenTensor {
   const float* data = nullptr;  // [n_tokens, n_heads_of_this_tensor, head_dim]
   int64_t n_tokens = 0;
-  int64_t row_stride = 0;       // floats between consecutive tokens (>= n_heads * head_dim)
+  int64_t row_stride = 0;  // floats between consecutive tokens (>= n_heads * head_dim)
 
   const float* At(int64_t token, int head, int head_dim) const {
     return data + token * row_stride + static_cast<int64_t>(head) * head_dim;
@@ -91,7 +91,7 @@ struct TokenTensor {
 
 // Input of `Build`: the prefill tokens at positions [0, keys.n_tokens).
 struct BuildInput {
-  TokenTensor keys;     // [n_tokens, n_kv_heads, head_dim], RoPE applied
+  TokenTensor keys;  // [n_tokens, n_kv_heads, head_dim], RoPE applied
   // Optional prefill queries ([n_q, n_heads, head_dim], RoPE applied) of the tokens at positions
   // [queries_first_position, queries_first_position + n_q). CTKVR needs the last C of them; other
   // methods ignore them. Passing the last few hundred is enough (the runtime need not keep all).
@@ -147,7 +147,7 @@ struct QuestParams {
 struct ClusterKvParams {
   // Prefill clusters C0. ClusterKV uses C0 = L / 80 (400 clusters at 32K). 0 -> max(1, L / 80).
   int64_t n_clusters = 0;
-  int max_iterations = 10;      // k-means iterations (stops earlier when assignments settle)
+  int max_iterations = 10;  // k-means iterations (stops earlier when assignments settle)
   // Incremental clustering: every `append_every` (m) generated tokens are clustered into
   // `append_clusters` (C+) new clusters. Paper: m = 320, C+ = 4. 0 -> scaled from the context.
   int64_t append_every = 0;
@@ -174,8 +174,8 @@ struct KeyDiffParams {
 
 struct IndexParams {
   // Defaults a caller (SparseAttention, the nodes) applies to Select requests.
-  int64_t budget = 256;     // tokens per KV head per step
-  int64_t n_sink = 16;      // sink tokens always attended
+  int64_t budget = 256;        // tokens per KV head per step
+  int64_t n_sink = 16;         // sink tokens always attended
   int64_t local_window = 256;  // most recent tokens always attended
 
   GqaAggregation gqa = GqaAggregation::kSumSoftmax;

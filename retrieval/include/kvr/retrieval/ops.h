@@ -24,13 +24,13 @@ float SoftmaxInPlace(std::span<float> x);
 struct KMeansOptions {
   int n_clusters = 0;
   int max_iterations = 10;
-  bool cosine = false;       // spherical k-means: unit-normalised points and centroids
+  bool cosine = false;          // spherical k-means: unit-normalised points and centroids
   bool plus_plus_init = false;  // k-means++ seeding (else: distinct random points)
   uint64_t seed = 1;
 };
 
 struct KMeansResult {
-  std::vector<float> centroids;    // [n_clusters, dim]; cosine: unit norm
+  std::vector<float> centroids;     // [n_clusters, dim]; cosine: unit norm
   std::vector<int32_t> assignment;  // [n_points]
   int iterations = 0;
 };

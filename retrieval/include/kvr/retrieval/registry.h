@@ -71,8 +71,7 @@ class MethodRegistry {
   std::string Describe() const;
 
   // Used by DeserializeIndex.
-  [[nodiscard]] absl::StatusOr<const Deserializer*> FindDeserializer(
-      std::string_view method) const;
+  [[nodiscard]] absl::StatusOr<const Deserializer*> FindDeserializer(std::string_view method) const;
 
  private:
   struct Entry {
@@ -95,7 +94,7 @@ class MethodRegistry {
 
 // The ids of every method, in the order the evaluator reports them.
 // (Names only; whether a method is available depends on the registry.)
-inline constexpr std::string_view kCoreMethodNames[] = {"full",      "exact",  "quest", "streaming",
+inline constexpr std::string_view kCoreMethodNames[] = {"full",      "exact", "quest",  "streaming",
                                                         "clusterkv", "ctkvr", "keydiff"};
 
 // Header + payload, as described above.

@@ -72,8 +72,8 @@ class ByteReader {
     uint64_t n = 0;
     if (absl::Status s = Get(field, &n); !s.ok()) return s;
     if (n > max_elements) {
-      return absl::DataLossError(absl::StrCat("index bytes: field '", std::string(field), "' has ", n,
-                                              " elements, more than the ", max_elements,
+      return absl::DataLossError(absl::StrCat("index bytes: field '", std::string(field), "' has ",
+                                              n, " elements, more than the ", max_elements,
                                               " the header allows"));
     }
     if (n > remaining() / sizeof(T)) return Truncated(field, n * sizeof(T));
@@ -87,8 +87,8 @@ class ByteReader {
     uint32_t n = 0;
     if (absl::Status st = Get(field, &n); !st.ok()) return st;
     if (n > max_length) {
-      return absl::DataLossError(
-          absl::StrCat("index bytes: field '", std::string(field), "' length ", n, " exceeds ", max_length));
+      return absl::DataLossError(absl::StrCat("index bytes: field '", std::string(field),
+                                              "' length ", n, " exceeds ", max_length));
     }
     if (n > remaining()) return Truncated(field, n);
     s->assign(reinterpret_cast<const char*>(bytes_.data() + offset_), n);
@@ -105,8 +105,8 @@ class ByteReader {
   // DataLoss when bytes are left over (a payload longer than its method expects).
   [[nodiscard]] absl::Status ExpectEnd(std::string_view what) const {
     if (remaining() == 0) return absl::OkStatus();
-    return absl::DataLossError(
-        absl::StrCat("index bytes: ", remaining(), " unexpected trailing bytes after ", std::string(what)));
+    return absl::DataLossError(absl::StrCat(
+        "index bytes: ", remaining(), " unexpected trailing bytes after ", std::string(what)));
   }
 
   size_t remaining() const { return bytes_.size() - offset_; }
@@ -114,9 +114,9 @@ class ByteReader {
 
  private:
   absl::Status Truncated(std::string_view field, uint64_t need) const {
-    return absl::DataLossError(absl::StrCat("index bytes truncated: field '", std::string(field), "' needs ",
-                                            need, " bytes at offset ", offset_, ", only ",
-                                            remaining(), " left"));
+    return absl::DataLossError(absl::StrCat("index bytes truncated: field '", std::string(field),
+                                            "' needs ", need, " bytes at offset ", offset_,
+                                            ", only ", remaining(), " left"));
   }
 
   std::span<const uint8_t> bytes_;

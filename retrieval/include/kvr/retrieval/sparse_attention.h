@@ -47,11 +47,11 @@ struct SparseAttentionOptions {
 
 // Per-call statistics, accumulated until Reset (the evaluator reads them).
 struct SparseAttentionStats {
-  int64_t decode_calls = 0;     // (sequence, layer) decode attentions
-  int64_t selected_rows = 0;    // summed over calls and KV heads
-  int64_t attended_rows = 0;    // sink + local + selected, summed over calls and KV heads
-  double select_seconds = 0;    // time in RetrievalIndex::Select
-  double build_seconds = 0;     // time in Build/Append
+  int64_t decode_calls = 0;   // (sequence, layer) decode attentions
+  int64_t selected_rows = 0;  // summed over calls and KV heads
+  int64_t attended_rows = 0;  // sink + local + selected, summed over calls and KV heads
+  double select_seconds = 0;  // time in RetrievalIndex::Select
+  double build_seconds = 0;   // time in Build/Append
 };
 
 class SparseAttention final : public kvr::model::Attention {
@@ -68,8 +68,8 @@ class SparseAttention final : public kvr::model::Attention {
   // queries [n, n_heads, head_dim] of positions [end_position - n, end_position). Lets a caller
   // that ran the prefill elsewhere (the evaluator shares one dense prefill between methods)
   // hand over what CTKVR needs. Keeps the last max_prefill_queries.
-  void RememberPrefillQueries(kvr::model::SequenceId sequence, int layer, int n_heads,
-                              int head_dim, const float* q, int64_t n, int64_t end_position);
+  void RememberPrefillQueries(kvr::model::SequenceId sequence, int layer, int n_heads, int head_dim,
+                              const float* q, int64_t n, int64_t end_position);
 
   // The index of (sequence, layer), or null when not built yet. For the evaluator and tests.
   RetrievalIndex* FindIndex(kvr::model::SequenceId sequence, int layer) const;
