@@ -306,6 +306,16 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   KVR_ASSIGN_OR_RETURN(std::string text, ReadText(options.text_files));
   KVR_ASSIGN_OR_RETURN(std::vector<int32_t> text_ids, loaded.tokenizer->Encode(text));
 
+  // Fail before any prefill (minutes at 8K) when a run cannot fit the model's positions.
+  for (int64_t context : options.contexts) {
+    if (context < 1) return absl::InvalidArgumentError(absl::StrCat("--context must be >= 1"));
+    if (cfg.context_length > 0 && context + options.steps + 1 > cfg.context_length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--context ", context, " + --steps ", options.steps, " + 1 exceeds the model's ",
+          cfg.context_length,
+          "-token context; use --context <= ", cfg.context_length - options.steps - 1));
+    }
+  }
   std::vector<EvalRow> rows;
   for (int64_t context : options.contexts) {
     std::vector<PromptCase> cases;
