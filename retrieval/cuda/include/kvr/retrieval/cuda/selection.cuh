@@ -1,0 +1,113 @@
+#pragma once
+// GPU decode-time selection (issue 6, part "kernels-select"): score the summaries of every
+// (sequence, KV head) of one layer and choose the token ids the decode step fetches.
+//
+// THE SELECTION CONTRACT (what every selector here writes and what the gather / hot cache /
+// decode attention of retrieval/cuda/attend consume):
+//   ids    device int32 [batch, n_kv_heads, budget]: for (b, h) the first counts[b, h] entries
+//          are distinct absolute token positions of sequence b, ASCENDING; entries
+//          [counts[b, h], budget) are -1.
+//   counts device int32 [batch, n_kv_heads]: 0 <= counts[b, h] <= budget.
+// Candidates of sequence b are [cand_begin[b], cand_end[b]) (sinks before, local window after:
+// the caller attends those itself), as SelectRequest's [n_sink, min(local_begin, size)) on the
+// CPU (retrieval/include/kvr/retrieval/index.h). Token positions fit in int32 (contexts < 2^31).
+//
+// GQA: one set per KV head; query head qh belongs to KV head qh / (n_heads / n_kv_heads). The
+// group's scores are combined per kvr::retrieval::GqaAggregation, default kSumSoftmax (sum over
+// the group of each head's softmax over the candidates), exactly as the CPU reference.
+//
+// Every launcher is asynchronous on `stream`, validates shapes on the host (InvalidArgument naming
+// the field) and returns launch errors as Internal. Scratch memory is caller-owned (`workspace`
+// of *WorkspaceBytes(params) bytes, 256-byte aligned) so that a decode step allocates nothing.
+// Queries are fp32 (the runtime's RoPE output); keys / summaries as documented per method.
+// Accumulation is fp32 everywhere.
+//
+// CPU references (parity tests in retrieval/cuda/select/tests): `exact` and `quest` of
+// retrieval/src/baselines.cc, `clusterkv` of retrieval/src/clusterkv.cc.
+//
+// Microbenchmark (built here, run on the device machine by scripts/device/kernels-select.sh and
+// by the kernels-attend device script):
+//   select_cuda_bench [--methods exact,quest,clusterkv] [--contexts 8192,32768,131072]
+//                     [--batches 1,4,16] [--budgets 256,1024] [--iters 50] [--csv]
+// Llama-3-8B attention shape (32 q / 8 kv heads, d = 128, bf16 keys for exact). Prints one line
+// per (method, context, batch, budget): us per layer, summary bytes scanned, GB/s and the
+// fraction of the 3.0 TB/s HBM ceiling (DESIGN.md 6); --csv prints the same as CSV.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kvr/retrieval/index.h"
+
+namespace kvr::retrieval::cuda {
+
+// Element type of keys (values match RowDType of gather.cuh and kvr::kv_store::DType).
+enum class KeyDType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3 };
+
+// Where the output of a selector goes (the contract above).
+struct SelectionOutput {
+  int budget = 0;              // 1 .. kMaxBudget
+  int32_t* ids = nullptr;      // device [batch, n_kv_heads, budget]
+  int32_t* counts = nullptr;   // device [batch, n_kv_heads]
+};
+inline constexpr int kMaxBudget = 4096;
+
+// Candidate ranges, device int32 [batch] each: candidates of sequence b are
+// [cand_begin[b], cand_end[b]) (empty when end <= begin).
+struct CandidateRanges {
+  const int32_t* begin = nullptr;
+  const int32_t* end = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Batched top-k over precomputed scores (the building block of every selector).
+// Row r = b * n_kv_heads + h has n_valid[r] scores at scores + r * row_stride; the selected
+// entries are written as ids id_offset[r] + i (i = index in the row), ascending. Largest scores
+// win; ties go to the lower index (as kvr::retrieval::TopKIndices); NaN scores are never chosen.
+struct TopKParams {
+  int rows = 0;                       // batch * n_kv_heads
+  int64_t row_stride = 0;             // floats between rows
+  const float* scores = nullptr;      // device [rows, row_stride]
+  const int32_t* n_valid = nullptr;   // device [rows]
+  const int32_t* id_offset = nullptr; // device [rows]; null: 0
+  SelectionOutput out;                // ids [rows, budget], counts [rows]
+};
+[[nodiscard]] absl::Status BatchedTopK(const TopKParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// exact: true GQA-aggregated scores q.k over every candidate key, then the top `budget`.
+// Keys of (b, h), token t (absolute position) start at element
+//   base(b, h) + t * token_stride   of `keys`, with
+//   base(b, h) = head_offset ? head_offset[b * n_kv_heads + h] : b * batch_stride + h * head_stride
+// (packed [batch, n_kv_heads, max_ctx, head_dim], token-major [batch, max_ctx, n_kv_heads, d], or
+// the K half of the store's [k | v] rows with token_stride = 2 * head_dim all fit).
+struct KeyView {
+  const void* data = nullptr;  // device, dtype KeyDType
+  KeyDType dtype = KeyDType::kBf16;
+  int64_t token_stride = 0;  // elements
+  int64_t head_stride = 0;   // elements
+  int64_t batch_stride = 0;  // elements
+  const int64_t* head_offset = nullptr;  // device [batch, n_kv_heads] elements, optional
+};
+
+struct ExactSelectParams {
+  int batch = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;  // 64 or 128
+  float scale = 0.f;  // 1 / sqrt(head_dim) as the CPU reference
+  GqaAggregation gqa = GqaAggregation::kSumSoftmax;
+  const float* query = nullptr;  // device [batch, n_heads, head_dim] fp32
+  KeyView keys;
+  CandidateRanges cand;
+  int max_candidates = 0;  // >= cand_end[b] - cand_begin[b] for every b (sizes the workspace)
+  SelectionOutput out;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+[[nodiscard]] size_t ExactSelectWorkspaceBytes(const ExactSelectParams& p);
+[[nodiscard]] absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream);
+
+}  // namespace kvr::retrieval::cuda
