@@ -48,9 +48,9 @@ enum class KeyDType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3 };
 
 // Where the output of a selector goes (the contract above).
 struct SelectionOutput {
-  int budget = 0;              // 1 .. kMaxBudget
-  int32_t* ids = nullptr;      // device [batch, n_kv_heads, budget]
-  int32_t* counts = nullptr;   // device [batch, n_kv_heads]
+  int budget = 0;             // 1 .. kMaxBudget
+  int32_t* ids = nullptr;     // device [batch, n_kv_heads, budget]
+  int32_t* counts = nullptr;  // device [batch, n_kv_heads]
 };
 inline constexpr int kMaxBudget = 4096;
 
@@ -67,12 +67,12 @@ struct CandidateRanges {
 // entries are written as ids id_offset[r] + i (i = index in the row), ascending. Largest scores
 // win; ties go to the lower index (as kvr::retrieval::TopKIndices); NaN scores are never chosen.
 struct TopKParams {
-  int rows = 0;                       // batch * n_kv_heads
-  int64_t row_stride = 0;             // floats between rows
-  const float* scores = nullptr;      // device [rows, row_stride]
-  const int32_t* n_valid = nullptr;   // device [rows]
-  const int32_t* id_offset = nullptr; // device [rows]; null: 0
-  SelectionOutput out;                // ids [rows, budget], counts [rows]
+  int rows = 0;                        // batch * n_kv_heads
+  int64_t row_stride = 0;              // floats between rows
+  const float* scores = nullptr;       // device [rows, row_stride]
+  const int32_t* n_valid = nullptr;    // device [rows]
+  const int32_t* id_offset = nullptr;  // device [rows]; null: 0
+  SelectionOutput out;                 // ids [rows, budget], counts [rows]
 };
 [[nodiscard]] absl::Status BatchedTopK(const TopKParams& p, cudaStream_t stream);
 
@@ -86,9 +86,9 @@ struct TopKParams {
 struct KeyView {
   const void* data = nullptr;  // device, dtype KeyDType
   KeyDType dtype = KeyDType::kBf16;
-  int64_t token_stride = 0;  // elements
-  int64_t head_stride = 0;   // elements
-  int64_t batch_stride = 0;  // elements
+  int64_t token_stride = 0;              // elements
+  int64_t head_stride = 0;               // elements
+  int64_t batch_stride = 0;              // elements
   const int64_t* head_offset = nullptr;  // device [batch, n_kv_heads] elements, optional
 };
 
@@ -96,7 +96,7 @@ struct ExactSelectParams {
   int batch = 0;
   int n_heads = 0;
   int n_kv_heads = 0;
-  int head_dim = 0;  // 64 or 128
+  int head_dim = 0;   // 64 or 128
   float scale = 0.f;  // 1 / sqrt(head_dim) as the CPU reference
   GqaAggregation gqa = GqaAggregation::kSumSoftmax;
   const float* query = nullptr;  // device [batch, n_heads, head_dim] fp32

@@ -1,0 +1,394 @@
+// exact: GQA-aggregated true scores over every candidate key, then the batched top-k.
+//
+// Kernels (grid z = sequence, y = KV head):
+//  1. ExactLogitsKernel: one CTA per chunk of kChunk candidates. A key is read once for the whole
+//     query group: kLanes = head_dim / kVec lanes hold 16 bytes of it each (8 bf16/fp16 or 4
+//     fp32), multiply with their slice of every query head (registers), and reduce across the
+//     lanes with shuffles. Writes scale * q.k per group head ([rows, group, max_cand]) and, for
+//     kSumSoftmax, each chunk's (max, sum exp) per group head; for the other aggregations it
+//     writes the aggregated score directly.
+//  2. (kSumSoftmax) ExactSoftmaxAggregateKernel: log-sum-exp per group head from the chunk
+//     partials, then score = sum_g exp(logit_g - lse_g) ([rows, max_cand]).
+//  3. BatchedTopK over the scores (topk.cu).
+// Bytes: the keys (n * n_kv_heads * head_dim * dtype) dominate: at 128K, bf16, 8 KV heads that
+// is 256 MiB per sequence, ~90 us at 3 TB/s; the fp32 logits add 2 * 4 * group bytes per
+// candidate and head (16 MiB), the top-k 4 more reads of 4 bytes (mostly from L2).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/retrieval/cuda/selection.cuh"
+#include "topk_device.cuh"
+
+namespace kvr::retrieval::cuda {
+
+absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // topk.cu
+
+namespace {
+
+constexpr int kMaxGroup = 8;
+constexpr int kLogitThreads = 256;
+constexpr int kChunk = 512;  // candidates per CTA of the logits kernel
+constexpr size_t kAlign = 256;
+
+size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Loads 16 bytes of keys as floats.
+template <typename T>
+struct Vec16;
+template <>
+struct Vec16<float> {
+  static constexpr int kN = 4;
+  __device__ __forceinline__ static void Load(const float* p, float* out) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+  }
+};
+template <>
+struct Vec16<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  __device__ __forceinline__ static void Load(const __nv_bfloat16* p, float* out) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+};
+template <>
+struct Vec16<__half> {
+  static constexpr int kN = 8;
+  __device__ __forceinline__ static void Load(const __half* p, float* out) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(h[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+};
+
+struct LogitsArgs {
+  int n_kv_heads;
+  int group;
+  float scale;
+  GqaAggregation gqa;
+  const float* query;  // [batch, n_heads, head_dim]
+  KeyView keys;
+  CandidateRanges cand;
+  int max_cand;
+  float* logits;     // kSumSoftmax: [rows, group, max_cand]; else aggregated [rows, max_cand]
+  float2* partials;  // kSumSoftmax: [rows, n_chunks, group] (max, sum exp)
+  int n_chunks;
+  int32_t* n_valid;    // [rows]
+  int32_t* id_offset;  // [rows]
+};
+
+template <typename T, int kHeadDim>
+static __global__ void __launch_bounds__(kLogitThreads) ExactLogitsKernel(LogitsArgs a) {
+  constexpr int kVec = Vec16<T>::kN;
+  constexpr int kLanes = kHeadDim / kVec;  // lanes per key (8, 16 or 32)
+  static_assert(kLanes <= 32 && 32 % kLanes == 0);
+  constexpr int kKeysPerWarp = 32 / kLanes;
+  constexpr int kWarps = kLogitThreads / 32;
+  const int b = blockIdx.z, h = blockIdx.y, chunk = blockIdx.x;
+  const int row = b * a.n_kv_heads + h;
+  const int begin = a.cand.begin[b];
+  const int n = max(0, a.cand.end[b] - begin);
+  if (chunk == 0 && threadIdx.x == 0) {
+    a.n_valid[row] = n;
+    a.id_offset[row] = begin;
+  }
+  const int group = a.group;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane % kLanes;   // which 16-byte slice of the key
+  const int slot = lane / kLanes;  // which key of the warp's kKeysPerWarp
+  // This lane's slice of every query head of the group.
+  float q[kMaxGroup][kVec];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g < group) {
+      const float* qp =
+          a.query +
+          (static_cast<int64_t>(b) * a.n_kv_heads * group + static_cast<int64_t>(h) * group + g) *
+              kHeadDim +
+          sub * kVec;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) q[g][j] = qp[j] * a.scale;
+    }
+  }
+  const int64_t head_base = a.keys.head_offset != nullptr
+                                ? a.keys.head_offset[row]
+                                : static_cast<int64_t>(b) * a.keys.batch_stride +
+                                      static_cast<int64_t>(h) * a.keys.head_stride;
+  const T* keys = static_cast<const T*>(a.keys.data) + head_base + sub * kVec;
+  const bool softmax = a.gqa == GqaAggregation::kSumSoftmax;
+  float run_max[kMaxGroup], run_sum[kMaxGroup];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    run_max[g] = -INFINITY;
+    run_sum[g] = 0.f;
+  }
+  const int chunk_begin = chunk * kChunk;
+  const int chunk_end = min(n, chunk_begin + kChunk);
+  for (int i0 = chunk_begin + warp * kKeysPerWarp; i0 < chunk_end; i0 += kWarps * kKeysPerWarp) {
+    const int i = i0 + slot;
+    const bool valid = i < chunk_end;
+    float k[kVec];
+    if (valid) {
+      Vec16<T>::Load(keys + static_cast<int64_t>(begin + i) * a.keys.token_stride, k);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) k[j] = 0.f;
+    }
+    float dot[kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      float s = 0.f;
+      if (g < group) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s = fmaf(q[g][j], k[j], s);
+#pragma unroll
+        for (int o = kLanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      }
+      dot[g] = s;
+    }
+    if (!valid) continue;
+    float* out_row = a.logits + static_cast<int64_t>(row) * (softmax ? group : 1) * a.max_cand;
+    if (softmax) {
+      // Lane `sub == g` writes head g (spreads the stores over the key's lanes).
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < group) {
+          if (sub == g % kLanes) out_row[static_cast<int64_t>(g) * a.max_cand + i] = dot[g];
+          const float m = fmaxf(run_max[g], dot[g]);
+          run_sum[g] = run_sum[g] * __expf(run_max[g] - m) + __expf(dot[g] - m);
+          run_max[g] = m;
+        }
+      }
+    } else if (sub == 0) {
+      float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < group) agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, dot[g]) : agg + dot[g];
+      }
+      out_row[i] = agg;
+    }
+  }
+  if (!softmax || chunk >= a.n_chunks) return;
+  // Chunk partials: combine (max, sum) over the lanes of slot 0 of every warp, then over warps.
+  __shared__ float2 part[kWarps][kMaxGroup];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g >= group) continue;
+    float m = run_max[g], s = run_sum[g];
+    // Combine the warp's key slots (lanes sub == 0 of each slot hold identical copies per slot).
+#pragma unroll
+    for (int o = kLanes; o < 32; o <<= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+      const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+      const float mm = fmaxf(m, m2);
+      s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + s2 * __expf(m2 - mm);
+      m = mm;
+    }
+    if (lane == 0) part[warp][g] = make_float2(m, s);
+  }
+  __syncthreads();
+  if (threadIdx.x < group) {
+    const int g = threadIdx.x;
+    float m = -INFINITY, s = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float2 p = part[w][g];
+      const float mm = fmaxf(m, p.x);
+      s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + p.y * __expf(p.x - mm);
+      m = mm;
+    }
+    a.partials[(static_cast<int64_t>(row) * a.n_chunks + chunk) * group + g] = make_float2(m, s);
+  }
+}
+
+// score[row, i] = sum_g exp(logit[row, g, i] - lse[row, g]); grid (chunks, n_kv_heads, batch).
+static __global__ void __launch_bounds__(256)
+    ExactSoftmaxAggregateKernel(int n_kv_heads, int group, int max_cand, int n_chunks,
+                                const float* __restrict__ logits,
+                                const float2* __restrict__ partials,
+                                const int32_t* __restrict__ n_valid, float* __restrict__ scores) {
+  const int row = blockIdx.z * n_kv_heads + blockIdx.y;
+  const int n = n_valid[row];
+  const int used_chunks = (n + kChunk - 1) / kChunk;
+  __shared__ float lse[kMaxGroup];
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    for (int g = 0; g < group; ++g) {
+      float m = -INFINITY, s = 0.f;
+      for (int c = lane; c < used_chunks; c += 32) {
+        const float2 p = partials[(static_cast<int64_t>(row) * n_chunks + c) * group + g];
+        const float mm = fmaxf(m, p.x);
+        s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + p.y * __expf(p.x - mm);
+        m = mm;
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        const float mm = fmaxf(m, m2);
+        s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + s2 * __expf(m2 - mm);
+        m = mm;
+      }
+      if (lane == 0) lse[g] = m + logf(s);
+    }
+  }
+  __syncthreads();
+  const int i_end = min(n, static_cast<int>(blockIdx.x + 1) * kChunk);
+  const float* l = logits + static_cast<int64_t>(row) * group * max_cand;
+  for (int i = blockIdx.x * kChunk + threadIdx.x; i < i_end; i += blockDim.x) {
+    float s = 0.f;
+    for (int g = 0; g < group; ++g) s += __expf(l[static_cast<int64_t>(g) * max_cand + i] - lse[g]);
+    scores[static_cast<int64_t>(row) * max_cand + i] = s;
+  }
+}
+
+struct Workspace {
+  float* logits = nullptr;
+  float* scores = nullptr;
+  float2* partials = nullptr;
+  int32_t* n_valid = nullptr;
+  int32_t* id_offset = nullptr;
+  size_t bytes = 0;
+};
+
+Workspace Carve(const ExactSelectParams& p, char* base) {
+  const size_t rows = static_cast<size_t>(p.batch) * p.n_kv_heads;
+  const int group = p.n_kv_heads > 0 ? p.n_heads / p.n_kv_heads : 0;
+  const size_t n_chunks = (static_cast<size_t>(p.max_candidates) + kChunk - 1) / kChunk;
+  const bool softmax = p.gqa == GqaAggregation::kSumSoftmax;
+  Workspace w;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    char* ptr = base != nullptr ? base + off : nullptr;
+    off += AlignUp(bytes);
+    return ptr;
+  };
+  w.scores = reinterpret_cast<float*>(take(rows * p.max_candidates * sizeof(float)));
+  if (softmax) {
+    w.logits = reinterpret_cast<float*>(take(rows * group * p.max_candidates * sizeof(float)));
+    w.partials = reinterpret_cast<float2*>(take(rows * n_chunks * group * sizeof(float2)));
+  }
+  w.n_valid = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.id_offset = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.bytes = off;
+  return w;
+}
+
+template <typename T, int kHeadDim>
+void LaunchLogits(const LogitsArgs& a, dim3 grid, cudaStream_t stream) {
+  ExactLogitsKernel<T, kHeadDim><<<grid, kLogitThreads, 0, stream>>>(a);
+}
+
+}  // namespace
+
+size_t ExactSelectWorkspaceBytes(const ExactSelectParams& p) { return Carve(p, nullptr).bytes; }
+
+absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
+  if (p.batch < 0 || p.n_kv_heads <= 0 || p.n_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||
+      p.n_heads / p.n_kv_heads > kMaxGroup) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ExactSelect: need batch >= 0 and n_heads a multiple of n_kv_heads with a group of at "
+        "most ",
+        kMaxGroup, "; got batch ", p.batch, ", n_heads ", p.n_heads, ", n_kv_heads ",
+        p.n_kv_heads));
+  }
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ExactSelect: head_dim must be 64 or 128, got ", p.head_dim));
+  }
+  if (p.out.budget < 1 || p.out.budget > kMaxBudget) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ExactSelect: budget must be in [1, ", kMaxBudget, "], got ", p.out.budget));
+  }
+  if (p.max_candidates < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ExactSelect: max_candidates ", p.max_candidates));
+  }
+  if (p.batch == 0) return absl::OkStatus();
+  if (p.query == nullptr || p.keys.data == nullptr || p.cand.begin == nullptr ||
+      p.cand.end == nullptr || p.out.ids == nullptr || p.out.counts == nullptr) {
+    return absl::InvalidArgumentError("ExactSelect: null query, keys, candidates or output");
+  }
+  const size_t elem = p.keys.dtype == KeyDType::kF32 ? 4 : 2;
+  if (p.keys.token_stride * elem % 16 != 0 ||
+      (p.keys.head_offset == nullptr &&
+       (p.keys.head_stride * elem % 16 != 0 || p.keys.batch_stride * elem % 16 != 0)) ||
+      reinterpret_cast<uintptr_t>(p.keys.data) % 16 != 0) {
+    return absl::InvalidArgumentError(
+        "ExactSelect: keys and their strides must be 16-byte aligned (vector loads)");
+  }
+  Workspace w = Carve(p, static_cast<char*>(p.workspace));
+  if (p.workspace == nullptr || p.workspace_bytes < w.bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ExactSelect: workspace of ", p.workspace_bytes, " bytes, need ", w.bytes));
+  }
+  const int group = p.n_heads / p.n_kv_heads;
+  const int n_chunks = std::max(1, (p.max_candidates + kChunk - 1) / kChunk);
+  const bool softmax = p.gqa == GqaAggregation::kSumSoftmax;
+  LogitsArgs a{p.n_kv_heads,
+               group,
+               p.scale,
+               p.gqa,
+               p.query,
+               p.keys,
+               p.cand,
+               p.max_candidates,
+               softmax ? w.logits : w.scores,
+               w.partials,
+               n_chunks,
+               w.n_valid,
+               w.id_offset};
+  const dim3 grid(n_chunks, p.n_kv_heads, p.batch);
+  switch (p.keys.dtype) {
+    case KeyDType::kF32:
+      p.head_dim == 64 ? LaunchLogits<float, 64>(a, grid, stream)
+                       : LaunchLogits<float, 128>(a, grid, stream);
+      break;
+    case KeyDType::kF16:
+      p.head_dim == 64 ? LaunchLogits<__half, 64>(a, grid, stream)
+                       : LaunchLogits<__half, 128>(a, grid, stream);
+      break;
+    case KeyDType::kBf16:
+      p.head_dim == 64 ? LaunchLogits<__nv_bfloat16, 64>(a, grid, stream)
+                       : LaunchLogits<__nv_bfloat16, 128>(a, grid, stream);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("ExactSelect: unknown key dtype ", static_cast<int>(p.keys.dtype)));
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (softmax) {
+    ExactSoftmaxAggregateKernel<<<grid, 256, 0, stream>>>(
+        p.n_kv_heads, group, p.max_candidates, n_chunks, w.logits, w.partials, w.n_valid, w.scores);
+    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  TopKParams t;
+  t.rows = p.batch * p.n_kv_heads;
+  t.row_stride = p.max_candidates;
+  t.scores = w.scores;
+  t.n_valid = w.n_valid;
+  t.id_offset = w.id_offset;
+  t.out = p.out;
+  return LaunchBatchedTopK(t, stream);
+}
+
+}  // namespace kvr::retrieval::cuda

@@ -1,0 +1,29 @@
+# kvr::retrieval_cuda_select: GPU decode-time scoring and selection (issue 6, "kernels-select").
+# Contract and launchers: cuda/include/kvr/retrieval/cuda/selection.cuh. Only with nvcc
+# (CONVENTIONS.md 7); the parity test carries the CTest label `gpu` (CI compiles it, never runs it).
+if(KVR_HAVE_CUDA)
+  add_library(kvr_retrieval_cuda_select
+    cuda/select/topk.cu
+    cuda/select/exact.cu)
+  add_library(kvr::retrieval_cuda_select ALIAS kvr_retrieval_cuda_select)
+  target_include_directories(kvr_retrieval_cuda_select
+    PUBLIC cuda/include
+    PRIVATE cuda/select)
+  target_link_libraries(kvr_retrieval_cuda_select
+    PUBLIC kvr::common_cuda kvr::retrieval_core absl::status absl::strings)
+  set_target_properties(kvr_retrieval_cuda_select PROPERTIES CUDA_STANDARD 20
+                                                             CUDA_STANDARD_REQUIRED ON)
+  target_compile_options(kvr_retrieval_cuda_select PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
+
+  kvr_add_test(retrieval_cuda_select_test
+    SOURCES cuda/select/tests/select_test.cc
+    LIBS kvr::retrieval_cuda_select kvr::retrieval_core kvr::common
+    LABELS gpu)
+
+  if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/bench/select_cuda_bench.cc)
+    add_executable(select_cuda_bench bench/select_cuda_bench.cc)
+    target_link_libraries(select_cuda_bench PRIVATE kvr::retrieval_cuda_select kvr::common)
+    kvr_warnings(select_cuda_bench)
+  endif()
+endif()

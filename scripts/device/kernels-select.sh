@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# GPU selection kernels (issue 6, kernels-select): build here, check and time on the device.
+#
+#   bash scripts/device/kernels-select.sh bundle   # here: build retrieval_cuda_select_test and
+#                                                  # select_cuda_bench, copy them + non-system
+#                                                  # shared libraries to .device/kernels-select/
+#   bash scripts/device/kernels-select.sh run [quick]  # there (device tool, carry
+#                                                  # .device/kernels-select): parity tests,
+#                                                  # compute-sanitizer memcheck + racecheck on a
+#                                                  # subset, the bench, torch topk anchor
+#
+# `run` builds nothing. Logs and CSVs go to $OUT (the device tool's output folder) or ./out.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+DEV=.device/kernels-select
+BUILD=${KVR_BUILD_DIR:-build-kselect}
+
+bundle() {
+  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
+  [[ -f $BUILD/build.ninja ]] ||
+    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  local targets=(retrieval_cuda_select_test select_cuda_bench)
+  cmake --build "$BUILD" --target "${targets[@]}" -j2
+  rm -rf "$DEV" && mkdir -p "$DEV/lib"
+  local bins=()
+  for t in "${targets[@]}"; do
+    local b
+    b=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
+    cp "$b" "$DEV/" && strip -g "$DEV/$t" && bins+=("$DEV/$t")
+  done
+  # Every shared library but glibc's and the driver's (the device is Ubuntu 24.04 without
+  # Debian's absl / openblas builds).
+  ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
+    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda)\.so' |
+    while read -r lib; do cp -L "$lib" "$DEV/lib/"; done
+  strip -g "$DEV"/lib/*.so* 2>/dev/null || true
+  cp retrieval/bench/select_cuda_bench_torch.py "$DEV/" 2>/dev/null || true
+  du -sh "$DEV"
+}
+
+run() {
+  local quick=${1:-}
+  local out=${OUT:-$ROOT/out/kernels-select}
+  mkdir -p "$out"
+  export LD_LIBRARY_PATH=$ROOT/$DEV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  local san
+  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  local status=0
+  echo "== parity"
+  "$DEV/retrieval_cuda_select_test" >"$out/parity.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$out/parity.log" | head -20
+  echo "== compute-sanitizer (subset)"
+  local subset='*BatchedTopK*:*bf16_d128_h32x8_gqa0*:*f32_d64_h9x3_gqa1*'
+  timeout 240 "$san" --tool memcheck --error-exitcode 3 "$DEV/retrieval_cuda_select_test" \
+    --gtest_filter="$subset" >"$out/memcheck.log" 2>&1 || status=1
+  tail -2 "$out/memcheck.log"
+  timeout 120 "$san" --tool racecheck --error-exitcode 3 "$DEV/retrieval_cuda_select_test" \
+    --gtest_filter='*BatchedTopK*' >"$out/racecheck.log" 2>&1 || status=1
+  tail -2 "$out/racecheck.log"
+  echo "== bench"
+  local args=()
+  [[ $quick == quick ]] && args=(--contexts 131072 --batches 1,4 --budgets 1024 --iters 20)
+  "$DEV/select_cuda_bench" "${args[@]}" | tee "$out/bench.txt" || status=1
+  if [[ -f $DEV/select_cuda_bench_torch.py ]]; then
+    echo "== torch anchor (same run)"
+    python3 "$DEV/select_cuda_bench_torch.py" "${args[@]}" | tee "$out/torch.txt" || status=1
+  fi
+  echo "status $status"
+  return $status
+}
+
+case ${1:-run} in
+  bundle) bundle ;;
+  run) shift || true; run "$@" ;;
+  *) echo "usage: $0 bundle|run [quick]" >&2; exit 2 ;;
+esac
