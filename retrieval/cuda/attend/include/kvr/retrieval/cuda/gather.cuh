@@ -1,0 +1,55 @@
+#pragma once
+// Gather of selected KV rows into a contiguous device buffer (decode data path, DESIGN.md 2.4).
+//
+// Row layout is the store's (kv-store/include/kvr/kv_store/types.h): per (sequence, kv head) an
+// array of rows [k | v] of 2 * head_dim elements. The pool pointer may be device memory (a GPU
+// KV pool in HBM) or pinned host memory mapped into the GPU (cudaHostAllocMapped /
+// cudaHostRegisterMapped: the kernel then reads across PCIe, zero-copy). Selections follow the
+// contract of kernels-select (retrieval/cuda/include/kvr/retrieval/cuda/selection.cuh):
+// ids [batch, n_kv_heads, budget] int32 with the first counts[b, h] entries valid, -1 padding.
+//
+// Host launchers only; kernels live in src/*.cu. Launchers are asynchronous on `stream` and
+// return InvalidArgument for bad shapes, Internal for launch errors.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace kvr::retrieval::cuda {
+
+// Element type of the KV rows (values match kvr::kv_store::DType).
+enum class RowDType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3 };
+
+[[nodiscard]] constexpr size_t RowDTypeSize(RowDType t) { return t == RowDType::kF32 ? 4 : 2; }
+// Bytes of one [k | v] row.
+[[nodiscard]] constexpr size_t RowBytes(RowDType t, int head_dim) {
+  return 2 * static_cast<size_t>(head_dim) * RowDTypeSize(t);
+}
+
+// Where the rows of one layer live: row r of (sequence b, kv head h) starts at element
+// (head_base[b * n_kv_heads + h] + r) * 2 * head_dim of `rows`.
+struct KvPoolView {
+  const void* rows = nullptr;          // device-accessible [*, 2 * head_dim] (HBM or mapped host)
+  const int64_t* head_base = nullptr;  // device [batch, n_kv_heads], first row of each (b, h)
+};
+
+struct GatherParams {
+  int batch = 0;
+  int n_kv_heads = 0;
+  int budget = 0;    // ids per (b, h)
+  int head_dim = 0;  // 64 or 128
+  RowDType dtype = RowDType::kBf16;
+  KvPoolView pool;
+  const int32_t* ids = nullptr;     // device [batch, n_kv_heads, budget], -1 padding
+  const int32_t* counts = nullptr;  // device [batch, n_kv_heads], valid ids per (b, h)
+  void* out = nullptr;              // device [batch, n_kv_heads, budget, 2 * head_dim]
+};
+
+// out[b, h, i] = pool row ids[b, h, i] of (b, h) for i < counts[b, h]; padding slots are not
+// written. 16-byte loads and stores, one thread per 16-byte chunk of a row.
+[[nodiscard]] absl::Status GatherRows(const GatherParams& p, cudaStream_t stream);
+
+}  // namespace kvr::retrieval::cuda

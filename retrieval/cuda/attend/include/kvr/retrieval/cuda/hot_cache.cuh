@@ -1,0 +1,71 @@
+#pragma once
+// GPU hot cache of KV rows fetched in recent decode steps, so that only misses cross the link
+// (DESIGN.md 2.4: "fetch rows not in the hot cache").
+//
+// One HotCache serves one layer for up to `batch` sequence slots; each (sequence slot, kv head)
+// owns n_sets * ways row slots in HBM. A token id t lives in set t % n_sets; within a set the
+// victim is the least recently used way (per-slot stamp of the last step that used it: LRU at
+// step granularity). Gather() is one decode step: it copies every selected row into `out` (hits
+// from the cache, HBM -> HBM; misses from the pool, e.g. zero-copy from mapped host memory) and
+// fills the cache with the misses.
+//
+// Races inside a step are settled by a per-slot claim word (step << 32 | priority, atomicMax):
+// a hit claims its slot with the top priority, so no miss of the same step overwrites a row that
+// is being read; two misses that pick the same victim keep the one with the smaller id and the
+// other is simply not cached this step. Claims carry the step, so they never need resetting.
+//
+// Thread safety: one stream at a time per HotCache (steps must run in order). Owns its device
+// memory (move-only, CONVENTIONS.md 8).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/retrieval/cuda/gather.cuh"
+
+namespace kvr::retrieval::cuda {
+
+struct HotCacheShape {
+  int batch = 0;  // sequence slots
+  int n_kv_heads = 0;
+  int head_dim = 0;  // 64 or 128
+  RowDType dtype = RowDType::kBf16;
+  int n_sets = 0;  // per (sequence slot, kv head)
+  int ways = 0;    // 1..8
+  int budget = 0;  // largest selection per (b, h) that Gather accepts
+};
+
+class HotCache {
+ public:
+  [[nodiscard]] static absl::StatusOr<HotCache> Create(const HotCacheShape& shape,
+                                                       cudaStream_t stream);
+
+  // One decode step. ids/counts/out as GatherParams (device pointers); `pool` is where misses
+  // are read. Adds the number of hits to the device counter returned by hits().
+  [[nodiscard]] absl::Status Gather(const KvPoolView& pool, const int32_t* ids,
+                                    const int32_t* counts, void* out, cudaStream_t stream);
+
+  // Forgets every row of sequence slot b (a new sequence takes the slot).
+  [[nodiscard]] absl::Status ResetSlot(int b, cudaStream_t stream);
+
+  // Device counter of hits since creation (unsigned long long).
+  const unsigned long long* hits() const { return counters_.data(); }
+  const HotCacheShape& shape() const { return shape_; }
+  int slots_per_head() const { return shape_.n_sets * shape_.ways; }
+  size_t data_bytes() const { return data_.bytes(); }
+
+ private:
+  HotCacheShape shape_;
+  uint32_t step_ = 0;
+  kvr::cuda::DeviceBuffer<int32_t> tags_;                 // [batch, n_kv_heads, slots], -1 empty
+  kvr::cuda::DeviceBuffer<uint32_t> stamps_;              // [batch, n_kv_heads, slots]
+  kvr::cuda::DeviceBuffer<unsigned long long> claims_;    // [batch, n_kv_heads, slots]
+  kvr::cuda::DeviceBuffer<int32_t> slot_of_;              // [batch, n_kv_heads, budget]
+  kvr::cuda::DeviceBuffer<uint8_t> data_;                 // [batch, n_kv_heads, slots, 2*d]
+  kvr::cuda::DeviceBuffer<unsigned long long> counters_;  // [1] hits
+};
+
+}  // namespace kvr::retrieval::cuda

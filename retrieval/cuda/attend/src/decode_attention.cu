@@ -1,0 +1,287 @@
+#include "kvr/retrieval/cuda/decode_attention.cuh"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "row_util.cuh"
+
+namespace kvr::retrieval::cuda {
+namespace {
+
+using detail::FromFloat;
+using detail::LoadFloats;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxGroup = 8;
+constexpr int kRowsPerIter = 4;  // rows a warp loads before it uses any (memory parallelism)
+constexpr int kMinRowsPerSplit = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// One block per (split, kv head, sequence). Each warp walks its rows kRowsPerIter at a time; a
+// row is spread over the 32 lanes (D / 32 elements of k and of v per lane), so every query head
+// of the group reuses the loaded row from registers. Scores live in the log2 domain (q is
+// pre-scaled by scale * log2(e)) so the online softmax uses exp2f. The block then folds its
+// warps' (m, l, acc) and writes one fp32 partial (o, lse2) per query head to the workspace:
+//   part_o   [batch, n_heads, n_splits, D]
+//   part_lse [batch, n_heads, n_splits]  (log2 domain, -inf when the split had no rows)
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    DecodeAttentionSplitKernel(DecodeAttentionParams p, int rows_per_split, float* part_o,
+                               float* part_lse) {
+  constexpr int kLane = D / 32;
+  constexpr int64_t kRow = 2 * D;  // elements per [k | v] row
+  const int split = blockIdx.x;
+  const int n_splits = gridDim.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group = p.n_heads / p.n_kv_heads;
+  const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + h;
+
+  const int n_res = p.resident_counts != nullptr ? p.resident_counts[b] : 0;
+  const int n_sel = p.counts != nullptr ? p.counts[bh] : 0;
+  const int total = n_res + n_sel;
+  const int begin = split * rows_per_split;
+  // The last split takes whatever is left, so rows past max_rows are never dropped.
+  const int end = split == n_splits - 1 ? total : min(total, begin + rows_per_split);
+
+  const T* res_base = p.resident != nullptr
+                          ? static_cast<const T*>(p.resident) + bh * p.resident_capacity * kRow
+                          : nullptr;
+  const T* gat_base =
+      p.gathered != nullptr ? static_cast<const T*>(p.gathered) + bh * p.budget * kRow : nullptr;
+  const T* pool_base = nullptr;
+  const int32_t* ids = nullptr;
+  if (gat_base == nullptr && n_sel > 0) {
+    pool_base = static_cast<const T*>(p.pool.rows) + p.pool.head_base[bh] * kRow;
+    ids = p.ids + bh * p.budget;
+  }
+  auto row_ptr = [&](int j) -> const T* {
+    if (j < n_res) return res_base + j * kRow;
+    const int i = j - n_res;
+    if (gat_base != nullptr) return gat_base + i * kRow;
+    return pool_base + static_cast<int64_t>(ids[i]) * kRow;
+  };
+
+  float q[kMaxGroup][kLane];
+  float m[kMaxGroup];
+  float l[kMaxGroup];
+  float acc[kMaxGroup][kLane];
+  const T* q_base =
+      static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.n_heads + h * group) * D;
+  const float q_scale = p.scale * kLog2e;
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kLane; ++e) {
+      q[g][e] = 0.f;
+      acc[g][e] = 0.f;
+    }
+    if (g < group) {
+      LoadFloats<T, kLane>(q_base + g * D + lane * kLane, q[g]);
+#pragma unroll
+      for (int e = 0; e < kLane; ++e) q[g][e] *= q_scale;
+    }
+  }
+
+  for (int j0 = begin + warp * kRowsPerIter; j0 < end; j0 += kWarps * kRowsPerIter) {
+    float k[kRowsPerIter][kLane];
+    float v[kRowsPerIter][kLane];
+    bool valid[kRowsPerIter];
+#pragma unroll
+    for (int r = 0; r < kRowsPerIter; ++r) {
+      valid[r] = j0 + r < end;
+      if (valid[r]) {
+        const T* row = row_ptr(j0 + r);
+        LoadFloats<T, kLane>(row + lane * kLane, k[r]);
+        LoadFloats<T, kLane>(row + D + lane * kLane, v[r]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kLane; ++e) k[r][e] = v[r][e] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (g >= group) break;  // uniform across the block
+      float s[kRowsPerIter];
+#pragma unroll
+      for (int r = 0; r < kRowsPerIter; ++r) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < kLane; ++e) dot = fmaf(q[g][e], k[r][e], dot);
+        s[r] = dot;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerIter; ++r) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);
+      }
+      float mx = m[g];
+#pragma unroll
+      for (int r = 0; r < kRowsPerIter; ++r) {
+        if (valid[r]) mx = fmaxf(mx, s[r]);
+      }
+      const float corr = exp2f(m[g] - mx);  // m = -inf (first rows): 0
+      l[g] *= corr;
+#pragma unroll
+      for (int e = 0; e < kLane; ++e) acc[g][e] *= corr;
+#pragma unroll
+      for (int r = 0; r < kRowsPerIter; ++r) {
+        const float pr = valid[r] ? exp2f(s[r] - mx) : 0.f;
+        l[g] += pr;
+#pragma unroll
+        for (int e = 0; e < kLane; ++e) acc[g][e] = fmaf(pr, v[r][e], acc[g][e]);
+      }
+      m[g] = mx;
+    }
+  }
+
+  __shared__ float sm_m[kWarps][kMaxGroup];
+  __shared__ float sm_l[kWarps][kMaxGroup];
+  __shared__ float sm_acc[kWarps][kMaxGroup][D];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g < group) {
+      if (lane == 0) {
+        sm_m[warp][g] = m[g];
+        sm_l[warp][g] = l[g];
+      }
+#pragma unroll
+      for (int e = 0; e < kLane; ++e) sm_acc[warp][g][lane * kLane + e] = acc[g][e];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < group * D; idx += kThreads) {
+    const int g = idx / D;
+    const int d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float sum_l = 0.f;
+    float sum_a = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float c = exp2f(sm_m[w][g] - mx);
+        sum_l = fmaf(sm_l[w][g], c, sum_l);
+        sum_a = fmaf(sm_acc[w][g][d], c, sum_a);
+      }
+    }
+    const int64_t o = (static_cast<int64_t>(b) * p.n_heads + h * group + g) * n_splits + split;
+    part_o[o * D + d] = sum_l > 0.f ? sum_a / sum_l : 0.f;
+    if (d == 0) part_lse[o] = sum_l > 0.f ? mx + log2f(sum_l) : -INFINITY;
+  }
+}
+
+// One block of D threads per (sequence, query head): merges the splits' partials by
+// log-sum-exp (same algebra as MergeAttentionPartial) and writes out / lse.
+template <typename T, int D>
+__global__ void __launch_bounds__(D)
+    DecodeAttentionMergeKernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                               int n_splits, T* __restrict__ out, float* __restrict__ lse) {
+  const int64_t bq = blockIdx.x;
+  const int d = threadIdx.x;
+  const float* l2 = part_lse + bq * n_splits;
+  float mx = -INFINITY;
+  for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, l2[s]);
+  float w_sum = 0.f;
+  float o = 0.f;
+  if (mx != -INFINITY) {
+    for (int s = 0; s < n_splits; ++s) {
+      const float w = exp2f(l2[s] - mx);
+      w_sum += w;
+      o = fmaf(w, part_o[(bq * n_splits + s) * D + d], o);
+    }
+    o /= w_sum;
+  }
+  out[bq * D + d] = FromFloat<T>(o);
+  if (lse != nullptr && d == 0) lse[bq] = mx != -INFINITY ? (mx + log2f(w_sum)) * kLn2 : -INFINITY;
+}
+
+absl::Status Validate(const DecodeAttentionParams& p) {
+  if (p.batch <= 0 || p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||
+      p.n_heads / p.n_kv_heads > kMaxGroup) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: need batch > 0 and n_heads a multiple (<= ", kMaxGroup,
+                     "x) of n_kv_heads; got batch=", p.batch, " n_heads=", p.n_heads,
+                     " n_kv_heads=", p.n_kv_heads));
+  }
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: head_dim must be 64 or 128, got ", p.head_dim));
+  }
+  if (p.q == nullptr || p.out == nullptr) {
+    return absl::InvalidArgumentError("DecodeAttention: null q or out");
+  }
+  if (p.resident_counts != nullptr && (p.resident == nullptr || p.resident_capacity <= 0)) {
+    return absl::InvalidArgumentError(
+        "DecodeAttention: resident_counts set but resident rows or capacity missing");
+  }
+  if (p.counts != nullptr) {
+    if (p.budget <= 0)
+      return absl::InvalidArgumentError("DecodeAttention: counts set, budget <= 0");
+    if (p.gathered == nullptr &&
+        (p.pool.rows == nullptr || p.pool.head_base == nullptr || p.ids == nullptr)) {
+      return absl::InvalidArgumentError(
+          "DecodeAttention: selected rows need `gathered` or (pool, head_base, ids)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int DecodeAttentionSplits(const DecodeAttentionParams& p) {
+  if (p.num_splits > 0) return p.num_splits;
+  int sms = 132;
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  const int64_t heads = std::max<int64_t>(1, static_cast<int64_t>(p.batch) * p.n_kv_heads);
+  int64_t splits = (2 * sms + heads - 1) / heads;
+  const int64_t by_rows =
+      std::max<int64_t>(1, (p.max_rows + kMinRowsPerSplit - 1) / kMinRowsPerSplit);
+  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(by_rows, 1024));
+  return static_cast<int>(splits);
+}
+
+size_t DecodeAttentionWorkspaceBytes(const DecodeAttentionParams& p) {
+  const size_t splits = static_cast<size_t>(DecodeAttentionSplits(p));
+  return static_cast<size_t>(p.batch) * p.n_heads * splits * (p.head_dim + 1) * sizeof(float);
+}
+
+absl::Status DecodeAttention(const DecodeAttentionParams& p, cudaStream_t stream) {
+  if (absl::Status s = Validate(p); !s.ok()) return s;
+  const int splits = DecodeAttentionSplits(p);
+  const size_t need = DecodeAttentionWorkspaceBytes(p);
+  if (p.workspace == nullptr || p.workspace_bytes < need) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: workspace of ", p.workspace_bytes, " bytes, need ", need));
+  }
+  const int rows_per_split = std::max(1, (p.max_rows + splits - 1) / splits);
+  float* part_o = static_cast<float*>(p.workspace);
+  float* part_lse = part_o + static_cast<size_t>(p.batch) * p.n_heads * splits * p.head_dim;
+  const dim3 grid(splits, p.n_kv_heads, p.batch);
+  return KVR_DISPATCH_ROW_DTYPE(p.dtype, T, [&] {
+    return KVR_DISPATCH_HEAD_DIM(p.head_dim, D, [&]() -> absl::Status {
+      DecodeAttentionSplitKernel<T, D>
+          <<<grid, kThreads, 0, stream>>>(p, rows_per_split, part_o, part_lse);
+      if (absl::Status s = kvr::cuda::LastLaunchStatus("DecodeAttentionSplitKernel"); !s.ok()) {
+        return s;
+      }
+      DecodeAttentionMergeKernel<T, D><<<p.batch * p.n_heads, D, 0, stream>>>(
+          part_o, part_lse, splits, static_cast<T*>(p.out), p.lse);
+      return kvr::cuda::LastLaunchStatus("DecodeAttentionMergeKernel");
+    });
+  });
+}
+
+}  // namespace kvr::retrieval::cuda

@@ -1,0 +1,186 @@
+#include "kvr/retrieval/cuda/hot_cache.cuh"
+
+#include <climits>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvr::retrieval::cuda {
+namespace {
+
+constexpr unsigned kHitPriority = 0xFFFFFFFFu;
+
+__device__ __forceinline__ unsigned long long ClaimKey(uint32_t step, uint32_t priority) {
+  return (static_cast<unsigned long long>(step) << 32) | priority;
+}
+// Misses compete below hits; the smaller id wins (any fixed order would do).
+__device__ __forceinline__ uint32_t MissPriority(int32_t id) {
+  return 0xFFFFFFFEu - static_cast<uint32_t>(id);
+}
+
+// One thread per selected entry [batch * n_kv_heads * budget]. Finds the id in its set; a hit
+// records its slot (>= 0) and claims it with the top priority; a miss picks the LRU way of the
+// set as its victim, bids for it and records -2 - victim. Local slot = set * ways + way.
+__global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
+                                     const int32_t* __restrict__ counts,
+                                     const int32_t* __restrict__ tags, uint32_t* stamps,
+                                     unsigned long long* claims, int32_t* __restrict__ slot_of,
+                                     unsigned long long* hits, int budget, int n_sets, int ways,
+                                     int64_t total, uint32_t step) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  bool hit = false;
+  if (t < total) {
+    const int64_t bh = t / budget;
+    const int i = static_cast<int>(t - bh * budget);
+    const int32_t id = ids[t];
+    if (i < counts[bh] && id >= 0) {
+      const int slots = n_sets * ways;
+      const int first = (id % n_sets) * ways;
+      const int64_t base = bh * slots;
+      int found = -1;
+      int victim = first;
+      uint32_t oldest = UINT_MAX;
+      for (int w = 0; w < ways; ++w) {
+        const int s = first + w;
+        if (tags[base + s] == id) found = s;
+        const uint32_t st = stamps[base + s];
+        if (st < oldest) {
+          oldest = st;
+          victim = s;
+        }
+      }
+      if (found >= 0) {
+        hit = true;
+        stamps[base + found] = step;
+        atomicMax(&claims[base + found], ClaimKey(step, kHitPriority));
+        slot_of[t] = found;
+      } else {
+        atomicMax(&claims[base + victim], ClaimKey(step, MissPriority(id)));
+        slot_of[t] = -2 - victim;
+      }
+    }
+  }
+  // Grid is whole warps, so every lane reaches the ballot.
+  const unsigned mask = __ballot_sync(0xffffffffu, hit);
+  if ((threadIdx.x % 32) == 0 && mask != 0)
+    atomicAdd(hits, static_cast<unsigned long long>(__popc(mask)));
+}
+
+// One thread per 16-byte chunk of each selected row: hits copy from the cache (HBM), misses read
+// the pool (mapped host memory: the only bytes that cross the link) and, when they won their
+// victim's claim, also write the row into the cache and retag the slot.
+__global__ void HotCacheCopyKernel(const uint4* __restrict__ pool,
+                                   const int64_t* __restrict__ head_base,
+                                   const int32_t* __restrict__ ids,
+                                   const int32_t* __restrict__ counts,
+                                   const int32_t* __restrict__ slot_of, int32_t* tags,
+                                   uint32_t* stamps, const unsigned long long* claims, uint4* cache,
+                                   uint4* __restrict__ out, int budget, int slots,
+                                   int chunks_per_row, int64_t total_chunks, uint32_t step) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= total_chunks) return;
+  const int64_t e = t / chunks_per_row;  // selected entry
+  const int chunk = static_cast<int>(t - e * chunks_per_row);
+  const int64_t bh = e / budget;
+  const int i = static_cast<int>(e - bh * budget);
+  if (i >= counts[bh]) return;
+  const int32_t id = ids[e];
+  if (id < 0) return;
+  const int s = slot_of[e];
+  uint4* cache_bh = cache + bh * slots * chunks_per_row;
+  if (s >= 0) {
+    out[e * chunks_per_row + chunk] = cache_bh[static_cast<int64_t>(s) * chunks_per_row + chunk];
+    return;
+  }
+  const int victim = -2 - s;
+  const uint4 x = pool[(head_base[bh] + id) * chunks_per_row + chunk];
+  out[e * chunks_per_row + chunk] = x;
+  if (claims[bh * slots + victim] == ClaimKey(step, MissPriority(id))) {
+    cache_bh[static_cast<int64_t>(victim) * chunks_per_row + chunk] = x;
+    if (chunk == 0) {
+      tags[bh * slots + victim] = id;
+      stamps[bh * slots + victim] = step;
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream_t stream) {
+  if (shape.batch <= 0 || shape.n_kv_heads <= 0 || shape.n_sets <= 0 || shape.ways <= 0 ||
+      shape.ways > 8 || shape.budget <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HotCache: need batch, n_kv_heads, n_sets, budget > 0 and ways in 1..8; got batch=",
+        shape.batch, " n_kv_heads=", shape.n_kv_heads, " n_sets=", shape.n_sets,
+        " ways=", shape.ways, " budget=", shape.budget));
+  }
+  if (shape.head_dim != 64 && shape.head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HotCache: head_dim must be 64 or 128, got ", shape.head_dim));
+  }
+  HotCache c;
+  c.shape_ = shape;
+  const size_t heads = static_cast<size_t>(shape.batch) * shape.n_kv_heads;
+  const size_t slots = heads * shape.n_sets * shape.ways;
+  using kvr::cuda::DeviceBuffer;
+  auto tags = DeviceBuffer<int32_t>::Create(slots);
+  if (!tags.ok()) return tags.status();
+  auto stamps = DeviceBuffer<uint32_t>::Create(slots);
+  if (!stamps.ok()) return stamps.status();
+  auto claims = DeviceBuffer<unsigned long long>::Create(slots);
+  if (!claims.ok()) return claims.status();
+  auto slot_of = DeviceBuffer<int32_t>::Create(heads * shape.budget);
+  if (!slot_of.ok()) return slot_of.status();
+  auto data = DeviceBuffer<uint8_t>::Create(slots * RowBytes(shape.dtype, shape.head_dim));
+  if (!data.ok()) return data.status();
+  auto counters = DeviceBuffer<unsigned long long>::Create(1);
+  if (!counters.ok()) return counters.status();
+  c.tags_ = *std::move(tags);
+  c.stamps_ = *std::move(stamps);
+  c.claims_ = *std::move(claims);
+  c.slot_of_ = *std::move(slot_of);
+  c.data_ = *std::move(data);
+  c.counters_ = *std::move(counters);
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.tags_.data(), 0xFF, c.tags_.bytes(), stream));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.stamps_.data(), 0, c.stamps_.bytes(), stream));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.claims_.data(), 0, c.claims_.bytes(), stream));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.counters_.data(), 0, c.counters_.bytes(), stream));
+  return c;
+}
+
+absl::Status HotCache::ResetSlot(int b, cudaStream_t stream) {
+  if (b < 0 || b >= shape_.batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HotCache::ResetSlot: slot ", b, " not in [0, ", shape_.batch, ")"));
+  }
+  const size_t per_seq = static_cast<size_t>(shape_.n_kv_heads) * slots_per_head();
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(tags_.data() + b * per_seq, 0xFF, per_seq * sizeof(int32_t), stream));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(stamps_.data() + b * per_seq, 0, per_seq * sizeof(uint32_t), stream));
+  return absl::OkStatus();
+}
+
+absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const int32_t* counts,
+                              void* out, cudaStream_t stream) {
+  if (!pool.rows || !pool.head_base || !ids || !counts || !out) {
+    return absl::InvalidArgumentError("HotCache::Gather: null pool, head_base, ids, counts or out");
+  }
+  ++step_;
+  const int64_t entries = static_cast<int64_t>(shape_.batch) * shape_.n_kv_heads * shape_.budget;
+  constexpr int kThreads = 256;
+  HotCacheLookupKernel<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0,
+                         stream>>>(ids, counts, tags_.data(), stamps_.data(), claims_.data(),
+                                   slot_of_.data(), counters_.data(), shape_.budget, shape_.n_sets,
+                                   shape_.ways, entries, step_);
+  if (absl::Status s = kvr::cuda::LastLaunchStatus("HotCacheLookupKernel"); !s.ok()) return s;
+  const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
+  const int64_t chunks = entries * chunks_per_row;
+  HotCacheCopyKernel<<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0,
+                       stream>>>(static_cast<const uint4*>(pool.rows), pool.head_base, ids, counts,
+                                 slot_of_.data(), tags_.data(), stamps_.data(), claims_.data(),
+                                 reinterpret_cast<uint4*>(data_.data()), static_cast<uint4*>(out),
+                                 shape_.budget, slots_per_head(), chunks_per_row, chunks, step_);
+  return kvr::cuda::LastLaunchStatus("HotCacheCopyKernel");
+}
+
+}  // namespace kvr::retrieval::cuda

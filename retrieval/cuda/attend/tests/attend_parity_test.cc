@@ -1,0 +1,496 @@
+// Parity of the GPU decode data path (gather, hot cache, decode attention) with the CPU
+// reference (kvr::retrieval::AttendPartial + MergeAttentionPartial). CTest label `gpu`; skips
+// when no CUDA device is present. Shapes: head_dim 64/128, GQA group 1/4/8, 1..70K rows ragged,
+// batch 1..16; dtypes fp32/fp16/bf16 with a tolerance per dtype. Outputs are poisoned with NaN
+// bytes before each kernel and checked finite after.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/half.h"
+#include "kvr/retrieval/cuda/decode_attention.cuh"
+#include "kvr/retrieval/cuda/gather.cuh"
+#include "kvr/retrieval/cuda/hot_cache.cuh"
+#include "kvr/retrieval/partial_attention.h"
+
+namespace kvr::retrieval::cuda {
+namespace {
+
+using kvr::cuda::DeviceBuffer;
+using kvr::cuda::PinnedBuffer;
+
+#define ASSERT_OK(expr)                                  \
+  do {                                                   \
+    const absl::Status kvr_s_ = (expr);                  \
+    ASSERT_TRUE(kvr_s_.ok()) << #expr << ": " << kvr_s_; \
+  } while (false)
+
+template <typename T>
+T ValueOrDie(absl::StatusOr<T> v) {
+  if (!v.ok()) {
+    ADD_FAILURE() << v.status();
+    std::abort();
+  }
+  return *std::move(v);
+}
+
+// Host tensor in a row dtype, plus the same values as floats (the exact rounded values, which
+// is what the reference computes on).
+struct HostTensor {
+  RowDType dtype = RowDType::kBf16;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+
+  void Fill(size_t n, RowDType t, std::mt19937& rng, float lo, float hi) {
+    dtype = t;
+    const size_t es = RowDTypeSize(t);
+    bytes.resize(n * es);
+    values.resize(n);
+    std::uniform_real_distribution<float> dist(lo, hi);
+    for (size_t i = 0; i < n; ++i) {
+      const float x = dist(rng);
+      if (t == RowDType::kF32) {
+        std::memcpy(&bytes[i * 4], &x, 4);
+        values[i] = x;
+      } else {
+        const uint16_t h = t == RowDType::kF16 ? FloatToFp16(x) : FloatToBf16(x);
+        std::memcpy(&bytes[i * 2], &h, 2);
+        values[i] = t == RowDType::kF16 ? Fp16ToFloat(h) : Bf16ToFloat(h);
+      }
+    }
+  }
+};
+
+float ElementToFloat(const uint8_t* p, RowDType t) {
+  if (t == RowDType::kF32) {
+    float x;
+    std::memcpy(&x, p, 4);
+    return x;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return t == RowDType::kF16 ? Fp16ToFloat(h) : Bf16ToFloat(h);
+}
+
+template <typename T>
+DeviceBuffer<T> Upload(const std::vector<T>& host) {
+  auto buf = ValueOrDie(DeviceBuffer<T>::Create(std::max<size_t>(host.size(), 1)));
+  if (!host.empty()) {
+    EXPECT_EQ(cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  return buf;
+}
+
+template <typename T>
+std::vector<T> Download(const DeviceBuffer<T>& buf, size_t n) {
+  std::vector<T> host(n);
+  EXPECT_EQ(cudaMemcpy(host.data(), buf.data(), n * sizeof(T), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  return host;
+}
+
+struct Tolerance {
+  float atol;
+  float rtol;
+};
+Tolerance ToleranceFor(RowDType t) {
+  switch (t) {
+    case RowDType::kF32:
+      return {2e-5f, 2e-4f};
+    case RowDType::kF16:
+      return {2e-3f, 2e-3f};
+    default:
+      return {8e-3f, 1e-2f};  // output rounded to bf16 (8-bit mantissa)
+  }
+}
+
+std::string DTypeName(RowDType t) {
+  return t == RowDType::kF32 ? "f32" : t == RowDType::kF16 ? "f16" : "bf16";
+}
+
+struct Case {
+  RowDType dtype;
+  int head_dim;
+  int group;
+  int batch;
+  int n_kv_heads;
+  int max_resident;  // resident rows per sequence in [0, max_resident], ragged
+  int budget;        // selected rows per (b, h) in [0, budget], ragged, some full
+  int max_pool;      // pool rows per (b, h) in [budget, max_pool], ragged
+};
+
+std::string CaseName(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return DTypeName(c.dtype) + "_d" + std::to_string(c.head_dim) + "_g" + std::to_string(c.group) +
+         "_b" + std::to_string(c.batch) + "_kv" + std::to_string(c.n_kv_heads) + "_res" +
+         std::to_string(c.max_resident) + "_k" + std::to_string(c.budget) + "_pool" +
+         std::to_string(c.max_pool);
+}
+
+// Everything one case needs, on the host and the device.
+struct Problem {
+  Case c;
+  int n_heads = 0;
+  int row_elems = 0;
+  std::vector<int64_t> head_base;        // [batch, n_kv_heads]
+  std::vector<int32_t> ids;              // [batch, n_kv_heads, budget], -1 padding
+  std::vector<int32_t> counts;           // [batch, n_kv_heads]
+  std::vector<int32_t> resident_counts;  // [batch]
+  HostTensor pool;                       // [sum pool rows, 2 * d]
+  HostTensor resident;                   // [batch, n_kv_heads, max(max_resident,1), 2 * d]
+  HostTensor q;                          // [batch, n_heads, d]
+  int resident_capacity = 0;
+  int max_rows = 0;
+
+  void Make(const Case& cs, uint32_t seed) {
+    c = cs;
+    std::mt19937 rng(seed);
+    n_heads = c.n_kv_heads * c.group;
+    row_elems = 2 * c.head_dim;
+    const int bh = c.batch * c.n_kv_heads;
+    head_base.resize(bh);
+    counts.resize(bh);
+    ids.assign(static_cast<size_t>(bh) * c.budget, -1);
+    resident_counts.resize(c.batch);
+    std::uniform_int_distribution<int> res_dist(0, c.max_resident);
+    for (int b = 0; b < c.batch; ++b) resident_counts[b] = b == 0 ? c.max_resident : res_dist(rng);
+    int64_t rows = 0;
+    for (int i = 0; i < bh; ++i) {
+      head_base[i] = rows;
+      const int n_pool = std::uniform_int_distribution<int>(c.budget, c.max_pool)(rng);
+      rows += n_pool;
+      // Ragged selections: the first head full, one head empty when there are several, the
+      // rest random.
+      int n_sel = std::uniform_int_distribution<int>(0, c.budget)(rng);
+      if (i == 0) n_sel = c.budget;
+      if (i == 1) n_sel = 0;
+      counts[i] = n_sel;
+      std::vector<int32_t> perm(n_pool);
+      std::iota(perm.begin(), perm.end(), 0);
+      for (int j = 0; j < n_sel; ++j) {  // partial Fisher-Yates: distinct random rows
+        std::swap(perm[j], perm[std::uniform_int_distribution<int>(j, n_pool - 1)(rng)]);
+        ids[static_cast<size_t>(i) * c.budget + j] = perm[j];
+      }
+    }
+    pool.Fill(static_cast<size_t>(rows) * row_elems, c.dtype, rng, -1.f, 1.f);
+    resident_capacity = std::max(c.max_resident, 1);
+    resident.Fill(static_cast<size_t>(bh) * resident_capacity * row_elems, c.dtype, rng, -1.f, 1.f);
+    // Queries large enough that the softmax is far from uniform (a real test of the max/rescale).
+    q.Fill(static_cast<size_t>(c.batch) * n_heads * c.head_dim, c.dtype, rng, -2.f, 2.f);
+    max_rows = c.max_resident + c.budget;
+  }
+
+  // Reference: per (b, query head) the partial over resident rows merged with the partial over
+  // selected rows; out [batch, n_heads, d], lse [batch, n_heads].
+  void Reference(std::vector<float>* out, std::vector<float>* lse) const {
+    const int d = c.head_dim;
+    out->assign(static_cast<size_t>(c.batch) * n_heads * d, 0.f);
+    lse->assign(static_cast<size_t>(c.batch) * n_heads, 0.f);
+    std::vector<float> scratch(std::max(resident_capacity, c.budget));
+    std::vector<float> o2(d);
+    std::vector<int64_t> rows;
+    const float scale = 1.f / std::sqrt(static_cast<float>(d));
+    for (int b = 0; b < c.batch; ++b) {
+      for (int qh = 0; qh < n_heads; ++qh) {
+        const int h = qh / c.group;
+        const int64_t bh = static_cast<int64_t>(b) * c.n_kv_heads + h;
+        const float* qv = q.values.data() + (static_cast<int64_t>(b) * n_heads + qh) * d;
+        float* o = out->data() + (static_cast<int64_t>(b) * n_heads + qh) * d;
+        const float* res = resident.values.data() + bh * resident_capacity * row_elems;
+        PartialAttentionInput a{.q = qv,
+                                .keys = res,
+                                .values = res + d,
+                                .row_stride = row_elems,
+                                .n_rows = resident_counts[b],
+                                .head_dim = d,
+                                .scale = scale};
+        float l1 = AttendPartial(a, o, scratch);
+        rows.assign(ids.begin() + bh * c.budget, ids.begin() + bh * c.budget + counts[bh]);
+        const float* base = pool.values.data() + head_base[bh] * row_elems;
+        PartialAttentionInput s{.q = qv,
+                                .keys = base,
+                                .values = base + d,
+                                .row_stride = row_elems,
+                                .rows = rows,
+                                .n_rows = 0,
+                                .head_dim = d,
+                                .scale = scale};
+        if (!rows.empty()) {
+          const float l2 = AttendPartial(s, o2.data(), scratch);
+          MergeAttentionPartial(o, &l1, o2.data(), l2, d);
+        }
+        (*lse)[b * n_heads + qh] = l1;
+      }
+    }
+  }
+};
+
+enum class Source { kGathered, kFusedHbm, kFusedHost };
+
+class AttendParityTest : public testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
+  Problem pr;
+  pr.Make(GetParam(), 1234u + GetParam().head_dim * 7 + GetParam().batch);
+  const Case& c = pr.c;
+  const int d = c.head_dim;
+  const size_t es = RowDTypeSize(c.dtype);
+  const size_t row_bytes = RowBytes(c.dtype, d);
+  const int bh = c.batch * c.n_kv_heads;
+
+  auto stream = ValueOrDie(kvr::cuda::CudaStream::Create());
+  auto d_pool = Upload(pr.pool.bytes);
+  auto h_pool =
+      ValueOrDie(PinnedBuffer<uint8_t>::Create(pr.pool.bytes.size(), cudaHostAllocMapped));
+  std::memcpy(h_pool.data(), pr.pool.bytes.data(), pr.pool.bytes.size());
+  uint8_t* h_pool_dev = ValueOrDie(h_pool.device_pointer());
+  auto d_head_base = Upload(pr.head_base);
+  auto d_ids = Upload(pr.ids);
+  auto d_counts = Upload(pr.counts);
+  auto d_res_counts = Upload(pr.resident_counts);
+  auto d_resident = Upload(pr.resident.bytes);
+  auto d_q = Upload(pr.q.bytes);
+
+  // Gather from HBM and from mapped host memory: the valid rows must be the pool rows, bit for
+  // bit; padding slots stay as poisoned.
+  const size_t gathered_bytes = static_cast<size_t>(bh) * c.budget * row_bytes;
+  auto d_gathered = ValueOrDie(DeviceBuffer<uint8_t>::Create(gathered_bytes));
+  for (const uint8_t* src :
+       {static_cast<const uint8_t*>(d_pool.data()), static_cast<const uint8_t*>(h_pool_dev)}) {
+    ASSERT_EQ(cudaMemset(d_gathered.data(), 0xFF, gathered_bytes), cudaSuccess);
+    GatherParams g{.batch = c.batch,
+                   .n_kv_heads = c.n_kv_heads,
+                   .budget = c.budget,
+                   .head_dim = d,
+                   .dtype = c.dtype,
+                   .pool = {src, d_head_base.data()},
+                   .ids = d_ids.data(),
+                   .counts = d_counts.data(),
+                   .out = d_gathered.data()};
+    ASSERT_OK(GatherRows(g, stream.get()));
+    ASSERT_OK(stream.Synchronize());
+    const std::vector<uint8_t> got = Download(d_gathered, gathered_bytes);
+    for (int i = 0; i < bh; ++i) {
+      for (int j = 0; j < c.budget; ++j) {
+        const uint8_t* g_row = got.data() + (static_cast<size_t>(i) * c.budget + j) * row_bytes;
+        if (j < pr.counts[i]) {
+          const uint8_t* want =
+              pr.pool.bytes.data() + (pr.head_base[i] + pr.ids[i * c.budget + j]) * row_bytes;
+          ASSERT_EQ(std::memcmp(g_row, want, row_bytes), 0) << "head " << i << " slot " << j;
+        } else {
+          ASSERT_TRUE(std::all_of(g_row, g_row + row_bytes, [](uint8_t x) { return x == 0xFF; }))
+              << "padding slot written: head " << i << " slot " << j;
+        }
+      }
+    }
+  }
+
+  std::vector<float> want_out, want_lse;
+  pr.Reference(&want_out, &want_lse);
+  const Tolerance tol = ToleranceFor(c.dtype);
+  const size_t n_out = static_cast<size_t>(c.batch) * pr.n_heads * d;
+  auto d_out = ValueOrDie(DeviceBuffer<uint8_t>::Create(n_out * es));
+  auto d_lse = ValueOrDie(DeviceBuffer<float>::Create(static_cast<size_t>(c.batch) * pr.n_heads));
+
+  for (Source src : {Source::kGathered, Source::kFusedHbm, Source::kFusedHost}) {
+    DecodeAttentionParams p{.batch = c.batch,
+                            .n_heads = pr.n_heads,
+                            .n_kv_heads = c.n_kv_heads,
+                            .head_dim = d,
+                            .dtype = c.dtype,
+                            .scale = 1.f / std::sqrt(static_cast<float>(d)),
+                            .q = d_q.data(),
+                            .resident = d_resident.data(),
+                            .resident_capacity = pr.resident_capacity,
+                            .resident_counts = d_res_counts.data(),
+                            .budget = c.budget,
+                            .counts = d_counts.data(),
+                            .max_rows = pr.max_rows,
+                            .out = d_out.data(),
+                            .lse = d_lse.data()};
+    if (src == Source::kGathered) {
+      p.gathered = d_gathered.data();
+    } else {
+      p.pool = {src == Source::kFusedHbm ? static_cast<const void*>(d_pool.data()) : h_pool_dev,
+                d_head_base.data()};
+      p.ids = d_ids.data();
+    }
+    auto ws = ValueOrDie(DeviceBuffer<uint8_t>::Create(DecodeAttentionWorkspaceBytes(p)));
+    p.workspace = ws.data();
+    p.workspace_bytes = ws.bytes();
+    ASSERT_EQ(cudaMemset(d_out.data(), 0xFF, d_out.bytes()), cudaSuccess);
+    ASSERT_EQ(cudaMemset(d_lse.data(), 0xFF, d_lse.bytes()), cudaSuccess);
+    ASSERT_OK(DecodeAttention(p, stream.get()));
+    ASSERT_OK(stream.Synchronize());
+    const std::vector<uint8_t> out_bytes = Download(d_out, n_out * es);
+    const std::vector<float> lse = Download(d_lse, static_cast<size_t>(c.batch) * pr.n_heads);
+    double max_err = 0;
+    for (size_t i = 0; i < n_out; ++i) {
+      const float got = ElementToFloat(out_bytes.data() + i * es, c.dtype);
+      ASSERT_TRUE(std::isfinite(got)) << "source " << int(src) << " out[" << i << "] = " << got;
+      const float want = want_out[i];
+      max_err = std::max<double>(max_err, std::abs(got - want));
+      ASSERT_LE(std::abs(got - want), tol.atol + tol.rtol * std::abs(want))
+          << "source " << int(src) << " out[" << i << "] (b " << i / (pr.n_heads * d) << ", qh "
+          << (i / d) % pr.n_heads << ", d " << i % d << ")";
+    }
+    for (size_t i = 0; i < lse.size(); ++i) {
+      const float want = want_lse[i];
+      if (std::isinf(want)) {
+        ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "lse[" << i << "] = " << lse[i];
+      } else {
+        ASSERT_TRUE(std::isfinite(lse[i])) << "lse[" << i << "] = " << lse[i];
+        ASSERT_NEAR(lse[i], want, 1e-4f + 1e-5f * std::abs(want)) << "lse[" << i << "]";
+      }
+    }
+    RecordProperty("max_abs_err_" + std::to_string(int(src)), std::to_string(max_err));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttendParityTest,
+                         testing::Values(
+                             // Llama-3-8B layer shape at a small budget.
+                             Case{RowDType::kBf16, 128, 4, 4, 8, 512, 256, 4096},
+                             Case{RowDType::kF16, 128, 4, 2, 8, 96, 1024, 8192},
+                             Case{RowDType::kF32, 128, 1, 3, 4, 64, 300, 1000},
+                             // SmolLM2-like head_dim 64, group 3 is not a sweep point; 1/4/8 are.
+                             Case{RowDType::kBf16, 64, 8, 16, 2, 128, 64, 512},
+                             Case{RowDType::kF16, 64, 1, 5, 3, 33, 17, 200},
+                             Case{RowDType::kF32, 64, 4, 2, 2, 1, 1, 1},
+                             // Long: 70K rows per (b, h), dense-like (resident) and selected.
+                             Case{RowDType::kBf16, 128, 8, 1, 1, 70000, 2048, 70000},
+                             Case{RowDType::kF32, 64, 8, 2, 1, 20000, 50000, 70000}),
+                         CaseName);
+
+// Several decode steps through the hot cache with overlapping selections: every step's output
+// must equal the pool rows; once the selection stops changing the cache must serve it.
+TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
+  if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device";
+  for (RowDType dtype : {RowDType::kBf16, RowDType::kF32}) {
+    const int batch = 3, n_kv = 4, d = 64, budget = 128, n_pool = 2000;
+    const size_t row_bytes = RowBytes(dtype, d);
+    const int bh = batch * n_kv;
+    std::mt19937 rng(7);
+    HostTensor pool;
+    pool.Fill(static_cast<size_t>(bh) * n_pool * 2 * d, dtype, rng, -1.f, 1.f);
+    std::vector<int64_t> head_base(bh);
+    for (int i = 0; i < bh; ++i) head_base[i] = static_cast<int64_t>(i) * n_pool;
+    auto stream = ValueOrDie(kvr::cuda::CudaStream::Create());
+    auto h_pool = ValueOrDie(PinnedBuffer<uint8_t>::Create(pool.bytes.size(), cudaHostAllocMapped));
+    std::memcpy(h_pool.data(), pool.bytes.data(), pool.bytes.size());
+    auto d_head_base = Upload(head_base);
+    auto cache = ValueOrDie(HotCache::Create({.batch = batch,
+                                              .n_kv_heads = n_kv,
+                                              .head_dim = d,
+                                              .dtype = dtype,
+                                              .n_sets = 64,
+                                              .ways = 4,
+                                              .budget = budget},
+                                             stream.get()));
+    auto d_ids = ValueOrDie(DeviceBuffer<int32_t>::Create(static_cast<size_t>(bh) * budget));
+    auto d_out =
+        ValueOrDie(DeviceBuffer<uint8_t>::Create(static_cast<size_t>(bh) * budget * row_bytes));
+    std::vector<int32_t> counts(bh);
+    for (int i = 0; i < bh; ++i) counts[i] = i == 1 ? 0 : budget - (i % 5);
+    auto d_counts = Upload(counts);
+    std::vector<int32_t> ids(static_cast<size_t>(bh) * budget, -1);
+    std::vector<std::vector<int32_t>> current(bh);
+    for (int i = 0; i < bh; ++i) {  // step 0 selection: distinct random rows
+      std::vector<int32_t> perm(n_pool);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      current[i].assign(perm.begin(), perm.begin() + budget);
+    }
+    const int kSteps = 8;
+    unsigned long long prev_hits = 0;
+    for (int step = 0; step < kSteps; ++step) {
+      // Steps 1..3 replace a quarter of each selection with rows not selected; later steps
+      // repeat the selection, so the cache must converge to serving it.
+      if (step >= 1 && step <= 3) {
+        for (int i = 0; i < bh; ++i) {
+          std::vector<char> used(n_pool, 0);
+          for (int32_t x : current[i]) used[x] = 1;
+          for (int j = 0; j < budget / 4; ++j) {
+            int32_t x;
+            do x = std::uniform_int_distribution<int>(0, n_pool - 1)(rng);
+            while (used[x]);
+            used[x] = 1;
+            current[i][std::uniform_int_distribution<int>(0, budget - 1)(rng)] = x;
+          }
+          // Replacing an entry may leave its old id selected elsewhere: keep entries distinct.
+          std::sort(current[i].begin(), current[i].end());
+          current[i].erase(std::unique(current[i].begin(), current[i].end()), current[i].end());
+          while (static_cast<int>(current[i].size()) < budget) {
+            int32_t x = std::uniform_int_distribution<int>(0, n_pool - 1)(rng);
+            if (!std::binary_search(current[i].begin(), current[i].end(), x)) {
+              current[i].insert(std::lower_bound(current[i].begin(), current[i].end(), x), x);
+            }
+          }
+          std::shuffle(current[i].begin(), current[i].end(), rng);
+        }
+      }
+      for (int i = 0; i < bh; ++i) {
+        for (int j = 0; j < budget; ++j) ids[i * budget + j] = j < counts[i] ? current[i][j] : -1;
+      }
+      ASSERT_EQ(cudaMemcpy(d_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemset(d_out.data(), 0xFF, d_out.bytes()), cudaSuccess);
+      ASSERT_OK(cache.Gather({ValueOrDie(h_pool.device_pointer()), d_head_base.data()},
+                             d_ids.data(), d_counts.data(), d_out.data(), stream.get()));
+      ASSERT_OK(stream.Synchronize());
+      const std::vector<uint8_t> got = Download(d_out, d_out.bytes());
+      for (int i = 0; i < bh; ++i) {
+        for (int j = 0; j < counts[i]; ++j) {
+          const uint8_t* want =
+              pool.bytes.data() + (head_base[i] + ids[i * budget + j]) * row_bytes;
+          ASSERT_EQ(std::memcmp(got.data() + (static_cast<size_t>(i) * budget + j) * row_bytes,
+                                want, row_bytes),
+                    0)
+              << "step " << step << " head " << i << " slot " << j;
+        }
+      }
+      unsigned long long hits = 0;
+      ASSERT_EQ(cudaMemcpy(&hits, cache.hits(), sizeof(hits), cudaMemcpyDeviceToHost), cudaSuccess);
+      const unsigned long long step_hits = hits - prev_hits;
+      prev_hits = hits;
+      const long long selected = std::accumulate(counts.begin(), counts.end(), 0LL);
+      if (step == 0) {
+        EXPECT_EQ(step_hits, 0u) << "cold cache cannot hit";
+      }
+      if (step == kSteps - 1) {
+        EXPECT_GE(static_cast<double>(step_hits), 0.95 * selected)
+            << "repeated selection mostly served from the cache (capacity 2x budget)";
+      }
+      EXPECT_LE(step_hits, static_cast<unsigned long long>(selected));
+    }
+  }
+}
+
+TEST(DecodeAttentionTest, RejectsBadShapes) {
+  DecodeAttentionParams p{.batch = 1, .n_heads = 12, .n_kv_heads = 1, .head_dim = 128};
+  EXPECT_EQ(DecodeAttention(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  p.n_heads = 8;
+  p.head_dim = 96;
+  EXPECT_EQ(DecodeAttention(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  GatherParams g{.batch = 1, .n_kv_heads = 1, .budget = 1, .head_dim = 128};
+  EXPECT_EQ(GatherRows(g, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvr::retrieval::cuda

@@ -1,0 +1,41 @@
+# kvr::retrieval_cuda_attend: the GPU decode data path (gather of selected rows from HBM or
+# mapped host memory, hot cache, sparse split-KV decode attention) and its benchmark.
+# Only when nvcc was found (CONVENTIONS.md 7); the parity test carries the CTest label `gpu`.
+if(KVR_HAVE_CUDA)
+  # CMake 3.25 (Debian 12) predates nvcc's C++20 support and knows no flag for it, while the
+  # dependencies' cxx_std_20 feature also applies to CUDA sources: name the flag here.
+  if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+  endif()
+  add_library(kvr_retrieval_cuda_attend
+    cuda/attend/src/gather.cu
+    cuda/attend/src/hot_cache.cu
+    cuda/attend/src/decode_attention.cu)
+  add_library(kvr::retrieval_cuda_attend ALIAS kvr_retrieval_cuda_attend)
+  target_include_directories(kvr_retrieval_cuda_attend PUBLIC cuda/attend/include)
+  target_link_libraries(kvr_retrieval_cuda_attend
+    PUBLIC kvr::common_cuda absl::status absl::statusor absl::strings)
+  target_compile_options(kvr_retrieval_cuda_attend PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
+  kvr_warnings(kvr_retrieval_cuda_attend)
+
+  if(TARGET kvr_retrieval_core)
+    kvr_add_test(retrieval_cuda_attend_test
+      SOURCES cuda/attend/tests/attend_parity_test.cc
+      LIBS kvr::retrieval_cuda_attend kvr::retrieval_core kvr::common
+      LABELS gpu)
+  endif()
+
+  add_executable(decode_attention_bench bench/decode_attention_bench.cu)
+  target_link_libraries(decode_attention_bench PRIVATE kvr::retrieval_cuda_attend)
+  target_compile_options(decode_attention_bench PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
+  kvr_warnings(decode_attention_bench)
+  # Times kernels-select's ExactSelect as the select stage when that part is in the tree
+  # (cuda_select.cmake is included after this file, so test for the file, not the target).
+  if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/cuda_select.cmake)
+    target_link_libraries(decode_attention_bench PRIVATE kvr_retrieval_cuda_select)
+    target_compile_definitions(decode_attention_bench PRIVATE KVR_HAVE_CUDA_SELECT=1)
+  endif()
+endif()

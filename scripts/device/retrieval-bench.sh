@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU decode data path (issue 6, kernels-attend): build here, measure on the device machine.
+#
+#   bash scripts/device/retrieval-bench.sh bundle     # here: build the CUDA targets, copy the
+#                                                     # binaries + non-system shared libraries
+#                                                     # into .device/kernels-attend/
+#   bash scripts/device/retrieval-bench.sh run [quick] # there (device tool, carry
+#                                                     # .device/kernels-attend): parity tests,
+#                                                     # compute-sanitizer memcheck, the bench,
+#                                                     # torch SDPA dense, ONE ratio table
+#
+# `run` builds nothing. Logs and CSVs go to $OUT (the device tool's output folder) or ./out.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+DEV=.device/kernels-attend
+BUILD=${KVR_BUILD_DIR:-build-kattend}
+
+bundle() {
+  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
+  [[ -f $BUILD/build.ninja ]] ||
+    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  local targets=(retrieval_cuda_attend_test decode_attention_bench)
+  # kernels-select's binaries ride along when that part is in the tree.
+  if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q '^retrieval_cuda_select_test:'; then
+    targets+=(retrieval_cuda_select_test select_cuda_bench)
+  fi
+  cmake --build "$BUILD" --target "${targets[@]}" -j2
+  rm -rf "$DEV" && mkdir -p "$DEV/lib"
+  local bins=()
+  for t in "${targets[@]}"; do
+    local b
+    b=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
+    cp "$b" "$DEV/" && strip -g "$DEV/$t" && bins+=("$DEV/$t")
+  done
+  # Every shared library but glibc's and the driver's (the device machine is Ubuntu 24.04 and
+  # has neither Debian's absl/gtest/protobuf nor our exact versions).
+  ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
+    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda)\.so' |
+    while read -r lib; do cp -L "$lib" "$DEV/lib/"; done
+  strip -g "$DEV"/lib/*.so* 2>/dev/null || true
+  cp retrieval/bench/sdpa_dense.py "$DEV/"
+  du -sh "$DEV"
+}
+
+run() {
+  local quick=${1:-}
+  local out=${OUT:-$ROOT/out/kernels-attend}
+  mkdir -p "$out"
+  export LD_LIBRARY_PATH=$ROOT/$DEV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+  local san
+  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  local status=0
+  echo "== parity (gpu label tests)"
+  "$DEV/retrieval_cuda_attend_test" --gtest_brief=1 >"$out/parity.log" 2>&1 || status=1
+  tail -3 "$out/parity.log"
+  if [[ -x $DEV/retrieval_cuda_select_test ]]; then
+    "$DEV/retrieval_cuda_select_test" --gtest_brief=1 >"$out/select_parity.log" 2>&1 || status=1
+    echo "select parity: $(tail -1 "$out/select_parity.log")"
+  fi
+  echo "== compute-sanitizer memcheck"
+  if [[ -x $san ]]; then
+    "$san" --tool memcheck --leak-check full --error-exitcode 3 \
+      "$DEV/retrieval_cuda_attend_test" --gtest_brief=1 >"$out/memcheck.log" 2>&1 || status=1
+    grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -3
+  else
+    echo "compute-sanitizer not found"
+  fi
+  echo "== bench"
+  local args=()
+  [[ $quick == quick ]] && args=(--contexts 8192,131072 --batches 1,4 --budgets 256,1024)
+  "$DEV/decode_attention_bench" "${args[@]}" --csv "$out/bench.csv" >"$out/bench.log" 2>&1 ||
+    { status=1; tail -5 "$out/bench.log"; }
+  local sargs=()
+  [[ $quick == quick ]] && sargs=(--contexts 8192,131072 --batches 1,4)
+  python3 "$DEV/sdpa_dense.py" "${sargs[@]}" --out "$out/sdpa.csv" >"$out/sdpa.log" 2>&1 ||
+    { status=1; tail -5 "$out/sdpa.log"; }
+  python3 "$DEV/sdpa_dense.py" --join "$out/bench.csv" --sdpa "$out/sdpa.csv" | tee "$out/table.md"
+  return $status
+}
+
+case "${1:-}" in
+  bundle) bundle ;;
+  run) run "${2:-}" ;;
+  *) echo "usage: $0 bundle | run [quick]" >&2; exit 2 ;;
+esac
