@@ -158,6 +158,12 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
       return absl::InvalidArgumentError(
           absl::StrCat("Forward: sequence ", s.id, "'s KvCache is shaped for another model"));
     }
+    if (cache.windowed() && s.tokens.size() > 1) {
+      // The window would slide while the chunk's earlier queries still need the rows.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Forward: sequence ", s.id, " has a windowed KvCache, which takes one token per step (",
+          s.tokens.size(), " given)"));
+    }
     if (cache.n_tokens(0) != cache.n_tokens()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "Forward: sequence ", s.id, "'s KvCache is inconsistent (a failed forward pass?)"));

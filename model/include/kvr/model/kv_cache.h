@@ -1,11 +1,20 @@
 #pragma once
-// The dense, growable KV cache of one sequence: for every layer, K and V rows of every token
-// seen so far, float32, keys with RoPE applied. What DenseAttention attends over and what
-// `kvr generate` keeps; the decode node replaces it with sinks + local window + the KV store.
+// The KV cache of one sequence, float32, keys with RoPE applied. Two modes:
+//
+// - dense (the constructor): for every layer, K and V rows of every token seen so far. What
+//   DenseAttention attends over and what `kvr generate` keeps.
+// - windowed (KvCache::Windowed): what a decode node keeps resident. Per layer only the sink
+//   rows (positions [0, n_sink)) and a sliding local window of the most recent `local_window`
+//   positions; rows that slide out of the window move to an "evicted" buffer that the owner
+//   drains (the decode node appends them to its retrieval index; their KV lives in the store).
+//   n_tokens() still counts every token of the sequence, so the model's positions stay right;
+//   View() carries explicit positions (KvView::positions). Rows can start past a gap
+//   (AppendAt): a decode node seeds the cache with the sinks and the local window that the
+//   prefill node handed off.
 //
 // Thread safety: none; one sequence is advanced by one forward pass at a time.
-// Lifetime: views returned by View() are invalidated by the next Append to that layer (the
-// storage may move when it grows).
+// Lifetime: views returned by View()/Evicted() are invalidated by the next Append/AppendAt/
+// ClearEvicted on that layer (the storage may move).
 
 #include <cstdint>
 #include <vector>
@@ -19,6 +28,10 @@ class KvCache {
  public:
   KvCache(int n_layers, int n_kv_heads, int head_dim);
 
+  // A windowed cache (see above). n_sink >= 0, local_window >= 1.
+  static KvCache Windowed(int n_layers, int n_kv_heads, int head_dim, int64_t n_sink,
+                          int64_t local_window);
+
   KvCache(KvCache&&) noexcept = default;
   KvCache& operator=(KvCache&&) noexcept = default;
   KvCache(const KvCache&) = delete;
@@ -29,8 +42,15 @@ class KvCache {
   int head_dim() const { return head_dim_; }
   int64_t row_floats() const { return int64_t{n_kv_heads_} * head_dim_; }
 
-  // Tokens held at `layer` (layers fill one after another during a forward pass).
+  bool windowed() const { return windowed_; }
+  int64_t n_sink() const { return n_sink_; }              // windowed mode only
+  int64_t local_window() const { return local_window_; }  // windowed mode only
+
+  // Tokens of the sequence at `layer` (layers fill one after another during a forward pass).
+  // Windowed mode: every token seen, resident or not.
   int64_t n_tokens(int layer) const { return layers_[layer].n_tokens; }
+  // Rows held in memory at `layer` (== n_tokens(layer) in dense mode).
+  int64_t resident_rows(int layer) const;
   // Tokens held at the last layer: the sequence length once a forward pass has finished.
   int64_t n_tokens() const { return layers_.empty() ? 0 : layers_.back().n_tokens; }
   // Rows allocated at `layer` (grows geometrically).
@@ -39,13 +59,26 @@ class KvCache {
   // Grows every layer to hold at least `n_tokens` rows without reallocating later.
   void Reserve(int64_t n_tokens);
 
-  // Appends `n` rows to `layer`. `k` and `v` point at row 0 of [n, n_kv_heads, head_dim]
-  // tensors whose consecutive rows are `src_stride` floats apart (>= row_floats()).
+  // Appends `n` rows to `layer` at positions n_tokens(layer) ... `k` and `v` point at row 0
+  // of [n, n_kv_heads, head_dim] tensors whose consecutive rows are `src_stride` floats apart
+  // (>= row_floats()). Windowed mode: rows past the window's end slide the oldest local rows
+  // out into the evicted buffer.
   [[nodiscard]] absl::Status Append(int layer, int64_t n, const float* k, const float* v,
                                     int64_t src_stride);
+  // Windowed mode only: appends rows at positions first_position ... (first_position >=
+  // n_tokens(layer); the positions in between are not resident and are not reported as
+  // evicted). n_tokens(layer) becomes first_position + n.
+  [[nodiscard]] absl::Status AppendAt(int layer, int64_t first_position, int64_t n, const float* k,
+                                      const float* v, int64_t src_stride);
 
-  // All rows of `layer` (positions 0 .. n_tokens(layer) - 1).
+  // The resident rows of `layer`: dense mode positions 0 .. n_tokens(layer) - 1 (no explicit
+  // positions); windowed mode the sinks then the local window, ascending, with positions.
   KvView View(int layer) const;
+
+  // Windowed mode: rows that slid out of the local window since the last ClearEvicted, in
+  // position order, with positions (empty view in dense mode).
+  KvView Evicted(int layer) const;
+  void ClearEvicted(int layer);
 
   // Drops every row (keeps the allocation).
   void Clear();
@@ -59,12 +92,29 @@ class KvCache {
     std::vector<float> v;  // [capacity, n_kv_heads, head_dim]
     int64_t n_tokens = 0;
     int64_t capacity = 0;
+    // Windowed mode. Resident rows are rows [first, first + rows) of k/v: the sinks, then the
+    // local window. When local rows slide out, the sinks are moved up over them (sinks are
+    // few), so the resident rows stay contiguous; the dead rows before `first` are reclaimed
+    // when the buffer is full.
+    int64_t first = 0;
+    int64_t rows = 0;
+    int64_t sinks = 0;                       // resident sink rows (the first `sinks` resident rows)
+    std::vector<int64_t> positions;          // [capacity], position of each buffer row
+    std::vector<float> evicted_k;            // [n_evicted, n_kv_heads, head_dim]
+    std::vector<float> evicted_v;            // [n_evicted, n_kv_heads, head_dim]
+    std::vector<int64_t> evicted_positions;  // [n_evicted]
   };
   void Grow(Layer& layer, int64_t min_capacity);
+  [[nodiscard]] absl::Status CheckRows(const char* what, int layer, int64_t n, const float* k,
+                                       const float* v, int64_t src_stride) const;
+  void WindowedAppendRow(Layer& layer, int64_t position, const float* k, const float* v);
 
   int n_kv_heads_;
   int head_dim_;
   std::vector<Layer> layers_;
+  bool windowed_ = false;
+  int64_t n_sink_ = 0;
+  int64_t local_window_ = 0;
 };
 
 }  // namespace kvr::model

@@ -35,7 +35,9 @@ namespace kvr::model {
 // One sequence's part of a Forward call.
 struct ForwardSequence {
   SequenceId id = 0;
-  KvCache* cache = nullptr;  // holds the sequence's earlier tokens; the new ones are appended
+  // Holds the sequence's earlier tokens; the new ones are appended. A windowed cache (decode
+  // node) takes one new token per Forward.
+  KvCache* cache = nullptr;
   std::span<const int32_t> tokens;  // new tokens, at positions cache->n_tokens() ...
 };
 
