@@ -99,6 +99,16 @@ const std::vector<ConfigField>& ControllerConfigFields() {
          return BadValue(v, "one of trace, debug, info, warn, error");
        },
        [](const ControllerConfig& c) { return c.log_level; }},
+      {"metrics_port", "Prometheus /metrics port (0: any free port, -1: off)",
+       [](ControllerConfig& c, const std::string& v) {
+         int32_t port;
+         if (!absl::SimpleAtoi(v, &port) || port < -1 || port > 65535) {
+           return BadValue(v, "a port number, 0 (any free port) or -1 (off)");
+         }
+         c.metrics_port = port;
+         return absl::OkStatus();
+       },
+       [](const ControllerConfig& c) { return absl::StrCat(c.metrics_port); }},
   };
   return *fields;
 }

@@ -16,10 +16,12 @@
 #include "CLI/CLI.hpp"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kvr/common/metrics.h"
 #include "kvr/controller/clock.h"
 #include "kvr/controller/config.h"
 #include "kvr/controller/grpc_node_clients.h"
 #include "kvr/controller/membership.h"
+#include "kvr/controller/metrics_observer.h"
 #include "kvr/controller/placement.h"
 #include "kvr/controller/request_runner.h"
 #include "kvr/controller/services.h"
@@ -39,16 +41,31 @@ int Serve(const ControllerConfig& config) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   SystemClock clock;
+  const std::string host = config.listen.substr(0, config.listen.rfind(':'));
+  // Declared before everything that reports to it, so it outlives them.
+  absl::StatusOr<std::unique_ptr<kvr::metrics::MetricsServer>> metrics_server =
+      kvr::metrics::MetricsServer::Start({.host = host.empty() ? "0.0.0.0" : host,
+                                          .port = config.metrics_port,
+                                          .role = "controller",
+                                          .node_name = "kvr-controller"});
+  if (!metrics_server.ok()) {
+    std::cerr << "kvr-controller: " << metrics_server.status().message() << "\n";
+    return 1;
+  }
+  kvr::metrics::ControllerMetrics controller_metrics((*metrics_server)->registry());
+  MetricsObserver metrics_observer(&controller_metrics, &clock);
   Membership membership(&clock, absl::Seconds(config.lease_seconds));
   Placement placement(&membership);
   Admission admission(config.max_in_flight);
   GrpcNodeClients clients;
-  RequestRunner runner(&membership, &placement, &clients, &clients, &clock,
-                       RunnerOptions{.max_attempts = config.max_attempts});
+  RequestRunner runner(
+      &membership, &placement, &clients, &clients, &clock,
+      RunnerOptions{.max_attempts = config.max_attempts, .observer = &metrics_observer});
   GenerationService generation(
       &membership, &admission, &runner, &clock,
       GenerationServiceOptions{.defaults = config.defaults,
-                               .default_timeout = absl::Seconds(config.default_timeout_seconds)});
+                               .default_timeout = absl::Seconds(config.default_timeout_seconds),
+                               .observer = &metrics_observer});
   MembershipService membership_service(&membership);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -63,7 +80,12 @@ int Serve(const ControllerConfig& config) {
     std::cerr << "kvr-controller: cannot listen on " << config.listen << "\n";
     return 1;
   }
-  const std::string host = config.listen.substr(0, config.listen.rfind(':'));
+  if ((*metrics_server)->serving()) {
+    // Printed before the "listening on" line, so a launcher that waits for that line knows
+    // both ports.
+    std::cout << "kvr-controller metrics on " << host << ":" << (*metrics_server)->port()
+              << std::endl;
+  }
   // One parseable line on stdout for scripts and tests (kvr up reads it).
   std::cout << "kvr-controller listening on " << host << ":" << port << std::endl;
 

@@ -27,6 +27,9 @@ struct ControllerConfig {
   uint32_t max_attempts = 3;
   RequestDefaults defaults;
   std::string log_level = "info";
+  // Prometheus /metrics port, on the host of `listen`: > 0 that port, 0 any free port (printed
+  // at start as "kvr-controller metrics on host:port"), -1 no metrics server.
+  int32_t metrics_port = 0;
 };
 
 // One setting: its snake_case name, help text and how to set/print it.
