@@ -1,0 +1,646 @@
+// The CUDA forward pass (cuda_model.h). Per layer, for a batch of T new tokens:
+//   normed = RmsNorm(x)                          [T, hidden] bf16
+//   qkv    = normed Wqkv^T                       [T, q_dim + 2 kv_dim] f32   (cuBLAS)
+//   q, K/V = bias + RoPE; K/V into the caches    [T, n_heads, head_dim] bf16
+//   attn   = attention(q, caches)                [T, n_heads, head_dim] bf16
+//   x     += attn Wo^T                           [T, hidden] f32             (cuBLAS, beta 1)
+//   normed = RmsNorm(x)
+//   gu     = normed Wgu^T                        [T, 2 ffn] f32              (cuBLAS)
+//   act    = silu(gate) * up                     [T, ffn] bf16
+//   x     += act Wdown^T                                                     (cuBLAS, beta 1)
+// then the final norm of the rows whose logits are wanted and the output projection.
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attention.cuh"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/status.h"
+#include "kvr/model/cuda_model.h"
+#include "ops.cuh"
+
+namespace kvr::model {
+namespace {
+
+using cuda::bf16;
+using cuda::SeqKv;
+using kvr::cuda::CudaEvent;
+using kvr::cuda::CudaStream;
+using kvr::cuda::DeviceBuffer;
+using kvr::cuda::PinnedBuffer;
+
+[[nodiscard]] absl::Status CublasStatus(cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cublasGetStatusName(s), " (", cublasGetStatusString(s), ")"));
+}
+
+#define KVR_CUBLAS_RETURN_IF_ERROR(expr) KVR_RETURN_IF_ERROR(CublasStatus((expr), #expr))
+
+struct CublasDeleter {
+  void operator()(cublasContext* h) const { cublasDestroy(h); }
+};
+using CublasHandle = std::unique_ptr<cublasContext, CublasDeleter>;
+
+template <typename T>
+[[nodiscard]] absl::Status Alloc(DeviceBuffer<T>& b, int64_t n) {
+  KVR_ASSIGN_OR_RETURN(b, DeviceBuffer<T>::Create(static_cast<size_t>(n)));
+  return absl::OkStatus();
+}
+template <typename T>
+[[nodiscard]] absl::Status AllocPinned(PinnedBuffer<T>& b, int64_t n) {
+  KVR_ASSIGN_OR_RETURN(b, PinnedBuffer<T>::Create(static_cast<size_t>(n)));
+  return absl::OkStatus();
+}
+
+class CudaModelImpl final : public CudaModel {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<CudaModelImpl>> Make(
+      const ModelConfig& config, const CudaModelOptions& options);
+
+  [[nodiscard]] absl::Status UploadWeights(const ModelWeights& w);
+  [[nodiscard]] absl::Status RandomizeWeights(uint64_t seed);
+
+  const ModelConfig& config() const override { return config_; }
+  int64_t weight_bytes() const override { return weight_bytes_; }
+  absl::Status AddSequence(SequenceId id, int64_t capacity) override;
+  absl::Status ReleaseSequence(SequenceId id) override;
+  absl::StatusOr<int64_t> SequenceLength(SequenceId id) const override;
+  absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens, uint64_t seed) override;
+  absl::Status Forward(std::span<const CudaSequence> batch, LogitsMode mode,
+                       std::span<float> logits) override {
+    return Run(batch, mode, logits, {});
+  }
+  absl::Status ForwardGreedy(std::span<const CudaSequence> batch,
+                             std::span<int32_t> next_tokens) override {
+    if (next_tokens.size() != batch.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardGreedy: next_tokens has ",
+                                                     next_tokens.size(), " entries, expected ",
+                                                     batch.size()));
+    }
+    return Run(batch, LogitsMode::kLast, {}, next_tokens);
+  }
+  CudaForwardProfile last_profile() const override { return profile_; }
+  void set_profile(bool on) override { options_.profile = on; }
+
+ private:
+  struct Layer {
+    DeviceBuffer<float> attn_norm;  // [hidden]
+    DeviceBuffer<bf16> wqkv;        // [q_dim + 2 kv_dim, hidden]
+    DeviceBuffer<float> bqkv;       // [q_dim + 2 kv_dim] or empty
+    DeviceBuffer<bf16> wo;          // [hidden, q_dim]
+    DeviceBuffer<float> ffn_norm;   // [hidden]
+    DeviceBuffer<bf16> w_gate_up;   // [2 ffn, hidden]
+    DeviceBuffer<bf16> w_down;      // [hidden, ffn]
+  };
+  struct Sequence {
+    DeviceBuffer<bf16> kv;  // [n_layers, 2, capacity, n_kv_heads, head_dim]
+    int64_t capacity = 0;
+    int64_t length = 0;
+  };
+  enum class Kind { kGemm, kAttention, kOther };
+
+  CudaModelImpl(ModelConfig config, CudaModelOptions options)
+      : config_(std::move(config)), options_(options) {}
+
+  [[nodiscard]] absl::Status AllocateWeights();
+  [[nodiscard]] absl::Status Run(std::span<const CudaSequence> batch, LogitsMode mode,
+                                 std::span<float> logits, std::span<int32_t> next_tokens);
+  // C[m, n] (+)= A[m, k] W[n, k]^T; beta 1 adds onto C (the residual stream).
+  [[nodiscard]] absl::Status Gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t n,
+                                  float* c, float beta);
+  // Profiling: the GPU time from this mark to the next counts as `kind`.
+  [[nodiscard]] absl::Status Mark(Kind kind);
+  [[nodiscard]] absl::Status FinishProfile();
+
+  cudaStream_t stream() const { return stream_.get(); }
+
+  ModelConfig config_;
+  CudaModelOptions options_;
+  int n_sms_ = 132;
+  CudaStream stream_;
+  CublasHandle cublas_;
+  int64_t weight_bytes_ = 0;
+
+  // Weights.
+  DeviceBuffer<bf16> token_embd_;    // [vocab, hidden]
+  DeviceBuffer<bf16> output_;        // [vocab, hidden]; empty when tied
+  DeviceBuffer<float> output_norm_;  // [hidden]
+  DeviceBuffer<float> inv_freq_;     // [head_dim / 2]
+  std::vector<Layer> layers_;
+
+  // Activations, sized for options_ (T = max_batch_tokens, R = max_logits_rows).
+  DeviceBuffer<float> x_;           // [T, hidden]
+  DeviceBuffer<bf16> normed_;       // [max(T, R), hidden]
+  DeviceBuffer<float> qkv_;         // [T, q_dim + 2 kv_dim]
+  DeviceBuffer<bf16> q_;            // [T, n_heads, head_dim]
+  DeviceBuffer<bf16> attn_;         // [T, n_heads, head_dim]
+  DeviceBuffer<float> gate_up_;     // [T, 2 ffn]
+  DeviceBuffer<bf16> act_;          // [T, ffn]
+  DeviceBuffer<float> logits_;      // [R, vocab]
+  DeviceBuffer<float> partial_o_;   // [max_sequences, n_heads, kMaxSplits, head_dim]
+  DeviceBuffer<float> partial_ml_;  // [max_sequences, n_heads, kMaxSplits, 2]
+  static constexpr int kMaxSplits = 32;
+
+  // Per-Forward metadata: filled in pinned memory, copied to the device.
+  PinnedBuffer<int32_t> h_tokens_, h_token_seq_, h_out_rows_, h_argmax_;
+  PinnedBuffer<SeqKv> h_seqs_;
+  DeviceBuffer<int32_t> d_tokens_;     // [T]
+  DeviceBuffer<int32_t> d_token_seq_;  // [T]
+  DeviceBuffer<int32_t> d_out_rows_;   // [max(T, max_sequences)]
+  DeviceBuffer<int32_t> d_argmax_;     // [max_sequences]
+  DeviceBuffer<SeqKv> d_seqs_;         // [max_sequences]
+
+  std::unordered_map<SequenceId, Sequence> sequences_;
+
+  std::vector<CudaEvent> events_;
+  std::vector<Kind> event_kinds_;
+  CudaForwardProfile profile_;
+};
+
+absl::StatusOr<std::unique_ptr<CudaModelImpl>> CudaModelImpl::Make(
+    const ModelConfig& config, const CudaModelOptions& options) {
+  KVR_RETURN_IF_ERROR(config.Validate());
+  if (!kvr::cuda::HaveCudaDevice()) {
+    return absl::FailedPreconditionError("CudaModel: no usable CUDA device");
+  }
+  if (options.max_batch_tokens < 1 || options.max_sequences < 1 || options.max_logits_rows < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaModel: max_batch_tokens (",
+                                                   options.max_batch_tokens, "), max_sequences (",
+                                                   options.max_sequences, ") and max_logits_rows (",
+                                                   options.max_logits_rows, ") must be positive"));
+  }
+  if (config.n_heads / config.n_kv_heads > cuda::kMaxDecodeGroup ||
+      (config.head_dim != 64 && config.head_dim != 128)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "CudaModel: head_dim ", config.head_dim, " with ", config.n_heads / config.n_kv_heads,
+        " query heads per KV head (compiled: head_dim 64 or 128, at most ", cuda::kMaxDecodeGroup,
+        " per group)"));
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  auto m = std::unique_ptr<CudaModelImpl>(new CudaModelImpl(config, options));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&m->n_sms_, cudaDevAttrMultiProcessorCount, options.device));
+  KVR_ASSIGN_OR_RETURN(m->stream_, CudaStream::Create());
+  cublasHandle_t handle = nullptr;
+  KVR_CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
+  m->cublas_.reset(handle);
+  KVR_CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle, m->stream()));
+
+  const ModelConfig& c = m->config_;
+  const int64_t t = options.max_batch_tokens, b = options.max_sequences;
+  const int64_t r = options.max_logits_rows, h = c.hidden;
+  const int64_t qkv_dim = c.q_dim() + 2 * c.kv_dim();
+  KVR_RETURN_IF_ERROR(Alloc(m->x_, t * h));
+  KVR_RETURN_IF_ERROR(Alloc(m->normed_, std::max(t, r) * h));
+  KVR_RETURN_IF_ERROR(Alloc(m->qkv_, t * qkv_dim));
+  KVR_RETURN_IF_ERROR(Alloc(m->q_, t * c.q_dim()));
+  KVR_RETURN_IF_ERROR(Alloc(m->attn_, t * c.q_dim()));
+  KVR_RETURN_IF_ERROR(Alloc(m->gate_up_, t * 2 * c.ffn));
+  KVR_RETURN_IF_ERROR(Alloc(m->act_, t * c.ffn));
+  KVR_RETURN_IF_ERROR(Alloc(m->logits_, r * c.vocab));
+  KVR_RETURN_IF_ERROR(Alloc(m->partial_o_, b * c.n_heads * kMaxSplits * c.head_dim));
+  KVR_RETURN_IF_ERROR(Alloc(m->partial_ml_, b * c.n_heads * kMaxSplits * 2));
+  KVR_RETURN_IF_ERROR(AllocPinned(m->h_tokens_, t));
+  KVR_RETURN_IF_ERROR(AllocPinned(m->h_token_seq_, t));
+  KVR_RETURN_IF_ERROR(AllocPinned(m->h_out_rows_, std::max(t, b)));
+  KVR_RETURN_IF_ERROR(AllocPinned(m->h_argmax_, b));
+  KVR_RETURN_IF_ERROR(AllocPinned(m->h_seqs_, b));
+  KVR_RETURN_IF_ERROR(Alloc(m->d_tokens_, t));
+  KVR_RETURN_IF_ERROR(Alloc(m->d_token_seq_, t));
+  KVR_RETURN_IF_ERROR(Alloc(m->d_out_rows_, std::max(t, b)));
+  KVR_RETURN_IF_ERROR(Alloc(m->d_argmax_, b));
+  KVR_RETURN_IF_ERROR(Alloc(m->d_seqs_, b));
+
+  const std::vector<float> inv_freq = RopeInverseFrequencies(c);
+  KVR_RETURN_IF_ERROR(Alloc(m->inv_freq_, static_cast<int64_t>(inv_freq.size())));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpy(m->inv_freq_.data(), inv_freq.data(),
+                                      inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice));
+  KVR_RETURN_IF_ERROR(m->AllocateWeights());
+  return m;
+}
+
+absl::Status CudaModelImpl::AllocateWeights() {
+  const ModelConfig& c = config_;
+  const int64_t h = c.hidden, q = c.q_dim(), kv = c.kv_dim(), f = c.ffn;
+  KVR_RETURN_IF_ERROR(Alloc(token_embd_, int64_t{c.vocab} * h));
+  if (!c.tied_embeddings) KVR_RETURN_IF_ERROR(Alloc(output_, int64_t{c.vocab} * h));
+  KVR_RETURN_IF_ERROR(Alloc(output_norm_, h));
+  layers_.resize(c.n_layers);
+  for (Layer& l : layers_) {
+    KVR_RETURN_IF_ERROR(Alloc(l.attn_norm, h));
+    KVR_RETURN_IF_ERROR(Alloc(l.wqkv, (q + 2 * kv) * h));
+    if (c.qkv_bias) KVR_RETURN_IF_ERROR(Alloc(l.bqkv, q + 2 * kv));
+    KVR_RETURN_IF_ERROR(Alloc(l.wo, h * q));
+    KVR_RETURN_IF_ERROR(Alloc(l.ffn_norm, h));
+    KVR_RETURN_IF_ERROR(Alloc(l.w_gate_up, 2 * f * h));
+    KVR_RETURN_IF_ERROR(Alloc(l.w_down, h * f));
+  }
+  weight_bytes_ =
+      static_cast<int64_t>(token_embd_.bytes() + output_.bytes() + output_norm_.bytes());
+  for (const Layer& l : layers_) {
+    weight_bytes_ +=
+        static_cast<int64_t>(l.attn_norm.bytes() + l.wqkv.bytes() + l.bqkv.bytes() + l.wo.bytes() +
+                             l.ffn_norm.bytes() + l.w_gate_up.bytes() + l.w_down.bytes());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::UploadWeights(const ModelWeights& w) {
+  KVR_RETURN_IF_ERROR(w.CheckShapes(config_));
+  if (config_.tied_embeddings != w.output.empty()) {
+    return absl::InvalidArgumentError(
+        "CudaModel: the weights' output projection disagrees with config.tied_embeddings");
+  }
+  // float32 host tensors go through a float32 device staging buffer and are rounded to bf16
+  // there, in chunks, so the staging stays small.
+  constexpr int64_t kChunk = int64_t{1} << 24;
+  DeviceBuffer<float> staging;
+  KVR_RETURN_IF_ERROR(Alloc(staging, kChunk));
+  auto to_bf16 = [&](const std::vector<float>& src, DeviceBuffer<bf16>& dst) -> absl::Status {
+    for (int64_t i = 0; i < static_cast<int64_t>(src.size()); i += kChunk) {
+      const int64_t n = std::min<int64_t>(kChunk, static_cast<int64_t>(src.size()) - i);
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging.data(), src.data() + i, n * sizeof(float),
+                                               cudaMemcpyHostToDevice, stream()));
+      KVR_RETURN_IF_ERROR(cuda::LaunchToBf16(staging.data(), dst.data() + i, n, stream()));
+    }
+    return absl::OkStatus();
+  };
+  auto copy = [&](const std::vector<float>& src, DeviceBuffer<float>& dst) -> absl::Status {
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.data(), src.data(), src.size() * sizeof(float),
+                                             cudaMemcpyHostToDevice, stream()));
+    return absl::OkStatus();
+  };
+  KVR_RETURN_IF_ERROR(to_bf16(w.token_embd, token_embd_));
+  if (!w.output.empty()) KVR_RETURN_IF_ERROR(to_bf16(w.output, output_));
+  KVR_RETURN_IF_ERROR(copy(w.output_norm, output_norm_));
+  for (int i = 0; i < config_.n_layers; ++i) {
+    const LayerWeights& src = w.layers[i];
+    Layer& dst = layers_[i];
+    KVR_RETURN_IF_ERROR(copy(src.attn_norm, dst.attn_norm));
+    KVR_RETURN_IF_ERROR(to_bf16(src.wqkv, dst.wqkv));
+    if (!src.bqkv.empty()) KVR_RETURN_IF_ERROR(copy(src.bqkv, dst.bqkv));
+    KVR_RETURN_IF_ERROR(to_bf16(src.wo, dst.wo));
+    KVR_RETURN_IF_ERROR(copy(src.ffn_norm, dst.ffn_norm));
+    KVR_RETURN_IF_ERROR(to_bf16(src.w_gate_up, dst.w_gate_up));
+    KVR_RETURN_IF_ERROR(to_bf16(src.w_down, dst.w_down));
+  }
+  return stream_.Synchronize();
+}
+
+absl::Status CudaModelImpl::RandomizeWeights(uint64_t seed) {
+  const ModelConfig& c = config_;
+  uint64_t tensor = seed * 1000003ULL;
+  auto random = [&](DeviceBuffer<bf16>& b, float stddev) {
+    return cuda::LaunchRandomBf16(b.data(), static_cast<int64_t>(b.size()), ++tensor, stddev,
+                                  stream());
+  };
+  auto ones = [&](DeviceBuffer<float>& b) {
+    return cuda::LaunchFillF32(b.data(), static_cast<int64_t>(b.size()), 1.f, stream());
+  };
+  const float in_h = 1.f / std::sqrt(static_cast<float>(c.hidden));
+  KVR_RETURN_IF_ERROR(random(token_embd_, 1.f));
+  if (output_.size() > 0) KVR_RETURN_IF_ERROR(random(output_, in_h));
+  KVR_RETURN_IF_ERROR(ones(output_norm_));
+  for (Layer& l : layers_) {
+    KVR_RETURN_IF_ERROR(ones(l.attn_norm));
+    KVR_RETURN_IF_ERROR(random(l.wqkv, in_h));
+    if (l.bqkv.size() > 0) {
+      KVR_RETURN_IF_ERROR(
+          cuda::LaunchFillF32(l.bqkv.data(), static_cast<int64_t>(l.bqkv.size()), 0.f, stream()));
+    }
+    KVR_RETURN_IF_ERROR(random(l.wo, 1.f / std::sqrt(static_cast<float>(c.q_dim()))));
+    KVR_RETURN_IF_ERROR(ones(l.ffn_norm));
+    KVR_RETURN_IF_ERROR(random(l.w_gate_up, in_h));
+    KVR_RETURN_IF_ERROR(random(l.w_down, 1.f / std::sqrt(static_cast<float>(c.ffn))));
+  }
+  return stream_.Synchronize();
+}
+
+absl::Status CudaModelImpl::AddSequence(SequenceId id, int64_t capacity) {
+  if (sequences_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("CudaModel: sequence ", id, " already exists"));
+  }
+  if (capacity < 1 || capacity > config_.context_length) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaModel: capacity ", capacity,
+                                                   " tokens outside [1, context length ",
+                                                   config_.context_length, "]"));
+  }
+  Sequence s;
+  s.capacity = capacity;
+  KVR_RETURN_IF_ERROR(Alloc(s.kv, int64_t{config_.n_layers} * 2 * capacity * config_.kv_dim()));
+  sequences_.emplace(id, std::move(s));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::ReleaseSequence(SequenceId id) {
+  if (sequences_.erase(id) == 0) {
+    return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CudaModelImpl::SequenceLength(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end())
+    return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
+  return it->second.length;
+}
+
+absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_tokens,
+                                                     uint64_t seed) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end())
+    return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
+  Sequence& s = it->second;
+  if (n_tokens < 0 || n_tokens > s.capacity) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FillSequenceForBenchmark: ", n_tokens, " tokens, capacity ", s.capacity));
+  }
+  KVR_RETURN_IF_ERROR(
+      cuda::LaunchRandomBf16(s.kv.data(), static_cast<int64_t>(s.kv.size()), seed, 1.f, stream()));
+  KVR_RETURN_IF_ERROR(stream_.Synchronize());
+  s.length = n_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::Gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t n,
+                                 float* c, float beta) {
+  // cuBLAS is column-major: row-major C[m, n] is its C'[n, m] = W'^T[n, k] A'[k, m], where
+  // W' (= row-major W[n, k]) is [k, n] with leading dimension k and A' is [k, m].
+  const float alpha = 1.f;
+  KVR_CUBLAS_RETURN_IF_ERROR(
+      cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
+                   static_cast<int>(m), static_cast<int>(k), &alpha, w, CUDA_R_16BF,
+                   static_cast<int>(k), a, CUDA_R_16BF, static_cast<int>(k), &beta, c, CUDA_R_32F,
+                   static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::Mark(Kind kind) {
+  if (!options_.profile) return absl::OkStatus();
+  const size_t i = event_kinds_.size();
+  if (i == events_.size()) {
+    KVR_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
+    events_.push_back(std::move(e));
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[i].get(), stream()));
+  event_kinds_.push_back(kind);
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::FinishProfile() {
+  profile_ = CudaForwardProfile{};
+  if (!options_.profile || event_kinds_.empty()) return absl::OkStatus();
+  // The last mark closes the last interval; its kind is not used.
+  for (size_t i = 0; i + 1 < event_kinds_.size(); ++i) {
+    float ms = 0.f;
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[i].get(), events_[i + 1].get()));
+    profile_.total_ms += ms;
+    switch (event_kinds_[i]) {
+      case Kind::kGemm:
+        profile_.gemm_ms += ms;
+        break;
+      case Kind::kAttention:
+        profile_.attention_ms += ms;
+        break;
+      case Kind::kOther:
+        profile_.other_ms += ms;
+        break;
+    }
+  }
+  event_kinds_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode mode,
+                                std::span<float> logits, std::span<int32_t> next_tokens) {
+  const ModelConfig& c = config_;
+  if (batch.empty()) return absl::InvalidArgumentError("CudaModel::Forward: empty batch");
+  if (static_cast<int64_t>(batch.size()) > options_.max_sequences) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: ", batch.size(),
+                                                   " sequences, more than max_sequences ",
+                                                   options_.max_sequences));
+  }
+  std::vector<Sequence*> seqs(batch.size());
+  int64_t total = 0;
+  {
+    std::unordered_set<SequenceId> seen;
+    for (size_t b = 0; b < batch.size(); ++b) {
+      const CudaSequence& in = batch[b];
+      auto it = sequences_.find(in.id);
+      if (it == sequences_.end()) {
+        return absl::NotFoundError(absl::StrCat("CudaModel::Forward: no sequence ", in.id));
+      }
+      if (!seen.insert(in.id).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("CudaModel::Forward: sequence ", in.id, " appears twice in the batch"));
+      }
+      if (in.tokens.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("CudaModel::Forward: sequence ", in.id, " has no tokens"));
+      }
+      const Sequence& s = it->second;
+      const int64_t length = s.length + static_cast<int64_t>(in.tokens.size());
+      if (length > s.capacity || length > c.context_length) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence ", in.id, " would be ", length, " tokens (", s.length,
+                         " cached + ", in.tokens.size(), " new), more than its capacity of ",
+                         s.capacity, " or the context length of ", c.context_length));
+      }
+      for (int32_t token : in.tokens) {
+        if (token < 0 || token >= c.vocab) {
+          return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: token id ", token,
+                                                         " outside the vocabulary [0, ", c.vocab,
+                                                         ")"));
+        }
+      }
+      seqs[b] = &it->second;
+      total += static_cast<int64_t>(in.tokens.size());
+    }
+  }
+  if (total > options_.max_batch_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: ", total,
+                                                   " tokens, more than max_batch_tokens ",
+                                                   options_.max_batch_tokens));
+  }
+  const int64_t n_out = mode == LogitsMode::kLast ? static_cast<int64_t>(batch.size()) : total;
+  if (next_tokens.empty() && static_cast<int64_t>(logits.size()) != n_out * c.vocab) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: logits has ", logits.size(),
+                                                   " floats, expected ", n_out, " x ", c.vocab));
+  }
+
+  // Metadata of this batch, in pinned memory.
+  bool all_decode = true;
+  int max_q = 0;
+  int64_t max_length = 0;
+  {
+    int64_t row = 0;
+    for (size_t b = 0; b < batch.size(); ++b) {
+      const int n = static_cast<int>(batch[b].tokens.size());
+      SeqKv& k = h_seqs_.data()[b];
+      k.base = seqs[b]->kv.data();
+      k.capacity = seqs[b]->capacity;
+      k.first_position = seqs[b]->length;
+      k.length = seqs[b]->length + n;
+      k.q_begin = static_cast<int32_t>(row);
+      k.n_q = n;
+      std::memcpy(h_tokens_.data() + row, batch[b].tokens.data(), n * sizeof(int32_t));
+      for (int i = 0; i < n; ++i) h_token_seq_.data()[row + i] = static_cast<int32_t>(b);
+      if (mode == LogitsMode::kLast) h_out_rows_.data()[b] = static_cast<int32_t>(row + n - 1);
+      row += n;
+      all_decode = all_decode && n == 1;
+      max_q = std::max(max_q, n);
+      max_length = std::max(max_length, k.length);
+    }
+    if (mode == LogitsMode::kAll) {
+      for (int64_t i = 0; i < total; ++i) h_out_rows_.data()[i] = static_cast<int32_t>(i);
+    }
+  }
+  auto h2d = [&](auto* dst, const auto* src, int64_t n) {
+    return cudaMemcpyAsync(dst, src, n * sizeof(*src), cudaMemcpyHostToDevice, stream());
+  };
+  KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+  KVR_CUDA_RETURN_IF_ERROR(h2d(d_tokens_.data(), h_tokens_.data(), total));
+  KVR_CUDA_RETURN_IF_ERROR(h2d(d_token_seq_.data(), h_token_seq_.data(), total));
+  KVR_CUDA_RETURN_IF_ERROR(h2d(d_out_rows_.data(), h_out_rows_.data(), n_out));
+  KVR_CUDA_RETURN_IF_ERROR(h2d(d_seqs_.data(), h_seqs_.data(), static_cast<int64_t>(batch.size())));
+
+  const int64_t h = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
+  const int64_t qkv_dim = q_dim + 2 * kv_dim, f = c.ffn;
+  KVR_RETURN_IF_ERROR(cuda::LaunchEmbed(
+      {d_tokens_.data(), token_embd_.data(), x_.data(), total, c.hidden}, stream()));
+
+  cuda::AttentionParams ap;
+  ap.q = q_.data();
+  ap.out = attn_.data();
+  ap.seqs = d_seqs_.data();
+  ap.n_seqs = static_cast<int>(batch.size());
+  ap.max_q = max_q;
+  ap.max_length = max_length;
+  ap.n_heads = c.n_heads;
+  ap.n_kv_heads = c.n_kv_heads;
+  ap.head_dim = c.head_dim;
+  ap.scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  ap.partial_o = partial_o_.data();
+  ap.partial_ml = partial_ml_.data();
+  ap.max_splits = kMaxSplits;
+  ap.n_sms = n_sms_;
+
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    const Layer& w = layers_[layer];
+    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    cuda::RmsNormParams norm;
+    norm.x = x_.data();
+    norm.weight = w.attn_norm.data();
+    norm.y_bf16 = normed_.data();
+    norm.n_rows = total;
+    norm.dim = c.hidden;
+    norm.eps = c.rms_eps;
+    KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+    KVR_RETURN_IF_ERROR(Gemm(normed_.data(), total, h, w.wqkv.data(), qkv_dim, qkv_.data(), 0.f));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    cuda::QkvRopeParams rope;
+    rope.qkv = qkv_.data();
+    rope.bias = w.bqkv.size() > 0 ? w.bqkv.data() : nullptr;
+    rope.inv_freq = inv_freq_.data();
+    rope.token_seq = d_token_seq_.data();
+    rope.seqs = d_seqs_.data();
+    rope.q = q_.data();
+    rope.n_tokens = total;
+    rope.n_heads = c.n_heads;
+    rope.n_kv_heads = c.n_kv_heads;
+    rope.head_dim = c.head_dim;
+    rope.layer = layer;
+    KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
+    ap.layer = layer;
+    KVR_RETURN_IF_ERROR(all_decode ? cuda::LaunchDecodeAttention(ap, stream())
+                                   : cuda::LaunchPrefillAttention(ap, stream()));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+    KVR_RETURN_IF_ERROR(Gemm(attn_.data(), total, q_dim, w.wo.data(), h, x_.data(), 1.f));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    norm.weight = w.ffn_norm.data();
+    KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+    KVR_RETURN_IF_ERROR(
+        Gemm(normed_.data(), total, h, w.w_gate_up.data(), 2 * f, gate_up_.data(), 0.f));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    KVR_RETURN_IF_ERROR(cuda::LaunchSwiGlu({gate_up_.data(), act_.data(), total, c.ffn}, stream()));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+    KVR_RETURN_IF_ERROR(Gemm(act_.data(), total, f, w.w_down.data(), h, x_.data(), 1.f));
+  }
+
+  // Output rows in chunks of max_logits_rows: final norm, projection, argmax or copy back.
+  const bf16* out_w = output_.size() > 0 ? output_.data() : token_embd_.data();
+  for (int64_t r0 = 0; r0 < n_out; r0 += options_.max_logits_rows) {
+    const int64_t n = std::min(options_.max_logits_rows, n_out - r0);
+    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    cuda::RmsNormParams norm;
+    norm.x = x_.data();
+    norm.rows = d_out_rows_.data() + r0;
+    norm.weight = output_norm_.data();
+    norm.y_bf16 = normed_.data();
+    norm.n_rows = n;
+    norm.dim = c.hidden;
+    norm.eps = c.rms_eps;
+    KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+    KVR_RETURN_IF_ERROR(Gemm(normed_.data(), n, h, out_w, c.vocab, logits_.data(), 0.f));
+    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    if (!next_tokens.empty()) {
+      KVR_RETURN_IF_ERROR(
+          cuda::LaunchArgMax({logits_.data(), d_argmax_.data() + r0, n, c.vocab}, stream()));
+    } else {
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data() + r0 * c.vocab, logits_.data(),
+                                               n * c.vocab * sizeof(float), cudaMemcpyDeviceToHost,
+                                               stream()));
+    }
+  }
+  if (!next_tokens.empty()) {
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_argmax_.data(), d_argmax_.data(),
+                                             n_out * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                             stream()));
+  }
+  KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+  KVR_RETURN_IF_ERROR(stream_.Synchronize());
+  KVR_RETURN_IF_ERROR(FinishProfile());
+  if (!next_tokens.empty()) {
+    std::memcpy(next_tokens.data(), h_argmax_.data(), n_out * sizeof(int32_t));
+  }
+  for (size_t b = 0; b < batch.size(); ++b) {
+    seqs[b]->length += static_cast<int64_t>(batch[b].tokens.size());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool CudaModelAvailable() { return kvr::cuda::HaveCudaDevice(); }
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CreateCudaModel(const ModelConfig& config,
+                                                           const ModelWeights& weights,
+                                                           const CudaModelOptions& options) {
+  KVR_ASSIGN_OR_RETURN(auto model, CudaModelImpl::Make(config, options));
+  KVR_RETURN_IF_ERROR(model->UploadWeights(weights));
+  return std::unique_ptr<CudaModel>(std::move(model));
+}
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CreateCudaModelWithRandomWeights(
+    const ModelConfig& config, uint64_t seed, const CudaModelOptions& options) {
+  KVR_ASSIGN_OR_RETURN(auto model, CudaModelImpl::Make(config, options));
+  KVR_RETURN_IF_ERROR(model->RandomizeWeights(seed));
+  return std::unique_ptr<CudaModel>(std::move(model));
+}
+
+}  // namespace kvr::model

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The CUDA model runtime on the device machine: kernel parity, model parity (dummy shapes and
+# the SmolLM2 GGUF), compute-sanitizer, the benchmark and the torch SDPA anchor. Builds nothing
+# there: `bundle` (here) copies the stripped binaries and the non-system shared libraries they
+# need into .device/cudamodel/ (cuBLAS and the CUDA runtime are the device's own, CUDA 13.0 as
+# here).
+#
+# The 98 MB GGUF is over the 64 MiB a call may carry, so it travels in two halves over two
+# back-to-back calls (the warm machine keeps /tmp between them):
+#   here:              scripts/device/cuda-model.sh bundle
+#   call 1, carry [.device/cudamodel, .device/cudamodel-g1]:
+#                      bash scripts/device/cuda-model.sh run     (tests, sanitizer, bench; stages
+#                                                                 binaries + half 1 in /tmp)
+#   call 2, carry [.device/cudamodel-g2]:
+#                      bash scripts/device/cuda-model.sh gguf    (joins the halves, GGUF parity)
+# Logs go to $OUT.
+set -uo pipefail
+readonly kBundle=.device/cudamodel
+readonly kStage=/tmp/kvr-cudamodel
+readonly kModelSha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+out="${OUT:-out}"
+mkdir -p "$out"
+
+case "${1:-}" in
+  bundle)
+    build="${BUILD_DIR:-build-cudamodel}"
+    rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
+    for b in model_cuda_ops_test model_cuda_model_test cuda_model_bench; do
+      cp "$build/model/$b" "$kBundle/bin/" && strip -g "$kBundle/bin/$b"
+    done
+    cp model/bench/cuda_model_bench_sdpa.py "$kBundle/bin/"
+    # Shared libraries that Ubuntu 24.04 there lacks; glibc, libstdc++ and CUDA are there.
+    ldd "$kBundle"/bin/model_* "$kBundle"/bin/cuda_model_bench | awk '/=> \//{print $3}' |
+      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
+      sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
+    strip -g "$kBundle"/lib/*.so* 2>/dev/null
+    # OpenBLAS and ICU's data alone are 67 MB: the bundle travels xz-compressed (~15 MB).
+    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/cudamodel-bundle.tar.xz
+    rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/cudamodel-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    model="${KVR_TEST_MODEL:-$HOME/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+    # Uneven halves: the first travels with the bundle, both calls stay under 64 MiB.
+    rm -rf .device/cudamodel-g1 .device/cudamodel-g2
+    mkdir -p .device/cudamodel-g1 .device/cudamodel-g2
+    head -c 44000000 "$model" > .device/cudamodel-g1/part00
+    tail -c +44000001 "$model" > .device/cudamodel-g2/part01
+    du -sh "$kBundle" .device/cudamodel-g1 .device/cudamodel-g2
+    ;;
+  run)
+    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+    [[ -f .device/cudamodel-g1/part00 ]] && cp .device/cudamodel-g1/part00 "$kStage/"
+    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+    status=0
+    "$kStage/bin/model_cuda_ops_test" 2>&1 | tee "$out/ops_test.log" | grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) ' || true
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    "$kStage/bin/model_cuda_model_test" --gtest_filter=-*Gguf* 2>&1 | tee "$out/model_test.log" |
+      grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|parity) ' || true
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
+      timeout 240 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$kStage/bin/model_cuda_ops_test" --gtest_filter=*Attention*:*Rope*:*RmsNorm* \
+        > "$out/sanitizer.log" 2>&1
+      echo "compute-sanitizer memcheck (ops test): rc $?  $(grep -c 'Invalid\|ERROR SUMMARY' "$out/sanitizer.log") lines; $(grep 'ERROR SUMMARY' "$out/sanitizer.log")"
+    else
+      echo "compute-sanitizer not found"
+    fi
+    "$kStage/bin/cuda_model_bench" --shape llama3-8b --prefill 2048,8192 --batch 1,8,32 \
+      --context 4096 2>&1 | tee "$out/bench.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    python3 "$kStage/bin/cuda_model_bench_sdpa.py" --prefill 2048,8192 --batch 1,8,32 \
+      --context 4096 2>&1 | tee "$out/sdpa.log"
+    echo "run: status $status"
+    exit $status
+    ;;
+  gguf)
+    cat "$kStage/part00" .device/cudamodel-g2/part01 > "$kStage/smollm2.gguf" || exit 1
+    echo "$kModelSha256  $kStage/smollm2.gguf" | sha256sum -c - || exit 1
+    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    KVR_TEST_MODEL="$kStage/smollm2.gguf" "$kStage/bin/model_cuda_model_test" \
+      --gtest_filter=*Gguf* 2>&1 | tee "$out/gguf_test.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  *)
+    echo "usage: $0 bundle|run|gguf" >&2
+    exit 2
+    ;;
+esac
