@@ -1,0 +1,62 @@
+#pragma once
+// Configuration of kvr-prefill from flags, a YAML file (--config) and KVR_PREFILL_* environment
+// variables, with precedence flag > file > env > default (CONVENTIONS.md 11). Each setting has
+// one name in three spellings: flag --chunk-tokens, YAML key chunk_tokens, environment variable
+// KVR_PREFILL_CHUNK_TOKENS. The pattern is controller/src/config.cc's.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvr::prefill_node {
+
+struct PrefillConfig {
+  // host:port of the gRPC server; port 0 picks a free port (printed at start).
+  std::string listen = "127.0.0.1:0";
+  // The controller's host:port (Membership).
+  std::string controller = "127.0.0.1:50051";
+  // GGUF file, Hugging Face directory or known name (model/loader.h).
+  std::string model = "smollm2-135m-instruct";
+  // Name the model is served under (GenerateRequest.model); empty: the --model value when it is
+  // a name, else the file or folder name without extension.
+  std::string model_name;
+  // Name in the controller's logs; empty: kvr-prefill-<pid>.
+  std::string node_name;
+  uint32_t threads = 0;  // model threads, 0 = all cores
+  uint32_t chunk_tokens = 512;
+  uint32_t max_prefill_queries = 512;
+  // Most prompt tokens queued or running before the controller stops placing here (0 = no
+  // limit), advertised in Capacity.max_queued_prefill_tokens.
+  uint32_t max_queued_prefill_tokens = 0;
+  double store_timeout_seconds = 30;
+  std::string log_level = "info";
+};
+
+struct PrefillConfigField {
+  std::string name;
+  std::string help;
+  std::function<absl::Status(PrefillConfig&, const std::string&)> set;
+  std::function<std::string(const PrefillConfig&)> get;
+};
+const std::vector<PrefillConfigField>& PrefillConfigFields();
+
+using ConfigValues = std::map<std::string, std::string>;
+
+// Merges the sources by precedence and parses the values; INVALID_ARGUMENT names the setting
+// and the source of a bad value, or an unknown key in the file.
+[[nodiscard]] absl::StatusOr<PrefillConfig> ResolvePrefillConfig(
+    const ConfigValues& flags, const std::optional<std::string>& config_file,
+    const std::function<std::optional<std::string>(const std::string&)>& getenv);
+
+// The effective configuration, one `name: value  # source` per line (valid YAML).
+std::string FormatPrefillConfig(const PrefillConfig& config);
+
+// The served model name for `config` (see PrefillConfig::model_name).
+std::string ServedModelName(const PrefillConfig& config);
+
+}  // namespace kvr::prefill_node

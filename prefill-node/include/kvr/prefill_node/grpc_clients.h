@@ -1,0 +1,43 @@
+#pragma once
+// The real implementations of the prefill engine's seams: a gRPC DecodeService.Handoff stream
+// per request (channels cached per decode address) and one UcxKvStoreClient per store address.
+//
+// Thread safety: both may be used from many request threads at once.
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "kvr/prefill_node/prefill_engine.h"
+
+namespace grpc {
+class Channel;
+}  // namespace grpc
+
+namespace kvr::prefill_node {
+
+class GrpcHandoffOpener final : public HandoffOpener {
+ public:
+  absl::StatusOr<std::unique_ptr<HandoffSink>> Open(const kvr::cluster::v1::NodeRef& decode,
+                                                    absl::Time deadline) override;
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+class UcxStoreClients final : public StoreClients {
+ public:
+  explicit UcxStoreClients(kv_store::UcxClientOptions options = {}) : options_(options) {}
+  absl::StatusOr<kv_store::KvStoreClient*> Get(const kvr::cluster::v1::NodeRef& store) override;
+
+ private:
+  kv_store::UcxClientOptions options_;
+  absl::Mutex mu_;  // held while connecting, so one connection per address
+  absl::flat_hash_map<std::string, std::unique_ptr<kv_store::UcxKvStoreClient>> clients_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvr::prefill_node

@@ -1,0 +1,196 @@
+#pragma once
+// The prefill node's request logic, free of gRPC server code (CONVENTIONS.md 2): tokenize a
+// prompt, run it through the model layer by layer, and per layer (as soon as the layer's last
+// prefill chunk ran) build and serialise its retrieval index, cut out the sink and local-window
+// rows for the decode node and start the put of all its K/V rows to the KV store, overlapped with
+// the next layers' compute. Then sample the first token and hand header + layers to the decode
+// node (or finish the request when the first token already ends it).
+//
+// The two remote parties are seams with fakes (CONVENTIONS.md 4): the KV store is a
+// kv_store::KvStoreClient (FakeKvStoreClient in tests) found through a StoreClients lookup, and
+// the decode node is a HandoffSink opened through a HandoffOpener (a gRPC client-streaming
+// DecodeService.Handoff call in kvr-prefill, a recorder in tests).
+//
+// Handoff order: the proto wants the header (which carries the first token) before any layer,
+// and the first token exists only after the last layer ran; so serialised layers are kept until
+// the first token is sampled and then written in one go. The store puts (the bulk of the bytes)
+// do overlap with compute.
+//
+// Thread safety: Run may be called from many threads; the model's forward pass is used by one
+// request at a time (it shares one thread pool), the others wait (their prompt tokens count as
+// queued). Cancel may be called from any thread.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvr/cluster/v1/cluster.pb.h"
+#include "kvr/kv_store/client.h"
+#include "kvr/model/model.h"
+#include "kvr/model/tokenizer.h"
+#include "kvr/retrieval/registry.h"
+
+namespace kvr::prefill_node {
+
+// A request's prompt, in one of the three forms of kvr.v1.GenerateRequest.
+struct TextPrompt {
+  std::string text;  // tokenized with the model's BOS handling
+};
+struct TokenPrompt {
+  std::vector<int32_t> ids;  // used as is
+};
+struct ChatPrompt {
+  std::vector<model::ChatMessage> messages;  // rendered with the model's chat template
+};
+using Prompt = std::variant<TextPrompt, TokenPrompt, ChatPrompt>;
+
+// One Prefill call in domain terms. The proto messages kept here (sampling, retrieval, node
+// references) are forwarded unchanged into the handoff header, so they stay protos.
+struct PrefillJob {
+  std::string request_id;
+  uint64_t sequence_id = 0;
+  std::string model;  // the served model name (forwarded to D)
+  Prompt prompt;
+  kvr::v1::SamplingParams sampling;    // controller defaults applied (max_tokens set)
+  kvr::v1::RetrievalParams retrieval;  // controller defaults applied (method, budget, ...)
+  kvr::cluster::v1::NodeRef decode;
+  kvr::cluster::v1::NodeRef store;
+  absl::Time deadline = absl::InfiniteFuture();
+  google::protobuf::Timestamp deadline_proto;  // as received, forwarded to D
+};
+
+struct PrefillResult {
+  uint32_t prompt_tokens = 0;
+  int32_t first_token = 0;
+  std::string first_text;
+  // FINISH_REASON_UNSPECIFIED unless the first token ended the request (then no handoff).
+  kvr::v1::FinishReason finish_reason = kvr::v1::FINISH_REASON_UNSPECIFIED;
+  std::string matched_stop;
+  absl::Duration prefill_time;
+  uint64_t kv_bytes_shipped = 0;  // K/V bytes put to the store
+  uint64_t handoff_bytes = 0;     // serialized handoff chunks (header + layers)
+};
+
+// The client side of one DecodeService.Handoff stream. Write is called from one thread.
+class HandoffSink {
+ public:
+  virtual ~HandoffSink() = default;
+  // False when the stream broke (Finish then tells why).
+  [[nodiscard]] virtual bool Write(const kvr::cluster::v1::HandoffChunk& chunk) = 0;
+  // Half-closes the stream and returns the decode node's answer.
+  [[nodiscard]] virtual absl::StatusOr<kvr::cluster::v1::HandoffResponse> Finish() = 0;
+};
+
+class HandoffOpener {
+ public:
+  virtual ~HandoffOpener() = default;
+  // Opens a Handoff stream to `decode` under `deadline`.
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<HandoffSink>> Open(
+      const kvr::cluster::v1::NodeRef& decode, absl::Time deadline) = 0;
+};
+
+// Store clients by node: kvr-prefill keeps one UcxKvStoreClient per store address.
+class StoreClients {
+ public:
+  virtual ~StoreClients() = default;
+  // The client for `store` (connecting on first use). The pointer stays valid for the
+  // lifetime of this object.
+  [[nodiscard]] virtual absl::StatusOr<kv_store::KvStoreClient*> Get(
+      const kvr::cluster::v1::NodeRef& store) = 0;
+};
+
+// Hooks for metrics (the metrics helper plugs prometheus-cpp in here). All no-ops by default;
+// called from request threads, concurrently: implementations must be thread-safe.
+class PrefillObserver {
+ public:
+  virtual ~PrefillObserver() = default;
+  // The prompt was tokenized and the request waits for (or gets) the model.
+  virtual void OnQueued(uint32_t prompt_tokens) {}
+  // One layer's summaries were built and its rows' put started.
+  virtual void OnLayerReady(int layer, absl::Duration index_build, uint64_t summary_bytes,
+                            uint64_t kv_bytes) {}
+  // The request ended: OK with its result, or the error.
+  virtual void OnFinished(const absl::Status& status, const PrefillResult* result,
+                          absl::Duration total) {}
+};
+
+struct EngineOptions {
+  // Prompt tokens per forward chunk (as `kvr generate`'s --prefill-chunk).
+  int64_t chunk_tokens = 512;
+  // The last N prefill queries per layer go into the index's Build (CTKVR needs them).
+  int64_t max_prefill_queries = 512;
+  // Lease of a new store sequence beyond the request's deadline (the decode node keeps it
+  // alive / releases it; this only bounds leftovers of a crashed request).
+  absl::Duration store_lease_margin = absl::Seconds(60);
+  // Method assets (A2ATS codebooks) for the indexes; may be null.
+  std::shared_ptr<const retrieval::MethodAssets> method_assets;
+  // Not owned; may be null.
+  PrefillObserver* observer = nullptr;
+};
+
+class PrefillEngine {
+ public:
+  // Every pointer must outlive the engine. `tokenizer` may be null (token-id prompts only).
+  PrefillEngine(const model::Model* model, const model::Tokenizer* tokenizer,
+                const retrieval::MethodRegistry* registry, StoreClients* stores,
+                HandoffOpener* handoff, EngineOptions options);
+
+  // Runs one request. Errors: INVALID_ARGUMENT naming the field (prompt, token_ids, chat,
+  // retrieval.method, ...), CANCELLED (Cancel or `client_gone`), DEADLINE_EXCEEDED, and
+  // UNAVAILABLE for failures of D or S, whose node id FailedNodeOf(status) returns (the service
+  // puts it in the trailing metadata "kvr-failed-node" so that the controller's retry avoids
+  // that node). The store sequence is released on every error.
+  [[nodiscard]] absl::StatusOr<PrefillResult> Run(const PrefillJob& job,
+                                                  const std::function<bool()>& client_gone = {});
+
+  // Cancels the running or queued request with this id; false when there is none.
+  bool Cancel(const std::string& request_id);
+
+  // Prompt tokens of requests queued or running (NodeLoad.queued_prefill_tokens).
+  uint64_t queued_prompt_tokens() const { return queued_tokens_.load(); }
+
+  // The node (D or S) that an error of Run belongs to, carried as a status payload; empty when
+  // the failure is this node's own.
+  static std::string FailedNodeOf(const absl::Status& status);
+
+  // Tokenizes `prompt` as Run does (exposed for tests and `kvr generate` parity).
+  [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Tokenize(const Prompt& prompt) const;
+
+ private:
+  struct Running {
+    std::atomic<bool> cancelled{false};
+  };
+  absl::StatusOr<PrefillResult> RunLocked(const PrefillJob& job, const std::vector<int32_t>& ids,
+                                          Running& running, const std::function<bool()>& gone);
+
+  const model::Model* model_;
+  const model::Tokenizer* tokenizer_;
+  const retrieval::MethodRegistry* registry_;
+  StoreClients* stores_;
+  HandoffOpener* handoff_;
+  EngineOptions options_;
+
+  absl::Mutex model_mu_;  // one forward pass at a time (the model shares its thread pool)
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Running>> running_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> queued_tokens_{0};
+};
+
+// Bytes of one handoff row: [n_kv_heads, 2 * head_dim] f32, [k | v] per head.
+[[nodiscard]] size_t HandoffRowBytes(const model::ModelConfig& config);
+
+// Copies rows `positions` of a dense layer view into handoff rows (see HandoffRowBytes).
+void PackRows(const model::KvView& view, int n_kv_heads, int head_dim,
+              std::span<const int64_t> positions, std::string* out);
+
+}  // namespace kvr::prefill_node

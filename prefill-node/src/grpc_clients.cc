@@ -1,0 +1,96 @@
+#include "kvr/prefill_node/grpc_clients.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvr/cluster/v1/cluster.grpc.pb.h"
+
+namespace kvr::prefill_node {
+namespace {
+
+namespace cv1 = ::kvr::cluster::v1;
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// One client-streaming call. The context, stub and response outlive the writer (members in
+// declaration order are destroyed in reverse).
+class GrpcHandoffSink final : public HandoffSink {
+ public:
+  GrpcHandoffSink(std::shared_ptr<grpc::Channel> channel, absl::Time deadline)
+      : stub_(cv1::DecodeService::NewStub(std::move(channel))) {
+    if (deadline != absl::InfiniteFuture()) context_.set_deadline(absl::ToChronoTime(deadline));
+    writer_ = stub_->Handoff(&context_, &response_);
+  }
+  ~GrpcHandoffSink() override {
+    if (!finished_) {
+      context_.TryCancel();
+      writer_->Finish().ok();
+    }
+  }
+
+  bool Write(const cv1::HandoffChunk& chunk) override { return writer_->Write(chunk); }
+
+  absl::StatusOr<cv1::HandoffResponse> Finish() override {
+    finished_ = true;
+    writer_->WritesDone();
+    grpc::Status s = writer_->Finish();
+    if (!s.ok()) return FromGrpc(s);
+    return response_;
+  }
+
+ private:
+  std::unique_ptr<cv1::DecodeService::Stub> stub_;
+  grpc::ClientContext context_;
+  cv1::HandoffResponse response_;
+  std::unique_ptr<grpc::ClientWriter<cv1::HandoffChunk>> writer_;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HandoffSink>> GrpcHandoffOpener::Open(const cv1::NodeRef& decode,
+                                                                     absl::Time deadline) {
+  const std::string& address = decode.endpoints().grpc_address();
+  if (address.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode node ", decode.node_id(), " has no gRPC address"));
+  }
+  std::shared_ptr<grpc::Channel> channel;
+  {
+    absl::MutexLock lock(&mu_);
+    std::shared_ptr<grpc::Channel>& c = channels_[address];
+    if (c == nullptr) {
+      grpc::ChannelArguments args;
+      // Summaries of long prompts exceed gRPC's default 4 MiB message limit on the way in;
+      // outgoing messages are not limited by default, but say it for the reader.
+      args.SetMaxSendMessageSize(-1);
+      c = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    }
+    channel = c;
+  }
+  return std::make_unique<GrpcHandoffSink>(std::move(channel), deadline);
+}
+
+absl::StatusOr<kv_store::KvStoreClient*> UcxStoreClients::Get(const cv1::NodeRef& store) {
+  const std::string& address = store.endpoints().grpc_address();
+  if (address.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("store ", store.node_id(), " has no gRPC address"));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(address);
+  if (it != clients_.end()) return it->second.get();
+  kv_store::UcxClientOptions options = options_;
+  options.name = absl::StrCat(options_.name, "->", store.node_id());
+  absl::StatusOr<std::unique_ptr<kv_store::UcxKvStoreClient>> client =
+      kv_store::UcxKvStoreClient::Connect(address, options);
+  if (!client.ok()) return client.status();
+  kv_store::KvStoreClient* raw = client->get();
+  clients_[address] = std::move(*client);
+  return raw;
+}
+
+}  // namespace kvr::prefill_node

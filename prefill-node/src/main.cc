@@ -1,0 +1,319 @@
+// kvr-prefill: the prefill node. Serves kvr.cluster.v1.PrefillService (the logic lives in
+// PrefillEngine; this file is the gRPC shell), grpc.health.v1.Health and server reflection;
+// registers with the controller and heartbeats until SIGTERM/SIGINT, then deregisters.
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/model/loader.h"
+#include "kvr/prefill_node/config.h"
+#include "kvr/prefill_node/grpc_clients.h"
+#include "kvr/prefill_node/prefill_engine.h"
+#include "kvr/retrieval/all_methods.h"
+#include "spdlog/spdlog.h"
+
+namespace kvr::prefill_node {
+namespace {
+
+namespace cv1 = ::kvr::cluster::v1;
+
+absl::Time TimeOf(const google::protobuf::Timestamp& t) {
+  if (t.seconds() == 0 && t.nanos() == 0) return absl::InfiniteFuture();
+  return absl::FromUnixSeconds(t.seconds()) + absl::Nanoseconds(t.nanos());
+}
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+// Proto -> PrefillJob -> engine -> proto (CONVENTIONS.md 2).
+class PrefillServiceImpl final : public cv1::PrefillService::Service {
+ public:
+  explicit PrefillServiceImpl(PrefillEngine* engine) : engine_(engine) {}
+
+  grpc::Status Prefill(grpc::ServerContext* context, const cv1::PrefillRequest* request,
+                       cv1::PrefillResponse* response) override {
+    PrefillJob job;
+    job.request_id = request->request_id();
+    job.sequence_id = request->sequence_id();
+    job.model = request->model();
+    switch (request->input_case()) {
+      case cv1::PrefillRequest::kPrompt:
+        job.prompt = TextPrompt{request->prompt()};
+        break;
+      case cv1::PrefillRequest::kTokenIds:
+        job.prompt =
+            TokenPrompt{{request->token_ids().ids().begin(), request->token_ids().ids().end()}};
+        break;
+      case cv1::PrefillRequest::kChat: {
+        ChatPrompt chat;
+        for (const auto& m : request->chat().messages())
+          chat.messages.push_back({m.role(), m.content()});
+        job.prompt = std::move(chat);
+        break;
+      }
+      default:
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt: no input set");
+    }
+    job.sampling = request->sampling();
+    job.retrieval = request->retrieval();
+    job.decode = request->decode();
+    job.store = request->store();
+    job.deadline_proto = request->deadline();
+    job.deadline = std::min(TimeOf(request->deadline()), absl::FromChrono(context->deadline()));
+    spdlog::info("prefill {} seq {} attempt {} -> D {} S {}", job.request_id, job.sequence_id,
+                 request->attempt(), job.decode.node_id(), job.store.node_id());
+    absl::StatusOr<PrefillResult> r =
+        engine_->Run(job, [context] { return context->IsCancelled(); });
+    if (!r.ok()) {
+      const std::string failed = PrefillEngine::FailedNodeOf(r.status());
+      if (!failed.empty()) context->AddTrailingMetadata("kvr-failed-node", failed);
+      spdlog::warn("prefill {} failed: {}", job.request_id, r.status().ToString());
+      return ToGrpc(r.status());
+    }
+    response->set_prompt_tokens(r->prompt_tokens);
+    response->set_first_token(static_cast<uint32_t>(r->first_token));
+    response->set_first_text(r->first_text);
+    response->set_finish_reason(r->finish_reason);
+    response->set_matched_stop(r->matched_stop);
+    cv1::PrefillStats* stats = response->mutable_stats();
+    const absl::Duration t = r->prefill_time;
+    stats->mutable_prefill_time()->set_seconds(absl::IDivDuration(t, absl::Seconds(1), nullptr));
+    stats->mutable_prefill_time()->set_nanos(static_cast<int32_t>(absl::ToInt64Nanoseconds(
+        t - absl::Seconds(absl::IDivDuration(t, absl::Seconds(1), nullptr)))));
+    stats->set_kv_bytes_shipped(r->kv_bytes_shipped);
+    stats->set_handoff_bytes(r->handoff_bytes);
+    spdlog::info("prefill {} done: {} tokens in {}, first token {}", job.request_id,
+                 r->prompt_tokens, absl::FormatDuration(t), r->first_token);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Cancel(grpc::ServerContext*, const cv1::CancelRequest* request,
+                      cv1::CancelResponse* response) override {
+    response->set_found(engine_->Cancel(request->request_id()));
+    spdlog::info("cancel {} ({}): found {}", request->request_id(), request->reason(),
+                 response->found());
+    return grpc::Status::OK;
+  }
+
+ private:
+  PrefillEngine* engine_;
+};
+
+// Register + heartbeat loop with the controller (re-registers on NOT_FOUND, retries while the
+// controller is unreachable). Runs on its own thread until Stop.
+class MembershipLoop {
+ public:
+  MembershipLoop(const std::string& controller, cv1::RegisterRequest registration,
+                 const PrefillEngine* engine)
+      : stub_(cv1::Membership::NewStub(
+            grpc::CreateChannel(controller, grpc::InsecureChannelCredentials()))),
+        registration_(std::move(registration)),
+        engine_(engine),
+        thread_([this] { Loop(); }) {}
+  ~MembershipLoop() { Stop(); }
+
+  void Stop() {
+    if (!stop_.HasBeenNotified()) stop_.Notify();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Graceful leave (after Stop).
+  void Deregister() {
+    if (node_id_.empty()) return;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    cv1::DeregisterRequest request;
+    request.set_node_id(node_id_);
+    cv1::DeregisterResponse response;
+    grpc::Status s = stub_->Deregister(&ctx, request, &response);
+    spdlog::info("deregister {}: {}", node_id_, s.ok() ? "ok" : s.error_message());
+  }
+
+ private:
+  bool Register() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    cv1::RegisterRequest request = registration_;
+    request.mutable_load()->set_queued_prefill_tokens(engine_->queued_prompt_tokens());
+    cv1::RegisterResponse response;
+    grpc::Status s = stub_->Register(&ctx, request, &response);
+    if (!s.ok()) {
+      spdlog::warn("register with the controller failed: {}", s.error_message());
+      return false;
+    }
+    node_id_ = response.node_id();
+    interval_ = absl::Seconds(response.heartbeat_interval().seconds()) +
+                absl::Nanoseconds(response.heartbeat_interval().nanos());
+    if (interval_ <= absl::ZeroDuration()) interval_ = absl::Seconds(1);
+    // One parseable line for launchers and tests.
+    std::cout << "kvr-prefill registered " << node_id_ << std::endl;
+    return true;
+  }
+
+  void Loop() {
+    bool registered = false;
+    while (!stop_.HasBeenNotified()) {
+      if (!registered) {
+        registered = Register();
+        if (!registered) {
+          stop_.WaitForNotificationWithTimeout(absl::Milliseconds(500));
+          continue;
+        }
+      }
+      if (stop_.WaitForNotificationWithTimeout(interval_)) break;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+      cv1::HeartbeatRequest hb;
+      hb.set_node_id(node_id_);
+      hb.mutable_load()->set_queued_prefill_tokens(engine_->queued_prompt_tokens());
+      cv1::HeartbeatResponse response;
+      grpc::Status s = stub_->Heartbeat(&ctx, hb, &response);
+      if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+        spdlog::warn("controller forgot node {}: registering again", node_id_);
+        registered = false;
+      } else if (!s.ok()) {
+        spdlog::warn("heartbeat failed: {}", s.error_message());
+      }
+    }
+  }
+
+  std::unique_ptr<cv1::Membership::Stub> stub_;
+  cv1::RegisterRequest registration_;
+  const PrefillEngine* engine_;
+  absl::Notification stop_;
+  std::string node_id_;  // loop thread only (Deregister runs after Stop joined it)
+  absl::Duration interval_ = absl::Seconds(1);
+  std::thread thread_;
+};
+
+int Serve(const PrefillConfig& config) {
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  // SIGTERM/SIGINT are blocked in every thread (gRPC's inherit the mask) and taken with sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  ThreadPool pool(config.threads);
+  absl::StatusOr<model::LoadedModel> loaded = model::LoadModel(config.model, {}, &pool);
+  if (!loaded.ok()) {
+    std::cerr << "kvr-prefill: " << loaded.status() << "\n";
+    return 1;
+  }
+  absl::StatusOr<retrieval::MethodRegistry> registry = retrieval::AllMethods();
+  if (!registry.ok()) {
+    std::cerr << "kvr-prefill: " << registry.status() << "\n";
+    return 1;
+  }
+  const model::ModelConfig& mc = loaded->model->config();
+  const std::string served = ServedModelName(config);
+  spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded->source, served,
+               mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length);
+
+  kv_store::UcxClientOptions store_options;
+  store_options.timeout = absl::Seconds(config.store_timeout_seconds);
+  store_options.name = "kvr-prefill";
+  UcxStoreClients stores(store_options);
+  GrpcHandoffOpener handoff;
+  PrefillEngine engine(loaded->model.get(), loaded->tokenizer ? &*loaded->tokenizer : nullptr,
+                       &*registry, &stores, &handoff,
+                       EngineOptions{.chunk_tokens = config.chunk_tokens,
+                                     .max_prefill_queries = config.max_prefill_queries});
+  PrefillServiceImpl service(&engine);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(-1);  // token-id prompts of long contexts
+  int port = 0;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "kvr-prefill: cannot listen on " << config.listen << "\n";
+    return 1;
+  }
+  std::string host = config.listen.substr(0, config.listen.rfind(':'));
+  // A wildcard address is not reachable as such; on one machine loopback is.
+  if (host.empty() || host == "0.0.0.0" || host == "[::]") host = "127.0.0.1";
+  const std::string address = absl::StrCat(host, ":", port);
+  std::cout << "kvr-prefill listening on " << address << std::endl;
+
+  cv1::RegisterRequest registration;
+  registration.set_role(cv1::NODE_ROLE_PREFILL);
+  registration.set_protocol_version(1);
+  registration.set_name(config.node_name.empty() ? absl::StrCat("kvr-prefill-", getpid())
+                                                 : config.node_name);
+  registration.mutable_endpoints()->set_grpc_address(address);
+  cv1::Capacity* capacity = registration.mutable_capacity();
+  capacity->set_max_queued_prefill_tokens(config.max_queued_prefill_tokens);
+  cv1::ModelInfo* info = capacity->add_models();
+  info->set_name(served);
+  info->set_context_length(static_cast<uint32_t>(mc.context_length));
+  // What the store holds per token: K and V of every layer, float32 (the handoff contract).
+  info->set_kv_bytes_per_token(uint64_t{2} * mc.n_layers * mc.n_kv_heads * mc.head_dim *
+                               sizeof(float));
+  MembershipLoop membership(config.controller, std::move(registration), &engine);
+
+  int received = 0;
+  sigwait(&signals, &received);
+  spdlog::info("signal {}: shutting down", received);
+  membership.Stop();
+  membership.Deregister();
+  server->GetHealthCheckService()->SetServingStatus(false);
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  server->Wait();
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvr::prefill_node
+
+int main(int argc, char** argv) {
+  using namespace kvr::prefill_node;
+  CLI::App app{"kvr-prefill: prefill node (prompt -> KV store + decode-node handoff)"};
+  ConfigValues flag_values;
+  std::string config_file;
+  app.add_option("--config", config_file,
+                 "YAML file of settings (flag > file > KVR_PREFILL_* env)");
+  for (const PrefillConfigField& field : PrefillConfigFields()) {
+    std::string flag = "--" + field.name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    app.add_option_function<std::string>(
+        flag, [&flag_values, name = field.name](const std::string& v) { flag_values[name] = v; },
+        field.help);
+  }
+  CLI11_PARSE(app, argc, argv);
+  absl::StatusOr<PrefillConfig> config = ResolvePrefillConfig(
+      flag_values, config_file.empty() ? std::nullopt : std::optional<std::string>(config_file),
+      [](const std::string& name) -> std::optional<std::string> {
+        const char* v = std::getenv(name.c_str());
+        if (v == nullptr) return std::nullopt;
+        return std::string(v);
+      });
+  if (!config.ok()) {
+    std::cerr << "kvr-prefill: " << config.status().message() << "\n";
+    return 2;
+  }
+  std::cout << "# kvr-prefill effective config\n" << FormatPrefillConfig(*config) << std::flush;
+  return Serve(*config);
+}

@@ -1,0 +1,578 @@
+#include "kvr/prefill_node/prefill_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <numeric>
+#include <optional>
+#include <thread>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/hash/hash.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kvr/common/status.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/model/dense_attention.h"
+#include "kvr/model/sampler.h"
+#include "kvr/retrieval/index.h"
+
+namespace kvr::prefill_node {
+namespace {
+
+namespace cv1 = ::kvr::cluster::v1;
+
+constexpr char kFailedNodePayload[] = "kvr-failed-node";
+
+// An error of another node (D or S): UNAVAILABLE (the controller retries elsewhere), with the
+// node id as payload for the trailing metadata.
+absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl::Status& cause) {
+  absl::Status s = absl::UnavailableError(absl::StrCat(
+      role, " ", node.node_id(), " (", node.endpoints().grpc_address(), "): ", cause.ToString()));
+  s.SetPayload(kFailedNodePayload, absl::Cord(node.node_id()));
+  return s;
+}
+
+// One layer's handoff work, queued by the attention wrapper when the layer's last chunk ran.
+struct LayerTask {
+  int layer = 0;
+  model::KvView kv;            // all prompt rows of the layer; stays valid (no more appends)
+  std::vector<float> queries;  // [n_q, n_heads, head_dim], the last prefill queries
+  int64_t queries_first_position = 0;
+};
+
+// Builds indexes, packs sink/local rows and starts store puts on its own thread, so that the
+// model's next layers compute meanwhile. Owns the put operations and the buffers they read.
+class LayerWorker {
+ public:
+  struct Context {
+    const model::ModelConfig* config = nullptr;
+    const retrieval::MethodRegistry* registry = nullptr;
+    const retrieval::IndexParams* params = nullptr;
+    std::string method;
+    kv_store::KvStoreClient* store = nullptr;
+    uint64_t sequence = 0;
+    int64_t prompt_tokens = 0;
+    PrefillObserver* observer = nullptr;
+  };
+
+  explicit LayerWorker(Context ctx)
+      : ctx_(std::move(ctx)), layers_(ctx_.config->n_layers), thread_([this] { Loop(); }) {}
+  ~LayerWorker() { Close().IgnoreError(); }
+
+  void Push(LayerTask task) {
+    absl::MutexLock lock(&mu_);
+    tasks_.push_back(std::move(task));
+  }
+
+  // The first error so far (the compute loop stops early on it).
+  absl::Status error() {
+    absl::MutexLock lock(&mu_);
+    return error_;
+  }
+
+  // Stops accepting tasks, finishes the queued ones and waits for every put. Idempotent.
+  absl::Status Close() {
+    {
+      absl::MutexLock lock(&mu_);
+      closed_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+    for (auto& op : puts_) {
+      absl::StatusOr<uint64_t> rows = op->Wait();
+      if (!rows.ok()) {
+        absl::MutexLock lock(&mu_);
+        if (error_.ok()) error_ = rows.status();
+      }
+    }
+    puts_.clear();
+    absl::MutexLock lock(&mu_);
+    return error_;
+  }
+
+  std::vector<std::optional<cv1::HandoffLayer>>& layers() { return layers_; }
+  uint64_t kv_bytes() const { return kv_bytes_; }
+
+ private:
+  void Loop() {
+    while (true) {
+      LayerTask task;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](LayerWorker* w) { return !w->tasks_.empty() || w->closed_; }, this));
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+        if (!error_.ok()) continue;  // drain: the request has failed
+      }
+      absl::Status s = Process(task);
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu_);
+        if (error_.ok()) error_ = s;
+      }
+    }
+  }
+
+  absl::Status Process(const LayerTask& task) {
+    const model::ModelConfig& c = *ctx_.config;
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t L = ctx_.prompt_tokens;
+    const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+    if (task.kv.n_rows != L) {
+      return absl::InternalError(absl::StrCat("layer ", task.layer, ": ", task.kv.n_rows,
+                                              " rows after prefill, expected ", L));
+    }
+
+    // 1. The retrieval index over all prompt positions [0, L).
+    retrieval::IndexShape shape;
+    shape.n_heads = c.n_heads;
+    shape.n_kv_heads = c.n_kv_heads;
+    shape.head_dim = c.head_dim;
+    shape.layer = task.layer;
+    shape.n_layers = c.n_layers;
+    // The runtime rotates Hugging Face style (rotate-half) for every architecture.
+    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+    absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index =
+        ctx_.registry->Make(ctx_.method, shape, *ctx_.params);
+    if (!index.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("retrieval.method '", ctx_.method, "': ", index.status().message()));
+    }
+    retrieval::BuildInput in;
+    in.keys = {task.kv.k, L, task.kv.row_stride};
+    const int64_t q_row = int64_t{c.n_heads} * c.head_dim;
+    in.queries = {task.queries.data(), static_cast<int64_t>(task.queries.size()) / q_row, q_row};
+    in.queries_first_position = task.queries_first_position;
+    if (absl::Status s = (*index)->Build(in); !s.ok()) {
+      // Build checks the method's context-dependent parameters (e.g. CTKVR's C): a request
+      // error, not a node failure.
+      return absl::InvalidArgumentError(absl::StrCat("retrieval (method '", ctx_.method,
+                                                     "', layer ", task.layer, "): ", s.message()));
+    }
+    // `full` and `streaming` hold no summary: their payload is empty but the header (method,
+    // shape, token count) is still shipped, so D can deserialize every method the same way.
+    KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, retrieval::SerializeIndex(**index));
+    const auto t1 = std::chrono::steady_clock::now();
+
+    // 2. Sink and local-window rows for D.
+    cv1::HandoffLayer layer;
+    layer.set_layer(static_cast<uint32_t>(task.layer));
+    layer.set_summaries(bytes.data(), bytes.size());
+    const int64_t n_sink = std::min<int64_t>(ctx_.params->n_sink, L);
+    const int64_t n_local = std::min<int64_t>(ctx_.params->local_window, L - n_sink);
+    std::vector<int64_t> positions(n_sink);
+    std::iota(positions.begin(), positions.end(), 0);
+    PackRows(task.kv, c.n_kv_heads, c.head_dim, positions, layer.mutable_sink_kv());
+    for (int64_t p : positions) layer.add_sink_positions(static_cast<uint32_t>(p));
+    positions.resize(n_local);
+    std::iota(positions.begin(), positions.end(), L - n_local);
+    PackRows(task.kv, c.n_kv_heads, c.head_dim, positions, layer.mutable_local_kv());
+    for (int64_t p : positions) layer.add_local_positions(static_cast<uint32_t>(p));
+
+    // 3. Every row to the store, asynchronously. The cache rows are contiguous when the
+    // cache's stride equals the row width (KvCache's layout); otherwise they are packed first.
+    kv_store::LayerRows rows;
+    rows.sequence = ctx_.sequence;
+    rows.layer = static_cast<uint32_t>(task.layer);
+    rows.start_row = 0;
+    rows.n_rows = static_cast<uint32_t>(L);
+    const size_t half_bytes = static_cast<size_t>(L * kv_dim) * sizeof(float);
+    if (task.kv.row_stride == kv_dim) {
+      rows.k = {reinterpret_cast<const uint8_t*>(task.kv.k), half_bytes};
+      rows.v = {reinterpret_cast<const uint8_t*>(task.kv.v), half_bytes};
+    } else {
+      auto& buf = packed_.emplace_back(2 * L * kv_dim);
+      for (int64_t r = 0; r < L; ++r) {
+        std::memcpy(&buf[r * kv_dim], task.kv.k + r * task.kv.row_stride, kv_dim * sizeof(float));
+        std::memcpy(&buf[(L + r) * kv_dim], task.kv.v + r * task.kv.row_stride,
+                    kv_dim * sizeof(float));
+      }
+      rows.k = {reinterpret_cast<const uint8_t*>(buf.data()), half_bytes};
+      rows.v = {reinterpret_cast<const uint8_t*>(buf.data() + L * kv_dim), half_bytes};
+    }
+    puts_.push_back(ctx_.store->StartPutLayer(rows));
+    kv_bytes_ += 2 * half_bytes;
+
+    if (ctx_.observer != nullptr) {
+      ctx_.observer->OnLayerReady(task.layer, absl::FromChrono(t1 - t0), bytes.size(),
+                                  2 * half_bytes);
+    }
+    layers_[task.layer] = std::move(layer);
+    return absl::OkStatus();
+  }
+
+  Context ctx_;
+  absl::Mutex mu_;
+  std::deque<LayerTask> tasks_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  // Worker-thread state (read by others only after join).
+  std::vector<std::optional<cv1::HandoffLayer>> layers_;
+  std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts_;
+  std::deque<std::vector<float>> packed_;  // buffers of puts whose rows needed packing
+  uint64_t kv_bytes_ = 0;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+// Dense prefill attention that, as each layer's last chunk completes, hands the layer's rows and
+// last queries to the worker. Also the place where cancellation and the deadline are checked
+// (once per layer and chunk), so a cancelled prefill stops within one layer.
+class HandoffAttention final : public model::Attention {
+ public:
+  HandoffAttention(ThreadPool* pool, int n_layers, int64_t prompt_tokens, int64_t max_queries,
+                   LayerWorker* worker, std::function<absl::Status()> check)
+      : dense_(pool),
+        prompt_tokens_(prompt_tokens),
+        max_queries_(max_queries),
+        queries_(n_layers),
+        worker_(worker),
+        check_(std::move(check)) {}
+
+  absl::Status Attend(const model::AttentionShape& shape,
+                      std::span<const model::AttentionRequest> batch) override {
+    KVR_RETURN_IF_ERROR(check_());
+    KVR_RETURN_IF_ERROR(worker_->error());
+    KVR_RETURN_IF_ERROR(dense_.Attend(shape, batch));
+    const int64_t q_row = int64_t{shape.n_heads} * shape.head_dim;
+    for (const model::AttentionRequest& r : batch) {
+      // Keep the last max_queries queries of the layer: what fits from this chunk, plus the
+      // tail of the earlier ones when this chunk is shorter.
+      std::vector<float>& kept = queries_[r.layer];
+      const int64_t take = std::min(r.n_queries, max_queries_);
+      const int64_t keep_old =
+          std::min<int64_t>(static_cast<int64_t>(kept.size()) / q_row, max_queries_ - take);
+      kept.erase(kept.begin(), kept.end() - keep_old * q_row);
+      kept.insert(kept.end(), r.q + (r.n_queries - take) * q_row, r.q + r.n_queries * q_row);
+      const int64_t end = r.first_position + r.n_queries;
+      if (end == prompt_tokens_) {
+        LayerTask task;
+        task.layer = r.layer;
+        task.kv = r.kv;
+        task.queries = std::move(kept);
+        task.queries_first_position = end - static_cast<int64_t>(task.queries.size()) / q_row;
+        kept = {};
+        worker_->Push(std::move(task));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  model::DenseAttention dense_;
+  int64_t prompt_tokens_;
+  int64_t max_queries_;
+  std::vector<std::vector<float>> queries_;  // [n_layers][n, n_heads, head_dim]
+  LayerWorker* worker_;
+  std::function<absl::Status()> check_;
+};
+
+// Where the prompt field lives in the request, for error messages.
+const char* PromptField(const Prompt& prompt) {
+  if (std::holds_alternative<TokenPrompt>(prompt)) return "token_ids";
+  if (std::holds_alternative<ChatPrompt>(prompt)) return "chat";
+  return "prompt";
+}
+
+}  // namespace
+
+size_t HandoffRowBytes(const model::ModelConfig& config) {
+  return size_t{2} * config.n_kv_heads * config.head_dim * sizeof(float);
+}
+
+void PackRows(const model::KvView& view, int n_kv_heads, int head_dim,
+              std::span<const int64_t> positions, std::string* out) {
+  const size_t head_bytes = size_t(head_dim) * sizeof(float);
+  out->resize(positions.size() * n_kv_heads * 2 * head_bytes);
+  char* dst = out->data();
+  for (int64_t p : positions) {
+    for (int h = 0; h < n_kv_heads; ++h) {
+      std::memcpy(dst, view.k + p * view.row_stride + int64_t{h} * head_dim, head_bytes);
+      dst += head_bytes;
+      std::memcpy(dst, view.v + p * view.row_stride + int64_t{h} * head_dim, head_bytes);
+      dst += head_bytes;
+    }
+  }
+}
+
+PrefillEngine::PrefillEngine(const model::Model* model, const model::Tokenizer* tokenizer,
+                             const retrieval::MethodRegistry* registry, StoreClients* stores,
+                             HandoffOpener* handoff, EngineOptions options)
+    : model_(model),
+      tokenizer_(tokenizer),
+      registry_(registry),
+      stores_(stores),
+      handoff_(handoff),
+      options_(std::move(options)) {}
+
+std::string PrefillEngine::FailedNodeOf(const absl::Status& status) {
+  auto node = status.GetPayload(kFailedNodePayload);
+  return node ? std::string(*node) : std::string();
+}
+
+absl::StatusOr<std::vector<int32_t>> PrefillEngine::Tokenize(const Prompt& prompt) const {
+  const char* field = PromptField(prompt);
+  std::vector<int32_t> ids;
+  if (const auto* tokens = std::get_if<TokenPrompt>(&prompt)) {
+    ids = tokens->ids;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= model_->config().vocab) {
+        return absl::InvalidArgumentError(absl::StrCat("token_ids: id ", ids[i], " at index ", i,
+                                                       " is outside the vocabulary of ",
+                                                       model_->config().vocab));
+      }
+    }
+  } else if (tokenizer_ == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": this model has no tokenizer; send token_ids"));
+  } else if (const auto* text = std::get_if<TextPrompt>(&prompt)) {
+    if (text->text.empty()) return absl::InvalidArgumentError("prompt: empty");
+    absl::StatusOr<std::vector<int32_t>> encoded = tokenizer_->Encode(text->text);
+    if (!encoded.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt: ", encoded.status().message()));
+    }
+    ids = std::move(*encoded);
+  } else {
+    const auto& chat = std::get<ChatPrompt>(prompt);
+    if (chat.messages.empty()) return absl::InvalidArgumentError("chat.messages: empty");
+    absl::StatusOr<std::string> rendered = tokenizer_->ApplyChatTemplate(chat.messages, true);
+    if (!rendered.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("chat: ", rendered.status().message()));
+    }
+    absl::StatusOr<std::vector<int32_t>> encoded =
+        tokenizer_->Encode(*rendered, {.add_special = false, .parse_special = true});
+    if (!encoded.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("chat: ", encoded.status().message()));
+    }
+    ids = std::move(*encoded);
+  }
+  if (ids.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": encodes to no tokens"));
+  const int64_t context = model_->config().context_length;
+  if (context > 0 && static_cast<int64_t>(ids.size()) >= context) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", ids.size(), " tokens leave no room in the model's context of ",
+                     context, " tokens"));
+  }
+  return ids;
+}
+
+bool PrefillEngine::Cancel(const std::string& request_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = running_.find(request_id);
+  if (it == running_.end()) return false;
+  it->second->cancelled = true;
+  return true;
+}
+
+absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillJob& job,
+                                                 const std::function<bool()>& client_gone) {
+  const auto start = std::chrono::steady_clock::now();
+  auto finish = [&](absl::StatusOr<PrefillResult> r) {
+    if (options_.observer != nullptr) {
+      options_.observer->OnFinished(r.status(), r.ok() ? &*r : nullptr,
+                                    absl::FromChrono(std::chrono::steady_clock::now() - start));
+    }
+    return r;
+  };
+  absl::StatusOr<std::vector<int32_t>> ids = Tokenize(job.prompt);
+  if (!ids.ok()) return finish(ids.status());
+
+  auto running = std::make_shared<Running>();
+  {
+    absl::MutexLock lock(&mu_);
+    running_[job.request_id] = running;
+  }
+  const uint64_t n = ids->size();
+  queued_tokens_ += n;
+  if (options_.observer != nullptr) options_.observer->OnQueued(static_cast<uint32_t>(n));
+  absl::StatusOr<PrefillResult> result;
+  {
+    absl::MutexLock model_lock(&model_mu_);
+    result = RunLocked(job, *ids, *running, client_gone);
+  }
+  queued_tokens_ -= n;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = running_.find(job.request_id);
+    if (it != running_.end() && it->second == running) running_.erase(it);
+  }
+  return finish(std::move(result));
+}
+
+absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
+                                                       const std::vector<int32_t>& ids,
+                                                       Running& running,
+                                                       const std::function<bool()>& gone) {
+  const model::ModelConfig& c = model_->config();
+  const int64_t L = static_cast<int64_t>(ids.size());
+  auto check = [&]() -> absl::Status {
+    if (running.cancelled || (gone && gone())) {
+      return absl::CancelledError(absl::StrCat("request ", job.request_id, " cancelled"));
+    }
+    if (absl::Now() > job.deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("request ", job.request_id, ": deadline passed during prefill"));
+    }
+    return absl::OkStatus();
+  };
+  KVR_RETURN_IF_ERROR(check());
+
+  // Request parameters (the controller applied its defaults; check anyway: a bad value is the
+  // request's fault, not this node's).
+  const kvr::v1::RetrievalParams& rp = job.retrieval;
+  if (rp.method().empty()) return absl::InvalidArgumentError("retrieval.method: empty");
+  if (!registry_->Has(rp.method())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("retrieval.method: unknown method '", rp.method(), "'"));
+  }
+  retrieval::IndexParams params;
+  if (rp.has_budget()) params.budget = rp.budget();
+  if (rp.has_n_sink()) params.n_sink = rp.n_sink();
+  if (rp.has_local_window()) params.local_window = rp.local_window();
+  for (const auto& [k, v] : rp.options()) params.options[k] = v;
+  params.assets = options_.method_assets;
+  if (absl::Status s = params.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("retrieval: ", s.message()));
+  }
+  const kvr::v1::SamplingParams& sp = job.sampling;
+  const uint32_t max_tokens = sp.has_max_tokens() ? sp.max_tokens() : 1;
+  model::SamplingOptions so;
+  so.temperature = sp.temperature();
+  so.top_p = sp.has_top_p() ? sp.top_p() : 1.f;
+  // Unset seed: one per request (stable for a request id, so a retry samples the same way).
+  so.seed = sp.has_seed() ? sp.seed() : absl::HashOf(job.request_id);
+  absl::StatusOr<model::Sampler> sampler = model::Sampler::Create(so);
+  if (!sampler.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling: ", sampler.status().message()));
+  }
+
+  // The store sequence: created before compute so that a full or dead store fails fast.
+  absl::StatusOr<kv_store::KvStoreClient*> store = stores_->Get(job.store);
+  if (!store.ok()) return NodeFailure(job.store, "store", store.status());
+  kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
+                                static_cast<uint32_t>(c.n_kv_heads),
+                                static_cast<uint32_t>(c.head_dim), kv_store::DType::kF32};
+  uint64_t expected = static_cast<uint64_t>(L) + max_tokens;
+  if (c.context_length > 0) expected = std::min<uint64_t>(expected, c.context_length);
+  const absl::Duration lease =
+      (job.deadline == absl::InfiniteFuture() ? absl::Minutes(10) : job.deadline - absl::Now()) +
+      options_.store_lease_margin;
+  if (absl::StatusOr<kv_store::CreateResult> created =
+          (*store)->CreateSequence(job.sequence_id, shape, expected, lease);
+      !created.ok()) {
+    return NodeFailure(job.store, "store", created.status());
+  }
+  bool handed_off = false;
+  absl::Cleanup release = [&] {
+    if (handed_off) return;  // D owns the sequence now and releases it
+    (*store)->Release(job.sequence_id, absl::ZeroDuration()).IgnoreError();
+  };
+
+  // Prefill with per-layer handoff work.
+  const auto t0 = std::chrono::steady_clock::now();
+  LayerWorker worker({.config = &c,
+                      .registry = registry_,
+                      .params = &params,
+                      .method = rp.method(),
+                      .store = *store,
+                      .sequence = job.sequence_id,
+                      .prompt_tokens = L,
+                      .observer = options_.observer});
+  model::KvCache cache = model_->NewCache();
+  cache.Reserve(L);  // views handed to the worker must not move
+  HandoffAttention attention(model_->pool(), c.n_layers, L, options_.max_prefill_queries, &worker,
+                             check);
+  absl::StatusOr<std::vector<float>> logits =
+      model_->Prefill(job.sequence_id, cache, ids, attention, options_.chunk_tokens);
+  // Waits for the index builds and the store puts whatever happened.
+  absl::Status worker_status = worker.Close();
+  if (!logits.ok()) {
+    // The worker's error is the cause when it stopped the compute.
+    if (!worker_status.ok()) logits = worker_status;
+    return logits.status();
+  }
+  if (!worker_status.ok()) {
+    if (absl::IsInvalidArgument(worker_status)) return worker_status;
+    return NodeFailure(job.store, "store", worker_status);
+  }
+  KVR_RETURN_IF_ERROR(check());
+
+  PrefillResult result;
+  result.prompt_tokens = static_cast<uint32_t>(L);
+  result.prefill_time = absl::FromChrono(std::chrono::steady_clock::now() - t0);
+  result.kv_bytes_shipped = worker.kv_bytes();
+
+  // The first token and its text.
+  KVR_ASSIGN_OR_RETURN(int32_t first, sampler->Sample(*logits));
+  result.first_token = first;
+  std::string pending;
+  if (tokenizer_ != nullptr) {
+    model::TokenStreamDecoder decoder(*tokenizer_);
+    KVR_ASSIGN_OR_RETURN(result.first_text, decoder.Push(first));
+    KVR_ASSIGN_OR_RETURN(std::string raw, tokenizer_->TokenBytes(first));
+    // Bytes of an incomplete UTF-8 character the decoder held back.
+    if (raw.size() > result.first_text.size() &&
+        raw.compare(0, result.first_text.size(), result.first_text) == 0) {
+      pending = raw.substr(result.first_text.size());
+    }
+    if (!sp.ignore_eos() && tokenizer_->IsEndOfGeneration(first)) {
+      result.finish_reason = kvr::v1::FINISH_REASON_EOS;
+      result.first_text.clear();  // the end token's text is not returned (as kvr generate)
+    }
+  }
+  if (result.finish_reason == kvr::v1::FINISH_REASON_UNSPECIFIED) {
+    for (const std::string& stop : sp.stop()) {
+      const size_t at = result.first_text.find(stop);
+      if (!stop.empty() && at != std::string::npos) {
+        result.finish_reason = kvr::v1::FINISH_REASON_STOP_STRING;
+        result.matched_stop = stop;
+        result.first_text.resize(at);
+        break;
+      }
+    }
+  }
+  if (result.finish_reason == kvr::v1::FINISH_REASON_UNSPECIFIED &&
+      (max_tokens <= 1 || (c.context_length > 0 && L + 1 >= c.context_length))) {
+    result.finish_reason = kvr::v1::FINISH_REASON_LENGTH;
+  }
+  if (result.finish_reason != kvr::v1::FINISH_REASON_UNSPECIFIED) return result;  // no handoff
+
+  // The handoff: header, then every layer.
+  absl::StatusOr<std::unique_ptr<HandoffSink>> sink = handoff_->Open(job.decode, job.deadline);
+  if (!sink.ok()) return NodeFailure(job.decode, "decode node", sink.status());
+  cv1::HandoffChunk chunk;
+  cv1::HandoffHeader* h = chunk.mutable_header();
+  h->set_request_id(job.request_id);
+  h->set_sequence_id(job.sequence_id);
+  h->set_model(job.model);
+  *h->mutable_sampling() = job.sampling;
+  *h->mutable_retrieval() = job.retrieval;
+  *h->mutable_store() = job.store;
+  *h->mutable_deadline() = job.deadline_proto;
+  h->set_prompt_tokens(static_cast<uint32_t>(L));
+  h->set_first_token(static_cast<uint32_t>(first));
+  h->set_n_layers(static_cast<uint32_t>(c.n_layers));
+  h->set_text_so_far(result.first_text);
+  h->set_pending_utf8(pending);
+  bool ok = (*sink)->Write(chunk);
+  result.handoff_bytes += chunk.ByteSizeLong();
+  for (auto& layer : worker.layers()) {
+    if (!ok) break;
+    if (!layer) return absl::InternalError("prefill finished but a layer's handoff is missing");
+    cv1::HandoffChunk lc;
+    *lc.mutable_layer() = std::move(*layer);
+    ok = (*sink)->Write(lc);
+    result.handoff_bytes += lc.ByteSizeLong();
+  }
+  absl::StatusOr<cv1::HandoffResponse> response = (*sink)->Finish();
+  if (!response.ok()) return NodeFailure(job.decode, "decode node", response.status());
+  if (!ok || !response->accepted()) {
+    return NodeFailure(job.decode, "decode node", absl::UnavailableError("handoff not accepted"));
+  }
+  handed_off = true;
+  return result;
+}
+
+}  // namespace kvr::prefill_node

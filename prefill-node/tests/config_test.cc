@@ -1,0 +1,60 @@
+#include "kvr/prefill_node/config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+namespace kvr::prefill_node {
+namespace {
+
+using ::testing::HasSubstr;
+
+absl::StatusOr<PrefillConfig> Resolve(const ConfigValues& flags, std::optional<std::string> file,
+                                      const std::map<std::string, std::string>& env) {
+  return ResolvePrefillConfig(flags, file, [&](const std::string& n) -> std::optional<std::string> {
+    auto it = env.find(n);
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+TEST(PrefillConfigTest, PrecedenceFlagOverFileOverEnvOverDefault) {
+  const std::string path = ::testing::TempDir() + "/prefill_config_test.yaml";
+  std::ofstream(path) << "chunk_tokens: 128\nthreads: 3\n";
+  auto c = Resolve({{"chunk_tokens", "64"}}, path,
+                   {{"KVR_PREFILL_CHUNK_TOKENS", "32"},
+                    {"KVR_PREFILL_THREADS", "5"},
+                    {"KVR_PREFILL_CONTROLLER", "host:1"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->chunk_tokens, 64u);          // flag
+  EXPECT_EQ(c->threads, 3u);                // file
+  EXPECT_EQ(c->controller, "host:1");       // env
+  EXPECT_EQ(c->max_prefill_queries, 512u);  // default
+  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("chunk_tokens: \"64\""));
+}
+
+TEST(PrefillConfigTest, BadValuesNameTheSettingAndSource) {
+  auto c = Resolve({}, std::nullopt, {{"KVR_PREFILL_CHUNK_TOKENS", "zero"}});
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("chunk_tokens"));
+  EXPECT_THAT(c.status().message(), HasSubstr("KVR_PREFILL_CHUNK_TOKENS"));
+  const std::string path = ::testing::TempDir() + "/prefill_config_bad.yaml";
+  std::ofstream(path) << "no_such_setting: 1\n";
+  c = Resolve({}, path, {});
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("no_such_setting"));
+}
+
+TEST(PrefillConfigTest, ServedModelName) {
+  PrefillConfig c;
+  c.model = "smollm2-135m-instruct";
+  EXPECT_EQ(ServedModelName(c), "smollm2-135m-instruct");
+  c.model = "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  EXPECT_EQ(ServedModelName(c), "SmolLM2-135M-Instruct.Q4_1");
+  c.model_name = "smol";
+  EXPECT_EQ(ServedModelName(c), "smol");
+}
+
+}  // namespace
+}  // namespace kvr::prefill_node

@@ -1,0 +1,268 @@
+// PrefillEngine on the real SmolLM2 model with an in-process KV store (FakeKvStoreClient) and a
+// recording decode handoff: what reaches the store and D, and every error path.
+
+#include "kvr/prefill_node/prefill_engine.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "kvr/common/paths.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/model/dense_attention.h"
+#include "kvr/model/loader.h"
+#include "kvr/model/sampler.h"
+#include "kvr/retrieval/all_methods.h"
+
+namespace kvr::prefill_node {
+namespace {
+
+namespace cv1 = ::kvr::cluster::v1;
+using ::testing::HasSubstr;
+
+class RecordingSink final : public HandoffSink {
+ public:
+  explicit RecordingSink(std::vector<cv1::HandoffChunk>* chunks, absl::Status finish)
+      : chunks_(chunks), finish_(std::move(finish)) {}
+  bool Write(const cv1::HandoffChunk& chunk) override {
+    chunks_->push_back(chunk);
+    return true;
+  }
+  absl::StatusOr<cv1::HandoffResponse> Finish() override {
+    if (!finish_.ok()) return finish_;
+    cv1::HandoffResponse r;
+    r.set_accepted(true);
+    return r;
+  }
+
+ private:
+  std::vector<cv1::HandoffChunk>* chunks_;
+  absl::Status finish_;
+};
+
+class RecordingOpener final : public HandoffOpener {
+ public:
+  absl::StatusOr<std::unique_ptr<HandoffSink>> Open(const cv1::NodeRef& decode,
+                                                    absl::Time) override {
+    ++opened;
+    return std::make_unique<RecordingSink>(&chunks, finish);
+  }
+  int opened = 0;
+  absl::Status finish;  // what Finish returns
+  std::vector<cv1::HandoffChunk> chunks;
+};
+
+class OneStore final : public StoreClients {
+ public:
+  explicit OneStore(kv_store::KvStoreClient* client) : client_(client) {}
+  absl::StatusOr<kv_store::KvStoreClient*> Get(const cv1::NodeRef&) override { return client_; }
+
+ private:
+  kv_store::KvStoreClient* client_;
+};
+
+class PrefillEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    pool_ = new ThreadPool(2);
+    auto loaded = model::LoadModel(TestModelPath(), {}, pool_);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    loaded_ = new model::LoadedModel(std::move(*loaded));
+    auto registry = retrieval::AllMethods();
+    ASSERT_TRUE(registry.ok());
+    registry_ = new retrieval::MethodRegistry(std::move(*registry));
+  }
+
+  void SetUp() override {
+    kv_store::StoreOptions so;
+    so.pool.capacity_bytes = 256ull << 20;
+    so.pool.try_huge_pages = false;
+    auto fake = kv_store::FakeKvStoreClient::Create(so);
+    ASSERT_TRUE(fake.ok()) << fake.status();
+    store_ = std::move(*fake);
+    stores_ = std::make_unique<OneStore>(store_.get());
+    engine_ =
+        std::make_unique<PrefillEngine>(loaded_->model.get(), &*loaded_->tokenizer, registry_,
+                                        stores_.get(), &opener_, EngineOptions{.chunk_tokens = 64});
+  }
+
+  PrefillJob Job(Prompt prompt, const std::string& method = "clusterkv") {
+    PrefillJob job;
+    job.request_id = "req-1";
+    job.sequence_id = 42;
+    job.model = "smollm2";
+    job.prompt = std::move(prompt);
+    job.sampling.set_max_tokens(8);
+    job.retrieval.set_method(method);
+    job.retrieval.set_budget(16);
+    job.retrieval.set_n_sink(4);
+    job.retrieval.set_local_window(32);
+    job.decode.set_node_id("decode-7");
+    job.store.set_node_id("store-3");
+    job.deadline = absl::Now() + absl::Seconds(60);
+    return job;
+  }
+
+  static std::string Text() {
+    std::string s;
+    for (int i = 0; i < 12; ++i)
+      s += "The quick brown fox jumps over the lazy dog number " + std::to_string(i) + ". ";
+    return s;
+  }
+
+  static inline ThreadPool* pool_ = nullptr;
+  static inline model::LoadedModel* loaded_ = nullptr;
+  static inline retrieval::MethodRegistry* registry_ = nullptr;
+  std::unique_ptr<kv_store::FakeKvStoreClient> store_;
+  std::unique_ptr<OneStore> stores_;
+  RecordingOpener opener_;
+  std::unique_ptr<PrefillEngine> engine_;
+};
+
+TEST_F(PrefillEngineTest, ShipsEveryLayerToStoreAndDecodeNode) {
+  PrefillJob job = Job(TextPrompt{Text()});
+  auto result = engine_->Run(job);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const model::Model& m = *loaded_->model;
+  const model::ModelConfig& c = m.config();
+
+  // Reference: single-process dense prefill (chunked the same way) and greedy first token.
+  auto ids = engine_->Tokenize(job.prompt);
+  ASSERT_TRUE(ids.ok());
+  const int64_t L = static_cast<int64_t>(ids->size());
+  model::KvCache cache = m.NewCache();
+  model::DenseAttention dense(pool_);
+  auto logits = m.Prefill(1, cache, *ids, dense, 64);
+  ASSERT_TRUE(logits.ok());
+  EXPECT_EQ(result->prompt_tokens, L);
+  EXPECT_EQ(result->first_token, model::ArgMax(*logits));
+  EXPECT_EQ(result->finish_reason, kvr::v1::FINISH_REASON_UNSPECIFIED);
+  const uint64_t kv_bytes = uint64_t{2} * L * c.n_kv_heads * c.head_dim * 4 * c.n_layers;
+  EXPECT_EQ(result->kv_bytes_shipped, kv_bytes);
+
+  // D got the header first, then each layer once.
+  ASSERT_EQ(opener_.chunks.size(), static_cast<size_t>(c.n_layers) + 1);
+  ASSERT_TRUE(opener_.chunks[0].has_header());
+  const cv1::HandoffHeader& h = opener_.chunks[0].header();
+  EXPECT_EQ(h.first_token(), static_cast<uint32_t>(result->first_token));
+  EXPECT_EQ(h.prompt_tokens(), L);
+  EXPECT_EQ(h.n_layers(), static_cast<uint32_t>(c.n_layers));
+  EXPECT_EQ(h.sequence_id(), 42u);
+  EXPECT_EQ(h.text_so_far(), result->first_text);
+  const size_t row_bytes = HandoffRowBytes(c);
+  std::vector<bool> seen(c.n_layers, false);
+  for (size_t i = 1; i < opener_.chunks.size(); ++i) {
+    ASSERT_TRUE(opener_.chunks[i].has_layer());
+    const cv1::HandoffLayer& layer = opener_.chunks[i].layer();
+    ASSERT_LT(layer.layer(), static_cast<uint32_t>(c.n_layers));
+    EXPECT_FALSE(seen[layer.layer()]);
+    seen[layer.layer()] = true;
+    ASSERT_EQ(layer.sink_positions_size(), 4);
+    ASSERT_EQ(layer.local_positions_size(), 32);
+    EXPECT_EQ(layer.local_positions(0), L - 32);
+    ASSERT_EQ(layer.sink_kv().size(), 4 * row_bytes);
+    ASSERT_EQ(layer.local_kv().size(), 32 * row_bytes);
+    // Rows equal the dense cache bit for bit ([k | v] per head).
+    const model::KvView view = cache.View(layer.layer());
+    std::string expected;
+    std::vector<int64_t> local(32);
+    for (int j = 0; j < 32; ++j) local[j] = L - 32 + j;
+    PackRows(view, c.n_kv_heads, c.head_dim, local, &expected);
+    EXPECT_EQ(layer.local_kv(), expected) << "layer " << layer.layer();
+    // Summaries are a clusterkv index of all L positions.
+    auto index = retrieval::DeserializeIndex(
+        {reinterpret_cast<const uint8_t*>(layer.summaries().data()), layer.summaries().size()},
+        *registry_, retrieval::IndexParams{});
+    ASSERT_TRUE(index.ok()) << index.status();
+    EXPECT_EQ((*index)->method(), "clusterkv");
+    EXPECT_EQ((*index)->size(), L);
+  }
+
+  // The store holds every row of every layer, equal to the dense cache.
+  auto info = store_->GetSequence(42);
+  ASSERT_TRUE(info.ok()) << info.status();
+  for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
+  const int head = 1, layer = c.n_layers - 1;
+  std::vector<uint8_t> out(L * row_bytes / c.n_kv_heads);
+  kv_store::RangeEntry range{42, static_cast<uint32_t>(layer), head, 0, static_cast<uint64_t>(L)};
+  ASSERT_TRUE(store_->RangeRead(std::span(&range, 1), out).ok());
+  const model::KvView view = cache.View(layer);
+  const float* row5 = reinterpret_cast<const float*>(out.data()) + 5 * 2 * c.head_dim;
+  EXPECT_EQ(std::memcmp(row5, view.k + 5 * view.row_stride + head * c.head_dim, c.head_dim * 4), 0);
+  EXPECT_EQ(std::memcmp(row5 + c.head_dim, view.v + 5 * view.row_stride + head * c.head_dim,
+                        c.head_dim * 4),
+            0);
+}
+
+TEST_F(PrefillEngineTest, FullMethodShipsHeaderOnlySummaries) {
+  auto result = engine_->Run(Job(TextPrompt{"Hello there, how are you today?"}, "full"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_GT(opener_.chunks.size(), 1u);
+  const std::string& bytes = opener_.chunks[1].layer().summaries();
+  auto index = retrieval::DeserializeIndex(
+      {reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}, *registry_, {});
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ((*index)->method(), "full");
+}
+
+TEST_F(PrefillEngineTest, FirstTokenThatEndsTheRequestSendsNoHandoff) {
+  PrefillJob job = Job(TextPrompt{"Hello"});
+  job.sampling.set_max_tokens(1);
+  auto result = engine_->Run(job);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->finish_reason, kvr::v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(opener_.opened, 0);
+  auto stats = store_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sequences, 0u);
+}
+
+TEST_F(PrefillEngineTest, DecodeFailureNamesTheDecodeNodeAndReleasesTheStore) {
+  opener_.finish = absl::UnavailableError("connection refused");
+  auto result = engine_->Run(Job(TextPrompt{"Hello there"}));
+  ASSERT_FALSE(result.ok());
+  EXPECT_TRUE(absl::IsUnavailable(result.status())) << result.status();
+  EXPECT_EQ(PrefillEngine::FailedNodeOf(result.status()), "decode-7");
+  EXPECT_EQ(store_->Stats()->sequences, 0u);
+}
+
+TEST_F(PrefillEngineTest, StoreFailureNamesTheStore) {
+  store_->InjectFailure(absl::UnavailableError("store down"));
+  auto result = engine_->Run(Job(TextPrompt{"Hello there"}));
+  ASSERT_FALSE(result.ok());
+  EXPECT_TRUE(absl::IsUnavailable(result.status())) << result.status();
+  EXPECT_EQ(PrefillEngine::FailedNodeOf(result.status()), "store-3");
+  EXPECT_EQ(opener_.opened, 0);
+}
+
+TEST_F(PrefillEngineTest, BadRequestsAreInvalidArgumentNamingTheField) {
+  auto r = engine_->Run(Job(TextPrompt{""}));
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+  EXPECT_THAT(r.status().message(), HasSubstr("prompt"));
+  r = engine_->Run(Job(TextPrompt{"Hi"}, "no-such-method"));
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+  EXPECT_THAT(r.status().message(), HasSubstr("retrieval.method"));
+  TokenPrompt huge;
+  huge.ids.assign(loaded_->model->config().context_length, 1);
+  r = engine_->Run(Job(huge));
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+  EXPECT_THAT(r.status().message(), HasSubstr("token_ids"));
+  PrefillJob zero = Job(TextPrompt{"Hi"});
+  zero.retrieval.set_budget(0);
+  r = engine_->Run(zero);
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("budget"));
+  EXPECT_EQ(store_->Stats()->sequences, 0u);
+}
+
+TEST_F(PrefillEngineTest, CancelledRequestStopsAndReleasesTheStore) {
+  auto r = engine_->Run(Job(TextPrompt{Text()}), [] { return true; });
+  EXPECT_TRUE(absl::IsCancelled(r.status())) << r.status();
+  EXPECT_EQ(opener_.opened, 0);
+  EXPECT_EQ(store_->Stats()->sequences, 0u);
+  EXPECT_FALSE(engine_->Cancel("unknown-request"));
+}
+
+}  // namespace
+}  // namespace kvr::prefill_node
