@@ -96,6 +96,7 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       {"data_plane_threads", "threads serving UCX data-plane requests"},
       {"sweep_interval_ms", "how often expired leases are swept (with evict_expired)"},
       {"name", "name in logs and peers' error messages"},
+      {"metrics_port", "Prometheus /metrics port (0: any free port, -1: off)"},
   };
   for (Field& f : fields) {
     std::string flag = "--" + f.key;
@@ -161,6 +162,13 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       absl::StatusOr<uint64_t> v = ParseByteSize(*text);
       if (!v.ok()) return fail(absl::InvalidArgumentError(absl::StrCat(k, ": ", v.status().message())));
       (k == "capacity_bytes" ? config.capacity_bytes : config.page_bytes) = *v;
+    } else if (k == "metrics_port") {
+      int64_t port = 0;
+      if (!absl::SimpleAtoi(*text, &port) || port < -1 || port > 65535) {
+        return fail(absl::InvalidArgumentError(absl::StrFormat(
+            "metrics_port: '%s' is not a port, 0 (any free port) or -1 (off)", *text)));
+      }
+      config.metrics_port = port;
     } else if (k == "evict_expired" || k == "huge_pages") {
       absl::StatusOr<bool> v = ParseBool(k, *text);
       if (!v.ok()) return fail(v.status());
@@ -186,6 +194,7 @@ StoreServerOptions StoreConfig::ToServerOptions() const {
   options.store.evict_expired = evict_expired;
   options.data_plane_threads = data_plane_threads;
   options.sweep_interval = absl::Milliseconds(static_cast<int64_t>(sweep_interval_ms));
+  options.metrics_port = static_cast<int>(metrics_port);
   return options;
 }
 
@@ -208,6 +217,7 @@ std::string StoreConfig::Describe() const {
   line("data_plane_threads", absl::StrCat(data_plane_threads));
   line("sweep_interval_ms", absl::StrCat(sweep_interval_ms));
   line("name", name);
+  line("metrics_port", absl::StrCat(metrics_port));
   return out;
 }
 

@@ -10,6 +10,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "kvr/common/metrics.h"
 #include "kvr/common/status.h"
 #include "kvr/transport/ucx.h"
 #include "work_queue.h"
@@ -30,6 +31,10 @@ struct StoreServer::Impl {
   int port = 0;
   absl::Notification stop_sweeper;
   std::thread sweeper;
+  // Metrics: the server's scrape hook reads `store`; Shutdown() stops the server (no scrape
+  // runs after it) before anything else is torn down.
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  std::unique_ptr<metrics::StoreMetrics> store_metrics;
   absl::Mutex shutdown_mu;
   bool shut_down ABSL_GUARDED_BY(shutdown_mu) = false;
 
@@ -37,6 +42,7 @@ struct StoreServer::Impl {
     absl::MutexLock lock(&shutdown_mu);
     if (shut_down) return;
     shut_down = true;
+    if (metrics_server) metrics_server.reset();
     if (grpc_server) grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
     if (worker) worker->Shutdown();
     if (queue) queue->Stop();
@@ -92,6 +98,33 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
         absl::StrFormat("kvr-store: cannot listen for gRPC on '%s'", options.listen));
   }
 
+  if (options.metrics_port >= 0) {
+    const std::string host = options.listen.substr(0, options.listen.rfind(':'));
+    absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
+        metrics::MetricsServer::Start({.host = host.empty() ? "0.0.0.0" : host,
+                                       .port = options.metrics_port,
+                                       .role = "store",
+                                       .node_name = options.name});
+    if (!metrics_server.ok()) {
+      impl->Shutdown();
+      return metrics_server.status();
+    }
+    impl->metrics_server = std::move(*metrics_server);
+    impl->store_metrics = std::make_unique<metrics::StoreMetrics>(impl->metrics_server->registry());
+    impl->metrics_server->AddScrapeHook([raw = impl.get()] {
+      const StoreStats s = raw->store->Stats();
+      raw->store_metrics->Update({.capacity_bytes = s.capacity_bytes,
+                                  .used_bytes = s.used_bytes,
+                                  .total_pages = s.total_pages,
+                                  .free_pages = s.free_pages,
+                                  .sequences = s.sequences,
+                                  .evictions = s.evictions,
+                                  .expired_sequences = s.expired_sequences,
+                                  .bytes_written = s.bytes_written,
+                                  .bytes_read = s.bytes_read});
+    });
+  }
+
   if (options.store.evict_expired) {
     impl->sweeper = std::thread([raw = impl.get(), interval = options.sweep_interval] {
       while (!raw->stop_sweeper.WaitForNotificationWithTimeout(interval)) {
@@ -107,6 +140,10 @@ StoreServer::StoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StoreServer::~StoreServer() { Shutdown(); }
 
 int StoreServer::port() const { return impl_->port; }
+
+int StoreServer::metrics_port() const {
+  return impl_->metrics_server ? impl_->metrics_server->port() : 0;
+}
 
 PagedKvStore& StoreServer::store() { return *impl_->store; }
 

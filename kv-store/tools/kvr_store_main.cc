@@ -35,6 +35,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvr-store: %s\n", std::string(server.status().message()).c_str());
     return 1;
   }
+  if ((*server)->metrics_port() > 0) {
+    std::printf("kvr-store metrics port=%d\n", (*server)->metrics_port());
+  }
   const kvr::kv_store::StoreStats stats = (*server)->store().Stats();
   // Tests and launchers read the port from this line.
   std::printf("kvr-store listening port=%d capacity_bytes=%llu pages=%llu page_backing=%s\n",

@@ -22,6 +22,8 @@ struct StoreConfig {
   uint64_t data_plane_threads = 2;
   uint64_t sweep_interval_ms = 1000;
   std::string name = "kvr-store";
+  // Prometheus /metrics port: 0 any free port (the default, printed at start), -1 off.
+  int64_t metrics_port = 0;
 
   // Where each value came from ("flag", "file", "env" or "default"), in field order.
   std::vector<std::pair<std::string, std::string>> sources;

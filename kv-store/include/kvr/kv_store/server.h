@@ -33,6 +33,9 @@ struct StoreServerOptions {
   // How often expired leases are swept when StoreOptions::evict_expired is set.
   absl::Duration sweep_interval = absl::Seconds(1);
   std::string name = "kvr-store";
+  // Prometheus /metrics port on the host of `listen` (kvr::metrics::StoreMetrics, refreshed from
+  // PagedKvStore::Stats() at every scrape): > 0 that port, 0 any free port, -1 none.
+  int metrics_port = -1;
 };
 
 class StoreServer {
@@ -45,6 +48,8 @@ class StoreServer {
 
   // The bound gRPC port.
   int port() const;
+  // The bound /metrics port; 0 when metrics are off.
+  int metrics_port() const;
   PagedKvStore& store();
   // Idempotent; safe from any thread except gRPC/UCX callbacks.
   void Shutdown();
