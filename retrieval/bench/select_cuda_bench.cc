@@ -3,10 +3,11 @@
 // head_dim 128), for every (context, batch, budget), with the summary bytes each step scans and
 // the achieved GB/s against the H100's measured HBM copy ceiling (3.0 TB/s, DESIGN.md 6).
 //
-//   select_cuda_bench [--methods exact] [--contexts 8192,32768,131072] [--batches 1,4,16]
+//   select_cuda_bench [--methods exact,quest,topk] [--contexts 8192,32768,131072] [--batches
+//   1,4,16]
 //                     [--budgets 256,1024] [--iters 50] [--csv]
 //
-// Data: random keys (pure speed; the selected set does not change the work of `exact`). Sink 16
+// Data: random keys / page bounds (pure speed; the selected set barely changes the work). Sink 16
 // and local window 256 are excluded from the candidates as in a decode step. Timing: CUDA events
 // around `iters` back-to-back launches after 3 warm-up launches; small working sets (8K at batch
 // 1: 16 MiB of keys) stay in the 50 MiB L2, so their GB/s can exceed the HBM ceiling.
@@ -14,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -130,6 +132,94 @@ Row BenchExact(int context, int batch, int budget, int iters, cudaStream_t strea
   return {"exact", context, batch, budget, us, bytes};
 }
 
+// quest: fp32 page bounds [n_pages, n_kv_heads, 2, head_dim] per sequence, page 16.
+Row BenchQuest(int context, int batch, int budget, int iters, cudaStream_t stream) {
+  constexpr int kPage = 16;
+  const int n_pages = context / kPage;
+  const int64_t batch_stride = static_cast<int64_t>(n_pages) * kKvHeads * 2 * kHeadDim;
+  const size_t n_floats = static_cast<size_t>(batch) * batch_stride;
+  auto bounds = Alloc<float>(n_floats);
+  {
+    const size_t block = std::min<size_t>(n_floats, size_t{1} << 22);
+    std::vector<float> host(block);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& h : host) h = nd(rng);
+    BENCH_CHECK(kvr::cuda::CudaStatus(
+        cudaMemcpy(bounds.data(), host.data(), block * 4, cudaMemcpyHostToDevice), "upload"));
+    for (size_t off = block; off < n_floats; off += block) {
+      BENCH_CHECK(kvr::cuda::CudaStatus(
+          cudaMemcpy(bounds.data() + off, bounds.data(), std::min(block, n_floats - off) * 4,
+                     cudaMemcpyDeviceToDevice),
+          "tile"));
+    }
+  }
+  std::vector<float> q(static_cast<size_t>(batch) * kHeads * kHeadDim);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (float& x : q) x = nd(rng);
+  auto d_q = Alloc<float>(q.size());
+  BENCH_CHECK(kvr::cuda::CudaStatus(
+      cudaMemcpy(d_q.data(), q.data(), q.size() * 4, cudaMemcpyHostToDevice), "q"));
+  std::vector<int32_t> begin(batch, kSink), end(batch, context - kLocal);
+  auto d_begin = Alloc<int32_t>(batch), d_end = Alloc<int32_t>(batch);
+  BENCH_CHECK(kvr::cuda::CudaStatus(
+      cudaMemcpy(d_begin.data(), begin.data(), batch * 4, cudaMemcpyHostToDevice), "begin"));
+  BENCH_CHECK(kvr::cuda::CudaStatus(
+      cudaMemcpy(d_end.data(), end.data(), batch * 4, cudaMemcpyHostToDevice), "end"));
+  auto ids = Alloc<int32_t>(static_cast<size_t>(batch) * kKvHeads * budget);
+  auto counts = Alloc<int32_t>(static_cast<size_t>(batch) * kKvHeads);
+  rc::QuestSelectParams p;
+  p.batch = batch;
+  p.n_heads = kHeads;
+  p.n_kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.page_size = kPage;
+  p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+  p.query = d_q.data();
+  p.bounds = bounds.data();
+  p.bounds_batch_stride = batch_stride;
+  p.cand = {d_begin.data(), d_end.data()};
+  p.max_candidates = context - kLocal - kSink;
+  p.out = {budget, ids.data(), counts.data()};
+  auto ws = Alloc<char>(rc::QuestSelectWorkspaceBytes(p));
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.bytes();
+  const double us = TimeUs([&] { return rc::QuestSelect(p, stream); }, iters, stream);
+  // Pages overlapping the candidates, 2 * head_dim fp32 each per KV head.
+  const double pages = (context - kLocal - 1) / kPage - kSink / kPage + 1;
+  const double bytes = static_cast<double>(batch) * kKvHeads * pages * 2 * kHeadDim * 4;
+  return {"quest", context, batch, budget, us, bytes};
+}
+
+// topk: BatchedTopK alone over batch * 8 rows of `context` fp32 scores (the last stage of exact;
+// scores exp(N(0, 2)) like softmax-aggregated scores).
+Row BenchTopK(int context, int batch, int budget, int iters, cudaStream_t stream) {
+  const int rows = batch * kKvHeads;
+  const size_t n = static_cast<size_t>(rows) * context;
+  std::vector<float> host(n);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  for (auto& h : host) h = std::exp(nd(rng));
+  auto scores = Alloc<float>(n);
+  BENCH_CHECK(kvr::cuda::CudaStatus(
+      cudaMemcpy(scores.data(), host.data(), n * 4, cudaMemcpyHostToDevice), "scores"));
+  std::vector<int32_t> n_valid(rows, context);
+  auto d_n = Alloc<int32_t>(rows);
+  BENCH_CHECK(kvr::cuda::CudaStatus(
+      cudaMemcpy(d_n.data(), n_valid.data(), rows * 4, cudaMemcpyHostToDevice), "n"));
+  auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
+  auto counts = Alloc<int32_t>(rows);
+  rc::TopKParams p;
+  p.rows = rows;
+  p.row_stride = context;
+  p.scores = scores.data();
+  p.n_valid = d_n.data();
+  p.out = {budget, ids.data(), counts.data()};
+  const double us = TimeUs([&] { return rc::BatchedTopK(p, stream); }, iters, stream);
+  return {"topk", context, batch, budget, us, static_cast<double>(n) * 4};
+}
+
 std::vector<int> ParseList(const std::string& s) {
   std::vector<int> out;
   size_t pos = 0;
@@ -146,11 +236,11 @@ std::vector<int> ParseList(const std::string& s) {
 
 int main(int argc, char** argv) {
   CLI::App app{"GPU retrieval selection microbenchmark (Llama-3-8B attention shape)"};
-  std::string methods = "exact", contexts = "8192,32768,131072", batches = "1,4,16",
+  std::string methods = "exact,quest,topk", contexts = "8192,32768,131072", batches = "1,4,16",
               budgets = "256,1024";
   int iters = 50;
   bool csv = false;
-  app.add_option("--methods", methods, "comma-separated: exact");
+  app.add_option("--methods", methods, "comma-separated: exact, quest, topk (BatchedTopK alone)");
   app.add_option("--contexts", contexts, "context lengths");
   app.add_option("--batches", batches, "batch sizes (sequences)");
   app.add_option("--budgets", budgets, "tokens per KV head");
@@ -173,12 +263,14 @@ int main(int argc, char** argv) {
     std::printf("%-10s %8s %6s %7s %12s %12s %9s %8s\n", "method", "context", "batch", "budget",
                 "us/layer", "scanned_MiB", "GB/s", "of_HBM");
   }
-  for (const std::string& m : {std::string("exact")}) {
+  for (const std::string& m : {std::string("exact"), std::string("quest"), std::string("topk")}) {
     if (methods.find(m) == std::string::npos) continue;
     for (int context : ParseList(contexts))
       for (int batch : ParseList(batches))
         for (int budget : ParseList(budgets)) {
-          Row r = BenchExact(context, batch, budget, iters, stream->get());
+          Row r = m == "exact"   ? BenchExact(context, batch, budget, iters, stream->get())
+                  : m == "quest" ? BenchQuest(context, batch, budget, iters, stream->get())
+                                 : BenchTopK(context, batch, budget, iters, stream->get());
           const double gbs = r.bytes / (r.us * 1e-6) / 1e9;
           if (csv) {
             std::printf("%s,%d,%d,%d,%.2f,%.2f,%.1f,%.3f\n", r.method.c_str(), r.context, r.batch,

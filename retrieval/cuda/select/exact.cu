@@ -7,7 +7,8 @@
 //     lanes with shuffles. Writes scale * q.k per group head ([rows, group, max_cand]) and, for
 //     kSumSoftmax, each chunk's (max, sum exp) per group head; for the other aggregations it
 //     writes the aggregated score directly.
-//  2. (kSumSoftmax) ExactSoftmaxAggregateKernel: log-sum-exp per group head from the chunk
+//  2. (kSumSoftmax) SoftmaxAggregateKernel (select_common.cuh): log-sum-exp per group head from the
+//  chunk
 //     partials, then score = sum_g exp(logit_g - lse_g) ([rows, max_cand]).
 //  3. BatchedTopK over the scores (topk.cu).
 // Bytes: the keys (n * n_kv_heads * head_dim * dtype) dominate: at 128K, bf16, 8 KV heads that
@@ -24,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/retrieval/cuda/selection.cuh"
+#include "select_common.cuh"
 #include "topk_device.cuh"
 
 namespace kvr::retrieval::cuda {
@@ -32,12 +34,12 @@ absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // to
 
 namespace {
 
-constexpr int kMaxGroup = 8;
+using internal::AlignUp;
+using internal::kMaxGroup;
+using internal::RowLd;
 constexpr int kLogitThreads = 256;
 constexpr int kChunk = 512;  // candidates per CTA of the logits kernel
-constexpr size_t kAlign = 256;
-
-size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+constexpr int kUnroll = 4;   // keys per lane in flight
 
 // Loads 16 bytes of keys as floats.
 template <typename T>
@@ -98,11 +100,13 @@ struct LogitsArgs {
   int32_t* id_offset;  // [rows]
 };
 
-template <typename T, int kHeadDim>
-static __global__ void __launch_bounds__(kLogitThreads) ExactLogitsKernel(LogitsArgs a) {
+// kGroup: compile-time upper bound of the runtime group (4 or 8): the query slices live in
+// kGroup * kVec registers, so a group of 4 (Llama-3) does not pay for 8 (occupancy).
+template <typename T, int kHeadDim, int kGroup>
+static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(LogitsArgs a) {
   constexpr int kVec = Vec16<T>::kN;
   constexpr int kLanes = kHeadDim / kVec;  // lanes per key (8, 16 or 32)
-  static_assert(kLanes <= 32 && 32 % kLanes == 0);
+  static_assert(kLanes <= 32 && 32 % kLanes == 0 && kLanes >= kGroup);
   constexpr int kKeysPerWarp = 32 / kLanes;
   constexpr int kWarps = kLogitThreads / 32;
   const int b = blockIdx.z, h = blockIdx.y, chunk = blockIdx.x;
@@ -118,9 +122,9 @@ static __global__ void __launch_bounds__(kLogitThreads) ExactLogitsKernel(Logits
   const int sub = lane % kLanes;   // which 16-byte slice of the key
   const int slot = lane / kLanes;  // which key of the warp's kKeysPerWarp
   // This lane's slice of every query head of the group.
-  float q[kMaxGroup][kVec];
+  float q[kGroup][kVec];
 #pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
+  for (int g = 0; g < kGroup; ++g) {
     if (g < group) {
       const float* qp =
           a.query +
@@ -137,81 +141,76 @@ static __global__ void __launch_bounds__(kLogitThreads) ExactLogitsKernel(Logits
                                       static_cast<int64_t>(h) * a.keys.head_stride;
   const T* keys = static_cast<const T*>(a.keys.data) + head_base + sub * kVec;
   const bool softmax = a.gqa == GqaAggregation::kSumSoftmax;
-  float run_max[kMaxGroup], run_sum[kMaxGroup];
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    run_max[g] = -INFINITY;
-    run_sum[g] = 0.f;
-  }
+  // Online (max, sum exp) of the logits of query head `sub` (lanes sub < group; every lane of a
+  // key holds every head's dot product after the reduction, so each keeps one head: one exp per
+  // key instead of `group`).
+  float run_max = -INFINITY, run_sum = 0.f;
   const int chunk_begin = chunk * kChunk;
   const int chunk_end = min(n, chunk_begin + kChunk);
-  for (int i0 = chunk_begin + warp * kKeysPerWarp; i0 < chunk_end; i0 += kWarps * kKeysPerWarp) {
-    const int i = i0 + slot;
-    const bool valid = i < chunk_end;
-    float k[kVec];
-    if (valid) {
-      Vec16<T>::Load(keys + static_cast<int64_t>(begin + i) * a.keys.token_stride, k);
-    } else {
+  float* out_row = a.logits + static_cast<int64_t>(row) * (softmax ? group : 1) * a.max_cand;
+  constexpr int kStep = kWarps * kKeysPerWarp * kUnroll;
+  for (int i0 = chunk_begin + warp * kKeysPerWarp * kUnroll; i0 < chunk_end; i0 += kStep) {
+    // All loads first (kUnroll 16-byte loads in flight per lane), then the arithmetic.
+    float k[kUnroll][kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) k[j] = 0.f;
-    }
-    float dot[kMaxGroup];
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * kKeysPerWarp + slot;
+      if (i < chunk_end) {
+        Vec16<T>::Load(keys + static_cast<int64_t>(begin + i) * a.keys.token_stride, k[u]);
+      } else {
 #pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) {
-      float s = 0.f;
-      if (g < group) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) s = fmaf(q[g][j], k[j], s);
-#pragma unroll
-        for (int o = kLanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        for (int j = 0; j < kVec; ++j) k[u][j] = 0.f;
       }
-      dot[g] = s;
     }
-    if (!valid) continue;
-    float* out_row = a.logits + static_cast<int64_t>(row) * (softmax ? group : 1) * a.max_cand;
-    if (softmax) {
-      // Lane `sub == g` writes head g (spreads the stores over the key's lanes).
 #pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * kKeysPerWarp + slot;
+      float dot[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        float s = 0.f;
         if (g < group) {
-          if (sub == g % kLanes) out_row[static_cast<int64_t>(g) * a.max_cand + i] = dot[g];
-          const float m = fmaxf(run_max[g], dot[g]);
-          run_sum[g] = run_sum[g] * __expf(run_max[g] - m) + __expf(dot[g] - m);
-          run_max[g] = m;
-        }
-      }
-    } else if (sub == 0) {
-      float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
 #pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) {
-        if (g < group) agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, dot[g]) : agg + dot[g];
+          for (int j = 0; j < kVec; ++j) s = fmaf(q[g][j], k[u][j], s);
+#pragma unroll
+          for (int o = kLanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        }
+        dot[g] = s;
       }
-      out_row[i] = agg;
+      if (i >= chunk_end) continue;
+      if (softmax) {
+        float mine = 0.f;  // dot[sub] without a run-time register index
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g) mine = (sub == g) ? dot[g] : mine;
+        if (sub < group) {
+          out_row[static_cast<int64_t>(sub) * a.max_cand + i] = mine;
+          if (mine > run_max) {
+            run_sum *= __expf(run_max - mine);
+            run_max = mine;
+          }
+          run_sum += __expf(mine - run_max);
+        }
+      } else if (sub == 0) {
+        float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g) {
+          if (g < group) {
+            agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, dot[g]) : agg + dot[g];
+          }
+        }
+        out_row[i] = agg;
+      }
     }
   }
   if (!softmax || chunk >= a.n_chunks) return;
-  // Chunk partials: combine (max, sum) over the lanes of slot 0 of every warp, then over warps.
-  __shared__ float2 part[kWarps][kMaxGroup];
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    if (g >= group) continue;
-    float m = run_max[g], s = run_sum[g];
-    // Combine the warp's key slots (lanes sub == 0 of each slot hold identical copies per slot).
-#pragma unroll
-    for (int o = kLanes; o < 32; o <<= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-      const float mm = fmaxf(m, m2);
-      s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + s2 * __expf(m2 - mm);
-      m = mm;
-    }
-    if (lane == 0) part[warp][g] = make_float2(m, s);
-  }
+  // Chunk partials: lane (slot, sub = g) of every warp holds head g's (max, sum) of its keys.
+  __shared__ float2 part[kWarps * kKeysPerWarp][kGroup];
+  if (sub < group) part[warp * kKeysPerWarp + slot][sub] = make_float2(run_max, run_sum);
   __syncthreads();
   if (threadIdx.x < group) {
     const int g = threadIdx.x;
     float m = -INFINITY, s = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < kWarps * kKeysPerWarp; ++w) {
       const float2 p = part[w][g];
       const float mm = fmaxf(m, p.x);
       s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + p.y * __expf(p.x - mm);
@@ -221,50 +220,11 @@ static __global__ void __launch_bounds__(kLogitThreads) ExactLogitsKernel(Logits
   }
 }
 
-// score[row, i] = sum_g exp(logit[row, g, i] - lse[row, g]); grid (chunks, n_kv_heads, batch).
-static __global__ void __launch_bounds__(256)
-    ExactSoftmaxAggregateKernel(int n_kv_heads, int group, int max_cand, int n_chunks,
-                                const float* __restrict__ logits,
-                                const float2* __restrict__ partials,
-                                const int32_t* __restrict__ n_valid, float* __restrict__ scores) {
-  const int row = blockIdx.z * n_kv_heads + blockIdx.y;
-  const int n = n_valid[row];
-  const int used_chunks = (n + kChunk - 1) / kChunk;
-  __shared__ float lse[kMaxGroup];
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    for (int g = 0; g < group; ++g) {
-      float m = -INFINITY, s = 0.f;
-      for (int c = lane; c < used_chunks; c += 32) {
-        const float2 p = partials[(static_cast<int64_t>(row) * n_chunks + c) * group + g];
-        const float mm = fmaxf(m, p.x);
-        s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + p.y * __expf(p.x - mm);
-        m = mm;
-      }
-      for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-        const float mm = fmaxf(m, m2);
-        s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + s2 * __expf(m2 - mm);
-        m = mm;
-      }
-      if (lane == 0) lse[g] = m + logf(s);
-    }
-  }
-  __syncthreads();
-  const int i_end = min(n, static_cast<int>(blockIdx.x + 1) * kChunk);
-  const float* l = logits + static_cast<int64_t>(row) * group * max_cand;
-  for (int i = blockIdx.x * kChunk + threadIdx.x; i < i_end; i += blockDim.x) {
-    float s = 0.f;
-    for (int g = 0; g < group; ++g) s += __expf(l[static_cast<int64_t>(g) * max_cand + i] - lse[g]);
-    scores[static_cast<int64_t>(row) * max_cand + i] = s;
-  }
-}
-
 struct Workspace {
   float* logits = nullptr;
   float* scores = nullptr;
   float2* partials = nullptr;
+  float* lse = nullptr;  // [rows, group]
   int32_t* n_valid = nullptr;
   int32_t* id_offset = nullptr;
   size_t bytes = 0;
@@ -282,10 +242,12 @@ Workspace Carve(const ExactSelectParams& p, char* base) {
     off += AlignUp(bytes);
     return ptr;
   };
-  w.scores = reinterpret_cast<float*>(take(rows * p.max_candidates * sizeof(float)));
+  const size_t ld = RowLd(p.max_candidates);
+  w.scores = reinterpret_cast<float*>(take(rows * ld * sizeof(float)));
   if (softmax) {
-    w.logits = reinterpret_cast<float*>(take(rows * group * p.max_candidates * sizeof(float)));
+    w.logits = reinterpret_cast<float*>(take(rows * group * ld * sizeof(float)));
     w.partials = reinterpret_cast<float2*>(take(rows * n_chunks * group * sizeof(float2)));
+    w.lse = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
   }
   w.n_valid = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
   w.id_offset = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
@@ -295,7 +257,11 @@ Workspace Carve(const ExactSelectParams& p, char* base) {
 
 template <typename T, int kHeadDim>
 void LaunchLogits(const LogitsArgs& a, dim3 grid, cudaStream_t stream) {
-  ExactLogitsKernel<T, kHeadDim><<<grid, kLogitThreads, 0, stream>>>(a);
+  if (a.group <= 4) {
+    ExactLogitsKernel<T, kHeadDim, 4><<<grid, kLogitThreads, 0, stream>>>(a);
+  } else {
+    ExactLogitsKernel<T, kHeadDim, kMaxGroup><<<grid, kLogitThreads, 0, stream>>>(a);
+  }
 }
 
 }  // namespace
@@ -351,7 +317,7 @@ absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
                p.query,
                p.keys,
                p.cand,
-               p.max_candidates,
+               RowLd(p.max_candidates),
                softmax ? w.logits : w.scores,
                w.partials,
                n_chunks,
@@ -377,13 +343,19 @@ absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
   }
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (softmax) {
-    ExactSoftmaxAggregateKernel<<<grid, 256, 0, stream>>>(
-        p.n_kv_heads, group, p.max_candidates, n_chunks, w.logits, w.partials, w.n_valid, w.scores);
+    const int rows = p.batch * p.n_kv_heads;
+    internal::LseKernel<<<rows, 32 * group, 0, stream>>>(group, kChunk, n_chunks, w.partials,
+                                                         w.n_valid, w.lse);
+    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    const int max_items = p.max_candidates;
+    const dim3 agg_grid(std::max(1, (max_items + 1023) / 1024), p.n_kv_heads, p.batch);
+    internal::SoftmaxAggregateKernel<<<agg_grid, 256, 0, stream>>>(
+        p.n_kv_heads, group, RowLd(p.max_candidates), w.logits, w.lse, w.n_valid, w.scores);
     KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   TopKParams t;
   t.rows = p.batch * p.n_kv_heads;
-  t.row_stride = p.max_candidates;
+  t.row_stride = RowLd(p.max_candidates);
   t.scores = w.scores;
   t.n_valid = w.n_valid;
   t.id_offset = w.id_offset;

@@ -16,6 +16,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvr/common/cuda/cuda_util.h"
@@ -91,7 +92,8 @@ TEST_F(SelectTest, BatchedTopKMatchesCpuWithTiesAndNaN) {
   for (int budget : {1, 16, 255, 1024, 4096}) {
     for (int ties : {0, 1, 2}) {  // 0: random floats; 1: 5 distinct values; 2: all equal
       const int rows = static_cast<int>(lengths.size());
-      const int64_t stride = 70000;
+      // An odd row stride exercises the unaligned (scalar load) path.
+      const int64_t stride = budget == 255 ? 70001 : 70000;
       std::vector<float> scores(rows * stride, 0.f);
       std::vector<int32_t> n_valid(rows), offset(rows);
       std::uniform_real_distribution<float> u(-3.f, 3.f);
@@ -362,6 +364,131 @@ INSTANTIATE_TEST_SUITE_P(
                       ExactCase{KeyDType::kF16, 64, 8, 8, GqaAggregation::kSumLogit},
                       ExactCase{KeyDType::kBf16, 128, 32, 4, GqaAggregation::kMaxLogit}),
     [](const ::testing::TestParamInfo<ExactCase>& i) { return Name(i.param); });
+
+// quest: the CPU QuestIndex on the same keys; the GPU gets the same page bounds (min / max are
+// exact in any order). Page bounds are sums in a different order on each side, so a near-tie
+// between two pages may resolve differently: require identical counts, identical sets on nearly
+// every row and >= 0.97 token overlap overall.
+TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
+  for (const auto& [hd, nh, nkv, gqa] : {std::tuple{128, 32, 8, GqaAggregation::kSumSoftmax},
+                                         std::tuple{64, 9, 3, GqaAggregation::kSumSoftmax},
+                                         std::tuple{64, 8, 4, GqaAggregation::kMaxLogit}}) {
+    const int group = nh / nkv, ps = 16;
+    const std::vector<int> ctx = {30, 2000, 9000};
+    const int batch = static_cast<int>(ctx.size());
+    const int max_ctx = 9000;
+    const int max_pages = (max_ctx + ps - 1) / ps;
+    std::mt19937 rng(5 + hd + nh);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> topics(32 * hd);
+    for (float& x : topics) x = nd(rng);
+    const int64_t page_floats = static_cast<int64_t>(nkv) * 2 * hd;
+    const int64_t batch_stride = max_pages * page_floats;
+    std::vector<float> bounds(batch * batch_stride, 0.f);
+    std::vector<std::vector<float>> keys(batch);  // [ctx, nkv, hd] token-major per sequence
+    for (int b = 0; b < batch; ++b) {
+      keys[b].resize(static_cast<size_t>(ctx[b]) * nkv * hd);
+      for (int t = 0; t < ctx[b]; ++t)
+        for (int h = 0; h < nkv; ++h) {
+          const int topic = (t / 40 + h * 7 + b) % 32;
+          for (int d = 0; d < hd; ++d) {
+            const float v = topics[topic * hd + d] + 0.7f * nd(rng);
+            keys[b][(static_cast<size_t>(t) * nkv + h) * hd + d] = v;
+            float* mn = &bounds[b * batch_stride + (t / ps) * page_floats + h * 2 * hd];
+            const bool fresh = t % ps == 0;
+            mn[d] = fresh ? v : std::min(mn[d], v);
+            mn[hd + d] = fresh ? v : std::max(mn[hd + d], v);
+          }
+        }
+    }
+    std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
+    for (float& x : query) x = 1.5f * nd(rng);
+    std::vector<int32_t> begin(batch), end(batch);
+    int max_cand = 0;
+    for (int b = 0; b < batch; ++b) {
+      begin[b] = std::min(16, ctx[b]);
+      end[b] = std::max(begin[b], ctx[b] - 64 + 3);  // not page-aligned on purpose
+      max_cand = std::max(max_cand, end[b] - begin[b]);
+    }
+    auto d_bounds = Upload(bounds);
+    auto d_query = Upload(query);
+    auto d_begin = Upload(begin);
+    auto d_end = Upload(end);
+    MethodRegistry registry;
+    ASSERT_OK(RegisterCoreMethods(registry));
+    IndexShape shape;
+    shape.n_heads = nh;
+    shape.n_kv_heads = nkv;
+    shape.head_dim = hd;
+    IndexParams params;
+    params.gqa = gqa;
+    params.quest.page_size = ps;
+    for (int budget : {1, 40, 256, 1024}) {
+      QuestSelectParams p;
+      p.batch = batch;
+      p.n_heads = nh;
+      p.n_kv_heads = nkv;
+      p.head_dim = hd;
+      p.page_size = ps;
+      p.scale = 1.f / std::sqrt(static_cast<float>(hd));
+      p.gqa = gqa;
+      p.query = d_query.data();
+      p.bounds = d_bounds.data();
+      p.bounds_batch_stride = batch_stride;
+      p.cand = {d_begin.data(), d_end.data()};
+      p.max_candidates = max_cand;
+      auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
+      auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
+      p.out = {budget, nullptr, nullptr};
+      auto ws = DeviceBuffer<char>::Create(QuestSelectWorkspaceBytes(p));
+      ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
+      ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
+      ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
+      ASSERT_EQ(cudaMemset(ws->data(), 0xff, ws->bytes()), cudaSuccess);
+      p.out = {budget, ids->data(), counts->data()};
+      p.workspace = ws->data();
+      p.workspace_bytes = ws->bytes();
+      ASSERT_OK(QuestSelect(p, nullptr));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto h_ids = Download(*ids, batch * nkv * budget);
+      const auto h_counts = Download(*counts, batch * nkv);
+      int rows = 0, identical = 0;
+      double overlap = 0, total = 0;
+      for (int b = 0; b < batch; ++b) {
+        auto index = registry.Make("quest", shape, params);
+        ASSERT_TRUE(index.ok()) << index.status();
+        BuildInput in;
+        in.keys = {keys[b].data(), ctx[b], static_cast<int64_t>(nkv) * hd};
+        ASSERT_OK((*index)->Build(in));
+        SelectRequest req;
+        req.query = query.data() + static_cast<size_t>(b) * nh * hd;
+        req.budget = budget;
+        req.n_sink = begin[b];
+        req.local_begin = end[b];
+        Selection sel;
+        ASSERT_OK((*index)->Select(req, &sel));
+        for (int h = 0; h < nkv; ++h) {
+          const std::string where = "quest d" + std::to_string(hd) + " group " +
+                                    std::to_string(group) + " budget " + std::to_string(budget) +
+                                    " seq " + std::to_string(b) + " head " + std::to_string(h);
+          const int row = b * nkv + h;
+          ASSERT_NE(h_counts[row], kPoison) << where;
+          const auto got = CheckRow(h_ids.data() + static_cast<size_t>(row) * budget, h_counts[row],
+                                    budget, begin[b], end[b], where);
+          const auto& want = sel.per_head[h];
+          ASSERT_EQ(got.size(), want.size()) << where;
+          ++rows;
+          identical += got == want;
+          std::set<int64_t> w(want.begin(), want.end());
+          for (int64_t t : got) overlap += w.count(t);
+          total += want.size();
+        }
+      }
+      EXPECT_GE(identical, rows * 9 / 10) << "budget " << budget;
+      EXPECT_GE(overlap, 0.97 * total) << "budget " << budget;
+    }
+  }
+}
 
 TEST_F(SelectTest, ExactSelectRejectsBadShapes) {
   ExactSelectParams p;

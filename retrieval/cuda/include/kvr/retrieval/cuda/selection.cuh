@@ -23,13 +23,14 @@
 // Accumulation is fp32 everywhere.
 //
 // CPU references (parity tests in retrieval/cuda/select/tests): `exact` and `quest` of
-// retrieval/src/baselines.cc, `clusterkv` of retrieval/src/clusterkv.cc.
+// retrieval/src/baselines.cc.
 //
 // Microbenchmark (built here, run on the device machine by scripts/device/kernels-select.sh and
 // by the kernels-attend device script):
-//   select_cuda_bench [--methods exact,quest,clusterkv] [--contexts 8192,32768,131072]
+//   select_cuda_bench [--methods exact,quest] [--contexts 8192,32768,131072]
 //                     [--batches 1,4,16] [--budgets 256,1024] [--iters 50] [--csv]
-// Llama-3-8B attention shape (32 q / 8 kv heads, d = 128, bf16 keys for exact). Prints one line
+// Llama-3-8B attention shape (32 q / 8 kv heads, d = 128, bf16 keys for exact, fp32 page
+// bounds for quest). Prints one line
 // per (method, context, batch, budget): us per layer, summary bytes scanned, GB/s and the
 // fraction of the 3.0 TB/s HBM ceiling (DESIGN.md 6); --csv prints the same as CSV.
 
@@ -109,5 +110,33 @@ struct ExactSelectParams {
 };
 [[nodiscard]] size_t ExactSelectWorkspaceBytes(const ExactSelectParams& p);
 [[nodiscard]] absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// quest: per page of `page_size` tokens and KV head the per-channel min and max key (fp32). Pages
+// are ranked by the GQA-aggregated upper bound scale * sum_d max(q_d min_d, q_d max_d) and their
+// candidate tokens taken in rank order until the budget; the last page is trimmed to its first
+// tokens (exactly the CPU QuestIndex, baselines.cc).
+// Bounds of sequence b: bounds + b * bounds_batch_stride, laid out [n_pages, n_kv_heads, 2,
+// head_dim] (min then max): the CPU index's payload array as is. Page p covers tokens
+// [p * page_size, (p + 1) * page_size).
+struct QuestSelectParams {
+  int batch = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;  // 64 or 128
+  int page_size = 16;
+  float scale = 0.f;
+  GqaAggregation gqa = GqaAggregation::kSumSoftmax;
+  const float* query = nullptr;     // device [batch, n_heads, head_dim] fp32
+  const float* bounds = nullptr;    // device, see above
+  int64_t bounds_batch_stride = 0;  // floats
+  CandidateRanges cand;
+  int max_candidates = 0;  // >= cand_end[b] - cand_begin[b] for every b
+  SelectionOutput out;     // ceil(budget / page_size) + 2 must be <= 1024
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+[[nodiscard]] size_t QuestSelectWorkspaceBytes(const QuestSelectParams& p);
+[[nodiscard]] absl::Status QuestSelect(const QuestSelectParams& p, cudaStream_t stream);
 
 }  // namespace kvr::retrieval::cuda

@@ -1,0 +1,359 @@
+// quest: page-bound scoring, top pages, and expansion of the pages to token ids.
+//
+// Kernels (grid z = sequence, y = KV head):
+//  1. QuestBoundsKernel: one warp per page (kChunk pages per CTA); lane l holds head_dim / 32
+//     channels of min and max (coalesced 16- or 8-byte loads) and of every query head of the
+//     group; bound_g = scale * sum_d max(q_d min_d, q_d max_d), reduced over the warp. Writes
+//     per-head bounds + chunk (max, sum exp) partials for kSumSoftmax, else the aggregate.
+//  2. (kSumSoftmax) SoftmaxAggregateKernel (select_common.cuh).
+//  3. Top-(ceil(budget / page_size) + 2) pages per row with the batched top-k (ascending pages):
+//     at most two pages (the first and the last candidate page) are partial, so these always
+//     hold the budget.
+//  4. QuestExpandKernel: ranks the chosen pages by (score desc, page asc) as the CPU's
+//     TopKIndices, walks them in rank order to find how many tokens each contributes (the last
+//     one trimmed to its first tokens) and writes the tokens in ascending order.
+// Bytes: the fp32 bounds, 2 * head_dim * 4 / page_size bytes per token and KV head (64 B at
+// d = 128, page 16: a quarter of bf16 K), read once.
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/status.h"
+#include "kvr/retrieval/cuda/selection.cuh"
+#include "select_common.cuh"
+#include "topk_device.cuh"
+
+namespace kvr::retrieval::cuda {
+
+absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // topk.cu
+
+namespace {
+
+using internal::AlignUp;
+using internal::kMaxGroup;
+using internal::RowLd;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 256;      // pages per CTA of the bounds kernel
+constexpr int kMaxPages = 1024;  // pages chosen per row (ceil(budget / page_size) + 2)
+
+struct BoundsArgs {
+  int n_kv_heads, group, page_size;
+  float scale;
+  GqaAggregation gqa;
+  const float* query;
+  const float* bounds;
+  int64_t batch_stride;
+  CandidateRanges cand;
+  int ld;            // row length of logits / scores
+  float* logits;     // kSumSoftmax: [rows, group, ld]; else aggregated [rows, ld]
+  float2* partials;  // [rows, n_chunks, group]
+  int n_chunks;
+  int32_t* n_pages;     // [rows]
+  int32_t* first_page;  // [rows]
+};
+
+template <int kHeadDim>
+static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs a) {
+  constexpr int kDpl = kHeadDim / 32;  // channels per lane: 2 or 4
+  const int b = blockIdx.z, h = blockIdx.y, chunk = blockIdx.x;
+  const int row = b * a.n_kv_heads + h;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int cb = a.cand.begin[b], ce = a.cand.end[b];
+  const int first = cb / a.page_size;
+  const int n = ce > cb ? (ce - 1) / a.page_size + 1 - first : 0;
+  if (chunk == 0 && threadIdx.x == 0) {
+    a.n_pages[row] = n;
+    a.first_page[row] = first;
+  }
+  const int group = a.group;
+  float q[kMaxGroup][kDpl];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g < group) {
+      const float* qp = a.query + (static_cast<int64_t>(row) * group + g) * kHeadDim + lane * kDpl;
+#pragma unroll
+      for (int j = 0; j < kDpl; ++j) q[g][j] = qp[j];
+    }
+  }
+  const bool softmax = a.gqa == GqaAggregation::kSumSoftmax;
+  float* out_row = a.logits + static_cast<int64_t>(row) * (softmax ? group : 1) * a.ld;
+  float run_max = -INFINITY, run_sum = 0.f;  // head `lane` (lanes < group)
+  const int p_end = min(n, (chunk + 1) * kChunk);
+  const float* base = a.bounds + b * a.batch_stride + static_cast<int64_t>(h) * 2 * kHeadDim;
+  const int64_t page_floats = static_cast<int64_t>(a.n_kv_heads) * 2 * kHeadDim;
+  for (int p = chunk * kChunk + warp; p < p_end; p += kWarps) {
+    const float* mn = base + (first + p) * page_floats + lane * kDpl;
+    const float* mx = mn + kHeadDim;
+    float lo[kDpl], hi[kDpl];
+    if constexpr (kDpl == 4) {
+      const float4 l4 = __ldg(reinterpret_cast<const float4*>(mn));
+      const float4 h4 = __ldg(reinterpret_cast<const float4*>(mx));
+      lo[0] = l4.x, lo[1] = l4.y, lo[2] = l4.z, lo[3] = l4.w;
+      hi[0] = h4.x, hi[1] = h4.y, hi[2] = h4.z, hi[3] = h4.w;
+    } else {
+      const float2 l2 = __ldg(reinterpret_cast<const float2*>(mn));
+      const float2 h2 = __ldg(reinterpret_cast<const float2*>(mx));
+      lo[0] = l2.x, lo[1] = l2.y;
+      hi[0] = h2.x, hi[1] = h2.y;
+    }
+    float bound[kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      float s = 0.f;
+      if (g < group) {
+#pragma unroll
+        for (int j = 0; j < kDpl; ++j) s += fmaxf(q[g][j] * lo[j], q[g][j] * hi[j]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      }
+      bound[g] = a.scale * s;
+    }
+    if (softmax) {
+      float mine = 0.f;
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) mine = (lane == g) ? bound[g] : mine;
+      if (lane < group) {
+        out_row[static_cast<int64_t>(lane) * a.ld + p] = mine;
+        if (mine > run_max) {
+          run_sum *= __expf(run_max - mine);
+          run_max = mine;
+        }
+        run_sum += __expf(mine - run_max);
+      }
+    } else if (lane == 0) {
+      float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < group) {
+          agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, bound[g]) : agg + bound[g];
+        }
+      }
+      out_row[p] = agg;
+    }
+  }
+  if (!softmax) return;
+  __shared__ float2 part[kWarps][kMaxGroup];
+  if (lane < group) part[warp][lane] = make_float2(run_max, run_sum);
+  __syncthreads();
+  if (threadIdx.x < group) {
+    const int g = threadIdx.x;
+    float m = -INFINITY, s = 0.f;
+    for (int w = 0; w < kWarps; ++w) internal::MergeMaxSum(m, s, part[w][g].x, part[w][g].y);
+    a.partials[(static_cast<int64_t>(row) * a.n_chunks + chunk) * group + g] = make_float2(m, s);
+  }
+}
+
+// One CTA per row: pages[row, 0 .. page_count[row]) (ascending page indices relative to
+// first_page) -> token ids.
+static __global__ void __launch_bounds__(kThreads)
+    QuestExpandKernel(int page_size, int ld, int max_pages, const float* __restrict__ scores,
+                      const int32_t* __restrict__ pages, const int32_t* __restrict__ page_count,
+                      const int32_t* __restrict__ first_page, CandidateRanges cand, int n_kv_heads,
+                      int budget, int32_t* __restrict__ ids, int32_t* __restrict__ counts) {
+  const int row = blockIdx.x;
+  const int b = row / n_kv_heads;
+  const int np = page_count[row];
+  const int cb = cand.begin[b], ce = cand.end[b];
+  const int first = first_page[row];
+  __shared__ float s_score[kMaxPages];
+  __shared__ int s_page[kMaxPages];
+  __shared__ int s_rank_len[kMaxPages];  // tokens of the page at rank r
+  __shared__ int s_take[kMaxPages];      // tokens taken from the page at (ascending) slot i
+  __shared__ int s_rank[kMaxPages];
+  for (int i = threadIdx.x; i < np; i += kThreads) {
+    const int p = pages[static_cast<int64_t>(row) * max_pages + i];
+    s_page[i] = p;
+    s_score[i] = scores[static_cast<int64_t>(row) * ld + p];
+  }
+  __syncthreads();
+  // Rank by (score desc, page asc): pages are ascending, so a lower slot is a lower page.
+  for (int i = threadIdx.x; i < np; i += kThreads) {
+    const float si = s_score[i];
+    int r = 0;
+    for (int j = 0; j < np; ++j) {
+      const float sj = s_score[j];
+      r += (sj > si) || (sj == si && j < i);
+    }
+    s_rank[i] = r;
+    const int page = first + s_page[i];
+    const int lo = max(cb, page * page_size), hi = min(ce, (page + 1) * page_size);
+    s_rank_len[r] = hi - lo;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // walk in rank order (np <= 1024, cheap)
+    int total = 0;
+    for (int r = 0; r < np; ++r) {
+      const int t = min(s_rank_len[r], budget - total);
+      s_rank_len[r] = max(t, 0);
+      total += s_rank_len[r];
+    }
+    counts[row] = total;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < np; i += kThreads) s_take[i] = s_rank_len[s_rank[i]];
+  __syncthreads();
+  if (threadIdx.x == 0) {  // exclusive prefix over ascending slots
+    int off = 0;
+    for (int i = 0; i < np; ++i) {
+      const int t = s_take[i];
+      s_take[i] = off;
+      off += t;
+    }
+  }
+  __syncthreads();
+  int32_t* out = ids + static_cast<int64_t>(row) * budget;
+  for (int i = threadIdx.x; i < np; i += kThreads) {
+    const int page = first + s_page[i];
+    const int lo = max(cb, page * page_size);
+    const int take = s_rank_len[s_rank[i]];
+    for (int t = 0; t < take; ++t) out[s_take[i] + t] = lo + t;
+  }
+  const int total = counts[row];
+  for (int j = total + threadIdx.x; j < budget; j += kThreads) out[j] = -1;
+}
+
+struct Workspace {
+  float* logits = nullptr;
+  float* scores = nullptr;
+  float2* partials = nullptr;
+  float* lse = nullptr;  // [rows, group]
+  int32_t* n_pages = nullptr;
+  int32_t* first_page = nullptr;
+  int32_t* pages = nullptr;
+  int32_t* page_count = nullptr;
+  size_t bytes = 0;
+};
+
+int MaxPages(const QuestSelectParams& p) {
+  return p.page_size > 0 ? p.max_candidates / p.page_size + 2 : 0;
+}
+int PagesToPick(const QuestSelectParams& p) {
+  return p.page_size > 0 ? (p.out.budget + p.page_size - 1) / p.page_size + 2 : 0;
+}
+
+Workspace Carve(const QuestSelectParams& p, char* base) {
+  const size_t rows = static_cast<size_t>(p.batch) * p.n_kv_heads;
+  const int group = p.n_kv_heads > 0 ? p.n_heads / p.n_kv_heads : 0;
+  const size_t ld = RowLd(MaxPages(p));
+  const size_t n_chunks = (static_cast<size_t>(MaxPages(p)) + kChunk - 1) / kChunk;
+  Workspace w;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    char* ptr = base != nullptr ? base + off : nullptr;
+    off += AlignUp(bytes);
+    return ptr;
+  };
+  w.scores = reinterpret_cast<float*>(take(rows * ld * sizeof(float)));
+  if (p.gqa == GqaAggregation::kSumSoftmax) {
+    w.logits = reinterpret_cast<float*>(take(rows * group * ld * sizeof(float)));
+    w.partials = reinterpret_cast<float2*>(take(rows * n_chunks * group * sizeof(float2)));
+    w.lse = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
+  }
+  w.n_pages = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.first_page = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.pages = reinterpret_cast<int32_t*>(take(rows * PagesToPick(p) * sizeof(int32_t)));
+  w.page_count = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.bytes = off;
+  return w;
+}
+
+}  // namespace
+
+size_t QuestSelectWorkspaceBytes(const QuestSelectParams& p) { return Carve(p, nullptr).bytes; }
+
+absl::Status QuestSelect(const QuestSelectParams& p, cudaStream_t stream) {
+  if (p.batch < 0 || p.n_kv_heads <= 0 || p.n_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||
+      p.n_heads / p.n_kv_heads > kMaxGroup) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuestSelect: need n_heads a multiple of n_kv_heads with a group of at most ",
+                     kMaxGroup, "; got n_heads ", p.n_heads, ", n_kv_heads ", p.n_kv_heads));
+  }
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuestSelect: head_dim must be 64 or 128, got ", p.head_dim));
+  }
+  if (p.page_size < 1 || p.out.budget < 1 || p.out.budget > kMaxBudget ||
+      PagesToPick(p) > kMaxPages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuestSelect: need page_size >= 1, budget in [1, ", kMaxBudget,
+                     "] and ceil(budget / page_size) + 2 <= ", kMaxPages, "; got page_size ",
+                     p.page_size, ", budget ", p.out.budget));
+  }
+  if (p.max_candidates < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuestSelect: max_candidates ", p.max_candidates));
+  }
+  if (p.batch == 0) return absl::OkStatus();
+  if (p.query == nullptr || p.bounds == nullptr || p.cand.begin == nullptr ||
+      p.cand.end == nullptr || p.out.ids == nullptr || p.out.counts == nullptr) {
+    return absl::InvalidArgumentError("QuestSelect: null query, bounds, candidates or output");
+  }
+  if (reinterpret_cast<uintptr_t>(p.bounds) % 16 != 0 || p.bounds_batch_stride % 4 != 0) {
+    return absl::InvalidArgumentError(
+        "QuestSelect: bounds and bounds_batch_stride must be 16-byte aligned");
+  }
+  Workspace w = Carve(p, static_cast<char*>(p.workspace));
+  if (p.workspace == nullptr || p.workspace_bytes < w.bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuestSelect: workspace of ", p.workspace_bytes, " bytes, need ", w.bytes));
+  }
+  const int group = p.n_heads / p.n_kv_heads;
+  const int max_pages = MaxPages(p);
+  const int ld = RowLd(max_pages);
+  const int n_chunks = std::max(1, (max_pages + kChunk - 1) / kChunk);
+  const bool softmax = p.gqa == GqaAggregation::kSumSoftmax;
+  BoundsArgs a{p.n_kv_heads,
+               group,
+               p.page_size,
+               p.scale,
+               p.gqa,
+               p.query,
+               p.bounds,
+               p.bounds_batch_stride,
+               p.cand,
+               ld,
+               softmax ? w.logits : w.scores,
+               w.partials,
+               n_chunks,
+               w.n_pages,
+               w.first_page};
+  const dim3 grid(n_chunks, p.n_kv_heads, p.batch);
+  if (p.head_dim == 64) {
+    QuestBoundsKernel<64><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    QuestBoundsKernel<128><<<grid, kThreads, 0, stream>>>(a);
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (softmax) {
+    const int rows = p.batch * p.n_kv_heads;
+    internal::LseKernel<<<rows, 32 * group, 0, stream>>>(group, kChunk, n_chunks, w.partials,
+                                                         w.n_pages, w.lse);
+    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    const int max_items = max_pages;
+    const dim3 agg_grid(std::max(1, (max_items + 1023) / 1024), p.n_kv_heads, p.batch);
+    internal::SoftmaxAggregateKernel<<<agg_grid, 256, 0, stream>>>(
+        p.n_kv_heads, group, ld, w.logits, w.lse, w.n_pages, w.scores);
+    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  const int pick = PagesToPick(p);
+  TopKParams t;
+  t.rows = p.batch * p.n_kv_heads;
+  t.row_stride = ld;
+  t.scores = w.scores;
+  t.n_valid = w.n_pages;
+  t.id_offset = nullptr;
+  t.out = {pick, w.pages, w.page_count};
+  KVR_RETURN_IF_ERROR(LaunchBatchedTopK(t, stream));
+  QuestExpandKernel<<<t.rows, kThreads, 0, stream>>>(
+      p.page_size, ld, pick, w.scores, w.pages, w.page_count, w.first_page, p.cand, p.n_kv_heads,
+      p.out.budget, p.out.ids, p.out.counts);
+  return kvr::cuda::LastLaunchStatus("QuestExpandKernel");
+}
+
+}  // namespace kvr::retrieval::cuda

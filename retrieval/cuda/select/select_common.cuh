@@ -1,0 +1,76 @@
+#pragma once
+// Pieces shared by the selectors' .cu files (private to kvr::retrieval_cuda_select).
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+namespace kvr::retrieval::cuda::internal {
+
+inline constexpr int kMaxGroup = 8;  // query heads per KV head
+inline constexpr size_t kAlign = 256;
+
+inline size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+// Row length of fp32 scratch rows: a multiple of 4 so that every row is 16-byte aligned (the
+// top-k reads rows with float4 loads).
+inline int RowLd(int n) { return (n + 3) / 4 * 4; }
+
+// (max, sum exp) pairs combined: the log-sum-exp merge of two partial softmax denominators.
+__device__ __forceinline__ void MergeMaxSum(float& m, float& s, float m2, float s2) {
+  const float mm = fmaxf(m, m2);
+  s = (mm == -INFINITY) ? 0.f : s * __expf(m - mm) + s2 * __expf(m2 - mm);
+  m = mm;
+}
+
+// kSumSoftmax, step 1: lse[row, g] from the per-chunk (max, sum exp) partials
+// [rows, n_chunks, group] of a scoring kernel (chunks of `chunk` items, n_valid[row] items).
+// Grid (rows), one warp per group head (blockDim = 32 * group).
+static __global__ void LseKernel(int group, int chunk, int n_chunks,
+                                 const float2* __restrict__ partials,
+                                 const int32_t* __restrict__ n_valid, float* __restrict__ lse) {
+  const int row = blockIdx.x;
+  const int g = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (g >= group) return;
+  const int used_chunks = (n_valid[row] + chunk - 1) / chunk;
+  float m = -INFINITY, s = 0.f;
+  for (int c = lane; c < used_chunks; c += 32) {
+    const float2 p = partials[(static_cast<int64_t>(row) * n_chunks + c) * group + g];
+    MergeMaxSum(m, s, p.x, p.y);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    MergeMaxSum(m, s, m2, s2);
+  }
+  if (lane == 0) lse[static_cast<int64_t>(row) * group + g] = m + logf(s);
+}
+
+// kSumSoftmax, step 2: score[row, i] = sum_g exp(logit[row, g, i] - lse[row, g]).
+// Grid (ceil(max items / 1024), n_kv_heads, batch), 256 threads.
+static __global__ void __launch_bounds__(256)
+    SoftmaxAggregateKernel(int n_kv_heads, int group, int ld, const float* __restrict__ logits,
+                           const float* __restrict__ lse, const int32_t* __restrict__ n_valid,
+                           float* __restrict__ scores) {
+  const int row = blockIdx.z * n_kv_heads + blockIdx.y;
+  const int n = n_valid[row];
+  constexpr int kPerBlock = 1024;
+  float l_row[8];
+#pragma unroll
+  for (int g = 0; g < 8; ++g)
+    l_row[g] = g < group ? lse[static_cast<int64_t>(row) * group + g] : 0.f;
+  const int i_end = min(n, static_cast<int>(blockIdx.x + 1) * kPerBlock);
+  const float* l = logits + static_cast<int64_t>(row) * group * ld;
+  for (int i = blockIdx.x * kPerBlock + threadIdx.x; i < i_end; i += blockDim.x) {
+    float s = 0.f;
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      if (g < group) s += __expf(l[static_cast<int64_t>(g) * ld + i] - l_row[g]);
+    }
+    scores[static_cast<int64_t>(row) * ld + i] = s;
+  }
+}
+
+}  // namespace kvr::retrieval::cuda::internal
