@@ -1,0 +1,54 @@
+#pragma once
+// Configuration of kvr-decode from flags, a YAML file (--config) and KVR_DECODE_* environment
+// variables, with precedence flag > file > env > default (CONVENTIONS.md 11; the pattern of
+// controller/src/config.cc). Each setting has one name in three spellings: flag
+// --batch-slots, YAML key batch_slots, environment variable KVR_DECODE_BATCH_SLOTS.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvr::decode {
+
+struct DecodeConfig {
+  std::string model = "smollm2-135m-instruct";  // path or known name (model/loader.h)
+  std::string model_name;  // name the model is served under; empty: from `model`
+  std::string controller = "127.0.0.1:50051";  // the controller's gRPC address
+  std::string listen = "127.0.0.1:0";          // gRPC listen address (port 0: any free port)
+  std::string advertise_host;  // host other nodes reach this one at; empty: the listen host
+  std::string name = "kvr-decode";
+  uint32_t batch_slots = 8;
+  uint32_t max_waiting = 64;
+  int64_t hot_cache_bytes = 256ll << 20;
+  int64_t memory_bytes = 4ll << 30;
+  uint32_t threads = 0;  // compute threads; 0: all cores
+  std::string log_level = "info";
+};
+
+struct DecodeConfigField {
+  std::string name;
+  std::string help;
+  std::function<absl::Status(DecodeConfig&, const std::string&)> set;
+  std::function<std::string(const DecodeConfig&)> get;
+};
+const std::vector<DecodeConfigField>& DecodeConfigFields();
+
+using DecodeConfigValues = std::map<std::string, std::string>;
+
+// INVALID_ARGUMENT names the setting and the source of a bad value, or an unknown file key.
+[[nodiscard]] absl::StatusOr<DecodeConfig> ResolveDecodeConfig(
+    const DecodeConfigValues& flags, const std::optional<std::string>& config_file,
+    const std::function<std::optional<std::string>(const std::string&)>& getenv);
+
+// The served model name: model_name, else `model` when it is a name, else the file stem.
+std::string ServedModelName(const DecodeConfig& config);
+
+// The effective configuration, one `name: value` per line (valid YAML).
+std::string FormatDecodeConfig(const DecodeConfig& config);
+
+}  // namespace kvr::decode

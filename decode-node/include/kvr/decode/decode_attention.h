@@ -1,0 +1,152 @@
+#pragma once
+// DecodeAttention: the decode node's `kvr::model::Attention`. Each sequence keeps only its
+// sink rows and local window resident (a windowed KvCache, model/kv_cache.h) plus one
+// retrieval index per layer; the rest of its KV lives in the KV store.
+//
+// Per layer, for the whole batch (one Attend call):
+//   1. rows that slid out of each sequence's local window are appended to its index
+//      (incremental summaries), so the index covers [0, local_begin);
+//   2. per sequence and KV head, Select top-`budget` (GQA: the whole query group) among the
+//      positions that are neither sink nor local (`full`: every such position);
+//   3. the selected (sequence, layer, head, position) rows are looked up in the hot cache; ALL
+//      misses of all sequences and heads go into ONE StartGather per store;
+//   4. attention = one softmax over sink ∪ local ∪ selected, computed as two partials (resident
+//      rows, selected rows) merged by log-sum-exp (retrieval/partial_attention.h).
+// It also keeps each step's new K/V rows, which StartOffload appends to the store.
+//
+// Same computation as kvr::retrieval::SparseAttention (single process), with the KV split
+// between resident rows and the store: with `full` the result equals dense attention up to
+// float rounding.
+//
+// Thread safety: one thread (the decode loop) calls everything.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "kvr/decode/hot_cache.h"
+#include "kvr/decode/observer.h"
+#include "kvr/kv_store/client.h"
+#include "kvr/model/attention.h"
+#include "kvr/model/kv_cache.h"
+#include "kvr/retrieval/index.h"
+
+namespace kvr::decode {
+
+// Per-sequence retrieval counters (they go into Completion.retrieval).
+struct RetrievalCounters {
+  int64_t selected_rows = 0;  // rows selected (all layers, heads and steps)
+  int64_t rows_fetched = 0;   // rows pulled from the store
+  int64_t bytes_fetched = 0;
+  int64_t hot_cache_hits = 0;
+  int64_t hot_cache_misses = 0;
+  int64_t rows_offloaded = 0;  // generated rows appended to the store (per layer and head)
+
+  void Add(const RetrievalCounters& o);
+};
+
+// Node-wide counters.
+struct NodeCounters {
+  RetrievalCounters retrieval;
+  int64_t gathers = 0;       // StartGather calls
+  int64_t attend_calls = 0;  // Attend calls (one per step and layer)
+};
+
+struct DecodeSequenceSetup {
+  std::string method;
+  int64_t budget = 0;
+  int64_t n_sink = 0;
+  int64_t local_window = 0;
+  // One index per layer, covering [0, prompt_tokens). A null entry selects every
+  // non-resident position (`full` without summaries).
+  std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;
+  kv_store::KvStoreClient* store = nullptr;  // not owned; outlives the sequence
+  kv_store::SequenceId store_sequence = 0;
+  model::KvCache* cache = nullptr;  // windowed; not owned; drained of its evicted rows
+};
+
+struct DecodeAttentionOptions {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int64_t hot_cache_bytes = 64 << 20;
+};
+
+class DecodeAttention final : public model::Attention {
+ public:
+  // `observer` may be null; it must outlive this object.
+  DecodeAttention(DecodeAttentionOptions options, DecodeObserver* observer);
+  ~DecodeAttention() override;
+
+  // InvalidArgument when the setup does not fit the model (layers, cache shape) or the id is
+  // taken.
+  [[nodiscard]] absl::Status AddSequence(model::SequenceId id, DecodeSequenceSetup setup);
+
+  [[nodiscard]] absl::Status Attend(const model::AttentionShape& shape,
+                                    std::span<const model::AttentionRequest> batch) override;
+
+  // Appends the rows of the last step's new tokens (every sequence of the step, every layer)
+  // to their stores, asynchronously. FinishOffload waits for them; call it before the next
+  // step (the store appends at its end, so a layer's puts must not overlap) and before a
+  // sequence is released in the store.
+  // StartOffload first waits for the previous step's puts (FinishOffload).
+  void StartOffload();
+  [[nodiscard]] absl::Status FinishOffload();
+  // Sequences whose puts failed since the last call (the engine ends them with the error).
+  absl::flat_hash_map<model::SequenceId, absl::Status> TakeOffloadFailures();
+
+  // Drops the sequence's indexes, pending rows and hot-cache rows (does not touch the store).
+  void Release(model::SequenceId id) override;
+
+  bool Has(model::SequenceId id) const { return sequences_.contains(id); }
+  RetrievalCounters counters(model::SequenceId id) const;
+  const NodeCounters& node_counters() const { return node_; }
+  // Summary bytes held for the sequence / for every sequence.
+  int64_t SummaryBytes(model::SequenceId id) const;
+  int64_t TotalSummaryBytes() const;
+  const HotCache& hot_cache() const { return hot_cache_; }
+
+ private:
+  struct Sequence {
+    DecodeSequenceSetup setup;
+    RetrievalCounters counters;
+    // The step's new rows: [n_layers, n_kv_heads, head_dim] each, valid when has_new_rows.
+    std::vector<float> new_k, new_v;
+    std::vector<bool> has_new_rows;  // [n_layers]
+  };
+  // Per (request, KV head) work of one Attend call.
+  struct HeadWork {
+    size_t request = 0;
+    int head = 0;
+    std::vector<int64_t> positions;  // selected, ascending
+    size_t rows_offset = 0;          // into rows_ (floats)
+  };
+  struct PendingPut {
+    model::SequenceId sequence = 0;
+    std::unique_ptr<kv_store::KvStoreOp> op;
+    std::vector<float> k, v;  // the op's buffers
+  };
+
+  [[nodiscard]] absl::Status Prepare(const model::AttentionShape& shape,
+                                     const model::AttentionRequest& request, size_t index);
+
+  DecodeAttentionOptions options_;
+  DecodeObserver* observer_;
+  HotCache hot_cache_;
+  absl::flat_hash_map<model::SequenceId, Sequence> sequences_;
+  NodeCounters node_;
+  std::vector<PendingPut> pending_;
+  absl::flat_hash_map<model::SequenceId, absl::Status> offload_failures_;
+  // Scratch reused across calls.
+  retrieval::Selection selection_;
+  std::vector<HeadWork> work_;
+  std::vector<float> rows_;  // [selected rows, 2 * head_dim]: the selected rows of every HeadWork
+  std::vector<float> scores_;
+  std::vector<float> partial_out_;
+};
+
+}  // namespace kvr::decode

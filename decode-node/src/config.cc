@@ -1,0 +1,150 @@
+#include "kvr/decode/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvr::decode {
+namespace {
+
+absl::Status BadValue(const std::string& value, const char* what) {
+  return absl::InvalidArgumentError(absl::StrCat("'", value, "' is not ", what));
+}
+
+DecodeConfigField StringField(std::string name, std::string help, std::string DecodeConfig::*member,
+                              bool allow_empty = false) {
+  return {std::move(name), std::move(help),
+          [member, allow_empty](DecodeConfig& c, const std::string& v) {
+            if (v.empty() && !allow_empty) return absl::InvalidArgumentError("empty");
+            c.*member = v;
+            return absl::OkStatus();
+          },
+          [member](const DecodeConfig& c) { return c.*member; }};
+}
+
+template <typename T>
+DecodeConfigField IntField(std::string name, std::string help, T DecodeConfig::*member,
+                           bool allow_zero) {
+  return {std::move(name), std::move(help),
+          [member, allow_zero](DecodeConfig& c, const std::string& v) {
+            T x;
+            if (!absl::SimpleAtoi(v, &x) || x < 0 || (x == 0 && !allow_zero)) {
+              return BadValue(v, allow_zero ? "a non-negative integer" : "a positive integer");
+            }
+            c.*member = x;
+            return absl::OkStatus();
+          },
+          [member](const DecodeConfig& c) { return absl::StrCat(c.*member); }};
+}
+
+}  // namespace
+
+const std::vector<DecodeConfigField>& DecodeConfigFields() {
+  // Immutable after construction: a constant, not mutable global state.
+  static const std::vector<DecodeConfigField>* const fields = new std::vector<DecodeConfigField>{
+      StringField("model", "model path (.gguf, HF dir) or known name", &DecodeConfig::model),
+      StringField("model_name", "name the model is served under (default: from model)",
+                  &DecodeConfig::model_name, /*allow_empty=*/true),
+      StringField("controller", "controller gRPC address host:port", &DecodeConfig::controller),
+      StringField("listen", "gRPC listen address host:port (port 0: any free port)",
+                  &DecodeConfig::listen),
+      StringField("advertise_host", "host other nodes use to reach this one (default: listen host)",
+                  &DecodeConfig::advertise_host, /*allow_empty=*/true),
+      StringField("name", "node name in the controller's logs", &DecodeConfig::name),
+      IntField("batch_slots", "most sequences in the running batch", &DecodeConfig::batch_slots,
+               false),
+      IntField("max_waiting", "most sequences waiting for a slot", &DecodeConfig::max_waiting,
+               true),
+      IntField("hot_cache_bytes", "bytes of fetched KV rows kept for later steps (0: off)",
+               &DecodeConfig::hot_cache_bytes, true),
+      IntField("memory_bytes", "memory offered for summaries and resident KV",
+               &DecodeConfig::memory_bytes, false),
+      IntField("threads", "compute threads (0: all cores)", &DecodeConfig::threads, true),
+      {"log_level", "trace, debug, info, warn, error",
+       [](DecodeConfig& c, const std::string& v) {
+         for (const char* level : {"trace", "debug", "info", "warn", "error"}) {
+           if (v == level) {
+             c.log_level = v;
+             return absl::OkStatus();
+           }
+         }
+         return BadValue(v, "one of trace, debug, info, warn, error");
+       },
+       [](const DecodeConfig& c) { return c.log_level; }},
+  };
+  return *fields;
+}
+
+absl::StatusOr<DecodeConfig> ResolveDecodeConfig(
+    const DecodeConfigValues& flags, const std::optional<std::string>& config_file,
+    const std::function<std::optional<std::string>(const std::string&)>& getenv) {
+  DecodeConfigValues file;
+  if (config_file) {
+    YAML::Node root;
+    try {
+      root = YAML::LoadFile(*config_file);
+    } catch (const YAML::Exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat("config file ", *config_file, ": ", e.what()));
+    }
+    if (!root.IsNull() && !root.IsMap()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config file ", *config_file, ": expected a map of setting: value"));
+    }
+    for (const auto& kv : root) {
+      const std::string key = kv.first.as<std::string>();
+      bool known = false;
+      for (const DecodeConfigField& f : DecodeConfigFields()) known |= f.name == key;
+      if (!known || !kv.second.IsScalar()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config file ", *config_file, ": ",
+                         known ? "expected a scalar for " : "unknown setting ", "'", key, "'"));
+      }
+      file[key] = kv.second.as<std::string>();
+    }
+  }
+  DecodeConfig config;
+  for (const DecodeConfigField& f : DecodeConfigFields()) {
+    std::optional<std::string> value;
+    std::string source;
+    const std::string env_name = absl::StrCat("KVR_DECODE_", absl::AsciiStrToUpper(f.name));
+    if (auto it = flags.find(f.name); it != flags.end()) {
+      value = it->second;
+      source = "flag --" + f.name;
+      std::replace(source.begin(), source.end(), '_', '-');
+    } else if (auto it = file.find(f.name); it != file.end()) {
+      value = it->second;
+      source = absl::StrCat("config file ", *config_file);
+    } else if (std::optional<std::string> env = getenv(env_name)) {
+      value = *env;
+      source = "environment " + env_name;
+    }
+    if (!value) continue;
+    if (absl::Status s = f.set(config, *value); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(f.name, " (", source, "): ", s.message()));
+    }
+  }
+  return config;
+}
+
+std::string ServedModelName(const DecodeConfig& config) {
+  if (!config.model_name.empty()) return config.model_name;
+  if (config.model.find('/') == std::string::npos) return config.model;
+  std::filesystem::path p(config.model);
+  if (p.filename().empty()) p = p.parent_path();
+  return p.stem().string();
+}
+
+std::string FormatDecodeConfig(const DecodeConfig& config) {
+  std::string out;
+  for (const DecodeConfigField& f : DecodeConfigFields()) {
+    absl::StrAppend(&out, f.name, ": ", f.get(config), "\n");
+  }
+  return out;
+}
+
+}  // namespace kvr::decode

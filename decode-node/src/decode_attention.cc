@@ -1,0 +1,391 @@
+#include "kvr/decode/decode_attention.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvr/common/status.h"
+#include "kvr/retrieval/partial_attention.h"
+
+namespace kvr::decode {
+
+using model::AttentionRequest;
+using model::AttentionShape;
+
+void RetrievalCounters::Add(const RetrievalCounters& o) {
+  selected_rows += o.selected_rows;
+  rows_fetched += o.rows_fetched;
+  bytes_fetched += o.bytes_fetched;
+  hot_cache_hits += o.hot_cache_hits;
+  hot_cache_misses += o.hot_cache_misses;
+  rows_offloaded += o.rows_offloaded;
+}
+
+DecodeAttention::DecodeAttention(DecodeAttentionOptions options, DecodeObserver* observer)
+    : options_(options), observer_(observer), hot_cache_(options.hot_cache_bytes) {}
+
+DecodeAttention::~DecodeAttention() { FinishOffload().IgnoreError(); }
+
+absl::Status DecodeAttention::AddSequence(model::SequenceId id, DecodeSequenceSetup setup) {
+  if (sequences_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("DecodeAttention: sequence ", id, " exists"));
+  }
+  if (static_cast<int>(setup.indexes.size()) != options_.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("DecodeAttention: sequence ", id, " has ",
+                                                   setup.indexes.size(), " indexes for ",
+                                                   options_.n_layers, " layers"));
+  }
+  if (setup.cache == nullptr || !setup.cache->windowed() ||
+      setup.cache->n_layers() != options_.n_layers ||
+      setup.cache->n_kv_heads() != options_.n_kv_heads ||
+      setup.cache->head_dim() != options_.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DecodeAttention: sequence ", id, " needs a windowed KvCache shaped for the model"));
+  }
+  if (setup.cache->n_sink() != setup.n_sink || setup.cache->local_window() != setup.local_window) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DecodeAttention: sequence ", id, ": the cache's sink/window (", setup.cache->n_sink(), "/",
+        setup.cache->local_window(), ") differ from the retrieval params (", setup.n_sink, "/",
+        setup.local_window, ")"));
+  }
+  if (setup.store == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("DecodeAttention: sequence ", id, ": no store"));
+  }
+  if (setup.budget <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: sequence ", id, ": budget must be > 0"));
+  }
+  Sequence seq;
+  seq.setup = std::move(setup);
+  const size_t floats = static_cast<size_t>(options_.n_layers) * options_.n_kv_heads *
+                        static_cast<size_t>(options_.head_dim);
+  seq.new_k.resize(floats);
+  seq.new_v.resize(floats);
+  seq.has_new_rows.assign(options_.n_layers, false);
+  sequences_.emplace(id, std::move(seq));
+  if (observer_ != nullptr) observer_->OnSummaryBytes(TotalSummaryBytes());
+  return absl::OkStatus();
+}
+
+absl::Status DecodeAttention::Prepare(const AttentionShape& shape, const AttentionRequest& r,
+                                      size_t request_index) {
+  auto it = sequences_.find(r.sequence);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("DecodeAttention: unknown sequence ", r.sequence));
+  }
+  Sequence& seq = it->second;
+  const DecodeSequenceSetup& setup = seq.setup;
+  if (r.n_queries != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: sequence ", r.sequence, " brings ", r.n_queries,
+                     " queries; a decode node runs one token per sequence and step"));
+  }
+  if (r.layer < 0 || r.layer >= options_.n_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: layer ", r.layer, " outside [0, ", options_.n_layers, ")"));
+  }
+  const int64_t p = r.first_position;
+  const model::KvView& kv = r.kv;
+  if (kv.n_rows == 0 || static_cast<int64_t>(kv.positions.size()) != kv.n_rows ||
+      kv.positions.back() != p) {
+    return absl::InternalError(absl::StrCat("DecodeAttention: sequence ", r.sequence, " layer ",
+                                            r.layer,
+                                            ": the resident rows do not end at the "
+                                            "query's position ",
+                                            p));
+  }
+  const int hd = shape.head_dim;
+  const int64_t row = int64_t{shape.n_kv_heads} * hd;
+
+  // 1. Rows that left the local window join the index (those it does not cover yet).
+  retrieval::RetrievalIndex* index = setup.indexes[r.layer].get();
+  const model::KvView ev = setup.cache->Evicted(r.layer);
+  if (index != nullptr && ev.n_rows > 0) {
+    int64_t begin = 0;
+    while (begin < ev.n_rows && ev.positions[begin] < index->size()) ++begin;
+    if (begin < ev.n_rows) {
+      if (ev.positions[begin] != index->size() ||
+          ev.positions[ev.n_rows - 1] != index->size() + (ev.n_rows - begin) - 1) {
+        return absl::InternalError(
+            absl::StrCat("DecodeAttention: sequence ", r.sequence, " layer ", r.layer,
+                         ": rows leaving the "
+                         "window start at position ",
+                         ev.positions[begin], " but the index covers [0, ", index->size(), ")"));
+      }
+      retrieval::AppendInput in;
+      in.keys = {ev.k + begin * ev.row_stride, ev.n_rows - begin, ev.row_stride};
+      KVR_RETURN_IF_ERROR(index->Append(in));
+    }
+  }
+  setup.cache->ClearEvicted(r.layer);
+
+  // 2. Keep the new token's rows for the store.
+  std::memcpy(seq.new_k.data() + r.layer * row, kv.k + (kv.n_rows - 1) * kv.row_stride,
+              row * sizeof(float));
+  std::memcpy(seq.new_v.data() + r.layer * row, kv.v + (kv.n_rows - 1) * kv.row_stride,
+              row * sizeof(float));
+  seq.has_new_rows[r.layer] = true;
+
+  // 3. Selection among the positions that are neither sink nor local.
+  const int64_t n_sink = std::min(setup.n_sink, p + 1);
+  const int64_t local_begin = std::max(n_sink, p + 1 - setup.local_window);
+  if (kv.n_rows != n_sink + (p + 1 - local_begin)) {
+    return absl::InternalError(absl::StrCat("DecodeAttention: sequence ", r.sequence, " layer ",
+                                            r.layer, " holds ", kv.n_rows,
+                                            " resident rows at position ", p, ", expected ", n_sink,
+                                            " sink + ", p + 1 - local_begin, " local"));
+  }
+  if (index != nullptr) {
+    retrieval::SelectRequest sel;
+    sel.query = r.q;
+    sel.query_position = p;
+    sel.budget = setup.budget;
+    sel.n_sink = n_sink;
+    sel.local_begin = local_begin;
+    KVR_RETURN_IF_ERROR(index->Select(sel, &selection_));
+    if (static_cast<int>(selection_.per_head.size()) != shape.n_kv_heads) {
+      return absl::InternalError(absl::StrCat("DecodeAttention: method ", setup.method,
+                                              " returned ", selection_.per_head.size(),
+                                              " KV heads, expected ", shape.n_kv_heads));
+    }
+  } else {
+    selection_.per_head.resize(shape.n_kv_heads);
+    for (auto& ids : selection_.per_head) {
+      ids.resize(static_cast<size_t>(local_begin - n_sink));
+      std::iota(ids.begin(), ids.end(), n_sink);
+    }
+  }
+  for (int kvh = 0; kvh < shape.n_kv_heads; ++kvh) {
+    std::vector<int64_t>& ids = selection_.per_head[kvh];
+    for (int64_t id : ids) {
+      if (id < n_sink || id >= local_begin) {
+        return absl::InternalError(
+            absl::StrCat("DecodeAttention: method ", setup.method, " selected position ", id,
+                         " outside the candidates [", n_sink, ", ", local_begin, ")"));
+      }
+    }
+    seq.counters.selected_rows += static_cast<int64_t>(ids.size());
+    node_.retrieval.selected_rows += static_cast<int64_t>(ids.size());
+    HeadWork& w = work_.emplace_back();
+    w.request = request_index;
+    w.head = kvh;
+    w.positions.swap(ids);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeAttention::Attend(const AttentionShape& shape,
+                                     std::span<const AttentionRequest> batch) {
+  if (shape.n_kv_heads != options_.n_kv_heads || shape.head_dim != options_.head_dim ||
+      shape.n_heads % shape.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: shape heads ", shape.n_heads, "/", shape.n_kv_heads,
+                     " head_dim ", shape.head_dim, " does not match the node's model"));
+  }
+  ++node_.attend_calls;
+  const int hd = shape.head_dim;
+  const int64_t row_floats = 2 * int64_t{hd};  // one store row [k | v]
+  const int64_t row_bytes = row_floats * static_cast<int64_t>(sizeof(float));
+  work_.clear();
+  for (size_t i = 0; i < batch.size(); ++i) KVR_RETURN_IF_ERROR(Prepare(shape, batch[i], i));
+  size_t total = 0;
+  for (HeadWork& w : work_) {
+    w.rows_offset = total;
+    total += w.positions.size() * static_cast<size_t>(row_floats);
+  }
+  rows_.resize(total);
+
+  // Hot cache first; the misses of every sequence and head go into one gather per store.
+  struct StoreBatch {
+    std::vector<kv_store::GatherEntry> entries;
+    std::vector<std::vector<uint32_t>> indices;
+    std::vector<std::pair<size_t, std::vector<size_t>>> slots;  // (work, selected slots)
+    std::vector<uint8_t> out;
+    std::unique_ptr<kv_store::KvStoreOp> op;
+  };
+  absl::flat_hash_map<kv_store::KvStoreClient*, StoreBatch> stores;
+  int64_t hits = 0, misses = 0;
+  for (size_t wi = 0; wi < work_.size(); ++wi) {
+    HeadWork& w = work_[wi];
+    const AttentionRequest& r = batch[w.request];
+    Sequence& seq = sequences_.at(r.sequence);
+    std::vector<uint32_t> miss_positions;
+    std::vector<size_t> miss_slots;
+    for (size_t j = 0; j < w.positions.size(); ++j) {
+      const RowKey key{r.sequence, static_cast<uint32_t>(r.layer), static_cast<uint32_t>(w.head),
+                       w.positions[j]};
+      if (const float* cached = hot_cache_.Find(key)) {
+        std::memcpy(rows_.data() + w.rows_offset + j * row_floats, cached, row_bytes);
+        ++seq.counters.hot_cache_hits;
+        ++hits;
+      } else {
+        miss_positions.push_back(static_cast<uint32_t>(w.positions[j]));
+        miss_slots.push_back(j);
+        ++seq.counters.hot_cache_misses;
+        ++misses;
+      }
+    }
+    if (miss_positions.empty()) continue;
+    StoreBatch& sb = stores[seq.setup.store];
+    sb.indices.push_back(std::move(miss_positions));
+    sb.slots.emplace_back(wi, std::move(miss_slots));
+    sb.entries.push_back({seq.setup.store_sequence,
+                          static_cast<uint32_t>(r.layer),
+                          static_cast<uint32_t>(w.head),
+                          {}});
+  }
+  node_.retrieval.hot_cache_hits += hits;
+  node_.retrieval.hot_cache_misses += misses;
+  if (observer_ != nullptr) observer_->OnHotCache(hits, misses);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& [store, sb] : stores) {
+    for (size_t e = 0; e < sb.entries.size(); ++e) sb.entries[e].indices = sb.indices[e];
+    sb.out.resize(kv_store::GatherBytes(sb.entries, static_cast<size_t>(row_bytes)));
+    sb.op = store->StartGather(sb.entries, sb.out);
+    ++node_.gathers;
+  }
+  absl::Status failed;
+  for (auto& [store, sb] : stores) {
+    absl::StatusOr<uint64_t> got = sb.op->Wait();
+    if (!got.ok() && failed.ok()) {
+      failed = absl::Status(got.status().code(),
+                            absl::StrCat("gather of ", sb.out.size() / row_bytes,
+                                         " rows from the KV store: ", got.status().message()));
+    }
+  }
+  KVR_RETURN_IF_ERROR(failed);
+  for (auto& [store, sb] : stores) {
+    const float* src = reinterpret_cast<const float*>(sb.out.data());
+    for (size_t e = 0; e < sb.slots.size(); ++e) {
+      HeadWork& w = work_[sb.slots[e].first];
+      const AttentionRequest& r = batch[w.request];
+      Sequence& seq = sequences_.at(r.sequence);
+      for (size_t j : sb.slots[e].second) {
+        std::memcpy(rows_.data() + w.rows_offset + j * row_floats, src, row_bytes);
+        hot_cache_.Insert({r.sequence, static_cast<uint32_t>(r.layer),
+                           static_cast<uint32_t>(w.head), w.positions[j]},
+                          src, row_floats);
+        src += row_floats;
+        ++seq.counters.rows_fetched;
+        seq.counters.bytes_fetched += row_bytes;
+        ++node_.retrieval.rows_fetched;
+        node_.retrieval.bytes_fetched += row_bytes;
+      }
+    }
+    if (observer_ != nullptr) {
+      observer_->OnFetch(
+          {std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+           static_cast<int64_t>(sb.out.size()) / row_bytes, static_cast<int64_t>(sb.out.size())});
+    }
+  }
+
+  // One softmax over resident ∪ selected, as two partials merged by log-sum-exp.
+  const int group = shape.n_heads / shape.n_kv_heads;
+  partial_out_.resize(hd);
+  for (const HeadWork& w : work_) {
+    const AttentionRequest& r = batch[w.request];
+    const size_t need =
+        std::max<size_t>({static_cast<size_t>(r.kv.n_rows), w.positions.size(), size_t{1}});
+    if (scores_.size() < need) scores_.resize(need);
+    for (int g = 0; g < group; ++g) {
+      const int h = w.head * group + g;
+      retrieval::PartialAttentionInput in;
+      in.q = r.q + static_cast<int64_t>(h) * hd;
+      in.keys = r.kv.k + static_cast<int64_t>(w.head) * hd;
+      in.values = r.kv.v + static_cast<int64_t>(w.head) * hd;
+      in.row_stride = r.kv.row_stride;
+      in.n_rows = r.kv.n_rows;
+      in.head_dim = hd;
+      in.scale = shape.scale;
+      float* out = r.out + static_cast<int64_t>(h) * hd;
+      float lse = retrieval::AttendPartial(in, out, scores_);
+      if (w.positions.empty()) continue;
+      in.keys = rows_.data() + w.rows_offset;
+      in.values = in.keys + hd;
+      in.row_stride = row_floats;
+      in.n_rows = static_cast<int64_t>(w.positions.size());
+      const float lse_b = retrieval::AttendPartial(in, partial_out_.data(), scores_);
+      retrieval::MergeAttentionPartial(out, &lse, partial_out_.data(), lse_b, hd);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void DecodeAttention::StartOffload() {
+  FinishOffload().IgnoreError();  // callers that care call FinishOffload first
+  const int64_t row = int64_t{options_.n_kv_heads} * options_.head_dim;
+  for (auto& [id, seq] : sequences_) {
+    for (int layer = 0; layer < options_.n_layers; ++layer) {
+      if (!seq.has_new_rows[layer]) continue;
+      seq.has_new_rows[layer] = false;
+      PendingPut& put = pending_.emplace_back();
+      put.sequence = id;
+      put.k.assign(seq.new_k.begin() + layer * row, seq.new_k.begin() + (layer + 1) * row);
+      put.v.assign(seq.new_v.begin() + layer * row, seq.new_v.begin() + (layer + 1) * row);
+      kv_store::LayerRows rows;
+      rows.sequence = seq.setup.store_sequence;
+      rows.layer = static_cast<uint32_t>(layer);
+      rows.start_row = kv_store::LayerRows::kAtEnd;
+      rows.n_rows = 1;
+      rows.k = {reinterpret_cast<const uint8_t*>(put.k.data()), put.k.size() * sizeof(float)};
+      rows.v = {reinterpret_cast<const uint8_t*>(put.v.data()), put.v.size() * sizeof(float)};
+      put.op = seq.setup.store->StartPutLayer(rows);
+      seq.counters.rows_offloaded += options_.n_kv_heads;
+      node_.retrieval.rows_offloaded += options_.n_kv_heads;
+    }
+  }
+}
+
+absl::Status DecodeAttention::FinishOffload() {
+  absl::Status first;
+  for (PendingPut& put : pending_) {
+    absl::StatusOr<uint64_t> done = put.op->Wait();
+    if (!done.ok()) {
+      offload_failures_[put.sequence] = done.status();
+      if (first.ok()) {
+        first =
+            absl::Status(done.status().code(),
+                         absl::StrCat("append of sequence ", put.sequence,
+                                      "'s new rows to the KV store: ", done.status().message()));
+      }
+    }
+  }
+  pending_.clear();
+  return first;
+}
+
+absl::flat_hash_map<model::SequenceId, absl::Status> DecodeAttention::TakeOffloadFailures() {
+  return std::exchange(offload_failures_, {});
+}
+
+void DecodeAttention::Release(model::SequenceId id) {
+  if (sequences_.erase(id) == 0) return;
+  hot_cache_.DropSequence(id);
+  if (observer_ != nullptr) observer_->OnSummaryBytes(TotalSummaryBytes());
+}
+
+RetrievalCounters DecodeAttention::counters(model::SequenceId id) const {
+  auto it = sequences_.find(id);
+  return it == sequences_.end() ? RetrievalCounters{} : it->second.counters;
+}
+
+int64_t DecodeAttention::SummaryBytes(model::SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return 0;
+  int64_t bytes = 0;
+  for (const auto& index : it->second.setup.indexes) {
+    if (index) bytes += index->MemoryBytes();
+  }
+  return bytes;
+}
+
+int64_t DecodeAttention::TotalSummaryBytes() const {
+  int64_t bytes = 0;
+  for (const auto& [id, seq] : sequences_) bytes += SummaryBytes(id);
+  return bytes;
+}
+
+}  // namespace kvr::decode

@@ -1,0 +1,96 @@
+#include "kvr/decode/local_handoff.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kvr/common/status.h"
+
+namespace kvr::decode {
+
+absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model::KvCache& cache,
+                                         const retrieval::MethodRegistry& registry,
+                                         kv_store::KvStoreClient& store,
+                                         const LocalHandoffOptions& o) {
+  const model::ModelConfig& c = model.config();
+  const int64_t L = cache.n_tokens();
+  if (L <= 0 || cache.windowed()) {
+    return absl::InvalidArgumentError("MakeLocalHandoff: needs a dense cache after prefill");
+  }
+  const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
+                                      static_cast<uint32_t>(c.n_kv_heads),
+                                      static_cast<uint32_t>(c.head_dim), kv_store::DType::kF32};
+  KVR_RETURN_IF_ERROR(store
+                          .CreateSequence(o.sequence_id, shape,
+                                          static_cast<uint64_t>(L) + o.sampling.max_tokens,
+                                          absl::ZeroDuration())
+                          .status());
+  Handoff h;
+  h.request_id = absl::StrCat("local-", o.sequence_id);
+  h.sequence_id = o.sequence_id;
+  h.sampling = o.sampling;
+  h.method = o.method;
+  h.budget = o.params.budget;
+  h.n_sink = o.params.n_sink;
+  h.local_window = o.params.local_window;
+  h.options = o.params.options;
+  h.store = &store;
+  h.prompt_tokens = L;
+  h.first_token = o.first_token;
+  const int64_t row = int64_t{c.n_kv_heads} * c.head_dim;
+  const int64_t n_sink = std::min(o.params.n_sink, L);
+  const int64_t n_local = std::min(o.params.local_window, L - n_sink);
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    const model::KvView kv = cache.View(layer);
+    // Rows to the store, packed [L, n_kv_heads, head_dim] for K and for V.
+    std::vector<float> k(L * row), v(L * row);
+    for (int64_t t = 0; t < L; ++t) {
+      std::memcpy(&k[t * row], kv.k + t * kv.row_stride, row * sizeof(float));
+      std::memcpy(&v[t * row], kv.v + t * kv.row_stride, row * sizeof(float));
+    }
+    kv_store::LayerRows rows;
+    rows.sequence = o.sequence_id;
+    rows.layer = static_cast<uint32_t>(layer);
+    rows.start_row = 0;
+    rows.n_rows = static_cast<uint32_t>(L);
+    rows.k = {reinterpret_cast<const uint8_t*>(k.data()), k.size() * sizeof(float)};
+    rows.v = {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float)};
+    KVR_RETURN_IF_ERROR(store.PutLayer(rows).status());
+
+    HandoffLayerData& out = h.layers.emplace_back();
+    out.layer = layer;
+    if (!(o.method == "full" && o.empty_full_summaries)) {
+      retrieval::IndexShape ishape;
+      ishape.n_heads = c.n_heads;
+      ishape.n_kv_heads = c.n_kv_heads;
+      ishape.head_dim = c.head_dim;
+      ishape.layer = layer;
+      ishape.n_layers = c.n_layers;
+      ishape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+      KVR_ASSIGN_OR_RETURN(std::unique_ptr<retrieval::RetrievalIndex> index,
+                           registry.Make(o.method, ishape, o.params));
+      retrieval::BuildInput in;
+      in.keys = {kv.k, L, kv.row_stride};
+      KVR_RETURN_IF_ERROR(index->Build(in));
+      KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, retrieval::SerializeIndex(*index));
+      out.summaries.assign(bytes.begin(), bytes.end());
+    }
+    auto pack = [&](int64_t first, int64_t n, std::string* bytes, std::vector<int64_t>* pos) {
+      bytes->resize(static_cast<size_t>(n * 2 * row) * sizeof(float));
+      float* dst = reinterpret_cast<float*>(bytes->data());
+      for (int64_t t = first; t < first + n; ++t) {
+        pos->push_back(t);
+        for (int hh = 0; hh < c.n_kv_heads; ++hh) {
+          std::memcpy(dst, kv.k + t * kv.row_stride + hh * c.head_dim, c.head_dim * sizeof(float));
+          std::memcpy(dst + c.head_dim, kv.v + t * kv.row_stride + hh * c.head_dim,
+                      c.head_dim * sizeof(float));
+          dst += 2 * c.head_dim;
+        }
+      }
+    };
+    pack(0, n_sink, &out.sink_kv, &out.sink_positions);
+    pack(L - n_local, n_local, &out.local_kv, &out.local_positions);
+  }
+  return h;
+}
+
+}  // namespace kvr::decode

@@ -1,0 +1,291 @@
+// kvr-decode: the decode node. Serves kvr.cluster.v1.DecodeService (the logic lives in
+// DecodeEngine; service.cc is the gRPC shell), grpc.health.v1.Health and server reflection;
+// registers with the controller and heartbeats its load until SIGTERM/SIGINT, then
+// deregisters.
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/decode/config.h"
+#include "kvr/decode/engine.h"
+#include "kvr/decode/service.h"
+#include "kvr/model/loader.h"
+#include "kvr/retrieval/all_methods.h"
+#include "spdlog/spdlog.h"
+
+namespace kvr::decode {
+namespace {
+
+namespace cv1 = ::kvr::cluster::v1;
+
+// Summary bytes per context token of each method (all layers and KV heads), measured on one
+// layer's index over random keys/queries of `tokens` tokens: what the controller reserves per
+// token on this node. Methods that cannot be built without extra assets (A2ATS codebooks) are
+// left out (and so not offered).
+std::vector<std::pair<std::string, double>> MeasureSummaryBytes(
+    const model::ModelConfig& c, const retrieval::MethodRegistry& registry, int64_t tokens) {
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> keys(tokens * c.n_kv_heads * c.head_dim),
+      queries(512 * c.n_heads * c.head_dim);
+  for (float& x : keys) x = nd(rng);
+  for (float& x : queries) x = nd(rng);
+  std::vector<std::pair<std::string, double>> out;
+  for (const std::string& method : registry.Names()) {
+    retrieval::IndexShape shape;
+    shape.n_heads = c.n_heads;
+    shape.n_kv_heads = c.n_kv_heads;
+    shape.head_dim = c.head_dim;
+    shape.layer = 0;
+    shape.n_layers = c.n_layers;
+    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+    auto index = registry.Make(method, shape, retrieval::IndexParams{});
+    absl::Status built = index.status();
+    if (index.ok()) {
+      retrieval::BuildInput in;
+      in.keys = {keys.data(), tokens, int64_t{c.n_kv_heads} * c.head_dim};
+      in.queries = {queries.data(), 512, int64_t{c.n_heads} * c.head_dim};
+      in.queries_first_position = tokens - 512;
+      built = (*index)->Build(in);
+    }
+    if (!built.ok()) {
+      spdlog::warn("method {} not offered: {}", method, built.ToString());
+      continue;
+    }
+    out.emplace_back(method, static_cast<double>((*index)->MemoryBytes()) * c.n_layers / tokens);
+  }
+  return out;
+}
+
+// Register + heartbeat loop (re-registers on NOT_FOUND, retries while the controller is
+// unreachable) on its own thread until Stop; Deregister on the way out.
+class MembershipLoop {
+ public:
+  MembershipLoop(const std::string& controller, cv1::RegisterRequest registration,
+                 const DecodeEngine* engine)
+      : stub_(cv1::Membership::NewStub(
+            grpc::CreateChannel(controller, grpc::InsecureChannelCredentials()))),
+        registration_(std::move(registration)),
+        engine_(engine),
+        thread_([this] { Loop(); }) {}
+  ~MembershipLoop() { Stop(); }
+
+  void Stop() {
+    if (!stop_.HasBeenNotified()) stop_.Notify();
+    if (thread_.joinable()) thread_.join();
+  }
+  void Deregister() {
+    if (node_id_.empty()) return;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    cv1::DeregisterRequest request;
+    request.set_node_id(node_id_);
+    cv1::DeregisterResponse response;
+    grpc::Status s = stub_->Deregister(&ctx, request, &response);
+    spdlog::info("deregister {}: {}", node_id_, s.ok() ? "ok" : s.error_message());
+  }
+
+ private:
+  cv1::NodeLoad Load() const {
+    cv1::NodeLoad load;
+    load.set_running_sequences(static_cast<uint32_t>(engine_->running_sequences()));
+    load.set_free_memory_bytes(static_cast<uint64_t>(engine_->free_memory_bytes()));
+    return load;
+  }
+  bool Register() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    cv1::RegisterRequest request = registration_;
+    *request.mutable_load() = Load();
+    cv1::RegisterResponse response;
+    grpc::Status s = stub_->Register(&ctx, request, &response);
+    if (!s.ok()) {
+      spdlog::warn("register with the controller failed: {}", s.error_message());
+      return false;
+    }
+    node_id_ = response.node_id();
+    interval_ = absl::Seconds(response.heartbeat_interval().seconds()) +
+                absl::Nanoseconds(response.heartbeat_interval().nanos());
+    if (interval_ <= absl::ZeroDuration()) interval_ = absl::Seconds(1);
+    std::cout << "kvr-decode registered " << node_id_ << std::endl;
+    return true;
+  }
+  void Loop() {
+    bool registered = false;
+    while (!stop_.HasBeenNotified()) {
+      if (!registered) {
+        registered = Register();
+        if (!registered) {
+          stop_.WaitForNotificationWithTimeout(absl::Milliseconds(500));
+          continue;
+        }
+      }
+      if (stop_.WaitForNotificationWithTimeout(interval_)) break;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+      cv1::HeartbeatRequest hb;
+      hb.set_node_id(node_id_);
+      *hb.mutable_load() = Load();
+      cv1::HeartbeatResponse response;
+      grpc::Status s = stub_->Heartbeat(&ctx, hb, &response);
+      if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+        spdlog::warn("controller forgot node {}: registering again", node_id_);
+        registered = false;
+      }
+    }
+  }
+
+  std::unique_ptr<cv1::Membership::Stub> stub_;
+  cv1::RegisterRequest registration_;
+  const DecodeEngine* engine_;
+  absl::Notification stop_;
+  std::string node_id_;
+  absl::Duration interval_ = absl::Seconds(1);
+  std::thread thread_;
+};
+
+int Serve(const DecodeConfig& config) {
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  ThreadPool pool(config.threads);
+  absl::StatusOr<model::LoadedModel> loaded = model::LoadModel(config.model, {}, &pool);
+  if (!loaded.ok()) {
+    std::cerr << "kvr-decode: " << loaded.status() << "\n";
+    return 1;
+  }
+  absl::StatusOr<retrieval::MethodRegistry> registry = retrieval::AllMethods();
+  if (!registry.ok()) {
+    std::cerr << "kvr-decode: " << registry.status() << "\n";
+    return 1;
+  }
+  const model::ModelConfig& mc = loaded->model->config();
+  const std::string served = ServedModelName(config);
+  spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded->source, served,
+               mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length);
+  const auto methods = MeasureSummaryBytes(mc, *registry, 2048);
+
+  StoreClients stores(
+      [](const std::string& address) -> absl::StatusOr<std::unique_ptr<kv_store::KvStoreClient>> {
+        kv_store::UcxClientOptions options;
+        options.name = "kvr-decode";
+        auto client = kv_store::UcxKvStoreClient::Connect(address, options);
+        if (!client.ok()) return client.status();
+        return std::unique_ptr<kv_store::KvStoreClient>(std::move(*client));
+      });
+  absl::StatusOr<std::unique_ptr<DecodeEngine>> engine = DecodeEngine::Create(
+      loaded->model.get(), loaded->tokenizer ? &*loaded->tokenizer : nullptr, &*registry,
+      EngineOptions{.model_name = served,
+                    .batch_slots = static_cast<int>(config.batch_slots),
+                    .max_waiting = static_cast<int>(config.max_waiting),
+                    .hot_cache_bytes = config.hot_cache_bytes,
+                    .memory_bytes = config.memory_bytes});
+  if (!engine.ok()) {
+    std::cerr << "kvr-decode: " << engine.status() << "\n";
+    return 1;
+  }
+  (*engine)->Start();
+  DecodeServiceImpl service(engine->get(), &stores);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(-1);  // handoffs of long prompts carry many summary bytes
+  int port = 0;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "kvr-decode: cannot listen on " << config.listen << "\n";
+    return 1;
+  }
+  std::string host = config.advertise_host;
+  if (host.empty()) host = config.listen.substr(0, config.listen.rfind(':'));
+  if (host.empty() || host == "0.0.0.0" || host == "[::]") host = "127.0.0.1";
+  const std::string address = absl::StrCat(host, ":", port);
+  std::cout << "kvr-decode listening on " << address << std::endl;
+
+  cv1::RegisterRequest registration;
+  registration.set_role(cv1::NODE_ROLE_DECODE);
+  registration.set_protocol_version(1);
+  registration.set_name(config.name.empty() ? absl::StrCat("kvr-decode-", getpid()) : config.name);
+  registration.mutable_endpoints()->set_grpc_address(address);
+  cv1::Capacity* capacity = registration.mutable_capacity();
+  capacity->set_memory_bytes(static_cast<uint64_t>(config.memory_bytes));
+  capacity->set_batch_slots(config.batch_slots);
+  cv1::ModelInfo* info = capacity->add_models();
+  info->set_name(served);
+  info->set_context_length(static_cast<uint32_t>(mc.context_length));
+  info->set_kv_bytes_per_token(uint64_t{2} * mc.n_layers * mc.n_kv_heads * mc.head_dim *
+                               sizeof(float));
+  for (const auto& [name, bytes] : methods) {
+    cv1::RetrievalMethodInfo* m = info->add_retrieval_methods();
+    m->set_name(name);
+    m->set_summary_bytes_per_token(bytes);
+    spdlog::info("method {}: {:.1f} summary bytes per token", name, bytes);
+  }
+  MembershipLoop membership(config.controller, std::move(registration), engine->get());
+
+  int received = 0;
+  sigwait(&signals, &received);
+  spdlog::info("signal {}: shutting down", received);
+  membership.Stop();
+  membership.Deregister();
+  server->GetHealthCheckService()->SetServingStatus(false);
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  server->Wait();
+  engine->reset();  // stops the loop, releases what is left in the stores
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvr::decode
+
+int main(int argc, char** argv) {
+  using namespace kvr::decode;
+  CLI::App app{"kvr-decode: decode node (continuous batching over retrieved KV)"};
+  DecodeConfigValues flag_values;
+  std::string config_file;
+  app.add_option("--config", config_file, "YAML file of settings (flag > file > KVR_DECODE_* env)");
+  for (const DecodeConfigField& field : DecodeConfigFields()) {
+    std::string flag = "--" + field.name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    app.add_option_function<std::string>(
+        flag, [&flag_values, name = field.name](const std::string& v) { flag_values[name] = v; },
+        field.help);
+  }
+  CLI11_PARSE(app, argc, argv);
+  absl::StatusOr<DecodeConfig> config = ResolveDecodeConfig(
+      flag_values, config_file.empty() ? std::nullopt : std::optional<std::string>(config_file),
+      [](const std::string& name) -> std::optional<std::string> {
+        const char* v = std::getenv(name.c_str());
+        if (v == nullptr) return std::nullopt;
+        return std::string(v);
+      });
+  if (!config.ok()) {
+    std::cerr << "kvr-decode: " << config.status().message() << "\n";
+    return 2;
+  }
+  std::cout << "# kvr-decode effective config\n" << FormatDecodeConfig(*config) << std::flush;
+  return Serve(*config);
+}

@@ -1,0 +1,37 @@
+#include "kvr/decode/config.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace kvr::decode {
+namespace {
+
+TEST(DecodeConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
+  const std::string path = ::testing::TempDir() + "/decode_config_test.yaml";
+  std::ofstream(path) << "batch_slots: 5\nhot_cache_bytes: 1000\n";
+  auto env = [](const std::string& name) -> std::optional<std::string> {
+    if (name == "KVR_DECODE_BATCH_SLOTS") return "3";
+    if (name == "KVR_DECODE_MEMORY_BYTES") return "4096";
+    if (name == "KVR_DECODE_HOT_CACHE_BYTES") return "7";
+    return std::nullopt;
+  };
+  auto config = ResolveDecodeConfig({{"hot_cache_bytes", "42"}}, path, env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->hot_cache_bytes, 42);  // flag
+  EXPECT_EQ(config->batch_slots, 5u);      // file over env
+  EXPECT_EQ(config->memory_bytes, 4096);   // env
+  EXPECT_EQ(config->log_level, "info");    // default
+  EXPECT_NE(FormatDecodeConfig(*config).find("batch_slots: 5"), std::string::npos);
+
+  auto bad = ResolveDecodeConfig({{"batch_slots", "0"}}, std::nullopt, env);
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
+  EXPECT_NE(bad.status().message().find("batch_slots (flag --batch-slots)"), std::string::npos);
+  std::ofstream(path) << "bogus: 1\n";
+  EXPECT_TRUE(absl::IsInvalidArgument(ResolveDecodeConfig({}, path, env).status()));
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace kvr::decode
