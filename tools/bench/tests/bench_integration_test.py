@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""`kvr bench` as a process against a real kvr-controller with fake nodes
+(controller_fake_node): every arrival mode, each dataset, the JSON (vllm layout, completed ==
+requests sent), the PNG plot, and usage errors for bad arguments.
+
+Environment: KVR_BIN, KVR_CONTROLLER_BIN, KVR_FAKE_NODE_BIN (set by CTest)."""
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvr_cluster  # noqa: E402
+
+KVR = os.environ.get("KVR_BIN", "kvr")
+SMALL = ["--input-len", "32", "--output-len", "8"]
+
+
+class BenchIntegrationTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = kvr_cluster.FakeCluster(os.environ["KVR_CONTROLLER_BIN"],
+                                              os.environ["KVR_FAKE_NODE_BIN"])
+        cls.tmp = tempfile.TemporaryDirectory()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.stop()
+        cls.tmp.cleanup()
+
+    def bench(self, name, args):
+        path = os.path.join(self.tmp.name, name + ".json")
+        r = kvr_cluster.run_bench(KVR, self.cluster.address, [*args, "--result-file", path])
+        self.assertEqual(r.returncode, 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}")
+        self.assertIn("Serving Benchmark Result", r.stdout)
+        with open(path) as f:
+            return json.load(f)
+
+    def assert_all_completed(self, j, n):
+        self.assertEqual(j["completed"], n, j["errors"])
+        self.assertEqual(j["failed"], 0)
+        self.assertEqual(j["num_prompts"], n)
+        for key in ("ttfts", "itls", "latencies", "input_lens", "output_lens", "errors",
+                    "generated_texts"):
+            self.assertEqual(len(j[key]), n, key)
+        self.assertTrue(all(t > 0 for t in j["ttfts"]))
+        self.assertGreater(j["request_throughput"], 0)
+
+    def test_constant_rate(self):
+        j = self.bench("constant", ["--rate", "40", "--num-prompts", "20", *SMALL])
+        self.assert_all_completed(j, 20)
+        self.assertEqual(j["request_rate"], 40)
+        # The fake decode node streams exactly max_tokens tokens.
+        self.assertEqual(j["output_lens"], [8] * 20)
+        self.assertEqual(j["total_output_tokens"], 160)
+        # 20 requests 25 ms apart: the last is sent ~475 ms after the first.
+        self.assertGreater(max(j["start_times"]), 0.4)
+        self.assertTrue(all(len(gaps) == 7 for gaps in j["itls"]))
+        # The fake node reports 512 bytes fetched per token and 3 hits / 1 miss.
+        self.assertAlmostEqual(j["retrieval_bytes_per_token"], 512.0)
+        self.assertAlmostEqual(j["hot_cache_hit_rate"], 0.75)
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            for metric in ("ttft", "tpot", "itl", "e2el"):
+                self.assertIn(f"{stat}_{metric}_ms", j)
+
+    def test_poisson_with_slo(self):
+        j = self.bench("poisson", ["--rate", "40", "--poisson", "--seed", "5", "--num-prompts",
+                                   "20", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000",
+                                   *SMALL])
+        self.assert_all_completed(j, 20)
+        # Generous SLOs: every completed request is good.
+        self.assertAlmostEqual(j["request_goodput"], j["request_throughput"], places=6)
+
+    def test_closed_loop_with_plot(self):
+        png = os.path.join(self.tmp.name, "closed.png")
+        j = self.bench("closed", ["--concurrency", "3", "--num-prompts", "12", "--plot", png,
+                                  *SMALL])
+        self.assert_all_completed(j, 12)
+        self.assertEqual(j["max_concurrency"], 3)
+        self.assertEqual(j["request_rate"], "inf")
+        # Never more than 3 requests in flight: count the overlaps at each send.
+        spans = [(s, s + lat) for s, lat in zip(j["start_times"], j["latencies"])]
+        for s, _ in spans:
+            in_flight = sum(1 for a, b in spans if a <= s < b)
+            self.assertLessEqual(in_flight, 3)
+        with open(png, "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+    def test_duration_bounded(self):
+        j = self.bench("duration", ["--rate", "20", "--duration", "1", *SMALL])
+        self.assertGreaterEqual(j["completed"], 15)
+        self.assertLessEqual(j["completed"], 21)
+        self.assertEqual(j["failed"], 0)
+        self.assertEqual(j["num_prompts"], j["completed"])
+
+    def test_jsonl_dataset(self):
+        path = os.path.join(self.tmp.name, "prompts.jsonl")
+        with open(path, "w") as f:
+            f.write(json.dumps({"prompt": "Tell me a story", "max_tokens": 3}) + "\n")
+            f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+        j = self.bench("jsonl", ["--dataset", "jsonl", "--dataset-path", path, "--num-prompts",
+                                 "4", "--output-len", "5"])
+        self.assert_all_completed(j, 4)
+        self.assertEqual(j["output_lens"], [3, 5, 3, 5])
+
+    def test_passkey_dataset_is_scored(self):
+        j = self.bench("passkey", ["--dataset", "passkey", "--num-prompts", "3", "--input-len",
+                                   "200", "--output-len", "4"])
+        self.assert_all_completed(j, 3)
+        # The fake node streams "t101 t102 ...", never the key.
+        self.assertEqual(j["passkey_accuracy"], 0.0)
+
+    def test_bad_arguments_are_usage_errors(self):
+        cases = [(["--rate", "-5"], "--rate"),
+                 (["--dataset", "jsonl"], "--dataset-path"),
+                 (["--dataset", "wiki"], "--dataset"),
+                 (["--poisson"], "--rate"),
+                 (["--concurrency", "0"], "--concurrency"),
+                 (["--num-prompts", "ten"], "--num-prompts"),
+                 (["--slo-ttft-ms", "0"], "--slo-ttft-ms")]
+        for args, flag in cases:
+            r = kvr_cluster.run_bench(KVR, self.cluster.address, args)
+            self.assertNotEqual(r.returncode, 0, args)
+            self.assertIn(flag, r.stdout + r.stderr, args)
+
+    def test_unreachable_controller_fails(self):
+        r = kvr_cluster.run_bench(KVR, "127.0.0.1:1", ["--num-prompts", "1", *SMALL])
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("ListModels", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
