@@ -1,5 +1,4 @@
 #include <cuda_bf16.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,52 +17,74 @@ constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
 
 // ---- prefill -----------------------------------------------------------------------------
+//
+// FlashAttention-2 style, on mma.sync m16n8k16 (bf16 in, float32 accumulate) with fragments in
+// registers: each warp owns 16 query rows; S = Q K^T stays in registers, is masked and turned
+// into probabilities there, and its accumulator layout is reused as the A operand of P V, so
+// neither S nor P touches shared memory. K/V tiles are double-buffered with cp.async.
+// Fragment layouts are those of the PTX ISA for mma.m16n8k16: in a warp, lane = 4 g + t holds
+// rows g and g + 8 of the accumulator, columns 2 t and 2 t + 1 of each 8-wide tile.
 
-constexpr int kBlockQ = 16 * kWarps;  // queries per block: 16 rows per warp (one WMMA tile)
+constexpr int kBlockQ = 16 * kWarps;  // queries per block: 16 rows per warp
 constexpr int kBlockK = 64;           // keys per shared-memory tile
 
-constexpr int RoundUp(int n) { return (n + 127) / 128 * 128; }
-
-// Shared-memory layout of the prefill kernel. Row strides are padded (by 16 bytes) against bank
-// conflicts; every WMMA tile pointer stays 32-byte aligned.
 template <int HD>
 struct PrefillSmem {
-  static constexpr int kLd = HD + 8;        // bf16 stride of Q, K, V rows
-  static constexpr int kLdS = kBlockK + 4;  // float stride of a warp's scores
-  static constexpr int kLdP = kBlockK + 8;  // bf16 stride of a warp's probabilities
-  static constexpr int kLdO = HD + 4;       // float stride of a warp's output accumulator
-  static constexpr int kQ = 0;
-  static constexpr int kK = kQ + RoundUp(kBlockQ * kLd * 2);
-  static constexpr int kV = kK + RoundUp(kBlockK * kLd * 2);
-  static constexpr int kS = kV + RoundUp(kBlockK * kLd * 2);
-  static constexpr int kP = kS + RoundUp(kWarps * 16 * kLdS * 4);
-  static constexpr int kO = kP + RoundUp(kWarps * 16 * kLdP * 2);
-  static constexpr int kBytes = kO + RoundUp(kWarps * 16 * kLdO * 4);
+  static constexpr int kLd = HD + 8;  // bf16 row stride: 16-byte pad, conflict-free ldmatrix
+  static constexpr int kTile = kBlockK * kLd;
+  static constexpr int kBytes = (kBlockQ * kLd + 2 * 2 * kTile) * 2;  // Q + 2 stages of K, V
 };
 
-// Copies `rows` rows of HD bf16 (16-byte chunks) into shared memory, zeros past `valid`.
-template <int HD>
-__device__ void LoadRows(bf16* dst, int ld, int rows, int valid, const bf16* src0,
-                         int64_t src_stride) {
-  constexpr int kChunks = HD / 8;
-  for (int c = threadIdx.x; c < rows * kChunks; c += blockDim.x) {
-    const int r = c / kChunks, d = (c % kChunks) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < valid) v = *reinterpret_cast<const uint4*>(src0 + r * src_stride + d);
-    *reinterpret_cast<uint4*>(dst + r * ld + d) = v;
-  }
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// grid (ceil(max_q / kBlockQ), n_heads, n_seqs). Warp w owns query rows [16 w, 16 w + 16) of the
-// block; within the softmax, lane pairs share a row (lane / 2) and take alternate columns.
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddress(p)));
+}
+
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddress(p)));
+}
+
+// d[16x8] += a[16x16] b[16x8]
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// grid (ceil(max_q / kBlockQ), n_heads, n_seqs).
 template <int HD>
 __global__ void __launch_bounds__(kThreads) PrefillKernel(AttentionParams p) {
-  using namespace nvcuda;
   using L = PrefillSmem<HD>;
+  constexpr int kLd = L::kLd;
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16* s_q = reinterpret_cast<bf16*>(smem + L::kQ);
-  bf16* s_k = reinterpret_cast<bf16*>(smem + L::kK);
-  bf16* s_v = reinterpret_cast<bf16*>(smem + L::kV);
+  bf16* s_q = reinterpret_cast<bf16*>(smem);  // [kBlockQ, kLd]
+  bf16* s_kv = s_q + kBlockQ * kLd;           // [2 stages][K, V][kBlockK, kLd]
 
   const SeqKv s = p.seqs[blockIdx.z];
   const int q0 = blockIdx.x * kBlockQ;
@@ -73,126 +94,178 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(AttentionParams p) {
   const int kv_dim = p.n_kv_heads * HD;
   const int nq = min(kBlockQ, s.n_q - q0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* s_s = reinterpret_cast<float*>(smem + L::kS) + warp * 16 * L::kLdS;
-  bf16* s_p = reinterpret_cast<bf16*>(smem + L::kP) + warp * 16 * L::kLdP;
-  float* s_o = reinterpret_cast<float*>(smem + L::kO) + warp * 16 * L::kLdO;
-
-  LoadRows<HD>(s_q, L::kLd, kBlockQ, nq,
-               p.q + (int64_t{s.q_begin} + q0) * p.n_heads * HD + int64_t{h} * HD,
-               int64_t{p.n_heads} * HD);
-  for (int i = lane; i < 16 * HD; i += 32) s_o[(i / HD) * L::kLdO + i % HD] = 0.f;
-
-  const int row = lane / 2, col0 = lane % 2;
-  const int64_t q_pos = s.first_position + q0 + warp * 16 + row;
-  const float scale_log2 = p.scale * kLog2e;
-  float m = -INFINITY, l = 0.f;
+  const int g = lane / 4, t = lane % 4;
   // Keys beyond the block's last query are masked for every row: stop there.
   const int64_t kv_end = min(s.length, s.first_position + q0 + nq);
+  const int n_tiles = static_cast<int>((kv_end + kBlockK - 1) / kBlockK);
 
-  for (int64_t k0 = 0; k0 < kv_end; k0 += kBlockK) {
-    const int valid = static_cast<int>(min(static_cast<int64_t>(kBlockK), kv_end - k0));
-    __syncthreads();  // the previous tile's K/V are no longer read
-    LoadRows<HD>(s_k, L::kLd, kBlockK, valid, KRow(s, p.layer, k0, kv_dim) + kvh * HD, kv_dim);
-    LoadRows<HD>(s_v, L::kLd, kBlockK, valid, VRow(s, p.layer, k0, kv_dim) + kvh * HD, kv_dim);
-    __syncthreads();
+  auto load_kv = [&](int tile, int stage) {
+    constexpr int kChunks = HD / 8;
+    const int64_t k0 = int64_t{tile} * kBlockK;
+    bf16* dk = s_kv + (2 * stage) * L::kTile;
+    bf16* dv = dk + L::kTile;
+    for (int c = threadIdx.x; c < kBlockK * kChunks; c += kThreads) {
+      const int r = c / kChunks, d = (c % kChunks) * 8;
+      const bool ok = k0 + r < kv_end;
+      const int64_t row = ok ? k0 + r : k0;  // a valid address even when nothing is read
+      CpAsync16(dk + r * kLd + d, KRow(s, p.layer, row, kv_dim) + kvh * HD + d, ok);
+      CpAsync16(dv + r * kLd + d, VRow(s, p.layer, row, kv_dim) + kvh * HD + d, ok);
+    }
+    CpAsyncCommit();
+  };
 
-    // S[16, 64] = Q_w[16, HD] K^T[HD, 64]. K rows in shared memory are K^T in column-major.
-    {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kBlockK / 16];
-#pragma unroll
-      for (int n = 0; n < kBlockK / 16; ++n) wmma::fill_fragment(acc[n], 0.f);
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
-        wmma::load_matrix_sync(a, s_q + warp * 16 * L::kLd + kk * 16, L::kLd);
-#pragma unroll
-        for (int n = 0; n < kBlockK / 16; ++n) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
-          wmma::load_matrix_sync(b, s_k + n * 16 * L::kLd + kk * 16, L::kLd);
-          wmma::mma_sync(acc[n], a, b, acc[n]);
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < kBlockK / 16; ++n) {
-        wmma::store_matrix_sync(s_s + n * 16, acc[n], L::kLdS, wmma::mem_row_major);
-      }
+  load_kv(0, 0);
+  {
+    constexpr int kChunks = HD / 8;
+    const bf16* src = p.q + (int64_t{s.q_begin} + q0) * p.n_heads * HD + int64_t{h} * HD;
+    for (int c = threadIdx.x; c < kBlockQ * kChunks; c += kThreads) {
+      const int r = c / kChunks, d = (c % kChunks) * 8;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < nq) v = *reinterpret_cast<const uint4*>(src + int64_t{r} * p.n_heads * HD + d);
+      *reinterpret_cast<uint4*>(s_q + r * kLd + d) = v;
     }
-    __syncwarp();
-
-    // Online softmax of row `row` (log2 domain), this lane's columns col0, col0 + 2, ...
-    float* s_row = s_s + row * L::kLdS;
-    float mx = -INFINITY;
-    for (int j = col0; j < kBlockK; j += 2) {
-      const int64_t key = k0 + j;
-      const float v = (key <= q_pos && j < valid) ? s_row[j] * scale_log2 : -INFINITY;
-      s_row[j] = v;
-      mx = fmaxf(mx, v);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    // Key 0 is visible to every query, so after the first tile m_new is finite.
-    const float m_new = fmaxf(m, mx);
-    const float alpha = exp2f(m - m_new);
-    bf16* p_row = s_p + row * L::kLdP;
-    float sum = 0.f;
-    for (int j = col0; j < kBlockK; j += 2) {
-      const float pj = exp2f(s_row[j] - m_new);
-      p_row[j] = __float2bfloat16(pj);
-      sum += pj;
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    l = l * alpha + sum;
-    m = m_new;
-    float* o_row = s_o + row * L::kLdO;
-    for (int j = col0; j < HD; j += 2) o_row[j] *= alpha;
-    __syncwarp();
-
-    // O_w[16, HD] += P[16, 64] V[64, HD]
-    {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a[kBlockK / 16];
+  }
+  __syncthreads();
+  uint32_t qf[HD / 16][4];  // A fragments of this warp's 16 query rows
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        wmma::load_matrix_sync(a[kk], s_p + kk * 16, L::kLdP);
-      }
-#pragma unroll
-      for (int n = 0; n < HD / 16; ++n) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-        wmma::load_matrix_sync(o, s_o + n * 16, L::kLdO, wmma::mem_row_major);
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
-          wmma::load_matrix_sync(b, s_v + kk * 16 * L::kLd + n * 16, L::kLd);
-          wmma::mma_sync(o, a[kk], b, o);
-        }
-        wmma::store_matrix_sync(s_o + n * 16, o, L::kLdO, wmma::mem_row_major);
-      }
-    }
-    __syncwarp();
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    LdMatrixX4(qf[kk], s_q + (warp * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kLd + kk * 16 +
+                           (lane / 16) * 8);
   }
 
-  const int qi = q0 + warp * 16 + row;
-  if (qi < s.n_q) {
-    const float inv = 1.f / l;
-    const float* o_row = s_o + row * L::kLdO;
-    bf16* dst = p.out + (int64_t{s.q_begin} + qi) * p.n_heads * HD + int64_t{h} * HD;
-    for (int j = col0; j < HD; j += 2) dst[j] = __float2bfloat16(o_row[j] * inv);
+  float o[HD / 8][4];
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8
+  const int64_t pos0 = s.first_position + q0 + warp * 16 + g, pos1 = pos0 + 8;
+  const float scale_log2 = p.scale * kLog2e;
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int stage = tile & 1;
+    if (tile + 1 < n_tiles) {
+      load_kv(tile + 1, stage ^ 1);
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();
+    const bf16* sk = s_kv + (2 * stage) * L::kTile;
+    const bf16* sv = sk + L::kTile;
+    const int64_t k0 = int64_t{tile} * kBlockK;
+
+    float sc[kBlockK / 8][4];  // S of 16 rows x 64 keys
+#pragma unroll
+    for (int n = 0; n < kBlockK / 8; ++n) {
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; kk += 2) {
+        uint32_t b[4];  // keys n*8.., dims kk*16 .. kk*16 + 31
+        LdMatrixX4(b, sk + (n * 8 + lane % 8) * kLd + kk * 16 + (lane / 8) * 8);
+        Mma16816(sc[n], qf[kk], b[0], b[1]);
+        Mma16816(sc[n], qf[kk + 1], b[2], b[3]);
+      }
+    }
+
+    // Causal mask, scale to log2 units, online softmax.
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kBlockK / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = k0 + n * 8 + 2 * t + (e & 1);
+        const int64_t pos = e < 2 ? pos0 : pos1;
+        const float v = (key <= pos && key < kv_end) ? sc[n][e] * scale_log2 : -INFINITY;
+        sc[n][e] = v;
+        if (e < 2) {
+          mx0 = fmaxf(mx0, v);
+        } else {
+          mx1 = fmaxf(mx1, v);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    // Key 0 is visible to every query, so after the first tile the maxima are finite.
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    l0 *= a0;
+    l1 *= a1;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      o[j][0] *= a0;
+      o[j][1] *= a0;
+      o[j][2] *= a1;
+      o[j][3] *= a1;
+    }
+    uint32_t pa[kBlockK / 16][4];  // P as A fragments, 16 keys each
+#pragma unroll
+    for (int n = 0; n < kBlockK / 8; ++n) {
+      const float p0 = exp2f(sc[n][0] - m0), p1 = exp2f(sc[n][1] - m0);
+      const float p2 = exp2f(sc[n][2] - m1), p3 = exp2f(sc[n][3] - m1);
+      l0 += p0 + p1;
+      l1 += p2 + p3;
+      pa[n / 2][(n % 2) * 2] = PackBf16(p0, p1);
+      pa[n / 2][(n % 2) * 2 + 1] = PackBf16(p2, p3);
+    }
+
+    // O[16, HD] += P[16, 64] V[64, HD]
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < HD / 8; j += 2) {
+        uint32_t b[4];  // keys kk*16 .. kk*16 + 15, dims j*8 .. j*8 + 15
+        LdMatrixX4Trans(
+            b, sv + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kLd + (j + lane / 16) * 8);
+        Mma16816(o[j], pa[kk], b[0], b[1]);
+        Mma16816(o[j + 1], pa[kk], b[2], b[3]);
+      }
+    }
+    __syncthreads();  // this stage is overwritten by the load issued next iteration
+  }
+
+  // Row sums are spread over the 4 lanes of a row group.
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const int r0 = q0 + warp * 16 + g;
+  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r0 + half * 8;
+    if (r >= s.n_q) continue;
+    const float inv = half == 0 ? inv0 : inv1;
+    bf16* dst = p.out + (int64_t{s.q_begin} + r) * p.n_heads * HD + int64_t{h} * HD + 2 * t;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
+          __floats2bfloat162_rn(o[j][half * 2] * inv, o[j][half * 2 + 1] * inv);
+    }
   }
 }
 
 // ---- decode --------------------------------------------------------------------------------
 
-// grid (n_kv_heads, n_splits, n_seqs). Lanes split head_dim in 8-element (16-byte) slices, so a
-// warp reads 32 / (HD / 8) keys at once; each (warp, key slot) keeps its own online-softmax
-// state for every query head of the group, merged through shared memory at the end.
+// grid (n_kv_heads, n_splits, n_seqs). The query heads of one KV head's group are the rows of
+// an m16n8k16 tile (rows >= group are zero), so decode runs on the same tensor-core path as
+// prefill: K/V tiles of 64 keys are double-buffered into shared memory with cp.async by the
+// whole block, warp w takes keys [16 w, 16 w + 16) of each tile with its own online softmax,
+// and the four warps' states are merged through shared memory at the end into the split's
+// partial output. Bandwidth-bound: the arithmetic is a few mma per 16 keys.
 template <int HD>
-__global__ void __launch_bounds__(kThreads) DecodeKernel(AttentionParams p, int n_splits) {
-  constexpr int kLanesPerKey = HD / 8;
-  constexpr int kKeysPerWarp = 32 / kLanesPerKey;
-  constexpr int kSlots = kWarps * kKeysPerWarp;
-  constexpr int G = kMaxDecodeGroup;
-  __shared__ float s_q[G][HD];
-  __shared__ float s_m[kSlots][G];
-  __shared__ float s_l[kSlots][G];
-  __shared__ float s_o[kSlots][G][HD];
+__global__ void __launch_bounds__(kThreads) DecodeMmaKernel(AttentionParams p, int n_splits) {
+  using L = PrefillSmem<HD>;
+  constexpr int kLd = L::kLd;
+  constexpr int kLdO = HD + 4;  // float stride of the merge scratch
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* s_q = reinterpret_cast<bf16*>(smem);  // [16, kLd]
+  bf16* s_kv = s_q + 16 * kLd;                // [2 stages][K, V][kBlockK, kLd]
 
   const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const SeqKv s = p.seqs[b];
@@ -201,93 +274,167 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(AttentionParams p, int 
   const int64_t per_split = (s.length + n_splits - 1) / n_splits;
   const int64_t begin = split * per_split;
   const int64_t end = min(s.length, begin + per_split);
+  const int n_tiles = end > begin ? static_cast<int>((end - begin + kBlockK - 1) / kBlockK) : 0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  auto load_kv = [&](int tile, int stage) {
+    constexpr int kChunks = HD / 8;
+    const int64_t k0 = begin + int64_t{tile} * kBlockK;
+    bf16* dk = s_kv + (2 * stage) * L::kTile;
+    bf16* dv = dk + L::kTile;
+    for (int c = threadIdx.x; c < kBlockK * kChunks; c += kThreads) {
+      const int r = c / kChunks, d = (c % kChunks) * 8;
+      const bool ok = k0 + r < end;
+      const int64_t row = ok ? k0 + r : k0;
+      CpAsync16(dk + r * kLd + d, KRow(s, p.layer, row, kv_dim) + kvh * HD + d, ok);
+      CpAsync16(dv + r * kLd + d, VRow(s, p.layer, row, kv_dim) + kvh * HD + d, ok);
+    }
+    CpAsyncCommit();
+  };
+  if (n_tiles > 0) load_kv(0, 0);
+  {
+    constexpr int kChunks = HD / 8;
+    const bf16* src = p.q + int64_t{s.q_begin} * p.n_heads * HD + int64_t{kvh} * group * HD;
+    for (int c = threadIdx.x; c < 16 * kChunks; c += kThreads) {
+      const int r = c / kChunks, d = (c % kChunks) * 8;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < group) v = *reinterpret_cast<const uint4*>(src + r * HD + d);
+      *reinterpret_cast<uint4*>(s_q + r * kLd + d) = v;
+    }
+  }
+  __syncthreads();
+  uint32_t qf[HD / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    LdMatrixX4(qf[kk], s_q + (lane % 8 + ((lane / 8) % 2) * 8) * kLd + kk * 16 + (lane / 16) * 8);
+  }
+  float o[HD / 8][4];
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8
   const float scale_log2 = p.scale * kLog2e;
 
-  const bf16* q = p.q + int64_t{s.q_begin} * p.n_heads * HD + int64_t{kvh} * group * HD;
-  for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
-    s_q[i / HD][i % HD] = __bfloat162float(q[i]) * scale_log2;
-  }
-  __syncthreads();
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int key_slot = lane / kLanesPerKey, d0 = (lane % kLanesPerKey) * 8;
-  float m[G], l[G], acc[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-  }
-  // The loop bound is uniform over the warp (shuffles need every lane); lanes past `end` idle.
-  for (int64_t k0 = begin + warp * kKeysPerWarp; k0 < end; k0 += kWarps * kKeysPerWarp) {
-    const int64_t key = k0 + key_slot;
-    const bool valid = key < end;
-    float kf[8], vf[8];
-    if (valid) {
-      const uint4 kr =
-          *reinterpret_cast<const uint4*>(KRow(s, p.layer, key, kv_dim) + kvh * HD + d0);
-      const uint4 vr =
-          *reinterpret_cast<const uint4*>(VRow(s, p.layer, key, kv_dim) + kvh * HD + d0);
-      const bf16* kb = reinterpret_cast<const bf16*>(&kr);
-      const bf16* vb = reinterpret_cast<const bf16*>(&vr);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        kf[i] = __bfloat162float(kb[i]);
-        vf[i] = __bfloat162float(vb[i]);
-      }
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int stage = tile & 1;
+    if (tile + 1 < n_tiles) {
+      load_kv(tile + 1, stage ^ 1);
+      CpAsyncWait<1>();
     } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) kf[i] = vf[i] = 0.f;
+      CpAsyncWait<0>();
     }
+    __syncthreads();
+    const bf16* sk = s_kv + (2 * stage) * L::kTile + warp * 16 * kLd;  // this warp's 16 keys
+    const bf16* sv = sk + L::kTile;
+    const int64_t k0 = begin + int64_t{tile} * kBlockK + warp * 16;
+
+    float sc[2][4];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      if (g >= group) break;  // uniform over the block
-      float dot = 0.f;
+    for (int n = 0; n < 2; ++n) {
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) dot += kf[i] * s_q[g][d0 + i];
-#pragma unroll
-      for (int o = kLanesPerKey / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (valid) {
-        const float m_new = fmaxf(m[g], dot);
-        const float c = exp2f(m[g] - m_new), pw = exp2f(dot - m_new);
-        l[g] = l[g] * c + pw;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * c + pw * vf[i];
-        m[g] = m_new;
+      for (int kk = 0; kk < HD / 16; kk += 2) {
+        uint32_t bk[4];
+        LdMatrixX4(bk, sk + (n * 8 + lane % 8) * kLd + kk * 16 + (lane / 8) * 8);
+        Mma16816(sc[n], qf[kk], bk[0], bk[1]);
+        Mma16816(sc[n], qf[kk + 1], bk[2], bk[3]);
       }
     }
-  }
-
-  const int slot = warp * kKeysPerWarp + key_slot;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (g >= group) break;
-    if (lane % kLanesPerKey == 0) {
-      s_m[slot][g] = m[g];
-      s_l[slot][g] = l[g];
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = k0 + n * 8 + 2 * t + (e & 1);
+        const float v = key < end ? sc[n][e] * scale_log2 : -INFINITY;
+        sc[n][e] = v;
+        if (e < 2) {
+          mx0 = fmaxf(mx0, v);
+        } else {
+          mx1 = fmaxf(mx1, v);
+        }
+      }
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s_o[slot][g][d0 + i] = acc[g][i];
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    // A warp may not have seen a key yet (its slice of the last tile can be empty): subtract
+    // 0 rather than -inf then, so that every weight is exp2(-inf) = 0 and nothing is NaN.
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
+    const float a0 = exp2f(m0 - base0), a1 = exp2f(m1 - base1);
+    m0 = n0;
+    m1 = n1;
+    l0 *= a0;
+    l1 *= a1;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      o[j][0] *= a0;
+      o[j][1] *= a0;
+      o[j][2] *= a1;
+      o[j][3] *= a1;
+    }
+    uint32_t pa[4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const float p0 = exp2f(sc[n][0] - base0), p1 = exp2f(sc[n][1] - base0);
+      const float p2 = exp2f(sc[n][2] - base1), p3 = exp2f(sc[n][3] - base1);
+      l0 += p0 + p1;
+      l1 += p2 + p3;
+      pa[n * 2] = PackBf16(p0, p1);
+      pa[n * 2 + 1] = PackBf16(p2, p3);
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; j += 2) {
+      uint32_t bv[4];
+      LdMatrixX4Trans(bv, sv + (((lane / 8) % 2) * 8 + lane % 8) * kLd + (j + lane / 16) * 8);
+      Mma16816(o[j], pa, bv[0], bv[1]);
+      Mma16816(o[j + 1], pa, bv[2], bv[3]);
+    }
+    __syncthreads();
+  }
+
+  // Merge the four warps: per-warp O, m and l through shared memory (the K/V area is free).
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  float* s_o = reinterpret_cast<float*>(s_kv);  // [kWarps, 16, kLdO]
+  float* s_ml = s_o + kWarps * 16 * kLdO;       // [kWarps, 16, 2]
+  float* wo = s_o + warp * 16 * kLdO;
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) {
+    wo[g * kLdO + j * 8 + 2 * t] = o[j][0];
+    wo[g * kLdO + j * 8 + 2 * t + 1] = o[j][1];
+    wo[(g + 8) * kLdO + j * 8 + 2 * t] = o[j][2];
+    wo[(g + 8) * kLdO + j * 8 + 2 * t + 1] = o[j][3];
+  }
+  if (t == 0) {
+    s_ml[(warp * 16 + g) * 2] = m0;
+    s_ml[(warp * 16 + g) * 2 + 1] = l0;
+    s_ml[(warp * 16 + g + 8) * 2] = m1;
+    s_ml[(warp * 16 + g + 8) * 2 + 1] = l1;
   }
   __syncthreads();
-
-  for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
-    const int g = i / HD, d = i % HD;
+  for (int i = threadIdx.x; i < group * HD; i += kThreads) {
+    const int r = i / HD, d = i % HD;
     float mx = -INFINITY;
-    for (int sl = 0; sl < kSlots; ++sl) mx = fmaxf(mx, s_m[sl][g]);
-    float o = 0.f, sum = 0.f;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_ml[(w * 16 + r) * 2]);
+    float acc = 0.f, sum = 0.f;
     if (mx != -INFINITY) {
-      for (int sl = 0; sl < kSlots; ++sl) {
-        if (s_m[sl][g] == -INFINITY) continue;
-        const float w = exp2f(s_m[sl][g] - mx);
-        o += s_o[sl][g][d] * w;
-        sum += s_l[sl][g] * w;
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = s_ml[(w * 16 + r) * 2];
+        if (mw == -INFINITY) continue;
+        const float wt = exp2f(mw - mx);
+        acc += s_o[(w * 16 + r) * kLdO + d] * wt;
+        sum += s_ml[(w * 16 + r) * 2 + 1] * wt;
       }
     }
-    const int64_t idx =
-        (int64_t{b} * p.n_heads + kvh * group + g) * p.max_splits + split;  // partial index
-    p.partial_o[idx * HD + d] = o;
+    const int64_t idx = (int64_t{b} * p.n_heads + kvh * group + r) * p.max_splits + split;
+    p.partial_o[idx * HD + d] = acc;
     if (d == 0) {
       p.partial_ml[idx * 2] = mx;
       p.partial_ml[idx * 2 + 1] = sum;
@@ -339,14 +486,18 @@ absl::Status LaunchPrefill(const AttentionParams& p, cudaStream_t stream) {
 
 template <int HD>
 absl::Status LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
-  // Enough blocks to fill the GPU about twice, but at least 64 keys per split.
+  // Enough blocks to fill the GPU about four times, but at least 64 keys per split.
   const int64_t blocks = int64_t{p.n_seqs} * p.n_kv_heads;
-  int64_t splits = (2 * int64_t{p.n_sms} + blocks - 1) / blocks;
+  int64_t splits = (4 * int64_t{p.n_sms} + blocks - 1) / blocks;
   splits = std::min<int64_t>(splits, (p.max_length + 63) / 64);
   splits = std::clamp<int64_t>(splits, 1, p.max_splits);
   const int n_splits = static_cast<int>(splits);
-  DecodeKernel<HD><<<dim3(p.n_kv_heads, n_splits, p.n_seqs), kThreads, 0, stream>>>(p, n_splits);
-  KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("DecodeKernel"));
+  constexpr int kBytes = PrefillSmem<HD>::kBytes - (PrefillSmem<HD>::kLd * (kBlockQ - 16)) * 2;
+  KVR_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      DecodeMmaKernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  DecodeMmaKernel<HD>
+      <<<dim3(p.n_kv_heads, n_splits, p.n_seqs), kThreads, kBytes, stream>>>(p, n_splits);
+  KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("DecodeMmaKernel"));
   DecodeMergeKernel<HD><<<dim3(p.n_heads, p.n_seqs), HD, 0, stream>>>(p, n_splits);
   return kvr::cuda::LastLaunchStatus("DecodeMergeKernel");
 }

@@ -3,13 +3,15 @@
 // Plain C++ reference: DenseAttention (dense_attention.h); parity test in
 // model/tests/cuda_ops_test.cc.
 //
-// - Prefill (any number of queries per sequence): a flash-style kernel, one block per 64 queries
-//   of one head of one sequence; tiles of 64 keys in shared memory, S = Q K^T and O += P V on
-//   the tensor cores (WMMA bf16, float32 accumulate), online softmax in float32.
+// - Prefill (any number of queries per sequence): FlashAttention-2 style, one block (4 warps)
+//   per 64 queries of one head of one sequence; K/V tiles of 64 keys double-buffered in shared
+//   memory with cp.async; S = Q K^T and O += P V on the tensor cores (mma.sync m16n8k16, bf16
+//   in, float32 accumulate) with S, P and O in registers; online softmax in float32.
 // - Decode (one query per sequence): split-KV. Each block takes one KV head of one sequence and
 //   a slice of its keys, for all query heads of that KV head's group (GQA: the keys are read
-//   once per group), and writes an unnormalised partial output with its max and sum; a merge
-//   kernel combines the slices through their log-sum-exp.
+//   once per group; the group's heads are the rows of one mma tile), and writes an
+//   unnormalised partial output with its max and sum; a merge kernel combines the slices
+//   through their log-sum-exp.
 // head_dim 64 and 128 are compiled; others answer Unimplemented.
 
 #include <cuda_runtime.h>
@@ -47,6 +49,6 @@ struct AttentionParams {
 [[nodiscard]] absl::Status LaunchDecodeAttention(const AttentionParams& p, cudaStream_t stream);
 
 // Query heads per KV head that the decode kernel supports.
-inline constexpr int kMaxDecodeGroup = 8;
+inline constexpr int kMaxDecodeGroup = 16;  // the rows of an mma tile
 
 }  // namespace kvr::model::cuda
