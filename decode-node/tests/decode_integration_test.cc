@@ -80,7 +80,7 @@ class DecodeIntegrationTest : public ::testing::Test {
     store_address_ = absl::StrCat("127.0.0.1:", port);
     decode_ = std::make_unique<Subprocess>(std::vector<std::string>{
         KVR_DECODE_BIN, "--model", TestModelPath(), "--controller", controller_address_, "--listen",
-        "127.0.0.1:0", "--threads", "2", "--batch-slots", "4", "--hot-cache-bytes", "1000000"});
+        "127.0.0.1:0", "--threads", "2", "--batch-slots", "4", "--hot-cache-bytes", "64000000"});
     const std::string d = decode_->WaitForLine("kvr-decode listening on ", absl::Seconds(120));
     ASSERT_FALSE(d.empty()) << "kvr-decode did not start";
     decode_address_ = AfterPrefix(d, "kvr-decode listening on ");
@@ -149,8 +149,23 @@ class DecodeIntegrationTest : public ::testing::Test {
 };
 
 TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore) {
-  // The controller lists the decode node's model and methods.
+  // The controller lists the decode node's model and methods (a model is listed once a
+  // prefill node serves it too: this test registers one for itself, as the prefill side).
   {
+    auto membership = cv1::Membership::NewStub(
+        grpc::CreateChannel(controller_address_, grpc::InsecureChannelCredentials()));
+    cv1::RegisterRequest prefill;
+    prefill.set_role(cv1::NODE_ROLE_PREFILL);
+    prefill.set_protocol_version(1);
+    prefill.set_name("test-prefill");
+    prefill.mutable_endpoints()->set_grpc_address("127.0.0.1:1");
+    cv1::ModelInfo* info = prefill.mutable_capacity()->add_models();
+    info->set_name(std::filesystem::path(TestModelPath()).stem().string());
+    info->set_context_length(8192);
+    grpc::ClientContext rctx;
+    rctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    cv1::RegisterResponse registered;
+    ASSERT_TRUE(membership->Register(&rctx, prefill, &registered).ok());
     auto gen = kvr::v1::Generation::NewStub(
         grpc::CreateChannel(controller_address_, grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
