@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -216,6 +217,9 @@ Row BenchTopK(int context, int batch, int budget, int iters, cudaStream_t stream
   p.scores = scores.data();
   p.n_valid = d_n.data();
   p.out = {budget, ids.data(), counts.data()};
+  auto ws = Alloc<char>(std::max<size_t>(1, rc::BatchedTopKWorkspaceBytes(p)));
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.bytes();
   const double us = TimeUs([&] { return rc::BatchedTopK(p, stream); }, iters, stream);
   return {"topk", context, batch, budget, us, static_cast<double>(n) * 4};
 }

@@ -149,6 +149,9 @@ static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(Log
   const int chunk_end = min(n, chunk_begin + kChunk);
   float* out_row = a.logits + static_cast<int64_t>(row) * (softmax ? group : 1) * a.max_cand;
   constexpr int kStep = kWarps * kKeysPerWarp * kUnroll;
+  // The reduce-scatter path needs one (key, head) pair per lane of a key: 16 lanes (16-bit keys
+  // at d = 128) x (4 keys x 4 heads); it serves kSumSoftmax (the default). Else: butterflies.
+  constexpr bool kReduceScatter = kLanes == kUnroll * kGroup;
   for (int i0 = chunk_begin + warp * kKeysPerWarp * kUnroll; i0 < chunk_end; i0 += kStep) {
     // All loads first (kUnroll 16-byte loads in flight per lane), then the arithmetic.
     float k[kUnroll][kVec];
@@ -162,47 +165,95 @@ static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(Log
         for (int j = 0; j < kVec; ++j) k[u][j] = 0.f;
       }
     }
+    if (kReduceScatter && softmax) {
+      // 16 partial sums per lane (key u, head g) reduced over the key's 16 lanes with a
+      // reduce-scatter: 15 shuffles instead of 64; lane `sub` ends with the total of (u, g) =
+      // (sub / kGroup, sub % kGroup), so each lane keeps one head's softmax statistics.
+      float x[kUnroll * kGroup];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = i0 + u * kKeysPerWarp + slot;
-      float dot[kGroup];
-#pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        float s = 0.f;
-        if (g < group) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) s = fmaf(q[g][j], k[u][j], s);
-#pragma unroll
-          for (int o = kLanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        }
-        dot[g] = s;
-      }
-      if (i >= chunk_end) continue;
-      if (softmax) {
-        float mine = 0.f;  // dot[sub] without a run-time register index
-#pragma unroll
-        for (int g = 0; g < kGroup; ++g) mine = (sub == g) ? dot[g] : mine;
-        if (sub < group) {
-          out_row[static_cast<int64_t>(sub) * a.max_cand + i] = mine;
-          if (mine > run_max) {
-            run_sum *= __expf(run_max - mine);
-            run_max = mine;
-          }
-          run_sum += __expf(mine - run_max);
-        }
-      } else if (sub == 0) {
-        float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
+      for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
         for (int g = 0; g < kGroup; ++g) {
-          if (g < group) {
-            agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, dot[g]) : agg + dot[g];
-          }
+          float d = 0.f;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) d = fmaf(q[g][j], k[u][j], d);
+          x[u * kGroup + g] = d;
         }
-        out_row[i] = agg;
+      }
+#pragma unroll
+      for (int c = kUnroll * kGroup; c > 1; c >>= 1) {
+        const int o = c / 2;  // lane offset == half the values still held
+        const bool upper = (sub & o) != 0;
+#pragma unroll
+        for (int v = 0; v < c / 2; ++v) {
+          const float send = upper ? x[v] : x[v + c / 2];
+          const float keep = upper ? x[v + c / 2] : x[v];
+          x[v] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+      }
+      const int u = sub / kGroup, g = sub % kGroup;
+      const int i = i0 + u * kKeysPerWarp + slot;
+      if (i < chunk_end && g < group) {
+        const float mine = x[0];
+        out_row[static_cast<int64_t>(g) * a.max_cand + i] = mine;
+        if (mine > run_max) {
+          run_sum *= __expf(run_max - mine);
+          run_max = mine;
+        }
+        run_sum += __expf(mine - run_max);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kKeysPerWarp + slot;
+        float dot[kGroup];
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g) {
+          float s = 0.f;
+          if (g < group) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) s = fmaf(q[g][j], k[u][j], s);
+#pragma unroll
+            for (int o = kLanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+          }
+          dot[g] = s;
+        }
+        if (i >= chunk_end) continue;
+        if (softmax) {
+          float mine = 0.f;  // dot[sub] without a run-time register index
+#pragma unroll
+          for (int g = 0; g < kGroup; ++g) mine = (sub == g) ? dot[g] : mine;
+          if (sub < group) {
+            out_row[static_cast<int64_t>(sub) * a.max_cand + i] = mine;
+            if (mine > run_max) {
+              run_sum *= __expf(run_max - mine);
+              run_max = mine;
+            }
+            run_sum += __expf(mine - run_max);
+          }
+        } else if (sub == 0) {
+          float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
+#pragma unroll
+          for (int g = 0; g < kGroup; ++g) {
+            if (g < group) {
+              agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, dot[g]) : agg + dot[g];
+            }
+          }
+          out_row[i] = agg;
+        }
       }
     }
   }
   if (!softmax || chunk >= a.n_chunks) return;
+  if (kReduceScatter) {
+    // Lanes sub = g, g + kGroup, ... hold head g's statistics: merge them into lane sub = g.
+#pragma unroll
+    for (int o = kGroup; o < kLanes; o <<= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, run_max, o);
+      const float s2 = __shfl_xor_sync(0xffffffffu, run_sum, o);
+      internal::MergeMaxSum(run_max, run_sum, m2, s2);
+    }
+  }
   // Chunk partials: lane (slot, sub = g) of every warp holds head g's (max, sum) of its keys.
   __shared__ float2 part[kWarps * kKeysPerWarp][kGroup];
   if (sub < group) part[warp * kKeysPerWarp + slot][sub] = make_float2(run_max, run_sum);
@@ -227,6 +278,8 @@ struct Workspace {
   float* lse = nullptr;  // [rows, group]
   int32_t* n_valid = nullptr;
   int32_t* id_offset = nullptr;
+  void* topk = nullptr;  // BatchedTopK scratch
+  size_t topk_bytes = 0;
   size_t bytes = 0;
 };
 
@@ -251,6 +304,12 @@ Workspace Carve(const ExactSelectParams& p, char* base) {
   }
   w.n_valid = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
   w.id_offset = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  TopKParams t;
+  t.rows = static_cast<int>(rows);
+  t.row_stride = ld;
+  t.out.budget = p.out.budget;
+  w.topk_bytes = BatchedTopKWorkspaceBytes(t);
+  w.topk = take(w.topk_bytes);
   w.bytes = off;
   return w;
 }
@@ -360,6 +419,8 @@ absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
   t.n_valid = w.n_valid;
   t.id_offset = w.id_offset;
   t.out = p.out;
+  t.workspace = w.topk;
+  t.workspace_bytes = w.topk_bytes;
   return LaunchBatchedTopK(t, stream);
 }
 

@@ -24,6 +24,15 @@ namespace kvr::retrieval::cuda {
 namespace {
 
 constexpr int kThreads = 1024;
+// Rows longer than this are cut into segments of kSegment scores: one CTA per segment keeps the
+// top `budget` of its segment, then one CTA per row merges the segments' candidates (the top-k
+// of the union of per-segment top-ks is the top-k, with the same lower-index tie rule). One CTA
+// per long row leaves the GPU idle at small batch (measured: 176 us for one 128K row).
+constexpr int kSegment = 16384;
+
+int Segments(const TopKParams& p) {
+  return static_cast<int>((p.row_stride + kSegment - 1) / kSegment);
+}
 
 static __global__ void __launch_bounds__(kThreads)
     BatchedTopKKernel(const float* __restrict__ scores, int64_t row_stride,
@@ -37,10 +46,72 @@ static __global__ void __launch_bounds__(kThreads)
                               ids + static_cast<int64_t>(row) * budget, counts + row, shared);
 }
 
+// Stage 1: grid (segments, rows); candidates [rows, segments, budget] (row-local indices).
+static __global__ void __launch_bounds__(kThreads)
+    TopKSegmentKernel(const float* __restrict__ scores, int64_t row_stride,
+                      const int32_t* __restrict__ n_valid, int budget, int n_seg,
+                      int32_t* __restrict__ cand) {
+  __shared__ internal::TopKShared shared;
+  const int row = blockIdx.y, seg = blockIdx.x;
+  const int lo = seg * kSegment;
+  const int n_here = min(max(n_valid[row] - lo, 0), kSegment);
+  internal::RowTopK<kThreads>(scores + row * row_stride + lo, n_here, lo, budget,
+                              cand + (static_cast<int64_t>(row) * n_seg + seg) * budget, nullptr,
+                              shared);
+}
+
+// Stage 2: grid (rows); the top `budget` of the row's n_seg * budget candidates.
+static __global__ void __launch_bounds__(kThreads)
+    TopKMergeKernel(const float* __restrict__ scores, int64_t row_stride, int budget, int n_seg,
+                    const int32_t* __restrict__ cand, const int32_t* __restrict__ id_offset,
+                    int32_t* __restrict__ ids, int32_t* __restrict__ counts) {
+  __shared__ internal::TopKShared shared;
+  const int row = blockIdx.x;
+  const int total = n_seg * budget;
+  const int32_t* c = cand + static_cast<int64_t>(row) * total;
+  const float* srow = scores + row * row_stride;
+  const int offset = id_offset != nullptr ? id_offset[row] : 0;
+  internal::RowTopKLoad4<kThreads>(
+      [c, srow, total](int j) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e;
+          const int id = i < total ? c[i] : -1;
+          v[e] = id >= 0 ? srow[id] : NAN;
+        }
+        return make_float4(v[0], v[1], v[2], v[3]);
+      },
+      total, [c, offset](int i) { return offset + c[i]; }, budget,
+      ids + static_cast<int64_t>(row) * budget, counts + row, shared);
+}
+
 }  // namespace
+
+size_t BatchedTopKWorkspaceBytes(const TopKParams& p) {
+  const int n_seg = Segments(p);
+  if (n_seg < 2 || p.rows <= 0) return 0;
+  return static_cast<size_t>(p.rows) * n_seg * p.out.budget * sizeof(int32_t);
+}
 
 absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream) {
   if (p.rows == 0) return absl::OkStatus();
+  const size_t need = BatchedTopKWorkspaceBytes(p);
+  // Two stages only while one CTA per row leaves most SMs idle: measured on the H100 at 128K,
+  // 32 rows: 95 us two-stage vs 176 us; 128 rows: 309 us two-stage vs 210 us.
+  int device = 0, sms = 0;
+  KVR_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  KVR_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (need > 0 && p.workspace != nullptr && p.workspace_bytes >= need && 2 * p.rows <= sms) {
+    const int n_seg = Segments(p);
+    auto* cand = static_cast<int32_t*>(p.workspace);
+    TopKSegmentKernel<<<dim3(n_seg, p.rows), kThreads, 0, stream>>>(
+        p.scores, p.row_stride, p.n_valid, p.out.budget, n_seg, cand);
+    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    TopKMergeKernel<<<p.rows, kThreads, 0, stream>>>(p.scores, p.row_stride, p.out.budget, n_seg,
+                                                     cand, p.id_offset, p.out.ids, p.out.counts);
+    return kvr::cuda::LastLaunchStatus("TopKMergeKernel");
+  }
   BatchedTopKKernel<<<p.rows, kThreads, 0, stream>>>(p.scores, p.row_stride, p.n_valid, p.id_offset,
                                                      p.out.budget, p.out.ids, p.out.counts);
   return kvr::cuda::LastLaunchStatus("BatchedTopKKernel");

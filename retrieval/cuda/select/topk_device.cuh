@@ -38,10 +38,11 @@ __device__ __forceinline__ int WarpInclusiveScan(int v, int lane) {
 
 // Top-`budget` of a row of n scores, by the whole CTA (kThreads threads, a multiple of 32,
 // <= 1024). `load4(j)` returns the float4 of scores [4j, 4j + 4) with NaN beyond n (NaN is never
-// chosen). Writes ids[j] = id_offset + i for the chosen i, ascending, then -1 up to `budget`, and
-// *count. load4 is called 5 times per element group: it must be cheap and deterministic.
-template <int kThreads, typename Load4>
-__device__ void RowTopKLoad4(Load4 load4, int n, int id_offset, int budget, int32_t* ids,
+// chosen). Writes ids[j] = map_id(i) for the chosen i in ascending i, then -1 up to `budget`, and
+// *count (when not null). load4 is called 5 times per element group: it must be cheap and
+// deterministic.
+template <int kThreads, typename Load4, typename MapId>
+__device__ void RowTopKLoad4(Load4 load4, int n, MapId map_id, int budget, int32_t* ids,
                              int32_t* count, TopKShared& s) {
   constexpr int kWarps = kThreads / 32;
   const int tid = threadIdx.x;
@@ -209,7 +210,7 @@ __device__ void RowTopKLoad4(Load4 load4, int n, int id_offset, int budget, int3
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (take[e]) {
-          if (pos < k) ids[pos] = id_offset + 4 * j + e;
+          if (pos < k) ids[pos] = map_id(4 * j + e);
           ++pos;
         }
       }
@@ -218,7 +219,7 @@ __device__ void RowTopKLoad4(Load4 load4, int n, int id_offset, int budget, int3
     }
   }
   for (int j = k + tid; j < budget; j += kThreads) ids[j] = -1;
-  if (tid == 0) *count = k;
+  if (tid == 0 && count != nullptr) *count = k;
 }
 
 // Top-k of `scores[0, n)` (device memory). 16-byte loads when `scores` is 16-byte aligned.
@@ -234,7 +235,7 @@ __device__ void RowTopK(const float* scores, int n, int id_offset, int budget, i
           for (int e = 0; e < 4; ++e) v[e] = 4 * j + e < n ? scores[4 * j + e] : NAN;
           return make_float4(v[0], v[1], v[2], v[3]);
         },
-        n, id_offset, budget, ids, count, s);
+        n, [id_offset](int i) { return id_offset + i; }, budget, ids, count, s);
   } else {
     RowTopKLoad4<kThreads>(
         [scores, n](int j) {
@@ -243,7 +244,7 @@ __device__ void RowTopK(const float* scores, int n, int id_offset, int budget, i
           for (int e = 0; e < 4; ++e) v[e] = 4 * j + e < n ? scores[4 * j + e] : NAN;
           return make_float4(v[0], v[1], v[2], v[3]);
         },
-        n, id_offset, budget, ids, count, s);
+        n, [id_offset](int i) { return id_offset + i; }, budget, ids, count, s);
   }
 }
 

@@ -121,6 +121,16 @@ TEST_F(SelectTest, BatchedTopKMatchesCpuWithTiesAndNaN) {
       p.n_valid = d_n.data();
       p.id_offset = d_off.data();
       p.out = {budget, ids->data(), counts->data()};
+      // Two-stage path (segments of 16K) with scratch, except budget 16: one CTA per row.
+      DeviceBuffer<char> scratch;
+      if (budget != 16) {
+        auto s = DeviceBuffer<char>::Create(BatchedTopKWorkspaceBytes(p));
+        ASSERT_TRUE(s.ok());
+        scratch = std::move(*s);
+        ASSERT_EQ(cudaMemset(scratch.data(), 0x7f, scratch.bytes()), cudaSuccess);
+        p.workspace = scratch.data();
+        p.workspace_bytes = scratch.bytes();
+      }
       ASSERT_OK(BatchedTopK(p, nullptr));
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto h_ids = Download(*ids, rows * budget);
@@ -259,6 +269,7 @@ TEST_P(ExactSelectParity, MatchesCpuExactIndex) {
     p.keys.batch_stride = static_cast<int64_t>(nkv) * max_ctx * hd;
     p.cand = {d_begin.data(), d_end.data()};
     p.max_candidates = max_cand;
+    p.out.budget = budget;  // the workspace size depends on it
     auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
     auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
     auto ws = DeviceBuffer<char>::Create(ExactSelectWorkspaceBytes(p));
@@ -362,7 +373,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ExactCase{KeyDType::kBf16, 64, 9, 3, GqaAggregation::kSumSoftmax},
                       ExactCase{KeyDType::kF32, 64, 9, 3, GqaAggregation::kMaxLogit},
                       ExactCase{KeyDType::kF16, 64, 8, 8, GqaAggregation::kSumLogit},
-                      ExactCase{KeyDType::kBf16, 128, 32, 4, GqaAggregation::kMaxLogit}),
+                      ExactCase{KeyDType::kBf16, 128, 32, 4, GqaAggregation::kMaxLogit},
+                      ExactCase{KeyDType::kF32, 128, 32, 4, GqaAggregation::kSumSoftmax}),
     [](const ::testing::TestParamInfo<ExactCase>& i) { return Name(i.param); });
 
 // quest: the CPU QuestIndex on the same keys; the GPU gets the same page bounds (min / max are

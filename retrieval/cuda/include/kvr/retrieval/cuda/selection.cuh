@@ -74,7 +74,14 @@ struct TopKParams {
   const int32_t* n_valid = nullptr;    // device [rows]
   const int32_t* id_offset = nullptr;  // device [rows]; null: 0
   SelectionOutput out;                 // ids [rows, budget], counts [rows]
+  // Optional scratch of BatchedTopKWorkspaceBytes(p) bytes: with it, rows longer than 16K are
+  // split over several CTAs (two stages) while there are fewer rows than half the SMs; without
+  // it one CTA per row (slow at small batch).
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
+// n_valid[r] <= row_stride is assumed (it bounds the segments).
+[[nodiscard]] size_t BatchedTopKWorkspaceBytes(const TopKParams& p);
 [[nodiscard]] absl::Status BatchedTopK(const TopKParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
@@ -108,6 +115,7 @@ struct ExactSelectParams {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
+// Depends on batch, heads, max_candidates, gqa and out.budget: set them before asking.
 [[nodiscard]] size_t ExactSelectWorkspaceBytes(const ExactSelectParams& p);
 [[nodiscard]] absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream);
 
