@@ -112,6 +112,15 @@ class BenchIntegrationTest(unittest.TestCase):
         # The fake node streams "t101 t102 ...", never the key.
         self.assertEqual(j["passkey_accuracy"], 0.0)
 
+    def test_request_deadline_fails_requests_by_code(self):
+        # 40 tokens 5 ms apart cannot finish within 50 ms.
+        j = self.bench("deadline", ["--num-prompts", "3", "--input-len", "8", "--output-len",
+                                    "40", "--request-timeout", "0.05"])
+        self.assertEqual(j["completed"], 0)
+        self.assertEqual(j["failed"], 3)
+        self.assertEqual(j["error_counts"], {"DEADLINE_EXCEEDED": 3})
+        self.assertTrue(all(e.startswith("DEADLINE_EXCEEDED") for e in j["errors"]))
+
     def test_bad_arguments_are_usage_errors(self):
         cases = [(["--rate", "-5"], "--rate"),
                  (["--dataset", "jsonl"], "--dataset-path"),

@@ -9,6 +9,7 @@
 
 #include "kvr/loadgen/dataset.h"
 #include "kvr/loadgen/metrics.h"
+#include "kvr/loadgen/progress.h"
 #include "kvr/loadgen/report.h"
 #include "kvr/loadgen/schedule.h"
 
@@ -283,6 +284,25 @@ TEST(ReportTest, JsonHasTheVllmKeys) {
   EXPECT_EQ(j["error_counts"]["DEADLINE_EXCEEDED"], 1);
   EXPECT_TRUE(j["request_goodput"].is_null());
   EXPECT_THAT(FormatReport(info, m, 2.0), HasSubstr("Successful requests:"));
+}
+
+TEST(ProgressTest, DrawsCountsAndEndsTheLine) {
+  std::FILE* f = std::tmpfile();
+  ASSERT_NE(f, nullptr);
+  {
+    ProgressBar bar(10, f, std::chrono::milliseconds(0));
+    bar.Update(3, 1);
+    bar.Update(10, 2);
+    bar.Finish();
+  }
+  std::rewind(f);
+  char buf[1024] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  const std::string out(buf, n);
+  EXPECT_THAT(out, HasSubstr("3/10  1 failed"));
+  EXPECT_THAT(out, HasSubstr("[==============================] 10/10  2 failed"));
+  EXPECT_EQ(out.back(), '\n');
 }
 
 }  // namespace
