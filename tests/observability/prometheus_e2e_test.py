@@ -289,22 +289,28 @@ class PrometheusE2eTest(unittest.TestCase):
 
     def test_every_process_serves_metrics(self):
         served = {int(name.rsplit("[", 1)[1].rstrip("]")) for name in self.targets.values()}
-        fakes = set() if self.cluster is None else {n.proc.pid for n in self.cluster.nodes}
         without = {pid: name for pid, name in self.processes.items() if pid not in served}
-        fake_without = sorted(f"{without.pop(pid)}[{pid}]" for pid in list(without)
-                              if pid in fakes)
-        if fake_without:
-            MISSING.append("fake nodes (test doubles without a model) serve no /metrics, so "
-                           "prefill/decode/store metrics are not checked: " +
-                           ", ".join(fake_without))
-        if without and self.cluster is not None and "--metrics-port" not in subprocess.run(
-                [os.environ["KVR_CONTROLLER_BIN"], "--help"], capture_output=True,
-                text=True).stdout:
-            reason = "kvr-controller has no --metrics-port yet (controller metrics not landed)"
-            MISSING.append(reason)
-            self.skipTest(reason)
-        self.assertFalse(without, "kvr processes serving no /metrics: " +
-                         ", ".join(f"{name}[{pid}]" for pid, name in sorted(without.items())))
+        not_landed, failing = [], []
+        for pid, name in sorted(without.items()):
+            # A binary whose --help names no metrics option has not had metrics wired in yet
+            # (or is a test double, like controller_fake_node): reported, not failed.
+            try:
+                exe = os.readlink(f"/proc/{pid}/exe")
+                help_text = subprocess.run([exe, "--help"], capture_output=True, text=True,
+                                           timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                help_text = ""
+            if "metrics" in help_text:
+                failing.append(f"{name}[{pid}]")
+            else:
+                not_landed.append(f"{name}[{pid}]")
+        if not_landed:
+            MISSING.append("processes without a metrics option serve no /metrics (not wired "
+                           "yet, or test doubles): " + ", ".join(not_landed))
+        self.assertFalse(failing, "processes with a metrics option serving no /metrics: " +
+                         ", ".join(failing))
+        if not_landed and not self.targets:
+            self.skipTest("no process of the cluster serves /metrics yet")
 
     def test_promtool_check_metrics(self):
         if not self.targets:
@@ -348,8 +354,9 @@ class PrometheusE2eTest(unittest.TestCase):
             unknown = sorted(m for m in metrics if m not in self.exported)
             if self.prometheus.query(promql):
                 continue
-            if unknown and not self.real_cluster:
-                # Metrics of nodes this cluster only fakes (prefill/decode/store).
+            if unknown:
+                # Metrics that no process of this cluster exports: nodes the cluster only
+                # fakes, or metrics not wired yet. Reported under MISSING.
                 not_exported.append(f"{expr}  (not exported here: {', '.join(unknown)})")
                 continue
             # rate() over a fresh series needs a second scrape: give it a few.
@@ -357,7 +364,7 @@ class PrometheusE2eTest(unittest.TestCase):
                 empty.append(f"{expr}\n    -> {promql}")
         if not_exported:
             MISSING.append(f"{len(not_exported)} of {len(exprs)} dashboard expressions not "
-                           "checked: their metrics come from nodes the fake cluster lacks:\n    " +
+                           "checked: no process of this cluster exports their metrics:\n    " +
                            "\n    ".join(not_exported))
         self.assertFalse(empty, "dashboard expressions without data:\n  " + "\n  ".join(empty))
 
