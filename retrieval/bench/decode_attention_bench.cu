@@ -7,11 +7,14 @@
 // Stages, each timed as the mean over `iters` back-to-back launches (rotating over selection
 // sets whose rows exceed the 50 MB L2, so repeated launches do not read cached rows):
 //   select      kernels-select's ExactSelect (GQA sum-softmax scores over every candidate key in
-//               HBM + batched top-k); when that library is absent, no select is timed (0).
+//               HBM + batched top-k) and QuestSelect (16-token page min/max bounds, fp32, on
+//               random bounds: speed only); when that library is absent, no select is timed (0).
 //   gather_host GatherRows zero-copy from pinned host memory mapped into the GPU.
 //   gather_hbm  GatherRows from a KV pool in HBM.
 //   attend      DecodeAttention over resident (64 sink + 448 local) + gathered rows.
 //   fused_host  DecodeAttention reading the selected rows straight from mapped host memory.
+//   *_graph     the same stages (and totals) captured in a CUDA graph: GPU time without the
+//               per-launch host overhead (~4-5 us per launch seen on the lent H100).
 //   hot         HotCache::Gather (2x budget slots per head, 4 ways) at steady state on a chain
 //               of selections where each step keeps `overlap` of the previous step's ids.
 // Totals (one loop of the whole step, so launch gaps count): select + gather_host + attend,
@@ -24,9 +27,8 @@
 // So plain gather from host alone misses the 0.15x SDPA target (~30 us); with a hot cache at hit
 // rate h only (1 - h) x 4 MiB crosses the link: h = 0.7 -> ~23 us.
 //
-// Memory: the HBM pool is the real size (batch x 8 heads x ctx rows); the host pool holds one
-// sequence's rows and every sequence of the batch maps onto it (ids are independent random per
-// (b, h), so sequences do not share rows in practice) to keep pinned memory at 512 MiB at 128K.
+// Memory: both pools are the real size (batch x 8 heads x ctx rows of 512 B: 8 GiB of HBM and
+// 8 GiB of pinned host memory at 128K, batch 16).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -96,6 +98,21 @@ __global__ void FillBf16(__nv_bfloat16* p, size_t n, uint32_t seed) {
     p[i] = __float2bfloat16((x >> 8) * (2.f / 16777216.f) - 1.f);
   }
 }
+// Quest page bounds: min = -|x|, max = +|x| per channel ([pages, heads, 2, d] fp32).
+__global__ void FillBounds(float* p, size_t n_pairs, int head_dim, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n_pairs;
+       i += size_t{gridDim.x} * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    const float a = (x >> 8) * (1.f / 16777216.f);
+    const size_t ph = i / head_dim;  // (page, head)
+    const size_t d = i % head_dim;
+    p[ph * 2 * head_dim + d] = -a;
+    p[ph * 2 * head_dim + head_dim + d] = a;
+  }
+}
 __global__ void Bf16ToF32(const __nv_bfloat16* in, float* out, size_t n) {
   const size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
   if (i < n) out[i] = __bfloat162float(in[i]);
@@ -128,6 +145,47 @@ double TimeUs(cudaStream_t s, int iters, Fn&& fn, int warmup = 3) {
   float ms = 0;
   CHECK_CUDA(cudaEventElapsedTime(&ms, a.get(), b.get()));
   return 1000.0 * ms / iters;
+}
+
+// Mean microseconds per call when `iters` calls are captured in one CUDA graph and replayed: the
+// GPU time of the stage without per-launch host overhead (a decode node captures its layer step
+// in a graph the same way). The hot cache is not timed this way: its step number is a kernel
+// argument that a replayed graph would repeat.
+template <typename Fn>
+double TimeGraphUs(cudaStream_t s, int iters, Fn&& fn) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CHECK_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < iters; ++i) fn(i);
+  CHECK_CUDA(cudaStreamEndCapture(s, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaGraphLaunch(exec, s));  // warm-up
+  constexpr int kReplays = 3;
+  CudaEvent a = Must(CudaEvent::Create()), b = Must(CudaEvent::Create());
+  CHECK_CUDA(cudaEventRecord(a.get(), s));
+  for (int r = 0; r < kReplays; ++r) CHECK_CUDA(cudaGraphLaunch(exec, s));
+  CHECK_CUDA(cudaEventRecord(b.get(), s));
+  CHECK_CUDA(cudaEventSynchronize(b.get()));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, a.get(), b.get()));
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  return 1000.0 * ms / (kReplays * iters);
+}
+
+// Streams `bytes` of (mapped host) memory through the GPU with 16-byte loads: the zero-copy
+// read ceiling, without the gather's random row order.
+__global__ void StreamRead(const uint4* __restrict__ p, size_t n, uint4* __restrict__ sink) {
+  uint4 acc = {0, 0, 0, 0};
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const uint4 v = p[i];
+    acc.x ^= v.x;
+    acc.y ^= v.y;
+    acc.z ^= v.z;
+    acc.w ^= v.w;
+  }
+  if (acc.x == 0x12345678u) sink[0] = acc;  // keeps the loads alive
 }
 
 // `n_sets` selections of `budget` distinct ids in [lo, hi) per (b, h), ascending (the contract).
@@ -213,28 +271,51 @@ int Run(const Options& o) {
   const char* header =
       "ctx,batch,budget,select_us,gather_host_us,gather_hbm_us,attend_us,fused_host_us,hot_us,"
       "hit_rate,total_host_us,total_fused_us,total_hot_us,gather_host_gbs,gather_host_frac,"
-      "gather_hbm_gbs,gather_hbm_frac,select_bytes_per_token,hbm_copy_gbs,h2d_gbs\n";
+      "gather_hbm_gbs,gather_hbm_frac,select_bytes_per_token,hbm_copy_gbs,h2d_gbs,"
+      "select_graph_us,gather_host_graph_us,attend_graph_us,fused_host_graph_us,"
+      "total_host_graph_us,total_fused_graph_us,zero_copy_read_gbs,verified,quest_graph_us\n";
   if (csv) std::fputs(header, csv);
-  std::printf("%s", header);
   const int max_batch = *std::max_element(o.batches.begin(), o.batches.end());
   const int max_budget = *std::max_element(o.budgets.begin(), o.budgets.end());
   std::mt19937 rng(42);
+  bool header_printed = false;
 
   for (int ctx : o.contexts) {
-    // KV pools of one layer: HBM [max_batch, 8, ctx, 256] bf16, host one sequence [8, ctx, 256].
+    // KV pools of one layer: [max_batch, 8, ctx, 256] bf16 in HBM and in mapped pinned host memory.
     const size_t seq_bytes = size_t{kKvHeads} * ctx * kRowBytes;
     auto hbm_pool = Must(DeviceBuffer<uint8_t>::Create(seq_bytes * max_batch));
     Fill(hbm_pool.data(), hbm_pool.bytes(), 7, s);
-    auto host_pool = Must(PinnedBuffer<uint8_t>::Create(seq_bytes, cudaHostAllocMapped));
-    CHECK_CUDA(
-        cudaMemcpyAsync(host_pool.data(), hbm_pool.data(), seq_bytes, cudaMemcpyDeviceToHost, s));
+    auto host_pool =
+        Must(PinnedBuffer<uint8_t>::Create(seq_bytes * max_batch, cudaHostAllocMapped));
+    CHECK_CUDA(cudaMemcpyAsync(host_pool.data(), hbm_pool.data(), host_pool.bytes(),
+                               cudaMemcpyDeviceToHost, s));
     const void* host_dev = Must(host_pool.device_pointer());
+    // Zero-copy streaming read of the first and the last 256 MiB of the mapped pool.
+    double zero_copy_gbs = 0;
+    {
+      auto sink = Must(DeviceBuffer<uint4>::Create(1));
+      const size_t n = std::min<size_t>(host_pool.bytes(), size_t{256} << 20);
+      for (size_t off : {size_t{0}, host_pool.bytes() - n}) {
+        const uint4* p =
+            reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(host_dev) + off);
+        const double us = TimeUs(
+            s, 3,
+            [&](int) {
+              StreamRead<<<1056, 256, 0, s>>>(p, n / 16, sink.data());
+              CHECK_OK(kvr::cuda::LastLaunchStatus("StreamRead"));
+            },
+            1);
+        zero_copy_gbs = std::max(zero_copy_gbs, n / (us * 1e3));
+        std::printf("ctx %d: zero-copy stream read at offset %zu MiB: %.1f GB/s\n", ctx, off >> 20,
+                    n / (us * 1e3));
+      }
+    }
     for (int batch : o.batches) {
       const int bh = batch * kKvHeads;
       std::vector<int64_t> base_hbm(bh), base_host(bh), key_off(bh);
       for (int i = 0; i < bh; ++i) {
         base_hbm[i] = static_cast<int64_t>(i) * ctx;
-        base_host[i] = static_cast<int64_t>(i % kKvHeads) * ctx;
+        base_host[i] = base_hbm[i];
         key_off[i] = base_hbm[i] * 2 * kHeadDim;
       }
       auto up64 = [&](const std::vector<int64_t>& v) {
@@ -277,6 +358,7 @@ int Run(const Options& o) {
 
         // select (kernels-select's exact top-k), writing into a scratch selection.
         double select_us = 0;
+        double quest_graph_us = 0;
         int select_bytes_per_token = 0;
         auto sel_ids = Must(DeviceBuffer<int32_t>::Create(size_t{1} * bh * budget));
         auto sel_counts = Must(DeviceBuffer<int32_t>::Create(bh));
@@ -304,6 +386,29 @@ int Run(const Options& o) {
         ep.workspace = sel_ws.data();
         ep.workspace_bytes = sel_ws.bytes();
         select_fn = [&] { CHECK_OK(ExactSelect(ep, s)); };
+        // quest (page min/max bounds, 16-token pages, fp32: 64 B per token per kv head).
+        constexpr int kPage = 16;
+        const int n_pages = (ctx + kPage - 1) / kPage;
+        auto bounds = Must(
+            DeviceBuffer<float>::Create(size_t{1} * batch * n_pages * kKvHeads * 2 * kHeadDim));
+        FillBounds<<<1024, 256, 0, s>>>(bounds.data(), bounds.size() / 2, kHeadDim, 17);
+        QuestSelectParams qp{
+            .batch = batch,
+            .n_heads = kHeads,
+            .n_kv_heads = kKvHeads,
+            .head_dim = kHeadDim,
+            .page_size = kPage,
+            .scale = 1.f / std::sqrt(float{kHeadDim}),
+            .query = q32.data(),
+            .bounds = bounds.data(),
+            .bounds_batch_stride = static_cast<int64_t>(n_pages) * kKvHeads * 2 * kHeadDim,
+            .cand = {d_cb.data(), d_ce.data()},
+            .max_candidates = hi - lo,
+            .out = {budget, sel_ids.data(), sel_counts.data()}};
+        auto quest_ws = Must(DeviceBuffer<uint8_t>::Create(QuestSelectWorkspaceBytes(qp)));
+        qp.workspace = quest_ws.data();
+        qp.workspace_bytes = quest_ws.bytes();
+        quest_graph_us = TimeGraphUs(s, o.iters, [&](int) { CHECK_OK(QuestSelect(qp, s)); });
         select_us = TimeUs(s, o.iters, [&](int) { select_fn(); });
         select_bytes_per_token = kKvHeads * kHeadDim * 2;  // exact scans every key (K half)
 #endif
@@ -325,6 +430,21 @@ int Run(const Options& o) {
             TimeUs(s, o.iters, [&](int i) { gather_from(host_dev, d_base_host.data(), i); });
         const double gather_hbm_us =
             TimeUs(s, o.iters, [&](int i) { gather_from(hbm_pool.data(), d_base_hbm.data(), i); });
+        // The host gather must deliver the same bytes as the HBM gather (same ids, same rows).
+        bool verified = true;
+        {
+          std::vector<uint8_t> from_host(step_bytes), from_hbm(step_bytes);
+          gather_from(host_dev, d_base_host.data(), 1);
+          CHECK_CUDA(cudaMemcpyAsync(from_host.data(), gathered.data(), step_bytes,
+                                     cudaMemcpyDeviceToHost, s));
+          gather_from(hbm_pool.data(), d_base_hbm.data(), 1);
+          CHECK_CUDA(cudaMemcpyAsync(from_hbm.data(), gathered.data(), step_bytes,
+                                     cudaMemcpyDeviceToHost, s));
+          CHECK_OK(stream.Synchronize());
+          verified = from_host == from_hbm;
+        }
+        const double gather_host_graph_us =
+            TimeGraphUs(s, o.iters, [&](int i) { gather_from(host_dev, d_base_host.data(), i); });
 
         DecodeAttentionParams ap{.batch = batch,
                                  .n_heads = kHeads,
@@ -345,6 +465,8 @@ int Run(const Options& o) {
         ap.workspace = ws.data();
         ap.workspace_bytes = ws.bytes();
         const double attend_us = TimeUs(s, o.iters, [&](int) { CHECK_OK(DecodeAttention(ap, s)); });
+        const double attend_graph_us =
+            TimeGraphUs(s, o.iters, [&](int) { CHECK_OK(DecodeAttention(ap, s)); });
         DecodeAttentionParams fp = ap;
         fp.gathered = nullptr;
         fp.pool = {host_dev, d_base_host.data()};
@@ -353,6 +475,7 @@ int Run(const Options& o) {
           CHECK_OK(DecodeAttention(fp, s));
         };
         const double fused_host_us = TimeUs(s, o.iters, fused);
+        const double fused_host_graph_us = TimeGraphUs(s, o.iters, fused);
 
         // Hot cache at steady state: 16 warm-up steps of the chain, then `iters` timed steps.
         auto cache = Must(HotCache::Create({.batch = batch,
@@ -395,18 +518,38 @@ int Run(const Options& o) {
           hot_step(i);
           CHECK_OK(DecodeAttention(ap, s));
         });
+        double select_graph_us = 0;
+#if KVR_HAVE_CUDA_SELECT
+        select_graph_us = TimeGraphUs(s, o.iters, [&](int) { select_fn(); });
+#endif
+        const double total_host_graph_us = TimeGraphUs(s, o.iters, [&](int i) {
+          select_fn();
+          gather_from(host_dev, d_base_host.data(), i);
+          CHECK_OK(DecodeAttention(ap, s));
+        });
+        const double total_fused_graph_us = TimeGraphUs(s, o.iters, [&](int i) {
+          select_fn();
+          fused(i);
+        });
         CHECK_OK(stream.Synchronize());
 
         const double gh_gbs = step_bytes / (gather_host_us * 1e3);
         const double gd_gbs = 2.0 * step_bytes / (gather_hbm_us * 1e3);  // read + write
-        char line[512];
+        char line[768];
         std::snprintf(line, sizeof line,
                       "%d,%d,%d,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%.1f,%.1f,%.1f,%.1f,%.2f,%.0f,"
-                      "%.2f,%d,%.0f,%.1f\n",
+                      "%.2f,%d,%.0f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%d,%.1f\n",
                       ctx, batch, budget, select_us, gather_host_us, gather_hbm_us, attend_us,
                       fused_host_us, hot_us, hit_rate, total_host_us, total_fused_us, total_hot_us,
                       gh_gbs, gh_gbs / ceil.h2d_gbs, gd_gbs, gd_gbs / ceil.hbm_copy_gbs,
-                      select_bytes_per_token, ceil.hbm_copy_gbs, ceil.h2d_gbs);
+                      select_bytes_per_token, ceil.hbm_copy_gbs, ceil.h2d_gbs, select_graph_us,
+                      gather_host_graph_us, attend_graph_us, fused_host_graph_us,
+                      total_host_graph_us, total_fused_graph_us, zero_copy_gbs, verified ? 1 : 0,
+                      quest_graph_us);
+        if (!header_printed) {
+          std::printf("%s", header);
+          header_printed = true;
+        }
         std::fputs(line, stdout);
         std::fflush(stdout);
         if (csv) std::fputs(line, csv);

@@ -59,6 +59,11 @@ def time_sdpa(contexts, batches, iters):
 
 
 def join(bench_csv, sdpa_csv):
+    """Prints the per-layer table (us per layer, and the ratio to SDPA dense of the same run).
+    Stage times are CUDA-graph replays (GPU time, no per-launch host overhead) except gather HBM
+    and hot, which are stream-launched (hot's step number is a kernel argument, so it is not
+    replayed). E+G+A is one captured graph of exact select + host gather + attend; the other
+    sums are composed from the stage times."""
     sdpa = {}
     with open(sdpa_csv) as f:
         for r in csv.DictReader(f):
@@ -67,11 +72,12 @@ def join(bench_csv, sdpa_csv):
         rows = list(csv.DictReader(f))
     if not rows:
         sys.exit("join: empty bench csv")
-    print(f"ceilings: HBM copy {float(rows[0]['hbm_copy_gbs']):.0f} GB/s (read+write), "
-          f"pinned H2D {float(rows[0]['h2d_gbs']):.1f} GB/s")
-    hdr = ("| ctx | batch | k | SDPA us | select | gather host | gather HBM | attend | fused host "
-           "| hot (hit) | S+G(host)+A | x SDPA | S+fused | x SDPA | S+hot+A | x SDPA "
-           "| G+A (no select) x SDPA | host GB/s (frac) | HBM GB/s (frac) |")
+    r0 = rows[0]
+    print(f"ceilings: HBM copy {float(r0['hbm_copy_gbs']):.0f} GB/s (read+write), "
+          f"pinned H2D memcpy {float(r0['h2d_gbs']):.1f} GB/s")
+    hdr = ("| ctx | batch | k | SDPA | exact sel | quest sel | gather host | gather HBM | attend "
+           "| fused host | hot (hit) | E+G+A (x SDPA) | Q+G+A (x) | Q+hot+A (x) | G+A (x) "
+           "| hot+A (x) | host GB/s (x memcpy) | HBM GB/s (frac) | ok |")
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in rows:
@@ -79,19 +85,22 @@ def join(bench_csv, sdpa_csv):
         s = sdpa.get(key)
         f = {k: float(v) for k, v in r.items()}
 
-        def ratio(x):
-            return f"{x / s:.3f}" if s else "n/a"
+        def us_x(x):
+            return f"{x:.1f} ({x / s:.3f})" if s else f"{x:.1f}"
 
-        ga = f["gather_host_us"] + f["attend_us"]
+        step_bytes = key[1] * 8 * f["budget"] * 512
+        gh = f["gather_host_graph_us"]
+        at = f["attend_graph_us"]
+        qs = f.get("quest_graph_us", 0.0)
+        host_gbs = step_bytes / (gh * 1e3)
         print(f"| {key[0] // 1024}K | {key[1]} | {int(f['budget'])} | "
-              f"{s if s else 'n/a'} | {f['select_us']:.1f} | {f['gather_host_us']:.1f} | "
-              f"{f['gather_hbm_us']:.1f} | {f['attend_us']:.1f} | {f['fused_host_us']:.1f} | "
-              f"{f['hot_us']:.1f} ({f['hit_rate']:.2f}) | {f['total_host_us']:.1f} | "
-              f"{ratio(f['total_host_us'])} | {f['total_fused_us']:.1f} | "
-              f"{ratio(f['total_fused_us'])} | {f['total_hot_us']:.1f} | "
-              f"{ratio(f['total_hot_us'])} | {ratio(ga)} | "
-              f"{f['gather_host_gbs']:.1f} ({f['gather_host_frac']:.2f}) | "
-              f"{f['gather_hbm_gbs']:.0f} ({f['gather_hbm_frac']:.2f}) |")
+              f"{s if s else 'n/a'} | {f['select_graph_us']:.1f} | {qs:.1f} | {gh:.1f} | "
+              f"{f['gather_hbm_us']:.1f} | {at:.1f} | {f['fused_host_graph_us']:.1f} | "
+              f"{f['hot_us']:.1f} ({f['hit_rate']:.2f}) | {us_x(f['total_host_graph_us'])} | "
+              f"{us_x(qs + gh + at)} | {us_x(qs + f['hot_us'] + at)} | {us_x(gh + at)} | "
+              f"{us_x(f['hot_us'] + at)} | {host_gbs:.1f} ({host_gbs / f['h2d_gbs']:.2f}) | "
+              f"{f['gather_hbm_gbs']:.0f} ({f['gather_hbm_frac']:.2f}) | "
+              f"{'yes' if f['verified'] else 'NO'} |")
 
 
 def main():

@@ -17,15 +17,31 @@ __device__ __forceinline__ uint32_t MissPriority(int32_t id) {
   return 0xFFFFFFFEu - static_cast<uint32_t>(id);
 }
 
+// The miss's rank among this step's misses of its set: fills[set] = (step mod 2^24) << 8 | count,
+// restarted at the first miss of each step. Misses of one set then take different victims.
+__device__ __forceinline__ int MissRank(unsigned* fill, uint32_t step) {
+  const unsigned tag = step & 0xFFFFFFu;
+  unsigned old = *fill;
+  while (true) {
+    const int rank = (old >> 8) == tag ? static_cast<int>(old & 0xFFu) : 0;
+    const unsigned want = (tag << 8) | static_cast<unsigned>(min(rank + 1, 255));
+    const unsigned prev = atomicCAS(fill, old, want);
+    if (prev == old) return rank;
+    old = prev;
+  }
+}
+
 // One thread per selected entry [batch * n_kv_heads * budget]. Finds the id in its set; a hit
-// records its slot (>= 0) and claims it with the top priority; a miss picks the LRU way of the
-// set as its victim, bids for it and records -2 - victim. Local slot = set * ways + way.
+// records its slot (>= 0) and claims it with the top priority; the r-th miss of a set in this
+// step picks the r-th least recently used way as its victim, bids for it and records
+// -2 - victim. Local slot = set * ways + way.
 __global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
                                      const int32_t* __restrict__ counts,
                                      const int32_t* __restrict__ tags, uint32_t* stamps,
-                                     unsigned long long* claims, int32_t* __restrict__ slot_of,
-                                     unsigned long long* hits, int budget, int n_sets, int ways,
-                                     int64_t total, uint32_t step) {
+                                     unsigned long long* claims, unsigned* fills,
+                                     int32_t* __restrict__ slot_of, unsigned long long* hits,
+                                     int budget, int n_sets, int ways, int64_t total,
+                                     uint32_t step) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   bool hit = false;
   if (t < total) {
@@ -34,28 +50,37 @@ __global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
     const int32_t id = ids[t];
     if (i < counts[bh] && id >= 0) {
       const int slots = n_sets * ways;
-      const int first = (id % n_sets) * ways;
+      const int set = id % n_sets;
+      const int first = set * ways;
       const int64_t base = bh * slots;
       int found = -1;
-      int victim = first;
-      uint32_t oldest = UINT_MAX;
-      for (int w = 0; w < ways; ++w) {
-        const int s = first + w;
-        if (tags[base + s] == id) found = s;
-        const uint32_t st = stamps[base + s];
-        if (st < oldest) {
-          oldest = st;
-          victim = s;
+      uint32_t st[8];  // compile-time indices only (unrolled), so it stays in registers
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        st[w] = UINT_MAX;
+        if (w < ways) {
+          if (tags[base + first + w] == id) found = first + w;
+          st[w] = stamps[base + first + w];
         }
       }
-      if (found >= 0) {
+      if (found < 0) {
+        // r-th way in (stamp, way) order.
+        const int r = MissRank(&fills[bh * n_sets + set], step) % ways;
+        int victim = first;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+          int pos = 0;
+#pragma unroll
+          for (int u = 0; u < 8; ++u) pos += (st[u] < st[w] || (st[u] == st[w] && u < w));
+          if (w < ways && pos == r) victim = first + w;
+        }
+        atomicMax(&claims[base + victim], ClaimKey(step, MissPriority(id)));
+        slot_of[t] = -2 - victim;
+      } else {
         hit = true;
         stamps[base + found] = step;
         atomicMax(&claims[base + found], ClaimKey(step, kHitPriority));
         slot_of[t] = found;
-      } else {
-        atomicMax(&claims[base + victim], ClaimKey(step, MissPriority(id)));
-        slot_of[t] = -2 - victim;
       }
     }
   }
@@ -132,6 +157,8 @@ absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream
   if (!slot_of.ok()) return slot_of.status();
   auto data = DeviceBuffer<uint8_t>::Create(slots * RowBytes(shape.dtype, shape.head_dim));
   if (!data.ok()) return data.status();
+  auto fills = DeviceBuffer<unsigned>::Create(heads * shape.n_sets);
+  if (!fills.ok()) return fills.status();
   auto counters = DeviceBuffer<unsigned long long>::Create(1);
   if (!counters.ok()) return counters.status();
   c.tags_ = *std::move(tags);
@@ -139,10 +166,12 @@ absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream
   c.claims_ = *std::move(claims);
   c.slot_of_ = *std::move(slot_of);
   c.data_ = *std::move(data);
+  c.fills_ = *std::move(fills);
   c.counters_ = *std::move(counters);
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.tags_.data(), 0xFF, c.tags_.bytes(), stream));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.stamps_.data(), 0, c.stamps_.bytes(), stream));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.claims_.data(), 0, c.claims_.bytes(), stream));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.fills_.data(), 0, c.fills_.bytes(), stream));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.counters_.data(), 0, c.counters_.bytes(), stream));
   return c;
 }
@@ -170,8 +199,8 @@ absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const 
   constexpr int kThreads = 256;
   HotCacheLookupKernel<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0,
                          stream>>>(ids, counts, tags_.data(), stamps_.data(), claims_.data(),
-                                   slot_of_.data(), counters_.data(), shape_.budget, shape_.n_sets,
-                                   shape_.ways, entries, step_);
+                                   fills_.data(), slot_of_.data(), counters_.data(), shape_.budget,
+                                   shape_.n_sets, shape_.ways, entries, step_);
   if (absl::Status s = kvr::cuda::LastLaunchStatus("HotCacheLookupKernel"); !s.ok()) return s;
   const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
   const int64_t chunks = entries * chunks_per_row;

@@ -5,9 +5,10 @@
 // One HotCache serves one layer for up to `batch` sequence slots; each (sequence slot, kv head)
 // owns n_sets * ways row slots in HBM. A token id t lives in set t % n_sets; within a set the
 // victim is the least recently used way (per-slot stamp of the last step that used it: LRU at
-// step granularity). Gather() is one decode step: it copies every selected row into `out` (hits
-// from the cache, HBM -> HBM; misses from the pool, e.g. zero-copy from mapped host memory) and
-// fills the cache with the misses.
+// step granularity); the r-th miss of a set within one step takes the r-th least recent way, so
+// misses of one set do not fight over one victim. Gather() is one decode step: it copies every
+// selected row into `out` (hits from the cache, HBM -> HBM; misses from the pool, e.g. zero-copy
+// from mapped host memory) and fills the cache with the misses.
 //
 // Races inside a step are settled by a per-slot claim word (step << 32 | priority, atomicMax):
 // a hit claims its slot with the top priority, so no miss of the same step overwrites a row that
@@ -63,6 +64,7 @@ class HotCache {
   kvr::cuda::DeviceBuffer<int32_t> tags_;                 // [batch, n_kv_heads, slots], -1 empty
   kvr::cuda::DeviceBuffer<uint32_t> stamps_;              // [batch, n_kv_heads, slots]
   kvr::cuda::DeviceBuffer<unsigned long long> claims_;    // [batch, n_kv_heads, slots]
+  kvr::cuda::DeviceBuffer<unsigned> fills_;               // [batch, n_kv_heads, n_sets]
   kvr::cuda::DeviceBuffer<int32_t> slot_of_;              // [batch, n_kv_heads, budget]
   kvr::cuda::DeviceBuffer<uint8_t> data_;                 // [batch, n_kv_heads, slots, 2*d]
   kvr::cuda::DeviceBuffer<unsigned long long> counters_;  // [1] hits
