@@ -45,6 +45,7 @@ struct BenchFlags {
   double burstiness = 1.0;
   uint64_t seed = 0;
   uint32_t concurrency = 0;
+  uint32_t num_warmups = 0;
   uint64_t num_prompts = 100;
   double duration_s = 0;
   std::string dataset = "synthetic";
@@ -140,6 +141,7 @@ absl::Status RunBench(const BenchFlags& f) {
   o.model = f.model;
   o.arrival = {f.rate, f.poisson, f.burstiness, f.seed};
   o.max_concurrency = f.concurrency;
+  o.num_warmups = f.num_warmups;
   o.num_requests = unbounded ? 0 : f.num_prompts;
   o.duration_s = f.duration_s;
   o.output_len = f.output_len;
@@ -215,6 +217,8 @@ void AddBenchCommand(CLI::App& app) {
   CLI::Option* num = cmd->add_option("--num-prompts", f.num_prompts, "requests to send")
                          ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32))
                          ->capture_default_str();
+  cmd->add_option("--num-warmups", f.num_warmups,
+                  "requests sent and awaited first, left out of the results");
   cmd->add_option("--duration", f.duration_s,
                   "stop sending after this many seconds (without --num-prompts: send until then)")
       ->check(CLI::PositiveNumber);

@@ -209,6 +209,10 @@ absl::StatusOr<std::string> ResolveModel(v1::Generation::Stub& stub, const RunOp
                                           " (serves: ", absl::StrJoin(names, ", "), ")"));
 }
 
+// Sends the requests of one run (measured or warm-up) and waits for all of them.
+RunOutcome Dispatch(v1::Generation::Stub& stub, const RunOptions& options,
+                    const std::vector<Prompt>& prompts);
+
 }  // namespace
 
 absl::StatusOr<RunOutcome> RunBenchmark(const RunOptions& options,
@@ -224,11 +228,29 @@ absl::StatusOr<RunOutcome> RunBenchmark(const RunOptions& options,
 
   auto channel = grpc::CreateChannel(options.target, grpc::InsecureChannelCredentials());
   std::unique_ptr<v1::Generation::Stub> stub = v1::Generation::NewStub(channel);
-  RunOutcome outcome;
   auto model = ResolveModel(*stub, options);
   if (!model.ok()) return model.status();
-  outcome.model = *model;
+  RunOptions run = options;
+  run.model = *model;
+  if (options.num_warmups > 0) {
+    RunOptions warmup = run;
+    warmup.arrival = ArrivalOptions{};
+    warmup.num_requests = options.num_warmups;
+    warmup.duration_s = 0;
+    warmup.on_progress = nullptr;
+    // Its results are dropped: warm-up failures show up again in the measured run if real.
+    Dispatch(*stub, warmup, prompts);
+  }
+  return Dispatch(*stub, run, prompts);
+}
 
+namespace {
+
+RunOutcome Dispatch(v1::Generation::Stub& stub_ref, const RunOptions& options,
+                    const std::vector<Prompt>& prompts) {
+  v1::Generation::Stub* const stub = &stub_ref;
+  RunOutcome outcome;
+  outcome.model = options.model;
   RunState state(options.on_progress);
   ArrivalSchedule schedule(options.arrival);
   // Each call writes its own result through a stable pointer while the dispatcher appends.
@@ -249,7 +271,7 @@ absl::StatusOr<RunOutcome> RunBenchmark(const RunOptions& options,
     const Prompt& prompt = prompts[i % prompts.size()];
     results.push_back(std::make_unique<RequestResult>());
     state.Started();
-    auto* call = new GenerateCall(stub.get(), BuildRequest(options, outcome.model, prompt), &prompt,
+    auto* call = new GenerateCall(stub, BuildRequest(options, outcome.model, prompt), &prompt,
                                   start, options.request_timeout_s, results.back().get(), &state);
     call->Start();
   }
@@ -259,5 +281,7 @@ absl::StatusOr<RunOutcome> RunBenchmark(const RunOptions& options,
   for (auto& r : results) outcome.results.push_back(std::move(*r));
   return outcome;
 }
+
+}  // namespace
 
 }  // namespace kvr::loadgen

@@ -31,6 +31,10 @@ struct RunOptions {
   float temperature = 0.f;
   std::string method;  // retrieval method; empty: the controller's default
   std::optional<uint32_t> budget;
+  // Requests sent (all at once, at most max_concurrency in flight) and awaited before the
+  // measured run, and left out of its results, so that connections, server threads and
+  // caches are warm (as `vllm bench serve --num-warmups`).
+  uint32_t num_warmups = 0;
   // Each request's gRPC deadline, from when it is sent.
   double request_timeout_s = 600;
   // Called after each request ends (from a gRPC thread; serialised): done, failed so far.
