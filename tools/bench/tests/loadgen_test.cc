@@ -7,11 +7,15 @@
 #include <cmath>
 #include <sstream>
 
+#include "kvr/common/paths.h"
 #include "kvr/loadgen/dataset.h"
 #include "kvr/loadgen/metrics.h"
 #include "kvr/loadgen/progress.h"
 #include "kvr/loadgen/report.h"
 #include "kvr/loadgen/schedule.h"
+#include "kvr/model/gguf.h"
+#include "kvr/model/loader.h"
+#include "kvr/model/tokenizer.h"
 
 namespace kvr::loadgen {
 namespace {
@@ -162,6 +166,32 @@ TEST(DatasetTest, SyntheticPromptsFollowATokenCounter) {
   for (const Prompt& p : *prompts) {
     EXPECT_NEAR(p.approx_tokens, 300.0, 15.0);
     EXPECT_NEAR(p.text.size() / 4.0, 300.0, 15.0);
+  }
+}
+
+// The SmolLM2 tokenizer (what `kvr bench --tokenizer-model` loads): generated prompts land
+// within 2% of their target token count.
+TEST(DatasetTest, PromptsSizedWithTheModelTokenizer) {
+  auto file = model::GgufFile::Open(TestModelPath());
+  ASSERT_TRUE(file.ok()) << TestModelPath() << ": " << file.status();
+  auto spec = model::TokenizerSpecFromGguf(*file);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto tokenizer = model::Tokenizer::FromGgufMetadata(*spec);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  const TokenCounter count = [&](std::string_view text) -> absl::StatusOr<uint32_t> {
+    auto ids = tokenizer->Encode(text, {.add_special = false});
+    if (!ids.ok()) return ids.status();
+    return static_cast<uint32_t>(ids->size());
+  };
+  for (const bool passkey : {false, true}) {
+    const GeneratedDatasetOptions o{.input_len = 2000, .seed = 5};
+    const auto prompts = passkey ? PasskeyPrompts(3, o, count) : SyntheticPrompts(3, o, count);
+    ASSERT_TRUE(prompts.ok()) << prompts.status();
+    for (const Prompt& p : *prompts) {
+      const uint32_t actual = *count(p.text);
+      EXPECT_EQ(p.approx_tokens, actual);
+      EXPECT_NEAR(actual, 2000.0, 40.0) << (passkey ? "passkey" : "synthetic");
+    }
   }
 }
 
