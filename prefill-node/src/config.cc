@@ -62,6 +62,16 @@ const std::vector<PrefillConfigField>& PrefillConfigFields() {
                 &PrefillConfig::max_prefill_queries, false),
       UintField("max_queued_prefill_tokens", "advertised queue limit in tokens (0 = none)",
                 &PrefillConfig::max_queued_prefill_tokens, true),
+      {"metrics_port", "Prometheus /metrics port (0: any free port, -1: off)",
+       [](PrefillConfig& c, const std::string& v) {
+         int32_t port;
+         if (!absl::SimpleAtoi(v, &port) || port < -1 || port > 65535) {
+           return BadValue(v, "a port number, 0 (any free port) or -1 (off)");
+         }
+         c.metrics_port = port;
+         return absl::OkStatus();
+       },
+       [](const PrefillConfig& c) { return absl::StrCat(c.metrics_port); }},
       {"store_timeout_seconds", "budget of each KV-store call",
        [](PrefillConfig& c, const std::string& v) {
          double x;

@@ -21,10 +21,12 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/loader.h"
 #include "kvr/prefill_node/config.h"
 #include "kvr/prefill_node/grpc_clients.h"
+#include "kvr/prefill_node/metrics_observer.h"
 #include "kvr/prefill_node/prefill_engine.h"
 #include "kvr/retrieval/all_methods.h"
 #include "spdlog/spdlog.h"
@@ -234,10 +236,26 @@ int Serve(const PrefillConfig& config) {
   store_options.name = "kvr-prefill";
   UcxStoreClients stores(store_options);
   GrpcHandoffOpener handoff;
+  // Metrics (helper "metrics"): declared before the engine, which reports to them.
+  const std::string listen_host = config.listen.substr(0, config.listen.rfind(':'));
+  absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
+      metrics::MetricsServer::Start({.host = listen_host.empty() ? "0.0.0.0" : listen_host,
+                                     .port = config.metrics_port,
+                                     .role = "prefill",
+                                     .node_name = config.node_name.empty()
+                                                      ? absl::StrCat("kvr-prefill-", getpid())
+                                                      : config.node_name});
+  if (!metrics_server.ok()) {
+    std::cerr << "kvr-prefill: " << metrics_server.status() << "\n";
+    return 1;
+  }
+  metrics::PrefillMetrics prefill_metrics((*metrics_server)->registry());
+  PrefillMetricsObserver metrics_observer(&prefill_metrics, served);
   PrefillEngine engine(loaded->model.get(), loaded->tokenizer ? &*loaded->tokenizer : nullptr,
                        &*registry, &stores, &handoff,
                        EngineOptions{.chunk_tokens = config.chunk_tokens,
-                                     .max_prefill_queries = config.max_prefill_queries});
+                                     .max_prefill_queries = config.max_prefill_queries,
+                                     .observer = &metrics_observer});
   PrefillServiceImpl service(&engine);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -256,6 +274,9 @@ int Serve(const PrefillConfig& config) {
   // A wildcard address is not reachable as such; on one machine loopback is.
   if (host.empty() || host == "0.0.0.0" || host == "[::]") host = "127.0.0.1";
   const std::string address = absl::StrCat(host, ":", port);
+  if ((*metrics_server)->serving()) {
+    std::cout << "kvr-prefill metrics on " << host << ":" << (*metrics_server)->port() << std::endl;
+  }
   std::cout << "kvr-prefill listening on " << address << std::endl;
 
   cv1::RegisterRequest registration;
@@ -264,6 +285,8 @@ int Serve(const PrefillConfig& config) {
   registration.set_name(config.node_name.empty() ? absl::StrCat("kvr-prefill-", getpid())
                                                  : config.node_name);
   registration.mutable_endpoints()->set_grpc_address(address);
+  registration.mutable_endpoints()->set_metrics_port(
+      static_cast<uint32_t>((*metrics_server)->port()));
   cv1::Capacity* capacity = registration.mutable_capacity();
   capacity->set_max_queued_prefill_tokens(config.max_queued_prefill_tokens);
   cv1::ModelInfo* info = capacity->add_models();

@@ -35,6 +35,8 @@ struct PrefillConfig {
   uint32_t max_queued_prefill_tokens = 0;
   double store_timeout_seconds = 30;
   std::string log_level = "info";
+  // Prometheus /metrics port on the listen host: 0 any free port (printed), -1 off.
+  int32_t metrics_port = 0;
 };
 
 struct PrefillConfigField {
