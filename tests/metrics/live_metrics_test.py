@@ -112,6 +112,28 @@ class LiveMetricsTest(unittest.TestCase):
         finally:
             node.stop()
 
+    def test_prefill(self):
+        binary = os.environ.get("KVR_PREFILL_BIN")
+        model = os.environ.get("KVR_TEST_MODEL") or os.path.expanduser(
+            "~/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        if not binary:
+            self.skipTest("kvr-prefill is not built in this tree")
+        if not os.path.exists(model):
+            self.skipTest(f"test model {model} missing (scripts/fetch-model.sh)")
+        # No controller: the node keeps retrying registration, which does not matter here.
+        node = Node([binary, "--model", model, "--listen", "127.0.0.1:0", "--metrics-port", "0",
+                     "--controller", "127.0.0.1:1", "--node-name", "prefill-a"])
+        try:
+            port = int(node.wait_for(r"kvr-prefill metrics on [^:]+:(\d+)", timeout=90).group(1))
+            node.wait_for("kvr-prefill listening on")
+            text = get_metrics(port)
+            promtool_check(self, text, "kvr-prefill")
+            self.assertIn('kvr_node_info{name="prefill-a",role="prefill"} 1', text)
+            self.assertIn('kvr_requests_waiting{role="prefill"} 0', text)
+            self.assertRegex(text, r'kvr_kv_shipped_bytes_total\{destination="store",model="[^"]+"\} 0')
+        finally:
+            node.stop()
+
 
 if __name__ == "__main__":
     unittest.main()
