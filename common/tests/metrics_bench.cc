@@ -1,6 +1,6 @@
 // Cost of recording kvr metrics (kvr/common/metrics.h) on the paths that call them per token
 // or per (step, layer), and of one scrape. Single-threaded and 4-thread (contended) runs.
-//   build-metrics/common/metrics_bench --benchmark_min_time=0.2s
+//   build-metrics/common/metrics_bench --benchmark_min_time=0.3
 #include <benchmark/benchmark.h>
 
 #include "kvr/common/metrics.h"
