@@ -65,6 +65,16 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
       IntField("memory_bytes", "memory offered for summaries and resident KV",
                &DecodeConfig::memory_bytes, false),
       IntField("threads", "compute threads (0: all cores)", &DecodeConfig::threads, true),
+      {"metrics_port", "Prometheus /metrics port (0: any free port, -1: off)",
+       [](DecodeConfig& c, const std::string& v) {
+         int32_t port;
+         if (!absl::SimpleAtoi(v, &port) || port < -1 || port > 65535) {
+           return BadValue(v, "a port number, 0 (any free port) or -1 (off)");
+         }
+         c.metrics_port = port;
+         return absl::OkStatus();
+       },
+       [](const DecodeConfig& c) { return absl::StrCat(c.metrics_port); }},
       {"log_level", "trace, debug, info, warn, error",
        [](DecodeConfig& c, const std::string& v) {
          for (const char* level : {"trace", "debug", "info", "warn", "error"}) {

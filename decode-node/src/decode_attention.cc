@@ -66,7 +66,7 @@ absl::Status DecodeAttention::AddSequence(model::SequenceId id, DecodeSequenceSe
   seq.new_v.resize(floats);
   seq.has_new_rows.assign(options_.n_layers, false);
   sequences_.emplace(id, std::move(seq));
-  if (observer_ != nullptr) observer_->OnSummaryBytes(TotalSummaryBytes());
+  ReportSummaryBytes(sequences_.at(id).setup.method);
   return absl::OkStatus();
 }
 
@@ -208,6 +208,7 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
   };
   absl::flat_hash_map<kv_store::KvStoreClient*, StoreBatch> stores;
   int64_t hits = 0, misses = 0;
+  absl::flat_hash_map<std::string_view, RetrievalReport> by_method;  // for the observer
   for (size_t wi = 0; wi < work_.size(); ++wi) {
     HeadWork& w = work_[wi];
     const AttentionRequest& r = batch[w.request];
@@ -220,11 +221,13 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
       if (const float* cached = hot_cache_.Find(key)) {
         std::memcpy(rows_.data() + w.rows_offset + j * row_floats, cached, row_bytes);
         ++seq.counters.hot_cache_hits;
+        ++by_method[seq.setup.method].hot_cache_hits;
         ++hits;
       } else {
         miss_positions.push_back(static_cast<uint32_t>(w.positions[j]));
         miss_slots.push_back(j);
         ++seq.counters.hot_cache_misses;
+        ++by_method[seq.setup.method].hot_cache_misses;
         ++misses;
       }
     }
@@ -239,7 +242,6 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
   }
   node_.retrieval.hot_cache_hits += hits;
   node_.retrieval.hot_cache_misses += misses;
-  if (observer_ != nullptr) observer_->OnHotCache(hits, misses);
   const auto t0 = std::chrono::steady_clock::now();
   for (auto& [store, sb] : stores) {
     for (size_t e = 0; e < sb.entries.size(); ++e) sb.entries[e].indices = sb.indices[e];
@@ -273,6 +275,9 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
         seq.counters.bytes_fetched += row_bytes;
         ++node_.retrieval.rows_fetched;
         node_.retrieval.bytes_fetched += row_bytes;
+        RetrievalReport& m = by_method[seq.setup.method];
+        ++m.rows_fetched;
+        m.bytes_fetched += row_bytes;
       }
     }
     if (observer_ != nullptr) {
@@ -280,6 +285,11 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
           {std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
            static_cast<int64_t>(sb.out.size()) / row_bytes, static_cast<int64_t>(sb.out.size())});
     }
+  }
+
+  if (observer_ != nullptr) {
+    observer_->OnHotCache(hits, misses);
+    for (const auto& [method, report] : by_method) observer_->OnRetrieval(method, report);
   }
 
   // One softmax over resident ∪ selected, as two partials merged by log-sum-exp.
@@ -317,6 +327,7 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
 void DecodeAttention::StartOffload() {
   FinishOffload().IgnoreError();  // callers that care call FinishOffload first
   const int64_t row = int64_t{options_.n_kv_heads} * options_.head_dim;
+  int64_t bytes = 0;
   for (auto& [id, seq] : sequences_) {
     for (int layer = 0; layer < options_.n_layers; ++layer) {
       if (!seq.has_new_rows[layer]) continue;
@@ -335,8 +346,10 @@ void DecodeAttention::StartOffload() {
       put.op = seq.setup.store->StartPutLayer(rows);
       seq.counters.rows_offloaded += options_.n_kv_heads;
       node_.retrieval.rows_offloaded += options_.n_kv_heads;
+      bytes += static_cast<int64_t>((put.k.size() + put.v.size()) * sizeof(float));
     }
   }
+  if (observer_ != nullptr && bytes > 0) observer_->OnOffload(bytes);
 }
 
 absl::Status DecodeAttention::FinishOffload() {
@@ -362,9 +375,22 @@ absl::flat_hash_map<model::SequenceId, absl::Status> DecodeAttention::TakeOffloa
 }
 
 void DecodeAttention::Release(model::SequenceId id) {
-  if (sequences_.erase(id) == 0) return;
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return;
+  const std::string method = it->second.setup.method;
+  sequences_.erase(it);
   hot_cache_.DropSequence(id);
-  if (observer_ != nullptr) observer_->OnSummaryBytes(TotalSummaryBytes());
+  ReportSummaryBytes(method);
+}
+
+void DecodeAttention::ReportSummaryBytes(const std::string& method) {
+  if (observer_ == nullptr) return;
+  int64_t bytes = 0;
+  for (const auto& [id, seq] : sequences_) {
+    if (seq.setup.method == method) bytes += SummaryBytes(id);
+  }
+  observer_->OnMethodSummaryBytes(method, bytes);
+  observer_->OnSummaryBytes(TotalSummaryBytes());
 }
 
 RetrievalCounters DecodeAttention::counters(model::SequenceId id) const {

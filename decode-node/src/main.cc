@@ -21,9 +21,11 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/decode/config.h"
 #include "kvr/decode/engine.h"
+#include "kvr/decode/metrics_observer.h"
 #include "kvr/decode/service.h"
 #include "kvr/model/loader.h"
 #include "kvr/retrieval/all_methods.h"
@@ -193,13 +195,31 @@ int Serve(const DecodeConfig& config) {
         if (!client.ok()) return client.status();
         return std::unique_ptr<kv_store::KvStoreClient>(std::move(*client));
       });
+  // Metrics (kvr/common/metrics.h): declared before the engine, which reports to them.
+  const std::string listen_host = config.listen.substr(0, config.listen.rfind(':'));
+  absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
+      metrics::MetricsServer::Start({.host = listen_host.empty() ? "0.0.0.0" : listen_host,
+                                     .port = config.metrics_port,
+                                     .role = "decode",
+                                     .node_name = config.name});
+  if (!metrics_server.ok()) {
+    std::cerr << "kvr-decode: " << metrics_server.status() << "\n";
+    return 1;
+  }
+  if ((*metrics_server)->serving()) {
+    std::cout << "kvr-decode metrics on " << listen_host << ":" << (*metrics_server)->port()
+              << std::endl;
+  }
+  metrics::DecodeMetrics decode_metrics((*metrics_server)->registry());
+  DecodeMetricsObserver metrics_observer(&decode_metrics, served);
   absl::StatusOr<std::unique_ptr<DecodeEngine>> engine = DecodeEngine::Create(
       loaded->model.get(), loaded->tokenizer ? &*loaded->tokenizer : nullptr, &*registry,
       EngineOptions{.model_name = served,
                     .batch_slots = static_cast<int>(config.batch_slots),
                     .max_waiting = static_cast<int>(config.max_waiting),
                     .hot_cache_bytes = config.hot_cache_bytes,
-                    .memory_bytes = config.memory_bytes});
+                    .memory_bytes = config.memory_bytes},
+      &metrics_observer);
   if (!engine.ok()) {
     std::cerr << "kvr-decode: " << engine.status() << "\n";
     return 1;
@@ -230,6 +250,8 @@ int Serve(const DecodeConfig& config) {
   registration.set_protocol_version(1);
   registration.set_name(config.name.empty() ? absl::StrCat("kvr-decode-", getpid()) : config.name);
   registration.mutable_endpoints()->set_grpc_address(address);
+  registration.mutable_endpoints()->set_metrics_port(
+      static_cast<uint32_t>(std::max(0, (*metrics_server)->port())));
   cv1::Capacity* capacity = registration.mutable_capacity();
   capacity->set_memory_bytes(static_cast<uint64_t>(config.memory_bytes));
   capacity->set_batch_slots(config.batch_slots);

@@ -4,6 +4,7 @@
 
 #include "kvr/decode/engine.h"
 
+#include <atomic>
 #include <map>
 #include <random>
 
@@ -205,6 +206,43 @@ TEST_F(EngineTest, RejectsBadHandoffs) {
   ASSERT_TRUE(engine->Admit(h).ok());
   EXPECT_TRUE(absl::IsAlreadyExists(engine->Admit(h)));
   EXPECT_TRUE(absl::IsNotFound(engine->Next(999, absl::Now()).status()));
+}
+
+// Counts what the engine reports (the metrics helper's Prometheus observer plugs in here).
+class RecordingObserver final : public DecodeObserver {
+ public:
+  void OnStep(const StepReport& s) override {
+    ++steps;
+    tokens += s.tokens;
+  }
+  void OnFetch(const FetchReport& f) override { fetched_bytes += f.bytes; }
+  void OnRetrieval(std::string_view method, const RetrievalReport& r) override {
+    if (method == "full") full_hits += r.hot_cache_hits;
+  }
+  void OnOffload(int64_t bytes) override { offloaded += bytes; }
+  void OnSequenceEnd(std::string_view outcome, int64_t n) override {
+    outcomes.push_back(std::string(outcome));
+  }
+  std::atomic<int64_t> steps{0}, tokens{0}, fetched_bytes{0}, full_hits{0}, offloaded{0};
+  std::vector<std::string> outcomes;
+};
+
+TEST_F(EngineTest, ReportsStepsFetchesAndOutcomesToTheObserver) {
+  RecordingObserver observer;
+  auto engine = DecodeEngine::Create(model_.get(), nullptr, &registry_,
+                                     {.batch_slots = 2, .hot_cache_bytes = 1 << 20}, &observer);
+  ASSERT_TRUE(engine.ok());
+  ASSERT_TRUE((*engine)->Admit(MakeHandoff(61, Prompt(60, 6), "full", 8, 6)).ok());
+  std::map<uint64_t, std::vector<int32_t>> tokens;
+  std::map<uint64_t, absl::StatusOr<CompletionInfo>> done;
+  RunToEnd(**engine, {61}, &tokens, &done);
+  EXPECT_EQ(observer.steps.load(), 5);  // max_tokens 6, the first from the prefill node
+  EXPECT_EQ(observer.tokens.load(), 5);
+  EXPECT_GT(observer.fetched_bytes.load(), 0);
+  EXPECT_GT(observer.full_hits.load(), 0);
+  // 5 steps x 2 layers x (K + V of 2 heads x 16 floats).
+  EXPECT_EQ(observer.offloaded.load(), 5 * 2 * 2 * 2 * 16 * 4);
+  EXPECT_EQ(observer.outcomes, std::vector<std::string>{"length"});
 }
 
 TEST_F(EngineTest, LoopThreadStreamsUntilTheCompletion) {

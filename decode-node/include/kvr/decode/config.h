@@ -28,6 +28,8 @@ struct DecodeConfig {
   int64_t memory_bytes = 4ll << 30;
   uint32_t threads = 0;  // compute threads; 0: all cores
   std::string log_level = "info";
+  // Prometheus /metrics port on the listen host: 0 any free port (printed), -1 off.
+  int32_t metrics_port = 0;
 };
 
 struct DecodeConfigField {

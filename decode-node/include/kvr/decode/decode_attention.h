@@ -131,6 +131,7 @@ class DecodeAttention final : public model::Attention {
     std::vector<float> k, v;  // the op's buffers
   };
 
+  void ReportSummaryBytes(const std::string& method);
   [[nodiscard]] absl::Status Prepare(const model::AttentionShape& shape,
                                      const model::AttentionRequest& request, size_t index);
 

@@ -26,15 +26,30 @@ struct FetchReport {
   int64_t bytes = 0;
 };
 
+// Retrieval work of one (step, layer) for the sequences of one method.
+struct RetrievalReport {
+  int64_t hot_cache_hits = 0;
+  int64_t hot_cache_misses = 0;
+  int64_t rows_fetched = 0;
+  int64_t bytes_fetched = 0;
+};
+
 class DecodeObserver {
  public:
   virtual ~DecodeObserver() = default;
   virtual void OnStep(const StepReport& step) {}
+  // One gather (its latency covers every method's rows).
   virtual void OnFetch(const FetchReport& fetch) {}
-  // Hot-cache lookups of one (step, layer).
+  // Hot-cache lookups of one (step, layer), all methods.
   virtual void OnHotCache(int64_t hits, int64_t misses) {}
-  // Summary bytes resident on the node after a sequence joined or left.
+  // Hot-cache lookups and fetches of one (step, layer), per retrieval method.
+  virtual void OnRetrieval(std::string_view method, const RetrievalReport& report) {}
+  // Bytes of generated KV rows put to the store by one step.
+  virtual void OnOffload(int64_t bytes) {}
+  // Summary bytes resident on the node (all methods) / for one method, after a sequence
+  // joined or left.
   virtual void OnSummaryBytes(int64_t bytes) {}
+  virtual void OnMethodSummaryBytes(std::string_view method, int64_t bytes) {}
   // A sequence ended: outcome is "eos", "stop", "length", "cancelled", "deadline" or "error".
   virtual void OnSequenceEnd(std::string_view outcome, int64_t completion_tokens) {}
 };
