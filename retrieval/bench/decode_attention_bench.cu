@@ -13,8 +13,8 @@
 //   gather_hbm  GatherRows from a KV pool in HBM.
 //   attend      DecodeAttention over resident (64 sink + 448 local) + gathered rows.
 //   fused_host  DecodeAttention reading the selected rows straight from mapped host memory.
-//   *_graph     the same stages (and totals) captured in a CUDA graph: GPU time without the
-//               per-launch host overhead (~4-5 us per launch seen on the lent H100).
+//   *_graph     the same stages (and totals, hot included) captured in a CUDA graph: GPU time
+//               without the per-launch host overhead (~4-5 us per launch seen on the lent H100).
 //   hot         HotCache::Gather (2x budget slots per head, 4 ways) at steady state on a chain
 //               of selections where each step keeps `overlap` of the previous step's ids.
 // Totals (one loop of the whole step, so launch gaps count): select + gather_host + attend,
@@ -273,7 +273,8 @@ int Run(const Options& o) {
       "hit_rate,total_host_us,total_fused_us,total_hot_us,gather_host_gbs,gather_host_frac,"
       "gather_hbm_gbs,gather_hbm_frac,select_bytes_per_token,hbm_copy_gbs,h2d_gbs,"
       "select_graph_us,gather_host_graph_us,attend_graph_us,fused_host_graph_us,"
-      "total_host_graph_us,total_fused_graph_us,zero_copy_read_gbs,verified,quest_graph_us\n";
+      "total_host_graph_us,total_fused_graph_us,zero_copy_read_gbs,verified,quest_graph_us,"
+      "hot_graph_us\n";
   if (csv) std::fputs(header, csv);
   const int max_batch = *std::max_element(o.batches.begin(), o.batches.end());
   const int max_budget = *std::max_element(o.budgets.begin(), o.budgets.end());
@@ -343,7 +344,7 @@ int Run(const Options& o) {
             std::clamp<int>(static_cast<int>((size_t{256} << 20) / step_bytes), 8, 32);
         const int lo = kSink, hi = ctx - kLocal;
         const std::vector<int32_t> sel = MakeSelections(n_sets, bh, budget, lo, hi, -1, rng);
-        const int chain_steps = 16 + 2 * (o.iters + 3);
+        const int chain_steps = 16 + 3 * (o.iters + 3);
         const std::vector<int32_t> chain =
             MakeSelections(chain_steps, bh, budget, lo, hi, o.overlap, rng);
         auto d_sel = Must(DeviceBuffer<int32_t>::Create(sel.size()));
@@ -501,6 +502,9 @@ int Run(const Options& o) {
         CHECK_CUDA(cudaMemcpy(&hits1, cache.hits(), 8, cudaMemcpyDeviceToHost));
         const double hit_rate =
             static_cast<double>(hits1 - hits0) / (static_cast<double>(o.iters) * bh * budget);
+        // GPU time of a hot-cache step: `iters` steps of the chain captured in a graph (the step
+        // counter is on the device, so each replayed launch is a new step).
+        const double hot_graph_us = TimeGraphUs(s, o.iters, hot_step);
 
         // Whole steps, launch gaps included.
         const double total_host_us = TimeUs(s, o.iters, [&](int i) {
@@ -538,14 +542,14 @@ int Run(const Options& o) {
         char line[768];
         std::snprintf(line, sizeof line,
                       "%d,%d,%d,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%.1f,%.1f,%.1f,%.1f,%.2f,%.0f,"
-                      "%.2f,%d,%.0f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%d,%.1f\n",
+                      "%.2f,%d,%.0f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%d,%.1f,%.1f\n",
                       ctx, batch, budget, select_us, gather_host_us, gather_hbm_us, attend_us,
                       fused_host_us, hot_us, hit_rate, total_host_us, total_fused_us, total_hot_us,
                       gh_gbs, gh_gbs / ceil.h2d_gbs, gd_gbs, gd_gbs / ceil.hbm_copy_gbs,
                       select_bytes_per_token, ceil.hbm_copy_gbs, ceil.h2d_gbs, select_graph_us,
                       gather_host_graph_us, attend_graph_us, fused_host_graph_us,
                       total_host_graph_us, total_fused_graph_us, zero_copy_gbs, verified ? 1 : 0,
-                      quest_graph_us);
+                      quest_graph_us, hot_graph_us);
         if (!header_printed) {
           std::printf("%s", header);
           header_printed = true;

@@ -60,10 +60,10 @@ def time_sdpa(contexts, batches, iters):
 
 def join(bench_csv, sdpa_csv):
     """Prints the per-layer table (us per layer, and the ratio to SDPA dense of the same run).
-    Stage times are CUDA-graph replays (GPU time, no per-launch host overhead) except gather HBM
-    and hot, which are stream-launched (hot's step number is a kernel argument, so it is not
-    replayed). E+G+A is one captured graph of exact select + host gather + attend; the other
-    sums are composed from the stage times."""
+    Stage times are CUDA-graph replays (GPU time, no per-launch host overhead) except gather HBM,
+    which is stream-launched; hot's hit rate is from stream-launched steps of the chain. E+G+A is
+    one captured graph of exact select + host gather + attend; the other sums are composed from
+    the stage times."""
     sdpa = {}
     with open(sdpa_csv) as f:
         for r in csv.DictReader(f):
@@ -92,13 +92,14 @@ def join(bench_csv, sdpa_csv):
         gh = f["gather_host_graph_us"]
         at = f["attend_graph_us"]
         qs = f.get("quest_graph_us", 0.0)
+        hot = f.get("hot_graph_us", f["hot_us"])
         host_gbs = step_bytes / (gh * 1e3)
         print(f"| {key[0] // 1024}K | {key[1]} | {int(f['budget'])} | "
               f"{s if s else 'n/a'} | {f['select_graph_us']:.1f} | {qs:.1f} | {gh:.1f} | "
               f"{f['gather_hbm_us']:.1f} | {at:.1f} | {f['fused_host_graph_us']:.1f} | "
-              f"{f['hot_us']:.1f} ({f['hit_rate']:.2f}) | {us_x(f['total_host_graph_us'])} | "
-              f"{us_x(qs + gh + at)} | {us_x(qs + f['hot_us'] + at)} | {us_x(gh + at)} | "
-              f"{us_x(f['hot_us'] + at)} | {host_gbs:.1f} ({host_gbs / f['h2d_gbs']:.2f}) | "
+              f"{hot:.1f} ({f['hit_rate']:.2f}) | {us_x(f['total_host_graph_us'])} | "
+              f"{us_x(qs + gh + at)} | {us_x(qs + hot + at)} | {us_x(gh + at)} | "
+              f"{us_x(hot + at)} | {host_gbs:.1f} ({host_gbs / f['h2d_gbs']:.2f}) | "
               f"{f['gather_hbm_gbs']:.0f} ({f['gather_hbm_frac']:.2f}) | "
               f"{'yes' if f['verified'] else 'NO'} |")
 

@@ -16,8 +16,8 @@ using detail::LoadFloats;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxGroup = 8;
-constexpr int kRowsPerIter = 4;       // rows a warp loads before it uses any (memory parallelism)
-constexpr int kMinRowsPerSplit = 16;  // one 4-row step per warp
+constexpr int kRowsPerIter = 4;  // rows a warp loads before it uses any (memory parallelism)
+constexpr int kMinRowsPerSplit = 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -180,29 +180,55 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Sum (or max) over the D threads of a block; every thread gets the result.
+template <int D, bool kMax>
+__device__ __forceinline__ float BlockReduce(float x, float* red) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, off);
+    x = kMax ? fmaxf(x, y) : x + y;
+  }
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = red[0];
+#pragma unroll
+  for (int w = 1; w < D / 32; ++w) x = kMax ? fmaxf(x, red[w]) : x + red[w];
+  __syncthreads();  // red is reused by the next reduction
+  return x;
+}
+
 // One block of D threads per (sequence, query head): merges the splits' partials by
-// log-sum-exp (same algebra as MergeAttentionPartial) and writes out / lse.
+// log-sum-exp (same algebra as MergeAttentionPartial) and writes out / lse. The split weights
+// are computed once, in parallel, into shared memory ([n_splits] floats, dynamic); the weighted
+// sum then streams the partials with 8 loads in flight per thread (a serial loop over hundreds
+// of splits cost ~10 us at batch 1).
 template <typename T, int D>
 __global__ void __launch_bounds__(D)
     DecodeAttentionMergeKernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                int n_splits, T* __restrict__ out, float* __restrict__ lse) {
+  extern __shared__ float sm_w[];  // [n_splits]
+  __shared__ float red[D / 32];
   const int64_t bq = blockIdx.x;
   const int d = threadIdx.x;
   const float* l2 = part_lse + bq * n_splits;
   float mx = -INFINITY;
-  for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, l2[s]);
+  for (int s = d; s < n_splits; s += D) mx = fmaxf(mx, l2[s]);
+  mx = BlockReduce<D, true>(mx, red);
   float w_sum = 0.f;
-  float o = 0.f;
-  if (mx != -INFINITY) {
-    for (int s = 0; s < n_splits; ++s) {
-      const float w = exp2f(l2[s] - mx);
-      w_sum += w;
-      o = fmaf(w, part_o[(bq * n_splits + s) * D + d], o);
-    }
-    o /= w_sum;
+  for (int s = d; s < n_splits; s += D) {
+    const float w = mx == -INFINITY ? 0.f : exp2f(l2[s] - mx);
+    sm_w[s] = w;
+    w_sum += w;
   }
-  out[bq * D + d] = FromFloat<T>(o);
-  if (lse != nullptr && d == 0) lse[bq] = mx != -INFINITY ? (mx + log2f(w_sum)) * kLn2 : -INFINITY;
+  w_sum = BlockReduce<D, false>(w_sum, red);  // its barriers also publish sm_w
+  float o = 0.f;
+  const float* po = part_o + bq * n_splits * D + d;
+#pragma unroll 8
+  for (int s = 0; s < n_splits; ++s) o = fmaf(sm_w[s], po[static_cast<int64_t>(s) * D], o);
+  out[bq * D + d] = FromFloat<T>(w_sum > 0.f ? o / w_sum : 0.f);
+  if (lse != nullptr && d == 0) {
+    lse[bq] = w_sum > 0.f ? (mx + log2f(w_sum)) * kLn2 : -INFINITY;
+  }
 }
 
 absl::Status Validate(const DecodeAttentionParams& p) {
@@ -254,12 +280,10 @@ int MultiprocessorCount() {
 
 int DecodeAttentionSplits(const DecodeAttentionParams& p) {
   if (p.num_splits > 0) return p.num_splits;
-  // Up to kBlocksPerSm blocks per SM, and splits down to 16 rows. A warp's 4-row step is a
-  // serial chain (load, 5 shuffles per row and query head, rescale), so at batch 1 the time is
-  // that chain times the steps per warp: many short splits run the chains side by side. Measured
-  // on the H100 (2026-11-22): 8 rows per step (151 registers) ran 30-40% slower at batch 4 / 16;
-  // 64-row splits left batch 1 at ~14 us for 1.5K rows x 8 heads.
-  constexpr int64_t kBlocksPerSm = 8;
+  // About kBlocksPerSm blocks per SM, splits of at least 32 rows. Measured on the H100
+  // (2026-11-22, 32 q / 8 kv heads, d = 128, bf16): 8 rows per warp step (151 registers) or
+  // 3-8 blocks per SM ran 5-40% slower at batch 4 / 16 than 4 rows and 2 blocks per SM.
+  constexpr int64_t kBlocksPerSm = 2;
   const int64_t heads = std::max<int64_t>(1, static_cast<int64_t>(p.batch) * p.n_kv_heads);
   int64_t splits = (kBlocksPerSm * MultiprocessorCount() + heads - 1) / heads;
   const int64_t by_rows =
@@ -292,7 +316,7 @@ absl::Status DecodeAttention(const DecodeAttentionParams& p, cudaStream_t stream
       if (absl::Status s = kvr::cuda::LastLaunchStatus("DecodeAttentionSplitKernel"); !s.ok()) {
         return s;
       }
-      DecodeAttentionMergeKernel<T, D><<<p.batch * p.n_heads, D, 0, stream>>>(
+      DecodeAttentionMergeKernel<T, D><<<p.batch * p.n_heads, D, splits * sizeof(float), stream>>>(
           part_o, part_lse, splits, static_cast<T*>(p.out), p.lse);
       return kvr::cuda::LastLaunchStatus("DecodeAttentionMergeKernel");
     });

@@ -41,8 +41,13 @@ __global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
                                      unsigned long long* claims, unsigned* fills,
                                      int32_t* __restrict__ slot_of, unsigned long long* hits,
                                      int budget, int n_sets, int ways, int64_t total,
-                                     uint32_t step) {
+                                     uint32_t* step_state) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // This step's number: one more than the last completed step (written by the copy kernel of
+  // the previous step); published in step_state[1] for this step's copy kernel. Each kernel
+  // writes only the word the other one reads, so a captured graph can replay steps.
+  const uint32_t step = step_state[0] + 1;
+  if (t == 0) step_state[1] = step;
   bool hit = false;
   if (t < total) {
     const int64_t bh = t / budget;
@@ -100,8 +105,10 @@ __global__ void HotCacheCopyKernel(const uint4* __restrict__ pool,
                                    const int32_t* __restrict__ slot_of, int32_t* tags,
                                    uint32_t* stamps, const unsigned long long* claims, uint4* cache,
                                    uint4* __restrict__ out, int budget, int slots,
-                                   int chunks_per_row, int64_t total_chunks, uint32_t step) {
+                                   int chunks_per_row, int64_t total_chunks, uint32_t* step_state) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint32_t step = step_state[1];
+  if (t == 0) step_state[0] = step;  // completed once this kernel is; the next lookup reads it
   if (t >= total_chunks) return;
   const int64_t e = t / chunks_per_row;  // selected entry
   const int chunk = static_cast<int>(t - e * chunks_per_row);
@@ -159,6 +166,8 @@ absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream
   if (!data.ok()) return data.status();
   auto fills = DeviceBuffer<unsigned>::Create(heads * shape.n_sets);
   if (!fills.ok()) return fills.status();
+  auto steps = DeviceBuffer<uint32_t>::Create(2);
+  if (!steps.ok()) return steps.status();
   auto counters = DeviceBuffer<unsigned long long>::Create(1);
   if (!counters.ok()) return counters.status();
   c.tags_ = *std::move(tags);
@@ -167,11 +176,13 @@ absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream
   c.slot_of_ = *std::move(slot_of);
   c.data_ = *std::move(data);
   c.fills_ = *std::move(fills);
+  c.steps_ = *std::move(steps);
   c.counters_ = *std::move(counters);
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.tags_.data(), 0xFF, c.tags_.bytes(), stream));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.stamps_.data(), 0, c.stamps_.bytes(), stream));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.claims_.data(), 0, c.claims_.bytes(), stream));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.fills_.data(), 0, c.fills_.bytes(), stream));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.steps_.data(), 0, c.steps_.bytes(), stream));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.counters_.data(), 0, c.counters_.bytes(), stream));
   return c;
 }
@@ -194,13 +205,12 @@ absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const 
   if (!pool.rows || !pool.head_base || !ids || !counts || !out) {
     return absl::InvalidArgumentError("HotCache::Gather: null pool, head_base, ids, counts or out");
   }
-  ++step_;
   const int64_t entries = static_cast<int64_t>(shape_.batch) * shape_.n_kv_heads * shape_.budget;
   constexpr int kThreads = 256;
   HotCacheLookupKernel<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0,
                          stream>>>(ids, counts, tags_.data(), stamps_.data(), claims_.data(),
                                    fills_.data(), slot_of_.data(), counters_.data(), shape_.budget,
-                                   shape_.n_sets, shape_.ways, entries, step_);
+                                   shape_.n_sets, shape_.ways, entries, steps_.data());
   if (absl::Status s = kvr::cuda::LastLaunchStatus("HotCacheLookupKernel"); !s.ok()) return s;
   const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
   const int64_t chunks = entries * chunks_per_row;
@@ -208,7 +218,8 @@ absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const 
                        stream>>>(static_cast<const uint4*>(pool.rows), pool.head_base, ids, counts,
                                  slot_of_.data(), tags_.data(), stamps_.data(), claims_.data(),
                                  reinterpret_cast<uint4*>(data_.data()), static_cast<uint4*>(out),
-                                 shape_.budget, slots_per_head(), chunks_per_row, chunks, step_);
+                                 shape_.budget, slots_per_head(), chunks_per_row, chunks,
+                                 steps_.data());
   return kvr::cuda::LastLaunchStatus("HotCacheCopyKernel");
 }
 

@@ -15,6 +15,9 @@
 // is being read; two misses that pick the same victim keep the one with the smaller id and the
 // other is simply not cached this step. Claims carry the step, so they never need resetting.
 //
+// The step counter lives on the device, so Gather() can be captured in a CUDA graph and replayed
+// (each replay is a new step).
+//
 // Thread safety: one stream at a time per HotCache (steps must run in order). Owns its device
 // memory (move-only, CONVENTIONS.md 8).
 
@@ -60,13 +63,13 @@ class HotCache {
 
  private:
   HotCacheShape shape_;
-  uint32_t step_ = 0;
   kvr::cuda::DeviceBuffer<int32_t> tags_;                 // [batch, n_kv_heads, slots], -1 empty
   kvr::cuda::DeviceBuffer<uint32_t> stamps_;              // [batch, n_kv_heads, slots]
   kvr::cuda::DeviceBuffer<unsigned long long> claims_;    // [batch, n_kv_heads, slots]
   kvr::cuda::DeviceBuffer<unsigned> fills_;               // [batch, n_kv_heads, n_sets]
   kvr::cuda::DeviceBuffer<int32_t> slot_of_;              // [batch, n_kv_heads, budget]
   kvr::cuda::DeviceBuffer<uint8_t> data_;                 // [batch, n_kv_heads, slots, 2*d]
+  kvr::cuda::DeviceBuffer<uint32_t> steps_;               // [2]: last completed step, current step
   kvr::cuda::DeviceBuffer<unsigned long long> counters_;  // [1] hits
 };
 
