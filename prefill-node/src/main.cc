@@ -97,9 +97,9 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
     response->set_matched_stop(r->matched_stop);
     cv1::PrefillStats* stats = response->mutable_stats();
     const absl::Duration t = r->prefill_time;
-    stats->mutable_prefill_time()->set_seconds(absl::IDivDuration(t, absl::Seconds(1), nullptr));
-    stats->mutable_prefill_time()->set_nanos(static_cast<int32_t>(absl::ToInt64Nanoseconds(
-        t - absl::Seconds(absl::IDivDuration(t, absl::Seconds(1), nullptr)))));
+    const int64_t ns = absl::ToInt64Nanoseconds(t);
+    stats->mutable_prefill_time()->set_seconds(ns / 1'000'000'000);
+    stats->mutable_prefill_time()->set_nanos(static_cast<int32_t>(ns % 1'000'000'000));
     stats->set_kv_bytes_shipped(r->kv_bytes_shipped);
     stats->set_handoff_bytes(r->handoff_bytes);
     spdlog::info("prefill {} done: {} tokens in {}, first token {}", job.request_id,

@@ -11,6 +11,7 @@ namespace kvr::tools {
 void AddGenerateCommand(CLI::App& app);  // kvr generate
 void AddEvalCommand(CLI::App& app);      // kvr eval retrieval (retrieval/eval)
 void AddCalibrateCommand(CLI::App& app);  // kvr calibrate (A2ATS codebooks)
+void AddUpCommand(CLI::App& app);         // kvr up (local cluster)
 void AddBenchCommand(CLI::App& app);      // kvr bench (load generator, tools/bench)
 
 }  // namespace kvr::tools

@@ -1,4 +1,5 @@
-// kvr generate: one prompt through the CPU runtime with dense attention, streaming the text.
+// kvr generate: one prompt through the CPU runtime with dense attention, streaming the text;
+// or, with --endpoint, through a kvr cluster's public Generation API (kvr up starts one).
 
 #include <chrono>
 #include <cstdio>
@@ -10,9 +11,13 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
 #include <CLI/CLI.hpp>
 
+#include <random>
+
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "commands.h"
@@ -21,6 +26,7 @@
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
+#include "kvr/v1/generation.grpc.pb.h"
 
 namespace kvr::tools {
 namespace {
@@ -40,6 +46,16 @@ struct GenerateOptions {
   int layers = 0;
   int64_t chunk = 512;
   bool ignore_eos = false;
+  // Cluster mode (--endpoint).
+  std::string endpoint;
+  std::string method;  // empty: the controller's default
+  std::optional<uint32_t> budget, n_sink, local_window;
+  std::vector<std::string> method_options;  // key=value
+  std::vector<std::string> stop;
+  uint32_t top_k = 0;
+  double timeout_s = 600;
+  int64_t passkey = 0;
+  uint64_t passkey_seed = 0;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -48,11 +64,141 @@ double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
+// A passkey-retrieval prompt of about `tokens` tokens: filler text with a random 5-digit key at
+// a random depth, then the question. `key` receives the passkey.
+std::string PasskeyPrompt(int64_t tokens, uint64_t seed, std::string* key) {
+  std::mt19937_64 rng(seed == 0 ? std::random_device{}() : seed);
+  *key = std::to_string(10000 + rng() % 90000);
+  const std::string filler =
+      "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+      "again. ";
+  // About 24 SmolLM2/GPT-2 tokens per filler line (the summary reports the real count).
+  const int64_t lines = std::max<int64_t>(1, (tokens - 60) / 24);
+  const int64_t at = static_cast<int64_t>(rng() % static_cast<uint64_t>(lines));
+  std::string text =
+      "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+      "it. I will quiz you about the important information there.\n";
+  for (int64_t i = 0; i < lines; ++i) {
+    if (i == at)
+      absl::StrAppend(&text, "The pass key is ", *key, ". Remember it. ", *key,
+                      " is the pass key.\n");
+    text += filler;
+  }
+  absl::StrAppend(&text, "\nWhat is the pass key?");
+  return text;
+}
+
+double Secs(const google::protobuf::Duration& d) { return d.seconds() + d.nanos() * 1e-9; }
+
+// Cluster mode: one Generate stream, text to stdout, summary to stderr.
+absl::Status RunRemote(const GenerateOptions& o) {
+  std::string text = o.prompt;
+  std::string passkey;
+  if (o.passkey > 0) {
+    text = PasskeyPrompt(o.passkey, o.passkey_seed, &passkey);
+  } else if (!o.prompt_file.empty()) {
+    std::ifstream in(o.prompt_file, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read --prompt-file ", o.prompt_file));
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    text = buffer.str();
+  }
+  if (text.empty()) {
+    return absl::InvalidArgumentError("the prompt is empty (--prompt, --prompt-file or --passkey)");
+  }
+  kvr::v1::GenerateRequest request;
+  request.set_model(o.model);
+  if (o.chat) {
+    kvr::v1::ChatMessage* m = request.mutable_chat()->add_messages();
+    m->set_role("user");
+    m->set_content(text);
+  } else {
+    request.set_prompt(text);
+  }
+  kvr::v1::SamplingParams* sp = request.mutable_sampling();
+  sp->set_max_tokens(static_cast<uint32_t>(o.max_tokens));
+  sp->set_temperature(o.temperature);
+  if (o.top_p != 1.f) sp->set_top_p(o.top_p);
+  sp->set_top_k(o.top_k);
+  if (o.seed != 0) sp->set_seed(o.seed);
+  sp->set_ignore_eos(o.ignore_eos);
+  for (const std::string& s : o.stop) sp->add_stop(s);
+  kvr::v1::RetrievalParams* rp = request.mutable_retrieval();
+  rp->set_method(o.method);
+  if (o.budget) rp->set_budget(*o.budget);
+  if (o.n_sink) rp->set_n_sink(*o.n_sink);
+  if (o.local_window) rp->set_local_window(*o.local_window);
+  for (const std::string& kv : o.method_options) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("--option ", kv, ": expected key=value"));
+    }
+    (*rp->mutable_options())[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  auto stub = kvr::v1::Generation::NewStub(
+      grpc::CreateCustomChannel(o.endpoint, grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000)));
+  const auto start = Clock::now();
+  auto reader = stub->Generate(&ctx, request);
+  kvr::v1::GenerateResponse msg;
+  std::string answer;
+  std::optional<kvr::v1::Completion> completion;
+  double first_token_s = -1;
+  while (reader->Read(&msg)) {
+    if (first_token_s < 0 && msg.token_ids_size() > 0) first_token_s = Seconds(start);
+    answer += msg.text();
+    std::fwrite(msg.text().data(), 1, msg.text().size(), stdout);
+    std::fflush(stdout);
+    if (msg.has_completion()) completion = msg.completion();
+  }
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("Generate on ", o.endpoint, ": ", status.error_message()));
+  }
+  if (!completion) return absl::InternalError("the stream ended without a completion message");
+  const kvr::v1::Completion& c = *completion;
+  const uint32_t generated = c.usage().completion_tokens();
+  const uint32_t decoded = generated > 0 ? generated - 1 : 0;  // tokens after the first
+  const double decode_s = Secs(c.timings().decode());
+  const auto& r = c.retrieval();
+  const uint64_t lookups = r.hot_cache_hits() + r.hot_cache_misses();
+  std::cerr << absl::StrFormat(
+      "--- summary (%s) ---\n"
+      "prompt: %u tokens | TTFT %.2f s (prefill %.2f s, queue %.3f s)\n"
+      "decode: %u tokens after the first, %.2f tok/s | finish %s\n"
+      "retrieval: method %s, budget %u | %.1f KiB fetched per decoded token (%llu rows) | "
+      "hot-cache hit rate %s\n"
+      "nodes: prefill %s, decode %s, store %s, attempts %u\n",
+      o.endpoint, c.usage().prompt_tokens(), Secs(c.timings().time_to_first_token()),
+      Secs(c.timings().prefill()), Secs(c.timings().queue()), decoded,
+      decode_s > 0 ? decoded / decode_s : 0.0, kvr::v1::FinishReason_Name(c.finish_reason()),
+      r.method(), r.budget(), decoded > 0 ? r.bytes_fetched() / 1024.0 / decoded : 0.0,
+      static_cast<unsigned long long>(r.rows_fetched()),
+      lookups > 0 ? absl::StrFormat("%.1f%%", 100.0 * r.hot_cache_hits() / lookups) : "n/a",
+      c.prefill_node(), c.decode_node(), c.store_node(), c.attempts());
+  if (!passkey.empty()) {
+    const bool found = absl::StrContains(answer, passkey);
+    std::cerr << "passkey " << passkey << ": " << (found ? "FOUND" : "NOT found")
+              << " in the answer\n";
+  }
+  return absl::OkStatus();
+}
+
 // The prompt's token ids. Dummy models have no tokenizer: their prompt is its bytes (mod the
 // vocabulary), which is enough to drive the forward pass for timing.
 absl::StatusOr<std::vector<int32_t>> PromptTokens(const GenerateOptions& o,
                                                   const model::LoadedModel& loaded) {
   std::string text = o.prompt;
+  std::string passkey;
+  if (o.passkey > 0) text = PasskeyPrompt(o.passkey, o.passkey_seed, &passkey);
   if (!o.prompt_file.empty()) {
     std::ifstream in(o.prompt_file, std::ios::binary);
     if (!in) return absl::NotFoundError(absl::StrCat("cannot read --prompt-file ", o.prompt_file));
@@ -89,6 +235,7 @@ absl::StatusOr<std::vector<int32_t>> PromptTokens(const GenerateOptions& o,
 }
 
 absl::Status RunGenerate(const GenerateOptions& o) {
+  if (!o.endpoint.empty()) return RunRemote(o);
   KVR_ASSIGN_OR_RETURN(model::LoadFormat format, model::ParseLoadFormat(o.load_format));
   KVR_ASSIGN_OR_RETURN(model::Sampler sampler,
                        model::Sampler::Create({o.temperature, o.top_p, o.seed}));
@@ -195,6 +342,26 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--prefill-chunk", options->chunk, "prefill chunk in tokens")
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", options->ignore_eos, "keep going past end-of-generation tokens");
+  // Cluster mode.
+  cmd->add_option("--endpoint", options->endpoint,
+                  "host:port of a kvr cluster (kvr up); --model is then the served model name");
+  cmd->add_option("--method", options->method,
+                  "endpoint: retrieval method (full, exact, quest, streaming, clusterkv, ctkvr, "
+                  "keydiff, pariskv, a2ats); default: the controller's");
+  cmd->add_option("--budget", options->budget, "endpoint: rows per KV head and step (top-k)");
+  cmd->add_option("--n-sink", options->n_sink, "endpoint: sink tokens always attended");
+  cmd->add_option("--local-window", options->local_window,
+                  "endpoint: most recent tokens always attended");
+  cmd->add_option("--option", options->method_options, "endpoint: method option key=value");
+  cmd->add_option("--stop", options->stop, "endpoint: stop string (repeatable)");
+  cmd->add_option("--top-k", options->top_k, "endpoint: keep the k most likely tokens (0 = off)");
+  cmd->add_option("--timeout", options->timeout_s, "endpoint: request deadline in seconds")
+      ->capture_default_str();
+  cmd->add_option("--passkey", options->passkey,
+                  "build a passkey-retrieval prompt of about N tokens (filler text with a random "
+                  "5-digit key); the summary says whether the answer contains the key");
+  cmd->add_option("--passkey-seed", options->passkey_seed,
+                  "seed of the passkey prompt (0: random)");
   cmd->callback([options] {
     const absl::Status status = RunGenerate(*options);
     if (!status.ok()) {

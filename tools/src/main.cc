@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   kvr::tools::AddGenerateCommand(app);
   kvr::tools::AddEvalCommand(app);
   kvr::tools::AddCalibrateCommand(app);
+  kvr::tools::AddUpCommand(app);
   kvr::tools::AddBenchCommand(app);
   CLI11_PARSE(app, argc, argv);
   return 0;

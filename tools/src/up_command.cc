@@ -1,0 +1,521 @@
+// kvr up: a local cluster in child processes: kvr-controller, kvr-store, N kvr-prefill and N
+// kvr-decode. Waits until every node registered, prints the endpoints, stays in the foreground
+// and stops the children on SIGINT/SIGTERM (each child also gets SIGTERM if kvr up dies:
+// PR_SET_PDEATHSIG).
+//
+// kvr-store does not talk to the controller itself, so kvr up registers it on its behalf
+// (Membership.Register with role STORE, its UCX worker address from GetDataPlaneInfo) and
+// heartbeats its free page-pool bytes from the store's Stats.
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "commands.h"
+#include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/store/v1/store.grpc.pb.h"
+#include "kvr/v1/generation.grpc.pb.h"
+
+namespace kvr::tools {
+namespace {
+
+namespace cv1 = ::kvr::cluster::v1;
+
+struct UpOptions {
+  std::string model = "smollm2-135m-instruct";
+  int prefill = 1;
+  int decode = 1;
+  int base_port = 50051;  // 0: every process picks a free port
+  std::string store_capacity = "1GiB";
+  std::string bin_dir;
+  std::string log_dir;
+  double ready_timeout_s = 180;
+  bool detach = false;
+  std::string pid_file;
+  std::vector<std::string> prefill_args;
+  std::vector<std::string> decode_args;
+};
+
+// A child process whose stdout lines are copied into its log file and scanned for the lines
+// the kvr binaries print at start ("... listening on HOST:PORT", "... metrics on HOST:PORT",
+// "kvr-store listening port=N"). stderr goes to the log file directly.
+class Child {
+ public:
+  Child(std::string name, std::vector<std::string> argv, const std::string& log_path)
+      : name_(std::move(name)), argv_(std::move(argv)) {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const pid_t parent = getpid();
+    pid_ = fork();
+    if (pid_ == 0) {
+      // The child: die with kvr up, start with the default signal mask (kvr up blocks
+      // SIGINT/SIGTERM for sigwait, and exec keeps the mask).
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != parent) _exit(1);
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      setpgid(0, 0);  // Ctrl-C in the terminal reaches kvr up only; it stops us in order
+      dup2(fds[1], STDOUT_FILENO);
+      if (log >= 0) dup2(log, STDERR_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      std::vector<char*> args;
+      for (std::string& a : argv_) args.push_back(a.data());
+      args.push_back(nullptr);
+      execv(args[0], args.data());
+      std::perror(("exec " + argv_[0]).c_str());
+      _exit(127);
+    }
+    close(fds[1]);
+    reader_ = std::thread([this, fd = fds[0], log] { ReadLines(fd, log); });
+  }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+  ~Child() {
+    Stop(absl::Seconds(5));
+    if (reader_.joinable()) reader_.join();
+  }
+
+  const std::string& name() const { return name_; }
+  pid_t pid() const { return pid_; }
+
+  // Waits for a line containing `marker` and returns what follows it ("" on timeout or exit).
+  std::string WaitFor(const std::string& marker, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    std::string found;
+    auto ready = [&] {
+      for (const std::string& l : lines_) {
+        const size_t at = l.find(marker);
+        if (at != std::string::npos) {
+          found = l.substr(at + marker.size());
+          return true;
+        }
+      }
+      return eof_;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    return found;
+  }
+  // What follows `marker` if such a line was printed already.
+  std::string Find(const std::string& marker) { return WaitFor(marker, absl::ZeroDuration()); }
+  bool exited() {
+    absl::MutexLock lock(&mu_);
+    return eof_;
+  }
+
+  // SIGTERM, then SIGKILL after `grace`; reaps the child.
+  void Stop(absl::Duration grace) {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGTERM);
+    const absl::Time give_up = absl::Now() + grace;
+    int status = 0;
+    while (waitpid(pid_, &status, WNOHANG) == 0) {
+      if (absl::Now() > give_up) {
+        kill(pid_, SIGKILL);
+        waitpid(pid_, &status, 0);
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    pid_ = -1;
+  }
+
+ private:
+  void ReadLines(int fd, int log) {
+    std::string partial;
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof(buf))) > 0) {
+      if (log >= 0) (void)!write(log, buf, static_cast<size_t>(n));
+      partial.append(buf, static_cast<size_t>(n));
+      size_t pos;
+      while ((pos = partial.find('\n')) != std::string::npos) {
+        absl::MutexLock lock(&mu_);
+        lines_.push_back(partial.substr(0, pos));
+        partial.erase(0, pos + 1);
+      }
+    }
+    close(fd);
+    if (log >= 0) close(log);
+    absl::MutexLock lock(&mu_);
+    eof_ = true;
+  }
+
+  std::string name_;
+  std::vector<std::string> argv_;
+  pid_t pid_ = -1;
+  std::thread reader_;
+  absl::Mutex mu_;
+  std::vector<std::string> lines_ ABSL_GUARDED_BY(mu_);
+  bool eof_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Registers a kvr-store with the controller and heartbeats for it until destroyed.
+class StoreRegistrar {
+ public:
+  StoreRegistrar(const std::string& controller, std::string store_address)
+      : membership_(cv1::Membership::NewStub(
+            grpc::CreateChannel(controller, grpc::InsecureChannelCredentials()))),
+        store_(kvr::store::v1::KvStore::NewStub(
+            grpc::CreateChannel(store_address, grpc::InsecureChannelCredentials()))),
+        address_(std::move(store_address)) {}
+  ~StoreRegistrar() { Stop(); }
+
+  absl::Status Start() {
+    absl::Status s = Register();
+    if (!s.ok()) return s;
+    thread_ = std::thread([this] { Loop(); });
+    return absl::OkStatus();
+  }
+
+  void Stop() {
+    if (!stop_.HasBeenNotified()) stop_.Notify();
+    if (thread_.joinable()) thread_.join();
+    if (node_id_.empty()) return;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    cv1::DeregisterRequest request;
+    request.set_node_id(node_id_);
+    cv1::DeregisterResponse response;
+    (void)membership_->Deregister(&ctx, request, &response);
+    node_id_.clear();
+  }
+
+  const std::string& node_id() const { return node_id_; }
+
+ private:
+  absl::StatusOr<kvr::store::v1::StatsResponse> Stats() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    kvr::store::v1::StatsResponse stats;
+    grpc::Status s = store_->Stats(&ctx, {}, &stats);
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat("store Stats: ", s.error_message()));
+    return stats;
+  }
+
+  absl::Status Register() {
+    kvr::store::v1::GetDataPlaneInfoResponse info;
+    {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+      grpc::Status s = store_->GetDataPlaneInfo(&ctx, {}, &info);
+      if (!s.ok()) {
+        return absl::UnavailableError(absl::StrCat("store GetDataPlaneInfo: ", s.error_message()));
+      }
+    }
+    absl::StatusOr<kvr::store::v1::StatsResponse> stats = Stats();
+    if (!stats.ok()) return stats.status();
+    cv1::RegisterRequest r;
+    r.set_role(cv1::NODE_ROLE_STORE);
+    r.set_protocol_version(1);
+    r.set_name(absl::StrCat("kvr-store@", address_));
+    r.mutable_endpoints()->set_grpc_address(address_);
+    r.mutable_endpoints()->set_ucx_worker_address(info.worker_address());
+    r.mutable_capacity()->set_memory_bytes(stats->capacity_bytes());
+    r.mutable_load()->set_free_memory_bytes(stats->capacity_bytes() - stats->used_bytes());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    cv1::RegisterResponse response;
+    grpc::Status s = membership_->Register(&ctx, r, &response);
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat("Register store: ", s.error_message()));
+    node_id_ = response.node_id();
+    interval_ = absl::Seconds(response.heartbeat_interval().seconds()) +
+                absl::Nanoseconds(response.heartbeat_interval().nanos());
+    if (interval_ <= absl::ZeroDuration()) interval_ = absl::Seconds(1);
+    return absl::OkStatus();
+  }
+
+  void Loop() {
+    while (!stop_.WaitForNotificationWithTimeout(interval_)) {
+      absl::StatusOr<kvr::store::v1::StatsResponse> stats = Stats();
+      if (!stats.ok()) continue;  // the store is gone: its lease runs out
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+      cv1::HeartbeatRequest hb;
+      hb.set_node_id(node_id_);
+      hb.mutable_load()->set_free_memory_bytes(stats->capacity_bytes() - stats->used_bytes());
+      cv1::HeartbeatResponse response;
+      grpc::Status s = membership_->Heartbeat(&ctx, hb, &response);
+      if (s.error_code() == grpc::StatusCode::NOT_FOUND) (void)Register();
+    }
+  }
+
+  std::unique_ptr<cv1::Membership::Stub> membership_;
+  std::unique_ptr<kvr::store::v1::KvStore::Stub> store_;
+  std::string address_;
+  std::string node_id_;
+  absl::Duration interval_ = absl::Seconds(1);
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+// The binary `name`: next to kvr, in the build tree's component folder, or on PATH.
+std::optional<std::string> FindBinary(const std::string& name, const std::string& folder,
+                                      const std::string& bin_dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> candidates;
+  if (!bin_dir.empty()) candidates.push_back(fs::path(bin_dir) / name);
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    candidates.push_back(self.parent_path() / name);
+    candidates.push_back(self.parent_path().parent_path() / folder / name);  // build/tools/kvr
+  }
+  if (const char* path = std::getenv("PATH")) {
+    std::string p = path;
+    size_t start = 0;
+    while (start <= p.size()) {
+      const size_t end = std::min(p.find(':', start), p.size());
+      if (end > start) candidates.push_back(fs::path(p.substr(start, end - start)) / name);
+      start = end + 1;
+    }
+  }
+  for (const fs::path& c : candidates) {
+    if (access(c.c_str(), X_OK) == 0) return c.string();
+  }
+  return std::nullopt;
+}
+
+std::string Port(const UpOptions& o, int offset) {
+  return o.base_port == 0 ? "0" : std::to_string(o.base_port + offset);
+}
+
+absl::Status RunUp(const UpOptions& o, int ready_fd) {
+  // Blocked before any thread starts, so that sigwait below gets them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  struct Bin {
+    const char* name;
+    const char* folder;
+    std::string path;
+  };
+  Bin bins[] = {{"kvr-controller", "controller", ""},
+                {"kvr-store", "kv-store", ""},
+                {"kvr-prefill", "prefill-node", ""},
+                {"kvr-decode", "decode-node", ""}};
+  for (Bin& b : bins) {
+    std::optional<std::string> p = FindBinary(b.name, b.folder, o.bin_dir);
+    if (!p) {
+      return absl::NotFoundError(absl::StrCat(b.name, " not found next to kvr, in the build tree (",
+                                              b.folder,
+                                              "/) or on PATH; build it or pass --bin-dir"));
+    }
+    b.path = *p;
+  }
+  const std::string log_dir =
+      o.log_dir.empty() ? absl::StrCat("/tmp/kvr-up-", getpid()) : o.log_dir;
+  std::filesystem::create_directories(log_dir);
+  auto log = [&](const std::string& name) { return absl::StrCat(log_dir, "/", name, ".log"); };
+  const absl::Duration start_timeout = absl::Seconds(o.ready_timeout_s);
+
+  // Controller first: everyone registers with it.
+  std::vector<std::unique_ptr<Child>> nodes;
+  auto controller = std::make_unique<Child>(
+      "controller",
+      std::vector<std::string>{bins[0].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 0))},
+      log("controller"));
+  const std::string controller_address =
+      controller->WaitFor("kvr-controller listening on ", start_timeout);
+  if (controller_address.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("kvr-controller did not start; see ", log("controller")));
+  }
+  auto store = std::make_unique<Child>(
+      "store-0",
+      std::vector<std::string>{bins[1].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 1)),
+                               "--capacity-bytes", o.store_capacity},
+      log("store-0"));
+  const std::string store_port = store->WaitFor("kvr-store listening port=", start_timeout);
+  if (store_port.empty()) {
+    return absl::UnavailableError(absl::StrCat("kvr-store did not start; see ", log("store-0")));
+  }
+  const std::string store_address =
+      absl::StrCat("127.0.0.1:", store_port.substr(0, store_port.find(' ')));
+  StoreRegistrar registrar(controller_address, store_address);
+  if (absl::Status s = registrar.Start(); !s.ok()) return s;
+
+  for (int i = 0; i < o.prefill; ++i) {
+    std::vector<std::string> argv = {bins[2].path,
+                                     "--model",
+                                     o.model,
+                                     "--controller",
+                                     controller_address,
+                                     "--listen",
+                                     absl::StrCat("127.0.0.1:", Port(o, 10 + i))};
+    argv.insert(argv.end(), o.prefill_args.begin(), o.prefill_args.end());
+    nodes.push_back(std::make_unique<Child>(absl::StrCat("prefill-", i), argv,
+                                            log(absl::StrCat("prefill-", i))));
+  }
+  for (int i = 0; i < o.decode; ++i) {
+    std::vector<std::string> argv = {bins[3].path,
+                                     "--model",
+                                     o.model,
+                                     "--controller",
+                                     controller_address,
+                                     "--listen",
+                                     absl::StrCat("127.0.0.1:", Port(o, 30 + i))};
+    argv.insert(argv.end(), o.decode_args.begin(), o.decode_args.end());
+    nodes.push_back(
+        std::make_unique<Child>(absl::StrCat("decode-", i), argv, log(absl::StrCat("decode-", i))));
+  }
+
+  // Ready when ListModels shows every prefill and decode node.
+  auto generation = kvr::v1::Generation::NewStub(
+      grpc::CreateChannel(controller_address, grpc::InsecureChannelCredentials()));
+  const absl::Time give_up = absl::Now() + start_timeout;
+  std::string model_name;
+  while (model_name.empty()) {
+    for (auto& n : nodes) {
+      if (n->exited()) {
+        return absl::UnavailableError(
+            absl::StrCat(n->name(), " exited during start-up; see ", log(n->name())));
+      }
+    }
+    if (absl::Now() > give_up) {
+      return absl::DeadlineExceededError(absl::StrCat("the nodes did not all register within ",
+                                                      o.ready_timeout_s, " s; logs in ", log_dir));
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    kvr::v1::ListModelsResponse models;
+    if (generation->ListModels(&ctx, {}, &models).ok()) {
+      for (const kvr::v1::ModelCard& card : models.models()) {
+        if (static_cast<int>(card.prefill_nodes()) >= o.prefill &&
+            static_cast<int>(card.decode_nodes()) >= o.decode) {
+          model_name = card.name();
+        }
+      }
+    }
+    if (model_name.empty()) absl::SleepFor(absl::Milliseconds(200));
+  }
+
+  std::string report = absl::StrFormat(
+      "kvr cluster up: model '%s', %d prefill + %d decode node(s)\n"
+      "  public gRPC (kvr.v1.Generation)  %s\n"
+      "  %-12s pid %-7d grpc %-21s metrics %s\n"
+      "  %-12s pid %-7d grpc %-21s (registered by kvr up as %s)\n",
+      model_name, o.prefill, o.decode, controller_address, "controller", controller->pid(),
+      controller_address,
+      controller->Find("metrics on ").empty() ? "-" : controller->Find("metrics on "), "store-0",
+      store->pid(), store_address, registrar.node_id());
+  for (auto& n : nodes) {
+    const std::string grpc_address = n->Find("listening on ");
+    const std::string metrics = n->Find("metrics on ");
+    absl::StrAppendFormat(&report, "  %-12s pid %-7d grpc %-21s metrics %s\n", n->name(), n->pid(),
+                          grpc_address, metrics.empty() ? "-" : metrics);
+  }
+  absl::StrAppend(&report, "  logs ", log_dir, "\n", "kvr up: ready (Ctrl-C stops the cluster)\n");
+  std::cout << report << std::flush;
+  if (ready_fd >= 0) {
+    (void)!write(ready_fd, report.data(), report.size());
+    close(ready_fd);
+  }
+
+  int received = 0;
+  sigwait(&signals, &received);
+  std::cout << "kvr up: signal " << received << ", stopping the cluster" << std::endl;
+  // Nodes first (they deregister), then the store, then the controller.
+  for (auto& n : nodes) kill(n->pid(), SIGTERM);
+  for (auto& n : nodes) n->Stop(absl::Seconds(8));
+  registrar.Stop();
+  store->Stop(absl::Seconds(5));
+  controller->Stop(absl::Seconds(12));
+  std::cout << "kvr up: stopped" << std::endl;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void AddUpCommand(CLI::App& app) {
+  auto o = std::make_shared<UpOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "up", "start a local cluster (controller, store, prefill and decode nodes) on this machine");
+  cmd->set_config("--config", "", "TOML/INI file with any of these options (CLI11 format)");
+  cmd->add_option("--model", o->model, "model for the nodes: GGUF path or known name")
+      ->capture_default_str();
+  cmd->add_option("--prefill", o->prefill, "prefill nodes")->capture_default_str();
+  cmd->add_option("--decode", o->decode, "decode nodes")->capture_default_str();
+  cmd->add_option("--base-port", o->base_port,
+                  "controller port; store +1, prefill +10.., decode +30.. (0: free ports)")
+      ->capture_default_str();
+  cmd->add_option("--store-capacity", o->store_capacity, "KV store page pool (e.g. 1GiB)")
+      ->capture_default_str();
+  cmd->add_option("--bin-dir", o->bin_dir, "where the kvr-* binaries are (default: found)");
+  cmd->add_option("--log-dir", o->log_dir, "node logs (default /tmp/kvr-up-<pid>)");
+  cmd->add_option("--ready-timeout", o->ready_timeout_s, "seconds to wait for registration")
+      ->capture_default_str();
+  cmd->add_option("--prefill-arg", o->prefill_args, "extra argument for every kvr-prefill");
+  cmd->add_option("--decode-arg", o->decode_args, "extra argument for every kvr-decode");
+  cmd->add_flag("--detach", o->detach,
+                "return once the cluster is up; it runs on in a background process");
+  cmd->add_option("--pid-file", o->pid_file,
+                  "write the pid of the process that owns the cluster (SIGTERM it to stop)");
+  cmd->callback([o] {
+    int ready_fd = -1;
+    if (o->detach) {
+      int fds[2];
+      if (pipe(fds) != 0) throw CLI::RuntimeError(1);
+      const pid_t pid = fork();
+      if (pid > 0) {
+        // The foreground part: wait for the report (or EOF when start-up failed).
+        close(fds[1]);
+        std::string report;
+        char buf[4096];
+        ssize_t n;
+        while ((n = read(fds[0], buf, sizeof(buf))) > 0) report.append(buf, n);
+        if (report.empty()) {
+          std::cerr << "kvr up: the cluster did not start\n";
+          throw CLI::RuntimeError(1);
+        }
+        std::cout << report << std::flush;
+        return;
+      }
+      close(fds[0]);
+      setsid();
+      ready_fd = fds[1];
+      // Detached: keep stdout for the log of kvr up itself out of the caller's pipe.
+      const int null = open("/dev/null", O_WRONLY);
+      if (null >= 0) dup2(null, STDOUT_FILENO);
+    }
+    if (!o->pid_file.empty()) std::ofstream(o->pid_file) << getpid() << "\n";
+    const absl::Status status = RunUp(*o, ready_fd);
+    if (!o->pid_file.empty()) std::filesystem::remove(o->pid_file);
+    if (!status.ok()) {
+      std::cerr << "kvr up: " << status << "\n";
+      throw CLI::RuntimeError(1);
+    }
+  });
+}
+
+}  // namespace kvr::tools
