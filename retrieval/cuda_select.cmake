@@ -5,7 +5,9 @@ if(KVR_HAVE_CUDA)
   add_library(kvr_retrieval_cuda_select
     cuda/select/topk.cu
     cuda/select/exact.cu
-    cuda/select/quest.cu)
+    cuda/select/quest.cu
+    cuda/select/clusterkv.cu
+    cuda/select/clusterkv_layout.cc)
   add_library(kvr::retrieval_cuda_select ALIAS kvr_retrieval_cuda_select)
   target_include_directories(kvr_retrieval_cuda_select
     PUBLIC cuda/include

@@ -3,8 +3,8 @@
 // head_dim 128), for every (context, batch, budget), with the summary bytes each step scans and
 // the achieved GB/s against the H100's measured HBM copy ceiling (3.0 TB/s, DESIGN.md 6).
 //
-//   select_cuda_bench [--methods exact,quest,topk] [--contexts 8192,32768,131072] [--batches
-//   1,4,16]
+//   select_cuda_bench [--methods exact,quest,clusterkv,topk] [--contexts 8192,32768,131072]
+//   [--batches 1,4,16]
 //                     [--budgets 256,1024] [--iters 50] [--csv]
 //
 // Data: random keys / page bounds (pure speed; the selected set barely changes the work). Sink 16
@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvr/common/cuda/cuda_util.h"
@@ -224,6 +225,65 @@ Row BenchTopK(int context, int batch, int budget, int iters, cudaStream_t stream
   return {"topk", context, batch, budget, us, static_cast<double>(n) * 4};
 }
 
+// clusterkv: L/80 clusters of 80 consecutive non-sink tokens per KV head (the paper's C0),
+// random fp32 centroids.
+Row BenchClusterKv(int context, int batch, int budget, int iters, cudaStream_t stream) {
+  constexpr int kClusterSize = 80;
+  const int n_clusters = (context - kSink) / kClusterSize;
+  const int n_members = n_clusters * kClusterSize;
+  const int rows = batch * kKvHeads;
+  std::vector<float> cent(static_cast<size_t>(rows) * n_clusters * kHeadDim);
+  std::mt19937 rng(6);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (float& x : cent) x = nd(rng);
+  std::vector<int32_t> nc(rows, n_clusters), off(static_cast<size_t>(rows) * (n_clusters + 1)),
+      mem(static_cast<size_t>(rows) * n_members);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c <= n_clusters; ++c)
+      off[static_cast<size_t>(r) * (n_clusters + 1) + c] = c * kClusterSize;
+    for (int m = 0; m < n_members; ++m) mem[static_cast<size_t>(r) * n_members + m] = kSink + m;
+  }
+  auto up = [](const auto& v) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    auto d = Alloc<T>(v.size());
+    BENCH_CHECK(kvr::cuda::CudaStatus(
+        cudaMemcpy(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload"));
+    return d;
+  };
+  auto d_cent = up(cent);
+  auto d_nc = up(nc);
+  auto d_off = up(off);
+  auto d_mem = up(mem);
+  std::vector<float> q(static_cast<size_t>(batch) * kHeads * kHeadDim);
+  for (float& x : q) x = nd(rng);
+  auto d_q = up(q);
+  auto d_begin = up(std::vector<int32_t>(batch, kSink));
+  auto d_end = up(std::vector<int32_t>(batch, context - kLocal));
+  auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
+  auto counts = Alloc<int32_t>(rows);
+  rc::ClusterKvSelectParams p;
+  p.batch = batch;
+  p.n_heads = kHeads;
+  p.n_kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+  p.query = d_q.data();
+  p.centroids = d_cent.data();
+  p.n_clusters = d_nc.data();
+  p.offsets = d_off.data();
+  p.members = d_mem.data();
+  p.max_clusters = n_clusters;
+  p.max_members = n_members;
+  p.cand = {d_begin.data(), d_end.data()};
+  p.out = {budget, ids.data(), counts.data()};
+  auto ws = Alloc<char>(rc::ClusterKvSelectWorkspaceBytes(p));
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.bytes();
+  const double us = TimeUs([&] { return rc::ClusterKvSelect(p, stream); }, iters, stream);
+  const double bytes = static_cast<double>(rows) * n_clusters * kHeadDim * 4;
+  return {"clusterkv", context, batch, budget, us, bytes};
+}
+
 std::vector<int> ParseList(const std::string& s) {
   std::vector<int> out;
   size_t pos = 0;
@@ -240,11 +300,12 @@ std::vector<int> ParseList(const std::string& s) {
 
 int main(int argc, char** argv) {
   CLI::App app{"GPU retrieval selection microbenchmark (Llama-3-8B attention shape)"};
-  std::string methods = "exact,quest,topk", contexts = "8192,32768,131072", batches = "1,4,16",
-              budgets = "256,1024";
+  std::string methods = "exact,quest,clusterkv,topk", contexts = "8192,32768,131072",
+              batches = "1,4,16", budgets = "256,1024";
   int iters = 50;
   bool csv = false;
-  app.add_option("--methods", methods, "comma-separated: exact, quest, topk (BatchedTopK alone)");
+  app.add_option("--methods", methods,
+                 "comma-separated: exact, quest, clusterkv, topk (BatchedTopK alone)");
   app.add_option("--contexts", contexts, "context lengths");
   app.add_option("--batches", batches, "batch sizes (sequences)");
   app.add_option("--budgets", budgets, "tokens per KV head");
@@ -267,14 +328,16 @@ int main(int argc, char** argv) {
     std::printf("%-10s %8s %6s %7s %12s %12s %9s %8s\n", "method", "context", "batch", "budget",
                 "us/layer", "scanned_MiB", "GB/s", "of_HBM");
   }
-  for (const std::string& m : {std::string("exact"), std::string("quest"), std::string("topk")}) {
+  for (const std::string& m : {std::string("exact"), std::string("quest"), std::string("clusterkv"),
+                               std::string("topk")}) {
     if (methods.find(m) == std::string::npos) continue;
     for (int context : ParseList(contexts))
       for (int batch : ParseList(batches))
         for (int budget : ParseList(budgets)) {
-          Row r = m == "exact"   ? BenchExact(context, batch, budget, iters, stream->get())
-                  : m == "quest" ? BenchQuest(context, batch, budget, iters, stream->get())
-                                 : BenchTopK(context, batch, budget, iters, stream->get());
+          Row r = m == "exact"       ? BenchExact(context, batch, budget, iters, stream->get())
+                  : m == "quest"     ? BenchQuest(context, batch, budget, iters, stream->get())
+                  : m == "clusterkv" ? BenchClusterKv(context, batch, budget, iters, stream->get())
+                                     : BenchTopK(context, batch, budget, iters, stream->get());
           const double gbs = r.bytes / (r.us * 1e-6) / 1e9;
           if (csv) {
             std::printf("%s,%d,%d,%d,%.2f,%.2f,%.1f,%.3f\n", r.method.c_str(), r.context, r.batch,

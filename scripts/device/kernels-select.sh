@@ -52,7 +52,7 @@ run() {
   "$DEV/retrieval_cuda_select_test" >"$out/parity.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$out/parity.log" | head -20
   echo "== compute-sanitizer (subset)"
-  local subset='*BatchedTopK*:*Quest*:*bf16_d128_h32x8_gqa0*:*f32_d64_h9x3_gqa1*'
+  local subset='*BatchedTopK*:*Quest*:*ClusterKv*:*bf16_d128_h32x8_gqa0*:*f32_d64_h9x3_gqa1*'
   timeout 240 "$san" --tool memcheck --error-exitcode 3 "$DEV/retrieval_cuda_select_test" \
     --gtest_filter="$subset" >"$out/memcheck.log" 2>&1 || status=1
   tail -2 "$out/memcheck.log"

@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/status.h"
 #include "kvr/retrieval/cuda/selection.cuh"
 #include "select_common.cuh"
 #include "topk_device.cuh"
@@ -96,8 +97,9 @@ struct LogitsArgs {
   float* logits;     // kSumSoftmax: [rows, group, max_cand]; else aggregated [rows, max_cand]
   float2* partials;  // kSumSoftmax: [rows, n_chunks, group] (max, sum exp)
   int n_chunks;
-  int32_t* n_valid;    // [rows]
-  int32_t* id_offset;  // [rows]
+  int32_t* n_valid;          // [rows]
+  int32_t* id_offset;        // [rows]
+  const int32_t* row_count;  // optional [rows]: items [0, row_count[row]) instead of `cand`
 };
 
 // kGroup: compile-time upper bound of the runtime group (4 or 8): the query slices live in
@@ -111,8 +113,8 @@ static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(Log
   constexpr int kWarps = kLogitThreads / 32;
   const int b = blockIdx.z, h = blockIdx.y, chunk = blockIdx.x;
   const int row = b * a.n_kv_heads + h;
-  const int begin = a.cand.begin[b];
-  const int n = max(0, a.cand.end[b] - begin);
+  const int begin = a.row_count != nullptr ? 0 : a.cand.begin[b];
+  const int n = a.row_count != nullptr ? a.row_count[row] : max(0, a.cand.end[b] - begin);
   if (chunk == 0 && threadIdx.x == 0) {
     a.n_valid[row] = n;
     a.id_offset[row] = begin;
@@ -283,7 +285,7 @@ struct Workspace {
   size_t bytes = 0;
 };
 
-Workspace Carve(const ExactSelectParams& p, char* base) {
+Workspace Carve(const ExactSelectParams& p, char* base, bool with_topk = true) {
   const size_t rows = static_cast<size_t>(p.batch) * p.n_kv_heads;
   const int group = p.n_kv_heads > 0 ? p.n_heads / p.n_kv_heads : 0;
   const size_t n_chunks = (static_cast<size_t>(p.max_candidates) + kChunk - 1) / kChunk;
@@ -308,7 +310,7 @@ Workspace Carve(const ExactSelectParams& p, char* base) {
   t.rows = static_cast<int>(rows);
   t.row_stride = ld;
   t.out.budget = p.out.budget;
-  w.topk_bytes = BatchedTopKWorkspaceBytes(t);
+  w.topk_bytes = with_topk ? BatchedTopKWorkspaceBytes(t) : 0;
   w.topk = take(w.topk_bytes);
   w.bytes = off;
   return w;
@@ -327,7 +329,10 @@ void LaunchLogits(const LogitsArgs& a, dim3 grid, cudaStream_t stream) {
 
 size_t ExactSelectWorkspaceBytes(const ExactSelectParams& p) { return Carve(p, nullptr).bytes; }
 
-absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
+namespace {
+
+// `select`: ExactSelect (needs candidates and the output); else GroupScores.
+absl::Status Validate(const ExactSelectParams& p, const Workspace& w, bool select) {
   if (p.batch < 0 || p.n_kv_heads <= 0 || p.n_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||
       p.n_heads / p.n_kv_heads > kMaxGroup) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -340,7 +345,7 @@ absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         absl::StrCat("ExactSelect: head_dim must be 64 or 128, got ", p.head_dim));
   }
-  if (p.out.budget < 1 || p.out.budget > kMaxBudget) {
+  if (select && (p.out.budget < 1 || p.out.budget > kMaxBudget)) {
     return absl::InvalidArgumentError(
         absl::StrCat("ExactSelect: budget must be in [1, ", kMaxBudget, "], got ", p.out.budget));
   }
@@ -348,9 +353,9 @@ absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         absl::StrCat("ExactSelect: max_candidates ", p.max_candidates));
   }
-  if (p.batch == 0) return absl::OkStatus();
-  if (p.query == nullptr || p.keys.data == nullptr || p.cand.begin == nullptr ||
-      p.cand.end == nullptr || p.out.ids == nullptr || p.out.counts == nullptr) {
+  if (p.query == nullptr || p.keys.data == nullptr ||
+      (select && (p.cand.begin == nullptr || p.cand.end == nullptr || p.out.ids == nullptr ||
+                  p.out.counts == nullptr))) {
     return absl::InvalidArgumentError("ExactSelect: null query, keys, candidates or output");
   }
   const size_t elem = p.keys.dtype == KeyDType::kF32 ? 4 : 2;
@@ -361,11 +366,15 @@ absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         "ExactSelect: keys and their strides must be 16-byte aligned (vector loads)");
   }
-  Workspace w = Carve(p, static_cast<char*>(p.workspace));
   if (p.workspace == nullptr || p.workspace_bytes < w.bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("ExactSelect: workspace of ", p.workspace_bytes, " bytes, need ", w.bytes));
   }
+  return absl::OkStatus();
+}
+
+absl::Status LaunchScores(const ExactSelectParams& p, const int32_t* row_count, const Workspace& w,
+                          cudaStream_t stream) {
   const int group = p.n_heads / p.n_kv_heads;
   const int n_chunks = std::max(1, (p.max_candidates + kChunk - 1) / kChunk);
   const bool softmax = p.gqa == GqaAggregation::kSumSoftmax;
@@ -381,7 +390,8 @@ absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
                w.partials,
                n_chunks,
                w.n_valid,
-               w.id_offset};
+               w.id_offset,
+               row_count};
   const dim3 grid(n_chunks, p.n_kv_heads, p.batch);
   switch (p.keys.dtype) {
     case KeyDType::kF32:
@@ -412,6 +422,33 @@ absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
         p.n_kv_heads, group, RowLd(p.max_candidates), w.logits, w.lse, w.n_valid, w.scores);
     KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace internal {
+
+size_t GroupScoresWorkspaceBytes(const ExactSelectParams& p) {
+  return Carve(p, nullptr, /*with_topk=*/false).bytes;
+}
+
+absl::Status GroupScores(const ExactSelectParams& p, const int32_t* row_count,
+                         cudaStream_t stream) {
+  const Workspace w = Carve(p, static_cast<char*>(p.workspace), /*with_topk=*/false);
+  if (row_count == nullptr) return absl::InvalidArgumentError("GroupScores: null row_count");
+  KVR_RETURN_IF_ERROR(Validate(p, w, /*select=*/false));
+  if (p.batch == 0) return absl::OkStatus();
+  return LaunchScores(p, row_count, w, stream);
+}
+
+}  // namespace internal
+
+absl::Status ExactSelect(const ExactSelectParams& p, cudaStream_t stream) {
+  const Workspace w = Carve(p, static_cast<char*>(p.workspace));
+  KVR_RETURN_IF_ERROR(Validate(p, w, /*select=*/true));
+  if (p.batch == 0) return absl::OkStatus();
+  KVR_RETURN_IF_ERROR(LaunchScores(p, nullptr, w, stream));
   TopKParams t;
   t.rows = p.batch * p.n_kv_heads;
   t.row_stride = RowLd(p.max_candidates);

@@ -7,6 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "absl/status/status.h"
+#include "kvr/retrieval/cuda/selection.cuh"
+
 namespace kvr::retrieval::cuda::internal {
 
 inline constexpr int kMaxGroup = 8;  // query heads per KV head
@@ -72,5 +75,12 @@ static __global__ void __launch_bounds__(256)
     scores[static_cast<int64_t>(row) * ld + i] = s;
   }
 }
+
+// exact.cu: the scoring half of ExactSelect (no top-k). Writes the GQA-aggregated scores of
+// every item to the START of p.workspace: float [batch * n_kv_heads, RowLd(p.max_candidates)].
+// With row_count (device [rows]) row r scores items [0, row_count[r]) of its keys instead of
+// the candidate ranges (p.cand unused). p.out is unused.
+size_t GroupScoresWorkspaceBytes(const ExactSelectParams& p);
+absl::Status GroupScores(const ExactSelectParams& p, const int32_t* row_count, cudaStream_t stream);
 
 }  // namespace kvr::retrieval::cuda::internal

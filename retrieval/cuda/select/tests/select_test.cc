@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -483,6 +484,134 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
           const std::string where = "quest d" + std::to_string(hd) + " group " +
                                     std::to_string(group) + " budget " + std::to_string(budget) +
                                     " seq " + std::to_string(b) + " head " + std::to_string(h);
+          const int row = b * nkv + h;
+          ASSERT_NE(h_counts[row], kPoison) << where;
+          const auto got = CheckRow(h_ids.data() + static_cast<size_t>(row) * budget, h_counts[row],
+                                    budget, begin[b], end[b], where);
+          const auto& want = sel.per_head[h];
+          ASSERT_EQ(got.size(), want.size()) << where;
+          ++rows;
+          identical += got == want;
+          std::set<int64_t> w(want.begin(), want.end());
+          for (int64_t t : got) overlap += w.count(t);
+          total += want.size();
+        }
+      }
+      EXPECT_GE(identical, rows * 9 / 10) << "budget " << budget;
+      EXPECT_GE(overlap, 0.97 * total) << "budget " << budget;
+    }
+  }
+}
+
+// clusterkv: the CPU ClusterKvIndex (prefill clusters + appended pending tokens) and the GPU
+// selector on its layout (ClusterKvLayoutFromIndexes). Scores are sums in another order on the
+// GPU, so near-tied clusters may swap: identical counts, identical sets on nearly every row and
+// >= 0.97 token overlap overall.
+TEST_F(SelectTest, ClusterKvMatchesCpuClusterKvIndex) {
+  for (const auto& [hd, nh, nkv, gqa] : {std::tuple{128, 32, 8, GqaAggregation::kSumSoftmax},
+                                         std::tuple{64, 9, 3, GqaAggregation::kSumSoftmax},
+                                         std::tuple{64, 8, 4, GqaAggregation::kMaxLogit}}) {
+    const std::vector<int> ctx = {600, 4000, 9000};
+    const int n_append = 50;
+    const int batch = static_cast<int>(ctx.size());
+    std::mt19937 rng(9 + hd + nh);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> topics(32 * hd);
+    for (float& x : topics) x = nd(rng);
+    MethodRegistry registry;
+    ASSERT_OK(RegisterCoreMethods(registry));
+    IndexShape shape;
+    shape.n_heads = nh;
+    shape.n_kv_heads = nkv;
+    shape.head_dim = hd;
+    IndexParams params;
+    params.gqa = gqa;
+    params.n_sink = 16;
+    std::vector<std::unique_ptr<RetrievalIndex>> indexes;
+    std::vector<const RetrievalIndex*> views;
+    for (int b = 0; b < batch; ++b) {
+      const int n = ctx[b] + n_append;
+      std::vector<float> keys(static_cast<size_t>(n) * nkv * hd);
+      for (int t = 0; t < n; ++t)
+        for (int h = 0; h < nkv; ++h) {
+          const int topic = (t / 40 + h * 7 + b) % 32;
+          for (int d = 0; d < hd; ++d)
+            keys[(static_cast<size_t>(t) * nkv + h) * hd + d] =
+                topics[topic * hd + d] + 0.7f * nd(rng);
+        }
+      auto index = registry.Make("clusterkv", shape, params);
+      ASSERT_TRUE(index.ok()) << index.status();
+      BuildInput in;
+      in.keys = {keys.data(), ctx[b], static_cast<int64_t>(nkv) * hd};
+      ASSERT_OK((*index)->Build(in));
+      AppendInput app;
+      app.keys = {keys.data() + static_cast<size_t>(ctx[b]) * nkv * hd, n_append,
+                  static_cast<int64_t>(nkv) * hd};
+      ASSERT_OK((*index)->Append(app));
+      views.push_back(index->get());
+      indexes.push_back(std::move(*index));
+    }
+    auto layout = ClusterKvLayoutFromIndexes(views);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
+    for (float& x : query) x = 1.5f * nd(rng);
+    std::vector<int32_t> begin(batch), end(batch);
+    for (int b = 0; b < batch; ++b) {
+      begin[b] = 16;
+      end[b] = ctx[b] + n_append - 30;  // part of the pending tokens are in the local window
+    }
+    auto d_query = Upload(query);
+    auto d_begin = Upload(begin);
+    auto d_end = Upload(end);
+    auto d_cent = Upload(layout->centroids);
+    auto d_nc = Upload(layout->n_clusters);
+    auto d_off = Upload(layout->offsets);
+    auto d_mem = Upload(layout->members);
+    for (int budget : {1, 40, 256, 1024}) {
+      ClusterKvSelectParams p;
+      p.batch = batch;
+      p.n_heads = nh;
+      p.n_kv_heads = nkv;
+      p.head_dim = hd;
+      p.scale = 1.f / std::sqrt(static_cast<float>(hd));
+      p.gqa = gqa;
+      p.query = d_query.data();
+      p.centroids = d_cent.data();
+      p.n_clusters = d_nc.data();
+      p.offsets = d_off.data();
+      p.members = d_mem.data();
+      p.max_clusters = layout->max_clusters;
+      p.max_members = layout->max_members;
+      p.cand = {d_begin.data(), d_end.data()};
+      p.out.budget = budget;
+      auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
+      auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
+      auto ws = DeviceBuffer<char>::Create(ClusterKvSelectWorkspaceBytes(p));
+      ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
+      ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
+      ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
+      ASSERT_EQ(cudaMemset(ws->data(), 0xff, ws->bytes()), cudaSuccess);
+      p.out = {budget, ids->data(), counts->data()};
+      p.workspace = ws->data();
+      p.workspace_bytes = ws->bytes();
+      ASSERT_OK(ClusterKvSelect(p, nullptr));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto h_ids = Download(*ids, batch * nkv * budget);
+      const auto h_counts = Download(*counts, batch * nkv);
+      int rows = 0, identical = 0;
+      double overlap = 0, total = 0;
+      for (int b = 0; b < batch; ++b) {
+        SelectRequest req;
+        req.query = query.data() + static_cast<size_t>(b) * nh * hd;
+        req.budget = budget;
+        req.n_sink = begin[b];
+        req.local_begin = end[b];
+        Selection sel;
+        ASSERT_OK(indexes[b]->Select(req, &sel));
+        for (int h = 0; h < nkv; ++h) {
+          const std::string where = "clusterkv d" + std::to_string(hd) + " budget " +
+                                    std::to_string(budget) + " seq " + std::to_string(b) +
+                                    " head " + std::to_string(h);
           const int row = b * nkv + h;
           ASSERT_NE(h_counts[row], kPoison) << where;
           const auto got = CheckRow(h_ids.data() + static_cast<size_t>(row) * budget, h_counts[row],

@@ -23,11 +23,11 @@
 // Accumulation is fp32 everywhere.
 //
 // CPU references (parity tests in retrieval/cuda/select/tests): `exact` and `quest` of
-// retrieval/src/baselines.cc.
+// retrieval/src/baselines.cc, `clusterkv` of retrieval/src/clusterkv.cc.
 //
 // Microbenchmark (built here, run on the device machine by scripts/device/kernels-select.sh and
 // by the kernels-attend device script):
-//   select_cuda_bench [--methods exact,quest] [--contexts 8192,32768,131072]
+//   select_cuda_bench [--methods exact,quest,clusterkv,topk] [--contexts 8192,32768,131072]
 //                     [--batches 1,4,16] [--budgets 256,1024] [--iters 50] [--csv]
 // Llama-3-8B attention shape (32 q / 8 kv heads, d = 128, bf16 keys for exact, fp32 page
 // bounds for quest). Prints one line
@@ -38,8 +38,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kvr/retrieval/index.h"
 
 namespace kvr::retrieval::cuda {
@@ -146,5 +149,48 @@ struct QuestSelectParams {
 };
 [[nodiscard]] size_t QuestSelectWorkspaceBytes(const QuestSelectParams& p);
 [[nodiscard]] absl::Status QuestSelect(const QuestSelectParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// clusterkv: clusters ranked by the GQA-aggregated q.mu (mu = mean key of the cluster), their
+// candidate members taken in rank order (members in stored order) until the budget, the last
+// cluster trimmed; output ascending (exactly the CPU ClusterKvIndex, clusterkv.cc). The CPU's
+// not-yet-clustered (pending) tokens are singleton clusters whose centroid is the key itself,
+// which is how ClusterKvLayoutFromIndexes lays them out.
+// Exact as long as fewer than 256 of the top-ranked clusters have no candidate member (the GPU
+// ranks only the top min(n_clusters, budget + 256) clusters).
+struct ClusterKvSelectParams {
+  int batch = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;  // 64 or 128
+  float scale = 0.f;
+  GqaAggregation gqa = GqaAggregation::kSumSoftmax;
+  const float* query = nullptr;         // device [batch, n_heads, head_dim] fp32
+  const float* centroids = nullptr;     // device [batch, n_kv_heads, max_clusters, head_dim] fp32
+  const int32_t* n_clusters = nullptr;  // device [batch, n_kv_heads]
+  const int32_t* offsets = nullptr;     // device [batch, n_kv_heads, max_clusters + 1] into members
+  const int32_t* members = nullptr;     // device [batch, n_kv_heads, max_members] token ids
+  int max_clusters = 0;
+  int max_members = 0;
+  CandidateRanges cand;
+  SelectionOutput out;  // budget <= 2048
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+// Depends on batch, heads, max_clusters, gqa and out.budget.
+[[nodiscard]] size_t ClusterKvSelectWorkspaceBytes(const ClusterKvSelectParams& p);
+[[nodiscard]] absl::Status ClusterKvSelect(const ClusterKvSelectParams& p, cudaStream_t stream);
+
+// Host side: the GPU layout of CPU `clusterkv` indexes, one per sequence of the batch (same
+// shape), read from their payload (RetrievalIndex::SerializePayload). Upload the vectors as is.
+struct ClusterKvHostLayout {
+  int batch = 0, n_kv_heads = 0, head_dim = 0, max_clusters = 0, max_members = 0;
+  std::vector<float> centroids;     // [batch, n_kv_heads, max_clusters, head_dim]
+  std::vector<int32_t> n_clusters;  // [batch, n_kv_heads]
+  std::vector<int32_t> offsets;     // [batch, n_kv_heads, max_clusters + 1]
+  std::vector<int32_t> members;     // [batch, n_kv_heads, max_members]
+};
+[[nodiscard]] absl::StatusOr<ClusterKvHostLayout> ClusterKvLayoutFromIndexes(
+    std::span<const RetrievalIndex* const> indexes);
 
 }  // namespace kvr::retrieval::cuda
