@@ -1,5 +1,6 @@
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 
@@ -100,13 +101,28 @@ __global__ void QkvRopeKernel(QkvRopeParams p) {
   }
 }
 
+__device__ __forceinline__ float Silu(float g) { return g / (1.f + expf(-g)); }
+
+// grid (column blocks, min(tokens, 65535)): no 64-bit index division per element, 16-byte
+// loads when ffn % 4 == 0, and enough blocks for a single token (decode) too.
 __global__ void SwiGluKernel(SwiGluParams p) {
-  const int64_t n = p.n_tokens * p.ffn;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t t = i / p.ffn, j = i % p.ffn;
-    const float g = p.gate_up[t * 2 * p.ffn + j], u = p.gate_up[t * 2 * p.ffn + p.ffn + j];
-    p.act[i] = __float2bfloat16(g / (1.f + expf(-g)) * u);
+  const bool vec = p.ffn % 4 == 0;
+  const int j = (blockIdx.x * blockDim.x + threadIdx.x) * (vec ? 4 : 1);
+  if (j >= p.ffn) return;
+  for (int64_t t = blockIdx.y; t < p.n_tokens; t += gridDim.y) {
+    const float* gate = p.gate_up + t * 2 * p.ffn;
+    const float* up = gate + p.ffn;
+    bf16* act = p.act + t * p.ffn;
+    if (vec) {
+      const float4 g = *reinterpret_cast<const float4*>(gate + j);
+      const float4 u = *reinterpret_cast<const float4*>(up + j);
+      *reinterpret_cast<__nv_bfloat162*>(act + j) =
+          __floats2bfloat162_rn(Silu(g.x) * u.x, Silu(g.y) * u.y);
+      *reinterpret_cast<__nv_bfloat162*>(act + j + 2) =
+          __floats2bfloat162_rn(Silu(g.z) * u.z, Silu(g.w) * u.w);
+    } else {
+      act[j] = __float2bfloat16(Silu(gate[j]) * up[j]);
+    }
   }
 }
 
@@ -210,7 +226,10 @@ absl::Status LaunchQkvRope(const QkvRopeParams& p, cudaStream_t stream) {
 
 absl::Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream) {
   if (p.n_tokens == 0) return absl::OkStatus();
-  SwiGluKernel<<<Blocks(p.n_tokens * p.ffn), kThreads, 0, stream>>>(p);
+  const int per_block = kThreads * (p.ffn % 4 == 0 ? 4 : 1);
+  const dim3 grid((p.ffn + per_block - 1) / per_block,
+                  static_cast<unsigned>(std::min<int64_t>(p.n_tokens, 65535)));
+  SwiGluKernel<<<grid, kThreads, 0, stream>>>(p);
   return kvr::cuda::LastLaunchStatus("SwiGluKernel");
 }
 

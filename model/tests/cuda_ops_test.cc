@@ -256,7 +256,7 @@ TEST(CudaOpsTest, QkvRopeMatchesCpu) {
 
 TEST(CudaOpsTest, SwiGluMatchesCpu) {
   SKIP_WITHOUT_GPU();
-  for (int ffn : {64, 1536, 14336}) {
+  for (int ffn : {64, 1536, 14336, 1001}) {  // 1001: the scalar path
     for (int64_t n : {1, 7}) {
       const std::vector<float> gu = Random(n * 2 * ffn, -6.f, 6.f, ffn + n);
       std::vector<float> want(n * ffn);
