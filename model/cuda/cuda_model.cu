@@ -506,114 +506,127 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       for (int64_t i = 0; i < total; ++i) h_out_rows_.data()[i] = static_cast<int32_t>(i);
     }
   }
-  auto h2d = [&](auto* dst, const auto* src, int64_t n) {
-    return cudaMemcpyAsync(dst, src, n * sizeof(*src), cudaMemcpyHostToDevice, stream());
-  };
-  KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-  KVR_CUDA_RETURN_IF_ERROR(h2d(d_tokens_.data(), h_tokens_.data(), total));
-  KVR_CUDA_RETURN_IF_ERROR(h2d(d_token_seq_.data(), h_token_seq_.data(), total));
-  KVR_CUDA_RETURN_IF_ERROR(h2d(d_out_rows_.data(), h_out_rows_.data(), n_out));
-  KVR_CUDA_RETURN_IF_ERROR(h2d(d_seqs_.data(), h_seqs_.data(), static_cast<int64_t>(batch.size())));
+  // Everything from here is queued on the stream; on an error part of it may already be
+  // queued (reading the pinned metadata, writing cache rows past the sequences' lengths), so
+  // the stream is drained before returning and the lengths are left as they were.
+  const absl::Status queued = [&]() -> absl::Status {
+    auto h2d = [&](auto* dst, const auto* src, int64_t n) {
+      return cudaMemcpyAsync(dst, src, n * sizeof(*src), cudaMemcpyHostToDevice, stream());
+    };
+    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(d_tokens_.data(), h_tokens_.data(), total));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(d_token_seq_.data(), h_token_seq_.data(), total));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(d_out_rows_.data(), h_out_rows_.data(), n_out));
+    KVR_CUDA_RETURN_IF_ERROR(
+        h2d(d_seqs_.data(), h_seqs_.data(), static_cast<int64_t>(batch.size())));
 
-  const int64_t h = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
-  const int64_t qkv_dim = q_dim + 2 * kv_dim, f = c.ffn;
-  KVR_RETURN_IF_ERROR(cuda::LaunchEmbed(
-      {d_tokens_.data(), token_embd_.data(), x_.data(), total, c.hidden}, stream()));
+    const int64_t h = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
+    const int64_t qkv_dim = q_dim + 2 * kv_dim, f = c.ffn;
+    KVR_RETURN_IF_ERROR(cuda::LaunchEmbed(
+        {d_tokens_.data(), token_embd_.data(), x_.data(), total, c.hidden}, stream()));
 
-  cuda::AttentionParams ap;
-  ap.q = q_.data();
-  ap.out = attn_.data();
-  ap.seqs = d_seqs_.data();
-  ap.n_seqs = static_cast<int>(batch.size());
-  ap.max_q = max_q;
-  ap.max_length = max_length;
-  ap.n_heads = c.n_heads;
-  ap.n_kv_heads = c.n_kv_heads;
-  ap.head_dim = c.head_dim;
-  ap.scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
-  ap.partial_o = partial_o_.data();
-  ap.partial_ml = partial_ml_.data();
-  ap.max_splits = kMaxSplits;
-  ap.n_sms = n_sms_;
+    cuda::AttentionParams ap;
+    ap.q = q_.data();
+    ap.out = attn_.data();
+    ap.seqs = d_seqs_.data();
+    ap.n_seqs = static_cast<int>(batch.size());
+    ap.max_q = max_q;
+    ap.max_length = max_length;
+    ap.n_heads = c.n_heads;
+    ap.n_kv_heads = c.n_kv_heads;
+    ap.head_dim = c.head_dim;
+    ap.scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+    ap.partial_o = partial_o_.data();
+    ap.partial_ml = partial_ml_.data();
+    ap.max_splits = kMaxSplits;
+    ap.n_sms = n_sms_;
 
-  for (int layer = 0; layer < c.n_layers; ++layer) {
-    const Layer& w = layers_[layer];
-    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-    cuda::RmsNormParams norm;
-    norm.x = x_.data();
-    norm.weight = w.attn_norm.data();
-    norm.y_bf16 = normed_.data();
-    norm.n_rows = total;
-    norm.dim = c.hidden;
-    norm.eps = c.rms_eps;
-    KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
-    KVR_RETURN_IF_ERROR(Gemm(normed_.data(), total, h, w.wqkv.data(), qkv_dim, qkv_.data(), 0.f));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-    cuda::QkvRopeParams rope;
-    rope.qkv = qkv_.data();
-    rope.bias = w.bqkv.size() > 0 ? w.bqkv.data() : nullptr;
-    rope.inv_freq = inv_freq_.data();
-    rope.token_seq = d_token_seq_.data();
-    rope.seqs = d_seqs_.data();
-    rope.q = q_.data();
-    rope.n_tokens = total;
-    rope.n_heads = c.n_heads;
-    rope.n_kv_heads = c.n_kv_heads;
-    rope.head_dim = c.head_dim;
-    rope.layer = layer;
-    KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
-    ap.layer = layer;
-    KVR_RETURN_IF_ERROR(all_decode ? cuda::LaunchDecodeAttention(ap, stream())
-                                   : cuda::LaunchPrefillAttention(ap, stream()));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
-    KVR_RETURN_IF_ERROR(Gemm(attn_.data(), total, q_dim, w.wo.data(), h, x_.data(), 1.f));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-    norm.weight = w.ffn_norm.data();
-    KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
-    KVR_RETURN_IF_ERROR(
-        Gemm(normed_.data(), total, h, w.w_gate_up.data(), 2 * f, gate_up_.data(), 0.f));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-    KVR_RETURN_IF_ERROR(cuda::LaunchSwiGlu({gate_up_.data(), act_.data(), total, c.ffn}, stream()));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
-    KVR_RETURN_IF_ERROR(Gemm(act_.data(), total, f, w.w_down.data(), h, x_.data(), 1.f));
-  }
-
-  // Output rows in chunks of max_logits_rows: final norm, projection, argmax or copy back.
-  const bf16* out_w = output_.size() > 0 ? output_.data() : token_embd_.data();
-  for (int64_t r0 = 0; r0 < n_out; r0 += options_.max_logits_rows) {
-    const int64_t n = std::min(options_.max_logits_rows, n_out - r0);
-    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-    cuda::RmsNormParams norm;
-    norm.x = x_.data();
-    norm.rows = d_out_rows_.data() + r0;
-    norm.weight = output_norm_.data();
-    norm.y_bf16 = normed_.data();
-    norm.n_rows = n;
-    norm.dim = c.hidden;
-    norm.eps = c.rms_eps;
-    KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
-    KVR_RETURN_IF_ERROR(Gemm(normed_.data(), n, h, out_w, c.vocab, logits_.data(), 0.f));
-    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-    if (!next_tokens.empty()) {
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      const Layer& w = layers_[layer];
+      KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+      cuda::RmsNormParams norm;
+      norm.x = x_.data();
+      norm.weight = w.attn_norm.data();
+      norm.y_bf16 = normed_.data();
+      norm.n_rows = total;
+      norm.dim = c.hidden;
+      norm.eps = c.rms_eps;
+      KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+      KVR_RETURN_IF_ERROR(Gemm(normed_.data(), total, h, w.wqkv.data(), qkv_dim, qkv_.data(), 0.f));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+      cuda::QkvRopeParams rope;
+      rope.qkv = qkv_.data();
+      rope.bias = w.bqkv.size() > 0 ? w.bqkv.data() : nullptr;
+      rope.inv_freq = inv_freq_.data();
+      rope.token_seq = d_token_seq_.data();
+      rope.seqs = d_seqs_.data();
+      rope.q = q_.data();
+      rope.n_tokens = total;
+      rope.n_heads = c.n_heads;
+      rope.n_kv_heads = c.n_kv_heads;
+      rope.head_dim = c.head_dim;
+      rope.layer = layer;
+      KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
+      ap.layer = layer;
+      KVR_RETURN_IF_ERROR(all_decode ? cuda::LaunchDecodeAttention(ap, stream())
+                                     : cuda::LaunchPrefillAttention(ap, stream()));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+      KVR_RETURN_IF_ERROR(Gemm(attn_.data(), total, q_dim, w.wo.data(), h, x_.data(), 1.f));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+      norm.weight = w.ffn_norm.data();
+      KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
       KVR_RETURN_IF_ERROR(
-          cuda::LaunchArgMax({logits_.data(), d_argmax_.data() + r0, n, c.vocab}, stream()));
-    } else {
-      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data() + r0 * c.vocab, logits_.data(),
-                                               n * c.vocab * sizeof(float), cudaMemcpyDeviceToHost,
+          Gemm(normed_.data(), total, h, w.w_gate_up.data(), 2 * f, gate_up_.data(), 0.f));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+      KVR_RETURN_IF_ERROR(
+          cuda::LaunchSwiGlu({gate_up_.data(), act_.data(), total, c.ffn}, stream()));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+      KVR_RETURN_IF_ERROR(Gemm(act_.data(), total, f, w.w_down.data(), h, x_.data(), 1.f));
+    }
+
+    // Output rows in chunks of max_logits_rows: final norm, projection, argmax or copy back.
+    const bf16* out_w = output_.size() > 0 ? output_.data() : token_embd_.data();
+    for (int64_t r0 = 0; r0 < n_out; r0 += options_.max_logits_rows) {
+      const int64_t n = std::min(options_.max_logits_rows, n_out - r0);
+      KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+      cuda::RmsNormParams norm;
+      norm.x = x_.data();
+      norm.rows = d_out_rows_.data() + r0;
+      norm.weight = output_norm_.data();
+      norm.y_bf16 = normed_.data();
+      norm.n_rows = n;
+      norm.dim = c.hidden;
+      norm.eps = c.rms_eps;
+      KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
+      KVR_RETURN_IF_ERROR(Gemm(normed_.data(), n, h, out_w, c.vocab, logits_.data(), 0.f));
+      KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+      if (!next_tokens.empty()) {
+        KVR_RETURN_IF_ERROR(
+            cuda::LaunchArgMax({logits_.data(), d_argmax_.data() + r0, n, c.vocab}, stream()));
+      } else {
+        KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data() + r0 * c.vocab, logits_.data(),
+                                                 n * c.vocab * sizeof(float),
+                                                 cudaMemcpyDeviceToHost, stream()));
+      }
+    }
+    if (!next_tokens.empty()) {
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_argmax_.data(), d_argmax_.data(),
+                                               n_out * sizeof(int32_t), cudaMemcpyDeviceToHost,
                                                stream()));
     }
+    KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    KVR_RETURN_IF_ERROR(stream_.Synchronize());
+    return absl::OkStatus();
+  }();
+  if (!queued.ok()) {
+    cudaStreamSynchronize(stream());  // best effort: the first error is the one reported
+    event_kinds_.clear();
+    return queued;
   }
-  if (!next_tokens.empty()) {
-    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_argmax_.data(), d_argmax_.data(),
-                                             n_out * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                             stream()));
-  }
-  KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-  KVR_RETURN_IF_ERROR(stream_.Synchronize());
   KVR_RETURN_IF_ERROR(FinishProfile());
   if (!next_tokens.empty()) {
     std::memcpy(next_tokens.data(), h_argmax_.data(), n_out * sizeof(int32_t));
