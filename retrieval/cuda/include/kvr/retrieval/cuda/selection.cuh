@@ -29,9 +29,9 @@
 // by the kernels-attend device script):
 //   select_cuda_bench [--methods exact,quest,clusterkv,topk] [--contexts 8192,32768,131072]
 //                     [--batches 1,4,16] [--budgets 256,1024] [--iters 50] [--csv]
-// Llama-3-8B attention shape (32 q / 8 kv heads, d = 128, bf16 keys for exact, fp32 page
-// bounds for quest). Prints one line
-// per (method, context, batch, budget): us per layer, summary bytes scanned, GB/s and the
+// Llama-3-8B attention shape (32 q / 8 kv heads, d = 128; bf16 keys for exact, fp32 page bounds
+// for quest, fp32 centroids of L/80 clusters for clusterkv; topk = BatchedTopK alone). Prints one
+// line per (method, context, batch, budget): us per layer, summary bytes scanned, GB/s and the
 // fraction of the 3.0 TB/s HBM ceiling (DESIGN.md 6); --csv prints the same as CSV.
 
 #include <cuda_runtime.h>
