@@ -5,15 +5,14 @@
 namespace kvr::decode {
 
 DecodeMetricsObserver::DecodeMetricsObserver(metrics::DecodeMetrics* metrics, std::string model,
-                                             std::string method)
-    : metrics_(metrics), model_(std::move(model)), method_(std::move(method)) {
-  // Series that exist before the first step, so dashboards show 0 rather than nothing.
+                                             std::string default_method)
+    : metrics_(metrics), model_(std::move(model)) {
   metrics_->SetWaiting(0);
   metrics_->SetBatchSize(model_, 0);
   metrics_->AddDecodeTokens(model_, 0);
-  metrics_->AddFetched(model_, method_, 0, 0);
-  metrics_->AddHotCache(model_, method_, 0, 0);
-  metrics_->SetSummaryBytes(model_, method_, 0);
+  metrics_->AddFetched(model_, default_method, 0, 0);
+  metrics_->AddHotCache(model_, default_method, 0, 0);
+  metrics_->SetSummaryBytes(model_, default_method, 0);
   metrics_->AddOffloadedBytes(model_, 0);
 }
 
@@ -25,27 +24,32 @@ void DecodeMetricsObserver::OnStep(const StepReport& step) {
 }
 
 void DecodeMetricsObserver::OnFetch(const FetchReport& fetch) {
-  metrics_->AddFetched(model_, method_, static_cast<uint64_t>(fetch.bytes),
-                       static_cast<uint64_t>(fetch.rows));
   metrics_->ObserveFetchLatency(model_, fetch.seconds);
 }
 
-void DecodeMetricsObserver::OnHotCache(int64_t hits, int64_t misses) {
-  metrics_->AddHotCache(model_, method_, static_cast<uint64_t>(hits),
-                        static_cast<uint64_t>(misses));
+void DecodeMetricsObserver::OnRetrieval(std::string_view method, const RetrievalReport& report) {
+  metrics_->AddFetched(model_, method, static_cast<uint64_t>(report.bytes_fetched),
+                       static_cast<uint64_t>(report.rows_fetched));
+  metrics_->AddHotCache(model_, method, static_cast<uint64_t>(report.hot_cache_hits),
+                        static_cast<uint64_t>(report.hot_cache_misses));
 }
 
-void DecodeMetricsObserver::OnSummaryBytes(int64_t bytes) {
-  metrics_->SetSummaryBytes(model_, method_, bytes);
+void DecodeMetricsObserver::OnOffload(int64_t bytes) {
+  metrics_->AddOffloadedBytes(model_, static_cast<uint64_t>(bytes));
+}
+
+void DecodeMetricsObserver::OnMethodSummaryBytes(std::string_view method, int64_t bytes) {
+  metrics_->SetSummaryBytes(model_, method, bytes);
 }
 
 void DecodeMetricsObserver::OnSequenceEnd(std::string_view outcome, int64_t completion_tokens) {
   metrics_->CountSequence(model_, outcome);
 }
 
-void DecodeMetricsObserver::ObserveQuality(double recall, double attention_mass) {
-  metrics_->ObserveRecall(model_, method_, recall);
-  metrics_->ObserveAttentionMass(model_, method_, attention_mass);
+void DecodeMetricsObserver::ObserveQuality(std::string_view method, double recall,
+                                           double attention_mass) {
+  metrics_->ObserveRecall(model_, method, recall);
+  metrics_->ObserveAttentionMass(model_, method, attention_mass);
 }
 
 }  // namespace kvr::decode

@@ -20,10 +20,18 @@ TEST(DecodeMetricsObserverTest, RecordsStepsFetchesCacheAndQuality) {
   observer.OnStep({.seconds = 0.02, .batch_size = 3, .tokens = 3, .waiting = 1});
   observer.OnStep({.seconds = 0.03, .batch_size = 2, .tokens = 2, .waiting = 0});
   observer.OnFetch({.seconds = 0.001, .rows = 10, .bytes = 5120});
-  observer.OnHotCache(6, 2);
-  observer.OnSummaryBytes(1 << 20);
+  observer.OnHotCache(6, 2);  // the all-method totals: not counted again
+  observer.OnRetrieval(
+      "clusterkv",
+      {.hot_cache_hits = 6, .hot_cache_misses = 2, .rows_fetched = 10, .bytes_fetched = 5120});
+  observer.OnRetrieval(
+      "quest",
+      {.hot_cache_hits = 1, .hot_cache_misses = 1, .rows_fetched = 1, .bytes_fetched = 512});
+  observer.OnOffload(2048);
+  observer.OnSummaryBytes(3 << 20);  // all methods: not recorded
+  observer.OnMethodSummaryBytes("clusterkv", 1 << 20);
   observer.OnSequenceEnd("eos", 5);
-  observer.ObserveQuality(0.9, 0.99);
+  observer.ObserveQuality("clusterkv", 0.9, 0.99);
 
   const std::string text = server->ScrapeText();
   const std::string labels = "method=\"clusterkv\",model=\"smol\"";
@@ -38,6 +46,9 @@ TEST(DecodeMetricsObserverTest, RecordsStepsFetchesCacheAndQuality) {
   EXPECT_THAT(text, HasSubstr("kvr_hot_cache_misses_total{" + labels + "} 2"));
   EXPECT_THAT(text, HasSubstr("kvr_hot_cache_hit_ratio{" + labels + "} 0.75"));
   EXPECT_THAT(text, HasSubstr("kvr_summaries_bytes{" + labels + "} 1048576"));
+  EXPECT_THAT(text, HasSubstr("kvr_kv_fetched_bytes_total{method=\"quest\",model=\"smol\"} 512"));
+  EXPECT_THAT(text, HasSubstr("kvr_hot_cache_hit_ratio{method=\"quest\",model=\"smol\"} 0.5"));
+  EXPECT_THAT(text, HasSubstr("kvr_kv_offloaded_bytes_total{model=\"smol\"} 2048"));
   EXPECT_THAT(text, HasSubstr("kvr_decode_sequences_total{model=\"smol\",outcome=\"eos\"} 1"));
   EXPECT_THAT(text, HasSubstr("kvr_retrieval_recall_count{" + labels + "} 1"));
   EXPECT_THAT(text, HasSubstr("kvr_retrieval_attention_mass_sum{" + labels + "} 0.99"));

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Live /metrics of real node processes (issue 8): starts kvr-controller and kvr-store with
---metrics-port 0, reads the port each prints, GETs /metrics over HTTP and checks that
-  * the text passes `promtool check metrics`,
-  * the node's info and its own metric families are there (controller: request metrics after a
-    rejected Generate is not needed: every family with no labels is always present; store: the
-    pool's capacity equals the configured capacity_bytes).
-Environment (set by CTest): KVR_CONTROLLER_BIN, KVR_STORE_BIN, PROMTOOL_BIN."""
+"""Live /metrics of real node processes (issue 8): starts kvr-controller, kvr-store and, when
+they are built and the test model is present, kvr-prefill and kvr-decode, each with
+--metrics-port 0; reads the port each prints, GETs /metrics over HTTP and checks that the text
+passes `promtool check metrics` and holds the node's kvr_node_info and its own metric families
+(series without labels, or with the served model, exist before any request).
+Environment (set by CTest): KVR_CONTROLLER_BIN, KVR_STORE_BIN, KVR_PREFILL_BIN, KVR_DECODE_BIN,
+PROMTOOL_BIN, KVR_TEST_MODEL."""
 import os
 import re
 import subprocess
@@ -112,28 +112,36 @@ class LiveMetricsTest(unittest.TestCase):
         finally:
             node.stop()
 
-    def test_prefill(self):
-        binary = os.environ.get("KVR_PREFILL_BIN")
+    def check_model_node(self, role, name_flag):
+        binary = os.environ.get(f"KVR_{role.upper()}_BIN")
         model = os.environ.get("KVR_TEST_MODEL") or os.path.expanduser(
             "~/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf")
         if not binary:
-            self.skipTest("kvr-prefill is not built in this tree")
+            self.skipTest(f"kvr-{role} is not built in this tree")
         if not os.path.exists(model):
             self.skipTest(f"test model {model} missing (scripts/fetch-model.sh)")
         # No controller: the node keeps retrying registration, which does not matter here.
         node = Node([binary, "--model", model, "--listen", "127.0.0.1:0", "--metrics-port", "0",
-                     "--controller", "127.0.0.1:1", "--node-name", "prefill-a"])
+                     "--controller", "127.0.0.1:1", name_flag, f"{role}-a"])
         try:
-            port = int(node.wait_for(r"kvr-prefill metrics on [^:]+:(\d+)", timeout=90).group(1))
-            node.wait_for("kvr-prefill listening on")
+            port = int(node.wait_for(rf"kvr-{role} metrics on [^:]+:(\d+)", timeout=90).group(1))
+            node.wait_for(f"kvr-{role} listening on")
             text = get_metrics(port)
-            promtool_check(self, text, "kvr-prefill")
-            self.assertIn('kvr_node_info{name="prefill-a",role="prefill"} 1', text)
-            self.assertIn('kvr_requests_waiting{role="prefill"} 0', text)
-            self.assertRegex(text, r'kvr_kv_shipped_bytes_total\{destination="store",model="[^"]+"\} 0')
+            promtool_check(self, text, f"kvr-{role}")
+            self.assertIn(f'kvr_node_info{{name="{role}-a",role="{role}"}} 1', text)
+            self.assertIn(f'kvr_requests_waiting{{role="{role}"}} 0', text)
+            return text
         finally:
             node.stop()
 
+    def test_prefill(self):
+        text = self.check_model_node("prefill", "--node-name")
+        self.assertRegex(text, r'kvr_kv_shipped_bytes_total\{destination="store",model="[^"]+"\} 0')
+
+    def test_decode(self):
+        text = self.check_model_node("decode", "--name")
+        self.assertRegex(text, r'kvr_decode_tokens_total\{model="[^"]+"\} 0')
+        self.assertRegex(text, r'kvr_decode_batch_size\{model="[^"]+"\} 0')
 
 if __name__ == "__main__":
     unittest.main()
