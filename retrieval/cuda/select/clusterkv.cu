@@ -34,7 +34,7 @@ using internal::RowLd;
 
 constexpr int kThreads = 1024;
 constexpr int kExtra = 256;     // clusters ranked beyond the budget (see selection.cuh)
-constexpr int kMaxPick = 2304;  // kMaxOutBudget + kExtra (shared memory: 45 KB in all)
+constexpr int kMaxPick = 2304;  // kMaxOutBudget + kExtra (dynamic shared memory: 63.5 KB)
 constexpr int kMaxOutBudget = 2048;
 
 int Pick(const ClusterKvSelectParams& p) { return std::min(p.max_clusters, p.out.budget + kExtra); }
@@ -91,11 +91,15 @@ static __global__ void __launch_bounds__(kThreads)
   const int b = row / n_kv_heads;
   const int np = pick_count[row];
   const int cb = cand.begin[b], ce = cand.end[b];
-  __shared__ float s_score[kMaxPick];
-  __shared__ int s_rank[kMaxPick];  // slot -> rank
-  __shared__ int s_len[kMaxPick];   // rank -> candidate members, then taken
-  __shared__ int s_pos[kMaxPick];   // rank -> output position
-  __shared__ int s_out[kMaxOutBudget];
+  // Dynamic shared memory (ExpandSmemBytes): 6 arrays of kMaxPick + the output buffer.
+  extern __shared__ int smem[];
+  float* s_score = reinterpret_cast<float*>(smem);  // slot -> score
+  int* s_rank = smem + kMaxPick;                    // slot -> rank
+  int* s_len = smem + 2 * kMaxPick;                 // rank -> candidate members, then taken
+  int* s_pos = smem + 3 * kMaxPick;                 // rank -> output position
+  int* s_lo = smem + 4 * kMaxPick;                  // slot -> members [lo, hi)
+  int* s_hi = smem + 5 * kMaxPick;
+  int* s_out = smem + 6 * kMaxPick;  // [kMaxOutBudget]
   __shared__ int s_total;
   __shared__ int s_warp[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -104,7 +108,10 @@ static __global__ void __launch_bounds__(kThreads)
   const int32_t* my_off = offsets + static_cast<int64_t>(row) * (max_clusters + 1);
   const int32_t* my_members = members + static_cast<int64_t>(row) * max_members;
   for (int i = threadIdx.x; i < np; i += kThreads) {
-    s_score[i] = scores[static_cast<int64_t>(row) * ld + my_picked[i]];
+    const int c = my_picked[i];
+    s_score[i] = scores[static_cast<int64_t>(row) * ld + c];
+    s_lo[i] = my_off[c];
+    s_hi[i] = my_off[c + 1];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < np; i += kThreads) {
@@ -117,26 +124,48 @@ static __global__ void __launch_bounds__(kThreads)
     s_rank[i] = r;
   }
   __syncthreads();
-  // Candidate members per chosen cluster: one warp per cluster, kUnroll coalesced loads of 32
-  // members in flight per lane (clusters average ~80 members), ballots to count.
+  // Candidate members per chosen cluster: each warp takes kBatch clusters at a time and issues
+  // kUnroll coalesced loads of 32 members for each of them before using any (clusters average
+  // ~80 members: one round trip per kBatch clusters instead of three per cluster), ballots count.
   constexpr int kUnroll = 4;
-  for (int i = warp; i < np; i += kWarps) {
-    const int c = my_picked[i];
-    const int lo = my_off[c], hi = my_off[c + 1];
-    int n = 0;
-    for (int base = lo; base < hi; base += 32 * kUnroll) {
-      int t[kUnroll];
+  constexpr int kBatch = 4;
+  for (int i0 = warp * kBatch; i0 < np; i0 += kWarps * kBatch) {
+    int lo[kBatch], hi[kBatch], n[kBatch];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int m = base + u * 32 + lane;
-        t[u] = m < hi ? my_members[m] : -1;
+    for (int q = 0; q < kBatch; ++q) {
+      const int i = i0 + q;
+      lo[q] = i < np ? s_lo[i] : 0;
+      hi[q] = i < np ? s_hi[i] : 0;
+      n[q] = 0;
+    }
+    for (int base = 0;; base += 32 * kUnroll) {
+      bool more = false;
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) more |= lo[q] + base < hi[q];
+      if (!more) break;  // uniform over the warp
+      int t[kBatch][kUnroll];
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int m = lo[q] + base + u * 32 + lane;
+          t[q][u] = m < hi[q] ? my_members[m] : -1;
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        n += __popc(__ballot_sync(0xffffffffu, t[u] >= cb && t[u] < ce));
+      for (int q = 0; q < kBatch; ++q) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          n[q] += __popc(__ballot_sync(0xffffffffu, t[q][u] >= cb && t[q][u] < ce));
+        }
       }
     }
-    if (lane == 0) s_len[s_rank[i]] = n;
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        if (i0 + q < np) s_len[s_rank[i0 + q]] = n[q];
+      }
+    }
   }
   __syncthreads();
   // Walk the ranks in parallel: with prefix_r = sum of s_len over ranks < r, the cluster at rank
@@ -173,29 +202,44 @@ static __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  // Gather the taken members (the first s_len[rank] candidates in stored order), same mapping.
+  // Gather the taken members (the first s_len[rank] candidates in stored order), same batching.
   const unsigned lt_mask = (1u << lane) - 1u;
-  for (int i = warp; i < np; i += kWarps) {
-    const int r = s_rank[i];
-    const int take = s_len[r], pos = s_pos[r];
-    if (take == 0) continue;
-    const int c = my_picked[i];
-    const int lo = my_off[c], hi = my_off[c + 1];
-    int seen = 0;
-    for (int base = lo; base < hi && seen < take; base += 32 * kUnroll) {
-      int t[kUnroll];
+  for (int i0 = warp * kBatch; i0 < np; i0 += kWarps * kBatch) {
+    int lo[kBatch], hi[kBatch], take[kBatch], pos[kBatch], seen[kBatch];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int m = base + u * 32 + lane;
-        t[u] = m < hi ? my_members[m] : -1;
+    for (int q = 0; q < kBatch; ++q) {
+      const int i = i0 + q;
+      const int r = i < np ? s_rank[i] : 0;
+      take[q] = i < np ? s_len[r] : 0;
+      pos[q] = i < np ? s_pos[r] : 0;
+      lo[q] = i < np ? s_lo[i] : 0;
+      hi[q] = i < np ? s_hi[i] : 0;
+      seen[q] = 0;
+    }
+    for (int base = 0;; base += 32 * kUnroll) {
+      bool more = false;
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) more |= seen[q] < take[q] && lo[q] + base < hi[q];
+      if (!more) break;  // uniform over the warp
+      int t[kBatch][kUnroll];
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int m = lo[q] + base + u * 32 + lane;
+          t[q][u] = (m < hi[q] && seen[q] < take[q]) ? my_members[m] : -1;
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const bool ok = t[u] >= cb && t[u] < ce;
-        const unsigned ball = __ballot_sync(0xffffffffu, ok);
-        const int idx = seen + __popc(ball & lt_mask);
-        if (ok && idx < take) s_out[pos + idx] = t[u];
-        seen += __popc(ball);
+      for (int q = 0; q < kBatch; ++q) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const bool ok = t[q][u] >= cb && t[q][u] < ce;
+          const unsigned ball = __ballot_sync(0xffffffffu, ok);
+          const int idx = seen[q] + __popc(ball & lt_mask);
+          if (ok && idx < take[q]) s_out[pos[q] + idx] = t[q][u];
+          seen[q] += __popc(ball);
+        }
       }
     }
   }
@@ -268,7 +312,10 @@ absl::Status ClusterKvSelect(const ClusterKvSelectParams& p, cudaStream_t stream
   t.id_offset = nullptr;
   t.out = {pick, tail.picked, tail.pick_count};
   KVR_RETURN_IF_ERROR(LaunchBatchedTopK(t, stream));
-  ClusterKvExpandKernel<<<rows, kThreads, 0, stream>>>(
+  constexpr int kSmemBytes = (6 * kMaxPick + kMaxOutBudget) * sizeof(int);
+  KVR_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      ClusterKvExpandKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  ClusterKvExpandKernel<<<rows, kThreads, kSmemBytes, stream>>>(
       p.n_kv_heads, ld, pick, p.max_clusters, p.max_members, scores, tail.picked, tail.pick_count,
       p.offsets, p.members, p.cand, p.out.budget, p.out.ids, p.out.counts);
   return kvr::cuda::LastLaunchStatus("ClusterKvExpandKernel");
