@@ -209,6 +209,11 @@ class StoreRegistrar {
   }
 
   const std::string& node_id() const { return node_id_; }
+  // Drops the gRPC channels (after Stop).
+  void Close() {
+    membership_.reset();
+    store_.reset();
+  }
 
  private:
   absl::StatusOr<kvr::store::v1::StatsResponse> Stats() {
@@ -354,7 +359,10 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   auto store = std::make_unique<Child>(
       "store-0",
       std::vector<std::string>{bins[1].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 1)),
-                               "--capacity-bytes", o.store_capacity},
+                               "--capacity-bytes", o.store_capacity,
+                               // Sequences of a node that died mid-request are dropped when
+                               // their lease (deadline + a margin) runs out.
+                               "--evict-expired", "true", "--sweep-interval-ms", "500"},
       log("store-0"));
   const std::string store_port = store->WaitFor("kvr-store listening port=", start_timeout);
   if (store_port.empty()) {
@@ -450,6 +458,9 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   for (auto& n : nodes) n->Stop(absl::Seconds(8));
   registrar.Stop();
   store->Stop(absl::Seconds(5));
+  // An open client channel holds the controller's graceful shutdown for its whole grace period.
+  generation.reset();
+  registrar.Close();
   controller->Stop(absl::Seconds(12));
   std::cout << "kvr up: stopped" << std::endl;
   return absl::OkStatus();

@@ -129,9 +129,10 @@ struct EngineOptions {
   int64_t chunk_tokens = 512;
   // The last N prefill queries per layer go into the index's Build (CTKVR needs them).
   int64_t max_prefill_queries = 512;
-  // Lease of a new store sequence beyond the request's deadline (the decode node keeps it
-  // alive / releases it; this only bounds leftovers of a crashed request).
-  absl::Duration store_lease_margin = absl::Seconds(60);
+  // Lease of a new store sequence beyond the request's deadline. No request outlives its
+  // deadline, and the decode node releases the sequence when it ends; the lease bounds the
+  // leftovers of a node that died (a store started with evict_expired drops them).
+  absl::Duration store_lease_margin = absl::Seconds(5);
   // Method assets (A2ATS codebooks) for the indexes; may be null.
   std::shared_ptr<const retrieval::MethodAssets> method_assets;
   // Not owned; may be null.

@@ -1,0 +1,362 @@
+// End-to-end tests with real processes: `kvr up` starts kvr-controller, kvr-store, kvr-prefill
+// and kvr-decode on free ports, and the test talks to the public Generation API as a client.
+//
+//   FullEqualsSingleProcessAndEveryMethodCompletes  (issue 5: method `full` token for token
+//       equal to dense single-process decoding; every method at a small budget completes and
+//       reports its agreement with dense)
+//   BadRequestsAndCancellation  (INVALID_ARGUMENT naming the field; a client that cancels
+//       mid-stream frees the store pages within a second)
+//   KilledDecodeNode  (2 P + 2 D, one D killed during requests: each request completes or
+//       fails with a clear error before its deadline; store pages return to baseline)
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "kvr/common/paths.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/model/dense_attention.h"
+#include "kvr/model/loader.h"
+#include "kvr/model/sampler.h"
+#include "kvr/store/v1/store.grpc.pb.h"
+#include "kvr/v1/generation.grpc.pb.h"
+#include "subprocess.h"
+
+namespace kvr::e2e {
+namespace {
+
+using ::kvr::controller::testing::Subprocess;
+
+constexpr char kModel[] = "smollm2-135m-instruct";
+
+// A cluster started by `kvr up`, with the addresses and pids it prints.
+class Cluster {
+ public:
+  Cluster(int prefill, int decode) {
+    const std::string log_dir =
+        absl::StrCat(::testing::TempDir(), "/kvr-e2e-", getpid(), "-", prefill, decode);
+    // The known name resolves to TestModelPath() in every node and is the served name.
+    std::vector<std::string> argv = {KVR_BIN,
+                                     "up",
+                                     "--model",
+                                     kModel,
+                                     "--prefill",
+                                     std::to_string(prefill),
+                                     "--decode",
+                                     std::to_string(decode),
+                                     "--base-port",
+                                     "0",
+                                     "--log-dir",
+                                     log_dir,
+                                     "--store-capacity",
+                                     "1GiB"};
+    up_ = std::make_unique<Subprocess>(argv);
+    ready_ = !up_->WaitForLine("kvr up: ready", absl::Seconds(240)).empty();
+    for (const std::string& line : up_->Lines()) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() >= 4 && f[0] == "public") endpoint_ = f.back();
+      if (f.size() >= 5 && f[1] == "pid") {
+        Node n{f[0], 0, f[4]};
+        if (!absl::SimpleAtoi(f[2], &n.pid)) continue;
+        nodes_.push_back(n);
+      }
+    }
+    if (!ready_) {
+      for (const std::string& line : up_->Lines())
+        std::fprintf(stderr, "kvr up: %s\n", line.c_str());
+    }
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    stub_ = kvr::v1::Generation::NewStub(
+        grpc::CreateCustomChannel(endpoint_, grpc::InsecureChannelCredentials(), args));
+    store_ = kvr::store::v1::KvStore::NewStub(
+        grpc::CreateChannel(Find("store-0").grpc, grpc::InsecureChannelCredentials()));
+  }
+
+  struct Node {
+    std::string name;
+    int pid = 0;
+    std::string grpc;
+  };
+  Node Find(const std::string& name) const {
+    for (const auto& n : nodes_) {
+      if (n.name == name) return n;
+    }
+    return {};
+  }
+
+  bool ready() const { return ready_; }
+  kvr::v1::Generation::Stub& stub() { return *stub_; }
+
+  kvr::store::v1::StatsResponse StoreStats() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    kvr::store::v1::StatsResponse stats;
+    EXPECT_TRUE(store_->Stats(&ctx, {}, &stats).ok());
+    return stats;
+  }
+
+  // Waits until the store holds no sequence; false on timeout.
+  bool WaitStoreEmpty(absl::Duration timeout) {
+    const absl::Time until = absl::Now() + timeout;
+    while (absl::Now() < until) {
+      if (StoreStats().sequences() == 0) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return StoreStats().sequences() == 0;
+  }
+
+ private:
+  std::unique_ptr<Subprocess> up_;
+  bool ready_ = false;
+  std::string endpoint_;
+  std::vector<Node> nodes_;
+  std::unique_ptr<kvr::v1::Generation::Stub> stub_;
+  std::unique_ptr<kvr::store::v1::KvStore::Stub> store_;
+};
+
+struct Outcome {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  kvr::v1::Completion completion;
+};
+
+Outcome Generate(kvr::v1::Generation::Stub& stub, const kvr::v1::GenerateRequest& request,
+                 absl::Duration timeout = absl::Seconds(60)) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  auto reader = stub.Generate(&ctx, request);
+  Outcome out;
+  kvr::v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    out.tokens.insert(out.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    if (msg.has_completion()) out.completion = msg.completion();
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
+kvr::v1::GenerateRequest TokenRequest(const std::vector<int32_t>& ids, const std::string& method,
+                                      uint32_t max_tokens) {
+  kvr::v1::GenerateRequest r;
+  r.set_model(kModel);
+  for (int32_t id : ids) r.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_ignore_eos(true);
+  r.mutable_retrieval()->set_method(method);
+  r.mutable_retrieval()->set_budget(24);
+  r.mutable_retrieval()->set_n_sink(4);
+  r.mutable_retrieval()->set_local_window(32);
+  return r;
+}
+
+class ModelFixture : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    pool_ = new ThreadPool(2);
+    auto loaded = model::LoadModel(TestModelPath(), {}, pool_);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    loaded_ = new model::LoadedModel(std::move(*loaded));
+  }
+
+  static std::vector<int32_t> Encode(const std::string& text) {
+    auto ids = loaded_->tokenizer->Encode(text);
+    EXPECT_TRUE(ids.ok());
+    return *ids;
+  }
+
+  // A prompt of about `tokens` tokens of varied text.
+  static std::vector<int32_t> Prompt(int tokens, int variant) {
+    std::string text;
+    const char* topics[] = {"rivers and mountains", "the history of printing", "bread baking",
+                            "sailing ships"};
+    for (int i = 0; static_cast<int>(text.size()) < tokens * 4; ++i) {
+      absl::StrAppend(&text, "Paragraph ", i, " is about ", topics[(i + variant) % 4],
+                      ", and it mentions the number ", (i * 37 + variant * 11) % 1000, ". ");
+    }
+    std::vector<int32_t> ids = Encode(text);
+    ids.resize(std::min<size_t>(ids.size(), tokens));
+    return ids;
+  }
+
+  // Greedy single-process dense decoding (what `kvr generate` does), `n` tokens, ignoring EOS.
+  static std::vector<int32_t> DenseGreedy(const std::vector<int32_t>& prompt, int n) {
+    const model::Model& m = *loaded_->model;
+    model::KvCache cache = m.NewCache();
+    model::DenseAttention dense(pool_);
+    auto logits = m.Prefill(1, cache, prompt, dense, 512);
+    EXPECT_TRUE(logits.ok());
+    std::vector<int32_t> out;
+    std::vector<float> l = *logits;
+    for (int i = 0; i < n; ++i) {
+      int32_t t = model::ArgMax(l);
+      out.push_back(t);
+      if (i + 1 == n) break;
+      const model::ForwardSequence step{1, &cache, std::span(&t, 1)};
+      EXPECT_TRUE(m.Forward(std::span(&step, 1), dense, model::LogitsMode::kLast, l).ok());
+    }
+    return out;
+  }
+
+  static inline ThreadPool* pool_ = nullptr;
+  static inline model::LoadedModel* loaded_ = nullptr;
+};
+
+TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
+  Cluster cluster(1, 1);
+  ASSERT_TRUE(cluster.ready());
+  const uint64_t baseline = cluster.StoreStats().used_bytes();
+  constexpr int kTokens = 24;
+  // (a) full, with a small resident set (4 sinks + 32 local) so that D fetches the rest.
+  std::vector<std::vector<int32_t>> prompts = {Prompt(300, 0), Prompt(420, 1)};
+  std::vector<std::vector<int32_t>> dense;
+  for (const auto& p : prompts) {
+    dense.push_back(DenseGreedy(p, kTokens));
+    Outcome o = Generate(cluster.stub(), TokenRequest(p, "full", kTokens));
+    ASSERT_TRUE(o.status.ok()) << o.status.error_message();
+    EXPECT_EQ(o.tokens, dense.back()) << "prompt of " << p.size() << " tokens";
+    EXPECT_EQ(o.completion.usage().completion_tokens(), static_cast<uint32_t>(kTokens));
+    EXPECT_GT(o.completion.retrieval().bytes_shipped(), 0u);
+  }
+
+  // (b) every method the decode nodes offer, budget 24: completes; agreement with dense.
+  grpc::ClientContext ctx;
+  kvr::v1::ListModelsResponse models;
+  ASSERT_TRUE(cluster.stub().ListModels(&ctx, {}, &models).ok());
+  ASSERT_EQ(models.models_size(), 1);
+  for (const std::string& method : models.models(0).retrieval_methods()) {
+    Outcome o = Generate(cluster.stub(), TokenRequest(prompts[1], method, kTokens));
+    ASSERT_TRUE(o.status.ok()) << method << ": " << o.status.error_message();
+    ASSERT_EQ(o.tokens.size(), static_cast<size_t>(kTokens)) << method;
+    int same = 0, prefix = 0;
+    for (int i = 0; i < kTokens; ++i) same += o.tokens[i] == dense[1][i];
+    while (prefix < kTokens && o.tokens[prefix] == dense[1][prefix]) ++prefix;
+    std::printf(
+        "method %-10s budget 24: %2d/%d tokens equal to dense (common prefix %d), %llu "
+        "bytes fetched, hot-cache hits %llu / misses %llu\n",
+        method.c_str(), same, kTokens, prefix,
+        static_cast<unsigned long long>(o.completion.retrieval().bytes_fetched()),
+        static_cast<unsigned long long>(o.completion.retrieval().hot_cache_hits()),
+        static_cast<unsigned long long>(o.completion.retrieval().hot_cache_misses()));
+    if (method == "full" || method == "exact") EXPECT_GE(same, kTokens / 2) << method;
+  }
+  EXPECT_TRUE(cluster.WaitStoreEmpty(absl::Seconds(2)));
+  EXPECT_EQ(cluster.StoreStats().used_bytes(), baseline);
+}
+
+TEST_F(ModelFixture, BadRequestsAndCancellation) {
+  Cluster cluster(1, 1);
+  ASSERT_TRUE(cluster.ready());
+  auto expect_invalid = [&](kvr::v1::GenerateRequest r, const std::string& field) {
+    Outcome o = Generate(cluster.stub(), r, absl::Seconds(30));
+    EXPECT_EQ(o.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << field << ": " << o.status.error_message();
+    EXPECT_NE(o.status.error_message().find(field), std::string::npos)
+        << "message does not name " << field << ": " << o.status.error_message();
+  };
+  const std::vector<int32_t> short_prompt = Prompt(40, 2);
+  kvr::v1::GenerateRequest r = TokenRequest(short_prompt, "full", 8);
+  r.set_model("no-such-model");
+  expect_invalid(r, "model");
+  r = TokenRequest(short_prompt, "full", 8);
+  r.set_prompt("");
+  expect_invalid(r, "prompt");
+  r = TokenRequest(short_prompt, "full", 8);
+  r.mutable_retrieval()->set_budget(0);
+  expect_invalid(r, "budget");
+  r = TokenRequest(short_prompt, "full", 8);
+  r.mutable_retrieval()->set_method("no-such-method");
+  expect_invalid(r, "method");
+  // Over the context: token ids are checked by the controller, text by the prefill node.
+  const int64_t context = loaded_->model->config().context_length;
+  r = TokenRequest(std::vector<int32_t>(context + 10, 1000), "full", 8);
+  expect_invalid(r, "token_ids");
+  r = TokenRequest(short_prompt, "full", 8);
+  std::string long_text;
+  while (static_cast<int64_t>(long_text.size()) < context * 6) long_text += "lorem ipsum dolor ";
+  r.set_prompt(long_text);
+  r.mutable_sampling()->clear_max_tokens();
+  expect_invalid(r, "prompt");
+
+  // (d) A client that cancels mid-stream: the store pages are free within a second.
+  const uint64_t baseline = cluster.StoreStats().used_bytes();
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    auto reader = cluster.stub().Generate(&ctx, TokenRequest(Prompt(200, 3), "full", 400));
+    kvr::v1::GenerateResponse msg;
+    int messages = 0;
+    while (messages < 3 && reader->Read(&msg)) ++messages;
+    ASSERT_EQ(messages, 3);
+    EXPECT_GT(cluster.StoreStats().sequences(), 0u);
+    ctx.TryCancel();
+    const absl::Time cancelled = absl::Now();
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_TRUE(cluster.WaitStoreEmpty(absl::Seconds(1)))
+        << "store still holds the sequence " << absl::Now() - cancelled << " after cancel";
+    EXPECT_EQ(cluster.StoreStats().used_bytes(), baseline);
+  }
+  // The decode slot is free again: a new request runs to completion.
+  Outcome o = Generate(cluster.stub(), TokenRequest(short_prompt, "full", 4), absl::Seconds(30));
+  EXPECT_TRUE(o.status.ok()) << o.status.error_message();
+}
+
+TEST_F(ModelFixture, KilledDecodeNode) {
+  Cluster cluster(2, 2);
+  ASSERT_TRUE(cluster.ready());
+  const auto victim = cluster.Find("decode-0");
+  ASSERT_GT(victim.pid, 0);
+  constexpr int kRequests = 4;
+  const absl::Duration deadline = absl::Seconds(20);
+  std::vector<Outcome> outcomes(kRequests);
+  std::vector<absl::Duration> took(kRequests);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kRequests; ++i) {
+    clients.emplace_back([&, i] {
+      const absl::Time start = absl::Now();
+      outcomes[i] =
+          Generate(cluster.stub(), TokenRequest(Prompt(150, i), "clusterkv", 48), deadline);
+      took[i] = absl::Now() - start;
+    });
+  }
+  // Kill one decode node while the requests decode.
+  absl::SleepFor(absl::Seconds(4));
+  ASSERT_EQ(kill(victim.pid, SIGKILL), 0);
+  for (auto& t : clients) t.join();
+  int ok = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    const Outcome& o = outcomes[i];
+    std::printf("request %d: %s after %s (%zu tokens)%s%s\n", i, o.status.ok() ? "OK" : "FAILED",
+                absl::FormatDuration(took[i]).c_str(), o.tokens.size(), o.status.ok() ? "" : ": ",
+                o.status.error_message().c_str());
+    EXPECT_LE(took[i], deadline + absl::Seconds(1)) << "request " << i << " hung";
+    if (o.status.ok()) {
+      ++ok;
+      EXPECT_EQ(o.tokens.size(), 48u);
+    } else {
+      // A clear error: the node failure (or the deadline), with a message.
+      EXPECT_TRUE(o.status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                  o.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+          << o.status.error_code() << " " << o.status.error_message();
+      EXPECT_FALSE(o.status.error_message().empty());
+    }
+  }
+  std::printf("%d of %d requests completed\n", ok, kRequests);
+  // The killed node's sequences are dropped when their lease (deadline + 5 s) runs out.
+  EXPECT_TRUE(cluster.WaitStoreEmpty(deadline + absl::Seconds(8)))
+      << cluster.StoreStats().sequences() << " sequences left in the store";
+  // The surviving nodes still serve.
+  Outcome after =
+      Generate(cluster.stub(), TokenRequest(Prompt(60, 5), "full", 4), absl::Seconds(30));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+}  // namespace
+}  // namespace kvr::e2e
