@@ -254,7 +254,12 @@ class PrometheusE2eTest(unittest.TestCase):
         # Let Prometheus scrape the idle cluster once, then load it.
         cls.prometheus.wait(lambda: len(cls.prometheus.query("up == 1")) == len(cls.targets) + 1)
         result_file = os.path.join(cls.tmp, "bench.json")
-        args = (["--num-prompts", "4", "--input-len", "64", "--output-len", "4", "--rate", "4"]
+        # Real nodes: prompts longer than the decode node's sink + local window, so that decode
+        # steps select, fetch from the store and hit its hot cache (the retrieval panels).
+        # At most 2 in flight: the controller reserves store memory for a text prompt before
+        # it is tokenized (as if every byte were a token), ~230 MB each in kvr up's 1 GiB store.
+        args = (["--num-prompts", "4", "--input-len", "1000", "--output-len", "8",
+                 "--concurrency", "2", "--method", "clusterkv", "--budget", "64"]
                 if cls.real_cluster else
                 ["--num-prompts", "20", "--input-len", "32", "--output-len", "8", "--rate", "40"])
         r = kvr_cluster.run_bench(KVR, cls.address, [*args, "--result-file", result_file],
