@@ -215,8 +215,8 @@ class PrometheusE2eTest(unittest.TestCase):
         cls.tmp = tempfile.mkdtemp(prefix="kvr-prom-e2e-")
         cls.real_cluster = has_kvr_up()
         if cls.real_cluster:
-            # kvr up prints "kvr up: ready" after every node registered, and the controller's
-            # address on the "public gRPC (kvr.v1.Generation)  HOST:PORT" line before it.
+            # kvr up prints "kvr up: ready" once every node registered, after the line
+            # "  public gRPC (kvr.v1.Generation)  HOST:PORT" with the controller's address.
             argv = [KVR, "up", "--base-port", "0", "--prefill", "1", "--decode", "1",
                     "--log-dir", os.path.join(cls.tmp, "logs")]
             if os.environ.get("KVR_TEST_MODEL"):
