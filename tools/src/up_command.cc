@@ -68,8 +68,10 @@ class Child {
  public:
   Child(std::string name, std::vector<std::string> argv, const std::string& log_path)
       : name_(std::move(name)), argv_(std::move(argv)) {
+    // Close-on-exec: later children must not inherit this pipe, or its reader would never see
+    // EOF when this child dies (dup2 below clears the flag on the child's own stdout).
     int fds[2];
-    if (pipe(fds) != 0) return;
+    if (pipe2(fds, O_CLOEXEC) != 0) return;
     const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     const pid_t parent = getpid();
     pid_ = fork();
@@ -495,8 +497,10 @@ void AddUpCommand(CLI::App& app) {
   cmd->callback([o] {
     int ready_fd = -1;
     if (o->detach) {
+      // Close-on-exec, so that the nodes do not hold the write end: the foreground part reads
+      // until EOF.
       int fds[2];
-      if (pipe(fds) != 0) throw CLI::RuntimeError(1);
+      if (pipe2(fds, O_CLOEXEC) != 0) throw CLI::RuntimeError(1);
       const pid_t pid = fork();
       if (pid > 0) {
         // The foreground part: wait for the report (or EOF when start-up failed).
