@@ -1,10 +1,16 @@
 #include "kvr/kv_store/config.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
 #include <cstdlib>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "yaml-cpp/yaml.h"
 
@@ -97,6 +103,12 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       {"sweep_interval_ms", "how often expired leases are swept (with evict_expired)"},
       {"name", "name in logs and peers' error messages"},
       {"metrics_port", "Prometheus /metrics port (0: any free port, -1: off)"},
+      {"controller",
+       "controller host:port to register with as a STORE node and heartbeat to (empty: do not "
+       "register)"},
+      {"advertise_address",
+       "host:port the controller and nodes reach this store at (default: listen address, a "
+       "0.0.0.0 host replaced by this hostname's address or 127.0.0.1)"},
   };
   for (Field& f : fields) {
     std::string flag = "--" + f.key;
@@ -116,8 +128,7 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
     try {
       file = YAML::LoadFile(config_path);
     } catch (const YAML::Exception& e) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("--config %s: %s", config_path, e.what()));
+      return absl::InvalidArgumentError(absl::StrFormat("--config %s: %s", config_path, e.what()));
     }
     if (!file.IsMap() && !file.IsNull()) {
       return absl::InvalidArgumentError(
@@ -158,9 +169,18 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       config.listen = *text;
     } else if (k == "name") {
       config.name = *text;
+    } else if (k == "controller") {
+      config.controller = *text;
+    } else if (k == "advertise_address") {
+      if (!text->empty() && text->rfind(':') == std::string::npos) {
+        return fail(absl::InvalidArgumentError(
+            absl::StrFormat("advertise_address: '%s' is not host:port", *text)));
+      }
+      config.advertise_address = *text;
     } else if (k == "capacity_bytes" || k == "page_bytes") {
       absl::StatusOr<uint64_t> v = ParseByteSize(*text);
-      if (!v.ok()) return fail(absl::InvalidArgumentError(absl::StrCat(k, ": ", v.status().message())));
+      if (!v.ok())
+        return fail(absl::InvalidArgumentError(absl::StrCat(k, ": ", v.status().message())));
       (k == "capacity_bytes" ? config.capacity_bytes : config.page_bytes) = *v;
     } else if (k == "metrics_port") {
       int64_t port = 0;
@@ -189,8 +209,8 @@ StoreServerOptions StoreConfig::ToServerOptions() const {
   StoreServerOptions options;
   options.listen = listen;
   options.name = name;
-  options.store.pool = {.capacity_bytes = capacity_bytes, .page_bytes = page_bytes,
-                        .try_huge_pages = huge_pages};
+  options.store.pool = {
+      .capacity_bytes = capacity_bytes, .page_bytes = page_bytes, .try_huge_pages = huge_pages};
   options.store.evict_expired = evict_expired;
   options.data_plane_threads = data_plane_threads;
   options.sweep_interval = absl::Milliseconds(static_cast<int64_t>(sweep_interval_ms));
@@ -218,7 +238,33 @@ std::string StoreConfig::Describe() const {
   line("sweep_interval_ms", absl::StrCat(sweep_interval_ms));
   line("name", name);
   line("metrics_port", absl::StrCat(metrics_port));
+  line("controller", controller.empty() ? "(none: not registered)" : controller);
+  line("advertise_address", advertise_address.empty() ? "(from listen)" : advertise_address);
   return out;
+}
+
+std::string StoreConfig::AdvertisedAddress(int bound_port) const {
+  if (!advertise_address.empty()) return advertise_address;
+  const size_t colon = listen.rfind(':');
+  std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::" || host == "*") {
+    host = "127.0.0.1";
+    // The address this machine's hostname resolves to (the pod IP on Kubernetes), if any.
+    char name[256] = {};
+    if (gethostname(name, sizeof(name) - 1) == 0) {
+      addrinfo hints{};
+      hints.ai_family = AF_INET;
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* found = nullptr;
+      if (getaddrinfo(name, nullptr, &hints, &found) == 0 && found != nullptr) {
+        char text[INET_ADDRSTRLEN] = {};
+        const auto* in = reinterpret_cast<const sockaddr_in*>(found->ai_addr);
+        if (inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text)) != nullptr) host = text;
+        freeaddrinfo(found);
+      }
+    }
+  }
+  return absl::StrCat(host, ":", bound_port);
 }
 
 }  // namespace kvr::kv_store

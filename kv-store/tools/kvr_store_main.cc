@@ -1,11 +1,40 @@
 // kvr-store: the CPU-memory KV store service. See kvr/kv_store/server.h.
+// With --controller it registers itself (role STORE) and heartbeats its free pool bytes
+// through kvr::controller::MembershipClient.
+#include <grpcpp/grpcpp.h>
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <memory>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "kvr/controller/membership_client.h"
 #include "kvr/kv_store/config.h"
 #include "kvr/kv_store/server.h"
+#include "kvr/store/v1/store.grpc.pb.h"
+
+namespace {
+
+// The UCX worker address, asked of our own gRPC service (GetDataPlaneInfo) so that the
+// registration carries exactly what clients are told.
+absl::StatusOr<std::string> OwnWorkerAddress(int port) {
+  auto stub = kvr::store::v1::KvStore::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  kvr::store::v1::GetDataPlaneInfoResponse info;
+  const grpc::Status s = stub->GetDataPlaneInfo(&ctx, {}, &info);
+  if (!s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("GetDataPlaneInfo on our own port ", port, ": ", s.error_message()));
+  }
+  return info.worker_address();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using kvr::kv_store::ParseStoreConfig;
@@ -45,10 +74,48 @@ int main(int argc, char** argv) {
               static_cast<unsigned long long>(stats.total_pages), stats.page_backing.c_str());
   std::fflush(stdout);
 
+  std::unique_ptr<kvr::controller::MembershipClient> membership;
+  if (!config->controller.empty()) {
+    absl::StatusOr<std::string> worker = OwnWorkerAddress((*server)->port());
+    if (!worker.ok()) {
+      std::fprintf(stderr, "kvr-store: %s\n", std::string(worker.status().message()).c_str());
+      return 1;
+    }
+    namespace cv1 = ::kvr::cluster::v1;
+    const std::string advertised = config->AdvertisedAddress((*server)->port());
+    kvr::controller::MembershipClient::Options o;
+    o.controller = config->controller;
+    o.registration.set_role(cv1::NODE_ROLE_STORE);
+    o.registration.set_protocol_version(1);
+    o.registration.set_name(absl::StrCat(config->name, "@", advertised));
+    o.registration.mutable_endpoints()->set_grpc_address(advertised);
+    o.registration.mutable_endpoints()->set_ucx_worker_address(*worker);
+    o.registration.mutable_endpoints()->set_metrics_port(
+        static_cast<uint32_t>(std::max((*server)->metrics_port(), 0)));
+    o.registration.mutable_capacity()->set_memory_bytes(stats.capacity_bytes);
+    // The store outlives `membership` (reset below before Shutdown); Stats() is thread-safe.
+    o.load = [store = &(*server)->store()] {
+      const kvr::kv_store::StoreStats now = store->Stats();
+      cv1::NodeLoad load;
+      load.set_free_memory_bytes(now.capacity_bytes - now.used_bytes);
+      return load;
+    };
+    o.on_registered = [](const std::string& id) {
+      // One parseable line for launchers and tests.
+      std::printf("kvr-store registered %s\n", id.c_str());
+      std::fflush(stdout);
+    };
+    std::printf("kvr-store registering with controller %s as %s\n", config->controller.c_str(),
+                advertised.c_str());
+    std::fflush(stdout);
+    membership = std::make_unique<kvr::controller::MembershipClient>(std::move(o));
+  }
+
   int sig = 0;
   sigwait(&signals, &sig);
   std::printf("kvr-store: signal %d, shutting down\n", sig);
   std::fflush(stdout);
+  membership.reset();  // Deregister first: no new requests are placed here
   (*server)->Shutdown();
   server->reset();
   std::printf("kvr-store: stopped\n");

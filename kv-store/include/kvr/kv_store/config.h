@@ -24,6 +24,14 @@ struct StoreConfig {
   std::string name = "kvr-store";
   // Prometheus /metrics port: 0 any free port (the default, printed at start), -1 off.
   int64_t metrics_port = 0;
+  // Controller host:port to register with (role STORE) and heartbeat free pool bytes to;
+  // empty: not registered (someone else, e.g. `kvr up` of old, must tell the controller).
+  std::string controller;
+  // host:port the controller and the other nodes reach this store's gRPC server at
+  // (Endpoints.grpc_address). Empty: the listen address, with a wildcard host (0.0.0.0, ::
+  // or empty) replaced by the address of this machine's hostname, or 127.0.0.1 when it has
+  // none. On Kubernetes: the pod IP (downward API).
+  std::string advertise_address;
 
   // Where each value came from ("flag", "file", "env" or "default"), in field order.
   std::vector<std::pair<std::string, std::string>> sources;
@@ -31,6 +39,9 @@ struct StoreConfig {
   [[nodiscard]] StoreServerOptions ToServerOptions() const;
   // One "key: value  # source" line per field, for the start-up log.
   [[nodiscard]] std::string Describe() const;
+  // What goes into Endpoints.grpc_address: advertise_address, or the listen host (wildcard
+  // resolved as above) with `bound_port` (the port actually bound, for listen port 0).
+  [[nodiscard]] std::string AdvertisedAddress(int bound_port) const;
 };
 
 // Reads environment variables; injected so tests need not touch the process environment.
