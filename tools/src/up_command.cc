@@ -3,9 +3,9 @@
 // and stops the children on SIGINT/SIGTERM (each child also gets SIGTERM if kvr up dies:
 // PR_SET_PDEATHSIG).
 //
-// kvr-store does not talk to the controller itself, so kvr up registers it on its behalf
-// (Membership.Register with role STORE, its UCX worker address from GetDataPlaneInfo) and
-// heartbeats its free page-pool bytes from the store's Stats.
+// Every node registers itself with the controller (kvr-store too, given --controller); kvr up
+// waits for the store's "kvr-store registered" line and for ListModels to show every prefill
+// and decode node.
 
 #include <fcntl.h>
 #include <signal.h>
@@ -33,18 +33,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "commands.h"
-#include "kvr/cluster/v1/cluster.grpc.pb.h"
-#include "kvr/store/v1/store.grpc.pb.h"
 #include "kvr/v1/generation.grpc.pb.h"
 
 namespace kvr::tools {
 namespace {
-
-namespace cv1 = ::kvr::cluster::v1;
 
 struct UpOptions {
   std::string model = "smollm2-135m-instruct";
@@ -179,110 +174,6 @@ class Child {
   bool eof_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// Registers a kvr-store with the controller and heartbeats for it until destroyed.
-class StoreRegistrar {
- public:
-  StoreRegistrar(const std::string& controller, std::string store_address)
-      : membership_(cv1::Membership::NewStub(
-            grpc::CreateChannel(controller, grpc::InsecureChannelCredentials()))),
-        store_(kvr::store::v1::KvStore::NewStub(
-            grpc::CreateChannel(store_address, grpc::InsecureChannelCredentials()))),
-        address_(std::move(store_address)) {}
-  ~StoreRegistrar() { Stop(); }
-
-  absl::Status Start() {
-    absl::Status s = Register();
-    if (!s.ok()) return s;
-    thread_ = std::thread([this] { Loop(); });
-    return absl::OkStatus();
-  }
-
-  void Stop() {
-    if (!stop_.HasBeenNotified()) stop_.Notify();
-    if (thread_.joinable()) thread_.join();
-    if (node_id_.empty()) return;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    cv1::DeregisterRequest request;
-    request.set_node_id(node_id_);
-    cv1::DeregisterResponse response;
-    (void)membership_->Deregister(&ctx, request, &response);
-    node_id_.clear();
-  }
-
-  const std::string& node_id() const { return node_id_; }
-  // Drops the gRPC channels (after Stop).
-  void Close() {
-    membership_.reset();
-    store_.reset();
-  }
-
- private:
-  absl::StatusOr<kvr::store::v1::StatsResponse> Stats() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    kvr::store::v1::StatsResponse stats;
-    grpc::Status s = store_->Stats(&ctx, {}, &stats);
-    if (!s.ok()) return absl::UnavailableError(absl::StrCat("store Stats: ", s.error_message()));
-    return stats;
-  }
-
-  absl::Status Register() {
-    kvr::store::v1::GetDataPlaneInfoResponse info;
-    {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-      grpc::Status s = store_->GetDataPlaneInfo(&ctx, {}, &info);
-      if (!s.ok()) {
-        return absl::UnavailableError(absl::StrCat("store GetDataPlaneInfo: ", s.error_message()));
-      }
-    }
-    absl::StatusOr<kvr::store::v1::StatsResponse> stats = Stats();
-    if (!stats.ok()) return stats.status();
-    cv1::RegisterRequest r;
-    r.set_role(cv1::NODE_ROLE_STORE);
-    r.set_protocol_version(1);
-    r.set_name(absl::StrCat("kvr-store@", address_));
-    r.mutable_endpoints()->set_grpc_address(address_);
-    r.mutable_endpoints()->set_ucx_worker_address(info.worker_address());
-    r.mutable_capacity()->set_memory_bytes(stats->capacity_bytes());
-    r.mutable_load()->set_free_memory_bytes(stats->capacity_bytes() - stats->used_bytes());
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    cv1::RegisterResponse response;
-    grpc::Status s = membership_->Register(&ctx, r, &response);
-    if (!s.ok()) return absl::UnavailableError(absl::StrCat("Register store: ", s.error_message()));
-    node_id_ = response.node_id();
-    interval_ = absl::Seconds(response.heartbeat_interval().seconds()) +
-                absl::Nanoseconds(response.heartbeat_interval().nanos());
-    if (interval_ <= absl::ZeroDuration()) interval_ = absl::Seconds(1);
-    return absl::OkStatus();
-  }
-
-  void Loop() {
-    while (!stop_.WaitForNotificationWithTimeout(interval_)) {
-      absl::StatusOr<kvr::store::v1::StatsResponse> stats = Stats();
-      if (!stats.ok()) continue;  // the store is gone: its lease runs out
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-      cv1::HeartbeatRequest hb;
-      hb.set_node_id(node_id_);
-      hb.mutable_load()->set_free_memory_bytes(stats->capacity_bytes() - stats->used_bytes());
-      cv1::HeartbeatResponse response;
-      grpc::Status s = membership_->Heartbeat(&ctx, hb, &response);
-      if (s.error_code() == grpc::StatusCode::NOT_FOUND) (void)Register();
-    }
-  }
-
-  std::unique_ptr<cv1::Membership::Stub> membership_;
-  std::unique_ptr<kvr::store::v1::KvStore::Stub> store_;
-  std::string address_;
-  std::string node_id_;
-  absl::Duration interval_ = absl::Seconds(1);
-  absl::Notification stop_;
-  std::thread thread_;
-};
-
 // The binary `name`: next to kvr, in the build tree's component folder, or on PATH.
 std::optional<std::string> FindBinary(const std::string& name, const std::string& folder,
                                       const std::string& bin_dir) {
@@ -364,7 +255,9 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
                                "--capacity-bytes", o.store_capacity,
                                // Sequences of a node that died mid-request are dropped when
                                // their lease (deadline + a margin) runs out.
-                               "--evict-expired", "true", "--sweep-interval-ms", "500"},
+                               "--evict-expired", "true", "--sweep-interval-ms", "500",
+                               // It registers itself (role STORE) and heartbeats its free bytes.
+                               "--controller", controller_address},
       log("store-0"));
   const std::string store_port = store->WaitFor("kvr-store listening port=", start_timeout);
   if (store_port.empty()) {
@@ -372,8 +265,6 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   }
   const std::string store_address =
       absl::StrCat("127.0.0.1:", store_port.substr(0, store_port.find(' ')));
-  StoreRegistrar registrar(controller_address, store_address);
-  if (absl::Status s = registrar.Start(); !s.ok()) return s;
 
   for (int i = 0; i < o.prefill; ++i) {
     std::vector<std::string> argv = {bins[2].path,
@@ -400,12 +291,18 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
         std::make_unique<Child>(absl::StrCat("decode-", i), argv, log(absl::StrCat("decode-", i))));
   }
 
-  // Ready when ListModels shows every prefill and decode node.
+  // Ready when the store registered and ListModels shows every prefill and decode node.
   auto generation = kvr::v1::Generation::NewStub(
       grpc::CreateChannel(controller_address, grpc::InsecureChannelCredentials()));
   const absl::Time give_up = absl::Now() + start_timeout;
   std::string model_name;
-  while (model_name.empty()) {
+  std::string store_id;
+  while (model_name.empty() || store_id.empty()) {
+    if (store->exited()) {
+      return absl::UnavailableError(
+          absl::StrCat("store-0 exited during start-up; see ", log("store-0")));
+    }
+    store_id = store->Find("kvr-store registered ");
     for (auto& n : nodes) {
       if (n->exited()) {
         return absl::UnavailableError(
@@ -413,8 +310,9 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
       }
     }
     if (absl::Now() > give_up) {
-      return absl::DeadlineExceededError(absl::StrCat("the nodes did not all register within ",
-                                                      o.ready_timeout_s, " s; logs in ", log_dir));
+      return absl::DeadlineExceededError(
+          absl::StrCat("the nodes did not all register within ", o.ready_timeout_s, " s (store ",
+                       store_id.empty() ? "not registered" : "registered", "); logs in ", log_dir));
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
@@ -427,18 +325,18 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
         }
       }
     }
-    if (model_name.empty()) absl::SleepFor(absl::Milliseconds(200));
+    if (model_name.empty() || store_id.empty()) absl::SleepFor(absl::Milliseconds(200));
   }
 
   std::string report = absl::StrFormat(
       "kvr cluster up: model '%s', %d prefill + %d decode node(s)\n"
       "  public gRPC (kvr.v1.Generation)  %s\n"
       "  %-12s pid %-7d grpc %-21s metrics %s\n"
-      "  %-12s pid %-7d grpc %-21s (registered by kvr up as %s)\n",
+      "  %-12s pid %-7d grpc %-21s registered as %s\n",
       model_name, o.prefill, o.decode, controller_address, "controller", controller->pid(),
       controller_address,
       controller->Find("metrics on ").empty() ? "-" : controller->Find("metrics on "), "store-0",
-      store->pid(), store_address, registrar.node_id());
+      store->pid(), store_address, store_id);
   for (auto& n : nodes) {
     const std::string grpc_address = n->Find("listening on ");
     const std::string metrics = n->Find("metrics on ");
@@ -458,11 +356,9 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // Nodes first (they deregister), then the store, then the controller.
   for (auto& n : nodes) kill(n->pid(), SIGTERM);
   for (auto& n : nodes) n->Stop(absl::Seconds(8));
-  registrar.Stop();
-  store->Stop(absl::Seconds(5));
+  store->Stop(absl::Seconds(5));  // it deregisters
   // An open client channel holds the controller's graceful shutdown for its whole grace period.
   generation.reset();
-  registrar.Close();
   controller->Stop(absl::Seconds(12));
   std::cout << "kvr up: stopped" << std::endl;
   return absl::OkStatus();
