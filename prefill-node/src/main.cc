@@ -17,12 +17,12 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/controller/membership_client.h"
 #include "kvr/model/loader.h"
 #include "kvr/prefill_node/config.h"
 #include "kvr/prefill_node/grpc_clients.h"
@@ -119,93 +119,6 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
   PrefillEngine* engine_;
 };
 
-// Register + heartbeat loop with the controller (re-registers on NOT_FOUND, retries while the
-// controller is unreachable). Runs on its own thread until Stop.
-class MembershipLoop {
- public:
-  MembershipLoop(const std::string& controller, cv1::RegisterRequest registration,
-                 const PrefillEngine* engine)
-      : stub_(cv1::Membership::NewStub(
-            grpc::CreateChannel(controller, grpc::InsecureChannelCredentials()))),
-        registration_(std::move(registration)),
-        engine_(engine),
-        thread_([this] { Loop(); }) {}
-  ~MembershipLoop() { Stop(); }
-
-  void Stop() {
-    if (!stop_.HasBeenNotified()) stop_.Notify();
-    if (thread_.joinable()) thread_.join();
-  }
-
-  // Graceful leave (after Stop).
-  void Deregister() {
-    if (node_id_.empty()) return;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    cv1::DeregisterRequest request;
-    request.set_node_id(node_id_);
-    cv1::DeregisterResponse response;
-    grpc::Status s = stub_->Deregister(&ctx, request, &response);
-    spdlog::info("deregister {}: {}", node_id_, s.ok() ? "ok" : s.error_message());
-  }
-
- private:
-  bool Register() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    cv1::RegisterRequest request = registration_;
-    request.mutable_load()->set_queued_prefill_tokens(engine_->queued_prompt_tokens());
-    cv1::RegisterResponse response;
-    grpc::Status s = stub_->Register(&ctx, request, &response);
-    if (!s.ok()) {
-      spdlog::warn("register with the controller failed: {}", s.error_message());
-      return false;
-    }
-    node_id_ = response.node_id();
-    interval_ = absl::Seconds(response.heartbeat_interval().seconds()) +
-                absl::Nanoseconds(response.heartbeat_interval().nanos());
-    if (interval_ <= absl::ZeroDuration()) interval_ = absl::Seconds(1);
-    // One parseable line for launchers and tests.
-    std::cout << "kvr-prefill registered " << node_id_ << std::endl;
-    return true;
-  }
-
-  void Loop() {
-    bool registered = false;
-    while (!stop_.HasBeenNotified()) {
-      if (!registered) {
-        registered = Register();
-        if (!registered) {
-          stop_.WaitForNotificationWithTimeout(absl::Milliseconds(500));
-          continue;
-        }
-      }
-      if (stop_.WaitForNotificationWithTimeout(interval_)) break;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-      cv1::HeartbeatRequest hb;
-      hb.set_node_id(node_id_);
-      hb.mutable_load()->set_queued_prefill_tokens(engine_->queued_prompt_tokens());
-      cv1::HeartbeatResponse response;
-      grpc::Status s = stub_->Heartbeat(&ctx, hb, &response);
-      if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-        spdlog::warn("controller forgot node {}: registering again", node_id_);
-        registered = false;
-      } else if (!s.ok()) {
-        spdlog::warn("heartbeat failed: {}", s.error_message());
-      }
-    }
-  }
-
-  std::unique_ptr<cv1::Membership::Stub> stub_;
-  cv1::RegisterRequest registration_;
-  const PrefillEngine* engine_;
-  absl::Notification stop_;
-  std::string node_id_;  // loop thread only (Deregister runs after Stop joined it)
-  absl::Duration interval_ = absl::Seconds(1);
-  std::thread thread_;
-};
-
 int Serve(const PrefillConfig& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
   // SIGTERM/SIGINT are blocked in every thread (gRPC's inherit the mask) and taken with sigwait.
@@ -295,13 +208,26 @@ int Serve(const PrefillConfig& config) {
   // What the store holds per token: K and V of every layer, float32 (the handoff contract).
   info->set_kv_bytes_per_token(uint64_t{2} * mc.n_layers * mc.n_kv_heads * mc.head_dim *
                                sizeof(float));
-  MembershipLoop membership(config.controller, std::move(registration), &engine);
+  // Register + heartbeat (re-registers on NOT_FOUND, retries while the controller is
+  // unreachable) on the client's thread; Stop() deregisters.
+  kvr::controller::MembershipClient::Options membership_options;
+  membership_options.controller = config.controller;
+  membership_options.registration = std::move(registration);
+  membership_options.load = [&engine] {
+    cv1::NodeLoad load;
+    load.set_queued_prefill_tokens(engine.queued_prompt_tokens());
+    return load;
+  };
+  membership_options.on_registered = [](const std::string& id) {
+    // One parseable line for launchers and tests.
+    std::cout << "kvr-prefill registered " << id << std::endl;
+  };
+  kvr::controller::MembershipClient membership(std::move(membership_options));
 
   int received = 0;
   sigwait(&signals, &received);
   spdlog::info("signal {}: shutting down", received);
-  membership.Stop();
-  membership.Deregister();
+  membership.Stop();  // and Deregister
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   server->Wait();
