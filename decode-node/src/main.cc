@@ -23,6 +23,7 @@
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/controller/membership_client.h"
 #include "kvr/decode/config.h"
 #include "kvr/decode/engine.h"
 #include "kvr/decode/metrics_observer.h"
@@ -74,93 +75,6 @@ std::vector<std::pair<std::string, double>> MeasureSummaryBytes(
   }
   return out;
 }
-
-// Register + heartbeat loop (re-registers on NOT_FOUND, retries while the controller is
-// unreachable) on its own thread until Stop; Deregister on the way out.
-class MembershipLoop {
- public:
-  MembershipLoop(const std::string& controller, cv1::RegisterRequest registration,
-                 const DecodeEngine* engine)
-      : stub_(cv1::Membership::NewStub(
-            grpc::CreateChannel(controller, grpc::InsecureChannelCredentials()))),
-        registration_(std::move(registration)),
-        engine_(engine),
-        thread_([this] { Loop(); }) {}
-  ~MembershipLoop() { Stop(); }
-
-  void Stop() {
-    if (!stop_.HasBeenNotified()) stop_.Notify();
-    if (thread_.joinable()) thread_.join();
-  }
-  void Deregister() {
-    if (node_id_.empty()) return;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    cv1::DeregisterRequest request;
-    request.set_node_id(node_id_);
-    cv1::DeregisterResponse response;
-    grpc::Status s = stub_->Deregister(&ctx, request, &response);
-    spdlog::info("deregister {}: {}", node_id_, s.ok() ? "ok" : s.error_message());
-  }
-
- private:
-  cv1::NodeLoad Load() const {
-    cv1::NodeLoad load;
-    load.set_running_sequences(static_cast<uint32_t>(engine_->running_sequences()));
-    load.set_free_memory_bytes(static_cast<uint64_t>(engine_->free_memory_bytes()));
-    return load;
-  }
-  bool Register() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    cv1::RegisterRequest request = registration_;
-    *request.mutable_load() = Load();
-    cv1::RegisterResponse response;
-    grpc::Status s = stub_->Register(&ctx, request, &response);
-    if (!s.ok()) {
-      spdlog::warn("register with the controller failed: {}", s.error_message());
-      return false;
-    }
-    node_id_ = response.node_id();
-    interval_ = absl::Seconds(response.heartbeat_interval().seconds()) +
-                absl::Nanoseconds(response.heartbeat_interval().nanos());
-    if (interval_ <= absl::ZeroDuration()) interval_ = absl::Seconds(1);
-    std::cout << "kvr-decode registered " << node_id_ << std::endl;
-    return true;
-  }
-  void Loop() {
-    bool registered = false;
-    while (!stop_.HasBeenNotified()) {
-      if (!registered) {
-        registered = Register();
-        if (!registered) {
-          stop_.WaitForNotificationWithTimeout(absl::Milliseconds(500));
-          continue;
-        }
-      }
-      if (stop_.WaitForNotificationWithTimeout(interval_)) break;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-      cv1::HeartbeatRequest hb;
-      hb.set_node_id(node_id_);
-      *hb.mutable_load() = Load();
-      cv1::HeartbeatResponse response;
-      grpc::Status s = stub_->Heartbeat(&ctx, hb, &response);
-      if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-        spdlog::warn("controller forgot node {}: registering again", node_id_);
-        registered = false;
-      }
-    }
-  }
-
-  std::unique_ptr<cv1::Membership::Stub> stub_;
-  cv1::RegisterRequest registration_;
-  const DecodeEngine* engine_;
-  absl::Notification stop_;
-  std::string node_id_;
-  absl::Duration interval_ = absl::Seconds(1);
-  std::thread thread_;
-};
 
 int Serve(const DecodeConfig& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
@@ -266,13 +180,27 @@ int Serve(const DecodeConfig& config) {
     m->set_summary_bytes_per_token(bytes);
     spdlog::info("method {}: {:.1f} summary bytes per token", name, bytes);
   }
-  MembershipLoop membership(config.controller, std::move(registration), engine->get());
+  // Register + heartbeat (re-registers on NOT_FOUND, retries while the controller is
+  // unreachable) on the client's thread; Stop() deregisters.
+  kvr::controller::MembershipClient::Options membership_options;
+  membership_options.controller = config.controller;
+  membership_options.registration = std::move(registration);
+  membership_options.load = [engine = engine->get()] {
+    cv1::NodeLoad load;
+    load.set_running_sequences(static_cast<uint32_t>(engine->running_sequences()));
+    load.set_free_memory_bytes(static_cast<uint64_t>(engine->free_memory_bytes()));
+    return load;
+  };
+  membership_options.on_registered = [](const std::string& id) {
+    // One parseable line for launchers and tests.
+    std::cout << "kvr-decode registered " << id << std::endl;
+  };
+  kvr::controller::MembershipClient membership(std::move(membership_options));
 
   int received = 0;
   sigwait(&signals, &received);
   spdlog::info("signal {}: shutting down", received);
-  membership.Stop();
-  membership.Deregister();
+  membership.Stop();  // and Deregister
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   server->Wait();
