@@ -264,7 +264,11 @@ struct ControllerMetrics::Families {
 };
 
 ControllerMetrics::ControllerMetrics(prometheus::Registry& registry)
-    : f_(std::make_unique<Families>(registry)) {}
+    : f_(std::make_unique<Families>(registry)) {
+  // Exported at 0 from the start, so that rate() and alerts see the series before the first
+  // failure (a labelled counter has no sample until a child exists).
+  for (std::string_view role : {"prefill", "decode", "store"}) f_->node_failures.Get({role});
+}
 ControllerMetrics::~ControllerMetrics() = default;
 
 void ControllerMetrics::ObserveTimeToFirstToken(std::string_view model, std::string_view method,

@@ -121,6 +121,9 @@ TEST(ControllerMetricsTest, RecordsWhatItIsTold) {
   EXPECT_THAT(text, HasSubstr("kvr_generation_tokens_total{model=\"smol\"} 7"));
   EXPECT_THAT(text, HasSubstr("kvr_request_attempts_total{model=\"smol\"} 1"));
   EXPECT_THAT(text, HasSubstr("kvr_node_failures_total{role=\"decode\"} 1"));
+  // Roles that saw no failure are exported at 0 (rate() works before the first failure).
+  EXPECT_THAT(text, HasSubstr("kvr_node_failures_total{role=\"prefill\"} 0"));
+  EXPECT_THAT(text, HasSubstr("kvr_node_failures_total{role=\"store\"} 0"));
   ExpectPromtoolClean(text);
 }
 

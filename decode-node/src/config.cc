@@ -75,6 +75,19 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
          return absl::OkStatus();
        },
        [](const DecodeConfig& c) { return absl::StrCat(c.metrics_port); }},
+      {"quality_sample_rate",
+       "fraction (0..1) of decode steps per sequence and layer whose selection is compared "
+       "with the exact oracle (recall, attention mass metrics); 0: off",
+       [](DecodeConfig& c, const std::string& v) {
+         double rate;
+         // !(rate >= 0 && rate <= 1) also refuses NaN.
+         if (!absl::SimpleAtod(v, &rate) || !(rate >= 0 && rate <= 1)) {
+           return BadValue(v, "a fraction in [0, 1]");
+         }
+         c.quality_sample_rate = rate;
+         return absl::OkStatus();
+       },
+       [](const DecodeConfig& c) { return absl::StrCat(c.quality_sample_rate); }},
       {"log_level", "trace, debug, info, warn, error",
        [](DecodeConfig& c, const std::string& v) {
          for (const char* level : {"trace", "debug", "info", "warn", "error"}) {

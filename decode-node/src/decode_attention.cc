@@ -2,13 +2,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/partial_attention.h"
+#include "spdlog/spdlog.h"
 
 namespace kvr::decode {
 
@@ -25,7 +29,11 @@ void RetrievalCounters::Add(const RetrievalCounters& o) {
 }
 
 DecodeAttention::DecodeAttention(DecodeAttentionOptions options, DecodeObserver* observer)
-    : options_(options), observer_(observer), hot_cache_(options.hot_cache_bytes) {}
+    : options_(options),
+      observer_(observer),
+      hot_cache_(options.hot_cache_bytes),
+      quality_rng_(options.quality_seed),
+      quality_coin_(std::clamp(options.quality_sample_rate, 0.0, 1.0)) {}
 
 DecodeAttention::~DecodeAttention() { FinishOffload().IgnoreError(); }
 
@@ -321,7 +329,97 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
       retrieval::MergeAttentionPartial(out, &lse, partial_out_.data(), lse_b, hd);
     }
   }
+  if (options_.quality_sample_rate > 0) SampleQuality(shape, batch);
   return absl::OkStatus();
+}
+
+void DecodeAttention::SampleQuality(const AttentionShape& shape,
+                                    std::span<const AttentionRequest> batch) {
+  const int hd = shape.head_dim;
+  const int n_kv = shape.n_kv_heads;
+  const int group = shape.n_heads / n_kv;
+  const int64_t row_floats = 2 * int64_t{hd};
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!quality_coin_(quality_rng_)) continue;
+    const AttentionRequest& r = batch[i];
+    const DecodeSequenceSetup& setup = sequences_.at(r.sequence).setup;
+    const int64_t p = r.first_position;
+    const int64_t n_sink = std::min(setup.n_sink, p + 1);
+    const int64_t local_begin = std::max(n_sink, p + 1 - setup.local_window);
+    const int64_t nc = local_begin - n_sink;  // candidates [n_sink, local_begin)
+    if (nc <= 0) continue;                    // nothing retrieved from: nothing to measure
+    if (setup.method == "full" || setup.indexes[r.layer] == nullptr) {
+      // Every candidate is attended: recall and mass are 1 by definition; nothing is read.
+      ++node_.quality_samples;
+      if (observer_ != nullptr) observer_->OnQuality(setup.method, 1.0, 1.0);
+      continue;
+    }
+    // The keys of every candidate of every KV head, in one request.
+    std::vector<kv_store::RangeEntry> ranges;
+    for (int kvh = 0; kvh < n_kv; ++kvh) {
+      ranges.push_back({setup.store_sequence, static_cast<uint32_t>(r.layer),
+                        static_cast<uint32_t>(kvh), static_cast<uint64_t>(n_sink),
+                        static_cast<uint64_t>(nc)});
+    }
+    quality_rows_.resize(static_cast<size_t>(n_kv * nc * row_floats));
+    const std::span<uint8_t> out(reinterpret_cast<uint8_t*>(quality_rows_.data()),
+                                 quality_rows_.size() * sizeof(float));
+    if (absl::Status s = setup.store->RangeRead(ranges, out); !s.ok()) {
+      ++node_.quality_failures;
+      spdlog::warn("quality sample of sequence {} layer {} dropped: range read of {} rows: {}",
+                   r.sequence, r.layer, n_kv * nc, s.ToString());
+      continue;
+    }
+    node_.quality_rows_fetched += n_kv * nc;
+    node_.quality_bytes_fetched += static_cast<int64_t>(out.size());
+
+    double hits = 0, truth_total = 0, mass_sum = 0;
+    quality_probs_.resize(static_cast<size_t>(nc));
+    for (int kvh = 0; kvh < n_kv; ++kvh) {
+      // Selected positions of this (request, KV head): Prepare pushed n_kv_heads HeadWork per
+      // request, in order.
+      const std::vector<int64_t>& picked = work_[i * n_kv + kvh].positions;
+      const float* cand = quality_rows_.data() + kvh * nc * row_floats;  // [nc, 2 * hd], keys
+      quality_agg_.assign(static_cast<size_t>(nc), 0.f);
+      for (int g = 0; g < group; ++g) {
+        const float* q = r.q + static_cast<int64_t>(kvh * group + g) * hd;
+        // One softmax over [0, p]: the resident rows (sink ∪ local) and the candidates.
+        float m = -std::numeric_limits<float>::infinity();
+        std::vector<float>& res = scores_;
+        res.resize(static_cast<size_t>(r.kv.n_rows));
+        for (int64_t t = 0; t < r.kv.n_rows; ++t) {
+          res[t] = shape.scale * retrieval::Dot(q, r.kv.k + t * r.kv.row_stride + kvh * hd, hd);
+          m = std::max(m, res[t]);
+        }
+        for (int64_t c = 0; c < nc; ++c) {
+          quality_probs_[c] = shape.scale * retrieval::Dot(q, cand + c * row_floats, hd);
+          m = std::max(m, quality_probs_[c]);
+        }
+        double z = 0, resident = 0, candidates = 0;
+        for (int64_t t = 0; t < r.kv.n_rows; ++t) resident += std::exp(double{res[t]} - m);
+        for (int64_t c = 0; c < nc; ++c) {
+          quality_probs_[c] = static_cast<float>(std::exp(double{quality_probs_[c]} - m));
+          candidates += quality_probs_[c];
+        }
+        z = resident + candidates;
+        double mass = resident;
+        for (int64_t id : picked) mass += quality_probs_[id - n_sink];
+        mass_sum += std::min(1.0, mass / z);
+        // The oracle ranks by the group's probabilities, each renormalised over the candidates.
+        const float inv = candidates > 0 ? static_cast<float>(1.0 / candidates) : 0.f;
+        for (int64_t c = 0; c < nc; ++c) quality_agg_[c] += quality_probs_[c] * inv;
+      }
+      quality_truth_.assign(static_cast<size_t>(nc), 0);
+      const std::vector<int64_t> top = retrieval::TopKIndices(quality_agg_, setup.budget);
+      for (int64_t c : top) quality_truth_[c] = 1;
+      for (int64_t id : picked) hits += quality_truth_[id - n_sink];
+      truth_total += static_cast<double>(top.size());
+    }
+    const double recall = truth_total > 0 ? hits / truth_total : 1.0;
+    const double mass = mass_sum / shape.n_heads;
+    ++node_.quality_samples;
+    if (observer_ != nullptr) observer_->OnQuality(setup.method, recall, mass);
+  }
 }
 
 void DecodeAttention::StartOffload() {

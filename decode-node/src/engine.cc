@@ -48,7 +48,8 @@ DecodeEngine::DecodeEngine(const model::Model* model, const model::Tokenizer* to
       attention_({.n_layers = model->config().n_layers,
                   .n_kv_heads = model->config().n_kv_heads,
                   .head_dim = model->config().head_dim,
-                  .hot_cache_bytes = options_.hot_cache_bytes},
+                  .hot_cache_bytes = options_.hot_cache_bytes,
+                  .quality_sample_rate = options_.quality_sample_rate},
                  observer_) {}
 
 absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
@@ -57,10 +58,13 @@ absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
   if (model == nullptr || registry == nullptr) {
     return absl::InvalidArgumentError("DecodeEngine: model and registry are required");
   }
-  if (options.batch_slots <= 0 || options.max_waiting < 0 || options.hot_cache_bytes < 0) {
+  if (options.batch_slots <= 0 || options.max_waiting < 0 || options.hot_cache_bytes < 0 ||
+      !(options.quality_sample_rate >= 0 && options.quality_sample_rate <= 1)) {
     return absl::InvalidArgumentError(absl::StrCat("DecodeEngine: batch_slots must be > 0 (got ",
                                                    options.batch_slots,
-                                                   "), max_waiting and hot_cache_bytes >= 0"));
+                                                   "), max_waiting and hot_cache_bytes >= 0, "
+                                                   "quality_sample_rate in [0, 1] (got ",
+                                                   options.quality_sample_rate, ")"));
   }
   return std::unique_ptr<DecodeEngine>(
       new DecodeEngine(model, tokenizer, registry, std::move(options), observer));

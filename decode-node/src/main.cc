@@ -132,7 +132,8 @@ int Serve(const DecodeConfig& config) {
                     .batch_slots = static_cast<int>(config.batch_slots),
                     .max_waiting = static_cast<int>(config.max_waiting),
                     .hot_cache_bytes = config.hot_cache_bytes,
-                    .memory_bytes = config.memory_bytes},
+                    .memory_bytes = config.memory_bytes,
+                    .quality_sample_rate = config.quality_sample_rate},
       &metrics_observer);
   if (!engine.ok()) {
     std::cerr << "kvr-decode: " << engine.status() << "\n";

@@ -33,5 +33,36 @@ TEST(DecodeConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
   std::remove(path.c_str());
 }
 
+TEST(DecodeConfigTest, QualitySampleRateIsAFractionFromFlagFileOrEnv) {
+  auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
+  auto config = ResolveDecodeConfig({}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->quality_sample_rate, 0.0);  // off by default
+
+  config = ResolveDecodeConfig({{"quality_sample_rate", "0.25"}}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->quality_sample_rate, 0.25);
+  auto env = [](const std::string& name) -> std::optional<std::string> {
+    if (name == "KVR_DECODE_QUALITY_SAMPLE_RATE") return "1";
+    return std::nullopt;
+  };
+  config = ResolveDecodeConfig({}, std::nullopt, env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->quality_sample_rate, 1.0);
+
+  for (const char* bad : {"1.5", "-0.1", "nan", "often"}) {
+    auto refused = ResolveDecodeConfig({{"quality_sample_rate", bad}}, std::nullopt, no_env);
+    EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << bad;
+    EXPECT_NE(refused.status().message().find("--quality-sample-rate"), std::string::npos)
+        << refused.status();
+  }
+  const std::string path = ::testing::TempDir() + "/decode_quality_config_test.yaml";
+  std::ofstream(path) << "quality_sample_rate: 2\n";
+  auto from_file = ResolveDecodeConfig({}, path, no_env);
+  EXPECT_TRUE(absl::IsInvalidArgument(from_file.status()));
+  EXPECT_NE(from_file.status().message().find("quality_sample_rate"), std::string::npos);
+  std::remove(path.c_str());
+}
+
 }  // namespace
 }  // namespace kvr::decode

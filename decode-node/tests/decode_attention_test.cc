@@ -4,8 +4,12 @@
 
 #include "kvr/decode/decode_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
+#include <string>
+#include <utility>
 
 #include "gtest/gtest.h"
 #include "kvr/model/dense_attention.h"
@@ -347,6 +351,256 @@ TEST(DecodeAttentionTest, RejectsPrefillAndUnknownSequences) {
   r.n_queries = 2;
   EXPECT_TRUE(absl::IsInvalidArgument(attention.Attend(kShape, std::span(&r, 1))));
   EXPECT_TRUE(absl::IsAlreadyExists(attention.AddSequence(7, f.Setup("full", 8))));
+}
+
+// ---- Sampled retrieval quality (--quality-sample-rate) ----
+
+// Records OnQuality calls.
+class QualityRecorder final : public DecodeObserver {
+ public:
+  struct Sample {
+    std::string method;
+    double recall = 0, mass = 0;
+  };
+  void OnQuality(std::string_view method, double recall, double mass) override {
+    samples.push_back({std::string(method), recall, mass});
+  }
+  std::vector<Sample> samples;
+};
+
+// A method that selects given positions (per KV head) whatever the query: the hand-made case.
+class FixedIndex final : public retrieval::RetrievalIndex {
+ public:
+  FixedIndex(const retrieval::IndexShape& shape, std::vector<std::vector<int64_t>> picks,
+             int64_t size)
+      : RetrievalIndex(shape), picks_(std::move(picks)), size_(size) {}
+  std::string_view method() const override { return "fixed"; }
+  int64_t size() const override { return size_; }
+  absl::Status Build(const retrieval::BuildInput& in) override {
+    size_ = in.keys.n_tokens;
+    return absl::OkStatus();
+  }
+  absl::Status Append(const retrieval::AppendInput& in) override {
+    size_ += in.keys.n_tokens;
+    return absl::OkStatus();
+  }
+  absl::Status Select(const retrieval::SelectRequest&, retrieval::Selection* out) override {
+    out->per_head = picks_;
+    return absl::OkStatus();
+  }
+  int64_t MemoryBytes() const override { return 0; }
+  absl::Status SerializePayload(retrieval::ByteWriter&) const override {
+    return absl::UnimplementedError("FixedIndex is not serialised");
+  }
+  std::vector<std::vector<int64_t>> picks_;
+
+ private:
+  int64_t size_ = 0;
+};
+
+// The evaluator's definitions written out directly on the full K of one layer: per query head
+// the softmax over [0, p]; per KV head the oracle top-`budget` of the candidates
+// [n_sink, local_begin) by the group's summed, candidate-renormalised probabilities.
+struct DirectQuality {
+  double recall = 0, mass = 0;
+  std::vector<std::vector<int64_t>> oracle;  // [n_kv_heads] the exact top-budget positions
+};
+DirectQuality Direct(const std::vector<float>& k, const float* q, int64_t p, int64_t n_sink,
+                     int64_t local_begin, int64_t budget,
+                     const std::vector<std::vector<int64_t>>* picked) {
+  const int group = kHeads / kKvHeads;
+  const float scale = 1.f / std::sqrt(float{kDim});
+  std::vector<std::vector<double>> probs(kHeads, std::vector<double>(p + 1));
+  for (int h = 0; h < kHeads; ++h) {
+    double m = -1e30, z = 0;
+    for (int64_t t = 0; t <= p; ++t) {
+      double dot = 0;
+      for (int d = 0; d < kDim; ++d) dot += q[h * kDim + d] * k[t * kRow + (h / group) * kDim + d];
+      probs[h][t] = scale * dot;
+      m = std::max(m, probs[h][t]);
+    }
+    for (double& x : probs[h]) z += (x = std::exp(x - m));
+    for (double& x : probs[h]) x /= z;
+  }
+  DirectQuality out;
+  double hits = 0, total = 0;
+  for (int kvh = 0; kvh < kKvHeads; ++kvh) {
+    std::vector<double> agg(local_begin - n_sink, 0.0);
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+      double z = 0;
+      for (int64_t t = n_sink; t < local_begin; ++t) z += probs[h][t];
+      for (int64_t t = n_sink; t < local_begin; ++t) agg[t - n_sink] += probs[h][t] / z;
+    }
+    std::vector<int64_t> order(agg.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return agg[a] > agg[b]; });
+    order.resize(std::min<size_t>(order.size(), budget));
+    std::vector<int64_t> top;
+    for (int64_t i : order) top.push_back(n_sink + i);
+    const std::vector<int64_t>& sel = picked != nullptr ? (*picked)[kvh] : top;
+    for (int64_t id : sel) hits += std::count(top.begin(), top.end(), id);
+    total += static_cast<double>(top.size());
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+      double mass = 0;
+      for (int64_t t = 0; t < n_sink; ++t) mass += probs[h][t];
+      for (int64_t t = local_begin; t <= p; ++t) mass += probs[h][t];
+      for (int64_t id : sel) mass += probs[h][id];
+      out.mass += mass / kHeads;
+    }
+    out.oracle.push_back(std::move(top));
+  }
+  out.recall = hits / total;
+  return out;
+}
+
+// RunSteps' query of (p, layer).
+std::vector<float> StepQuery(int64_t p, int layer) {
+  return RandomTensor(1, kHeads, kDim, 1000 + p * 10 + layer);
+}
+auto NoCheck() {
+  return [](int, int64_t, const std::vector<float>&) { return std::vector<int64_t>{}; };
+}
+
+TEST(DecodeAttentionQualityTest, ExactHasRecallOneAndTheDirectMass) {
+  constexpr int kSteps = 3;
+  Fixture f(/*prompt=*/120, /*total=*/130, /*sink=*/4, /*local=*/16);
+  QualityRecorder recorder;
+  DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
+  options.quality_sample_rate = 1;
+  DecodeAttention attention(options, &recorder);
+  ASSERT_TRUE(attention.AddSequence(7, f.Setup("exact", 8)).ok());
+  RunSteps(f, attention, kSteps, NoCheck());
+  ASSERT_EQ(recorder.samples.size(), size_t{kSteps * kLayers});  // rate 1: every (step, layer)
+  int64_t candidates = 0;
+  for (int s = 0; s < kSteps; ++s) {
+    const int64_t p = f.prompt + s, local_begin = p + 1 - 16;
+    candidates += local_begin - 4;
+    for (int l = 0; l < kLayers; ++l) {
+      const std::vector<float> q = StepQuery(p, l);
+      const DirectQuality want = Direct(f.k[l], q.data(), p, 4, local_begin, 8, nullptr);
+      const QualityRecorder::Sample& got = recorder.samples[s * kLayers + l];
+      EXPECT_EQ(got.method, "exact");
+      EXPECT_DOUBLE_EQ(got.recall, 1.0) << "step " << s << " layer " << l;
+      EXPECT_NEAR(got.mass, want.mass, 1e-5) << "step " << s << " layer " << l;
+      EXPECT_LT(got.mass, 1.0);  // 8 of ~100 candidates do not cover everything
+    }
+  }
+  // The oracle's reads are counted apart from the request's fetches.
+  const NodeCounters& node = attention.node_counters();
+  EXPECT_EQ(node.quality_samples, kSteps * kLayers);
+  EXPECT_EQ(node.quality_rows_fetched, candidates * kLayers * kKvHeads);
+  EXPECT_EQ(node.quality_bytes_fetched, node.quality_rows_fetched * 2 * kDim * 4);
+  EXPECT_EQ(f.store.range_reads.load(), kSteps * kLayers);  // one read per sample, all heads
+  const RetrievalCounters c = attention.counters(7);
+  EXPECT_EQ(c.rows_fetched, c.hot_cache_misses);
+  EXPECT_EQ(c.bytes_fetched, c.rows_fetched * 2 * kDim * 4);
+  EXPECT_EQ(node.retrieval.rows_fetched, c.rows_fetched);
+}
+
+TEST(DecodeAttentionQualityTest, EmptySelectionHasRecallZeroAndOnlyResidentMass) {
+  Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
+  QualityRecorder recorder;
+  DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
+  options.quality_sample_rate = 1;
+  DecodeAttention attention(options, &recorder);
+  ASSERT_TRUE(attention.AddSequence(7, f.Setup("streaming", 8)).ok());
+  RunSteps(f, attention, 1, NoCheck());
+  ASSERT_EQ(recorder.samples.size(), size_t{kLayers});
+  const std::vector<std::vector<int64_t>> none(kKvHeads);
+  for (int l = 0; l < kLayers; ++l) {
+    const std::vector<float> q = StepQuery(100, l);
+    const DirectQuality want = Direct(f.k[l], q.data(), 100, 4, 101 - 16, 8, &none);
+    EXPECT_EQ(recorder.samples[l].method, "streaming");
+    EXPECT_DOUBLE_EQ(recorder.samples[l].recall, 0.0);
+    EXPECT_NEAR(recorder.samples[l].mass, want.mass, 1e-5);
+  }
+}
+
+TEST(DecodeAttentionQualityTest, HandMadeSelectionHasHalfRecall) {
+  // KV head 0 selects its oracle top-8, KV head 1 eight candidates outside its top-8: recall
+  // (8 + 0) / 16 = 0.5.
+  Fixture f(/*prompt=*/60, /*total=*/61, /*sink=*/4, /*local=*/8);
+  const int64_t p = 60, local_begin = p + 1 - 8;
+  const int l = 1;
+  const std::vector<float> q = StepQuery(p, l);
+  const DirectQuality oracle = Direct(f.k[l], q.data(), p, 4, local_begin, 8, nullptr);
+  std::vector<std::vector<int64_t>> picks = {oracle.oracle[0], {}};
+  for (int64_t t = 4; t < local_begin && picks[1].size() < 8; ++t) {
+    if (std::count(oracle.oracle[1].begin(), oracle.oracle[1].end(), t) == 0) {
+      picks[1].push_back(t);
+    }
+  }
+  ASSERT_EQ(picks[1].size(), 8u);
+  const DirectQuality want = Direct(f.k[l], q.data(), p, 4, local_begin, 8, &picks);
+  ASSERT_DOUBLE_EQ(want.recall, 0.5);
+
+  QualityRecorder recorder;
+  DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
+  options.quality_sample_rate = 1;
+  DecodeAttention attention(options, &recorder);
+  DecodeSequenceSetup setup = f.Setup("exact", 8, /*null_index=*/true);
+  setup.method = "fixed";
+  for (int layer = 0; layer < kLayers; ++layer) {
+    setup.indexes[layer] = std::make_unique<FixedIndex>(
+        retrieval::IndexShape{kHeads, kKvHeads, kDim, layer, kLayers, {}}, picks, f.prompt);
+  }
+  ASSERT_TRUE(attention.AddSequence(7, std::move(setup)).ok());
+  RunSteps(f, attention, 1, NoCheck());
+  ASSERT_EQ(recorder.samples.size(), size_t{kLayers});
+  const QualityRecorder::Sample& got = recorder.samples[l];
+  EXPECT_EQ(got.method, "fixed");
+  EXPECT_DOUBLE_EQ(got.recall, 0.5);
+  EXPECT_NEAR(got.mass, want.mass, 1e-5);
+  EXPECT_GT(got.mass, 0.0);
+  EXPECT_LT(got.mass, 1.0);
+}
+
+TEST(DecodeAttentionQualityTest, RateZeroNeverReadsAndFullReportsOneWithoutReading) {
+  {
+    Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
+    QualityRecorder recorder;
+    DecodeAttention attention({kLayers, kKvHeads, kDim, 1 << 20}, &recorder);  // rate 0
+    ASSERT_TRUE(attention.AddSequence(7, f.Setup("exact", 8)).ok());
+    RunSteps(f, attention, 5, NoCheck());
+    EXPECT_TRUE(recorder.samples.empty());
+    EXPECT_EQ(f.store.range_reads.load(), 0);
+    EXPECT_EQ(attention.node_counters().quality_samples, 0);
+    EXPECT_EQ(attention.node_counters().quality_bytes_fetched, 0);
+  }
+  {
+    Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
+    QualityRecorder recorder;
+    DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
+    options.quality_sample_rate = 1;
+    DecodeAttention attention(options, &recorder);
+    ASSERT_TRUE(attention.AddSequence(7, f.Setup("full", 8)).ok());
+    RunSteps(f, attention, 2, NoCheck());
+    ASSERT_EQ(recorder.samples.size(), size_t{2 * kLayers});
+    for (const auto& s : recorder.samples) {
+      EXPECT_EQ(s.recall, 1.0);
+      EXPECT_EQ(s.mass, 1.0);
+    }
+    EXPECT_EQ(f.store.range_reads.load(), 0);
+  }
+}
+
+TEST(DecodeAttentionQualityTest, PartialRateSamplesSomeStepsDeterministically) {
+  auto run = [](uint64_t seed) {
+    Fixture f(/*prompt=*/40, /*total=*/60, /*sink=*/4, /*local=*/8);
+    DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
+    options.quality_sample_rate = 0.5;
+    options.quality_seed = seed;
+    DecodeAttention attention(options, nullptr);
+    EXPECT_TRUE(attention.AddSequence(7, f.Setup("exact", 4)).ok());
+    RunSteps(f, attention, 20, NoCheck());
+    EXPECT_EQ(f.store.range_reads.load(), attention.node_counters().quality_samples);
+    return attention.node_counters().quality_samples;
+  };
+  const int64_t samples = run(1);
+  EXPECT_GT(samples, 0);
+  EXPECT_LT(samples, 20 * kLayers);
+  EXPECT_EQ(run(1), samples);  // same seed, same samples
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ inline std::unique_ptr<kv_store::FakeKvStoreClient> MakeFakeStore(uint64_t bytes
   return std::move(*store);
 }
 
-// Forwards to another client and counts gathers and puts.
+// Forwards to another client and counts gathers, puts and range reads.
 class CountingStore final : public kv_store::KvStoreClient {
  public:
   explicit CountingStore(kv_store::KvStoreClient* inner) : inner_(inner) {}
@@ -44,6 +44,7 @@ class CountingStore final : public kv_store::KvStoreClient {
   }
   absl::Status RangeRead(std::span<const kv_store::RangeEntry> ranges,
                          std::span<uint8_t> out) override {
+    ++range_reads;
     return inner_->RangeRead(ranges, out);
   }
   absl::Status Release(kv_store::SequenceId id, absl::Duration keep) override {
@@ -58,7 +59,7 @@ class CountingStore final : public kv_store::KvStoreClient {
   }
   absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
 
-  std::atomic<int64_t> puts{0}, gathers{0}, gathered_rows{0}, releases{0};
+  std::atomic<int64_t> puts{0}, gathers{0}, gathered_rows{0}, releases{0}, range_reads{0};
 
  private:
   kv_store::KvStoreClient* inner_;

@@ -1,23 +1,19 @@
 #!/usr/bin/env python3
-"""End-to-end observability test (issue 8): a local kvr cluster, a real Prometheus server
-(Debian's `prometheus`) scraping every /metrics endpoint the cluster's processes serve every
-second, a short `kvr bench`, then:
+"""End-to-end observability test (issue 8): a local kvr cluster (`kvr up`: controller, store,
+prefill and decode nodes serving SmolLM2, the decode node sampling retrieval quality on every
+step), a real Prometheus server (Debian's `prometheus`) scraping every /metrics endpoint the
+cluster's processes serve every second, a short `kvr bench`, then:
   * every process of the cluster serves /metrics and Prometheus scrapes it (up == 1);
   * `promtool check metrics` is clean on every endpoint's text;
   * sum(kvr_requests_total{outcome="ok"}) in Prometheus equals the bench JSON's `completed`;
   * every PromQL expression of deploy/grafana/kvr-dashboard.json returns data, template
-    variables substituted.
+    variables substituted (a metric no process exports fails the test).
 
-The cluster is `kvr up` when the kvr binary has that subcommand; until then kvr-controller with
-controller_fake_node nodes (prefill/decode/store speaking the protocols without a model). Metrics
-endpoints are found by probing every TCP port the cluster's processes listen on (`ss -ltnp`)
-with GET /metrics, so the test needs no knowledge of each node's flags or log lines.
+Metrics endpoints are found by probing every TCP port the cluster's processes listen on
+(`ss -ltnp`) with GET /metrics, so the test needs no knowledge of each node's flags or log lines.
 
-Checks that cannot run because a piece has not landed are reported as skipped with the reason
-naming the missing piece (never silently), and listed again at the end under MISSING.
-
-Environment: KVR_BIN, KVR_CONTROLLER_BIN, KVR_FAKE_NODE_BIN, KVR_SOURCE_DIR, PROMETHEUS_BIN,
-PROMTOOL_BIN, optional KVR_DECODE_BIN and KVR_TEST_MODEL (set by CTest / scripts/test.sh)."""
+Environment: KVR_BIN, KVR_SOURCE_DIR, PROMETHEUS_BIN, PROMTOOL_BIN, optional KVR_TEST_MODEL
+(set by CTest / scripts/test.sh)."""
 import http.client
 import json
 import os
@@ -43,7 +39,6 @@ KVR = os.environ.get("KVR_BIN", "kvr")
 PROMETHEUS = os.environ.get("PROMETHEUS_BIN", "prometheus")
 PROMTOOL = os.environ.get("PROMTOOL_BIN", "promtool")
 DASHBOARD = os.path.join(SOURCE_DIR, "deploy", "grafana", "kvr-dashboard.json")
-MISSING = []
 
 
 def http_get(url, timeout=2.0):
@@ -168,12 +163,6 @@ class Prometheus:
         self.log.close()
 
 
-def has_kvr_up():
-    """Whether `kvr --help` lists an `up` subcommand."""
-    r = subprocess.run([KVR, "--help"], capture_output=True, text=True)
-    return re.search(r"^\s+up(\s|$)", r.stdout, re.MULTILINE) is not None
-
-
 def dashboard_expressions(dashboard):
     exprs = []
 
@@ -213,35 +202,23 @@ class PrometheusE2eTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="kvr-prom-e2e-")
-        cls.real_cluster = has_kvr_up()
-        if cls.real_cluster:
-            # kvr up prints "kvr up: ready" once every node registered, after the line
-            # "  public gRPC (kvr.v1.Generation)  HOST:PORT" with the controller's address.
-            argv = [KVR, "up", "--base-port", "0", "--prefill", "1", "--decode", "1",
-                    "--log-dir", os.path.join(cls.tmp, "logs")]
-            if os.environ.get("KVR_TEST_MODEL"):
-                argv += ["--model", os.environ["KVR_TEST_MODEL"]]
-            decode_bin = os.environ.get("KVR_DECODE_BIN")
-            if decode_bin and "--quality-sample-rate" in subprocess.run(
-                    [decode_bin, "--help"], capture_output=True, text=True).stdout:
-                # Retrieval-quality panels need sampled steps (off by default: costly).
-                argv.append("--decode-arg=--quality-sample-rate=1")
-            cls.up = kvr_cluster.Process(argv, "kvr-up")
-            cls.up.wait_for("kvr up: ready", timeout=180)
-            line = cls.up.wait_for("  public gRPC")
-            cls.address = line.split()[-1]
-            roots = [cls.up.proc.pid]
-            cls.cluster = None
-        else:
-            MISSING.append("`kvr up` (helper prefill): the cluster is kvr-controller + "
-                           "controller_fake_node (prefill/decode/store), which have no model")
-            cls.cluster = kvr_cluster.FakeCluster(os.environ["KVR_CONTROLLER_BIN"],
-                                                  os.environ["KVR_FAKE_NODE_BIN"])
-            cls.address = cls.cluster.address
-            roots = [p.proc.pid for p in cls.cluster.processes]
+        # kvr up prints "kvr up: ready" once every node registered, after the line
+        # "  public gRPC (kvr.v1.Generation)  HOST:PORT" with the controller's address.
+        # Retrieval-quality panels need sampled steps (off by default: each sample reads the
+        # layer's candidate keys from the store): every step here.
+        argv = [KVR, "up", "--base-port", "0", "--prefill", "1", "--decode", "1",
+                "--log-dir", os.path.join(cls.tmp, "logs"),
+                "--decode-arg=--quality-sample-rate=1"]
+        if os.environ.get("KVR_TEST_MODEL"):
+            argv += ["--model", os.environ["KVR_TEST_MODEL"]]
+        cls.up = kvr_cluster.Process(argv, "kvr-up")
+        cls.up.wait_for("kvr up: ready", timeout=180)
+        line = cls.up.wait_for("  public gRPC")
+        cls.address = line.split()[-1]
+        roots = [cls.up.proc.pid]
         cls.processes = {}
         # Every cluster process, not the `kvr up` launcher itself (it serves no node).
-        launcher = {cls.up.proc.pid} if cls.real_cluster else set()
+        launcher = {cls.up.proc.pid}
         for pid in descendants(roots) - launcher:
             try:
                 with open(f"/proc/{pid}/comm") as f:
@@ -258,10 +235,8 @@ class PrometheusE2eTest(unittest.TestCase):
         # steps select, fetch from the store and hit its hot cache (the retrieval panels).
         # At most 2 in flight: the controller reserves store memory for a text prompt before
         # it is tokenized (as if every byte were a token), ~230 MB each in kvr up's 1 GiB store.
-        args = (["--num-prompts", "4", "--input-len", "1000", "--output-len", "8",
-                 "--concurrency", "2", "--method", "clusterkv", "--budget", "64"]
-                if cls.real_cluster else
-                ["--num-prompts", "20", "--input-len", "32", "--output-len", "8", "--rate", "40"])
+        args = ["--num-prompts", "4", "--input-len", "1000", "--output-len", "8",
+                "--concurrency", "2", "--method", "clusterkv", "--budget", "64"]
         r = kvr_cluster.run_bench(KVR, cls.address, [*args, "--result-file", result_file],
                                   timeout=300)
         if r.returncode != 0:
@@ -276,10 +251,7 @@ class PrometheusE2eTest(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.prometheus.stop()
-        if cls.cluster is not None:
-            cls.cluster.stop()
-        else:
-            cls.up.stop()
+        cls.up.stop()
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     def test_bench_completed(self):
@@ -294,33 +266,15 @@ class PrometheusE2eTest(unittest.TestCase):
 
     def test_every_process_serves_metrics(self):
         served = {int(name.rsplit("[", 1)[1].rstrip("]")) for name in self.targets.values()}
-        without = {pid: name for pid, name in self.processes.items() if pid not in served}
-        not_landed, failing = [], []
-        for pid, name in sorted(without.items()):
-            # A binary whose --help names no metrics option has not had metrics wired in yet
-            # (or is a test double, like controller_fake_node): reported, not failed.
-            try:
-                exe = os.readlink(f"/proc/{pid}/exe")
-                help_text = subprocess.run([exe, "--help"], capture_output=True, text=True,
-                                           timeout=10).stdout
-            except (OSError, subprocess.TimeoutExpired):
-                help_text = ""
-            if "metrics" in help_text:
-                failing.append(f"{name}[{pid}]")
-            else:
-                not_landed.append(f"{name}[{pid}]")
-        if not_landed:
-            MISSING.append("processes without a metrics option serve no /metrics (not wired "
-                           "yet, or test doubles): " + ", ".join(not_landed))
-        self.assertFalse(failing, "processes with a metrics option serving no /metrics: " +
-                         ", ".join(failing))
-        if not_landed and not self.targets:
-            self.skipTest("no process of the cluster serves /metrics yet")
+        without = [f"{name}[{pid}]" for pid, name in sorted(self.processes.items())
+                   if pid not in served]
+        self.assertFalse(without, "cluster processes serving no /metrics: " + ", ".join(without))
+        for node in ("kvr-controller", "kvr-store", "kvr-prefill", "kvr-decode"):
+            self.assertIn(node, {name.split("[")[0] for name in self.targets.values()},
+                          f"no {node} among the scraped processes {sorted(self.targets.values())}")
 
     def test_promtool_check_metrics(self):
-        if not self.targets:
-            MISSING.append("promtool check metrics: no kvr process serves /metrics yet")
-            self.skipTest("no kvr process serves /metrics yet")
+        self.assertTrue(self.targets, "no process of the cluster serves /metrics")
         for port, text in self.scrapes.items():
             r = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True,
                                text=True)
@@ -328,10 +282,7 @@ class PrometheusE2eTest(unittest.TestCase):
                              f"{self.targets[port]} /metrics:\n{r.stdout}{r.stderr}")
 
     def test_request_count_matches_bench(self):
-        if "kvr_requests_total" not in self.exported:
-            reason = "kvr_requests_total is not exported (kvr-controller metrics not wired yet)"
-            MISSING.append(reason)
-            self.skipTest(reason)
+        self.assertIn("kvr_requests_total", self.exported)
         expected = self.bench["completed"]
         promql = 'sum(kvr_requests_total{outcome="ok"})'
 
@@ -343,10 +294,6 @@ class PrometheusE2eTest(unittest.TestCase):
             self.fail(f"{promql} = {self.prometheus.query(promql)}, bench completed = {expected}")
 
     def test_dashboard_expressions_return_data(self):
-        if not os.path.exists(DASHBOARD):
-            reason = f"{os.path.relpath(DASHBOARD, SOURCE_DIR)} does not exist yet"
-            MISSING.append(reason)
-            self.skipTest(reason)
         with open(DASHBOARD) as f:
             dashboard = json.load(f)
         variables = [v["name"] for v in dashboard.get("templating", {}).get("list", [])]
@@ -357,27 +304,17 @@ class PrometheusE2eTest(unittest.TestCase):
             promql = substitute(expr, variables)
             metrics = {m for m in re.findall(r"\bkvr_[a-zA-Z0-9_:]*", promql)}
             unknown = sorted(m for m in metrics if m not in self.exported)
-            if self.prometheus.query(promql):
-                continue
             if unknown:
-                # Metrics that no process of this cluster exports: nodes the cluster only
-                # fakes, or metrics not wired yet. Reported under MISSING.
-                not_exported.append(f"{expr}  (not exported here: {', '.join(unknown)})")
+                not_exported.append(f"{expr}  (no process exports: {', '.join(unknown)})")
                 continue
             # rate() over a fresh series needs a second scrape: give it a few.
-            if not self.prometheus.wait(lambda: self.prometheus.query(promql), timeout=10):
+            if not self.prometheus.query(promql) and not self.prometheus.wait(
+                    lambda: self.prometheus.query(promql), timeout=10):
                 empty.append(f"{expr}\n    -> {promql}")
-        if not_exported:
-            MISSING.append(f"{len(not_exported)} of {len(exprs)} dashboard expressions not "
-                           "checked: no process of this cluster exports their metrics:\n    " +
-                           "\n    ".join(not_exported))
+        self.assertFalse(not_exported, f"{len(not_exported)} of {len(exprs)} dashboard "
+                         "expressions use metrics no process exports:\n  " +
+                         "\n  ".join(not_exported))
         self.assertFalse(empty, "dashboard expressions without data:\n  " + "\n  ".join(empty))
 
-
 if __name__ == "__main__":
-    result = unittest.main(verbosity=2, exit=False).result
-    if MISSING:
-        print("\nMISSING (checks not run or not complete because a piece has not landed):")
-        for m in MISSING:
-            print("  - " + m)
-    sys.exit(0 if result.wasSuccessful() else 1)
+    unittest.main(verbosity=2)

@@ -12,6 +12,11 @@
 //      misses of all sequences and heads go into ONE StartGather per store;
 //   4. attention = one softmax over sink ∪ local ∪ selected, computed as two partials (resident
 //      rows, selected rows) merged by log-sum-exp (retrieval/partial_attention.h).
+// With quality_sample_rate > 0, after the attention a sampled fraction of (sequence, layer)
+// also reads the keys of every candidate position from the store (one RangeRead for all KV
+// heads), computes the exact oracle's top-budget and the softmax over [0, position], and
+// reports recall and attention mass (DecodeObserver::OnQuality; retrieval/eval's definitions).
+// Those reads are counted in NodeCounters::quality_*, not in the sequence's bytes_fetched.
 // It also keeps each step's new K/V rows, which StartOffload appends to the store.
 //
 // Same computation as kvr::retrieval::SparseAttention (single process), with the KV split
@@ -22,6 +27,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -54,6 +60,12 @@ struct NodeCounters {
   RetrievalCounters retrieval;
   int64_t gathers = 0;       // StartGather calls
   int64_t attend_calls = 0;  // Attend calls (one per step and layer)
+  // Sampled quality measurements (--quality-sample-rate): reported samples, rows/bytes read
+  // from the store for them (not in `retrieval`), and samples dropped because a read failed.
+  int64_t quality_samples = 0;
+  int64_t quality_rows_fetched = 0;
+  int64_t quality_bytes_fetched = 0;
+  int64_t quality_failures = 0;
 };
 
 struct DecodeSequenceSetup {
@@ -74,6 +86,9 @@ struct DecodeAttentionOptions {
   int n_kv_heads = 0;
   int head_dim = 0;
   int64_t hot_cache_bytes = 64 << 20;
+  // Probability that one (step, sequence, layer) is compared with the exact oracle; 0 off.
+  double quality_sample_rate = 0;
+  uint64_t quality_seed = 0x6b7672;  // the sampling RNG's seed (deterministic tests)
 };
 
 class DecodeAttention final : public model::Attention {
@@ -132,6 +147,11 @@ class DecodeAttention final : public model::Attention {
   };
 
   void ReportSummaryBytes(const std::string& method);
+  // The sampled oracle comparison of the batch's requests (after Attend computed them; the
+  // selections are still in work_). A failed store read drops the sample with a warning: it
+  // never fails the step.
+  void SampleQuality(const model::AttentionShape& shape,
+                     std::span<const model::AttentionRequest> batch);
   [[nodiscard]] absl::Status Prepare(const model::AttentionShape& shape,
                                      const model::AttentionRequest& request, size_t index);
 
@@ -148,6 +168,12 @@ class DecodeAttention final : public model::Attention {
   std::vector<float> rows_;  // [selected rows, 2 * head_dim]: the selected rows of every HeadWork
   std::vector<float> scores_;
   std::vector<float> partial_out_;
+  std::mt19937_64 quality_rng_;
+  std::bernoulli_distribution quality_coin_;
+  std::vector<float> quality_rows_;   // [n_kv_heads, candidates, 2 * head_dim]
+  std::vector<float> quality_probs_;  // [candidates] one query head's probabilities
+  std::vector<float> quality_agg_;    // [candidates] the group's summed, renormalised probs
+  std::vector<char> quality_truth_;   // [candidates] in the oracle's top-budget
 };
 
 }  // namespace kvr::decode

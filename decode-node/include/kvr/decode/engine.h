@@ -103,6 +103,8 @@ struct EngineOptions {
   int max_waiting = 64;    // most sequences waiting for a slot
   int64_t hot_cache_bytes = 64 << 20;
   int64_t memory_bytes = 1ll << 30;  // summary + resident KV memory offered to the controller
+  // Fraction of (step, sequence, layer) compared with the exact oracle (DecodeAttention).
+  double quality_sample_rate = 0;
   // A finished sequence whose output no Stream collected is dropped after this long.
   absl::Duration unclaimed_ttl = absl::Seconds(60);
 };

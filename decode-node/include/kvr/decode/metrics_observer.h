@@ -6,9 +6,8 @@
 // Per-method series (fetched bytes/rows, hot cache, summaries) come from the per-method hooks
 // (OnRetrieval, OnMethodSummaryBytes); the all-method hooks (OnHotCache, OnSummaryBytes) are not
 // recorded again. OnFetch gives only the gather latency (one gather serves every method).
-// Retrieval quality (kvr_retrieval_recall, kvr_retrieval_attention_mass) has no hook yet:
-// ObserveQuality is ready for the decode loop's sampled oracle comparison
-// (--quality-sample-rate).
+// Retrieval quality (kvr_retrieval_recall, kvr_retrieval_attention_mass) comes from OnQuality,
+// DecodeAttention's sampled oracle comparison (--quality-sample-rate).
 
 #include <cstdint>
 #include <string>
@@ -33,6 +32,9 @@ class DecodeMetricsObserver final : public DecodeObserver {
   void OnOffload(int64_t bytes) override;
   void OnMethodSummaryBytes(std::string_view method, int64_t bytes) override;
   void OnSequenceEnd(std::string_view outcome, int64_t completion_tokens) override;
+  void OnQuality(std::string_view method, double recall, double attention_mass) override {
+    ObserveQuality(method, recall, attention_mass);
+  }
 
   // One sampled quality measurement (both 0..1): recall of the selected rows against the exact
   // top-k, and the attention mass the attended rows cover.

@@ -50,6 +50,11 @@ class DecodeObserver {
   // joined or left.
   virtual void OnSummaryBytes(int64_t bytes) {}
   virtual void OnMethodSummaryBytes(std::string_view method, int64_t bytes) {}
+  // One sampled retrieval-quality measurement of one (step, sequence, layer)
+  // (--quality-sample-rate), both in [0, 1]: recall of the selected rows against the exact
+  // top-budget over the same candidates (all KV heads), and the softmax mass over [0, position]
+  // that sink ∪ local ∪ selected cover (mean over query heads); retrieval/eval's definitions.
+  virtual void OnQuality(std::string_view method, double recall, double attention_mass) {}
   // A sequence ended: outcome is "eos", "stop", "length", "cancelled", "deadline" or "error".
   virtual void OnSequenceEnd(std::string_view outcome, int64_t completion_tokens) {}
 };
