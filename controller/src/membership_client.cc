@@ -56,6 +56,7 @@ void MembershipClient::Stop() {
     stopped_ = true;
     id = std::exchange(node_id_, "");
   }
+  if (options_.on_cluster_view) options_.on_cluster_view(0);  // on Stop()'s caller's thread
   if (id.empty()) return;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
@@ -107,6 +108,7 @@ bool MembershipClient::Register() {
   spdlog::info("registered with controller {} as {} (heartbeat every {})", options_.controller,
                response.node_id(), absl::FormatDuration(interval_));
   if (options_.on_registered) options_.on_registered(response.node_id());
+  if (options_.on_cluster_view) options_.on_cluster_view(response.live_stores());
   return true;
 }
 
@@ -136,6 +138,7 @@ void MembershipClient::Loop() {
     if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
       spdlog::warn("controller {} forgot node {}: registering again", options_.controller, id);
       registered = false;
+      if (options_.on_cluster_view) options_.on_cluster_view(0);
       absl::MutexLock lock(&mu_);
       node_id_.clear();
     } else if (!s.ok()) {
@@ -143,6 +146,7 @@ void MembershipClient::Loop() {
       NoteFailure("heartbeat", s.error_message());
     } else {
       NoteSuccess("heartbeat");
+      if (options_.on_cluster_view) options_.on_cluster_view(response.live_stores());
     }
   }
 }

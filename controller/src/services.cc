@@ -34,6 +34,7 @@ grpc::Status MembershipService::Register(grpc::ServerContext*, const cv1::Regist
   SetDuration(membership_->lease(), response->mutable_lease());
   // Three heartbeats per lease: one lost heartbeat does not drop a healthy node.
   SetDuration(membership_->lease() / 3, response->mutable_heartbeat_interval());
+  response->set_live_stores(static_cast<uint32_t>(membership_->LiveNodes(NodeRole::kStore).size()));
   return grpc::Status::OK;
 }
 
@@ -45,6 +46,7 @@ grpc::Status MembershipService::Heartbeat(grpc::ServerContext*,
   if (!expiry.ok()) return ToGrpcStatus(expiry.status());
   SetTimestamp(*expiry, response->mutable_lease_expiry());
   SetDuration(membership_->lease(), response->mutable_lease());
+  response->set_live_stores(static_cast<uint32_t>(membership_->LiveNodes(NodeRole::kStore).size()));
   return grpc::Status::OK;
 }
 

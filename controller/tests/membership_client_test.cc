@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -33,16 +34,18 @@ class FakeMembership final : public cv1::Membership::Service {
     response->set_node_id(id);
     response->mutable_heartbeat_interval()->set_nanos(20'000'000);
     response->mutable_lease()->set_seconds(1);
+    response->set_live_stores(live_stores_);
     return grpc::Status::OK;
   }
   grpc::Status Heartbeat(grpc::ServerContext*, const cv1::HeartbeatRequest* request,
-                         cv1::HeartbeatResponse*) override {
+                         cv1::HeartbeatResponse* response) override {
     absl::MutexLock lock(&mu_);
     if (!live_.contains(request->node_id())) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown node " + request->node_id());
     }
     ++heartbeats_;
     last_load_ = request->load();
+    response->set_live_stores(live_stores_);
     return grpc::Status::OK;
   }
   grpc::Status Deregister(grpc::ServerContext*, const cv1::DeregisterRequest* request,
@@ -71,6 +74,7 @@ class FakeMembership final : public cv1::Membership::Service {
   cv1::NodeLoad last_load_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> deregistered_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> live_ ABSL_GUARDED_BY(mu_);
+  uint32_t live_stores_ ABSL_GUARDED_BY(mu_) = 0;  // what Register/Heartbeat answer
 };
 
 std::unique_ptr<grpc::Server> Serve(FakeMembership* service, int port, int* bound) {
@@ -194,6 +198,55 @@ TEST(MembershipClientTest, DestructorDeregistersAndStopWithoutControllerReturns)
     EXPECT_FALSE(client.WaitRegistered(absl::Milliseconds(50)));
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+// The cluster view follows the controller's live-store count on every heartbeat, drops to 0 when
+// the registration is lost and on Stop(): what the nodes' "kvr.ready" health follows.
+TEST(MembershipClientTest, ClusterViewFollowsLiveStoresAndDropsOnLossAndStop) {
+  FakeMembership fake;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = Serve(&fake, 0, &port);
+  ASSERT_GT(port, 0);
+  std::atomic<uint64_t> free{0};
+  absl::Mutex mu;
+  std::vector<uint32_t> seen;  // every callback value, in order
+  MembershipClient::Options o = StoreOptions(absl::StrCat("127.0.0.1:", port), &free);
+  o.on_cluster_view = [&](uint32_t n) {
+    absl::MutexLock lock(&mu);
+    seen.push_back(n);
+  };
+  auto last_is = [&](uint32_t want) {
+    absl::MutexLock lock(&mu);
+    auto cond = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return !seen.empty() && seen.back() == want; };
+    return mu.AwaitWithTimeout(absl::Condition(&cond), absl::Seconds(10));
+  };
+  MembershipClient client(std::move(o));
+  ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
+  EXPECT_TRUE(last_is(0));  // no store yet
+  {
+    absl::MutexLock lock(&fake.mu_);
+    fake.live_stores_ = 2;
+  }
+  EXPECT_TRUE(last_is(2));
+  // The controller forgets the node: 0 at once, then 2 again after it registered again.
+  {
+    absl::MutexLock lock(&fake.mu_);
+    fake.live_.clear();
+  }
+  ASSERT_TRUE(fake.Await([](const FakeMembership& f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return f.registers_ >= 2;
+  }));
+  EXPECT_TRUE(last_is(2));
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_NE(std::find(seen.begin(), seen.end(), 0u), seen.end());
+    const auto first2 = std::find(seen.begin(), seen.end(), 2u);
+    ASSERT_NE(first2, seen.end());
+    EXPECT_NE(std::find(first2, seen.end(), 0u), seen.end()) << "no 0 after the loss";
+  }
+  client.Stop();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(seen.back(), 0u);
 }
 
 }  // namespace

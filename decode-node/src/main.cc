@@ -196,6 +196,12 @@ int Serve(const DecodeConfig& config) {
     // One parseable line for launchers and tests.
     std::cout << "kvr-decode registered " << id << std::endl;
   };
+  // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
+  server->GetHealthCheckService()->SetServingStatus(kvr::controller::kReadinessService, false);
+  membership_options.on_cluster_view = [health = server->GetHealthCheckService()](
+                                           uint32_t live_stores) {
+    health->SetServingStatus(kvr::controller::kReadinessService, live_stores > 0);
+  };
   kvr::controller::MembershipClient membership(std::move(membership_options));
 
   int received = 0;

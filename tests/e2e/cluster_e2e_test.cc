@@ -8,6 +8,9 @@
 //       mid-stream frees the store pages within a second)
 //   KilledDecodeNode  (2 P + 2 D, one D killed during requests: each request completes or
 //       fails with a clear error before its deadline; store pages return to baseline)
+//   ReadinessFollowsTheStore  (grpc.health.v1: prefill and decode are live ("") and ready
+//       ("kvr.ready") once up; killing the only store makes them unready within its lease while
+//       they stay live)
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -20,8 +23,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/controller/membership_client.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
@@ -356,6 +361,53 @@ TEST_F(ModelFixture, KilledDecodeNode) {
   Outcome after =
       Generate(cluster.stub(), TokenRequest(Prompt(60, 5), "full", 4), absl::Seconds(30));
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+// The health status of `service` on a node's gRPC port (UNKNOWN when the call fails).
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& address,
+                                                            const std::string& service) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status s =
+      grpc::health::v1::Health::NewStub(
+          grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))
+          ->Check(&ctx, request, &response);
+  return s.ok() ? response.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+}
+
+TEST_F(ModelFixture, ReadinessFollowsTheStore) {
+  using Status = grpc::health::v1::HealthCheckResponse;
+  Cluster cluster(1, 1);
+  ASSERT_TRUE(cluster.ready());
+  const std::string ready = kvr::controller::kReadinessService;
+  const std::vector<std::string> nodes = {cluster.Find("prefill-0").grpc,
+                                          cluster.Find("decode-0").grpc};
+  auto wait_for = [&](const std::string& address, const std::string& service,
+                      Status::ServingStatus want, absl::Duration timeout) {
+    const absl::Time until = absl::Now() + timeout;
+    Status::ServingStatus got;
+    while ((got = Health(address, service)) != want && absl::Now() < until)
+      absl::SleepFor(absl::Milliseconds(100));
+    return got;
+  };
+  for (const std::string& node : nodes) {
+    ASSERT_FALSE(node.empty());
+    EXPECT_EQ(Health(node, ""), Status::SERVING) << node;
+    // Registered with a live store: ready (at registration or the next heartbeat).
+    EXPECT_EQ(wait_for(node, ready, Status::SERVING, absl::Seconds(5)), Status::SERVING) << node;
+  }
+  const auto store = cluster.Find("store-0");
+  ASSERT_GT(store.pid, 0);
+  ASSERT_EQ(kill(store.pid, SIGKILL), 0);
+  // The controller drops the store when its lease (5 s) runs out; the next heartbeat says so.
+  for (const std::string& node : nodes) {
+    EXPECT_EQ(wait_for(node, ready, Status::NOT_SERVING, absl::Seconds(15)), Status::NOT_SERVING)
+        << node;
+    EXPECT_EQ(Health(node, ""), Status::SERVING) << node << " must stay live";
+  }
 }
 
 }  // namespace

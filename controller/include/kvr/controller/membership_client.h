@@ -27,6 +27,12 @@
 
 namespace kvr::controller {
 
+// The grpc.health.v1 service name of a prefill or decode node's readiness: SERVING while the
+// node is registered and the controller holds at least one live store ("model loaded and store
+// reachable": the Kubernetes readinessProbe asks for it). The overall service "" is SERVING
+// once the model is loaded (startup and liveness probes).
+inline constexpr char kReadinessService[] = "kvr.ready";
+
 class MembershipClient {
  public:
   struct Options {
@@ -45,6 +51,11 @@ class MembershipClient {
     // Called on the client's thread after every successful Register (e.g. to print the
     // "registered <id>" line launchers read). May be null.
     std::function<void(const std::string& node_id)> on_registered;
+    // Called on the client's thread after every successful Register and Heartbeat with the
+    // number of STORE nodes the controller holds alive, and with 0 when the registration is
+    // lost (NOT_FOUND) or in Stop() (on Stop()'s caller's thread). Prefill and decode nodes
+    // derive readiness from it: kReadinessService below. May be null.
+    std::function<void(uint32_t live_stores)> on_cluster_view;
   };
 
   // Starts the background thread; returns at once (registration happens asynchronously).
