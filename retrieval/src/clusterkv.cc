@@ -26,6 +26,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/registry.h"
 #include "method_util.h"
@@ -59,15 +60,7 @@ class ClusterKvIndex final : public RetrievalIndex {
     const int64_t sink = std::min(params_.n_sink, n);
     const int64_t points = n - sink;
     n_sink_ = sink;
-    int64_t c0 = params_.clusterkv.n_clusters;
-    if (c0 == 0) {
-      c0 = std::max<int64_t>(points / 80, 4 * points / std::max<int64_t>(1, params_.budget));
-      c0 = std::clamp<int64_t>(c0, 1, std::max<int64_t>(1, points / 8));
-    } else if (c0 > points && points > 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("clusterkv: n_clusters (", c0, ") is larger than the ", points,
-                       " clusterable prefill tokens (context ", n, " minus ", sink, " sinks)"));
-    }
+    KVR_ASSIGN_OR_RETURN(const int64_t c0, ClusterKvPrefillClusters(points, n, params_));
     append_every_ = params_.clusterkv.append_every > 0
                         ? params_.clusterkv.append_every
                         : (n >= 3200 ? 320 : std::max<int64_t>(32, n / 10));
@@ -246,7 +239,7 @@ class ClusterKvIndex final : public RetrievalIndex {
     opt.n_clusters = static_cast<int>(std::min<int64_t>(k, n));
     opt.max_iterations = params_.clusterkv.max_iterations;
     opt.cosine = true;
-    opt.seed = params_.seed * 1000003 + salt * 7919 + static_cast<uint64_t>(shape().layer);
+    opt.seed = ClusterKvKMeansSeed(params_, salt, shape().layer);
     KVR_ASSIGN_OR_RETURN(KMeansResult km, KMeans(keys, n, hd, stride, opt));
     HeadClusters& h = heads_[kvh];
     const int64_t nc = opt.n_clusters;
@@ -289,6 +282,24 @@ class ClusterKvIndex final : public RetrievalIndex {
 };
 
 }  // namespace
+
+absl::StatusOr<int64_t> ClusterKvPrefillClusters(int64_t points, int64_t context,
+                                                 const IndexParams& params) {
+  int64_t c0 = params.clusterkv.n_clusters;
+  if (c0 == 0) {
+    c0 = std::max<int64_t>(points / 80, 4 * points / std::max<int64_t>(1, params.budget));
+    c0 = std::clamp<int64_t>(c0, 1, std::max<int64_t>(1, points / 8));
+  } else if (c0 > points && points > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "clusterkv: n_clusters (", c0, ") is larger than the ", points,
+        " clusterable prefill tokens (context ", context, " minus ", context - points, " sinks)"));
+  }
+  return c0;
+}
+
+uint64_t ClusterKvKMeansSeed(const IndexParams& params, uint64_t salt, int layer) {
+  return params.seed * 1000003 + salt * 7919 + static_cast<uint64_t>(layer);
+}
 
 absl::Status RegisterClusterKv(MethodRegistry& registry) {
   return registry.Register(

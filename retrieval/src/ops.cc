@@ -81,6 +81,19 @@ float SquaredDistance(const float* a, const float* b, int dim) {
 
 }  // namespace
 
+std::vector<int64_t> KMeansRandomInitPoints(int64_t n_points, int64_t k, uint64_t seed) {
+  k = std::clamp<int64_t>(k, 0, std::max<int64_t>(0, n_points));
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> perm(n_points);
+  std::iota(perm.begin(), perm.end(), 0);
+  for (int64_t c = 0; c < k; ++c) {
+    const int64_t j = std::uniform_int_distribution<int64_t>(c, n_points - 1)(rng);
+    std::swap(perm[c], perm[j]);
+  }
+  perm.resize(k);
+  return perm;
+}
+
 absl::StatusOr<KMeansResult> KMeans(const float* points, int64_t n_points, int dim, int64_t stride,
                                     const KMeansOptions& options) {
   if (n_points < 1) return absl::InvalidArgumentError("k-means: no points");
@@ -131,12 +144,9 @@ absl::StatusOr<KMeansResult> KMeans(const float* points, int64_t n_points, int d
     }
   } else {
     // Distinct random points (ClusterKV: "randomly sample key vectors as initial centroids").
-    std::vector<int64_t> perm(n_points);
-    std::iota(perm.begin(), perm.end(), 0);
+    const std::vector<int64_t> picks = KMeansRandomInitPoints(n_points, k, options.seed);
     for (int64_t c = 0; c < k; ++c) {
-      const int64_t j = std::uniform_int_distribution<int64_t>(c, n_points - 1)(rng);
-      std::swap(perm[c], perm[j]);
-      std::copy_n(x.data() + perm[c] * dim, dim, result.centroids.data() + c * dim);
+      std::copy_n(x.data() + picks[c] * dim, dim, result.centroids.data() + c * dim);
     }
   }
 
