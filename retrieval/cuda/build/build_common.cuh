@@ -1,0 +1,115 @@
+#pragma once
+// Pieces shared by the summary-building .cu files (private to kvr::retrieval_cuda_build).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/retrieval/cuda/build.cuh"
+
+namespace kvr::retrieval::cuda::build_internal {
+
+inline constexpr size_t kAlign = 256;
+inline size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Carves 256-byte aligned pieces out of a caller-owned workspace (or only counts the bytes when
+// base is null).
+class Carver {
+ public:
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  template <typename T>
+  T* Take(size_t n) {
+    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + used_);
+    used_ += AlignUp(n * sizeof(T));
+    return p;
+  }
+  void* TakeBytes(size_t n) { return Take<char>(n); }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+inline absl::Status Invalid(const char* op, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));
+}
+
+// Validates a KeyView for `batch` x `n_kv_heads` sequences of `head_dim`-wide keys.
+inline absl::Status CheckKeys(const char* op, const KeyView& k, int head_dim) {
+  if (k.data == nullptr) return Invalid(op, "keys.data is null");
+  if (k.dtype != KeyDType::kF32 && k.dtype != KeyDType::kF16 && k.dtype != KeyDType::kBf16) {
+    return Invalid(op, absl::StrCat("keys.dtype ", static_cast<int>(k.dtype), " unknown"));
+  }
+  if (k.token_stride < head_dim) {
+    return Invalid(op,
+                   absl::StrCat("keys.token_stride ", k.token_stride, " < head_dim ", head_dim));
+  }
+  if (k.head_offset == nullptr && (k.head_stride < 0 || k.batch_stride < 0)) {
+    return Invalid(op, "keys.head_stride / batch_stride negative");
+  }
+  return absl::OkStatus();
+}
+
+inline absl::Status LaunchStatus(const char* kernel) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(kernel, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+// Element offset of key (b, h, token 0).
+__device__ __forceinline__ int64_t KeyBase(const KeyView& k, int b, int h, int n_kv_heads) {
+  return k.head_offset != nullptr ? k.head_offset[b * n_kv_heads + h]
+                                  : b * k.batch_stride + h * k.head_stride;
+}
+
+template <typename T>
+__device__ __forceinline__ float LoadKey(const void* data, int64_t i);
+template <>
+__device__ __forceinline__ float LoadKey<float>(const void* data, int64_t i) {
+  return static_cast<const float*>(data)[i];
+}
+template <>
+__device__ __forceinline__ float LoadKey<__half>(const void* data, int64_t i) {
+  return __half2float(static_cast<const __half*>(data)[i]);
+}
+template <>
+__device__ __forceinline__ float LoadKey<__nv_bfloat16>(const void* data, int64_t i) {
+  return __bfloat162float(static_cast<const __nv_bfloat16*>(data)[i]);
+}
+
+// Calls fn.template operator()<T>() with T the element type of `dtype`.
+template <typename Fn>
+absl::Status DispatchKeyType(KeyDType dtype, Fn&& fn) {
+  switch (dtype) {
+    case KeyDType::kF32:
+      return fn.template operator()<float>();
+    case KeyDType::kF16:
+      return fn.template operator()<__half>();
+    case KeyDType::kBf16:
+      return fn.template operator()<__nv_bfloat16>();
+  }
+  return absl::InvalidArgumentError("unknown key dtype");
+}
+
+// Calls fn.template operator()<D>() for head_dim D in {64, 128}.
+template <typename Fn>
+absl::Status DispatchHeadDim(int head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 64:
+      return fn.template operator()<64>();
+    case 128:
+      return fn.template operator()<128>();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("head_dim ", head_dim, " (64 or 128)"));
+}
+
+}  // namespace kvr::retrieval::cuda::build_internal

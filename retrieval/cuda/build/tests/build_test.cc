@@ -1,0 +1,712 @@
+// Parity of the GPU summary builders (build.cuh) with the CPU references:
+//  - QuestPageBounds against the `quest` index payload (baselines.cc): bit-exact;
+//  - KeyDiffBuild against KeyDiffScores (keydiff.cc): within 1e-5;
+//  - A2atsQuantise against the `a2ats` index payload (a2ats.cc, codebook.cc): ids exact except
+//    near-ties (the two codewords' fp64 scores within 1e-4 of each other);
+//  - ClusterKvBuild, one iteration from the CPU's initial centroids, against KMeans (ops.cc): ids
+//    exact except near-ties, unit centroids within 1e-5; the full build against ClusterKvIndex
+//    (clusterkv.cc, through ClusterKvLayoutFromIndexes): a valid layout and the mean cosine of
+//    each key to its cluster's centroid within 1% of the CPU's.
+// Shapes swept: batch with sequences of different lengths (including one with no point past the
+// sinks), head_dim 64 / 128, GQA shapes 9x3 / 32x8, keys fp32 (token-major and head-major) and
+// bf16 (rounded first; the CPU sees the rounded values). Outputs are poisoned (NaN / 0x7f) before
+// each launch and checked for NaN. Skips when no GPU is present (label `gpu`).
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/half.h"
+#include "kvr/retrieval/a2ats.h"
+#include "kvr/retrieval/clusterkv.h"
+#include "kvr/retrieval/codebook.h"
+#include "kvr/retrieval/cuda/build.cuh"
+#include "kvr/retrieval/cuda/selection.cuh"
+#include "kvr/retrieval/keydiff.h"
+#include "kvr/retrieval/ops.h"
+#include "kvr/retrieval/registry.h"
+#include "kvr/retrieval/rope.h"
+#include "kvr/retrieval/serialization.h"
+
+namespace kvr::retrieval::cuda {
+namespace {
+
+#define ASSERT_OK(expr)                                  \
+  do {                                                   \
+    const absl::Status kvr_s_ = (expr);                  \
+    ASSERT_TRUE(kvr_s_.ok()) << #expr << ": " << kvr_s_; \
+  } while (false)
+
+template <typename T>
+using DeviceBuffer = kvr::cuda::DeviceBuffer<T>;
+
+template <typename T>
+DeviceBuffer<T> Upload(const std::vector<T>& v) {
+  auto b = DeviceBuffer<T>::Create(std::max<size_t>(1, v.size()));
+  EXPECT_TRUE(b.ok()) << b.status();
+  if (!v.empty()) {
+    EXPECT_EQ(cudaMemcpy(b->data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  return std::move(*b);
+}
+
+template <typename T>
+DeviceBuffer<T> Poisoned(size_t n, int byte) {
+  auto b = DeviceBuffer<T>::Create(std::max<size_t>(1, n));
+  EXPECT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(cudaMemset(b->data(), byte, b->bytes()), cudaSuccess);
+  return std::move(*b);
+}
+
+template <typename T>
+std::vector<T> Download(const DeviceBuffer<T>& b, size_t n) {
+  std::vector<T> v(n);
+  EXPECT_EQ(cudaMemcpy(v.data(), b.data(), n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+
+DeviceBuffer<char> Workspace(size_t bytes) {
+  auto w = Poisoned<char>(bytes, 0x7f);
+  return w;
+}
+
+// One test configuration: a batch of sequences of one layer's keys.
+struct Case {
+  int n_heads, n_kv_heads, head_dim;
+  KeyDType dtype;
+  bool head_major;  // device layout [b, h, t, d] instead of [b, t, h, d]
+  std::vector<int64_t> lens;
+  std::string Name() const {
+    std::string s = std::string(dtype == KeyDType::kBf16 ? "bf16" : "f32") + "_d" +
+                    std::to_string(head_dim) + "_h" + std::to_string(n_heads) + "x" +
+                    std::to_string(n_kv_heads) + (head_major ? "_hm" : "_tm") + "_L";
+    for (int64_t l : lens) s += std::to_string(l) + ",";
+    return s;
+  }
+};
+
+// Keys with structure (a per-head offset, 24 directions per head, noise), the CPU's view
+// ([len, n_kv_heads, d] per sequence, rounded to the device dtype) and the device buffer.
+struct Batch {
+  Case c;
+  int max_tokens = 0;
+  std::vector<std::vector<float>> cpu;  // [batch][len * nkv * d]
+  DeviceBuffer<char> keys;
+  KeyView view;
+  DeviceBuffer<int32_t> seq_len;
+};
+
+Batch MakeBatch(const Case& c, uint32_t seed) {
+  Batch b;
+  b.c = c;
+  const int nkv = c.n_kv_heads, d = c.head_dim;
+  b.max_tokens = static_cast<int>(*std::max_element(c.lens.begin(), c.lens.end()));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<float> dirs(static_cast<size_t>(nkv) * 25 * d);
+  for (float& v : dirs) v = g(rng);
+  std::uniform_int_distribution<int> pick(1, 24);
+  const size_t elems = c.lens.size() * static_cast<size_t>(b.max_tokens) * nkv * d;
+  std::vector<float> dev32(elems, 0.f);
+  std::vector<uint16_t> dev16(elems, 0);
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    std::vector<float> keys(static_cast<size_t>(c.lens[s]) * nkv * d);
+    for (int64_t t = 0; t < c.lens[s]; ++t) {
+      for (int h = 0; h < nkv; ++h) {
+        const float* off = dirs.data() + static_cast<size_t>(h) * 25 * d;
+        const float* dir = off + static_cast<size_t>(pick(rng)) * d;
+        for (int i = 0; i < d; ++i) {
+          float v = 0.8f * off[i] + 1.5f * dir[i] + 0.6f * g(rng);
+          if (c.dtype == KeyDType::kBf16) v = Bf16ToFloat(FloatToBf16(v));
+          keys[(t * nkv + h) * d + i] = v;
+          const size_t di = c.head_major
+                                ? ((s * nkv + h) * static_cast<size_t>(b.max_tokens) + t) * d + i
+                                : ((s * b.max_tokens + t) * static_cast<size_t>(nkv) + h) * d + i;
+          dev32[di] = v;
+          dev16[di] = FloatToBf16(v);
+        }
+      }
+    }
+    b.cpu.push_back(std::move(keys));
+  }
+  const void* src = c.dtype == KeyDType::kBf16 ? static_cast<const void*>(dev16.data())
+                                               : static_cast<const void*>(dev32.data());
+  const size_t bytes = elems * (c.dtype == KeyDType::kBf16 ? 2 : 4);
+  auto keys = DeviceBuffer<char>::Create(std::max<size_t>(1, bytes));
+  EXPECT_TRUE(keys.ok()) << keys.status();
+  b.keys = std::move(*keys);
+  EXPECT_EQ(cudaMemcpy(b.keys.data(), src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  b.view.data = b.keys.data();
+  b.view.dtype = c.dtype;
+  if (c.head_major) {
+    b.view.token_stride = d;
+    b.view.head_stride = static_cast<int64_t>(b.max_tokens) * d;
+  } else {
+    b.view.token_stride = static_cast<int64_t>(nkv) * d;
+    b.view.head_stride = d;
+  }
+  b.view.batch_stride = static_cast<int64_t>(b.max_tokens) * nkv * d;
+  std::vector<int32_t> lens(c.lens.begin(), c.lens.end());
+  b.seq_len = Upload(lens);
+  return b;
+}
+
+TokenTensor CpuKeys(const Batch& b, size_t s) {
+  return TokenTensor{b.cpu[s].data(), b.c.lens[s],
+                     static_cast<int64_t>(b.c.n_kv_heads) * b.c.head_dim};
+}
+
+IndexShape ShapeOf(const Case& c) {
+  IndexShape s;
+  s.n_heads = c.n_heads;
+  s.n_kv_heads = c.n_kv_heads;
+  s.head_dim = c.head_dim;
+  s.layer = 0;
+  s.n_layers = 1;
+  return s;
+}
+
+std::vector<Case> Cases() {
+  return {
+      {9, 3, 64, KeyDType::kF32, false, {700, 5, 1234}},
+      {9, 3, 64, KeyDType::kBf16, true, {333, 1000}},
+      {32, 8, 128, KeyDType::kBf16, false, {2000, 517, 12}},
+      {32, 8, 128, KeyDType::kF32, true, {1500}},
+  };
+}
+
+class BuildTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+TEST_P(BuildTest, QuestBoundsBitExact) {
+  const Case& c = GetParam();
+  Batch b = MakeBatch(c, 11);
+  for (int page : {16, 7}) {
+    const int nkv = c.n_kv_heads, d = c.head_dim;
+    const int pages = (b.max_tokens + page - 1) / page;
+    const int64_t stride = static_cast<int64_t>(pages) * nkv * 2 * d;
+    auto bounds = Poisoned<float>(c.lens.size() * stride, 0xff);  // NaN
+    QuestBoundsParams p;
+    p.batch = static_cast<int>(c.lens.size());
+    p.n_kv_heads = nkv;
+    p.head_dim = d;
+    p.page_size = page;
+    p.keys = b.view;
+    p.seq_len = b.seq_len.data();
+    p.max_tokens = b.max_tokens;
+    p.bounds = bounds.data();
+    p.bounds_batch_stride = stride;
+    ASSERT_OK(QuestPageBounds(p, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got = Download(bounds, c.lens.size() * stride);
+    MethodRegistry registry;
+    ASSERT_OK(RegisterCoreMethods(registry));
+    IndexParams params;
+    params.quest.page_size = page;
+    for (size_t s = 0; s < c.lens.size(); ++s) {
+      auto index = registry.Make("quest", ShapeOf(c), params);
+      ASSERT_TRUE(index.ok()) << index.status();
+      BuildInput in;
+      in.keys = CpuKeys(b, s);
+      ASSERT_OK((*index)->Build(in));
+      ByteWriter w;
+      ASSERT_OK((*index)->SerializePayload(w));
+      ByteReader r(w.bytes());
+      int32_t ps = 0;
+      uint8_t gqa = 0;
+      std::vector<float> want;
+      ASSERT_OK(r.Get("page_size", &ps));
+      ASSERT_OK(r.Get("gqa", &gqa));
+      ASSERT_OK(r.GetArray("bounds", &want));
+      ASSERT_LE(static_cast<int64_t>(want.size()), stride);
+      ASSERT_EQ(std::memcmp(want.data(), got.data() + s * stride, want.size() * sizeof(float)), 0)
+          << c.Name() << " page " << page << " sequence " << s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+TEST_P(BuildTest, KeyDiffScoresWithin1e5) {
+  const Case& c = GetParam();
+  Batch b = MakeBatch(c, 12);
+  const int rows = static_cast<int>(c.lens.size()) * c.n_kv_heads;
+  const int64_t stride = b.max_tokens + 3;
+  auto scores = Poisoned<float>(rows * stride, 0xff);
+  KeyDiffBuildParams p;
+  p.batch = static_cast<int>(c.lens.size());
+  p.n_kv_heads = c.n_kv_heads;
+  p.head_dim = c.head_dim;
+  p.keys = b.view;
+  p.seq_len = b.seq_len.data();
+  p.max_tokens = b.max_tokens;
+  p.scores = scores.data();
+  p.score_stride = stride;
+  auto ws = Workspace(KeyDiffBuildWorkspaceBytes(p));
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.bytes();
+  ASSERT_OK(KeyDiffBuild(p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = Download(scores, rows * stride);
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      const std::vector<float> want = KeyDiffScores(CpuKeys(b, s), h, c.head_dim);
+      const float* g = got.data() + (s * c.n_kv_heads + h) * stride;
+      for (int64_t t = 0; t < c.lens[s]; ++t) {
+        ASSERT_FALSE(std::isnan(g[t])) << c.Name() << " s" << s << " h" << h << " t" << t;
+        ASSERT_NEAR(g[t], want[t], 1e-5f) << c.Name() << " s" << s << " h" << h << " t" << t;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Codebooks for one layer from random WRoPE-ish queries and pre-RoPE keys of the batch.
+std::shared_ptr<const A2atsCodebooks> MakeCodebooks(const Case& c, const Batch& b, int size,
+                                                    const RopeParams& rope) {
+  ModelFingerprint m;
+  m.model_name = "build-test";
+  m.model_hash = 1;
+  m.n_layers = 1;
+  m.n_heads = c.n_heads;
+  m.n_kv_heads = c.n_kv_heads;
+  m.head_dim = c.head_dim;
+  m.rope = rope;
+  CodebookParams cp;
+  cp.codebook_size = size;
+  cp.max_iterations = 4;
+  const int d = c.head_dim;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<HeadCodebook> heads;
+  for (int h = 0; h < c.n_kv_heads; ++h) {
+    std::vector<double> m2(static_cast<size_t>(d) * d, 0.0);
+    std::vector<float> q(d);
+    for (int n = 0; n < 256; ++n) {
+      for (int i = 0; i < d; ++i) q[i] = g(rng) * (1.f + 0.05f * i);
+      for (int i = 0; i < d; ++i)
+        for (int j = 0; j < d; ++j) m2[i * d + j] += static_cast<double>(q[i]) * q[j];
+    }
+    std::vector<float> keys;
+    const TokenTensor kt = CpuKeys(b, 0);
+    for (int64_t t = 0; t < kt.n_tokens && t < 1500; ++t) {
+      std::vector<float> k(kt.At(t, h, d), kt.At(t, h, d) + d);
+      ApplyRope(std::span<float>(k), -static_cast<double>(t), rope);
+      keys.insert(keys.end(), k.begin(), k.end());
+    }
+    auto book = BuildHeadCodebook(m2, 256, keys, d, cp, 77 + h);
+    EXPECT_TRUE(book.ok()) << book.status();
+    heads.push_back(std::move(*book));
+  }
+  return std::make_shared<const A2atsCodebooks>(m, cp, std::move(heads), 256, 1500);
+}
+
+TEST_P(BuildTest, A2atsIdsExactExceptNearTies) {
+  const Case& c = GetParam();
+  Batch b = MakeBatch(c, 13);
+  RopeParams rope;
+  rope.style = c.head_dim == 128 ? RopeStyle::kHalfSplit : RopeStyle::kAdjacentPairs;
+  rope.theta = c.head_dim == 128 ? 500000.f : 10000.f;
+  const int size = c.head_dim == 128 ? 300 : 128;  // 300: a partial centre tile
+  auto books = MakeCodebooks(c, b, size, rope);
+  auto host = A2atsLayerCodebooksFromHost(*books, 0);
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto chol = Upload(host->chol);
+  auto cw = Upload(host->codewords);
+  auto hn = Upload(host->half_norms);
+  const int rows = static_cast<int>(c.lens.size()) * c.n_kv_heads;
+  const int64_t stride = b.max_tokens + 1;
+  auto ids = Poisoned<uint16_t>(rows * stride, 0xff);
+  A2atsQuantiseParams p;
+  p.batch = static_cast<int>(c.lens.size());
+  p.n_kv_heads = c.n_kv_heads;
+  p.head_dim = c.head_dim;
+  p.keys = b.view;
+  p.seq_len = b.seq_len.data();
+  p.max_tokens = b.max_tokens;
+  p.rope = rope;
+  p.codebook_size = host->size;
+  p.chol = chol.data();
+  p.codewords = cw.data();
+  p.half_norms = hn.data();
+  p.ids = ids.data();
+  p.id_stride = stride;
+  auto ws = Workspace(A2atsQuantiseWorkspaceBytes(p));
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.bytes();
+  ASSERT_OK(A2atsQuantise(p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = Download(ids, rows * stride);
+
+  IndexShape shape = ShapeOf(c);
+  shape.rope = rope;
+  IndexParams params;
+  params.assets = books;
+  const int d = c.head_dim;
+  int64_t total = 0, mismatched = 0;
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    auto index = MakeA2atsIndex(shape, params);
+    ASSERT_TRUE(index.ok()) << index.status();
+    BuildInput in;
+    in.keys = CpuKeys(b, s);
+    ASSERT_OK((*index)->Build(in));
+    ByteWriter w;
+    ASSERT_OK((*index)->SerializePayload(w));
+    ByteReader r(w.bytes());
+    uint32_t version = 0;
+    uint64_t hash = 0;
+    int32_t book_size = 0;
+    ASSERT_OK(r.Get("version", &version));
+    ASSERT_OK(r.Get("hash", &hash));
+    ASSERT_OK(r.Get("size", &book_size));
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      std::vector<uint16_t> want;
+      ASSERT_OK(r.GetArray("ids", &want));
+      ASSERT_EQ(static_cast<int64_t>(want.size()), c.lens[s]);
+      const HeadCodebook& hb = books->head(0, h);
+      const uint16_t* g = got.data() + (s * c.n_kv_heads + h) * stride;
+      for (int64_t t = 0; t < c.lens[s]; ++t) {
+        ++total;
+        ASSERT_LT(g[t], book_size) << c.Name() << " s" << s << " h" << h << " t" << t;
+        if (g[t] == want[t]) continue;
+        ++mismatched;
+        // Near-tie: both codewords' scores (fp64 from the CPU's pre-RoPE key) agree to 1e-4.
+        std::vector<float> k(in.keys.At(t, h, d), in.keys.At(t, h, d) + d);
+        ApplyRope(std::span<float>(k), -static_cast<double>(t), rope);
+        auto score = [&](int id) {
+          double sc = 0;
+          for (int j = 0; j < d; ++j) {
+            double z = 0;
+            for (int i = 0; i < d; ++i) z += static_cast<double>(k[i]) * hb.chol[i * d + j];
+            sc += z * hb.codewords[static_cast<size_t>(id) * d + j];
+          }
+          return sc - hb.half_norms[id];
+        };
+        const double a = score(g[t]), e = score(want[t]);
+        EXPECT_NEAR(a, e, 1e-4 * (1.0 + std::fabs(e)))
+            << c.Name() << " s" << s << " h" << h << " t" << t << " gpu " << g[t] << " cpu "
+            << want[t];
+      }
+    }
+  }
+  EXPECT_LE(mismatched, total / 100 + 1) << c.Name();
+  std::printf("[ a2ats    ] %s: %lld ids, %lld near-tie differences\n", c.Name().c_str(),
+              static_cast<long long>(total), static_cast<long long>(mismatched));
+}
+
+// ---------------------------------------------------------------------------------------------
+struct GpuClusters {
+  ClusterKvBuildPlan plan;
+  std::vector<float> centroids, unit;
+  std::vector<int32_t> n_clusters, offsets, members, assignment;
+};
+
+void RunClusterKv(const Batch& b, const IndexParams& params, GpuClusters* out) {
+  const Case& c = b.c;
+  auto plan = MakeClusterKvBuildPlan(ShapeOf(c), params, c.lens);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  out->plan = *plan;
+  const int rows = plan->batch * plan->n_kv_heads;
+  const int K = plan->max_clusters, P = plan->max_points, d = c.head_dim;
+  auto first = Upload(plan->first_token);
+  auto n_points = Upload(plan->n_points);
+  auto n_init = Upload(plan->n_init);
+  auto init = Upload(plan->init_points);
+  auto centroids = Poisoned<float>(static_cast<size_t>(rows) * K * d, 0xff);
+  auto unit = Poisoned<float>(static_cast<size_t>(rows) * K * d, 0xff);
+  auto n_clusters = Poisoned<int32_t>(rows, 0x7f);
+  auto offsets = Poisoned<int32_t>(static_cast<size_t>(rows) * (K + 1), 0x7f);
+  auto members = Poisoned<int32_t>(static_cast<size_t>(rows) * P, 0x7f);
+  auto assignment = Poisoned<int32_t>(static_cast<size_t>(rows) * P, 0x7f);
+  ClusterKvBuildParams p;
+  p.batch = plan->batch;
+  p.n_kv_heads = plan->n_kv_heads;
+  p.head_dim = d;
+  p.keys = b.view;
+  p.max_points = P;
+  p.max_clusters = K;
+  p.max_iterations = plan->max_iterations;
+  p.first_token = first.data();
+  p.n_points = n_points.data();
+  p.n_init = n_init.data();
+  p.init_points = init.data();
+  p.centroids = centroids.data();
+  p.n_clusters = n_clusters.data();
+  p.offsets = offsets.data();
+  p.members = members.data();
+  p.unit_centroids = unit.data();
+  p.assignment = assignment.data();
+  auto ws = Workspace(ClusterKvBuildWorkspaceBytes(p));
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.bytes();
+  ASSERT_OK(ClusterKvBuild(p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  out->centroids = Download(centroids, static_cast<size_t>(rows) * K * d);
+  out->unit = Download(unit, static_cast<size_t>(rows) * K * d);
+  out->n_clusters = Download(n_clusters, rows);
+  out->offsets = Download(offsets, static_cast<size_t>(rows) * (K + 1));
+  out->members = Download(members, static_cast<size_t>(rows) * P);
+  out->assignment = Download(assignment, static_cast<size_t>(rows) * P);
+}
+
+// The layout contract: per row, clusters non-empty, offsets ascending to n_points, members a
+// permutation of [first_token, first_token + n_points), ascending inside each cluster, -1 pad;
+// centroids finite and equal to the mean of their members' keys (fp64 reference, 1e-5).
+void CheckLayout(const Batch& b, const GpuClusters& g) {
+  const Case& c = b.c;
+  const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      const int r = static_cast<int>(s) * c.n_kv_heads + h;
+      const std::string where = c.Name() + " s" + std::to_string(s) + " h" + std::to_string(h);
+      const int n = g.plan.n_points[r], first = g.plan.first_token[s];
+      const int nc = g.n_clusters[r];
+      ASSERT_GE(nc, n > 0 ? 1 : 0) << where;
+      ASSERT_LE(nc, std::max(1, g.plan.n_init[r])) << where;
+      const int32_t* off = g.offsets.data() + static_cast<size_t>(r) * (K + 1);
+      const int32_t* mem = g.members.data() + static_cast<size_t>(r) * P;
+      ASSERT_EQ(off[0], 0) << where;
+      ASSERT_EQ(off[nc], n) << where;
+      std::vector<char> seen(n, 0);
+      for (int cl = 0; cl < nc; ++cl) {
+        ASSERT_LT(off[cl], off[cl + 1]) << where << " empty cluster " << cl;
+        std::vector<double> mean(d, 0.0);
+        for (int m = off[cl]; m < off[cl + 1]; ++m) {
+          ASSERT_GE(mem[m], first) << where;
+          ASSERT_LT(mem[m], first + n) << where;
+          if (m > off[cl]) {
+            ASSERT_LT(mem[m - 1], mem[m]) << where << " cluster " << cl;
+          }
+          ASSERT_FALSE(seen[mem[m] - first]) << where << " token twice " << mem[m];
+          seen[mem[m] - first] = 1;
+          const float* k = CpuKeys(b, s).At(mem[m], h, d);
+          for (int i = 0; i < d; ++i) mean[i] += k[i];
+        }
+        const float* cen = g.centroids.data() + (static_cast<size_t>(r) * K + cl) * d;
+        for (int i = 0; i < d; ++i) {
+          ASSERT_FALSE(std::isnan(cen[i])) << where;
+          const double want = mean[i] / (off[cl + 1] - off[cl]);
+          ASSERT_NEAR(cen[i], want, 1e-5 * (1.0 + std::fabs(want))) << where << " cluster " << cl;
+        }
+      }
+      for (int m = n; m < P; ++m) ASSERT_EQ(mem[m], -1) << where << " padding " << m;
+    }
+  }
+}
+
+TEST_P(BuildTest, ClusterKvOneIterationMatchesKMeans) {
+  const Case& c = GetParam();
+  Batch b = MakeBatch(c, 14);
+  IndexParams params;
+  params.clusterkv.max_iterations = 1;
+  GpuClusters g;
+  RunClusterKv(b, params, &g);
+  if (HasFatalFailure()) return;
+  CheckLayout(b, g);
+  if (HasFatalFailure()) return;
+  const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
+  int64_t total = 0, mismatched = 0;
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    const TokenTensor keys = CpuKeys(b, s);
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      const int r = static_cast<int>(s) * c.n_kv_heads + h;
+      const int n = g.plan.n_points[r], first = g.plan.first_token[s];
+      if (n == 0) continue;
+      KMeansOptions opt;
+      opt.n_clusters = g.plan.n_init[r];
+      opt.max_iterations = 1;
+      opt.cosine = true;
+      opt.seed = ClusterKvKMeansSeed(params, h, 0);
+      auto km = KMeans(keys.At(first, h, d), n, d, keys.row_stride, opt);
+      ASSERT_TRUE(km.ok()) << km.status();
+      std::vector<char> touched(opt.n_clusters, 0);
+      const int32_t* ga = g.assignment.data() + static_cast<size_t>(r) * P;
+      auto unit_point = [&](int i) {
+        std::vector<double> v(keys.At(first + i, h, d), keys.At(first + i, h, d) + d);
+        double nn = 0;
+        for (double x : v) nn += x * x;
+        for (double& x : v) x /= std::sqrt(nn);
+        return v;
+      };
+      for (int i = 0; i < n; ++i) {
+        ++total;
+        ASSERT_GE(ga[i], 0);
+        ASSERT_LT(ga[i], opt.n_clusters);
+        if (ga[i] == km->assignment[i]) continue;
+        ++mismatched;
+        touched[ga[i]] = touched[km->assignment[i]] = 1;
+        // Near-tie against the initial centroids (the points picked by the plan).
+        const std::vector<double> x = unit_point(i);
+        auto dot = [&](int cl) {
+          const std::vector<double> cc =
+              unit_point(g.plan.init_points[static_cast<size_t>(r) * K + cl]);
+          double s2 = 0;
+          for (int j = 0; j < d; ++j) s2 += x[j] * cc[j];
+          return s2;
+        };
+        EXPECT_NEAR(dot(ga[i]), dot(km->assignment[i]), 1e-5) << c.Name() << " point " << i;
+      }
+      for (int cl = 0; cl < opt.n_clusters; ++cl) {
+        if (touched[cl]) continue;
+        const float* gu = g.unit.data() + (static_cast<size_t>(r) * K + cl) * d;
+        const float* cu = km->centroids.data() + static_cast<size_t>(cl) * d;
+        for (int j = 0; j < d; ++j) {
+          ASSERT_FALSE(std::isnan(gu[j]));
+          ASSERT_NEAR(gu[j], cu[j], 1e-5f * std::max(1.f, std::fabs(cu[j])))
+              << c.Name() << " s" << s << " h" << h << " cluster " << cl << " dim " << j;
+        }
+      }
+    }
+  }
+  EXPECT_LE(mismatched, total / 100 + 1) << c.Name();
+  std::printf("[ clusterkv] %s one step: %lld ids, %lld near-tie differences\n", c.Name().c_str(),
+              static_cast<long long>(total), static_cast<long long>(mismatched));
+}
+
+// Mean over clustered tokens of cos(key, its cluster's centroid).
+double Objective(const Batch& b, size_t s, int h, const float* centroids, const int32_t* offsets,
+                 const int32_t* members, int nc) {
+  const int d = b.c.head_dim;
+  double sum = 0;
+  int64_t n = 0;
+  for (int cl = 0; cl < nc; ++cl) {
+    const float* cen = centroids + static_cast<size_t>(cl) * d;
+    for (int m = offsets[cl]; m < offsets[cl + 1]; ++m) {
+      const float* k = CpuKeys(b, s).At(members[m], h, d);
+      double dot = 0, nk = 0, ncn = 0;
+      for (int i = 0; i < d; ++i) {
+        dot += static_cast<double>(k[i]) * cen[i];
+        nk += static_cast<double>(k[i]) * k[i];
+        ncn += static_cast<double>(cen[i]) * cen[i];
+      }
+      sum += dot / std::sqrt(nk * ncn);
+      ++n;
+    }
+  }
+  return n > 0 ? sum / n : 0.0;
+}
+
+TEST_P(BuildTest, ClusterKvFullBuildObjectiveWithin1Percent) {
+  const Case& c = GetParam();
+  Batch b = MakeBatch(c, 15);
+  IndexParams params;  // CPU defaults: C0 = max(L/80, 4L/budget), 10 iterations, 16 sinks
+  GpuClusters g;
+  RunClusterKv(b, params, &g);
+  if (HasFatalFailure()) return;
+  CheckLayout(b, g);
+  if (HasFatalFailure()) return;
+  MethodRegistry registry;
+  ASSERT_OK(RegisterCoreMethods(registry));
+  std::vector<std::unique_ptr<RetrievalIndex>> indexes;
+  std::vector<const RetrievalIndex*> ptrs;
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    auto index = registry.Make("clusterkv", ShapeOf(c), params);
+    ASSERT_TRUE(index.ok()) << index.status();
+    BuildInput in;
+    in.keys = CpuKeys(b, s);
+    ASSERT_OK((*index)->Build(in));
+    ptrs.push_back(index->get());
+    indexes.push_back(std::move(*index));
+  }
+  auto cpu = ClusterKvLayoutFromIndexes(ptrs);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
+  int64_t same_rows = 0, rows_checked = 0;
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      const int r = static_cast<int>(s) * c.n_kv_heads + h;
+      if (g.plan.n_points[r] == 0) continue;
+      ++rows_checked;
+      const double og = Objective(b, s, h, g.centroids.data() + static_cast<size_t>(r) * K * d,
+                                  g.offsets.data() + static_cast<size_t>(r) * (K + 1),
+                                  g.members.data() + static_cast<size_t>(r) * P, g.n_clusters[r]);
+      const int CK = cpu->max_clusters, CP = cpu->max_members;
+      const double oc =
+          Objective(b, s, h, cpu->centroids.data() + static_cast<size_t>(r) * CK * d,
+                    cpu->offsets.data() + static_cast<size_t>(r) * (CK + 1),
+                    cpu->members.data() + static_cast<size_t>(r) * CP, cpu->n_clusters[r]);
+      EXPECT_NEAR(og, oc, 0.01 * std::fabs(oc)) << c.Name() << " s" << s << " h" << h;
+      const bool same =
+          g.n_clusters[r] == cpu->n_clusters[r] &&
+          std::equal(g.members.begin() + static_cast<size_t>(r) * P,
+                     g.members.begin() + static_cast<size_t>(r) * P + g.plan.n_points[r],
+                     cpu->members.begin() + static_cast<size_t>(r) * CP);
+      same_rows += same;
+    }
+  }
+  std::printf("[ clusterkv] %s full build: %lld of %lld rows with the CPU's exact layout\n",
+              c.Name().c_str(), static_cast<long long>(same_rows),
+              static_cast<long long>(rows_checked));
+}
+
+// Many duplicate keys: k-means sees empty clusters (re-seeding path); the layout must stay valid.
+TEST_P(BuildTest, ClusterKvDuplicateKeysLayoutValid) {
+  Case c = GetParam();
+  Batch b = MakeBatch(c, 16);
+  // Overwrite keys with 6 distinct vectors per head (device and CPU copies).
+  const int nkv = c.n_kv_heads, d = c.head_dim;
+  std::vector<float> dev(c.lens.size() * static_cast<size_t>(b.max_tokens) * nkv * d, 0.f);
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    for (int64_t t = 0; t < c.lens[s]; ++t) {
+      for (int h = 0; h < nkv; ++h) {
+        for (int i = 0; i < d; ++i) {
+          const float v = static_cast<float>(((t % 6) * 7 + i * 3 + h) % 11) - 5.f;
+          b.cpu[s][(t * nkv + h) * d + i] = v;
+          dev[((s * b.max_tokens + t) * nkv + h) * d + i] = v;
+        }
+      }
+    }
+  }
+  auto keys = Upload(dev);
+  b.view.data = keys.data();
+  b.view.dtype = KeyDType::kF32;
+  b.view.token_stride = static_cast<int64_t>(nkv) * d;
+  b.view.head_stride = d;
+  b.view.batch_stride = static_cast<int64_t>(b.max_tokens) * nkv * d;
+  b.c.head_major = false;
+  IndexParams params;
+  params.budget = 8;  // C0 = min(4L/8, L/8) = L/8 clusters over 6 distinct keys: mostly empty
+  GpuClusters g;
+  RunClusterKv(b, params, &g);
+  if (HasFatalFailure()) return;
+  CheckLayout(b, g);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BuildTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           std::string n = info.param.Name();
+                           for (char& ch : n)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
+TEST(BuildValidation, RejectsBadShapes) {
+  QuestBoundsParams q;
+  EXPECT_EQ(QuestPageBounds(q, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  KeyDiffBuildParams k;
+  EXPECT_EQ(KeyDiffBuild(k, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  A2atsQuantiseParams a;
+  EXPECT_EQ(A2atsQuantise(a, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  ClusterKvBuildParams c;
+  EXPECT_EQ(ClusterKvBuild(c, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  c.batch = 1;
+  c.n_kv_heads = 1;
+  c.head_dim = 96;
+  c.max_points = c.max_clusters = 1;
+  EXPECT_EQ(ClusterKvBuild(c, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvr::retrieval::cuda

@@ -1,0 +1,35 @@
+# kvr::retrieval_cuda_build: GPU summary building at prefill (issue 6, "kernels-build"): ClusterKV
+# k-means + layout, Quest page bounds, KeyDiff scores, A2ATS quantise. Contract and launchers:
+# cuda/include/kvr/retrieval/cuda/build.cuh. Only with nvcc (CONVENTIONS.md 7); the parity test
+# carries the CTest label `gpu` (CI compiles it, never runs it).
+if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_select)
+  add_library(kvr_retrieval_cuda_build
+    cuda/build/clusterkv.cu
+    cuda/build/quest.cu
+    cuda/build/keydiff.cu
+    cuda/build/a2ats.cu
+    cuda/build/plan.cc)
+  add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)
+  target_include_directories(kvr_retrieval_cuda_build
+    PUBLIC cuda/include
+    PRIVATE cuda/build)
+  # kvr::retrieval_cuda_select for the shared KeyView / KeyDType of selection.cuh and the
+  # selector's layout (the build writes it).
+  target_link_libraries(kvr_retrieval_cuda_build
+    PUBLIC kvr::retrieval_cuda_select kvr::retrieval_quant kvr::common_cuda kvr::retrieval_core
+           absl::status absl::statusor absl::strings)
+  set_target_properties(kvr_retrieval_cuda_build PROPERTIES CUDA_STANDARD 20
+                                                            CUDA_STANDARD_REQUIRED ON)
+  target_compile_options(kvr_retrieval_cuda_build PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
+
+  kvr_add_test(retrieval_cuda_build_test
+    SOURCES cuda/build/tests/build_test.cc
+    LIBS kvr::retrieval_cuda_build kvr::retrieval_cuda_select kvr::retrieval_quant
+         kvr::retrieval_core kvr::common
+    LABELS gpu)
+
+  add_executable(build_cuda_bench cuda/build/bench/build_cuda_bench.cc)
+  target_link_libraries(build_cuda_bench PRIVATE kvr::retrieval_cuda_build kvr::common)
+  kvr_warnings(build_cuda_bench)
+endif()
