@@ -7,21 +7,26 @@ if(KVR_HAVE_CUDA)
     cuda/select/exact.cu
     cuda/select/quest.cu
     cuda/select/clusterkv.cu
-    cuda/select/clusterkv_layout.cc)
+    cuda/select/clusterkv_layout.cc
+    cuda/select/rerank.cu
+    cuda/select/pariskv.cu
+    cuda/select/ctkvr.cu
+    cuda/select/a2ats.cu
+    cuda/select/quant_layout.cc)
   add_library(kvr::retrieval_cuda_select ALIAS kvr_retrieval_cuda_select)
   target_include_directories(kvr_retrieval_cuda_select
     PUBLIC cuda/include
     PRIVATE cuda/select)
   target_link_libraries(kvr_retrieval_cuda_select
-    PUBLIC kvr::common_cuda kvr::retrieval_core absl::status absl::strings)
+    PUBLIC kvr::common_cuda kvr::retrieval_core kvr::retrieval_quant absl::status absl::strings)
   set_target_properties(kvr_retrieval_cuda_select PROPERTIES CUDA_STANDARD 20
                                                              CUDA_STANDARD_REQUIRED ON)
   target_compile_options(kvr_retrieval_cuda_select PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 
   kvr_add_test(retrieval_cuda_select_test
-    SOURCES cuda/select/tests/select_test.cc
-    LIBS kvr::retrieval_cuda_select kvr::retrieval_core kvr::common
+    SOURCES cuda/select/tests/select_test.cc cuda/select/tests/select_quant_test.cc
+    LIBS kvr::retrieval_cuda_select kvr::retrieval_core kvr::retrieval_quant kvr::common
     LABELS gpu)
 
   if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/bench/select_cuda_bench.cc)

@@ -3,9 +3,10 @@
 // head_dim 128), for every (context, batch, budget), with the summary bytes each step scans and
 // the achieved GB/s against the H100's measured HBM copy ceiling (3.0 TB/s, DESIGN.md 6).
 //
-//   select_cuda_bench [--methods exact,quest,clusterkv,topk] [--contexts 8192,32768,131072]
-//   [--batches 1,4,16]
+//   select_cuda_bench [--methods exact,quest,clusterkv,topk,pariskv,ctkvr,a2ats]
+//                     [--contexts 8192,32768,131072] [--batches 1,4,16]
 //                     [--budgets 256,1024] [--iters 50] [--csv]
+// B/tok/kvh: summary bytes held per token and KV head (exact: the bf16 keys themselves).
 //
 // Data: random keys / page bounds (pure speed; the selected set barely changes the work). Sink 16
 // and local window 256 are excluded from the candidates as in a decode step. Timing: CUDA events
@@ -57,7 +58,8 @@ struct Row {
   std::string method;
   int context, batch, budget;
   double us;
-  double bytes;  // summary bytes scanned per layer step
+  double bytes;              // summary bytes scanned per layer step
+  double bytes_per_token = 0;  // summary bytes held per token and KV head
 };
 
 // Fills `dst` ([n_elems] bf16) by tiling a random block generated on the host.
@@ -131,7 +133,7 @@ Row BenchExact(int context, int batch, int budget, int iters, cudaStream_t strea
   p.workspace_bytes = ws.bytes();
   const double us = TimeUs([&] { return rc::ExactSelect(p, stream); }, iters, stream);
   const double bytes = static_cast<double>(batch) * kKvHeads * p.max_candidates * kHeadDim * 2;
-  return {"exact", context, batch, budget, us, bytes};
+  return {"exact", context, batch, budget, us, bytes, kHeadDim * 2.0};
 }
 
 // quest: fp32 page bounds [n_pages, n_kv_heads, 2, head_dim] per sequence, page 16.
@@ -191,7 +193,7 @@ Row BenchQuest(int context, int batch, int budget, int iters, cudaStream_t strea
   // Pages overlapping the candidates, 2 * head_dim fp32 each per KV head.
   const double pages = (context - kLocal - 1) / kPage - kSink / kPage + 1;
   const double bytes = static_cast<double>(batch) * kKvHeads * pages * 2 * kHeadDim * 4;
-  return {"quest", context, batch, budget, us, bytes};
+  return {"quest", context, batch, budget, us, bytes, 2.0 * kHeadDim * 4 / kPage};
 }
 
 // topk: BatchedTopK alone over batch * 8 rows of `context` fp32 scores (the last stage of exact;
@@ -222,7 +224,7 @@ Row BenchTopK(int context, int batch, int budget, int iters, cudaStream_t stream
   p.workspace = ws.data();
   p.workspace_bytes = ws.bytes();
   const double us = TimeUs([&] { return rc::BatchedTopK(p, stream); }, iters, stream);
-  return {"topk", context, batch, budget, us, static_cast<double>(n) * 4};
+  return {"topk", context, batch, budget, us, static_cast<double>(n) * 4, 0};
 }
 
 // clusterkv: L/80 clusters of 80 consecutive non-sink tokens per KV head (the paper's C0),
@@ -281,7 +283,295 @@ Row BenchClusterKv(int context, int batch, int budget, int iters, cudaStream_t s
   p.workspace_bytes = ws.bytes();
   const double us = TimeUs([&] { return rc::ClusterKvSelect(p, stream); }, iters, stream);
   const double bytes = static_cast<double>(rows) * n_clusters * kHeadDim * 4;
-  return {"clusterkv", context, batch, budget, us, bytes};
+  return {"clusterkv", context, batch, budget, us, bytes,
+          kHeadDim * 4.0 / kClusterSize + 4.0 + 4.0 / kClusterSize};
+}
+
+// C of ScheduleParisKv (pariskv.h) for the bytes column (default options).
+struct ParisKvScheduleLite {
+  int64_t n_candidates;
+};
+ParisKvScheduleLite ScheduleLite(int64_t n, int64_t budget) {
+  const double beta = n <= 16384    ? 0.10
+                      : n >= 131072 ? 0.05
+                                    : 0.10 - 0.05 * std::log(n / 16384.0) / std::log(8.0);
+  const int64_t c = std::max<int64_t>({static_cast<int64_t>(std::ceil(beta * n)), 4 * budget, budget});
+  return {std::min(n, c)};
+}
+
+template <typename T>
+DeviceBuffer<T> UploadVec(const std::vector<T>& v) {
+  auto d = Alloc<T>(std::max<size_t>(1, v.size()));
+  BENCH_CHECK(kvr::cuda::CudaStatus(
+      cudaMemcpy(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload"));
+  return d;
+}
+
+// Copies the first `block` elements of `dst` over the rest of its n elements (tiling on device).
+template <typename T>
+void TileOnDevice(T* dst, size_t block, size_t n) {
+  for (size_t off = block; off < n; off += block) {
+    BENCH_CHECK(kvr::cuda::CudaStatus(
+        cudaMemcpy(dst + off, dst, std::min(block, n - off) * sizeof(T), cudaMemcpyDeviceToDevice),
+        "tile"));
+  }
+}
+
+std::vector<float> RandomQuery(int batch, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> q(static_cast<size_t>(batch) * kHeads * kHeadDim);
+  for (float& x : q) x = nd(rng);
+  return q;
+}
+
+// pariskv: random fp32 keys of one sequence ([context, 8, 128], a 4096-token block tiled) are
+// encoded on the GPU (ParisKvEncode, timed as "pariskv_enc": budget 0, bytes = keys read) into
+// every sequence's summary, then ParisKvSelect (m = 8, B = 16, 6 tiers, scheduled beta / rho).
+std::vector<Row> BenchParisKv(int context, int batch, const std::vector<int>& budgets, int iters,
+                              cudaStream_t stream) {
+  constexpr int kP = kHeadDim, kM = 8, kB = kP / kM;
+  std::vector<Row> rows_out;
+  const size_t key_row = static_cast<size_t>(kKvHeads) * kHeadDim;
+  auto keys = Alloc<float>(static_cast<size_t>(context) * key_row);
+  {
+    const size_t block = std::min<size_t>(static_cast<size_t>(context) * key_row, 4096 * key_row);
+    std::vector<float> host(block);
+    std::mt19937 rng(8);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (float& x : host) x = nd(rng);
+    BENCH_CHECK(kvr::cuda::CudaStatus(
+        cudaMemcpy(keys.data(), host.data(), block * 4, cudaMemcpyHostToDevice), "keys"));
+    TileOnDevice(keys.data(), block, static_cast<size_t>(context) * key_row);
+  }
+  const int rows = batch * kKvHeads;
+  auto codes = Alloc<uint8_t>(static_cast<size_t>(rows) * context * (kP / 2));
+  auto weights = Alloc<uint16_t>(static_cast<size_t>(rows) * context * kB);
+  auto counts = Alloc<uint32_t>(static_cast<size_t>(rows) * kB * (1 << kM));
+  BENCH_CHECK(kvr::cuda::CudaStatus(cudaMemset(counts.data(), 0, counts.bytes()), "counts"));
+  rc::ParisKvCodec codec;
+  codec.head_dim = kHeadDim;
+  codec.padded_dim = kP;
+  codec.subspace_dim = kM;
+  codec.rotation_seed = 0x1234;
+  // Lloyd-Max levels for m = 8 (pariskv_codes.cc computes them; the exact values do not matter
+  // for speed).
+  const float levels[8] = {0.03f, 0.09f, 0.16f, 0.23f, 0.31f, 0.40f, 0.51f, 0.68f};
+  std::copy(levels, levels + 8, codec.levels);
+  rc::ParisKvEncodeParams e;
+  e.n_tokens = context;
+  e.n_kv_heads = kKvHeads;
+  e.codec = codec;
+  e.keys = keys.data();
+  e.key_token_stride = static_cast<int64_t>(key_row);
+  e.codes_head_stride = static_cast<int64_t>(context) * (kP / 2);
+  e.weights_head_stride = static_cast<int64_t>(context) * kB;
+  for (int b = 0; b < batch; ++b) {
+    e.codes = codes.data() + static_cast<size_t>(b) * kKvHeads * context * (kP / 2);
+    e.weights = weights.data() + static_cast<size_t>(b) * kKvHeads * context * kB;
+    e.counts = counts.data() + static_cast<size_t>(b) * kKvHeads * kB * (1 << kM);
+    BENCH_CHECK(rc::ParisKvEncode(e, stream));
+  }
+  BENCH_CHECK(kvr::cuda::CudaStatus(cudaStreamSynchronize(stream), "encode"));
+  if (batch == 1) {  // encode cost does not depend on the batch: one row per context
+    e.codes = codes.data();
+    e.weights = weights.data();
+    e.counts = nullptr;  // keep the counts of exactly one pass
+    const double us = TimeUs([&] { return rc::ParisKvEncode(e, stream); }, iters, stream);
+    rows_out.push_back({"pariskv_enc", context, 1, 0, us,
+                        static_cast<double>(context) * key_row * 4, kP / 2.0 + 2.0 * kB});
+  }
+  std::mt19937 rng(9);
+  auto d_q = UploadVec(RandomQuery(batch, rng));
+  auto d_begin = UploadVec(std::vector<int32_t>(batch, kSink));
+  auto d_end = UploadVec(std::vector<int32_t>(batch, context - kLocal));
+  auto d_ntok = UploadVec(std::vector<int32_t>(batch, context));
+  for (int budget : budgets) {
+    auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
+    auto cnt = Alloc<int32_t>(rows);
+    rc::ParisKvSelectParams p;
+    p.batch = batch;
+    p.n_heads = kHeads;
+    p.n_kv_heads = kKvHeads;
+    p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+    p.codec = codec;
+    p.query = d_q.data();
+    p.codes = codes.data();
+    p.weights = weights.data();
+    p.counts = counts.data();
+    p.n_tokens = d_ntok.data();
+    p.max_tokens = context;
+    p.cand = {d_begin.data(), d_end.data()};
+    p.max_candidates = context - kLocal - kSink;
+    p.out = {budget, ids.data(), cnt.data()};
+    auto ws = Alloc<char>(rc::ParisKvSelectWorkspaceBytes(p));
+    p.workspace = ws.data();
+    p.workspace_bytes = ws.bytes();
+    const double us = TimeUs([&] { return rc::ParisKvSelect(p, stream); }, iters, stream);
+    const ParisKvScheduleLite sched = ScheduleLite(p.max_candidates, budget);
+    const double bytes = static_cast<double>(rows) *
+                         (static_cast<double>(p.max_candidates) * (kP / 2) +
+                          static_cast<double>(sched.n_candidates) * (kP / 2 + 2 * kB));
+    rows_out.push_back({"pariskv", context, batch, budget, us, bytes, kP / 2.0 + 2.0 * kB});
+  }
+  return rows_out;
+}
+
+// ctkvr: C = min(2048, L / 16) query centroids ([C, 4, 128] fp32 per KV head), lists of
+// rho = 2.5 x budget random ascending ids per centroid, C' = 4, bf16 keys for the rerank.
+std::vector<Row> BenchCtkvr(int context, int batch, const std::vector<int>& budgets, int iters,
+                            cudaStream_t stream) {
+  constexpr int kGroup = kHeads / kKvHeads;
+  const int n_cent = std::min(2048, context / 16);
+  const int rows = batch * kKvHeads;
+  std::vector<Row> rows_out;
+  std::mt19937 rng(10);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const size_t cent_row = static_cast<size_t>(n_cent) * kGroup * kHeadDim;
+  auto cent = Alloc<float>(rows * cent_row);
+  {
+    std::vector<float> host(cent_row);
+    for (float& x : host) x = nd(rng);
+    for (size_t i = 0; i < host.size(); i += kHeadDim) {  // unit query centroids
+      float n2 = 0.f;
+      for (int d = 0; d < kHeadDim; ++d) n2 += host[i + d] * host[i + d];
+      for (int d = 0; d < kHeadDim; ++d) host[i + d] /= std::sqrt(n2);
+    }
+    BENCH_CHECK(kvr::cuda::CudaStatus(
+        cudaMemcpy(cent.data(), host.data(), cent_row * 4, cudaMemcpyHostToDevice), "cent"));
+    TileOnDevice(cent.data(), cent_row, rows * cent_row);
+  }
+  const size_t n_keys = static_cast<size_t>(batch) * context * kKvHeads * kHeadDim;
+  auto keys = Alloc<uint16_t>(n_keys);
+  FillRandomBf16(keys.data(), n_keys);
+  auto d_q = UploadVec(RandomQuery(batch, rng));
+  auto d_begin = UploadVec(std::vector<int32_t>(batch, kSink));
+  auto d_end = UploadVec(std::vector<int32_t>(batch, context - kLocal));
+  auto d_nc = UploadVec(std::vector<int32_t>(rows, n_cent));
+  for (int budget : budgets) {
+    const int rho = std::min(context - kSink, static_cast<int>(std::ceil(2.5 * budget)));
+    const size_t list_row = static_cast<size_t>(n_cent) * rho;
+    std::vector<int32_t> off(static_cast<size_t>(rows) * (n_cent + 1));
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c <= n_cent; ++c) off[static_cast<size_t>(r) * (n_cent + 1) + c] = c * rho;
+    auto d_off = UploadVec(off);
+    auto lists = Alloc<int32_t>(rows * list_row);
+    {
+      std::vector<int32_t> host(list_row);
+      // Ascending distinct ids: one random id in each of rho equal strides of the listable range.
+      const double stride = static_cast<double>(context - kSink) / rho;
+      std::uniform_real_distribution<double> u(0.0, 1.0);
+      for (int c = 0; c < n_cent; ++c)
+        for (int k = 0; k < rho; ++k)
+          host[static_cast<size_t>(c) * rho + k] =
+              kSink + static_cast<int32_t>((k + u(rng) * 0.999) * stride);
+      BENCH_CHECK(kvr::cuda::CudaStatus(
+          cudaMemcpy(lists.data(), host.data(), list_row * 4, cudaMemcpyHostToDevice), "lists"));
+      TileOnDevice(lists.data(), list_row, rows * list_row);
+    }
+    auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
+    auto cnt = Alloc<int32_t>(rows);
+    rc::CtkvrSelectParams p;
+    p.batch = batch;
+    p.n_heads = kHeads;
+    p.n_kv_heads = kKvHeads;
+    p.head_dim = kHeadDim;
+    p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+    p.n_recall = 4;
+    p.query = d_q.data();
+    p.centroids = cent.data();
+    p.n_centroids = d_nc.data();
+    p.list_offsets = d_off.data();
+    p.lists = lists.data();
+    p.max_centroids = n_cent;
+    p.max_list_entries = static_cast<int>(list_row);
+    p.max_list_length = rho;
+    p.max_tokens = context;
+    p.keys.data = keys.data();
+    p.keys.dtype = rc::KeyDType::kBf16;
+    p.keys.token_stride = static_cast<int64_t>(kKvHeads) * kHeadDim;
+    p.keys.head_stride = kHeadDim;
+    p.keys.batch_stride = static_cast<int64_t>(context) * kKvHeads * kHeadDim;
+    p.cand = {d_begin.data(), d_end.data()};
+    p.out = {budget, ids.data(), cnt.data()};
+    auto ws = Alloc<char>(rc::CtkvrSelectWorkspaceBytes(p));
+    p.workspace = ws.data();
+    p.workspace_bytes = ws.bytes();
+    const double us = TimeUs([&] { return rc::CtkvrSelect(p, stream); }, iters, stream);
+    const double bytes =
+        static_cast<double>(rows) * (cent_row * 4.0 + 4.0 * rho * (4 + kHeadDim * 2.0));
+    rows_out.push_back({"ctkvr", context, batch, budget, us, bytes,
+                        (cent_row * 4.0 + list_row * 4.0) / context});
+  }
+  return rows_out;
+}
+
+// a2ats: 4096 codewords per KV head (the paper's size at 16K-96K), random lower-triangular L and
+// codewords, random uint16 ids.
+std::vector<Row> BenchA2ats(int context, int batch, const std::vector<int>& budgets, int iters,
+                            cudaStream_t stream) {
+  constexpr int kCodebook = 4096;
+  const int rows = batch * kKvHeads;
+  std::vector<Row> rows_out;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> chol(static_cast<size_t>(kKvHeads) * kHeadDim * kHeadDim, 0.f);
+  for (int h = 0; h < kKvHeads; ++h)
+    for (int i = 0; i < kHeadDim; ++i) {
+      for (int j = 0; j < i; ++j)
+        chol[(static_cast<size_t>(h) * kHeadDim + i) * kHeadDim + j] = 0.05f * nd(rng);
+      chol[(static_cast<size_t>(h) * kHeadDim + i) * kHeadDim + i] = 1.f;
+    }
+  std::vector<float> cw(static_cast<size_t>(kKvHeads) * kCodebook * kHeadDim);
+  for (float& x : cw) x = nd(rng);
+  auto d_chol = UploadVec(chol);
+  auto d_cw = UploadVec(cw);
+  const size_t n_ids = static_cast<size_t>(rows) * context;
+  auto ids_in = Alloc<uint16_t>(n_ids);
+  {
+    const size_t block = std::min<size_t>(n_ids, size_t{1} << 22);
+    std::vector<uint16_t> host(block);
+    std::uniform_int_distribution<int> pick(0, kCodebook - 1);
+    for (auto& x : host) x = static_cast<uint16_t>(pick(rng));
+    BENCH_CHECK(kvr::cuda::CudaStatus(
+        cudaMemcpy(ids_in.data(), host.data(), block * 2, cudaMemcpyHostToDevice), "ids"));
+    TileOnDevice(ids_in.data(), block, n_ids);
+  }
+  auto d_q = UploadVec(RandomQuery(batch, rng));
+  auto d_pos = UploadVec(std::vector<int64_t>(batch, context));
+  auto d_begin = UploadVec(std::vector<int32_t>(batch, kSink));
+  auto d_end = UploadVec(std::vector<int32_t>(batch, context - kLocal));
+  auto d_ntok = UploadVec(std::vector<int32_t>(batch, context));
+  for (int budget : budgets) {
+    auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
+    auto cnt = Alloc<int32_t>(rows);
+    rc::A2atsSelectParams p;
+    p.batch = batch;
+    p.n_heads = kHeads;
+    p.n_kv_heads = kKvHeads;
+    p.head_dim = kHeadDim;
+    p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+    p.rope = {kvr::retrieval::RopeStyle::kHalfSplit, 500000.f, 0};
+    p.wrope_offset = 2048;
+    p.codebook_size = kCodebook;
+    p.chol = d_chol.data();
+    p.codewords = d_cw.data();
+    p.query = d_q.data();
+    p.query_position = d_pos.data();
+    p.ids = ids_in.data();
+    p.n_tokens = d_ntok.data();
+    p.max_tokens = context;
+    p.cand = {d_begin.data(), d_end.data()};
+    p.max_candidates = context - kLocal - kSink;
+    p.out = {budget, ids.data(), cnt.data()};
+    auto ws = Alloc<char>(rc::A2atsSelectWorkspaceBytes(p));
+    p.workspace = ws.data();
+    p.workspace_bytes = ws.bytes();
+    const double us = TimeUs([&] { return rc::A2atsSelect(p, stream); }, iters, stream);
+    const double bytes = static_cast<double>(rows) * p.max_candidates * 2 * 2 +
+                         static_cast<double>(kKvHeads) * kCodebook * kHeadDim * 4;
+    rows_out.push_back({"a2ats", context, batch, budget, us, bytes, 2.0});
+  }
+  return rows_out;
 }
 
 std::vector<int> ParseList(const std::string& s) {
@@ -300,12 +590,13 @@ std::vector<int> ParseList(const std::string& s) {
 
 int main(int argc, char** argv) {
   CLI::App app{"GPU retrieval selection microbenchmark (Llama-3-8B attention shape)"};
-  std::string methods = "exact,quest,clusterkv,topk", contexts = "8192,32768,131072",
+  std::string methods = "exact,quest,clusterkv,topk,pariskv,ctkvr,a2ats", contexts = "8192,32768,131072",
               batches = "1,4,16", budgets = "256,1024";
   int iters = 50;
   bool csv = false;
   app.add_option("--methods", methods,
-                 "comma-separated: exact, quest, clusterkv, topk (BatchedTopK alone)");
+                 "comma-separated: exact, quest, clusterkv, topk (BatchedTopK alone), pariskv "
+                 "(+ pariskv_enc: the encode kernel), ctkvr, a2ats");
   app.add_option("--contexts", contexts, "context lengths");
   app.add_option("--batches", batches, "batch sizes (sequences)");
   app.add_option("--budgets", budgets, "tokens per KV head");
@@ -321,34 +612,49 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   if (csv) {
-    std::printf("method,context,batch,budget,us_per_layer,summary_mib,gb_per_s,frac_hbm\n");
+    std::printf(
+        "method,context,batch,budget,us_per_layer,summary_mib,gb_per_s,frac_hbm,bytes_per_token\n");
   } else {
     std::printf("# %s; 32 q / 8 kv heads, d=128, sink %d, local %d; HBM ceiling %.1f TB/s\n",
                 prop.name, kSink, kLocal, kHbmBytesPerS / 1e12);
-    std::printf("%-10s %8s %6s %7s %12s %12s %9s %8s\n", "method", "context", "batch", "budget",
-                "us/layer", "scanned_MiB", "GB/s", "of_HBM");
+    std::printf("%-11s %8s %6s %7s %12s %12s %9s %8s %9s\n", "method", "context", "batch",
+                "budget", "us/layer", "scanned_MiB", "GB/s", "of_HBM", "B/tok/kvh");
   }
+  auto print = [&](const Row& r) {
+    const double gbs = r.bytes / (r.us * 1e-6) / 1e9;
+    if (csv) {
+      std::printf("%s,%d,%d,%d,%.2f,%.2f,%.1f,%.3f,%.1f\n", r.method.c_str(), r.context, r.batch,
+                  r.budget, r.us, r.bytes / (1 << 20), gbs, gbs * 1e9 / kHbmBytesPerS,
+                  r.bytes_per_token);
+    } else {
+      std::printf("%-11s %8d %6d %7d %12.1f %12.1f %9.1f %8.3f %9.1f\n", r.method.c_str(),
+                  r.context, r.batch, r.budget, r.us, r.bytes / (1 << 20), gbs,
+                  gbs * 1e9 / kHbmBytesPerS, r.bytes_per_token);
+    }
+    std::fflush(stdout);
+  };
+  const std::vector<int> budget_list = ParseList(budgets);
   for (const std::string& m : {std::string("exact"), std::string("quest"), std::string("clusterkv"),
-                               std::string("topk")}) {
+                               std::string("topk"), std::string("pariskv"), std::string("ctkvr"),
+                               std::string("a2ats")}) {
     if (methods.find(m) == std::string::npos) continue;
     for (int context : ParseList(contexts))
-      for (int batch : ParseList(batches))
-        for (int budget : ParseList(budgets)) {
-          Row r = m == "exact"       ? BenchExact(context, batch, budget, iters, stream->get())
-                  : m == "quest"     ? BenchQuest(context, batch, budget, iters, stream->get())
-                  : m == "clusterkv" ? BenchClusterKv(context, batch, budget, iters, stream->get())
-                                     : BenchTopK(context, batch, budget, iters, stream->get());
-          const double gbs = r.bytes / (r.us * 1e-6) / 1e9;
-          if (csv) {
-            std::printf("%s,%d,%d,%d,%.2f,%.2f,%.1f,%.3f\n", r.method.c_str(), r.context, r.batch,
-                        r.budget, r.us, r.bytes / (1 << 20), gbs, gbs * 1e9 / kHbmBytesPerS);
-          } else {
-            std::printf("%-10s %8d %6d %7d %12.1f %12.1f %9.1f %8.3f\n", r.method.c_str(),
-                        r.context, r.batch, r.budget, r.us, r.bytes / (1 << 20), gbs,
-                        gbs * 1e9 / kHbmBytesPerS);
-          }
-          std::fflush(stdout);
+      for (int batch : ParseList(batches)) {
+        if (m == "pariskv" || m == "ctkvr" || m == "a2ats") {
+          const std::vector<Row> rs =
+              m == "pariskv" ? BenchParisKv(context, batch, budget_list, iters, stream->get())
+              : m == "ctkvr" ? BenchCtkvr(context, batch, budget_list, iters, stream->get())
+                             : BenchA2ats(context, batch, budget_list, iters, stream->get());
+          for (const Row& r : rs) print(r);
+          continue;
         }
+        for (int budget : budget_list) {
+          print(m == "exact"       ? BenchExact(context, batch, budget, iters, stream->get())
+                : m == "quest"     ? BenchQuest(context, batch, budget, iters, stream->get())
+                : m == "clusterkv" ? BenchClusterKv(context, batch, budget, iters, stream->get())
+                                   : BenchTopK(context, batch, budget, iters, stream->get()));
+        }
+      }
   }
   return 0;
 }

@@ -4,17 +4,20 @@
 #   bash scripts/device/kernels-select.sh bundle   # here: build retrieval_cuda_select_test and
 #                                                  # select_cuda_bench, copy them + non-system
 #                                                  # shared libraries to .device/kernels-select/
-#   bash scripts/device/kernels-select.sh run [quick]  # there (device tool, carry
+#   bash scripts/device/kernels-select.sh run [quick|quant]  # there (device tool, carry
 #                                                  # .device/kernels-select): parity tests,
 #                                                  # compute-sanitizer memcheck + racecheck on a
 #                                                  # subset, the bench, torch topk anchor
+#     quick: the bench at 128K, batch 1 and 4, budget 1024 only
+#     quant: pariskv / ctkvr / a2ats only (issue 6, kselect2): their parity tests, memcheck on
+#            them, the bench for those methods (no torch anchor)
 #
 # `run` builds nothing. Logs and CSVs go to $OUT (the device tool's output folder) or ./out.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 DEV=.device/kernels-select
-BUILD=${KVR_BUILD_DIR:-build-kselect}
+BUILD=${KVR_BUILD_DIR:-build-kselect2}
 
 bundle() {
   export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
@@ -40,7 +43,7 @@ bundle() {
 }
 
 run() {
-  local quick=${1:-}
+  local mode=${1:-}
   local out=${OUT:-$ROOT/out/kernels-select}
   mkdir -p "$out"
   export LD_LIBRARY_PATH=$ROOT/$DEV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -48,22 +51,32 @@ run() {
   local san
   san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   local status=0
+  local filter='*' subset='*BatchedTopK*:*Quest*:*ClusterKv*:*bf16_d128_h32x8_gqa0*:*f32_d64_h9x3_gqa1*'
+  local t_parity=120 t_mem=150 t_bench=200
+  if [[ $mode == quant ]]; then  # sized for a 4-minute device allowance
+    filter='*QuantSelect*'
+    subset='*QuantSelect*'
+    t_parity=60 t_mem=60 t_bench=75
+  fi
   echo "== parity"
-  "$DEV/retrieval_cuda_select_test" >"$out/parity.log" 2>&1 || status=1
-  grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$out/parity.log" | head -20
-  echo "== compute-sanitizer (subset)"
-  local subset='*BatchedTopK*:*Quest*:*ClusterKv*:*bf16_d128_h32x8_gqa0*:*f32_d64_h9x3_gqa1*'
-  timeout 240 "$san" --tool memcheck --error-exitcode 3 "$DEV/retrieval_cuda_select_test" \
+  timeout $t_parity "$DEV/retrieval_cuda_select_test" --gtest_filter="$filter" >"$out/parity.log" 2>&1 ||
+    status=1
+  grep -E "^\[ parity \]|^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$out/parity.log" | head -80
+  echo "== compute-sanitizer memcheck: $subset"
+  timeout $t_mem "$san" --tool memcheck --error-exitcode 3 "$DEV/retrieval_cuda_select_test" \
     --gtest_filter="$subset" >"$out/memcheck.log" 2>&1 || status=1
   tail -2 "$out/memcheck.log"
-  timeout 120 "$san" --tool racecheck --error-exitcode 3 "$DEV/retrieval_cuda_select_test" \
-    --gtest_filter='*BatchedTopK*' >"$out/racecheck.log" 2>&1 || status=1
-  tail -2 "$out/racecheck.log"
+  if [[ $mode != quant ]]; then
+    timeout 120 "$san" --tool racecheck --error-exitcode 3 "$DEV/retrieval_cuda_select_test" \
+      --gtest_filter='*BatchedTopK*' >"$out/racecheck.log" 2>&1 || status=1
+    tail -2 "$out/racecheck.log"
+  fi
   echo "== bench"
   local args=()
-  [[ $quick == quick ]] && args=(--contexts 131072 --batches 1,4 --budgets 1024 --iters 20)
-  "$DEV/select_cuda_bench" "${args[@]}" | tee "$out/bench.txt" || status=1
-  if [[ -f $DEV/select_cuda_bench_torch.py ]]; then
+  [[ $mode == quick ]] && args=(--contexts 131072 --batches 1,4 --budgets 1024 --iters 20)
+  [[ $mode == quant ]] && args=(--methods pariskv,ctkvr,a2ats --iters 20)
+  timeout $t_bench "$DEV/select_cuda_bench" "${args[@]}" | tee "$out/bench.txt" || status=1
+  if [[ $mode != quant && -f $DEV/select_cuda_bench_torch.py ]]; then
     echo "== torch anchor (same run)"
     python3 "$DEV/select_cuda_bench_torch.py" "${args[@]}" | tee "$out/torch.txt" || status=1
   fi
@@ -74,5 +87,5 @@ run() {
 case ${1:-run} in
   bundle) bundle ;;
   run) shift || true; run "$@" ;;
-  *) echo "usage: $0 bundle|run [quick]" >&2; exit 2 ;;
+  *) echo "usage: $0 bundle|run [quick|quant]" >&2; exit 2 ;;
 esac

@@ -193,4 +193,200 @@ struct ClusterKvHostLayout {
 [[nodiscard]] absl::StatusOr<ClusterKvHostLayout> ClusterKvLayoutFromIndexes(
     std::span<const RetrievalIndex* const> indexes);
 
+// =============================================================================================
+// ParisKV, CTKVR and A2ATS (issue 6, "kselect2"). CPU references: retrieval/src/pariskv.cc,
+// ctkvr.cc, a2ats.cc; parity tests in retrieval/cuda/select/tests/select_quant_test.cc.
+
+// ---------------------------------------------------------------------------------------------
+// pariskv: per token and KV head, P/2 bytes of 4-bit direction codes (P = next pow2 >= head_dim,
+// two codes per byte, coordinate 2i in the low nibble) and B = P / m fp16 scale weights, exactly
+// the CPU index's payload arrays; plus per KV head the number of indexed tokens per sign-pattern
+// centroid ([B, 2^m] uint32, derived from the codes; ParisKvEncode maintains it).
+// Device layout of a batch (ParisKvHostLayout, or written by ParisKvEncode):
+//   codes   uint8  [batch, n_kv_heads, max_tokens, P / 2]
+//   weights uint16 [batch, n_kv_heads, max_tokens, B]   (fp16 bits)
+//   counts  uint32 [batch, n_kv_heads, B, 2^m]
+//   n_tokens int32 [batch]: tokens indexed per sequence (the CPU index's size()).
+// Supported: head_dim 64 or 128, m in {2, 4, 8} with P / m <= 32 (m = 2 needs head_dim 64),
+// GQA group <= 8.
+
+// What the codes mean (from the CPU index's payload): the shared rotation and magnitude levels.
+struct ParisKvCodec {
+  int head_dim = 0;
+  int padded_dim = 0;    // P
+  int subspace_dim = 8;  // m
+  uint64_t rotation_seed = 0;
+  float levels[8] = {};  // 3-bit magnitude levels, increasing
+};
+// The codec of a CPU `pariskv` index (its payload header).
+[[nodiscard]] absl::StatusOr<ParisKvCodec> ParisKvCodecFromIndex(const RetrievalIndex& index);
+
+// Encode (prefill / offload of generated tokens): keys fp32 with RoPE applied, token t of this
+// call and KV head h at keys + t * key_token_stride + h * head_dim. Writes token first + t of
+// KV head h at codes + h * codes_head_stride + (first + t) * P / 2 (bytes) and weights +
+// h * weights_head_stride + (first + t) * B (elements), and adds each token to `counts` (optional,
+// [n_kv_heads, B, 2^m] at counts + h * B * 2^m). The arithmetic follows the CPU's operation
+// order (sequential dot products, no fused multiply-add), so the bytes equal the CPU's.
+struct ParisKvEncodeParams {
+  int n_tokens = 0;
+  int n_kv_heads = 0;
+  ParisKvCodec codec;
+  const float* keys = nullptr;  // device [n_tokens, n_kv_heads, head_dim] (row stride below)
+  int64_t key_token_stride = 0;  // floats, >= n_kv_heads * head_dim
+  int first = 0;                 // position of the first token
+  uint8_t* codes = nullptr;
+  int64_t codes_head_stride = 0;  // bytes
+  uint16_t* weights = nullptr;
+  int64_t weights_head_stride = 0;  // elements
+  uint32_t* counts = nullptr;       // optional
+};
+[[nodiscard]] absl::Status ParisKvEncode(const ParisKvEncodeParams& p, cudaStream_t stream);
+
+// Selection (section 4.2.2, exactly the CPU ParisKvIndex::Select): collision voting with the
+// multi-tier bonus (summed over the query group), the top C tokens by that integer score
+// (bucket top-k over [0, group * tiers * B], ties to the lower position), the fused 4-bit rerank
+// of those C candidates (eq. 10, GQA per `gqa`) and the top `budget`. C and rho follow
+// ScheduleParisKv (pariskv.h) per sequence, computed on the device from the candidate range.
+struct ParisKvSelectParams {
+  int batch = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  float scale = 0.f;  // 1 / sqrt(head_dim) as the CPU reference
+  GqaAggregation gqa = GqaAggregation::kSumSoftmax;
+  ParisKvCodec codec;
+  int tiers = 6;                      // ParisKvOptions (pariskv.h)
+  double candidate_ratio = 0;         // 0 = scheduled
+  double collision_ratio = 0;         // 0 = scheduled
+  int min_candidates_per_budget = 4;
+  const float* query = nullptr;  // device [batch, n_heads, head_dim] fp32
+  const uint8_t* codes = nullptr;
+  const uint16_t* weights = nullptr;
+  const uint32_t* counts = nullptr;
+  const int32_t* n_tokens = nullptr;  // device [batch]
+  int max_tokens = 0;
+  CandidateRanges cand;
+  int max_candidates = 0;  // >= cand_end[b] - cand_begin[b] for every b
+  SelectionOutput out;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+// Depends on batch, heads, codec, tiers, ratios, max_candidates and out.budget.
+[[nodiscard]] size_t ParisKvSelectWorkspaceBytes(const ParisKvSelectParams& p);
+[[nodiscard]] absl::Status ParisKvSelect(const ParisKvSelectParams& p, cudaStream_t stream);
+
+// Host side: the layout above from CPU `pariskv` indexes (same shape and codec), one per sequence.
+struct ParisKvHostLayout {
+  int batch = 0, n_kv_heads = 0, max_tokens = 0;
+  ParisKvCodec codec;
+  std::vector<uint8_t> codes;     // [batch, n_kv_heads, max_tokens, P / 2]
+  std::vector<uint16_t> weights;  // [batch, n_kv_heads, max_tokens, B]
+  std::vector<uint32_t> counts;   // [batch, n_kv_heads, B, 2^m]
+  std::vector<int32_t> n_tokens;  // [batch]
+};
+[[nodiscard]] absl::StatusOr<ParisKvHostLayout> ParisKvLayoutFromIndexes(
+    std::span<const RetrievalIndex* const> indexes);
+
+// ---------------------------------------------------------------------------------------------
+// ctkvr: recall of the C' query centroids with the highest cosine to the decode query (max over
+// the group; centroids with an empty qcIVF list never count), the union of their lists inside
+// the candidate range, and the rerank of that union by true GQA-aggregated scores q.k to the
+// budget (exactly the CPU CtkvrIndex::Select without its FIFO update: the GPU selector keeps the
+// qcIVF read-only, i.e. CtkvrParams::fifo_size == 0, the default).
+//   centroids    fp32  [batch, n_kv_heads, max_centroids, group, head_dim] unit query centroids
+//   n_centroids  int32 [batch, n_kv_heads]
+//   list_offsets int32 [batch, n_kv_heads, max_centroids + 1] into lists (empty list: no recall)
+//   lists        int32 [batch, n_kv_heads, max_list_entries] token ids, ascending per list
+// Keys for the rerank: `keys` as ExactSelect's (16-byte aligned, any of the three dtypes).
+struct CtkvrSelectParams {
+  int batch = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;  // 64 or 128
+  float scale = 0.f;
+  GqaAggregation gqa = GqaAggregation::kSumSoftmax;
+  int n_recall = 4;  // C' (<= 32)
+  const float* query = nullptr;  // device [batch, n_heads, head_dim] fp32
+  const float* centroids = nullptr;
+  const int32_t* n_centroids = nullptr;
+  const int32_t* list_offsets = nullptr;
+  const int32_t* lists = nullptr;
+  int max_centroids = 0;
+  int max_list_entries = 0;
+  int max_list_length = 0;  // longest single list (sizes the recalled set: n_recall * this)
+  int max_tokens = 0;       // > every token id (sizes a bitmap)
+  KeyView keys;
+  CandidateRanges cand;
+  SelectionOutput out;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+[[nodiscard]] size_t CtkvrSelectWorkspaceBytes(const CtkvrSelectParams& p);
+[[nodiscard]] absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream);
+
+// Host side: the layout above from CPU `ctkvr` indexes, plus the keys the CPU index keeps
+// (fp32 [batch, max_tokens, n_kv_heads, head_dim], token-major) and its C'.
+struct CtkvrHostLayout {
+  int batch = 0, n_kv_heads = 0, group = 0, head_dim = 0;
+  int max_centroids = 0, max_list_entries = 0, max_list_length = 0, max_tokens = 0;
+  int n_recall = 4;
+  std::vector<float> centroids;
+  std::vector<int32_t> n_centroids;
+  std::vector<int32_t> list_offsets;
+  std::vector<int32_t> lists;
+  std::vector<float> keys;
+};
+[[nodiscard]] absl::StatusOr<CtkvrHostLayout> CtkvrLayoutFromIndexes(
+    std::span<const RetrievalIndex* const> indexes);
+
+// ---------------------------------------------------------------------------------------------
+// a2ats: one codeword id (uint16) per token and KV head against the layer's shared query-aware
+// codebooks. Per query head: WRoPE re-rotation of the query from its position to the offset b,
+// x = q L^-T (triangular solve), codeword scores scale * x . c^z (query x codebook table), each
+// token scored by its codeword (A2ATS without sub-spaces: the CPU index keeps one id per token,
+// so the "sum over subspaces" is one term); the GQA aggregation of the CPU (kSumSoftmax weighs
+// codewords by their selectable token counts); whole codewords in rank order until the budget,
+// the boundary codeword trimmed to its most recent tokens (exactly the CPU A2atsIndex::Select).
+//   chol      fp32  [n_kv_heads, head_dim, head_dim] lower-triangular L (this layer)
+//   codewords fp32  [n_kv_heads, codebook_size, head_dim] C^z
+//   ids       uint16 [batch, n_kv_heads, max_tokens]
+struct A2atsSelectParams {
+  int batch = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;  // 64 or 128
+  float scale = 0.f;
+  GqaAggregation gqa = GqaAggregation::kSumSoftmax;
+  RopeParams rope;
+  int64_t wrope_offset = 0;
+  int codebook_size = 0;  // <= 8192
+  const float* chol = nullptr;
+  const float* codewords = nullptr;
+  const float* query = nullptr;             // device [batch, n_heads, head_dim] fp32, RoPE'd
+  const int64_t* query_position = nullptr;  // device [batch]
+  const uint16_t* ids = nullptr;
+  const int32_t* n_tokens = nullptr;  // device [batch]
+  int max_tokens = 0;
+  CandidateRanges cand;
+  int max_candidates = 0;
+  SelectionOutput out;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+[[nodiscard]] size_t A2atsSelectWorkspaceBytes(const A2atsSelectParams& p);
+[[nodiscard]] absl::Status A2atsSelect(const A2atsSelectParams& p, cudaStream_t stream);
+
+// Host side: ids of CPU `a2ats` indexes (payload) and the codebooks of their layer
+// (A2atsCodebooks from IndexParams::assets, passed here because the payload holds only a hash).
+struct A2atsHostLayout {
+  int batch = 0, n_kv_heads = 0, head_dim = 0, codebook_size = 0, max_tokens = 0;
+  RopeParams rope;
+  int64_t wrope_offset = 0;
+  std::vector<float> chol;       // [n_kv_heads, head_dim, head_dim]
+  std::vector<float> codewords;  // [n_kv_heads, codebook_size, head_dim]
+  std::vector<uint16_t> ids;     // [batch, n_kv_heads, max_tokens]
+  std::vector<int32_t> n_tokens;
+};
+[[nodiscard]] absl::StatusOr<A2atsHostLayout> A2atsLayoutFromIndexes(
+    std::span<const RetrievalIndex* const> indexes, const MethodAssets& codebooks);
+
 }  // namespace kvr::retrieval::cuda

@@ -1,0 +1,464 @@
+// ctkvr: centroid recall, qcIVF list union, rerank (selection.cuh), the CPU CtkvrIndex::Select
+// (retrieval/src/ctkvr.cc) without its FIFO update.
+//
+//  1. CtkvrRecallKernel, one CTA per (sequence, KV head) row: the group's unit queries (the
+//     CPU's NormaliseGroup: Norm in Dot order, division), the cosine to every query centroid
+//     (max over the group, Dot8 = the CPU's Dot, so near-equal cosines order as on the CPU;
+//     empty lists -3), the top C' by (cosine desc, index asc); their lists' ids inside the
+//     candidate range are set in a per-row bitmap (which also de-duplicates), then read back in
+//     order: the recalled set, ascending, as the CPU's sort + unique.
+//  2. CtkvrRerankKernel, grid (recalled chunks, n_kv_heads, batch): q.k * scale per group head
+//     over the recalled keys (8 lanes per key, the CPU's Dot order), logits + chunk softmax
+//     partials, or the aggregated score.
+//  3. FinishRerank (rerank.cu): group aggregation, BatchedTopK, index -> token id.
+// Bytes per step: the centroids (C x group x head_dim x 4: 4 MiB per KV head at C = 2048,
+// Llama-3-8B) dominate; the recalled keys add C' x rho x head_dim x dtype.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/status.h"
+#include "kvr/retrieval/cuda/selection.cuh"
+#include "quant_common.cuh"
+#include "select_common.cuh"
+
+namespace kvr::retrieval::cuda {
+
+size_t BatchedTopKWorkspaceBytes(const TopKParams& p);
+
+namespace {
+
+using internal::AlignUp;
+using internal::kMaxGroup;
+using internal::RowLd;
+
+constexpr int kRecallThreads = 256;
+constexpr int kRerankChunk = 256;  // recalled keys per CTA of the rerank
+
+struct Args {
+  int n_kv_heads, group, head_dim, n_recall;
+  float scale;
+  GqaAggregation gqa;
+  const float* query;
+  const float* centroids;
+  const int32_t* n_centroids;
+  const int32_t* offsets;
+  const int32_t* lists;
+  int max_centroids, max_list_entries;
+  KeyView keys;
+  CandidateRanges cand;
+  uint32_t* bitmap;  // [rows, words]
+  int words;
+  int32_t* recalled;  // [rows, ld]
+  int32_t* n_recalled;
+  int ld;
+  float* logits;     // kSumSoftmax [rows, group, ld]
+  float2* partials;  // [rows, n_chunks, group]
+  int n_chunks;
+  float* scores;  // [rows, ld]
+};
+
+static __global__ void __launch_bounds__(kRecallThreads) CtkvrRecallKernel(Args a) {
+  const int row = blockIdx.x;
+  const int b = row / a.n_kv_heads;
+  const int hd = a.head_dim, group = a.group;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  extern __shared__ float sm[];
+  float* qn = sm;                    // [group, hd]
+  float* cosv = sm + group * hd;     // [max_centroids]
+  __shared__ int s_chosen[32];
+  __shared__ int s_warp[kRecallThreads / 32];
+  const float* q = a.query + static_cast<int64_t>(row) * group * hd;
+  for (int i = threadIdx.x; i < group * hd; i += blockDim.x) qn[i] = q[i];
+  __syncthreads();
+  if (warp < group) {
+    const float nrm = sqrtf(internal::Dot8(qn + warp * hd, qn + warp * hd, hd));
+    __syncwarp();
+    if (nrm > 0.f) {
+      for (int i = lane; i < hd; i += 32) qn[warp * hd + i] = __fdiv_rn(qn[warp * hd + i], nrm);
+    }
+  }
+  __syncthreads();
+  const int nc = a.n_centroids[row];
+  const int32_t* off = a.offsets + static_cast<int64_t>(row) * (a.max_centroids + 1);
+  const float* cent = a.centroids + static_cast<int64_t>(row) * a.max_centroids * group * hd;
+  for (int c0 = warp * 4; c0 < nc; c0 += (kRecallThreads / 32) * 4) {
+    const int c = c0 + (lane >> 3);
+    const bool valid = c < nc;
+    const int cc = valid ? c : c0;
+    float best = -2.f;
+    for (int g = 0; g < group; ++g) {
+      const float d =
+          internal::Dot8(qn + g * hd, cent + (static_cast<int64_t>(cc) * group + g) * hd, hd);
+      best = (best < d) ? d : best;  // std::max(best, d)
+    }
+    if (valid && (lane & 7) == 0) cosv[c] = off[c + 1] == off[c] ? -3.f : best;
+  }
+  __syncthreads();
+  const int n_pick = min(a.n_recall, nc);
+  if (warp == 0) {
+    for (int r = 0; r < n_pick; ++r) {
+      float bv = -INFINITY;
+      int bc = INT_MAX;
+      for (int c = lane; c < nc; c += 32) {
+        const float v = cosv[c];
+        if (v > bv || (v == bv && c < bc)) {
+          bv = v;
+          bc = c;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int c2 = __shfl_xor_sync(0xffffffffu, bc, o);
+        if (v2 > bv || (v2 == bv && c2 < bc)) {
+          bv = v2;
+          bc = c2;
+        }
+      }
+      if (lane == 0) {
+        s_chosen[r] = bc;
+        cosv[bc] = -INFINITY;  // below every cosine (>= -3): never picked again
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  const int lo = max(0, a.cand.begin[b]);
+  const int hi = a.cand.end[b];
+  uint32_t* bits = a.bitmap + static_cast<int64_t>(row) * a.words;  // written below: no __ldg
+  const int32_t* lists = a.lists + static_cast<int64_t>(row) * a.max_list_entries;
+  for (int r = 0; r < n_pick; ++r) {
+    const int c = s_chosen[r];
+    for (int i = off[c] + threadIdx.x; i < off[c + 1]; i += blockDim.x) {
+      const int id = lists[i];
+      if (id >= lo && id < hi) atomicOr(&bits[id >> 5], 1u << (id & 31));
+    }
+  }
+  __syncthreads();
+  int32_t* out = a.recalled + static_cast<int64_t>(row) * a.ld;
+  const int w_lo = lo >> 5;
+  const int w_hi = hi > lo ? min(a.words, (hi + 31) >> 5) : w_lo;
+  int running = 0;
+  for (int base = w_lo; base < w_hi; base += kRecallThreads) {
+    const int wi = base + threadIdx.x;
+    uint32_t word = wi < w_hi ? bits[wi] : 0u;
+    const int pc = __popc(word);
+    const int incl = internal::WarpInclusiveScanInt(pc, lane);
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    int before = running;
+    int total = 0;
+    for (int w = 0; w < kRecallThreads / 32; ++w) {
+      if (w < warp) before += s_warp[w];
+      total += s_warp[w];
+    }
+    int pos = before + incl - pc;
+    while (word != 0u) {
+      const int bit = __ffs(word) - 1;
+      word &= word - 1u;
+      if (pos < a.ld) out[pos] = wi * 32 + bit;
+      ++pos;
+    }
+    running += total;
+    __syncthreads();  // s_warp is rewritten by the next tile
+  }
+  if (threadIdx.x == 0) a.n_recalled[row] = min(running, a.ld);
+}
+
+template <typename T>
+__device__ __forceinline__ float ToF(T v);
+template <>
+__device__ __forceinline__ float ToF<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float ToF<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T, int kHeadDim, int kG>
+static __global__ void __launch_bounds__(256) CtkvrRerankKernel(Args a) {
+  constexpr int kPer = kHeadDim / 8;
+  const int b = blockIdx.z, h = blockIdx.y, row = b * a.n_kv_heads + h;
+  const int n = a.n_recalled[row];
+  const int begin = blockIdx.x * kRerankChunk;
+  if (begin >= n) return;
+  const int end = min(n, begin + kRerankChunk);
+  const int group = a.group;
+  __shared__ float q[kG * kHeadDim];
+  __shared__ float2 part[8][8];
+  const float* qsrc = a.query + static_cast<int64_t>(row) * group * kHeadDim;
+  for (int i = threadIdx.x; i < group * kHeadDim; i += blockDim.x) q[i] = qsrc[i];
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int j = lane & 7, sub = lane >> 3;
+  const int64_t head_base = a.keys.head_offset != nullptr
+                                ? a.keys.head_offset[row]
+                                : static_cast<int64_t>(b) * a.keys.batch_stride +
+                                      static_cast<int64_t>(h) * a.keys.head_stride;
+  const T* keys = static_cast<const T*>(a.keys.data) + head_base;
+  const int32_t* ids = a.recalled + static_cast<int64_t>(row) * a.ld;
+  const bool softmax = a.gqa == GqaAggregation::kSumSoftmax;
+  float run_max = -INFINITY, run_sum = 0.f;  // statistics of group head j (lanes j < group)
+  for (int base = begin; base < end; base += 32) {
+    const int i = base + warp * 4 + sub;
+    const bool valid = i < end;
+    const int t = ids[valid ? i : begin];
+    const T* k = keys + static_cast<int64_t>(t) * a.keys.token_stride;
+    float kv[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) kv[e] = ToF<T>(k[8 * e + j]);
+    float dots[kG];
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      float acc = 0.f;
+      if (g < group) {
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) acc = __fadd_rn(acc, __fmul_rn(q[g * kHeadDim + 8 * e + j], kv[e]));
+      }
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+      dots[g] = __fmul_rn(a.scale, acc);
+    }
+    if (!valid) continue;
+    if (softmax) {
+      float mine = 0.f;
+#pragma unroll
+      for (int g = 0; g < kG; ++g) mine = (j == g) ? dots[g] : mine;
+      if (j < group) {
+        a.logits[(static_cast<int64_t>(row) * group + j) * a.ld + i] = mine;
+        if (mine > run_max) {
+          run_sum *= __expf(run_max - mine);
+          run_max = mine;
+        }
+        run_sum += __expf(mine - run_max);
+      }
+    } else if (j == 0) {
+      float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        if (g < group) {
+          agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, dots[g]) : __fadd_rn(agg, dots[g]);
+        }
+      }
+      a.scores[static_cast<int64_t>(row) * a.ld + i] = agg;
+    }
+  }
+  if (!softmax) return;
+  // Lanes j, j + 8, j + 16, j + 24 hold head j's statistics: merge them, then over the warps.
+#pragma unroll
+  for (int o = 8; o < 32; o <<= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, run_max, o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, run_sum, o);
+    internal::MergeMaxSum(run_max, run_sum, m2, s2);
+  }
+  if (lane < 8) part[warp][lane] = make_float2(run_max, run_sum);
+  __syncthreads();
+  if (threadIdx.x < group) {
+    const int g = threadIdx.x;
+    float m = -INFINITY, s = 0.f;
+    for (int w = 0; w < 8; ++w) internal::MergeMaxSum(m, s, part[w][g].x, part[w][g].y);
+    a.partials[(static_cast<int64_t>(row) * a.n_chunks + blockIdx.x) * group + g] =
+        make_float2(m, s);
+  }
+}
+
+int Group(const CtkvrSelectParams& p) { return p.n_kv_heads > 0 ? p.n_heads / p.n_kv_heads : 0; }
+
+int MaxRecall(const CtkvrSelectParams& p) {
+  const int64_t r = static_cast<int64_t>(p.n_recall) * std::max(1, p.max_list_length);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(r, std::max(1, p.max_tokens))));
+}
+
+struct Workspace {
+  uint32_t* bitmap = nullptr;
+  size_t bitmap_bytes = 0;
+  int words = 0;
+  int32_t* recalled = nullptr;
+  int32_t* n_recalled = nullptr;
+  int ld = 0;
+  float* logits = nullptr;
+  float2* partials = nullptr;
+  int n_chunks = 0;
+  float* lse = nullptr;
+  float* scores = nullptr;
+  void* topk = nullptr;
+  size_t topk_bytes = 0;
+  size_t bytes = 0;
+};
+
+Workspace Carve(const CtkvrSelectParams& p, char* base) {
+  const size_t rows = static_cast<size_t>(p.batch) * p.n_kv_heads;
+  const size_t group = Group(p);
+  Workspace w;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    char* ptr = base != nullptr ? base + off : nullptr;
+    off += AlignUp(bytes);
+    return ptr;
+  };
+  w.words = (std::max(1, p.max_tokens) + 31) / 32;
+  w.bitmap_bytes = rows * w.words * sizeof(uint32_t);
+  w.bitmap = reinterpret_cast<uint32_t*>(take(w.bitmap_bytes));
+  const int max_r = MaxRecall(p);
+  w.ld = RowLd(max_r);
+  w.recalled = reinterpret_cast<int32_t*>(take(rows * w.ld * sizeof(int32_t)));
+  w.n_recalled = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.n_chunks = (max_r + kRerankChunk - 1) / kRerankChunk;
+  if (p.gqa == GqaAggregation::kSumSoftmax) {
+    w.logits = reinterpret_cast<float*>(take(rows * group * w.ld * sizeof(float)));
+    w.partials = reinterpret_cast<float2*>(take(rows * w.n_chunks * group * sizeof(float2)));
+    w.lse = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
+  }
+  w.scores = reinterpret_cast<float*>(take(rows * w.ld * sizeof(float)));
+  TopKParams t;
+  t.rows = static_cast<int>(rows);
+  t.row_stride = w.ld;
+  t.out.budget = p.out.budget;
+  w.topk_bytes = BatchedTopKWorkspaceBytes(t);
+  w.topk = take(w.topk_bytes);
+  w.bytes = off;
+  return w;
+}
+
+template <typename T, int kHeadDim>
+void LaunchRerank(const Args& a, dim3 grid, cudaStream_t stream) {
+  if (a.group <= 4) {
+    CtkvrRerankKernel<T, kHeadDim, 4><<<grid, 256, 0, stream>>>(a);
+  } else {
+    CtkvrRerankKernel<T, kHeadDim, kMaxGroup><<<grid, 256, 0, stream>>>(a);
+  }
+}
+
+}  // namespace
+
+size_t CtkvrSelectWorkspaceBytes(const CtkvrSelectParams& p) { return Carve(p, nullptr).bytes; }
+
+absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
+  if (p.batch < 0 || p.n_kv_heads <= 0 || p.n_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||
+      Group(p) > kMaxGroup) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CtkvrSelect: need n_heads a multiple of n_kv_heads with a group of at most ", kMaxGroup,
+        "; got ", p.n_heads, " / ", p.n_kv_heads));
+  }
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CtkvrSelect: head_dim must be 64 or 128, got ", p.head_dim));
+  }
+  if (p.out.budget < 1 || p.out.budget > kMaxBudget) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CtkvrSelect: budget must be in [1, ", kMaxBudget, "], got ", p.out.budget));
+  }
+  if (p.n_recall < 1 || p.n_recall > 32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CtkvrSelect: n_recall (C') must be in [1, 32], got ", p.n_recall));
+  }
+  if (p.max_centroids < 1 || p.max_list_entries < 1 || p.max_tokens < 1 ||
+      p.max_list_length < 0) {
+    return absl::InvalidArgumentError(
+        "CtkvrSelect: max_centroids, max_list_entries and max_tokens must be >= 1");
+  }
+  if (p.batch == 0) return absl::OkStatus();
+  if (p.query == nullptr || p.centroids == nullptr || p.n_centroids == nullptr ||
+      p.list_offsets == nullptr || p.lists == nullptr || p.keys.data == nullptr ||
+      p.cand.begin == nullptr || p.cand.end == nullptr || p.out.ids == nullptr ||
+      p.out.counts == nullptr) {
+    return absl::InvalidArgumentError("CtkvrSelect: null query, summary, keys, candidates or output");
+  }
+  const int group = Group(p);
+  const size_t recall_smem =
+      (static_cast<size_t>(group) * p.head_dim + p.max_centroids) * sizeof(float);
+  if (recall_smem > 200 * 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CtkvrSelect: max_centroids ", p.max_centroids, " is too large"));
+  }
+  const Workspace w = Carve(p, static_cast<char*>(p.workspace));
+  if (p.workspace == nullptr || p.workspace_bytes < w.bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CtkvrSelect: workspace of ", p.workspace_bytes, " bytes, need ", w.bytes));
+  }
+  Args a;
+  a.n_kv_heads = p.n_kv_heads;
+  a.group = group;
+  a.head_dim = p.head_dim;
+  a.n_recall = p.n_recall;
+  a.scale = p.scale;
+  a.gqa = p.gqa;
+  a.query = p.query;
+  a.centroids = p.centroids;
+  a.n_centroids = p.n_centroids;
+  a.offsets = p.list_offsets;
+  a.lists = p.lists;
+  a.max_centroids = p.max_centroids;
+  a.max_list_entries = p.max_list_entries;
+  a.keys = p.keys;
+  a.cand = p.cand;
+  a.bitmap = w.bitmap;
+  a.words = w.words;
+  a.recalled = w.recalled;
+  a.n_recalled = w.n_recalled;
+  a.ld = w.ld;
+  a.logits = w.logits;
+  a.partials = w.partials;
+  a.n_chunks = w.n_chunks;
+  a.scores = w.scores;
+  const int rows = p.batch * p.n_kv_heads;
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(w.bitmap, 0, w.bitmap_bytes, stream));
+  KVR_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      CtkvrRecallKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(recall_smem)));
+  CtkvrRecallKernel<<<rows, kRecallThreads, recall_smem, stream>>>(a);
+  KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  const dim3 grid(w.n_chunks, p.n_kv_heads, p.batch);
+  switch (p.keys.dtype) {
+    case KeyDType::kF32:
+      p.head_dim == 64 ? LaunchRerank<float, 64>(a, grid, stream)
+                       : LaunchRerank<float, 128>(a, grid, stream);
+      break;
+    case KeyDType::kF16:
+      p.head_dim == 64 ? LaunchRerank<__half, 64>(a, grid, stream)
+                       : LaunchRerank<__half, 128>(a, grid, stream);
+      break;
+    case KeyDType::kBf16:
+      p.head_dim == 64 ? LaunchRerank<__nv_bfloat16, 64>(a, grid, stream)
+                       : LaunchRerank<__nv_bfloat16, 128>(a, grid, stream);
+      break;
+    default:
+      return absl::InvalidArgumentError("CtkvrSelect: unknown key dtype");
+  }
+  KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("CtkvrRerankKernel"));
+  internal::RerankTail t;
+  t.batch = p.batch;
+  t.n_kv_heads = p.n_kv_heads;
+  t.group = group;
+  t.gqa = p.gqa;
+  t.ld = w.ld;
+  t.max_items = MaxRecall(p);
+  t.chunk = kRerankChunk;
+  t.n_chunks = w.n_chunks;
+  t.logits = w.logits;
+  t.partials = w.partials;
+  t.lse = w.lse;
+  t.scores = w.scores;
+  t.n_valid = w.n_recalled;
+  t.id_map = w.recalled;
+  t.out = p.out;
+  t.topk_workspace = w.topk;
+  t.topk_workspace_bytes = w.topk_bytes;
+  return internal::FinishRerank(t, stream);
+}
+
+}  // namespace kvr::retrieval::cuda
