@@ -8,11 +8,14 @@ if(KVR_HAVE_CUDA)
     set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
     set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
   endif()
-  add_library(kvr_model_cuda cuda/cuda_model.cu cuda/ops.cu cuda/attention.cu)
+  add_library(kvr_model_cuda cuda/cuda_model.cu cuda/ops.cu cuda/attention.cu cuda/sparse.cu)
   target_include_directories(kvr_model_cuda PUBLIC include PRIVATE cuda)
   target_link_libraries(kvr_model_cuda
     PUBLIC kvr::model absl::status absl::statusor
     PRIVATE kvr::common_cuda CUDA::cublas absl::strings)
+  # Sparse sequences: GPU selection, gather, hot cache and decode attention (retrieval/cuda).
+  target_link_libraries(kvr_model_cuda
+    PRIVATE kvr::retrieval_cuda_select kvr::retrieval_cuda_attend)
   target_compile_options(kvr_model_cuda PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 else()
@@ -33,6 +36,12 @@ if(KVR_HAVE_CUDA)
   # Whole-model parity against the CPU Model: dummy shapes and the SmolLM2 GGUF.
   kvr_add_test(model_cuda_model_test
     SOURCES tests/cuda_model_test.cc
+    LIBS kvr::model_cuda kvr::model kvr::common absl::strings
+    LABELS gpu)
+
+  # Sparse sequences (quest, clusterkv through retrieval/cuda) against the dense path.
+  kvr_add_test(model_cuda_sparse_test
+    SOURCES tests/cuda_sparse_test.cc
     LIBS kvr::model_cuda kvr::model kvr::common absl::strings
     LABELS gpu)
 

@@ -26,7 +26,12 @@
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
 #include "kvr/model/cuda_model.h"
+#include "kvr/retrieval/cuda/decode_attention.cuh"
+#include "kvr/retrieval/cuda/gather.cuh"
+#include "kvr/retrieval/cuda/hot_cache.cuh"
+#include "kvr/retrieval/cuda/selection.cuh"
 #include "ops.cuh"
+#include "sparse.cuh"
 
 namespace kvr::model {
 namespace {
@@ -37,6 +42,7 @@ using kvr::cuda::CudaEvent;
 using kvr::cuda::CudaStream;
 using kvr::cuda::DeviceBuffer;
 using kvr::cuda::PinnedBuffer;
+namespace rc = kvr::retrieval::cuda;
 
 [[nodiscard]] absl::Status CublasStatus(cublasStatus_t s, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
@@ -53,7 +59,14 @@ using CublasHandle = std::unique_ptr<cublasContext, CublasDeleter>;
 
 template <typename T>
 [[nodiscard]] absl::Status Alloc(DeviceBuffer<T>& b, int64_t n) {
-  KVR_ASSIGN_OR_RETURN(b, DeviceBuffer<T>::Create(static_cast<size_t>(n)));
+  absl::StatusOr<DeviceBuffer<T>> created = DeviceBuffer<T>::Create(static_cast<size_t>(n));
+  if (!created.ok()) {
+    // A failed cudaMalloc is also the runtime's "last error": clear it, or the next kernel
+    // launch check (cudaGetLastError) would report this allocation's failure as its own.
+    cudaGetLastError();
+    return created.status();
+  }
+  b = *std::move(created);
   return absl::OkStatus();
 }
 template <typename T>
@@ -89,6 +102,11 @@ class CudaModelImpl final : public CudaModel {
     }
     return Run(batch, LogitsMode::kLast, {}, next_tokens);
   }
+  absl::Status ConfigureSparse(const SparseAttentionOptions& options) override;
+  absl::Status AddSparseSequence(SequenceId id, int64_t capacity,
+                                 const SparseSequenceOptions& options) override;
+  absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const override;
+  SparseStats sparse_stats() const override;
   CudaForwardProfile last_profile() const override { return profile_; }
   void set_profile(bool on) override { options_.profile = on; }
 
@@ -102,17 +120,79 @@ class CudaModelImpl final : public CudaModel {
     DeviceBuffer<bf16> w_gate_up;   // [2 ffn, hidden]
     DeviceBuffer<bf16> w_down;      // [hidden, ffn]
   };
+  // A sparse sequence's full KV in mapped pinned host memory, [n_layers, n_kv_heads, capacity,
+  // 2, head_dim] bf16. Kept (host_kvs_) for reuse by later sequences of the same capacity.
+  struct HostKv {
+    PinnedBuffer<bf16> buf;
+    bf16* device = nullptr;  // the device-side address of buf
+    int64_t capacity = 0;
+    uint64_t filled_seed = 0;  // FillSequenceForBenchmark's seed + 1; 0: not filled
+  };
   struct Sequence {
     DeviceBuffer<bf16> kv;  // [n_layers, 2, capacity, n_kv_heads, head_dim]
     int64_t capacity = 0;
     int64_t length = 0;
+    // Sparse sequences: slot in sparse_ and host KV.
+    int slot = -1;
+    std::shared_ptr<HostKv> host;
+    uint64_t filled_seed = 0;  // as HostKv, for this slot's ring and summaries
   };
-  enum class Kind { kGemm, kAttention, kOther };
+  // The GPU state shared by the sparse sequences (ConfigureSparse); layouts in sparse.cuh.
+  struct SparseState {
+    SparseAttentionOptions opt;
+    int rcap = 0;
+    int64_t pages = 0;
+    int64_t bytes = 0;  // device bytes of everything below
+    DeviceBuffer<bf16> resident;
+    DeviceBuffer<float> bounds;
+    DeviceBuffer<float> centroids;
+    DeviceBuffer<int32_t> n_clusters, offsets, members;
+    std::vector<rc::HotCache> hot;  // per layer
+    DeviceBuffer<float> q_f32;      // [slots, q_dim]
+    DeviceBuffer<int32_t> ids;      // [slots, n_kv, budget]
+    DeviceBuffer<int32_t> counts;   // [slots, n_kv]
+    DeviceBuffer<bf16> gathered;    // [slots, n_kv, budget, 2 d]
+    DeviceBuffer<uint8_t> select_ws, attend_ws;
+    size_t select_ws_bytes = 0, attend_ws_bytes = 0;
+    DeviceBuffer<int32_t> meta;  // [3, slots]: cand begin, cand end, resident count
+    PinnedBuffer<int32_t> h_meta;
+    DeviceBuffer<cuda::SparseRow> rows;  // [slots]
+    PinnedBuffer<cuda::SparseRow> h_rows;
+    DeviceBuffer<int64_t> head_base;  // [n_layers, slots, n_kv]
+    PinnedBuffer<int64_t> h_head_base;
+    const bf16* pool_base = nullptr;
+    DeviceBuffer<unsigned long long> selected;  // [1]
+    int64_t steps = 0;
+    std::vector<std::optional<SequenceId>> owner;  // per slot
+    cuda::SparseSummaryView View() {
+      cuda::SparseSummaryView v;
+      v.method = opt.method == SparseMethod::kQuest ? 0 : 1;
+      v.slots = opt.slots;
+      v.bounds = bounds.data();
+      v.bounds_slot_stride = pages * bounds_row();
+      v.bounds_layer_stride = opt.slots * v.bounds_slot_stride;
+      v.page_size = opt.quest_page_size;
+      v.centroids = centroids.data();
+      v.n_clusters = n_clusters.data();
+      v.offsets = offsets.data();
+      v.members = members.data();
+      v.max_clusters = max_clusters;
+      v.max_members = static_cast<int>(opt.max_capacity);
+      return v;
+    }
+    int64_t bounds_row() const { return int64_t{n_kv} * 2 * head_dim; }
+    int n_kv = 0, head_dim = 0, max_clusters = 0;
+  };
+  enum class Kind { kGemm, kAttention, kOther, kSelect, kGather };
 
   CudaModelImpl(ModelConfig config, CudaModelOptions options)
       : config_(std::move(config)), options_(options) {}
 
   [[nodiscard]] absl::Status AllocateWeights();
+  // The sparse part of a layer: RoPE + KV append, select, gather, attend.
+  [[nodiscard]] absl::Status SparseLayer(int layer, const Layer& w, int64_t max_candidates);
+  // Uploads per-slot head bases into the mapped host KVs (after slots change).
+  [[nodiscard]] absl::Status UpdateHeadBases();
   [[nodiscard]] absl::Status Run(std::span<const CudaSequence> batch, LogitsMode mode,
                                  std::span<float> logits, std::span<int32_t> next_tokens);
   // C[m, n] (+)= A[m, k] W[n, k]^T; beta 1 adds onto C (the residual stream).
@@ -161,6 +241,9 @@ class CudaModelImpl final : public CudaModel {
   DeviceBuffer<SeqKv> d_seqs_;         // [max_sequences]
 
   std::unordered_map<SequenceId, Sequence> sequences_;
+  std::unique_ptr<SparseState> sparse_;
+  std::vector<std::shared_ptr<HostKv>> host_kvs_;
+  bool head_bases_dirty_ = true;
 
   std::vector<CudaEvent> events_;
   std::vector<Kind> event_kinds_;
@@ -343,10 +426,405 @@ absl::Status CudaModelImpl::AddSequence(SequenceId id, int64_t capacity) {
 }
 
 absl::Status CudaModelImpl::ReleaseSequence(SequenceId id) {
-  if (sequences_.erase(id) == 0) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
     return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
   }
+  if (it->second.slot >= 0 && sparse_ != nullptr) {
+    sparse_->owner[it->second.slot].reset();
+    head_bases_dirty_ = true;
+  }
+  sequences_.erase(it);
   return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::ConfigureSparse(const SparseAttentionOptions& o) {
+  for (const auto& [id, seq] : sequences_) {
+    if (seq.slot >= 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("ConfigureSparse: sparse sequence ", id, " still exists"));
+    }
+  }
+  if (o.slots == 0) {  // frees the sparse state
+    sparse_.reset();
+    head_bases_dirty_ = true;
+    return absl::OkStatus();
+  }
+  const ModelConfig& c = config_;
+  const bool quest = o.method == SparseMethod::kQuest;
+  auto bad = [](auto... what) { return absl::InvalidArgumentError(absl::StrCat(what...)); };
+  if (o.slots < 1 || o.slots > options_.max_sequences || o.slots > options_.max_batch_tokens) {
+    return bad("ConfigureSparse: slots ", o.slots, " outside [1, min(max_sequences ",
+               options_.max_sequences, ", max_batch_tokens ", options_.max_batch_tokens, ")]");
+  }
+  if (o.max_capacity < 1 || o.max_capacity > c.context_length) {
+    return bad("ConfigureSparse: max_capacity ", o.max_capacity, " outside [1, context length ",
+               c.context_length, "]");
+  }
+  if (o.budget < 1 || o.budget > (quest ? rc::kMaxBudget : 2048) ||
+      (quest && (o.quest_page_size < 1 ||
+                 (o.budget + o.quest_page_size - 1) / o.quest_page_size + 2 > 1024))) {
+    return bad("ConfigureSparse: budget ", o.budget, " (page size ", o.quest_page_size,
+               ") outside the selector's limits (quest <= 4096 and budget/page + 2 <= 1024, "
+               "clusterkv <= 2048)");
+  }
+  if (o.n_sink < 0 || o.local_window < 1 || o.hot_cache_rows < 0 ||
+      o.clusterkv_tokens_per_cluster < 1 || o.clusterkv_max_pending < 0) {
+    return bad(
+        "ConfigureSparse: n_sink >= 0, local_window >= 1, hot_cache_rows >= 0, "
+        "clusterkv_tokens_per_cluster >= 1 and clusterkv_max_pending >= 0 needed");
+  }
+  if (c.n_heads / c.n_kv_heads > 8) {
+    return absl::UnimplementedError(
+        "ConfigureSparse: sparse decode attention takes GQA groups <= 8");
+  }
+  const int ways = std::min(8, std::max(1, o.hot_cache_rows));
+  if (o.hot_cache_rows > 0 && o.hot_cache_rows % ways != 0) {
+    return bad("ConfigureSparse: hot_cache_rows ", o.hot_cache_rows, " not a multiple of 8");
+  }
+  sparse_.reset();
+  head_bases_dirty_ = true;
+  auto st = std::make_unique<SparseState>();
+  st->opt = o;
+  st->n_kv = c.n_kv_heads;
+  st->head_dim = c.head_dim;
+  st->rcap = o.n_sink + o.local_window;
+  const int64_t L = c.n_layers, S = o.slots, kv = c.n_kv_heads, d = c.head_dim;
+  KVR_RETURN_IF_ERROR(Alloc(st->resident, L * S * kv * st->rcap * 2 * d));
+  if (quest) {
+    st->pages = (o.max_capacity + o.quest_page_size - 1) / o.quest_page_size;
+    KVR_RETURN_IF_ERROR(Alloc(st->bounds, L * S * st->pages * st->bounds_row()));
+  } else {
+    st->max_clusters = static_cast<int>(std::min<int64_t>(
+        o.max_capacity,
+        (o.max_capacity + o.clusterkv_tokens_per_cluster - 1) / o.clusterkv_tokens_per_cluster +
+            o.clusterkv_max_pending));
+    KVR_RETURN_IF_ERROR(Alloc(st->centroids, L * S * kv * st->max_clusters * d));
+    KVR_RETURN_IF_ERROR(Alloc(st->n_clusters, L * S * kv));
+    KVR_RETURN_IF_ERROR(Alloc(st->offsets, L * S * kv * (st->max_clusters + 1)));
+    KVR_RETURN_IF_ERROR(Alloc(st->members, L * S * kv * o.max_capacity));
+  }
+  int64_t hot_bytes = 0;
+  if (o.hot_cache_rows > 0) {
+    rc::HotCacheShape hs;
+    hs.batch = o.slots;
+    hs.n_kv_heads = c.n_kv_heads;
+    hs.head_dim = c.head_dim;
+    hs.dtype = rc::RowDType::kBf16;
+    hs.n_sets = o.hot_cache_rows / ways;
+    hs.ways = ways;
+    hs.budget = o.budget;
+    for (int l = 0; l < c.n_layers; ++l) {
+      absl::StatusOr<rc::HotCache> created = rc::HotCache::Create(hs, stream());
+      if (!created.ok()) {
+        cudaGetLastError();  // as in Alloc
+        return created.status();
+      }
+      rc::HotCache h = *std::move(created);
+      // Data plus tags, stamps, claims (4 + 4 + 8 bytes a slot) and slot_of.
+      hot_bytes += static_cast<int64_t>(h.data_bytes()) + S * kv * o.hot_cache_rows * 16 +
+                   S * kv * o.budget * 4;
+      st->hot.push_back(std::move(h));
+    }
+  }
+  KVR_RETURN_IF_ERROR(Alloc(st->q_f32, S * c.q_dim()));
+  KVR_RETURN_IF_ERROR(Alloc(st->ids, S * kv * o.budget));
+  KVR_RETURN_IF_ERROR(Alloc(st->counts, S * kv));
+  KVR_RETURN_IF_ERROR(Alloc(st->gathered, S * kv * o.budget * 2 * d));
+  KVR_RETURN_IF_ERROR(Alloc(st->meta, 3 * S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_meta, 3 * S));
+  KVR_RETURN_IF_ERROR(Alloc(st->rows, S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_rows, S));
+  KVR_RETURN_IF_ERROR(Alloc(st->head_base, L * S * kv));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_head_base, L * S * kv));
+  KVR_RETURN_IF_ERROR(Alloc(st->selected, 1));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(st->selected.data(), 0, sizeof(unsigned long long), stream()));
+  const rc::SelectionOutput out{o.budget, st->ids.data(), st->counts.data()};
+  const float scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  if (quest) {
+    rc::QuestSelectParams qp;
+    qp.batch = o.slots;
+    qp.n_heads = c.n_heads;
+    qp.n_kv_heads = c.n_kv_heads;
+    qp.head_dim = c.head_dim;
+    qp.page_size = o.quest_page_size;
+    qp.scale = scale;
+    qp.max_candidates = static_cast<int>(o.max_capacity);
+    qp.out = out;
+    st->select_ws_bytes = rc::QuestSelectWorkspaceBytes(qp);
+  } else {
+    rc::ClusterKvSelectParams cp;
+    cp.batch = o.slots;
+    cp.n_heads = c.n_heads;
+    cp.n_kv_heads = c.n_kv_heads;
+    cp.head_dim = c.head_dim;
+    cp.scale = scale;
+    cp.max_clusters = st->max_clusters;
+    cp.max_members = static_cast<int>(o.max_capacity);
+    cp.out = out;
+    st->select_ws_bytes = rc::ClusterKvSelectWorkspaceBytes(cp);
+  }
+  rc::DecodeAttentionParams ap;
+  ap.batch = o.slots;
+  ap.n_heads = c.n_heads;
+  ap.n_kv_heads = c.n_kv_heads;
+  ap.head_dim = c.head_dim;
+  ap.budget = o.budget;
+  ap.resident_capacity = st->rcap;
+  ap.max_rows = st->rcap + o.budget;
+  st->attend_ws_bytes = rc::DecodeAttentionWorkspaceBytes(ap);
+  KVR_RETURN_IF_ERROR(Alloc(st->select_ws, static_cast<int64_t>(st->select_ws_bytes) + 256));
+  KVR_RETURN_IF_ERROR(Alloc(st->attend_ws, static_cast<int64_t>(st->attend_ws_bytes) + 256));
+  st->owner.resize(o.slots);
+  st->bytes =
+      static_cast<int64_t>(st->resident.bytes() + st->bounds.bytes() + st->centroids.bytes() +
+                           st->n_clusters.bytes() + st->offsets.bytes() + st->members.bytes() +
+                           st->q_f32.bytes() + st->ids.bytes() + st->counts.bytes() +
+                           st->gathered.bytes() + st->select_ws.bytes() + st->attend_ws.bytes() +
+                           st->meta.bytes() + st->rows.bytes() + st->head_base.bytes()) +
+      hot_bytes;
+  KVR_RETURN_IF_ERROR(stream_.Synchronize());
+  sparse_ = std::move(st);
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
+                                              const SparseSequenceOptions& options) {
+  if (sparse_ == nullptr) {
+    return absl::FailedPreconditionError("AddSparseSequence: ConfigureSparse first");
+  }
+  if (sequences_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("CudaModel: sequence ", id, " already exists"));
+  }
+  if (capacity < 1 || capacity > sparse_->opt.max_capacity) {
+    return absl::InvalidArgumentError(absl::StrCat("AddSparseSequence: capacity ", capacity,
+                                                   " outside [1, max_capacity ",
+                                                   sparse_->opt.max_capacity, "]"));
+  }
+  int slot = -1;
+  for (int i = 0; i < sparse_->opt.slots && slot < 0; ++i) {
+    if (!sparse_->owner[i].has_value()) slot = i;
+  }
+  if (slot < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("AddSparseSequence: all ", sparse_->opt.slots, " sparse slots are taken"));
+  }
+  const ModelConfig& c = config_;
+  std::shared_ptr<HostKv> host;
+  if (options.share_host_kv_with.has_value()) {
+    auto it = sequences_.find(*options.share_host_kv_with);
+    if (it == sequences_.end() || it->second.slot < 0 || it->second.capacity != capacity) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("AddSparseSequence: share_host_kv_with ", *options.share_host_kv_with,
+                       " is no sparse sequence of capacity ", capacity));
+    }
+    host = it->second.host;
+  } else {
+    for (const auto& h : host_kvs_) {
+      if (h.use_count() == 1 && h->capacity == capacity) {
+        host = h;
+        break;
+      }
+    }
+    if (host == nullptr) {
+      host = std::make_shared<HostKv>();
+      host->capacity = capacity;
+      const int64_t n = int64_t{c.n_layers} * c.kv_dim() * 2 * capacity;
+      absl::StatusOr<PinnedBuffer<bf16>> buf =
+          PinnedBuffer<bf16>::Create(static_cast<size_t>(n), cudaHostAllocMapped);
+      if (!buf.ok()) {
+        cudaGetLastError();  // as in Alloc
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "AddSparseSequence: pinning ", n * 2, " bytes of host KV: ", buf.status().message()));
+      }
+      host->buf = *std::move(buf);
+      KVR_ASSIGN_OR_RETURN(host->device, host->buf.device_pointer());
+      host_kvs_.push_back(host);
+    }
+  }
+  for (rc::HotCache& h : sparse_->hot) KVR_RETURN_IF_ERROR(h.ResetSlot(slot, stream()));
+  KVR_RETURN_IF_ERROR(
+      cuda::LaunchSparseClearSlot(sparse_->View(), slot, c.n_layers, c.n_kv_heads, stream()));
+  KVR_RETURN_IF_ERROR(stream_.Synchronize());
+  Sequence s;
+  s.capacity = capacity;
+  s.slot = slot;
+  s.host = std::move(host);
+  sequences_.emplace(id, std::move(s));
+  sparse_->owner[slot] = id;
+  head_bases_dirty_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CudaModelImpl::SequenceDeviceBytes(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end())
+    return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
+  if (it->second.slot < 0) return static_cast<int64_t>(it->second.kv.bytes());
+  return sparse_->bytes / sparse_->opt.slots;
+}
+
+SparseStats CudaModelImpl::sparse_stats() const {
+  SparseStats st;
+  if (sparse_ == nullptr) return st;
+  st.steps = sparse_->steps;
+  st.row_bytes = 2 * int64_t{config_.head_dim} * 2;
+  unsigned long long v = 0;
+  if (cudaMemcpy(&v, sparse_->selected.data(), sizeof(v), cudaMemcpyDeviceToHost) == cudaSuccess) {
+    st.selected_rows = static_cast<int64_t>(v);
+  }
+  for (const rc::HotCache& h : sparse_->hot) {
+    if (cudaMemcpy(&v, h.hits(), sizeof(v), cudaMemcpyDeviceToHost) == cudaSuccess) {
+      st.hot_cache_hits += static_cast<int64_t>(v);
+    }
+  }
+  return st;
+}
+
+absl::Status CudaModelImpl::UpdateHeadBases() {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  const bf16* base = nullptr;
+  for (const auto& [id, seq] : sequences_) {
+    if (seq.slot >= 0 && (base == nullptr || seq.host->device < base)) base = seq.host->device;
+  }
+  const int64_t S = sp.opt.slots, kv = c.n_kv_heads, row = 2 * int64_t{c.head_dim};
+  std::fill(sp.h_head_base.data(), sp.h_head_base.data() + sp.h_head_base.size(), 0);
+  for (const auto& [id, seq] : sequences_) {
+    if (seq.slot < 0) continue;
+    // Distinct pinned allocations, all page-aligned: whole rows apart.
+    const int64_t first = (seq.host->device - base) / row;
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      for (int64_t h = 0; h < kv; ++h) {
+        sp.h_head_base.data()[(l * S + seq.slot) * kv + h] = first + (l * kv + h) * seq.capacity;
+      }
+    }
+  }
+  sp.pool_base = base;
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.head_base.data(), sp.h_head_base.data(),
+                                           sp.h_head_base.bytes(), cudaMemcpyHostToDevice,
+                                           stream()));
+  KVR_RETURN_IF_ERROR(stream_.Synchronize());
+  head_bases_dirty_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::SparseLayer(int layer, const Layer& w, int64_t max_candidates) {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  const SparseAttentionOptions& o = sp.opt;
+  const int S = o.slots;
+  const int64_t kv = c.n_kv_heads, d = c.head_dim;
+  const int64_t resident_layer = int64_t{S} * kv * sp.rcap * 2 * d;
+  KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+  cuda::SparseRopeParams rp;
+  rp.qkv = qkv_.data();
+  rp.bias = w.bqkv.size() > 0 ? w.bqkv.data() : nullptr;
+  rp.inv_freq = inv_freq_.data();
+  rp.rows = sp.rows.data();
+  rp.q = q_.data();
+  rp.q_f32 = sp.q_f32.data();
+  rp.resident = sp.resident.data();
+  rp.resident_layer_stride = resident_layer;
+  rp.rcap = sp.rcap;
+  rp.n_sink = o.n_sink;
+  rp.window = o.local_window;
+  rp.sum = sp.View();
+  rp.slots = S;
+  rp.n_heads = c.n_heads;
+  rp.n_kv_heads = c.n_kv_heads;
+  rp.head_dim = c.head_dim;
+  rp.layer = layer;
+  KVR_RETURN_IF_ERROR(cuda::LaunchSparseRope(rp, stream()));
+
+  KVR_RETURN_IF_ERROR(Mark(Kind::kSelect));
+  const rc::SelectionOutput out{o.budget, sp.ids.data(), sp.counts.data()};
+  const rc::CandidateRanges cand{sp.meta.data(), sp.meta.data() + S};
+  const float scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  if (o.method == SparseMethod::kQuest) {
+    const cuda::SparseSummaryView v = sp.View();
+    rc::QuestSelectParams qp;
+    qp.batch = S;
+    qp.n_heads = c.n_heads;
+    qp.n_kv_heads = c.n_kv_heads;
+    qp.head_dim = c.head_dim;
+    qp.page_size = o.quest_page_size;
+    qp.scale = scale;
+    qp.query = sp.q_f32.data();
+    qp.bounds = v.bounds + layer * v.bounds_layer_stride;
+    qp.bounds_batch_stride = v.bounds_slot_stride;
+    qp.cand = cand;
+    qp.max_candidates = static_cast<int>(std::max<int64_t>(1, max_candidates));
+    qp.out = out;
+    qp.workspace = sp.select_ws.data();
+    qp.workspace_bytes = sp.select_ws_bytes;
+    KVR_RETURN_IF_ERROR(rc::QuestSelect(qp, stream()));
+  } else {
+    const int64_t heads_before = int64_t{layer} * S * kv;
+    rc::ClusterKvSelectParams cp;
+    cp.batch = S;
+    cp.n_heads = c.n_heads;
+    cp.n_kv_heads = c.n_kv_heads;
+    cp.head_dim = c.head_dim;
+    cp.scale = scale;
+    cp.query = sp.q_f32.data();
+    cp.centroids = sp.centroids.data() + heads_before * sp.max_clusters * d;
+    cp.n_clusters = sp.n_clusters.data() + heads_before;
+    cp.offsets = sp.offsets.data() + heads_before * (sp.max_clusters + 1);
+    cp.members = sp.members.data() + heads_before * o.max_capacity;
+    cp.max_clusters = sp.max_clusters;
+    cp.max_members = static_cast<int>(o.max_capacity);
+    cp.cand = cand;
+    cp.out = out;
+    cp.workspace = sp.select_ws.data();
+    cp.workspace_bytes = sp.select_ws_bytes;
+    KVR_RETURN_IF_ERROR(rc::ClusterKvSelect(cp, stream()));
+  }
+  if (options_.profile) {
+    KVR_RETURN_IF_ERROR(cuda::LaunchSumCounts(sp.counts.data(), static_cast<int>(S * kv),
+                                              sp.selected.data(), stream()));
+  }
+
+  KVR_RETURN_IF_ERROR(Mark(Kind::kGather));
+  const rc::KvPoolView pool{sp.pool_base, sp.head_base.data() + int64_t{layer} * S * kv};
+  if (!sp.hot.empty()) {
+    KVR_RETURN_IF_ERROR(
+        sp.hot[layer].Gather(pool, sp.ids.data(), sp.counts.data(), sp.gathered.data(), stream()));
+  } else {
+    rc::GatherParams gp;
+    gp.batch = S;
+    gp.n_kv_heads = c.n_kv_heads;
+    gp.budget = o.budget;
+    gp.head_dim = c.head_dim;
+    gp.dtype = rc::RowDType::kBf16;
+    gp.pool = pool;
+    gp.ids = sp.ids.data();
+    gp.counts = sp.counts.data();
+    gp.out = sp.gathered.data();
+    KVR_RETURN_IF_ERROR(rc::GatherRows(gp, stream()));
+  }
+
+  KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
+  rc::DecodeAttentionParams ap;
+  ap.batch = S;
+  ap.n_heads = c.n_heads;
+  ap.n_kv_heads = c.n_kv_heads;
+  ap.head_dim = c.head_dim;
+  ap.dtype = rc::RowDType::kBf16;
+  ap.scale = scale;
+  ap.q = q_.data();
+  ap.resident = sp.resident.data() + layer * resident_layer;
+  ap.resident_capacity = sp.rcap;
+  ap.resident_counts = sp.meta.data() + 2 * S;
+  ap.budget = o.budget;
+  ap.counts = sp.counts.data();
+  ap.gathered = sp.gathered.data();
+  ap.max_rows = sp.rcap + o.budget;
+  ap.out = attn_.data();
+  ap.workspace = sp.attend_ws.data();
+  ap.workspace_bytes = sp.attend_ws_bytes;
+  return rc::DecodeAttention(ap, stream());
 }
 
 absl::StatusOr<int64_t> CudaModelImpl::SequenceLength(SequenceId id) const {
@@ -365,6 +843,70 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
   if (n_tokens < 0 || n_tokens > s.capacity) {
     return absl::InvalidArgumentError(
         absl::StrCat("FillSequenceForBenchmark: ", n_tokens, " tokens, capacity ", s.capacity));
+  }
+  if (s.slot >= 0) {
+    SparseState& sp = *sparse_;
+    const ModelConfig& c = config_;
+    HostKv& host = *s.host;
+    if (host.filled_seed != seed + 1) {
+      KVR_RETURN_IF_ERROR(cuda::LaunchRandomBf16(host.device, static_cast<int64_t>(host.buf.size()),
+                                                 seed, 1.f, stream()));
+      host.filled_seed = seed + 1;
+    }
+    // Another slot on the same host KV filled alike: copy its ring and summaries (HBM to HBM)
+    // instead of reading the host KV again.
+    const Sequence* twin = nullptr;
+    for (const auto& [oid, o] : sequences_) {
+      if (oid != id && o.slot >= 0 && o.host == s.host && o.filled_seed == seed + 1 &&
+          o.length == n_tokens) {
+        twin = &o;
+        break;
+      }
+    }
+    const cuda::SparseSummaryView v = sp.View();
+    if (twin != nullptr) {
+      const int64_t kv = c.n_kv_heads, d = c.head_dim, S = sp.opt.slots;
+      auto copy = [&](auto* base, int64_t per_slot) -> absl::Status {
+        for (int64_t l = 0; l < c.n_layers; ++l) {
+          auto* layer = base + l * S * per_slot;
+          KVR_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(layer + s.slot * per_slot, layer + twin->slot * per_slot,
+                              per_slot * sizeof(*base), cudaMemcpyDeviceToDevice, stream()));
+        }
+        return absl::OkStatus();
+      };
+      KVR_RETURN_IF_ERROR(copy(sp.resident.data(), kv * sp.rcap * 2 * d));
+      if (sp.opt.method == SparseMethod::kQuest) {
+        KVR_RETURN_IF_ERROR(copy(sp.bounds.data(), sp.pages * sp.bounds_row()));
+      } else {
+        KVR_RETURN_IF_ERROR(copy(sp.centroids.data(), kv * sp.max_clusters * d));
+        KVR_RETURN_IF_ERROR(copy(sp.n_clusters.data(), kv));
+        KVR_RETURN_IF_ERROR(copy(sp.offsets.data(), kv * (sp.max_clusters + 1)));
+        KVR_RETURN_IF_ERROR(copy(sp.members.data(), kv * sp.opt.max_capacity));
+      }
+    } else {
+      cuda::SparseFillParams fp;
+      fp.host_kv = host.device;
+      fp.capacity = s.capacity;
+      fp.length = n_tokens;
+      fp.slot = s.slot;
+      fp.resident = sp.resident.data();
+      fp.resident_layer_stride = int64_t{sp.opt.slots} * c.n_kv_heads * sp.rcap * 2 * c.head_dim;
+      fp.rcap = sp.rcap;
+      fp.n_sink = sp.opt.n_sink;
+      fp.window = sp.opt.local_window;
+      fp.sum = v;
+      fp.tokens_per_cluster = sp.opt.clusterkv_tokens_per_cluster;
+      fp.n_layers = c.n_layers;
+      fp.n_kv_heads = c.n_kv_heads;
+      fp.head_dim = c.head_dim;
+      KVR_RETURN_IF_ERROR(cuda::LaunchSparseFill(fp, stream()));
+    }
+    for (rc::HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
+    KVR_RETURN_IF_ERROR(stream_.Synchronize());
+    s.filled_seed = seed + 1;
+    s.length = n_tokens;
+    return absl::OkStatus();
   }
   KVR_RETURN_IF_ERROR(
       cuda::LaunchRandomBf16(s.kv.data(), static_cast<int64_t>(s.kv.size()), seed, 1.f, stream()));
@@ -415,6 +957,12 @@ absl::Status CudaModelImpl::FinishProfile() {
         break;
       case Kind::kOther:
         profile_.other_ms += ms;
+        break;
+      case Kind::kSelect:
+        profile_.select_ms += ms;
+        break;
+      case Kind::kGather:
+        profile_.gather_ms += ms;
         break;
     }
   }
@@ -473,6 +1021,46 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
                                                    " tokens, more than max_batch_tokens ",
                                                    options_.max_batch_tokens));
   }
+  // Sparse sequences: a batch of them only, one token each; the batch's rows are the slots.
+  const bool sparse = seqs[0]->slot >= 0;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    if ((seqs[b]->slot >= 0) != sparse) {
+      return absl::InvalidArgumentError(
+          "CudaModel::Forward: a batch mixes dense and sparse sequences (run them apart)");
+    }
+    if (sparse && batch[b].tokens.size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "CudaModel::Forward: sparse sequence ", batch[b].id, " has ", batch[b].tokens.size(),
+          " tokens; sparse sequences take one token per Forward"));
+    }
+  }
+  const int64_t n_rows = sparse ? sparse_->opt.slots : total;
+  int64_t max_candidates = 0;
+  if (sparse) {
+    if (head_bases_dirty_) KVR_RETURN_IF_ERROR(UpdateHeadBases());
+    SparseState& sp = *sparse_;
+    const SparseAttentionOptions& o = sp.opt;
+    const int S = o.slots;
+    for (int r = 0; r < S; ++r) {
+      h_tokens_.data()[r] = 0;
+      sp.h_rows.data()[r] = cuda::SparseRow{};
+      sp.h_meta.data()[r] = sp.h_meta.data()[S + r] = sp.h_meta.data()[2 * S + r] = 0;
+    }
+    for (size_t b = 0; b < batch.size(); ++b) {
+      const Sequence& q = *seqs[b];
+      const int r = q.slot;
+      const int64_t len = q.length + 1;  // with the new token
+      const int64_t local_begin = std::max<int64_t>(o.n_sink, len - o.local_window);
+      h_tokens_.data()[r] = batch[b].tokens[0];
+      h_out_rows_.data()[b] = r;
+      sp.h_rows.data()[r] = cuda::SparseRow{q.host->device, q.capacity, q.length};
+      sp.h_meta.data()[r] = o.n_sink;
+      sp.h_meta.data()[S + r] = static_cast<int32_t>(local_begin);
+      sp.h_meta.data()[2 * S + r] = static_cast<int32_t>(std::min<int64_t>(o.n_sink, len) +
+                                                         std::max<int64_t>(0, len - local_begin));
+      max_candidates = std::max(max_candidates, local_begin - o.n_sink);
+    }
+  }
   const int64_t n_out = mode == LogitsMode::kLast ? static_cast<int64_t>(batch.size()) : total;
   if (next_tokens.empty() && static_cast<int64_t>(logits.size()) != n_out * c.vocab) {
     return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: logits has ", logits.size(),
@@ -483,7 +1071,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   bool all_decode = true;
   int max_q = 0;
   int64_t max_length = 0;
-  {
+  if (!sparse) {
     int64_t row = 0;
     for (size_t b = 0; b < batch.size(); ++b) {
       const int n = static_cast<int>(batch[b].tokens.size());
@@ -514,16 +1102,22 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       return cudaMemcpyAsync(dst, src, n * sizeof(*src), cudaMemcpyHostToDevice, stream());
     };
     KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-    KVR_CUDA_RETURN_IF_ERROR(h2d(d_tokens_.data(), h_tokens_.data(), total));
-    KVR_CUDA_RETURN_IF_ERROR(h2d(d_token_seq_.data(), h_token_seq_.data(), total));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(d_tokens_.data(), h_tokens_.data(), n_rows));
     KVR_CUDA_RETURN_IF_ERROR(h2d(d_out_rows_.data(), h_out_rows_.data(), n_out));
-    KVR_CUDA_RETURN_IF_ERROR(
-        h2d(d_seqs_.data(), h_seqs_.data(), static_cast<int64_t>(batch.size())));
+    if (sparse) {
+      SparseState& sp = *sparse_;
+      KVR_CUDA_RETURN_IF_ERROR(h2d(sp.rows.data(), sp.h_rows.data(), n_rows));
+      KVR_CUDA_RETURN_IF_ERROR(h2d(sp.meta.data(), sp.h_meta.data(), 3 * n_rows));
+    } else {
+      KVR_CUDA_RETURN_IF_ERROR(h2d(d_token_seq_.data(), h_token_seq_.data(), total));
+      KVR_CUDA_RETURN_IF_ERROR(
+          h2d(d_seqs_.data(), h_seqs_.data(), static_cast<int64_t>(batch.size())));
+    }
 
     const int64_t h = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
     const int64_t qkv_dim = q_dim + 2 * kv_dim, f = c.ffn;
     KVR_RETURN_IF_ERROR(cuda::LaunchEmbed(
-        {d_tokens_.data(), token_embd_.data(), x_.data(), total, c.hidden}, stream()));
+        {d_tokens_.data(), token_embd_.data(), x_.data(), n_rows, c.hidden}, stream()));
 
     cuda::AttentionParams ap;
     ap.q = q_.data();
@@ -548,43 +1142,48 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       norm.x = x_.data();
       norm.weight = w.attn_norm.data();
       norm.y_bf16 = normed_.data();
-      norm.n_rows = total;
+      norm.n_rows = n_rows;
       norm.dim = c.hidden;
       norm.eps = c.rms_eps;
       KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
       KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
-      KVR_RETURN_IF_ERROR(Gemm(normed_.data(), total, h, w.wqkv.data(), qkv_dim, qkv_.data(), 0.f));
-      KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
-      cuda::QkvRopeParams rope;
-      rope.qkv = qkv_.data();
-      rope.bias = w.bqkv.size() > 0 ? w.bqkv.data() : nullptr;
-      rope.inv_freq = inv_freq_.data();
-      rope.token_seq = d_token_seq_.data();
-      rope.seqs = d_seqs_.data();
-      rope.q = q_.data();
-      rope.n_tokens = total;
-      rope.n_heads = c.n_heads;
-      rope.n_kv_heads = c.n_kv_heads;
-      rope.head_dim = c.head_dim;
-      rope.layer = layer;
-      KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
-      KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
-      ap.layer = layer;
-      KVR_RETURN_IF_ERROR(all_decode ? cuda::LaunchDecodeAttention(ap, stream())
-                                     : cuda::LaunchPrefillAttention(ap, stream()));
+      KVR_RETURN_IF_ERROR(
+          Gemm(normed_.data(), n_rows, h, w.wqkv.data(), qkv_dim, qkv_.data(), 0.f));
+      if (sparse) {
+        KVR_RETURN_IF_ERROR(SparseLayer(layer, w, max_candidates));
+      } else {
+        KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+        cuda::QkvRopeParams rope;
+        rope.qkv = qkv_.data();
+        rope.bias = w.bqkv.size() > 0 ? w.bqkv.data() : nullptr;
+        rope.inv_freq = inv_freq_.data();
+        rope.token_seq = d_token_seq_.data();
+        rope.seqs = d_seqs_.data();
+        rope.q = q_.data();
+        rope.n_tokens = total;
+        rope.n_heads = c.n_heads;
+        rope.n_kv_heads = c.n_kv_heads;
+        rope.head_dim = c.head_dim;
+        rope.layer = layer;
+        KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
+        KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
+        ap.layer = layer;
+        KVR_RETURN_IF_ERROR(all_decode ? cuda::LaunchDecodeAttention(ap, stream())
+                                       : cuda::LaunchPrefillAttention(ap, stream()));
+      }
       KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
-      KVR_RETURN_IF_ERROR(Gemm(attn_.data(), total, q_dim, w.wo.data(), h, x_.data(), 1.f));
+      KVR_RETURN_IF_ERROR(Gemm(attn_.data(), n_rows, q_dim, w.wo.data(), h, x_.data(), 1.f));
       KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
       norm.weight = w.ffn_norm.data();
       KVR_RETURN_IF_ERROR(cuda::LaunchRmsNorm(norm, stream()));
       KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
       KVR_RETURN_IF_ERROR(
-          Gemm(normed_.data(), total, h, w.w_gate_up.data(), 2 * f, gate_up_.data(), 0.f));
+          Gemm(normed_.data(), n_rows, h, w.w_gate_up.data(), 2 * f, gate_up_.data(), 0.f));
       KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
       KVR_RETURN_IF_ERROR(
-          cuda::LaunchSwiGlu({gate_up_.data(), act_.data(), total, c.ffn}, stream()));
+          cuda::LaunchSwiGlu({gate_up_.data(), act_.data(), n_rows, c.ffn}, stream()));
       KVR_RETURN_IF_ERROR(Mark(Kind::kGemm));
-      KVR_RETURN_IF_ERROR(Gemm(act_.data(), total, f, w.w_down.data(), h, x_.data(), 1.f));
+      KVR_RETURN_IF_ERROR(Gemm(act_.data(), n_rows, f, w.w_down.data(), h, x_.data(), 1.f));
     }
 
     // Output rows in chunks of max_logits_rows: final norm, projection, argmax or copy back.
@@ -634,6 +1233,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   for (size_t b = 0; b < batch.size(); ++b) {
     seqs[b]->length += static_cast<int64_t>(batch[b].tokens.size());
   }
+  if (sparse) ++sparse_->steps;
   return absl::OkStatus();
 }
 

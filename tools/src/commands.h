@@ -13,5 +13,7 @@ void AddEvalCommand(CLI::App& app);      // kvr eval retrieval (retrieval/eval)
 void AddCalibrateCommand(CLI::App& app);  // kvr calibrate (A2ATS codebooks)
 void AddUpCommand(CLI::App& app);         // kvr up (local cluster)
 void AddBenchCommand(CLI::App& app);      // kvr bench (load generator, tools/bench)
+// kvr bench decode (GPU decode throughput, kvr::model_cuda); after AddBenchCommand.
+void AddBenchDecodeCommand(CLI::App& app);
 
 }  // namespace kvr::tools

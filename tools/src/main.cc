@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   kvr::tools::AddCalibrateCommand(app);
   kvr::tools::AddUpCommand(app);
   kvr::tools::AddBenchCommand(app);
+  kvr::tools::AddBenchDecodeCommand(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -15,11 +15,35 @@
 // This header has no CUDA types: the factories answer Unimplemented in a build without nvcc
 // (CONVENTIONS.md 7), so callers link `kvr::model_cuda` unconditionally.
 //
+// Sparse sequences (AddSparseSequence; issue 7, the decode node's data path on one GPU):
+// - Such a sequence keeps its FULL KV in pinned host memory mapped into the GPU,
+//   [n_layers, n_kv_heads, capacity, 2 (K | V), head_dim] bf16 (the KV store's row layout).
+//   That memory stands in for the KV store's registered pool on the same host, reached over UCX
+//   shared memory: the GPU reads the selected rows across PCIe, zero-copy.
+// - On the GPU it keeps only: the sink rows and a ring of the local window (the "resident"
+//   rows), the method's summaries (quest: fp32 per-page key min/max; clusterkv: fp32 centroids,
+//   member lists) and a hot cache of recently fetched rows (retrieval/cuda/.../hot_cache.cuh).
+// - Its decode step per layer: QKV GEMM; RoPE, the new K/V row written to the host KV and the
+//   window ring, summaries updated (quest: the page bounds of the new token; clusterkv: the
+//   token leaving the window becomes a singleton cluster whose centroid is its key, as the CPU
+//   index's pending tokens; no re-clustering on the GPU); ONE select launch for all sparse
+//   sequences over the candidates [n_sink, len - local_window); one hot-cache gather (misses
+//   read from the mapped host KV); one sparse decode attention over sink + window + selected
+//   rows (one softmax); O GEMM.
+// - All sparse sequences of one CudaModel share the method and its parameters
+//   (ConfigureSparse) and a fixed number of slots: a Forward over sparse sequences runs the
+//   QKV/O/FFN GEMMs and the select/gather/attend launches over ALL slots (empty slots are
+//   masked), so size `slots` to the batch that is run.
+// - A Forward batch is either all dense or all sparse sequences, and a sparse sequence takes
+//   exactly one token per Forward (decode): its past comes from FillSequenceForBenchmark or from
+//   token-by-token steps (GPU prefill into the store is the prefill node's part, not here).
+//
 // Thread safety: none; one thread drives a CudaModel (it owns one CUDA stream and one cuBLAS
 // handle). Forward is synchronous: it returns once the logits are back in host memory.
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 
 #include "absl/status/status.h"
@@ -53,7 +77,43 @@ struct CudaForwardProfile {
   double total_ms = 0;      // first kernel to last, on the GPU
   double gemm_ms = 0;       // cuBLAS projections (QKV, O, gate/up, down, output)
   double attention_ms = 0;  // attention kernels (incl. the decode merge)
-  double other_ms = 0;      // norms, RoPE, SwiGLU, embedding, argmax
+  double other_ms = 0;      // norms, RoPE (+ sparse KV append), SwiGLU, embedding, argmax
+  double select_ms = 0;     // sparse sequences: quest / clusterkv selection
+  double gather_ms = 0;     // sparse sequences: hot-cache lookup + gather of misses from host
+};
+
+enum class SparseMethod { kQuest, kClusterKv };
+
+// The sparse attention of a CudaModel's sparse sequences (ConfigureSparse).
+struct SparseAttentionOptions {
+  SparseMethod method = SparseMethod::kQuest;
+  int slots = 0;              // sparse sequences at once (sizes every per-sequence GPU buffer)
+  int64_t max_capacity = 0;   // tokens per sparse sequence (sizes the summaries)
+  int budget = 1024;          // selected tokens per KV head and step (quest <= 4096, ckv <= 2048)
+  int n_sink = 16;            // always attended, kept on the GPU (decode-node defaults)
+  int local_window = 256;     // most recent tokens (incl. the new one), kept on the GPU
+  int hot_cache_rows = 1024;  // per (sequence, layer, KV head); 0: no hot cache
+  int quest_page_size = 16;
+  // clusterkv: tokens per cluster of FillSequenceForBenchmark's stand-in clustering, and the
+  // singleton clusters room for tokens leaving the window afterwards (dropped past it).
+  int clusterkv_tokens_per_cluster = 80;
+  int clusterkv_max_pending = 4096;
+};
+
+struct SparseSequenceOptions {
+  // Benchmarks only: use the host KV of this (sparse) sequence instead of pinning a new one
+  // (128 GiB of host memory holds ~7 Llama-3-8B sequences of 128K). The sequences then read the
+  // same past rows and their new rows overwrite each other's: throughput only, never for output
+  // that matters. The GPU-side state (ring, summaries, hot cache) stays per sequence.
+  std::optional<SequenceId> share_host_kv_with;
+};
+
+// Counters of the sparse path since ConfigureSparse (device counters; profile on only).
+struct SparseStats {
+  int64_t steps = 0;           // sparse Forward calls
+  int64_t selected_rows = 0;   // rows selected, summed over layers, sequences and KV heads
+  int64_t hot_cache_hits = 0;  // of those, found in the hot cache (the rest crossed PCIe)
+  int64_t row_bytes = 0;       // bytes of one [K | V] row of one KV head
 };
 
 class CudaModel {
@@ -73,7 +133,10 @@ class CudaModel {
   [[nodiscard]] virtual absl::StatusOr<int64_t> SequenceLength(SequenceId id) const = 0;
   // For benchmarks: sets the sequence's length to `n_tokens`, filling its cache with
   // deterministic random K/V rows (no forward pass), so that decode can be timed at a long
-  // context without a prefill.
+  // context without a prefill. Sparse sequence: fills the host KV (skipped when a shared host KV
+  // already holds this seed), copies the sink and window rows to the GPU ring and builds the
+  // summaries on the GPU (quest: page min/max; clusterkv: a SYNTHETIC stand-in for k-means:
+  // contiguous runs of clusterkv_tokens_per_cluster candidates, centroid = their mean key).
   [[nodiscard]] virtual absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens,
                                                               uint64_t seed) = 0;
 
@@ -88,6 +151,21 @@ class CudaModel {
   // to the lowest id, as ArgMax in sampler.h) and copies back only the tokens: [batch].
   [[nodiscard]] virtual absl::Status ForwardGreedy(std::span<const CudaSequence> batch,
                                                    std::span<int32_t> next_tokens) = 0;
+
+  // Sets up the shared GPU state of sparse sequences (see the top of this file), replacing any
+  // earlier one. FailedPrecondition while sparse sequences exist; ResourceExhausted when the GPU
+  // is full; InvalidArgument for bad options (method limits, window/sink, slots > max_sequences).
+  // slots = 0 frees the sparse state.
+  [[nodiscard]] virtual absl::Status ConfigureSparse(const SparseAttentionOptions& options) = 0;
+  // Takes a free slot and pins the sequence's host KV (or shares one, see SparseSequenceOptions).
+  // FailedPrecondition without ConfigureSparse or with every slot taken; InvalidArgument for a
+  // capacity above the configured max_capacity.
+  [[nodiscard]] virtual absl::Status AddSparseSequence(SequenceId id, int64_t capacity,
+                                                       const SparseSequenceOptions& options) = 0;
+  // Device memory held for the sequence: its KV cache (dense), or its share of the sparse state
+  // (one slot's resident rows, summaries, hot cache and step buffers).
+  [[nodiscard]] virtual absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const = 0;
+  virtual SparseStats sparse_stats() const = 0;
 
   // GPU time split of the last Forward/ForwardGreedy (zeros unless profiling is on).
   virtual CudaForwardProfile last_profile() const = 0;

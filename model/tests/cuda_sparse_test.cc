@@ -1,0 +1,265 @@
+// Sparse sequences of the CUDA model (cuda_model.h, "Sparse sequences") against its dense path.
+//
+// With a budget that covers every candidate, a sparse sequence attends over exactly the rows a
+// dense one does (sink + window from the GPU ring, every other row selected and gathered from
+// the mapped host KV), so its logits must match the dense path's within the tolerance of
+// cuda_model_test.cc (the two decode attention kernels round P differently) and its greedy
+// tokens must be the same (except at a near tie, reported). Both quest and clusterkv, on the
+// llama3-8b x 2 layers and smollm2-135m dummy shapes (random weights on the GPU), two sparse
+// sequences of different prompt lengths in two slots (so one slot is empty while the shorter
+// prompt is done), a window of 8 (the ring wraps, clusterkv appends singleton clusters) and a
+// hot cache.
+// CTest label `gpu`; also runnable as a plain binary on a machine with a GPU.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvr/model/cuda_model.h"
+#include "kvr/model/dummy.h"
+#include "kvr/model/sampler.h"
+
+namespace kvr::model {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)"
+
+constexpr double kMinCosine = 0.999;
+constexpr double kMaxErrOverRms = 0.1;
+
+struct RowError {
+  double cosine = 1, max_err = 0, rms = 0;
+};
+
+RowError Compare(std::span<const float> got, std::span<const float> want) {
+  double dot = 0, gg = 0, ww = 0, max_err = 0;
+  bool finite = true;
+  for (size_t i = 0; i < want.size(); ++i) {
+    finite = finite && std::isfinite(got[i]);
+    dot += double{got[i]} * want[i];
+    gg += double{got[i]} * got[i];
+    ww += double{want[i]} * want[i];
+    max_err = std::max(max_err, std::abs(double{got[i]} - want[i]));
+  }
+  RowError e;
+  e.cosine = finite ? dot / std::sqrt(gg * ww + 1e-30) : -1;
+  e.max_err = finite ? max_err : INFINITY;
+  e.rms = std::sqrt(ww / want.size());
+  return e;
+}
+
+std::vector<int32_t> Tokens(int n, int vocab, uint32_t seed) {
+  std::vector<int32_t> t(n);
+  uint64_t x = seed;
+  for (int& v : t) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    v = static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab));
+  }
+  return t;
+}
+
+struct Worst {
+  double cosine = 1, ratio = 0;
+  int steps = 0, ties = 0;
+};
+
+void CheckRow(std::span<const float> got, std::span<const float> want, const std::string& what,
+              Worst& worst) {
+  const RowError e = Compare(got, want);
+  worst.cosine = std::min(worst.cosine, e.cosine);
+  worst.ratio = std::max(worst.ratio, e.max_err / std::max(e.rms, 1e-6));
+  EXPECT_GE(e.cosine, kMinCosine) << what;
+  EXPECT_LE(e.max_err, kMaxErrOverRms * e.rms) << what << " rms " << e.rms;
+  // Greedy tokens: the same, or a near tie of the dense logits.
+  const int32_t g = ArgMax(got), w = ArgMax(want);
+  if (g != w) {
+    const double gap = double{want[w]} - want[g];
+    EXPECT_LE(gap, 2 * e.max_err) << what << ": greedy " << g << " vs dense " << w;
+    ++worst.ties;
+  }
+  ++worst.steps;
+}
+
+void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method) {
+  auto config = DummyConfig(shape, n_layers);
+  ASSERT_TRUE(config.ok()) << config.status();
+  CudaModelOptions mo;
+  mo.max_batch_tokens = 128;
+  mo.max_sequences = 8;
+  mo.max_logits_rows = 8;
+  auto created = CreateCudaModelWithRandomWeights(*config, 11, mo);
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaModel& gpu = **created;
+  const int vocab = config->vocab;
+
+  SparseAttentionOptions so;
+  so.method = method;
+  so.slots = 2;
+  so.max_capacity = 128;
+  so.budget = 128;  // covers every candidate: prompt + 32 steps < 128 tokens
+  so.n_sink = 4;
+  so.local_window = 8;
+  so.hot_cache_rows = 64;
+  so.quest_page_size = 16;
+  ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
+
+  const std::vector<int> lengths = {41, 23};
+  const std::string name =
+      shape + (method == SparseMethod::kQuest ? " quest" : " clusterkv") + " full budget";
+  Worst worst;
+  std::vector<int32_t> next(lengths.size());
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    prompts.push_back(Tokens(lengths[i], vocab, 30 + i));
+    const SequenceId dense = 100 + i, sparse = 200 + i;
+    ASSERT_TRUE(gpu.AddSequence(dense, 128).ok());
+    const absl::Status added = gpu.AddSparseSequence(sparse, 128, {});
+    ASSERT_TRUE(added.ok()) << added;
+  }
+  // Dense: each prompt in one chunk. Sparse: token by token, both sequences in one batch while
+  // both have prompt tokens left (the second slot is empty once the shorter prompt is done).
+  std::vector<std::vector<float>> dense_last(lengths.size(), std::vector<float>(vocab));
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const CudaSequence d{100 + i, prompts[i]};
+    ASSERT_TRUE(gpu.Forward(std::span(&d, 1), LogitsMode::kLast, dense_last[i]).ok());
+  }
+  std::vector<std::vector<float>> sparse_last(lengths.size());
+  for (int t = 0; t < lengths[0]; ++t) {
+    std::vector<CudaSequence> batch;
+    std::vector<size_t> who;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      if (t < lengths[i]) {
+        batch.push_back({200 + i, std::span(prompts[i]).subspan(t, 1)});
+        who.push_back(i);
+      }
+    }
+    std::vector<float> logits(batch.size() * vocab, NAN);
+    const absl::Status st = gpu.Forward(batch, LogitsMode::kLast, logits);
+    ASSERT_TRUE(st.ok()) << st;
+    for (size_t j = 0; j < who.size(); ++j) {
+      if (t == lengths[who[j]] - 1) {
+        sparse_last[who[j]].assign(logits.begin() + j * vocab, logits.begin() + (j + 1) * vocab);
+      }
+    }
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    CheckRow(sparse_last[i], dense_last[i], name + " prompt " + std::to_string(i), worst);
+    next[i] = ArgMax(dense_last[i]);
+  }
+  // 32 decode steps, both sides fed the dense path's greedy tokens.
+  for (int step = 0; step < 32; ++step) {
+    std::vector<CudaSequence> dense, sparse;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      dense.push_back({100 + i, std::span(&next[i], 1)});
+      sparse.push_back({200 + i, std::span(&next[i], 1)});
+    }
+    std::vector<float> want(lengths.size() * vocab, NAN), got(lengths.size() * vocab, NAN);
+    ASSERT_TRUE(gpu.Forward(dense, LogitsMode::kLast, want).ok());
+    const absl::Status st = gpu.Forward(sparse, LogitsMode::kLast, got);
+    ASSERT_TRUE(st.ok()) << st;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      CheckRow(std::span(got).subspan(i * vocab, vocab), std::span(want).subspan(i * vocab, vocab),
+               name + " step " + std::to_string(step) + " seq " + std::to_string(i), worst);
+      next[i] = ArgMax(std::span(want).subspan(i * vocab, vocab));
+    }
+  }
+  // ForwardGreedy on the sparse path agrees with its logits' argmax.
+  {
+    std::vector<CudaSequence> sparse;
+    for (size_t i = 0; i < lengths.size(); ++i) sparse.push_back({200 + i, std::span(&next[i], 1)});
+    std::vector<int32_t> tokens(lengths.size(), -1);
+    ASSERT_TRUE(gpu.ForwardGreedy(sparse, tokens).ok());
+    for (int32_t t : tokens) EXPECT_TRUE(t >= 0 && t < vocab);
+  }
+  EXPECT_EQ(*gpu.SequenceLength(200), lengths[0] + 33);
+  const SparseStats stats = gpu.sparse_stats();
+  std::printf(
+      "[ parity ] %-40s steps %3d  min cosine %.6f  max |err|/rms %.4f  near ties %d  "
+      "sparse Forwards %lld  hot-cache hits %lld\n",
+      name.c_str(), worst.steps, worst.cosine, worst.ratio, worst.ties,
+      static_cast<long long>(stats.steps), static_cast<long long>(stats.hot_cache_hits));
+  EXPECT_EQ(worst.ties, 0) << "near ties are allowed but reported";
+  ASSERT_TRUE(gpu.ReleaseSequence(200).ok());
+  ASSERT_TRUE(gpu.ReleaseSequence(201).ok());
+}
+
+TEST(CudaSparseTest, Llama3QuestFullBudgetMatchesDense) {
+  SKIP_WITHOUT_GPU();
+  CheckFullBudget("llama3-8b", 2, SparseMethod::kQuest);
+}
+TEST(CudaSparseTest, Llama3ClusterKvFullBudgetMatchesDense) {
+  SKIP_WITHOUT_GPU();
+  CheckFullBudget("llama3-8b", 2, SparseMethod::kClusterKv);
+}
+TEST(CudaSparseTest, Smollm2QuestFullBudgetMatchesDense) {
+  SKIP_WITHOUT_GPU();
+  CheckFullBudget("smollm2-135m", 0, SparseMethod::kQuest);
+}
+TEST(CudaSparseTest, Smollm2ClusterKvFullBudgetMatchesDense) {
+  SKIP_WITHOUT_GPU();
+  CheckFullBudget("smollm2-135m", 0, SparseMethod::kClusterKv);
+}
+
+// Benchmark fill + small budget: runs, stays finite, reports; errors for misuse.
+TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
+  SKIP_WITHOUT_GPU();
+  auto config = DummyConfig("llama3-8b", 2);
+  ASSERT_TRUE(config.ok());
+  CudaModelOptions mo;
+  mo.max_batch_tokens = 64;
+  mo.max_sequences = 8;
+  mo.max_logits_rows = 8;
+  auto created = CreateCudaModelWithRandomWeights(*config, 3, mo);
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaModel& gpu = **created;
+  for (SparseMethod method : {SparseMethod::kQuest, SparseMethod::kClusterKv}) {
+    SparseAttentionOptions so;
+    so.method = method;
+    so.slots = 3;
+    so.max_capacity = 8192;
+    so.budget = 256;
+    so.hot_cache_rows = 256;
+    ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
+    ASSERT_TRUE(gpu.AddSparseSequence(1, 8192, {}).ok());
+    SparseSequenceOptions share;
+    share.share_host_kv_with = 1;
+    ASSERT_TRUE(gpu.AddSparseSequence(2, 8192, share).ok());
+    ASSERT_TRUE(gpu.AddSparseSequence(3, 8192, share).ok());
+    EXPECT_EQ(gpu.AddSparseSequence(4, 8192, {}).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(gpu.ConfigureSparse(so).code(), absl::StatusCode::kFailedPrecondition);
+    for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(gpu.FillSequenceForBenchmark(id, 6000, 5).ok());
+    ASSERT_TRUE(gpu.AddSequence(9, 64).ok());
+    const std::vector<int32_t> tok = {1, 2, 3};
+    std::vector<CudaSequence> mixed = {{1, std::span(&tok[0], 1)}, {9, std::span(&tok[1], 1)}};
+    std::vector<float> logits(2 * config->vocab);
+    EXPECT_EQ(gpu.Forward(mixed, LogitsMode::kLast, logits).code(),
+              absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(gpu.ReleaseSequence(9).ok());
+    gpu.set_profile(true);
+    for (int step = 0; step < 4; ++step) {
+      std::vector<CudaSequence> batch;
+      for (int i = 0; i < 3; ++i) batch.push_back({SequenceId(i + 1), std::span(&tok[i], 1)});
+      std::vector<float> out(3 * config->vocab, NAN);
+      const absl::Status st = gpu.Forward(batch, LogitsMode::kLast, out);
+      ASSERT_TRUE(st.ok()) << st;
+      for (float v : out) ASSERT_TRUE(std::isfinite(v));
+    }
+    gpu.set_profile(false);
+    const SparseStats s = gpu.sparse_stats();
+    // 4 steps x 2 layers x 3 sequences x 8 KV heads x budget 256 (6000 tokens >> budget).
+    EXPECT_EQ(s.selected_rows, int64_t{4} * 2 * 3 * 8 * 256);
+    EXPECT_GT(s.hot_cache_hits, 0);
+    std::printf("[ sparse ] %s filled 6000 tokens x3: selected %lld rows, hot-cache hits %lld\n",
+                method == SparseMethod::kQuest ? "quest" : "clusterkv",
+                static_cast<long long>(s.selected_rows), static_cast<long long>(s.hot_cache_hits));
+    for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(gpu.ReleaseSequence(id).ok());
+  }
+}
+
+}  // namespace
+}  // namespace kvr::model

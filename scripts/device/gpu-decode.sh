@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Sparse decode on the CUDA model runtime and `kvr bench decode` (issue 7) on the device machine:
+# the sparse parity tests (and the dense model tests, whose Forward the sparse path shares),
+# compute-sanitizer memcheck on the sparse parity test, then `kvr bench decode`. Builds nothing
+# there: `bundle` (here) copies the stripped binaries and the non-system shared libraries they
+# need, xz-compressed, into .device/gpudecode/ (cuBLAS and the CUDA runtime are the device's own).
+#
+#   here:  bash scripts/device/gpu-decode.sh bundle
+#   there: bash scripts/device/gpu-decode.sh run [bench flags...]   (device tool, carry
+#          [".device/gpudecode"]; tests, memcheck, then kvr bench decode --profile with the flags)
+#          bash scripts/device/gpu-decode.sh bench [bench flags...] (the bench alone)
+# Logs go to $OUT (or ./out/gpudecode).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+readonly kBundle=.device/gpudecode
+readonly kStage=/tmp/kvr-gpudecode
+out="${OUT:-out/gpudecode}"
+mkdir -p "$out"
+
+stage() {
+  rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+  export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+  free -g | head -2
+}
+
+bench() {
+  timeout 420 "$kStage/bin/kvr" bench decode --profile --json "$out/bench_decode.json" "$@" 2>&1 |
+    tee "$out/bench_decode.log"
+  return "${PIPESTATUS[0]}"
+}
+
+case "${1:-}" in
+  bundle)
+    build="${BUILD_DIR:-build-gpudecode}"
+    export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache} CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
+    cmake --build "$build" --target model_cuda_sparse_test model_cuda_model_test kvr -j2 || exit 1
+    rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
+    cp "$build/model/model_cuda_sparse_test" "$build/model/model_cuda_model_test" \
+      "$build/tools/kvr" "$kBundle/bin/"
+    strip -g "$kBundle"/bin/*
+    ldd "$kBundle"/bin/* | awk '/=> \//{print $3}' |
+      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
+      sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
+    strip -g "$kBundle"/lib/*.so* 2>/dev/null
+    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/gpudecode-bundle.tar.xz
+    rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/gpudecode-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    du -sh "$kBundle"
+    ;;
+  run)
+    shift
+    stage
+    status=0
+    "$kStage/bin/model_cuda_sparse_test" 2>&1 | tee "$out/sparse_test.log" |
+      grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|parity|sparse) |Failure|error' || true
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    "$kStage/bin/model_cuda_model_test" --gtest_filter=-*Gguf* 2>&1 | tee "$out/model_test.log" |
+      grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) ' || true
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
+      timeout 150 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$kStage/bin/model_cuda_sparse_test" \
+        --gtest_filter=*Llama3Quest*:*Llama3ClusterKv*:*SmallBudget* > "$out/sanitizer.log" 2>&1
+      echo "compute-sanitizer memcheck (sparse test): rc $?  $(grep 'ERROR SUMMARY' "$out/sanitizer.log")"
+    else
+      echo "compute-sanitizer not found"
+    fi
+    bench "$@" || status=1
+    echo "run: status $status"
+    exit $status
+    ;;
+  bench)
+    shift
+    stage
+    bench "$@"
+    ;;
+  *)
+    echo "usage: $0 bundle|run|bench [kvr bench decode flags]" >&2
+    exit 2
+    ;;
+esac
