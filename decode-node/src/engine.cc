@@ -149,6 +149,7 @@ absl::StatusOr<std::unique_ptr<DecodeEngine::Sequence>> DecodeEngine::Prepare(Ha
   model::SamplingOptions so;
   so.temperature = h.sampling.temperature;
   so.top_p = h.sampling.top_p;
+  so.top_k = h.sampling.top_k;
   // The prefill node sampled the first token from a sampler seeded with `seed`; this one
   // continues with another stream of the same seed.
   so.seed = h.sampling.seed + 1;

@@ -62,6 +62,7 @@ absl::StatusOr<Handoff> HandoffFromProto(const cv1::HandoffHeader& header,
   h.sampling.max_tokens = sp.has_max_tokens() ? sp.max_tokens() : 16;
   h.sampling.temperature = sp.temperature();
   h.sampling.top_p = sp.has_top_p() ? sp.top_p() : 1.f;
+  h.sampling.top_k = sp.top_k();
   // As the prefill node: an unset seed is derived from the request id.
   h.sampling.seed = sp.has_seed() ? sp.seed() : absl::HashOf(header.request_id());
   h.sampling.stop.assign(sp.stop().begin(), sp.stop().end());

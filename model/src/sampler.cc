@@ -50,13 +50,24 @@ absl::StatusOr<int32_t> Sampler::Sample(std::span<const float> logits) {
   auto before = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
     return a.first != b.first ? a.first > b.first : a.second < b.second;
   };
+  size_t sorted = 0;  // scratch_[0, sorted) is in `before` order
+  if (options_.top_k > 0 && options_.top_k < scratch_.size()) {
+    std::partial_sort(scratch_.begin(), scratch_.begin() + options_.top_k, scratch_.end(),
+                      before);
+    scratch_.resize(options_.top_k);
+    sorted = scratch_.size();
+    total = 0.0;
+    for (const auto& [p, id] : scratch_) total += p;
+  }
   size_t keep = scratch_.size();
   double kept_mass = total;
   if (options_.top_p < 1.f) {
     // The nucleus is usually a few dozen tokens: order a prefix first and sort everything only
     // when the prefix does not reach top_p (saves sorting the whole vocabulary every step).
-    size_t sorted = std::min<size_t>(scratch_.size(), 256);
-    std::partial_sort(scratch_.begin(), scratch_.begin() + sorted, scratch_.end(), before);
+    if (sorted < scratch_.size()) {
+      sorted = std::min<size_t>(scratch_.size(), 256);
+      std::partial_sort(scratch_.begin(), scratch_.begin() + sorted, scratch_.end(), before);
+    }
     double cumulative = 0.0;
     for (size_t i = 0; i < scratch_.size(); ++i) {
       if (i == sorted) {

@@ -319,6 +319,47 @@ TEST(SamplerTest, TopPNucleusLargerThanTheSortedPrefix) {
   EXPECT_GT(max_id, 800);  // and the nucleus is not cut short
 }
 
+TEST(SamplerTest, TopKKeepsOnlyTheKMostLikely) {
+  // Probabilities ~ [0.09, 0.64, 0.03, 0.24]: top_k 2 keeps ids 1 and 3, in proportion.
+  const std::vector<float> logits = {std::log(0.09f), std::log(0.64f), std::log(0.03f),
+                                     std::log(0.24f)};
+  SamplingOptions o{1.f, 1.f, 5};
+  o.top_k = 2;
+  auto sampler = Sampler::Create(o);
+  ASSERT_TRUE(sampler.ok());
+  int counts[4] = {0, 0, 0, 0};
+  for (int i = 0; i < 4000; ++i) ++counts[*sampler->Sample(logits)];
+  EXPECT_EQ(counts[0] + counts[2], 0);
+  // 0.64 / 0.88 = 0.727 of the draws; 4000 draws: +-0.03 is > 4 standard deviations.
+  EXPECT_NEAR(counts[1] / 4000.0, 0.64 / 0.88, 0.03);
+  // top_k 1 is greedy whatever the temperature; top_k >= vocabulary changes nothing.
+  o.top_k = 1;
+  auto one = Sampler::Create(o);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(*one->Sample(logits), 1);
+  o.top_k = 100;
+  auto all = Sampler::Create(o);
+  auto off = Sampler::Create({1.f, 1.f, 5});
+  for (int i = 0; i < 200; ++i) EXPECT_EQ(*all->Sample(logits), *off->Sample(logits));
+}
+
+TEST(SamplerTest, TopPAppliesToTheTopKRenormalisedMass) {
+  // top_k 3 keeps [0.64, 0.24, 0.09] (mass 0.97); top_p 0.9 of that is 0.873: ids 0 and 1
+  // (0.88) reach it, id 2 is cut. Without top_k, top_p 0.9 would keep id 2 (0.88 < 0.9).
+  const std::vector<float> logits = {std::log(0.64f), std::log(0.24f), std::log(0.09f),
+                                     std::log(0.03f)};
+  SamplingOptions o{1.f, 0.9f, 9};
+  o.top_k = 3;
+  auto sampler = Sampler::Create(o);
+  int counts[4] = {0, 0, 0, 0};
+  for (int i = 0; i < 3000; ++i) ++counts[*sampler->Sample(logits)];
+  EXPECT_EQ(counts[2] + counts[3], 0);
+  EXPECT_GT(counts[1], 0);
+  auto no_k = Sampler::Create({1.f, 0.9f, 9});
+  int third = 0;
+  for (int i = 0; i < 3000; ++i) third += *no_k->Sample(logits) == 2;
+  EXPECT_GT(third, 0);
+}
+
 TEST(SamplerTest, RejectsBadOptions) {
   EXPECT_FALSE(Sampler::Create({1.f, 0.f, 0}).ok());
   EXPECT_FALSE(Sampler::Create({1.f, 1.5f, 0}).ok());

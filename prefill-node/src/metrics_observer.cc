@@ -57,7 +57,7 @@ void PrefillMetricsObserver::OnFinished(const absl::Status& status, const Prefil
   }
   metrics_->CountPrefill(model_, Outcome(status));
   if (status.ok() && result != nullptr) {
-    metrics_->ObservePrefillStep(model_, "", absl::ToDoubleSeconds(result->prefill_time));
+    metrics_->ObservePrefillStep(model_, result->method, absl::ToDoubleSeconds(result->prefill_time));
     metrics_->AddPrefillTokens(model_, result->prompt_tokens);
     metrics_->AddShippedBytes(model_, "decode", result->handoff_bytes);
   }

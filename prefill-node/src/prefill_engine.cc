@@ -441,6 +441,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   model::SamplingOptions so;
   so.temperature = sp.temperature();
   so.top_p = sp.has_top_p() ? sp.top_p() : 1.f;
+  so.top_k = sp.top_k();
   // Unset seed: one per request (stable for a request id, so a retry samples the same way).
   so.seed = sp.has_seed() ? sp.seed() : absl::HashOf(job.request_id);
   absl::StatusOr<model::Sampler> sampler = model::Sampler::Create(so);
@@ -501,6 +502,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
 
   PrefillResult result;
   result.prompt_tokens = static_cast<uint32_t>(L);
+  result.method = rp.method().empty() ? "full" : rp.method();
   result.prefill_time = absl::FromChrono(std::chrono::steady_clock::now() - t0);
   result.kv_bytes_shipped = worker.kv_bytes();
 

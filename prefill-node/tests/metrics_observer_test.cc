@@ -31,6 +31,7 @@ TEST(PrefillMetricsObserverTest, RecordsQueueBytesAndOutcomes) {
   observer.OnLayerReady(1, absl::Milliseconds(2), 64, 4096);
   PrefillResult result;
   result.prompt_tokens = 100;
+  result.method = "clusterkv";
   result.prefill_time = absl::Milliseconds(250);
   result.handoff_bytes = 1000;
   observer.OnFinished(absl::OkStatus(), &result, absl::Milliseconds(300));
@@ -43,7 +44,7 @@ TEST(PrefillMetricsObserverTest, RecordsQueueBytesAndOutcomes) {
               HasSubstr("kvr_kv_shipped_bytes_total{destination=\"store\",model=\"smol\"} 8192"));
   EXPECT_THAT(text,
               HasSubstr("kvr_kv_shipped_bytes_total{destination=\"decode\",model=\"smol\"} 1000"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefill_step_seconds_sum{method=\"\",model=\"smol\"} 0.25"));
+  EXPECT_THAT(text, HasSubstr("kvr_prefill_step_seconds_sum{method=\"clusterkv\",model=\"smol\"} 0.25"));
   EXPECT_THAT(text, HasSubstr("kvr_prefill_requests_total{model=\"smol\",outcome=\"ok\"} 1"));
   EXPECT_THAT(text,
               HasSubstr("kvr_prefill_requests_total{model=\"smol\",outcome=\"unavailable\"} 1"));

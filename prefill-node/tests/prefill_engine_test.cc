@@ -136,6 +136,7 @@ TEST_F(PrefillEngineTest, ShipsEveryLayerToStoreAndDecodeNode) {
   auto logits = m.Prefill(1, cache, *ids, dense, 64);
   ASSERT_TRUE(logits.ok());
   EXPECT_EQ(result->prompt_tokens, L);
+  EXPECT_EQ(result->method, "clusterkv");
   EXPECT_EQ(result->first_token, model::ArgMax(*logits));
   EXPECT_EQ(result->finish_reason, kvr::v1::FINISH_REASON_UNSPECIFIED);
   const uint64_t kv_bytes = uint64_t{2} * L * c.n_kv_heads * c.head_dim * 4 * c.n_layers;

@@ -250,7 +250,9 @@ TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
         static_cast<unsigned long long>(o.completion.retrieval().bytes_fetched()),
         static_cast<unsigned long long>(o.completion.retrieval().hot_cache_hits()),
         static_cast<unsigned long long>(o.completion.retrieval().hot_cache_misses()));
-    if (method == "full" || method == "exact") EXPECT_GE(same, kTokens / 2) << method;
+    if (method == "full" || method == "exact") {
+      EXPECT_GE(same, kTokens / 2) << method;
+    }
   }
   EXPECT_TRUE(cluster.WaitStoreEmpty(absl::Seconds(2)));
   EXPECT_EQ(cluster.StoreStats().used_bytes(), baseline);

@@ -238,7 +238,10 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   if (!o.endpoint.empty()) return RunRemote(o);
   KVR_ASSIGN_OR_RETURN(model::LoadFormat format, model::ParseLoadFormat(o.load_format));
   KVR_ASSIGN_OR_RETURN(model::Sampler sampler,
-                       model::Sampler::Create({o.temperature, o.top_p, o.seed}));
+                       model::Sampler::Create({.temperature = o.temperature,
+                                               .top_p = o.top_p,
+                                               .seed = o.seed,
+                                               .top_k = o.top_k}));
   if (o.max_tokens < 0) return absl::InvalidArgumentError("--max-tokens must be >= 0");
   ThreadPool pool(o.threads > 0 ? static_cast<size_t>(o.threads) : 0);
 
@@ -354,7 +357,7 @@ void AddGenerateCommand(CLI::App& app) {
                   "endpoint: most recent tokens always attended");
   cmd->add_option("--option", options->method_options, "endpoint: method option key=value");
   cmd->add_option("--stop", options->stop, "endpoint: stop string (repeatable)");
-  cmd->add_option("--top-k", options->top_k, "endpoint: keep the k most likely tokens (0 = off)");
+  cmd->add_option("--top-k", options->top_k, "keep the k most likely tokens (0 = off)");
   cmd->add_option("--timeout", options->timeout_s, "endpoint: request deadline in seconds")
       ->capture_default_str();
   cmd->add_option("--passkey", options->passkey,

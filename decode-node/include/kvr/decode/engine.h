@@ -44,6 +44,7 @@ struct SamplingSettings {
   uint32_t max_tokens = 16;  // the first token (sampled by the prefill node) counts
   float temperature = 0.f;
   float top_p = 1.f;
+  uint32_t top_k = 0;  // 0: off
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool ignore_eos = false;

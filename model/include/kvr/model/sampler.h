@@ -1,5 +1,5 @@
 #pragma once
-// Token sampling: greedy, temperature and nucleus (top-p), deterministic for a given seed.
+// Token sampling: greedy, temperature, top-k and nucleus (top-p), deterministic for a given seed.
 //
 // Thread safety: a Sampler holds its random state; use one per sequence.
 
@@ -16,6 +16,9 @@ struct SamplingOptions {
   float temperature = 0.f;  // <= 0: greedy (argmax; ties go to the lowest id)
   float top_p = 1.f;        // in (0, 1]: sample from the smallest set of tokens whose mass >= top_p
   uint64_t seed = 0;
+  // > 0: sample among the top_k most likely tokens only (before top_p, which then applies to
+  // their renormalised mass, as Hugging Face's TopKLogitsWarper -> TopPLogitsWarper); 0: off.
+  uint32_t top_k = 0;
 };
 
 class Sampler {

@@ -71,6 +71,7 @@ struct PrefillJob {
 
 struct PrefillResult {
   uint32_t prompt_tokens = 0;
+  std::string method;  // the retrieval method whose summaries were built ("full" when unset)
   int32_t first_token = 0;
   std::string first_text;
   // FINISH_REASON_UNSPECIFIED unless the first token ended the request (then no handoff).
