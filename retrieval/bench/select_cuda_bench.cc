@@ -505,8 +505,8 @@ std::vector<Row> BenchCtkvr(int context, int batch, const std::vector<int>& budg
   return rows_out;
 }
 
-// a2ats: 4096 codewords per KV head (the paper's size at 16K-96K), random lower-triangular L and
-// codewords, random uint16 ids.
+// a2ats: 4096 codewords per KV head (the paper's size at 16K-96K), a random lower-triangular
+// matrix as L^-1, random codewords and uint16 ids.
 std::vector<Row> BenchA2ats(int context, int batch, const std::vector<int>& budgets, int iters,
                             cudaStream_t stream) {
   constexpr int kCodebook = 4096;
@@ -553,7 +553,7 @@ std::vector<Row> BenchA2ats(int context, int batch, const std::vector<int>& budg
     p.rope = {kvr::retrieval::RopeStyle::kHalfSplit, 500000.f, 0};
     p.wrope_offset = 2048;
     p.codebook_size = kCodebook;
-    p.chol = d_chol.data();
+    p.chol_inv = d_chol.data();
     p.codewords = d_cw.data();
     p.query = d_q.data();
     p.query_position = d_pos.data();

@@ -10,7 +10,7 @@
 #                                                  # subset, the bench, torch topk anchor
 #     quick: the bench at 128K, batch 1 and 4, budget 1024 only
 #     quant: pariskv / ctkvr / a2ats only (issue 6, kselect2): their parity tests, memcheck on
-#            them, the bench for those methods (no torch anchor)
+#            them, the bench for those methods and torch SDPA dense decode (no torch `exact`)
 #
 # `run` builds nothing. Logs and CSVs go to $OUT (the device tool's output folder) or ./out.
 set -euo pipefail
@@ -76,9 +76,13 @@ run() {
   [[ $mode == quick ]] && args=(--contexts 131072 --batches 1,4 --budgets 1024 --iters 20)
   [[ $mode == quant ]] && args=(--methods pariskv,ctkvr,a2ats --iters 20)
   timeout $t_bench "$DEV/select_cuda_bench" "${args[@]}" | tee "$out/bench.txt" || status=1
-  if [[ $mode != quant && -f $DEV/select_cuda_bench_torch.py ]]; then
+  if [[ -f $DEV/select_cuda_bench_torch.py ]]; then
     echo "== torch anchor (same run)"
-    python3 "$DEV/select_cuda_bench_torch.py" "${args[@]}" | tee "$out/torch.txt" || status=1
+    local targs=("${args[@]}")
+    # quant: SDPA dense only (no torch `exact`), one budget: the anchor for the ratios.
+    [[ $mode == quant ]] && targs=(--methods sdpa --budgets 1024 --iters 20)
+    timeout $t_bench python3 "$DEV/select_cuda_bench_torch.py" "${targs[@]}" | tee "$out/torch.txt" ||
+      status=1
   fi
   echo "status $status"
   return $status

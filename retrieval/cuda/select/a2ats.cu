@@ -1,9 +1,10 @@
 // a2ats: WRoPE query, codeword scoring, whole-codeword selection (selection.cuh), the CPU
 // A2atsIndex::Select (retrieval/src/a2ats.cc) and HeadCodebook::Scores (codebook.cc).
 //
-//  1. A2atsQueryKernel, one CTA per row, a warp per group head: re-rotation of the query from its
+//  1. A2atsQueryKernel, one CTA per row: re-rotation of each group head's query from its
 //     position to the WRoPE offset b (ApplyRope: double angles, float rotation), then x = q L^-T
-//     by forward substitution (L x = q, row-major lower L): [rows, group, head_dim].
+//     = L^-1 q with L^-1 precomputed on the host in double (A2atsLayoutFromIndexes): a
+//     matrix-vector product instead of a 128-step dependent solve: [rows, group, head_dim].
 //  2. A2atsScoreKernel, grid (codeword chunks, n_kv_heads, batch): scale * x . c^z for every
 //     codeword and group head (the query x codebook table), [rows, group, L].
 //  3. A2atsCountKernel, grid (token chunks, n_kv_heads, batch): selectable tokens per codeword
@@ -14,8 +15,8 @@
 //     order: whole codewords while they fit, the next one is the boundary.
 //  5. A2atsEmitKernel, one CTA per row: ordered compaction of the selectable tokens: every token
 //     of a whole codeword, and the last `rest` tokens of the boundary codeword (the most recent).
-// Scores go through a triangular solve and a dot product summed in another order than
-// OpenBLAS's strsv / sgemv, so near-equal codeword scores may order differently from the CPU
+// Scores go through L^-1 and a dot product summed in another order than OpenBLAS's strsv /
+// sgemv, so near-equal codeword scores may order differently from the CPU
 // (see the parity test). Bytes per step: the ids (2 per token and KV head) and the codebook
 // (L x head_dim x 4 per KV head, shared by the batch).
 
@@ -51,7 +52,7 @@ struct Args {
   int rope_style, rotary_dim;
   float theta;
   int64_t wrope_offset;
-  const float* chol;
+  const float* chol_inv;
   const float* codewords;
   const float* query;
   const int64_t* query_position;
@@ -74,46 +75,48 @@ __device__ __forceinline__ void RowRange(const Args& a, int b, int& lo, int& n_s
   n_sel = max(0, hi - lo);
 }
 
-static __global__ void A2atsQueryKernel(Args a) {
+// One CTA per row: L^-1 of the KV head in shared memory (rows padded to d + 1 floats: threads
+// reading one column hit distinct banks), the WRoPE re-rotation of every group head, then
+// x = L^-1 q (a triangular matrix-vector product instead of the CPU's sequential solve).
+static __global__ void __launch_bounds__(256) A2atsQueryKernel(Args a) {
   const int row = blockIdx.x;
   const int b = row / a.n_kv_heads, h = row % a.n_kv_heads;
-  const int g = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int d = a.head_dim;
-  __shared__ float xs[kMaxGroup][128];
-  float* x = xs[g];
-  const float* q = a.query + (static_cast<int64_t>(row) * a.group + g) * d;
-  for (int i = lane; i < d; i += 32) x[i] = q[i];
-  __syncwarp();
+  const int d = a.head_dim, group = a.group;
+  extern __shared__ float sm[];
+  float* linv = sm;                          // [d, d + 1]
+  float* xs = sm + d * (d + 1);              // [group, d]
+  const float* src = a.chol_inv + static_cast<int64_t>(h) * d * d;
+  for (int e = threadIdx.x; e < d * d; e += blockDim.x) linv[(e / d) * (d + 1) + e % d] = src[e];
+  const float* q = a.query + static_cast<int64_t>(row) * group * d;
+  for (int e = threadIdx.x; e < group * d; e += blockDim.x) xs[e] = q[e];
+  __syncthreads();
   const double rerotate =
       static_cast<double>(a.wrope_offset) - static_cast<double>(a.query_position[b]);
   if (a.rope_style != 0 && rerotate != 0.0) {
     const int rot = a.rotary_dim > 0 ? a.rotary_dim : d;
     const int half = rot / 2;
-    for (int i = lane; i < half; i += 32) {
+    for (int e = threadIdx.x; e < group * half; e += blockDim.x) {
+      const int g = e / half, i = e % half;
       const double freq = pow(static_cast<double>(a.theta), -2.0 * i / rot);
       const double angle = rerotate * freq;
       const float c = static_cast<float>(cos(angle));
       const float s = static_cast<float>(sin(angle));
-      const int ia = a.rope_style == 1 ? 2 * i : i;
-      const int ib = a.rope_style == 1 ? 2 * i + 1 : i + half;
-      const float xa = x[ia], yb = x[ib];
-      x[ia] = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(yb, s));
-      x[ib] = __fadd_rn(__fmul_rn(xa, s), __fmul_rn(yb, c));
+      const int ia = g * d + (a.rope_style == 1 ? 2 * i : i);
+      const int ib = g * d + (a.rope_style == 1 ? 2 * i + 1 : i + half);
+      const float xa = xs[ia], yb = xs[ib];
+      xs[ia] = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(yb, s));
+      xs[ib] = __fadd_rn(__fmul_rn(xa, s), __fmul_rn(yb, c));
     }
   }
-  __syncwarp();
-  // Forward substitution, in place: x_i = (q_i - sum_{j < i} L_ij x_j) / L_ii.
-  const float* L = a.chol + static_cast<int64_t>(h) * d * d;
-  for (int i = 0; i < d; ++i) {
+  __syncthreads();
+  for (int e = threadIdx.x; e < group * d; e += blockDim.x) {
+    const int g = e / d, i = e % d;
+    const float* lr = linv + i * (d + 1);
+    const float* x = xs + g * d;
     float s = 0.f;
-    for (int j = lane; j < i; j += 32) s = fmaf(L[static_cast<int64_t>(i) * d + j], x[j], s);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) x[i] = (x[i] - s) / L[static_cast<int64_t>(i) * d + i];
-    __syncwarp();
+    for (int j = 0; j <= i; ++j) s = fmaf(lr[j], x[j], s);
+    a.qz[static_cast<int64_t>(row) * group * d + e] = s;
   }
-  float* out = a.qz + (static_cast<int64_t>(row) * a.group + g) * d;
-  for (int i = lane; i < d; i += 32) out[i] = x[i];
 }
 
 static __global__ void __launch_bounds__(256) A2atsScoreKernel(Args a) {
@@ -382,7 +385,7 @@ absl::Status A2atsSelect(const A2atsSelectParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError("A2atsSelect: rotary_dim must be even and <= head_dim");
   }
   if (p.batch == 0) return absl::OkStatus();
-  if (p.chol == nullptr || p.codewords == nullptr || p.query == nullptr ||
+  if (p.chol_inv == nullptr || p.codewords == nullptr || p.query == nullptr ||
       p.query_position == nullptr || p.ids == nullptr || p.n_tokens == nullptr ||
       p.cand.begin == nullptr || p.cand.end == nullptr || p.out.ids == nullptr ||
       p.out.counts == nullptr) {
@@ -408,7 +411,7 @@ absl::Status A2atsSelect(const A2atsSelectParams& p, cudaStream_t stream) {
   a.rotary_dim = p.rope.rotary_dim;
   a.theta = p.rope.theta;
   a.wrope_offset = p.wrope_offset;
-  a.chol = p.chol;
+  a.chol_inv = p.chol_inv;
   a.codewords = p.codewords;
   a.query = p.query;
   a.query_position = p.query_position;
@@ -424,7 +427,12 @@ absl::Status A2atsSelect(const A2atsSelectParams& p, cudaStream_t stream) {
   a.info = w.info;
   a.out = p.out;
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(w.counts, 0, w.counts_bytes, stream));
-  A2atsQueryKernel<<<rows, 32 * group, 0, stream>>>(a);
+  const size_t query_smem =
+      (static_cast<size_t>(p.head_dim) * (p.head_dim + 1) + static_cast<size_t>(group) * p.head_dim) *
+      sizeof(float);
+  KVR_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      A2atsQueryKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(query_smem)));
+  A2atsQueryKernel<<<rows, 256, query_smem, stream>>>(a);
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   A2atsScoreKernel<<<dim3((p.codebook_size + kScoreCodewords - 1) / kScoreCodewords, p.n_kv_heads,
                           p.batch),

@@ -1,12 +1,14 @@
 // ctkvr: centroid recall, qcIVF list union, rerank (selection.cuh), the CPU CtkvrIndex::Select
 // (retrieval/src/ctkvr.cc) without its FIFO update.
 //
-//  1. CtkvrRecallKernel, one CTA per (sequence, KV head) row: the group's unit queries (the
-//     CPU's NormaliseGroup: Norm in Dot order, division), the cosine to every query centroid
-//     (max over the group, Dot8 = the CPU's Dot, so near-equal cosines order as on the CPU;
-//     empty lists -3), the top C' by (cosine desc, index asc); their lists' ids inside the
-//     candidate range are set in a per-row bitmap (which also de-duplicates), then read back in
-//     order: the recalled set, ascending, as the CPU's sort + unique.
+//  1. CtkvrCosKernel, grid (centroid chunks of 32, rows): the group's unit queries (the CPU's
+//     NormaliseGroup: Norm in Dot order, division) and the cosine to each query centroid (max
+//     over the group, Dot8N = the CPU's Dot, so near-equal cosines order as on the CPU; empty
+//     lists -3).
+//     CtkvrRecallKernel, one CTA per (sequence, KV head) row: the top C' by (cosine desc, index
+//     asc); their lists' ids inside the candidate range are set in a per-row bitmap (which also
+//     de-duplicates), then read back in order: the recalled set, ascending, as the CPU's sort +
+//     unique.
 //  2. CtkvrRerankKernel, grid (recalled chunks, n_kv_heads, batch): q.k * scale per group head
 //     over the recalled keys (8 lanes per key, the CPU's Dot order), logits + chunk softmax
 //     partials, or the aggregated score.
@@ -55,6 +57,7 @@ struct Args {
   int max_centroids, max_list_entries;
   KeyView keys;
   CandidateRanges cand;
+  float* cos;        // [rows, max_centroids]
   uint32_t* bitmap;  // [rows, words]
   int words;
   int32_t* recalled;  // [rows, ld]
@@ -66,41 +69,59 @@ struct Args {
   float* scores;  // [rows, ld]
 };
 
-static __global__ void __launch_bounds__(kRecallThreads) CtkvrRecallKernel(Args a) {
-  const int row = blockIdx.x;
-  const int b = row / a.n_kv_heads;
-  const int hd = a.head_dim, group = a.group;
+// Cosine of the group's unit queries to 32 centroids per CTA (8 lanes per dot product, the CPU's
+// Dot order), max over the group, -3 for an empty list: cos [rows, max_centroids].
+template <int kHeadDim>
+static __global__ void __launch_bounds__(256) CtkvrCosKernel(Args a) {
+  constexpr int kPerCta = 32;
+  const int row = blockIdx.y;
+  const int group = a.group;
+  const int nc = a.n_centroids[row];
+  const int c_begin = blockIdx.x * kPerCta;
+  if (c_begin >= nc) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  extern __shared__ float sm[];
-  float* qn = sm;                    // [group, hd]
-  float* cosv = sm + group * hd;     // [max_centroids]
-  __shared__ int s_chosen[32];
-  __shared__ int s_warp[kRecallThreads / 32];
-  const float* q = a.query + static_cast<int64_t>(row) * group * hd;
-  for (int i = threadIdx.x; i < group * hd; i += blockDim.x) qn[i] = q[i];
+  __shared__ float qn[kMaxGroup * kHeadDim];
+  const float* q = a.query + static_cast<int64_t>(row) * group * kHeadDim;
+  for (int i = threadIdx.x; i < group * kHeadDim; i += blockDim.x) qn[i] = q[i];
   __syncthreads();
-  if (warp < group) {
-    const float nrm = sqrtf(internal::Dot8(qn + warp * hd, qn + warp * hd, hd));
+  if (warp < group) {  // NormaliseGroup: Norm in Dot order, then a division per element
+    const float nrm = sqrtf(internal::Dot8N<kHeadDim>(qn + warp * kHeadDim, qn + warp * kHeadDim));
     __syncwarp();
     if (nrm > 0.f) {
-      for (int i = lane; i < hd; i += 32) qn[warp * hd + i] = __fdiv_rn(qn[warp * hd + i], nrm);
+      for (int i = lane; i < kHeadDim; i += 32) {
+        qn[warp * kHeadDim + i] = __fdiv_rn(qn[warp * kHeadDim + i], nrm);
+      }
     }
   }
   __syncthreads();
+  const int32_t* off = a.offsets + static_cast<int64_t>(row) * (a.max_centroids + 1);
+  const float* cent =
+      a.centroids + static_cast<int64_t>(row) * a.max_centroids * group * kHeadDim;
+  const int c = c_begin + warp * 4 + (lane >> 3);
+  const bool valid = c < nc;
+  const int cc = valid ? c : c_begin;
+  float best = -2.f;
+  for (int g = 0; g < group; ++g) {
+    const float d = internal::Dot8N<kHeadDim>(
+        qn + g * kHeadDim, cent + (static_cast<int64_t>(cc) * group + g) * kHeadDim);
+    best = (best < d) ? d : best;  // std::max(best, d)
+  }
+  if (valid && (lane & 7) == 0) {
+    a.cos[static_cast<int64_t>(row) * a.max_centroids + c] = off[c + 1] == off[c] ? -3.f : best;
+  }
+}
+
+static __global__ void __launch_bounds__(kRecallThreads) CtkvrRecallKernel(Args a) {
+  const int row = blockIdx.x;
+  const int b = row / a.n_kv_heads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  extern __shared__ float cosv[];  // [max_centroids]
+  __shared__ int s_chosen[32];
+  __shared__ int s_warp[kRecallThreads / 32];
   const int nc = a.n_centroids[row];
   const int32_t* off = a.offsets + static_cast<int64_t>(row) * (a.max_centroids + 1);
-  const float* cent = a.centroids + static_cast<int64_t>(row) * a.max_centroids * group * hd;
-  for (int c0 = warp * 4; c0 < nc; c0 += (kRecallThreads / 32) * 4) {
-    const int c = c0 + (lane >> 3);
-    const bool valid = c < nc;
-    const int cc = valid ? c : c0;
-    float best = -2.f;
-    for (int g = 0; g < group; ++g) {
-      const float d =
-          internal::Dot8(qn + g * hd, cent + (static_cast<int64_t>(cc) * group + g) * hd, hd);
-      best = (best < d) ? d : best;  // std::max(best, d)
-    }
-    if (valid && (lane & 7) == 0) cosv[c] = off[c + 1] == off[c] ? -3.f : best;
+  for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+    cosv[c] = a.cos[static_cast<int64_t>(row) * a.max_centroids + c];
   }
   __syncthreads();
   const int n_pick = min(a.n_recall, nc);
@@ -285,6 +306,7 @@ int MaxRecall(const CtkvrSelectParams& p) {
 }
 
 struct Workspace {
+  float* cos = nullptr;
   uint32_t* bitmap = nullptr;
   size_t bitmap_bytes = 0;
   int words = 0;
@@ -311,6 +333,7 @@ Workspace Carve(const CtkvrSelectParams& p, char* base) {
     off += AlignUp(bytes);
     return ptr;
   };
+  w.cos = reinterpret_cast<float*>(take(rows * std::max(1, p.max_centroids) * sizeof(float)));
   w.words = (std::max(1, p.max_tokens) + 31) / 32;
   w.bitmap_bytes = rows * w.words * sizeof(uint32_t);
   w.bitmap = reinterpret_cast<uint32_t*>(take(w.bitmap_bytes));
@@ -380,8 +403,7 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError("CtkvrSelect: null query, summary, keys, candidates or output");
   }
   const int group = Group(p);
-  const size_t recall_smem =
-      (static_cast<size_t>(group) * p.head_dim + p.max_centroids) * sizeof(float);
+  const size_t recall_smem = static_cast<size_t>(p.max_centroids) * sizeof(float);
   if (recall_smem > 200 * 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("CtkvrSelect: max_centroids ", p.max_centroids, " is too large"));
@@ -407,6 +429,7 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
   a.max_list_entries = p.max_list_entries;
   a.keys = p.keys;
   a.cand = p.cand;
+  a.cos = w.cos;
   a.bitmap = w.bitmap;
   a.words = w.words;
   a.recalled = w.recalled;
@@ -418,6 +441,13 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
   a.scores = w.scores;
   const int rows = p.batch * p.n_kv_heads;
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(w.bitmap, 0, w.bitmap_bytes, stream));
+  const dim3 cos_grid((p.max_centroids + 31) / 32, rows);
+  if (p.head_dim == 64) {
+    CtkvrCosKernel<64><<<cos_grid, 256, 0, stream>>>(a);
+  } else {
+    CtkvrCosKernel<128><<<cos_grid, 256, 0, stream>>>(a);
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   KVR_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       CtkvrRecallKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(recall_smem)));
   CtkvrRecallKernel<<<rows, kRecallThreads, recall_smem, stream>>>(a);

@@ -53,7 +53,7 @@ using internal::RowLd;
 
 constexpr int kEncodeThreads = 256;
 constexpr int kTokChunk = 2048;  // tokens per CTA of the collision kernel
-constexpr int kRerankChunk = 512;
+constexpr int kRerankChunk = 256;
 constexpr int kCandThreads = 1024;
 
 struct Levels {
@@ -338,11 +338,27 @@ static __global__ void __launch_bounds__(256) ParisQueryKernel(SelectArgs a) {
   int n_nonempty = 0;
   for (int o = 0; o < kNc; ++o) n_nonempty += keys[o] != ~0ull;
   __syncthreads();
-  if (tid == 0) {  // <= 256 additions
-    long long f = 0;
-    for (int r = 0; r < n_nonempty; ++r) {
-      prefix[r] = f;
-      f += by_rank[r];
+  if (tid < 32) {  // exclusive prefix of the counts in rank order: a warp scan
+    constexpr int kPer = (kNc + 31) / 32;
+    const int first = tid * kPer;
+    long long local = 0;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      if (first + e < n_nonempty) local += by_rank[first + e];
+    }
+    long long incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const long long u = __shfl_up_sync(0xffffffffu, incl, o);
+      if (tid >= o) incl += u;
+    }
+    long long running = incl - local;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      if (first + e < n_nonempty) {
+        prefix[first + e] = running;
+        running += by_rank[first + e];
+      }
     }
   }
   __syncthreads();
@@ -389,18 +405,29 @@ static __global__ void __launch_bounds__(256) ParisCollisionKernel(SelectArgs a)
   int* hist = smem;                                                // [n_bins]
   uint16_t* table = reinterpret_cast<uint16_t*>(smem + a.n_bins);  // [B, 2^m]
   for (int i = threadIdx.x; i < a.n_bins; i += blockDim.x) hist[i] = 0;
-  const uint8_t* bonus = a.bonus + static_cast<int64_t>(row) * a.group * kB * kNc;
-  for (int e = threadIdx.x; e < kB * kNc; e += blockDim.x) {
-    int s = 0;
-    for (int g = 0; g < a.group; ++g) s += bonus[static_cast<int64_t>(g) * kB * kNc + e];
-    table[e] = static_cast<uint16_t>(s);
+  // Group-summed bonus table, four centroids per 32-bit load (bonus bytes never exceed 32, so
+  // the per-byte sums are taken separately).
+  const uint32_t* bonus = reinterpret_cast<const uint32_t*>(
+      a.bonus + static_cast<int64_t>(row) * a.group * kB * kNc);
+  for (int e4 = threadIdx.x; e4 < kB * kNc / 4; e4 += blockDim.x) {
+    int s[4] = {0, 0, 0, 0};
+    for (int g = 0; g < a.group; ++g) {
+      const uint32_t w = bonus[static_cast<int64_t>(g) * (kB * kNc / 4) + e4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[k] += (w >> (8 * k)) & 0xFFu;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) table[4 * e4 + k] = static_cast<uint16_t>(s[k]);
   }
   __syncthreads();
   const uint4* codes = reinterpret_cast<const uint4*>(
       a.codes + static_cast<int64_t>(row) * a.max_tokens * (P / 2));
   uint16_t* out = a.score16 + static_cast<int64_t>(row) * a.ld16;
-  for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const int t = lo + i;
+  const int lane = threadIdx.x & 31;
+  for (int base = begin; base < end; base += blockDim.x) {  // uniform trip count (warp atomics)
+    const int i = base + threadIdx.x;
+    const bool valid = i < end;
+    const int t = lo + (valid ? i : begin);
     uint32_t w[kWords];
 #pragma unroll
     for (int v = 0; v < kWords / 4; ++v) {
@@ -420,8 +447,13 @@ static __global__ void __launch_bounds__(256) ParisCollisionKernel(SelectArgs a)
         total += table[sb * kNc + ((id8 >> (s * M)) & (kNc - 1))];
       }
     }
-    out[i] = static_cast<uint16_t>(total);
-    atomicAdd(&hist[total], 1);
+    // Scores of neighbouring tokens share few values: lanes with the same score add once.
+    const unsigned active = __ballot_sync(0xffffffffu, valid);
+    if (valid) {
+      out[i] = static_cast<uint16_t>(total);
+      const unsigned same = __match_any_sync(active, total);
+      if (lane == __ffs(same) - 1) atomicAdd(&hist[total], __popc(same));
+    }
   }
   __syncthreads();
   int32_t* ghist = a.hist + static_cast<int64_t>(row) * a.n_bins;

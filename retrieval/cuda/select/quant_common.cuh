@@ -30,6 +30,27 @@ __device__ __forceinline__ float Dot8(const float* a, const float* b, int n) {
   return acc;
 }
 
+// Dot8 for a compile-time n: every load is issued before the dependent additions (the plain
+// loop waits for each load in turn, which dominates when a and b are in global memory).
+template <int kN>
+__device__ __forceinline__ float Dot8N(const float* a, const float* b) {
+  static_assert(kN % 8 == 0);
+  const int j = threadIdx.x & 7;
+  float av[kN / 8], bv[kN / 8];
+#pragma unroll
+  for (int e = 0; e < kN / 8; ++e) {
+    av[e] = a[8 * e + j];
+    bv[e] = b[8 * e + j];
+  }
+  float acc = 0.f;
+#pragma unroll
+  for (int e = 0; e < kN / 8; ++e) acc = __fadd_rn(acc, __fmul_rn(av[e], bv[e]));
+  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
+  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+  return acc;
+}
+
 // kvr::retrieval::Dot(x, x, n) of a thread-local array, n <= 8 (n = 8: the eight partial sums
 // combined; n < 8: the CPU's tail loop from +0).
 template <int kN>

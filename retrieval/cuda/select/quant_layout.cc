@@ -252,7 +252,7 @@ absl::StatusOr<A2atsHostLayout> A2atsLayoutFromIndexes(
     return absl::InvalidArgumentError("A2atsLayoutFromIndexes: codebooks of another shape");
   }
   out.codebook_size = books->head(shape.layer, 0).size;
-  out.chol.resize(static_cast<size_t>(nkv) * hd * hd);
+  out.chol_inv.assign(static_cast<size_t>(nkv) * hd * hd, 0.f);
   out.codewords.resize(static_cast<size_t>(nkv) * out.codebook_size * hd);
   for (int h = 0; h < nkv; ++h) {
     const HeadCodebook& book = books->head(shape.layer, h);
@@ -262,8 +262,17 @@ absl::StatusOr<A2atsHostLayout> A2atsLayoutFromIndexes(
       return absl::InvalidArgumentError(
           "A2atsLayoutFromIndexes: codebooks of one layer must share one size");
     }
-    std::copy(book.chol.begin(), book.chol.end(),
-              out.chol.begin() + static_cast<size_t>(h) * hd * hd);
+    // L^-1 by forward substitution in double, one column at a time (L X = I).
+    std::vector<double> col(hd);
+    float* inv = out.chol_inv.data() + static_cast<size_t>(h) * hd * hd;
+    for (int c = 0; c < hd; ++c) {
+      for (int i = 0; i < hd; ++i) {
+        double s = i == c ? 1.0 : 0.0;
+        for (int j = c; j < i; ++j) s -= static_cast<double>(book.chol[static_cast<size_t>(i) * hd + j]) * col[j];
+        col[i] = i < c ? 0.0 : s / book.chol[static_cast<size_t>(i) * hd + i];
+      }
+      for (int i = c; i < hd; ++i) inv[static_cast<size_t>(i) * hd + c] = static_cast<float>(col[i]);
+    }
     std::copy(book.codewords.begin(), book.codewords.end(),
               out.codewords.begin() + static_cast<size_t>(h) * out.codebook_size * hd);
   }

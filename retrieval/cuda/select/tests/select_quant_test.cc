@@ -575,7 +575,7 @@ TEST_F(QuantSelectTest, A2atsSelectMatchesCpu) {
     auto d_pos = Upload(position);
     auto d_begin = Upload(begin);
     auto d_end = Upload(end);
-    auto d_chol = Upload(layout->chol);
+    auto d_chol = Upload(layout->chol_inv);
     auto d_cw = Upload(layout->codewords);
     auto d_ids = Upload(layout->ids);
     auto d_ntok = Upload(layout->n_tokens);
@@ -590,7 +590,7 @@ TEST_F(QuantSelectTest, A2atsSelectMatchesCpu) {
       p.rope = layout->rope;
       p.wrope_offset = layout->wrope_offset;
       p.codebook_size = layout->codebook_size;
-      p.chol = d_chol.data();
+      p.chol_inv = d_chol.data();
       p.codewords = d_cw.data();
       p.query = d_query.data();
       p.query_position = d_pos.data();

@@ -23,14 +23,17 @@
 // Accumulation is fp32 everywhere.
 //
 // CPU references (parity tests in retrieval/cuda/select/tests): `exact` and `quest` of
-// retrieval/src/baselines.cc, `clusterkv` of retrieval/src/clusterkv.cc.
+// retrieval/src/baselines.cc, `clusterkv` of retrieval/src/clusterkv.cc; `pariskv`, `ctkvr` and
+// `a2ats` (declared at the end of this file) of retrieval/src/pariskv.cc, ctkvr.cc, a2ats.cc.
 //
 // Microbenchmark (built here, run on the device machine by scripts/device/kernels-select.sh and
 // by the kernels-attend device script):
-//   select_cuda_bench [--methods exact,quest,clusterkv,topk] [--contexts 8192,32768,131072]
-//                     [--batches 1,4,16] [--budgets 256,1024] [--iters 50] [--csv]
+//   select_cuda_bench [--methods exact,quest,clusterkv,topk,pariskv,ctkvr,a2ats]
+//                     [--contexts 8192,32768,131072] [--batches 1,4,16] [--budgets 256,1024]
+//                     [--iters 50] [--csv]
 // Llama-3-8B attention shape (32 q / 8 kv heads, d = 128; bf16 keys for exact, fp32 page bounds
-// for quest, fp32 centroids of L/80 clusters for clusterkv; topk = BatchedTopK alone). Prints one
+// for quest, fp32 centroids of L/80 clusters for clusterkv; topk = BatchedTopK alone; pariskv,
+// ctkvr, a2ats as documented in the bench, plus pariskv_enc = ParisKvEncode). Prints one
 // line per (method, context, batch, budget): us per layer, summary bytes scanned, GB/s and the
 // fraction of the 3.0 TB/s HBM ceiling (DESIGN.md 6); --csv prints the same as CSV.
 
@@ -341,12 +344,13 @@ struct CtkvrHostLayout {
 // ---------------------------------------------------------------------------------------------
 // a2ats: one codeword id (uint16) per token and KV head against the layer's shared query-aware
 // codebooks. Per query head: WRoPE re-rotation of the query from its position to the offset b,
-// x = q L^-T (triangular solve), codeword scores scale * x . c^z (query x codebook table), each
+// x = q L^-T (= L^-1 q), codeword scores scale * x . c^z (query x codebook table), each
 // token scored by its codeword (A2ATS without sub-spaces: the CPU index keeps one id per token,
 // so the "sum over subspaces" is one term); the GQA aggregation of the CPU (kSumSoftmax weighs
 // codewords by their selectable token counts); whole codewords in rank order until the budget,
 // the boundary codeword trimmed to its most recent tokens (exactly the CPU A2atsIndex::Select).
-//   chol      fp32  [n_kv_heads, head_dim, head_dim] lower-triangular L (this layer)
+//   chol_inv  fp32  [n_kv_heads, head_dim, head_dim] L^-1 (lower-triangular, this layer; the CPU
+//                   solves with L per query, the GPU multiplies by the host-computed inverse)
 //   codewords fp32  [n_kv_heads, codebook_size, head_dim] C^z
 //   ids       uint16 [batch, n_kv_heads, max_tokens]
 struct A2atsSelectParams {
@@ -359,7 +363,7 @@ struct A2atsSelectParams {
   RopeParams rope;
   int64_t wrope_offset = 0;
   int codebook_size = 0;  // <= 8192
-  const float* chol = nullptr;
+  const float* chol_inv = nullptr;
   const float* codewords = nullptr;
   const float* query = nullptr;             // device [batch, n_heads, head_dim] fp32, RoPE'd
   const int64_t* query_position = nullptr;  // device [batch]
@@ -381,7 +385,7 @@ struct A2atsHostLayout {
   int batch = 0, n_kv_heads = 0, head_dim = 0, codebook_size = 0, max_tokens = 0;
   RopeParams rope;
   int64_t wrope_offset = 0;
-  std::vector<float> chol;       // [n_kv_heads, head_dim, head_dim]
+  std::vector<float> chol_inv;   // [n_kv_heads, head_dim, head_dim] L^-1 (computed in double)
   std::vector<float> codewords;  // [n_kv_heads, codebook_size, head_dim]
   std::vector<uint16_t> ids;     // [batch, n_kv_heads, max_tokens]
   std::vector<int32_t> n_tokens;
