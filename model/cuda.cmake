@@ -42,7 +42,7 @@ if(KVR_HAVE_CUDA)
   # Sparse sequences (quest, clusterkv through retrieval/cuda) against the dense path.
   kvr_add_test(model_cuda_sparse_test
     SOURCES tests/cuda_sparse_test.cc
-    LIBS kvr::model_cuda kvr::model kvr::common absl::strings
+    LIBS kvr::model_cuda kvr::model kvr::retrieval_core kvr::common absl::strings
     LABELS gpu)
 
   add_executable(cuda_model_bench bench/cuda_model_bench.cc)

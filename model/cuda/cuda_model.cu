@@ -107,6 +107,16 @@ class CudaModelImpl final : public CudaModel {
                                  const SparseSequenceOptions& options) override;
   absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const override;
   SparseStats sparse_stats() const override;
+  void SnapshotSparseLayerForTesting(int layer) override { snapshot_layer_ = layer; }
+  const SparseLayerSnapshot& sparse_snapshot() const override { return snapshot_; }
+  absl::StatusOr<std::span<const uint16_t>> SparseHostKvForTesting(SequenceId id) const override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end() || it->second.slot < 0) {
+      return absl::NotFoundError(absl::StrCat("CudaModel: no sparse sequence ", id));
+    }
+    const PinnedBuffer<bf16>& b = it->second.host->buf;
+    return std::span<const uint16_t>(reinterpret_cast<const uint16_t*>(b.data()), b.size());
+  }
   CudaForwardProfile last_profile() const override { return profile_; }
   void set_profile(bool on) override { options_.profile = on; }
 
@@ -244,6 +254,9 @@ class CudaModelImpl final : public CudaModel {
   std::unique_ptr<SparseState> sparse_;
   std::vector<std::shared_ptr<HostKv>> host_kvs_;
   bool head_bases_dirty_ = true;
+  int snapshot_layer_ = -1;
+  SparseLayerSnapshot snapshot_;
+  std::vector<uint16_t> snapshot_attn_bits_;
 
   std::vector<CudaEvent> events_;
   std::vector<Kind> event_kinds_;
@@ -824,7 +837,31 @@ absl::Status CudaModelImpl::SparseLayer(int layer, const Layer& w, int64_t max_c
   ap.out = attn_.data();
   ap.workspace = sp.attend_ws.data();
   ap.workspace_bytes = sp.attend_ws_bytes;
-  return rc::DecodeAttention(ap, stream());
+  KVR_RETURN_IF_ERROR(rc::DecodeAttention(ap, stream()));
+  if (layer == snapshot_layer_) {  // tests: copied back to pageable memory (synchronous)
+    SparseLayerSnapshot& s = snapshot_;
+    s.layer = layer;
+    s.q.resize(sp.q_f32.size());
+    s.ids.resize(sp.ids.size());
+    s.counts.resize(sp.counts.size());
+    snapshot_attn_bits_.resize(static_cast<size_t>(S) * c.q_dim());
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.q.data(), sp.q_f32.data(), sp.q_f32.bytes(),
+                                             cudaMemcpyDeviceToHost, stream()));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.ids.data(), sp.ids.data(), sp.ids.bytes(),
+                                             cudaMemcpyDeviceToHost, stream()));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.counts.data(), sp.counts.data(), sp.counts.bytes(),
+                                             cudaMemcpyDeviceToHost, stream()));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(snapshot_attn_bits_.data(), attn_.data(),
+                                             snapshot_attn_bits_.size() * sizeof(uint16_t),
+                                             cudaMemcpyDeviceToHost, stream()));
+    KVR_RETURN_IF_ERROR(stream_.Synchronize());
+    s.attn.resize(snapshot_attn_bits_.size());
+    for (size_t i = 0; i < s.attn.size(); ++i) {
+      const uint32_t u = uint32_t{snapshot_attn_bits_[i]} << 16;
+      std::memcpy(&s.attn[i], &u, sizeof(float));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> CudaModelImpl::SequenceLength(SequenceId id) const {

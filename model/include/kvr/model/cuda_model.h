@@ -45,6 +45,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -98,6 +99,15 @@ struct SparseAttentionOptions {
   // singleton clusters room for tokens leaving the window afterwards (dropped past it).
   int clusterkv_tokens_per_cluster = 80;
   int clusterkv_max_pending = 4096;
+};
+
+// For tests: what one layer of a sparse Forward computed, per slot (SnapshotSparseLayerForTesting).
+struct SparseLayerSnapshot {
+  int layer = -1;
+  std::vector<float> q;         // [slots, n_heads, head_dim]: the (bf16-valued) query
+  std::vector<int32_t> ids;     // [slots, n_kv_heads, budget]: the selection (contract of
+  std::vector<int32_t> counts;  // [slots, n_kv_heads]         retrieval/cuda selection.cuh)
+  std::vector<float> attn;      // [slots, n_heads, head_dim]: attention output (bf16 values)
 };
 
 struct SparseSequenceOptions {
@@ -166,6 +176,14 @@ class CudaModel {
   // (one slot's resident rows, summaries, hot cache and step buffers).
   [[nodiscard]] virtual absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const = 0;
   virtual SparseStats sparse_stats() const = 0;
+  // For tests: later sparse Forwards copy layer `layer`'s query, selection and attention output
+  // back (sparse_snapshot()); -1 turns it off. Slows each Forward down.
+  virtual void SnapshotSparseLayerForTesting(int layer) = 0;
+  virtual const SparseLayerSnapshot& sparse_snapshot() const = 0;
+  // For tests: the bf16 bits of a sparse sequence's host KV, [n_layers, n_kv_heads, capacity, 2,
+  // head_dim] (valid until the sequence is released).
+  [[nodiscard]] virtual absl::StatusOr<std::span<const uint16_t>> SparseHostKvForTesting(
+      SequenceId id) const = 0;
 
   // GPU time split of the last Forward/ForwardGreedy (zeros unless profiling is on).
   virtual CudaForwardProfile last_profile() const = 0;
