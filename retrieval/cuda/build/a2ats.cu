@@ -80,6 +80,9 @@ absl::Status Validate(const A2atsQuantiseParams& p) {
   if (p.codebook_size < 1 || p.codebook_size > 65536) {
     return Invalid(op, "codebook_size must be in [1, 65536]");
   }
+  if (p.math != AssignMath::kFp32 && p.math != AssignMath::k3xTf32) {
+    return Invalid(op, "math must be kFp32 or k3xTf32");
+  }
   const int rot = p.rope.rotary_dim > 0 ? p.rope.rotary_dim : p.head_dim;
   if (rot > p.head_dim || rot % 2 != 0)
     return Invalid(op, "rope.rotary_dim must be even and <= head_dim");
@@ -127,7 +130,7 @@ absl::Status A2atsQuantise(const A2atsQuantiseParams& p, cudaStream_t stream) {
       a.ids = p.ids;
       a.out_row_stride = p.id_stride;
       KVR_CUDA_RETURN_IF_ERROR(
-          (build_internal::LaunchArgmaxGemm<D, false, uint16_t>(a, p.max_tokens, stream)));
+          (build_internal::LaunchArgmax<D, false, uint16_t>(p.math, a, p.max_tokens, stream)));
       return absl::OkStatus();
     });
   });

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvr/retrieval/cuda/build.cuh"
+
 namespace kvr::retrieval::cuda::build_internal {
 
 struct ArgmaxGemmArgs {
@@ -176,6 +178,208 @@ cudaError_t LaunchArgmaxGemm(const ArgmaxGemmArgs& a, int max_points, cudaStream
   const dim3 grid((max_points + kAgBm - 1) / kAgBm, a.rows);
   ArgmaxGemmKernel<D, kCosine, OutT><<<grid, kAgThreads, smem, stream>>>(a);
   return cudaGetLastError();
+}
+
+}  // namespace kvr::retrieval::cuda::build_internal
+
+namespace kvr::retrieval::cuda::build_internal {
+
+// The same contract on tensor cores: 3xTF32 (x = big + small with big = tf32(x), small =
+// tf32(x - big); x.c ~= big.big + big.small + small.big), which keeps fp32-level accuracy (the
+// dropped small.small term is ~2^-22 relative) at tensor-core rates. mma.sync m16n8k8 tf32; a CTA
+// holds 128 points and 128 centres (all of D) in shared memory, 8 warps as 2 (points) x 4
+// (centres), warp tile 64 x 32. Ids may differ from the fp32 kernel only at near-ties.
+inline constexpr int kTcBm = 128, kTcBn = 128, kTcThreads = 256;
+template <int D>
+constexpr size_t ArgmaxGemmTcSmemBytes() {
+  return sizeof(float) * (static_cast<size_t>(kTcBm + kTcBn) * (D + 4)) +
+         4 * kTcBm * (sizeof(float) + sizeof(int));
+}
+
+__device__ __forceinline__ void SplitTf32(float x, uint32_t& big, uint32_t& small) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(big) : "f"(x));
+  const float rest = x - __uint_as_float(big);
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(small) : "f"(rest));
+}
+
+__device__ __forceinline__ void MmaTf32(float (&c)[4], const uint32_t (&a)[4],
+                                        const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <int D, bool kCosine, typename OutT>
+__global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcKernel(const ArgmaxGemmArgs a) {
+  constexpr int kLd = D + 4;  // row pitch: fragment loads hit 32 distinct banks
+  extern __shared__ __align__(16) float smem[];
+  float* xs = smem;                 // [kTcBm][kLd] points
+  float* cs = smem + kTcBm * kLd;   // [kTcBn][kLd] centres
+  float* red_v = cs + kTcBn * kLd;  // [4][kTcBm] per centre-warp best value
+  int* red_i = reinterpret_cast<int*>(red_v + 4 * kTcBm);
+  const int row = blockIdx.y;
+  if (a.skip != nullptr && a.skip[row] != 0) return;
+  const int n = a.n_points[row / a.n_points_div];
+  const int m0 = blockIdx.x * kTcBm;
+  if (m0 >= n) return;
+  const int k = a.n_c != nullptr ? a.n_c[row] : a.k_const;
+  if (k <= 0) return;
+  const int crow = row % a.c_mod;
+  const float* x = a.x + row * a.x_row_stride;
+  const float* c = a.c + crow * a.c_row_stride;
+  const float* bias = kCosine ? nullptr : a.bias + crow * a.bias_row_stride;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = warp / 4, wn = warp % 4;  // 2 x 4 warps
+  const int g = lane / 4, t = lane % 4;
+
+  for (int idx = tid; idx < kTcBm * (D / 4); idx += kTcThreads) {
+    const int m = idx / (D / 4), d4 = idx % (D / 4);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m0 + m < n)
+      v = *reinterpret_cast<const float4*>(x + static_cast<int64_t>(m0 + m) * D + d4 * 4);
+    *reinterpret_cast<float4*>(xs + m * kLd + d4 * 4) = v;
+  }
+
+  float best[8];
+  int best_id[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    best[i] = -INFINITY;
+    best_id[i] = 0x7fffffff;
+  }
+  for (int n0 = 0; n0 < k; n0 += kTcBn) {
+    __syncthreads();  // previous centre tile consumed (first time: nothing)
+    for (int idx = tid; idx < kTcBn * (D / 4); idx += kTcThreads) {
+      const int cn = idx / (D / 4), d4 = idx % (D / 4);
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (n0 + cn < k)
+        v = *reinterpret_cast<const float4*>(c + static_cast<int64_t>(n0 + cn) * D + d4 * 4);
+      *reinterpret_cast<float4*>(cs + cn * kLd + d4 * 4) = v;
+    }
+    __syncthreads();
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      uint32_t ab[4][4], as[4][4], bb[4][2], bs[4][2];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const float* p0 = xs + (wm * 64 + mt * 16 + g) * kLd + k0 + t;
+        SplitTf32(p0[0], ab[mt][0], as[mt][0]);
+        SplitTf32(p0[8 * kLd], ab[mt][1], as[mt][1]);
+        SplitTf32(p0[4], ab[mt][2], as[mt][2]);
+        SplitTf32(p0[8 * kLd + 4], ab[mt][3], as[mt][3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const float* p0 = cs + (wn * 32 + nt * 8 + g) * kLd + k0 + t;
+        SplitTf32(p0[0], bb[nt][0], bs[nt][0]);
+        SplitTf32(p0[4], bb[nt][1], bs[nt][1]);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          MmaTf32(acc[mt][nt], as[mt], bb[nt]);
+          MmaTf32(acc[mt][nt], ab[mt], bs[nt]);
+          MmaTf32(acc[mt][nt], ab[mt], bb[nt]);
+        }
+    }
+    // acc[mt][nt][h * 2 + j]: point wm*64 + mt*16 + h*8 + g, centre n0 + wn*32 + nt*8 + 2t + j.
+    // Ascending centre ids per thread (nt, then j): strict '>' keeps the lowest among equals.
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int cid = n0 + wn * 32 + nt * 8 + 2 * t + j;
+        if (cid < k) {
+          const float bj = kCosine ? 0.f : bias[cid];
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float acc_v = acc[mt][nt][h * 2 + j];
+              const float v = kCosine ? -(1.f - acc_v) : acc_v - bj;
+              const int i = mt * 2 + h;
+              if (v > best[i]) {
+                best[i] = v;
+                best_id[i] = cid;
+              }
+            }
+        }
+      }
+  }
+  // Across the 4 lanes of a quad (same points, other centres), then across the 4 centre warps.
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float v = best[i];
+    int id = best_id[i];
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+      const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
+      if (v2 > v || (v2 == v && id2 < id)) {
+        v = v2;
+        id = id2;
+      }
+    }
+    if (t == 0) {
+      const int m = wm * 64 + (i / 2) * 16 + (i % 2) * 8 + g;
+      red_v[wn * kTcBm + m] = v;
+      red_i[wn * kTcBm + m] = id;
+    }
+  }
+  __syncthreads();
+  if (tid < kTcBm) {
+    float v = red_v[tid];
+    int id = red_i[tid];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) {
+      const float v2 = red_v[w * kTcBm + tid];
+      const int id2 = red_i[w * kTcBm + tid];
+      if (v2 > v || (v2 == v && id2 < id)) {
+        v = v2;
+        id = id2;
+      }
+    }
+    const bool any = v > -INFINITY;
+    if (!any) id = 0;
+    const int p = m0 + tid;
+    if (p < n) {
+      OutT* ids = static_cast<OutT*>(a.ids) + row * a.out_row_stride;
+      if (a.changed != nullptr && static_cast<int>(ids[p]) != id) a.changed[row] = 1;
+      ids[p] = static_cast<OutT>(id);
+      if (a.best_dist != nullptr) a.best_dist[row * a.out_row_stride + p] = any ? -v : INFINITY;
+    }
+  }
+}
+
+template <int D, bool kCosine, typename OutT>
+cudaError_t LaunchArgmaxGemmTc(const ArgmaxGemmArgs& a, int max_points, cudaStream_t stream) {
+  if (a.rows <= 0 || max_points <= 0) return cudaSuccess;
+  constexpr size_t smem = ArgmaxGemmTcSmemBytes<D>();
+  const cudaError_t attr =
+      cudaFuncSetAttribute(ArgmaxGemmTcKernel<D, kCosine, OutT>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid((max_points + kTcBm - 1) / kTcBm, a.rows);
+  ArgmaxGemmTcKernel<D, kCosine, OutT><<<grid, kTcThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// The fp32 or the 3xTF32 kernel.
+template <int D, bool kCosine, typename OutT>
+cudaError_t LaunchArgmax(AssignMath math, const ArgmaxGemmArgs& a, int max_points,
+                         cudaStream_t stream) {
+  return math == AssignMath::k3xTf32 ? LaunchArgmaxGemmTc<D, kCosine, OutT>(a, max_points, stream)
+                                     : LaunchArgmaxGemm<D, kCosine, OutT>(a, max_points, stream);
 }
 
 }  // namespace kvr::retrieval::cuda::build_internal

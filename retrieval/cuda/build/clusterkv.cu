@@ -193,10 +193,17 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int j = 0; j < kPer; ++j) s[j] = 0.0;
   const float* xr = x + static_cast<int64_t>(row) * p.max_points * D + lane * kPer;
-  for (int m = 0; m < count; ++m) {
-    const float* pt = xr + static_cast<int64_t>(sorted_points[start + m]) * D;
+  // Member ids fetched 32 at a time (one per lane) and broadcast, so the point loads of
+  // consecutive members do not wait on each other's id load; the sum stays in member order.
+  for (int m0 = 0; m0 < count; m0 += 32) {
+    const int mine = m0 + lane < count ? sorted_points[start + m0 + lane] : 0;
+    const int cnt = min(32, count - m0);
+#pragma unroll 4
+    for (int m = 0; m < cnt; ++m) {
+      const float* pt = xr + static_cast<int64_t>(__shfl_sync(0xffffffffu, mine, m)) * D;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) s[j] += pt[j];
+      for (int j = 0; j < kPer; ++j) s[j] += pt[j];
+    }
   }
   float v[kPer];
   float ss = 0.f;
@@ -322,11 +329,17 @@ __global__ void __launch_bounds__(256)
   double s[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) s[j] = 0.0;
-  for (int m = 0; m < count; ++m) {
-    const int64_t t = p.first_token[b] + sorted_points[start + m];
-    const int64_t off = base + t * p.keys.token_stride;
+  const int first = p.first_token[b];
+  for (int m0 = 0; m0 < count; m0 += 32) {
+    const int mine = m0 + lane < count ? sorted_points[start + m0 + lane] : 0;
+    const int cnt = min(32, count - m0);
+#pragma unroll 4
+    for (int m = 0; m < cnt; ++m) {
+      const int64_t t = first + __shfl_sync(0xffffffffu, mine, m);
+      const int64_t off = base + t * p.keys.token_stride;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) s[j] += static_cast<double>(LoadKey<T>(p.keys.data, off + j));
+      for (int j = 0; j < kPer; ++j) s[j] += static_cast<double>(LoadKey<T>(p.keys.data, off + j));
+    }
   }
   float* out = out_row + static_cast<int64_t>(id) * D + lane * kPer;
 #pragma unroll
@@ -353,6 +366,9 @@ absl::Status Validate(const ClusterKvBuildParams& p) {
     return Invalid(op, "max_points and max_clusters must be >= 1 (plan.max_*)");
   }
   if (p.max_iterations < 1) return Invalid(op, "max_iterations must be >= 1");
+  if (p.math != AssignMath::kFp32 && p.math != AssignMath::k3xTf32) {
+    return Invalid(op, "math must be kFp32 or k3xTf32");
+  }
   const int64_t rows = static_cast<int64_t>(p.batch) * p.n_kv_heads;
   if (rows * p.max_clusters >= (int64_t{1} << 31) || rows * p.max_points >= (int64_t{1} << 31)) {
     return Invalid(op, "rows x max_clusters and rows x max_points must be < 2^31");
@@ -422,7 +438,7 @@ absl::Status Run(const ClusterKvBuildParams& p, cudaStream_t stream) {
 
   for (int it = 0; it < p.max_iterations; ++it) {
     KVR_CUDA_RETURN_IF_ERROR(
-        (build_internal::LaunchArgmaxGemm<D, true, int32_t>(a, p.max_points, stream)));
+        (build_internal::LaunchArgmax<D, true, int32_t>(p.math, a, p.max_points, stream)));
     ControlKernel<<<(rows + 127) / 128, 128, 0, stream>>>(rows, it, w.changed, w.done);
     KVR_RETURN_IF_ERROR(LaunchStatus("ClusterKvBuild control"));
     KVR_RETURN_IF_ERROR(group());

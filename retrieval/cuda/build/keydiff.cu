@@ -1,9 +1,9 @@
 // KeyDiffBuild: cos(k_t, sum of the keys) for every token of every (sequence, KV head), as
 // kvr::retrieval::KeyDiffScores / KeyDiffTracker (keydiff.cc): the key sum, the dot product and
 // both squared norms in fp64, the score rounded to fp32 at the end.
-//   1. per chunk of 1024 tokens, per (head, channel): fp64 partial sums   [batch, chunks, nkv, d]
+//   1. per chunk of 256 tokens, per (head, channel): fp64 partial sums    [batch, chunks, nkv, d]
 //   2. the chunks summed in order                                         [batch, nkv, d]
-//   3. one warp per token: dot and |k|^2 in fp64, |sum|^2 once per CTA
+//   3. one warp per token (8 per warp): dot and |k|^2 in fp64, |sum|^2 once per CTA of 64
 
 #include "build_common.cuh"
 #include "kvr/common/status.h"
@@ -15,7 +15,8 @@ using build_internal::Invalid;
 using build_internal::KeyBase;
 using build_internal::LoadKey;
 
-constexpr int kChunk = 1024;
+constexpr int kChunk = 256;       // tokens per partial sum (512 CTAs at 128K x 1)
+constexpr int kScoreTokens = 64;  // tokens per score CTA (8 warps x 8)
 
 int Chunks(const KeyDiffBuildParams& p) { return (p.max_tokens + kChunk - 1) / kChunk; }
 
@@ -46,12 +47,13 @@ __global__ void SumChunksKernel(KeyDiffBuildParams p, int n_chunks,
   const int used = (p.seq_len[b] + kChunk - 1) / kChunk;
   for (int e = threadIdx.x; e < per; e += blockDim.x) {
     double s = 0.0;
+#pragma unroll 8
     for (int c = 0; c < used; ++c) s += partial[(static_cast<int64_t>(b) * n_chunks + c) * per + e];
     sum[static_cast<int64_t>(b) * per + e] = s;
   }
 }
 
-// Grid (ceil(max_tokens / 8), rows), 8 warps.
+// Grid (ceil(max_tokens / 64), rows), 8 warps of 8 tokens each.
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
     ScoreKernel(KeyDiffBuildParams p, const double* __restrict__ sum) {
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(256)
   const int b = row / p.n_kv_heads, h = row % p.n_kv_heads;
   const int len = p.seq_len[b];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (blockIdx.x * 8 >= len) return;
+  if (blockIdx.x * kScoreTokens >= len) return;
   for (int d = threadIdx.x; d < D; d += blockDim.x)
     sum_s[d] = sum[static_cast<int64_t>(row) * D + d];
   __syncthreads();
@@ -74,26 +76,31 @@ __global__ void __launch_bounds__(256)
     if (lane == 0) ns_s = ns;
   }
   __syncthreads();
-  const int t = blockIdx.x * 8 + warp;
-  if (t >= len) return;
-  const int64_t base = KeyBase(p.keys, b, h, p.n_kv_heads) +
-                       static_cast<int64_t>(t) * p.keys.token_stride + lane * kPer;
-  double dot = 0.0, nk = 0.0;
+  const double ns = ns_s;
+  double sv[kPer];
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const float k = LoadKey<T>(p.keys.data, base + j);
-    dot += k * sum_s[lane * kPer + j];
-    nk += static_cast<double>(k) * k;
-  }
+  for (int j = 0; j < kPer; ++j) sv[j] = sum_s[lane * kPer + j];
+  const int64_t head = KeyBase(p.keys, b, h, p.n_kv_heads) + lane * kPer;
+  const int t_begin = blockIdx.x * kScoreTokens + warp * 8;
+  const int t_end = min(len, t_begin + 8);
+  for (int t = t_begin; t < t_end; ++t) {
+    const int64_t base = head + static_cast<int64_t>(t) * p.keys.token_stride;
+    double dot = 0.0, nk = 0.0;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    nk += __shfl_xor_sync(0xffffffffu, nk, o);
-  }
-  if (lane == 0) {
-    const double ns = ns_s;
-    p.scores[static_cast<int64_t>(row) * p.score_stride + t] =
-        (nk == 0.0 || ns == 0.0) ? 0.f : static_cast<float>(dot / sqrt(nk * ns));
+    for (int j = 0; j < kPer; ++j) {
+      const float k = LoadKey<T>(p.keys.data, base + j);
+      dot += k * sv[j];
+      nk += static_cast<double>(k) * k;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      nk += __shfl_xor_sync(0xffffffffu, nk, o);
+    }
+    if (lane == 0) {
+      p.scores[static_cast<int64_t>(row) * p.score_stride + t] =
+          (nk == 0.0 || ns == 0.0) ? 0.f : static_cast<float>(dot / sqrt(nk * ns));
+    }
   }
 }
 
@@ -145,7 +152,9 @@ absl::Status KeyDiffBuild(const KeyDiffBuildParams& p, cudaStream_t stream) {
       KVR_RETURN_IF_ERROR(build_internal::LaunchStatus("KeyDiffBuild partial sums"));
       SumChunksKernel<<<p.batch, threads, 0, stream>>>(p, n_chunks, w.partial, w.sum);
       KVR_RETURN_IF_ERROR(build_internal::LaunchStatus("KeyDiffBuild sums"));
-      ScoreKernel<T, D><<<dim3((p.max_tokens + 7) / 8, rows), 256, 0, stream>>>(p, w.sum);
+      ScoreKernel<T, D>
+          <<<dim3((p.max_tokens + kScoreTokens - 1) / kScoreTokens, rows), 256, 0, stream>>>(p,
+                                                                                             w.sum);
       return build_internal::LaunchStatus("KeyDiffBuild scores");
     });
   });

@@ -7,9 +7,10 @@
 // Keys: a mixture of 64 directions per head plus noise (k-means has structure to find; random
 // noise alone never converges). One line per (builder, context): us per layer (mean of --iters
 // after a warm-up, CUDA events), and the achieved rate against its ceiling:
-//   clusterkv  fp32 FMA rate of the assignment GEMMs (2 n C d per iteration) vs the H100 SXM's
-//              67 TFLOP/s fp32 datasheet peak; "1 iter" = one Lloyd step + layout, "10 iter" = the
-//              CPU default (fewer when every row settles earlier)
+//   clusterkv  rate of the assignment GEMMs (2 n C d per iteration) vs the H100 SXM's 67 TF/s
+//              fp32 datasheet peak (the 3xtf32 rows run on tensor cores; same useful flops);
+//              "1it" = one Lloyd step + layout, "10it" = the CPU default (fewer when every row
+//              settles earlier, so the rate is a lower bound)
 //   a2ats      2 n d (d + L) flop per key per head vs the same 67 TFLOP/s
 //   quest, keydiff  key bytes read (keydiff reads them twice) vs 3.0 TB/s HBM (DESIGN.md 6)
 
@@ -80,6 +81,8 @@ DeviceBuffer<T> Upload(const std::vector<T>& v) {
   return b;
 }
 
+const char* MathName(rc::AssignMath m) { return m == rc::AssignMath::kFp32 ? "fp32" : "3xtf32"; }
+
 // Mean microseconds of fn() over iters after one warm-up.
 template <typename Fn>
 double TimeUs(cudaStream_t stream, int iters, Fn&& fn) {
@@ -131,7 +134,7 @@ int main(int argc, char** argv) {
   constexpr int kNkv = 8, kD = 128;
   std::printf("build_cuda_bench on %s: batch %d, %d KV heads, d %d, bf16 keys, %d iters\n",
               prop.name, batch, kNkv, kD, iters);
-  std::printf("%-22s %8s %12s %10s %s\n", "builder", "context", "us/layer", "rate", "of ceiling");
+  std::printf("%-26s %8s %12s %10s %s\n", "builder", "context", "us/layer", "rate", "of ceiling");
 
   const int64_t max_l = *std::max_element(contexts.begin(), contexts.end());
   // Keys for the longest context; shorter contexts use a prefix of every sequence.
@@ -194,7 +197,7 @@ int main(int argc, char** argv) {
       p.bounds_batch_stride = pages * kNkv * 2 * kD;
       const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::QuestPageBounds(p, stream)); });
       const double bw = (key_bytes + key_bytes / 16 * 2 * 2) / (us * 1e-6);  // + fp32 bounds
-      std::printf("%-22s %8lld %12.1f %7.0f GB/s %5.1f%% of 3.0 TB/s\n", "quest bounds p16",
+      std::printf("%-26s %8lld %12.1f %7.0f GB/s %5.1f%% of 3.0 TB/s\n", "quest bounds p16",
                   static_cast<long long>(L), us, bw / 1e9, 100 * bw / kHbm);
     }
     // KeyDiff.
@@ -214,105 +217,112 @@ int main(int argc, char** argv) {
       p.workspace_bytes = ws.bytes();
       const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::KeyDiffBuild(p, stream)); });
       const double bw = 2 * key_bytes / (us * 1e-6);
-      std::printf("%-22s %8lld %12.1f %7.0f GB/s %5.1f%% of 3.0 TB/s\n", "keydiff scores",
+      std::printf("%-26s %8lld %12.1f %7.0f GB/s %5.1f%% of 3.0 TB/s\n", "keydiff scores",
                   static_cast<long long>(L), us, bw / 1e9, 100 * bw / kHbm);
     }
     // A2ATS (identity-ish whitening and random codewords: the cost does not depend on values).
     for (int64_t size : codebooks) {
-      std::mt19937 rng(3);
-      std::normal_distribution<float> g(0.f, 1.f);
-      std::vector<float> chol(static_cast<size_t>(kNkv) * kD * kD, 0.f);
-      for (int h = 0; h < kNkv; ++h)
-        for (int i = 0; i < kD; ++i)
-          for (int j = 0; j <= i; ++j)
-            chol[(static_cast<size_t>(h) * kD + i) * kD + j] = i == j ? 1.f : 0.05f * g(rng);
-      std::vector<float> cw(static_cast<size_t>(kNkv) * size * kD), hn(kNkv * size);
-      for (float& v : cw) v = g(rng);
-      for (int64_t c = 0; c < kNkv * size; ++c) {
-        double s = 0;
-        for (int i = 0; i < kD; ++i) s += cw[c * kD + i] * cw[c * kD + i];
-        hn[c] = static_cast<float>(0.5 * s);
+      for (rc::AssignMath math : {rc::AssignMath::kFp32, rc::AssignMath::k3xTf32}) {
+        std::mt19937 rng(3);
+        std::normal_distribution<float> g(0.f, 1.f);
+        std::vector<float> chol(static_cast<size_t>(kNkv) * kD * kD, 0.f);
+        for (int h = 0; h < kNkv; ++h)
+          for (int i = 0; i < kD; ++i)
+            for (int j = 0; j <= i; ++j)
+              chol[(static_cast<size_t>(h) * kD + i) * kD + j] = i == j ? 1.f : 0.05f * g(rng);
+        std::vector<float> cw(static_cast<size_t>(kNkv) * size * kD), hn(kNkv * size);
+        for (float& v : cw) v = g(rng);
+        for (int64_t c = 0; c < kNkv * size; ++c) {
+          double s = 0;
+          for (int i = 0; i < kD; ++i) s += cw[c * kD + i] * cw[c * kD + i];
+          hn[c] = static_cast<float>(0.5 * s);
+        }
+        auto d_chol = Upload(chol);
+        auto d_cw = Upload(cw);
+        auto d_hn = Upload(hn);
+        auto ids = Alloc<uint16_t>(static_cast<size_t>(rows) * L);
+        rc::A2atsQuantiseParams p;
+        p.batch = batch;
+        p.n_kv_heads = kNkv;
+        p.head_dim = kD;
+        p.keys = view;
+        p.seq_len = lens.data();
+        p.max_tokens = static_cast<int>(L);
+        p.rope.style = kvr::retrieval::RopeStyle::kHalfSplit;
+        p.rope.theta = 500000.f;
+        p.codebook_size = static_cast<int>(size);
+        p.chol = d_chol.data();
+        p.codewords = d_cw.data();
+        p.half_norms = d_hn.data();
+        p.math = math;
+        p.ids = ids.data();
+        p.id_stride = L;
+        auto ws = Alloc<char>(rc::A2atsQuantiseWorkspaceBytes(p));
+        p.workspace = ws.data();
+        p.workspace_bytes = ws.bytes();
+        const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::A2atsQuantise(p, stream)); });
+        const double flops = 2.0 * rows * L * kD * (kD + size);
+        const double rate = flops / (us * 1e-6);
+        char name[64];
+        std::snprintf(name, sizeof(name), "a2ats L=%lld %s", static_cast<long long>(size),
+                      MathName(math));
+        std::printf("%-26s %8lld %12.1f %7.1f TF/s %5.1f%% of 67 TF/s fp32\n", name,
+                    static_cast<long long>(L), us, rate / 1e12, 100 * rate / kFp32Peak);
       }
-      auto d_chol = Upload(chol);
-      auto d_cw = Upload(cw);
-      auto d_hn = Upload(hn);
-      auto ids = Alloc<uint16_t>(static_cast<size_t>(rows) * L);
-      rc::A2atsQuantiseParams p;
-      p.batch = batch;
-      p.n_kv_heads = kNkv;
-      p.head_dim = kD;
-      p.keys = view;
-      p.seq_len = lens.data();
-      p.max_tokens = static_cast<int>(L);
-      p.rope.style = kvr::retrieval::RopeStyle::kHalfSplit;
-      p.rope.theta = 500000.f;
-      p.codebook_size = static_cast<int>(size);
-      p.chol = d_chol.data();
-      p.codewords = d_cw.data();
-      p.half_norms = d_hn.data();
-      p.ids = ids.data();
-      p.id_stride = L;
-      auto ws = Alloc<char>(rc::A2atsQuantiseWorkspaceBytes(p));
-      p.workspace = ws.data();
-      p.workspace_bytes = ws.bytes();
-      const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::A2atsQuantise(p, stream)); });
-      const double flops = 2.0 * rows * L * kD * (kD + size);
-      const double rate = flops / (us * 1e-6);
-      char name[64];
-      std::snprintf(name, sizeof(name), "a2ats quantise L=%lld", static_cast<long long>(size));
-      std::printf("%-22s %8lld %12.1f %7.1f TF/s %5.1f%% of 67 TF/s fp32\n", name,
-                  static_cast<long long>(L), us, rate / 1e12, 100 * rate / kFp32Peak);
     }
     // ClusterKV: the CPU defaults at budget 1024 (C0 = L/80, 16 sinks), 1 and 10 iterations.
-    for (int max_it : {1, 10}) {
-      kvr::retrieval::IndexShape shape;
-      shape.n_heads = 32;
-      shape.n_kv_heads = kNkv;
-      shape.head_dim = kD;
-      kvr::retrieval::IndexParams params;
-      params.budget = 1024;
-      params.clusterkv.max_iterations = max_it;
-      std::vector<int64_t> seq(batch, L);
-      auto plan = rc::MakeClusterKvBuildPlan(shape, params, seq);
-      CHECK_OK(plan.status());
-      auto first = Upload(plan->first_token);
-      auto n_points = Upload(plan->n_points);
-      auto n_init = Upload(plan->n_init);
-      auto init = Upload(plan->init_points);
-      const int K = plan->max_clusters, P = plan->max_points;
-      auto centroids = Alloc<float>(static_cast<size_t>(rows) * K * kD);
-      auto n_clusters = Alloc<int32_t>(rows);
-      auto offsets = Alloc<int32_t>(static_cast<size_t>(rows) * (K + 1));
-      auto members = Alloc<int32_t>(static_cast<size_t>(rows) * P);
-      rc::ClusterKvBuildParams p;
-      p.batch = batch;
-      p.n_kv_heads = kNkv;
-      p.head_dim = kD;
-      p.keys = view;
-      p.max_points = P;
-      p.max_clusters = K;
-      p.max_iterations = plan->max_iterations;
-      p.first_token = first.data();
-      p.n_points = n_points.data();
-      p.n_init = n_init.data();
-      p.init_points = init.data();
-      p.centroids = centroids.data();
-      p.n_clusters = n_clusters.data();
-      p.offsets = offsets.data();
-      p.members = members.data();
-      auto ws = Alloc<char>(rc::ClusterKvBuildWorkspaceBytes(p));
-      p.workspace = ws.data();
-      p.workspace_bytes = ws.bytes();
-      const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::ClusterKvBuild(p, stream)); });
-      const double flops = 2.0 * rows * P * static_cast<double>(K) * kD * max_it;
-      const double rate = flops / (us * 1e-6);
-      std::vector<int32_t> nc(rows);
-      CHECK_CUDA(cudaMemcpy(nc.data(), n_clusters.data(), rows * 4, cudaMemcpyDeviceToHost));
-      char name[64];
-      std::snprintf(name, sizeof(name), "clusterkv C=%d %d iter", K, max_it);
-      std::printf("%-22s %8lld %12.1f %7.1f TF/s %5.1f%% of 67 TF/s fp32 (<=, %d clusters kept)\n",
-                  name, static_cast<long long>(L), us, rate / 1e12, 100 * rate / kFp32Peak, nc[0]);
-    }
+    for (int max_it : {1, 10})
+      for (rc::AssignMath math : {rc::AssignMath::kFp32, rc::AssignMath::k3xTf32}) {
+        kvr::retrieval::IndexShape shape;
+        shape.n_heads = 32;
+        shape.n_kv_heads = kNkv;
+        shape.head_dim = kD;
+        kvr::retrieval::IndexParams params;
+        params.budget = 1024;
+        params.clusterkv.max_iterations = max_it;
+        std::vector<int64_t> seq(batch, L);
+        auto plan = rc::MakeClusterKvBuildPlan(shape, params, seq);
+        CHECK_OK(plan.status());
+        auto first = Upload(plan->first_token);
+        auto n_points = Upload(plan->n_points);
+        auto n_init = Upload(plan->n_init);
+        auto init = Upload(plan->init_points);
+        const int K = plan->max_clusters, P = plan->max_points;
+        auto centroids = Alloc<float>(static_cast<size_t>(rows) * K * kD);
+        auto n_clusters = Alloc<int32_t>(rows);
+        auto offsets = Alloc<int32_t>(static_cast<size_t>(rows) * (K + 1));
+        auto members = Alloc<int32_t>(static_cast<size_t>(rows) * P);
+        rc::ClusterKvBuildParams p;
+        p.batch = batch;
+        p.n_kv_heads = kNkv;
+        p.head_dim = kD;
+        p.keys = view;
+        p.max_points = P;
+        p.max_clusters = K;
+        p.max_iterations = plan->max_iterations;
+        p.math = math;
+        p.first_token = first.data();
+        p.n_points = n_points.data();
+        p.n_init = n_init.data();
+        p.init_points = init.data();
+        p.centroids = centroids.data();
+        p.n_clusters = n_clusters.data();
+        p.offsets = offsets.data();
+        p.members = members.data();
+        auto ws = Alloc<char>(rc::ClusterKvBuildWorkspaceBytes(p));
+        p.workspace = ws.data();
+        p.workspace_bytes = ws.bytes();
+        const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::ClusterKvBuild(p, stream)); });
+        const double flops = 2.0 * rows * P * static_cast<double>(K) * kD * max_it;
+        const double rate = flops / (us * 1e-6);
+        std::vector<int32_t> nc(rows);
+        CHECK_CUDA(cudaMemcpy(nc.data(), n_clusters.data(), rows * 4, cudaMemcpyDeviceToHost));
+        char name[64];
+        std::snprintf(name, sizeof(name), "clusterkv C=%d %dit %s", K, max_it, MathName(math));
+        std::printf(
+            "%-26s %8lld %12.1f %7.1f TF/s %5.1f%% of 67 TF/s fp32 (<=, %d clusters kept)\n", name,
+            static_cast<long long>(L), us, rate / 1e12, 100 * rate / kFp32Peak, nc[0]);
+      }
   }
   return 0;
 }

@@ -183,6 +183,9 @@ std::vector<Case> Cases() {
   };
 }
 
+const char* MathName(AssignMath m) { return m == AssignMath::kFp32 ? "fp32" : "3xtf32"; }
+constexpr AssignMath kMaths[] = {AssignMath::kFp32, AssignMath::k3xTf32};
+
 class BuildTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
@@ -328,82 +331,86 @@ TEST_P(BuildTest, A2atsIdsExactExceptNearTies) {
   auto hn = Upload(host->half_norms);
   const int rows = static_cast<int>(c.lens.size()) * c.n_kv_heads;
   const int64_t stride = b.max_tokens + 1;
-  auto ids = Poisoned<uint16_t>(rows * stride, 0xff);
-  A2atsQuantiseParams p;
-  p.batch = static_cast<int>(c.lens.size());
-  p.n_kv_heads = c.n_kv_heads;
-  p.head_dim = c.head_dim;
-  p.keys = b.view;
-  p.seq_len = b.seq_len.data();
-  p.max_tokens = b.max_tokens;
-  p.rope = rope;
-  p.codebook_size = host->size;
-  p.chol = chol.data();
-  p.codewords = cw.data();
-  p.half_norms = hn.data();
-  p.ids = ids.data();
-  p.id_stride = stride;
-  auto ws = Workspace(A2atsQuantiseWorkspaceBytes(p));
-  p.workspace = ws.data();
-  p.workspace_bytes = ws.bytes();
-  ASSERT_OK(A2atsQuantise(p, nullptr));
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto got = Download(ids, rows * stride);
+  for (AssignMath math : kMaths) {
+    SCOPED_TRACE(MathName(math));
+    auto ids = Poisoned<uint16_t>(rows * stride, 0xff);
+    A2atsQuantiseParams p;
+    p.math = math;
+    p.batch = static_cast<int>(c.lens.size());
+    p.n_kv_heads = c.n_kv_heads;
+    p.head_dim = c.head_dim;
+    p.keys = b.view;
+    p.seq_len = b.seq_len.data();
+    p.max_tokens = b.max_tokens;
+    p.rope = rope;
+    p.codebook_size = host->size;
+    p.chol = chol.data();
+    p.codewords = cw.data();
+    p.half_norms = hn.data();
+    p.ids = ids.data();
+    p.id_stride = stride;
+    auto ws = Workspace(A2atsQuantiseWorkspaceBytes(p));
+    p.workspace = ws.data();
+    p.workspace_bytes = ws.bytes();
+    ASSERT_OK(A2atsQuantise(p, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got = Download(ids, rows * stride);
 
-  IndexShape shape = ShapeOf(c);
-  shape.rope = rope;
-  IndexParams params;
-  params.assets = books;
-  const int d = c.head_dim;
-  int64_t total = 0, mismatched = 0;
-  for (size_t s = 0; s < c.lens.size(); ++s) {
-    auto index = MakeA2atsIndex(shape, params);
-    ASSERT_TRUE(index.ok()) << index.status();
-    BuildInput in;
-    in.keys = CpuKeys(b, s);
-    ASSERT_OK((*index)->Build(in));
-    ByteWriter w;
-    ASSERT_OK((*index)->SerializePayload(w));
-    ByteReader r(w.bytes());
-    uint32_t version = 0;
-    uint64_t hash = 0;
-    int32_t book_size = 0;
-    ASSERT_OK(r.Get("version", &version));
-    ASSERT_OK(r.Get("hash", &hash));
-    ASSERT_OK(r.Get("size", &book_size));
-    for (int h = 0; h < c.n_kv_heads; ++h) {
-      std::vector<uint16_t> want;
-      ASSERT_OK(r.GetArray("ids", &want));
-      ASSERT_EQ(static_cast<int64_t>(want.size()), c.lens[s]);
-      const HeadCodebook& hb = books->head(0, h);
-      const uint16_t* g = got.data() + (s * c.n_kv_heads + h) * stride;
-      for (int64_t t = 0; t < c.lens[s]; ++t) {
-        ++total;
-        ASSERT_LT(g[t], book_size) << c.Name() << " s" << s << " h" << h << " t" << t;
-        if (g[t] == want[t]) continue;
-        ++mismatched;
-        // Near-tie: both codewords' scores (fp64 from the CPU's pre-RoPE key) agree to 1e-4.
-        std::vector<float> k(in.keys.At(t, h, d), in.keys.At(t, h, d) + d);
-        ApplyRope(std::span<float>(k), -static_cast<double>(t), rope);
-        auto score = [&](int id) {
-          double sc = 0;
-          for (int j = 0; j < d; ++j) {
-            double z = 0;
-            for (int i = 0; i < d; ++i) z += static_cast<double>(k[i]) * hb.chol[i * d + j];
-            sc += z * hb.codewords[static_cast<size_t>(id) * d + j];
-          }
-          return sc - hb.half_norms[id];
-        };
-        const double a = score(g[t]), e = score(want[t]);
-        EXPECT_NEAR(a, e, 1e-4 * (1.0 + std::fabs(e)))
-            << c.Name() << " s" << s << " h" << h << " t" << t << " gpu " << g[t] << " cpu "
-            << want[t];
+    IndexShape shape = ShapeOf(c);
+    shape.rope = rope;
+    IndexParams params;
+    params.assets = books;
+    const int d = c.head_dim;
+    int64_t total = 0, mismatched = 0;
+    for (size_t s = 0; s < c.lens.size(); ++s) {
+      auto index = MakeA2atsIndex(shape, params);
+      ASSERT_TRUE(index.ok()) << index.status();
+      BuildInput in;
+      in.keys = CpuKeys(b, s);
+      ASSERT_OK((*index)->Build(in));
+      ByteWriter w;
+      ASSERT_OK((*index)->SerializePayload(w));
+      ByteReader r(w.bytes());
+      uint32_t version = 0;
+      uint64_t hash = 0;
+      int32_t book_size = 0;
+      ASSERT_OK(r.Get("version", &version));
+      ASSERT_OK(r.Get("hash", &hash));
+      ASSERT_OK(r.Get("size", &book_size));
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        std::vector<uint16_t> want;
+        ASSERT_OK(r.GetArray("ids", &want));
+        ASSERT_EQ(static_cast<int64_t>(want.size()), c.lens[s]);
+        const HeadCodebook& hb = books->head(0, h);
+        const uint16_t* g = got.data() + (s * c.n_kv_heads + h) * stride;
+        for (int64_t t = 0; t < c.lens[s]; ++t) {
+          ++total;
+          ASSERT_LT(g[t], book_size) << c.Name() << " s" << s << " h" << h << " t" << t;
+          if (g[t] == want[t]) continue;
+          ++mismatched;
+          // Near-tie: both codewords' scores (fp64 from the CPU's pre-RoPE key) agree to 1e-4.
+          std::vector<float> k(in.keys.At(t, h, d), in.keys.At(t, h, d) + d);
+          ApplyRope(std::span<float>(k), -static_cast<double>(t), rope);
+          auto score = [&](int id) {
+            double sc = 0;
+            for (int j = 0; j < d; ++j) {
+              double z = 0;
+              for (int i = 0; i < d; ++i) z += static_cast<double>(k[i]) * hb.chol[i * d + j];
+              sc += z * hb.codewords[static_cast<size_t>(id) * d + j];
+            }
+            return sc - hb.half_norms[id];
+          };
+          const double a = score(g[t]), e = score(want[t]);
+          EXPECT_NEAR(a, e, 1e-4 * (1.0 + std::fabs(e)))
+              << c.Name() << " s" << s << " h" << h << " t" << t << " gpu " << g[t] << " cpu "
+              << want[t];
+        }
       }
     }
+    EXPECT_LE(mismatched, total / 100 + 1) << c.Name();
+    std::printf("[ a2ats    ] %s %s: %lld ids, %lld near-tie differences\n", c.Name().c_str(),
+                MathName(math), static_cast<long long>(total), static_cast<long long>(mismatched));
   }
-  EXPECT_LE(mismatched, total / 100 + 1) << c.Name();
-  std::printf("[ a2ats    ] %s: %lld ids, %lld near-tie differences\n", c.Name().c_str(),
-              static_cast<long long>(total), static_cast<long long>(mismatched));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -413,7 +420,7 @@ struct GpuClusters {
   std::vector<int32_t> n_clusters, offsets, members, assignment;
 };
 
-void RunClusterKv(const Batch& b, const IndexParams& params, GpuClusters* out) {
+void RunClusterKv(const Batch& b, const IndexParams& params, AssignMath math, GpuClusters* out) {
   const Case& c = b.c;
   auto plan = MakeClusterKvBuildPlan(ShapeOf(c), params, c.lens);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -438,6 +445,7 @@ void RunClusterKv(const Batch& b, const IndexParams& params, GpuClusters* out) {
   p.max_points = P;
   p.max_clusters = K;
   p.max_iterations = plan->max_iterations;
+  p.math = math;
   p.first_token = first.data();
   p.n_points = n_points.data();
   p.n_init = n_init.data();
@@ -511,68 +519,72 @@ TEST_P(BuildTest, ClusterKvOneIterationMatchesKMeans) {
   Batch b = MakeBatch(c, 14);
   IndexParams params;
   params.clusterkv.max_iterations = 1;
-  GpuClusters g;
-  RunClusterKv(b, params, &g);
-  if (HasFatalFailure()) return;
-  CheckLayout(b, g);
-  if (HasFatalFailure()) return;
-  const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
-  int64_t total = 0, mismatched = 0;
-  for (size_t s = 0; s < c.lens.size(); ++s) {
-    const TokenTensor keys = CpuKeys(b, s);
-    for (int h = 0; h < c.n_kv_heads; ++h) {
-      const int r = static_cast<int>(s) * c.n_kv_heads + h;
-      const int n = g.plan.n_points[r], first = g.plan.first_token[s];
-      if (n == 0) continue;
-      KMeansOptions opt;
-      opt.n_clusters = g.plan.n_init[r];
-      opt.max_iterations = 1;
-      opt.cosine = true;
-      opt.seed = ClusterKvKMeansSeed(params, h, 0);
-      auto km = KMeans(keys.At(first, h, d), n, d, keys.row_stride, opt);
-      ASSERT_TRUE(km.ok()) << km.status();
-      std::vector<char> touched(opt.n_clusters, 0);
-      const int32_t* ga = g.assignment.data() + static_cast<size_t>(r) * P;
-      auto unit_point = [&](int i) {
-        std::vector<double> v(keys.At(first + i, h, d), keys.At(first + i, h, d) + d);
-        double nn = 0;
-        for (double x : v) nn += x * x;
-        for (double& x : v) x /= std::sqrt(nn);
-        return v;
-      };
-      for (int i = 0; i < n; ++i) {
-        ++total;
-        ASSERT_GE(ga[i], 0);
-        ASSERT_LT(ga[i], opt.n_clusters);
-        if (ga[i] == km->assignment[i]) continue;
-        ++mismatched;
-        touched[ga[i]] = touched[km->assignment[i]] = 1;
-        // Near-tie against the initial centroids (the points picked by the plan).
-        const std::vector<double> x = unit_point(i);
-        auto dot = [&](int cl) {
-          const std::vector<double> cc =
-              unit_point(g.plan.init_points[static_cast<size_t>(r) * K + cl]);
-          double s2 = 0;
-          for (int j = 0; j < d; ++j) s2 += x[j] * cc[j];
-          return s2;
+  for (AssignMath math : kMaths) {
+    SCOPED_TRACE(MathName(math));
+    GpuClusters g;
+    RunClusterKv(b, params, math, &g);
+    if (HasFatalFailure()) return;
+    CheckLayout(b, g);
+    if (HasFatalFailure()) return;
+    const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
+    int64_t total = 0, mismatched = 0;
+    for (size_t s = 0; s < c.lens.size(); ++s) {
+      const TokenTensor keys = CpuKeys(b, s);
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        const int r = static_cast<int>(s) * c.n_kv_heads + h;
+        const int n = g.plan.n_points[r], first = g.plan.first_token[s];
+        if (n == 0) continue;
+        KMeansOptions opt;
+        opt.n_clusters = g.plan.n_init[r];
+        opt.max_iterations = 1;
+        opt.cosine = true;
+        opt.seed = ClusterKvKMeansSeed(params, h, 0);
+        auto km = KMeans(keys.At(first, h, d), n, d, keys.row_stride, opt);
+        ASSERT_TRUE(km.ok()) << km.status();
+        std::vector<char> touched(opt.n_clusters, 0);
+        const int32_t* ga = g.assignment.data() + static_cast<size_t>(r) * P;
+        auto unit_point = [&](int i) {
+          std::vector<double> v(keys.At(first + i, h, d), keys.At(first + i, h, d) + d);
+          double nn = 0;
+          for (double x : v) nn += x * x;
+          for (double& x : v) x /= std::sqrt(nn);
+          return v;
         };
-        EXPECT_NEAR(dot(ga[i]), dot(km->assignment[i]), 1e-5) << c.Name() << " point " << i;
-      }
-      for (int cl = 0; cl < opt.n_clusters; ++cl) {
-        if (touched[cl]) continue;
-        const float* gu = g.unit.data() + (static_cast<size_t>(r) * K + cl) * d;
-        const float* cu = km->centroids.data() + static_cast<size_t>(cl) * d;
-        for (int j = 0; j < d; ++j) {
-          ASSERT_FALSE(std::isnan(gu[j]));
-          ASSERT_NEAR(gu[j], cu[j], 1e-5f * std::max(1.f, std::fabs(cu[j])))
-              << c.Name() << " s" << s << " h" << h << " cluster " << cl << " dim " << j;
+        for (int i = 0; i < n; ++i) {
+          ++total;
+          ASSERT_GE(ga[i], 0);
+          ASSERT_LT(ga[i], opt.n_clusters);
+          if (ga[i] == km->assignment[i]) continue;
+          ++mismatched;
+          touched[ga[i]] = touched[km->assignment[i]] = 1;
+          // Near-tie against the initial centroids (the points picked by the plan).
+          const std::vector<double> x = unit_point(i);
+          auto dot = [&](int cl) {
+            const std::vector<double> cc =
+                unit_point(g.plan.init_points[static_cast<size_t>(r) * K + cl]);
+            double s2 = 0;
+            for (int j = 0; j < d; ++j) s2 += x[j] * cc[j];
+            return s2;
+          };
+          EXPECT_NEAR(dot(ga[i]), dot(km->assignment[i]), 1e-5) << c.Name() << " point " << i;
+        }
+        for (int cl = 0; cl < opt.n_clusters; ++cl) {
+          if (touched[cl]) continue;
+          const float* gu = g.unit.data() + (static_cast<size_t>(r) * K + cl) * d;
+          const float* cu = km->centroids.data() + static_cast<size_t>(cl) * d;
+          for (int j = 0; j < d; ++j) {
+            ASSERT_FALSE(std::isnan(gu[j]));
+            ASSERT_NEAR(gu[j], cu[j], 1e-5f * std::max(1.f, std::fabs(cu[j])))
+                << c.Name() << " s" << s << " h" << h << " cluster " << cl << " dim " << j;
+          }
         }
       }
     }
+    EXPECT_LE(mismatched, total / 100 + 1) << c.Name();
+    std::printf("[ clusterkv] %s %s one step: %lld ids, %lld near-tie differences\n",
+                c.Name().c_str(), MathName(math), static_cast<long long>(total),
+                static_cast<long long>(mismatched));
   }
-  EXPECT_LE(mismatched, total / 100 + 1) << c.Name();
-  std::printf("[ clusterkv] %s one step: %lld ids, %lld near-tie differences\n", c.Name().c_str(),
-              static_cast<long long>(total), static_cast<long long>(mismatched));
 }
 
 // Mean over clustered tokens of cos(key, its cluster's centroid).
@@ -602,11 +614,6 @@ TEST_P(BuildTest, ClusterKvFullBuildObjectiveWithin1Percent) {
   const Case& c = GetParam();
   Batch b = MakeBatch(c, 15);
   IndexParams params;  // CPU defaults: C0 = max(L/80, 4L/budget), 10 iterations, 16 sinks
-  GpuClusters g;
-  RunClusterKv(b, params, &g);
-  if (HasFatalFailure()) return;
-  CheckLayout(b, g);
-  if (HasFatalFailure()) return;
   MethodRegistry registry;
   ASSERT_OK(RegisterCoreMethods(registry));
   std::vector<std::unique_ptr<RetrievalIndex>> indexes;
@@ -622,33 +629,41 @@ TEST_P(BuildTest, ClusterKvFullBuildObjectiveWithin1Percent) {
   }
   auto cpu = ClusterKvLayoutFromIndexes(ptrs);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
-  const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
-  int64_t same_rows = 0, rows_checked = 0;
-  for (size_t s = 0; s < c.lens.size(); ++s) {
-    for (int h = 0; h < c.n_kv_heads; ++h) {
-      const int r = static_cast<int>(s) * c.n_kv_heads + h;
-      if (g.plan.n_points[r] == 0) continue;
-      ++rows_checked;
-      const double og = Objective(b, s, h, g.centroids.data() + static_cast<size_t>(r) * K * d,
-                                  g.offsets.data() + static_cast<size_t>(r) * (K + 1),
-                                  g.members.data() + static_cast<size_t>(r) * P, g.n_clusters[r]);
-      const int CK = cpu->max_clusters, CP = cpu->max_members;
-      const double oc =
-          Objective(b, s, h, cpu->centroids.data() + static_cast<size_t>(r) * CK * d,
-                    cpu->offsets.data() + static_cast<size_t>(r) * (CK + 1),
-                    cpu->members.data() + static_cast<size_t>(r) * CP, cpu->n_clusters[r]);
-      EXPECT_NEAR(og, oc, 0.01 * std::fabs(oc)) << c.Name() << " s" << s << " h" << h;
-      const bool same =
-          g.n_clusters[r] == cpu->n_clusters[r] &&
-          std::equal(g.members.begin() + static_cast<size_t>(r) * P,
-                     g.members.begin() + static_cast<size_t>(r) * P + g.plan.n_points[r],
-                     cpu->members.begin() + static_cast<size_t>(r) * CP);
-      same_rows += same;
+  for (AssignMath math : kMaths) {
+    SCOPED_TRACE(MathName(math));
+    GpuClusters g;
+    RunClusterKv(b, params, math, &g);
+    if (HasFatalFailure()) return;
+    CheckLayout(b, g);
+    if (HasFatalFailure()) return;
+    const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
+    int64_t same_rows = 0, rows_checked = 0;
+    for (size_t s = 0; s < c.lens.size(); ++s) {
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        const int r = static_cast<int>(s) * c.n_kv_heads + h;
+        if (g.plan.n_points[r] == 0) continue;
+        ++rows_checked;
+        const double og = Objective(b, s, h, g.centroids.data() + static_cast<size_t>(r) * K * d,
+                                    g.offsets.data() + static_cast<size_t>(r) * (K + 1),
+                                    g.members.data() + static_cast<size_t>(r) * P, g.n_clusters[r]);
+        const int CK = cpu->max_clusters, CP = cpu->max_members;
+        const double oc =
+            Objective(b, s, h, cpu->centroids.data() + static_cast<size_t>(r) * CK * d,
+                      cpu->offsets.data() + static_cast<size_t>(r) * (CK + 1),
+                      cpu->members.data() + static_cast<size_t>(r) * CP, cpu->n_clusters[r]);
+        EXPECT_NEAR(og, oc, 0.01 * std::fabs(oc)) << c.Name() << " s" << s << " h" << h;
+        const bool same =
+            g.n_clusters[r] == cpu->n_clusters[r] &&
+            std::equal(g.members.begin() + static_cast<size_t>(r) * P,
+                       g.members.begin() + static_cast<size_t>(r) * P + g.plan.n_points[r],
+                       cpu->members.begin() + static_cast<size_t>(r) * CP);
+        same_rows += same;
+      }
     }
+    std::printf("[ clusterkv] %s %s full build: %lld of %lld rows with the CPU's exact layout\n",
+                c.Name().c_str(), MathName(math), static_cast<long long>(same_rows),
+                static_cast<long long>(rows_checked));
   }
-  std::printf("[ clusterkv] %s full build: %lld of %lld rows with the CPU's exact layout\n",
-              c.Name().c_str(), static_cast<long long>(same_rows),
-              static_cast<long long>(rows_checked));
 }
 
 // Many duplicate keys: k-means sees empty clusters (re-seeding path); the layout must stay valid.
@@ -678,10 +693,14 @@ TEST_P(BuildTest, ClusterKvDuplicateKeysLayoutValid) {
   b.c.head_major = false;
   IndexParams params;
   params.budget = 8;  // C0 = min(4L/8, L/8) = L/8 clusters over 6 distinct keys: mostly empty
-  GpuClusters g;
-  RunClusterKv(b, params, &g);
-  if (HasFatalFailure()) return;
-  CheckLayout(b, g);
+  for (AssignMath math : kMaths) {
+    SCOPED_TRACE(MathName(math));
+    GpuClusters g;
+    RunClusterKv(b, params, math, &g);
+    if (HasFatalFailure()) return;
+    CheckLayout(b, g);
+    if (HasFatalFailure()) return;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, BuildTest, ::testing::ValuesIn(Cases()),

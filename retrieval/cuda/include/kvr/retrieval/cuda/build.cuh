@@ -45,6 +45,16 @@ class A2atsCodebooks;
 
 namespace kvr::retrieval::cuda {
 
+// How the GEMM-like assignment steps (k-means assignment, A2ATS codeword search) multiply:
+//   kFp32     fp32 FMA on the CUDA cores;
+//   k3xTf32   tensor cores, each fp32 operand split into two tf32 parts and three products
+//             summed (x.c ~= big.big + big.small + small.big): fp32-level accuracy (the dropped
+//             term is ~2^-22 relative), faster.
+// Both accumulate in fp32 in an order other than the CPU's BLAS; ids may differ from the CPU's
+// only where two candidates' scores are within rounding of each other (near-ties). Default
+// k3xTf32: on the H100 it was 1.05-1.15x faster (BENCHMARKS.md) with the same parity results.
+enum class AssignMath : uint8_t { kFp32 = 0, k3xTf32 = 1 };
+
 // ---------------------------------------------------------------------------------------------
 // ClusterKV. Per row r = b * n_kv_heads + h the points are the keys of tokens
 // [first_token[b], first_token[b] + n_points[r]) (the sinks [0, n_sink) are not clustered),
@@ -79,6 +89,7 @@ struct ClusterKvBuildParams {
   int max_points = 0;    // plan.max_points
   int max_clusters = 0;  // plan.max_clusters
   int max_iterations = 10;
+  AssignMath math = AssignMath::k3xTf32;
   const int32_t* first_token = nullptr;  // device [batch]
   const int32_t* n_points = nullptr;     // device [batch, n_kv_heads]
   const int32_t* n_init = nullptr;       // device [batch, n_kv_heads]
@@ -169,8 +180,9 @@ struct A2atsQuantiseParams {
   const float* chol = nullptr;        // device [n_kv_heads, head_dim, head_dim]
   const float* codewords = nullptr;   // device [n_kv_heads, codebook_size, head_dim]
   const float* half_norms = nullptr;  // device [n_kv_heads, codebook_size]
-  uint16_t* ids = nullptr;            // device [batch, n_kv_heads, id_stride]
-  int64_t id_stride = 0;              // >= max_tokens
+  AssignMath math = AssignMath::k3xTf32;
+  uint16_t* ids = nullptr;  // device [batch, n_kv_heads, id_stride]
+  int64_t id_stride = 0;    // >= max_tokens
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
