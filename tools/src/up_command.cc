@@ -332,11 +332,15 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
       "kvr cluster up: model '%s', %d prefill + %d decode node(s)\n"
       "  public gRPC (kvr.v1.Generation)  %s\n"
       "  %-12s pid %-7d grpc %-21s metrics %s\n"
-      "  %-12s pid %-7d grpc %-21s registered as %s\n",
+      "  %-12s pid %-7d grpc %-21s metrics %s (registered as %s)\n",
       model_name, o.prefill, o.decode, controller_address, "controller", controller->pid(),
       controller_address,
       controller->Find("metrics on ").empty() ? "-" : controller->Find("metrics on "), "store-0",
-      store->pid(), store_address, store_id);
+      store->pid(), store_address,
+      store->Find("kvr-store metrics port=").empty()
+          ? "-"
+          : absl::StrCat("127.0.0.1:", store->Find("kvr-store metrics port=")),
+      store_id);
   for (auto& n : nodes) {
     const std::string grpc_address = n->Find("listening on ");
     const std::string metrics = n->Find("metrics on ");
