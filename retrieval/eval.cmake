@@ -22,6 +22,9 @@ if(TARGET kvr_model)
     target_compile_definitions(kvr_retrieval_eval PRIVATE KVR_RETRIEVAL_HAVE_QUANT)
   endif()
   kvr_warnings(kvr_retrieval_eval)
+  kvr_add_test(retrieval_eval_test
+    SOURCES tests/eval_test.cc
+    LIBS kvr::retrieval_eval kvr::model kvr::common)
 endif()
 
 if(TARGET kvr_model)

@@ -103,8 +103,13 @@ class MeasuringAttention final : public kvr::model::Attention {
     Accum* accum = nullptr;
     int64_t budget = 0;
   };
-  MeasuringAttention(std::map<SequenceId, Entry> entries, int64_t n_sink, int64_t local_window)
-      : entries_(std::move(entries)), n_sink_(n_sink), local_window_(local_window) {}
+  // measure = false: only dispatches to each sequence's SparseAttention (free decoding).
+  MeasuringAttention(std::map<SequenceId, Entry> entries, int64_t n_sink, int64_t local_window,
+                     bool measure = true)
+      : entries_(std::move(entries)),
+        n_sink_(n_sink),
+        local_window_(local_window),
+        measure_(measure) {}
 
   absl::Status Attend(const AttentionShape& shape,
                       std::span<const AttentionRequest> batch) override {
@@ -114,7 +119,7 @@ class MeasuringAttention final : public kvr::model::Attention {
         return absl::InternalError(absl::StrCat("eval: unknown sequence ", r.sequence));
       }
       KVR_RETURN_IF_ERROR(it->second.sparse->Attend(shape, {&r, 1}));
-      if (r.n_queries == 1) Measure(shape, r, it->second);
+      if (measure_ && r.n_queries == 1) Measure(shape, r, it->second);
     }
     return absl::OkStatus();
   }
@@ -186,6 +191,7 @@ class MeasuringAttention final : public kvr::model::Attention {
 
   std::map<SequenceId, Entry> entries_;
   int64_t n_sink_, local_window_;
+  bool measure_;
   std::vector<float> probs_, agg_, dense_;
 };
 
@@ -264,6 +270,7 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
                                                       ThreadPool* pool, const Progress& progress) {
   if (!loaded.tokenizer) return absl::InvalidArgumentError("eval retrieval needs a tokenizer");
   if (options.steps < 1) return absl::InvalidArgumentError("--steps must be >= 1");
+  if (options.free_tokens < 0) return absl::InvalidArgumentError("--free-tokens must be >= 0");
   for (int64_t b : options.budgets) {
     if (b <= 0) return absl::InvalidArgumentError(absl::StrCat("budget must be > 0, got ", b));
   }
@@ -309,11 +316,12 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   // Fail before any prefill (minutes at 8K) when a run cannot fit the model's positions.
   for (int64_t context : options.contexts) {
     if (context < 1) return absl::InvalidArgumentError(absl::StrCat("--context must be >= 1"));
-    if (cfg.context_length > 0 && context + options.steps + 1 > cfg.context_length) {
+    const int64_t decode = std::max(options.steps, options.free_tokens);
+    if (cfg.context_length > 0 && context + decode + 1 > cfg.context_length) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--context ", context, " + --steps ", options.steps, " + 1 exceeds the model's ",
-          cfg.context_length,
-          "-token context; use --context <= ", cfg.context_length - options.steps - 1));
+          "--context ", context, " + max(--steps, --free-tokens) ", decode, " + 1 exceeds the "
+          "model's ", cfg.context_length, "-token context; use --context <= ",
+          cfg.context_length - decode - 1));
     }
   }
   std::vector<EvalRow> rows;
@@ -343,7 +351,8 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
     for (const PromptCase& pc : cases) {
       const int64_t n_prompt = static_cast<int64_t>(pc.prompt.size());
       const int64_t steps = static_cast<int64_t>(pc.continuation.size()) - 1;
-      const int64_t total = n_prompt + steps + 1;
+      const int64_t n_free = options.free_tokens;
+      const int64_t total = n_prompt + std::max(steps, n_free) + 1;
       if (progress) {
         progress(absl::StrCat(pc.name, " context ", n_prompt, ": dense prefill"));
       }
@@ -374,29 +383,53 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           ref_argmax.push_back(Argmax(logits));
         }
       }
+      // Dense free (greedy) reference: free[0] is the prefill's argmax, each next token the
+      // argmax after feeding the previous one.
+      std::vector<int32_t> ref_free;
+      if (n_free > 0) {
+        KVR_ASSIGN_OR_RETURN(KvCache cache, CopyCache(model, prefilled, total));
+        kvr::model::DenseAttention dense(pool);
+        std::vector<float> logits(cfg.vocab);
+        ref_free.push_back(Argmax(first_logits));
+        while (static_cast<int64_t>(ref_free.size()) < n_free) {
+          const int32_t token = ref_free.back();
+          kvr::model::ForwardSequence seq{0, &cache, {&token, 1}};
+          KVR_RETURN_IF_ERROR(
+              model.Forward({&seq, 1}, dense, kvr::model::LogitsMode::kLast, logits));
+          ref_free.push_back(Argmax(logits));
+        }
+      }
       for (const std::string& method : methods) {
         const auto t_method = Clock::now();
+        // One SparseAttention and one copy of the prefilled cache per budget (ids 1..nb).
+        auto make_runs = [&](std::vector<std::unique_ptr<SparseAttention>>& sparse,
+                             std::vector<KvCache>& caches, std::vector<Accum>& accums,
+                             std::map<SequenceId, MeasuringAttention::Entry>& entries)
+            -> absl::Status {
+          for (size_t b = 0; b < options.budgets.size(); ++b) {
+            SparseAttentionOptions so;
+            so.method = method;
+            so.params = base;
+            so.params.budget = options.budgets[b];
+            if (method == "a2ats") so.params.assets = a2ats_assets;
+            so.rope = rope;
+            so.n_layers = cfg.n_layers;
+            KVR_ASSIGN_OR_RETURN(std::unique_ptr<SparseAttention> sa,
+                                 SparseAttention::Create(&registry, so));
+            const SequenceId id = b + 1;
+            recorder.HandTo(*sa, id, shape);
+            entries[id] = {sa.get(), &accums[b], options.budgets[b]};
+            sparse.push_back(std::move(sa));
+            KVR_ASSIGN_OR_RETURN(KvCache c, CopyCache(model, prefilled, total));
+            caches.push_back(std::move(c));
+          }
+          return absl::OkStatus();
+        };
         std::vector<std::unique_ptr<SparseAttention>> sparse;
         std::vector<Accum> accums(options.budgets.size());
         std::vector<KvCache> caches;
         std::map<SequenceId, MeasuringAttention::Entry> entries;
-        for (size_t b = 0; b < options.budgets.size(); ++b) {
-          SparseAttentionOptions so;
-          so.method = method;
-          so.params = base;
-          so.params.budget = options.budgets[b];
-          if (method == "a2ats") so.params.assets = a2ats_assets;
-          so.rope = rope;
-          so.n_layers = cfg.n_layers;
-          KVR_ASSIGN_OR_RETURN(std::unique_ptr<SparseAttention> sa,
-                               SparseAttention::Create(&registry, so));
-          const SequenceId id = b + 1;
-          recorder.HandTo(*sa, id, shape);
-          entries[id] = {sa.get(), &accums[b], options.budgets[b]};
-          sparse.push_back(std::move(sa));
-          KVR_ASSIGN_OR_RETURN(KvCache c, CopyCache(model, prefilled, total));
-          caches.push_back(std::move(c));
-        }
+        KVR_RETURN_IF_ERROR(make_runs(sparse, caches, accums, entries));
         MeasuringAttention attention(std::move(entries), options.n_sink, options.local_window);
         const size_t nb = options.budgets.size();
         std::vector<float> logits(nb * cfg.vocab);
@@ -417,6 +450,42 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
             const int32_t am = Argmax(lg);
             agree[b] += am == ref_argmax[t - 1];
             passkey_tokens_ok[b] += am == pc.continuation[t];
+          }
+        }
+        // Free greedy decoding with fresh indexes and caches (no measuring: only the tokens).
+        std::vector<double> free_agreement(nb, 0.0);
+        std::vector<int64_t> free_prefix(nb, 0);
+        if (n_free > 0) {
+          std::vector<std::unique_ptr<SparseAttention>> fsparse;
+          std::vector<KvCache> fcaches;
+          std::vector<Accum> faccums(nb);
+          std::map<SequenceId, MeasuringAttention::Entry> fentries;
+          KVR_RETURN_IF_ERROR(make_runs(fsparse, fcaches, faccums, fentries));
+          MeasuringAttention fattention(std::move(fentries), options.n_sink,
+                                        options.local_window, /*measure=*/false);
+          std::vector<int32_t> last(nb, ref_free[0]);  // the prefill's token is common to all
+          std::vector<int64_t> equal(nb, 1);
+          std::vector<bool> diverged(nb, false);
+          std::fill(free_prefix.begin(), free_prefix.end(), 1);
+          for (int64_t i = 1; i < n_free; ++i) {
+            std::vector<kvr::model::ForwardSequence> batch;
+            for (size_t b = 0; b < nb; ++b) batch.push_back({b + 1, &fcaches[b], {&last[b], 1}});
+            absl::Status st =
+                model.Forward(batch, fattention, kvr::model::LogitsMode::kLast, logits);
+            if (!st.ok()) {
+              return absl::Status(st.code(),
+                                  absl::StrCat("method ", method, " (free): ", st.message()));
+            }
+            for (size_t b = 0; b < nb; ++b) {
+              last[b] = Argmax({logits.data() + b * cfg.vocab, static_cast<size_t>(cfg.vocab)});
+              const bool same = last[b] == ref_free[i];
+              equal[b] += same;
+              if (!same) diverged[b] = true;
+              if (!diverged[b]) ++free_prefix[b];
+            }
+          }
+          for (size_t b = 0; b < nb; ++b) {
+            free_agreement[b] = static_cast<double>(equal[b]) / static_cast<double>(n_free);
           }
         }
         // Context bytes: every layer's index over (prompt + steps) tokens.
@@ -446,6 +515,9 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
                               : 0;
           row.build_s = sa.stats().build_seconds;
           if (pc.name == "passkey") row.passkey_ok = passkey_tokens_ok[b] == steps ? 1 : 0;
+          row.free_tokens = n_free;
+          row.free_agreement = free_agreement[b];
+          row.free_prefix = free_prefix[b];
           rows.push_back(row);
         }
         if (progress) {
@@ -459,19 +531,29 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
 }
 
 std::string FormatTable(const std::vector<EvalRow>& rows) {
-  std::string out = absl::StrFormat("%-8s %6s %-10s %6s %7s %7s %8s %8s %8s %7s %9s %9s %6s\n",
-                                    "prompt", "ctx", "method", "budget", "recall", "mass", "relerr",
-                                    "nll", "dNLL", "agree", "B/tok/hd", "select_us", "pass");
+  std::string out = absl::StrFormat(
+      "%-8s %6s %-10s %6s %7s %7s %8s %8s %8s %7s %11s %9s %9s %6s\n", "prompt", "ctx", "method",
+      "budget", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)", "B/tok/hd",
+      "select_us", "pass");
   for (const EvalRow& r : rows) {
+    const std::string free =
+        r.free_tokens > 0 ? absl::StrFormat("%.3f(%d)", r.free_agreement, r.free_prefix) : "-";
     absl::StrAppendFormat(
-        &out, "%-8s %6d %-10s %6d %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %9.2f %9.1f %6s\n", r.prompt,
-        r.context, r.method, r.budget, r.recall, r.mass, r.rel_error, r.nll, r.nll_delta,
-        r.agreement, r.summary_bytes_per_token_head, r.select_us,
+        &out, "%-8s %6d %-10s %6d %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %11s %9.2f %9.1f %6s\n",
+        r.prompt, r.context, r.method, r.budget, r.recall, r.mass, r.rel_error, r.nll,
+        r.nll_delta, r.agreement, free, r.summary_bytes_per_token_head, r.select_us,
         r.passkey_ok < 0 ? "-" : (r.passkey_ok ? "yes" : "no"));
   }
   if (!rows.empty()) {
-    absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16)\n",
+    absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16",
                           rows.front().kv_bytes_per_token_head);
+    if (rows.front().free_tokens > 0) {
+      absl::StrAppendFormat(&out,
+                            "; free(pfx): agreement of %d freely decoded greedy tokens with "
+                            "dense greedy, and the common prefix length",
+                            rows.front().free_tokens);
+    }
+    out += ")\n";
   }
   return out;
 }
@@ -480,6 +562,7 @@ std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows)
   nlohmann::json j;
   j["options"] = {{"contexts", options.contexts},     {"budgets", options.budgets},
                   {"methods", options.methods},       {"steps", options.steps},
+                  {"free_tokens", options.free_tokens},
                   {"n_sink", options.n_sink},         {"local_window", options.local_window},
                   {"text_files", options.text_files}, {"passkey", options.passkey}};
   j["rows"] = nlohmann::json::array();
@@ -499,7 +582,10 @@ std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows)
                          {"kv_bytes_per_token_head", r.kv_bytes_per_token_head},
                          {"select_us", r.select_us},
                          {"build_s", r.build_s},
-                         {"passkey_ok", r.passkey_ok}});
+                         {"passkey_ok", r.passkey_ok},
+                         {"free_tokens", r.free_tokens},
+                         {"free_agreement", r.free_agreement},
+                         {"free_prefix", r.free_prefix}});
   }
   return j.dump(2);
 }

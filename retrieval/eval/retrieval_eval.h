@@ -14,6 +14,10 @@
 //   nll / delta    mean -log p(next true token), and its difference to the dense run
 //   agreement      fraction of steps whose argmax equals the dense run's argmax (teacher-forced
 //                  on the same prefix: one flipped token does not cascade into the next ones)
+//   free_agreement free (greedy, not teacher-forced) decoding of `free_tokens` tokens from the
+//                  same prefill: fraction of positions whose token equals dense greedy decoding's
+//                  (after a divergence the texts differ, so this is the cascaded measure)
+//   free_prefix    tokens of that free decoding equal to dense's before the first difference
 //   bytes/token/head   summary bytes (RetrievalIndex::MemoryBytes) per token per KV head,
 //                      against K+V bytes per token per head (fp16: 4 * head_dim)
 //   select_us      time in RetrievalIndex::Select per (layer, decode step), all KV heads
@@ -42,6 +46,7 @@ struct EvalOptions {
   std::vector<int64_t> budgets = {64, 128, 256, 512};
   std::vector<std::string> methods;  // empty: every registered method
   int64_t steps = 64;                // teacher-forced decode steps
+  int64_t free_tokens = 128;         // greedy tokens decoded freely per run; 0: no free decoding
   int64_t n_sink = 16;
   int64_t local_window = 128;
   std::vector<std::string> text_files;  // natural text; empty: license texts
@@ -65,6 +70,9 @@ struct EvalRow {
   double select_us = 0;
   double build_s = 0;   // total Build/Append seconds over all layers
   int passkey_ok = -1;  // -1: not a passkey prompt
+  int64_t free_tokens = 0;      // tokens decoded freely (0: not run)
+  double free_agreement = 0;    // fraction equal to dense greedy, position by position
+  int64_t free_prefix = 0;      // equal tokens before the first difference
 };
 
 using Progress = std::function<void(const std::string&)>;

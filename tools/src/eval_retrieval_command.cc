@@ -70,6 +70,9 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_option("--method", flags->eval.methods, "methods (default: all registered)");
   cmd->add_option("--steps", flags->eval.steps, "teacher-forced decode steps")
       ->capture_default_str();
+  cmd->add_option("--free-tokens", flags->eval.free_tokens,
+                  "greedy tokens decoded freely per run, compared with dense greedy (0: off)")
+      ->capture_default_str();
   cmd->add_option("--sink", flags->eval.n_sink, "sink tokens")->capture_default_str();
   cmd->add_option("--local", flags->eval.local_window, "local window tokens")
       ->capture_default_str();

@@ -1,0 +1,87 @@
+// `kvr eval retrieval` on the real test model (SmolLM2-135M, $KVR_TEST_MODEL), at a context
+// small enough for a unit test: the metrics of the baselines whose answer is known.
+//   full: every metric equals dense (recall 1, mass 1, output error 0, agreement 1, and free
+//         greedy decoding token for token equal to dense greedy);
+//   exact: recall 1 by construction, mass below 1 (budget < candidates);
+//   streaming: recall 0 (it selects nothing), mass below exact's.
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "kvr/common/paths.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/model/loader.h"
+#include "retrieval_eval.h"
+
+namespace kvr::retrieval::eval {
+namespace {
+
+TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
+  const std::string path = kvr::TestModelPath();
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
+  ThreadPool pool(0);
+  auto loaded = kvr::model::LoadModel(path, {}, &pool);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EvalOptions o;
+  o.contexts = {320};
+  o.budgets = {16};
+  o.methods = {"full", "exact", "streaming"};
+  o.steps = 6;
+  o.free_tokens = 12;
+  o.n_sink = 8;
+  o.local_window = 32;
+  auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 3u);
+  std::map<std::string, EvalRow> by;
+  for (const EvalRow& r : *rows) by[r.method] = r;
+  const EvalRow& full = by.at("full");
+  EXPECT_EQ(full.steps, 6);
+  EXPECT_DOUBLE_EQ(full.recall, 1.0);
+  EXPECT_NEAR(full.mass, 1.0, 1e-6);
+  EXPECT_LT(full.rel_error, 1e-4);
+  EXPECT_DOUBLE_EQ(full.agreement, 1.0);
+  EXPECT_EQ(full.free_tokens, 12);
+  EXPECT_DOUBLE_EQ(full.free_agreement, 1.0);
+  EXPECT_EQ(full.free_prefix, 12);
+  const EvalRow& exact = by.at("exact");
+  EXPECT_DOUBLE_EQ(exact.recall, 1.0);
+  EXPECT_LT(exact.mass, 1.0);
+  EXPECT_GT(exact.mass, 0.0);
+  const EvalRow& streaming = by.at("streaming");
+  EXPECT_DOUBLE_EQ(streaming.recall, 0.0);
+  EXPECT_LT(streaming.mass, exact.mass);
+  for (const EvalRow& r : *rows) {
+    EXPECT_GE(r.free_prefix, 1) << r.method;  // the prefill's token is common to all
+    EXPECT_LE(r.free_prefix, 12) << r.method;
+    EXPECT_GE(r.free_agreement, static_cast<double>(r.free_prefix) / 12 - 1e-12) << r.method;
+  }
+  // The table and JSON carry the free-decoding columns.
+  EXPECT_NE(FormatTable(*rows).find("free(pfx)"), std::string::npos);
+  EXPECT_NE(ToJson(o, *rows).find("\"free_prefix\": 12"), std::string::npos);
+}
+
+TEST(RetrievalEvalTest, BadOptionsNameTheFlag) {
+  const std::string path = kvr::TestModelPath();
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
+  ThreadPool pool(0);
+  auto loaded = kvr::model::LoadModel(path, {}, &pool);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EvalOptions o;
+  o.contexts = {8000};
+  o.free_tokens = 1000;  // 8000 + 1000 > SmolLM2's 8192 positions
+  auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  ASSERT_FALSE(rows.ok());
+  EXPECT_NE(rows.status().message().find("--free-tokens"), std::string::npos)
+      << rows.status();
+  o.contexts = {320};
+  o.free_tokens = -1;
+  rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  ASSERT_FALSE(rows.ok());
+  EXPECT_NE(rows.status().message().find("--free-tokens"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvr::retrieval::eval
