@@ -1,5 +1,5 @@
 # kvr::retrieval_cuda_build: GPU summary building at prefill (issue 6, "kernels-build"): ClusterKV
-# k-means + layout, Quest page bounds, KeyDiff scores, A2ATS quantise. Contract and launchers:
+# k-means + layout, Quest page bounds, KeyDiff scores, A2ATS quantise, CTKVR qcIVF build. Contract and launchers:
 # cuda/include/kvr/retrieval/cuda/build.cuh. Only with nvcc (CONVENTIONS.md 7); the parity test
 # carries the CTest label `gpu` (CI compiles it, never runs it).
 if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_select)
@@ -8,6 +8,7 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
     cuda/build/quest.cu
     cuda/build/keydiff.cu
     cuda/build/a2ats.cu
+    cuda/build/ctkvr.cu
     cuda/build/plan.cc)
   add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)
   target_include_directories(kvr_retrieval_cuda_build

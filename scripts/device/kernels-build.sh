@@ -10,6 +10,8 @@
 #                                                 # torch SDPA causal prefill attention anchor
 #
 # `run` builds nothing. Logs go to $OUT (the device tool's output folder) or ./out.
+# Optional environment for a partial run: KB_TESTS (gtest filter of the parity and memcheck runs),
+# KB_BENCH_ARGS (extra build_cuda_bench flags, e.g. "--builders ctkvr"), KB_SDPA_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -48,19 +50,25 @@ run() {
   local san
   san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   local status=0
-  echo "== parity"
-  timeout 120 "$DEV/retrieval_cuda_build_test" >"$out/parity.log" 2>&1 || status=1
-  grep -E "^\[ (a2ats|clusterkv)|^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$out/parity.log" | head -40
-  echo "== compute-sanitizer memcheck (every parity test)"
+  local filter=()
+  [[ -n ${KB_TESTS:-} ]] && filter=("--gtest_filter=$KB_TESTS")
+  echo "== parity ${KB_TESTS:-}"
+  timeout 120 "$DEV/retrieval_cuda_build_test" "${filter[@]}" >"$out/parity.log" 2>&1 || status=1
+  grep -E "^\[ (a2ats|clusterkv|ctkvr)|^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$out/parity.log" |
+    head -60
+  echo "== compute-sanitizer memcheck (every parity test${KB_TESTS:+ of $KB_TESTS})"
   timeout 240 "$san" --tool memcheck --error-exitcode 3 "$DEV/retrieval_cuda_build_test" \
-    >"$out/memcheck.log" 2>&1 || status=1
+    "${filter[@]}" >"$out/memcheck.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|^\[  (PASSED|FAILED)" "$out/memcheck.log" | tail -3
   echo "== bench"
   local args=()
   [[ $quick == quick ]] && args=(--contexts 8192,131072 --iters 2)
+  # shellcheck disable=SC2206
+  args+=(${KB_BENCH_ARGS:-})
   timeout 200 "$DEV/build_cuda_bench" "${args[@]}" | tee "$out/bench.txt" || status=1
   echo "== torch SDPA causal prefill attention (same run)"
-  timeout 120 python3 "$DEV/prefill_sdpa.py" | tee "$out/sdpa.txt" || status=1
+  # shellcheck disable=SC2086
+  timeout 120 python3 "$DEV/prefill_sdpa.py" ${KB_SDPA_ARGS:-} | tee "$out/sdpa.txt" || status=1
   echo "status $status"
   return $status
 }

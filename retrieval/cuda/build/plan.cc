@@ -1,7 +1,9 @@
 // Host side of ClusterKvBuild: the parameters the CPU ClusterKvIndex derives (clusterkv.h) and
-// the k-means initial points (ops.h), so that the GPU build starts where the CPU does.
+// the k-means initial points (ops.h), so that the GPU build starts where the CPU does. And the
+// same for CtkvrBuild (C, rho and the sinks as CtkvrIndex::Build, ctkvr.cc).
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
@@ -58,6 +60,74 @@ absl::StatusOr<ClusterKvBuildPlan> MakeClusterKvBuildPlan(const IndexShape& shap
           static_cast<int32_t>(picks[r][c]);
     }
   }
+  return plan;
+}
+
+absl::StatusOr<CtkvrBuildPlan> MakeCtkvrBuildPlan(const IndexShape& shape,
+                                                  const IndexParams& params,
+                                                  std::span<const int64_t> seq_lens,
+                                                  std::span<const int64_t> n_queries) {
+  if (shape.n_kv_heads < 1 || shape.head_dim < 1 || shape.n_heads < shape.n_kv_heads ||
+      shape.n_heads % shape.n_kv_heads != 0) {
+    return absl::InvalidArgumentError("MakeCtkvrBuildPlan: bad shape");
+  }
+  if (seq_lens.empty()) return absl::InvalidArgumentError("MakeCtkvrBuildPlan: empty batch");
+  if (n_queries.size() != seq_lens.size()) {
+    return absl::InvalidArgumentError("MakeCtkvrBuildPlan: n_queries and seq_lens differ in size");
+  }
+  CtkvrBuildPlan plan;
+  plan.batch = static_cast<int>(seq_lens.size());
+  plan.n_kv_heads = shape.n_kv_heads;
+  plan.group = shape.n_heads / shape.n_kv_heads;
+  plan.head_dim = shape.head_dim;
+  plan.n_recall = params.ctkvr.n_recall > 0 ? static_cast<int>(params.ctkvr.n_recall) : 4;
+  const int nb = plan.batch;
+  plan.per_seq.assign(static_cast<size_t>(5) * nb, 0);
+  for (int b = 0; b < nb; ++b) {
+    const int64_t n = seq_lens[b], nq = n_queries[b];
+    if (n < 0 || n >= (int64_t{1} << 31) || nq < 0 || nq >= (int64_t{1} << 31)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MakeCtkvrBuildPlan: sequence ", b, " length ", n, " queries ", nq));
+    }
+    // As CtkvrIndex::Build.
+    int64_t c = params.ctkvr.n_centroids;
+    if (c == 0) {
+      c = std::min<int64_t>({2048, std::max<int64_t>(1, n / 16), nq});
+    } else if (c > n) {
+      return absl::InvalidArgumentError(absl::StrCat("ctkvr: C (", c,
+                                                     " query centroids) is larger than the ", n,
+                                                     "-token context (sequence ", b, ")"));
+    } else if (c > nq) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ctkvr: C (", c, " query centroids) is larger than the ", nq,
+                       " prefill queries passed to Build (sequence ", b, ")"));
+    }
+    if (c <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ctkvr: Build needs prefill queries (sequence ", b, " has none)"));
+    }
+    const int64_t sink = std::min(params.n_sink, n);
+    const int64_t listable = n - sink;
+    int64_t rho = params.ctkvr.list_length > 0
+                      ? params.ctkvr.list_length
+                      : static_cast<int64_t>(std::ceil(2.5 * static_cast<double>(params.budget)));
+    rho = std::max<int64_t>(1, std::min(rho, listable));
+    const int64_t len = listable > 0 ? rho : 0;
+    plan.per_seq[b] = static_cast<int32_t>(sink);
+    plan.per_seq[nb + b] = static_cast<int32_t>(listable);
+    plan.per_seq[2 * nb + b] = static_cast<int32_t>(c);
+    plan.per_seq[3 * nb + b] = static_cast<int32_t>(len);
+    plan.per_seq[4 * nb + b] = static_cast<int32_t>(nq - c);
+    plan.max_centroids = std::max<int>(plan.max_centroids, static_cast<int>(c));
+    plan.max_list_length = std::max<int>(plan.max_list_length, static_cast<int>(len));
+    plan.max_listable = std::max<int>(plan.max_listable, static_cast<int>(listable));
+  }
+  const int64_t entries = static_cast<int64_t>(plan.max_centroids) * plan.max_list_length;
+  if (entries >= (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MakeCtkvrBuildPlan: C x rho = ", entries, " list entries per head"));
+  }
+  plan.max_list_entries = static_cast<int>(entries);
   return plan;
 }
 

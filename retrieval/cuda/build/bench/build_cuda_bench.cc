@@ -3,6 +3,7 @@
 // as the runtime writes it).
 //
 //   build_cuda_bench [--contexts 8192,32768,131072] [--batch 1] [--iters 3] [--codebook 1024,4096]
+//                    [--builders quest,keydiff,a2ats,clusterkv,ctkvr]
 //
 // Keys: a mixture of 64 directions per head plus noise (k-means has structure to find; random
 // noise alone never converges). One line per (builder, context): us per layer (mean of --iters
@@ -13,6 +14,9 @@
 //              settles earlier, so the rate is a lower bound)
 //   a2ats      2 n d (d + L) flop per key per head vs the same 67 TFLOP/s
 //   quest, keydiff  key bytes read (keydiff reads them twice) vs 3.0 TB/s HBM (DESIGN.md 6)
+//   ctkvr      CtkvrBuild at the CPU defaults for budget 1024 (C = min(2048, L/16), rho = 2560,
+//              32 query heads): 2 passes x 2 C group (L - 16) d flop per KV head vs 67 TF/s
+//              (3xTF32 tensor cores; the rate includes the score write-out and BatchedTopK)
 
 #include <cuda_runtime.h>
 
@@ -108,6 +112,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> contexts = {8192, 32768, 131072};
   std::vector<int64_t> codebooks = {1024, 4096};
   int batch = 1, iters = 3;
+  std::string builders = "quest,keydiff,a2ats,clusterkv,ctkvr";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--contexts"))
       contexts = ParseList(argv[i + 1]);
@@ -117,11 +122,17 @@ int main(int argc, char** argv) {
       batch = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--iters"))
       iters = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--builders"))
+      builders = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown flag %s\n", argv[i]);
       return 2;
     }
   }
+  builders = "," + builders + ",";
+  const auto want = [&builders](const char* name) {
+    return builders.find(std::string(",") + name + ",") != std::string::npos;
+  };
   if (!kvr::cuda::HaveCudaDevice()) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
@@ -168,6 +179,21 @@ int main(int argc, char** argv) {
     }
   }
   auto keys = Upload(host);
+  // CTKVR prefill queries (the last kMaxQueries of each sequence; C <= 2048 of them are used):
+  // bf16 [batch, kMaxQueries, kNh, kD], random (the cost does not depend on values).
+  constexpr int kNh = 32, kMaxQueries = 2048;
+  DeviceBuffer<uint16_t> queries;
+  {
+    std::vector<uint16_t> q(static_cast<size_t>(batch) * kMaxQueries * kNh * kD);
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (uint16_t& v : q) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      v = kvr::FloatToBf16(static_cast<float>(x & 0xffff) / 32768.f - 1.f);
+    }
+    queries = Upload(q);
+  }
 
   for (int64_t L : contexts) {
     rc::KeyView view;
@@ -182,7 +208,7 @@ int main(int argc, char** argv) {
     const int rows = batch * kNkv;
 
     // Quest (page 16).
-    {
+    if (want("quest")) {
       const int64_t pages = (L + 15) / 16;
       auto bounds = Alloc<float>(static_cast<size_t>(batch) * pages * kNkv * 2 * kD);
       rc::QuestBoundsParams p;
@@ -201,7 +227,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(L), us, bw / 1e9, 100 * bw / kHbm);
     }
     // KeyDiff.
-    {
+    if (want("keydiff")) {
       auto scores = Alloc<float>(static_cast<size_t>(rows) * L);
       rc::KeyDiffBuildParams p;
       p.batch = batch;
@@ -221,7 +247,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(L), us, bw / 1e9, 100 * bw / kHbm);
     }
     // A2ATS (identity-ish whitening and random codewords: the cost does not depend on values).
-    for (int64_t size : codebooks) {
+    for (int64_t size : want("a2ats") ? codebooks : std::vector<int64_t>{}) {
       for (rc::AssignMath math : {rc::AssignMath::kFp32, rc::AssignMath::k3xTf32}) {
         std::mt19937 rng(3);
         std::normal_distribution<float> g(0.f, 1.f);
@@ -271,7 +297,7 @@ int main(int argc, char** argv) {
       }
     }
     // ClusterKV: the CPU defaults at budget 1024 (C0 = L/80, 16 sinks), 1 and 10 iterations.
-    for (int max_it : {1, 10})
+    for (int max_it : want("clusterkv") ? std::vector<int>{1, 10} : std::vector<int>{})
       for (rc::AssignMath math : {rc::AssignMath::kFp32, rc::AssignMath::k3xTf32}) {
         kvr::retrieval::IndexShape shape;
         shape.n_heads = 32;
@@ -323,6 +349,57 @@ int main(int argc, char** argv) {
             "%-26s %8lld %12.1f %7.1f TF/s %5.1f%% of 67 TF/s fp32 (<=, %d clusters kept)\n", name,
             static_cast<long long>(L), us, rate / 1e12, 100 * rate / kFp32Peak, nc[0]);
       }
+    // CTKVR qcIVF build: the CPU defaults at budget 1024 (C = min(2048, L/16) query centroids,
+    // rho = 2560, 16 sinks), 32 query heads (group 4), bf16 prefill queries.
+    if (want("ctkvr")) {
+      kvr::retrieval::IndexShape shape;
+      shape.n_heads = kNh;
+      shape.n_kv_heads = kNkv;
+      shape.head_dim = kD;
+      kvr::retrieval::IndexParams params;
+      params.budget = 1024;
+      std::vector<int64_t> seq(batch, L), nq(batch, kMaxQueries);
+      auto plan = rc::MakeCtkvrBuildPlan(shape, params, seq, nq);
+      CHECK_OK(plan.status());
+      auto per_seq = Upload(plan->per_seq);
+      const int C = plan->max_centroids, E = plan->max_list_entries;
+      auto centroids = Alloc<float>(static_cast<size_t>(rows) * C * (kNh / kNkv) * kD);
+      auto n_centroids = Alloc<int32_t>(rows);
+      auto offsets = Alloc<int32_t>(static_cast<size_t>(rows) * (C + 1));
+      auto lists = Alloc<int32_t>(static_cast<size_t>(rows) * E);
+      rc::CtkvrBuildParams p;
+      p.batch = batch;
+      p.n_heads = kNh;
+      p.n_kv_heads = kNkv;
+      p.head_dim = kD;
+      p.scale = 1.f / std::sqrt(static_cast<float>(kD));
+      p.keys = view;
+      p.queries.data = queries.data();
+      p.queries.dtype = rc::KeyDType::kBf16;
+      p.queries.token_stride = kNh * kD;
+      p.queries.head_stride = kD;
+      p.queries.batch_stride = static_cast<int64_t>(kMaxQueries) * kNh * kD;
+      p.per_seq = per_seq.data();
+      p.max_centroids = C;
+      p.max_list_length = plan->max_list_length;
+      p.max_listable = plan->max_listable;
+      p.centroids = centroids.data();
+      p.n_centroids = n_centroids.data();
+      p.list_offsets = offsets.data();
+      p.lists = lists.data();
+      auto ws = Alloc<char>(rc::CtkvrBuildWorkspaceBytes(p));
+      p.workspace = ws.data();
+      p.workspace_bytes = ws.bytes();
+      const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::CtkvrBuild(p, stream)); });
+      // Useful flops: two passes (log-sum-exp, scores) of 2 C group listable d per KV head.
+      const double flops =
+          2.0 * 2.0 * rows * static_cast<double>(C) * (kNh / kNkv) * plan->max_listable * kD;
+      const double rate = flops / (us * 1e-6);
+      char name[64];
+      std::snprintf(name, sizeof(name), "ctkvr C=%d rho=%d", C, plan->max_list_length);
+      std::printf("%-26s %8lld %12.1f %7.1f TF/s %5.1f%% of 67 TF/s fp32 (3xtf32 mma)\n", name,
+                  static_cast<long long>(L), us, rate / 1e12, 100 * rate / kFp32Peak);
+    }
   }
   return 0;
 }

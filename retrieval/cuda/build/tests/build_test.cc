@@ -6,7 +6,10 @@
 //  - ClusterKvBuild, one iteration from the CPU's initial centroids, against KMeans (ops.cc): ids
 //    exact except near-ties, unit centroids within 1e-5; the full build against ClusterKvIndex
 //    (clusterkv.cc, through ClusterKvLayoutFromIndexes): a valid layout and the mean cosine of
-//    each key to its cluster's centroid within 1% of the CPU's.
+//    each key to its cluster's centroid within 1% of the CPU's;
+//  - CtkvrBuild against the `ctkvr` index (ctkvr.cc, through CtkvrLayoutFromIndexes): lists equal
+//    as sets except near-ties at the rho-th score (counted, bounded), centroids within 1e-6,
+//    offsets and padding exact; end to end, GPU build -> CtkvrSelect against CPU Build -> Select.
 // Shapes swept: batch with sequences of different lengths (including one with no point past the
 // sinks), head_dim 64 / 128, GQA shapes 9x3 / 32x8, keys fp32 (token-major and head-major) and
 // bf16 (rounded first; the CPU sees the rounded values). Outputs are poisoned (NaN / 0x7f) before
@@ -17,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -703,6 +708,346 @@ TEST_P(BuildTest, ClusterKvDuplicateKeysLayoutValid) {
   }
 }
 
+// ---- CTKVR qcIVF build ------------------------------------------------------------------------
+// GPU build of a batch and the CPU indexes of the same keys and prefill queries.
+struct CtkvrRun {
+  CtkvrBuildPlan plan;
+  int group = 0;
+  std::vector<float> centroids;
+  std::vector<int32_t> n_centroids, offsets, lists;
+  DeviceBuffer<float> d_centroids;
+  DeviceBuffer<int32_t> d_nc, d_off, d_lists;
+  std::vector<std::vector<float>> queries;  // CPU view [b][nq * n_heads * d]
+  std::vector<std::unique_ptr<RetrievalIndex>> cpu;
+  std::vector<const RetrievalIndex*> views;
+};
+
+// Prefill queries: 0.25 x the key of an earlier token of the head's KV group + noise (so lists
+// differ between centroids and logits stay within ~+-20: the CPU's float softmax does not
+// underflow, where log-domain and linear ranks would differ). Layout follows the case (token- or
+// head-major), dtype the keys' (bf16 rounded for the CPU).
+void RunCtkvr(const Batch& b, const IndexParams& params, int nq, int chunk, CtkvrRun* out) {
+  const Case& c = b.c;
+  const int nh = c.n_heads, nkv = c.n_kv_heads, d = c.head_dim, group = nh / nkv;
+  const int S = static_cast<int>(c.lens.size());
+  out->group = group;
+  std::mt19937 rng(77 + d + nh);
+  std::normal_distribution<float> g(0.f, 1.f);
+  const size_t elems = static_cast<size_t>(S) * nq * nh * d;
+  std::vector<float> dev32(elems, 0.f);
+  std::vector<uint16_t> dev16(elems, 0);
+  for (int s = 0; s < S; ++s) {
+    std::vector<float> q(static_cast<size_t>(nq) * nh * d);
+    const int64_t len = c.lens[s];
+    for (int i = 0; i < nq; ++i)
+      for (int qh = 0; qh < nh; ++qh) {
+        const int kvh = qh / group;
+        const int64_t src = len > 0 ? static_cast<int64_t>(rng() % len) : -1;
+        for (int k = 0; k < d; ++k) {
+          float v = 0.5f * g(rng);
+          if (src >= 0) v += 0.25f * b.cpu[s][(src * nkv + kvh) * d + k];
+          if (c.dtype == KeyDType::kBf16) v = Bf16ToFloat(FloatToBf16(v));
+          q[(static_cast<size_t>(i) * nh + qh) * d + k] = v;
+          const size_t di = c.head_major ? ((static_cast<size_t>(s) * nh + qh) * nq + i) * d + k
+                                         : ((static_cast<size_t>(s) * nq + i) * nh + qh) * d + k;
+          dev32[di] = v;
+          dev16[di] = FloatToBf16(v);
+        }
+      }
+    out->queries.push_back(std::move(q));
+  }
+  DeviceBuffer<char> d_q;
+  {
+    const size_t bytes = elems * (c.dtype == KeyDType::kBf16 ? 2 : 4);
+    auto qb = DeviceBuffer<char>::Create(std::max<size_t>(1, bytes));
+    ASSERT_TRUE(qb.ok()) << qb.status();
+    d_q = std::move(*qb);
+    const void* src = c.dtype == KeyDType::kBf16 ? static_cast<const void*>(dev16.data())
+                                                 : static_cast<const void*>(dev32.data());
+    ASSERT_EQ(cudaMemcpy(d_q.data(), src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  KeyView qv;
+  qv.data = d_q.data();
+  qv.dtype = c.dtype;
+  qv.token_stride = c.head_major ? d : static_cast<int64_t>(nh) * d;
+  qv.head_stride = c.head_major ? static_cast<int64_t>(nq) * d : d;
+  qv.batch_stride = static_cast<int64_t>(nq) * nh * d;
+
+  std::vector<int64_t> nqs(S, nq);
+  auto plan = MakeCtkvrBuildPlan(ShapeOf(c), params, c.lens, nqs);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  out->plan = *plan;
+  const int rows = S * nkv, C = plan->max_centroids, E = plan->max_list_entries;
+  auto per_seq = Upload(plan->per_seq);
+  out->d_centroids = Poisoned<float>(static_cast<size_t>(rows) * C * group * d, 0xff);
+  out->d_nc = Poisoned<int32_t>(rows, 0x7f);
+  out->d_off = Poisoned<int32_t>(static_cast<size_t>(rows) * (C + 1), 0x7f);
+  out->d_lists = Poisoned<int32_t>(static_cast<size_t>(rows) * E, 0x7f);
+  CtkvrBuildParams p;
+  p.batch = S;
+  p.n_heads = nh;
+  p.n_kv_heads = nkv;
+  p.head_dim = d;
+  p.scale = 1.f / std::sqrt(static_cast<float>(d));
+  p.keys = b.view;
+  p.queries = qv;
+  p.per_seq = per_seq.data();
+  p.max_centroids = C;
+  p.max_list_length = plan->max_list_length;
+  p.max_listable = plan->max_listable;
+  p.centroid_chunk = chunk;
+  p.centroids = out->d_centroids.data();
+  p.n_centroids = out->d_nc.data();
+  p.list_offsets = out->d_off.data();
+  p.lists = out->d_lists.data();
+  auto ws = Workspace(CtkvrBuildWorkspaceBytes(p));
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.bytes();
+  ASSERT_OK(CtkvrBuild(p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  out->centroids = Download(out->d_centroids, static_cast<size_t>(rows) * C * group * d);
+  out->n_centroids = Download(out->d_nc, rows);
+  out->offsets = Download(out->d_off, static_cast<size_t>(rows) * (C + 1));
+  out->lists = Download(out->d_lists, static_cast<size_t>(rows) * E);
+
+  MethodRegistry registry;
+  ASSERT_OK(RegisterCoreMethods(registry));
+  for (int s = 0; s < S; ++s) {
+    auto index = registry.Make("ctkvr", ShapeOf(c), params);
+    ASSERT_TRUE(index.ok()) << index.status();
+    BuildInput in;
+    in.keys = CpuKeys(b, s);
+    in.queries = TokenTensor{out->queries[s].data(), nq, static_cast<int64_t>(nh) * d};
+    in.queries_first_position = std::max<int64_t>(0, c.lens[s] - nq);
+    ASSERT_OK((*index)->Build(in));
+    out->views.push_back(index->get());
+    out->cpu.push_back(std::move(*index));
+  }
+}
+
+// Log of the CPU's score (max over the group of the softmax probability), in double, of every
+// listable key of centroid i of (s, h).
+std::vector<double> CtkvrLogScores(const Batch& b, const CtkvrRun& r, int s, int h, int i,
+                                   int64_t first, int nq) {
+  const Case& c = b.c;
+  const int nh = c.n_heads, nkv = c.n_kv_heads, d = c.head_dim, group = r.group;
+  const int64_t len = c.lens[s], listable = len - first;
+  const int C = r.plan.per_seq[2 * r.plan.batch + s];
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> best(listable, -INFINITY), l(listable);
+  for (int g = 0; g < group; ++g) {
+    const float* q = r.queries[s].data() + (static_cast<size_t>(nq - C + i) * nh + h * group + g) * d;
+    double mx = -INFINITY;
+    for (int64_t t = 0; t < listable; ++t) {
+      const float* k = b.cpu[s].data() + ((first + t) * nkv + h) * d;
+      double dot = 0;
+      for (int e = 0; e < d; ++e) dot += static_cast<double>(q[e]) * k[e];
+      l[t] = scale * dot;
+      mx = std::max(mx, l[t]);
+    }
+    double sum = 0;
+    for (int64_t t = 0; t < listable; ++t) sum += std::exp(l[t] - mx);
+    const double lse = mx + std::log(sum);
+    for (int64_t t = 0; t < listable; ++t) best[t] = std::max(best[t], l[t] - lse);
+  }
+  return best;
+}
+
+// Lists equal to the CPU index's as sets except near-ties at the rho-th score (|log score -
+// boundary| <= 1e-4 in double; counted, at most 0.5% of the entries), centroids within 1e-6 (bit-
+// equal expected), offsets / counts / padding exact. Two chunkings (auto, and 7 centroids per
+// pass = several chunks of whole tiles).
+TEST_P(BuildTest, CtkvrListsMatchCpuExceptNearTies) {
+  const Case& c = GetParam();
+  Batch b = MakeBatch(c, 21);
+  IndexParams params;
+  params.budget = 16;  // rho = 40
+  const int nq = 48;
+  for (int chunk : {0, 7}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    CtkvrRun r;
+    RunCtkvr(b, params, nq, chunk, &r);
+    if (HasFatalFailure()) return;
+    auto cpu = CtkvrLayoutFromIndexes(r.views);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    const int S = static_cast<int>(c.lens.size()), nkv = c.n_kv_heads, d = c.head_dim;
+    const int C = r.plan.max_centroids, E = r.plan.max_list_entries, gd = r.group * d;
+    ASSERT_EQ(cpu->max_centroids, C);
+    ASSERT_EQ(cpu->max_list_length, r.plan.max_list_length);
+    int64_t lists = 0, same_lists = 0, entries = 0, differing = 0, not_bit_equal = 0;
+    for (float v : r.centroids) ASSERT_FALSE(std::isnan(v)) << "NaN centroid (poison left)";
+    for (int s = 0; s < S; ++s) {
+      const int64_t first = r.plan.per_seq[s];
+      const int len = r.plan.per_seq[3 * S + s];
+      for (int h = 0; h < nkv; ++h) {
+        const int row = s * nkv + h;
+        const std::string where = c.Name() + " s" + std::to_string(s) + " h" + std::to_string(h);
+        ASSERT_EQ(r.n_centroids[row], cpu->n_centroids[row]) << where;
+        const int nc = r.n_centroids[row];
+        for (size_t e = 0; e < static_cast<size_t>(C) * gd; ++e) {
+          const float gv = r.centroids[static_cast<size_t>(row) * C * gd + e];
+          const float cv = cpu->centroids[static_cast<size_t>(row) * C * gd + e];
+          ASSERT_NEAR(gv, cv, 1e-6) << where << " centroid element " << e;
+          not_bit_equal += std::memcmp(&gv, &cv, sizeof(float)) != 0;
+        }
+        const int32_t* off = r.offsets.data() + static_cast<size_t>(row) * (C + 1);
+        const int32_t* coff = cpu->list_offsets.data() + static_cast<size_t>(row) * (C + 1);
+        for (int i = 0; i <= C; ++i) ASSERT_EQ(off[i], std::min(i, nc) * len) << where << " " << i;
+        const int32_t* gl = r.lists.data() + static_cast<size_t>(row) * E;
+        for (int e = nc * len; e < E; ++e) ASSERT_EQ(gl[e], -1) << where << " padding " << e;
+        const int32_t* cl = cpu->lists.data() + static_cast<size_t>(row) * cpu->max_list_entries;
+        for (int i = 0; i < nc; ++i) {
+          ASSERT_EQ(coff[i + 1] - coff[i], len) << where << " CPU list length, centroid " << i;
+          std::vector<int32_t> got(gl + off[i], gl + off[i + 1]);
+          std::vector<int32_t> want(cl + coff[i], cl + coff[i + 1]);
+          for (size_t k = 0; k < got.size(); ++k) {
+            ASSERT_GE(got[k], first) << where << " centroid " << i;
+            ASSERT_LT(got[k], c.lens[s]) << where << " centroid " << i;
+            if (k > 0) {
+              ASSERT_LT(got[k - 1], got[k]) << where << " not ascending, centroid " << i;
+            }
+          }
+          ++lists;
+          entries += len;
+          if (got == want) {
+            ++same_lists;
+            continue;
+          }
+          std::vector<int32_t> only;
+          std::set_symmetric_difference(got.begin(), got.end(), want.begin(), want.end(),
+                                        std::back_inserter(only));
+          differing += static_cast<int64_t>(only.size()) / 2;
+          std::vector<double> ls = CtkvrLogScores(b, r, s, h, i, first, nq);
+          std::vector<double> sorted = ls;
+          std::nth_element(sorted.begin(), sorted.begin() + (len - 1), sorted.end(),
+                           std::greater<double>());
+          const double boundary = sorted[len - 1];
+          for (int32_t t : only) {
+            EXPECT_NEAR(ls[t - first], boundary, 1e-4)
+                << where << " centroid " << i << " token " << t << " is not a near-tie";
+          }
+        }
+      }
+    }
+    std::printf("[ ctkvr    ] %s chunk %d: %lld of %lld lists identical, %lld of %lld entries "
+                "differ (near-ties), %lld centroid floats not bit-equal\n",
+                c.Name().c_str(), chunk, static_cast<long long>(same_lists),
+                static_cast<long long>(lists), static_cast<long long>(differing),
+                static_cast<long long>(entries), static_cast<long long>(not_bit_equal));
+    EXPECT_LE(differing * 200, entries) << "more than 0.5% of the list entries differ";
+  }
+}
+
+// End to end: GPU-built qcIVF -> CtkvrSelect (GPU, no host trip) against CPU-built -> CPU Select,
+// over budgets and candidate ranges: the select test's bar (every row valid, counts equal,
+// recall >= 0.99, identical sets on >= 90% of the rows).
+TEST_P(BuildTest, CtkvrGpuBuildThenGpuSelectMatchesCpu) {
+  const Case& c = GetParam();
+  Batch b = MakeBatch(c, 22);
+  IndexParams params;
+  params.budget = 16;
+  const int nq = 48;
+  CtkvrRun r;
+  RunCtkvr(b, params, nq, 0, &r);
+  if (HasFatalFailure()) return;
+  const int S = static_cast<int>(c.lens.size()), nh = c.n_heads, nkv = c.n_kv_heads,
+            d = c.head_dim;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<float> query(static_cast<size_t>(S) * nh * d);
+  for (int s = 0; s < S; ++s)
+    for (int qh = 0; qh < nh; ++qh) {
+      const int kvh = qh / r.group;
+      const int64_t src = (c.lens[s] / 3 + 17 * qh) % c.lens[s];
+      for (int k = 0; k < d; ++k)
+        query[(static_cast<size_t>(s) * nh + qh) * d + k] =
+            0.25f * b.cpu[s][(src * nkv + kvh) * d + k] + 0.5f * g(rng);
+    }
+  std::vector<int32_t> begin(S), end(S);
+  for (int s = 0; s < S; ++s) {
+    begin[s] = static_cast<int32_t>(std::min<int64_t>(16, c.lens[s]));
+    end[s] = static_cast<int32_t>(std::max<int64_t>(begin[s], c.lens[s] - 3));
+  }
+  auto d_query = Upload(query);
+  auto d_begin = Upload(begin);
+  auto d_end = Upload(end);
+  int rows_total = 0, identical = 0;
+  double hit = 0, total = 0;
+  for (int budget : {8, 32, 100}) {
+    CtkvrSelectParams p;
+    p.batch = S;
+    p.n_heads = nh;
+    p.n_kv_heads = nkv;
+    p.head_dim = d;
+    p.scale = 1.f / std::sqrt(static_cast<float>(d));
+    p.gqa = params.gqa;
+    p.n_recall = r.plan.n_recall;
+    p.query = d_query.data();
+    p.centroids = r.d_centroids.data();
+    p.n_centroids = r.d_nc.data();
+    p.list_offsets = r.d_off.data();
+    p.lists = r.d_lists.data();
+    p.max_centroids = r.plan.max_centroids;
+    p.max_list_entries = r.plan.max_list_entries;
+    p.max_list_length = r.plan.max_list_length;
+    p.max_tokens = b.max_tokens;
+    p.keys = b.view;
+    p.cand = {d_begin.data(), d_end.data()};
+    auto ids = Poisoned<int32_t>(static_cast<size_t>(S) * nkv * budget, 0x7f);
+    auto counts = Poisoned<int32_t>(static_cast<size_t>(S) * nkv, 0x7f);
+    p.out = {budget, ids.data(), counts.data()};
+    auto ws = Workspace(CtkvrSelectWorkspaceBytes(p));
+    p.workspace = ws.data();
+    p.workspace_bytes = ws.bytes();
+    ASSERT_OK(CtkvrSelect(p, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto h_ids = Download(ids, static_cast<size_t>(S) * nkv * budget);
+    const auto h_counts = Download(counts, static_cast<size_t>(S) * nkv);
+    for (int s = 0; s < S; ++s) {
+      SelectRequest req;
+      req.query = query.data() + static_cast<size_t>(s) * nh * d;
+      req.budget = budget;
+      req.n_sink = begin[s];
+      req.local_begin = end[s];
+      Selection sel;
+      ASSERT_OK(r.cpu[s]->Select(req, &sel));
+      for (int h = 0; h < nkv; ++h) {
+        const std::string where = c.Name() + " budget " + std::to_string(budget) + " s" +
+                                  std::to_string(s) + " h" + std::to_string(h);
+        const int row = s * nkv + h;
+        const int n = h_counts[row];
+        ASSERT_GE(n, 0) << where;
+        ASSERT_LE(n, budget) << where;
+        std::vector<int64_t> got;
+        for (int k = 0; k < n; ++k) {
+          const int32_t id = h_ids[static_cast<size_t>(row) * budget + k];
+          ASSERT_GE(id, begin[s]) << where;
+          ASSERT_LT(id, end[s]) << where;
+          if (k > 0) {
+            ASSERT_LT(got.back(), id) << where;
+          }
+          got.push_back(id);
+        }
+        const auto& want = sel.per_head[h];
+        ASSERT_EQ(got.size(), want.size()) << where;
+        ++rows_total;
+        identical += got == want;
+        std::vector<int64_t> common;
+        std::set_intersection(got.begin(), got.end(), want.begin(), want.end(),
+                              std::back_inserter(common));
+        hit += static_cast<double>(common.size());
+        total += static_cast<double>(want.size());
+      }
+    }
+  }
+  const double recall = total > 0 ? hit / total : 1.0;
+  std::printf("[ ctkvr    ] %s GPU build -> GPU select vs CPU: %d/%d rows identical, recall "
+              "%.5f\n",
+              c.Name().c_str(), identical, rows_total, recall);
+  EXPECT_GE(recall, 0.99);
+  EXPECT_GE(identical, rows_total * 9 / 10);
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, BuildTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            std::string n = info.param.Name();
@@ -725,6 +1070,25 @@ TEST(BuildValidation, RejectsBadShapes) {
   c.head_dim = 96;
   c.max_points = c.max_clusters = 1;
   EXPECT_EQ(ClusterKvBuild(c, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  CtkvrBuildParams k2;
+  EXPECT_EQ(CtkvrBuild(k2, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  // The plan's errors are the CPU index's: C larger than the context / the queries given.
+  IndexShape shape;
+  shape.n_heads = 8;
+  shape.n_kv_heads = 2;
+  shape.head_dim = 64;
+  IndexParams params;
+  params.ctkvr.n_centroids = 40;
+  const std::vector<int64_t> lens = {30}, nq = {50}, lens2 = {100}, nq2 = {20};
+  EXPECT_EQ(MakeCtkvrBuildPlan(shape, params, lens, nq).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeCtkvrBuildPlan(shape, params, lens2, nq2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  params.ctkvr.n_centroids = 0;
+  auto plan = MakeCtkvrBuildPlan(shape, params, lens2, nq2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->max_centroids, 6);     // min(2048, 100 / 16, 20)
+  EXPECT_EQ(plan->max_list_length, 84);  // ceil(2.5 * 256) clipped to the 84 listable keys
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 //   QuestPageBounds    per page and KV head the per-channel min / max key (QuestSelectParams)
 //   KeyDiffBuild       cosine of every key to its (sequence, head) mean key
 //   A2atsQuantise      WRoPE (un-rotate to pre-RoPE) + query-aware codeword id per key
+//   CtkvrBuild         the last C prefill queries as query centroids + the qcIVF lists (top-rho
+//                      keys per centroid) in CtkvrSelectParams' layout
 //
 // Conventions as selection.cuh: every launcher is asynchronous on `stream`, validates shapes on
 // the host (InvalidArgument naming the field) and returns launch errors as Internal; scratch is
@@ -20,7 +22,8 @@
 //
 // CPU references (parity tests in retrieval/cuda/build/tests): ClusterKvIndex::Build and
 // KMeans (retrieval/src/clusterkv.cc, ops.cc), QuestIndex's bounds (baselines.cc),
-// KeyDiffScores (keydiff.cc), A2atsIndex::Build / HeadCodebook::Assign (a2ats.cc, codebook.cc).
+// KeyDiffScores (keydiff.cc), A2atsIndex::Build / HeadCodebook::Assign (a2ats.cc, codebook.cc),
+// CtkvrIndex::Build (ctkvr.cc).
 //
 // Microbenchmark (built here, run on the device by scripts/device/kernels-build.sh):
 //   build_cuda_bench [--contexts 8192,32768,131072] [--batch 1] [--iters 5] [--codebook 1024]
@@ -188,5 +191,81 @@ struct A2atsQuantiseParams {
 };
 [[nodiscard]] size_t A2atsQuantiseWorkspaceBytes(const A2atsQuantiseParams& p);
 [[nodiscard]] absl::Status A2atsQuantise(const A2atsQuantiseParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// CTKVR qcIVF build (CtkvrIndex::Build, ctkvr.cc; Algorithm 1 of the paper). Per sequence b:
+// C_b query centroids = the last C_b prefill queries; per centroid i and KV head h the list of
+// the rho_b listable keys (tokens [n_sink_b, seq_len_b): sinks are never listed) with the highest
+//   score(t) = max over the GQA group g of softmax_t(scale * q_{i,h*group+g} . k_{h,t})
+// (each group query's softmax over the listable keys, max over the group: the CPU's footnote-3
+// choice), ascending token ids. Written in exactly CtkvrSelectParams' layout (selection.cuh), so
+// build -> CtkvrSelect runs on the GPU with no host trip:
+//   centroids    the C_b queries of the group, each unit-normalised (zero vectors stay 0; all 0
+//                when the sequence has no listable key, as the CPU's empty entries)
+//   n_centroids  C_b;  list_offsets[c] = min(c, C_b) * list_length_b;  lists padded with -1
+// with max_list_entries = max_centroids * max_list_length (every list of b has list_length_b
+// entries). CtkvrSelectParams: max_centroids, max_list_length and max_list_entries as the plan's.
+// Arithmetic: logits on tensor cores in 3xTF32 (fp32-level accuracy, see AssignMath), softmax in
+// the log domain (log-sum-exp per query, then max_g (logit - lse_g): the CPU's order of scores);
+// lists equal the CPU's except at near-ties of the rho-th score. Centroid normalisation repeats
+// the CPU's Norm (8 partial sums) without FMA contraction: bit-equal centroids.
+// Cost: two passes of C * group * listable * head_dim MACs per KV head (log-sum-exp, then
+// scores), the scores of `centroid_chunk` centroids at a time written to the workspace and cut
+// to the top rho_b by BatchedTopK (selection.cuh).
+//
+// The host plan: what the CPU index derives from IndexParams (C = ctkvr.n_centroids or
+// min(2048, L/16, queries given), rho = ctkvr.list_length or ceil(2.5 * budget), clipped to the
+// listable keys) with the same errors (C larger than the context or than the queries given).
+struct CtkvrBuildPlan {
+  int batch = 0, n_kv_heads = 0, group = 0, head_dim = 0;
+  int n_recall = 4;          // C' for CtkvrSelectParams::n_recall
+  int max_centroids = 1;     // max over b of C_b (>= 1)
+  int max_list_length = 1;   // max over b of list_length_b (>= 1)
+  int max_listable = 1;      // max over b of seq_len_b - n_sink_b (>= 1)
+  int max_list_entries = 1;  // max_centroids * max_list_length
+  // Per sequence, packed [5, batch] (upload as is; CtkvrBuildParams::per_seq):
+  //   row 0 first_token   n_sink_b = min(n_sink, seq_len_b)
+  //   row 1 n_listable    seq_len_b - n_sink_b
+  //   row 2 n_centroids   C_b
+  //   row 3 list_length   rho_b (0 when n_listable is 0)
+  //   row 4 query_first   index of the first centroid among the queries given (n_queries_b - C_b)
+  std::vector<int32_t> per_seq;
+};
+// shape: n_heads, n_kv_heads, head_dim; params: n_sink, budget, ctkvr.{n_centroids, list_length,
+// n_recall}. seq_lens / n_queries: [batch] prefill lengths and prefill queries available.
+[[nodiscard]] absl::StatusOr<CtkvrBuildPlan> MakeCtkvrBuildPlan(
+    const IndexShape& shape, const IndexParams& params, std::span<const int64_t> seq_lens,
+    std::span<const int64_t> n_queries);
+
+struct CtkvrBuildParams {
+  int batch = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;  // group = n_heads / n_kv_heads <= 128
+  int head_dim = 0;    // 64 or 128
+  float scale = 0.f;   // 1 / sqrt(head_dim) as the CPU
+  KeyView keys;        // key (b, h, t), t the position in sequence b
+  // Prefill queries (RoPE applied), any of the three dtypes: query j of head qh of sequence b
+  // at base(b, qh) + j * token_stride (KeyView addressing with n_heads heads), j in
+  // [0, n_queries_b); centroid i of b is query query_first_b + i.
+  KeyView queries;
+  const int32_t* per_seq = nullptr;  // device [5, batch]: plan.per_seq
+  int max_centroids = 0;             // plan.max_centroids
+  int max_list_length = 0;           // plan.max_list_length (<= kMaxBudget)
+  int max_listable = 0;              // plan.max_listable
+  // Centroids scored per pass (0: as many as keep the score buffer near 256 MiB). Sizes the
+  // workspace; rounded to whole tiles of 128 / group centroids.
+  int centroid_chunk = 0;
+  // The summary (layout above).
+  float* centroids = nullptr;       // device [batch, n_kv_heads, max_centroids, group, head_dim]
+  int32_t* n_centroids = nullptr;   // device [batch, n_kv_heads]
+  int32_t* list_offsets = nullptr;  // device [batch, n_kv_heads, max_centroids + 1]
+  int32_t* lists = nullptr;         // device [batch, n_kv_heads, max_centroids * max_list_length]
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+// Depends on batch, heads, head_dim, max_centroids, max_list_length, max_listable and
+// centroid_chunk.
+[[nodiscard]] size_t CtkvrBuildWorkspaceBytes(const CtkvrBuildParams& p);
+[[nodiscard]] absl::Status CtkvrBuild(const CtkvrBuildParams& p, cudaStream_t stream);
 
 }  // namespace kvr::retrieval::cuda
