@@ -9,7 +9,9 @@
 //   2. LayoutKernel         n_centroids and list_offsets (every list of b has rho_b entries).
 //   3. QkTileKernel<kStats> logits of 128 query rows (128 / group centroids x the group) against
 //                           spans of 1024 listable keys on tensor cores (3xTF32 as
-//                           argmax_gemm.cuh); per query row and span a running (max, sum exp).
+//                           argmax_gemm.cuh, the query tile split once per CTA; 16-bit keys
+//                           are exact tf32: two products); per query row and span a running
+//                           (max, sum exp).
 //   4. LseKernel            per query row log-sum-exp over its spans.
 //   5. per chunk of centroids:
 //      QkTileKernel<kScores> the same logits again, score = max_g (logit - lse_g) (the log of
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "argmax_gemm.cuh"
@@ -224,21 +227,67 @@ struct QkArgs {
   int64_t score_stride = 0;
 };
 
+// Shared memory: the query tile pre-split into tf32 big / small halves (once per CTA), the key
+// tile, and the 128 x 128 logits tile aliased onto the key tile (used after the mma).
+template <int D>
+constexpr int QkKeyRegionFloats() {
+  return kBn * (D + 4) > kBm * kLt ? kBn * (D + 4) : kBm * kLt;
+}
 template <int D>
 constexpr size_t QkSmemBytes() {
-  return sizeof(float) * (static_cast<size_t>(kBm + kBn) * (D + 4) + kBm * kLt + kBm);
+  return sizeof(float) *
+         (2 * static_cast<size_t>(kBm) * (D + 4) + QkKeyRegionFloats<D>() + kBm);
+}
+
+// 16 bytes of keys as floats.
+template <typename T>
+__device__ __forceinline__ void RawToFloats(const uint4& r, float* out);
+template <>
+__device__ __forceinline__ void RawToFloats<float>(const uint4& r, float* out) {
+  out[0] = __uint_as_float(r.x);
+  out[1] = __uint_as_float(r.y);
+  out[2] = __uint_as_float(r.z);
+  out[3] = __uint_as_float(r.w);
+}
+template <>
+__device__ __forceinline__ void RawToFloats<__nv_bfloat16>(const uint4& r, float* out) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+template <>
+__device__ __forceinline__ void RawToFloats<__half>(const uint4& r, float* out) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+    out[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+  }
 }
 
 // grid (n_spans, cc / cpt, rows_bh), 256 threads (8 warps as 2 (queries) x 4 (keys), warp tile
-// 64 x 32, mma m16n8k8 tf32 three times per product as argmax_gemm.cuh).
-template <int D, typename T, bool kStats>
+// 64 x 32, mma m16n8k8 tf32 as argmax_gemm.cuh: 3xTF32 for fp32 keys; for bf16 / fp16 keys the
+// key is exactly a tf32 value (its small half is 0), so the big.small product is dropped: the
+// same sums, two mma instead of three).
+// kVec: keys 16-byte aligned (host-checked, no head_offset): 16-byte loads of the next key tile
+// are issued before the current tile's mma (register prefetch); else scalar loads.
+template <int D, typename T, bool kStats, bool kVec>
 __global__ void __launch_bounds__(kThreads, 1) QkTileKernel(const QkArgs a) {
   constexpr int kLd = D + 4;
+  constexpr bool kKey16 = !std::is_same_v<T, float>;
+  constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
+  constexpr int kChunksPerKey = D / kPerChunk;
+  constexpr int kIters = kBn * kChunksPerKey / kThreads;  // 16-byte loads per thread per tile
+  static_assert(kBn * kChunksPerKey % kThreads == 0);
   extern __shared__ __align__(16) float smem[];
-  float* xs = smem;                // [kBm][kLd] queries
-  float* cs = xs + kBm * kLd;      // [kBn][kLd] keys
-  float* lt = cs + kBn * kLd;      // [kBm][kLt] scaled logits of the tile
-  float* lse_s = lt + kBm * kLt;   // [kBm]
+  uint32_t* xb = reinterpret_cast<uint32_t*>(smem);  // [kBm][kLd] tf32 big halves of queries
+  uint32_t* xsm = xb + kBm * kLd;                     // [kBm][kLd] small halves
+  float* cs = smem + 2 * kBm * kLd;                   // [kBn][kLd] keys
+  float* lt = cs;                                     // [kBm][kLt] logits (after the mma)
+  float* lse_s = cs + QkKeyRegionFloats<D>();         // [kBm]
   const int bh = blockIdx.z;
   const int b = bh / a.n_kv_heads, h = bh % a.n_kv_heads;
   const Seq s = LoadSeq(a.per_seq, a.batch, b);
@@ -261,30 +310,72 @@ __global__ void __launch_bounds__(kThreads, 1) QkTileKernel(const QkArgs a) {
     const int m = idx / (D / 4), d4 = idx % (D / 4);
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (m < rows_here) v = *reinterpret_cast<const float4*>(a.q + (qrow0 + m) * D + d4 * 4);
-    *reinterpret_cast<float4*>(xs + m * kLd + d4 * 4) = v;
+    const float vv[4] = {v.x, v.y, v.z, v.w};
+    uint4 big, small;
+    SplitTf32(vv[0], big.x, small.x);
+    SplitTf32(vv[1], big.y, small.y);
+    SplitTf32(vv[2], big.z, small.z);
+    SplitTf32(vv[3], big.w, small.w);
+    *reinterpret_cast<uint4*>(xb + m * kLd + d4 * 4) = big;
+    *reinterpret_cast<uint4*>(xsm + m * kLd + d4 * 4) = small;
   }
   if constexpr (!kStats) {
     for (int m = tid; m < kBm; m += kThreads) lse_s[m] = m < rows_here ? a.lse[qrow0 + m] : 0.f;
   }
   const int64_t kbase = KeyBase(a.keys, b, h, a.n_kv_heads) +
                         static_cast<int64_t>(s.first) * a.keys.token_stride;
+  const T* kptr = static_cast<const T*>(a.keys.data) + kbase;
   // Running (max, sum exp) of row tid / 2 over key half tid % 2 of every tile (stats).
   float run_m = -INFINITY, run_s = 0.f;
   const int my_row = tid >> 1, my_half = tid & 1;
 
+  uint4 pre[kVec ? kIters : 1];
+  const auto prefetch = [&](int n0) {
+    const int nv = min(kBn, k_end - n0);
+#pragma unroll
+    for (int r = 0; r < kIters; ++r) {
+      const int idx = tid + r * kThreads;
+      const int kn = idx / kChunksPerKey, ch = idx % kChunksPerKey;
+      pre[r] = make_uint4(0u, 0u, 0u, 0u);
+      if (kn < nv) {
+        pre[r] = *reinterpret_cast<const uint4*>(
+            kptr + static_cast<int64_t>(n0 + kn) * a.keys.token_stride + ch * kPerChunk);
+      }
+    }
+  };
+  if constexpr (kVec) prefetch(k_begin);
+
   for (int n0 = k_begin; n0 < k_end; n0 += kBn) {
     const int n_valid = min(kBn, k_end - n0);
-    __syncthreads();  // previous key tile and logits tile consumed
-    for (int idx = tid; idx < kBn * D; idx += kThreads) {
-      const int kn = idx / D, d = idx % D;
-      float v = 0.f;
-      if (kn < n_valid) {
-        v = LoadKey<T>(a.keys.data,
-                       kbase + static_cast<int64_t>(n0 + kn) * a.keys.token_stride + d);
+    __syncthreads();  // previous logits tile (aliasing the key tile) consumed
+    if constexpr (kVec) {
+#pragma unroll
+      for (int r = 0; r < kIters; ++r) {
+        const int idx = tid + r * kThreads;
+        const int kn = idx / kChunksPerKey, ch = idx % kChunksPerKey;
+        float f[kPerChunk];
+        RawToFloats<T>(pre[r], f);
+#pragma unroll
+        for (int e = 0; e < kPerChunk; e += 4) {
+          *reinterpret_cast<float4*>(cs + kn * kLd + ch * kPerChunk + e) =
+              make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+        }
       }
-      cs[kn * kLd + d] = v;
+    } else {
+      for (int idx = tid; idx < kBn * D; idx += kThreads) {
+        const int kn = idx / D, d = idx % D;
+        float v = 0.f;
+        if (kn < n_valid) {
+          v = LoadKey<T>(a.keys.data,
+                         kbase + static_cast<int64_t>(n0 + kn) * a.keys.token_stride + d);
+        }
+        cs[kn * kLd + d] = v;
+      }
     }
     __syncthreads();
+    if constexpr (kVec) {
+      if (n0 + kBn < k_end) prefetch(n0 + kBn);  // in flight during the mma
+    }
     float acc[4][4][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -297,27 +388,37 @@ __global__ void __launch_bounds__(kThreads, 1) QkTileKernel(const QkArgs a) {
       uint32_t ab[4][4], as[4][4], bb[4][2], bs[4][2];
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
-        const float* p0 = xs + (wm * 64 + mt * 16 + g8) * kLd + k0 + t4;
-        SplitTf32(p0[0], ab[mt][0], as[mt][0]);
-        SplitTf32(p0[8 * kLd], ab[mt][1], as[mt][1]);
-        SplitTf32(p0[4], ab[mt][2], as[mt][2]);
-        SplitTf32(p0[8 * kLd + 4], ab[mt][3], as[mt][3]);
+        const int o = (wm * 64 + mt * 16 + g8) * kLd + k0 + t4;
+        ab[mt][0] = xb[o];
+        ab[mt][1] = xb[o + 8 * kLd];
+        ab[mt][2] = xb[o + 4];
+        ab[mt][3] = xb[o + 8 * kLd + 4];
+        as[mt][0] = xsm[o];
+        as[mt][1] = xsm[o + 8 * kLd];
+        as[mt][2] = xsm[o + 4];
+        as[mt][3] = xsm[o + 8 * kLd + 4];
       }
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const float* p0 = cs + (wn * 32 + nt * 8 + g8) * kLd + k0 + t4;
-        SplitTf32(p0[0], bb[nt][0], bs[nt][0]);
-        SplitTf32(p0[4], bb[nt][1], bs[nt][1]);
+        if constexpr (kKey16) {
+          bb[nt][0] = __float_as_uint(p0[0]);  // exactly tf32: small half 0
+          bb[nt][1] = __float_as_uint(p0[4]);
+        } else {
+          SplitTf32(p0[0], bb[nt][0], bs[nt][0]);
+          SplitTf32(p0[4], bb[nt][1], bs[nt][1]);
+        }
       }
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           MmaTf32(acc[mt][nt], as[mt], bb[nt]);
-          MmaTf32(acc[mt][nt], ab[mt], bs[nt]);
+          if constexpr (!kKey16) MmaTf32(acc[mt][nt], ab[mt], bs[nt]);
           MmaTf32(acc[mt][nt], ab[mt], bb[nt]);
         }
     }
+    __syncthreads();  // every warp done with the key tile: the logits tile overwrites it
     // acc[mt][nt][hh * 2 + j]: query row wm*64 + mt*16 + hh*8 + g8, key wn*32 + nt*8 + 2*t4 + j.
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
@@ -375,16 +476,30 @@ __global__ void __launch_bounds__(kThreads, 1) QkTileKernel(const QkArgs a) {
   }
 }
 
-template <int D, typename T, bool kStats>
-cudaError_t LaunchQk(const QkArgs& a, int rows_bh, cudaStream_t stream) {
+template <int D, typename T, bool kStats, bool kVec>
+cudaError_t LaunchQkAs(const QkArgs& a, int rows_bh, cudaStream_t stream) {
   constexpr size_t smem = QkSmemBytes<D>();
-  const cudaError_t attr =
-      cudaFuncSetAttribute(QkTileKernel<D, T, kStats>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem));
+  const cudaError_t attr = cudaFuncSetAttribute(QkTileKernel<D, T, kStats, kVec>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
   const dim3 grid(a.n_spans, a.cc / a.cpt, rows_bh);
-  QkTileKernel<D, T, kStats><<<grid, kThreads, smem, stream>>>(a);
+  QkTileKernel<D, T, kStats, kVec><<<grid, kThreads, smem, stream>>>(a);
   return cudaGetLastError();
+}
+
+// 16-byte key loads when every key row starts 16-byte aligned (no per-head offsets to check).
+template <typename T>
+bool KeysVectorisable(const KeyView& k) {
+  const int64_t e = 16 / static_cast<int64_t>(sizeof(T));
+  return k.head_offset == nullptr && reinterpret_cast<uintptr_t>(k.data) % 16 == 0 &&
+         k.token_stride % e == 0 && k.head_stride % e == 0 && k.batch_stride % e == 0;
+}
+
+template <int D, typename T, bool kStats>
+cudaError_t LaunchQk(const QkArgs& a, int rows_bh, cudaStream_t stream) {
+  return KeysVectorisable<T>(a.keys) ? LaunchQkAs<D, T, kStats, true>(a, rows_bh, stream)
+                                     : LaunchQkAs<D, T, kStats, false>(a, rows_bh, stream);
 }
 
 // ---- 4. log-sum-exp per query row -----------------------------------------------------------------

@@ -726,7 +726,9 @@ struct CtkvrRun {
 // differ between centroids and logits stay within ~+-20: the CPU's float softmax does not
 // underflow, where log-domain and linear ranks would differ). Layout follows the case (token- or
 // head-major), dtype the keys' (bf16 rounded for the CPU).
-void RunCtkvr(const Batch& b, const IndexParams& params, int nq, int chunk, CtkvrRun* out) {
+// head_offsets: address the keys through KeyView::head_offset (the kernel's scalar-load path).
+void RunCtkvr(const Batch& b, const IndexParams& params, int nq, int chunk, bool head_offsets,
+              CtkvrRun* out) {
   const Case& c = b.c;
   const int nh = c.n_heads, nkv = c.n_kv_heads, d = c.head_dim, group = nh / nkv;
   const int S = static_cast<int>(c.lens.size());
@@ -790,6 +792,15 @@ void RunCtkvr(const Batch& b, const IndexParams& params, int nq, int chunk, Ctkv
   p.head_dim = d;
   p.scale = 1.f / std::sqrt(static_cast<float>(d));
   p.keys = b.view;
+  DeviceBuffer<int64_t> d_head_offset;
+  if (head_offsets) {
+    std::vector<int64_t> ho(static_cast<size_t>(S) * nkv);
+    for (int s = 0; s < S; ++s)
+      for (int h = 0; h < nkv; ++h)
+        ho[static_cast<size_t>(s) * nkv + h] = s * b.view.batch_stride + h * b.view.head_stride;
+    d_head_offset = Upload(ho);
+    p.keys.head_offset = d_head_offset.data();
+  }
   p.queries = qv;
   p.per_seq = per_seq.data();
   p.max_centroids = C;
@@ -855,8 +866,9 @@ std::vector<double> CtkvrLogScores(const Batch& b, const CtkvrRun& r, int s, int
 
 // Lists equal to the CPU index's as sets except near-ties at the rho-th score (|log score -
 // boundary| <= 1e-4 in double; counted, at most 0.5% of the entries), centroids within 1e-6 (bit-
-// equal expected), offsets / counts / padding exact. Two chunkings (auto, and 7 centroids per
-// pass = several chunks of whole tiles).
+// equal expected), offsets / counts / padding exact. Two chunkings (auto with 16-byte key loads,
+// and 7 centroids per pass = several chunks of whole tiles with keys through head_offset, the
+// scalar-load path).
 TEST_P(BuildTest, CtkvrListsMatchCpuExceptNearTies) {
   const Case& c = GetParam();
   Batch b = MakeBatch(c, 21);
@@ -866,7 +878,7 @@ TEST_P(BuildTest, CtkvrListsMatchCpuExceptNearTies) {
   for (int chunk : {0, 7}) {
     SCOPED_TRACE("chunk " + std::to_string(chunk));
     CtkvrRun r;
-    RunCtkvr(b, params, nq, chunk, &r);
+    RunCtkvr(b, params, nq, chunk, /*head_offsets=*/chunk != 0, &r);
     if (HasFatalFailure()) return;
     auto cpu = CtkvrLayoutFromIndexes(r.views);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
@@ -948,7 +960,7 @@ TEST_P(BuildTest, CtkvrGpuBuildThenGpuSelectMatchesCpu) {
   params.budget = 16;
   const int nq = 48;
   CtkvrRun r;
-  RunCtkvr(b, params, nq, 0, &r);
+  RunCtkvr(b, params, nq, 0, /*head_offsets=*/false, &r);
   if (HasFatalFailure()) return;
   const int S = static_cast<int>(c.lens.size()), nh = c.n_heads, nkv = c.n_kv_heads,
             d = c.head_dim;

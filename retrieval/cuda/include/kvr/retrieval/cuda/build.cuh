@@ -205,7 +205,8 @@ struct A2atsQuantiseParams {
 //   n_centroids  C_b;  list_offsets[c] = min(c, C_b) * list_length_b;  lists padded with -1
 // with max_list_entries = max_centroids * max_list_length (every list of b has list_length_b
 // entries). CtkvrSelectParams: max_centroids, max_list_length and max_list_entries as the plan's.
-// Arithmetic: logits on tensor cores in 3xTF32 (fp32-level accuracy, see AssignMath), softmax in
+// Arithmetic: logits on tensor cores in 3xTF32 (fp32-level accuracy, see AssignMath; bf16 / fp16
+// keys are exact tf32 values, so their products need two mma instead of three), softmax in
 // the log domain (log-sum-exp per query, then max_g (logit - lse_g): the CPU's order of scores);
 // lists equal the CPU's except at near-ties of the rho-th score. Centroid normalisation repeats
 // the CPU's Norm (8 partial sums) without FMA contraction: bit-equal centroids.
