@@ -114,7 +114,7 @@ class CudaModelImpl final : public CudaModel {
     if (it == sequences_.end() || it->second.slot < 0) {
       return absl::NotFoundError(absl::StrCat("CudaModel: no sparse sequence ", id));
     }
-    const PinnedBuffer<bf16>& b = it->second.host->buf;
+    const cuda::HostKvBuffer<bf16>& b = it->second.host->buf;
     return std::span<const uint16_t>(reinterpret_cast<const uint16_t*>(b.data()), b.size());
   }
   CudaForwardProfile last_profile() const override { return profile_; }
@@ -133,8 +133,8 @@ class CudaModelImpl final : public CudaModel {
   // A sparse sequence's full KV in mapped pinned host memory, [n_layers, n_kv_heads, capacity,
   // 2, head_dim] bf16. Kept (host_kvs_) for reuse by later sequences of the same capacity.
   struct HostKv {
-    PinnedBuffer<bf16> buf;
-    bf16* device = nullptr;  // the device-side address of buf
+    cuda::HostKvBuffer<bf16> buf;  // on SparseSequenceOptions::host_numa_node (-1: cudaHostAlloc)
+    bf16* device = nullptr;        // the device-side address of buf
     int64_t capacity = 0;
     uint64_t filled_seed = 0;  // FillSequenceForBenchmark's seed + 1; 0: not filled
   };
@@ -635,7 +635,9 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
     host = it->second.host;
   } else {
     for (const auto& h : host_kvs_) {
-      if (h.use_count() == 1 && h->capacity == capacity) {
+      if (h.use_count() == 1 && h->capacity == capacity &&
+          h->buf.numa_node() == options.host_numa_node &&
+          h->buf.huge_pages() == options.host_huge_pages) {
         host = h;
         break;
       }
@@ -644,8 +646,8 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
       host = std::make_shared<HostKv>();
       host->capacity = capacity;
       const int64_t n = int64_t{c.n_layers} * c.kv_dim() * 2 * capacity;
-      absl::StatusOr<PinnedBuffer<bf16>> buf =
-          PinnedBuffer<bf16>::Create(static_cast<size_t>(n), cudaHostAllocMapped);
+      absl::StatusOr<cuda::HostKvBuffer<bf16>> buf = cuda::HostKvBuffer<bf16>::Create(
+          static_cast<size_t>(n), options.host_numa_node, options.host_huge_pages);
       if (!buf.ok()) {
         cudaGetLastError();  // as in Alloc
         return absl::ResourceExhaustedError(absl::StrCat(

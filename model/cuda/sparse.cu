@@ -1,13 +1,26 @@
 // Kernels of the sparse sequences (sparse.cuh).
 
 #include <cuda_bf16.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cfloat>
 #include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
+#include "kvr/model/cuda_model.h"
 #include "sparse.cuh"
 
 namespace kvr::model::cuda {
@@ -273,4 +286,339 @@ absl::Status LaunchSumCounts(const int32_t* counts, int n, unsigned long long* c
   return kvr::cuda::LastLaunchStatus("SumCountsKernel");
 }
 
+// --- Host KV placement -------------------------------------------------------------------------
+
+namespace {
+
+// <linux/mempolicy.h> values (numaif.h is libnuma-dev's; the raw syscalls need only these).
+constexpr int kMpolPreferred = 1;
+constexpr int kMaxNodes = 1024;
+constexpr size_t kMapAlign = size_t{2} << 20;
+
+// The CPUs of a NUMA node (/sys/devices/system/node/node<N>/cpulist, "0-7,16-23").
+std::vector<int> NodeCpus(int node) {
+  std::vector<int> cpus;
+  std::ifstream f("/sys/devices/system/node/node" + std::to_string(node) + "/cpulist");
+  std::string list, range;
+  if (!(f >> list)) return cpus;
+  std::stringstream ss(list);
+  while (std::getline(ss, range, ',')) {
+    const size_t dash = range.find('-');
+    const int lo = std::atoi(range.substr(0, dash).c_str());
+    const int hi = dash == std::string::npos ? lo : std::atoi(range.substr(dash + 1).c_str());
+    for (int c = lo; c <= hi && c < CPU_SETSIZE; ++c) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+// Word i of [0, n_words) = pattern * (i + 1), written by up to 16 threads (first touch of a
+// fresh mapping: the pages are allocated here, on the node its mbind policy names, or without
+// a policy near the touching CPU: `cpus` non-empty pins the threads there).
+void FillWords(uint32_t* w, size_t n_words, uint32_t pattern, const std::vector<int>& cpus = {}) {
+  const unsigned n_threads = std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
+  const size_t per = (n_words + n_threads - 1) / n_threads;
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < n_threads; ++t) {
+    threads.emplace_back([=, &cpus] {
+      if (!cpus.empty()) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        for (int c : cpus) CPU_SET(c, &set);
+        sched_setaffinity(0, sizeof(set), &set);  // this thread; best effort
+      }
+      const size_t begin = std::min(n_words, t * per), end = std::min(n_words, begin + per);
+      for (size_t i = begin; i < end; ++i) w[i] = pattern * static_cast<uint32_t>(i + 1);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// Fraction of up to 4096 evenly spaced pages of [p, p + len) that move_pages finds on `node`.
+double SampleOnNode(void* p, size_t len, int node) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t n_pages = len / page;
+  const size_t n = std::min<size_t>(n_pages, 4096);
+  if (n == 0) return -1;
+  std::vector<void*> pages(n);
+  std::vector<int> status(n, -1);
+  for (size_t i = 0; i < n; ++i) pages[i] = static_cast<char*>(p) + (i * n_pages / n) * page;
+  if (syscall(SYS_move_pages, 0, n, pages.data(), nullptr, status.data(), 0) != 0) return -1;
+  size_t on = 0;
+  for (int s : status) on += (s == node);
+  return static_cast<double>(on) / n;
+}
+
+// AnonHugePages of the mapping that starts at p, over its length (/proc/self/smaps); -1: not found.
+double HugeFraction(const void* p, size_t len) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::stringstream want;
+  want << std::hex << reinterpret_cast<uintptr_t>(p) << "-";
+  std::string line;
+  bool in = false;
+  while (std::getline(smaps, line)) {
+    // A mapping's header starts "<start>-<end> perms ..." (its device field "00:00" has a
+    // colon too); its field lines start "Name:".
+    const std::string first = line.substr(0, line.find(' '));
+    if (first.find('-') != std::string::npos && first.find(':') == std::string::npos) {
+      in = line.rfind(want.str(), 0) == 0;
+    } else if (in && line.rfind("AnonHugePages:", 0) == 0) {
+      return std::atof(line.c_str() + 14) * 1024 / static_cast<double>(len);
+    }
+  }
+  return -1;
+}
+
+// The mmap path's end: pins and maps the touched pages for the GPU, then checks where they are.
+absl::StatusOr<HostAllocation> Register(void* p, HostAllocation& a) {
+  const cudaError_t e =
+      cudaHostRegister(p, a.mapped_bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    munmap(p, a.mapped_bytes);
+    return kvr::cuda::CudaStatus(e, "cudaHostRegister");
+  }
+  a.data = p;
+  if (a.numa_node >= 0) a.on_node_fraction = SampleOnNode(p, a.mapped_bytes, a.numa_node);
+  if (a.huge_pages) a.huge_fraction = HugeFraction(p, a.mapped_bytes);
+  return a;
+}
+
+}  // namespace
+
+absl::StatusOr<HostAllocation> AllocateHostOnNode(size_t bytes, int numa_node, bool huge_pages,
+                                                  uint32_t pattern) {
+  HostAllocation a;
+  a.bytes = bytes;
+  a.numa_node = numa_node;
+  a.huge_pages = huge_pages;
+  if (bytes == 0) return a;
+  if (numa_node < 0 && !huge_pages) {
+    a.how = "cudaHostAlloc";
+    const cudaError_t e = cudaHostAlloc(&a.data, bytes, cudaHostAllocMapped);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // a failed allocation must not fail the next launch check
+      return kvr::cuda::CudaStatus(e, "cudaHostAlloc");
+    }
+    return a;
+  }
+  if (numa_node >= kMaxNodes) {
+    return absl::InvalidArgumentError(absl::StrCat("NUMA node ", numa_node, " out of range"));
+  }
+  a.mapped_bytes = (bytes + kMapAlign - 1) / kMapAlign * kMapAlign;
+  // 2 MiB aligned (huge pages need it): map one alignment more and trim both ends.
+  void* raw = mmap(nullptr, a.mapped_bytes + kMapAlign, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of ", a.mapped_bytes, " bytes: ", std::strerror(errno)));
+  }
+  const uintptr_t raw_addr = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (raw_addr + kMapAlign - 1) / kMapAlign * kMapAlign;
+  if (aligned > raw_addr) munmap(raw, aligned - raw_addr);
+  if (const size_t tail = raw_addr + kMapAlign - aligned; tail > 0) {
+    munmap(reinterpret_cast<void*>(aligned + a.mapped_bytes), tail);
+  }
+  void* p = reinterpret_cast<void*>(aligned);
+  a.how = "mmap";
+  if (huge_pages) madvise(p, a.mapped_bytes, MADV_HUGEPAGE);  // best effort; measured below
+  if (numa_node < 0) {
+    FillWords(static_cast<uint32_t*>(p), a.mapped_bytes / 4, pattern);
+    return Register(p, a);
+  }
+  unsigned long mask[kMaxNodes / (8 * sizeof(unsigned long))] = {};
+  mask[numa_node / (8 * sizeof(unsigned long))] |= 1ul << (numa_node % (8 * sizeof(unsigned long)));
+  // maxnode counts one past the mask's bits (the kernel reads maxnode - 1 bits). Containers
+  // without CAP_SYS_NICE may refuse mbind (EPERM): then first touch from threads pinned to the
+  // node's CPUs places the pages (the default local policy).
+  std::vector<int> cpus;
+  a.how = "mbind";
+  if (syscall(SYS_mbind, p, a.mapped_bytes, kMpolPreferred, mask, kMaxNodes + 1, 0) != 0) {
+    const int err = errno;
+    cpus = NodeCpus(numa_node);
+    if (cpus.empty()) {
+      munmap(p, a.mapped_bytes);
+      return absl::InternalError(absl::StrCat("mbind to node ", numa_node, ": ", std::strerror(err),
+                                              "; and the node lists no CPUs"));
+    }
+    a.how = "first-touch";
+  }
+  FillWords(static_cast<uint32_t*>(p), a.mapped_bytes / 4, pattern, cpus);
+  return Register(p, a);
+}
+
+void FreeHostAllocation(HostAllocation& a) {
+  if (a.data != nullptr) {
+    if (a.mapped_bytes == 0) {
+      cudaFreeHost(a.data);
+    } else {
+      cudaHostUnregister(a.data);
+      munmap(a.data, a.mapped_bytes);
+    }
+  }
+  a = HostAllocation{};
+}
+
+// --- Host link probes --------------------------------------------------------------------------
+
+namespace {
+
+__global__ void ZeroCopyReadKernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                   int64_t n) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < n) dst[t] = src[t];
+}
+
+__global__ void ZeroCopyRowsKernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                   int64_t n_rows, int chunks) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t e = t / chunks;
+  if (e >= n_rows) return;
+  const int c = static_cast<int>(t - e * chunks);
+  dst[t] = src[ProbeRow(e, n_rows) * chunks + c];
+}
+
+}  // namespace
+
+absl::Status LaunchZeroCopyRead(const void* src, void* dst, int64_t n16, cudaStream_t stream) {
+  if (n16 <= 0) return absl::OkStatus();
+  const int64_t blocks = (n16 + 255) / 256;
+  ZeroCopyReadKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const uint4*>(src), static_cast<uint4*>(dst), n16);
+  return kvr::cuda::LastLaunchStatus("ZeroCopyReadKernel");
+}
+
+absl::Status LaunchZeroCopyRows(const void* src, void* dst, int64_t n_rows, int row_bytes,
+                                cudaStream_t stream) {
+  if (row_bytes <= 0 || row_bytes % 16 != 0) {
+    return absl::InvalidArgumentError("LaunchZeroCopyRows: row_bytes must be a multiple of 16");
+  }
+  if (n_rows <= 0) return absl::OkStatus();
+  const int chunks = row_bytes / 16;
+  const int64_t blocks = (n_rows * chunks + 255) / 256;
+  ZeroCopyRowsKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const uint4*>(src), static_cast<uint4*>(dst), n_rows, chunks);
+  return kvr::cuda::LastLaunchStatus("ZeroCopyRowsKernel");
+}
+
 }  // namespace kvr::model::cuda
+
+namespace kvr::model {
+
+absl::StatusOr<HostTopology> GetHostTopology(int device) {
+  HostTopology t;
+  char bus[64] = {};
+  KVR_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus, sizeof(bus), device));
+  t.gpu_pci_bus_id = bus;
+  std::string lower = t.gpu_pci_bus_id;
+  for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  // sysfs names the function with a 4-digit domain; CUDA may print 8 ("00000000:1B:00.0").
+  if (const size_t colon = lower.find(':'); colon != std::string::npos && colon > 4) {
+    lower = lower.substr(colon - 4);
+  }
+  std::ifstream node_file("/sys/bus/pci/devices/" + lower + "/numa_node");
+  if (!(node_file >> t.gpu_numa_node)) t.gpu_numa_node = -1;
+  // "0-1,3": ranges of node ids.
+  std::ifstream has_memory("/sys/devices/system/node/has_memory");
+  std::string list;
+  if (has_memory >> list) {
+    std::stringstream ss(list);
+    std::string range;
+    while (std::getline(ss, range, ',')) {
+      const size_t dash = range.find('-');
+      const int lo = std::atoi(range.substr(0, dash).c_str());
+      const int hi = dash == std::string::npos ? lo : std::atoi(range.substr(dash + 1).c_str());
+      for (int n = lo; n <= hi; ++n) t.memory_nodes.push_back(n);
+    }
+  }
+  return t;
+}
+
+absl::StatusOr<HostLinkProbe> MeasureHostLink(int device, int numa_node, bool huge_pages,
+                                              int64_t bytes, int repeats) {
+  constexpr int kRowBytes = 512;  // one [K | V] row of a head_dim 128 KV head, bf16
+  bytes = bytes / kRowBytes * kRowBytes;
+  if (bytes <= 0 || repeats <= 0) {
+    return absl::InvalidArgumentError("MeasureHostLink: bytes >= 512 and repeats >= 1");
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  constexpr uint32_t kPattern = 2654435761u;
+  KVR_ASSIGN_OR_RETURN(
+      cuda::HostAllocation host,
+      cuda::AllocateHostOnNode(static_cast<size_t>(bytes), numa_node, huge_pages, kPattern));
+  struct Free {
+    cuda::HostAllocation& a;
+    ~Free() { cuda::FreeHostAllocation(a); }
+  } free_host{host};
+  auto* words = static_cast<uint32_t*>(host.data);
+  if (host.mapped_bytes == 0) {  // cudaHostAlloc: not filled yet
+    for (int64_t i = 0; i < bytes / 4; ++i) words[i] = kPattern * static_cast<uint32_t>(i + 1);
+  }
+  void* mapped = nullptr;
+  KVR_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&mapped, host.data, 0));
+  KVR_ASSIGN_OR_RETURN(auto dev, kvr::cuda::DeviceBuffer<uint8_t>::Create(bytes));
+  KVR_ASSIGN_OR_RETURN(auto stream, kvr::cuda::CudaStream::Create());
+  KVR_ASSIGN_OR_RETURN(auto start, kvr::cuda::CudaEvent::Create());
+  KVR_ASSIGN_OR_RETURN(auto stop, kvr::cuda::CudaEvent::Create());
+  // Best GB/s of `repeats` timed calls of `launch` after an untimed one.
+  auto best_gbps = [&](auto&& launch) -> absl::StatusOr<double> {
+    KVR_RETURN_IF_ERROR(launch());
+    double best_ms = 1e30;
+    for (int r = 0; r < repeats; ++r) {
+      KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream.get()));
+      KVR_RETURN_IF_ERROR(launch());
+      KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream.get()));
+      KVR_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop.get()));
+      float ms = 0;
+      KVR_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+      best_ms = std::min<double>(best_ms, ms);
+    }
+    return static_cast<double>(bytes) / (best_ms * 1e-3) / 1e9;
+  };
+  std::vector<uint8_t> back(static_cast<size_t>(bytes));
+  auto copy_back = [&]() -> absl::Status {
+    std::memset(back.data(), 0xff, back.size());  // poisoned: a row the kernel skipped shows
+    KVR_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(back.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, stream.get()));
+    return stream.Synchronize();
+  };
+  HostLinkProbe p;
+  p.numa_node = numa_node;
+  p.on_node_fraction = host.on_node_fraction;
+  p.how = host.how;
+  p.huge_pages = huge_pages;
+  p.huge_fraction = host.huge_fraction;
+  p.bytes = bytes;
+  KVR_ASSIGN_OR_RETURN(
+      p.h2d_copy_gbps, best_gbps([&]() -> absl::Status {
+        return kvr::cuda::CudaStatus(
+            cudaMemcpyAsync(dev.data(), host.data, bytes, cudaMemcpyHostToDevice, stream.get()),
+            "cudaMemcpyAsync");
+      }));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev.data(), 0, bytes, stream.get()));
+  KVR_ASSIGN_OR_RETURN(p.zero_copy_read_gbps, best_gbps([&] {
+                         return cuda::LaunchZeroCopyRead(mapped, dev.data(), bytes / 16,
+                                                         stream.get());
+                       }));
+  KVR_RETURN_IF_ERROR(copy_back());
+  if (std::memcmp(back.data(), host.data, back.size()) != 0) {
+    return absl::InternalError("MeasureHostLink: the zero-copy read differs from the host buffer");
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev.data(), 0, bytes, stream.get()));
+  const int64_t n_rows = bytes / kRowBytes;
+  KVR_ASSIGN_OR_RETURN(p.zero_copy_rows_gbps, best_gbps([&] {
+                         return cuda::LaunchZeroCopyRows(mapped, dev.data(), n_rows, kRowBytes,
+                                                         stream.get());
+                       }));
+  KVR_RETURN_IF_ERROR(copy_back());
+  const auto* h = static_cast<const uint8_t*>(host.data);
+  for (int64_t e = 0; e < n_rows; ++e) {
+    if (std::memcmp(back.data() + e * kRowBytes, h + cuda::ProbeRow(e, n_rows) * kRowBytes,
+                    kRowBytes) != 0) {
+      return absl::InternalError(
+          absl::StrCat("MeasureHostLink: gathered row ", e, " differs from the host row"));
+    }
+  }
+  return p;
+}
+
+}  // namespace kvr::model

@@ -17,9 +17,13 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 
 namespace kvr::model::cuda {
 
@@ -86,5 +90,104 @@ struct SparseFillParams {
 // *counter += sum of counts[0 .. n).
 [[nodiscard]] absl::Status LaunchSumCounts(const int32_t* counts, int n,
                                            unsigned long long* counter, cudaStream_t stream);
+
+// --- Host KV placement (NUMA) -------------------------------------------------------------------
+// A sparse sequence's host KV is read by the GPU across PCIe, zero-copy; pages on the NUMA node
+// far from the GPU cross the socket interconnect too. numa_node < 0: cudaHostAlloc (mapped), the
+// kernel's default policy places the pages (what the first issue-7 runs measured). numa_node >=
+// 0: anonymous mmap, mbind(MPOL_PREFERRED, node) by raw syscall (libnuma is not assumed on the
+// device machine), every page touched (written with `pattern`'s words), then cudaHostRegister
+// (mapped, portable); MPOL_PREFERRED rather than MPOL_BIND so that a full node degrades to other
+// nodes instead of the OOM killer: on_node_fraction() says where the pages really went
+// (move_pages on up to 4096 sampled pages). Where mbind is refused (a container without
+// CAP_SYS_NICE), the pages are first touched by threads pinned to the node's CPUs instead.
+// huge_pages: the mmap path (also without a node), 2 MiB aligned, madvise(MADV_HUGEPAGE) before
+// the touch (transparent huge pages; huge_fraction says how much of it got them): fewer
+// translations for the GPU's scattered row reads.
+struct HostAllocation {
+  void* data = nullptr;
+  size_t bytes = 0;         // as asked
+  size_t mapped_bytes = 0;  // the mmap path: the mapping's length (2 MiB multiple)
+  int numa_node = -1;
+  bool huge_pages = false;
+  double huge_fraction = -1;     // huge_pages: AnonHugePages / mapped_bytes (/proc/self/smaps)
+  double on_node_fraction = -1;  // sampled pages on numa_node; -1: not bound / not checked
+  const char* how = "";  // "cudaHostAlloc", "mmap", "mbind" or "first-touch" (mbind refused)
+};
+// pattern: numa_node >= 0 only, the 32-bit word i is pattern * (i + 1) (0: zeros); numa_node <
+// 0 leaves the memory as cudaHostAlloc gives it.
+[[nodiscard]] absl::StatusOr<HostAllocation> AllocateHostOnNode(size_t bytes, int numa_node,
+                                                                bool huge_pages,
+                                                                uint32_t pattern = 0);
+void FreeHostAllocation(HostAllocation& a);
+
+// Move-only owner of a mapped pinned host buffer of n T's on a NUMA node (the interface of
+// kvr::cuda::PinnedBuffer, which it replaces for the host KV).
+template <typename T>
+class HostKvBuffer {
+ public:
+  HostKvBuffer() = default;
+  [[nodiscard]] static absl::StatusOr<HostKvBuffer> Create(size_t n, int numa_node,
+                                                           bool huge_pages = false) {
+    HostKvBuffer b;
+    b.a_.numa_node = numa_node;
+    b.a_.huge_pages = huge_pages;
+    if (n > 0) {
+      absl::StatusOr<HostAllocation> a = AllocateHostOnNode(n * sizeof(T), numa_node, huge_pages);
+      if (!a.ok()) return a.status();
+      b.a_ = *a;
+    }
+    b.size_ = n;
+    return b;
+  }
+  HostKvBuffer(HostKvBuffer&& o) noexcept
+      : a_(std::exchange(o.a_, HostAllocation{})), size_(std::exchange(o.size_, 0)) {}
+  HostKvBuffer& operator=(HostKvBuffer&& o) noexcept {
+    if (this != &o) {
+      FreeHostAllocation(a_);
+      a_ = std::exchange(o.a_, HostAllocation{});
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  HostKvBuffer(const HostKvBuffer&) = delete;
+  HostKvBuffer& operator=(const HostKvBuffer&) = delete;
+  ~HostKvBuffer() { FreeHostAllocation(a_); }
+
+  T* data() const { return static_cast<T*>(a_.data); }
+  size_t size() const { return size_; }
+  size_t bytes() const { return size_ * sizeof(T); }
+  int numa_node() const { return a_.numa_node; }
+  bool huge_pages() const { return a_.huge_pages; }
+  double on_node_fraction() const { return a_.on_node_fraction; }
+  [[nodiscard]] absl::StatusOr<T*> device_pointer() const {
+    T* p = nullptr;
+    const cudaError_t e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&p), a_.data, 0);
+    if (e != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaHostGetDevicePointer: ", cudaGetErrorName(e)));
+    }
+    return p;
+  }
+
+ private:
+  HostAllocation a_;
+  size_t size_ = 0;
+};
+
+// --- Host link probes (kvr bench decode's same-run ceilings) -------------------------------------
+// Row `e` of the random-row probe: a 64-bit multiplicative hash of e, modulo n_rows (the CPU
+// reference checks the copy with the same function).
+__host__ __device__ inline int64_t ProbeRow(int64_t e, int64_t n_rows) {
+  const uint64_t h = (static_cast<uint64_t>(e) + 1) * 0x9E3779B97F4A7C15ull;
+  return static_cast<int64_t>((h >> 17) % static_cast<uint64_t>(n_rows));
+}
+// dst[i] = src[i] for n16 16-byte chunks, one thread per chunk: src mapped host memory read
+// zero-copy, coalesced (a warp reads 512 contiguous bytes).
+[[nodiscard]] absl::Status LaunchZeroCopyRead(const void* src, void* dst, int64_t n16,
+                                              cudaStream_t stream);
+// Gather-shaped zero-copy read: dst row e = src row ProbeRow(e, n_rows) for e < n_rows, rows of
+// row_bytes (a multiple of 16), one thread per 16-byte chunk (as HotCacheCopyKernel reads misses).
+[[nodiscard]] absl::Status LaunchZeroCopyRows(const void* src, void* dst, int64_t n_rows,
+                                              int row_bytes, cudaStream_t stream);
 
 }  // namespace kvr::model::cuda

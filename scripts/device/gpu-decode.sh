@@ -11,6 +11,11 @@
 #          the flags; GPUDECODE_MODEL_TEST=1 adds the dense model tests, GPUDECODE_MEMCHECK=<gtest
 #          filter> picks the memcheck subset, default *SmallBudget*)
 #          bash scripts/device/gpu-decode.sh bench [bench flags...] (the bench alone)
+#          bash scripts/device/gpu-decode.sh ceil [bench flags...]  (compute-sanitizer memcheck of
+#          the link probes (--ceiling-only, 16 MiB), the bench, GPUDECODE_PROBE_MIB="64 16384"
+#          probes alone at those buffer sizes, then the sparse tests, each capped)
+# Every mode first prints the host's NUMA layout and the GPU's place in it (the host KV's
+# placement decides the gather's link rate: kvr bench decode --host-numa).
 # Logs go to $OUT (or ./out/gpudecode).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,8 +27,16 @@ mkdir -p "$out"
 stage() {
   rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
   export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,pci.bus_id --format=csv,noheader
   free -g | head -2
+  echo "numa nodes: $(cat /sys/devices/system/node/online 2>/dev/null)  cpus: $(nproc)" \
+    "thp: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)" \
+    "libnuma: $(ldconfig -p 2>/dev/null | grep -c 'libnuma\.so')"
+  for n in /sys/devices/system/node/node[0-9]*; do
+    [[ -d $n ]] && echo "  $(basename "$n"): cpus $(cat "$n/cpulist")" \
+      "$(awk '/MemTotal/{printf "mem %d GiB", $4/1048576}' "$n/meminfo")"
+  done
+  nvidia-smi topo -m 2>/dev/null | head -4
 }
 
 bench() {
@@ -80,8 +93,33 @@ case "${1:-}" in
     stage
     bench "$@"
     ;;
+  ceil)
+    shift
+    stage
+    status=0
+    if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
+      timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$kStage/bin/kvr" bench decode --ceiling-only --ceiling-mib 16 --ceiling-repeats 1 \
+        --host-numa gpu,far,unbound,thp > "$out/sanitizer_probes.log" 2>&1
+      echo "compute-sanitizer memcheck (link probes): rc $?" \
+        "$(grep 'ERROR SUMMARY' "$out/sanitizer_probes.log")"
+    fi
+    bench "$@" || status=1
+    # GPUDECODE_PROBE_MIB="64 16384": the link probes alone at other buffer sizes (the scattered
+    # row reads depend on the footprint), placements GPUDECODE_PROBE_NUMA (default gpu,far,thp).
+    for mib in ${GPUDECODE_PROBE_MIB:-}; do
+      timeout 120 "$kStage/bin/kvr" bench decode --ceiling-only --ceiling-mib "$mib" \
+        --host-numa "${GPUDECODE_PROBE_NUMA:-gpu,far,thp}" 2>&1 | tee "$out/probes_${mib}mib.log" |
+        grep -E '^  [a-z0-9]'
+    done
+    timeout "${GPUDECODE_TEST_TIMEOUT:-120}" "$kStage/bin/model_cuda_sparse_test" 2>&1 |
+      tee "$out/sparse_test.log" | grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) |Failure' || true
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    echo "ceil: status $status"
+    exit $status
+    ;;
   *)
-    echo "usage: $0 bundle|run|bench [kvr bench decode flags]" >&2
+    echo "usage: $0 bundle|run|bench|ceil [kvr bench decode flags]" >&2
     exit 2
     ;;
 esac

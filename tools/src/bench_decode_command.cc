@@ -6,6 +6,8 @@
 //   kvr bench decode [--contexts 32768,131072] [--methods full,quest,clusterkv]
 //                    [--batches 1,2,4,...] [--budget 1024] [--sink 16] [--window 256]
 //                    [--hot-cache-rows 1024] [--steps 16] [--warmup 3] [--profile]
+//                    [--host-numa gpu[,far,unbound,thp,N,...+thp]] [--ceiling-mib 1024]
+//                    [--ceiling-only]
 //                    [--json FILE]
 //
 // Llama-3-8B shape with random weights generated on the GPU; SYNTHETIC KV (random rows) filled
@@ -15,8 +17,17 @@
 // token (one step = one token of every sequence, wall clock around ForwardGreedy), GPU bytes per
 // sequence; batches up to what GPU memory allows (dense: sequences added until the GPU is full;
 // sparse: slots configured until it is). Then the best sparse / best dense ratio per context,
-// and with --profile the per-step GPU time split and the bytes gathered from host per step
-// against the pinned-host ceiling (--host-gbps, measured 51-55 GB/s on the lent H100).
+// and with --profile the per-step GPU time split and the bytes gathered from host per step.
+//
+// Same-run ceilings (before the rows): the GPU's PCI bus id and NUMA node, then per host KV
+// placement (--host-numa: the GPU's node, the far node, cudaHostAlloc's unbound pages, or a node
+// number, each optionally "+thp": transparent huge pages; "unbound" is always probed too) a pinned
+// buffer of --ceiling-mib is placed and measured: cudaMemcpyAsync host -> device, a coalesced
+// zero-copy read kernel and a zero-copy read of random 512-byte rows (the gather's shape). Each
+// sparse row runs once per placement and prints its achieved gather GB/s as a fraction of that
+// placement's zero-copy (coalesced) ceiling and its hot-cache hit rate; the closing analysis gives,
+// per sparse row, the tok/s with the gather at the ceiling and the hit rate the 6x target would
+// need at the ceiling.
 
 #include <algorithm>
 #include <chrono>
@@ -31,6 +42,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "commands.h"
@@ -55,19 +67,39 @@ struct DecodeBenchFlags {
   int steps = 16;
   int warmup = 3;
   bool profile = false;
-  double host_gbps = 51.0;
+  double host_gbps = 51.0;  // the ceiling used when probes are off (--ceiling-mib 0) or failed
+  std::vector<std::string> host_numa = {"gpu"};
+  int ceiling_mib = 1024;
+  int ceiling_repeats = 5;
+  bool ceiling_only = false;
   std::string json;
+};
+
+// A host KV placement of the sparse rows: a NUMA node (-1: cudaHostAlloc, unbound) and what the
+// probes measured there.
+struct Placement {
+  std::string label;  // "n0(gpu)", "n1(far)", "unbound", "n2", "thp", "n0(gpu)+thp"
+  int node = -1;
+  bool huge = false;  // transparent huge pages (SparseSequenceOptions::host_huge_pages)
+  bool probed = false;
+  model::HostLinkProbe probe;
+  double ceiling_gbps = 0;  // zero-copy coalesced read, or --host-gbps without a probe
 };
 
 struct Row {
   int64_t context = 0;
   std::string method;
   int batch = 0;
+  const Placement* placement = nullptr;  // sparse rows
   double tokens_per_s = 0, p50_ms = 0, p99_ms = 0, mean_ms = 0;
   int64_t gpu_bytes_per_seq = 0;
   bool profiled = false;
   model::CudaForwardProfile prof;
   double gathered_bytes_per_step = 0, hit_rate = 0;
+  double selected_bytes_per_step = 0;  // hits included: what the step needs before the cache
+  double GatherGbps() const {
+    return prof.gather_ms > 0 ? gathered_bytes_per_step / (prof.gather_ms * 1e-3) / 1e9 : 0;
+  }
 };
 
 double Percentile(std::vector<double> v, double q) {
@@ -138,6 +170,7 @@ class DecodeBench {
         row.hit_rate = static_cast<double>(hits) / selected;
         row.gathered_bytes_per_step =
             static_cast<double>(selected - hits) * after.row_bytes / kProfiled;
+        row.selected_bytes_per_step = static_cast<double>(selected) * after.row_bytes / kProfiled;
       }
     }
     return absl::OkStatus();
@@ -184,7 +217,7 @@ class DecodeBench {
   }
 
   absl::Status RunSparse(int64_t context, model::SparseMethod method, const std::string& name,
-                         std::vector<Row>& rows) {
+                         const Placement& placement, std::vector<Row>& rows) {
     const int64_t capacity = context + f_.warmup + f_.steps + 8;
     model::SparseAttentionOptions o;
     o.method = method;
@@ -219,11 +252,13 @@ class DecodeBench {
           const model::SequenceId id = 5000 + i;
           model::SparseSequenceOptions so;
           if (i > 0) so.share_host_kv_with = ids[0];
+          so.host_numa_node = placement.node;
+          so.host_huge_pages = placement.huge;
           KVR_RETURN_IF_ERROR(m_.AddSparseSequence(id, capacity, so));
           ids.push_back(id);
           KVR_RETURN_IF_ERROR(m_.FillSequenceForBenchmark(id, context, 1));
         }
-        Row row{context, name, b};
+        Row row{context, name, b, &placement};
         KVR_RETURN_IF_ERROR(Time(ids, row));
         Print(row);
         rows.push_back(row);
@@ -252,8 +287,10 @@ class DecodeBench {
   std::vector<int> Sweep(int max) const {
     std::vector<int> out;
     if (!f_.batches.empty()) {
+      // A batch above what fits runs as the largest that fits.
       for (int b : f_.batches) {
-        if (b <= max) out.push_back(b);
+        const int c = std::min(b, max);
+        if (c > 0 && std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
       }
       return out;
     }
@@ -263,17 +300,20 @@ class DecodeBench {
   }
 
   void Print(const Row& r) const {
-    std::printf("%6lldK  %-9s  %5d  %10.1f  %8.2f  %8.2f  %9.3f",
-                static_cast<long long>(r.context / 1024), r.method.c_str(), r.batch, r.tokens_per_s,
+    std::printf("%6lldK  %-9s  %-11s  %5d  %10.1f  %8.2f  %8.2f  %9.3f",
+                static_cast<long long>(r.context / 1024), r.method.c_str(),
+                r.placement != nullptr ? r.placement->label.c_str() : "-", r.batch, r.tokens_per_s,
                 r.p50_ms, r.p99_ms, r.gpu_bytes_per_seq / double(1 << 30));
     if (r.profiled) {
-      const double link_ms = r.gathered_bytes_per_step / (f_.host_gbps * 1e9) * 1e3;
       std::printf(
-          "  | gpu %7.2f ms: gemm %6.2f  select %6.2f  gather %6.2f  attn %6.2f  other %5.2f"
-          "  | host bytes/step %7.1f MiB (hits %.2f) = %6.2f ms at %.0f GB/s",
+          "  | gpu %7.2f ms: gemm %6.2f  select %6.2f  gather %6.2f  attn %6.2f  other %5.2f",
           r.prof.total_ms, r.prof.gemm_ms, r.prof.select_ms, r.prof.gather_ms, r.prof.attention_ms,
-          r.prof.other_ms, r.gathered_bytes_per_step / (1 << 20), r.hit_rate, link_ms,
-          f_.host_gbps);
+          r.prof.other_ms);
+      if (r.placement != nullptr) {
+        std::printf("  | host %7.1f MiB/step, hits %.2f | gather %5.1f GB/s = %.2f of %.1f",
+                    r.gathered_bytes_per_step / (1 << 20), r.hit_rate, r.GatherGbps(),
+                    r.GatherGbps() / r.placement->ceiling_gbps, r.placement->ceiling_gbps);
+      }
     }
     std::printf("\n");
     std::fflush(stdout);
@@ -284,12 +324,206 @@ class DecodeBench {
   model::CudaModel& m_;
 };
 
+// --host-numa entries -> placements (deduplicated by node), with a line saying what each became.
+absl::StatusOr<std::vector<Placement>> ResolvePlacements(const DecodeBenchFlags& f,
+                                                         const model::HostTopology& topo) {
+  std::vector<Placement> out;
+  bool huge = false;
+  auto add = [&](std::string label, int node) {
+    if (huge) label = label == "unbound" ? "thp" : label + "+thp";
+    for (const Placement& p : out) {
+      if (p.node == node && p.huge == huge) return;
+    }
+    out.push_back(Placement{std::move(label), node, huge});
+  };
+  for (std::string want : f.host_numa) {
+    // "<placement>+thp" or "thp" (= unbound+thp): the same, backed by transparent huge pages.
+    huge = false;
+    if (want == "thp") want = "unbound+thp";
+    if (want.size() > 4 && want.compare(want.size() - 4, 4, "+thp") == 0) {
+      huge = true;
+      want.resize(want.size() - 4);
+    }
+    if (want == "gpu") {
+      if (topo.gpu_numa_node >= 0) {
+        add(absl::StrCat("n", topo.gpu_numa_node, "(gpu)"), topo.gpu_numa_node);
+      } else {
+        std::printf("host-numa gpu: the host reports no NUMA node for the GPU: unbound\n");
+        add("unbound", -1);
+      }
+    } else if (want == "far") {
+      int far = -1;
+      for (int n : topo.memory_nodes) {
+        if (n != topo.gpu_numa_node && topo.gpu_numa_node >= 0) {
+          far = n;
+          break;
+        }
+      }
+      if (far < 0) {
+        std::printf("host-numa far: no memory node other than the GPU's (%d): skipped\n",
+                    topo.gpu_numa_node);
+      } else {
+        add(absl::StrCat("n", far, "(far)"), far);
+      }
+    } else if (want == "unbound") {
+      add("unbound", -1);
+    } else {
+      int node = -1;
+      if (!absl::SimpleAtoi(want, &node) || node < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--host-numa: gpu, far, unbound or a node number, not '", want, "'"));
+      }
+      add(absl::StrCat("n", node), node);
+    }
+  }
+  if (out.empty()) return absl::InvalidArgumentError("--host-numa: no placement left to run");
+  return out;
+}
+
+// Topology line and the link probes of every placement (and of "unbound", the reference).
+absl::Status ProbeCeilings(const DecodeBenchFlags& f, const model::HostTopology& topo,
+                           std::vector<Placement>& placements) {
+  std::string nodes;
+  for (int n : topo.memory_nodes) absl::StrAppend(&nodes, nodes.empty() ? "" : ",", n);
+  std::printf("host: GPU %s on NUMA node %d; NUMA nodes with memory: %s\n",
+              topo.gpu_pci_bus_id.c_str(), topo.gpu_numa_node, nodes.empty() ? "?" : nodes.c_str());
+  for (Placement& p : placements) p.ceiling_gbps = f.host_gbps;
+  if (f.ceiling_mib <= 0) {
+    std::printf("link probes off (--ceiling-mib 0): gather fractions against --host-gbps %.1f\n",
+                f.host_gbps);
+    return absl::OkStatus();
+  }
+  std::vector<Placement> probes = placements;
+  if (std::none_of(probes.begin(), probes.end(),
+                   [](const Placement& p) { return p.node < 0 && !p.huge; })) {
+    probes.push_back(Placement{"unbound", -1});
+  }
+  std::printf(
+      "host -> GPU link ceilings, measured now: a %d MiB pinned buffer per placement, best of %d "
+      "after 1 untimed run, each copy checked against the host buffer\n",
+      f.ceiling_mib, f.ceiling_repeats);
+  std::printf("  %-12s  %-13s  %13s  %10s  %15s  %24s  %25s\n", "placement", "placed by",
+              "pages on node", "huge pages", "H2D memcpy GB/s", "zero-copy coalesced GB/s",
+              "zero-copy 512-B rows GB/s");
+  for (Placement& p : probes) {
+    absl::StatusOr<model::HostLinkProbe> r =
+        model::MeasureHostLink(0, p.node, p.huge, int64_t{f.ceiling_mib} << 20, f.ceiling_repeats);
+    if (!r.ok()) {
+      std::printf("  %-10s  probe failed: %s\n", p.label.c_str(), r.status().ToString().c_str());
+      continue;
+    }
+    p.probed = true;
+    p.probe = *r;
+    p.ceiling_gbps = r->zero_copy_read_gbps;
+    const std::string on =
+        r->on_node_fraction < 0 ? "-" : absl::StrFormat("%.3f", r->on_node_fraction);
+    const std::string huge = r->huge_fraction < 0 ? "-" : absl::StrFormat("%.3f", r->huge_fraction);
+    std::printf("  %-12s  %-13s  %13s  %10s  %15.1f  %24.1f  %25.1f\n", p.label.c_str(),
+                r->how.c_str(), on.c_str(), huge.c_str(), r->h2d_copy_gbps, r->zero_copy_read_gbps,
+                r->zero_copy_rows_gbps);
+    for (Placement& q : placements) {
+      if (q.node == p.node && q.huge == p.huge) q = p;
+    }
+  }
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
+
+// Per sparse row: the gather against its ceiling, the step with the gather at the ceiling, and
+// the hot-cache hit rate the 6x target needs at the ceiling (the rest of the step as measured).
+void PrintCeilingAnalysis(const DecodeBenchFlags& f, const std::vector<Row>& rows) {
+  std::printf(
+      "\nceiling analysis (profiled sparse rows; ceiling = zero-copy coalesced GB/s of the row's "
+      "host KV placement, measured above; 'at ceiling' = the measured step with its gather time "
+      "replaced by host bytes / ceiling; '6x needs' = the hit rate at which host bytes / ceiling "
+      "+ the measured non-gather time give 6x the best dense tok/s of that context; lookups "
+      "stay in the gather time, so the needed rates are slight underestimates):\n");
+  std::printf("%7s  %-9s  %-11s  %5s  %9s  %9s  %5s  %5s  %9s  %10s  %16s  %15s\n", "context",
+              "method", "host KV", "batch", "tok/s", "gather GB/s", "frac", "hits", "MiB/token",
+              "link tok/s", "at ceiling tok/s", "6x needs hits");
+  for (int64_t ctx : f.contexts) {
+    double dense_best = 0;
+    for (const Row& r : rows) {
+      if (r.context == ctx && r.method == "full") dense_best = std::max(dense_best, r.tokens_per_s);
+    }
+    const Row* best_at_ceiling = nullptr;
+    double best_at_ceiling_tps = 0;
+    for (const Row& r : rows) {
+      if (r.context != ctx || r.placement == nullptr || !r.profiled) continue;
+      const double ceiling = r.placement->ceiling_gbps * 1e9;  // bytes/s
+      const double per_token = r.gathered_bytes_per_step / r.batch;
+      const double link_tps = per_token > 0 ? ceiling / per_token : 0;
+      const double non_gather_s = std::max(0.0, r.mean_ms - r.prof.gather_ms) * 1e-3;
+      const double at_ceiling_tps = r.batch / (non_gather_s + r.gathered_bytes_per_step / ceiling);
+      std::string needs = "-";
+      if (dense_best > 0) {
+        const double link_budget_s = r.batch / (6 * dense_best) - non_gather_s;
+        if (link_budget_s <= 0) {
+          needs = absl::StrFormat("none (%.0fms)", non_gather_s * 1e3);
+        } else if (r.selected_bytes_per_step > 0) {
+          needs = absl::StrFormat(
+              "%.3f", std::max(0.0, 1 - link_budget_s * ceiling / r.selected_bytes_per_step));
+        }
+      }
+      std::printf(
+          "%6lldK  %-9s  %-11s  %5d  %9.1f  %11.1f  %5.2f  %5.2f  %9.1f  %10.1f  %16.1f  %15s\n",
+          static_cast<long long>(ctx / 1024), r.method.c_str(), r.placement->label.c_str(), r.batch,
+          r.tokens_per_s, r.GatherGbps(), r.GatherGbps() * 1e9 / ceiling, r.hit_rate,
+          per_token / (1 << 20), link_tps, at_ceiling_tps, needs.c_str());
+      if (at_ceiling_tps > best_at_ceiling_tps) {
+        best_at_ceiling_tps = at_ceiling_tps;
+        best_at_ceiling = &r;
+      }
+    }
+    if (best_at_ceiling != nullptr && dense_best > 0) {
+      const Row& r = *best_at_ceiling;
+      const double ceiling = r.placement->ceiling_gbps * 1e9;
+      const double non_gather_s = std::max(0.0, r.mean_ms - r.prof.gather_ms) * 1e-3;
+      const double link_budget_s = r.batch / (6 * dense_best) - non_gather_s;
+      std::printf(
+          "  %6lldK ceiling-bound: %s %s b%d at its %.1f GB/s ceiling = %.1f tok/s = %.2fx dense "
+          "(%.1f tok/s; measured %.1f tok/s = %.2fx); 6x (%.1f tok/s) needs hot-cache hits >= "
+          "%s at that ceiling (this row saw %.2f)\n",
+          static_cast<long long>(ctx / 1024), r.method.c_str(), r.placement->label.c_str(), r.batch,
+          ceiling / 1e9, best_at_ceiling_tps, best_at_ceiling_tps / dense_best, dense_best,
+          r.tokens_per_s, r.tokens_per_s / dense_best, 6 * dense_best,
+          link_budget_s <= 0
+              ? "(unreachable: the non-gather time alone is over the budget)"
+              : absl::StrFormat(
+                    "%.3f", std::max(0.0, 1 - link_budget_s * ceiling / r.selected_bytes_per_step))
+                    .c_str(),
+          r.hit_rate);
+      // The synthetic stand-ins select runs of consecutive rows (clusterkv: 80, quest: 16);
+      // real k-means clusters scatter their members: the random-row probe is their ceiling.
+      if (r.placement->probed && r.placement->probe.zero_copy_rows_gbps > 0) {
+        const double rows_bps = r.placement->probe.zero_copy_rows_gbps * 1e9;
+        const double tps = r.batch / (non_gather_s + r.gathered_bytes_per_step / rows_bps);
+        const double budget_s = r.batch / (6 * dense_best) - non_gather_s;
+        std::printf(
+            "  %6lldK with scattered rows (random 512-B rows at %.1f GB/s, this placement's "
+            "probe): "
+            "%.1f tok/s = %.2fx dense; 6x needs hits >= %s\n",
+            static_cast<long long>(ctx / 1024), rows_bps / 1e9, tps, tps / dense_best,
+            budget_s <= 0
+                ? "(unreachable)"
+                : absl::StrFormat(
+                      "%.3f", std::max(0.0, 1 - budget_s * rows_bps / r.selected_bytes_per_step))
+                      .c_str());
+      }
+    }
+  }
+}
+
 absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
   if (!model::CudaModelAvailable()) {
     return absl::FailedPreconditionError(
         "kvr bench decode needs a CUDA GPU: this build has no CUDA backend or no usable device "
         "(run it on the device machine: scripts/device/gpu-decode.sh)");
   }
+  KVR_ASSIGN_OR_RETURN(model::HostTopology topo, model::GetHostTopology(0));
+  KVR_ASSIGN_OR_RETURN(std::vector<Placement> placements, ResolvePlacements(f, topo));
+  KVR_RETURN_IF_ERROR(ProbeCeilings(f, topo, placements));
+  if (f.ceiling_only) return absl::OkStatus();
   KVR_ASSIGN_OR_RETURN(model::ModelConfig config, model::DummyConfig(f.shape, f.layers));
   const int64_t max_ctx = *std::max_element(f.contexts.begin(), f.contexts.end());
   // Room for the decode steps past the longest context (128K is Llama-3's whole window).
@@ -305,11 +539,11 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
       "kvr bench decode: %s shape (%d layers), RANDOM weights (%.2f GB bf16), SYNTHETIC KV "
       "(random rows; sparse sequences of a batch share one host KV), budget %d, sink %d, "
       "window %d, hot cache %d rows/head; clusterkv summaries: synthetic stand-in (runs of 80 "
-      "tokens, mean key); %d steps after %d warm-up\n",
+      "tokens, mean key); %d steps after %d warm-up; sparse rows once per host KV placement\n",
       f.shape.c_str(), config.n_layers, m->weight_bytes() / 1e9, f.budget, f.sink, f.window,
       f.hot_cache_rows, f.steps, f.warmup);
-  std::printf("%7s  %-9s  %5s  %10s  %8s  %8s  %9s\n", "context", "method", "batch", "tokens/s",
-              "p50 ms", "p99 ms", "GiB/seq");
+  std::printf("%7s  %-9s  %-11s  %5s  %10s  %8s  %8s  %9s\n", "context", "method", "host KV",
+              "batch", "tokens/s", "p50 ms", "p99 ms", "GiB/seq");
   // Warm-up before the GPU is filled: loads every kernel module (CUDA loads them lazily, which
   // needs free memory) and sizes cuBLAS's workspace at the largest batch.
   {
@@ -346,19 +580,25 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
   std::vector<Row> rows;
   for (int64_t ctx : f.contexts) {
     for (const std::string& method : f.methods) {
-      absl::Status s;
-      if (method == "full") {
-        s = bench.RunDense(ctx, rows);
-      } else if (method == "quest") {
-        s = bench.RunSparse(ctx, model::SparseMethod::kQuest, method, rows);
-      } else if (method == "clusterkv") {
-        s = bench.RunSparse(ctx, model::SparseMethod::kClusterKv, method, rows);
-      } else {
+      if (method != "full" && method != "quest" && method != "clusterkv") {
         return absl::InvalidArgumentError(absl::StrCat("unknown method ", method));
       }
-      if (!s.ok())
-        std::printf("%6lldK  %-9s  error: %s\n", static_cast<long long>(ctx / 1024), method.c_str(),
-                    s.ToString().c_str());
+      for (const Placement& placement : placements) {
+        absl::Status s;
+        if (method == "full") {
+          s = bench.RunDense(ctx, rows);
+        } else {
+          s = bench.RunSparse(
+              ctx,
+              method == "quest" ? model::SparseMethod::kQuest : model::SparseMethod::kClusterKv,
+              method, placement, rows);
+        }
+        if (!s.ok())
+          std::printf("%6lldK  %-9s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
+                      method.c_str(), method == "full" ? "-" : placement.label.c_str(),
+                      s.ToString().c_str());
+        if (method == "full") break;  // the dense KV is in HBM: one run
+      }
     }
   }
   std::printf("\nbest sparse / best dense tokens/s (target at 128K: >= 6x):\n");
@@ -371,12 +611,13 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
       if (best == nullptr || r.tokens_per_s > best->tokens_per_s) best = &r;
     }
     if (dense != nullptr && sparse != nullptr) {
-      std::printf("  %6lldK: %s b%d %.1f tok/s vs full b%d %.1f tok/s = %.2fx\n",
-                  static_cast<long long>(ctx / 1024), sparse->method.c_str(), sparse->batch,
-                  sparse->tokens_per_s, dense->batch, dense->tokens_per_s,
-                  sparse->tokens_per_s / dense->tokens_per_s);
+      std::printf("  %6lldK: %s (host KV %s) b%d %.1f tok/s vs full b%d %.1f tok/s = %.2fx\n",
+                  static_cast<long long>(ctx / 1024), sparse->method.c_str(),
+                  sparse->placement->label.c_str(), sparse->batch, sparse->tokens_per_s,
+                  dense->batch, dense->tokens_per_s, sparse->tokens_per_s / dense->tokens_per_s);
     }
   }
+  if (f.profile) PrintCeilingAnalysis(f, rows);
   if (!f.json.empty()) {
     std::ofstream out(f.json);
     out << "[\n";
@@ -386,10 +627,14 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
           "  {\"context\": %d, \"method\": \"%s\", \"batch\": %d, \"tokens_per_s\": %.3f, "
           "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"gpu_bytes_per_seq\": %d, \"gpu_ms\": %.4f, "
           "\"gemm_ms\": %.4f, \"select_ms\": %.4f, \"gather_ms\": %.4f, \"attention_ms\": %.4f, "
-          "\"other_ms\": %.4f, \"host_bytes_per_step\": %.0f, \"hot_cache_hit_rate\": %.4f}%s\n",
+          "\"other_ms\": %.4f, \"host_bytes_per_step\": %.0f, \"hot_cache_hit_rate\": %.4f, "
+          "\"selected_bytes_per_step\": %.0f, \"host_numa_node\": %d, \"gather_gbps\": %.3f, "
+          "\"ceiling_gbps\": %.3f}%s\n",
           r.context, r.method, r.batch, r.tokens_per_s, r.p50_ms, r.p99_ms, r.gpu_bytes_per_seq,
           r.prof.total_ms, r.prof.gemm_ms, r.prof.select_ms, r.prof.gather_ms, r.prof.attention_ms,
-          r.prof.other_ms, r.gathered_bytes_per_step, r.hit_rate, i + 1 < rows.size() ? "," : "");
+          r.prof.other_ms, r.gathered_bytes_per_step, r.hit_rate, r.selected_bytes_per_step,
+          r.placement != nullptr ? r.placement->node : -1, r.GatherGbps(),
+          r.placement != nullptr ? r.placement->ceiling_gbps : 0.0, i + 1 < rows.size() ? "," : "");
     }
     out << "]\n";
     if (!out) return absl::InternalError(absl::StrCat("writing ", f.json));
@@ -422,8 +667,22 @@ void AddBenchDecodeCommand(CLI::App& app) {
   cmd->add_option("--steps", f.steps, "timed decode steps")->capture_default_str();
   cmd->add_option("--warmup", f.warmup, "warm-up steps")->capture_default_str();
   cmd->add_flag("--profile", f.profile, "per-step GPU time split and host bytes gathered");
-  cmd->add_option("--host-gbps", f.host_gbps, "pinned host -> GPU ceiling (GB/s)")
+  cmd->add_option("--host-gbps", f.host_gbps,
+                  "pinned host -> GPU ceiling (GB/s) used only without link probes")
       ->capture_default_str();
+  cmd->add_option("--host-numa", f.host_numa,
+                  "host KV placements of the sparse rows: gpu (the GPU's NUMA node), far, unbound "
+                  "(cudaHostAlloc), a node number; '+thp' on any (or 'thp' = unbound+thp): "
+                  "backed by transparent huge pages")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--ceiling-mib", f.ceiling_mib,
+                  "pinned buffer of the link probes per placement (0: no probes)")
+      ->capture_default_str();
+  cmd->add_option("--ceiling-repeats", f.ceiling_repeats, "timed runs per probe (best kept)")
+      ->capture_default_str();
+  cmd->add_flag("--ceiling-only", f.ceiling_only,
+                "print the topology and link ceilings, then stop");
   cmd->add_option("--json", f.json, "write the rows as JSON");
   cmd->callback([flags] {
     const absl::Status s = RunDecodeBench(*flags);

@@ -45,6 +45,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -116,6 +117,14 @@ struct SparseSequenceOptions {
   // same past rows and their new rows overwrite each other's: throughput only, never for output
   // that matters. The GPU-side state (ring, summaries, hot cache) stays per sequence.
   std::optional<SequenceId> share_host_kv_with;
+  // Where the pinned host KV's pages go: -1, cudaHostAlloc (the kernel's default policy: pages
+  // near the allocating thread's CPU at first touch); >= 0, that NUMA node (mbind, touched, then
+  // cudaHostRegister; HostTopology says which node the GPU sits on). A host KV made earlier is
+  // reused only at the same capacity and node; share_host_kv_with ignores this field.
+  int host_numa_node = -1;
+  // Back the host KV with transparent huge pages (mmap 2 MiB aligned + MADV_HUGEPAGE, also with
+  // host_numa_node -1): fewer address translations for the GPU's scattered row reads.
+  bool host_huge_pages = false;
 };
 
 // Counters of the sparse path since ConfigureSparse (device counters; profile on only).
@@ -204,5 +213,34 @@ bool CudaModelAvailable();
 // shapes whose float32 host weights would not fit in host memory.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CudaModel>> CreateCudaModelWithRandomWeights(
     const ModelConfig& config, uint64_t seed, const CudaModelOptions& options);
+
+// Where a GPU sits on the host: its PCI bus id (cudaDeviceGetPCIBusId) and NUMA node
+// (/sys/bus/pci/devices/<bus id>/numa_node; -1 when the host reports none, as one-node hosts and
+// many VMs do), and the host's NUMA nodes that have memory (/sys/devices/system/node/has_memory).
+struct HostTopology {
+  std::string gpu_pci_bus_id;
+  int gpu_numa_node = -1;
+  std::vector<int> memory_nodes;
+};
+[[nodiscard]] absl::StatusOr<HostTopology> GetHostTopology(int device);
+
+// The host -> GPU link as sparse sequences use it, measured on a pinned host buffer placed as
+// SparseSequenceOptions::host_numa_node (-1: cudaHostAlloc): the ceilings `kvr bench decode`
+// prints its gather rates against. Each figure is the best of `repeats` timed runs (CUDA
+// events), after one untimed run; each probe's copy is checked against the host buffer.
+struct HostLinkProbe {
+  int numa_node = -1;
+  double on_node_fraction = -1;  // sampled pages found on numa_node (-1: unbound or unknown)
+  std::string how;  // "cudaHostAlloc", "mmap", "mbind" or "first-touch" (mbind refused)
+  bool huge_pages = false;
+  double huge_fraction = -1;  // huge_pages: the buffer's share in transparent huge pages
+  int64_t bytes = 0;
+  double h2d_copy_gbps = 0;        // cudaMemcpyAsync pinned host -> device (copy engine)
+  double zero_copy_read_gbps = 0;  // a coalesced kernel reading the mapped buffer (16 B/thread)
+  double zero_copy_rows_gbps = 0;  // random 512-byte rows, one warp per row (the gather's shape)
+};
+[[nodiscard]] absl::StatusOr<HostLinkProbe> MeasureHostLink(int device, int numa_node,
+                                                            bool huge_pages, int64_t bytes,
+                                                            int repeats);
 
 }  // namespace kvr::model
