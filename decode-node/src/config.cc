@@ -56,6 +56,10 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
       StringField("advertise_host", "host other nodes use to reach this one (default: listen host)",
                   &DecodeConfig::advertise_host, /*allow_empty=*/true),
       StringField("name", "node name in the controller's logs", &DecodeConfig::name),
+      StringField("a2ats_codebooks",
+                  "codebook file from `kvr calibrate` for this model: offers method a2ats "
+                  "(empty: a2ats not offered)",
+                  &DecodeConfig::a2ats_codebooks, /*allow_empty=*/true),
       IntField("batch_slots", "most sequences in the running batch", &DecodeConfig::batch_slots,
                false),
       IntField("max_waiting", "most sequences waiting for a slot", &DecodeConfig::max_waiting,

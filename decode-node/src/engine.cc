@@ -165,6 +165,7 @@ absl::StatusOr<std::unique_ptr<DecodeEngine::Sequence>> DecodeEngine::Prepare(Ha
   params.n_sink = h.n_sink;
   params.local_window = h.local_window;
   params.options = h.options;
+  params.assets = options_.method_assets;
   const int64_t row = int64_t{c.n_kv_heads} * c.head_dim;
   const size_t packed_row_bytes = static_cast<size_t>(2 * row) * sizeof(float);
   std::vector<bool> seen(c.n_layers, false);

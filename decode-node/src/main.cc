@@ -30,6 +30,7 @@
 #include "kvr/decode/service.h"
 #include "kvr/model/loader.h"
 #include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::decode {
@@ -42,7 +43,8 @@ namespace cv1 = ::kvr::cluster::v1;
 // token on this node. Methods that cannot be built without extra assets (A2ATS codebooks) are
 // left out (and so not offered).
 std::vector<std::pair<std::string, double>> MeasureSummaryBytes(
-    const model::ModelConfig& c, const retrieval::MethodRegistry& registry, int64_t tokens) {
+    const model::ModelConfig& c, const retrieval::MethodRegistry& registry, int64_t tokens,
+    const std::shared_ptr<const retrieval::MethodAssets>& assets) {
   std::mt19937_64 rng(1);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<float> keys(tokens * c.n_kv_heads * c.head_dim),
@@ -58,7 +60,9 @@ std::vector<std::pair<std::string, double>> MeasureSummaryBytes(
     shape.layer = 0;
     shape.n_layers = c.n_layers;
     shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
-    auto index = registry.Make(method, shape, retrieval::IndexParams{});
+    retrieval::IndexParams params;
+    params.assets = assets;
+    auto index = registry.Make(method, shape, params);
     absl::Status built = index.status();
     if (index.ok()) {
       retrieval::BuildInput in;
@@ -99,7 +103,17 @@ int Serve(const DecodeConfig& config) {
   const std::string served = ServedModelName(config);
   spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded->source, served,
                mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length);
-  const auto methods = MeasureSummaryBytes(mc, *registry, 2048);
+  std::shared_ptr<const retrieval::MethodAssets> a2ats_assets;
+  if (!config.a2ats_codebooks.empty()) {
+    absl::StatusOr<std::shared_ptr<const retrieval::A2atsCodebooks>> books =
+        retrieval::LoadCodebooksFor(*loaded->model, config.a2ats_codebooks);
+    if (!books.ok()) {
+      std::cerr << "kvr-decode: " << books.status().message() << "\n";
+      return 2;
+    }
+    a2ats_assets = *books;
+  }
+  const auto methods = MeasureSummaryBytes(mc, *registry, 2048, a2ats_assets);
 
   StoreClients stores(
       [](const std::string& address) -> absl::StatusOr<std::unique_ptr<kv_store::KvStoreClient>> {
@@ -133,7 +147,8 @@ int Serve(const DecodeConfig& config) {
                     .max_waiting = static_cast<int>(config.max_waiting),
                     .hot_cache_bytes = config.hot_cache_bytes,
                     .memory_bytes = config.memory_bytes,
-                    .quality_sample_rate = config.quality_sample_rate},
+                    .quality_sample_rate = config.quality_sample_rate,
+                    .method_assets = a2ats_assets},
       &metrics_observer);
   if (!engine.ok()) {
     std::cerr << "kvr-decode: " << engine.status() << "\n";

@@ -55,6 +55,10 @@ const std::vector<PrefillConfigField>& PrefillConfigFields() {
                   &PrefillConfig::model_name, true),
       StringField("node_name", "node name for the controller's logs", &PrefillConfig::node_name,
                   true),
+      StringField("a2ats_codebooks",
+                  "codebook file from `kvr calibrate` for this model: needed for method a2ats "
+                  "(empty: a2ats requests are refused)",
+                  &PrefillConfig::a2ats_codebooks, true),
       UintField("threads", "model threads (0 = all cores)", &PrefillConfig::threads, true),
       UintField("chunk_tokens", "prompt tokens per forward chunk", &PrefillConfig::chunk_tokens,
                 false),

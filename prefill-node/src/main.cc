@@ -29,6 +29,7 @@
 #include "kvr/prefill_node/metrics_observer.h"
 #include "kvr/prefill_node/prefill_engine.h"
 #include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
@@ -139,6 +140,16 @@ int Serve(const PrefillConfig& config) {
     std::cerr << "kvr-prefill: " << registry.status() << "\n";
     return 1;
   }
+  std::shared_ptr<const retrieval::MethodAssets> a2ats_assets;
+  if (!config.a2ats_codebooks.empty()) {
+    absl::StatusOr<std::shared_ptr<const retrieval::A2atsCodebooks>> books =
+        retrieval::LoadCodebooksFor(*loaded->model, config.a2ats_codebooks);
+    if (!books.ok()) {
+      std::cerr << "kvr-prefill: " << books.status().message() << "\n";
+      return 2;
+    }
+    a2ats_assets = *books;
+  }
   const model::ModelConfig& mc = loaded->model->config();
   const std::string served = ServedModelName(config);
   spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded->source, served,
@@ -168,6 +179,7 @@ int Serve(const PrefillConfig& config) {
                        &*registry, &stores, &handoff,
                        EngineOptions{.chunk_tokens = config.chunk_tokens,
                                      .max_prefill_queries = config.max_prefill_queries,
+                                     .method_assets = a2ats_assets,
                                      .observer = &metrics_observer});
   PrefillServiceImpl service(&engine);
 

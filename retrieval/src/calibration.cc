@@ -124,6 +124,21 @@ absl::StatusOr<ModelFingerprint> FingerprintOf(const model::Model& model) {
   return f;
 }
 
+absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> LoadCodebooksFor(
+    const model::Model& model, const std::string& path) {
+  absl::StatusOr<ModelFingerprint> fp = FingerprintOf(model);
+  if (!fp.ok()) {
+    return absl::Status(fp.status().code(), absl::StrCat("a2ats codebooks ", path,
+                                                         ": the model: ", fp.status().message()));
+  }
+  absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> books = A2atsCodebooks::Load(path, &*fp);
+  if (!books.ok()) {
+    return absl::Status(books.status().code(),
+                        absl::StrCat("a2ats codebooks ", path, ": ", books.status().message()));
+  }
+  return books;
+}
+
 absl::Status CollectCalibrationSamples(const model::Model& model,
                                        std::span<const std::vector<int32_t>> sequences,
                                        CalibrationSamples& samples, int64_t prefill_chunk) {

@@ -16,7 +16,9 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -44,7 +46,7 @@ constexpr char kModel[] = "smollm2-135m-instruct";
 // A cluster started by `kvr up`, with the addresses and pids it prints.
 class Cluster {
  public:
-  Cluster(int prefill, int decode) {
+  Cluster(int prefill, int decode, const std::vector<std::string>& extra = {}) {
     const std::string log_dir =
         absl::StrCat(::testing::TempDir(), "/kvr-e2e-", getpid(), "-", prefill, decode);
     // The known name resolves to TestModelPath() in every node and is the served name.
@@ -62,6 +64,7 @@ class Cluster {
                                      log_dir,
                                      "--store-capacity",
                                      "1GiB"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
     up_ = std::make_unique<Subprocess>(argv);
     ready_ = !up_->WaitForLine("kvr up: ready", absl::Seconds(240)).empty();
     for (const std::string& line : up_->Lines()) {
@@ -214,8 +217,21 @@ class ModelFixture : public ::testing::Test {
   static inline model::LoadedModel* loaded_ = nullptr;
 };
 
+// A small A2ATS codebook file for the test model (`kvr calibrate` on 1K tokens of a licence text
+// every Debian system ships; ~5 s), so that the cluster offers every method.
+std::string SmallCodebooks() {
+  const std::string path = absl::StrCat(::testing::TempDir(), "/kvr-e2e-", getpid(), ".kvrcb");
+  const std::string cmd = absl::StrCat(
+      KVR_BIN, " calibrate --model ", kModel,
+      " --text /usr/share/common-licenses/Apache-2.0 --out ", path,
+      " --max-tokens 1024 --sequence-tokens 1024 --codebook-size 256 --iterations 8 >/dev/null");
+  return std::system(cmd.c_str()) == 0 ? path : "";
+}
+
 TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
-  Cluster cluster(1, 1);
+  const std::string codebooks = SmallCodebooks();
+  ASSERT_FALSE(codebooks.empty()) << "kvr calibrate failed";
+  Cluster cluster(1, 1, {"--a2ats-codebooks", codebooks});
   ASSERT_TRUE(cluster.ready());
   const uint64_t baseline = cluster.StoreStats().used_bytes();
   constexpr int kTokens = 24;
@@ -236,7 +252,13 @@ TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
   kvr::v1::ListModelsResponse models;
   ASSERT_TRUE(cluster.stub().ListModels(&ctx, {}, &models).ok());
   ASSERT_EQ(models.models_size(), 1);
-  for (const std::string& method : models.models(0).retrieval_methods()) {
+  const auto& offered = models.models(0).retrieval_methods();
+  for (const char* method : {"full", "exact", "quest", "streaming", "clusterkv", "ctkvr",
+                             "keydiff", "pariskv", "a2ats"}) {
+    EXPECT_NE(std::find(offered.begin(), offered.end(), method), offered.end())
+        << method << " is not offered";
+  }
+  for (const std::string& method : offered) {
     Outcome o = Generate(cluster.stub(), TokenRequest(prompts[1], method, kTokens));
     ASSERT_TRUE(o.status.ok()) << method << ": " << o.status.error_message();
     ASSERT_EQ(o.tokens.size(), static_cast<size_t>(kTokens)) << method;

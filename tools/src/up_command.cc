@@ -54,6 +54,7 @@ struct UpOptions {
   std::string pid_file;
   std::vector<std::string> prefill_args;
   std::vector<std::string> decode_args;
+  std::string a2ats_codebooks;  // given to every prefill and decode node
 };
 
 // A child process whose stdout lines are copied into its log file and scanned for the lines
@@ -274,6 +275,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
                                      controller_address,
                                      "--listen",
                                      absl::StrCat("127.0.0.1:", Port(o, 10 + i))};
+    if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
     argv.insert(argv.end(), o.prefill_args.begin(), o.prefill_args.end());
     nodes.push_back(std::make_unique<Child>(absl::StrCat("prefill-", i), argv,
                                             log(absl::StrCat("prefill-", i))));
@@ -286,6 +288,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
                                      controller_address,
                                      "--listen",
                                      absl::StrCat("127.0.0.1:", Port(o, 30 + i))};
+    if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
     argv.insert(argv.end(), o.decode_args.begin(), o.decode_args.end());
     nodes.push_back(
         std::make_unique<Child>(absl::StrCat("decode-", i), argv, log(absl::StrCat("decode-", i))));
@@ -390,6 +393,9 @@ void AddUpCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prefill-arg", o->prefill_args, "extra argument for every kvr-prefill");
   cmd->add_option("--decode-arg", o->decode_args, "extra argument for every kvr-decode");
+  cmd->add_option("--a2ats-codebooks", o->a2ats_codebooks,
+                  "`kvr calibrate` file for the model: prefill and decode nodes offer a2ats")
+      ->check(CLI::ExistingFile);
   cmd->add_flag("--detach", o->detach,
                 "return once the cluster is up; it runs on in a background process");
   cmd->add_option("--pid-file", o->pid_file,

@@ -34,6 +34,8 @@ struct DecodeConfig {
   // (kvr_retrieval_recall / kvr_retrieval_attention_mass); 0 off. Each sample reads all the
   // candidate rows' keys from the store (README.md: cost).
   double quality_sample_rate = 0;
+  // `kvr calibrate` codebook file for this model: offers method a2ats (empty: not offered).
+  std::string a2ats_codebooks;
 };
 
 struct DecodeConfigField {

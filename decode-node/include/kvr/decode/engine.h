@@ -106,6 +106,8 @@ struct EngineOptions {
   int64_t memory_bytes = 1ll << 30;  // summary + resident KV memory offered to the controller
   // Fraction of (step, sequence, layer) compared with the exact oracle (DecodeAttention).
   double quality_sample_rate = 0;
+  // Method assets (A2ATS codebooks) the handed-off indexes are deserialised with; may be null.
+  std::shared_ptr<const retrieval::MethodAssets> method_assets;
   // A finished sequence whose output no Stream collected is dropped after this long.
   absl::Duration unclaimed_ttl = absl::Seconds(60);
 };

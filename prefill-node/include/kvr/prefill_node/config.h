@@ -37,6 +37,9 @@ struct PrefillConfig {
   std::string log_level = "info";
   // Prometheus /metrics port on the listen host: 0 any free port (printed), -1 off.
   int32_t metrics_port = 0;
+  // `kvr calibrate` codebook file for this model: needed to build method a2ats's summaries
+  // (empty: a2ats requests fail with INVALID_ARGUMENT naming the missing codebooks).
+  std::string a2ats_codebooks;
 };
 
 struct PrefillConfigField {

@@ -213,6 +213,11 @@ class A2atsCodebooks final : public MethodAssets {
 // hashing all weights, and the same weights loaded from GGUF or safetensors agree.
 [[nodiscard]] absl::StatusOr<ModelFingerprint> FingerprintOf(const model::Model& model);
 
+// Loads the `kvr calibrate` file at `path` for `model` (checked against FingerprintOf(model));
+// errors name the path. What prefill and decode nodes offer method `a2ats` with.
+[[nodiscard]] absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> LoadCodebooksFor(
+    const model::Model& model, const std::string& path);
+
 // Runs each token sequence through `model` (dense attention, chunked prefill of
 // `prefill_chunk` tokens) and records every layer's post-RoPE queries and keys into `samples`
 // (created for FingerprintOf(model)). Positions restart at 0 for each sequence.
