@@ -16,6 +16,8 @@ if(KVR_HAVE_CUDA)
   # Sparse sequences: GPU selection, gather, hot cache and decode attention (retrieval/cuda).
   target_link_libraries(kvr_model_cuda
     PRIVATE kvr::retrieval_cuda_select kvr::retrieval_cuda_attend)
+  # Prefill summaries (SetPrefillSummaries): the GPU build kernels of retrieval/cuda (issue 7).
+  target_link_libraries(kvr_model_cuda PRIVATE kvr::retrieval_cuda_build)
   target_compile_options(kvr_model_cuda PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 else()
@@ -45,8 +47,14 @@ if(KVR_HAVE_CUDA)
     LIBS kvr::model_cuda kvr::model kvr::retrieval_core kvr::common absl::strings
     LABELS gpu)
 
+  # Prefill summaries (issue 7 item 2): builds during prefill == the same builds afterwards.
+  kvr_add_test(model_cuda_prefill_summaries_test
+    SOURCES tests/cuda_prefill_summaries_test.cc
+    LIBS kvr::model_cuda kvr::model kvr::common absl::strings
+    LABELS gpu)
+
   add_executable(cuda_model_bench bench/cuda_model_bench.cc)
   kvr_warnings(cuda_model_bench)
   target_link_libraries(cuda_model_bench PRIVATE kvr::model_cuda kvr::model kvr::common
-                                                 CLI11::CLI11 absl::str_format)
+                                                 CLI11::CLI11 absl::str_format absl::strings)
 endif()

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
 #include "kvr/model/cuda_model.h"
+#include "kvr/retrieval/cuda/build.cuh"
 #include "kvr/retrieval/cuda/decode_attention.cuh"
 #include "kvr/retrieval/cuda/gather.cuh"
 #include "kvr/retrieval/cuda/hot_cache.cuh"
@@ -117,6 +119,11 @@ class CudaModelImpl final : public CudaModel {
     const cuda::HostKvBuffer<bf16>& b = it->second.host->buf;
     return std::span<const uint16_t>(reinterpret_cast<const uint16_t*>(b.data()), b.size());
   }
+  absl::Status SetPrefillSummaries(const PrefillSummaryOptions& options) override;
+  double last_summary_build_ms() const override { return summary_build_ms_; }
+  double last_summary_plan_ms() const override { return summary_plan_ms_; }
+  absl::StatusOr<PrefillSummaryData> PrefillSummariesForTesting(SequenceId id) const override;
+  absl::Status RebuildPrefillSummariesForTesting(SequenceId id) override;
   CudaForwardProfile last_profile() const override { return profile_; }
   void set_profile(bool on) override { options_.profile = on; }
 
@@ -138,8 +145,24 @@ class CudaModelImpl final : public CudaModel {
     int64_t capacity = 0;
     uint64_t filled_seed = 0;  // FillSequenceForBenchmark's seed + 1; 0: not filled
   };
+  // A dense sequence's prefill summaries (PrefillSummaryOptions), all layers.
+  struct Summaries {
+    PrefillSummaryOptions opt;  // as set when the sequence was added
+    int max_clusters = 1, max_points = 1;  // clusterkv: the plan's at the capacity
+    int64_t pages = 0;                     // quest: pages at the capacity
+    int64_t layer_f32 = 0, layer_i32 = 0;  // per-layer sizes of f32 / i32
+    DeviceBuffer<float> f32;
+    DeviceBuffer<int32_t> i32;
+    // Build metadata: [0] the length built over; clusterkv: then per layer, plan_stride ints:
+    // first_token [1], n_points [n_kv], n_init [n_kv], init_points [n_kv, max_clusters].
+    int64_t plan_stride = 0;
+    PinnedBuffer<int32_t> h_meta;
+    DeviceBuffer<int32_t> meta;
+    int64_t built_length = 0;
+  };
   struct Sequence {
     DeviceBuffer<bf16> kv;  // [n_layers, 2, capacity, n_kv_heads, head_dim]
+    std::unique_ptr<Summaries> summaries;  // dense sequences added with a summary method
     int64_t capacity = 0;
     int64_t length = 0;
     // Sparse sequences: slot in sparse_ and host KV.
@@ -214,6 +237,12 @@ class CudaModelImpl final : public CudaModel {
 
   cudaStream_t stream() const { return stream_.get(); }
 
+  // Prefill summaries: fills the sequence's build metadata for `len` tokens (host plans) and
+  // queues its upload on the main stream; queues layer `layer`'s build on `st`.
+  [[nodiscard]] absl::Status PrepareSummaryBuild(Sequence& s, int64_t len);
+  [[nodiscard]] absl::Status QueueSummaryBuild(Sequence& s, int layer, int64_t len,
+                                               cudaStream_t st);
+
   ModelConfig config_;
   CudaModelOptions options_;
   int n_sms_ = 132;
@@ -261,6 +290,16 @@ class CudaModelImpl final : public CudaModel {
   std::vector<CudaEvent> events_;
   std::vector<Kind> event_kinds_;
   CudaForwardProfile profile_;
+
+  // Prefill summaries (SetPrefillSummaries).
+  PrefillSummaryOptions summary_opt_;
+  CudaStream side_stream_;                        // created by SetPrefillSummaries
+  std::vector<CudaEvent> layer_ready_;            // [n_layers] K of the layer appended (main)
+  std::vector<CudaEvent> build_begin_, build_end_;  // [n_layers] on the build stream
+  CudaEvent builds_done_;
+  DeviceBuffer<uint8_t> summary_ws_;  // shared by the builds (one stream at a time)
+  double summary_build_ms_ = 0;
+  double summary_plan_ms_ = 0;
 };
 
 absl::StatusOr<std::unique_ptr<CudaModelImpl>> CudaModelImpl::Make(
@@ -434,7 +473,255 @@ absl::Status CudaModelImpl::AddSequence(SequenceId id, int64_t capacity) {
   Sequence s;
   s.capacity = capacity;
   KVR_RETURN_IF_ERROR(Alloc(s.kv, int64_t{config_.n_layers} * 2 * capacity * config_.kv_dim()));
+  if (summary_opt_.method != PrefillSummaryMethod::kNone) {
+    const ModelConfig& c = config_;
+    const PrefillSummaryOptions& o = summary_opt_;
+    auto sm = std::make_unique<Summaries>();
+    sm->opt = o;
+    const int64_t nkv = c.n_kv_heads, d = c.head_dim, L = c.n_layers;
+    size_t ws = 0;
+    switch (o.method) {
+      case PrefillSummaryMethod::kQuest:
+        sm->pages = (capacity + o.quest_page_size - 1) / o.quest_page_size;
+        sm->layer_f32 = sm->pages * nkv * 2 * d;
+        break;
+      case PrefillSummaryMethod::kKeyDiff: {
+        sm->layer_f32 = nkv * capacity;
+        rc::KeyDiffBuildParams p;
+        p.batch = 1;
+        p.n_kv_heads = c.n_kv_heads;
+        p.head_dim = c.head_dim;
+        p.max_tokens = static_cast<int>(capacity);
+        p.score_stride = capacity;
+        ws = rc::KeyDiffBuildWorkspaceBytes(p);
+        break;
+      }
+      case PrefillSummaryMethod::kClusterKv: {
+        retrieval::IndexShape shape;
+        shape.n_heads = c.n_heads;
+        shape.n_kv_heads = c.n_kv_heads;
+        shape.head_dim = c.head_dim;
+        shape.n_layers = c.n_layers;
+        retrieval::IndexParams params;
+        params.n_sink = o.n_sink;
+        params.budget = o.budget;
+        params.seed = o.seed;
+        params.clusterkv.n_clusters = o.clusterkv_n_clusters;
+        params.clusterkv.max_iterations = o.clusterkv_max_iterations;
+        const int64_t cap = capacity;
+        KVR_ASSIGN_OR_RETURN(const rc::ClusterKvBuildPlan plan,
+                             rc::MakeClusterKvBuildPlan(shape, params, std::span(&cap, 1)));
+        sm->max_clusters = plan.max_clusters;
+        sm->max_points = plan.max_points;
+        sm->layer_f32 = nkv * sm->max_clusters * d;
+        sm->layer_i32 = nkv + nkv * (sm->max_clusters + 1) + nkv * sm->max_points;
+        sm->plan_stride = 1 + 2 * nkv + nkv * sm->max_clusters;
+        rc::ClusterKvBuildParams p;
+        p.batch = 1;
+        p.n_kv_heads = c.n_kv_heads;
+        p.head_dim = c.head_dim;
+        p.max_points = sm->max_points;
+        p.max_clusters = sm->max_clusters;
+        p.max_iterations = o.clusterkv_max_iterations;
+        ws = rc::ClusterKvBuildWorkspaceBytes(p);
+        break;
+      }
+      case PrefillSummaryMethod::kNone:
+        break;
+    }
+    KVR_RETURN_IF_ERROR(Alloc(sm->f32, std::max<int64_t>(1, L * sm->layer_f32)));
+    KVR_RETURN_IF_ERROR(Alloc(sm->i32, std::max<int64_t>(1, L * sm->layer_i32)));
+    KVR_RETURN_IF_ERROR(Alloc(sm->meta, 1 + L * sm->plan_stride));
+    KVR_RETURN_IF_ERROR(AllocPinned(sm->h_meta, 1 + L * sm->plan_stride));
+    // Poisoned (NaN floats, -1 ints) until a build writes them.
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemset(sm->f32.data(), 0xFF, sm->f32.bytes()));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemset(sm->i32.data(), 0xFF, sm->i32.bytes()));
+    if (ws > summary_ws_.bytes()) {
+      summary_ws_ = DeviceBuffer<uint8_t>();
+      KVR_RETURN_IF_ERROR(Alloc(summary_ws_, static_cast<int64_t>(ws)));
+    }
+    s.summaries = std::move(sm);
+  }
   sequences_.emplace(id, std::move(s));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::SetPrefillSummaries(const PrefillSummaryOptions& o) {
+  if (o.n_sink < 0 || o.budget < 1 || o.quest_page_size < 1 || o.clusterkv_n_clusters < 0 ||
+      o.clusterkv_max_iterations < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SetPrefillSummaries: n_sink ", o.n_sink, ", budget ", o.budget, ", quest_page_size ",
+        o.quest_page_size, ", clusterkv n_clusters ", o.clusterkv_n_clusters,
+        " / max_iterations ", o.clusterkv_max_iterations));
+  }
+  if (side_stream_.get() == nullptr) {
+    KVR_ASSIGN_OR_RETURN(side_stream_, CudaStream::Create());
+    KVR_ASSIGN_OR_RETURN(builds_done_, CudaEvent::Create(cudaEventDisableTiming));
+    for (int l = 0; l < config_.n_layers; ++l) {
+      KVR_ASSIGN_OR_RETURN(CudaEvent ready, CudaEvent::Create(cudaEventDisableTiming));
+      KVR_ASSIGN_OR_RETURN(CudaEvent begin, CudaEvent::Create());
+      KVR_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create());
+      layer_ready_.push_back(std::move(ready));
+      build_begin_.push_back(std::move(begin));
+      build_end_.push_back(std::move(end));
+    }
+  }
+  summary_opt_ = o;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::PrepareSummaryBuild(Sequence& s, int64_t len) {
+  Summaries& sm = *s.summaries;
+  const ModelConfig& c = config_;
+  int32_t* h = sm.h_meta.data();
+  h[0] = static_cast<int32_t>(len);
+  if (sm.opt.method == PrefillSummaryMethod::kClusterKv) {
+    const int nkv = c.n_kv_heads, K = sm.max_clusters;
+    retrieval::IndexShape shape;
+    shape.n_heads = c.n_heads;
+    shape.n_kv_heads = c.n_kv_heads;
+    shape.head_dim = c.head_dim;
+    shape.n_layers = c.n_layers;
+    retrieval::IndexParams params;
+    params.n_sink = sm.opt.n_sink;
+    params.budget = sm.opt.budget;
+    params.seed = sm.opt.seed;
+    params.clusterkv.n_clusters = sm.opt.clusterkv_n_clusters;
+    params.clusterkv.max_iterations = sm.opt.clusterkv_max_iterations;
+    for (int l = 0; l < c.n_layers; ++l) {
+      shape.layer = l;
+      KVR_ASSIGN_OR_RETURN(const rc::ClusterKvBuildPlan plan,
+                           rc::MakeClusterKvBuildPlan(shape, params, std::span(&len, 1)));
+      if (plan.max_clusters > K || plan.max_points > sm.max_points) {
+        return absl::InternalError("PrepareSummaryBuild: plan larger than at the capacity");
+      }
+      int32_t* m = h + 1 + l * sm.plan_stride;
+      m[0] = plan.first_token[0];
+      std::copy(plan.n_points.begin(), plan.n_points.end(), m + 1);
+      std::copy(plan.n_init.begin(), plan.n_init.end(), m + 1 + nkv);
+      int32_t* init = m + 1 + 2 * nkv;
+      std::fill(init, init + int64_t{nkv} * K, -1);
+      for (int r = 0; r < nkv; ++r) {
+        std::copy_n(plan.init_points.begin() + int64_t{r} * plan.max_clusters, plan.max_clusters,
+                    init + int64_t{r} * K);
+      }
+    }
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sm.meta.data(), h,
+                                           (1 + c.n_layers * sm.plan_stride) * sizeof(int32_t),
+                                           cudaMemcpyHostToDevice, stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::QueueSummaryBuild(Sequence& s, int layer, int64_t len,
+                                              cudaStream_t st) {
+  Summaries& sm = *s.summaries;
+  const ModelConfig& c = config_;
+  const int64_t kv_dim = c.kv_dim();
+  rc::KeyView keys;
+  keys.data = s.kv.data() + int64_t{layer} * 2 * s.capacity * kv_dim;
+  keys.dtype = rc::KeyDType::kBf16;
+  keys.token_stride = kv_dim;
+  keys.head_stride = c.head_dim;
+  keys.batch_stride = 0;
+  float* f32 = sm.f32.data() + layer * sm.layer_f32;
+  switch (sm.opt.method) {
+    case PrefillSummaryMethod::kQuest: {
+      rc::QuestBoundsParams p;
+      p.batch = 1;
+      p.n_kv_heads = c.n_kv_heads;
+      p.head_dim = c.head_dim;
+      p.page_size = sm.opt.quest_page_size;
+      p.keys = keys;
+      p.seq_len = sm.meta.data();
+      p.max_tokens = static_cast<int>(len);
+      p.bounds = f32;
+      p.bounds_batch_stride = sm.layer_f32;
+      return rc::QuestPageBounds(p, st);
+    }
+    case PrefillSummaryMethod::kKeyDiff: {
+      rc::KeyDiffBuildParams p;
+      p.batch = 1;
+      p.n_kv_heads = c.n_kv_heads;
+      p.head_dim = c.head_dim;
+      p.keys = keys;
+      p.seq_len = sm.meta.data();
+      p.max_tokens = static_cast<int>(len);
+      p.scores = f32;
+      p.score_stride = s.capacity;
+      p.workspace = summary_ws_.data();
+      p.workspace_bytes = summary_ws_.bytes();
+      return rc::KeyDiffBuild(p, st);
+    }
+    case PrefillSummaryMethod::kClusterKv: {
+      const int nkv = c.n_kv_heads, K = sm.max_clusters;
+      const int32_t* m = sm.meta.data() + 1 + layer * sm.plan_stride;
+      int32_t* i32 = sm.i32.data() + layer * sm.layer_i32;
+      rc::ClusterKvBuildParams p;
+      p.batch = 1;
+      p.n_kv_heads = nkv;
+      p.head_dim = c.head_dim;
+      p.keys = keys;
+      p.max_points = sm.max_points;
+      p.max_clusters = K;
+      p.max_iterations = sm.opt.clusterkv_max_iterations;
+      p.first_token = m;
+      p.n_points = m + 1;
+      p.n_init = m + 1 + nkv;
+      p.init_points = m + 1 + 2 * nkv;
+      p.centroids = f32;
+      p.n_clusters = i32;
+      p.offsets = i32 + nkv;
+      p.members = i32 + nkv + int64_t{nkv} * (K + 1);
+      p.workspace = summary_ws_.data();
+      p.workspace_bytes = summary_ws_.bytes();
+      return rc::ClusterKvBuild(p, st);
+    }
+    case PrefillSummaryMethod::kNone:
+      break;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PrefillSummaryData> CudaModelImpl::PrefillSummariesForTesting(
+    SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
+  }
+  const Summaries* sm = it->second.summaries.get();
+  if (sm == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CudaModel: sequence ", id, " has no prefill summaries"));
+  }
+  PrefillSummaryData d;
+  d.method = sm->opt.method;
+  d.length = sm->built_length;
+  d.f32.resize(sm->f32.size());
+  d.i32.resize(sm->i32.size());
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(d.f32.data(), sm->f32.data(), sm->f32.bytes(), cudaMemcpyDeviceToHost));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(d.i32.data(), sm->i32.data(), sm->i32.bytes(), cudaMemcpyDeviceToHost));
+  return d;
+}
+
+absl::Status CudaModelImpl::RebuildPrefillSummariesForTesting(SequenceId id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
+  }
+  Sequence& s = it->second;
+  if (s.summaries == nullptr || s.length < 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CudaModel: sequence ", id, " has no prefill summaries or no tokens"));
+  }
+  KVR_RETURN_IF_ERROR(PrepareSummaryBuild(s, s.length));
+  for (int l = 0; l < config_.n_layers; ++l) {
+    KVR_RETURN_IF_ERROR(QueueSummaryBuild(s, l, s.length, stream()));
+  }
+  KVR_RETURN_IF_ERROR(stream_.Synchronize());
+  s.summaries->built_length = s.length;
   return absl::OkStatus();
 }
 
@@ -1133,6 +1420,17 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       for (int64_t i = 0; i < total; ++i) h_out_rows_.data()[i] = static_cast<int32_t>(i);
     }
   }
+  // Prefill summaries to build in this Forward (dense sequences added with a method).
+  summary_build_ms_ = summary_plan_ms_ = 0;
+  std::vector<std::pair<Sequence*, int64_t>> builds;  // sequence, its length after the chunk
+  if (!sparse) {
+    for (size_t b = 0; b < batch.size(); ++b) {
+      if (batch[b].build_summaries && seqs[b]->summaries != nullptr) {
+        builds.emplace_back(seqs[b], seqs[b]->length + static_cast<int64_t>(batch[b].tokens.size()));
+      }
+    }
+  }
+  const bool side = !builds.empty() && summary_opt_.side_stream;
   // Everything from here is queued on the stream; on an error part of it may already be
   // queued (reading the pinned metadata, writing cache rows past the sequences' lengths), so
   // the stream is drained before returning and the lengths are left as they were.
@@ -1153,6 +1451,12 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
           h2d(d_seqs_.data(), h_seqs_.data(), static_cast<int64_t>(batch.size())));
     }
 
+    if (!builds.empty()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (auto& [seq, len] : builds) KVR_RETURN_IF_ERROR(PrepareSummaryBuild(*seq, len));
+      summary_plan_ms_ =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
     const int64_t h = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
     const int64_t qkv_dim = q_dim + 2 * kv_dim, f = c.ffn;
     KVR_RETURN_IF_ERROR(cuda::LaunchEmbed(
@@ -1205,6 +1509,20 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         rope.head_dim = c.head_dim;
         rope.layer = layer;
         KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
+        if (!builds.empty()) {
+          // This layer's K rows are in the caches: its summaries can be built (issue 7).
+          cudaStream_t bs = stream();
+          if (side) {
+            bs = side_stream_.get();
+            KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_ready_[layer].get(), stream()));
+            KVR_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(bs, layer_ready_[layer].get(), 0));
+          }
+          KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(build_begin_[layer].get(), bs));
+          for (auto& [seq, len] : builds) {
+            KVR_RETURN_IF_ERROR(QueueSummaryBuild(*seq, layer, len, bs));
+          }
+          KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(build_end_[layer].get(), bs));
+        }
         KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
         ap.layer = layer;
         KVR_RETURN_IF_ERROR(all_decode ? cuda::LaunchDecodeAttention(ap, stream())
@@ -1225,6 +1543,10 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       KVR_RETURN_IF_ERROR(Gemm(act_.data(), n_rows, f, w.w_down.data(), h, x_.data(), 1.f));
     }
 
+    if (side) {
+      KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(builds_done_.get(), side_stream_.get()));
+      KVR_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream(), builds_done_.get(), 0));
+    }
     // Output rows in chunks of max_logits_rows: final norm, projection, argmax or copy back.
     const bf16* out_w = output_.size() > 0 ? output_.data() : token_embd_.data();
     for (int64_t r0 = 0; r0 < n_out; r0 += options_.max_logits_rows) {
@@ -1262,10 +1584,20 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   }();
   if (!queued.ok()) {
     cudaStreamSynchronize(stream());  // best effort: the first error is the one reported
+    if (side_stream_.get() != nullptr) cudaStreamSynchronize(side_stream_.get());
     event_kinds_.clear();
     return queued;
   }
   KVR_RETURN_IF_ERROR(FinishProfile());
+  if (!builds.empty()) {
+    for (int l = 0; l < c.n_layers; ++l) {
+      float ms = 0.f;
+      KVR_CUDA_RETURN_IF_ERROR(
+          cudaEventElapsedTime(&ms, build_begin_[l].get(), build_end_[l].get()));
+      summary_build_ms_ += ms;
+    }
+    for (auto& [seq, len] : builds) seq->summaries->built_length = len;
+  }
   if (!next_tokens.empty()) {
     std::memcpy(next_tokens.data(), h_argmax_.data(), n_out * sizeof(int32_t));
   }

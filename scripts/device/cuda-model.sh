@@ -13,6 +13,9 @@
 #                                                                 binaries + half 1 in /tmp)
 #   call 2, carry [.device/cudamodel-g2]:
 #                      bash scripts/device/cuda-model.sh gguf    (joins the halves, GGUF parity)
+# Prefill with summary building (issue 7 item 2), one call, carry [.device/cudamodel]:
+#                      bash scripts/device/cuda-model.sh summaries   (summary test, bench table,
+#                                                                     memcheck on the test)
 # Logs go to $OUT.
 set -uo pipefail
 readonly kBundle=.device/cudamodel
@@ -25,7 +28,8 @@ case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build-cudamodel}"
     rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
-    for b in model_cuda_ops_test model_cuda_model_test cuda_model_bench; do
+    for b in model_cuda_ops_test model_cuda_model_test model_cuda_prefill_summaries_test \
+      cuda_model_bench; do
       cp "$build/model/$b" "$kBundle/bin/" && strip -g "$kBundle/bin/$b"
     done
     cp model/bench/cuda_model_bench_sdpa.py "$kBundle/bin/"
@@ -72,6 +76,27 @@ case "${1:-}" in
     echo "run: status $status"
     exit $status
     ;;
+  summaries)
+    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+    status=0
+    "$kStage/bin/model_cuda_prefill_summaries_test" 2>&1 | tee "$out/summaries_test.log" |
+      grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|summary) |Failure|error' || true
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    "$kStage/bin/cuda_model_bench" --shape llama3-8b --prefill 8192,32768 \
+      --summaries "${SUMMARIES:-none,quest,keydiff,clusterkv,clusterkv-it3}" --serial --reps 3 \
+      2>&1 | tee "$out/bench_summaries.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
+      timeout "${MEMCHECK_S:-100}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+        --error-exitcode 3 "$kStage/bin/model_cuda_prefill_summaries_test" \
+        --gtest_filter=*Smollm2*:*Rejects* > "$out/sanitizer_summaries.log" 2>&1
+      echo "compute-sanitizer memcheck (summaries test, smollm2 shape): rc $?  $(grep 'ERROR SUMMARY' "$out/sanitizer_summaries.log" | tail -1)"
+    fi
+    echo "summaries: status $status"
+    exit $status
+    ;;
   gguf)
     cat "$kStage/part00" .device/cudamodel-g2/part01 > "$kStage/smollm2.gguf" || exit 1
     echo "$kModelSha256  $kStage/smollm2.gguf" | sha256sum -c - || exit 1
@@ -81,7 +106,7 @@ case "${1:-}" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "usage: $0 bundle|run|gguf" >&2
+    echo "usage: $0 bundle|run|gguf|summaries" >&2
     exit 2
     ;;
 esac

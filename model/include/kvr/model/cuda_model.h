@@ -72,6 +72,53 @@ struct CudaModelOptions {
 struct CudaSequence {
   SequenceId id = 0;
   std::span<const int32_t> tokens;
+  // Prefill summaries (SetPrefillSummaries): this chunk completes the prompt; after each layer's
+  // K rows of the chunk are appended, that layer's summary is built over ALL the sequence's
+  // tokens so far (a later build of the same sequence overwrites it). Ignored for a sequence
+  // added while no method was set, and for sparse sequences.
+  bool build_summaries = false;
+};
+
+// Summaries built on the GPU during prefill (issue 7 item 2), from the device KV cache in place,
+// by the kernels of retrieval/cuda/include/kvr/retrieval/cuda/build.cuh.
+// - Per layer, once that layer's K rows of a `build_summaries` chunk are in the cache (a CUDA
+//   event on the main stream), the layer's build is launched on a SECOND stream, so that the
+//   next layers' compute goes on (layer-pipelined); Forward waits for that stream before it
+//   returns. side_stream = false runs the builds on the main stream instead (serial, to compare);
+//   side_stream is read from the options current at the Forward.
+// - Outputs go to per-sequence buffers reserved by AddSequence (sized for its capacity), layouts
+//   as the build kernels write them, per layer:
+//     quest      bounds [pages, n_kv_heads, 2, head_dim] fp32 (pages = ceil(len / page_size))
+//     clusterkv  centroids [n_kv_heads, max_clusters, head_dim] fp32, n_clusters [n_kv_heads],
+//                offsets [n_kv_heads, max_clusters + 1], members [n_kv_heads, max_points]
+//                (max_clusters / max_points: the build plan's at the sequence's capacity)
+//     keydiff    scores [n_kv_heads, capacity] fp32
+// - clusterkv's host plan (C0, initial points: MakeClusterKvBuildPlan, the CPU index's) is made
+//   in Forward for the sequence's length, one per layer (its seeds depend on the layer).
+// CTKVR is not offered: its build needs the last C prefill queries of every layer (C up to 2048),
+// which the runtime overwrites layer by layer (see model/cuda/README.md).
+enum class PrefillSummaryMethod { kNone, kQuest, kClusterKv, kKeyDiff };
+
+struct PrefillSummaryOptions {
+  PrefillSummaryMethod method = PrefillSummaryMethod::kNone;
+  bool side_stream = true;
+  // As retrieval's IndexParams (index.h): n_sink (clusterkv does not cluster the sinks), budget
+  // (clusterkv's default C0 = max(L / 80, 4 L / budget), at most L / 8), quest.page_size,
+  // clusterkv.{n_clusters (0: default), max_iterations}, seed (k-means initial points).
+  int64_t n_sink = 16;
+  int64_t budget = 256;
+  int quest_page_size = 16;
+  int64_t clusterkv_n_clusters = 0;
+  int clusterkv_max_iterations = 10;
+  uint64_t seed = 0x6b7672;
+};
+
+// For tests: a sequence's prefill summaries copied back (all layers, the buffers whole).
+struct PrefillSummaryData {
+  PrefillSummaryMethod method = PrefillSummaryMethod::kNone;
+  int64_t length = 0;  // tokens the last build covered (0: never built)
+  std::vector<float> f32;    // quest bounds, clusterkv centroids, keydiff scores
+  std::vector<int32_t> i32;  // clusterkv: n_clusters, offsets, members (concatenated)
 };
 
 // Where the GPU time of the last Forward went (profile = true), in milliseconds.
@@ -193,6 +240,23 @@ class CudaModel {
   // head_dim] (valid until the sequence is released).
   [[nodiscard]] virtual absl::StatusOr<std::span<const uint16_t>> SparseHostKvForTesting(
       SequenceId id) const = 0;
+
+  // Prefill summaries (see PrefillSummaryOptions): the method built for `build_summaries`
+  // chunks of sequences added AFTER this call (AddSequence reserves the buffers). InvalidArgument
+  // for bad options; ResourceExhausted is answered later, by AddSequence.
+  [[nodiscard]] virtual absl::Status SetPrefillSummaries(const PrefillSummaryOptions& options) = 0;
+  // GPU time of the last Forward's summary builds: the sum over layers of each build's own
+  // span on its stream (CUDA events after its wait on the layer's K append), ms; 0 when none.
+  // Overlapped with the main stream, that is the builds' time while sharing the GPU.
+  virtual double last_summary_build_ms() const = 0;
+  // Host time of the last Forward spent making the builds' host plans (clusterkv), ms.
+  virtual double last_summary_plan_ms() const = 0;
+  // For tests: copies the sequence's summaries back. NotFound / FailedPrecondition (no buffers).
+  [[nodiscard]] virtual absl::StatusOr<PrefillSummaryData> PrefillSummariesForTesting(
+      SequenceId id) const = 0;
+  // For tests: builds the summaries again over the sequence's current cache (every layer, the
+  // same kernels and plan, on the main stream, synchronously) into the same buffers.
+  [[nodiscard]] virtual absl::Status RebuildPrefillSummariesForTesting(SequenceId id) = 0;
 
   // GPU time split of the last Forward/ForwardGreedy (zeros unless profiling is on).
   virtual CudaForwardProfile last_profile() const = 0;

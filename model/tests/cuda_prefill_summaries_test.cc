@@ -1,0 +1,205 @@
+// Prefill summaries built during a GPU prefill (CudaModel::SetPrefillSummaries, issue 7 item 2)
+// against the same kernels run afterwards over the same device KV cache
+// (RebuildPrefillSummariesForTesting): the results must be bitwise equal, for the builds on the
+// side stream (layer-pipelined) and on the main stream. A build that read a layer's keys before
+// the layer's K append (a missing event dependency) or while another build used the shared
+// workspace would differ. Also: the logits are bitwise those of a prefill without summaries,
+// the buffers were poisoned (NaN / -1) and the valid part is written and plausible.
+// CTest label `gpu`; skipped without a GPU.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvr/model/cuda_model.h"
+#include "kvr/model/dummy.h"
+
+namespace kvr::model {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)"
+
+std::vector<int32_t> Tokens(int n, int vocab, uint32_t seed) {
+  std::vector<int32_t> t(n);
+  uint64_t x = seed;
+  for (int& v : t) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    v = static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab));
+  }
+  return t;
+}
+
+struct Case {
+  PrefillSummaryMethod method;
+  int iterations;
+  const char* name;
+};
+
+// Two sequences (lengths 700 and 389, capacities above them) prefilled together in chunks of
+// 256 tokens; the chunk that completes each prompt asks for the build.
+void CheckShape(const std::string& shape, int n_layers) {
+  auto config = DummyConfig(shape, n_layers);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const ModelConfig& c = *config;
+  CudaModelOptions opt;
+  opt.max_batch_tokens = 512;
+  opt.max_sequences = 4;
+  auto model_or = CreateCudaModelWithRandomWeights(c, 3, opt);
+  ASSERT_TRUE(model_or.ok()) << model_or.status();
+  CudaModel& m = **model_or;
+  const std::vector<int> lengths = {700, 389};
+  const std::vector<int64_t> capacities = {1024, 400};
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = 0; i < lengths.size(); ++i) prompts.push_back(Tokens(lengths[i], c.vocab, 5 + i));
+
+  // Prefills both sequences (ids base, base + 1); returns the logits of every chunk.
+  auto prefill = [&](SequenceId base, bool build) {
+    std::vector<float> all;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      EXPECT_TRUE(m.AddSequence(base + i, capacities[i]).ok());
+    }
+    std::vector<int> done(lengths.size(), 0);
+    while (done[0] < lengths[0] || done[1] < lengths[1]) {
+      std::vector<CudaSequence> batch;
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        const int n = std::min(256, lengths[i] - done[i]);
+        if (n == 0) continue;
+        CudaSequence s{base + static_cast<SequenceId>(i),
+                       std::span(prompts[i]).subspan(done[i], n)};
+        s.build_summaries = build && done[i] + n == lengths[i];
+        batch.push_back(s);
+        done[i] += n;
+      }
+      std::vector<float> logits(batch.size() * c.vocab);
+      const absl::Status st = m.Forward(batch, LogitsMode::kLast, logits);
+      EXPECT_TRUE(st.ok()) << st;
+      if (build) {
+        bool any = false;
+        for (const CudaSequence& s : batch) any = any || s.build_summaries;
+        if (any) {
+          EXPECT_GT(m.last_summary_build_ms(), 0.0);
+        }
+      }
+      all.insert(all.end(), logits.begin(), logits.end());
+    }
+    return all;
+  };
+
+  ASSERT_TRUE(m.SetPrefillSummaries({}).ok());  // method none
+  const std::vector<float> plain = prefill(100, false);
+  ASSERT_TRUE(m.ReleaseSequence(100).ok());
+  ASSERT_TRUE(m.ReleaseSequence(101).ok());
+
+  const Case cases[] = {{PrefillSummaryMethod::kQuest, 0, "quest"},
+                        {PrefillSummaryMethod::kKeyDiff, 0, "keydiff"},
+                        {PrefillSummaryMethod::kClusterKv, 10, "clusterkv it10"},
+                        {PrefillSummaryMethod::kClusterKv, 2, "clusterkv it2"}};
+  SequenceId next = 200;
+  for (const Case& cs : cases) {
+    for (bool side : {true, false}) {
+      const std::string what = shape + " " + cs.name + (side ? " side stream" : " main stream");
+      PrefillSummaryOptions o;
+      o.method = cs.method;
+      o.side_stream = side;
+      o.n_sink = 16;
+      o.budget = 64;
+      if (cs.iterations > 0) o.clusterkv_max_iterations = cs.iterations;
+      ASSERT_TRUE(m.SetPrefillSummaries(o).ok());
+      const SequenceId base = next;
+      next += 10;
+      const std::vector<float> logits = prefill(base, true);
+      ASSERT_EQ(logits.size(), plain.size());
+      EXPECT_EQ(std::memcmp(logits.data(), plain.data(), plain.size() * sizeof(float)), 0)
+          << what << ": logits differ from a prefill without summaries";
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        const SequenceId id = base + i;
+        auto during = m.PrefillSummariesForTesting(id);
+        ASSERT_TRUE(during.ok()) << during.status();
+        EXPECT_EQ(during->length, lengths[i]) << what;
+        ASSERT_TRUE(m.RebuildPrefillSummariesForTesting(id).ok()) << what;
+        auto after = m.PrefillSummariesForTesting(id);
+        ASSERT_TRUE(after.ok()) << after.status();
+        ASSERT_EQ(during->f32.size(), after->f32.size());
+        ASSERT_EQ(during->i32.size(), after->i32.size());
+        const bool f_eq = std::memcmp(during->f32.data(), after->f32.data(),
+                                      after->f32.size() * sizeof(float)) == 0;
+        const bool i_eq = std::memcmp(during->i32.data(), after->i32.data(),
+                                      after->i32.size() * sizeof(int32_t)) == 0;
+        EXPECT_TRUE(f_eq && i_eq) << what << " seq " << i << ": not bitwise equal to a rebuild";
+
+        // The valid part: written, finite, plausible.
+        const int64_t len = lengths[i], cap = capacities[i];
+        const int nkv = c.n_kv_heads, d = c.head_dim, L = c.n_layers;
+        int64_t bad = 0, checked = 0;
+        if (cs.method == PrefillSummaryMethod::kQuest) {
+          const int64_t pages = (len + 15) / 16, cap_pages = (cap + 15) / 16;
+          for (int l = 0; l < L; ++l)
+            for (int64_t p = 0; p < pages; ++p)
+              for (int h = 0; h < nkv; ++h) {
+                const float* b = after->f32.data() + ((l * cap_pages + p) * nkv + h) * 2 * d;
+                for (int j = 0; j < d; ++j, ++checked) {
+                  bad += !(std::isfinite(b[j]) && std::isfinite(b[d + j]) && b[j] <= b[d + j]);
+                }
+              }
+        } else if (cs.method == PrefillSummaryMethod::kKeyDiff) {
+          for (int l = 0; l < L; ++l)
+            for (int h = 0; h < nkv; ++h)
+              for (int64_t t = 0; t < len; ++t, ++checked) {
+                const float v = after->f32[(l * nkv + h) * cap + t];
+                bad += !(std::isfinite(v) && v >= -1.001f && v <= 1.001f);
+              }
+        } else {
+          // i32 per layer: n_clusters [nkv], offsets [nkv, K + 1], members [nkv, P].
+          const int64_t per_layer = static_cast<int64_t>(after->i32.size()) / L;
+          const int64_t K = (per_layer - nkv - nkv - (cap - 16) * nkv) / nkv;  // P = cap - sinks
+          for (int l = 0; l < L; ++l)
+            for (int h = 0; h < nkv; ++h, ++checked) {
+              const int32_t* li = after->i32.data() + l * per_layer;
+              const int32_t n = li[h];
+              const int32_t* off = li + nkv + h * (K + 1);
+              bad += !(n >= 1 && n <= K && off[0] == 0 && off[n] == len - 16);
+            }
+        }
+        EXPECT_EQ(bad, 0) << what << " seq " << i << ": " << bad << " of " << checked
+                          << " summary entries implausible";
+        std::printf("[ summary ] %-40s seq %zu len %4lld  bitwise %s  checked %lld\n",
+                    what.c_str(), i, static_cast<long long>(len), f_eq && i_eq ? "equal" : "DIFF",
+                    static_cast<long long>(checked));
+      }
+      ASSERT_TRUE(m.ReleaseSequence(base).ok());
+      ASSERT_TRUE(m.ReleaseSequence(base + 1).ok());
+    }
+  }
+}
+
+TEST(CudaPrefillSummariesTest, Llama3ShapeTwoLayers) {
+  SKIP_WITHOUT_GPU();
+  CheckShape("llama3-8b", 2);
+}
+
+TEST(CudaPrefillSummariesTest, Smollm2ShapeHeadDim64) {
+  SKIP_WITHOUT_GPU();
+  CheckShape("smollm2-135m", 3);
+}
+
+TEST(CudaPrefillSummariesTest, RejectsBadOptions) {
+  SKIP_WITHOUT_GPU();
+  auto config = DummyConfig("smollm2-135m", 1);
+  ASSERT_TRUE(config.ok());
+  auto m = CreateCudaModelWithRandomWeights(*config, 1, CudaModelOptions{});
+  ASSERT_TRUE(m.ok()) << m.status();
+  PrefillSummaryOptions o;
+  o.method = PrefillSummaryMethod::kQuest;
+  o.quest_page_size = 0;
+  EXPECT_EQ((*m)->SetPrefillSummaries(o).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->PrefillSummariesForTesting(1).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvr::model
