@@ -51,6 +51,20 @@ absl::StatusOr<PrefillResult> GrpcNodeClients::Prefill(const NodeSnapshot& node,
   return FromProto(response);
 }
 
+absl::StatusOr<std::vector<uint32_t>> GrpcNodeClients::Tokenize(const NodeSnapshot& node,
+                                                                const GenerateParams& params,
+                                                                absl::Time deadline) {
+  auto stub = cv1::PrefillService::NewStub(ChannelFor(node.registration.endpoints.grpc_address));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  const PrefillCall call{&params, 0, {}, {}, deadline, 1};
+  cv1::TokenizeResponse response;
+  grpc::Status status = stub->Tokenize(&ctx, ToPrefillRequest(call), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return std::vector<uint32_t>(response.token_ids().ids().begin(),
+                               response.token_ids().ids().end());
+}
+
 absl::StatusOr<Completion> GrpcNodeClients::Stream(
     const NodeSnapshot& node, absl::string_view request_id, uint64_t sequence_id,
     absl::Time deadline, CancellationToken* cancel,

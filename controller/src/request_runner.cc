@@ -1,5 +1,6 @@
 #include "kvr/controller/request_runner.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -52,9 +53,48 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
   NoObserver none;
   RequestObserver& observer = options_.observer != nullptr ? *options_.observer : none;
   std::optional<FinalReport> report;
-  absl::Status status = RunAttempts(params, arrival, deadline, cancel, sink, observer, report);
+  std::optional<GenerateParams> tokenized;
+  absl::Status status = TokenizeFirst(params, deadline, &tokenized);
+  if (status.ok()) {
+    status = RunAttempts(tokenized ? *tokenized : params, arrival, deadline, cancel, sink,
+                         observer, report);
+  }
   observer.OnEnd(params, status, status.ok() && report ? &*report : nullptr);
   return status;
+}
+
+absl::Status RequestRunner::TokenizeFirst(const GenerateParams& params, absl::Time deadline,
+                                          std::optional<GenerateParams>* out) {
+  if (std::holds_alternative<std::vector<uint32_t>>(params.prompt)) return absl::OkStatus();
+  std::vector<NodeSnapshot> nodes;
+  for (NodeSnapshot& n : membership_->LiveNodes(NodeRole::kPrefill)) {
+    if (n.Serves(params.model)) nodes.push_back(std::move(n));
+  }
+  std::stable_sort(nodes.begin(), nodes.end(), [](const NodeSnapshot& a, const NodeSnapshot& b) {
+    return a.effective_load.queued_prefill_tokens < b.effective_load.queued_prefill_tokens;
+  });
+  if (nodes.size() > static_cast<size_t>(std::max(options_.tokenize_tries, 0))) {
+    nodes.resize(static_cast<size_t>(std::max(options_.tokenize_tries, 0)));
+  }
+  for (const NodeSnapshot& node : nodes) {
+    const absl::Time call_deadline = std::min(deadline, clock_->Now() + options_.tokenize_timeout);
+    absl::StatusOr<std::vector<uint32_t>> ids = prefill_->Tokenize(node, params, call_deadline);
+    if (ids.ok()) {
+      GenerateParams p = params;
+      p.prompt_tokens_bound = ids->size();
+      p.prompt = std::move(*ids);
+      *out = std::move(p);
+      return absl::OkStatus();
+    }
+    if (absl::IsInvalidArgument(ids.status())) return ids.status();
+    if (clock_->Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("deadline: passed while tokenizing the prompt on ", node.id));
+    }
+    spdlog::debug("request {}: tokenize on {}: {}", params.request_id, node.id,
+                  ids.status().ToString());
+  }
+  return absl::OkStatus();  // placement uses the byte bound; the prefill node tokenizes
 }
 
 absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time arrival,

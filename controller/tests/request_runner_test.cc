@@ -5,6 +5,8 @@
 
 #include <functional>
 #include <map>
+#include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -31,6 +33,8 @@ class FakePrefill : public PrefillClient {
   absl::StatusOr<PrefillResult> Prefill(const NodeSnapshot& node, const PrefillCall& call,
                                         CancellationToken* cancel) override {
     calls.push_back({node.id, call});
+    prompts_were_ids.push_back(std::holds_alternative<std::vector<uint32_t>>(call.params->prompt));
+    bounds.push_back(call.params->prompt_tokens_bound);
     auto it = behavior.find(node.id);
     if (it != behavior.end()) return it->second(call);
     PrefillResult r;
@@ -44,8 +48,18 @@ class FakePrefill : public PrefillClient {
     cancels.push_back({node.id, seq, std::string(reason)});
     return absl::OkStatus();
   }
+  absl::StatusOr<std::vector<uint32_t>> Tokenize(const NodeSnapshot& node, const GenerateParams&,
+                                                 absl::Time) override {
+    tokenize_calls.push_back(node.id);
+    if (!tokenize) return absl::UnimplementedError("Tokenize");
+    return tokenize(node.id);
+  }
   std::map<std::string, Behavior> behavior;
+  std::function<absl::StatusOr<std::vector<uint32_t>>(const std::string& node)> tokenize;
   std::vector<std::pair<std::string, PrefillCall>> calls;
+  std::vector<bool> prompts_were_ids;
+  std::vector<uint64_t> bounds;
+  std::vector<std::string> tokenize_calls;
   std::vector<CancelCall> cancels;
 };
 
@@ -153,6 +167,52 @@ TEST_F(RequestRunnerTest, RelaysFirstTokenThenDecodeStreamThenFinal) {
   EXPECT_EQ(prefill_.calls[0].second.decode.id, d1_);
   EXPECT_EQ(prefill_.calls[0].second.store.id, s1_);
   EXPECT_TRUE(decode_.cancels.empty());
+}
+
+// Text and chat prompts are tokenized on a prefill node first: placement and the prefill call
+// get the exact token ids, not the byte bound.
+TEST_F(RequestRunnerTest, TextPromptIsTokenizedOnAPrefillNodeBeforePlacement) {
+  prefill_.tokenize = [](const std::string&) -> absl::StatusOr<std::vector<uint32_t>> {
+    return std::vector<uint32_t>{7, 8, 9};
+  };
+  ASSERT_TRUE(Run().ok());
+  EXPECT_THAT(prefill_.tokenize_calls, ElementsAre(p1_));
+  ASSERT_EQ(prefill_.calls.size(), 1u);
+  EXPECT_TRUE(prefill_.prompts_were_ids[0]);
+  EXPECT_EQ(prefill_.bounds[0], 3u);
+  EXPECT_THAT(sink_.Tokens(), ElementsAre(100, 101, 102, 103));
+}
+
+TEST_F(RequestRunnerTest, PromptRefusedByTheTokenizerEndsTheRequestBeforePlacement) {
+  prefill_.tokenize = [](const std::string&) -> absl::StatusOr<std::vector<uint32_t>> {
+    return absl::InvalidArgumentError("prompt: 9000 tokens leave no room in the context");
+  };
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("prompt: 9000 tokens"));
+  EXPECT_TRUE(prefill_.calls.empty());
+}
+
+TEST_F(RequestRunnerTest, NoNodeCanTokenizeFallsBackToTheByteBound) {
+  prefill_.tokenize = [](const std::string& node) -> absl::StatusOr<std::vector<uint32_t>> {
+    return absl::UnavailableError(absl::StrCat(node, ": Connection refused"));
+  };
+  ASSERT_TRUE(Run().ok());
+  EXPECT_THAT(prefill_.tokenize_calls, ElementsAre(p1_, p2_));
+  ASSERT_EQ(prefill_.calls.size(), 1u);
+  EXPECT_FALSE(prefill_.prompts_were_ids[0]);
+  EXPECT_EQ(prefill_.bounds[0], 5u);
+}
+
+TEST_F(RequestRunnerTest, TokenIdPromptsAreNotTokenizedAgain) {
+  params_.prompt = std::vector<uint32_t>{1, 2};
+  params_.prompt_tokens_bound = 2;
+  prefill_.tokenize = [](const std::string&) -> absl::StatusOr<std::vector<uint32_t>> {
+    return std::vector<uint32_t>{7, 8, 9};
+  };
+  ASSERT_TRUE(Run().ok());
+  EXPECT_TRUE(prefill_.tokenize_calls.empty());
+  EXPECT_EQ(prefill_.bounds[0], 2u);
 }
 
 TEST_F(RequestRunnerTest, DeadlineIsPropagatedToEveryDownstreamCall) {

@@ -51,29 +51,47 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
  public:
   explicit PrefillServiceImpl(PrefillEngine* engine) : engine_(engine) {}
 
+  // The request's prompt; false when no input is set.
+  static bool PromptOf(const cv1::PrefillRequest& request, Prompt* out) {
+    switch (request.input_case()) {
+      case cv1::PrefillRequest::kPrompt:
+        *out = TextPrompt{request.prompt()};
+        return true;
+      case cv1::PrefillRequest::kTokenIds:
+        *out = TokenPrompt{{request.token_ids().ids().begin(), request.token_ids().ids().end()}};
+        return true;
+      case cv1::PrefillRequest::kChat: {
+        ChatPrompt chat;
+        for (const auto& m : request.chat().messages())
+          chat.messages.push_back({m.role(), m.content()});
+        *out = std::move(chat);
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  grpc::Status Tokenize(grpc::ServerContext*, const cv1::PrefillRequest* request,
+                        cv1::TokenizeResponse* response) override {
+    Prompt prompt;
+    if (!PromptOf(*request, &prompt)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt: no input set");
+    }
+    absl::StatusOr<std::vector<int32_t>> ids = engine_->Tokenize(prompt);
+    if (!ids.ok()) return ToGrpc(ids.status());
+    response->mutable_token_ids()->mutable_ids()->Add(ids->begin(), ids->end());
+    return grpc::Status::OK;
+  }
+
   grpc::Status Prefill(grpc::ServerContext* context, const cv1::PrefillRequest* request,
                        cv1::PrefillResponse* response) override {
     PrefillJob job;
     job.request_id = request->request_id();
     job.sequence_id = request->sequence_id();
     job.model = request->model();
-    switch (request->input_case()) {
-      case cv1::PrefillRequest::kPrompt:
-        job.prompt = TextPrompt{request->prompt()};
-        break;
-      case cv1::PrefillRequest::kTokenIds:
-        job.prompt =
-            TokenPrompt{{request->token_ids().ids().begin(), request->token_ids().ids().end()}};
-        break;
-      case cv1::PrefillRequest::kChat: {
-        ChatPrompt chat;
-        for (const auto& m : request->chat().messages())
-          chat.messages.push_back({m.role(), m.content()});
-        job.prompt = std::move(chat);
-        break;
-      }
-      default:
-        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt: no input set");
+    if (!PromptOf(*request, &job.prompt)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt: no input set");
     }
     job.sampling = request->sampling();
     job.retrieval = request->retrieval();

@@ -233,8 +233,8 @@ class PrometheusE2eTest(unittest.TestCase):
         result_file = os.path.join(cls.tmp, "bench.json")
         # Real nodes: prompts longer than the decode node's sink + local window, so that decode
         # steps select, fetch from the store and hit its hot cache (the retrieval panels).
-        # At most 2 in flight: the controller reserves store memory for a text prompt before
-        # it is tokenized (as if every byte were a token), ~230 MB each in kvr up's 1 GiB store.
+        # 2 in flight keeps the 2-core machine responsive (store memory is reserved for the
+        # tokenized prompt: a prefill node tokenizes text before placement).
         args = ["--num-prompts", "4", "--input-len", "1000", "--output-len", "8",
                 "--concurrency", "2", "--method", "clusterkv", "--budget", "64"]
         r = kvr_cluster.run_bench(KVR, cls.address, [*args, "--result-file", result_file],

@@ -24,6 +24,9 @@ class GrpcNodeClients final : public PrefillClient, public DecodeClient {
 
   absl::StatusOr<PrefillResult> Prefill(const NodeSnapshot& node, const PrefillCall& call,
                                         CancellationToken* cancel) override;
+  absl::StatusOr<std::vector<uint32_t>> Tokenize(const NodeSnapshot& node,
+                                                 const GenerateParams& params,
+                                                 absl::Time deadline) override;
   absl::StatusOr<Completion> Stream(
       const NodeSnapshot& node, absl::string_view request_id, uint64_t sequence_id,
       absl::Time deadline, CancellationToken* cancel,

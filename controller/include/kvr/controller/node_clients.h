@@ -57,6 +57,13 @@ class PrefillClient {
   [[nodiscard]] virtual absl::Status Cancel(const NodeSnapshot& node, absl::string_view request_id,
                                             uint64_t sequence_id, absl::string_view reason,
                                             absl::Time deadline) = 0;
+  // The prompt of `params` (text or chat) as the node's tokenizer encodes it for Prefill.
+  // INVALID_ARGUMENT is the prompt's fault (e.g. over the context); other errors the node's.
+  // The default (clients that cannot tokenize) answers UNIMPLEMENTED.
+  [[nodiscard]] virtual absl::StatusOr<std::vector<uint32_t>> Tokenize(
+      const NodeSnapshot& node, const GenerateParams& params, absl::Time deadline) {
+    return absl::UnimplementedError("Tokenize");
+  }
 };
 
 class DecodeClient {

@@ -53,6 +53,11 @@ struct RunnerOptions {
   // Deadline of the best-effort Cancel RPCs sent when a request ends early. Its own, because
   // the request's deadline may be the reason it ended.
   absl::Duration cancel_rpc_timeout = absl::Seconds(1);
+  // Text and chat prompts are tokenized on a prefill node before placement (exact admission);
+  // each Tokenize call gets at most this long (and never past the request's deadline), and at
+  // most this many prefill nodes are tried before falling back to the prompt's byte bound.
+  absl::Duration tokenize_timeout = absl::Seconds(30);
+  int tokenize_tries = 2;
   // Not owned; may be null.
   RequestObserver* observer = nullptr;
 };
@@ -100,6 +105,12 @@ class RequestRunner {
                                  ResponseSink* sink);
 
  private:
+  // For a text or chat prompt: its token ids from a prefill node serving the model (least
+  // queued first). OK with `*out` = params with the ids as prompt and the exact bound;
+  // INVALID_ARGUMENT / DEADLINE_EXCEEDED end the request; any other outcome (no node could
+  // tokenize) leaves `*out` unset, and the request goes on with the byte bound.
+  absl::Status TokenizeFirst(const GenerateParams& params, absl::Time deadline,
+                             std::optional<GenerateParams>* out);
   // Run without the OnEnd hook.
   absl::Status RunAttempts(const GenerateParams& params, absl::Time arrival, absl::Time deadline,
                            CancellationToken* cancel, ResponseSink* sink, RequestObserver& observer,

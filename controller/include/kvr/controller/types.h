@@ -110,7 +110,8 @@ struct GenerateParams {
   Prompt prompt;
   // Upper bound of the prompt's length in tokens: exact for token ids; for text, its UTF-8
   // byte count (byte-level BPE never makes more tokens than bytes) capped at the context
-  // length, because the controller does not tokenize (the prefill node does).
+  // length. RequestRunner first has a prefill node tokenize text and chat prompts
+  // (PrefillClient::Tokenize), which makes it exact; the byte bound is the fallback.
   uint64_t prompt_tokens_bound = 0;
   SamplingParams sampling;
   RetrievalParams retrieval;
