@@ -53,6 +53,13 @@ if(KVR_HAVE_CUDA)
     LIBS kvr::model_cuda kvr::model kvr::common absl::strings
     LABELS gpu)
 
+  # Per-layer KV export (issue 7 item 2, the GPU prefill node): rows and queries vs the CPU.
+  kvr_add_test(model_cuda_export_test
+    SOURCES tests/cuda_export_test.cc
+    LIBS kvr_model_cuda kvr::model kvr::common_cuda kvr::common absl::strings
+    LABELS gpu)
+  target_include_directories(model_cuda_export_test PRIVATE cuda)
+
   add_executable(cuda_model_bench bench/cuda_model_bench.cc)
   kvr_warnings(cuda_model_bench)
   target_link_libraries(cuda_model_bench PRIVATE kvr::model_cuda kvr::model kvr::common

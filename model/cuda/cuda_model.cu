@@ -126,6 +126,9 @@ class CudaModelImpl final : public CudaModel {
   absl::Status RebuildPrefillSummariesForTesting(SequenceId id) override;
   CudaForwardProfile last_profile() const override { return profile_; }
   void set_profile(bool on) override { options_.profile = on; }
+  absl::Status BeginKvExport(SequenceId id, const KvExportOptions& options) override;
+  absl::Status EndKvExport(SequenceId id) override;
+  int64_t export_pinned_bytes() const override { return export_pinned_bytes_; }
 
  private:
   struct Layer {
@@ -160,8 +163,23 @@ class CudaModelImpl final : public CudaModel {
     DeviceBuffer<int32_t> meta;
     int64_t built_length = 0;
   };
+  // A dense sequence's KV export (BeginKvExport). `host` holds, per layer, K [L, kv_dim], V
+  // [L, kv_dim] and the queries [nq, q_dim], float32 (layer_stride floats per layer).
+  struct KvExport;
+  struct ExportNote {  // the user data of one layer's cudaLaunchHostFunc
+    const KvExport* exp = nullptr;
+    KvExportLayer view;
+  };
+  struct KvExport {
+    KvExportOptions opt;
+    int64_t nq = 0;  // min(max_queries, L)
+    int64_t layer_stride = 0;
+    PinnedBuffer<float> host;
+    std::vector<ExportNote> notes;  // [n_layers]; stable addresses for the host callbacks
+  };
   struct Sequence {
     DeviceBuffer<bf16> kv;  // [n_layers, 2, capacity, n_kv_heads, head_dim]
+    std::unique_ptr<KvExport> exporting;   // between BeginKvExport and EndKvExport
     std::unique_ptr<Summaries> summaries;  // dense sequences added with a summary method
     int64_t capacity = 0;
     int64_t length = 0;
@@ -242,6 +260,8 @@ class CudaModelImpl final : public CudaModel {
   [[nodiscard]] absl::Status PrepareSummaryBuild(Sequence& s, int64_t len);
   [[nodiscard]] absl::Status QueueSummaryBuild(Sequence& s, int layer, int64_t len,
                                                cudaStream_t st);
+  // KV export: returns the export's buffer to the pool.
+  void RecycleExport(std::unique_ptr<KvExport> e);
 
   ModelConfig config_;
   CudaModelOptions options_;
@@ -300,6 +320,15 @@ class CudaModelImpl final : public CudaModel {
   DeviceBuffer<uint8_t> summary_ws_;  // shared by the builds (one stream at a time)
   double summary_build_ms_ = 0;
   double summary_plan_ms_ = 0;
+
+  // KV export (BeginKvExport), created by the first export.
+  CudaStream copy_stream_;
+  std::vector<CudaEvent> export_ready_;  // [n_layers] K/V (and staged Q) of the layer ready
+  DeviceBuffer<float> export_scratch_;   // [2 (K, V), T, kv_dim] a chunk's rows in float32
+  DeviceBuffer<float> q_stage_;          // [n_layers, q_stage_rows_, q_dim]
+  int64_t q_stage_rows_ = 0;
+  std::vector<PinnedBuffer<float>> export_pool_;  // free host buffers, reused by later exports
+  int64_t export_pinned_bytes_ = 0;
 };
 
 absl::StatusOr<std::unique_ptr<CudaModelImpl>> CudaModelImpl::Make(
@@ -734,8 +763,117 @@ absl::Status CudaModelImpl::ReleaseSequence(SequenceId id) {
     sparse_->owner[it->second.slot].reset();
     head_bases_dirty_ = true;
   }
+  if (it->second.exporting != nullptr) RecycleExport(std::move(it->second.exporting));
   sequences_.erase(it);
   return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& o) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("BeginKvExport: no sequence ", id));
+  }
+  Sequence& s = it->second;
+  if (s.slot >= 0 || s.exporting != nullptr || s.length != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BeginKvExport: sequence ", id,
+        s.slot >= 0 ? " is sparse" : (s.exporting != nullptr ? " already exports" : ""),
+        s.length != 0 ? absl::StrCat(" holds ", s.length, " tokens (export from the first)") : ""));
+  }
+  if (o.length < 1 || o.length > s.capacity || o.max_queries < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("BeginKvExport: length ", o.length,
+                                                   " outside [1, capacity ", s.capacity,
+                                                   "] or max_queries ", o.max_queries, " < 0"));
+  }
+  const ModelConfig& c = config_;
+  const int64_t kv = c.kv_dim(), qd = c.q_dim(), T = options_.max_batch_tokens;
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  if (copy_stream_.get() == nullptr) {
+    KVR_ASSIGN_OR_RETURN(CudaStream st, CudaStream::Create());
+    std::vector<CudaEvent> events;
+    for (int l = 0; l < c.n_layers; ++l) {
+      KVR_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(cudaEventDisableTiming));
+      events.push_back(std::move(e));
+    }
+    KVR_RETURN_IF_ERROR(Alloc(export_scratch_, 2 * T * kv));
+    copy_stream_ = std::move(st);
+    export_ready_ = std::move(events);
+  }
+  auto e = std::make_unique<KvExport>();
+  e->opt = o;
+  e->nq = std::min(o.max_queries, o.length);
+  // Queries of one chunk that can fall in the windows of all exporting sequences at once.
+  int64_t stage_rows = e->nq;
+  for (const auto& [other_id, other] : sequences_) {
+    if (other.exporting != nullptr) stage_rows += other.exporting->nq;
+  }
+  stage_rows = std::min(stage_rows, T);
+  if (stage_rows > q_stage_rows_) {
+    q_stage_ = DeviceBuffer<float>();
+    KVR_RETURN_IF_ERROR(Alloc(q_stage_, int64_t{c.n_layers} * stage_rows * qd));
+    q_stage_rows_ = stage_rows;
+  }
+  e->layer_stride = 2 * o.length * kv + e->nq * qd;
+  const int64_t need = int64_t{c.n_layers} * e->layer_stride;
+  // The smallest pooled buffer that fits; when none does, the pool is freed first (one request
+  // at a time is the prefill node's case: its buffer grows to the longest prompt).
+  auto best = export_pool_.end();
+  for (auto p = export_pool_.begin(); p != export_pool_.end(); ++p) {
+    if (static_cast<int64_t>(p->size()) >= need &&
+        (best == export_pool_.end() || p->size() < best->size())) {
+      best = p;
+    }
+  }
+  if (best != export_pool_.end()) {
+    e->host = std::move(*best);
+    export_pool_.erase(best);
+  } else {
+    for (const PinnedBuffer<float>& p : export_pool_) {
+      export_pinned_bytes_ -= static_cast<int64_t>(p.bytes());
+    }
+    export_pool_.clear();
+    absl::StatusOr<PinnedBuffer<float>> host = PinnedBuffer<float>::Create(need);
+    if (!host.ok()) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("BeginKvExport: ", need * 4, " bytes of pinned host memory for ", o.length,
+                       " tokens: ", host.status().message()));
+    }
+    e->host = *std::move(host);
+    export_pinned_bytes_ += static_cast<int64_t>(e->host.bytes());
+  }
+  e->notes.resize(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    float* base = e->host.data() + l * e->layer_stride;
+    ExportNote& n = e->notes[l];
+    n.exp = e.get();
+    n.view.sequence = id;
+    n.view.layer = l;
+    n.view.kv.k = base;
+    n.view.kv.v = base + o.length * kv;
+    n.view.kv.n_rows = o.length;
+    n.view.kv.row_stride = kv;
+    n.view.kv.total_tokens = o.length;
+    n.view.queries = base + 2 * o.length * kv;
+    n.view.n_queries = e->nq;
+    n.view.queries_first_position = o.length - e->nq;
+  }
+  s.exporting = std::move(e);
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::EndKvExport(SequenceId id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end() || it->second.exporting == nullptr) {
+    return absl::NotFoundError(absl::StrCat("EndKvExport: sequence ", id, " does not export"));
+  }
+  RecycleExport(std::move(it->second.exporting));
+  return absl::OkStatus();
+}
+
+void CudaModelImpl::RecycleExport(std::unique_ptr<KvExport> e) {
+  // Forward synchronizes the copy stream before it returns: no copy or callback still uses it.
+  export_pool_.push_back(std::move(e->host));
 }
 
 absl::Status CudaModelImpl::ConfigureSparse(const SparseAttentionOptions& o) {
@@ -1300,6 +1438,8 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
                                 std::span<float> logits, std::span<int32_t> next_tokens) {
   const ModelConfig& c = config_;
   if (batch.empty()) return absl::InvalidArgumentError("CudaModel::Forward: empty batch");
+  // The calling thread may not be the one that made the model (a server's request threads).
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   if (static_cast<int64_t>(batch.size()) > options_.max_sequences) {
     return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: ", batch.size(),
                                                    " sequences, more than max_sequences ",
@@ -1330,6 +1470,11 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
             absl::StrCat("sequence ", in.id, " would be ", length, " tokens (", s.length,
                          " cached + ", in.tokens.size(), " new), more than its capacity of ",
                          s.capacity, " or the context length of ", c.context_length));
+      }
+      if (s.exporting != nullptr && length > s.exporting->opt.length) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence ", in.id, " would be ", length, " tokens, past the length of its KV export (",
+            s.exporting->opt.length, ")"));
       }
       for (int32_t token : in.tokens) {
         if (token < 0 || token >= c.vocab) {
@@ -1431,6 +1576,89 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     }
   }
   const bool side = !builds.empty() && summary_opt_.side_stream;
+  // KV exports of this chunk (BeginKvExport): per exporting sequence, its new rows and the
+  // queries among them that fall in the export's window [L - nq, L).
+  struct ChunkExport {
+    int b = 0;
+    KvExport* exp = nullptr;
+    int64_t first = 0, n = 0;                     // new rows [first, first + n)
+    int64_t scratch_row = 0;                      // row of export_scratch_'s K (and V) half
+    int64_t q_first = 0, q_n = 0, stage_row = 0;  // window queries [q_first, q_first + q_n)
+  };
+  std::vector<ChunkExport> exports;
+  if (!sparse) {
+    int64_t scratch_row = 0, stage_row = 0;
+    for (size_t b = 0; b < batch.size(); ++b) {
+      KvExport* e = seqs[b]->exporting.get();
+      if (e == nullptr) continue;
+      ChunkExport x;
+      x.b = static_cast<int>(b);
+      x.exp = e;
+      x.first = seqs[b]->length;
+      x.n = static_cast<int64_t>(batch[b].tokens.size());
+      x.scratch_row = scratch_row;
+      scratch_row += x.n;
+      x.q_first = std::max(x.first, e->opt.length - e->nq);
+      x.q_n = std::max<int64_t>(0, x.first + x.n - x.q_first);
+      x.stage_row = stage_row;
+      stage_row += x.q_n;
+      exports.push_back(x);
+    }
+    if (stage_row > q_stage_rows_) {
+      return absl::InternalError(absl::StrCat(
+          "CudaModel: ", stage_row, " export queries in one chunk, staged for ", q_stage_rows_));
+    }
+  }
+  // Layer `layer`'s export, queued once its RoPE + KV append is on the main stream.
+  auto queue_export = [&](int layer) -> absl::Status {
+    const int64_t kv = c.kv_dim(), qd = c.q_dim(), T = options_.max_batch_tokens;
+    // The window's queries to the stage, on the MAIN stream: the next layer's RoPE overwrites
+    // q_. bf16 -> float32 here, so the copy stream only copies them.
+    float* stage = q_stage_.data() + int64_t{layer} * q_stage_rows_ * qd;
+    for (const ChunkExport& x : exports) {
+      if (x.q_n == 0) continue;
+      const int64_t row = h_seqs_.data()[x.b].q_begin + (x.q_first - x.first);
+      KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(q_.data() + row * qd, stage + x.stage_row * qd,
+                                                x.q_n * qd, stream()));
+    }
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(export_ready_[layer].get(), stream()));
+    cudaStream_t cs = copy_stream_.get();
+    KVR_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(cs, export_ready_[layer].get(), 0));
+    // One scratch for all layers: the copy stream converts layer l + 1 only after layer l's
+    // copies out of it (stream order).
+    for (const ChunkExport& x : exports) {
+      const SeqKv& sk = h_seqs_.data()[x.b];
+      float* k_scratch = export_scratch_.data() + x.scratch_row * kv;
+      float* v_scratch = export_scratch_.data() + (T + x.scratch_row) * kv;
+      // A layer's K rows [first, first + n) are contiguous in the cache, and so are its V rows.
+      KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(
+          cuda::KRow(sk, layer, x.first, static_cast<int>(kv)), k_scratch, x.n * kv, cs));
+      KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(
+          cuda::VRow(sk, layer, x.first, static_cast<int>(kv)), v_scratch, x.n * kv, cs));
+      const KvExportLayer& view = x.exp->notes[layer].view;
+      auto d2h = [&](const float* dst, const float* src, int64_t n) {
+        return cudaMemcpyAsync(const_cast<float*>(dst), src, n * sizeof(float),
+                               cudaMemcpyDeviceToHost, cs);
+      };
+      KVR_CUDA_RETURN_IF_ERROR(d2h(view.kv.k + x.first * kv, k_scratch, x.n * kv));
+      KVR_CUDA_RETURN_IF_ERROR(d2h(view.kv.v + x.first * kv, v_scratch, x.n * kv));
+      if (x.q_n > 0) {
+        KVR_CUDA_RETURN_IF_ERROR(d2h(view.queries + (x.q_first - view.queries_first_position) * qd,
+                                     stage + x.stage_row * qd, x.q_n * qd));
+      }
+      if (x.first + x.n == x.exp->opt.length && x.exp->opt.on_layer) {
+        // The chunk that completes the export: the layer is whole once these copies are done.
+        KVR_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(
+            cs,
+            [](void* p) {
+              const auto* note = static_cast<const ExportNote*>(p);
+              note->exp->opt.on_layer(note->view);
+            },
+            &x.exp->notes[layer]));
+      }
+    }
+    return absl::OkStatus();
+  };
   // Everything from here is queued on the stream; on an error part of it may already be
   // queued (reading the pinned metadata, writing cache rows past the sequences' lengths), so
   // the stream is drained before returning and the lengths are left as they were.
@@ -1509,6 +1737,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         rope.head_dim = c.head_dim;
         rope.layer = layer;
         KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
+        if (!exports.empty()) KVR_RETURN_IF_ERROR(queue_export(layer));
         if (!builds.empty()) {
           // This layer's K rows are in the caches: its summaries can be built (issue 7).
           cudaStream_t bs = stream();
@@ -1580,11 +1809,14 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     }
     KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
     KVR_RETURN_IF_ERROR(stream_.Synchronize());
+    // The exports' copies and host callbacks (all queued before the main stream's tail).
+    if (!exports.empty()) KVR_RETURN_IF_ERROR(copy_stream_.Synchronize());
     return absl::OkStatus();
   }();
   if (!queued.ok()) {
     cudaStreamSynchronize(stream());  // best effort: the first error is the one reported
     if (side_stream_.get() != nullptr) cudaStreamSynchronize(side_stream_.get());
+    if (copy_stream_.get() != nullptr) cudaStreamSynchronize(copy_stream_.get());
     event_kinds_.clear();
     return queued;
   }

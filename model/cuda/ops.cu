@@ -170,6 +170,21 @@ __global__ void ToBf16Kernel(const float* src, bf16* dst, int64_t n) {
   }
 }
 
+// Two bf16 per thread (a 4-byte load, an 8-byte store) when both pointers allow it.
+__global__ void Bf16ToF32Kernel(const bf16* src, float* dst, int64_t n) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if ((reinterpret_cast<uintptr_t>(src) % 4 == 0) && (reinterpret_cast<uintptr_t>(dst) % 8 == 0)) {
+    const int64_t pairs = n / 2;
+    const auto* s2 = reinterpret_cast<const __nv_bfloat162*>(src);
+    auto* d2 = reinterpret_cast<float2*>(dst);
+    for (int64_t i = first; i < pairs; i += stride) d2[i] = __bfloat1622float2(s2[i]);
+    if (first == 0 && n % 2 == 1) dst[n - 1] = __bfloat162float(src[n - 1]);
+  } else {
+    for (int64_t i = first; i < n; i += stride) dst[i] = __bfloat162float(src[i]);
+  }
+}
+
 __device__ uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -243,6 +258,12 @@ absl::Status LaunchToBf16(const float* src, bf16* dst, int64_t n, cudaStream_t s
   if (n == 0) return absl::OkStatus();
   ToBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(src, dst, n);
   return kvr::cuda::LastLaunchStatus("ToBf16Kernel");
+}
+
+absl::Status LaunchBf16ToF32(const bf16* src, float* dst, int64_t n, cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  Bf16ToF32Kernel<<<Blocks((n + 1) / 2), kThreads, 0, stream>>>(src, dst, n);
+  return kvr::cuda::LastLaunchStatus("Bf16ToF32Kernel");
 }
 
 absl::Status LaunchRandomBf16(bf16* dst, int64_t n, uint64_t seed, float stddev,

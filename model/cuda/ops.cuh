@@ -96,6 +96,16 @@ struct ArgMaxParams {
 // dst[i] = bf16(src[i]), round to nearest even.
 [[nodiscard]] absl::Status LaunchToBf16(const float* src, bf16* dst, int64_t n,
                                         cudaStream_t stream);
+// dst[i] = float(src[i]): exact widening (the bf16 bits in the high half of a float32). Plain
+// C++ reference: Bf16BitsToFloat below; parity in model/tests/cuda_export_test.cc.
+[[nodiscard]] absl::Status LaunchBf16ToF32(const bf16* src, float* dst, int64_t n,
+                                           cudaStream_t stream);
+inline float Bf16BitsToFloat(uint16_t bits) {
+  const uint32_t u = uint32_t{bits} << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof(f));
+  return f;
+}
 // dst[i] = bf16 of a uniform value of standard deviation `stddev` from a hash of (seed, i).
 [[nodiscard]] absl::Status LaunchRandomBf16(bf16* dst, int64_t n, uint64_t seed, float stddev,
                                             cudaStream_t stream);

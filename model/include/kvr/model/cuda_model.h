@@ -42,6 +42,7 @@
 // handle). Forward is synchronous: it returns once the logits are back in host memory.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -119,6 +120,48 @@ struct PrefillSummaryData {
   int64_t length = 0;  // tokens the last build covered (0: never built)
   std::vector<float> f32;    // quest bounds, clusterkv centroids, keydiff scores
   std::vector<int32_t> i32;  // clusterkv: n_clusters, offsets, members (concatenated)
+};
+
+// Per-layer export of a dense sequence's K/V rows to host memory (issue 7 item 2: the prefill
+// node ships every row to the KV store while the next layers compute).
+//
+// BeginKvExport(id, {length = L, ...}) on an empty dense sequence; then every Forward chunk of
+// that sequence, layer by layer, once the layer's K/V rows of the chunk are in the device cache
+// (a CUDA event on the main stream), converts them bf16 -> float32 on a COPY stream (a small
+// kernel into a device scratch) and copies them device-to-host into pinned host buffers owned by
+// the model, at their rows; likewise the chunk's queries that fall in the last max_queries
+// positions of [0, L). The chunk that ends at L calls `on_layer` once per layer, in layer order,
+// as soon as that layer's copies are done, while later layers still compute.
+// - Why convert on the GPU: the kernel costs ~GPU-bandwidth time (microseconds per layer) and
+//   doubles the PCIe bytes (float32), but leaves the host's cores to the retrieval index builds,
+//   which are the prefill node's CPU bottleneck; converting on the host would cost a pass over
+//   every row there.
+// - Layouts (the KvView that LayerWorker's store put takes without packing): k and v each
+//   [L, n_kv_heads * head_dim] float32 (row_stride = n_kv_heads * head_dim), keys with RoPE;
+//   queries [n, n_heads, head_dim] float32, RoPE applied, unscaled (as the CPU Model passes
+//   AttentionRequest.q), positions [L - n, L), n = min(max_queries, L). Values are the GPU's
+//   bf16 values widened exactly.
+// - Ownership: the buffers belong to the model; the views handed to `on_layer` stay valid until
+//   EndKvExport(id) or ReleaseSequence(id), after which the buffers go back to a pool of pinned
+//   buffers that later exports reuse (pinning GiBs costs seconds; the pool keeps that off the
+//   request path after the first export of a given size).
+// - `on_layer` runs on a CUDA runtime thread (cudaLaunchHostFunc, stream-ordered after the
+//   layer's copies): it must not call CUDA and must not block (push to a queue and return);
+//   every call has returned before the Forward that made it returns.
+// - Forward refuses a chunk that would take an exporting sequence past L.
+struct KvExportLayer {
+  SequenceId sequence = 0;
+  int layer = 0;
+  KvView kv;                       // rows [0, L), float32, pinned host memory
+  const float* queries = nullptr;  // [n_queries, n_heads, head_dim]
+  int64_t n_queries = 0;
+  int64_t queries_first_position = 0;  // L - n_queries
+};
+
+struct KvExportOptions {
+  int64_t length = 0;         // L: the prompt's tokens (the sequence's length when complete)
+  int64_t max_queries = 512;  // last prefill queries per layer to export (0: none)
+  std::function<void(const KvExportLayer&)> on_layer;  // see above; may be empty
 };
 
 // Where the GPU time of the last Forward went (profile = true), in milliseconds.
@@ -257,6 +300,17 @@ class CudaModel {
   // For tests: builds the summaries again over the sequence's current cache (every layer, the
   // same kernels and plan, on the main stream, synchronously) into the same buffers.
   [[nodiscard]] virtual absl::Status RebuildPrefillSummariesForTesting(SequenceId id) = 0;
+
+  // KV export (see KvExportOptions). BeginKvExport: NotFound for an unknown id;
+  // FailedPrecondition for a sparse sequence, one already exporting or one that holds tokens;
+  // InvalidArgument for a length outside [1, capacity] or max_queries < 0; ResourceExhausted
+  // when the pinned host memory cannot be had. EndKvExport: NotFound when the sequence does not
+  // export. ReleaseSequence ends a sequence's export too.
+  [[nodiscard]] virtual absl::Status BeginKvExport(SequenceId id,
+                                                   const KvExportOptions& options) = 0;
+  [[nodiscard]] virtual absl::Status EndKvExport(SequenceId id) = 0;
+  // Bytes of pinned host memory held for exports (in use and pooled).
+  virtual int64_t export_pinned_bytes() const = 0;
 
   // GPU time split of the last Forward/ForwardGreedy (zeros unless profiling is on).
   virtual CudaForwardProfile last_profile() const = 0;
