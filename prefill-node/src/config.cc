@@ -59,6 +59,15 @@ const std::vector<PrefillConfigField>& PrefillConfigFields() {
                   "codebook file from `kvr calibrate` for this model: needed for method a2ats "
                   "(empty: a2ats requests are refused)",
                   &PrefillConfig::a2ats_codebooks, true),
+      {"device", "where the forward pass runs: cpu or cuda",
+       [](PrefillConfig& c, const std::string& v) {
+         if (v != "cpu" && v != "cuda") return BadValue(v, "cpu or cuda");
+         c.device = v;
+         return absl::OkStatus();
+       },
+       [](const PrefillConfig& c) { return c.device; }},
+      UintField("cuda_device", "CUDA device ordinal for --device cuda", &PrefillConfig::cuda_device,
+                true),
       UintField("threads", "model threads (0 = all cores)", &PrefillConfig::threads, true),
       UintField("chunk_tokens", "prompt tokens per forward chunk", &PrefillConfig::chunk_tokens,
                 false),

@@ -27,6 +27,7 @@
 #include "kvr/prefill_node/config.h"
 #include "kvr/prefill_node/grpc_clients.h"
 #include "kvr/prefill_node/metrics_observer.h"
+#include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
@@ -168,10 +169,19 @@ int Serve(const PrefillConfig& config) {
     }
     a2ats_assets = *books;
   }
+  // The forward pass's backend (--device): the weights go to the GPU once, here, so that a node
+  // that cannot use its GPU fails at start rather than on its first request.
+  absl::StatusOr<std::unique_ptr<PrefillBackend>> backend =
+      MakePrefillBackend(config, loaded->model.get());
+  if (!backend.ok()) {
+    std::cerr << "kvr-prefill: " << backend.status().message() << "\n";
+    return 2;
+  }
   const model::ModelConfig& mc = loaded->model->config();
   const std::string served = ServedModelName(config);
-  spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded->source, served,
-               mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length);
+  spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {}) on {}", loaded->source,
+               served, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length,
+               (*backend)->name());
 
   kv_store::UcxClientOptions store_options;
   store_options.timeout = absl::Seconds(config.store_timeout_seconds);
@@ -193,7 +203,7 @@ int Serve(const PrefillConfig& config) {
   }
   metrics::PrefillMetrics prefill_metrics((*metrics_server)->registry());
   PrefillMetricsObserver metrics_observer(&prefill_metrics, served);
-  PrefillEngine engine(loaded->model.get(), loaded->tokenizer ? &*loaded->tokenizer : nullptr,
+  PrefillEngine engine(*std::move(backend), loaded->tokenizer ? &*loaded->tokenizer : nullptr,
                        &*registry, &stores, &handoff,
                        EngineOptions{.chunk_tokens = config.chunk_tokens,
                                      .max_prefill_queries = config.max_prefill_queries,

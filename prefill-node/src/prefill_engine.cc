@@ -14,8 +14,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
-#include "kvr/common/thread_pool.h"
-#include "kvr/model/dense_attention.h"
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/index.h"
 
@@ -35,16 +33,9 @@ absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl:
   return s;
 }
 
-// One layer's handoff work, queued by the attention wrapper when the layer's last chunk ran.
-struct LayerTask {
-  int layer = 0;
-  model::KvView kv;            // all prompt rows of the layer; stays valid (no more appends)
-  std::vector<float> queries;  // [n_q, n_heads, head_dim], the last prefill queries
-  int64_t queries_first_position = 0;
-};
-
 // Builds indexes, packs sink/local rows and starts store puts on its own thread, so that the
-// model's next layers compute meanwhile. Owns the put operations and the buffers they read.
+// model's next layers compute meanwhile. Owns the put operations and the packing buffers they
+// read; the tasks' rows belong to the backend's PrefillRows, which outlive Close().
 class LayerWorker {
  public:
   struct Context {
@@ -62,6 +53,7 @@ class LayerWorker {
       : ctx_(std::move(ctx)), layers_(ctx_.config->n_layers), thread_([this] { Loop(); }) {}
   ~LayerWorker() { Close().IgnoreError(); }
 
+  // Thread-safe and non-blocking beyond a mutex (the CUDA backend calls it from a CUDA thread).
   void Push(LayerTask task) {
     absl::MutexLock lock(&mu_);
     tasks_.push_back(std::move(task));
@@ -144,7 +136,7 @@ class LayerWorker {
     retrieval::BuildInput in;
     in.keys = {task.kv.k, L, task.kv.row_stride};
     const int64_t q_row = int64_t{c.n_heads} * c.head_dim;
-    in.queries = {task.queries.data(), static_cast<int64_t>(task.queries.size()) / q_row, q_row};
+    in.queries = {task.queries, task.n_queries, q_row};
     in.queries_first_position = task.queries_first_position;
     if (absl::Status s = (*index)->Build(in); !s.ok()) {
       // Build checks the method's context-dependent parameters (e.g. CTKVR's C): a request
@@ -217,58 +209,6 @@ class LayerWorker {
   std::thread thread_;  // last: starts once the members above exist
 };
 
-// Dense prefill attention that, as each layer's last chunk completes, hands the layer's rows and
-// last queries to the worker. Also the place where cancellation and the deadline are checked
-// (once per layer and chunk), so a cancelled prefill stops within one layer.
-class HandoffAttention final : public model::Attention {
- public:
-  HandoffAttention(ThreadPool* pool, int n_layers, int64_t prompt_tokens, int64_t max_queries,
-                   LayerWorker* worker, std::function<absl::Status()> check)
-      : dense_(pool),
-        prompt_tokens_(prompt_tokens),
-        max_queries_(max_queries),
-        queries_(n_layers),
-        worker_(worker),
-        check_(std::move(check)) {}
-
-  absl::Status Attend(const model::AttentionShape& shape,
-                      std::span<const model::AttentionRequest> batch) override {
-    KVR_RETURN_IF_ERROR(check_());
-    KVR_RETURN_IF_ERROR(worker_->error());
-    KVR_RETURN_IF_ERROR(dense_.Attend(shape, batch));
-    const int64_t q_row = int64_t{shape.n_heads} * shape.head_dim;
-    for (const model::AttentionRequest& r : batch) {
-      // Keep the last max_queries queries of the layer: what fits from this chunk, plus the
-      // tail of the earlier ones when this chunk is shorter.
-      std::vector<float>& kept = queries_[r.layer];
-      const int64_t take = std::min(r.n_queries, max_queries_);
-      const int64_t keep_old =
-          std::min<int64_t>(static_cast<int64_t>(kept.size()) / q_row, max_queries_ - take);
-      kept.erase(kept.begin(), kept.end() - keep_old * q_row);
-      kept.insert(kept.end(), r.q + (r.n_queries - take) * q_row, r.q + r.n_queries * q_row);
-      const int64_t end = r.first_position + r.n_queries;
-      if (end == prompt_tokens_) {
-        LayerTask task;
-        task.layer = r.layer;
-        task.kv = r.kv;
-        task.queries = std::move(kept);
-        task.queries_first_position = end - static_cast<int64_t>(task.queries.size()) / q_row;
-        kept = {};
-        worker_->Push(std::move(task));
-      }
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  model::DenseAttention dense_;
-  int64_t prompt_tokens_;
-  int64_t max_queries_;
-  std::vector<std::vector<float>> queries_;  // [n_layers][n, n_heads, head_dim]
-  LayerWorker* worker_;
-  std::function<absl::Status()> check_;
-};
-
 // Where the prompt field lives in the request, for error messages.
 const char* PromptField(const Prompt& prompt) {
   if (std::holds_alternative<TokenPrompt>(prompt)) return "token_ids";
@@ -300,7 +240,15 @@ void PackRows(const model::KvView& view, int n_kv_heads, int head_dim,
 PrefillEngine::PrefillEngine(const model::Model* model, const model::Tokenizer* tokenizer,
                              const retrieval::MethodRegistry* registry, StoreClients* stores,
                              HandoffOpener* handoff, EngineOptions options)
-    : model_(model),
+    : PrefillEngine(MakeCpuPrefillBackend(model), tokenizer, registry, stores, handoff,
+                    std::move(options)) {}
+
+PrefillEngine::PrefillEngine(std::unique_ptr<PrefillBackend> backend,
+                             const model::Tokenizer* tokenizer,
+                             const retrieval::MethodRegistry* registry, StoreClients* stores,
+                             HandoffOpener* handoff, EngineOptions options)
+    : owned_backend_(std::move(backend)),
+      backend_(owned_backend_.get()),
       tokenizer_(tokenizer),
       registry_(registry),
       stores_(stores),
@@ -318,10 +266,10 @@ absl::StatusOr<std::vector<int32_t>> PrefillEngine::Tokenize(const Prompt& promp
   if (const auto* tokens = std::get_if<TokenPrompt>(&prompt)) {
     ids = tokens->ids;
     for (size_t i = 0; i < ids.size(); ++i) {
-      if (ids[i] < 0 || ids[i] >= model_->config().vocab) {
+      if (ids[i] < 0 || ids[i] >= backend_->config().vocab) {
         return absl::InvalidArgumentError(absl::StrCat("token_ids: id ", ids[i], " at index ", i,
                                                        " is outside the vocabulary of ",
-                                                       model_->config().vocab));
+                                                       backend_->config().vocab));
       }
     }
   } else if (tokenizer_ == nullptr) {
@@ -349,7 +297,7 @@ absl::StatusOr<std::vector<int32_t>> PrefillEngine::Tokenize(const Prompt& promp
     ids = std::move(*encoded);
   }
   if (ids.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": encodes to no tokens"));
-  const int64_t context = model_->config().context_length;
+  const int64_t context = backend_->config().context_length;
   if (context > 0 && static_cast<int64_t>(ids.size()) >= context) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": ", ids.size(), " tokens leave no room in the model's context of ",
@@ -405,7 +353,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                                                        const std::vector<int32_t>& ids,
                                                        Running& running,
                                                        const std::function<bool()>& gone) {
-  const model::ModelConfig& c = model_->config();
+  const model::ModelConfig& c = backend_->config();
   const int64_t L = static_cast<int64_t>(ids.size());
   auto check = [&]() -> absl::Status {
     if (running.cancelled || (gone && gone())) {
@@ -471,8 +419,10 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
     (*store)->Release(job.sequence_id, absl::ZeroDuration()).IgnoreError();
   };
 
-  // Prefill with per-layer handoff work.
+  // Prefill with per-layer handoff work. `rows` (the memory the layer tasks point into) is
+  // declared before the worker, so it also outlives the worker on every early return.
   const auto t0 = std::chrono::steady_clock::now();
+  std::unique_ptr<PrefillRows> rows;
   LayerWorker worker({.config = &c,
                       .registry = registry_,
                       .params = &params,
@@ -481,12 +431,19 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                       .sequence = job.sequence_id,
                       .prompt_tokens = L,
                       .observer = options_.observer});
-  model::KvCache cache = model_->NewCache();
-  cache.Reserve(L);  // views handed to the worker must not move
-  HandoffAttention attention(model_->pool(), c.n_layers, L, options_.max_prefill_queries, &worker,
-                             check);
-  absl::StatusOr<std::vector<float>> logits =
-      model_->Prefill(job.sequence_id, cache, ids, attention, options_.chunk_tokens);
+  PrefillCall call;
+  call.sequence = job.sequence_id;
+  call.ids = ids;
+  call.chunk_tokens = options_.chunk_tokens;
+  call.max_queries = options_.max_prefill_queries;
+  call.on_layer = [&worker](LayerTask&& task) { worker.Push(std::move(task)); };
+  // Cancellation, the deadline, and the worker's first error (a failed build or put stops the
+  // compute early).
+  call.check = [&]() -> absl::Status {
+    KVR_RETURN_IF_ERROR(check());
+    return worker.error();
+  };
+  absl::StatusOr<std::vector<float>> logits = backend_->Prefill(call, &rows);
   // Waits for the index builds and the store puts whatever happened.
   absl::Status worker_status = worker.Close();
   if (!logits.ok()) {

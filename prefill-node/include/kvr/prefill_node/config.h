@@ -37,6 +37,11 @@ struct PrefillConfig {
   std::string log_level = "info";
   // Prometheus /metrics port on the listen host: 0 any free port (printed), -1 off.
   int32_t metrics_port = 0;
+  // Where the forward pass runs: "cpu" (model::Model) or "cuda" (model::CudaModel on GPU
+  // cuda_device; the weights are loaded on the host, then uploaded once as bf16). The store
+  // receives float32 rows either way.
+  std::string device = "cpu";
+  uint32_t cuda_device = 0;
   // `kvr calibrate` codebook file for this model: needed to build method a2ats's summaries
   // (empty: a2ats requests fail with INVALID_ARGUMENT naming the missing codebooks).
   std::string a2ats_codebooks;

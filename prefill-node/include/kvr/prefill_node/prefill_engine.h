@@ -16,9 +16,12 @@
 // the first token is sampled and then written in one go. The store puts (the bulk of the bytes)
 // do overlap with compute.
 //
-// Thread safety: Run may be called from many threads; the model's forward pass is used by one
-// request at a time (it shares one thread pool), the others wait (their prompt tokens count as
-// queued). Cancel may be called from any thread.
+// The forward pass runs on a PrefillBackend (prefill_backend.h): the CPU Model or a CudaModel;
+// the engine only sees per-layer float32 rows and queries (LayerTask).
+//
+// Thread safety: Run may be called from many threads; the backend is used by one request at a
+// time (the CPU model shares one thread pool, a CudaModel one stream), the others wait (their
+// prompt tokens count as queued). Cancel may be called from any thread.
 
 #include <atomic>
 #include <cstdint>
@@ -38,6 +41,7 @@
 #include "kvr/kv_store/client.h"
 #include "kvr/model/model.h"
 #include "kvr/model/tokenizer.h"
+#include "kvr/prefill_node/prefill_backend.h"
 #include "kvr/retrieval/registry.h"
 
 namespace kvr::prefill_node {
@@ -143,9 +147,16 @@ struct EngineOptions {
 class PrefillEngine {
  public:
   // Every pointer must outlive the engine. `tokenizer` may be null (token-id prompts only).
+  // The CPU backend over `model`.
   PrefillEngine(const model::Model* model, const model::Tokenizer* tokenizer,
                 const retrieval::MethodRegistry* registry, StoreClients* stores,
                 HandoffOpener* handoff, EngineOptions options);
+  // Any backend (MakeCpuPrefillBackend, CreateCudaPrefillBackend, a fake), owned by the engine.
+  PrefillEngine(std::unique_ptr<PrefillBackend> backend, const model::Tokenizer* tokenizer,
+                const retrieval::MethodRegistry* registry, StoreClients* stores,
+                HandoffOpener* handoff, EngineOptions options);
+
+  const PrefillBackend& backend() const { return *backend_; }
 
   // Runs one request. Errors: INVALID_ARGUMENT naming the field (prompt, token_ids, chat,
   // retrieval.method, ...), CANCELLED (Cancel or `client_gone`), DEADLINE_EXCEEDED, and
@@ -175,14 +186,15 @@ class PrefillEngine {
   absl::StatusOr<PrefillResult> RunLocked(const PrefillJob& job, const std::vector<int32_t>& ids,
                                           Running& running, const std::function<bool()>& gone);
 
-  const model::Model* model_;
+  std::unique_ptr<PrefillBackend> owned_backend_;
+  PrefillBackend* backend_;
   const model::Tokenizer* tokenizer_;
   const retrieval::MethodRegistry* registry_;
   StoreClients* stores_;
   HandoffOpener* handoff_;
   EngineOptions options_;
 
-  absl::Mutex model_mu_;  // one forward pass at a time (the model shares its thread pool)
+  absl::Mutex model_mu_;  // one request on the backend at a time
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Running>> running_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> queued_tokens_{0};

@@ -1,0 +1,75 @@
+#pragma once
+// The prefill node's model backend seam (CONVENTIONS.md 4): PrefillEngine runs a prompt through a
+// PrefillBackend and gets, per layer, as soon as the layer is final, ALL its K/V rows [0, L) as
+// float32 host memory plus its last prefill queries (a LayerTask), while the later layers still
+// compute. The engine does not care where the forward ran:
+// - the CPU backend (MakeCpuPrefillBackend): model::Model::Prefill with dense attention wrapped
+//   so that each layer's last chunk hands out the KvCache's rows (the path of issue 3);
+// - the CUDA backend (prefill_cuda_backend.h): model::CudaModel with its per-layer KV export
+//   (cuda_model.h, KvExportOptions): rows converted to float32 on the GPU and copied
+//   device-to-host into pinned buffers on a copy stream, overlapped with the next layers.
+// Either way the store receives float32 rows (kv_store::DType::kF32), so decode nodes see no
+// difference.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvr/model/attention.h"
+#include "kvr/model/config.h"
+#include "kvr/model/model.h"
+
+namespace kvr::prefill_node {
+
+// One layer, final: its rows and last queries. The pointers are views into memory owned by the
+// PrefillRows of the Prefill call that made the task (valid until that object is destroyed).
+struct LayerTask {
+  int layer = 0;
+  model::KvView kv;                // rows [0, L), float32, row_stride >= n_kv_heads * head_dim
+  const float* queries = nullptr;  // [n_queries, n_heads, head_dim], RoPE applied
+  int64_t n_queries = 0;
+  int64_t queries_first_position = 0;  // L - n_queries
+};
+
+// Owns the memory that a Prefill call's LayerTasks point into (a KvCache, pinned export
+// buffers and the sequence on the GPU). Destroy it only after every consumer of those views is
+// done (the engine: after the store puts completed), under the same exclusion as Prefill.
+class PrefillRows {
+ public:
+  virtual ~PrefillRows() = default;
+};
+
+struct PrefillCall {
+  model::SequenceId sequence = 0;
+  std::span<const int32_t> ids;  // the prompt, L = ids.size() >= 1
+  int64_t chunk_tokens = 512;    // prompt tokens per forward chunk (at most; a backend may cap it)
+  int64_t max_queries = 512;     // last prefill queries per layer in each LayerTask
+  // Called once per layer (in layer order for both backends), possibly from another thread
+  // (the CUDA backend: a CUDA runtime thread); must neither block nor call CUDA: queue the task.
+  std::function<void(LayerTask&&)> on_layer;
+  // Polled at least once per chunk (the CPU backend: per layer and chunk); an error stops the
+  // prefill and is returned.
+  std::function<absl::Status()> check;
+};
+
+class PrefillBackend {
+ public:
+  virtual ~PrefillBackend() = default;
+  virtual const model::ModelConfig& config() const = 0;
+  // "cpu" or "cuda:<device>", for logs and the effective config.
+  virtual std::string name() const = 0;
+  // Runs the prompt; returns the logits of its last token [vocab]. `rows` is set before the
+  // first on_layer call (also when Prefill then fails). One call at a time per backend.
+  [[nodiscard]] virtual absl::StatusOr<std::vector<float>> Prefill(
+      const PrefillCall& call, std::unique_ptr<PrefillRows>* rows) = 0;
+};
+
+// The CPU backend over `model` (not owned; must outlive the backend).
+std::unique_ptr<PrefillBackend> MakeCpuPrefillBackend(const model::Model* model);
+
+}  // namespace kvr::prefill_node
