@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The prefill node on the GPU (issue 7 item 2) on the device machine: the KV export test and the
+# engine's CUDA-vs-CPU backend test, compute-sanitizer memcheck on both, then gpu_prefill_bench
+# (llama3-8b random weights: (a) forward, (b) + per-layer export, (c) the engine with a fake
+# store per method, at 8K and 32K). Builds nothing there: `bundle` (here) copies the stripped
+# binaries and the non-system shared libraries they need into .device/gpuprefill/ (xz).
+#   here:   BUILD_DIR=build-gpuprefill scripts/device/gpu-prefill.sh bundle
+#   device: bash scripts/device/gpu-prefill.sh run        (carry [.device/gpuprefill])
+# Env: BENCH_ARGS (default: --prompt 8192,32768 --reps 2), MEMCHECK_S (per memcheck, 150).
+# Logs go to $OUT.
+set -uo pipefail
+readonly kBundle=.device/gpuprefill
+readonly kStage=/tmp/kvr-gpuprefill
+readonly kBins="model_cuda_export_test prefill_gpu_test gpu_prefill_bench"
+out="${OUT:-out}"
+mkdir -p "$out"
+
+case "${1:-}" in
+  bundle)
+    build="${BUILD_DIR:-build-gpuprefill}"
+    rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
+    cp "$build/model/model_cuda_export_test" "$build/prefill-node/prefill_gpu_test" \
+      "$build/prefill-node/gpu_prefill_bench" "$kBundle/bin/" || exit 1
+    strip -g "$kBundle"/bin/*
+    # Shared libraries that Ubuntu 24.04 there lacks; glibc, libstdc++ and CUDA are there.
+    ldd "$kBundle"/bin/* | awk '/=> \//{print $3}' |
+      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
+      sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
+    strip -g "$kBundle"/lib/*.so* 2>/dev/null
+    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/gpuprefill-bundle.tar.xz
+    rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/gpuprefill-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    du -sh "$kBundle"
+    ;;
+  run)
+    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+    nproc
+    status=0
+    for t in model_cuda_export_test prefill_gpu_test; do
+      "$kStage/bin/$t" 2>&1 | tee "$out/$t.log" |
+        grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|parity|near tie) |Failure|rror' || true
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    done
+    if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
+      timeout "${MEMCHECK_S:-150}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+        --error-exitcode 3 "$kStage/bin/model_cuda_export_test" \
+        --gtest_filter=*Bf16*:*Smollm2*:*Misuse* > "$out/memcheck_export.log" 2>&1
+      echo "memcheck model_cuda_export_test: rc $?  $(grep 'ERROR SUMMARY' "$out/memcheck_export.log" | tail -1)"
+      timeout "${MEMCHECK_S:-150}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+        --error-exitcode 3 "$kStage/bin/prefill_gpu_test" > "$out/memcheck_engine.log" 2>&1
+      echo "memcheck prefill_gpu_test: rc $?  $(grep 'ERROR SUMMARY' "$out/memcheck_engine.log" | tail -1)"
+    else
+      echo "compute-sanitizer not found"
+    fi
+    # shellcheck disable=SC2086
+    "$kStage/bin/gpu_prefill_bench" ${BENCH_ARGS:---prompt 8192,32768 --reps 2} 2>&1 |
+      tee "$out/bench.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    echo "gpu-prefill run: status $status"
+    exit $status
+    ;;
+  *)
+    echo "usage: $0 bundle|run" >&2
+    exit 2
+    ;;
+esac
