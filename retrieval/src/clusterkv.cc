@@ -301,12 +301,40 @@ uint64_t ClusterKvKMeansSeed(const IndexParams& params, uint64_t salt, int layer
   return params.seed * 1000003 + salt * 7919 + static_cast<uint64_t>(layer);
 }
 
+absl::StatusOr<IndexParams> ApplyClusterKvOptions(const IndexParams& params) {
+  IndexParams out = params;
+  constexpr std::string_view kPrefix = "clusterkv.";
+  for (const auto& [name, value] : params.options) {
+    if (!name.starts_with(kPrefix)) continue;  // another method's option
+    const std::string_view key = std::string_view(name).substr(kPrefix.size());
+    KVR_ASSIGN_OR_RETURN(const int v, internal::ParseIntOption(name, value));
+    if (key == "max_iterations") {
+      if (v < 1 || v > 100) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("option clusterkv.max_iterations must be in [1, 100], got ", value));
+      }
+      out.clusterkv.max_iterations = v;
+    } else if (key == "n_clusters") {
+      if (v < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("option clusterkv.n_clusters must be >= 0 (0: default), got ", value));
+      }
+      out.clusterkv.n_clusters = v;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown option '", name, "'; clusterkv has clusterkv.max_iterations, clusterkv.n_clusters"));
+    }
+  }
+  return out;
+}
+
 absl::Status RegisterClusterKv(MethodRegistry& registry) {
   return registry.Register(
       "clusterkv", "ClusterKV: cosine k-means clusters of keys, cluster-ordered selection",
       [](const IndexShape& s,
          const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
-        return std::make_unique<ClusterKvIndex>(s, p);
+        KVR_ASSIGN_OR_RETURN(IndexParams params, ApplyClusterKvOptions(p));
+        return std::make_unique<ClusterKvIndex>(s, params);
       },
       &ClusterKvIndex::Read);
 }

@@ -2,6 +2,7 @@
 // Private helpers shared by the core methods' implementations.
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -9,11 +10,23 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/serialization.h"
 
 namespace kvr::retrieval::internal {
+
+// A method option's integer value (IndexParams::options); the error names the option.
+inline absl::StatusOr<int> ParseIntOption(absl::string_view name, absl::string_view value) {
+  int out = 0;
+  const auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), out);
+  if (ec != std::errc() || ptr != value.data() + value.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("option ", name, ": '", value, "' is not an integer"));
+  }
+  return out;
+}
 
 // Checks that `t` is a usable [n_tokens, n_heads, head_dim] view.
 inline absl::Status ValidateTensor(const TokenTensor& t, int n_heads, int head_dim,

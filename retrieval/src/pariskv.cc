@@ -14,6 +14,7 @@
 #include "kvr/common/thread_pool.h"
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/serialization.h"
+#include "method_util.h"
 #include "pariskv_codes.h"
 #include "srht.h"
 
@@ -42,16 +43,6 @@ absl::StatusOr<double> ParseDouble(absl::string_view name, absl::string_view val
   if (ec != std::errc() || ptr != value.data() + value.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("option ", name, ": '", value, "' is not a number"));
-  }
-  return out;
-}
-
-absl::StatusOr<int> ParseInt(absl::string_view name, absl::string_view value) {
-  int out = 0;
-  const auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), out);
-  if (ec != std::errc() || ptr != value.data() + value.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("option ", name, ": '", value, "' is not an integer"));
   }
   return out;
 }
@@ -432,13 +423,13 @@ absl::StatusOr<ParisKvOptions> ParseParisKvOptions(const IndexParams& params) {
     if (!name.starts_with(kPrefix)) continue;  // another method's option
     const std::string_view key = std::string_view(name).substr(kPrefix.size());
     if (key == "subspace_dim") {
-      KVR_ASSIGN_OR_RETURN(o.subspace_dim, ParseInt(name, value));
+      KVR_ASSIGN_OR_RETURN(o.subspace_dim, internal::ParseIntOption(name, value));
       if (o.subspace_dim != 2 && o.subspace_dim != 4 && o.subspace_dim != 8) {
         return absl::InvalidArgumentError(
             absl::StrCat("option pariskv.subspace_dim must be 2, 4 or 8, got ", value));
       }
     } else if (key == "tiers") {
-      KVR_ASSIGN_OR_RETURN(o.tiers, ParseInt(name, value));
+      KVR_ASSIGN_OR_RETURN(o.tiers, internal::ParseIntOption(name, value));
       if (o.tiers < 1 || o.tiers > 32) {
         return absl::InvalidArgumentError(
             absl::StrCat("option pariskv.tiers must be in [1, 32], got ", value));
@@ -451,7 +442,7 @@ absl::StatusOr<ParisKvOptions> ParseParisKvOptions(const IndexParams& params) {
       }
       (key == "candidate_ratio" ? o.candidate_ratio : o.collision_ratio) = r;
     } else if (key == "min_candidates_per_budget") {
-      KVR_ASSIGN_OR_RETURN(o.min_candidates_per_budget, ParseInt(name, value));
+      KVR_ASSIGN_OR_RETURN(o.min_candidates_per_budget, internal::ParseIntOption(name, value));
       if (o.min_candidates_per_budget < 1 || o.min_candidates_per_budget > 1000) {
         return absl::InvalidArgumentError(absl::StrCat(
             "option pariskv.min_candidates_per_budget must be in [1, 1000], got ", value));

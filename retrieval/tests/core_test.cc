@@ -3,9 +3,12 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <string>
+#include <tuple>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/partial_attention.h"
 #include "kvr/retrieval/registry.h"
@@ -94,6 +97,42 @@ TEST(ParamsTest, ClusterKvMoreClustersThanTokensIsAnError) {
   absl::Status st = (*index)->Build({View(keys, s.n_kv_heads, s.head_dim), {}, 0});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(st.message()), HasSubstr("n_clusters (60)"));
+}
+
+TEST(ParamsTest, ClusterKvOptionsSetIterationsAndClusters) {
+  IndexParams p;
+  p.options["clusterkv.max_iterations"] = "3";
+  p.options["clusterkv.n_clusters"] = "7";
+  p.options["pariskv.tiers"] = "2";  // another method's option: ignored
+  absl::StatusOr<IndexParams> applied = ApplyClusterKvOptions(p);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(applied->clusterkv.max_iterations, 3);
+  EXPECT_EQ(applied->clusterkv.n_clusters, 7);
+
+  // The registry's factory applies them: 7 clusters over 46 clusterable tokens.
+  MethodRegistry r = CoreRegistry();
+  IndexShape s = SmallShape();
+  p.n_sink = 4;
+  p.options["clusterkv.n_clusters"] = "60";
+  auto index = r.Make("clusterkv", s, p);
+  ASSERT_TRUE(index.ok());
+  std::vector<float> keys = RandomTensor(50, s.n_kv_heads, s.head_dim, 1);
+  absl::Status st = (*index)->Build({View(keys, s.n_kv_heads, s.head_dim), {}, 0});
+  EXPECT_THAT(std::string(st.message()), HasSubstr("n_clusters (60)"));
+
+  for (const auto& [name, value, want] :
+       {std::tuple<std::string, std::string, std::string>{"clusterkv.max_iterations", "0",
+                                                          "must be in [1, 100]"},
+        {"clusterkv.max_iterations", "x", "is not an integer"},
+        {"clusterkv.n_clusters", "-1", "must be >= 0"},
+        {"clusterkv.bogus", "1", "unknown option 'clusterkv.bogus'"}}) {
+    IndexParams bad;
+    bad.options[name] = value;
+    auto made = r.Make("clusterkv", s, bad);
+    ASSERT_FALSE(made.ok()) << name << "=" << value;
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(made.status().message()), HasSubstr(want));
+  }
 }
 
 TEST(SerializationTest, RejectsBadMagicVersionAndShape) {

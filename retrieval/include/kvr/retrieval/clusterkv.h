@@ -16,6 +16,12 @@ namespace kvr::retrieval {
 [[nodiscard]] absl::StatusOr<int64_t> ClusterKvPrefillClusters(int64_t points, int64_t context,
                                                                const IndexParams& params);
 
+// params with the clusterkv.* method options applied (IndexParams::options, as `--option` of
+// `kvr eval retrieval` and RetrievalParams.options of a request): clusterkv.max_iterations in
+// [1, 100], clusterkv.n_clusters >= 0 (0: the scaled default). Options of other methods are
+// ignored; an unknown clusterkv.* name or a bad value is InvalidArgument naming it.
+[[nodiscard]] absl::StatusOr<IndexParams> ApplyClusterKvOptions(const IndexParams& params);
+
 // The k-means seed of one clustering call: `salt` is the KV head for the prefill clusters.
 uint64_t ClusterKvKMeansSeed(const IndexParams& params, uint64_t salt, int layer);
 
