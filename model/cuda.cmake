@@ -47,6 +47,12 @@ if(KVR_HAVE_CUDA)
     LIBS kvr::model_cuda kvr::model kvr::retrieval_core kvr::common absl::strings
     LABELS gpu)
 
+  # A real past loaded into a sparse sequence (issue 7 item 3) == the dense sequence it came from.
+  kvr_add_test(model_cuda_sparse_load_test
+    SOURCES tests/cuda_sparse_load_test.cc
+    LIBS kvr::model_cuda kvr::model kvr::common absl::strings
+    LABELS gpu)
+
   # Prefill summaries (issue 7 item 2): builds during prefill == the same builds afterwards.
   kvr_add_test(model_cuda_prefill_summaries_test
     SOURCES tests/cuda_prefill_summaries_test.cc

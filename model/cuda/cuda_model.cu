@@ -91,6 +91,8 @@ class CudaModelImpl final : public CudaModel {
   absl::Status ReleaseSequence(SequenceId id) override;
   absl::StatusOr<int64_t> SequenceLength(SequenceId id) const override;
   absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens, uint64_t seed) override;
+  absl::StatusOr<std::span<uint16_t>> SparseHostKv(SequenceId id) override;
+  absl::Status ActivateSparseSequence(SequenceId id, int64_t n_tokens) override;
   absl::Status Forward(std::span<const CudaSequence> batch, LogitsMode mode,
                        std::span<float> logits) override {
     return Run(batch, mode, logits, {});
@@ -240,6 +242,11 @@ class CudaModelImpl final : public CudaModel {
       : config_(std::move(config)), options_(options) {}
 
   [[nodiscard]] absl::Status AllocateWeights();
+  // A sparse sequence's slot prepared from its host KV's rows [0, n_tokens): ring rows and
+  // summaries (LaunchSparseFill), then its hot cache cleared; synchronous.
+  [[nodiscard]] absl::Status FillSlotFromHostKv(Sequence& s, int64_t n_tokens);
+  // Looks up a sparse sequence whose host KV no other sequence shares (`what` names the caller).
+  [[nodiscard]] absl::StatusOr<Sequence*> OwnSparseSequence(SequenceId id, const char* what);
   // The sparse part of a layer: RoPE + KV append, select, gather, attend.
   [[nodiscard]] absl::Status SparseLayer(int layer, const Layer& w, int64_t max_candidates);
   // Uploads per-slot head bases into the mapped host KVs (after slots change).
@@ -1327,7 +1334,6 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
         break;
       }
     }
-    const cuda::SparseSummaryView v = sp.View();
     if (twin != nullptr) {
       const int64_t kv = c.n_kv_heads, d = c.head_dim, S = sp.opt.slots;
       auto copy = [&](auto* base, int64_t per_slot) -> absl::Status {
@@ -1348,26 +1354,11 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
         KVR_RETURN_IF_ERROR(copy(sp.offsets.data(), kv * (sp.max_clusters + 1)));
         KVR_RETURN_IF_ERROR(copy(sp.members.data(), kv * sp.opt.max_capacity));
       }
+      for (rc::HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
+      KVR_RETURN_IF_ERROR(stream_.Synchronize());
     } else {
-      cuda::SparseFillParams fp;
-      fp.host_kv = host.device;
-      fp.capacity = s.capacity;
-      fp.length = n_tokens;
-      fp.slot = s.slot;
-      fp.resident = sp.resident.data();
-      fp.resident_layer_stride = int64_t{sp.opt.slots} * c.n_kv_heads * sp.rcap * 2 * c.head_dim;
-      fp.rcap = sp.rcap;
-      fp.n_sink = sp.opt.n_sink;
-      fp.window = sp.opt.local_window;
-      fp.sum = v;
-      fp.tokens_per_cluster = sp.opt.clusterkv_tokens_per_cluster;
-      fp.n_layers = c.n_layers;
-      fp.n_kv_heads = c.n_kv_heads;
-      fp.head_dim = c.head_dim;
-      KVR_RETURN_IF_ERROR(cuda::LaunchSparseFill(fp, stream()));
+      KVR_RETURN_IF_ERROR(FillSlotFromHostKv(s, n_tokens));
     }
-    for (rc::HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
-    KVR_RETURN_IF_ERROR(stream_.Synchronize());
     s.filled_seed = seed + 1;
     s.length = n_tokens;
     return absl::OkStatus();
@@ -1376,6 +1367,74 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
       cuda::LaunchRandomBf16(s.kv.data(), static_cast<int64_t>(s.kv.size()), seed, 1.f, stream()));
   KVR_RETURN_IF_ERROR(stream_.Synchronize());
   s.length = n_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::FillSlotFromHostKv(Sequence& s, int64_t n_tokens) {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  cuda::SparseFillParams fp;
+  fp.host_kv = s.host->device;
+  fp.capacity = s.capacity;
+  fp.length = n_tokens;
+  fp.slot = s.slot;
+  fp.resident = sp.resident.data();
+  fp.resident_layer_stride = int64_t{sp.opt.slots} * c.n_kv_heads * sp.rcap * 2 * c.head_dim;
+  fp.rcap = sp.rcap;
+  fp.n_sink = sp.opt.n_sink;
+  fp.window = sp.opt.local_window;
+  fp.sum = sp.View();
+  fp.tokens_per_cluster = sp.opt.clusterkv_tokens_per_cluster;
+  fp.n_layers = c.n_layers;
+  fp.n_kv_heads = c.n_kv_heads;
+  fp.head_dim = c.head_dim;
+  KVR_RETURN_IF_ERROR(cuda::LaunchSparseFill(fp, stream()));
+  for (rc::HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
+  return stream_.Synchronize();
+}
+
+absl::StatusOr<CudaModelImpl::Sequence*> CudaModelImpl::OwnSparseSequence(SequenceId id,
+                                                                          const char* what) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat(what, ": no sequence ", id));
+  }
+  Sequence& s = it->second;
+  if (s.slot < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": sequence ", id, " is dense"));
+  }
+  for (const auto& [oid, o] : sequences_) {
+    if (oid != id && o.host == s.host) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": sequence ", id, " shares its host KV with sequence ", oid, " (benchmarks only)"));
+    }
+  }
+  return &s;
+}
+
+absl::StatusOr<std::span<uint16_t>> CudaModelImpl::SparseHostKv(SequenceId id) {
+  KVR_ASSIGN_OR_RETURN(Sequence * s, OwnSparseSequence(id, "SparseHostKv"));
+  // The caller overwrites it: no longer FillSequenceForBenchmark's random rows.
+  s->host->filled_seed = 0;
+  s->filled_seed = 0;
+  const cuda::HostKvBuffer<bf16>& b = s->host->buf;
+  return std::span<uint16_t>(reinterpret_cast<uint16_t*>(b.data()), b.size());
+}
+
+absl::Status CudaModelImpl::ActivateSparseSequence(SequenceId id, int64_t n_tokens) {
+  KVR_ASSIGN_OR_RETURN(Sequence * s, OwnSparseSequence(id, "ActivateSparseSequence"));
+  if (s->length != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("ActivateSparseSequence: sequence ", id,
+                                                      " already holds ", s->length, " tokens"));
+  }
+  if (n_tokens < 1 || n_tokens > s->capacity) {
+    return absl::InvalidArgumentError(absl::StrCat("ActivateSparseSequence: n_tokens ", n_tokens,
+                                                   " outside [1, capacity ", s->capacity, "]"));
+  }
+  s->host->filled_seed = 0;
+  s->filled_seed = 0;
+  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(*s, n_tokens));
+  s->length = n_tokens;
   return absl::OkStatus();
 }
 

@@ -35,8 +35,9 @@
 //   QKV/O/FFN GEMMs and the select/gather/attend launches over ALL slots (empty slots are
 //   masked), so size `slots` to the batch that is run.
 // - A Forward batch is either all dense or all sparse sequences, and a sparse sequence takes
-//   exactly one token per Forward (decode): its past comes from FillSequenceForBenchmark or from
-//   token-by-token steps (GPU prefill into the store is the prefill node's part, not here).
+//   exactly one token per Forward (decode): its past comes from FillSequenceForBenchmark, from
+//   rows written into its host KV (SparseHostKv + ActivateSparseSequence: the decode node's
+//   rows pulled from the store) or from token-by-token steps.
 //
 // Thread safety: none; one thread drives a CudaModel (it owns one CUDA stream and one cuBLAS
 // handle). Forward is synchronous: it returns once the logits are back in host memory.
@@ -248,6 +249,19 @@ class CudaModel {
   // contiguous runs of clusterkv_tokens_per_cluster candidates, centroid = their mean key).
   [[nodiscard]] virtual absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens,
                                                               uint64_t seed) = 0;
+  // A real past for a sparse sequence (the decode node: rows pulled from the KV store), in two
+  // steps. SparseHostKv hands out the sequence's host KV to write rows [0, n_tokens) of every
+  // (layer, KV head) into: bf16 bits, [n_layers, n_kv_heads, capacity, 2 (K | V), head_dim],
+  // keys with RoPE applied (as the model's own rows). ActivateSparseSequence(id, n_tokens) then
+  // sets the length and prepares the GPU side as FillSequenceForBenchmark does, from those rows:
+  // the sink and window rows copied to the ring, the summaries built on the GPU (quest: the page
+  // min/max of the bf16 keys; clusterkv: the SYNTHETIC stand-in clustering, not k-means), the
+  // slot's hot cache cleared. The view stays valid until the sequence is released; write it only
+  // between Forward calls. Errors: NotFound (unknown id), FailedPrecondition (a dense sequence,
+  // a host KV shared with another sequence, or Activate on a sequence that already holds
+  // tokens), InvalidArgument (n_tokens outside [1, capacity]).
+  [[nodiscard]] virtual absl::StatusOr<std::span<uint16_t>> SparseHostKv(SequenceId id) = 0;
+  [[nodiscard]] virtual absl::Status ActivateSparseSequence(SequenceId id, int64_t n_tokens) = 0;
 
   // Runs the new tokens of every sequence, appends their K/V to the sequences' caches and writes
   // the logits into `logits` (kLast: [batch, vocab]; kAll: [total new tokens, vocab]).
