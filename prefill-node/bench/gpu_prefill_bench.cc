@@ -8,6 +8,8 @@
 //       a handoff that discards, per method: the CPU index build of each layer from the exported
 //       rows on the engine's worker thread, the sink/local packing and the store put (the fake
 //       store copies synchronously on the worker thread; a real one is an async UCX put).
+//       --store discard: puts complete at once without copying (everything else as the fake
+//       store), to see the engine's own cost without the fake store's copy.
 // Times are wall clock (steady_clock), best of --reps after one untimed warm-up per row (the
 // first export pins its host buffer: that time is printed separately). (c) also prints the sum
 // of the per-layer index build times (PrefillObserver) and how long after the forward's end the
@@ -64,6 +66,50 @@ class OneStore final : public StoreClients {
   kv_store::KvStoreClient* client_;
 };
 
+// The fake store, except that a put completes at once without copying the rows.
+class DiscardPutStore final : public kv_store::KvStoreClient {
+ public:
+  explicit DiscardPutStore(kv_store::KvStoreClient* inner) : inner_(inner) {}
+  std::unique_ptr<kv_store::KvStoreOp> StartPutLayer(const kv_store::LayerRows& rows) override {
+    return std::make_unique<DoneOp>(rows.n_rows);
+  }
+  std::unique_ptr<kv_store::KvStoreOp> StartGather(std::span<const kv_store::GatherEntry> e,
+                                                   std::span<uint8_t> out) override {
+    return inner_->StartGather(e, out);
+  }
+  absl::StatusOr<kv_store::CreateResult> CreateSequence(kv_store::SequenceId id,
+                                                        const kv_store::SequenceShape& shape,
+                                                        uint64_t expected_tokens,
+                                                        absl::Duration lease) override {
+    return inner_->CreateSequence(id, shape, expected_tokens, lease);
+  }
+  absl::Status RangeRead(std::span<const kv_store::RangeEntry> r, std::span<uint8_t> out) override {
+    return inner_->RangeRead(r, out);
+  }
+  absl::Status Release(kv_store::SequenceId id, absl::Duration keep) override {
+    return inner_->Release(id, keep);
+  }
+  absl::Status Lease(kv_store::SequenceId id, absl::Duration lease) override {
+    return inner_->Lease(id, lease);
+  }
+  absl::StatusOr<kv_store::SequenceInfo> GetSequence(kv_store::SequenceId id) override {
+    return inner_->GetSequence(id);
+  }
+  absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
+
+ private:
+  class DoneOp final : public kv_store::KvStoreOp {
+   public:
+    explicit DoneOp(uint64_t rows) : rows_(rows) {}
+    bool Done() const override { return true; }
+    absl::StatusOr<uint64_t> Wait() override { return rows_; }
+
+   private:
+    uint64_t rows_;
+  };
+  kv_store::KvStoreClient* inner_;
+};
+
 // Sums index build times and remembers when the last layer was ready.
 class Timing final : public PrefillObserver {
  public:
@@ -115,6 +161,7 @@ int Main(int argc, char** argv) {
   int layers = 0, reps = 2;
   int64_t chunk = 2048, max_queries = 512;
   double store_gib = 0;
+  std::string store_kind = "fake";
   app.add_option("--shape", shape, "dummy shape (model/dummy.h)");
   app.add_option("--layers", layers, "layer count override (0: the shape's)");
   app.add_option("--prompt", prompts, "prompt lengths, comma separated");
@@ -123,6 +170,8 @@ int Main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed repetitions per row (best is printed)");
   app.add_option("--max-queries", max_queries, "last prefill queries exported per layer");
   app.add_option("--store-gib", store_gib, "fake store pool (0: sized for the longest prompt)");
+  app.add_option("--store", store_kind, "fake (puts copy into the pool) or discard (no copy)")
+      ->check(CLI::IsMember({"fake", "discard"}));
   CLI11_PARSE(app, argc, argv);
 
   auto config = model::DummyConfig(shape, layers);
@@ -167,7 +216,9 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", store.status().ToString().c_str());
     return 1;
   }
-  OneStore stores(store->get());
+  DiscardPutStore discard(store->get());
+  OneStore stores(store_kind == "discard" ? static_cast<kv_store::KvStoreClient*>(&discard)
+                                          : store->get());
   DiscardOpener opener;
   Timing timing;
   auto registry = retrieval::AllMethods();
@@ -269,11 +320,11 @@ int Main(int argc, char** argv) {
         }
       }
       std::printf(
-          "L %6lld  (c) engine %-9s %9.1f ms  overhead over (a) %+7.2f%%  "
+          "L %6lld  (c) engine %-9s store %-7s %9.1f ms  overhead over (a) %+7.2f%%  "
           "index builds (sum of layers) %9.1f ms  last layer ready %+8.1f ms after the "
           "forward\n",
-          static_cast<long long>(L), std::string(m).c_str(), best_ms, 100 * (best_ms / *fa - 1),
-          build_ms, tail_ms);
+          static_cast<long long>(L), std::string(m).c_str(), store_kind.c_str(), best_ms,
+          100 * (best_ms / *fa - 1), build_ms, tail_ms);
       std::fflush(stdout);
     }
   }

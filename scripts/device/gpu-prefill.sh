@@ -6,6 +6,7 @@
 # binaries and the non-system shared libraries they need into .device/gpuprefill/ (xz).
 #   here:   BUILD_DIR=build-gpuprefill scripts/device/gpu-prefill.sh bundle
 #   device: bash scripts/device/gpu-prefill.sh run        (carry [.device/gpuprefill])
+#           BENCH_ARGS='--store discard' bash scripts/device/gpu-prefill.sh bench   (bench only)
 # Env: BENCH_ARGS (default: --prompt 8192,32768 --reps 2), MEMCHECK_S (per memcheck, 150).
 # Logs go to $OUT.
 set -uo pipefail
@@ -60,8 +61,17 @@ case "${1:-}" in
     echo "gpu-prefill run: status $status"
     exit $status
     ;;
+  bench)  # the bench alone, with BENCH_ARGS (e.g. --store discard --methods full,quest)
+    [[ -x "$kStage/bin/gpu_prefill_bench" ]] ||
+      { mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1; }
+    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    # shellcheck disable=SC2086
+    "$kStage/bin/gpu_prefill_bench" ${BENCH_ARGS:---prompt 8192,32768 --reps 2} 2>&1 |
+      tee -a "$out/bench.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
   *)
-    echo "usage: $0 bundle|run" >&2
+    echo "usage: $0 bundle|run|bench" >&2
     exit 2
     ;;
 esac
