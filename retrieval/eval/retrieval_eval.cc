@@ -94,6 +94,78 @@ struct Accum {
   int64_t head_samples = 0;
 };
 
+// The GPU decode path's hot cache (retrieval/cuda/.../hot_cache.cuh, as CudaModel configures
+// it) replayed on a run's selections: per (layer, KV head) `rows` row slots in sets of up to 8
+// ways, token t in set t % n_sets, LRU at step granularity (a hit refreshes its way; the r-th
+// miss of a set in a step takes the r-th least recent way not used this step, else it is not
+// cached). Also counts the rows that the previous step of the same (layer, head) selected too.
+class HotCacheSim {
+ public:
+  explicit HotCacheSim(int64_t rows)
+      : ways_(static_cast<int>(std::clamp<int64_t>(rows, 1, 8))), n_sets_(rows / ways_) {}
+
+  void Step(int layer, int kvh, std::span<const int64_t> picked) {
+    Head& h = heads_[{layer, kvh}];
+    if (h.tokens.empty()) {
+      h.tokens.assign(static_cast<size_t>(n_sets_) * ways_, -1);
+      h.stamps.assign(h.tokens.size(), -1);
+    }
+    const int64_t step = ++h.step;
+    std::set<int64_t> now(picked.begin(), picked.end());
+    for (int64_t t : now) overlap_ += h.previous.count(t);
+    if (h.step > 1) previous_total_ += static_cast<int64_t>(now.size());
+    h.previous = std::move(now);
+    // Hits first (they claim their ways), then the misses of each set in id order.
+    std::map<int64_t, std::vector<int64_t>> misses;  // set -> tokens
+    for (int64_t t : h.previous) {
+      const int64_t set = t % n_sets_;
+      bool hit = false;
+      for (int w = 0; w < ways_; ++w) {
+        const size_t i = static_cast<size_t>(set * ways_ + w);
+        if (h.tokens[i] == t) {
+          h.stamps[i] = step;
+          hit = true;
+          break;
+        }
+      }
+      ++lookups_;
+      if (hit) {
+        ++hits_;
+      } else {
+        misses[set].push_back(t);
+      }
+    }
+    for (auto& [set, tokens] : misses) {
+      std::vector<int> order(ways_);
+      for (int w = 0; w < ways_; ++w) order[w] = w;
+      auto stamp = [&](int w) { return h.stamps[static_cast<size_t>(set * ways_ + w)]; };
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return stamp(a) < stamp(b); });
+      size_t r = 0;
+      for (int w : order) {
+        if (r == tokens.size() || stamp(w) == step) break;
+        const size_t i = static_cast<size_t>(set * ways_ + w);
+        h.tokens[i] = tokens[r++];
+        h.stamps[i] = step;
+      }
+    }
+  }
+  double hit_rate() const { return lookups_ > 0 ? static_cast<double>(hits_) / lookups_ : 0; }
+  double overlap() const {
+    return previous_total_ > 0 ? static_cast<double>(overlap_) / previous_total_ : 0;
+  }
+
+ private:
+  struct Head {
+    std::vector<int64_t> tokens, stamps;
+    std::set<int64_t> previous;
+    int64_t step = 0;
+  };
+  int ways_;
+  int64_t n_sets_;
+  std::map<std::pair<int, int>, Head> heads_;
+  int64_t hits_ = 0, lookups_ = 0, overlap_ = 0, previous_total_ = 0;
+};
+
 // Wraps SparseAttention for the evaluated sequences: after each decode call it recomputes dense
 // attention over the same KV and the oracle's selection, and accumulates the metrics.
 class MeasuringAttention final : public kvr::model::Attention {
@@ -102,6 +174,7 @@ class MeasuringAttention final : public kvr::model::Attention {
     SparseAttention* sparse = nullptr;
     Accum* accum = nullptr;
     int64_t budget = 0;
+    HotCacheSim* hot = nullptr;  // replays the selections of decode calls when set
   };
   // measure = false: only dispatches to each sequence's SparseAttention (free decoding).
   MeasuringAttention(std::map<SequenceId, Entry> entries, int64_t n_sink, int64_t local_window,
@@ -120,6 +193,12 @@ class MeasuringAttention final : public kvr::model::Attention {
       }
       KVR_RETURN_IF_ERROR(it->second.sparse->Attend(shape, {&r, 1}));
       if (measure_ && r.n_queries == 1) Measure(shape, r, it->second);
+      if (it->second.hot != nullptr && r.n_queries == 1) {
+        const Selection& sel = it->second.sparse->last_selection();
+        for (int kvh = 0; kvh < static_cast<int>(sel.per_head.size()); ++kvh) {
+          it->second.hot->Step(r.layer, kvh, sel.per_head[kvh]);
+        }
+      }
     }
     return absl::OkStatus();
   }
@@ -455,12 +534,19 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
         // Free greedy decoding with fresh indexes and caches (no measuring: only the tokens).
         std::vector<double> free_agreement(nb, 0.0);
         std::vector<int64_t> free_prefix(nb, 0);
+        std::vector<double> free_hot_hit(nb, 0.0), free_overlap(nb, 0.0);
         if (n_free > 0) {
           std::vector<std::unique_ptr<SparseAttention>> fsparse;
           std::vector<KvCache> fcaches;
           std::vector<Accum> faccums(nb);
           std::map<SequenceId, MeasuringAttention::Entry> fentries;
           KVR_RETURN_IF_ERROR(make_runs(fsparse, fcaches, faccums, fentries));
+          std::vector<std::unique_ptr<HotCacheSim>> hot;
+          for (auto& [id, e] : fentries) {
+            const int64_t rows = options.hot_cache_rows > 0 ? options.hot_cache_rows : e.budget;
+            hot.push_back(std::make_unique<HotCacheSim>((rows + 7) / 8 * 8));
+            e.hot = hot.back().get();
+          }
           MeasuringAttention fattention(std::move(fentries), options.n_sink,
                                         options.local_window, /*measure=*/false);
           std::vector<int32_t> last(nb, ref_free[0]);  // the prefill's token is common to all
@@ -486,6 +572,8 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           }
           for (size_t b = 0; b < nb; ++b) {
             free_agreement[b] = static_cast<double>(equal[b]) / static_cast<double>(n_free);
+            free_hot_hit[b] = hot[b]->hit_rate();
+            free_overlap[b] = hot[b]->overlap();
           }
         }
         // Context bytes: every layer's index over (prompt + steps) tokens.
@@ -518,6 +606,9 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           row.free_tokens = n_free;
           row.free_agreement = free_agreement[b];
           row.free_prefix = free_prefix[b];
+          row.hot_cache_rows = options.hot_cache_rows;
+          row.hot_hit_rate = free_hot_hit[b];
+          row.step_overlap = free_overlap[b];
           rows.push_back(row);
         }
         if (progress) {
@@ -532,16 +623,19 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
 
 std::string FormatTable(const std::vector<EvalRow>& rows) {
   std::string out = absl::StrFormat(
-      "%-8s %6s %-10s %6s %7s %7s %8s %8s %8s %7s %11s %9s %9s %6s\n", "prompt", "ctx", "method",
-      "budget", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)", "B/tok/hd",
-      "select_us", "pass");
+      "%-8s %6s %-10s %6s %7s %7s %8s %8s %8s %7s %11s %6s %6s %9s %9s %6s\n", "prompt", "ctx",
+      "method", "budget", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)", "hot",
+      "ovl", "B/tok/hd", "select_us", "pass");
   for (const EvalRow& r : rows) {
     const std::string free =
         r.free_tokens > 0 ? absl::StrFormat("%.3f(%d)", r.free_agreement, r.free_prefix) : "-";
+    const std::string hot = r.free_tokens > 1 ? absl::StrFormat("%.3f", r.hot_hit_rate) : "-";
+    const std::string ovl = r.free_tokens > 1 ? absl::StrFormat("%.3f", r.step_overlap) : "-";
     absl::StrAppendFormat(
-        &out, "%-8s %6d %-10s %6d %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %11s %9.2f %9.1f %6s\n",
+        &out,
+        "%-8s %6d %-10s %6d %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %11s %6s %6s %9.2f %9.1f %6s\n",
         r.prompt, r.context, r.method, r.budget, r.recall, r.mass, r.rel_error, r.nll,
-        r.nll_delta, r.agreement, free, r.summary_bytes_per_token_head, r.select_us,
+        r.nll_delta, r.agreement, free, hot, ovl, r.summary_bytes_per_token_head, r.select_us,
         r.passkey_ok < 0 ? "-" : (r.passkey_ok ? "yes" : "no"));
   }
   if (!rows.empty()) {
@@ -550,8 +644,12 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
     if (rows.front().free_tokens > 0) {
       absl::StrAppendFormat(&out,
                             "; free(pfx): agreement of %d freely decoded greedy tokens with "
-                            "dense greedy, and the common prefix length",
-                            rows.front().free_tokens);
+                            "dense greedy, and the common prefix length; hot: hit rate of the "
+                            "GPU decode path's hot cache (%s rows per layer and KV head, 8-way "
+                            "LRU) replayed on that decoding's selections; ovl: share of each "
+                            "step's selected rows that the previous step selected too",
+                            rows.front().free_tokens, rows.front().hot_cache_rows > 0
+                                ? absl::StrCat(rows.front().hot_cache_rows) : "budget");
     }
     out += ")\n";
   }
@@ -563,6 +661,7 @@ std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows)
   j["options"] = {{"contexts", options.contexts},     {"budgets", options.budgets},
                   {"methods", options.methods},       {"steps", options.steps},
                   {"free_tokens", options.free_tokens},
+                  {"hot_cache_rows", options.hot_cache_rows},
                   {"n_sink", options.n_sink},         {"local_window", options.local_window},
                   {"text_files", options.text_files}, {"passkey", options.passkey}};
   j["rows"] = nlohmann::json::array();
@@ -585,7 +684,9 @@ std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows)
                          {"passkey_ok", r.passkey_ok},
                          {"free_tokens", r.free_tokens},
                          {"free_agreement", r.free_agreement},
-                         {"free_prefix", r.free_prefix}});
+                         {"free_prefix", r.free_prefix},
+                         {"hot_hit_rate", r.hot_hit_rate},
+                         {"step_overlap", r.step_overlap}});
   }
   return j.dump(2);
 }

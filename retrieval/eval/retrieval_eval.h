@@ -18,6 +18,10 @@
 //                  same prefill: fraction of positions whose token equals dense greedy decoding's
 //                  (after a divergence the texts differ, so this is the cascaded measure)
 //   free_prefix    tokens of that free decoding equal to dense's before the first difference
+//   hot_hit_rate   the GPU decode path's hot cache replayed on that free decoding's selections
+//                  (hot_cache_rows per layer and KV head, 8-way sets, LRU per step; cold at
+//                  the first step): the share of selected rows that would not cross the link
+//   step_overlap   share of a step's selected rows that the previous step selected too
 //   bytes/token/head   summary bytes (RetrievalIndex::MemoryBytes) per token per KV head,
 //                      against K+V bytes per token per head (fp16: 4 * head_dim)
 //   select_us      time in RetrievalIndex::Select per (layer, decode step), all KV heads
@@ -47,6 +51,7 @@ struct EvalOptions {
   std::vector<std::string> methods;  // empty: every registered method
   int64_t steps = 64;                // teacher-forced decode steps
   int64_t free_tokens = 128;         // greedy tokens decoded freely per run; 0: no free decoding
+  int64_t hot_cache_rows = 0;        // replayed hot cache per (layer, KV head); 0: the budget
   int64_t n_sink = 16;
   int64_t local_window = 128;
   std::vector<std::string> text_files;  // natural text; empty: license texts
@@ -73,6 +78,9 @@ struct EvalRow {
   int64_t free_tokens = 0;      // tokens decoded freely (0: not run)
   double free_agreement = 0;    // fraction equal to dense greedy, position by position
   int64_t free_prefix = 0;      // equal tokens before the first difference
+  int64_t hot_cache_rows = 0;   // as EvalOptions (0: the budget)
+  double hot_hit_rate = 0;      // free decoding's selections through the replayed hot cache
+  double step_overlap = 0;      // free decoding: selected rows also selected the step before
 };
 
 using Progress = std::function<void(const std::string&)>;

@@ -32,6 +32,8 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   o.free_tokens = 12;
   o.n_sink = 8;
   o.local_window = 32;
+  // Room for every token: a row selected once stays cached (< 512 tokens, 512 sets of 8 ways).
+  o.hot_cache_rows = 4096;
   auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
   ASSERT_TRUE(rows.ok()) << rows.status();
   ASSERT_EQ(rows->size(), 3u);
@@ -53,6 +55,14 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   const EvalRow& streaming = by.at("streaming");
   EXPECT_DOUBLE_EQ(streaming.recall, 0.0);
   EXPECT_LT(streaming.mass, exact.mass);
+  // Hot cache replay: streaming selects nothing; exact's top-16 moves from step to step but
+  // keeps some rows, and with nothing evicted every row the previous step selected is a hit.
+  EXPECT_EQ(streaming.hot_hit_rate, 0.0);
+  EXPECT_EQ(streaming.step_overlap, 0.0);
+  EXPECT_GT(exact.step_overlap, 0.0);
+  EXPECT_LT(exact.step_overlap, 1.0);
+  EXPECT_GE(exact.hot_hit_rate, exact.step_overlap * 10 / 11 - 1e-12);  // step 1 is cold
+  EXPECT_LT(exact.hot_hit_rate, 1.0);
   for (const EvalRow& r : *rows) {
     EXPECT_GE(r.free_prefix, 1) << r.method;  // the prefill's token is common to all
     EXPECT_LE(r.free_prefix, 12) << r.method;
@@ -61,6 +71,8 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   // The table and JSON carry the free-decoding columns.
   EXPECT_NE(FormatTable(*rows).find("free(pfx)"), std::string::npos);
   EXPECT_NE(ToJson(o, *rows).find("\"free_prefix\": 12"), std::string::npos);
+  EXPECT_NE(ToJson(o, *rows).find("\"hot_hit_rate\""), std::string::npos);
+  EXPECT_NE(FormatTable(*rows).find("4096 rows per layer"), std::string::npos);
 }
 
 TEST(RetrievalEvalTest, BadOptionsNameTheFlag) {

@@ -73,6 +73,11 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_option("--free-tokens", flags->eval.free_tokens,
                   "greedy tokens decoded freely per run, compared with dense greedy (0: off)")
       ->capture_default_str();
+  cmd->add_option("--hot-cache-rows", flags->eval.hot_cache_rows,
+                  "rows per layer and KV head of the GPU hot cache replayed on the free "
+                  "decoding's selections (0: the budget)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("--sink", flags->eval.n_sink, "sink tokens")->capture_default_str();
   cmd->add_option("--local", flags->eval.local_window, "local window tokens")
       ->capture_default_str();
