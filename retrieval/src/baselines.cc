@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/ops.h"
+#include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
 #include "method_util.h"
 
@@ -252,6 +253,31 @@ class QuestIndex final : public RetrievalIndex {
     return index;
   }
 
+  // The index after Build over `size` tokens whose page bounds are `bounds` (prebuilt.h).
+  static absl::StatusOr<std::unique_ptr<QuestIndex>> FromBounds(const IndexShape& shape,
+                                                                const IndexParams& params,
+                                                                int64_t size,
+                                                                std::span<const float> bounds) {
+    auto index = std::make_unique<QuestIndex>(shape, params);
+    if (index->page_size_ <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prebuilt quest: page_size ", index->page_size_, " must be > 0"));
+    }
+    if (size < 0) return absl::InvalidArgumentError("prebuilt quest: negative size");
+    const int64_t n_pages = (size + index->page_size_ - 1) / index->page_size_;
+    const int64_t expect = n_pages * index->PageFloats();
+    if (static_cast<int64_t>(bounds.size()) != expect) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prebuilt quest: bounds has ", bounds.size(), " floats, expected ", expect, " (",
+          n_pages, " pages of ", size, " tokens x ", shape.n_kv_heads, " KV heads x 2 x ",
+          shape.head_dim, ")"));
+    }
+    index->bounds_.assign(bounds.begin(), bounds.end());
+    index->size_ = size;
+    index->built_ = true;
+    return index;
+  }
+
  private:
   // Page layout: [n_pages][n_kv_heads][2][head_dim] (min then max).
   int64_t PageFloats() const {
@@ -293,6 +319,15 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> ReadTrivial(const IndexShape& sh
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltQuest(const IndexShape& shape,
+                                                            const IndexParams& params,
+                                                            int64_t size,
+                                                            std::span<const float> bounds) {
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<QuestIndex> index,
+                       QuestIndex::FromBounds(shape, params, size, bounds));
+  return SerializeIndex(*index);
+}
 
 absl::Status RegisterBaselines(MethodRegistry& registry) {
   KVR_RETURN_IF_ERROR(registry.Register(

@@ -28,6 +28,7 @@
 #include "kvr/common/status.h"
 #include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/ops.h"
+#include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
 #include "method_util.h"
 
@@ -229,6 +230,63 @@ class ClusterKvIndex final : public RetrievalIndex {
     return index;
   }
 
+  // The index right after Build over `size` tokens, with the clusters `heads` (prebuilt.h).
+  static absl::StatusOr<std::unique_ptr<ClusterKvIndex>> FromClusters(
+      const IndexShape& shape, const IndexParams& params, int64_t size,
+      std::span<const PrebuiltClusterKvHead> heads) {
+    if (static_cast<int>(heads.size()) != shape.n_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat("prebuilt clusterkv: ", heads.size(),
+                                                     " heads, expected ", shape.n_kv_heads));
+    }
+    if (size < 0) return absl::InvalidArgumentError("prebuilt clusterkv: negative size");
+    auto index = std::make_unique<ClusterKvIndex>(shape, params);
+    const int64_t sink = std::min(params.n_sink, size);
+    const int hd = shape.head_dim;
+    index->n_sink_ = sink;
+    index->append_every_ = params.clusterkv.append_every > 0
+                               ? params.clusterkv.append_every
+                               : (size >= 3200 ? 320 : std::max<int64_t>(32, size / 10));
+    for (int kvh = 0; kvh < shape.n_kv_heads; ++kvh) {
+      const PrebuiltClusterKvHead& in = heads[kvh];
+      const std::string head = absl::StrCat("prebuilt clusterkv head ", kvh, ": ");
+      if (in.offsets.empty() || in.offsets.front() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(head, "offsets must start at 0"));
+      }
+      const int64_t nc = static_cast<int64_t>(in.offsets.size()) - 1;
+      if (static_cast<int64_t>(in.centroids.size()) != nc * hd) {
+        return absl::InvalidArgumentError(absl::StrCat(head, "centroids has ", in.centroids.size(),
+                                                       " floats, expected ", nc, " x ", hd));
+      }
+      if (static_cast<int64_t>(in.ids.size()) != size - sink ||
+          in.offsets.back() != static_cast<int32_t>(in.ids.size())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            head, in.ids.size(), " ids ending at offset ", in.offsets.back(), ", expected ",
+            size - sink, " (", size, " tokens minus ", sink, " sinks)"));
+      }
+      for (int64_t i = 0; i < nc; ++i) {
+        if (in.offsets[i] > in.offsets[i + 1]) {
+          return absl::InvalidArgumentError(absl::StrCat(head, "offsets not ascending"));
+        }
+      }
+      std::vector<bool> seen(static_cast<size_t>(size), false);
+      for (int32_t id : in.ids) {
+        if (id < sink || id >= size || seen[id]) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              head, "token id ", id, " is a sink, outside [0, ", size, ") or listed twice"));
+        }
+        seen[id] = true;
+      }
+      HeadClusters& h = index->heads_[kvh];
+      h.centroids.assign(in.centroids.begin(), in.centroids.end());
+      h.offsets.assign(in.offsets.begin(), in.offsets.end());
+      h.ids.assign(in.ids.begin(), in.ids.end());
+    }
+    index->built_ = true;
+    index->size_ = size;
+    index->pending_begin_ = size;
+    return index;
+  }
+
  private:
   // Clusters `n` keys of one head (token ids first_id..first_id+n-1, rows `stride` floats apart)
   // into `k` new clusters appended to that head's tables.
@@ -326,6 +384,15 @@ absl::StatusOr<IndexParams> ApplyClusterKvOptions(const IndexParams& params) {
     }
   }
   return out;
+}
+
+absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltClusterKv(
+    const IndexShape& shape, const IndexParams& params, int64_t size,
+    std::span<const PrebuiltClusterKvHead> heads) {
+  KVR_ASSIGN_OR_RETURN(IndexParams applied, ApplyClusterKvOptions(params));
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<ClusterKvIndex> index,
+                       ClusterKvIndex::FromClusters(shape, applied, size, heads));
+  return SerializeIndex(*index);
 }
 
 absl::Status RegisterClusterKv(MethodRegistry& registry) {

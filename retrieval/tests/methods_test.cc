@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/retrieval/keydiff.h"
+#include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/serialization.h"
 #include "test_util.h"
@@ -121,6 +122,108 @@ TEST(ClusterKvTest, SelectsTheClusterAlignedWithTheQuery) {
     EXPECT_EQ(ids.size(), 5u);
     for (int64_t id : ids) EXPECT_EQ(id % 3, 0);
   }
+}
+
+// Prebuilt summaries (prebuilt.h): the bytes a GPU-built summary ships as.
+TEST(PrebuiltTest, QuestBoundsGiveTheCpuIndexBytes) {
+  IndexShape s = SmallShape();
+  const int64_t n = 53;  // a partial last page
+  std::vector<float> keys = RandomTensor(n, s.n_kv_heads, s.head_dim, 11);
+  IndexParams p;
+  p.quest.page_size = 8;
+  auto cpu = MakeBuilt(CoreRegistry(), "quest", s, p, keys, {});
+  auto want = SerializeIndex(*cpu);
+  ASSERT_TRUE(want.ok());
+  // Page bounds computed here: [pages, n_kv_heads, 2, head_dim], min then max.
+  const int64_t pages = (n + 7) / 8, hd = s.head_dim;
+  std::vector<float> bounds(pages * s.n_kv_heads * 2 * hd);
+  for (int64_t pg = 0; pg < pages; ++pg) {
+    for (int h = 0; h < s.n_kv_heads; ++h) {
+      float* mn = &bounds[((pg * s.n_kv_heads + h) * 2) * hd];
+      float* mx = mn + hd;
+      for (int64_t t = pg * 8; t < std::min(n, pg * 8 + 8); ++t) {
+        for (int d = 0; d < hd; ++d) {
+          const float k = keys[(t * s.n_kv_heads + h) * hd + d];
+          mn[d] = t == pg * 8 ? k : std::min(mn[d], k);
+          mx[d] = t == pg * 8 ? k : std::max(mx[d], k);
+        }
+      }
+    }
+  }
+  auto got = SerializePrebuiltQuest(s, p, n, bounds);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, *want);
+  bounds.pop_back();
+  auto bad = SerializePrebuiltQuest(s, p, n, bounds);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("bounds has"));
+}
+
+TEST(PrebuiltTest, ClusterKvClustersSelectLikeTheCpuIndex) {
+  IndexShape s = SmallShape();
+  const int64_t n = 64;
+  std::vector<float> keys = RandomTensor(n, s.n_kv_heads, s.head_dim, 3, 0.05f);
+  std::vector<int32_t> axis1, axis2;
+  for (int64_t t = 4; t < n; ++t) {
+    const int axis = (t % 3 == 0) ? 2 : 1;
+    (axis == 2 ? axis2 : axis1).push_back(static_cast<int32_t>(t));
+    for (int h = 0; h < s.n_kv_heads; ++h)
+      keys[(t * s.n_kv_heads + h) * s.head_dim + axis] += 1.f + (t % 5);
+  }
+  IndexParams p;
+  p.n_sink = 4;
+  // Cluster 0 = the axis-1 tokens, cluster 1 = the axis-2 tokens, centroids = mean keys.
+  std::vector<std::vector<float>> centroids(s.n_kv_heads);
+  std::vector<int32_t> offsets = {0, static_cast<int32_t>(axis1.size()),
+                                  static_cast<int32_t>(axis1.size() + axis2.size())};
+  std::vector<int32_t> ids = axis1;
+  ids.insert(ids.end(), axis2.begin(), axis2.end());
+  std::vector<PrebuiltClusterKvHead> heads;
+  for (int h = 0; h < s.n_kv_heads; ++h) {
+    std::vector<float>& c = centroids[h];
+    c.assign(2 * s.head_dim, 0.f);
+    for (int k = 0; k < 2; ++k) {
+      const std::vector<int32_t>& members = k == 0 ? axis1 : axis2;
+      for (int32_t t : members) {
+        for (int d = 0; d < s.head_dim; ++d) {
+          c[k * s.head_dim + d] += keys[(t * s.n_kv_heads + h) * s.head_dim + d] / members.size();
+        }
+      }
+    }
+    heads.push_back({c, offsets, ids});
+  }
+  auto bytes = SerializePrebuiltClusterKv(s, p, n, heads);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto index = DeserializeIndex(*bytes, CoreRegistry(), p);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ((*index)->size(), n);
+  auto again = SerializeIndex(**index);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *bytes);
+  // As the CPU-built index of ClusterKvTest.SemanticClustersSelectWholeCluster.
+  std::vector<float> q = AxisQuery(s, 2);
+  Selection sel;
+  ASSERT_TRUE((*index)->Select({q.data(), n, static_cast<int64_t>(axis2.size()), 4, n}, &sel).ok());
+  std::vector<int64_t> want(axis2.begin(), axis2.end());
+  for (const auto& got : sel.per_head) EXPECT_THAT(got, ElementsAreArray(want));
+  // Generated tokens still go through the CPU index's incremental clustering.
+  std::vector<float> more = RandomTensor(40, s.n_kv_heads, s.head_dim, 5);
+  EXPECT_TRUE((*index)->Append({View(more, s.n_kv_heads, s.head_dim), {}}).ok());
+  EXPECT_EQ((*index)->size(), n + 40);
+
+  // Layout errors name what is wrong.
+  std::vector<int32_t> dup = ids;
+  dup[1] = dup[0];
+  heads[1].ids = dup;
+  auto bad = SerializePrebuiltClusterKv(s, p, n, heads);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("head 1"));
+  heads[1].ids = std::span<const int32_t>(ids).subspan(1);
+  bad = SerializePrebuiltClusterKv(s, p, n, heads);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("ids ending at offset"));
+  heads.pop_back();
+  bad = SerializePrebuiltClusterKv(s, p, n, heads);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("1 heads, expected 2"));
 }
 
 TEST(ClusterKvTest, IncrementalClustersCoverGeneratedTokens) {
