@@ -60,6 +60,34 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
                   "codebook file from `kvr calibrate` for this model: offers method a2ats "
                   "(empty: a2ats not offered)",
                   &DecodeConfig::a2ats_codebooks, /*allow_empty=*/true),
+      {"device", "where the forward pass runs: cpu or cuda",
+       [](DecodeConfig& c, const std::string& v) {
+         if (v != "cpu" && v != "cuda") return BadValue(v, "cpu or cuda");
+         c.device = v;
+         return absl::OkStatus();
+       },
+       [](const DecodeConfig& c) { return c.device; }},
+      IntField("cuda_device", "CUDA device ordinal for --device cuda", &DecodeConfig::cuda_device,
+               true),
+      {"gpu_method", "--device cuda: the one retrieval method of the node (quest)",
+       [](DecodeConfig& c, const std::string& v) {
+         // clusterkv's GPU state exists (cuda_model.h) but is built by a synthetic stand-in
+         // clustering, not the k-means the handed-off index used: not offered yet.
+         if (v != "quest") return BadValue(v, "quest (the only method of a CUDA decode node yet)");
+         c.gpu_method = v;
+         return absl::OkStatus();
+       },
+       [](const DecodeConfig& c) { return c.gpu_method; }},
+      IntField("gpu_budget", "--device cuda: selected tokens per KV head and step (<= 4096)",
+               &DecodeConfig::gpu_budget, false),
+      IntField("gpu_n_sink", "--device cuda: sink tokens of every sequence",
+               &DecodeConfig::gpu_n_sink, true),
+      IntField("gpu_local_window", "--device cuda: local window of every sequence",
+               &DecodeConfig::gpu_local_window, false),
+      IntField("gpu_max_context",
+               "--device cuda: most tokens per sequence (pinned host KV per slot; 0: the model's "
+               "context length)",
+               &DecodeConfig::gpu_max_context, true),
       IntField("batch_slots", "most sequences in the running batch", &DecodeConfig::batch_slots,
                false),
       IntField("max_waiting", "most sequences waiting for a slot", &DecodeConfig::max_waiting,

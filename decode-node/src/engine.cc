@@ -14,12 +14,11 @@ namespace kvr::decode {
 // State of one sequence. Fields above `mu_`-guarded ones belong to the loop thread once the
 // sequence is running (before that, to whoever holds it).
 struct DecodeEngine::Sequence {
-  Sequence(model::KvCache c, model::Sampler s) : cache(std::move(c)), sampler(std::move(s)) {}
+  explicit Sequence(model::Sampler s) : sampler(std::move(s)) {}
 
   Handoff meta;  // layers cleared after Prepare
-  model::KvCache cache;
   model::Sampler sampler;
-  std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;  // moved to attention_
+  std::unique_ptr<BackendSequence> state;  // the backend's, until the sequence joins
   int32_t next_token = 0;
   int64_t generated = 1;  // the first token, sampled by the prefill node
   TextStream text;
@@ -37,20 +36,13 @@ struct DecodeEngine::Sequence {
   int64_t resident_bytes = 0;
 };
 
-DecodeEngine::DecodeEngine(const model::Model* model, const model::Tokenizer* tokenizer,
-                           const retrieval::MethodRegistry* registry, EngineOptions options,
+DecodeEngine::DecodeEngine(std::unique_ptr<DecodeBackend> backend,
+                           const model::Tokenizer* tokenizer, EngineOptions options,
                            DecodeObserver* observer)
-    : model_(model),
+    : backend_(std::move(backend)),
       tokenizer_(tokenizer),
-      registry_(registry),
       options_(std::move(options)),
-      observer_(observer != nullptr ? observer : &noop_observer_),
-      attention_({.n_layers = model->config().n_layers,
-                  .n_kv_heads = model->config().n_kv_heads,
-                  .head_dim = model->config().head_dim,
-                  .hot_cache_bytes = options_.hot_cache_bytes,
-                  .quality_sample_rate = options_.quality_sample_rate},
-                 observer_) {}
+      observer_(observer != nullptr ? observer : &noop_observer_) {}
 
 absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
     const model::Model* model, const model::Tokenizer* tokenizer,
@@ -58,16 +50,33 @@ absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
   if (model == nullptr || registry == nullptr) {
     return absl::InvalidArgumentError("DecodeEngine: model and registry are required");
   }
-  if (options.batch_slots <= 0 || options.max_waiting < 0 || options.hot_cache_bytes < 0 ||
+  if (options.hot_cache_bytes < 0 ||
       !(options.quality_sample_rate >= 0 && options.quality_sample_rate <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("DecodeEngine: batch_slots must be > 0 (got ",
-                                                   options.batch_slots,
-                                                   "), max_waiting and hot_cache_bytes >= 0, "
-                                                   "quality_sample_rate in [0, 1] (got ",
-                                                   options.quality_sample_rate, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeEngine: hot_cache_bytes must be >= 0 and quality_sample_rate in "
+                     "[0, 1] (got ",
+                     options.quality_sample_rate, ")"));
+  }
+  std::unique_ptr<DecodeBackend> backend =
+      MakeCpuDecodeBackend(model, registry,
+                           {.hot_cache_bytes = options.hot_cache_bytes,
+                            .quality_sample_rate = options.quality_sample_rate,
+                            .method_assets = options.method_assets},
+                           observer);
+  return Create(std::move(backend), tokenizer, std::move(options), observer);
+}
+
+absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
+    std::unique_ptr<DecodeBackend> backend, const model::Tokenizer* tokenizer,
+    EngineOptions options, DecodeObserver* observer) {
+  if (backend == nullptr) return absl::InvalidArgumentError("DecodeEngine: no backend");
+  if (options.batch_slots <= 0 || options.max_waiting < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeEngine: batch_slots must be > 0 (got ", options.batch_slots,
+                     ") and max_waiting >= 0 (got ", options.max_waiting, ")"));
   }
   return std::unique_ptr<DecodeEngine>(
-      new DecodeEngine(model, tokenizer, registry, std::move(options), observer));
+      new DecodeEngine(std::move(backend), tokenizer, std::move(options), observer));
 }
 
 DecodeEngine::~DecodeEngine() {
@@ -117,7 +126,7 @@ void DecodeEngine::Loop() {
 }
 
 absl::StatusOr<std::unique_ptr<DecodeEngine::Sequence>> DecodeEngine::Prepare(Handoff h) const {
-  const model::ModelConfig& c = model_->config();
+  const model::ModelConfig& c = backend_->config();
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(
         absl::StrCat("handoff of sequence ", h.sequence_id, ": ", parts...));
@@ -128,9 +137,10 @@ absl::StatusOr<std::unique_ptr<DecodeEngine::Sequence>> DecodeEngine::Prepare(Ha
   }
   if (h.store == nullptr) return bad("no store");
   if (h.prompt_tokens <= 0) return bad("prompt_tokens must be > 0");
-  if (h.prompt_tokens + 1 > c.context_length) {
-    return bad("prompt_tokens ", h.prompt_tokens, " leave no room in the context of ",
-               c.context_length);
+  const int64_t max_tokens = backend_->max_sequence_tokens();
+  if (h.prompt_tokens + 1 > max_tokens) {
+    return bad("prompt_tokens ", h.prompt_tokens, " leave no room in the context of ", max_tokens,
+               max_tokens < c.context_length ? " (this node's sequence limit)" : "");
   }
   if (h.first_token < 0 || h.first_token >= c.vocab) {
     return bad("first_token ", h.first_token, " outside the vocabulary");
@@ -140,9 +150,6 @@ absl::StatusOr<std::unique_ptr<DecodeEngine::Sequence>> DecodeEngine::Prepare(Ha
     return bad("retrieval.n_sink must be >= 0 and retrieval.local_window > 0");
   }
   if (h.sampling.max_tokens < 2) return bad("sampling.max_tokens must be >= 2 for a handoff");
-  if (!registry_->Has(h.method)) {
-    return bad("retrieval.method '", h.method, "' is not supported here");
-  }
   if (static_cast<int>(h.layers.size()) != c.n_layers) {
     return bad(h.layers.size(), " layers, the model has ", c.n_layers);
   }
@@ -156,100 +163,13 @@ absl::StatusOr<std::unique_ptr<DecodeEngine::Sequence>> DecodeEngine::Prepare(Ha
   absl::StatusOr<model::Sampler> sampler = model::Sampler::Create(so);
   if (!sampler.ok()) return bad("sampling: ", sampler.status().message());
 
-  auto seq = std::make_unique<Sequence>(
-      model::KvCache::Windowed(c.n_layers, c.n_kv_heads, c.head_dim, h.n_sink, h.local_window),
-      std::move(*sampler));
-  seq->indexes.resize(c.n_layers);
-  retrieval::IndexParams params;
-  params.budget = h.budget;
-  params.n_sink = h.n_sink;
-  params.local_window = h.local_window;
-  params.options = h.options;
-  params.assets = options_.method_assets;
-  const int64_t row = int64_t{c.n_kv_heads} * c.head_dim;
-  const size_t packed_row_bytes = static_cast<size_t>(2 * row) * sizeof(float);
-  std::vector<bool> seen(c.n_layers, false);
-  std::vector<float> k, v;
-  for (HandoffLayerData& layer : h.layers) {
-    if (layer.layer < 0 || layer.layer >= c.n_layers || seen[layer.layer]) {
-      return bad("layer ", layer.layer, " is out of range or sent twice");
-    }
-    seen[layer.layer] = true;
-    // Rows: sink then local, each run of consecutive positions.
-    for (int part = 0; part < 2; ++part) {
-      const std::string& bytes = part == 0 ? layer.sink_kv : layer.local_kv;
-      const std::vector<int64_t>& pos = part == 0 ? layer.sink_positions : layer.local_positions;
-      if (bytes.size() != pos.size() * packed_row_bytes) {
-        return bad("layer ", layer.layer, ": ", part == 0 ? "sink" : "local", " rows hold ",
-                   bytes.size(), " bytes for ", pos.size(), " positions of ", packed_row_bytes,
-                   " bytes");
-      }
-      if (pos.empty()) continue;
-      for (size_t i = 1; i < pos.size(); ++i) {
-        if (pos[i] != pos[0] + static_cast<int64_t>(i)) {
-          return bad("layer ", layer.layer, ": positions are not consecutive");
-        }
-      }
-      // [n, n_kv_heads, 2 * head_dim] -> K and V [n, n_kv_heads, head_dim].
-      const size_t n = pos.size();
-      k.resize(n * row);
-      v.resize(n * row);
-      const float* src = reinterpret_cast<const float*>(bytes.data());
-      for (size_t r = 0; r < n; ++r) {
-        for (int hh = 0; hh < c.n_kv_heads; ++hh) {
-          const float* kv = src + (r * c.n_kv_heads + hh) * 2 * c.head_dim;
-          std::memcpy(&k[r * row + hh * c.head_dim], kv, c.head_dim * sizeof(float));
-          std::memcpy(&v[r * row + hh * c.head_dim], kv + c.head_dim, c.head_dim * sizeof(float));
-        }
-      }
-      if (pos[0] < seq->cache.n_tokens(layer.layer)) {
-        return bad("layer ", layer.layer, ": positions overlap or go backwards");
-      }
-      KVR_RETURN_IF_ERROR(seq->cache.AppendAt(layer.layer, pos[0], static_cast<int64_t>(n),
-                                              k.data(), v.data(), row));
-    }
-    seq->cache.ClearEvicted(layer.layer);
-    const int64_t n_sink = std::min(h.n_sink, h.prompt_tokens);
-    const int64_t n_local = std::min(h.local_window, h.prompt_tokens - n_sink);
-    if (seq->cache.n_tokens(layer.layer) != h.prompt_tokens ||
-        seq->cache.resident_rows(layer.layer) != n_sink + n_local) {
-      return bad("layer ", layer.layer, ": sink/local rows cover ",
-                 seq->cache.resident_rows(layer.layer), " positions ending at ",
-                 seq->cache.n_tokens(layer.layer), "; expected ", n_sink, " sink + ", n_local,
-                 " local rows ending at prompt_tokens ", h.prompt_tokens);
-    }
-    if (layer.summaries.empty()) {
-      if (h.method != "full") {
-        return bad("layer ", layer.layer, ": no summaries for method '", h.method, "'");
-      }
-      continue;  // null index: every non-resident position
-    }
-    retrieval::IndexShape shape;
-    shape.n_heads = c.n_heads;
-    shape.n_kv_heads = c.n_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.layer = layer.layer;
-    shape.n_layers = c.n_layers;
-    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
-    absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index = retrieval::DeserializeIndex(
-        std::span(reinterpret_cast<const uint8_t*>(layer.summaries.data()), layer.summaries.size()),
-        *registry_, params, &shape);
-    if (!index.ok()) return bad("layer ", layer.layer, " summaries: ", index.status().message());
-    if ((*index)->method() != h.method || (*index)->size() != h.prompt_tokens) {
-      return bad("layer ", layer.layer, " summaries are method '", std::string((*index)->method()),
-                 "' over ", (*index)->size(), " tokens; expected '", h.method, "' over ",
-                 h.prompt_tokens);
-    }
-    seq->indexes[layer.layer] = std::move(*index);
-  }
+  auto seq = std::make_unique<Sequence>(std::move(*sampler));
+  KVR_ASSIGN_OR_RETURN(seq->state, backend_->Prepare(h));
   seq->next_token = h.first_token;
   seq->text = TextStream(h.sampling.stop, h.text_so_far, h.pending_utf8);
   h.layers.clear();
   seq->meta = std::move(h);
-  seq->resident_bytes = seq->cache.allocated_bytes();
-  for (const auto& index : seq->indexes) {
-    if (index) seq->resident_bytes += index->MemoryBytes();
-  }
+  seq->resident_bytes = seq->state->resident_bytes();
   return seq;
 }
 
@@ -330,10 +250,7 @@ absl::StatusOr<StreamChunk> DecodeEngine::Next(uint64_t sequence_id, absl::Time 
 void DecodeEngine::End(Sequence& seq, absl::Status status, const char* outcome) {
   const uint64_t id = seq.meta.sequence_id;
   if (seq.running) {
-    // This sequence's rows of the last step must be in the store before it is released there.
-    attention_.FinishOffload().IgnoreError();
-    seq.completion.retrieval = attention_.counters(id);
-    attention_.Release(id);
+    seq.completion.retrieval = backend_->Leave(id);
     seq.running = false;
     running_.erase(std::remove(running_.begin(), running_.end(), &seq), running_.end());
   }
@@ -350,7 +267,7 @@ void DecodeEngine::End(Sequence& seq, absl::Status status, const char* outcome) 
   seq.completion.method = seq.meta.method;
   seq.completion.budget = seq.meta.budget;
   resident_bytes_ -= seq.resident_bytes;
-  node_counters_ = attention_.node_counters();
+  node_counters_ = backend_->node_counters();
   cv_.SignalAll();
 }
 
@@ -372,7 +289,7 @@ bool DecodeEngine::Accept(Sequence& seq, int32_t token) {
   }
   if (reason == FinishReason::kNone &&
       (seq.generated >= s.max_tokens ||
-       seq.meta.prompt_tokens + seq.generated >= model_->config().context_length)) {
+       seq.meta.prompt_tokens + seq.generated >= backend_->max_sequence_tokens())) {
     reason = FinishReason::kLength;
   }
   if (reason == FinishReason::kLength || reason == FinishReason::kEos) text += seq.text.Flush();
@@ -432,16 +349,7 @@ bool DecodeEngine::Step() {
       seq = waiting_.front();
       waiting_.pop_front();
     }
-    DecodeSequenceSetup setup;
-    setup.method = seq->meta.method;
-    setup.budget = seq->meta.budget;
-    setup.n_sink = seq->meta.n_sink;
-    setup.local_window = seq->meta.local_window;
-    setup.indexes = std::move(seq->indexes);
-    setup.store = seq->meta.store;
-    setup.store_sequence = seq->meta.sequence_id;
-    setup.cache = &seq->cache;
-    if (absl::Status s = attention_.AddSequence(seq->meta.sequence_id, std::move(setup)); !s.ok()) {
+    if (absl::Status s = backend_->Join(seq->meta, std::move(seq->state)); !s.ok()) {
       End(*seq, s, "error");
       continue;
     }
@@ -452,15 +360,18 @@ bool DecodeEngine::Step() {
 
   // 3. One step over the batch.
   const auto t0 = std::chrono::steady_clock::now();
-  const int vocab = model_->config().vocab;
-  std::vector<model::ForwardSequence> batch;
-  batch.reserve(running_.size());
+  const int vocab = backend_->config().vocab;
+  std::vector<uint64_t> ids;
+  std::vector<int32_t> tokens;
+  ids.reserve(running_.size());
+  tokens.reserve(running_.size());
   for (Sequence* seq : running_) {
-    batch.push_back({seq->meta.sequence_id, &seq->cache, std::span(&seq->next_token, 1)});
+    ids.push_back(seq->meta.sequence_id);
+    tokens.push_back(seq->next_token);
   }
-  std::vector<float> logits(batch.size() * vocab);  // [batch, vocab]
-  absl::Status forward = model_->Forward(batch, attention_, model::LogitsMode::kLast, logits);
-  attention_.StartOffload();
+  std::vector<float> logits(ids.size() * vocab);  // [batch, vocab]
+  absl::Status forward = backend_->Step(ids, tokens, logits);
+  backend_->AfterStep();
   std::vector<Sequence*> step(running_.begin(), running_.end());
   if (!forward.ok()) {
     spdlog::error("decode step of {} sequences failed: {}", step.size(), forward.ToString());
@@ -486,7 +397,7 @@ bool DecodeEngine::Step() {
         : r == FinishReason::kStopString ? "stop"
                                          : "length");
   }
-  for (auto& [id, status] : attention_.TakeOffloadFailures()) {
+  for (auto& [id, status] : backend_->TakeFailures()) {
     for (Sequence* seq : std::vector<Sequence*>(running_)) {
       if (seq->meta.sequence_id == id) End(*seq, status, "error");
     }
@@ -498,7 +409,7 @@ bool DecodeEngine::Step() {
   {
     absl::MutexLock lock(&mu_);
     report.waiting = static_cast<int>(waiting_.size());
-    node_counters_ = attention_.node_counters();
+    node_counters_ = backend_->node_counters();
   }
   observer_->OnStep(report);
   return true;

@@ -6,15 +6,19 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <dlfcn.h>
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
@@ -25,6 +29,7 @@
 #include "kvr/common/thread_pool.h"
 #include "kvr/controller/membership_client.h"
 #include "kvr/decode/config.h"
+#include "kvr/decode/cuda_backend.h"
 #include "kvr/decode/engine.h"
 #include "kvr/decode/metrics_observer.h"
 #include "kvr/decode/service.h"
@@ -32,6 +37,20 @@
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
+
+// Why this binary replaces pthread_attr_setstacksize: cuBLASLt (linked for --device cuda, loaded
+// at start whatever the device) holds ~92 KiB of static TLS, which glibc takes out of every
+// thread's stack; civetweb (prometheus-cpp's /metrics server) asks for 100 KiB stacks, so its
+// pthread_create fails with EINVAL and the node cannot start ("null context when constructing
+// CivetServer"). Every explicit stack size in this process is raised to at least 1 MiB; the real
+// function does the rest. Exported from the executable (CMakeLists.txt) so that civetweb's call
+// binds here.
+extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
+  using Fn = int (*)(pthread_attr_t*, size_t);
+  static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  if (real == nullptr) return EINVAL;
+  return real(attr, std::max<size_t>(size, size_t{1} << 20));
+}
 
 namespace kvr::decode {
 namespace {
@@ -113,7 +132,15 @@ int Serve(const DecodeConfig& config) {
     }
     a2ats_assets = *books;
   }
-  const auto methods = MeasureSummaryBytes(mc, *registry, 2048, a2ats_assets);
+  auto methods = MeasureSummaryBytes(mc, *registry, 2048, a2ats_assets);
+  if (config.device == "cuda") {
+    // A CUDA node runs one method for all its sequences: it offers only that one.
+    std::erase_if(methods, [&](const auto& m) { return m.first != config.gpu_method; });
+    if (methods.empty()) {
+      std::cerr << "kvr-decode: gpu_method '" << config.gpu_method << "' cannot be offered\n";
+      return 2;
+    }
+  }
 
   StoreClients stores(
       [](const std::string& address) -> absl::StatusOr<std::unique_ptr<kv_store::KvStoreClient>> {
@@ -140,8 +167,17 @@ int Serve(const DecodeConfig& config) {
   }
   metrics::DecodeMetrics decode_metrics((*metrics_server)->registry());
   DecodeMetricsObserver metrics_observer(&decode_metrics, served);
+  // The forward pass's backend (--device): with cuda the weights go to the GPU once, here, so
+  // that a node that cannot use its GPU fails at start rather than on its first request.
+  absl::StatusOr<std::unique_ptr<DecodeBackend>> backend =
+      MakeDecodeBackend(config, loaded->model.get(), &*registry, a2ats_assets, &metrics_observer);
+  if (!backend.ok()) {
+    std::cerr << "kvr-decode: " << backend.status().message() << "\n";
+    return 2;
+  }
+  spdlog::info("decode backend {}", (*backend)->name());
   absl::StatusOr<std::unique_ptr<DecodeEngine>> engine = DecodeEngine::Create(
-      loaded->model.get(), loaded->tokenizer ? &*loaded->tokenizer : nullptr, &*registry,
+      *std::move(backend), loaded->tokenizer ? &*loaded->tokenizer : nullptr,
       EngineOptions{.model_name = served,
                     .batch_slots = static_cast<int>(config.batch_slots),
                     .max_waiting = static_cast<int>(config.max_waiting),

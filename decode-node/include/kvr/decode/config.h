@@ -36,6 +36,19 @@ struct DecodeConfig {
   double quality_sample_rate = 0;
   // `kvr calibrate` codebook file for this model: offers method a2ats (empty: not offered).
   std::string a2ats_codebooks;
+  // Where the forward pass runs: "cpu" (model::Model + DecodeAttention) or "cuda"
+  // (model::CudaModel sparse sequences on GPU cuda_device; cuda_backend.h). A CUDA node runs ONE
+  // method, budget, sink and window for all its sequences (gpu_*): it offers only gpu_method and
+  // refuses requests with another method, a bigger budget or another sink/window.
+  std::string device = "cpu";
+  uint32_t cuda_device = 0;
+  std::string gpu_method = "quest";
+  uint32_t gpu_budget = 1024;       // selected tokens per KV head and step
+  uint32_t gpu_n_sink = 16;         // the decode-node defaults of a request's retrieval params
+  uint32_t gpu_local_window = 256;
+  // Most tokens (prompt + generated) per sequence: sizes each slot's pinned host KV and
+  // summaries; 0: the model's context length.
+  uint32_t gpu_max_context = 0;
 };
 
 struct DecodeConfigField {

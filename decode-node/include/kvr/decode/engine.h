@@ -4,8 +4,9 @@
 // Sequences arrive by Admit (a prefill node's handoff, converted to `Handoff`), wait for a
 // batch slot, join the running batch between steps, and leave it between steps when they
 // finish (EOS, stop string, max_tokens, context length), are cancelled, pass their deadline or
-// fail. One thread (Start) drives Model::Forward over the running batch with DecodeAttention;
-// each step feeds every running sequence's last token and samples its next one.
+// fail. One thread (Start) drives the backend's forward pass over the running batch
+// (backend.h: the CPU Model with DecodeAttention, or CudaModel sparse sequences); each step
+// feeds every running sequence's last token and samples its next one.
 //
 // Output: the tokens and text a sequence generated are buffered (at most max_tokens) until a
 // reader takes them with Next (the service's Stream); the final Next returns the completion.
@@ -29,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvr/decode/backend.h"
 #include "kvr/decode/decode_attention.h"
 #include "kvr/decode/observer.h"
 #include "kvr/kv_store/client.h"
@@ -102,6 +104,7 @@ struct EngineOptions {
   std::string model_name;  // handoffs for another model are refused
   int batch_slots = 8;     // most sequences per step
   int max_waiting = 64;    // most sequences waiting for a slot
+  // The CPU backend's (Create with a model); a backend passed to Create has its own.
   int64_t hot_cache_bytes = 64 << 20;
   int64_t memory_bytes = 1ll << 30;  // summary + resident KV memory offered to the controller
   // Fraction of (step, sequence, layer) compared with the exact oracle (DecodeAttention).
@@ -114,12 +117,17 @@ struct EngineOptions {
 
 class DecodeEngine {
  public:
-  // `model`, `registry` and `observer` must outlive the engine; `tokenizer` and `observer` may
-  // be null (no text, no stop strings / no reports).
+  // The CPU backend over `model` (MakeCpuDecodeBackend with the options' hot_cache_bytes,
+  // quality_sample_rate and method_assets). `model`, `registry` and `observer` must outlive the
+  // engine; `tokenizer` and `observer` may be null (no text, no stop strings / no reports).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<DecodeEngine>> Create(
       const model::Model* model, const model::Tokenizer* tokenizer,
       const retrieval::MethodRegistry* registry, EngineOptions options,
       DecodeObserver* observer = nullptr);
+  // Any backend (owned).
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<DecodeEngine>> Create(
+      std::unique_ptr<DecodeBackend> backend, const model::Tokenizer* tokenizer,
+      EngineOptions options, DecodeObserver* observer = nullptr);
   ~DecodeEngine();  // stops the loop; releases every sequence in its store
 
   // Starts / stops the loop thread. Without Start, tests drive the loop with Step().
@@ -147,7 +155,7 @@ class DecodeEngine {
   bool Step();
 
   // Summary bytes of a running sequence. Loop thread only (or while the loop is not started).
-  int64_t SummaryBytes(uint64_t sequence_id) const { return attention_.SummaryBytes(sequence_id); }
+  int64_t SummaryBytes(uint64_t sequence_id) const { return backend_->SummaryBytes(sequence_id); }
 
   int running_sequences() const;  // running + waiting
   int64_t free_memory_bytes() const;
@@ -156,9 +164,8 @@ class DecodeEngine {
 
  private:
   struct Sequence;
-  DecodeEngine(const model::Model* model, const model::Tokenizer* tokenizer,
-               const retrieval::MethodRegistry* registry, EngineOptions options,
-               DecodeObserver* observer);
+  DecodeEngine(std::unique_ptr<DecodeBackend> backend, const model::Tokenizer* tokenizer,
+               EngineOptions options, DecodeObserver* observer);
   [[nodiscard]] absl::StatusOr<std::unique_ptr<Sequence>> Prepare(Handoff handoff) const;
   // Loop thread: ends a sequence (releases its attention state and store sequence) and
   // publishes the outcome.
@@ -167,13 +174,11 @@ class DecodeEngine {
   bool Accept(Sequence& seq, int32_t token);
   void Loop();
 
-  const model::Model* model_;
+  std::unique_ptr<DecodeBackend> backend_;  // loop thread only (Prepare: any thread)
   const model::Tokenizer* tokenizer_;
-  const retrieval::MethodRegistry* registry_;
   EngineOptions options_;
   DecodeObserver* observer_;
   NoopObserver noop_observer_;
-  DecodeAttention attention_;       // loop thread only
   std::vector<Sequence*> running_;  // loop thread only
 
   mutable absl::Mutex mu_;

@@ -1,0 +1,148 @@
+// The decode node's backend choice (--device) and the CUDA backend's refusals, on the CPU: the
+// settings parse (flag / file / env) and name bad values, "cpu" makes the CPU backend, "cuda"
+// without a usable GPU (or with settings it cannot take) fails naming the setting, and handoffs
+// that do not fit the CUDA node's one method / budget / sink / window are refused naming the
+// field and the node's setting.
+
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/decode/config.h"
+#include "kvr/decode/cuda_backend.h"
+#include "kvr/model/loader.h"
+#include "kvr/retrieval/all_methods.h"
+
+namespace kvr::decode {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::optional<std::string> NoEnv(const std::string&) { return std::nullopt; }
+
+TEST(DecodeBackendConfigTest, DeviceAndGpuSettingsParseFromFlagFileAndEnv) {
+  auto c = ResolveDecodeConfig({}, std::nullopt, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->device, "cpu");
+  EXPECT_EQ(c->gpu_method, "quest");
+  EXPECT_EQ(c->gpu_budget, 1024u);
+  EXPECT_EQ(c->gpu_n_sink, 16u);
+  EXPECT_EQ(c->gpu_local_window, 256u);
+  EXPECT_EQ(c->gpu_max_context, 0u);
+
+  const std::string path = ::testing::TempDir() + "/decode_backend_test.yaml";
+  std::ofstream(path) << "device: cuda\ngpu_budget: 512\n";
+  auto env = [](const std::string& name) -> std::optional<std::string> {
+    if (name == "KVR_DECODE_CUDA_DEVICE") return "2";
+    if (name == "KVR_DECODE_GPU_BUDGET") return "64";
+    if (name == "KVR_DECODE_GPU_LOCAL_WINDOW") return "128";
+    return std::nullopt;
+  };
+  c = ResolveDecodeConfig({{"gpu_max_context", "32768"}}, path, env);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->device, "cuda");            // file
+  EXPECT_EQ(c->gpu_budget, 512u);          // file over env
+  EXPECT_EQ(c->cuda_device, 2u);           // env
+  EXPECT_EQ(c->gpu_local_window, 128u);    // env
+  EXPECT_EQ(c->gpu_max_context, 32768u);   // flag
+  EXPECT_THAT(FormatDecodeConfig(*c), HasSubstr("device: cuda"));
+  EXPECT_THAT(FormatDecodeConfig(*c), HasSubstr("gpu_budget: 512"));
+  std::remove(path.c_str());
+
+  auto bad = ResolveDecodeConfig({{"device", "tpu"}}, std::nullopt, NoEnv);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("device (flag --device)"));
+  bad = ResolveDecodeConfig({{"gpu_method", "clusterkv"}}, std::nullopt, NoEnv);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("gpu_method (flag --gpu-method)"));
+  bad = ResolveDecodeConfig({{"gpu_budget", "0"}}, std::nullopt, NoEnv);
+  EXPECT_THAT(bad.status().message(), HasSubstr("gpu_budget"));
+}
+
+class MakeDecodeBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model::LoadOptions options;
+    options.format = model::LoadFormat::kDummy;
+    auto loaded = model::LoadModel("tiny", options, &pool_);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    model_ = std::move(loaded->model);
+    registry_ = *retrieval::AllMethods();
+  }
+  ThreadPool pool_{1};
+  std::unique_ptr<model::Model> model_;
+  retrieval::MethodRegistry registry_;
+};
+
+TEST_F(MakeDecodeBackendTest, CpuDeviceIsTheCpuBackend) {
+  DecodeConfig c;
+  auto backend = MakeDecodeBackend(c, model_.get(), &registry_, nullptr, nullptr);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_EQ((*backend)->name(), "cpu");
+  EXPECT_EQ((*backend)->max_sequence_tokens(), model_->config().context_length);
+}
+
+TEST_F(MakeDecodeBackendTest, CudaDeviceWithoutAGpuFailsNamingTheSetting) {
+  DecodeConfig c;
+  c.device = "cuda";
+  c.quality_sample_rate = 0.5;
+  auto backend = MakeDecodeBackend(c, model_.get(), &registry_, nullptr, nullptr);
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(backend.status().message(), HasSubstr("quality_sample_rate"));
+  c.quality_sample_rate = 0;
+  backend = MakeDecodeBackend(c, model_.get(), &registry_, nullptr, nullptr);
+  if (model::CudaModelAvailable()) {
+    GTEST_SKIP() << "a GPU is usable here: the no-GPU error cannot be seen";
+  }
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(backend.status().message(), HasSubstr("--device cuda"));
+  EXPECT_THAT(backend.status().message(), HasSubstr("--device cpu"));
+}
+
+TEST(CudaBackendCheckTest, RefusesHandoffsThatDoNotFitTheNode) {
+  CudaDecodeBackendOptions o;
+  o.method = "quest";
+  o.budget = 256;
+  o.n_sink = 16;
+  o.local_window = 64;
+  o.max_context = 1000;
+  Handoff h;
+  h.sequence_id = 7;
+  h.method = "quest";
+  h.budget = 256;
+  h.n_sink = 16;
+  h.local_window = 64;
+  h.prompt_tokens = 500;
+  EXPECT_TRUE(CheckHandoffForCudaBackend(h, o).ok());
+  h.budget = 100;  // smaller: runs at the node's budget
+  EXPECT_TRUE(CheckHandoffForCudaBackend(h, o).ok());
+
+  auto refused = [&](Handoff x, const std::string& field, const std::string& setting) {
+    const absl::Status s = CheckHandoffForCudaBackend(x, o);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_THAT(s.message(), HasSubstr("handoff of sequence 7"));
+    EXPECT_THAT(s.message(), HasSubstr(field));
+    EXPECT_THAT(s.message(), HasSubstr(setting));
+  };
+  Handoff x = h;
+  x.method = "clusterkv";
+  refused(x, "retrieval.method 'clusterkv'", "gpu_method");
+  x = h;
+  x.budget = 257;
+  refused(x, "retrieval.budget 257", "gpu_budget 256");
+  x = h;
+  x.n_sink = 4;
+  refused(x, "retrieval.n_sink 4", "gpu_n_sink 16");
+  x = h;
+  x.local_window = 256;
+  refused(x, "retrieval.local_window 256", "gpu_local_window 64");
+  x = h;
+  x.prompt_tokens = 1000;
+  refused(x, "prompt_tokens 1000", "gpu_max_context 1000");
+}
+
+}  // namespace
+}  // namespace kvr::decode
