@@ -792,6 +792,21 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
                                                    " outside [1, capacity ", s.capacity,
                                                    "] or max_queries ", o.max_queries, " < 0"));
   }
+  if (o.summaries && s.summaries == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BeginKvExport: summaries asked for sequence ", id,
+        ", which was added without a prefill summary method (SetPrefillSummaries first)"));
+  }
+  // The summary part of each layer's export (floats, then the int32s in the same buffer).
+  int64_t sum_f32 = 0, sum_i32 = 0;
+  if (o.summaries) {
+    const Summaries& sm = *s.summaries;
+    sum_f32 = sm.opt.method == PrefillSummaryMethod::kQuest
+                  ? (o.length + sm.opt.quest_page_size - 1) / sm.opt.quest_page_size *
+                        int64_t{config_.n_kv_heads} * 2 * config_.head_dim
+                  : sm.layer_f32;
+    sum_i32 = sm.layer_i32;
+  }
   const ModelConfig& c = config_;
   const int64_t kv = c.kv_dim(), qd = c.q_dim(), T = options_.max_batch_tokens;
   KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
@@ -820,7 +835,7 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
     KVR_RETURN_IF_ERROR(Alloc(q_stage_, int64_t{c.n_layers} * stage_rows * qd));
     q_stage_rows_ = stage_rows;
   }
-  e->layer_stride = 2 * o.length * kv + e->nq * qd;
+  e->layer_stride = 2 * o.length * kv + e->nq * qd + sum_f32 + sum_i32;
   const int64_t need = int64_t{c.n_layers} * e->layer_stride;
   // The smallest pooled buffer that fits; when none does, the pool is freed first (one request
   // at a time is the prefill node's case: its buffer grows to the longest prompt).
@@ -864,6 +879,18 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
     n.view.queries = base + 2 * o.length * kv;
     n.view.n_queries = e->nq;
     n.view.queries_first_position = o.length - e->nq;
+    if (o.summaries) {
+      const Summaries& sm = *s.summaries;
+      PrefillSummaryLayer& v = n.view.summary;
+      v.method = sm.opt.method;
+      v.length = o.length;
+      v.f32 = base + 2 * o.length * kv + e->nq * qd;
+      v.n_f32 = sum_f32;
+      v.i32 = reinterpret_cast<const int32_t*>(v.f32 + sum_f32);
+      v.n_i32 = sum_i32;
+      v.max_clusters = sm.max_clusters;
+      v.max_points = sm.max_points;
+    }
   }
   s.exporting = std::move(e);
   return absl::OkStatus();
@@ -1535,6 +1562,12 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
             "sequence ", in.id, " would be ", length, " tokens, past the length of its KV export (",
             s.exporting->opt.length, ")"));
       }
+      if (s.exporting != nullptr && s.exporting->opt.summaries &&
+          length == s.exporting->opt.length && !in.build_summaries) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence ", in.id, " exports its summaries: the chunk that completes its ", length,
+            " tokens must set build_summaries"));
+      }
       for (int32_t token : in.tokens) {
         if (token < 0 || token >= c.vocab) {
           return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: token id ", token,
@@ -1705,6 +1738,18 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         KVR_CUDA_RETURN_IF_ERROR(d2h(view.queries + (x.q_first - view.queries_first_position) * qd,
                                      stage + x.stage_row * qd, x.q_n * qd));
       }
+      const PrefillSummaryLayer& sv = view.summary;
+      if (x.first + x.n == x.exp->opt.length && sv.method != PrefillSummaryMethod::kNone) {
+        // The layer's summary, once its build (queued before this export) is done.
+        const Summaries& sm = *seqs[x.b]->summaries;
+        KVR_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(cs, build_end_[layer].get(), 0));
+        KVR_CUDA_RETURN_IF_ERROR(d2h(sv.f32, sm.f32.data() + layer * sm.layer_f32, sv.n_f32));
+        if (sv.n_i32 > 0) {
+          KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+              const_cast<int32_t*>(sv.i32), sm.i32.data() + layer * sm.layer_i32,
+              sv.n_i32 * sizeof(int32_t), cudaMemcpyDeviceToHost, cs));
+        }
+      }
       if (x.first + x.n == x.exp->opt.length && x.exp->opt.on_layer) {
         // The chunk that completes the export: the layer is whole once these copies are done.
         KVR_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(
@@ -1796,7 +1841,6 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         rope.head_dim = c.head_dim;
         rope.layer = layer;
         KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
-        if (!exports.empty()) KVR_RETURN_IF_ERROR(queue_export(layer));
         if (!builds.empty()) {
           // This layer's K rows are in the caches: its summaries can be built (issue 7).
           cudaStream_t bs = stream();
@@ -1811,6 +1855,8 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
           }
           KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(build_end_[layer].get(), bs));
         }
+        // After the builds: an export of summaries waits for build_end_[layer].
+        if (!exports.empty()) KVR_RETURN_IF_ERROR(queue_export(layer));
         KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
         ap.layer = layer;
         KVR_RETURN_IF_ERROR(all_decode ? cuda::LaunchDecodeAttention(ap, stream())

@@ -306,5 +306,61 @@ TEST(CudaExportTest, RejectsMisuse) {
       << "a sequence that holds tokens";
 }
 
+// KvExportOptions::summaries: the sequence needs a summary method, and the chunk that completes
+// the export must build; then each layer's view carries its summary (quest: ceil(L / 16) pages).
+TEST(CudaExportTest, ExportsSummariesWithTheRows) {
+  SKIP_WITHOUT_GPU();
+  auto config = DummyConfig("smollm2-135m", 2);
+  ASSERT_TRUE(config.ok());
+  CudaModelOptions opt;
+  opt.max_batch_tokens = 64;
+  auto gpu = CreateCudaModelWithRandomWeights(*config, 1, opt);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  KvExportOptions eo;
+  eo.length = 40;
+  eo.summaries = true;
+  ASSERT_TRUE((*gpu)->AddSequence(1, 40).ok());
+  EXPECT_EQ((*gpu)->BeginKvExport(1, eo).code(), absl::StatusCode::kFailedPrecondition)
+      << "no summary method";
+  PrefillSummaryOptions so;
+  so.method = PrefillSummaryMethod::kQuest;
+  ASSERT_TRUE((*gpu)->SetPrefillSummaries(so).ok());
+  ASSERT_TRUE((*gpu)->AddSequence(2, 40).ok());
+  std::vector<KvExportLayer> seen;
+  std::vector<std::vector<float>> bounds;
+  eo.on_layer = [&](const KvExportLayer& x) {
+    seen.push_back(x);
+    bounds.emplace_back(x.summary.f32, x.summary.f32 + x.summary.n_f32);
+  };
+  ASSERT_TRUE((*gpu)->BeginKvExport(2, eo).ok());
+  std::vector<int32_t> tokens(40);
+  for (int i = 0; i < 40; ++i) tokens[i] = 3 * i + 1;
+  std::vector<float> logits(config->vocab);
+  const CudaSequence first{2, std::span(tokens).first(24)};
+  ASSERT_TRUE((*gpu)->Forward(std::span(&first, 1), LogitsMode::kLast, logits).ok());
+  const CudaSequence no_build{2, std::span(tokens).subspan(24)};
+  EXPECT_EQ((*gpu)->Forward(std::span(&no_build, 1), LogitsMode::kLast, logits).code(),
+            absl::StatusCode::kInvalidArgument)
+      << "the completing chunk must build the summaries";
+  const CudaSequence last{2, std::span(tokens).subspan(24), /*build_summaries=*/true};
+  ASSERT_TRUE((*gpu)->Forward(std::span(&last, 1), LogitsMode::kLast, logits).ok());
+  ASSERT_EQ(seen.size(), 2u);
+  auto built = (*gpu)->PrefillSummariesForTesting(2);
+  ASSERT_TRUE(built.ok()) << built.status();
+  const int64_t per_layer = int64_t{3} * config->n_kv_heads * 2 * config->head_dim;  // 3 pages
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(seen[l].layer, l);
+    EXPECT_EQ(seen[l].summary.method, PrefillSummaryMethod::kQuest);
+    EXPECT_EQ(seen[l].summary.length, 40);
+    ASSERT_EQ(seen[l].summary.n_f32, per_layer);
+    // The exported bounds are the model's buffers for that layer (bitwise).
+    const int64_t layer_f32 = static_cast<int64_t>(built->f32.size()) / 2;
+    EXPECT_EQ(0, std::memcmp(bounds[l].data(), built->f32.data() + l * layer_f32,
+                             per_layer * sizeof(float)))
+        << "layer " << l;
+  }
+  ASSERT_TRUE((*gpu)->EndKvExport(2).ok());
+}
+
 }  // namespace
 }  // namespace kvr::model

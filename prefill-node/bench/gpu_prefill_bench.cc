@@ -158,6 +158,8 @@ class TimedBackend final : public PrefillBackend {
 int Main(int argc, char** argv) {
   CLI::App app{"gpu_prefill_bench: CUDA prefill backend, export and engine times"};
   std::string shape = "llama3-8b", prompts = "8192,32768", methods = "full,quest,clusterkv";
+  bool gpu_summaries = true;
+  int64_t budget = 0;
   int layers = 0, reps = 2;
   int64_t chunk = 2048, max_queries = 512;
   double store_gib = 0;
@@ -166,10 +168,16 @@ int Main(int argc, char** argv) {
   app.add_option("--layers", layers, "layer count override (0: the shape's)");
   app.add_option("--prompt", prompts, "prompt lengths, comma separated");
   app.add_option("--chunk", chunk, "prompt tokens per forward chunk (= max_batch_tokens)");
-  app.add_option("--methods", methods, "methods for (c), comma separated (empty: skip (c))");
+  app.add_option("--methods", methods, "methods for (c), comma separated, each method[:option=value;...] (empty: skip (c))");
   app.add_option("--reps", reps, "timed repetitions per row (best is printed)");
   app.add_option("--max-queries", max_queries, "last prefill queries exported per layer");
   app.add_option("--store-gib", store_gib, "fake store pool (0: sized for the longest prompt)");
+  app.add_option("--budget", budget,
+                 "retrieval budget of (c)'s requests (0: IndexParams' default, 256; clusterkv's C0 "
+                 "= max(L/80, 4L/budget))");
+  app.add_option("--gpu-summaries", gpu_summaries,
+                 "quest and clusterkv summaries built on the GPU (false: on the CPU from the "
+                 "exported rows)");
   app.add_option("--store", store_kind, "fake (puts copy into the pool) or discard (no copy)")
       ->check(CLI::IsMember({"fake", "discard"}));
   CLI11_PARSE(app, argc, argv);
@@ -199,7 +207,10 @@ int Main(int argc, char** argv) {
       "max_queries %lld\n",
       shape.c_str(), c.n_layers, gpu->weight_bytes() / 1e9, Ms(Clock::now() - t0),
       static_cast<long long>(chunk), static_cast<long long>(max_queries));
-  auto inner = CreateCudaPrefillBackend(*std::move(created), o.device, chunk);
+  auto inner = CreateCudaPrefillBackend(*std::move(created), o.device, chunk, gpu_summaries);
+  std::printf("# summaries of quest and clusterkv built on the %s\n",
+              gpu_summaries ? "GPU (side stream, shipped as the CPU index's bytes)"
+                            : "CPU (from the exported rows)");
   if (!inner.ok()) return 1;
   auto timed_owned = std::make_unique<TimedBackend>(*std::move(inner));
   TimedBackend* timed = timed_owned.get();
@@ -295,7 +306,17 @@ int Main(int argc, char** argv) {
         job.sequence_id = next_id++;
         job.prompt = TokenPrompt{ids};
         job.sampling.set_max_tokens(1);  // no handoff: the store sequence is released at once
-        job.retrieval.set_method(std::string(m));
+        // "method" or "method:name=value,..." (method options, e.g.
+        // clusterkv:clusterkv.max_iterations=3).
+        const std::vector<std::string> parts = absl::StrSplit(m, absl::MaxSplits(':', 1));
+        job.retrieval.set_method(parts[0]);
+        if (budget > 0) job.retrieval.set_budget(static_cast<uint32_t>(budget));
+        if (parts.size() > 1) {
+          for (absl::string_view kv : absl::StrSplit(parts[1], ';', absl::SkipEmpty())) {
+            const std::vector<std::string> nv = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+            if (nv.size() == 2) (*job.retrieval.mutable_options())[nv[0]] = nv[1];
+          }
+        }
         timing.Reset();
         auto result = engine.Run(job);
         if (!result.ok()) {
@@ -320,7 +341,7 @@ int Main(int argc, char** argv) {
         }
       }
       std::printf(
-          "L %6lld  (c) engine %-9s store %-7s %9.1f ms  overhead over (a) %+7.2f%%  "
+          "L %6lld  (c) engine %-36s store %-7s %9.1f ms  overhead over (a) %+7.2f%%  "
           "index builds (sum of layers) %9.1f ms  last layer ready %+8.1f ms after the "
           "forward\n",
           static_cast<long long>(L), std::string(m).c_str(), store_kind.c_str(), best_ms,

@@ -68,6 +68,19 @@ const std::vector<PrefillConfigField>& PrefillConfigFields() {
        [](const PrefillConfig& c) { return c.device; }},
       UintField("cuda_device", "CUDA device ordinal for --device cuda", &PrefillConfig::cuda_device,
                 true),
+      {"gpu_summaries",
+       "--device cuda: build quest and clusterkv summaries on the GPU (false: on the CPU)",
+       [](PrefillConfig& c, const std::string& v) {
+         if (v == "true" || v == "1") {
+           c.gpu_summaries = true;
+         } else if (v == "false" || v == "0") {
+           c.gpu_summaries = false;
+         } else {
+           return BadValue(v, "true or false");
+         }
+         return absl::OkStatus();
+       },
+       [](const PrefillConfig& c) { return std::string(c.gpu_summaries ? "true" : "false"); }},
       UintField("threads", "model threads (0 = all cores)", &PrefillConfig::threads, true),
       UintField("chunk_tokens", "prompt tokens per forward chunk", &PrefillConfig::chunk_tokens,
                 false),

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
+#include "kvr/retrieval/clusterkv.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -29,8 +30,12 @@ class CudaRows final : public PrefillRows {
 
 class CudaPrefillBackend final : public PrefillBackend {
  public:
-  CudaPrefillBackend(std::unique_ptr<model::CudaModel> model, int device, int64_t max_chunk)
-      : model_(std::move(model)), device_(device), max_chunk_(max_chunk) {}
+  CudaPrefillBackend(std::unique_ptr<model::CudaModel> model, int device, int64_t max_chunk,
+                     bool gpu_summaries)
+      : model_(std::move(model)),
+        device_(device),
+        max_chunk_(max_chunk),
+        gpu_summaries_(gpu_summaries) {}
 
   const model::ModelConfig& config() const override { return model_->config(); }
   std::string name() const override { return absl::StrCat("cuda:", device_); }
@@ -45,6 +50,10 @@ class CudaPrefillBackend final : public PrefillBackend {
     // The model's own ids: the engine's sequence ids are the cluster's, unique per request but
     // not guaranteed to be unused here.
     const model::SequenceId id = next_id_++;
+    // The summaries the GPU builds for this call (read by AddSequence).
+    KVR_ASSIGN_OR_RETURN(const model::PrefillSummaryOptions summaries, SummariesFor(call));
+    KVR_RETURN_IF_ERROR(model_->SetPrefillSummaries(summaries));
+    const bool build = summaries.method != model::PrefillSummaryMethod::kNone;
     KVR_RETURN_IF_ERROR(model_->AddSequence(id, L));
     *rows = std::make_unique<CudaRows>(model_.get(), id);
     model::KvExportOptions eo;
@@ -59,35 +68,70 @@ class CudaPrefillBackend final : public PrefillBackend {
         task.queries = x.queries;
         task.n_queries = x.n_queries;
         task.queries_first_position = x.queries_first_position;
+        task.summary = x.summary;
         call.on_layer(std::move(task));
       };
     }
+    eo.summaries = build;
     KVR_RETURN_IF_ERROR(model_->BeginKvExport(id, eo));
     std::vector<float> logits(model_->config().vocab);
     const int64_t chunk = std::min(call.chunk_tokens, max_chunk_);
     for (int64_t begin = 0; begin < L; begin += chunk) {
       if (call.check) KVR_RETURN_IF_ERROR(call.check());
-      const model::CudaSequence s{id, call.ids.subspan(begin, std::min(chunk, L - begin))};
+      const int64_t n = std::min(chunk, L - begin);
+      // The chunk that completes the prompt builds the summaries over all of it.
+      const model::CudaSequence s{id, call.ids.subspan(begin, n), build && begin + n == L};
       KVR_RETURN_IF_ERROR(model_->Forward(std::span(&s, 1), model::LogitsMode::kLast, logits));
     }
     return logits;
   }
 
  private:
+  // GPU summaries of the call's method with its parameters (kNone: the engine builds them).
+  absl::StatusOr<model::PrefillSummaryOptions> SummariesFor(const PrefillCall& call) const {
+    model::PrefillSummaryOptions o;
+    if (!gpu_summaries_ || call.params == nullptr) return o;
+    if (call.method == "quest") {
+      o.method = model::PrefillSummaryMethod::kQuest;
+    } else if (call.method == "clusterkv") {
+      o.method = model::PrefillSummaryMethod::kClusterKv;
+    } else {
+      return o;
+    }
+    // The request's clusterkv.* options, as the CPU index's factory applies them.
+    KVR_ASSIGN_OR_RETURN(const retrieval::IndexParams p,
+                         retrieval::ApplyClusterKvOptions(*call.params));
+    // quest's build is ~50 us per layer: on the main stream it is done when the layer's export
+    // starts. On the side stream it waited for SMs behind the prefill's kernels, and the export
+    // (which waits for the build) with it: all layers then reached the worker at the end
+    // (measured: +25% at 32K). clusterkv's k-means (ms per layer) keeps the side stream.
+    o.side_stream = call.method == "clusterkv";
+    o.n_sink = p.n_sink;
+    o.budget = p.budget;
+    o.quest_page_size = p.quest.page_size;
+    o.clusterkv_n_clusters = p.clusterkv.n_clusters;
+    o.clusterkv_max_iterations = p.clusterkv.max_iterations;
+    o.seed = p.seed;
+    return o;
+  }
+
   std::unique_ptr<model::CudaModel> model_;
   int device_;
   int64_t max_chunk_;
+  bool gpu_summaries_;
   model::SequenceId next_id_ = 1;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PrefillBackend>> CreateCudaPrefillBackend(
-    std::unique_ptr<model::CudaModel> model, int device, int64_t max_chunk_tokens) {
+    std::unique_ptr<model::CudaModel> model, int device, int64_t max_chunk_tokens,
+    bool gpu_summaries) {
   if (model == nullptr || max_chunk_tokens < 1) {
     return absl::InvalidArgumentError("CreateCudaPrefillBackend: no model or max_chunk_tokens < 1");
   }
-  return std::make_unique<CudaPrefillBackend>(std::move(model), device, max_chunk_tokens);
+  return std::make_unique<CudaPrefillBackend>(std::move(model), device, max_chunk_tokens,
+                                              gpu_summaries);
 }
 
 absl::StatusOr<std::unique_ptr<PrefillBackend>> MakePrefillBackend(const PrefillConfig& config,
@@ -114,7 +158,8 @@ absl::StatusOr<std::unique_ptr<PrefillBackend>> MakePrefillBackend(const Prefill
   if (!gpu.ok()) {
     return absl::Status(gpu.status().code(), absl::StrCat(setting, ": ", gpu.status().message()));
   }
-  return CreateCudaPrefillBackend(*std::move(gpu), o.device, config.chunk_tokens);
+  return CreateCudaPrefillBackend(*std::move(gpu), o.device, config.chunk_tokens,
+                                  config.gpu_summaries);
 }
 
 }  // namespace kvr::prefill_node

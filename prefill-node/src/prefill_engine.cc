@@ -16,6 +16,7 @@
 #include "kvr/common/status.h"
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/index.h"
+#include "kvr/retrieval/prebuilt.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -127,26 +128,38 @@ class LayerWorker {
     shape.n_layers = c.n_layers;
     // The runtime rotates Hugging Face style (rotate-half) for every architecture.
     shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
-    absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index =
-        ctx_.registry->Make(ctx_.method, shape, *ctx_.params);
-    if (!index.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("retrieval.method '", ctx_.method, "': ", index.status().message()));
+    std::vector<uint8_t> bytes;
+    if (task.summary.method != model::PrefillSummaryMethod::kNone) {
+      // Built by the backend (on the GPU): only serialised here.
+      absl::StatusOr<std::vector<uint8_t>> built = SerializeBackendSummary(shape, task);
+      if (!built.ok()) {
+        return absl::InternalError(absl::StrCat("retrieval (method '", ctx_.method, "', layer ",
+                                                task.layer, ", built by the backend): ",
+                                                built.status().message()));
+      }
+      bytes = *std::move(built);
+    } else {
+      absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index =
+          ctx_.registry->Make(ctx_.method, shape, *ctx_.params);
+      if (!index.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("retrieval.method '", ctx_.method, "': ", index.status().message()));
+      }
+      retrieval::BuildInput in;
+      in.keys = {task.kv.k, L, task.kv.row_stride};
+      const int64_t q_row = int64_t{c.n_heads} * c.head_dim;
+      in.queries = {task.queries, task.n_queries, q_row};
+      in.queries_first_position = task.queries_first_position;
+      if (absl::Status s = (*index)->Build(in); !s.ok()) {
+        // Build checks the method's context-dependent parameters (e.g. CTKVR's C): a request
+        // error, not a node failure.
+        return absl::InvalidArgumentError(absl::StrCat(
+            "retrieval (method '", ctx_.method, "', layer ", task.layer, "): ", s.message()));
+      }
+      // `full` and `streaming` hold no summary: their payload is empty but the header (method,
+      // shape, token count) is still shipped, so D can deserialize every method the same way.
+      KVR_ASSIGN_OR_RETURN(bytes, retrieval::SerializeIndex(**index));
     }
-    retrieval::BuildInput in;
-    in.keys = {task.kv.k, L, task.kv.row_stride};
-    const int64_t q_row = int64_t{c.n_heads} * c.head_dim;
-    in.queries = {task.queries, task.n_queries, q_row};
-    in.queries_first_position = task.queries_first_position;
-    if (absl::Status s = (*index)->Build(in); !s.ok()) {
-      // Build checks the method's context-dependent parameters (e.g. CTKVR's C): a request
-      // error, not a node failure.
-      return absl::InvalidArgumentError(absl::StrCat("retrieval (method '", ctx_.method,
-                                                     "', layer ", task.layer, "): ", s.message()));
-    }
-    // `full` and `streaming` hold no summary: their payload is empty but the header (method,
-    // shape, token count) is still shipped, so D can deserialize every method the same way.
-    KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, retrieval::SerializeIndex(**index));
     const auto t1 = std::chrono::steady_clock::now();
 
     // 2. Sink and local-window rows for D.
@@ -194,6 +207,52 @@ class LayerWorker {
     }
     layers_[task.layer] = std::move(layer);
     return absl::OkStatus();
+  }
+
+  // The shipped bytes of a summary the backend built (LayerTask::summary), as the CPU index
+  // with the same state serialises (retrieval/prebuilt.h).
+  absl::StatusOr<std::vector<uint8_t>> SerializeBackendSummary(const retrieval::IndexShape& shape,
+                                                               const LayerTask& task) const {
+    const model::PrefillSummaryLayer& s = task.summary;
+    if (s.length != ctx_.prompt_tokens) {
+      return absl::InternalError(absl::StrCat("summary over ", s.length, " tokens, expected ",
+                                              ctx_.prompt_tokens));
+    }
+    switch (s.method) {
+      case model::PrefillSummaryMethod::kQuest:
+        return retrieval::SerializePrebuiltQuest(shape, *ctx_.params, s.length,
+                                                 {s.f32, static_cast<size_t>(s.n_f32)});
+      case model::PrefillSummaryMethod::kClusterKv: {
+        const int nkv = shape.n_kv_heads, hd = shape.head_dim, K = s.max_clusters;
+        const int64_t need = nkv + int64_t{nkv} * (K + 1) + int64_t{nkv} * s.max_points;
+        if (s.n_i32 < need || s.n_f32 < int64_t{nkv} * K * hd) {
+          return absl::InternalError("clusterkv summary smaller than its layout");
+        }
+        const int32_t* n_clusters = s.i32;
+        const int32_t* offsets = s.i32 + nkv;
+        const int32_t* members = offsets + int64_t{nkv} * (K + 1);
+        std::vector<retrieval::PrebuiltClusterKvHead> heads(nkv);
+        for (int h = 0; h < nkv; ++h) {
+          const int64_t nc = n_clusters[h];
+          if (nc < 0 || nc > K) {
+            return absl::InternalError(absl::StrCat("clusterkv head ", h, ": ", nc,
+                                                    " clusters, at most ", K));
+          }
+          const int32_t* off = offsets + int64_t{h} * (K + 1);
+          const int64_t n_members = off[nc];
+          if (n_members < 0 || n_members > s.max_points) {
+            return absl::InternalError(absl::StrCat("clusterkv head ", h, ": ", n_members,
+                                                    " members, at most ", s.max_points));
+          }
+          heads[h].centroids = {s.f32 + int64_t{h} * K * hd, static_cast<size_t>(nc * hd)};
+          heads[h].offsets = {off, static_cast<size_t>(nc + 1)};
+          heads[h].ids = {members + int64_t{h} * s.max_points, static_cast<size_t>(n_members)};
+        }
+        return retrieval::SerializePrebuiltClusterKv(shape, *ctx_.params, s.length, heads);
+      }
+      default:
+        return absl::UnimplementedError("the backend built a summary this node cannot ship");
+    }
   }
 
   Context ctx_;
@@ -436,6 +495,8 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   call.ids = ids;
   call.chunk_tokens = options_.chunk_tokens;
   call.max_queries = options_.max_prefill_queries;
+  call.method = rp.method();
+  call.params = &params;
   call.on_layer = [&worker](LayerTask&& task) { worker.Push(std::move(task)); };
   // Cancellation, the deadline, and the worker's first error (a failed build or put stops the
   // compute early).

@@ -84,5 +84,20 @@ TEST(PrefillBackendTest, DeviceSettingParsesAndNamesBadValues) {
   EXPECT_THAT(c.status().message(), HasSubstr("cuda_device"));
 }
 
+TEST(PrefillBackendTest, GpuSummariesSettingParses) {
+  auto none = [](const std::string&) { return std::optional<std::string>(); };
+  auto c = ResolvePrefillConfig({}, std::nullopt, none);
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->gpu_summaries);  // default: quest / clusterkv summaries on the GPU
+  c = ResolvePrefillConfig({{"gpu_summaries", "false"}}, std::nullopt, none);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->gpu_summaries);
+  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("gpu_summaries: \"false\""));
+  c = ResolvePrefillConfig({{"gpu_summaries", "yes"}}, std::nullopt, none);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("gpu_summaries"));
+  EXPECT_THAT(c.status().message(), HasSubstr("true or false"));
+}
+
 }  // namespace
 }  // namespace kvr::prefill_node

@@ -31,6 +31,7 @@
 #include "kvr/prefill_node/prefill_engine.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/registry.h"
+#include "kvr/retrieval/serialization.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -260,6 +261,86 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
       }
     }
     EXPECT_EQ(store.failed, 0) << "store rows outside the tolerance";
+
+    // quest and clusterkv summaries were built on the GPU (gpu_summaries, the default). quest's
+    // must be byte for byte the CPU index built from the rows the GPU shipped (min / max of the
+    // same floats); clusterkv's (k-means in 3xTF32 on the GPU, float32 on the CPU) must select
+    // like it: the share of equal ids over random queries is printed and must be >= 0.9.
+    if (std::string(method) != "full") {
+      retrieval::IndexParams params;
+      params.budget = 16;
+      params.n_sink = 4;
+      params.local_window = 32;
+      double equal_ids = 0, total_ids = 0;
+      for (int layer = 0; layer < c.n_layers; ++layer) {
+        std::vector<float> keys(L * c.n_kv_heads * c.head_dim);
+        for (int head = 0; head < c.n_kv_heads; ++head) {
+          kv_store::RangeEntry range{job.sequence_id, static_cast<uint32_t>(layer),
+                                     static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
+          ASSERT_TRUE(gpu.store->RangeRead(std::span(&range, 1), a).ok());
+          const auto* rows = reinterpret_cast<const float*>(a.data());
+          for (int64_t t = 0; t < L; ++t) {
+            std::memcpy(&keys[(t * c.n_kv_heads + head) * c.head_dim], rows + t * 2 * c.head_dim,
+                        c.head_dim * sizeof(float));
+          }
+        }
+        retrieval::IndexShape shape;
+        shape.n_heads = c.n_heads;
+        shape.n_kv_heads = c.n_kv_heads;
+        shape.head_dim = c.head_dim;
+        shape.layer = layer;
+        shape.n_layers = c.n_layers;
+        shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+        auto cpu_index = registry->Make(method, shape, params);
+        ASSERT_TRUE(cpu_index.ok());
+        ASSERT_TRUE((*cpu_index)->Build({{keys.data(), L, int64_t{c.n_kv_heads} * c.head_dim},
+                                         {},
+                                         0})
+                        .ok());
+        const cv1::HandoffLayer* g = nullptr;
+        for (size_t i = 1; i < gpu.opener.chunks.size(); ++i) {
+          if (gpu.opener.chunks[i].layer().layer() == static_cast<uint32_t>(layer)) {
+            g = &gpu.opener.chunks[i].layer();
+          }
+        }
+        ASSERT_NE(g, nullptr);
+        const std::span<const uint8_t> shipped(
+            reinterpret_cast<const uint8_t*>(g->summaries().data()), g->summaries().size());
+        if (std::string(method) == "quest") {
+          auto want_bytes = retrieval::SerializeIndex(**cpu_index);
+          ASSERT_TRUE(want_bytes.ok());
+          EXPECT_TRUE(std::equal(shipped.begin(), shipped.end(), want_bytes->begin(),
+                                 want_bytes->end()))
+              << "layer " << layer << ": GPU quest bounds differ from the CPU index's";
+          continue;
+        }
+        auto gpu_index = retrieval::DeserializeIndex(shipped, *registry, params);
+        ASSERT_TRUE(gpu_index.ok()) << gpu_index.status();
+        std::vector<float> q(static_cast<size_t>(c.n_heads) * c.head_dim);
+        uint64_t x = 1234 + layer;
+        for (int trial = 0; trial < 8; ++trial) {
+          for (float& v : q) {
+            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+            v = static_cast<float>(static_cast<int64_t>(x >> 40) % 2001 - 1000) / 500.f;
+          }
+          retrieval::Selection sg, sc;
+          const retrieval::SelectRequest req{q.data(), L, 16, 4, L - 32};
+          ASSERT_TRUE((*gpu_index)->Select(req, &sg).ok());
+          ASSERT_TRUE((*cpu_index)->Select(req, &sc).ok());
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            for (int64_t id : sg.per_head[h]) {
+              equal_ids += std::count(sc.per_head[h].begin(), sc.per_head[h].end(), id);
+            }
+            total_ids += static_cast<double>(sc.per_head[h].size());
+          }
+        }
+      }
+      if (std::string(method) == "clusterkv") {
+        std::printf("[ summary ] clusterkv built on the GPU vs on the CPU from the same rows: "
+                    "%.3f of selected ids equal\n", equal_ids / total_ids);
+        EXPECT_GE(equal_ids / total_ids, 0.9);
+      }
+    }
     std::printf(
         "[ parity ] %-9s store rows %6lld min cosine %.6f max |err|/rms %.4f;"
         "  handoff rows %4lld min cosine %.6f max |err|/rms %.4f; first token %d/%d\n",

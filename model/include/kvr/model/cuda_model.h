@@ -150,6 +150,20 @@ struct PrefillSummaryData {
 //   layer's copies): it must not call CUDA and must not block (push to a queue and return);
 //   every call has returned before the Forward that made it returns.
 // - Forward refuses a chunk that would take an exporting sequence past L.
+// One layer's prefill summary as built on the GPU (SetPrefillSummaries), in pinned host memory,
+// layouts as PrefillSummaryOptions describes (quest: only the ceil(L / page_size) pages of L).
+struct PrefillSummaryLayer {
+  PrefillSummaryMethod method = PrefillSummaryMethod::kNone;  // kNone: not exported
+  int64_t length = 0;                                          // tokens it covers (L)
+  const float* f32 = nullptr;  // quest bounds, clusterkv centroids, keydiff scores
+  int64_t n_f32 = 0;
+  // clusterkv: n_clusters [n_kv_heads], offsets [n_kv_heads, max_clusters + 1], members
+  // [n_kv_heads, max_points], concatenated.
+  const int32_t* i32 = nullptr;
+  int64_t n_i32 = 0;
+  int max_clusters = 0, max_points = 0;
+};
+
 struct KvExportLayer {
   SequenceId sequence = 0;
   int layer = 0;
@@ -157,11 +171,17 @@ struct KvExportLayer {
   const float* queries = nullptr;  // [n_queries, n_heads, head_dim]
   int64_t n_queries = 0;
   int64_t queries_first_position = 0;  // L - n_queries
+  PrefillSummaryLayer summary;         // KvExportOptions::summaries only
 };
 
 struct KvExportOptions {
   int64_t length = 0;         // L: the prompt's tokens (the sequence's length when complete)
   int64_t max_queries = 512;  // last prefill queries per layer to export (0: none)
+  // Also export each layer's prefill summary: the sequence must have been added with a summary
+  // method (SetPrefillSummaries) and the chunk that completes L must set build_summaries. The
+  // layer's copy then waits for its build (on the build stream) as well, so on_layer sees rows
+  // and summary together; the builds still overlap the later layers' compute.
+  bool summaries = false;
   std::function<void(const KvExportLayer&)> on_layer;  // see above; may be empty
 };
 

@@ -42,6 +42,10 @@ struct PrefillConfig {
   // receives float32 rows either way.
   std::string device = "cpu";
   uint32_t cuda_device = 0;
+  // --device cuda: build quest and clusterkv summaries on the GPU during prefill (layer by
+  // layer, on a second stream) and ship them as the CPU index's bytes; false: every method's
+  // index is built on the CPU from the exported rows (as --device cpu does).
+  bool gpu_summaries = true;
   // `kvr calibrate` codebook file for this model: needed to build method a2ats's summaries
   // (empty: a2ats requests fail with INVALID_ARGUMENT naming the missing codebooks).
   std::string a2ats_codebooks;

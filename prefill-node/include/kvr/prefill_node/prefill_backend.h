@@ -22,7 +22,9 @@
 #include "absl/status/statusor.h"
 #include "kvr/model/attention.h"
 #include "kvr/model/config.h"
+#include "kvr/model/cuda_model.h"
 #include "kvr/model/model.h"
+#include "kvr/retrieval/index.h"
 
 namespace kvr::prefill_node {
 
@@ -34,6 +36,9 @@ struct LayerTask {
   const float* queries = nullptr;  // [n_queries, n_heads, head_dim], RoPE applied
   int64_t n_queries = 0;
   int64_t queries_first_position = 0;  // L - n_queries
+  // The layer's summary when the backend built it (the CUDA backend: quest and clusterkv on the
+  // GPU, PrefillCall::gpu_summaries); method kNone: the engine builds the index from `kv`.
+  model::PrefillSummaryLayer summary;
 };
 
 // Owns the memory that a Prefill call's LayerTasks point into (a KvCache, pinned export
@@ -49,6 +54,10 @@ struct PrefillCall {
   std::span<const int32_t> ids;  // the prompt, L = ids.size() >= 1
   int64_t chunk_tokens = 512;    // prompt tokens per forward chunk (at most; a backend may cap it)
   int64_t max_queries = 512;     // last prefill queries per layer in each LayerTask
+  // The request's retrieval method and parameters (clusterkv.* options applied or not): a
+  // backend may build that method's summaries itself and hand them out in LayerTask::summary.
+  std::string method;
+  const retrieval::IndexParams* params = nullptr;
   // Called once per layer (in layer order for both backends), possibly from another thread
   // (the CUDA backend: a CUDA runtime thread); must neither block nor call CUDA: queue the task.
   std::function<void(LayerTask&&)> on_layer;
