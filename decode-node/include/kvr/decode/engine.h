@@ -180,6 +180,7 @@ class DecodeEngine {
   DecodeObserver* observer_;
   NoopObserver noop_observer_;
   std::vector<Sequence*> running_;  // loop thread only
+  std::vector<float> logits_;       // loop thread only: the step's [batch, vocab]
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;
