@@ -65,6 +65,11 @@ if(KVR_HAVE_CUDA)
     LIBS kvr_model_cuda kvr::model kvr::common_cuda kvr::common absl::strings
     LABELS gpu)
   target_include_directories(model_cuda_export_test PRIVATE cuda)
+  # CUDA graphs of dense greedy decode steps against launch-by-launch steps.
+  kvr_add_test(model_cuda_graph_test
+    SOURCES tests/cuda_graph_test.cc
+    LIBS kvr_model_cuda kvr::model
+    LABELS gpu)
 
   add_executable(cuda_model_bench bench/cuda_model_bench.cc)
   kvr_warnings(cuda_model_bench)

@@ -213,13 +213,14 @@ int Run(const Flags& f) {
 
   std::printf("\ndecode (one token per sequence, context %lld, argmax on the GPU)\n",
               static_cast<long long>(f.context));
-  std::printf("%6s %10s %9s %9s %9s %10s %10s %9s %10s\n", "batch", "step_ms", "gemm_ms", "attn_ms",
-              "other_ms", "GB_read", "GB/s", "of_peak", "pred_ms");
+  std::printf("%6s %10s %10s %9s %9s %9s %9s %10s %10s %9s %10s\n", "batch", "step_ms",
+              "graph_ms", "graph_x", "gemm_ms", "attn_ms", "other_ms", "GB_read", "GB/s",
+              "of_peak", "pred_ms");
   for (int b : f.batch) {
     std::vector<SequenceId> ids;
     for (int i = 0; i < b; ++i) {
       const SequenceId id = next_id++;
-      Fail(model.AddSequence(id, f.context + 2 * (f.warmup + f.steps) + 1), "AddSequence");
+      Fail(model.AddSequence(id, f.context + 3 * (f.warmup + f.steps) + 1), "AddSequence");
       Fail(model.FillSequenceForBenchmark(id, f.context, id), "FillSequenceForBenchmark");
       ids.push_back(id);
     }
@@ -227,10 +228,14 @@ int Run(const Flags& f) {
     std::vector<CudaSequence> batch(b);
     // Step time without profiling (events cost host time per kernel), then the split of the
     // GPU time over as many profiled steps.
-    double total = 0;
+    // step_ms: launch by launch; graph_ms: the same steps as CUDA graph replays (one capture
+    // per split count, in the warm-up); then the profiled steps (never graphed).
+    double total = 0, graph_total = 0;
     CudaForwardProfile sum;
-    for (bool profiled : {false, true}) {
+    for (int pass = 0; pass < 3; ++pass) {
+      const bool profiled = pass == 2, graphs = pass == 1;
       model.set_profile(profiled);
+      model.set_cuda_graphs(graphs);
       for (int step = 0; step < f.warmup + f.steps; ++step) {
         for (int i = 0; i < b; ++i) batch[i] = {ids[i], std::span(&tokens[i], 1)};
         const auto t0 = std::chrono::steady_clock::now();
@@ -238,20 +243,23 @@ int Run(const Flags& f) {
         const double sec = Seconds(t0, std::chrono::steady_clock::now());
         tokens = next;
         if (step < f.warmup) continue;
-        if (!profiled) total += sec;
+        if (pass == 0) total += sec;
+        if (graphs) graph_total += sec;
         const CudaForwardProfile p = model.last_profile();
         sum.gemm_ms += p.gemm_ms;
         sum.attention_ms += p.attention_ms;
         sum.other_ms += p.other_ms;
       }
     }
+    model.set_cuda_graphs(true);
     const double step_s = total / f.steps;
+    const double graph_s = graph_total / f.steps;
     const double kv_bytes =
         static_cast<double>(b) * (f.context + f.warmup + f.steps) * c.n_layers * 2 * c.kv_dim() * 2;
     const double bytes = model.weight_bytes() - embd_bytes * (c.tied_embeddings ? 0 : 1) + kv_bytes;
     const double pred_ms = bytes / (f.peak_tbps * 1e12) * 1e3;
-    std::printf("%6d %10.2f %9.2f %9.2f %9.2f %10.2f %10.0f %8.0f%% %10.2f\n", b, step_s * 1e3,
-                sum.gemm_ms / f.steps, sum.attention_ms / f.steps, sum.other_ms / f.steps,
+    std::printf("%6d %10.2f %10.2f %8.2fx %9.2f %9.2f %9.2f %10.2f %10.0f %8.0f%% %10.2f\n", b,
+                step_s * 1e3, graph_s * 1e3, step_s / graph_s, sum.gemm_ms / f.steps, sum.attention_ms / f.steps, sum.other_ms / f.steps,
                 bytes / 1e9, bytes / step_s / 1e9, 100 * bytes / step_s / (f.peak_tbps * 1e12),
                 pred_ms);
     for (SequenceId id : ids) Fail(model.ReleaseSequence(id), "ReleaseSequence");

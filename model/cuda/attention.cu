@@ -492,12 +492,7 @@ absl::Status LaunchPrefill(const AttentionParams& p, cudaStream_t stream) {
 
 template <int HD>
 absl::Status LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
-  // Enough blocks to fill the GPU about four times, but at least 64 keys per split.
-  const int64_t blocks = int64_t{p.n_seqs} * p.n_kv_heads;
-  int64_t splits = (4 * int64_t{p.n_sms} + blocks - 1) / blocks;
-  splits = std::min<int64_t>(splits, (p.max_length + 63) / 64);
-  splits = std::clamp<int64_t>(splits, 1, p.max_splits);
-  const int n_splits = static_cast<int>(splits);
+  const int n_splits = DecodeSplits(p);
   // The prefill layout with 16 query rows.
   constexpr int kBytes = PrefillSmem<HD>::kBytes - (PrefillSmem<HD>::kLd * (kBlockQ - 16)) * 2;
   KVR_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
@@ -515,6 +510,15 @@ absl::Status LaunchPrefillAttention(const AttentionParams& p, cudaStream_t strea
   KVR_RETURN_IF_ERROR(CheckShape(p));
   if (p.n_seqs == 0 || p.max_q == 0) return absl::OkStatus();
   return p.head_dim == 64 ? LaunchPrefill<64>(p, stream) : LaunchPrefill<128>(p, stream);
+}
+
+int DecodeSplits(const AttentionParams& p) {
+  // Enough blocks to fill the GPU about four times, but at least 64 keys per split.
+  const int64_t blocks = std::max<int64_t>(1, int64_t{p.n_seqs} * p.n_kv_heads);
+  int64_t splits = (4 * int64_t{p.n_sms} + blocks - 1) / blocks;
+  splits = std::min<int64_t>(splits, (p.max_length + 63) / 64);
+  splits = std::clamp<int64_t>(splits, 1, std::max(1, p.max_splits));
+  return static_cast<int>(splits);
 }
 
 absl::Status LaunchDecodeAttention(const AttentionParams& p, cudaStream_t stream) {

@@ -45,8 +45,12 @@ struct AttentionParams {
 // Every sequence may have any n_q >= 1; query i of a sequence is at position
 // first_position + i and attends to positions <= its own.
 [[nodiscard]] absl::Status LaunchPrefillAttention(const AttentionParams& p, cudaStream_t stream);
-// Every sequence must have n_q == 1.
+// Every sequence must have n_q == 1. The kernels read every length from `seqs` (device memory);
+// of the host-side fields only the split count depends on the step (DecodeSplits), so a launch
+// captured in a CUDA graph stays valid for later steps with the same DecodeSplits and n_seqs.
 [[nodiscard]] absl::Status LaunchDecodeAttention(const AttentionParams& p, cudaStream_t stream);
+// The number of key splits LaunchDecodeAttention uses for `p` (grid y).
+[[nodiscard]] int DecodeSplits(const AttentionParams& p);
 
 // Query heads per KV head that the decode kernel supports.
 inline constexpr int kMaxDecodeGroup = 16;  // the rows of an mma tile

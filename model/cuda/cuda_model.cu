@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -128,6 +129,8 @@ class CudaModelImpl final : public CudaModel {
   absl::Status RebuildPrefillSummariesForTesting(SequenceId id) override;
   CudaForwardProfile last_profile() const override { return profile_; }
   void set_profile(bool on) override { options_.profile = on; }
+  CudaGraphStats graph_stats() const override { return graph_stats_; }
+  void set_cuda_graphs(bool on) override { options_.cuda_graphs = on; }
   absl::Status BeginKvExport(SequenceId id, const KvExportOptions& options) override;
   absl::Status EndKvExport(SequenceId id) override;
   int64_t export_pinned_bytes() const override { return export_pinned_bytes_; }
@@ -296,6 +299,16 @@ class CudaModelImpl final : public CudaModel {
   DeviceBuffer<float> partial_o_;   // [max_sequences, n_heads, kMaxSplits, head_dim]
   DeviceBuffer<float> partial_ml_;  // [max_sequences, n_heads, kMaxSplits, 2]
   static constexpr int kMaxSplits = 32;
+  // CudaModelOptions::cuda_graphs: instantiated dense greedy decode steps by (batch size,
+  // attention splits); they reference only buffers allocated in Make, which never move.
+  struct GraphExecDeleter {
+    void operator()(cudaGraphExec_t g) const { cudaGraphExecDestroy(g); }
+  };
+  std::map<std::pair<int, int>, std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>,
+                                                GraphExecDeleter>>
+      graphs_;
+  CudaGraphStats graph_stats_;
+  DeviceBuffer<uint8_t> cublas_ws_;  // cuBLAS's workspace (no allocation inside a capture)
 
   // Per-Forward metadata: filled in pinned memory, copied to the device.
   PinnedBuffer<int32_t> h_tokens_, h_token_seq_, h_out_rows_, h_argmax_;
@@ -366,6 +379,10 @@ absl::StatusOr<std::unique_ptr<CudaModelImpl>> CudaModelImpl::Make(
   KVR_CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
   m->cublas_.reset(handle);
   KVR_CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle, m->stream()));
+  // A workspace of our own: cuBLAS then allocates nothing while a decode step is captured.
+  KVR_RETURN_IF_ERROR(Alloc(m->cublas_ws_, int64_t{32} << 20));
+  KVR_CUBLAS_RETURN_IF_ERROR(
+      cublasSetWorkspace(handle, m->cublas_ws_.data(), m->cublas_ws_.bytes()));
 
   const ModelConfig& c = m->config_;
   const int64_t t = options.max_batch_tokens, b = options.max_sequences;
@@ -1766,7 +1783,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   // Everything from here is queued on the stream; on an error part of it may already be
   // queued (reading the pinned metadata, writing cache rows past the sequences' lengths), so
   // the stream is drained before returning and the lengths are left as they were.
-  const absl::Status queued = [&]() -> absl::Status {
+  const auto enqueue = [&]() -> absl::Status {
     auto h2d = [&](auto* dst, const auto* src, int64_t n) {
       return cudaMemcpyAsync(dst, src, n * sizeof(*src), cudaMemcpyHostToDevice, stream());
     };
@@ -1913,6 +1930,45 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
                                                stream()));
     }
     KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
+    return absl::OkStatus();
+  };
+  const absl::Status queued = [&]() -> absl::Status {
+    const bool graph = options_.cuda_graphs && !options_.profile && !sparse && all_decode &&
+                       !next_tokens.empty() && exports.empty() && builds.empty();
+    if (!graph) {
+      KVR_RETURN_IF_ERROR(enqueue());
+    } else {
+      // The grid of the decode attention is the only launch shape that depends on the step.
+      cuda::AttentionParams probe;
+      probe.n_seqs = static_cast<int>(batch.size());
+      probe.n_kv_heads = c.n_kv_heads;
+      probe.n_sms = n_sms_;
+      probe.max_length = max_length;
+      probe.max_splits = kMaxSplits;
+      const std::pair<int, int> key{static_cast<int>(batch.size()), cuda::DecodeSplits(probe)};
+      auto it = graphs_.find(key);
+      if (it == graphs_.end()) {
+        KVR_CUDA_RETURN_IF_ERROR(
+            cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+        const absl::Status captured = enqueue();
+        cudaGraph_t g = nullptr;
+        const cudaError_t ended = cudaStreamEndCapture(stream(), &g);
+        if (!captured.ok() || ended != cudaSuccess) {
+          if (g != nullptr) cudaGraphDestroy(g);
+          cudaGetLastError();
+          if (!captured.ok()) return captured;
+          KVR_CUDA_RETURN_IF_ERROR(ended);
+        }
+        cudaGraphExec_t exec = nullptr;
+        const cudaError_t made = cudaGraphInstantiate(&exec, g, 0);
+        cudaGraphDestroy(g);
+        KVR_CUDA_RETURN_IF_ERROR(made);
+        it = graphs_.emplace(key, decltype(graphs_)::mapped_type(exec)).first;
+        ++graph_stats_.captures;
+      }
+      KVR_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second.get(), stream()));
+      ++graph_stats_.replays;
+    }
     KVR_RETURN_IF_ERROR(stream_.Synchronize());
     // The exports' copies and host callbacks (all queued before the main stream's tail).
     if (!exports.empty()) KVR_RETURN_IF_ERROR(copy_stream_.Synchronize());

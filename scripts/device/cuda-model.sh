@@ -16,6 +16,10 @@
 # Prefill with summary building (issue 7 item 2), one call, carry [.device/cudamodel]:
 #                      bash scripts/device/cuda-model.sh summaries   (summary test, bench table,
 #                                                                     memcheck on the test)
+# CUDA graphs of the dense greedy decode step, one call, carry [.device/cudamodel]:
+#                      bash scripts/device/cuda-model.sh graphs   (graph test + memcheck, model
+#                                                                  test, decode bench with and
+#                                                                  without graphs)
 # Logs go to $OUT.
 set -uo pipefail
 readonly kBundle=.device/cudamodel
@@ -29,7 +33,7 @@ case "${1:-}" in
     build="${BUILD_DIR:-build-cudamodel}"
     rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
     for b in model_cuda_ops_test model_cuda_model_test model_cuda_prefill_summaries_test \
-      cuda_model_bench; do
+      model_cuda_graph_test cuda_model_bench; do
       cp "$build/model/$b" "$kBundle/bin/" && strip -g "$kBundle/bin/$b"
     done
     cp model/bench/cuda_model_bench_sdpa.py "$kBundle/bin/"
@@ -97,6 +101,29 @@ case "${1:-}" in
     echo "summaries: status $status"
     exit $status
     ;;
+  graphs)  # CUDA graphs of the dense greedy decode step: parity test, memcheck, model test, bench
+    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+    status=0
+    for t in model_cuda_graph_test model_cuda_model_test; do
+      "$kStage/bin/$t" --gtest_filter=-*Gguf* 2>&1 | tee "$out/$t.log" |
+        grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|graphs) |Failure' || true
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    done
+    if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
+      timeout "${MEMCHECK_S:-120}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+        --error-exitcode 3 "$kStage/bin/model_cuda_graph_test" > "$out/sanitizer_graphs.log" 2>&1
+      echo "compute-sanitizer memcheck (graph test): rc $?  $(grep 'ERROR SUMMARY' "$out/sanitizer_graphs.log" | tail -1)"
+    fi
+    for shape in ${GRAPH_SHAPES:-smollm2-135m llama3-8b}; do
+      "$kStage/bin/cuda_model_bench" --shape "$shape" --prefill 512 --batch 1,8,32 \
+        --context "${GRAPH_CONTEXT:-4096}" 2>&1 | tee -a "$out/bench_graphs.log"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    done
+    echo "graphs: status $status"
+    exit $status
+    ;;
   gguf)
     cat "$kStage/part00" .device/cudamodel-g2/part01 > "$kStage/smollm2.gguf" || exit 1
     echo "$kModelSha256  $kStage/smollm2.gguf" | sha256sum -c - || exit 1
@@ -106,7 +133,7 @@ case "${1:-}" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "usage: $0 bundle|run|gguf|summaries" >&2
+    echo "usage: $0 bundle|run|gguf|summaries|graphs" >&2
     exit 2
     ;;
 esac

@@ -67,6 +67,12 @@ struct CudaModelOptions {
   // Times GEMMs, attention and the other kernels of each Forward with CUDA events
   // (last_profile()); costs a little host time per kernel, so off by default.
   bool profile = false;
+  // Dense decode steps of ForwardGreedy (every sequence one token, no export or summary build,
+  // profiling off) run as a CUDA graph: captured once per (batch size, attention split count)
+  // and replayed, so the ~10 launches per layer cost one graph launch. Every per-step value
+  // (tokens, positions, cache pointers, lengths) is read from device metadata that the graph's
+  // first nodes copy from pinned host memory, so a replay serves any sequences of that size.
+  bool cuda_graphs = true;
 };
 
 // One sequence's part of a CudaModel::Forward call: the tokens that follow what its device KV
@@ -183,6 +189,11 @@ struct KvExportOptions {
   // and summary together; the builds still overlap the later layers' compute.
   bool summaries = false;
   std::function<void(const KvExportLayer&)> on_layer;  // see above; may be empty
+};
+
+struct CudaGraphStats {
+  int64_t captures = 0;  // decode steps captured and instantiated (one per batch size / splits)
+  int64_t replays = 0;   // decode steps run as a graph launch (captures included)
 };
 
 // Where the GPU time of the last Forward went (profile = true), in milliseconds.
@@ -346,6 +357,10 @@ class CudaModel {
   // Bytes of pinned host memory held for exports (in use and pooled).
   virtual int64_t export_pinned_bytes() const = 0;
 
+  // CUDA graphs of dense greedy decode steps (CudaModelOptions::cuda_graphs) so far.
+  virtual CudaGraphStats graph_stats() const = 0;
+  // Turns CudaModelOptions::cuda_graphs on or off (benchmarks compare both in one process).
+  virtual void set_cuda_graphs(bool on) = 0;
   // GPU time split of the last Forward/ForwardGreedy (zeros unless profiling is on).
   virtual CudaForwardProfile last_profile() const = 0;
   // Turns the per-kernel event timing of CudaModelOptions::profile on or off.
