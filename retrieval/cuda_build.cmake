@@ -24,13 +24,23 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
   target_compile_options(kvr_retrieval_cuda_build PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 
+  # argmax_split_test.cu: the pre-split 3xTF32 assignment kernel against the in-loop-split one
+  # (argmax_gemm.cuh, private: included by relative path).
   kvr_add_test(retrieval_cuda_build_test
-    SOURCES cuda/build/tests/build_test.cc
+    SOURCES cuda/build/tests/build_test.cc cuda/build/tests/argmax_split_test.cu
     LIBS kvr::retrieval_cuda_build kvr::retrieval_cuda_select kvr::retrieval_quant
          kvr::retrieval_core kvr::common
     LABELS gpu)
+  set_target_properties(retrieval_cuda_build_test PROPERTIES CUDA_STANDARD 20
+                                                             CUDA_STANDARD_REQUIRED ON)
 
   add_executable(build_cuda_bench cuda/build/bench/build_cuda_bench.cc)
   target_link_libraries(build_cuda_bench PRIVATE kvr::retrieval_cuda_build kvr::common)
   kvr_warnings(build_cuda_bench)
+
+  # ClusterKV's assignment kernel alone: in-loop vs pre-split 3xTF32 (and fp32) in one process.
+  add_executable(assign_bench cuda/build/bench/assign_bench.cu)
+  target_link_libraries(assign_bench PRIVATE kvr::retrieval_cuda_build)
+  set_target_properties(assign_bench PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON)
+  kvr_warnings(assign_bench)
 endif()

@@ -2,8 +2,9 @@
 # GPU summary-building kernels (issue 6, kernels-build): build here, check and time on the device.
 #
 #   bash scripts/device/kernels-build.sh bundle   # here: build retrieval_cuda_build_test and
-#                                                 # build_cuda_bench, copy them + non-system
-#                                                 # shared libraries to .device/kernels-build/
+#                                                 # build_cuda_bench and assign_bench, copy
+#                                                 # them + non-system shared libraries to
+#                                                 # .device/kernels-build/bundle.tar.xz (xz)
 #   bash scripts/device/kernels-build.sh run [quick]  # there (device tool, carry
 #                                                 # .device/kernels-build): parity tests,
 #                                                 # compute-sanitizer memcheck on them, the bench,
@@ -11,7 +12,9 @@
 #
 # `run` builds nothing. Logs go to $OUT (the device tool's output folder) or ./out.
 # Optional environment for a partial run: KB_TESTS (gtest filter of the parity and memcheck runs),
-# KB_BENCH_ARGS (extra build_cuda_bench flags, e.g. "--builders ctkvr"), KB_SDPA_ARGS.
+# KB_BENCH_ARGS (extra build_cuda_bench flags, e.g. "--builders ctkvr"), KB_ASSIGN_ARGS
+# (assign_bench flags: ClusterKV's assignment kernel, in-loop vs pre-split), KB_SDPA_ARGS, KB_SDPA=0
+# (skip the torch SDPA anchor, e.g. when only a builder's own before/after matters).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -22,7 +25,7 @@ bundle() {
   export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
   [[ -f $BUILD/build.ninja ]] ||
     cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  local targets=(retrieval_cuda_build_test build_cuda_bench)
+  local targets=(retrieval_cuda_build_test build_cuda_bench assign_bench)
   cmake --build "$BUILD" --target "${targets[@]}" -j2
   rm -rf "$DEV" && mkdir -p "$DEV/lib"
   local bins=()
@@ -38,6 +41,9 @@ bundle() {
     while read -r lib; do cp -L "$lib" "$DEV/lib/"; done
   strip -g "$DEV"/lib/*.so* 2>/dev/null || true
   cp retrieval/cuda/build/bench/prefill_sdpa.py "$DEV/"
+  # OpenBLAS alone is ~37 MB: the bundle travels xz-compressed (run unpacks it).
+  tar -C "$DEV" -cf - . | xz -T2 -6 >/tmp/kernels-build-bundle.tar.xz
+  rm -rf "$DEV" && mkdir -p "$DEV" && mv /tmp/kernels-build-bundle.tar.xz "$DEV/bundle.tar.xz"
   du -sh "$DEV"
 }
 
@@ -45,7 +51,14 @@ run() {
   local quick=${1:-}
   local out=${OUT:-$ROOT/out/kernels-build}
   mkdir -p "$out"
-  export LD_LIBRARY_PATH=$ROOT/$DEV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if [[ -f $DEV/bundle.tar.xz ]]; then
+    local stage=/tmp/kernels-build-stage
+    rm -rf "$stage" && mkdir -p "$stage" && tar -C "$stage" -xJf "$DEV/bundle.tar.xz"
+    DEV=$stage
+  else
+    DEV=$ROOT/$DEV
+  fi
+  export LD_LIBRARY_PATH=$DEV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   local san
   san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -55,20 +68,27 @@ run() {
   echo "== parity ${KB_TESTS:-}"
   timeout 120 "$DEV/retrieval_cuda_build_test" "${filter[@]}" >"$out/parity.log" 2>&1 || status=1
   grep -E "^\[ (a2ats|clusterkv|ctkvr)|^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$out/parity.log" |
-    head -60
+    head -60 || true
   echo "== compute-sanitizer memcheck (every parity test${KB_TESTS:+ of $KB_TESTS})"
   timeout 240 "$san" --tool memcheck --error-exitcode 3 "$DEV/retrieval_cuda_build_test" \
     "${filter[@]}" >"$out/memcheck.log" 2>&1 || status=1
-  grep -E "ERROR SUMMARY|^\[  (PASSED|FAILED)" "$out/memcheck.log" | tail -3
+  grep -E "ERROR SUMMARY|^\[  (PASSED|FAILED)" "$out/memcheck.log" | tail -3 || true
   echo "== bench"
   local args=()
   [[ $quick == quick ]] && args=(--contexts 8192,131072 --iters 2)
   # shellcheck disable=SC2206
   args+=(${KB_BENCH_ARGS:-})
   timeout 200 "$DEV/build_cuda_bench" "${args[@]}" | tee "$out/bench.txt" || status=1
-  echo "== torch SDPA causal prefill attention (same run)"
-  # shellcheck disable=SC2086
-  timeout 120 python3 "$DEV/prefill_sdpa.py" ${KB_SDPA_ARGS:-} | tee "$out/sdpa.txt" || status=1
+  if [[ -x $DEV/assign_bench ]]; then
+    echo "== ClusterKV assignment kernel: in-loop vs pre-split 3xTF32 (same run)"
+    # shellcheck disable=SC2086
+    timeout 120 "$DEV/assign_bench" ${KB_ASSIGN_ARGS:-} | tee "$out/assign.txt" || status=1
+  fi
+  if [[ ${KB_SDPA:-1} != 0 ]]; then
+    echo "== torch SDPA causal prefill attention (same run)"
+    # shellcheck disable=SC2086
+    timeout 120 python3 "$DEV/prefill_sdpa.py" ${KB_SDPA_ARGS:-} | tee "$out/sdpa.txt" || status=1
+  fi
   echo "status $status"
   return $status
 }

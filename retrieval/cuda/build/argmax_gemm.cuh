@@ -24,6 +24,10 @@ struct ArgmaxGemmArgs {
   const int32_t* n_points = nullptr;  // n of row r = n_points[r / n_points_div]
   int n_points_div = 1;
   const float* c = nullptr;  // centres of row r: c + (r % c_mod) * c_row_stride, [k, D]
+  // The centres' tf32 big / small halves (SplitTf32 of c), same layout as c: only the
+  // pre-split 3xTF32 kernel (ArgmaxGemmTcSplitKernel) reads them, and it reads nothing else of c.
+  const uint32_t* c_big = nullptr;
+  const uint32_t* c_small = nullptr;
   int64_t c_row_stride = 0;
   int c_mod = 1 << 30;
   const int32_t* n_c = nullptr;  // k of row r = n_c ? n_c[r] : k_const
@@ -371,6 +375,258 @@ cudaError_t LaunchArgmaxGemmTc(const ArgmaxGemmArgs& a, int max_points, cudaStre
   if (attr != cudaSuccess) return attr;
   const dim3 grid((max_points + kTcBm - 1) / kTcBm, a.rows);
   ArgmaxGemmTcKernel<D, kCosine, OutT><<<grid, kTcThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3xTF32 with the operands split ONCE (ClusterKV's assignment): the same sums as
+// ArgmaxGemmTcKernel, bit for bit (every output is the same chain of mma over the same fragment
+// registers: per k step of 8, small.big, big.small, big.big; ids and best_dist identical), but
+//  - the point tile is split into tf32 big / small halves once per CTA (not in every k step of
+//    every warp that loads the fragment), kept in shared memory as two [kTcBm][D + 4] arrays;
+//  - the centres arrive already split (c_big / c_small, written by whoever writes the centres:
+//    ClusterKV's init / update / re-seed kernels, StoreSplitTf32), streamed through shared memory
+//    in chunks of kTsKc dimensions with cp.async, double-buffered: the next chunk is in flight
+//    during the current chunk's mma.
+// So the inner loop is shared-memory loads and mma only. Same grid, warp layout (2 x 4 warps, warp
+// tile 64 x 32) and epilogue as ArgmaxGemmTcKernel.
+inline constexpr int kTsKc = 32;          // centre dimensions per pipeline stage
+inline constexpr int kTsLdc = kTsKc + 4;  // 36: B fragment loads hit 32 distinct banks
+template <int D>
+constexpr size_t ArgmaxGemmTcSplitSmemBytes() {
+  // points (big, small) + 2 stages x centres (big, small) + the cross-warp reduction
+  return sizeof(uint32_t) * (2 * static_cast<size_t>(kTcBm) * (D + 4) +
+                             2 * 2 * static_cast<size_t>(kTcBn) * kTsLdc) +
+         4 * kTcBm * (sizeof(float) + sizeof(int));
+}
+
+// v and its tf32 halves (the centres' writers call this so the split matches SplitTf32 of v).
+__device__ __forceinline__ void StoreSplitTf32(float v, float* out, uint32_t* big, uint32_t* small,
+                                               int64_t i) {
+  out[i] = v;
+  if (big != nullptr) {
+    uint32_t b, s;
+    SplitTf32(v, b, s);
+    big[i] = b;
+    small[i] = s;
+  }
+}
+
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  const int src_bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <int D, bool kCosine, typename OutT>
+__global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcSplitKernel(const ArgmaxGemmArgs a) {
+  constexpr int kLd = D + 4;
+  constexpr int kChunks = D / kTsKc;
+  constexpr int kStage = kTcBn * kTsLdc;  // uint32 per half per stage
+  constexpr int kPieces = 2 * kTcBn * (kTsKc / 4);  // 16-byte copies per stage (both halves)
+  static_assert(D % kTsKc == 0 && kPieces % kTcThreads == 0);
+  extern __shared__ __align__(16) float smem[];
+  uint32_t* xb = reinterpret_cast<uint32_t*>(smem);  // [kTcBm][kLd] big halves of the points
+  uint32_t* xsm = xb + kTcBm * kLd;                  // [kTcBm][kLd] small halves
+  uint32_t* cst = xsm + kTcBm * kLd;                 // [2 stages][big, small][kTcBn][kTsLdc]
+  float* red_v = reinterpret_cast<float*>(cst + 4 * kStage);  // [4][kTcBm]
+  int* red_i = reinterpret_cast<int*>(red_v + 4 * kTcBm);
+  const int row = blockIdx.y;
+  if (a.skip != nullptr && a.skip[row] != 0) return;
+  const int n = a.n_points[row / a.n_points_div];
+  const int m0 = blockIdx.x * kTcBm;
+  if (m0 >= n) return;
+  const int k = a.n_c != nullptr ? a.n_c[row] : a.k_const;
+  if (k <= 0) return;
+  const int crow = row % a.c_mod;
+  const float* x = a.x + row * a.x_row_stride;
+  const uint32_t* cbig = a.c_big + crow * a.c_row_stride;
+  const uint32_t* csmall = a.c_small + crow * a.c_row_stride;
+  const float* bias = kCosine ? nullptr : a.bias + crow * a.bias_row_stride;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = warp / 4, wn = warp % 4;  // 2 x 4 warps
+  const int g = lane / 4, t = lane % 4;
+
+  // Chunk ci = (centre tile ci / kChunks, dimensions kTsKc * (ci % kChunks) ...) into stage s.
+  const auto load_chunk = [&](int ci, int s) {
+    const int n0 = (ci / kChunks) * kTcBn, d0 = (ci % kChunks) * kTsKc;
+#pragma unroll
+    for (int r = 0; r < kPieces / kTcThreads; ++r) {
+      const int idx = tid + r * kTcThreads;
+      const int half = idx / (kPieces / 2), j = idx % (kPieces / 2);
+      const int cn = j / (kTsKc / 4), q = j % (kTsKc / 4);
+      const bool valid = n0 + cn < k;
+      const uint32_t* src = half == 0 ? cbig : csmall;
+      if (valid) src += static_cast<int64_t>(n0 + cn) * D + d0 + q * 4;
+      CpAsync16(cst + (2 * s + half) * kStage + cn * kTsLdc + q * 4, src, valid);
+    }
+    CpAsyncCommit();
+  };
+  const int total = ((k + kTcBn - 1) / kTcBn) * kChunks;
+  load_chunk(0, 0);  // in flight while the points are split
+
+  for (int idx = tid; idx < kTcBm * (D / 4); idx += kTcThreads) {
+    const int m = idx / (D / 4), d4 = idx % (D / 4);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m0 + m < n)
+      v = *reinterpret_cast<const float4*>(x + static_cast<int64_t>(m0 + m) * D + d4 * 4);
+    uint4 big, small;
+    SplitTf32(v.x, big.x, small.x);
+    SplitTf32(v.y, big.y, small.y);
+    SplitTf32(v.z, big.z, small.z);
+    SplitTf32(v.w, big.w, small.w);
+    *reinterpret_cast<uint4*>(xb + m * kLd + d4 * 4) = big;
+    *reinterpret_cast<uint4*>(xsm + m * kLd + d4 * 4) = small;
+  }
+
+  float best[8];
+  int best_id[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    best[i] = -INFINITY;
+    best_id[i] = 0x7fffffff;
+  }
+  float acc[4][4][4];
+  for (int ci = 0; ci < total; ++ci) {
+    const int kc = ci % kChunks;
+    if (ci + 1 < total) {
+      load_chunk(ci + 1, (ci + 1) & 1);  // stage consumed at ci - 1 (trailing barrier)
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();  // chunk ci visible to every warp (first time: the points too)
+    if (kc == 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+    }
+    const uint32_t* cb = cst + (2 * (ci & 1)) * kStage;
+    const uint32_t* cs = cb + kStage;
+#pragma unroll
+    for (int k0 = 0; k0 < kTsKc; k0 += 8) {
+      uint32_t ab[4][4], as[4][4], bb[4][2], bs[4][2];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const int o = (wm * 64 + mt * 16 + g) * kLd + kc * kTsKc + k0 + t;
+        ab[mt][0] = xb[o];
+        ab[mt][1] = xb[o + 8 * kLd];
+        ab[mt][2] = xb[o + 4];
+        ab[mt][3] = xb[o + 8 * kLd + 4];
+        as[mt][0] = xsm[o];
+        as[mt][1] = xsm[o + 8 * kLd];
+        as[mt][2] = xsm[o + 4];
+        as[mt][3] = xsm[o + 8 * kLd + 4];
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int o = (wn * 32 + nt * 8 + g) * kTsLdc + k0 + t;
+        bb[nt][0] = cb[o];
+        bb[nt][1] = cb[o + 4];
+        bs[nt][0] = cs[o];
+        bs[nt][1] = cs[o + 4];
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          MmaTf32(acc[mt][nt], as[mt], bb[nt]);
+          MmaTf32(acc[mt][nt], ab[mt], bs[nt]);
+          MmaTf32(acc[mt][nt], ab[mt], bb[nt]);
+        }
+    }
+    if (kc == kChunks - 1) {
+      const int n0 = (ci / kChunks) * kTcBn;
+      // As ArgmaxGemmTcKernel: ascending centre ids per thread, strict '>' keeps the lowest.
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int cid = n0 + wn * 32 + nt * 8 + 2 * t + j;
+          if (cid < k) {
+            const float bj = kCosine ? 0.f : bias[cid];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const float acc_v = acc[mt][nt][h * 2 + j];
+                const float v = kCosine ? -(1.f - acc_v) : acc_v - bj;
+                const int i = mt * 2 + h;
+                if (v > best[i]) {
+                  best[i] = v;
+                  best_id[i] = cid;
+                }
+              }
+          }
+        }
+    }
+    __syncthreads();  // every warp done with stage ci & 1 before chunk ci + 2 lands in it
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float v = best[i];
+    int id = best_id[i];
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+      const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
+      if (v2 > v || (v2 == v && id2 < id)) {
+        v = v2;
+        id = id2;
+      }
+    }
+    if (t == 0) {
+      const int m = wm * 64 + (i / 2) * 16 + (i % 2) * 8 + g;
+      red_v[wn * kTcBm + m] = v;
+      red_i[wn * kTcBm + m] = id;
+    }
+  }
+  __syncthreads();
+  if (tid < kTcBm) {
+    float v = red_v[tid];
+    int id = red_i[tid];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) {
+      const float v2 = red_v[w * kTcBm + tid];
+      const int id2 = red_i[w * kTcBm + tid];
+      if (v2 > v || (v2 == v && id2 < id)) {
+        v = v2;
+        id = id2;
+      }
+    }
+    const bool any = v > -INFINITY;
+    if (!any) id = 0;
+    const int p = m0 + tid;
+    if (p < n) {
+      OutT* ids = static_cast<OutT*>(a.ids) + row * a.out_row_stride;
+      if (a.changed != nullptr && static_cast<int>(ids[p]) != id) a.changed[row] = 1;
+      ids[p] = static_cast<OutT>(id);
+      if (a.best_dist != nullptr) a.best_dist[row * a.out_row_stride + p] = any ? -v : INFINITY;
+    }
+  }
+}
+
+template <int D, bool kCosine, typename OutT>
+cudaError_t LaunchArgmaxGemmTcSplit(const ArgmaxGemmArgs& a, int max_points,
+                                    cudaStream_t stream) {
+  if (a.rows <= 0 || max_points <= 0) return cudaSuccess;
+  if (a.c_big == nullptr || a.c_small == nullptr) return cudaErrorInvalidValue;
+  constexpr size_t smem = ArgmaxGemmTcSplitSmemBytes<D>();
+  const cudaError_t attr =
+      cudaFuncSetAttribute(ArgmaxGemmTcSplitKernel<D, kCosine, OutT>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid((max_points + kTcBm - 1) / kTcBm, a.rows);
+  ArgmaxGemmTcSplitKernel<D, kCosine, OutT><<<grid, kTcThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 

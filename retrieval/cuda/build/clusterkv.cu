@@ -2,7 +2,9 @@
 // layout of the GPU clusterkv selector (build.cuh). Step by step as kvr::retrieval::KMeans
 // (ops.cc) and ClusterKvIndex::AddClusters (clusterkv.cc):
 //   normalise points -> initial centroids = the plan's points ->
-//   per iteration: assign (fused GEMM + argmax, argmax_gemm.cuh) -> stop rows whose assignment
+//   per iteration: assign (fused GEMM + argmax, argmax_gemm.cuh; with 3xTF32 the centroids'
+//   tf32 halves are written by whichever kernel writes the centroid, so the assignment only
+//   loads them: ArgmaxGemmTcSplitKernel) -> stop rows whose assignment
 //   did not change (after the first iteration) -> group points by cluster (stable radix sort of
 //   (row, cluster) keys, so members stay in token order) -> new centroids = fp64 mean of the
 //   members' unit keys, normalised; empty clusters re-seeded in id order with the point farthest
@@ -32,6 +34,7 @@ using build_internal::Invalid;
 using build_internal::KeyBase;
 using build_internal::LaunchStatus;
 using build_internal::LoadKey;
+using build_internal::StoreSplitTf32;
 
 // Workspace pieces (one layout for sizing and for the launch).
 struct Work {
@@ -39,6 +42,8 @@ struct Work {
   float* best_dist = nullptr;   // [rows, max_points]
   int32_t* assign = nullptr;    // [rows, max_points] (the caller's when given)
   float* unit = nullptr;        // [rows, K, D] (the caller's when given)
+  uint32_t* unit_big = nullptr;    // [rows, K, D] tf32 halves of unit (3xTF32 only, else null)
+  uint32_t* unit_small = nullptr;
   int32_t* counts = nullptr;    // [rows * K]
   int32_t* starts = nullptr;    // [rows * K] exclusive scan of counts
   int32_t* new_id = nullptr;    // [rows * K] compacted cluster id or -1
@@ -77,6 +82,10 @@ Work Carve(const ClusterKvBuildParams& p, void* base) {
   w.best_dist = c.Take<float>(items);
   w.assign = c.Take<int32_t>(items);
   w.unit = c.Take<float>(ck * p.head_dim);
+  if (p.math == AssignMath::k3xTf32) {
+    w.unit_big = c.Take<uint32_t>(ck * p.head_dim);
+    w.unit_small = c.Take<uint32_t>(ck * p.head_dim);
+  }
   w.counts = c.Take<int32_t>(ck);
   w.starts = c.Take<int32_t>(ck);
   w.new_id = c.Take<int32_t>(ck);
@@ -123,7 +132,8 @@ __global__ void __launch_bounds__(256)
 // unit[r, c] = x[r, init_points[r, c]]; assignment reset to -1 (KMeans: assignment(n, -1)).
 template <int D>
 __global__ void InitKernel(ClusterKvBuildParams p, const float* __restrict__ x,
-                           float* __restrict__ unit, int32_t* __restrict__ assign,
+                           float* __restrict__ unit, uint32_t* __restrict__ unit_big,
+                           uint32_t* __restrict__ unit_small, int32_t* __restrict__ assign,
                            int32_t* __restrict__ changed, int32_t* __restrict__ done) {
   const int row = blockIdx.x;
   const int k = p.n_init[row];
@@ -134,8 +144,8 @@ __global__ void InitKernel(ClusterKvBuildParams p, const float* __restrict__ x,
   for (int idx = threadIdx.x; idx < k * D; idx += blockDim.x) {
     const int c = idx / D, d = idx % D;
     const int src = p.init_points[static_cast<int64_t>(row) * p.max_clusters + c];
-    unit[(static_cast<int64_t>(row) * p.max_clusters + c) * D + d] =
-        x[(static_cast<int64_t>(row) * p.max_points + src) * D + d];
+    StoreSplitTf32(x[(static_cast<int64_t>(row) * p.max_points + src) * D + d], unit, unit_big,
+                   unit_small, (static_cast<int64_t>(row) * p.max_clusters + c) * D + d);
   }
   for (int i = threadIdx.x; i < p.max_points; i += blockDim.x) {
     assign[static_cast<int64_t>(row) * p.max_points + i] = -1;
@@ -178,7 +188,8 @@ __global__ void __launch_bounds__(256)
     UpdateKernel(ClusterKvBuildParams p, int rows, const float* __restrict__ x,
                  const int32_t* __restrict__ counts, const int32_t* __restrict__ starts,
                  const int32_t* __restrict__ sorted_points, const int32_t* __restrict__ done,
-                 float* __restrict__ unit) {
+                 float* __restrict__ unit, uint32_t* __restrict__ unit_big,
+                 uint32_t* __restrict__ unit_small) {
   constexpr int kPer = D / 32;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -215,10 +226,12 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float norm = sqrtf(ss);
-  float* out = unit + w * D + lane * kPer;
+  const int64_t out = w * D + lane * kPer;
   const float inv = norm > 0.f ? 1.f / norm : 1.f;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) out[j] = norm > 0.f ? v[j] * inv : v[j];
+  for (int j = 0; j < kPer; ++j) {
+    StoreSplitTf32(norm > 0.f ? v[j] * inv : v[j], unit, unit_big, unit_small, out + j);
+  }
 }
 
 // Empty clusters, in id order: the point with the largest best distance (first on ties) becomes
@@ -227,7 +240,8 @@ template <int D>
 __global__ void __launch_bounds__(256)
     ReseedKernel(ClusterKvBuildParams p, const float* __restrict__ x,
                  const int32_t* __restrict__ counts, const int32_t* __restrict__ done,
-                 float* __restrict__ best_dist, float* __restrict__ unit) {
+                 float* __restrict__ best_dist, float* __restrict__ unit,
+                 uint32_t* __restrict__ unit_big, uint32_t* __restrict__ unit_small) {
   using Reduce = cub::BlockReduce<float2, 256>;
   __shared__ typename Reduce::TempStorage tmp;
   __shared__ int far_s;
@@ -256,8 +270,8 @@ __global__ void __launch_bounds__(256)
     __syncthreads();
     const int far = far_s;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      unit[(static_cast<int64_t>(row) * p.max_clusters + c) * D + d] =
-          x[(static_cast<int64_t>(row) * p.max_points + far) * D + d];
+      StoreSplitTf32(x[(static_cast<int64_t>(row) * p.max_points + far) * D + d], unit, unit_big,
+                     unit_small, (static_cast<int64_t>(row) * p.max_clusters + c) * D + d);
     }
     __syncthreads();
   }
@@ -400,7 +414,8 @@ absl::Status Run(const ClusterKvBuildParams& p, cudaStream_t stream) {
 
   NormaliseKernel<T, D><<<dim3((p.max_points + 7) / 8, rows), 256, 0, stream>>>(p, w.x);
   KVR_RETURN_IF_ERROR(LaunchStatus("ClusterKvBuild normalise"));
-  InitKernel<D><<<rows, 256, 0, stream>>>(p, w.x, w.unit, w.assign, w.changed, w.done);
+  InitKernel<D><<<rows, 256, 0, stream>>>(p, w.x, w.unit, w.unit_big, w.unit_small, w.assign,
+                                          w.changed, w.done);
   KVR_RETURN_IF_ERROR(LaunchStatus("ClusterKvBuild init"));
 
   ArgmaxGemmArgs a;
@@ -409,6 +424,8 @@ absl::Status Run(const ClusterKvBuildParams& p, cudaStream_t stream) {
   a.x_row_stride = static_cast<int64_t>(p.max_points) * D;
   a.n_points = p.n_points;
   a.c = w.unit;
+  a.c_big = w.unit_big;
+  a.c_small = w.unit_small;
   a.c_row_stride = static_cast<int64_t>(p.max_clusters) * D;
   a.c_mod = rows;
   a.n_c = p.n_init;
@@ -437,15 +454,19 @@ absl::Status Run(const ClusterKvBuildParams& p, cudaStream_t stream) {
   };
 
   for (int it = 0; it < p.max_iterations; ++it) {
+    // 3xTF32: the pre-split kernel (same sums as LaunchArgmax's 3xTF32 kernel, bit for bit).
     KVR_CUDA_RETURN_IF_ERROR(
-        (build_internal::LaunchArgmax<D, true, int32_t>(p.math, a, p.max_points, stream)));
+        (p.math == AssignMath::k3xTf32
+             ? build_internal::LaunchArgmaxGemmTcSplit<D, true, int32_t>(a, p.max_points, stream)
+             : build_internal::LaunchArgmax<D, true, int32_t>(p.math, a, p.max_points, stream)));
     ControlKernel<<<(rows + 127) / 128, 128, 0, stream>>>(rows, it, w.changed, w.done);
     KVR_RETURN_IF_ERROR(LaunchStatus("ClusterKvBuild control"));
     KVR_RETURN_IF_ERROR(group());
     UpdateKernel<D><<<warp_blocks, 256, 0, stream>>>(p, rows, w.x, w.counts, w.starts, w.vals_out,
-                                                     w.done, w.unit);
+                                                     w.done, w.unit, w.unit_big, w.unit_small);
     KVR_RETURN_IF_ERROR(LaunchStatus("ClusterKvBuild update"));
-    ReseedKernel<D><<<rows, 256, 0, stream>>>(p, w.x, w.counts, w.done, w.best_dist, w.unit);
+    ReseedKernel<D><<<rows, 256, 0, stream>>>(p, w.x, w.counts, w.done, w.best_dist, w.unit,
+                                              w.unit_big, w.unit_small);
     KVR_RETURN_IF_ERROR(LaunchStatus("ClusterKvBuild reseed"));
   }
   // The update of the last iteration changed only the centroids; the grouping of the last
