@@ -6,7 +6,6 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <dlfcn.h>
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -37,20 +36,6 @@
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
-
-// Why this binary replaces pthread_attr_setstacksize: cuBLASLt (linked for --device cuda, loaded
-// at start whatever the device) holds ~92 KiB of static TLS, which glibc takes out of every
-// thread's stack; civetweb (prometheus-cpp's /metrics server) asks for 100 KiB stacks, so its
-// pthread_create fails with EINVAL and the node cannot start ("null context when constructing
-// CivetServer"). Every explicit stack size in this process is raised to at least 1 MiB; the real
-// function does the rest. Exported from the executable (CMakeLists.txt) so that civetweb's call
-// binds here.
-extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
-  using Fn = int (*)(pthread_attr_t*, size_t);
-  static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
-  if (real == nullptr) return EINVAL;
-  return real(attr, std::max<size_t>(size, size_t{1} << 20));
-}
 
 namespace kvr::decode {
 namespace {
