@@ -34,9 +34,10 @@ absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl:
   return s;
 }
 
-// Builds indexes, packs sink/local rows and starts store puts on its own thread, so that the
-// model's next layers compute meanwhile. Owns the put operations and the packing buffers they
-// read; the tasks' rows belong to the backend's PrefillRows, which outlive Close().
+// Builds indexes, packs sink/local rows and starts store puts on its own threads (layers are
+// independent: up to `threads` of them at once), so that the model's next layers compute
+// meanwhile. Owns the put operations and the packing buffers they read; the tasks' rows belong
+// to the backend's PrefillRows, which outlive Close().
 class LayerWorker {
  public:
   struct Context {
@@ -48,10 +49,13 @@ class LayerWorker {
     uint64_t sequence = 0;
     int64_t prompt_tokens = 0;
     PrefillObserver* observer = nullptr;
+    int threads = 1;
   };
 
-  explicit LayerWorker(Context ctx)
-      : ctx_(std::move(ctx)), layers_(ctx_.config->n_layers), thread_([this] { Loop(); }) {}
+  explicit LayerWorker(Context ctx) : ctx_(std::move(ctx)), layers_(ctx_.config->n_layers) {
+    const int n = std::clamp(ctx_.threads, 1, std::max(1, ctx_.config->n_layers));
+    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { Loop(); });
+  }
   ~LayerWorker() { Close().IgnoreError(); }
 
   // Thread-safe and non-blocking beyond a mutex (the CUDA backend calls it from a CUDA thread).
@@ -72,7 +76,9 @@ class LayerWorker {
       absl::MutexLock lock(&mu_);
       closed_ = true;
     }
-    if (thread_.joinable()) thread_.join();
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
     for (auto& op : puts_) {
       absl::StatusOr<uint64_t> rows = op->Wait();
       if (!rows.ok()) {
@@ -189,7 +195,12 @@ class LayerWorker {
       rows.k = {reinterpret_cast<const uint8_t*>(task.kv.k), half_bytes};
       rows.v = {reinterpret_cast<const uint8_t*>(task.kv.v), half_bytes};
     } else {
-      auto& buf = packed_.emplace_back(2 * L * kv_dim);
+      std::vector<float>* packed = nullptr;
+      {
+        absl::MutexLock lock(&out_mu_);
+        packed = &packed_.emplace_back(2 * L * kv_dim);  // deque: stable addresses
+      }
+      std::vector<float>& buf = *packed;
       for (int64_t r = 0; r < L; ++r) {
         std::memcpy(&buf[r * kv_dim], task.kv.k + r * task.kv.row_stride, kv_dim * sizeof(float));
         std::memcpy(&buf[(L + r) * kv_dim], task.kv.v + r * task.kv.row_stride,
@@ -198,8 +209,12 @@ class LayerWorker {
       rows.k = {reinterpret_cast<const uint8_t*>(buf.data()), half_bytes};
       rows.v = {reinterpret_cast<const uint8_t*>(buf.data() + L * kv_dim), half_bytes};
     }
-    puts_.push_back(ctx_.store->StartPutLayer(rows));
-    kv_bytes_ += 2 * half_bytes;
+    std::unique_ptr<kv_store::KvStoreOp> put = ctx_.store->StartPutLayer(rows);
+    {
+      absl::MutexLock lock(&out_mu_);
+      puts_.push_back(std::move(put));
+      kv_bytes_ += 2 * half_bytes;
+    }
 
     if (ctx_.observer != nullptr) {
       ctx_.observer->OnLayerReady(task.layer, absl::FromChrono(t1 - t0), bytes.size(),
@@ -260,12 +275,14 @@ class LayerWorker {
   std::deque<LayerTask> tasks_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
-  // Worker-thread state (read by others only after join).
+  // Worker-thread state (read by others only after join). layers_[l] is written by the one
+  // thread that processes layer l; the rest under out_mu_.
   std::vector<std::optional<cv1::HandoffLayer>> layers_;
+  absl::Mutex out_mu_;
   std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts_;
   std::deque<std::vector<float>> packed_;  // buffers of puts whose rows needed packing
   uint64_t kv_bytes_ = 0;
-  std::thread thread_;  // last: starts once the members above exist
+  std::vector<std::thread> threads_;  // started in the constructor body, after the above
 };
 
 // Where the prompt field lives in the request, for error messages.
@@ -489,7 +506,11 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                       .store = *store,
                       .sequence = job.sequence_id,
                       .prompt_tokens = L,
-                      .observer = options_.observer});
+                      .observer = options_.observer,
+                      .threads = options_.layer_threads > 0
+                                     ? options_.layer_threads
+                                     : static_cast<int>(std::min<unsigned>(
+                                           8, std::max(1u, std::thread::hardware_concurrency())))});
   PrefillCall call;
   call.sequence = job.sequence_id;
   call.ids = ids;

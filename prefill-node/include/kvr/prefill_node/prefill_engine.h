@@ -138,6 +138,9 @@ struct EngineOptions {
   // deadline, and the decode node releases the sequence when it ends; the lease bounds the
   // leftovers of a node that died (a store started with evict_expired drops them).
   absl::Duration store_lease_margin = absl::Seconds(5);
+  // Threads that build layers' indexes, pack their rows and start their puts (layers are
+  // independent); 0: min(8, hardware threads).
+  int layer_threads = 0;
   // Method assets (A2ATS codebooks) for the indexes; may be null.
   std::shared_ptr<const retrieval::MethodAssets> method_assets;
   // Not owned; may be null.
