@@ -55,6 +55,7 @@ struct UpOptions {
   std::vector<std::string> prefill_args;
   std::vector<std::string> decode_args;
   std::string a2ats_codebooks;  // given to every prefill and decode node
+  std::string device = "cpu";   // --device of every prefill and decode node
 };
 
 // A child process whose stdout lines are copied into its log file and scanned for the lines
@@ -276,6 +277,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
                                      "--listen",
                                      absl::StrCat("127.0.0.1:", Port(o, 10 + i))};
     if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
+    argv.push_back("--device=" + o.device);
     argv.insert(argv.end(), o.prefill_args.begin(), o.prefill_args.end());
     nodes.push_back(std::make_unique<Child>(absl::StrCat("prefill-", i), argv,
                                             log(absl::StrCat("prefill-", i))));
@@ -289,6 +291,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
                                      "--listen",
                                      absl::StrCat("127.0.0.1:", Port(o, 30 + i))};
     if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
+    argv.push_back("--device=" + o.device);
     argv.insert(argv.end(), o.decode_args.begin(), o.decode_args.end());
     nodes.push_back(
         std::make_unique<Child>(absl::StrCat("decode-", i), argv, log(absl::StrCat("decode-", i))));
@@ -396,6 +399,11 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--a2ats-codebooks", o->a2ats_codebooks,
                   "`kvr calibrate` file for the model: prefill and decode nodes offer a2ats")
       ->check(CLI::ExistingFile);
+  cmd->add_option("--device", o->device,
+                  "where prefill and decode nodes run the model: cpu, or cuda (GPU 0; node "
+                  "settings such as --gpu-budget go through --prefill-arg / --decode-arg)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   cmd->add_flag("--detach", o->detach,
                 "return once the cluster is up; it runs on in a background process");
   cmd->add_option("--pid-file", o->pid_file,
