@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Every GPU test of the tree (CTest label `gpu`) on the device machine, one call: the parity
+# tests of the CUDA kernels, the CUDA model runtime, the prefill and decode nodes' CUDA
+# backends; a table of passed / failed per binary. Builds nothing there: `bundle` (here) copies
+# the stripped test binaries and the non-system shared libraries they need into
+# .device/gputests/ (xz), as scripts/device/cuda-model.sh does.
+#   here:   BUILD_DIR=build bash scripts/device/gpu-tests.sh bundle
+#   device: bash scripts/device/gpu-tests.sh run        (carry [.device/gputests])
+# Logs go to $OUT.
+set -uo pipefail
+readonly kBundle=.device/gputests
+readonly kStage=/tmp/kvr-gputests
+readonly kTests="model_cuda_ops_test model_cuda_model_test model_cuda_sparse_test
+  model_cuda_sparse_load_test model_cuda_prefill_summaries_test model_cuda_export_test
+  model_cuda_graph_test prefill_gpu_test decode_gpu_test retrieval_cuda_select_test
+  retrieval_cuda_attend_test retrieval_cuda_build_test"
+out="${OUT:-out}"
+mkdir -p "$out"
+
+case "${1:-}" in
+  bundle)
+    build="${BUILD_DIR:-build}"
+    rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
+    for t in $kTests; do
+      f=$(find "$build" -maxdepth 2 -type f -name "$t" | head -1)
+      [[ -n "$f" ]] || { echo "missing $t in $build" >&2; exit 1; }
+      cp "$f" "$kBundle/bin/" && strip -g "$kBundle/bin/$t"
+    done
+    ldd "$kBundle"/bin/* | awk '/=> \//{print $3}' |
+      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
+      sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
+    strip -g "$kBundle"/lib/*.so* 2>/dev/null
+    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/gputests-bundle.tar.xz
+    rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/gputests-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    du -sh "$kBundle"
+    ;;
+  run)
+    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    status=0
+    printf '%-36s %6s %6s %6s %8s\n' binary passed failed skipped seconds
+    for t in $kTests; do
+      start=$(date +%s%N)
+      timeout "${TEST_TIMEOUT_S:-240}" "$kStage/bin/$t" --gtest_filter=-*Gguf* > "$out/$t.log" 2>&1
+      rc=$?
+      secs=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
+      passed=$(grep -c '^\[       OK \]' "$out/$t.log")
+      failed=$(grep -c '^\[  FAILED  \] [A-Za-z]' "$out/$t.log")
+      skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z]' "$out/$t.log")
+      printf '%-36s %6d %6d %6d %8s%s\n' "$t" "$passed" "$failed" "$skipped" "$secs" \
+        "$([[ $rc -ne 0 ]] && echo "  rc $rc")"
+      [[ $rc -eq 0 ]] || { status=1; grep -E 'Failure|FAILED' "$out/$t.log" | head -5; }
+    done
+    echo "gpu-tests: status $status"
+    exit $status
+    ;;
+  *)
+    echo "usage: $0 bundle|run" >&2
+    exit 2
+    ;;
+esac
