@@ -3,6 +3,7 @@
 #include "kvr/decode/cuda_backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -23,10 +24,19 @@ uint16_t ToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Between Prepare and Join: the sequence's rows, already pulled from the store into a host KV of
+// the model's pool (or nothing, when too many sequences were loading: Join pulls them then).
 struct CudaPending final : BackendSequence {
   explicit CudaPending(int64_t bytes) : bytes(bytes) {}
   int64_t resident_bytes() const override { return bytes; }
   int64_t bytes;
+  std::shared_ptr<model::SparseHostKvBuffer> host;  // filled with rows [0, prompt_tokens)
+  RetrievalCounters counters;                       // of that pull
+  int64_t gathers = 0;
+  std::atomic<int>* loading = nullptr;              // the backend's count, released here
+  ~CudaPending() override {
+    if (loading != nullptr) --*loading;
+  }
 };
 
 class CudaDecodeBackend final : public DecodeBackend {
@@ -42,15 +52,45 @@ class CudaDecodeBackend final : public DecodeBackend {
   std::string name() const override { return absl::StrCat("cuda:", options_.device); }
   int64_t max_sequence_tokens() const override { return options_.max_context; }
 
+  // Pulls the rows here, on the caller's thread (the handoff's), into a host KV of the model's
+  // pool, so that Join (on the loop thread) only activates the sequence and the running batch
+  // does not wait for the store. At most `slots` sequences hold a pulled host KV before joining
+  // (pinned memory); beyond that the pull waits for Join, as before.
   absl::StatusOr<std::unique_ptr<BackendSequence>> Prepare(Handoff& h) const override {
     KVR_RETURN_IF_ERROR(CheckHandoffForCudaBackend(h, options_));
-    return std::make_unique<CudaPending>(slot_bytes_);
+    auto pending = std::make_unique<CudaPending>(slot_bytes_);
+    if (++loading_ > options_.slots) {
+      --loading_;
+      return pending;
+    }
+    pending->loading = &loading_;
+    KVR_ASSIGN_OR_RETURN(pending->host, model_->AcquireSparseHostKv(options_.max_context));
+    absl::StatusOr<RetrievalCounters> pulled = Pull(h, pending->host->rows(), &pending->gathers);
+    if (!pulled.ok()) return pulled.status();
+    pending->counters = *pulled;
+    return pending;
   }
 
-  absl::Status Join(const Handoff& h, std::unique_ptr<BackendSequence>) override {
+  absl::Status Join(const Handoff& h, std::unique_ptr<BackendSequence> state) override {
     const uint64_t id = h.sequence_id;
-    KVR_RETURN_IF_ERROR(model_->AddSparseSequence(id, options_.max_context, {}));
-    absl::StatusOr<RetrievalCounters> loaded = Load(h);
+    auto* pending = dynamic_cast<CudaPending*>(state.get());
+    model::SparseSequenceOptions so;
+    if (pending != nullptr) so.host_kv = pending->host;
+    KVR_RETURN_IF_ERROR(model_->AddSparseSequence(id, options_.max_context, so));
+    absl::StatusOr<RetrievalCounters> loaded = [&]() -> absl::StatusOr<RetrievalCounters> {
+      RetrievalCounters counters;
+      if (so.host_kv != nullptr) {
+        counters = pending->counters;
+        node_.gathers += pending->gathers;
+      } else {
+        KVR_ASSIGN_OR_RETURN(std::span<uint16_t> host, model_->SparseHostKv(id));
+        int64_t gathers = 0;
+        KVR_ASSIGN_OR_RETURN(counters, Pull(h, host, &gathers));
+        node_.gathers += gathers;
+      }
+      KVR_RETURN_IF_ERROR(model_->ActivateSparseSequence(id, h.prompt_tokens));
+      return counters;
+    }();
     if (!loaded.ok()) {
       model_->ReleaseSequence(id).IgnoreError();
       return loaded.status();
@@ -84,8 +124,10 @@ class CudaDecodeBackend final : public DecodeBackend {
   }
 
  private:
-  // Rows [0, prompt_tokens) of every (layer, KV head) from the store into the slot's host KV.
-  absl::StatusOr<RetrievalCounters> Load(const Handoff& h) {
+  // Rows [0, prompt_tokens) of every (layer, KV head) from the store into `host` (a host KV of
+  // capacity max_context). Any thread: touches no backend or model state.
+  absl::StatusOr<RetrievalCounters> Pull(const Handoff& h, std::span<uint16_t> host,
+                                         int64_t* gathers) const {
     const model::ModelConfig& c = model_->config();
     const uint64_t id = h.sequence_id;
     const int64_t L = h.prompt_tokens, cap = options_.max_context;
@@ -109,8 +151,11 @@ class CudaDecodeBackend final : public DecodeBackend {
         return bad("layer ", l, " holds ", info.committed_rows[l], " rows, prompt_tokens ", L);
       }
     }
-    KVR_ASSIGN_OR_RETURN(std::span<uint16_t> host, model_->SparseHostKv(id));
+    if (static_cast<int64_t>(host.size()) != int64_t{c.n_layers} * kv * cap * 2 * d) {
+      return absl::InternalError("CUDA decode: host KV of the wrong size");
+    }
     const size_t row_bytes = s.RowBytes();
+    std::vector<uint8_t> staging;
     const int64_t chunk =
         std::max<int64_t>(1, options_.staging_bytes / static_cast<int64_t>(kv * row_bytes));
     RetrievalCounters counters;
@@ -122,13 +167,13 @@ class CudaDecodeBackend final : public DecodeBackend {
           ranges[hh] = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(hh),
                         static_cast<uint64_t>(t0), static_cast<uint64_t>(n)};
         }
-        staging_.resize(static_cast<size_t>(kv * n) * row_bytes);
-        KVR_RETURN_IF_ERROR(h.store->RangeRead(ranges, std::span(staging_)));
-        ++node_.gathers;
+        staging.resize(static_cast<size_t>(kv * n) * row_bytes);
+        KVR_RETURN_IF_ERROR(h.store->RangeRead(ranges, std::span(staging)));
+        ++*gathers;
         // staging [kv, n, 2 d] -> host KV [layer, kv, cap, 2 d] bf16.
         for (int hh = 0; hh < kv; ++hh) {
           uint16_t* dst = host.data() + ((int64_t{l} * kv + hh) * cap + t0) * 2 * d;
-          const uint8_t* src = staging_.data() + static_cast<size_t>(hh * n) * row_bytes;
+          const uint8_t* src = staging.data() + static_cast<size_t>(hh * n) * row_bytes;
           if (s.dtype == kv_store::DType::kBf16) {
             std::memcpy(dst, src, static_cast<size_t>(n) * row_bytes);
           } else {
@@ -140,7 +185,6 @@ class CudaDecodeBackend final : public DecodeBackend {
         counters.bytes_fetched += static_cast<int64_t>(kv * n * row_bytes);
       }
     }
-    KVR_RETURN_IF_ERROR(model_->ActivateSparseSequence(id, L));
     return counters;
   }
 
@@ -151,7 +195,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   absl::flat_hash_map<uint64_t, RetrievalCounters> running_;
   NodeCounters node_;
   std::vector<model::CudaSequence> batch_;
-  std::vector<uint8_t> staging_;
+  // Sequences whose rows Prepare pulled (or is pulling) and that have not joined yet.
+  mutable std::atomic<int> loading_{0};
 };
 
 }  // namespace

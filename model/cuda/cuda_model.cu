@@ -19,6 +19,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -93,6 +94,8 @@ class CudaModelImpl final : public CudaModel {
   absl::StatusOr<int64_t> SequenceLength(SequenceId id) const override;
   absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens, uint64_t seed) override;
   absl::StatusOr<std::span<uint16_t>> SparseHostKv(SequenceId id) override;
+  absl::StatusOr<std::shared_ptr<SparseHostKvBuffer>> AcquireSparseHostKv(
+      int64_t capacity) override;
   absl::Status ActivateSparseSequence(SequenceId id, int64_t n_tokens) override;
   absl::Status Forward(std::span<const CudaSequence> batch, LogitsMode mode,
                        std::span<float> logits) override {
@@ -147,12 +150,19 @@ class CudaModelImpl final : public CudaModel {
   };
   // A sparse sequence's full KV in mapped pinned host memory, [n_layers, n_kv_heads, capacity,
   // 2, head_dim] bf16. Kept (host_kvs_) for reuse by later sequences of the same capacity.
-  struct HostKv {
+  struct HostKv final : SparseHostKvBuffer {
     cuda::HostKvBuffer<bf16> buf;  // on SparseSequenceOptions::host_numa_node (-1: cudaHostAlloc)
     bf16* device = nullptr;        // the device-side address of buf
-    int64_t capacity = 0;
+    int64_t capacity_tokens = 0;
     uint64_t filled_seed = 0;  // FillSequenceForBenchmark's seed + 1; 0: not filled
+    std::span<uint16_t> rows() override {
+      return {reinterpret_cast<uint16_t*>(buf.data()), buf.size()};
+    }
+    int64_t capacity() const override { return capacity_tokens; }
   };
+  // A free pooled host KV (use_count 1: only the pool holds it) or a new one. Under host_kv_mu_.
+  absl::StatusOr<std::shared_ptr<HostKv>> PooledHostKv(int64_t capacity, int numa_node,
+                                                       bool huge_pages);
   // A dense sequence's prefill summaries (PrefillSummaryOptions), all layers.
   struct Summaries {
     PrefillSummaryOptions opt;  // as set when the sequence was added
@@ -321,6 +331,7 @@ class CudaModelImpl final : public CudaModel {
 
   std::unordered_map<SequenceId, Sequence> sequences_;
   std::unique_ptr<SparseState> sparse_;
+  std::mutex host_kv_mu_;  // host_kvs_: AcquireSparseHostKv runs on other threads
   std::vector<std::shared_ptr<HostKv>> host_kvs_;
   bool head_bases_dirty_ = true;
   int snapshot_layer_ = -1;
@@ -1109,30 +1120,23 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
                        " is no sparse sequence of capacity ", capacity));
     }
     host = it->second.host;
+  } else if (options.host_kv != nullptr) {
+    host = std::dynamic_pointer_cast<HostKv>(options.host_kv);
+    if (host == nullptr || host->capacity_tokens != capacity) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "AddSparseSequence: host_kv is not this model's (AcquireSparseHostKv) or not of capacity ",
+          capacity));
+    }
+    for (const auto& [other_id, other] : sequences_) {
+      if (other.host == host) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "AddSparseSequence: host_kv is in use by sequence ", other_id));
+      }
+    }
   } else {
-    for (const auto& h : host_kvs_) {
-      if (h.use_count() == 1 && h->capacity == capacity &&
-          h->buf.numa_node() == options.host_numa_node &&
-          h->buf.huge_pages() == options.host_huge_pages) {
-        host = h;
-        break;
-      }
-    }
-    if (host == nullptr) {
-      host = std::make_shared<HostKv>();
-      host->capacity = capacity;
-      const int64_t n = int64_t{c.n_layers} * c.kv_dim() * 2 * capacity;
-      absl::StatusOr<cuda::HostKvBuffer<bf16>> buf = cuda::HostKvBuffer<bf16>::Create(
-          static_cast<size_t>(n), options.host_numa_node, options.host_huge_pages);
-      if (!buf.ok()) {
-        cudaGetLastError();  // as in Alloc
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "AddSparseSequence: pinning ", n * 2, " bytes of host KV: ", buf.status().message()));
-      }
-      host->buf = *std::move(buf);
-      KVR_ASSIGN_OR_RETURN(host->device, host->buf.device_pointer());
-      host_kvs_.push_back(host);
-    }
+    std::lock_guard<std::mutex> lock(host_kv_mu_);
+    KVR_ASSIGN_OR_RETURN(host,
+                         PooledHostKv(capacity, options.host_numa_node, options.host_huge_pages));
   }
   for (rc::HotCache& h : sparse_->hot) KVR_RETURN_IF_ERROR(h.ResetSlot(slot, stream()));
   KVR_RETURN_IF_ERROR(
@@ -1146,6 +1150,49 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
   sparse_->owner[slot] = id;
   head_bases_dirty_ = true;
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<CudaModelImpl::HostKv>> CudaModelImpl::PooledHostKv(
+    int64_t capacity, int numa_node, bool huge_pages) {
+  for (const auto& h : host_kvs_) {
+    if (h.use_count() == 1 && h->capacity_tokens == capacity && h->buf.numa_node() == numa_node &&
+        h->buf.huge_pages() == huge_pages) {
+      return h;
+    }
+  }
+  const ModelConfig& c = config_;
+  auto host = std::make_shared<HostKv>();
+  host->capacity_tokens = capacity;
+  const int64_t n = int64_t{c.n_layers} * c.kv_dim() * 2 * capacity;
+  absl::StatusOr<cuda::HostKvBuffer<bf16>> buf =
+      cuda::HostKvBuffer<bf16>::Create(static_cast<size_t>(n), numa_node, huge_pages);
+  if (!buf.ok()) {
+    cudaGetLastError();  // as in Alloc
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pinning ", n * 2, " bytes of host KV: ", buf.status().message()));
+  }
+  host->buf = *std::move(buf);
+  KVR_ASSIGN_OR_RETURN(host->device, host->buf.device_pointer());
+  host_kvs_.push_back(host);
+  return host;
+}
+
+absl::StatusOr<std::shared_ptr<SparseHostKvBuffer>> CudaModelImpl::AcquireSparseHostKv(
+    int64_t capacity) {
+  if (capacity < 1 || capacity > config_.context_length) {
+    return absl::InvalidArgumentError(absl::StrCat("AcquireSparseHostKv: capacity ", capacity,
+                                                   " outside [1, ", config_.context_length, "]"));
+  }
+  // This thread may never have used the device: the mapped pointer needs it current.
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  std::lock_guard<std::mutex> lock(host_kv_mu_);
+  absl::StatusOr<std::shared_ptr<HostKv>> host = PooledHostKv(capacity, -1, false);
+  if (!host.ok()) {
+    return absl::Status(host.status().code(),
+                        absl::StrCat("AcquireSparseHostKv: ", host.status().message()));
+  }
+  (*host)->filled_seed = 0;  // the caller writes it
+  return std::shared_ptr<SparseHostKvBuffer>(*std::move(host));
 }
 
 absl::StatusOr<int64_t> CudaModelImpl::SequenceDeviceBytes(SequenceId id) const {

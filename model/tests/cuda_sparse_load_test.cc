@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -51,10 +52,10 @@ uint16_t Bf16Bits(float f) {  // f is a widened bf16 value: the top half is exac
 
 // Loads the exported rows [0, L) of every layer into sparse sequence `id`'s host KV and
 // activates it.
-void Load(CudaModel& gpu, SequenceId id, const ModelConfig& c, int64_t capacity, int64_t L,
+// Writes the exported rows [0, L) of every layer into a host KV in SparseHostKv's layout.
+void Fill(std::span<uint16_t> host_rows, const ModelConfig& c, int64_t capacity, int64_t L,
           const std::vector<KvView>& layers) {
-  auto host = gpu.SparseHostKv(id);
-  ASSERT_TRUE(host.ok()) << host.status();
+  std::span<uint16_t>* host = &host_rows;
   const int kv = c.n_kv_heads, d = c.head_dim;
   ASSERT_EQ(static_cast<int64_t>(host->size()), int64_t{c.n_layers} * kv * capacity * 2 * d);
   for (int l = 0; l < c.n_layers; ++l) {
@@ -72,6 +73,13 @@ void Load(CudaModel& gpu, SequenceId id, const ModelConfig& c, int64_t capacity,
       }
     }
   }
+}
+
+void Load(CudaModel& gpu, SequenceId id, const ModelConfig& c, int64_t capacity, int64_t L,
+          const std::vector<KvView>& layers) {
+  auto host = gpu.SparseHostKv(id);
+  ASSERT_TRUE(host.ok()) << host.status();
+  Fill(*host, c, capacity, L, layers);
   const absl::Status st = gpu.ActivateSparseSequence(id, L);
   ASSERT_TRUE(st.ok()) << st;
 }
@@ -117,11 +125,32 @@ void CheckLoaded(const std::string& shape, int n_layers) {
   // Misuse first.
   EXPECT_EQ(gpu.SparseHostKv(kDense).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(gpu.ActivateSparseSequence(99, 1).code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE(gpu.AddSparseSequence(kSparse, kCapacity, {}).ok());
+  // The host KV acquired and filled on another thread (as the decode node's Prepare does while
+  // its loop runs other sequences), then adopted by the sparse sequence.
+  EXPECT_EQ(gpu.AcquireSparseHostKv(0).status().code(), absl::StatusCode::kInvalidArgument);
+  std::shared_ptr<SparseHostKvBuffer> acquired;
+  std::thread filler([&] {
+    auto a = gpu.AcquireSparseHostKv(kCapacity);
+    ASSERT_TRUE(a.ok()) << a.status();
+    acquired = *a;
+    ASSERT_EQ((*a)->capacity(), kCapacity);
+    Fill(acquired->rows(), c, kCapacity, kPrompt, layers);
+  });
+  filler.join();
+  ASSERT_NE(acquired, nullptr);
+  SparseSequenceOptions adopt;
+  adopt.host_kv = acquired;
+  EXPECT_EQ(gpu.AddSparseSequence(kSparse, kCapacity - 1, adopt).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(gpu.AddSparseSequence(kSparse, kCapacity, adopt).ok());
+  EXPECT_EQ(gpu.AddSparseSequence(3, kCapacity, adopt).code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "a host KV in use by another sequence";
   EXPECT_EQ(gpu.ActivateSparseSequence(kSparse, 0).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(gpu.ActivateSparseSequence(kSparse, kCapacity + 1).code(),
             absl::StatusCode::kInvalidArgument);
-  Load(gpu, kSparse, c, kCapacity, kPrompt, layers);
+  ASSERT_TRUE(gpu.ActivateSparseSequence(kSparse, kPrompt).ok());
+  acquired.reset();
   EXPECT_EQ(gpu.ActivateSparseSequence(kSparse, kPrompt).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(*gpu.SequenceLength(kSparse), kPrompt);

@@ -40,7 +40,7 @@
 //   rows pulled from the store) or from token-by-token steps.
 //
 // Thread safety: none; one thread drives a CudaModel (it owns one CUDA stream and one cuBLAS
-// handle). Forward is synchronous: it returns once the logits are back in host memory.
+// handle), except AcquireSparseHostKv, which any thread may call. Forward is synchronous: it returns once the logits are back in host memory.
 
 #include <cstdint>
 #include <functional>
@@ -233,7 +233,22 @@ struct SparseLayerSnapshot {
   std::vector<float> attn;      // [slots, n_heads, head_dim]: attention output (bf16 values)
 };
 
+// A sparse sequence's host KV acquired ahead of its slot (CudaModel::AcquireSparseHostKv): pinned,
+// mapped host memory in SparseHostKv's layout, [n_layers, n_kv_heads, capacity, 2, head_dim]
+// bf16, that the caller fills on its own thread while the model runs other sequences, then hands
+// to AddSparseSequence (SparseSequenceOptions::host_kv). Buffers come from, and go back to, the
+// model's pool of host KVs (pinning GiBs costs seconds, once).
+class SparseHostKvBuffer {
+ public:
+  virtual ~SparseHostKvBuffer() = default;
+  virtual std::span<uint16_t> rows() = 0;  // bf16 bits
+  virtual int64_t capacity() const = 0;
+};
+
 struct SparseSequenceOptions {
+  // The host KV to adopt, filled by the caller (AcquireSparseHostKv of this model, the same
+  // capacity); ActivateSparseSequence then takes its rows. Excludes share_host_kv_with.
+  std::shared_ptr<SparseHostKvBuffer> host_kv;
   // Benchmarks only: use the host KV of this (sparse) sequence instead of pinning a new one
   // (128 GiB of host memory holds ~7 Llama-3-8B sequences of 128K). The sequences then read the
   // same past rows and their new rows overwrite each other's: throughput only, never for output
@@ -292,6 +307,13 @@ class CudaModel {
   // a host KV shared with another sequence, or Activate on a sequence that already holds
   // tokens), InvalidArgument (n_tokens outside [1, capacity]).
   [[nodiscard]] virtual absl::StatusOr<std::span<uint16_t>> SparseHostKv(SequenceId id) = 0;
+  // A free host KV of `capacity` tokens from the pool (or a new one), for a sparse sequence to
+  // come (SparseSequenceOptions::host_kv). THREAD-SAFE: the one method that may be called from
+  // any thread while another drives the model (it touches only the pool, under a mutex, and
+  // pins memory). InvalidArgument for a capacity outside [1, context length]; ResourceExhausted
+  // when the memory cannot be pinned.
+  [[nodiscard]] virtual absl::StatusOr<std::shared_ptr<SparseHostKvBuffer>> AcquireSparseHostKv(
+      int64_t capacity) = 0;
   [[nodiscard]] virtual absl::Status ActivateSparseSequence(SequenceId id, int64_t n_tokens) = 0;
 
   // Runs the new tokens of every sequence, appends their K/V to the sequences' caches and writes
