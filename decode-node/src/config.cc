@@ -69,11 +69,12 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
        [](const DecodeConfig& c) { return c.device; }},
       IntField("cuda_device", "CUDA device ordinal for --device cuda", &DecodeConfig::cuda_device,
                true),
-      {"gpu_method", "--device cuda: the one retrieval method of the node (quest)",
+      {"gpu_method", "--device cuda: the one retrieval method of the node (quest or clusterkv)",
        [](DecodeConfig& c, const std::string& v) {
-         // clusterkv's GPU state exists (cuda_model.h) but is built by a synthetic stand-in
-         // clustering, not the k-means the handed-off index used: not offered yet.
-         if (v != "quest") return BadValue(v, "quest (the only method of a CUDA decode node yet)");
+         // clusterkv uploads the handed-off clusters (the prefill node's k-means).
+         if (v != "quest" && v != "clusterkv") {
+           return BadValue(v, "quest or clusterkv (the methods of a CUDA decode node)");
+         }
          c.gpu_method = v;
          return absl::OkStatus();
        },

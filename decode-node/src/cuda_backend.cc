@@ -11,6 +11,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/prebuilt.h"
+#include "kvr/retrieval/registry.h"
 
 namespace kvr::decode {
 namespace {
@@ -34,6 +36,8 @@ struct CudaPending final : BackendSequence {
   RetrievalCounters counters;                       // of that pull
   int64_t gathers = 0;
   std::atomic<int>* loading = nullptr;              // the backend's count, released here
+  // clusterkv: the handed-off clusters of every layer (the prefill node's k-means).
+  std::vector<retrieval::PrebuiltClusterKvData> clusters;
   ~CudaPending() override {
     if (loading != nullptr) --*loading;
   }
@@ -59,6 +63,36 @@ class CudaDecodeBackend final : public DecodeBackend {
   absl::StatusOr<std::unique_ptr<BackendSequence>> Prepare(Handoff& h) const override {
     KVR_RETURN_IF_ERROR(CheckHandoffForCudaBackend(h, options_));
     auto pending = std::make_unique<CudaPending>(slot_bytes_);
+    if (options_.method == "clusterkv") {
+      // The clusters the GPU keeps come from the handoff (sink/local rows come from the store).
+      const int n_layers = model_->config().n_layers;
+      pending->clusters.resize(n_layers);
+      std::vector<bool> seen(n_layers, false);
+      for (const HandoffLayerData& layer : h.layers) {
+        if (layer.layer < 0 || layer.layer >= n_layers || seen[layer.layer]) continue;
+        absl::StatusOr<retrieval::PrebuiltClusterKvData> parsed = retrieval::ParsePrebuiltClusterKv(
+            {reinterpret_cast<const uint8_t*>(layer.summaries.data()), layer.summaries.size()},
+            registry_);
+        if (!parsed.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat("handoff of sequence ", h.sequence_id,
+                                                         ": layers[", layer.layer,
+                                                         "].summaries: ", parsed.status().message()));
+        }
+        if (parsed->size != h.prompt_tokens) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "handoff of sequence ", h.sequence_id, ": layers[", layer.layer, "].summaries cover ",
+              parsed->size, " tokens, prompt_tokens is ", h.prompt_tokens));
+        }
+        pending->clusters[layer.layer] = *std::move(parsed);
+        seen[layer.layer] = true;
+      }
+      for (int l = 0; l < n_layers; ++l) {
+        if (!seen[l]) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "handoff of sequence ", h.sequence_id, ": no clusterkv summaries for layer ", l));
+        }
+      }
+    }
     if (++loading_ > options_.slots) {
       --loading_;
       return pending;
@@ -88,7 +122,18 @@ class CudaDecodeBackend final : public DecodeBackend {
         KVR_ASSIGN_OR_RETURN(counters, Pull(h, host, &gathers));
         node_.gathers += gathers;
       }
-      KVR_RETURN_IF_ERROR(model_->ActivateSparseSequence(id, h.prompt_tokens));
+      if (pending != nullptr && !pending->clusters.empty()) {
+        std::vector<model::CudaModel::SparseClusterHead> heads;
+        for (const retrieval::PrebuiltClusterKvData& layer : pending->clusters) {
+          for (size_t hh = 0; hh < layer.ids.size(); ++hh) {
+            heads.push_back({layer.centroids[hh], layer.offsets[hh], layer.ids[hh]});
+          }
+        }
+        KVR_RETURN_IF_ERROR(
+            model_->ActivateSparseSequenceWithClusters(id, h.prompt_tokens, heads));
+      } else {
+        KVR_RETURN_IF_ERROR(model_->ActivateSparseSequence(id, h.prompt_tokens));
+      }
       return counters;
     }();
     if (!loaded.ok()) {
@@ -197,6 +242,12 @@ class CudaDecodeBackend final : public DecodeBackend {
   std::vector<model::CudaSequence> batch_;
   // Sequences whose rows Prepare pulled (or is pulling) and that have not joined yet.
   mutable std::atomic<int> loading_{0};
+  // clusterkv handoffs are parsed with it (immutable after construction: any thread).
+  retrieval::MethodRegistry registry_ = [] {
+    retrieval::MethodRegistry r;
+    retrieval::RegisterCoreMethods(r).IgnoreError();
+    return r;
+  }();
 };
 
 }  // namespace
@@ -238,12 +289,12 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
                                                    " outside [2, the model's context length ",
                                                    c.context_length, "]"));
   }
-  if (o.method != "quest") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("gpu_method '", o.method, "': a CUDA decode node runs quest only"));
+  if (o.method != "quest" && o.method != "clusterkv") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gpu_method '", o.method, "': a CUDA decode node runs quest or clusterkv"));
   }
   model::SparseAttentionOptions so;
-  so.method = model::SparseMethod::kQuest;
+  so.method = o.method == "quest" ? model::SparseMethod::kQuest : model::SparseMethod::kClusterKv;
   so.slots = o.slots;
   so.max_capacity = o.max_context;
   so.budget = o.budget;
@@ -268,7 +319,12 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   KVR_RETURN_IF_ERROR(model->ReleaseSequence(kProbe));
   if (!slot_bytes.ok()) return slot_bytes.status();
   const int64_t pages = (o.max_context + so.quest_page_size - 1) / so.quest_page_size;
-  const int64_t summary_bytes = pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4;
+  // quest: page bounds; clusterkv: ~L/80 centroids + offsets and one member id per token.
+  const int64_t summary_bytes =
+      o.method == "quest"
+          ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4
+          : int64_t{c.n_layers} * c.n_kv_heads *
+                ((o.max_context / 80 + 1) * (int64_t{c.head_dim} * 4 + 4) + o.max_context * 4);
   return std::make_unique<CudaDecodeBackend>(std::move(model), o, *slot_bytes, summary_bytes);
 }
 

@@ -55,9 +55,13 @@ TEST(DecodeBackendConfigTest, DeviceAndGpuSettingsParseFromFlagFileAndEnv) {
   auto bad = ResolveDecodeConfig({{"device", "tpu"}}, std::nullopt, NoEnv);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("device (flag --device)"));
-  bad = ResolveDecodeConfig({{"gpu_method", "clusterkv"}}, std::nullopt, NoEnv);
+  auto ckv = ResolveDecodeConfig({{"gpu_method", "clusterkv"}}, std::nullopt, NoEnv);
+  ASSERT_TRUE(ckv.ok()) << ckv.status();
+  EXPECT_EQ(ckv->gpu_method, "clusterkv");
+  bad = ResolveDecodeConfig({{"gpu_method", "ctkvr"}}, std::nullopt, NoEnv);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("gpu_method (flag --gpu-method)"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("quest or clusterkv"));
   bad = ResolveDecodeConfig({{"gpu_budget", "0"}}, std::nullopt, NoEnv);
   EXPECT_THAT(bad.status().message(), HasSubstr("gpu_budget"));
 }

@@ -63,7 +63,7 @@ class GpuDecodeTest : public ::testing::Test {
     return std::move(*e);
   }
 
-  std::unique_ptr<DecodeEngine> CudaEngine(int budget) {
+  std::unique_ptr<DecodeEngine> CudaEngine(int budget, const std::string& method = "quest") {
     model::CudaModelOptions mo;
     mo.max_batch_tokens = kSlots;
     mo.max_sequences = kSlots;
@@ -73,6 +73,7 @@ class GpuDecodeTest : public ::testing::Test {
     CudaDecodeBackendOptions o;
     o.slots = kSlots;
     o.budget = budget;
+    o.method = method;
     o.n_sink = kSink;
     o.local_window = kWindow;
     o.max_context = 512;
@@ -97,14 +98,15 @@ class GpuDecodeTest : public ::testing::Test {
   }
 
   Handoff MakeHandoff(kv_store::KvStoreClient& store, uint64_t id,
-                      const std::vector<int32_t>& prompt, int budget) {
+                      const std::vector<int32_t>& prompt, int budget,
+                      const std::string& method = "quest") {
     model::DenseAttention dense(&pool_);
     model::KvCache cache = cpu_->NewCache();
     auto logits = cpu_->Prefill(id, cache, prompt, dense);
     EXPECT_TRUE(logits.ok());
     LocalHandoffOptions o;
     o.sequence_id = id;
-    o.method = "quest";
+    o.method = method;
     o.params.budget = budget;
     o.params.n_sink = kSink;
     o.params.local_window = kWindow;
@@ -119,11 +121,12 @@ class GpuDecodeTest : public ::testing::Test {
   std::map<uint64_t, std::vector<int32_t>> Run(DecodeEngine& engine,
                                                kv_store::FakeKvStoreClient& store,
                                                const std::vector<std::vector<int32_t>>& prompts,
-                                               int budget, std::vector<int32_t>* first) {
+                                               int budget, std::vector<int32_t>* first,
+                                               const std::string& method = "quest") {
     std::vector<uint64_t> ids;
     first->clear();
     for (size_t i = 0; i < prompts.size(); ++i) {
-      Handoff h = MakeHandoff(store, 40 + i, prompts[i], budget);
+      Handoff h = MakeHandoff(store, 40 + i, prompts[i], budget, method);
       first->push_back(h.first_token);
       const absl::Status s = engine.Admit(std::move(h));
       EXPECT_TRUE(s.ok()) << s;
@@ -187,18 +190,22 @@ class GpuDecodeTest : public ::testing::Test {
   retrieval::MethodRegistry registry_;
 };
 
+// clusterkv: the CUDA backend uploads the handed-off clusters (the CPU index's k-means); at
+// budget 512 every candidate is selected, so a cluster table that lost or repeated a token
+// would show as a wrong attention.
 TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
   const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
                                                      Prompt(233, 3)};
+  for (const std::string method : {"quest", "clusterkv"})
   for (int budget : {512, 16}) {
-    SCOPED_TRACE(budget);
+    SCOPED_TRACE(method + " " + std::to_string(budget));
     auto cpu_store = testing::MakeFakeStore(256 << 20);
     auto gpu_store = testing::MakeFakeStore(256 << 20);
     auto cpu_engine = CpuEngine();
-    auto gpu_engine = CudaEngine(budget);
+    auto gpu_engine = CudaEngine(budget, method);
     std::vector<int32_t> first_cpu, first_gpu;
-    auto want = Run(*cpu_engine, *cpu_store, prompts, budget, &first_cpu);
-    auto got = Run(*gpu_engine, *gpu_store, prompts, budget, &first_gpu);
+    auto want = Run(*cpu_engine, *cpu_store, prompts, budget, &first_cpu, method);
+    auto got = Run(*gpu_engine, *gpu_store, prompts, budget, &first_gpu, method);
     ASSERT_EQ(first_cpu, first_gpu);  // the CPU prefill's, both sides
     for (size_t i = 0; i < prompts.size(); ++i) {
       const uint64_t id = 40 + i;
@@ -211,13 +218,13 @@ TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
         const double gap = WorstGap(prompts[i], first_gpu[i], got[id]);
         EXPECT_LE(gap, kTieOverRms) << "sequence " << i << ": a CUDA token is not a greedy "
                                     << "choice of the CPU model within the tolerance";
-        std::printf("[ engine ] quest budget %3d seq %zu (prompt %3zu): %2zu/%zu tokens equal to "
+        std::printf("[ engine ] %-9s budget %3d seq %zu (prompt %3zu): %2zu/%zu tokens equal to "
                     "the CPU engine, first %zu equal; worst CPU gap of a CUDA token %.4f x rms\n",
-                    budget, i, prompts[i].size(), agree, want[id].size(), prefix, gap);
+                    method.c_str(), budget, i, prompts[i].size(), agree, want[id].size(), prefix, gap);
       } else {
-        std::printf("[ engine ] quest budget %3d seq %zu (prompt %3zu): %2zu/%zu tokens equal to "
+        std::printf("[ engine ] %-9s budget %3d seq %zu (prompt %3zu): %2zu/%zu tokens equal to "
                     "the CPU engine, first %zu equal (small budget: the selections differ)\n",
-                    budget, i, prompts[i].size(), agree, want[id].size(), prefix);
+                    method.c_str(), budget, i, prompts[i].size(), agree, want[id].size(), prefix);
       }
     }
     const NodeCounters n = gpu_engine->node_counters();

@@ -97,6 +97,8 @@ class CudaModelImpl final : public CudaModel {
   absl::StatusOr<std::shared_ptr<SparseHostKvBuffer>> AcquireSparseHostKv(
       int64_t capacity) override;
   absl::Status ActivateSparseSequence(SequenceId id, int64_t n_tokens) override;
+  absl::Status ActivateSparseSequenceWithClusters(
+      SequenceId id, int64_t n_tokens, std::span<const SparseClusterHead> heads) override;
   absl::Status Forward(std::span<const CudaSequence> batch, LogitsMode mode,
                        std::span<float> logits) override {
     return Run(batch, mode, logits, {});
@@ -1526,6 +1528,77 @@ absl::Status CudaModelImpl::ActivateSparseSequence(SequenceId id, int64_t n_toke
   s->filled_seed = 0;
   KVR_RETURN_IF_ERROR(FillSlotFromHostKv(*s, n_tokens));
   s->length = n_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::ActivateSparseSequenceWithClusters(
+    SequenceId id, int64_t n_tokens, std::span<const SparseClusterHead> heads) {
+  const ModelConfig& c = config_;
+  if (sparse_ == nullptr || sparse_->opt.method != SparseMethod::kClusterKv) {
+    return absl::InvalidArgumentError(
+        "ActivateSparseSequenceWithClusters: the sparse configuration is not clusterkv");
+  }
+  const int64_t kv = c.n_kv_heads, d = c.head_dim;
+  if (static_cast<int64_t>(heads.size()) != int64_t{c.n_layers} * kv) {
+    return absl::InvalidArgumentError(absl::StrCat("ActivateSparseSequenceWithClusters: ",
+                                                   heads.size(), " heads, expected ",
+                                                   c.n_layers, " layers x ", kv));
+  }
+  // The ring and the synthetic clusters first (checks the id and n_tokens), then the real
+  // clusters over them, layer by layer.
+  KVR_RETURN_IF_ERROR(ActivateSparseSequence(id, n_tokens));
+  Sequence& s = sequences_.at(id);
+  SparseState& sp = *sparse_;
+  const int K = sp.max_clusters;
+  const int64_t M = sp.opt.max_capacity;
+  const int64_t lo = sp.opt.n_sink, hi = n_tokens - sp.opt.local_window;  // clustered: [lo, hi)
+  std::vector<float> cent(static_cast<size_t>(kv * K * d));
+  std::vector<int32_t> count(kv), off(static_cast<size_t>(kv * (K + 1))), mem(kv * M);
+  const int64_t S = sp.opt.slots;
+  auto fail = [&](auto&&... parts) {
+    s.length = 0;  // not activated
+    return absl::InvalidArgumentError(absl::StrCat("ActivateSparseSequenceWithClusters: ", parts...));
+  };
+  for (int l = 0; l < c.n_layers; ++l) {
+    std::fill(cent.begin(), cent.end(), 0.f);
+    std::fill(mem.begin(), mem.end(), -1);
+    for (int64_t h = 0; h < kv; ++h) {
+      const SparseClusterHead& in = heads[l * kv + h];
+      const int64_t nc_in = static_cast<int64_t>(in.offsets.size()) - 1;
+      if (nc_in < 0 || static_cast<int64_t>(in.centroids.size()) != nc_in * d ||
+          in.offsets.back() != static_cast<int32_t>(in.ids.size())) {
+        return fail("layer ", l, " head ", h, ": inconsistent centroids / offsets / ids");
+      }
+      int32_t nc = 0, n = 0;
+      int32_t* o = off.data() + h * (K + 1);
+      o[0] = 0;
+      for (int64_t cl = 0; cl < nc_in; ++cl) {
+        const int32_t before = n;
+        for (int32_t j = in.offsets[cl]; j < in.offsets[cl + 1]; ++j) {
+          const int32_t t = in.ids[j];
+          if (t < lo || t >= hi) continue;
+          if (n >= M) return fail("layer ", l, " head ", h, ": more members than ", M);
+          mem[h * M + n++] = t;
+        }
+        if (n == before) continue;  // empty after the window's tokens left it
+        if (nc >= K) return fail("layer ", l, " head ", h, ": more than ", K, " clusters");
+        std::copy_n(in.centroids.data() + cl * d, d, cent.data() + (h * K + nc) * d);
+        o[++nc] = n;
+      }
+      for (int cl = nc + 1; cl <= K; ++cl) o[cl] = n;
+      count[h] = nc;
+    }
+    const int64_t base = (int64_t{l} * S + s.slot) * kv;
+    auto h2d = [&](auto* dst, const auto& src) {
+      return cudaMemcpyAsync(dst, src.data(), src.size() * sizeof(src[0]), cudaMemcpyHostToDevice,
+                             stream());
+    };
+    KVR_CUDA_RETURN_IF_ERROR(h2d(sp.centroids.data() + base * K * d, cent));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(sp.n_clusters.data() + base, count));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(sp.offsets.data() + base * (K + 1), off));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(sp.members.data() + base * M, mem));
+    KVR_RETURN_IF_ERROR(stream_.Synchronize());  // the host arrays are reused by the next layer
+  }
   return absl::OkStatus();
 }
 

@@ -230,6 +230,23 @@ class ClusterKvIndex final : public RetrievalIndex {
     return index;
   }
 
+  // The clusters (prebuilt.h, ParsePrebuiltClusterKv).
+  absl::StatusOr<PrebuiltClusterKvData> Export() const {
+    if (pending_begin_ != size_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "clusterkv index holds ", size_ - pending_begin_, " appended tokens not clustered"));
+    }
+    PrebuiltClusterKvData d;
+    d.size = size_;
+    d.n_sink = n_sink_;
+    for (const HeadClusters& h : heads_) {
+      d.centroids.push_back(h.centroids);
+      d.offsets.push_back(h.offsets);
+      d.ids.push_back(h.ids);
+    }
+    return d;
+  }
+
   // The index right after Build over `size` tokens, with the clusters `heads` (prebuilt.h).
   static absl::StatusOr<std::unique_ptr<ClusterKvIndex>> FromClusters(
       const IndexShape& shape, const IndexParams& params, int64_t size,
@@ -393,6 +410,18 @@ absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltClusterKv(
   KVR_ASSIGN_OR_RETURN(std::unique_ptr<ClusterKvIndex> index,
                        ClusterKvIndex::FromClusters(shape, applied, size, heads));
   return SerializeIndex(*index);
+}
+
+absl::StatusOr<PrebuiltClusterKvData> ParsePrebuiltClusterKv(std::span<const uint8_t> bytes,
+                                                             const MethodRegistry& registry) {
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<RetrievalIndex> index,
+                       DeserializeIndex(bytes, registry, IndexParams{}));
+  const auto* ckv = dynamic_cast<const ClusterKvIndex*>(index.get());
+  if (ckv == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "summaries are a '", std::string(index->method()), "' index, not clusterkv"));
+  }
+  return ckv->Export();
 }
 
 absl::Status RegisterClusterKv(MethodRegistry& registry) {

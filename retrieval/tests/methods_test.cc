@@ -211,6 +211,27 @@ TEST(PrebuiltTest, ClusterKvClustersSelectLikeTheCpuIndex) {
   EXPECT_TRUE((*index)->Append({View(more, s.n_kv_heads, s.head_dim), {}}).ok());
   EXPECT_EQ((*index)->size(), n + 40);
 
+  // Parsed back (what a GPU decode node uploads): the same clusters.
+  auto parsed = ParsePrebuiltClusterKv(*bytes, CoreRegistry());
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->size, n);
+  EXPECT_EQ(parsed->n_sink, 4);
+  ASSERT_EQ(parsed->ids.size(), 2u);
+  for (int h = 0; h < 2; ++h) {
+    EXPECT_EQ(parsed->ids[h], ids);
+    EXPECT_EQ(parsed->offsets[h], offsets);
+    EXPECT_EQ(parsed->centroids[h], centroids[h]);
+  }
+  auto appended = SerializeIndex(**index);  // 40 tokens appended above: not a prefill state
+  ASSERT_TRUE(appended.ok());
+  EXPECT_EQ(ParsePrebuiltClusterKv(*appended, CoreRegistry()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto quest = MakeBuilt(CoreRegistry(), "quest", s, p, keys, {});
+  auto quest_bytes = SerializeIndex(*quest);
+  ASSERT_TRUE(quest_bytes.ok());
+  auto not_ckv = ParsePrebuiltClusterKv(*quest_bytes, CoreRegistry());
+  EXPECT_THAT(std::string(not_ckv.status().message()), HasSubstr("'quest' index"));
+
   // Layout errors name what is wrong.
   std::vector<int32_t> dup = ids;
   dup[1] = dup[0];

@@ -6,14 +6,18 @@
 # .device/gputests/ (xz), as scripts/device/cuda-model.sh does.
 #   here:   BUILD_DIR=build bash scripts/device/gpu-tests.sh bundle
 #   device: bash scripts/device/gpu-tests.sh run        (carry [.device/gputests])
+#           GPU_TESTS="decode_gpu_test" MEMCHECK="decode_gpu_test" bash ... run   (a subset)
 # Logs go to $OUT.
 set -uo pipefail
 readonly kBundle=.device/gputests
 readonly kStage=/tmp/kvr-gputests
-readonly kTests="model_cuda_ops_test model_cuda_model_test model_cuda_sparse_test
+readonly kAll="model_cuda_ops_test model_cuda_model_test model_cuda_sparse_test
   model_cuda_sparse_load_test model_cuda_prefill_summaries_test model_cuda_export_test
   model_cuda_graph_test prefill_gpu_test decode_gpu_test retrieval_cuda_select_test
   retrieval_cuda_attend_test retrieval_cuda_build_test"
+# GPU_TESTS: run only these (bundle always takes all); MEMCHECK: binaries to run again under
+# compute-sanitizer memcheck.
+readonly kTests="${GPU_TESTS:-$kAll}"
 out="${OUT:-out}"
 mkdir -p "$out"
 
@@ -21,7 +25,7 @@ case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build}"
     rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
-    for t in $kTests; do
+    for t in $kAll; do
       f=$(find "$build" -maxdepth 2 -type f -name "$t" | head -1)
       [[ -n "$f" ]] || { echo "missing $t in $build" >&2; exit 1; }
       cp "$f" "$kBundle/bin/" && strip -g "$kBundle/bin/$t"
@@ -51,6 +55,13 @@ case "${1:-}" in
       printf '%-36s %6d %6d %6d %8s%s\n' "$t" "$passed" "$failed" "$skipped" "$secs" \
         "$([[ $rc -ne 0 ]] && echo "  rc $rc")"
       [[ $rc -eq 0 ]] || { status=1; grep -E 'Failure|FAILED' "$out/$t.log" | head -5; }
+    done
+    for t in ${MEMCHECK:-}; do
+      timeout "${MEMCHECK_S:-300}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+        --error-exitcode 3 "$kStage/bin/$t" --gtest_filter=-*Gguf* > "$out/memcheck_$t.log" 2>&1
+      rc=$?
+      echo "memcheck $t: rc $rc  $(grep 'ERROR SUMMARY' "$out/memcheck_$t.log" | tail -1)"
+      [[ $rc -eq 0 ]] || status=1
     done
     echo "gpu-tests: status $status"
     exit $status

@@ -315,6 +315,19 @@ class CudaModel {
   [[nodiscard]] virtual absl::StatusOr<std::shared_ptr<SparseHostKvBuffer>> AcquireSparseHostKv(
       int64_t capacity) = 0;
   [[nodiscard]] virtual absl::Status ActivateSparseSequence(SequenceId id, int64_t n_tokens) = 0;
+  // As ActivateSparseSequence, for clusterkv with REAL clusters (the prefill node's k-means, as
+  // shipped): `heads` is [n_layers * n_kv_heads] (layer-major), each head's clusters over the
+  // prompt. Members outside [n_sink, n_tokens - local_window) are dropped (sinks and the window
+  // are resident; tokens leave the window as singleton clusters, as for any sparse sequence),
+  // then empty clusters. InvalidArgument for a quest configuration, a wrong head count, or more
+  // clusters / members than the slot holds.
+  struct SparseClusterHead {
+    std::span<const float> centroids;  // [n_clusters, head_dim]
+    std::span<const int32_t> offsets;  // [n_clusters + 1]
+    std::span<const int32_t> ids;      // token ids grouped by cluster
+  };
+  [[nodiscard]] virtual absl::Status ActivateSparseSequenceWithClusters(
+      SequenceId id, int64_t n_tokens, std::span<const SparseClusterHead> heads) = 0;
 
   // Runs the new tokens of every sequence, appends their K/V to the sequences' caches and writes
   // the logits into `logits` (kLast: [batch, vocab]; kAll: [total new tokens, vocab]).

@@ -36,4 +36,18 @@ struct PrebuiltClusterKvHead {
     const IndexShape& shape, const IndexParams& params, int64_t size,
     std::span<const PrebuiltClusterKvHead> heads);
 
+// The clusters of shipped clusterkv bytes right after the prefill Build (no generated tokens
+// appended yet): what a GPU decode node uploads instead of clustering again. InvalidArgument when
+// the bytes are not a clusterkv index (naming the method found) or hold appended tokens.
+struct PrebuiltClusterKvData {
+  int64_t size = 0;    // tokens the index covers
+  int64_t n_sink = 0;  // never clustered
+  std::vector<std::vector<float>> centroids;  // per KV head [n_clusters, head_dim]
+  std::vector<std::vector<int32_t>> offsets;  // per KV head [n_clusters + 1]
+  std::vector<std::vector<int32_t>> ids;      // per KV head, grouped by cluster
+};
+class MethodRegistry;
+[[nodiscard]] absl::StatusOr<PrebuiltClusterKvData> ParsePrebuiltClusterKv(
+    std::span<const uint8_t> bytes, const MethodRegistry& registry);
+
 }  // namespace kvr::retrieval
