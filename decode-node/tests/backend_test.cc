@@ -29,8 +29,8 @@ TEST(DecodeBackendConfigTest, DeviceAndGpuSettingsParseFromFlagFileAndEnv) {
   EXPECT_EQ(c->device, "cpu");
   EXPECT_EQ(c->gpu_method, "quest");
   EXPECT_EQ(c->gpu_budget, 1024u);
-  EXPECT_EQ(c->gpu_n_sink, 16u);
-  EXPECT_EQ(c->gpu_local_window, 256u);
+  EXPECT_EQ(c->gpu_n_sink, 64u);  // the controller's default_n_sink / default_local_window
+  EXPECT_EQ(c->gpu_local_window, 512u);
   EXPECT_EQ(c->gpu_max_context, 0u);
 
   const std::string path = ::testing::TempDir() + "/decode_backend_test.yaml";

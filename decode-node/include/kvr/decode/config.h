@@ -44,8 +44,10 @@ struct DecodeConfig {
   uint32_t cuda_device = 0;
   std::string gpu_method = "quest";
   uint32_t gpu_budget = 1024;       // selected tokens per KV head and step
-  uint32_t gpu_n_sink = 16;         // the decode-node defaults of a request's retrieval params
-  uint32_t gpu_local_window = 256;
+  // The controller's defaults for requests that set none (controller/src/config.cc:
+  // default_n_sink, default_local_window), so that `kvr up --device cuda` serves them as is.
+  uint32_t gpu_n_sink = 64;
+  uint32_t gpu_local_window = 512;
   // Most tokens (prompt + generated) per sequence: sizes each slot's pinned host KV and
   // summaries; 0: the model's context length.
   uint32_t gpu_max_context = 0;
