@@ -1,6 +1,7 @@
 #include "kvr/retrieval/registry.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -85,10 +86,13 @@ absl::StatusOr<std::vector<uint8_t>> SerializeIndex(const RetrievalIndex& index)
   w.Put<float>(s.rope.theta);
   w.Put<int32_t>(s.rope.rotary_dim);
   w.Put<int64_t>(index.size());
-  ByteWriter payload;
-  KVR_RETURN_IF_ERROR(index.SerializePayload(payload));
-  w.Put<uint64_t>(payload.size());
-  w.PutBytes(payload.bytes());
+  // The payload is written in place after its length, which is patched once known (no second
+  // buffer and copy: summaries are MBs per layer on the prefill node's hot path).
+  const size_t length_at = w.size();
+  w.Put<uint64_t>(0);
+  KVR_RETURN_IF_ERROR(index.SerializePayload(w));
+  const uint64_t length = w.size() - length_at - sizeof(uint64_t);
+  std::memcpy(w.bytes().data() + length_at, &length, sizeof(length));
   return w.Take();
 }
 
