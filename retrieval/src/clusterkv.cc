@@ -230,8 +230,8 @@ class ClusterKvIndex final : public RetrievalIndex {
     return index;
   }
 
-  // The clusters (prebuilt.h, ParsePrebuiltClusterKv).
-  absl::StatusOr<PrebuiltClusterKvData> Export() const {
+  // The clusters (prebuilt.h, ParsePrebuiltClusterKv), moved out: the index is spent.
+  absl::StatusOr<PrebuiltClusterKvData> Export() && {
     if (pending_begin_ != size_) {
       return absl::InvalidArgumentError(absl::StrCat(
           "clusterkv index holds ", size_ - pending_begin_, " appended tokens not clustered"));
@@ -239,10 +239,10 @@ class ClusterKvIndex final : public RetrievalIndex {
     PrebuiltClusterKvData d;
     d.size = size_;
     d.n_sink = n_sink_;
-    for (const HeadClusters& h : heads_) {
-      d.centroids.push_back(h.centroids);
-      d.offsets.push_back(h.offsets);
-      d.ids.push_back(h.ids);
+    for (HeadClusters& h : heads_) {
+      d.centroids.push_back(std::move(h.centroids));
+      d.offsets.push_back(std::move(h.offsets));
+      d.ids.push_back(std::move(h.ids));
     }
     return d;
   }
@@ -416,12 +416,12 @@ absl::StatusOr<PrebuiltClusterKvData> ParsePrebuiltClusterKv(std::span<const uin
                                                              const MethodRegistry& registry) {
   KVR_ASSIGN_OR_RETURN(std::unique_ptr<RetrievalIndex> index,
                        DeserializeIndex(bytes, registry, IndexParams{}));
-  const auto* ckv = dynamic_cast<const ClusterKvIndex*>(index.get());
+  auto* ckv = dynamic_cast<ClusterKvIndex*>(index.get());
   if (ckv == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "summaries are a '", std::string(index->method()), "' index, not clusterkv"));
   }
-  return ckv->Export();
+  return std::move(*ckv).Export();
 }
 
 absl::Status RegisterClusterKv(MethodRegistry& registry) {
