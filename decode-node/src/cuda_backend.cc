@@ -10,21 +10,13 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
 
 namespace kvr::decode {
 namespace {
-
-// float32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN).
-uint16_t ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // Between Prepare and Join: the sequence's rows, already pulled from the store into a host KV of
 // the model's pool (or nothing, when too many sequences were loading: Join pulls them then).
@@ -223,7 +215,7 @@ class CudaDecodeBackend final : public DecodeBackend {
             std::memcpy(dst, src, static_cast<size_t>(n) * row_bytes);
           } else {
             const float* f = reinterpret_cast<const float*>(src);
-            for (int64_t i = 0; i < n * 2 * d; ++i) dst[i] = ToBf16(f[i]);
+            for (int64_t i = 0; i < n * 2 * d; ++i) dst[i] = FloatToBf16(f[i]);
           }
         }
         counters.rows_fetched += n * kv;
