@@ -254,6 +254,10 @@ void DecodeEngine::End(Sequence& seq, absl::Status status, const char* outcome) 
     seq.running = false;
     running_.erase(std::remove(running_.begin(), running_.end(), &seq), running_.end());
   }
+  // A sequence that never joined still holds what the backend prepared (the CUDA backend's
+  // pinned host KV and its place among the pre-pulled ones): free it now, not when a reader
+  // collects the outcome (up to unclaimed_ttl later).
+  seq.state.reset();
   if (absl::Status s = seq.meta.store->Release(id, absl::ZeroDuration()); !s.ok()) {
     spdlog::warn("sequence {}: releasing it in the store: {}", id, s.ToString());
   }

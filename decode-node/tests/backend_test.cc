@@ -13,8 +13,10 @@
 #include "kvr/common/thread_pool.h"
 #include "kvr/decode/config.h"
 #include "kvr/decode/cuda_backend.h"
+#include "kvr/decode/engine.h"
 #include "kvr/model/loader.h"
 #include "kvr/retrieval/all_methods.h"
+#include "test_util.h"
 
 namespace kvr::decode {
 namespace {
@@ -146,6 +148,73 @@ TEST(CudaBackendCheckTest, RefusesHandoffsThatDoNotFitTheNode) {
   x = h;
   x.prompt_tokens = 1000;
   refused(x, "prompt_tokens 1000", "gpu_max_context 1000");
+}
+
+// A backend that counts the prepared sequence states alive (what a real backend holds for a
+// sequence between Prepare and Join: the CUDA backend's pinned host KV) and drops them at Join.
+class CountingBackend final : public DecodeBackend {
+ public:
+  struct State final : BackendSequence {
+    explicit State(int* live) : live(live) { ++*live; }
+    ~State() override { --*live; }
+    int64_t resident_bytes() const override { return 100; }
+    int* live;
+  };
+  CountingBackend() {
+    config_.n_layers = 2;
+    config_.vocab = 16;
+    config_.context_length = 1000;
+  }
+  const model::ModelConfig& config() const override { return config_; }
+  std::string name() const override { return "counting"; }
+  int64_t max_sequence_tokens() const override { return config_.context_length; }
+  absl::StatusOr<std::unique_ptr<BackendSequence>> Prepare(Handoff&) const override {
+    return std::make_unique<State>(&live);
+  }
+  absl::Status Join(const Handoff&, std::unique_ptr<BackendSequence>) override {
+    return absl::OkStatus();
+  }
+  absl::Status Step(std::span<const uint64_t>, std::span<const int32_t>,
+                    std::span<float> logits) override {
+    std::fill(logits.begin(), logits.end(), 0.f);
+    return absl::OkStatus();
+  }
+  RetrievalCounters Leave(uint64_t) override { return {}; }
+  NodeCounters node_counters() const override { return {}; }
+  int64_t SummaryBytes(uint64_t) const override { return 0; }
+
+  mutable int live = 0;
+
+ private:
+  model::ModelConfig config_;
+};
+
+TEST(EngineBackendStateTest, ASequenceThatEndsWaitingFreesItsBackendStateAtOnce) {
+  auto store = testing::MakeFakeStore();
+  auto backend = std::make_unique<CountingBackend>();
+  CountingBackend* counting = backend.get();
+  auto engine = DecodeEngine::Create(std::move(backend), nullptr, {.batch_slots = 1});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto handoff = [&](uint64_t id) {
+    Handoff h;
+    h.sequence_id = id;
+    h.store = store.get();
+    h.prompt_tokens = 10;
+    h.sampling.max_tokens = 100;
+    h.layers.resize(2);
+    return h;
+  };
+  ASSERT_TRUE((*engine)->Admit(handoff(1)).ok());
+  ASSERT_TRUE((*engine)->Admit(handoff(2)).ok());
+  EXPECT_EQ(counting->live, 2);
+  EXPECT_TRUE((*engine)->Step());  // 1 joins (its state goes to the backend), 2 waits
+  EXPECT_EQ(counting->live, 1);
+  EXPECT_TRUE((*engine)->Cancel(2, "client went away"));
+  EXPECT_TRUE((*engine)->Step());
+  // 2 ended while waiting; its outcome is not collected yet, its backend state is gone.
+  EXPECT_TRUE((*engine)->Has(2));
+  EXPECT_EQ(counting->live, 0);
+  EXPECT_TRUE(absl::IsCancelled((*engine)->Next(2, absl::Now()).status()));
 }
 
 }  // namespace
