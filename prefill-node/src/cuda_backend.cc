@@ -98,14 +98,17 @@ class CudaPrefillBackend final : public PrefillBackend {
     } else {
       return o;
     }
-    // The request's clusterkv.* options, as the CPU index's factory applies them.
+    // clusterkv: the request's clusterkv.* options, as the CPU index's factory applies them
+    // (quest's factory ignores them, so a quest request with a bad one is not refused here).
+    const bool clusterkv = call.method == "clusterkv";
     KVR_ASSIGN_OR_RETURN(const retrieval::IndexParams p,
-                         retrieval::ApplyClusterKvOptions(*call.params));
+                         clusterkv ? retrieval::ApplyClusterKvOptions(*call.params)
+                                   : absl::StatusOr<retrieval::IndexParams>(*call.params));
     // quest's build is ~50 us per layer: on the main stream it is done when the layer's export
     // starts. On the side stream it waited for SMs behind the prefill's kernels, and the export
     // (which waits for the build) with it: all layers then reached the worker at the end
     // (measured: +25% at 32K). clusterkv's k-means (ms per layer) keeps the side stream.
-    o.side_stream = call.method == "clusterkv";
+    o.side_stream = clusterkv;
     o.n_sink = p.n_sink;
     o.budget = p.budget;
     o.quest_page_size = p.quest.page_size;
