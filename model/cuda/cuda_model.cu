@@ -1900,6 +1900,22 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     }
     return absl::OkStatus();
   };
+  // The attention launches' parameters (enqueue sets .layer); the graph key uses the same.
+  cuda::AttentionParams ap;
+  ap.q = q_.data();
+  ap.out = attn_.data();
+  ap.seqs = d_seqs_.data();
+  ap.n_seqs = static_cast<int>(batch.size());
+  ap.max_q = max_q;
+  ap.max_length = max_length;
+  ap.n_heads = c.n_heads;
+  ap.n_kv_heads = c.n_kv_heads;
+  ap.head_dim = c.head_dim;
+  ap.scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  ap.partial_o = partial_o_.data();
+  ap.partial_ml = partial_ml_.data();
+  ap.max_splits = kMaxSplits;
+  ap.n_sms = n_sms_;
   // Everything from here is queued on the stream; on an error part of it may already be
   // queued (reading the pinned metadata, writing cache rows past the sequences' lengths), so
   // the stream is drained before returning and the lengths are left as they were.
@@ -1930,22 +1946,6 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     const int64_t qkv_dim = q_dim + 2 * kv_dim, f = c.ffn;
     KVR_RETURN_IF_ERROR(cuda::LaunchEmbed(
         {d_tokens_.data(), token_embd_.data(), x_.data(), n_rows, c.hidden}, stream()));
-
-    cuda::AttentionParams ap;
-    ap.q = q_.data();
-    ap.out = attn_.data();
-    ap.seqs = d_seqs_.data();
-    ap.n_seqs = static_cast<int>(batch.size());
-    ap.max_q = max_q;
-    ap.max_length = max_length;
-    ap.n_heads = c.n_heads;
-    ap.n_kv_heads = c.n_kv_heads;
-    ap.head_dim = c.head_dim;
-    ap.scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
-    ap.partial_o = partial_o_.data();
-    ap.partial_ml = partial_ml_.data();
-    ap.max_splits = kMaxSplits;
-    ap.n_sms = n_sms_;
 
     for (int layer = 0; layer < c.n_layers; ++layer) {
       const Layer& w = layers_[layer];
@@ -2059,13 +2059,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       KVR_RETURN_IF_ERROR(enqueue());
     } else {
       // The grid of the decode attention is the only launch shape that depends on the step.
-      cuda::AttentionParams probe;
-      probe.n_seqs = static_cast<int>(batch.size());
-      probe.n_kv_heads = c.n_kv_heads;
-      probe.n_sms = n_sms_;
-      probe.max_length = max_length;
-      probe.max_splits = kMaxSplits;
-      const std::pair<int, int> key{static_cast<int>(batch.size()), cuda::DecodeSplits(probe)};
+      const std::pair<int, int> key{ap.n_seqs, cuda::DecodeSplits(ap)};
       auto it = graphs_.find(key);
       if (it == graphs_.end()) {
         KVR_CUDA_RETURN_IF_ERROR(
