@@ -1510,8 +1510,7 @@ absl::StatusOr<std::span<uint16_t>> CudaModelImpl::SparseHostKv(SequenceId id) {
   // The caller overwrites it: no longer FillSequenceForBenchmark's random rows.
   s->host->filled_seed = 0;
   s->filled_seed = 0;
-  const cuda::HostKvBuffer<bf16>& b = s->host->buf;
-  return std::span<uint16_t>(reinterpret_cast<uint16_t*>(b.data()), b.size());
+  return s->host->rows();
 }
 
 absl::Status CudaModelImpl::ActivateSparseSequence(SequenceId id, int64_t n_tokens) {
