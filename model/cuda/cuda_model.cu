@@ -257,11 +257,14 @@ class CudaModelImpl final : public CudaModel {
       : config_(std::move(config)), options_(options) {}
 
   [[nodiscard]] absl::Status AllocateWeights();
-  // A sparse sequence's slot prepared from its host KV's rows [0, n_tokens): ring rows and
-  // summaries (LaunchSparseFill), then its hot cache cleared; synchronous.
-  [[nodiscard]] absl::Status FillSlotFromHostKv(Sequence& s, int64_t n_tokens);
+  // A sparse sequence's slot prepared from its host KV's rows [0, n_tokens): ring rows and,
+  // with `summaries`, the summaries (LaunchSparseFill), then its hot cache cleared; synchronous.
+  [[nodiscard]] absl::Status FillSlotFromHostKv(Sequence& s, int64_t n_tokens, bool summaries);
   // Looks up a sparse sequence whose host KV no other sequence shares (`what` names the caller).
   [[nodiscard]] absl::StatusOr<Sequence*> OwnSparseSequence(SequenceId id, const char* what);
+  // OwnSparseSequence, still empty, and n_tokens in [1, capacity]: one that Activate* may fill.
+  [[nodiscard]] absl::StatusOr<Sequence*> ActivatableSequence(SequenceId id, int64_t n_tokens,
+                                                              const char* what);
   // The sparse part of a layer: RoPE + KV append, select, gather, attend.
   [[nodiscard]] absl::Status SparseLayer(int layer, const Layer& w, int64_t max_candidates);
   // Uploads per-slot head bases into the mapped host KVs (after slots change).
@@ -1450,7 +1453,7 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
       for (rc::HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
       KVR_RETURN_IF_ERROR(stream_.Synchronize());
     } else {
-      KVR_RETURN_IF_ERROR(FillSlotFromHostKv(s, n_tokens));
+      KVR_RETURN_IF_ERROR(FillSlotFromHostKv(s, n_tokens, /*summaries=*/true));
     }
     s.filled_seed = seed + 1;
     s.length = n_tokens;
@@ -1463,7 +1466,7 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
   return absl::OkStatus();
 }
 
-absl::Status CudaModelImpl::FillSlotFromHostKv(Sequence& s, int64_t n_tokens) {
+absl::Status CudaModelImpl::FillSlotFromHostKv(Sequence& s, int64_t n_tokens, bool summaries) {
   SparseState& sp = *sparse_;
   const ModelConfig& c = config_;
   cuda::SparseFillParams fp;
@@ -1481,6 +1484,7 @@ absl::Status CudaModelImpl::FillSlotFromHostKv(Sequence& s, int64_t n_tokens) {
   fp.n_layers = c.n_layers;
   fp.n_kv_heads = c.n_kv_heads;
   fp.head_dim = c.head_dim;
+  fp.summaries = summaries;
   KVR_RETURN_IF_ERROR(cuda::LaunchSparseFill(fp, stream()));
   for (rc::HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
   return stream_.Synchronize();
@@ -1513,19 +1517,26 @@ absl::StatusOr<std::span<uint16_t>> CudaModelImpl::SparseHostKv(SequenceId id) {
   return s->host->rows();
 }
 
-absl::Status CudaModelImpl::ActivateSparseSequence(SequenceId id, int64_t n_tokens) {
-  KVR_ASSIGN_OR_RETURN(Sequence * s, OwnSparseSequence(id, "ActivateSparseSequence"));
+absl::StatusOr<CudaModelImpl::Sequence*> CudaModelImpl::ActivatableSequence(SequenceId id,
+                                                                            int64_t n_tokens,
+                                                                            const char* what) {
+  KVR_ASSIGN_OR_RETURN(Sequence * s, OwnSparseSequence(id, what));
   if (s->length != 0) {
-    return absl::FailedPreconditionError(absl::StrCat("ActivateSparseSequence: sequence ", id,
-                                                      " already holds ", s->length, " tokens"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": sequence ", id, " already holds ", s->length, " tokens"));
   }
   if (n_tokens < 1 || n_tokens > s->capacity) {
-    return absl::InvalidArgumentError(absl::StrCat("ActivateSparseSequence: n_tokens ", n_tokens,
+    return absl::InvalidArgumentError(absl::StrCat(what, ": n_tokens ", n_tokens,
                                                    " outside [1, capacity ", s->capacity, "]"));
   }
   s->host->filled_seed = 0;
   s->filled_seed = 0;
-  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(*s, n_tokens));
+  return s;
+}
+
+absl::Status CudaModelImpl::ActivateSparseSequence(SequenceId id, int64_t n_tokens) {
+  KVR_ASSIGN_OR_RETURN(Sequence * s, ActivatableSequence(id, n_tokens, "ActivateSparseSequence"));
+  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(*s, n_tokens, /*summaries=*/true));
   s->length = n_tokens;
   return absl::OkStatus();
 }
@@ -1543,10 +1554,9 @@ absl::Status CudaModelImpl::ActivateSparseSequenceWithClusters(
                                                    heads.size(), " heads, expected ",
                                                    c.n_layers, " layers x ", kv));
   }
-  // The ring and the synthetic clusters first (checks the id and n_tokens), then the real
-  // clusters over them, layer by layer.
-  KVR_RETURN_IF_ERROR(ActivateSparseSequence(id, n_tokens));
-  Sequence& s = sequences_.at(id);
+  KVR_ASSIGN_OR_RETURN(Sequence * sq,
+                       ActivatableSequence(id, n_tokens, "ActivateSparseSequenceWithClusters"));
+  Sequence& s = *sq;
   SparseState& sp = *sparse_;
   const int K = sp.max_clusters;
   const int64_t M = sp.opt.max_capacity;
@@ -1554,8 +1564,7 @@ absl::Status CudaModelImpl::ActivateSparseSequenceWithClusters(
   std::vector<float> cent(static_cast<size_t>(kv * K * d));
   std::vector<int32_t> count(kv), off(static_cast<size_t>(kv * (K + 1))), mem(kv * M);
   const int64_t S = sp.opt.slots;
-  auto fail = [&](auto&&... parts) {
-    s.length = 0;  // not activated
+  auto fail = [&](auto&&... parts) {  // s.length stays 0: not activated
     return absl::InvalidArgumentError(absl::StrCat("ActivateSparseSequenceWithClusters: ", parts...));
   };
   for (int l = 0; l < c.n_layers; ++l) {
@@ -1595,9 +1604,14 @@ absl::Status CudaModelImpl::ActivateSparseSequenceWithClusters(
     KVR_CUDA_RETURN_IF_ERROR(h2d(sp.centroids.data() + base * K * d, cent));
     KVR_CUDA_RETURN_IF_ERROR(h2d(sp.n_clusters.data() + base, count));
     KVR_CUDA_RETURN_IF_ERROR(h2d(sp.offsets.data() + base * (K + 1), off));
+    // Pageable sources: each copy has staged them when it returns, so the next layer may reuse
+    // the host arrays without a synchronize.
     KVR_CUDA_RETURN_IF_ERROR(h2d(sp.members.data() + base * M, mem));
-    KVR_RETURN_IF_ERROR(stream_.Synchronize());  // the host arrays are reused by the next layer
   }
+  // The ring rows only: the synthetic clustering LaunchSparseFill would build (reading every
+  // key over PCIe) is what the real clusters above replace. Synchronous.
+  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(s, n_tokens, /*summaries=*/false));
+  s.length = n_tokens;
   return absl::OkStatus();
 }
 

@@ -253,6 +253,7 @@ absl::Status LaunchSparseFill(const SparseFillParams& p, cudaStream_t stream) {
   const unsigned heads = static_cast<unsigned>(p.n_layers * p.n_kv_heads);
   FillResidentKernel<<<dim3(heads, static_cast<unsigned>(p.rcap)), 128, 0, stream>>>(p);
   KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("FillResidentKernel"));
+  if (!p.summaries) return absl::OkStatus();
   if (p.sum.method == 0) {
     const int64_t pages = (p.length + p.sum.page_size - 1) / p.sum.page_size;
     FillQuestKernel<<<dim3(heads, static_cast<unsigned>(pages)), p.head_dim, 0, stream>>>(p);

@@ -80,6 +80,7 @@ struct SparseFillParams {
   SparseSummaryView sum;
   int tokens_per_cluster = 80;
   int n_layers = 0, n_kv_heads = 0, head_dim = 0;
+  bool summaries = true;  // false: the ring rows only (the caller uploads the summaries)
 };
 [[nodiscard]] absl::Status LaunchSparseFill(const SparseFillParams& p, cudaStream_t stream);
 
