@@ -50,20 +50,17 @@ uint16_t Bf16Bits(float f) {  // f is a widened bf16 value: the top half is exac
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Loads the exported rows [0, L) of every layer into sparse sequence `id`'s host KV and
-// activates it.
 // Writes the exported rows [0, L) of every layer into a host KV in SparseHostKv's layout.
-void Fill(std::span<uint16_t> host_rows, const ModelConfig& c, int64_t capacity, int64_t L,
+void Fill(std::span<uint16_t> host, const ModelConfig& c, int64_t capacity, int64_t L,
           const std::vector<KvView>& layers) {
-  std::span<uint16_t>* host = &host_rows;
   const int kv = c.n_kv_heads, d = c.head_dim;
-  ASSERT_EQ(static_cast<int64_t>(host->size()), int64_t{c.n_layers} * kv * capacity * 2 * d);
+  ASSERT_EQ(static_cast<int64_t>(host.size()), int64_t{c.n_layers} * kv * capacity * 2 * d);
   for (int l = 0; l < c.n_layers; ++l) {
     const KvView& v = layers[l];
     ASSERT_NE(v.k, nullptr) << "layer " << l << " not exported";
     for (int h = 0; h < kv; ++h) {
       for (int64_t t = 0; t < L; ++t) {
-        uint16_t* row = host->data() + ((int64_t{l} * kv + h) * capacity + t) * 2 * d;
+        uint16_t* row = host.data() + ((int64_t{l} * kv + h) * capacity + t) * 2 * d;
         const float* k = v.k + t * v.row_stride + h * d;
         const float* vv = v.v + t * v.row_stride + h * d;
         for (int i = 0; i < d; ++i) {
