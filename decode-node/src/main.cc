@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
@@ -166,10 +165,9 @@ int Serve(const DecodeConfig& config) {
       EngineOptions{.model_name = served,
                     .batch_slots = static_cast<int>(config.batch_slots),
                     .max_waiting = static_cast<int>(config.max_waiting),
-                    .hot_cache_bytes = config.hot_cache_bytes,
-                    .memory_bytes = config.memory_bytes,
-                    .quality_sample_rate = config.quality_sample_rate,
-                    .method_assets = a2ats_assets},
+                    // hot_cache_bytes, quality_sample_rate, method_assets: the backend's
+                    // (MakeDecodeBackend above), not the engine's.
+                    .memory_bytes = config.memory_bytes},
       &metrics_observer);
   if (!engine.ok()) {
     std::cerr << "kvr-decode: " << engine.status() << "\n";
