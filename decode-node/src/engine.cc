@@ -365,19 +365,17 @@ bool DecodeEngine::Step() {
   // 3. One step over the batch.
   const auto t0 = std::chrono::steady_clock::now();
   const int vocab = backend_->config().vocab;
-  std::vector<uint64_t> ids;
-  std::vector<int32_t> tokens;
-  ids.reserve(running_.size());
-  tokens.reserve(running_.size());
+  step_ids_.clear();
+  step_tokens_.clear();
   for (Sequence* seq : running_) {
-    ids.push_back(seq->meta.sequence_id);
-    tokens.push_back(seq->next_token);
+    step_ids_.push_back(seq->meta.sequence_id);
+    step_tokens_.push_back(seq->next_token);
   }
   // [batch, vocab], reused: a fresh 0.5 MiB per sequence (128K vocabularies) costs page faults
   // and zeroing every step.
-  logits_.resize(ids.size() * vocab);
+  logits_.resize(step_ids_.size() * vocab);
   const std::span<const float> logits(logits_);
-  absl::Status forward = backend_->Step(ids, tokens, logits_);
+  absl::Status forward = backend_->Step(step_ids_, step_tokens_, logits_);
   backend_->AfterStep();
   std::vector<Sequence*> step(running_.begin(), running_.end());
   if (!forward.ok()) {

@@ -180,7 +180,11 @@ class DecodeEngine {
   DecodeObserver* observer_;
   NoopObserver noop_observer_;
   std::vector<Sequence*> running_;  // loop thread only
-  std::vector<float> logits_;       // loop thread only: the step's [batch, vocab]
+  // Loop thread only, reused every step: the running sequences' ids and tokens [batch] and the
+  // step's logits [batch, vocab].
+  std::vector<uint64_t> step_ids_;
+  std::vector<int32_t> step_tokens_;
+  std::vector<float> logits_;
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;
