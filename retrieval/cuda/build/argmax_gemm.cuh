@@ -215,6 +215,90 @@ __device__ __forceinline__ void MmaTf32(float (&c)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// The epilogue of both 3xTF32 kernels (ArgmaxGemmTcKernel, ArgmaxGemmTcSplitKernel), one code so
+// that their ids and best distances stay equal bit for bit.
+// Folds a finished tile of centres from n0 into the thread's best: acc[mt][nt][h * 2 + j] is
+// point wm*64 + mt*16 + h*8 + g, centre n0 + wn*32 + nt*8 + 2t + j. Ascending centre ids per
+// thread (nt, then j): strict '>' keeps the lowest among equals.
+template <bool kCosine>
+__device__ __forceinline__ void TcFoldTile(const float (&acc)[4][4][4], int n0, int k,
+                                           const float* bias, int wn, int t, float (&best)[8],
+                                           int (&best_id)[8]) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int cid = n0 + wn * 32 + nt * 8 + 2 * t + j;
+      if (cid < k) {
+        const float bj = kCosine ? 0.f : bias[cid];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float acc_v = acc[mt][nt][h * 2 + j];
+            const float v = kCosine ? -(1.f - acc_v) : acc_v - bj;
+            const int i = mt * 2 + h;
+            if (v > best[i]) {
+              best[i] = v;
+              best_id[i] = cid;
+            }
+          }
+      }
+    }
+}
+
+// Across the 4 lanes of a quad (same points, other centres), then across the 4 centre warps
+// (red_v / red_i: [4][kTcBm] in shared memory; every thread of the CTA calls this), then the
+// CTA's points' ids, changed flag and best distances are written.
+template <typename OutT>
+__device__ __forceinline__ void TcReduceStore(const ArgmaxGemmArgs& a, const float (&best)[8],
+                                              const int (&best_id)[8], float* red_v, int* red_i,
+                                              int row, int n, int m0, int tid, int wm, int wn,
+                                              int g, int t) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float v = best[i];
+    int id = best_id[i];
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+      const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
+      if (v2 > v || (v2 == v && id2 < id)) {
+        v = v2;
+        id = id2;
+      }
+    }
+    if (t == 0) {
+      const int m = wm * 64 + (i / 2) * 16 + (i % 2) * 8 + g;
+      red_v[wn * kTcBm + m] = v;
+      red_i[wn * kTcBm + m] = id;
+    }
+  }
+  __syncthreads();
+  if (tid < kTcBm) {
+    float v = red_v[tid];
+    int id = red_i[tid];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) {
+      const float v2 = red_v[w * kTcBm + tid];
+      const int id2 = red_i[w * kTcBm + tid];
+      if (v2 > v || (v2 == v && id2 < id)) {
+        v = v2;
+        id = id2;
+      }
+    }
+    const bool any = v > -INFINITY;
+    if (!any) id = 0;
+    const int p = m0 + tid;
+    if (p < n) {
+      OutT* ids = static_cast<OutT*>(a.ids) + row * a.out_row_stride;
+      if (a.changed != nullptr && static_cast<int>(ids[p]) != id) a.changed[row] = 1;
+      ids[p] = static_cast<OutT>(id);
+      if (a.best_dist != nullptr) a.best_dist[row * a.out_row_stride + p] = any ? -v : INFINITY;
+    }
+  }
+}
+
 template <int D, bool kCosine, typename OutT>
 __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcKernel(const ArgmaxGemmArgs a) {
   constexpr int kLd = D + 4;  // row pitch: fragment loads hit 32 distinct banks
@@ -296,73 +380,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcKernel(const Argmax
           MmaTf32(acc[mt][nt], ab[mt], bb[nt]);
         }
     }
-    // acc[mt][nt][h * 2 + j]: point wm*64 + mt*16 + h*8 + g, centre n0 + wn*32 + nt*8 + 2t + j.
-    // Ascending centre ids per thread (nt, then j): strict '>' keeps the lowest among equals.
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int cid = n0 + wn * 32 + nt * 8 + 2 * t + j;
-        if (cid < k) {
-          const float bj = kCosine ? 0.f : bias[cid];
-#pragma unroll
-          for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const float acc_v = acc[mt][nt][h * 2 + j];
-              const float v = kCosine ? -(1.f - acc_v) : acc_v - bj;
-              const int i = mt * 2 + h;
-              if (v > best[i]) {
-                best[i] = v;
-                best_id[i] = cid;
-              }
-            }
-        }
-      }
+    TcFoldTile<kCosine>(acc, n0, k, bias, wn, t, best, best_id);
   }
-  // Across the 4 lanes of a quad (same points, other centres), then across the 4 centre warps.
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    float v = best[i];
-    int id = best_id[i];
-#pragma unroll
-    for (int o = 1; o < 4; o <<= 1) {
-      const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-      const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
-      if (v2 > v || (v2 == v && id2 < id)) {
-        v = v2;
-        id = id2;
-      }
-    }
-    if (t == 0) {
-      const int m = wm * 64 + (i / 2) * 16 + (i % 2) * 8 + g;
-      red_v[wn * kTcBm + m] = v;
-      red_i[wn * kTcBm + m] = id;
-    }
-  }
-  __syncthreads();
-  if (tid < kTcBm) {
-    float v = red_v[tid];
-    int id = red_i[tid];
-#pragma unroll
-    for (int w = 1; w < 4; ++w) {
-      const float v2 = red_v[w * kTcBm + tid];
-      const int id2 = red_i[w * kTcBm + tid];
-      if (v2 > v || (v2 == v && id2 < id)) {
-        v = v2;
-        id = id2;
-      }
-    }
-    const bool any = v > -INFINITY;
-    if (!any) id = 0;
-    const int p = m0 + tid;
-    if (p < n) {
-      OutT* ids = static_cast<OutT*>(a.ids) + row * a.out_row_stride;
-      if (a.changed != nullptr && static_cast<int>(ids[p]) != id) a.changed[row] = 1;
-      ids[p] = static_cast<OutT>(id);
-      if (a.best_dist != nullptr) a.best_dist[row * a.out_row_stride + p] = any ? -v : INFINITY;
-    }
-  }
+  TcReduceStore<OutT>(a, best, best_id, red_v, red_i, row, n, m0, tid, wm, wn, g, t);
 }
 
 template <int D, bool kCosine, typename OutT>
@@ -545,74 +565,11 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcSplitKernel(const A
         }
     }
     if (kc == kChunks - 1) {
-      const int n0 = (ci / kChunks) * kTcBn;
-      // As ArgmaxGemmTcKernel: ascending centre ids per thread, strict '>' keeps the lowest.
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int cid = n0 + wn * 32 + nt * 8 + 2 * t + j;
-          if (cid < k) {
-            const float bj = kCosine ? 0.f : bias[cid];
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const float acc_v = acc[mt][nt][h * 2 + j];
-                const float v = kCosine ? -(1.f - acc_v) : acc_v - bj;
-                const int i = mt * 2 + h;
-                if (v > best[i]) {
-                  best[i] = v;
-                  best_id[i] = cid;
-                }
-              }
-          }
-        }
+      TcFoldTile<kCosine>(acc, (ci / kChunks) * kTcBn, k, bias, wn, t, best, best_id);
     }
     __syncthreads();  // every warp done with stage ci & 1 before chunk ci + 2 lands in it
   }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    float v = best[i];
-    int id = best_id[i];
-#pragma unroll
-    for (int o = 1; o < 4; o <<= 1) {
-      const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-      const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
-      if (v2 > v || (v2 == v && id2 < id)) {
-        v = v2;
-        id = id2;
-      }
-    }
-    if (t == 0) {
-      const int m = wm * 64 + (i / 2) * 16 + (i % 2) * 8 + g;
-      red_v[wn * kTcBm + m] = v;
-      red_i[wn * kTcBm + m] = id;
-    }
-  }
-  __syncthreads();
-  if (tid < kTcBm) {
-    float v = red_v[tid];
-    int id = red_i[tid];
-#pragma unroll
-    for (int w = 1; w < 4; ++w) {
-      const float v2 = red_v[w * kTcBm + tid];
-      const int id2 = red_i[w * kTcBm + tid];
-      if (v2 > v || (v2 == v && id2 < id)) {
-        v = v2;
-        id = id2;
-      }
-    }
-    const bool any = v > -INFINITY;
-    if (!any) id = 0;
-    const int p = m0 + tid;
-    if (p < n) {
-      OutT* ids = static_cast<OutT*>(a.ids) + row * a.out_row_stride;
-      if (a.changed != nullptr && static_cast<int>(ids[p]) != id) a.changed[row] = 1;
-      ids[p] = static_cast<OutT>(id);
-      if (a.best_dist != nullptr) a.best_dist[row * a.out_row_stride + p] = any ? -v : INFINITY;
-    }
-  }
+  TcReduceStore<OutT>(a, best, best_id, red_v, red_i, row, n, m0, tid, wm, wn, g, t);
 }
 
 template <int D, bool kCosine, typename OutT>
