@@ -19,11 +19,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kvr/common/status.h"
@@ -189,8 +191,38 @@ int Main(int argc, char** argv) {
   }
   const model::ModelConfig& c = *config;
   std::vector<int64_t> lengths;
-  for (absl::string_view s : absl::StrSplit(prompts, ','))
-    lengths.push_back(std::stoll(std::string(s)));
+  for (absl::string_view s : absl::StrSplit(prompts, ',')) {
+    int64_t L = 0;
+    if (!absl::SimpleAtoi(s, &L) || L < 1) {
+      std::fprintf(stderr, "--prompt: '%s' is not a length >= 1\n", std::string(s).c_str());
+      return 2;
+    }
+    lengths.push_back(L);
+  }
+  // (c)'s rows: "method" or "method:name=value;..." (method options, e.g.
+  // clusterkv:clusterkv.max_iterations=3), parsed once; a malformed option is an error, not a
+  // row measured without it.
+  struct MethodRow {
+    std::string label, method;
+    std::map<std::string, std::string> options;
+  };
+  std::vector<MethodRow> method_rows;
+  for (absl::string_view m : absl::StrSplit(methods, ',', absl::SkipEmpty())) {
+    const std::vector<std::string> parts = absl::StrSplit(m, absl::MaxSplits(':', 1));
+    MethodRow row{std::string(m), parts[0], {}};
+    if (parts.size() > 1) {
+      for (absl::string_view kv : absl::StrSplit(parts[1], ';', absl::SkipEmpty())) {
+        const std::vector<std::string> nv = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+        if (nv.size() != 2 || nv[0].empty()) {
+          std::fprintf(stderr, "--methods: '%s' in '%s' is not name=value\n",
+                       std::string(kv).c_str(), row.label.c_str());
+          return 2;
+        }
+        row.options[nv[0]] = nv[1];
+      }
+    }
+    method_rows.push_back(std::move(row));
+  }
   model::CudaModelOptions o;
   o.max_batch_tokens = chunk;
   o.max_sequences = 1;
@@ -209,9 +241,13 @@ int Main(int argc, char** argv) {
       static_cast<long long>(chunk), static_cast<long long>(max_queries));
   auto inner = CreateCudaPrefillBackend(*std::move(created), o.device, chunk, gpu_summaries);
   std::printf("# summaries of quest and clusterkv built on the %s\n",
-              gpu_summaries ? "GPU (side stream, shipped as the CPU index's bytes)"
+              gpu_summaries ? "GPU (quest on the main stream, clusterkv on a side stream; "
+                              "shipped as the CPU index's bytes)"
                             : "CPU (from the exported rows)");
-  if (!inner.ok()) return 1;
+  if (!inner.ok()) {
+    std::fprintf(stderr, "%s\n", inner.status().ToString().c_str());
+    return 1;
+  }
   auto timed_owned = std::make_unique<TimedBackend>(*std::move(inner));
   TimedBackend* timed = timed_owned.get();
 
@@ -298,7 +334,7 @@ int Main(int argc, char** argv) {
     std::fflush(stdout);
 
     // (c) the engine per method.
-    for (absl::string_view m : absl::StrSplit(methods, ',', absl::SkipEmpty())) {
+    for (const MethodRow& m : method_rows) {
       double best_ms = 1e30, build_ms = 0, tail_ms = 0;
       for (int r = 0; r <= reps; ++r) {
         PrefillJob job;
@@ -306,21 +342,15 @@ int Main(int argc, char** argv) {
         job.sequence_id = next_id++;
         job.prompt = TokenPrompt{ids};
         job.sampling.set_max_tokens(1);  // no handoff: the store sequence is released at once
-        // "method" or "method:name=value,..." (method options, e.g.
-        // clusterkv:clusterkv.max_iterations=3).
-        const std::vector<std::string> parts = absl::StrSplit(m, absl::MaxSplits(':', 1));
-        job.retrieval.set_method(parts[0]);
+        job.retrieval.set_method(m.method);
         if (budget > 0) job.retrieval.set_budget(static_cast<uint32_t>(budget));
-        if (parts.size() > 1) {
-          for (absl::string_view kv : absl::StrSplit(parts[1], ';', absl::SkipEmpty())) {
-            const std::vector<std::string> nv = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-            if (nv.size() == 2) (*job.retrieval.mutable_options())[nv[0]] = nv[1];
-          }
+        for (const auto& [name, value] : m.options) {
+          (*job.retrieval.mutable_options())[name] = value;
         }
         timing.Reset();
         auto result = engine.Run(job);
         if (!result.ok()) {
-          std::fprintf(stderr, "L %lld %s: %s\n", static_cast<long long>(L), std::string(m).c_str(),
+          std::fprintf(stderr, "L %lld %s: %s\n", static_cast<long long>(L), m.label.c_str(),
                        result.status().ToString().c_str());
           return 1;
         }
@@ -336,7 +366,7 @@ int Main(int argc, char** argv) {
           build_ms = timing.build_ms();
           tail_ms = Ms(timing.last_ready() - timed->forward_end);
           std::printf("  (%s: warm-up took %.1f s; printing it, no further reps)\n",
-                      std::string(m).c_str(), ms / 1e3);
+                      m.label.c_str(), ms / 1e3);
           break;
         }
       }
@@ -344,7 +374,7 @@ int Main(int argc, char** argv) {
           "L %6lld  (c) engine %-36s store %-7s %9.1f ms  overhead over (a) %+7.2f%%  "
           "index builds (sum of layers) %9.1f ms  last layer ready %+8.1f ms after the "
           "forward\n",
-          static_cast<long long>(L), std::string(m).c_str(), store_kind.c_str(), best_ms,
+          static_cast<long long>(L), m.label.c_str(), store_kind.c_str(), best_ms,
           100 * (best_ms / *fa - 1), build_ms, tail_ms);
       std::fflush(stdout);
     }
