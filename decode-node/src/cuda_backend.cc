@@ -64,7 +64,7 @@ class CudaDecodeBackend final : public DecodeBackend {
         if (layer.layer < 0 || layer.layer >= n_layers || seen[layer.layer]) continue;
         absl::StatusOr<retrieval::PrebuiltClusterKvData> parsed = retrieval::ParsePrebuiltClusterKv(
             {reinterpret_cast<const uint8_t*>(layer.summaries.data()), layer.summaries.size()},
-            registry_);
+            *options_.registry);
         if (!parsed.ok()) {
           return absl::InvalidArgumentError(absl::StrCat("handoff of sequence ", h.sequence_id,
                                                          ": layers[", layer.layer,
@@ -234,12 +234,6 @@ class CudaDecodeBackend final : public DecodeBackend {
   std::vector<model::CudaSequence> batch_;
   // Sequences whose rows Prepare pulled (or is pulling) and that have not joined yet.
   mutable std::atomic<int> loading_{0};
-  // clusterkv handoffs are parsed with it (immutable after construction: any thread).
-  retrieval::MethodRegistry registry_ = [] {
-    retrieval::MethodRegistry r;
-    retrieval::RegisterCoreMethods(r).IgnoreError();
-    return r;
-  }();
 };
 
 }  // namespace
@@ -284,6 +278,11 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   if (o.method != "quest" && o.method != "clusterkv") {
     return absl::InvalidArgumentError(absl::StrCat(
         "gpu_method '", o.method, "': a CUDA decode node runs quest or clusterkv"));
+  }
+  if (o.method == "clusterkv" && (o.registry == nullptr || !o.registry->Has("clusterkv"))) {
+    return absl::InvalidArgumentError(
+        "gpu_method 'clusterkv': no method registry with clusterkv to parse the handed-off "
+        "summaries with");
   }
   model::SparseAttentionOptions so;
   so.method = o.method == "quest" ? model::SparseMethod::kQuest : model::SparseMethod::kClusterKv;
@@ -370,6 +369,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   o.local_window = static_cast<int>(config.gpu_local_window);
   o.max_context = config.gpu_max_context;
   o.hot_cache_bytes = config.hot_cache_bytes;
+  o.registry = registry;
   return CreateCudaDecodeBackend(*std::move(gpu), o);
 }
 

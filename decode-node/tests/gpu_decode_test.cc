@@ -79,6 +79,7 @@ class GpuDecodeTest : public ::testing::Test {
     o.max_context = 512;
     o.hot_cache_bytes = 1 << 20;
     o.staging_bytes = 100 << 10;  // several chunks per layer
+    o.registry = &registry_;
     auto backend = CreateCudaDecodeBackend(*std::move(gpu), o);
     EXPECT_TRUE(backend.ok()) << backend.status();
     EXPECT_EQ((*backend)->name(), "cuda:0");

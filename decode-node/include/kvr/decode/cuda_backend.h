@@ -50,6 +50,9 @@ struct CudaDecodeBackendOptions {
   int64_t max_context = 0;  // tokens per sequence (host KV per slot); 0: the model's context
   int64_t hot_cache_bytes = 64 << 20;  // over all slots, layers and KV heads
   int64_t staging_bytes = 64 << 20;    // host staging of one RangeRead at join
+  // clusterkv: the handed-off summaries are parsed with it (the node's; not owned, outlives the
+  // backend). Required for clusterkv, unused by quest.
+  const retrieval::MethodRegistry* registry = nullptr;
 };
 
 // The checks the CUDA backend's Prepare makes against its one configuration (exposed for tests
