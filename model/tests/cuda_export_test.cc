@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/thread_pool.h"
@@ -33,11 +34,11 @@
 namespace kvr::model {
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)"
-
-constexpr double kMinCosine = 0.999;
-constexpr double kMaxErrOverRms = 0.1;
+using cuda_test::Compare;
+using cuda_test::kMaxErrOverRms;
+using cuda_test::kMinCosine;
+using cuda_test::RowError;
+using cuda_test::Tokens;
 
 TEST(CudaExportTest, Bf16ToF32IsExactWidening) {
   SKIP_WITHOUT_GPU();
@@ -102,41 +103,23 @@ class RecordingAttention final : public Attention {
   std::vector<std::vector<float>> q_;  // [n_layers][L - first, q_row]
 };
 
-std::vector<int32_t> Tokens(int n, int vocab, uint32_t seed) {
-  std::vector<int32_t> t(n);
-  uint64_t x = seed;
-  for (int32_t& v : t) {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    v = static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab));
-  }
-  return t;
-}
-
 // Compares `n_rows` rows of `width` floats; returns the worst (1 - cosine, max_err / rms).
 std::pair<double, double> ExpectRowsClose(const float* got, const float* want, int64_t n_rows,
                                           int64_t width, const std::string& what) {
   double worst_cos = 1, worst_ratio = 0;
   int64_t failed = 0, not_bf16 = 0;
   for (int64_t r = 0; r < n_rows; ++r) {
-    double dot = 0, gg = 0, ww = 0, max_err = 0;
-    bool finite = true;
+    const RowError e =
+        Compare(std::span(got + r * width, width), std::span(want + r * width, width));
     for (int64_t i = 0; i < width; ++i) {
-      const double g = got[r * width + i], w = want[r * width + i];
-      finite = finite && std::isfinite(g);
-      dot += g * w;
-      gg += g * g;
-      ww += w * w;
-      max_err = std::max(max_err, std::abs(g - w));
       uint32_t bits;
       std::memcpy(&bits, &got[r * width + i], 4);
       not_bf16 += (bits & 0xFFFF) != 0;
     }
-    const double cosine = finite ? dot / std::sqrt(gg * ww + 1e-30) : -1;
-    const double rms = std::sqrt(ww / width);
-    const double ratio = finite ? max_err / std::max(rms, 1e-12) : INFINITY;
-    worst_cos = std::min(worst_cos, cosine);
+    const double ratio = e.max_err / std::max(e.rms, 1e-12);  // infinite for a non-finite row
+    worst_cos = std::min(worst_cos, e.cosine);
     worst_ratio = std::max(worst_ratio, ratio);
-    failed += cosine < kMinCosine || ratio > kMaxErrOverRms;
+    failed += e.cosine < kMinCosine || ratio > kMaxErrOverRms;
   }
   EXPECT_EQ(failed, 0) << what << ": rows outside the tolerance, worst cosine " << worst_cos
                        << " max|err|/rms " << worst_ratio;

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
@@ -32,32 +33,11 @@
 namespace kvr::model {
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)"
-
-constexpr double kMinCosine = 0.999;
-constexpr double kMaxErrOverRms = 0.1;
-
-struct RowError {
-  double cosine = 1, max_err = 0, rms = 0;
-};
-
-RowError Compare(std::span<const float> got, std::span<const float> want) {
-  double dot = 0, gg = 0, ww = 0, max_err = 0;
-  bool finite = true;
-  for (size_t i = 0; i < want.size(); ++i) {
-    finite = finite && std::isfinite(got[i]);
-    dot += double{got[i]} * want[i];
-    gg += double{got[i]} * got[i];
-    ww += double{want[i]} * want[i];
-    max_err = std::max(max_err, std::abs(double{got[i]} - want[i]));
-  }
-  RowError e;
-  e.cosine = finite ? dot / std::sqrt(gg * ww + 1e-30) : -1;
-  e.max_err = finite ? max_err : INFINITY;
-  e.rms = std::sqrt(ww / want.size());
-  return e;
-}
+using cuda_test::Compare;
+using cuda_test::kMaxErrOverRms;
+using cuda_test::kMinCosine;
+using cuda_test::RowError;
+using cuda_test::Tokens;
 
 // Checks every [vocab] row of `got` against `want`; returns the worst max_err / rms.
 double ExpectRowsClose(const std::vector<float>& got, const std::vector<float>& want, int vocab,
@@ -83,16 +63,6 @@ CudaModelOptions SmallOptions() {
   o.max_sequences = 8;
   o.max_logits_rows = 16;  // kAll of a 37-token chunk takes three output GEMMs
   return o;
-}
-
-std::vector<int32_t> Tokens(int n, int vocab, uint32_t seed) {
-  std::vector<int32_t> t(n);
-  uint64_t x = seed;
-  for (int& v : t) {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    v = static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab));
-  }
-  return t;
 }
 
 // Prefill in two chunks (kAll logits), then a batched decode of three sequences (kLast), each

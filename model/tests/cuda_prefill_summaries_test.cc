@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
@@ -22,18 +23,7 @@
 namespace kvr::model {
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)"
-
-std::vector<int32_t> Tokens(int n, int vocab, uint32_t seed) {
-  std::vector<int32_t> t(n);
-  uint64_t x = seed;
-  for (int& v : t) {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    v = static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab));
-  }
-  return t;
-}
+using cuda_test::Tokens;
 
 struct Case {
   PrefillSummaryMethod method;

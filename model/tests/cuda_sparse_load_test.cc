@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
@@ -28,21 +29,11 @@
 namespace kvr::model {
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)"
-
-constexpr double kMinCosine = 0.999;
-constexpr double kMaxErrOverRms = 0.1;
-
-std::vector<int32_t> Tokens(int n, int vocab, uint64_t seed) {
-  std::vector<int32_t> t(n);
-  uint64_t x = seed;
-  for (int32_t& v : t) {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    v = static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab));
-  }
-  return t;
-}
+using cuda_test::Compare;
+using cuda_test::kMaxErrOverRms;
+using cuda_test::kMinCosine;
+using cuda_test::RowError;
+using cuda_test::Tokens;
 
 uint16_t Bf16Bits(float f) {  // f is a widened bf16 value: the top half is exact
   uint32_t u;
@@ -163,21 +154,12 @@ void CheckLoaded(const std::string& shape, int n_layers) {
     ASSERT_TRUE(gpu.Forward(std::span(&d, 1), LogitsMode::kLast, want).ok());
     const absl::Status st = gpu.Forward(std::span(&s, 1), LogitsMode::kLast, got);
     ASSERT_TRUE(st.ok()) << st;
-    double dot = 0, gg = 0, ww = 0, max_err = 0;
-    bool finite = true;
-    for (int i = 0; i < vocab; ++i) {
-      finite = finite && std::isfinite(got[i]);
-      dot += double{got[i]} * want[i];
-      gg += double{got[i]} * got[i];
-      ww += double{want[i]} * want[i];
-      max_err = std::max(max_err, std::abs(double{got[i]} - want[i]));
-    }
-    ASSERT_TRUE(finite) << "step " << step;
-    const double cosine = dot / std::sqrt(gg * ww + 1e-30), rms = std::sqrt(ww / vocab);
-    worst_cos = std::min(worst_cos, cosine);
-    worst_ratio = std::max(worst_ratio, max_err / std::max(rms, 1e-6));
-    EXPECT_GE(cosine, kMinCosine) << shape << " step " << step;
-    EXPECT_LE(max_err, kMaxErrOverRms * rms) << shape << " step " << step;
+    const RowError e = Compare(got, want);
+    ASSERT_TRUE(std::isfinite(e.max_err)) << "step " << step;
+    worst_cos = std::min(worst_cos, e.cosine);
+    worst_ratio = std::max(worst_ratio, e.max_err / std::max(e.rms, 1e-6));
+    EXPECT_GE(e.cosine, kMinCosine) << shape << " step " << step;
+    EXPECT_LE(e.max_err, kMaxErrOverRms * e.rms) << shape << " step " << step;
     const int32_t g = ArgMax(got), w = ArgMax(want);
     if (g != w) ++mismatches;
     EXPECT_EQ(g, w) << shape << " step " << step << ": sparse greedy " << g << " vs dense " << w
