@@ -259,9 +259,9 @@ int Run(const Flags& f) {
     const double bytes = model.weight_bytes() - embd_bytes * (c.tied_embeddings ? 0 : 1) + kv_bytes;
     const double pred_ms = bytes / (f.peak_tbps * 1e12) * 1e3;
     std::printf("%6d %10.2f %10.2f %8.2fx %9.2f %9.2f %9.2f %10.2f %10.0f %8.0f%% %10.2f\n", b,
-                step_s * 1e3, graph_s * 1e3, step_s / graph_s, sum.gemm_ms / f.steps, sum.attention_ms / f.steps, sum.other_ms / f.steps,
-                bytes / 1e9, bytes / step_s / 1e9, 100 * bytes / step_s / (f.peak_tbps * 1e12),
-                pred_ms);
+                step_s * 1e3, graph_s * 1e3, step_s / graph_s, sum.gemm_ms / f.steps,
+                sum.attention_ms / f.steps, sum.other_ms / f.steps, bytes / 1e9,
+                bytes / step_s / 1e9, 100 * bytes / step_s / (f.peak_tbps * 1e12), pred_ms);
     for (SequenceId id : ids) Fail(model.ReleaseSequence(id), "ReleaseSequence");
   }
   return 0;
