@@ -8,15 +8,18 @@
 // - ONE method, budget, sink and window for all slots (ConfigureSparse at creation, from the
 //   node's settings). A handoff with another method, a bigger budget or another sink/window is
 //   refused (InvalidArgument naming the field and the node's setting); a smaller budget runs at
-//   the node's budget (more rows, never fewer). Only quest: the GPU's clusterkv state is built by
-//   a synthetic stand-in clustering, not the handed-off k-means.
-// - Join (the loop thread): takes a slot, pulls ALL the sequence's rows [0, prompt_tokens) from
-//   the store with RangeRead, layer by layer in chunks, through a host staging buffer, converting
-//   float32 -> bf16 (round to nearest even; bf16 store rows are copied as they are) into the
-//   slot's pinned host KV; then ActivateSparseSequence copies the sink/window rows to the GPU
-//   ring and REBUILDS the quest bounds on the GPU from those rows (the handed-off summaries and
-//   sink/local rows are not used: the rows are needed anyway, and bounds over the bf16 keys are
-//   the ones the GPU's own per-token updates keep). The running batch waits meanwhile.
+//   the node's budget (more rows, never fewer). Methods: quest, and clusterkv with the
+//   handed-off clusters (the prefill node's k-means, parsed at Prepare with options.registry).
+// - Prepare (the handoff's thread): pulls ALL the sequence's rows [0, prompt_tokens) from the
+//   store with RangeRead, layer by layer in chunks, through a host staging buffer, converting
+//   float32 -> bf16 (round to nearest even; bf16 store rows are copied as they are) into a
+//   pinned host KV of the model's pool (AcquireSparseHostKv), so the running batch does not wait
+//   for the store; beyond `slots` sequences pulled but not joined, the pull waits for Join (on
+//   the loop thread, while the batch waits). Join adopts the host KV, copies the sink/window
+//   rows to the GPU ring and REBUILDS the quest bounds on the GPU from those rows (clusterkv:
+//   uploads the handed-off clusters); the handed-off sink/local rows are not used (the rows
+//   are needed anyway, and bounds over the bf16 keys are the ones the GPU's own per-token
+//   updates keep).
 // - Not done: UCX into CUDA memory and rkey_ptr zero-copy of the store's pool (the store's rows
 //   are copied once into this node's pinned memory); generated rows stay in the sequence's host
 //   KV and are not appended to the store.
