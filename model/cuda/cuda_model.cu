@@ -181,7 +181,7 @@ class CudaModelImpl final : public CudaModel {
     int64_t built_length = 0;
   };
   // A dense sequence's KV export (BeginKvExport). `host` holds, per layer, K [L, kv_dim], V
-  // [L, kv_dim] and the queries [nq, q_dim], float32 (layer_stride floats per layer).
+  // [L, kv_dim], the queries [nq, q_dim] (float32) and the layer's summary; `notes` point into it.
   struct KvExport;
   struct ExportNote {  // the user data of one layer's cudaLaunchHostFunc
     const KvExport* exp = nullptr;
@@ -190,7 +190,6 @@ class CudaModelImpl final : public CudaModel {
   struct KvExport {
     KvExportOptions opt;
     int64_t nq = 0;  // min(max_queries, L)
-    int64_t layer_stride = 0;
     PinnedBuffer<float> host;
     std::vector<ExportNote> notes;  // [n_layers]; stable addresses for the host callbacks
   };
@@ -868,8 +867,8 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
     KVR_RETURN_IF_ERROR(Alloc(q_stage_, int64_t{c.n_layers} * stage_rows * qd));
     q_stage_rows_ = stage_rows;
   }
-  e->layer_stride = 2 * o.length * kv + e->nq * qd + sum_f32 + sum_i32;
-  const int64_t need = int64_t{c.n_layers} * e->layer_stride;
+  const int64_t layer_stride = 2 * o.length * kv + e->nq * qd + sum_f32 + sum_i32;
+  const int64_t need = int64_t{c.n_layers} * layer_stride;
   // The smallest pooled buffer that fits; when none does, the pool is freed first (one request
   // at a time is the prefill node's case: its buffer grows to the longest prompt).
   auto best = export_pool_.end();
@@ -899,7 +898,7 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
   }
   e->notes.resize(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
-    float* base = e->host.data() + l * e->layer_stride;
+    float* base = e->host.data() + l * layer_stride;
     ExportNote& n = e->notes[l];
     n.exp = e.get();
     n.view.sequence = id;
