@@ -189,8 +189,7 @@ class PrefillEngine {
   absl::StatusOr<PrefillResult> RunLocked(const PrefillJob& job, const std::vector<int32_t>& ids,
                                           Running& running, const std::function<bool()>& gone);
 
-  std::unique_ptr<PrefillBackend> owned_backend_;
-  PrefillBackend* backend_;
+  std::unique_ptr<PrefillBackend> backend_;
   const model::Tokenizer* tokenizer_;
   const retrieval::MethodRegistry* registry_;
   StoreClients* stores_;
