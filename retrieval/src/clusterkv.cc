@@ -60,14 +60,8 @@ class ClusterKvIndex final : public RetrievalIndex {
     const int64_t n = input.keys.n_tokens;
     const int64_t sink = std::min(params_.n_sink, n);
     const int64_t points = n - sink;
-    n_sink_ = sink;
     KVR_ASSIGN_OR_RETURN(const int64_t c0, ClusterKvPrefillClusters(points, n, params_));
-    append_every_ = params_.clusterkv.append_every > 0
-                        ? params_.clusterkv.append_every
-                        : (n >= 3200 ? 320 : std::max<int64_t>(32, n / 10));
-    built_ = true;
-    size_ = n;
-    pending_begin_ = n;
+    MarkPrefilled(n, sink);
     if (points > 0) {
       for (int kvh = 0; kvh < shape().n_kv_heads; ++kvh) {
         KVR_RETURN_IF_ERROR(AddClusters(kvh, input.keys.At(sink, kvh, hd), input.keys.row_stride,
@@ -259,10 +253,6 @@ class ClusterKvIndex final : public RetrievalIndex {
     auto index = std::make_unique<ClusterKvIndex>(shape, params);
     const int64_t sink = std::min(params.n_sink, size);
     const int hd = shape.head_dim;
-    index->n_sink_ = sink;
-    index->append_every_ = params.clusterkv.append_every > 0
-                               ? params.clusterkv.append_every
-                               : (size >= 3200 ? 320 : std::max<int64_t>(32, size / 10));
     for (int kvh = 0; kvh < shape.n_kv_heads; ++kvh) {
       const PrebuiltClusterKvHead& in = heads[kvh];
       const std::string head = absl::StrCat("prebuilt clusterkv head ", kvh, ": ");
@@ -298,13 +288,24 @@ class ClusterKvIndex final : public RetrievalIndex {
       h.offsets.assign(in.offsets.begin(), in.offsets.end());
       h.ids.assign(in.ids.begin(), in.ids.end());
     }
-    index->built_ = true;
-    index->size_ = size;
-    index->pending_begin_ = size;
+    index->MarkPrefilled(size, sink);
     return index;
   }
 
  private:
+  // The state right after the prefill Build over `n` tokens, the first `sink` never clustered
+  // (Build and FromClusters; the clusters are theirs): every token clustered, none pending, and
+  // m = append_every as the header derives it.
+  void MarkPrefilled(int64_t n, int64_t sink) {
+    n_sink_ = sink;
+    append_every_ = params_.clusterkv.append_every > 0
+                        ? params_.clusterkv.append_every
+                        : (n >= 3200 ? 320 : std::max<int64_t>(32, n / 10));
+    built_ = true;
+    size_ = n;
+    pending_begin_ = n;
+  }
+
   // Clusters `n` keys of one head (token ids first_id..first_id+n-1, rows `stride` floats apart)
   // into `k` new clusters appended to that head's tables.
   absl::Status AddClusters(int kvh, const float* keys, int64_t stride, int64_t first_id, int64_t n,
