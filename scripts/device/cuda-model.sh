@@ -22,6 +22,7 @@
 #                                                                  without graphs)
 # Logs go to $OUT.
 set -uo pipefail
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
 readonly kBundle=.device/cudamodel
 readonly kStage=/tmp/kvr-cudamodel
 readonly kModelSha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -31,20 +32,10 @@ mkdir -p "$out"
 case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build-cudamodel}"
-    rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
-    for b in model_cuda_ops_test model_cuda_model_test model_cuda_prefill_summaries_test \
-      model_cuda_graph_test cuda_model_bench; do
-      cp "$build/model/$b" "$kBundle/bin/" && strip -g "$kBundle/bin/$b"
-    done
-    cp model/bench/cuda_model_bench_sdpa.py "$kBundle/bin/"
-    # Shared libraries that Ubuntu 24.04 there lacks; glibc, libstdc++ and CUDA are there.
-    ldd "$kBundle"/bin/model_* "$kBundle"/bin/cuda_model_bench | awk '/=> \//{print $3}' |
-      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
-      sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
-    strip -g "$kBundle"/lib/*.so* 2>/dev/null
     # OpenBLAS and ICU's data alone are 67 MB: the bundle travels xz-compressed (~15 MB).
-    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/cudamodel-bundle.tar.xz
-    rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/cudamodel-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    bundle_bins "$kBundle" "$build"/model/{model_cuda_ops_test,model_cuda_model_test} \
+      "$build"/model/{model_cuda_prefill_summaries_test,model_cuda_graph_test,cuda_model_bench} \
+      model/bench/cuda_model_bench_sdpa.py || exit 1
     model="${KVR_TEST_MODEL:-$HOME/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
     # Uneven halves: the first travels with the bundle, both calls stay under 64 MiB.
     rm -rf .device/cudamodel-g1 .device/cudamodel-g2

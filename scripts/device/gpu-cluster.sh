@@ -14,6 +14,7 @@
 #   call 3, carry [.device/gpucluster-g3]:    bash scripts/device/gpu-cluster.sh run
 # Logs go to $OUT.
 set -uo pipefail
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
 readonly kBundle=.device/gpucluster
 readonly kStage=/tmp/kvr-gpucluster
 readonly kModelSha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -33,13 +34,10 @@ case "${1:-}" in
     # UCX loads its transport modules from <libucs dir>/ucx: cma (cross-memory attach) for
     # shared memory between processes; posix/sysv shm and tcp are built into libuct.
     cp -L /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 "$tmp/lib/ucx/"
-    ldd "$tmp"/bin/* "$tmp"/lib/ucx/* | awk '/=> \//{print $3}' |
-      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
-      sort -u | while read -r lib; do cp -L "$lib" "$tmp/lib/"; done
-    strip -g "$tmp"/lib/*.so* 2>/dev/null
-    rm -rf "$kBundle" .device/gpucluster-g2 .device/gpucluster-g3
-    mkdir -p "$kBundle" .device/gpucluster-g2 .device/gpucluster-g3
-    tar -C "$tmp" -cf - bin lib | xz -T2 -6 > "$kBundle/bundle.tar.xz"
+    bundle_libs "$tmp/lib" "$tmp"/bin/* "$tmp"/lib/ucx/*
+    rm -rf .device/gpucluster-g2 .device/gpucluster-g3
+    mkdir -p .device/gpucluster-g2 .device/gpucluster-g3
+    pack_bundle "$tmp" "$kBundle" || exit 1
     rm -rf "$tmp"
     model="${KVR_TEST_MODEL:-$HOME/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
     head -c "$kPart1Bytes" "$model" > "$kBundle/part00"

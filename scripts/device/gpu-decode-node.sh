@@ -11,6 +11,7 @@
 # Env: BENCH_ARGS (default: --contexts 8192,32768 --batches 1,4,8), MEMCHECK_S (per memcheck,
 # 150). Logs go to $OUT.
 set -uo pipefail
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
 readonly kBundle=.device/gpudecodenode
 readonly kStage=/tmp/kvr-gpudecodenode
 out="${OUT:-out}"
@@ -32,17 +33,8 @@ bench() {
 case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build-gpudecode}"
-    rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
-    cp "$build/model/model_cuda_sparse_load_test" "$build/decode-node/decode_gpu_test" \
-      "$build/decode-node/gpu_decode_bench" "$kBundle/bin/" || exit 1
-    strip -g "$kBundle"/bin/*
-    # Shared libraries that Ubuntu 24.04 there lacks; glibc, libstdc++ and CUDA are there.
-    ldd "$kBundle"/bin/* | awk '/=> \//{print $3}' |
-      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
-      sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
-    strip -g "$kBundle"/lib/*.so* 2>/dev/null
-    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/gpudecodenode-bundle.tar.xz
-    rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/gpudecodenode-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    bundle_bins "$kBundle" "$build/model/model_cuda_sparse_load_test" \
+      "$build/decode-node/decode_gpu_test" "$build/decode-node/gpu_decode_bench" || exit 1
     du -sh "$kBundle"
     ;;
   run)

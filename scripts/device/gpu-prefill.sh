@@ -10,6 +10,7 @@
 # Env: BENCH_ARGS (default: --prompt 8192,32768 --reps 2), MEMCHECK_S (per memcheck, 150).
 # Logs go to $OUT.
 set -uo pipefail
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
 readonly kBundle=.device/gpuprefill
 readonly kStage=/tmp/kvr-gpuprefill
 readonly kBins="model_cuda_export_test prefill_gpu_test gpu_prefill_bench"
@@ -19,17 +20,8 @@ mkdir -p "$out"
 case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build-gpuprefill}"
-    rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
-    cp "$build/model/model_cuda_export_test" "$build/prefill-node/prefill_gpu_test" \
-      "$build/prefill-node/gpu_prefill_bench" "$kBundle/bin/" || exit 1
-    strip -g "$kBundle"/bin/*
-    # Shared libraries that Ubuntu 24.04 there lacks; glibc, libstdc++ and CUDA are there.
-    ldd "$kBundle"/bin/* | awk '/=> \//{print $3}' |
-      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
-      sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
-    strip -g "$kBundle"/lib/*.so* 2>/dev/null
-    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/gpuprefill-bundle.tar.xz
-    rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/gpuprefill-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    bundle_bins "$kBundle" "$build/model/model_cuda_export_test" \
+      "$build/prefill-node/prefill_gpu_test" "$build/prefill-node/gpu_prefill_bench" || exit 1
     du -sh "$kBundle"
     ;;
   run)

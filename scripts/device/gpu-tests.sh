@@ -9,6 +9,7 @@
 #           GPU_TESTS="decode_gpu_test" MEMCHECK="decode_gpu_test" bash ... run   (a subset)
 # Logs go to $OUT.
 set -uo pipefail
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
 readonly kBundle=.device/gputests
 readonly kStage=/tmp/kvr-gputests
 readonly kAll="model_cuda_ops_test model_cuda_model_test model_cuda_sparse_test
@@ -24,18 +25,13 @@ mkdir -p "$out"
 case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build}"
-    rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
+    files=()
     for t in $kAll; do
       f=$(find "$build" -maxdepth 2 -type f -name "$t" | head -1)
       [[ -n "$f" ]] || { echo "missing $t in $build" >&2; exit 1; }
-      cp "$f" "$kBundle/bin/" && strip -g "$kBundle/bin/$t"
+      files+=("$f")
     done
-    ldd "$kBundle"/bin/* | awk '/=> \//{print $3}' |
-      grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
-      sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
-    strip -g "$kBundle"/lib/*.so* 2>/dev/null
-    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/gputests-bundle.tar.xz
-    rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/gputests-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    bundle_bins "$kBundle" "${files[@]}" || exit 1
     du -sh "$kBundle"
     ;;
   run)

@@ -1,0 +1,44 @@
+# shellcheck shell=bash
+# Shared by the device scripts' `bundle` steps (source it: . "$(dirname "$0")/lib.sh"). Binaries
+# are built here and run on the device machine (Ubuntu 24.04 with CUDA, without the Debian
+# libraries the build links), so a bundle carries them with the shared libraries they need,
+# xz-compressed (OpenBLAS and ICU's data alone are tens of MB).
+
+# bundle_libs LIBDIR FILE...: copies into LIBDIR, stripped of debug info, every shared library
+# that FILE... load and that the device lacks (glibc, libstdc++, libgcc_s, the CUDA driver and
+# runtime and cuBLAS are there). Files that are not dynamic executables are ignored.
+bundle_libs() {
+  local libdir=$1
+  shift
+  mkdir -p "$libdir" || return 1
+  ldd "$@" 2>/dev/null | awk '/=> \//{print $3}' |
+    grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
+    sort -u | while read -r lib; do cp -L "$lib" "$libdir/"; done
+  strip -g "$libdir"/*.so* 2>/dev/null
+  return 0
+}
+
+# pack_bundle SRC DIR: DIR (emptied first) then holds only bundle.tar.xz, SRC's contents, which
+# the device unpacks with tar -C <stage> -xJf DIR/bundle.tar.xz.
+pack_bundle() {
+  rm -rf "$2" && mkdir -p "$2" && tar -C "$1" -cf - . | xz -T2 -6 > "$2/bundle.tar.xz"
+}
+
+# bundle_bins DIR FILE...: pack_bundle of bin/ (FILE..., stripped of debug info) and lib/
+# (bundle_libs of them) into DIR. Non-zero, DIR untouched, when a FILE is missing.
+bundle_bins() {
+  local dir=$1 tmp rc
+  shift
+  tmp=$(mktemp -d) || return 1
+  mkdir -p "$tmp/bin"
+  if ! cp "$@" "$tmp/bin/"; then
+    rm -rf "$tmp"
+    return 1
+  fi
+  strip -g "$tmp"/bin/* 2>/dev/null
+  bundle_libs "$tmp/lib" "$tmp"/bin/*
+  pack_bundle "$tmp" "$dir"
+  rc=$?
+  rm -rf "$tmp"
+  return $rc
+}
