@@ -9,7 +9,8 @@
 // agree within the tolerance of cuda_sparse_test.cc (the two decode attention kernels round P
 // differently) and the greedy tokens must be equal (a near tie would be reported and fails).
 // A second sparse sequence loaded alike at a small budget must run and stay finite. Misuse
-// answers the documented errors. CTest label `gpu`.
+// answers the documented errors. Clusterkv: ActivateSparseSequenceWithClusters given the
+// clustering ActivateSparseSequence builds decodes the same logits. CTest label `gpu`.
 
 #include <algorithm>
 #include <cmath>
@@ -206,6 +207,128 @@ TEST(CudaSparseLoadTest, Llama3LoadedQuestEqualsDense) {
 TEST(CudaSparseLoadTest, Smollm2LoadedQuestEqualsDense) {
   SKIP_WITHOUT_GPU();
   CheckLoaded("smollm2-135m", 4);
+}
+
+// ActivateSparseSequenceWithClusters given the clustering ActivateSparseSequence builds itself
+// (contiguous runs of clusterkv_tokens_per_cluster candidates, centroid = mean bf16 key, summed
+// in float in token order as FillClusterKernel does), plus ids it must drop (sinks, window) and
+// a cluster that is empty once they are dropped: the two slots must then decode bit-equal
+// logits at a budget that makes the selection matter. Misuse leaves the sequence unactivated.
+TEST(CudaSparseLoadTest, GivenClustersEqualTheBuiltOnes) {
+  SKIP_WITHOUT_GPU();
+  auto config = DummyConfig("smollm2-135m", 2);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const ModelConfig& c = *config;
+  CudaModelOptions mo;
+  mo.max_batch_tokens = 64;
+  mo.max_sequences = 2;
+  mo.max_logits_rows = 2;
+  auto created = CreateCudaModelWithRandomWeights(c, 23, mo);
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaModel& gpu = **created;
+  constexpr int64_t kCapacity = 256, kPrompt = 150;
+  SparseAttentionOptions so;
+  so.method = SparseMethod::kClusterKv;
+  so.slots = 2;
+  so.max_capacity = kCapacity;
+  so.budget = 24;  // a few of the ~16 clusters of 8: the centroids decide what is attended
+  so.n_sink = 4;
+  so.local_window = 16;
+  so.hot_cache_rows = 64;
+  so.clusterkv_tokens_per_cluster = 8;
+  ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
+
+  // The same random rows (bf16: the top half of a float) in both host KVs.
+  const int kv = c.n_kv_heads, d = c.head_dim;
+  constexpr SequenceId kBuilt = 1, kGiven = 2;
+  std::vector<uint16_t> rows;
+  for (SequenceId id : {kBuilt, kGiven}) {
+    ASSERT_TRUE(gpu.AddSparseSequence(id, kCapacity, SparseSequenceOptions{}).ok());
+    auto host = gpu.SparseHostKv(id);
+    ASSERT_TRUE(host.ok()) << host.status();
+    if (rows.empty()) {
+      rows.resize(host->size());
+      uint64_t x = 99;
+      for (uint16_t& r : rows) {
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+        const float f = static_cast<float>(static_cast<int64_t>(x >> 40) - (1 << 23)) / (1 << 23);
+        uint32_t u;
+        std::memcpy(&u, &f, sizeof(u));
+        r = static_cast<uint16_t>(u >> 16);
+      }
+    }
+    ASSERT_EQ(host->size(), rows.size());
+    std::copy(rows.begin(), rows.end(), host->begin());
+  }
+  auto key = [&](int l, int h, int64_t t, int i) {
+    const uint32_t u = uint32_t{rows[((int64_t{l} * kv + h) * kCapacity + t) * 2 * d + i]} << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  };
+
+  // Per (layer, head): a cluster of the sinks and the first window token (dropped whole), then
+  // the built clusters, the first one with sink 0 added (dropped from it).
+  const int64_t lo = so.n_sink, hi = kPrompt - so.local_window;
+  const int64_t tpc = so.clusterkv_tokens_per_cluster;
+  std::vector<std::vector<float>> cent(c.n_layers * kv);
+  std::vector<std::vector<int32_t>> off(c.n_layers * kv), ids(c.n_layers * kv);
+  std::vector<CudaModel::SparseClusterHead> heads(c.n_layers * kv);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int h = 0; h < kv; ++h) {
+      const int j = l * kv + h;
+      off[j] = {0};
+      for (int64_t t = 0; t < lo; ++t) ids[j].push_back(static_cast<int32_t>(t));
+      ids[j].push_back(static_cast<int32_t>(hi));
+      off[j].push_back(static_cast<int32_t>(ids[j].size()));
+      cent[j].assign(d, 1.f);
+      for (int64_t t0 = lo; t0 < hi; t0 += tpc) {
+        const int64_t t1 = std::min(hi, t0 + tpc);
+        if (t0 == lo) ids[j].push_back(0);
+        for (int64_t t = t0; t < t1; ++t) ids[j].push_back(static_cast<int32_t>(t));
+        off[j].push_back(static_cast<int32_t>(ids[j].size()));
+        for (int i = 0; i < d; ++i) {
+          float sum = 0.f;
+          for (int64_t t = t0; t < t1; ++t) sum += key(l, h, t, i);
+          cent[j].push_back(sum / static_cast<float>(t1 - t0));
+        }
+      }
+      heads[j] = {cent[j], off[j], ids[j]};
+    }
+  }
+
+  // Misuse: nothing activated, then the real call works.
+  EXPECT_EQ(gpu.ActivateSparseSequenceWithClusters(99, kPrompt, heads).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      gpu.ActivateSparseSequenceWithClusters(kGiven, kPrompt, std::span(heads).first(1)).code(),
+      absl::StatusCode::kInvalidArgument);
+  std::vector<CudaModel::SparseClusterHead> bad = heads;
+  bad.back().offsets = bad.back().offsets.first(bad.back().offsets.size() - 1);
+  EXPECT_EQ(gpu.ActivateSparseSequenceWithClusters(kGiven, kPrompt, bad).code(),
+            absl::StatusCode::kInvalidArgument)
+      << "offsets that do not end at the ids' count";
+  EXPECT_EQ(*gpu.SequenceLength(kGiven), 0) << "a failed activation activates nothing";
+  ASSERT_TRUE(gpu.ActivateSparseSequence(kBuilt, kPrompt).ok());
+  const absl::Status st = gpu.ActivateSparseSequenceWithClusters(kGiven, kPrompt, heads);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(*gpu.SequenceLength(kGiven), kPrompt);
+  EXPECT_EQ(gpu.ActivateSparseSequenceWithClusters(kGiven, kPrompt, heads).code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  // 24 steps, both fed the built sequence's greedy tokens (the window's tokens leave it and
+  // join as singletons in both).
+  int32_t next = 1;
+  for (int step = 0; step < 24; ++step) {
+    std::vector<float> want(c.vocab, NAN), got(c.vocab, NAN);
+    const CudaSequence b{kBuilt, std::span(&next, 1)}, g{kGiven, std::span(&next, 1)};
+    ASSERT_TRUE(gpu.Forward(std::span(&b, 1), LogitsMode::kLast, want).ok());
+    ASSERT_TRUE(gpu.Forward(std::span(&g, 1), LogitsMode::kLast, got).ok());
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+        << "step " << step << ": given clusters decode other logits than the built ones (cosine "
+        << Compare(got, want).cosine << ")";
+    next = ArgMax(want);
+  }
 }
 
 }  // namespace
