@@ -8,11 +8,13 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/loader.h"
+#include "hot_cache_sim.h"
 #include "retrieval_eval.h"
 
 namespace kvr::retrieval::eval {
@@ -73,6 +75,33 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   EXPECT_NE(ToJson(o, *rows).find("\"free_prefix\": 12"), std::string::npos);
   EXPECT_NE(ToJson(o, *rows).find("\"hot_hit_rate\""), std::string::npos);
   EXPECT_NE(FormatTable(*rows).find("4096 rows per layer"), std::string::npos);
+}
+
+// The replayed hot cache's policy on hand-traced selections (the eval test above only sees a
+// cache that never evicts): 8-way sets, token t in set t % n_sets, LRU per step, the r-th miss of
+// a set takes the r-th least recent way not used this step, misses beyond those are not cached;
+// (layer, KV head) caches are separate.
+TEST(HotCacheSimTest, EightWayLruPerStep) {
+  auto ids = [](std::initializer_list<int64_t> l) { return std::vector<int64_t>(l); };
+  HotCacheSim one_set(8);
+  one_set.Step(0, 0, ids({0, 1, 2, 3, 4, 5, 6, 7}));  // cold: 0/8, all cached
+  one_set.Step(0, 0, ids({0, 1, 2, 3, 8, 9, 10, 11}));  // 4 hits; 8..11 evict 4..7 (LRU)
+  one_set.Step(0, 0, ids({4, 5, 6, 7}));  // 0 hits: evicted; they evict 0..3 (stamp 2, first)
+  // 4 hits (8..11); 12..15 take the 4 ways not used this step, 16 finds none: not cached.
+  one_set.Step(0, 0, ids({8, 9, 10, 11, 12, 13, 14, 15, 16}));
+  one_set.Step(0, 0, ids({12, 16}));  // 1 hit (12), 16 misses
+  one_set.Step(0, 1, ids({0}));  // another head: its own cold cache
+  one_set.Step(0, 1, ids({0}));  // a hit there although head 0 evicted token 0
+  EXPECT_DOUBLE_EQ(one_set.hit_rate(), 10.0 / 33.0);
+  // Overlap with the step before, per head: 4/8, 0/4, 0/9, 2/2; head 1: 1/1.
+  EXPECT_DOUBLE_EQ(one_set.overlap(), 7.0 / 24.0);
+
+  HotCacheSim two_sets(16);  // even tokens in set 0, odd in set 1
+  two_sets.Step(3, 0, ids({0, 2, 4, 6, 8, 10, 12, 14, 16, 18}));  // set 0 keeps 0..14
+  two_sets.Step(3, 0, ids({1, 16}));  // 2 misses: 16 evicts 0 in set 0, 1 goes to set 1
+  two_sets.Step(3, 0, ids({1, 14}));  // 2 hits
+  EXPECT_DOUBLE_EQ(two_sets.hit_rate(), 2.0 / 14.0);
+  EXPECT_DOUBLE_EQ(two_sets.overlap(), 2.0 / 4.0);
 }
 
 TEST(RetrievalEvalTest, BadOptionsNameTheFlag) {
