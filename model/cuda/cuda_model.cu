@@ -162,9 +162,10 @@ class CudaModelImpl final : public CudaModel {
     }
     int64_t capacity() const override { return capacity_tokens; }
   };
-  // A free pooled host KV (use_count 1: only the pool holds it) or a new one. Under host_kv_mu_.
+  // A free pooled host KV (use_count 1: only the pool holds it) or a new one; errors start with
+  // `what` (the caller). Under host_kv_mu_.
   absl::StatusOr<std::shared_ptr<HostKv>> PooledHostKv(int64_t capacity, int numa_node,
-                                                       bool huge_pages);
+                                                       bool huge_pages, const char* what);
   // A dense sequence's prefill summaries (PrefillSummaryOptions), all layers.
   struct Summaries {
     PrefillSummaryOptions opt;  // as set when the sequence was added
@@ -1139,8 +1140,8 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
     }
   } else {
     std::lock_guard<std::mutex> lock(host_kv_mu_);
-    KVR_ASSIGN_OR_RETURN(host,
-                         PooledHostKv(capacity, options.host_numa_node, options.host_huge_pages));
+    KVR_ASSIGN_OR_RETURN(host, PooledHostKv(capacity, options.host_numa_node,
+                                            options.host_huge_pages, "AddSparseSequence"));
   }
   for (rc::HotCache& h : sparse_->hot) KVR_RETURN_IF_ERROR(h.ResetSlot(slot, stream()));
   KVR_RETURN_IF_ERROR(
@@ -1157,7 +1158,7 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
 }
 
 absl::StatusOr<std::shared_ptr<CudaModelImpl::HostKv>> CudaModelImpl::PooledHostKv(
-    int64_t capacity, int numa_node, bool huge_pages) {
+    int64_t capacity, int numa_node, bool huge_pages, const char* what) {
   for (const auto& h : host_kvs_) {
     if (h.use_count() == 1 && h->capacity_tokens == capacity && h->buf.numa_node() == numa_node &&
         h->buf.huge_pages() == huge_pages) {
@@ -1173,7 +1174,7 @@ absl::StatusOr<std::shared_ptr<CudaModelImpl::HostKv>> CudaModelImpl::PooledHost
   if (!buf.ok()) {
     cudaGetLastError();  // as in Alloc
     return absl::ResourceExhaustedError(
-        absl::StrCat("pinning ", n * 2, " bytes of host KV: ", buf.status().message()));
+        absl::StrCat(what, ": pinning ", n * 2, " bytes of host KV: ", buf.status().message()));
   }
   host->buf = *std::move(buf);
   KVR_ASSIGN_OR_RETURN(host->device, host->buf.device_pointer());
@@ -1190,13 +1191,10 @@ absl::StatusOr<std::shared_ptr<SparseHostKvBuffer>> CudaModelImpl::AcquireSparse
   // This thread may never have used the device: the mapped pointer needs it current.
   KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   std::lock_guard<std::mutex> lock(host_kv_mu_);
-  absl::StatusOr<std::shared_ptr<HostKv>> host = PooledHostKv(capacity, -1, false);
-  if (!host.ok()) {
-    return absl::Status(host.status().code(),
-                        absl::StrCat("AcquireSparseHostKv: ", host.status().message()));
-  }
-  (*host)->filled_seed = 0;  // the caller writes it
-  return std::shared_ptr<SparseHostKvBuffer>(*std::move(host));
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<HostKv> host,
+                       PooledHostKv(capacity, -1, false, "AcquireSparseHostKv"));
+  host->filled_seed = 0;  // the caller writes it
+  return std::shared_ptr<SparseHostKvBuffer>(std::move(host));
 }
 
 absl::StatusOr<int64_t> CudaModelImpl::SequenceDeviceBytes(SequenceId id) const {
