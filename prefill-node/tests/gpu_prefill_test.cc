@@ -15,9 +15,11 @@
 // which is reported. CTest label `gpu`.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -141,6 +143,30 @@ std::vector<int32_t> Tokens(int64_t n, int vocab) {
   return t;
 }
 
+// Forwards to another backend and counts the layer tasks that carried a summary the backend
+// built (LayerTask::summary): with gpu_summaries, quest's and clusterkv's must all come from the
+// GPU, or the comparisons below would compare the CPU build with itself.
+class SummaryCountingBackend final : public PrefillBackend {
+ public:
+  explicit SummaryCountingBackend(std::unique_ptr<PrefillBackend> inner)
+      : inner_(std::move(inner)) {}
+  const model::ModelConfig& config() const override { return inner_->config(); }
+  std::string name() const override { return inner_->name(); }
+  absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
+                                             std::unique_ptr<PrefillRows>* rows) override {
+    PrefillCall counted = call;
+    counted.on_layer = [this, &call](LayerTask&& task) {
+      if (task.summary.method != model::PrefillSummaryMethod::kNone) ++built;
+      call.on_layer(std::move(task));
+    };
+    return inner_->Prefill(counted, rows);
+  }
+  std::atomic<int> built{0};
+
+ private:
+  std::unique_ptr<PrefillBackend> inner_;
+};
+
 TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
   ThreadPool pool;
@@ -165,7 +191,9 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
 
   Side cpu, gpu;
   MakeSide(cpu, MakeCpuPrefillBackend(cpu_model->get()), &*registry);
-  MakeSide(gpu, *std::move(gpu_backend), &*registry);
+  auto counting = std::make_unique<SummaryCountingBackend>(*std::move(gpu_backend));
+  SummaryCountingBackend* gpu_built = counting.get();
+  MakeSide(gpu, std::move(counting), &*registry);
 
   const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab);
   const int64_t L = kPromptTokens;
@@ -200,8 +228,11 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     job.deadline = absl::Now() + absl::Seconds(120);
     auto want = cpu.engine->Run(job);
     ASSERT_TRUE(want.ok()) << want.status();
+    gpu_built->built = 0;
     auto got = gpu.engine->Run(job);
     ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(gpu_built->built.load(), std::string(method) == "full" ? 0 : c.n_layers)
+        << "layers whose summary the GPU built";
     EXPECT_EQ(got->prompt_tokens, L);
     EXPECT_EQ(got->method, method);
     EXPECT_EQ(got->kv_bytes_shipped, want->kv_bytes_shipped);
