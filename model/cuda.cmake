@@ -12,7 +12,7 @@ if(KVR_HAVE_CUDA)
   target_include_directories(kvr_model_cuda PUBLIC include PRIVATE cuda)
   target_link_libraries(kvr_model_cuda
     PUBLIC kvr::model absl::status absl::statusor
-    PRIVATE kvr::common_cuda CUDA::cublas absl::strings)
+    PRIVATE kvr::common_cuda CUDA::cublas absl::strings absl::hash)
   # Sparse sequences: GPU selection, gather, hot cache and decode attention (retrieval/cuda).
   target_link_libraries(kvr_model_cuda
     PRIVATE kvr::retrieval_cuda_select kvr::retrieval_cuda_attend)

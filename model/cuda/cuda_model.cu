@@ -24,6 +24,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "attention.cuh"
 #include "kvr/common/cuda/cuda_util.h"
@@ -117,6 +118,10 @@ class CudaModelImpl final : public CudaModel {
                                  const SparseSequenceOptions& options) override;
   absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const override;
   SparseStats sparse_stats() const override;
+  int64_t sparse_slot_device_bytes() const override {
+    return sparse_ == nullptr ? 0 : sparse_->bytes / sparse_->opt.slots;
+  }
+  absl::StatusOr<SparseSequenceCounters> SparseCounters(SequenceId id) const override;
   void SnapshotSparseLayerForTesting(int layer) override { snapshot_layer_ = layer; }
   const SparseLayerSnapshot& sparse_snapshot() const override { return snapshot_; }
   absl::StatusOr<std::span<const uint16_t>> SparseHostKvForTesting(SequenceId id) const override {
@@ -124,9 +129,17 @@ class CudaModelImpl final : public CudaModel {
     if (it == sequences_.end() || it->second.slot < 0) {
       return absl::NotFoundError(absl::StrCat("CudaModel: no sparse sequence ", id));
     }
+    if (it->second.host == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "CudaModel: sparse sequence ", id, " reads its past from a row source (no host KV)"));
+    }
     const cuda::HostKvBuffer<bf16>& b = it->second.host->buf;
     return std::span<const uint16_t>(reinterpret_cast<const uint16_t*>(b.data()), b.size());
   }
+  absl::StatusOr<std::span<const uint16_t>> SparseNewRows(SequenceId id) const override;
+  absl::StatusOr<const void*> RegisterHostRegion(const void* host, size_t bytes,
+                                                 bool read_only) override;
+  absl::Status UnregisterHostRegion(const void* host) override;
   absl::Status SetPrefillSummaries(const PrefillSummaryOptions& options) override;
   double last_summary_build_ms() const override { return summary_build_ms_; }
   double last_summary_plan_ms() const override { return summary_plan_ms_; }
@@ -200,9 +213,13 @@ class CudaModelImpl final : public CudaModel {
     std::unique_ptr<Summaries> summaries;  // dense sequences added with a summary method
     int64_t capacity = 0;
     int64_t length = 0;
-    // Sparse sequences: slot in sparse_ and host KV.
+    // Sparse sequences: slot in sparse_ and host KV (null: the past comes from a row source,
+    // SparseSequenceOptions::rows, whose page tables are the slot's).
     int slot = -1;
     std::shared_ptr<HostKv> host;
+    bool new_rows_ready = false;  // row source: SparseNewRows holds the last Forward's rows
+    uint64_t source_key = 0;      // row source: a hash of where its rows are (0: own host KV)
+    int64_t sparse_steps = 0;     // sparse Forwards taken part in
     uint64_t filled_seed = 0;  // as HostKv, for this slot's ring and summaries
   };
   // The GPU state shared by the sparse sequences (ConfigureSparse); layouts in sparse.cuh.
@@ -226,10 +243,23 @@ class CudaModelImpl final : public CudaModel {
     PinnedBuffer<int32_t> h_meta;
     DeviceBuffer<cuda::SparseRow> rows;  // [slots]
     PinnedBuffer<cuda::SparseRow> h_rows;
-    DeviceBuffer<int64_t> head_base;  // [n_layers, slots, n_kv]
-    PinnedBuffer<int64_t> h_head_base;
-    const bf16* pool_base = nullptr;
-    DeviceBuffer<unsigned long long> selected;  // [1]
+    // Where each slot's rows are (kv_pool.h): slots [slots], pages [n_layers, slots, n_kv,
+    // max_pages]; written per slot when a sequence takes it (h_slot_pages stages one slot).
+    int max_pages = 0;
+    DeviceBuffer<rc::KvPoolSlot> pool_slots;
+    PinnedBuffer<rc::KvPoolSlot> h_pool_slots;
+    DeviceBuffer<int32_t> pool_pages;
+    PinnedBuffer<int32_t> h_slot_pages;  // [n_layers, n_kv, max_pages]
+    // The step's new K/V rows, [slots, n_layers, 2, n_kv, head_dim], and their host copy (row
+    // sources only: the caller appends them to the store).
+    DeviceBuffer<bf16> new_rows;
+    PinnedBuffer<bf16> h_new_rows;
+    rc::KvPoolView PoolView(int layer) const {
+      return {pool_slots.data(), pool_pages.data() + int64_t{layer} * opt.slots * n_kv * max_pages,
+              max_pages, n_kv};
+    }
+    DeviceBuffer<unsigned long long> selected;       // [1]
+    DeviceBuffer<unsigned long long> slot_selected;  // [slots], since the slot was taken
     int64_t steps = 0;
     std::vector<std::optional<SequenceId>> owner;  // per slot
     cuda::SparseSummaryView View() {
@@ -256,7 +286,17 @@ class CudaModelImpl final : public CudaModel {
   CudaModelImpl(ModelConfig config, CudaModelOptions options)
       : config_(std::move(config)), options_(options) {}
 
+ public:
+  ~CudaModelImpl() override {
+    for (const auto& [host, region] : regions_) cudaHostUnregister(const_cast<void*>(host));
+  }
+
+ private:
+
   [[nodiscard]] absl::Status AllocateWeights();
+  // Copies `from`'s ring rows and summaries (HBM to HBM) into `to`'s slot and clears `to`'s hot
+  // cache: a slot over the same rows as one already prepared. Synchronous.
+  [[nodiscard]] absl::Status CopySlot(const Sequence& from, Sequence& to);
   // A sparse sequence's slot prepared from its host KV's rows [0, n_tokens): ring rows and,
   // with `summaries`, the summaries (LaunchSparseFill), then its hot cache cleared; synchronous.
   [[nodiscard]] absl::Status FillSlotFromHostKv(Sequence& s, int64_t n_tokens, bool summaries);
@@ -267,8 +307,10 @@ class CudaModelImpl final : public CudaModel {
                                                               const char* what);
   // The sparse part of a layer: RoPE + KV append, select, gather, attend.
   [[nodiscard]] absl::Status SparseLayer(int layer, const Layer& w, int64_t max_candidates);
-  // Uploads per-slot head bases into the mapped host KVs (after slots change).
-  [[nodiscard]] absl::Status UpdateHeadBases();
+  // Uploads slot `s.slot`'s page tables: its row source's pages, or its own host KV as pages of
+  // min_page_rows rows. Synchronous.
+  [[nodiscard]] absl::Status WriteSlotTables(const Sequence& s,
+                                             const std::optional<SparseRowSource>& source);
   [[nodiscard]] absl::Status Run(std::span<const CudaSequence> batch, LogitsMode mode,
                                  std::span<float> logits, std::span<int32_t> next_tokens);
   // C[m, n] (+)= A[m, k] W[n, k]^T; beta 1 adds onto C (the residual stream).
@@ -338,7 +380,9 @@ class CudaModelImpl final : public CudaModel {
   std::unique_ptr<SparseState> sparse_;
   std::mutex host_kv_mu_;  // host_kvs_: AcquireSparseHostKv runs on other threads
   std::vector<std::shared_ptr<HostKv>> host_kvs_;
-  bool head_bases_dirty_ = true;
+  // RegisterHostRegion: host address -> (bytes, device address).
+  std::mutex regions_mu_;
+  std::map<const void*, std::pair<size_t, const void*>> regions_;
   int snapshot_layer_ = -1;
   SparseLayerSnapshot snapshot_;
   std::vector<uint16_t> snapshot_attn_bits_;
@@ -801,7 +845,6 @@ absl::Status CudaModelImpl::ReleaseSequence(SequenceId id) {
   }
   if (it->second.slot >= 0 && sparse_ != nullptr) {
     sparse_->owner[it->second.slot].reset();
-    head_bases_dirty_ = true;
   }
   if (it->second.exporting != nullptr) RecycleExport(std::move(it->second.exporting));
   sequences_.erase(it);
@@ -952,7 +995,6 @@ absl::Status CudaModelImpl::ConfigureSparse(const SparseAttentionOptions& o) {
   }
   if (o.slots == 0) {  // frees the sparse state
     sparse_.reset();
-    head_bases_dirty_ = true;
     return absl::OkStatus();
   }
   const ModelConfig& c = config_;
@@ -987,8 +1029,8 @@ absl::Status CudaModelImpl::ConfigureSparse(const SparseAttentionOptions& o) {
   if (o.hot_cache_rows > 0 && o.hot_cache_rows % ways != 0) {
     return bad("ConfigureSparse: hot_cache_rows ", o.hot_cache_rows, " not a multiple of 8");
   }
+  if (o.min_page_rows < 1) return bad("ConfigureSparse: min_page_rows ", o.min_page_rows, " < 1");
   sparse_.reset();
-  head_bases_dirty_ = true;
   auto st = std::make_unique<SparseState>();
   st->opt = o;
   st->n_kv = c.n_kv_heads;
@@ -1040,9 +1082,15 @@ absl::Status CudaModelImpl::ConfigureSparse(const SparseAttentionOptions& o) {
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_meta, 3 * S));
   KVR_RETURN_IF_ERROR(Alloc(st->rows, S));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_rows, S));
-  KVR_RETURN_IF_ERROR(Alloc(st->head_base, L * S * kv));
-  KVR_RETURN_IF_ERROR(AllocPinned(st->h_head_base, L * S * kv));
+  st->max_pages = static_cast<int>((o.max_capacity + o.min_page_rows - 1) / o.min_page_rows);
+  KVR_RETURN_IF_ERROR(Alloc(st->pool_slots, S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_pool_slots, S));
+  KVR_RETURN_IF_ERROR(Alloc(st->pool_pages, L * S * kv * st->max_pages));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_slot_pages, L * kv * st->max_pages));
+  KVR_RETURN_IF_ERROR(Alloc(st->new_rows, S * L * 2 * kv * d));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_new_rows, S * L * 2 * kv * d));
   KVR_RETURN_IF_ERROR(Alloc(st->selected, 1));
+  KVR_RETURN_IF_ERROR(Alloc(st->slot_selected, S));
   KVR_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(st->selected.data(), 0, sizeof(unsigned long long), stream()));
   const rc::SelectionOutput out{o.budget, st->ids.data(), st->counts.data()};
@@ -1087,7 +1135,8 @@ absl::Status CudaModelImpl::ConfigureSparse(const SparseAttentionOptions& o) {
                            st->n_clusters.bytes() + st->offsets.bytes() + st->members.bytes() +
                            st->q_f32.bytes() + st->ids.bytes() + st->counts.bytes() +
                            st->gathered.bytes() + st->select_ws.bytes() + st->attend_ws.bytes() +
-                           st->meta.bytes() + st->rows.bytes() + st->head_base.bytes()) +
+                           st->meta.bytes() + st->rows.bytes() + st->pool_slots.bytes() +
+                           st->pool_pages.bytes() + st->new_rows.bytes()) +
       hot_bytes;
   KVR_RETURN_IF_ERROR(stream_.Synchronize());
   sparse_ = std::move(st);
@@ -1117,7 +1166,33 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
   }
   const ModelConfig& c = config_;
   std::shared_ptr<HostKv> host;
-  if (options.share_host_kv_with.has_value()) {
+  if (options.rows.has_value()) {
+    const SparseRowSource& r = *options.rows;
+    const int64_t row_bytes = 4 * int64_t{c.head_dim};
+    auto bad = [&](auto&&... parts) {
+      return absl::InvalidArgumentError(absl::StrCat("AddSparseSequence: row source: ", parts...));
+    };
+    if (r.base == nullptr) return bad("no base address");
+    if (r.page_rows < sparse_->opt.min_page_rows) {
+      return bad("pages of ", r.page_rows, " rows, fewer than min_page_rows ",
+                 sparse_->opt.min_page_rows);
+    }
+    if (r.page_bytes < int64_t{r.page_rows} * row_bytes || r.page_bytes % 16 != 0) {
+      return bad("page_bytes ", r.page_bytes, " hold no ", r.page_rows, " rows of ", row_bytes,
+                 " bytes at 16-byte alignment");
+    }
+    if (int64_t{r.pages_per_head} * r.page_rows < capacity || r.pages_per_head > sparse_->max_pages) {
+      return bad(r.pages_per_head, " pages of ", r.page_rows, " rows per head for capacity ",
+                 capacity, " (at most ", sparse_->max_pages, " pages)");
+    }
+    if (static_cast<int64_t>(r.pages.size()) != int64_t{c.n_layers} * c.n_kv_heads * r.pages_per_head) {
+      return bad(r.pages.size(), " page ids, expected ", c.n_layers, " layers x ", c.n_kv_heads,
+                 " heads x ", r.pages_per_head);
+    }
+    for (int32_t page : r.pages) {
+      if (page < 0) return bad("negative page id ", page);
+    }
+  } else if (options.share_host_kv_with.has_value()) {
     auto it = sequences_.find(*options.share_host_kv_with);
     if (it == sequences_.end() || it->second.slot < 0 || it->second.capacity != capacity) {
       return absl::InvalidArgumentError(
@@ -1144,6 +1219,8 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
                                             options.host_huge_pages, "AddSparseSequence"));
   }
   for (rc::HotCache& h : sparse_->hot) KVR_RETURN_IF_ERROR(h.ResetSlot(slot, stream()));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sparse_->slot_selected.data() + slot, 0,
+                                           sizeof(unsigned long long), stream()));
   KVR_RETURN_IF_ERROR(
       cuda::LaunchSparseClearSlot(sparse_->View(), slot, c.n_layers, c.n_kv_heads, stream()));
   KVR_RETURN_IF_ERROR(stream_.Synchronize());
@@ -1151,9 +1228,140 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
   s.capacity = capacity;
   s.slot = slot;
   s.host = std::move(host);
+  if (options.rows.has_value()) {
+    const SparseRowSource& r = *options.rows;
+    s.source_key = absl::HashOf(reinterpret_cast<uintptr_t>(r.base), r.page_bytes, r.page_rows,
+                                r.pages_per_head, r.pages) |
+                   1;
+  }
+  KVR_RETURN_IF_ERROR(WriteSlotTables(s, options.rows));
   sequences_.emplace(id, std::move(s));
   sparse_->owner[slot] = id;
-  head_bases_dirty_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SparseSequenceCounters> CudaModelImpl::SparseCounters(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end() || it->second.slot < 0) {
+    return absl::NotFoundError(absl::StrCat("SparseCounters: no sparse sequence ", id));
+  }
+  const int slot = it->second.slot;
+  SparseSequenceCounters out;
+  out.steps = it->second.sparse_steps;
+  unsigned long long v = 0;
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpy(&v, sparse_->slot_selected.data() + slot, sizeof(v),
+                                      cudaMemcpyDeviceToHost));
+  out.selected_rows = static_cast<int64_t>(v);
+  for (const rc::HotCache& h : sparse_->hot) {
+    KVR_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(&v, h.slot_hits() + slot, sizeof(v), cudaMemcpyDeviceToHost));
+    out.hot_cache_hits += static_cast<int64_t>(v);
+  }
+  return out;
+}
+
+absl::Status CudaModelImpl::WriteSlotTables(const Sequence& s,
+                                            const std::optional<SparseRowSource>& source) {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  const int64_t L = c.n_layers, S = sp.opt.slots, kv = c.n_kv_heads, P = sp.max_pages;
+  int32_t* pages = sp.h_slot_pages.data();
+  std::fill(pages, pages + L * kv * P, 0);
+  rc::KvPoolSlot& slot = sp.h_pool_slots.data()[s.slot];
+  if (source.has_value()) {
+    slot = {source->base, source->page_bytes, source->page_rows, 0};
+    for (int64_t lh = 0; lh < L * kv; ++lh) {
+      std::copy_n(source->pages.data() + lh * source->pages_per_head, source->pages_per_head,
+                  pages + lh * P);
+    }
+  } else {
+    // The own host KV [n_layers, n_kv, capacity, row]: page_bytes = one row, so a page index is
+    // the row index of the page's first row.
+    const int32_t pr = sp.opt.min_page_rows;
+    slot = {s.host->device, 4 * int64_t{c.head_dim}, pr, 0};
+    for (int64_t lh = 0; lh < L * kv; ++lh) {
+      for (int64_t p = 0; p * pr < s.capacity; ++p) {
+        pages[lh * P + p] = static_cast<int32_t>(lh * s.capacity + p * pr);
+      }
+    }
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.pool_slots.data() + s.slot, &slot, sizeof(slot),
+                                           cudaMemcpyHostToDevice, stream()));
+  for (int64_t l = 0; l < L; ++l) {
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.pool_pages.data() + (l * S + s.slot) * kv * P,
+                                             pages + l * kv * P, kv * P * sizeof(int32_t),
+                                             cudaMemcpyHostToDevice, stream()));
+  }
+  return stream_.Synchronize();
+}
+
+absl::StatusOr<std::span<const uint16_t>> CudaModelImpl::SparseNewRows(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end() || it->second.slot < 0) {
+    return absl::NotFoundError(absl::StrCat("SparseNewRows: no sparse sequence ", id));
+  }
+  const Sequence& s = it->second;
+  if (s.host != nullptr || !s.new_rows_ready) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SparseNewRows: sequence ", id,
+        s.host != nullptr ? " has its own host KV (no row source)" : " has run no Forward"));
+  }
+  const ModelConfig& c = config_;
+  const int64_t n = int64_t{c.n_layers} * 2 * c.n_kv_heads * c.head_dim;
+  return std::span<const uint16_t>(
+      reinterpret_cast<const uint16_t*>(sparse_->h_new_rows.data()) + s.slot * n, n);
+}
+
+absl::StatusOr<const void*> CudaModelImpl::RegisterHostRegion(const void* host, size_t bytes,
+                                                              bool read_only) {
+  if (host == nullptr || bytes == 0) {
+    return absl::InvalidArgumentError("RegisterHostRegion: empty region");
+  }
+  std::lock_guard<std::mutex> lock(regions_mu_);
+  if (auto it = regions_.find(host); it != regions_.end()) {
+    if (it->second.first < bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("RegisterHostRegion: the region is registered "
+                                                     "with ", it->second.first, " bytes, not ",
+                                                     bytes));
+    }
+    return it->second.second;
+  }
+  // This thread may never have used the device.
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  unsigned flags = cudaHostRegisterMapped | cudaHostRegisterPortable;
+  if (read_only) {
+    int ro = 0;
+    if (cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, options_.device) ==
+            cudaSuccess &&
+        ro != 0) {
+      flags |= cudaHostRegisterReadOnly;
+    }
+  }
+  if (const cudaError_t e = cudaHostRegister(const_cast<void*>(host), bytes, flags);
+      e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat("RegisterHostRegion: cudaHostRegister of ",
+                                                      bytes, " bytes: ", cudaGetErrorString(e)));
+  }
+  void* device = nullptr;
+  if (const cudaError_t e = cudaHostGetDevicePointer(&device, const_cast<void*>(host), 0);
+      e != cudaSuccess) {
+    cudaHostUnregister(const_cast<void*>(host));
+    return absl::InternalError(
+        absl::StrCat("RegisterHostRegion: cudaHostGetDevicePointer: ", cudaGetErrorString(e)));
+  }
+  regions_.emplace(host, std::make_pair(bytes, static_cast<const void*>(device)));
+  return static_cast<const void*>(device);
+}
+
+absl::Status CudaModelImpl::UnregisterHostRegion(const void* host) {
+  std::lock_guard<std::mutex> lock(regions_mu_);
+  auto it = regions_.find(host);
+  if (it == regions_.end()) {
+    return absl::NotFoundError("UnregisterHostRegion: the region is not registered");
+  }
+  regions_.erase(it);
+  KVR_CUDA_RETURN_IF_ERROR(cudaHostUnregister(const_cast<void*>(host)));
   return absl::OkStatus();
 }
 
@@ -1222,34 +1430,6 @@ SparseStats CudaModelImpl::sparse_stats() const {
   return st;
 }
 
-absl::Status CudaModelImpl::UpdateHeadBases() {
-  SparseState& sp = *sparse_;
-  const ModelConfig& c = config_;
-  const bf16* base = nullptr;
-  for (const auto& [id, seq] : sequences_) {
-    if (seq.slot >= 0 && (base == nullptr || seq.host->device < base)) base = seq.host->device;
-  }
-  const int64_t S = sp.opt.slots, kv = c.n_kv_heads, row = 2 * int64_t{c.head_dim};
-  std::fill(sp.h_head_base.data(), sp.h_head_base.data() + sp.h_head_base.size(), 0);
-  for (const auto& [id, seq] : sequences_) {
-    if (seq.slot < 0) continue;
-    // Distinct pinned allocations, all page-aligned: whole rows apart.
-    const int64_t first = (seq.host->device - base) / row;
-    for (int64_t l = 0; l < c.n_layers; ++l) {
-      for (int64_t h = 0; h < kv; ++h) {
-        sp.h_head_base.data()[(l * S + seq.slot) * kv + h] = first + (l * kv + h) * seq.capacity;
-      }
-    }
-  }
-  sp.pool_base = base;
-  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.head_base.data(), sp.h_head_base.data(),
-                                           sp.h_head_base.bytes(), cudaMemcpyHostToDevice,
-                                           stream()));
-  KVR_RETURN_IF_ERROR(stream_.Synchronize());
-  head_bases_dirty_ = false;
-  return absl::OkStatus();
-}
-
 absl::Status CudaModelImpl::SparseLayer(int layer, const Layer& w, int64_t max_candidates) {
   SparseState& sp = *sparse_;
   const ModelConfig& c = config_;
@@ -1271,6 +1451,8 @@ absl::Status CudaModelImpl::SparseLayer(int layer, const Layer& w, int64_t max_c
   rp.n_sink = o.n_sink;
   rp.window = o.local_window;
   rp.sum = sp.View();
+  rp.new_rows = sp.new_rows.data();
+  rp.n_layers = c.n_layers;
   rp.slots = S;
   rp.n_heads = c.n_heads;
   rp.n_kv_heads = c.n_kv_heads;
@@ -1325,9 +1507,11 @@ absl::Status CudaModelImpl::SparseLayer(int layer, const Layer& w, int64_t max_c
     KVR_RETURN_IF_ERROR(cuda::LaunchSumCounts(sp.counts.data(), static_cast<int>(S * kv),
                                               sp.selected.data(), stream()));
   }
+  KVR_RETURN_IF_ERROR(cuda::LaunchSumCountsPerSlot(sp.counts.data(), S, static_cast<int>(kv),
+                                                   sp.slot_selected.data(), stream()));
 
   KVR_RETURN_IF_ERROR(Mark(Kind::kGather));
-  const rc::KvPoolView pool{sp.pool_base, sp.head_base.data() + int64_t{layer} * S * kv};
+  const rc::KvPoolView pool = sp.PoolView(layer);
   if (!sp.hot.empty()) {
     KVR_RETURN_IF_ERROR(
         sp.hot[layer].Gather(pool, sp.ids.data(), sp.counts.data(), sp.gathered.data(), stream()));
@@ -1409,8 +1593,10 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
         absl::StrCat("FillSequenceForBenchmark: ", n_tokens, " tokens, capacity ", s.capacity));
   }
   if (s.slot >= 0) {
-    SparseState& sp = *sparse_;
-    const ModelConfig& c = config_;
+    if (s.host == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "FillSequenceForBenchmark: sequence ", id, " reads its past from a row source"));
+    }
     HostKv& host = *s.host;
     if (host.filled_seed != seed + 1) {
       KVR_RETURN_IF_ERROR(cuda::LaunchRandomBf16(host.device, static_cast<int64_t>(host.buf.size()),
@@ -1428,27 +1614,7 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
       }
     }
     if (twin != nullptr) {
-      const int64_t kv = c.n_kv_heads, d = c.head_dim, S = sp.opt.slots;
-      auto copy = [&](auto* base, int64_t per_slot) -> absl::Status {
-        for (int64_t l = 0; l < c.n_layers; ++l) {
-          auto* layer = base + l * S * per_slot;
-          KVR_CUDA_RETURN_IF_ERROR(
-              cudaMemcpyAsync(layer + s.slot * per_slot, layer + twin->slot * per_slot,
-                              per_slot * sizeof(*base), cudaMemcpyDeviceToDevice, stream()));
-        }
-        return absl::OkStatus();
-      };
-      KVR_RETURN_IF_ERROR(copy(sp.resident.data(), kv * sp.rcap * 2 * d));
-      if (sp.opt.method == SparseMethod::kQuest) {
-        KVR_RETURN_IF_ERROR(copy(sp.bounds.data(), sp.pages * sp.bounds_row()));
-      } else {
-        KVR_RETURN_IF_ERROR(copy(sp.centroids.data(), kv * sp.max_clusters * d));
-        KVR_RETURN_IF_ERROR(copy(sp.n_clusters.data(), kv));
-        KVR_RETURN_IF_ERROR(copy(sp.offsets.data(), kv * (sp.max_clusters + 1)));
-        KVR_RETURN_IF_ERROR(copy(sp.members.data(), kv * sp.opt.max_capacity));
-      }
-      for (rc::HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
-      KVR_RETURN_IF_ERROR(stream_.Synchronize());
+      KVR_RETURN_IF_ERROR(CopySlot(*twin, s));
     } else {
       KVR_RETURN_IF_ERROR(FillSlotFromHostKv(s, n_tokens, /*summaries=*/true));
     }
@@ -1463,12 +1629,39 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
   return absl::OkStatus();
 }
 
+absl::Status CudaModelImpl::CopySlot(const Sequence& from, Sequence& to) {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  const int64_t kv = c.n_kv_heads, d = c.head_dim, S = sp.opt.slots;
+  auto copy = [&](auto* base, int64_t per_slot) -> absl::Status {
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      auto* layer = base + l * S * per_slot;
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(layer + to.slot * per_slot,
+                                               layer + from.slot * per_slot,
+                                               per_slot * sizeof(*base), cudaMemcpyDeviceToDevice,
+                                               stream()));
+    }
+    return absl::OkStatus();
+  };
+  KVR_RETURN_IF_ERROR(copy(sp.resident.data(), kv * sp.rcap * 2 * d));
+  if (sp.opt.method == SparseMethod::kQuest) {
+    KVR_RETURN_IF_ERROR(copy(sp.bounds.data(), sp.pages * sp.bounds_row()));
+  } else {
+    KVR_RETURN_IF_ERROR(copy(sp.centroids.data(), kv * sp.max_clusters * d));
+    KVR_RETURN_IF_ERROR(copy(sp.n_clusters.data(), kv));
+    KVR_RETURN_IF_ERROR(copy(sp.offsets.data(), kv * (sp.max_clusters + 1)));
+    KVR_RETURN_IF_ERROR(copy(sp.members.data(), kv * sp.opt.max_capacity));
+  }
+  for (rc::HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(to.slot, stream()));
+  return stream_.Synchronize();
+}
+
 absl::Status CudaModelImpl::FillSlotFromHostKv(Sequence& s, int64_t n_tokens, bool summaries) {
   SparseState& sp = *sparse_;
   const ModelConfig& c = config_;
   cuda::SparseFillParams fp;
-  fp.host_kv = s.host->device;
-  fp.capacity = s.capacity;
+  fp.pool = sp.PoolView(0);
+  fp.pages_layer_stride = int64_t{sp.opt.slots} * c.n_kv_heads * sp.max_pages;
   fp.length = n_tokens;
   fp.slot = s.slot;
   fp.resident = sp.resident.data();
@@ -1498,7 +1691,7 @@ absl::StatusOr<CudaModelImpl::Sequence*> CudaModelImpl::OwnSparseSequence(Sequen
     return absl::FailedPreconditionError(absl::StrCat(what, ": sequence ", id, " is dense"));
   }
   for (const auto& [oid, o] : sequences_) {
-    if (oid != id && o.host == s.host) {
+    if (oid != id && s.host != nullptr && o.host == s.host) {
       return absl::FailedPreconditionError(absl::StrCat(
           what, ": sequence ", id, " shares its host KV with sequence ", oid, " (benchmarks only)"));
     }
@@ -1508,6 +1701,10 @@ absl::StatusOr<CudaModelImpl::Sequence*> CudaModelImpl::OwnSparseSequence(Sequen
 
 absl::StatusOr<std::span<uint16_t>> CudaModelImpl::SparseHostKv(SequenceId id) {
   KVR_ASSIGN_OR_RETURN(Sequence * s, OwnSparseSequence(id, "SparseHostKv"));
+  if (s->host == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SparseHostKv: sequence ", id, " reads its past from a row source (no host KV)"));
+  }
   // The caller overwrites it: no longer FillSequenceForBenchmark's random rows.
   s->host->filled_seed = 0;
   s->filled_seed = 0;
@@ -1526,13 +1723,28 @@ absl::StatusOr<CudaModelImpl::Sequence*> CudaModelImpl::ActivatableSequence(Sequ
     return absl::InvalidArgumentError(absl::StrCat(what, ": n_tokens ", n_tokens,
                                                    " outside [1, capacity ", s->capacity, "]"));
   }
-  s->host->filled_seed = 0;
+  if (s->host != nullptr) s->host->filled_seed = 0;
   s->filled_seed = 0;
   return s;
 }
 
 absl::Status CudaModelImpl::ActivateSparseSequence(SequenceId id, int64_t n_tokens) {
   KVR_ASSIGN_OR_RETURN(Sequence * s, ActivatableSequence(id, n_tokens, "ActivateSparseSequence"));
+  // Another slot over the same row source, activated at the same length, holds the same ring
+  // and summaries (benchmarks run many slots over one store sequence): copy them.
+  const Sequence* twin = nullptr;
+  for (const auto& [oid, o] : sequences_) {
+    if (oid != id && o.slot >= 0 && s->source_key != 0 && o.source_key == s->source_key &&
+        o.length == n_tokens && o.sparse_steps == 0) {
+      twin = &o;
+      break;
+    }
+  }
+  if (twin != nullptr) {
+    KVR_RETURN_IF_ERROR(CopySlot(*twin, *s));
+    s->length = n_tokens;
+    return absl::OkStatus();
+  }
   KVR_RETURN_IF_ERROR(FillSlotFromHostKv(*s, n_tokens, /*summaries=*/true));
   s->length = n_tokens;
   return absl::OkStatus();
@@ -1746,8 +1958,10 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   }
   const int64_t n_rows = sparse ? sparse_->opt.slots : total;
   int64_t max_candidates = 0;
+  // Sequences reading their past from a row source get the step's new rows back in host memory.
+  bool copy_new_rows = false;
+  for (size_t b = 0; sparse && b < batch.size(); ++b) copy_new_rows |= seqs[b]->host == nullptr;
   if (sparse) {
-    if (head_bases_dirty_) KVR_RETURN_IF_ERROR(UpdateHeadBases());
     SparseState& sp = *sparse_;
     const SparseAttentionOptions& o = sp.opt;
     const int S = o.slots;
@@ -1763,7 +1977,8 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       const int64_t local_begin = std::max<int64_t>(o.n_sink, len - o.local_window);
       h_tokens_.data()[r] = batch[b].tokens[0];
       h_out_rows_.data()[b] = r;
-      sp.h_rows.data()[r] = cuda::SparseRow{q.host->device, q.capacity, q.length};
+      sp.h_rows.data()[r] = cuda::SparseRow{q.host != nullptr ? q.host->device : nullptr,
+                                            q.capacity, q.length, 1};
       sp.h_meta.data()[r] = o.n_sink;
       sp.h_meta.data()[S + r] = static_cast<int32_t>(local_begin);
       sp.h_meta.data()[2 * S + r] = static_cast<int32_t>(std::min<int64_t>(o.n_sink, len) +
@@ -2059,6 +2274,12 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
                                                n_out * sizeof(int32_t), cudaMemcpyDeviceToHost,
                                                stream()));
     }
+    if (copy_new_rows) {
+      const SparseState& sp = *sparse_;
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_new_rows.data(), sp.new_rows.data(),
+                                               sp.new_rows.bytes(), cudaMemcpyDeviceToHost,
+                                               stream()));
+    }
     KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
     return absl::OkStatus();
   };
@@ -2120,6 +2341,10 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   }
   for (size_t b = 0; b < batch.size(); ++b) {
     seqs[b]->length += static_cast<int64_t>(batch[b].tokens.size());
+    if (sparse) {
+      seqs[b]->new_rows_ready = seqs[b]->host == nullptr;
+      ++seqs[b]->sparse_steps;
+    }
   }
   if (sparse) ++sparse_->steps;
   return absl::OkStatus();

@@ -48,13 +48,28 @@ __device__ __forceinline__ int64_t CkvHead(const SparseSummaryView& s, int layer
   return (int64_t{layer} * s.slots + slot) * n_kv + h;
 }
 
+// The new row's K (kv = 0) or V (kv = 1) of head h in the step's output of new rows.
+__device__ __forceinline__ sbf16* NewRow(const SparseRopeParams& p, int slot, int kv, int h) {
+  return p.new_rows +
+         (((int64_t{slot} * p.n_layers + p.layer) * 2 + kv) * p.n_kv_heads + h) * p.head_dim;
+}
+
+// Row `pos` of (layer, head) of the slot being filled, wherever its pages are.
+__device__ __forceinline__ const sbf16* FillRow(const SparseFillParams& p, int layer, int h,
+                                                int64_t pos) {
+  kvr::cuda::KvPoolView v = p.pool;
+  v.pages += layer * p.pages_layer_stride;
+  return static_cast<const sbf16*>(kvr::cuda::KvPoolRow(
+      v, int64_t{p.slot} * p.n_kv_heads + h, pos, size_t{4} * p.head_dim));
+}
+
 // One block per slot.
 __global__ void SparseRopeKernel(SparseRopeParams p) {
   const int slot = blockIdx.x;
   const SparseRow row = p.rows[slot];
   const int d = p.head_dim, half = d / 2;
   const int q_dim = p.n_heads * d, kv_dim = p.n_kv_heads * d;
-  if (row.host_kv == nullptr) {  // empty slot: a finite query, nothing written elsewhere
+  if (!row.active) {  // empty slot: a finite query, nothing written elsewhere
     for (int j = threadIdx.x; j < q_dim; j += blockDim.x) {
       p.q[int64_t{slot} * q_dim + j] = __float2bfloat16(0.f);
       p.q_f32[int64_t{slot} * q_dim + j] = 0.f;
@@ -117,10 +132,15 @@ __global__ void SparseRopeKernel(SparseRopeParams p) {
       p.q_f32[o + half] = __bfloat162float(b1);
     } else {
       const int h = head - p.n_heads;
-      sbf16* host =
-          row.host_kv + ((int64_t{p.layer} * p.n_kv_heads + h) * row.capacity + pos) * 2 * d;
-      host[i] = b0;
-      host[i + half] = b1;
+      if (row.host_kv != nullptr) {
+        sbf16* host =
+            row.host_kv + ((int64_t{p.layer} * p.n_kv_heads + h) * row.capacity + pos) * 2 * d;
+        host[i] = b0;
+        host[i + half] = b1;
+      }
+      sbf16* fresh = NewRow(p, slot, 0, h);
+      fresh[i] = b0;
+      fresh[i + half] = b1;
       sbf16* ring = ResidentRow(p.resident, p.resident_layer_stride, p.layer, slot, p.n_kv_heads, h,
                                 p.rcap, rs, d);
       ring[i] = b0;
@@ -146,7 +166,10 @@ __global__ void SparseRopeKernel(SparseRopeParams p) {
     float v = qkv[q_dim + kv_dim + j];
     if (p.bias != nullptr) v += p.bias[q_dim + kv_dim + j];
     const sbf16 b = __float2bfloat16(v);
-    row.host_kv[((int64_t{p.layer} * p.n_kv_heads + h) * row.capacity + pos) * 2 * d + d + i] = b;
+    if (row.host_kv != nullptr) {
+      row.host_kv[((int64_t{p.layer} * p.n_kv_heads + h) * row.capacity + pos) * 2 * d + d + i] = b;
+    }
+    NewRow(p, slot, 1, h)[i] = b;
     ResidentRow(p.resident, p.resident_layer_stride, p.layer, slot, p.n_kv_heads, h, p.rcap, rs,
                 d)[d + i] = b;
   }
@@ -166,7 +189,7 @@ __global__ void FillResidentKernel(SparseFillParams p) {
     pos = base + k;
   }
   if (pos >= p.length) return;
-  const sbf16* src = p.host_kv + ((int64_t{layer} * p.n_kv_heads + h) * p.capacity + pos) * 2 * d;
+  const sbf16* src = FillRow(p, layer, h, pos);
   sbf16* dst = ResidentRow(p.resident, p.resident_layer_stride, layer, p.slot, p.n_kv_heads, h,
                            p.rcap, r, d);
   for (int i = threadIdx.x; i < 2 * d; i += blockDim.x) dst[i] = src[i];
@@ -179,10 +202,9 @@ __global__ void FillQuestKernel(SparseFillParams p) {
   const int d = p.head_dim, i = threadIdx.x;
   const int ps = p.sum.page_size;
   const int64_t t0 = page * ps, t1 = min(p.length, t0 + ps);
-  const sbf16* k = p.host_kv + (int64_t{layer} * p.n_kv_heads + h) * p.capacity * 2 * d;
   float mn = FLT_MAX, mx = -FLT_MAX;
   for (int64_t t = t0; t < t1; ++t) {
-    const float v = __bfloat162float(k[t * 2 * d + i]);
+    const float v = __bfloat162float(FillRow(p, layer, h, t)[i]);
     mn = fminf(mn, v);
     mx = fmaxf(mx, v);
   }
@@ -201,10 +223,9 @@ __global__ void FillClusterKernel(SparseFillParams p, int64_t end, int n_cluster
   const int64_t hh = CkvHead(s, layer, p.slot, p.n_kv_heads, h);
   const int64_t t0 = p.n_sink + int64_t{c} * p.tokens_per_cluster;
   const int64_t t1 = min(end, t0 + p.tokens_per_cluster);
-  const sbf16* k = p.host_kv + (int64_t{layer} * p.n_kv_heads + h) * p.capacity * 2 * d;
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     float sum = 0.f;
-    for (int64_t t = t0; t < t1; ++t) sum += __bfloat162float(k[t * 2 * d + i]);
+    for (int64_t t = t0; t < t1; ++t) sum += __bfloat162float(FillRow(p, layer, h, t)[i]);
     s.centroids[(hh * s.max_clusters + c) * d + i] = sum / static_cast<float>(t1 - t0);
   }
   int32_t* off = s.offsets + hh * (s.max_clusters + 1);
@@ -229,6 +250,14 @@ __global__ void ClearClustersKernel(SparseSummaryView s, int slot, int n_layers,
   s.offsets[hh * (s.max_clusters + 1)] = 0;
 }
 
+__global__ void SumCountsPerSlotKernel(const int32_t* counts, int n_kv,
+                                       unsigned long long* per_slot) {
+  if (threadIdx.x != 0) return;
+  unsigned long long n = 0;
+  for (int h = 0; h < n_kv; ++h) n += static_cast<unsigned>(counts[blockIdx.x * n_kv + h]);
+  per_slot[blockIdx.x] += n;
+}
+
 __global__ void SumCountsKernel(const int32_t* counts, int n, unsigned long long* counter) {
   __shared__ unsigned long long total;
   if (threadIdx.x == 0) total = 0;
@@ -241,6 +270,13 @@ __global__ void SumCountsKernel(const int32_t* counts, int n, unsigned long long
 }
 
 }  // namespace
+
+absl::Status LaunchSumCountsPerSlot(const int32_t* counts, int slots, int n_kv,
+                                    unsigned long long* per_slot, cudaStream_t stream) {
+  if (slots == 0) return absl::OkStatus();
+  SumCountsPerSlotKernel<<<slots, 32, 0, stream>>>(counts, n_kv, per_slot);
+  return kvr::cuda::LastLaunchStatus("SumCountsPerSlotKernel");
+}
 
 absl::Status LaunchSparseRope(const SparseRopeParams& p, cudaStream_t stream) {
   if (p.slots == 0) return absl::OkStatus();

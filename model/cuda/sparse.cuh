@@ -5,7 +5,9 @@
 // retrieval/cuda's (selection.cuh, gather.cuh, hot_cache.cuh, decode_attention.cuh).
 //
 // Layouts (per layer l, slot s, KV head h; "row" = [K | V] of 2 * head_dim bf16):
-//   host KV of a sequence  [n_layers, n_kv_heads, capacity, row]        (mapped pinned memory)
+//   host KV of a sequence  [n_layers, n_kv_heads, capacity, row]        (mapped pinned memory),
+//                          or the KV store's pages (a row source); both read through the page
+//                          tables [n_layers, slots, n_kv_heads, max_pages] (kv_pool.h)
 //   resident               [n_layers, slots, n_kv_heads, rcap, row]    rcap = n_sink + window;
 //                          token p at p when p < n_sink, else n_sink + (p - n_sink) % window
 //   quest bounds           [n_layers, slots, n_pages, n_kv_heads, 2, head_dim] fp32 (min, max)
@@ -24,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/cuda/kv_pool.h"
 
 namespace kvr::model::cuda {
 
@@ -31,9 +34,12 @@ using sbf16 = __nv_bfloat16;
 
 // One slot of a sparse Forward (row `slot` of the batch's tensors).
 struct SparseRow {
-  sbf16* host_kv = nullptr;  // device address of the sequence's host KV; null: empty slot
+  // Device address of the sequence's own host KV, where the new row is written too; null for a
+  // sequence whose past is read from a row source (the store's pages: never written here).
+  sbf16* host_kv = nullptr;
   int64_t capacity = 0;
-  int64_t pos = 0;  // position of the new token
+  int64_t pos = 0;   // position of the new token
+  int active = 0;    // 0: empty slot
 };
 
 struct SparseSummaryView {
@@ -62,7 +68,10 @@ struct SparseRopeParams {
   int64_t resident_layer_stride = 0;
   int rcap = 0, n_sink = 0, window = 0;
   SparseSummaryView sum;
-  int slots = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, layer = 0;
+  // The new K/V row of every slot and layer, [slots, n_layers, 2 (K, V), n_kv_heads, head_dim]:
+  // what a caller appends to the KV store.
+  sbf16* new_rows = nullptr;
+  int slots = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, layer = 0, n_layers = 0;
 };
 [[nodiscard]] absl::Status LaunchSparseRope(const SparseRopeParams& p, cudaStream_t stream);
 
@@ -71,8 +80,11 @@ struct SparseRopeParams {
 // `tokens_per_cluster` consecutive candidates of [n_sink, length - window) (the tokens that
 // are candidates at the next step), centroid = mean key, n_clusters and offsets.
 struct SparseFillParams {
-  const sbf16* host_kv = nullptr;
-  int64_t capacity = 0, length = 0;
+  // Where the slot's rows are (kv_pool.h): tables of layer 0; layer l's pages start
+  // pages_layer_stride entries later.
+  kvr::cuda::KvPoolView pool;
+  int64_t pages_layer_stride = 0;
+  int64_t length = 0;
   int slot = 0;
   sbf16* resident = nullptr;
   int64_t resident_layer_stride = 0;
@@ -87,6 +99,12 @@ struct SparseFillParams {
 // Clears a slot's summaries (clusterkv: no clusters) for a new sequence.
 [[nodiscard]] absl::Status LaunchSparseClearSlot(const SparseSummaryView& sum, int slot,
                                                  int n_layers, int n_kv_heads, cudaStream_t stream);
+
+// per_slot[b] += sum of counts[b, 0 .. n_kv) for every slot b < slots (the rows each sequence
+// selected this layer).
+[[nodiscard]] absl::Status LaunchSumCountsPerSlot(const int32_t* counts, int slots, int n_kv,
+                                                  unsigned long long* per_slot,
+                                                  cudaStream_t stream);
 
 // *counter += sum of counts[0 .. n).
 [[nodiscard]] absl::Status LaunchSumCounts(const int32_t* counts, int n,

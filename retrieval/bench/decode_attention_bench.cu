@@ -313,10 +313,9 @@ int Run(const Options& o) {
     }
     for (int batch : o.batches) {
       const int bh = batch * kKvHeads;
-      std::vector<int64_t> base_hbm(bh), base_host(bh), key_off(bh);
+      std::vector<int64_t> base_hbm(bh), key_off(bh);
       for (int i = 0; i < bh; ++i) {
         base_hbm[i] = static_cast<int64_t>(i) * ctx;
-        base_host[i] = base_hbm[i];
         key_off[i] = base_hbm[i] * 2 * kHeadDim;
       }
       auto up64 = [&](const std::vector<int64_t>& v) {
@@ -324,7 +323,23 @@ int Run(const Options& o) {
         CHECK_CUDA(cudaMemcpy(d.data(), v.data(), v.size() * 8, cudaMemcpyHostToDevice));
         return d;
       };
-      auto d_base_hbm = up64(base_hbm), d_base_host = up64(base_host), d_key_off = up64(key_off);
+      auto d_key_off = up64(key_off);
+      // The pools as KvPoolViews: one page per (b, h) of ctx rows (page_bytes = row bytes, so a
+      // page index is a row index), the layout a sequence's own host KV has.
+      std::vector<int32_t> pages(bh);
+      for (int i = 0; i < bh; ++i) pages[i] = static_cast<int32_t>(base_hbm[i]);
+      auto d_pages = Must(DeviceBuffer<int32_t>::Create(pages.size()));
+      CHECK_CUDA(cudaMemcpy(d_pages.data(), pages.data(), pages.size() * 4, cudaMemcpyHostToDevice));
+      auto slots_at = [&](const void* base) {
+        std::vector<KvPoolSlot> slots(batch, KvPoolSlot{base, kRowBytes, ctx, 0});
+        auto d = Must(DeviceBuffer<KvPoolSlot>::Create(slots.size()));
+        CHECK_CUDA(cudaMemcpy(d.data(), slots.data(), slots.size() * sizeof(KvPoolSlot),
+                              cudaMemcpyHostToDevice));
+        return d;
+      };
+      auto d_slots_hbm = slots_at(hbm_pool.data()), d_slots_host = slots_at(host_dev);
+      const KvPoolView view_hbm{d_slots_hbm.data(), d_pages.data(), 1, kKvHeads};
+      const KvPoolView view_host{d_slots_host.data(), d_pages.data(), 1, kKvHeads};
       auto resident = Must(DeviceBuffer<uint8_t>::Create(size_t{1} * bh * kResident * kRowBytes));
       Fill(resident.data(), resident.bytes(), 11, s);
       std::vector<int32_t> res_counts(batch, kResident);
@@ -421,31 +436,31 @@ int Run(const Options& o) {
                         .dtype = RowDType::kBf16,
                         .counts = d_counts.data(),
                         .out = gathered.data()};
-        auto gather_from = [&](const void* pool, const int64_t* base, int i) {
+        auto gather_from = [&](const KvPoolView& pool, int i) {
           GatherParams g = gp;
-          g.pool = {pool, base};
+          g.pool = pool;
           g.ids = ids_of(i);
           CHECK_OK(GatherRows(g, s));
         };
         const double gather_host_us =
-            TimeUs(s, o.iters, [&](int i) { gather_from(host_dev, d_base_host.data(), i); });
+            TimeUs(s, o.iters, [&](int i) { gather_from(view_host, i); });
         const double gather_hbm_us =
-            TimeUs(s, o.iters, [&](int i) { gather_from(hbm_pool.data(), d_base_hbm.data(), i); });
+            TimeUs(s, o.iters, [&](int i) { gather_from(view_hbm, i); });
         // The host gather must deliver the same bytes as the HBM gather (same ids, same rows).
         bool verified = true;
         {
           std::vector<uint8_t> from_host(step_bytes), from_hbm(step_bytes);
-          gather_from(host_dev, d_base_host.data(), 1);
+          gather_from(view_host, 1);
           CHECK_CUDA(cudaMemcpyAsync(from_host.data(), gathered.data(), step_bytes,
                                      cudaMemcpyDeviceToHost, s));
-          gather_from(hbm_pool.data(), d_base_hbm.data(), 1);
+          gather_from(view_hbm, 1);
           CHECK_CUDA(cudaMemcpyAsync(from_hbm.data(), gathered.data(), step_bytes,
                                      cudaMemcpyDeviceToHost, s));
           CHECK_OK(stream.Synchronize());
           verified = from_host == from_hbm;
         }
         const double gather_host_graph_us =
-            TimeGraphUs(s, o.iters, [&](int i) { gather_from(host_dev, d_base_host.data(), i); });
+            TimeGraphUs(s, o.iters, [&](int i) { gather_from(view_host, i); });
 
         DecodeAttentionParams ap{.batch = batch,
                                  .n_heads = kHeads,
@@ -470,7 +485,7 @@ int Run(const Options& o) {
             TimeGraphUs(s, o.iters, [&](int) { CHECK_OK(DecodeAttention(ap, s)); });
         DecodeAttentionParams fp = ap;
         fp.gathered = nullptr;
-        fp.pool = {host_dev, d_base_host.data()};
+        fp.pool = view_host;
         auto fused = [&](int i) {
           fp.ids = ids_of(i);
           CHECK_OK(DecodeAttention(fp, s));
@@ -492,7 +507,7 @@ int Run(const Options& o) {
         auto hot_step = [&](int) {
           const int32_t* ids =
               d_chain.data() + size_t{1} * (chain_pos++ % chain_steps) * bh * budget;
-          CHECK_OK(cache.Gather({host_dev, d_base_host.data()}, ids, d_counts.data(),
+          CHECK_OK(cache.Gather(view_host, ids, d_counts.data(),
                                 gathered.data(), s));
         };
         for (int i = 0; i < 16; ++i) hot_step(i);
@@ -509,7 +524,7 @@ int Run(const Options& o) {
         // Whole steps, launch gaps included.
         const double total_host_us = TimeUs(s, o.iters, [&](int i) {
           select_fn();
-          gather_from(host_dev, d_base_host.data(), i);
+          gather_from(view_host, i);
           CHECK_OK(DecodeAttention(ap, s));
         });
         const double total_fused_us = TimeUs(s, o.iters, [&](int i) {
@@ -528,7 +543,7 @@ int Run(const Options& o) {
 #endif
         const double total_host_graph_us = TimeGraphUs(s, o.iters, [&](int i) {
           select_fn();
-          gather_from(host_dev, d_base_host.data(), i);
+          gather_from(view_host, i);
           CHECK_OK(DecodeAttention(ap, s));
         });
         const double total_fused_graph_us = TimeGraphUs(s, o.iters, [&](int i) {

@@ -15,29 +15,33 @@
 // This header has no CUDA types: the factories answer Unimplemented in a build without nvcc
 // (CONVENTIONS.md 7), so callers link `kvr::model_cuda` unconditionally.
 //
-// Sparse sequences (AddSparseSequence; issue 7, the decode node's data path on one GPU):
-// - Such a sequence keeps its FULL KV in pinned host memory mapped into the GPU,
-//   [n_layers, n_kv_heads, capacity, 2 (K | V), head_dim] bf16 (the KV store's row layout).
-//   That memory stands in for the KV store's registered pool on the same host, reached over UCX
-//   shared memory: the GPU reads the selected rows across PCIe, zero-copy.
+// Sparse sequences (AddSparseSequence; the decode node's data path on one GPU):
+// - Such a sequence's FULL KV stays in host memory that the GPU reads zero-copy, through a page
+//   table per slot (kvr/common/cuda/kv_pool.h): either the KV store's own pages (a
+//   SparseRowSource: the store's pool mapped into this process and registered with CUDA,
+//   RegisterHostRegion; the decode node's path, no copy of the past) or a pinned host KV of the
+//   model's, [n_layers, n_kv_heads, capacity, 2 (K | V), head_dim] bf16 (benchmarks and tests,
+//   and rows a caller writes itself: SparseHostKv).
 // - On the GPU it keeps only: the sink rows and a ring of the local window (the "resident"
 //   rows), the method's summaries (quest: fp32 per-page key min/max; clusterkv: fp32 centroids,
 //   member lists) and a hot cache of recently fetched rows (retrieval/cuda/.../hot_cache.cuh).
-// - Its decode step per layer: QKV GEMM; RoPE, the new K/V row written to the host KV and the
-//   window ring, summaries updated (quest: the page bounds of the new token; clusterkv: the
+// - Its decode step per layer: QKV GEMM; RoPE, the new K/V row written to the window ring, to the
+//   own host KV if any, and to the step's new rows (SparseNewRows: a row source's caller appends
+//   them to the store), summaries updated (quest: the page bounds of the new token; clusterkv: the
 //   token leaving the window becomes a singleton cluster whose centroid is its key, as the CPU
 //   index's pending tokens; no re-clustering on the GPU); ONE select launch for all sparse
 //   sequences over the candidates [n_sink, len - local_window); one hot-cache gather (misses
-//   read from the mapped host KV); one sparse decode attention over sink + window + selected
+//   read from the store's pages or the host KV); one sparse decode attention over sink + window + selected
 //   rows (one softmax); O GEMM.
 // - All sparse sequences of one CudaModel share the method and its parameters
 //   (ConfigureSparse) and a fixed number of slots: a Forward over sparse sequences runs the
 //   QKV/O/FFN GEMMs and the select/gather/attend launches over ALL slots (empty slots are
 //   masked), so size `slots` to the batch that is run.
 // - A Forward batch is either all dense or all sparse sequences, and a sparse sequence takes
-//   exactly one token per Forward (decode): its past comes from FillSequenceForBenchmark, from
-//   rows written into its host KV (SparseHostKv + ActivateSparseSequence: the decode node's
-//   rows pulled from the store) or from token-by-token steps.
+//   exactly one token per Forward (decode): its past comes from a row source
+//   (ActivateSparseSequence over the store's pages: the decode node), from
+//   FillSequenceForBenchmark, from rows written into its host KV (SparseHostKv +
+//   ActivateSparseSequence) or from token-by-token steps.
 //
 // Thread safety: none; one thread drives a CudaModel (it owns one CUDA stream and one cuBLAS
 // handle), except AcquireSparseHostKv, which any thread may call. Forward is synchronous: it returns once the logits are back in host memory.
@@ -222,6 +226,11 @@ struct SparseAttentionOptions {
   // singleton clusters room for tokens leaving the window afterwards (dropped past it).
   int clusterkv_tokens_per_cluster = 80;
   int clusterkv_max_pending = 4096;
+  // Smallest page of rows a sequence's row source may have (SparseRowSource::page_rows; the
+  // model's own host KVs use this size): sizes the page tables, [n_layers, slots, n_kv_heads,
+  // ceil(max_capacity / min_page_rows)] int32. A 64 KiB store page of bf16 rows holds 128 rows at
+  // head_dim 128 and 256 at 64.
+  int min_page_rows = 128;
 };
 
 // For tests: what one layer of a sparse Forward computed, per slot (SnapshotSparseLayerForTesting).
@@ -245,7 +254,27 @@ class SparseHostKvBuffer {
   virtual int64_t capacity() const = 0;
 };
 
+// A sparse sequence's past read in place from paged host memory that the caller owns: the KV
+// store's page pool, mapped into this process and registered with CUDA (RegisterHostRegion). The
+// GPU reads the selected rows from those pages; the sequence holds no copy of its past. Layout as
+// the store keeps it: page p of (layer l, kv head h) holds rows [p * page_rows, (p + 1) *
+// page_rows) of bf16 [K | V] rows (keys with RoPE applied), at byte `base + pages[(l *
+// n_kv_heads + h) * pages_per_head + p] * page_bytes`. The pages must cover every row the
+// sequence will hold (its capacity); rows the model generates are NOT written there (the memory
+// may be read-only): each Forward's new rows are handed back (SparseNewRows) for the caller to
+// append to the store before they leave the local window.
+struct SparseRowSource {
+  const void* base = nullptr;  // device-accessible address of page index 0
+  int64_t page_bytes = 0;
+  int32_t page_rows = 0;  // at least SparseAttentionOptions::min_page_rows
+  int32_t pages_per_head = 0;
+  std::vector<int32_t> pages;  // [n_layers, n_kv_heads, pages_per_head]
+};
+
 struct SparseSequenceOptions {
+  // Read the past from this paged source instead of a host KV of the model's (host_kv,
+  // share_host_kv_with and the NUMA / huge page fields are then ignored).
+  std::optional<SparseRowSource> rows;
   // The host KV to adopt, filled by the caller (AcquireSparseHostKv of this model, the same
   // capacity); ActivateSparseSequence then takes its rows. Excludes share_host_kv_with.
   std::shared_ptr<SparseHostKvBuffer> host_kv;
@@ -272,6 +301,13 @@ struct SparseStats {
   int64_t row_bytes = 0;       // bytes of one [K | V] row of one KV head
 };
 
+// One sparse sequence's retrieval work since it was added (device counters, read on demand).
+struct SparseSequenceCounters {
+  int64_t steps = 0;           // Forward calls it took part in
+  int64_t selected_rows = 0;   // rows selected, summed over layers and KV heads
+  int64_t hot_cache_hits = 0;  // of those, served from the hot cache (the rest crossed the link)
+};
+
 class CudaModel {
  public:
   virtual ~CudaModel() = default;
@@ -295,8 +331,10 @@ class CudaModel {
   // contiguous runs of clusterkv_tokens_per_cluster candidates, centroid = their mean key).
   [[nodiscard]] virtual absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens,
                                                               uint64_t seed) = 0;
-  // A real past for a sparse sequence (the decode node: rows pulled from the KV store), in two
-  // steps. SparseHostKv hands out the sequence's host KV to write rows [0, n_tokens) of every
+  // A real past for a sparse sequence. With a row source (the decode node: the KV store's
+  // pages), ActivateSparseSequence(id, n_tokens) alone: rows [0, n_tokens) must be in the pages;
+  // a slot over the same source already activated at the same length is copied instead (HBM to
+  // HBM). With a host KV of the model's, in two steps: SparseHostKv hands out the sequence's host KV to write rows [0, n_tokens) of every
   // (layer, KV head) into: bf16 bits, [n_layers, n_kv_heads, capacity, 2 (K | V), head_dim],
   // keys with RoPE applied (as the model's own rows). ActivateSparseSequence(id, n_tokens) then
   // sets the length and prepares the GPU side as FillSequenceForBenchmark does, from those rows:
@@ -354,7 +392,28 @@ class CudaModel {
   // Device memory held for the sequence: its KV cache (dense), or its share of the sparse state
   // (one slot's resident rows, summaries, hot cache and step buffers).
   [[nodiscard]] virtual absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const = 0;
+  // The K/V rows the last Forward appended to a sparse sequence whose past comes from a
+  // SparseRowSource, in host memory: [n_layers, 2 (K, V), n_kv_heads, head_dim] bf16 bits, keys
+  // with RoPE, for position length - 1 (valid until the next Forward). NotFound / FailedPrecondition
+  // (not such a sequence, or no Forward since it was added).
+  [[nodiscard]] virtual absl::StatusOr<std::span<const uint16_t>> SparseNewRows(
+      SequenceId id) const = 0;
+  // Registers host memory (page aligned, e.g. a read-only mapping of the KV store's pool) with
+  // CUDA as mapped memory and returns its device-side address, for SparseRowSource::base; the
+  // same range registered twice returns the first address. read_only: the GPU never writes it
+  // (cudaHostRegisterReadOnly where the device supports it). The region stays registered until
+  // UnregisterHostRegion or the model's destruction; the caller keeps the memory mapped until
+  // then. THREAD-SAFE (like AcquireSparseHostKv): may run on any thread.
+  [[nodiscard]] virtual absl::StatusOr<const void*> RegisterHostRegion(const void* host,
+                                                                       size_t bytes,
+                                                                       bool read_only) = 0;
+  [[nodiscard]] virtual absl::Status UnregisterHostRegion(const void* host) = 0;
   virtual SparseStats sparse_stats() const = 0;
+  // Device bytes of one sparse slot (its share of the sparse state); 0 without ConfigureSparse.
+  virtual int64_t sparse_slot_device_bytes() const = 0;
+  // Synchronous (reads the slot's device counters). NotFound for an unknown or dense sequence.
+  [[nodiscard]] virtual absl::StatusOr<SparseSequenceCounters> SparseCounters(
+      SequenceId id) const = 0;
   // For tests: later sparse Forwards copy layer `layer`'s query, selection and attention output
   // back (sparse_snapshot()); -1 turns it off. Slows each Forward down.
   virtual void SnapshotSparseLayerForTesting(int layer) = 0;

@@ -55,17 +55,13 @@ __global__ void __launch_bounds__(kThreads)
                           : nullptr;
   const T* gat_base =
       p.gathered != nullptr ? static_cast<const T*>(p.gathered) + bh * p.budget * kRow : nullptr;
-  const T* pool_base = nullptr;
   const int32_t* ids = nullptr;
-  if (gat_base == nullptr && n_sel > 0) {
-    pool_base = static_cast<const T*>(p.pool.rows) + p.pool.head_base[bh] * kRow;
-    ids = p.ids + bh * p.budget;
-  }
+  if (gat_base == nullptr && n_sel > 0) ids = p.ids + bh * p.budget;
   auto row_ptr = [&](int j) -> const T* {
     if (j < n_res) return res_base + j * kRow;
     const int i = j - n_res;
     if (gat_base != nullptr) return gat_base + i * kRow;
-    return pool_base + static_cast<int64_t>(ids[i]) * kRow;
+    return static_cast<const T*>(KvPoolRow(p.pool, bh, ids[i], kRow * sizeof(T)));
   };
 
   float q[kMaxGroup][kLane];
@@ -254,9 +250,9 @@ absl::Status Validate(const DecodeAttentionParams& p) {
     if (p.budget <= 0)
       return absl::InvalidArgumentError("DecodeAttention: counts set, budget <= 0");
     if (p.gathered == nullptr &&
-        (p.pool.rows == nullptr || p.pool.head_base == nullptr || p.ids == nullptr)) {
+        (!KvPoolViewSet(p.pool) || p.ids == nullptr)) {
       return absl::InvalidArgumentError(
-          "DecodeAttention: selected rows need `gathered` or (pool, head_base, ids)");
+          "DecodeAttention: selected rows need `gathered` or (pool tables, ids)");
     }
   }
   return absl::OkStatus();

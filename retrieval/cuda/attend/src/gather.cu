@@ -10,9 +10,7 @@ namespace {
 // t / chunks_per_row (flattened [batch, n_kv_heads, budget]). Consecutive threads read
 // consecutive chunks of one row (coalesced), and the grid keeps many independent 16-byte reads
 // in flight, which is what a zero-copy read over PCIe needs to approach the link rate.
-__global__ void GatherRowsKernel(const uint4* __restrict__ pool,
-                                 const int64_t* __restrict__ head_base,
-                                 const int32_t* __restrict__ ids,
+__global__ void GatherRowsKernel(KvPoolView pool, const int32_t* __restrict__ ids,
                                  const int32_t* __restrict__ counts, uint4* __restrict__ out,
                                  int budget, int chunks_per_row, int64_t total_chunks) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -24,8 +22,8 @@ __global__ void GatherRowsKernel(const uint4* __restrict__ pool,
   if (i >= counts[bh]) return;
   const int32_t id = ids[slot];
   if (id < 0) return;
-  const int64_t row = head_base[bh] + id;
-  out[slot * chunks_per_row + chunk] = pool[row * chunks_per_row + chunk];
+  const auto* row = static_cast<const uint4*>(KvPoolRow(pool, bh, id, chunks_per_row * 16));
+  out[slot * chunks_per_row + chunk] = row[chunk];
 }
 
 }  // namespace
@@ -40,15 +38,19 @@ absl::Status GatherRows(const GatherParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         absl::StrCat("GatherRows: head_dim must be 64 or 128, got ", p.head_dim));
   }
-  if (!p.pool.rows || !p.pool.head_base || !p.ids || !p.counts || !p.out) {
-    return absl::InvalidArgumentError("GatherRows: null pool, head_base, ids, counts or out");
+  if (!KvPoolViewSet(p.pool) || !p.ids || !p.counts || !p.out) {
+    return absl::InvalidArgumentError("GatherRows: null pool tables, ids, counts or out");
+  }
+  if (p.pool.n_kv_heads != p.n_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("GatherRows: pool.n_kv_heads ",
+                                                   p.pool.n_kv_heads, " != ", p.n_kv_heads));
   }
   const int chunks_per_row = static_cast<int>(RowBytes(p.dtype, p.head_dim) / 16);
   const int64_t total = static_cast<int64_t>(p.batch) * p.n_kv_heads * p.budget * chunks_per_row;
   constexpr int kThreads = 256;
   const int64_t blocks = (total + kThreads - 1) / kThreads;
   GatherRowsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const uint4*>(p.pool.rows), p.pool.head_base, p.ids, p.counts,
+      p.pool, p.ids, p.counts,
       static_cast<uint4*>(p.out), p.budget, chunks_per_row, total);
   return kvr::cuda::LastLaunchStatus("GatherRowsKernel");
 }

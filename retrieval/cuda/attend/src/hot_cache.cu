@@ -40,8 +40,8 @@ __global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
                                      const int32_t* __restrict__ tags, uint32_t* stamps,
                                      unsigned long long* claims, unsigned* fills,
                                      int32_t* __restrict__ slot_of, unsigned long long* hits,
-                                     int budget, int n_sets, int ways, int64_t total,
-                                     uint32_t* step_state) {
+                                     unsigned long long* seq_hits, int budget, int n_kv_heads,
+                                     int n_sets, int ways, int64_t total, uint32_t* step_state) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   // This step's number: one more than the last completed step (written by the copy kernel of
   // the previous step); published in step_state[1] for this step's copy kernel. Each kernel
@@ -93,14 +93,20 @@ __global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
   const unsigned mask = __ballot_sync(0xffffffffu, hit);
   if ((threadIdx.x % 32) == 0 && mask != 0)
     atomicAdd(hits, static_cast<unsigned long long>(__popc(mask)));
+  // Per sequence slot: the lanes of one slot add their hits with one atomic (a warp usually
+  // lies within one slot).
+  const int64_t seq = t < total ? t / (int64_t{budget} * n_kv_heads) : -1;
+  const unsigned peers = __match_any_sync(0xffffffffu, seq);
+  const unsigned peer_hits = __popc(peers & mask);
+  if (seq >= 0 && peer_hits != 0 && (threadIdx.x % 32) == __ffs(peers) - 1) {
+    atomicAdd(&seq_hits[seq], static_cast<unsigned long long>(peer_hits));
+  }
 }
 
 // One thread per 16-byte chunk of each selected row: hits copy from the cache (HBM), misses read
 // the pool (mapped host memory: the only bytes that cross the link) and, when they won their
 // victim's claim, also write the row into the cache and retag the slot.
-__global__ void HotCacheCopyKernel(const uint4* __restrict__ pool,
-                                   const int64_t* __restrict__ head_base,
-                                   const int32_t* __restrict__ ids,
+__global__ void HotCacheCopyKernel(KvPoolView pool, const int32_t* __restrict__ ids,
                                    const int32_t* __restrict__ counts,
                                    const int32_t* __restrict__ slot_of, int32_t* tags,
                                    uint32_t* stamps, const unsigned long long* claims, uint4* cache,
@@ -124,7 +130,8 @@ __global__ void HotCacheCopyKernel(const uint4* __restrict__ pool,
     return;
   }
   const int victim = -2 - s;
-  const uint4 x = pool[(head_base[bh] + id) * chunks_per_row + chunk];
+  const uint4 x =
+      static_cast<const uint4*>(KvPoolRow(pool, bh, id, size_t{16} * chunks_per_row))[chunk];
   out[e * chunks_per_row + chunk] = x;
   if (claims[bh * slots + victim] == ClaimKey(step, MissPriority(id))) {
     cache_bh[static_cast<int64_t>(victim) * chunks_per_row + chunk] = x;
@@ -168,7 +175,7 @@ absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream
   if (!fills.ok()) return fills.status();
   auto steps = DeviceBuffer<uint32_t>::Create(2);
   if (!steps.ok()) return steps.status();
-  auto counters = DeviceBuffer<unsigned long long>::Create(1);
+  auto counters = DeviceBuffer<unsigned long long>::Create(1 + shape.batch);
   if (!counters.ok()) return counters.status();
   c.tags_ = *std::move(tags);
   c.stamps_ = *std::move(stamps);
@@ -197,25 +204,32 @@ absl::Status HotCache::ResetSlot(int b, cudaStream_t stream) {
       cudaMemsetAsync(tags_.data() + b * per_seq, 0xFF, per_seq * sizeof(int32_t), stream));
   KVR_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(stamps_.data() + b * per_seq, 0, per_seq * sizeof(uint32_t), stream));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(counters_.data() + 1 + b, 0, sizeof(unsigned long long), stream));
   return absl::OkStatus();
 }
 
 absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const int32_t* counts,
                               void* out, cudaStream_t stream) {
-  if (!pool.rows || !pool.head_base || !ids || !counts || !out) {
-    return absl::InvalidArgumentError("HotCache::Gather: null pool, head_base, ids, counts or out");
+  if (!KvPoolViewSet(pool) || !ids || !counts || !out) {
+    return absl::InvalidArgumentError("HotCache::Gather: null pool tables, ids, counts or out");
+  }
+  if (pool.n_kv_heads != shape_.n_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("HotCache::Gather: pool.n_kv_heads ",
+                                                   pool.n_kv_heads, " != ", shape_.n_kv_heads));
   }
   const int64_t entries = static_cast<int64_t>(shape_.batch) * shape_.n_kv_heads * shape_.budget;
   constexpr int kThreads = 256;
   HotCacheLookupKernel<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0,
                          stream>>>(ids, counts, tags_.data(), stamps_.data(), claims_.data(),
-                                   fills_.data(), slot_of_.data(), counters_.data(), shape_.budget,
+                                   fills_.data(), slot_of_.data(), counters_.data(),
+                                   counters_.data() + 1, shape_.budget, shape_.n_kv_heads,
                                    shape_.n_sets, shape_.ways, entries, steps_.data());
   if (absl::Status s = kvr::cuda::LastLaunchStatus("HotCacheLookupKernel"); !s.ok()) return s;
   const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
   const int64_t chunks = entries * chunks_per_row;
   HotCacheCopyKernel<<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0,
-                       stream>>>(static_cast<const uint4*>(pool.rows), pool.head_base, ids, counts,
+                       stream>>>(pool, ids, counts,
                                  slot_of_.data(), tags_.data(), stamps_.data(), claims_.data(),
                                  reinterpret_cast<uint4*>(data_.data()), static_cast<uint4*>(out),
                                  shape_.budget, slots_per_head(), chunks_per_row, chunks,

@@ -100,6 +100,68 @@ std::vector<T> Download(const DeviceBuffer<T>& buf, size_t n) {
   return host;
 }
 
+// The rows of each (b, h), rows [head_base[bh], head_base[bh] + n_rows[bh]) of `logical`, laid
+// out as the KV store keeps them: in pages of page_rows consecutive rows (16 rows for even slots,
+// 48 for odd ones: one size that is not a power of two), each slot's pages in a region of its
+// own, in a random order, with unused pages between them.
+struct PagedPool {
+  std::vector<uint8_t> bytes;
+  std::vector<int64_t> region;       // [batch] byte offset of slot b's page 0
+  std::vector<int32_t> page_rows;    // [batch]
+  std::vector<int32_t> pages;        // [batch * n_kv_heads, max_pages]
+  int max_pages = 0;
+  int n_kv_heads = 0;
+  size_t row_bytes = 0;
+
+  void Make(const std::vector<uint8_t>& logical, const std::vector<int64_t>& head_base,
+            const std::vector<int64_t>& n_rows, int batch, int n_kv, size_t row, std::mt19937& rng) {
+    n_kv_heads = n_kv;
+    row_bytes = row;
+    page_rows.resize(batch);
+    for (int b = 0; b < batch; ++b) page_rows[b] = b % 2 == 0 ? 16 : 48;
+    int64_t most = 1;
+    for (int64_t n : n_rows) most = std::max(most, n);
+    max_pages = static_cast<int>((most + 15) / 16);
+    pages.assign(static_cast<size_t>(batch) * n_kv * max_pages, -1);
+    region.resize(batch);
+    int64_t offset = 0;
+    for (int b = 0; b < batch; ++b) {
+      const int64_t pr = page_rows[b];
+      const int64_t page_bytes = pr * static_cast<int64_t>(row);
+      std::vector<std::pair<int, int>> owners;  // (head, page of the head)
+      for (int h = 0; h < n_kv; ++h) {
+        const int64_t n = n_rows[b * n_kv + h];
+        for (int64_t p = 0; p < (n + pr - 1) / pr; ++p) owners.emplace_back(h, static_cast<int>(p));
+      }
+      const int64_t n_pages = static_cast<int64_t>(owners.size()) * 2 + 1;  // half of them unused
+      std::vector<int32_t> perm(n_pages);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      region[b] = offset;
+      bytes.resize(static_cast<size_t>(offset + n_pages * page_bytes), 0xAB);
+      for (size_t i = 0; i < owners.size(); ++i) {
+        const auto [h, p] = owners[i];
+        const int64_t bh = int64_t{b} * n_kv + h;
+        pages[bh * max_pages + p] = perm[i];
+        const int64_t first = p * pr;
+        const int64_t count = std::min(pr, n_rows[bh] - first);
+        std::memcpy(bytes.data() + offset + perm[i] * page_bytes,
+                    logical.data() + (head_base[bh] + first) * row, count * row);
+      }
+      offset += n_pages * page_bytes;
+    }
+  }
+  // Slot descriptors for the pool copied to `base` (device-accessible).
+  std::vector<KvPoolSlot> Slots(const void* base) const {
+    std::vector<KvPoolSlot> out(region.size());
+    for (size_t b = 0; b < region.size(); ++b) {
+      out[b] = {static_cast<const uint8_t*>(base) + region[b],
+                static_cast<int64_t>(page_rows[b] * row_bytes), page_rows[b], 0};
+    }
+    return out;
+  }
+};
+
 struct Tolerance {
   float atol;
   float rtol;
@@ -143,7 +205,8 @@ struct Problem {
   Case c;
   int n_heads = 0;
   int row_elems = 0;
-  std::vector<int64_t> head_base;        // [batch, n_kv_heads]
+  std::vector<int64_t> head_base;        // [batch, n_kv_heads] first row in `pool`
+  std::vector<int64_t> n_rows;           // [batch, n_kv_heads] rows in `pool`
   std::vector<int32_t> ids;              // [batch, n_kv_heads, budget], -1 padding
   std::vector<int32_t> counts;           // [batch, n_kv_heads]
   std::vector<int32_t> resident_counts;  // [batch]
@@ -160,6 +223,7 @@ struct Problem {
     row_elems = 2 * c.head_dim;
     const int bh = c.batch * c.n_kv_heads;
     head_base.resize(bh);
+    n_rows.resize(bh);
     counts.resize(bh);
     ids.assign(static_cast<size_t>(bh) * c.budget, -1);
     resident_counts.resize(c.batch);
@@ -169,6 +233,7 @@ struct Problem {
     for (int i = 0; i < bh; ++i) {
       head_base[i] = rows;
       const int n_pool = std::uniform_int_distribution<int>(c.budget, c.max_pool)(rng);
+      n_rows[i] = n_pool;
       rows += n_pool;
       // Ragged selections: the first head full, one head empty when there are several, the
       // rest random.
@@ -255,12 +320,19 @@ TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
   const int bh = c.batch * c.n_kv_heads;
 
   auto stream = ValueOrDie(kvr::cuda::CudaStream::Create());
-  auto d_pool = Upload(pr.pool.bytes);
-  auto h_pool =
-      ValueOrDie(PinnedBuffer<uint8_t>::Create(pr.pool.bytes.size(), cudaHostAllocMapped));
-  std::memcpy(h_pool.data(), pr.pool.bytes.data(), pr.pool.bytes.size());
+  // The pool as the store pages it, in HBM and in mapped host memory.
+  std::mt19937 page_rng(99);
+  PagedPool paged;
+  paged.Make(pr.pool.bytes, pr.head_base, pr.n_rows, c.batch, c.n_kv_heads, row_bytes, page_rng);
+  auto d_pool = Upload(paged.bytes);
+  auto h_pool = ValueOrDie(PinnedBuffer<uint8_t>::Create(paged.bytes.size(), cudaHostAllocMapped));
+  std::memcpy(h_pool.data(), paged.bytes.data(), paged.bytes.size());
   uint8_t* h_pool_dev = ValueOrDie(h_pool.device_pointer());
-  auto d_head_base = Upload(pr.head_base);
+  auto d_pages = Upload(paged.pages);
+  auto d_slots_hbm = Upload(paged.Slots(d_pool.data()));
+  auto d_slots_host = Upload(paged.Slots(h_pool_dev));
+  const KvPoolView hbm_view{d_slots_hbm.data(), d_pages.data(), paged.max_pages, c.n_kv_heads};
+  const KvPoolView host_view{d_slots_host.data(), d_pages.data(), paged.max_pages, c.n_kv_heads};
   auto d_ids = Upload(pr.ids);
   auto d_counts = Upload(pr.counts);
   auto d_res_counts = Upload(pr.resident_counts);
@@ -271,15 +343,14 @@ TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
   // bit; padding slots stay as poisoned.
   const size_t gathered_bytes = static_cast<size_t>(bh) * c.budget * row_bytes;
   auto d_gathered = ValueOrDie(DeviceBuffer<uint8_t>::Create(gathered_bytes));
-  for (const uint8_t* src :
-       {static_cast<const uint8_t*>(d_pool.data()), static_cast<const uint8_t*>(h_pool_dev)}) {
+  for (const KvPoolView& src : {hbm_view, host_view}) {
     ASSERT_EQ(cudaMemset(d_gathered.data(), 0xFF, gathered_bytes), cudaSuccess);
     GatherParams g{.batch = c.batch,
                    .n_kv_heads = c.n_kv_heads,
                    .budget = c.budget,
                    .head_dim = d,
                    .dtype = c.dtype,
-                   .pool = {src, d_head_base.data()},
+                   .pool = src,
                    .ids = d_ids.data(),
                    .counts = d_counts.data(),
                    .out = d_gathered.data()};
@@ -327,8 +398,7 @@ TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
     if (src == Source::kGathered) {
       p.gathered = d_gathered.data();
     } else {
-      p.pool = {src == Source::kFusedHbm ? static_cast<const void*>(d_pool.data()) : h_pool_dev,
-                d_head_base.data()};
+      p.pool = src == Source::kFusedHbm ? hbm_view : host_view;
       p.ids = d_ids.data();
     }
     auto ws = ValueOrDie(DeviceBuffer<uint8_t>::Create(DecodeAttentionWorkspaceBytes(p)));
@@ -389,12 +459,16 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
     std::mt19937 rng(7);
     HostTensor pool;
     pool.Fill(static_cast<size_t>(bh) * n_pool * 2 * d, dtype, rng, -1.f, 1.f);
-    std::vector<int64_t> head_base(bh);
+    std::vector<int64_t> head_base(bh), n_rows(bh, n_pool);
     for (int i = 0; i < bh; ++i) head_base[i] = static_cast<int64_t>(i) * n_pool;
+    PagedPool paged;
+    paged.Make(pool.bytes, head_base, n_rows, batch, n_kv, row_bytes, rng);
     auto stream = ValueOrDie(kvr::cuda::CudaStream::Create());
-    auto h_pool = ValueOrDie(PinnedBuffer<uint8_t>::Create(pool.bytes.size(), cudaHostAllocMapped));
-    std::memcpy(h_pool.data(), pool.bytes.data(), pool.bytes.size());
-    auto d_head_base = Upload(head_base);
+    auto h_pool = ValueOrDie(PinnedBuffer<uint8_t>::Create(paged.bytes.size(), cudaHostAllocMapped));
+    std::memcpy(h_pool.data(), paged.bytes.data(), paged.bytes.size());
+    auto d_pages = Upload(paged.pages);
+    auto d_slots = Upload(paged.Slots(ValueOrDie(h_pool.device_pointer())));
+    const KvPoolView view{d_slots.data(), d_pages.data(), paged.max_pages, n_kv};
     auto cache = ValueOrDie(HotCache::Create({.batch = batch,
                                               .n_kv_heads = n_kv,
                                               .head_dim = d,
@@ -451,8 +525,7 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
       ASSERT_EQ(cudaMemcpy(d_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
                 cudaSuccess);
       ASSERT_EQ(cudaMemset(d_out.data(), 0xFF, d_out.bytes()), cudaSuccess);
-      ASSERT_OK(cache.Gather({ValueOrDie(h_pool.device_pointer()), d_head_base.data()},
-                             d_ids.data(), d_counts.data(), d_out.data(), stream.get()));
+      ASSERT_OK(cache.Gather(view, d_ids.data(), d_counts.data(), d_out.data(), stream.get()));
       ASSERT_OK(stream.Synchronize());
       const std::vector<uint8_t> got = Download(d_out, d_out.bytes());
       for (int i = 0; i < bh; ++i) {
@@ -478,6 +551,15 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
             << "repeated selection mostly served from the cache (capacity 2x budget)";
       }
       EXPECT_LE(step_hits, static_cast<unsigned long long>(selected));
+      // The per-slot counters split the same hits by sequence slot.
+      std::vector<unsigned long long> per_slot(batch);
+      ASSERT_EQ(cudaMemcpy(per_slot.data(), cache.slot_hits(), batch * sizeof(per_slot[0]),
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(std::accumulate(per_slot.begin(), per_slot.end(), 0ULL), hits);
+      if (step == kSteps - 1) {
+        for (int b = 0; b < batch; ++b) EXPECT_GT(per_slot[b], 0u) << "slot " << b;
+      }
     }
   }
 }

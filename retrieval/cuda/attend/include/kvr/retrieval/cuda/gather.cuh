@@ -1,10 +1,11 @@
 #pragma once
 // Gather of selected KV rows into a contiguous device buffer (decode data path, DESIGN.md 2.4).
 //
-// Row layout is the store's (kv-store/include/kvr/kv_store/types.h): per (sequence, kv head) an
-// array of rows [k | v] of 2 * head_dim elements. The pool pointer may be device memory (a GPU
-// KV pool in HBM) or pinned host memory mapped into the GPU (cudaHostAllocMapped /
-// cudaHostRegisterMapped: the kernel then reads across PCIe, zero-copy). Selections follow the
+// Row layout is the store's (kv-store/include/kvr/kv_store/store.h): per (sequence, layer, kv
+// head) rows [k | v] of 2 * head_dim elements, kept in pages of consecutive rows (KvPoolView).
+// The pages may be device memory (a GPU KV pool in HBM) or host memory mapped into the GPU
+// (cudaHostAllocMapped / cudaHostRegisterMapped, the store's own pool included: the kernel then
+// reads across PCIe, zero-copy). Selections follow the
 // contract of kernels-select (retrieval/cuda/include/kvr/retrieval/cuda/selection.cuh):
 // ids [batch, n_kv_heads, budget] int32 with the first counts[b, h] entries valid, -1 padding.
 //
@@ -17,6 +18,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kvr/common/cuda/kv_pool.h"
 
 namespace kvr::retrieval::cuda {
 
@@ -29,12 +31,12 @@ enum class RowDType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3 };
   return 2 * static_cast<size_t>(head_dim) * RowDTypeSize(t);
 }
 
-// Where the rows of one layer live: row r of (sequence b, kv head h) starts at element
-// (head_base[b * n_kv_heads + h] + r) * 2 * head_dim of `rows`.
-struct KvPoolView {
-  const void* rows = nullptr;          // device-accessible [*, 2 * head_dim] (HBM or mapped host)
-  const int64_t* head_base = nullptr;  // device [batch, n_kv_heads], first row of each (b, h)
-};
+// The paged row layout (KvPoolSlot, KvPoolView, KvPoolRow) lives in common so that the model's
+// kernels and these share it without the model depending on retrieval.
+using kvr::cuda::KvPoolRow;
+using kvr::cuda::KvPoolSlot;
+using kvr::cuda::KvPoolView;
+using kvr::cuda::KvPoolViewSet;
 
 struct GatherParams {
   int batch = 0;
@@ -49,7 +51,7 @@ struct GatherParams {
 };
 
 // out[b, h, i] = pool row ids[b, h, i] of (b, h) for i < counts[b, h]; padding slots are not
-// written. 16-byte loads and stores, one thread per 16-byte chunk of a row.
+// written. The pool's rows must be 16-byte aligned (row bytes and page bases multiples of 16). 16-byte loads and stores, one thread per 16-byte chunk of a row.
 [[nodiscard]] absl::Status GatherRows(const GatherParams& p, cudaStream_t stream);
 
 }  // namespace kvr::retrieval::cuda

@@ -52,11 +52,13 @@ class HotCache {
   [[nodiscard]] absl::Status Gather(const KvPoolView& pool, const int32_t* ids,
                                     const int32_t* counts, void* out, cudaStream_t stream);
 
-  // Forgets every row of sequence slot b (a new sequence takes the slot).
+  // Forgets every row of sequence slot b (a new sequence takes the slot) and zeroes its hits.
   [[nodiscard]] absl::Status ResetSlot(int b, cudaStream_t stream);
 
   // Device counter of hits since creation (unsigned long long).
   const unsigned long long* hits() const { return counters_.data(); }
+  // Device counters of hits per sequence slot [batch], since the slot's last ResetSlot.
+  const unsigned long long* slot_hits() const { return counters_.data() + 1; }
   const HotCacheShape& shape() const { return shape_; }
   int slots_per_head() const { return shape_.n_sets * shape_.ways; }
   size_t data_bytes() const { return data_.bytes(); }
@@ -70,7 +72,7 @@ class HotCache {
   kvr::cuda::DeviceBuffer<int32_t> slot_of_;              // [batch, n_kv_heads, budget]
   kvr::cuda::DeviceBuffer<uint8_t> data_;                 // [batch, n_kv_heads, slots, 2*d]
   kvr::cuda::DeviceBuffer<uint32_t> steps_;               // [2]: last completed step, current step
-  kvr::cuda::DeviceBuffer<unsigned long long> counters_;  // [1] hits
+  kvr::cuda::DeviceBuffer<unsigned long long> counters_;  // [1 + batch] hits, per-slot hits
 };
 
 }  // namespace kvr::retrieval::cuda
