@@ -73,6 +73,12 @@ class SharedRowsStore final : public kv_store::KvStoreClient {
     return inner_->GetSequence(base_);
   }
   absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
+  absl::StatusOr<kv_store::PageTable> ReservePageTable(kv_store::SequenceId, uint64_t) override {
+    return absl::UnimplementedError("SharedRowsStore: no page tables");
+  }
+  absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {
+    return absl::UnimplementedError("SharedRowsStore: no local pool");
+  }
 
  private:
   kv_store::KvStoreClient* inner_;

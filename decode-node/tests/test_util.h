@@ -58,6 +58,12 @@ class CountingStore final : public kv_store::KvStoreClient {
     return inner_->GetSequence(id);
   }
   absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
+  absl::StatusOr<kv_store::PageTable> ReservePageTable(kv_store::SequenceId, uint64_t) override {
+    return absl::UnimplementedError("CountingStore: no page tables");
+  }
+  absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {
+    return absl::UnimplementedError("CountingStore: no local pool");
+  }
 
   std::atomic<int64_t> puts{0}, gathers{0}, gathered_rows{0}, releases{0}, range_reads{0};
 

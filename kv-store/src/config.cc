@@ -109,6 +109,10 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       {"advertise_address",
        "host:port the controller and nodes reach this store at (default: listen address, a "
        "0.0.0.0 host replaced by this hostname's address or 127.0.0.1)"},
+      {"local_socket",
+       "Unix socket path (created 0600) on which the page pool's memfd is handed to processes "
+       "on this host for zero-copy reads; every sequence in the pool is readable through it "
+       "(empty: off)"},
   };
   for (Field& f : fields) {
     std::string flag = "--" + f.key;
@@ -171,6 +175,8 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       config.name = *text;
     } else if (k == "controller") {
       config.controller = *text;
+    } else if (k == "local_socket") {
+      config.local_socket = *text;
     } else if (k == "advertise_address") {
       if (!text->empty() && text->rfind(':') == std::string::npos) {
         return fail(absl::InvalidArgumentError(
@@ -215,6 +221,7 @@ StoreServerOptions StoreConfig::ToServerOptions() const {
   options.data_plane_threads = data_plane_threads;
   options.sweep_interval = absl::Milliseconds(static_cast<int64_t>(sweep_interval_ms));
   options.metrics_port = static_cast<int>(metrics_port);
+  options.local_socket = local_socket;
   return options;
 }
 
@@ -240,6 +247,7 @@ std::string StoreConfig::Describe() const {
   line("metrics_port", absl::StrCat(metrics_port));
   line("controller", controller.empty() ? "(none: not registered)" : controller);
   line("advertise_address", advertise_address.empty() ? "(from listen)" : advertise_address);
+  line("local_socket", local_socket.empty() ? "(off)" : local_socket);
   return out;
 }
 

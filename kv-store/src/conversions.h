@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "kvr/kv_store/local_pool.h"
 #include "kvr/kv_store/types.h"
 #include "kvr/store/v1/store.pb.h"
 
@@ -56,6 +57,40 @@ inline void ToProto(const StoreStats& s, store::v1::StatsResponse* p) {
   p->set_page_backing(s.page_backing);
   p->set_bytes_written(s.bytes_written);
   p->set_bytes_read(s.bytes_read);
+}
+
+inline void ToProto(const PageTable& t, store::v1::ReservePageTableResponse* p) {
+  ToProto(t.shape, p->mutable_shape());
+  p->set_tokens_per_page(t.tokens_per_page);
+  p->set_page_bytes(t.page_bytes);
+  p->set_pages_per_head(t.pages_per_head);
+  p->mutable_committed_rows()->Add(t.committed_rows.begin(), t.committed_rows.end());
+  p->mutable_pages()->Add(t.pages.begin(), t.pages.end());
+}
+
+// Checks that the sizes agree with each other (a table the GPU indexes must be dense).
+[[nodiscard]] inline absl::StatusOr<PageTable> FromProto(
+    const store::v1::ReservePageTableResponse& p) {
+  PageTable t;
+  auto shape = FromProto(p.shape());
+  if (!shape.ok()) return shape.status();
+  t.shape = *shape;
+  t.tokens_per_page = p.tokens_per_page();
+  t.page_bytes = p.page_bytes();
+  t.pages_per_head = p.pages_per_head();
+  t.committed_rows.assign(p.committed_rows().begin(), p.committed_rows().end());
+  t.pages.assign(p.pages().begin(), p.pages().end());
+  if (t.tokens_per_page == 0 || t.page_bytes < t.tokens_per_page * t.shape.RowBytes() ||
+      t.committed_rows.size() != t.shape.n_layers ||
+      t.pages.size() !=
+          uint64_t{t.shape.n_layers} * t.shape.n_kv_heads * uint64_t{t.pages_per_head}) {
+    return absl::InternalError(
+        absl::StrCat("malformed page table: ", t.shape.n_layers, " layers x ", t.shape.n_kv_heads,
+                     " kv heads x ", t.pages_per_head, " pages per head but ", t.pages.size(),
+                     " pages, ", t.committed_rows.size(), " committed-row counts, ",
+                     t.tokens_per_page, " tokens per page of ", t.page_bytes, " bytes"));
+  }
+  return t;
 }
 
 inline StoreStats FromProto(const store::v1::StatsResponse& p) {

@@ -86,4 +86,22 @@ absl::StatusOr<StoreStats> FakeKvStoreClient::Stats() {
   return store_->Stats();
 }
 
+absl::StatusOr<PageTable> FakeKvStoreClient::ReservePageTable(SequenceId id, uint64_t rows) {
+  if (absl::Status st = Injected(); !st.ok()) return st;
+  return store_->ReservePageTable(id, rows);
+}
+
+absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> FakeKvStoreClient::MapLocalPool() {
+  if (absl::Status st = Injected(); !st.ok()) return st;
+  absl::MutexLock lock(&mu_);
+  if (local_pool_ == nullptr) {
+    const PagePool& pool = store_->pool();
+    absl::StatusOr<LocalPoolMapping> mapping =
+        LocalPoolMapping::Map(pool.fd(), pool.mapped_bytes(), pool.page_bytes(), pool.pool_id());
+    if (!mapping.ok()) return mapping.status();
+    local_pool_ = std::make_shared<const LocalPoolMapping>(*std::move(mapping));
+  }
+  return local_pool_;
+}
+
 }  // namespace kvr::kv_store

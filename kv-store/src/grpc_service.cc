@@ -99,6 +99,19 @@ grpc::Status KvStoreGrpcService::GetDataPlaneInfo(grpc::ServerContext* ctx,
   resp->set_pool_rkey(info_.pool_rkey);
   resp->set_page_bytes(store_.pool().page_bytes());
   resp->set_wire_version(wire::kVersion);
+  resp->set_local_socket(info_.local_socket);
+  resp->set_host_id(info_.host_id);
+  resp->set_pool_id(info_.pool_id);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreGrpcService::ReservePageTable(grpc::ServerContext* ctx,
+                                                  const store::v1::ReservePageTableRequest* req,
+                                                  store::v1::ReservePageTableResponse* resp) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  absl::StatusOr<PageTable> table = store_.ReservePageTable(req->sequence_id(), req->rows());
+  if (!table.ok()) return ToGrpc(table.status());
+  ToProto(*table, resp);
   return grpc::Status::OK;
 }
 

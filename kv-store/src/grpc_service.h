@@ -15,6 +15,10 @@ struct DataPlaneInfo {
   uint64_t pool_base = 0;
   uint64_t pool_bytes = 0;
   std::string pool_rkey;
+  // Same-host handover (local_pool.h): socket path (empty: off), boot id, pool id.
+  std::string local_socket;
+  std::string host_id;
+  std::string pool_id;
 };
 
 class KvStoreGrpcService final : public store::v1::KvStore::Service {
@@ -39,6 +43,9 @@ class KvStoreGrpcService final : public store::v1::KvStore::Service {
   grpc::Status GetDataPlaneInfo(grpc::ServerContext* ctx,
                                 const store::v1::GetDataPlaneInfoRequest* req,
                                 store::v1::GetDataPlaneInfoResponse* resp) override;
+  grpc::Status ReservePageTable(grpc::ServerContext* ctx,
+                                const store::v1::ReservePageTableRequest* req,
+                                store::v1::ReservePageTableResponse* resp) override;
 
  private:
   PagedKvStore& store_;

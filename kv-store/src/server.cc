@@ -13,6 +13,7 @@
 #include "kvr/common/metrics.h"
 #include "kvr/common/status.h"
 #include "kvr/transport/ucx.h"
+#include "local_pool_socket.h"
 #include "work_queue.h"
 
 namespace kvr::kv_store {
@@ -20,6 +21,7 @@ namespace kvr::kv_store {
 struct StoreServer::Impl {
   // Declaration order is construction order; members are torn down explicitly in Shutdown().
   std::unique_ptr<PagedKvStore> store;
+  std::unique_ptr<LocalPoolServer> local_pool_server;
   // Outlives the worker: send completions return buffers here.
   std::unique_ptr<ReplyBufferPool> reply_buffers;
   std::optional<transport::Context> context;
@@ -44,6 +46,7 @@ struct StoreServer::Impl {
     shut_down = true;
     if (metrics_server) metrics_server.reset();
     if (grpc_server) grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    local_pool_server.reset();
     if (worker) worker->Shutdown();
     if (queue) queue->Stop();
     if (!stop_sweeper.HasBeenNotified()) stop_sweeper.Notify();
@@ -80,7 +83,20 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   DataPlaneInfo info{.worker_address = impl->worker->address(),
                      .pool_base = impl->pool_region->address(),
                      .pool_bytes = impl->pool_region->size(),
-                     .pool_rkey = std::move(rkey)};
+                     .pool_rkey = std::move(rkey),
+                     .local_socket = options.local_socket,
+                     .host_id = "",
+                     .pool_id = pool.pool_id()};
+  if (absl::StatusOr<std::string> host = ReadHostId(); host.ok()) {
+    info.host_id = *std::move(host);
+  } else if (!options.local_socket.empty()) {
+    // Clients compare host ids before they use the socket; without one none would.
+    return host.status();
+  }
+  if (!options.local_socket.empty()) {
+    KVR_ASSIGN_OR_RETURN(impl->local_pool_server,
+                         LocalPoolServer::Start(options.local_socket, pool));
+  }
   impl->service = std::make_unique<KvStoreGrpcService>(*impl->store, std::move(info));
 
   grpc::EnableDefaultHealthCheckService(true);

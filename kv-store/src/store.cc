@@ -64,6 +64,39 @@ class PagedKvStore::Sequence {
       while (list.size() < want) list.push_back(fresh[next++]);
     }
   }
+  // Most pages any (layer, head) has.
+  uint64_t MaxListPages() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    size_t n = 0;
+    for (const std::vector<PageId>& list : pages_) n = std::max(n, list.size());
+    return n;
+  }
+  // Pages needed so that every (layer, head) has `per_list` pages.
+  uint64_t PagesToGrowAll(uint64_t per_list) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    uint64_t n = 0;
+    for (const std::vector<PageId>& list : pages_) {
+      if (list.size() < per_list) n += per_list - list.size();
+    }
+    return n;
+  }
+  // Appends pages from `fresh` (at least PagesToGrowAll(per_list) of them) until every
+  // (layer, head) has `per_list`; returns how many it took.
+  size_t GrowAll(uint64_t per_list, std::span<const PageId> fresh)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    size_t next = 0;
+    for (std::vector<PageId>& list : pages_) {
+      while (list.size() < per_list) list.push_back(fresh[next++]);
+    }
+    return next;
+  }
+  // [n_layers, n_kv_heads, per_list]; every list has at least `per_list` pages.
+  void CopyPages(uint64_t per_list, std::vector<PageId>& out) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    out.clear();
+    out.reserve(pages_.size() * per_list);
+    for (const std::vector<PageId>& list : pages_) {
+      out.insert(out.end(), list.begin(), list.begin() + static_cast<ptrdiff_t>(per_list));
+    }
+  }
   uint64_t PageCount() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     uint64_t n = 0;
     for (const std::vector<PageId>& list : pages_) n += list.size();
@@ -478,6 +511,70 @@ absl::StatusOr<std::vector<PagedKvStore::Segment>> PagedKvStore::LocateRange(
     row += run;
   }
   return segments;
+}
+
+absl::StatusOr<PageTable> PagedKvStore::ReservePageTable(SequenceId id, uint64_t rows) {
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(id));
+  const SequenceShape& shape = seq->shape();
+  const uint32_t tpp = seq->tokens_per_page();
+  const uint64_t lists = uint64_t{shape.n_layers} * shape.n_kv_heads;
+  // Division first: `rows` may be anything up to 2^64 - 1.
+  const uint64_t want = rows / tpp + (rows % tpp != 0 ? 1 : 0);
+  if (want > pool_.total_pages() / lists) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "sequence %d: %d rows per (layer, kv head) need %d pages for each of %d (layer, kv "
+        "head) lists, more than the store's %d pages (%d bytes)",
+        id, rows, want, lists, pool_.total_pages(), pool_.capacity_bytes()));
+  }
+  // Pages are allocated without the sequence lock (eviction takes the index lock, which ranks
+  // above it), then handed out under it. A concurrent write may have grown some lists
+  // meanwhile: what it covered is given back, and a shortfall (it grew them past our target)
+  // takes another round.
+  for (int attempt = 0;; ++attempt) {
+    uint64_t per_list = 0;
+    uint64_t need = 0;
+    {
+      absl::ReaderMutexLock lock(&seq->mu_);
+      per_list = std::max<uint64_t>(want, seq->MaxListPages());
+      need = seq->PagesToGrowAll(per_list);
+      if (need > 0 && seq->released_kept_) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "sequence %d was released and is kept read-only for reuse; its pages cannot grow", id));
+      }
+      if (need == 0) {
+        PageTable table;
+        table.shape = shape;
+        table.tokens_per_page = tpp;
+        table.page_bytes = pool_.page_bytes();
+        table.pages_per_head = static_cast<uint32_t>(per_list);
+        for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
+          table.committed_rows.push_back(seq->Committed(layer));
+        }
+        seq->CopyPages(per_list, table.pages);
+        return table;
+      }
+    }
+    std::vector<PageId> fresh;
+    absl::Status st = AllocatePages(need, fresh, id);
+    if (!st.ok()) {
+      return absl::Status(st.code(),
+                          absl::StrFormat("sequence %d, page table for %d rows per (layer, kv "
+                                          "head) (%d more pages): %s",
+                                          id, rows, need, st.message()));
+    }
+    absl::MutexLock lock(&seq->mu_);
+    const uint64_t still = seq->PagesToGrowAll(per_list);
+    if (still <= fresh.size() && !seq->released_kept_ && seq->MaxListPages() <= per_list) {
+      const size_t used = seq->GrowAll(per_list, fresh);
+      pool_.Free(std::span<const PageId>(fresh).subspan(used));
+    } else {
+      pool_.Free(fresh);
+      if (attempt >= 8) {
+        return absl::AbortedError(
+            absl::StrFormat("sequence %d: page table kept changing under concurrent writes", id));
+      }
+    }
+  }
 }
 
 absl::Status PagedKvStore::Release(SequenceId id, absl::Duration keep) {

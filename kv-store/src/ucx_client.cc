@@ -1,9 +1,12 @@
+#include <unistd.h>
+
 #include <cstring>
 #include <optional>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 #include "conversions.h"
 #include "grpcpp/grpcpp.h"
@@ -12,6 +15,7 @@
 #include "kvr/kv_store/wire.h"
 #include "kvr/store/v1/store.grpc.pb.h"
 #include "kvr/transport/ucx.h"
+#include "local_pool_socket.h"
 
 namespace kvr::kv_store {
 
@@ -41,6 +45,14 @@ struct UcxKvStoreClient::Impl {
   std::optional<transport::Endpoint> endpoint;
   std::optional<transport::RemoteKey> rkey;
   uint64_t pool_base = 0;
+  // From GetDataPlaneInfo, for MapLocalPool.
+  uint64_t pool_bytes = 0;
+  uint64_t page_bytes = 0;
+  std::string local_socket;
+  std::string host_id;
+  std::string pool_id;
+  absl::Mutex local_pool_mu;
+  std::shared_ptr<const LocalPoolMapping> local_pool ABSL_GUARDED_BY(local_pool_mu);
 
   absl::Time Deadline() const { return absl::Now() + options.timeout; }
 
@@ -176,7 +188,12 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   auto impl = std::make_unique<Impl>();
   impl->options = std::move(options);
   impl->target = target;
-  impl->channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  // Page tables of long sequences are large (128K tokens of a Llama-3-8B shape: 262144 page
+  // ids, about 1 MiB); gRPC's default 4 MiB receive limit would cap the context.
+  grpc::ChannelArguments channel_args;
+  channel_args.SetMaxReceiveMessageSize(256 << 20);
+  impl->channel =
+      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), channel_args);
   impl->stub = v1::KvStore::NewStub(impl->channel);
 
   grpc::ClientContext ctx;
@@ -203,6 +220,11 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
                        impl->worker->Connect(info.worker_address(), "kvr-store " + target));
   impl->endpoint.emplace(std::move(endpoint));
   impl->pool_base = info.pool_base();
+  impl->pool_bytes = info.pool_bytes();
+  impl->page_bytes = info.page_bytes();
+  impl->local_socket = info.local_socket();
+  impl->host_id = info.host_id();
+  impl->pool_id = info.pool_id();
   if (impl->options.rma_range_reads) {
     // RMA only pays where it is native; over TCP UCX emulates it at a fraction of AM speed.
     absl::StatusOr<bool> native = impl->endpoint->HasNativeRma();
@@ -348,6 +370,72 @@ absl::StatusOr<StoreStats> UcxKvStoreClient::Stats() {
   KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->Stats(&ctx, {}, &resp),
                                absl::StrCat("kvr-store ", impl_->target, " Stats")));
   return FromProto(resp);
+}
+
+absl::StatusOr<PageTable> UcxKvStoreClient::ReservePageTable(SequenceId id, uint64_t rows) {
+  v1::ReservePageTableRequest req;
+  req.set_sequence_id(id);
+  req.set_rows(rows);
+  v1::ReservePageTableResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(ctx);
+  KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->ReservePageTable(&ctx, req, &resp),
+                               absl::StrCat("kvr-store ", impl_->target, " ReservePageTable")));
+  absl::StatusOr<PageTable> table = FromProto(resp);
+  if (!table.ok()) return impl_->Annotate(table.status());
+  if (table->page_bytes != impl_->page_bytes) {
+    return impl_->Annotate(absl::InternalError(absl::StrFormat(
+        "page table in pages of %d bytes, the pool has %d", table->page_bytes, impl_->page_bytes)));
+  }
+  return table;
+}
+
+absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> UcxKvStoreClient::MapLocalPool() {
+  absl::MutexLock lock(&impl_->local_pool_mu);
+  if (impl_->local_pool != nullptr) return impl_->local_pool;
+  const std::string& target = impl_->target;
+  absl::StatusOr<std::string> own_host = ReadHostId();
+  if (!own_host.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("store %s: cannot tell whether it is on this host: %s", target,
+                        own_host.status().message()));
+  }
+  if (impl_->host_id != *own_host) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("store %s is not on this host (its boot id '%s', ours '%s')", target,
+                        impl_->host_id, *own_host));
+  }
+  if (impl_->local_socket.empty()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "store %s offers no local socket (start it with --local-socket PATH)", target));
+  }
+  absl::StatusOr<ReceivedPool> received = ReceivePoolFd(impl_->local_socket, impl_->Deadline());
+  if (!received.ok()) {
+    return absl::Status(received.status().code(),
+                        absl::StrCat("store ", target, ": ", received.status().message()));
+  }
+  // The fd is only needed until it is mapped.
+  const int fd = received->fd;
+  const LocalPoolHello& hello = received->hello;
+  const std::string pool_id = absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(hello.pool_id), sizeof(hello.pool_id)));
+  // Whoever serves the path must be the store this client talks to, with the pool it
+  // announced; otherwise page ids would index someone else's memory.
+  if (pool_id != impl_->pool_id || hello.page_bytes != impl_->page_bytes ||
+      hello.pool_bytes < impl_->pool_bytes) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "store %s: the local socket %s hands over pool %s (%d bytes, pages of %d bytes), not "
+        "the store's pool %s (%d bytes, pages of %d bytes)",
+        target, impl_->local_socket, pool_id, hello.pool_bytes, hello.page_bytes, impl_->pool_id,
+        impl_->pool_bytes, impl_->page_bytes));
+  }
+  absl::StatusOr<LocalPoolMapping> mapping =
+      LocalPoolMapping::Map(fd, hello.pool_bytes, hello.page_bytes, pool_id);
+  close(fd);
+  if (!mapping.ok()) return impl_->Annotate(mapping.status());
+  impl_->local_pool = std::make_shared<const LocalPoolMapping>(*std::move(mapping));
+  return impl_->local_pool;
 }
 
 absl::StatusOr<std::string> UcxKvStoreClient::RawCall(uint16_t am_id,

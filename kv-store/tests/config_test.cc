@@ -70,6 +70,25 @@ TEST(ConfigTest, BadValuesNameTheOptionAndSource) {
   EXPECT_TRUE(absl::IsCancelled(Parse({"--help"}, FakeEnv({})).status()));
 }
 
+TEST(ConfigTest, LocalSocketFromEachSourceReachesTheServerOptions) {
+  auto config = Parse({}, FakeEnv({}));
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(config->local_socket, "");  // off by default
+  EXPECT_THAT(config->Describe(), HasSubstr("local_socket: (off)  # default"));
+  config = Parse({}, FakeEnv({{"KVR_STORE_LOCAL_SOCKET", "/run/kvr/env.sock"}}));
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(config->local_socket, "/run/kvr/env.sock");
+  config = Parse({"--config", WriteYaml("local_socket: /run/kvr/file.sock\n")},
+                 FakeEnv({{"KVR_STORE_LOCAL_SOCKET", "/run/kvr/env.sock"}}));
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(config->local_socket, "/run/kvr/file.sock");
+  config = Parse({"--local-socket", "/run/kvr/flag.sock"},
+                 FakeEnv({{"KVR_STORE_LOCAL_SOCKET", "/run/kvr/env.sock"}}));
+  ASSERT_TRUE(config.ok());
+  EXPECT_THAT(config->Describe(), HasSubstr("local_socket: /run/kvr/flag.sock  # flag"));
+  EXPECT_EQ(config->ToServerOptions().local_socket, "/run/kvr/flag.sock");
+}
+
 TEST(ConfigTest, ParsesByteSizes) {
   EXPECT_EQ(*ParseByteSize("4096"), 4096u);
   EXPECT_EQ(*ParseByteSize("64KiB"), 65536u);

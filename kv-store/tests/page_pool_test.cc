@@ -1,5 +1,8 @@
 #include "kvr/kv_store/page_pool.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <set>
 
 #include "gtest/gtest.h"
@@ -58,6 +61,36 @@ TEST(PagePoolTest, MoveKeepsMapping) {
   EXPECT_EQ(moved.base(), base);
   std::vector<PageId> pages;
   EXPECT_TRUE(moved.Allocate(2, pages).ok());
+}
+
+TEST(PagePoolTest, PoolIsASealedMemfdWithAnId) {
+  auto pool = PagePool::Create({.capacity_bytes = 8 * 4096, .page_bytes = 4096});
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_GE(pool->fd(), 0);
+  EXPECT_EQ(pool->pool_id().size(), 32u);
+  EXPECT_EQ(pool->pool_id().find_first_not_of("0123456789abcdef"), std::string::npos);
+  auto other = PagePool::Create({.capacity_bytes = 8 * 4096, .page_bytes = 4096});
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(pool->pool_id(), other->pool_id());
+  EXPECT_GE(pool->mapped_bytes(), pool->capacity_bytes());
+  // Whoever holds the fd can neither shrink the pool under the store nor map it writable.
+  EXPECT_NE(ftruncate(pool->fd(), 4096), 0);
+  void* writable =
+      mmap(nullptr, pool->mapped_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, pool->fd(), 0);
+  EXPECT_EQ(writable, MAP_FAILED) << "F_SEAL_FUTURE_WRITE missing (kernel before 5.1?)";
+  if (writable != MAP_FAILED) munmap(writable, pool->mapped_bytes());
+  // A read-only view shows what the store writes, at once: byte o of the file is base() + o.
+  void* view = mmap(nullptr, pool->mapped_bytes(), PROT_READ, MAP_SHARED, pool->fd(), 0);
+  ASSERT_NE(view, MAP_FAILED);
+  pool->PageData(5)[17] = 0xAB;
+  EXPECT_EQ(static_cast<const uint8_t*>(view)[5 * 4096 + 17], 0xAB);
+  munmap(view, pool->mapped_bytes());
+  // Moving the pool keeps the fd and the id.
+  const int fd = pool->fd();
+  const std::string id = pool->pool_id();
+  PagePool moved = std::move(*pool);
+  EXPECT_EQ(moved.fd(), fd);
+  EXPECT_EQ(moved.pool_id(), id);
 }
 
 }  // namespace

@@ -144,6 +144,43 @@ TEST(ServiceTest, FakeClientBehavesTheSame) {
   EXPECT_TRUE((*fake)->Stats().ok());
 }
 
+TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
+  auto fake = FakeKvStoreClient::Create(SmallStore());
+  ASSERT_TRUE(fake.ok());
+  KvStoreClient& client = **fake;
+  ASSERT_TRUE(client.CreateSequence(3, kShape, 0, absl::ZeroDuration()).ok());
+  auto table = client.ReservePageTable(3, 100);  // bf16 d16: 64-byte rows, 64 per 4 KiB page
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->pages_per_head, 2u);
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    auto rows = MakePatternRows(kShape, 3, layer, 0, 100);
+    ASSERT_TRUE(client
+                    .PutLayer({.sequence = 3,
+                               .layer = layer,
+                               .start_row = 0,
+                               .n_rows = 100,
+                               .k = rows.k,
+                               .v = rows.v})
+                    .ok());
+  }
+  auto mapping = client.MapLocalPool();
+  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  EXPECT_NE((*mapping)->base(), (*fake)->store().pool().base());  // a second, read-only view
+  EXPECT_EQ((*mapping)->pool_id(), (*fake)->store().pool().pool_id());
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    for (uint32_t head = 0; head < 2; ++head) {
+      for (uint64_t r = 0; r < 100; ++r) {
+        ASSERT_TRUE(RowMatches(kShape, 3, layer, head, r, (*mapping)->Row(*table, layer, head, r)))
+            << layer << " " << head << " " << r;
+      }
+    }
+  }
+  EXPECT_EQ(client.MapLocalPool()->get(), mapping->get());
+  (*fake)->InjectFailure(absl::UnavailableError("injected"));
+  EXPECT_TRUE(absl::IsUnavailable(client.ReservePageTable(3, 1).status()));
+  EXPECT_TRUE(absl::IsUnavailable(client.MapLocalPool().status()));
+}
+
 TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
   StoreServerOptions options;
   options.store = SmallStore();

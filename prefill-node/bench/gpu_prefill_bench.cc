@@ -98,6 +98,12 @@ class DiscardPutStore final : public kv_store::KvStoreClient {
     return inner_->GetSequence(id);
   }
   absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
+  absl::StatusOr<kv_store::PageTable> ReservePageTable(kv_store::SequenceId, uint64_t) override {
+    return absl::UnimplementedError("DiscardPutStore: no page tables");
+  }
+  absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {
+    return absl::UnimplementedError("DiscardPutStore: no local pool");
+  }
 
  private:
   class DoneOp final : public kv_store::KvStoreOp {

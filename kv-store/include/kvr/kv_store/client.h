@@ -18,11 +18,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvr/kv_store/local_pool.h"
 #include "kvr/kv_store/store.h"
 #include "kvr/kv_store/types.h"
 
@@ -79,6 +80,19 @@ class KvStoreClient {
   [[nodiscard]] virtual absl::Status Lease(SequenceId id, absl::Duration lease) = 0;
   [[nodiscard]] virtual absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) = 0;
   [[nodiscard]] virtual absl::StatusOr<StoreStats> Stats() = 0;
+
+  // Zero-copy reads on the same host (local_pool.h). Makes sure pages exist for rows [0, rows)
+  // of every (layer, head) of the sequence (allocating all-or-nothing; RESOURCE_EXHAUSTED names
+  // the shortfall), and returns its page table; see PagedKvStore::ReservePageTable. Rows
+  // appended later (Write/PutLayer at kAtEnd) land in exactly these pages. Valid only while
+  // the sequence is not released: its pages then return to the pool and are reused.
+  [[nodiscard]] virtual absl::StatusOr<PageTable> ReservePageTable(SequenceId id,
+                                                                   uint64_t rows) = 0;
+  // The store's pool mapped read-only in this process; FAILED_PRECONDITION "store <target> is
+  // not on this host" (host_id differs) or "... offers no local socket", UNAVAILABLE when the
+  // socket cannot be reached. Mapped once per client and shared, so many sequences use one
+  // mapping; the mapping outlives the client if a holder keeps it.
+  [[nodiscard]] virtual absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> MapLocalPool() = 0;
 };
 
 // Bytes of the reply to a gather of `entries` given each entry's row size.
@@ -108,6 +122,11 @@ class FakeKvStoreClient final : public KvStoreClient {
   absl::Status Lease(SequenceId id, absl::Duration lease) override;
   absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) override;
   absl::StatusOr<StoreStats> Stats() override;
+  absl::StatusOr<PageTable> ReservePageTable(SequenceId id, uint64_t rows) override;
+  // Maps the fake's own in-process pool a second time, read-only, through the pool's memfd:
+  // the same pages at another address, exactly what a decode node on the store's host gets.
+  // So code written against MapLocalPool runs unchanged on the fake.
+  absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> MapLocalPool() override;
 
   // Every later call fails with `status` (OK restores normal service).
   void InjectFailure(absl::Status status);
@@ -120,6 +139,7 @@ class FakeKvStoreClient final : public KvStoreClient {
   std::unique_ptr<PagedKvStore> store_;
   mutable absl::Mutex mu_;
   absl::Status injected_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const LocalPoolMapping> local_pool_ ABSL_GUARDED_BY(mu_);
 };
 
 struct UcxClientOptions {
@@ -155,6 +175,13 @@ class UcxKvStoreClient final : public KvStoreClient {
   absl::Status Lease(SequenceId id, absl::Duration lease) override;
   absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) override;
   absl::StatusOr<StoreStats> Stats() override;
+  // Over gRPC (ReservePageTable), under the client's timeout.
+  absl::StatusOr<PageTable> ReservePageTable(SequenceId id, uint64_t rows) override;
+  // Checks that the store runs on this host (GetDataPlaneInfo's host_id equals this machine's
+  // /proc/sys/kernel/random/boot_id), receives the pool's fd over the store's local socket
+  // (within the client's timeout), checks that it is the pool the store announced (pool id,
+  // page size, bytes) and maps it read-only. The first success is cached; failures are not.
+  absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> MapLocalPool() override;
 
   // Sends a raw data-plane message (for tests of the store's handling of malformed input):
   // returns the reply header or the store's error.

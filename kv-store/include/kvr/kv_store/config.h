@@ -32,6 +32,9 @@ struct StoreConfig {
   // or empty) replaced by the address of this machine's hostname, or 127.0.0.1 when it has
   // none. On Kubernetes: the pod IP (downward API).
   std::string advertise_address;
+  // Unix socket that hands the pool to same-host decode nodes for zero-copy reads (mode 0600);
+  // empty: off. See StoreServerOptions::local_socket.
+  std::string local_socket;
 
   // Where each value came from ("flag", "file", "env" or "default"), in field order.
   std::vector<std::pair<std::string, std::string>> sources;

@@ -1,11 +1,20 @@
 #pragma once
-// PagePool: the store's memory, one big anonymous mapping cut into fixed-size pages.
+// PagePool: the store's memory, one big shared mapping of a memfd cut into fixed-size pages.
 //
 // One mapping (rather than malloc per page) so that the data plane registers it with UCX once
-// (ucp_mem_map) and remote readers can address any page with one rkey. Huge pages cut TLB
-// misses on gathers that touch rows all over the pool: MAP_HUGETLB is tried first (needs
-// reserved hugetlbfs pages), then transparent huge pages via madvise(MADV_HUGEPAGE), then
-// plain 4 KiB pages; `backing()` says which one was obtained.
+// (ucp_mem_map) and remote readers can address any page with one rkey. The memory is a memfd
+// mapped MAP_SHARED (not anonymous private memory) so that a process on the same host that is
+// handed the fd (the store's local socket, local_pool.h) can map the very same pages
+// read-only: byte `o` of the file is byte `o` past base(). Huge pages cut TLB misses on
+// gathers that touch rows all over the pool: a hugetlb memfd (MFD_HUGETLB, 2 MiB; needs
+// reserved pages, vm.nr_hugepages) is tried first, then a plain memfd with
+// madvise(MADV_HUGEPAGE) (shmem transparent huge pages: only when
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them, which the kernel's default
+// "never" does not), then plain 4 KiB pages; `backing()` says which one was obtained.
+//
+// The file is sealed against shrinking and growing (a reader holding the fd must not be able
+// to truncate pages from under the store) and, where the kernel has F_SEAL_FUTURE_WRITE, against
+// any new writable mapping or write(); the store's own mapping stays writable.
 //
 // Thread safety: Allocate/Free/counters are safe to call concurrently. Page memory itself is
 // not synchronised here; the store's visibility protocol orders writers and readers.
@@ -50,12 +59,21 @@ class PagePool {
 
   uint8_t* PageData(PageId page) const { return base_ + size_t{page} * page_bytes_; }
   uint8_t* base() const { return base_; }
+  // Bytes of the memfd, all mapped at base(): capacity_bytes() rounded up to 2 MiB where huge
+  // pages were tried. What a same-host reader maps.
   uint64_t mapped_bytes() const { return mapped_bytes_; }
   uint64_t capacity_bytes() const { return total_pages_ * page_bytes_; }
   uint64_t page_bytes() const { return page_bytes_; }
   uint64_t total_pages() const { return total_pages_; }
   uint64_t free_pages() const;
   PageBacking backing() const { return backing_; }
+  // The memfd behind the pool (owned; closed with the pool), opened read-write. Hand others a
+  // read-only reopening of it (see local_pool.h), never this descriptor.
+  int fd() const { return fd_; }
+  // Random 128-bit identity of this pool, chosen at creation: 32 lowercase hex digits. Lets a
+  // reader that got an fd through a socket path check that it maps the pool the store it
+  // talks to over gRPC actually has (not another store's that took over the path).
+  const std::string& pool_id() const { return pool_id_; }
 
  private:
   // Guards the free list; held separately from the page memory itself.
@@ -66,9 +84,11 @@ class PagePool {
   PagePool() = default;
   void Unmap();
 
-  uint8_t* base_ = nullptr;        // first page, 2 MiB aligned where huge pages are wanted
-  uint8_t* unmap_base_ = nullptr;  // start of the whole mapping
+  // First page = file offset 0; 2 MiB aligned where huge pages are wanted.
+  uint8_t* base_ = nullptr;
   uint64_t mapped_bytes_ = 0;
+  int fd_ = -1;
+  std::string pool_id_;
   uint64_t page_bytes_ = 0;
   uint64_t total_pages_ = 0;
   PageBacking backing_ = PageBacking::kSmallPages;

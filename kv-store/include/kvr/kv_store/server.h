@@ -6,9 +6,11 @@
 //
 // Threads: the transport's progress thread only parses and enqueues data-plane requests;
 // `data_plane_threads` workers run them against the store (copies of large gathers must not
-// stall UCX progress); gRPC runs its own pool; one sweeper thread evicts expired leases.
+// stall UCX progress); gRPC runs its own pool; one sweeper thread evicts expired leases; with
+// `local_socket`, one thread hands the pool's fd to same-host readers.
 //
-// Lifetime: Shutdown() (or destruction) stops gRPC first (no new control work), then the UCX
+// Lifetime: Shutdown() (or destruction) stops gRPC first (no new control work), then the local
+// socket (mappings already handed out stay valid: the kernel keeps the memory), then the UCX
 // worker (pending data-plane requests fail on the client side as CANCELLED/UNAVAILABLE), then
 // the work queue and the sweeper, and last the store and its pool.
 
@@ -36,6 +38,9 @@ struct StoreServerOptions {
   // Prometheus /metrics port on the host of `listen` (kvr::metrics::StoreMetrics, refreshed from
   // PagedKvStore::Stats() at every scrape): > 0 that port, 0 any free port, -1 none.
   int metrics_port = -1;
+  // Unix socket path on which the pool's memfd is handed to processes on this host for
+  // zero-copy reads (local_pool.h); created with mode 0600, removed at shutdown. Empty: off.
+  std::string local_socket;
 };
 
 class StoreServer {

@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvr/kv_store/local_pool.h"
 #include "kvr/kv_store/page_pool.h"
 #include "kvr/kv_store/types.h"
 
@@ -96,6 +97,16 @@ class PagedKvStore {
     uint64_t bytes = 0;
   };
   [[nodiscard]] absl::StatusOr<std::vector<Segment>> LocateRange(const RangeEntry& range) const;
+
+  // Makes sure pages exist for rows [0, rows) of every (layer, head) of the sequence and
+  // returns its page table (local_pool.h). Allocation is all-or-nothing: RESOURCE_EXHAUSTED
+  // names the shortfall and nothing is allocated; an expired lease may be evicted first as for
+  // writes. Every (layer, head) gets the same number of pages, max(ceil(rows /
+  // tokens_per_page), the most any of them already has), so the table is one dense array;
+  // rows == 0 only reports. Rows appended later land in exactly these pages (a page list only
+  // grows at its end). A released-and-kept sequence can report its table but not grow it
+  // (FAILED_PRECONDITION). The table is valid only while the sequence is held.
+  [[nodiscard]] absl::StatusOr<PageTable> ReservePageTable(SequenceId id, uint64_t rows);
 
   // keep == ZeroDuration frees the sequence now; otherwise it stays readable (not writable)
   // until now + keep, then counts as expired.

@@ -1,0 +1,61 @@
+#include "kvr/kv_store/local_pool.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+
+namespace kvr::kv_store {
+
+absl::StatusOr<LocalPoolMapping> LocalPoolMapping::Map(int fd, uint64_t bytes, uint64_t page_bytes,
+                                                       std::string pool_id) {
+  if (bytes == 0 || page_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cannot map a pool of %d bytes in pages of %d bytes", bytes, page_bytes));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("fstat of the pool fd failed: %s", strerror(errno)));
+  }
+  if (static_cast<uint64_t>(st.st_size) < bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the pool fd holds %d bytes, %d were announced", st.st_size, bytes));
+  }
+  void* mem = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  if (mem == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "mmap of the store's pool (%d bytes, read-only) failed: %s", bytes, strerror(errno)));
+  }
+  LocalPoolMapping mapping;
+  mapping.base_ = static_cast<const uint8_t*>(mem);
+  mapping.bytes_ = bytes;
+  mapping.page_bytes_ = page_bytes;
+  mapping.pool_id_ = std::move(pool_id);
+  return mapping;
+}
+
+LocalPoolMapping::~LocalPoolMapping() { Unmap(); }
+
+void LocalPoolMapping::Unmap() {
+  if (base_ != nullptr) munmap(const_cast<uint8_t*>(base_), bytes_);
+  base_ = nullptr;
+}
+
+LocalPoolMapping::LocalPoolMapping(LocalPoolMapping&& other) noexcept { *this = std::move(other); }
+
+LocalPoolMapping& LocalPoolMapping::operator=(LocalPoolMapping&& other) noexcept {
+  if (this == &other) return *this;
+  Unmap();
+  base_ = std::exchange(other.base_, nullptr);
+  bytes_ = std::exchange(other.bytes_, 0);
+  page_bytes_ = std::exchange(other.page_bytes_, 0);
+  pool_id_ = std::move(other.pool_id_);
+  return *this;
+}
+
+}  // namespace kvr::kv_store
