@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include <gtest/gtest.h>
 
@@ -40,6 +41,20 @@ TEST(HalfTest, Bf16RoundsToNearestEven) {
     const float f = Bf16ToFloat(static_cast<uint16_t>(h));
     if (!std::isnan(f)) EXPECT_EQ(FloatToBf16(f), h);
   }
+}
+
+TEST(HalfTest, Bf16ByteBuffersAtAnyAlignment) {
+  const float in[3] = {1.0f, 1.0f + 3 * std::ldexp(1.0f, -8), -2.5f};
+  unsigned char bytes[7] = {};
+  FloatsToBf16Bytes(in, 3, bytes + 1);  // odd address: rows inside a byte buffer
+  for (int i = 0; i < 3; ++i) {
+    uint16_t h;
+    std::memcpy(&h, bytes + 1 + 2 * i, sizeof(h));
+    EXPECT_EQ(h, FloatToBf16(in[i])) << i;
+  }
+  float out[3];
+  Bf16BytesToFloats(bytes + 1, 3, out);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(out[i], Bf16ToFloat(FloatToBf16(in[i]))) << i;
 }
 
 }  // namespace

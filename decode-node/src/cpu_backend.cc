@@ -20,6 +20,7 @@ struct CpuSequence final : BackendSequence {
 
   model::KvCache cache;  // windowed: sink + local rows
   std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;  // moved to attention_
+  kv_store::DType row_dtype = kv_store::DType::kF32;                // of the store sequence's rows
   int64_t bytes = 0;
 };
 
@@ -53,6 +54,7 @@ class CpuDecodeBackend final : public DecodeBackend {
     setup.indexes = std::move(seq->indexes);
     setup.store = h.store;
     setup.store_sequence = h.sequence_id;
+    setup.row_dtype = seq->row_dtype;
     setup.cache = &seq->cache;
     KVR_RETURN_IF_ERROR(attention_.AddSequence(h.sequence_id, std::move(setup)));
     running_.emplace(h.sequence_id, std::unique_ptr<CpuSequence>(seq));
@@ -109,8 +111,28 @@ absl::StatusOr<std::unique_ptr<BackendSequence>> CpuDecodeBackend::Prepare(Hando
   if (!registry_->Has(h.method)) {
     return bad("retrieval.method '", h.method, "' is not supported here");
   }
+  // The store sequence's shape says the dtype its rows are fetched and appended in (the
+  // prefill node's store_dtype).
+  absl::StatusOr<kv_store::SequenceInfo> info = h.store->GetSequence(h.sequence_id);
+  if (!info.ok()) {
+    return absl::Status(info.status().code(),
+                        absl::StrCat("handoff of sequence ", h.sequence_id,
+                                     ": store sequence: ", info.status().message()));
+  }
+  const kv_store::SequenceShape& store_shape = info->shape;
+  if (store_shape.n_layers != static_cast<uint32_t>(c.n_layers) ||
+      store_shape.n_kv_heads != static_cast<uint32_t>(c.n_kv_heads) ||
+      store_shape.head_dim != static_cast<uint32_t>(c.head_dim)) {
+    return bad("store sequence shape ", store_shape.n_layers, "x", store_shape.n_kv_heads, "x",
+               store_shape.head_dim, ", the model is ", c.n_layers, "x", c.n_kv_heads, "x",
+               c.head_dim);
+  }
+  if (store_shape.dtype != kv_store::DType::kF32 && store_shape.dtype != kv_store::DType::kBf16) {
+    return bad("store rows are ", kv_store::DTypeName(store_shape.dtype), "; f32 or bf16 needed");
+  }
   auto seq = std::make_unique<CpuSequence>(
       model::KvCache::Windowed(c.n_layers, c.n_kv_heads, c.head_dim, h.n_sink, h.local_window));
+  seq->row_dtype = store_shape.dtype;
   seq->indexes.resize(c.n_layers);
   retrieval::IndexParams params;
   params.budget = h.budget;

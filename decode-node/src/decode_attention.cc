@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/partial_attention.h"
@@ -65,6 +66,11 @@ absl::Status DecodeAttention::AddSequence(model::SequenceId id, DecodeSequenceSe
   if (setup.budget <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("DecodeAttention: sequence ", id, ": budget must be > 0"));
+  }
+  if (setup.row_dtype != kv_store::DType::kF32 && setup.row_dtype != kv_store::DType::kBf16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: sequence ", id, ": store rows are ",
+                     kv_store::DTypeName(setup.row_dtype), "; f32 or bf16 needed"));
   }
   Sequence seq;
   seq.setup = std::move(setup);
@@ -195,8 +201,8 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
   }
   ++node_.attend_calls;
   const int hd = shape.head_dim;
-  const int64_t row_floats = 2 * int64_t{hd};  // one store row [k | v]
-  const int64_t row_bytes = row_floats * static_cast<int64_t>(sizeof(float));
+  const int64_t row_floats = 2 * int64_t{hd};  // one row [k | v] as attended (and hot-cached)
+  const int64_t row_f32_bytes = row_floats * static_cast<int64_t>(sizeof(float));
   work_.clear();
   for (size_t i = 0; i < batch.size(); ++i) KVR_RETURN_IF_ERROR(Prepare(shape, batch[i], i));
   size_t total = 0;
@@ -209,6 +215,7 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
   // Hot cache first; the misses of every sequence and head go into one gather per store.
   struct StoreBatch {
     std::vector<kv_store::GatherEntry> entries;
+    std::vector<kv_store::DType> dtypes;  // [entries] each entry's sequence's row dtype
     std::vector<std::vector<uint32_t>> indices;
     std::vector<std::pair<size_t, std::vector<size_t>>> slots;  // (work, selected slots)
     std::vector<uint8_t> out;
@@ -227,7 +234,7 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
       const RowKey key{r.sequence, static_cast<uint32_t>(r.layer), static_cast<uint32_t>(w.head),
                        w.positions[j]};
       if (const float* cached = hot_cache_.Find(key)) {
-        std::memcpy(rows_.data() + w.rows_offset + j * row_floats, cached, row_bytes);
+        std::memcpy(rows_.data() + w.rows_offset + j * row_floats, cached, row_f32_bytes);
         ++seq.counters.hot_cache_hits;
         ++by_method[seq.setup.method].hot_cache_hits;
         ++hits;
@@ -247,13 +254,23 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
                           static_cast<uint32_t>(r.layer),
                           static_cast<uint32_t>(w.head),
                           {}});
+    sb.dtypes.push_back(seq.setup.row_dtype);
   }
   node_.retrieval.hot_cache_hits += hits;
   node_.retrieval.hot_cache_misses += misses;
   const auto t0 = std::chrono::steady_clock::now();
+  // The reply holds each entry's rows in its sequence's dtype (sequences of one store may
+  // differ).
+  auto store_row_bytes = [row_floats](kv_store::DType dtype) {
+    return row_floats * static_cast<int64_t>(kv_store::DTypeSize(dtype));
+  };
   for (auto& [store, sb] : stores) {
-    for (size_t e = 0; e < sb.entries.size(); ++e) sb.entries[e].indices = sb.indices[e];
-    sb.out.resize(kv_store::GatherBytes(sb.entries, static_cast<size_t>(row_bytes)));
+    size_t bytes = 0;
+    for (size_t e = 0; e < sb.entries.size(); ++e) {
+      sb.entries[e].indices = sb.indices[e];
+      bytes += sb.indices[e].size() * static_cast<size_t>(store_row_bytes(sb.dtypes[e]));
+    }
+    sb.out.resize(bytes);
     sb.op = store->StartGather(sb.entries, sb.out);
     ++node_.gathers;
   }
@@ -261,24 +278,35 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
   for (auto& [store, sb] : stores) {
     absl::StatusOr<uint64_t> got = sb.op->Wait();
     if (!got.ok() && failed.ok()) {
-      failed = absl::Status(got.status().code(),
-                            absl::StrCat("gather of ", sb.out.size() / row_bytes,
-                                         " rows from the KV store: ", got.status().message()));
+      size_t n_rows = 0;
+      for (const std::vector<uint32_t>& ids : sb.indices) n_rows += ids.size();
+      failed = absl::Status(
+          got.status().code(),
+          absl::StrCat("gather of ", n_rows, " rows from the KV store: ", got.status().message()));
     }
   }
   KVR_RETURN_IF_ERROR(failed);
   for (auto& [store, sb] : stores) {
-    const float* src = reinterpret_cast<const float*>(sb.out.data());
+    const uint8_t* src = sb.out.data();
+    int64_t n_rows = 0;
     for (size_t e = 0; e < sb.slots.size(); ++e) {
       HeadWork& w = work_[sb.slots[e].first];
       const AttentionRequest& r = batch[w.request];
       Sequence& seq = sequences_.at(r.sequence);
+      const kv_store::DType dtype = sb.dtypes[e];
+      const int64_t row_bytes = store_row_bytes(dtype);
       for (size_t j : sb.slots[e].second) {
-        std::memcpy(rows_.data() + w.rows_offset + j * row_floats, src, row_bytes);
+        float* dst = rows_.data() + w.rows_offset + j * row_floats;
+        if (dtype == kv_store::DType::kBf16) {
+          Bf16BytesToFloats(src, static_cast<size_t>(row_floats), dst);
+        } else {
+          std::memcpy(dst, src, static_cast<size_t>(row_bytes));
+        }
         hot_cache_.Insert({r.sequence, static_cast<uint32_t>(r.layer),
                            static_cast<uint32_t>(w.head), w.positions[j]},
-                          src, row_floats);
-        src += row_floats;
+                          dst, row_floats);
+        src += row_bytes;
+        ++n_rows;
         ++seq.counters.rows_fetched;
         seq.counters.bytes_fetched += row_bytes;
         ++node_.retrieval.rows_fetched;
@@ -290,8 +318,8 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
     }
     if (observer_ != nullptr) {
       observer_->OnFetch(
-          {std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-           static_cast<int64_t>(sb.out.size()) / row_bytes, static_cast<int64_t>(sb.out.size())});
+          {std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), n_rows,
+           static_cast<int64_t>(sb.out.size())});
     }
   }
 
@@ -361,15 +389,22 @@ void DecodeAttention::SampleQuality(const AttentionShape& shape,
                         static_cast<uint32_t>(kvh), static_cast<uint64_t>(n_sink),
                         static_cast<uint64_t>(nc)});
     }
+    // f32 rows are read in place; bf16 rows into a byte buffer, then widened.
+    const bool bf16 = setup.row_dtype == kv_store::DType::kBf16;
     quality_rows_.resize(static_cast<size_t>(n_kv * nc * row_floats));
-    const std::span<uint8_t> out(reinterpret_cast<uint8_t*>(quality_rows_.data()),
-                                 quality_rows_.size() * sizeof(float));
+    std::span<uint8_t> out(reinterpret_cast<uint8_t*>(quality_rows_.data()),
+                           quality_rows_.size() * sizeof(float));
+    if (bf16) {
+      quality_bf16_.resize(quality_rows_.size() * kv_store::DTypeSize(setup.row_dtype));
+      out = std::span(quality_bf16_);
+    }
     if (absl::Status s = setup.store->RangeRead(ranges, out); !s.ok()) {
       ++node_.quality_failures;
       spdlog::warn("quality sample of sequence {} layer {} dropped: range read of {} rows: {}",
                    r.sequence, r.layer, n_kv * nc, s.ToString());
       continue;
     }
+    if (bf16) Bf16BytesToFloats(out.data(), quality_rows_.size(), quality_rows_.data());
     node_.quality_rows_fetched += n_kv * nc;
     node_.quality_bytes_fetched += static_cast<int64_t>(out.size());
 
@@ -427,24 +462,35 @@ void DecodeAttention::StartOffload() {
   const int64_t row = int64_t{options_.n_kv_heads} * options_.head_dim;
   int64_t bytes = 0;
   for (auto& [id, seq] : sequences_) {
+    const kv_store::DType dtype = seq.setup.row_dtype;
+    const size_t row_bytes = static_cast<size_t>(row) * kv_store::DTypeSize(dtype);
     for (int layer = 0; layer < options_.n_layers; ++layer) {
       if (!seq.has_new_rows[layer]) continue;
       seq.has_new_rows[layer] = false;
       PendingPut& put = pending_.emplace_back();
       put.sequence = id;
-      put.k.assign(seq.new_k.begin() + layer * row, seq.new_k.begin() + (layer + 1) * row);
-      put.v.assign(seq.new_v.begin() + layer * row, seq.new_v.begin() + (layer + 1) * row);
+      put.k.resize(row_bytes);
+      put.v.resize(row_bytes);
+      const float* k = seq.new_k.data() + layer * row;
+      const float* v = seq.new_v.data() + layer * row;
+      if (dtype == kv_store::DType::kBf16) {
+        FloatsToBf16Bytes(k, static_cast<size_t>(row), put.k.data());
+        FloatsToBf16Bytes(v, static_cast<size_t>(row), put.v.data());
+      } else {
+        std::memcpy(put.k.data(), k, row_bytes);
+        std::memcpy(put.v.data(), v, row_bytes);
+      }
       kv_store::LayerRows rows;
       rows.sequence = seq.setup.store_sequence;
       rows.layer = static_cast<uint32_t>(layer);
       rows.start_row = kv_store::LayerRows::kAtEnd;
       rows.n_rows = 1;
-      rows.k = {reinterpret_cast<const uint8_t*>(put.k.data()), put.k.size() * sizeof(float)};
-      rows.v = {reinterpret_cast<const uint8_t*>(put.v.data()), put.v.size() * sizeof(float)};
+      rows.k = put.k;
+      rows.v = put.v;
       put.op = seq.setup.store->StartPutLayer(rows);
       seq.counters.rows_offloaded += options_.n_kv_heads;
       node_.retrieval.rows_offloaded += options_.n_kv_heads;
-      bytes += static_cast<int64_t>((put.k.size() + put.v.size()) * sizeof(float));
+      bytes += static_cast<int64_t>(put.k.size() + put.v.size());
     }
   }
   if (observer_ != nullptr && bytes > 0) observer_->OnOffload(bytes);

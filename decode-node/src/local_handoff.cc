@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 
 namespace kvr::decode {
@@ -16,9 +17,13 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
   if (L <= 0 || cache.windowed()) {
     return absl::InvalidArgumentError("MakeLocalHandoff: needs a dense cache after prefill");
   }
+  if (o.store_dtype != kv_store::DType::kF32 && o.store_dtype != kv_store::DType::kBf16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MakeLocalHandoff: store_dtype ", kv_store::DTypeName(o.store_dtype), ": f32 or bf16"));
+  }
   const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
                                       static_cast<uint32_t>(c.n_kv_heads),
-                                      static_cast<uint32_t>(c.head_dim), kv_store::DType::kF32};
+                                      static_cast<uint32_t>(c.head_dim), o.store_dtype};
   KVR_RETURN_IF_ERROR(store
                           .CreateSequence(o.sequence_id, shape,
                                           static_cast<uint64_t>(L) + o.sampling.max_tokens,
@@ -41,19 +46,25 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
   const int64_t n_local = std::min(o.params.local_window, L - n_sink);
   for (int layer = 0; layer < c.n_layers; ++layer) {
     const model::KvView kv = cache.View(layer);
-    // Rows to the store, packed [L, n_kv_heads, head_dim] for K and for V.
-    std::vector<float> k(L * row), v(L * row);
+    // Rows to the store, packed [L, n_kv_heads, head_dim] for K and for V, in its dtype.
+    const size_t row_bytes = static_cast<size_t>(row) * kv_store::DTypeSize(o.store_dtype);
+    std::vector<uint8_t> k(L * row_bytes), v(L * row_bytes);
     for (int64_t t = 0; t < L; ++t) {
-      std::memcpy(&k[t * row], kv.k + t * kv.row_stride, row * sizeof(float));
-      std::memcpy(&v[t * row], kv.v + t * kv.row_stride, row * sizeof(float));
+      if (o.store_dtype == kv_store::DType::kBf16) {
+        FloatsToBf16Bytes(kv.k + t * kv.row_stride, static_cast<size_t>(row), &k[t * row_bytes]);
+        FloatsToBf16Bytes(kv.v + t * kv.row_stride, static_cast<size_t>(row), &v[t * row_bytes]);
+      } else {
+        std::memcpy(&k[t * row_bytes], kv.k + t * kv.row_stride, row_bytes);
+        std::memcpy(&v[t * row_bytes], kv.v + t * kv.row_stride, row_bytes);
+      }
     }
     kv_store::LayerRows rows;
     rows.sequence = o.sequence_id;
     rows.layer = static_cast<uint32_t>(layer);
     rows.start_row = 0;
     rows.n_rows = static_cast<uint32_t>(L);
-    rows.k = {reinterpret_cast<const uint8_t*>(k.data()), k.size() * sizeof(float)};
-    rows.v = {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float)};
+    rows.k = k;
+    rows.v = v;
     KVR_RETURN_IF_ERROR(store.PutLayer(rows).status());
 
     HandoffLayerData& out = h.layers.emplace_back();

@@ -31,6 +31,7 @@
 #include "kvr/decode/engine.h"
 #include "kvr/decode/metrics_observer.h"
 #include "kvr/decode/service.h"
+#include "kvr/kv_store/types.h"
 #include "kvr/model/loader.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
@@ -207,8 +208,13 @@ int Serve(const DecodeConfig& config) {
   cv1::ModelInfo* info = capacity->add_models();
   info->set_name(served);
   info->set_context_length(static_cast<uint32_t>(mc.context_length));
+  // Store bytes per token in the row dtype of this node's model: bf16 on cuda (what a
+  // cuda prefill node writes by default), f32 on cpu. The rows of a sequence are in whatever
+  // dtype its prefill node chose; the CPU path reads f32 and bf16 alike.
+  const kv_store::DType row_dtype =
+      config.device == "cuda" ? kv_store::DType::kBf16 : kv_store::DType::kF32;
   info->set_kv_bytes_per_token(uint64_t{2} * mc.n_layers * mc.n_kv_heads * mc.head_dim *
-                               sizeof(float));
+                               kv_store::DTypeSize(row_dtype));
   for (const auto& [name, bytes] : methods) {
     cv1::RetrievalMethodInfo* m = info->add_retrieval_methods();
     m->set_name(name);

@@ -11,7 +11,9 @@
 #include <string>
 #include <utility>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvr/common/half.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/retrieval/all_methods.h"
 #include "test_util.h"
@@ -25,36 +27,60 @@ using testing::RandomTensor;
 constexpr int kLayers = 2, kHeads = 4, kKvHeads = 2, kDim = 16;
 constexpr int64_t kRow = int64_t{kKvHeads} * kDim;
 
+// The values of `x` rounded to bf16 (so that bf16 store rows hold them exactly).
+void RoundToBf16(std::vector<float>& x) {
+  for (float& f : x) f = Bf16ToFloat(FloatToBf16(f));
+}
+
+// `n` rows of `x` from row `first`, as store bytes of `dtype`.
+std::vector<uint8_t> StoreBytes(const std::vector<float>& x, int64_t first, int64_t n,
+                                kv_store::DType dtype) {
+  const size_t count = static_cast<size_t>(n * kRow);
+  std::vector<uint8_t> out(count * kv_store::DTypeSize(dtype));
+  if (dtype == kv_store::DType::kBf16) {
+    FloatsToBf16Bytes(x.data() + first * kRow, count, out.data());
+  } else {
+    std::memcpy(out.data(), x.data() + first * kRow, out.size());
+  }
+  return out;
+}
+
 // A synthetic sequence: K/V of every position, the store holding the prompt, a windowed
-// cache seeded like a handoff, and one index per layer.
+// cache seeded like a handoff, and one index per layer. With dtype bf16 the K/V values are
+// rounded to bf16 first, so that the store holds them exactly and dense attention over them is
+// still the reference.
 struct Fixture {
   int64_t prompt = 0;
   int64_t n_sink = 0, window = 0;
+  kv_store::DType dtype = kv_store::DType::kF32;
   std::vector<std::vector<float>> k, v;  // [n_layers][positions, n_kv_heads, head_dim]
   std::unique_ptr<kv_store::FakeKvStoreClient> fake = testing::MakeFakeStore();
   CountingStore store{fake.get()};
   retrieval::MethodRegistry registry = *retrieval::AllMethods();
   model::KvCache cache{1, 1, 1};
 
-  Fixture(int64_t prompt_tokens, int64_t total, int64_t sink, int64_t local)
-      : prompt(prompt_tokens), n_sink(sink), window(local) {
+  Fixture(int64_t prompt_tokens, int64_t total, int64_t sink, int64_t local,
+          kv_store::DType row_dtype = kv_store::DType::kF32)
+      : prompt(prompt_tokens), n_sink(sink), window(local), dtype(row_dtype) {
     for (int l = 0; l < kLayers; ++l) {
       k.push_back(RandomTensor(total, kKvHeads, kDim, 10 + l));
       v.push_back(RandomTensor(total, kKvHeads, kDim, 20 + l));
+      if (dtype == kv_store::DType::kBf16) {
+        RoundToBf16(k.back());
+        RoundToBf16(v.back());
+      }
     }
     EXPECT_TRUE(store
-                    .CreateSequence(7, {kLayers, kKvHeads, kDim, kv_store::DType::kF32},
+                    .CreateSequence(7, {kLayers, kKvHeads, kDim, dtype},
                                     static_cast<uint64_t>(total), absl::ZeroDuration())
                     .ok());
     cache = model::KvCache::Windowed(kLayers, kKvHeads, kDim, sink, local);
     const int64_t n_s = std::min(sink, prompt), n_l = std::min(local, prompt - n_s);
     for (int l = 0; l < kLayers; ++l) {
-      kv_store::LayerRows rows{7,
-                               static_cast<uint32_t>(l),
-                               0,
-                               static_cast<uint32_t>(prompt),
-                               Bytes(k[l], 0, prompt),
-                               Bytes(v[l], 0, prompt)};
+      const std::vector<uint8_t> k_bytes = StoreBytes(k[l], 0, prompt, dtype);
+      const std::vector<uint8_t> v_bytes = StoreBytes(v[l], 0, prompt, dtype);
+      kv_store::LayerRows rows{
+          7, static_cast<uint32_t>(l), 0, static_cast<uint32_t>(prompt), k_bytes, v_bytes};
       EXPECT_TRUE(store.PutLayer(rows).ok());
       EXPECT_TRUE(cache.AppendAt(l, 0, n_s, k[l].data(), v[l].data(), kRow).ok());
       EXPECT_TRUE(cache
@@ -93,6 +119,7 @@ struct Fixture {
     }
     s.store = &store;
     s.store_sequence = 7;
+    s.row_dtype = dtype;
     s.cache = &cache;
     return s;
   }
@@ -353,6 +380,133 @@ TEST(DecodeAttentionTest, RejectsPrefillAndUnknownSequences) {
   EXPECT_TRUE(absl::IsAlreadyExists(attention.AddSequence(7, f.Setup("full", 8))));
 }
 
+// ---- Store rows in bf16 ----
+
+// Sums the bytes DecodeAttention reports moving.
+class ByteRecorder final : public DecodeObserver {
+ public:
+  void OnFetch(const FetchReport& f) override {
+    fetched_rows += f.rows;
+    fetched_bytes += f.bytes;
+  }
+  void OnOffload(int64_t bytes) override { offloaded_bytes += bytes; }
+  int64_t fetched_rows = 0, fetched_bytes = 0, offloaded_bytes = 0;
+};
+
+// Rows [first, first + n) of KV head `head` of (k, v) as store rows [k | v] of `dtype`.
+std::vector<uint8_t> HeadRows(const std::vector<float>& k, const std::vector<float>& v, int head,
+                              int64_t first, int64_t n, kv_store::DType dtype) {
+  std::vector<float> rows;
+  for (int64_t t = first; t < first + n; ++t) {
+    rows.insert(rows.end(), k.begin() + t * kRow + head * kDim,
+                k.begin() + t * kRow + (head + 1) * kDim);
+    rows.insert(rows.end(), v.begin() + t * kRow + head * kDim,
+                v.begin() + t * kRow + (head + 1) * kDim);
+  }
+  std::vector<uint8_t> out(rows.size() * kv_store::DTypeSize(dtype));
+  if (dtype == kv_store::DType::kBf16) {
+    FloatsToBf16Bytes(rows.data(), rows.size(), out.data());
+  } else {
+    std::memcpy(out.data(), rows.data(), out.size());
+  }
+  return out;
+}
+
+TEST(DecodeAttentionTest, Bf16RowsAttendAsTheirValuesAndMoveHalfTheBytes) {
+  Fixture f(/*prompt=*/100, /*total=*/140, /*sink=*/4, /*local=*/16, kv_store::DType::kBf16);
+  ByteRecorder bytes;
+  DecodeAttention attention({kLayers, kKvHeads, kDim, 1 << 20}, &bytes);
+  ASSERT_TRUE(attention.AddSequence(7, f.Setup("full", 8)).ok());
+  // The fetched rows, widened, are the (bf16-exact) values: full equals dense over them.
+  RunSteps(f, attention, 30, [](int, int64_t p, const std::vector<float>&) { return AllUpTo(p); });
+  const RetrievalCounters c = attention.counters(7);
+  EXPECT_GT(c.rows_fetched, 0);
+  EXPECT_EQ(c.bytes_fetched, c.rows_fetched * 2 * kDim * 2);
+  EXPECT_EQ(bytes.fetched_rows, c.rows_fetched);
+  EXPECT_EQ(bytes.fetched_bytes, c.bytes_fetched);
+  EXPECT_EQ(bytes.offloaded_bytes, 30 * kLayers * 2 * kRow * 2);
+  // The generated rows [100, 130) were appended as bf16 rows.
+  auto info = f.store.GetSequence(7);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->shape.dtype, kv_store::DType::kBf16);
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(info->committed_rows[l], 130u);
+    for (int h = 0; h < kKvHeads; ++h) {
+      kv_store::RangeEntry range{7, static_cast<uint32_t>(l), static_cast<uint32_t>(h), 100, 30};
+      std::vector<uint8_t> got(30 * 2 * kDim * 2);
+      ASSERT_TRUE(f.store.RangeRead(std::span(&range, 1), got).ok());
+      EXPECT_EQ(got, HeadRows(f.k[l], f.v[l], h, 100, 30, kv_store::DType::kBf16))
+          << "layer " << l << " head " << h;
+    }
+  }
+}
+
+TEST(DecodeAttentionTest, OneGatherMixesF32AndBf16Sequences) {
+  Fixture a(64, 80, 4, 8), b(64, 80, 4, 8, kv_store::DType::kBf16);
+  // b's rows also go into a's store (bf16, sequence 8): one gather per layer covers both
+  // sequences, and the reply holds each one's rows in its own dtype.
+  DecodeAttention attention({kLayers, kKvHeads, kDim, 0}, nullptr);
+  DecodeSequenceSetup sa = a.Setup("full", 8), sb = b.Setup("full", 8);
+  ASSERT_TRUE(a.store
+                  .CreateSequence(8, {kLayers, kKvHeads, kDim, kv_store::DType::kBf16}, 80,
+                                  absl::ZeroDuration())
+                  .ok());
+  for (int l = 0; l < kLayers; ++l) {
+    const std::vector<uint8_t> k = StoreBytes(b.k[l], 0, 64, kv_store::DType::kBf16);
+    const std::vector<uint8_t> v = StoreBytes(b.v[l], 0, 64, kv_store::DType::kBf16);
+    ASSERT_TRUE(a.store.PutLayer({8, static_cast<uint32_t>(l), 0, 64, k, v}).ok());
+  }
+  sb.store = &a.store;
+  sb.store_sequence = 8;
+  ASSERT_TRUE(attention.AddSequence(7, std::move(sa)).ok());
+  ASSERT_TRUE(attention.AddSequence(8, std::move(sb)).ok());
+  a.store.gathers = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<float> q = RandomTensor(2, kHeads, kDim, 77 + l);
+    std::vector<float> out(2 * kHeads * kDim);
+    Fixture* fs[2] = {&a, &b};
+    model::AttentionRequest r[2];
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(
+          fs[i]
+              ->cache
+              .Append(l, 1, fs[i]->k[l].data() + 64 * kRow, fs[i]->v[l].data() + 64 * kRow, kRow)
+              .ok());
+      r[i] = {static_cast<model::SequenceId>(7 + i),
+              l,
+              64,
+              1,
+              q.data() + i * kHeads * kDim,
+              fs[i]->cache.View(l),
+              out.data() + i * kHeads * kDim};
+    }
+    ASSERT_TRUE(attention.Attend(kShape, r).ok());
+    for (int i = 0; i < 2; ++i) {
+      const std::vector<float> want = Reference(fs[i]->k[l], fs[i]->v[l], r[i].q, 64, AllUpTo(64));
+      for (int j = 0; j < kHeads * kDim; ++j) {
+        ASSERT_NEAR(out[i * kHeads * kDim + j], want[j], 2e-5f) << "sequence " << i;
+      }
+    }
+  }
+  EXPECT_EQ(a.store.gathers.load(), kLayers);
+  const int64_t rows = kLayers * kKvHeads * (64 - 4 - 8 + 1);  // [n_sink, local_begin) per head
+  EXPECT_EQ(attention.counters(7).rows_fetched, rows);
+  EXPECT_EQ(attention.counters(7).bytes_fetched, rows * 2 * kDim * 4);
+  EXPECT_EQ(attention.counters(8).rows_fetched, rows);
+  EXPECT_EQ(attention.counters(8).bytes_fetched, rows * 2 * kDim * 2);
+}
+
+TEST(DecodeAttentionTest, RefusesRowDtypesOtherThanF32AndBf16) {
+  Fixture f(40, 50, 4, 8);
+  DecodeAttention attention({kLayers, kKvHeads, kDim, 1 << 20}, nullptr);
+  DecodeSequenceSetup setup = f.Setup("full", 8);
+  setup.row_dtype = kv_store::DType::kF16;
+  const absl::Status s = attention.AddSequence(7, std::move(setup));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(s.message(), ::testing::HasSubstr("f16"));
+  EXPECT_FALSE(attention.Has(7));
+}
+
 // ---- Sampled retrieval quality (--quality-sample-rate) ----
 
 // Records OnQuality calls.
@@ -463,39 +617,44 @@ auto NoCheck() {
 }
 
 TEST(DecodeAttentionQualityTest, ExactHasRecallOneAndTheDirectMass) {
-  constexpr int kSteps = 3;
-  Fixture f(/*prompt=*/120, /*total=*/130, /*sink=*/4, /*local=*/16);
-  QualityRecorder recorder;
-  DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
-  options.quality_sample_rate = 1;
-  DecodeAttention attention(options, &recorder);
-  ASSERT_TRUE(attention.AddSequence(7, f.Setup("exact", 8)).ok());
-  RunSteps(f, attention, kSteps, NoCheck());
-  ASSERT_EQ(recorder.samples.size(), size_t{kSteps * kLayers});  // rate 1: every (step, layer)
-  int64_t candidates = 0;
-  for (int s = 0; s < kSteps; ++s) {
-    const int64_t p = f.prompt + s, local_begin = p + 1 - 16;
-    candidates += local_begin - 4;
-    for (int l = 0; l < kLayers; ++l) {
-      const std::vector<float> q = StepQuery(p, l);
-      const DirectQuality want = Direct(f.k[l], q.data(), p, 4, local_begin, 8, nullptr);
-      const QualityRecorder::Sample& got = recorder.samples[s * kLayers + l];
-      EXPECT_EQ(got.method, "exact");
-      EXPECT_DOUBLE_EQ(got.recall, 1.0) << "step " << s << " layer " << l;
-      EXPECT_NEAR(got.mass, want.mass, 1e-5) << "step " << s << " layer " << l;
-      EXPECT_LT(got.mass, 1.0);  // 8 of ~100 candidates do not cover everything
+  // bf16 store rows: the oracle reads them (half the bytes) and widens them to the values.
+  for (const kv_store::DType dtype : {kv_store::DType::kF32, kv_store::DType::kBf16}) {
+    SCOPED_TRACE(kv_store::DTypeName(dtype));
+    const int64_t elem = static_cast<int64_t>(kv_store::DTypeSize(dtype));
+    constexpr int kSteps = 3;
+    Fixture f(/*prompt=*/120, /*total=*/130, /*sink=*/4, /*local=*/16, dtype);
+    QualityRecorder recorder;
+    DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
+    options.quality_sample_rate = 1;
+    DecodeAttention attention(options, &recorder);
+    ASSERT_TRUE(attention.AddSequence(7, f.Setup("exact", 8)).ok());
+    RunSteps(f, attention, kSteps, NoCheck());
+    ASSERT_EQ(recorder.samples.size(), size_t{kSteps * kLayers});  // rate 1: every (step, layer)
+    int64_t candidates = 0;
+    for (int s = 0; s < kSteps; ++s) {
+      const int64_t p = f.prompt + s, local_begin = p + 1 - 16;
+      candidates += local_begin - 4;
+      for (int l = 0; l < kLayers; ++l) {
+        const std::vector<float> q = StepQuery(p, l);
+        const DirectQuality want = Direct(f.k[l], q.data(), p, 4, local_begin, 8, nullptr);
+        const QualityRecorder::Sample& got = recorder.samples[s * kLayers + l];
+        EXPECT_EQ(got.method, "exact");
+        EXPECT_DOUBLE_EQ(got.recall, 1.0) << "step " << s << " layer " << l;
+        EXPECT_NEAR(got.mass, want.mass, 1e-5) << "step " << s << " layer " << l;
+        EXPECT_LT(got.mass, 1.0);  // 8 of ~100 candidates do not cover everything
+      }
     }
+    // The oracle's reads are counted apart from the request's fetches.
+    const NodeCounters& node = attention.node_counters();
+    EXPECT_EQ(node.quality_samples, kSteps * kLayers);
+    EXPECT_EQ(node.quality_rows_fetched, candidates * kLayers * kKvHeads);
+    EXPECT_EQ(node.quality_bytes_fetched, node.quality_rows_fetched * 2 * kDim * elem);
+    EXPECT_EQ(f.store.range_reads.load(), kSteps * kLayers);  // one read per sample, all heads
+    const RetrievalCounters c = attention.counters(7);
+    EXPECT_EQ(c.rows_fetched, c.hot_cache_misses);
+    EXPECT_EQ(c.bytes_fetched, c.rows_fetched * 2 * kDim * elem);
+    EXPECT_EQ(node.retrieval.rows_fetched, c.rows_fetched);
   }
-  // The oracle's reads are counted apart from the request's fetches.
-  const NodeCounters& node = attention.node_counters();
-  EXPECT_EQ(node.quality_samples, kSteps * kLayers);
-  EXPECT_EQ(node.quality_rows_fetched, candidates * kLayers * kKvHeads);
-  EXPECT_EQ(node.quality_bytes_fetched, node.quality_rows_fetched * 2 * kDim * 4);
-  EXPECT_EQ(f.store.range_reads.load(), kSteps * kLayers);  // one read per sample, all heads
-  const RetrievalCounters c = attention.counters(7);
-  EXPECT_EQ(c.rows_fetched, c.hot_cache_misses);
-  EXPECT_EQ(c.bytes_fetched, c.rows_fetched * 2 * kDim * 4);
-  EXPECT_EQ(node.retrieval.rows_fetched, c.rows_fetched);
 }
 
 TEST(DecodeAttentionQualityTest, EmptySelectionHasRecallZeroAndOnlyResidentMass) {

@@ -1,8 +1,9 @@
 // Real processes: kvr-controller, kvr-store and kvr-decode; this test plays the prefill node
 // (SmolLM2 prefill in-process, rows to the store over UCX, Handoff over gRPC) and the
 // controller's Stream/Cancel calls. Checks: kvr-decode registers; with `full` the streamed
-// greedy tokens equal single-process dense decoding; the store sequence is released at the
-// end; a cancelled Stream frees it within a second; Stream without handoff is NOT_FOUND.
+// greedy tokens equal single-process dense decoding, from f32 and from bf16 store rows; the
+// store sequence is released at the end; a cancelled Stream frees it within a second; Stream
+// without handoff is NOT_FOUND.
 
 #include <grpcpp/grpcpp.h>
 
@@ -14,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/half.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/decode/local_handoff.h"
@@ -112,6 +114,15 @@ class DecodeIntegrationTest : public ::testing::Test {
       EXPECT_TRUE(copy.Append(l, v.n_rows, v.k, v.v, v.row_stride).ok());
     }
     *prefilled = std::move(copy);
+    return GreedyFrom(std::move(cache), out[0], n);
+  }
+
+  // Dense greedy continuation of a prefilled `cache` whose first token is `first`: `n` tokens,
+  // the first included.
+  std::vector<int32_t> GreedyFrom(model::KvCache cache, int32_t first, int n) {
+    model::DenseAttention dense(&pool_);
+    const model::Model& m = *loaded_.model;
+    std::vector<int32_t> out{first};
     std::vector<float> step(m.config().vocab);
     while (static_cast<int>(out.size()) < n) {
       model::ForwardSequence s{1, &cache, std::span(&out.back(), 1)};
@@ -119,6 +130,39 @@ class DecodeIntegrationTest : public ::testing::Test {
       out.push_back(model::ArgMax(step));
     }
     return out;
+  }
+
+  // A dense copy of `cache` with every K/V value rounded to bf16 (exact in f32 and in bf16).
+  model::KvCache RoundedToBf16(const model::KvCache& cache) {
+    model::KvCache out = loaded_.model->NewCache();
+    const int64_t row = cache.row_floats();
+    for (int l = 0; l < cache.n_layers(); ++l) {
+      const model::KvView v = cache.View(l);
+      std::vector<float> k(v.n_rows * row), vv(v.n_rows * row);
+      for (int64_t t = 0; t < v.n_rows; ++t) {
+        for (int64_t i = 0; i < row; ++i) {
+          k[t * row + i] = Bf16ToFloat(FloatToBf16(v.k[t * v.row_stride + i]));
+          vv[t * row + i] = Bf16ToFloat(FloatToBf16(v.v[t * v.row_stride + i]));
+        }
+      }
+      EXPECT_TRUE(out.Append(l, v.n_rows, k.data(), vv.data(), row).ok());
+    }
+    return out;
+  }
+
+  // Streams sequence `id` to its end: the tokens after the first, and the completion.
+  void StreamToEnd(uint64_t id, std::vector<int32_t>* tokens, kvr::v1::Completion* completion) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    cv1::StreamRequest req;
+    req.set_sequence_id(id);
+    auto reader = decode_stub_->Stream(&ctx, req);
+    cv1::StreamResponse msg;
+    while (reader->Read(&msg)) {
+      tokens->insert(tokens->end(), msg.token_ids().begin(), msg.token_ids().end());
+      if (msg.has_completion()) *completion = msg.completion();
+    }
+    EXPECT_TRUE(reader->Finish().ok());
   }
 
   grpc::Status SendHandoff(const Handoff& h) {
@@ -200,19 +244,7 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
 
   std::vector<int32_t> got;
   kvr::v1::Completion completion;
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    cv1::StreamRequest req;
-    req.set_sequence_id(4242);
-    auto reader = decode_stub_->Stream(&ctx, req);
-    cv1::StreamResponse msg;
-    while (reader->Read(&msg)) {
-      got.insert(got.end(), msg.token_ids().begin(), msg.token_ids().end());
-      if (msg.has_completion()) completion = msg.completion();
-    }
-    ASSERT_TRUE(reader->Finish().ok());
-  }
+  StreamToEnd(4242, &got, &completion);
   EXPECT_EQ(got, std::vector<int32_t>(expected.begin() + 1, expected.end()));
   EXPECT_EQ(completion.usage().completion_tokens(), static_cast<uint32_t>(kTokens));
   EXPECT_EQ(completion.usage().prompt_tokens(), ids->size());
@@ -220,6 +252,39 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
   EXPECT_GT(completion.retrieval().hot_cache_hits(), 0u);
   for (int i = 0; i < 100 && StoreSequences() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(StoreSequences(), 0u);
+
+  // bf16 store rows (as a cuda prefill node writes them): the prompt's rows rounded to bf16
+  // values, sink/local rows too (the handoff carries them as f32). With fewer tokens than the
+  // local window every fetched row is a prompt row, so `full` equals dense decoding over the
+  // rounded prompt, and the same rows are fetched in half the bytes.
+  {
+    const model::KvCache rounded = RoundedToBf16(prefilled);
+    const std::vector<int32_t> expected_bf16 = GreedyFrom(
+        [&] {
+          model::KvCache copy = loaded_.model->NewCache();
+          for (int l = 0; l < rounded.n_layers(); ++l) {
+            const model::KvView v = rounded.View(l);
+            EXPECT_TRUE(copy.Append(l, v.n_rows, v.k, v.v, v.row_stride).ok());
+          }
+          return copy;
+        }(),
+        expected[0], kTokens);
+    LocalHandoffOptions ob = o;
+    ob.sequence_id = 4244;
+    ob.store_dtype = kv_store::DType::kBf16;
+    auto hb = MakeLocalHandoff(*loaded_.model, rounded, registry_, *store_client_, ob);
+    ASSERT_TRUE(hb.ok()) << hb.status();
+    ASSERT_TRUE(SendHandoff(*hb).ok());
+    std::vector<int32_t> got_bf16;
+    kvr::v1::Completion completion_bf16;
+    StreamToEnd(4244, &got_bf16, &completion_bf16);
+    EXPECT_EQ(got_bf16, std::vector<int32_t>(expected_bf16.begin() + 1, expected_bf16.end()));
+    EXPECT_EQ(completion_bf16.retrieval().rows_fetched(), completion.retrieval().rows_fetched());
+    EXPECT_EQ(2 * completion_bf16.retrieval().bytes_fetched(),
+              completion.retrieval().bytes_fetched());
+    for (int i = 0; i < 100 && StoreSequences() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_EQ(StoreSequences(), 0u);
+  }
 
   // Cancel: the client goes away mid-stream; the store sequence is released within a second.
   o.sequence_id = 4343;

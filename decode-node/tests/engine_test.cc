@@ -9,6 +9,7 @@
 #include <random>
 
 #include "gtest/gtest.h"
+#include "kvr/common/half.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/decode/local_handoff.h"
 #include "kvr/model/dense_attention.h"
@@ -206,6 +207,134 @@ TEST_F(EngineTest, RejectsBadHandoffs) {
   ASSERT_TRUE(engine->Admit(h).ok());
   EXPECT_TRUE(absl::IsAlreadyExists(engine->Admit(h)));
   EXPECT_TRUE(absl::IsNotFound(engine->Next(999, absl::Now()).status()));
+}
+
+// A dense cache holding `cache`'s rows rounded to bf16 values (exact in f32 and in bf16).
+model::KvCache RoundedToBf16(const model::KvCache& cache) {
+  model::KvCache out(cache.n_layers(), cache.n_kv_heads(), cache.head_dim());
+  const int64_t row = cache.row_floats();
+  for (int l = 0; l < cache.n_layers(); ++l) {
+    const model::KvView kv = cache.View(l);
+    std::vector<float> k(kv.n_rows * row), v(kv.n_rows * row);
+    for (int64_t t = 0; t < kv.n_rows; ++t) {
+      for (int64_t i = 0; i < row; ++i) {
+        k[t * row + i] = Bf16ToFloat(FloatToBf16(kv.k[t * kv.row_stride + i]));
+        v[t * row + i] = Bf16ToFloat(FloatToBf16(kv.v[t * kv.row_stride + i]));
+      }
+    }
+    EXPECT_TRUE(out.Append(l, kv.n_rows, k.data(), v.data(), row).ok());
+  }
+  return out;
+}
+
+TEST_F(EngineTest, Bf16StoreRowsDecodeAsF32RowsRoundedToBf16) {
+  // Two CPU backends decode the same prompt, whose prefill rows were rounded to bf16 values:
+  // one from a store sequence of f32 rows, one from bf16 rows. Fewer steps than the local
+  // window, so every fetched row is a prompt row (the same values in both): the logits must
+  // be equal bit for bit. The generated rows each appends to its store must then be the same
+  // values, the bf16 ones rounded to nearest even.
+  const model::ModelConfig& c = model_->config();
+  const std::vector<int32_t> prompt = Prompt(90, 7);
+  const int64_t L = static_cast<int64_t>(prompt.size());
+  model::DenseAttention dense(&pool_);
+  model::KvCache cache = model_->NewCache();
+  auto prefill_logits = model_->Prefill(1, cache, prompt, dense);
+  ASSERT_TRUE(prefill_logits.ok());
+  const model::KvCache rounded = RoundedToBf16(cache);
+  constexpr int kSteps = 12;
+  uint64_t id = 80;
+  for (const char* method : {"full", "quest"}) {
+    SCOPED_TRACE(method);
+    const uint64_t f32_id = ++id, bf16_id = ++id;
+    LocalHandoffOptions o;
+    o.method = method;
+    o.params.budget = 8;
+    o.params.n_sink = 4;
+    o.params.local_window = 16;
+    o.sampling.max_tokens = kSteps + 1;
+    o.first_token = model::ArgMax(*prefill_logits);
+    o.sequence_id = f32_id;
+    auto f32_handoff = MakeLocalHandoff(*model_, rounded, registry_, *store_, o);
+    ASSERT_TRUE(f32_handoff.ok()) << f32_handoff.status();
+    o.sequence_id = bf16_id;
+    o.store_dtype = kv_store::DType::kBf16;
+    auto bf16_handoff = MakeLocalHandoff(*model_, rounded, registry_, *store_, o);
+    ASSERT_TRUE(bf16_handoff.ok()) << bf16_handoff.status();
+    ASSERT_EQ(fake_->GetSequence(bf16_id)->shape.dtype, kv_store::DType::kBf16);
+
+    std::unique_ptr<DecodeBackend> f32 =
+        MakeCpuDecodeBackend(model_.get(), &registry_, {.hot_cache_bytes = 1 << 20}, nullptr);
+    std::unique_ptr<DecodeBackend> bf16 =
+        MakeCpuDecodeBackend(model_.get(), &registry_, {.hot_cache_bytes = 1 << 20}, nullptr);
+    auto f32_state = f32->Prepare(*f32_handoff);
+    ASSERT_TRUE(f32_state.ok()) << f32_state.status();
+    ASSERT_TRUE(f32->Join(*f32_handoff, std::move(*f32_state)).ok());
+    auto bf16_state = bf16->Prepare(*bf16_handoff);
+    ASSERT_TRUE(bf16_state.ok()) << bf16_state.status();
+    ASSERT_TRUE(bf16->Join(*bf16_handoff, std::move(*bf16_state)).ok());
+
+    int32_t token = o.first_token;
+    std::vector<float> f32_logits(c.vocab), bf16_logits(c.vocab);
+    for (int s = 0; s < kSteps; ++s) {
+      ASSERT_TRUE(f32->Step(std::span(&f32_id, 1), std::span(&token, 1), f32_logits).ok());
+      ASSERT_TRUE(bf16->Step(std::span(&bf16_id, 1), std::span(&token, 1), bf16_logits).ok());
+      ASSERT_EQ(f32_logits, bf16_logits) << "step " << s;
+      f32->AfterStep();
+      bf16->AfterStep();
+      token = model::ArgMax(f32_logits);
+    }
+    const RetrievalCounters f32_counters = f32->Leave(f32_id);  // waits for the appends
+    const RetrievalCounters bf16_counters = bf16->Leave(bf16_id);
+    EXPECT_GT(f32_counters.rows_fetched, 0);
+    EXPECT_EQ(bf16_counters.rows_fetched, f32_counters.rows_fetched);
+    EXPECT_EQ(2 * bf16_counters.bytes_fetched, f32_counters.bytes_fetched);
+    EXPECT_EQ(bf16_counters.rows_offloaded, f32_counters.rows_offloaded);
+
+    // The generated rows [L, L + kSteps): bf16 = FloatToBf16 of the f32 run's rows.
+    const int64_t floats = kSteps * 2 * int64_t{c.head_dim};
+    bool any_rounded = false;
+    for (int l = 0; l < c.n_layers; ++l) {
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        kv_store::RangeEntry range{f32_id, static_cast<uint32_t>(l), static_cast<uint32_t>(h),
+                                   static_cast<uint64_t>(L), kSteps};
+        std::vector<float> f32_rows(floats);
+        ASSERT_TRUE(fake_
+                        ->RangeRead(std::span(&range, 1),
+                                    std::span(reinterpret_cast<uint8_t*>(f32_rows.data()),
+                                              f32_rows.size() * sizeof(float)))
+                        .ok());
+        range.sequence = bf16_id;
+        std::vector<uint8_t> bf16_rows(floats * 2);
+        ASSERT_TRUE(fake_->RangeRead(std::span(&range, 1), bf16_rows).ok());
+        std::vector<uint8_t> want(floats * 2);
+        FloatsToBf16Bytes(f32_rows.data(), f32_rows.size(), want.data());
+        EXPECT_EQ(bf16_rows, want) << "layer " << l << " head " << h;
+        for (float x : f32_rows) any_rounded |= Bf16ToFloat(FloatToBf16(x)) != x;
+      }
+    }
+    EXPECT_TRUE(any_rounded) << "the generated rows should not all be bf16 values already";
+    ASSERT_TRUE(fake_->Release(f32_id, absl::ZeroDuration()).ok());
+    ASSERT_TRUE(fake_->Release(bf16_id, absl::ZeroDuration()).ok());
+  }
+}
+
+TEST_F(EngineTest, RefusesStoreSequencesOfAnotherRowDtype) {
+  // A store sequence of f16 rows (no prefill node writes them): the CPU backend names the
+  // dtype.
+  auto engine = Engine(1);
+  Handoff h = MakeHandoff(91, Prompt(40, 9), "full", 8, 10);
+  ASSERT_TRUE(fake_->Release(91, absl::ZeroDuration()).ok());
+  const model::ModelConfig& c = model_->config();
+  ASSERT_TRUE(
+      fake_
+          ->CreateSequence(91,
+                           {static_cast<uint32_t>(c.n_layers), static_cast<uint32_t>(c.n_kv_heads),
+                            static_cast<uint32_t>(c.head_dim), kv_store::DType::kF16},
+                           50, absl::ZeroDuration())
+          .ok());
+  const absl::Status s = engine->Admit(std::move(h));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("f16"), std::string_view::npos) << s;
 }
 
 // Counts what the engine reports (the metrics helper's Prometheus observer plugs in here).

@@ -66,6 +66,15 @@ const std::vector<PrefillConfigField>& PrefillConfigFields() {
          return absl::OkStatus();
        },
        [](const PrefillConfig& c) { return c.device; }},
+      {"store_dtype",
+       "element type of the rows put to the KV store: f32 or bf16 (default: bf16 with "
+       "--device cuda, f32 with --device cpu)",
+       [](PrefillConfig& c, const std::string& v) {
+         if (v != "f32" && v != "bf16") return BadValue(v, "f32 or bf16");
+         c.store_dtype = v;
+         return absl::OkStatus();
+       },
+       [](const PrefillConfig& c) { return c.store_dtype; }},
       UintField("cuda_device", "CUDA device ordinal for --device cuda", &PrefillConfig::cuda_device,
                 true),
       {"gpu_summaries",
@@ -172,6 +181,8 @@ absl::StatusOr<PrefillConfig> ResolvePrefillConfig(
       return absl::InvalidArgumentError(absl::StrCat(f.name, " (", source, "): ", s.message()));
     }
   }
+  // The model's KV dtype unless told otherwise (so the effective config shows the choice).
+  if (config.store_dtype.empty()) config.store_dtype = config.device == "cuda" ? "bf16" : "f32";
   return config;
 }
 
@@ -181,6 +192,10 @@ std::string FormatPrefillConfig(const PrefillConfig& config) {
     absl::StrAppend(&out, f.name, ": \"", f.get(config), "\"\n");
   }
   return out;
+}
+
+kv_store::DType StoreDType(const PrefillConfig& config) {
+  return config.store_dtype == "bf16" ? kv_store::DType::kBf16 : kv_store::DType::kF32;
 }
 
 std::string ServedModelName(const PrefillConfig& config) {

@@ -207,6 +207,7 @@ int Serve(const PrefillConfig& config) {
                        &*registry, &stores, &handoff,
                        EngineOptions{.chunk_tokens = config.chunk_tokens,
                                      .max_prefill_queries = config.max_prefill_queries,
+                                     .store_dtype = StoreDType(config),
                                      .method_assets = a2ats_assets,
                                      .observer = &metrics_observer});
   PrefillServiceImpl service(&engine);
@@ -245,9 +246,9 @@ int Serve(const PrefillConfig& config) {
   cv1::ModelInfo* info = capacity->add_models();
   info->set_name(served);
   info->set_context_length(static_cast<uint32_t>(mc.context_length));
-  // What the store holds per token: K and V of every layer, float32 (the handoff contract).
+  // What the store holds per token: K and V of every layer, in the store row dtype.
   info->set_kv_bytes_per_token(uint64_t{2} * mc.n_layers * mc.n_kv_heads * mc.head_dim *
-                               sizeof(float));
+                               kv_store::DTypeSize(StoreDType(config)));
   // Register + heartbeat (re-registers on NOT_FOUND, retries while the controller is
   // unreachable) on the client's thread; Stop() deregisters.
   kvr::controller::MembershipClient::Options membership_options;

@@ -13,6 +13,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/index.h"
@@ -46,6 +47,7 @@ class LayerWorker {
     const retrieval::IndexParams* params = nullptr;
     std::string method;
     kv_store::KvStoreClient* store = nullptr;
+    kv_store::DType store_dtype = kv_store::DType::kF32;  // f32 or bf16
     uint64_t sequence = 0;
     int64_t prompt_tokens = 0;
     PrefillObserver* observer = nullptr;
@@ -183,31 +185,42 @@ class LayerWorker {
     PackRows(task.kv, c.n_kv_heads, c.head_dim, positions, layer.mutable_local_kv());
     for (int64_t p : positions) layer.add_local_positions(static_cast<uint32_t>(p));
 
-    // 3. Every row to the store, asynchronously. The cache rows are contiguous when the
-    // cache's stride equals the row width (KvCache's layout); otherwise they are packed first.
+    // 3. Every row to the store, asynchronously, in the store's dtype. f32 rows go as they lie
+    // when the cache's stride equals the row width (KvCache's layout); otherwise, and for bf16,
+    // they are packed (and narrowed) into a buffer the put reads.
     kv_store::LayerRows rows;
     rows.sequence = ctx_.sequence;
     rows.layer = static_cast<uint32_t>(task.layer);
     rows.start_row = 0;
     rows.n_rows = static_cast<uint32_t>(L);
-    const size_t half_bytes = static_cast<size_t>(L * kv_dim) * sizeof(float);
-    if (task.kv.row_stride == kv_dim) {
+    const bool bf16 = ctx_.store_dtype == kv_store::DType::kBf16;
+    const size_t elem_bytes = kv_store::DTypeSize(ctx_.store_dtype);
+    const size_t row_bytes = static_cast<size_t>(kv_dim) * elem_bytes;
+    const size_t half_bytes = static_cast<size_t>(L) * row_bytes;
+    if (!bf16 && task.kv.row_stride == kv_dim) {
       rows.k = {reinterpret_cast<const uint8_t*>(task.kv.k), half_bytes};
       rows.v = {reinterpret_cast<const uint8_t*>(task.kv.v), half_bytes};
     } else {
-      std::vector<float>* packed = nullptr;
+      std::vector<uint8_t>* packed = nullptr;
       {
         absl::MutexLock lock(&out_mu_);
-        packed = &packed_.emplace_back(2 * L * kv_dim);  // deque: stable addresses
+        packed = &packed_.emplace_back(2 * half_bytes);  // deque: stable addresses
       }
-      std::vector<float>& buf = *packed;
+      uint8_t* k_dst = packed->data();
+      uint8_t* v_dst = packed->data() + half_bytes;
       for (int64_t r = 0; r < L; ++r) {
-        std::memcpy(&buf[r * kv_dim], task.kv.k + r * task.kv.row_stride, kv_dim * sizeof(float));
-        std::memcpy(&buf[(L + r) * kv_dim], task.kv.v + r * task.kv.row_stride,
-                    kv_dim * sizeof(float));
+        const float* k = task.kv.k + r * task.kv.row_stride;
+        const float* v = task.kv.v + r * task.kv.row_stride;
+        if (bf16) {
+          FloatsToBf16Bytes(k, static_cast<size_t>(kv_dim), k_dst + r * row_bytes);
+          FloatsToBf16Bytes(v, static_cast<size_t>(kv_dim), v_dst + r * row_bytes);
+        } else {
+          std::memcpy(k_dst + r * row_bytes, k, row_bytes);
+          std::memcpy(v_dst + r * row_bytes, v, row_bytes);
+        }
       }
-      rows.k = {reinterpret_cast<const uint8_t*>(buf.data()), half_bytes};
-      rows.v = {reinterpret_cast<const uint8_t*>(buf.data() + L * kv_dim), half_bytes};
+      rows.k = {k_dst, half_bytes};
+      rows.v = {v_dst, half_bytes};
     }
     std::unique_ptr<kv_store::KvStoreOp> put = ctx_.store->StartPutLayer(rows);
     {
@@ -280,7 +293,7 @@ class LayerWorker {
   std::vector<std::optional<cv1::HandoffLayer>> layers_;
   absl::Mutex out_mu_;
   std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts_;
-  std::deque<std::vector<float>> packed_;  // buffers of puts whose rows needed packing
+  std::deque<std::vector<uint8_t>> packed_;  // buffers of puts whose rows needed packing
   uint64_t kv_bytes_ = 0;
   std::vector<std::thread> threads_;  // started in the constructor body, after the above
 };
@@ -430,6 +443,12 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                                                        const std::function<bool()>& gone) {
   const model::ModelConfig& c = backend_->config();
   const int64_t L = static_cast<int64_t>(ids.size());
+  if (options_.store_dtype != kv_store::DType::kF32 &&
+      options_.store_dtype != kv_store::DType::kBf16) {
+    return absl::InvalidArgumentError(absl::StrCat("store_dtype ",
+                                                   kv_store::DTypeName(options_.store_dtype),
+                                                   ": this node puts f32 or bf16 rows"));
+  }
   auto check = [&]() -> absl::Status {
     if (running.cancelled || (gone && gone())) {
       return absl::CancelledError(absl::StrCat("request ", job.request_id, " cancelled"));
@@ -477,7 +496,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   if (!store.ok()) return NodeFailure(job.store, "store", store.status());
   kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
                                 static_cast<uint32_t>(c.n_kv_heads),
-                                static_cast<uint32_t>(c.head_dim), kv_store::DType::kF32};
+                                static_cast<uint32_t>(c.head_dim), options_.store_dtype};
   uint64_t expected = static_cast<uint64_t>(L) + max_tokens;
   if (c.context_length > 0) expected = std::min<uint64_t>(expected, c.context_length);
   const absl::Duration lease =
@@ -503,6 +522,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                       .params = &params,
                       .method = rp.method(),
                       .store = *store,
+                      .store_dtype = options_.store_dtype,
                       .sequence = job.sequence_id,
                       .prompt_tokens = L,
                       .observer = options_.observer,

@@ -46,6 +46,33 @@ TEST(PrefillConfigTest, BadValuesNameTheSettingAndSource) {
   EXPECT_THAT(c.status().message(), HasSubstr("no_such_setting"));
 }
 
+TEST(PrefillConfigTest, StoreDtypeFollowsTheDeviceUnlessSet) {
+  auto c = Resolve({}, std::nullopt, {});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->store_dtype, "f32");  // the CPU model runs in f32
+  EXPECT_EQ(StoreDType(*c), kv_store::DType::kF32);
+  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("store_dtype: \"f32\""));
+  c = Resolve({{"device", "cuda"}}, std::nullopt, {});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->store_dtype, "bf16");  // the GPU model's KV is bf16
+  EXPECT_EQ(StoreDType(*c), kv_store::DType::kBf16);
+  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("store_dtype: \"bf16\""));
+  c = Resolve({{"device", "cuda"}}, std::nullopt, {{"KVR_PREFILL_STORE_DTYPE", "f32"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(StoreDType(*c), kv_store::DType::kF32);
+  c = Resolve({{"store_dtype", "bf16"}}, std::nullopt, {});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->device, "cpu");
+  EXPECT_EQ(StoreDType(*c), kv_store::DType::kBf16);
+
+  c = Resolve({}, std::nullopt, {{"KVR_PREFILL_STORE_DTYPE", "fp16"}});
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("store_dtype"));
+  EXPECT_THAT(c.status().message(), HasSubstr("KVR_PREFILL_STORE_DTYPE"));
+  EXPECT_THAT(c.status().message(), HasSubstr("f32 or bf16"));
+}
+
 TEST(PrefillConfigTest, ServedModelName) {
   PrefillConfig c;
   c.model = "smollm2-135m-instruct";

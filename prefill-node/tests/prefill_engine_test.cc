@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "kvr/common/half.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/dense_attention.h"
@@ -183,6 +184,7 @@ TEST_F(PrefillEngineTest, ShipsEveryLayerToStoreAndDecodeNode) {
   // The store holds every row of every layer, equal to the dense cache.
   auto info = store_->GetSequence(42);
   ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->shape.dtype, kv_store::DType::kF32);  // EngineOptions' default
   for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
   const int head = 1, layer = c.n_layers - 1;
   std::vector<uint8_t> out(L * row_bytes / c.n_kv_heads);
@@ -194,6 +196,66 @@ TEST_F(PrefillEngineTest, ShipsEveryLayerToStoreAndDecodeNode) {
   EXPECT_EQ(std::memcmp(row5 + c.head_dim, view.v + 5 * view.row_stride + head * c.head_dim,
                         c.head_dim * 4),
             0);
+}
+
+TEST_F(PrefillEngineTest, Bf16StoreRowsAreTheRowsRoundedToBf16) {
+  PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(),
+                       &opener_,
+                       EngineOptions{.chunk_tokens = 64, .store_dtype = kv_store::DType::kBf16});
+  PrefillJob job = Job(TextPrompt{Text()}, "quest");
+  auto result = engine.Run(job);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const model::Model& m = *loaded_->model;
+  const model::ModelConfig& c = m.config();
+  auto ids = engine.Tokenize(job.prompt);
+  ASSERT_TRUE(ids.ok());
+  const int64_t L = static_cast<int64_t>(ids->size());
+  model::KvCache cache = m.NewCache();
+  model::DenseAttention dense(pool_);
+  ASSERT_TRUE(m.Prefill(1, cache, *ids, dense, 64).ok());
+  // Half the bytes of f32 rows.
+  EXPECT_EQ(result->kv_bytes_shipped, uint64_t{2} * L * c.n_kv_heads * c.head_dim * 2 * c.n_layers);
+
+  auto info = store_->GetSequence(42);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->shape.dtype, kv_store::DType::kBf16);
+  for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
+  // Every row of every head of the first and last layers: FloatToBf16 of the f32 rows.
+  for (const int layer : {0, c.n_layers - 1}) {
+    const model::KvView view = cache.View(layer);
+    for (int head = 0; head < c.n_kv_heads; ++head) {
+      kv_store::RangeEntry range{42, static_cast<uint32_t>(layer), static_cast<uint32_t>(head), 0,
+                                 static_cast<uint64_t>(L)};
+      std::vector<uint8_t> got(L * 2 * c.head_dim * 2);
+      ASSERT_TRUE(store_->RangeRead(std::span(&range, 1), got).ok());
+      std::vector<uint8_t> want(got.size());
+      for (int64_t t = 0; t < L; ++t) {
+        uint8_t* row = want.data() + t * 2 * c.head_dim * 2;
+        const int64_t at = t * view.row_stride + int64_t{head} * c.head_dim;
+        FloatsToBf16Bytes(view.k + at, c.head_dim, row);
+        FloatsToBf16Bytes(view.v + at, c.head_dim, row + c.head_dim * 2);
+      }
+      EXPECT_EQ(got, want) << "layer " << layer << " head " << head;
+    }
+  }
+  // The handoff's sink/local rows stay f32, bit for bit.
+  ASSERT_EQ(opener_.chunks.size(), static_cast<size_t>(c.n_layers) + 1);
+  const cv1::HandoffLayer& layer = opener_.chunks[1].layer();
+  std::vector<int64_t> local(32);
+  for (int j = 0; j < 32; ++j) local[j] = L - 32 + j;
+  std::string expected;
+  PackRows(cache.View(layer.layer()), c.n_kv_heads, c.head_dim, local, &expected);
+  EXPECT_EQ(layer.local_kv(), expected);
+}
+
+TEST_F(PrefillEngineTest, StoreDtypeOtherThanF32OrBf16IsRefused) {
+  PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(),
+                       &opener_,
+                       EngineOptions{.chunk_tokens = 64, .store_dtype = kv_store::DType::kF16});
+  auto r = engine.Run(Job(TextPrompt{"Hello there"}));
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("store_dtype f16"));
+  EXPECT_EQ(store_->Stats()->sequences, 0u);
 }
 
 TEST_F(PrefillEngineTest, FullMethodShipsHeaderOnlySummaries) {

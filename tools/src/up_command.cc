@@ -56,6 +56,7 @@ struct UpOptions {
   std::vector<std::string> decode_args;
   std::string a2ats_codebooks;  // given to every prefill and decode node
   std::string device = "cpu";   // --device of every prefill and decode node
+  std::string store_dtype;      // --store-dtype of every prefill node; empty: the node's default
 };
 
 // A child process whose stdout lines are copied into its log file and scanned for the lines
@@ -278,6 +279,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
                                      absl::StrCat("127.0.0.1:", Port(o, 10 + i))};
     if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
     argv.push_back("--device=" + o.device);
+    if (!o.store_dtype.empty()) argv.push_back("--store-dtype=" + o.store_dtype);
     argv.insert(argv.end(), o.prefill_args.begin(), o.prefill_args.end());
     nodes.push_back(std::make_unique<Child>(absl::StrCat("prefill-", i), argv,
                                             log(absl::StrCat("prefill-", i))));
@@ -404,6 +406,10 @@ void AddUpCommand(CLI::App& app) {
                   "settings such as --gpu-budget go through --prefill-arg / --decode-arg)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  cmd->add_option("--store-dtype", o->store_dtype,
+                  "element type of the KV rows the prefill nodes put to the store: f32 or bf16 "
+                  "(default: the nodes' own, bf16 with --device cuda, f32 with cpu)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_flag("--detach", o->detach,
                 "return once the cluster is up; it runs on in a background process");
   cmd->add_option("--pid-file", o->pid_file,

@@ -2,6 +2,7 @@
 // IEEE fp16 and bfloat16 <-> float conversions (bit-exact, round-to-nearest-even on narrowing).
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -20,6 +21,26 @@ inline uint16_t FloatToBf16(float f) {
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
   uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+// Narrows `n` floats to bf16 values written at `dst` (round to nearest even). `dst` may have any
+// alignment: KV rows packed into a byte buffer in the store's dtype.
+inline void FloatsToBf16Bytes(const float* src, size_t n, void* dst) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t h = FloatToBf16(src[i]);
+    std::memcpy(out + 2 * i, &h, sizeof(h));
+  }
+}
+
+// Widens `n` bf16 values read at `src` (any alignment) to floats (exact).
+inline void Bf16BytesToFloats(const void* src, size_t n, float* dst) {
+  const auto* in = static_cast<const uint8_t*>(src);
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * i, sizeof(h));
+    dst[i] = Bf16ToFloat(h);
+  }
 }
 
 inline float Fp16ToFloat(uint16_t h) {

@@ -19,6 +19,11 @@
 // Those reads are counted in NodeCounters::quality_*, not in the sequence's bytes_fetched.
 // It also keeps each step's new K/V rows, which StartOffload appends to the store.
 //
+// Store rows are in the sequence's dtype (DecodeSequenceSetup::row_dtype, f32 or bf16): fetched
+// and sampled bf16 rows are widened to float32 (the attention and the hot cache work in f32),
+// generated rows are narrowed to bf16 (round to nearest even) on their way to the store, and the
+// byte counters count the bytes really moved.
+//
 // Same computation as kvr::retrieval::SparseAttention (single process), with the KV split
 // between resident rows and the store: with `full` the result equals dense attention up to
 // float rounding.
@@ -78,6 +83,8 @@ struct DecodeSequenceSetup {
   std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;
   kv_store::KvStoreClient* store = nullptr;  // not owned; outlives the sequence
   kv_store::SequenceId store_sequence = 0;
+  // Element type of the store sequence's rows (its SequenceShape::dtype): f32 or bf16.
+  kv_store::DType row_dtype = kv_store::DType::kF32;
   model::KvCache* cache = nullptr;  // windowed; not owned; drained of its evicted rows
 };
 
@@ -97,8 +104,8 @@ class DecodeAttention final : public model::Attention {
   DecodeAttention(DecodeAttentionOptions options, DecodeObserver* observer);
   ~DecodeAttention() override;
 
-  // InvalidArgument when the setup does not fit the model (layers, cache shape) or the id is
-  // taken.
+  // InvalidArgument when the setup does not fit the model (layers, cache shape) or its
+  // row_dtype is neither f32 nor bf16 (naming it); AlreadyExists when the id is taken.
   [[nodiscard]] absl::Status AddSequence(model::SequenceId id, DecodeSequenceSetup setup);
 
   [[nodiscard]] absl::Status Attend(const model::AttentionShape& shape,
@@ -143,7 +150,7 @@ class DecodeAttention final : public model::Attention {
   struct PendingPut {
     model::SequenceId sequence = 0;
     std::unique_ptr<kv_store::KvStoreOp> op;
-    std::vector<float> k, v;  // the op's buffers
+    std::vector<uint8_t> k, v;  // the op's buffers, in the sequence's row dtype
   };
 
   void ReportSummaryBytes(const std::string& method);
@@ -170,10 +177,11 @@ class DecodeAttention final : public model::Attention {
   std::vector<float> partial_out_;
   std::mt19937_64 quality_rng_;
   std::bernoulli_distribution quality_coin_;
-  std::vector<float> quality_rows_;   // [n_kv_heads, candidates, 2 * head_dim]
-  std::vector<float> quality_probs_;  // [candidates] one query head's probabilities
-  std::vector<float> quality_agg_;    // [candidates] the group's summed, renormalised probs
-  std::vector<char> quality_truth_;   // [candidates] in the oracle's top-budget
+  std::vector<float> quality_rows_;    // [n_kv_heads, candidates, 2 * head_dim]
+  std::vector<uint8_t> quality_bf16_;  // the same rows as read, when the sequence's are bf16
+  std::vector<float> quality_probs_;   // [candidates] one query head's probabilities
+  std::vector<float> quality_agg_;     // [candidates] the group's summed, renormalised probs
+  std::vector<char> quality_truth_;    // [candidates] in the oracle's top-budget
 };
 
 }  // namespace kvr::decode

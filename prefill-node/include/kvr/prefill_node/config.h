@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvr/kv_store/types.h"
 
 namespace kvr::prefill_node {
 
@@ -38,9 +39,12 @@ struct PrefillConfig {
   // Prometheus /metrics port on the listen host: 0 any free port (printed), -1 off.
   int32_t metrics_port = 0;
   // Where the forward pass runs: "cpu" (model::Model) or "cuda" (model::CudaModel on GPU
-  // cuda_device; the weights are loaded on the host, then uploaded once as bf16). The store
-  // receives float32 rows either way.
+  // cuda_device; the weights are loaded on the host, then uploaded once as bf16).
   std::string device = "cpu";
+  // Element type of the rows put to the KV store: "f32" or "bf16". Unset, it follows the
+  // device (ResolvePrefillConfig fills it in): bf16 on cuda (the GPU model's KV is bf16, so
+  // nothing is lost and the rows are half the bytes), f32 on cpu (the CPU model runs in f32).
+  std::string store_dtype;
   uint32_t cuda_device = 0;
   // --device cuda: build quest and clusterkv summaries on the GPU during prefill (layer by
   // layer, on a second stream) and ship them as the CPU index's bytes; false: every method's
@@ -69,6 +73,9 @@ using ConfigValues = std::map<std::string, std::string>;
 
 // The effective configuration, one `name: value  # source` per line (valid YAML).
 std::string FormatPrefillConfig(const PrefillConfig& config);
+
+// The store row dtype of a resolved config (PrefillConfig::store_dtype).
+[[nodiscard]] kv_store::DType StoreDType(const PrefillConfig& config);
 
 // The served model name for `config` (see PrefillConfig::model_name).
 std::string ServedModelName(const PrefillConfig& config);

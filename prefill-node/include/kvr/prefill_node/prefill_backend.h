@@ -8,8 +8,8 @@
 // - the CUDA backend (prefill_cuda_backend.h): model::CudaModel with its per-layer KV export
 //   (cuda_model.h, KvExportOptions): rows converted to float32 on the GPU and copied
 //   device-to-host into pinned buffers on a copy stream, overlapped with the next layers.
-// Either way the store receives float32 rows (kv_store::DType::kF32), so decode nodes see no
-// difference.
+// Either way the engine puts the rows to the store in EngineOptions::store_dtype (bf16 narrows
+// the CUDA backend's widened bf16 values back exactly), so decode nodes see no difference.
 
 #include <cstdint>
 #include <functional>

@@ -17,7 +17,8 @@
 // do overlap with compute.
 //
 // The forward pass runs on a PrefillBackend (prefill_backend.h): the CPU Model or a CudaModel;
-// the engine only sees per-layer float32 rows and queries (LayerTask).
+// the engine only sees per-layer float32 rows and queries (LayerTask), and puts the rows to the
+// store in EngineOptions::store_dtype.
 //
 // Thread safety: Run may be called from many threads; the backend is used by one request at a
 // time (the CPU model shares one thread pool, a CudaModel one stream), the others wait (their
@@ -82,7 +83,7 @@ struct PrefillResult {
   kvr::v1::FinishReason finish_reason = kvr::v1::FINISH_REASON_UNSPECIFIED;
   std::string matched_stop;
   absl::Duration prefill_time;
-  uint64_t kv_bytes_shipped = 0;  // K/V bytes put to the store
+  uint64_t kv_bytes_shipped = 0;  // K/V bytes put to the store (in EngineOptions::store_dtype)
   uint64_t handoff_bytes = 0;     // serialized handoff chunks (header + layers)
 };
 
@@ -141,6 +142,11 @@ struct EngineOptions {
   // Threads that build layers' indexes, pack their rows and start their puts (layers are
   // independent); 0: min(8, hardware threads).
   int layer_threads = 0;
+  // Element type of the rows put to the store (the sequence is created with it): kF32 as the
+  // model computes them, or kBf16 rounded to nearest even (exact for a model whose KV is bf16,
+  // half the bytes). Any other dtype fails every request with INVALID_ARGUMENT. The handoff's
+  // sink/local rows are float32 either way.
+  kv_store::DType store_dtype = kv_store::DType::kF32;
   // Method assets (A2ATS codebooks) for the indexes; may be null.
   std::shared_ptr<const retrieval::MethodAssets> method_assets;
   // Not owned; may be null.
