@@ -3,36 +3,46 @@
 #include "kvr/decode/cuda_backend.h"
 
 #include <algorithm>
-#include <atomic>
-#include <cstring>
+#include <climits>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "kvr/common/half.h"
+#include "absl/synchronization/mutex.h"
 #include "kvr/common/status.h"
+#include "kvr/kv_store/local_pool.h"
 #include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
 
 namespace kvr::decode {
 namespace {
 
-// Between Prepare and Join: the sequence's rows, already pulled from the store into a host KV of
-// the model's pool (or nothing, when too many sequences were loading: Join pulls them then).
+// Between Prepare and Join: where the sequence's rows are in the store (its page table, read in
+// place through the store's pool mapped into this process) and, for clusterkv, the handed-off
+// clusters.
 struct CudaPending final : BackendSequence {
   explicit CudaPending(int64_t bytes) : bytes(bytes) {}
   int64_t resident_bytes() const override { return bytes; }
   int64_t bytes;
-  std::shared_ptr<model::SparseHostKvBuffer> host;  // filled with rows [0, prompt_tokens)
-  RetrievalCounters counters;                       // of that pull
-  int64_t gathers = 0;
-  std::atomic<int>* loading = nullptr;              // the backend's count, released here
+  int64_t capacity = 0;  // tokens the sequence may hold (prompt + max_tokens, capped)
+  model::SparseRowSource rows;
+  std::shared_ptr<const kv_store::LocalPoolMapping> pool;  // keeps the mapping alive
   // clusterkv: the handed-off clusters of every layer (the prefill node's k-means).
   std::vector<retrieval::PrebuiltClusterKvData> clusters;
-  ~CudaPending() override {
-    if (loading != nullptr) --*loading;
-  }
+};
+
+// A running sequence: its store, the rows of the last step being appended there, and counters.
+struct CudaRunning {
+  kv_store::KvStoreClient* store = nullptr;
+  std::shared_ptr<const kv_store::LocalPoolMapping> pool;
+  int64_t next_row = 0;  // store row of the next generated token
+  // The last step's new rows, [n_layers, 2 (K, V), n_kv_heads, head_dim] bf16, and the puts
+  // that read them (waited for before the buffer is reused).
+  std::vector<uint16_t> rows;
+  std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts;
+  int64_t rows_offloaded = 0;
+  absl::Status failure;  // first failed append, reported once through TakeFailures
 };
 
 class CudaDecodeBackend final : public DecodeBackend {
@@ -48,92 +58,100 @@ class CudaDecodeBackend final : public DecodeBackend {
   std::string name() const override { return absl::StrCat("cuda:", options_.device); }
   int64_t max_sequence_tokens() const override { return options_.max_context; }
 
-  // Pulls the rows here, on the caller's thread (the handoff's), into a host KV of the model's
-  // pool, so that Join (on the loop thread) only activates the sequence and the running batch
-  // does not wait for the store. At most `slots` sequences hold a pulled host KV before joining
-  // (pinned memory); beyond that the pull waits for Join, as before.
+  // On the handoff's thread: checks the handoff and the store's sequence, reserves the store
+  // pages of every row the sequence will hold and maps the store's pool (once per store), so
+  // that Join only uploads page tables and summaries. No row is copied.
   absl::StatusOr<std::unique_ptr<BackendSequence>> Prepare(Handoff& h) const override {
     KVR_RETURN_IF_ERROR(CheckHandoffForCudaBackend(h, options_));
     auto pending = std::make_unique<CudaPending>(slot_bytes_);
     if (options_.method == "clusterkv") {
-      // The clusters the GPU keeps come from the handoff (sink/local rows come from the store).
-      const int n_layers = model_->config().n_layers;
-      pending->clusters.resize(n_layers);
-      std::vector<bool> seen(n_layers, false);
-      for (const HandoffLayerData& layer : h.layers) {
-        if (layer.layer < 0 || layer.layer >= n_layers || seen[layer.layer]) continue;
-        absl::StatusOr<retrieval::PrebuiltClusterKvData> parsed = retrieval::ParsePrebuiltClusterKv(
-            {reinterpret_cast<const uint8_t*>(layer.summaries.data()), layer.summaries.size()},
-            *options_.registry);
-        if (!parsed.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat("handoff of sequence ", h.sequence_id,
-                                                         ": layers[", layer.layer,
-                                                         "].summaries: ", parsed.status().message()));
-        }
-        if (parsed->size != h.prompt_tokens) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "handoff of sequence ", h.sequence_id, ": layers[", layer.layer, "].summaries cover ",
-              parsed->size, " tokens, prompt_tokens is ", h.prompt_tokens));
-        }
-        pending->clusters[layer.layer] = *std::move(parsed);
-        seen[layer.layer] = true;
-      }
-      for (int l = 0; l < n_layers; ++l) {
-        if (!seen[l]) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "handoff of sequence ", h.sequence_id, ": no clusterkv summaries for layer ", l));
-        }
+      KVR_ASSIGN_OR_RETURN(pending->clusters, ParseClusters(h));
+    }
+    const model::ModelConfig& c = model_->config();
+    const uint64_t id = h.sequence_id;
+    auto refuse = [&](auto&&... parts) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("handoff of sequence ", id, ": store sequence ", parts...));
+    };
+    KVR_ASSIGN_OR_RETURN(kv_store::SequenceInfo info, h.store->GetSequence(id));
+    const kv_store::SequenceShape& s = info.shape;
+    if (s.n_layers != static_cast<uint32_t>(c.n_layers) ||
+        s.n_kv_heads != static_cast<uint32_t>(c.n_kv_heads) ||
+        s.head_dim != static_cast<uint32_t>(c.head_dim)) {
+      return refuse("shape ", s.n_layers, "x", s.n_kv_heads, "x", s.head_dim, ", the model is ",
+                    c.n_layers, "x", c.n_kv_heads, "x", c.head_dim);
+    }
+    if (s.dtype != kv_store::DType::kBf16) {
+      return refuse("rows are ", kv_store::DTypeName(s.dtype),
+                    "; a CUDA decode node reads bf16 rows in place (kvr-prefill store_dtype bf16, "
+                    "its default with --device cuda)");
+    }
+    for (int l = 0; l < c.n_layers; ++l) {
+      if (static_cast<int64_t>(info.committed_rows[l]) < h.prompt_tokens) {
+        return refuse("layer ", l, " holds ", info.committed_rows[l], " rows, prompt_tokens is ",
+                      h.prompt_tokens);
       }
     }
-    if (++loading_ > options_.slots) {
-      --loading_;
-      return pending;
+    pending->capacity = std::min<int64_t>(options_.max_context,
+                                          h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens));
+    KVR_ASSIGN_OR_RETURN(kv_store::PageTable table,
+                         h.store->ReservePageTable(id, static_cast<uint64_t>(pending->capacity)));
+    KVR_ASSIGN_OR_RETURN(pending->pool, h.store->MapLocalPool());
+    KVR_ASSIGN_OR_RETURN(const void* base, Register(*pending->pool));
+    const size_t row_bytes = s.RowBytes();
+    if (table.tokens_per_page == 0 || table.page_bytes != pending->pool->page_bytes() ||
+        table.tokens_per_page * row_bytes > table.page_bytes ||
+        table.pages.size() != size_t{table.pages_per_head} * c.n_layers * c.n_kv_heads ||
+        int64_t{table.pages_per_head} * table.tokens_per_page < pending->capacity) {
+      return absl::InternalError(absl::StrCat("store sequence ", id, ": inconsistent page table (",
+                                              table.pages.size(), " pages of ",
+                                              table.tokens_per_page, " rows)"));
     }
-    pending->loading = &loading_;
-    KVR_ASSIGN_OR_RETURN(pending->host, model_->AcquireSparseHostKv(options_.max_context));
-    absl::StatusOr<RetrievalCounters> pulled = Pull(h, pending->host->rows(), &pending->gathers);
-    if (!pulled.ok()) return pulled.status();
-    pending->counters = *pulled;
+    const uint64_t pool_pages = pending->pool->bytes() / table.page_bytes;
+    model::SparseRowSource& rows = pending->rows;
+    rows.base = base;
+    rows.page_bytes = static_cast<int64_t>(table.page_bytes);
+    rows.page_rows = static_cast<int32_t>(table.tokens_per_page);
+    rows.pages_per_head = static_cast<int32_t>(table.pages_per_head);
+    rows.pages.reserve(table.pages.size());
+    for (kv_store::PageId page : table.pages) {
+      if (page >= pool_pages || page > static_cast<uint64_t>(INT32_MAX)) {
+        return absl::InternalError(absl::StrCat("store sequence ", id, ": page ", page,
+                                                " outside the mapped pool of ", pool_pages));
+      }
+      rows.pages.push_back(static_cast<int32_t>(page));
+    }
     return pending;
   }
 
   absl::Status Join(const Handoff& h, std::unique_ptr<BackendSequence> state) override {
     const uint64_t id = h.sequence_id;
     auto* pending = dynamic_cast<CudaPending*>(state.get());
+    if (pending == nullptr) return absl::InternalError("CUDA decode: Join without Prepare");
     model::SparseSequenceOptions so;
-    if (pending != nullptr) so.host_kv = pending->host;
-    KVR_RETURN_IF_ERROR(model_->AddSparseSequence(id, options_.max_context, so));
-    absl::StatusOr<RetrievalCounters> loaded = [&]() -> absl::StatusOr<RetrievalCounters> {
-      RetrievalCounters counters;
-      if (so.host_kv != nullptr) {
-        counters = pending->counters;
-        node_.gathers += pending->gathers;
-      } else {
-        KVR_ASSIGN_OR_RETURN(std::span<uint16_t> host, model_->SparseHostKv(id));
-        int64_t gathers = 0;
-        KVR_ASSIGN_OR_RETURN(counters, Pull(h, host, &gathers));
-        node_.gathers += gathers;
-      }
-      if (pending != nullptr && !pending->clusters.empty()) {
+    so.rows = std::move(pending->rows);
+    KVR_RETURN_IF_ERROR(model_->AddSparseSequence(id, pending->capacity, so));
+    absl::Status activated = [&]() -> absl::Status {
+      if (!pending->clusters.empty()) {
         std::vector<model::CudaModel::SparseClusterHead> heads;
         for (const retrieval::PrebuiltClusterKvData& layer : pending->clusters) {
           for (size_t hh = 0; hh < layer.ids.size(); ++hh) {
             heads.push_back({layer.centroids[hh], layer.offsets[hh], layer.ids[hh]});
           }
         }
-        KVR_RETURN_IF_ERROR(
-            model_->ActivateSparseSequenceWithClusters(id, h.prompt_tokens, heads));
-      } else {
-        KVR_RETURN_IF_ERROR(model_->ActivateSparseSequence(id, h.prompt_tokens));
+        return model_->ActivateSparseSequenceWithClusters(id, h.prompt_tokens, heads);
       }
-      return counters;
+      return model_->ActivateSparseSequence(id, h.prompt_tokens);
     }();
-    if (!loaded.ok()) {
+    if (!activated.ok()) {
       model_->ReleaseSequence(id).IgnoreError();
-      return loaded.status();
+      return activated;
     }
-    node_.retrieval.Add(*loaded);
-    running_.emplace(id, *loaded);
+    CudaRunning run;
+    run.store = h.store;
+    run.pool = std::move(pending->pool);
+    run.next_row = h.prompt_tokens;
+    running_.emplace(id, std::move(run));
     return absl::OkStatus();
   }
 
@@ -143,13 +161,32 @@ class CudaDecodeBackend final : public DecodeBackend {
     for (size_t b = 0; b < ids.size(); ++b) batch_.push_back({ids[b], tokens.subspan(b, 1)});
     KVR_RETURN_IF_ERROR(model_->Forward(batch_, model::LogitsMode::kLast, logits));
     node_.attend_calls += model_->config().n_layers;
+    for (uint64_t id : ids) AppendNewRows(id);
     return absl::OkStatus();
+  }
+
+  absl::flat_hash_map<uint64_t, absl::Status> TakeFailures() override {
+    absl::flat_hash_map<uint64_t, absl::Status> out;
+    for (auto& [id, run] : running_) {
+      if (!run.failure.ok()) out.emplace(id, std::exchange(run.failure, absl::OkStatus()));
+    }
+    return out;
   }
 
   RetrievalCounters Leave(uint64_t id) override {
     RetrievalCounters c;
     if (auto it = running_.find(id); it != running_.end()) {
-      c = it->second;
+      WaitPuts(id, it->second);
+      c.rows_offloaded = it->second.rows_offloaded;
+      if (absl::StatusOr<model::SparseSequenceCounters> sc = model_->SparseCounters(id); sc.ok()) {
+        const int64_t row_bytes = 4 * int64_t{model_->config().head_dim};
+        c.selected_rows = sc->selected_rows;
+        c.hot_cache_hits = sc->hot_cache_hits;
+        c.hot_cache_misses = sc->selected_rows - sc->hot_cache_hits;
+        c.rows_fetched = c.hot_cache_misses;
+        c.bytes_fetched = c.rows_fetched * row_bytes;
+      }
+      node_.retrieval.Add(c);
       running_.erase(it);
     }
     model_->ReleaseSequence(id).IgnoreError();  // NotFound only: nothing to free
@@ -161,79 +198,103 @@ class CudaDecodeBackend final : public DecodeBackend {
   }
 
  private:
-  // Rows [0, prompt_tokens) of every (layer, KV head) from the store into `host` (a host KV of
-  // capacity max_context). Any thread: touches no backend or model state.
-  absl::StatusOr<RetrievalCounters> Pull(const Handoff& h, std::span<uint16_t> host,
-                                         int64_t* gathers) const {
+  absl::StatusOr<std::vector<retrieval::PrebuiltClusterKvData>> ParseClusters(
+      const Handoff& h) const {
+    const int n_layers = model_->config().n_layers;
+    std::vector<retrieval::PrebuiltClusterKvData> clusters(n_layers);
+    std::vector<bool> seen(n_layers, false);
+    for (const HandoffLayerData& layer : h.layers) {
+      if (layer.layer < 0 || layer.layer >= n_layers || seen[layer.layer]) continue;
+      absl::StatusOr<retrieval::PrebuiltClusterKvData> parsed = retrieval::ParsePrebuiltClusterKv(
+          {reinterpret_cast<const uint8_t*>(layer.summaries.data()), layer.summaries.size()},
+          *options_.registry);
+      if (!parsed.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("handoff of sequence ", h.sequence_id,
+                                                       ": layers[", layer.layer,
+                                                       "].summaries: ", parsed.status().message()));
+      }
+      if (parsed->size != h.prompt_tokens) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "handoff of sequence ", h.sequence_id, ": layers[", layer.layer, "].summaries cover ",
+            parsed->size, " tokens, prompt_tokens is ", h.prompt_tokens));
+      }
+      clusters[layer.layer] = *std::move(parsed);
+      seen[layer.layer] = true;
+    }
+    for (int l = 0; l < n_layers; ++l) {
+      if (!seen[l]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "handoff of sequence ", h.sequence_id, ": no clusterkv summaries for layer ", l));
+      }
+    }
+    return clusters;
+  }
+
+  // The pool's device address, registering it with CUDA the first time (any thread).
+  absl::StatusOr<const void*> Register(const kv_store::LocalPoolMapping& pool) const {
+    absl::MutexLock lock(&pools_mu_);
+    if (auto it = pools_.find(pool.base()); it != pools_.end()) return it->second;
+    KVR_ASSIGN_OR_RETURN(const void* device,
+                         model_->RegisterHostRegion(pool.base(), pool.bytes(), /*read_only=*/true));
+    pools_.emplace(pool.base(), device);
+    return device;
+  }
+
+  void WaitPuts(uint64_t id, CudaRunning& run) {
+    for (std::unique_ptr<kv_store::KvStoreOp>& op : run.puts) {
+      absl::StatusOr<uint64_t> done = op->Wait();
+      if (!done.ok() && run.failure.ok()) {
+        run.failure = absl::UnavailableError(absl::StrCat(
+            "sequence ", id, ": appending its generated rows to the store failed: ",
+            done.status().message()));
+      }
+    }
+    run.puts.clear();
+  }
+
+  // The step's new rows of sequence `id` go to the store at their position (one put per layer,
+  // asynchronous). The previous step's puts are waited for first: a row leaves the local window
+  // `local_window` steps after it was made, long after its put finished, so the GPU never reads
+  // a store row before it is there.
+  void AppendNewRows(uint64_t id) {
+    auto it = running_.find(id);
+    if (it == running_.end()) return;
+    CudaRunning& run = it->second;
+    WaitPuts(id, run);
+    if (!run.failure.ok()) return;
+    absl::StatusOr<std::span<const uint16_t>> fresh = model_->SparseNewRows(id);
+    if (!fresh.ok()) {
+      run.failure = fresh.status();
+      return;
+    }
+    run.rows.assign(fresh->begin(), fresh->end());
     const model::ModelConfig& c = model_->config();
-    const uint64_t id = h.sequence_id;
-    const int64_t L = h.prompt_tokens, cap = options_.max_context;
-    const int kv = c.n_kv_heads, d = c.head_dim;
-    auto bad = [&](auto&&... parts) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("CUDA decode: store sequence ", id, ": ", parts...));
-    };
-    KVR_ASSIGN_OR_RETURN(kv_store::SequenceInfo info, h.store->GetSequence(id));
-    const kv_store::SequenceShape& s = info.shape;
-    if (s.n_layers != static_cast<uint32_t>(c.n_layers) ||
-        s.n_kv_heads != static_cast<uint32_t>(kv) || s.head_dim != static_cast<uint32_t>(d)) {
-      return bad("shape ", s.n_layers, "x", s.n_kv_heads, "x", s.head_dim, ", the model is ",
-                 c.n_layers, "x", kv, "x", d);
-    }
-    if (s.dtype != kv_store::DType::kF32 && s.dtype != kv_store::DType::kBf16) {
-      return bad("rows are ", kv_store::DTypeName(s.dtype), "; f32 or bf16 needed");
-    }
+    const size_t half = size_t{2} * c.n_kv_heads * c.head_dim;  // bytes of K (or V), one layer
     for (int l = 0; l < c.n_layers; ++l) {
-      if (static_cast<int64_t>(info.committed_rows[l]) < L) {
-        return bad("layer ", l, " holds ", info.committed_rows[l], " rows, prompt_tokens ", L);
-      }
+      const auto* layer = reinterpret_cast<const uint8_t*>(run.rows.data()) + l * 2 * half;
+      kv_store::LayerRows rows;
+      rows.sequence = id;
+      rows.layer = static_cast<uint32_t>(l);
+      rows.start_row = static_cast<uint64_t>(run.next_row);
+      rows.n_rows = 1;
+      rows.k = {layer, half};
+      rows.v = {layer + half, half};
+      run.puts.push_back(run.store->StartPutLayer(rows));
     }
-    if (static_cast<int64_t>(host.size()) != int64_t{c.n_layers} * kv * cap * 2 * d) {
-      return absl::InternalError("CUDA decode: host KV of the wrong size");
-    }
-    const size_t row_bytes = s.RowBytes();
-    std::vector<uint8_t> staging;
-    const int64_t chunk =
-        std::max<int64_t>(1, options_.staging_bytes / static_cast<int64_t>(kv * row_bytes));
-    RetrievalCounters counters;
-    std::vector<kv_store::RangeEntry> ranges(kv);
-    for (int l = 0; l < c.n_layers; ++l) {
-      for (int64_t t0 = 0; t0 < L; t0 += chunk) {
-        const int64_t n = std::min(chunk, L - t0);
-        for (int hh = 0; hh < kv; ++hh) {
-          ranges[hh] = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(hh),
-                        static_cast<uint64_t>(t0), static_cast<uint64_t>(n)};
-        }
-        staging.resize(static_cast<size_t>(kv * n) * row_bytes);
-        KVR_RETURN_IF_ERROR(h.store->RangeRead(ranges, std::span(staging)));
-        ++*gathers;
-        // staging [kv, n, 2 d] -> host KV [layer, kv, cap, 2 d] bf16.
-        for (int hh = 0; hh < kv; ++hh) {
-          uint16_t* dst = host.data() + ((int64_t{l} * kv + hh) * cap + t0) * 2 * d;
-          const uint8_t* src = staging.data() + static_cast<size_t>(hh * n) * row_bytes;
-          if (s.dtype == kv_store::DType::kBf16) {
-            std::memcpy(dst, src, static_cast<size_t>(n) * row_bytes);
-          } else {
-            const float* f = reinterpret_cast<const float*>(src);
-            for (int64_t i = 0; i < n * 2 * d; ++i) dst[i] = FloatToBf16(f[i]);
-          }
-        }
-        counters.rows_fetched += n * kv;
-        counters.bytes_fetched += static_cast<int64_t>(kv * n * row_bytes);
-      }
-    }
-    return counters;
+    ++run.next_row;
+    run.rows_offloaded += int64_t{c.n_layers} * c.n_kv_heads;
   }
 
   std::unique_ptr<model::CudaModel> model_;
   CudaDecodeBackendOptions options_;
   int64_t slot_bytes_;
   int64_t summary_bytes_;
-  absl::flat_hash_map<uint64_t, RetrievalCounters> running_;
+  absl::flat_hash_map<uint64_t, CudaRunning> running_;
   NodeCounters node_;
   std::vector<model::CudaSequence> batch_;
-  // Sequences whose rows Prepare pulled (or is pulling) and that have not joined yet.
-  mutable std::atomic<int> loading_{0};
+  // Store pools registered with CUDA: host base -> device base (Prepare runs on any thread).
+  mutable absl::Mutex pools_mu_;
+  mutable absl::flat_hash_map<const void*, const void*> pools_ ABSL_GUARDED_BY(pools_mu_);
 };
 
 }  // namespace
@@ -291,6 +352,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   so.budget = o.budget;
   so.n_sink = o.n_sink;
   so.local_window = o.local_window;
+  so.min_page_rows = o.min_page_rows;
   // The hot cache's rows per (slot, layer, KV head) from the byte budget (bf16 [K | V] rows),
   // a multiple of 8 (its ways), at most 4096.
   const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
@@ -302,13 +364,9 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
                                                ", batch_slots ", o.slots, ", gpu_max_context ",
                                                o.max_context, "): ", s.message()));
   }
-  // One slot's device bytes, from a probe sequence (which also pins the first host KV: later
-  // sequences of the same capacity reuse the pinned buffers).
-  constexpr model::SequenceId kProbe = ~model::SequenceId{0};
-  KVR_RETURN_IF_ERROR(model->AddSparseSequence(kProbe, o.max_context, {}));
-  absl::StatusOr<int64_t> slot_bytes = model->SequenceDeviceBytes(kProbe);
-  KVR_RETURN_IF_ERROR(model->ReleaseSequence(kProbe));
-  if (!slot_bytes.ok()) return slot_bytes.status();
+  // One slot's device bytes (its share of the sparse state): what a running sequence holds. Its
+  // past stays in the store; the node pins no host memory per sequence.
+  const int64_t slot_bytes = model->sparse_slot_device_bytes();
   const int64_t pages = (o.max_context + so.quest_page_size - 1) / so.quest_page_size;
   // quest: page bounds; clusterkv: ~L/80 centroids + offsets and one member id per token.
   const int64_t summary_bytes =
@@ -316,7 +374,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
           ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4
           : int64_t{c.n_layers} * c.n_kv_heads *
                 ((o.max_context / 80 + 1) * (int64_t{c.head_dim} * 4 + 4) + o.max_context * 4);
-  return std::make_unique<CudaDecodeBackend>(std::move(model), o, *slot_bytes, summary_bytes);
+  return std::make_unique<CudaDecodeBackend>(std::move(model), o, slot_bytes, summary_bytes);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(

@@ -1,8 +1,10 @@
-// DecodeEngine on the CUDA backend against the same engine on the CPU backend (issue 7 item 3),
-// on a dummy-weight model (smollm2 shape, 4 layers; the same host weights for both), each with
-// its own FakeKvStoreClient holding the CPU prefill's float32 rows (MakeLocalHandoff: the prefill
-// node's part), three sequences in two slots (the third joins when one leaves), 32 greedy tokens
-// each, method quest with n_sink 4 and a window of 32.
+// DecodeEngine on the CUDA backend against the same engine on the CPU backend, on a dummy-weight
+// model (smollm2 shape, 4 layers; the same host weights for both), each with its own
+// FakeKvStoreClient holding the CPU prefill's rows (MakeLocalHandoff: the prefill node's part;
+// float32 rows for the CPU engine, bf16 for the CUDA engine, which reads them in place from the
+// store's pages), three sequences in two slots (the third joins when one leaves), 32 greedy
+// tokens each, n_sink 4 and a window of 16: the first 16 generated rows leave the window and are
+// read back from the store, where the CUDA backend appended them.
 //
 // - Budget 512 >= every context: both engines attend over every row, i.e. both equal dense.
 //   The GPU computes in bf16 (weights, GEMM inputs, KV) where the CPU is float32, so the two
@@ -38,7 +40,7 @@
 namespace kvr::decode {
 namespace {
 
-constexpr int kSink = 4, kWindow = 32, kSlots = 2;
+constexpr int kSink = 4, kWindow = 16, kSlots = 2;
 constexpr uint32_t kMaxTokens = 33;  // the prefill's first token + 32 decoded
 constexpr double kTieOverRms = 0.2;
 
@@ -78,7 +80,6 @@ class GpuDecodeTest : public ::testing::Test {
     o.local_window = kWindow;
     o.max_context = 512;
     o.hot_cache_bytes = 1 << 20;
-    o.staging_bytes = 100 << 10;  // several chunks per layer
     o.registry = &registry_;
     auto backend = CreateCudaDecodeBackend(*std::move(gpu), o);
     EXPECT_TRUE(backend.ok()) << backend.status();
@@ -100,7 +101,8 @@ class GpuDecodeTest : public ::testing::Test {
 
   Handoff MakeHandoff(kv_store::KvStoreClient& store, uint64_t id,
                       const std::vector<int32_t>& prompt, int budget,
-                      const std::string& method = "quest") {
+                      const std::string& method = "quest",
+                      kv_store::DType dtype = kv_store::DType::kBf16) {
     model::DenseAttention dense(&pool_);
     model::KvCache cache = cpu_->NewCache();
     auto logits = cpu_->Prefill(id, cache, prompt, dense);
@@ -113,6 +115,7 @@ class GpuDecodeTest : public ::testing::Test {
     o.params.local_window = kWindow;
     o.sampling.max_tokens = kMaxTokens;
     o.first_token = model::ArgMax(*logits);
+    o.store_dtype = dtype;
     auto h = MakeLocalHandoff(*cpu_, cache, registry_, store, o);
     EXPECT_TRUE(h.ok()) << h.status();
     return std::move(*h);
@@ -123,11 +126,12 @@ class GpuDecodeTest : public ::testing::Test {
                                                kv_store::FakeKvStoreClient& store,
                                                const std::vector<std::vector<int32_t>>& prompts,
                                                int budget, std::vector<int32_t>* first,
-                                               const std::string& method = "quest") {
+                                               const std::string& method,
+                                               kv_store::DType dtype) {
     std::vector<uint64_t> ids;
     first->clear();
     for (size_t i = 0; i < prompts.size(); ++i) {
-      Handoff h = MakeHandoff(store, 40 + i, prompts[i], budget, method);
+      Handoff h = MakeHandoff(store, 40 + i, prompts[i], budget, method, dtype);
       first->push_back(h.first_token);
       const absl::Status s = engine.Admit(std::move(h));
       EXPECT_TRUE(s.ok()) << s;
@@ -205,8 +209,10 @@ TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
     auto cpu_engine = CpuEngine();
     auto gpu_engine = CudaEngine(budget, method);
     std::vector<int32_t> first_cpu, first_gpu;
-    auto want = Run(*cpu_engine, *cpu_store, prompts, budget, &first_cpu, method);
-    auto got = Run(*gpu_engine, *gpu_store, prompts, budget, &first_gpu, method);
+    auto want =
+        Run(*cpu_engine, *cpu_store, prompts, budget, &first_cpu, method, kv_store::DType::kF32);
+    auto got =
+        Run(*gpu_engine, *gpu_store, prompts, budget, &first_gpu, method, kv_store::DType::kBf16);
     ASSERT_EQ(first_cpu, first_gpu);  // the CPU prefill's, both sides
     for (size_t i = 0; i < prompts.size(); ++i) {
       const uint64_t id = 40 + i;
@@ -228,10 +234,36 @@ TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
                     method.c_str(), budget, i, prompts[i].size(), agree, want[id].size(), prefix);
       }
     }
+    // Per sequence: every decode step's rows appended to the store (all layers and KV heads);
+    // selections split into hot-cache hits and misses, and only misses crossed the link.
     const NodeCounters n = gpu_engine->node_counters();
-    EXPECT_GT(n.retrieval.rows_fetched, 0);
+    const model::ModelConfig& c = cpu_->config();
+    EXPECT_EQ(n.retrieval.rows_offloaded,
+              int64_t{3} * (kMaxTokens - 1) * c.n_layers * c.n_kv_heads);
+    EXPECT_GT(n.retrieval.selected_rows, 0);
+    EXPECT_EQ(n.retrieval.hot_cache_hits + n.retrieval.hot_cache_misses,
+              n.retrieval.selected_rows);
+    EXPECT_GT(n.retrieval.hot_cache_hits, 0) << "consecutive steps select overlapping rows";
+    EXPECT_EQ(n.retrieval.rows_fetched, n.retrieval.hot_cache_misses);
+    EXPECT_EQ(n.retrieval.bytes_fetched, n.retrieval.rows_fetched * 4 * c.head_dim);
     EXPECT_GT(n.attend_calls, 0);
   }
+}
+
+// The node reads bf16 rows in place: a store sequence of float32 rows, or one whose prompt rows
+// are not all in the store, is refused at admission with the reason, and nothing is left held.
+TEST_F(GpuDecodeTest, RefusesStoreSequencesItCannotRead) {
+  auto store = testing::MakeFakeStore(64 << 20);
+  auto engine = CudaEngine(64);
+  Handoff h = MakeHandoff(*store, 9, Prompt(100, 4), 64, "quest", kv_store::DType::kF32);
+  absl::Status s = engine->Admit(std::move(h));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("rows are f32"), std::string::npos) << s;
+  h = MakeHandoff(*store, 10, Prompt(100, 4), 64);
+  h.prompt_tokens += 5;  // more than the store holds
+  s = engine->Admit(std::move(h));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("prompt_tokens"), std::string::npos) << s;
 }
 
 TEST_F(GpuDecodeTest, RefusesHandoffsThatDoNotFitTheNode) {

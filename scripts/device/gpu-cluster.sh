@@ -12,6 +12,11 @@
 #   call 1, carry [.device/gpucluster]:       bash scripts/device/gpu-cluster.sh stage
 #   call 2, carry [.device/gpucluster-g2]:    bash scripts/device/gpu-cluster.sh part
 #   call 3, carry [.device/gpucluster-g3]:    bash scripts/device/gpu-cluster.sh run
+# run: per method, passkey prompts of ~1000 and ~3000 tokens; after each, the decode node's
+# private resident memory (RssAnon) and its mappings of the store's shared pool (RssShmem):
+# the decode node reads the store's pages in place, so its own memory must not follow the
+# prompt. GPUCLUSTER_GPUS=2 (device kind nvidia-h100-x2): the prefill node on GPU 0 and the
+# decode node on GPU 1, then both on GPU 0 for comparison (quest), TTFT and decode tok/s each.
 # Logs go to $OUT.
 set -uo pipefail
 . "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
@@ -62,32 +67,64 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     pkill -f "$kStage/bin/" 2>/dev/null; sleep 0.5  # an earlier call's cluster, if any
     status=0
-    for method in quest clusterkv; do
-      [[ $method == quest ]] && port=53051 || port=53151
-      logs="$out/up-$method"
+    memory() {  # the decode node's memory: private and the store pool it maps
+      local pid
+      pid=$(pgrep -f "$kStage/bin/kvr-decode" | head -1)
+      [[ -n "$pid" ]] && awk '/^(RssAnon|RssShmem|VmLck|VmPin):/{printf "%s %s %s  ", $1, $2, $3}' \
+        "/proc/$pid/status" && echo
+    }
+    # up NAME PORT PREFILL_GPU DECODE_GPU METHOD: a cluster, detached; non-zero if it failed.
+    up() {
+      local logs="$out/up-$1"
       mkdir -p "$logs"
-      echo "== kvr up --device cuda (decode node: --gpu-method $method)"
+      echo "== $1: kvr up --device cuda (prefill cuda:$3, decode cuda:$4, --gpu-method $5)"
       # Not through a pipe: the detached cluster keeps its stdout open.
       "$kStage/bin/kvr" up --model "$kStage/smollm2.gguf" --bin-dir "$kStage/bin" --device cuda \
-        --decode-arg="--gpu-method=$method" --decode-arg=--gpu-n-sink=16 \
-        --decode-arg=--gpu-local-window=256 --prefill 1 --decode 1 --base-port "$port" \
+        --prefill-arg="--cuda-device=$3" --decode-arg="--cuda-device=$4" \
+        --decode-arg="--gpu-method=$5" --decode-arg=--gpu-n-sink=16 \
+        --decode-arg=--gpu-local-window=256 --prefill 1 --decode 1 --base-port "$2" \
         --log-dir "$logs" --detach --pid-file "$logs/up.pid" --ready-timeout 120 \
         > "$logs/up.txt" 2>&1
-      rc=$?
-      tail -8 "$logs/up.txt"
-      if [[ $rc -ne 0 ]]; then
-        status=1
-        tail -20 "$logs"/*.log
-        continue
-      fi
-      "$kStage/bin/kvr" generate --endpoint "127.0.0.1:$port" --model smollm2 --chat --passkey 3000 \
-        --passkey-seed 7 --max-tokens 48 --method "$method" --budget 256 --n-sink 16 \
-        --local-window 256 2>&1 | tee "$logs/generate.txt"
-      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-      grep -h -E "on cuda|device|gpu_method|GPU|cuda:" "$logs"/prefill-0.log "$logs"/decode-0.log | head -6
+      local rc=$?
+      tail -4 "$logs/up.txt"
+      [[ $rc -eq 0 ]] || { tail -20 "$logs"/*.log; return 1; }
+    }
+    down() {
+      local logs="$out/up-$1"
       kill -TERM "$(cat "$logs/up.pid")" 2>/dev/null
       for _ in $(seq 1 100); do kill -0 "$(cat "$logs/up.pid")" 2>/dev/null || break; sleep 0.1; done
-    done
+    }
+    generate() {  # PORT METHOD PASSKEY_TOKENS LOGFILE
+      "$kStage/bin/kvr" generate --endpoint "127.0.0.1:$1" --model smollm2 --chat --passkey "$3" \
+        --passkey-seed 7 --max-tokens 48 --method "$2" --budget 256 --n-sink 16 \
+        --local-window 256 2>&1 | tee "$4"
+      return "${PIPESTATUS[0]}"
+    }
+    if [[ "${GPUCLUSTER_GPUS:-1}" == 2 ]]; then
+      for setup in "two-gpus 53051 0 1" "one-gpu 53151 0 0"; do
+        read -r name port pg dg <<< "$setup"
+        up "$name" "$port" "$pg" "$dg" quest || { status=1; continue; }
+        for i in 1 2 3; do
+          generate "$port" quest 3000 "$out/up-$name/generate$i.txt" > /dev/null || status=1
+          grep -E '^(prompt|decode):' "$out/up-$name/generate$i.txt"
+        done
+        down "$name"
+      done
+    else
+      for method in quest clusterkv; do
+        [[ $method == quest ]] && port=53051 || port=53151
+        up "$method" "$port" 0 0 "$method" || { status=1; continue; }
+        for tokens in 1000 3000; do
+          echo "-- passkey prompt of ~$tokens tokens"
+          generate "$port" "$method" "$tokens" "$out/up-$method/generate-$tokens.txt" || status=1
+          echo -n "decode node memory after it: "
+          memory
+        done
+        grep -h -E "on cuda|device|gpu_method|GPU|cuda:|local pool|mapped" \
+          "$out/up-$method"/prefill-0.log "$out/up-$method"/decode-0.log | head -8
+        down "$method"
+      done
+    fi
     pkill -f "$kStage/bin/" 2>/dev/null
     echo "gpu-cluster: status $status"
     exit $status

@@ -11,6 +11,9 @@
 #          the flags; GPUDECODE_MODEL_TEST=1 adds the dense model tests, GPUDECODE_MEMCHECK=<gtest
 #          filter> picks the memcheck subset, default *SmallBudget*)
 #          bash scripts/device/gpu-decode.sh bench [bench flags...] (the bench alone)
+#          GPUDECODE_STORE_GIB=N: a kvr-store process with an N GiB pool and a local socket runs
+#          beside the bench, which gets --store (the "store" placement: rows read in place from
+#          that process's pages, as a CUDA decode node reads them)
 #          bash scripts/device/gpu-decode.sh ceil [bench flags...]  (compute-sanitizer memcheck of
 #          the link probes (--ceiling-only, 16 MiB), the bench, GPUDECODE_PROBE_MIB="64 16384"
 #          probes alone at those buffer sizes, then the sparse tests, each capped)
@@ -40,21 +43,43 @@ stage() {
 }
 
 bench() {
-  timeout 420 "$kStage/bin/kvr" bench decode --profile --json "$out/bench_decode.json" "$@" 2>&1 |
-    tee "$out/bench_decode.log"
-  return "${PIPESTATUS[0]}"
+  local store_args=() store_pid=
+  if [[ -n "${GPUDECODE_STORE_GIB:-}" ]]; then
+    "$kStage/bin/kvr-store" --listen 127.0.0.1:0 \
+      --capacity-bytes "${GPUDECODE_STORE_GIB}GiB" --local-socket /tmp/kvr-bench-store.sock \
+      > "$out/store.log" 2>&1 &
+    store_pid=$!
+    for _ in $(seq 100); do
+      grep -q 'kvr-store listening port=' "$out/store.log" && break
+      sleep 0.2
+    done
+    local port
+    port=$(sed -n 's/.*kvr-store listening port=\([0-9]*\).*/\1/p' "$out/store.log" | head -1)
+    [[ -n "$port" ]] || { echo "kvr-store did not start:"; tail -5 "$out/store.log"; return 1; }
+    grep -E 'page_backing|backing' "$out/store.log" | head -2
+    store_args=(--store "127.0.0.1:$port")
+  fi
+  timeout 540 "$kStage/bin/kvr" bench decode --profile \
+    --json "$out/bench_decode.json" "${store_args[@]}" "$@" 2>&1 | tee "$out/bench_decode.log"
+  local rc=${PIPESTATUS[0]}
+  [[ -n "$store_pid" ]] && kill "$store_pid" 2>/dev/null
+  return "$rc"
 }
 
 case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build-gpudecode}"
     export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache} CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
-    cmake --build "$build" --target model_cuda_sparse_test model_cuda_model_test kvr -j2 || exit 1
+    cmake --build "$build" --target model_cuda_sparse_test model_cuda_model_test kvr kvr-store \
+      -j2 || exit 1
     rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
     cp "$build/model/model_cuda_sparse_test" "$build/model/model_cuda_model_test" \
-      "$build/tools/kvr" "$kBundle/bin/"
+      "$build/tools/kvr" "$build/kv-store/kvr-store" "$kBundle/bin/"
     strip -g "$kBundle"/bin/*
-    ldd "$kBundle"/bin/* | awk '/=> \//{print $3}' |
+    # UCX loads its transport modules from <libucs dir>/ucx (cma: shared memory between
+    # processes).
+    mkdir -p "$kBundle/lib/ucx" && cp -L /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0 "$kBundle/lib/ucx/"
+    ldd "$kBundle"/bin/* "$kBundle"/lib/ucx/* | awk '/=> \//{print $3}' |
       grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
       sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
     strip -g "$kBundle"/lib/*.so* 2>/dev/null

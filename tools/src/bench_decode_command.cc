@@ -7,7 +7,7 @@
 //                    [--batches 1,2,4,...] [--budget 1024] [--sink 16] [--window 256]
 //                    [--hot-cache-rows 1024] [--steps 16] [--warmup 3] [--profile]
 //                    [--host-numa gpu[,far,unbound,thp,N,...+thp]] [--ceiling-mib 1024]
-//                    [--ceiling-only]
+//                    [--ceiling-only] [--store HOST:PORT]
 //                    [--json FILE]
 //
 // Llama-3-8B shape with random weights generated on the GPU; SYNTHETIC KV (random rows) filled
@@ -28,6 +28,12 @@
 // placement's zero-copy (coalesced) ceiling and its hot-cache hit rate; the closing analysis gives,
 // per sparse row, the tok/s with the gather at the ceiling and the hit rate the 6x target would
 // need at the ceiling.
+//
+// --store HOST:PORT (a kvr-store on this host started with --local-socket) adds the placement
+// "store": the sparse rows are read in place from that store process's page pool, as a CUDA
+// decode node reads them (the pool mapped read-only and registered with CUDA, a page table per
+// slot): one store sequence of random bf16 rows per context, written through the store's API,
+// shared by every slot of a batch (as the host KV is shared in the other placements).
 
 #include <algorithm>
 #include <chrono>
@@ -35,8 +41,11 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -47,6 +56,8 @@
 #include "absl/strings/str_format.h"
 #include "commands.h"
 #include "kvr/common/status.h"
+#include "kvr/kv_store/client.h"
+#include "kvr/kv_store/local_pool.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 
@@ -72,6 +83,7 @@ struct DecodeBenchFlags {
   int ceiling_mib = 1024;
   int ceiling_repeats = 5;
   bool ceiling_only = false;
+  std::string store;  // a same-host kvr-store: the "store" placement
   std::string json;
 };
 
@@ -81,6 +93,7 @@ struct Placement {
   std::string label;  // "n0(gpu)", "n1(far)", "unbound", "n2", "thp", "n0(gpu)+thp"
   int node = -1;
   bool huge = false;  // transparent huge pages (SparseSequenceOptions::host_huge_pages)
+  bool store = false;  // rows read in place from a kvr-store's pool (--store)
   bool probed = false;
   model::HostLinkProbe probe;
   double ceiling_gbps = 0;  // zero-copy coalesced read, or --host-gbps without a probe
@@ -111,6 +124,84 @@ double Percentile(std::vector<double> v, double q) {
 class DecodeBench {
  public:
   DecodeBench(const DecodeBenchFlags& f, model::CudaModel& m) : f_(f), m_(m) {}
+
+  // The "store" placement's rows for `context`: one store sequence of random bf16 rows covering
+  // `capacity` tokens (rows [0, context) written), its pages mapped and registered.
+  absl::Status PrepareStoreRows(int64_t context, int64_t capacity) {
+    if (store_ == nullptr) {
+      KVR_ASSIGN_OR_RETURN(store_, kv_store::UcxKvStoreClient::Connect(
+                                       f_.store, {.timeout = absl::Seconds(60),
+                                                  .name = "kvr-bench-decode"}));
+      KVR_ASSIGN_OR_RETURN(pool_, store_->MapLocalPool());
+      KVR_ASSIGN_OR_RETURN(pool_device_, m_.RegisterHostRegion(pool_->base(), pool_->bytes(),
+                                                               /*read_only=*/true));
+    }
+    KVR_RETURN_IF_ERROR(ReleaseStoreRows());
+    const model::ModelConfig& c = m_.config();
+    const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
+                                        static_cast<uint32_t>(c.n_kv_heads),
+                                        static_cast<uint32_t>(c.head_dim), kv_store::DType::kBf16};
+    const kv_store::SequenceId id = 0x6b7672000000ull + static_cast<uint64_t>(context);
+    KVR_RETURN_IF_ERROR(store_->CreateSequence(id, shape, static_cast<uint64_t>(capacity),
+                                               absl::ZeroDuration())
+                            .status());
+    store_sequence_ = id;
+    // Random rows: one 64 MiB buffer of bf16 values in [-1, 1), each chunk put from another
+    // offset of it (the values' distribution is what the synthetic bench needs, not novelty).
+    const size_t half = size_t{2} * c.n_kv_heads * c.head_dim;  // bytes of K (or V), one token
+    constexpr int64_t kChunk = 2048;
+    if (random_.empty()) {
+      random_.resize((size_t{64} << 20) / 2);
+      uint64_t x = 0x9E3779B97F4A7C15ull;
+      for (uint16_t& v : random_) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        const float f = static_cast<float>((x >> 40) & 0xFFFFFF) / float(1 << 23) - 1.f;
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        v = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+      }
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto* bytes = reinterpret_cast<const uint8_t*>(random_.data());
+    const size_t span = random_.size() * 2 - 2 * kChunk * half;
+    for (int l = 0; l < c.n_layers; ++l) {
+      for (int64_t t = 0; t < context; t += kChunk) {
+        const int64_t n = std::min(kChunk, context - t);
+        const size_t off = ((static_cast<size_t>(l) * 7919 + t / kChunk * 104729) * 64) % span;
+        kv_store::LayerRows rows;
+        rows.sequence = id;
+        rows.layer = static_cast<uint32_t>(l);
+        rows.start_row = static_cast<uint64_t>(t);
+        rows.n_rows = static_cast<uint32_t>(n);
+        rows.k = {bytes + off, n * half};
+        rows.v = {bytes + off + n * half, n * half};
+        KVR_RETURN_IF_ERROR(store_->PutLayer(rows).status());
+      }
+    }
+    const double fill_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    KVR_ASSIGN_OR_RETURN(kv_store::PageTable table,
+                         store_->ReservePageTable(id, static_cast<uint64_t>(capacity)));
+    std::printf("store: sequence of %lld tokens written in %.1f s (%.1f GB/s); %u rows per %llu-B "
+                "page, %zu pages\n",
+                static_cast<long long>(context), fill_s,
+                2.0 * half * context * c.n_layers / fill_s / 1e9, table.tokens_per_page,
+                static_cast<unsigned long long>(table.page_bytes), table.pages.size());
+    model::SparseRowSource src;
+    src.base = pool_device_;
+    src.page_bytes = static_cast<int64_t>(table.page_bytes);
+    src.page_rows = static_cast<int32_t>(table.tokens_per_page);
+    src.pages_per_head = static_cast<int32_t>(table.pages_per_head);
+    src.pages.assign(table.pages.begin(), table.pages.end());
+    rows_ = std::move(src);
+    return absl::OkStatus();
+  }
+  absl::Status ReleaseStoreRows() {
+    rows_.reset();
+    if (store_ == nullptr || store_sequence_ == 0) return absl::OkStatus();
+    const kv_store::SequenceId id = std::exchange(store_sequence_, 0);
+    return store_->Release(id, absl::ZeroDuration());
+  }
 
   // Steps `ids` (all dense or all sparse); fills row's timing fields.
   absl::Status Time(const std::vector<model::SequenceId>& ids, Row& row) {
@@ -251,12 +342,18 @@ class DecodeBench {
         for (int i = 0; i < b; ++i) {
           const model::SequenceId id = 5000 + i;
           model::SparseSequenceOptions so;
-          if (i > 0) so.share_host_kv_with = ids[0];
-          so.host_numa_node = placement.node;
-          so.host_huge_pages = placement.huge;
+          if (placement.store) {
+            if (!rows_.has_value()) return absl::FailedPreconditionError("no store rows");
+            so.rows = *rows_;
+          } else {
+            if (i > 0) so.share_host_kv_with = ids[0];
+            so.host_numa_node = placement.node;
+            so.host_huge_pages = placement.huge;
+          }
           KVR_RETURN_IF_ERROR(m_.AddSparseSequence(id, capacity, so));
           ids.push_back(id);
-          KVR_RETURN_IF_ERROR(m_.FillSequenceForBenchmark(id, context, 1));
+          KVR_RETURN_IF_ERROR(placement.store ? m_.ActivateSparseSequence(id, context)
+                                              : m_.FillSequenceForBenchmark(id, context, 1));
         }
         Row row{context, name, b, &placement};
         KVR_RETURN_IF_ERROR(Time(ids, row));
@@ -322,6 +419,14 @@ class DecodeBench {
  private:
   const DecodeBenchFlags& f_;
   model::CudaModel& m_;
+  // --store: the client, its mapped pool (registered with CUDA at pool_device_) and the rows of
+  // the current context.
+  std::unique_ptr<kv_store::UcxKvStoreClient> store_;
+  std::shared_ptr<const kv_store::LocalPoolMapping> pool_;
+  const void* pool_device_ = nullptr;
+  kv_store::SequenceId store_sequence_ = 0;
+  std::optional<model::SparseRowSource> rows_;
+  std::vector<uint16_t> random_;
 };
 
 // --host-numa entries -> placements (deduplicated by node), with a line saying what each became.
@@ -376,6 +481,11 @@ absl::StatusOr<std::vector<Placement>> ResolvePlacements(const DecodeBenchFlags&
       add(absl::StrCat("n", node), node);
     }
   }
+  if (!f.store.empty()) {
+    Placement store{"store", -1, false};
+    store.store = true;
+    out.push_back(store);
+  }
   if (out.empty()) return absl::InvalidArgumentError("--host-numa: no placement left to run");
   return out;
 }
@@ -393,7 +503,10 @@ absl::Status ProbeCeilings(const DecodeBenchFlags& f, const model::HostTopology&
                 f.host_gbps);
     return absl::OkStatus();
   }
-  std::vector<Placement> probes = placements;
+  std::vector<Placement> probes;
+  for (const Placement& p : placements) {
+    if (!p.store) probes.push_back(p);
+  }
   if (std::none_of(probes.begin(), probes.end(),
                    [](const Placement& p) { return p.node < 0 && !p.huge; })) {
     probes.push_back(Placement{"unbound", -1});
@@ -422,7 +535,17 @@ absl::Status ProbeCeilings(const DecodeBenchFlags& f, const model::HostTopology&
                 r->how.c_str(), on.c_str(), huge.c_str(), r->h2d_copy_gbps, r->zero_copy_read_gbps,
                 r->zero_copy_rows_gbps);
     for (Placement& q : placements) {
-      if (q.node == p.node && q.huge == p.huge) q = p;
+      if (q.store) {
+        // The store's pool is host memory placed by the store process; its ceiling is the
+        // link's, as the unbound buffer measures it.
+        if (p.node < 0 && !p.huge) {
+          q.probed = true;
+          q.probe = p.probe;
+          q.ceiling_gbps = p.ceiling_gbps;
+        }
+      } else if (q.node == p.node && q.huge == p.huge) {
+        q = p;
+      }
     }
   }
   std::fflush(stdout);
@@ -579,6 +702,16 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
   DecodeBench bench(f, *m);
   std::vector<Row> rows;
   for (int64_t ctx : f.contexts) {
+    const bool want_store =
+        !f.store.empty() && std::any_of(f.methods.begin(), f.methods.end(),
+                                        [](const std::string& m) { return m != "full"; });
+    if (want_store) {
+      const absl::Status s = bench.PrepareStoreRows(ctx, ctx + f.warmup + f.steps + 8);
+      if (!s.ok()) {
+        std::printf("%6lldK  store rows: error: %s\n", static_cast<long long>(ctx / 1024),
+                    s.ToString().c_str());
+      }
+    }
     for (const std::string& method : f.methods) {
       if (method != "full" && method != "quest" && method != "clusterkv") {
         return absl::InvalidArgumentError(absl::StrCat("unknown method ", method));
@@ -601,6 +734,7 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
       }
     }
   }
+  KVR_RETURN_IF_ERROR(bench.ReleaseStoreRows());
   std::printf("\nbest sparse / best dense tokens/s (target at 128K: >= 6x):\n");
   for (int64_t ctx : f.contexts) {
     const Row* dense = nullptr;
@@ -683,6 +817,9 @@ void AddBenchDecodeCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--ceiling-only", f.ceiling_only,
                 "print the topology and link ceilings, then stop");
+  cmd->add_option("--store", f.store,
+                  "a kvr-store on this host (started with --local-socket): adds the placement "
+                  "'store', rows read in place from its page pool as a CUDA decode node does");
   cmd->add_option("--json", f.json, "write the rows as JSON");
   cmd->callback([flags] {
     const absl::Status s = RunDecodeBench(*flags);

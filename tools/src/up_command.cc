@@ -260,7 +260,10 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
                                // their lease (deadline + a margin) runs out.
                                "--evict-expired", "true", "--sweep-interval-ms", "500",
                                // It registers itself (role STORE) and heartbeats its free bytes.
-                               "--controller", controller_address},
+                               "--controller", controller_address,
+                               // Same-host readers (a CUDA decode node) map its page pool
+                               // through this socket and read rows in place.
+                               "--local-socket", absl::StrCat(log_dir, "/store-0.sock")},
       log("store-0"));
   const std::string store_port = store->WaitFor("kvr-store listening port=", start_timeout);
   if (store_port.empty()) {

@@ -2,30 +2,31 @@
 // The CUDA DecodeBackend (backend.h) and the backend choice of kvr-decode (--device).
 //
 // CUDA backend: one model::CudaModel (bf16 weights on one GPU) whose sparse sequences
-// (cuda_model.h) are the running sequences: the GPU keeps sink rows, a window ring, quest page
-// bounds and a hot cache per slot; the full KV of each sequence sits in pinned host memory
-// mapped into the GPU, read zero-copy by the per-layer gather.
+// (cuda_model.h) are the running sequences. The GPU keeps, per slot, the sink rows, a window ring,
+// the method's summaries and a hot cache; the sequence's past stays in the KV store, and the
+// per-layer gather reads the selected rows that miss the hot cache straight from the store's
+// pages (the store's pool mapped read-only into this process and registered with CUDA:
+// zero-copy over PCIe). The node holds no copy of a sequence's past.
 // - ONE method, budget, sink and window for all slots (ConfigureSparse at creation, from the
 //   node's settings). A handoff with another method, a bigger budget or another sink/window is
 //   refused (InvalidArgument naming the field and the node's setting); a smaller budget runs at
 //   the node's budget (more rows, never fewer). Methods: quest, and clusterkv with the
 //   handed-off clusters (the prefill node's k-means, parsed at Prepare with options.registry).
-// - Prepare (the handoff's thread): pulls ALL the sequence's rows [0, prompt_tokens) from the
-//   store with RangeRead, layer by layer in chunks, through a host staging buffer, converting
-//   float32 -> bf16 (round to nearest even; bf16 store rows are copied as they are) into a
-//   pinned host KV of the model's pool (AcquireSparseHostKv), so the running batch does not wait
-//   for the store; beyond `slots` sequences pulled but not joined, the pull waits for Join (on
-//   the loop thread, while the batch waits). Join adopts the host KV, copies the sink/window
-//   rows to the GPU ring and REBUILDS the quest bounds on the GPU from those rows (clusterkv:
-//   uploads the handed-off clusters); the handed-off sink/local rows are not used (the rows
-//   are needed anyway, and bounds over the bf16 keys are the ones the GPU's own per-token
-//   updates keep).
-// - Not done: UCX into CUDA memory and rkey_ptr zero-copy of the store's pool (the store's rows
-//   are copied once into this node's pinned memory); generated rows stay in the sequence's host
-//   KV and are not appended to the store.
+// - Prepare (the handoff's thread): checks the store sequence (shape, bf16 rows, the prompt's
+//   rows committed), reserves its store pages for every row it will hold (prompt + max_tokens,
+//   KvStoreClient::ReservePageTable) and maps the store's pool (MapLocalPool, once per store;
+//   a store on another host is refused: FailedPrecondition). Join uploads the page tables, copies
+//   the sink/window rows from the store pages to the GPU ring and builds the quest bounds from
+//   the store's keys on the GPU (clusterkv: uploads the handed-off clusters).
 // - Step: one CudaModel::Forward over the running sequences (logits back for the engine's
-//   Sampler). Node counters: the rows/bytes pulled at join, range reads, one attend call per
-//   layer and step; per-step selection/hot-cache counts stay on the GPU (not reported).
+//   Sampler); then each sequence's new K/V rows (all layers) are appended to the store at their
+//   position, asynchronously (one put per layer), waited for at the next step: a row is read
+//   from the store only once it has left the local window, many steps later.
+// - Counters per sequence (at Leave): rows selected, hot-cache hits and misses, rows and bytes
+//   fetched across the link (= misses), rows offloaded; a failed append ends the sequence with
+//   UNAVAILABLE (TakeFailures).
+// - Not done: a store on another host (UCX RMA gets of the missed rows into staging); methods
+//   other than quest and clusterkv; several methods in one node.
 // This header has no CUDA types; in a build without CUDA the factories answer errors.
 
 #include <cstdint>
@@ -52,7 +53,9 @@ struct CudaDecodeBackendOptions {
   int local_window = 256;
   int64_t max_context = 0;  // tokens per sequence (host KV per slot); 0: the model's context
   int64_t hot_cache_bytes = 64 << 20;  // over all slots, layers and KV heads
-  int64_t staging_bytes = 64 << 20;    // host staging of one RangeRead at join
+  // Smallest store page (in rows) the node takes: sizes the GPU page tables
+  // (SparseAttentionOptions::min_page_rows). A 16 KiB page holds 64 bf16 rows at head_dim 64.
+  int min_page_rows = 64;
   // clusterkv: the handed-off summaries are parsed with it (the node's; not owned, outlives the
   // backend). Required for clusterkv, unused by quest.
   const retrieval::MethodRegistry* registry = nullptr;
