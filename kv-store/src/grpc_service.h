@@ -15,6 +15,8 @@ struct DataPlaneInfo {
   uint64_t pool_base = 0;
   uint64_t pool_bytes = 0;
   std::string pool_rkey;
+  // Drawn at start (kvr::NewInstanceId): a store restarted on the same address has a new one.
+  std::string instance_id;
 };
 
 class KvStoreGrpcService final : public store::v1::KvStore::Service {

@@ -10,6 +10,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "kvr/common/instance_id.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/status.h"
 #include "kvr/transport/ucx.h"
@@ -80,7 +81,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   DataPlaneInfo info{.worker_address = impl->worker->address(),
                      .pool_base = impl->pool_region->address(),
                      .pool_bytes = impl->pool_region->size(),
-                     .pool_rkey = std::move(rkey)};
+                     .pool_rkey = std::move(rkey),
+                     .instance_id = NewInstanceId()};
   impl->service = std::make_unique<KvStoreGrpcService>(*impl->store, std::move(info));
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -41,6 +41,7 @@ struct UcxKvStoreClient::Impl {
   std::optional<transport::Endpoint> endpoint;
   std::optional<transport::RemoteKey> rkey;
   uint64_t pool_base = 0;
+  std::string instance_id;  // of the store process, from GetDataPlaneInfo
 
   absl::Time Deadline() const { return absl::Now() + options.timeout; }
 
@@ -203,6 +204,7 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
                        impl->worker->Connect(info.worker_address(), "kvr-store " + target));
   impl->endpoint.emplace(std::move(endpoint));
   impl->pool_base = info.pool_base();
+  impl->instance_id = info.instance_id();
   if (impl->options.rma_range_reads) {
     // RMA only pays where it is native; over TCP UCX emulates it at a fraction of AM speed.
     absl::StatusOr<bool> native = impl->endpoint->HasNativeRma();
@@ -214,6 +216,13 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   }
   return std::unique_ptr<UcxKvStoreClient>(new UcxKvStoreClient(std::move(impl)));
 }
+
+absl::Status UcxKvStoreClient::Health() const {
+  absl::Status health = impl_->endpoint->health();
+  return health.ok() ? health : impl_->Annotate(health);
+}
+
+std::string UcxKvStoreClient::instance_id() const { return impl_->instance_id; }
 
 std::string UcxKvStoreClient::range_read_path() const { return impl_->rkey ? "rma" : "am"; }
 

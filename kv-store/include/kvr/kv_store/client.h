@@ -79,6 +79,14 @@ class KvStoreClient {
   [[nodiscard]] virtual absl::Status Lease(SequenceId id, absl::Duration lease) = 0;
   [[nodiscard]] virtual absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) = 0;
   [[nodiscard]] virtual absl::StatusOr<StoreStats> Stats() = 0;
+
+  // OK while the connection works; UNAVAILABLE naming the store once the transport saw it die
+  // (the data-plane endpoint failed). Such a client never recovers, even when a new store
+  // comes up at the same address: drop it and connect again (StoreClientCache does).
+  [[nodiscard]] virtual absl::Status Health() const { return absl::OkStatus(); }
+  // The instance id of the store process this client is connected to (GetDataPlaneInfo);
+  // "" when unknown.
+  [[nodiscard]] virtual std::string instance_id() const { return ""; }
 };
 
 // Bytes of the reply to a gather of `entries` given each entry's row size.
@@ -155,6 +163,9 @@ class UcxKvStoreClient final : public KvStoreClient {
   absl::Status Lease(SequenceId id, absl::Duration lease) override;
   absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) override;
   absl::StatusOr<StoreStats> Stats() override;
+  // The data-plane endpoint's health (transport::Endpoint::health).
+  absl::Status Health() const override;
+  std::string instance_id() const override;
 
   // Sends a raw data-plane message (for tests of the store's handling of malformed input):
   // returns the reply header or the store's error.
