@@ -130,6 +130,8 @@ int Serve(const DecodeConfig& config) {
       [](const std::string& address) -> absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> {
         kv_store::UcxClientOptions options;
         options.name = "kvr-decode";
+        // A handoff naming a store that just died must not wait for it to come back.
+        options.connect_timeout = absl::Seconds(2);
         auto client = kv_store::UcxKvStoreClient::Connect(address, options);
         if (!client.ok()) return client.status();
         std::shared_ptr<kv_store::KvStoreClient> shared = std::move(*client);

@@ -181,7 +181,10 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   impl->stub = v1::KvStore::NewStub(impl->channel);
 
   grpc::ClientContext ctx;
-  impl->Prepare(ctx);
+  const absl::Duration wait = impl->options.connect_timeout > absl::ZeroDuration()
+                                  ? impl->options.connect_timeout
+                                  : impl->options.timeout;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + wait));
   ctx.set_wait_for_ready(true);  // the store may still be starting
   v1::GetDataPlaneInfoResponse info;
   KVR_RETURN_IF_ERROR(FromGrpc(impl->stub->GetDataPlaneInfo(&ctx, {}, &info),

@@ -12,9 +12,11 @@
 //       ("kvr.ready") once up; killing the only store makes them unready within its lease while
 //       they stay live)
 //   StoreKilledAndRestartedOnTheSamePort  (kill -9 of the store mid-request: that request ends
-//       UNAVAILABLE before its deadline; a store restarted on the same port serves a new
-//       request within 10 s, through nodes that had connected to the old one; the controller
-//       keeps the new store)
+//       UNAVAILABLE before its deadline, and one sent while no store runs too; a store
+//       restarted on the same port serves a new request within 10 s, through nodes that had
+//       connected to the old one; the controller keeps the new store; killed again while idle,
+//       a request placed on the dead store fails UNAVAILABLE at once, and a second restart is
+//       served again)
 //   ControllerKilledAndRestarted  (kill -9 of the controller, restart on the same port: the
 //       first request is UNAVAILABLE or served, never INVALID_ARGUMENT; served once the nodes
 //       registered again)
@@ -502,6 +504,20 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
       << in_flight.error_code() << " " << in_flight.error_message();
   EXPECT_LT(in_flight_took, deadline - absl::Seconds(5)) << "it should fail fast, not time out";
 
+  // While no store runs: a new request fails at once with UNAVAILABLE (no store to place it
+  // on), it does not wait for one.
+  const absl::Time down = absl::Now();
+  Outcome meanwhile = Generate(cluster.stub(), TokenRequest(prompt, "full", 4), absl::Seconds(10));
+  const absl::Duration meanwhile_took = absl::Now() - down;
+  std::printf("request while the store is down: failed after %s: %s\n",
+              absl::FormatDuration(meanwhile_took).c_str(),
+              meanwhile.status.error_message().c_str());
+  EXPECT_EQ(meanwhile.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << meanwhile.status.error_message();
+  EXPECT_LT(meanwhile_took, absl::Seconds(5));
+  // Down for a moment longer: the nodes' connections to the old store are broken for good.
+  absl::SleepFor(absl::Seconds(2) - std::min(absl::Seconds(2), absl::Now() - killed));
+
   // The same store again, on the same port.
   const std::string port = store.grpc.substr(store.grpc.rfind(':') + 1);
   Subprocess restarted({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
@@ -533,6 +549,31 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
   EXPECT_EQ(registrations, 1) << "the controller dropped the restarted store";
   // Nothing is left behind in the new store.
   EXPECT_TRUE(cluster.WaitStoreEmpty(absl::Seconds(2)));
+
+  // Killed again while idle: no request fails to tell the controller, which still places new
+  // ones on the dead store until its lease runs out. They fail UNAVAILABLE, without waiting.
+  restarted.Kill();
+  absl::SleepFor(absl::Milliseconds(200));  // the nodes' transports see the process exit
+  const absl::Time idle_kill = absl::Now();
+  Outcome placed_on_dead =
+      Generate(cluster.stub(), TokenRequest(prompt, "full", 4), absl::Seconds(10));
+  const absl::Duration placed_took = absl::Now() - idle_kill;
+  std::printf("request placed on the idle-killed store: failed after %s: %s\n",
+              absl::FormatDuration(placed_took).c_str(),
+              placed_on_dead.status.error_message().c_str());
+  EXPECT_EQ(placed_on_dead.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << placed_on_dead.status.error_message();
+  EXPECT_LT(placed_took, absl::Seconds(5));
+  Subprocess again({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
+                    "--controller", cluster.endpoint()});
+  const absl::Time second_restart = absl::Now();
+  ASSERT_FALSE(again.WaitForLine("kvr-store registered", absl::Seconds(20)).empty());
+  failures.clear();
+  recovered = WaitServed(cluster.stub(), TokenRequest(prompt, "full", 4), second_restart,
+                         absl::Seconds(10), &failures);
+  std::printf("second store restart: served %s after the restart (%zu failed before)\n",
+              recovered ? absl::FormatDuration(*recovered).c_str() : "NOT", failures.size());
+  EXPECT_TRUE(recovered.has_value()) << "no request served within 10 s of the second restart";
 }
 
 // The controller dies (kill -9) and comes back on the same port with an empty membership.

@@ -133,6 +133,10 @@ class FakeKvStoreClient final : public KvStoreClient {
 struct UcxClientOptions {
   // Budget of every call (gRPC deadline / data-plane deadline).
   absl::Duration timeout = absl::Seconds(10);
+  // How long Connect waits for the store to answer (it waits for a store that is still
+  // starting); zero: `timeout`. Nodes that reconnect after their store died keep it short, so
+  // that a request placed on a store that is gone fails UNAVAILABLE instead of waiting.
+  absl::Duration connect_timeout = absl::ZeroDuration();
   // Names this client in the store's errors and logs.
   std::string name = "kvr-store-client";
   // UCX configuration overrides for this client's context (see transport::ContextOptions);
