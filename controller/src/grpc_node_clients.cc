@@ -93,7 +93,7 @@ absl::StatusOr<Completion> GrpcNodeClients::Stream(
   }
   grpc::Status status = reader->Finish();
   if (!consumer_error.ok()) return consumer_error;
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return WithFailedNode(FromGrpcStatus(status), ctx);
   if (!completion) {
     return absl::InternalError(
         absl::StrCat("decode node ", node.id, " ended the stream without a final message"));

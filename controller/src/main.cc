@@ -86,13 +86,18 @@ int Serve(const ControllerConfig& config) {
     std::cout << "kvr-controller metrics on " << host << ":" << (*metrics_server)->port()
               << std::endl;
   }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  auto reporter = std::make_unique<ReadinessReporter>(&membership, [health](bool ready) {
+    for (const char* service : kControllerReadyServices) health->SetServingStatus(service, ready);
+  });
   // One parseable line on stdout for scripts and tests (kvr up reads it).
   std::cout << "kvr-controller listening on " << host << ":" << port << std::endl;
 
   int received = 0;
   sigwait(&signals, &received);
   spdlog::info("signal {}: shutting down", received);
-  server->GetHealthCheckService()->SetServingStatus(false);
+  reporter.reset();
+  health->SetServingStatus(false);
   // New calls are refused at once; running streams may finish during the grace period. After
   // it gRPC cancels their contexts, the disconnect watcher sees that and each request cancels
   // its downstream calls, so no node keeps decoding for a controller that is gone.

@@ -82,10 +82,20 @@ void Membership::ExpireLocked() const {
   absl::erase_if(nodes_, [&](const auto& kv) { return kv.second.snapshot.lease_expiry <= now; });
 }
 
-absl::StatusOr<std::string> Membership::Register(NodeRegistration registration) {
+absl::StatusOr<std::string> Membership::Register(NodeRegistration registration,
+                                                 std::vector<std::string>* replaced) {
   if (absl::Status s = ValidateRegistration(registration); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   ExpireLocked();
+  absl::erase_if(nodes_, [&](const auto& kv) {
+    if (kv.second.snapshot.registration.endpoints.grpc_address !=
+        registration.endpoints.grpc_address) {
+      return false;
+    }
+    if (replaced != nullptr) replaced->push_back(kv.second.snapshot.id);
+    return true;
+  });
+  for (const ModelInfo& m : registration.capacity.models) seen_models_.insert(m.name);
   const uint64_t serial = next_serial_++;
   Entry entry;
   entry.snapshot.id = absl::StrCat(NodeRoleName(registration.role), "-", serial);
@@ -217,6 +227,19 @@ std::optional<ModelSummary> Membership::FindModel(absl::string_view name) const 
     if (s.info.name == name) return std::move(s);
   }
   return std::nullopt;
+}
+
+ModelPresence Membership::Presence(absl::string_view model) const {
+  ModelPresence p;
+  p.any_model_served = !Models().empty();
+  for (const NodeSnapshot& n : LiveNodes()) {
+    if (!n.Serves(model)) continue;
+    if (n.registration.role == NodeRole::kPrefill) ++p.prefill_nodes;
+    if (n.registration.role == NodeRole::kDecode) ++p.decode_nodes;
+  }
+  absl::MutexLock lock(&mu_);
+  p.ever_registered = seen_models_.contains(model);
+  return p;
 }
 
 }  // namespace kvr::controller

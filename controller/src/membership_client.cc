@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "kvr/common/instance_id.h"
+
 namespace kvr::controller {
 
 namespace cv1 = ::kvr::cluster::v1;
@@ -26,8 +28,17 @@ std::shared_ptr<grpc::Channel> MakeChannel(const MembershipClient::Options& o) {
 
 }  // namespace
 
+namespace {
+
+MembershipClient::Options WithInstanceId(MembershipClient::Options o) {
+  if (o.registration.instance_id().empty()) o.registration.set_instance_id(NewInstanceId());
+  return o;
+}
+
+}  // namespace
+
 MembershipClient::MembershipClient(Options options)
-    : options_(std::move(options)),
+    : options_(WithInstanceId(std::move(options))),
       stub_(cv1::Membership::NewStub(MakeChannel(options_))),
       thread_([this] { Loop(); }) {}
 

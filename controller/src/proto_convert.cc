@@ -58,6 +58,7 @@ NodeRegistration FromProto(const cv1::RegisterRequest& request) {
   NodeRegistration r;
   r.role = FromProto(request.role());
   r.name = request.name();
+  r.instance_id = request.instance_id();
   r.endpoints.grpc_address = request.endpoints().grpc_address();
   r.endpoints.ucx_worker_address = request.endpoints().ucx_worker_address();
   r.endpoints.metrics_port = request.endpoints().metrics_port();
@@ -78,6 +79,7 @@ NodeRegistration FromProto(const cv1::RegisterRequest& request) {
 
 void ToProto(const NodeSnapshot& node, cv1::NodeRef* out) {
   out->set_node_id(node.id);
+  out->set_instance_id(node.registration.instance_id);
   out->mutable_endpoints()->set_grpc_address(node.registration.endpoints.grpc_address);
   out->mutable_endpoints()->set_ucx_worker_address(node.registration.endpoints.ucx_worker_address);
   out->mutable_endpoints()->set_metrics_port(node.registration.endpoints.metrics_port);

@@ -250,13 +250,23 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
             absl::StrCat("deadline: passed after ", state.tokens_sent(), " tokens were streamed"));
       }
       (void)state.OnNodeFailure();  // always kFail: tokens were sent
-      observer.OnNodeFailure(params, where.decode.id, err);
-      if (absl::IsUnavailable(err)) membership_->MarkFailed(where.decode.id);
+      // D names the node that failed when it is not itself (its store died under the
+      // sequence): that one leaves the cluster, and D, which is fine, stays.
+      const std::string failed = FailedNodeOf(err).value_or(where.decode.id);
+      observer.OnNodeFailure(params, failed, err);
+      if (absl::IsUnavailable(err)) membership_->MarkFailed(failed);
       CancelDownstream(nullptr, &where.decode, params, sequence_id, "decode failed");
-      const std::string message = absl::StrCat(
-          "decode node ", where.decode.id, " (", where.decode.registration.endpoints.grpc_address,
-          ") failed after ", state.tokens_sent(),
-          " tokens were streamed; not retried because tokens were already sent: ", err.message());
+      const std::string message =
+          failed == where.decode.id
+              ? absl::StrCat("decode node ", where.decode.id, " (",
+                             where.decode.registration.endpoints.grpc_address, ") failed after ",
+                             state.tokens_sent(),
+                             " tokens were streamed; not retried because tokens were already "
+                             "sent: ",
+                             err.message())
+              : absl::StrCat("node ", failed, " failed while decode node ", where.decode.id,
+                             " streamed; not retried because ", state.tokens_sent(),
+                             " tokens were already sent: ", err.message());
       spdlog::warn("request {}: {}", params.request_id, message);
       return absl::UnavailableError(message);
     }

@@ -2,7 +2,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -26,10 +28,17 @@ grpc::Status MembershipService::Register(grpc::ServerContext*, const cv1::Regist
   if (request->role() == cv1::NODE_ROLE_UNSPECIFIED) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "role: unspecified");
   }
-  absl::StatusOr<std::string> id = membership_->Register(FromProto(*request));
+  std::vector<std::string> replaced;
+  absl::StatusOr<std::string> id = membership_->Register(FromProto(*request), &replaced);
   if (!id.ok()) return ToGrpcStatus(id.status());
-  spdlog::info("registered {} node {} '{}' at {}", cv1::NodeRole_Name(request->role()), *id,
-               request->name(), request->endpoints().grpc_address());
+  spdlog::info("registered {} node {} '{}' at {} (instance {})",
+               cv1::NodeRole_Name(request->role()), *id, request->name(),
+               request->endpoints().grpc_address(),
+               request->instance_id().empty() ? "unknown" : request->instance_id());
+  for (const std::string& old : replaced) {
+    spdlog::warn("node {} replaces {} at {}: the address re-registered; what {} held is lost", *id,
+                 old, request->endpoints().grpc_address(), old);
+  }
   response->set_node_id(*id);
   SetDuration(membership_->lease(), response->mutable_lease());
   // Three heartbeats per lease: one lost heartbeat does not drop a healthy node.
@@ -94,6 +103,29 @@ void DisconnectWatcher::Loop() {
   }
 }
 
+ReadinessReporter::ReadinessReporter(const Membership* membership,
+                                     std::function<void(bool ready)> set, absl::Duration period)
+    : membership_(membership), set_(std::move(set)), period_(period), thread_([this] { Loop(); }) {}
+
+ReadinessReporter::~ReadinessReporter() {
+  stop_.Notify();
+  thread_.join();
+}
+
+void ReadinessReporter::Loop() {
+  std::optional<bool> reported;
+  do {
+    const bool ready = !membership_->Models().empty();
+    if (reported != ready) {
+      spdlog::info("controller {}", ready ? "ready: a model has a live prefill and decode node"
+                                          : "not ready: no model has a live prefill and decode "
+                                            "node");
+      set_(ready);
+      reported = ready;
+    }
+  } while (!stop_.WaitForNotificationWithTimeout(period_));
+}
+
 namespace {
 
 // Writes events to the client's stream.
@@ -139,6 +171,11 @@ grpc::Status GenerationService::Generate(grpc::ServerContext* context,
                                          const v1::GenerateRequest* request,
                                          grpc::ServerWriter<v1::GenerateResponse>* writer) {
   const absl::Time arrival = clock_->Now();
+  if (absl::Status s =
+          CheckModelAvailable(request->model(), membership_->Presence(request->model()));
+      !s.ok()) {
+    return Reject(s);
+  }
   absl::StatusOr<GenerateParams> params =
       ParseGenerateRequest(*request, membership_->Models(), options_.defaults);
   if (!params.ok()) return Reject(params.status());

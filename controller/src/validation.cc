@@ -17,6 +17,25 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
 
 }  // namespace
 
+absl::Status CheckModelAvailable(absl::string_view model, const ModelPresence& presence) {
+  if (model.empty()) return absl::OkStatus();  // ParseGenerateRequest names the field
+  if (presence.prefill_nodes > 0 && presence.decode_nodes > 0) return absl::OkStatus();
+  const std::string live =
+      absl::StrCat("live nodes serving model '", model, "': ", presence.prefill_nodes, " prefill, ",
+                   presence.decode_nodes, " decode");
+  if (!presence.any_model_served) {
+    return absl::UnavailableError(absl::StrCat(
+        "model: no model is served yet (no prefill and decode node registered; after a "
+        "controller restart nodes register again within a heartbeat); ",
+        live, "; retry"));
+  }
+  if (presence.ever_registered) {
+    return absl::UnavailableError(absl::StrCat(
+        "model: '", model, "' has no live prefill and decode node now (", live, "); retry"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateRequestId(absl::string_view id) {
   if (id.size() > kMaxRequestIdLength) {
     return Invalid("request_id", absl::StrCat("longer than ", kMaxRequestIdLength, " characters"));

@@ -6,8 +6,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +59,16 @@ class Cluster {
   }
   Subprocess& node(size_t i) { return *nodes_[i]; }
   Subprocess& controller() { return *controller_; }
+
+  // kill -9 of the controller and a new one on the same address (the nodes keep running and
+  // register again when their next heartbeat gets NOT_FOUND). False when it did not start.
+  bool RestartController() {
+    controller_->Kill();
+    controller_ = std::make_unique<Subprocess>(std::vector<std::string>{
+        KVR_CONTROLLER_BIN, "--listen", address_, "--lease-seconds", "3", "--default-max-tokens",
+        "8", "--max-attempts", "3", "--shutdown-grace-seconds", "1"});
+    return !controller_->WaitForLine("kvr-controller listening on ").empty();
+  }
 
   // Runs Generate to its end. `on_token(n)` runs after the n-th token arrived.
   StreamResult Generate(const kvr::v1::GenerateRequest& request,
@@ -352,6 +364,96 @@ TEST(ControllerIntegrationTest, AbortEndsTheStreamAndDeadlinePropagates) {
   StreamResult late = c.Generate(r, absl::Milliseconds(600));
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(c.node(1).WaitForLine("stream-cancelled too-slow"), "stream-cancelled too-slow");
+}
+
+// grpc.health.v1 status of `service` on the controller (UNKNOWN when the call fails).
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(Cluster& c,
+                                                            const std::string& service) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status s =
+      grpc::health::v1::Health::NewStub(c.channel())->Check(&ctx, request, &response);
+  return s.ok() ? response.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+}
+
+// Polls `service` until it reports `want` (true) or `timeout` passes.
+bool WaitHealth(Cluster& c, const std::string& service,
+                grpc::health::v1::HealthCheckResponse::ServingStatus want, absl::Duration timeout) {
+  const absl::Time until = absl::Now() + timeout;
+  while (Health(c, service) != want) {
+    if (absl::Now() > until) return false;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return true;
+}
+
+// Before any prefill+decode pair registered, the model cannot be judged: UNAVAILABLE (retry),
+// not INVALID_ARGUMENT "unknown model; served: []", and the controller is live but not ready.
+TEST(ControllerIntegrationTest, NoNodesYetIsUnavailableAndNotReady) {
+  using HS = grpc::health::v1::HealthCheckResponse;
+  Cluster c;
+  StreamResult r = c.Generate(Request(), absl::Seconds(5));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  EXPECT_THAT(r.status.error_message(), HasSubstr("no model is served yet"));
+  EXPECT_EQ(Health(c, ""), HS::SERVING) << "live";
+  EXPECT_TRUE(WaitHealth(c, "kvr.ready", HS::NOT_SERVING, absl::Seconds(2)));
+  EXPECT_EQ(Health(c, "kvr.v1.Generation"), HS::NOT_SERVING);
+  // Half a pair is still not enough.
+  c.AddNode("prefill");
+  c.AddNode("store");
+  r = c.Generate(Request(), absl::Seconds(5));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  EXPECT_EQ(Health(c, "kvr.ready"), HS::NOT_SERVING);
+  c.AddNode("decode");
+  EXPECT_TRUE(WaitHealth(c, "kvr.ready", HS::SERVING, absl::Seconds(2)));
+  EXPECT_EQ(Health(c, "kvr.v1.Generation"), HS::SERVING);
+  r = c.Generate(Request(3));
+  EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+  // A name no node ever registered, while another model is served: the client's mistake.
+  kvr::v1::GenerateRequest bad = Request();
+  bad.set_model("gpt-5");
+  r = c.Generate(bad);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+// kill -9 of the controller and a restart on the same port: the first request gets UNAVAILABLE
+// or succeeds (never INVALID_ARGUMENT), and requests succeed once the nodes registered again.
+TEST(ControllerIntegrationTest, ControllerRestartServesOnceNodesReturn) {
+  using HS = grpc::health::v1::HealthCheckResponse;
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("decode");
+  c.AddNode("store");
+  ASSERT_TRUE(c.Generate(Request(3)).status.ok());
+  ASSERT_TRUE(c.RestartController());
+  const absl::Time restarted = absl::Now();
+  StreamResult first = c.Generate(Request(3), absl::Seconds(5));
+  EXPECT_TRUE(first.status.ok() || first.status.error_code() == grpc::StatusCode::UNAVAILABLE)
+      << first.status.error_code() << " " << first.status.error_message();
+  EXPECT_NE(first.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // The nodes heartbeat every lease/3 = 1 s, get NOT_FOUND and register again.
+  std::optional<absl::Duration> served_after;
+  int unavailable = 0;
+  while (absl::Now() - restarted < absl::Seconds(15)) {
+    StreamResult r = c.Generate(Request(3), absl::Seconds(5));
+    if (r.status.ok()) {
+      served_after = absl::Now() - restarted;
+      break;
+    }
+    ASSERT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+    ++unavailable;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(served_after.has_value()) << "no request served within 15 s of the restart";
+  std::printf(
+      "controller restart: first answer %s, served %s after the restart (%d UNAVAILABLE "
+      "before)\n",
+      first.status.ok() ? "OK" : "UNAVAILABLE", absl::FormatDuration(*served_after).c_str(),
+      unavailable);
+  EXPECT_EQ(Health(c, "kvr.ready"), HS::SERVING);
 }
 
 }  // namespace

@@ -102,6 +102,64 @@ TEST_F(MembershipTest, MarkFailedAndDeregisterRemoveTheNode) {
   EXPECT_TRUE(membership_.LiveNodes().empty());
 }
 
+// A node restarted on its address (a new instance) replaces its old entry at once instead of
+// both being placeable until the old lease lapses.
+TEST_F(MembershipTest, ReRegistrationOnTheSameAddressReplacesTheOldEntry) {
+  NodeRegistration first = Store("s:1");
+  first.instance_id = "a";
+  auto old_id = membership_.Register(first);
+  ASSERT_TRUE(old_id.ok());
+  ASSERT_TRUE(membership_.Register(Store("s:2")).ok());
+  membership_.AddPending(*old_id, {.memory_bytes = 1000});
+  clock_.Advance(absl::Seconds(1));
+  NodeRegistration restarted = Store("s:1");
+  restarted.instance_id = "b";
+  std::vector<std::string> replaced;
+  auto new_id = membership_.Register(restarted, &replaced);
+  ASSERT_TRUE(new_id.ok());
+  EXPECT_NE(*new_id, *old_id);
+  EXPECT_THAT(replaced, ElementsAre(*old_id));
+  EXPECT_FALSE(membership_.Find(*old_id).has_value());
+  auto now = membership_.Find(*new_id);
+  ASSERT_TRUE(now.has_value());
+  EXPECT_EQ(now->registration.instance_id, "b");
+  EXPECT_EQ(now->effective_load.free_memory_bytes, 1ull << 32) << "no pending load carried over";
+  EXPECT_EQ(membership_.LiveNodes(NodeRole::kStore).size(), 2u);
+  // The old process's heartbeat (if it were still alive) is told to register again.
+  EXPECT_TRUE(absl::IsNotFound(membership_.Heartbeat(*old_id, {}).status()));
+  // Marking the old id failed (a request that was placed on it) leaves the new entry alone.
+  membership_.MarkFailed(*old_id);
+  EXPECT_TRUE(membership_.Find(*new_id).has_value());
+  // Another address is another node.
+  replaced.clear();
+  ASSERT_TRUE(membership_.Register(Store("s:3"), &replaced).ok());
+  EXPECT_TRUE(replaced.empty());
+}
+
+TEST_F(MembershipTest, PresenceTellsNotYetFromNeverSeen) {
+  ModelPresence p = membership_.Presence("smollm2");
+  EXPECT_FALSE(p.any_model_served);
+  EXPECT_FALSE(p.ever_registered);
+  auto d = membership_.Register(Decode("d:1"));
+  ASSERT_TRUE(d.ok());
+  p = membership_.Presence("smollm2");
+  EXPECT_TRUE(p.ever_registered);
+  EXPECT_EQ(p.decode_nodes, 1u);
+  EXPECT_EQ(p.prefill_nodes, 0u);
+  EXPECT_FALSE(p.any_model_served);
+  ASSERT_TRUE(membership_.Register(Prefill("p:1")).ok());
+  p = membership_.Presence("smollm2");
+  EXPECT_TRUE(p.any_model_served);
+  EXPECT_EQ(p.prefill_nodes, 1u);
+  EXPECT_FALSE(membership_.Presence("llama").ever_registered);
+  // Nodes gone: the model is still known, just not served.
+  clock_.Advance(absl::Seconds(11));
+  p = membership_.Presence("smollm2");
+  EXPECT_TRUE(p.ever_registered);
+  EXPECT_FALSE(p.any_model_served);
+  EXPECT_EQ(p.prefill_nodes + p.decode_nodes, 0u);
+}
+
 TEST_F(MembershipTest, ModelsNeedPrefillAndDecodeAndIntersectMethods) {
   ASSERT_TRUE(membership_.Register(Decode("d:1")).ok());
   EXPECT_TRUE(membership_.Models().empty()) << "a model without a prefill node cannot run";

@@ -291,6 +291,18 @@ TEST_F(RequestRunnerTest, DecodeDeathAfterTokensEndsTheStreamWithoutRetry) {
   EXPECT_FALSE(membership_.Find(d1_).has_value());
 }
 
+// D's store died under the sequence: D names the store, which leaves the cluster; D stays.
+TEST_F(RequestRunnerTest, StoreDeathNamedByDecodeDropsTheStoreNotTheDecodeNode) {
+  decode_.fail_after = 1;
+  decode_.fail_status = absl::UnavailableError("sequence 7: its KV store failed");
+  decode_.fail_status.SetPayload(kFailedNodePayloadUrl, absl::Cord(s1_));
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("node " + s1_ + " failed"));
+  EXPECT_TRUE(membership_.Find(d1_).has_value()) << "the decode node is fine";
+  EXPECT_FALSE(membership_.Find(s1_).has_value());
+}
+
 TEST_F(RequestRunnerTest, OnlyUnreachableNodesLeaveTheCluster) {
   prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
     return absl::ResourceExhaustedError("prefill queue full");

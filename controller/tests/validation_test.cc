@@ -84,6 +84,34 @@ TEST_F(ValidationTest, UnknownModel) {
   ExpectInvalid(r, "model");
 }
 
+// Before nodes (re-)registered, "unknown model" is UNAVAILABLE (retry), never INVALID_ARGUMENT.
+TEST(CheckModelAvailableTest, NotYetIsUnavailableNeverSeenIsLeftToValidation) {
+  // A controller that just (re)started: nothing registered yet.
+  absl::Status s = CheckModelAvailable("smollm2", {});
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("no model is served yet"));
+  EXPECT_TRUE(absl::IsUnavailable(CheckModelAvailable("no-such-model", {})));
+  // Half of the pair is back.
+  s = CheckModelAvailable(
+      "smollm2",
+      {.prefill_nodes = 1, .decode_nodes = 0, .ever_registered = true, .any_model_served = false});
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("1 prefill, 0 decode"));
+  // Another model is served; this one was registered once and its nodes are gone.
+  s = CheckModelAvailable("smollm2", {.ever_registered = true, .any_model_served = true});
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  // Served: fine.
+  EXPECT_TRUE(CheckModelAvailable("smollm2", {.prefill_nodes = 1,
+                                              .decode_nodes = 2,
+                                              .ever_registered = true,
+                                              .any_model_served = true})
+                  .ok());
+  // Others are served and no node ever registered this name: ParseGenerateRequest's
+  // INVALID_ARGUMENT stands. An empty name is the request's fault too.
+  EXPECT_TRUE(CheckModelAvailable("no-such-model", {.any_model_served = true}).ok());
+  EXPECT_TRUE(CheckModelAvailable("", {}).ok());
+}
+
 TEST_F(ValidationTest, EmptyPrompts) {
   kvr::v1::GenerateRequest r = good_;
   r.set_prompt("");

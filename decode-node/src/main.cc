@@ -128,12 +128,20 @@ int Serve(const DecodeConfig& config) {
   }
 
   StoreClients stores(
-      [](const std::string& address) -> absl::StatusOr<std::unique_ptr<kv_store::KvStoreClient>> {
+      [](const std::string& address) -> absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> {
         kv_store::UcxClientOptions options;
         options.name = "kvr-decode";
+        // A handoff naming a store that just died must not wait for it to come back.
+        options.connect_timeout = absl::Seconds(2);
         auto client = kv_store::UcxKvStoreClient::Connect(address, options);
         if (!client.ok()) return client.status();
-        return std::unique_ptr<kv_store::KvStoreClient>(std::move(*client));
+        std::shared_ptr<kv_store::KvStoreClient> shared = std::move(*client);
+        spdlog::info("connected to the KV store at {} (instance {})", address,
+                     shared->instance_id());
+        return shared;
+      },
+      [](const std::string& address, const std::string& why) {
+        spdlog::warn("KV store at {}: {}; connecting again", address, why);
       });
   // Metrics (kvr/common/metrics.h): declared before the engine, which reports to them.
   const std::string listen_host = config.listen.substr(0, config.listen.rfind(':'));

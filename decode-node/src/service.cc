@@ -1,5 +1,7 @@
 #include "kvr/decode/service.h"
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -33,23 +35,6 @@ kvr::v1::FinishReason ToProto(FinishReason r) {
 }
 
 }  // namespace
-
-absl::StatusOr<kv_store::KvStoreClient*> StoreClients::Get(const std::string& grpc_address) {
-  if (grpc_address.empty()) return absl::InvalidArgumentError("store: no grpc_address");
-  // Connecting holds the lock: a second handoff for the same store waits for the first
-  // connection rather than opening another.
-  absl::MutexLock lock(&mu_);
-  auto it = clients_.find(grpc_address);
-  if (it != clients_.end()) return it->second.get();
-  absl::StatusOr<std::unique_ptr<kv_store::KvStoreClient>> client = connect_(grpc_address);
-  if (!client.ok()) {
-    return absl::UnavailableError(absl::StrCat("connecting to the KV store at ", grpc_address, ": ",
-                                               client.status().message()));
-  }
-  kv_store::KvStoreClient* raw = client->get();
-  clients_.emplace(grpc_address, std::move(*client));
-  return raw;
-}
 
 absl::StatusOr<Handoff> HandoffFromProto(const cv1::HandoffHeader& header,
                                          std::vector<cv1::HandoffLayer> layers,
@@ -119,27 +104,58 @@ grpc::Status DecodeServiceImpl::Handoff(grpc::ServerContext* context,
   }
   if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "handoff cancelled");
   if (!header) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "handoff: no header");
-  absl::StatusOr<kv_store::KvStoreClient*> store =
-      stores_->Get(header->store().endpoints().grpc_address());
-  if (!store.ok()) return ToGrpc(store.status());
-  absl::StatusOr<kvr::decode::Handoff> h = HandoffFromProto(*header, std::move(layers), *store);
+  // The instance check: a store that restarted since the prefill node wrote the sequence no
+  // longer holds it, and a client connected before the restart cannot reach the new one.
+  const cv1::NodeRef& store_ref = header->store();
+  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> store =
+      stores_->Get(store_ref.endpoints().grpc_address(), store_ref.instance_id());
+  if (!store.ok()) {
+    context->AddTrailingMetadata(kFailedNodeKey, store_ref.node_id());
+    return ToGrpc(store.status());
+  }
+  absl::StatusOr<kvr::decode::Handoff> h =
+      HandoffFromProto(*header, std::move(layers), store->get());
   if (!h.ok()) return ToGrpc(h.status());
+  h->store_owner = *store;
   const std::string request_id = h->request_id;
   const uint64_t id = h->sequence_id;
   if (absl::Status s = engine_->Admit(std::move(*h)); !s.ok()) {
     spdlog::warn("handoff {} (sequence {}) refused: {}", request_id, id, s.ToString());
     return ToGrpc(s);
   }
+  Remember(id, {store_ref.node_id(), *store});
   spdlog::info("handoff {} (sequence {}, {} prompt tokens, method {}) admitted", request_id, id,
                header->prompt_tokens(), header->retrieval().method());
   response->set_accepted(true);
   return grpc::Status::OK;
 }
 
+void DecodeServiceImpl::Remember(uint64_t sequence_id, SequenceStore store) {
+  absl::MutexLock lock(&mu_);
+  // Sequences whose Stream never came (the controller gave up) are gone from the engine by
+  // now; their entries go here rather than piling up.
+  absl::erase_if(sequence_stores_, [&](const auto& kv) { return !engine_->Has(kv.first); });
+  sequence_stores_[sequence_id] = std::move(store);
+}
+
+std::optional<DecodeServiceImpl::SequenceStore> DecodeServiceImpl::Forget(uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sequence_stores_.find(sequence_id);
+  if (it == sequence_stores_.end()) return std::nullopt;
+  SequenceStore store = std::move(it->second);
+  sequence_stores_.erase(it);
+  return store;
+}
+
 grpc::Status DecodeServiceImpl::Stream(grpc::ServerContext* context,
                                        const cv1::StreamRequest* request,
                                        grpc::ServerWriter<cv1::StreamResponse>* writer) {
   const uint64_t id = request->sequence_id();
+  // Whatever the outcome, the sequence's store entry goes when the Stream ends.
+  std::optional<SequenceStore> store;
+  absl::Cleanup forget = [&] {
+    if (!store) (void)Forget(id);
+  };
   // The handoff may still be on its way. Give up a little before the call's deadline so that
   // the caller sees NOT_FOUND rather than its own DEADLINE_EXCEEDED.
   const absl::Time deadline = absl::FromChrono(context->deadline());
@@ -160,7 +176,19 @@ grpc::Status DecodeServiceImpl::Stream(grpc::ServerContext* context,
     }
     // Short waits so that a cancelled call is noticed within one step or so.
     absl::StatusOr<StreamChunk> chunk = engine_->Next(id, absl::Now() + absl::Milliseconds(50));
-    if (!chunk.ok()) return ToGrpc(chunk.status());
+    if (!chunk.ok()) {
+      // A sequence that failed while its store's transport is down failed because of the
+      // store: say so (UNAVAILABLE, the store named), so that the controller drops the store
+      // and not this node, and the client may retry.
+      store = Forget(id);
+      if (store && store->client != nullptr && !store->client->Health().ok()) {
+        context->AddTrailingMetadata(kFailedNodeKey, store->node_id);
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat("sequence ", id, ": its KV store ", store->node_id,
+                                         " failed: ", chunk.status().message()));
+      }
+      return ToGrpc(chunk.status());
+    }
     cv1::StreamResponse msg;
     for (int32_t t : chunk->tokens) msg.add_token_ids(static_cast<uint32_t>(t));
     msg.set_text(std::move(chunk->text));
@@ -192,6 +220,7 @@ grpc::Status DecodeServiceImpl::Stream(grpc::ServerContext* context,
 grpc::Status DecodeServiceImpl::Cancel(grpc::ServerContext*, const cv1::CancelRequest* request,
                                        cv1::CancelResponse* response) {
   response->set_found(engine_->Cancel(request->sequence_id(), request->reason()));
+  (void)Forget(request->sequence_id());
   spdlog::info("cancel {} (sequence {}, {}): found {}", request->request_id(),
                request->sequence_id(), request->reason(), response->found());
   return grpc::Status::OK;

@@ -99,6 +99,7 @@ grpc::Status KvStoreGrpcService::GetDataPlaneInfo(grpc::ServerContext* ctx,
   resp->set_pool_rkey(info_.pool_rkey);
   resp->set_page_bytes(store_.pool().page_bytes());
   resp->set_wire_version(wire::kVersion);
+  resp->set_instance_id(info_.instance_id);
   resp->set_local_socket(info_.local_socket);
   resp->set_host_id(info_.host_id);
   resp->set_pool_id(info_.pool_id);

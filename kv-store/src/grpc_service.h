@@ -19,6 +19,8 @@ struct DataPlaneInfo {
   std::string local_socket;
   std::string host_id;
   std::string pool_id;
+  // Drawn at start (kvr::NewInstanceId): a store restarted on the same address has a new one.
+  std::string instance_id;
 };
 
 class KvStoreGrpcService final : public store::v1::KvStore::Service {

@@ -10,6 +10,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "kvr/common/instance_id.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/status.h"
 #include "kvr/transport/ucx.h"
@@ -86,7 +87,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
                      .pool_rkey = std::move(rkey),
                      .local_socket = options.local_socket,
                      .host_id = "",
-                     .pool_id = pool.pool_id()};
+                     .pool_id = pool.pool_id(),
+                     .instance_id = NewInstanceId()};
   if (absl::StatusOr<std::string> host = ReadHostId(); host.ok()) {
     info.host_id = *std::move(host);
   } else if (!options.local_socket.empty()) {

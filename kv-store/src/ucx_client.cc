@@ -53,6 +53,7 @@ struct UcxKvStoreClient::Impl {
   std::string pool_id;
   absl::Mutex local_pool_mu;
   std::shared_ptr<const LocalPoolMapping> local_pool ABSL_GUARDED_BY(local_pool_mu);
+  std::string instance_id;  // of the store process, from GetDataPlaneInfo
 
   absl::Time Deadline() const { return absl::Now() + options.timeout; }
 
@@ -197,7 +198,10 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   impl->stub = v1::KvStore::NewStub(impl->channel);
 
   grpc::ClientContext ctx;
-  impl->Prepare(ctx);
+  const absl::Duration wait = impl->options.connect_timeout > absl::ZeroDuration()
+                                  ? impl->options.connect_timeout
+                                  : impl->options.timeout;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + wait));
   ctx.set_wait_for_ready(true);  // the store may still be starting
   v1::GetDataPlaneInfoResponse info;
   KVR_RETURN_IF_ERROR(FromGrpc(impl->stub->GetDataPlaneInfo(&ctx, {}, &info),
@@ -225,6 +229,7 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   impl->local_socket = info.local_socket();
   impl->host_id = info.host_id();
   impl->pool_id = info.pool_id();
+  impl->instance_id = info.instance_id();
   if (impl->options.rma_range_reads) {
     // RMA only pays where it is native; over TCP UCX emulates it at a fraction of AM speed.
     absl::StatusOr<bool> native = impl->endpoint->HasNativeRma();
@@ -236,6 +241,13 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   }
   return std::unique_ptr<UcxKvStoreClient>(new UcxKvStoreClient(std::move(impl)));
 }
+
+absl::Status UcxKvStoreClient::Health() const {
+  absl::Status health = impl_->endpoint->health();
+  return health.ok() ? health : impl_->Annotate(health);
+}
+
+std::string UcxKvStoreClient::instance_id() const { return impl_->instance_id; }
 
 std::string UcxKvStoreClient::range_read_path() const { return impl_->rkey ? "rma" : "am"; }
 

@@ -18,9 +18,9 @@
 
 namespace {
 
-// The UCX worker address, asked of our own gRPC service (GetDataPlaneInfo) so that the
-// registration carries exactly what clients are told.
-absl::StatusOr<std::string> OwnWorkerAddress(int port) {
+// The UCX worker address and instance id, asked of our own gRPC service (GetDataPlaneInfo) so
+// that the registration carries exactly what clients are told.
+absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> OwnDataPlaneInfo(int port) {
   auto stub = kvr::store::v1::KvStore::NewStub(
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
@@ -31,7 +31,7 @@ absl::StatusOr<std::string> OwnWorkerAddress(int port) {
     return absl::UnavailableError(
         absl::StrCat("GetDataPlaneInfo on our own port ", port, ": ", s.error_message()));
   }
-  return info.worker_address();
+  return info;
 }
 
 }  // namespace
@@ -76,9 +76,10 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<kvr::controller::MembershipClient> membership;
   if (!config->controller.empty()) {
-    absl::StatusOr<std::string> worker = OwnWorkerAddress((*server)->port());
-    if (!worker.ok()) {
-      std::fprintf(stderr, "kvr-store: %s\n", std::string(worker.status().message()).c_str());
+    absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> info =
+        OwnDataPlaneInfo((*server)->port());
+    if (!info.ok()) {
+      std::fprintf(stderr, "kvr-store: %s\n", std::string(info.status().message()).c_str());
       return 1;
     }
     namespace cv1 = ::kvr::cluster::v1;
@@ -89,7 +90,10 @@ int main(int argc, char** argv) {
     o.registration.set_protocol_version(1);
     o.registration.set_name(absl::StrCat(config->name, "@", advertised));
     o.registration.mutable_endpoints()->set_grpc_address(advertised);
-    o.registration.mutable_endpoints()->set_ucx_worker_address(*worker);
+    o.registration.mutable_endpoints()->set_ucx_worker_address(info->worker_address());
+    // Clients compare it with the instance they are connected to (a restart on the same
+    // address has a new one), and the controller replaces this address's old entry.
+    o.registration.set_instance_id(info->instance_id());
     o.registration.mutable_endpoints()->set_metrics_port(
         static_cast<uint32_t>(std::max((*server)->metrics_port(), 0)));
     o.registration.mutable_capacity()->set_memory_bytes(stats.capacity_bytes);

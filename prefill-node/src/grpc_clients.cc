@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -37,7 +38,16 @@ class GrpcHandoffSink final : public HandoffSink {
     finished_ = true;
     writer_->WritesDone();
     grpc::Status s = writer_->Finish();
-    if (!s.ok()) return FromGrpc(s);
+    if (!s.ok()) {
+      absl::Status status = FromGrpc(s);
+      // D blames another node (the store it could not reach): pass that on.
+      const auto& trailers = context_.GetServerTrailingMetadata();
+      if (auto it = trailers.find("kvr-failed-node"); it != trailers.end()) {
+        status.SetPayload("kvr-failed-node",
+                          absl::Cord(absl::string_view(it->second.data(), it->second.size())));
+      }
+      return status;
+    }
     return response_;
   }
 
@@ -74,23 +84,31 @@ absl::StatusOr<std::unique_ptr<HandoffSink>> GrpcHandoffOpener::Open(const cv1::
   return std::make_unique<GrpcHandoffSink>(std::move(channel), deadline);
 }
 
-absl::StatusOr<kv_store::KvStoreClient*> UcxStoreClients::Get(const cv1::NodeRef& store) {
-  const std::string& address = store.endpoints().grpc_address();
-  if (address.empty()) {
+UcxStoreClients::UcxStoreClients(kv_store::UcxClientOptions options)
+    : cache_(
+          [options](const std::string& address)
+              -> absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> {
+            kv_store::UcxClientOptions o = options;
+            o.name = absl::StrCat(options.name, "->", address);
+            absl::StatusOr<std::unique_ptr<kv_store::UcxKvStoreClient>> client =
+                kv_store::UcxKvStoreClient::Connect(address, o);
+            if (!client.ok()) return client.status();
+            std::shared_ptr<kv_store::KvStoreClient> shared = std::move(*client);
+            spdlog::info("connected to the KV store at {} (instance {})", address,
+                         shared->instance_id());
+            return shared;
+          },
+          [](const std::string& address, const std::string& why) {
+            spdlog::warn("KV store at {}: {}; connecting again", address, why);
+          }) {}
+
+absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> UcxStoreClients::Get(
+    const cv1::NodeRef& store) {
+  if (store.endpoints().grpc_address().empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("store ", store.node_id(), " has no gRPC address"));
   }
-  absl::MutexLock lock(&mu_);
-  auto it = clients_.find(address);
-  if (it != clients_.end()) return it->second.get();
-  kv_store::UcxClientOptions options = options_;
-  options.name = absl::StrCat(options_.name, "->", store.node_id());
-  absl::StatusOr<std::unique_ptr<kv_store::UcxKvStoreClient>> client =
-      kv_store::UcxKvStoreClient::Connect(address, options);
-  if (!client.ok()) return client.status();
-  kv_store::KvStoreClient* raw = client->get();
-  clients_[address] = std::move(*client);
-  return raw;
+  return cache_.Get(store.endpoints().grpc_address(), store.instance_id());
 }
 
 }  // namespace kvr::prefill_node

@@ -186,6 +186,8 @@ int Serve(const PrefillConfig& config) {
   kv_store::UcxClientOptions store_options;
   store_options.timeout = absl::Seconds(config.store_timeout_seconds);
   store_options.name = "kvr-prefill";
+  // A request placed on a store that just died must not wait for it to come back.
+  store_options.connect_timeout = absl::Seconds(2);
   UcxStoreClients stores(store_options);
   GrpcHandoffOpener handoff;
   // Metrics (helper "metrics"): declared before the engine, which reports to them.

@@ -27,11 +27,13 @@ namespace cv1 = ::kvr::cluster::v1;
 constexpr char kFailedNodePayload[] = "kvr-failed-node";
 
 // An error of another node (D or S): UNAVAILABLE (the controller retries elsewhere), with the
-// node id as payload for the trailing metadata.
+// node id as payload for the trailing metadata; or the node that node named in turn (D names
+// the store when it cannot reach it).
 absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl::Status& cause) {
   absl::Status s = absl::UnavailableError(absl::StrCat(
       role, " ", node.node_id(), " (", node.endpoints().grpc_address(), "): ", cause.ToString()));
-  s.SetPayload(kFailedNodePayload, absl::Cord(node.node_id()));
+  const auto named = cause.GetPayload(kFailedNodePayload);
+  s.SetPayload(kFailedNodePayload, named ? *named : absl::Cord(node.node_id()));
   return s;
 }
 
@@ -492,7 +494,9 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   }
 
   // The store sequence: created before compute so that a full or dead store fails fast.
-  absl::StatusOr<kv_store::KvStoreClient*> store = stores_->Get(job.store);
+  // Held for the whole request: the client cache may drop the client meanwhile (the store
+  // died), and the layer worker's puts still use it.
+  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> store = stores_->Get(job.store);
   if (!store.ok()) return NodeFailure(job.store, "store", store.status());
   kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
                                 static_cast<uint32_t>(c.n_kv_heads),
@@ -521,7 +525,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                       .registry = registry_,
                       .params = &params,
                       .method = rp.method(),
-                      .store = *store,
+                      .store = store->get(),
                       .store_dtype = options_.store_dtype,
                       .sequence = job.sequence_id,
                       .prompt_tokens = L,

@@ -72,7 +72,9 @@ class RecordingOpener final : public HandoffOpener {
 class OneStore final : public StoreClients {
  public:
   explicit OneStore(kv_store::KvStoreClient* client) : client_(client) {}
-  absl::StatusOr<kv_store::KvStoreClient*> Get(const cv1::NodeRef&) override { return client_; }
+  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(const cv1::NodeRef&) override {
+    return std::shared_ptr<kv_store::KvStoreClient>(std::shared_ptr<void>(), client_);  // unowned
+  }
 
  private:
   kv_store::KvStoreClient* client_;

@@ -57,7 +57,9 @@ class RecordingOpener final : public HandoffOpener {
 class OneStore final : public StoreClients {
  public:
   explicit OneStore(kv_store::KvStoreClient* client) : client_(client) {}
-  absl::StatusOr<kv_store::KvStoreClient*> Get(const cv1::NodeRef&) override { return client_; }
+  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(const cv1::NodeRef&) override {
+    return std::shared_ptr<kv_store::KvStoreClient>(std::shared_ptr<void>(), client_);  // unowned
+  }
 
  private:
   kv_store::KvStoreClient* client_;
@@ -288,6 +290,17 @@ TEST_F(PrefillEngineTest, DecodeFailureNamesTheDecodeNodeAndReleasesTheStore) {
   EXPECT_TRUE(absl::IsUnavailable(result.status())) << result.status();
   EXPECT_EQ(PrefillEngine::FailedNodeOf(result.status()), "decode-7");
   EXPECT_EQ(store_->Stats()->sequences, 0u);
+}
+
+// D could not reach the store the sequence was written to (it restarted meanwhile): D names
+// the store, and so does P, so that the controller does not drop the healthy decode node.
+TEST_F(PrefillEngineTest, StoreNamedByTheDecodeNodeIsTheFailedNode) {
+  opener_.finish = absl::UnavailableError("the KV store at s:1 is another instance");
+  opener_.finish.SetPayload("kvr-failed-node", absl::Cord("store-3"));
+  auto result = engine_->Run(Job(TextPrompt{"Hello there"}));
+  ASSERT_FALSE(result.ok());
+  EXPECT_TRUE(absl::IsUnavailable(result.status())) << result.status();
+  EXPECT_EQ(PrefillEngine::FailedNodeOf(result.status()), "store-3");
 }
 
 TEST_F(PrefillEngineTest, StoreFailureNamesTheStore) {

@@ -11,6 +11,15 @@
 //   ReadinessFollowsTheStore  (grpc.health.v1: prefill and decode are live ("") and ready
 //       ("kvr.ready") once up; killing the only store makes them unready within its lease while
 //       they stay live)
+//   StoreKilledAndRestartedOnTheSamePort  (kill -9 of the store mid-request: that request ends
+//       UNAVAILABLE before its deadline, and one sent while no store runs too; a store
+//       restarted on the same port serves a new request within 10 s, through nodes that had
+//       connected to the old one; the controller keeps the new store; killed again while idle,
+//       a request placed on the dead store fails UNAVAILABLE at once, and a second restart is
+//       served again)
+//   ControllerKilledAndRestarted  (kill -9 of the controller, restart on the same port: the
+//       first request is UNAVAILABLE or served, never INVALID_ARGUMENT; served once the nodes
+//       registered again)
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -19,8 +28,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -47,8 +58,8 @@ constexpr char kModel[] = "smollm2-135m-instruct";
 class Cluster {
  public:
   Cluster(int prefill, int decode, const std::vector<std::string>& extra = {}) {
-    const std::string log_dir =
-        absl::StrCat(::testing::TempDir(), "/kvr-e2e-", getpid(), "-", prefill, decode);
+    log_dir_ = absl::StrCat(::testing::TempDir(), "/kvr-e2e-", getpid(), "-", prefill, decode);
+    const std::string& log_dir = log_dir_;
     // The known name resolves to TestModelPath() in every node and is the served name.
     std::vector<std::string> argv = {KVR_BIN,
                                      "up",
@@ -102,6 +113,9 @@ class Cluster {
 
   bool ready() const { return ready_; }
   kvr::v1::Generation::Stub& stub() { return *stub_; }
+  // The controller's address (public API and membership).
+  const std::string& endpoint() const { return endpoint_; }
+  const std::string& log_dir() const { return log_dir_; }
 
   kvr::store::v1::StatsResponse StoreStats() {
     grpc::ClientContext ctx;
@@ -123,6 +137,7 @@ class Cluster {
 
  private:
   std::unique_ptr<Subprocess> up_;
+  std::string log_dir_;
   bool ready_ = false;
   std::string endpoint_;
   std::vector<Node> nodes_;
@@ -137,9 +152,10 @@ struct Outcome {
 };
 
 Outcome Generate(kvr::v1::Generation::Stub& stub, const kvr::v1::GenerateRequest& request,
-                 absl::Duration timeout = absl::Seconds(60)) {
+                 absl::Duration timeout = absl::Seconds(60), bool wait_for_ready = false) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  ctx.set_wait_for_ready(wait_for_ready);
   auto reader = stub.Generate(&ctx, request);
   Outcome out;
   kvr::v1::GenerateResponse msg;
@@ -432,6 +448,167 @@ TEST_F(ModelFixture, ReadinessFollowsTheStore) {
         << node;
     EXPECT_EQ(Health(node, ""), Status::SERVING) << node << " must stay live";
   }
+}
+
+// Generate with short requests until one succeeds or `within` passes; the time it took, or
+// nullopt. Every failure on the way must be UNAVAILABLE (the cluster is recovering) or
+// DEADLINE_EXCEEDED of a request caught by the recovery, never another code.
+std::optional<absl::Duration> WaitServed(kvr::v1::Generation::Stub& stub,
+                                         const kvr::v1::GenerateRequest& request, absl::Time since,
+                                         absl::Duration within,
+                                         std::vector<std::string>* failures) {
+  while (absl::Now() - since < within) {
+    const absl::Duration left = within - (absl::Now() - since);
+    Outcome o = Generate(stub, request, std::min(left, absl::Seconds(5)));
+    if (o.status.ok()) return absl::Now() - since;
+    failures->push_back(absl::StrCat(o.status.error_code(), " ", o.status.error_message()));
+    EXPECT_TRUE(o.status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                o.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+        << failures->back();
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return std::nullopt;
+}
+
+// The store dies (kill -9) and comes back on the same port. The prefill and decode nodes were
+// connected to the old one (a first request ran); they must notice and connect to the new one,
+// and the controller must keep the new store rather than drop it again and again.
+TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
+  Cluster cluster(1, 1);
+  ASSERT_TRUE(cluster.ready());
+  const auto store = cluster.Find("store-0");
+  ASSERT_GT(store.pid, 0);
+  ASSERT_FALSE(store.grpc.empty());
+  const std::vector<int32_t> prompt = Prompt(60, 4);
+  Outcome warm = Generate(cluster.stub(), TokenRequest(prompt, "full", 4), absl::Seconds(30));
+  ASSERT_TRUE(warm.status.ok()) << warm.status.error_message();
+
+  // A request in flight at the kill: decoding ("full" gathers from the store every step).
+  const absl::Duration deadline = absl::Seconds(20);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  auto reader = cluster.stub().Generate(&ctx, TokenRequest(Prompt(200, 5), "full", 400));
+  kvr::v1::GenerateResponse msg;
+  int messages = 0;
+  while (messages < 3 && reader->Read(&msg)) ++messages;
+  ASSERT_EQ(messages, 3);
+  ASSERT_EQ(kill(store.pid, SIGKILL), 0);
+  const absl::Time killed = absl::Now();
+  while (reader->Read(&msg)) {
+  }
+  const grpc::Status in_flight = reader->Finish();
+  const absl::Duration in_flight_took = absl::Now() - killed;
+  std::printf("request in flight at the kill: %s after %s: %s\n", in_flight.ok() ? "OK" : "failed",
+              absl::FormatDuration(in_flight_took).c_str(), in_flight.error_message().c_str());
+  EXPECT_EQ(in_flight.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << in_flight.error_code() << " " << in_flight.error_message();
+  EXPECT_LT(in_flight_took, deadline - absl::Seconds(5)) << "it should fail fast, not time out";
+
+  // While no store runs: a new request fails at once with UNAVAILABLE (no store to place it
+  // on), it does not wait for one.
+  const absl::Time down = absl::Now();
+  Outcome meanwhile = Generate(cluster.stub(), TokenRequest(prompt, "full", 4), absl::Seconds(10));
+  const absl::Duration meanwhile_took = absl::Now() - down;
+  std::printf("request while the store is down: failed after %s: %s\n",
+              absl::FormatDuration(meanwhile_took).c_str(),
+              meanwhile.status.error_message().c_str());
+  EXPECT_EQ(meanwhile.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << meanwhile.status.error_message();
+  EXPECT_LT(meanwhile_took, absl::Seconds(5));
+  // Down for a moment longer: the nodes' connections to the old store are broken for good.
+  absl::SleepFor(absl::Seconds(2) - std::min(absl::Seconds(2), absl::Now() - killed));
+
+  // The same store again, on the same port.
+  const std::string port = store.grpc.substr(store.grpc.rfind(':') + 1);
+  Subprocess restarted({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
+                        "--evict-expired", "true", "--sweep-interval-ms", "500", "--controller",
+                        cluster.endpoint()});
+  const absl::Time restart = absl::Now();
+  ASSERT_FALSE(restarted.WaitForLine("kvr-store listening port=" + port, absl::Seconds(20)).empty())
+      << "the store did not start on port " << port;
+  ASSERT_FALSE(restarted.WaitForLine("kvr-store registered", absl::Seconds(10)).empty());
+  std::vector<std::string> failures;
+  std::optional<absl::Duration> recovered = WaitServed(
+      cluster.stub(), TokenRequest(prompt, "full", 4), restart, absl::Seconds(10), &failures);
+  std::printf("store restart: a new request served %s after the restart (%zu failed before)\n",
+              recovered ? absl::FormatDuration(*recovered).c_str() : "NOT", failures.size());
+  for (const std::string& f : failures) std::printf("  failed: %s\n", f.c_str());
+  ASSERT_TRUE(recovered.has_value()) << "no request served within 10 s of the store restart";
+  EXPECT_LE(*recovered, absl::Seconds(10));
+
+  // It stays served, and the controller kept the store: one registration, not one per request.
+  for (int i = 0; i < 3; ++i) {
+    Outcome o =
+        Generate(cluster.stub(), TokenRequest(Prompt(80, i), "clusterkv", 8), absl::Seconds(30));
+    EXPECT_TRUE(o.status.ok()) << o.status.error_message();
+  }
+  int registrations = 0;
+  for (const std::string& line : restarted.Lines()) {
+    registrations += absl::StartsWith(line, "kvr-store registered") ? 1 : 0;
+  }
+  EXPECT_EQ(registrations, 1) << "the controller dropped the restarted store";
+  // Nothing is left behind in the new store.
+  EXPECT_TRUE(cluster.WaitStoreEmpty(absl::Seconds(2)));
+
+  // Killed again while idle: no request fails to tell the controller, which still places new
+  // ones on the dead store until its lease runs out. They fail UNAVAILABLE, without waiting.
+  restarted.Kill();
+  absl::SleepFor(absl::Milliseconds(200));  // the nodes' transports see the process exit
+  const absl::Time idle_kill = absl::Now();
+  Outcome placed_on_dead =
+      Generate(cluster.stub(), TokenRequest(prompt, "full", 4), absl::Seconds(10));
+  const absl::Duration placed_took = absl::Now() - idle_kill;
+  std::printf("request placed on the idle-killed store: failed after %s: %s\n",
+              absl::FormatDuration(placed_took).c_str(),
+              placed_on_dead.status.error_message().c_str());
+  EXPECT_EQ(placed_on_dead.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << placed_on_dead.status.error_message();
+  EXPECT_LT(placed_took, absl::Seconds(5));
+  Subprocess again({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
+                    "--controller", cluster.endpoint()});
+  const absl::Time second_restart = absl::Now();
+  ASSERT_FALSE(again.WaitForLine("kvr-store registered", absl::Seconds(20)).empty());
+  failures.clear();
+  recovered = WaitServed(cluster.stub(), TokenRequest(prompt, "full", 4), second_restart,
+                         absl::Seconds(10), &failures);
+  std::printf("second store restart: served %s after the restart (%zu failed before)\n",
+              recovered ? absl::FormatDuration(*recovered).c_str() : "NOT", failures.size());
+  EXPECT_TRUE(recovered.has_value()) << "no request served within 10 s of the second restart";
+}
+
+// The controller dies (kill -9) and comes back on the same port with an empty membership.
+TEST_F(ModelFixture, ControllerKilledAndRestarted) {
+  Cluster cluster(1, 1);
+  ASSERT_TRUE(cluster.ready());
+  const auto controller = cluster.Find("controller");
+  ASSERT_GT(controller.pid, 0);
+  const std::vector<int32_t> prompt = Prompt(60, 6);
+  Outcome warm = Generate(cluster.stub(), TokenRequest(prompt, "full", 4), absl::Seconds(30));
+  ASSERT_TRUE(warm.status.ok()) << warm.status.error_message();
+
+  ASSERT_EQ(kill(controller.pid, SIGKILL), 0);
+  Subprocess restarted({KVR_CONTROLLER_BIN, "--listen", cluster.endpoint()});
+  ASSERT_FALSE(restarted.WaitForLine("kvr-controller listening on", absl::Seconds(10)).empty());
+  const absl::Time restart = absl::Now();
+  // At once, on a new channel that waits for the connection (the old one may still report the
+  // dead controller's closed socket): the nodes have not registered again yet (they heartbeat
+  // every lease/3), so this reaches a controller without nodes.
+  auto fresh = kvr::v1::Generation::NewStub(
+      grpc::CreateChannel(cluster.endpoint(), grpc::InsecureChannelCredentials()));
+  Outcome first = Generate(*fresh, TokenRequest(prompt, "full", 4), absl::Seconds(10),
+                           /*wait_for_ready=*/true);
+  std::printf("first request after the controller restart: %s %s\n",
+              first.status.ok() ? "OK" : "failed", first.status.error_message().c_str());
+  EXPECT_TRUE(first.status.ok() || first.status.error_code() == grpc::StatusCode::UNAVAILABLE)
+      << first.status.error_code() << " " << first.status.error_message();
+  std::vector<std::string> failures;
+  std::optional<absl::Duration> served = WaitServed(cluster.stub(), TokenRequest(prompt, "full", 4),
+                                                    restart, absl::Seconds(15), &failures);
+  std::printf("controller restart: served %s after the restart (%zu failed before)\n",
+              served ? absl::FormatDuration(*served).c_str() : "NOT", failures.size());
+  ASSERT_TRUE(served.has_value()) << "no request served within 15 s of the controller restart";
+  EXPECT_EQ(Health(cluster.endpoint(), kvr::controller::kReadinessService),
+            grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
 }  // namespace

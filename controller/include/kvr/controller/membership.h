@@ -14,6 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -41,6 +42,17 @@ struct ModelSummary {
   uint32_t decode_nodes = 0;
 };
 
+// How close a model is to being served, for telling "not yet" from "no such model".
+struct ModelPresence {
+  // Live nodes that registered the model.
+  uint32_t prefill_nodes = 0;
+  uint32_t decode_nodes = 0;
+  // Some node registered it since the controller started (live or not).
+  bool ever_registered = false;
+  // Some model, this one or another, has a live prefill AND decode node.
+  bool any_model_served = false;
+};
+
 class Membership {
  public:
   // `clock` must outlive the membership.
@@ -49,10 +61,19 @@ class Membership {
   Membership(const Membership&) = delete;
   Membership& operator=(const Membership&) = delete;
 
-  // Adds a node and returns its id. INVALID_ARGUMENT when the registration is malformed (no
-  // gRPC address, a prefill/decode node without models, a decode node without batch slots,
-  // a store without memory or UCX address, a model without a context length).
-  [[nodiscard]] absl::StatusOr<std::string> Register(NodeRegistration registration);
+  // Adds a node and returns its id (a new one at every registration). INVALID_ARGUMENT when the
+  // registration is malformed (no gRPC address, a prefill/decode node without models, a
+  // decode node without batch slots, a store without memory or UCX address, a model without a
+  // context length).
+  //
+  // One process per address: a live entry with the same gRPC address is removed (its ids go
+  // into `replaced` when given). That is a node restarted on its address (a new instance id)
+  // or one whose registration the controller forgot and that registers again; either way the
+  // old entry is gone, and work placed on it (for a store: its sequences) is lost and fails
+  // on its own. Without this the old entry of a restarted store stayed placeable until its
+  // lease ran out, with requests sent to an address whose process no longer holds it.
+  [[nodiscard]] absl::StatusOr<std::string> Register(NodeRegistration registration,
+                                                     std::vector<std::string>* replaced = nullptr);
 
   // Renews the lease, stores the load and returns the new lease expiry. NOT_FOUND when the id
   // is unknown or its lease already lapsed (the node must register again).
@@ -75,6 +96,7 @@ class Membership {
   // Models served by live prefill AND decode nodes (only those can run a request), by name.
   std::vector<ModelSummary> Models() const;
   std::optional<ModelSummary> FindModel(absl::string_view name) const;
+  [[nodiscard]] ModelPresence Presence(absl::string_view model) const;
 
   absl::Duration lease() const { return lease_; }
 
@@ -95,6 +117,8 @@ class Membership {
   // readers removes entries, which does not change the observable membership.
   mutable absl::btree_map<uint64_t, Entry> nodes_ ABSL_GUARDED_BY(mu_);
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;
+  // Every model name a node registered since construction.
+  absl::flat_hash_set<std::string> seen_models_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvr::controller

@@ -39,7 +39,9 @@ class MembershipClient {
     // host:port of the controller's gRPC server.
     std::string controller;
     // Role, name, endpoints, capacity and protocol version; `load` is overwritten by the
-    // provider's value at every Register.
+    // provider's value at every Register. An empty `instance_id` is filled with a random one
+    // (kvr::NewInstanceId), the same for every Register of this client: the controller then
+    // knows a re-registration of this process from a new process on the same address.
     kvr::cluster::v1::RegisterRequest registration;
     // Current load, for Register and every Heartbeat. Null: an empty NodeLoad.
     std::function<kvr::cluster::v1::NodeLoad()> load;

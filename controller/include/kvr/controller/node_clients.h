@@ -71,7 +71,9 @@ class DecodeClient {
   virtual ~DecodeClient() = default;
   // Streams the sequence's tokens after the first: `on_chunk` gets each message's new tokens;
   // when it returns an error (the client went away) the call is cancelled and that error
-  // returned. On success returns the final message's completion.
+  // returned. On success returns the final message's completion. A failure that the node
+  // blames on another node (its store died) carries that node's id as the
+  // kFailedNodePayloadUrl payload, as Prefill's do.
   [[nodiscard]] virtual absl::StatusOr<Completion> Stream(
       const NodeSnapshot& node, absl::string_view request_id, uint64_t sequence_id,
       absl::Time deadline, CancellationToken* cancel,

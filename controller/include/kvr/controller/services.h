@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -86,6 +87,34 @@ class DisconnectWatcher {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
+};
+
+// grpc.health.v1 services of the controller's readiness: SERVING while a request can run
+// (some model has a live prefill node and decode node), NOT_SERVING before (just started, nodes
+// still registering) and when every such node is gone. "kvr.ready" as on the nodes; the
+// Generation service by its full name, as gRPC health checking names services. The overall
+// service "" stays SERVING while the process runs (liveness; nodes must reach the controller
+// to register, so it must not leave a load balancer's rotation for want of nodes).
+inline constexpr const char* kControllerReadyServices[] = {"kvr.ready", "kvr.v1.Generation"};
+
+// Keeps that readiness current: calls `set` with the state at start and on every change,
+// polling the membership every `period` (leases lapse lazily: there is no event to wait for).
+class ReadinessReporter {
+ public:
+  // `membership` must outlive the reporter; `set` runs on the reporter's thread.
+  ReadinessReporter(const Membership* membership, std::function<void(bool ready)> set,
+                    absl::Duration period = absl::Milliseconds(200));
+  ~ReadinessReporter();  // stops the thread; `set` is not called after it returns
+  ReadinessReporter(const ReadinessReporter&) = delete;
+  ReadinessReporter& operator=(const ReadinessReporter&) = delete;
+
+ private:
+  void Loop();
+  const Membership* membership_;
+  const std::function<void(bool)> set_;
+  const absl::Duration period_;
+  absl::Notification stop_;
+  std::thread thread_;  // last: started after everything above
 };
 
 struct GenerationServiceOptions {

@@ -53,6 +53,8 @@ struct NodeLoad {
 struct NodeRegistration {
   NodeRole role = NodeRole::kPrefill;
   std::string name;
+  // Random per node process (RegisterRequest.instance_id); "" when the node does not say.
+  std::string instance_id;
   NodeEndpoints endpoints;
   NodeCapacity capacity;
   NodeLoad load;

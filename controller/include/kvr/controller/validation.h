@@ -37,6 +37,15 @@ inline constexpr size_t kMaxRequestIdLength = 128;
     const kvr::v1::GenerateRequest& request, absl::Span<const ModelSummary> models,
     const RequestDefaults& defaults);
 
+// UNAVAILABLE, with the reason, when `model` cannot run now but may soon, so that the client
+// retries rather than gives up: no model is served at all (the controller just started and
+// its nodes are still registering, or every node is gone), or nodes registered this model but
+// no live prefill node and decode node serve it now. OK otherwise, including for a model no
+// node ever registered while others are served: ParseGenerateRequest then answers
+// INVALID_ARGUMENT naming the served models.
+[[nodiscard]] absl::Status CheckModelAvailable(absl::string_view model,
+                                               const ModelPresence& presence);
+
 // Checks a client-supplied request id (empty is valid: one is assigned).
 [[nodiscard]] absl::Status ValidateRequestId(absl::string_view id);
 

@@ -72,7 +72,10 @@ struct Handoff {
   int64_t n_sink = 16;
   int64_t local_window = 256;
   std::map<std::string, std::string, std::less<>> options;  // method options
-  kv_store::KvStoreClient* store = nullptr;                 // not owned
+  kv_store::KvStoreClient* store = nullptr;
+  // Keeps `store` alive while the sequence lives (the node's client cache may drop the client
+  // meanwhile, when the store dies); null when the caller guarantees the lifetime itself.
+  std::shared_ptr<kv_store::KvStoreClient> store_owner;
   absl::Time deadline = absl::InfiniteFuture();
   int64_t prompt_tokens = 0;
   int32_t first_token = 0;

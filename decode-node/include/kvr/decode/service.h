@@ -1,36 +1,28 @@
 #pragma once
 // The gRPC shell of the decode node (CONVENTIONS.md 2): DecodeService handlers convert
-// protos to the engine's domain types and back; StoreClients connects to stores lazily.
+// protos to the engine's domain types and back; store clients come from a
+// kv_store::StoreClientCache (one per store, reconnected when the store died or restarted).
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/decode/engine.h"
 #include "kvr/kv_store/client.h"
+#include "kvr/kv_store/client_cache.h"
 
 namespace kvr::decode {
 
-// One client per store, connected on first use from the store's gRPC address (the handoff
-// names it). Thread-safe.
-class StoreClients {
- public:
-  using Connector = std::function<absl::StatusOr<std::unique_ptr<kv_store::KvStoreClient>>(
-      const std::string& grpc_address)>;
-  explicit StoreClients(Connector connect) : connect_(std::move(connect)) {}
-  // The client for `grpc_address`; clients live as long as this object.
-  [[nodiscard]] absl::StatusOr<kv_store::KvStoreClient*> Get(const std::string& grpc_address);
-
- private:
-  Connector connect_;
-  absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::unique_ptr<kv_store::KvStoreClient>> clients_
-      ABSL_GUARDED_BY(mu_);
-};
+// The decode node's store clients: connected on first use from the store's gRPC address (the
+// handoff names it), dropped and connected again when the store died or the handoff names
+// another instance of it. Thread-safe.
+using StoreClients = kv_store::StoreClientCache;
 
 // Converts a handoff's chunks (header + layers) into the engine's Handoff.
 [[nodiscard]] absl::StatusOr<Handoff> HandoffFromProto(
@@ -39,8 +31,7 @@ class StoreClients {
 
 class DecodeServiceImpl final : public kvr::cluster::v1::DecodeService::Service {
  public:
-  // `engine` and `stores` must outlive the service. `node_id` (set once registered) goes into
-  // completions.
+  // `engine` and `stores` must outlive the service.
   DecodeServiceImpl(DecodeEngine* engine, StoreClients* stores);
 
   grpc::Status Handoff(grpc::ServerContext* context,
@@ -51,9 +42,24 @@ class DecodeServiceImpl final : public kvr::cluster::v1::DecodeService::Service 
   grpc::Status Cancel(grpc::ServerContext* context, const kvr::cluster::v1::CancelRequest* request,
                       kvr::cluster::v1::CancelResponse* response) override;
 
+  // The trailing-metadata key naming another node that failed (kvr.cluster.v1: the controller
+  // marks that node failed rather than this one).
+  static constexpr char kFailedNodeKey[] = "kvr-failed-node";
+
  private:
+  // The store a handed-off sequence lives on, until its Stream ends: when the sequence fails
+  // while that store's client is unhealthy, the failure is the store's, and Stream names it.
+  struct SequenceStore {
+    std::string node_id;
+    std::shared_ptr<kv_store::KvStoreClient> client;
+  };
+  void Remember(uint64_t sequence_id, SequenceStore store);
+  std::optional<SequenceStore> Forget(uint64_t sequence_id);
+
   DecodeEngine* engine_;
   StoreClients* stores_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, SequenceStore> sequence_stores_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvr::decode

@@ -93,6 +93,13 @@ class KvStoreClient {
   // socket cannot be reached. Mapped once per client and shared, so many sequences use one
   // mapping; the mapping outlives the client if a holder keeps it.
   [[nodiscard]] virtual absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> MapLocalPool() = 0;
+  // OK while the connection works; UNAVAILABLE naming the store once the transport saw it die
+  // (the data-plane endpoint failed). Such a client never recovers, even when a new store
+  // comes up at the same address: drop it and connect again (StoreClientCache does).
+  [[nodiscard]] virtual absl::Status Health() const { return absl::OkStatus(); }
+  // The instance id of the store process this client is connected to (GetDataPlaneInfo);
+  // "" when unknown.
+  [[nodiscard]] virtual std::string instance_id() const { return ""; }
 };
 
 // Bytes of the reply to a gather of `entries` given each entry's row size.
@@ -145,6 +152,10 @@ class FakeKvStoreClient final : public KvStoreClient {
 struct UcxClientOptions {
   // Budget of every call (gRPC deadline / data-plane deadline).
   absl::Duration timeout = absl::Seconds(10);
+  // How long Connect waits for the store to answer (it waits for a store that is still
+  // starting); zero: `timeout`. Nodes that reconnect after their store died keep it short, so
+  // that a request placed on a store that is gone fails UNAVAILABLE instead of waiting.
+  absl::Duration connect_timeout = absl::ZeroDuration();
   // Names this client in the store's errors and logs.
   std::string name = "kvr-store-client";
   // UCX configuration overrides for this client's context (see transport::ContextOptions);
@@ -182,6 +193,9 @@ class UcxKvStoreClient final : public KvStoreClient {
   // (within the client's timeout), checks that it is the pool the store announced (pool id,
   // page size, bytes) and maps it read-only. The first success is cached; failures are not.
   absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> MapLocalPool() override;
+  // The data-plane endpoint's health (transport::Endpoint::health).
+  absl::Status Health() const override;
+  std::string instance_id() const override;
 
   // Sends a raw data-plane message (for tests of the store's handling of malformed input):
   // returns the reply header or the store's error.

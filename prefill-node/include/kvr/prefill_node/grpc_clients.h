@@ -1,6 +1,7 @@
 #pragma once
 // The real implementations of the prefill engine's seams: a gRPC DecodeService.Handoff stream
-// per request (channels cached per decode address) and one UcxKvStoreClient per store address.
+// per request (channels cached per decode address) and one UcxKvStoreClient per store address
+// (connected again when the store died or restarted).
 //
 // Thread safety: both may be used from many request threads at once.
 
@@ -10,6 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "kvr/kv_store/client_cache.h"
 #include "kvr/prefill_node/prefill_engine.h"
 
 namespace grpc {
@@ -28,16 +30,17 @@ class GrpcHandoffOpener final : public HandoffOpener {
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
 };
 
+// UcxKvStoreClients by store address through a kv_store::StoreClientCache: a client whose
+// store died (its data-plane endpoint failed) or that is connected to another instance than
+// the request's NodeRef names is dropped, and the request connects afresh.
 class UcxStoreClients final : public StoreClients {
  public:
-  explicit UcxStoreClients(kv_store::UcxClientOptions options = {}) : options_(options) {}
-  absl::StatusOr<kv_store::KvStoreClient*> Get(const kvr::cluster::v1::NodeRef& store) override;
+  explicit UcxStoreClients(kv_store::UcxClientOptions options = {});
+  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(
+      const kvr::cluster::v1::NodeRef& store) override;
 
  private:
-  kv_store::UcxClientOptions options_;
-  absl::Mutex mu_;  // held while connecting, so one connection per address
-  absl::flat_hash_map<std::string, std::unique_ptr<kv_store::UcxKvStoreClient>> clients_
-      ABSL_GUARDED_BY(mu_);
+  kv_store::StoreClientCache cache_;
 };
 
 }  // namespace kvr::prefill_node

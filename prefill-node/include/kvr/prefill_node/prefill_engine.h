@@ -93,7 +93,9 @@ class HandoffSink {
   virtual ~HandoffSink() = default;
   // False when the stream broke (Finish then tells why).
   [[nodiscard]] virtual bool Write(const kvr::cluster::v1::HandoffChunk& chunk) = 0;
-  // Half-closes the stream and returns the decode node's answer.
+  // Half-closes the stream and returns the decode node's answer. When D blames another node
+  // (the store it could not reach), the error carries that node's id as payload
+  // "kvr-failed-node", which the engine reports instead of D's.
   [[nodiscard]] virtual absl::StatusOr<kvr::cluster::v1::HandoffResponse> Finish() = 0;
 };
 
@@ -105,13 +107,15 @@ class HandoffOpener {
       const kvr::cluster::v1::NodeRef& decode, absl::Time deadline) = 0;
 };
 
-// Store clients by node: kvr-prefill keeps one UcxKvStoreClient per store address.
+// Store clients by node: kvr-prefill keeps one UcxKvStoreClient per store address, and
+// connects again when that store died or `store` names another instance of it.
 class StoreClients {
  public:
   virtual ~StoreClients() = default;
-  // The client for `store` (connecting on first use). The pointer stays valid for the
-  // lifetime of this object.
-  [[nodiscard]] virtual absl::StatusOr<kv_store::KvStoreClient*> Get(
+  // The client for `store` (connecting on first use); the caller shares its ownership for as
+  // long as it uses it. Errors are the store's failures (UNAVAILABLE: it cannot be reached,
+  // or it is not the instance `store` names).
+  [[nodiscard]] virtual absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(
       const kvr::cluster::v1::NodeRef& store) = 0;
 };
 
