@@ -35,6 +35,7 @@ struct CudaPending final : BackendSequence {
 // A running sequence: its store, the rows of the last step being appended there, and counters.
 struct CudaRunning {
   kv_store::KvStoreClient* store = nullptr;
+  std::shared_ptr<kv_store::KvStoreClient> store_owner;  // keeps `store` alive (may be null)
   std::shared_ptr<const kv_store::LocalPoolMapping> pool;
   int64_t next_row = 0;  // store row of the next generated token
   // The last step's new rows, [n_layers, 2 (K, V), n_kv_heads, head_dim] bf16, and the puts
@@ -149,6 +150,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     }
     CudaRunning run;
     run.store = h.store;
+    run.store_owner = h.store_owner;
     run.pool = std::move(pending->pool);
     run.next_row = h.prompt_tokens;
     running_.emplace(id, std::move(run));
