@@ -52,7 +52,7 @@ class CpuDecodeBackend final : public DecodeBackend {
     setup.local_window = h.local_window;
     setup.indexes = std::move(seq->indexes);
     setup.store = h.store;
-    setup.store_sequence = h.sequence_id;
+    setup.store_sequence = h.store_ref();
     setup.cache = &seq->cache;
     KVR_RETURN_IF_ERROR(attention_.AddSequence(h.sequence_id, std::move(setup)));
     running_.emplace(h.sequence_id, std::unique_ptr<CpuSequence>(seq));

@@ -173,7 +173,7 @@ class CudaDecodeBackend final : public DecodeBackend {
       return absl::FailedPreconditionError(
           absl::StrCat("CUDA decode: store sequence ", id, ": ", parts...));
     };
-    KVR_ASSIGN_OR_RETURN(kv_store::SequenceInfo info, h.store->GetSequence(id));
+    KVR_ASSIGN_OR_RETURN(kv_store::SequenceInfo info, h.store->GetSequence(h.store_ref()));
     const kv_store::SequenceShape& s = info.shape;
     if (s.n_layers != static_cast<uint32_t>(c.n_layers) ||
         s.n_kv_heads != static_cast<uint32_t>(kv) || s.head_dim != static_cast<uint32_t>(d)) {
@@ -201,7 +201,7 @@ class CudaDecodeBackend final : public DecodeBackend {
       for (int64_t t0 = 0; t0 < L; t0 += chunk) {
         const int64_t n = std::min(chunk, L - t0);
         for (int hh = 0; hh < kv; ++hh) {
-          ranges[hh] = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(hh),
+          ranges[hh] = {h.store_ref(), static_cast<uint32_t>(l), static_cast<uint32_t>(hh),
                         static_cast<uint64_t>(t0), static_cast<uint64_t>(n)};
         }
         staging.resize(static_cast<size_t>(kv * n) * row_bytes);

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "gtest/gtest.h"
+#include "kvr/kv_store/test_pattern.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/retrieval/all_methods.h"
 #include "test_util.h"
@@ -43,18 +44,16 @@ struct Fixture {
       v.push_back(RandomTensor(total, kKvHeads, kDim, 20 + l));
     }
     EXPECT_TRUE(store
-                    .CreateSequence(7, {kLayers, kKvHeads, kDim, kv_store::DType::kF32},
+                    .CreateSequence(kv_store::testing::TestRef(7),
+                                    {kLayers, kKvHeads, kDim, kv_store::DType::kF32},
                                     static_cast<uint64_t>(total), absl::ZeroDuration())
                     .ok());
     cache = model::KvCache::Windowed(kLayers, kKvHeads, kDim, sink, local);
     const int64_t n_s = std::min(sink, prompt), n_l = std::min(local, prompt - n_s);
     for (int l = 0; l < kLayers; ++l) {
-      kv_store::LayerRows rows{7,
-                               static_cast<uint32_t>(l),
-                               0,
-                               static_cast<uint32_t>(prompt),
-                               Bytes(k[l], 0, prompt),
-                               Bytes(v[l], 0, prompt)};
+      kv_store::LayerRows rows{
+          kv_store::testing::TestRef(7), static_cast<uint32_t>(l), 0,
+          static_cast<uint32_t>(prompt), Bytes(k[l], 0, prompt),   Bytes(v[l], 0, prompt)};
       EXPECT_TRUE(store.PutLayer(rows).ok());
       EXPECT_TRUE(cache.AppendAt(l, 0, n_s, k[l].data(), v[l].data(), kRow).ok());
       EXPECT_TRUE(cache
@@ -92,7 +91,7 @@ struct Fixture {
       s.indexes.push_back(null_index ? nullptr : Index(method, l, budget));
     }
     s.store = &store;
-    s.store_sequence = 7;
+    s.store_sequence = kv_store::testing::TestRef(7);
     s.cache = &cache;
     return s;
   }
@@ -167,7 +166,7 @@ TEST(DecodeAttentionTest, FullEqualsDenseWithAndWithoutSummaries) {
     EXPECT_EQ(f.store.gathers.load(), 30 * kLayers);
     EXPECT_EQ(attention.node_counters().gathers, 30 * kLayers);
     // New rows went to the store: the prompt plus every step, every layer.
-    auto info = f.store.GetSequence(7);
+    auto info = f.store.GetSequence(kv_store::testing::TestRef(7));
     ASSERT_TRUE(info.ok());
     for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, 130u);
     // With full, consecutive steps select the same rows: after the first step most are hits.
@@ -242,16 +241,17 @@ TEST(DecodeAttentionTest, OneGatherPerLayerForTheWholeBatch) {
   DecodeAttention attention({kLayers, kKvHeads, kDim, 0}, nullptr);
   DecodeSequenceSetup sa = a.Setup("full", 8), sb = b.Setup("full", 8);
   ASSERT_TRUE(a.store
-                  .CreateSequence(8, {kLayers, kKvHeads, kDim, kv_store::DType::kF32}, 80,
+                  .CreateSequence(kv_store::testing::TestRef(8),
+                                  {kLayers, kKvHeads, kDim, kv_store::DType::kF32}, 80,
                                   absl::ZeroDuration())
                   .ok());
   for (int l = 0; l < kLayers; ++l) {
-    kv_store::LayerRows rows{8,  static_cast<uint32_t>(l),      0,
-                             64, Fixture::Bytes(b.k[l], 0, 64), Fixture::Bytes(b.v[l], 0, 64)};
+    kv_store::LayerRows rows{kv_store::testing::TestRef(8), static_cast<uint32_t>(l),     0, 64,
+                             Fixture::Bytes(b.k[l], 0, 64), Fixture::Bytes(b.v[l], 0, 64)};
     ASSERT_TRUE(a.store.PutLayer(rows).ok());
   }
   sb.store = &a.store;
-  sb.store_sequence = 8;
+  sb.store_sequence = kv_store::testing::TestRef(8);
   ASSERT_TRUE(attention.AddSequence(7, std::move(sa)).ok());
   ASSERT_TRUE(attention.AddSequence(8, std::move(sb)).ok());
   a.store.gathers = 0;
@@ -333,7 +333,7 @@ TEST(DecodeAttentionTest, WindowOverflowAppendsToTheIndexAndTheStore) {
   // Last step p = 59: local window [52, 59], so the index covers [0, 52).
   EXPECT_EQ(index0->size(), 52);
   EXPECT_GT(attention.SummaryBytes(7), bytes0);
-  auto info = f.store.GetSequence(7);
+  auto info = f.store.GetSequence(kv_store::testing::TestRef(7));
   ASSERT_TRUE(info.ok());
   for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, 60u);
   EXPECT_EQ(f.store.puts.load(), 20 * kLayers);
