@@ -57,7 +57,7 @@ absl::StatusOr<std::vector<uint32_t>> GrpcNodeClients::Tokenize(const NodeSnapsh
   auto stub = cv1::PrefillService::NewStub(ChannelFor(node.registration.endpoints.grpc_address));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, deadline);
-  const PrefillCall call{&params, 0, {}, {}, deadline, 1};
+  const PrefillCall call{.params = &params, .deadline = deadline, .attempt = 1};
   cv1::TokenizeResponse response;
   grpc::Status status = stub->Tokenize(&ctx, ToPrefillRequest(call), &response);
   if (!status.ok()) return FromGrpcStatus(status);

@@ -90,6 +90,7 @@ cv1::PrefillRequest ToPrefillRequest(const PrefillCall& call) {
   cv1::PrefillRequest r;
   r.set_request_id(p.request_id);
   r.set_sequence_id(call.sequence_id);
+  r.set_sequence_capability(call.sequence_capability);
   r.set_model(p.model);
   if (const auto* text = std::get_if<std::string>(&p.prompt)) {
     r.set_prompt(*text);

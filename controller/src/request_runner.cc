@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "kvr/controller/ids.h"
 #include "kvr/controller/request_state.h"
 #include "spdlog/spdlog.h"
 
@@ -24,8 +25,7 @@ RequestRunner::RequestRunner(Membership* membership, Placement* placement, Prefi
       prefill_(prefill),
       decode_(decode),
       clock_(clock),
-      options_(options),
-      next_sequence_id_(static_cast<uint64_t>(absl::ToUnixMicros(clock->Now())) << 8) {}
+      options_(options) {}
 
 void RequestRunner::CancelDownstream(const NodeSnapshot* prefill, const NodeSnapshot* decode,
                                      const GenerateParams& params, uint64_t sequence_id,
@@ -135,14 +135,17 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       return placed.status();
     }
     const PlacementDecision& where = *placed;
-    const uint64_t sequence_id = next_sequence_id_.fetch_add(1);
+    // Random, so that neither the request id nor an earlier sequence tells anyone this one;
+    // the store serves it only with the capability, which goes to P and D alone.
+    const uint64_t sequence_id = NewSequenceId();
     const absl::Time prefill_start = clock_->Now();
     spdlog::debug("request {} attempt {}: prefill {} decode {} store {} (sequence {})",
                   params.request_id, state.attempts(), where.prefill.id, where.decode.id,
                   where.store.id, sequence_id);
 
     observer.OnAttempt(params, where, state.attempts());
-    PrefillCall call{&params, sequence_id, where.decode, where.store, deadline, state.attempts()};
+    PrefillCall call{&params,     sequence_id, NewSequenceCapability(), where.decode,
+                     where.store, deadline,    state.attempts()};
     absl::StatusOr<PrefillResult> prefilled = prefill_->Prefill(where.prefill, call, cancel);
     if (!prefilled.ok()) {
       const absl::Status& err = prefilled.status();
@@ -151,6 +154,16 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
         CancelDownstream(&where.prefill, &where.decode, params, sequence_id,
                          cancel->reason().message());
         return cancel->reason();
+      }
+      if (absl::IsAlreadyExists(err)) {
+        // The store already holds this sequence id: no node failed. Retry at once with a
+        // fresh id (the next attempt draws one) on whatever placement picks.
+        last_failure = err;
+        spdlog::info("request {}: sequence id collision in store {}; retrying with a new id",
+                     params.request_id, where.store.id);
+        if (state.OnNodeFailure() == RequestStateMachine::FailureAction::kRetry) continue;
+        return absl::UnavailableError(
+            absl::StrCat("request failed after ", state.attempts(), " attempts: ", err.message()));
       }
       if (!IsNodeFailure(err)) {
         state.Fail();

@@ -1,5 +1,7 @@
 #include "kvr/controller/services.h"
 
+#include "kvr/controller/ids.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <optional>
@@ -9,6 +11,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvr/controller/ids.h"
 #include "proto_convert.h"
 #include "spdlog/spdlog.h"
 
@@ -155,12 +158,7 @@ GenerationService::GenerationService(Membership* membership, Admission* admissio
       runner_(runner),
       clock_(clock),
       options_(std::move(options)),
-      watcher_(options_.disconnect_poll_period),
-      next_request_(static_cast<uint64_t>(absl::ToUnixMicros(clock->Now()))) {}
-
-std::string GenerationService::NewRequestId() {
-  return absl::StrFormat("req-%016x", next_request_.fetch_add(1));
-}
+      watcher_(options_.disconnect_poll_period) {}
 
 grpc::Status GenerationService::Reject(const absl::Status& status) {
   if (options_.observer != nullptr) options_.observer->OnRejected(status);
@@ -179,6 +177,7 @@ grpc::Status GenerationService::Generate(grpc::ServerContext* context,
   absl::StatusOr<GenerateParams> params =
       ParseGenerateRequest(*request, membership_->Models(), options_.defaults);
   if (!params.ok()) return Reject(params.status());
+  // Random (ids.h): a client's id reveals nothing of the cluster or of other requests.
   if (params->request_id.empty()) params->request_id = NewRequestId();
 
   absl::StatusOr<Admission::Ticket> ticket = admission_->Admit();

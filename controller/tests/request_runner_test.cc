@@ -5,12 +5,15 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "kvr/controller/ids.h"
 #include "kvr/controller/request_state.h"
 #include "test_cluster.h"
 
@@ -221,6 +224,106 @@ TEST_F(RequestRunnerTest, DeadlineIsPropagatedToEveryDownstreamCall) {
   EXPECT_EQ(prefill_.calls[0].second.deadline, deadline_);
   ASSERT_EQ(decode_.stream_deadlines.size(), 1u);
   EXPECT_EQ(decode_.stream_deadlines[0], deadline_);
+}
+
+// Sequence ids and capabilities are random per attempt: not consecutive, not derived from the
+// request id or the clock, and a capability is 16 bytes that never repeat.
+TEST_F(RequestRunnerTest, SequenceIdsAndCapabilitiesAreRandomPerAttempt) {
+  // Every attempt collides, so each request makes max_attempts attempts, each with its own id.
+  auto collide = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    return absl::AlreadyExistsError("taken");
+  };
+  prefill_.behavior[p1_] = collide;
+  prefill_.behavior[p2_] = collide;
+  for (int i = 0; i < 4; ++i) {
+    sink_ = {};
+    EXPECT_FALSE(Run().ok());
+  }
+  const int kRequests = static_cast<int>(prefill_.calls.size());
+  ASSERT_GE(kRequests, 8);
+  std::set<uint64_t> ids;
+  std::set<std::string> caps;
+  int increasing = 0;
+  for (size_t i = 0; i < prefill_.calls.size(); ++i) {
+    const PrefillCall& call = prefill_.calls[i].second;
+    EXPECT_NE(call.sequence_id, 0u);
+    ids.insert(call.sequence_id);
+    EXPECT_EQ(call.sequence_capability.size(), 16u);
+    caps.insert(call.sequence_capability);
+    if (i > 0) {
+      const uint64_t prev = prefill_.calls[i - 1].second.sequence_id;
+      // A counter (or a clock) would make neighbours close; random ids are 2^63 apart on
+      // average, and closer than 2^40 with probability ~2^-23.
+      const uint64_t gap =
+          call.sequence_id > prev ? call.sequence_id - prev : prev - call.sequence_id;
+      EXPECT_GT(gap, uint64_t{1} << 40) << "sequence ids " << prev << " and " << call.sequence_id;
+      if (call.sequence_id > prev) ++increasing;
+    }
+  }
+  EXPECT_EQ(ids.size(), static_cast<size_t>(kRequests));
+  EXPECT_EQ(caps.size(), static_cast<size_t>(kRequests));
+  EXPECT_LT(increasing, kRequests - 1) << "sequence ids grow monotonically";
+}
+
+// ALREADY_EXISTS from P (the random id is taken in the store) is retried with a fresh id and
+// capability, without blaming any node.
+TEST_F(RequestRunnerTest, SequenceIdCollisionRetriesWithAFreshId) {
+  int calls = 0;
+  prefill_.behavior[p1_] = [&](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
+    if (++calls == 1) return absl::AlreadyExistsError("sequence 5 already exists");
+    return PrefillResult{.prompt_tokens = 5, .first_token = 100, .first_text = "a"};
+  };
+  ASSERT_TRUE(Run().ok());
+  ASSERT_EQ(prefill_.calls.size(), 2u);
+  EXPECT_NE(prefill_.calls[0].second.sequence_id, prefill_.calls[1].second.sequence_id);
+  EXPECT_NE(prefill_.calls[0].second.sequence_capability,
+            prefill_.calls[1].second.sequence_capability);
+  EXPECT_TRUE(membership_.Find(p1_).has_value());
+  EXPECT_TRUE(membership_.Find(s1_).has_value());
+}
+
+TEST(IdsTest, RequestIdsAre128RandomBitsWithoutSharedStructure) {
+  constexpr int kIds = 256;
+  std::vector<std::string> ids;
+  for (int i = 0; i < kIds; ++i) ids.push_back(NewRequestId());
+  std::set<std::string> distinct(ids.begin(), ids.end());
+  EXPECT_EQ(distinct.size(), ids.size());
+  std::set<std::string> first_bytes;
+  int increasing = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ASSERT_EQ(ids[i].size(), 32u) << ids[i];
+    EXPECT_EQ(ids[i].find_first_not_of("0123456789abcdef"), std::string::npos) << ids[i];
+    first_bytes.insert(ids[i].substr(0, 2));
+    if (i > 0) {
+      if (ids[i] > ids[i - 1]) ++increasing;
+      // Neighbours share a prefix of 2+ hex digits with probability 1/256: a counter or clock
+      // in the id would make them share many.
+      size_t common = 0;
+      while (common < 32 && ids[i][common] == ids[i - 1][common]) ++common;
+      EXPECT_LT(common, 8u) << ids[i - 1] << " / " << ids[i];
+    }
+  }
+  // 256 ids spread over many leading bytes (a time or counter prefix would give one or two),
+  // and their order is not their issue order.
+  EXPECT_GT(first_bytes.size(), 64u);
+  EXPECT_GT(increasing, kIds / 4);
+  EXPECT_LT(increasing, 3 * kIds / 4);
+}
+
+TEST(IdsTest, SequenceIdsAndCapabilitiesAreIndependentOfRequestIds) {
+  std::set<uint64_t> seqs;
+  for (int i = 0; i < 64; ++i) {
+    const std::string request = NewRequestId();
+    const uint64_t seq = NewSequenceId();
+    // No half of the request id is the sequence id.
+    EXPECT_NE(request.substr(0, 16), absl::StrFormat("%016x", seq));
+    EXPECT_NE(request.substr(16), absl::StrFormat("%016x", seq));
+    seqs.insert(seq);
+    const std::string cap = NewSequenceCapability();
+    EXPECT_EQ(cap.size(), kSequenceCapabilityBytes);
+    EXPECT_NE(cap, std::string(kSequenceCapabilityBytes, '\0'));
+  }
+  EXPECT_EQ(seqs.size(), 64u);
 }
 
 TEST_F(RequestRunnerTest, PrefillNodeDeathBeforeAnyTokenRetriesOnAnotherNode) {

@@ -44,7 +44,7 @@ double Since(Clock::time_point t0) {
 // next run). Benchmarks only.
 class SharedRowsStore final : public kv_store::KvStoreClient {
  public:
-  SharedRowsStore(kv_store::KvStoreClient* inner, kv_store::SequenceId base)
+  SharedRowsStore(kv_store::KvStoreClient* inner, kv_store::SequenceRef base)
       : inner_(inner), base_(base) {}
   std::unique_ptr<kv_store::KvStoreOp> StartPutLayer(const kv_store::LayerRows& rows) override {
     return inner_->StartPutLayer(rows);
@@ -55,11 +55,11 @@ class SharedRowsStore final : public kv_store::KvStoreClient {
     for (auto& x : e) x.sequence = base_;
     return inner_->StartGather(e, out);
   }
-  absl::StatusOr<kv_store::CreateResult> CreateSequence(kv_store::SequenceId id,
+  absl::StatusOr<kv_store::CreateResult> CreateSequence(const kv_store::SequenceRef& ref,
                                                         const kv_store::SequenceShape& shape,
                                                         uint64_t expected,
                                                         absl::Duration lease) override {
-    return inner_->CreateSequence(id, shape, expected, lease);
+    return inner_->CreateSequence(ref, shape, expected, lease);
   }
   absl::Status RangeRead(std::span<const kv_store::RangeEntry> ranges,
                          std::span<uint8_t> out) override {
@@ -67,13 +67,18 @@ class SharedRowsStore final : public kv_store::KvStoreClient {
     for (auto& x : r) x.sequence = base_;
     return inner_->RangeRead(r, out);
   }
-  absl::Status Release(kv_store::SequenceId, absl::Duration) override { return absl::OkStatus(); }
-  absl::Status Lease(kv_store::SequenceId, absl::Duration) override { return absl::OkStatus(); }
-  absl::StatusOr<kv_store::SequenceInfo> GetSequence(kv_store::SequenceId) override {
+  absl::Status Release(const kv_store::SequenceRef&, absl::Duration) override {
+    return absl::OkStatus();
+  }
+  absl::Status Lease(const kv_store::SequenceRef&, absl::Duration) override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<kv_store::SequenceInfo> GetSequence(const kv_store::SequenceRef&) override {
     return inner_->GetSequence(base_);
   }
   absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
-  absl::StatusOr<kv_store::PageTable> ReservePageTable(kv_store::SequenceId, uint64_t) override {
+  absl::StatusOr<kv_store::PageTable> ReservePageTable(const kv_store::SequenceRef&,
+                                                       uint64_t) override {
     return absl::UnimplementedError("SharedRowsStore: no page tables");
   }
   absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {
@@ -82,7 +87,7 @@ class SharedRowsStore final : public kv_store::KvStoreClient {
 
  private:
   kv_store::KvStoreClient* inner_;
-  kv_store::SequenceId base_;
+  kv_store::SequenceRef base_;
 };
 
 std::vector<int64_t> ParseList(const std::string& s) {
@@ -135,7 +140,7 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "store: %s\n", fake.status().ToString().c_str());
     return 1;
   }
-  constexpr kv_store::SequenceId kBase = 1;
+  const kv_store::SequenceRef kBase{1, kv_store::Capability::Generate()};
   const auto t_fill = Clock::now();
   if (auto r = (*fake)->CreateSequence(kBase, ss, max_prompt, absl::ZeroDuration()); !r.ok()) {
     std::fprintf(stderr, "create: %s\n", r.status().ToString().c_str());

@@ -53,7 +53,7 @@ class CpuDecodeBackend final : public DecodeBackend {
     setup.local_window = h.local_window;
     setup.indexes = std::move(seq->indexes);
     setup.store = h.store;
-    setup.store_sequence = h.sequence_id;
+    setup.store_sequence = h.store_ref();
     setup.row_dtype = seq->row_dtype;
     setup.cache = &seq->cache;
     KVR_RETURN_IF_ERROR(attention_.AddSequence(h.sequence_id, std::move(setup)));
@@ -113,7 +113,7 @@ absl::StatusOr<std::unique_ptr<BackendSequence>> CpuDecodeBackend::Prepare(Hando
   }
   // The store sequence's shape says the dtype its rows are fetched and appended in (the
   // prefill node's store_dtype).
-  absl::StatusOr<kv_store::SequenceInfo> info = h.store->GetSequence(h.sequence_id);
+  absl::StatusOr<kv_store::SequenceInfo> info = h.store->GetSequence(h.store_ref());
   if (!info.ok()) {
     return absl::Status(info.status().code(),
                         absl::StrCat("handoff of sequence ", h.sequence_id,

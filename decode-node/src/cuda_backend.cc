@@ -36,6 +36,7 @@ struct CudaPending final : BackendSequence {
 struct CudaRunning {
   kv_store::KvStoreClient* store = nullptr;
   std::shared_ptr<kv_store::KvStoreClient> store_owner;  // keeps `store` alive (may be null)
+  kv_store::SequenceRef ref;  // the sequence in the store (id and capability)
   std::shared_ptr<const kv_store::LocalPoolMapping> pool;
   int64_t next_row = 0;  // store row of the next generated token
   // The last step's new rows, [n_layers, 2 (K, V), n_kv_heads, head_dim] bf16, and the puts
@@ -74,7 +75,7 @@ class CudaDecodeBackend final : public DecodeBackend {
       return absl::FailedPreconditionError(
           absl::StrCat("handoff of sequence ", id, ": store sequence ", parts...));
     };
-    KVR_ASSIGN_OR_RETURN(kv_store::SequenceInfo info, h.store->GetSequence(id));
+    KVR_ASSIGN_OR_RETURN(kv_store::SequenceInfo info, h.store->GetSequence(h.store_ref()));
     const kv_store::SequenceShape& s = info.shape;
     if (s.n_layers != static_cast<uint32_t>(c.n_layers) ||
         s.n_kv_heads != static_cast<uint32_t>(c.n_kv_heads) ||
@@ -93,10 +94,11 @@ class CudaDecodeBackend final : public DecodeBackend {
                       h.prompt_tokens);
       }
     }
-    pending->capacity = std::min<int64_t>(options_.max_context,
-                                          h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens));
-    KVR_ASSIGN_OR_RETURN(kv_store::PageTable table,
-                         h.store->ReservePageTable(id, static_cast<uint64_t>(pending->capacity)));
+    pending->capacity = std::min<int64_t>(
+        options_.max_context, h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens));
+    KVR_ASSIGN_OR_RETURN(
+        kv_store::PageTable table,
+        h.store->ReservePageTable(h.store_ref(), static_cast<uint64_t>(pending->capacity)));
     KVR_ASSIGN_OR_RETURN(pending->pool, h.store->MapLocalPool());
     KVR_ASSIGN_OR_RETURN(const void* base, Register(*pending->pool));
     const size_t row_bytes = s.RowBytes();
@@ -151,6 +153,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     CudaRunning run;
     run.store = h.store;
     run.store_owner = h.store_owner;
+    run.ref = h.store_ref();
     run.pool = std::move(pending->pool);
     run.next_row = h.prompt_tokens;
     running_.emplace(id, std::move(run));
@@ -225,8 +228,8 @@ class CudaDecodeBackend final : public DecodeBackend {
     }
     for (int l = 0; l < n_layers; ++l) {
       if (!seen[l]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "handoff of sequence ", h.sequence_id, ": no clusterkv summaries for layer ", l));
+        return absl::InvalidArgumentError(absl::StrCat("handoff of sequence ", h.sequence_id,
+                                                       ": no clusterkv summaries for layer ", l));
       }
     }
     return clusters;
@@ -247,8 +250,8 @@ class CudaDecodeBackend final : public DecodeBackend {
       absl::StatusOr<uint64_t> done = op->Wait();
       if (!done.ok() && run.failure.ok()) {
         run.failure = absl::UnavailableError(absl::StrCat(
-            "sequence ", id, ": appending its generated rows to the store failed: ",
-            done.status().message()));
+            "sequence ", id,
+            ": appending its generated rows to the store failed: ", done.status().message()));
       }
     }
     run.puts.clear();
@@ -275,7 +278,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     for (int l = 0; l < c.n_layers; ++l) {
       const auto* layer = reinterpret_cast<const uint8_t*>(run.rows.data()) + l * 2 * half;
       kv_store::LayerRows rows;
-      rows.sequence = id;
+      rows.sequence = run.ref;
       rows.layer = static_cast<uint32_t>(l);
       rows.start_row = static_cast<uint64_t>(run.next_row);
       rows.n_rows = 1;
@@ -339,8 +342,8 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
                                                    c.context_length, "]"));
   }
   if (o.method != "quest" && o.method != "clusterkv") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "gpu_method '", o.method, "': a CUDA decode node runs quest or clusterkv"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu_method '", o.method, "': a CUDA decode node runs quest or clusterkv"));
   }
   if (o.method == "clusterkv" && (o.registry == nullptr || !o.registry->Has("clusterkv"))) {
     return absl::InvalidArgumentError(
@@ -361,10 +364,10 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   int64_t rows = std::min<int64_t>(4096, o.hot_cache_bytes / std::max<int64_t>(1, per_row));
   so.hot_cache_rows = static_cast<int>(rows / 8 * 8);
   if (absl::Status s = model->ConfigureSparse(so); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("device cuda (gpu_budget ", o.budget, ", gpu_n_sink ",
-                                               o.n_sink, ", gpu_local_window ", o.local_window,
-                                               ", batch_slots ", o.slots, ", gpu_max_context ",
-                                               o.max_context, "): ", s.message()));
+    return absl::Status(
+        s.code(), absl::StrCat("device cuda (gpu_budget ", o.budget, ", gpu_n_sink ", o.n_sink,
+                               ", gpu_local_window ", o.local_window, ", batch_slots ", o.slots,
+                               ", gpu_max_context ", o.max_context, "): ", s.message()));
   }
   // One slot's device bytes (its share of the sparse state): what a running sequence holds. Its
   // past stays in the store; the node pins no host memory per sequence.

@@ -132,6 +132,7 @@ absl::StatusOr<std::unique_ptr<DecodeEngine::Sequence>> DecodeEngine::Prepare(Ha
         absl::StrCat("handoff of sequence ", h.sequence_id, ": ", parts...));
   };
   if (h.sequence_id == 0) return bad("sequence_id is 0");
+  if (h.store_capability.IsNone()) return bad("no store capability (16 random bytes)");
   if (!options_.model_name.empty() && !h.model.empty() && h.model != options_.model_name) {
     return bad("model '", h.model, "' is not served here ('", options_.model_name, "')");
   }
@@ -258,7 +259,8 @@ void DecodeEngine::End(Sequence& seq, absl::Status status, const char* outcome) 
   // pinned host KV and its place among the pre-pulled ones): free it now, not when a reader
   // collects the outcome (up to unclaimed_ttl later).
   seq.state.reset();
-  if (absl::Status s = seq.meta.store->Release(id, absl::ZeroDuration()); !s.ok()) {
+  if (absl::Status s = seq.meta.store->Release(seq.meta.store_ref(), absl::ZeroDuration());
+      !s.ok()) {
     spdlog::warn("sequence {}: releasing it in the store: {}", id, s.ToString());
   }
   observer_->OnSequenceEnd(outcome, seq.generated);

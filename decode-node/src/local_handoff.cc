@@ -24,14 +24,17 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
   const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
                                       static_cast<uint32_t>(c.n_kv_heads),
                                       static_cast<uint32_t>(c.head_dim), o.store_dtype};
+  // A fresh capability, as the controller would draw for a real request.
+  const kv_store::SequenceRef ref{o.sequence_id, kv_store::Capability::Generate()};
   KVR_RETURN_IF_ERROR(store
-                          .CreateSequence(o.sequence_id, shape,
+                          .CreateSequence(ref, shape,
                                           static_cast<uint64_t>(L) + o.sampling.max_tokens,
                                           absl::ZeroDuration())
                           .status());
   Handoff h;
   h.request_id = absl::StrCat("local-", o.sequence_id);
   h.sequence_id = o.sequence_id;
+  h.store_capability = ref.cap;
   h.sampling = o.sampling;
   h.method = o.method;
   h.budget = o.params.budget;
@@ -59,7 +62,7 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
       }
     }
     kv_store::LayerRows rows;
-    rows.sequence = o.sequence_id;
+    rows.sequence = ref;
     rows.layer = static_cast<uint32_t>(layer);
     rows.start_row = 0;
     rows.n_rows = static_cast<uint32_t>(L);

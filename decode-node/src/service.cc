@@ -42,6 +42,9 @@ absl::StatusOr<Handoff> HandoffFromProto(const cv1::HandoffHeader& header,
   Handoff h;
   h.request_id = header.request_id();
   h.sequence_id = header.sequence_id();
+  // Malformed: none, which the store refuses like a wrong one (the sequence then fails in
+  // Prepare's check below rather than on its first gather).
+  h.store_capability = kv_store::Capability::FromBytesOrNone(header.sequence_capability());
   h.model = header.model();
   const kvr::v1::SamplingParams& sp = header.sampling();
   h.sampling.max_tokens = sp.has_max_tokens() ? sp.max_tokens() : 16;

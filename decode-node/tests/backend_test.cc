@@ -198,6 +198,7 @@ TEST(EngineBackendStateTest, ASequenceThatEndsWaitingFreesItsBackendStateAtOnce)
   auto handoff = [&](uint64_t id) {
     Handoff h;
     h.sequence_id = id;
+    h.store_capability = kv_store::Capability::Generate();
     h.store = store.get();
     h.prompt_tokens = 10;
     h.sampling.max_tokens = 100;

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/common/half.h"
+#include "kvr/kv_store/test_pattern.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/retrieval/all_methods.h"
 #include "test_util.h"
@@ -71,7 +72,7 @@ struct Fixture {
       }
     }
     EXPECT_TRUE(store
-                    .CreateSequence(7, {kLayers, kKvHeads, kDim, dtype},
+                    .CreateSequence(kv_store::testing::TestRef(7), {kLayers, kKvHeads, kDim, dtype},
                                     static_cast<uint64_t>(total), absl::ZeroDuration())
                     .ok());
     cache = model::KvCache::Windowed(kLayers, kKvHeads, kDim, sink, local);
@@ -79,8 +80,12 @@ struct Fixture {
     for (int l = 0; l < kLayers; ++l) {
       const std::vector<uint8_t> k_bytes = StoreBytes(k[l], 0, prompt, dtype);
       const std::vector<uint8_t> v_bytes = StoreBytes(v[l], 0, prompt, dtype);
-      kv_store::LayerRows rows{
-          7, static_cast<uint32_t>(l), 0, static_cast<uint32_t>(prompt), k_bytes, v_bytes};
+      kv_store::LayerRows rows{kv_store::testing::TestRef(7),
+                               static_cast<uint32_t>(l),
+                               0,
+                               static_cast<uint32_t>(prompt),
+                               k_bytes,
+                               v_bytes};
       EXPECT_TRUE(store.PutLayer(rows).ok());
       EXPECT_TRUE(cache.AppendAt(l, 0, n_s, k[l].data(), v[l].data(), kRow).ok());
       EXPECT_TRUE(cache
@@ -118,7 +123,7 @@ struct Fixture {
       s.indexes.push_back(null_index ? nullptr : Index(method, l, budget));
     }
     s.store = &store;
-    s.store_sequence = 7;
+    s.store_sequence = kv_store::testing::TestRef(7);
     s.row_dtype = dtype;
     s.cache = &cache;
     return s;
@@ -194,7 +199,7 @@ TEST(DecodeAttentionTest, FullEqualsDenseWithAndWithoutSummaries) {
     EXPECT_EQ(f.store.gathers.load(), 30 * kLayers);
     EXPECT_EQ(attention.node_counters().gathers, 30 * kLayers);
     // New rows went to the store: the prompt plus every step, every layer.
-    auto info = f.store.GetSequence(7);
+    auto info = f.store.GetSequence(kv_store::testing::TestRef(7));
     ASSERT_TRUE(info.ok());
     for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, 130u);
     // With full, consecutive steps select the same rows: after the first step most are hits.
@@ -269,16 +274,17 @@ TEST(DecodeAttentionTest, OneGatherPerLayerForTheWholeBatch) {
   DecodeAttention attention({kLayers, kKvHeads, kDim, 0}, nullptr);
   DecodeSequenceSetup sa = a.Setup("full", 8), sb = b.Setup("full", 8);
   ASSERT_TRUE(a.store
-                  .CreateSequence(8, {kLayers, kKvHeads, kDim, kv_store::DType::kF32}, 80,
+                  .CreateSequence(kv_store::testing::TestRef(8),
+                                  {kLayers, kKvHeads, kDim, kv_store::DType::kF32}, 80,
                                   absl::ZeroDuration())
                   .ok());
   for (int l = 0; l < kLayers; ++l) {
-    kv_store::LayerRows rows{8,  static_cast<uint32_t>(l),      0,
-                             64, Fixture::Bytes(b.k[l], 0, 64), Fixture::Bytes(b.v[l], 0, 64)};
+    kv_store::LayerRows rows{kv_store::testing::TestRef(8), static_cast<uint32_t>(l),     0, 64,
+                             Fixture::Bytes(b.k[l], 0, 64), Fixture::Bytes(b.v[l], 0, 64)};
     ASSERT_TRUE(a.store.PutLayer(rows).ok());
   }
   sb.store = &a.store;
-  sb.store_sequence = 8;
+  sb.store_sequence = kv_store::testing::TestRef(8);
   ASSERT_TRUE(attention.AddSequence(7, std::move(sa)).ok());
   ASSERT_TRUE(attention.AddSequence(8, std::move(sb)).ok());
   a.store.gathers = 0;
@@ -360,7 +366,7 @@ TEST(DecodeAttentionTest, WindowOverflowAppendsToTheIndexAndTheStore) {
   // Last step p = 59: local window [52, 59], so the index covers [0, 52).
   EXPECT_EQ(index0->size(), 52);
   EXPECT_GT(attention.SummaryBytes(7), bytes0);
-  auto info = f.store.GetSequence(7);
+  auto info = f.store.GetSequence(kv_store::testing::TestRef(7));
   ASSERT_TRUE(info.ok());
   for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, 60u);
   EXPECT_EQ(f.store.puts.load(), 20 * kLayers);
@@ -426,13 +432,14 @@ TEST(DecodeAttentionTest, Bf16RowsAttendAsTheirValuesAndMoveHalfTheBytes) {
   EXPECT_EQ(bytes.fetched_bytes, c.bytes_fetched);
   EXPECT_EQ(bytes.offloaded_bytes, 30 * kLayers * 2 * kRow * 2);
   // The generated rows [100, 130) were appended as bf16 rows.
-  auto info = f.store.GetSequence(7);
+  auto info = f.store.GetSequence(kv_store::testing::TestRef(7));
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->shape.dtype, kv_store::DType::kBf16);
   for (int l = 0; l < kLayers; ++l) {
     EXPECT_EQ(info->committed_rows[l], 130u);
     for (int h = 0; h < kKvHeads; ++h) {
-      kv_store::RangeEntry range{7, static_cast<uint32_t>(l), static_cast<uint32_t>(h), 100, 30};
+      kv_store::RangeEntry range{kv_store::testing::TestRef(7), static_cast<uint32_t>(l),
+                                 static_cast<uint32_t>(h), 100, 30};
       std::vector<uint8_t> got(30 * 2 * kDim * 2);
       ASSERT_TRUE(f.store.RangeRead(std::span(&range, 1), got).ok());
       EXPECT_EQ(got, HeadRows(f.k[l], f.v[l], h, 100, 30, kv_store::DType::kBf16))
@@ -448,16 +455,19 @@ TEST(DecodeAttentionTest, OneGatherMixesF32AndBf16Sequences) {
   DecodeAttention attention({kLayers, kKvHeads, kDim, 0}, nullptr);
   DecodeSequenceSetup sa = a.Setup("full", 8), sb = b.Setup("full", 8);
   ASSERT_TRUE(a.store
-                  .CreateSequence(8, {kLayers, kKvHeads, kDim, kv_store::DType::kBf16}, 80,
+                  .CreateSequence(kv_store::testing::TestRef(8),
+                                  {kLayers, kKvHeads, kDim, kv_store::DType::kBf16}, 80,
                                   absl::ZeroDuration())
                   .ok());
   for (int l = 0; l < kLayers; ++l) {
     const std::vector<uint8_t> k = StoreBytes(b.k[l], 0, 64, kv_store::DType::kBf16);
     const std::vector<uint8_t> v = StoreBytes(b.v[l], 0, 64, kv_store::DType::kBf16);
-    ASSERT_TRUE(a.store.PutLayer({8, static_cast<uint32_t>(l), 0, 64, k, v}).ok());
+    ASSERT_TRUE(
+        a.store.PutLayer({kv_store::testing::TestRef(8), static_cast<uint32_t>(l), 0, 64, k, v})
+            .ok());
   }
   sb.store = &a.store;
-  sb.store_sequence = 8;
+  sb.store_sequence = kv_store::testing::TestRef(8);
   ASSERT_TRUE(attention.AddSequence(7, std::move(sa)).ok());
   ASSERT_TRUE(attention.AddSequence(8, std::move(sb)).ok());
   a.store.gathers = 0;

@@ -40,6 +40,7 @@ std::vector<cv1::HandoffChunk> ToChunks(const Handoff& h, const std::string& sto
   cv1::HandoffHeader* header = chunks[0].mutable_header();
   header->set_request_id(h.request_id);
   header->set_sequence_id(h.sequence_id);
+  header->set_sequence_capability(h.store_capability.ToBytes());
   header->mutable_sampling()->set_max_tokens(h.sampling.max_tokens);
   header->mutable_sampling()->set_ignore_eos(true);
   header->mutable_retrieval()->set_method(h.method);

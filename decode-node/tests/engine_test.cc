@@ -260,7 +260,9 @@ TEST_F(EngineTest, Bf16StoreRowsDecodeAsF32RowsRoundedToBf16) {
     o.store_dtype = kv_store::DType::kBf16;
     auto bf16_handoff = MakeLocalHandoff(*model_, rounded, registry_, *store_, o);
     ASSERT_TRUE(bf16_handoff.ok()) << bf16_handoff.status();
-    ASSERT_EQ(fake_->GetSequence(bf16_id)->shape.dtype, kv_store::DType::kBf16);
+    const kv_store::SequenceRef f32_ref = f32_handoff->store_ref();
+    const kv_store::SequenceRef bf16_ref = bf16_handoff->store_ref();
+    ASSERT_EQ(fake_->GetSequence(bf16_ref)->shape.dtype, kv_store::DType::kBf16);
 
     std::unique_ptr<DecodeBackend> f32 =
         MakeCpuDecodeBackend(model_.get(), &registry_, {.hot_cache_bytes = 1 << 20}, nullptr);
@@ -295,7 +297,7 @@ TEST_F(EngineTest, Bf16StoreRowsDecodeAsF32RowsRoundedToBf16) {
     bool any_rounded = false;
     for (int l = 0; l < c.n_layers; ++l) {
       for (int h = 0; h < c.n_kv_heads; ++h) {
-        kv_store::RangeEntry range{f32_id, static_cast<uint32_t>(l), static_cast<uint32_t>(h),
+        kv_store::RangeEntry range{f32_ref, static_cast<uint32_t>(l), static_cast<uint32_t>(h),
                                    static_cast<uint64_t>(L), kSteps};
         std::vector<float> f32_rows(floats);
         ASSERT_TRUE(fake_
@@ -303,7 +305,7 @@ TEST_F(EngineTest, Bf16StoreRowsDecodeAsF32RowsRoundedToBf16) {
                                     std::span(reinterpret_cast<uint8_t*>(f32_rows.data()),
                                               f32_rows.size() * sizeof(float)))
                         .ok());
-        range.sequence = bf16_id;
+        range.sequence = bf16_ref;
         std::vector<uint8_t> bf16_rows(floats * 2);
         ASSERT_TRUE(fake_->RangeRead(std::span(&range, 1), bf16_rows).ok());
         std::vector<uint8_t> want(floats * 2);
@@ -313,8 +315,8 @@ TEST_F(EngineTest, Bf16StoreRowsDecodeAsF32RowsRoundedToBf16) {
       }
     }
     EXPECT_TRUE(any_rounded) << "the generated rows should not all be bf16 values already";
-    ASSERT_TRUE(fake_->Release(f32_id, absl::ZeroDuration()).ok());
-    ASSERT_TRUE(fake_->Release(bf16_id, absl::ZeroDuration()).ok());
+    ASSERT_TRUE(fake_->Release(f32_ref, absl::ZeroDuration()).ok());
+    ASSERT_TRUE(fake_->Release(bf16_ref, absl::ZeroDuration()).ok());
   }
 }
 
@@ -323,11 +325,11 @@ TEST_F(EngineTest, RefusesStoreSequencesOfAnotherRowDtype) {
   // dtype.
   auto engine = Engine(1);
   Handoff h = MakeHandoff(91, Prompt(40, 9), "full", 8, 10);
-  ASSERT_TRUE(fake_->Release(91, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(fake_->Release(h.store_ref(), absl::ZeroDuration()).ok());
   const model::ModelConfig& c = model_->config();
   ASSERT_TRUE(
       fake_
-          ->CreateSequence(91,
+          ->CreateSequence(h.store_ref(),
                            {static_cast<uint32_t>(c.n_layers), static_cast<uint32_t>(c.n_kv_heads),
                             static_cast<uint32_t>(c.head_dim), kv_store::DType::kF16},
                            50, absl::ZeroDuration())

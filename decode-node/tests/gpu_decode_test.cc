@@ -126,8 +126,7 @@ class GpuDecodeTest : public ::testing::Test {
                                                kv_store::FakeKvStoreClient& store,
                                                const std::vector<std::vector<int32_t>>& prompts,
                                                int budget, std::vector<int32_t>* first,
-                                               const std::string& method,
-                                               kv_store::DType dtype) {
+                                               const std::string& method, kv_store::DType dtype) {
     std::vector<uint64_t> ids;
     first->clear();
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -202,52 +201,54 @@ TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
   const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
                                                      Prompt(233, 3)};
   for (const std::string method : {"quest", "clusterkv"})
-  for (int budget : {512, 16}) {
-    SCOPED_TRACE(method + " " + std::to_string(budget));
-    auto cpu_store = testing::MakeFakeStore(256 << 20);
-    auto gpu_store = testing::MakeFakeStore(256 << 20);
-    auto cpu_engine = CpuEngine();
-    auto gpu_engine = CudaEngine(budget, method);
-    std::vector<int32_t> first_cpu, first_gpu;
-    auto want =
-        Run(*cpu_engine, *cpu_store, prompts, budget, &first_cpu, method, kv_store::DType::kF32);
-    auto got =
-        Run(*gpu_engine, *gpu_store, prompts, budget, &first_gpu, method, kv_store::DType::kBf16);
-    ASSERT_EQ(first_cpu, first_gpu);  // the CPU prefill's, both sides
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      const uint64_t id = 40 + i;
-      ASSERT_EQ(got[id].size(), kMaxTokens - 1) << "sequence " << i;
-      ASSERT_EQ(want[id].size(), kMaxTokens - 1) << "sequence " << i;
-      size_t agree = 0, prefix = 0;
-      for (size_t t = 0; t < want[id].size(); ++t) agree += want[id][t] == got[id][t];
-      while (prefix < want[id].size() && want[id][prefix] == got[id][prefix]) ++prefix;
-      if (budget >= 512) {
-        const double gap = WorstGap(prompts[i], first_gpu[i], got[id]);
-        EXPECT_LE(gap, kTieOverRms) << "sequence " << i << ": a CUDA token is not a greedy "
-                                    << "choice of the CPU model within the tolerance";
-        std::printf("[ engine ] %-9s budget %3d seq %zu (prompt %3zu): %2zu/%zu tokens equal to "
-                    "the CPU engine, first %zu equal; worst CPU gap of a CUDA token %.4f x rms\n",
-                    method.c_str(), budget, i, prompts[i].size(), agree, want[id].size(), prefix, gap);
-      } else {
-        std::printf("[ engine ] %-9s budget %3d seq %zu (prompt %3zu): %2zu/%zu tokens equal to "
-                    "the CPU engine, first %zu equal (small budget: the selections differ)\n",
-                    method.c_str(), budget, i, prompts[i].size(), agree, want[id].size(), prefix);
+    for (int budget : {512, 16}) {
+      SCOPED_TRACE(method + " " + std::to_string(budget));
+      auto cpu_store = testing::MakeFakeStore(256 << 20);
+      auto gpu_store = testing::MakeFakeStore(256 << 20);
+      auto cpu_engine = CpuEngine();
+      auto gpu_engine = CudaEngine(budget, method);
+      std::vector<int32_t> first_cpu, first_gpu;
+      auto want =
+          Run(*cpu_engine, *cpu_store, prompts, budget, &first_cpu, method, kv_store::DType::kF32);
+      auto got =
+          Run(*gpu_engine, *gpu_store, prompts, budget, &first_gpu, method, kv_store::DType::kBf16);
+      ASSERT_EQ(first_cpu, first_gpu);  // the CPU prefill's, both sides
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        const uint64_t id = 40 + i;
+        ASSERT_EQ(got[id].size(), kMaxTokens - 1) << "sequence " << i;
+        ASSERT_EQ(want[id].size(), kMaxTokens - 1) << "sequence " << i;
+        size_t agree = 0, prefix = 0;
+        for (size_t t = 0; t < want[id].size(); ++t) agree += want[id][t] == got[id][t];
+        while (prefix < want[id].size() && want[id][prefix] == got[id][prefix]) ++prefix;
+        if (budget >= 512) {
+          const double gap = WorstGap(prompts[i], first_gpu[i], got[id]);
+          EXPECT_LE(gap, kTieOverRms) << "sequence " << i << ": a CUDA token is not a greedy "
+                                      << "choice of the CPU model within the tolerance";
+          std::printf(
+              "[ engine ] %-9s budget %3d seq %zu (prompt %3zu): %2zu/%zu tokens equal to "
+              "the CPU engine, first %zu equal; worst CPU gap of a CUDA token %.4f x rms\n",
+              method.c_str(), budget, i, prompts[i].size(), agree, want[id].size(), prefix, gap);
+        } else {
+          std::printf(
+              "[ engine ] %-9s budget %3d seq %zu (prompt %3zu): %2zu/%zu tokens equal to "
+              "the CPU engine, first %zu equal (small budget: the selections differ)\n",
+              method.c_str(), budget, i, prompts[i].size(), agree, want[id].size(), prefix);
+        }
       }
+      // Per sequence: every decode step's rows appended to the store (all layers and KV heads);
+      // selections split into hot-cache hits and misses, and only misses crossed the link.
+      const NodeCounters n = gpu_engine->node_counters();
+      const model::ModelConfig& c = cpu_->config();
+      EXPECT_EQ(n.retrieval.rows_offloaded,
+                int64_t{3} * (kMaxTokens - 1) * c.n_layers * c.n_kv_heads);
+      EXPECT_GT(n.retrieval.selected_rows, 0);
+      EXPECT_EQ(n.retrieval.hot_cache_hits + n.retrieval.hot_cache_misses,
+                n.retrieval.selected_rows);
+      EXPECT_GT(n.retrieval.hot_cache_hits, 0) << "consecutive steps select overlapping rows";
+      EXPECT_EQ(n.retrieval.rows_fetched, n.retrieval.hot_cache_misses);
+      EXPECT_EQ(n.retrieval.bytes_fetched, n.retrieval.rows_fetched * 4 * c.head_dim);
+      EXPECT_GT(n.attend_calls, 0);
     }
-    // Per sequence: every decode step's rows appended to the store (all layers and KV heads);
-    // selections split into hot-cache hits and misses, and only misses crossed the link.
-    const NodeCounters n = gpu_engine->node_counters();
-    const model::ModelConfig& c = cpu_->config();
-    EXPECT_EQ(n.retrieval.rows_offloaded,
-              int64_t{3} * (kMaxTokens - 1) * c.n_layers * c.n_kv_heads);
-    EXPECT_GT(n.retrieval.selected_rows, 0);
-    EXPECT_EQ(n.retrieval.hot_cache_hits + n.retrieval.hot_cache_misses,
-              n.retrieval.selected_rows);
-    EXPECT_GT(n.retrieval.hot_cache_hits, 0) << "consecutive steps select overlapping rows";
-    EXPECT_EQ(n.retrieval.rows_fetched, n.retrieval.hot_cache_misses);
-    EXPECT_EQ(n.retrieval.bytes_fetched, n.retrieval.rows_fetched * 4 * c.head_dim);
-    EXPECT_GT(n.attend_calls, 0);
-  }
 }
 
 // The node reads bf16 rows in place: a store sequence of float32 rows, or one whose prompt rows

@@ -13,6 +13,8 @@ TEST(HandoffFromProtoTest, AppliesDefaultsAndChecksTheLayerCount) {
   cv1::HandoffHeader header;
   header.set_request_id("r1");
   header.set_sequence_id(9);
+  const kv_store::Capability cap = kv_store::Capability::Generate();
+  header.set_sequence_capability(cap.ToBytes());
   header.set_prompt_tokens(100);
   header.set_first_token(5);
   header.set_n_layers(2);
@@ -27,6 +29,8 @@ TEST(HandoffFromProtoTest, AppliesDefaultsAndChecksTheLayerCount) {
   layers[1].set_local_kv(std::string(16, 'x'));
   absl::StatusOr<Handoff> h = HandoffFromProto(header, layers, nullptr);
   ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_TRUE(h->store_ref().cap.Matches(cap));
+  EXPECT_EQ(h->store_ref().id, 9u);
   EXPECT_EQ(h->method, "full");  // unset method
   EXPECT_EQ(h->budget, 32);
   EXPECT_EQ(h->n_sink, Handoff{}.n_sink);  // unset: the library default

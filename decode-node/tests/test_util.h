@@ -36,29 +36,30 @@ class CountingStore final : public kv_store::KvStoreClient {
     for (const auto& e : entries) gathered_rows += static_cast<int64_t>(e.indices.size());
     return inner_->StartGather(entries, out);
   }
-  absl::StatusOr<kv_store::CreateResult> CreateSequence(kv_store::SequenceId id,
+  absl::StatusOr<kv_store::CreateResult> CreateSequence(const kv_store::SequenceRef& ref,
                                                         const kv_store::SequenceShape& shape,
                                                         uint64_t expected,
                                                         absl::Duration lease) override {
-    return inner_->CreateSequence(id, shape, expected, lease);
+    return inner_->CreateSequence(ref, shape, expected, lease);
   }
   absl::Status RangeRead(std::span<const kv_store::RangeEntry> ranges,
                          std::span<uint8_t> out) override {
     ++range_reads;
     return inner_->RangeRead(ranges, out);
   }
-  absl::Status Release(kv_store::SequenceId id, absl::Duration keep) override {
+  absl::Status Release(const kv_store::SequenceRef& ref, absl::Duration keep) override {
     ++releases;
-    return inner_->Release(id, keep);
+    return inner_->Release(ref, keep);
   }
-  absl::Status Lease(kv_store::SequenceId id, absl::Duration lease) override {
-    return inner_->Lease(id, lease);
+  absl::Status Lease(const kv_store::SequenceRef& ref, absl::Duration lease) override {
+    return inner_->Lease(ref, lease);
   }
-  absl::StatusOr<kv_store::SequenceInfo> GetSequence(kv_store::SequenceId id) override {
-    return inner_->GetSequence(id);
+  absl::StatusOr<kv_store::SequenceInfo> GetSequence(const kv_store::SequenceRef& ref) override {
+    return inner_->GetSequence(ref);
   }
   absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
-  absl::StatusOr<kv_store::PageTable> ReservePageTable(kv_store::SequenceId, uint64_t) override {
+  absl::StatusOr<kv_store::PageTable> ReservePageTable(const kv_store::SequenceRef&,
+                                                       uint64_t) override {
     return absl::UnimplementedError("CountingStore: no page tables");
   }
   absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {

@@ -137,7 +137,7 @@ int main(int argc, char** argv) {
     for (uint32_t row_bytes : row_bytes_list) {
       ks::SequenceShape shape{
           .n_layers = 1, .n_kv_heads = heads, .head_dim = row_bytes / 4, .dtype = ks::DType::kF16};
-      const ks::SequenceId seq = next_id++;
+      const ks::SequenceRef seq{next_id++, ks::Capability::Generate()};
       auto created = (*client)->CreateSequence(seq, shape, context, absl::ZeroDuration());
       if (!created.ok()) {
         std::fprintf(stderr, "create: %s\n", created.status().ToString().c_str());

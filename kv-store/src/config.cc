@@ -113,6 +113,10 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
        "Unix socket path (created 0600) on which the page pool's memfd is handed to processes "
        "on this host for zero-copy reads; every sequence in the pool is readable through it "
        "(empty: off)"},
+      {"rma_reads",
+       "register the page pool with UCX and hand its rkey to every client for RMA range "
+       "reads (bool); the rkey reads the whole pool past every sequence capability, so only "
+       "on a trusted data-plane network; off: range reads go through checked messages"},
   };
   for (Field& f : fields) {
     std::string flag = "--" + f.key;
@@ -195,10 +199,11 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
             "metrics_port: '%s' is not a port, 0 (any free port) or -1 (off)", *text)));
       }
       config.metrics_port = port;
-    } else if (k == "evict_expired" || k == "huge_pages") {
+    } else if (k == "evict_expired" || k == "huge_pages" || k == "rma_reads") {
       absl::StatusOr<bool> v = ParseBool(k, *text);
       if (!v.ok()) return fail(v.status());
-      (k == "evict_expired" ? config.evict_expired : config.huge_pages) = *v;
+      (k == "evict_expired" ? config.evict_expired
+                            : (k == "huge_pages" ? config.huge_pages : config.rma_reads)) = *v;
     } else {
       absl::StatusOr<uint64_t> v = ParseUint(k, *text);
       if (!v.ok()) return fail(v.status());
@@ -222,6 +227,7 @@ StoreServerOptions StoreConfig::ToServerOptions() const {
   options.sweep_interval = absl::Milliseconds(static_cast<int64_t>(sweep_interval_ms));
   options.metrics_port = static_cast<int>(metrics_port);
   options.local_socket = local_socket;
+  options.rma_reads = rma_reads;
   return options;
 }
 
@@ -248,6 +254,7 @@ std::string StoreConfig::Describe() const {
   line("controller", controller.empty() ? "(none: not registered)" : controller);
   line("advertise_address", advertise_address.empty() ? "(from listen)" : advertise_address);
   line("local_socket", local_socket.empty() ? "(off)" : local_socket);
+  line("rma_reads", rma_reads ? "true" : "false");
   return out;
 }
 

@@ -77,6 +77,11 @@ void HandleLocate(PagedKvStore& store, ReplyBufferPool&, IncomingRequest& req) {
       std::move(out));
 }
 
+void HandleLocateOff(PagedKvStore&, ReplyBufferPool&, IncomingRequest& req) {
+  Answer(req, absl::FailedPreconditionError(
+                  "this store serves no RMA reads (start it with --rma-reads); use range reads"));
+}
+
 }  // namespace
 
 std::shared_ptr<ReplyBufferPool::Buffer> ReplyBufferPool::Acquire(size_t size) {
@@ -118,12 +123,13 @@ void ReplyBufferPool::Return(std::unique_ptr<uint8_t[]> data, size_t capacity) {
 }
 
 absl::Status RegisterDataPlaneHandlers(transport::Worker& worker, PagedKvStore& store,
-                                       WorkQueue& queue, ReplyBufferPool& buffers) {
+                                       WorkQueue& queue, ReplyBufferPool& buffers, bool rma_reads) {
   using Fn = void (*)(PagedKvStore&, ReplyBufferPool&, IncomingRequest&);
-  const std::pair<MessageType, Fn> handlers[] = {{MessageType::kWrite, &HandleWrite},
-                                                 {MessageType::kGather, &HandleGather},
-                                                 {MessageType::kRangeRead, &HandleRange},
-                                                 {MessageType::kLocateRange, &HandleLocate}};
+  const std::pair<MessageType, Fn> handlers[] = {
+      {MessageType::kWrite, &HandleWrite},
+      {MessageType::kGather, &HandleGather},
+      {MessageType::kRangeRead, &HandleRange},
+      {MessageType::kLocateRange, rma_reads ? &HandleLocate : &HandleLocateOff}};
   for (const auto& [type, fn] : handlers) {
     absl::Status st = worker.RegisterHandler(
         static_cast<transport::AmId>(type),

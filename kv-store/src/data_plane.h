@@ -61,9 +61,11 @@ class ReplyBufferPool {
 };
 
 // Installs the handlers for every wire::MessageType on `worker`. `store`, `queue` and
-// `buffers` must outlive the worker (shut it down and destroy it first).
-[[nodiscard]] absl::Status RegisterDataPlaneHandlers(transport::Worker& worker,
-                                                     PagedKvStore& store, WorkQueue& queue,
-                                                     ReplyBufferPool& buffers);
+// `buffers` must outlive the worker (shut it down and destroy it first). Without
+// `rma_reads` a locate-range message (pool offsets for RMA) is answered FAILED_PRECONDITION:
+// the store then hands out no rkey, so the offsets would be of no use.
+[[nodiscard]] absl::Status RegisterDataPlaneHandlers(transport::Worker& worker, PagedKvStore& store,
+                                                     WorkQueue& queue, ReplyBufferPool& buffers,
+                                                     bool rma_reads);
 
 }  // namespace kvr::kv_store

@@ -19,12 +19,12 @@ absl::Status FakeKvStoreClient::Injected() const {
   return injected_;
 }
 
-absl::StatusOr<CreateResult> FakeKvStoreClient::CreateSequence(SequenceId id,
+absl::StatusOr<CreateResult> FakeKvStoreClient::CreateSequence(const SequenceRef& ref,
                                                                const SequenceShape& shape,
                                                                uint64_t expected_tokens,
                                                                absl::Duration lease) {
   if (absl::Status st = Injected(); !st.ok()) return st;
-  return store_->CreateSequence(id, shape, expected_tokens, lease);
+  return store_->CreateSequence(ref, shape, expected_tokens, lease);
 }
 
 namespace {
@@ -66,19 +66,19 @@ absl::Status FakeKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
   return store_->RangeRead(ranges, out);
 }
 
-absl::Status FakeKvStoreClient::Release(SequenceId id, absl::Duration keep) {
+absl::Status FakeKvStoreClient::Release(const SequenceRef& ref, absl::Duration keep) {
   if (absl::Status st = Injected(); !st.ok()) return st;
-  return store_->Release(id, keep);
+  return store_->Release(ref, keep);
 }
 
-absl::Status FakeKvStoreClient::Lease(SequenceId id, absl::Duration lease) {
+absl::Status FakeKvStoreClient::Lease(const SequenceRef& ref, absl::Duration lease) {
   if (absl::Status st = Injected(); !st.ok()) return st;
-  return store_->Lease(id, lease);
+  return store_->Lease(ref, lease);
 }
 
-absl::StatusOr<SequenceInfo> FakeKvStoreClient::GetSequence(SequenceId id) {
+absl::StatusOr<SequenceInfo> FakeKvStoreClient::GetSequence(const SequenceRef& ref) {
   if (absl::Status st = Injected(); !st.ok()) return st;
-  return store_->GetSequence(id);
+  return store_->GetSequence(ref);
 }
 
 absl::StatusOr<StoreStats> FakeKvStoreClient::Stats() {
@@ -86,9 +86,10 @@ absl::StatusOr<StoreStats> FakeKvStoreClient::Stats() {
   return store_->Stats();
 }
 
-absl::StatusOr<PageTable> FakeKvStoreClient::ReservePageTable(SequenceId id, uint64_t rows) {
+absl::StatusOr<PageTable> FakeKvStoreClient::ReservePageTable(const SequenceRef& ref,
+                                                              uint64_t rows) {
   if (absl::Status st = Injected(); !st.ok()) return st;
-  return store_->ReservePageTable(id, rows);
+  return store_->ReservePageTable(ref, rows);
 }
 
 absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> FakeKvStoreClient::MapLocalPool() {

@@ -20,6 +20,13 @@ grpc::Status CheckLive(grpc::ServerContext* ctx) {
 
 absl::Duration Millis(uint64_t ms) { return absl::Milliseconds(static_cast<int64_t>(ms)); }
 
+// A malformed capability becomes none, which matches no sequence: the caller gets the same
+// PERMISSION_DENIED as for a wrong one.
+template <typename Request>
+SequenceRef RefOf(const Request& req) {
+  return {req.sequence_id(), Capability::FromBytesOrNone(req.capability())};
+}
+
 }  // namespace
 
 grpc::Status KvStoreGrpcService::CreateSequence(grpc::ServerContext* ctx,
@@ -28,8 +35,10 @@ grpc::Status KvStoreGrpcService::CreateSequence(grpc::ServerContext* ctx,
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
   absl::StatusOr<SequenceShape> shape = FromProto(req->shape());
   if (!shape.ok()) return ToGrpc(shape.status());
+  absl::StatusOr<Capability> cap = Capability::FromBytes(req->capability());
+  if (!cap.ok()) return ToGrpc(cap.status());
   absl::StatusOr<CreateResult> result = store_.CreateSequence(
-      req->sequence_id(), *shape, req->expected_tokens(), Millis(req->lease_ms()));
+      {req->sequence_id(), *cap}, *shape, req->expected_tokens(), Millis(req->lease_ms()));
   if (!result.ok()) return ToGrpc(result.status());
   resp->set_tokens_per_page(result->tokens_per_page);
   resp->set_reserved_bytes(result->reserved_bytes);
@@ -40,13 +49,12 @@ grpc::Status KvStoreGrpcService::Append(grpc::ServerContext* ctx,
                                         const store::v1::AppendRequest* req,
                                         store::v1::AppendResponse* resp) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
-  LayerRows rows{
-      .sequence = req->sequence_id(),
-      .layer = req->layer(),
-      .start_row = req->at_end() ? LayerRows::kAtEnd : req->start_row(),
-      .n_rows = req->n_rows(),
-      .k = {reinterpret_cast<const uint8_t*>(req->k().data()), req->k().size()},
-      .v = {reinterpret_cast<const uint8_t*>(req->v().data()), req->v().size()}};
+  LayerRows rows{.sequence = RefOf(*req),
+                 .layer = req->layer(),
+                 .start_row = req->at_end() ? LayerRows::kAtEnd : req->start_row(),
+                 .n_rows = req->n_rows(),
+                 .k = {reinterpret_cast<const uint8_t*>(req->k().data()), req->k().size()},
+                 .v = {reinterpret_cast<const uint8_t*>(req->v().data()), req->v().size()}};
   absl::StatusOr<uint64_t> committed = store_.Write(rows);
   if (!committed.ok()) return ToGrpc(committed.status());
   resp->set_committed_rows(*committed);
@@ -57,21 +65,21 @@ grpc::Status KvStoreGrpcService::Release(grpc::ServerContext* ctx,
                                          const store::v1::ReleaseRequest* req,
                                          store::v1::ReleaseResponse*) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
-  return ToGrpc(store_.Release(req->sequence_id(), Millis(req->keep_ms())));
+  return ToGrpc(store_.Release(RefOf(*req), Millis(req->keep_ms())));
 }
 
 grpc::Status KvStoreGrpcService::Lease(grpc::ServerContext* ctx,
                                        const store::v1::LeaseRequest* req,
                                        store::v1::LeaseResponse*) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
-  return ToGrpc(store_.Lease(req->sequence_id(), Millis(req->lease_ms())));
+  return ToGrpc(store_.Lease(RefOf(*req), Millis(req->lease_ms())));
 }
 
 grpc::Status KvStoreGrpcService::GetSequence(grpc::ServerContext* ctx,
                                              const store::v1::GetSequenceRequest* req,
                                              store::v1::GetSequenceResponse* resp) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
-  absl::StatusOr<SequenceInfo> info = store_.GetSequence(req->sequence_id());
+  absl::StatusOr<SequenceInfo> info = store_.GetSequence(RefOf(*req));
   if (!info.ok()) return ToGrpc(info.status());
   ToProto(info->shape, resp->mutable_shape());
   for (uint64_t rows : info->committed_rows) resp->add_committed_rows(rows);
@@ -110,7 +118,7 @@ grpc::Status KvStoreGrpcService::ReservePageTable(grpc::ServerContext* ctx,
                                                   const store::v1::ReservePageTableRequest* req,
                                                   store::v1::ReservePageTableResponse* resp) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
-  absl::StatusOr<PageTable> table = store_.ReservePageTable(req->sequence_id(), req->rows());
+  absl::StatusOr<PageTable> table = store_.ReservePageTable(RefOf(*req), req->rows());
   if (!table.ok()) return ToGrpc(table.status());
   ToProto(*table, resp);
   return grpc::Status::OK;

@@ -64,11 +64,15 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   ctx_options.ucx_config = options.ucx_config;
   KVR_ASSIGN_OR_RETURN(transport::Context context, transport::Context::Create(ctx_options));
   impl->context.emplace(std::move(context));
-  // The pool is registered once, so remote readers can RMA any page with one rkey.
-  KVR_ASSIGN_OR_RETURN(transport::MemoryRegion region,
-                       impl->context->Register({pool.base(), pool.capacity_bytes()}));
-  impl->pool_region.emplace(std::move(region));
-  KVR_ASSIGN_OR_RETURN(std::string rkey, impl->pool_region->PackRkey());
+  // With RMA reads the pool is registered once, so remote readers can RMA any page with one
+  // rkey; without, it is not registered, so no key to it exists (StoreServerOptions).
+  std::string rkey;
+  if (options.rma_reads) {
+    KVR_ASSIGN_OR_RETURN(transport::MemoryRegion region,
+                         impl->context->Register({pool.base(), pool.capacity_bytes()}));
+    impl->pool_region.emplace(std::move(region));
+    KVR_ASSIGN_OR_RETURN(rkey, impl->pool_region->PackRkey());
+  }
   transport::WorkerOptions worker_options;
   worker_options.name = options.name;
   KVR_ASSIGN_OR_RETURN(transport::Worker worker,
@@ -79,11 +83,11 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   impl->reply_buffers = std::make_unique<ReplyBufferPool>(2 * options.data_plane_threads + 2,
                                                           size_t{512} << 20);
   KVR_RETURN_IF_ERROR(RegisterDataPlaneHandlers(*impl->worker, *impl->store, *impl->queue,
-                                                *impl->reply_buffers));
+                                                *impl->reply_buffers, options.rma_reads));
 
   DataPlaneInfo info{.worker_address = impl->worker->address(),
-                     .pool_base = impl->pool_region->address(),
-                     .pool_bytes = impl->pool_region->size(),
+                     .pool_base = options.rma_reads ? impl->pool_region->address() : 0,
+                     .pool_bytes = pool.capacity_bytes(),
                      .pool_rkey = std::move(rkey),
                      .local_socket = options.local_socket,
                      .host_id = "",

@@ -11,8 +11,10 @@ namespace kvr::kv_store {
 
 class PagedKvStore::Sequence {
  public:
-  Sequence(SequenceId id, const SequenceShape& shape, uint32_t tokens_per_page, PagePool* pool)
+  Sequence(SequenceId id, const Capability& cap, const SequenceShape& shape,
+           uint32_t tokens_per_page, PagePool* pool)
       : id_(id),
+        cap_(cap),
         shape_(shape),
         tokens_per_page_(tokens_per_page),
         row_bytes_(shape.RowBytes()),
@@ -34,6 +36,7 @@ class PagedKvStore::Sequence {
   Sequence& operator=(const Sequence&) = delete;
 
   SequenceId id() const { return id_; }
+  const Capability& cap() const { return cap_; }
   const SequenceShape& shape() const { return shape_; }
   uint32_t tokens_per_page() const { return tokens_per_page_; }
   size_t row_bytes() const { return row_bytes_; }
@@ -114,6 +117,7 @@ class PagedKvStore::Sequence {
 
  private:
   const SequenceId id_;
+  const Capability cap_;
   const SequenceShape shape_;
   const uint32_t tokens_per_page_;
   const size_t row_bytes_;
@@ -124,6 +128,23 @@ class PagedKvStore::Sequence {
 };
 
 namespace {
+
+// The one answer to an unknown id and to a wrong capability.
+absl::Status Denied(SequenceId id) {
+  return absl::PermissionDeniedError(absl::StrFormat("no sequence %d with this capability", id));
+}
+
+// Denied() for entry `entry` of a batch.
+absl::Status DeniedEntry(size_t entry, SequenceId id) {
+  return absl::PermissionDeniedError(
+      absl::StrFormat("entry %d: no sequence %d with this capability", entry, id));
+}
+
+// True when `ref` names `seq` with its capability (constant time in the capability).
+template <typename Seq>
+bool Admits(const Seq& seq, const SequenceRef& ref) {
+  return seq.id() == ref.id && seq.cap().Matches(ref.cap);
+}
 
 // Validates one (sequence, layer, head) target and names it in errors.
 absl::Status CheckTarget(const SequenceShape& shape, SequenceId id, uint32_t layer,
@@ -157,19 +178,24 @@ absl::StatusOr<std::unique_ptr<PagedKvStore>> PagedKvStore::Create(StoreOptions 
   return std::unique_ptr<PagedKvStore>(new PagedKvStore(std::move(options), std::move(pool)));
 }
 
-absl::StatusOr<std::shared_ptr<PagedKvStore::Sequence>> PagedKvStore::Find(SequenceId id) const {
+absl::StatusOr<std::shared_ptr<PagedKvStore::Sequence>> PagedKvStore::Find(
+    const SequenceRef& ref) const {
   absl::ReaderMutexLock lock(&mu_);
-  auto it = sequences_.find(id);
-  if (it == sequences_.end()) {
-    return absl::NotFoundError(absl::StrFormat("unknown sequence %d", id));
-  }
+  auto it = sequences_.find(ref.id);
+  // A missing capability is all zero, which no sequence has (CreateSequence refuses it).
+  if (it == sequences_.end() || !it->second->cap().Matches(ref.cap)) return Denied(ref.id);
   return it->second;
 }
 
-absl::StatusOr<CreateResult> PagedKvStore::CreateSequence(SequenceId id,
+absl::StatusOr<CreateResult> PagedKvStore::CreateSequence(const SequenceRef& ref,
                                                           const SequenceShape& shape,
                                                           uint64_t expected_tokens,
                                                           absl::Duration lease) {
+  const SequenceId id = ref.id;
+  if (ref.cap.IsNone()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sequence %d: a sequence needs a capability (got none)", id));
+  }
   KVR_RETURN_IF_ERROR(shape.Validate());
   const size_t row_bytes = shape.RowBytes();
   if (row_bytes > pool_.page_bytes()) {
@@ -181,7 +207,7 @@ absl::StatusOr<CreateResult> PagedKvStore::CreateSequence(SequenceId id,
     return absl::InvalidArgumentError("lease must not be negative");
   }
   const auto tokens_per_page = static_cast<uint32_t>(pool_.page_bytes() / row_bytes);
-  auto seq = std::make_shared<Sequence>(id, shape, tokens_per_page, &pool_);
+  auto seq = std::make_shared<Sequence>(id, ref.cap, shape, tokens_per_page, &pool_);
   {
     absl::ReaderMutexLock lock(&mu_);
     if (sequences_.contains(id)) {
@@ -269,10 +295,11 @@ size_t PagedKvStore::SweepExpired() {
 
 absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
   KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(rows.sequence));
+  const SequenceId id = rows.sequence.id;
   const SequenceShape& shape = seq->shape();
   if (rows.layer >= shape.n_layers) {
-    return absl::OutOfRangeError(absl::StrFormat("layer %d out of range for sequence %d (%d layers)",
-                                                 rows.layer, rows.sequence, shape.n_layers));
+    return absl::OutOfRangeError(absl::StrFormat(
+        "layer %d out of range for sequence %d (%d layers)", rows.layer, id, shape.n_layers));
   }
   if (rows.n_rows == 0) return absl::InvalidArgumentError("write of 0 rows");
   const size_t half = shape.TokenHalfBytes();
@@ -281,8 +308,8 @@ absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "sequence %d layer %d: %d rows of [%d kv heads x head_dim %d x %s] need %d bytes each "
         "of k and v, got k=%d v=%d",
-        rows.sequence, rows.layer, rows.n_rows, shape.n_kv_heads, shape.head_dim,
-        DTypeName(shape.dtype), want, rows.k.size(), rows.v.size()));
+        id, rows.layer, rows.n_rows, shape.n_kv_heads, shape.head_dim, DTypeName(shape.dtype), want,
+        rows.k.size(), rows.v.size()));
   }
 
   // Phase 1: reserve the rows and their pages.
@@ -290,20 +317,20 @@ absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
   for (int attempt = 0;; ++attempt) {
     absl::ReleasableMutexLock lock(&seq->mu_);
     if (seq->released_kept_) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "sequence %d was released and is kept read-only for reuse", rows.sequence));
+      return absl::FailedPreconditionError(
+          absl::StrFormat("sequence %d was released and is kept read-only for reuse", id));
     }
     const uint64_t reserved = seq->reserved_[rows.layer];
     if (reserved != seq->Committed(rows.layer)) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "sequence %d layer %d: another write is in flight", rows.sequence, rows.layer));
+      return absl::FailedPreconditionError(
+          absl::StrFormat("sequence %d layer %d: another write is in flight", id, rows.layer));
     }
     start = rows.start_row == LayerRows::kAtEnd ? reserved : rows.start_row;
     if (start != reserved) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "sequence %d layer %d: rows are append-only; write starts at row %d but the layer "
           "has %d rows",
-          rows.sequence, rows.layer, start, reserved));
+          id, rows.layer, start, reserved));
     }
     const uint64_t end = start + rows.n_rows;
     const size_t grow = seq->PagesToGrow(rows.layer, end);
@@ -314,12 +341,11 @@ absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
         if (attempt == 0 && options_.evict_expired && absl::IsResourceExhausted(st)) {
           // Evicting needs the index lock, which ranks above this sequence's lock.
           lock.Release();
-          EvictExpired(grow, rows.sequence);
+          EvictExpired(grow, id);
           continue;
         }
-        return absl::ResourceExhaustedError(absl::StrFormat(
-            "sequence %d layer %d, %d rows: %s", rows.sequence, rows.layer, rows.n_rows,
-            st.message()));
+        return absl::ResourceExhaustedError(absl::StrFormat("sequence %d layer %d, %d rows: %s", id,
+                                                            rows.layer, rows.n_rows, st.message()));
       }
       seq->Grow(rows.layer, end, fresh);
     }
@@ -353,21 +379,20 @@ absl::StatusOr<uint64_t> PagedKvStore::GatherBytes(std::span<const GatherEntry> 
   std::shared_ptr<Sequence> seq;
   for (size_t i = 0; i < entries.size(); ++i) {
     const GatherEntry& e = entries[i];
-    if (seq == nullptr || seq->id() != e.sequence) {
+    // Every entry is checked, also one naming the previous entry's sequence.
+    if (seq == nullptr || !Admits(*seq, e.sequence)) {
       absl::StatusOr<std::shared_ptr<Sequence>> found = Find(e.sequence);
-      if (!found.ok()) {
-        return absl::NotFoundError(absl::StrFormat("entry %d: %s", i, found.status().message()));
-      }
+      if (!found.ok()) return DeniedEntry(i, e.sequence.id);
       seq = *std::move(found);
     }
-    KVR_RETURN_IF_ERROR(CheckTarget(seq->shape(), e.sequence, e.layer, e.head, i));
+    KVR_RETURN_IF_ERROR(CheckTarget(seq->shape(), e.sequence.id, e.layer, e.head, i));
     const uint64_t committed = seq->Committed(e.layer);
     for (uint32_t index : e.indices) {
       if (index >= committed) {
         return absl::OutOfRangeError(absl::StrFormat(
             "entry %d: row %d of sequence %d layer %d head %d is not stored (layer has %d "
             "committed rows)",
-            i, index, e.sequence, e.layer, e.head, committed));
+            i, index, e.sequence.id, e.layer, e.head, committed));
       }
     }
     total += e.indices.size() * seq->row_bytes();
@@ -383,17 +408,16 @@ absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
   uint64_t total = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     const GatherEntry& e = entries[i];
-    if (i > 0 && entries[i - 1].sequence == e.sequence) {
+    // Every entry is checked, also one naming the previous entry's sequence.
+    if (i > 0 && Admits(*seqs[i - 1], e.sequence)) {
       seqs[i] = seqs[i - 1];
     } else {
       absl::StatusOr<std::shared_ptr<Sequence>> found = Find(e.sequence);
-      if (!found.ok()) {
-        return absl::NotFoundError(absl::StrFormat("entry %d: %s", i, found.status().message()));
-      }
+      if (!found.ok()) return DeniedEntry(i, e.sequence.id);
       seqs[i] = *std::move(found);
     }
     const Sequence& seq = *seqs[i];
-    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), e.sequence, e.layer, e.head, i));
+    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), e.sequence.id, e.layer, e.head, i));
     // Watermarks only grow, so rows checked against this snapshot stay readable.
     const uint64_t committed = seq.Committed(e.layer);
     for (uint32_t index : e.indices) {
@@ -401,7 +425,7 @@ absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
         return absl::OutOfRangeError(absl::StrFormat(
             "entry %d: row %d of sequence %d layer %d head %d is not stored (layer has %d "
             "committed rows)",
-            i, index, e.sequence, e.layer, e.head, committed));
+            i, index, e.sequence.id, e.layer, e.head, committed));
       }
     }
     total += e.indices.size() * seq.row_bytes();
@@ -429,17 +453,15 @@ absl::StatusOr<uint64_t> PagedKvStore::RangeBytes(std::span<const RangeEntry> ra
   for (size_t i = 0; i < ranges.size(); ++i) {
     const RangeEntry& r = ranges[i];
     absl::StatusOr<std::shared_ptr<Sequence>> found = Find(r.sequence);
-    if (!found.ok()) {
-      return absl::NotFoundError(absl::StrFormat("entry %d: %s", i, found.status().message()));
-    }
+    if (!found.ok()) return DeniedEntry(i, r.sequence.id);
     const Sequence& seq = **found;
-    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), r.sequence, r.layer, r.head, i));
+    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), r.sequence.id, r.layer, r.head, i));
     const uint64_t committed = seq.Committed(r.layer);
     if (r.start > committed || r.n_rows > committed - r.start) {
       return absl::OutOfRangeError(absl::StrFormat(
           "entry %d: rows [%d, %d) of sequence %d layer %d head %d are not stored (layer has %d "
           "committed rows)",
-          i, r.start, r.start + r.n_rows, r.sequence, r.layer, r.head, committed));
+          i, r.start, r.start + r.n_rows, r.sequence.id, r.layer, r.head, committed));
     }
     total += r.n_rows * seq.row_bytes();
   }
@@ -453,18 +475,16 @@ absl::Status PagedKvStore::RangeRead(std::span<const RangeEntry> ranges,
   for (size_t i = 0; i < ranges.size(); ++i) {
     const RangeEntry& r = ranges[i];
     absl::StatusOr<std::shared_ptr<Sequence>> found = Find(r.sequence);
-    if (!found.ok()) {
-      return absl::NotFoundError(absl::StrFormat("entry %d: %s", i, found.status().message()));
-    }
+    if (!found.ok()) return DeniedEntry(i, r.sequence.id);
     seqs[i] = *std::move(found);
     const Sequence& seq = *seqs[i];
-    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), r.sequence, r.layer, r.head, i));
+    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), r.sequence.id, r.layer, r.head, i));
     const uint64_t committed = seq.Committed(r.layer);
     if (r.start > committed || r.n_rows > committed - r.start) {
       return absl::OutOfRangeError(absl::StrFormat(
           "entry %d: rows [%d, %d) of sequence %d layer %d head %d are not stored (layer has %d "
           "committed rows)",
-          i, r.start, r.start + r.n_rows, r.sequence, r.layer, r.head, committed));
+          i, r.start, r.start + r.n_rows, r.sequence.id, r.layer, r.head, committed));
     }
     total += r.n_rows * seq.row_bytes();
   }
@@ -513,8 +533,9 @@ absl::StatusOr<std::vector<PagedKvStore::Segment>> PagedKvStore::LocateRange(
   return segments;
 }
 
-absl::StatusOr<PageTable> PagedKvStore::ReservePageTable(SequenceId id, uint64_t rows) {
-  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(id));
+absl::StatusOr<PageTable> PagedKvStore::ReservePageTable(const SequenceRef& ref, uint64_t rows) {
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(ref));
+  const SequenceId id = ref.id;
   const SequenceShape& shape = seq->shape();
   const uint32_t tpp = seq->tokens_per_page();
   const uint64_t lists = uint64_t{shape.n_layers} * shape.n_kv_heads;
@@ -577,14 +598,12 @@ absl::StatusOr<PageTable> PagedKvStore::ReservePageTable(SequenceId id, uint64_t
   }
 }
 
-absl::Status PagedKvStore::Release(SequenceId id, absl::Duration keep) {
+absl::Status PagedKvStore::Release(const SequenceRef& ref, absl::Duration keep) {
   if (keep < absl::ZeroDuration()) return absl::InvalidArgumentError("keep must not be negative");
   std::shared_ptr<Sequence> victim;  // destroyed (pages freed) after the index lock is dropped
   absl::ReleasableMutexLock lock(&mu_);
-  auto it = sequences_.find(id);
-  if (it == sequences_.end()) {
-    return absl::NotFoundError(absl::StrFormat("unknown sequence %d", id));
-  }
+  auto it = sequences_.find(ref.id);
+  if (it == sequences_.end() || !it->second->cap().Matches(ref.cap)) return Denied(ref.id);
   if (keep == absl::ZeroDuration()) {
     victim = std::move(it->second);
     sequences_.erase(it);
@@ -597,16 +616,16 @@ absl::Status PagedKvStore::Release(SequenceId id, absl::Duration keep) {
   return absl::OkStatus();
 }
 
-absl::Status PagedKvStore::Lease(SequenceId id, absl::Duration lease) {
+absl::Status PagedKvStore::Lease(const SequenceRef& ref, absl::Duration lease) {
   if (lease < absl::ZeroDuration()) return absl::InvalidArgumentError("lease must not be negative");
-  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(id));
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(ref));
   absl::MutexLock lock(&seq->mu_);
   seq->expiry_ = lease == absl::ZeroDuration() ? absl::InfiniteFuture() : options_.now() + lease;
   return absl::OkStatus();
 }
 
-absl::StatusOr<SequenceInfo> PagedKvStore::GetSequence(SequenceId id) const {
-  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(id));
+absl::StatusOr<SequenceInfo> PagedKvStore::GetSequence(const SequenceRef& ref) const {
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(ref));
   SequenceInfo info;
   info.shape = seq->shape();
   info.tokens_per_page = seq->tokens_per_page();

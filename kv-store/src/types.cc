@@ -1,8 +1,52 @@
 #include "kvr/kv_store/types.h"
 
+#include <cstring>
+
 #include "absl/strings/str_format.h"
+#include "kvr/common/secure_random.h"
 
 namespace kvr::kv_store {
+
+Capability Capability::Generate() {
+  Capability cap;
+  // All zero is "none"; the chance is 2^-128, but the loop makes "never" exact.
+  do {
+    SecureRandomBytes(cap.bytes);
+  } while (cap.IsNone());
+  return cap;
+}
+
+absl::StatusOr<Capability> Capability::FromBytes(std::string_view bytes) {
+  if (bytes.size() != kBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("capability must be %d bytes, got %d", kBytes, bytes.size()));
+  }
+  Capability cap;
+  std::memcpy(cap.bytes.data(), bytes.data(), kBytes);
+  return cap;
+}
+
+Capability Capability::FromBytesOrNone(std::string_view bytes) {
+  absl::StatusOr<Capability> cap = FromBytes(bytes);
+  return cap.ok() ? *cap : Capability{};
+}
+
+std::string Capability::ToBytes() const {
+  return std::string(reinterpret_cast<const char*>(bytes.data()), kBytes);
+}
+
+bool Capability::IsNone() const {
+  uint8_t any = 0;
+  for (uint8_t b : bytes) any |= b;
+  return any == 0;
+}
+
+bool Capability::Matches(const Capability& other) const {
+  // volatile keeps the compiler from turning the loop into an early-exit memcmp.
+  volatile uint8_t diff = 0;
+  for (size_t i = 0; i < kBytes; ++i) diff = diff | (bytes[i] ^ other.bytes[i]);
+  return diff == 0;
+}
 namespace {
 // Bounds that no real model reaches; they keep size arithmetic far from overflow.
 constexpr uint32_t kMaxLayers = 4096;

@@ -230,8 +230,9 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   impl->host_id = info.host_id();
   impl->pool_id = info.pool_id();
   impl->instance_id = info.instance_id();
-  if (impl->options.rma_range_reads) {
+  if (impl->options.rma_range_reads && !info.pool_rkey().empty()) {
     // RMA only pays where it is native; over TCP UCX emulates it at a fraction of AM speed.
+    // The store hands out an rkey only when it runs with --rma-reads.
     absl::StatusOr<bool> native = impl->endpoint->HasNativeRma();
     if (native.ok() && *native) {
       KVR_ASSIGN_OR_RETURN(transport::RemoteKey rkey,
@@ -255,12 +256,13 @@ absl::StatusOr<std::vector<std::string>> UcxKvStoreClient::DataPlaneTransports()
   return impl_->endpoint->Transports();
 }
 
-absl::StatusOr<CreateResult> UcxKvStoreClient::CreateSequence(SequenceId id,
+absl::StatusOr<CreateResult> UcxKvStoreClient::CreateSequence(const SequenceRef& ref,
                                                               const SequenceShape& shape,
                                                               uint64_t expected_tokens,
                                                               absl::Duration lease) {
   v1::CreateSequenceRequest req;
-  req.set_sequence_id(id);
+  req.set_sequence_id(ref.id);
+  req.set_capability(ref.cap.ToBytes());
   ToProto(shape, req.mutable_shape());
   req.set_expected_tokens(expected_tokens);
   req.set_lease_ms(absl::ToInt64Milliseconds(lease));
@@ -301,8 +303,9 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
         ->Wait()
         .status();
   }
-  // RMA: ask where each range lies (one small AM), then read the pages directly. The rows
-  // are committed, hence immutable, and stay mapped while the sequence is held.
+  // RMA: ask where each range lies (one small AM, which the store answers only for the
+  // sequence's capability), then read the pages directly. The rows are committed, hence
+  // immutable, and stay mapped while the sequence is held.
   size_t offset = 0;
   for (const RangeEntry& range : ranges) {
     wire::Encoded enc = wire::EncodeRange(MessageType::kLocateRange, {&range, 1}, deadline);
@@ -335,9 +338,10 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
   return absl::OkStatus();
 }
 
-absl::Status UcxKvStoreClient::Release(SequenceId id, absl::Duration keep) {
+absl::Status UcxKvStoreClient::Release(const SequenceRef& ref, absl::Duration keep) {
   v1::ReleaseRequest req;
-  req.set_sequence_id(id);
+  req.set_sequence_id(ref.id);
+  req.set_capability(ref.cap.ToBytes());
   req.set_keep_ms(absl::ToInt64Milliseconds(keep));
   v1::ReleaseResponse resp;
   grpc::ClientContext ctx;
@@ -346,9 +350,10 @@ absl::Status UcxKvStoreClient::Release(SequenceId id, absl::Duration keep) {
                   absl::StrCat("kvr-store ", impl_->target, " Release"));
 }
 
-absl::Status UcxKvStoreClient::Lease(SequenceId id, absl::Duration lease) {
+absl::Status UcxKvStoreClient::Lease(const SequenceRef& ref, absl::Duration lease) {
   v1::LeaseRequest req;
-  req.set_sequence_id(id);
+  req.set_sequence_id(ref.id);
+  req.set_capability(ref.cap.ToBytes());
   req.set_lease_ms(absl::ToInt64Milliseconds(lease));
   v1::LeaseResponse resp;
   grpc::ClientContext ctx;
@@ -357,9 +362,10 @@ absl::Status UcxKvStoreClient::Lease(SequenceId id, absl::Duration lease) {
                   absl::StrCat("kvr-store ", impl_->target, " Lease"));
 }
 
-absl::StatusOr<SequenceInfo> UcxKvStoreClient::GetSequence(SequenceId id) {
+absl::StatusOr<SequenceInfo> UcxKvStoreClient::GetSequence(const SequenceRef& ref) {
   v1::GetSequenceRequest req;
-  req.set_sequence_id(id);
+  req.set_sequence_id(ref.id);
+  req.set_capability(ref.cap.ToBytes());
   v1::GetSequenceResponse resp;
   grpc::ClientContext ctx;
   impl_->Prepare(ctx);
@@ -384,9 +390,11 @@ absl::StatusOr<StoreStats> UcxKvStoreClient::Stats() {
   return FromProto(resp);
 }
 
-absl::StatusOr<PageTable> UcxKvStoreClient::ReservePageTable(SequenceId id, uint64_t rows) {
+absl::StatusOr<PageTable> UcxKvStoreClient::ReservePageTable(const SequenceRef& ref,
+                                                             uint64_t rows) {
   v1::ReservePageTableRequest req;
-  req.set_sequence_id(id);
+  req.set_sequence_id(ref.id);
+  req.set_capability(ref.cap.ToBytes());
   req.set_rows(rows);
   v1::ReservePageTableResponse resp;
   grpc::ClientContext ctx;

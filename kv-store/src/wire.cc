@@ -29,6 +29,16 @@ absl::StatusOr<T> ReadStruct(std::span<const uint8_t> bytes, const char* what) {
   return value;
 }
 
+void PutCapability(const Capability& cap, uint8_t (&out)[Capability::kBytes]) {
+  std::memcpy(out, cap.bytes.data(), Capability::kBytes);
+}
+
+Capability GetCapability(const uint8_t (&in)[Capability::kBytes]) {
+  Capability cap;
+  std::memcpy(cap.bytes.data(), in, Capability::kBytes);
+  return cap;
+}
+
 const char* TypeName(MessageType type) {
   switch (type) {
     case MessageType::kWrite:
@@ -49,10 +59,10 @@ absl::Status CheckPrefix(uint32_t magic, uint16_t version, uint16_t type, Messag
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: bad magic 0x%08x (expected 0x%08x)", what, magic, kMagic));
   }
-  if (version == 0 || version > kVersion) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: wire version %d is not supported (this side speaks 1..%d)", what, version,
-        kVersion));
+  if (version < kMinVersion || version > kVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("%s: wire version %d is not supported (this side speaks %d..%d)", what,
+                        version, kMinVersion, kVersion));
   }
   if (type != static_cast<uint16_t>(expected)) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: message type %d, expected %d (%s)",
@@ -77,10 +87,11 @@ std::string EncodeWriteHeader(const LayerRows& rows, absl::Time deadline) {
   WriteRequest req;
   req.header.type = static_cast<uint16_t>(MessageType::kWrite);
   req.header.deadline_unix_us = ToWireDeadline(deadline);
-  req.sequence = rows.sequence;
+  req.sequence = rows.sequence.id;
   req.start_row = rows.start_row;
   req.layer = rows.layer;
   req.n_rows = rows.n_rows;
+  PutCapability(rows.sequence.cap, req.capability);
   return AsString(req);
 }
 
@@ -96,8 +107,11 @@ Encoded EncodeGather(std::span<const GatherEntry> entries, absl::Time deadline) 
                      req.total_indices * sizeof(uint32_t));
   uint8_t* p = out.payload.data();
   for (const GatherEntry& e : entries) {
-    GatherEntryWire w{.sequence = e.sequence, .layer = e.layer, .head = e.head,
+    GatherEntryWire w{.sequence = e.sequence.id,
+                      .layer = e.layer,
+                      .head = e.head,
                       .n_indices = static_cast<uint32_t>(e.indices.size())};
+    PutCapability(e.sequence.cap, w.capability);
     std::memcpy(p, &w, sizeof(w));
     p += sizeof(w);
   }
@@ -119,8 +133,12 @@ Encoded EncodeRange(MessageType type, std::span<const RangeEntry> ranges, absl::
   out.payload.resize(ranges.size() * sizeof(RangeEntryWire));
   uint8_t* p = out.payload.data();
   for (const RangeEntry& r : ranges) {
-    RangeEntryWire w{.sequence = r.sequence, .layer = r.layer, .head = r.head,
-                     .start = r.start, .n_rows = r.n_rows};
+    RangeEntryWire w{.sequence = r.sequence.id,
+                     .layer = r.layer,
+                     .head = r.head,
+                     .start = r.start,
+                     .n_rows = r.n_rows};
+    PutCapability(r.sequence.cap, w.capability);
     std::memcpy(p, &w, sizeof(w));
     p += sizeof(w);
   }
@@ -165,7 +183,7 @@ absl::StatusOr<LayerRows> ParseWrite(std::span<const uint8_t> header,
   // The per-row size is checked against the sequence's shape by the store.
   const size_t half = payload.size() / 2;
   LayerRows rows;
-  rows.sequence = req->sequence;
+  rows.sequence = {req->sequence, GetCapability(req->capability)};
   rows.layer = req->layer;
   rows.start_row = req->start_row;
   rows.n_rows = req->n_rows;
@@ -208,7 +226,9 @@ absl::StatusOr<ParsedGather> ParseGather(std::span<const uint8_t> header,
           "gather entry %d claims %d indices but only %d of the request's %d remain", i,
           w.n_indices, req->total_indices - next, req->total_indices));
     }
-    parsed.entries[i] = {.sequence = w.sequence, .layer = w.layer, .head = w.head,
+    parsed.entries[i] = {.sequence = {w.sequence, GetCapability(w.capability)},
+                         .layer = w.layer,
+                         .head = w.head,
                          .indices = std::span<const uint32_t>(indices + next, w.n_indices)};
     next += w.n_indices;
   }
@@ -239,7 +259,10 @@ absl::StatusOr<std::vector<RangeEntry>> ParseRange(MessageType type,
   for (uint32_t i = 0; i < req->n_entries; ++i) {
     RangeEntryWire w;
     std::memcpy(&w, payload.data() + i * sizeof(RangeEntryWire), sizeof(w));
-    ranges[i] = {.sequence = w.sequence, .layer = w.layer, .head = w.head, .start = w.start,
+    ranges[i] = {.sequence = {w.sequence, GetCapability(w.capability)},
+                 .layer = w.layer,
+                 .head = w.head,
+                 .start = w.start,
                  .n_rows = w.n_rows};
   }
   return ranges;

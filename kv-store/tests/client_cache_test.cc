@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/kv_store/server.h"
+#include "kvr/kv_store/test_pattern.h"
 
 namespace kvr::kv_store {
 namespace {
@@ -28,23 +29,29 @@ class FakeStoreClient final : public KvStoreClient {
                                          std::span<uint8_t>) override {
     return nullptr;
   }
-  absl::StatusOr<CreateResult> CreateSequence(SequenceId, const SequenceShape&, uint64_t,
+  absl::StatusOr<CreateResult> CreateSequence(const SequenceRef&, const SequenceShape&, uint64_t,
                                               absl::Duration) override {
     return absl::UnimplementedError("fake");
   }
   absl::Status RangeRead(std::span<const RangeEntry>, std::span<uint8_t>) override {
     return absl::UnimplementedError("fake");
   }
-  absl::Status Release(SequenceId, absl::Duration) override {
+  absl::Status Release(const SequenceRef&, absl::Duration) override {
     return absl::UnimplementedError("fake");
   }
-  absl::Status Lease(SequenceId, absl::Duration) override {
+  absl::Status Lease(const SequenceRef&, absl::Duration) override {
     return absl::UnimplementedError("fake");
   }
-  absl::StatusOr<SequenceInfo> GetSequence(SequenceId) override {
+  absl::StatusOr<SequenceInfo> GetSequence(const SequenceRef&) override {
     return absl::UnimplementedError("fake");
   }
   absl::StatusOr<StoreStats> Stats() override { return absl::UnimplementedError("fake"); }
+  absl::StatusOr<PageTable> ReservePageTable(const SequenceRef&, uint64_t) override {
+    return absl::UnimplementedError("fake");
+  }
+  absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> MapLocalPool() override {
+    return absl::UnimplementedError("fake");
+  }
 
   absl::Status Health() const override { return health_; }
   std::string instance_id() const override { return instance_; }
@@ -187,7 +194,7 @@ TEST(StoreClientCacheTest, RealStoreRestartedOnTheSamePort) {
   const std::string instance_a = (*a)->instance_id();
   EXPECT_EQ(instance_a.size(), 32u);
   const SequenceShape shape{.n_layers = 1, .n_kv_heads = 1, .head_dim = 8, .dtype = DType::kF32};
-  ASSERT_TRUE((*a)->CreateSequence(1, shape, 4, absl::Seconds(30)).ok());
+  ASSERT_TRUE((*a)->CreateSequence(testing::TestRef(1), shape, 4, absl::Seconds(30)).ok());
 
   (*first)->Shutdown();
   first->reset();
@@ -204,11 +211,12 @@ TEST(StoreClientCacheTest, RealStoreRestartedOnTheSamePort) {
   EXPECT_NE(b->get(), a->get());
   EXPECT_EQ(cache.connects(), 2u);
   // The new store works through it, and the old sequence is gone with the old store.
-  EXPECT_TRUE(absl::IsNotFound((*b)->GetSequence(1).status()));
-  ASSERT_TRUE((*b)->CreateSequence(2, shape, 4, absl::Seconds(30)).ok());
+  // (An unknown sequence answers as a wrong capability would: PERMISSION_DENIED.)
+  EXPECT_TRUE(absl::IsPermissionDenied((*b)->GetSequence(testing::TestRef(1)).status()));
+  ASSERT_TRUE((*b)->CreateSequence(testing::TestRef(2), shape, 4, absl::Seconds(30)).ok());
   std::vector<uint8_t> k(8 * sizeof(float), 1), v(8 * sizeof(float), 2);
-  auto put =
-      (*b)->PutLayer({.sequence = 2, .layer = 0, .start_row = 0, .n_rows = 1, .k = k, .v = v});
+  auto put = (*b)->PutLayer(
+      {.sequence = testing::TestRef(2), .layer = 0, .start_row = 0, .n_rows = 1, .k = k, .v = v});
   ASSERT_TRUE(put.ok()) << put.status();
   // Asking for the old instance now says it is gone.
   EXPECT_TRUE(absl::IsUnavailable(cache.Get(address, instance_a).status()));

@@ -26,6 +26,7 @@ namespace {
 using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::RowMatches;
 using ::kvr::kv_store::testing::StoreProcess;
+using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 // The SmolLM2 layout: 256-byte rows, 256 rows per 64 KiB page.
@@ -67,8 +68,12 @@ std::unique_ptr<UcxKvStoreClient> Connect(int port) {
 absl::StatusOr<uint64_t> Put(KvStoreClient& client, SequenceId seq, uint32_t layer, uint64_t start,
                              uint32_t n) {
   auto rows = MakePatternRows(kShape, seq, layer, start, n);
-  return client.PutLayer(
-      {.sequence = seq, .layer = layer, .start_row = start, .n_rows = n, .k = rows.k, .v = rows.v});
+  return client.PutLayer({.sequence = TestRef(seq),
+                          .layer = layer,
+                          .start_row = start,
+                          .n_rows = n,
+                          .k = rows.k,
+                          .v = rows.v});
 }
 
 // The permissions ("r--s") of the /proc/self/maps line whose range holds `addr`.
@@ -103,11 +108,11 @@ TEST(LocalPoolTest, MappedPoolHoldsTheRowsAtThePageTableAddresses) {
 
   // Prefill-like puts before the table, decode-like appends after it, across page boundaries.
   constexpr SequenceId kSeq = 11;
-  ASSERT_TRUE(client->CreateSequence(kSeq, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(client->CreateSequence(TestRef(kSeq), kShape, 0, absl::ZeroDuration()).ok());
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
     ASSERT_TRUE(Put(*client, kSeq, layer, 0, 300).ok());
   }
-  auto table = client->ReservePageTable(kSeq, 700);  // 3 pages per (layer, head)
+  auto table = client->ReservePageTable(TestRef(kSeq), 700);  // 3 pages per (layer, head)
   ASSERT_TRUE(table.ok()) << table.status();
   EXPECT_EQ(table->tokens_per_page, 256u);
   EXPECT_EQ(table->pages_per_head, 3u);
@@ -117,12 +122,16 @@ TEST(LocalPoolTest, MappedPoolHoldsTheRowsAtThePageTableAddresses) {
     ASSERT_TRUE(Put(*client, kSeq, layer, 300, 250).ok());
     for (uint64_t r = 550; r < 560; ++r) {
       auto rows = MakePatternRows(kShape, kSeq, layer, r, 1);
-      ASSERT_TRUE(
-          client->Append({.sequence = kSeq, .layer = layer, .n_rows = 1, .k = rows.k, .v = rows.v})
-              .ok());
+      ASSERT_TRUE(client
+                      ->Append({.sequence = TestRef(kSeq),
+                                .layer = layer,
+                                .n_rows = 1,
+                                .k = rows.k,
+                                .v = rows.v})
+                      .ok());
     }
   }
-  auto info = client->GetSequence(kSeq);
+  auto info = client->GetSequence(TestRef(kSeq));
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->pages, 27u);  // the appends added no page
 
@@ -136,7 +145,7 @@ TEST(LocalPoolTest, MappedPoolHoldsTheRowsAtThePageTableAddresses) {
     for (uint32_t head = 0; head < kShape.n_kv_heads; ++head) {
       std::vector<uint8_t> expected(560 * row_bytes);
       const RangeEntry range{
-          .sequence = kSeq, .layer = layer, .head = head, .start = 0, .n_rows = 560};
+          .sequence = TestRef(kSeq), .layer = layer, .head = head, .start = 0, .n_rows = 560};
       ASSERT_TRUE(client->RangeRead({&range, 1}, expected).ok());
       for (uint64_t r = 0; r < 560; ++r) {
         const uint8_t* at = (*mapping)->Row(*table, layer, head, r);
@@ -166,7 +175,7 @@ TEST(LocalPoolTest, MappedPoolHoldsTheRowsAtThePageTableAddresses) {
   EXPECT_EQ((*other_mapping)->pool_id(), (*mapping)->pool_id());
   EXPECT_TRUE(RowMatches(kShape, kSeq, 2, 1, 559, (*other_mapping)->Row(*table, 2, 1, 559)));
 
-  ASSERT_TRUE(client->Release(kSeq, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(client->Release(TestRef(kSeq), absl::ZeroDuration()).ok());
   // The socket file goes with the store.
   store->Kill(SIGTERM);
   EXPECT_NE(access(path.c_str(), F_OK), 0);
@@ -177,14 +186,14 @@ TEST(LocalPoolTest, PageTableErrorsComeBackWithTheirCodes) {
   ASSERT_TRUE(store.ok()) << store.status();
   auto client = Connect(store->port());
   ASSERT_NE(client, nullptr);
-  EXPECT_TRUE(absl::IsNotFound(client->ReservePageTable(5, 10).status()));
-  ASSERT_TRUE(client->CreateSequence(5, kShape, 0, absl::ZeroDuration()).ok());
-  auto huge = client->ReservePageTable(5, ~uint64_t{0});
+  EXPECT_TRUE(absl::IsPermissionDenied(client->ReservePageTable(TestRef(5), 10).status()));
+  ASSERT_TRUE(client->CreateSequence(TestRef(5), kShape, 0, absl::ZeroDuration()).ok());
+  auto huge = client->ReservePageTable(TestRef(5), ~uint64_t{0});
   EXPECT_TRUE(absl::IsResourceExhausted(huge.status())) << huge.status();
   // 64 MiB = 1024 pages, 90 of them held by another sequence; 9 lists x 113 pages = 1017
   // do not fit the 934 left, and nothing is taken.
-  ASSERT_TRUE(client->CreateSequence(6, kShape, 10 * 256, absl::ZeroDuration()).ok());
-  auto big = client->ReservePageTable(5, 113 * 256);
+  ASSERT_TRUE(client->CreateSequence(TestRef(6), kShape, 10 * 256, absl::ZeroDuration()).ok());
+  auto big = client->ReservePageTable(TestRef(5), 113 * 256);
   EXPECT_TRUE(absl::IsResourceExhausted(big.status())) << big.status();
   EXPECT_THAT(big.status().message(), HasSubstr("(1017 pages), 61210624 free"));
   EXPECT_EQ(client->Stats()->used_bytes, 90u << 16);
@@ -200,8 +209,8 @@ TEST(LocalPoolTest, StoreWithoutLocalSocketIsRefusedByName) {
   EXPECT_THAT(mapping.status().message(), HasSubstr(absl::StrCat("store 127.0.0.1:", store->port(),
                                                                  " offers no local socket")));
   // Page tables do not need the socket.
-  ASSERT_TRUE(client->CreateSequence(1, kShape, 0, absl::ZeroDuration()).ok());
-  EXPECT_TRUE(client->ReservePageTable(1, 1).ok());
+  ASSERT_TRUE(client->CreateSequence(TestRef(1), kShape, 0, absl::ZeroDuration()).ok());
+  EXPECT_TRUE(client->ReservePageTable(TestRef(1), 1).ok());
 }
 
 TEST(LocalPoolTest, UnreachableSocketIsUnavailable) {

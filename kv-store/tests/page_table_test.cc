@@ -16,6 +16,7 @@ namespace {
 
 using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::RowMatches;
+using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 // 64-byte rows in 1 KiB pages: 16 rows per page.
@@ -35,8 +36,12 @@ std::unique_ptr<PagedKvStore> MakeStore(uint64_t pages) {
 absl::StatusOr<uint64_t> WritePattern(PagedKvStore& store, SequenceId seq, uint32_t layer,
                                       uint64_t start, uint32_t n) {
   auto rows = MakePatternRows(kShape, seq, layer, start, n);
-  return store.Write(
-      {.sequence = seq, .layer = layer, .start_row = start, .n_rows = n, .k = rows.k, .v = rows.v});
+  return store.Write({.sequence = TestRef(seq),
+                      .layer = layer,
+                      .start_row = start,
+                      .n_rows = n,
+                      .k = rows.k,
+                      .v = rows.v});
 }
 
 // Every committed row of every (layer, head), read at the table's address in `base`, equals
@@ -44,7 +49,7 @@ absl::StatusOr<uint64_t> WritePattern(PagedKvStore& store, SequenceId seq, uint3
 void ExpectTableMatchesRangeRead(const PagedKvStore& store, const PageTable& table,
                                  const uint8_t* base, SequenceId seq) {
   const size_t row_bytes = kShape.RowBytes();
-  auto info = store.GetSequence(seq);
+  auto info = store.GetSequence(TestRef(seq));
   ASSERT_TRUE(info.ok());
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
     const uint64_t rows = info->committed_rows[layer];
@@ -52,7 +57,7 @@ void ExpectTableMatchesRangeRead(const PagedKvStore& store, const PageTable& tab
     for (uint32_t head = 0; head < kShape.n_kv_heads; ++head) {
       std::vector<uint8_t> expected(rows * row_bytes);
       const RangeEntry range{
-          .sequence = seq, .layer = layer, .head = head, .start = 0, .n_rows = rows};
+          .sequence = TestRef(seq), .layer = layer, .head = head, .start = 0, .n_rows = rows};
       ASSERT_TRUE(store.RangeRead({&range, 1}, expected).ok());
       for (uint64_t r = 0; r < rows; ++r) {
         const uint8_t* at = base + table.RowOffset(layer, head, r);
@@ -66,8 +71,8 @@ void ExpectTableMatchesRangeRead(const PagedKvStore& store, const PageTable& tab
 
 TEST(PageTableTest, ReservesDensePagesForEveryHead) {
   auto store = MakeStore(64);
-  ASSERT_TRUE(store->CreateSequence(1, kShape, 0, absl::ZeroDuration()).ok());
-  auto table = store->ReservePageTable(1, 40);  // 3 pages per (layer, head)
+  ASSERT_TRUE(store->CreateSequence(TestRef(1), kShape, 0, absl::ZeroDuration()).ok());
+  auto table = store->ReservePageTable(TestRef(1), 40);  // 3 pages per (layer, head)
   ASSERT_TRUE(table.ok()) << table.status();
   EXPECT_EQ(table->shape, kShape);
   EXPECT_EQ(table->tokens_per_page, kRowsPerPage);
@@ -78,24 +83,24 @@ TEST(PageTableTest, ReservesDensePagesForEveryHead) {
   EXPECT_EQ(std::set<PageId>(table->pages.begin(), table->pages.end()).size(), 18u);
   for (PageId p : table->pages) EXPECT_LT(p, 64u);
   EXPECT_EQ(store->Stats().free_pages, 64u - 18u);
-  EXPECT_EQ(store->GetSequence(1)->pages, 18u);
+  EXPECT_EQ(store->GetSequence(TestRef(1))->pages, 18u);
 }
 
 TEST(PageTableTest, GrowthIsIdempotentAndKeepsEarlierPages) {
   auto store = MakeStore(64);
-  ASSERT_TRUE(store->CreateSequence(1, kShape, 0, absl::ZeroDuration()).ok());
-  auto first = store->ReservePageTable(1, 40);
+  ASSERT_TRUE(store->CreateSequence(TestRef(1), kShape, 0, absl::ZeroDuration()).ok());
+  auto first = store->ReservePageTable(TestRef(1), 40);
   ASSERT_TRUE(first.ok());
   // Same or fewer rows: the same table, nothing allocated.
   for (uint64_t rows : {40, 48, 1, 0}) {
-    auto again = store->ReservePageTable(1, rows);
+    auto again = store->ReservePageTable(TestRef(1), rows);
     ASSERT_TRUE(again.ok()) << rows;
     EXPECT_EQ(again->pages, first->pages) << rows;
     EXPECT_EQ(again->pages_per_head, 3u) << rows;
   }
   EXPECT_EQ(store->Stats().free_pages, 64u - 18u);
   // More rows: one more page per list, appended; the earlier pages stay where they were.
-  auto grown = store->ReservePageTable(1, 49);
+  auto grown = store->ReservePageTable(TestRef(1), 49);
   ASSERT_TRUE(grown.ok());
   ASSERT_EQ(grown->pages_per_head, 4u);
   EXPECT_EQ(store->Stats().free_pages, 64u - 24u);
@@ -108,9 +113,9 @@ TEST(PageTableTest, GrowthIsIdempotentAndKeepsEarlierPages) {
 
 TEST(PageTableTest, RowsWrittenLaterLandInTheReservedPages) {
   auto store = MakeStore(64);
-  ASSERT_TRUE(store->CreateSequence(3, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->CreateSequence(TestRef(3), kShape, 0, absl::ZeroDuration()).ok());
   ASSERT_TRUE(WritePattern(*store, 3, 0, 0, 5).ok());  // before the table
-  auto table = store->ReservePageTable(3, 45);
+  auto table = store->ReservePageTable(TestRef(3), 45);
   ASSERT_TRUE(table.ok()) << table.status();
   EXPECT_EQ(table->committed_rows, std::vector<uint64_t>({5, 0}));
   const uint64_t free_after_reserve = store->Stats().free_pages;
@@ -120,7 +125,7 @@ TEST(PageTableTest, RowsWrittenLaterLandInTheReservedPages) {
   for (uint64_t r = 25; r < 45; ++r) {
     auto rows = MakePatternRows(kShape, 3, 0, r, 1);
     ASSERT_TRUE(store
-                    ->Write({.sequence = 3,
+                    ->Write({.sequence = TestRef(3),
                              .layer = 0,
                              .start_row = LayerRows::kAtEnd,
                              .n_rows = 1,
@@ -147,60 +152,61 @@ TEST(PageTableTest, RowsWrittenLaterLandInTheReservedPages) {
 
 TEST(PageTableTest, UnevenLayersAreEvenedOut) {
   auto store = MakeStore(64);
-  ASSERT_TRUE(store->CreateSequence(4, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->CreateSequence(TestRef(4), kShape, 0, absl::ZeroDuration()).ok());
   ASSERT_TRUE(WritePattern(*store, 4, 0, 0, 40).ok());  // layer 0: 3 pages per head, layer 1: 0
-  auto table = store->ReservePageTable(4, 0);
+  auto table = store->ReservePageTable(TestRef(4), 0);
   ASSERT_TRUE(table.ok());
   EXPECT_EQ(table->pages_per_head, 3u);
-  EXPECT_EQ(store->GetSequence(4)->pages, 18u);
+  EXPECT_EQ(store->GetSequence(TestRef(4))->pages, 18u);
   ExpectTableMatchesRangeRead(*store, *table, store->pool().base(), 4);
 }
 
 TEST(PageTableTest, ShortfallAllocatesNothingAndNamesIt) {
   auto store = MakeStore(30);
-  ASSERT_TRUE(store->CreateSequence(5, kShape, 16, absl::ZeroDuration()).ok());  // 6 pages
-  ASSERT_TRUE(store->CreateSequence(9, kShape, 32, absl::ZeroDuration()).ok());  // 12 pages
+  ASSERT_TRUE(store->CreateSequence(TestRef(5), kShape, 16, absl::ZeroDuration()).ok());  // 6 pages
+  ASSERT_TRUE(
+      store->CreateSequence(TestRef(9), kShape, 32, absl::ZeroDuration()).ok());  // 12 pages
   const uint64_t free_before = store->Stats().free_pages;
   ASSERT_EQ(free_before, 12u);
   // 4 pages per list = 24, 18 more than the 6 held; 12 free.
-  auto table = store->ReservePageTable(5, 64);
+  auto table = store->ReservePageTable(TestRef(5), 64);
   EXPECT_TRUE(absl::IsResourceExhausted(table.status())) << table.status();
   EXPECT_THAT(table.status().message(), HasSubstr("sequence 5"));
   EXPECT_THAT(table.status().message(), HasSubstr("need 18432 bytes (18 pages), 12288 free"));
   EXPECT_EQ(store->Stats().free_pages, free_before);
-  EXPECT_EQ(store->GetSequence(5)->pages, 6u);
+  EXPECT_EQ(store->GetSequence(TestRef(5))->pages, 6u);
   // What fits still works afterwards.
-  EXPECT_TRUE(store->ReservePageTable(5, 48).ok());
+  EXPECT_TRUE(store->ReservePageTable(TestRef(5), 48).ok());
   EXPECT_EQ(store->Stats().free_pages, 0u);
 }
 
 TEST(PageTableTest, HugeRowCountsAreRefusedWithoutOverflow) {
   auto store = MakeStore(64);
-  ASSERT_TRUE(store->CreateSequence(6, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->CreateSequence(TestRef(6), kShape, 0, absl::ZeroDuration()).ok());
   for (uint64_t rows : {~uint64_t{0}, uint64_t{1} << 63, (uint64_t{1} << 32) * kRowsPerPage,
                         uint64_t{64} * kRowsPerPage}) {
-    auto table = store->ReservePageTable(6, rows);
+    auto table = store->ReservePageTable(TestRef(6), rows);
     EXPECT_TRUE(absl::IsResourceExhausted(table.status())) << rows << ": " << table.status();
     EXPECT_THAT(table.status().message(), HasSubstr("more than the store's 64 pages"));
   }
   EXPECT_EQ(store->Stats().free_pages, 64u);
-  EXPECT_EQ(store->GetSequence(6)->pages, 0u);
+  EXPECT_EQ(store->GetSequence(TestRef(6))->pages, 0u);
 }
 
 TEST(PageTableTest, UnknownAndKeptSequences) {
   auto store = MakeStore(64);
-  EXPECT_TRUE(absl::IsNotFound(store->ReservePageTable(99, 10).status()));
-  ASSERT_TRUE(store->CreateSequence(7, kShape, 16, absl::ZeroDuration()).ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(store->ReservePageTable(TestRef(99), 10).status()));
+  ASSERT_TRUE(store->CreateSequence(TestRef(7), kShape, 16, absl::ZeroDuration()).ok());
   ASSERT_TRUE(WritePattern(*store, 7, 0, 0, 10).ok());
   ASSERT_TRUE(WritePattern(*store, 7, 1, 0, 10).ok());
-  ASSERT_TRUE(store->Release(7, absl::Seconds(60)).ok());
+  ASSERT_TRUE(store->Release(TestRef(7), absl::Seconds(60)).ok());
   // A kept sequence is read-only: its table can be read, not grown.
-  auto table = store->ReservePageTable(7, 16);
+  auto table = store->ReservePageTable(TestRef(7), 16);
   ASSERT_TRUE(table.ok()) << table.status();
   ExpectTableMatchesRangeRead(*store, *table, store->pool().base(), 7);
-  EXPECT_TRUE(absl::IsFailedPrecondition(store->ReservePageTable(7, 17).status()));
-  ASSERT_TRUE(store->Release(7, absl::ZeroDuration()).ok());
-  EXPECT_TRUE(absl::IsNotFound(store->ReservePageTable(7, 0).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(store->ReservePageTable(TestRef(7), 17).status()));
+  ASSERT_TRUE(store->Release(TestRef(7), absl::ZeroDuration()).ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(store->ReservePageTable(TestRef(7), 0).status()));
 }
 
 }  // namespace

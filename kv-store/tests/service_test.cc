@@ -17,6 +17,7 @@ namespace {
 
 using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::RowMatches;
+using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 constexpr SequenceShape kShape{.n_layers = 2, .n_kv_heads = 2, .head_dim = 16,
@@ -30,39 +31,45 @@ StoreOptions SmallStore() {
 
 // Runs the same script against any KvStoreClient; returns the gathered rows.
 void ExerciseClient(KvStoreClient& client) {
-  ASSERT_TRUE(client.CreateSequence(5, kShape, 10, absl::Seconds(60)).ok());
+  ASSERT_TRUE(client.CreateSequence(TestRef(5), kShape, 10, absl::Seconds(60)).ok());
   for (uint32_t layer = 0; layer < 2; ++layer) {
     auto rows = MakePatternRows(kShape, 5, layer, 0, 70);
-    auto committed = client.PutLayer({.sequence = 5, .layer = layer, .start_row = 0,
-                                      .n_rows = 70, .k = rows.k, .v = rows.v});
+    auto committed = client.PutLayer({.sequence = TestRef(5),
+                                      .layer = layer,
+                                      .start_row = 0,
+                                      .n_rows = 70,
+                                      .k = rows.k,
+                                      .v = rows.v});
     ASSERT_TRUE(committed.ok()) << committed.status();
     EXPECT_EQ(*committed, 70u);
   }
   auto tail = MakePatternRows(kShape, 5, 1, 70, 1);
-  ASSERT_EQ(*client.Append({.sequence = 5, .layer = 1, .n_rows = 1, .k = tail.k, .v = tail.v}),
-            71u);
+  ASSERT_EQ(
+      *client.Append({.sequence = TestRef(5), .layer = 1, .n_rows = 1, .k = tail.k, .v = tail.v}),
+      71u);
   std::vector<uint32_t> idx = {70, 0, 33};
-  std::vector<GatherEntry> entries = {{.sequence = 5, .layer = 1, .head = 1, .indices = idx}};
+  std::vector<GatherEntry> entries = {
+      {.sequence = TestRef(5), .layer = 1, .head = 1, .indices = idx}};
   std::vector<uint8_t> out(GatherBytes(entries, kShape.RowBytes()));
   ASSERT_TRUE(client.Gather(entries, out).ok());
   for (size_t i = 0; i < idx.size(); ++i) {
     EXPECT_TRUE(RowMatches(kShape, 5, 1, 1, idx[i], out.data() + i * kShape.RowBytes()));
   }
-  std::vector<RangeEntry> range = {{.sequence = 5, .layer = 0, .head = 0, .start = 60,
-                                    .n_rows = 10}};
+  std::vector<RangeEntry> range = {
+      {.sequence = TestRef(5), .layer = 0, .head = 0, .start = 60, .n_rows = 10}};
   std::vector<uint8_t> range_out(10 * kShape.RowBytes());
   ASSERT_TRUE(client.RangeRead(range, range_out).ok());
   EXPECT_TRUE(RowMatches(kShape, 5, 0, 0, 69, range_out.data() + 9 * kShape.RowBytes()));
   // Errors are the same codes on both implementations.
   std::vector<uint32_t> far = {71};
-  std::vector<GatherEntry> bad = {{.sequence = 5, .layer = 1, .head = 0, .indices = far}};
+  std::vector<GatherEntry> bad = {{.sequence = TestRef(5), .layer = 1, .head = 0, .indices = far}};
   std::vector<uint8_t> one(kShape.RowBytes());
   EXPECT_TRUE(absl::IsOutOfRange(client.Gather(bad, one)));
-  EXPECT_TRUE(absl::IsNotFound(client.Lease(6, absl::Seconds(1))));
+  EXPECT_TRUE(absl::IsPermissionDenied(client.Lease(TestRef(6), absl::Seconds(1))));
   EXPECT_TRUE(absl::IsAlreadyExists(
-      client.CreateSequence(5, kShape, 0, absl::ZeroDuration()).status()));
-  ASSERT_TRUE(client.Lease(5, absl::Seconds(120)).ok());
-  auto info = client.GetSequence(5);
+      client.CreateSequence(TestRef(5), kShape, 0, absl::ZeroDuration()).status()));
+  ASSERT_TRUE(client.Lease(TestRef(5), absl::Seconds(120)).ok());
+  auto info = client.GetSequence(TestRef(5));
   ASSERT_TRUE(info.ok());
   EXPECT_GT(info->lease_expiry_unix_ms, absl::ToUnixMillis(absl::Now()));
   EXPECT_EQ(info->shape, kShape);
@@ -70,7 +77,7 @@ void ExerciseClient(KvStoreClient& client) {
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->sequences, 1u);
   EXPECT_GT(stats->used_bytes, 0u);
-  ASSERT_TRUE(client.Release(5, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(client.Release(TestRef(5), absl::ZeroDuration()).ok());
   EXPECT_EQ(client.Stats()->used_bytes, 0u);
 }
 
@@ -79,15 +86,18 @@ void ExerciseClient(KvStoreClient& client) {
 void ExerciseAsync(KvStoreClient& client) {
   const SequenceShape shape{.n_layers = 4, .n_kv_heads = 2, .head_dim = 32,
                             .dtype = DType::kF16};
-  ASSERT_TRUE(client.CreateSequence(9, shape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(client.CreateSequence(TestRef(9), shape, 0, absl::ZeroDuration()).ok());
   std::vector<testing::PatternRows> rows;
   for (uint32_t layer = 0; layer < 4; ++layer) {
     rows.push_back(MakePatternRows(shape, 9, layer, 0, 300));
   }
   std::vector<std::unique_ptr<KvStoreOp>> puts;
   for (uint32_t layer = 0; layer < 4; ++layer) {
-    puts.push_back(client.StartPutLayer({.sequence = 9, .layer = layer, .start_row = 0,
-                                         .n_rows = 300, .k = rows[layer].k,
+    puts.push_back(client.StartPutLayer({.sequence = TestRef(9),
+                                         .layer = layer,
+                                         .start_row = 0,
+                                         .n_rows = 300,
+                                         .k = rows[layer].k,
                                          .v = rows[layer].v}));
   }
   for (auto& op : puts) {
@@ -102,7 +112,7 @@ void ExerciseAsync(KvStoreClient& client) {
   std::vector<std::vector<uint8_t>> outs(4);
   std::vector<std::unique_ptr<KvStoreOp>> gathers;
   for (uint32_t layer = 0; layer < 4; ++layer) {
-    entries[layer] = {{.sequence = 9, .layer = layer, .head = 1, .indices = idx}};
+    entries[layer] = {{.sequence = TestRef(9), .layer = layer, .head = 1, .indices = idx}};
     outs[layer].resize(GatherBytes(entries[layer], shape.RowBytes()));
     gathers.push_back(client.StartGather(entries[layer], outs[layer]));
   }
@@ -119,7 +129,7 @@ void ExerciseAsync(KvStoreClient& client) {
   std::vector<uint8_t> dropped_out(GatherBytes(entries[0], shape.RowBytes()));
   client.StartGather(entries[0], dropped_out).reset();
   EXPECT_TRUE(RowMatches(shape, 9, 0, 1, 299, dropped_out.data()));
-  ASSERT_TRUE(client.Release(9, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(client.Release(TestRef(9), absl::ZeroDuration()).ok());
 }
 
 TEST(ServiceTest, UcxClientAgainstInProcessServer) {
@@ -148,14 +158,15 @@ TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
   auto fake = FakeKvStoreClient::Create(SmallStore());
   ASSERT_TRUE(fake.ok());
   KvStoreClient& client = **fake;
-  ASSERT_TRUE(client.CreateSequence(3, kShape, 0, absl::ZeroDuration()).ok());
-  auto table = client.ReservePageTable(3, 100);  // bf16 d16: 64-byte rows, 64 per 4 KiB page
+  ASSERT_TRUE(client.CreateSequence(TestRef(3), kShape, 0, absl::ZeroDuration()).ok());
+  auto table =
+      client.ReservePageTable(TestRef(3), 100);  // bf16 d16: 64-byte rows, 64 per 4 KiB page
   ASSERT_TRUE(table.ok()) << table.status();
   EXPECT_EQ(table->pages_per_head, 2u);
   for (uint32_t layer = 0; layer < 2; ++layer) {
     auto rows = MakePatternRows(kShape, 3, layer, 0, 100);
     ASSERT_TRUE(client
-                    .PutLayer({.sequence = 3,
+                    .PutLayer({.sequence = TestRef(3),
                                .layer = layer,
                                .start_row = 0,
                                .n_rows = 100,
@@ -177,7 +188,7 @@ TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
   }
   EXPECT_EQ(client.MapLocalPool()->get(), mapping->get());
   (*fake)->InjectFailure(absl::UnavailableError("injected"));
-  EXPECT_TRUE(absl::IsUnavailable(client.ReservePageTable(3, 1).status()));
+  EXPECT_TRUE(absl::IsUnavailable(client.ReservePageTable(TestRef(3), 1).status()));
   EXPECT_TRUE(absl::IsUnavailable(client.MapLocalPool().status()));
 }
 

@@ -12,6 +12,7 @@ namespace {
 
 using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::RowMatches;
+using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 constexpr SequenceShape kShape{.n_layers = 3, .n_kv_heads = 2, .head_dim = 8,
@@ -32,8 +33,12 @@ std::unique_ptr<PagedKvStore> MakeStore(uint64_t capacity, uint64_t page_bytes =
 absl::StatusOr<uint64_t> WritePattern(PagedKvStore& store, const SequenceShape& shape,
                                       SequenceId seq, uint32_t layer, uint64_t start, uint32_t n) {
   auto rows = MakePatternRows(shape, seq, layer, start, n);
-  return store.Write({.sequence = seq, .layer = layer, .start_row = start, .n_rows = n,
-                      .k = rows.k, .v = rows.v});
+  return store.Write({.sequence = TestRef(seq),
+                      .layer = layer,
+                      .start_row = start,
+                      .n_rows = n,
+                      .k = rows.k,
+                      .v = rows.v});
 }
 
 TEST(StoreTest, WrittenRowsReadBackBitExactByGatherAndRange) {
@@ -41,7 +46,7 @@ TEST(StoreTest, WrittenRowsReadBackBitExactByGatherAndRange) {
     SequenceShape shape = kShape;
     shape.dtype = dtype;
     auto store = MakeStore(1 << 20);
-    ASSERT_TRUE(store->CreateSequence(7, shape, 0, absl::ZeroDuration()).ok());
+    ASSERT_TRUE(store->CreateSequence(TestRef(7), shape, 0, absl::ZeroDuration()).ok());
     // 100 rows in uneven writes, crossing page boundaries (256 B pages hold 8 or 4 rows).
     for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
       ASSERT_EQ(*WritePattern(*store, shape, 7, layer, 0, 37), 37u);
@@ -51,8 +56,8 @@ TEST(StoreTest, WrittenRowsReadBackBitExactByGatherAndRange) {
     const std::vector<uint32_t> idx_a = {99, 0, 5, 5, 63, 38};
     const std::vector<uint32_t> idx_b = {1, 2, 3};
     const std::vector<GatherEntry> entries = {
-        {.sequence = 7, .layer = 2, .head = 1, .indices = idx_a},
-        {.sequence = 7, .layer = 0, .head = 0, .indices = idx_b}};
+        {.sequence = TestRef(7), .layer = 2, .head = 1, .indices = idx_a},
+        {.sequence = TestRef(7), .layer = 0, .head = 0, .indices = idx_b}};
     auto bytes = store->GatherBytes(entries);
     ASSERT_TRUE(bytes.ok());
     ASSERT_EQ(*bytes, 9 * shape.RowBytes());
@@ -65,8 +70,8 @@ TEST(StoreTest, WrittenRowsReadBackBitExactByGatherAndRange) {
         p += shape.RowBytes();
       }
     }
-    const std::vector<RangeEntry> ranges = {{.sequence = 7, .layer = 1, .head = 1, .start = 3,
-                                             .n_rows = 90}};
+    const std::vector<RangeEntry> ranges = {
+        {.sequence = TestRef(7), .layer = 1, .head = 1, .start = 3, .n_rows = 90}};
     std::vector<uint8_t> range_out(*store->RangeBytes(ranges));
     ASSERT_EQ(range_out.size(), 90 * shape.RowBytes());
     ASSERT_TRUE(store->RangeRead(ranges, range_out).ok());
@@ -87,73 +92,92 @@ TEST(StoreTest, WrittenRowsReadBackBitExactByGatherAndRange) {
 
 TEST(StoreTest, AppendAtEndAndAppendOnlyErrors) {
   auto store = MakeStore(1 << 20);
-  ASSERT_TRUE(store->CreateSequence(1, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->CreateSequence(TestRef(1), kShape, 0, absl::ZeroDuration()).ok());
   auto rows = MakePatternRows(kShape, 1, 0, 0, 4);
-  ASSERT_EQ(*store->Write({.sequence = 1, .layer = 0, .start_row = LayerRows::kAtEnd,
-                           .n_rows = 4, .k = rows.k, .v = rows.v}),
+  ASSERT_EQ(*store->Write({.sequence = TestRef(1),
+                           .layer = 0,
+                           .start_row = LayerRows::kAtEnd,
+                           .n_rows = 4,
+                           .k = rows.k,
+                           .v = rows.v}),
             4u);
   auto more = MakePatternRows(kShape, 1, 0, 4, 1);
-  ASSERT_EQ(*store->Write({.sequence = 1, .layer = 0, .start_row = LayerRows::kAtEnd,
-                           .n_rows = 1, .k = more.k, .v = more.v}),
+  ASSERT_EQ(*store->Write({.sequence = TestRef(1),
+                           .layer = 0,
+                           .start_row = LayerRows::kAtEnd,
+                           .n_rows = 1,
+                           .k = more.k,
+                           .v = more.v}),
             5u);
   // Overwriting and leaving a gap are both refused.
   absl::Status overwrite = WritePattern(*store, kShape, 1, 0, 2, 1).status();
   EXPECT_TRUE(absl::IsFailedPrecondition(overwrite)) << overwrite;
   EXPECT_THAT(overwrite.message(), HasSubstr("append-only"));
   EXPECT_TRUE(absl::IsFailedPrecondition(WritePattern(*store, kShape, 1, 0, 9, 1).status()));
-  auto info = store->GetSequence(1);
+  auto info = store->GetSequence(TestRef(1));
   ASSERT_TRUE(info.ok());
   EXPECT_THAT(info->committed_rows, ::testing::ElementsAre(5, 0, 0));
 }
 
 TEST(StoreTest, MalformedRequestsGetClearErrors) {
   auto store = MakeStore(1 << 20);
-  ASSERT_TRUE(store->CreateSequence(1, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->CreateSequence(TestRef(1), kShape, 0, absl::ZeroDuration()).ok());
   ASSERT_TRUE(WritePattern(*store, kShape, 1, 0, 0, 10).ok());
   std::vector<uint8_t> out(1 << 12);
 
   const std::vector<uint32_t> ok_idx = {0};
   const std::vector<uint32_t> bad_idx = {3, 10};
   auto gather_status = [&](std::vector<GatherEntry> e) { return store->GatherBytes(e).status(); };
-  absl::Status st = gather_status({{.sequence = 2, .layer = 0, .head = 0, .indices = ok_idx}});
-  EXPECT_TRUE(absl::IsNotFound(st));
-  EXPECT_THAT(st.message(), HasSubstr("unknown sequence 2"));
-  st = gather_status({{.sequence = 1, .layer = 3, .head = 0, .indices = ok_idx}});
+  absl::Status st =
+      gather_status({{.sequence = TestRef(2), .layer = 0, .head = 0, .indices = ok_idx}});
+  EXPECT_TRUE(absl::IsPermissionDenied(st));
+  EXPECT_THAT(st.message(), HasSubstr("entry 0: no sequence 2 with this capability"));
+  st = gather_status({{.sequence = TestRef(1), .layer = 3, .head = 0, .indices = ok_idx}});
   EXPECT_TRUE(absl::IsOutOfRange(st));
   EXPECT_THAT(st.message(), HasSubstr("layer 3"));
-  st = gather_status({{.sequence = 1, .layer = 0, .head = 2, .indices = ok_idx}});
+  st = gather_status({{.sequence = TestRef(1), .layer = 0, .head = 2, .indices = ok_idx}});
   EXPECT_THAT(st.message(), HasSubstr("kv head 2"));
-  st = gather_status({{.sequence = 1, .layer = 0, .head = 0, .indices = ok_idx},
-                      {.sequence = 1, .layer = 0, .head = 0, .indices = bad_idx}});
+  st = gather_status({{.sequence = TestRef(1), .layer = 0, .head = 0, .indices = ok_idx},
+                      {.sequence = TestRef(1), .layer = 0, .head = 0, .indices = bad_idx}});
   EXPECT_TRUE(absl::IsOutOfRange(st));
   EXPECT_THAT(st.message(), HasSubstr("entry 1: row 10"));
   EXPECT_THAT(st.message(), HasSubstr("10 committed rows"));
   // Gather itself validates too, and refuses a wrong-sized buffer.
-  std::vector<GatherEntry> bad = {{.sequence = 1, .layer = 0, .head = 0, .indices = bad_idx}};
+  std::vector<GatherEntry> bad = {
+      {.sequence = TestRef(1), .layer = 0, .head = 0, .indices = bad_idx}};
   EXPECT_TRUE(absl::IsOutOfRange(store->Gather(bad, out)));
-  std::vector<GatherEntry> good = {{.sequence = 1, .layer = 0, .head = 0, .indices = ok_idx}};
+  std::vector<GatherEntry> good = {
+      {.sequence = TestRef(1), .layer = 0, .head = 0, .indices = ok_idx}};
   EXPECT_TRUE(absl::IsInvalidArgument(store->Gather(good, out)));
-  std::vector<RangeEntry> range = {{.sequence = 1, .layer = 0, .head = 0, .start = 5,
-                                    .n_rows = 6}};
+  std::vector<RangeEntry> range = {
+      {.sequence = TestRef(1), .layer = 0, .head = 0, .start = 5, .n_rows = 6}};
   EXPECT_TRUE(absl::IsOutOfRange(store->RangeBytes(range).status()));
 
   // Wrong row size in a write.
   std::vector<uint8_t> k(31), v(31);
-  st = store->Write({.sequence = 1, .layer = 1, .start_row = 0, .n_rows = 1, .k = k, .v = v}).status();
+  st =
+      store
+          ->Write({.sequence = TestRef(1), .layer = 1, .start_row = 0, .n_rows = 1, .k = k, .v = v})
+          .status();
   EXPECT_TRUE(absl::IsInvalidArgument(st));
   EXPECT_THAT(st.message(), HasSubstr("need 32 bytes"));
   // Bad shapes at creation.
   EXPECT_TRUE(absl::IsInvalidArgument(
-      store->CreateSequence(9, {.n_layers = 0, .n_kv_heads = 1, .head_dim = 8}, 0,
-                            absl::ZeroDuration())
+      store
+          ->CreateSequence(TestRef(9), {.n_layers = 0, .n_kv_heads = 1, .head_dim = 8}, 0,
+                           absl::ZeroDuration())
           .status()));
   EXPECT_TRUE(absl::IsInvalidArgument(
-      store->CreateSequence(9, {.n_layers = 1, .n_kv_heads = 1, .head_dim = 128,
-                                .dtype = DType::kF32},  // 1 KiB rows > 256 B pages
-                            0, absl::ZeroDuration())
+      store
+          ->CreateSequence(TestRef(9),
+                           {.n_layers = 1,
+                            .n_kv_heads = 1,
+                            .head_dim = 128,
+                            .dtype = DType::kF32},  // 1 KiB rows > 256 B pages
+                           0, absl::ZeroDuration())
           .status()));
   EXPECT_TRUE(absl::IsAlreadyExists(
-      store->CreateSequence(1, kShape, 0, absl::ZeroDuration()).status()));
+      store->CreateSequence(TestRef(1), kShape, 0, absl::ZeroDuration()).status()));
   // After all of that the store still serves a valid request.
   std::vector<uint8_t> row(kShape.RowBytes());
   ASSERT_TRUE(store->Gather(good, row).ok());
@@ -164,8 +188,8 @@ TEST(StoreTest, ReleaseFreesEveryPage) {
   auto store = MakeStore(1 << 20);
   const StoreStats baseline = store->Stats();
   EXPECT_EQ(baseline.used_bytes, 0u);
-  ASSERT_TRUE(store->CreateSequence(1, kShape, 64, absl::ZeroDuration()).ok());
-  ASSERT_TRUE(store->CreateSequence(2, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->CreateSequence(TestRef(1), kShape, 64, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->CreateSequence(TestRef(2), kShape, 0, absl::ZeroDuration()).ok());
   for (uint32_t layer = 0; layer < 3; ++layer) {
     ASSERT_TRUE(WritePattern(*store, kShape, 1, layer, 0, 100).ok());
     ASSERT_TRUE(WritePattern(*store, kShape, 2, layer, 0, 9).ok());
@@ -174,19 +198,20 @@ TEST(StoreTest, ReleaseFreesEveryPage) {
   EXPECT_EQ(during.sequences, 2u);
   // 100 rows of 32 B in 256 B pages = 13 pages per (layer, head) for sequence 1, 2 for seq 2.
   EXPECT_EQ(during.total_pages - during.free_pages, 3u * 2 * 13 + 3u * 2 * 2);
-  ASSERT_TRUE(store->Release(1, absl::ZeroDuration()).ok());
-  ASSERT_TRUE(store->Release(2, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->Release(TestRef(1), absl::ZeroDuration()).ok());
+  ASSERT_TRUE(store->Release(TestRef(2), absl::ZeroDuration()).ok());
   StoreStats after = store->Stats();
   EXPECT_EQ(after.free_pages, baseline.free_pages);
   EXPECT_EQ(after.used_bytes, baseline.used_bytes);
   EXPECT_EQ(after.sequences, 0u);
-  EXPECT_TRUE(absl::IsNotFound(store->Release(1, absl::ZeroDuration())));
+  EXPECT_TRUE(absl::IsPermissionDenied(store->Release(TestRef(1), absl::ZeroDuration())));
 }
 
 TEST(StoreTest, FullStoreRefusesNamingShortfallAndLosesNothing) {
   auto store = MakeStore(16 * 256);  // 16 pages of 8 rows
-  ASSERT_TRUE(store->CreateSequence(1, {.n_layers = 1, .n_kv_heads = 2, .head_dim = 8}, 0,
-                                    absl::ZeroDuration())
+  ASSERT_TRUE(store
+                  ->CreateSequence(TestRef(1), {.n_layers = 1, .n_kv_heads = 2, .head_dim = 8}, 0,
+                                   absl::ZeroDuration())
                   .ok());
   const SequenceShape shape{.n_layers = 1, .n_kv_heads = 2, .head_dim = 8};
   ASSERT_TRUE(WritePattern(*store, shape, 1, 0, 0, 56).ok());  // 7 pages x 2 heads
@@ -196,17 +221,17 @@ TEST(StoreTest, FullStoreRefusesNamingShortfallAndLosesNothing) {
   EXPECT_THAT(st.message(), HasSubstr("512 free of 4096"));
   // A create whose reservation does not fit is refused as well.
   EXPECT_TRUE(absl::IsResourceExhausted(
-      store->CreateSequence(2, shape, 100, absl::ZeroDuration()).status()));
+      store->CreateSequence(TestRef(2), shape, 100, absl::ZeroDuration()).status()));
   EXPECT_TRUE(absl::IsResourceExhausted(
-      store->CreateSequence(3, shape, 1000, absl::ZeroDuration()).status()));
+      store->CreateSequence(TestRef(3), shape, 1000, absl::ZeroDuration()).status()));
   // Nothing stored was lost and the failed write left no trace.
-  auto info = store->GetSequence(1);
+  auto info = store->GetSequence(TestRef(1));
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->committed_rows[0], 56u);
   std::vector<uint8_t> out(56 * shape.RowBytes());
   for (uint32_t head = 0; head < 2; ++head) {
-    std::vector<RangeEntry> r = {{.sequence = 1, .layer = 0, .head = head, .start = 0,
-                                  .n_rows = 56}};
+    std::vector<RangeEntry> r = {
+        {.sequence = TestRef(1), .layer = 0, .head = head, .start = 0, .n_rows = 56}};
     ASSERT_TRUE(store->RangeRead(r, out).ok());
     for (uint64_t row = 0; row < 56; ++row) {
       ASSERT_TRUE(RowMatches(shape, 1, 0, head, row, out.data() + row * shape.RowBytes()));
@@ -223,10 +248,10 @@ TEST(StoreTest, ExpiredLeasesAreEvictedOnlyWhenConfigured) {
   const SequenceShape shape{.n_layers = 1, .n_kv_heads = 1, .head_dim = 8};
   for (bool evict : {false, true}) {
     auto store = MakeStore(4 * 256, 256, evict, clock);
-    ASSERT_TRUE(store->CreateSequence(1, shape, 16, absl::Seconds(5)).ok());  // 2 pages
-    ASSERT_TRUE(store->CreateSequence(2, shape, 8, absl::ZeroDuration()).ok());  // 1 page
-    ASSERT_TRUE(store->CreateSequence(3, shape, 0, absl::ZeroDuration()).ok());
-    ASSERT_TRUE(store->Release(2, absl::Seconds(60)).ok());  // kept for reuse, read-only
+    ASSERT_TRUE(store->CreateSequence(TestRef(1), shape, 16, absl::Seconds(5)).ok());     // 2 pages
+    ASSERT_TRUE(store->CreateSequence(TestRef(2), shape, 8, absl::ZeroDuration()).ok());  // 1 page
+    ASSERT_TRUE(store->CreateSequence(TestRef(3), shape, 0, absl::ZeroDuration()).ok());
+    ASSERT_TRUE(store->Release(TestRef(2), absl::Seconds(60)).ok());  // kept for reuse, read-only
     EXPECT_TRUE(absl::IsFailedPrecondition(WritePattern(*store, shape, 2, 0, 0, 1).status()));
     now += absl::Seconds(10);  // sequence 1 expired, 2 still kept
     EXPECT_EQ(store->Stats().expired_sequences, 1u);
@@ -234,19 +259,19 @@ TEST(StoreTest, ExpiredLeasesAreEvictedOnlyWhenConfigured) {
     absl::StatusOr<uint64_t> w = WritePattern(*store, shape, 3, 0, 0, 16);
     if (!evict) {
       EXPECT_TRUE(absl::IsResourceExhausted(w.status())) << w.status();
-      EXPECT_TRUE(store->GetSequence(1).ok());
+      EXPECT_TRUE(store->GetSequence(TestRef(1)).ok());
       EXPECT_EQ(store->Stats().evictions, 0u);
     } else {
       EXPECT_TRUE(w.ok()) << w.status();
-      EXPECT_TRUE(absl::IsNotFound(store->GetSequence(1).status()));
-      EXPECT_TRUE(store->GetSequence(2).ok());  // unexpired lease survives
+      EXPECT_TRUE(absl::IsPermissionDenied(store->GetSequence(TestRef(1)).status()));
+      EXPECT_TRUE(store->GetSequence(TestRef(2)).ok());  // unexpired lease survives
       EXPECT_EQ(store->Stats().evictions, 1u);
     }
     // KeepAlive pushes expiry out; sweeping then evicts nothing more.
-    ASSERT_TRUE(store->Lease(2, absl::Seconds(100)).ok());
+    ASSERT_TRUE(store->Lease(TestRef(2), absl::Seconds(100)).ok());
     now += absl::Seconds(70);
     EXPECT_EQ(store->SweepExpired(), 0u);
-    EXPECT_TRUE(store->GetSequence(2).ok());
+    EXPECT_TRUE(store->GetSequence(TestRef(2)).ok());
     now += absl::Seconds(40);
     EXPECT_EQ(store->SweepExpired(), evict ? 1u : 0u);
   }
@@ -271,10 +296,11 @@ TEST(StoreTest, ConcurrentReaderNeverSeesPartialLayer) {
         for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
           std::vector<GatherEntry> entries;
           for (uint32_t h = 0; h < shape.n_kv_heads; ++h) {
-            entries.push_back({.sequence = seq, .layer = layer, .head = h, .indices = idx});
+            entries.push_back(
+                {.sequence = TestRef(seq), .layer = layer, .head = h, .indices = idx});
           }
           absl::Status st = store->Gather(entries, out);
-          if (absl::IsOutOfRange(st) || absl::IsNotFound(st)) {
+          if (absl::IsOutOfRange(st) || absl::IsPermissionDenied(st)) {
             ++seen_invisible;
             continue;
           }
@@ -295,7 +321,7 @@ TEST(StoreTest, ConcurrentReaderNeverSeesPartialLayer) {
     }
   });
   for (SequenceId seq = 1; seq <= kRounds; ++seq) {
-    ASSERT_TRUE(store->CreateSequence(seq, shape, 0, absl::ZeroDuration()).ok());
+    ASSERT_TRUE(store->CreateSequence(TestRef(seq), shape, 0, absl::ZeroDuration()).ok());
     for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
       // Two writes per layer: the first leaves the layer half-written (rows 0..255), which the
       // reader's request for all 512 rows must not accept.

@@ -16,15 +16,17 @@ std::span<const uint8_t> Bytes(const std::string& s) {
 
 TEST(WireTest, GatherRoundTrip) {
   const std::vector<uint32_t> a = {5, 1, 9}, b = {}, c = {7};
-  const std::vector<GatherEntry> entries = {{.sequence = 3, .layer = 1, .head = 2, .indices = a},
-                                            {.sequence = 4, .layer = 0, .head = 0, .indices = b},
-                                            {.sequence = 3, .layer = 2, .head = 1, .indices = c}};
+  const SequenceRef s3{3, Capability::Generate()}, s4{4, Capability::Generate()};
+  const std::vector<GatherEntry> entries = {{.sequence = s3, .layer = 1, .head = 2, .indices = a},
+                                            {.sequence = s4, .layer = 0, .head = 0, .indices = b},
+                                            {.sequence = s3, .layer = 2, .head = 1, .indices = c}};
   Encoded enc = EncodeGather(entries, absl::InfiniteFuture());
   auto parsed = ParseGather(Bytes(enc.header), enc.payload, absl::Now());
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   ASSERT_EQ(parsed->entries.size(), 3u);
   for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(parsed->entries[i].sequence, entries[i].sequence);
+    EXPECT_EQ(parsed->entries[i].sequence.id, entries[i].sequence.id);
+    EXPECT_TRUE(parsed->entries[i].sequence.cap.Matches(entries[i].sequence.cap));
     EXPECT_EQ(parsed->entries[i].layer, entries[i].layer);
     EXPECT_EQ(parsed->entries[i].head, entries[i].head);
     EXPECT_EQ(std::vector<uint32_t>(parsed->entries[i].indices.begin(),
@@ -42,27 +44,61 @@ TEST(WireTest, GatherRoundTrip) {
 
 TEST(WireTest, WriteAndRangeRoundTrip) {
   std::vector<uint8_t> kv(64);
-  LayerRows rows{.sequence = 9, .layer = 3, .start_row = LayerRows::kAtEnd, .n_rows = 2};
+  const SequenceRef s9{9, Capability::Generate()};
+  LayerRows rows{.sequence = s9, .layer = 3, .start_row = LayerRows::kAtEnd, .n_rows = 2};
   std::string header = EncodeWriteHeader(rows, absl::InfiniteFuture());
   auto parsed = ParseWrite(Bytes(header), kv, absl::Now());
   ASSERT_TRUE(parsed.ok());
-  EXPECT_EQ(parsed->sequence, 9u);
+  EXPECT_EQ(parsed->sequence.id, 9u);
+  EXPECT_TRUE(parsed->sequence.cap.Matches(s9.cap));
   EXPECT_EQ(parsed->start_row, LayerRows::kAtEnd);
   EXPECT_EQ(parsed->k.size(), 32u);
   EXPECT_EQ(parsed->v.data(), kv.data() + 32);
 
-  const std::vector<RangeEntry> ranges = {{.sequence = 1, .layer = 2, .head = 3, .start = 4,
-                                           .n_rows = 5}};
+  const SequenceRef s1{1, Capability::Generate()};
+  const std::vector<RangeEntry> ranges = {
+      {.sequence = s1, .layer = 2, .head = 3, .start = 4, .n_rows = 5}};
   Encoded enc = EncodeRange(MessageType::kRangeRead, ranges, absl::InfiniteFuture());
   auto r = ParseRange(MessageType::kRangeRead, Bytes(enc.header), enc.payload, absl::Now());
   ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)[0].sequence.id, 1u);
+  EXPECT_TRUE((*r)[0].sequence.cap.Matches(s1.cap));
+  EXPECT_FALSE((*r)[0].sequence.cap.Matches(s9.cap));
   EXPECT_EQ((*r)[0].start, 4u);
   EXPECT_EQ((*r)[0].n_rows, 5u);
 }
 
+// Version 1 carried no capabilities: such a message is refused, never served unchecked.
+TEST(WireTest, VersionOneIsRefused) {
+  const std::vector<uint32_t> a = {1};
+  const std::vector<GatherEntry> entries = {
+      {.sequence = {1, Capability::Generate()}, .indices = a}};
+  Encoded enc = EncodeGather(entries, absl::InfiniteFuture());
+  std::string old = enc.header;
+  old[4] = 1;
+  old[5] = 0;
+  auto st = ParseGather(Bytes(old), enc.payload, absl::Now()).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_THAT(st.message(), HasSubstr("wire version 1 is not supported"));
+}
+
+TEST(CapabilityTest, GeneratedAreDistinctAndCompare) {
+  const Capability a = Capability::Generate(), b = Capability::Generate();
+  EXPECT_FALSE(a.IsNone());
+  EXPECT_FALSE(a.Matches(b));
+  EXPECT_TRUE(a.Matches(a));
+  EXPECT_TRUE(Capability{}.IsNone());
+  auto back = Capability::FromBytes(a.ToBytes());
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE(back->Matches(a));
+  EXPECT_TRUE(absl::IsInvalidArgument(Capability::FromBytes("short").status()));
+  EXPECT_TRUE(Capability::FromBytesOrNone("short").IsNone());
+}
+
 TEST(WireTest, MalformedMessagesAreRefusedWithReasons) {
   const std::vector<uint32_t> a = {1, 2};
-  const std::vector<GatherEntry> entries = {{.sequence = 1, .indices = a}};
+  const std::vector<GatherEntry> entries = {
+      {.sequence = {1, Capability::Generate()}, .indices = a}};
   Encoded enc = EncodeGather(entries, absl::InfiniteFuture());
   const absl::Time now = absl::Now();
 
@@ -99,7 +135,8 @@ TEST(WireTest, MalformedMessagesAreRefusedWithReasons) {
   EXPECT_TRUE(absl::IsDeadlineExceeded(ParseGather(Bytes(late.header), late.payload, now).status()));
   // Odd-sized write payload.
   std::vector<uint8_t> odd(33);
-  std::string wh = EncodeWriteHeader({.sequence = 1, .n_rows = 1}, absl::InfiniteFuture());
+  std::string wh = EncodeWriteHeader({.sequence = {1, Capability::Generate()}, .n_rows = 1},
+                                     absl::InfiniteFuture());
   EXPECT_TRUE(absl::IsInvalidArgument(ParseWrite(Bytes(wh), odd, now).status()));
   // Reply of the wrong type.
   std::string reply = EncodeReply(MessageType::kGather, 0, 0);

@@ -181,7 +181,7 @@ class CudaModelImpl final : public CudaModel {
                                                        bool huge_pages, const char* what);
   // A dense sequence's prefill summaries (PrefillSummaryOptions), all layers.
   struct Summaries {
-    PrefillSummaryOptions opt;  // as set when the sequence was added
+    PrefillSummaryOptions opt;             // as set when the sequence was added
     int max_clusters = 1, max_points = 1;  // clusterkv: the plan's at the capacity
     int64_t pages = 0;                     // quest: pages at the capacity
     int64_t layer_f32 = 0, layer_i32 = 0;  // per-layer sizes of f32 / i32
@@ -208,7 +208,7 @@ class CudaModelImpl final : public CudaModel {
     std::vector<ExportNote> notes;  // [n_layers]; stable addresses for the host callbacks
   };
   struct Sequence {
-    DeviceBuffer<bf16> kv;  // [n_layers, 2, capacity, n_kv_heads, head_dim]
+    DeviceBuffer<bf16> kv;                 // [n_layers, 2, capacity, n_kv_heads, head_dim]
     std::unique_ptr<KvExport> exporting;   // between BeginKvExport and EndKvExport
     std::unique_ptr<Summaries> summaries;  // dense sequences added with a summary method
     int64_t capacity = 0;
@@ -220,7 +220,7 @@ class CudaModelImpl final : public CudaModel {
     bool new_rows_ready = false;  // row source: SparseNewRows holds the last Forward's rows
     uint64_t source_key = 0;      // row source: a hash of where its rows are (0: own host KV)
     int64_t sparse_steps = 0;     // sparse Forwards taken part in
-    uint64_t filled_seed = 0;  // as HostKv, for this slot's ring and summaries
+    uint64_t filled_seed = 0;     // as HostKv, for this slot's ring and summaries
   };
   // The GPU state shared by the sparse sequences (ConfigureSparse); layouts in sparse.cuh.
   struct SparseState {
@@ -292,7 +292,6 @@ class CudaModelImpl final : public CudaModel {
   }
 
  private:
-
   [[nodiscard]] absl::Status AllocateWeights();
   // Copies `from`'s ring rows and summaries (HBM to HBM) into `to`'s slot and clears `to`'s hot
   // cache: a slot over the same rows as one already prepared. Synchronous.
@@ -361,8 +360,8 @@ class CudaModelImpl final : public CudaModel {
   struct GraphExecDeleter {
     void operator()(cudaGraphExec_t g) const { cudaGraphExecDestroy(g); }
   };
-  std::map<std::pair<int, int>, std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>,
-                                                GraphExecDeleter>>
+  std::map<std::pair<int, int>,
+           std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, GraphExecDeleter>>
       graphs_;
   CudaGraphStats graph_stats_;
   DeviceBuffer<uint8_t> cublas_ws_;  // cuBLAS's workspace (no allocation inside a capture)
@@ -393,8 +392,8 @@ class CudaModelImpl final : public CudaModel {
 
   // Prefill summaries (SetPrefillSummaries).
   PrefillSummaryOptions summary_opt_;
-  CudaStream side_stream_;                        // created by SetPrefillSummaries
-  std::vector<CudaEvent> layer_ready_;            // [n_layers] K of the layer appended (main)
+  CudaStream side_stream_;                          // created by SetPrefillSummaries
+  std::vector<CudaEvent> layer_ready_;              // [n_layers] K of the layer appended (main)
   std::vector<CudaEvent> build_begin_, build_end_;  // [n_layers] on the build stream
   CudaEvent builds_done_;
   DeviceBuffer<uint8_t> summary_ws_;  // shared by the builds (one stream at a time)
@@ -662,10 +661,10 @@ absl::Status CudaModelImpl::AddSequence(SequenceId id, int64_t capacity) {
 absl::Status CudaModelImpl::SetPrefillSummaries(const PrefillSummaryOptions& o) {
   if (o.n_sink < 0 || o.budget < 1 || o.quest_page_size < 1 || o.clusterkv_n_clusters < 0 ||
       o.clusterkv_max_iterations < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "SetPrefillSummaries: n_sink ", o.n_sink, ", budget ", o.budget, ", quest_page_size ",
-        o.quest_page_size, ", clusterkv n_clusters ", o.clusterkv_n_clusters,
-        " / max_iterations ", o.clusterkv_max_iterations));
+    return absl::InvalidArgumentError(
+        absl::StrCat("SetPrefillSummaries: n_sink ", o.n_sink, ", budget ", o.budget,
+                     ", quest_page_size ", o.quest_page_size, ", clusterkv n_clusters ",
+                     o.clusterkv_n_clusters, " / max_iterations ", o.clusterkv_max_iterations));
   }
   if (side_stream_.get() == nullptr) {
     KVR_ASSIGN_OR_RETURN(side_stream_, CudaStream::Create());
@@ -796,8 +795,7 @@ absl::Status CudaModelImpl::QueueSummaryBuild(Sequence& s, int layer, int64_t le
   return absl::OkStatus();
 }
 
-absl::StatusOr<PrefillSummaryData> CudaModelImpl::PrefillSummariesForTesting(
-    SequenceId id) const {
+absl::StatusOr<PrefillSummaryData> CudaModelImpl::PrefillSummariesForTesting(SequenceId id) const {
   auto it = sequences_.find(id);
   if (it == sequences_.end()) {
     return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
@@ -1181,11 +1179,13 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
       return bad("page_bytes ", r.page_bytes, " hold no ", r.page_rows, " rows of ", row_bytes,
                  " bytes at 16-byte alignment");
     }
-    if (int64_t{r.pages_per_head} * r.page_rows < capacity || r.pages_per_head > sparse_->max_pages) {
+    if (int64_t{r.pages_per_head} * r.page_rows < capacity ||
+        r.pages_per_head > sparse_->max_pages) {
       return bad(r.pages_per_head, " pages of ", r.page_rows, " rows per head for capacity ",
                  capacity, " (at most ", sparse_->max_pages, " pages)");
     }
-    if (static_cast<int64_t>(r.pages.size()) != int64_t{c.n_layers} * c.n_kv_heads * r.pages_per_head) {
+    if (static_cast<int64_t>(r.pages.size()) !=
+        int64_t{c.n_layers} * c.n_kv_heads * r.pages_per_head) {
       return bad(r.pages.size(), " page ids, expected ", c.n_layers, " layers x ", c.n_kv_heads,
                  " heads x ", r.pages_per_head);
     }
@@ -1203,14 +1203,15 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
   } else if (options.host_kv != nullptr) {
     host = std::dynamic_pointer_cast<HostKv>(options.host_kv);
     if (host == nullptr || host->capacity_tokens != capacity) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "AddSparseSequence: host_kv is not this model's (AcquireSparseHostKv) or not of capacity ",
-          capacity));
+      return absl::InvalidArgumentError(
+          absl::StrCat("AddSparseSequence: host_kv is not this model's (AcquireSparseHostKv) or "
+                       "not of capacity ",
+                       capacity));
     }
     for (const auto& [other_id, other] : sequences_) {
       if (other.host == host) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "AddSparseSequence: host_kv is in use by sequence ", other_id));
+        return absl::FailedPreconditionError(
+            absl::StrCat("AddSparseSequence: host_kv is in use by sequence ", other_id));
       }
     }
   } else {
@@ -1249,8 +1250,8 @@ absl::StatusOr<SparseSequenceCounters> CudaModelImpl::SparseCounters(SequenceId 
   SparseSequenceCounters out;
   out.steps = it->second.sparse_steps;
   unsigned long long v = 0;
-  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpy(&v, sparse_->slot_selected.data() + slot, sizeof(v),
-                                      cudaMemcpyDeviceToHost));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(&v, sparse_->slot_selected.data() + slot, sizeof(v), cudaMemcpyDeviceToHost));
   out.selected_rows = static_cast<int64_t>(v);
   for (const rc::HotCache& h : sparse_->hot) {
     KVR_CUDA_RETURN_IF_ERROR(
@@ -1320,9 +1321,10 @@ absl::StatusOr<const void*> CudaModelImpl::RegisterHostRegion(const void* host, 
   std::lock_guard<std::mutex> lock(regions_mu_);
   if (auto it = regions_.find(host); it != regions_.end()) {
     if (it->second.first < bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("RegisterHostRegion: the region is registered "
-                                                     "with ", it->second.first, " bytes, not ",
-                                                     bytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterHostRegion: the region is registered "
+                       "with ",
+                       it->second.first, " bytes, not ", bytes));
     }
     return it->second.second;
   }
@@ -1594,8 +1596,8 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
   }
   if (s.slot >= 0) {
     if (s.host == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "FillSequenceForBenchmark: sequence ", id, " reads its past from a row source"));
+      return absl::FailedPreconditionError(absl::StrCat("FillSequenceForBenchmark: sequence ", id,
+                                                        " reads its past from a row source"));
     }
     HostKv& host = *s.host;
     if (host.filled_seed != seed + 1) {
@@ -1636,10 +1638,9 @@ absl::Status CudaModelImpl::CopySlot(const Sequence& from, Sequence& to) {
   auto copy = [&](auto* base, int64_t per_slot) -> absl::Status {
     for (int64_t l = 0; l < c.n_layers; ++l) {
       auto* layer = base + l * S * per_slot;
-      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(layer + to.slot * per_slot,
-                                               layer + from.slot * per_slot,
-                                               per_slot * sizeof(*base), cudaMemcpyDeviceToDevice,
-                                               stream()));
+      KVR_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(layer + to.slot * per_slot, layer + from.slot * per_slot,
+                          per_slot * sizeof(*base), cudaMemcpyDeviceToDevice, stream()));
     }
     return absl::OkStatus();
   };
@@ -1692,8 +1693,9 @@ absl::StatusOr<CudaModelImpl::Sequence*> CudaModelImpl::OwnSparseSequence(Sequen
   }
   for (const auto& [oid, o] : sequences_) {
     if (oid != id && s.host != nullptr && o.host == s.host) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": sequence ", id, " shares its host KV with sequence ", oid, " (benchmarks only)"));
+      return absl::FailedPreconditionError(absl::StrCat(what, ": sequence ", id,
+                                                        " shares its host KV with sequence ", oid,
+                                                        " (benchmarks only)"));
     }
   }
   return &s;
@@ -1720,8 +1722,8 @@ absl::StatusOr<CudaModelImpl::Sequence*> CudaModelImpl::ActivatableSequence(Sequ
         absl::StrCat(what, ": sequence ", id, " already holds ", s->length, " tokens"));
   }
   if (n_tokens < 1 || n_tokens > s->capacity) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": n_tokens ", n_tokens,
-                                                   " outside [1, capacity ", s->capacity, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": n_tokens ", n_tokens, " outside [1, capacity ", s->capacity, "]"));
   }
   if (s->host != nullptr) s->host->filled_seed = 0;
   s->filled_seed = 0;
@@ -1759,9 +1761,9 @@ absl::Status CudaModelImpl::ActivateSparseSequenceWithClusters(
   }
   const int64_t kv = c.n_kv_heads, d = c.head_dim;
   if (static_cast<int64_t>(heads.size()) != int64_t{c.n_layers} * kv) {
-    return absl::InvalidArgumentError(absl::StrCat("ActivateSparseSequenceWithClusters: ",
-                                                   heads.size(), " heads, expected ",
-                                                   c.n_layers, " layers x ", kv));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ActivateSparseSequenceWithClusters: ", heads.size(), " heads, expected ",
+                     c.n_layers, " layers x ", kv));
   }
   KVR_ASSIGN_OR_RETURN(Sequence * sq,
                        ActivatableSequence(id, n_tokens, "ActivateSparseSequenceWithClusters"));
@@ -1774,7 +1776,8 @@ absl::Status CudaModelImpl::ActivateSparseSequenceWithClusters(
   std::vector<int32_t> count(kv), off(static_cast<size_t>(kv * (K + 1))), mem(kv * M);
   const int64_t S = sp.opt.slots;
   auto fail = [&](auto&&... parts) {  // s.length stays 0: not activated
-    return absl::InvalidArgumentError(absl::StrCat("ActivateSparseSequenceWithClusters: ", parts...));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ActivateSparseSequenceWithClusters: ", parts...));
   };
   for (int l = 0; l < c.n_layers; ++l) {
     std::fill(cent.begin(), cent.end(), 0.f);
@@ -1977,8 +1980,8 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       const int64_t local_begin = std::max<int64_t>(o.n_sink, len - o.local_window);
       h_tokens_.data()[r] = batch[b].tokens[0];
       h_out_rows_.data()[b] = r;
-      sp.h_rows.data()[r] = cuda::SparseRow{q.host != nullptr ? q.host->device : nullptr,
-                                            q.capacity, q.length, 1};
+      sp.h_rows.data()[r] =
+          cuda::SparseRow{q.host != nullptr ? q.host->device : nullptr, q.capacity, q.length, 1};
       sp.h_meta.data()[r] = o.n_sink;
       sp.h_meta.data()[S + r] = static_cast<int32_t>(local_begin);
       sp.h_meta.data()[2 * S + r] = static_cast<int32_t>(std::min<int64_t>(o.n_sink, len) +
@@ -2025,7 +2028,8 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   if (!sparse) {
     for (size_t b = 0; b < batch.size(); ++b) {
       if (batch[b].build_summaries && seqs[b]->summaries != nullptr) {
-        builds.emplace_back(seqs[b], seqs[b]->length + static_cast<int64_t>(batch[b].tokens.size()));
+        builds.emplace_back(seqs[b],
+                            seqs[b]->length + static_cast<int64_t>(batch[b].tokens.size()));
       }
     }
   }
@@ -2107,9 +2111,9 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         KVR_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(cs, build_end_[layer].get(), 0));
         KVR_CUDA_RETURN_IF_ERROR(d2h(sv.f32, sm.f32.data() + layer * sm.layer_f32, sv.n_f32));
         if (sv.n_i32 > 0) {
-          KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-              const_cast<int32_t*>(sv.i32), sm.i32.data() + layer * sm.layer_i32,
-              sv.n_i32 * sizeof(int32_t), cudaMemcpyDeviceToHost, cs));
+          KVR_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(const_cast<int32_t*>(sv.i32), sm.i32.data() + layer * sm.layer_i32,
+                              sv.n_i32 * sizeof(int32_t), cudaMemcpyDeviceToHost, cs));
         }
       }
       if (x.first + x.n == x.exp->opt.length && x.exp->opt.on_layer) {

@@ -59,8 +59,8 @@ __device__ __forceinline__ const sbf16* FillRow(const SparseFillParams& p, int l
                                                 int64_t pos) {
   kvr::cuda::KvPoolView v = p.pool;
   v.pages += layer * p.pages_layer_stride;
-  return static_cast<const sbf16*>(kvr::cuda::KvPoolRow(
-      v, int64_t{p.slot} * p.n_kv_heads + h, pos, size_t{4} * p.head_dim));
+  return static_cast<const sbf16*>(
+      kvr::cuda::KvPoolRow(v, int64_t{p.slot} * p.n_kv_heads + h, pos, size_t{4} * p.head_dim));
 }
 
 // One block per slot.

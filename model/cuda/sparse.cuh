@@ -38,8 +38,8 @@ struct SparseRow {
   // sequence whose past is read from a row source (the store's pages: never written here).
   sbf16* host_kv = nullptr;
   int64_t capacity = 0;
-  int64_t pos = 0;   // position of the new token
-  int active = 0;    // 0: empty slot
+  int64_t pos = 0;  // position of the new token
+  int active = 0;   // 0: empty slot
 };
 
 struct SparseSummaryView {

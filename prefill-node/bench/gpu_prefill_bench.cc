@@ -81,26 +81,27 @@ class DiscardPutStore final : public kv_store::KvStoreClient {
                                                    std::span<uint8_t> out) override {
     return inner_->StartGather(e, out);
   }
-  absl::StatusOr<kv_store::CreateResult> CreateSequence(kv_store::SequenceId id,
+  absl::StatusOr<kv_store::CreateResult> CreateSequence(const kv_store::SequenceRef& ref,
                                                         const kv_store::SequenceShape& shape,
                                                         uint64_t expected_tokens,
                                                         absl::Duration lease) override {
-    return inner_->CreateSequence(id, shape, expected_tokens, lease);
+    return inner_->CreateSequence(ref, shape, expected_tokens, lease);
   }
   absl::Status RangeRead(std::span<const kv_store::RangeEntry> r, std::span<uint8_t> out) override {
     return inner_->RangeRead(r, out);
   }
-  absl::Status Release(kv_store::SequenceId id, absl::Duration keep) override {
-    return inner_->Release(id, keep);
+  absl::Status Release(const kv_store::SequenceRef& ref, absl::Duration keep) override {
+    return inner_->Release(ref, keep);
   }
-  absl::Status Lease(kv_store::SequenceId id, absl::Duration lease) override {
-    return inner_->Lease(id, lease);
+  absl::Status Lease(const kv_store::SequenceRef& ref, absl::Duration lease) override {
+    return inner_->Lease(ref, lease);
   }
-  absl::StatusOr<kv_store::SequenceInfo> GetSequence(kv_store::SequenceId id) override {
-    return inner_->GetSequence(id);
+  absl::StatusOr<kv_store::SequenceInfo> GetSequence(const kv_store::SequenceRef& ref) override {
+    return inner_->GetSequence(ref);
   }
   absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
-  absl::StatusOr<kv_store::PageTable> ReservePageTable(kv_store::SequenceId, uint64_t) override {
+  absl::StatusOr<kv_store::PageTable> ReservePageTable(const kv_store::SequenceRef&,
+                                                       uint64_t) override {
     return absl::UnimplementedError("DiscardPutStore: no page tables");
   }
   absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {
@@ -348,6 +349,7 @@ int Main(int argc, char** argv) {
         PrefillJob job;
         job.request_id = absl::StrCat("bench-", next_id);
         job.sequence_id = next_id++;
+        job.store_capability = kv_store::Capability::Generate();
         job.prompt = TokenPrompt{ids};
         job.sampling.set_max_tokens(1);  // no handoff: the store sequence is released at once
         job.retrieval.set_method(m.method);

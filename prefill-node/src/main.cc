@@ -90,6 +90,13 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
     PrefillJob job;
     job.request_id = request->request_id();
     job.sequence_id = request->sequence_id();
+    absl::StatusOr<kv_store::Capability> cap =
+        kv_store::Capability::FromBytes(request->sequence_capability());
+    if (!cap.ok() || cap->IsNone()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "sequence_capability: must be 16 random bytes, not all zero");
+    }
+    job.store_capability = *cap;
     job.model = request->model();
     if (!PromptOf(*request, &job.prompt)) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt: no input set");

@@ -50,7 +50,7 @@ class LayerWorker {
     std::string method;
     kv_store::KvStoreClient* store = nullptr;
     kv_store::DType store_dtype = kv_store::DType::kF32;  // f32 or bf16
-    uint64_t sequence = 0;
+    kv_store::SequenceRef sequence;
     int64_t prompt_tokens = 0;
     PrefillObserver* observer = nullptr;
     int threads = 1;
@@ -507,14 +507,17 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
       (job.deadline == absl::InfiniteFuture() ? absl::Minutes(10) : job.deadline - absl::Now()) +
       options_.store_lease_margin;
   if (absl::StatusOr<kv_store::CreateResult> created =
-          (*store)->CreateSequence(job.sequence_id, shape, expected, lease);
+          (*store)->CreateSequence(job.store_ref(), shape, expected, lease);
       !created.ok()) {
+    // Sequence ids are random: a taken one is a collision, not a store failure. The
+    // controller retries with a fresh id.
+    if (absl::IsAlreadyExists(created.status())) return created.status();
     return NodeFailure(job.store, "store", created.status());
   }
   bool handed_off = false;
   absl::Cleanup release = [&] {
     if (handed_off) return;  // D owns the sequence now and releases it
-    (*store)->Release(job.sequence_id, absl::ZeroDuration()).IgnoreError();
+    (*store)->Release(job.store_ref(), absl::ZeroDuration()).IgnoreError();
   };
 
   // Prefill with per-layer handoff work. `rows` (the memory the layer tasks point into) is
@@ -527,7 +530,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                       .method = rp.method(),
                       .store = store->get(),
                       .store_dtype = options_.store_dtype,
-                      .sequence = job.sequence_id,
+                      .sequence = job.store_ref(),
                       .prompt_tokens = L,
                       .observer = options_.observer,
                       .threads = options_.layer_threads > 0
@@ -610,6 +613,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   cv1::HandoffHeader* h = chunk.mutable_header();
   h->set_request_id(job.request_id);
   h->set_sequence_id(job.sequence_id);
+  h->set_sequence_capability(job.store_capability.ToBytes());
   h->set_model(job.model);
   *h->mutable_sampling() = job.sampling;
   *h->mutable_retrieval() = job.retrieval;

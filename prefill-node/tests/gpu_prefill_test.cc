@@ -216,6 +216,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     PrefillJob job;
     job.request_id = std::string("req-") + method;
     job.sequence_id = ++seq;
+    job.store_capability = kv_store::Capability::Generate();
     job.prompt = TokenPrompt{ids};
     job.sampling.set_max_tokens(8);
     job.retrieval.set_method(method);
@@ -282,13 +283,13 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
 
     // The store: every row of every layer and KV head.
     Worst store;
-    auto info = gpu.store->GetSequence(job.sequence_id);
+    auto info = gpu.store->GetSequence(job.store_ref());
     ASSERT_TRUE(info.ok()) << info.status();
     for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
     std::vector<uint8_t> a(L * 2 * c.head_dim * 4), b(a.size());
     for (int layer = 0; layer < c.n_layers; ++layer) {
       for (int head = 0; head < c.n_kv_heads; ++head) {
-        kv_store::RangeEntry range{job.sequence_id, static_cast<uint32_t>(layer),
+        kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
                                    static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
         ASSERT_TRUE(gpu.store->RangeRead(std::span(&range, 1), a).ok());
         ASSERT_TRUE(cpu.store->RangeRead(std::span(&range, 1), b).ok());
@@ -313,7 +314,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
       for (int layer = 0; layer < c.n_layers; ++layer) {
         std::vector<float> keys(L * c.n_kv_heads * c.head_dim);
         for (int head = 0; head < c.n_kv_heads; ++head) {
-          kv_store::RangeEntry range{job.sequence_id, static_cast<uint32_t>(layer),
+          kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
                                      static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
           ASSERT_TRUE(gpu.store->RangeRead(std::span(&range, 1), a).ok());
           const auto* rows = reinterpret_cast<const float*>(a.data());

@@ -94,6 +94,7 @@ class PrefillEngineTest : public ::testing::Test {
     PrefillJob job;
     job.request_id = "req-1";
     job.sequence_id = 42;
+    job.store_capability = cap_;
     job.model = "smollm2";
     job.prompt = std::move(prompt);
     job.sampling.set_max_tokens(8);
@@ -118,6 +119,7 @@ class PrefillEngineTest : public ::testing::Test {
   static inline model::LoadedModel* loaded_ = nullptr;
   static inline retrieval::MethodRegistry* registry_ = nullptr;
   std::unique_ptr<kv_store::FakeKvStoreClient> store_;
+  const kv_store::Capability cap_ = kv_store::Capability::Generate();
   std::unique_ptr<OneStore> stores_;
   RecordingOpener opener_;
   std::unique_ptr<PrefillEngine> engine_;
@@ -153,6 +155,8 @@ TEST_F(PrefillEngineTest, ShipsEveryLayerToStoreAndDecodeNode) {
   EXPECT_EQ(h.prompt_tokens(), L);
   EXPECT_EQ(h.n_layers(), static_cast<uint32_t>(c.n_layers));
   EXPECT_EQ(h.sequence_id(), 42u);
+  // D gets the capability it needs for its own store calls of the sequence.
+  EXPECT_EQ(h.sequence_capability(), cap_.ToBytes());
   EXPECT_EQ(h.text_so_far(), result->first_text);
   const size_t row_bytes = HandoffRowBytes(c);
   std::vector<bool> seen(c.n_layers, false);
@@ -184,13 +188,17 @@ TEST_F(PrefillEngineTest, ShipsEveryLayerToStoreAndDecodeNode) {
   }
 
   // The store holds every row of every layer, equal to the dense cache.
-  auto info = store_->GetSequence(42);
+  auto info = store_->GetSequence({42, cap_});
+  // Without the capability the rows are not readable.
+  EXPECT_TRUE(absl::IsPermissionDenied(
+      store_->GetSequence({42, kv_store::Capability::Generate()}).status()));
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->shape.dtype, kv_store::DType::kF32);  // EngineOptions' default
   for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
   const int head = 1, layer = c.n_layers - 1;
   std::vector<uint8_t> out(L * row_bytes / c.n_kv_heads);
-  kv_store::RangeEntry range{42, static_cast<uint32_t>(layer), head, 0, static_cast<uint64_t>(L)};
+  kv_store::RangeEntry range{
+      {42, cap_}, static_cast<uint32_t>(layer), head, 0, static_cast<uint64_t>(L)};
   ASSERT_TRUE(store_->RangeRead(std::span(&range, 1), out).ok());
   const model::KvView view = cache.View(layer);
   const float* row5 = reinterpret_cast<const float*>(out.data()) + 5 * 2 * c.head_dim;
@@ -218,7 +226,7 @@ TEST_F(PrefillEngineTest, Bf16StoreRowsAreTheRowsRoundedToBf16) {
   // Half the bytes of f32 rows.
   EXPECT_EQ(result->kv_bytes_shipped, uint64_t{2} * L * c.n_kv_heads * c.head_dim * 2 * c.n_layers);
 
-  auto info = store_->GetSequence(42);
+  auto info = store_->GetSequence({42, cap_});
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->shape.dtype, kv_store::DType::kBf16);
   for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
@@ -226,7 +234,10 @@ TEST_F(PrefillEngineTest, Bf16StoreRowsAreTheRowsRoundedToBf16) {
   for (const int layer : {0, c.n_layers - 1}) {
     const model::KvView view = cache.View(layer);
     for (int head = 0; head < c.n_kv_heads; ++head) {
-      kv_store::RangeEntry range{42, static_cast<uint32_t>(layer), static_cast<uint32_t>(head), 0,
+      kv_store::RangeEntry range{{42, cap_},
+                                 static_cast<uint32_t>(layer),
+                                 static_cast<uint32_t>(head),
+                                 0,
                                  static_cast<uint64_t>(L)};
       std::vector<uint8_t> got(L * 2 * c.head_dim * 2);
       ASSERT_TRUE(store_->RangeRead(std::span(&range, 1), got).ok());

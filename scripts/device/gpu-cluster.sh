@@ -89,10 +89,9 @@ case "${1:-}" in
       tail -4 "$logs/up.txt"
       [[ $rc -eq 0 ]] || { tail -20 "$logs"/*.log; return 1; }
     }
-    down() {
-      local logs="$out/up-$1"
-      kill -TERM "$(cat "$logs/up.pid")" 2>/dev/null
-      for _ in $(seq 1 100); do kill -0 "$(cat "$logs/up.pid")" 2>/dev/null || break; sleep 0.1; done
+    down() {  # stops the cluster (every process of the stage: kvr up and its children)
+      pkill -TERM -f "$kStage/bin/" 2>/dev/null
+      for _ in $(seq 1 100); do pgrep -f "$kStage/bin/" > /dev/null || break; sleep 0.1; done
     }
     generate() {  # PORT METHOD PASSKEY_TOKENS LOGFILE
       "$kStage/bin/kvr" generate --endpoint "127.0.0.1:$1" --model smollm2 --chat --passkey "$3" \

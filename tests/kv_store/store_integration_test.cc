@@ -40,6 +40,7 @@ using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::RowMatches;
 using ::kvr::kv_store::testing::RunProcess;
 using ::kvr::kv_store::testing::StoreProcess;
+using ::kvr::kv_store::testing::TestRef;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
@@ -58,8 +59,12 @@ std::optional<std::string> Env(const char* name) {
 absl::StatusOr<uint64_t> Put(KvStoreClient& client, const SequenceShape& shape, SequenceId seq,
                              uint32_t layer, uint64_t start, uint32_t n) {
   auto rows = MakePatternRows(shape, seq, layer, start, n);
-  return client.PutLayer({.sequence = seq, .layer = layer, .start_row = start, .n_rows = n,
-                          .k = rows.k, .v = rows.v});
+  return client.PutLayer({.sequence = TestRef(seq),
+                          .layer = layer,
+                          .start_row = start,
+                          .n_rows = n,
+                          .k = rows.k,
+                          .v = rows.v});
 }
 
 // Counts rows of `out` (laid out as `entries` request) that differ from the pattern.
@@ -69,7 +74,7 @@ size_t CountBadRows(const SequenceShape& shape, std::span<const GatherEntry> ent
   const uint8_t* p = out.data();
   for (const GatherEntry& e : entries) {
     for (uint32_t i : e.indices) {
-      if (!RowMatches(shape, e.sequence, e.layer, e.head, i, p)) ++bad;
+      if (!RowMatches(shape, e.sequence.id, e.layer, e.head, i, p)) ++bad;
       p += shape.RowBytes();
     }
   }
@@ -88,7 +93,9 @@ class StoreScenarioTest : public ::testing::Test {
     }
     auto proc = StoreProcess::Start(
         {KVR_STORE_BINARY, "--listen", "127.0.0.1:0", "--capacity-bytes",
-         absl::StrCat(kCapacityBytes), "--page-bytes", absl::StrCat(kPageBytes)},
+         absl::StrCat(kCapacityBytes), "--page-bytes", absl::StrCat(kPageBytes),
+         // The writer client reads ranges by RMA where the endpoint has it natively.
+         "--rma-reads", "true"},
         {}, absl::Seconds(20));
     ASSERT_TRUE(proc.ok()) << proc.status();
     local_.emplace(*std::move(proc));
@@ -126,8 +133,8 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
   std::printf("data plane over %s; range reads: writer client via %s, reader client via %s\n",
               transports.ok() ? absl::StrJoin(*transports, ",").c_str() : "?",
               writer->range_read_path().c_str(), reader->range_read_path().c_str());
-  ASSERT_TRUE(writer->CreateSequence(1, kShape, 600, absl::ZeroDuration()).ok());
-  ASSERT_TRUE(reader->CreateSequence(2, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(writer->CreateSequence(TestRef(1), kShape, 600, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(reader->CreateSequence(TestRef(2), kShape, 0, absl::ZeroDuration()).ok());
   // Layer-wise puts in uneven chunks that cross 256-row pages, as prefill would send them.
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
     uint64_t at = 0;
@@ -141,8 +148,8 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
   }
   // Decode-style append of one row.
   auto one = MakePatternRows(kShape, 1, 3, 700, 1);
-  auto appended = writer->Append({.sequence = 1, .layer = 3, .n_rows = 1, .k = one.k,
-                                  .v = one.v});
+  auto appended =
+      writer->Append({.sequence = TestRef(1), .layer = 3, .n_rows = 1, .k = one.k, .v = one.v});
   ASSERT_TRUE(appended.ok()) << appended.status();
   EXPECT_EQ(*appended, 701u);
 
@@ -159,10 +166,12 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
   }
   lists.push_back({49, 0, 7});
   for (size_t i = 0; i + 1 < lists.size(); ++i) {
-    entries.push_back({.sequence = 1, .layer = i < 3 ? 0u : 3u,
-                       .head = static_cast<uint32_t>(i % 3), .indices = lists[i]});
+    entries.push_back({.sequence = TestRef(1),
+                       .layer = i < 3 ? 0u : 3u,
+                       .head = static_cast<uint32_t>(i % 3),
+                       .indices = lists[i]});
   }
-  entries.push_back({.sequence = 2, .layer = 1, .head = 2, .indices = lists.back()});
+  entries.push_back({.sequence = TestRef(2), .layer = 1, .head = 2, .indices = lists.back()});
   for (KvStoreClient* client : {static_cast<KvStoreClient*>(reader.get()),
                                 static_cast<KvStoreClient*>(writer.get())}) {
     std::vector<uint8_t> out(GatherBytes(entries, kShape.RowBytes()));
@@ -172,9 +181,9 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
 
   // Range reads, through RMA (where native) and through active messages.
   const std::vector<RangeEntry> ranges = {
-      {.sequence = 1, .layer = 2, .head = 1, .start = 100, .n_rows = 500},
-      {.sequence = 1, .layer = 3, .head = 0, .start = 0, .n_rows = 701},
-      {.sequence = 2, .layer = 0, .head = 2, .start = 10, .n_rows = 40}};
+      {.sequence = TestRef(1), .layer = 2, .head = 1, .start = 100, .n_rows = 500},
+      {.sequence = TestRef(1), .layer = 3, .head = 0, .start = 0, .n_rows = 701},
+      {.sequence = TestRef(2), .layer = 0, .head = 2, .start = 10, .n_rows = 40}};
   for (UcxKvStoreClient* client : {reader.get(), writer.get()}) {
     std::vector<uint8_t> out((500 + 701 + 40) * kShape.RowBytes());
     absl::Status st = client->RangeRead(ranges, out);
@@ -183,13 +192,13 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
     size_t bad = 0;
     for (const RangeEntry& r : ranges) {
       for (uint64_t row = r.start; row < r.start + r.n_rows; ++row) {
-        if (!RowMatches(kShape, r.sequence, r.layer, r.head, row, p)) ++bad;
+        if (!RowMatches(kShape, r.sequence.id, r.layer, r.head, row, p)) ++bad;
         p += kShape.RowBytes();
       }
     }
     EXPECT_EQ(bad, 0u) << client->range_read_path();
   }
-  auto info = reader->GetSequence(1);
+  auto info = reader->GetSequence(TestRef(1));
   ASSERT_TRUE(info.ok());
   EXPECT_THAT(info->committed_rows, ::testing::ElementsAre(700, 700, 700, 701));
   EXPECT_EQ(info->tokens_per_page, 256u);
@@ -216,10 +225,11 @@ TEST_F(StoreScenarioTest, ConcurrentReaderNeverSeesPartialLayer) {
         for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
           std::vector<GatherEntry> entries;
           for (uint32_t h = 0; h < kShape.n_kv_heads; ++h) {
-            entries.push_back({.sequence = seq, .layer = layer, .head = h, .indices = idx});
+            entries.push_back(
+                {.sequence = TestRef(seq), .layer = layer, .head = h, .indices = idx});
           }
           absl::Status st = reader->Gather(entries, out);
-          if (absl::IsOutOfRange(st) || absl::IsNotFound(st)) {
+          if (absl::IsOutOfRange(st) || absl::IsPermissionDenied(st)) {
             ++invisible;
           } else if (!st.ok()) {
             ++other_errors;
@@ -234,7 +244,7 @@ TEST_F(StoreScenarioTest, ConcurrentReaderNeverSeesPartialLayer) {
     }
   });
   for (SequenceId seq = 1; seq <= kSequences; ++seq) {
-    ASSERT_TRUE(writer->CreateSequence(seq, kShape, 0, absl::ZeroDuration()).ok());
+    ASSERT_TRUE(writer->CreateSequence(TestRef(seq), kShape, 0, absl::ZeroDuration()).ok());
     for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
       // Half a layer first: a reader asking for all rows must not get it.
       ASSERT_TRUE(Put(*writer, kShape, seq, layer, 0, kRows / 2).ok());
@@ -260,7 +270,8 @@ TEST_F(StoreScenarioTest, ReleaseFreesEveryPage) {
   ASSERT_TRUE(baseline.ok()) << baseline.status();
   for (SequenceId seq : {21, 22, 23}) {
     KvStoreClient& c = seq == 23 ? static_cast<KvStoreClient&>(*b) : *a;
-    ASSERT_TRUE(c.CreateSequence(seq, kShape, seq == 21 ? 1000 : 0, absl::ZeroDuration()).ok());
+    ASSERT_TRUE(
+        c.CreateSequence(TestRef(seq), kShape, seq == 21 ? 1000 : 0, absl::ZeroDuration()).ok());
     for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
       ASSERT_TRUE(Put(c, kShape, seq, layer, 0, 300).ok());
     }
@@ -270,22 +281,22 @@ TEST_F(StoreScenarioTest, ReleaseFreesEveryPage) {
   EXPECT_EQ(during->sequences, baseline->sequences + 3);
   EXPECT_GT(during->used_bytes, baseline->used_bytes);
   // One is kept under a lease for reuse first: still held, still readable.
-  ASSERT_TRUE(a->Release(22, absl::Seconds(30)).ok());
+  ASSERT_TRUE(a->Release(TestRef(22), absl::Seconds(30)).ok());
   EXPECT_EQ(b->Stats()->used_bytes, during->used_bytes);
   std::vector<uint32_t> idx = {299};
-  std::vector<GatherEntry> e = {{.sequence = 22, .layer = 1, .head = 2, .indices = idx}};
+  std::vector<GatherEntry> e = {{.sequence = TestRef(22), .layer = 1, .head = 2, .indices = idx}};
   std::vector<uint8_t> row(kShape.RowBytes());
   ASSERT_TRUE(b->Gather(e, row).ok());
   EXPECT_TRUE(RowMatches(kShape, 22, 1, 2, 299, row.data()));
-  ASSERT_TRUE(a->Release(21, absl::ZeroDuration()).ok());
-  ASSERT_TRUE(b->Release(22, absl::ZeroDuration()).ok());
-  ASSERT_TRUE(b->Release(23, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(a->Release(TestRef(21), absl::ZeroDuration()).ok());
+  ASSERT_TRUE(b->Release(TestRef(22), absl::ZeroDuration()).ok());
+  ASSERT_TRUE(b->Release(TestRef(23), absl::ZeroDuration()).ok());
   auto after = a->Stats();
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->used_bytes, baseline->used_bytes);
   EXPECT_EQ(after->free_pages, baseline->free_pages);
   EXPECT_EQ(after->sequences, baseline->sequences);
-  EXPECT_TRUE(absl::IsNotFound(a->Release(21, absl::ZeroDuration())));
+  EXPECT_TRUE(absl::IsPermissionDenied(a->Release(TestRef(21), absl::ZeroDuration())));
 }
 
 TEST_F(StoreScenarioTest, FullStoreRefusesWithResourceExhaustedAndLosesNothing) {
@@ -300,48 +311,48 @@ TEST_F(StoreScenarioTest, FullStoreRefusesWithResourceExhaustedAndLosesNothing) 
   const uint64_t lists = shape.n_layers * shape.n_kv_heads;
   const uint64_t pages_each = (baseline->free_pages - 64) / lists;
   ASSERT_GT(pages_each, 8u);
-  ASSERT_TRUE(a->CreateSequence(31, shape, pages_each * 256, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(a->CreateSequence(TestRef(31), shape, pages_each * 256, absl::ZeroDuration()).ok());
   for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
     ASSERT_TRUE(Put(*a, shape, 31, layer, 0, 1000).ok());
   }
   const uint64_t free_before = a->Stats()->free_pages;
   // Another sequence whose reservation does not fit.
-  absl::Status st = b->CreateSequence(32, shape, 64 * 256, absl::ZeroDuration()).status();
+  absl::Status st = b->CreateSequence(TestRef(32), shape, 64 * 256, absl::ZeroDuration()).status();
   EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
   EXPECT_THAT(st.message(), HasSubstr("need"));
   EXPECT_THAT(st.message(), HasSubstr("free of"));
   // A write to another sequence needing more pages than are free.
-  ASSERT_TRUE(b->CreateSequence(33, shape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(b->CreateSequence(TestRef(33), shape, 0, absl::ZeroDuration()).ok());
   const uint32_t grow_rows = static_cast<uint32_t>((free_before / shape.n_kv_heads + 1) * 256);
   absl::StatusOr<uint64_t> w = Put(*b, shape, 33, 0, 0, grow_rows);
   EXPECT_TRUE(absl::IsResourceExhausted(w.status())) << w.status();
   EXPECT_THAT(w.status().message(), HasSubstr("free of"));
-  EXPECT_EQ(b->GetSequence(33)->committed_rows[0], 0u);
+  EXPECT_EQ(b->GetSequence(TestRef(33))->committed_rows[0], 0u);
   // Nothing stored was lost: every row of layer 1 and the full layer 0 read back exactly.
   std::vector<uint32_t> idx(1000);
   for (uint32_t i = 0; i < 1000; ++i) idx[i] = i;
   std::vector<GatherEntry> entries;
   for (uint32_t h = 0; h < 2; ++h) {
-    entries.push_back({.sequence = 31, .layer = 1, .head = h, .indices = idx});
+    entries.push_back({.sequence = TestRef(31), .layer = 1, .head = h, .indices = idx});
   }
   std::vector<uint8_t> out(GatherBytes(entries, shape.RowBytes()));
   ASSERT_TRUE(b->Gather(entries, out).ok());
   EXPECT_EQ(CountBadRows(shape, entries, out), 0u);
-  auto info = b->GetSequence(31);
+  auto info = b->GetSequence(TestRef(31));
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->committed_rows[0], 1000u);
   EXPECT_EQ(a->Stats()->free_pages, free_before);
   // Small writes that fit still succeed; releasing returns to baseline.
   EXPECT_TRUE(Put(*a, shape, 31, 2, 1000, 10).ok());
-  ASSERT_TRUE(a->Release(31, absl::ZeroDuration()).ok());
-  ASSERT_TRUE(b->Release(33, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(a->Release(TestRef(31), absl::ZeroDuration()).ok());
+  ASSERT_TRUE(b->Release(TestRef(33), absl::ZeroDuration()).ok());
   EXPECT_EQ(a->Stats()->free_pages, baseline->free_pages);
 }
 
 TEST_F(StoreScenarioTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) {
   auto c = Connect("malformed");
   ASSERT_TRUE(c);
-  ASSERT_TRUE(c->CreateSequence(41, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(c->CreateSequence(TestRef(41), kShape, 0, absl::ZeroDuration()).ok());
   ASSERT_TRUE(Put(*c, kShape, 41, 0, 0, 10).ok());
   const auto gather_id = static_cast<uint16_t>(wire::MessageType::kGather);
   const auto write_id = static_cast<uint16_t>(wire::MessageType::kWrite);
@@ -349,7 +360,8 @@ TEST_F(StoreScenarioTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) 
     return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size());
   };
   std::vector<uint32_t> idx = {1, 2};
-  std::vector<GatherEntry> entries = {{.sequence = 41, .layer = 0, .head = 0, .indices = idx}};
+  std::vector<GatherEntry> entries = {
+      {.sequence = TestRef(41), .layer = 0, .head = 0, .indices = idx}};
   wire::Encoded good = wire::EncodeGather(entries, absl::InfiniteFuture());
 
   struct Case {
@@ -369,34 +381,35 @@ TEST_F(StoreScenarioTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) 
   bad_magic[1] ^= 0x5a;
   cases.push_back({"bad magic", c->RawCall(gather_id, bytes(bad_magic), good.payload),
                    "bad magic"});
-  std::string wrong_type = wire::EncodeWriteHeader({.sequence = 41, .n_rows = 1},
-                                                   absl::InfiniteFuture());
+  std::string wrong_type =
+      wire::EncodeWriteHeader({.sequence = TestRef(41), .n_rows = 1}, absl::InfiniteFuture());
   cases.push_back({"wrong message type", c->RawCall(gather_id, bytes(wrong_type), good.payload),
                    "message type"});
-  std::vector<GatherEntry> unknown = {{.sequence = 999, .indices = idx}};
+  std::vector<GatherEntry> unknown = {{.sequence = TestRef(999), .indices = idx}};
   wire::Encoded enc_unknown = wire::EncodeGather(unknown, absl::InfiniteFuture());
   cases.push_back({"unknown sequence",
                    c->RawCall(gather_id, bytes(enc_unknown.header), enc_unknown.payload),
-                   "unknown sequence 999"});
+                   "no sequence 999 with this capability"});
   std::vector<uint32_t> far = {10};
-  std::vector<GatherEntry> out_of_range = {{.sequence = 41, .layer = 0, .head = 1,
-                                            .indices = far}};
+  std::vector<GatherEntry> out_of_range = {
+      {.sequence = TestRef(41), .layer = 0, .head = 1, .indices = far}};
   wire::Encoded enc_oor = wire::EncodeGather(out_of_range, absl::InfiniteFuture());
   cases.push_back({"index out of range",
                    c->RawCall(gather_id, bytes(enc_oor.header), enc_oor.payload),
                    "row 10 of sequence 41"});
-  std::vector<GatherEntry> bad_head = {{.sequence = 41, .layer = 0, .head = 3, .indices = idx}};
+  std::vector<GatherEntry> bad_head = {
+      {.sequence = TestRef(41), .layer = 0, .head = 3, .indices = idx}};
   wire::Encoded enc_head = wire::EncodeGather(bad_head, absl::InfiniteFuture());
   cases.push_back({"head out of range",
                    c->RawCall(gather_id, bytes(enc_head.header), enc_head.payload),
                    "kv head 3"});
   // A write whose row size does not match the sequence's shape.
-  std::string wh = wire::EncodeWriteHeader({.sequence = 41, .start_row = LayerRows::kAtEnd,
-                                            .n_rows = 2},
-                                           absl::InfiniteFuture());
+  std::string wh = wire::EncodeWriteHeader(
+      {.sequence = TestRef(41), .start_row = LayerRows::kAtEnd, .n_rows = 2},
+      absl::InfiniteFuture());
   std::vector<uint8_t> short_rows(2 * 2 * 100);
   cases.push_back({"wrong row size", c->RawCall(write_id, bytes(wh), short_rows), "need"});
-  std::string late = wire::EncodeWriteHeader({.sequence = 41, .n_rows = 1},
+  std::string late = wire::EncodeWriteHeader({.sequence = TestRef(41), .n_rows = 1},
                                              absl::Now() - absl::Seconds(5));
   cases.push_back({"past deadline", c->RawCall(write_id, bytes(late), short_rows),
                    "after its deadline"});
@@ -407,8 +420,10 @@ TEST_F(StoreScenarioTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) 
   // The typed client reports the same.
   std::vector<uint8_t> out(GatherBytes(out_of_range, kShape.RowBytes()));
   EXPECT_TRUE(absl::IsOutOfRange(c->Gather(out_of_range, out)));
-  EXPECT_TRUE(absl::IsInvalidArgument(c->CreateSequence(
-      42, {.n_layers = 1, .n_kv_heads = 0, .head_dim = 64}, 0, absl::ZeroDuration()).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      c->CreateSequence(TestRef(42), {.n_layers = 1, .n_kv_heads = 0, .head_dim = 64}, 0,
+                        absl::ZeroDuration())
+          .status()));
   // And the store keeps serving: the next valid request succeeds, bit-exact.
   std::vector<uint8_t> rows(GatherBytes(entries, kShape.RowBytes()));
   ASSERT_TRUE(c->Gather(entries, rows).ok());
@@ -421,13 +436,13 @@ TEST_F(StoreScenarioTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) 
 TEST_F(StoreScenarioTest, KillingStoreMidReadGivesUnavailableWithinDeadline) {
   auto c = Connect("victim");
   ASSERT_TRUE(c);
-  ASSERT_TRUE(c->CreateSequence(51, kShape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(c->CreateSequence(TestRef(51), kShape, 0, absl::ZeroDuration()).ok());
   ASSERT_TRUE(Put(*c, kShape, 51, 0, 0, 4096).ok());
   std::vector<uint32_t> idx(4096);
   for (uint32_t i = 0; i < idx.size(); ++i) idx[i] = (i * 7919) % 4096;
   std::vector<GatherEntry> entries;
   for (uint32_t h = 0; h < kShape.n_kv_heads; ++h) {
-    entries.push_back({.sequence = 51, .layer = 0, .head = h, .indices = idx});
+    entries.push_back({.sequence = TestRef(51), .layer = 0, .head = h, .indices = idx});
   }
   std::atomic<int> succeeded{0};
   std::atomic<bool> reader_done{false};
@@ -575,11 +590,11 @@ class NetnsTest : public ::testing::Test {
   // Runs StoreScenarioTest.<name> in the client namespace against a kvr-store in the store
   // namespace.
   void RunScenario(const std::string& name) {
-    auto store = StoreProcess::Start(
-        {ip_, "netns", "exec", store_ns_, KVR_STORE_BINARY, "--listen", "10.254.7.1:0",
-         "--capacity-bytes", absl::StrCat(kCapacityBytes), "--page-bytes",
-         absl::StrCat(kPageBytes)},
-        {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + store_dev_}, absl::Seconds(20));
+    auto store =
+        StoreProcess::Start({ip_, "netns", "exec", store_ns_, KVR_STORE_BINARY, "--listen",
+                             "10.254.7.1:0", "--capacity-bytes", absl::StrCat(kCapacityBytes),
+                             "--page-bytes", absl::StrCat(kPageBytes), "--rma-reads", "true"},
+                            {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + store_dev_}, absl::Seconds(20));
     ASSERT_TRUE(store.ok()) << store.status();
     char self[4096];
     const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);

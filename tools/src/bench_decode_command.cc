@@ -39,9 +39,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -92,7 +92,7 @@ struct DecodeBenchFlags {
 struct Placement {
   std::string label;  // "n0(gpu)", "n1(far)", "unbound", "n2", "thp", "n0(gpu)+thp"
   int node = -1;
-  bool huge = false;  // transparent huge pages (SparseSequenceOptions::host_huge_pages)
+  bool huge = false;   // transparent huge pages (SparseSequenceOptions::host_huge_pages)
   bool store = false;  // rows read in place from a kvr-store's pool (--store)
   bool probed = false;
   model::HostLinkProbe probe;
@@ -129,9 +129,9 @@ class DecodeBench {
   // `capacity` tokens (rows [0, context) written), its pages mapped and registered.
   absl::Status PrepareStoreRows(int64_t context, int64_t capacity) {
     if (store_ == nullptr) {
-      KVR_ASSIGN_OR_RETURN(store_, kv_store::UcxKvStoreClient::Connect(
-                                       f_.store, {.timeout = absl::Seconds(60),
-                                                  .name = "kvr-bench-decode"}));
+      KVR_ASSIGN_OR_RETURN(
+          store_, kv_store::UcxKvStoreClient::Connect(
+                      f_.store, {.timeout = absl::Seconds(60), .name = "kvr-bench-decode"}));
       KVR_ASSIGN_OR_RETURN(pool_, store_->MapLocalPool());
       KVR_ASSIGN_OR_RETURN(pool_device_, m_.RegisterHostRegion(pool_->base(), pool_->bytes(),
                                                                /*read_only=*/true));
@@ -141,10 +141,11 @@ class DecodeBench {
     const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
                                         static_cast<uint32_t>(c.n_kv_heads),
                                         static_cast<uint32_t>(c.head_dim), kv_store::DType::kBf16};
-    const kv_store::SequenceId id = 0x6b7672000000ull + static_cast<uint64_t>(context);
-    KVR_RETURN_IF_ERROR(store_->CreateSequence(id, shape, static_cast<uint64_t>(capacity),
-                                               absl::ZeroDuration())
-                            .status());
+    const kv_store::SequenceRef id{0x6b7672000000ull + static_cast<uint64_t>(context),
+                                   kv_store::Capability::Generate()};
+    KVR_RETURN_IF_ERROR(
+        store_->CreateSequence(id, shape, static_cast<uint64_t>(capacity), absl::ZeroDuration())
+            .status());
     store_sequence_ = id;
     // Random rows: one 64 MiB buffer of bf16 values in [-1, 1), each chunk put from another
     // offset of it (the values' distribution is what the synthetic bench needs, not novelty).
@@ -182,11 +183,12 @@ class DecodeBench {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     KVR_ASSIGN_OR_RETURN(kv_store::PageTable table,
                          store_->ReservePageTable(id, static_cast<uint64_t>(capacity)));
-    std::printf("store: sequence of %lld tokens written in %.1f s (%.1f GB/s); %u rows per %llu-B "
-                "page, %zu pages\n",
-                static_cast<long long>(context), fill_s,
-                2.0 * half * context * c.n_layers / fill_s / 1e9, table.tokens_per_page,
-                static_cast<unsigned long long>(table.page_bytes), table.pages.size());
+    std::printf(
+        "store: sequence of %lld tokens written in %.1f s (%.1f GB/s); %u rows per %llu-B "
+        "page, %zu pages\n",
+        static_cast<long long>(context), fill_s, 2.0 * half * context * c.n_layers / fill_s / 1e9,
+        table.tokens_per_page, static_cast<unsigned long long>(table.page_bytes),
+        table.pages.size());
     model::SparseRowSource src;
     src.base = pool_device_;
     src.page_bytes = static_cast<int64_t>(table.page_bytes);
@@ -198,8 +200,8 @@ class DecodeBench {
   }
   absl::Status ReleaseStoreRows() {
     rows_.reset();
-    if (store_ == nullptr || store_sequence_ == 0) return absl::OkStatus();
-    const kv_store::SequenceId id = std::exchange(store_sequence_, 0);
+    if (store_ == nullptr || store_sequence_.id == 0) return absl::OkStatus();
+    const kv_store::SequenceRef id = std::exchange(store_sequence_, {});
     return store_->Release(id, absl::ZeroDuration());
   }
 
@@ -424,7 +426,7 @@ class DecodeBench {
   std::unique_ptr<kv_store::UcxKvStoreClient> store_;
   std::shared_ptr<const kv_store::LocalPoolMapping> pool_;
   const void* pool_device_ = nullptr;
-  kv_store::SequenceId store_sequence_ = 0;
+  kv_store::SequenceRef store_sequence_;
   std::optional<model::SparseRowSource> rows_;
   std::vector<uint16_t> random_;
 };

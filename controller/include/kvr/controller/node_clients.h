@@ -28,7 +28,10 @@ inline constexpr absl::string_view kFailedNodeMetadataKey = "kvr-failed-node";
 
 struct PrefillCall {
   const GenerateParams* params = nullptr;
+  // Fresh for every attempt (ids.h): the store sequence's id and its capability, which P and
+  // then D present on every store call of the sequence.
   uint64_t sequence_id = 0;
+  std::string sequence_capability;
   NodeSnapshot decode;
   NodeSnapshot store;
   absl::Time deadline = absl::InfiniteFuture();

@@ -1,7 +1,10 @@
 #pragma once
 // Drives one Generate request through the cluster: admission is done by the caller; this
 // places the request, runs prefill, relays the first token and the decode node's stream to a
-// ResponseSink, and applies the retry rule of RequestStateMachine when a node fails. Plain
+// ResponseSink, and applies the retry rule of RequestStateMachine when a node fails. Every
+// attempt gets a fresh random store sequence id and capability (ids.h); an id the store
+// already holds (ALREADY_EXISTS from P, a 2^-64 event) is retried with a fresh one on the same
+// nodes, counting as an attempt. Plain
 // class over the node-client interfaces; the gRPC service is a thin shell around it.
 
 #include <atomic>
@@ -125,9 +128,6 @@ class RequestRunner {
   DecodeClient* decode_;
   const Clock* clock_;
   const RunnerOptions options_;
-  // Sequence ids name KV in the stores, which outlive a controller restart: they start from
-  // the start time so that a restarted controller does not reuse its predecessor's ids.
-  std::atomic<uint64_t> next_sequence_id_;
 };
 
 // The node an error names through kFailedNodePayloadUrl, if any.

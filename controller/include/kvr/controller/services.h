@@ -140,7 +140,6 @@ class GenerationService final : public kvr::v1::Generation::Service {
                           kvr::v1::ListModelsResponse* response) override;
 
  private:
-  std::string NewRequestId();
   grpc::Status Reject(const absl::Status& status);
 
   Membership* membership_;
@@ -150,7 +149,6 @@ class GenerationService final : public kvr::v1::Generation::Service {
   const GenerationServiceOptions options_;
   InFlightRequests in_flight_;
   DisconnectWatcher watcher_;
-  std::atomic<uint64_t> next_request_;
 };
 
 }  // namespace kvr::controller

@@ -82,7 +82,7 @@ struct DecodeSequenceSetup {
   // non-resident position (`full` without summaries).
   std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;
   kv_store::KvStoreClient* store = nullptr;  // not owned; outlives the sequence
-  kv_store::SequenceId store_sequence = 0;
+  kv_store::SequenceRef store_sequence;      // id and capability of the sequence in `store`
   // Element type of the store sequence's rows (its SequenceShape::dtype): f32 or bf16.
   kv_store::DType row_dtype = kv_store::DType::kF32;
   model::KvCache* cache = nullptr;  // windowed; not owned; drained of its evicted rows

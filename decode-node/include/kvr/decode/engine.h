@@ -65,6 +65,9 @@ struct HandoffLayerData {
 struct Handoff {
   std::string request_id;
   uint64_t sequence_id = 0;  // also the store's sequence id
+  // The store sequence's capability (HandoffHeader.sequence_capability): every store call of
+  // the sequence presents it. Never logged.
+  kv_store::Capability store_capability;
   std::string model;
   SamplingSettings sampling;
   std::string method = "full";
@@ -82,6 +85,8 @@ struct Handoff {
   std::string text_so_far;
   std::string pending_utf8;
   std::vector<HandoffLayerData> layers;
+
+  [[nodiscard]] kv_store::SequenceRef store_ref() const { return {sequence_id, store_capability}; }
 };
 
 enum class FinishReason { kNone, kEos, kStopString, kLength };

@@ -9,6 +9,10 @@
 // RPCs carry it as the gRPC deadline, data-plane messages carry it in their wire header (the
 // store refuses work past it) and the transport fails the call locally when it passes.
 //
+// Access: every call about a sequence names it by SequenceRef (id + capability), directly or
+// through the `sequence` field of LayerRows, GatherEntry and RangeEntry; the store refuses a
+// wrong capability exactly as an unknown id (PERMISSION_DENIED), see PagedKvStore.
+//
 // Thread safety: all methods of both implementations may be called concurrently.
 
 #include <cstdint>
@@ -52,10 +56,12 @@ class KvStoreClient {
   [[nodiscard]] virtual std::unique_ptr<KvStoreOp> StartGather(
       std::span<const GatherEntry> entries, std::span<uint8_t> out) = 0;
 
-  // Registers a sequence; see PagedKvStore::CreateSequence.
-  [[nodiscard]] virtual absl::StatusOr<CreateResult> CreateSequence(
-      SequenceId id, const SequenceShape& shape, uint64_t expected_tokens,
-      absl::Duration lease) = 0;
+  // Registers a sequence guarded by `ref.cap` (the caller's fresh Capability::Generate());
+  // see PagedKvStore::CreateSequence.
+  [[nodiscard]] virtual absl::StatusOr<CreateResult> CreateSequence(const SequenceRef& ref,
+                                                                    const SequenceShape& shape,
+                                                                    uint64_t expected_tokens,
+                                                                    absl::Duration lease) = 0;
   // Writes rows for all heads of one layer (prefill's layer-wise put; rows.start_row =
   // LayerRows::kAtEnd appends, as decode does) and returns the layer's committed rows.
   [[nodiscard]] absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) {
@@ -76,9 +82,9 @@ class KvStoreClient {
   // Contiguous rows; out = concat over ranges of [n_rows, 2 * head_dim].
   [[nodiscard]] virtual absl::Status RangeRead(std::span<const RangeEntry> ranges,
                                                std::span<uint8_t> out) = 0;
-  [[nodiscard]] virtual absl::Status Release(SequenceId id, absl::Duration keep) = 0;
-  [[nodiscard]] virtual absl::Status Lease(SequenceId id, absl::Duration lease) = 0;
-  [[nodiscard]] virtual absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) = 0;
+  [[nodiscard]] virtual absl::Status Release(const SequenceRef& ref, absl::Duration keep) = 0;
+  [[nodiscard]] virtual absl::Status Lease(const SequenceRef& ref, absl::Duration lease) = 0;
+  [[nodiscard]] virtual absl::StatusOr<SequenceInfo> GetSequence(const SequenceRef& ref) = 0;
   [[nodiscard]] virtual absl::StatusOr<StoreStats> Stats() = 0;
 
   // Zero-copy reads on the same host (local_pool.h). Makes sure pages exist for rows [0, rows)
@@ -86,7 +92,7 @@ class KvStoreClient {
   // the shortfall), and returns its page table; see PagedKvStore::ReservePageTable. Rows
   // appended later (Write/PutLayer at kAtEnd) land in exactly these pages. Valid only while
   // the sequence is not released: its pages then return to the pool and are reused.
-  [[nodiscard]] virtual absl::StatusOr<PageTable> ReservePageTable(SequenceId id,
+  [[nodiscard]] virtual absl::StatusOr<PageTable> ReservePageTable(const SequenceRef& ref,
                                                                    uint64_t rows) = 0;
   // The store's pool mapped read-only in this process; FAILED_PRECONDITION "store <target> is
   // not on this host" (host_id differs) or "... offers no local socket", UNAVAILABLE when the
@@ -117,7 +123,7 @@ class FakeKvStoreClient final : public KvStoreClient {
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<FakeKvStoreClient>> Create(
       StoreOptions options);
 
-  absl::StatusOr<CreateResult> CreateSequence(SequenceId id, const SequenceShape& shape,
+  absl::StatusOr<CreateResult> CreateSequence(const SequenceRef& ref, const SequenceShape& shape,
                                               uint64_t expected_tokens,
                                               absl::Duration lease) override;
   // Runs the operation at once; the returned op is already done.
@@ -125,11 +131,11 @@ class FakeKvStoreClient final : public KvStoreClient {
   std::unique_ptr<KvStoreOp> StartGather(std::span<const GatherEntry> entries,
                                          std::span<uint8_t> out) override;
   absl::Status RangeRead(std::span<const RangeEntry> ranges, std::span<uint8_t> out) override;
-  absl::Status Release(SequenceId id, absl::Duration keep) override;
-  absl::Status Lease(SequenceId id, absl::Duration lease) override;
-  absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) override;
+  absl::Status Release(const SequenceRef& ref, absl::Duration keep) override;
+  absl::Status Lease(const SequenceRef& ref, absl::Duration lease) override;
+  absl::StatusOr<SequenceInfo> GetSequence(const SequenceRef& ref) override;
   absl::StatusOr<StoreStats> Stats() override;
-  absl::StatusOr<PageTable> ReservePageTable(SequenceId id, uint64_t rows) override;
+  absl::StatusOr<PageTable> ReservePageTable(const SequenceRef& ref, uint64_t rows) override;
   // Maps the fake's own in-process pool a second time, read-only, through the pool's memfd:
   // the same pages at another address, exactly what a decode node on the store's host gets.
   // So code written against MapLocalPool runs unchanged on the fake.
@@ -161,9 +167,11 @@ struct UcxClientOptions {
   // UCX configuration overrides for this client's context (see transport::ContextOptions);
   // empty: UCX_* environment.
   std::vector<std::pair<std::string, std::string>> ucx_config;
-  // Range reads by RMA get when the endpoint has native RMA (shared memory, RDMA); otherwise,
-  // and always when false, by an active-message request answered with the rows.
-  bool rma_range_reads = true;
+  // Range reads by RMA get when the endpoint has native RMA (shared memory, RDMA) and the
+  // store hands out its pool's rkey (kvr-store --rma-reads); otherwise, and always when
+  // false, by an active-message request answered with the rows. Off by default: the rkey
+  // reads the whole pool past every capability check (kv-store/README.md).
+  bool rma_range_reads = false;
 };
 
 // Real client: gRPC control channel + one UCX worker/endpoint to the store's data plane.
@@ -175,19 +183,19 @@ class UcxKvStoreClient final : public KvStoreClient {
       const std::string& target, UcxClientOptions options = {});
   ~UcxKvStoreClient() override;
 
-  absl::StatusOr<CreateResult> CreateSequence(SequenceId id, const SequenceShape& shape,
+  absl::StatusOr<CreateResult> CreateSequence(const SequenceRef& ref, const SequenceShape& shape,
                                               uint64_t expected_tokens,
                                               absl::Duration lease) override;
   std::unique_ptr<KvStoreOp> StartPutLayer(const LayerRows& rows) override;
   std::unique_ptr<KvStoreOp> StartGather(std::span<const GatherEntry> entries,
                                          std::span<uint8_t> out) override;
   absl::Status RangeRead(std::span<const RangeEntry> ranges, std::span<uint8_t> out) override;
-  absl::Status Release(SequenceId id, absl::Duration keep) override;
-  absl::Status Lease(SequenceId id, absl::Duration lease) override;
-  absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) override;
+  absl::Status Release(const SequenceRef& ref, absl::Duration keep) override;
+  absl::Status Lease(const SequenceRef& ref, absl::Duration lease) override;
+  absl::StatusOr<SequenceInfo> GetSequence(const SequenceRef& ref) override;
   absl::StatusOr<StoreStats> Stats() override;
   // Over gRPC (ReservePageTable), under the client's timeout.
-  absl::StatusOr<PageTable> ReservePageTable(SequenceId id, uint64_t rows) override;
+  absl::StatusOr<PageTable> ReservePageTable(const SequenceRef& ref, uint64_t rows) override;
   // Checks that the store runs on this host (GetDataPlaneInfo's host_id equals this machine's
   // /proc/sys/kernel/random/boot_id), receives the pool's fd over the store's local socket
   // (within the client's timeout), checks that it is the pool the store announced (pool id,

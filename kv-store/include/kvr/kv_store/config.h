@@ -35,6 +35,9 @@ struct StoreConfig {
   // Unix socket that hands the pool to same-host decode nodes for zero-copy reads (mode 0600);
   // empty: off. See StoreServerOptions::local_socket.
   std::string local_socket;
+  // Hand out the pool's rkey for RMA range reads; off by default. See
+  // StoreServerOptions::rma_reads.
+  bool rma_reads = false;
 
   // Where each value came from ("flag", "file", "env" or "default"), in field order.
   std::vector<std::pair<std::string, std::string>> sources;

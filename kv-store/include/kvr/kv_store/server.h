@@ -41,6 +41,12 @@ struct StoreServerOptions {
   // Unix socket path on which the pool's memfd is handed to processes on this host for
   // zero-copy reads (local_pool.h); created with mode 0600, removed at shutdown. Empty: off.
   std::string local_socket;
+  // Registers the pool with UCX and hands its packed rkey out in GetDataPlaneInfo, so that
+  // clients read committed ranges by RMA get (after a capability-checked locate message).
+  // Off by default: whoever holds the rkey can read every page of the pool, whatever
+  // sequence it belongs to, and GetDataPlaneInfo answers anyone; with it off the pool is not
+  // registered at all, no rkey exists, and every read goes through a checked message.
+  bool rma_reads = false;
 };
 
 class StoreServer {

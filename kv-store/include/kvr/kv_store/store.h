@@ -20,6 +20,12 @@
 // Lifetime: sequences are reference counted; Release removes a sequence from the index at once,
 // and its pages go back to the pool when the last in-flight read or write of it finishes.
 //
+// Access: a sequence is created with a Capability (types.h) and every later operation on it
+// must present the same one (SequenceRef; the sequence field of LayerRows, GatherEntry and
+// RangeEntry). A wrong or missing capability and an unknown id get the same answer,
+// PERMISSION_DENIED "no sequence <id> with this capability", and change nothing. Capabilities
+// are compared in constant time.
+//
 // Thread safety: every public method may be called concurrently from any thread. At most one
 // write per (sequence, layer) may be in flight; a second concurrent one fails
 // FAILED_PRECONDITION (rows are append-only, so two writers of one layer are a caller bug).
@@ -65,9 +71,11 @@ class PagedKvStore {
   PagedKvStore(const PagedKvStore&) = delete;
   PagedKvStore& operator=(const PagedKvStore&) = delete;
 
-  // Registers a sequence. Pages for `expected_tokens` rows per (layer, head) are reserved now
+  // Registers a sequence guarded by `ref.cap` (INVALID_ARGUMENT when it is none).
+  // ALREADY_EXISTS when the id is taken: the creator picks another id (ids are random, so this
+  // is rare). Pages for `expected_tokens` rows per (layer, head) are reserved now
   // (RESOURCE_EXHAUSTED if they do not fit). lease == ZeroDuration: no expiry.
-  [[nodiscard]] absl::StatusOr<CreateResult> CreateSequence(SequenceId id,
+  [[nodiscard]] absl::StatusOr<CreateResult> CreateSequence(const SequenceRef& ref,
                                                             const SequenceShape& shape,
                                                             uint64_t expected_tokens,
                                                             absl::Duration lease);
@@ -106,14 +114,14 @@ class PagedKvStore {
   // rows == 0 only reports. Rows appended later land in exactly these pages (a page list only
   // grows at its end). A released-and-kept sequence can report its table but not grow it
   // (FAILED_PRECONDITION). The table is valid only while the sequence is held.
-  [[nodiscard]] absl::StatusOr<PageTable> ReservePageTable(SequenceId id, uint64_t rows);
+  [[nodiscard]] absl::StatusOr<PageTable> ReservePageTable(const SequenceRef& ref, uint64_t rows);
 
   // keep == ZeroDuration frees the sequence now; otherwise it stays readable (not writable)
   // until now + keep, then counts as expired.
-  [[nodiscard]] absl::Status Release(SequenceId id, absl::Duration keep);
+  [[nodiscard]] absl::Status Release(const SequenceRef& ref, absl::Duration keep);
   // Sets the lease expiry to now + lease (ZeroDuration clears it).
-  [[nodiscard]] absl::Status Lease(SequenceId id, absl::Duration lease);
-  [[nodiscard]] absl::StatusOr<SequenceInfo> GetSequence(SequenceId id) const;
+  [[nodiscard]] absl::Status Lease(const SequenceRef& ref, absl::Duration lease);
+  [[nodiscard]] absl::StatusOr<SequenceInfo> GetSequence(const SequenceRef& ref) const;
 
   // Evicts every expired sequence when evict_expired is set; returns how many.
   size_t SweepExpired();
@@ -125,7 +133,9 @@ class PagedKvStore {
   class Sequence;
   PagedKvStore(StoreOptions options, PagePool pool);
 
-  [[nodiscard]] absl::StatusOr<std::shared_ptr<Sequence>> Find(SequenceId id) const;
+  // The sequence if `ref` names it with its capability; otherwise PERMISSION_DENIED, the same
+  // for an unknown id and a wrong capability.
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<Sequence>> Find(const SequenceRef& ref) const;
   // Allocates `n` pages, evicting expired sequences (never `keep`) first when allowed.
   [[nodiscard]] absl::Status AllocatePages(size_t n, std::vector<PageId>& out, SequenceId keep);
   size_t EvictExpired(size_t pages_wanted, SequenceId keep);

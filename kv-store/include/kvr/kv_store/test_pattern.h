@@ -10,6 +10,18 @@
 
 namespace kvr::kv_store::testing {
 
+// A capability derived from the id, for tests that name sequences by small numbers. Real
+// callers use Capability::Generate(): this one is guessable by design.
+inline Capability TestCapability(SequenceId id) {
+  Capability cap;
+  for (size_t i = 0; i < Capability::kBytes; ++i) {
+    cap.bytes[i] = static_cast<uint8_t>((id * 0x9E3779B97F4A7C15ull) >> (8 * (i % 8))) ^
+                   static_cast<uint8_t>(0xA5 + i);
+  }
+  return cap;
+}
+inline SequenceRef TestRef(SequenceId id) { return {id, TestCapability(id)}; }
+
 inline uint8_t PatternByte(SequenceId seq, uint32_t layer, uint32_t head, uint64_t row,
                            size_t byte) {
   uint64_t x = seq * 0x9E3779B97F4A7C15ull ^ (uint64_t{layer} << 40) ^ (uint64_t{head} << 32) ^

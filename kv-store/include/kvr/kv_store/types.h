@@ -2,10 +2,12 @@
 // Domain types of the KV store, shared by the store core, the wire format, the services and
 // the client library.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -13,8 +15,40 @@
 
 namespace kvr::kv_store {
 
-// Chosen by the caller (the controller's request id).
+// Chosen by the caller (the controller draws it at random for each attempt of a request). Ids
+// are names, not secrets: knowing one grants nothing without the sequence's Capability.
 using SequenceId = uint64_t;
+
+// The secret that grants access to one sequence: 128 random bits fixed when the sequence is
+// created. The store keeps it with the sequence and every operation on the sequence (control
+// plane and data plane) must present it; a wrong or missing one is answered exactly like an
+// unknown sequence id (PERMISSION_DENIED), so a caller without it cannot even tell whether the
+// sequence exists. The all-zero value is "no capability": the store refuses to create a
+// sequence with it, so it never matches. Never log a capability.
+struct Capability {
+  static constexpr size_t kBytes = 16;
+  std::array<uint8_t, kBytes> bytes{};
+
+  // 128 bits from the kernel's CSPRNG (kvr/common/secure_random.h); never all zero.
+  [[nodiscard]] static Capability Generate();
+  // Exactly kBytes bytes (as carried in protos); anything else is INVALID_ARGUMENT.
+  [[nodiscard]] static absl::StatusOr<Capability> FromBytes(std::string_view bytes);
+  // As FromBytes, but a malformed value becomes the all-zero capability, which matches no
+  // sequence: for request handlers, so that a malformed capability gets the same answer as a
+  // wrong one.
+  [[nodiscard]] static Capability FromBytesOrNone(std::string_view bytes);
+  [[nodiscard]] std::string ToBytes() const;
+  [[nodiscard]] bool IsNone() const;
+  // Constant time in the contents (no early exit), so that response timing does not reveal
+  // how many leading bytes of a guess were right. Deliberately no operator==.
+  [[nodiscard]] bool Matches(const Capability& other) const;
+};
+
+// What every store call about one sequence takes: its id and its capability.
+struct SequenceRef {
+  SequenceId id = 0;
+  Capability cap;
+};
 
 // Element type of the stored rows; values match kvr.store.v1.DType and the wire format.
 enum class DType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3 };
@@ -43,7 +77,7 @@ struct SequenceShape {
 
 // Rows of one (sequence, layer, kv_head) picked by index; the unit of a gather request.
 struct GatherEntry {
-  SequenceId sequence = 0;
+  SequenceRef sequence;
   uint32_t layer = 0;
   uint32_t head = 0;
   std::span<const uint32_t> indices;  // [n_indices] row indices, any order, repeats allowed
@@ -51,7 +85,7 @@ struct GatherEntry {
 
 // A contiguous run of rows [start, start + n_rows) of one (sequence, layer, kv_head).
 struct RangeEntry {
-  SequenceId sequence = 0;
+  SequenceRef sequence;
   uint32_t layer = 0;
   uint32_t head = 0;
   uint64_t start = 0;
@@ -60,7 +94,7 @@ struct RangeEntry {
 
 // Rows for all kv heads of one layer, as a model produces them.
 struct LayerRows {
-  SequenceId sequence = 0;
+  SequenceRef sequence;
   uint32_t layer = 0;
   // Row index of the first row. Rows are append-only, so it must equal the layer's current
   // length; kAtEnd appends wherever the layer currently ends (decode).

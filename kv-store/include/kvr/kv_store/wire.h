@@ -9,6 +9,11 @@
 //
 // Versioning: `version` is the sender's protocol version; a receiver refuses versions it does
 // not know with FAILED_PRECONDITION. New fields go at the end of a struct under a new version.
+// Version 2 added the sequence capability to every entry (and write); version 1 requests,
+// which carry none, are refused (kMinVersion) rather than served without a check.
+//
+// Capabilities: every reference to a sequence carries its 16-byte Capability (types.h); the
+// store checks it on every entry before reading or writing anything.
 // All integers are little-endian; kvr builds only on little-endian hosts (static_assert), so
 // encoding is a memcpy of these trivially copyable structs. Parsing never trusts a length:
 // every size is checked against the bytes actually received before anything is read.
@@ -29,7 +34,8 @@ static_assert(std::endian::native == std::endian::little,
               "the kv-store wire format is little-endian and encoded by memcpy");
 
 inline constexpr uint32_t kMagic = 0x5352564B;  // "KVRS"
-inline constexpr uint16_t kVersion = 1;
+inline constexpr uint16_t kVersion = 2;
+inline constexpr uint16_t kMinVersion = 2;
 
 // Active-message ids (kvr::transport::AmId) the store's data plane answers.
 enum class MessageType : uint16_t {
@@ -56,8 +62,9 @@ struct WriteRequest {
   uint64_t start_row = 0;  // LayerRows::kAtEnd appends at the layer's end
   uint32_t layer = 0;
   uint32_t n_rows = 0;
+  uint8_t capability[Capability::kBytes] = {};
 };
-static_assert(sizeof(WriteRequest) == 40);
+static_assert(sizeof(WriteRequest) == 56);
 
 // Header of kGather. Payload: GatherEntryWire[n_entries], then uint32 indices of all entries
 // concatenated in entry order.
@@ -75,8 +82,9 @@ struct GatherEntryWire {
   uint32_t head = 0;
   uint32_t n_indices = 0;
   uint32_t reserved = 0;
+  uint8_t capability[Capability::kBytes] = {};
 };
-static_assert(sizeof(GatherEntryWire) == 24);
+static_assert(sizeof(GatherEntryWire) == 40);
 
 // Header of kRangeRead and kLocateRange. Payload: RangeEntryWire[n_entries] (kLocateRange:
 // exactly one).
@@ -93,8 +101,9 @@ struct RangeEntryWire {
   uint32_t head = 0;
   uint64_t start = 0;
   uint64_t n_rows = 0;
+  uint8_t capability[Capability::kBytes] = {};
 };
-static_assert(sizeof(RangeEntryWire) == 32);
+static_assert(sizeof(RangeEntryWire) == 48);
 
 // Header of every successful reply. kWrite: `value` = the layer's committed rows; kGather and
 // kRangeRead: payload = the rows; kLocateRange: payload = SegmentWire[value].

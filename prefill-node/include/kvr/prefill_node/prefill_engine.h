@@ -64,6 +64,9 @@ using Prompt = std::variant<TextPrompt, TokenPrompt, ChatPrompt>;
 struct PrefillJob {
   std::string request_id;
   uint64_t sequence_id = 0;
+  // Chosen by the controller for this attempt: the store sequence is created with it, every
+  // put presents it, and the handoff passes it to the decode node. Never logged.
+  kv_store::Capability store_capability;
   std::string model;  // the served model name (forwarded to D)
   Prompt prompt;
   kvr::v1::SamplingParams sampling;    // controller defaults applied (max_tokens set)
@@ -72,6 +75,8 @@ struct PrefillJob {
   kvr::cluster::v1::NodeRef store;
   absl::Time deadline = absl::InfiniteFuture();
   google::protobuf::Timestamp deadline_proto;  // as received, forwarded to D
+
+  [[nodiscard]] kv_store::SequenceRef store_ref() const { return {sequence_id, store_capability}; }
 };
 
 struct PrefillResult {
