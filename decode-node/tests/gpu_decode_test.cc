@@ -267,6 +267,28 @@ TEST_F(GpuDecodeTest, RefusesStoreSequencesItCannotRead) {
   EXPECT_NE(s.message().find("prompt_tokens"), std::string::npos) << s;
 }
 
+// A store that fails mid-decode (its appends of the generated rows fail) ends the sequence with
+// UNAVAILABLE at the next step; the engine keeps running.
+TEST_F(GpuDecodeTest, StoreFailureMidDecodeEndsTheSequenceUnavailable) {
+  auto store = testing::MakeFakeStore(64 << 20);
+  auto engine = CudaEngine(64);
+  ASSERT_TRUE(engine->Admit(MakeHandoff(*store, 11, Prompt(120, 5), 64)).ok());
+  for (int i = 0; i < 3; ++i) engine->Step();
+  absl::StatusOr<StreamChunk> before = engine->Next(11, absl::Now());
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_FALSE(before->tokens.empty());
+  store->InjectFailure(absl::UnavailableError("the store went away"));
+  absl::Status end;
+  for (int guard = 0; guard < 20 && end.ok(); ++guard) {
+    engine->Step();
+    absl::StatusOr<StreamChunk> chunk = engine->Next(11, absl::Now());
+    if (!chunk.ok()) end = chunk.status();
+    ASSERT_FALSE(chunk.ok() && chunk->completion.has_value()) << "finished despite the failure";
+  }
+  EXPECT_EQ(end.code(), absl::StatusCode::kUnavailable) << end;
+  EXPECT_NE(end.message().find("store"), std::string::npos) << end;
+}
+
 TEST_F(GpuDecodeTest, RefusesHandoffsThatDoNotFitTheNode) {
   auto store = testing::MakeFakeStore(64 << 20);
   auto engine = CudaEngine(64);
