@@ -45,6 +45,10 @@ stage() {
 bench() {
   local store_args=() store_pid=
   if [[ -n "${GPUDECODE_STORE_GIB:-}" ]]; then
+    # The store's memfd pool gets huge pages only from reserved hugetlb pages (shmem THP is
+    # often off): reserve enough for the pool, and say what the kernel granted.
+    sysctl -w vm.nr_hugepages=$(( GPUDECODE_STORE_GIB * 512 + 64 )) > /dev/null 2>&1
+    echo "vm.nr_hugepages: $(cat /proc/sys/vm/nr_hugepages)"
     "$kStage/bin/kvr-store" --listen 127.0.0.1:0 \
       --capacity-bytes "${GPUDECODE_STORE_GIB}GiB" --local-socket /tmp/kvr-bench-store.sock \
       > "$out/store.log" 2>&1 &
