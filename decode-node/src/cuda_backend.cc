@@ -44,17 +44,19 @@ struct CudaRunning {
   std::vector<uint16_t> rows;
   std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts;
   int64_t rows_offloaded = 0;
-  absl::Status failure;  // first failed append, reported once through TakeFailures
+  model::SparseSequenceCounters seen;  // the GPU's counters as last reported to the observer
+  absl::Status failure;                // first failed append, reported once through TakeFailures
 };
 
 class CudaDecodeBackend final : public DecodeBackend {
  public:
   CudaDecodeBackend(std::unique_ptr<model::CudaModel> model, CudaDecodeBackendOptions options,
-                    int64_t slot_bytes, int64_t summary_bytes)
+                    int64_t slot_bytes, int64_t summary_bytes, DecodeObserver* observer)
       : model_(std::move(model)),
         options_(std::move(options)),
         slot_bytes_(slot_bytes),
-        summary_bytes_(summary_bytes) {}
+        summary_bytes_(summary_bytes),
+        observer_(observer != nullptr ? observer : &noop_) {}
 
   const model::ModelConfig& config() const override { return model_->config(); }
   std::string name() const override { return absl::StrCat("cuda:", options_.device); }
@@ -157,6 +159,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     run.pool = std::move(pending->pool);
     run.next_row = h.prompt_tokens;
     running_.emplace(id, std::move(run));
+    ReportSummaryBytes();
     return absl::OkStatus();
   }
 
@@ -167,6 +170,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     KVR_RETURN_IF_ERROR(model_->Forward(batch_, model::LogitsMode::kLast, logits));
     node_.attend_calls += model_->config().n_layers;
     for (uint64_t id : ids) AppendNewRows(id);
+    ReportStep(ids);
     return absl::OkStatus();
   }
 
@@ -193,6 +197,7 @@ class CudaDecodeBackend final : public DecodeBackend {
       }
       node_.retrieval.Add(c);
       running_.erase(it);
+      ReportSummaryBytes();
     }
     model_->ReleaseSequence(id).IgnoreError();  // NotFound only: nothing to free
     return c;
@@ -203,6 +208,38 @@ class CudaDecodeBackend final : public DecodeBackend {
   }
 
  private:
+  // The step's retrieval work from the GPU's per-slot counters (as of this Forward): hot-cache
+  // hits and misses, rows and bytes that crossed the link (the misses), rows appended.
+  void ReportStep(std::span<const uint64_t> ids) {
+    const int64_t row_bytes = 4 * int64_t{model_->config().head_dim};
+    RetrievalReport r;
+    int64_t appended = 0;
+    for (uint64_t id : ids) {
+      auto it = running_.find(id);
+      if (it == running_.end()) continue;
+      absl::StatusOr<model::SparseSequenceCounters> now = model_->SparseCounters(id);
+      if (!now.ok()) continue;
+      CudaRunning& run = it->second;
+      const int64_t selected = now->selected_rows - run.seen.selected_rows;
+      const int64_t hits = now->hot_cache_hits - run.seen.hot_cache_hits;
+      r.hot_cache_hits += hits;
+      r.hot_cache_misses += selected - hits;
+      run.seen = *now;
+      appended += run.failure.ok() ? 1 : 0;
+    }
+    r.rows_fetched = r.hot_cache_misses;
+    r.bytes_fetched = r.rows_fetched * row_bytes;
+    observer_->OnHotCache(r.hot_cache_hits, r.hot_cache_misses);
+    observer_->OnRetrieval(options_.method, r);
+    const model::ModelConfig& c = model_->config();
+    observer_->OnOffload(appended * c.n_layers * c.n_kv_heads * row_bytes);
+  }
+  void ReportSummaryBytes() {
+    const int64_t bytes = summary_bytes_ * static_cast<int64_t>(running_.size());
+    observer_->OnMethodSummaryBytes(options_.method, bytes);
+    observer_->OnSummaryBytes(bytes);
+  }
+
   absl::StatusOr<std::vector<retrieval::PrebuiltClusterKvData>> ParseClusters(
       const Handoff& h) const {
     const int n_layers = model_->config().n_layers;
@@ -296,6 +333,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   int64_t summary_bytes_;
   absl::flat_hash_map<uint64_t, CudaRunning> running_;
   NodeCounters node_;
+  NoopObserver noop_;
+  DecodeObserver* observer_;  // not owned; noop_ when none was given
   std::vector<model::CudaSequence> batch_;
   // Store pools registered with CUDA: host base -> device base (Prepare runs on any thread).
   mutable absl::Mutex pools_mu_;
@@ -331,7 +370,8 @@ absl::Status CheckHandoffForCudaBackend(const Handoff& h, const CudaDecodeBacken
 }
 
 absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
-    std::unique_ptr<model::CudaModel> model, const CudaDecodeBackendOptions& options) {
+    std::unique_ptr<model::CudaModel> model, const CudaDecodeBackendOptions& options,
+    DecodeObserver* observer) {
   if (model == nullptr) return absl::InvalidArgumentError("CreateCudaDecodeBackend: no model");
   const model::ModelConfig& c = model->config();
   CudaDecodeBackendOptions o = options;
@@ -379,7 +419,8 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
           ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4
           : int64_t{c.n_layers} * c.n_kv_heads *
                 ((o.max_context / 80 + 1) * (int64_t{c.head_dim} * 4 + 4) + o.max_context * 4);
-  return std::make_unique<CudaDecodeBackend>(std::move(model), o, slot_bytes, summary_bytes);
+  return std::make_unique<CudaDecodeBackend>(std::move(model), o, slot_bytes, summary_bytes,
+                                             observer);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
@@ -433,7 +474,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   o.max_context = config.gpu_max_context;
   o.hot_cache_bytes = config.hot_cache_bytes;
   o.registry = registry;
-  return CreateCudaDecodeBackend(*std::move(gpu), o);
+  return CreateCudaDecodeBackend(*std::move(gpu), o, observer);
 }
 
 }  // namespace kvr::decode

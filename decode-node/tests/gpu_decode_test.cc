@@ -44,6 +44,18 @@ constexpr int kSink = 4, kWindow = 16, kSlots = 2;
 constexpr uint32_t kMaxTokens = 33;  // the prefill's first token + 32 decoded
 constexpr double kTieOverRms = 0.2;
 
+// Sums what the CUDA backend reports per step (what kvr-decode's Prometheus metrics export).
+class CountingObserver final : public DecodeObserver {
+ public:
+  void OnRetrieval(std::string_view, const RetrievalReport& r) override {
+    hits += r.hot_cache_hits;
+    misses += r.hot_cache_misses;
+    bytes_fetched += r.bytes_fetched;
+  }
+  void OnOffload(int64_t bytes) override { offloaded += bytes; }
+  int64_t hits = 0, misses = 0, bytes_fetched = 0, offloaded = 0;
+};
+
 class GpuDecodeTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -65,7 +77,8 @@ class GpuDecodeTest : public ::testing::Test {
     return std::move(*e);
   }
 
-  std::unique_ptr<DecodeEngine> CudaEngine(int budget, const std::string& method = "quest") {
+  std::unique_ptr<DecodeEngine> CudaEngine(int budget, const std::string& method = "quest",
+                                           DecodeObserver* observer = nullptr) {
     model::CudaModelOptions mo;
     mo.max_batch_tokens = kSlots;
     mo.max_sequences = kSlots;
@@ -81,7 +94,7 @@ class GpuDecodeTest : public ::testing::Test {
     o.max_context = 512;
     o.hot_cache_bytes = 1 << 20;
     o.registry = &registry_;
-    auto backend = CreateCudaDecodeBackend(*std::move(gpu), o);
+    auto backend = CreateCudaDecodeBackend(*std::move(gpu), o, observer);
     EXPECT_TRUE(backend.ok()) << backend.status();
     EXPECT_EQ((*backend)->name(), "cuda:0");
     auto e = DecodeEngine::Create(*std::move(backend), nullptr, {.batch_slots = kSlots});
@@ -206,7 +219,8 @@ TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
       auto cpu_store = testing::MakeFakeStore(256 << 20);
       auto gpu_store = testing::MakeFakeStore(256 << 20);
       auto cpu_engine = CpuEngine();
-      auto gpu_engine = CudaEngine(budget, method);
+      CountingObserver observed;
+      auto gpu_engine = CudaEngine(budget, method, &observed);
       std::vector<int32_t> first_cpu, first_gpu;
       auto want =
           Run(*cpu_engine, *cpu_store, prompts, budget, &first_cpu, method, kv_store::DType::kF32);
@@ -247,6 +261,11 @@ TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
       EXPECT_GT(n.retrieval.hot_cache_hits, 0) << "consecutive steps select overlapping rows";
       EXPECT_EQ(n.retrieval.rows_fetched, n.retrieval.hot_cache_misses);
       EXPECT_EQ(n.retrieval.bytes_fetched, n.retrieval.rows_fetched * 4 * c.head_dim);
+      // The per-step reports add up to the per-sequence counters.
+      EXPECT_EQ(observed.hits, n.retrieval.hot_cache_hits);
+      EXPECT_EQ(observed.misses, n.retrieval.hot_cache_misses);
+      EXPECT_EQ(observed.bytes_fetched, n.retrieval.bytes_fetched);
+      EXPECT_EQ(observed.offloaded, n.retrieval.rows_offloaded * 4 * c.head_dim);
       EXPECT_GT(n.attend_calls, 0);
     }
 }

@@ -258,8 +258,11 @@ class CudaModelImpl final : public CudaModel {
       return {pool_slots.data(), pool_pages.data() + int64_t{layer} * opt.slots * n_kv * max_pages,
               max_pages, n_kv};
     }
-    DeviceBuffer<unsigned long long> selected;       // [1]
-    DeviceBuffer<unsigned long long> slot_selected;  // [slots], since the slot was taken
+    DeviceBuffer<unsigned long long> selected;  // [1]
+    // Per slot since it was taken: rows selected [0, slots) and hot-cache hits [slots, 2 slots),
+    // all layers; copied back at the end of every sparse Forward (h_slot_counters).
+    DeviceBuffer<unsigned long long> slot_counters;
+    PinnedBuffer<unsigned long long> h_slot_counters;
     int64_t steps = 0;
     std::vector<std::optional<SequenceId>> owner;  // per slot
     cuda::SparseSummaryView View() {
@@ -1088,7 +1091,11 @@ absl::Status CudaModelImpl::ConfigureSparse(const SparseAttentionOptions& o) {
   KVR_RETURN_IF_ERROR(Alloc(st->new_rows, S * L * 2 * kv * d));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_new_rows, S * L * 2 * kv * d));
   KVR_RETURN_IF_ERROR(Alloc(st->selected, 1));
-  KVR_RETURN_IF_ERROR(Alloc(st->slot_selected, S));
+  KVR_RETURN_IF_ERROR(Alloc(st->slot_counters, 2 * S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_slot_counters, 2 * S));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(st->slot_counters.data(), 0, st->slot_counters.bytes(), stream()));
+  std::fill(st->h_slot_counters.data(), st->h_slot_counters.data() + 2 * S, 0ull);
   KVR_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(st->selected.data(), 0, sizeof(unsigned long long), stream()));
   const rc::SelectionOutput out{o.budget, st->ids.data(), st->counts.data()};
@@ -1220,8 +1227,11 @@ absl::Status CudaModelImpl::AddSparseSequence(SequenceId id, int64_t capacity,
                                             options.host_huge_pages, "AddSparseSequence"));
   }
   for (rc::HotCache& h : sparse_->hot) KVR_RETURN_IF_ERROR(h.ResetSlot(slot, stream()));
-  KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sparse_->slot_selected.data() + slot, 0,
-                                           sizeof(unsigned long long), stream()));
+  for (int64_t i : {int64_t{slot}, int64_t{sparse_->opt.slots} + slot}) {
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sparse_->slot_counters.data() + i, 0,
+                                             sizeof(unsigned long long), stream()));
+    sparse_->h_slot_counters.data()[i] = 0;
+  }
   KVR_RETURN_IF_ERROR(
       cuda::LaunchSparseClearSlot(sparse_->View(), slot, c.n_layers, c.n_kv_heads, stream()));
   KVR_RETURN_IF_ERROR(stream_.Synchronize());
@@ -1247,17 +1257,11 @@ absl::StatusOr<SparseSequenceCounters> CudaModelImpl::SparseCounters(SequenceId 
     return absl::NotFoundError(absl::StrCat("SparseCounters: no sparse sequence ", id));
   }
   const int slot = it->second.slot;
+  const unsigned long long* h = sparse_->h_slot_counters.data();
   SparseSequenceCounters out;
   out.steps = it->second.sparse_steps;
-  unsigned long long v = 0;
-  KVR_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(&v, sparse_->slot_selected.data() + slot, sizeof(v), cudaMemcpyDeviceToHost));
-  out.selected_rows = static_cast<int64_t>(v);
-  for (const rc::HotCache& h : sparse_->hot) {
-    KVR_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(&v, h.slot_hits() + slot, sizeof(v), cudaMemcpyDeviceToHost));
-    out.hot_cache_hits += static_cast<int64_t>(v);
-  }
+  out.selected_rows = static_cast<int64_t>(h[slot]);
+  out.hot_cache_hits = static_cast<int64_t>(h[sparse_->opt.slots + slot]);
   return out;
 }
 
@@ -1510,13 +1514,14 @@ absl::Status CudaModelImpl::SparseLayer(int layer, const Layer& w, int64_t max_c
                                               sp.selected.data(), stream()));
   }
   KVR_RETURN_IF_ERROR(cuda::LaunchSumCountsPerSlot(sp.counts.data(), S, static_cast<int>(kv),
-                                                   sp.slot_selected.data(), stream()));
+                                                   sp.slot_counters.data(), stream()));
 
   KVR_RETURN_IF_ERROR(Mark(Kind::kGather));
   const rc::KvPoolView pool = sp.PoolView(layer);
   if (!sp.hot.empty()) {
-    KVR_RETURN_IF_ERROR(
-        sp.hot[layer].Gather(pool, sp.ids.data(), sp.counts.data(), sp.gathered.data(), stream()));
+    KVR_RETURN_IF_ERROR(sp.hot[layer].Gather(pool, sp.ids.data(), sp.counts.data(),
+                                             sp.gathered.data(), stream(),
+                                             sp.slot_counters.data() + S));
   } else {
     rc::GatherParams gp;
     gp.batch = S;
@@ -2276,6 +2281,12 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     if (!next_tokens.empty()) {
       KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_argmax_.data(), d_argmax_.data(),
                                                n_out * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                               stream()));
+    }
+    if (sparse) {
+      const SparseState& sp = *sparse_;
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_slot_counters.data(), sp.slot_counters.data(),
+                                               sp.slot_counters.bytes(), cudaMemcpyDeviceToHost,
                                                stream()));
     }
     if (copy_new_rows) {

@@ -67,9 +67,11 @@ struct CudaDecodeBackendOptions {
                                                      const CudaDecodeBackendOptions& options);
 
 // The CUDA backend over `model` (owned): ConfigureSparse with the options. Errors name the
-// option the model refused.
+// option the model refused. `observer` (may be null; not owned, outlives the backend) gets each
+// step's hot-cache hits and misses, bytes fetched and appended, and the resident summary bytes.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
-    std::unique_ptr<model::CudaModel> model, const CudaDecodeBackendOptions& options);
+    std::unique_ptr<model::CudaModel> model, const CudaDecodeBackendOptions& options,
+    DecodeObserver* observer = nullptr);
 
 // The backend `config.device` names: "cpu" over `model` (not owned; with the config's
 // hot_cache_bytes, quality_sample_rate and `assets`), or "cuda": `model`'s weights uploaded once

@@ -411,7 +411,8 @@ class CudaModel {
   virtual SparseStats sparse_stats() const = 0;
   // Device bytes of one sparse slot (its share of the sparse state); 0 without ConfigureSparse.
   virtual int64_t sparse_slot_device_bytes() const = 0;
-  // Synchronous (reads the slot's device counters). NotFound for an unknown or dense sequence.
+  // As of the last Forward (the slot's counters come back with every sparse Forward; no
+  // synchronization here). NotFound for an unknown or dense sequence.
   [[nodiscard]] virtual absl::StatusOr<SparseSequenceCounters> SparseCounters(
       SequenceId id) const = 0;
   // For tests: later sparse Forwards copy layer `layer`'s query, selection and attention output

@@ -210,7 +210,7 @@ absl::Status HotCache::ResetSlot(int b, cudaStream_t stream) {
 }
 
 absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const int32_t* counts,
-                              void* out, cudaStream_t stream) {
+                              void* out, cudaStream_t stream, unsigned long long* slot_hits) {
   if (!KvPoolViewSet(pool) || !ids || !counts || !out) {
     return absl::InvalidArgumentError("HotCache::Gather: null pool tables, ids, counts or out");
   }
@@ -221,19 +221,18 @@ absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const 
   const int64_t entries = static_cast<int64_t>(shape_.batch) * shape_.n_kv_heads * shape_.budget;
   constexpr int kThreads = 256;
   HotCacheLookupKernel<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0,
-                         stream>>>(ids, counts, tags_.data(), stamps_.data(), claims_.data(),
-                                   fills_.data(), slot_of_.data(), counters_.data(),
-                                   counters_.data() + 1, shape_.budget, shape_.n_kv_heads,
-                                   shape_.n_sets, shape_.ways, entries, steps_.data());
+                         stream>>>(
+      ids, counts, tags_.data(), stamps_.data(), claims_.data(), fills_.data(), slot_of_.data(),
+      counters_.data(), slot_hits != nullptr ? slot_hits : counters_.data() + 1, shape_.budget,
+      shape_.n_kv_heads, shape_.n_sets, shape_.ways, entries, steps_.data());
   if (absl::Status s = kvr::cuda::LastLaunchStatus("HotCacheLookupKernel"); !s.ok()) return s;
   const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
   const int64_t chunks = entries * chunks_per_row;
   HotCacheCopyKernel<<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0,
-                       stream>>>(pool, ids, counts,
-                                 slot_of_.data(), tags_.data(), stamps_.data(), claims_.data(),
-                                 reinterpret_cast<uint4*>(data_.data()), static_cast<uint4*>(out),
-                                 shape_.budget, slots_per_head(), chunks_per_row, chunks,
-                                 steps_.data());
+                       stream>>>(pool, ids, counts, slot_of_.data(), tags_.data(), stamps_.data(),
+                                 claims_.data(), reinterpret_cast<uint4*>(data_.data()),
+                                 static_cast<uint4*>(out), shape_.budget, slots_per_head(),
+                                 chunks_per_row, chunks, steps_.data());
   return kvr::cuda::LastLaunchStatus("HotCacheCopyKernel");
 }
 

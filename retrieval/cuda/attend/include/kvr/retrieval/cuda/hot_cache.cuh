@@ -48,9 +48,11 @@ class HotCache {
                                                        cudaStream_t stream);
 
   // One decode step. ids/counts/out as GatherParams (device pointers); `pool` is where misses
-  // are read. Adds the number of hits to the device counter returned by hits().
+  // are read. Adds the number of hits to the device counter returned by hits(), and each
+  // sequence slot's hits to slot_hits[b] (device [batch]; null: this cache's own slot_hits()).
   [[nodiscard]] absl::Status Gather(const KvPoolView& pool, const int32_t* ids,
-                                    const int32_t* counts, void* out, cudaStream_t stream);
+                                    const int32_t* counts, void* out, cudaStream_t stream,
+                                    unsigned long long* slot_hits = nullptr);
 
   // Forgets every row of sequence slot b (a new sequence takes the slot) and zeroes its hits.
   [[nodiscard]] absl::Status ResetSlot(int b, cudaStream_t stream);
