@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Fails when a component includes a header of a component above it (docs/conventions.md 15).
+
+Layers point down only: common and proto <- model <- retrieval <- transport <- kv-store <-
+controller (the node library: membership, node clients) <- prefill-node, decode-node <- tools
+<- tests. A file's component is its top-level folder; an included header's component is named
+by its path under kvr/ (kvr/kv_store/..., generated protos kvr/v1, kvr/store, kvr/cluster).
+
+Known debts are listed in ALLOWED with the reason; anything else above the includer fails, and
+so does an ALLOWED entry that no file needs any more (the debt was paid: delete the entry).
+
+Usage: check_layers.py [ROOT]   (default: the repository this script is in). Exit 0 when the
+tree holds the layering, 1 with one line per offending include otherwise.
+"""
+import pathlib
+import re
+import sys
+
+# Folder -> rank; a file may include its own component and components of a lower rank.
+RANK = {
+    "common": 0, "proto": 0,
+    "model": 1,
+    "retrieval": 2,
+    "transport": 3,
+    "kv-store": 4,
+    "controller": 5,
+    "prefill-node": 6, "decode-node": 6,
+    "tools": 7,
+    "tests": 8,
+}
+# Header namespace (kvr/<name>/) -> folder.
+NAMESPACE = {
+    "common": "common", "v1": "proto", "store": "proto", "cluster": "proto",
+    "model": "model", "retrieval": "retrieval", "transport": "transport",
+    "kv_store": "kv-store", "controller": "controller", "prefill_node": "prefill-node",
+    "decode": "decode-node", "loadgen": "tools",
+}
+# (including folder, included folder, path prefix of the including files): why it is allowed.
+ALLOWED = {
+    ("model", "retrieval", "model/cuda/"):
+        "the GPU sparse decode still lives in CudaModel; it moves to the decode side behind a "
+        "per-layer device attention hook",
+    ("model", "retrieval", "model/tests/cuda_"):
+        "tests of CudaModel's sparse sequences and prefill summaries (see model/cuda)",
+    ("kv-store", "controller", "kv-store/"):
+        "MembershipClient lives in controller/ though every node uses it; it moves to a node "
+        "library below kv-store",
+}
+INCLUDE = re.compile(r'^\s*#\s*include\s+"kvr/([a-z_0-9]+)/')
+SOURCES = ("*.h", "*.cc", "*.cu", "*.cuh")
+
+
+def check(root):
+    errors, used = [], set()
+    for folder, rank in RANK.items():
+        base = root / folder
+        if not base.is_dir():
+            continue
+        for pattern in SOURCES:
+            for path in sorted(base.rglob(pattern)):
+                rel = path.relative_to(root).as_posix()
+                for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                    m = INCLUDE.match(line)
+                    if not m or m.group(1) not in NAMESPACE:
+                        continue
+                    target = NAMESPACE[m.group(1)]
+                    if RANK[target] <= rank and (target == folder or RANK[target] < rank):
+                        continue
+                    allowed = [k for k in ALLOWED
+                               if k[0] == folder and k[1] == target and rel.startswith(k[2])]
+                    if allowed:
+                        used.update(allowed)
+                        continue
+                    errors.append(f"{rel}:{n}: {folder} (layer {rank}) includes {target} "
+                                  f"(layer {RANK[target]}): {line.strip()}")
+    for key in sorted(set(ALLOWED) - used):
+        errors.append(f"ALLOWED entry {key} is no longer needed: remove it from {__file__}")
+    return errors
+
+
+def main():
+    root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent.parent)
+    errors = check(root.resolve())
+    for e in errors:
+        print(e)
+    if errors:
+        print(f"check_layers: {len(errors)} include(s) against the layering (docs/conventions.md 15)")
+        return 1
+    print("check_layers: every include points down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

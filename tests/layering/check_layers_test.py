@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Tests of scripts/check_layers.py: it passes on the repository, and fails on a tree with a
+deliberately wrong include (a lower layer including a higher one), naming the file and line,
+and on an allowance that nothing needs any more."""
+import pathlib
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "check_layers.py"
+
+
+def run(root):
+    return subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True,
+                          text=True, check=False)
+
+
+def write(root, rel, text):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# The allowances of the real tree, so that a synthetic tree does not fail for unused ones.
+ALLOWANCES = {
+    "model/cuda/x.cu": '#include "kvr/retrieval/cuda/gather.cuh"\n',
+    "model/tests/cuda_x_test.cc": '#include "kvr/retrieval/index.h"\n',
+    "kv-store/src/x.cc": '#include "kvr/controller/membership_client.h"\n',
+}
+
+
+class CheckLayersTest(unittest.TestCase):
+    def test_the_repository_holds_the_layering(self):
+        r = run(ROOT)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_a_lower_layer_including_a_higher_one_fails(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = pathlib.Path(d)
+            for rel, text in ALLOWANCES.items():
+                write(root, rel, text)
+            write(root, "retrieval/src/ok.cc", '#include "kvr/model/model.h"\n')
+            write(root, "decode-node/src/ok.cc", '#include "kvr/kv_store/client.h"\n')
+            self.assertEqual(run(root).returncode, 0, run(root).stdout)
+            # The model must not know a retrieval method (outside the listed GPU debt).
+            write(root, "model/src/bad.cc", '// x\n#include "kvr/retrieval/registry.h"\n')
+            r = run(root)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("model/src/bad.cc:2: model (layer 1) includes retrieval (layer 2)",
+                          r.stdout)
+
+    def test_same_rank_components_may_not_include_each_other(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = pathlib.Path(d)
+            for rel, text in ALLOWANCES.items():
+                write(root, rel, text)
+            write(root, "decode-node/src/bad.cc", '#include "kvr/prefill_node/engine.h"\n')
+            r = run(root)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("decode-node/src/bad.cc:1", r.stdout)
+
+    def test_an_allowance_nothing_needs_fails(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = pathlib.Path(d)
+            write(root, "common/x.h", "// nothing\n")
+            r = run(root)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("is no longer needed", r.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
