@@ -113,6 +113,12 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
        "Unix socket path (created 0600) on which the page pool's memfd is handed to processes "
        "on this host for zero-copy reads; every sequence in the pool is readable through it "
        "(empty: off)"},
+      {"max_reply_bytes",
+       "largest reply to one gather or range read, e.g. 512MiB (bigger requests are refused: "
+       "split them)"},
+      {"max_outstanding_reply_bytes",
+       "most reply memory being filled or sent at once, e.g. 2GiB (past it requests are "
+       "refused as busy)"},
       {"rma_reads",
        "register the page pool with UCX and hand its rkey to every client for RMA range "
        "reads (bool); the rkey reads the whole pool past every sequence capability, so only "
@@ -187,11 +193,18 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
             absl::StrFormat("advertise_address: '%s' is not host:port", *text)));
       }
       config.advertise_address = *text;
-    } else if (k == "capacity_bytes" || k == "page_bytes") {
+    } else if (k == "capacity_bytes" || k == "page_bytes" || k == "max_reply_bytes" ||
+               k == "max_outstanding_reply_bytes") {
       absl::StatusOr<uint64_t> v = ParseByteSize(*text);
       if (!v.ok())
         return fail(absl::InvalidArgumentError(absl::StrCat(k, ": ", v.status().message())));
-      (k == "capacity_bytes" ? config.capacity_bytes : config.page_bytes) = *v;
+      if (*v == 0 && k != "capacity_bytes" && k != "page_bytes") {
+        return fail(absl::InvalidArgumentError(absl::StrCat(k, ": must be above 0")));
+      }
+      (k == "capacity_bytes"    ? config.capacity_bytes
+       : k == "page_bytes"      ? config.page_bytes
+       : k == "max_reply_bytes" ? config.max_reply_bytes
+                                : config.max_outstanding_reply_bytes) = *v;
     } else if (k == "metrics_port") {
       int64_t port = 0;
       if (!absl::SimpleAtoi(*text, &port) || port < -1 || port > 65535) {
@@ -228,6 +241,8 @@ StoreServerOptions StoreConfig::ToServerOptions() const {
   options.metrics_port = static_cast<int>(metrics_port);
   options.local_socket = local_socket;
   options.rma_reads = rma_reads;
+  options.max_reply_bytes = max_reply_bytes;
+  options.max_outstanding_reply_bytes = max_outstanding_reply_bytes;
   return options;
 }
 
@@ -255,6 +270,8 @@ std::string StoreConfig::Describe() const {
   line("advertise_address", advertise_address.empty() ? "(from listen)" : advertise_address);
   line("local_socket", local_socket.empty() ? "(off)" : local_socket);
   line("rma_reads", rma_reads ? "true" : "false");
+  line("max_reply_bytes", absl::StrCat(max_reply_bytes));
+  line("max_outstanding_reply_bytes", absl::StrCat(max_outstanding_reply_bytes));
   return out;
 }
 

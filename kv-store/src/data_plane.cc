@@ -1,9 +1,10 @@
 #include "data_plane.h"
 
-#include <cstring>
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "kvr/kv_store/wire.h"
 
 namespace kvr::kv_store {
@@ -14,9 +15,7 @@ using transport::IncomingRequest;
 using wire::MessageType;
 
 // A reply that cannot be sent means the client is gone; nothing is left to tell.
-void Answer(IncomingRequest& req, const absl::Status& error) {
-  (void)req.ReplyError(error);
-}
+void Answer(IncomingRequest& req, const absl::Status& error) { (void)req.ReplyError(error); }
 
 void HandleWrite(PagedKvStore& store, ReplyBufferPool&, IncomingRequest& req) {
   absl::StatusOr<LayerRows> rows = wire::ParseWrite(req.header(), req.payload(), absl::Now());
@@ -41,11 +40,12 @@ void HandleGather(PagedKvStore& store, ReplyBufferPool& buffers, IncomingRequest
   if (!parsed.ok()) return Answer(req, parsed.status());
   absl::StatusOr<uint64_t> bytes = store.GatherBytes(parsed->entries);
   if (!bytes.ok()) return Answer(req, bytes.status());
-  std::shared_ptr<ReplyBufferPool::Buffer> out = buffers.Acquire(*bytes);
-  if (absl::Status st = store.Gather(parsed->entries, out->span()); !st.ok()) {
+  absl::StatusOr<std::shared_ptr<ReplyBufferPool::Buffer>> out = buffers.Acquire(*bytes);
+  if (!out.ok()) return Answer(req, out.status());
+  if (absl::Status st = store.Gather(parsed->entries, (*out)->span()); !st.ok()) {
     return Answer(req, st);
   }
-  ReplyWithBuffer(req, MessageType::kGather, std::move(out));
+  ReplyWithBuffer(req, MessageType::kGather, *std::move(out));
 }
 
 void HandleRange(PagedKvStore& store, ReplyBufferPool& buffers, IncomingRequest& req) {
@@ -54,9 +54,12 @@ void HandleRange(PagedKvStore& store, ReplyBufferPool& buffers, IncomingRequest&
   if (!ranges.ok()) return Answer(req, ranges.status());
   absl::StatusOr<uint64_t> bytes = store.RangeBytes(*ranges);
   if (!bytes.ok()) return Answer(req, bytes.status());
-  std::shared_ptr<ReplyBufferPool::Buffer> out = buffers.Acquire(*bytes);
-  if (absl::Status st = store.RangeRead(*ranges, out->span()); !st.ok()) return Answer(req, st);
-  ReplyWithBuffer(req, MessageType::kRangeRead, std::move(out));
+  absl::StatusOr<std::shared_ptr<ReplyBufferPool::Buffer>> out = buffers.Acquire(*bytes);
+  if (!out.ok()) return Answer(req, out.status());
+  if (absl::Status st = store.RangeRead(*ranges, (*out)->span()); !st.ok()) {
+    return Answer(req, st);
+  }
+  ReplyWithBuffer(req, MessageType::kRangeRead, *std::move(out));
 }
 
 void HandleLocate(PagedKvStore& store, ReplyBufferPool&, IncomingRequest& req) {
@@ -67,14 +70,12 @@ void HandleLocate(PagedKvStore& store, ReplyBufferPool&, IncomingRequest& req) {
   if (!segments.ok()) return Answer(req, segments.status());
   Bytes out = Bytes::Uninitialized(segments->size() * sizeof(wire::SegmentWire));
   for (size_t i = 0; i < segments->size(); ++i) {
-    wire::SegmentWire w{.pool_offset = (*segments)[i].pool_offset,
-                        .bytes = (*segments)[i].bytes};
+    wire::SegmentWire w{.pool_offset = (*segments)[i].pool_offset, .bytes = (*segments)[i].bytes};
     std::memcpy(out.data() + i * sizeof(w), &w, sizeof(w));
   }
   const uint64_t n = segments->size();
-  (void)req.Reply(
-      transport::AsBytes(wire::EncodeReply(MessageType::kLocateRange, out.size(), n)),
-      std::move(out));
+  (void)req.Reply(transport::AsBytes(wire::EncodeReply(MessageType::kLocateRange, out.size(), n)),
+                  std::move(out));
 }
 
 void HandleLocateOff(PagedKvStore&, ReplyBufferPool&, IncomingRequest& req) {
@@ -84,10 +85,21 @@ void HandleLocateOff(PagedKvStore&, ReplyBufferPool&, IncomingRequest& req) {
 
 }  // namespace
 
-std::shared_ptr<ReplyBufferPool::Buffer> ReplyBufferPool::Acquire(size_t size) {
+absl::StatusOr<std::shared_ptr<ReplyBufferPool::Buffer>> ReplyBufferPool::Acquire(size_t size) {
+  if (size > limits_.max_reply_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a reply of ", size, " bytes exceeds the store's max_reply_bytes ",
+                     limits_.max_reply_bytes, "; ask for fewer rows per request"));
+  }
   Idle chosen;
   {
     absl::MutexLock lock(&mu_);
+    if (outstanding_ + size > limits_.max_outstanding_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the store is busy: ", outstanding_, " bytes of replies in flight, a reply of ", size,
+          " would pass max_outstanding_reply_bytes ", limits_.max_outstanding_bytes, "; retry"));
+    }
+    outstanding_ += size;
     // Smallest idle buffer that fits.
     size_t best = idle_.size();
     for (size_t i = 0; i < idle_.size(); ++i) {
@@ -108,9 +120,10 @@ std::shared_ptr<ReplyBufferPool::Buffer> ReplyBufferPool::Acquire(size_t size) {
   return std::make_shared<Buffer>(this, std::move(chosen.data), chosen.capacity, size);
 }
 
-void ReplyBufferPool::Return(std::unique_ptr<uint8_t[]> data, size_t capacity) {
-  if (data == nullptr || capacity > max_kept_bytes_) return;
+void ReplyBufferPool::Return(std::unique_ptr<uint8_t[]> data, size_t capacity, size_t size) {
   absl::MutexLock lock(&mu_);
+  outstanding_ -= size;
+  if (data == nullptr || capacity > max_kept_bytes_) return;
   if (idle_.size() >= max_buffers_) {
     // Drop the smallest: big buffers are the expensive ones to fault in again.
     auto smallest = std::min_element(idle_.begin(), idle_.end(), [](const Idle& a, const Idle& b) {

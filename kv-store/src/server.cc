@@ -80,8 +80,10 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   impl->worker.emplace(std::move(worker));
   impl->queue = std::make_unique<WorkQueue>(options.data_plane_threads);
   // Enough idle buffers for every data-plane thread plus replies still being sent.
-  impl->reply_buffers = std::make_unique<ReplyBufferPool>(2 * options.data_plane_threads + 2,
-                                                          size_t{512} << 20);
+  impl->reply_buffers = std::make_unique<ReplyBufferPool>(
+      2 * options.data_plane_threads + 2, size_t{512} << 20,
+      ReplyBufferPool::Limits{.max_reply_bytes = options.max_reply_bytes,
+                              .max_outstanding_bytes = options.max_outstanding_reply_bytes});
   KVR_RETURN_IF_ERROR(RegisterDataPlaneHandlers(*impl->worker, *impl->store, *impl->queue,
                                                 *impl->reply_buffers, options.rma_reads));
 

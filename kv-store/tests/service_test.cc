@@ -20,8 +20,8 @@ using ::kvr::kv_store::testing::RowMatches;
 using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
-constexpr SequenceShape kShape{.n_layers = 2, .n_kv_heads = 2, .head_dim = 16,
-                               .dtype = DType::kBf16};
+constexpr SequenceShape kShape{
+    .n_layers = 2, .n_kv_heads = 2, .head_dim = 16, .dtype = DType::kBf16};
 
 StoreOptions SmallStore() {
   StoreOptions options;
@@ -84,8 +84,7 @@ void ExerciseClient(KvStoreClient& client) {
 // Puts of several layers and gathers of several layers in flight at once, as prefill and
 // decode overlap them with compute.
 void ExerciseAsync(KvStoreClient& client) {
-  const SequenceShape shape{.n_layers = 4, .n_kv_heads = 2, .head_dim = 32,
-                            .dtype = DType::kF16};
+  const SequenceShape shape{.n_layers = 4, .n_kv_heads = 2, .head_dim = 32, .dtype = DType::kF16};
   ASSERT_TRUE(client.CreateSequence(TestRef(9), shape, 0, absl::ZeroDuration()).ok());
   std::vector<testing::PatternRows> rows;
   for (uint32_t layer = 0; layer < 4; ++layer) {
@@ -121,8 +120,8 @@ void ExerciseAsync(KvStoreClient& client) {
     ASSERT_TRUE(bytes.ok()) << bytes.status();
     EXPECT_EQ(*bytes, outs[layer].size());
     for (size_t i = 0; i < idx.size(); ++i) {
-      EXPECT_TRUE(RowMatches(shape, 9, layer, 1, idx[i],
-                             outs[layer].data() + i * shape.RowBytes()));
+      EXPECT_TRUE(
+          RowMatches(shape, 9, layer, 1, idx[i], outs[layer].data() + i * shape.RowBytes()));
     }
   }
   // An op dropped without Wait() still completes before its buffers go away.
@@ -141,6 +140,47 @@ TEST(ServiceTest, UcxClientAgainstInProcessServer) {
   ASSERT_TRUE(client.ok()) << client.status();
   ExerciseClient(**client);
   ExerciseAsync(**client);
+}
+
+// A gather that names more rows than the store answers in one reply (an amplification: a few
+// bytes of indices asking for a huge reply) is refused naming the limit, and the store keeps
+// serving the same client and others.
+TEST(ServiceTest, RepliesAboveTheStoresLimitAreRefusedAndServiceGoesOn) {
+  StoreServerOptions options;
+  options.store = SmallStore();
+  options.max_reply_bytes = 64 * kShape.RowBytes();
+  auto server = StoreServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", (*server)->port()));
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->CreateSequence(TestRef(5), kShape, 10, absl::Seconds(60)).ok());
+  auto rows = MakePatternRows(kShape, 5, 0, 0, 10);
+  ASSERT_TRUE((*client)
+                  ->PutLayer({.sequence = TestRef(5),
+                              .layer = 0,
+                              .start_row = 0,
+                              .n_rows = 10,
+                              .k = rows.k,
+                              .v = rows.v})
+                  .ok());
+  std::vector<uint32_t> many(65, 3);  // one row asked 65 times: 65 rows of reply
+  std::vector<GatherEntry> entries = {
+      {.sequence = TestRef(5), .layer = 0, .head = 0, .indices = many}};
+  std::vector<uint8_t> out(GatherBytes(entries, kShape.RowBytes()));
+  absl::Status refused = (*client)->Gather(entries, out);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("max_reply_bytes"));
+  std::vector<RangeEntry> range = {
+      {.sequence = TestRef(5), .layer = 0, .head = 0, .start = 0, .n_rows = 10}};
+  std::vector<uint8_t> range_out(10 * kShape.RowBytes());
+  for (int i = 0; i < 3; ++i) {  // still served, and the refused reply left nothing on loan
+    ASSERT_TRUE((*client)->RangeRead(range, range_out).ok());
+    EXPECT_TRUE(RowMatches(kShape, 5, 0, 0, 9, range_out.data() + 9 * kShape.RowBytes()));
+  }
+  many.resize(64);
+  entries[0].indices = many;
+  out.resize(GatherBytes(entries, kShape.RowBytes()));
+  EXPECT_TRUE((*client)->Gather(entries, out).ok());
 }
 
 TEST(ServiceTest, FakeClientBehavesTheSame) {
@@ -220,7 +260,8 @@ TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
   std::vector<grpc::Slice> slices;
   ASSERT_TRUE(response.Dump(&slices).ok());
   std::string body;
-  for (const grpc::Slice& s : slices) body.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    body.append(reinterpret_cast<const char*>(s.begin()), s.size());
   EXPECT_EQ(body, std::string("\x08\x01", 2));
 
   // A client whose budget is already spent gets DEADLINE_EXCEEDED (gRPC refuses it before

@@ -38,6 +38,9 @@ struct StoreConfig {
   // Hand out the pool's rkey for RMA range reads; off by default. See
   // StoreServerOptions::rma_reads.
   bool rma_reads = false;
+  // Memory outside the pool for replies (StoreServerOptions::max_reply_bytes, ...).
+  uint64_t max_reply_bytes = uint64_t{512} << 20;
+  uint64_t max_outstanding_reply_bytes = uint64_t{2} << 30;
 
   // Where each value came from ("flag", "file", "env" or "default"), in field order.
   std::vector<std::pair<std::string, std::string>> sources;

@@ -47,6 +47,13 @@ struct StoreServerOptions {
   // sequence it belongs to, and GetDataPlaneInfo answers anyone; with it off the pool is not
   // registered at all, no rkey exists, and every read goes through a checked message.
   bool rma_reads = false;
+  // Memory the store spends outside its pool on replies: one gather or range read may answer
+  // at most max_reply_bytes (RESOURCE_EXHAUSTED naming it: split the request), and the replies
+  // being filled or sent may hold at most max_outstanding_reply_bytes together
+  // (RESOURCE_EXHAUSTED "busy": retry). A request naming millions of rows costs its sender an
+  // error, not the store its memory.
+  uint64_t max_reply_bytes = uint64_t{512} << 20;
+  uint64_t max_outstanding_reply_bytes = uint64_t{2} << 30;
 };
 
 class StoreServer {
