@@ -18,7 +18,8 @@ struct DecodeEngine::Sequence {
 
   Handoff meta;  // layers cleared after Prepare
   model::Sampler sampler;
-  std::unique_ptr<BackendSequence> state;  // the backend's, until the sequence joins
+  std::unique_ptr<BackendSequence> state;                // the backend's, until the sequence joins
+  std::unique_ptr<kv_store::LeaseKeeper::Handle> lease;  // renews the store lease while here
   int32_t next_token = 0;
   int64_t generated = 1;  // the first token, sampled by the prefill node
   TextStream text;
@@ -42,7 +43,12 @@ DecodeEngine::DecodeEngine(std::unique_ptr<DecodeBackend> backend,
     : backend_(std::move(backend)),
       tokenizer_(tokenizer),
       options_(std::move(options)),
-      observer_(observer != nullptr ? observer : &noop_observer_) {}
+      observer_(observer != nullptr ? observer : &noop_observer_) {
+  if (options_.store_lease > absl::ZeroDuration()) {
+    lease_keeper_ = std::make_unique<kv_store::LeaseKeeper>(kv_store::LeaseKeeperOptions{
+        .ttl = options_.store_lease, .period = options_.store_lease / 4});
+  }
+}
 
 absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
     const model::Model* model, const model::Tokenizer* tokenizer,
@@ -191,6 +197,9 @@ absl::Status DecodeEngine::Admit(Handoff handoff) {
   if (sequences_.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " is already here"));
   }
+  if (lease_keeper_ != nullptr) {
+    seq->lease = lease_keeper_->Keep(seq->meta.store, seq->meta.store_owner, seq->meta.store_ref());
+  }
   resident_bytes_ += seq->resident_bytes;
   waiting_.push_back(seq.get());
   sequences_.emplace(id, std::move(seq));
@@ -259,6 +268,7 @@ void DecodeEngine::End(Sequence& seq, absl::Status status, const char* outcome) 
   // pinned host KV and its place among the pre-pulled ones): free it now, not when a reader
   // collects the outcome (up to unclaimed_ttl later).
   seq.state.reset();
+  seq.lease.reset();
   if (absl::Status s = seq.meta.store->Release(seq.meta.store_ref(), absl::ZeroDuration());
       !s.ok()) {
     spdlog::warn("sequence {}: releasing it in the store: {}", id, s.ToString());

@@ -143,9 +143,9 @@ class LayerWorker {
       // Built by the backend (on the GPU): only serialised here.
       absl::StatusOr<std::vector<uint8_t>> built = SerializeBackendSummary(shape, task);
       if (!built.ok()) {
-        return absl::InternalError(absl::StrCat("retrieval (method '", ctx_.method, "', layer ",
-                                                task.layer, ", built by the backend): ",
-                                                built.status().message()));
+        return absl::InternalError(
+            absl::StrCat("retrieval (method '", ctx_.method, "', layer ", task.layer,
+                         ", built by the backend): ", built.status().message()));
       }
       bytes = *std::move(built);
     } else {
@@ -245,8 +245,8 @@ class LayerWorker {
                                                                const LayerTask& task) const {
     const model::PrefillSummaryLayer& s = task.summary;
     if (s.length != ctx_.prompt_tokens) {
-      return absl::InternalError(absl::StrCat("summary over ", s.length, " tokens, expected ",
-                                              ctx_.prompt_tokens));
+      return absl::InternalError(
+          absl::StrCat("summary over ", s.length, " tokens, expected ", ctx_.prompt_tokens));
     }
     switch (s.method) {
       case model::PrefillSummaryMethod::kQuest:
@@ -265,8 +265,8 @@ class LayerWorker {
         for (int h = 0; h < nkv; ++h) {
           const int64_t nc = n_clusters[h];
           if (nc < 0 || nc > K) {
-            return absl::InternalError(absl::StrCat("clusterkv head ", h, ": ", nc,
-                                                    " clusters, at most ", K));
+            return absl::InternalError(
+                absl::StrCat("clusterkv head ", h, ": ", nc, " clusters, at most ", K));
           }
           const int32_t* off = offsets + int64_t{h} * (K + 1);
           const int64_t n_members = off[nc];
@@ -343,7 +343,12 @@ PrefillEngine::PrefillEngine(std::unique_ptr<PrefillBackend> backend,
       registry_(registry),
       stores_(stores),
       handoff_(handoff),
-      options_(std::move(options)) {}
+      options_(std::move(options)) {
+  if (options_.store_lease > absl::ZeroDuration()) {
+    lease_keeper_ = std::make_unique<kv_store::LeaseKeeper>(kv_store::LeaseKeeperOptions{
+        .ttl = options_.store_lease, .period = options_.store_lease / 4});
+  }
+}
 
 std::string PrefillEngine::FailedNodeOf(const absl::Status& status) {
   auto node = status.GetPayload(kFailedNodePayload);
@@ -503,9 +508,10 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                                 static_cast<uint32_t>(c.head_dim), options_.store_dtype};
   uint64_t expected = static_cast<uint64_t>(L) + max_tokens;
   if (c.context_length > 0) expected = std::min<uint64_t>(expected, c.context_length);
-  const absl::Duration lease =
+  absl::Duration lease =
       (job.deadline == absl::InfiniteFuture() ? absl::Minutes(10) : job.deadline - absl::Now()) +
       options_.store_lease_margin;
+  if (lease_keeper_ != nullptr) lease = std::min(lease, options_.store_lease);
   if (absl::StatusOr<kv_store::CreateResult> created =
           (*store)->CreateSequence(job.store_ref(), shape, expected, lease);
       !created.ok()) {
@@ -514,6 +520,10 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
     if (absl::IsAlreadyExists(created.status())) return created.status();
     return NodeFailure(job.store, "store", created.status());
   }
+  // Renewed until this request is done with it (past the handoff, when the decode node keeps
+  // it: their renewals overlap).
+  std::unique_ptr<kv_store::LeaseKeeper::Handle> kept;
+  if (lease_keeper_ != nullptr) kept = lease_keeper_->Keep(store->get(), *store, job.store_ref());
   bool handed_off = false;
   absl::Cleanup release = [&] {
     if (handed_off) return;  // D owns the sequence now and releases it

@@ -34,6 +34,7 @@
 #include "kvr/decode/decode_attention.h"
 #include "kvr/decode/observer.h"
 #include "kvr/kv_store/client.h"
+#include "kvr/kv_store/lease_keeper.h"
 #include "kvr/model/kv_cache.h"
 #include "kvr/model/model.h"
 #include "kvr/model/sampler.h"
@@ -121,6 +122,10 @@ struct EngineOptions {
   std::shared_ptr<const retrieval::MethodAssets> method_assets;
   // A finished sequence whose output no Stream collected is dropped after this long.
   absl::Duration unclaimed_ttl = absl::Seconds(60);
+  // While a sequence is here (waiting or running) its store lease is kept at this length and
+  // renewed (kv_store::LeaseKeeper): if this node dies, a store that evicts expired sequences
+  // frees them within it. Zero: leases are left as the prefill node set them.
+  absl::Duration store_lease = absl::Seconds(8);
 };
 
 class DecodeEngine {
@@ -183,6 +188,7 @@ class DecodeEngine {
   void Loop();
 
   std::unique_ptr<DecodeBackend> backend_;  // loop thread only (Prepare: any thread)
+  std::unique_ptr<kv_store::LeaseKeeper> lease_keeper_;  // null when store_lease is zero
   const model::Tokenizer* tokenizer_;
   EngineOptions options_;
   DecodeObserver* observer_;

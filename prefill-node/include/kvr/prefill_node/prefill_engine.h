@@ -40,6 +40,7 @@
 #include "absl/time/time.h"
 #include "kvr/cluster/v1/cluster.pb.h"
 #include "kvr/kv_store/client.h"
+#include "kvr/kv_store/lease_keeper.h"
 #include "kvr/model/model.h"
 #include "kvr/model/tokenizer.h"
 #include "kvr/prefill_node/prefill_backend.h"
@@ -148,6 +149,11 @@ struct EngineOptions {
   // deadline, and the decode node releases the sequence when it ends; the lease bounds the
   // leftovers of a node that died (a store started with evict_expired drops them).
   absl::Duration store_lease_margin = absl::Seconds(5);
+  // While the node works on a sequence its store lease is at most this long and renewed
+  // (kv_store::LeaseKeeper), so a node that dies leaves orphans for at most this long in a
+  // store that evicts expired sequences; the decode node keeps renewing it after the handoff.
+  // Zero: the lease runs to the deadline + store_lease_margin, unrenewed.
+  absl::Duration store_lease = absl::Seconds(8);
   // Threads that build layers' indexes, pack their rows and start their puts (layers are
   // independent); 0: min(8, hardware threads).
   int layer_threads = 0;
@@ -208,6 +214,7 @@ class PrefillEngine {
   const model::Tokenizer* tokenizer_;
   const retrieval::MethodRegistry* registry_;
   StoreClients* stores_;
+  std::unique_ptr<kv_store::LeaseKeeper> lease_keeper_;  // null when store_lease is zero
   HandoffOpener* handoff_;
   EngineOptions options_;
 
