@@ -1,6 +1,10 @@
 #include "kvr/controller/http_server.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <string>
@@ -11,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "kvr/controller/openai_api.h"
 #include "spdlog/spdlog.h"
@@ -174,8 +179,29 @@ OpenAiHttpServer::~OpenAiHttpServer() {
     stop_watch_ = true;
   }
   if (watcher_ != nullptr) watcher_->join();
+  if (context_ == nullptr) return;
+  // mg_stop waits for civetweb's accept loop, which looks at its stop flag only between polls
+  // of 2 s (civetweb's SOCKET_TIMEOUT_QUANTUM) unless a connection arrives: connect to our own
+  // port until it returns, so that stopping takes milliseconds, not seconds.
+  absl::Notification stopped;
+  std::thread waker([this, &stopped] {
+    std::string host = options_.listen.substr(0, options_.listen.rfind(':'));
+    if (host.empty() || host == "0.0.0.0") host = "127.0.0.1";
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port_));
+    if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return;
+    do {
+      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0) return;
+      (void)connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+      close(fd);
+    } while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+  });
   // Waits for the worker threads; every request has ended above.
-  if (context_ != nullptr) mg_stop(context_);
+  mg_stop(context_);
+  stopped.Notify();
+  waker.join();
 }
 
 void OpenAiHttpServer::Shutdown(absl::Time deadline) {
