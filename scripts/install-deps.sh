@@ -10,6 +10,7 @@ packages=(
   # control plane
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev grpc-proto
   libabsl-dev
+  libcivetweb-dev  # the controller's OpenAI-compatible HTTP API (also prometheus-cpp's)
   # data plane
   libucx-dev ucx-utils libibverbs-dev librdmacm-dev rdma-core
   # observability

@@ -109,6 +109,34 @@ const std::vector<ConfigField>& ControllerConfigFields() {
          return absl::OkStatus();
        },
        [](const ControllerConfig& c) { return absl::StrCat(c.metrics_port); }},
+      {"http_listen",
+       "OpenAI-compatible HTTP API address host:port (port 0: any free port; empty or -1: off)",
+       [](ControllerConfig& c, const std::string& v) {
+         if (v.empty() || v == "-1") {
+           c.http_listen.clear();
+           return absl::OkStatus();
+         }
+         const size_t colon = v.rfind(':');
+         uint32_t port;
+         if (colon == std::string::npos || colon == 0 ||
+             !absl::SimpleAtoi(v.substr(colon + 1), &port) || port > 65535) {
+           return BadValue(v, "host:port, empty or -1 (off)");
+         }
+         c.http_listen = v;
+         return absl::OkStatus();
+       },
+       [](const ControllerConfig& c) {
+         return c.http_listen.empty() ? std::string("-1") : c.http_listen;
+       }},
+      {"api_key", "API key the HTTP API requires as 'Authorization: Bearer <key>' (empty: none)",
+       [](ControllerConfig& c, const std::string& v) {
+         c.api_key = v;
+         return absl::OkStatus();
+       },
+       // The key itself never reaches logs.
+       [](const ControllerConfig& c) {
+         return c.api_key.empty() ? std::string("\"\"") : std::string("<redacted>");
+       }},
   };
   return *fields;
 }

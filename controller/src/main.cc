@@ -1,5 +1,6 @@
 // kvr-controller: the cluster's front door. Serves kvr.v1.Generation to clients,
-// kvr.cluster.v1.Membership to nodes, gRPC health and server reflection.
+// kvr.cluster.v1.Membership to nodes, gRPC health and server reflection, and the
+// OpenAI-compatible HTTP API (http_server.h).
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -19,7 +20,9 @@
 #include "kvr/common/metrics.h"
 #include "kvr/controller/clock.h"
 #include "kvr/controller/config.h"
+#include "kvr/controller/generator.h"
 #include "kvr/controller/grpc_node_clients.h"
+#include "kvr/controller/http_server.h"
 #include "kvr/controller/membership.h"
 #include "kvr/controller/metrics_observer.h"
 #include "kvr/controller/placement.h"
@@ -39,6 +42,8 @@ int Serve(const ControllerConfig& config) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A write to an HTTP client that has gone away must fail with EPIPE, not end the process.
+  signal(SIGPIPE, SIG_IGN);
 
   SystemClock clock;
   const std::string host = config.listen.substr(0, config.listen.rfind(':'));
@@ -61,12 +66,29 @@ int Serve(const ControllerConfig& config) {
   RequestRunner runner(
       &membership, &placement, &clients, &clients, &clock,
       RunnerOptions{.max_attempts = config.max_attempts, .observer = &metrics_observer});
-  GenerationService generation(
+  Generator generator(
       &membership, &admission, &runner, &clock,
-      GenerationServiceOptions{.defaults = config.defaults,
-                               .default_timeout = absl::Seconds(config.default_timeout_seconds),
-                               .observer = &metrics_observer});
+      GeneratorOptions{.defaults = config.defaults,
+                       .default_timeout = absl::Seconds(config.default_timeout_seconds),
+                       .observer = &metrics_observer});
+  GenerationService generation(&generator);
   MembershipService membership_service(&membership);
+  // The OpenAI-compatible HTTP API, in this process over the same Generator as the gRPC API.
+  std::unique_ptr<OpenAiHttpServer> http_server;
+  if (!config.http_listen.empty()) {
+    // One worker thread per running request (each blocks as a synchronous gRPC call does):
+    // enough for max_in_flight up to a bound; more wait in civetweb's accept queue.
+    const int threads = static_cast<int>(std::clamp<uint32_t>(config.max_in_flight + 4, 8, 256));
+    absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
+        OpenAiHttpServer::Start(&generator, HttpServerOptions{.listen = config.http_listen,
+                                                              .api_key = config.api_key,
+                                                              .threads = threads});
+    if (!started.ok()) {
+      std::cerr << "kvr-controller: " << started.status().message() << "\n";
+      return 1;
+    }
+    http_server = std::move(*started);
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -90,6 +112,12 @@ int Serve(const ControllerConfig& config) {
   auto reporter = std::make_unique<ReadinessReporter>(&membership, [health](bool ready) {
     for (const char* service : kControllerReadyServices) health->SetServingStatus(service, ready);
   });
+  if (http_server != nullptr) {
+    // Printed before the "listening on" line, as the metrics port is.
+    const std::string http_host = config.http_listen.substr(0, config.http_listen.rfind(':'));
+    std::cout << "kvr-controller http listening on " << http_host << ":" << http_server->port()
+              << std::endl;
+  }
   // One parseable line on stdout for scripts and tests (kvr up reads it).
   std::cout << "kvr-controller listening on " << host << ":" << port << std::endl;
 
@@ -101,8 +129,15 @@ int Serve(const ControllerConfig& config) {
   // New calls are refused at once; running streams may finish during the grace period. After
   // it gRPC cancels their contexts, the disconnect watcher sees that and each request cancels
   // its downstream calls, so no node keeps decoding for a controller that is gone.
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(config.shutdown_grace_seconds)));
+  const absl::Time grace_end = absl::Now() + absl::Seconds(config.shutdown_grace_seconds);
+  // HTTP requests get the same grace period, then are cancelled; new ones get 503.
+  std::thread http_stop([&] {
+    if (http_server != nullptr) http_server->Shutdown(grace_end);
+  });
+  server->Shutdown(absl::ToChronoTime(grace_end));
   server->Wait();
+  http_stop.join();
+  http_server.reset();
   spdlog::info("shut down");
   return 0;
 }

@@ -1,14 +1,11 @@
 #include "kvr/controller/services.h"
 
-#include "kvr/controller/ids.h"
-
 #include <grpcpp/grpcpp.h>
 
 #include <optional>
 #include <utility>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvr/controller/ids.h"
@@ -131,11 +128,12 @@ void ReadinessReporter::Loop() {
 
 namespace {
 
-// Writes events to the client's stream.
+// Writes events to the client's stream; holds the request's disconnect watch.
 class WriterSink final : public ResponseSink {
  public:
-  WriterSink(grpc::ServerWriter<v1::GenerateResponse>* writer, const GenerateParams* params)
-      : writer_(writer), params_(params) {}
+  WriterSink(grpc::ServerWriter<v1::GenerateResponse>* writer, const GenerateParams* params,
+             std::unique_ptr<DisconnectWatcher::Watch> watch)
+      : writer_(writer), params_(params), watch_(std::move(watch)) {}
   absl::Status Send(const GenerateEvent& event) override {
     if (!writer_->Write(ToGenerateResponse(event, *params_))) {
       return absl::CancelledError("client disconnected");
@@ -146,72 +144,37 @@ class WriterSink final : public ResponseSink {
  private:
   grpc::ServerWriter<v1::GenerateResponse>* writer_;
   const GenerateParams* params_;
+  std::unique_ptr<DisconnectWatcher::Watch> watch_;
 };
 
 }  // namespace
 
-GenerationService::GenerationService(Membership* membership, Admission* admission,
-                                     RequestRunner* runner, const Clock* clock,
-                                     GenerationServiceOptions options)
-    : membership_(membership),
-      admission_(admission),
-      runner_(runner),
-      clock_(clock),
-      options_(std::move(options)),
-      watcher_(options_.disconnect_poll_period) {}
-
-grpc::Status GenerationService::Reject(const absl::Status& status) {
-  if (options_.observer != nullptr) options_.observer->OnRejected(status);
-  return ToGrpcStatus(status);
-}
+GenerationService::GenerationService(Generator* generator, absl::Duration disconnect_poll_period)
+    : generator_(generator), watcher_(disconnect_poll_period) {}
 
 grpc::Status GenerationService::Generate(grpc::ServerContext* context,
                                          const v1::GenerateRequest* request,
                                          grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  const absl::Time arrival = clock_->Now();
-  if (absl::Status s =
-          CheckModelAvailable(request->model(), membership_->Presence(request->model()));
-      !s.ok()) {
-    return Reject(s);
-  }
-  absl::StatusOr<GenerateParams> params =
-      ParseGenerateRequest(*request, membership_->Models(), options_.defaults);
-  if (!params.ok()) return Reject(params.status());
-  // Random (ids.h): a client's id reveals nothing of the cluster or of other requests.
-  if (params->request_id.empty()) params->request_id = NewRequestId();
-
-  absl::StatusOr<Admission::Ticket> ticket = admission_->Admit();
-  if (!ticket.ok()) return Reject(ticket.status());
-
-  CancellationToken token;
-  if (absl::Status s = in_flight_.Add(params->request_id, &token); !s.ok()) return Reject(s);
-  absl::Cleanup forget = [&] { in_flight_.Remove(params->request_id); };
-  std::unique_ptr<DisconnectWatcher::Watch> watch = watcher_.Add(context, &token);
-
-  absl::Time deadline = arrival + options_.default_timeout;
+  absl::Time deadline = absl::InfiniteFuture();
   const auto client_deadline = context->deadline();
   if (client_deadline != std::chrono::system_clock::time_point::max()) {
-    deadline = std::min(deadline, absl::FromChrono(client_deadline));
+    deadline = absl::FromChrono(client_deadline);
   }
-  WriterSink sink(writer, &*params);
-  absl::Status status = runner_->Run(*params, arrival, deadline, &token, &sink);
-  if (!status.ok()) {
-    spdlog::info("request {} ended: {}", params->request_id, status.ToString());
-  }
-  return ToGrpcStatus(status);
+  return ToGrpcStatus(generator_->Generate(
+      *request, deadline, [&](const GenerateParams& params, CancellationToken* token) {
+        return std::make_unique<WriterSink>(writer, &params, watcher_.Add(context, token));
+      }));
 }
 
 grpc::Status GenerationService::Abort(grpc::ServerContext*, const v1::AbortRequest* request,
                                       v1::AbortResponse* response) {
-  response->set_found(in_flight_.Cancel(
-      request->request_id(),
-      absl::CancelledError(absl::StrCat("request ", request->request_id(), " aborted by Abort"))));
+  response->set_found(generator_->Abort(request->request_id()));
   return grpc::Status::OK;
 }
 
 grpc::Status GenerationService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
                                            v1::ListModelsResponse* response) {
-  *response = ToListModelsResponse(membership_->Models());
+  *response = ToListModelsResponse(generator_->Models());
   return grpc::Status::OK;
 }
 

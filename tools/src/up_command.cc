@@ -244,7 +244,10 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   std::vector<std::unique_ptr<Child>> nodes;
   auto controller = std::make_unique<Child>(
       "controller",
-      std::vector<std::string>{bins[0].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 0))},
+      // The OpenAI-compatible HTTP API on loopback beside the gRPC port. An API key reaches
+      // the controller through the inherited environment (KVR_API_KEY), not its command line.
+      std::vector<std::string>{bins[0].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 0)),
+                               "--http-listen", absl::StrCat("127.0.0.1:", Port(o, 2))},
       log("controller"));
   const std::string controller_address =
       controller->WaitFor("kvr-controller listening on ", start_timeout);
@@ -342,10 +345,14 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   std::string report = absl::StrFormat(
       "kvr cluster up: model '%s', %d prefill + %d decode node(s)\n"
       "  public gRPC (kvr.v1.Generation)  %s\n"
+      "  OpenAI-compatible HTTP           %s\n"
       "  %-12s pid %-7d grpc %-21s metrics %s\n"
       "  %-12s pid %-7d grpc %-21s metrics %s (registered as %s)\n",
-      model_name, o.prefill, o.decode, controller_address, "controller", controller->pid(),
-      controller_address,
+      model_name, o.prefill, o.decode, controller_address,
+      controller->Find("http listening on ").empty()
+          ? "-"
+          : absl::StrCat("http://", controller->Find("http listening on "), "/v1"),
+      "controller", controller->pid(), controller_address,
       controller->Find("metrics on ").empty() ? "-" : controller->Find("metrics on "), "store-0",
       store->pid(), store_address,
       store->Find("kvr-store metrics port=").empty()
@@ -390,8 +397,9 @@ void AddUpCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prefill", o->prefill, "prefill nodes")->capture_default_str();
   cmd->add_option("--decode", o->decode, "decode nodes")->capture_default_str();
-  cmd->add_option("--base-port", o->base_port,
-                  "controller port; store +1, prefill +10.., decode +30.. (0: free ports)")
+  cmd->add_option(
+         "--base-port", o->base_port,
+         "controller port; store +1, OpenAI HTTP +2, prefill +10.., decode +30.. (0: free ports)")
       ->capture_default_str();
   cmd->add_option("--store-capacity", o->store_capacity, "KV store page pool (e.g. 1GiB)")
       ->capture_default_str();

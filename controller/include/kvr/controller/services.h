@@ -17,6 +17,7 @@
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/controller/cancellation.h"
 #include "kvr/controller/clock.h"
+#include "kvr/controller/generator.h"
 #include "kvr/controller/membership.h"
 #include "kvr/controller/placement.h"
 #include "kvr/controller/request_runner.h"
@@ -117,20 +118,13 @@ class ReadinessReporter {
   std::thread thread_;  // last: started after everything above
 };
 
-struct GenerationServiceOptions {
-  RequestDefaults defaults;
-  // Deadline of requests whose client set none.
-  absl::Duration default_timeout = absl::Minutes(10);
-  absl::Duration disconnect_poll_period = absl::Milliseconds(20);
-  // Told about requests refused before they run; not owned; may be null.
-  RequestObserver* observer = nullptr;
-};
-
+// kvr.v1.Generation over a Generator (shared with the OpenAI-compatible HTTP server): converts
+// the stream's messages and watches for the client going away.
 class GenerationService final : public kvr::v1::Generation::Service {
  public:
-  // All pointers must outlive the service.
-  GenerationService(Membership* membership, Admission* admission, RequestRunner* runner,
-                    const Clock* clock, GenerationServiceOptions options);
+  // `generator` must outlive the service.
+  explicit GenerationService(Generator* generator,
+                             absl::Duration disconnect_poll_period = absl::Milliseconds(20));
 
   grpc::Status Generate(grpc::ServerContext* context, const kvr::v1::GenerateRequest* request,
                         grpc::ServerWriter<kvr::v1::GenerateResponse>* writer) override;
@@ -140,14 +134,7 @@ class GenerationService final : public kvr::v1::Generation::Service {
                           kvr::v1::ListModelsResponse* response) override;
 
  private:
-  grpc::Status Reject(const absl::Status& status);
-
-  Membership* membership_;
-  Admission* admission_;
-  RequestRunner* runner_;
-  const Clock* clock_;
-  const GenerationServiceOptions options_;
-  InFlightRequests in_flight_;
+  Generator* generator_;
   DisconnectWatcher watcher_;
 };
 
