@@ -453,6 +453,11 @@ TEST(ControllerIntegrationTest, ControllerRestartServesOnceNodesReturn) {
       "before)\n",
       first.status.ok() ? "OK" : "UNAVAILABLE", absl::FormatDuration(*served_after).c_str(),
       unavailable);
+  // Readiness follows membership by a poll (every 200 ms): SERVING within a second of serving.
+  const absl::Time served = absl::Now();
+  while (Health(c, "kvr.ready") != HS::SERVING && absl::Now() - served < absl::Seconds(1)) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
   EXPECT_EQ(Health(c, "kvr.ready"), HS::SERVING);
 }
 
