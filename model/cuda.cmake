@@ -8,14 +8,11 @@ if(KVR_HAVE_CUDA)
     set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
     set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
   endif()
-  add_library(kvr_model_cuda cuda/cuda_model.cu cuda/ops.cu cuda/attention.cu cuda/sparse.cu)
+  add_library(kvr_model_cuda cuda/cuda_model.cu cuda/ops.cu cuda/attention.cu)
   target_include_directories(kvr_model_cuda PUBLIC include PRIVATE cuda)
   target_link_libraries(kvr_model_cuda
     PUBLIC kvr::model absl::status absl::statusor
-    PRIVATE kvr::common_cuda CUDA::cublas absl::strings absl::hash)
-  # Sparse sequences: GPU selection, gather, hot cache and decode attention (retrieval/cuda).
-  target_link_libraries(kvr_model_cuda
-    PRIVATE kvr::retrieval_cuda_select kvr::retrieval_cuda_attend)
+    PRIVATE kvr::common_cuda CUDA::cublas absl::strings)
   # Prefill summaries (SetPrefillSummaries): the GPU build kernels of retrieval/cuda (issue 7).
   target_link_libraries(kvr_model_cuda PRIVATE kvr::retrieval_cuda_build)
   target_compile_options(kvr_model_cuda PRIVATE
@@ -41,17 +38,8 @@ if(KVR_HAVE_CUDA)
     LIBS kvr::model_cuda kvr::model kvr::common absl::strings
     LABELS gpu)
 
-  # Sparse sequences (quest, clusterkv through retrieval/cuda) against the dense path.
-  kvr_add_test(model_cuda_sparse_test
-    SOURCES tests/cuda_sparse_test.cc
-    LIBS kvr::model_cuda kvr::model kvr::retrieval_core kvr::common absl::strings
-    LABELS gpu)
-
-  # A real past loaded into a sparse sequence (issue 7 item 3) == the dense sequence it came from.
-  kvr_add_test(model_cuda_sparse_load_test
-    SOURCES tests/cuda_sparse_load_test.cc
-    LIBS kvr::model_cuda kvr::model kvr::common absl::strings
-    LABELS gpu)
+  # The sparse decode's tests (an attention hook of this model) live with it:
+  # retrieval/cuda_decode.cmake (retrieval_cuda_decode_test, retrieval_cuda_decode_load_test).
 
   # Prefill summaries (issue 7 item 2): builds during prefill == the same builds afterwards.
   kvr_add_test(model_cuda_prefill_summaries_test

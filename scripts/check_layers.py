@@ -37,11 +37,10 @@ NAMESPACE = {
 }
 # (including folder, included folder, path prefix of the including files): why it is allowed.
 ALLOWED = {
-    ("model", "retrieval", "model/cuda/"):
-        "the GPU sparse decode still lives in CudaModel; it moves to the decode side behind a "
-        "per-layer device attention hook",
-    ("model", "retrieval", "model/tests/cuda_"):
-        "tests of CudaModel's sparse sequences and prefill summaries (see model/cuda)",
+    ("model", "retrieval", "model/cuda/cuda_model.cu"):
+        "CudaModel still builds the prefill summaries (SetPrefillSummaries) with retrieval's GPU "
+        "build kernels; they move behind a per-layer build hook that the prefill node supplies "
+        "(the sparse decode already left: retrieval/cuda/decode, a CudaAttention hook)",
     ("kv-store", "controller", "kv-store/"):
         "MembershipClient lives in controller/ though every node uses it; it moves to a node "
         "library below kv-store",

@@ -30,6 +30,7 @@
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/sampler.h"
+#include "kvr/retrieval/cuda/sparse_decode.h"
 
 namespace kvr::decode {
 namespace {
@@ -130,9 +131,9 @@ int Main(int argc, char** argv) {
                              static_cast<uint32_t>(c.head_dim), kv_store::DType::kBf16};
   const int64_t max_prompt = max_ctx - 256;
   kv_store::StoreOptions so;
-  so.pool.capacity_bytes = static_cast<uint64_t>(max_prompt) * c.n_layers * c.n_kv_heads *
-                               ss.RowBytes() +
-                           (256ull << 20);
+  so.pool.capacity_bytes =
+      static_cast<uint64_t>(max_prompt) * c.n_layers * c.n_kv_heads * ss.RowBytes() +
+      (256ull << 20);
   so.pool.page_bytes = 2 << 20;
   so.pool.try_huge_pages = false;
   auto fake = kv_store::FakeKvStoreClient::Create(so);
@@ -178,14 +179,15 @@ int Main(int argc, char** argv) {
     }
   }
   SharedRowsStore store(fake->get(), kBase);
-  std::printf("# gpu_decode_bench: %s x %d layers, quest budget %d, sink %d, window %d, hot cache "
-              "%d rows; SYNTHETIC rows (random bf16) in a FakeKvStoreClient (%.1f GiB, filled in "
-              "%.1f s); %d steps after %d warm-up\n",
-              shape.c_str(), c.n_layers, budget, sink, window, hot_cache_rows,
-              static_cast<double>(so.pool.capacity_bytes) / (1 << 30), Since(t_fill), steps,
-              warmup);
-  std::printf("| ctx | batch | join s/seq | raw ForwardGreedy tok/s | raw Forward tok/s | engine "
-              "tok/s | engine / raw greedy | engine ms/step |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "# gpu_decode_bench: %s x %d layers, quest budget %d, sink %d, window %d, hot cache "
+      "%d rows; SYNTHETIC rows (random bf16) in a FakeKvStoreClient (%.1f GiB, filled in "
+      "%.1f s); %d steps after %d warm-up\n",
+      shape.c_str(), c.n_layers, budget, sink, window, hot_cache_rows,
+      static_cast<double>(so.pool.capacity_bytes) / (1 << 30), Since(t_fill), steps, warmup);
+  std::printf(
+      "| ctx | batch | join s/seq | raw ForwardGreedy tok/s | raw Forward tok/s | engine "
+      "tok/s | engine / raw greedy | engine ms/step |\n|---|---|---|---|---|---|---|---|\n");
   int status = 0;
   for (int64_t ctx : contexts) {
     for (int64_t b : batches) {
@@ -198,16 +200,22 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "model: %s\n", gpu.status().ToString().c_str());
         return 1;
       }
-      model::CudaModel* raw = gpu->get();
+      // Raw steps run the model with the backend's sparse decode (its attention hook).
+      auto made = retrieval::cuda::CreateSparseDecodeAttention(**gpu);
+      if (!made.ok()) {
+        std::fprintf(stderr, "sparse decode: %s\n", made.status().ToString().c_str());
+        return 1;
+      }
+      retrieval::cuda::SparseDecodeAttention* raw = made->get();
       CudaDecodeBackendOptions o;
       o.slots = static_cast<int>(b);
       o.budget = budget;
       o.n_sink = sink;
       o.local_window = window;
       o.max_context = ctx;
-      o.hot_cache_bytes = int64_t{hot_cache_rows} * b * c.n_layers * c.n_kv_heads * 2 *
-                          c.head_dim * 2;
-      auto backend = CreateCudaDecodeBackend(*std::move(gpu), o);
+      o.hot_cache_bytes =
+          int64_t{hot_cache_rows} * b * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
+      auto backend = CreateCudaDecodeBackend(*std::move(gpu), *std::move(made), o);
       if (!backend.ok()) {
         std::fprintf(stderr, "backend: %s\n", backend.status().ToString().c_str());
         return 1;
@@ -283,9 +291,8 @@ int Main(int argc, char** argv) {
       const double forward_s = Since(t0);
       const double n = static_cast<double>(b) * steps;
       std::printf("| %lldK | %lld | %.2f | %.1f | %.1f | %.1f | %.3f | %.2f |\n",
-                  static_cast<long long>(ctx / 1024), static_cast<long long>(b), join,
-                  n / greedy_s, n / forward_s, n / engine_s, greedy_s / engine_s,
-                  1e3 * engine_s / steps);
+                  static_cast<long long>(ctx / 1024), static_cast<long long>(b), join, n / greedy_s,
+                  n / forward_s, n / engine_s, greedy_s / engine_s, 1e3 * engine_s / steps);
       std::fflush(stdout);
     }
   }

@@ -12,11 +12,14 @@
 #include "absl/synchronization/mutex.h"
 #include "kvr/common/status.h"
 #include "kvr/kv_store/local_pool.h"
+#include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
 
 namespace kvr::decode {
 namespace {
+
+namespace rc = kvr::retrieval::cuda;
 
 // Between Prepare and Join: where the sequence's rows are in the store (its page table, read in
 // place through the store's pool mapped into this process) and, for clusterkv, the handed-off
@@ -26,7 +29,7 @@ struct CudaPending final : BackendSequence {
   int64_t resident_bytes() const override { return bytes; }
   int64_t bytes;
   int64_t capacity = 0;  // tokens the sequence may hold (prompt + max_tokens, capped)
-  model::SparseRowSource rows;
+  rc::SparseRowSource rows;
   std::shared_ptr<const kv_store::LocalPoolMapping> pool;  // keeps the mapping alive
   // clusterkv: the handed-off clusters of every layer (the prefill node's k-means).
   std::vector<retrieval::PrebuiltClusterKvData> clusters;
@@ -44,15 +47,18 @@ struct CudaRunning {
   std::vector<uint16_t> rows;
   std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts;
   int64_t rows_offloaded = 0;
-  model::SparseSequenceCounters seen;  // the GPU's counters as last reported to the observer
-  absl::Status failure;                // first failed append, reported once through TakeFailures
+  rc::SparseSequenceCounters seen;  // the GPU's counters as last reported to the observer
+  absl::Status failure;             // first failed append, reported once through TakeFailures
 };
 
 class CudaDecodeBackend final : public DecodeBackend {
  public:
-  CudaDecodeBackend(std::unique_ptr<model::CudaModel> model, CudaDecodeBackendOptions options,
-                    int64_t slot_bytes, int64_t summary_bytes, DecodeObserver* observer)
+  CudaDecodeBackend(std::unique_ptr<model::CudaModel> model,
+                    std::unique_ptr<rc::SparseDecodeAttention> sparse,
+                    CudaDecodeBackendOptions options, int64_t slot_bytes, int64_t summary_bytes,
+                    DecodeObserver* observer)
       : model_(std::move(model)),
+        sparse_(std::move(sparse)),
         options_(std::move(options)),
         slot_bytes_(slot_bytes),
         summary_bytes_(summary_bytes),
@@ -113,7 +119,7 @@ class CudaDecodeBackend final : public DecodeBackend {
                                               table.tokens_per_page, " rows)"));
     }
     const uint64_t pool_pages = pending->pool->bytes() / table.page_bytes;
-    model::SparseRowSource& rows = pending->rows;
+    rc::SparseRowSource& rows = pending->rows;
     rows.base = base;
     rows.page_bytes = static_cast<int64_t>(table.page_bytes);
     rows.page_rows = static_cast<int32_t>(table.tokens_per_page);
@@ -133,23 +139,23 @@ class CudaDecodeBackend final : public DecodeBackend {
     const uint64_t id = h.sequence_id;
     auto* pending = dynamic_cast<CudaPending*>(state.get());
     if (pending == nullptr) return absl::InternalError("CUDA decode: Join without Prepare");
-    model::SparseSequenceOptions so;
+    rc::SparseSequenceOptions so;
     so.rows = std::move(pending->rows);
-    KVR_RETURN_IF_ERROR(model_->AddSparseSequence(id, pending->capacity, so));
+    KVR_RETURN_IF_ERROR(sparse_->AddSequence(id, pending->capacity, so));
     absl::Status activated = [&]() -> absl::Status {
       if (!pending->clusters.empty()) {
-        std::vector<model::CudaModel::SparseClusterHead> heads;
+        std::vector<rc::SparseClusterHead> heads;
         for (const retrieval::PrebuiltClusterKvData& layer : pending->clusters) {
           for (size_t hh = 0; hh < layer.ids.size(); ++hh) {
             heads.push_back({layer.centroids[hh], layer.offsets[hh], layer.ids[hh]});
           }
         }
-        return model_->ActivateSparseSequenceWithClusters(id, h.prompt_tokens, heads);
+        return sparse_->ActivateSequenceWithClusters(id, h.prompt_tokens, heads);
       }
-      return model_->ActivateSparseSequence(id, h.prompt_tokens);
+      return sparse_->ActivateSequence(id, h.prompt_tokens);
     }();
     if (!activated.ok()) {
-      model_->ReleaseSequence(id).IgnoreError();
+      sparse_->ReleaseSequence(id).IgnoreError();
       return activated;
     }
     CudaRunning run;
@@ -167,7 +173,7 @@ class CudaDecodeBackend final : public DecodeBackend {
                     std::span<float> logits) override {
     batch_.clear();
     for (size_t b = 0; b < ids.size(); ++b) batch_.push_back({ids[b], tokens.subspan(b, 1)});
-    KVR_RETURN_IF_ERROR(model_->Forward(batch_, model::LogitsMode::kLast, logits));
+    KVR_RETURN_IF_ERROR(sparse_->Forward(batch_, model::LogitsMode::kLast, logits));
     node_.attend_calls += model_->config().n_layers;
     for (uint64_t id : ids) AppendNewRows(id);
     ReportStep(ids);
@@ -187,7 +193,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     if (auto it = running_.find(id); it != running_.end()) {
       WaitPuts(id, it->second);
       c.rows_offloaded = it->second.rows_offloaded;
-      if (absl::StatusOr<model::SparseSequenceCounters> sc = model_->SparseCounters(id); sc.ok()) {
+      if (absl::StatusOr<rc::SparseSequenceCounters> sc = sparse_->Counters(id); sc.ok()) {
         const int64_t row_bytes = 4 * int64_t{model_->config().head_dim};
         c.selected_rows = sc->selected_rows;
         c.hot_cache_hits = sc->hot_cache_hits;
@@ -199,7 +205,7 @@ class CudaDecodeBackend final : public DecodeBackend {
       running_.erase(it);
       ReportSummaryBytes();
     }
-    model_->ReleaseSequence(id).IgnoreError();  // NotFound only: nothing to free
+    sparse_->ReleaseSequence(id).IgnoreError();  // NotFound only: nothing to free
     return c;
   }
   NodeCounters node_counters() const override { return node_; }
@@ -217,7 +223,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     for (uint64_t id : ids) {
       auto it = running_.find(id);
       if (it == running_.end()) continue;
-      absl::StatusOr<model::SparseSequenceCounters> now = model_->SparseCounters(id);
+      absl::StatusOr<rc::SparseSequenceCounters> now = sparse_->Counters(id);
       if (!now.ok()) continue;
       CudaRunning& run = it->second;
       const int64_t selected = now->selected_rows - run.seen.selected_rows;
@@ -276,8 +282,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   absl::StatusOr<const void*> Register(const kv_store::LocalPoolMapping& pool) const {
     absl::MutexLock lock(&pools_mu_);
     if (auto it = pools_.find(pool.base()); it != pools_.end()) return it->second;
-    KVR_ASSIGN_OR_RETURN(const void* device,
-                         model_->RegisterHostRegion(pool.base(), pool.bytes(), /*read_only=*/true));
+    KVR_ASSIGN_OR_RETURN(const void* device, sparse_->RegisterHostRegion(pool.base(), pool.bytes(),
+                                                                         /*read_only=*/true));
     pools_.emplace(pool.base(), device);
     return device;
   }
@@ -304,7 +310,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     CudaRunning& run = it->second;
     WaitPuts(id, run);
     if (!run.failure.ok()) return;
-    absl::StatusOr<std::span<const uint16_t>> fresh = model_->SparseNewRows(id);
+    absl::StatusOr<std::span<const uint16_t>> fresh = sparse_->NewRows(id);
     if (!fresh.ok()) {
       run.failure = fresh.status();
       return;
@@ -328,6 +334,9 @@ class CudaDecodeBackend final : public DecodeBackend {
   }
 
   std::unique_ptr<model::CudaModel> model_;
+  // The model's sparse decode (its attention hook): the running sequences. Declared after
+  // model_, so that it goes first (it refers to the model).
+  std::unique_ptr<rc::SparseDecodeAttention> sparse_;
   CudaDecodeBackendOptions options_;
   int64_t slot_bytes_;
   int64_t summary_bytes_;
@@ -373,6 +382,19 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
     std::unique_ptr<model::CudaModel> model, const CudaDecodeBackendOptions& options,
     DecodeObserver* observer) {
   if (model == nullptr) return absl::InvalidArgumentError("CreateCudaDecodeBackend: no model");
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<rc::SparseDecodeAttention> sparse,
+                       rc::CreateSparseDecodeAttention(*model));
+  return CreateCudaDecodeBackend(std::move(model), std::move(sparse), options, observer);
+}
+
+absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
+    std::unique_ptr<model::CudaModel> model, std::unique_ptr<rc::SparseDecodeAttention> sparse,
+    const CudaDecodeBackendOptions& options, DecodeObserver* observer) {
+  if (model == nullptr) return absl::InvalidArgumentError("CreateCudaDecodeBackend: no model");
+  if (sparse == nullptr || &sparse->cuda_model() != model.get()) {
+    return absl::InvalidArgumentError(
+        "CreateCudaDecodeBackend: no sparse decode, or one over another model");
+  }
   const model::ModelConfig& c = model->config();
   CudaDecodeBackendOptions o = options;
   if (o.max_context == 0) o.max_context = c.context_length;
@@ -390,8 +412,8 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
         "gpu_method 'clusterkv': no method registry with clusterkv to parse the handed-off "
         "summaries with");
   }
-  model::SparseAttentionOptions so;
-  so.method = o.method == "quest" ? model::SparseMethod::kQuest : model::SparseMethod::kClusterKv;
+  rc::SparseDecodeOptions so;
+  so.method = o.method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv;
   so.slots = o.slots;
   so.max_capacity = o.max_context;
   so.budget = o.budget;
@@ -403,7 +425,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
   int64_t rows = std::min<int64_t>(4096, o.hot_cache_bytes / std::max<int64_t>(1, per_row));
   so.hot_cache_rows = static_cast<int>(rows / 8 * 8);
-  if (absl::Status s = model->ConfigureSparse(so); !s.ok()) {
+  if (absl::Status s = sparse->Configure(so); !s.ok()) {
     return absl::Status(
         s.code(), absl::StrCat("device cuda (gpu_budget ", o.budget, ", gpu_n_sink ", o.n_sink,
                                ", gpu_local_window ", o.local_window, ", batch_slots ", o.slots,
@@ -411,7 +433,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   }
   // One slot's device bytes (its share of the sparse state): what a running sequence holds. Its
   // past stays in the store; the node pins no host memory per sequence.
-  const int64_t slot_bytes = model->sparse_slot_device_bytes();
+  const int64_t slot_bytes = sparse->slot_device_bytes();
   const int64_t pages = (o.max_context + so.quest_page_size - 1) / so.quest_page_size;
   // quest: page bounds; clusterkv: ~L/80 centroids + offsets and one member id per token.
   const int64_t summary_bytes =
@@ -419,8 +441,8 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
           ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4
           : int64_t{c.n_layers} * c.n_kv_heads *
                 ((o.max_context / 80 + 1) * (int64_t{c.head_dim} * 4 + 4) + o.max_context * 4);
-  return std::make_unique<CudaDecodeBackend>(std::move(model), o, slot_bytes, summary_bytes,
-                                             observer);
+  return std::make_unique<CudaDecodeBackend>(std::move(model), std::move(sparse), o, slot_bytes,
+                                             summary_bytes, observer);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(

@@ -20,12 +20,4 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CreateCudaModelWithRandomWeights(
       "CreateCudaModelWithRandomWeights: this build of kvr has no CUDA (nvcc not found)");
 }
 
-absl::StatusOr<HostTopology> GetHostTopology(int) {
-  return absl::UnimplementedError("GetHostTopology: this build of kvr has no CUDA");
-}
-
-absl::StatusOr<HostLinkProbe> MeasureHostLink(int, int, bool, int64_t, int) {
-  return absl::UnimplementedError("MeasureHostLink: this build of kvr has no CUDA");
-}
-
 }  // namespace kvr::model

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The decode node on the GPU (issue 7 item 3) on the device machine: the loaded-sparse-sequence
-# parity test (model_cuda_sparse_load_test), the engine's CUDA-vs-CPU backend test
+# parity test (retrieval_cuda_decode_load_test), the engine's CUDA-vs-CPU backend test
 # (decode_gpu_test), compute-sanitizer memcheck on both, then gpu_decode_bench (llama3-8b random
 # weights on the GPU, synthetic bf16 rows in a fake store: engine tok/s against raw CudaModel
 # steps over the same sequences). Builds nothing there: `bundle` (here) copies the stripped
@@ -33,7 +33,7 @@ bench() {
 case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build-gpudecode}"
-    bundle_bins "$kBundle" "$build/model/model_cuda_sparse_load_test" \
+    bundle_bins "$kBundle" "$build/retrieval/retrieval_cuda_decode_load_test" \
       "$build/decode-node/decode_gpu_test" "$build/decode-node/gpu_decode_bench" || exit 1
     du -sh "$kBundle"
     ;;
@@ -43,15 +43,15 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     echo "cpus $(nproc)  $(free -g | awk '/Mem:/{print "mem " $2 " GiB"}')"
     status=0
-    for t in model_cuda_sparse_load_test decode_gpu_test; do
+    for t in retrieval_cuda_decode_load_test decode_gpu_test; do
       "$kStage/bin/$t" 2>&1 | tee "$out/$t.log" |
         grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|load|engine) |Failure|rror' || true
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     done
     if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
-      for t in decode_gpu_test model_cuda_sparse_load_test; do
+      for t in decode_gpu_test retrieval_cuda_decode_load_test; do
         filter='*'
-        [[ $t == model_cuda_sparse_load_test ]] && filter='*Smollm2*'
+        [[ $t == retrieval_cuda_decode_load_test ]] && filter='*Smollm2*'
         timeout "${MEMCHECK_S:-150}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
           --error-exitcode 3 "$kStage/bin/$t" --gtest_filter="$filter" > "$out/memcheck_$t.log" 2>&1
         echo "memcheck $t ($filter): rc $?  $(grep 'ERROR SUMMARY' "$out/memcheck_$t.log" | tail -1)"

@@ -74,10 +74,10 @@ case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build-gpudecode}"
     export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache} CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
-    cmake --build "$build" --target model_cuda_sparse_test model_cuda_model_test kvr kvr-store \
+    cmake --build "$build" --target retrieval_cuda_decode_test model_cuda_model_test kvr kvr-store \
       -j2 || exit 1
     rm -rf "$kBundle" && mkdir -p "$kBundle/bin" "$kBundle/lib"
-    cp "$build/model/model_cuda_sparse_test" "$build/model/model_cuda_model_test" \
+    cp "$build/retrieval/retrieval_cuda_decode_test" "$build/model/model_cuda_model_test" \
       "$build/tools/kvr" "$build/kv-store/kvr-store" "$kBundle/bin/"
     strip -g "$kBundle"/bin/*
     # UCX loads its transport modules from <libucs dir>/ucx (cma: shared memory between
@@ -95,7 +95,7 @@ case "${1:-}" in
     shift
     stage
     status=0
-    "$kStage/bin/model_cuda_sparse_test" 2>&1 | tee "$out/sparse_test.log" |
+    "$kStage/bin/retrieval_cuda_decode_test" 2>&1 | tee "$out/sparse_test.log" |
       grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|parity|sparse) |Failure|error' || true
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     # The dense model tests (the Forward the sparse path shares): GPUDECODE_MODEL_TEST=1.
@@ -107,7 +107,7 @@ case "${1:-}" in
     # memcheck: GPUDECODE_MEMCHECK (gtest filter) or the small-budget tests.
     if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
       timeout 150 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 \
-        "$kStage/bin/model_cuda_sparse_test" \
+        "$kStage/bin/retrieval_cuda_decode_test" \
         --gtest_filter="${GPUDECODE_MEMCHECK:-*SmallBudget*}" > "$out/sanitizer.log" 2>&1
       echo "compute-sanitizer memcheck (sparse test): rc $?  $(grep 'ERROR SUMMARY' "$out/sanitizer.log")"
     else
@@ -141,7 +141,7 @@ case "${1:-}" in
         --host-numa "${GPUDECODE_PROBE_NUMA:-gpu,far,thp}" 2>&1 | tee "$out/probes_${mib}mib.log" |
         grep -E '^  [a-z0-9]'
     done
-    timeout "${GPUDECODE_TEST_TIMEOUT:-120}" "$kStage/bin/model_cuda_sparse_test" 2>&1 |
+    timeout "${GPUDECODE_TEST_TIMEOUT:-120}" "$kStage/bin/retrieval_cuda_decode_test" 2>&1 |
       tee "$out/sparse_test.log" | grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) |Failure' || true
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     echo "ceil: status $status"

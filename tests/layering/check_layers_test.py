@@ -25,8 +25,7 @@ def write(root, rel, text):
 
 # The allowances of the real tree, so that a synthetic tree does not fail for unused ones.
 ALLOWANCES = {
-    "model/cuda/x.cu": '#include "kvr/retrieval/cuda/gather.cuh"\n',
-    "model/tests/cuda_x_test.cc": '#include "kvr/retrieval/index.h"\n',
+    "model/cuda/cuda_model.cu": '#include "kvr/retrieval/cuda/build.cuh"\n',
     "kv-store/src/x.cc": '#include "kvr/controller/membership_client.h"\n',
 }
 
@@ -50,6 +49,17 @@ class CheckLayersTest(unittest.TestCase):
             self.assertEqual(r.returncode, 1, r.stdout)
             self.assertIn("model/src/bad.cc:2: model (layer 1) includes retrieval (layer 2)",
                           r.stdout)
+
+    def test_the_model_allowance_covers_one_file_only(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = pathlib.Path(d)
+            for rel, text in ALLOWANCES.items():
+                write(root, rel, text)
+            # The sparse decode left the model: no other model/cuda file may include retrieval.
+            write(root, "model/cuda/sparse.cu", '#include "kvr/retrieval/cuda/hot_cache.cuh"\n')
+            r = run(root)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("model/cuda/sparse.cu:1", r.stdout)
 
     def test_same_rank_components_may_not_include_each_other(self):
         with tempfile.TemporaryDirectory() as d:

@@ -60,9 +60,12 @@
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
+#include "kvr/retrieval/cuda/sparse_decode.h"
 
 namespace kvr::tools {
 namespace {
+
+namespace rc = kvr::retrieval::cuda;
 
 struct DecodeBenchFlags {
   std::string shape = "llama3-8b";
@@ -95,7 +98,7 @@ struct Placement {
   bool huge = false;   // transparent huge pages (SparseSequenceOptions::host_huge_pages)
   bool store = false;  // rows read in place from a kvr-store's pool (--store)
   bool probed = false;
-  model::HostLinkProbe probe;
+  rc::HostLinkProbe probe;
   double ceiling_gbps = 0;  // zero-copy coalesced read, or --host-gbps without a probe
 };
 
@@ -123,7 +126,8 @@ double Percentile(std::vector<double> v, double q) {
 
 class DecodeBench {
  public:
-  DecodeBench(const DecodeBenchFlags& f, model::CudaModel& m) : f_(f), m_(m) {}
+  DecodeBench(const DecodeBenchFlags& f, model::CudaModel& m, rc::SparseDecodeAttention& sp)
+      : f_(f), m_(m), sp_(sp) {}
 
   // The "store" placement's rows for `context`: one store sequence of random bf16 rows covering
   // `capacity` tokens (rows [0, context) written), its pages mapped and registered.
@@ -133,8 +137,8 @@ class DecodeBench {
           store_, kv_store::UcxKvStoreClient::Connect(
                       f_.store, {.timeout = absl::Seconds(60), .name = "kvr-bench-decode"}));
       KVR_ASSIGN_OR_RETURN(pool_, store_->MapLocalPool());
-      KVR_ASSIGN_OR_RETURN(pool_device_, m_.RegisterHostRegion(pool_->base(), pool_->bytes(),
-                                                               /*read_only=*/true));
+      KVR_ASSIGN_OR_RETURN(pool_device_, sp_.RegisterHostRegion(pool_->base(), pool_->bytes(),
+                                                                /*read_only=*/true));
     }
     KVR_RETURN_IF_ERROR(ReleaseStoreRows());
     const model::ModelConfig& c = m_.config();
@@ -189,7 +193,7 @@ class DecodeBench {
         static_cast<long long>(context), fill_s, 2.0 * half * context * c.n_layers / fill_s / 1e9,
         table.tokens_per_page, static_cast<unsigned long long>(table.page_bytes),
         table.pages.size());
-    model::SparseRowSource src;
+    rc::SparseRowSource src;
     src.base = pool_device_;
     src.page_bytes = static_cast<int64_t>(table.page_bytes);
     src.page_rows = static_cast<int32_t>(table.tokens_per_page);
@@ -205,8 +209,9 @@ class DecodeBench {
     return store_->Release(id, absl::ZeroDuration());
   }
 
-  // Steps `ids` (all dense or all sparse); fills row's timing fields.
-  absl::Status Time(const std::vector<model::SequenceId>& ids, Row& row) {
+  // Steps `ids` (the model's dense sequences, or with `sparse` the sparse decode's); fills row's
+  // timing fields.
+  absl::Status Time(const std::vector<model::SequenceId>& ids, Row& row, bool sparse) {
     std::vector<int32_t> tokens(ids.size());
     for (size_t i = 0; i < ids.size(); ++i) {
       tokens[i] = static_cast<int32_t>((i * 7919 + 13) % m_.config().vocab);
@@ -215,7 +220,7 @@ class DecodeBench {
     auto step = [&]() -> absl::Status {
       std::vector<model::CudaSequence> batch;
       for (size_t i = 0; i < ids.size(); ++i) batch.push_back({ids[i], std::span(&tokens[i], 1)});
-      KVR_RETURN_IF_ERROR(m_.ForwardGreedy(batch, next));
+      KVR_RETURN_IF_ERROR(sparse ? sp_.ForwardGreedy(batch, next) : m_.ForwardGreedy(batch, next));
       tokens = next;
       return absl::OkStatus();
     };
@@ -233,9 +238,10 @@ class DecodeBench {
     row.p50_ms = Percentile(ms, 0.5);
     row.p99_ms = Percentile(ms, 0.99);
     row.tokens_per_s = ids.size() / (row.mean_ms / 1e3);
-    KVR_ASSIGN_OR_RETURN(row.gpu_bytes_per_seq, m_.SequenceDeviceBytes(ids[0]));
+    KVR_ASSIGN_OR_RETURN(row.gpu_bytes_per_seq,
+                         sparse ? sp_.SequenceDeviceBytes(ids[0]) : m_.SequenceDeviceBytes(ids[0]));
     if (f_.profile) {
-      const model::SparseStats before = m_.sparse_stats();
+      const rc::SparseStats before = sp_.stats();
       m_.set_profile(true);
       model::CudaForwardProfile sum_p;
       constexpr int kProfiled = 3;
@@ -254,7 +260,7 @@ class DecodeBench {
         sum_p.gather_ms += p.gather_ms / kProfiled;
       }
       m_.set_profile(false);
-      const model::SparseStats after = m_.sparse_stats();
+      const rc::SparseStats after = sp_.stats();
       row.profiled = true;
       row.prof = sum_p;
       const int64_t selected = after.selected_rows - before.selected_rows;
@@ -290,7 +296,7 @@ class DecodeBench {
           for (model::SequenceId id : sub) {
             KVR_RETURN_IF_ERROR(m_.FillSequenceForBenchmark(id, context, 1));  // reset lengths
           }
-          return Time(sub, row);
+          return Time(sub, row, /*sparse=*/false);
         };
         absl::Status t = once(b);
         // The GPU filled to the last sequence may leave cuBLAS no room: one fewer.
@@ -309,10 +315,10 @@ class DecodeBench {
     return s;
   }
 
-  absl::Status RunSparse(int64_t context, model::SparseMethod method, const std::string& name,
+  absl::Status RunSparse(int64_t context, rc::SparseMethod method, const std::string& name,
                          const Placement& placement, std::vector<Row>& rows) {
     const int64_t capacity = context + f_.warmup + f_.steps + 8;
-    model::SparseAttentionOptions o;
+    rc::SparseDecodeOptions o;
     o.method = method;
     o.max_capacity = capacity;
     o.budget = f_.budget;
@@ -323,7 +329,7 @@ class DecodeBench {
     // Largest slot count that fits (binary search on ConfigureSparse, which allocates it all).
     auto fits = [&](int slots) {
       o.slots = slots;
-      return m_.ConfigureSparse(o).ok();
+      return sp_.Configure(o).ok();
     };
     int lo = 0, hi = f_.max_batch;
     if (fits(hi)) {
@@ -338,12 +344,12 @@ class DecodeBench {
     const int max_slots = lo;
     auto run_batch = [&](int b) -> absl::Status {
       o.slots = b;
-      KVR_RETURN_IF_ERROR(m_.ConfigureSparse(o));
+      KVR_RETURN_IF_ERROR(sp_.Configure(o));
       std::vector<model::SequenceId> ids;
       const absl::Status s = [&]() -> absl::Status {
         for (int i = 0; i < b; ++i) {
           const model::SequenceId id = 5000 + i;
-          model::SparseSequenceOptions so;
+          rc::SparseSequenceOptions so;
           if (placement.store) {
             if (!rows_.has_value()) return absl::FailedPreconditionError("no store rows");
             so.rows = *rows_;
@@ -352,18 +358,18 @@ class DecodeBench {
             so.host_numa_node = placement.node;
             so.host_huge_pages = placement.huge;
           }
-          KVR_RETURN_IF_ERROR(m_.AddSparseSequence(id, capacity, so));
+          KVR_RETURN_IF_ERROR(sp_.AddSequence(id, capacity, so));
           ids.push_back(id);
-          KVR_RETURN_IF_ERROR(placement.store ? m_.ActivateSparseSequence(id, context)
-                                              : m_.FillSequenceForBenchmark(id, context, 1));
+          KVR_RETURN_IF_ERROR(placement.store ? sp_.ActivateSequence(id, context)
+                                              : sp_.FillSequenceForBenchmark(id, context, 1));
         }
         Row row{context, name, b, &placement};
-        KVR_RETURN_IF_ERROR(Time(ids, row));
+        KVR_RETURN_IF_ERROR(Time(ids, row, /*sparse=*/true));
         Print(row);
         rows.push_back(row);
         return absl::OkStatus();
       }();
-      for (model::SequenceId id : ids) KVR_RETURN_IF_ERROR(m_.ReleaseSequence(id));
+      for (model::SequenceId id : ids) KVR_RETURN_IF_ERROR(sp_.ReleaseSequence(id));
       return s;
     };
     for (int b : Sweep(max_slots)) {
@@ -375,12 +381,12 @@ class DecodeBench {
       }
       if (!s.ok()) {
         o.slots = 0;
-        (void)m_.ConfigureSparse(o);
+        (void)sp_.Configure(o);
         return s;
       }
     }
     o.slots = 0;  // frees the GPU state for the next method
-    return m_.ConfigureSparse(o);
+    return sp_.Configure(o);
   }
 
   std::vector<int> Sweep(int max) const {
@@ -421,19 +427,20 @@ class DecodeBench {
  private:
   const DecodeBenchFlags& f_;
   model::CudaModel& m_;
+  rc::SparseDecodeAttention& sp_;  // the model's sparse decode (its attention hook)
   // --store: the client, its mapped pool (registered with CUDA at pool_device_) and the rows of
   // the current context.
   std::unique_ptr<kv_store::UcxKvStoreClient> store_;
   std::shared_ptr<const kv_store::LocalPoolMapping> pool_;
   const void* pool_device_ = nullptr;
   kv_store::SequenceRef store_sequence_;
-  std::optional<model::SparseRowSource> rows_;
+  std::optional<rc::SparseRowSource> rows_;
   std::vector<uint16_t> random_;
 };
 
 // --host-numa entries -> placements (deduplicated by node), with a line saying what each became.
 absl::StatusOr<std::vector<Placement>> ResolvePlacements(const DecodeBenchFlags& f,
-                                                         const model::HostTopology& topo) {
+                                                         const rc::HostTopology& topo) {
   std::vector<Placement> out;
   bool huge = false;
   auto add = [&](std::string label, int node) {
@@ -493,7 +500,7 @@ absl::StatusOr<std::vector<Placement>> ResolvePlacements(const DecodeBenchFlags&
 }
 
 // Topology line and the link probes of every placement (and of "unbound", the reference).
-absl::Status ProbeCeilings(const DecodeBenchFlags& f, const model::HostTopology& topo,
+absl::Status ProbeCeilings(const DecodeBenchFlags& f, const rc::HostTopology& topo,
                            std::vector<Placement>& placements) {
   std::string nodes;
   for (int n : topo.memory_nodes) absl::StrAppend(&nodes, nodes.empty() ? "" : ",", n);
@@ -521,8 +528,8 @@ absl::Status ProbeCeilings(const DecodeBenchFlags& f, const model::HostTopology&
               "pages on node", "huge pages", "H2D memcpy GB/s", "zero-copy coalesced GB/s",
               "zero-copy 512-B rows GB/s");
   for (Placement& p : probes) {
-    absl::StatusOr<model::HostLinkProbe> r =
-        model::MeasureHostLink(0, p.node, p.huge, int64_t{f.ceiling_mib} << 20, f.ceiling_repeats);
+    absl::StatusOr<rc::HostLinkProbe> r =
+        rc::MeasureHostLink(0, p.node, p.huge, int64_t{f.ceiling_mib} << 20, f.ceiling_repeats);
     if (!r.ok()) {
       std::printf("  %-10s  probe failed: %s\n", p.label.c_str(), r.status().ToString().c_str());
       continue;
@@ -645,7 +652,7 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
         "kvr bench decode needs a CUDA GPU: this build has no CUDA backend or no usable device "
         "(run it on the device machine: scripts/device/gpu-decode.sh)");
   }
-  KVR_ASSIGN_OR_RETURN(model::HostTopology topo, model::GetHostTopology(0));
+  KVR_ASSIGN_OR_RETURN(rc::HostTopology topo, rc::GetHostTopology(0));
   KVR_ASSIGN_OR_RETURN(std::vector<Placement> placements, ResolvePlacements(f, topo));
   KVR_RETURN_IF_ERROR(ProbeCeilings(f, topo, placements));
   if (f.ceiling_only) return absl::OkStatus();
@@ -660,6 +667,8 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
   mo.max_logits_rows = 64;
   KVR_ASSIGN_OR_RETURN(std::unique_ptr<model::CudaModel> m,
                        model::CreateCudaModelWithRandomWeights(config, 1, mo));
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<rc::SparseDecodeAttention> sp,
+                       rc::CreateSparseDecodeAttention(*m));
   std::printf(
       "kvr bench decode: %s shape (%d layers), RANDOM weights (%.2f GB bf16), SYNTHETIC KV "
       "(random rows; sparse sequences of a batch share one host KV), budget %d, sink %d, "
@@ -680,8 +689,8 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
     }
     KVR_RETURN_IF_ERROR(m->ForwardGreedy(batch, next));
     for (int i = 0; i < f.max_batch; ++i) KVR_RETURN_IF_ERROR(m->ReleaseSequence(900000 + i));
-    for (auto method : {model::SparseMethod::kQuest, model::SparseMethod::kClusterKv}) {
-      model::SparseAttentionOptions o;
+    for (auto method : {rc::SparseMethod::kQuest, rc::SparseMethod::kClusterKv}) {
+      rc::SparseDecodeOptions o;
       o.method = method;
       o.slots = 2;
       o.max_capacity = 4096;
@@ -689,19 +698,19 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
       o.n_sink = f.sink;
       o.local_window = f.window;
       o.hot_cache_rows = f.hot_cache_rows;
-      KVR_RETURN_IF_ERROR(m->ConfigureSparse(o));
-      KVR_RETURN_IF_ERROR(m->AddSparseSequence(900000, 4096, {}));
-      KVR_RETURN_IF_ERROR(m->FillSequenceForBenchmark(900000, 3000, 7));
+      KVR_RETURN_IF_ERROR(sp->Configure(o));
+      KVR_RETURN_IF_ERROR(sp->AddSequence(900000, 4096, {}));
+      KVR_RETURN_IF_ERROR(sp->FillSequenceForBenchmark(900000, 3000, 7));
       const model::CudaSequence one{900000, std::span(&tok[0], 1)};
       m->set_profile(true);
-      KVR_RETURN_IF_ERROR(m->ForwardGreedy(std::span(&one, 1), std::span(&next[0], 1)));
+      KVR_RETURN_IF_ERROR(sp->ForwardGreedy(std::span(&one, 1), std::span(&next[0], 1)));
       m->set_profile(false);
-      KVR_RETURN_IF_ERROR(m->ReleaseSequence(900000));
+      KVR_RETURN_IF_ERROR(sp->ReleaseSequence(900000));
       o.slots = 0;
-      KVR_RETURN_IF_ERROR(m->ConfigureSparse(o));
+      KVR_RETURN_IF_ERROR(sp->Configure(o));
     }
   }
-  DecodeBench bench(f, *m);
+  DecodeBench bench(f, *m, *sp);
   std::vector<Row> rows;
   for (int64_t ctx : f.contexts) {
     const bool want_store =
@@ -724,8 +733,7 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
           s = bench.RunDense(ctx, rows);
         } else {
           s = bench.RunSparse(
-              ctx,
-              method == "quest" ? model::SparseMethod::kQuest : model::SparseMethod::kClusterKv,
+              ctx, method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv,
               method, placement, rows);
         }
         if (!s.ok())

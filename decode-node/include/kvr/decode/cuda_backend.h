@@ -1,13 +1,15 @@
 #pragma once
 // The CUDA DecodeBackend (backend.h) and the backend choice of kvr-decode (--device).
 //
-// CUDA backend: one model::CudaModel (bf16 weights on one GPU) whose sparse sequences
-// (cuda_model.h) are the running sequences. The GPU keeps, per slot, the sink rows, a window ring,
+// CUDA backend: one model::CudaModel (bf16 weights on one GPU) and its sparse decode (the
+// model's per-layer attention hook, retrieval/cuda/decode: sparse_decode.h), whose sequences are
+// the running sequences. The GPU keeps, per slot, the sink rows, a window ring,
 // the method's summaries and a hot cache; the sequence's past stays in the KV store, and the
 // per-layer gather reads the selected rows that miss the hot cache straight from the store's
 // pages (the store's pool mapped read-only into this process and registered with CUDA:
 // zero-copy over PCIe). The node holds no copy of a sequence's past.
-// - ONE method, budget, sink and window for all slots (ConfigureSparse at creation, from the
+// - ONE method, budget, sink and window for all slots (SparseDecodeAttention::Configure at
+// creation, from the
 //   node's settings). A handoff with another method, a bigger budget or another sink/window is
 //   refused (InvalidArgument naming the field and the node's setting); a smaller budget runs at
 //   the node's budget (more rows, never fewer). Methods: quest, and clusterkv with the
@@ -18,10 +20,11 @@
 //   a store on another host is refused: FailedPrecondition). Join uploads the page tables, copies
 //   the sink/window rows from the store pages to the GPU ring and builds the quest bounds from
 //   the store's keys on the GPU (clusterkv: uploads the handed-off clusters).
-// - Step: one CudaModel::Forward over the running sequences (logits back for the engine's
-//   Sampler); then each sequence's new K/V rows (all layers) are appended to the store at their
-//   position, asynchronously (one put per layer), waited for at the next step: a row is read
-//   from the store only once it has left the local window, many steps later.
+// - Step: one Forward of the sparse decode (the model's ForwardWithAttention) over the running
+//   sequences (logits back for the engine's Sampler); then each sequence's new K/V rows (all
+//   layers) are appended to the store at their position, asynchronously (one put per layer), waited
+//   for at the next step: a row is read from the store only once it has left the local window, many
+//   steps later.
 // - Counters per sequence (at Leave): rows selected, hot-cache hits and misses, rows and bytes
 //   fetched across the link (= misses), rows offloaded; a failed append ends the sequence with
 //   UNAVAILABLE (TakeFailures).
@@ -40,6 +43,7 @@
 #include "kvr/decode/engine.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/model.h"
+#include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/registry.h"
 
 namespace kvr::decode {
@@ -54,7 +58,7 @@ struct CudaDecodeBackendOptions {
   int64_t max_context = 0;  // tokens per sequence (host KV per slot); 0: the model's context
   int64_t hot_cache_bytes = 64 << 20;  // over all slots, layers and KV heads
   // Smallest store page (in rows) the node takes: sizes the GPU page tables
-  // (SparseAttentionOptions::min_page_rows). A 16 KiB page holds 64 bf16 rows at head_dim 64.
+  // (SparseDecodeOptions::min_page_rows). A 16 KiB page holds 64 bf16 rows at head_dim 64.
   int min_page_rows = 64;
   // clusterkv: the handed-off summaries are parsed with it (the node's; not owned, outlives the
   // backend). Required for clusterkv, unused by quest.
@@ -64,14 +68,22 @@ struct CudaDecodeBackendOptions {
 // The checks the CUDA backend's Prepare makes against its one configuration (exposed for tests
 // without a GPU): InvalidArgument "handoff of sequence <id>: <field> ... (this node: ...)".
 [[nodiscard]] absl::Status CheckHandoffForCudaBackend(const Handoff& h,
-                                                     const CudaDecodeBackendOptions& options);
+                                                      const CudaDecodeBackendOptions& options);
 
-// The CUDA backend over `model` (owned): ConfigureSparse with the options. Errors name the
+// The CUDA backend over `model` (owned): a sparse decode over it (CreateSparseDecodeAttention),
+// configured with the options. Errors name the
 // option the model refused. `observer` (may be null; not owned, outlives the backend) gets each
 // step's hot-cache hits and misses, bytes fetched and appended, and the resident summary bytes.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
     std::unique_ptr<model::CudaModel> model, const CudaDecodeBackendOptions& options,
     DecodeObserver* observer = nullptr);
+// As above, with the sparse decode over `model` made by the caller (CreateSparseDecodeAttention;
+// the backend configures it): a benchmark keeps a pointer to it to run raw steps over the
+// running sequences. InvalidArgument when `sparse` is null or not over `model`.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
+    std::unique_ptr<model::CudaModel> model,
+    std::unique_ptr<retrieval::cuda::SparseDecodeAttention> sparse,
+    const CudaDecodeBackendOptions& options, DecodeObserver* observer = nullptr);
 
 // The backend `config.device` names: "cpu" over `model` (not owned; with the config's
 // hot_cache_bytes, quality_sample_rate and `assets`), or "cuda": `model`'s weights uploaded once

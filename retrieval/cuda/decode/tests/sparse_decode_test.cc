@@ -1,4 +1,5 @@
-// Sparse sequences of the CUDA model (cuda_model.h, "Sparse sequences") against its dense path.
+// The GPU sparse decode (sparse_decode.h: an attention hook of the CUDA model) against the
+// model's dense path.
 //
 // With a budget that covers every candidate, a sparse sequence attends over exactly the rows a
 // dense one does (sink + window from the GPU ring, every other row selected and gathered from
@@ -28,11 +29,18 @@
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/sampler.h"
+#include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/registry.h"
 
 namespace kvr::model {
 namespace {
+
+using retrieval::cuda::SparseDecodeOptions;
+using retrieval::cuda::SparseLayerSnapshot;
+using retrieval::cuda::SparseMethod;
+using retrieval::cuda::SparseSequenceOptions;
+using retrieval::cuda::SparseStats;
 
 using cuda_test::Compare;
 using cuda_test::kMaxErrOverRms;
@@ -72,9 +80,12 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
   auto created = CreateCudaModelWithRandomWeights(*config, 11, mo);
   ASSERT_TRUE(created.ok()) << created.status();
   CudaModel& gpu = **created;
+  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
+  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
+  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
   const int vocab = config->vocab;
 
-  SparseAttentionOptions so;
+  SparseDecodeOptions so;
   so.method = method;
   so.slots = 2;
   so.max_capacity = 128;
@@ -83,7 +94,7 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
   so.local_window = 8;
   so.hot_cache_rows = 64;
   so.quest_page_size = 16;
-  ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
+  ASSERT_TRUE(sp.Configure(so).ok());
 
   const std::vector<int> lengths = {41, 23};
   const std::string name =
@@ -95,7 +106,7 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
     prompts.push_back(Tokens(lengths[i], vocab, 30 + i));
     const SequenceId dense = 100 + i, sparse = 200 + i;
     ASSERT_TRUE(gpu.AddSequence(dense, 128).ok());
-    const absl::Status added = gpu.AddSparseSequence(sparse, 128, {});
+    const absl::Status added = sp.AddSequence(sparse, 128, {});
     ASSERT_TRUE(added.ok()) << added;
   }
   // Dense: each prompt in one chunk. Sparse: token by token, both sequences in one batch while
@@ -116,7 +127,7 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
       }
     }
     std::vector<float> logits(batch.size() * vocab, NAN);
-    const absl::Status st = gpu.Forward(batch, LogitsMode::kLast, logits);
+    const absl::Status st = sp.Forward(batch, LogitsMode::kLast, logits);
     ASSERT_TRUE(st.ok()) << st;
     for (size_t j = 0; j < who.size(); ++j) {
       if (t == lengths[who[j]] - 1) {
@@ -137,7 +148,7 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
     }
     std::vector<float> want(lengths.size() * vocab, NAN), got(lengths.size() * vocab, NAN);
     ASSERT_TRUE(gpu.Forward(dense, LogitsMode::kLast, want).ok());
-    const absl::Status st = gpu.Forward(sparse, LogitsMode::kLast, got);
+    const absl::Status st = sp.Forward(sparse, LogitsMode::kLast, got);
     ASSERT_TRUE(st.ok()) << st;
     for (size_t i = 0; i < lengths.size(); ++i) {
       CheckRow(std::span(got).subspan(i * vocab, vocab), std::span(want).subspan(i * vocab, vocab),
@@ -150,19 +161,19 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
     std::vector<CudaSequence> sparse;
     for (size_t i = 0; i < lengths.size(); ++i) sparse.push_back({200 + i, std::span(&next[i], 1)});
     std::vector<int32_t> tokens(lengths.size(), -1);
-    ASSERT_TRUE(gpu.ForwardGreedy(sparse, tokens).ok());
+    ASSERT_TRUE(sp.ForwardGreedy(sparse, tokens).ok());
     for (int32_t t : tokens) EXPECT_TRUE(t >= 0 && t < vocab);
   }
-  EXPECT_EQ(*gpu.SequenceLength(200), lengths[0] + 33);
-  const SparseStats stats = gpu.sparse_stats();
+  EXPECT_EQ(*sp.SequenceLength(200), lengths[0] + 33);
+  const SparseStats stats = sp.stats();
   std::printf(
       "[ parity ] %-40s steps %3d  min cosine %.6f  max |err|/rms %.4f  near ties %d  "
       "sparse Forwards %lld  hot-cache hits %lld\n",
       name.c_str(), worst.steps, worst.cosine, worst.ratio, worst.ties,
       static_cast<long long>(stats.steps), static_cast<long long>(stats.hot_cache_hits));
   EXPECT_EQ(worst.ties, 0) << "near ties are allowed but reported";
-  ASSERT_TRUE(gpu.ReleaseSequence(200).ok());
-  ASSERT_TRUE(gpu.ReleaseSequence(201).ok());
+  ASSERT_TRUE(sp.ReleaseSequence(200).ok());
+  ASSERT_TRUE(sp.ReleaseSequence(201).ok());
 }
 
 TEST(CudaSparseTest, Llama3QuestFullBudgetMatchesDense) {
@@ -194,27 +205,30 @@ TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
   auto created = CreateCudaModelWithRandomWeights(*config, 3, mo);
   ASSERT_TRUE(created.ok()) << created.status();
   CudaModel& gpu = **created;
+  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
+  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
+  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
   for (SparseMethod method : {SparseMethod::kQuest, SparseMethod::kClusterKv}) {
-    SparseAttentionOptions so;
+    SparseDecodeOptions so;
     so.method = method;
     so.slots = 3;
     so.max_capacity = 8192;
     so.budget = 256;
     so.hot_cache_rows = 256;
-    ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
-    ASSERT_TRUE(gpu.AddSparseSequence(1, 8192, {}).ok());
+    ASSERT_TRUE(sp.Configure(so).ok());
+    ASSERT_TRUE(sp.AddSequence(1, 8192, {}).ok());
     SparseSequenceOptions share;
     share.share_host_kv_with = 1;
-    ASSERT_TRUE(gpu.AddSparseSequence(2, 8192, share).ok());
-    ASSERT_TRUE(gpu.AddSparseSequence(3, 8192, share).ok());
-    EXPECT_EQ(gpu.AddSparseSequence(4, 8192, {}).code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_EQ(gpu.ConfigureSparse(so).code(), absl::StatusCode::kFailedPrecondition);
-    for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(gpu.FillSequenceForBenchmark(id, 6000, 5).ok());
+    ASSERT_TRUE(sp.AddSequence(2, 8192, share).ok());
+    ASSERT_TRUE(sp.AddSequence(3, 8192, share).ok());
+    EXPECT_EQ(sp.AddSequence(4, 8192, {}).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(sp.Configure(so).code(), absl::StatusCode::kFailedPrecondition);
+    for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(sp.FillSequenceForBenchmark(id, 6000, 5).ok());
     ASSERT_TRUE(gpu.AddSequence(9, 64).ok());
     const std::vector<int32_t> tok = {1, 2, 3};
     std::vector<CudaSequence> mixed = {{1, std::span(&tok[0], 1)}, {9, std::span(&tok[1], 1)}};
     std::vector<float> logits(2 * config->vocab);
-    EXPECT_EQ(gpu.Forward(mixed, LogitsMode::kLast, logits).code(),
+    EXPECT_EQ(sp.Forward(mixed, LogitsMode::kLast, logits).code(),
               absl::StatusCode::kInvalidArgument);
     ASSERT_TRUE(gpu.ReleaseSequence(9).ok());
     gpu.set_profile(true);
@@ -222,19 +236,19 @@ TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
       std::vector<CudaSequence> batch;
       for (int i = 0; i < 3; ++i) batch.push_back({SequenceId(i + 1), std::span(&tok[i], 1)});
       std::vector<float> out(3 * config->vocab, NAN);
-      const absl::Status st = gpu.Forward(batch, LogitsMode::kLast, out);
+      const absl::Status st = sp.Forward(batch, LogitsMode::kLast, out);
       ASSERT_TRUE(st.ok()) << st;
       for (float v : out) ASSERT_TRUE(std::isfinite(v));
     }
     gpu.set_profile(false);
-    const SparseStats s = gpu.sparse_stats();
+    const SparseStats s = sp.stats();
     // 4 steps x 2 layers x 3 sequences x 8 KV heads x budget 256 (6000 tokens >> budget).
     EXPECT_EQ(s.selected_rows, int64_t{4} * 2 * 3 * 8 * 256);
     EXPECT_GT(s.hot_cache_hits, 0);
     std::printf("[ sparse ] %s filled 6000 tokens x3: selected %lld rows, hot-cache hits %lld\n",
                 method == SparseMethod::kQuest ? "quest" : "clusterkv",
                 static_cast<long long>(s.selected_rows), static_cast<long long>(s.hot_cache_hits));
-    for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(gpu.ReleaseSequence(id).ok());
+    for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(sp.ReleaseSequence(id).ok());
   }
 }
 
@@ -258,7 +272,10 @@ TEST(CudaSparseTest, QuestSmallBudgetLayerMatchesCpuReference) {
   auto created = CreateCudaModelWithRandomWeights(c, 5, mo);
   ASSERT_TRUE(created.ok()) << created.status();
   CudaModel& gpu = **created;
-  SparseAttentionOptions so;
+  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
+  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
+  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
+  SparseDecodeOptions so;
   so.method = SparseMethod::kQuest;
   so.slots = 1;
   so.max_capacity = 4096;
@@ -266,19 +283,19 @@ TEST(CudaSparseTest, QuestSmallBudgetLayerMatchesCpuReference) {
   so.n_sink = 4;
   so.local_window = 32;
   so.hot_cache_rows = 64;
-  ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
-  ASSERT_TRUE(gpu.AddSparseSequence(1, 4096, {}).ok());
+  ASSERT_TRUE(sp.Configure(so).ok());
+  ASSERT_TRUE(sp.AddSequence(1, 4096, {}).ok());
   constexpr int64_t kFilled = 2000;
-  ASSERT_TRUE(gpu.FillSequenceForBenchmark(1, kFilled, 9).ok());
+  ASSERT_TRUE(sp.FillSequenceForBenchmark(1, kFilled, 9).ok());
   constexpr int kLayer = 1;
-  gpu.SnapshotSparseLayerForTesting(kLayer);
+  sp.SnapshotLayerForTesting(kLayer);
   const int32_t token = 77;
   const CudaSequence one{1, std::span(&token, 1)};
   std::vector<float> logits(c.vocab);
-  ASSERT_TRUE(gpu.Forward(std::span(&one, 1), LogitsMode::kLast, logits).ok());
-  const SparseLayerSnapshot& snap = gpu.sparse_snapshot();
+  ASSERT_TRUE(sp.Forward(std::span(&one, 1), LogitsMode::kLast, logits).ok());
+  const SparseLayerSnapshot& snap = sp.snapshot();
   ASSERT_EQ(snap.layer, kLayer);
-  auto kv = gpu.SparseHostKvForTesting(1);
+  auto kv = sp.HostKvForTesting(1);
   ASSERT_TRUE(kv.ok());
 
   const int kvh = c.n_kv_heads, d = c.head_dim, group = c.n_heads / c.n_kv_heads;

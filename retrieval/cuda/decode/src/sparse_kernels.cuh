@@ -1,8 +1,8 @@
 #pragma once
-// Kernels of the CUDA model's sparse sequences (cuda_model.h, "Sparse sequences"): the decode
-// step's RoPE + KV append (host KV, window ring, summaries) and the benchmark fill (resident rows
-// and summaries built from the host KV). Selection, gather, hot cache and decode attention are
-// retrieval/cuda's (selection.cuh, gather.cuh, hot_cache.cuh, decode_attention.cuh).
+// Kernels of the GPU sparse decode (sparse_decode.h): the decode step's RoPE + KV append (host
+// KV, window ring, summaries) and the benchmark fill (resident rows and summaries built from the
+// host KV). Selection, gather, hot cache and decode attention are retrieval/cuda's
+// (selection.cuh, gather.cuh, hot_cache.cuh, decode_attention.cuh).
 //
 // Layouts (per layer l, slot s, KV head h; "row" = [K | V] of 2 * head_dim bf16):
 //   host KV of a sequence  [n_layers, n_kv_heads, capacity, row]        (mapped pinned memory),
@@ -28,7 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/cuda/kv_pool.h"
 
-namespace kvr::model::cuda {
+namespace kvr::retrieval::cuda {
 
 using sbf16 = __nv_bfloat16;
 
@@ -209,4 +209,4 @@ __host__ __device__ inline int64_t ProbeRow(int64_t e, int64_t n_rows) {
 [[nodiscard]] absl::Status LaunchZeroCopyRows(const void* src, void* dst, int64_t n_rows,
                                               int row_bytes, cudaStream_t stream);
 
-}  // namespace kvr::model::cuda
+}  // namespace kvr::retrieval::cuda

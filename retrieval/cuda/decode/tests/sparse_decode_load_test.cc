@@ -1,16 +1,16 @@
-// A real past loaded into a sparse sequence (cuda_model.h: SparseHostKv + ActivateSparseSequence;
-// issue 7 item 3, the decode node's path) against the dense sequence it came from.
+// A real past loaded into a sequence of the GPU sparse decode (sparse_decode.h: HostKv +
+// ActivateSequence; the decode node's path) against the dense sequence it came from.
 //
 // A dense sequence runs a prompt on the GPU with its KV exported (BeginKvExport: the bf16 rows
 // widened to float32, exactly); those rows are narrowed back to bf16 (exact) and written into a
-// sparse sequence's host KV, which ActivateSparseSequence turns into ring rows and quest bounds.
+// sparse sequence's host KV, which ActivateSequence turns into ring rows and quest bounds.
 // Then 32 decode steps on both, fed the dense path's greedy tokens: with a budget that covers
 // every candidate the sparse sequence attends over exactly the dense one's rows, so logits must
-// agree within the tolerance of cuda_sparse_test.cc (the two decode attention kernels round P
+// agree within the tolerance of sparse_decode_test.cc (the two decode attention kernels round P
 // differently) and the greedy tokens must be equal (a near tie would be reported and fails).
 // A second sparse sequence loaded alike at a small budget must run and stay finite. Misuse
-// answers the documented errors. Clusterkv: ActivateSparseSequenceWithClusters given the
-// clustering ActivateSparseSequence builds decodes the same logits. CTest label `gpu`.
+// answers the documented errors. Clusterkv: ActivateSequenceWithClusters given the clustering
+// ActivateSequence builds decodes the same logits. CTest label `gpu`.
 
 #include <algorithm>
 #include <cmath>
@@ -26,9 +26,16 @@
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/sampler.h"
+#include "kvr/retrieval/cuda/sparse_decode.h"
 
 namespace kvr::model {
 namespace {
+
+using retrieval::cuda::SparseClusterHead;
+using retrieval::cuda::SparseDecodeOptions;
+using retrieval::cuda::SparseHostKvBuffer;
+using retrieval::cuda::SparseMethod;
+using retrieval::cuda::SparseSequenceOptions;
 
 using cuda_test::Compare;
 using cuda_test::kMaxErrOverRms;
@@ -42,7 +49,7 @@ uint16_t Bf16Bits(float f) {  // f is a widened bf16 value: the top half is exac
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Writes the exported rows [0, L) of every layer into a host KV in SparseHostKv's layout.
+// Writes the exported rows [0, L) of every layer into a host KV in HostKv's layout.
 void Fill(std::span<uint16_t> host, const ModelConfig& c, int64_t capacity, int64_t L,
           const std::vector<KvView>& layers) {
   const int kv = c.n_kv_heads, d = c.head_dim;
@@ -64,12 +71,12 @@ void Fill(std::span<uint16_t> host, const ModelConfig& c, int64_t capacity, int6
   }
 }
 
-void Load(CudaModel& gpu, SequenceId id, const ModelConfig& c, int64_t capacity, int64_t L,
-          const std::vector<KvView>& layers) {
-  auto host = gpu.SparseHostKv(id);
+void Load(retrieval::cuda::SparseDecodeAttention& sp, SequenceId id, const ModelConfig& c,
+          int64_t capacity, int64_t L, const std::vector<KvView>& layers) {
+  auto host = sp.HostKv(id);
   ASSERT_TRUE(host.ok()) << host.status();
   Fill(*host, c, capacity, L, layers);
-  const absl::Status st = gpu.ActivateSparseSequence(id, L);
+  const absl::Status st = sp.ActivateSequence(id, L);
   ASSERT_TRUE(st.ok()) << st;
 }
 
@@ -84,10 +91,13 @@ void CheckLoaded(const std::string& shape, int n_layers) {
   auto created = CreateCudaModelWithRandomWeights(c, 21, mo);
   ASSERT_TRUE(created.ok()) << created.status();
   CudaModel& gpu = **created;
+  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
+  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
+  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
   const int vocab = c.vocab;
   constexpr int64_t kCapacity = 256, kPrompt = 150;
 
-  SparseAttentionOptions so;
+  SparseDecodeOptions so;
   so.method = SparseMethod::kQuest;
   so.slots = 2;
   so.max_capacity = kCapacity;
@@ -95,7 +105,7 @@ void CheckLoaded(const std::string& shape, int n_layers) {
   so.n_sink = 4;
   so.local_window = 16;  // the ring wraps during the prompt and the steps
   so.hot_cache_rows = 64;
-  ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
+  ASSERT_TRUE(sp.Configure(so).ok());
 
   // Dense prefill with the KV export; the views stay valid until EndKvExport.
   constexpr SequenceId kDense = 1, kSparse = 2;
@@ -112,14 +122,15 @@ void CheckLoaded(const std::string& shape, int n_layers) {
   ASSERT_TRUE(gpu.Forward(std::span(&p, 1), LogitsMode::kLast, logits).ok());
 
   // Misuse first.
-  EXPECT_EQ(gpu.SparseHostKv(kDense).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(gpu.ActivateSparseSequence(99, 1).code(), absl::StatusCode::kNotFound);
+  // The model's dense sequence is none of the sparse decode's.
+  EXPECT_EQ(sp.HostKv(kDense).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(sp.ActivateSequence(99, 1).code(), absl::StatusCode::kNotFound);
   // The host KV acquired and filled on another thread (as the decode node's Prepare does while
   // its loop runs other sequences), then adopted by the sparse sequence.
-  EXPECT_EQ(gpu.AcquireSparseHostKv(0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(sp.AcquireHostKv(0).status().code(), absl::StatusCode::kInvalidArgument);
   std::shared_ptr<SparseHostKvBuffer> acquired;
   std::thread filler([&] {
-    auto a = gpu.AcquireSparseHostKv(kCapacity);
+    auto a = sp.AcquireHostKv(kCapacity);
     ASSERT_TRUE(a.ok()) << a.status();
     acquired = *a;
     ASSERT_EQ((*a)->capacity(), kCapacity);
@@ -129,20 +140,17 @@ void CheckLoaded(const std::string& shape, int n_layers) {
   ASSERT_NE(acquired, nullptr);
   SparseSequenceOptions adopt;
   adopt.host_kv = acquired;
-  EXPECT_EQ(gpu.AddSparseSequence(kSparse, kCapacity - 1, adopt).code(),
+  EXPECT_EQ(sp.AddSequence(kSparse, kCapacity - 1, adopt).code(),
             absl::StatusCode::kInvalidArgument);
-  ASSERT_TRUE(gpu.AddSparseSequence(kSparse, kCapacity, adopt).ok());
-  EXPECT_EQ(gpu.AddSparseSequence(3, kCapacity, adopt).code(),
-            absl::StatusCode::kFailedPrecondition)
+  ASSERT_TRUE(sp.AddSequence(kSparse, kCapacity, adopt).ok());
+  EXPECT_EQ(sp.AddSequence(3, kCapacity, adopt).code(), absl::StatusCode::kFailedPrecondition)
       << "a host KV in use by another sequence";
-  EXPECT_EQ(gpu.ActivateSparseSequence(kSparse, 0).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(gpu.ActivateSparseSequence(kSparse, kCapacity + 1).code(),
-            absl::StatusCode::kInvalidArgument);
-  ASSERT_TRUE(gpu.ActivateSparseSequence(kSparse, kPrompt).ok());
+  EXPECT_EQ(sp.ActivateSequence(kSparse, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(sp.ActivateSequence(kSparse, kCapacity + 1).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(sp.ActivateSequence(kSparse, kPrompt).ok());
   acquired.reset();
-  EXPECT_EQ(gpu.ActivateSparseSequence(kSparse, kPrompt).code(),
-            absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(*gpu.SequenceLength(kSparse), kPrompt);
+  EXPECT_EQ(sp.ActivateSequence(kSparse, kPrompt).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*sp.SequenceLength(kSparse), kPrompt);
   ASSERT_TRUE(gpu.EndKvExport(kDense).ok());
 
   // 32 steps on both, fed the dense greedy tokens.
@@ -153,7 +161,7 @@ void CheckLoaded(const std::string& shape, int n_layers) {
     std::vector<float> want(vocab, NAN), got(vocab, NAN);
     const CudaSequence d{kDense, std::span(&next, 1)}, s{kSparse, std::span(&next, 1)};
     ASSERT_TRUE(gpu.Forward(std::span(&d, 1), LogitsMode::kLast, want).ok());
-    const absl::Status st = gpu.Forward(std::span(&s, 1), LogitsMode::kLast, got);
+    const absl::Status st = sp.Forward(std::span(&s, 1), LogitsMode::kLast, got);
     ASSERT_TRUE(st.ok()) << st;
     const RowError e = Compare(got, want);
     ASSERT_TRUE(std::isfinite(e.max_err)) << "step " << step;
@@ -167,36 +175,37 @@ void CheckLoaded(const std::string& shape, int n_layers) {
                     << " (dense gap " << want[w] - want[g] << ")";
     next = w;
   }
-  EXPECT_EQ(*gpu.SequenceLength(kSparse), kPrompt + 32);
-  std::printf("[ load   ] %-14s prompt %lld, 32 steps: min cosine %.6f  max |err|/rms %.4f  "
-              "greedy mismatches %d\n",
-              shape.c_str(), static_cast<long long>(kPrompt), worst_cos, worst_ratio, mismatches);
+  EXPECT_EQ(*sp.SequenceLength(kSparse), kPrompt + 32);
+  std::printf(
+      "[ load   ] %-14s prompt %lld, 32 steps: min cosine %.6f  max |err|/rms %.4f  "
+      "greedy mismatches %d\n",
+      shape.c_str(), static_cast<long long>(kPrompt), worst_cos, worst_ratio, mismatches);
 
   // The same rows at a small budget in the other slot (the host KV of kSparse is reused after
   // its release): runs and stays finite.
-  ASSERT_TRUE(gpu.ReleaseSequence(kSparse).ok());
+  ASSERT_TRUE(sp.ReleaseSequence(kSparse).ok());
   ASSERT_TRUE(gpu.ReleaseSequence(kDense).ok());
-  ASSERT_TRUE(gpu.ConfigureSparse({}).ok());
+  ASSERT_TRUE(sp.Configure({}).ok());
   so.budget = 32;
-  ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
+  ASSERT_TRUE(sp.Configure(so).ok());
   ASSERT_TRUE(gpu.AddSequence(kDense, kCapacity).ok());
   layers.assign(c.n_layers, KvView{});
   ASSERT_TRUE(gpu.BeginKvExport(kDense, eo).ok());
   ASSERT_TRUE(gpu.Forward(std::span(&p, 1), LogitsMode::kLast, logits).ok());
-  ASSERT_TRUE(gpu.AddSparseSequence(kSparse, kCapacity, {}).ok());
-  Load(gpu, kSparse, c, kCapacity, kPrompt, layers);
+  ASSERT_TRUE(sp.AddSequence(kSparse, kCapacity, {}).ok());
+  Load(sp, kSparse, c, kCapacity, kPrompt, layers);
   ASSERT_TRUE(gpu.ReleaseSequence(kDense).ok());
   next = ArgMax(logits);
   for (int step = 0; step < 32; ++step) {
     std::vector<int32_t> out(1, -1);
     const CudaSequence s{kSparse, std::span(&next, 1)};
-    const absl::Status st = gpu.ForwardGreedy(std::span(&s, 1), out);
+    const absl::Status st = sp.ForwardGreedy(std::span(&s, 1), out);
     ASSERT_TRUE(st.ok()) << st;
     ASSERT_TRUE(out[0] >= 0 && out[0] < vocab);
     next = out[0];
   }
-  EXPECT_EQ(*gpu.SequenceLength(kSparse), kPrompt + 32);
-  ASSERT_TRUE(gpu.ReleaseSequence(kSparse).ok());
+  EXPECT_EQ(*sp.SequenceLength(kSparse), kPrompt + 32);
+  ASSERT_TRUE(sp.ReleaseSequence(kSparse).ok());
 }
 
 TEST(CudaSparseLoadTest, Llama3LoadedQuestEqualsDense) {
@@ -209,7 +218,7 @@ TEST(CudaSparseLoadTest, Smollm2LoadedQuestEqualsDense) {
   CheckLoaded("smollm2-135m", 4);
 }
 
-// ActivateSparseSequenceWithClusters given the clustering ActivateSparseSequence builds itself
+// ActivateSequenceWithClusters given the clustering ActivateSequence builds itself
 // (contiguous runs of clusterkv_tokens_per_cluster candidates, centroid = mean bf16 key, summed
 // in float in token order as FillClusterKernel does), plus ids it must drop (sinks, window) and
 // a cluster that is empty once they are dropped: the two slots must then decode bit-equal
@@ -226,8 +235,11 @@ TEST(CudaSparseLoadTest, GivenClustersEqualTheBuiltOnes) {
   auto created = CreateCudaModelWithRandomWeights(c, 23, mo);
   ASSERT_TRUE(created.ok()) << created.status();
   CudaModel& gpu = **created;
+  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
+  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
+  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
   constexpr int64_t kCapacity = 256, kPrompt = 150;
-  SparseAttentionOptions so;
+  SparseDecodeOptions so;
   so.method = SparseMethod::kClusterKv;
   so.slots = 2;
   so.max_capacity = kCapacity;
@@ -236,15 +248,15 @@ TEST(CudaSparseLoadTest, GivenClustersEqualTheBuiltOnes) {
   so.local_window = 16;
   so.hot_cache_rows = 64;
   so.clusterkv_tokens_per_cluster = 8;
-  ASSERT_TRUE(gpu.ConfigureSparse(so).ok());
+  ASSERT_TRUE(sp.Configure(so).ok());
 
   // The same random rows (bf16: the top half of a float) in both host KVs.
   const int kv = c.n_kv_heads, d = c.head_dim;
   constexpr SequenceId kBuilt = 1, kGiven = 2;
   std::vector<uint16_t> rows;
   for (SequenceId id : {kBuilt, kGiven}) {
-    ASSERT_TRUE(gpu.AddSparseSequence(id, kCapacity, SparseSequenceOptions{}).ok());
-    auto host = gpu.SparseHostKv(id);
+    ASSERT_TRUE(sp.AddSequence(id, kCapacity, SparseSequenceOptions{}).ok());
+    auto host = sp.HostKv(id);
     ASSERT_TRUE(host.ok()) << host.status();
     if (rows.empty()) {
       rows.resize(host->size());
@@ -273,7 +285,7 @@ TEST(CudaSparseLoadTest, GivenClustersEqualTheBuiltOnes) {
   const int64_t tpc = so.clusterkv_tokens_per_cluster;
   std::vector<std::vector<float>> cent(c.n_layers * kv);
   std::vector<std::vector<int32_t>> off(c.n_layers * kv), ids(c.n_layers * kv);
-  std::vector<CudaModel::SparseClusterHead> heads(c.n_layers * kv);
+  std::vector<SparseClusterHead> heads(c.n_layers * kv);
   for (int l = 0; l < c.n_layers; ++l) {
     for (int h = 0; h < kv; ++h) {
       const int j = l * kv + h;
@@ -298,22 +310,21 @@ TEST(CudaSparseLoadTest, GivenClustersEqualTheBuiltOnes) {
   }
 
   // Misuse: nothing activated, then the real call works.
-  EXPECT_EQ(gpu.ActivateSparseSequenceWithClusters(99, kPrompt, heads).code(),
+  EXPECT_EQ(sp.ActivateSequenceWithClusters(99, kPrompt, heads).code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(
-      gpu.ActivateSparseSequenceWithClusters(kGiven, kPrompt, std::span(heads).first(1)).code(),
-      absl::StatusCode::kInvalidArgument);
-  std::vector<CudaModel::SparseClusterHead> bad = heads;
+  EXPECT_EQ(sp.ActivateSequenceWithClusters(kGiven, kPrompt, std::span(heads).first(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<SparseClusterHead> bad = heads;
   bad.back().offsets = bad.back().offsets.first(bad.back().offsets.size() - 1);
-  EXPECT_EQ(gpu.ActivateSparseSequenceWithClusters(kGiven, kPrompt, bad).code(),
+  EXPECT_EQ(sp.ActivateSequenceWithClusters(kGiven, kPrompt, bad).code(),
             absl::StatusCode::kInvalidArgument)
       << "offsets that do not end at the ids' count";
-  EXPECT_EQ(*gpu.SequenceLength(kGiven), 0) << "a failed activation activates nothing";
-  ASSERT_TRUE(gpu.ActivateSparseSequence(kBuilt, kPrompt).ok());
-  const absl::Status st = gpu.ActivateSparseSequenceWithClusters(kGiven, kPrompt, heads);
+  EXPECT_EQ(*sp.SequenceLength(kGiven), 0) << "a failed activation activates nothing";
+  ASSERT_TRUE(sp.ActivateSequence(kBuilt, kPrompt).ok());
+  const absl::Status st = sp.ActivateSequenceWithClusters(kGiven, kPrompt, heads);
   ASSERT_TRUE(st.ok()) << st;
-  EXPECT_EQ(*gpu.SequenceLength(kGiven), kPrompt);
-  EXPECT_EQ(gpu.ActivateSparseSequenceWithClusters(kGiven, kPrompt, heads).code(),
+  EXPECT_EQ(*sp.SequenceLength(kGiven), kPrompt);
+  EXPECT_EQ(sp.ActivateSequenceWithClusters(kGiven, kPrompt, heads).code(),
             absl::StatusCode::kFailedPrecondition);
 
   // 24 steps, both fed the built sequence's greedy tokens (the window's tokens leave it and
@@ -322,8 +333,8 @@ TEST(CudaSparseLoadTest, GivenClustersEqualTheBuiltOnes) {
   for (int step = 0; step < 24; ++step) {
     std::vector<float> want(c.vocab, NAN), got(c.vocab, NAN);
     const CudaSequence b{kBuilt, std::span(&next, 1)}, g{kGiven, std::span(&next, 1)};
-    ASSERT_TRUE(gpu.Forward(std::span(&b, 1), LogitsMode::kLast, want).ok());
-    ASSERT_TRUE(gpu.Forward(std::span(&g, 1), LogitsMode::kLast, got).ok());
+    ASSERT_TRUE(sp.Forward(std::span(&b, 1), LogitsMode::kLast, want).ok());
+    ASSERT_TRUE(sp.Forward(std::span(&g, 1), LogitsMode::kLast, got).ok());
     ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
         << "step " << step << ": given clusters decode other logits than the built ones (cosine "
         << Compare(got, want).cosine << ")";

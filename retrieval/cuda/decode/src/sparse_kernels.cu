@@ -1,4 +1,4 @@
-// Kernels of the sparse sequences (sparse.cuh).
+// Kernels of the GPU sparse decode (sparse_kernels.cuh).
 
 #include <cuda_bf16.h>
 #include <sched.h>
@@ -20,10 +20,10 @@
 
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
-#include "kvr/model/cuda_model.h"
-#include "sparse.cuh"
+#include "kvr/retrieval/cuda/sparse_decode.h"
+#include "sparse_kernels.cuh"
 
-namespace kvr::model::cuda {
+namespace kvr::retrieval::cuda {
 namespace {
 
 __device__ __forceinline__ int64_t RingSlot(int64_t pos, int n_sink, int window) {
@@ -537,9 +537,9 @@ absl::Status LaunchZeroCopyRows(const void* src, void* dst, int64_t n_rows, int 
   return kvr::cuda::LastLaunchStatus("ZeroCopyRowsKernel");
 }
 
-}  // namespace kvr::model::cuda
+}  // namespace kvr::retrieval::cuda
 
-namespace kvr::model {
+namespace kvr::retrieval::cuda {
 
 absl::StatusOr<HostTopology> GetHostTopology(int device) {
   HostTopology t;
@@ -658,4 +658,4 @@ absl::StatusOr<HostLinkProbe> MeasureHostLink(int device, int numa_node, bool hu
   return p;
 }
 
-}  // namespace kvr::model
+}  // namespace kvr::retrieval::cuda

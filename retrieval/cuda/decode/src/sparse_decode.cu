@@ -1,0 +1,1197 @@
+// The GPU sparse decode (sparse_decode.h): SparseDecodeAttention, the per-layer attention hook
+// of a CudaModel whose sequences keep their past in host memory (a row source or an own host KV)
+// and attend over sink + window + the rows a retrieval method selects.
+
+#include "kvr/retrieval/cuda/sparse_decode.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/hash/hash.h"
+#include "absl/strings/str_cat.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/status.h"
+#include "kvr/retrieval/cuda/decode_attention.cuh"
+#include "kvr/retrieval/cuda/gather.cuh"
+#include "kvr/retrieval/cuda/hot_cache.cuh"
+#include "kvr/retrieval/cuda/selection.cuh"
+#include "sparse_kernels.cuh"
+
+namespace kvr::retrieval::cuda {
+namespace {
+
+using bf16 = sbf16;
+using kvr::cuda::DeviceBuffer;
+using kvr::cuda::PinnedBuffer;
+using model::CudaStage;
+using model::ModelConfig;
+
+template <typename T>
+[[nodiscard]] absl::Status Alloc(DeviceBuffer<T>& b, int64_t n) {
+  absl::StatusOr<DeviceBuffer<T>> created = DeviceBuffer<T>::Create(static_cast<size_t>(n));
+  if (!created.ok()) {
+    // A failed cudaMalloc is also the runtime's "last error": clear it, or the next kernel
+    // launch check (cudaGetLastError) would report this allocation's failure as its own.
+    cudaGetLastError();
+    return created.status();
+  }
+  b = *std::move(created);
+  return absl::OkStatus();
+}
+template <typename T>
+[[nodiscard]] absl::Status AllocPinned(PinnedBuffer<T>& b, int64_t n) {
+  KVR_ASSIGN_OR_RETURN(b, PinnedBuffer<T>::Create(static_cast<size_t>(n)));
+  return absl::OkStatus();
+}
+
+class SparseDecodeImpl final : public SparseDecodeAttention {
+ public:
+  explicit SparseDecodeImpl(model::CudaModel& model) : model_(model), config_(model.config()) {}
+  ~SparseDecodeImpl() override {
+    for (const auto& [host, region] : regions_) cudaHostUnregister(const_cast<void*>(host));
+  }
+
+  model::CudaModel& cuda_model() const override { return model_; }
+  absl::Status Configure(const SparseDecodeOptions& options) override;
+  absl::Status AddSequence(SequenceId id, int64_t capacity,
+                           const SparseSequenceOptions& options) override;
+  absl::Status ReleaseSequence(SequenceId id) override;
+  absl::StatusOr<int64_t> SequenceLength(SequenceId id) const override;
+  absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const override;
+  absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens, uint64_t seed) override;
+  absl::StatusOr<std::span<uint16_t>> HostKv(SequenceId id) override;
+  absl::StatusOr<std::shared_ptr<SparseHostKvBuffer>> AcquireHostKv(int64_t capacity) override;
+  absl::Status ActivateSequence(SequenceId id, int64_t n_tokens) override;
+  absl::Status ActivateSequenceWithClusters(SequenceId id, int64_t n_tokens,
+                                            std::span<const SparseClusterHead> heads) override;
+  absl::Status Forward(std::span<const model::CudaSequence> batch, model::LogitsMode mode,
+                       std::span<float> logits) override {
+    return model_.ForwardWithAttention(*this, batch, mode, logits);
+  }
+  absl::Status ForwardGreedy(std::span<const model::CudaSequence> batch,
+                             std::span<int32_t> next_tokens) override {
+    return model_.ForwardGreedyWithAttention(*this, batch, next_tokens);
+  }
+  absl::StatusOr<std::span<const uint16_t>> NewRows(SequenceId id) const override;
+  absl::StatusOr<const void*> RegisterHostRegion(const void* host, size_t bytes,
+                                                 bool read_only) override;
+  absl::Status UnregisterHostRegion(const void* host) override;
+  SparseStats stats() const override;
+  int64_t slot_device_bytes() const override {
+    return sparse_ == nullptr ? 0 : sparse_->bytes / sparse_->opt.slots;
+  }
+  absl::StatusOr<SparseSequenceCounters> Counters(SequenceId id) const override;
+  void SnapshotLayerForTesting(int layer) override { snapshot_layer_ = layer; }
+  const SparseLayerSnapshot& snapshot() const override { return snapshot_; }
+  absl::StatusOr<std::span<const uint16_t>> HostKvForTesting(SequenceId id) const override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) {
+      return absl::NotFoundError(absl::StrCat("SparseDecode: no sparse sequence ", id));
+    }
+    if (it->second.host == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "SparseDecode: sparse sequence ", id, " reads its past from a row source (no host KV)"));
+    }
+    const HostKvBuffer<bf16>& b = it->second.host->buf;
+    return std::span<const uint16_t>(reinterpret_cast<const uint16_t*>(b.data()), b.size());
+  }
+
+  // model::CudaAttention
+  absl::StatusOr<model::CudaAttentionPlan> Plan(
+      std::span<const model::CudaSequence> batch) override;
+  absl::Status Begin(void* stream) override;
+  absl::Status Attend(const model::CudaAttentionRequest& r, void* stream) override;
+  absl::Status End(void* stream) override;
+  void Finish(bool ok) override;
+
+ private:
+  // A sequence's full KV in mapped pinned host memory, [n_layers, n_kv_heads, capacity, 2,
+  // head_dim] bf16. Kept (host_kvs_) for reuse by later sequences of the same capacity.
+  struct HostKvImpl final : SparseHostKvBuffer {
+    HostKvBuffer<bf16> buf;  // on SparseSequenceOptions::host_numa_node (-1: cudaHostAlloc)
+    bf16* device = nullptr;  // the device-side address of buf
+    int64_t capacity_tokens = 0;
+    uint64_t filled_seed = 0;  // FillSequenceForBenchmark's seed + 1; 0: not filled
+    std::span<uint16_t> rows() override {
+      return {reinterpret_cast<uint16_t*>(buf.data()), buf.size()};
+    }
+    int64_t capacity() const override { return capacity_tokens; }
+  };
+  struct Sequence {
+    int64_t capacity = 0;
+    int64_t length = 0;
+    // Slot in sparse_ and host KV (null: the past comes from a row source,
+    // SparseSequenceOptions::rows, whose page tables are the slot's).
+    int slot = -1;
+    std::shared_ptr<HostKvImpl> host;
+    bool new_rows_ready = false;  // row source: NewRows holds the last Forward's rows
+    uint64_t source_key = 0;      // row source: a hash of where its rows are (0: own host KV)
+    int64_t sparse_steps = 0;     // Forwards taken part in
+    uint64_t filled_seed = 0;     // as HostKvImpl, for this slot's ring and summaries
+  };
+  // The GPU state shared by the sequences (Configure); layouts in sparse_kernels.cuh.
+  struct SparseState {
+    SparseDecodeOptions opt;
+    int rcap = 0;
+    int64_t pages = 0;
+    int64_t bytes = 0;  // device bytes of everything below
+    DeviceBuffer<bf16> resident;
+    DeviceBuffer<float> bounds;
+    DeviceBuffer<float> centroids;
+    DeviceBuffer<int32_t> n_clusters, offsets, members;
+    std::vector<HotCache> hot;     // per layer
+    DeviceBuffer<float> q_f32;     // [slots, q_dim]
+    DeviceBuffer<int32_t> ids;     // [slots, n_kv, budget]
+    DeviceBuffer<int32_t> counts;  // [slots, n_kv]
+    DeviceBuffer<bf16> gathered;   // [slots, n_kv, budget, 2 d]
+    DeviceBuffer<uint8_t> select_ws, attend_ws;
+    size_t select_ws_bytes = 0, attend_ws_bytes = 0;
+    DeviceBuffer<int32_t> meta;  // [3, slots]: cand begin, cand end, resident count
+    PinnedBuffer<int32_t> h_meta;
+    DeviceBuffer<SparseRow> rows;  // [slots]
+    PinnedBuffer<SparseRow> h_rows;
+    // Where each slot's rows are (kv_pool.h): slots [slots], pages [n_layers, slots, n_kv,
+    // max_pages]; written per slot when a sequence takes it (h_slot_pages stages one slot).
+    int max_pages = 0;
+    DeviceBuffer<KvPoolSlot> pool_slots;
+    PinnedBuffer<KvPoolSlot> h_pool_slots;
+    DeviceBuffer<int32_t> pool_pages;
+    PinnedBuffer<int32_t> h_slot_pages;  // [n_layers, n_kv, max_pages]
+    // The step's new K/V rows, [slots, n_layers, 2, n_kv, head_dim], and their host copy (row
+    // sources only: the caller appends them to the store).
+    DeviceBuffer<bf16> new_rows;
+    PinnedBuffer<bf16> h_new_rows;
+    KvPoolView PoolView(int layer) const {
+      return {pool_slots.data(), pool_pages.data() + int64_t{layer} * opt.slots * n_kv * max_pages,
+              max_pages, n_kv};
+    }
+    DeviceBuffer<unsigned long long> selected;  // [1]
+    // Per slot since it was taken: rows selected [0, slots) and hot-cache hits [slots, 2 slots),
+    // all layers; copied back at the end of every Forward (h_slot_counters).
+    DeviceBuffer<unsigned long long> slot_counters;
+    PinnedBuffer<unsigned long long> h_slot_counters;
+    int64_t steps = 0;
+    std::vector<std::optional<SequenceId>> owner;  // per slot
+    SparseSummaryView View() {
+      SparseSummaryView v;
+      v.method = opt.method == SparseMethod::kQuest ? 0 : 1;
+      v.slots = opt.slots;
+      v.bounds = bounds.data();
+      v.bounds_slot_stride = pages * bounds_row();
+      v.bounds_layer_stride = opt.slots * v.bounds_slot_stride;
+      v.page_size = opt.quest_page_size;
+      v.centroids = centroids.data();
+      v.n_clusters = n_clusters.data();
+      v.offsets = offsets.data();
+      v.members = members.data();
+      v.max_clusters = max_clusters;
+      v.max_members = static_cast<int>(opt.max_capacity);
+      return v;
+    }
+    int64_t bounds_row() const { return int64_t{n_kv} * 2 * head_dim; }
+    int n_kv = 0, head_dim = 0, max_clusters = 0;
+  };
+
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(model_.cuda_stream()); }
+  [[nodiscard]] absl::Status Sync() const {
+    return kvr::cuda::CudaStatus(cudaStreamSynchronize(stream()), "cudaStreamSynchronize");
+  }
+  // A free pooled host KV (use_count 1: only the pool holds it) or a new one; errors start with
+  // `what` (the caller). Under host_kv_mu_.
+  absl::StatusOr<std::shared_ptr<HostKvImpl>> PooledHostKv(int64_t capacity, int numa_node,
+                                                           bool huge_pages, const char* what);
+  // Copies `from`'s ring rows and summaries (HBM to HBM) into `to`'s slot and clears `to`'s hot
+  // cache: a slot over the same rows as one already prepared. Synchronous.
+  [[nodiscard]] absl::Status CopySlot(const Sequence& from, Sequence& to);
+  // A sequence's slot prepared from its host KV's rows [0, n_tokens): ring rows and, with
+  // `summaries`, the summaries (LaunchSparseFill), then its hot cache cleared; synchronous.
+  [[nodiscard]] absl::Status FillSlotFromHostKv(Sequence& s, int64_t n_tokens, bool summaries);
+  // Looks up a sequence whose host KV no other sequence shares (`what` names the caller).
+  [[nodiscard]] absl::StatusOr<Sequence*> OwnSparseSequence(SequenceId id, const char* what);
+  // OwnSparseSequence, still empty, and n_tokens in [1, capacity]: one that Activate* may fill.
+  [[nodiscard]] absl::StatusOr<Sequence*> ActivatableSequence(SequenceId id, int64_t n_tokens,
+                                                              const char* what);
+  // Uploads slot `s.slot`'s page tables: its row source's pages, or its own host KV as pages of
+  // min_page_rows rows. Synchronous.
+  [[nodiscard]] absl::Status WriteSlotTables(const Sequence& s,
+                                             const std::optional<SparseRowSource>& source);
+
+  model::CudaModel& model_;
+  const ModelConfig& config_;
+  std::unordered_map<SequenceId, Sequence> sequences_;
+  std::unique_ptr<SparseState> sparse_;
+  std::mutex host_kv_mu_;  // host_kvs_: AcquireHostKv runs on other threads
+  std::vector<std::shared_ptr<HostKvImpl>> host_kvs_;
+  // RegisterHostRegion: host address -> (bytes, device address).
+  std::mutex regions_mu_;
+  std::map<const void*, std::pair<size_t, const void*>> regions_;
+  int snapshot_layer_ = -1;
+  SparseLayerSnapshot snapshot_;
+  std::vector<uint16_t> snapshot_attn_bits_;
+  // Between Plan and Finish: the batch's sequences, the largest candidate range and whether
+  // the step's new rows go back to the host (a sequence over a row source).
+  std::vector<Sequence*> planned_;
+  int64_t max_candidates_ = 0;
+  bool copy_new_rows_ = false;
+};
+
+absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
+  for (const auto& [id, seq] : sequences_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Configure: sparse sequence ", id, " still exists"));
+  }
+  if (o.slots == 0) {  // frees the sparse state
+    sparse_.reset();
+    return absl::OkStatus();
+  }
+  const ModelConfig& c = config_;
+  const bool quest = o.method == SparseMethod::kQuest;
+  auto bad = [](auto... what) { return absl::InvalidArgumentError(absl::StrCat(what...)); };
+  if (o.slots < 1 || o.slots > model_.options().max_sequences ||
+      o.slots > model_.options().max_batch_tokens) {
+    return bad("Configure: slots ", o.slots, " outside [1, min(max_sequences ",
+               model_.options().max_sequences, ", max_batch_tokens ",
+               model_.options().max_batch_tokens, ")]");
+  }
+  if (o.max_capacity < 1 || o.max_capacity > c.context_length) {
+    return bad("Configure: max_capacity ", o.max_capacity, " outside [1, context length ",
+               c.context_length, "]");
+  }
+  if (o.budget < 1 || o.budget > (quest ? kMaxBudget : 2048) ||
+      (quest && (o.quest_page_size < 1 ||
+                 (o.budget + o.quest_page_size - 1) / o.quest_page_size + 2 > 1024))) {
+    return bad("Configure: budget ", o.budget, " (page size ", o.quest_page_size,
+               ") outside the selector's limits (quest <= 4096 and budget/page + 2 <= 1024, "
+               "clusterkv <= 2048)");
+  }
+  if (o.n_sink < 0 || o.local_window < 1 || o.hot_cache_rows < 0 ||
+      o.clusterkv_tokens_per_cluster < 1 || o.clusterkv_max_pending < 0) {
+    return bad(
+        "Configure: n_sink >= 0, local_window >= 1, hot_cache_rows >= 0, "
+        "clusterkv_tokens_per_cluster >= 1 and clusterkv_max_pending >= 0 needed");
+  }
+  if (c.n_heads / c.n_kv_heads > 8) {
+    return absl::UnimplementedError("Configure: sparse decode attention takes GQA groups <= 8");
+  }
+  const int ways = std::min(8, std::max(1, o.hot_cache_rows));
+  if (o.hot_cache_rows > 0 && o.hot_cache_rows % ways != 0) {
+    return bad("Configure: hot_cache_rows ", o.hot_cache_rows, " not a multiple of 8");
+  }
+  if (o.min_page_rows < 1) return bad("Configure: min_page_rows ", o.min_page_rows, " < 1");
+  sparse_.reset();
+  auto st = std::make_unique<SparseState>();
+  st->opt = o;
+  st->n_kv = c.n_kv_heads;
+  st->head_dim = c.head_dim;
+  st->rcap = o.n_sink + o.local_window;
+  const int64_t L = c.n_layers, S = o.slots, kv = c.n_kv_heads, d = c.head_dim;
+  KVR_RETURN_IF_ERROR(Alloc(st->resident, L * S * kv * st->rcap * 2 * d));
+  if (quest) {
+    st->pages = (o.max_capacity + o.quest_page_size - 1) / o.quest_page_size;
+    KVR_RETURN_IF_ERROR(Alloc(st->bounds, L * S * st->pages * st->bounds_row()));
+  } else {
+    st->max_clusters = static_cast<int>(std::min<int64_t>(
+        o.max_capacity,
+        (o.max_capacity + o.clusterkv_tokens_per_cluster - 1) / o.clusterkv_tokens_per_cluster +
+            o.clusterkv_max_pending));
+    KVR_RETURN_IF_ERROR(Alloc(st->centroids, L * S * kv * st->max_clusters * d));
+    KVR_RETURN_IF_ERROR(Alloc(st->n_clusters, L * S * kv));
+    KVR_RETURN_IF_ERROR(Alloc(st->offsets, L * S * kv * (st->max_clusters + 1)));
+    KVR_RETURN_IF_ERROR(Alloc(st->members, L * S * kv * o.max_capacity));
+  }
+  int64_t hot_bytes = 0;
+  if (o.hot_cache_rows > 0) {
+    HotCacheShape hs;
+    hs.batch = o.slots;
+    hs.n_kv_heads = c.n_kv_heads;
+    hs.head_dim = c.head_dim;
+    hs.dtype = RowDType::kBf16;
+    hs.n_sets = o.hot_cache_rows / ways;
+    hs.ways = ways;
+    hs.budget = o.budget;
+    for (int l = 0; l < c.n_layers; ++l) {
+      absl::StatusOr<HotCache> created = HotCache::Create(hs, stream());
+      if (!created.ok()) {
+        cudaGetLastError();  // as in Alloc
+        return created.status();
+      }
+      HotCache h = *std::move(created);
+      // Data plus tags, stamps, claims (4 + 4 + 8 bytes a slot) and slot_of.
+      hot_bytes += static_cast<int64_t>(h.data_bytes()) + S * kv * o.hot_cache_rows * 16 +
+                   S * kv * o.budget * 4;
+      st->hot.push_back(std::move(h));
+    }
+  }
+  KVR_RETURN_IF_ERROR(Alloc(st->q_f32, S * c.q_dim()));
+  KVR_RETURN_IF_ERROR(Alloc(st->ids, S * kv * o.budget));
+  KVR_RETURN_IF_ERROR(Alloc(st->counts, S * kv));
+  KVR_RETURN_IF_ERROR(Alloc(st->gathered, S * kv * o.budget * 2 * d));
+  KVR_RETURN_IF_ERROR(Alloc(st->meta, 3 * S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_meta, 3 * S));
+  KVR_RETURN_IF_ERROR(Alloc(st->rows, S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_rows, S));
+  st->max_pages = static_cast<int>((o.max_capacity + o.min_page_rows - 1) / o.min_page_rows);
+  KVR_RETURN_IF_ERROR(Alloc(st->pool_slots, S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_pool_slots, S));
+  KVR_RETURN_IF_ERROR(Alloc(st->pool_pages, L * S * kv * st->max_pages));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_slot_pages, L * kv * st->max_pages));
+  KVR_RETURN_IF_ERROR(Alloc(st->new_rows, S * L * 2 * kv * d));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_new_rows, S * L * 2 * kv * d));
+  KVR_RETURN_IF_ERROR(Alloc(st->selected, 1));
+  KVR_RETURN_IF_ERROR(Alloc(st->slot_counters, 2 * S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_slot_counters, 2 * S));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(st->slot_counters.data(), 0, st->slot_counters.bytes(), stream()));
+  std::fill(st->h_slot_counters.data(), st->h_slot_counters.data() + 2 * S, 0ull);
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(st->selected.data(), 0, sizeof(unsigned long long), stream()));
+  const SelectionOutput out{o.budget, st->ids.data(), st->counts.data()};
+  const float scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  if (quest) {
+    QuestSelectParams qp;
+    qp.batch = o.slots;
+    qp.n_heads = c.n_heads;
+    qp.n_kv_heads = c.n_kv_heads;
+    qp.head_dim = c.head_dim;
+    qp.page_size = o.quest_page_size;
+    qp.scale = scale;
+    qp.max_candidates = static_cast<int>(o.max_capacity);
+    qp.out = out;
+    st->select_ws_bytes = QuestSelectWorkspaceBytes(qp);
+  } else {
+    ClusterKvSelectParams cp;
+    cp.batch = o.slots;
+    cp.n_heads = c.n_heads;
+    cp.n_kv_heads = c.n_kv_heads;
+    cp.head_dim = c.head_dim;
+    cp.scale = scale;
+    cp.max_clusters = st->max_clusters;
+    cp.max_members = static_cast<int>(o.max_capacity);
+    cp.out = out;
+    st->select_ws_bytes = ClusterKvSelectWorkspaceBytes(cp);
+  }
+  DecodeAttentionParams ap;
+  ap.batch = o.slots;
+  ap.n_heads = c.n_heads;
+  ap.n_kv_heads = c.n_kv_heads;
+  ap.head_dim = c.head_dim;
+  ap.budget = o.budget;
+  ap.resident_capacity = st->rcap;
+  ap.max_rows = st->rcap + o.budget;
+  st->attend_ws_bytes = DecodeAttentionWorkspaceBytes(ap);
+  KVR_RETURN_IF_ERROR(Alloc(st->select_ws, static_cast<int64_t>(st->select_ws_bytes) + 256));
+  KVR_RETURN_IF_ERROR(Alloc(st->attend_ws, static_cast<int64_t>(st->attend_ws_bytes) + 256));
+  st->owner.resize(o.slots);
+  st->bytes =
+      static_cast<int64_t>(st->resident.bytes() + st->bounds.bytes() + st->centroids.bytes() +
+                           st->n_clusters.bytes() + st->offsets.bytes() + st->members.bytes() +
+                           st->q_f32.bytes() + st->ids.bytes() + st->counts.bytes() +
+                           st->gathered.bytes() + st->select_ws.bytes() + st->attend_ws.bytes() +
+                           st->meta.bytes() + st->rows.bytes() + st->pool_slots.bytes() +
+                           st->pool_pages.bytes() + st->new_rows.bytes()) +
+      hot_bytes;
+  KVR_RETURN_IF_ERROR(Sync());
+  sparse_ = std::move(st);
+  return absl::OkStatus();
+}
+
+absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
+                                           const SparseSequenceOptions& options) {
+  if (sparse_ == nullptr) {
+    return absl::FailedPreconditionError("AddSequence: Configure first");
+  }
+  if (sequences_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("SparseDecode: sequence ", id, " already exists"));
+  }
+  if (capacity < 1 || capacity > sparse_->opt.max_capacity) {
+    return absl::InvalidArgumentError(absl::StrCat("AddSequence: capacity ", capacity,
+                                                   " outside [1, max_capacity ",
+                                                   sparse_->opt.max_capacity, "]"));
+  }
+  int slot = -1;
+  for (int i = 0; i < sparse_->opt.slots && slot < 0; ++i) {
+    if (!sparse_->owner[i].has_value()) slot = i;
+  }
+  if (slot < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("AddSequence: all ", sparse_->opt.slots, " sparse slots are taken"));
+  }
+  const ModelConfig& c = config_;
+  std::shared_ptr<HostKvImpl> host;
+  if (options.rows.has_value()) {
+    const SparseRowSource& r = *options.rows;
+    const int64_t row_bytes = 4 * int64_t{c.head_dim};
+    auto bad = [&](auto&&... parts) {
+      return absl::InvalidArgumentError(absl::StrCat("AddSequence: row source: ", parts...));
+    };
+    if (r.base == nullptr) return bad("no base address");
+    if (r.page_rows < sparse_->opt.min_page_rows) {
+      return bad("pages of ", r.page_rows, " rows, fewer than min_page_rows ",
+                 sparse_->opt.min_page_rows);
+    }
+    if (r.page_bytes < int64_t{r.page_rows} * row_bytes || r.page_bytes % 16 != 0) {
+      return bad("page_bytes ", r.page_bytes, " hold no ", r.page_rows, " rows of ", row_bytes,
+                 " bytes at 16-byte alignment");
+    }
+    if (int64_t{r.pages_per_head} * r.page_rows < capacity ||
+        r.pages_per_head > sparse_->max_pages) {
+      return bad(r.pages_per_head, " pages of ", r.page_rows, " rows per head for capacity ",
+                 capacity, " (at most ", sparse_->max_pages, " pages)");
+    }
+    if (static_cast<int64_t>(r.pages.size()) !=
+        int64_t{c.n_layers} * c.n_kv_heads * r.pages_per_head) {
+      return bad(r.pages.size(), " page ids, expected ", c.n_layers, " layers x ", c.n_kv_heads,
+                 " heads x ", r.pages_per_head);
+    }
+    for (int32_t page : r.pages) {
+      if (page < 0) return bad("negative page id ", page);
+    }
+  } else if (options.share_host_kv_with.has_value()) {
+    auto it = sequences_.find(*options.share_host_kv_with);
+    if (it == sequences_.end() || it->second.capacity != capacity) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("AddSequence: share_host_kv_with ", *options.share_host_kv_with,
+                       " is no sparse sequence of capacity ", capacity));
+    }
+    host = it->second.host;
+  } else if (options.host_kv != nullptr) {
+    host = std::dynamic_pointer_cast<HostKvImpl>(options.host_kv);
+    if (host == nullptr || host->capacity_tokens != capacity) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("AddSequence: host_kv is not this one's (AcquireHostKv) or "
+                       "not of capacity ",
+                       capacity));
+    }
+    for (const auto& [other_id, other] : sequences_) {
+      if (other.host == host) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("AddSequence: host_kv is in use by sequence ", other_id));
+      }
+    }
+  } else {
+    std::lock_guard<std::mutex> lock(host_kv_mu_);
+    KVR_ASSIGN_OR_RETURN(host, PooledHostKv(capacity, options.host_numa_node,
+                                            options.host_huge_pages, "AddSequence"));
+  }
+  for (HotCache& h : sparse_->hot) KVR_RETURN_IF_ERROR(h.ResetSlot(slot, stream()));
+  for (int64_t i : {int64_t{slot}, int64_t{sparse_->opt.slots} + slot}) {
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sparse_->slot_counters.data() + i, 0,
+                                             sizeof(unsigned long long), stream()));
+    sparse_->h_slot_counters.data()[i] = 0;
+  }
+  KVR_RETURN_IF_ERROR(
+      LaunchSparseClearSlot(sparse_->View(), slot, c.n_layers, c.n_kv_heads, stream()));
+  KVR_RETURN_IF_ERROR(Sync());
+  Sequence s;
+  s.capacity = capacity;
+  s.slot = slot;
+  s.host = std::move(host);
+  if (options.rows.has_value()) {
+    const SparseRowSource& r = *options.rows;
+    s.source_key = absl::HashOf(reinterpret_cast<uintptr_t>(r.base), r.page_bytes, r.page_rows,
+                                r.pages_per_head, r.pages) |
+                   1;
+  }
+  KVR_RETURN_IF_ERROR(WriteSlotTables(s, options.rows));
+  sequences_.emplace(id, std::move(s));
+  sparse_->owner[slot] = id;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SparseSequenceCounters> SparseDecodeImpl::Counters(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("Counters: no sparse sequence ", id));
+  }
+  const int slot = it->second.slot;
+  const unsigned long long* h = sparse_->h_slot_counters.data();
+  SparseSequenceCounters out;
+  out.steps = it->second.sparse_steps;
+  out.selected_rows = static_cast<int64_t>(h[slot]);
+  out.hot_cache_hits = static_cast<int64_t>(h[sparse_->opt.slots + slot]);
+  return out;
+}
+
+absl::Status SparseDecodeImpl::WriteSlotTables(const Sequence& s,
+                                               const std::optional<SparseRowSource>& source) {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  const int64_t L = c.n_layers, S = sp.opt.slots, kv = c.n_kv_heads, P = sp.max_pages;
+  int32_t* pages = sp.h_slot_pages.data();
+  std::fill(pages, pages + L * kv * P, 0);
+  KvPoolSlot& slot = sp.h_pool_slots.data()[s.slot];
+  if (source.has_value()) {
+    slot = {source->base, source->page_bytes, source->page_rows, 0};
+    for (int64_t lh = 0; lh < L * kv; ++lh) {
+      std::copy_n(source->pages.data() + lh * source->pages_per_head, source->pages_per_head,
+                  pages + lh * P);
+    }
+  } else {
+    // The own host KV [n_layers, n_kv, capacity, row]: page_bytes = one row, so a page index is
+    // the row index of the page's first row.
+    const int32_t pr = sp.opt.min_page_rows;
+    slot = {s.host->device, 4 * int64_t{c.head_dim}, pr, 0};
+    for (int64_t lh = 0; lh < L * kv; ++lh) {
+      for (int64_t p = 0; p * pr < s.capacity; ++p) {
+        pages[lh * P + p] = static_cast<int32_t>(lh * s.capacity + p * pr);
+      }
+    }
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.pool_slots.data() + s.slot, &slot, sizeof(slot),
+                                           cudaMemcpyHostToDevice, stream()));
+  for (int64_t l = 0; l < L; ++l) {
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.pool_pages.data() + (l * S + s.slot) * kv * P,
+                                             pages + l * kv * P, kv * P * sizeof(int32_t),
+                                             cudaMemcpyHostToDevice, stream()));
+  }
+  return Sync();
+}
+
+absl::StatusOr<std::span<const uint16_t>> SparseDecodeImpl::NewRows(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("NewRows: no sparse sequence ", id));
+  }
+  const Sequence& s = it->second;
+  if (s.host != nullptr || !s.new_rows_ready) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "NewRows: sequence ", id,
+        s.host != nullptr ? " has its own host KV (no row source)" : " has run no Forward"));
+  }
+  const ModelConfig& c = config_;
+  const int64_t n = int64_t{c.n_layers} * 2 * c.n_kv_heads * c.head_dim;
+  return std::span<const uint16_t>(
+      reinterpret_cast<const uint16_t*>(sparse_->h_new_rows.data()) + s.slot * n, n);
+}
+
+absl::StatusOr<const void*> SparseDecodeImpl::RegisterHostRegion(const void* host, size_t bytes,
+                                                                 bool read_only) {
+  if (host == nullptr || bytes == 0) {
+    return absl::InvalidArgumentError("RegisterHostRegion: empty region");
+  }
+  std::lock_guard<std::mutex> lock(regions_mu_);
+  if (auto it = regions_.find(host); it != regions_.end()) {
+    if (it->second.first < bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterHostRegion: the region is registered "
+                       "with ",
+                       it->second.first, " bytes, not ", bytes));
+    }
+    return it->second.second;
+  }
+  // This thread may never have used the device.
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(model_.options().device));
+  unsigned flags = cudaHostRegisterMapped | cudaHostRegisterPortable;
+  if (read_only) {
+    int ro = 0;
+    if (cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported,
+                               model_.options().device) == cudaSuccess &&
+        ro != 0) {
+      flags |= cudaHostRegisterReadOnly;
+    }
+  }
+  if (const cudaError_t e = cudaHostRegister(const_cast<void*>(host), bytes, flags);
+      e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat("RegisterHostRegion: cudaHostRegister of ",
+                                                      bytes, " bytes: ", cudaGetErrorString(e)));
+  }
+  void* device = nullptr;
+  if (const cudaError_t e = cudaHostGetDevicePointer(&device, const_cast<void*>(host), 0);
+      e != cudaSuccess) {
+    cudaHostUnregister(const_cast<void*>(host));
+    return absl::InternalError(
+        absl::StrCat("RegisterHostRegion: cudaHostGetDevicePointer: ", cudaGetErrorString(e)));
+  }
+  regions_.emplace(host, std::make_pair(bytes, static_cast<const void*>(device)));
+  return static_cast<const void*>(device);
+}
+
+absl::Status SparseDecodeImpl::UnregisterHostRegion(const void* host) {
+  std::lock_guard<std::mutex> lock(regions_mu_);
+  auto it = regions_.find(host);
+  if (it == regions_.end()) {
+    return absl::NotFoundError("UnregisterHostRegion: the region is not registered");
+  }
+  regions_.erase(it);
+  KVR_CUDA_RETURN_IF_ERROR(cudaHostUnregister(const_cast<void*>(host)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<SparseDecodeImpl::HostKvImpl>> SparseDecodeImpl::PooledHostKv(
+    int64_t capacity, int numa_node, bool huge_pages, const char* what) {
+  for (const auto& h : host_kvs_) {
+    if (h.use_count() == 1 && h->capacity_tokens == capacity && h->buf.numa_node() == numa_node &&
+        h->buf.huge_pages() == huge_pages) {
+      return h;
+    }
+  }
+  const ModelConfig& c = config_;
+  auto host = std::make_shared<HostKvImpl>();
+  host->capacity_tokens = capacity;
+  const int64_t n = int64_t{c.n_layers} * c.kv_dim() * 2 * capacity;
+  absl::StatusOr<HostKvBuffer<bf16>> buf =
+      HostKvBuffer<bf16>::Create(static_cast<size_t>(n), numa_node, huge_pages);
+  if (!buf.ok()) {
+    cudaGetLastError();  // as in Alloc
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": pinning ", n * 2, " bytes of host KV: ", buf.status().message()));
+  }
+  host->buf = *std::move(buf);
+  KVR_ASSIGN_OR_RETURN(host->device, host->buf.device_pointer());
+  host_kvs_.push_back(host);
+  return host;
+}
+
+absl::StatusOr<std::shared_ptr<SparseHostKvBuffer>> SparseDecodeImpl::AcquireHostKv(
+    int64_t capacity) {
+  if (capacity < 1 || capacity > config_.context_length) {
+    return absl::InvalidArgumentError(absl::StrCat("AcquireHostKv: capacity ", capacity,
+                                                   " outside [1, ", config_.context_length, "]"));
+  }
+  // This thread may never have used the device: the mapped pointer needs it current.
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(model_.options().device));
+  std::lock_guard<std::mutex> lock(host_kv_mu_);
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<HostKvImpl> host,
+                       PooledHostKv(capacity, -1, false, "AcquireHostKv"));
+  host->filled_seed = 0;  // the caller writes it
+  return std::shared_ptr<SparseHostKvBuffer>(std::move(host));
+}
+
+absl::StatusOr<int64_t> SparseDecodeImpl::SequenceDeviceBytes(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end())
+    return absl::NotFoundError(absl::StrCat("SparseDecode: no sequence ", id));
+  return sparse_->bytes / sparse_->opt.slots;
+}
+
+SparseStats SparseDecodeImpl::stats() const {
+  SparseStats st;
+  if (sparse_ == nullptr) return st;
+  st.steps = sparse_->steps;
+  st.row_bytes = 2 * int64_t{config_.head_dim} * 2;
+  unsigned long long v = 0;
+  if (cudaMemcpy(&v, sparse_->selected.data(), sizeof(v), cudaMemcpyDeviceToHost) == cudaSuccess) {
+    st.selected_rows = static_cast<int64_t>(v);
+  }
+  for (const HotCache& h : sparse_->hot) {
+    if (cudaMemcpy(&v, h.hits(), sizeof(v), cudaMemcpyDeviceToHost) == cudaSuccess) {
+      st.hot_cache_hits += static_cast<int64_t>(v);
+    }
+  }
+  return st;
+}
+
+absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void* stream_ptr) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream_ptr);
+  const int layer = r.layer;
+  const int64_t max_candidates = max_candidates_;
+  auto mark = [&](CudaStage stage) { return r.mark ? r.mark(stage) : absl::OkStatus(); };
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  const SparseDecodeOptions& o = sp.opt;
+  const int S = o.slots;
+  const int64_t kv = c.n_kv_heads, d = c.head_dim;
+  const int64_t resident_layer = int64_t{S} * kv * sp.rcap * 2 * d;
+  KVR_RETURN_IF_ERROR(mark(CudaStage::kOther));
+  SparseRopeParams rp;
+  rp.qkv = r.qkv;
+  rp.bias = r.qkv_bias;
+  rp.inv_freq = r.inv_freq;
+  rp.rows = sp.rows.data();
+  rp.q = static_cast<bf16*>(r.q);
+  rp.q_f32 = sp.q_f32.data();
+  rp.resident = sp.resident.data();
+  rp.resident_layer_stride = resident_layer;
+  rp.rcap = sp.rcap;
+  rp.n_sink = o.n_sink;
+  rp.window = o.local_window;
+  rp.sum = sp.View();
+  rp.new_rows = sp.new_rows.data();
+  rp.n_layers = c.n_layers;
+  rp.slots = S;
+  rp.n_heads = c.n_heads;
+  rp.n_kv_heads = c.n_kv_heads;
+  rp.head_dim = c.head_dim;
+  rp.layer = layer;
+  KVR_RETURN_IF_ERROR(LaunchSparseRope(rp, st));
+
+  KVR_RETURN_IF_ERROR(mark(CudaStage::kSelect));
+  const SelectionOutput out{o.budget, sp.ids.data(), sp.counts.data()};
+  const CandidateRanges cand{sp.meta.data(), sp.meta.data() + S};
+  const float scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  if (o.method == SparseMethod::kQuest) {
+    const SparseSummaryView v = sp.View();
+    QuestSelectParams qp;
+    qp.batch = S;
+    qp.n_heads = c.n_heads;
+    qp.n_kv_heads = c.n_kv_heads;
+    qp.head_dim = c.head_dim;
+    qp.page_size = o.quest_page_size;
+    qp.scale = scale;
+    qp.query = sp.q_f32.data();
+    qp.bounds = v.bounds + layer * v.bounds_layer_stride;
+    qp.bounds_batch_stride = v.bounds_slot_stride;
+    qp.cand = cand;
+    qp.max_candidates = static_cast<int>(std::max<int64_t>(1, max_candidates));
+    qp.out = out;
+    qp.workspace = sp.select_ws.data();
+    qp.workspace_bytes = sp.select_ws_bytes;
+    KVR_RETURN_IF_ERROR(QuestSelect(qp, st));
+  } else {
+    const int64_t heads_before = int64_t{layer} * S * kv;
+    ClusterKvSelectParams cp;
+    cp.batch = S;
+    cp.n_heads = c.n_heads;
+    cp.n_kv_heads = c.n_kv_heads;
+    cp.head_dim = c.head_dim;
+    cp.scale = scale;
+    cp.query = sp.q_f32.data();
+    cp.centroids = sp.centroids.data() + heads_before * sp.max_clusters * d;
+    cp.n_clusters = sp.n_clusters.data() + heads_before;
+    cp.offsets = sp.offsets.data() + heads_before * (sp.max_clusters + 1);
+    cp.members = sp.members.data() + heads_before * o.max_capacity;
+    cp.max_clusters = sp.max_clusters;
+    cp.max_members = static_cast<int>(o.max_capacity);
+    cp.cand = cand;
+    cp.out = out;
+    cp.workspace = sp.select_ws.data();
+    cp.workspace_bytes = sp.select_ws_bytes;
+    KVR_RETURN_IF_ERROR(ClusterKvSelect(cp, st));
+  }
+  if (r.profile) {
+    KVR_RETURN_IF_ERROR(
+        LaunchSumCounts(sp.counts.data(), static_cast<int>(S * kv), sp.selected.data(), st));
+  }
+  KVR_RETURN_IF_ERROR(LaunchSumCountsPerSlot(sp.counts.data(), S, static_cast<int>(kv),
+                                             sp.slot_counters.data(), st));
+
+  KVR_RETURN_IF_ERROR(mark(CudaStage::kGather));
+  const KvPoolView pool = sp.PoolView(layer);
+  if (!sp.hot.empty()) {
+    KVR_RETURN_IF_ERROR(sp.hot[layer].Gather(pool, sp.ids.data(), sp.counts.data(),
+                                             sp.gathered.data(), st, sp.slot_counters.data() + S));
+  } else {
+    GatherParams gp;
+    gp.batch = S;
+    gp.n_kv_heads = c.n_kv_heads;
+    gp.budget = o.budget;
+    gp.head_dim = c.head_dim;
+    gp.dtype = RowDType::kBf16;
+    gp.pool = pool;
+    gp.ids = sp.ids.data();
+    gp.counts = sp.counts.data();
+    gp.out = sp.gathered.data();
+    KVR_RETURN_IF_ERROR(GatherRows(gp, st));
+  }
+
+  KVR_RETURN_IF_ERROR(mark(CudaStage::kAttention));
+  DecodeAttentionParams ap;
+  ap.batch = S;
+  ap.n_heads = c.n_heads;
+  ap.n_kv_heads = c.n_kv_heads;
+  ap.head_dim = c.head_dim;
+  ap.dtype = RowDType::kBf16;
+  ap.scale = scale;
+  ap.q = r.q;
+  ap.resident = sp.resident.data() + layer * resident_layer;
+  ap.resident_capacity = sp.rcap;
+  ap.resident_counts = sp.meta.data() + 2 * S;
+  ap.budget = o.budget;
+  ap.counts = sp.counts.data();
+  ap.gathered = sp.gathered.data();
+  ap.max_rows = sp.rcap + o.budget;
+  ap.out = r.out;
+  ap.workspace = sp.attend_ws.data();
+  ap.workspace_bytes = sp.attend_ws_bytes;
+  KVR_RETURN_IF_ERROR(DecodeAttention(ap, st));
+  if (layer == snapshot_layer_) {  // tests: copied back to pageable memory (synchronous)
+    SparseLayerSnapshot& s = snapshot_;
+    s.layer = layer;
+    s.q.resize(sp.q_f32.size());
+    s.ids.resize(sp.ids.size());
+    s.counts.resize(sp.counts.size());
+    snapshot_attn_bits_.resize(static_cast<size_t>(S) * c.q_dim());
+    KVR_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(s.q.data(), sp.q_f32.data(), sp.q_f32.bytes(), cudaMemcpyDeviceToHost, st));
+    KVR_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(s.ids.data(), sp.ids.data(), sp.ids.bytes(), cudaMemcpyDeviceToHost, st));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.counts.data(), sp.counts.data(), sp.counts.bytes(),
+                                             cudaMemcpyDeviceToHost, st));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(snapshot_attn_bits_.data(), r.out,
+                                             snapshot_attn_bits_.size() * sizeof(uint16_t),
+                                             cudaMemcpyDeviceToHost, st));
+    KVR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+    s.attn.resize(snapshot_attn_bits_.size());
+    for (size_t i = 0; i < s.attn.size(); ++i) {
+      const uint32_t u = uint32_t{snapshot_attn_bits_[i]} << 16;
+      std::memcpy(&s.attn[i], &u, sizeof(float));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SparseDecodeImpl::CopySlot(const Sequence& from, Sequence& to) {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  const int64_t kv = c.n_kv_heads, d = c.head_dim, S = sp.opt.slots;
+  auto copy = [&](auto* base, int64_t per_slot) -> absl::Status {
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      auto* layer = base + l * S * per_slot;
+      KVR_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(layer + to.slot * per_slot, layer + from.slot * per_slot,
+                          per_slot * sizeof(*base), cudaMemcpyDeviceToDevice, stream()));
+    }
+    return absl::OkStatus();
+  };
+  KVR_RETURN_IF_ERROR(copy(sp.resident.data(), kv * sp.rcap * 2 * d));
+  if (sp.opt.method == SparseMethod::kQuest) {
+    KVR_RETURN_IF_ERROR(copy(sp.bounds.data(), sp.pages * sp.bounds_row()));
+  } else {
+    KVR_RETURN_IF_ERROR(copy(sp.centroids.data(), kv * sp.max_clusters * d));
+    KVR_RETURN_IF_ERROR(copy(sp.n_clusters.data(), kv));
+    KVR_RETURN_IF_ERROR(copy(sp.offsets.data(), kv * (sp.max_clusters + 1)));
+    KVR_RETURN_IF_ERROR(copy(sp.members.data(), kv * sp.opt.max_capacity));
+  }
+  for (HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(to.slot, stream()));
+  return Sync();
+}
+
+absl::Status SparseDecodeImpl::FillSlotFromHostKv(Sequence& s, int64_t n_tokens, bool summaries) {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  SparseFillParams fp;
+  fp.pool = sp.PoolView(0);
+  fp.pages_layer_stride = int64_t{sp.opt.slots} * c.n_kv_heads * sp.max_pages;
+  fp.length = n_tokens;
+  fp.slot = s.slot;
+  fp.resident = sp.resident.data();
+  fp.resident_layer_stride = int64_t{sp.opt.slots} * c.n_kv_heads * sp.rcap * 2 * c.head_dim;
+  fp.rcap = sp.rcap;
+  fp.n_sink = sp.opt.n_sink;
+  fp.window = sp.opt.local_window;
+  fp.sum = sp.View();
+  fp.tokens_per_cluster = sp.opt.clusterkv_tokens_per_cluster;
+  fp.n_layers = c.n_layers;
+  fp.n_kv_heads = c.n_kv_heads;
+  fp.head_dim = c.head_dim;
+  fp.summaries = summaries;
+  KVR_RETURN_IF_ERROR(LaunchSparseFill(fp, stream()));
+  for (HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
+  return Sync();
+}
+
+absl::StatusOr<SparseDecodeImpl::Sequence*> SparseDecodeImpl::OwnSparseSequence(SequenceId id,
+                                                                                const char* what) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat(what, ": no sequence ", id));
+  }
+  Sequence& s = it->second;
+  for (const auto& [oid, o] : sequences_) {
+    if (oid != id && s.host != nullptr && o.host == s.host) {
+      return absl::FailedPreconditionError(absl::StrCat(what, ": sequence ", id,
+                                                        " shares its host KV with sequence ", oid,
+                                                        " (benchmarks only)"));
+    }
+  }
+  return &s;
+}
+
+absl::StatusOr<std::span<uint16_t>> SparseDecodeImpl::HostKv(SequenceId id) {
+  KVR_ASSIGN_OR_RETURN(Sequence * s, OwnSparseSequence(id, "HostKv"));
+  if (s->host == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("HostKv: sequence ", id, " reads its past from a row source (no host KV)"));
+  }
+  // The caller overwrites it: no longer FillSequenceForBenchmark's random rows.
+  s->host->filled_seed = 0;
+  s->filled_seed = 0;
+  return s->host->rows();
+}
+
+absl::StatusOr<SparseDecodeImpl::Sequence*> SparseDecodeImpl::ActivatableSequence(
+    SequenceId id, int64_t n_tokens, const char* what) {
+  KVR_ASSIGN_OR_RETURN(Sequence * s, OwnSparseSequence(id, what));
+  if (s->length != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": sequence ", id, " already holds ", s->length, " tokens"));
+  }
+  if (n_tokens < 1 || n_tokens > s->capacity) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": n_tokens ", n_tokens, " outside [1, capacity ", s->capacity, "]"));
+  }
+  if (s->host != nullptr) s->host->filled_seed = 0;
+  s->filled_seed = 0;
+  return s;
+}
+
+absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens) {
+  KVR_ASSIGN_OR_RETURN(Sequence * s, ActivatableSequence(id, n_tokens, "ActivateSequence"));
+  // Another slot over the same row source, activated at the same length, holds the same ring
+  // and summaries (benchmarks run many slots over one store sequence): copy them.
+  const Sequence* twin = nullptr;
+  for (const auto& [oid, o] : sequences_) {
+    if (oid != id && s->source_key != 0 && o.source_key == s->source_key && o.length == n_tokens &&
+        o.sparse_steps == 0) {
+      twin = &o;
+      break;
+    }
+  }
+  if (twin != nullptr) {
+    KVR_RETURN_IF_ERROR(CopySlot(*twin, *s));
+    s->length = n_tokens;
+    return absl::OkStatus();
+  }
+  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(*s, n_tokens, /*summaries=*/true));
+  s->length = n_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status SparseDecodeImpl::ActivateSequenceWithClusters(
+    SequenceId id, int64_t n_tokens, std::span<const SparseClusterHead> heads) {
+  const ModelConfig& c = config_;
+  if (sparse_ == nullptr || sparse_->opt.method != SparseMethod::kClusterKv) {
+    return absl::InvalidArgumentError(
+        "ActivateSequenceWithClusters: the sparse configuration is not clusterkv");
+  }
+  const int64_t kv = c.n_kv_heads, d = c.head_dim;
+  if (static_cast<int64_t>(heads.size()) != int64_t{c.n_layers} * kv) {
+    return absl::InvalidArgumentError(absl::StrCat("ActivateSequenceWithClusters: ", heads.size(),
+                                                   " heads, expected ", c.n_layers, " layers x ",
+                                                   kv));
+  }
+  KVR_ASSIGN_OR_RETURN(Sequence * sq,
+                       ActivatableSequence(id, n_tokens, "ActivateSequenceWithClusters"));
+  Sequence& s = *sq;
+  SparseState& sp = *sparse_;
+  const int K = sp.max_clusters;
+  const int64_t M = sp.opt.max_capacity;
+  const int64_t lo = sp.opt.n_sink, hi = n_tokens - sp.opt.local_window;  // clustered: [lo, hi)
+  std::vector<float> cent(static_cast<size_t>(kv * K * d));
+  std::vector<int32_t> count(kv), off(static_cast<size_t>(kv * (K + 1))), mem(kv * M);
+  const int64_t S = sp.opt.slots;
+  auto fail = [&](auto&&... parts) {  // s.length stays 0: not activated
+    return absl::InvalidArgumentError(absl::StrCat("ActivateSequenceWithClusters: ", parts...));
+  };
+  for (int l = 0; l < c.n_layers; ++l) {
+    std::fill(cent.begin(), cent.end(), 0.f);
+    std::fill(mem.begin(), mem.end(), -1);
+    for (int64_t h = 0; h < kv; ++h) {
+      const SparseClusterHead& in = heads[l * kv + h];
+      const int64_t nc_in = static_cast<int64_t>(in.offsets.size()) - 1;
+      if (nc_in < 0 || static_cast<int64_t>(in.centroids.size()) != nc_in * d ||
+          in.offsets.back() != static_cast<int32_t>(in.ids.size())) {
+        return fail("layer ", l, " head ", h, ": inconsistent centroids / offsets / ids");
+      }
+      int32_t nc = 0, n = 0;
+      int32_t* o = off.data() + h * (K + 1);
+      o[0] = 0;
+      for (int64_t cl = 0; cl < nc_in; ++cl) {
+        const int32_t before = n;
+        for (int32_t j = in.offsets[cl]; j < in.offsets[cl + 1]; ++j) {
+          const int32_t t = in.ids[j];
+          if (t < lo || t >= hi) continue;
+          if (n >= M) return fail("layer ", l, " head ", h, ": more members than ", M);
+          mem[h * M + n++] = t;
+        }
+        if (n == before) continue;  // empty after the window's tokens left it
+        if (nc >= K) return fail("layer ", l, " head ", h, ": more than ", K, " clusters");
+        std::copy_n(in.centroids.data() + cl * d, d, cent.data() + (h * K + nc) * d);
+        o[++nc] = n;
+      }
+      for (int cl = nc + 1; cl <= K; ++cl) o[cl] = n;
+      count[h] = nc;
+    }
+    const int64_t base = (int64_t{l} * S + s.slot) * kv;
+    auto h2d = [&](auto* dst, const auto& src) {
+      return cudaMemcpyAsync(dst, src.data(), src.size() * sizeof(src[0]), cudaMemcpyHostToDevice,
+                             stream());
+    };
+    KVR_CUDA_RETURN_IF_ERROR(h2d(sp.centroids.data() + base * K * d, cent));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(sp.n_clusters.data() + base, count));
+    KVR_CUDA_RETURN_IF_ERROR(h2d(sp.offsets.data() + base * (K + 1), off));
+    // Pageable sources: each copy has staged them when it returns, so the next layer may reuse
+    // the host arrays without a synchronize.
+    KVR_CUDA_RETURN_IF_ERROR(h2d(sp.members.data() + base * M, mem));
+  }
+  // The ring rows only: the synthetic clustering LaunchSparseFill would build (reading every
+  // key over PCIe) is what the real clusters above replace. Synchronous.
+  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(s, n_tokens, /*summaries=*/false));
+  s.length = n_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status SparseDecodeImpl::ReleaseSequence(SequenceId id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("SparseDecode: no sequence ", id));
+  }
+  if (sparse_ != nullptr) sparse_->owner[it->second.slot].reset();
+  sequences_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> SparseDecodeImpl::SequenceLength(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("SparseDecode: no sequence ", id));
+  }
+  return it->second.length;
+}
+
+absl::Status SparseDecodeImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_tokens,
+                                                        uint64_t seed) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("SparseDecode: no sequence ", id));
+  }
+  Sequence& s = it->second;
+  if (n_tokens < 0 || n_tokens > s.capacity) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FillSequenceForBenchmark: ", n_tokens, " tokens, capacity ", s.capacity));
+  }
+  if (s.host == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("FillSequenceForBenchmark: sequence ", id,
+                                                      " reads its past from a row source"));
+  }
+  HostKvImpl& host = *s.host;
+  if (host.filled_seed != seed + 1) {
+    KVR_RETURN_IF_ERROR(
+        model_.FillRandomBf16(host.device, static_cast<int64_t>(host.buf.size()), seed));
+    host.filled_seed = seed + 1;
+  }
+  // Another slot on the same host KV filled alike: copy its ring and summaries (HBM to HBM)
+  // instead of reading the host KV again.
+  const Sequence* twin = nullptr;
+  for (const auto& [oid, o] : sequences_) {
+    if (oid != id && o.host == s.host && o.filled_seed == seed + 1 && o.length == n_tokens) {
+      twin = &o;
+      break;
+    }
+  }
+  if (twin != nullptr) {
+    KVR_RETURN_IF_ERROR(CopySlot(*twin, s));
+  } else {
+    KVR_RETURN_IF_ERROR(FillSlotFromHostKv(s, n_tokens, /*summaries=*/true));
+  }
+  s.filled_seed = seed + 1;
+  s.length = n_tokens;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
+    std::span<const model::CudaSequence> batch) {
+  if (sparse_ == nullptr) {
+    return absl::FailedPreconditionError("SparseDecode: Forward before Configure");
+  }
+  const ModelConfig& c = config_;
+  std::vector<Sequence*> seqs(batch.size());
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const model::CudaSequence& in = batch[b];
+    auto it = sequences_.find(in.id);
+    if (it == sequences_.end()) {
+      return absl::NotFoundError(absl::StrCat("CudaModel::Forward: no sequence ", in.id));
+    }
+    const Sequence& s = it->second;
+    if (in.tokens.size() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CudaModel::Forward: sparse sequence ", in.id, " has ", in.tokens.size(),
+                       " tokens; sparse sequences take one token per Forward"));
+    }
+    const int64_t length = s.length + 1;
+    if (length > s.capacity || length > c.context_length) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", in.id, " would be ", length, " tokens (", s.length,
+                       " cached + 1 new), more than its capacity of ", s.capacity,
+                       " or the context length of ", c.context_length));
+    }
+    seqs[b] = &it->second;
+  }
+  // The batch's rows are the slots: every layer runs over all of them (empty ones masked).
+  SparseState& sp = *sparse_;
+  const SparseDecodeOptions& o = sp.opt;
+  const int S = o.slots;
+  model::CudaAttentionPlan plan;
+  plan.n_rows = S;
+  plan.rows.resize(batch.size());
+  for (int r = 0; r < S; ++r) {
+    sp.h_rows.data()[r] = SparseRow{};
+    sp.h_meta.data()[r] = sp.h_meta.data()[S + r] = sp.h_meta.data()[2 * S + r] = 0;
+  }
+  max_candidates_ = 0;
+  copy_new_rows_ = false;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const Sequence& q = *seqs[b];
+    const int r = q.slot;
+    const int64_t len = q.length + 1;  // with the new token
+    const int64_t local_begin = std::max<int64_t>(o.n_sink, len - o.local_window);
+    plan.rows[b] = r;
+    sp.h_rows.data()[r] =
+        SparseRow{q.host != nullptr ? q.host->device : nullptr, q.capacity, q.length, 1};
+    sp.h_meta.data()[r] = o.n_sink;
+    sp.h_meta.data()[S + r] = static_cast<int32_t>(local_begin);
+    sp.h_meta.data()[2 * S + r] = static_cast<int32_t>(std::min<int64_t>(o.n_sink, len) +
+                                                       std::max<int64_t>(0, len - local_begin));
+    max_candidates_ = std::max(max_candidates_, local_begin - o.n_sink);
+    // Sequences reading their past from a row source get the step's new rows back in host
+    // memory.
+    copy_new_rows_ |= q.host == nullptr;
+  }
+  planned_ = std::move(seqs);
+  return plan;
+}
+
+absl::Status SparseDecodeImpl::Begin(void* stream_ptr) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream_ptr);
+  SparseState& sp = *sparse_;
+  const int64_t n_rows = sp.opt.slots;
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.rows.data(), sp.h_rows.data(),
+                                           n_rows * sizeof(SparseRow), cudaMemcpyHostToDevice, st));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      sp.meta.data(), sp.h_meta.data(), 3 * n_rows * sizeof(int32_t), cudaMemcpyHostToDevice, st));
+  return absl::OkStatus();
+}
+
+absl::Status SparseDecodeImpl::End(void* stream_ptr) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream_ptr);
+  const SparseState& sp = *sparse_;
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_slot_counters.data(), sp.slot_counters.data(),
+                                           sp.slot_counters.bytes(), cudaMemcpyDeviceToHost, st));
+  if (copy_new_rows_) {
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_new_rows.data(), sp.new_rows.data(),
+                                             sp.new_rows.bytes(), cudaMemcpyDeviceToHost, st));
+  }
+  return absl::OkStatus();
+}
+
+void SparseDecodeImpl::Finish(bool ok) {
+  if (ok) {
+    for (Sequence* s : planned_) {
+      ++s->length;
+      s->new_rows_ready = s->host == nullptr;
+      ++s->sparse_steps;
+    }
+    ++sparse_->steps;
+  }
+  planned_.clear();
+  max_candidates_ = 0;
+  copy_new_rows_ = false;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SparseDecodeAttention>> CreateSparseDecodeAttention(
+    model::CudaModel& model) {
+  return std::make_unique<SparseDecodeImpl>(model);
+}
+
+}  // namespace kvr::retrieval::cuda

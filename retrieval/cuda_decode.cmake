@@ -1,0 +1,41 @@
+# kvr::retrieval_cuda_decode: the GPU sparse decode (cuda/decode/include/kvr/retrieval/cuda/
+# sparse_decode.h), a per-layer attention hook of the CUDA model runtime (model::CudaAttention):
+# slots, summaries, selection, hot cache, row sources / page tables and the sparse decode
+# attention of the decode node's GPU path. Without nvcc the target still exists and its factory
+# answers Unimplemented (CONVENTIONS.md 7), so the decode node links it unconditionally.
+if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_cuda_select AND TARGET kvr_retrieval_cuda_attend)
+  add_library(kvr_retrieval_cuda_decode
+    cuda/decode/src/sparse_decode.cu
+    cuda/decode/src/sparse_kernels.cu)
+  target_include_directories(kvr_retrieval_cuda_decode
+    PUBLIC cuda/decode/include
+    PRIVATE cuda/decode/src)
+  target_link_libraries(kvr_retrieval_cuda_decode
+    PUBLIC kvr::model_cuda kvr::model absl::status absl::statusor
+    PRIVATE kvr::retrieval_cuda_select kvr::retrieval_cuda_attend kvr::common_cuda
+            absl::strings absl::hash)
+  target_compile_options(kvr_retrieval_cuda_decode PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
+
+  # Sparse sequences (quest, clusterkv) against the model's dense path.
+  kvr_add_test(retrieval_cuda_decode_test
+    SOURCES cuda/decode/tests/sparse_decode_test.cc
+    LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::retrieval_core kvr::common
+         absl::strings
+    LABELS gpu)
+  target_include_directories(retrieval_cuda_decode_test PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)
+  # A real past loaded into a sparse sequence == the dense sequence it came from.
+  kvr_add_test(retrieval_cuda_decode_load_test
+    SOURCES cuda/decode/tests/sparse_decode_load_test.cc
+    LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::common absl::strings
+    LABELS gpu)
+  target_include_directories(retrieval_cuda_decode_load_test
+    PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)
+else()
+  add_library(kvr_retrieval_cuda_decode cuda/decode/src/sparse_decode_stub.cc)
+  target_include_directories(kvr_retrieval_cuda_decode PUBLIC cuda/decode/include)
+  target_link_libraries(kvr_retrieval_cuda_decode
+    PUBLIC kvr::model_cuda kvr::model absl::status absl::statusor)
+endif()
+add_library(kvr::retrieval_cuda_decode ALIAS kvr_retrieval_cuda_decode)
+kvr_warnings(kvr_retrieval_cuda_decode)
