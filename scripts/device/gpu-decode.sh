@@ -63,7 +63,8 @@ bench() {
     grep -E 'page_backing|backing' "$out/store.log" | head -2
     store_args=(--store "127.0.0.1:$port")
   fi
-  timeout 540 "$kStage/bin/kvr" bench decode --profile \
+  # GPUDECODE_KVR: another kvr binary (e.g. an earlier build, to compare in one call).
+  timeout 540 "${GPUDECODE_KVR:-$kStage/bin/kvr}" bench decode --profile \
     --json "$out/bench_decode.json" "${store_args[@]}" "$@" 2>&1 | tee "$out/bench_decode.log"
   local rc=${PIPESTATUS[0]}
   [[ -n "$store_pid" ]] && kill "$store_pid" 2>/dev/null
