@@ -26,10 +26,15 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <dirent.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -113,6 +118,7 @@ class Cluster {
   }
 
   bool ready() const { return ready_; }
+  const std::vector<Node>& nodes() const { return nodes_; }
   kvr::v1::Generation::Stub& stub() { return *stub_; }
   // The controller's address (public API and membership).
   const std::string& endpoint() const { return endpoint_; }
@@ -411,6 +417,76 @@ TEST_F(ModelFixture, KilledDecodeNode) {
   Outcome after =
       Generate(cluster.stub(), TokenRequest(Prompt(60, 5), "full", 4), absl::Seconds(30));
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+// The inodes of the sockets process `pid` holds (/proc/PID/fd -> "socket:[INODE]").
+std::set<std::string> SocketInodes(int pid) {
+  std::set<std::string> out;
+  const std::string dir = absl::StrCat("/proc/", pid, "/fd");
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    char target[256];
+    const ssize_t n =
+        readlink(absl::StrCat(dir, "/", e->d_name).c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    const std::string t(target, static_cast<size_t>(n));
+    if (absl::StartsWith(t, "socket:[")) out.insert(t.substr(8, t.size() - 9));
+  }
+  closedir(d);
+  return out;
+}
+
+// Listening TCP sockets (/proc/net/tcp, tcp6) by inode: their local address, as hex.
+std::vector<std::pair<std::string, std::string>> TcpListeners() {
+  std::vector<std::pair<std::string, std::string>> out;  // (inode, local address hex)
+  for (const char* path : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(path);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() < 10 || f[3] != "0A") continue;  // 0A: LISTEN
+      out.emplace_back(f[9], f[1].substr(0, f[1].find(':')));
+    }
+  }
+  return out;
+}
+
+// 127.0.0.0/8, ::1 or ::ffff:127.x.x.x, in /proc/net's hex (IPv4 words little-endian).
+bool IsLoopbackHex(const std::string& a) {
+  if (a.size() == 8) return a.substr(6, 2) == "7F";
+  if (a.size() == 32) {
+    return a == "00000000000000000000000001000000" ||
+           (a.substr(0, 24) == "0000000000000000FFFF0000" && a.substr(30, 2) == "7F");
+  }
+  return false;
+}
+
+// Every TCP listener of every process of a `kvr up` cluster (gRPC, /metrics, the HTTP API and
+// UCX's own TCP listeners) is on loopback: a local cluster reaches nothing else.
+TEST_F(ModelFixture, EveryListenerOfKvrUpIsOnLoopback) {
+  Cluster cluster(1, 1);
+  ASSERT_TRUE(cluster.ready());
+  // One request, so the data plane's endpoints exist.
+  Outcome o = Generate(cluster.stub(), TokenRequest(Prompt(40, 3), "full", 4), absl::Seconds(60));
+  ASSERT_TRUE(o.status.ok()) << o.status.error_message();
+  const auto listeners = TcpListeners();
+  int checked = 0;
+  ASSERT_GE(cluster.nodes().size(), 4u);
+  for (const auto& node : cluster.nodes()) {
+    const std::set<std::string> mine = SocketInodes(node.pid);
+    int n = 0;
+    for (const auto& [inode, address] : listeners) {
+      if (!mine.contains(inode)) continue;
+      ++n;
+      EXPECT_TRUE(IsLoopbackHex(address)) << node.name << " (pid " << node.pid << ") listens on "
+                                          << address << " (inode " << inode << ")";
+    }
+    EXPECT_GT(n, 0) << node.name << ": no listener found (is /proc readable?)";
+    checked += n;
+  }
+  std::printf("%d listening sockets of %zu processes checked\n", checked, cluster.nodes().size());
 }
 
 // The health status of `service` on a node's gRPC port (UNKNOWN when the call fails).

@@ -239,6 +239,10 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   std::filesystem::create_directories(log_dir);
   auto log = [&](const std::string& name) { return absl::StrCat(log_dir, "/", name, ".log"); };
   const absl::Duration start_timeout = absl::Seconds(o.ready_timeout_s);
+  // UCX opens a TCP listener on every network interface it finds; a local cluster keeps its
+  // data plane on loopback (shared memory between its processes, TCP over lo), so the
+  // children inherit UCX_NET_DEVICES=lo unless the operator chose devices.
+  if (getenv("UCX_NET_DEVICES") == nullptr) setenv("UCX_NET_DEVICES", "lo", 1);
 
   // Controller first: everyone registers with it.
   std::vector<std::unique_ptr<Child>> nodes;
