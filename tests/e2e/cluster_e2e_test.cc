@@ -419,6 +419,20 @@ TEST_F(ModelFixture, KilledDecodeNode) {
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
 }
 
+// A child that fails to start is explained by kvr up with the child's own words (here: the
+// model file is missing), not only with the path of its log.
+TEST(KvrUpTest, AChildThatFailsToStartIsExplainedWithItsReason) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-e2e-badmodel-", getpid());
+  Subprocess up({"/bin/sh", "-c",
+                 absl::StrCat(KVR_BIN,
+                              " up --model /nonexistent/model.gguf --prefill 1 --decode 1 "
+                              "--base-port 0 --ready-timeout 60 --log-dir ",
+                              dir, " 2>&1")});
+  const std::string line = up.WaitForLine("  | kvr-", absl::Seconds(60));
+  EXPECT_NE(line.find("NOT_FOUND"), std::string::npos) << "'" << line << "'";
+  EXPECT_NE(line.find("/nonexistent/model.gguf"), std::string::npos) << "'" << line << "'";
+}
+
 // The inodes of the sockets process `pid` holds (/proc/PID/fd -> "socket:[INODE]").
 std::set<std::string> SocketInodes(int pid) {
   std::set<std::string> out;

@@ -21,6 +21,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -208,6 +209,33 @@ std::string Port(const UpOptions& o, int offset) {
   return o.base_port == 0 ? "0" : std::to_string(o.base_port + offset);
 }
 
+// "see LOG" plus why the child stopped, so the reason shows without opening the file: the log's
+// error lines (an absl status code name, an [error]/[critical] log line, "terminate called"),
+// else its last lines (a node prints its effective config after an early error, so the last
+// lines alone would hide it).
+std::string SeeLog(const std::string& path, size_t n = 6) {
+  static const std::regex kError(
+      "(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+      "PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|"
+      "UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): |\\[(error|critical)\\]|"
+      "terminate called|Address already in use");
+  std::ifstream in(path);
+  std::vector<std::string> lines, errors;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    if (std::regex_search(line, kError)) errors.push_back(line);
+    lines.push_back(std::move(line));
+  }
+  const std::vector<std::string>& shown = errors.empty() ? lines : errors;
+  std::string out = absl::StrCat("see ", path);
+  if (shown.empty()) return out;
+  absl::StrAppend(&out, errors.empty() ? "; its last lines:" : "; it says:");
+  for (size_t i = shown.size() > n ? shown.size() - n : 0; i < shown.size(); ++i) {
+    absl::StrAppend(&out, "\n  | ", shown[i]);
+  }
+  return out;
+}
+
 absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // Blocked before any thread starts, so that sigwait below gets them.
   sigset_t signals;
@@ -257,7 +285,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
       controller->WaitFor("kvr-controller listening on ", start_timeout);
   if (controller_address.empty()) {
     return absl::UnavailableError(
-        absl::StrCat("kvr-controller did not start; see ", log("controller")));
+        absl::StrCat("kvr-controller did not start; ", SeeLog(log("controller"))));
   }
   auto store = std::make_unique<Child>(
       "store-0",
@@ -274,7 +302,8 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
       log("store-0"));
   const std::string store_port = store->WaitFor("kvr-store listening port=", start_timeout);
   if (store_port.empty()) {
-    return absl::UnavailableError(absl::StrCat("kvr-store did not start; see ", log("store-0")));
+    return absl::UnavailableError(
+        absl::StrCat("kvr-store did not start; ", SeeLog(log("store-0"))));
   }
   const std::string store_address =
       absl::StrCat("127.0.0.1:", store_port.substr(0, store_port.find(' ')));
@@ -318,13 +347,13 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   while (model_name.empty() || store_id.empty()) {
     if (store->exited()) {
       return absl::UnavailableError(
-          absl::StrCat("store-0 exited during start-up; see ", log("store-0")));
+          absl::StrCat("store-0 exited during start-up; ", SeeLog(log("store-0"))));
     }
     store_id = store->Find("kvr-store registered ");
     for (auto& n : nodes) {
       if (n->exited()) {
         return absl::UnavailableError(
-            absl::StrCat(n->name(), " exited during start-up; see ", log(n->name())));
+            absl::StrCat(n->name(), " exited during start-up; ", SeeLog(log(n->name()))));
       }
     }
     if (absl::Now() > give_up) {
