@@ -725,7 +725,7 @@ TEST(DecodeAttentionQualityTest, HandMadeSelectionHasHalfRecall) {
   EXPECT_LT(got.mass, 1.0);
 }
 
-TEST(DecodeAttentionQualityTest, RateZeroNeverReadsAndFullReportsOneWithoutReading) {
+TEST(DecodeAttentionQualityTest, RateZeroNeverReadsAndStepsThatDidNotChooseAreNotSampled) {
   {
     Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
     QualityRecorder recorder;
@@ -737,20 +737,34 @@ TEST(DecodeAttentionQualityTest, RateZeroNeverReadsAndFullReportsOneWithoutReadi
     EXPECT_EQ(attention.node_counters().quality_samples, 0);
     EXPECT_EQ(attention.node_counters().quality_bytes_fetched, 0);
   }
+  // Steps that chose nothing are not sampled at rate 1 (their recall would read 1 by
+  // definition): `full` attends every candidate, and `exact` with a budget of at least the
+  // candidates (~80 here) selects them all. Nothing is read for them either.
+  for (const auto& [method, budget] :
+       std::vector<std::pair<std::string, int64_t>>{{"full", 8}, {"exact", 100}}) {
+    SCOPED_TRACE(method);
+    Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
+    QualityRecorder recorder;
+    DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
+    options.quality_sample_rate = 1;
+    DecodeAttention attention(options, &recorder);
+    ASSERT_TRUE(attention.AddSequence(7, f.Setup(method, budget)).ok());
+    RunSteps(f, attention, 2, NoCheck());
+    EXPECT_TRUE(recorder.samples.empty());
+    EXPECT_EQ(attention.node_counters().quality_samples, 0);
+    EXPECT_EQ(f.store.range_reads.load(), 0);
+  }
+  // The same sequence with a budget below its candidates chose, and is sampled every step.
   {
     Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
     QualityRecorder recorder;
     DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
     options.quality_sample_rate = 1;
     DecodeAttention attention(options, &recorder);
-    ASSERT_TRUE(attention.AddSequence(7, f.Setup("full", 8)).ok());
+    ASSERT_TRUE(attention.AddSequence(7, f.Setup("exact", 8)).ok());
     RunSteps(f, attention, 2, NoCheck());
-    ASSERT_EQ(recorder.samples.size(), size_t{2 * kLayers});
-    for (const auto& s : recorder.samples) {
-      EXPECT_EQ(s.recall, 1.0);
-      EXPECT_EQ(s.mass, 1.0);
-    }
-    EXPECT_EQ(f.store.range_reads.load(), 0);
+    EXPECT_EQ(recorder.samples.size(), size_t{2 * kLayers});
+    EXPECT_EQ(attention.node_counters().quality_samples, 2 * kLayers);
   }
 }
 
