@@ -34,23 +34,8 @@ using kvr::cuda::PinnedBuffer;
 using model::CudaStage;
 using model::ModelConfig;
 
-template <typename T>
-[[nodiscard]] absl::Status Alloc(DeviceBuffer<T>& b, int64_t n) {
-  absl::StatusOr<DeviceBuffer<T>> created = DeviceBuffer<T>::Create(static_cast<size_t>(n));
-  if (!created.ok()) {
-    // A failed cudaMalloc is also the runtime's "last error": clear it, or the next kernel
-    // launch check (cudaGetLastError) would report this allocation's failure as its own.
-    cudaGetLastError();
-    return created.status();
-  }
-  b = *std::move(created);
-  return absl::OkStatus();
-}
-template <typename T>
-[[nodiscard]] absl::Status AllocPinned(PinnedBuffer<T>& b, int64_t n) {
-  KVR_ASSIGN_OR_RETURN(b, PinnedBuffer<T>::Create(static_cast<size_t>(n)));
-  return absl::OkStatus();
-}
+using kvr::cuda::Alloc;
+using kvr::cuda::AllocPinned;
 
 class SparseDecodeImpl final : public SparseDecodeAttention {
  public:

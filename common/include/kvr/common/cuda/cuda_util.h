@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -199,6 +200,27 @@ class PinnedBuffer {
 [[nodiscard]] inline bool HaveCudaDevice() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// Allocates `b` anew for `n` elements (sparse and dense state buffers of the CUDA runtime). A
+// failed cudaMalloc is also the runtime's "last error": it is cleared, or the next kernel launch
+// check (cudaGetLastError) would report this allocation's failure as its own.
+template <typename T>
+[[nodiscard]] absl::Status Alloc(DeviceBuffer<T>& b, int64_t n) {
+  absl::StatusOr<DeviceBuffer<T>> created = DeviceBuffer<T>::Create(static_cast<size_t>(n));
+  if (!created.ok()) {
+    cudaGetLastError();
+    return created.status();
+  }
+  b = *std::move(created);
+  return absl::OkStatus();
+}
+template <typename T>
+[[nodiscard]] absl::Status AllocPinned(PinnedBuffer<T>& b, int64_t n) {
+  absl::StatusOr<PinnedBuffer<T>> created = PinnedBuffer<T>::Create(static_cast<size_t>(n));
+  if (!created.ok()) return created.status();
+  b = *std::move(created);
+  return absl::OkStatus();
 }
 
 }  // namespace kvr::cuda
