@@ -268,20 +268,22 @@ TEST(DecodeAttentionTest, BudgetAttendsExactlyToSinkLocalAndSelected) {
   EXPECT_GT(attention.SummaryBytes(7), 0);  // exact keeps keys
 }
 
-TEST(DecodeAttentionTest, OneGatherPerLayerForTheWholeBatch) {
-  Fixture a(64, 80, 4, 8), b(64, 80, 4, 8);
-  // Both sequences use a's store so that one gather per layer covers both.
-  DecodeAttention attention({kLayers, kKvHeads, kDim, 0}, nullptr);
+// Two `full` sequences, a's (sequence 7) and b's rows put into a's store as sequence 8 in
+// `b_dtype`, attended layer by layer in one batch; each output must equal the reference.
+// Leaves a's store's gather count for the caller (reset before the batch).
+void AttendTwoSequencesFromOneStore(Fixture& a, Fixture& b, kv_store::DType b_dtype,
+                                    DecodeAttention& attention) {
   DecodeSequenceSetup sa = a.Setup("full", 8), sb = b.Setup("full", 8);
   ASSERT_TRUE(a.store
-                  .CreateSequence(kv_store::testing::TestRef(8),
-                                  {kLayers, kKvHeads, kDim, kv_store::DType::kF32}, 80,
-                                  absl::ZeroDuration())
+                  .CreateSequence(kv_store::testing::TestRef(8), {kLayers, kKvHeads, kDim, b_dtype},
+                                  80, absl::ZeroDuration())
                   .ok());
   for (int l = 0; l < kLayers; ++l) {
-    kv_store::LayerRows rows{kv_store::testing::TestRef(8), static_cast<uint32_t>(l),     0, 64,
-                             Fixture::Bytes(b.k[l], 0, 64), Fixture::Bytes(b.v[l], 0, 64)};
-    ASSERT_TRUE(a.store.PutLayer(rows).ok());
+    const std::vector<uint8_t> k = StoreBytes(b.k[l], 0, 64, b_dtype);
+    const std::vector<uint8_t> v = StoreBytes(b.v[l], 0, 64, b_dtype);
+    ASSERT_TRUE(
+        a.store.PutLayer({kv_store::testing::TestRef(8), static_cast<uint32_t>(l), 0, 64, k, v})
+            .ok());
   }
   sb.store = &a.store;
   sb.store_sequence = kv_store::testing::TestRef(8);
@@ -311,10 +313,17 @@ TEST(DecodeAttentionTest, OneGatherPerLayerForTheWholeBatch) {
     for (int i = 0; i < 2; ++i) {
       const std::vector<float> want = Reference(fs[i]->k[l], fs[i]->v[l], r[i].q, 64, AllUpTo(64));
       for (int j = 0; j < kHeads * kDim; ++j) {
-        ASSERT_NEAR(out[i * kHeads * kDim + j], want[j], 2e-5f);
+        ASSERT_NEAR(out[i * kHeads * kDim + j], want[j], 2e-5f) << "sequence " << i;
       }
     }
   }
+}
+
+TEST(DecodeAttentionTest, OneGatherPerLayerForTheWholeBatch) {
+  Fixture a(64, 80, 4, 8), b(64, 80, 4, 8);
+  // Both sequences use a's store so that one gather per layer covers both.
+  DecodeAttention attention({kLayers, kKvHeads, kDim, 0}, nullptr);
+  ASSERT_NO_FATAL_FAILURE(AttendTwoSequencesFromOneStore(a, b, kv_store::DType::kF32, attention));
   EXPECT_EQ(a.store.gathers.load(), kLayers);  // one per layer, both sequences inside
   EXPECT_EQ(b.store.gathers.load(), 0);
 }
@@ -453,51 +462,7 @@ TEST(DecodeAttentionTest, OneGatherMixesF32AndBf16Sequences) {
   // b's rows also go into a's store (bf16, sequence 8): one gather per layer covers both
   // sequences, and the reply holds each one's rows in its own dtype.
   DecodeAttention attention({kLayers, kKvHeads, kDim, 0}, nullptr);
-  DecodeSequenceSetup sa = a.Setup("full", 8), sb = b.Setup("full", 8);
-  ASSERT_TRUE(a.store
-                  .CreateSequence(kv_store::testing::TestRef(8),
-                                  {kLayers, kKvHeads, kDim, kv_store::DType::kBf16}, 80,
-                                  absl::ZeroDuration())
-                  .ok());
-  for (int l = 0; l < kLayers; ++l) {
-    const std::vector<uint8_t> k = StoreBytes(b.k[l], 0, 64, kv_store::DType::kBf16);
-    const std::vector<uint8_t> v = StoreBytes(b.v[l], 0, 64, kv_store::DType::kBf16);
-    ASSERT_TRUE(
-        a.store.PutLayer({kv_store::testing::TestRef(8), static_cast<uint32_t>(l), 0, 64, k, v})
-            .ok());
-  }
-  sb.store = &a.store;
-  sb.store_sequence = kv_store::testing::TestRef(8);
-  ASSERT_TRUE(attention.AddSequence(7, std::move(sa)).ok());
-  ASSERT_TRUE(attention.AddSequence(8, std::move(sb)).ok());
-  a.store.gathers = 0;
-  for (int l = 0; l < kLayers; ++l) {
-    std::vector<float> q = RandomTensor(2, kHeads, kDim, 77 + l);
-    std::vector<float> out(2 * kHeads * kDim);
-    Fixture* fs[2] = {&a, &b};
-    model::AttentionRequest r[2];
-    for (int i = 0; i < 2; ++i) {
-      ASSERT_TRUE(
-          fs[i]
-              ->cache
-              .Append(l, 1, fs[i]->k[l].data() + 64 * kRow, fs[i]->v[l].data() + 64 * kRow, kRow)
-              .ok());
-      r[i] = {static_cast<model::SequenceId>(7 + i),
-              l,
-              64,
-              1,
-              q.data() + i * kHeads * kDim,
-              fs[i]->cache.View(l),
-              out.data() + i * kHeads * kDim};
-    }
-    ASSERT_TRUE(attention.Attend(kShape, r).ok());
-    for (int i = 0; i < 2; ++i) {
-      const std::vector<float> want = Reference(fs[i]->k[l], fs[i]->v[l], r[i].q, 64, AllUpTo(64));
-      for (int j = 0; j < kHeads * kDim; ++j) {
-        ASSERT_NEAR(out[i * kHeads * kDim + j], want[j], 2e-5f) << "sequence " << i;
-      }
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(AttendTwoSequencesFromOneStore(a, b, kv_store::DType::kBf16, attention));
   EXPECT_EQ(a.store.gathers.load(), kLayers);
   const int64_t rows = kLayers * kKvHeads * (64 - 4 - 8 + 1);  // [n_sink, local_begin) per head
   EXPECT_EQ(attention.counters(7).rows_fetched, rows);
