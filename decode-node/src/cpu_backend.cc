@@ -9,6 +9,7 @@
 #include "kvr/common/status.h"
 #include "kvr/decode/backend.h"
 #include "kvr/decode/engine.h"
+#include "kvr/decode/handoff_indexes.h"
 #include "kvr/model/kv_cache.h"
 
 namespace kvr::decode {
@@ -108,9 +109,9 @@ absl::StatusOr<std::unique_ptr<BackendSequence>> CpuDecodeBackend::Prepare(Hando
     return absl::InvalidArgumentError(
         absl::StrCat("handoff of sequence ", h.sequence_id, ": ", parts...));
   };
-  if (!registry_->Has(h.method)) {
-    return bad("retrieval.method '", h.method, "' is not supported here");
-  }
+  absl::StatusOr<std::vector<std::unique_ptr<retrieval::RetrievalIndex>>> indexes =
+      IndexesFromHandoff(h, c, *registry_, options_.method_assets);
+  if (!indexes.ok()) return indexes.status();
   // The store sequence's shape says the dtype its rows are fetched and appended in (the
   // prefill node's store_dtype).
   absl::StatusOr<kv_store::SequenceInfo> info = h.store->GetSequence(h.store_ref());
@@ -133,13 +134,7 @@ absl::StatusOr<std::unique_ptr<BackendSequence>> CpuDecodeBackend::Prepare(Hando
   auto seq = std::make_unique<CpuSequence>(
       model::KvCache::Windowed(c.n_layers, c.n_kv_heads, c.head_dim, h.n_sink, h.local_window));
   seq->row_dtype = store_shape.dtype;
-  seq->indexes.resize(c.n_layers);
-  retrieval::IndexParams params;
-  params.budget = h.budget;
-  params.n_sink = h.n_sink;
-  params.local_window = h.local_window;
-  params.options = h.options;
-  params.assets = options_.method_assets;
+  seq->indexes = *std::move(indexes);
   const int64_t row = int64_t{c.n_kv_heads} * c.head_dim;
   const size_t packed_row_bytes = static_cast<size_t>(2 * row) * sizeof(float);
   std::vector<bool> seen(c.n_layers, false);
@@ -192,29 +187,6 @@ absl::StatusOr<std::unique_ptr<BackendSequence>> CpuDecodeBackend::Prepare(Hando
                  seq->cache.n_tokens(layer.layer), "; expected ", n_sink, " sink + ", n_local,
                  " local rows ending at prompt_tokens ", h.prompt_tokens);
     }
-    if (layer.summaries.empty()) {
-      if (h.method != "full") {
-        return bad("layer ", layer.layer, ": no summaries for method '", h.method, "'");
-      }
-      continue;  // null index: every non-resident position
-    }
-    retrieval::IndexShape shape;
-    shape.n_heads = c.n_heads;
-    shape.n_kv_heads = c.n_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.layer = layer.layer;
-    shape.n_layers = c.n_layers;
-    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
-    absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index = retrieval::DeserializeIndex(
-        std::span(reinterpret_cast<const uint8_t*>(layer.summaries.data()), layer.summaries.size()),
-        *registry_, params, &shape);
-    if (!index.ok()) return bad("layer ", layer.layer, " summaries: ", index.status().message());
-    if ((*index)->method() != h.method || (*index)->size() != h.prompt_tokens) {
-      return bad("layer ", layer.layer, " summaries are method '", std::string((*index)->method()),
-                 "' over ", (*index)->size(), " tokens; expected '", h.method, "' over ",
-                 h.prompt_tokens);
-    }
-    seq->indexes[layer.layer] = std::move(*index);
   }
   seq->bytes = seq->cache.allocated_bytes();
   for (const auto& index : seq->indexes) {

@@ -10,7 +10,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
+#include "kvr/decode/handoff_indexes.h"
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/prebuilt.h"
@@ -20,6 +22,113 @@ namespace kvr::decode {
 namespace {
 
 namespace rc = kvr::retrieval::cuda;
+
+// The selection of a method this node has no GPU selector for: the method's CPU index of every
+// layer (the prefill node's summaries, as shipped), fed the generated keys as they leave the
+// local window, as the CPU decode path feeds them (DecodeAttention::Prepare). The GPU gathers
+// and attends what it selects like any other selection.
+class IndexSelector final : public rc::SparseHostSelector {
+ public:
+  IndexSelector(std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes,
+                const model::ModelConfig& c, std::string method, int64_t prompt_tokens,
+                int64_t budget)
+      : indexes_(std::move(indexes)),
+        method_(std::move(method)),
+        n_kv_(c.n_kv_heads),
+        head_dim_(c.head_dim),
+        budget_(budget),
+        kept_(c.n_layers),
+        kept_from_(c.n_layers, prompt_tokens) {}
+
+  // The keys of the generated token at `position`: rows [n_layers, 2 (K, V), n_kv_heads,
+  // head_dim] bf16 bits (SparseDecodeAttention::NewRows). Kept, per layer, until the layer's
+  // index has taken them (they leave the window `local_window` steps later).
+  void AddGenerated(int64_t position, std::span<const uint16_t> rows) {
+    const int64_t row = int64_t{n_kv_} * head_dim_;
+    for (size_t l = 0; l < kept_.size(); ++l) {
+      if (indexes_[l] == nullptr) continue;  // full: no index to feed
+      std::vector<float>& keys = kept_[l];
+      if (kept_from_[l] + static_cast<int64_t>(keys.size()) / row != position) continue;
+      const uint16_t* k = rows.data() + l * 2 * row;
+      for (int64_t i = 0; i < row; ++i) keys.push_back(Bf16ToFloat(k[i]));
+    }
+  }
+
+  absl::Status Select(int layer, int64_t position, std::span<const float> query,
+                      int64_t cand_begin, int64_t cand_end, int budget, std::span<int32_t> ids,
+                      std::span<int32_t> counts) override {
+    retrieval::RetrievalIndex* index = indexes_[layer].get();
+    if (index == nullptr) {  // full: every candidate
+      const int64_t n = cand_end - cand_begin;
+      if (n > budget) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("method full selects all ", n, " candidates, more than the ", budget,
+                         " rows a step gathers on this node (gpu_budget)"));
+      }
+      for (int h = 0; h < n_kv_; ++h) {
+        counts[h] = static_cast<int32_t>(n);
+        for (int64_t i = 0; i < n; ++i) ids[h * budget + i] = static_cast<int32_t>(cand_begin + i);
+      }
+      return absl::OkStatus();
+    }
+    // Rows that left the window join the index.
+    const int64_t row = int64_t{n_kv_} * head_dim_;
+    if (index->size() < cand_end) {
+      std::vector<float>& keys = kept_[layer];
+      const int64_t from = index->size() - kept_from_[layer];
+      const int64_t n = cand_end - index->size();
+      if (from < 0 || (from + n) * row > static_cast<int64_t>(keys.size())) {
+        return absl::InternalError(absl::StrCat(
+            "the index covers [0, ", index->size(), ") but the generated keys kept are [",
+            kept_from_[layer], ", ", kept_from_[layer] + static_cast<int64_t>(keys.size()) / row,
+            "), the window leaves at ", cand_end));
+      }
+      retrieval::AppendInput in;
+      in.keys = {keys.data() + from * row, n, row};
+      KVR_RETURN_IF_ERROR(index->Append(in));
+      keys.erase(keys.begin(), keys.begin() + (from + n) * row);
+      kept_from_[layer] += from + n;
+    }
+    retrieval::SelectRequest sel;
+    sel.query = query.data();
+    sel.query_position = position;
+    sel.budget = std::min<int64_t>(budget_, budget);
+    sel.n_sink = cand_begin;
+    sel.local_begin = cand_end;
+    KVR_RETURN_IF_ERROR(index->Select(sel, &selection_));
+    if (static_cast<int>(selection_.per_head.size()) != n_kv_) {
+      return absl::InternalError(absl::StrCat("method ", method_, " returned ",
+                                              selection_.per_head.size(), " KV heads"));
+    }
+    for (int h = 0; h < n_kv_; ++h) {
+      const std::vector<int64_t>& got = selection_.per_head[h];
+      if (static_cast<int64_t>(got.size()) > budget) {
+        return absl::InternalError(absl::StrCat("method ", method_, " selected ", got.size(),
+                                                " rows, budget ", budget));
+      }
+      counts[h] = static_cast<int32_t>(got.size());
+      for (size_t i = 0; i < got.size(); ++i) ids[h * budget + i] = static_cast<int32_t>(got[i]);
+    }
+    return absl::OkStatus();
+  }
+
+  int64_t MemoryBytes() const {
+    int64_t bytes = 0;
+    for (const auto& index : indexes_) bytes += index != nullptr ? index->MemoryBytes() : 0;
+    return bytes;
+  }
+
+ private:
+  std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes_;  // per layer; null: full
+  std::string method_;
+  int n_kv_, head_dim_;
+  int64_t budget_;  // the request's
+  // Per layer: generated keys not yet in the index, fp32 [tokens, n_kv_heads, head_dim], the
+  // first at position kept_from_[layer].
+  std::vector<std::vector<float>> kept_;
+  std::vector<int64_t> kept_from_;
+  retrieval::Selection selection_;
+};
 
 // Between Prepare and Join: where the sequence's rows are in the store (its page table, read in
 // place through the store's pool mapped into this process) and, for clusterkv, the handed-off
@@ -33,6 +142,8 @@ struct CudaPending final : BackendSequence {
   std::shared_ptr<const kv_store::LocalPoolMapping> pool;  // keeps the mapping alive
   // clusterkv: the handed-off clusters of every layer (the prefill node's k-means).
   std::vector<retrieval::PrebuiltClusterKvData> clusters;
+  // A method other than the node's GPU method: selected on the host by its CPU indexes.
+  std::shared_ptr<IndexSelector> selector;
 };
 
 // A running sequence: its store, the rows of the last step being appended there, and counters.
@@ -47,6 +158,8 @@ struct CudaRunning {
   std::vector<uint16_t> rows;
   std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts;
   int64_t rows_offloaded = 0;
+  std::string method;                        // the request's retrieval method
+  std::shared_ptr<IndexSelector> selector;  // null: the GPU method selects
   rc::SparseSequenceCounters seen;  // the GPU's counters as last reported to the observer
   absl::Status failure;             // first failed append, reported once through TakeFailures
 };
@@ -74,10 +187,17 @@ class CudaDecodeBackend final : public DecodeBackend {
   absl::StatusOr<std::unique_ptr<BackendSequence>> Prepare(Handoff& h) const override {
     KVR_RETURN_IF_ERROR(CheckHandoffForCudaBackend(h, options_));
     auto pending = std::make_unique<CudaPending>(slot_bytes_);
-    if (options_.method == "clusterkv") {
+    const model::ModelConfig& c = model_->config();
+    if (h.method != options_.method) {
+      KVR_ASSIGN_OR_RETURN(
+          std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes,
+          IndexesFromHandoff(h, c, *options_.registry, options_.method_assets));
+      pending->selector = std::make_shared<IndexSelector>(std::move(indexes), c, h.method,
+                                                          h.prompt_tokens, h.budget);
+      pending->bytes += pending->selector->MemoryBytes();
+    } else if (options_.method == "clusterkv") {
       KVR_ASSIGN_OR_RETURN(pending->clusters, ParseClusters(h));
     }
-    const model::ModelConfig& c = model_->config();
     const uint64_t id = h.sequence_id;
     auto refuse = [&](auto&&... parts) {
       return absl::FailedPreconditionError(
@@ -141,6 +261,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     if (pending == nullptr) return absl::InternalError("CUDA decode: Join without Prepare");
     rc::SparseSequenceOptions so;
     so.rows = std::move(pending->rows);
+    so.selector = pending->selector;
     KVR_RETURN_IF_ERROR(sparse_->AddSequence(id, pending->capacity, so));
     absl::Status activated = [&]() -> absl::Status {
       if (!pending->clusters.empty()) {
@@ -164,6 +285,8 @@ class CudaDecodeBackend final : public DecodeBackend {
     run.ref = h.store_ref();
     run.pool = std::move(pending->pool);
     run.next_row = h.prompt_tokens;
+    run.method = h.method;
+    run.selector = std::move(pending->selector);
     running_.emplace(id, std::move(run));
     ReportSummaryBytes();
     return absl::OkStatus();
@@ -218,8 +341,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   // hits and misses, rows and bytes that crossed the link (the misses), rows appended.
   void ReportStep(std::span<const uint64_t> ids) {
     const int64_t row_bytes = 4 * int64_t{model_->config().head_dim};
-    RetrievalReport r;
-    int64_t appended = 0;
+    absl::flat_hash_map<std::string_view, RetrievalReport> by_method;
+    int64_t appended = 0, hits_all = 0, misses_all = 0;
     for (uint64_t id : ids) {
       auto it = running_.find(id);
       if (it == running_.end()) continue;
@@ -228,15 +351,18 @@ class CudaDecodeBackend final : public DecodeBackend {
       CudaRunning& run = it->second;
       const int64_t selected = now->selected_rows - run.seen.selected_rows;
       const int64_t hits = now->hot_cache_hits - run.seen.hot_cache_hits;
+      RetrievalReport& r = by_method[run.method];
       r.hot_cache_hits += hits;
       r.hot_cache_misses += selected - hits;
+      r.rows_fetched = r.hot_cache_misses;
+      r.bytes_fetched = r.rows_fetched * row_bytes;
+      hits_all += hits;
+      misses_all += selected - hits;
       run.seen = *now;
       appended += run.failure.ok() ? 1 : 0;
     }
-    r.rows_fetched = r.hot_cache_misses;
-    r.bytes_fetched = r.rows_fetched * row_bytes;
-    observer_->OnHotCache(r.hot_cache_hits, r.hot_cache_misses);
-    observer_->OnRetrieval(options_.method, r);
+    observer_->OnHotCache(hits_all, misses_all);
+    for (const auto& [method, r] : by_method) observer_->OnRetrieval(method, r);
     const model::ModelConfig& c = model_->config();
     observer_->OnOffload(appended * c.n_layers * c.n_kv_heads * row_bytes);
   }
@@ -316,6 +442,7 @@ class CudaDecodeBackend final : public DecodeBackend {
       return;
     }
     run.rows.assign(fresh->begin(), fresh->end());
+    if (run.selector != nullptr) run.selector->AddGenerated(run.next_row, run.rows);
     const model::ModelConfig& c = model_->config();
     const size_t half = size_t{2} * c.n_kv_heads * c.head_dim;  // bytes of K (or V), one layer
     for (int l = 0; l < c.n_layers; ++l) {
@@ -357,9 +484,9 @@ absl::Status CheckHandoffForCudaBackend(const Handoff& h, const CudaDecodeBacken
     return absl::InvalidArgumentError(
         absl::StrCat("handoff of sequence ", h.sequence_id, ": ", parts...));
   };
-  if (h.method != o.method) {
-    return bad("retrieval.method '", h.method, "' is not this node's (a CUDA decode node runs '",
-               o.method, "' only: gpu_method)");
+  if (h.method != o.method && (o.registry == nullptr || !o.registry->Has(h.method))) {
+    return bad("retrieval.method '", h.method, "' is not supported here (this node selects '",
+               o.method, "' on the GPU: gpu_method; other methods of its registry on the host)");
   }
   if (h.budget > o.budget) {
     return bad("retrieval.budget ", h.budget, " is above this node's gpu_budget ", o.budget);
@@ -374,6 +501,19 @@ absl::Status CheckHandoffForCudaBackend(const Handoff& h, const CudaDecodeBacken
   if (o.max_context > 0 && h.prompt_tokens + 1 > o.max_context) {
     return bad("prompt_tokens ", h.prompt_tokens, " leave no room in this node's gpu_max_context ",
                o.max_context);
+  }
+  if (h.method == "full") {
+    // Every candidate of the last step: capacity - sink - window rows, gathered at once.
+    int64_t capacity = h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens);
+    if (o.max_context > 0) capacity = std::min(capacity, o.max_context);
+    const int64_t rows = capacity - h.n_sink - h.local_window;
+    if (rows > o.budget) {
+      return bad("retrieval.method 'full' attends every row: up to ", rows,
+                 " rows beyond the sink and window (prompt_tokens ", h.prompt_tokens,
+                 " + max_tokens ", h.sampling.max_tokens,
+                 "), more than the rows one step gathers on this node (gpu_budget ", o.budget,
+                 ")");
+    }
   }
   return absl::OkStatus();
 }
@@ -496,6 +636,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   o.max_context = config.gpu_max_context;
   o.hot_cache_bytes = config.hot_cache_bytes;
   o.registry = registry;
+  o.method_assets = std::move(assets);
   return CreateCudaDecodeBackend(*std::move(gpu), o, observer);
 }
 

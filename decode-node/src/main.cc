@@ -118,13 +118,13 @@ int Serve(const DecodeConfig& config) {
     a2ats_assets = *books;
   }
   auto methods = MeasureSummaryBytes(mc, *registry, 2048, a2ats_assets);
-  if (config.device == "cuda") {
-    // A CUDA node runs one method for all its sequences: it offers only that one.
-    std::erase_if(methods, [&](const auto& m) { return m.first != config.gpu_method; });
-    if (methods.empty()) {
-      std::cerr << "kvr-decode: gpu_method '" << config.gpu_method << "' cannot be offered\n";
-      return 2;
-    }
+  if (config.device == "cuda" &&
+      std::none_of(methods.begin(), methods.end(),
+                   [&](const auto& m) { return m.first == config.gpu_method; })) {
+    // A CUDA node selects gpu_method on the GPU and the other methods on the host: it offers
+    // them all, but gpu_method must be one of them.
+    std::cerr << "kvr-decode: gpu_method '" << config.gpu_method << "' cannot be offered\n";
+    return 2;
   }
 
   StoreClients stores(

@@ -150,6 +150,45 @@ TEST(CudaBackendCheckTest, RefusesHandoffsThatDoNotFitTheNode) {
   refused(x, "prompt_tokens 1000", "gpu_max_context 1000");
 }
 
+// With the node's registry, methods other than the GPU method are accepted (selected on the
+// host by their CPU index); a method the registry lacks is refused naming it, and `full` is
+// refused when its rows would exceed what one step gathers.
+TEST(CudaBackendCheckTest, HostSelectsTheRegistrysOtherMethods) {
+  const retrieval::MethodRegistry registry = *retrieval::AllMethods();
+  CudaDecodeBackendOptions o;
+  o.method = "quest";
+  o.budget = 256;
+  o.n_sink = 16;
+  o.local_window = 64;
+  o.max_context = 1000;
+  o.registry = &registry;
+  Handoff h;
+  h.sequence_id = 7;
+  h.budget = 128;
+  h.n_sink = 16;
+  h.local_window = 64;
+  h.prompt_tokens = 200;
+  h.sampling.max_tokens = 50;
+  for (const char* m : {"exact", "streaming", "clusterkv", "ctkvr", "pariskv", "a2ats", "keydiff",
+                        "full"}) {
+    h.method = m;
+    EXPECT_TRUE(CheckHandoffForCudaBackend(h, o).ok()) << m;
+  }
+  h.method = "nosuch";
+  absl::Status s = CheckHandoffForCudaBackend(h, o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("retrieval.method 'nosuch' is not supported here"));
+  // full: 400 + 50 - 16 - 64 = 370 rows > gpu_budget 256.
+  h.method = "full";
+  h.prompt_tokens = 400;
+  s = CheckHandoffForCudaBackend(h, o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("up to 370 rows"));
+  EXPECT_THAT(s.message(), HasSubstr("gpu_budget 256"));
+  h.method = "quest";  // the GPU method selects its budget whatever the prompt
+  EXPECT_TRUE(CheckHandoffForCudaBackend(h, o).ok());
+}
+
 // A backend that counts the prepared sequence states alive (what a real backend holds for a
 // sequence between Prepare and Join: the CUDA backend's pinned host KV) and drops them at Join.
 class CountingBackend final : public DecodeBackend {

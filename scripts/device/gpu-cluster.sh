@@ -2,8 +2,8 @@
 # The whole serving path on the GPU machine (issue 7): `kvr up --device cuda` (controller, KV
 # store, a prefill node and a decode node running SmolLM2 on the GPU, the store reached over UCX
 # shared memory on the same host), then `kvr generate` streams answers to a ~3000-token passkey
-# prompt with quest and with clusterkv (one decode node per method: a CUDA decode node serves
-# one method), and the nodes' metrics. Builds nothing there; the binaries and the non-system
+# prompt with every method: a CUDA decode node selects its gpu_method (quest or clusterkv) on
+# the GPU and every other method on the host with the method's CPU index, in the same batch. Builds nothing there; the binaries and the non-system
 # shared libraries they need (gRPC, protobuf, Abseil, UCX + its cma module, prometheus-cpp,
 # OpenBLAS, ...) travel xz-compressed; the 94 MB GGUF travels in three parts (a call carries at
 # most 64 MiB with the working tree), so three back-to-back calls (the warm machine keeps /tmp
@@ -11,11 +11,14 @@
 #   here:                                     bash scripts/device/gpu-cluster.sh bundle
 #   call 1, carry [.device/gpucluster]:       bash scripts/device/gpu-cluster.sh stage
 #   call 2, carry [.device/gpucluster-g2]:    bash scripts/device/gpu-cluster.sh part
+#   optional, carry [.device/gpucluster-cb]:  bash scripts/device/gpu-cluster.sh codebooks
 #   call 3, carry [.device/gpucluster-g3]:    bash scripts/device/gpu-cluster.sh run
-# run: per method, passkey prompts of ~1000 and ~3000 tokens; after each, the decode node's
-# private resident memory (RssAnon) and its mappings of the store's shared pool (RssShmem):
-# the decode node reads the store's pages in place, so its own memory must not follow the
-# prompt. GPUCLUSTER_GPUS=2 (device kind nvidia-h100-x2): the prefill node on GPU 0 and the
+# run: per GPU method (a cluster each), passkey prompts of ~1000 and ~3000 tokens; after each,
+# the decode node's private resident memory (RssAnon) and its mappings of the store's shared
+# pool (RssShmem): the decode node reads the store's pages in place, so its own memory must not
+# follow the prompt. On the quest cluster then every host-selected method at ~3000 tokens
+# (a2ats with codebooks from `kvr calibrate`: bundle with GPUCLUSTER_CODEBOOKS=FILE), `full` at
+# ~1000 tokens, and `full` at ~3000 tokens refused (its rows exceed gpu_budget, 1024). GPUCLUSTER_GPUS=2 (device kind nvidia-h100-x2): the prefill node on GPU 0 and the
 # decode node on GPU 1, then both on GPU 0 for comparison (quest), TTFT and decode tok/s each.
 # Logs go to $OUT.
 set -uo pipefail
@@ -48,6 +51,10 @@ case "${1:-}" in
     head -c "$kPart1Bytes" "$model" > "$kBundle/part00"
     tail -c +"$((kPart1Bytes + 1))" "$model" | head -c "$kPart2Bytes" > .device/gpucluster-g2/part01
     tail -c +"$((kPart1Bytes + kPart2Bytes + 1))" "$model" > .device/gpucluster-g3/part02
+    rm -rf .device/gpucluster-cb
+    if [[ -n "${GPUCLUSTER_CODEBOOKS:-}" ]]; then
+      mkdir -p .device/gpucluster-cb && cp "$GPUCLUSTER_CODEBOOKS" .device/gpucluster-cb/smollm2.kvrcb
+    fi
     du -sh "$kBundle" .device/gpucluster-g2 .device/gpucluster-g3
     ;;
   stage)
@@ -58,6 +65,9 @@ case "${1:-}" in
   part)
     [[ -f "$kStage/part00" ]] || { echo "no staged bundle: run 'stage' first (same warm machine)"; exit 1; }
     cp .device/gpucluster-g2/part01 "$kStage/" && ls -la "$kStage"
+    ;;
+  codebooks)  # optional, between part and run: a2ats codebooks (bundle's GPUCLUSTER_CODEBOOKS)
+    cp .device/gpucluster-cb/smollm2.kvrcb "$kStage/" && ls -la "$kStage/smollm2.kvrcb"
     ;;
   run)
     [[ -f "$kStage/part01" ]] || { echo "no staged parts: run 'stage' and 'part' first (same warm machine)"; exit 1; }
@@ -73,7 +83,10 @@ case "${1:-}" in
       [[ -n "$pid" ]] && awk '/^(RssAnon|RssShmem|VmLck|VmPin):/{printf "%s %s %s  ", $1, $2, $3}' \
         "/proc/$pid/status" && echo
     }
-    # up NAME PORT PREFILL_GPU DECODE_GPU METHOD: a cluster, detached; non-zero if it failed.
+    codebooks=()
+    [[ -f "$kStage/smollm2.kvrcb" ]] && codebooks=(--a2ats-codebooks "$kStage/smollm2.kvrcb")
+    # up NAME PORT PREFILL_GPU DECODE_GPU METHOD [BUDGET]: a cluster, detached; non-zero if it
+    # failed.
     up() {
       local logs="$out/up-$1"
       mkdir -p "$logs"
@@ -82,7 +95,8 @@ case "${1:-}" in
       "$kStage/bin/kvr" up --model "$kStage/smollm2.gguf" --bin-dir "$kStage/bin" --device cuda \
         --prefill-arg="--cuda-device=$3" --decode-arg="--cuda-device=$4" \
         --decode-arg="--gpu-method=$5" --decode-arg=--gpu-n-sink=16 \
-        --decode-arg=--gpu-local-window=256 --prefill 1 --decode 1 --base-port "$2" \
+        --decode-arg=--gpu-local-window=256 --decode-arg="--gpu-budget=${6:-1024}" \
+        "${codebooks[@]}" --prefill 1 --decode 1 --base-port "$2" \
         --log-dir "$logs" --detach --pid-file "$logs/up.pid" --ready-timeout 120 \
         > "$logs/up.txt" 2>&1
       local rc=$?
@@ -121,6 +135,18 @@ case "${1:-}" in
         done
         grep -h -E "on cuda|device|gpu_method|GPU|cuda:|local pool|mapped" \
           "$out/up-$method"/prefill-0.log "$out/up-$method"/decode-0.log | head -8
+        if [[ $method == quest ]]; then
+          for m in exact streaming clusterkv ctkvr pariskv keydiff a2ats; do
+            echo "-- $m (host-selected on the quest node), passkey prompt of ~3000 tokens"
+            generate "$port" "$m" 3000 "$out/up-$method/generate-$m.txt" || status=1
+          done
+          echo "-- full at ~1000 tokens (its 776 rows fit gpu_budget 1024)"
+          generate "$port" full 1000 "$out/up-$method/generate-full.txt" || status=1
+          echo "-- full at ~3000 tokens (must be refused: its rows exceed gpu_budget 1024)"
+          if generate "$port" full 3000 "$out/up-$method/generate-full-refused.txt"; then
+            echo "full was not refused"; status=1
+          fi
+        fi
         down "$method"
       done
     fi

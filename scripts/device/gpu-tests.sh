@@ -16,7 +16,8 @@ readonly kAll="model_cuda_ops_test model_cuda_model_test retrieval_cuda_decode_t
   retrieval_cuda_decode_load_test model_cuda_prefill_summaries_test model_cuda_export_test
   model_cuda_graph_test prefill_gpu_test decode_gpu_test retrieval_cuda_select_test
   retrieval_cuda_attend_test retrieval_cuda_build_test"
-# GPU_TESTS: run only these (bundle always takes all); MEMCHECK: binaries to run again under
+# GPU_TESTS: run only these (bundle always takes all); MEMCHECK_FILTER: a gtest filter for the
+# memcheck runs; MEMCHECK: binaries to run again under
 # compute-sanitizer memcheck.
 readonly kTests="${GPU_TESTS:-$kAll}"
 out="${OUT:-out}"
@@ -54,7 +55,8 @@ case "${1:-}" in
     done
     for t in ${MEMCHECK:-}; do
       timeout "${MEMCHECK_S:-300}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
-        --error-exitcode 3 "$kStage/bin/$t" --gtest_filter=-*Gguf* > "$out/memcheck_$t.log" 2>&1
+        --error-exitcode 3 "$kStage/bin/$t" --gtest_filter="${MEMCHECK_FILTER:--*Gguf*}" \
+        > "$out/memcheck_$t.log" 2>&1
       rc=$?
       echo "memcheck $t: rc $rc  $(grep 'ERROR SUMMARY' "$out/memcheck_$t.log" | tail -1)"
       [[ $rc -eq 0 ]] || status=1

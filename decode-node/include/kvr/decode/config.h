@@ -38,8 +38,9 @@ struct DecodeConfig {
   std::string a2ats_codebooks;
   // Where the forward pass runs: "cpu" (model::Model + DecodeAttention) or "cuda"
   // (model::CudaModel sparse sequences on GPU cuda_device; cuda_backend.h). A CUDA node runs ONE
-  // method, budget, sink and window for all its sequences (gpu_*): it offers only gpu_method and
-  // refuses requests with another method, a bigger budget or another sink/window.
+  // GPU method, budget, sink and window for all its sequences (gpu_*): it selects gpu_method on
+  // the GPU and every other method of its registry on the host, and refuses requests with a
+  // bigger budget or another sink/window.
   std::string device = "cpu";
   uint32_t cuda_device = 0;
   std::string gpu_method = "quest";

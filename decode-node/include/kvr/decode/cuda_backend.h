@@ -8,12 +8,18 @@
 // per-layer gather reads the selected rows that miss the hot cache straight from the store's
 // pages (the store's pool mapped read-only into this process and registered with CUDA:
 // zero-copy over PCIe). The node holds no copy of a sequence's past.
-// - ONE method, budget, sink and window for all slots (SparseDecodeAttention::Configure at
-// creation, from the
-//   node's settings). A handoff with another method, a bigger budget or another sink/window is
-//   refused (InvalidArgument naming the field and the node's setting); a smaller budget runs at
-//   the node's budget (more rows, never fewer). Methods: quest, and clusterkv with the
-//   handed-off clusters (the prefill node's k-means, parsed at Prepare with options.registry).
+// - ONE GPU method (quest, or clusterkv with the handed-off clusters, the prefill node's
+//   k-means), budget, sink and window for all slots (SparseDecodeAttention::Configure at
+//   creation, from the node's settings). A request for ANY OTHER method of the node's registry
+//   (full, exact, streaming, ctkvr, pariskv, a2ats, keydiff, or the other GPU method) runs in the
+//   same batch with its selection made on the host: the method's CPU index per layer,
+//   deserialized from the handed-off summaries and fed the generated keys as they leave the
+//   window, as on the CPU backend (one synchronization per layer of a step that has such a
+//   sequence); the GPU gathers and attends its selection like any other. A handoff with a bigger
+//   budget or another sink/window is refused (InvalidArgument naming the field and the node's
+//   setting), and so is `full` when its rows exceed gpu_budget (the rows one step gathers); a
+//   smaller budget runs the GPU method at the node's budget (more rows, never fewer) and a
+//   host-selected method at its own.
 // - Prepare (the handoff's thread): checks the store sequence (shape, bf16 rows, the prompt's
 //   rows committed), reserves its store pages for every row it will hold (prompt + max_tokens,
 //   KvStoreClient::ReservePageTable) and maps the store's pool (MapLocalPool, once per store;
@@ -28,8 +34,9 @@
 // - Counters per sequence (at Leave): rows selected, hot-cache hits and misses, rows and bytes
 //   fetched across the link (= misses), rows offloaded; a failed append ends the sequence with
 //   UNAVAILABLE (TakeFailures).
-// - Not done: a store on another host (UCX RMA gets of the missed rows into staging); methods
-//   other than quest and clusterkv; several methods in one node.
+// - Not done: a store on another host (UCX RMA gets of the missed rows into staging); GPU
+//   selectors for the host-selected methods (retrieval/cuda/select has kernels for exact,
+//   ctkvr, pariskv and a2ats that this path does not call yet).
 // This header has no CUDA types; in a build without CUDA the factories answer errors.
 
 #include <cstdint>
@@ -60,9 +67,12 @@ struct CudaDecodeBackendOptions {
   // Smallest store page (in rows) the node takes: sizes the GPU page tables
   // (SparseDecodeOptions::min_page_rows). A 16 KiB page holds 64 bf16 rows at head_dim 64.
   int min_page_rows = 64;
-  // clusterkv: the handed-off summaries are parsed with it (the node's; not owned, outlives the
-  // backend). Required for clusterkv, unused by quest.
+  // The node's registry (not owned, outlives the backend): clusterkv's handed-off clusters are
+  // parsed with it, and a request for a method other than `method` is selected on the host by
+  // the method's CPU index deserialized with it (none: only `method` is served).
   const retrieval::MethodRegistry* registry = nullptr;
+  // Method assets of the host-selected methods (a2ats' codebooks); may be null.
+  std::shared_ptr<const retrieval::MethodAssets> method_assets;
 };
 
 // The checks the CUDA backend's Prepare makes against its one configuration (exposed for tests

@@ -121,6 +121,8 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     uint64_t source_key = 0;      // row source: a hash of where its rows are (0: own host KV)
     int64_t sparse_steps = 0;     // Forwards taken part in
     uint64_t filled_seed = 0;     // as HostKvImpl, for this slot's ring and summaries
+    // Selects on the host (SparseHostSelector) instead of with the GPU method; null: GPU.
+    std::shared_ptr<SparseHostSelector> selector;
   };
   // The GPU state shared by the sequences (Configure); layouts in sparse_kernels.cuh.
   struct SparseState {
@@ -154,6 +156,11 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     // sources only: the caller appends them to the store).
     DeviceBuffer<bf16> new_rows;
     PinnedBuffer<bf16> h_new_rows;
+    // Host selection (SparseHostSelector): the queries of the host-selected slots come back to
+    // h_q [slots, q_dim]; their selections go up from h_ids [slots, n_kv, budget] and h_counts
+    // [slots, n_kv].
+    PinnedBuffer<float> h_q;
+    PinnedBuffer<int32_t> h_ids, h_counts;
     KvPoolView PoolView(int layer) const {
       return {pool_slots.data(), pool_pages.data() + int64_t{layer} * opt.slots * n_kv * max_pages,
               max_pages, n_kv};
@@ -208,6 +215,9 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
   // min_page_rows rows. Synchronous.
   [[nodiscard]] absl::Status WriteSlotTables(const Sequence& s,
                                              const std::optional<SparseRowSource>& source);
+  // The selections of this step's host-selected sequences (host_selected_) for `layer`: their
+  // queries come back, each selector runs, the selections go up into the slots' ids / counts.
+  [[nodiscard]] absl::Status HostSelect(int layer, cudaStream_t stream);
 
   model::CudaModel& model_;
   const ModelConfig& config_;
@@ -224,6 +234,12 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
   // Between Plan and Finish: the batch's sequences, the largest candidate range and whether
   // the step's new rows go back to the host (a sequence over a row source).
   std::vector<Sequence*> planned_;
+  struct HostSelected {
+    SequenceId id = 0;
+    const Sequence* seq = nullptr;
+    int64_t position = 0, cand_begin = 0, cand_end = 0;
+  };
+  std::vector<HostSelected> host_selected_;
   int64_t max_candidates_ = 0;
   bool copy_new_rows_ = false;
 };
@@ -330,6 +346,9 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_slot_pages, L * kv * st->max_pages));
   KVR_RETURN_IF_ERROR(Alloc(st->new_rows, S * L * 2 * kv * d));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_new_rows, S * L * 2 * kv * d));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_q, S * c.q_dim()));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_ids, S * kv * o.budget));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_counts, S * kv));
   KVR_RETURN_IF_ERROR(Alloc(st->selected, 1));
   KVR_RETURN_IF_ERROR(Alloc(st->slot_counters, 2 * S));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_slot_counters, 2 * S));
@@ -479,6 +498,7 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
   s.capacity = capacity;
   s.slot = slot;
   s.host = std::move(host);
+  s.selector = options.selector;
   if (options.rows.has_value()) {
     const SparseRowSource& r = *options.rows;
     s.source_key = absl::HashOf(reinterpret_cast<uintptr_t>(r.base), r.page_bytes, r.page_rows,
@@ -752,6 +772,7 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     cp.workspace_bytes = sp.select_ws_bytes;
     KVR_RETURN_IF_ERROR(ClusterKvSelect(cp, st));
   }
+  if (!host_selected_.empty()) KVR_RETURN_IF_ERROR(HostSelect(layer, st));
   if (r.profile) {
     KVR_RETURN_IF_ERROR(
         LaunchSumCounts(sp.counts.data(), static_cast<int>(S * kv), sp.selected.data(), st));
@@ -820,6 +841,54 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
       const uint32_t u = uint32_t{snapshot_attn_bits_[i]} << 16;
       std::memcpy(&s.attn[i], &u, sizeof(float));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SparseDecodeImpl::HostSelect(int layer, cudaStream_t st) {
+  SparseState& sp = *sparse_;
+  const int64_t qd = config_.q_dim(), kv = config_.n_kv_heads, B = sp.opt.budget;
+  for (const HostSelected& h : host_selected_) {
+    const int64_t slot = h.seq->slot;
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_q.data() + slot * qd, sp.q_f32.data() + slot * qd,
+                                             qd * sizeof(float), cudaMemcpyDeviceToHost, st));
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+  for (const HostSelected& h : host_selected_) {
+    const int64_t slot = h.seq->slot;
+    int32_t* ids = sp.h_ids.data() + slot * kv * B;
+    int32_t* counts = sp.h_counts.data() + slot * kv;
+    std::fill(ids, ids + kv * B, -1);
+    std::fill(counts, counts + kv, 0);
+    auto fail = [&](auto&&... parts) {
+      return absl::InternalError(absl::StrCat("sequence ", h.id, " layer ", layer,
+                                              ": host selection: ", parts...));
+    };
+    if (absl::Status s = h.seq->selector->Select(
+            layer, h.position, {sp.h_q.data() + slot * qd, static_cast<size_t>(qd)}, h.cand_begin,
+            h.cand_end, static_cast<int>(B), {ids, static_cast<size_t>(kv * B)},
+            {counts, static_cast<size_t>(kv)});
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("sequence ", h.id, " layer ", layer,
+                                                 ": host selection: ", s.message()));
+    }
+    // The selection contract of the gather / attention: ascending, distinct, in range.
+    for (int64_t hh = 0; hh < kv; ++hh) {
+      const int32_t n = counts[hh];
+      if (n < 0 || n > B) return fail("KV head ", hh, " selected ", n, " rows, budget ", B);
+      int32_t* head = ids + hh * B;
+      std::sort(head, head + n);
+      for (int32_t i = 0; i < n; ++i) {
+        if (head[i] < h.cand_begin || head[i] >= h.cand_end || (i > 0 && head[i] == head[i - 1])) {
+          return fail("KV head ", hh, " selected position ", head[i], " (twice, or outside [",
+                      h.cand_begin, ", ", h.cand_end, "))");
+        }
+      }
+    }
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.ids.data() + slot * kv * B, ids,
+                                             kv * B * sizeof(int32_t), cudaMemcpyHostToDevice, st));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.counts.data() + slot * kv, counts,
+                                             kv * sizeof(int32_t), cudaMemcpyHostToDevice, st));
   }
   return absl::OkStatus();
 }
@@ -936,7 +1005,8 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
     s->length = n_tokens;
     return absl::OkStatus();
   }
-  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(*s, n_tokens, /*summaries=*/true));
+  // A host-selected sequence needs no GPU summaries: the ring rows only.
+  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(*s, n_tokens, /*summaries=*/s->selector == nullptr));
   s->length = n_tokens;
   return absl::OkStatus();
 }
@@ -1114,6 +1184,7 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
   }
   max_candidates_ = 0;
   copy_new_rows_ = false;
+  host_selected_.clear();
   for (size_t b = 0; b < batch.size(); ++b) {
     const Sequence& q = *seqs[b];
     const int r = q.slot;
@@ -1126,7 +1197,16 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
     sp.h_meta.data()[S + r] = static_cast<int32_t>(local_begin);
     sp.h_meta.data()[2 * S + r] = static_cast<int32_t>(std::min<int64_t>(o.n_sink, len) +
                                                        std::max<int64_t>(0, len - local_begin));
-    max_candidates_ = std::max(max_candidates_, local_begin - o.n_sink);
+    if (q.selector != nullptr) {
+      // The GPU selector sees no candidates (it selects nothing for this slot); the host
+      // selector gets the range as the CPU decode path computes it.
+      sp.h_meta.data()[S + r] = o.n_sink;
+      const int64_t sink = std::min<int64_t>(o.n_sink, len);
+      host_selected_.push_back({batch[b].id, &q, len - 1, sink,
+                                std::max<int64_t>(sink, len - o.local_window)});
+    } else {
+      max_candidates_ = std::max(max_candidates_, local_begin - o.n_sink);
+    }
     // Sequences reading their past from a row source get the step's new rows back in host
     // memory.
     copy_new_rows_ |= q.host == nullptr;
@@ -1168,6 +1248,7 @@ void SparseDecodeImpl::Finish(bool ok) {
     ++sparse_->steps;
   }
   planned_.clear();
+  host_selected_.clear();
   max_candidates_ = 0;
   copy_new_rows_ = false;
 }

@@ -115,7 +115,29 @@ struct SparseRowSource {
   std::vector<int32_t> pages;  // [n_layers, n_kv_heads, pages_per_head]
 };
 
+// A sequence whose selection is made on the host, per layer of each step: a retrieval method
+// that has no GPU selector in this object (the configured SparseMethod), run by its CPU index.
+// The GPU does the rest of the step as for any sequence (window ring, hot cache, gather from
+// the row source, attention); the GPU selector's summaries are not built for it. Costs one
+// synchronization per layer of a step with such a sequence (its query comes back, its
+// selection goes up). Called on the thread that drives the model.
+class SparseHostSelector {
+ public:
+  virtual ~SparseHostSelector() = default;
+  // query: [n_heads, head_dim] fp32 (RoPE applied, bf16-valued) of the token at `position`;
+  // candidates [cand_begin, cand_end) (sinks before, the local window after, as the CPU decode
+  // path's SelectRequest). Writes, per KV head h, counts[h] <= budget distinct ids in the range
+  // into ids[h * budget, h * budget + counts[h]) (any order; the caller sorts them).
+  [[nodiscard]] virtual absl::Status Select(int layer, int64_t position,
+                                            std::span<const float> query, int64_t cand_begin,
+                                            int64_t cand_end, int budget, std::span<int32_t> ids,
+                                            std::span<int32_t> counts) = 0;
+};
+
 struct SparseSequenceOptions {
+  // Select this sequence's rows on the host (see SparseHostSelector) instead of with the
+  // configured GPU method. Shared: the caller keeps feeding it (e.g. the generated keys).
+  std::shared_ptr<SparseHostSelector> selector;
   // Read the past from this paged source instead of a host KV of its own (host_kv,
   // share_host_kv_with and the NUMA / huge page fields are then ignored).
   std::optional<SparseRowSource> rows;
