@@ -8,6 +8,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 namespace kvr::decode {
 namespace {
@@ -69,7 +71,9 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
        [](const DecodeConfig& c) { return c.device; }},
       IntField("cuda_device", "CUDA device ordinal for --device cuda", &DecodeConfig::cuda_device,
                true),
-      {"gpu_method", "--device cuda: the one retrieval method of the node (quest or clusterkv)",
+      {"gpu_method",
+       "--device cuda: the retrieval method selected with GPU summaries (quest or clusterkv); "
+       "other methods run in GPU lanes (gpu_lanes) or are selected on the host",
        [](DecodeConfig& c, const std::string& v) {
          // clusterkv uploads the handed-off clusters (the prefill node's k-means).
          if (v != "quest" && v != "clusterkv") {
@@ -79,6 +83,20 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
          return absl::OkStatus();
        },
        [](const DecodeConfig& c) { return c.gpu_method; }},
+      {"gpu_lanes",
+       "--device cuda: methods also selected on the GPU, from their handed-off indexes "
+       "(comma-separated: pariskv; empty: none; each holds codes for batch_slots x "
+       "gpu_max_context tokens)",
+       [](DecodeConfig& c, const std::string& v) {
+         std::vector<std::string> lanes;
+         for (absl::string_view lane : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+           if (lane != "pariskv") return BadValue(std::string(lane), "pariskv (the GPU lanes)");
+           lanes.emplace_back(lane);
+         }
+         c.gpu_lanes = std::move(lanes);
+         return absl::OkStatus();
+       },
+       [](const DecodeConfig& c) { return absl::StrJoin(c.gpu_lanes, ","); }},
       IntField("gpu_budget", "--device cuda: selected tokens per KV head and step (<= 4096)",
                &DecodeConfig::gpu_budget, false),
       IntField("gpu_n_sink", "--device cuda: sink tokens of every sequence",

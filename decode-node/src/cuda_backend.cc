@@ -17,6 +17,7 @@
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
+#include "spdlog/spdlog.h"
 
 namespace kvr::decode {
 namespace {
@@ -142,8 +143,13 @@ struct CudaPending final : BackendSequence {
   std::shared_ptr<const kv_store::LocalPoolMapping> pool;  // keeps the mapping alive
   // clusterkv: the handed-off clusters of every layer (the prefill node's k-means).
   std::vector<retrieval::PrebuiltClusterKvData> clusters;
-  // A method other than the node's GPU method: selected on the host by its CPU indexes.
+  // A method other than the node's GPU method: selected by a GPU lane built from its CPU
+  // indexes (lane non-empty: `indexes` hold them until Join), else on the host by them.
   std::shared_ptr<IndexSelector> selector;
+  std::string lane;
+  std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;
+  std::string method;
+  int64_t budget = 0;
 };
 
 // A running sequence: its store, the rows of the last step being appended there, and counters.
@@ -192,9 +198,18 @@ class CudaDecodeBackend final : public DecodeBackend {
       KVR_ASSIGN_OR_RETURN(
           std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes,
           IndexesFromHandoff(h, c, *options_.registry, options_.method_assets));
-      pending->selector = std::make_shared<IndexSelector>(std::move(indexes), c, h.method,
-                                                          h.prompt_tokens, h.budget);
-      pending->bytes += pending->selector->MemoryBytes();
+      // A GPU lane takes the method at the request's budget with its default options.
+      if (h.options.empty() && std::find(options_.lanes.begin(), options_.lanes.end(),
+                                         h.method) != options_.lanes.end()) {
+        pending->lane = h.method;
+        pending->indexes = std::move(indexes);
+        pending->method = h.method;
+        pending->budget = h.budget;
+      } else {
+        pending->selector = std::make_shared<IndexSelector>(std::move(indexes), c, h.method,
+                                                            h.prompt_tokens, h.budget);
+        pending->bytes += pending->selector->MemoryBytes();
+      }
     } else if (options_.method == "clusterkv") {
       KVR_ASSIGN_OR_RETURN(pending->clusters, ParseClusters(h));
     }
@@ -260,10 +275,16 @@ class CudaDecodeBackend final : public DecodeBackend {
     auto* pending = dynamic_cast<CudaPending*>(state.get());
     if (pending == nullptr) return absl::InternalError("CUDA decode: Join without Prepare");
     rc::SparseSequenceOptions so;
-    so.rows = std::move(pending->rows);
+    so.rows = pending->rows;
     so.selector = pending->selector;
-    KVR_RETURN_IF_ERROR(sparse_->AddSequence(id, pending->capacity, so));
-    absl::Status activated = [&]() -> absl::Status {
+    so.lane = pending->lane;
+    so.lane_budget = static_cast<int>(pending->budget);
+    for (const auto& index : pending->indexes) so.lane_indexes.push_back(index.get());
+    // Takes a slot and prepares it (ring rows, and the summaries, clusters or lane state);
+    // the slot is given back if that fails.
+    auto activate = [&]() -> absl::Status {
+      KVR_RETURN_IF_ERROR(sparse_->AddSequence(id, pending->capacity, so));
+      absl::Status st;
       if (!pending->clusters.empty()) {
         std::vector<rc::SparseClusterHead> heads;
         for (const retrieval::PrebuiltClusterKvData& layer : pending->clusters) {
@@ -271,14 +292,28 @@ class CudaDecodeBackend final : public DecodeBackend {
             heads.push_back({layer.centroids[hh], layer.offsets[hh], layer.ids[hh]});
           }
         }
-        return sparse_->ActivateSequenceWithClusters(id, h.prompt_tokens, heads);
+        st = sparse_->ActivateSequenceWithClusters(id, h.prompt_tokens, heads);
+      } else {
+        st = sparse_->ActivateSequence(id, h.prompt_tokens);
       }
-      return sparse_->ActivateSequence(id, h.prompt_tokens);
-    }();
-    if (!activated.ok()) {
-      sparse_->ReleaseSequence(id).IgnoreError();
-      return activated;
+      if (!st.ok()) sparse_->ReleaseSequence(id).IgnoreError();
+      return st;
+    };
+    absl::Status activated = activate();
+    if (!pending->lane.empty() && activated.code() == absl::StatusCode::kInvalidArgument) {
+      // The lane cannot take this sequence (another codec): select it on the host instead.
+      spdlog::warn("sequence {}: GPU lane {}: {}; selecting on the host", id, pending->lane,
+                   std::string(activated.message()));
+      pending->selector =
+          std::make_shared<IndexSelector>(std::move(pending->indexes), model_->config(),
+                                          pending->method, h.prompt_tokens, pending->budget);
+      so.selector = pending->selector;
+      so.lane.clear();
+      so.lane_indexes.clear();
+      activated = activate();
     }
+    pending->indexes.clear();  // the lane's GPU state is built from them: they may go
+    KVR_RETURN_IF_ERROR(activated);
     CudaRunning run;
     run.store = h.store;
     run.store_owner = h.store_owner;
@@ -560,6 +595,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   so.n_sink = o.n_sink;
   so.local_window = o.local_window;
   so.min_page_rows = o.min_page_rows;
+  so.lanes = o.lanes;
   // The hot cache's rows per (slot, layer, KV head) from the byte budget (bf16 [K | V] rows),
   // a multiple of 8 (its ways), at most 4096.
   const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
@@ -630,6 +666,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   o.device = mo.device;
   o.slots = static_cast<int>(config.batch_slots);
   o.method = config.gpu_method;
+  o.lanes = config.gpu_lanes;
   o.budget = static_cast<int>(config.gpu_budget);
   o.n_sink = static_cast<int>(config.gpu_n_sink);
   o.local_window = static_cast<int>(config.gpu_local_window);

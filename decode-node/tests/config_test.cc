@@ -64,5 +64,18 @@ TEST(DecodeConfigTest, QualitySampleRateIsAFractionFromFlagFileOrEnv) {
   std::remove(path.c_str());
 }
 
+TEST(DecodeConfigTest, GpuLanesAreACommaSeparatedListOfKnownLanes) {
+  auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
+  auto config = ResolveDecodeConfig({}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->gpu_lanes.empty());  // none by default: a lane holds codes per slot
+  config = ResolveDecodeConfig({{"gpu_lanes", "pariskv"}}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->gpu_lanes, std::vector<std::string>{"pariskv"});
+  auto refused = ResolveDecodeConfig({{"gpu_lanes", "pariskv,ctkvr"}}, std::nullopt, no_env);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
+  EXPECT_NE(refused.status().message().find("ctkvr"), std::string::npos) << refused.status();
+}
+
 }  // namespace
 }  // namespace kvr::decode

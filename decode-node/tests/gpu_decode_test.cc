@@ -78,7 +78,8 @@ class GpuDecodeTest : public ::testing::Test {
   }
 
   std::unique_ptr<DecodeEngine> CudaEngine(int budget, const std::string& method = "quest",
-                                           DecodeObserver* observer = nullptr) {
+                                           DecodeObserver* observer = nullptr,
+                                           std::vector<std::string> lanes = {}) {
     model::CudaModelOptions mo;
     mo.max_batch_tokens = kSlots;
     mo.max_sequences = kSlots;
@@ -94,6 +95,7 @@ class GpuDecodeTest : public ::testing::Test {
     o.max_context = 512;
     o.hot_cache_bytes = 1 << 20;
     o.registry = &registry_;
+    o.lanes = std::move(lanes);
     auto backend = CreateCudaDecodeBackend(*std::move(gpu), o, observer);
     EXPECT_TRUE(backend.ok()) << backend.status();
     EXPECT_EQ((*backend)->name(), "cuda:0");
@@ -393,6 +395,37 @@ TEST_F(GpuDecodeTest, MixesMethodsInOneBatch) {
   for (size_t i = 0; i < prompts.size(); ++i) {
     ASSERT_EQ(got[40 + i].size(), kMaxTokens - 1) << "sequence " << i;
     EXPECT_LE(WorstGap(prompts[i], first[i], got[40 + i]), kTieOverRms) << "sequence " << i;
+  }
+}
+
+// The pariskv lane (ParisKvSelect on the GPU, codes uploaded from the handed-off index and
+// extended by ParisKvEncode as tokens leave the window) selects exactly what the CPU index
+// selects when it runs on the host of the same node: the same bf16-valued queries and keys, so
+// the same 32 tokens for every sequence, at a budget that selects among more candidates than it
+// takes (16) and one above them (512). Some tokens leave the window (16) during the run, so the
+// GPU encode is exercised, and in a batch with a quest sequence (mixed).
+TEST_F(GpuDecodeTest, PariskvLaneSelectsAsTheHostIndex) {
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
+                                                     Prompt(233, 3)};
+  for (int budget : {16, 512}) {
+    SCOPED_TRACE(budget);
+    auto host_store = testing::MakeFakeStore(256 << 20);
+    auto lane_store = testing::MakeFakeStore(256 << 20);
+    auto host_engine = CudaEngine(512, "quest");
+    auto lane_engine = CudaEngine(512, "quest", nullptr, {"pariskv"});
+    std::vector<int32_t> first_host, first_lane;
+    auto want = Run(*host_engine, *host_store, prompts, budget, &first_host,
+                    {"pariskv", "quest", "pariskv"}, kv_store::DType::kBf16);
+    auto got = Run(*lane_engine, *lane_store, prompts, budget, &first_lane,
+                   {"pariskv", "quest", "pariskv"}, kv_store::DType::kBf16);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      ASSERT_EQ(got[40 + i].size(), kMaxTokens - 1) << "sequence " << i;
+      EXPECT_EQ(got[40 + i], want[40 + i]) << "sequence " << i;
+    }
+    const NodeCounters a = host_engine->node_counters(), b = lane_engine->node_counters();
+    EXPECT_EQ(a.retrieval.selected_rows, b.retrieval.selected_rows);
+    std::printf("[ pariskv lane ] budget %3d: %lld rows selected, as on the host\n", budget,
+                static_cast<long long>(b.retrieval.selected_rows));
   }
 }
 

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -59,6 +60,10 @@ struct CudaDecodeBackendOptions {
   int device = 0;  // for name() only: the model was made on it
   int slots = 8;   // sequences at once (the engine's batch_slots)
   std::string method = "quest";
+  // Methods selected on the GPU beside `method`, by lanes of the sparse decode built from the
+  // handed-off CPU indexes (SparseDecodeOptions::lanes): "pariskv". A request for one with
+  // method options of its own is selected on the host.
+  std::vector<std::string> lanes;
   int budget = 1024;
   int n_sink = 16;
   int local_window = 256;

@@ -50,6 +50,10 @@
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/model.h"
 
+namespace kvr::retrieval {
+class RetrievalIndex;
+}  // namespace kvr::retrieval
+
 namespace kvr::retrieval::cuda {
 
 using model::SequenceId;
@@ -75,6 +79,11 @@ struct SparseDecodeOptions {
   // ceil(max_capacity / min_page_rows)] int32. A 64 KiB store page of bf16 rows holds 128 rows at
   // head_dim 128 and 256 at 64.
   int min_page_rows = 128;
+  // Methods selected on the GPU beside `method` ("lanes"), each with GPU state per slot built at
+  // activation from the sequence's CPU indexes (SparseSequenceOptions::lane): "pariskv" (4-bit
+  // codes and weights, [n_layers, slots, n_kv_heads, max_capacity] each, encoded on the GPU as
+  // generated tokens leave the window; pariskv_lane.cuh). Empty: none.
+  std::vector<std::string> lanes;
 };
 
 // For tests: what one layer of a sparse Forward computed, per slot (SnapshotLayerForTesting).
@@ -138,6 +147,13 @@ struct SparseSequenceOptions {
   // Select this sequence's rows on the host (see SparseHostSelector) instead of with the
   // configured GPU method. Shared: the caller keeps feeding it (e.g. the generated keys).
   std::shared_ptr<SparseHostSelector> selector;
+  // Select with this lane of SparseDecodeOptions::lanes instead (excludes `selector`); its GPU
+  // state is built at ActivateSequence from `lane_indexes`, the sequence's CPU index of every
+  // layer over the n_tokens of the activation (read then only: they may go afterwards).
+  std::string lane;
+  std::vector<const RetrievalIndex*> lane_indexes;
+  // Rows a lane selects per KV head and step (0: the configured budget; at most it).
+  int lane_budget = 0;
   // Read the past from this paged source instead of a host KV of its own (host_kv,
   // share_host_kv_with and the NUMA / huge page fields are then ignored).
   std::optional<SparseRowSource> rows;
