@@ -5,6 +5,7 @@
 # answers Unimplemented (CONVENTIONS.md 7), so the decode node links it unconditionally.
 if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_cuda_select AND TARGET kvr_retrieval_cuda_attend)
   add_library(kvr_retrieval_cuda_decode
+    cuda/decode/src/lanes.cu
     cuda/decode/src/pariskv_lane.cu
     cuda/decode/src/sparse_decode.cu
     cuda/decode/src/sparse_kernels.cu)

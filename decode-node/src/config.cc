@@ -85,12 +85,14 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
        [](const DecodeConfig& c) { return c.gpu_method; }},
       {"gpu_lanes",
        "--device cuda: methods also selected on the GPU, from their handed-off indexes "
-       "(comma-separated: pariskv; empty: none; each holds codes for batch_slots x "
+       "(comma-separated: exact, pariskv; empty: none; pariskv holds codes for batch_slots x "
        "gpu_max_context tokens)",
        [](DecodeConfig& c, const std::string& v) {
          std::vector<std::string> lanes;
          for (absl::string_view lane : absl::StrSplit(v, ',', absl::SkipEmpty())) {
-           if (lane != "pariskv") return BadValue(std::string(lane), "pariskv (the GPU lanes)");
+           if (lane != "exact" && lane != "pariskv") {
+             return BadValue(std::string(lane), "exact or pariskv (the GPU lanes)");
+           }
            lanes.emplace_back(lane);
          }
          c.gpu_lanes = std::move(lanes);

@@ -17,8 +17,8 @@
 # run: per GPU method (a cluster each), passkey prompts of ~1000 and ~3000 tokens; after each,
 # the decode node's private resident memory (RssAnon) and its mappings of the store's shared
 # pool (RssShmem): the decode node reads the store's pages in place, so its own memory must not
-# follow the prompt. On the quest cluster then every other method at ~3000 tokens (pariskv in
-# its GPU lane, the rest selected on the host; a2ats with codebooks from `kvr calibrate`:
+# follow the prompt. On the quest cluster then every other method at ~3000 tokens (exact and pariskv in
+# GPU lanes, the rest selected on the host; a2ats with codebooks from `kvr calibrate`:
 # bundle with GPUCLUSTER_CODEBOOKS=FILE), `full` at ~1000 tokens, and `full` at ~3000 tokens
 # refused (its rows exceed gpu_budget, 1024).
 # GPUCLUSTER_GPUS=2 (device kind nvidia-h100-x2): the prefill node on GPU 0 and the
@@ -99,7 +99,7 @@ case "${1:-}" in
         --prefill-arg="--cuda-device=$3" --decode-arg="--cuda-device=$4" \
         --decode-arg="--gpu-method=$5" --decode-arg=--gpu-n-sink=16 \
         --decode-arg=--gpu-local-window=256 --decode-arg="--gpu-budget=${6:-1024}" \
-        --decode-arg=--gpu-lanes=pariskv \
+        --decode-arg=--gpu-lanes=exact,pariskv \
         "${codebooks[@]}" --prefill 1 --decode 1 --base-port "$2" \
         --log-dir "$logs" --detach --pid-file "$logs/up.pid" --ready-timeout 120 \
         > "$logs/up.txt" 2>&1
@@ -141,7 +141,7 @@ case "${1:-}" in
           "$out/up-$method"/prefill-0.log "$out/up-$method"/decode-0.log | head -8
         if [[ $method == quest ]]; then
           for m in exact streaming clusterkv ctkvr pariskv keydiff a2ats; do
-            echo "-- $m (on the quest node: a GPU lane for pariskv, else host-selected), ~3000 tokens"
+            echo "-- $m (on the quest node: GPU lanes for exact and pariskv, else host-selected), ~3000 tokens"
             generate "$port" "$m" 3000 "$out/up-$method/generate-$m.txt" || status=1
           done
           echo "-- full at ~1000 tokens (its 776 rows fit gpu_budget 1024)"

@@ -142,6 +142,7 @@ static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(Log
                                 : static_cast<int64_t>(b) * a.keys.batch_stride +
                                       static_cast<int64_t>(h) * a.keys.head_stride;
   const T* keys = static_cast<const T*>(a.keys.data) + head_base + sub * kVec;
+  const bool paged = a.keys.pool.slots != nullptr;
   const bool softmax = a.gqa == GqaAggregation::kSumSoftmax;
   // Online (max, sum exp) of the logits of query head `sub` (lanes sub < group; every lane of a
   // key holds every head's dot product after the reduction, so each keeps one head: one exp per
@@ -161,7 +162,11 @@ static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(Log
     for (int u = 0; u < kUnroll; ++u) {
       const int i = i0 + u * kKeysPerWarp + slot;
       if (i < chunk_end) {
-        Vec16<T>::Load(keys + static_cast<int64_t>(begin + i) * a.keys.token_stride, k[u]);
+        const T* key = paged ? static_cast<const T*>(kvr::cuda::KvPoolRow(
+                                   a.keys.pool, row, begin + i, a.keys.row_bytes)) +
+                                   sub * kVec
+                             : keys + static_cast<int64_t>(begin + i) * a.keys.token_stride;
+        Vec16<T>::Load(key, k[u]);
       } else {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) k[u][j] = 0.f;
@@ -353,16 +358,25 @@ absl::Status Validate(const ExactSelectParams& p, const Workspace& w, bool selec
     return absl::InvalidArgumentError(
         absl::StrCat("ExactSelect: max_candidates ", p.max_candidates));
   }
-  if (p.query == nullptr || p.keys.data == nullptr ||
+  const bool paged = p.keys.pool.slots != nullptr;
+  if (paged && (!kvr::cuda::KvPoolViewSet(p.keys.pool) || p.keys.pool.n_kv_heads != p.n_kv_heads ||
+                p.keys.row_bytes % 16 != 0 ||
+                p.keys.row_bytes < static_cast<int64_t>(p.head_dim) *
+                                       (p.keys.dtype == KeyDType::kF32 ? 4 : 2))) {
+    return absl::InvalidArgumentError(
+        "ExactSelect: paged keys need a set pool of n_kv_heads heads and rows of a 16-byte "
+        "multiple holding head_dim keys");
+  }
+  if (p.query == nullptr || (!paged && p.keys.data == nullptr) ||
       (select && (p.cand.begin == nullptr || p.cand.end == nullptr || p.out.ids == nullptr ||
                   p.out.counts == nullptr))) {
     return absl::InvalidArgumentError("ExactSelect: null query, keys, candidates or output");
   }
   const size_t elem = p.keys.dtype == KeyDType::kF32 ? 4 : 2;
-  if (p.keys.token_stride * elem % 16 != 0 ||
+  if (!paged && (p.keys.token_stride * elem % 16 != 0 ||
       (p.keys.head_offset == nullptr &&
        (p.keys.head_stride * elem % 16 != 0 || p.keys.batch_stride * elem % 16 != 0)) ||
-      reinterpret_cast<uintptr_t>(p.keys.data) % 16 != 0) {
+      reinterpret_cast<uintptr_t>(p.keys.data) % 16 != 0)) {
     return absl::InvalidArgumentError(
         "ExactSelect: keys and their strides must be 16-byte aligned (vector loads)");
   }

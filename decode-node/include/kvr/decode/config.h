@@ -44,7 +44,7 @@ struct DecodeConfig {
   std::string device = "cpu";
   uint32_t cuda_device = 0;
   std::string gpu_method = "quest";
-  std::vector<std::string> gpu_lanes;  // methods also selected on the GPU (pariskv)
+  std::vector<std::string> gpu_lanes;  // methods also selected on the GPU (exact, pariskv)
   uint32_t gpu_budget = 1024;       // selected tokens per KV head and step
   // The controller's defaults for requests that set none (controller/src/config.cc:
   // default_n_sink, default_local_window), so that `kvr up --device cuda` serves them as is.

@@ -24,7 +24,7 @@
 #include "kvr/retrieval/cuda/hot_cache.cuh"
 #include "kvr/retrieval/cuda/selection.cuh"
 #include "kvr/retrieval/index.h"
-#include "pariskv_lane.cuh"
+#include "lanes.cuh"
 #include "sparse_kernels.cuh"
 
 namespace kvr::retrieval::cuda {
@@ -125,9 +125,10 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     uint64_t filled_seed = 0;     // as HostKvImpl, for this slot's ring and summaries
     // Selects on the host (SparseHostSelector) instead of with the GPU method; null: GPU.
     std::shared_ptr<SparseHostSelector> selector;
-    // Selects with the pariskv lane: its indexes until ActivateSequence, then the tokens its
-    // GPU codes cover (this step's planned value in lane_next until Finish).
-    bool pariskv = false;
+    // Selects with this GPU lane (SparseState::lanes; -1: none): its indexes until
+    // ActivateSequence, then the tokens its lane state covers (this step's planned value in
+    // lane_next until Finish).
+    int lane = -1;
     std::vector<const RetrievalIndex*> lane_indexes;
     int64_t lane_indexed = 0, lane_next = 0;
     int lane_budget = 0;  // SparseSequenceOptions::lane_budget, or the configured budget
@@ -169,7 +170,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     // [slots, n_kv].
     PinnedBuffer<float> h_q;
     PinnedBuffer<int32_t> h_ids, h_counts;
-    std::unique_ptr<ParisKvLane> pariskv;  // SparseDecodeOptions::lanes "pariskv"
+    std::vector<std::unique_ptr<GpuLane>> lanes;  // SparseDecodeOptions::lanes, in order
     KvPoolView PoolView(int layer) const {
       return {pool_slots.data(), pool_pages.data() + int64_t{layer} * opt.slots * n_kv * max_pages,
               max_pages, n_kv};
@@ -297,8 +298,10 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   }
   if (o.min_page_rows < 1) return bad("Configure: min_page_rows ", o.min_page_rows, " < 1");
   for (const std::string& lane : o.lanes) {
-    if (lane != "pariskv") {
-      return bad("Configure: lane '", lane, "' (the GPU lanes: pariskv)");
+    if ((lane != "exact" && lane != "pariskv") ||
+        std::count(o.lanes.begin(), o.lanes.end(), lane) > 1) {
+      return bad("Configure: lane '", lane, "' unknown or listed twice (the GPU lanes: exact, "
+                 "pariskv)");
     }
   }
   sparse_.reset();
@@ -408,9 +411,14 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   KVR_RETURN_IF_ERROR(Alloc(st->select_ws, static_cast<int64_t>(st->select_ws_bytes) + 256));
   KVR_RETURN_IF_ERROR(Alloc(st->attend_ws, static_cast<int64_t>(st->attend_ws_bytes) + 256));
   st->owner.resize(o.slots);
-  if (std::find(o.lanes.begin(), o.lanes.end(), "pariskv") != o.lanes.end()) {
-    KVR_ASSIGN_OR_RETURN(st->pariskv,
-                         ParisKvLane::Create(c, o.slots, o.max_capacity, o.budget, stream()));
+  int64_t lane_bytes = 0;
+  for (const std::string& lane : o.lanes) {
+    KVR_ASSIGN_OR_RETURN(
+        std::unique_ptr<GpuLane> created,
+        lane == "exact" ? CreateExactLane(c, o.slots, o.max_capacity, o.budget, stream())
+                        : CreateParisKvLane(c, o.slots, o.max_capacity, o.budget, stream()));
+    lane_bytes += created->bytes();
+    st->lanes.push_back(std::move(created));
   }
   st->bytes =
       static_cast<int64_t>(st->resident.bytes() + st->bounds.bytes() + st->centroids.bytes() +
@@ -419,7 +427,7 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
                            st->gathered.bytes() + st->select_ws.bytes() + st->attend_ws.bytes() +
                            st->meta.bytes() + st->rows.bytes() + st->pool_slots.bytes() +
                            st->pool_pages.bytes() + st->new_rows.bytes()) +
-      hot_bytes + (st->pariskv != nullptr ? st->pariskv->bytes() : 0);
+      hot_bytes + lane_bytes;
   KVR_RETURN_IF_ERROR(Sync());
   sparse_ = std::move(st);
   return absl::OkStatus();
@@ -443,8 +451,10 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
                                                    options.lane_budget, " outside [0, budget ",
                                                    sparse_->opt.budget, "]"));
   }
-  if (!options.lane.empty() && (options.lane != "pariskv" || sparse_->pariskv == nullptr ||
-                                options.selector != nullptr)) {
+  if (!options.lane.empty() &&
+      (std::none_of(sparse_->lanes.begin(), sparse_->lanes.end(),
+                    [&](const auto& l) { return l->method() == options.lane; }) ||
+       options.selector != nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "AddSequence: lane '", options.lane, "' is not configured (SparseDecodeOptions::lanes)",
         options.selector != nullptr ? " or comes with a host selector" : ""));
@@ -528,7 +538,9 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
   s.slot = slot;
   s.host = std::move(host);
   s.selector = options.selector;
-  s.pariskv = options.lane == "pariskv";
+  for (size_t i = 0; i < sparse_->lanes.size(); ++i) {
+    if (sparse_->lanes[i]->method() == options.lane) s.lane = static_cast<int>(i);
+  }
   s.lane_indexes = options.lane_indexes;
   s.lane_budget = options.lane_budget > 0 ? options.lane_budget : sparse_->opt.budget;
   if (options.rows.has_value()) {
@@ -804,10 +816,11 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     cp.workspace_bytes = sp.select_ws_bytes;
     KVR_RETURN_IF_ERROR(ClusterKvSelect(cp, st));
   }
-  if (sp.pariskv != nullptr && !sp.pariskv->empty()) {
-    KVR_RETURN_IF_ERROR(sp.pariskv->Select(layer, sp.q_f32.data(), sp.PoolView(layer),
-                                           static_cast<int>(std::max<int64_t>(1, max_candidates)),
-                                           out, st));
+  for (auto& lane : sp.lanes) {
+    if (lane->empty()) continue;
+    KVR_RETURN_IF_ERROR(lane->Select(layer, sp.q_f32.data(), sp.PoolView(layer),
+                                     static_cast<int>(std::max<int64_t>(1, max_candidates)), out,
+                                     st));
   }
   if (!host_selected_.empty()) KVR_RETURN_IF_ERROR(HostSelect(layer, st));
   if (r.profile) {
@@ -1032,7 +1045,7 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
   const Sequence* twin = nullptr;
   for (const auto& [oid, o] : sequences_) {
     if (oid != id && s->source_key != 0 && o.source_key == s->source_key && o.length == n_tokens &&
-        o.sparse_steps == 0 && !s->pariskv && !o.pariskv) {
+        o.sparse_steps == 0 && s->lane < 0 && o.lane < 0) {
       twin = &o;
       break;
     }
@@ -1042,14 +1055,15 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
     s->length = n_tokens;
     return absl::OkStatus();
   }
-  if (s->pariskv) {
-    KVR_RETURN_IF_ERROR(sparse_->pariskv->Activate(s->slot, s->lane_indexes, n_tokens, stream()));
+  if (s->lane >= 0) {
+    KVR_RETURN_IF_ERROR(
+        sparse_->lanes[s->lane]->Activate(s->slot, s->lane_indexes, n_tokens, stream()));
     s->lane_indexes.clear();
     s->lane_indexed = n_tokens;
   }
   // A host-selected or lane sequence needs no summaries of the configured method: ring rows only.
   KVR_RETURN_IF_ERROR(
-      FillSlotFromHostKv(*s, n_tokens, /*summaries=*/s->selector == nullptr && !s->pariskv));
+      FillSlotFromHostKv(*s, n_tokens, /*summaries=*/s->selector == nullptr && s->lane < 0));
   s->length = n_tokens;
   return absl::OkStatus();
 }
@@ -1228,7 +1242,7 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
   max_candidates_ = 0;
   copy_new_rows_ = false;
   host_selected_.clear();
-  if (sp.pariskv != nullptr) sp.pariskv->Clear();
+  for (auto& lane : sp.lanes) lane->Clear();
   for (size_t b = 0; b < batch.size(); ++b) {
     const Sequence& q = *seqs[b];
     const int r = q.slot;
@@ -1241,14 +1255,15 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
     sp.h_meta.data()[S + r] = static_cast<int32_t>(local_begin);
     sp.h_meta.data()[2 * S + r] = static_cast<int32_t>(std::min<int64_t>(o.n_sink, len) +
                                                        std::max<int64_t>(0, len - local_begin));
-    if (q.pariskv) {
+    if (q.lane >= 0) {
       // The configured selector sees no candidates; the lane selects over [n_sink, local_begin)
-      // and first encodes the token that just left the window, once the prompt's are behind.
+      // and first takes in the token that just left the window (pariskv: its codes), once the
+      // prompt's are behind.
       sp.h_meta.data()[S + r] = o.n_sink;
       const int64_t left = local_begin - 1;
       const bool encode = left >= o.n_sink && left >= q.lane_indexed;
       seqs[b]->lane_next = encode ? left + 1 : q.lane_indexed;
-      sp.pariskv->Add(r, o.n_sink, static_cast<int32_t>(local_begin),
+      sp.lanes[q.lane]->Add(r, o.n_sink, static_cast<int32_t>(local_begin),
                       static_cast<int32_t>(seqs[b]->lane_next), encode ? left : -1,
                       q.lane_budget);
       max_candidates_ = std::max(max_candidates_, local_begin - o.n_sink);
@@ -1278,7 +1293,7 @@ absl::Status SparseDecodeImpl::Begin(void* stream_ptr) {
                                            n_rows * sizeof(SparseRow), cudaMemcpyHostToDevice, st));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       sp.meta.data(), sp.h_meta.data(), 3 * n_rows * sizeof(int32_t), cudaMemcpyHostToDevice, st));
-  if (sp.pariskv != nullptr) KVR_RETURN_IF_ERROR(sp.pariskv->Begin(st));
+  for (auto& lane : sp.lanes) KVR_RETURN_IF_ERROR(lane->Begin(st));
   return absl::OkStatus();
 }
 
@@ -1298,7 +1313,7 @@ void SparseDecodeImpl::Finish(bool ok) {
   if (ok) {
     for (Sequence* s : planned_) {
       ++s->length;
-      if (s->pariskv) s->lane_indexed = s->lane_next;
+      if (s->lane >= 0) s->lane_indexed = s->lane_next;
       s->new_rows_ready = s->host == nullptr;
       ++s->sparse_steps;
     }

@@ -631,6 +631,97 @@ TEST_F(SelectTest, ClusterKvMatchesCpuClusterKvIndex) {
   }
 }
 
+// ExactSelect over PAGED keys (the KV store's pages as the decode node reads them: [K | V] bf16
+// rows in pages of 64 rows, the pages of every (sequence, KV head) scattered over one pool in a
+// shuffled order) gives exactly the selection of the same keys read contiguously: the same
+// values summed in the same order.
+TEST_F(SelectTest, ExactSelectReadsPagedKeysAsContiguousOnes) {
+  const int batch = 2, nkv = 2, nh = 8, hd = 128, ctx = 3000, page_rows = 64;
+  const int pages_per_head = (ctx + page_rows - 1) / page_rows;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint16_t> keys(static_cast<size_t>(batch) * nkv * ctx * hd);
+  for (uint16_t& k : keys) k = FloatToBf16(nd(rng));
+  std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
+  for (float& q : query) q = nd(rng);
+  // The pool: page i at i * page_bytes; (b, h)'s pages drawn from a shuffled order.
+  const int64_t row_elems = 2 * hd, page_elems = int64_t{page_rows} * row_elems;
+  const int n_pages = batch * nkv * pages_per_head;
+  std::vector<int32_t> order(n_pages);
+  for (int i = 0; i < n_pages; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<uint16_t> pool(static_cast<size_t>(n_pages) * page_elems, FloatToBf16(7.f));
+  std::vector<int32_t> pages(n_pages);
+  for (int bh = 0; bh < batch * nkv; ++bh) {
+    for (int p = 0; p < pages_per_head; ++p) {
+      const int32_t page = order[bh * pages_per_head + p];
+      pages[bh * pages_per_head + p] = page;
+      for (int r = 0; r < page_rows && p * page_rows + r < ctx; ++r) {
+        std::memcpy(&pool[page * page_elems + r * row_elems],
+                    &keys[(static_cast<size_t>(bh) * ctx + p * page_rows + r) * hd],
+                    hd * sizeof(uint16_t));
+      }
+    }
+  }
+  auto d_keys = Upload(keys);
+  auto d_pool = Upload(pool);
+  auto d_pages = Upload(pages);
+  std::vector<kvr::cuda::KvPoolSlot> slots(batch, {d_pool.data(), page_elems * 2, page_rows, 0});
+  auto d_slots = Upload(slots);
+  auto d_query = Upload(query);
+  const std::vector<int32_t> begin = {16, 16}, end = {ctx - 64, ctx - 500};
+  auto d_begin = Upload(begin);
+  auto d_end = Upload(end);
+  const int budget = 256;
+  std::vector<std::vector<int32_t>> ids(2), counts(2);
+  for (int paged = 0; paged < 2; ++paged) {
+    ExactSelectParams p;
+    p.batch = batch;
+    p.n_heads = nh;
+    p.n_kv_heads = nkv;
+    p.head_dim = hd;
+    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
+    p.query = d_query.data();
+    p.keys.dtype = KeyDType::kBf16;
+    if (paged == 1) {
+      p.keys.pool = {d_slots.data(), d_pages.data(), pages_per_head, nkv};
+      p.keys.row_bytes = row_elems * 2;
+    } else {
+      p.keys.data = d_keys.data();
+      p.keys.token_stride = hd;
+      p.keys.head_stride = int64_t{ctx} * hd;
+      p.keys.batch_stride = int64_t{nkv} * ctx * hd;
+    }
+    p.cand = {d_begin.data(), d_end.data()};
+    p.max_candidates = ctx;
+    p.out.budget = budget;
+    auto d_ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
+    auto d_counts = DeviceBuffer<int32_t>::Create(batch * nkv);
+    auto ws = DeviceBuffer<char>::Create(ExactSelectWorkspaceBytes(p));
+    ASSERT_TRUE(d_ids.ok() && d_counts.ok() && ws.ok());
+    p.out = {budget, d_ids->data(), d_counts->data()};
+    p.workspace = ws->data();
+    p.workspace_bytes = ws->bytes();
+    ASSERT_OK(ExactSelect(p, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ids[paged] = Download(*d_ids, batch * nkv * budget);
+    counts[paged] = Download(*d_counts, batch * nkv);
+  }
+  EXPECT_EQ(counts[1], counts[0]);
+  EXPECT_EQ(ids[1], ids[0]);
+  EXPECT_EQ(counts[0][0], budget);
+  // A paged view that does not fit the shape is refused.
+  ExactSelectParams bad;
+  bad.batch = batch;
+  bad.n_heads = nh;
+  bad.n_kv_heads = nkv;
+  bad.head_dim = hd;
+  bad.out.budget = budget;
+  bad.keys.pool = {d_slots.data(), d_pages.data(), pages_per_head, nkv + 1};
+  bad.keys.row_bytes = row_elems * 2;
+  EXPECT_EQ(ExactSelect(bad, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(SelectTest, ExactSelectRejectsBadShapes) {
   ExactSelectParams p;
   p.batch = 1;

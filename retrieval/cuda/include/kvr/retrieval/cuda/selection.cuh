@@ -46,6 +46,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvr/common/cuda/kv_pool.h"
 #include "kvr/retrieval/index.h"
 
 namespace kvr::retrieval::cuda {
@@ -97,6 +98,9 @@ struct TopKParams {
 //   base(b, h) = head_offset ? head_offset[b * n_kv_heads + h] : b * batch_stride + h * head_stride
 // (packed [batch, n_kv_heads, max_ctx, head_dim], token-major [batch, max_ctx, n_kv_heads, d], or
 // the K half of the store's [k | v] rows with token_stride = 2 * head_dim all fit).
+// Or PAGED (pool set; ExactSelect only): key t of (b, h) is the first head_dim elements of row t
+// of bh = b * n_kv_heads + h in `pool` (kv_pool.h: the KV store's pages as the decode node reads
+// them in place), rows of `row_bytes` ([K | V]); data, strides and head_offset are then unused.
 struct KeyView {
   const void* data = nullptr;  // device, dtype KeyDType
   KeyDType dtype = KeyDType::kBf16;
@@ -104,6 +108,8 @@ struct KeyView {
   int64_t head_stride = 0;               // elements
   int64_t batch_stride = 0;              // elements
   const int64_t* head_offset = nullptr;  // device [batch, n_kv_heads] elements, optional
+  kvr::cuda::KvPoolView pool;            // paged keys (see above)
+  int64_t row_bytes = 0;                 // paged: bytes of one row (16-byte multiple)
 };
 
 struct ExactSelectParams {

@@ -79,10 +79,11 @@ struct SparseDecodeOptions {
   // ceil(max_capacity / min_page_rows)] int32. A 64 KiB store page of bf16 rows holds 128 rows at
   // head_dim 128 and 256 at 64.
   int min_page_rows = 128;
-  // Methods selected on the GPU beside `method` ("lanes"), each with GPU state per slot built at
-  // activation from the sequence's CPU indexes (SparseSequenceOptions::lane): "pariskv" (4-bit
-  // codes and weights, [n_layers, slots, n_kv_heads, max_capacity] each, encoded on the GPU as
-  // generated tokens leave the window; pariskv_lane.cuh). Empty: none.
+  // Methods selected on the GPU beside `method` ("lanes", src/lanes.cuh), each with GPU state
+  // per slot built at activation from the sequence's CPU indexes (SparseSequenceOptions::lane):
+  // "exact" (the keys read in place from the row source; no state), "pariskv" (4-bit codes and
+  // weights, [n_layers, slots, n_kv_heads, max_capacity] each, encoded on the GPU as generated
+  // tokens leave the window). Empty: none.
   std::vector<std::string> lanes;
 };
 

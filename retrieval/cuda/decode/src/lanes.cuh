@@ -1,0 +1,120 @@
+#pragma once
+// GPU lanes of the sparse decode (SparseDecodeOptions::lanes): retrieval methods selected on
+// the GPU beside the configured method's sequences, in the same batch. A lane keeps its own GPU
+// state per slot (built at activation from the sequence's CPU indexes, the prefill node's
+// summaries), selects for its slots only (the other slots see empty candidate ranges) at each
+// sequence's budget (one selection per distinct budget of a step, into the lane's rows), and
+// copies its slots' selections into the step's selection, which the hot-cache gather and the
+// attention then read as any other.
+//
+//   exact    ExactSelect over the keys read in place from the row source (the store's pages,
+//            paged KeyView): no state of its own; the true GQA-aggregated top-k.
+//   pariskv  ParisKvSelect over the CPU index's 4-bit codes, fp16 weights and per-centroid
+//            counts ([n_layers, slots, n_kv_heads, max_tokens, ...]), uploaded at activation
+//            (ParisKvLayoutFromIndexes) and extended on the GPU as generated tokens leave the
+//            window: that token's key is read from the row source (where the decode node
+//            appended it `local_window` steps earlier), widened to fp32 and encoded by
+//            ParisKvEncode, whose bytes equal the CPU index's Append of the same key. Sequences
+//            must share the lane's codec per layer (the first activated sets it) and use
+//            ParisKvOptions' defaults (the caller checks the options).
+// Either selects exactly as the method's CPU index would on the same (bf16-valued) keys and
+// queries.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/cuda/kv_pool.h"
+#include "kvr/model/config.h"
+#include "kvr/retrieval/cuda/selection.cuh"
+#include "kvr/retrieval/index.h"
+
+namespace kvr::retrieval::cuda {
+
+class GpuLane {
+ public:
+  virtual ~GpuLane() = default;
+  const std::string& method() const { return method_; }
+  // Device bytes held (state, plan, selection rows, workspace).
+  int64_t bytes() const { return bytes_; }
+
+  // The slot's state from the sequence's CPU indexes ([n_layers], each over n_tokens tokens).
+  // InvalidArgument when the indexes do not fit the lane (method, codec, size). Synchronous.
+  [[nodiscard]] virtual absl::Status Activate(int slot,
+                                              std::span<const RetrievalIndex* const> layers,
+                                              int64_t n_tokens, cudaStream_t stream) = 0;
+
+  // A step's plan (host): Clear, then per lane slot of the batch its candidate range, the tokens
+  // its state covers after this step, the position that leaves the window this step (-1: none)
+  // and its budget (<= the lane's).
+  void Clear();
+  void Add(int slot, int32_t cand_begin, int32_t cand_end, int32_t n_tokens, int64_t leaving,
+           int budget);
+  bool empty() const { return planned_.empty(); }
+  // Uploads the plan (stream-ordered before the step's layers).
+  [[nodiscard]] absl::Status Begin(cudaStream_t stream);
+  // Per layer: the lane's upkeep (Prepare), then its selections; writes its slots' rows of `out`
+  // (budget = the lane's), leaving the other slots' rows as they are. `pool`: this layer's rows.
+  [[nodiscard]] absl::Status Select(int layer, const float* query,
+                                    const kvr::cuda::KvPoolView& pool, int max_candidates,
+                                    const SelectionOutput& out, cudaStream_t stream);
+
+ protected:
+  struct Planned {
+    int slot;
+    int64_t leaving;
+    int budget;
+    int32_t cand_begin, cand_end, n_tokens;
+  };
+  // Sets the shape and allocates the plan and selection rows; `bytes_` counts them.
+  [[nodiscard]] absl::Status Init(std::string method, const model::ModelConfig& config, int slots,
+                                  int budget);
+  // Before a layer's selections (pariskv: the leaving tokens' codes).
+  [[nodiscard]] virtual absl::Status Prepare(int layer, const kvr::cuda::KvPoolView& pool,
+                                             cudaStream_t stream) {
+    return absl::OkStatus();
+  }
+  // One selection over every slot (others have empty ranges) into `out` (the lane's rows).
+  [[nodiscard]] virtual absl::Status SelectGroup(int layer, const float* query,
+                                                 const kvr::cuda::KvPoolView& pool,
+                                                 const CandidateRanges& cand, int max_candidates,
+                                                 const SelectionOutput& out,
+                                                 cudaStream_t stream) = 0;
+  // Device rows of the uploaded plan: planned slots (by budget), per-slot tokens and leaving
+  // positions (-1: none).
+  const int32_t* planned_slots() const;
+  const int32_t* slot_tokens() const;
+  const int32_t* slot_leaving() const;
+
+  std::string method_;
+  int n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, slots_ = 0, budget_ = 0;
+  int64_t bytes_ = 0;
+  std::vector<Planned> planned_;  // by budget after Begin
+
+ private:
+  struct Group {
+    int budget, first, n;  // planned_[first, first + n) select `budget` rows
+  };
+  std::vector<Group> groups_;
+  kvr::cuda::DeviceBuffer<int32_t> meta_;  // see lanes.cu (kTokens ...)
+  kvr::cuda::PinnedBuffer<int32_t> h_meta_;
+  kvr::cuda::DeviceBuffer<int32_t> ids_, counts_;  // the lane's selection [slots, kv, budget]
+};
+
+// The lanes (see the top of this file), for `slots` sequences of up to `max_tokens` tokens,
+// selecting at most `budget` rows per KV head.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateExactLane(
+    const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
+    cudaStream_t stream);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateParisKvLane(
+    const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
+    cudaStream_t stream);
+
+}  // namespace kvr::retrieval::cuda
