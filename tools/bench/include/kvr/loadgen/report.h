@@ -13,8 +13,8 @@
 namespace kvr::loadgen {
 
 struct RunInfo {
-  std::string date;  // "%Y%m%d-%H%M%S", as vllm writes it
-  std::string backend = "kvr-grpc";
+  std::string date;                  // "%Y%m%d-%H%M%S", as vllm writes it
+  std::string backend = "kvr-grpc";  // kvr-grpc | openai-chat | openai-completions
   std::string model_id;
   std::string tokenizer_id;  // --tokenizer-model path, may be empty
   std::string dataset;
