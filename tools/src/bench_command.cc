@@ -307,7 +307,7 @@ void AddBenchCommand(CLI::App& app) {
   cmd->add_option("--burstiness", f.burstiness,
                   "gamma shape of Poisson gaps (1 = Poisson; < 1 burstier)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--seed", f.seed, "seed of arrivals and generated prompts");
+  cmd->add_option("--seed", f.seed, "seed of arrivals, generated prompts and the ShareGPT sample");
   cmd->add_option("--concurrency", f.concurrency,
                   "most requests in flight; alone: a closed loop of N requests")
       ->check(CLI::Range(1u, 1u << 20));
