@@ -6,7 +6,8 @@ and --ignore-eos. Both runs must succeed with every request, and their request c
 server-reported token totals must be equal (the same work went through either door).
 
 Usage: bench_backends_test.py --kvr build/tools/kvr   (KVR_TEST_MODEL: the GGUF; exit 77 when
-it is missing). Prints each run's median TTFT. Python standard library only.
+it is missing). Prints each run's median TTFT and what the client side added to the controller's
+own TTFT (server_ttfts). Python standard library only.
 """
 
 import argparse
@@ -106,6 +107,9 @@ def main():
               f"{name}: {j['completed']} of {NUM_PROMPTS} completed, {j['failed']} failed "
               f"{j['errors']}")
         check(all(t > 0 for t in j["ttfts"]), f"{name}: every request has a TTFT")
+        # The controller's own TTFT comes back on both doors and is inside the client's.
+        check(all(s is not None and 0 < s <= t for s, t in zip(j["server_ttfts"], j["ttfts"])),
+              f"{name}: every request has a server TTFT below the client's")
         print(f"      {name}: median TTFT {j['median_ttft_ms']:.2f} ms, "
               f"median E2E {j['median_e2el_ms']:.2f} ms")
     check(http["num_prompts"] == grpc["num_prompts"] and http["completed"] == grpc["completed"],
@@ -118,6 +122,10 @@ def main():
           f"grpc {grpc['total_input_tokens']}")
     check(http["output_lens"] == grpc["output_lens"] == [4] * NUM_PROMPTS,
           f"output tokens: http {http['output_lens']}, grpc {grpc['output_lens']}")
+    for name, j in (("openai-chat", http), ("kvr-grpc", grpc)):
+        added = sorted(1000 * (t - s) for s, t in zip(j["server_ttfts"], j["ttfts"]))
+        print(f"      {name}: client TTFT minus the controller's, median "
+              f"{added[len(added) // 2]:.2f} ms")
     print(f"{len(failures)} failure(s) in {time.time() - start:.1f} s")
     return 1 if failures else 0
 

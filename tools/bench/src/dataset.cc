@@ -228,7 +228,8 @@ absl::StatusOr<std::vector<Prompt>> ParseShareGpt(std::string_view json_text,
   // whatever the seed.
   for (size_t i = 0; i < j.size(); ++i) {
     auto fail = [&](std::string_view what) {
-      return absl::InvalidArgumentError(absl::StrCat(source_name, ": entry ", i, ": ", std::string(what)));
+      return absl::InvalidArgumentError(
+          absl::StrCat(source_name, ": entry ", i, ": ", std::string(what)));
     };
     const nlohmann::json& entry = j[i];
     if (!entry.is_object()) return fail("expected an object");

@@ -90,6 +90,10 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
       r.bytes_shipped = c.retrieval().bytes_shipped();
       r.hot_cache_hits = c.retrieval().hot_cache_hits();
       r.hot_cache_misses = c.retrieval().hot_cache_misses();
+      if (c.has_timings() && c.timings().has_time_to_first_token()) {
+        const google::protobuf::Duration& d = c.timings().time_to_first_token();
+        r.server_ttft_s = static_cast<double>(d.seconds()) + d.nanos() * 1e-9;
+      }
     }
     std::function<void()> on_done = std::move(on_done_);
     delete this;

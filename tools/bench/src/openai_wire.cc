@@ -214,6 +214,10 @@ void OpenAiStreamReader::OnEvent(std::string_view data, Clock::time_point now) {
     result_->bytes_shipped = Counter(*kvr, "bytes_shipped");
     result_->hot_cache_hits = Counter(*kvr, "hot_cache_hits");
     result_->hot_cache_misses = Counter(*kvr, "hot_cache_misses");
+    if (const auto timings = kvr->find("timings"); timings != kvr->end() && timings->is_object()) {
+      const auto ttft = timings->find("time_to_first_token_s");
+      if (ttft != timings->end() && ttft->is_number()) result_->server_ttft_s = ttft->get<double>();
+    }
   }
 }
 

@@ -103,6 +103,10 @@ nlohmann::json ResultJson(const RunInfo& info, const BenchmarkMetrics& m,
   j["retrieval_bytes_per_token"] = m.retrieval_bytes_per_token;
   j["hot_cache_hit_rate"] = OrNull(m.hot_cache_hit_rate);
   j["passkey_accuracy"] = OrNull(m.passkey_accuracy);
+  // Per request: the controller's own TTFT (null where the server reported none).
+  nlohmann::json server_ttfts = nlohmann::json::array();
+  for (const RequestResult& r : results) server_ttfts.push_back(OrNull(r.server_ttft_s));
+  j["server_ttfts"] = std::move(server_ttfts);
   return j;
 }
 

@@ -85,7 +85,11 @@ TEST(OpenAiStreamReaderTest, ChatTtftAtFirstContentNotTheRoleChunk) {
   h.At(33, ChatChunk(json::object()));  // final chunk: no content
   h.At(34, json{{"choices", json::array()},
                 {"usage", {{"prompt_tokens", 17}, {"completion_tokens", 3}}},
-                {"kvr", {{"bytes_fetched", 4096}, {"hot_cache_hits", 6}, {"hot_cache_misses", 2}}}}
+                {"kvr",
+                 {{"bytes_fetched", 4096},
+                  {"hot_cache_hits", 6},
+                  {"hot_cache_misses", 2},
+                  {"timings", {{"time_to_first_token_s", 0.0125}}}}}}
                .dump());
   h.At(35, "[DONE]");
   h.FinishAt(36);
@@ -101,6 +105,8 @@ TEST(OpenAiStreamReaderTest, ChatTtftAtFirstContentNotTheRoleChunk) {
   EXPECT_EQ(r.bytes_fetched, 4096u);
   EXPECT_EQ(r.hot_cache_hits, 6u);
   EXPECT_EQ(r.hot_cache_misses, 2u);
+  ASSERT_TRUE(r.server_ttft_s.has_value());
+  EXPECT_DOUBLE_EQ(*r.server_ttft_s, 0.0125);
 }
 
 TEST(OpenAiStreamReaderTest, CompletionsWithoutUsageCountTextChunks) {
@@ -114,6 +120,7 @@ TEST(OpenAiStreamReaderTest, CompletionsWithoutUsageCountTextChunks) {
   EXPECT_NEAR(h.result.ttft_s, 0.010, 1e-9);
   EXPECT_EQ(h.result.output_len, 2u);
   EXPECT_EQ(h.result.prompt_len, 0u);  // not reported: the runner fills in its estimate
+  EXPECT_FALSE(h.result.server_ttft_s.has_value());  // no "kvr" object: not a kvr server
   EXPECT_EQ(h.result.generated_text, "ab");
 }
 

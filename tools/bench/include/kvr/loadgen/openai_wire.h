@@ -58,7 +58,8 @@ std::string OpenAiRequestBody(OpenAiEndpoint endpoint, const RequestSpec& spec,
 //   ITL    gaps between such chunks; generated_text their concatenation;
 //   tokens usage.prompt_tokens / usage.completion_tokens (stream_options.include_usage);
 //          without usage, the output is counted as one token per text chunk;
-//   kvr    the retrieval counters of a top-level "kvr" object (kvr's extension), if any.
+//   kvr    the retrieval counters and timings.time_to_first_token_s of a top-level "kvr"
+//          object (kvr's extension), if any.
 // An {"error": {...}} event or data that is not a chunk fails the request. Not thread-safe.
 class OpenAiStreamReader {
  public:
