@@ -33,7 +33,11 @@ class Cluster:
     def __init__(self, kvr, log_dir):
         self.proc = subprocess.Popen(
             [kvr, "up", "--model", MODEL, "--prefill", "1", "--decode", "1", "--base-port", "0",
-             "--log-dir", log_dir, "--store-capacity", "512MiB"],
+             "--log-dir", log_dir, "--store-capacity", "512MiB",
+             # The controller counts a placed request against the decode node until its next
+             # heartbeat: more slots than the default 8 keep short back-to-back requests from
+             # being refused with RESOURCE_EXHAUSTED on a slow machine.
+             "--decode-arg=--batch-slots=32"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = []
         deadline = time.time() + 120
