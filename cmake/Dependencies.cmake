@@ -18,3 +18,5 @@ find_package(gRPC CONFIG REQUIRED)
 find_program(KVR_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
 find_package(ucx CONFIG REQUIRED)
 find_package(prometheus-cpp CONFIG REQUIRED)
+# libcurl (libcurl4-openssl-dev): the HTTP client of `kvr bench --backend openai-*`.
+find_package(CURL REQUIRED)

@@ -11,6 +11,7 @@ packages=(
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev grpc-proto
   libabsl-dev
   libcivetweb-dev  # the controller's OpenAI-compatible HTTP API (also prometheus-cpp's)
+  libcurl4-openssl-dev  # kvr bench's HTTP client (--backend openai-chat|openai-completions)
   # data plane
   libucx-dev ucx-utils libibverbs-dev librdmacm-dev rdma-core
   # observability

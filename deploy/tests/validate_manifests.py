@@ -6,16 +6,25 @@ Checks, per overlay:
   * every resource validates against the Kubernetes JSON schemas of KUBERNETES_VERSION in strict
     mode (PyPI kubernetes-validate; unknown fields are errors). PodMonitor (a CRD without a
     bundled schema) gets the structural checks below instead;
-  * the kvr shape: prefill/decode request nvidia.com/gpu, add IPC_LOCK, mount a Memory /dev/shm
+  * the kvr shape: prefill, decode and store containers add IPC_LOCK, mount a Memory /dev/shm
     and take UCX_* from the kvr-ucx ConfigMap; every kvr container has gRPC startup, readiness
-    and liveness probes and a `metrics` port that a PodMonitor scrapes; every role has a
-    PodDisruptionBudget; the store is a StatefulSet with a memory limit (and 2 MiB huge pages
-    unless the overlay is dev); the multi-node-rdma overlay requests the RDMA resource;
+    and liveness probes, a memory limit and a metrics port; every workload has a
+    PodDisruptionBudget; stores have 2 MiB huge pages unless the overlay is dev; the
+    multi-node-rdma overlay requests the RDMA resource;
+  * GPUs serve: every container requesting nvidia.com/gpu runs with device cuda (its effective
+    config: --config file from the mounted ConfigMap, KVR_* env, flags) and every device-cuda
+    container requests one; a CUDA decode node sets gpu_method and gpu_budget, the controller's
+    default method and budget fit them, prefill writes bf16 store rows, and the decode pod holds
+    a kvr-store whose local_socket is in a volume both containers mount at the same path; the
+    dev overlay requests exactly one GPU in all;
+  * every metrics port of every pod is scraped by exactly one PodMonitor endpoint (no pod is
+    selected by two monitors for one port: that doubles sum() panels);
   * the Grafana dashboard ConfigMap (label grafana_dashboard: "1") holds exactly
     deploy/grafana/kvr-dashboard.json, and every kvr_* metric the dashboard queries is one that
     common/include/kvr/common/metrics.h documents (i.e. a metric kvr exports).
-A self-check first feeds the validator a broken Deployment, so a validator that accepts
-everything fails the test. Exit 0: all good; 1: a check failed; 77: no kustomize renderer
+Self-checks feed the schema validator a broken Deployment, and the shape checks each overlay
+with a GPU decode container set to the CPU and with a second PodMonitor over the decode pods,
+so checks that accept everything fail the test. Exit 0: all good; 1: a check failed; 77: no kustomize renderer
 (CTest reports SKIPPED, with the reason printed)."""
 import json
 import os
@@ -89,67 +98,227 @@ def pod_spec(doc):
     return doc["spec"]["template"]["spec"]
 
 
-def container_checks(overlay, docs):
+def selects(selector, labels):
+    """Whether a LabelSelector (matchLabels and matchExpressions) selects `labels`."""
+    if not selector or not (selector.get("matchLabels") or selector.get("matchExpressions")):
+        return False
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def binary(container):
+    return os.path.basename((container.get("command") or [""])[0])
+
+
+# The KVR_* environment prefix of each node binary's settings (flag > file > env > default).
+ENV_PREFIX = {"kvr-prefill": "KVR_PREFILL_", "kvr-decode": "KVR_DECODE_", "kvr-store": "KVR_STORE_",
+              "kvr-controller": "KVR_"}
+
+
+def effective_config(container, spec, configmaps):
+    """The settings a kvr container starts with, from its --config file (read from the
+    ConfigMap mounted at that path), then its KVR_* environment below it, and its command-line
+    flags above it. {} for a container that is not a kvr node."""
+    argv = (container.get("command") or []) + (container.get("args") or [])
+    config = {}
+    prefix = ENV_PREFIX.get(binary(container))
+    if prefix is None:
+        return config
+    for env in container.get("env", []):
+        if env["name"].startswith(prefix) and "value" in env:
+            config.setdefault(env["name"][len(prefix):].lower(), env["value"])
+    if "--config" in argv:
+        path = argv[argv.index("--config") + 1]
+        mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        volume = volumes.get(mounts.get(os.path.dirname(path)), {})
+        data = configmaps.get(volume.get("configMap", {}).get("name"), {})
+        text = data.get(os.path.basename(path))
+        if text is not None:
+            config.update(yaml.safe_load(text) or {})
+    for i, arg in enumerate(argv):
+        if arg.startswith("--") and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            config[arg[2:].replace("-", "_")] = argv[i + 1]
+    return config
+
+
+def gpus(container):
+    res = container.get("resources", {})
+    return int(res.get("limits", {}).get("nvidia.com/gpu", res.get("requests", {}).get(
+        "nvidia.com/gpu", 0)))
+
+
+def kvr_shape_errors(overlay, docs):
+    """Every problem with the kvr shape of one rendered overlay (see the module docstring)."""
+    errs = []
     by_kind = {}
     for d in docs:
         by_kind.setdefault(d["kind"], []).append(d)
+    configmaps = {c["metadata"]["name"]: c.get("data", {}) for c in by_kind.get("ConfigMap", [])}
     workloads = by_kind.get("Deployment", []) + by_kind.get("StatefulSet", [])
     names = {w["metadata"]["name"] for w in workloads}
-    for want in ["kvr-controller", "kvr-prefill", "kvr-decode", "kvr-store"]:
+    for want in ["kvr-controller", "kvr-prefill", "kvr-decode"]:
         if want not in names:
-            fail(f"{overlay}: no workload {want}")
-    pdb_selectors = [p["spec"]["selector"]["matchLabels"] for p in by_kind.get(
-        "PodDisruptionBudget", [])]
+            errs.append(f"{overlay}: no workload {want}")
+    pdb_selectors = [p["spec"]["selector"] for p in by_kind.get("PodDisruptionBudget", [])]
     monitors = by_kind.get("PodMonitor", [])
     for m in monitors:
         if not m["spec"].get("selector", {}).get("matchLabels"):
-            fail(f"{overlay}: PodMonitor {m['metadata']['name']} selects nothing")
+            errs.append(f"{overlay}: PodMonitor {m['metadata']['name']} selects nothing")
         for ep in m["spec"].get("podMetricsEndpoints", []):
-            if ep.get("port") != "metrics" or ep.get("path", "/metrics") != "/metrics":
-                fail(f"{overlay}: PodMonitor {m['metadata']['name']}: endpoint {ep}")
+            if not ep.get("port", "").endswith("metrics") or ep.get("path", "/metrics") != "/metrics":
+                errs.append(f"{overlay}: PodMonitor {m['metadata']['name']}: endpoint {ep}")
+    controller_config = {}
+    prefill_configs = []
+    total_gpus = 0
     for w in workloads:
         wname = w["metadata"]["name"]
         labels = w["spec"]["template"]["metadata"]["labels"]
         spec = pod_spec(w)
-        if not any(all(labels.get(k) == v for k, v in sel.items()) for sel in pdb_selectors):
-            fail(f"{overlay}: {wname} has no PodDisruptionBudget")
-        if not any(all(labels.get(k) == v for k, v in m["spec"]["selector"]["matchLabels"].items())
-                   for m in monitors):
-            fail(f"{overlay}: no PodMonitor selects {wname}")
+        replicas = w["spec"].get("replicas", 1)
+        if not any(selects(sel, labels) for sel in pdb_selectors):
+            errs.append(f"{overlay}: {wname} has no PodDisruptionBudget")
+        # Each metrics port of the pod is one scrape target: exactly one PodMonitor endpoint
+        # may scrape it (two double every sum() on the dashboard), and one must.
+        metric_ports = [p["name"] for c in spec["containers"] for p in c.get("ports", [])
+                        if p.get("name", "").endswith("metrics")]
+        for port in metric_ports:
+            scrapers = [m["metadata"]["name"] for m in monitors
+                        if selects(m["spec"].get("selector"), labels)
+                        for ep in m["spec"].get("podMetricsEndpoints", []) if ep.get("port") == port]
+            if not scrapers:
+                errs.append(f"{overlay}: no PodMonitor scrapes {wname} port {port}")
+            elif len(scrapers) > 1:
+                errs.append(f"{overlay}: {wname} port {port} is selected by two monitors or more: "
+                            f"{scrapers}")
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        containers = {c["name"]: c for c in spec["containers"]}
         for c in spec["containers"]:
             cname = f"{overlay}: {wname}/{c['name']}"
+            role = binary(c)
+            config = effective_config(c, spec, configmaps)
             for probe in ["startupProbe", "readinessProbe", "livenessProbe"]:
                 if "grpc" not in c.get(probe, {}):
-                    fail(f"{cname}: no gRPC {probe}")
-            if "metrics" not in {p.get("name") for p in c.get("ports", [])}:
-                fail(f"{cname}: no port named metrics")
+                    errs.append(f"{cname}: no gRPC {probe}")
+            if not any(p.get("name", "").endswith("metrics") for p in c.get("ports", [])):
+                errs.append(f"{cname}: no metrics port")
             res = c.get("resources", {})
-            limits, requests = res.get("limits", {}), res.get("requests", {})
+            limits = res.get("limits", {})
             if "memory" not in limits:
-                fail(f"{cname}: no memory limit")
+                errs.append(f"{cname}: no memory limit")
             mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
             caps = c.get("securityContext", {}).get("capabilities", {}).get("add", [])
             ucx = any(e.get("configMapRef", {}).get("name", "").startswith("kvr-ucx")
                       for e in c.get("envFrom", []))
-            if wname in GPU_ROLES | {"kvr-store"}:
+            if role in ("kvr-prefill", "kvr-decode", "kvr-store"):
                 if "IPC_LOCK" not in caps:
-                    fail(f"{cname}: no IPC_LOCK")
+                    errs.append(f"{cname}: no IPC_LOCK")
                 if not ucx:
-                    fail(f"{cname}: UCX_* not passed through (envFrom kvr-ucx)")
+                    errs.append(f"{cname}: UCX_* not passed through (envFrom kvr-ucx)")
                 shm = volumes.get(mounts.get("/dev/shm"), {})
                 if shm.get("emptyDir", {}).get("medium") != "Memory":
-                    fail(f"{cname}: /dev/shm is not an emptyDir with medium Memory")
+                    errs.append(f"{cname}: /dev/shm is not an emptyDir with medium Memory")
                 if overlay == "multi-node-rdma" and "rdma/hca_shared_devices_a" not in limits:
-                    fail(f"{cname}: no RDMA resource")
-            if wname in GPU_ROLES:
-                if str(limits.get("nvidia.com/gpu")) != "1":
-                    fail(f"{cname}: does not request nvidia.com/gpu")
-            if wname == "kvr-store":
-                if w["kind"] != "StatefulSet":
-                    fail(f"{cname}: the store is not a StatefulSet")
-                if overlay != "dev" and "hugepages-2Mi" not in limits:
-                    fail(f"{cname}: no hugepages-2Mi")
+                    errs.append(f"{cname}: no RDMA resource")
+            # A GPU requested by a node that runs on the CPU sits idle; a CUDA node without one
+            # cannot start.
+            n_gpus = gpus(c)
+            total_gpus += n_gpus * replicas
+            device = str(config.get("device", "cpu"))
+            if n_gpus > 0 and device != "cuda":
+                errs.append(f"{cname}: requests nvidia.com/gpu but runs with device {device!r} "
+                            "(set device: cuda in its config)")
+            if device == "cuda" and n_gpus == 0:
+                errs.append(f"{cname}: device cuda without an nvidia.com/gpu")
+            if role == "kvr-controller":
+                controller_config = config
+            if role == "kvr-prefill":
+                prefill_configs.append((cname, config))
+            if role == "kvr-store" and overlay != "dev" and "hugepages-2Mi" not in limits:
+                errs.append(f"{cname}: no hugepages-2Mi")
+            if role == "kvr-decode" and device == "cuda":
+                for key in ("gpu_method", "gpu_budget"):
+                    if key not in config:
+                        errs.append(f"{cname}: device cuda without {key}")
+                # The store it reads in place: a kvr-store container of the same pod whose
+                # local_socket lies in a volume both mount at the same path.
+                stores = [s for s in containers.values() if binary(s) == "kvr-store"]
+                if not stores:
+                    errs.append(f"{cname}: a CUDA decode node without a kvr-store in its pod")
+                for store in stores:
+                    socket = str(effective_config(store, spec, configmaps).get("local_socket", ""))
+                    store_mounts = {m["mountPath"]: m["name"]
+                                    for m in store.get("volumeMounts", [])}
+                    directory = os.path.dirname(socket)
+                    if not socket:
+                        errs.append(f"{cname}: its store {store['name']} has no local_socket")
+                    elif (directory not in store_mounts or
+                          mounts.get(directory) != store_mounts[directory]):
+                        errs.append(f"{cname}: the store's socket {socket} is not in a volume "
+                                    "both containers mount at that path")
+    # Requests that name no method get the controller's default: the CUDA decode nodes must
+    # serve it, and its budget must fit theirs; their rows must come from the store in bf16.
+    decode_workloads = [w for w in workloads if w["metadata"]["name"] == "kvr-decode"]
+    for w in decode_workloads:
+        spec = pod_spec(w)
+        for c in spec["containers"]:
+            config = effective_config(c, spec, configmaps)
+            if binary(c) != "kvr-decode" or config.get("device") != "cuda":
+                continue
+            method = config.get("gpu_method")
+            if controller_config.get("default_method") != method:
+                errs.append(f"{overlay}: controller default_method "
+                            f"{controller_config.get('default_method')!r} is not the CUDA decode "
+                            f"nodes' gpu_method {method!r}")
+            if int(controller_config.get("default_budget", 1 << 30)) > int(
+                    config.get("gpu_budget", 0)):
+                errs.append(f"{overlay}: controller default_budget is above gpu_budget")
+            for pname, pconfig in prefill_configs:
+                dtype = pconfig.get("store_dtype",
+                                    "bf16" if pconfig.get("device") == "cuda" else "f32")
+                if dtype != "bf16":
+                    errs.append(f"{pname}: store_dtype {dtype!r}: a CUDA decode node reads bf16")
+    if overlay == "dev" and total_gpus != 1:
+        errs.append(f"dev: requests {total_gpus} GPUs in all; the overlay is for one GPU")
+    return errs
+
+
+def container_checks(overlay, docs):
+    for e in kvr_shape_errors(overlay, docs):
+        fail(e)
+
+
+def shape_self_check(overlay, docs):
+    """The checks above must catch what they are for: a GPU container left on the CPU, and a
+    decode pod scraped by two PodMonitors (the manifests once had both)."""
+    import copy
+    broken = copy.deepcopy(docs)
+    for d in broken:
+        if d["kind"] == "ConfigMap" and "decode.yaml" in d.get("data", {}):
+            d["data"]["decode.yaml"] = d["data"]["decode.yaml"].replace("device: cuda",
+                                                                        "device: cpu")
+    if not any("requests nvidia.com/gpu but runs with device 'cpu'" in e
+               for e in kvr_shape_errors(overlay, broken)):
+        fail(f"self-check ({overlay}): a GPU decode container with device cpu was not caught")
+    broken = copy.deepcopy(docs)
+    broken.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+                   "metadata": {"name": "kvr-all"},
+                   "spec": {"selector": {"matchLabels": {"app.kubernetes.io/part-of": "kvr"}},
+                            "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics"}]}})
+    if not any("kvr-decode port metrics is selected by two monitors" in e
+               for e in kvr_shape_errors(overlay, broken)):
+        fail(f"self-check ({overlay}): a decode pod in two PodMonitors was not caught")
 
 
 def dashboard_checks(overlay, docs):
@@ -214,6 +383,7 @@ def main():
         for d in docs:
             schema_check(overlay, d)
         container_checks(overlay, docs)
+        shape_self_check(overlay, docs)
         dashboard_checks(overlay, docs)
         print(f"{overlay}: {len(docs)} resources checked")
     if errors:

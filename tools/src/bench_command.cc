@@ -1,7 +1,9 @@
-// kvr bench: the load generator. Streams requests to a controller's kvr.v1.Generation at a
-// constant or Poisson rate, or in a closed loop of N concurrent requests, and reports
+// kvr bench: the load generator. Streams requests to a controller's kvr.v1.Generation (gRPC)
+// or to any OpenAI-compatible HTTP server (kvr-controller's included) at a constant or Poisson
+// rate, or at each rate of a sweep, or in a closed loop of N concurrent requests, and reports
 // throughput, goodput and latency distributions (tools/bench, kvr::loadgen) as text, as JSON
-// in the layout of `vllm bench serve --save-result`, and as a PNG (tools/scripts/plot_bench.py).
+// in the layout of `vllm bench serve --save-result`, and as a PNG (tools/scripts/plot_bench.py),
+// one of each per rate.
 
 #include <spawn.h>
 #include <sys/wait.h>
@@ -20,9 +22,15 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "commands.h"
 #include "kvr/common/status.h"
+#include "kvr/loadgen/backend.h"
 #include "kvr/loadgen/dataset.h"
 #include "kvr/loadgen/metrics.h"
 #include "kvr/loadgen/progress.h"
@@ -38,9 +46,13 @@ namespace kvr::tools {
 namespace {
 
 struct BenchFlags {
+  std::string backend = "kvr-grpc";
   std::string target = "127.0.0.1:50051";
+  std::string base_url;
+  std::string api_key;
+  bool chat = false;
   std::string model;
-  double rate = std::numeric_limits<double>::infinity();
+  std::string rates = "inf";  // --request-rate: a comma-separated list
   bool poisson = false;
   double burstiness = 1.0;
   uint64_t seed = 0;
@@ -50,6 +62,7 @@ struct BenchFlags {
   double duration_s = 0;
   std::string dataset = "synthetic";
   std::string dataset_path;
+  std::optional<uint32_t> sharegpt_output_len;
   uint32_t input_len = 1024;
   uint32_t input_len_range = 0;
   std::string tokenizer_model;
@@ -66,6 +79,35 @@ struct BenchFlags {
   bool no_progress = false;
   bool num_prompts_given = false;
 };
+
+// "1,2.5,inf" -> {1, 2.5, inf}: each a positive number or "inf", as `vllm bench serve
+// --request-rate` takes one.
+absl::StatusOr<std::vector<double>> ParseRates(const std::string& list) {
+  std::vector<double> rates;
+  for (absl::string_view item : absl::StrSplit(list, ',')) {
+    item = absl::StripAsciiWhitespace(item);
+    double r = 0;
+    if (item == "inf") {
+      r = std::numeric_limits<double>::infinity();
+    } else if (!absl::SimpleAtod(item, &r) || !(r > 0) || std::isinf(r)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--rate/--request-rate: '", item, "' is not a positive number or inf (in '", list, "')"));
+    }
+    rates.push_back(r);
+  }
+  return rates;
+}
+
+std::string RateName(double rate) { return std::isinf(rate) ? "inf" : absl::StrFormat("%g", rate); }
+
+// `path` for one rate of a sweep: "out.json" -> "out-rate-2.json"; unchanged for one rate.
+std::string PerRatePath(const std::string& path, double rate, bool sweep) {
+  if (!sweep || path.empty()) return path;
+  const std::filesystem::path p(path);
+  return (p.parent_path() /
+          absl::StrCat(p.stem().string(), "-rate-", RateName(rate), p.extension().string()))
+      .string();
+}
 
 // The tokenizer of a GGUF file or a Hugging Face directory, to size generated prompts.
 absl::StatusOr<model::Tokenizer> LoadTokenizer(const std::string& path) {
@@ -111,7 +153,44 @@ absl::Status Plot(const std::string& json_path, const std::string& png_path) {
   return absl::OkStatus();
 }
 
+// Writes the JSON and the PNG of one rate's results.
+absl::Status WriteOutputs(const loadgen::RunInfo& info, const loadgen::BenchmarkMetrics& metrics,
+                          const loadgen::RunOutcome& outcome, const std::string& result_file,
+                          const std::string& plot) {
+  std::string json_path = result_file;
+  bool temporary_json = false;
+  if (json_path.empty() && !plot.empty()) {
+    json_path = absl::StrCat(plot, ".json.tmp");
+    temporary_json = true;
+  }
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    out << loadgen::ResultJson(info, metrics, outcome.results, outcome.duration_s).dump(2) << "\n";
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", json_path));
+  }
+  if (!plot.empty()) {
+    absl::Status s = Plot(json_path, plot);
+    if (temporary_json) std::filesystem::remove(json_path);
+    KVR_RETURN_IF_ERROR(s);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunBench(const BenchFlags& f) {
+  KVR_ASSIGN_OR_RETURN(const std::vector<double> rates, ParseRates(f.rates));
+  loadgen::BackendOptions backend_options;
+  KVR_ASSIGN_OR_RETURN(backend_options.kind, loadgen::ParseBackendKind(f.backend));
+  backend_options.target = f.target;
+  backend_options.base_url = f.base_url;
+  backend_options.api_key = f.api_key;
+  if (backend_options.api_key.empty()) {
+    // As `vllm bench serve` and the openai clients read it.
+    if (const char* key = std::getenv("OPENAI_API_KEY"); key != nullptr) {
+      backend_options.api_key = key;
+    }
+  }
+  backend_options.chat = f.chat;
+
   loadgen::TokenCounter counter;
   std::optional<model::Tokenizer> tokenizer;
   if (!f.tokenizer_model.empty()) {
@@ -123,8 +202,8 @@ absl::Status RunBench(const BenchFlags& f) {
     };
   }
   const bool unbounded = f.duration_s > 0 && !f.num_prompts_given;
-  // Generated datasets: one prompt per request, or a pool of 256 reused in turn when the run
-  // is bounded by time only.
+  // Generated and sampled datasets: one prompt per request, or a pool of 256 reused in turn
+  // when the run is bounded by time only.
   const size_t n_prompts = unbounded ? 256 : f.num_prompts;
   const loadgen::GeneratedDatasetOptions gen{f.input_len, f.input_len_range, f.seed};
   std::vector<loadgen::Prompt> prompts;
@@ -132,64 +211,65 @@ absl::Status RunBench(const BenchFlags& f) {
     KVR_ASSIGN_OR_RETURN(prompts, loadgen::SyntheticPrompts(n_prompts, gen, counter));
   } else if (f.dataset == "passkey") {
     KVR_ASSIGN_OR_RETURN(prompts, loadgen::PasskeyPrompts(n_prompts, gen, counter));
+  } else if (f.dataset == "sharegpt") {
+    loadgen::ShareGptOptions sharegpt;
+    sharegpt.output_len = f.sharegpt_output_len;
+    sharegpt.seed = f.seed;
+    KVR_ASSIGN_OR_RETURN(prompts,
+                         loadgen::LoadShareGpt(f.dataset_path, n_prompts, sharegpt, counter));
   } else {
     KVR_ASSIGN_OR_RETURN(prompts, loadgen::LoadJsonl(f.dataset_path, counter));
   }
 
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<loadgen::Backend> backend,
+                       loadgen::MakeBackend(backend_options));
   loadgen::RunOptions o;
-  o.target = f.target;
-  o.model = f.model;
-  o.arrival = {f.rate, f.poisson, f.burstiness, f.seed};
+  KVR_ASSIGN_OR_RETURN(o.request.model, backend->ResolveModel(f.model));
+  o.request.output_len = f.output_len;
+  o.request.ignore_eos = f.ignore_eos;
+  o.request.temperature = f.temperature;
+  o.request.method = f.method;
+  o.request.budget = f.budget;
+  o.request.timeout_s = f.request_timeout_s;
   o.max_concurrency = f.concurrency;
-  o.num_warmups = f.num_warmups;
   o.num_requests = unbounded ? 0 : f.num_prompts;
   o.duration_s = f.duration_s;
-  o.output_len = f.output_len;
-  o.ignore_eos = f.ignore_eos;
-  o.temperature = f.temperature;
-  o.method = f.method;
-  o.budget = f.budget;
-  o.request_timeout_s = f.request_timeout_s;
-  std::optional<loadgen::ProgressBar> bar;
-  if (!f.no_progress) {
-    bar.emplace(o.num_requests, stderr,
-                std::chrono::milliseconds(isatty(STDERR_FILENO) ? 100 : 1000));
-    o.on_progress = [&bar](uint64_t done, uint64_t failed) { bar->Update(done, failed); };
-  }
-  KVR_ASSIGN_OR_RETURN(loadgen::RunOutcome outcome, loadgen::RunBenchmark(o, prompts));
-  if (bar) bar->Finish();
+  const bool sweep = rates.size() > 1;
+  for (size_t k = 0; k < rates.size(); ++k) {
+    const double rate = rates[k];
+    o.arrival = {rate, f.poisson, f.burstiness, f.seed};
+    // Warm-up requests go before the first rate only: the later ones find everything warm.
+    o.num_warmups = k == 0 ? f.num_warmups : 0;
+    std::optional<loadgen::ProgressBar> bar;
+    if (!f.no_progress) {
+      bar.emplace(o.num_requests, stderr,
+                  std::chrono::milliseconds(isatty(STDERR_FILENO) ? 100 : 1000));
+      o.on_progress = [&bar](uint64_t done, uint64_t failed) { bar->Update(done, failed); };
+    } else {
+      o.on_progress = nullptr;
+    }
+    KVR_ASSIGN_OR_RETURN(loadgen::RunOutcome outcome, loadgen::RunBenchmark(*backend, o, prompts));
+    if (bar) bar->Finish();
 
-  loadgen::SloOptions slo{f.slo_ttft_ms, f.slo_tpot_ms};
-  const loadgen::BenchmarkMetrics metrics =
-      loadgen::ComputeMetrics(outcome.results, outcome.duration_s, slo);
-  loadgen::RunInfo info;
-  info.date = Now("%Y%m%d-%H%M%S");
-  info.model_id = outcome.model;
-  info.tokenizer_id = f.tokenizer_model;
-  info.dataset = f.dataset;
-  info.num_prompts = outcome.results.size();
-  info.request_rate = f.rate;
-  info.burstiness = f.burstiness;
-  if (f.concurrency > 0) info.max_concurrency = f.concurrency;
-  info.method = f.method;
-  info.budget = f.budget;
-  std::cout << loadgen::FormatReport(info, metrics, outcome.duration_s) << std::flush;
-
-  std::string json_path = f.result_file;
-  bool temporary_json = false;
-  if (json_path.empty() && !f.plot.empty()) {
-    json_path = absl::StrCat(f.plot, ".json.tmp");
-    temporary_json = true;
-  }
-  if (!json_path.empty()) {
-    std::ofstream out(json_path);
-    out << loadgen::ResultJson(info, metrics, outcome.results, outcome.duration_s).dump(2) << "\n";
-    if (!out) return absl::InternalError(absl::StrCat("cannot write ", json_path));
-  }
-  if (!f.plot.empty()) {
-    absl::Status s = Plot(json_path, f.plot);
-    if (temporary_json) std::filesystem::remove(json_path);
-    KVR_RETURN_IF_ERROR(s);
+    loadgen::SloOptions slo{f.slo_ttft_ms, f.slo_tpot_ms};
+    const loadgen::BenchmarkMetrics metrics =
+        loadgen::ComputeMetrics(outcome.results, outcome.duration_s, slo);
+    loadgen::RunInfo info;
+    info.date = Now("%Y%m%d-%H%M%S");
+    info.backend = std::string(loadgen::BackendName(backend_options.kind));
+    info.model_id = outcome.model;
+    info.tokenizer_id = f.tokenizer_model;
+    info.dataset = f.dataset;
+    info.num_prompts = outcome.results.size();
+    info.request_rate = rate;
+    info.burstiness = f.burstiness;
+    if (f.concurrency > 0) info.max_concurrency = f.concurrency;
+    info.method = f.method;
+    info.budget = f.budget;
+    std::cout << loadgen::FormatReport(info, metrics, outcome.duration_s) << std::flush;
+    KVR_RETURN_IF_ERROR(WriteOutputs(info, metrics, outcome,
+                                     PerRatePath(f.result_file, rate, sweep),
+                                     PerRatePath(f.plot, rate, sweep)));
   }
   return absl::OkStatus();
 }
@@ -199,18 +279,35 @@ absl::Status RunBench(const BenchFlags& f) {
 void AddBenchCommand(CLI::App& app) {
   auto flags = std::make_shared<BenchFlags>();
   CLI::App* cmd = app.add_subcommand(
-      "bench", "load-test a kvr controller over gRPC (kvr.v1.Generation) and report latencies");
+      "bench",
+      "load-test kvr (gRPC kvr.v1.Generation) or any OpenAI-compatible HTTP server and report "
+      "latencies");
   BenchFlags& f = *flags;
-  cmd->add_option("--target", f.target, "controller address host:port")->capture_default_str();
-  cmd->add_option("--model", f.model, "model name (default: the first one ListModels names)");
-  CLI::Option* rate = cmd->add_option("--rate", f.rate, "requests per second (default: inf)")
-                          ->check(CLI::PositiveNumber);
+  cmd->add_option("--backend", f.backend,
+                  "kvr-grpc (--target) | openai-chat | openai-completions (--base-url)")
+      ->check(CLI::IsMember({"kvr-grpc", "openai-chat", "openai-completions"}))
+      ->capture_default_str();
+  CLI::Option* target =
+      cmd->add_option("--target", f.target, "kvr-grpc: controller address host:port")
+          ->capture_default_str();
+  CLI::Option* base_url = cmd->add_option("--base-url", f.base_url,
+                                          "openai-*: the API root, e.g. http://127.0.0.1:8000/v1");
+  cmd->add_option("--api-key", f.api_key,
+                  "openai-*: sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)");
+  cmd->add_flag("--chat", f.chat,
+                "kvr-grpc: send text prompts as one user chat message (as openai-chat does)");
+  cmd->add_option("--model", f.model, "model name (default: the first one the server lists)");
+  CLI::Option* rate =
+      cmd->add_option(
+             "--rate,--request-rate", f.rates,
+             "requests per second, or a comma-separated sweep (1,2,4,inf): one result per rate")
+          ->capture_default_str();
   cmd->add_flag("--poisson", f.poisson, "Poisson arrivals (seeded) instead of a constant rate")
       ->needs(rate);
   cmd->add_option("--burstiness", f.burstiness,
                   "gamma shape of Poisson gaps (1 = Poisson; < 1 burstier)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--seed", f.seed, "seed of arrivals and generated prompts");
+  cmd->add_option("--seed", f.seed, "seed of arrivals, generated prompts and the ShareGPT sample");
   cmd->add_option("--concurrency", f.concurrency,
                   "most requests in flight; alone: a closed loop of N requests")
       ->check(CLI::Range(1u, 1u << 20));
@@ -222,12 +319,16 @@ void AddBenchCommand(CLI::App& app) {
   cmd->add_option("--duration", f.duration_s,
                   "stop sending after this many seconds (without --num-prompts: send until then)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--dataset", f.dataset, "synthetic | passkey | jsonl")
-      ->check(CLI::IsMember({"synthetic", "passkey", "jsonl"}))
+  cmd->add_option("--dataset", f.dataset, "synthetic | passkey | jsonl | sharegpt")
+      ->check(CLI::IsMember({"synthetic", "passkey", "jsonl", "sharegpt"}))
       ->capture_default_str();
   cmd->add_option("--dataset-path", f.dataset_path,
-                  "JSONL file: one {\"prompt\"|\"messages\", \"max_tokens\"?} per line")
+                  "jsonl: one {\"prompt\"|\"messages\", \"max_tokens\"?} per line; sharegpt: "
+                  "the JSON array of {\"conversations\": [...]} vllm bench reads")
       ->check(CLI::ExistingFile);
+  cmd->add_option("--sharegpt-output-len", f.sharegpt_output_len,
+                  "sharegpt: max tokens of every request (default: the reply's length)")
+      ->check(CLI::Range(1u, 1u << 24));
   cmd->add_option("--input-len", f.input_len, "prompt tokens (synthetic, passkey)")
       ->check(CLI::Range(1u, 1u << 24))
       ->capture_default_str();
@@ -252,16 +353,39 @@ void AddBenchCommand(CLI::App& app) {
   cmd->add_option("--request-timeout", f.request_timeout_s, "per-request deadline (s)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  cmd->add_option("--result-file", f.result_file, "write the results as JSON (vllm layout)");
-  cmd->add_option("--plot", f.plot, "write a PNG latency plot");
+  cmd->add_option("--result-file", f.result_file,
+                  "write the results as JSON (vllm layout); a sweep writes F-rate-R.json per rate");
+  cmd->add_option("--plot", f.plot, "write a PNG latency plot (a sweep: F-rate-R.png per rate)");
   cmd->add_flag("--no-progress", f.no_progress, "no progress bar on stderr");
-  cmd->callback([flags, num] {
+  cmd->callback([flags, num, target, base_url] {
     flags->num_prompts_given = num->count() > 0;
-    if (flags->dataset == "jsonl" && flags->dataset_path.empty()) {
-      throw CLI::ValidationError("--dataset-path", "is required with --dataset jsonl");
+    const bool file_dataset = flags->dataset == "jsonl" || flags->dataset == "sharegpt";
+    if (file_dataset && flags->dataset_path.empty()) {
+      throw CLI::ValidationError("--dataset-path", "is required with --dataset " + flags->dataset);
     }
-    if (flags->dataset != "jsonl" && !flags->dataset_path.empty()) {
-      throw CLI::ValidationError("--dataset-path", "is only used with --dataset jsonl");
+    if (!file_dataset && !flags->dataset_path.empty()) {
+      throw CLI::ValidationError("--dataset-path", "is only used with --dataset jsonl|sharegpt");
+    }
+    if (flags->sharegpt_output_len && flags->dataset != "sharegpt") {
+      throw CLI::ValidationError("--sharegpt-output-len", "is only used with --dataset sharegpt");
+    }
+    const bool grpc = flags->backend == "kvr-grpc";
+    if (grpc && base_url->count() > 0) {
+      throw CLI::ValidationError("--base-url",
+                                 "is for --backend openai-chat|openai-completions; kvr-grpc "
+                                 "takes --target");
+    }
+    if (!grpc && target->count() > 0) {
+      throw CLI::ValidationError("--target", "is for --backend kvr-grpc; openai-* take --base-url");
+    }
+    if (!grpc && flags->base_url.empty()) {
+      throw CLI::ValidationError("--base-url", "is required with --backend " + flags->backend +
+                                                   " (e.g. http://127.0.0.1:8000/v1)");
+    }
+    if (!grpc && flags->chat) {
+      throw CLI::ValidationError("--chat",
+                                 "is for --backend kvr-grpc (openai-chat always sends "
+                                 "chat messages)");
     }
     if (absl::Status s = RunBench(*flags); !s.ok()) {
       std::cerr << "kvr bench: " << s << "\n";

@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <random>
 
 #include "absl/strings/ascii.h"
@@ -208,6 +209,86 @@ absl::StatusOr<std::vector<Prompt>> LoadJsonl(const std::string& path,
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read dataset file ", path));
   return ParseJsonl(in, path, counter);
+}
+
+absl::StatusOr<std::vector<Prompt>> ParseShareGpt(std::string_view json_text,
+                                                  const std::string& source_name,
+                                                  size_t max_prompts,
+                                                  const ShareGptOptions& options,
+                                                  const TokenCounter& counter) {
+  const nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded())
+    return absl::InvalidArgumentError(absl::StrCat(source_name, ": not valid JSON"));
+  if (!j.is_array()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source_name,
+        ": expected a JSON array of {\"conversations\": [{\"from\", \"value\"}, ...]}"));
+  }
+  // The shape of every entry is checked before sampling, so that a malformed file fails
+  // whatever the seed.
+  for (size_t i = 0; i < j.size(); ++i) {
+    auto fail = [&](std::string_view what) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source_name, ": entry ", i, ": ", std::string(what)));
+    };
+    const nlohmann::json& entry = j[i];
+    if (!entry.is_object()) return fail("expected an object");
+    const auto conversations = entry.find("conversations");
+    if (conversations == entry.end() || !conversations->is_array()) {
+      return fail("needs a \"conversations\" array");
+    }
+    for (size_t k = 0; k < conversations->size() && k < 2; ++k) {
+      const nlohmann::json& turn = (*conversations)[k];
+      if (!turn.is_object() || !turn.contains("value") || !turn["value"].is_string()) {
+        return fail(absl::StrCat("conversations[", k, "] needs a string \"value\""));
+      }
+    }
+  }
+  std::vector<size_t> order(j.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::mt19937_64 rng(options.seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<Prompt> prompts;
+  for (const size_t i : order) {
+    if (prompts.size() >= max_prompts) break;
+    const nlohmann::json& conversations = j[i]["conversations"];
+    if (conversations.size() < 2) continue;
+    Prompt p;
+    p.text = conversations[0]["value"].get<std::string>();
+    KVR_ASSIGN_OR_RETURN(p.approx_tokens, Count(counter, p.text));
+    uint32_t output_len = 0;
+    if (options.output_len) {
+      output_len = *options.output_len;
+    } else {
+      KVR_ASSIGN_OR_RETURN(output_len,
+                           Count(counter, conversations[1]["value"].get_ref<const std::string&>()));
+    }
+    if (p.approx_tokens < options.min_len ||
+        (!options.output_len && output_len < options.min_len) ||
+        p.approx_tokens > options.max_prompt_len ||
+        uint64_t{p.approx_tokens} + output_len > options.max_total_len) {
+      continue;
+    }
+    p.max_tokens = output_len;
+    prompts.push_back(std::move(p));
+  }
+  if (prompts.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source_name, ": no conversation of ", j.size(),
+                     " has a prompt and a reply within the limits (two turns; prompt and reply >= ",
+                     options.min_len, " tokens, prompt <= ", options.max_prompt_len,
+                     ", prompt + reply <= ", options.max_total_len, ")"));
+  }
+  return prompts;
+}
+
+absl::StatusOr<std::vector<Prompt>> LoadShareGpt(const std::string& path, size_t max_prompts,
+                                                 const ShareGptOptions& options,
+                                                 const TokenCounter& counter) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read dataset file ", path));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return ParseShareGpt(text, path, max_prompts, options, counter);
 }
 
 bool PasskeyAnswered(const Prompt& prompt, std::string_view generated) {

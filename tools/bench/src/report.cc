@@ -103,12 +103,17 @@ nlohmann::json ResultJson(const RunInfo& info, const BenchmarkMetrics& m,
   j["retrieval_bytes_per_token"] = m.retrieval_bytes_per_token;
   j["hot_cache_hit_rate"] = OrNull(m.hot_cache_hit_rate);
   j["passkey_accuracy"] = OrNull(m.passkey_accuracy);
+  // Per request: the controller's own TTFT (null where the server reported none).
+  nlohmann::json server_ttfts = nlohmann::json::array();
+  for (const RequestResult& r : results) server_ttfts.push_back(OrNull(r.server_ttft_s));
+  j["server_ttfts"] = std::move(server_ttfts);
   return j;
 }
 
 std::string FormatReport(const RunInfo& info, const BenchmarkMetrics& m, double duration_s) {
   std::string out;
   absl::StrAppend(&out, "============ Serving Benchmark Result ============\n");
+  Line(out, "Backend:", info.backend);
   Line(out, "Successful requests:", absl::StrCat(m.completed));
   Line(out, "Failed requests:", absl::StrCat(m.failed));
   for (const auto& [code, n] : m.errors_by_code) {
@@ -117,9 +122,8 @@ std::string FormatReport(const RunInfo& info, const BenchmarkMetrics& m, double 
   if (info.max_concurrency) {
     Line(out, "Maximum request concurrency:", absl::StrCat(*info.max_concurrency));
   }
-  if (!std::isinf(info.request_rate)) {
-    Line(out, "Request rate configured (RPS):", F2(info.request_rate));
-  }
+  Line(out, "Request rate configured (RPS):",
+       std::isinf(info.request_rate) ? "inf" : F2(info.request_rate));
   Line(out, "Benchmark duration (s):", F2(duration_s));
   Line(out, "Total input tokens:", absl::StrCat(m.total_input));
   Line(out, "Total generated tokens:", absl::StrCat(m.total_output));

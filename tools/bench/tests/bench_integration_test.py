@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`kvr bench` as a process against a real kvr-controller with fake nodes
-(controller_fake_node): every arrival mode, each dataset, the JSON (vllm layout, completed ==
-requests sent), the PNG plot, and usage errors for bad arguments.
+(controller_fake_node): every arrival mode, each dataset, every backend (kvr's gRPC API and the
+controller's OpenAI-compatible HTTP API, chat and completions), a request-rate sweep, the JSON
+(vllm layout, completed == requests sent), the PNG plot, and usage errors for bad arguments.
 
 Environment: KVR_BIN, KVR_CONTROLLER_BIN, KVR_FAKE_NODE_BIN (set by CTest)."""
 import json
@@ -30,9 +31,12 @@ class BenchIntegrationTest(unittest.TestCase):
         cls.cluster.stop()
         cls.tmp.cleanup()
 
-    def bench(self, name, args):
+    def bench(self, name, args, target="grpc"):
+        """Runs kvr bench with --result-file NAME.json; target "grpc" adds --target ADDRESS,
+        None adds nothing (the args name the backend and its --base-url)."""
         path = os.path.join(self.tmp.name, name + ".json")
-        r = kvr_cluster.run_bench(KVR, self.cluster.address, [*args, "--result-file", path])
+        r = kvr_cluster.run_bench(KVR, self.cluster.address if target == "grpc" else target,
+                                  [*args, "--result-file", path])
         self.assertEqual(r.returncode, 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}")
         self.assertIn("Serving Benchmark Result", r.stdout)
         with open(path) as f:
@@ -122,6 +126,54 @@ class BenchIntegrationTest(unittest.TestCase):
         self.assertEqual(j["error_counts"], {"DEADLINE_EXCEEDED": 3})
         self.assertTrue(all(e.startswith("DEADLINE_EXCEEDED") for e in j["errors"]))
 
+    def test_openai_backends_over_http(self):
+        for backend in ("openai-chat", "openai-completions"):
+            with self.subTest(backend=backend):
+                j = self.bench(backend, ["--backend", backend, "--base-url",
+                                         self.cluster.base_url, "--num-prompts", "12",
+                                         "--concurrency", "4", *SMALL], target=None)
+                self.assert_all_completed(j, 12)
+                self.assertEqual(j["backend"], backend)
+                # Token counts from the usage chunk, kvr's counters from its "kvr" object.
+                self.assertEqual(j["output_lens"], [8] * 12)
+                self.assertTrue(all(len(gaps) == 7 for gaps in j["itls"]))
+                self.assertAlmostEqual(j["retrieval_bytes_per_token"], 512.0)
+                self.assertAlmostEqual(j["hot_cache_hit_rate"], 0.75)
+                self.assertTrue(all(t.startswith("t") for t in j["generated_texts"]))
+
+    def test_rate_sweep_writes_one_result_per_rate(self):
+        path = os.path.join(self.tmp.name, "sweep.json")
+        r = kvr_cluster.run_bench(KVR, self.cluster.address,
+                                  ["--request-rate", "50,inf", "--num-prompts", "6",
+                                   "--result-file", path, *SMALL])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.count("Serving Benchmark Result"), 2)
+        self.assertFalse(os.path.exists(path))
+        for name, rate in (("sweep-rate-50.json", 50), ("sweep-rate-inf.json", "inf")):
+            with open(os.path.join(self.tmp.name, name)) as f:
+                j = json.load(f)
+            self.assert_all_completed(j, 6)
+            self.assertEqual(j["request_rate"], rate)
+        # 6 requests 20 ms apart take > 100 ms to send; all at once take none.
+        with open(os.path.join(self.tmp.name, "sweep-rate-50.json")) as f:
+            self.assertGreater(max(json.load(f)["start_times"]), 0.09)
+
+    def test_sharegpt_dataset(self):
+        path = os.path.join(self.tmp.name, "sharegpt.json")
+        conversations = [{"id": str(i), "conversations": [
+            {"from": "human", "value": f"please tell me about the number {i} today"},
+            {"from": "gpt", "value": "it is a number " * (i + 2)}]} for i in range(5)]
+        conversations.append({"id": "short", "conversations": [{"from": "human", "value": "hi"}]})
+        with open(path, "w") as f:
+            json.dump(conversations, f)
+        j = self.bench("sharegpt", ["--backend", "openai-chat", "--base-url",
+                                    self.cluster.base_url, "--dataset", "sharegpt",
+                                    "--dataset-path", path, "--num-prompts", "5"], target=None)
+        self.assert_all_completed(j, 5)
+        # Each reply's length in words (4 per repetition) is the request's max_tokens.
+        self.assertEqual(sorted(j["output_lens"]), [8, 12, 16, 20, 24])
+        self.assertEqual(j["dataset"], "sharegpt")
+
     def test_bad_arguments_are_usage_errors(self):
         cases = [(["--rate", "-5"], "--rate"),
                  (["--dataset", "jsonl"], "--dataset-path"),
@@ -129,11 +181,44 @@ class BenchIntegrationTest(unittest.TestCase):
                  (["--poisson"], "--rate"),
                  (["--concurrency", "0"], "--concurrency"),
                  (["--num-prompts", "ten"], "--num-prompts"),
-                 (["--slo-ttft-ms", "0"], "--slo-ttft-ms")]
+                 (["--slo-ttft-ms", "0"], "--slo-ttft-ms"),
+                 (["--request-rate", "1,fast"], "'fast' is not a positive number"),
+                 (["--backend", "openai-chat"], "--target"),
+                 (["--backend", "vllm"], "--backend"),
+                 (["--base-url", "http://127.0.0.1:1/v1"], "--base-url"),
+                 (["--dataset", "sharegpt"], "--dataset-path"),
+                 (["--sharegpt-output-len", "5"], "--sharegpt-output-len")]
         for args, flag in cases:
             r = kvr_cluster.run_bench(KVR, self.cluster.address, args)
             self.assertNotEqual(r.returncode, 0, args)
             self.assertIn(flag, r.stdout + r.stderr, args)
+
+    def test_openai_usage_errors(self):
+        cases = [(["--backend", "openai-chat"], "--base-url: is required"),
+                 (["--backend", "openai-chat", "--base-url", "127.0.0.1:80/v1"],
+                  "must start with http://"),
+                 (["--backend", "openai-chat", "--base-url", self.cluster.base_url, "--chat"],
+                  "--chat")]
+        for args, message in cases:
+            r = kvr_cluster.run_bench(KVR, None, [*args, "--num-prompts", "1", *SMALL])
+            self.assertNotEqual(r.returncode, 0, args)
+            self.assertIn(message, r.stdout + r.stderr, args)
+        # Chat messages cannot go to a completions endpoint: the run refuses before sending.
+        path = os.path.join(self.tmp.name, "chat.jsonl")
+        with open(path, "w") as f:
+            f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+        r = kvr_cluster.run_bench(KVR, None, ["--backend", "openai-completions", "--base-url",
+                                              self.cluster.base_url, "--dataset", "jsonl",
+                                              "--dataset-path", path, "--num-prompts", "1"])
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("use --backend openai-chat", r.stderr)
+
+    def test_unreachable_openai_server_fails(self):
+        r = kvr_cluster.run_bench(KVR, None, ["--backend", "openai-chat", "--base-url",
+                                              "http://127.0.0.1:1/v1", "--num-prompts", "1",
+                                              *SMALL])
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("http://127.0.0.1:1/v1/models", r.stderr)
 
     def test_unreachable_controller_fails(self):
         r = kvr_cluster.run_bench(KVR, "127.0.0.1:1", ["--num-prompts", "1", *SMALL])

@@ -64,6 +64,9 @@ class FakeCluster:
              "--shutdown-grace-seconds", "1", *extra_controller_args], "controller")
         line = self.controller.wait_for("kvr-controller listening on")
         self.address = line.split()[-1]
+        # The OpenAI-compatible HTTP API (printed before the gRPC line).
+        http = self.controller.wait_for("kvr-controller http listening on").split()[-1]
+        self.base_url = f"http://{http}/v1"
         self.nodes = []
         for role, args in (("store", []),
                            ("prefill", ["--context-length", "1000000"]),
@@ -85,7 +88,9 @@ class FakeCluster:
 
 
 def run_bench(kvr_bin, target, args, timeout=60):
-    """Runs `kvr bench --target TARGET --no-progress ARGS`; returns the CompletedProcess."""
-    return subprocess.run([kvr_bin, "bench", "--target", target, "--no-progress", *args],
+    """Runs `kvr bench --target TARGET --no-progress ARGS` (no --target when TARGET is None:
+    the openai backends take --base-url); returns the CompletedProcess."""
+    target_args = [] if target is None else ["--target", target]
+    return subprocess.run([kvr_bin, "bench", *target_args, "--no-progress", *args],
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ))

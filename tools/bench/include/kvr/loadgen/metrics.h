@@ -34,6 +34,9 @@ struct RequestResult {
   uint64_t bytes_shipped = 0;
   uint64_t hot_cache_hits = 0;
   uint64_t hot_cache_misses = 0;
+  // kvr servers: the TTFT the controller measured (arrival -> first token sent), so that
+  // ttft_s minus it is what the client, the wire and the front door added.
+  std::optional<double> server_ttft_s;
   // Passkey prompts only: the answer contained the key.
   std::optional<bool> passkey_correct;
 };

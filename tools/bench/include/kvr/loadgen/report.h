@@ -13,8 +13,8 @@
 namespace kvr::loadgen {
 
 struct RunInfo {
-  std::string date;  // "%Y%m%d-%H%M%S", as vllm writes it
-  std::string backend = "kvr-grpc";
+  std::string date;                  // "%Y%m%d-%H%M%S", as vllm writes it
+  std::string backend = "kvr-grpc";  // kvr-grpc | openai-chat | openai-completions
   std::string model_id;
   std::string tokenizer_id;  // --tokenizer-model path, may be empty
   std::string dataset;
@@ -32,7 +32,8 @@ struct RunInfo {
 // total_token_throughput, input_lens, output_lens, ttfts, itls, latencies, start_times,
 // generated_texts, errors, {mean,median,std,p90,p99}_{ttft,tpot,itl,e2el}_ms. kvr keys:
 // dataset, retrieval_method, retrieval_budget, error_counts (by gRPC code),
-// retrieval_bytes_per_token, hot_cache_hit_rate, passkey_accuracy (null when not measured).
+// retrieval_bytes_per_token, hot_cache_hit_rate, passkey_accuracy (null when not measured),
+// server_ttfts (per request, the controller's TTFT in seconds; null where not reported).
 nlohmann::json ResultJson(const RunInfo& info, const BenchmarkMetrics& metrics,
                           const std::vector<RequestResult>& results, double duration_s);
 

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""`kvr bench` against both front doors of ONE `kvr up` cluster (SmolLM2 on the CPU):
+--backend openai-chat against the controller's OpenAI-compatible HTTP API and --backend
+kvr-grpc --chat against its gRPC API, with the same prompts (seeded), the same chat template
+and --ignore-eos. Both runs must succeed with every request, and their request counts and the
+server-reported token totals must be equal (the same work went through either door).
+
+Usage: bench_backends_test.py --kvr build/tools/kvr   (KVR_TEST_MODEL: the GGUF; exit 77 when
+it is missing). Prints each run's median TTFT and what the client side added to the controller's
+own TTFT (server_ttfts). Python standard library only.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+SKIP = 77
+MODEL = "smollm2-135m-instruct"
+NUM_PROMPTS = 6
+RUN_ARGS = ["--num-prompts", str(NUM_PROMPTS), "--concurrency", "2", "--input-len", "48",
+            "--output-len", "4", "--ignore-eos", "--seed", "3", "--no-progress"]
+
+
+class Cluster:
+    """`kvr up` on free loopback ports (--base-port 0), with the addresses it prints."""
+
+    def __init__(self, kvr, log_dir):
+        self.proc = subprocess.Popen(
+            [kvr, "up", "--model", MODEL, "--prefill", "1", "--decode", "1", "--base-port", "0",
+             "--log-dir", log_dir, "--store-capacity", "512MiB",
+             # The controller counts a placed request against the decode node until its next
+             # heartbeat: more slots than the default 8 keep short back-to-back requests from
+             # being refused with RESOURCE_EXHAUSTED on a slow machine.
+             "--decode-arg=--batch-slots=32"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "kvr up: ready" in line:
+                break
+        text = "".join(lines)
+        if "kvr up: ready" not in text:
+            self.stop()
+            raise RuntimeError("kvr up did not get ready:\n" + text)
+        # Keep draining stdout so that kvr up never blocks on a full pipe.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        self.grpc = re.search(r"public gRPC \(kvr.v1.Generation\)\s+(\S+)", text).group(1)
+        self.base_url = re.search(r"OpenAI-compatible HTTP\s+(http://\S+)", text).group(1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def bench(kvr, args, result_file):
+    r = subprocess.run([kvr, "bench", *args, *RUN_ARGS, "--result-file", result_file],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise AssertionError(f"kvr bench {args} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    with open(result_file) as f:
+        return json.load(f)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kvr", required=True)
+    args = parser.parse_args()
+    model_path = os.environ.get("KVR_TEST_MODEL") or os.path.expanduser(
+        "~/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.exists(model_path):
+        print(f"skip: no test model at {model_path} (scripts/fetch-model.sh)")
+        return SKIP
+    os.environ["KVR_TEST_MODEL"] = model_path
+
+    start = time.time()
+    failures = []
+
+    def check(cond, what):
+        print(("ok    " if cond else "FAIL  ") + what)
+        if not cond:
+            failures.append(what)
+
+    with tempfile.TemporaryDirectory(prefix="kvr-bench-backends-") as tmp:
+        cluster = Cluster(args.kvr, os.path.join(tmp, "logs"))
+        try:
+            http = bench(args.kvr, ["--backend", "openai-chat", "--base-url", cluster.base_url],
+                         os.path.join(tmp, "http.json"))
+            grpc = bench(args.kvr, ["--backend", "kvr-grpc", "--chat", "--target", cluster.grpc],
+                         os.path.join(tmp, "grpc.json"))
+        finally:
+            cluster.stop()
+
+    for name, j in (("openai-chat", http), ("kvr-grpc", grpc)):
+        check(j["backend"] == name, f"{name}: the JSON names its backend ({j['backend']})")
+        check(j["completed"] == NUM_PROMPTS and j["failed"] == 0,
+              f"{name}: {j['completed']} of {NUM_PROMPTS} completed, {j['failed']} failed "
+              f"{j['errors']}")
+        check(all(t > 0 for t in j["ttfts"]), f"{name}: every request has a TTFT")
+        # The controller's own TTFT comes back on both doors and is inside the client's.
+        check(all(s is not None and 0 < s <= t for s, t in zip(j["server_ttfts"], j["ttfts"])),
+              f"{name}: every request has a server TTFT below the client's")
+        print(f"      {name}: median TTFT {j['median_ttft_ms']:.2f} ms, "
+              f"median E2E {j['median_e2el_ms']:.2f} ms")
+    check(http["num_prompts"] == grpc["num_prompts"] and http["completed"] == grpc["completed"],
+          f"request counts equal: http {http['completed']}/{http['num_prompts']}, "
+          f"grpc {grpc['completed']}/{grpc['num_prompts']}")
+    # Token totals as the nodes counted them: the same prompts through the same chat template,
+    # and --ignore-eos makes every request generate its 4 tokens.
+    check(http["total_input_tokens"] == grpc["total_input_tokens"],
+          f"prompt tokens equal: http {http['total_input_tokens']}, "
+          f"grpc {grpc['total_input_tokens']}")
+    check(http["output_lens"] == grpc["output_lens"] == [4] * NUM_PROMPTS,
+          f"output tokens: http {http['output_lens']}, grpc {grpc['output_lens']}")
+    for name, j in (("openai-chat", http), ("kvr-grpc", grpc)):
+        added = sorted(1000 * (t - s) for s, t in zip(j["server_ttfts"], j["ttfts"]))
+        print(f"      {name}: client TTFT minus the controller's, median "
+              f"{added[len(added) // 2]:.2f} ms")
+    print(f"{len(failures)} failure(s) in {time.time() - start:.1f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
