@@ -14,7 +14,7 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_cuda_select AND TARGET kvr_retrieval_c
     PRIVATE cuda/decode/src)
   target_link_libraries(kvr_retrieval_cuda_decode
     PUBLIC kvr::model_cuda kvr::model absl::status absl::statusor
-    PRIVATE kvr::retrieval_cuda_select kvr::retrieval_cuda_attend kvr::common_cuda
+    PRIVATE kvr::retrieval_cuda_select kvr::retrieval_cuda_attend kvr::common_cuda kvr::common
             absl::strings absl::hash)
   target_compile_options(kvr_retrieval_cuda_decode PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)

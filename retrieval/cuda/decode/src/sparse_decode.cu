@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
+#include "kvr/common/thread_pool.h"
 #include "kvr/retrieval/cuda/decode_attention.cuh"
 #include "kvr/retrieval/cuda/gather.cuh"
 #include "kvr/retrieval/cuda/hot_cache.cuh"
@@ -171,6 +172,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     PinnedBuffer<float> h_q;
     PinnedBuffer<int32_t> h_ids, h_counts;
     std::vector<std::unique_ptr<GpuLane>> lanes;  // SparseDecodeOptions::lanes, in order
+    std::unique_ptr<ThreadPool> host_pool;        // host selectors (null: the calling thread)
     KvPoolView PoolView(int layer) const {
       return {pool_slots.data(), pool_pages.data() + int64_t{layer} * opt.slots * n_kv * max_pages,
               max_pages, n_kv};
@@ -411,6 +413,12 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   KVR_RETURN_IF_ERROR(Alloc(st->select_ws, static_cast<int64_t>(st->select_ws_bytes) + 256));
   KVR_RETURN_IF_ERROR(Alloc(st->attend_ws, static_cast<int64_t>(st->attend_ws_bytes) + 256));
   st->owner.resize(o.slots);
+  if (o.host_select_threads < 0) {
+    return bad("Configure: host_select_threads ", o.host_select_threads, " < 0");
+  }
+  if (o.host_select_threads != 1) {
+    st->host_pool = std::make_unique<ThreadPool>(static_cast<size_t>(o.host_select_threads));
+  }
   int64_t lane_bytes = 0;
   for (const std::string& lane : o.lanes) {
     KVR_ASSIGN_OR_RETURN(
@@ -904,21 +912,37 @@ absl::Status SparseDecodeImpl::HostSelect(int layer, cudaStream_t st) {
                                              qd * sizeof(float), cudaMemcpyDeviceToHost, st));
   }
   KVR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
-  for (const HostSelected& h : host_selected_) {
+  // The selectors, one sequence per task (each selector is its sequence's own).
+  std::vector<absl::Status> results(host_selected_.size());
+  auto run = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const HostSelected& h = host_selected_[i];
+      const int64_t slot = h.seq->slot;
+      int32_t* ids = sp.h_ids.data() + slot * kv * B;
+      int32_t* counts = sp.h_counts.data() + slot * kv;
+      std::fill(ids, ids + kv * B, -1);
+      std::fill(counts, counts + kv, 0);
+      results[i] = h.seq->selector->Select(
+          layer, h.position, {sp.h_q.data() + slot * qd, static_cast<size_t>(qd)}, h.cand_begin,
+          h.cand_end, static_cast<int>(B), {ids, static_cast<size_t>(kv * B)},
+          {counts, static_cast<size_t>(kv)});
+    }
+  };
+  if (sp.host_pool != nullptr && host_selected_.size() > 1) {
+    sp.host_pool->ParallelFor(host_selected_.size(), run);
+  } else {
+    run(0, host_selected_.size());
+  }
+  for (size_t i = 0; i < host_selected_.size(); ++i) {
+    const HostSelected& h = host_selected_[i];
     const int64_t slot = h.seq->slot;
     int32_t* ids = sp.h_ids.data() + slot * kv * B;
     int32_t* counts = sp.h_counts.data() + slot * kv;
-    std::fill(ids, ids + kv * B, -1);
-    std::fill(counts, counts + kv, 0);
     auto fail = [&](auto&&... parts) {
       return absl::InternalError(absl::StrCat("sequence ", h.id, " layer ", layer,
                                               ": host selection: ", parts...));
     };
-    if (absl::Status s = h.seq->selector->Select(
-            layer, h.position, {sp.h_q.data() + slot * qd, static_cast<size_t>(qd)}, h.cand_begin,
-            h.cand_end, static_cast<int>(B), {ids, static_cast<size_t>(kv * B)},
-            {counts, static_cast<size_t>(kv)});
-        !s.ok()) {
+    if (const absl::Status& s = results[i]; !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("sequence ", h.id, " layer ", layer,
                                                  ": host selection: ", s.message()));
     }

@@ -85,6 +85,9 @@ struct SparseDecodeOptions {
   // weights, [n_layers, slots, n_kv_heads, max_capacity] each, encoded on the GPU as generated
   // tokens leave the window). Empty: none.
   std::vector<std::string> lanes;
+  // Threads that run the host selectors (SparseHostSelector) of a step's sequences in parallel,
+  // one sequence per task: 0 = the machine's cores, 1 = on the calling thread.
+  int host_select_threads = 0;
 };
 
 // For tests: what one layer of a sparse Forward computed, per slot (SnapshotLayerForTesting).
