@@ -16,6 +16,12 @@ function(kvr_add_test name)
   target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gmock GTest::gtest_main)
   set(labels unit)
   if(ARG_LABELS)
+    # gtest_discover_tests writes a list property unquoted, so a second label became a property
+    # name (and swallowed the next property): one label per test binary.
+    list(LENGTH ARG_LABELS n_labels)
+    if(n_labels GREATER 1)
+      message(FATAL_ERROR "kvr_add_test(${name}): one label, not ${ARG_LABELS}")
+    endif()
     set(labels ${ARG_LABELS})
   endif()
   gtest_discover_tests(${name} DISCOVERY_MODE PRE_TEST
