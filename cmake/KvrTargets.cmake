@@ -16,8 +16,40 @@ function(kvr_add_test name)
   target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gmock GTest::gtest_main)
   set(labels unit)
   if(ARG_LABELS)
+    # gtest_discover_tests writes a list property unquoted, so a second label became a property
+    # name (and swallowed the next property): one label per test binary.
+    list(LENGTH ARG_LABELS n_labels)
+    if(n_labels GREATER 1)
+      message(FATAL_ERROR "kvr_add_test(${name}): one label, not ${ARG_LABELS}")
+    endif()
     set(labels ${ARG_LABELS})
   endif()
   gtest_discover_tests(${name} DISCOVERY_MODE PRE_TEST
     PROPERTIES LABELS "${labels}" ENVIRONMENT "KVR_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+endfunction()
+
+# kvr_add_fuzzer(<name> SOURCES ... LIBS ... CORPUS <seed dir>)
+# A libFuzzer target (LLVMFuzzerTestOneInput). With KVR_ENABLE_FUZZ (clang, scripts/fuzz.sh)
+# it links libFuzzer and CTest `fuzz_<name>` (label fuzz) runs it for KVR_FUZZ_SECONDS, one
+# process, over a working corpus in the build tree seeded from CORPUS (the repository's seeds
+# are read, never written). Otherwise it links a replay main (cmake/fuzz_replay_main.cc) and
+# CTest `fuzz_replay_<name>` (label unit) runs every seed once.
+option(KVR_ENABLE_FUZZ "build libFuzzer targets (clang; see scripts/fuzz.sh)" OFF)
+set(KVR_FUZZ_SECONDS 20 CACHE STRING "seconds each fuzz_<name> test fuzzes")
+function(kvr_add_fuzzer name)
+  cmake_parse_arguments(ARG "" "CORPUS" "SOURCES;LIBS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  kvr_warnings(${name})
+  target_link_libraries(${name} PRIVATE ${ARG_LIBS})
+  if(KVR_ENABLE_FUZZ)
+    target_link_options(${name} PRIVATE -fsanitize=fuzzer)
+    set(work ${CMAKE_BINARY_DIR}/fuzz/${name})
+    add_test(NAME fuzz_${name}
+      COMMAND sh -c "mkdir -p ${work}/corpus ${work}/crashes && exec $<TARGET_FILE:${name}> -max_total_time=${KVR_FUZZ_SECONDS} -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 -artifact_prefix=${work}/crashes/ ${work}/corpus ${ARG_CORPUS}")
+    set_tests_properties(fuzz_${name} PROPERTIES LABELS fuzz)
+  else()
+    target_sources(${name} PRIVATE ${PROJECT_SOURCE_DIR}/cmake/fuzz_replay_main.cc)
+    add_test(NAME fuzz_replay_${name} COMMAND ${name} ${ARG_CORPUS})
+    set_tests_properties(fuzz_replay_${name} PROPERTIES LABELS unit)
+  endif()
 endfunction()

@@ -29,6 +29,8 @@ packages=(
   libssl-dev
   # tools
   clang-format unzip curl
+  # fuzzing and sanitizer builds (scripts/fuzz.sh, scripts/sanitizers.sh): clang and libFuzzer
+  clang libclang-rt-14-dev
 )
 
 SUDO=""

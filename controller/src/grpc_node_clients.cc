@@ -29,19 +29,24 @@ void SetDeadline(grpc::ClientContext* ctx, absl::Time deadline) {
 
 }  // namespace
 
-std::shared_ptr<grpc::Channel> GrpcNodeClients::ChannelFor(const std::string& address) {
+std::shared_ptr<grpc::Channel> GrpcNodeClients::ChannelFor(const NodeSnapshot& node) {
+  const std::string& address = node.registration.endpoints.grpc_address;
   absl::MutexLock lock(&mu_);
-  auto& channel = channels_[address];
-  if (channel == nullptr) {
-    channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  CachedChannel& cached = channels_[address];
+  // A node restarted on the same address (another instance) gets a fresh channel: the old one
+  // may sit in reconnect backoff after the dead process refused it, failing every call at once
+  // for up to gRPC's maximum backoff (120 s) although the new node listens.
+  if (cached.channel == nullptr || cached.instance_id != node.registration.instance_id) {
+    cached.channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+    cached.instance_id = node.registration.instance_id;
   }
-  return channel;
+  return cached.channel;
 }
 
 absl::StatusOr<PrefillResult> GrpcNodeClients::Prefill(const NodeSnapshot& node,
                                                        const PrefillCall& call,
                                                        CancellationToken* cancel) {
-  auto stub = cv1::PrefillService::NewStub(ChannelFor(node.registration.endpoints.grpc_address));
+  auto stub = cv1::PrefillService::NewStub(ChannelFor(node));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, call.deadline);
   CancellationToken::Registration on_cancel = cancel->OnCancel([&ctx] { ctx.TryCancel(); });
@@ -54,7 +59,7 @@ absl::StatusOr<PrefillResult> GrpcNodeClients::Prefill(const NodeSnapshot& node,
 absl::StatusOr<std::vector<uint32_t>> GrpcNodeClients::Tokenize(const NodeSnapshot& node,
                                                                 const GenerateParams& params,
                                                                 absl::Time deadline) {
-  auto stub = cv1::PrefillService::NewStub(ChannelFor(node.registration.endpoints.grpc_address));
+  auto stub = cv1::PrefillService::NewStub(ChannelFor(node));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, deadline);
   const PrefillCall call{.params = &params, .deadline = deadline, .attempt = 1};
@@ -69,7 +74,7 @@ absl::StatusOr<Completion> GrpcNodeClients::Stream(
     const NodeSnapshot& node, absl::string_view request_id, uint64_t sequence_id,
     absl::Time deadline, CancellationToken* cancel,
     absl::FunctionRef<absl::Status(const TokenChunk&)> on_chunk) {
-  auto stub = cv1::DecodeService::NewStub(ChannelFor(node.registration.endpoints.grpc_address));
+  auto stub = cv1::DecodeService::NewStub(ChannelFor(node));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, deadline);
   CancellationToken::Registration on_cancel = cancel->OnCancel([&ctx] { ctx.TryCancel(); });
@@ -111,7 +116,7 @@ absl::Status GrpcNodeClients::Cancel(const NodeSnapshot& node, absl::string_view
   cv1::CancelResponse response;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, deadline);
-  auto channel = ChannelFor(node.registration.endpoints.grpc_address);
+  auto channel = ChannelFor(node);
   grpc::Status status;
   if (node.registration.role == NodeRole::kPrefill) {
     status = cv1::PrefillService::NewStub(channel)->Cancel(&ctx, request, &response);

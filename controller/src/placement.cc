@@ -107,18 +107,35 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
         " bytes free for the summaries of ", tokens, " tokens (method '", req.method, "')"));
   }
 
-  // Store: most free bytes.
+  // Store: among stores with room for the KV, fewest sequences (held + placed since the last
+  // heartbeat), then most free bytes; a tie left after both goes round robin, starting after
+  // the store picked last. Free bytes alone sent every request of a light load to the first
+  // store (equal pools tie, and a finished sequence gives its pages back), so one store held
+  // every sequence and its death failed them all.
   const uint64_t kv_bytes = kv_bytes_per_token * tokens;
   const NodeSnapshot* best_s = nullptr;
   int s_candidates = 0;
   uint64_t most_free = 0;
+  // Rank in the rotation: stores registered after the last pick come first.
+  auto rotation = [&](const NodeSnapshot& n) {
+    return n.serial > last_store_serial_ ? n.serial - last_store_serial_
+                                         : n.serial + (uint64_t{1} << 62);
+  };
   for (const NodeSnapshot& n : nodes) {
     if (n.registration.role != NodeRole::kStore || req.excluded.contains(n.id)) continue;
     ++s_candidates;
     most_free = std::max(most_free, n.effective_load.free_memory_bytes);
     if (n.effective_load.free_memory_bytes < kv_bytes) continue;
-    if (best_s == nullptr ||
-        n.effective_load.free_memory_bytes > best_s->effective_load.free_memory_bytes) {
+    if (best_s == nullptr) {
+      best_s = &n;
+      continue;
+    }
+    const uint32_t seqs = n.effective_load.running_sequences;
+    const uint32_t best_seqs = best_s->effective_load.running_sequences;
+    const uint64_t free = n.effective_load.free_memory_bytes;
+    const uint64_t best_free = best_s->effective_load.free_memory_bytes;
+    if (seqs < best_seqs || (seqs == best_seqs && free > best_free) ||
+        (seqs == best_seqs && free == best_free && rotation(n) < rotation(*best_s))) {
       best_s = &n;
     }
   }
@@ -132,7 +149,8 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
   PlacementDecision decision{*best_p, *best_d, *best_s, kv_bytes, best_d_bytes};
   membership_->AddPending(best_p->id, {.prefill_tokens = req.prompt_tokens});
   membership_->AddPending(best_d->id, {.sequences = 1, .memory_bytes = best_d_bytes});
-  membership_->AddPending(best_s->id, {.memory_bytes = kv_bytes});
+  membership_->AddPending(best_s->id, {.sequences = 1, .memory_bytes = kv_bytes});
+  last_store_serial_ = best_s->serial;
   return decision;
 }
 

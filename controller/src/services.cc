@@ -131,7 +131,8 @@ namespace {
 // Writes events to the client's stream; holds the request's disconnect watch.
 class WriterSink final : public ResponseSink {
  public:
-  WriterSink(grpc::ServerWriter<v1::GenerateResponse>* writer, const GenerateParams* params,
+  WriterSink(grpc::internal::WriterInterface<v1::GenerateResponse>* writer,
+             const GenerateParams* params,
              std::unique_ptr<DisconnectWatcher::Watch> watch)
       : writer_(writer), params_(params), watch_(std::move(watch)) {}
   absl::Status Send(const GenerateEvent& event) override {
@@ -142,39 +143,57 @@ class WriterSink final : public ResponseSink {
   }
 
  private:
-  grpc::ServerWriter<v1::GenerateResponse>* writer_;
+  grpc::internal::WriterInterface<v1::GenerateResponse>* writer_;
   const GenerateParams* params_;
   std::unique_ptr<DisconnectWatcher::Watch> watch_;
 };
+
+// The answer to a request message that did not decode (Read failed: the bytes are not the
+// message, or the client sent none).
+grpc::Status Undecodable(absl::string_view message) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat("request: not a valid ", message,
+                                   " (undecodable protobuf, a string field that is not UTF-8, "
+                                   "or no request message)"));
+}
 
 }  // namespace
 
 GenerationService::GenerationService(Generator* generator, absl::Duration disconnect_poll_period)
     : generator_(generator), watcher_(disconnect_poll_period) {}
 
-grpc::Status GenerationService::Generate(grpc::ServerContext* context,
-                                         const v1::GenerateRequest* request,
-                                         grpc::ServerWriter<v1::GenerateResponse>* writer) {
+grpc::Status GenerationService::StreamedGenerate(
+    grpc::ServerContext* context,
+    grpc::ServerSplitStreamer<v1::GenerateRequest, v1::GenerateResponse>* stream) {
+  v1::GenerateRequest request;
+  if (!stream->Read(&request)) return Undecodable("kvr.v1.GenerateRequest");
   absl::Time deadline = absl::InfiniteFuture();
   const auto client_deadline = context->deadline();
   if (client_deadline != std::chrono::system_clock::time_point::max()) {
     deadline = absl::FromChrono(client_deadline);
   }
   return ToGrpcStatus(generator_->Generate(
-      *request, deadline, [&](const GenerateParams& params, CancellationToken* token) {
-        return std::make_unique<WriterSink>(writer, &params, watcher_.Add(context, token));
+      request, deadline, [&](const GenerateParams& params, CancellationToken* token) {
+        return std::make_unique<WriterSink>(stream, &params, watcher_.Add(context, token));
       }));
 }
 
-grpc::Status GenerationService::Abort(grpc::ServerContext*, const v1::AbortRequest* request,
-                                      v1::AbortResponse* response) {
-  response->set_found(generator_->Abort(request->request_id()));
+grpc::Status GenerationService::StreamedAbort(
+    grpc::ServerContext*, grpc::ServerUnaryStreamer<v1::AbortRequest, v1::AbortResponse>* stream) {
+  v1::AbortRequest request;
+  if (!stream->Read(&request)) return Undecodable("kvr.v1.AbortRequest");
+  v1::AbortResponse response;
+  response.set_found(generator_->Abort(request.request_id()));
+  stream->Write(response);
   return grpc::Status::OK;
 }
 
-grpc::Status GenerationService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
-                                           v1::ListModelsResponse* response) {
-  *response = ToListModelsResponse(generator_->Models());
+grpc::Status GenerationService::StreamedListModels(
+    grpc::ServerContext*,
+    grpc::ServerUnaryStreamer<v1::ListModelsRequest, v1::ListModelsResponse>* stream) {
+  v1::ListModelsRequest request;
+  if (!stream->Read(&request)) return Undecodable("kvr.v1.ListModelsRequest");
+  stream->Write(ToListModelsResponse(generator_->Models()));
   return grpc::Status::OK;
 }
 

@@ -1,6 +1,7 @@
 // The controller with real processes: kvr-controller plus fake prefill/decode/store nodes
 // (controller_fake_node) that register over gRPC and produce a known token stream.
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <gmock/gmock.h>
@@ -193,6 +194,45 @@ TEST(ControllerIntegrationTest, BadRequestsAreInvalidArgumentNamingTheField) {
   r = Request();
   r.mutable_retrieval()->set_method("oracle-of-delphi");
   expect_invalid(r, "retrieval.method");
+}
+
+// Bytes that are not the request message (garbage, or a prompt that is not UTF-8, which proto3
+// refuses to parse) are INVALID_ARGUMENT with a message, on every public method, and the
+// controller keeps serving.
+TEST(ControllerIntegrationTest, UndecodableRequestsAreInvalidArgumentWithAMessage) {
+  Cluster c;
+  c.AddNode("prefill");
+  c.AddNode("decode");
+  c.AddNode("store");
+  grpc::GenericStub generic(c.channel());
+  auto call = [&](const std::string& method, const std::string& bytes) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
+                      [&](grpc::Status s) { done.set_value(std::move(s)); });
+    return done.get_future().get();
+  };
+  // Field 1 (model) "smollm2", field 2 (prompt) two bytes that are not UTF-8.
+  const std::string bad_utf8("\x0a\x07smollm2\x12\x02\xff\xfe", 13);
+  const std::string garbage = "\xff\xff\xff\xff\x0f garbage";
+  for (const std::string& bytes : {bad_utf8, garbage}) {
+    const grpc::Status s = call("/kvr.v1.Generation/Generate", bytes);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("kvr.v1.GenerateRequest"));
+  }
+  for (const char* method : {"/kvr.v1.Generation/Abort", "/kvr.v1.Generation/ListModels"}) {
+    const grpc::Status s = call(method, garbage);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_THAT(s.error_message(), HasSubstr("not a valid")) << method;
+  }
+  // A well-formed ListModels through the same raw path still answers.
+  EXPECT_TRUE(call("/kvr.v1.Generation/ListModels", "").ok());
+  // Still serving.
+  EXPECT_TRUE(c.Generate(Request()).status.ok());
 }
 
 TEST(ControllerIntegrationTest, FullClusterIsResourceExhaustedNamingTheResource) {

@@ -1,6 +1,9 @@
 #include "kvr/controller/placement.h"
 
 #include <gmock/gmock.h>
+#include <map>
+#include <string>
+#include <vector>
 #include <gtest/gtest.h>
 
 #include "test_cluster.h"
@@ -66,6 +69,64 @@ TEST_F(PlacementTest, PendingLoadSpreadsConsecutiveRequests) {
   EXPECT_EQ(b->prefill.id, p2);
   EXPECT_EQ(a->decode.id, d1);
   EXPECT_EQ(b->decode.id, d2);
+}
+
+// Sequences spread over equal stores: requests placed between two heartbeats alternate (the
+// pending sequence counts), and so do requests that each end before the next (after a
+// heartbeat both stores report nothing held again: round robin).
+TEST_F(PlacementTest, SequencesSpreadOverStores) {
+  Add(Prefill("p:1"));
+  Add(Decode("d:1", /*slots=*/16));
+  const std::string s1 = Add(Store("s:1"));
+  const std::string s2 = Add(Store("s:2"));
+  std::map<std::string, int> placed;
+  for (int i = 0; i < 4; ++i) {
+    auto d = placement_.Place(Request());
+    ASSERT_TRUE(d.ok()) << d.status();
+    ++placed[d->store.id];
+  }
+  EXPECT_EQ(placed[s1], 2);
+  EXPECT_EQ(placed[s2], 2);
+
+  // One at a time: each request has finished (the stores heartbeat an empty pool) before the
+  // next is placed.
+  std::vector<std::string> order;
+  for (int i = 0; i < 4; ++i) {
+    for (const std::string& s : {s1, s2}) {
+      ASSERT_TRUE(membership_.Heartbeat(s, {.free_memory_bytes = 1ull << 32}).ok());
+    }
+    auto d = placement_.Place(Request());
+    ASSERT_TRUE(d.ok()) << d.status();
+    order.push_back(d->store.id);
+  }
+  // The first round ended on s2, so the rotation resumes at s1.
+  EXPECT_THAT(order, ::testing::ElementsAre(s1, s2, s1, s2));
+}
+
+// The store that holds fewer sequences wins over one with more free bytes; a store without
+// room for the KV is never picked, however empty.
+TEST_F(PlacementTest, FewestSequencesWinsAmongStoresWithRoom) {
+  Add(Prefill("p:1"));
+  Add(Decode("d:1", /*slots=*/16));
+  const std::string big = Add(Store("s:big", 1ull << 34));
+  const std::string small = Add(Store("s:small", 1ull << 30));
+  const std::string tiny = Add(Store("s:tiny", 1000));
+  ASSERT_TRUE(
+      membership_.Heartbeat(big, {.running_sequences = 3, .free_memory_bytes = 1ull << 34}).ok());
+  ASSERT_TRUE(
+      membership_.Heartbeat(small, {.running_sequences = 1, .free_memory_bytes = 1ull << 30})
+          .ok());
+  ASSERT_TRUE(membership_.Heartbeat(tiny, {.free_memory_bytes = 1000}).ok());
+  auto d = placement_.Place(Request());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->store.id, small);
+  // small now holds 1 + 1 pending; big 3: small again, then big once they are level.
+  d = placement_.Place(Request());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->store.id, small);
+  d = placement_.Place(Request());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->store.id, big);  // 3 each: most free bytes
 }
 
 TEST_F(PlacementTest, FullDecodeSlotsAreResourceExhausted) {

@@ -19,6 +19,8 @@ Checks, per overlay:
     dev overlay requests exactly one GPU in all;
   * every metrics port of every pod is scraped by exactly one PodMonitor endpoint (no pod is
     selected by two monitors for one port: that doubles sum() panels);
+  * every pod runs as non-root with a read-only root filesystem, and NetworkPolicies admit only
+    kvr's own pods (clients: the controller's gRPC port; scrapers: metrics ports);
   * the Grafana dashboard ConfigMap (label grafana_dashboard: "1") holds exactly
     deploy/grafana/kvr-dashboard.json, and every kvr_* metric the dashboard queries is one that
     common/include/kvr/common/metrics.h documents (i.e. a metric kvr exports).
@@ -365,6 +367,33 @@ def dashboard_metrics_exported():
                     fail(f"template variable {v['name']} queries unknown {m}")
 
 
+def security_checks(overlay, docs):
+    """Every kvr pod runs as non-root with a read-only root filesystem; NetworkPolicies admit
+    only kvr's own pods to every kvr pod, clients to the controller's gRPC port alone."""
+    for w in [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]:
+        wname = w["metadata"]["name"]
+        spec = pod_spec(w)
+        if spec.get("securityContext", {}).get("runAsNonRoot") is not True:
+            fail(f"{overlay}: {wname}: pod not runAsNonRoot")
+        for c in spec["containers"]:
+            sc = c.get("securityContext", {})
+            if sc.get("readOnlyRootFilesystem") is not True:
+                fail(f"{overlay}: {wname}/{c['name']}: root filesystem writable")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                fail(f"{overlay}: {wname}/{c['name']}: privilege escalation allowed")
+    policies = {p["metadata"]["name"]: p["spec"] for p in docs if p["kind"] == "NetworkPolicy"}
+    internal = policies.get("kvr-internal", {})
+    kvr = {"app.kubernetes.io/part-of": "kvr"}
+    if internal.get("podSelector", {}).get("matchLabels") != kvr or [
+            f for rule in internal.get("ingress", []) for f in rule.get("from", [])] != [
+            {"podSelector": {"matchLabels": kvr}}]:
+        fail(f"{overlay}: NetworkPolicy kvr-internal does not limit kvr pods to kvr pods")
+    for name, p in policies.items():
+        for rule in p.get("ingress", []):
+            if name != "kvr-internal" and not rule.get("ports"):
+                fail(f"{overlay}: NetworkPolicy {name} admits every port")
+
+
 def main():
     cmd = renderer()
     if cmd is None:
@@ -385,6 +414,7 @@ def main():
         container_checks(overlay, docs)
         shape_self_check(overlay, docs)
         dashboard_checks(overlay, docs)
+        security_checks(overlay, docs)
         print(f"{overlay}: {len(docs)} resources checked")
     if errors:
         print(f"{len(errors)} problem(s)")

@@ -143,9 +143,11 @@ absl::Status RegisterDataPlaneHandlers(transport::Worker& worker, PagedKvStore& 
       {MessageType::kGather, &HandleGather},
       {MessageType::kRangeRead, &HandleRange},
       {MessageType::kLocateRange, rma_reads ? &HandleLocate : &HandleLocateOff}};
-  for (const auto& [type, fn] : handlers) {
+  // Not a structured binding: clang before 16 cannot capture one in a lambda.
+  for (const auto& handler : handlers) {
+    const Fn fn = handler.second;
     absl::Status st = worker.RegisterHandler(
-        static_cast<transport::AmId>(type),
+        static_cast<transport::AmId>(handler.first),
         [&store, &queue, &buffers, fn](IncomingRequest request) {
           // Off the progress thread: a 16 MiB gather copy must not stall UCX progress.
           auto shared = std::make_shared<IncomingRequest>(std::move(request));

@@ -102,6 +102,8 @@ int main(int argc, char** argv) {
       const kvr::kv_store::StoreStats now = store->Stats();
       cv1::NodeLoad load;
       load.set_free_memory_bytes(now.capacity_bytes - now.used_bytes);
+      // The controller's placement spreads sequences over stores by this count.
+      load.set_running_sequences(static_cast<uint32_t>(now.sequences));
       return load;
     };
     o.on_registered = [](const std::string& id) {

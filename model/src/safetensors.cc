@@ -122,8 +122,10 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
       }
       continue;
     }
+    // A named copy: clang before 16 cannot capture a structured binding in a lambda.
+    const std::string& tensor_name = name;
     auto tensor_error = [&](absl::string_view what) {
-      return error(absl::StrCat("tensor '", name, "': ", what));
+      return error(absl::StrCat("tensor '", tensor_name, "': ", what));
     };
     if (!entry.is_object()) return tensor_error("entry is not an object");
     const auto dtype_it = entry.find("dtype");

@@ -71,15 +71,19 @@ absl::StatusOr<std::unique_ptr<HandoffSink>> GrpcHandoffOpener::Open(const cv1::
   std::shared_ptr<grpc::Channel> channel;
   {
     absl::MutexLock lock(&mu_);
-    std::shared_ptr<grpc::Channel>& c = channels_[address];
-    if (c == nullptr) {
+    CachedChannel& c = channels_[address];
+    // A decode node restarted on the same address (another instance) gets a fresh channel:
+    // the old one may sit in reconnect backoff after the dead process refused it, failing
+    // every handoff at once for up to gRPC's maximum backoff although the new node listens.
+    if (c.channel == nullptr || c.instance_id != decode.instance_id()) {
       grpc::ChannelArguments args;
       // Summaries of long prompts exceed gRPC's default 4 MiB message limit on the way in;
       // outgoing messages are not limited by default, but say it for the reader.
       args.SetMaxSendMessageSize(-1);
-      c = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+      c.channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+      c.instance_id = decode.instance_id();
     }
-    channel = c;
+    channel = c.channel;
   }
   return std::make_unique<GrpcHandoffSink>(std::move(channel), deadline);
 }

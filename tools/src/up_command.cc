@@ -1,10 +1,10 @@
-// kvr up: a local cluster in child processes: kvr-controller, kvr-store, N kvr-prefill and N
-// kvr-decode. Waits until every node registered, prints the endpoints, stays in the foreground
+// kvr up: a local cluster in child processes: kvr-controller, N kvr-store, N kvr-prefill and
+// N kvr-decode. Waits until every node registered, prints the endpoints, stays in the foreground
 // and stops the children on SIGINT/SIGTERM (each child also gets SIGTERM if kvr up dies:
 // PR_SET_PDEATHSIG).
 //
 // Every node registers itself with the controller (kvr-store too, given --controller); kvr up
-// waits for the store's "kvr-store registered" line and for ListModels to show every prefill
+// waits for every store's "kvr-store registered" line and for ListModels to show every prefill
 // and decode node.
 
 #include <fcntl.h>
@@ -46,6 +46,7 @@ struct UpOptions {
   std::string model = "smollm2-135m-instruct";
   int prefill = 1;
   int decode = 1;
+  int stores = 1;
   int base_port = 50051;  // 0: every process picks a free port
   std::string store_capacity = "1GiB";
   std::string bin_dir;
@@ -209,6 +210,9 @@ std::string Port(const UpOptions& o, int offset) {
   return o.base_port == 0 ? "0" : std::to_string(o.base_port + offset);
 }
 
+// Port offsets from --base-port: store 0 at +1 (beside the controller), further stores from +51.
+int StorePortOffset(int i) { return i == 0 ? 1 : 50 + i; }
+
 // "see LOG" plus why the child stopped, so the reason shows without opening the file: the log's
 // error lines (an absl status code name, an [error]/[critical] log line, "terminate called"),
 // else its last lines (a node prints its effective config after an early error, so the last
@@ -287,26 +291,33 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     return absl::UnavailableError(
         absl::StrCat("kvr-controller did not start; ", SeeLog(log("controller"))));
   }
-  auto store = std::make_unique<Child>(
-      "store-0",
-      std::vector<std::string>{bins[1].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 1)),
-                               "--capacity-bytes", o.store_capacity,
-                               // Sequences of a node that died mid-request are dropped when
-                               // their lease (deadline + a margin) runs out.
-                               "--evict-expired", "true", "--sweep-interval-ms", "500",
-                               // It registers itself (role STORE) and heartbeats its free bytes.
-                               "--controller", controller_address,
-                               // Same-host readers (a CUDA decode node) map its page pool
-                               // through this socket and read rows in place.
-                               "--local-socket", absl::StrCat(log_dir, "/store-0.sock")},
-      log("store-0"));
-  const std::string store_port = store->WaitFor("kvr-store listening port=", start_timeout);
-  if (store_port.empty()) {
-    return absl::UnavailableError(
-        absl::StrCat("kvr-store did not start; ", SeeLog(log("store-0"))));
+  std::vector<std::unique_ptr<Child>> stores;
+  std::vector<std::string> store_addresses;
+  for (int i = 0; i < o.stores; ++i) {
+    const std::string name = absl::StrCat("store-", i);
+    stores.push_back(std::make_unique<Child>(
+        name,
+        std::vector<std::string>{
+            bins[1].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, StorePortOffset(i))),
+            "--capacity-bytes", o.store_capacity,
+            // Sequences of a node that died mid-request are dropped when their lease runs out.
+            "--evict-expired", "true", "--sweep-interval-ms", "500",
+            // It registers itself (role STORE) and heartbeats its free bytes and sequences.
+            "--controller", controller_address,
+            // Same-host readers (a CUDA decode node) map its page pool through this socket
+            // and read rows in place.
+            "--local-socket", absl::StrCat(log_dir, "/", name, ".sock")},
+        log(name)));
   }
-  const std::string store_address =
-      absl::StrCat("127.0.0.1:", store_port.substr(0, store_port.find(' ')));
+  for (int i = 0; i < o.stores; ++i) {
+    const std::string name = stores[i]->name();
+    const std::string port = stores[i]->WaitFor("kvr-store listening port=", start_timeout);
+    if (port.empty()) {
+      return absl::UnavailableError(
+          absl::StrCat("kvr-store ", name, " did not start; ", SeeLog(log(name))));
+    }
+    store_addresses.push_back(absl::StrCat("127.0.0.1:", port.substr(0, port.find(' '))));
+  }
 
   for (int i = 0; i < o.prefill; ++i) {
     std::vector<std::string> argv = {bins[2].path,
@@ -343,13 +354,21 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
       grpc::CreateChannel(controller_address, grpc::InsecureChannelCredentials()));
   const absl::Time give_up = absl::Now() + start_timeout;
   std::string model_name;
-  std::string store_id;
-  while (model_name.empty() || store_id.empty()) {
-    if (store->exited()) {
-      return absl::UnavailableError(
-          absl::StrCat("store-0 exited during start-up; ", SeeLog(log("store-0"))));
+  std::vector<std::string> store_ids(stores.size());
+  auto stores_registered = [&] {
+    for (const std::string& id : store_ids) {
+      if (id.empty()) return false;
     }
-    store_id = store->Find("kvr-store registered ");
+    return true;
+  };
+  while (model_name.empty() || !stores_registered()) {
+    for (size_t i = 0; i < stores.size(); ++i) {
+      if (stores[i]->exited()) {
+        return absl::UnavailableError(absl::StrCat(stores[i]->name(), " exited during start-up; ",
+                                                   SeeLog(log(stores[i]->name()))));
+      }
+      store_ids[i] = stores[i]->Find("kvr-store registered ");
+    }
     for (auto& n : nodes) {
       if (n->exited()) {
         return absl::UnavailableError(
@@ -358,8 +377,9 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     }
     if (absl::Now() > give_up) {
       return absl::DeadlineExceededError(
-          absl::StrCat("the nodes did not all register within ", o.ready_timeout_s, " s (store ",
-                       store_id.empty() ? "not registered" : "registered", "); logs in ", log_dir));
+          absl::StrCat("the nodes did not all register within ", o.ready_timeout_s, " s (stores ",
+                       stores_registered() ? "registered" : "not all registered", "); logs in ",
+                       log_dir));
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
@@ -372,26 +392,27 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
         }
       }
     }
-    if (model_name.empty() || store_id.empty()) absl::SleepFor(absl::Milliseconds(200));
+    if (model_name.empty() || !stores_registered()) absl::SleepFor(absl::Milliseconds(200));
   }
 
   std::string report = absl::StrFormat(
-      "kvr cluster up: model '%s', %d prefill + %d decode node(s)\n"
+      "kvr cluster up: model '%s', %d prefill + %d decode node(s), %d store(s)\n"
       "  public gRPC (kvr.v1.Generation)  %s\n"
       "  OpenAI-compatible HTTP           %s\n"
-      "  %-12s pid %-7d grpc %-21s metrics %s\n"
-      "  %-12s pid %-7d grpc %-21s metrics %s (registered as %s)\n",
-      model_name, o.prefill, o.decode, controller_address,
+      "  %-12s pid %-7d grpc %-21s metrics %s\n",
+      model_name, o.prefill, o.decode, o.stores, controller_address,
       controller->Find("http listening on ").empty()
           ? "-"
           : absl::StrCat("http://", controller->Find("http listening on "), "/v1"),
       "controller", controller->pid(), controller_address,
-      controller->Find("metrics on ").empty() ? "-" : controller->Find("metrics on "), "store-0",
-      store->pid(), store_address,
-      store->Find("kvr-store metrics port=").empty()
-          ? "-"
-          : absl::StrCat("127.0.0.1:", store->Find("kvr-store metrics port=")),
-      store_id);
+      controller->Find("metrics on ").empty() ? "-" : controller->Find("metrics on "));
+  for (size_t i = 0; i < stores.size(); ++i) {
+    const std::string metrics = stores[i]->Find("kvr-store metrics port=");
+    absl::StrAppendFormat(&report, "  %-12s pid %-7d grpc %-21s metrics %s (registered as %s)\n",
+                          stores[i]->name(), stores[i]->pid(), store_addresses[i],
+                          metrics.empty() ? "-" : absl::StrCat("127.0.0.1:", metrics),
+                          store_ids[i]);
+  }
   for (auto& n : nodes) {
     const std::string grpc_address = n->Find("listening on ");
     const std::string metrics = n->Find("metrics on ");
@@ -411,7 +432,8 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // Nodes first (they deregister), then the store, then the controller.
   for (auto& n : nodes) kill(n->pid(), SIGTERM);
   for (auto& n : nodes) n->Stop(absl::Seconds(8));
-  store->Stop(absl::Seconds(5));  // it deregisters
+  for (auto& st : stores) kill(st->pid(), SIGTERM);
+  for (auto& st : stores) st->Stop(absl::Seconds(5));  // they deregister
   // An open client channel holds the controller's graceful shutdown for its whole grace period.
   generation.reset();
   controller->Stop(absl::Seconds(12));
@@ -430,9 +452,13 @@ void AddUpCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prefill", o->prefill, "prefill nodes")->capture_default_str();
   cmd->add_option("--decode", o->decode, "decode nodes")->capture_default_str();
+  cmd->add_option("--stores", o->stores, "KV store processes (placement spreads sequences)")
+      ->check(CLI::Range(1, 40))
+      ->capture_default_str();
   cmd->add_option(
          "--base-port", o->base_port,
-         "controller port; store +1, OpenAI HTTP +2, prefill +10.., decode +30.. (0: free ports)")
+         "controller port; store +1 (more stores +51..), OpenAI HTTP +2, prefill +10.., decode "
+         "+30.. (0: free ports)")
       ->capture_default_str();
   cmd->add_option("--store-capacity", o->store_capacity, "KV store page pool (e.g. 1GiB)")
       ->capture_default_str();

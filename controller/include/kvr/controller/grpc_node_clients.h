@@ -1,6 +1,7 @@
 #pragma once
 // gRPC implementations of PrefillClient and DecodeClient. One channel per node address,
-// created on first use and kept (gRPC channels reconnect by themselves). Thread-safe.
+// created on first use and kept (gRPC channels reconnect by themselves) until another
+// instance of the node registers at that address. Thread-safe.
 
 #include <memory>
 #include <string>
@@ -36,10 +37,15 @@ class GrpcNodeClients final : public PrefillClient, public DecodeClient {
                       absl::string_view reason, absl::Time deadline) override;
 
  private:
-  std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
+  // The node's channel, created afresh when another instance registered at its address.
+  std::shared_ptr<grpc::Channel> ChannelFor(const NodeSnapshot& node);
 
+  struct CachedChannel {
+    std::string instance_id;
+    std::shared_ptr<grpc::Channel> channel;
+  };
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, CachedChannel> channels_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvr::controller

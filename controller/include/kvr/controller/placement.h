@@ -5,8 +5,10 @@
 //   P: serves the model, has room in its prefill queue; least queued prefill tokens wins.
 //   D: serves the model and method, has a free batch slot and free summary memory for
 //      (prompt + max_tokens) tokens; most free slots, then most free memory, wins.
-//   S: has free bytes for the full KV of (prompt + max_tokens) tokens; most free bytes wins.
-// Ties go to the node that registered first, so equal clusters place identically.
+//   S: has free bytes for the full KV of (prompt + max_tokens) tokens; fewest sequences (the
+//      store heartbeats how many it holds), then most free bytes, wins; stores still equal
+//      take turns (round robin in registration order, after the store picked last).
+// Other ties go to the node that registered first, so equal clusters place identically.
 // A successful placement adds the request to the chosen nodes' pending load (Membership), so
 // that requests placed between two heartbeats spread out instead of piling on one node.
 
@@ -55,6 +57,9 @@ class Placement {
   // Serializes choose-and-reserve so that two concurrent requests cannot both take the last
   // slot of a node.
   absl::Mutex mu_;
+  // Registration serial of the store picked last: the round robin among equal stores resumes
+  // after it.
+  uint64_t last_store_serial_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Controller-wide cap on requests in flight (placed or running). Admit() hands out a ticket

@@ -120,18 +120,27 @@ class ReadinessReporter {
 
 // kvr.v1.Generation over a Generator (shared with the OpenAI-compatible HTTP server): converts
 // the stream's messages and watches for the client going away.
-class GenerationService final : public kvr::v1::Generation::Service {
+// The public API. Its methods are the generated "streamed" variants, which read the request
+// themselves: bytes that do not decode as the request message (garbage, or a string field
+// that is not UTF-8, which proto3 refuses) get INVALID_ARGUMENT with a message, where gRPC's
+// own decoding answers INTERNAL with none.
+class GenerationService final : public kvr::v1::Generation::StreamedService {
  public:
   // `generator` must outlive the service.
   explicit GenerationService(Generator* generator,
                              absl::Duration disconnect_poll_period = absl::Milliseconds(20));
 
-  grpc::Status Generate(grpc::ServerContext* context, const kvr::v1::GenerateRequest* request,
-                        grpc::ServerWriter<kvr::v1::GenerateResponse>* writer) override;
-  grpc::Status Abort(grpc::ServerContext* context, const kvr::v1::AbortRequest* request,
-                     kvr::v1::AbortResponse* response) override;
-  grpc::Status ListModels(grpc::ServerContext* context, const kvr::v1::ListModelsRequest* request,
-                          kvr::v1::ListModelsResponse* response) override;
+  grpc::Status StreamedGenerate(
+      grpc::ServerContext* context,
+      grpc::ServerSplitStreamer<kvr::v1::GenerateRequest, kvr::v1::GenerateResponse>* stream)
+      override;
+  grpc::Status StreamedAbort(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<kvr::v1::AbortRequest, kvr::v1::AbortResponse>* stream) override;
+  grpc::Status StreamedListModels(
+      grpc::ServerContext* context,
+      grpc::ServerUnaryStreamer<kvr::v1::ListModelsRequest, kvr::v1::ListModelsResponse>* stream)
+      override;
 
  private:
   Generator* generator_;

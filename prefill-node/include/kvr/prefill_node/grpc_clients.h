@@ -1,6 +1,6 @@
 #pragma once
 // The real implementations of the prefill engine's seams: a gRPC DecodeService.Handoff stream
-// per request (channels cached per decode address) and one UcxKvStoreClient per store address
+// per request (channels cached per decode address and instance) and one UcxKvStoreClient per store address
 // (connected again when the store died or restarted).
 //
 // Thread safety: both may be used from many request threads at once.
@@ -26,8 +26,12 @@ class GrpcHandoffOpener final : public HandoffOpener {
                                                     absl::Time deadline) override;
 
  private:
+  struct CachedChannel {
+    std::string instance_id;  // of the decode node the channel was made for
+    std::shared_ptr<grpc::Channel> channel;
+  };
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, CachedChannel> channels_ ABSL_GUARDED_BY(mu_);
 };
 
 // UcxKvStoreClients by store address through a kv_store::StoreClientCache: a client whose
