@@ -32,6 +32,7 @@ namespace {
 
 MembershipClient::Options WithInstanceId(MembershipClient::Options o) {
   if (o.registration.instance_id().empty()) o.registration.set_instance_id(NewInstanceId());
+  if (o.registration.host_id().empty()) o.registration.set_host_id(HostId());
   return o;
 }
 

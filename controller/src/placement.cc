@@ -1,5 +1,6 @@
 #include "kvr/controller/placement.h"
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -67,8 +68,11 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
   }
 
   // Decode: a free slot and summary memory; most free slots, then most free memory.
-  const NodeSnapshot* best_d = nullptr;
-  uint64_t best_d_bytes = 0;
+  struct DecodeChoice {
+    const NodeSnapshot* node;
+    uint64_t summary_bytes;
+  };
+  std::vector<DecodeChoice> decodes;  // every decode node that fits, best first (below)
   int d_candidates = 0, d_with_slot = 0;
   uint64_t needed_summary_bytes = 0;
   for (const NodeSnapshot& n : nodes) {
@@ -85,12 +89,7 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
         std::ceil(method->summary_bytes_per_token * static_cast<double>(tokens)));
     needed_summary_bytes = std::max(needed_summary_bytes, bytes);
     if (n.effective_load.free_memory_bytes < bytes) continue;
-    if (best_d == nullptr || FreeSlots(n) > FreeSlots(*best_d) ||
-        (FreeSlots(n) == FreeSlots(*best_d) &&
-         n.effective_load.free_memory_bytes > best_d->effective_load.free_memory_bytes)) {
-      best_d = &n;
-      best_d_bytes = bytes;
-    }
+    decodes.push_back({&n, bytes});
   }
   if (d_candidates == 0) {
     return absl::NotFoundError(absl::StrCat("no live decode node serves model '", req.model,
@@ -101,19 +100,26 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
                                                      " decode nodes of model '", req.model,
                                                      "' have every batch slot taken"));
   }
-  if (best_d == nullptr) {
+  if (decodes.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "decode summary memory: no decode node with a free slot has ", needed_summary_bytes,
         " bytes free for the summaries of ", tokens, " tokens (method '", req.method, "')"));
   }
+  std::stable_sort(
+      decodes.begin(), decodes.end(), [](const DecodeChoice& a, const DecodeChoice& b) {
+        const uint32_t fa = FreeSlots(*a.node), fb = FreeSlots(*b.node);
+        if (fa != fb) return fa > fb;
+        return a.node->effective_load.free_memory_bytes > b.node->effective_load.free_memory_bytes;
+      });
 
   // Store: among stores with room for the KV, fewest sequences (held + placed since the last
   // heartbeat), then most free bytes; a tie left after both goes round robin, starting after
   // the store picked last. Free bytes alone sent every request of a light load to the first
   // store (equal pools tie, and a finished sequence gives its pages back), so one store held
-  // every sequence and its death failed them all.
+  // every sequence and its death failed them all. A decode node that reads the store's pages in
+  // place (needs_local_store: --device cuda) takes only a store of its own host; the best decode
+  // node that has one wins.
   const uint64_t kv_bytes = kv_bytes_per_token * tokens;
-  const NodeSnapshot* best_s = nullptr;
   int s_candidates = 0;
   uint64_t most_free = 0;
   // Rank in the rotation: stores registered after the last pick come first.
@@ -121,29 +127,58 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
     return n.serial > last_store_serial_ ? n.serial - last_store_serial_
                                          : n.serial + (uint64_t{1} << 62);
   };
+  auto best_store_for = [&](const NodeSnapshot* d) -> const NodeSnapshot* {
+    const NodeSnapshot* best_s = nullptr;
+    for (const NodeSnapshot& n : nodes) {
+      if (n.registration.role != NodeRole::kStore || req.excluded.contains(n.id)) continue;
+      if (d != nullptr && d->registration.needs_local_store &&
+          (d->registration.host_id.empty() || n.registration.host_id != d->registration.host_id)) {
+        continue;
+      }
+      if (n.effective_load.free_memory_bytes < kv_bytes) continue;
+      if (best_s == nullptr) {
+        best_s = &n;
+        continue;
+      }
+      const uint32_t seqs = n.effective_load.running_sequences;
+      const uint32_t best_seqs = best_s->effective_load.running_sequences;
+      const uint64_t free = n.effective_load.free_memory_bytes;
+      const uint64_t best_free = best_s->effective_load.free_memory_bytes;
+      if (seqs < best_seqs || (seqs == best_seqs && free > best_free) ||
+          (seqs == best_seqs && free == best_free && rotation(n) < rotation(*best_s))) {
+        best_s = &n;
+      }
+    }
+    return best_s;
+  };
   for (const NodeSnapshot& n : nodes) {
     if (n.registration.role != NodeRole::kStore || req.excluded.contains(n.id)) continue;
     ++s_candidates;
     most_free = std::max(most_free, n.effective_load.free_memory_bytes);
-    if (n.effective_load.free_memory_bytes < kv_bytes) continue;
-    if (best_s == nullptr) {
-      best_s = &n;
-      continue;
-    }
-    const uint32_t seqs = n.effective_load.running_sequences;
-    const uint32_t best_seqs = best_s->effective_load.running_sequences;
-    const uint64_t free = n.effective_load.free_memory_bytes;
-    const uint64_t best_free = best_s->effective_load.free_memory_bytes;
-    if (seqs < best_seqs || (seqs == best_seqs && free > best_free) ||
-        (seqs == best_seqs && free == best_free && rotation(n) < rotation(*best_s))) {
-      best_s = &n;
-    }
   }
   if (s_candidates == 0) return absl::NotFoundError("no live store node");
-  if (best_s == nullptr) {
+  if (best_store_for(nullptr) == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("store memory: no store has ", kv_bytes, " bytes free for the KV of ", tokens,
                      " tokens (most free: ", most_free, " bytes on ", s_candidates, " stores)"));
+  }
+  const NodeSnapshot* best_d = nullptr;
+  const NodeSnapshot* best_s = nullptr;
+  uint64_t best_d_bytes = 0;
+  for (const DecodeChoice& d : decodes) {
+    if (const NodeSnapshot* s = best_store_for(d.node); s != nullptr) {
+      best_d = d.node;
+      best_s = s;
+      best_d_bytes = d.summary_bytes;
+      break;
+    }
+  }
+  if (best_d == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("store memory: the ", decodes.size(),
+                     " decode nodes that could take the request read the store's pages in place "
+                     "(--device cuda), and no store on their hosts has ",
+                     kv_bytes, " bytes free for the KV of ", tokens, " tokens"));
   }
 
   PlacementDecision decision{*best_p, *best_d, *best_s, kv_bytes, best_d_bytes};

@@ -59,6 +59,8 @@ NodeRegistration FromProto(const cv1::RegisterRequest& request) {
   r.role = FromProto(request.role());
   r.name = request.name();
   r.instance_id = request.instance_id();
+  r.host_id = request.host_id();
+  r.needs_local_store = request.needs_local_store();
   r.endpoints.grpc_address = request.endpoints().grpc_address();
   r.endpoints.ucx_worker_address = request.endpoints().ucx_worker_address();
   r.endpoints.metrics_port = request.endpoints().metrics_port();

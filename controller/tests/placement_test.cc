@@ -129,6 +129,52 @@ TEST_F(PlacementTest, FewestSequencesWinsAmongStoresWithRoom) {
   EXPECT_EQ(d->store.id, big);  // 3 each: most free bytes
 }
 
+// A decode node that reads the store's pages in place (needs_local_store: --device cuda, one
+// kv-store per decode pod) is placed only with a store of its host: with two such pods, each
+// request's store is its decode node's own, whatever the stores' load; a decode node whose
+// store has no room gives way to the next one; none with room is RESOURCE_EXHAUSTED saying so.
+TEST_F(PlacementTest, DecodeNodesThatReadInPlaceGetAStoreOfTheirHost) {
+  auto on = [](NodeRegistration r, const std::string& host, bool local) {
+    r.host_id = host;
+    r.needs_local_store = local;
+    return r;
+  };
+  Add(Prefill("p:1"));
+  const std::string d_a = Add(on(Decode("a:decode", /*slots=*/16), "host-a", true));
+  const std::string d_b = Add(on(Decode("b:decode", /*slots=*/16), "host-b", true));
+  const std::string s_a = Add(on(Store("a:store", 1ull << 30), "host-a", false));
+  const std::string s_b = Add(on(Store("b:store", 1ull << 34), "host-b", false));
+  std::map<std::string, std::string> store_of;
+  for (int i = 0; i < 6; ++i) {
+    auto d = placement_.Place(Request());
+    ASSERT_TRUE(d.ok()) << d.status();
+    store_of[d->decode.id] = d->store.id;  // must never change for a decode node
+    EXPECT_EQ(d->store.id, d->decode.id == d_a ? s_a : s_b) << "request " << i;
+  }
+  EXPECT_EQ(store_of.size(), 2u) << "both decode nodes took requests";
+  // host-a's store is full: every request goes to decode b (with its store), although a has
+  // more free slots.
+  ASSERT_TRUE(membership_.Heartbeat(s_a, {.free_memory_bytes = 1000}).ok());
+  ASSERT_TRUE(membership_.Heartbeat(d_b, {.running_sequences = 10,
+                                          .free_memory_bytes = 1ull << 30}).ok());
+  auto d = placement_.Place(Request());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->decode.id, d_b);
+  EXPECT_EQ(d->store.id, s_b);
+  // Both full: refused, naming why.
+  ASSERT_TRUE(membership_.Heartbeat(s_b, {.free_memory_bytes = 1000}).ok());
+  const std::string s_c = Add(on(Store("c:store", 1ull << 34), "host-c", false));
+  d = placement_.Place(Request());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted) << d.status();
+  EXPECT_THAT(d.status().message(), HasSubstr("no store on their hosts"));
+  // A decode node that reads over the network takes any store.
+  const std::string d_c = Add(Decode("c:decode", /*slots=*/64));
+  d = placement_.Place(Request());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->decode.id, d_c);
+  EXPECT_EQ(d->store.id, s_c);
+}
+
 TEST_F(PlacementTest, FullDecodeSlotsAreResourceExhausted) {
   Add(Prefill("p:1"));
   Add(Decode("d:1", /*slots=*/1));

@@ -206,6 +206,8 @@ int Serve(const DecodeConfig& config) {
   cv1::RegisterRequest registration;
   registration.set_role(cv1::NODE_ROLE_DECODE);
   registration.set_protocol_version(1);
+  // The CUDA backend reads the store's pages in place: only a store on this host will do.
+  registration.set_needs_local_store(config.device == "cuda");
   registration.set_name(config.name.empty() ? absl::StrCat("kvr-decode-", getpid()) : config.name);
   registration.mutable_endpoints()->set_grpc_address(address);
   registration.mutable_endpoints()->set_metrics_port(

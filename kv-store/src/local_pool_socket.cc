@@ -16,6 +16,7 @@
 #include <sstream>
 #include <utility>
 
+#include "kvr/common/instance_id.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -57,11 +58,8 @@ class ScopedFd {
 }  // namespace
 
 absl::StatusOr<std::string> ReadHostId() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::stringstream text;
-  text << in.rdbuf();
-  std::string id(absl::StripAsciiWhitespace(text.str()));
-  if (!in || id.empty()) {
+  std::string id = HostId();
+  if (id.empty()) {
     return absl::UnavailableError("cannot read /proc/sys/kernel/random/boot_id");
   }
   return id;

@@ -4,9 +4,12 @@
 // store's sequences, did not survive).
 
 #include <cstdint>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
 
 namespace kvr {
@@ -18,6 +21,16 @@ namespace kvr {
   const uint64_t hi = (uint64_t{device()} << 32) ^ device();
   const uint64_t lo = (uint64_t{device()} << 32) ^ device();
   return absl::StrFormat("%016x%016x", hi, lo);
+}
+
+// This machine's identity for "same host": the content of /proc/sys/kernel/random/boot_id (a
+// random UUID per boot, shared by every process, container and network namespace of one
+// kernel), trimmed; "" when it cannot be read.
+[[nodiscard]] inline std::string HostId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::stringstream text;
+  text << in.rdbuf();
+  return std::string(absl::StripAsciiWhitespace(text.str()));
 }
 
 }  // namespace kvr

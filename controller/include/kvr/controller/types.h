@@ -55,6 +55,10 @@ struct NodeRegistration {
   std::string name;
   // Random per node process (RegisterRequest.instance_id); "" when the node does not say.
   std::string instance_id;
+  // RegisterRequest.host_id / needs_local_store: a decode node with needs_local_store is placed
+  // only with a store of its host_id.
+  std::string host_id;
+  bool needs_local_store = false;
   NodeEndpoints endpoints;
   NodeCapacity capacity;
   NodeLoad load;
