@@ -97,6 +97,21 @@ absl::Status RequestRunner::TokenizeFirst(const GenerateParams& params, absl::Ti
   return absl::OkStatus();  // placement uses the byte bound; the prefill node tokenizes
 }
 
+namespace {
+
+// The code of a request given up after its node failures: UNAVAILABLE (trying again later may
+// succeed), except when the last node refused the request itself (INVALID_ARGUMENT: e.g. a
+// decode node whose settings cannot take it; FAILED_PRECONDITION: e.g. a store it cannot read):
+// that refusal is the client's answer, and retrying it unchanged will not help.
+absl::StatusCode GiveUpCode(const absl::Status& last_failure) {
+  if (absl::IsInvalidArgument(last_failure) || absl::IsFailedPrecondition(last_failure)) {
+    return last_failure.code();
+  }
+  return absl::StatusCode::kUnavailable;
+}
+
+}  // namespace
+
 absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time arrival,
                                         absl::Time deadline, CancellationToken* cancel,
                                         ResponseSink* sink, RequestObserver& observer,
@@ -125,7 +140,8 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       state.Fail();
       if (!last_failure.ok()) {
         // The cluster had room before a node failed; report the failure, not the symptom.
-        return absl::UnavailableError(
+        return absl::Status(
+            GiveUpCode(last_failure),
             absl::StrCat("no healthy node left to retry on after attempt ", state.attempts() - 1,
                          " failed (", last_failure.message(), "): ", placed.status().message()));
       }
@@ -165,7 +181,12 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
         return absl::UnavailableError(
             absl::StrCat("request failed after ", state.attempts(), " attempts: ", err.message()));
       }
-      if (!IsNodeFailure(err)) {
+      // A node named as refusing the request (a decode node whose settings cannot take it)
+      // is avoided like a failed one; other INVALID_ARGUMENTs are the client's to fix.
+      const bool refused_by_node =
+          (absl::IsInvalidArgument(err) || absl::IsFailedPrecondition(err)) &&
+          FailedNodeOf(err).has_value();
+      if (!IsNodeFailure(err) && !refused_by_node) {
         state.Fail();
         CancelDownstream(&where.prefill, &where.decode, params, sequence_id, err.message());
         if (absl::IsDeadlineExceeded(err)) {
@@ -190,8 +211,9 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
                                                 failed, ": ", err.message()));
       spdlog::warn("request {}: {}", params.request_id, std::string(last_failure.message()));
       if (state.OnNodeFailure() == RequestStateMachine::FailureAction::kRetry) continue;
-      return absl::UnavailableError(absl::StrCat("request failed after ", state.attempts(),
-                                                 " attempts: ", last_failure.message()));
+      return absl::Status(GiveUpCode(last_failure),
+                          absl::StrCat("request failed after ", state.attempts(),
+                                       " attempts: ", last_failure.message()));
     }
 
     // First token: from here on the request cannot be retried.

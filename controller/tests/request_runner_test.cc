@@ -383,6 +383,25 @@ TEST_F(RequestRunnerTest, NoHealthyNodeLeftIsUnavailableNamingTheFailure) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("Connection refused"));
 }
 
+// A decode node that refuses the handoff as not fitting it (INVALID_ARGUMENT naming the field)
+// makes the request try another; when none is left, the client gets that refusal's code and
+// message, not UNAVAILABLE (retrying the same request would be refused again). Nodes stay.
+TEST_F(RequestRunnerTest, RefusalsByEveryNodeEndWithTheRefusalNotUnavailable) {
+  auto refuse = [&](const PrefillCall& call) -> absl::StatusOr<PrefillResult> {
+    absl::Status s = absl::InvalidArgumentError(
+        "handoff: retrieval.method 'full' attends every row: more than gpu_budget 1024");
+    s.SetPayload(kFailedNodePayloadUrl, absl::Cord(call.decode.id));
+    return s;
+  };
+  prefill_.behavior[p1_] = refuse;
+  prefill_.behavior[p2_] = refuse;
+  absl::Status s = Run();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("gpu_budget 1024"));
+  EXPECT_EQ(prefill_.calls.size(), 2u) << "the other decode node was tried";
+  EXPECT_TRUE(membership_.Find(d1_).has_value() && membership_.Find(d2_).has_value());
+}
+
 TEST_F(RequestRunnerTest, DecodeDeathAfterTokensEndsTheStreamWithoutRetry) {
   decode_.fail_after = 1;  // one token from D, then it dies
   absl::Status s = Run();

@@ -30,8 +30,16 @@ constexpr char kFailedNodePayload[] = "kvr-failed-node";
 // node id as payload for the trailing metadata; or the node that node named in turn (D names
 // the store when it cannot reach it).
 absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl::Status& cause) {
-  absl::Status s = absl::UnavailableError(absl::StrCat(
-      role, " ", node.node_id(), " (", node.endpoints().grpc_address(), "): ", cause.ToString()));
+  // A node that refused this request (INVALID_ARGUMENT, FAILED_PRECONDITION: e.g. a decode
+  // node whose settings cannot take it) keeps its code, so that the controller tries another
+  // node and, when none takes it, gives the client the refusal; anything else is the node's
+  // failure (UNAVAILABLE).
+  const absl::StatusCode code =
+      absl::IsInvalidArgument(cause) || absl::IsFailedPrecondition(cause)
+          ? cause.code()
+          : absl::StatusCode::kUnavailable;
+  absl::Status s(code, absl::StrCat(role, " ", node.node_id(), " (",
+                                    node.endpoints().grpc_address(), "): ", cause.ToString()));
   const auto named = cause.GetPayload(kFailedNodePayload);
   s.SetPayload(kFailedNodePayload, named ? *named : absl::Cord(node.node_id()));
   return s;
