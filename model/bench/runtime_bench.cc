@@ -101,6 +101,10 @@ int main(int argc, char** argv) {
   app.add_option("--decode-steps", decode_steps)->capture_default_str();
   app.add_option("--batch", batch, "sequences decoded together")->capture_default_str();
   app.add_option("--threads", threads)->capture_default_str();
+  std::string storage_name = "packed";
+  app.add_option("--weights", storage_name,
+                 "GGUF weight storage: packed (the file's formats, gemv kernels) or float32")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   auto format = kvr::model::ParseLoadFormat(format_name);
@@ -109,6 +113,9 @@ int main(int argc, char** argv) {
   kvr::model::LoadOptions options;
   options.format = *format;
   options.dummy_layers = layers;
+  auto storage = kvr::model::ParseWeightStorage(storage_name);
+  if (!storage.ok()) return std::fprintf(stderr, "%s\n", storage.status().ToString().c_str()), 2;
+  options.weights = *storage;
   auto loaded = kvr::model::LoadModel(model_name, options, &pool);
   if (!loaded.ok()) return std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str()), 1;
   const kvr::model::Model& model = *loaded->model;
