@@ -159,9 +159,11 @@ void PackedMatMul(ThreadPool* pool, const CpuKernels& kernels, const float* a, i
     }
   }
   const ActivationBlock* a_blocks = quantized.data();
+  // Several parts per thread, handed out dynamically: a worker that wakes late (or a core
+  // shared with another process) takes fewer parts instead of leaving the caller to run all.
   constexpr int64_t kAlign = 16;
   const int64_t threads = pool == nullptr ? 1 : static_cast<int64_t>(pool->size());
-  const int64_t parts = std::max<int64_t>(1, std::min(threads, n / kAlign));
+  const int64_t parts = std::max<int64_t>(1, std::min(threads == 1 ? 1 : threads * 4, n / kAlign));
   const int64_t per_part = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
   auto run = [&](size_t begin, size_t end) {
     thread_local std::vector<float> tile;
