@@ -9,7 +9,9 @@ namespace kvr::model {
 namespace {
 
 #define KVR_KERNEL_TABLE(ns, isa_value) \
-  CpuKernels { isa_value, &ns::QuantizeActivations, &ns::GemvBlocks, &ns::GemvFloats }
+  CpuKernels {                            \
+    isa_value, &ns::QuantizeActivations, &ns::GemvBlocks, &ns::GemvBlocksF32, &ns::GemvFloats \
+  }
 
 bool CpuHas(CpuIsa isa) {
   switch (isa) {

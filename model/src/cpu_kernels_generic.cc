@@ -5,8 +5,11 @@
 #include <cmath>
 #include <cstring>
 
+#include <vector>
+
 #include "cpu_kernels_isa.h"
 #include "kvr/common/half.h"
+#include "kvr/model/dequant.h"
 
 namespace kvr::model::generic {
 namespace {
@@ -110,6 +113,22 @@ void GemvBlocks(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_ro
   const int64_t nb = k / kActivationBlockSize;
   for (int64_t r = 0; r < n_rows; ++r) {
     for (int64_t j = 0; j < m; ++j) y[j * ldy + r] = DotBlocks(type, w + r * row_bytes, a + j * nb, nb);
+  }
+}
+
+void GemvBlocksF32(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
+                   const float* a, int64_t m, float* y, int64_t ldy) {
+  // Each row decoded with the bit-exact reference dequantiser, then a float dot product.
+  thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(k));
+  for (int64_t r = 0; r < n_rows; ++r) {
+    (void)DequantizeRow(type, w + r * row_bytes, k, row.data());
+    for (int64_t j = 0; j < m; ++j) {
+      const float* x = a + j * k;
+      float acc = 0.f;
+      for (int64_t i = 0; i < k; ++i) acc += row[i] * x[i];
+      y[j * ldy + r] = acc;
+    }
   }
 }
 

@@ -12,6 +12,8 @@
   void QuantizeActivations(const float* x, int64_t n, ActivationBlock* y);                      \
   void GemvBlocks(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, \
                   const ActivationBlock* a, int64_t m, float* y, int64_t ldy);                  \
+  void GemvBlocksF32(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,         \
+                     int64_t k, const float* a, int64_t m, float* y, int64_t ldy);              \
   void GemvFloats(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, \
                   const float* a, int64_t m, float* y, int64_t ldy);                            \
   }

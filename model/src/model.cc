@@ -313,8 +313,10 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
     });
   }
   if (weights_.packed()) {
+    // Float activations here: an 8-bit rounding of the final hidden state would move logits by
+    // ~0.1 and flip near-tied greedy choices; this product is ~1/4 of a step's weight bytes.
     PackedMatMul(pool_, *kernels_, out_rows.data(), n_out, h, weights_.packed_output_matrix(),
-                 logits.data());
+                 logits.data(), ActivationPrecision::kFloat32);
   } else {
     MatMulTransposed(pool_, out_rows.data(), n_out, h, weights_.output_matrix(), c.vocab,
                      logits.data());

@@ -147,12 +147,13 @@ absl::StatusOr<PackedMatrix> QuantizeMatrix(GgmlType type, const float* w, int64
 }
 
 void PackedMatMul(ThreadPool* pool, const CpuKernels& kernels, const float* a, int64_t m,
-                  int64_t k, const PackedMatrix& w, float* c) {
+                  int64_t k, const PackedMatrix& w, float* c, ActivationPrecision precision) {
   const int64_t n = w.rows;
   const bool gemv = m <= kMaxGemvRows && (IsBlockKernelType(w.type) || IsFloatKernelType(w.type));
+  const bool int8 = precision == ActivationPrecision::kInt8;
   // Decode: A's rows are quantised once here, then every thread streams its slice of W.
   thread_local std::vector<ActivationBlock> quantized;
-  if (gemv && IsBlockKernelType(w.type)) {
+  if (gemv && int8 && IsBlockKernelType(w.type)) {
     quantized.resize(static_cast<size_t>(m * (k / kActivationBlockSize)));
     for (int64_t j = 0; j < m; ++j) {
       kernels.quantize_activations(a + j * k, k, quantized.data() + j * (k / kActivationBlockSize));
@@ -173,6 +174,8 @@ void PackedMatMul(ThreadPool* pool, const CpuKernels& kernels, const float* a, i
       if (n1 <= n0) continue;
       if (!gemv) {
         TiledSgemm(a, m, k, w, n0, n1, c, tile);
+      } else if (IsBlockKernelType(w.type) && !int8) {
+        kernels.gemv_blocks_f32(w.type, w.row(n0), w.row_bytes, n1 - n0, k, a, m, c + n0, n);
       } else if (IsBlockKernelType(w.type)) {
         kernels.gemv_blocks(w.type, w.row(n0), w.row_bytes, n1 - n0, k, a_blocks, m, c + n0, n);
       } else {

@@ -120,6 +120,33 @@ TEST_P(CpuKernelsTest, BlockGemvMatchesFloat64ReferenceWithinQuantisationBound) 
   }
 }
 
+TEST_P(CpuKernelsTest, BlockGemvOnFloatActivationsMatchesFloat64Reference) {
+  for (GgmlType type : kBlockTypes) {
+    for (const Shape& s : kShapes) {
+      SCOPED_TRACE(GgmlTypeName(type) + " rows " + std::to_string(s.n_rows) + " k " +
+                   std::to_string(s.k) + " m " + std::to_string(s.m));
+      const std::vector<float> w_values = RandomValues(s.n_rows * s.k, 11, 0.05f);
+      auto w = QuantizeMatrix(type, w_values.data(), s.n_rows, s.k);
+      ASSERT_TRUE(w.ok()) << w.status();
+      const std::vector<float> wd = Dequantized(*w);
+      const std::vector<float> x = RandomValues(s.m * s.k, 12);
+      const int64_t ldy = s.n_rows + 2;
+      std::vector<float> y(static_cast<size_t>(s.m * ldy), std::numeric_limits<float>::quiet_NaN());
+      kernels().gemv_blocks_f32(type, w->bytes.data(), w->row_bytes, s.n_rows, s.k, x.data(), s.m,
+                                y.data(), ldy);
+      for (int64_t j = 0; j < s.m; ++j) {
+        for (int64_t r = 0; r < s.n_rows; ++r) {
+          // No activation rounding: the float tolerance.
+          const Reference ref =
+              ReferenceDot(wd.data() + r * s.k, x.data() + j * s.k, s.k, /*quantized=*/false);
+          EXPECT_NEAR(y[j * ldy + r], ref.value, ref.tolerance) << "row " << r << " act " << j;
+        }
+        for (int64_t r = s.n_rows; r < ldy; ++r) EXPECT_TRUE(std::isnan(y[j * ldy + r]));
+      }
+    }
+  }
+}
+
 TEST_P(CpuKernelsTest, FloatGemvMatchesFloat64Reference) {
   for (GgmlType type : kFloatTypes) {
     for (const Shape& s : kShapes) {
@@ -253,13 +280,16 @@ TEST(PackedMatMul, MatchesFloatMatMulOnDequantisedWeights) {
     auto w = QuantizeMatrix(type, w_values.data(), n, k);
     ASSERT_TRUE(w.ok()) << w.status();
     const std::vector<float> wd = Dequantized(*w);
-    for (int64_t m : {int64_t{1}, int64_t{4}, kMaxGemvRows, kMaxGemvRows + 1, int64_t{70}}) {
-      SCOPED_TRACE(GgmlTypeName(type) + " m " + std::to_string(m));
+    for (int64_t m : {int64_t{1}, int64_t{4}, kMaxGemvRows, kMaxGemvRows + 1, int64_t{70}})
+    for (ActivationPrecision precision : {ActivationPrecision::kInt8, ActivationPrecision::kFloat32}) {
+      SCOPED_TRACE(GgmlTypeName(type) + " m " + std::to_string(m) + " precision " +
+                   std::to_string(static_cast<int>(precision)));
       const std::vector<float> x = RandomValues(m * k, 10);
       std::vector<float> got(m * n, std::numeric_limits<float>::quiet_NaN()), ref(m * n);
-      PackedMatMul(&pool, BestCpuKernels(), x.data(), m, k, *w, got.data());
+      PackedMatMul(&pool, BestCpuKernels(), x.data(), m, k, *w, got.data(), precision);
       MatMulTransposed(&pool, x.data(), m, k, wd.data(), n, ref.data());
-      const bool quantized = m <= kMaxGemvRows && IsBlockKernelType(type);
+      const bool quantized = m <= kMaxGemvRows && IsBlockKernelType(type) &&
+                             precision == ActivationPrecision::kInt8;
       for (int64_t i = 0; i < m * n; ++i) {
         const Reference r = ReferenceDot(wd.data() + (i % n) * k, x.data() + (i / n) * k, k, quantized);
         ASSERT_NEAR(got[i], ref[i], r.tolerance) << "output " << i;

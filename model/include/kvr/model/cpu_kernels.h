@@ -47,6 +47,12 @@ struct CpuKernels {
                       int64_t k, const ActivationBlock* a, int64_t m, float* y,
                       int64_t ldy) = nullptr;
 
+  // Block weights against float activations `a` [m, k] (each block decoded to floats in
+  // registers, no activation rounding): slower than gemv_blocks, used where the result picks
+  // tokens (the output projection).
+  void (*gemv_blocks_f32)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
+                          int64_t k, const float* a, int64_t m, float* y, int64_t ldy) = nullptr;
+
   // Float weights (F32, F16, BF16) against float activations `a` [m, k]; same output layout.
   void (*gemv_floats)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
                       int64_t k, const float* a, int64_t m, float* y, int64_t ldy) = nullptr;

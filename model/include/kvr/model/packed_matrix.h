@@ -47,9 +47,16 @@ struct PackedMatrix {
 // Up to this many rows of A take the gemv kernels; more take dequantised tiles and SGEMM.
 constexpr int64_t kMaxGemvRows = 8;
 
+// How the gemv path treats A with block-format weights.
+enum class ActivationPrecision {
+  kInt8,     // quantised to 8 bits per block of 32 (integer dot products; the fast path)
+  kFloat32,  // kept in float32 (weights decoded to floats; for the logits, which pick tokens)
+};
+
 // C[m, n] = A[m, k] * W[n, k]^T with W packed (k == w.cols, n == w.rows), split along n over
 // `pool` (may be null).
 void PackedMatMul(ThreadPool* pool, const CpuKernels& kernels, const float* a, int64_t m,
-                  int64_t k, const PackedMatrix& w, float* c);
+                  int64_t k, const PackedMatrix& w, float* c,
+                  ActivationPrecision precision = ActivationPrecision::kInt8);
 
 }  // namespace kvr::model
