@@ -10,7 +10,8 @@ namespace {
 
 #define KVR_KERNEL_TABLE(ns, isa_value) \
   CpuKernels {                            \
-    isa_value, &ns::QuantizeActivations, &ns::GemvBlocks, &ns::GemvBlocksF32, &ns::GemvFloats \
+    isa_value, &ns::QuantizeActivations, &ns::GemvBlocks, &ns::GemvBlocksF32,                \
+        &ns::AttendOneToken, &ns::GemvFloats                                                  \
   }
 
 bool CpuHas(CpuIsa isa) {

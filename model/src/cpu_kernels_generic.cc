@@ -132,6 +132,30 @@ void GemvBlocksF32(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n
   }
 }
 
+void AttendOneToken(const float* q, int group, int d, const float* k, const float* v,
+                    int64_t n_keys, int64_t row_stride, float scale, float* scores, float* out) {
+  for (int g = 0; g < group; ++g) {
+    const float* qg = q + int64_t{g} * d;
+    float* s = scores + g * n_keys;
+    float max_score = -INFINITY;
+    for (int64_t r = 0; r < n_keys; ++r) {
+      float acc = 0.f;
+      for (int i = 0; i < d; ++i) acc += qg[i] * k[r * row_stride + i];
+      s[r] = acc * scale;
+      max_score = std::max(max_score, s[r]);
+    }
+    float sum = 0.f;
+    for (int64_t r = 0; r < n_keys; ++r) sum += (s[r] = std::exp(s[r] - max_score));
+    const float inv = 1.f / sum;
+    float* og = out + int64_t{g} * d;
+    std::fill_n(og, d, 0.f);
+    for (int64_t r = 0; r < n_keys; ++r) {
+      const float p = s[r] * inv;
+      for (int i = 0; i < d; ++i) og[i] += p * v[r * row_stride + i];
+    }
+  }
+}
+
 void GemvFloats(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
                 const float* a, int64_t m, float* y, int64_t ldy) {
   for (int64_t r = 0; r < n_rows; ++r) {

@@ -75,6 +75,11 @@ Reference ReferenceDot(const float* wd, const float* x, int64_t k, bool quantize
   return {value, 1.001 * quant_bound + 1e-5 * magnitude + 1e-6};
 }
 
+std::string CaseName(int group, int d, int64_t n_keys) {
+  return "group " + std::to_string(group) + " d " + std::to_string(d) + " keys " +
+         std::to_string(n_keys);
+}
+
 struct Shape {
   int64_t n_rows, k, m;
 };
@@ -219,6 +224,46 @@ TEST_P(CpuKernelsTest, AgreesWithTheGenericPath) {
     for (int64_t i = 0; i < m * rows; ++i) {
       const Reference r = ReferenceDot(wd.data() + (i % rows) * k, x.data() + (i / rows) * k, k, false);
       EXPECT_NEAR(mine[i], ref[i], r.tolerance) << "output " << i;
+    }
+  }
+}
+
+// One decode token's attention for a group of heads against a float64 softmax. Tolerance
+// 2e-5 x max|v| (float scores and the vectorised exp's < 2e-7 relative error).
+TEST_P(CpuKernelsTest, AttendOneTokenMatchesFloat64Softmax) {
+  struct Case {
+    int group, d;
+    int64_t n_keys, row_stride;
+  };
+  for (const Case& c : {Case{3, 64, 1, 192}, Case{3, 64, 9, 192}, Case{3, 64, 300, 200},
+                        Case{1, 128, 17, 128}, Case{5, 64, 40, 320}, Case{8, 128, 33, 1024},
+                        Case{2, 40, 20, 80}, Case{4, 24, 8, 24}}) {
+    SCOPED_TRACE(CaseName(c.group, c.d, c.n_keys));
+    const std::vector<float> q = RandomValues(c.group * c.d, 13, 0.5f);
+    const std::vector<float> k = RandomValues(c.n_keys * c.row_stride, 14);
+    const std::vector<float> v = RandomValues(c.n_keys * c.row_stride, 15);
+    const float scale = 1.f / std::sqrt(static_cast<float>(c.d));
+    std::vector<float> scores(c.group * c.n_keys);
+    std::vector<float> out(c.group * c.d, std::numeric_limits<float>::quiet_NaN());
+    kernels().attend_one_token(q.data(), c.group, c.d, k.data(), v.data(), c.n_keys, c.row_stride,
+                               scale, scores.data(), out.data());
+    double vmax = 0;
+    for (float x : v) vmax = std::max(vmax, std::fabs(static_cast<double>(x)));
+    for (int g = 0; g < c.group; ++g) {
+      std::vector<double> p(c.n_keys);
+      double max_s = -INFINITY, sum = 0;
+      for (int64_t r = 0; r < c.n_keys; ++r) {
+        double s = 0;
+        for (int i = 0; i < c.d; ++i) s += static_cast<double>(q[g * c.d + i]) * k[r * c.row_stride + i];
+        p[r] = s * scale;
+        max_s = std::max(max_s, p[r]);
+      }
+      for (double& x : p) sum += (x = std::exp(x - max_s));
+      for (int i = 0; i < c.d; ++i) {
+        double ref = 0;
+        for (int64_t r = 0; r < c.n_keys; ++r) ref += p[r] / sum * v[r * c.row_stride + i];
+        ASSERT_NEAR(out[g * c.d + i], ref, 2e-5 * vmax) << "head " << g << " dim " << i;
+      }
     }
   }
 }

@@ -53,6 +53,15 @@ struct CpuKernels {
   void (*gemv_blocks_f32)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
                           int64_t k, const float* a, int64_t m, float* y, int64_t ldy) = nullptr;
 
+  // Attention of one decode token for the `group` query heads that share a KV head:
+  //   out[g] = softmax(scale * q[g] . k[r] over r < n_keys) . v
+  // q, out: [group, d] contiguous; k, v: n_keys rows `row_stride` floats apart, d floats used
+  // from each; scores: scratch of group * n_keys floats. One pass over K, one over V (the
+  // group's heads share each row load). n_keys >= 1.
+  void (*attend_one_token)(const float* q, int group, int d, const float* k, const float* v,
+                           int64_t n_keys, int64_t row_stride, float scale, float* scores,
+                           float* out) = nullptr;
+
   // Float weights (F32, F16, BF16) against float activations `a` [m, k]; same output layout.
   void (*gemv_floats)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
                       int64_t k, const float* a, int64_t m, float* y, int64_t ldy) = nullptr;
