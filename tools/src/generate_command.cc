@@ -47,6 +47,7 @@ struct GenerateOptions {
   std::string load_format = "auto";
   std::string weights = "packed";
   bool show_ids = false;
+  bool parse_special = false;
   int layers = 0;
   int64_t chunk = 512;
   bool ignore_eos = false;
@@ -223,7 +224,7 @@ absl::StatusOr<std::vector<int32_t>> PromptTokens(const GenerateOptions& o,
     KVR_ASSIGN_OR_RETURN(
         ids, loaded.tokenizer->Encode(rendered, {.add_special = false, .parse_special = true}));
   } else {
-    KVR_ASSIGN_OR_RETURN(ids, loaded.tokenizer->Encode(text));
+    KVR_ASSIGN_OR_RETURN(ids, loaded.tokenizer->Encode(text, {.parse_special = o.parse_special}));
   }
   if (ids.empty()) return absl::InvalidArgumentError("the prompt encodes to no tokens");
   if (o.prompt_tokens > 0) {
@@ -357,6 +358,9 @@ void AddGenerateCommand(CLI::App& app) {
                   "the fast path) or float32 (dequantised at load; the exact reference)")
       ->check(CLI::IsMember({"packed", "float32"}))
       ->capture_default_str();
+  cmd->add_flag("--parse-special", options->parse_special,
+                "raw prompts: recognise special tokens written in the text (e.g. <|im_start|>) "
+                "instead of splitting them as plain text (chat prompts always do)");
   cmd->add_flag("--show-ids", options->show_ids,
                 "print the prompt's and the generated token ids to stderr");
   cmd->add_option("--layers", options->layers,
