@@ -132,6 +132,11 @@ void GemvBlocksF32(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n
   }
 }
 
+void DequantizeRows(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
+                    float* out) {
+  for (int64_t r = 0; r < n_rows; ++r) (void)DequantizeRow(type, w + r * row_bytes, k, out + r * k);
+}
+
 void AttendOneToken(const float* q, int group, int d, const float* k, const float* v,
                     int64_t n_keys, int64_t row_stride, float scale, float* scores, float* out) {
   for (int g = 0; g < group; ++g) {

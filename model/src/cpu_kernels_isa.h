@@ -14,6 +14,8 @@
                   const ActivationBlock* a, int64_t m, float* y, int64_t ldy);                  \
   void GemvBlocksF32(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,         \
                      int64_t k, const float* a, int64_t m, float* y, int64_t ldy);              \
+  void DequantizeRows(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,         \
+                      int64_t k, float* out);                                                   \
   void AttendOneToken(const float* q, int group, int d, const float* k, const float* v,          \
                       int64_t n_keys, int64_t row_stride, float scale, float* scores,           \
                       float* out);                                                              \

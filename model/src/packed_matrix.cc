@@ -75,14 +75,18 @@ void QuantizeRowQ4_1(const float* x, int64_t n, uint8_t* y) {
 
 // Rows [n0, n1) of C = A W^T through dequantised tiles of W and SGEMM. `tile` is this
 // thread's scratch.
-void TiledSgemm(const float* a, int64_t m, int64_t k, const PackedMatrix& w, int64_t n0,
-                int64_t n1, float* c, std::vector<float>& tile) {
+void TiledSgemm(const CpuKernels& kernels, const float* a, int64_t m, int64_t k,
+                const PackedMatrix& w, int64_t n0, int64_t n1, float* c, std::vector<float>& tile) {
   // 64 rows x k floats (<= 400 KiB for k <= 1536): stays in L2 while SGEMM streams A past it.
   constexpr int64_t kTileRows = 64;
   tile.resize(static_cast<size_t>(kTileRows * k));
   for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
     const int64_t rows = std::min(kTileRows, n1 - t0);
-    for (int64_t r = 0; r < rows; ++r) w.DequantizeRowInto(t0 + r, tile.data() + r * k);
+    if (IsBlockKernelType(w.type) || IsFloatKernelType(w.type)) {
+      kernels.dequantize_rows(w.type, w.row(t0), w.row_bytes, rows, k, tile.data());
+    } else {
+      for (int64_t r = 0; r < rows; ++r) w.DequantizeRowInto(t0 + r, tile.data() + r * k);
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                 static_cast<int>(rows), static_cast<int>(k), 1.f, a, static_cast<int>(k),
                 tile.data(), static_cast<int>(k), 0.f, c + t0, static_cast<int>(w.rows));
@@ -173,7 +177,7 @@ void PackedMatMul(ThreadPool* pool, const CpuKernels& kernels, const float* a, i
       const int64_t n1 = std::min(n, n0 + per_part);
       if (n1 <= n0) continue;
       if (!gemv) {
-        TiledSgemm(a, m, k, w, n0, n1, c, tile);
+        TiledSgemm(kernels, a, m, k, w, n0, n1, c, tile);
       } else if (IsBlockKernelType(w.type) && !int8) {
         kernels.gemv_blocks_f32(w.type, w.row(n0), w.row_bytes, n1 - n0, k, a, m, c + n0, n);
       } else if (IsBlockKernelType(w.type)) {

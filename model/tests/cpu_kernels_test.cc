@@ -152,6 +152,21 @@ TEST_P(CpuKernelsTest, BlockGemvOnFloatActivationsMatchesFloat64Reference) {
   }
 }
 
+TEST_P(CpuKernelsTest, DequantizesRowsBitExactlyLikeDequantizeRow) {
+  const int64_t rows = 5, k = 160;
+  const std::vector<float> w_values = RandomValues(rows * k, 16, 0.05f);
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0, GgmlType::kF32,
+                        GgmlType::kF16, GgmlType::kBF16}) {
+    SCOPED_TRACE(GgmlTypeName(type));
+    auto w = QuantizeMatrix(type, w_values.data(), rows, k);
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::vector<float> got(rows * k, std::numeric_limits<float>::quiet_NaN());
+    kernels().dequantize_rows(type, w->bytes.data(), w->row_bytes, rows, k, got.data());
+    const std::vector<float> ref = Dequantized(*w);
+    for (int64_t i = 0; i < rows * k; ++i) ASSERT_EQ(got[i], ref[i]) << "element " << i;
+  }
+}
+
 TEST_P(CpuKernelsTest, FloatGemvMatchesFloat64Reference) {
   for (GgmlType type : kFloatTypes) {
     for (const Shape& s : kShapes) {

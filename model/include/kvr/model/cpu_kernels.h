@@ -53,6 +53,11 @@ struct CpuKernels {
   void (*gemv_blocks_f32)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
                           int64_t k, const float* a, int64_t m, float* y, int64_t ldy) = nullptr;
 
+  // Rows of any kernel type decoded to float32, bit-exact with DequantizeRow: out[r * k + i].
+  // For prefill, which multiplies dequantised tiles of the weights with SGEMM.
+  void (*dequantize_rows)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
+                          int64_t k, float* out) = nullptr;
+
   // Attention of one decode token for the `group` query heads that share a KV head:
   //   out[g] = softmax(scale * q[g] . k[r] over r < n_keys) . v
   // q, out: [group, d] contiguous; k, v: n_keys rows `row_stride` floats apart, d floats used
