@@ -11,18 +11,20 @@ add_library(kvr_model
   src/loader.cc
   src/packed_matrix.cc
   src/cpu_kernels.cc
-  src/cpu_kernels_generic.cc
-  src/cpu_kernels_avx2.cc
-  src/cpu_kernels_avx512.cc)
+  src/cpu_kernels_generic.cc)
 add_library(kvr::model ALIAS kvr_model)
 # The CPU kernels are built at -O3 whatever CMAKE_BUILD_TYPE is (the rest of the project stays
 # at its build type, so CI's cached objects are untouched), each ISA's file with its own target
 # flags; cpu_kernels.cc picks one at run time from cpuid, so the binary still runs on any x86-64.
 set_source_files_properties(src/cpu_kernels_generic.cc PROPERTIES COMPILE_OPTIONS "-O3")
-set_source_files_properties(src/cpu_kernels_avx2.cc PROPERTIES COMPILE_OPTIONS
-  "-O3;-mavx2;-mfma;-mf16c")
-set_source_files_properties(src/cpu_kernels_avx512.cc PROPERTIES COMPILE_OPTIONS
-  "-O3;-mavx2;-mfma;-mf16c;-mavx512f;-mavx512bw;-mavx512vl;-mavx512vnni")
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64|amd64")
+  target_sources(kvr_model PRIVATE src/cpu_kernels_avx2.cc src/cpu_kernels_avx512.cc)
+  target_compile_definitions(kvr_model PRIVATE KVR_X86_KERNELS=1)
+  set_source_files_properties(src/cpu_kernels_avx2.cc PROPERTIES COMPILE_OPTIONS
+    "-O3;-mavx2;-mfma;-mf16c")
+  set_source_files_properties(src/cpu_kernels_avx512.cc PROPERTIES COMPILE_OPTIONS
+    "-O3;-mavx2;-mfma;-mf16c;-mavx512f;-mavx512bw;-mavx512vl;-mavx512vnni")
+endif()
 kvr_warnings(kvr_model)
 target_include_directories(kvr_model PUBLIC include)
 target_link_libraries(kvr_model

@@ -15,6 +15,9 @@ namespace {
   }
 
 bool CpuHas(CpuIsa isa) {
+#if !defined(KVR_X86_KERNELS)
+  return isa == CpuIsa::kGeneric;  // the SIMD translation units are x86-only
+#else
   switch (isa) {
     case CpuIsa::kGeneric:
       return true;
@@ -27,6 +30,7 @@ bool CpuHas(CpuIsa isa) {
              __builtin_cpu_supports("avx512vnni");
   }
   return false;
+#endif
 }
 
 }  // namespace
@@ -53,18 +57,14 @@ bool IsFloatKernelType(GgmlType type) {
 
 const CpuKernels* CpuKernelsFor(CpuIsa isa) {
   static const CpuKernels kGeneric = KVR_KERNEL_TABLE(generic, CpuIsa::kGeneric);
+  if (!CpuHas(isa)) return nullptr;
+#if defined(KVR_X86_KERNELS)
   static const CpuKernels kAvx2 = KVR_KERNEL_TABLE(avx2, CpuIsa::kAvx2);
   static const CpuKernels kAvx512 = KVR_KERNEL_TABLE(avx512, CpuIsa::kAvx512);
-  if (!CpuHas(isa)) return nullptr;
-  switch (isa) {
-    case CpuIsa::kGeneric:
-      return &kGeneric;
-    case CpuIsa::kAvx2:
-      return &kAvx2;
-    case CpuIsa::kAvx512:
-      return &kAvx512;
-  }
-  return nullptr;
+  if (isa == CpuIsa::kAvx2) return &kAvx2;
+  if (isa == CpuIsa::kAvx512) return &kAvx512;
+#endif
+  return isa == CpuIsa::kGeneric ? &kGeneric : nullptr;
 }
 
 std::vector<CpuIsa> AvailableCpuIsas() {
