@@ -10,7 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
-#include "kvr/model/cpu_kernels.h"
 
 namespace kvr::model {
 
@@ -70,8 +69,7 @@ struct Task {
 };
 
 // softmax(scale q k^T) v for one task, with `scores` scratch of n_rows_q * n_keys floats.
-void RunTask(const AttentionShape& shape, const Task& t, const CpuKernels& kernels,
-             std::vector<float>& scores) {
+void RunTask(const AttentionShape& shape, const Task& t, std::vector<float>& scores) {
   const KvView& kv = t.request->kv;
   const int d = shape.head_dim;
   const int64_t last_position = t.first_position + (t.n_rows_q - 1) * t.position_step;
@@ -84,13 +82,7 @@ void RunTask(const AttentionShape& shape, const Task& t, const CpuKernels& kerne
   scores.resize(static_cast<size_t>(t.n_rows_q * n_keys));
   const float* k = kv.k + int64_t{t.kv_head} * d;
   const float* v = kv.v + int64_t{t.kv_head} * d;
-  if (t.position_step == 0 && kv.positions.empty() && t.lda == d) {
-    // One decode token's heads over dense rows (every row visible): one pass over K and one
-    // over V instead of two small SGEMMs that pack K first.
-    kernels.attend_one_token(t.q, static_cast<int>(t.n_rows_q), d, k, v, n_keys, kv.row_stride,
-                             shape.scale, scores.data(), t.out);
-    return;
-  }
+
   // [n_rows_q, n_keys] = scale * q [n_rows_q, d] . k[n_keys, d]^T
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(t.n_rows_q),
               static_cast<int>(n_keys), d, shape.scale, t.q, static_cast<int>(t.lda), k,
@@ -165,7 +157,7 @@ absl::Status DenseAttention::Attend(const AttentionShape& shape,
   });
   auto run = [&](size_t begin, size_t end) {
     std::vector<float> scores;
-    for (size_t i = begin; i < end; ++i) RunTask(shape, tasks[i], BestCpuKernels(), scores);
+    for (size_t i = begin; i < end; ++i) RunTask(shape, tasks[i], scores);
   };
   if (pool_ != nullptr) {
     pool_->ParallelFor(tasks.size(), run);
