@@ -2,7 +2,28 @@
 
 #include <algorithm>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KVR_CPU_RELAX() _mm_pause()
+#else
+#define KVR_CPU_RELAX() std::this_thread::yield()
+#endif
+
 namespace kvr {
+namespace {
+
+// Spins until done() or `limit` has passed; returns done().
+template <typename Done>
+bool SpinUntil(Done done, std::chrono::microseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    for (int i = 0; i < 64; ++i) KVR_CPU_RELAX();
+    if (std::chrono::steady_clock::now() > deadline) return done();
+  }
+  return true;
+}
+
+}  // namespace
 
 ThreadPool::ThreadPool(size_t num_threads) {
   if (num_threads == 0) num_threads = std::max(1u, std::thread::hardware_concurrency());
@@ -47,6 +68,11 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t, size_t)>
     lock.lock();
     --pending_;
   }
+  if (pending_ != 0) {
+    lock.unlock();
+    SpinUntil([this] { return pending_.load(std::memory_order_acquire) == 0; }, kSpin);
+    lock.lock();
+  }
   done_cv_.wait(lock, [this] { return pending_ == 0; });
   fn_ = nullptr;
 }
@@ -55,6 +81,11 @@ void ThreadPool::WorkerLoop() {
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
+    if (!stop_ && generation_ == seen) {
+      lock.unlock();
+      SpinUntil([&] { return generation_.load(std::memory_order_acquire) != seen; }, kSpin);
+      lock.lock();
+    }
     work_cv_.wait(lock, [&] { return stop_ || (generation_ != seen && next_ < n_); });
     if (stop_) return;
     seen = generation_;

@@ -93,7 +93,11 @@ int Serve(const DecodeConfig& config) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   ThreadPool pool(config.threads);
-  absl::StatusOr<model::LoadedModel> loaded = model::LoadModel(config.model, {}, &pool);
+  // The CUDA backend uploads float32 weights; the CPU forward pass keeps GGUF weights packed.
+  model::LoadOptions load_options;
+  load_options.weights =
+      config.device == "cuda" ? model::WeightStorage::kFloat32 : model::WeightStorage::kPacked;
+  absl::StatusOr<model::LoadedModel> loaded = model::LoadModel(config.model, load_options, &pool);
   if (!loaded.ok()) {
     std::cerr << "kvr-decode: " << loaded.status() << "\n";
     return 1;

@@ -1416,6 +1416,11 @@ bool CudaModelAvailable() { return kvr::cuda::HaveCudaDevice(); }
 absl::StatusOr<std::unique_ptr<CudaModel>> CreateCudaModel(const ModelConfig& config,
                                                            const ModelWeights& weights,
                                                            const CudaModelOptions& options) {
+  if (weights.packed()) {
+    return absl::InvalidArgumentError(
+        "CreateCudaModel: the weights are packed; load them with LoadOptions::weights = "
+        "WeightStorage::kFloat32");
+  }
   KVR_ASSIGN_OR_RETURN(auto model, CudaModelImpl::Make(config, options));
   KVR_RETURN_IF_ERROR(model->UploadWeights(weights));
   return std::unique_ptr<CudaModel>(std::move(model));

@@ -82,6 +82,7 @@ void RunTask(const AttentionShape& shape, const Task& t, std::vector<float>& sco
   scores.resize(static_cast<size_t>(t.n_rows_q * n_keys));
   const float* k = kv.k + int64_t{t.kv_head} * d;
   const float* v = kv.v + int64_t{t.kv_head} * d;
+
   // [n_rows_q, n_keys] = scale * q [n_rows_q, d] . k[n_keys, d]^T
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(t.n_rows_q),
               static_cast<int>(n_keys), d, shape.scale, t.q, static_cast<int>(t.lda), k,

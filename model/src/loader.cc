@@ -86,6 +86,13 @@ absl::Status CheckFits(const ModelConfig& config) {
 
 }  // namespace
 
+absl::StatusOr<WeightStorage> ParseWeightStorage(absl::string_view name) {
+  if (name == "packed") return WeightStorage::kPacked;
+  if (name == "float32") return WeightStorage::kFloat32;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown weight storage '", name, "' (packed or float32)"));
+}
+
 absl::StatusOr<LoadedModel> LoadModel(const std::string& model, const LoadOptions& options,
                                       ThreadPool* pool) {
   LoadedModel loaded;
@@ -118,7 +125,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& model, const LoadOption
     KVR_ASSIGN_OR_RETURN(TokenizerSpec spec, TokenizerSpecFromGguf(file));
     KVR_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::FromGgufMetadata(spec));
     loaded.tokenizer.emplace(std::move(tokenizer));
-    KVR_ASSIGN_OR_RETURN(ModelWeights weights, LoadGgufWeights(file, config, pool));
+    KVR_ASSIGN_OR_RETURN(ModelWeights weights, LoadGgufWeights(file, config, pool, options.weights));
     KVR_ASSIGN_OR_RETURN(loaded.model, Model::Create(std::move(config), std::move(weights), pool));
     return loaded;
   }

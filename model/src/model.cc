@@ -115,6 +115,7 @@ Model::Model(ModelConfig config, ModelWeights weights, ThreadPool* pool)
     : config_(std::move(config)),
       weights_(std::move(weights)),
       pool_(pool),
+      kernels_(&BestCpuKernels()),
       rope_inv_freq_(RopeInverseFrequencies(config_)) {}
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Create(ModelConfig config, ModelWeights weights,
@@ -216,8 +217,12 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
     int64_t row = 0;
     for (const ForwardSequence& s : batch) {
       for (int32_t token : s.tokens) {
-        std::memcpy(x.data() + row++ * h, weights_.token_embd.data() + int64_t{token} * h,
-                    h * sizeof(float));
+        if (weights_.packed()) {
+          weights_.packed_token_embd.DequantizeRowInto(token, x.data() + row++ * h);
+        } else {
+          std::memcpy(x.data() + row++ * h, weights_.token_embd.data() + int64_t{token} * h,
+                      h * sizeof(float));
+        }
       }
     }
   }
@@ -225,13 +230,22 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
   const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim,
                              1.f / std::sqrt(static_cast<float>(c.head_dim))};
   std::vector<AttentionRequest> requests(batch.size());
+  // out[m, n] = a[m, k] W^T in whichever storage the weights use.
+  auto project = [&](const float* a, int64_t m, int64_t k, const std::vector<float>& dense,
+                     const PackedMatrix& packed, int64_t n, float* out) {
+    if (packed.empty()) {
+      MatMulTransposed(pool_, a, m, k, dense.data(), n, out);
+    } else {
+      PackedMatMul(pool_, *kernels_, a, m, k, packed, out);
+    }
+  };
 
   for (int layer = 0; layer < c.n_layers; ++layer) {
     const LayerWeights& w = weights_.layers[layer];
     ParallelRows(pool_, total, kMinRows, [&](size_t b, size_t e) {
       RmsNorm(x.data() + b * h, w.attn_norm.data(), e - b, h, c.rms_eps, normed.data() + b * h);
     });
-    MatMulTransposed(pool_, normed.data(), total, h, w.wqkv.data(), qkv_dim, qkv.data());
+    project(normed.data(), total, h, w.wqkv, w.packed_wqkv, qkv_dim, qkv.data());
     ParallelRows(pool_, total, kMinRows, [&](size_t b, size_t e) {
       const int64_t half = c.head_dim / 2;
       for (size_t t = b; t < e; ++t) {
@@ -264,12 +278,12 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
       r.out = attn.data() + first_row[b] * q_dim;
     }
     KVR_RETURN_IF_ERROR(attention.Attend(shape, requests));
-    MatMulTransposed(pool_, attn.data(), total, q_dim, w.wo.data(), h, proj.data());
+    project(attn.data(), total, q_dim, w.wo, w.packed_wo, h, proj.data());
     ParallelRows(pool_, total, kMinRows, [&](size_t b, size_t e) {
       for (size_t i = b * h; i < e * h; ++i) x[i] += proj[i];
       RmsNorm(x.data() + b * h, w.ffn_norm.data(), e - b, h, c.rms_eps, normed.data() + b * h);
     });
-    MatMulTransposed(pool_, normed.data(), total, h, w.w_gate_up.data(), 2 * f, gate_up.data());
+    project(normed.data(), total, h, w.w_gate_up, w.packed_w_gate_up, 2 * f, gate_up.data());
     ParallelRows(pool_, total, kMinRows, [&](size_t b, size_t e) {
       for (size_t t = b; t < e; ++t) {
         const float* g = gate_up.data() + t * 2 * f;
@@ -278,7 +292,7 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
         for (int64_t i = 0; i < f; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
       }
     });
-    MatMulTransposed(pool_, act.data(), total, f, w.w_down.data(), h, proj.data());
+    project(act.data(), total, f, w.w_down, w.packed_w_down, h, proj.data());
     ParallelRows(pool_, total, kMinRows, [&](size_t b, size_t e) {
       for (size_t i = b * h; i < e * h; ++i) x[i] += proj[i];
     });
@@ -298,8 +312,15 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
               out_rows.data() + b * h);
     });
   }
-  MatMulTransposed(pool_, out_rows.data(), n_out, h, weights_.output_matrix(), c.vocab,
-                   logits.data());
+  if (weights_.packed()) {
+    // Float activations here: an 8-bit rounding of the final hidden state would move logits by
+    // ~0.1 and flip near-tied greedy choices; this product is ~1/4 of a step's weight bytes.
+    PackedMatMul(pool_, *kernels_, out_rows.data(), n_out, h, weights_.packed_output_matrix(),
+                 logits.data(), ActivationPrecision::kFloat32);
+  } else {
+    MatMulTransposed(pool_, out_rows.data(), n_out, h, weights_.output_matrix(), c.vocab,
+                     logits.data());
+  }
   return absl::OkStatus();
 }
 

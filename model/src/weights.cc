@@ -18,10 +18,13 @@ namespace kvr::model {
 
 int64_t ModelWeights::allocated_bytes() const {
   auto bytes = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size() * 4); };
-  int64_t total = bytes(token_embd) + bytes(output_norm) + bytes(output);
+  auto packed = [](const PackedMatrix& m) { return static_cast<int64_t>(m.bytes.size()); };
+  int64_t total = bytes(token_embd) + bytes(output_norm) + bytes(output) +
+                  packed(packed_token_embd) + packed(packed_output);
   for (const LayerWeights& l : layers) {
     total += bytes(l.attn_norm) + bytes(l.wqkv) + bytes(l.bqkv) + bytes(l.wo) + bytes(l.ffn_norm) +
-             bytes(l.w_gate_up) + bytes(l.w_down);
+             bytes(l.w_gate_up) + bytes(l.w_down) + packed(l.packed_wqkv) + packed(l.packed_wo) +
+             packed(l.packed_w_gate_up) + packed(l.packed_w_down);
   }
   return total;
 }
@@ -34,10 +37,30 @@ absl::Status ModelWeights::CheckShapes(const ModelConfig& c) const {
     }
     return absl::OkStatus();
   };
+  // A packed matrix must have the shape; a float vector must then be empty, and vice versa.
+  auto check_matrix = [&](const std::vector<float>& v, const PackedMatrix& m, int64_t rows,
+                          int64_t cols, const std::string& what) -> absl::Status {
+    if (!packed()) {
+      if (!m.empty()) return absl::InvalidArgumentError(absl::StrCat("weights: ", what, " is packed in float32 weights"));
+      return check(v, rows * cols, what);
+    }
+    KVR_RETURN_IF_ERROR(check(v, 0, what));
+    if (m.rows != rows || m.cols != cols) {
+      return absl::InvalidArgumentError(absl::StrCat("weights: packed ", what, " is [", m.rows,
+                                                     ", ", m.cols, "], expected [", rows, ", ",
+                                                     cols, "]"));
+    }
+    return absl::OkStatus();
+  };
   const int64_t h = c.hidden, qkv = c.q_dim() + 2 * c.kv_dim();
-  KVR_RETURN_IF_ERROR(check(token_embd, int64_t{c.vocab} * h, "token_embd"));
+  KVR_RETURN_IF_ERROR(check_matrix(token_embd, packed_token_embd, c.vocab, h, "token_embd"));
   KVR_RETURN_IF_ERROR(check(output_norm, h, "output_norm"));
-  KVR_RETURN_IF_ERROR(check(output, c.tied_embeddings ? 0 : int64_t{c.vocab} * h, "output"));
+  if (c.tied_embeddings) {
+    KVR_RETURN_IF_ERROR(check(output, 0, "output"));
+    if (!packed_output.empty()) return absl::InvalidArgumentError("weights: packed output with tied embeddings");
+  } else {
+    KVR_RETURN_IF_ERROR(check_matrix(output, packed_output, c.vocab, h, "output"));
+  }
   if (static_cast<int>(layers.size()) != c.n_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("weights: ", layers.size(), " layers, config has ", c.n_layers));
@@ -46,12 +69,13 @@ absl::Status ModelWeights::CheckShapes(const ModelConfig& c) const {
     const LayerWeights& l = layers[i];
     const std::string p = absl::StrCat("layer ", i, " ");
     KVR_RETURN_IF_ERROR(check(l.attn_norm, h, p + "attn_norm"));
-    KVR_RETURN_IF_ERROR(check(l.wqkv, qkv * h, p + "wqkv"));
+    KVR_RETURN_IF_ERROR(check_matrix(l.wqkv, l.packed_wqkv, qkv, h, p + "wqkv"));
     KVR_RETURN_IF_ERROR(check(l.bqkv, c.qkv_bias ? qkv : 0, p + "bqkv"));
-    KVR_RETURN_IF_ERROR(check(l.wo, h * c.q_dim(), p + "wo"));
+    KVR_RETURN_IF_ERROR(check_matrix(l.wo, l.packed_wo, h, c.q_dim(), p + "wo"));
     KVR_RETURN_IF_ERROR(check(l.ffn_norm, h, p + "ffn_norm"));
-    KVR_RETURN_IF_ERROR(check(l.w_gate_up, 2 * int64_t{c.ffn} * h, p + "w_gate_up"));
-    KVR_RETURN_IF_ERROR(check(l.w_down, h * c.ffn, p + "w_down"));
+    KVR_RETURN_IF_ERROR(
+        check_matrix(l.w_gate_up, l.packed_w_gate_up, 2 * int64_t{c.ffn}, h, p + "w_gate_up"));
+    KVR_RETURN_IF_ERROR(check_matrix(l.w_down, l.packed_w_down, h, c.ffn, p + "w_down"));
   }
   return absl::OkStatus();
 }
@@ -67,6 +91,21 @@ void UnpermuteRopeRows(float* w, int n_head, int head_dim, int64_t in) {
       for (int j = 0; j < 2; ++j) {
         std::memcpy(base + (int64_t{j} * half + i) * in, head.data() + (2 * i + j) * in,
                     in * sizeof(float));
+      }
+    }
+  }
+}
+
+void UnpermuteRopeRowBytes(uint8_t* w, int n_head, int head_dim, int64_t row_bytes) {
+  const int half = head_dim / 2;
+  std::vector<uint8_t> head(static_cast<size_t>(head_dim * row_bytes));
+  for (int h = 0; h < n_head; ++h) {
+    uint8_t* base = w + int64_t{h} * head_dim * row_bytes;
+    std::memcpy(head.data(), base, head.size());
+    for (int i = 0; i < half; ++i) {
+      for (int j = 0; j < 2; ++j) {
+        std::memcpy(base + (int64_t{j} * half + i) * row_bytes, head.data() + (2 * i + j) * row_bytes,
+                    static_cast<size_t>(row_bytes));
       }
     }
   }
@@ -145,10 +184,114 @@ std::string ShapeString(std::span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// One part of a fused packed matrix: a GGUF tensor of `rows` rows, RoPE-permuted with
+// `rope_heads` heads when that is > 0.
+struct PackedPart {
+  std::string name;
+  int64_t rows = 0;
+  int rope_heads = 0;
+};
+
+// Reads `parts` (each [rows, cols]) into one packed matrix: their bytes as stored when they
+// share a type the kernels take, otherwise dequantised and requantised to Q8_0.
+absl::StatusOr<PackedMatrix> ReadPacked(const GgufFile& file, const std::vector<PackedPart>& parts,
+                                        int64_t cols, int head_dim, const TensorReader& read) {
+  int64_t rows = 0;
+  bool same_type = true;
+  GgmlType type = GgmlType::kF32;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    KVR_ASSIGN_OR_RETURN(const GgufTensorInfo* info, file.FindTensor(parts[i].name));
+    if (i == 0) type = info->type;
+    same_type = same_type && info->type == type;
+    rows += parts[i].rows;
+  }
+  const bool direct = same_type && (IsBlockKernelType(type) || IsFloatKernelType(type));
+  if (direct) {
+    KVR_ASSIGN_OR_RETURN(PackedMatrix m, NewPackedMatrix(type, rows, cols));
+    int64_t row = 0;
+    for (const PackedPart& part : parts) {
+      KVR_ASSIGN_OR_RETURN(const GgufTensorInfo* info, file.FindTensor(part.name));
+      const std::vector<int64_t> expected = {cols, part.rows};
+      if (info->dims != expected) {
+        return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", part.name, "' has dims ",
+                                                       ShapeString(info->dims), ", the config needs ",
+                                                       ShapeString(expected), " (ggml order)"));
+      }
+      const std::span<const uint8_t> data = file.TensorData(*info);
+      if (static_cast<int64_t>(data.size()) != part.rows * m.row_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", part.name, "' has ",
+                                                       data.size(), " bytes, expected ",
+                                                       part.rows * m.row_bytes));
+      }
+      uint8_t* dst = m.bytes.data() + row * m.row_bytes;
+      std::memcpy(dst, data.data(), data.size());
+      if (part.rope_heads > 0) UnpermuteRopeRowBytes(dst, part.rope_heads, head_dim, m.row_bytes);
+      row += part.rows;
+    }
+    return m;
+  }
+  // Requantise through float32 (the float reader checks shapes and undoes the permutation).
+  std::vector<float> values(static_cast<size_t>(rows * cols));
+  int64_t row = 0;
+  for (const PackedPart& part : parts) {
+    float* dst = values.data() + row * cols;
+    KVR_RETURN_IF_ERROR(read(part.name, std::vector<int64_t>{part.rows, cols},
+                             std::span<float>(dst, static_cast<size_t>(part.rows * cols))));
+    if (part.rope_heads > 0) UnpermuteRopeRows(dst, part.rope_heads, head_dim, cols);
+    row += part.rows;
+  }
+  return QuantizeMatrix(cols % 32 == 0 ? GgmlType::kQ8_0 : GgmlType::kF32, values.data(), rows,
+                        cols);
+}
+
+absl::StatusOr<ModelWeights> LoadPackedGguf(const GgufFile& file, const ModelConfig& c,
+                                            const TensorNames& names, const TensorReader& read,
+                                            bool unpermute_qk) {
+  ModelWeights w;
+  const int64_t h = c.hidden, q = c.q_dim(), kv = c.kv_dim(), f = c.ffn;
+  const int q_heads = unpermute_qk ? c.n_heads : 0, k_heads = unpermute_qk ? c.n_kv_heads : 0;
+  KVR_ASSIGN_OR_RETURN(w.packed_token_embd, ReadPacked(file, {{names.embd, c.vocab}}, h, c.head_dim, read));
+  w.output_norm.resize(h);
+  KVR_RETURN_IF_ERROR(read(names.out_norm, std::vector<int64_t>{h}, w.output_norm));
+  if (!c.tied_embeddings) {
+    KVR_ASSIGN_OR_RETURN(w.packed_output, ReadPacked(file, {{names.output, c.vocab}}, h, c.head_dim, read));
+  }
+  w.layers.resize(c.n_layers);
+  for (int i = 0; i < c.n_layers; ++i) {
+    LayerWeights& l = w.layers[i];
+    auto n = [&](absl::string_view role) { return names.layer(i, role); };
+    l.attn_norm.resize(h);
+    KVR_RETURN_IF_ERROR(read(n("attn_norm"), std::vector<int64_t>{h}, l.attn_norm));
+    KVR_ASSIGN_OR_RETURN(l.packed_wqkv, ReadPacked(file, {{n("wq"), q, q_heads}, {n("wk"), kv, k_heads}, {n("wv"), kv}},
+                                                   h, c.head_dim, read));
+    if (c.qkv_bias) {
+      auto span_of = [](std::vector<float>& v, int64_t offset, int64_t count) {
+        return std::span<float>(v.data() + offset, static_cast<size_t>(count));
+      };
+      l.bqkv.resize(static_cast<size_t>(q + 2 * kv));
+      KVR_RETURN_IF_ERROR(read(n("bq"), std::vector<int64_t>{q}, span_of(l.bqkv, 0, q)));
+      KVR_RETURN_IF_ERROR(read(n("bk"), std::vector<int64_t>{kv}, span_of(l.bqkv, q, kv)));
+      KVR_RETURN_IF_ERROR(read(n("bv"), std::vector<int64_t>{kv}, span_of(l.bqkv, q + kv, kv)));
+      if (unpermute_qk) {
+        UnpermuteRopeRows(l.bqkv.data(), c.n_heads, c.head_dim, 1);
+        UnpermuteRopeRows(l.bqkv.data() + q, c.n_kv_heads, c.head_dim, 1);
+      }
+    }
+    KVR_ASSIGN_OR_RETURN(l.packed_wo, ReadPacked(file, {{n("wo"), h}}, q, c.head_dim, read));
+    l.ffn_norm.resize(h);
+    KVR_RETURN_IF_ERROR(read(n("ffn_norm"), std::vector<int64_t>{h}, l.ffn_norm));
+    KVR_ASSIGN_OR_RETURN(l.packed_w_gate_up,
+                         ReadPacked(file, {{n("w_gate"), f}, {n("w_up"), f}}, h, c.head_dim, read));
+    KVR_ASSIGN_OR_RETURN(l.packed_w_down, ReadPacked(file, {{n("w_down"), h}}, f, c.head_dim, read));
+  }
+  KVR_RETURN_IF_ERROR(w.CheckShapes(c));
+  return w;
+}
+
 }  // namespace
 
 absl::StatusOr<ModelWeights> LoadGgufWeights(const GgufFile& file, const ModelConfig& config,
-                                             ThreadPool* pool) {
+                                             ThreadPool* pool, WeightStorage storage) {
   TensorNames names;
   names.embd = "token_embd.weight";
   names.out_norm = "output_norm.weight";
@@ -186,7 +329,8 @@ absl::StatusOr<ModelWeights> LoadGgufWeights(const GgufFile& file, const ModelCo
   };
   const bool permuted =
       config.arch == Architecture::kLlama || config.arch == Architecture::kMistral;
-  return LoadAll(config, names, read, permuted);
+  if (storage == WeightStorage::kFloat32) return LoadAll(config, names, read, permuted);
+  return LoadPackedGguf(file, config, names, read, permuted);
 }
 
 absl::StatusOr<ModelWeights> LoadHfWeights(const SafetensorsCheckpoint& checkpoint,

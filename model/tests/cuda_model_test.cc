@@ -174,7 +174,9 @@ TEST(CudaModelTest, SmolLm2GgufGreedyMatchesCpu) {
   const std::string path = TestModelPath();
   if (!std::filesystem::exists(path)) GTEST_SKIP() << "no model at " << path;
   ThreadPool pool;
-  auto loaded = LoadModel(path, {}, &pool);
+  LoadOptions options;
+  options.weights = WeightStorage::kFloat32;  // CreateCudaModel uploads float32 weights
+  auto loaded = LoadModel(path, options, &pool);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   const Model& cpu = *loaded->model;
   ASSERT_TRUE(loaded->tokenizer.has_value());

@@ -41,7 +41,10 @@ class LogitsParityTest : public testing::Test {
  protected:
   static void SetUpTestSuite() {
     pool_ = new ThreadPool(0);
-    auto loaded = LoadModel(TestModelPath(), {}, pool_);
+    // The exact float32 path: the reference is float32 transformers.
+    LoadOptions options;
+    options.weights = WeightStorage::kFloat32;
+    auto loaded = LoadModel(TestModelPath(), options, pool_);
     ASSERT_TRUE(loaded.ok()) << "loading " << TestModelPath() << ": " << loaded.status()
                              << " (scripts/fetch-model.sh fetches it)";
     loaded_ = new LoadedModel(std::move(*loaded));

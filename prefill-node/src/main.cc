@@ -156,7 +156,11 @@ int Serve(const PrefillConfig& config) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   ThreadPool pool(config.threads);
-  absl::StatusOr<model::LoadedModel> loaded = model::LoadModel(config.model, {}, &pool);
+  // The CUDA backend uploads float32 weights; the CPU forward pass keeps GGUF weights packed.
+  model::LoadOptions load_options;
+  load_options.weights =
+      config.device == "cuda" ? model::WeightStorage::kFloat32 : model::WeightStorage::kPacked;
+  absl::StatusOr<model::LoadedModel> loaded = model::LoadModel(config.model, load_options, &pool);
   if (!loaded.ok()) {
     std::cerr << "kvr-prefill: " << loaded.status() << "\n";
     return 1;

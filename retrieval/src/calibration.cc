@@ -64,14 +64,33 @@ class Fnv1a {
   }
   // The size and kSamples evenly strided values of a tensor.
   void AddTensor(const std::vector<float>& t) {
-    constexpr size_t kSamples = 4096;
     AddValue<uint64_t>(t.size());
     const size_t stride = std::max<size_t>(1, t.size() / kSamples);
     for (size_t i = 0; i < t.size(); i += stride) AddValue(t[i]);
   }
+  // A weight matrix as AddTensor sees its float32 form, whichever storage holds it: a packed
+  // matrix is dequantised row by row (the values the float32 load makes), so a model hashes
+  // the same packed or not.
+  void AddMatrix(const std::vector<float>& dense, const model::PackedMatrix& packed) {
+    if (packed.empty()) return AddTensor(dense);
+    const size_t cols = static_cast<size_t>(packed.cols);
+    const size_t size = static_cast<size_t>(packed.rows) * cols;
+    AddValue<uint64_t>(size);
+    const size_t stride = std::max<size_t>(1, size / kSamples);
+    std::vector<float> row(cols);
+    size_t loaded = size;  // no row yet
+    for (size_t i = 0; i < size; i += stride) {
+      if (i / cols != loaded) {
+        loaded = i / cols;
+        packed.DequantizeRowInto(static_cast<int64_t>(loaded), row.data());
+      }
+      AddValue(row[i % cols]);
+    }
+  }
   uint64_t value() const { return hash_; }
 
  private:
+  static constexpr size_t kSamples = 4096;
   uint64_t hash_ = 0xcbf29ce484222325ull;
 };
 
@@ -110,14 +129,17 @@ absl::StatusOr<ModelFingerprint> FingerprintOf(const model::Model& model) {
   h.AddValue<uint8_t>(c.tied_embeddings);
   h.AddValue<uint8_t>(c.qkv_bias);
   const model::ModelWeights& w = model.weights();
-  h.AddTensor(w.token_embd);
+  h.AddMatrix(w.token_embd, w.packed_token_embd);
   h.AddTensor(w.output_norm);
-  h.AddTensor(w.output);
+  h.AddMatrix(w.output, w.packed_output);
   for (const model::LayerWeights& l : w.layers) {
-    for (const std::vector<float>* t :
-         {&l.attn_norm, &l.wqkv, &l.bqkv, &l.wo, &l.ffn_norm, &l.w_gate_up, &l.w_down}) {
-      h.AddTensor(*t);
-    }
+    h.AddTensor(l.attn_norm);
+    h.AddMatrix(l.wqkv, l.packed_wqkv);
+    h.AddTensor(l.bqkv);
+    h.AddMatrix(l.wo, l.packed_wo);
+    h.AddTensor(l.ffn_norm);
+    h.AddMatrix(l.w_gate_up, l.packed_w_gate_up);
+    h.AddMatrix(l.w_down, l.packed_w_down);
   }
   f.model_hash = h.value();
   KVR_RETURN_IF_ERROR(f.Validate());

@@ -84,6 +84,24 @@ TEST(CalibrationTest, FingerprintTellsModelsApart) {
   EXPECT_EQ(fa->n_layers, a.model->config().n_layers);
 }
 
+// Codebooks calibrated on one weight storage must load on the other: the fingerprint hashes the
+// float32 values, which packed matrices give back exactly when dequantised.
+TEST(CalibrationTest, FingerprintIsTheSamePackedOrFloat32) {
+  const std::string path = TestModelPath();
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " missing (scripts/fetch-model.sh)";
+  ThreadPool pool(2);
+  model::LoadOptions f32_options;
+  f32_options.weights = model::WeightStorage::kFloat32;
+  auto f32 = model::LoadModel(path, f32_options, &pool);
+  auto packed = model::LoadModel(path, {}, &pool);
+  ASSERT_TRUE(f32.ok() && packed.ok());
+  ASSERT_TRUE(packed->model->weights().packed());
+  ASSERT_FALSE(f32->model->weights().packed());
+  auto fa = FingerprintOf(*f32->model), fb = FingerprintOf(*packed->model);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  EXPECT_EQ(fa->model_hash, fb->model_hash);
+}
+
 TEST(CalibrationTest, CalibrateSaveLoadAndRefuseOtherModel) {
   ThreadPool pool(2);
   auto loaded = LoadTiny(&pool, 1);

@@ -24,7 +24,12 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   const std::string path = kvr::TestModelPath();
   if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
   ThreadPool pool(0);
-  auto loaded = kvr::model::LoadModel(path, {}, &pool);
+  // float32 weights: "full" must reproduce the dense reference token for token, and the
+  // reference's teacher-forced logits come from a many-token forward pass, which with packed
+  // weights takes the SGEMM path while decode steps take the 8-bit gemv.
+  kvr::model::LoadOptions load_options;
+  load_options.weights = kvr::model::WeightStorage::kFloat32;
+  auto loaded = kvr::model::LoadModel(path, load_options, &pool);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EvalOptions o;
   o.contexts = {320};

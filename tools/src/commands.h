@@ -9,6 +9,7 @@ class App;
 namespace kvr::tools {
 
 void AddGenerateCommand(CLI::App& app);  // kvr generate
+void AddTokenizeCommand(CLI::App& app);  // kvr tokenize
 void AddEvalCommand(CLI::App& app);      // kvr eval retrieval (retrieval/eval)
 void AddCalibrateCommand(CLI::App& app);  // kvr calibrate (A2ATS codebooks)
 void AddUpCommand(CLI::App& app);         // kvr up (local cluster)

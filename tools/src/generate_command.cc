@@ -20,9 +20,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "commands.h"
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/model/cpu_kernels.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
@@ -43,6 +45,9 @@ struct GenerateOptions {
   uint64_t seed = 0;
   int threads = 0;
   std::string load_format = "auto";
+  std::string weights = "packed";
+  bool show_ids = false;
+  bool parse_special = false;
   int layers = 0;
   int64_t chunk = 512;
   bool ignore_eos = false;
@@ -219,7 +224,7 @@ absl::StatusOr<std::vector<int32_t>> PromptTokens(const GenerateOptions& o,
     KVR_ASSIGN_OR_RETURN(
         ids, loaded.tokenizer->Encode(rendered, {.add_special = false, .parse_special = true}));
   } else {
-    KVR_ASSIGN_OR_RETURN(ids, loaded.tokenizer->Encode(text));
+    KVR_ASSIGN_OR_RETURN(ids, loaded.tokenizer->Encode(text, {.parse_special = o.parse_special}));
   }
   if (ids.empty()) return absl::InvalidArgumentError("the prompt encodes to no tokens");
   if (o.prompt_tokens > 0) {
@@ -237,6 +242,7 @@ absl::StatusOr<std::vector<int32_t>> PromptTokens(const GenerateOptions& o,
 absl::Status RunGenerate(const GenerateOptions& o) {
   if (!o.endpoint.empty()) return RunRemote(o);
   KVR_ASSIGN_OR_RETURN(model::LoadFormat format, model::ParseLoadFormat(o.load_format));
+  KVR_ASSIGN_OR_RETURN(model::WeightStorage storage, model::ParseWeightStorage(o.weights));
   KVR_ASSIGN_OR_RETURN(model::Sampler sampler,
                        model::Sampler::Create({.temperature = o.temperature,
                                                .top_p = o.top_p,
@@ -250,15 +256,17 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   load_options.format = format;
   load_options.dummy_seed = o.seed;
   load_options.dummy_layers = o.layers;
+  load_options.weights = storage;
   KVR_ASSIGN_OR_RETURN(model::LoadedModel loaded, model::LoadModel(o.model, load_options, &pool));
   const model::Model& m = *loaded.model;
   const model::ModelConfig& c = m.config();
   std::cerr << absl::StrFormat(
-      "loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.0f MiB float32) in %.2f s "
-      "on %d threads\n",
+      "loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.0f MiB of %s weights) in "
+      "%.2f s on %d threads (%s kernels)\n",
       loaded.source, model::ArchitectureName(c.arch), c.n_layers, c.hidden, c.n_heads, c.n_kv_heads,
-      c.vocab, m.weights().allocated_bytes() / 1048576.0, Seconds(load_start),
-      static_cast<int>(pool.size()));
+      c.vocab, m.weights().allocated_bytes() / 1048576.0,
+      m.weights().packed() ? "packed" : "float32", Seconds(load_start),
+      static_cast<int>(pool.size()), model::CpuIsaName(model::BestCpuKernels().isa));
 
   KVR_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, PromptTokens(o, loaded));
   model::DenseAttention attention(&pool);
@@ -285,12 +293,14 @@ absl::Status RunGenerate(const GenerateOptions& o) {
     return absl::OkStatus();
   };
 
+  std::vector<int32_t> generated_ids;
   int generated = 0;
   double decode_s = 0.0;
   const auto decode_start = Clock::now();
   while (generated < o.max_tokens) {
     KVR_ASSIGN_OR_RETURN(int32_t token, sampler.Sample(logits));
     ++generated;
+    generated_ids.push_back(token);
     if (!o.ignore_eos && loaded.tokenizer && loaded.tokenizer->IsEndOfGeneration(token)) break;
     KVR_RETURN_IF_ERROR(emit(token));
     if (generated == o.max_tokens || cache.n_tokens() >= c.context_length) break;
@@ -305,6 +315,10 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   }
   std::fputc('\n', stdout);
   std::fflush(stdout);
+  if (o.show_ids) {
+    std::cerr << "prompt ids: " << absl::StrJoin(prompt, " ") << "\n"
+              << "generated ids: " << absl::StrJoin(generated_ids, " ") << "\n";
+  }
   // Decode throughput counts the forward passes of the decode loop: one per token after the
   // first (the first token's logits come from the prefill).
   const int decode_steps = std::max(0, generated - 1);
@@ -339,6 +353,16 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--load-format", options->load_format, "auto|gguf|hf|dummy")
       ->check(CLI::IsMember({"auto", "gguf", "hf", "dummy"}))
       ->capture_default_str();
+  cmd->add_option("--weights", options->weights,
+                  "GGUF weight storage: packed (the file's formats, 8-bit activations in decode; "
+                  "the fast path) or float32 (dequantised at load; the exact reference)")
+      ->check(CLI::IsMember({"packed", "float32"}))
+      ->capture_default_str();
+  cmd->add_flag("--parse-special", options->parse_special,
+                "raw prompts: recognise special tokens written in the text (e.g. <|im_start|>) "
+                "instead of splitting them as plain text (chat prompts always do)");
+  cmd->add_flag("--show-ids", options->show_ids,
+                "print the prompt's and the generated token ids to stderr");
   cmd->add_option("--layers", options->layers,
                   "dummy only: override the shape's layer count (llama3-8b's 32 float32 layers "
                   "need 30 GiB)");

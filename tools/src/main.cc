@@ -8,6 +8,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kvr: long-context LLM serving with KV retrieval"};
   app.require_subcommand(1);
   kvr::tools::AddGenerateCommand(app);
+  kvr::tools::AddTokenizeCommand(app);
   kvr::tools::AddEvalCommand(app);
   kvr::tools::AddCalibrateCommand(app);
   kvr::tools::AddUpCommand(app);

@@ -30,7 +30,14 @@ struct LoadOptions {
   LoadFormat format = LoadFormat::kAuto;
   uint64_t dummy_seed = 0;
   int dummy_layers = 0;  // > 0 overrides a dummy shape's layer count
+  // GGUF weights: kPacked keeps the file's formats (the fast CPU path); kFloat32 dequantises
+  // everything at load (the exact reference, and what the CUDA backend uploads from). Hugging
+  // Face and dummy weights are float32 either way.
+  WeightStorage weights = WeightStorage::kPacked;
 };
+
+// "packed", "float32"; InvalidArgument otherwise.
+[[nodiscard]] absl::StatusOr<WeightStorage> ParseWeightStorage(absl::string_view name);
 
 struct LoadedModel {
   std::unique_ptr<Model> model;

@@ -8,6 +8,11 @@
 // step is handed to the `Attention` given by the caller, so that retrieval can swap in sparse
 // attention without touching the model.
 //
+// Weights: float32 (every projection is an SGEMM; the exact reference) or packed in the GGUF's
+// own formats (weights.h): then decode steps multiply on the packed rows with the CpuKernels of
+// the CPU's widest instruction set and prefill dequantises tiles of rows for SGEMM
+// (packed_matrix.h).
+//
 // Threads: the model spreads work over the ThreadPool it is given (GEMMs are split along their
 // output columns, elementwise work along tokens) and runs OpenBLAS single-threaded inside each
 // chunk, so there is exactly one set of threads and no oversubscription.
@@ -23,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "kvr/model/attention.h"
 #include "kvr/model/config.h"
+#include "kvr/model/cpu_kernels.h"
 #include "kvr/model/kv_cache.h"
 #include "kvr/model/weights.h"
 
@@ -83,6 +89,7 @@ class Model {
   ModelConfig config_;
   ModelWeights weights_;
   ThreadPool* pool_;
+  const CpuKernels* kernels_;  // packed weights' gemv kernels (the CPU's widest ISA)
   std::vector<float> rope_inv_freq_;  // [head_dim / 2]
 };
 

@@ -1,0 +1,90 @@
+#pragma once
+// Matrix-vector kernels on ggml weight formats for the CPU decode path, one implementation per
+// instruction set (generic C++, AVX2+FMA+F16C, AVX-512 with VNNI), chosen at run time from
+// cpuid so that one binary runs on any x86-64 and uses what the CPU has.
+//
+// Block formats (Q4_0, Q4_1, Q8_0) are multiplied against activations quantised on the fly to
+// 8 bits in blocks of 32 (ActivationBlock), as ggml does with its q8_0 / q8_1 activations: the
+// inner products are exact integer sums, scaled once per block. Float formats (F32, F16,
+// BF16) are multiplied against float32 activations.
+//
+// The ISA-specific implementations live in their own translation units compiled with their
+// own target flags (model/runtime.cmake); nothing here needs those flags.
+
+#include <cstdint>
+#include <vector>
+
+#include "kvr/model/tensor_types.h"
+
+namespace kvr::model {
+
+constexpr int64_t kActivationBlockSize = 32;
+
+// 32 activations as int8 with one float scale: x[i] ~ d * qs[i]. `sum` is the sum of qs, which
+// lets the Q4_0 offset and the Q4_1 minimum be applied once per block.
+struct ActivationBlock {
+  float d;
+  int32_t sum;
+  int8_t qs[kActivationBlockSize];
+};
+static_assert(sizeof(ActivationBlock) == 40);
+
+enum class CpuIsa { kGeneric, kAvx2, kAvx512 };
+
+// "generic", "avx2", "avx512".
+const char* CpuIsaName(CpuIsa isa);
+
+struct CpuKernels {
+  CpuIsa isa = CpuIsa::kGeneric;
+
+  // Quantises x[0..n) (n % 32 == 0) to n / 32 blocks: d = max|x| / 127, qs = round(x / d).
+  void (*quantize_activations)(const float* x, int64_t n, ActivationBlock* y) = nullptr;
+
+  // Block weights (Q4_0, Q4_1, Q8_0): for r in [0, n_rows) and j in [0, m),
+  //   y[j * ldy + r] = dot(weight row r, activation row j)
+  // `w` holds n_rows rows of k elements, `row_bytes` apart; `a` holds m rows of k / 32 blocks.
+  void (*gemv_blocks)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
+                      int64_t k, const ActivationBlock* a, int64_t m, float* y,
+                      int64_t ldy) = nullptr;
+
+  // Block weights against float activations `a` [m, k] (each block decoded to floats in
+  // registers, no activation rounding): slower than gemv_blocks, used where the result picks
+  // tokens (the output projection).
+  void (*gemv_blocks_f32)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
+                          int64_t k, const float* a, int64_t m, float* y, int64_t ldy) = nullptr;
+
+  // Rows of any kernel type decoded to float32, bit-exact with DequantizeRow: out[r * k + i].
+  // For prefill, which multiplies dequantised tiles of the weights with SGEMM.
+  void (*dequantize_rows)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
+                          int64_t k, float* out) = nullptr;
+
+  // Attention of one decode token for the `group` query heads that share a KV head:
+  //   out[g] = softmax(scale * q[g] . k[r] over r < n_keys) . v
+  // q, out: [group, d] contiguous; k, v: n_keys rows `row_stride` floats apart, d floats used
+  // from each; scores: scratch of group * n_keys floats. One pass over K, one over V (the
+  // group's heads share each row load). n_keys >= 1.
+  void (*attend_one_token)(const float* q, int group, int d, const float* k, const float* v,
+                           int64_t n_keys, int64_t row_stride, float scale, float* scores,
+                           float* out) = nullptr;
+
+  // Float weights (F32, F16, BF16) against float activations `a` [m, k]; same output layout.
+  void (*gemv_floats)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
+                      int64_t k, const float* a, int64_t m, float* y, int64_t ldy) = nullptr;
+};
+
+// True for the weight types the kernels take directly.
+bool IsBlockKernelType(GgmlType type);  // Q4_0, Q4_1, Q8_0
+bool IsFloatKernelType(GgmlType type);  // F32, F16, BF16
+
+// The kernels of `isa`, or nullptr when this binary was built without them or the CPU lacks
+// the instructions.
+const CpuKernels* CpuKernelsFor(CpuIsa isa);
+
+// Every ISA usable here, generic first.
+std::vector<CpuIsa> AvailableCpuIsas();
+
+// The widest usable ISA; the environment variable KVR_CPU_ISA=generic|avx2|avx512 caps it (for
+// comparisons and for reproducing a result of a smaller machine). Read once.
+const CpuKernels& BestCpuKernels();
+
+}  // namespace kvr::model

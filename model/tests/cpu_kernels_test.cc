@@ -1,0 +1,362 @@
+// Parity of the CPU matrix-vector kernels (cpu_kernels.h) and PackedMatMul with a float64
+// reference, for every instruction set this machine can run (generic always) and every weight
+// format the kernels take.
+//
+// Reference: the weights as DequantizeRow decodes them (bit-exact with ggml), times the float
+// activations, summed in double. Tolerances:
+//   - F32/F16/BF16 weights (float activations): |y - ref| <= 1e-5 * sum_i |w_i x_i| + 1e-6
+//     (float accumulation over <= 1536 terms).
+//   - Q4_0/Q4_1/Q8_0 weights (activations quantised to 8 bits per block of 32, rounding to
+//     nearest): each activation moves by at most amax_block / 254, so
+//     |y - ref| <= sum_blocks (amax_block / 254) * sum_{i in block} |w_i| (x 1.001) plus the
+//     float term above. This bound is exact arithmetic, not a fitted number.
+// The SIMD paths must also agree with the generic path (same integer sums, different float
+// summation order) to 1e-5 relative, and quantise activations to identical bytes.
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/model/cpu_kernels.h"
+#include "kvr/model/dequant.h"
+#include "kvr/model/model.h"
+#include "kvr/model/packed_matrix.h"
+
+namespace kvr::model {
+namespace {
+
+constexpr GgmlType kBlockTypes[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0};
+constexpr GgmlType kFloatTypes[] = {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16};
+
+std::vector<float> RandomValues(int64_t n, uint32_t seed, float scale = 1.f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, scale);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = normal(rng);
+  // A few outliers, as real activations have: they set the block scales.
+  for (int64_t i = 0; i < n; i += 97) v[static_cast<size_t>(i)] *= 8.f;
+  return v;
+}
+
+std::vector<float> Dequantized(const PackedMatrix& w) {
+  std::vector<float> out(static_cast<size_t>(w.rows * w.cols));
+  for (int64_t r = 0; r < w.rows; ++r) {
+    EXPECT_TRUE(DequantizeRow(w.type, w.row(r), w.cols, out.data() + r * w.cols).ok());
+  }
+  return out;
+}
+
+struct Reference {
+  double value;
+  double tolerance;
+};
+
+// The float64 product of dequantised row `wd` and `x`, with the tolerance described above.
+Reference ReferenceDot(const float* wd, const float* x, int64_t k, bool quantized_activations) {
+  double value = 0, magnitude = 0, quant_bound = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    value += static_cast<double>(wd[i]) * x[i];
+    magnitude += std::fabs(static_cast<double>(wd[i]) * x[i]);
+  }
+  if (quantized_activations) {
+    for (int64_t b = 0; b < k; b += 32) {
+      double amax = 0, wsum = 0;
+      for (int64_t i = b; i < b + 32; ++i) {
+        amax = std::max(amax, std::fabs(static_cast<double>(x[i])));
+        wsum += std::fabs(static_cast<double>(wd[i]));
+      }
+      quant_bound += amax / 254.0 * wsum;
+    }
+  }
+  return {value, 1.001 * quant_bound + 1e-5 * magnitude + 1e-6};
+}
+
+std::string CaseName(int group, int d, int64_t n_keys) {
+  return "group " + std::to_string(group) + " d " + std::to_string(d) + " keys " +
+         std::to_string(n_keys);
+}
+
+struct Shape {
+  int64_t n_rows, k, m;
+};
+constexpr Shape kShapes[] = {{1, 32, 1}, {17, 64, 1}, {64, 96, 3}, {33, 576, 1},
+                             {40, 576, 8}, {16, 1536, 2}, {5, 160, 5}};
+
+class CpuKernelsTest : public testing::TestWithParam<CpuIsa> {
+ protected:
+  const CpuKernels& kernels() const { return *CpuKernelsFor(GetParam()); }
+};
+
+TEST_P(CpuKernelsTest, BlockGemvMatchesFloat64ReferenceWithinQuantisationBound) {
+  for (GgmlType type : kBlockTypes) {
+    for (const Shape& s : kShapes) {
+      SCOPED_TRACE(GgmlTypeName(type) + " rows " + std::to_string(s.n_rows) + " k " +
+                   std::to_string(s.k) + " m " + std::to_string(s.m));
+      const std::vector<float> w_values = RandomValues(s.n_rows * s.k, 1, 0.05f);
+      auto w = QuantizeMatrix(type, w_values.data(), s.n_rows, s.k);
+      ASSERT_TRUE(w.ok()) << w.status();
+      const std::vector<float> wd = Dequantized(*w);
+      const std::vector<float> x = RandomValues(s.m * s.k, 2);
+      std::vector<ActivationBlock> a(static_cast<size_t>(s.m * s.k / 32));
+      for (int64_t j = 0; j < s.m; ++j) {
+        kernels().quantize_activations(x.data() + j * s.k, s.k, a.data() + j * s.k / 32);
+      }
+      // Output rows `ldy` apart with a poisoned gap after each: every written value must be
+      // finite and the gap untouched.
+      const int64_t ldy = s.n_rows + 3;
+      std::vector<float> y(static_cast<size_t>(s.m * ldy), std::numeric_limits<float>::quiet_NaN());
+      kernels().gemv_blocks(type, w->bytes.data(), w->row_bytes, s.n_rows, s.k, a.data(), s.m,
+                            y.data(), ldy);
+      for (int64_t j = 0; j < s.m; ++j) {
+        for (int64_t r = 0; r < s.n_rows; ++r) {
+          const Reference ref =
+              ReferenceDot(wd.data() + r * s.k, x.data() + j * s.k, s.k, /*quantized=*/true);
+          const float got = y[j * ldy + r];
+          ASSERT_TRUE(std::isfinite(got)) << "row " << r << " act " << j;
+          EXPECT_NEAR(got, ref.value, ref.tolerance) << "row " << r << " act " << j;
+        }
+        for (int64_t r = s.n_rows; r < ldy; ++r) EXPECT_TRUE(std::isnan(y[j * ldy + r]));
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, BlockGemvOnFloatActivationsMatchesFloat64Reference) {
+  for (GgmlType type : kBlockTypes) {
+    for (const Shape& s : kShapes) {
+      SCOPED_TRACE(GgmlTypeName(type) + " rows " + std::to_string(s.n_rows) + " k " +
+                   std::to_string(s.k) + " m " + std::to_string(s.m));
+      const std::vector<float> w_values = RandomValues(s.n_rows * s.k, 11, 0.05f);
+      auto w = QuantizeMatrix(type, w_values.data(), s.n_rows, s.k);
+      ASSERT_TRUE(w.ok()) << w.status();
+      const std::vector<float> wd = Dequantized(*w);
+      const std::vector<float> x = RandomValues(s.m * s.k, 12);
+      const int64_t ldy = s.n_rows + 2;
+      std::vector<float> y(static_cast<size_t>(s.m * ldy), std::numeric_limits<float>::quiet_NaN());
+      kernels().gemv_blocks_f32(type, w->bytes.data(), w->row_bytes, s.n_rows, s.k, x.data(), s.m,
+                                y.data(), ldy);
+      for (int64_t j = 0; j < s.m; ++j) {
+        for (int64_t r = 0; r < s.n_rows; ++r) {
+          // No activation rounding: the float tolerance.
+          const Reference ref =
+              ReferenceDot(wd.data() + r * s.k, x.data() + j * s.k, s.k, /*quantized=*/false);
+          EXPECT_NEAR(y[j * ldy + r], ref.value, ref.tolerance) << "row " << r << " act " << j;
+        }
+        for (int64_t r = s.n_rows; r < ldy; ++r) EXPECT_TRUE(std::isnan(y[j * ldy + r]));
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, DequantizesRowsBitExactlyLikeDequantizeRow) {
+  const int64_t rows = 5, k = 160;
+  const std::vector<float> w_values = RandomValues(rows * k, 16, 0.05f);
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0, GgmlType::kF32,
+                        GgmlType::kF16, GgmlType::kBF16}) {
+    SCOPED_TRACE(GgmlTypeName(type));
+    auto w = QuantizeMatrix(type, w_values.data(), rows, k);
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::vector<float> got(rows * k, std::numeric_limits<float>::quiet_NaN());
+    kernels().dequantize_rows(type, w->bytes.data(), w->row_bytes, rows, k, got.data());
+    const std::vector<float> ref = Dequantized(*w);
+    for (int64_t i = 0; i < rows * k; ++i) ASSERT_EQ(got[i], ref[i]) << "element " << i;
+  }
+}
+
+TEST_P(CpuKernelsTest, FloatGemvMatchesFloat64Reference) {
+  for (GgmlType type : kFloatTypes) {
+    for (const Shape& s : kShapes) {
+      SCOPED_TRACE(GgmlTypeName(type) + " rows " + std::to_string(s.n_rows) + " k " +
+                   std::to_string(s.k) + " m " + std::to_string(s.m));
+      const std::vector<float> w_values = RandomValues(s.n_rows * s.k, 3, 0.05f);
+      auto w = QuantizeMatrix(type, w_values.data(), s.n_rows, s.k);
+      ASSERT_TRUE(w.ok()) << w.status();
+      const std::vector<float> wd = Dequantized(*w);
+      const std::vector<float> x = RandomValues(s.m * s.k, 4);
+      std::vector<float> y(static_cast<size_t>(s.m * s.n_rows), std::numeric_limits<float>::quiet_NaN());
+      kernels().gemv_floats(type, w->bytes.data(), w->row_bytes, s.n_rows, s.k, x.data(), s.m,
+                            y.data(), s.n_rows);
+      for (int64_t j = 0; j < s.m; ++j) {
+        for (int64_t r = 0; r < s.n_rows; ++r) {
+          const Reference ref =
+              ReferenceDot(wd.data() + r * s.k, x.data() + j * s.k, s.k, /*quantized=*/false);
+          EXPECT_NEAR(y[j * s.n_rows + r], ref.value, ref.tolerance) << "row " << r << " act " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, QuantisesActivationsLikeTheGenericPath) {
+  const CpuKernels& generic = *CpuKernelsFor(CpuIsa::kGeneric);
+  std::vector<float> x = RandomValues(32 * 40, 5);
+  for (int i = 0; i < 32; ++i) x[32 + i] = 0.f;  // an all-zero block: d = 0, qs = 0
+  x[64] = 0.5f * (x[65] = 127.f);                // a tie that rounds to even
+  std::vector<ActivationBlock> mine(40), ref(40);
+  kernels().quantize_activations(x.data(), 32 * 40, mine.data());
+  generic.quantize_activations(x.data(), 32 * 40, ref.data());
+  for (int b = 0; b < 40; ++b) {
+    EXPECT_EQ(mine[b].d, ref[b].d) << "block " << b;
+    EXPECT_EQ(mine[b].sum, ref[b].sum) << "block " << b;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      EXPECT_EQ(mine[b].qs[i], ref[b].qs[i]) << "block " << b << " element " << i;
+      sum += mine[b].qs[i];
+      // Round to nearest: within half a step of the input.
+      EXPECT_LE(std::fabs(mine[b].qs[i] * mine[b].d - x[b * 32 + i]), 0.5001f * mine[b].d);
+    }
+    EXPECT_EQ(mine[b].sum, sum);
+  }
+  EXPECT_EQ(mine[1].d, 0.f);
+  EXPECT_EQ(mine[2].qs[0], 64);  // 63.5 -> 64 (even)
+}
+
+TEST_P(CpuKernelsTest, AgreesWithTheGenericPath) {
+  const CpuKernels& generic = *CpuKernelsFor(CpuIsa::kGeneric);
+  const int64_t rows = 48, k = 1536, m = 2;
+  const std::vector<float> w_values = RandomValues(rows * k, 6, 0.05f);
+  const std::vector<float> x = RandomValues(m * k, 7);
+  std::vector<ActivationBlock> a(static_cast<size_t>(m * k / 32));
+  for (int64_t j = 0; j < m; ++j) generic.quantize_activations(x.data() + j * k, k, a.data() + j * k / 32);
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0, GgmlType::kF32,
+                        GgmlType::kF16, GgmlType::kBF16}) {
+    SCOPED_TRACE(GgmlTypeName(type));
+    auto w = QuantizeMatrix(type, w_values.data(), rows, k);
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::vector<float> mine(m * rows), ref(m * rows);
+    if (IsBlockKernelType(type)) {
+      kernels().gemv_blocks(type, w->bytes.data(), w->row_bytes, rows, k, a.data(), m, mine.data(), rows);
+      generic.gemv_blocks(type, w->bytes.data(), w->row_bytes, rows, k, a.data(), m, ref.data(), rows);
+    } else {
+      kernels().gemv_floats(type, w->bytes.data(), w->row_bytes, rows, k, x.data(), m, mine.data(), rows);
+      generic.gemv_floats(type, w->bytes.data(), w->row_bytes, rows, k, x.data(), m, ref.data(), rows);
+    }
+    const std::vector<float> wd = Dequantized(*w);
+    for (int64_t i = 0; i < m * rows; ++i) {
+      const Reference r = ReferenceDot(wd.data() + (i % rows) * k, x.data() + (i / rows) * k, k, false);
+      EXPECT_NEAR(mine[i], ref[i], r.tolerance) << "output " << i;
+    }
+  }
+}
+
+// One decode token's attention for a group of heads against a float64 softmax. Tolerance
+// 2e-5 x max|v| (float scores and the vectorised exp's < 2e-7 relative error).
+TEST_P(CpuKernelsTest, AttendOneTokenMatchesFloat64Softmax) {
+  struct Case {
+    int group, d;
+    int64_t n_keys, row_stride;
+  };
+  for (const Case& c : {Case{3, 64, 1, 192}, Case{3, 64, 9, 192}, Case{3, 64, 300, 200},
+                        Case{1, 128, 17, 128}, Case{5, 64, 40, 320}, Case{8, 128, 33, 1024},
+                        Case{2, 40, 20, 80}, Case{4, 24, 8, 24}}) {
+    SCOPED_TRACE(CaseName(c.group, c.d, c.n_keys));
+    const std::vector<float> q = RandomValues(c.group * c.d, 13, 0.5f);
+    const std::vector<float> k = RandomValues(c.n_keys * c.row_stride, 14);
+    const std::vector<float> v = RandomValues(c.n_keys * c.row_stride, 15);
+    const float scale = 1.f / std::sqrt(static_cast<float>(c.d));
+    std::vector<float> scores(c.group * c.n_keys);
+    std::vector<float> out(c.group * c.d, std::numeric_limits<float>::quiet_NaN());
+    kernels().attend_one_token(q.data(), c.group, c.d, k.data(), v.data(), c.n_keys, c.row_stride,
+                               scale, scores.data(), out.data());
+    double vmax = 0;
+    for (float x : v) vmax = std::max(vmax, std::fabs(static_cast<double>(x)));
+    for (int g = 0; g < c.group; ++g) {
+      std::vector<double> p(c.n_keys);
+      double max_s = -INFINITY, sum = 0;
+      for (int64_t r = 0; r < c.n_keys; ++r) {
+        double s = 0;
+        for (int i = 0; i < c.d; ++i) s += static_cast<double>(q[g * c.d + i]) * k[r * c.row_stride + i];
+        p[r] = s * scale;
+        max_s = std::max(max_s, p[r]);
+      }
+      for (double& x : p) sum += (x = std::exp(x - max_s));
+      for (int i = 0; i < c.d; ++i) {
+        double ref = 0;
+        for (int64_t r = 0; r < c.n_keys; ++r) ref += p[r] / sum * v[r * c.row_stride + i];
+        ASSERT_NEAR(out[g * c.d + i], ref, 2e-5 * vmax) << "head " << g << " dim " << i;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AvailableIsas, CpuKernelsTest, testing::ValuesIn(AvailableCpuIsas()),
+                         [](const testing::TestParamInfo<CpuIsa>& info) {
+                           return std::string(CpuIsaName(info.param));
+                         });
+
+TEST(CpuKernels, GenericIsAlwaysAvailableAndBestIsOneOfThem) {
+  ASSERT_NE(CpuKernelsFor(CpuIsa::kGeneric), nullptr);
+  const std::vector<CpuIsa> isas = AvailableCpuIsas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.front(), CpuIsa::kGeneric);
+  bool found = false;
+  for (CpuIsa isa : isas) found = found || BestCpuKernels().isa == isa;
+  EXPECT_TRUE(found);
+  std::printf("cpu kernels here:");
+  for (CpuIsa isa : isas) std::printf(" %s", CpuIsaName(isa));
+  std::printf("; best %s\n", CpuIsaName(BestCpuKernels().isa));
+}
+
+TEST(QuantizeMatrix, RoundTripsWithinHalfAStep) {
+  const int64_t k = 256;
+  const std::vector<float> x = RandomValues(k, 8);
+  for (GgmlType type : kBlockTypes) {
+    SCOPED_TRACE(GgmlTypeName(type));
+    auto w = QuantizeMatrix(type, x.data(), 1, k);
+    ASSERT_TRUE(w.ok()) << w.status();
+    const std::vector<float> back = Dequantized(*w);
+    for (int64_t b = 0; b < k; b += 32) {
+      float lo = x[b], hi = x[b], amax = 0;
+      for (int64_t i = b; i < b + 32; ++i) {
+        lo = std::min(lo, x[i]);
+        hi = std::max(hi, x[i]);
+        amax = std::max(amax, std::fabs(x[i]));
+      }
+      // Half a step of each format (plus fp16 rounding of the scale and minimum). Q4_0 spans
+      // [-8, 7] steps with the largest magnitude at -8, so values of the other sign beyond 7
+      // steps clamp: up to one whole step there.
+      const float bound = type == GgmlType::kQ8_0   ? 0.5f * amax / 127
+                          : type == GgmlType::kQ4_0 ? amax / 8
+                                                    : 0.5f * (hi - lo) / 15;
+      for (int64_t i = b; i < b + 32; ++i) EXPECT_NEAR(back[i], x[i], 1.01f * bound + 2e-3f * amax);
+    }
+  }
+  EXPECT_FALSE(QuantizeMatrix(GgmlType::kQ4_K, x.data(), 1, k).ok());
+  EXPECT_FALSE(QuantizeMatrix(GgmlType::kQ4_0, x.data(), 1, 33).ok());
+}
+
+// PackedMatMul against the float32 SGEMM on the dequantised weights: the gemv path (m <=
+// kMaxGemvRows) within the quantisation bound, the tiled SGEMM path (more rows) to float
+// rounding, both split over a pool.
+TEST(PackedMatMul, MatchesFloatMatMulOnDequantisedWeights) {
+  ThreadPool pool(2);
+  const int64_t n = 200, k = 576;
+  const std::vector<float> w_values = RandomValues(n * k, 9, 0.05f);
+  for (GgmlType type : {GgmlType::kQ4_1, GgmlType::kQ8_0, GgmlType::kBF16}) {
+    auto w = QuantizeMatrix(type, w_values.data(), n, k);
+    ASSERT_TRUE(w.ok()) << w.status();
+    const std::vector<float> wd = Dequantized(*w);
+    for (int64_t m : {int64_t{1}, int64_t{4}, kMaxGemvRows, kMaxGemvRows + 1, int64_t{70}})
+    for (ActivationPrecision precision : {ActivationPrecision::kInt8, ActivationPrecision::kFloat32}) {
+      SCOPED_TRACE(GgmlTypeName(type) + " m " + std::to_string(m) + " precision " +
+                   std::to_string(static_cast<int>(precision)));
+      const std::vector<float> x = RandomValues(m * k, 10);
+      std::vector<float> got(m * n, std::numeric_limits<float>::quiet_NaN()), ref(m * n);
+      PackedMatMul(&pool, BestCpuKernels(), x.data(), m, k, *w, got.data(), precision);
+      MatMulTransposed(&pool, x.data(), m, k, wd.data(), n, ref.data());
+      const bool quantized = m <= kMaxGemvRows && IsBlockKernelType(type) &&
+                             precision == ActivationPrecision::kInt8;
+      for (int64_t i = 0; i < m * n; ++i) {
+        const Reference r = ReferenceDot(wd.data() + (i % n) * k, x.data() + (i / n) * k, k, quantized);
+        ASSERT_NEAR(got[i], ref[i], r.tolerance) << "output " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvr::model
