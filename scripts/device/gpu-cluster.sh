@@ -29,7 +29,7 @@ set -uo pipefail
 readonly kBundle=.device/gpucluster
 readonly kStage=/tmp/kvr-gpucluster
 readonly kModelSha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-readonly kPart1Bytes=28000000 kPart2Bytes=33000000
+readonly kPart1Bytes=20000000 kPart2Bytes=36000000
 out="${OUT:-out}"
 mkdir -p "$out"
 
