@@ -13,58 +13,15 @@ own TTFT (server_ttfts). Python standard library only.
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-SKIP = 77
-MODEL = "smollm2-135m-instruct"
+from kvr_up import SKIP, Cluster, test_model
 NUM_PROMPTS = 6
 RUN_ARGS = ["--num-prompts", str(NUM_PROMPTS), "--concurrency", "2", "--input-len", "48",
             "--output-len", "4", "--ignore-eos", "--seed", "3", "--no-progress"]
-
-
-class Cluster:
-    """`kvr up` on free loopback ports (--base-port 0), with the addresses it prints."""
-
-    def __init__(self, kvr, log_dir):
-        self.proc = subprocess.Popen(
-            [kvr, "up", "--model", MODEL, "--prefill", "1", "--decode", "1", "--base-port", "0",
-             "--log-dir", log_dir, "--store-capacity", "512MiB",
-             # The controller counts a placed request against the decode node until its next
-             # heartbeat: more slots than the default 8 keep short back-to-back requests from
-             # being refused with RESOURCE_EXHAUSTED on a slow machine.
-             "--decode-arg=--batch-slots=32"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines = []
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "kvr up: ready" in line:
-                break
-        text = "".join(lines)
-        if "kvr up: ready" not in text:
-            self.stop()
-            raise RuntimeError("kvr up did not get ready:\n" + text)
-        # Keep draining stdout so that kvr up never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-        self.grpc = re.search(r"public gRPC \(kvr.v1.Generation\)\s+(\S+)", text).group(1)
-        self.base_url = re.search(r"OpenAI-compatible HTTP\s+(http://\S+)", text).group(1)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def bench(kvr, args, result_file):
@@ -80,12 +37,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kvr", required=True)
     args = parser.parse_args()
-    model_path = os.environ.get("KVR_TEST_MODEL") or os.path.expanduser(
-        "~/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.exists(model_path):
-        print(f"skip: no test model at {model_path} (scripts/fetch-model.sh)")
+    if test_model() is None:
         return SKIP
-    os.environ["KVR_TEST_MODEL"] = model_path
 
     start = time.time()
     failures = []
@@ -96,7 +49,12 @@ def main():
             failures.append(what)
 
     with tempfile.TemporaryDirectory(prefix="kvr-bench-backends-") as tmp:
-        cluster = Cluster(args.kvr, os.path.join(tmp, "logs"))
+        # The controller counts a placed request against the decode node until its next
+        # heartbeat: more slots than the default 8 keep short back-to-back requests from being
+        # refused with RESOURCE_EXHAUSTED on a slow machine.
+        cluster = Cluster(args.kvr, os.path.join(tmp, "logs"),
+                          ["--store-capacity", "512MiB", "--decode-arg=--batch-slots=32"],
+                          ready_timeout=120)
         try:
             http = bench(args.kvr, ["--backend", "openai-chat", "--base-url", cluster.base_url],
                          os.path.join(tmp, "http.json"))

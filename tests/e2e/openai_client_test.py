@@ -23,12 +23,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
-SKIP = 77
-MODEL = "smollm2-135m-instruct"
+from kvr_up import MODEL, SKIP, Cluster, test_model
 API_KEY = "kvr-test-key"
 PROMPT = "The capital of France is"
 CHAT_PROMPT = "Name three colors."
@@ -43,43 +41,6 @@ def check(cond, what):
     else:
         print(f"FAIL  {what}")
         failures.append(what)
-
-
-class Cluster:
-    """`kvr up` on free loopback ports, with the addresses it prints."""
-
-    def __init__(self, kvr, log_dir):
-        env = dict(os.environ, KVR_API_KEY=API_KEY)
-        self.proc = subprocess.Popen(
-            [kvr, "up", "--model", MODEL, "--prefill", "1", "--decode", "1", "--base-port", "0",
-             "--log-dir", log_dir, "--store-capacity", "1GiB"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines = []
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if "kvr up: ready" in line:
-                break
-        text = "".join(self.lines)
-        if "kvr up: ready" not in text:
-            self.stop()
-            raise RuntimeError("kvr up did not get ready:\n" + text)
-        # Keep draining stdout so that kvr up never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-        self.grpc = re.search(r"public gRPC \(kvr.v1.Generation\)\s+(\S+)", text).group(1)
-        self.base_url = re.search(r"OpenAI-compatible HTTP\s+(http://\S+)", text).group(1)
-        self.store_metrics = re.search(r"store-0 .* metrics (\S+)", text).group(1)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def grpc_reference(kvr, cluster, prompt, chat):
@@ -105,12 +66,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kvr", required=True)
     args = parser.parse_args()
-    model_path = os.environ.get("KVR_TEST_MODEL") or os.path.expanduser(
-        "~/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.exists(model_path):
-        print(f"skip: no test model at {model_path} (scripts/fetch-model.sh)")
+    if test_model() is None:
         return SKIP
-    os.environ["KVR_TEST_MODEL"] = model_path
     try:
         import openai
     except ImportError:
@@ -119,7 +76,8 @@ def main():
 
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="kvr-openai-") as log_dir:
-        cluster = Cluster(args.kvr, log_dir)
+        cluster = Cluster(args.kvr, log_dir, ["--store-capacity", "1GiB"],
+                          env=dict(os.environ, KVR_API_KEY=API_KEY))
         try:
             run(openai, args.kvr, cluster)
         finally:

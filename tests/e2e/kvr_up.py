@@ -1,0 +1,63 @@
+"""A `kvr up` cluster for the Python end-to-end tests: started on free loopback ports
+(--base-port 0) with SmolLM2, the addresses it prints parsed, stopped on exit. Standard library
+only."""
+
+import os
+import re
+import subprocess
+import threading
+import time
+
+SKIP = 77
+MODEL = "smollm2-135m-instruct"
+
+
+def test_model():
+    """The GGUF path (KVR_TEST_MODEL, else the fetch-model cache), exported for `kvr up`; None
+    when it is missing (the caller exits SKIP)."""
+    path = os.environ.get("KVR_TEST_MODEL") or os.path.expanduser(
+        "~/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.exists(path):
+        print(f"skip: no test model at {path} (scripts/fetch-model.sh)")
+        return None
+    os.environ["KVR_TEST_MODEL"] = path
+    return path
+
+
+class Cluster:
+    """`kvr up --prefill 1 --decode 1` on free loopback ports; grpc, base_url and
+    store_metrics are the addresses it prints. `args`: more `kvr up` arguments; `env`: its
+    environment (default: this process's)."""
+
+    def __init__(self, kvr, log_dir, args=(), env=None, ready_timeout=240):
+        self.proc = subprocess.Popen(
+            [kvr, "up", "--model", MODEL, "--prefill", "1", "--decode", "1", "--base-port", "0",
+             "--log-dir", log_dir, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        lines = []
+        deadline = time.time() + ready_timeout
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "kvr up: ready" in line:
+                break
+        text = "".join(lines)
+        if "kvr up: ready" not in text:
+            self.stop()
+            raise RuntimeError("kvr up did not get ready:\n" + text)
+        # Keep draining stdout so that kvr up never blocks on a full pipe.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        self.grpc = re.search(r"public gRPC \(kvr.v1.Generation\)\s+(\S+)", text).group(1)
+        self.base_url = re.search(r"OpenAI-compatible HTTP\s+(http://\S+)", text).group(1)
+        self.store_metrics = re.search(r"store-0 .* metrics (\S+)", text).group(1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
