@@ -148,8 +148,6 @@ struct CudaPending final : BackendSequence {
   std::shared_ptr<IndexSelector> selector;
   std::string lane;
   std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;
-  std::string method;
-  int64_t budget = 0;
 };
 
 // A running sequence: its store, the rows of the last step being appended there, and counters.
@@ -203,8 +201,6 @@ class CudaDecodeBackend final : public DecodeBackend {
                                          h.method) != options_.lanes.end()) {
         pending->lane = h.method;
         pending->indexes = std::move(indexes);
-        pending->method = h.method;
-        pending->budget = h.budget;
       } else {
         pending->selector = std::make_shared<IndexSelector>(std::move(indexes), c, h.method,
                                                             h.prompt_tokens, h.budget);
@@ -278,7 +274,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     so.rows = pending->rows;
     so.selector = pending->selector;
     so.lane = pending->lane;
-    so.lane_budget = static_cast<int>(pending->budget);
+    so.lane_budget = static_cast<int>(h.budget);
     for (const auto& index : pending->indexes) so.lane_indexes.push_back(index.get());
     // Takes a slot and prepares it (ring rows, and the summaries, clusters or lane state);
     // the slot is given back if that fails.
@@ -306,14 +302,16 @@ class CudaDecodeBackend final : public DecodeBackend {
                    std::string(activated.message()));
       pending->selector =
           std::make_shared<IndexSelector>(std::move(pending->indexes), model_->config(),
-                                          pending->method, h.prompt_tokens, pending->budget);
+                                          h.method, h.prompt_tokens, h.budget);
       so.selector = pending->selector;
       so.lane.clear();
       so.lane_indexes.clear();
+      ++node_.lane_fallbacks;
       activated = activate();
     }
     pending->indexes.clear();  // the lane's GPU state is built from them: they may go
     KVR_RETURN_IF_ERROR(activated);
+    if (!so.lane.empty()) ++node_.lane_sequences;
     CudaRunning run;
     run.store = h.store;
     run.store_owner = h.store_owner;
@@ -376,7 +374,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   // hits and misses, rows and bytes that crossed the link (the misses), rows appended.
   void ReportStep(std::span<const uint64_t> ids) {
     const int64_t row_bytes = 4 * int64_t{model_->config().head_dim};
-    absl::flat_hash_map<std::string_view, RetrievalReport> by_method;
+    absl::flat_hash_map<std::string_view, RetrievalReport>& by_method = step_reports_;
+    by_method.clear();  // keys point into running_'s methods: valid for this call only
     int64_t appended = 0, hits_all = 0, misses_all = 0;
     for (uint64_t id : ids) {
       auto it = running_.find(id);
@@ -507,6 +506,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   NoopObserver noop_;
   DecodeObserver* observer_;  // not owned; noop_ when none was given
   std::vector<model::CudaSequence> batch_;
+  // ReportStep's per-method sums, kept so that a step allocates nothing once warm.
+  absl::flat_hash_map<std::string_view, RetrievalReport> step_reports_;
   // Store pools registered with CUDA: host base -> device base (Prepare runs on any thread).
   mutable absl::Mutex pools_mu_;
   mutable absl::flat_hash_map<const void*, const void*> pools_ ABSL_GUARDED_BY(pools_mu_);

@@ -433,6 +433,11 @@ TEST_F(GpuDecodeTest, GpuLanesSelectAsTheHostIndex) {
       }
       const NodeCounters a = host_engine->node_counters(), b = lane_engine->node_counters();
       EXPECT_EQ(a.retrieval.selected_rows, b.retrieval.selected_rows);
+      // The comparison means something only if the lane ran: two sequences in it, none fell
+      // back to the host; none in a lane on the node without lanes.
+      EXPECT_EQ(b.lane_sequences, 2);
+      EXPECT_EQ(b.lane_fallbacks, 0);
+      EXPECT_EQ(a.lane_sequences, 0);
       std::printf("[ gpu lane ] %-7s budget %3d: %zu/%zu tokens equal to the host index's, "
                   "%lld rows selected (host %lld)\n",
                   method.c_str(), budget, agree, total,

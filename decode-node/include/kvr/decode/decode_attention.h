@@ -71,6 +71,10 @@ struct NodeCounters {
   int64_t quality_rows_fetched = 0;
   int64_t quality_bytes_fetched = 0;
   int64_t quality_failures = 0;
+  // CUDA backend: sequences selected by a GPU lane (--gpu-lanes), and those a lane refused at
+  // admission and the host selected instead.
+  int64_t lane_sequences = 0;
+  int64_t lane_fallbacks = 0;
 };
 
 struct DecodeSequenceSetup {
