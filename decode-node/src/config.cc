@@ -99,6 +99,18 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
          return absl::OkStatus();
        },
        [](const DecodeConfig& c) { return absl::StrJoin(c.gpu_lanes, ","); }},
+      {"gpu_row_source",
+       "--device cuda: where the GPU reads a sequence's rows: in-place (the store's pages, "
+       "mapped; the store must run on this host), fetch (the missed rows over the store's data "
+       "plane; any store) or auto (in place when possible, else fetched)",
+       [](DecodeConfig& c, const std::string& v) {
+         if (v != "in-place" && v != "fetch" && v != "auto") {
+           return BadValue(v, "in-place, fetch or auto");
+         }
+         c.gpu_row_source = v;
+         return absl::OkStatus();
+       },
+       [](const DecodeConfig& c) { return c.gpu_row_source; }},
       IntField("gpu_budget", "--device cuda: selected tokens per KV head and step (<= 4096)",
                &DecodeConfig::gpu_budget, false),
       IntField("gpu_n_sink", "--device cuda: sink tokens of every sequence",

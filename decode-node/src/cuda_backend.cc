@@ -131,6 +131,63 @@ class IndexSelector final : public rc::SparseHostSelector {
   retrieval::Selection selection_;
 };
 
+// Rows of a store sequence read through the store client's data plane (one gather request per
+// call: UCX to a kvr-store, in-process for the fake store of tests), for a sequence whose store
+// the GPU cannot read in place (a store on another host, or gpu_row_source fetch).
+class StoreRowFetcher final : public rc::SparseRowFetcher {
+ public:
+  StoreRowFetcher(kv_store::KvStoreClient* store, std::shared_ptr<kv_store::KvStoreClient> owner,
+                  kv_store::SequenceRef ref)
+      : store_(store), owner_(std::move(owner)), ref_(std::move(ref)) {}
+
+  absl::Status Start(std::span<const Rows> rows, std::span<uint16_t> out) override {
+    if (op_ != nullptr) return absl::InternalError("StoreRowFetcher: a fetch is still running");
+    size_t n = 0;
+    for (const Rows& r : rows) n += r.positions.size();
+    indices_.resize(n);
+    entries_.clear();
+    size_t at = 0;
+    for (const Rows& r : rows) {
+      for (size_t i = 0; i < r.positions.size(); ++i) {
+        if (r.positions[i] < 0) {
+          return absl::InternalError(absl::StrCat("StoreRowFetcher: position ", r.positions[i]));
+        }
+        indices_[at + i] = static_cast<uint32_t>(r.positions[i]);
+      }
+      entries_.push_back({ref_, static_cast<uint32_t>(r.layer), static_cast<uint32_t>(r.kv_head),
+                          std::span<const uint32_t>(indices_.data() + at, r.positions.size())});
+      at += r.positions.size();
+    }
+    op_ = store_->StartGather(entries_, {reinterpret_cast<uint8_t*>(out.data()), out.size_bytes()});
+    expected_ = out.size_bytes();
+    return absl::OkStatus();
+  }
+
+  absl::Status Wait() override {
+    if (op_ == nullptr) return absl::InternalError("StoreRowFetcher: no fetch started");
+    absl::StatusOr<uint64_t> got = op_->Wait();
+    op_.reset();
+    if (!got.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("reading rows from the store: ", got.status().message()));
+    }
+    if (*got != expected_) {
+      return absl::InternalError(
+          absl::StrCat("the store sent ", *got, " bytes of rows, expected ", expected_));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  kv_store::KvStoreClient* store_;
+  std::shared_ptr<kv_store::KvStoreClient> owner_;  // keeps store_ alive (may be null)
+  kv_store::SequenceRef ref_;
+  std::vector<uint32_t> indices_;
+  std::vector<kv_store::GatherEntry> entries_;
+  std::unique_ptr<kv_store::KvStoreOp> op_;
+  uint64_t expected_ = 0;
+};
+
 // Between Prepare and Join: where the sequence's rows are in the store (its page table, read in
 // place through the store's pool mapped into this process) and, for clusterkv, the handed-off
 // clusters.
@@ -141,6 +198,7 @@ struct CudaPending final : BackendSequence {
   int64_t capacity = 0;  // tokens the sequence may hold (prompt + max_tokens, capped)
   rc::SparseRowSource rows;
   std::shared_ptr<const kv_store::LocalPoolMapping> pool;  // keeps the mapping alive
+  std::shared_ptr<rc::SparseRowFetcher> fetch;  // rows fetched instead (no page table)
   // clusterkv: the handed-off clusters of every layer (the prefill node's k-means).
   std::vector<retrieval::PrebuiltClusterKvData> clusters;
   // A method other than the node's GPU method: selected by a GPU lane built from its CPU
@@ -163,6 +221,7 @@ struct CudaRunning {
   std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts;
   int64_t rows_offloaded = 0;
   std::string method;                        // the request's retrieval method
+  bool fetched = false;  // rows fetched through the store's data plane (not read in place)
   std::shared_ptr<IndexSelector> selector;  // null: the GPU method selects
   rc::SparseSequenceCounters seen;  // the GPU's counters as last reported to the observer
   absl::Status failure;             // first failed append, reported once through TakeFailures
@@ -178,6 +237,8 @@ class CudaDecodeBackend final : public DecodeBackend {
         sparse_(std::move(sparse)),
         options_(std::move(options)),
         slot_bytes_(slot_bytes),
+        fetch_staging_bytes_(int64_t{model_->config().n_kv_heads} * options_.budget * 4 *
+                             model_->config().head_dim),
         summary_bytes_(summary_bytes),
         observer_(observer != nullptr ? observer : &noop_) {}
 
@@ -192,13 +253,30 @@ class CudaDecodeBackend final : public DecodeBackend {
     KVR_RETURN_IF_ERROR(CheckHandoffForCudaBackend(h, options_));
     auto pending = std::make_unique<CudaPending>(slot_bytes_);
     const model::ModelConfig& c = model_->config();
-    if (h.method != options_.method) {
+    // Where the rows are read: the store's pool in place (mapped, same host), else fetched.
+    bool fetch = options_.row_source == "fetch";
+    if (!fetch) {
+      absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> pool =
+          h.store->MapLocalPool();
+      if (pool.ok()) {
+        pending->pool = *std::move(pool);
+      } else if (options_.row_source == "auto" &&
+                 pool.status().code() == absl::StatusCode::kFailedPrecondition) {
+        fetch = true;  // another host, or a store without a local socket
+      } else {
+        return pool.status();
+      }
+    }
+    // A fetched sequence's selector must read no rows: quest's GPU summaries and the lanes read
+    // keys from the store's pages, so those methods are selected on the host by their index.
+    if (h.method != options_.method || (fetch && options_.method == "quest")) {
       KVR_ASSIGN_OR_RETURN(
           std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes,
           IndexesFromHandoff(h, c, *options_.registry, options_.method_assets));
       // A GPU lane takes the method at the request's budget with its default options.
-      if (h.options.empty() && std::find(options_.lanes.begin(), options_.lanes.end(),
-                                         h.method) != options_.lanes.end()) {
+      if (!fetch && h.options.empty() &&
+          std::find(options_.lanes.begin(), options_.lanes.end(), h.method) !=
+              options_.lanes.end()) {
         pending->lane = h.method;
         pending->indexes = std::move(indexes);
       } else {
@@ -235,10 +313,14 @@ class CudaDecodeBackend final : public DecodeBackend {
     }
     pending->capacity = std::min<int64_t>(
         options_.max_context, h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens));
+    if (fetch) {
+      pending->fetch = std::make_shared<StoreRowFetcher>(h.store, h.store_owner, h.store_ref());
+      pending->bytes += fetch_staging_bytes_;
+      return pending;
+    }
     KVR_ASSIGN_OR_RETURN(
         kv_store::PageTable table,
         h.store->ReservePageTable(h.store_ref(), static_cast<uint64_t>(pending->capacity)));
-    KVR_ASSIGN_OR_RETURN(pending->pool, h.store->MapLocalPool());
     KVR_ASSIGN_OR_RETURN(const void* base, Register(*pending->pool));
     const size_t row_bytes = s.RowBytes();
     if (table.tokens_per_page == 0 || table.page_bytes != pending->pool->page_bytes() ||
@@ -271,7 +353,11 @@ class CudaDecodeBackend final : public DecodeBackend {
     auto* pending = dynamic_cast<CudaPending*>(state.get());
     if (pending == nullptr) return absl::InternalError("CUDA decode: Join without Prepare");
     rc::SparseSequenceOptions so;
-    so.rows = pending->rows;
+    if (pending->fetch != nullptr) {
+      so.fetch = pending->fetch;
+    } else {
+      so.rows = pending->rows;
+    }
     so.selector = pending->selector;
     so.lane = pending->lane;
     so.lane_budget = static_cast<int>(h.budget);
@@ -319,6 +405,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     run.pool = std::move(pending->pool);
     run.next_row = h.prompt_tokens;
     run.method = h.method;
+    run.fetched = pending->fetch != nullptr;
     run.selector = std::move(pending->selector);
     running_.emplace(id, std::move(run));
     ReportSummaryBytes();
@@ -339,6 +426,11 @@ class CudaDecodeBackend final : public DecodeBackend {
   absl::flat_hash_map<uint64_t, absl::Status> TakeFailures() override {
     absl::flat_hash_map<uint64_t, absl::Status> out;
     for (auto& [id, run] : running_) {
+      if (run.failure.ok() && run.fetched) {
+        if (absl::Status f = sparse_->SequenceFailure(id); !f.ok() && !absl::IsNotFound(f)) {
+          run.failure = std::move(f);
+        }
+      }
       if (!run.failure.ok()) out.emplace(id, std::exchange(run.failure, absl::OkStatus()));
     }
     return out;
@@ -354,7 +446,9 @@ class CudaDecodeBackend final : public DecodeBackend {
         c.selected_rows = sc->selected_rows;
         c.hot_cache_hits = sc->hot_cache_hits;
         c.hot_cache_misses = sc->selected_rows - sc->hot_cache_hits;
-        c.rows_fetched = c.hot_cache_misses;
+        // Read in place: the misses crossed the link; fetched: what the store sent (the misses
+        // and, at activation, the sink and window rows).
+        c.rows_fetched = it->second.fetched ? sc->fetched_rows : c.hot_cache_misses;
         c.bytes_fetched = c.rows_fetched * row_bytes;
       }
       node_.retrieval.Add(c);
@@ -388,7 +482,7 @@ class CudaDecodeBackend final : public DecodeBackend {
       RetrievalReport& r = by_method[run.method];
       r.hot_cache_hits += hits;
       r.hot_cache_misses += selected - hits;
-      r.rows_fetched = r.hot_cache_misses;
+      r.rows_fetched += run.fetched ? now->fetched_rows - run.seen.fetched_rows : selected - hits;
       r.bytes_fetched = r.rows_fetched * row_bytes;
       hits_all += hits;
       misses_all += selected - hits;
@@ -500,6 +594,9 @@ class CudaDecodeBackend final : public DecodeBackend {
   std::unique_ptr<rc::SparseDecodeAttention> sparse_;
   CudaDecodeBackendOptions options_;
   int64_t slot_bytes_;
+  // Pinned host memory a fetched sequence's slot stages its missed rows in (budget rows per KV
+  // head, bf16 [K | V]).
+  int64_t fetch_staging_bytes_;
   int64_t summary_bytes_;
   absl::flat_hash_map<uint64_t, CudaRunning> running_;
   NodeCounters node_;
@@ -668,6 +765,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   o.slots = static_cast<int>(config.batch_slots);
   o.method = config.gpu_method;
   o.lanes = config.gpu_lanes;
+  o.row_source = config.gpu_row_source;
   o.budget = static_cast<int>(config.gpu_budget);
   o.n_sink = static_cast<int>(config.gpu_n_sink);
   o.local_window = static_cast<int>(config.gpu_local_window);

@@ -211,7 +211,9 @@ int Serve(const DecodeConfig& config) {
   registration.set_role(cv1::NODE_ROLE_DECODE);
   registration.set_protocol_version(1);
   // The CUDA backend reads the store's pages in place: only a store on this host will do.
-  registration.set_needs_local_store(config.device == "cuda");
+  // Read in place, a CUDA node's rows must be in a store of its host; fetched, any store will do.
+  registration.set_needs_local_store(config.device == "cuda" &&
+                                     config.gpu_row_source == "in-place");
   registration.set_name(config.name.empty() ? absl::StrCat("kvr-decode-", getpid()) : config.name);
   registration.mutable_endpoints()->set_grpc_address(address);
   registration.mutable_endpoints()->set_metrics_port(

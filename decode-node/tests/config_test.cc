@@ -77,5 +77,21 @@ TEST(DecodeConfigTest, GpuLanesAreACommaSeparatedListOfKnownLanes) {
   EXPECT_NE(refused.status().message().find("ctkvr"), std::string::npos) << refused.status();
 }
 
+TEST(DecodeConfigTest, GpuRowSourceIsInPlaceFetchOrAuto) {
+  auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
+  auto config = ResolveDecodeConfig({}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->gpu_row_source, "in-place");
+  for (const std::string v : {"fetch", "auto"}) {
+    config = ResolveDecodeConfig({{"gpu_row_source", v}}, std::nullopt, no_env);
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_EQ(config->gpu_row_source, v);
+  }
+  auto refused = ResolveDecodeConfig({{"gpu_row_source", "rdma"}}, std::nullopt, no_env);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
+  EXPECT_NE(refused.status().message().find("in-place, fetch or auto"), std::string::npos)
+      << refused.status();
+}
+
 }  // namespace
 }  // namespace kvr::decode

@@ -79,7 +79,8 @@ class GpuDecodeTest : public ::testing::Test {
 
   std::unique_ptr<DecodeEngine> CudaEngine(int budget, const std::string& method = "quest",
                                            DecodeObserver* observer = nullptr,
-                                           std::vector<std::string> lanes = {}) {
+                                           std::vector<std::string> lanes = {},
+                                           const std::string& row_source = "in-place") {
     model::CudaModelOptions mo;
     mo.max_batch_tokens = kSlots;
     mo.max_sequences = kSlots;
@@ -96,6 +97,7 @@ class GpuDecodeTest : public ::testing::Test {
     o.hot_cache_bytes = 1 << 20;
     o.registry = &registry_;
     o.lanes = std::move(lanes);
+    o.row_source = row_source;
     auto backend = CreateCudaDecodeBackend(*std::move(gpu), o, observer);
     EXPECT_TRUE(backend.ok()) << backend.status();
     EXPECT_EQ((*backend)->name(), "cuda:0");
@@ -309,6 +311,97 @@ TEST_F(GpuDecodeTest, StoreFailureMidDecodeEndsTheSequenceUnavailable) {
   }
   EXPECT_EQ(end.code(), absl::StatusCode::kUnavailable) << end;
   EXPECT_NE(end.message().find("store"), std::string::npos) << end;
+}
+
+// Rows fetched through the store client (gpu_row_source fetch: what a store on another host
+// gets), against the same sequences with their rows read in place: the same selection over the
+// same bf16 rows must give the same tokens, for the GPU method from its handed-off clusters
+// (clusterkv) and for host-selected methods; quest, whose GPU summaries would read every key,
+// is selected on the host by its index when fetched, so at budget 512 (dense) its tokens are
+// checked as greedy choices of the dense CPU model. What crossed the link is exactly the sink
+// and window rows at activation plus the hot-cache misses.
+TEST_F(GpuDecodeTest, FetchedRowsGiveTheTokensOfRowsReadInPlace) {
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
+                                                     Prompt(233, 3)};
+  const model::ModelConfig& c = cpu_->config();
+  int64_t ring_rows = 0;  // sink + window rows of every prompt, layer and KV head
+  for (const auto& p : prompts) {
+    const int64_t n = static_cast<int64_t>(p.size());
+    ring_rows += (std::min<int64_t>(kSink, n) + n - std::max<int64_t>(kSink, n - kWindow)) *
+                 c.n_layers * c.n_kv_heads;
+  }
+  for (const std::string method : {"clusterkv", "exact", "keydiff", "quest"})
+    for (int budget : {512, 16}) {
+      SCOPED_TRACE(method + " " + std::to_string(budget));
+      const std::string node_method = method == "clusterkv" ? "clusterkv" : "quest";
+      auto place_store = testing::MakeFakeStore(256 << 20);
+      auto fetch_store = testing::MakeFakeStore(256 << 20);
+      CountingObserver seen;
+      auto in_place = CudaEngine(512, node_method);
+      auto fetched = CudaEngine(512, node_method, &seen, {}, "fetch");
+      std::vector<int32_t> first_a, first_b;
+      auto want = Run(*in_place, *place_store, prompts, budget, &first_a, {method},
+                      kv_store::DType::kBf16);
+      auto got = Run(*fetched, *fetch_store, prompts, budget, &first_b, {method},
+                     kv_store::DType::kBf16);
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        const uint64_t id = 40 + i;
+        ASSERT_EQ(got[id].size(), kMaxTokens - 1) << "sequence " << i;
+        if (method == "quest") {
+          if (budget >= 512) {
+            EXPECT_LE(WorstGap(prompts[i], first_b[i], got[id]), kTieOverRms) << "sequence " << i;
+          }
+        } else {
+          EXPECT_EQ(got[id], want[id]) << "sequence " << i;
+        }
+      }
+      const NodeCounters n = fetched->node_counters();
+      EXPECT_GT(n.retrieval.hot_cache_misses, 0);
+      EXPECT_EQ(n.retrieval.rows_fetched, ring_rows + n.retrieval.hot_cache_misses);
+      EXPECT_EQ(seen.bytes_fetched, n.retrieval.rows_fetched * 4 * c.head_dim);
+      if (method != "quest") {
+        const NodeCounters m = in_place->node_counters();
+        EXPECT_EQ(n.retrieval.selected_rows, m.retrieval.selected_rows);
+        EXPECT_EQ(n.retrieval.hot_cache_hits, m.retrieval.hot_cache_hits);
+      }
+      std::printf("[ fetched ] %-9s budget %3d: rows fetched %lld (ring %lld + misses %lld of "
+                  "%lld selected)\n",
+                  method.c_str(), budget, static_cast<long long>(n.retrieval.rows_fetched),
+                  static_cast<long long>(ring_rows),
+                  static_cast<long long>(n.retrieval.hot_cache_misses),
+                  static_cast<long long>(n.retrieval.selected_rows));
+    }
+}
+
+// A store that fails while a fetched sequence decodes ends that sequence with UNAVAILABLE and
+// nothing else: a sequence of another store in the same batch completes.
+TEST_F(GpuDecodeTest, FetchFromADeadStoreEndsOnlyItsSequences) {
+  auto dying = testing::MakeFakeStore(64 << 20);
+  auto healthy = testing::MakeFakeStore(64 << 20);
+  auto engine = CudaEngine(64, "quest", nullptr, {}, "fetch");
+  ASSERT_TRUE(engine->Admit(MakeHandoff(*dying, 11, Prompt(120, 5), 64, "exact")).ok());
+  ASSERT_TRUE(engine->Admit(MakeHandoff(*healthy, 12, Prompt(140, 6), 64, "exact")).ok());
+  for (int i = 0; i < 3; ++i) engine->Step();
+  dying->InjectFailure(absl::UnavailableError("the store went away"));
+  absl::Status end;
+  bool completed = false;
+  size_t healthy_tokens = 0;
+  for (int guard = 0; guard < 100 && !completed; ++guard) {
+    engine->Step();
+    if (end.ok()) {
+      absl::StatusOr<StreamChunk> chunk = engine->Next(11, absl::Now());
+      if (!chunk.ok()) end = chunk.status();
+      ASSERT_FALSE(chunk.ok() && chunk->completion.has_value()) << "finished despite the failure";
+    }
+    absl::StatusOr<StreamChunk> other = engine->Next(12, absl::Now());
+    ASSERT_TRUE(other.ok()) << other.status();
+    healthy_tokens += other->tokens.size();
+    completed = other->completion.has_value();
+  }
+  EXPECT_EQ(end.code(), absl::StatusCode::kUnavailable) << end;
+  EXPECT_NE(end.message().find("store"), std::string::npos) << end;
+  EXPECT_TRUE(completed);
+  EXPECT_EQ(healthy_tokens, kMaxTokens - 1);
 }
 
 // Every other method of the registry on a quest node: selected on the host by the method's CPU

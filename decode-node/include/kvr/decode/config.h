@@ -45,6 +45,11 @@ struct DecodeConfig {
   uint32_t cuda_device = 0;
   std::string gpu_method = "quest";
   std::vector<std::string> gpu_lanes;  // methods also selected on the GPU (exact, pariskv)
+  // Where the GPU reads a sequence's rows: "in-place" (the store's pool mapped and read over
+  // PCIe; needs a store on this host, so the controller places only such stores), "fetch" (the
+  // missed rows fetched through the store's data plane, any store), "auto" (in place when the
+  // store is on this host, else fetched).
+  std::string gpu_row_source = "in-place";
   uint32_t gpu_budget = 1024;       // selected tokens per KV head and step
   // The controller's defaults for requests that set none (controller/src/config.cc:
   // default_n_sink, default_local_window), so that `kvr up --device cuda` serves them as is.

@@ -34,9 +34,14 @@
 // - Counters per sequence (at Leave): rows selected, hot-cache hits and misses, rows and bytes
 //   fetched across the link (= misses), rows offloaded; a failed append ends the sequence with
 //   UNAVAILABLE (TakeFailures).
-// - Not done: a store on another host (UCX RMA gets of the missed rows into staging); GPU
-//   selectors for the host-selected methods (retrieval/cuda/select has kernels for exact,
-//   ctkvr, pariskv and a2ats that this path does not call yet).
+// - Rows fetched instead (row_source fetch, or auto with a store on another host): no page table
+//   and no mapping; the sink and window rows are read once at Join and, per layer of each step,
+//   the selected rows that miss the hot cache, one gather request per sequence through the
+//   store client's data plane (UCX), into pinned staging the GPU reads (SparseRowFetcher). Such
+//   a sequence's selector reads no rows: quest (whose GPU summaries and lanes read keys from the
+//   pages) is selected on the host by its handed-off index, clusterkv on the GPU from its
+//   handed-off clusters. A failed read ends the sequence with UNAVAILABLE (TakeFailures).
+// - Not done: GPU selectors for ctkvr, a2ats and keydiff (selected on the host).
 // This header has no CUDA types; in a build without CUDA the factories answer errors.
 
 #include <cstdint>
@@ -72,6 +77,10 @@ struct CudaDecodeBackendOptions {
   // Smallest store page (in rows) the node takes: sizes the GPU page tables
   // (SparseDecodeOptions::min_page_rows). A 16 KiB page holds 64 bf16 rows at head_dim 64.
   int min_page_rows = 64;
+  // Where a sequence's rows are read (DecodeConfig::gpu_row_source): "in-place" (the store's
+  // pool mapped; a store on another host is refused), "fetch" (always through the store's data
+  // plane), "auto" (in place when the store offers its pool on this host, else fetched).
+  std::string row_source = "in-place";
   // The node's registry (not owned, outlives the backend): clusterkv's handed-off clusters are
   // parsed with it, and a request for a method other than `method` is selected on the host by
   // the method's CPU index deserialized with it (none: only `method` is served).

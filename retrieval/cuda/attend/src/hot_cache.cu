@@ -3,6 +3,7 @@
 #include <climits>
 
 #include "absl/strings/str_cat.h"
+#include "kvr/common/status.h"
 
 namespace kvr::retrieval::cuda {
 namespace {
@@ -104,9 +105,11 @@ __global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
 }
 
 // One thread per 16-byte chunk of each selected row: hits copy from the cache (HBM), misses read
-// the pool (mapped host memory: the only bytes that cross the link) and, when they won their
-// victim's claim, also write the row into the cache and retag the slot.
-__global__ void HotCacheCopyKernel(KvPoolView pool, const int32_t* __restrict__ ids,
+// the pool (mapped host memory: the only bytes that cross the link) or, for a slot whose pool
+// base is null, the staged rows at the entry's own index, and, when they won their victim's
+// claim, also write the row into the cache and retag the slot.
+__global__ void HotCacheCopyKernel(KvPoolView pool, const uint4* __restrict__ staged,
+                                   const int32_t* __restrict__ ids,
                                    const int32_t* __restrict__ counts,
                                    const int32_t* __restrict__ slot_of, int32_t* tags,
                                    uint32_t* stamps, const unsigned long long* claims, uint4* cache,
@@ -131,7 +134,9 @@ __global__ void HotCacheCopyKernel(KvPoolView pool, const int32_t* __restrict__ 
   }
   const int victim = -2 - s;
   const uint4 x =
-      static_cast<const uint4*>(KvPoolRow(pool, bh, id, size_t{16} * chunks_per_row))[chunk];
+      staged != nullptr && pool.slots[bh / pool.n_kv_heads].base == nullptr
+          ? staged[e * chunks_per_row + chunk]
+          : static_cast<const uint4*>(KvPoolRow(pool, bh, id, size_t{16} * chunks_per_row))[chunk];
   out[e * chunks_per_row + chunk] = x;
   if (claims[bh * slots + victim] == ClaimKey(step, MissPriority(id))) {
     cache_bh[static_cast<int64_t>(victim) * chunks_per_row + chunk] = x;
@@ -209,6 +214,41 @@ absl::Status HotCache::ResetSlot(int b, cudaStream_t stream) {
   return absl::OkStatus();
 }
 
+absl::Status HotCache::Lookup(const int32_t* ids, const int32_t* counts, cudaStream_t stream,
+                              unsigned long long* slot_hits) {
+  if (!ids || !counts) return absl::InvalidArgumentError("HotCache::Lookup: null ids or counts");
+  const int64_t entries = static_cast<int64_t>(shape_.batch) * shape_.n_kv_heads * shape_.budget;
+  constexpr int kThreads = 256;
+  HotCacheLookupKernel<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0,
+                         stream>>>(
+      ids, counts, tags_.data(), stamps_.data(), claims_.data(), fills_.data(), slot_of_.data(),
+      counters_.data(), slot_hits != nullptr ? slot_hits : counters_.data() + 1, shape_.budget,
+      shape_.n_kv_heads, shape_.n_sets, shape_.ways, entries, steps_.data());
+  return kvr::cuda::LastLaunchStatus("HotCacheLookupKernel");
+}
+
+absl::Status HotCache::Fill(const KvPoolView& pool, const int32_t* ids, const int32_t* counts,
+                            void* out, cudaStream_t stream, const void* staged) {
+  if (!KvPoolViewSet(pool) || !ids || !counts || !out) {
+    return absl::InvalidArgumentError("HotCache::Fill: null pool tables, ids, counts or out");
+  }
+  if (pool.n_kv_heads != shape_.n_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("HotCache::Fill: pool.n_kv_heads ",
+                                                   pool.n_kv_heads, " != ", shape_.n_kv_heads));
+  }
+  const int64_t entries = static_cast<int64_t>(shape_.batch) * shape_.n_kv_heads * shape_.budget;
+  constexpr int kThreads = 256;
+  const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
+  const int64_t chunks = entries * chunks_per_row;
+  HotCacheCopyKernel<<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0,
+                       stream>>>(pool, static_cast<const uint4*>(staged), ids, counts,
+                                 slot_of_.data(), tags_.data(), stamps_.data(), claims_.data(),
+                                 reinterpret_cast<uint4*>(data_.data()), static_cast<uint4*>(out),
+                                 shape_.budget, slots_per_head(), chunks_per_row, chunks,
+                                 steps_.data());
+  return kvr::cuda::LastLaunchStatus("HotCacheCopyKernel");
+}
+
 absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const int32_t* counts,
                               void* out, cudaStream_t stream, unsigned long long* slot_hits) {
   if (!KvPoolViewSet(pool) || !ids || !counts || !out) {
@@ -218,22 +258,8 @@ absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const 
     return absl::InvalidArgumentError(absl::StrCat("HotCache::Gather: pool.n_kv_heads ",
                                                    pool.n_kv_heads, " != ", shape_.n_kv_heads));
   }
-  const int64_t entries = static_cast<int64_t>(shape_.batch) * shape_.n_kv_heads * shape_.budget;
-  constexpr int kThreads = 256;
-  HotCacheLookupKernel<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0,
-                         stream>>>(
-      ids, counts, tags_.data(), stamps_.data(), claims_.data(), fills_.data(), slot_of_.data(),
-      counters_.data(), slot_hits != nullptr ? slot_hits : counters_.data() + 1, shape_.budget,
-      shape_.n_kv_heads, shape_.n_sets, shape_.ways, entries, steps_.data());
-  if (absl::Status s = kvr::cuda::LastLaunchStatus("HotCacheLookupKernel"); !s.ok()) return s;
-  const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
-  const int64_t chunks = entries * chunks_per_row;
-  HotCacheCopyKernel<<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0,
-                       stream>>>(pool, ids, counts, slot_of_.data(), tags_.data(), stamps_.data(),
-                                 claims_.data(), reinterpret_cast<uint4*>(data_.data()),
-                                 static_cast<uint4*>(out), shape_.budget, slots_per_head(),
-                                 chunks_per_row, chunks, steps_.data());
-  return kvr::cuda::LastLaunchStatus("HotCacheCopyKernel");
+  KVR_RETURN_IF_ERROR(Lookup(ids, counts, stream, slot_hits));
+  return Fill(pool, ids, counts, out, stream, nullptr);
 }
 
 }  // namespace kvr::retrieval::cuda

@@ -449,10 +449,15 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttendParityTest,
                          CaseName);
 
 // Several decode steps through the hot cache with overlapping selections: every step's output
-// must equal the pool rows; once the selection stops changing the cache must serve it.
+// must equal the pool rows; once the selection stops changing the cache must serve it. Also in
+// two halves (Lookup, then Fill) with one slot's pool unreadable (a null base: a store on
+// another host): its misses are staged by the host from what Lookup reports, and exactly those
+// are staged.
 TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
   if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device";
+  for (bool staged_slot : {false, true})
   for (RowDType dtype : {RowDType::kBf16, RowDType::kF32}) {
+    SCOPED_TRACE(staged_slot ? "slot 2 staged" : "all slots in the pool");
     const int batch = 3, n_kv = 4, d = 64, budget = 128, n_pool = 2000;
     const size_t row_bytes = RowBytes(dtype, d);
     const int bh = batch * n_kv;
@@ -467,8 +472,14 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
     auto h_pool = ValueOrDie(PinnedBuffer<uint8_t>::Create(paged.bytes.size(), cudaHostAllocMapped));
     std::memcpy(h_pool.data(), paged.bytes.data(), paged.bytes.size());
     auto d_pages = Upload(paged.pages);
-    auto d_slots = Upload(paged.Slots(ValueOrDie(h_pool.device_pointer())));
+    std::vector<KvPoolSlot> slots = paged.Slots(ValueOrDie(h_pool.device_pointer()));
+    constexpr int kStagedSlot = 2;
+    if (staged_slot) slots[kStagedSlot].base = nullptr;
+    auto d_slots = Upload(slots);
     const KvPoolView view{d_slots.data(), d_pages.data(), paged.max_pages, n_kv};
+    auto staged = ValueOrDie(PinnedBuffer<uint8_t>::Create(
+        static_cast<size_t>(bh) * budget * row_bytes, cudaHostAllocMapped));
+    int64_t staged_rows = 0, staged_slot_hits = 0;
     auto cache = ValueOrDie(HotCache::Create({.batch = batch,
                                               .n_kv_heads = n_kv,
                                               .head_dim = d,
@@ -525,7 +536,31 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
       ASSERT_EQ(cudaMemcpy(d_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
                 cudaSuccess);
       ASSERT_EQ(cudaMemset(d_out.data(), 0xFF, d_out.bytes()), cudaSuccess);
-      ASSERT_OK(cache.Gather(view, d_ids.data(), d_counts.data(), d_out.data(), stream.get()));
+      if (!staged_slot) {
+        ASSERT_OK(cache.Gather(view, d_ids.data(), d_counts.data(), d_out.data(), stream.get()));
+      } else {
+        ASSERT_OK(cache.Lookup(d_ids.data(), d_counts.data(), stream.get()));
+        std::vector<int32_t> slot_of(static_cast<size_t>(bh) * budget);
+        ASSERT_EQ(cudaMemcpy(slot_of.data(), cache.slot_of(), slot_of.size() * 4,
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        std::memset(staged.data(), 0xFF, staged.bytes());
+        for (int h = 0; h < n_kv; ++h) {
+          const int i = kStagedSlot * n_kv + h;
+          for (int j = 0; j < counts[i]; ++j) {
+            const size_t e = static_cast<size_t>(i) * budget + j;
+            if (slot_of[e] >= 0) {
+              ++staged_slot_hits;
+              continue;
+            }
+            std::memcpy(staged.data() + e * row_bytes,
+                        pool.bytes.data() + (head_base[i] + ids[e]) * row_bytes, row_bytes);
+            ++staged_rows;
+          }
+        }
+        ASSERT_OK(cache.Fill(view, d_ids.data(), d_counts.data(), d_out.data(), stream.get(),
+                             ValueOrDie(staged.device_pointer())));
+      }
       ASSERT_OK(stream.Synchronize());
       const std::vector<uint8_t> got = Download(d_out, d_out.bytes());
       for (int i = 0; i < bh; ++i) {
@@ -559,6 +594,13 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
       EXPECT_EQ(std::accumulate(per_slot.begin(), per_slot.end(), 0ULL), hits);
       if (step == kSteps - 1) {
         for (int b = 0; b < batch; ++b) EXPECT_GT(per_slot[b], 0u) << "slot " << b;
+      }
+      if (staged_slot) {
+        // The host staged every selected row of the slot that the cache did not hold.
+        const long long slot_selected = std::accumulate(
+            counts.begin() + kStagedSlot * n_kv, counts.begin() + (kStagedSlot + 1) * n_kv, 0LL);
+        EXPECT_EQ(static_cast<long long>(per_slot[kStagedSlot]), staged_slot_hits);
+        EXPECT_EQ(staged_rows + staged_slot_hits, slot_selected * (step + 1));
       }
     }
   }

@@ -77,6 +77,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     return sparse_ == nullptr ? 0 : sparse_->bytes / sparse_->opt.slots;
   }
   absl::StatusOr<SparseSequenceCounters> Counters(SequenceId id) const override;
+  absl::Status SequenceFailure(SequenceId id) const override;
   void SnapshotLayerForTesting(int layer) override { snapshot_layer_ = layer; }
   const SparseLayerSnapshot& snapshot() const override { return snapshot_; }
   absl::StatusOr<std::span<const uint16_t>> HostKvForTesting(SequenceId id) const override {
@@ -133,6 +134,11 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     std::vector<const RetrievalIndex*> lane_indexes;
     int64_t lane_indexed = 0, lane_next = 0;
     int lane_budget = 0;  // SparseSequenceOptions::lane_budget, or the configured budget
+    // Fetches its rows (SparseSequenceOptions::fetch; null: reads them in place), the rows
+    // fetched so far, and the first failed fetch (the sequence's output is void from then on).
+    std::shared_ptr<SparseRowFetcher> fetch;
+    int64_t fetched_rows = 0;
+    absl::Status fetch_failure;
   };
   // The GPU state shared by the sequences (Configure); layouts in sparse_kernels.cuh.
   struct SparseState {
@@ -171,6 +177,16 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     // [slots, n_kv].
     PinnedBuffer<float> h_q;
     PinnedBuffer<int32_t> h_ids, h_counts;
+    // Fetched sequences (SparseRowFetcher): the step's missed rows, staged at their entry index
+    // in mapped pinned memory [slots, n_kv, budget, row] (staged_device: its device address;
+    // allocated with the first such sequence), and each fetched slot's ids, counts and hot-cache
+    // slots copied back per layer.
+    PinnedBuffer<bf16> staged;
+    const bf16* staged_device = nullptr;
+    PinnedBuffer<int32_t> h_fetch_ids, h_fetch_counts, h_slot_of;
+    std::vector<uint16_t> fetch_rows;  // a fetch's rows in request order, all fetched slots
+    std::vector<int32_t> fetch_positions;
+    std::vector<int64_t> fetch_entries;  // the entry index of each fetched row
     std::vector<std::unique_ptr<GpuLane>> lanes;  // SparseDecodeOptions::lanes, in order
     std::unique_ptr<ThreadPool> host_pool;        // host selectors (null: the calling thread)
     KvPoolView PoolView(int layer) const {
@@ -230,6 +246,19 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
   // The selections of this step's host-selected sequences (host_selected_) for `layer`: their
   // queries come back, each selector runs, the selections go up into the slots' ids / counts.
   [[nodiscard]] absl::Status HostSelect(int layer, cudaStream_t stream);
+  // The misses of this step's fetched sequences (fetched_) for `layer`, after the hot cache's
+  // Lookup: their ids, counts and cache slots come back, each sequence's fetcher reads its
+  // missed rows, which are staged at their entry index for the hot cache's Fill. A sequence
+  // whose fetch fails keeps its failure (SequenceFailure) and attends zero rows from then on;
+  // the step goes on for the others.
+  [[nodiscard]] absl::Status FetchMisses(int layer, cudaStream_t stream);
+  // A fetched sequence's sink and window rows of [0, n_tokens), read through its fetcher into
+  // its slot's ring; its hot cache cleared. Synchronous.
+  [[nodiscard]] absl::Status FetchRing(Sequence& s, int64_t n_tokens);
+  // The slot's ring (and with `summaries` the GPU method's summaries) from where its rows are.
+  [[nodiscard]] absl::Status PrepareSlot(Sequence& s, int64_t n_tokens, bool summaries) {
+    return s.fetch != nullptr ? FetchRing(s, n_tokens) : FillSlotFromHostKv(s, n_tokens, summaries);
+  }
 
   model::CudaModel& model_;
   const ModelConfig& config_;
@@ -252,6 +281,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     int64_t position = 0, cand_begin = 0, cand_end = 0;
   };
   std::vector<HostSelected> host_selected_;
+  std::vector<Sequence*> fetched_;  // this step's sequences with a SparseRowFetcher
   int64_t max_candidates_ = 0;
   bool copy_new_rows_ = false;
 };
@@ -477,7 +507,26 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
   }
   const ModelConfig& c = config_;
   std::shared_ptr<HostKvImpl> host;
-  if (options.rows.has_value()) {
+  if (options.fetch != nullptr) {
+    if (options.rows.has_value() || !options.lane.empty() || sparse_->hot.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "AddSequence: fetched rows (SparseSequenceOptions::fetch) need a hot cache "
+          "(hot_cache_rows > 0) and exclude a paged row source and a lane",
+          sparse_->hot.empty() ? "; this configuration has no hot cache" : ""));
+    }
+    if (sparse_->staged.size() == 0) {
+      const int64_t n = int64_t{sparse_->opt.slots} * c.n_kv_heads * sparse_->opt.budget;
+      KVR_ASSIGN_OR_RETURN(sparse_->staged,
+                           PinnedBuffer<bf16>::Create(static_cast<size_t>(n * 2 * c.head_dim),
+                                                      cudaHostAllocMapped));
+      KVR_ASSIGN_OR_RETURN(bf16 * device, sparse_->staged.device_pointer());
+      sparse_->staged_device = device;
+      KVR_RETURN_IF_ERROR(AllocPinned(sparse_->h_fetch_ids, n));
+      KVR_RETURN_IF_ERROR(AllocPinned(sparse_->h_slot_of, n));
+      KVR_RETURN_IF_ERROR(
+          AllocPinned(sparse_->h_fetch_counts, int64_t{sparse_->opt.slots} * c.n_kv_heads));
+    }
+  } else if (options.rows.has_value()) {
     const SparseRowSource& r = *options.rows;
     const int64_t row_bytes = 4 * int64_t{c.head_dim};
     auto bad = [&](auto&&... parts) {
@@ -551,6 +600,7 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
   }
   s.lane_indexes = options.lane_indexes;
   s.lane_budget = options.lane_budget > 0 ? options.lane_budget : sparse_->opt.budget;
+  s.fetch = options.fetch;
   if (options.rows.has_value()) {
     const SparseRowSource& r = *options.rows;
     s.source_key = absl::HashOf(reinterpret_cast<uintptr_t>(r.base), r.page_bytes, r.page_rows,
@@ -574,7 +624,18 @@ absl::StatusOr<SparseSequenceCounters> SparseDecodeImpl::Counters(SequenceId id)
   out.steps = it->second.sparse_steps;
   out.selected_rows = static_cast<int64_t>(h[slot]);
   out.hot_cache_hits = static_cast<int64_t>(h[sparse_->opt.slots + slot]);
+  out.fetched_rows = it->second.fetched_rows;
   return out;
+}
+
+absl::Status SparseDecodeImpl::SequenceFailure(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("SequenceFailure: no sparse sequence ", id));
+  }
+  const absl::Status& f = it->second.fetch_failure;
+  if (f.ok()) return f;
+  return absl::Status(f.code(), absl::StrCat("sequence ", id, ": fetching its rows: ", f.message()));
 }
 
 absl::Status SparseDecodeImpl::WriteSlotTables(const Sequence& s,
@@ -585,7 +646,10 @@ absl::Status SparseDecodeImpl::WriteSlotTables(const Sequence& s,
   int32_t* pages = sp.h_slot_pages.data();
   std::fill(pages, pages + L * kv * P, 0);
   KvPoolSlot& slot = sp.h_pool_slots.data()[s.slot];
-  if (source.has_value()) {
+  if (s.fetch != nullptr) {
+    // No pages: a null base sends the hot cache's misses of this slot to the staged rows.
+    slot = {nullptr, 4 * int64_t{c.head_dim}, sp.opt.min_page_rows, 0};
+  } else if (source.has_value()) {
     slot = {source->base, source->page_bytes, source->page_rows, 0};
     for (int64_t lh = 0; lh < L * kv; ++lh) {
       std::copy_n(source->pages.data() + lh * source->pages_per_head, source->pages_per_head,
@@ -840,7 +904,14 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
 
   KVR_RETURN_IF_ERROR(mark(CudaStage::kGather));
   const KvPoolView pool = sp.PoolView(layer);
-  if (!sp.hot.empty()) {
+  if (!sp.hot.empty() && !fetched_.empty()) {
+    HotCache& hot = sp.hot[layer];
+    KVR_RETURN_IF_ERROR(
+        hot.Lookup(sp.ids.data(), sp.counts.data(), st, sp.slot_counters.data() + S));
+    KVR_RETURN_IF_ERROR(FetchMisses(layer, st));
+    KVR_RETURN_IF_ERROR(hot.Fill(pool, sp.ids.data(), sp.counts.data(), sp.gathered.data(), st,
+                                 sp.staged_device));
+  } else if (!sp.hot.empty()) {
     KVR_RETURN_IF_ERROR(sp.hot[layer].Gather(pool, sp.ids.data(), sp.counts.data(),
                                              sp.gathered.data(), st, sp.slot_counters.data() + S));
   } else {
@@ -967,6 +1038,127 @@ absl::Status SparseDecodeImpl::HostSelect(int layer, cudaStream_t st) {
   return absl::OkStatus();
 }
 
+absl::Status SparseDecodeImpl::FetchMisses(int layer, cudaStream_t st) {
+  SparseState& sp = *sparse_;
+  const int64_t kv = config_.n_kv_heads, B = sp.opt.budget, row = 2 * int64_t{config_.head_dim};
+  const int32_t* slot_of = sp.hot[layer].slot_of();
+  for (const Sequence* s : fetched_) {
+    const int64_t e0 = int64_t{s->slot} * kv * B;
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_fetch_ids.data() + e0, sp.ids.data() + e0,
+                                             kv * B * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_slot_of.data() + e0, slot_of + e0,
+                                             kv * B * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_fetch_counts.data() + s->slot * kv,
+                                             sp.counts.data() + s->slot * kv,
+                                             kv * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+  }
+  // Also orders this layer's staging after the previous layer's Fill, which read it.
+  KVR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+  // Every fetched sequence's misses, in (sequence, head, entry) order, then one fetch per
+  // sequence, all started before any is waited for.
+  std::vector<int32_t>& positions = sp.fetch_positions;
+  std::vector<int64_t>& entries = sp.fetch_entries;
+  positions.clear();
+  entries.clear();
+  struct Pending {
+    Sequence* s;
+    size_t first, count;  // its rows in positions / entries
+    std::vector<SparseRowFetcher::Rows> heads;
+  };
+  std::vector<Pending> pending;
+  for (Sequence* s : fetched_) {
+    Pending p{s, positions.size(), 0, {}};
+    for (int64_t h = 0; h < kv; ++h) {
+      const int64_t e0 = (int64_t{s->slot} * kv + h) * B;
+      const size_t head_first = positions.size();
+      const int32_t n = sp.h_fetch_counts.data()[s->slot * kv + h];
+      for (int32_t i = 0; i < n && i < B; ++i) {
+        if (sp.h_slot_of.data()[e0 + i] >= 0 || sp.h_fetch_ids.data()[e0 + i] < 0) continue;
+        positions.push_back(sp.h_fetch_ids.data()[e0 + i]);
+        entries.push_back(e0 + i);
+      }
+      if (positions.size() > head_first) {
+        p.heads.push_back({layer, static_cast<int>(h), {}});  // positions set below (no realloc)
+      }
+    }
+    p.count = positions.size() - p.first;
+    pending.push_back(std::move(p));
+  }
+  sp.fetch_rows.resize(positions.size() * row);
+  for (Pending& p : pending) {
+    // The heads' position spans, now that `positions` no longer grows.
+    size_t at = p.first;
+    for (SparseRowFetcher::Rows& r : p.heads) {
+      size_t n = 0;
+      while (at + n < p.first + p.count &&
+             entries[at + n] / B == int64_t{p.s->slot} * kv + r.kv_head) {
+        ++n;
+      }
+      r.positions = {positions.data() + at, n};
+      at += n;
+    }
+    if (p.count == 0 || !p.s->fetch_failure.ok()) continue;
+    p.s->fetch_failure = p.s->fetch->Start(
+        p.heads, {sp.fetch_rows.data() + p.first * row, p.count * static_cast<size_t>(row)});
+  }
+  bf16* staged = sp.staged.data();
+  for (Pending& p : pending) {
+    if (p.count == 0) continue;
+    Sequence& s = *p.s;
+    const bool started = s.fetch_failure.ok();
+    if (started) s.fetch_failure = s.fetch->Wait();
+    for (size_t i = p.first; i < p.first + p.count; ++i) {
+      bf16* dst = staged + entries[i] * row;
+      if (s.fetch_failure.ok()) {
+        std::memcpy(dst, sp.fetch_rows.data() + i * row, row * sizeof(uint16_t));
+      } else {
+        std::memset(dst, 0, row * sizeof(uint16_t));  // void output; the caller ends it
+      }
+    }
+    if (s.fetch_failure.ok()) s.fetched_rows += static_cast<int64_t>(p.count);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SparseDecodeImpl::FetchRing(Sequence& s, int64_t n_tokens) {
+  SparseState& sp = *sparse_;
+  const ModelConfig& c = config_;
+  const int64_t kv = c.n_kv_heads, row = 2 * int64_t{c.head_dim}, S = sp.opt.slots;
+  const int64_t sink = std::min<int64_t>(sp.opt.n_sink, n_tokens);
+  const int64_t base = std::max<int64_t>(sp.opt.n_sink, n_tokens - sp.opt.local_window);
+  std::vector<int32_t> positions;
+  for (int64_t p = 0; p < sink; ++p) positions.push_back(static_cast<int32_t>(p));
+  for (int64_t p = base; p < n_tokens; ++p) positions.push_back(static_cast<int32_t>(p));
+  const int64_t n = static_cast<int64_t>(positions.size());
+  std::vector<SparseRowFetcher::Rows> rows;
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int h = 0; h < kv; ++h) rows.push_back({l, h, positions});
+  }
+  std::vector<uint16_t> fetched(static_cast<size_t>(c.n_layers * kv * n * row));
+  KVR_RETURN_IF_ERROR(s.fetch->Start(rows, fetched));
+  KVR_RETURN_IF_ERROR(s.fetch->Wait());
+  s.fetched_rows += c.n_layers * kv * n;
+  // Into the ring's order (sparse_kernels.cuh: token p at p below n_sink, else at n_sink +
+  // (p - n_sink) % window), one (layer, head) at a time.
+  std::vector<uint16_t> ring(static_cast<size_t>(sp.rcap * row), 0);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int64_t h = 0; h < kv; ++h) {
+      const uint16_t* src = fetched.data() + (l * kv + h) * n * row;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = positions[i];
+        const int64_t r = p < sp.opt.n_sink ? p : sp.opt.n_sink + (p - sp.opt.n_sink) % sp.opt.local_window;
+        std::memcpy(ring.data() + r * row, src + i * row, row * sizeof(uint16_t));
+      }
+      bf16* dst = sp.resident.data() + ((int64_t{l} * S + s.slot) * kv + h) * sp.rcap * row;
+      // Pageable source: staged when the call returns, so `ring` may be reused at once.
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, ring.data(), ring.size() * sizeof(uint16_t),
+                                               cudaMemcpyHostToDevice, stream()));
+    }
+  }
+  for (HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));
+  return Sync();
+}
+
 absl::Status SparseDecodeImpl::CopySlot(const Sequence& from, Sequence& to) {
   SparseState& sp = *sparse_;
   const ModelConfig& c = config_;
@@ -1085,9 +1277,15 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
     s->lane_indexes.clear();
     s->lane_indexed = n_tokens;
   }
+  if (s->fetch != nullptr && s->selector == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ActivateSequence: sequence ", id,
+        " fetches its rows, so the GPU method cannot build its summaries from them: give it a "
+        "host selector, or clusterkv's clusters (ActivateSequenceWithClusters)"));
+  }
   // A host-selected or lane sequence needs no summaries of the configured method: ring rows only.
   KVR_RETURN_IF_ERROR(
-      FillSlotFromHostKv(*s, n_tokens, /*summaries=*/s->selector == nullptr && s->lane < 0));
+      PrepareSlot(*s, n_tokens, /*summaries=*/s->selector == nullptr && s->lane < 0));
   s->length = n_tokens;
   return absl::OkStatus();
 }
@@ -1161,7 +1359,7 @@ absl::Status SparseDecodeImpl::ActivateSequenceWithClusters(
   }
   // The ring rows only: the synthetic clustering LaunchSparseFill would build (reading every
   // key over PCIe) is what the real clusters above replace. Synchronous.
-  KVR_RETURN_IF_ERROR(FillSlotFromHostKv(s, n_tokens, /*summaries=*/false));
+  KVR_RETURN_IF_ERROR(PrepareSlot(s, n_tokens, /*summaries=*/false));
   s.length = n_tokens;
   return absl::OkStatus();
 }
@@ -1266,6 +1464,7 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
   max_candidates_ = 0;
   copy_new_rows_ = false;
   host_selected_.clear();
+  fetched_.clear();
   for (auto& lane : sp.lanes) lane->Clear();
   for (size_t b = 0; b < batch.size(); ++b) {
     const Sequence& q = *seqs[b];
@@ -1304,6 +1503,7 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
     // Sequences reading their past from a row source get the step's new rows back in host
     // memory.
     copy_new_rows_ |= q.host == nullptr;
+    if (q.fetch != nullptr) fetched_.push_back(seqs[b]);
   }
   planned_ = std::move(seqs);
   return plan;
@@ -1345,6 +1545,7 @@ void SparseDecodeImpl::Finish(bool ok) {
   }
   planned_.clear();
   host_selected_.clear();
+  fetched_.clear();
   max_candidates_ = 0;
   copy_new_rows_ = false;
 }

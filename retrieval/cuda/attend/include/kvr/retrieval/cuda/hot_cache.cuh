@@ -53,6 +53,20 @@ class HotCache {
   [[nodiscard]] absl::Status Gather(const KvPoolView& pool, const int32_t* ids,
                                     const int32_t* counts, void* out, cudaStream_t stream,
                                     unsigned long long* slot_hits = nullptr);
+  // Gather in two halves, for rows that are not in a pool the GPU can read (a store on another
+  // host): Lookup finds every selected entry in the cache (slot_of(): its cache slot when >= 0,
+  // a miss when < 0; entries at or past counts[b, h] are not written) and counts the hits; the
+  // caller then fetches the misses itself; Fill copies every row into `out`: hits from the
+  // cache, misses from the pool or, for a slot whose KvPoolSlot::base is null, from `staged`
+  // (device-readable, [batch, n_kv_heads, budget, row] like `out`: the miss's row at its own
+  // entry index), and caches the misses. Lookup and Fill must alternate on one stream.
+  [[nodiscard]] absl::Status Lookup(const int32_t* ids, const int32_t* counts, cudaStream_t stream,
+                                    unsigned long long* slot_hits = nullptr);
+  [[nodiscard]] absl::Status Fill(const KvPoolView& pool, const int32_t* ids,
+                                  const int32_t* counts, void* out, cudaStream_t stream,
+                                  const void* staged);
+  // Device [batch, n_kv_heads, budget]: the last Lookup's cache slot per entry (>= 0: a hit).
+  const int32_t* slot_of() const { return slot_of_.data(); }
 
   // Forgets every row of sequence slot b (a new sequence takes the slot) and zeroes its hits.
   [[nodiscard]] absl::Status ResetSlot(int b, cudaStream_t stream);

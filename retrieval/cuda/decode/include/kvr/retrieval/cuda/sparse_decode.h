@@ -128,6 +128,34 @@ struct SparseRowSource {
   std::vector<int32_t> pages;  // [n_layers, n_kv_heads, pages_per_head]
 };
 
+// A sparse sequence's past on a KV store the GPU cannot read in place (a store on another host):
+// rows are fetched on demand, each step only the selected rows the hot cache misses, batched per
+// (sequence, step, layer), into pinned host memory the GPU reads (the staging of the step's
+// selection, [slots, n_kv_heads, budget, row]). At activation the sink and window rows are
+// fetched once. The decode node implements it over its store client (one gather request per
+// call); tests over an in-process store.
+//
+// Such a sequence holds no page table and no copy of its past: pinned memory per sequence is its
+// share of the staging. It needs a selector that reads no rows (a host selector, or the clusterkv
+// method activated with its handed-off clusters) and a hot cache (SparseDecodeOptions::
+// hot_cache_rows > 0). Called on the thread that drives the model.
+class SparseRowFetcher {
+ public:
+  virtual ~SparseRowFetcher() = default;
+  // Rows `positions` of one KV head of `layer`.
+  struct Rows {
+    int layer = 0;
+    int kv_head = 0;
+    std::span<const int32_t> positions;
+  };
+  // Starts reading every request's rows into `out` one after another, [sum of positions,
+  // 2 (K | V), head_dim] bf16 bits (keys with RoPE, as the store keeps them); `out` and the
+  // positions stay valid until Wait. One fetch at a time per fetcher.
+  [[nodiscard]] virtual absl::Status Start(std::span<const Rows> rows, std::span<uint16_t> out) = 0;
+  // Waits for the started fetch; UNAVAILABLE when the store is gone (the sequence's step fails).
+  [[nodiscard]] virtual absl::Status Wait() = 0;
+};
+
 // A sequence whose selection is made on the host, per layer of each step: a retrieval method
 // that has no GPU selector in this object (the configured SparseMethod), run by its CPU index.
 // The GPU does the rest of the step as for any sequence (window ring, hot cache, gather from
@@ -161,6 +189,8 @@ struct SparseSequenceOptions {
   // Read the past from this paged source instead of a host KV of its own (host_kv,
   // share_host_kv_with and the NUMA / huge page fields are then ignored).
   std::optional<SparseRowSource> rows;
+  // Or fetch it (SparseRowFetcher; excludes `rows`, the own host KV fields and a lane).
+  std::shared_ptr<SparseRowFetcher> fetch;
   // The host KV to adopt, filled by the caller (AcquireHostKv of this SparseDecodeAttention, the
   // same capacity); ActivateSequence then takes its rows. Excludes share_host_kv_with.
   std::shared_ptr<SparseHostKvBuffer> host_kv;
@@ -192,6 +222,7 @@ struct SparseSequenceCounters {
   int64_t steps = 0;           // Forward calls it took part in
   int64_t selected_rows = 0;   // rows selected, summed over layers and KV heads
   int64_t hot_cache_hits = 0;  // of those, served from the hot cache (the rest crossed the link)
+  int64_t fetched_rows = 0;    // rows its SparseRowFetcher read (0 for rows read in place)
 };
 
 // A clusterkv head's real clusters (the prefill node's k-means, as shipped), for
@@ -294,6 +325,10 @@ class SparseDecodeAttention : public model::CudaAttention {
   // As of the last Forward (the slot's counters come back with every Forward; no
   // synchronization here). NotFound for an unknown sequence.
   [[nodiscard]] virtual absl::StatusOr<SparseSequenceCounters> Counters(SequenceId id) const = 0;
+  // OK, or the first failure of a fetched sequence's row reads (SparseRowFetcher::Wait's status,
+  // annotated): its output since then is void and the caller ends it. NotFound for an unknown
+  // sequence.
+  [[nodiscard]] virtual absl::Status SequenceFailure(SequenceId id) const = 0;
   // For tests: later Forwards copy layer `layer`'s query, selection and attention output back
   // (snapshot()); -1 turns it off. Slows each Forward down.
   virtual void SnapshotLayerForTesting(int layer) = 0;
