@@ -13,6 +13,7 @@
 #include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/decode/handoff_indexes.h"
+#include "kvr/decode/store_row_fetcher.h"
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/prebuilt.h"
@@ -129,63 +130,6 @@ class IndexSelector final : public rc::SparseHostSelector {
   std::vector<std::vector<float>> kept_;
   std::vector<int64_t> kept_from_;
   retrieval::Selection selection_;
-};
-
-// Rows of a store sequence read through the store client's data plane (one gather request per
-// call: UCX to a kvr-store, in-process for the fake store of tests), for a sequence whose store
-// the GPU cannot read in place (a store on another host, or gpu_row_source fetch).
-class StoreRowFetcher final : public rc::SparseRowFetcher {
- public:
-  StoreRowFetcher(kv_store::KvStoreClient* store, std::shared_ptr<kv_store::KvStoreClient> owner,
-                  kv_store::SequenceRef ref)
-      : store_(store), owner_(std::move(owner)), ref_(std::move(ref)) {}
-
-  absl::Status Start(std::span<const Rows> rows, std::span<uint16_t> out) override {
-    if (op_ != nullptr) return absl::InternalError("StoreRowFetcher: a fetch is still running");
-    size_t n = 0;
-    for (const Rows& r : rows) n += r.positions.size();
-    indices_.resize(n);
-    entries_.clear();
-    size_t at = 0;
-    for (const Rows& r : rows) {
-      for (size_t i = 0; i < r.positions.size(); ++i) {
-        if (r.positions[i] < 0) {
-          return absl::InternalError(absl::StrCat("StoreRowFetcher: position ", r.positions[i]));
-        }
-        indices_[at + i] = static_cast<uint32_t>(r.positions[i]);
-      }
-      entries_.push_back({ref_, static_cast<uint32_t>(r.layer), static_cast<uint32_t>(r.kv_head),
-                          std::span<const uint32_t>(indices_.data() + at, r.positions.size())});
-      at += r.positions.size();
-    }
-    op_ = store_->StartGather(entries_, {reinterpret_cast<uint8_t*>(out.data()), out.size_bytes()});
-    expected_ = out.size_bytes();
-    return absl::OkStatus();
-  }
-
-  absl::Status Wait() override {
-    if (op_ == nullptr) return absl::InternalError("StoreRowFetcher: no fetch started");
-    absl::StatusOr<uint64_t> got = op_->Wait();
-    op_.reset();
-    if (!got.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat("reading rows from the store: ", got.status().message()));
-    }
-    if (*got != expected_) {
-      return absl::InternalError(
-          absl::StrCat("the store sent ", *got, " bytes of rows, expected ", expected_));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  kv_store::KvStoreClient* store_;
-  std::shared_ptr<kv_store::KvStoreClient> owner_;  // keeps store_ alive (may be null)
-  kv_store::SequenceRef ref_;
-  std::vector<uint32_t> indices_;
-  std::vector<kv_store::GatherEntry> entries_;
-  std::unique_ptr<kv_store::KvStoreOp> op_;
-  uint64_t expected_ = 0;
 };
 
 // Between Prepare and Join: where the sequence's rows are in the store (its page table, read in

@@ -23,6 +23,10 @@
 # refused (its rows exceed gpu_budget, 1024).
 # GPUCLUSTER_GPUS=2 (device kind nvidia-h100-x2): the prefill node on GPU 0 and the
 # decode node on GPU 1, then both on GPU 0 for comparison (quest), TTFT and decode tok/s each.
+# GPUCLUSTER_ROW_SOURCE=fetch: the decode node fetches the rows it misses through the store's
+# data plane (UCX; --gpu-row-source fetch, what a store on another host gets) instead of reading
+# the store's pages in place: the quest cluster only, every method at ~3000 tokens and the
+# decode node's memory at ~1000 and ~3000.
 # Logs go to $OUT.
 set -uo pipefail
 . "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
@@ -100,6 +104,7 @@ case "${1:-}" in
         --decode-arg="--gpu-method=$5" --decode-arg=--gpu-n-sink=16 \
         --decode-arg=--gpu-local-window=256 --decode-arg="--gpu-budget=${6:-1024}" \
         --decode-arg=--gpu-lanes=exact,pariskv \
+        --decode-arg="--gpu-row-source=${GPUCLUSTER_ROW_SOURCE:-in-place}" \
         "${codebooks[@]}" --prefill 1 --decode 1 --base-port "$2" \
         --log-dir "$logs" --detach --pid-file "$logs/up.pid" --ready-timeout 120 \
         > "$logs/up.txt" 2>&1
@@ -128,7 +133,9 @@ case "${1:-}" in
         down "$name"
       done
     else
-      for method in quest clusterkv; do
+      methods="quest clusterkv"
+      [[ "${GPUCLUSTER_ROW_SOURCE:-in-place}" == fetch ]] && methods=quest
+      for method in $methods; do
         [[ $method == quest ]] && port=53051 || port=53151
         up "$method" "$port" 0 0 "$method" || { status=1; continue; }
         for tokens in 1000 3000; do

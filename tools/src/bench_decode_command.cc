@@ -7,7 +7,7 @@
 //                    [--batches 1,2,4,...] [--budget 1024] [--sink 16] [--window 256]
 //                    [--hot-cache-rows 1024] [--steps 16] [--warmup 3] [--profile]
 //                    [--host-numa gpu[,far,unbound,thp,N,...+thp]] [--ceiling-mib 1024]
-//                    [--ceiling-only] [--store HOST:PORT]
+//                    [--ceiling-only] [--store HOST:PORT [--fetch]]
 //                    [--json FILE]
 //
 // Llama-3-8B shape with random weights generated on the GPU; SYNTHETIC KV (random rows) filled
@@ -34,6 +34,13 @@
 // decode node reads them (the pool mapped read-only and registered with CUDA, a page table per
 // slot): one store sequence of random bf16 rows per context, written through the store's API,
 // shared by every slot of a batch (as the host KV is shared in the other placements).
+// --fetch adds the placement "fetched": the same store sequence, read in place only at
+// activation (the ring and the summaries), while every step's hot-cache misses are FETCHED
+// through the store's data plane (UCX; one gather request per slot and layer, all of a layer's
+// started before any is waited for, into pinned staging): the path of a decode node whose store
+// is on another host (kvr-decode --gpu-row-source fetch). Its ceiling is the store's gather rate
+// measured in the same run on the same sequence: as many concurrent gathers as the largest
+// batch's slots, each of `budget` random rows of every KV head, best of --ceiling-repeats.
 
 #include <algorithm>
 #include <chrono>
@@ -56,6 +63,7 @@
 #include "absl/strings/str_format.h"
 #include "commands.h"
 #include "kvr/common/status.h"
+#include "kvr/decode/store_row_fetcher.h"
 #include "kvr/kv_store/client.h"
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/model/cuda_model.h"
@@ -87,6 +95,7 @@ struct DecodeBenchFlags {
   int ceiling_repeats = 5;
   bool ceiling_only = false;
   std::string store;  // a same-host kvr-store: the "store" placement
+  bool fetch = false;  // with store: the "fetched" placement
   std::string json;
 };
 
@@ -97,6 +106,7 @@ struct Placement {
   int node = -1;
   bool huge = false;   // transparent huge pages (SparseSequenceOptions::host_huge_pages)
   bool store = false;  // rows read in place from a kvr-store's pool (--store)
+  bool fetch = false;  // with store: misses fetched through its data plane (--fetch)
   bool probed = false;
   rc::HostLinkProbe probe;
   double ceiling_gbps = 0;  // zero-copy coalesced read, or --host-gbps without a probe
@@ -107,6 +117,7 @@ struct Row {
   std::string method;
   int batch = 0;
   const Placement* placement = nullptr;  // sparse rows
+  double ceiling_gbps = 0;               // the placement's ceiling when the row ran
   double tokens_per_s = 0, p50_ms = 0, p99_ms = 0, mean_ms = 0;
   int64_t gpu_bytes_per_seq = 0;
   bool profiled = false;
@@ -202,6 +213,48 @@ class DecodeBench {
     rows_ = std::move(src);
     return absl::OkStatus();
   }
+  // The store's gather rate on the current sequence (the "fetched" placement's ceiling): `n`
+  // concurrent gathers, each of `budget` random rows of every KV head of one layer (a slot's
+  // per-layer fetch when nothing hits), into pinned host memory; best of `repeats` after one
+  // untimed run. GB/s of row bytes.
+  absl::StatusOr<double> MeasureFetchCeiling(int64_t context, int n, int repeats) {
+    if (store_ == nullptr || store_sequence_.id == 0) {
+      return absl::FailedPreconditionError("no store sequence");
+    }
+    const model::ModelConfig& c = m_.config();
+    const size_t row = size_t{4} * c.head_dim;
+    const size_t per = size_t{static_cast<size_t>(f_.budget)} * c.n_kv_heads;
+    std::vector<uint32_t> idx(per * n);
+    uint64_t x = 0x2545F4914F6CDD1Dull;
+    for (uint32_t& v : idx) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      v = static_cast<uint32_t>(x % static_cast<uint64_t>(context));
+    }
+    std::vector<std::vector<kv_store::GatherEntry>> entries(n);
+    for (int r = 0; r < n; ++r) {
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        entries[r].push_back({store_sequence_, static_cast<uint32_t>(r % c.n_layers),
+                              static_cast<uint32_t>(h),
+                              std::span<const uint32_t>(idx.data() + (r * c.n_kv_heads + h) *
+                                                                         size_t(f_.budget),
+                                                        static_cast<size_t>(f_.budget))});
+      }
+    }
+    std::vector<uint8_t> out(per * n * row);
+    double best = 0;
+    for (int rep = 0; rep <= repeats; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<std::unique_ptr<kv_store::KvStoreOp>> ops;
+      for (int r = 0; r < n; ++r) {
+        ops.push_back(store_->StartGather(entries[r], {out.data() + r * per * row, per * row}));
+      }
+      for (auto& op : ops) KVR_RETURN_IF_ERROR(op->Wait().status());
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (rep > 0) best = std::max(best, static_cast<double>(out.size()) / s / 1e9);
+    }
+    return best;
+  }
+
   absl::Status ReleaseStoreRows() {
     rows_.reset();
     if (store_ == nullptr || store_sequence_.id == 0) return absl::OkStatus();
@@ -353,6 +406,10 @@ class DecodeBench {
           if (placement.store) {
             if (!rows_.has_value()) return absl::FailedPreconditionError("no store rows");
             so.rows = *rows_;
+            if (placement.fetch) {
+              so.fetch = std::make_shared<decode::StoreRowFetcher>(store_.get(), nullptr,
+                                                                   store_sequence_);
+            }
           } else {
             if (i > 0) so.share_host_kv_with = ids[0];
             so.host_numa_node = placement.node;
@@ -364,6 +421,7 @@ class DecodeBench {
                                               : sp_.FillSequenceForBenchmark(id, context, 1));
         }
         Row row{context, name, b, &placement};
+        row.ceiling_gbps = placement.ceiling_gbps;  // "fetched": measured per context
         KVR_RETURN_IF_ERROR(Time(ids, row, /*sparse=*/true));
         Print(row);
         rows.push_back(row);
@@ -417,7 +475,7 @@ class DecodeBench {
       if (r.placement != nullptr) {
         std::printf("  | host %7.1f MiB/step, hits %.2f | gather %5.1f GB/s = %.2f of %.1f",
                     r.gathered_bytes_per_step / (1 << 20), r.hit_rate, r.GatherGbps(),
-                    r.GatherGbps() / r.placement->ceiling_gbps, r.placement->ceiling_gbps);
+                    r.GatherGbps() / r.ceiling_gbps, r.ceiling_gbps);
       }
     }
     std::printf("\n");
@@ -494,6 +552,13 @@ absl::StatusOr<std::vector<Placement>> ResolvePlacements(const DecodeBenchFlags&
     Placement store{"store", -1, false};
     store.store = true;
     out.push_back(store);
+    if (f.fetch) {
+      Placement fetched{"fetched", -1, false};
+      fetched.store = fetched.fetch = true;
+      out.push_back(fetched);
+    }
+  } else if (f.fetch) {
+    return absl::InvalidArgumentError("--fetch needs --store (the kvr-store to fetch from)");
   }
   if (out.empty()) return absl::InvalidArgumentError("--host-numa: no placement left to run");
   return out;
@@ -544,7 +609,9 @@ absl::Status ProbeCeilings(const DecodeBenchFlags& f, const rc::HostTopology& to
                 r->how.c_str(), on.c_str(), huge.c_str(), r->h2d_copy_gbps, r->zero_copy_read_gbps,
                 r->zero_copy_rows_gbps);
     for (Placement& q : placements) {
-      if (q.store) {
+      if (q.fetch) {
+        continue;  // its ceiling is the store's gather rate, measured with its rows
+      } else if (q.store) {
         // The store's pool is host memory placed by the store process; its ceiling is the
         // link's, as the unbound buffer measures it.
         if (p.node < 0 && !p.huge) {
@@ -582,7 +649,7 @@ void PrintCeilingAnalysis(const DecodeBenchFlags& f, const std::vector<Row>& row
     double best_at_ceiling_tps = 0;
     for (const Row& r : rows) {
       if (r.context != ctx || r.placement == nullptr || !r.profiled) continue;
-      const double ceiling = r.placement->ceiling_gbps * 1e9;  // bytes/s
+      const double ceiling = r.ceiling_gbps * 1e9;  // bytes/s
       const double per_token = r.gathered_bytes_per_step / r.batch;
       const double link_tps = per_token > 0 ? ceiling / per_token : 0;
       const double non_gather_s = std::max(0.0, r.mean_ms - r.prof.gather_ms) * 1e-3;
@@ -609,7 +676,7 @@ void PrintCeilingAnalysis(const DecodeBenchFlags& f, const std::vector<Row>& row
     }
     if (best_at_ceiling != nullptr && dense_best > 0) {
       const Row& r = *best_at_ceiling;
-      const double ceiling = r.placement->ceiling_gbps * 1e9;
+      const double ceiling = r.ceiling_gbps * 1e9;
       const double non_gather_s = std::max(0.0, r.mean_ms - r.prof.gather_ms) * 1e-3;
       const double link_budget_s = r.batch / (6 * dense_best) - non_gather_s;
       std::printf(
@@ -722,6 +789,24 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
         std::printf("%6lldK  store rows: error: %s\n", static_cast<long long>(ctx / 1024),
                     s.ToString().c_str());
       }
+      for (Placement& p : placements) {
+        if (!s.ok() || !p.fetch) continue;
+        const int n = f.batches.empty() ? f.max_batch
+                                        : *std::max_element(f.batches.begin(), f.batches.end());
+        const int repeats = std::max(f.ceiling_repeats, 20);  // cheap: ~64 MiB a run
+        absl::StatusOr<double> gbps = bench.MeasureFetchCeiling(ctx, n, repeats);
+        if (!gbps.ok()) {
+          std::printf("%6lldK  fetch ceiling: error: %s\n", static_cast<long long>(ctx / 1024),
+                      gbps.status().ToString().c_str());
+          continue;
+        }
+        p.probed = true;
+        p.ceiling_gbps = *gbps;
+        std::printf("%6lldK  fetch ceiling (store gathers, %d concurrent x %d rows x %d KV heads, "
+                    "best of %d): %.2f GB/s\n",
+                    static_cast<long long>(ctx / 1024), n, f.budget, m->config().n_kv_heads,
+                    repeats, *gbps);
+      }
     }
     for (const std::string& method : f.methods) {
       if (method != "full" && method != "quest" && method != "clusterkv") {
@@ -778,7 +863,7 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
           r.prof.total_ms, r.prof.gemm_ms, r.prof.select_ms, r.prof.gather_ms, r.prof.attention_ms,
           r.prof.other_ms, r.gathered_bytes_per_step, r.hit_rate, r.selected_bytes_per_step,
           r.placement != nullptr ? r.placement->node : -1, r.GatherGbps(),
-          r.placement != nullptr ? r.placement->ceiling_gbps : 0.0, i + 1 < rows.size() ? "," : "");
+          r.placement != nullptr ? r.ceiling_gbps : 0.0, i + 1 < rows.size() ? "," : "");
     }
     out << "]\n";
     if (!out) return absl::InternalError(absl::StrCat("writing ", f.json));
@@ -830,6 +915,10 @@ void AddBenchDecodeCommand(CLI::App& app) {
   cmd->add_option("--store", f.store,
                   "a kvr-store on this host (started with --local-socket): adds the placement "
                   "'store', rows read in place from its page pool as a CUDA decode node does");
+  cmd->add_flag("--fetch", f.fetch,
+                "with --store: adds the placement 'fetched', the misses fetched through the "
+                "store's data plane (UCX) as for a store on another host, against the store's "
+                "gather rate measured in the same run");
   cmd->add_option("--json", f.json, "write the rows as JSON");
   cmd->callback([flags] {
     const absl::Status s = RunDecodeBench(*flags);

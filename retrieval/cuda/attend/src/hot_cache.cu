@@ -106,9 +106,10 @@ __global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
 
 // One thread per 16-byte chunk of each selected row: hits copy from the cache (HBM), misses read
 // the pool (mapped host memory: the only bytes that cross the link) or, for a slot whose pool
-// base is null, the staged rows at the entry's own index, and, when they won their victim's
-// claim, also write the row into the cache and retag the slot.
+// base is null, staged row staged_index[e], and, when they won their victim's claim, also write
+// the row into the cache and retag the slot.
 __global__ void HotCacheCopyKernel(KvPoolView pool, const uint4* __restrict__ staged,
+                                   const int32_t* __restrict__ staged_index,
                                    const int32_t* __restrict__ ids,
                                    const int32_t* __restrict__ counts,
                                    const int32_t* __restrict__ slot_of, int32_t* tags,
@@ -133,10 +134,14 @@ __global__ void HotCacheCopyKernel(KvPoolView pool, const uint4* __restrict__ st
     return;
   }
   const int victim = -2 - s;
-  const uint4 x =
-      staged != nullptr && pool.slots[bh / pool.n_kv_heads].base == nullptr
-          ? staged[e * chunks_per_row + chunk]
-          : static_cast<const uint4*>(KvPoolRow(pool, bh, id, size_t{16} * chunks_per_row))[chunk];
+  uint4 x;
+  if (staged != nullptr && pool.slots[bh / pool.n_kv_heads].base == nullptr) {
+    const int32_t row = staged_index[e];
+    if (row < 0) return;  // the caller staged no row for this miss: nothing to read
+    x = staged[static_cast<int64_t>(row) * chunks_per_row + chunk];
+  } else {
+    x = static_cast<const uint4*>(KvPoolRow(pool, bh, id, size_t{16} * chunks_per_row))[chunk];
+  }
   out[e * chunks_per_row + chunk] = x;
   if (claims[bh * slots + victim] == ClaimKey(step, MissPriority(id))) {
     cache_bh[static_cast<int64_t>(victim) * chunks_per_row + chunk] = x;
@@ -228,9 +233,13 @@ absl::Status HotCache::Lookup(const int32_t* ids, const int32_t* counts, cudaStr
 }
 
 absl::Status HotCache::Fill(const KvPoolView& pool, const int32_t* ids, const int32_t* counts,
-                            void* out, cudaStream_t stream, const void* staged) {
+                            void* out, cudaStream_t stream, const void* staged,
+                            const int32_t* staged_index) {
   if (!KvPoolViewSet(pool) || !ids || !counts || !out) {
     return absl::InvalidArgumentError("HotCache::Fill: null pool tables, ids, counts or out");
+  }
+  if ((staged == nullptr) != (staged_index == nullptr)) {
+    return absl::InvalidArgumentError("HotCache::Fill: staged rows without their index, or back");
   }
   if (pool.n_kv_heads != shape_.n_kv_heads) {
     return absl::InvalidArgumentError(absl::StrCat("HotCache::Fill: pool.n_kv_heads ",
@@ -241,7 +250,8 @@ absl::Status HotCache::Fill(const KvPoolView& pool, const int32_t* ids, const in
   const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
   const int64_t chunks = entries * chunks_per_row;
   HotCacheCopyKernel<<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0,
-                       stream>>>(pool, static_cast<const uint4*>(staged), ids, counts,
+                       stream>>>(pool, static_cast<const uint4*>(staged), staged_index, ids,
+                                 counts,
                                  slot_of_.data(), tags_.data(), stamps_.data(), claims_.data(),
                                  reinterpret_cast<uint4*>(data_.data()), static_cast<uint4*>(out),
                                  shape_.budget, slots_per_head(), chunks_per_row, chunks,
@@ -259,7 +269,7 @@ absl::Status HotCache::Gather(const KvPoolView& pool, const int32_t* ids, const 
                                                    pool.n_kv_heads, " != ", shape_.n_kv_heads));
   }
   KVR_RETURN_IF_ERROR(Lookup(ids, counts, stream, slot_hits));
-  return Fill(pool, ids, counts, out, stream, nullptr);
+  return Fill(pool, ids, counts, out, stream, nullptr, nullptr);
 }
 
 }  // namespace kvr::retrieval::cuda

@@ -479,6 +479,8 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
     const KvPoolView view{d_slots.data(), d_pages.data(), paged.max_pages, n_kv};
     auto staged = ValueOrDie(PinnedBuffer<uint8_t>::Create(
         static_cast<size_t>(bh) * budget * row_bytes, cudaHostAllocMapped));
+    auto staged_index = ValueOrDie(
+        PinnedBuffer<int32_t>::Create(static_cast<size_t>(bh) * budget, cudaHostAllocMapped));
     int64_t staged_rows = 0, staged_slot_hits = 0;
     auto cache = ValueOrDie(HotCache::Create({.batch = batch,
                                               .n_kv_heads = n_kv,
@@ -540,26 +542,31 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
         ASSERT_OK(cache.Gather(view, d_ids.data(), d_counts.data(), d_out.data(), stream.get()));
       } else {
         ASSERT_OK(cache.Lookup(d_ids.data(), d_counts.data(), stream.get()));
+        ASSERT_OK(stream.Synchronize());  // the stream does not wait on the legacy one
         std::vector<int32_t> slot_of(static_cast<size_t>(bh) * budget);
         ASSERT_EQ(cudaMemcpy(slot_of.data(), cache.slot_of(), slot_of.size() * 4,
                              cudaMemcpyDeviceToHost),
                   cudaSuccess);
         std::memset(staged.data(), 0xFF, staged.bytes());
-        for (int h = 0; h < n_kv; ++h) {
+        std::fill_n(staged_index.data(), staged_index.size(), -1);
+        int32_t next = 0;  // compact: the misses in reverse entry order, to test the index
+        for (int h = n_kv - 1; h >= 0; --h) {
           const int i = kStagedSlot * n_kv + h;
-          for (int j = 0; j < counts[i]; ++j) {
+          for (int j = counts[i] - 1; j >= 0; --j) {
             const size_t e = static_cast<size_t>(i) * budget + j;
             if (slot_of[e] >= 0) {
               ++staged_slot_hits;
               continue;
             }
-            std::memcpy(staged.data() + e * row_bytes,
+            staged_index.data()[e] = next;
+            std::memcpy(staged.data() + static_cast<size_t>(next++) * row_bytes,
                         pool.bytes.data() + (head_base[i] + ids[e]) * row_bytes, row_bytes);
             ++staged_rows;
           }
         }
         ASSERT_OK(cache.Fill(view, d_ids.data(), d_counts.data(), d_out.data(), stream.get(),
-                             ValueOrDie(staged.device_pointer())));
+                             ValueOrDie(staged.device_pointer()),
+                             ValueOrDie(staged_index.device_pointer())));
       }
       ASSERT_OK(stream.Synchronize());
       const std::vector<uint8_t> got = Download(d_out, d_out.bytes());

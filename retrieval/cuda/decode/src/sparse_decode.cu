@@ -137,6 +137,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     // Fetches its rows (SparseSequenceOptions::fetch; null: reads them in place), the rows
     // fetched so far, and the first failed fetch (the sequence's output is void from then on).
     std::shared_ptr<SparseRowFetcher> fetch;
+    bool paged = false;  // a SparseRowSource too: read at activation only when fetched
     int64_t fetched_rows = 0;
     absl::Status fetch_failure;
   };
@@ -177,14 +178,16 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     // [slots, n_kv].
     PinnedBuffer<float> h_q;
     PinnedBuffer<int32_t> h_ids, h_counts;
-    // Fetched sequences (SparseRowFetcher): the step's missed rows, staged at their entry index
-    // in mapped pinned memory [slots, n_kv, budget, row] (staged_device: its device address;
-    // allocated with the first such sequence), and each fetched slot's ids, counts and hot-cache
-    // slots copied back per layer.
+    // Fetched sequences (SparseRowFetcher): a layer's missed rows, fetched straight into mapped
+    // pinned memory (up to [slots, n_kv, budget] rows, in fetch order), and per entry the staged
+    // row that holds it (staged_index, written for the misses of fetched slots only); their
+    // device addresses; allocated with the first such sequence. Each fetched slot's ids, counts
+    // and hot-cache slots come back per layer.
     PinnedBuffer<bf16> staged;
+    PinnedBuffer<int32_t> staged_index;
     const bf16* staged_device = nullptr;
+    const int32_t* staged_index_device = nullptr;
     PinnedBuffer<int32_t> h_fetch_ids, h_fetch_counts, h_slot_of;
-    std::vector<uint16_t> fetch_rows;  // a fetch's rows in request order, all fetched slots
     std::vector<int32_t> fetch_positions;
     std::vector<int64_t> fetch_entries;  // the entry index of each fetched row
     std::vector<std::unique_ptr<GpuLane>> lanes;  // SparseDecodeOptions::lanes, in order
@@ -257,7 +260,18 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
   [[nodiscard]] absl::Status FetchRing(Sequence& s, int64_t n_tokens);
   // The slot's ring (and with `summaries` the GPU method's summaries) from where its rows are.
   [[nodiscard]] absl::Status PrepareSlot(Sequence& s, int64_t n_tokens, bool summaries) {
-    return s.fetch != nullptr ? FetchRing(s, n_tokens) : FillSlotFromHostKv(s, n_tokens, summaries);
+    return s.fetch != nullptr && !s.paged ? FetchRing(s, n_tokens)
+                                          : FillSlotFromHostKv(s, n_tokens, summaries);
+  }
+  // A fetched sequence activated from pages: from now on its misses come from the fetcher (a
+  // null base in its slot's pool entry). Synchronous.
+  [[nodiscard]] absl::Status FetchFromNowOn(const Sequence& s) {
+    if (s.fetch == nullptr || !s.paged) return absl::OkStatus();
+    KvPoolSlot& slot = sparse_->h_pool_slots.data()[s.slot];
+    slot.base = nullptr;
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sparse_->pool_slots.data() + s.slot, &slot,
+                                             sizeof(slot), cudaMemcpyHostToDevice, stream()));
+    return Sync();
   }
 
   model::CudaModel& model_;
@@ -508,10 +522,10 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
   const ModelConfig& c = config_;
   std::shared_ptr<HostKvImpl> host;
   if (options.fetch != nullptr) {
-    if (options.rows.has_value() || !options.lane.empty() || sparse_->hot.empty()) {
+    if (!options.lane.empty() || sparse_->hot.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "AddSequence: fetched rows (SparseSequenceOptions::fetch) need a hot cache "
-          "(hot_cache_rows > 0) and exclude a paged row source and a lane",
+          "(hot_cache_rows > 0) and exclude a lane",
           sparse_->hot.empty() ? "; this configuration has no hot cache" : ""));
     }
     if (sparse_->staged.size() == 0) {
@@ -521,12 +535,18 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
                                                       cudaHostAllocMapped));
       KVR_ASSIGN_OR_RETURN(bf16 * device, sparse_->staged.device_pointer());
       sparse_->staged_device = device;
+      KVR_ASSIGN_OR_RETURN(sparse_->staged_index,
+                           PinnedBuffer<int32_t>::Create(static_cast<size_t>(n),
+                                                         cudaHostAllocMapped));
+      KVR_ASSIGN_OR_RETURN(int32_t * index_device, sparse_->staged_index.device_pointer());
+      sparse_->staged_index_device = index_device;
       KVR_RETURN_IF_ERROR(AllocPinned(sparse_->h_fetch_ids, n));
       KVR_RETURN_IF_ERROR(AllocPinned(sparse_->h_slot_of, n));
       KVR_RETURN_IF_ERROR(
           AllocPinned(sparse_->h_fetch_counts, int64_t{sparse_->opt.slots} * c.n_kv_heads));
     }
-  } else if (options.rows.has_value()) {
+  }
+  if (options.rows.has_value()) {
     const SparseRowSource& r = *options.rows;
     const int64_t row_bytes = 4 * int64_t{c.head_dim};
     auto bad = [&](auto&&... parts) {
@@ -554,6 +574,8 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
     for (int32_t page : r.pages) {
       if (page < 0) return bad("negative page id ", page);
     }
+  } else if (options.fetch != nullptr) {
+    // No pages: the ring comes through the fetcher at activation.
   } else if (options.share_host_kv_with.has_value()) {
     auto it = sequences_.find(*options.share_host_kv_with);
     if (it == sequences_.end() || it->second.capacity != capacity) {
@@ -601,6 +623,7 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
   s.lane_indexes = options.lane_indexes;
   s.lane_budget = options.lane_budget > 0 ? options.lane_budget : sparse_->opt.budget;
   s.fetch = options.fetch;
+  s.paged = options.rows.has_value();
   if (options.rows.has_value()) {
     const SparseRowSource& r = *options.rows;
     s.source_key = absl::HashOf(reinterpret_cast<uintptr_t>(r.base), r.page_bytes, r.page_rows,
@@ -646,7 +669,7 @@ absl::Status SparseDecodeImpl::WriteSlotTables(const Sequence& s,
   int32_t* pages = sp.h_slot_pages.data();
   std::fill(pages, pages + L * kv * P, 0);
   KvPoolSlot& slot = sp.h_pool_slots.data()[s.slot];
-  if (s.fetch != nullptr) {
+  if (s.fetch != nullptr && !source.has_value()) {
     // No pages: a null base sends the hot cache's misses of this slot to the staged rows.
     slot = {nullptr, 4 * int64_t{c.head_dim}, sp.opt.min_page_rows, 0};
   } else if (source.has_value()) {
@@ -910,7 +933,7 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
         hot.Lookup(sp.ids.data(), sp.counts.data(), st, sp.slot_counters.data() + S));
     KVR_RETURN_IF_ERROR(FetchMisses(layer, st));
     KVR_RETURN_IF_ERROR(hot.Fill(pool, sp.ids.data(), sp.counts.data(), sp.gathered.data(), st,
-                                 sp.staged_device));
+                                 sp.staged_device, sp.staged_index_device));
   } else if (!sp.hot.empty()) {
     KVR_RETURN_IF_ERROR(sp.hot[layer].Gather(pool, sp.ids.data(), sp.counts.data(),
                                              sp.gathered.data(), st, sp.slot_counters.data() + S));
@@ -1084,7 +1107,10 @@ absl::Status SparseDecodeImpl::FetchMisses(int layer, cudaStream_t st) {
     p.count = positions.size() - p.first;
     pending.push_back(std::move(p));
   }
-  sp.fetch_rows.resize(positions.size() * row);
+  // Straight into the staging, each sequence's rows after the previous one's.
+  uint16_t* staged = reinterpret_cast<uint16_t*>(sp.staged.data());
+  int32_t* staged_index = sp.staged_index.data();
+  for (size_t i = 0; i < entries.size(); ++i) staged_index[entries[i]] = static_cast<int32_t>(i);
   for (Pending& p : pending) {
     // The heads' position spans, now that `positions` no longer grows.
     size_t at = p.first;
@@ -1099,23 +1125,18 @@ absl::Status SparseDecodeImpl::FetchMisses(int layer, cudaStream_t st) {
     }
     if (p.count == 0 || !p.s->fetch_failure.ok()) continue;
     p.s->fetch_failure = p.s->fetch->Start(
-        p.heads, {sp.fetch_rows.data() + p.first * row, p.count * static_cast<size_t>(row)});
+        p.heads, {staged + p.first * row, p.count * static_cast<size_t>(row)});
   }
-  bf16* staged = sp.staged.data();
   for (Pending& p : pending) {
     if (p.count == 0) continue;
     Sequence& s = *p.s;
     const bool started = s.fetch_failure.ok();
     if (started) s.fetch_failure = s.fetch->Wait();
-    for (size_t i = p.first; i < p.first + p.count; ++i) {
-      bf16* dst = staged + entries[i] * row;
-      if (s.fetch_failure.ok()) {
-        std::memcpy(dst, sp.fetch_rows.data() + i * row, row * sizeof(uint16_t));
-      } else {
-        std::memset(dst, 0, row * sizeof(uint16_t));  // void output; the caller ends it
-      }
+    if (s.fetch_failure.ok()) {
+      s.fetched_rows += static_cast<int64_t>(p.count);
+    } else {  // void output from now on; the caller ends the sequence
+      std::memset(staged + p.first * row, 0, p.count * row * sizeof(uint16_t));
     }
-    if (s.fetch_failure.ok()) s.fetched_rows += static_cast<int64_t>(p.count);
   }
   return absl::OkStatus();
 }
@@ -1268,6 +1289,7 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
   }
   if (twin != nullptr) {
     KVR_RETURN_IF_ERROR(CopySlot(*twin, *s));
+    KVR_RETURN_IF_ERROR(FetchFromNowOn(*s));
     s->length = n_tokens;
     return absl::OkStatus();
   }
@@ -1277,7 +1299,7 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
     s->lane_indexes.clear();
     s->lane_indexed = n_tokens;
   }
-  if (s->fetch != nullptr && s->selector == nullptr) {
+  if (s->fetch != nullptr && !s->paged && s->selector == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "ActivateSequence: sequence ", id,
         " fetches its rows, so the GPU method cannot build its summaries from them: give it a "
@@ -1286,6 +1308,7 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
   // A host-selected or lane sequence needs no summaries of the configured method: ring rows only.
   KVR_RETURN_IF_ERROR(
       PrepareSlot(*s, n_tokens, /*summaries=*/s->selector == nullptr && s->lane < 0));
+  KVR_RETURN_IF_ERROR(FetchFromNowOn(*s));
   s->length = n_tokens;
   return absl::OkStatus();
 }
@@ -1360,6 +1383,7 @@ absl::Status SparseDecodeImpl::ActivateSequenceWithClusters(
   // The ring rows only: the synthetic clustering LaunchSparseFill would build (reading every
   // key over PCIe) is what the real clusters above replace. Synchronous.
   KVR_RETURN_IF_ERROR(PrepareSlot(s, n_tokens, /*summaries=*/false));
+  KVR_RETURN_IF_ERROR(FetchFromNowOn(s));
   s.length = n_tokens;
   return absl::OkStatus();
 }

@@ -58,13 +58,14 @@ class HotCache {
   // a miss when < 0; entries at or past counts[b, h] are not written) and counts the hits; the
   // caller then fetches the misses itself; Fill copies every row into `out`: hits from the
   // cache, misses from the pool or, for a slot whose KvPoolSlot::base is null, from `staged`
-  // (device-readable, [batch, n_kv_heads, budget, row] like `out`: the miss's row at its own
-  // entry index), and caches the misses. Lookup and Fill must alternate on one stream.
+  // (device-readable rows, e.g. mapped pinned memory the host fetched them into: entry e's row
+  // is staged row staged_index[e], an index the caller writes for those misses only), and
+  // caches the misses. Lookup and Fill must alternate on one stream.
   [[nodiscard]] absl::Status Lookup(const int32_t* ids, const int32_t* counts, cudaStream_t stream,
                                     unsigned long long* slot_hits = nullptr);
   [[nodiscard]] absl::Status Fill(const KvPoolView& pool, const int32_t* ids,
                                   const int32_t* counts, void* out, cudaStream_t stream,
-                                  const void* staged);
+                                  const void* staged, const int32_t* staged_index);
   // Device [batch, n_kv_heads, budget]: the last Lookup's cache slot per entry (>= 0: a hit).
   const int32_t* slot_of() const { return slot_of_.data(); }
 

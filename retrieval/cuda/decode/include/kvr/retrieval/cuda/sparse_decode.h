@@ -189,7 +189,9 @@ struct SparseSequenceOptions {
   // Read the past from this paged source instead of a host KV of its own (host_kv,
   // share_host_kv_with and the NUMA / huge page fields are then ignored).
   std::optional<SparseRowSource> rows;
-  // Or fetch it (SparseRowFetcher; excludes `rows`, the own host KV fields and a lane).
+  // Or fetch it (SparseRowFetcher; excludes the own host KV fields and a lane). With `rows`
+  // too, activation reads the pages in place (ring and the GPU method's summaries: benchmarks
+  // over a store on this host) and every step's misses are fetched.
   std::shared_ptr<SparseRowFetcher> fetch;
   // The host KV to adopt, filled by the caller (AcquireHostKv of this SparseDecodeAttention, the
   // same capacity); ActivateSequence then takes its rows. Excludes share_host_kv_with.
