@@ -763,7 +763,9 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
     KVR_RETURN_IF_ERROR(Alloc(q_stage_, int64_t{c.n_layers} * stage_rows * qd));
     q_stage_rows_ = stage_rows;
   }
-  const int64_t layer_stride = 2 * o.length * kv + e->nq * qd + sum_f32 + sum_i32;
+  // K and V rows: float32, or bf16 (two per float of the buffer; kv_dim is even).
+  const int64_t row_floats = o.bf16_rows ? o.length * kv : 2 * o.length * kv;
+  const int64_t layer_stride = row_floats + e->nq * qd + sum_f32 + sum_i32;
   const int64_t need = int64_t{c.n_layers} * layer_stride;
   // The smallest pooled buffer that fits; when none does, the pool is freed first (one request
   // at a time is the prefill node's case: its buffer grows to the longest prompt).
@@ -799,12 +801,17 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
     n.exp = e.get();
     n.view.sequence = id;
     n.view.layer = l;
-    n.view.kv.k = base;
-    n.view.kv.v = base + o.length * kv;
+    if (o.bf16_rows) {
+      n.view.k_bf16 = reinterpret_cast<const uint16_t*>(base);
+      n.view.v_bf16 = n.view.k_bf16 + o.length * kv;
+    } else {
+      n.view.kv.k = base;
+      n.view.kv.v = base + o.length * kv;
+    }
     n.view.kv.n_rows = o.length;
     n.view.kv.row_stride = kv;
     n.view.kv.total_tokens = o.length;
-    n.view.queries = base + 2 * o.length * kv;
+    n.view.queries = base + row_floats;
     n.view.n_queries = e->nq;
     n.view.queries_first_position = o.length - e->nq;
     if (o.summaries) {
@@ -812,7 +819,7 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
       PrefillSummaryLayer& v = n.view.summary;
       v.method = sm.opt.method;
       v.length = o.length;
-      v.f32 = base + 2 * o.length * kv + e->nq * qd;
+      v.f32 = base + row_floats + e->nq * qd;
       v.n_f32 = sum_f32;
       v.i32 = reinterpret_cast<const int32_t*>(v.f32 + sum_f32);
       v.n_i32 = sum_i32;
@@ -1129,20 +1136,29 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     // copies out of it (stream order).
     for (const ChunkExport& x : exports) {
       const SeqKv& sk = h_seqs_.data()[x.b];
-      float* k_scratch = export_scratch_.data() + x.scratch_row * kv;
-      float* v_scratch = export_scratch_.data() + (T + x.scratch_row) * kv;
-      // A layer's K rows [first, first + n) are contiguous in the cache, and so are its V rows.
-      KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(
-          cuda::KRow(sk, layer, x.first, static_cast<int>(kv)), k_scratch, x.n * kv, cs));
-      KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(
-          cuda::VRow(sk, layer, x.first, static_cast<int>(kv)), v_scratch, x.n * kv, cs));
       const KvExportLayer& view = x.exp->notes[layer].view;
       auto d2h = [&](const float* dst, const float* src, int64_t n) {
         return cudaMemcpyAsync(const_cast<float*>(dst), src, n * sizeof(float),
                                cudaMemcpyDeviceToHost, cs);
       };
-      KVR_CUDA_RETURN_IF_ERROR(d2h(view.kv.k + x.first * kv, k_scratch, x.n * kv));
-      KVR_CUDA_RETURN_IF_ERROR(d2h(view.kv.v + x.first * kv, v_scratch, x.n * kv));
+      // A layer's K rows [first, first + n) are contiguous in the cache, and so are its V rows.
+      const bf16* k_rows = cuda::KRow(sk, layer, x.first, static_cast<int>(kv));
+      const bf16* v_rows = cuda::VRow(sk, layer, x.first, static_cast<int>(kv));
+      if (x.exp->opt.bf16_rows) {
+        // As they lie: bf16 straight from the cache.
+        const size_t bytes = static_cast<size_t>(x.n * kv) * sizeof(uint16_t);
+        KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(const_cast<uint16_t*>(view.k_bf16) + x.first * kv,
+                                                 k_rows, bytes, cudaMemcpyDeviceToHost, cs));
+        KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(const_cast<uint16_t*>(view.v_bf16) + x.first * kv,
+                                                 v_rows, bytes, cudaMemcpyDeviceToHost, cs));
+      } else {
+        float* k_scratch = export_scratch_.data() + x.scratch_row * kv;
+        float* v_scratch = export_scratch_.data() + (T + x.scratch_row) * kv;
+        KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(k_rows, k_scratch, x.n * kv, cs));
+        KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(v_rows, v_scratch, x.n * kv, cs));
+        KVR_CUDA_RETURN_IF_ERROR(d2h(view.kv.k + x.first * kv, k_scratch, x.n * kv));
+        KVR_CUDA_RETURN_IF_ERROR(d2h(view.kv.v + x.first * kv, v_scratch, x.n * kv));
+      }
       if (x.q_n > 0) {
         KVR_CUDA_RETURN_IF_ERROR(d2h(view.queries + (x.q_first - view.queries_first_position) * qd,
                                      stage + x.stage_row * qd, x.q_n * qd));

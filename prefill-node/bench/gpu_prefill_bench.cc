@@ -175,6 +175,7 @@ int Main(int argc, char** argv) {
   int64_t chunk = 2048, max_queries = 512;
   double store_gib = 0;
   std::string store_kind = "fake";
+  std::string store_dtype = "f32";
   app.add_option("--shape", shape, "dummy shape (model/dummy.h)");
   app.add_option("--layers", layers, "layer count override (0: the shape's)");
   app.add_option("--prompt", prompts, "prompt lengths, comma separated");
@@ -191,6 +192,10 @@ int Main(int argc, char** argv) {
                  "exported rows)");
   app.add_option("--store", store_kind, "fake (puts copy into the pool) or discard (no copy)")
       ->check(CLI::IsMember({"fake", "discard"}));
+  app.add_option("--store-dtype", store_dtype,
+                 "(c)'s store rows: f32, or bf16 (the backend then exports the cache's bf16 rows "
+                 "as they lie instead of float32)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   CLI11_PARSE(app, argc, argv);
 
   auto config = model::DummyConfig(shape, layers);
@@ -282,7 +287,10 @@ int Main(int argc, char** argv) {
   PrefillEngine engine(
       std::move(timed_owned), nullptr, &*registry, &stores, &opener,
       EngineOptions{
-          .chunk_tokens = chunk, .max_prefill_queries = max_queries, .observer = &timing});
+          .chunk_tokens = chunk,
+          .max_prefill_queries = max_queries,
+          .store_dtype = store_dtype == "bf16" ? kv_store::DType::kBf16 : kv_store::DType::kF32,
+          .observer = &timing});
 
   uint64_t next_id = 1000;
   for (int64_t L : lengths) {

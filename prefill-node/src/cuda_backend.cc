@@ -65,6 +65,8 @@ class CudaPrefillBackend final : public PrefillBackend {
         LayerTask task;
         task.layer = x.layer;
         task.kv = x.kv;
+        task.k_bf16 = x.k_bf16;
+        task.v_bf16 = x.v_bf16;
         task.queries = x.queries;
         task.n_queries = x.n_queries;
         task.queries_first_position = x.queries_first_position;
@@ -73,6 +75,7 @@ class CudaPrefillBackend final : public PrefillBackend {
       };
     }
     eo.summaries = build;
+    eo.bf16_rows = call.bf16_rows;
     KVR_RETURN_IF_ERROR(model_->BeginKvExport(id, eo));
     std::vector<float> logits(model_->config().vocab);
     const int64_t chunk = std::min(call.chunk_tokens, max_chunk_);

@@ -45,6 +45,26 @@ absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl:
   return s;
 }
 
+// PackRows of a layer task's rows, f32 or bf16 (widened, exact).
+void PackTaskRows(const LayerTask& task, int n_kv_heads, int head_dim,
+                  std::span<const int64_t> positions, std::string* out) {
+  if (task.k_bf16 == nullptr) {
+    PackRows(task.kv, n_kv_heads, head_dim, positions, out);
+    return;
+  }
+  const int64_t kv_dim = int64_t{n_kv_heads} * head_dim;
+  out->resize(positions.size() * n_kv_heads * 2 * size_t(head_dim) * sizeof(float));
+  auto* dst = reinterpret_cast<float*>(out->data());
+  for (int64_t p : positions) {
+    for (int h = 0; h < n_kv_heads; ++h) {
+      for (const uint16_t* rows : {task.k_bf16, task.v_bf16}) {
+        Bf16BytesToFloats(rows + p * kv_dim + int64_t{h} * head_dim, size_t(head_dim), dst);
+        dst += head_dim;
+      }
+    }
+  }
+}
+
 // Builds indexes, packs sink/local rows and starts store puts on its own threads (layers are
 // independent: up to `threads` of them at once), so that the model's next layers compute
 // meanwhile. Owns the put operations and the packing buffers they read; the tasks' rows belong
@@ -164,7 +184,14 @@ class LayerWorker {
             absl::StrCat("retrieval.method '", ctx_.method, "': ", index.status().message()));
       }
       retrieval::BuildInput in;
-      in.keys = {task.kv.k, L, task.kv.row_stride};
+      std::vector<float> widened;  // bf16 rows: the keys as floats (exact), for the CPU build
+      if (task.k_bf16 != nullptr) {
+        widened.resize(static_cast<size_t>(L * kv_dim));
+        Bf16BytesToFloats(task.k_bf16, widened.size(), widened.data());
+        in.keys = {widened.data(), L, kv_dim};
+      } else {
+        in.keys = {task.kv.k, L, task.kv.row_stride};
+      }
       const int64_t q_row = int64_t{c.n_heads} * c.head_dim;
       in.queries = {task.queries, task.n_queries, q_row};
       in.queries_first_position = task.queries_first_position;
@@ -188,16 +215,17 @@ class LayerWorker {
     const int64_t n_local = std::min<int64_t>(ctx_.params->local_window, L - n_sink);
     std::vector<int64_t> positions(n_sink);
     std::iota(positions.begin(), positions.end(), 0);
-    PackRows(task.kv, c.n_kv_heads, c.head_dim, positions, layer.mutable_sink_kv());
+    PackTaskRows(task, c.n_kv_heads, c.head_dim, positions, layer.mutable_sink_kv());
     for (int64_t p : positions) layer.add_sink_positions(static_cast<uint32_t>(p));
     positions.resize(n_local);
     std::iota(positions.begin(), positions.end(), L - n_local);
-    PackRows(task.kv, c.n_kv_heads, c.head_dim, positions, layer.mutable_local_kv());
+    PackTaskRows(task, c.n_kv_heads, c.head_dim, positions, layer.mutable_local_kv());
     for (int64_t p : positions) layer.add_local_positions(static_cast<uint32_t>(p));
 
-    // 3. Every row to the store, asynchronously, in the store's dtype. f32 rows go as they lie
-    // when the cache's stride equals the row width (KvCache's layout); otherwise, and for bf16,
-    // they are packed (and narrowed) into a buffer the put reads.
+    // 3. Every row to the store, asynchronously, in the store's dtype. Rows go as they lie when
+    // they are in the store's dtype at the row width (f32 from KvCache's layout, bf16 exported
+    // by the backend); otherwise they are packed (narrowed or widened) into a buffer the put
+    // reads.
     kv_store::LayerRows rows;
     rows.sequence = ctx_.sequence;
     rows.layer = static_cast<uint32_t>(task.layer);
@@ -207,7 +235,11 @@ class LayerWorker {
     const size_t elem_bytes = kv_store::DTypeSize(ctx_.store_dtype);
     const size_t row_bytes = static_cast<size_t>(kv_dim) * elem_bytes;
     const size_t half_bytes = static_cast<size_t>(L) * row_bytes;
-    if (!bf16 && task.kv.row_stride == kv_dim) {
+    const bool rows_bf16 = task.k_bf16 != nullptr;
+    if (bf16 && rows_bf16) {
+      rows.k = {reinterpret_cast<const uint8_t*>(task.k_bf16), half_bytes};
+      rows.v = {reinterpret_cast<const uint8_t*>(task.v_bf16), half_bytes};
+    } else if (!bf16 && !rows_bf16 && task.kv.row_stride == kv_dim) {
       rows.k = {reinterpret_cast<const uint8_t*>(task.kv.k), half_bytes};
       rows.v = {reinterpret_cast<const uint8_t*>(task.kv.v), half_bytes};
     } else {
@@ -218,7 +250,13 @@ class LayerWorker {
       }
       uint8_t* k_dst = packed->data();
       uint8_t* v_dst = packed->data() + half_bytes;
-      for (int64_t r = 0; r < L; ++r) {
+      for (int64_t r = 0; r < L && rows_bf16; ++r) {  // bf16 rows into an f32 store: widened
+        Bf16BytesToFloats(task.k_bf16 + r * kv_dim, static_cast<size_t>(kv_dim),
+                          reinterpret_cast<float*>(k_dst + r * row_bytes));
+        Bf16BytesToFloats(task.v_bf16 + r * kv_dim, static_cast<size_t>(kv_dim),
+                          reinterpret_cast<float*>(v_dst + r * row_bytes));
+      }
+      for (int64_t r = 0; r < L && !rows_bf16; ++r) {
         const float* k = task.kv.k + r * task.kv.row_stride;
         const float* v = task.kv.v + r * task.kv.row_stride;
         if (bf16) {
@@ -560,6 +598,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   call.ids = ids;
   call.chunk_tokens = options_.chunk_tokens;
   call.max_queries = options_.max_prefill_queries;
+  call.bf16_rows = options_.store_dtype == kv_store::DType::kBf16;
   call.method = rp.method();
   call.params = &params;
   call.on_layer = [&worker](LayerTask&& task) { worker.Push(std::move(task)); };

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvr/common/half.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dense_attention.h"
@@ -89,7 +90,8 @@ struct Side {
 };
 
 void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
-              const retrieval::MethodRegistry* registry) {
+              const retrieval::MethodRegistry* registry,
+              kv_store::DType store_dtype = kv_store::DType::kF32) {
   kv_store::StoreOptions so;
   so.pool.capacity_bytes = 64ull << 20;
   so.pool.try_huge_pages = false;
@@ -99,7 +101,8 @@ void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
   side.stores = std::make_unique<OneStore>(side.store.get());
   side.engine = std::make_unique<PrefillEngine>(
       std::move(backend), nullptr, registry, side.stores.get(), &side.opener,
-      EngineOptions{.chunk_tokens = kChunk, .max_prefill_queries = 100});
+      EngineOptions{
+          .chunk_tokens = kChunk, .max_prefill_queries = 100, .store_dtype = store_dtype});
 }
 
 // Rows of `head_dim` floats: counts those outside the tolerance; tracks the worst.
@@ -386,6 +389,94 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         method, static_cast<long long>(store.rows), store.cosine, store.ratio,
         static_cast<long long>(handoff.rows), handoff.cosine, handoff.ratio, got->first_token,
         want->first_token);
+  }
+}
+
+// With store_dtype bf16 the CUDA backend exports the cache's bf16 rows as they lie (half the
+// PCIe bytes, no narrowing pass on the host); the result must be exactly what the float32
+// export gave once narrowed: the float32 export is the cache's bf16 values widened. Per method
+// (GPU-built quest, CPU-built keydiff from the widened keys, full): every store row bit for bit,
+// the handoff's sink and local rows and summaries byte for byte, the same first token, half the
+// shipped bytes.
+TEST(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
+  if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  ThreadPool pool;
+  auto config = model::DummyConfig("smollm2-135m", 4);
+  ASSERT_TRUE(config.ok());
+  const model::ModelConfig& c = *config;
+  auto weights = model::RandomWeights(c, 5, &pool);
+  ASSERT_TRUE(weights.ok());
+  model::CudaModelOptions co;
+  co.max_batch_tokens = kChunk;
+  co.max_sequences = 1;
+  co.max_logits_rows = 1;
+  auto registry = retrieval::AllMethods();
+  ASSERT_TRUE(registry.ok());
+  Side f32, b16;
+  for (Side* side : {&f32, &b16}) {
+    auto gpu_model = model::CreateCudaModel(c, *weights, co);
+    ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
+    auto backend = CreateCudaPrefillBackend(*std::move(gpu_model), 0, kChunk);
+    ASSERT_TRUE(backend.ok());
+    MakeSide(*side, *std::move(backend), &*registry,
+             side == &b16 ? kv_store::DType::kBf16 : kv_store::DType::kF32);
+  }
+  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab);
+  const int64_t L = kPromptTokens;
+  uint64_t seq = 500;
+  for (const char* method : {"full", "quest", "keydiff"}) {
+    SCOPED_TRACE(method);
+    f32.opener.chunks.clear();
+    b16.opener.chunks.clear();
+    PrefillJob job;
+    job.request_id = std::string("bf16-") + method;
+    job.sequence_id = ++seq;
+    job.store_capability = kv_store::Capability::Generate();
+    job.prompt = TokenPrompt{ids};
+    job.sampling.set_max_tokens(8);
+    job.retrieval.set_method(method);
+    job.retrieval.set_budget(16);
+    job.retrieval.set_n_sink(4);
+    job.retrieval.set_local_window(32);
+    job.deadline = absl::Now() + absl::Seconds(120);
+    auto want = f32.engine->Run(job);
+    ASSERT_TRUE(want.ok()) << want.status();
+    auto got = b16.engine->Run(job);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->first_token, want->first_token);
+    EXPECT_EQ(2 * got->kv_bytes_shipped, want->kv_bytes_shipped);
+    ASSERT_EQ(got->prompt_tokens, L);
+    // The store: bf16 rows = the float32 rows narrowed, bit for bit.
+    std::vector<uint8_t> a(L * 2 * c.head_dim * 2), b(L * 2 * c.head_dim * 4);
+    int64_t differ = 0;
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      for (int head = 0; head < c.n_kv_heads; ++head) {
+        kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
+                                   static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
+        ASSERT_TRUE(b16.store->RangeRead(std::span(&range, 1), a).ok());
+        ASSERT_TRUE(f32.store->RangeRead(std::span(&range, 1), b).ok());
+        const auto* wide = reinterpret_cast<const float*>(b.data());
+        for (int64_t i = 0; i < L * 2 * c.head_dim; ++i) {
+          uint16_t h;
+          std::memcpy(&h, a.data() + 2 * i, 2);
+          differ += h != FloatToBf16(wide[i]);
+        }
+      }
+    }
+    EXPECT_EQ(differ, 0) << "bf16 store values that are not the float32 export narrowed";
+    // The handoff: the same bytes (sink/local rows widened from bf16 are the float32 export's).
+    ASSERT_EQ(b16.opener.chunks.size(), f32.opener.chunks.size());
+    for (size_t i = 1; i < b16.opener.chunks.size(); ++i) {
+      const cv1::HandoffLayer& g = b16.opener.chunks[i].layer();
+      const cv1::HandoffLayer* w = nullptr;
+      for (size_t j = 1; j < f32.opener.chunks.size(); ++j) {
+        if (f32.opener.chunks[j].layer().layer() == g.layer()) w = &f32.opener.chunks[j].layer();
+      }
+      ASSERT_NE(w, nullptr);
+      EXPECT_EQ(g.sink_kv(), w->sink_kv()) << "layer " << g.layer();
+      EXPECT_EQ(g.local_kv(), w->local_kv()) << "layer " << g.layer();
+      EXPECT_EQ(g.summaries(), w->summaries()) << "layer " << g.layer();
+    }
   }
 }
 

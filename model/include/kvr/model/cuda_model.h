@@ -156,6 +156,11 @@ struct KvExportLayer {
   SequenceId sequence = 0;
   int layer = 0;
   KvView kv;                       // rows [0, L), float32, pinned host memory
+  // KvExportOptions::bf16_rows: the rows as the cache holds them instead, bf16 bits, K and V
+  // each [L, n_kv_heads * head_dim]; kv.k and kv.v are then null (its n_rows, row_stride and
+  // total_tokens still set).
+  const uint16_t* k_bf16 = nullptr;
+  const uint16_t* v_bf16 = nullptr;
   const float* queries = nullptr;  // [n_queries, n_heads, head_dim]
   int64_t n_queries = 0;
   int64_t queries_first_position = 0;  // L - n_queries
@@ -170,6 +175,10 @@ struct KvExportOptions {
   // layer's copy then waits for its build (on the build stream) as well, so on_layer sees rows
   // and summary together; the builds still overlap the later layers' compute.
   bool summaries = false;
+  // Export the K/V rows as the cache's bf16 (KvExportLayer::k_bf16 / v_bf16), copied device to
+  // host as they lie: half the PCIe bytes and no conversion, for a consumer that stores bf16
+  // rows (a prefill node with store_dtype bf16). Queries stay float32.
+  bool bf16_rows = false;
   std::function<void(const KvExportLayer&)> on_layer;  // see above; may be empty
 };
 

@@ -33,6 +33,11 @@ namespace kvr::prefill_node {
 struct LayerTask {
   int layer = 0;
   model::KvView kv;                // rows [0, L), float32, row_stride >= n_kv_heads * head_dim
+  // Or, when the backend exports bf16 rows (PrefillCall::bf16_rows and a backend that keeps its
+  // cache in bf16: CUDA), rows [0, L) as bf16 bits, K and V each [L, n_kv_heads * head_dim];
+  // kv.k / kv.v are then null (kv.n_rows and row_stride still set).
+  const uint16_t* k_bf16 = nullptr;
+  const uint16_t* v_bf16 = nullptr;
   const float* queries = nullptr;  // [n_queries, n_heads, head_dim], RoPE applied
   int64_t n_queries = 0;
   int64_t queries_first_position = 0;  // L - n_queries
@@ -58,6 +63,9 @@ struct PrefillCall {
   // backend may build that method's summaries itself and hand them out in LayerTask::summary.
   std::string method;
   const retrieval::IndexParams* params = nullptr;
+  // The rows go to the store as bf16: a backend whose cache holds bf16 may hand them out as such
+  // (LayerTask::k_bf16 / v_bf16) instead of widening them to float32.
+  bool bf16_rows = false;
   // Called once per layer (in layer order for both backends), possibly from another thread
   // (the CUDA backend: a CUDA runtime thread); must neither block nor call CUDA: queue the task.
   std::function<void(LayerTask&&)> on_layer;
