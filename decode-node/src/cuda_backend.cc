@@ -304,7 +304,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     }
     so.selector = pending->selector;
     so.lane = pending->lane;
-    so.lane_budget = static_cast<int>(h.budget);
+    so.budget = static_cast<int>(h.budget);
     for (const auto& index : pending->indexes) so.lane_indexes.push_back(index.get());
     // Takes a slot and prepares it (ring rows, and the summaries, clusters or lane state);
     // the slot is given back if that fails.

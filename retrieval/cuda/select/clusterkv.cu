@@ -85,10 +85,12 @@ static __global__ void __launch_bounds__(kThreads)
                           const float* __restrict__ scores, const int32_t* __restrict__ picked,
                           const int32_t* __restrict__ pick_count,
                           const int32_t* __restrict__ offsets, const int32_t* __restrict__ members,
-                          CandidateRanges cand, int budget, int32_t* __restrict__ ids,
-                          int32_t* __restrict__ counts) {
+                          CandidateRanges cand, int budget, const int32_t* __restrict__ budgets,
+                          int32_t* __restrict__ ids, int32_t* __restrict__ counts) {
   const int row = blockIdx.x;
   const int b = row / n_kv_heads;
+  // This row's budget; rows stay `budget` apart in ids.
+  const int row_budget = budgets != nullptr ? max(0, min(budgets[b], budget)) : budget;
   const int np = pick_count[row];
   const int cb = cand.begin[b], ce = cand.end[b];
   // Dynamic shared memory (ExpandSmemBytes): 6 arrays of kMaxPick + the output buffer.
@@ -188,15 +190,15 @@ static __global__ void __launch_bounds__(kThreads)
       const int v = s_warp[lane];
       const int wi = internal::WarpInclusiveScan(v, lane);
       s_warp[lane] = wi - v;
-      if (lane == 31) s_total = min(wi, budget);
+      if (lane == 31) s_total = min(wi, row_budget);
     }
     __syncthreads();
     int prefix = s_warp[warp] + incl - sum;
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
       if (first + e < np) {
-        s_pos[first + e] = min(prefix, budget);
-        s_len[first + e] = min(local[e], max(0, budget - prefix));
+        s_pos[first + e] = min(prefix, row_budget);
+        s_len[first + e] = min(local[e], max(0, row_budget - prefix));
       }
       prefix += local[e];
     }
@@ -317,7 +319,7 @@ absl::Status ClusterKvSelect(const ClusterKvSelectParams& p, cudaStream_t stream
       ClusterKvExpandKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   ClusterKvExpandKernel<<<rows, kThreads, kSmemBytes, stream>>>(
       p.n_kv_heads, ld, pick, p.max_clusters, p.max_members, scores, tail.picked, tail.pick_count,
-      p.offsets, p.members, p.cand, p.out.budget, p.out.ids, p.out.counts);
+      p.offsets, p.members, p.cand, p.out.budget, p.budgets, p.out.ids, p.out.counts);
   return kvr::cuda::LastLaunchStatus("ClusterKvExpandKernel");
 }
 

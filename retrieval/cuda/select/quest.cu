@@ -155,9 +155,12 @@ static __global__ void __launch_bounds__(kThreads)
     QuestExpandKernel(int page_size, int ld, int max_pages, const float* __restrict__ scores,
                       const int32_t* __restrict__ pages, const int32_t* __restrict__ page_count,
                       const int32_t* __restrict__ first_page, CandidateRanges cand, int n_kv_heads,
-                      int budget, int32_t* __restrict__ ids, int32_t* __restrict__ counts) {
+                      int budget, const int32_t* __restrict__ budgets, int32_t* __restrict__ ids,
+                      int32_t* __restrict__ counts) {
   const int row = blockIdx.x;
   const int b = row / n_kv_heads;
+  // This row's budget; rows stay `budget` apart in ids.
+  const int row_budget = budgets != nullptr ? max(0, min(budgets[b], budget)) : budget;
   const int np = page_count[row];
   const int cb = cand.begin[b], ce = cand.end[b];
   const int first = first_page[row];
@@ -189,7 +192,7 @@ static __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {  // walk in rank order (np <= 1024, cheap)
     int total = 0;
     for (int r = 0; r < np; ++r) {
-      const int t = min(s_rank_len[r], budget - total);
+      const int t = min(s_rank_len[r], row_budget - total);
       s_rank_len[r] = max(t, 0);
       total += s_rank_len[r];
     }
@@ -352,7 +355,7 @@ absl::Status QuestSelect(const QuestSelectParams& p, cudaStream_t stream) {
   KVR_RETURN_IF_ERROR(LaunchBatchedTopK(t, stream));
   QuestExpandKernel<<<t.rows, kThreads, 0, stream>>>(
       p.page_size, ld, pick, w.scores, w.pages, w.page_count, w.first_page, p.cand, p.n_kv_heads,
-      p.out.budget, p.out.ids, p.out.counts);
+      p.out.budget, p.budgets, p.out.ids, p.out.counts);
   return kvr::cuda::LastLaunchStatus("QuestExpandKernel");
 }
 

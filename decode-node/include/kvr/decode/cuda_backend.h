@@ -17,9 +17,9 @@
 //   window, as on the CPU backend (one synchronization per layer of a step that has such a
 //   sequence); the GPU gathers and attends its selection like any other. A handoff with a bigger
 //   budget or another sink/window is refused (InvalidArgument naming the field and the node's
-//   setting), and so is `full` when its rows exceed gpu_budget (the rows one step gathers); a
-//   smaller budget runs the GPU method at the node's budget (more rows, never fewer) and a
-//   host-selected method at its own.
+//   setting), and so is `full` when its rows exceed gpu_budget (the rows one step gathers);
+//   every other request runs at its own budget, whichever selector serves it (the GPU method
+//   takes a budget per slot).
 // - Prepare (the handoff's thread): checks the store sequence (shape, bf16 rows, the prompt's
 //   rows committed), reserves its store pages for every row it will hold (prompt + max_tokens,
 //   KvStoreClient::ReservePageTable) and maps the store's pool (MapLocalPool, once per store;

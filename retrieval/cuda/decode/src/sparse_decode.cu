@@ -133,7 +133,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     int lane = -1;
     std::vector<const RetrievalIndex*> lane_indexes;
     int64_t lane_indexed = 0, lane_next = 0;
-    int lane_budget = 0;  // SparseSequenceOptions::lane_budget, or the configured budget
+    int budget = 0;  // SparseSequenceOptions::budget, or the configured budget
     // Fetches its rows (SparseSequenceOptions::fetch; null: reads them in place), the rows
     // fetched so far, and the first failed fetch (the sequence's output is void from then on).
     std::shared_ptr<SparseRowFetcher> fetch;
@@ -160,6 +160,8 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     size_t select_ws_bytes = 0, attend_ws_bytes = 0;
     DeviceBuffer<int32_t> meta;  // [3, slots]: cand begin, cand end, resident count
     PinnedBuffer<int32_t> h_meta;
+    DeviceBuffer<int32_t> budgets;  // [slots]: each slot's budget (Sequence::budget)
+    PinnedBuffer<int32_t> h_budgets;
     DeviceBuffer<SparseRow> rows;  // [slots]
     PinnedBuffer<SparseRow> h_rows;
     // Where each slot's rows are (kv_pool.h): slots [slots], pages [n_layers, slots, n_kv,
@@ -400,6 +402,8 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   KVR_RETURN_IF_ERROR(Alloc(st->gathered, S * kv * o.budget * 2 * d));
   KVR_RETURN_IF_ERROR(Alloc(st->meta, 3 * S));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_meta, 3 * S));
+  KVR_RETURN_IF_ERROR(Alloc(st->budgets, S));
+  KVR_RETURN_IF_ERROR(AllocPinned(st->h_budgets, S));
   KVR_RETURN_IF_ERROR(Alloc(st->rows, S));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_rows, S));
   st->max_pages = static_cast<int>((o.max_capacity + o.min_page_rows - 1) / o.min_page_rows);
@@ -477,7 +481,8 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
                            st->n_clusters.bytes() + st->offsets.bytes() + st->members.bytes() +
                            st->q_f32.bytes() + st->ids.bytes() + st->counts.bytes() +
                            st->gathered.bytes() + st->select_ws.bytes() + st->attend_ws.bytes() +
-                           st->meta.bytes() + st->rows.bytes() + st->pool_slots.bytes() +
+                           st->meta.bytes() + st->budgets.bytes() + st->rows.bytes() +
+                           st->pool_slots.bytes() +
                            st->pool_pages.bytes() + st->new_rows.bytes()) +
       hot_bytes + lane_bytes;
   KVR_RETURN_IF_ERROR(Sync());
@@ -498,9 +503,9 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
                                                    " outside [1, max_capacity ",
                                                    sparse_->opt.max_capacity, "]"));
   }
-  if (options.lane_budget < 0 || options.lane_budget > sparse_->opt.budget) {
-    return absl::InvalidArgumentError(absl::StrCat("AddSequence: lane_budget ",
-                                                   options.lane_budget, " outside [0, budget ",
+  if (options.budget < 0 || options.budget > sparse_->opt.budget) {
+    return absl::InvalidArgumentError(absl::StrCat("AddSequence: budget ",
+                                                   options.budget, " outside [0, budget ",
                                                    sparse_->opt.budget, "]"));
   }
   if (!options.lane.empty() &&
@@ -621,7 +626,7 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
     if (sparse_->lanes[i]->method() == options.lane) s.lane = static_cast<int>(i);
   }
   s.lane_indexes = options.lane_indexes;
-  s.lane_budget = options.lane_budget > 0 ? options.lane_budget : sparse_->opt.budget;
+  s.budget = options.budget > 0 ? options.budget : sparse_->opt.budget;
   s.fetch = options.fetch;
   s.paged = options.rows.has_value();
   if (options.rows.has_value()) {
@@ -887,6 +892,7 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     qp.cand = cand;
     qp.max_candidates = static_cast<int>(std::max<int64_t>(1, max_candidates));
     qp.out = out;
+    qp.budgets = sp.budgets.data();
     qp.workspace = sp.select_ws.data();
     qp.workspace_bytes = sp.select_ws_bytes;
     KVR_RETURN_IF_ERROR(QuestSelect(qp, st));
@@ -907,6 +913,7 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     cp.max_members = static_cast<int>(o.max_capacity);
     cp.cand = cand;
     cp.out = out;
+    cp.budgets = sp.budgets.data();
     cp.workspace = sp.select_ws.data();
     cp.workspace_bytes = sp.select_ws_bytes;
     KVR_RETURN_IF_ERROR(ClusterKvSelect(cp, st));
@@ -1484,6 +1491,7 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
   for (int r = 0; r < S; ++r) {
     sp.h_rows.data()[r] = SparseRow{};
     sp.h_meta.data()[r] = sp.h_meta.data()[S + r] = sp.h_meta.data()[2 * S + r] = 0;
+    sp.h_budgets.data()[r] = 0;
   }
   max_candidates_ = 0;
   copy_new_rows_ = false;
@@ -1496,6 +1504,7 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
     const int64_t len = q.length + 1;  // with the new token
     const int64_t local_begin = std::max<int64_t>(o.n_sink, len - o.local_window);
     plan.rows[b] = r;
+    sp.h_budgets.data()[r] = q.budget;
     sp.h_rows.data()[r] =
         SparseRow{q.host != nullptr ? q.host->device : nullptr, q.capacity, q.length, 1};
     sp.h_meta.data()[r] = o.n_sink;
@@ -1512,7 +1521,7 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
       seqs[b]->lane_next = encode ? left + 1 : q.lane_indexed;
       sp.lanes[q.lane]->Add(r, o.n_sink, static_cast<int32_t>(local_begin),
                       static_cast<int32_t>(seqs[b]->lane_next), encode ? left : -1,
-                      q.lane_budget);
+                      q.budget);
       max_candidates_ = std::max(max_candidates_, local_begin - o.n_sink);
     } else if (q.selector != nullptr) {
       // The GPU selector sees no candidates (it selects nothing for this slot); the host
@@ -1541,6 +1550,8 @@ absl::Status SparseDecodeImpl::Begin(void* stream_ptr) {
                                            n_rows * sizeof(SparseRow), cudaMemcpyHostToDevice, st));
   KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       sp.meta.data(), sp.h_meta.data(), 3 * n_rows * sizeof(int32_t), cudaMemcpyHostToDevice, st));
+  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.budgets.data(), sp.h_budgets.data(),
+                                           n_rows * sizeof(int32_t), cudaMemcpyHostToDevice, st));
   for (auto& lane : sp.lanes) KVR_RETURN_IF_ERROR(lane->Begin(st));
   return absl::OkStatus();
 }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <map>
 #include <set>
 #include <string>
 #include <tuple>
@@ -436,6 +437,8 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
     IndexParams params;
     params.gqa = gqa;
     params.quest.page_size = ps;
+    // Each budget's rows, for the launch with per-row budgets at the end.
+    std::map<int, std::pair<std::vector<int32_t>, std::vector<int32_t>>> uniform;
     for (int budget : {1, 40, 256, 1024}) {
       QuestSelectParams p;
       p.batch = batch;
@@ -465,6 +468,7 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto h_ids = Download(*ids, batch * nkv * budget);
       const auto h_counts = Download(*counts, batch * nkv);
+      uniform[budget] = {h_ids, h_counts};
       int rows = 0, identical = 0;
       double overlap = 0, total = 0;
       for (int b = 0; b < batch; ++b) {
@@ -499,6 +503,49 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
       }
       EXPECT_GE(identical, rows * 9 / 10) << "budget " << budget;
       EXPECT_GE(overlap, 0.97 * total) << "budget " << budget;
+    }
+    // Per-row budgets (a decode batch whose requests ask for different budgets): one launch at
+    // the widest budget with row b capped at budgets[b] selects, row by row, what a launch at
+    // that budget selected.
+    const std::vector<int32_t> row_budgets = {40, 1, 256};
+    const int wide = 1024;
+    auto d_budgets = Upload(row_budgets);
+    QuestSelectParams p;
+    p.batch = batch;
+    p.n_heads = nh;
+    p.n_kv_heads = nkv;
+    p.head_dim = hd;
+    p.page_size = ps;
+    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
+    p.gqa = gqa;
+    p.query = d_query.data();
+    p.bounds = d_bounds.data();
+    p.bounds_batch_stride = batch_stride;
+    p.cand = {d_begin.data(), d_end.data()};
+    p.max_candidates = max_cand;
+    p.budgets = d_budgets.data();
+    auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * wide);
+    auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
+    p.out = {wide, nullptr, nullptr};
+    auto ws = DeviceBuffer<char>::Create(QuestSelectWorkspaceBytes(p));
+    ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
+    p.out = {wide, ids->data(), counts->data()};
+    p.workspace = ws->data();
+    p.workspace_bytes = ws->bytes();
+    ASSERT_OK(QuestSelect(p, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto h_ids = Download(*ids, batch * nkv * wide);
+    const auto h_counts = Download(*counts, batch * nkv);
+    for (int b = 0; b < batch; ++b) {
+      const auto& [want_ids, want_counts] = uniform.at(row_budgets[b]);
+      for (int h = 0; h < nkv; ++h) {
+        const int row = b * nkv + h;
+        ASSERT_EQ(h_counts[row], want_counts[row]) << "per-row budget, seq " << b << " head " << h;
+        const int32_t* got = h_ids.data() + static_cast<size_t>(row) * wide;
+        const int32_t* want = want_ids.data() + static_cast<size_t>(row) * row_budgets[b];
+        EXPECT_TRUE(std::equal(got, got + h_counts[row], want))
+            << "per-row budget, seq " << b << " head " << h;
+      }
     }
   }
 }
@@ -567,6 +614,26 @@ TEST_F(SelectTest, ClusterKvMatchesCpuClusterKvIndex) {
     auto d_nc = Upload(layout->n_clusters);
     auto d_off = Upload(layout->offsets);
     auto d_mem = Upload(layout->members);
+    std::map<int, std::pair<std::vector<int32_t>, std::vector<int32_t>>> uniform;
+    auto params_for = [&](int budget) {
+      ClusterKvSelectParams p;
+      p.batch = batch;
+      p.n_heads = nh;
+      p.n_kv_heads = nkv;
+      p.head_dim = hd;
+      p.scale = 1.f / std::sqrt(static_cast<float>(hd));
+      p.gqa = gqa;
+      p.query = d_query.data();
+      p.centroids = d_cent.data();
+      p.n_clusters = d_nc.data();
+      p.offsets = d_off.data();
+      p.members = d_mem.data();
+      p.max_clusters = layout->max_clusters;
+      p.max_members = layout->max_members;
+      p.cand = {d_begin.data(), d_end.data()};
+      p.out.budget = budget;
+      return p;
+    };
     for (int budget : {1, 40, 256, 1024}) {
       ClusterKvSelectParams p;
       p.batch = batch;
@@ -598,6 +665,7 @@ TEST_F(SelectTest, ClusterKvMatchesCpuClusterKvIndex) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto h_ids = Download(*ids, batch * nkv * budget);
       const auto h_counts = Download(*counts, batch * nkv);
+      uniform[budget] = {h_ids, h_counts};
       int rows = 0, identical = 0;
       double overlap = 0, total = 0;
       for (int b = 0; b < batch; ++b) {
@@ -627,6 +695,34 @@ TEST_F(SelectTest, ClusterKvMatchesCpuClusterKvIndex) {
       }
       EXPECT_GE(identical, rows * 9 / 10) << "budget " << budget;
       EXPECT_GE(overlap, 0.97 * total) << "budget " << budget;
+    }
+    // Per-row budgets, as for quest.
+    const std::vector<int32_t> row_budgets = {256, 40, 1};
+    const int wide = 1024;
+    auto d_budgets = Upload(row_budgets);
+    ClusterKvSelectParams p = params_for(wide);
+    p.budgets = d_budgets.data();
+    auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * wide);
+    auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
+    auto ws = DeviceBuffer<char>::Create(ClusterKvSelectWorkspaceBytes(p));
+    ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
+    p.out = {wide, ids->data(), counts->data()};
+    p.workspace = ws->data();
+    p.workspace_bytes = ws->bytes();
+    ASSERT_OK(ClusterKvSelect(p, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto h_ids = Download(*ids, batch * nkv * wide);
+    const auto h_counts = Download(*counts, batch * nkv);
+    for (int b = 0; b < batch; ++b) {
+      const auto& [want_ids, want_counts] = uniform.at(row_budgets[b]);
+      for (int h = 0; h < nkv; ++h) {
+        const int row = b * nkv + h;
+        ASSERT_EQ(h_counts[row], want_counts[row]) << "per-row budget, seq " << b << " head " << h;
+        const int32_t* got = h_ids.data() + static_cast<size_t>(row) * wide;
+        const int32_t* want = want_ids.data() + static_cast<size_t>(row) * row_budgets[b];
+        EXPECT_TRUE(std::equal(got, got + h_counts[row], want))
+            << "per-row budget, seq " << b << " head " << h;
+      }
     }
   }
 }

@@ -153,6 +153,9 @@ struct QuestSelectParams {
   CandidateRanges cand;
   int max_candidates = 0;  // >= cand_end[b] - cand_begin[b] for every b
   SelectionOutput out;     // ceil(budget / page_size) + 2 must be <= 1024
+  // Optional device [batch]: row b selects at most min(budgets[b], out.budget) tokens per KV
+  // head (the same selection as a launch with that budget); rows stay out.budget apart.
+  const int32_t* budgets = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
@@ -183,6 +186,8 @@ struct ClusterKvSelectParams {
   int max_members = 0;
   CandidateRanges cand;
   SelectionOutput out;  // budget <= 2048
+  // Optional device [batch]: per-row budgets, as QuestSelectParams::budgets.
+  const int32_t* budgets = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -184,8 +184,10 @@ struct SparseSequenceOptions {
   // layer over the n_tokens of the activation (read then only: they may go afterwards).
   std::string lane;
   std::vector<const RetrievalIndex*> lane_indexes;
-  // Rows a lane selects per KV head and step (0: the configured budget; at most it).
-  int lane_budget = 0;
+  // Rows this sequence's selector (the configured GPU method, a lane or a host selector's
+  // request) selects per KV head and step (0: the configured budget; at most it). A batch mixes
+  // budgets: the GPU method selects each slot at its own.
+  int budget = 0;
   // Read the past from this paged source instead of a host KV of its own (host_kv,
   // share_host_kv_with and the NUMA / huge page fields are then ignored).
   std::optional<SparseRowSource> rows;
