@@ -25,7 +25,6 @@
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
-#include "kvr/controller/membership_client.h"
 #include "kvr/decode/config.h"
 #include "kvr/decode/cuda_backend.h"
 #include "kvr/decode/engine.h"
@@ -33,6 +32,7 @@
 #include "kvr/decode/service.h"
 #include "kvr/kv_store/types.h"
 #include "kvr/model/loader.h"
+#include "kvr/node/membership_client.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
@@ -237,7 +237,7 @@ int Serve(const DecodeConfig& config) {
   }
   // Register + heartbeat (re-registers on NOT_FOUND, retries while the controller is
   // unreachable) on the client's thread; Stop() deregisters.
-  kvr::controller::MembershipClient::Options membership_options;
+  kvr::node::MembershipClient::Options membership_options;
   membership_options.controller = config.controller;
   membership_options.registration = std::move(registration);
   membership_options.load = [engine = engine->get()] {
@@ -251,12 +251,12 @@ int Serve(const DecodeConfig& config) {
     std::cout << "kvr-decode registered " << id << std::endl;
   };
   // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
-  server->GetHealthCheckService()->SetServingStatus(kvr::controller::kReadinessService, false);
+  server->GetHealthCheckService()->SetServingStatus(kvr::node::kReadinessService, false);
   membership_options.on_cluster_view = [health = server->GetHealthCheckService()](
                                            uint32_t live_stores) {
-    health->SetServingStatus(kvr::controller::kReadinessService, live_stores > 0);
+    health->SetServingStatus(kvr::node::kReadinessService, live_stores > 0);
   };
-  kvr::controller::MembershipClient membership(std::move(membership_options));
+  kvr::node::MembershipClient membership(std::move(membership_options));
 
   int received = 0;
   sigwait(&signals, &received);

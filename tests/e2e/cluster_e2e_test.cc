@@ -45,10 +45,10 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
-#include "kvr/controller/membership_client.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
+#include "kvr/node/membership_client.h"
 #include "kvr/store/v1/store.grpc.pb.h"
 #include "kvr/v1/generation.grpc.pb.h"
 #include "kvr_up_cluster.h"
@@ -392,7 +392,7 @@ TEST_F(ModelFixture, ReadinessFollowsTheStore) {
   using Status = grpc::health::v1::HealthCheckResponse;
   Cluster cluster(1, 1);
   ASSERT_TRUE(cluster.ready());
-  const std::string ready = kvr::controller::kReadinessService;
+  const std::string ready = kvr::node::kReadinessService;
   const std::vector<std::string> nodes = {cluster.Find("prefill-0").grpc,
                                           cluster.Find("decode-0").grpc};
   auto wait_for = [&](const std::string& address, const std::string& service,
@@ -577,7 +577,7 @@ TEST_F(ModelFixture, ControllerKilledAndRestarted) {
   std::printf("controller restart: served %s after the restart (%zu failed before)\n",
               served ? absl::FormatDuration(*served).c_str() : "NOT", failures.size());
   ASSERT_TRUE(served.has_value()) << "no request served within 15 s of the controller restart";
-  EXPECT_EQ(Health(cluster.endpoint(), kvr::controller::kReadinessService),
+  EXPECT_EQ(Health(cluster.endpoint(), kvr::node::kReadinessService),
             grpc::health::v1::HealthCheckResponse::SERVING);
 }
 

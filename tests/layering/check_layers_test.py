@@ -26,7 +26,6 @@ def write(root, rel, text):
 # The allowances of the real tree, so that a synthetic tree does not fail for unused ones.
 ALLOWANCES = {
     "model/cuda/cuda_model.cu": '#include "kvr/retrieval/cuda/build.cuh"\n',
-    "kv-store/src/x.cc": '#include "kvr/controller/membership_client.h"\n',
 }
 
 
@@ -70,6 +69,30 @@ class CheckLayersTest(unittest.TestCase):
             r = run(root)
             self.assertEqual(r.returncode, 1, r.stdout)
             self.assertIn("decode-node/src/bad.cc:1", r.stdout)
+
+    def test_the_store_library_is_below_the_node_library_and_its_binary_above(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = pathlib.Path(d)
+            for rel, text in ALLOWANCES.items():
+                write(root, rel, text)
+            # The kvr-store binary registers through the node library, like the other nodes.
+            write(root, "kv-store/tools/main.cc", '#include "kvr/node/membership_client.h"\n'
+                                                  '#include "kvr/kv_store/server.h"\n')
+            write(root, "decode-node/src/main.cc", '#include "kvr/node/membership_client.h"\n')
+            self.assertEqual(run(root).returncode, 0, run(root).stdout)
+            # The store library knows no node library and no controller.
+            write(root, "kv-store/src/bad.cc", '#include "kvr/node/membership_client.h"\n'
+                                               '#include "kvr/controller/membership.h"\n')
+            # The node library knows no controller.
+            write(root, "node/src/bad.cc", '#include "kvr/controller/placement.h"\n')
+            r = run(root)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("kv-store/src/bad.cc:1: kv-store (layer 4) includes node (layer 5)",
+                          r.stdout)
+            self.assertIn("kv-store/src/bad.cc:2: kv-store (layer 4) includes controller",
+                          r.stdout)
+            self.assertIn("node/src/bad.cc:1: node (layer 5) includes controller (layer 6)",
+                          r.stdout)
 
     def test_an_allowance_nothing_needs_fails(self):
         with tempfile.TemporaryDirectory() as d:
