@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Renders every kustomize overlay of deploy/k8s and validates it (issue 8).
+"""Renders every kustomize overlay of deploy/k8s and validates it.
 
 Checks, per overlay:
   * `kustomize build` renders it (the `kustomize` binary, else `kubectl kustomize`);

@@ -47,7 +47,7 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-// Proto -> PrefillJob -> engine -> proto (CONVENTIONS.md 2).
+// Proto -> PrefillJob -> engine -> proto.
 class PrefillServiceImpl final : public cv1::PrefillService::Service {
  public:
   explicit PrefillServiceImpl(PrefillEngine* engine) : engine_(engine) {}
@@ -201,7 +201,7 @@ int Serve(const PrefillConfig& config) {
   store_options.connect_timeout = absl::Seconds(2);
   UcxStoreClients stores(store_options);
   GrpcHandoffOpener handoff;
-  // Metrics (helper "metrics"): declared before the engine, which reports to them.
+  // Metrics: declared before the engine, which reports to them.
   const std::string listen_host = config.listen.substr(0, config.listen.rfind(':'));
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
       metrics::MetricsServer::Start({.host = listen_host.empty() ? "0.0.0.0" : listen_host,

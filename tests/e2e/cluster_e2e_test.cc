@@ -1,7 +1,7 @@
 // End-to-end tests with real processes: `kvr up` starts kvr-controller, kvr-store, kvr-prefill
 // and kvr-decode on free ports, and the test talks to the public Generation API as a client.
 //
-//   FullEqualsSingleProcessAndEveryMethodCompletes  (issue 5: method `full` token for token
+//   FullEqualsSingleProcessAndEveryMethodCompletes  (method `full` token for token
 //       equal to dense single-process decoding; every method at a small budget completes and
 //       reports its agreement with dense)
 //   BadRequestsAndCancellation  (INVALID_ARGUMENT naming the field; a client that cancels

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end observability test (issue 8): a local kvr cluster (`kvr up`: controller, store,
+"""End-to-end observability test: a local kvr cluster (`kvr up`: controller, store,
 prefill and decode nodes serving SmolLM2, the decode node sampling retrieval quality on every
 step), a real Prometheus server (Debian's `prometheus`) scraping every /metrics endpoint the
 cluster's processes serve every second, a short `kvr bench`, then:

@@ -1,6 +1,6 @@
 #pragma once
 // Configuration of the kvr-store binary: flags, a --config YAML file and KVR_STORE_*
-// environment variables, with precedence flag > file > env > default (CONVENTIONS.md 11).
+// environment variables, with precedence flag > file > env > default.
 
 #include <cstdint>
 #include <functional>
