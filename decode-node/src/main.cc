@@ -25,6 +25,7 @@
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/common/version.h"
 #include "kvr/decode/config.h"
 #include "kvr/decode/cuda_backend.h"
 #include "kvr/decode/engine.h"
@@ -275,6 +276,7 @@ int Serve(const DecodeConfig& config) {
 int main(int argc, char** argv) {
   using namespace kvr::decode;
   CLI::App app{"kvr-decode: decode node (continuous batching over retrieved KV)"};
+  app.set_version_flag("--version", kvr::VersionLine("kvr-decode"));
   DecodeConfigValues flag_values;
   std::string config_file;
   app.add_option("--config", config_file, "YAML file of settings (flag > file > KVR_DECODE_* env)");

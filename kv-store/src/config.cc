@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvr/common/byte_size.h"
+#include "kvr/common/version.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvr::kv_store {
@@ -50,6 +51,7 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
   // Every field is read as text from the first source that has it and parsed once, so all
   // sources accept the same syntax (e.g. "4GiB").
   CLI::App app{"kvr-store: CPU-memory KV cache store (gRPC control, UCX data plane)"};
+  app.set_version_flag("--version", VersionLine("kvr-store"));
   std::string config_path;
   app.add_option("--config", config_path, "YAML file with any of the options below");
   struct Field {
@@ -102,6 +104,8 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
     return absl::CancelledError(app.help());
+  } catch (const CLI::CallForVersion& e) {
+    return absl::CancelledError(absl::StrCat(e.what(), "\n"));
   } catch (const CLI::ParseError& e) {
     return absl::InvalidArgumentError(absl::StrCat("kvr-store: ", e.what()));
   }

@@ -22,6 +22,7 @@
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/common/version.h"
 #include "kvr/model/loader.h"
 #include "kvr/node/membership_client.h"
 #include "kvr/prefill_node/config.h"
@@ -300,6 +301,7 @@ int Serve(const PrefillConfig& config) {
 int main(int argc, char** argv) {
   using namespace kvr::prefill_node;
   CLI::App app{"kvr-prefill: prefill node (prompt -> KV store + decode-node handoff)"};
+  app.set_version_flag("--version", kvr::VersionLine("kvr-prefill"));
   ConfigValues flag_values;
   std::string config_file;
   app.add_option("--config", config_file,
