@@ -8,8 +8,13 @@ starts with; an included header's component is named by its path under kvr/ (kvr
 generated protos kvr/v1, kvr/store, kvr/cluster). Components of one rank may not include each
 other.
 
-Known debts are listed in ALLOWED with the reason; anything else above the includer fails, and
-so does an ALLOWED entry that no file needs any more (the debt was paid: delete the entry).
+The same order holds for CMake links: a target's component is that of its first source file
+(kvr-store's is kv-store/tools/), and every kvr target it links (target_link_libraries,
+kvr_add_test / kvr_add_fuzzer LIBS) must come from its own component or a lower layer.
+
+Known debts are listed in ALLOWED (includes) and ALLOWED_LINKS with the reason; anything else
+above the includer fails, and so does an entry that nothing needs any more (the debt was paid:
+delete the entry).
 
 Usage: check_layers.py [ROOT]   (default: the repository this script is in). Exit 0 when the
 tree holds the layering, 1 with one line per offending include otherwise.
@@ -45,6 +50,12 @@ ALLOWED = {
         "CudaModel still builds the prefill summaries (SetPrefillSummaries) with retrieval's GPU "
         "build kernels; they move behind a per-layer build hook that the prefill node supplies "
         "(the sparse decode already left: retrieval/cuda/decode, a CudaAttention hook)",
+}
+# (linking folder, linked folder, linking target): why it is allowed.
+ALLOWED_LINKS = {
+    ("model", "retrieval", "kvr_model_cuda"):
+        "CudaModel still builds the prefill summaries with retrieval's GPU build kernels "
+        "(the include debt above)",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"kvr/([a-z_0-9]+)/')
 SOURCES = ("*.h", "*.cc", "*.cu", "*.cuh")
@@ -98,15 +109,88 @@ def check(root):
     return errors
 
 
+COMMAND = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*\(")
+KEYWORDS = {"PUBLIC", "PRIVATE", "INTERFACE", "STATIC", "SHARED", "OBJECT", "MODULE", "ALIAS",
+            "IMPORTED", "GLOBAL", "EXCLUDE_FROM_ALL", "SOURCES", "LIBS", "LABELS", "CORPUS"}
+
+
+def cmake_commands(text):
+    """(name, [args]) of every command in a CMake file, comments dropped."""
+    text = "\n".join(line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
+                     for line in text.splitlines())
+    out, pos = [], 0
+    while True:
+        m = COMMAND.search(text, pos)
+        if not m:
+            return out
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        out.append((m.group(1), text[m.end():i - 1].split()))
+        pos = i
+
+
+def check_links(root):
+    """Errors for CMake targets that link a kvr target of a higher (or same-rank other) layer."""
+    defined, aliases, links = {}, {}, []
+    for top in sorted({f.split("/")[0] for f in RANK}):
+        base = root / top
+        if not base.is_dir():
+            continue
+        for path in sorted(list(base.rglob("CMakeLists.txt")) + list(base.rglob("*.cmake"))):
+            folder = path.parent.relative_to(root).as_posix()
+            rel = path.relative_to(root).as_posix()
+            for name, args in cmake_commands(path.read_text(errors="replace")):
+                if not args:
+                    continue
+                if name in ("add_library", "add_executable", "kvr_add_test", "kvr_add_fuzzer"):
+                    if len(args) >= 3 and args[1] == "ALIAS":
+                        aliases[args[0]] = args[2]
+                        continue
+                    sources = [a for a in args[1:] if a not in KEYWORDS and "::" not in a]
+                    first = sources[0] if sources else "CMakeLists.txt"
+                    if first.startswith("${PROJECT_SOURCE_DIR}/"):
+                        first = first[len("${PROJECT_SOURCE_DIR}/"):]
+                    else:
+                        first = folder + "/" + first.replace("${CMAKE_CURRENT_SOURCE_DIR}/", "")
+                    defined[args[0]] = component(first) or component(rel)
+                if name in ("target_link_libraries", "kvr_add_test", "kvr_add_fuzzer"):
+                    links.append((rel, args[0], args[1:]))
+    errors, used = [], set()
+    for rel, target, deps in links:
+        folder = defined.get(target)
+        if folder is None:
+            continue
+        rank = RANK[folder]
+        for dep in deps:
+            dep_target = aliases.get(dep, dep)
+            dep_folder = defined.get(dep_target)
+            if dep_folder is None:
+                continue
+            if RANK[dep_folder] <= rank and (dep_folder == folder or RANK[dep_folder] < rank):
+                continue
+            key = (folder, dep_folder, target)
+            if key in ALLOWED_LINKS:
+                used.add(key)
+                continue
+            errors.append(f"{rel}: {target} ({folder}, layer {rank}) links {dep} ({dep_folder}, "
+                          f"layer {RANK[dep_folder]})")
+    for key in sorted(set(ALLOWED_LINKS) - used):
+        errors.append(f"ALLOWED_LINKS entry {key} is no longer needed: remove it from {__file__}")
+    return errors
+
+
 def main():
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent.parent)
-    errors = check(root.resolve())
+    errors = check(root.resolve()) + check_links(root.resolve())
     for e in errors:
         print(e)
     if errors:
-        print(f"check_layers: {len(errors)} include(s) against the layering (docs/conventions.md, 'Layers point down only')")
+        print(f"check_layers: {len(errors)} include(s) or link(s) against the layering "
+              "(docs/conventions.md, 'Layers point down only')")
         return 1
-    print("check_layers: every include points down")
+    print("check_layers: every include and link points down")
     return 0
 
 
