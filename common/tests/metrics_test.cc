@@ -10,11 +10,10 @@
 #include "kvr/common/metric_families.h"
 #include "metrics_test_util.h"
 
-namespace kvr::metrics {
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+namespace kvr::metrics::testing {
 namespace {
 
-using ::kvr::metrics::testing::ExpectPromtoolClean;
-using ::kvr::metrics::testing::Offline;
 using ::testing::HasSubstr;
 
 TEST(MetricsServerTest, DisabledServesNothingButRecordsInfo) {
@@ -42,11 +41,11 @@ TEST(MetricsServerTest, PortZeroPicksAPortAndServesHttp) {
     ++polls;
     polled.Set(static_cast<double>(10 * polls));
   });
-  absl::StatusOr<std::string> body = testing::HttpGet((*server)->port());
+  absl::StatusOr<std::string> body = HttpGet((*server)->port());
   ASSERT_TRUE(body.ok()) << body.status();
   EXPECT_EQ(polls, 1u);
   EXPECT_THAT(*body, HasSubstr("kvr_test_polled 10"));
-  body = testing::HttpGet((*server)->port());
+  body = HttpGet((*server)->port());
   ASSERT_TRUE(body.ok()) << body.status();
   EXPECT_THAT(*body, HasSubstr("kvr_test_polled 20"));
   ExpectPromtoolClean(*body);
@@ -62,4 +61,4 @@ TEST(MetricsServerTest, BusyPortIsUnavailable) {
 }
 
 }  // namespace
-}  // namespace kvr::metrics
+}  // namespace kvr::metrics::testing

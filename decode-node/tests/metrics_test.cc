@@ -8,11 +8,10 @@
 
 #include "metrics_test_util.h"
 
-namespace kvr::metrics {
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+namespace kvr::metrics::testing {
 namespace {
 
-using ::kvr::metrics::testing::ExpectPromtoolClean;
-using ::kvr::metrics::testing::Offline;
 using ::testing::HasSubstr;
 
 TEST(DecodeMetricsTest, RecordsWhatItIsTold) {
@@ -57,4 +56,4 @@ TEST(DecodeMetricsTest, RecordsWhatItIsTold) {
 }
 
 }  // namespace
-}  // namespace kvr::metrics
+}  // namespace kvr::metrics::testing

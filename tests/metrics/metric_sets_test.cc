@@ -11,11 +11,10 @@
 #include "kvr/prefill_node/metrics.h"
 #include "metrics_test_util.h"
 
-namespace kvr::metrics {
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+namespace kvr::metrics::testing {
 namespace {
 
-using ::kvr::metrics::testing::ExpectPromtoolClean;
-using ::kvr::metrics::testing::Offline;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -37,4 +36,4 @@ TEST(MetricsTest, AllSetsInOneRegistryPassPromtool) {
 }
 
 }  // namespace
-}  // namespace kvr::metrics
+}  // namespace kvr::metrics::testing
