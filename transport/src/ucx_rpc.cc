@@ -429,6 +429,19 @@ std::string ReplyWireHeader(uint64_t request_id, const absl::Status& status, Byt
   wire.append(reinterpret_cast<const char*>(header.data()), header.size());
   return wire;
 }
+
+// Runs a reply's command at once on the progress thread (a handler replying inline), else
+// posts it; FAILED_PRECONDITION once the worker has shut down.
+absl::Status RunOrPost(WorkerCore& core, std::function<void()> cmd) {
+  if (core.OnProgressThread()) {
+    cmd();
+    return absl::OkStatus();
+  }
+  if (!core.Post(std::move(cmd))) {
+    return absl::FailedPreconditionError(absl::StrCat("worker '", core.name, "' is shut down"));
+  }
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::Status IncomingRequest::Reply(ByteView header, std::vector<ByteView> payload,
@@ -445,14 +458,7 @@ absl::Status IncomingRequest::Reply(ByteView header, std::vector<ByteView> paylo
     core->Reply(std::move(*moved), std::move(wire), std::move(payload), std::move(on_sent),
                 Bytes());
   };
-  if (core->OnProgressThread()) {
-    cmd();
-    return absl::OkStatus();
-  }
-  if (!core->Post(std::move(cmd))) {
-    return absl::FailedPreconditionError(absl::StrCat("worker '", core->name, "' is shut down"));
-  }
-  return absl::OkStatus();
+  return RunOrPost(*core, std::move(cmd));
 }
 
 absl::Status IncomingRequest::Reply(ByteView header, Bytes payload) {
@@ -467,14 +473,7 @@ absl::Status IncomingRequest::Reply(ByteView header, Bytes payload) {
   auto cmd = [core, moved, owned, wire = std::move(wire)]() mutable {
     core->Reply(std::move(*moved), std::move(wire), {}, {}, std::move(*owned));
   };
-  if (core->OnProgressThread()) {
-    cmd();
-    return absl::OkStatus();
-  }
-  if (!core->Post(std::move(cmd))) {
-    return absl::FailedPreconditionError(absl::StrCat("worker '", core->name, "' is shut down"));
-  }
-  return absl::OkStatus();
+  return RunOrPost(*core, std::move(cmd));
 }
 
 absl::Status IncomingRequest::ReplyError(const absl::Status& error) {
@@ -490,14 +489,7 @@ absl::Status IncomingRequest::ReplyError(const absl::Status& error) {
   auto cmd = [core, moved, wire = std::move(wire)]() mutable {
     core->Reply(std::move(*moved), std::move(wire), {}, {}, Bytes());
   };
-  if (core->OnProgressThread()) {
-    cmd();
-    return absl::OkStatus();
-  }
-  if (!core->Post(std::move(cmd))) {
-    return absl::FailedPreconditionError(absl::StrCat("worker '", core->name, "' is shut down"));
-  }
-  return absl::OkStatus();
+  return RunOrPost(*core, std::move(cmd));
 }
 
 // ---------------------------------------------------------------------------------------------
