@@ -1,13 +1,20 @@
 #!/usr/bin/env python3
-"""Fails when a component includes a header of a component above it (docs/conventions.md 15).
+"""Fails when a component includes a header of a component above it (docs/conventions.md).
 
-Layers point down only: common and proto <- model <- retrieval <- transport <- kv-store <-
-controller (the node library: membership, node clients) <- prefill-node, decode-node <- tools
-<- tests. A file's component is its top-level folder; an included header's component is named
-by its path under kvr/ (kvr/kv_store/..., generated protos kvr/v1, kvr/store, kvr/cluster).
+Layers point down only: common and proto <- model <- retrieval <- transport <- kv-store <- node
+(the node library: membership) <- controller, prefill-node, decode-node and the kvr-store binary
+(kv-store/tools/) <- tools <- tests. A file's component is the longest folder of RANK its path
+starts with; an included header's component is named by its path under kvr/ (kvr/kv_store/...,
+generated protos kvr/v1, kvr/store, kvr/cluster). Components of one rank may not include each
+other.
 
-Known debts are listed in ALLOWED with the reason; anything else above the includer fails, and
-so does an ALLOWED entry that no file needs any more (the debt was paid: delete the entry).
+The same order holds for CMake links: a target's component is that of its first source file
+(kvr-store's is kv-store/tools/), and every kvr target it links (target_link_libraries,
+kvr_add_test / kvr_add_fuzzer LIBS) must come from its own component or a lower layer.
+
+Known debts are listed in ALLOWED (includes) and ALLOWED_LINKS with the reason; anything else
+above the includer fails, and so does an entry that nothing needs any more (the debt was paid:
+delete the entry).
 
 Usage: check_layers.py [ROOT]   (default: the repository this script is in). Exit 0 when the
 tree holds the layering, 1 with one line per offending include otherwise.
@@ -16,15 +23,17 @@ import pathlib
 import re
 import sys
 
-# Folder -> rank; a file may include its own component and components of a lower rank.
+# Folder -> rank; a file may include its own component and components of a lower rank. A
+# nested folder (kv-store/tools) is a component of its own: the kvr-store binary sits beside
+# the other nodes, above the node library, while the store library under it stays below.
 RANK = {
     "common": 0, "proto": 0,
     "model": 1,
     "retrieval": 2,
     "transport": 3,
     "kv-store": 4,
-    "controller": 5,
-    "prefill-node": 6, "decode-node": 6,
+    "node": 5,
+    "controller": 6, "prefill-node": 6, "decode-node": 6, "kv-store/tools": 6,
     "tools": 7,
     "tests": 8,
 }
@@ -32,8 +41,8 @@ RANK = {
 NAMESPACE = {
     "common": "common", "v1": "proto", "store": "proto", "cluster": "proto",
     "model": "model", "retrieval": "retrieval", "transport": "transport",
-    "kv_store": "kv-store", "controller": "controller", "prefill_node": "prefill-node",
-    "decode": "decode-node", "loadgen": "tools",
+    "kv_store": "kv-store", "node": "node", "controller": "controller",
+    "prefill_node": "prefill-node", "decode": "decode-node", "loadgen": "tools",
 }
 # (including folder, included folder, path prefix of the including files): why it is allowed.
 ALLOWED = {
@@ -41,51 +50,147 @@ ALLOWED = {
         "CudaModel still builds the prefill summaries (SetPrefillSummaries) with retrieval's GPU "
         "build kernels; they move behind a per-layer build hook that the prefill node supplies "
         "(the sparse decode already left: retrieval/cuda/decode, a CudaAttention hook)",
-    ("kv-store", "controller", "kv-store/"):
-        "MembershipClient lives in controller/ though every node uses it; it moves to a node "
-        "library below kv-store",
+}
+# (linking folder, linked folder, linking target): why it is allowed.
+ALLOWED_LINKS = {
+    ("model", "retrieval", "kvr_model_cuda"):
+        "CudaModel still builds the prefill summaries with retrieval's GPU build kernels "
+        "(the include debt above)",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"kvr/([a-z_0-9]+)/')
 SOURCES = ("*.h", "*.cc", "*.cu", "*.cuh")
 
 
-def check(root):
-    errors, used = [], set()
-    for folder, rank in RANK.items():
-        base = root / folder
+def component(rel):
+    """The component of the file at `rel` (a path relative to the root): the longest folder of
+    RANK that holds it."""
+    best = None
+    for folder in RANK:
+        if rel.startswith(folder + "/") and (best is None or len(folder) > len(best)):
+            best = folder
+    return best
+
+
+def sources(root):
+    seen = set()
+    for top in sorted({f.split("/")[0] for f in RANK}):
+        base = root / top
         if not base.is_dir():
             continue
         for pattern in SOURCES:
             for path in sorted(base.rglob(pattern)):
-                rel = path.relative_to(root).as_posix()
-                for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-                    m = INCLUDE.match(line)
-                    if not m or m.group(1) not in NAMESPACE:
-                        continue
-                    target = NAMESPACE[m.group(1)]
-                    if RANK[target] <= rank and (target == folder or RANK[target] < rank):
-                        continue
-                    allowed = [k for k in ALLOWED
-                               if k[0] == folder and k[1] == target and rel.startswith(k[2])]
-                    if allowed:
-                        used.update(allowed)
-                        continue
-                    errors.append(f"{rel}:{n}: {folder} (layer {rank}) includes {target} "
-                                  f"(layer {RANK[target]}): {line.strip()}")
+                if path not in seen:
+                    seen.add(path)
+                    yield path
+
+
+def check(root):
+    errors, used = [], set()
+    for path in sources(root):
+        rel = path.relative_to(root).as_posix()
+        folder = component(rel)
+        rank = RANK[folder]
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            m = INCLUDE.match(line)
+            if not m or m.group(1) not in NAMESPACE:
+                continue
+            target = NAMESPACE[m.group(1)]
+            if RANK[target] <= rank and (target == folder or RANK[target] < rank):
+                continue
+            allowed = [k for k in ALLOWED
+                       if k[0] == folder and k[1] == target and rel.startswith(k[2])]
+            if allowed:
+                used.update(allowed)
+                continue
+            errors.append(f"{rel}:{n}: {folder} (layer {rank}) includes {target} "
+                          f"(layer {RANK[target]}): {line.strip()}")
     for key in sorted(set(ALLOWED) - used):
         errors.append(f"ALLOWED entry {key} is no longer needed: remove it from {__file__}")
     return errors
 
 
+COMMAND = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*\(")
+KEYWORDS = {"PUBLIC", "PRIVATE", "INTERFACE", "STATIC", "SHARED", "OBJECT", "MODULE", "ALIAS",
+            "IMPORTED", "GLOBAL", "EXCLUDE_FROM_ALL", "SOURCES", "LIBS", "LABELS", "CORPUS"}
+
+
+def cmake_commands(text):
+    """(name, [args]) of every command in a CMake file, comments dropped."""
+    text = "\n".join(line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
+                     for line in text.splitlines())
+    out, pos = [], 0
+    while True:
+        m = COMMAND.search(text, pos)
+        if not m:
+            return out
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        out.append((m.group(1), text[m.end():i - 1].split()))
+        pos = i
+
+
+def check_links(root):
+    """Errors for CMake targets that link a kvr target of a higher (or same-rank other) layer."""
+    defined, aliases, links = {}, {}, []
+    for top in sorted({f.split("/")[0] for f in RANK}):
+        base = root / top
+        if not base.is_dir():
+            continue
+        for path in sorted(list(base.rglob("CMakeLists.txt")) + list(base.rglob("*.cmake"))):
+            folder = path.parent.relative_to(root).as_posix()
+            rel = path.relative_to(root).as_posix()
+            for name, args in cmake_commands(path.read_text(errors="replace")):
+                if not args:
+                    continue
+                if name in ("add_library", "add_executable", "kvr_add_test", "kvr_add_fuzzer"):
+                    if len(args) >= 3 and args[1] == "ALIAS":
+                        aliases[args[0]] = args[2]
+                        continue
+                    sources = [a for a in args[1:] if a not in KEYWORDS and "::" not in a]
+                    first = sources[0] if sources else "CMakeLists.txt"
+                    if first.startswith("${PROJECT_SOURCE_DIR}/"):
+                        first = first[len("${PROJECT_SOURCE_DIR}/"):]
+                    else:
+                        first = folder + "/" + first.replace("${CMAKE_CURRENT_SOURCE_DIR}/", "")
+                    defined[args[0]] = component(first) or component(rel)
+                if name in ("target_link_libraries", "kvr_add_test", "kvr_add_fuzzer"):
+                    links.append((rel, args[0], args[1:]))
+    errors, used = [], set()
+    for rel, target, deps in links:
+        folder = defined.get(target)
+        if folder is None:
+            continue
+        rank = RANK[folder]
+        for dep in deps:
+            dep_target = aliases.get(dep, dep)
+            dep_folder = defined.get(dep_target)
+            if dep_folder is None:
+                continue
+            if RANK[dep_folder] <= rank and (dep_folder == folder or RANK[dep_folder] < rank):
+                continue
+            key = (folder, dep_folder, target)
+            if key in ALLOWED_LINKS:
+                used.add(key)
+                continue
+            errors.append(f"{rel}: {target} ({folder}, layer {rank}) links {dep} ({dep_folder}, "
+                          f"layer {RANK[dep_folder]})")
+    for key in sorted(set(ALLOWED_LINKS) - used):
+        errors.append(f"ALLOWED_LINKS entry {key} is no longer needed: remove it from {__file__}")
+    return errors
+
+
 def main():
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent.parent)
-    errors = check(root.resolve())
+    errors = check(root.resolve()) + check_links(root.resolve())
     for e in errors:
         print(e)
     if errors:
-        print(f"check_layers: {len(errors)} include(s) against the layering (docs/conventions.md 15)")
+        print(f"check_layers: {len(errors)} include(s) or link(s) against the layering "
+              "(docs/conventions.md, 'Layers point down only')")
         return 1
-    print("check_layers: every include points down")
+    print("check_layers: every include and link points down")
     return 0
 
 

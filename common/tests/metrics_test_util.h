@@ -1,6 +1,7 @@
 #pragma once
-// Test helpers for metrics: a minimal HTTP GET (tests must not depend on curl being present)
-// and `promtool check metrics` on a text exposition.
+// Test helpers for metrics: a registry without an HTTP server, a minimal HTTP GET (tests must
+// not depend on curl being present) and `promtool check metrics` on a text exposition. Shared
+// by the metric-set tests of every role (CMake target kvr::metrics_test_util).
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -10,10 +11,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <string>
+
+#include <gtest/gtest.h>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/metrics.h"
+
+#ifndef KVR_PROMTOOL
+#define KVR_PROMTOOL "promtool"
+#endif
 
 namespace kvr::metrics::testing {
 
@@ -69,6 +78,22 @@ inline std::string PromtoolCheck(const std::string& text, int* exit_code,
   *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   unlink(name);
   return out;
+}
+
+// A MetricsServer without HTTP (ScrapeText() renders it) for role `role`, named role-0.
+inline std::unique_ptr<MetricsServer> Offline(const std::string& role) {
+  auto server = MetricsServer::Start({.port = -1, .role = role, .node_name = role + "-0"});
+  EXPECT_TRUE(server.ok()) << server.status();
+  return std::move(*server);
+}
+
+// Fails the test when promtool finds anything to say about `text`; skips it without promtool.
+inline void ExpectPromtoolClean(const std::string& text) {
+  if (std::string(KVR_PROMTOOL).empty()) GTEST_SKIP() << "promtool not found at configure time";
+  int code = 0;
+  const std::string out = PromtoolCheck(text, &code, KVR_PROMTOOL);
+  EXPECT_EQ(code, 0) << out << "\n--- exposition ---\n" << text;
+  EXPECT_EQ(out, "") << text;
 }
 
 }  // namespace kvr::metrics::testing

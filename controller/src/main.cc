@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kvr/common/metrics.h"
+#include "kvr/common/version.h"
 #include "kvr/controller/clock.h"
 #include "kvr/controller/config.h"
 #include "kvr/controller/generator.h"
@@ -148,6 +149,7 @@ int Serve(const ControllerConfig& config) {
 int main(int argc, char** argv) {
   using namespace kvr::controller;
   CLI::App app{"kvr-controller: membership, placement and the public Generation API"};
+  app.set_version_flag("--version", kvr::VersionLine("kvr-controller"));
   ConfigValues flag_values;
   std::string config_file;
   app.add_option("--config", config_file, "YAML file of settings (flag > file > KVR_* env)");

@@ -1,4 +1,4 @@
-// Tokens/s of the decode node's engine on the CUDA backend (issue 7 item 3) against the raw
+// Tokens/s of the decode node's engine on the CUDA backend against the raw
 // CudaModel steps over the same sparse sequences: what the engine adds (logits back to the host,
 // sampling, stop/length checks, output buffering) to the model's decode step.
 //

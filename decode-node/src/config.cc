@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "kvr/common/byte_size.h"
 
 namespace kvr::decode {
 namespace {
@@ -39,6 +40,22 @@ DecodeConfigField IntField(std::string name, std::string help, T DecodeConfig::*
               return BadValue(v, allow_zero ? "a non-negative integer" : "a positive integer");
             }
             c.*member = x;
+            return absl::OkStatus();
+          },
+          [member](const DecodeConfig& c) { return absl::StrCat(c.*member); }};
+}
+
+// A size in bytes, written as kvr::ParseByteSize reads it (4GiB, 4GB, 4096).
+DecodeConfigField ByteSizeField(std::string name, std::string help,
+                                int64_t DecodeConfig::*member, bool allow_zero) {
+  return {std::move(name), std::move(help) + " (bytes; 512MiB, 4GB, ...)",
+          [member, allow_zero](DecodeConfig& c, const std::string& v) {
+            absl::StatusOr<uint64_t> x = ParseByteSize(v);
+            if (!x.ok() || *x > static_cast<uint64_t>(INT64_MAX) || (*x == 0 && !allow_zero)) {
+              return BadValue(v, allow_zero ? "a byte size (e.g. 512MiB, 4GB, 4096)"
+                                            : "a positive byte size (e.g. 512MiB, 4GB, 4096)");
+            }
+            c.*member = static_cast<int64_t>(*x);
             return absl::OkStatus();
           },
           [member](const DecodeConfig& c) { return absl::StrCat(c.*member); }};
@@ -125,10 +142,10 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
                false),
       IntField("max_waiting", "most sequences waiting for a slot", &DecodeConfig::max_waiting,
                true),
-      IntField("hot_cache_bytes", "bytes of fetched KV rows kept for later steps (0: off)",
-               &DecodeConfig::hot_cache_bytes, true),
-      IntField("memory_bytes", "memory offered for summaries and resident KV",
-               &DecodeConfig::memory_bytes, false),
+      ByteSizeField("hot_cache_bytes", "fetched KV rows kept for later steps (0: off)",
+                    &DecodeConfig::hot_cache_bytes, true),
+      ByteSizeField("memory_bytes", "memory offered for summaries and resident KV",
+                    &DecodeConfig::memory_bytes, false),
       IntField("threads", "compute threads (0: all cores)", &DecodeConfig::threads, true),
       {"metrics_port", "Prometheus /metrics port (0: any free port, -1: off)",
        [](DecodeConfig& c, const std::string& v) {

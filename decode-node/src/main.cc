@@ -25,7 +25,7 @@
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
-#include "kvr/controller/membership_client.h"
+#include "kvr/common/version.h"
 #include "kvr/decode/config.h"
 #include "kvr/decode/cuda_backend.h"
 #include "kvr/decode/engine.h"
@@ -33,6 +33,7 @@
 #include "kvr/decode/service.h"
 #include "kvr/kv_store/types.h"
 #include "kvr/model/loader.h"
+#include "kvr/node/membership_client.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
@@ -239,7 +240,7 @@ int Serve(const DecodeConfig& config) {
   }
   // Register + heartbeat (re-registers on NOT_FOUND, retries while the controller is
   // unreachable) on the client's thread; Stop() deregisters.
-  kvr::controller::MembershipClient::Options membership_options;
+  kvr::node::MembershipClient::Options membership_options;
   membership_options.controller = config.controller;
   membership_options.registration = std::move(registration);
   membership_options.load = [engine = engine->get()] {
@@ -253,12 +254,12 @@ int Serve(const DecodeConfig& config) {
     std::cout << "kvr-decode registered " << id << std::endl;
   };
   // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
-  server->GetHealthCheckService()->SetServingStatus(kvr::controller::kReadinessService, false);
+  server->GetHealthCheckService()->SetServingStatus(kvr::node::kReadinessService, false);
   membership_options.on_cluster_view = [health = server->GetHealthCheckService()](
                                            uint32_t live_stores) {
-    health->SetServingStatus(kvr::controller::kReadinessService, live_stores > 0);
+    health->SetServingStatus(kvr::node::kReadinessService, live_stores > 0);
   };
-  kvr::controller::MembershipClient membership(std::move(membership_options));
+  kvr::node::MembershipClient membership(std::move(membership_options));
 
   int received = 0;
   sigwait(&signals, &received);
@@ -277,6 +278,7 @@ int Serve(const DecodeConfig& config) {
 int main(int argc, char** argv) {
   using namespace kvr::decode;
   CLI::App app{"kvr-decode: decode node (continuous batching over retrieved KV)"};
+  app.set_version_flag("--version", kvr::VersionLine("kvr-decode"));
   DecodeConfigValues flag_values;
   std::string config_file;
   app.add_option("--config", config_file, "YAML file of settings (flag > file > KVR_DECODE_* env)");

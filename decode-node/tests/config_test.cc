@@ -33,6 +33,19 @@ TEST(DecodeConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
   std::remove(path.c_str());
 }
 
+TEST(DecodeConfigTest, ByteSizesAreDecimalOrBinaryAsWritten) {
+  auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
+  auto config = ResolveDecodeConfig({{"memory_bytes", "8GiB"}, {"hot_cache_bytes", "256MB"}},
+                                    std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->memory_bytes, 8ll << 30);
+  EXPECT_EQ(config->hot_cache_bytes, 256'000'000);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      ResolveDecodeConfig({{"memory_bytes", "0GiB"}}, std::nullopt, no_env).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      ResolveDecodeConfig({{"memory_bytes", "8 parsecs"}}, std::nullopt, no_env).status()));
+}
+
 TEST(DecodeConfigTest, QualitySampleRateIsAFractionFromFlagFileOrEnv) {
   auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
   auto config = ResolveDecodeConfig({}, std::nullopt, no_env);

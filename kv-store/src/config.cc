@@ -12,6 +12,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvr/common/byte_size.h"
+#include "kvr/common/version.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvr::kv_store {
@@ -22,38 +24,6 @@ EnvLookup ProcessEnv() {
     if (value == nullptr) return std::nullopt;
     return std::string(value);
   };
-}
-
-absl::StatusOr<uint64_t> ParseByteSize(const std::string& text) {
-  std::string s(absl::StripAsciiWhitespace(text));
-  size_t digits = 0;
-  while (digits < s.size() && absl::ascii_isdigit(static_cast<unsigned char>(s[digits]))) {
-    ++digits;
-  }
-  uint64_t value = 0;
-  if (digits == 0 || !absl::SimpleAtoi(s.substr(0, digits), &value)) {
-    return absl::InvalidArgumentError(absl::StrFormat("'%s' is not a byte size", text));
-  }
-  std::string unit = absl::AsciiStrToLower(absl::StripAsciiWhitespace(s.substr(digits)));
-  int shift = 0;
-  if (unit.empty() || unit == "b") {
-    shift = 0;
-  } else if (unit == "k" || unit == "kib" || unit == "kb") {
-    shift = 10;
-  } else if (unit == "m" || unit == "mib" || unit == "mb") {
-    shift = 20;
-  } else if (unit == "g" || unit == "gib" || unit == "gb") {
-    shift = 30;
-  } else if (unit == "t" || unit == "tib" || unit == "tb") {
-    shift = 40;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("'%s': unknown size unit '%s' (use KiB, MiB, GiB, TiB)", text, unit));
-  }
-  if (shift > 0 && value > (~uint64_t{0} >> shift)) {
-    return absl::InvalidArgumentError(absl::StrFormat("'%s' overflows 64 bits", text));
-  }
-  return value << shift;
 }
 
 namespace {
@@ -81,6 +51,7 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
   // Every field is read as text from the first source that has it and parsed once, so all
   // sources accept the same syntax (e.g. "4GiB").
   CLI::App app{"kvr-store: CPU-memory KV cache store (gRPC control, UCX data plane)"};
+  app.set_version_flag("--version", VersionLine("kvr-store"));
   std::string config_path;
   app.add_option("--config", config_path, "YAML file with any of the options below");
   struct Field {
@@ -91,7 +62,7 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
   };
   std::vector<Field> fields = {
       {"listen", "gRPC listen address host:port (port 0: any free port)"},
-      {"capacity_bytes", "page pool size, e.g. 4GiB"},
+      {"capacity_bytes", "page pool size, e.g. 4GiB (4 x 1024^3) or 4GB (4 x 1000^3)"},
       {"page_bytes",
        "bytes per page; a page holds page_bytes / (2*head_dim*dtype size) rows of one "
        "(sequence, layer, kv head): 64KiB = 256 tokens at head_dim 64 f16"},
@@ -133,6 +104,8 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
     return absl::CancelledError(app.help());
+  } catch (const CLI::CallForVersion& e) {
+    return absl::CancelledError(absl::StrCat(e.what(), "\n"));
   } catch (const CLI::ParseError& e) {
     return absl::InvalidArgumentError(absl::StrCat("kvr-store: ", e.what()));
   }
@@ -195,7 +168,7 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       config.advertise_address = *text;
     } else if (k == "capacity_bytes" || k == "page_bytes" || k == "max_reply_bytes" ||
                k == "max_outstanding_reply_bytes") {
-      absl::StatusOr<uint64_t> v = ParseByteSize(*text);
+      absl::StatusOr<uint64_t> v = kvr::ParseByteSize(*text);
       if (!v.ok())
         return fail(absl::InvalidArgumentError(absl::StrCat(k, ": ", v.status().message())));
       if (*v == 0 && k != "capacity_bytes" && k != "page_bytes") {

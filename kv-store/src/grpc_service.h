@@ -1,5 +1,5 @@
 #pragma once
-// The kvr.store.v1.KvStore gRPC service: thin handlers (CONVENTIONS.md 2) that convert protos
+// The kvr.store.v1.KvStore gRPC service: thin handlers that convert protos
 // to domain types, call PagedKvStore and convert the status back. Private to kv-store.
 
 #include <string>

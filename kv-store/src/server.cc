@@ -12,6 +12,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kvr/common/instance_id.h"
 #include "kvr/common/metrics.h"
+#include "kvr/kv_store/metrics.h"
 #include "kvr/common/status.h"
 #include "kvr/transport/ucx.h"
 #include "local_pool_socket.h"

@@ -89,13 +89,15 @@ TEST(ConfigTest, LocalSocketFromEachSourceReachesTheServerOptions) {
   EXPECT_EQ(config->ToServerOptions().local_socket, "/run/kvr/flag.sock");
 }
 
-TEST(ConfigTest, ParsesByteSizes) {
-  EXPECT_EQ(*ParseByteSize("4096"), 4096u);
-  EXPECT_EQ(*ParseByteSize("64KiB"), 65536u);
-  EXPECT_EQ(*ParseByteSize("1g"), 1ull << 30);
-  EXPECT_EQ(*ParseByteSize(" 3 MiB "), 3ull << 20);
-  EXPECT_FALSE(ParseByteSize("MiB").ok());
-  EXPECT_FALSE(ParseByteSize("99999999999999TiB").ok());
+TEST(ConfigTest, ByteSizesAreDecimalOrBinaryAsWritten) {
+  // kvr::ParseByteSize (common): GB is 1000^3 bytes, GiB 1024^3, from every source.
+  auto config = Parse({"--capacity-bytes", "4GB"}, FakeEnv({{"KVR_STORE_PAGE_BYTES", "64KiB"}}));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->capacity_bytes, 4'000'000'000u);
+  EXPECT_EQ(config->page_bytes, 64u << 10);
+  config = Parse({"--capacity-bytes", "4GiB"}, FakeEnv({}));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->capacity_bytes, 4ull << 30);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // kvr-store: the CPU-memory KV store service. See kvr/kv_store/server.h.
 // With --controller it registers itself (role STORE) and heartbeats its free pool bytes
-// through kvr::controller::MembershipClient.
+// through kvr::node::MembershipClient.
 #include <grpcpp/grpcpp.h>
 #include <pthread.h>
 #include <signal.h>
@@ -11,9 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "kvr/controller/membership_client.h"
 #include "kvr/kv_store/config.h"
 #include "kvr/kv_store/server.h"
+#include "kvr/node/membership_client.h"
 #include "kvr/store/v1/store.grpc.pb.h"
 
 namespace {
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
               static_cast<unsigned long long>(stats.total_pages), stats.page_backing.c_str());
   std::fflush(stdout);
 
-  std::unique_ptr<kvr::controller::MembershipClient> membership;
+  std::unique_ptr<kvr::node::MembershipClient> membership;
   if (!config->controller.empty()) {
     absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> info =
         OwnDataPlaneInfo((*server)->port());
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
     }
     namespace cv1 = ::kvr::cluster::v1;
     const std::string advertised = config->AdvertisedAddress((*server)->port());
-    kvr::controller::MembershipClient::Options o;
+    kvr::node::MembershipClient::Options o;
     o.controller = config->controller;
     o.registration.set_role(cv1::NODE_ROLE_STORE);
     o.registration.set_protocol_version(1);
@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
     std::printf("kvr-store registering with controller %s as %s\n", config->controller.c_str(),
                 advertised.c_str());
     std::fflush(stdout);
-    membership = std::make_unique<kvr::controller::MembershipClient>(std::move(o));
+    membership = std::make_unique<kvr::node::MembershipClient>(std::move(o));
   }
 
   int sig = 0;

@@ -1,4 +1,4 @@
-// Prefill time of the prefill node's CUDA backend (issue 7 item 2), random bf16 weights generated
+// Prefill time of the prefill node's CUDA backend, random bf16 weights generated
 // on the GPU (CreateCudaModelWithRandomWeights: no float32 host copy, so Llama-3-8B fits), one
 // sequence at a time, per prompt length:
 //   (a) forward only: CudaModel::Forward over the prompt's chunks;

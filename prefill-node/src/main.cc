@@ -22,8 +22,9 @@
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
-#include "kvr/controller/membership_client.h"
+#include "kvr/common/version.h"
 #include "kvr/model/loader.h"
+#include "kvr/node/membership_client.h"
 #include "kvr/prefill_node/config.h"
 #include "kvr/prefill_node/grpc_clients.h"
 #include "kvr/prefill_node/metrics_observer.h"
@@ -47,7 +48,7 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-// Proto -> PrefillJob -> engine -> proto (CONVENTIONS.md 2).
+// Proto -> PrefillJob -> engine -> proto.
 class PrefillServiceImpl final : public cv1::PrefillService::Service {
  public:
   explicit PrefillServiceImpl(PrefillEngine* engine) : engine_(engine) {}
@@ -201,7 +202,7 @@ int Serve(const PrefillConfig& config) {
   store_options.connect_timeout = absl::Seconds(2);
   UcxStoreClients stores(store_options);
   GrpcHandoffOpener handoff;
-  // Metrics (helper "metrics"): declared before the engine, which reports to them.
+  // Metrics: declared before the engine, which reports to them.
   const std::string listen_host = config.listen.substr(0, config.listen.rfind(':'));
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
       metrics::MetricsServer::Start({.host = listen_host.empty() ? "0.0.0.0" : listen_host,
@@ -264,7 +265,7 @@ int Serve(const PrefillConfig& config) {
                                kv_store::DTypeSize(StoreDType(config)));
   // Register + heartbeat (re-registers on NOT_FOUND, retries while the controller is
   // unreachable) on the client's thread; Stop() deregisters.
-  kvr::controller::MembershipClient::Options membership_options;
+  kvr::node::MembershipClient::Options membership_options;
   membership_options.controller = config.controller;
   membership_options.registration = std::move(registration);
   membership_options.load = [&engine] {
@@ -277,12 +278,12 @@ int Serve(const PrefillConfig& config) {
     std::cout << "kvr-prefill registered " << id << std::endl;
   };
   // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
-  server->GetHealthCheckService()->SetServingStatus(kvr::controller::kReadinessService, false);
+  server->GetHealthCheckService()->SetServingStatus(kvr::node::kReadinessService, false);
   membership_options.on_cluster_view = [health = server->GetHealthCheckService()](
                                            uint32_t live_stores) {
-    health->SetServingStatus(kvr::controller::kReadinessService, live_stores > 0);
+    health->SetServingStatus(kvr::node::kReadinessService, live_stores > 0);
   };
-  kvr::controller::MembershipClient membership(std::move(membership_options));
+  kvr::node::MembershipClient membership(std::move(membership_options));
 
   int received = 0;
   sigwait(&signals, &received);
@@ -300,6 +301,7 @@ int Serve(const PrefillConfig& config) {
 int main(int argc, char** argv) {
   using namespace kvr::prefill_node;
   CLI::App app{"kvr-prefill: prefill node (prompt -> KV store + decode-node handoff)"};
+  app.set_version_flag("--version", kvr::VersionLine("kvr-prefill"));
   ConfigValues flag_values;
   std::string config_file;
   app.add_option("--config", config_file,

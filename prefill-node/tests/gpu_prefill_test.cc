@@ -1,4 +1,4 @@
-// PrefillEngine on the CUDA backend against the same engine on the CPU backend (issue 7 item 2),
+// PrefillEngine on the CUDA backend against the same engine on the CPU backend,
 // on a dummy-weight model (smollm2 shape, 4 layers; the same host weights for both), each with
 // its own FakeKvStoreClient and recording handoff, for methods full, quest and clusterkv at a
 // 300-token prompt in chunks of 64 (5 chunks) and max_prefill_queries 100 (a window across two

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 6's per-method per-layer table, composed from ONE device call
+"""The GPU decode data path's per-method per-layer table, composed from ONE device call
 (scripts/device/issue6-table.sh run): select_cuda_bench (all six selectors),
 decode_attention_bench (gather from host / hot cache / attend, the ceilings) and sdpa_dense.py
 (torch SDPA dense decode), each on the Llama-3-8B attention shape (32 q / 8 kv heads, d 128,

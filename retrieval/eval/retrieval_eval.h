@@ -1,6 +1,6 @@
 #pragma once
 // `kvr eval retrieval`: how close each retrieval method comes to full attention on a real
-// model's KV (issue 3, item 4).
+// model's KV.
 //
 // For every context length: the prompt (natural text, or a generated passkey prompt) is
 // prefilled once with dense attention; then every (method, budget) runs the same teacher-forced

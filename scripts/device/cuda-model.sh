@@ -13,7 +13,7 @@
 #                                                                 binaries + half 1 in /tmp)
 #   call 2, carry [.device/cudamodel-g2]:
 #                      bash scripts/device/cuda-model.sh gguf    (joins the halves, GGUF parity)
-# Prefill with summary building (issue 7 item 2), one call, carry [.device/cudamodel]:
+# Prefill with summary building, one call, carry [.device/cudamodel]:
 #                      bash scripts/device/cuda-model.sh summaries   (summary test, bench table,
 #                                                                     memcheck on the test)
 # CUDA graphs of the dense greedy decode step, one call, carry [.device/cudamodel]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole serving path on the GPU machine (issue 7): `kvr up --device cuda` (controller, KV
+# The whole serving path on the GPU machine: `kvr up --device cuda` (controller, KV
 # store, a prefill node and a decode node running SmolLM2 on the GPU, the store reached over UCX
 # shared memory on the same host), then `kvr generate` streams answers to a ~3000-token passkey
 # prompt with every method: a CUDA decode node selects its gpu_method (quest or clusterkv) on

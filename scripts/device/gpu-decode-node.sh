@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decode node on the GPU (issue 7 item 3) on the device machine: the loaded-sparse-sequence
+# The decode node on the GPU on the device machine: the loaded-sparse-sequence
 # parity test (retrieval_cuda_decode_load_test), the engine's CUDA-vs-CPU backend test
 # (decode_gpu_test), compute-sanitizer memcheck on both, then gpu_decode_bench (llama3-8b random
 # weights on the GPU, synthetic bf16 rows in a fake store: engine tok/s against raw CudaModel

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sparse decode on the CUDA model runtime and `kvr bench decode` (issue 7) on the device machine:
+# Sparse decode on the CUDA model runtime and `kvr bench decode` on the device machine:
 # the sparse parity tests (and the dense model tests, whose Forward the sparse path shares),
 # compute-sanitizer memcheck on the sparse parity test, then `kvr bench decode`. Builds nothing
 # there: `bundle` (here) copies the stripped binaries and the non-system shared libraries they

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prefill node on the GPU (issue 7 item 2) on the device machine: the KV export test and the
+# The prefill node on the GPU on the device machine: the KV export test and the
 # engine's CUDA-vs-CPU backend test, compute-sanitizer memcheck on both, then gpu_prefill_bench
 # (llama3-8b random weights: (a) forward, (b) + per-layer export, (c) the engine with a fake
 # store per method, at 8K and 32K). Builds nothing there: `bundle` (here) copies the stripped

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's per-method per-layer table in ONE device call: select (all six GPU selectors) +
+# The GPU decode data path's per-method per-layer table in ONE device call: select (all six GPU selectors) +
 # gather from host memory / hot cache + attend, beside torch SDPA dense decode, same run.
 #
 #   bash scripts/device/issue6-table.sh bundle   # here: build select_cuda_bench and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU summary-building kernels (issue 6, kernels-build): build here, check and time on the device.
+# GPU summary-building kernels: build here, check and time on the device.
 #
 #   bash scripts/device/kernels-build.sh bundle   # here: build retrieval_cuda_build_test and
 #                                                 # build_cuda_bench and assign_bench, copy

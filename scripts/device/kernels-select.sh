@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU selection kernels (issue 6, kernels-select): build here, check and time on the device.
+# GPU selection kernels: build here, check and time on the device.
 #
 #   bash scripts/device/kernels-select.sh bundle   # here: build retrieval_cuda_select_test and
 #                                                  # select_cuda_bench, copy them + non-system
@@ -9,7 +9,7 @@
 #                                                  # compute-sanitizer memcheck + racecheck on a
 #                                                  # subset, the bench, torch topk anchor
 #     quick: the bench at 128K, batch 1 and 4, budget 1024 only
-#     quant: pariskv / ctkvr / a2ats only (issue 6, kselect2): their parity tests, memcheck on
+#     quant: pariskv / ctkvr / a2ats only: their parity tests, memcheck on
 #            them, the bench for those methods and torch SDPA dense decode (no torch `exact`)
 #
 # `run` builds nothing. Logs and CSVs go to $OUT (the device tool's output folder) or ./out.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU decode data path (issue 6, kernels-attend): build here, measure on the device machine.
+# GPU decode data path (select, gather, attend): build here, measure on the device machine.
 #
 #   bash scripts/device/retrieval-bench.sh bundle     # here: build the CUDA targets, copy the
 #                                                     # binaries + non-system shared libraries

@@ -1,7 +1,7 @@
 // End-to-end tests with real processes: `kvr up` starts kvr-controller, kvr-store, kvr-prefill
 // and kvr-decode on free ports, and the test talks to the public Generation API as a client.
 //
-//   FullEqualsSingleProcessAndEveryMethodCompletes  (issue 5: method `full` token for token
+//   FullEqualsSingleProcessAndEveryMethodCompletes  (method `full` token for token
 //       equal to dense single-process decoding; every method at a small budget completes and
 //       reports its agreement with dense)
 //   BadRequestsAndCancellation  (INVALID_ARGUMENT naming the field; a client that cancels
@@ -26,7 +26,10 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,15 +43,16 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
-#include "kvr/controller/membership_client.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
+#include "kvr/node/membership_client.h"
 #include "kvr/store/v1/store.grpc.pb.h"
 #include "kvr/v1/generation.grpc.pb.h"
 #include "kvr_up_cluster.h"
@@ -304,6 +308,41 @@ TEST(KvrUpTest, AChildThatFailsToStartIsExplainedWithItsReason) {
   EXPECT_NE(line.find("/nonexistent/model.gguf"), std::string::npos) << "'" << line << "'";
 }
 
+// A controller whose port is taken: kvr up says so with the controller's own words ("Address
+// already in use"), not only with the path of its log.
+TEST(KvrUpTest, AControllerPortInUseIsExplainedWithItsReason) {
+  // Hold a port on 127.0.0.1 (without SO_REUSEPORT, so gRPC cannot share it).
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-e2e-portinuse-", getpid());
+  // Only kvr up's stderr reaches the pipe: the reason must be in what it prints there.
+  Subprocess up({"/bin/sh", "-c",
+                 absl::StrCat(KVR_BIN, " up --model ", TestModelPath(),
+                              " --prefill 1 --decode 1 --ready-timeout 60 --base-port ", port,
+                              " --log-dir ", dir, " 2>&1 >/dev/null")});
+  const std::string first = up.WaitForLine("kvr up: ", absl::Seconds(60));
+  EXPECT_NE(first.find("kvr-controller did not start"), std::string::npos) << "'" << first << "'";
+  // The reason is one of the log lines quoted after it ("  | ...").
+  std::string reason;
+  for (const absl::Time end = absl::Now() + absl::Seconds(10); reason.empty() && absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(50))) {
+    for (const std::string& l : up.Lines()) {
+      if (absl::StartsWith(l, "  | ") && absl::StrContains(l, "Address already in use")) reason = l;
+    }
+  }
+  EXPECT_FALSE(reason.empty()) << absl::StrJoin(up.Lines(), "\n");
+  close(fd);
+}
+
 // The inodes of the sockets process `pid` holds (/proc/PID/fd -> "socket:[INODE]").
 std::set<std::string> SocketInodes(int pid) {
   std::set<std::string> out;
@@ -392,7 +431,7 @@ TEST_F(ModelFixture, ReadinessFollowsTheStore) {
   using Status = grpc::health::v1::HealthCheckResponse;
   Cluster cluster(1, 1);
   ASSERT_TRUE(cluster.ready());
-  const std::string ready = kvr::controller::kReadinessService;
+  const std::string ready = kvr::node::kReadinessService;
   const std::vector<std::string> nodes = {cluster.Find("prefill-0").grpc,
                                           cluster.Find("decode-0").grpc};
   auto wait_for = [&](const std::string& address, const std::string& service,
@@ -577,7 +616,7 @@ TEST_F(ModelFixture, ControllerKilledAndRestarted) {
   std::printf("controller restart: served %s after the restart (%zu failed before)\n",
               served ? absl::FormatDuration(*served).c_str() : "NOT", failures.size());
   ASSERT_TRUE(served.has_value()) << "no request served within 15 s of the controller restart";
-  EXPECT_EQ(Health(cluster.endpoint(), kvr::controller::kReadinessService),
+  EXPECT_EQ(Health(cluster.endpoint(), kvr::node::kReadinessService),
             grpc::health::v1::HealthCheckResponse::SERVING);
 }
 

@@ -26,7 +26,11 @@ def write(root, rel, text):
 # The allowances of the real tree, so that a synthetic tree does not fail for unused ones.
 ALLOWANCES = {
     "model/cuda/cuda_model.cu": '#include "kvr/retrieval/cuda/build.cuh"\n',
-    "kv-store/src/x.cc": '#include "kvr/controller/membership_client.h"\n',
+    "model/cuda.cmake": "add_library(kvr_model_cuda cuda/cuda_model.cu)\n"
+                        "target_link_libraries(kvr_model_cuda PRIVATE kvr::retrieval_cuda_build)\n",
+    "retrieval/cuda_build.cmake": "add_library(kvr_retrieval_cuda_build cuda/build/build.cu)\n"
+                                  "add_library(kvr::retrieval_cuda_build ALIAS "
+                                  "kvr_retrieval_cuda_build)\n",
 }
 
 
@@ -70,6 +74,62 @@ class CheckLayersTest(unittest.TestCase):
             r = run(root)
             self.assertEqual(r.returncode, 1, r.stdout)
             self.assertIn("decode-node/src/bad.cc:1", r.stdout)
+
+    def test_the_store_library_is_below_the_node_library_and_its_binary_above(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = pathlib.Path(d)
+            for rel, text in ALLOWANCES.items():
+                write(root, rel, text)
+            # The kvr-store binary registers through the node library, like the other nodes.
+            write(root, "kv-store/tools/main.cc", '#include "kvr/node/membership_client.h"\n'
+                                                  '#include "kvr/kv_store/server.h"\n')
+            write(root, "decode-node/src/main.cc", '#include "kvr/node/membership_client.h"\n')
+            self.assertEqual(run(root).returncode, 0, run(root).stdout)
+            # The store library knows no node library and no controller.
+            write(root, "kv-store/src/bad.cc", '#include "kvr/node/membership_client.h"\n'
+                                               '#include "kvr/controller/membership.h"\n')
+            # The node library knows no controller.
+            write(root, "node/src/bad.cc", '#include "kvr/controller/placement.h"\n')
+            r = run(root)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("kv-store/src/bad.cc:1: kv-store (layer 4) includes node (layer 5)",
+                          r.stdout)
+            self.assertIn("kv-store/src/bad.cc:2: kv-store (layer 4) includes controller",
+                          r.stdout)
+            self.assertIn("node/src/bad.cc:1: node (layer 5) includes controller (layer 6)",
+                          r.stdout)
+
+    def test_links_point_down_like_includes(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = pathlib.Path(d)
+            for rel, text in ALLOWANCES.items():
+                write(root, rel, text)
+            write(root, "controller/CMakeLists.txt",
+                  "add_library(kvr_controller src/membership.cc)\n"
+                  "add_library(kvr::controller ALIAS kvr_controller)\n")
+            write(root, "node/CMakeLists.txt",
+                  "add_library(kvr_node src/membership_client.cc)\n"
+                  "add_library(kvr::node ALIAS kvr_node)\n"
+                  "target_link_libraries(kvr_node PUBLIC kvr::kv_store)\n")
+            # The store binary (kv-store/tools) links the node library; the store library and
+            # its tests link only what is below them.
+            store = ("add_library(kvr_kv_store src/store.cc)\n"
+                     "add_library(kvr::kv_store ALIAS kvr_kv_store)\n"
+                     "# a comment naming kvr::controller links nothing\n"
+                     "add_executable(kvr-store tools/kvr_store_main.cc)\n"
+                     "target_link_libraries(kvr-store PRIVATE kvr::node kvr::kv_store)\n"
+                     "kvr_add_test(store_test SOURCES tests/store_test.cc LIBS kvr::kv_store)\n")
+            write(root, "kv-store/CMakeLists.txt", store)
+            r = run(root)
+            self.assertEqual(r.returncode, 0, r.stdout)
+            write(root, "kv-store/CMakeLists.txt",
+                  store + "target_link_libraries(kvr_kv_store PUBLIC kvr::controller)\n"
+                          "kvr_add_test(bad_test SOURCES tests/bad_test.cc LIBS kvr::node)\n")
+            r = run(root)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("kvr_kv_store (kv-store, layer 4) links kvr::controller (controller, "
+                          "layer 6)", r.stdout)
+            self.assertIn("bad_test (kv-store, layer 4) links kvr::node (node, layer 5)", r.stdout)
 
     def test_an_allowance_nothing_needs_fails(self):
         with tempfile.TemporaryDirectory() as d:

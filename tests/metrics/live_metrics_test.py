@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Live /metrics of real node processes (issue 8): starts kvr-controller, kvr-store and, when
+"""Live /metrics of real node processes: starts kvr-controller, kvr-store and, when
 they are built and the test model is present, kvr-prefill and kvr-decode, each with
 --metrics-port 0; reads the port each prints, GETs /metrics over HTTP and checks that the text
 passes `promtool check metrics` and holds the node's kvr_node_info and its own metric families

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end observability test (issue 8): a local kvr cluster (`kvr up`: controller, store,
+"""End-to-end observability test: a local kvr cluster (`kvr up`: controller, store,
 prefill and decode nodes serving SmolLM2, the decode node sampling retrieval quality on every
 step), a real Prometheus server (Debian's `prometheus`) scraping every /metrics endpoint the
 cluster's processes serve every second, a short `kvr bench`, then:
@@ -272,6 +272,17 @@ class PrometheusE2eTest(unittest.TestCase):
         for node in ("kvr-controller", "kvr-store", "kvr-prefill", "kvr-decode"):
             self.assertIn(node, {name.split("[")[0] for name in self.targets.values()},
                           f"no {node} among the scraped processes {sorted(self.targets.values())}")
+
+    def test_nodes_are_named_as_kvr_up_names_them(self):
+        # kvr up passes its names (store-0, prefill-0, decode-0) to the nodes, which label their
+        # metrics (kvr_node_info) and register with them.
+        names = {}
+        for port, text in self.scrapes.items():
+            m = re.search(r'^kvr_node_info\{[^}]*name="([^"]*)"', text or "", re.M)
+            names[self.targets[port].split("[")[0]] = m.group(1) if m else None
+        self.assertEqual(names.get("kvr-store"), "store-0", names)
+        self.assertEqual(names.get("kvr-prefill"), "prefill-0", names)
+        self.assertEqual(names.get("kvr-decode"), "decode-0", names)
 
     def test_promtool_check_metrics(self):
         self.assertTrue(self.targets, "no process of the cluster serves /metrics")

@@ -1,4 +1,4 @@
-// kvr bench decode: end-to-end decode throughput of the CUDA model runtime (issue 7 item 4):
+// kvr bench decode: end-to-end decode throughput of the CUDA model runtime:
 // dense (`full`) sequences with their whole KV in HBM against sparse sequences (quest,
 // clusterkv) that keep only summaries, the sink/window rows and a hot cache on the GPU and
 // gather the selected rows from pinned host memory (cuda_model.h, "Sparse sequences").

@@ -86,7 +86,7 @@ absl::Status RunCalibrate(const CalibrateOptions& o) {
   KVR_RETURN_IF_ERROR(o.codebook.Validate());
   KVR_ASSIGN_OR_RETURN(model::LoadFormat format, model::ParseLoadFormat(o.load_format));
   ThreadPool pool(o.threads > 0 ? static_cast<size_t>(o.threads) : 0);
-  // Effective configuration first (CONVENTIONS.md 11).
+  // Effective configuration first.
   std::cerr << absl::StrFormat(
       "kvr calibrate: model %s, texts %d, max tokens %d in sequences of %d, codebook size %d, "
       "WRoPE b %d (w %d), iterations %d, keys kept per head %d, ridge %g, threads %d -> %s\n",

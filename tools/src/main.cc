@@ -3,9 +3,11 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.h"
+#include "kvr/common/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"kvr: long-context LLM serving with KV retrieval"};
+  app.set_version_flag("--version", kvr::VersionLine("kvr"));
   app.require_subcommand(1);
   kvr::tools::AddGenerateCommand(app);
   kvr::tools::AddTokenizeCommand(app);

@@ -306,7 +306,9 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
             "--controller", controller_address,
             // Same-host readers (a CUDA decode node) map its page pool through this socket
             // and read rows in place.
-            "--local-socket", absl::StrCat(log_dir, "/", name, ".sock")},
+            "--local-socket", absl::StrCat(log_dir, "/", name, ".sock"),
+            // One name per node: kvr up's, the node's metrics label and its registration.
+            "--name", name},
         log(name)));
   }
   for (int i = 0; i < o.stores; ++i) {
@@ -320,7 +322,10 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   }
 
   for (int i = 0; i < o.prefill; ++i) {
+    const std::string name = absl::StrCat("prefill-", i);
     std::vector<std::string> argv = {bins[2].path,
+                                     "--node-name",
+                                     name,
                                      "--model",
                                      o.model,
                                      "--controller",
@@ -331,11 +336,13 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     argv.push_back("--device=" + o.device);
     if (!o.store_dtype.empty()) argv.push_back("--store-dtype=" + o.store_dtype);
     argv.insert(argv.end(), o.prefill_args.begin(), o.prefill_args.end());
-    nodes.push_back(std::make_unique<Child>(absl::StrCat("prefill-", i), argv,
-                                            log(absl::StrCat("prefill-", i))));
+    nodes.push_back(std::make_unique<Child>(name, argv, log(name)));
   }
   for (int i = 0; i < o.decode; ++i) {
+    const std::string name = absl::StrCat("decode-", i);
     std::vector<std::string> argv = {bins[3].path,
+                                     "--name",
+                                     name,
                                      "--model",
                                      o.model,
                                      "--controller",
@@ -345,8 +352,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
     argv.push_back("--device=" + o.device);
     argv.insert(argv.end(), o.decode_args.begin(), o.decode_args.end());
-    nodes.push_back(
-        std::make_unique<Child>(absl::StrCat("decode-", i), argv, log(absl::StrCat("decode-", i))));
+    nodes.push_back(std::make_unique<Child>(name, argv, log(name)));
   }
 
   // Ready when the store registered and ListModels shows every prefill and decode node.

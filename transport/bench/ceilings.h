@@ -1,5 +1,5 @@
 #pragma once
-// Same-run bandwidth ceilings for data-plane benchmarks (CONVENTIONS.md 6):
+// Same-run bandwidth ceilings for data-plane benchmarks:
 //   MemcpyGbps: single-thread memcpy at a given copy size over a working set larger than the
 //     last-level cache (the ceiling of a shared-memory transfer, which is at least one copy);
 //   PerftestAmBwGbps: `ucx_perftest -t ucp_am_bw` between a server and a client process on

@@ -1,5 +1,5 @@
 #pragma once
-// A read-only memory-mapped file. Move-only owner of the mapping (CONVENTIONS.md 8).
+// A read-only memory-mapped file. Move-only owner of the mapping.
 
 #include <cstddef>
 #include <cstdint>

@@ -1,6 +1,6 @@
 #pragma once
 // Status helpers shared by every component. absl::Status / absl::StatusOr<T> are the error
-// vocabulary at every module boundary (CONVENTIONS.md 3); these macros keep call sites short.
+// vocabulary at every module boundary; these macros keep call sites short.
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"

@@ -1,6 +1,6 @@
 #pragma once
 // A fixed-size pool of worker threads with a blocking ParallelFor. Passed into whatever needs
-// it through constructors (CONVENTIONS.md 9); never a global.
+// it through constructors; never a global.
 //
 // Thread safety: ParallelFor may be called from one thread at a time per pool (callers that
 // share a pool serialise on an internal mutex).

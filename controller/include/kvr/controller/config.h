@@ -1,6 +1,6 @@
 #pragma once
 // Configuration of kvr-controller from flags, a YAML file (--config) and KVR_* environment
-// variables, with precedence flag > file > env > default (CONVENTIONS.md 11). Each setting
+// variables, with precedence flag > file > env > default. Each setting
 // has one name in three spellings: flag --lease-seconds, YAML key lease_seconds, environment
 // variable KVR_LEASE_SECONDS.
 

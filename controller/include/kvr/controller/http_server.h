@@ -1,6 +1,6 @@
 #pragma once
 // The OpenAI-compatible HTTP server of kvr-controller, on civetweb (the HTTP library
-// prometheus-cpp already links). Thin (CONVENTIONS.md 2): routes, reads bodies, checks the API
+// prometheus-cpp already links). Thin: routes, reads bodies, checks the API
 // key, and writes what openai_api.h converts; requests run through the same Generator as the
 // gRPC Generate, in process.
 //

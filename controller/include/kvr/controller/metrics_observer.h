@@ -1,6 +1,6 @@
 #pragma once
 // The Prometheus side of RequestObserver: turns a request's hooks into ControllerMetrics
-// (kvr/common/metrics.h, which documents each metric). Thread-safe: one instance serves every
+// (kvr/controller/metrics.h, which documents each metric). Thread-safe: one instance serves every
 // request; per-request timing state lives in a map keyed by request id under a mutex, held only
 // for the map update (metrics are recorded outside it).
 //
@@ -13,8 +13,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kvr/common/metrics.h"
 #include "kvr/controller/clock.h"
+#include "kvr/controller/metrics.h"
 #include "kvr/controller/request_runner.h"
 
 namespace kvr::controller {

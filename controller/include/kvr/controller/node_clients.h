@@ -1,7 +1,7 @@
 #pragma once
 // The controller's view of its prefill and decode nodes: two interfaces (real gRPC clients in
 // grpc_node_clients.h, fakes in the tests), so that the request flow is tested without
-// processes (CONVENTIONS.md 4).
+// processes.
 //
 // Every call takes the request's absolute deadline, which becomes the downstream RPC's
 // deadline, and a CancellationToken whose cancellation aborts the call in flight.

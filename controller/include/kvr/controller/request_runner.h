@@ -26,8 +26,8 @@ namespace kvr::controller {
 
 struct FinalReport;
 
-// Hooks on a request's life, for metrics and tracing (the Prometheus exporter of issue 8 is
-// meant to implement this). Called on the request's own thread, so implementations must be
+// Hooks on a request's life, for metrics and tracing (MetricsObserver, metrics_observer.h,
+// implements them for Prometheus). Called on the request's own thread, so implementations must be
 // thread-safe across requests; they must not block. Every hook has an empty default.
 class RequestObserver {
  public:

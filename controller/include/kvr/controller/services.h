@@ -1,5 +1,5 @@
 #pragma once
-// The controller's gRPC services. Thin (CONVENTIONS.md 2): each handler converts the proto to
+// The controller's gRPC services. Thin: each handler converts the proto to
 // domain types, calls Membership / Admission / RequestRunner, and converts the status back.
 
 #include <atomic>

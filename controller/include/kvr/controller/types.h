@@ -1,5 +1,5 @@
 #pragma once
-// Domain types of the controller: what the gRPC layer converts protos into (CONVENTIONS.md 2).
+// Domain types of the controller: what the gRPC layer converts protos into.
 // Plain structs, no proto types, so that the logic classes and their tests stay free of gRPC.
 
 #include <cstdint>

@@ -1,10 +1,10 @@
 #pragma once
-// The decode node's model backend seam (CONVENTIONS.md 4): DecodeEngine keeps the request logic
+// The decode node's model backend seam: DecodeEngine keeps the request logic
 // (admission, batching, sampling, stop strings, streaming, metrics, store release) and hands the
 // per-sequence model state and the forward pass of each step to a DecodeBackend:
 // - the CPU backend (MakeCpuDecodeBackend): model::Model::Forward through DecodeAttention
 //   (windowed resident KV, the handed-off retrieval indexes, rows fetched from the store per
-//   step, generated rows appended to the store): the path of issue 4, unchanged;
+//   step, generated rows appended to the store);
 // - the CUDA backend (cuda_backend.h): model::CudaModel sparse sequences, whose full KV is
 //   pulled from the store into pinned host memory at join.
 //

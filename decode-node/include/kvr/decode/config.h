@@ -1,6 +1,6 @@
 #pragma once
 // Configuration of kvr-decode from flags, a YAML file (--config) and KVR_DECODE_* environment
-// variables, with precedence flag > file > env > default (CONVENTIONS.md 11; the pattern of
+// variables, with precedence flag > file > env > default (the pattern of
 // controller/src/config.cc). Each setting has one name in three spellings: flag
 // --batch-slots, YAML key batch_slots, environment variable KVR_DECODE_BATCH_SLOTS.
 

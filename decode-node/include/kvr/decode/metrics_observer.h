@@ -1,6 +1,6 @@
 #pragma once
-// The Prometheus side of DecodeObserver (owned by helper "metrics"): records a decode node's
-// work in kvr::metrics::DecodeMetrics (kvr/common/metrics.h documents each metric). Stateless
+// The Prometheus side of DecodeObserver: records a decode node's work in
+// kvr::metrics::DecodeMetrics (kvr/decode/metrics.h documents each metric). Stateless
 // apart from the metric set, whose methods are thread-safe, so it is thread-safe too.
 //
 // Per-method series (fetched bytes/rows, hot cache, summaries) come from the per-method hooks
@@ -13,7 +13,7 @@
 #include <string>
 #include <string_view>
 
-#include "kvr/common/metrics.h"
+#include "kvr/decode/metrics.h"
 #include "kvr/decode/observer.h"
 
 namespace kvr::decode {

@@ -1,5 +1,5 @@
 #pragma once
-// The gRPC shell of the decode node (CONVENTIONS.md 2): DecodeService handlers convert
+// The gRPC shell of the decode node: DecodeService handlers convert
 // protos to the engine's domain types and back; store clients come from a
 // kv_store::StoreClientCache (one per store, reconnected when the store died or restarted).
 

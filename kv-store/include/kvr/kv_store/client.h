@@ -1,7 +1,7 @@
 #pragma once
 // The KV store client used by prefill and decode nodes.
 //
-// KvStoreClient is the seam (CONVENTIONS.md 4): UcxKvStoreClient talks to a kvr-store over
+// KvStoreClient is the seam: UcxKvStoreClient talks to a kvr-store over
 // gRPC (control) and UCX (data); FakeKvStoreClient runs the same store core in-process with
 // the same semantics and errors, for unit tests of the nodes.
 //
@@ -33,7 +33,7 @@
 
 namespace kvr::kv_store {
 
-// A started data-plane operation (CONVENTIONS.md 3: an explicit "in progress" state), so that
+// A started data-plane operation (an explicit "in progress" state), so that
 // prefill can overlap a layer's put with the next layer's compute and decode can overlap a
 // gather with other work. The caller's buffers (the rows of a put, the output of a gather)
 // must stay valid until Wait() returned; destroying an unfinished op waits for it.

@@ -1,6 +1,6 @@
 #pragma once
 // Configuration of the kvr-store binary: flags, a --config YAML file and KVR_STORE_*
-// environment variables, with precedence flag > file > env > default (CONVENTIONS.md 11).
+// environment variables, with precedence flag > file > env > default.
 
 #include <cstdint>
 #include <functional>
@@ -57,8 +57,6 @@ struct StoreConfig {
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
 [[nodiscard]] EnvLookup ProcessEnv();
 
-// Parses "1073741824", "64KiB", "512MiB", "4GiB", "1G" (powers of 1024) into bytes.
-[[nodiscard]] absl::StatusOr<uint64_t> ParseByteSize(const std::string& text);
 
 // Parses argv (CLI11). --help prints usage and returns a CANCELLED status whose message is the
 // help text, so that main can print it and exit 0.

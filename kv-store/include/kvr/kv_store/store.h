@@ -1,5 +1,5 @@
 #pragma once
-// PagedKvStore: the store's core, a plain class with no RPC inside (CONVENTIONS.md 2). The
+// PagedKvStore: the store's core, a plain class with no RPC inside. The
 // gRPC control service and the UCX data plane are thin adapters over it.
 //
 // Layout: per (sequence, layer, kv_head) an append-only array of rows [k | v] (2 * head_dim

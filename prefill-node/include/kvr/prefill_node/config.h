@@ -1,6 +1,6 @@
 #pragma once
 // Configuration of kvr-prefill from flags, a YAML file (--config) and KVR_PREFILL_* environment
-// variables, with precedence flag > file > env > default (CONVENTIONS.md 11). Each setting has
+// variables, with precedence flag > file > env > default. Each setting has
 // one name in three spellings: flag --chunk-tokens, YAML key chunk_tokens, environment variable
 // KVR_PREFILL_CHUNK_TOKENS. The pattern is controller/src/config.cc's.
 

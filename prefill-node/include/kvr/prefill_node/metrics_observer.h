@@ -1,6 +1,6 @@
 #pragma once
-// The Prometheus side of PrefillObserver (owned by helper "metrics"): records a prefill node's
-// work in kvr::metrics::PrefillMetrics (kvr/common/metrics.h documents each metric).
+// The Prometheus side of PrefillObserver: records a prefill node's work in
+// kvr::metrics::PrefillMetrics (kvr/prefill_node/metrics.h documents each metric).
 //
 // Thread safety: hooks run on request threads, concurrently. Counters are atomic; the queue
 // gauges are kept in atomics here. OnQueued and OnFinished of one request run on the same thread
@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kvr/common/metrics.h"
+#include "kvr/prefill_node/metrics.h"
 #include "kvr/prefill_node/prefill_engine.h"
 
 namespace kvr::prefill_node {

@@ -1,10 +1,10 @@
 #pragma once
-// The prefill node's model backend seam (CONVENTIONS.md 4): PrefillEngine runs a prompt through a
+// The prefill node's model backend seam: PrefillEngine runs a prompt through a
 // PrefillBackend and gets, per layer, as soon as the layer is final, ALL its K/V rows [0, L) as
 // float32 host memory plus its last prefill queries (a LayerTask), while the later layers still
 // compute. The engine does not care where the forward ran:
 // - the CPU backend (MakeCpuPrefillBackend): model::Model::Prefill with dense attention wrapped
-//   so that each layer's last chunk hands out the KvCache's rows (the path of issue 3);
+//   so that each layer's last chunk hands out the KvCache's rows;
 // - the CUDA backend (prefill_cuda_backend.h): model::CudaModel with its per-layer KV export
 //   (cuda_model.h, KvExportOptions): rows converted to float32 on the GPU and copied
 //   device-to-host into pinned buffers on a copy stream, overlapped with the next layers.

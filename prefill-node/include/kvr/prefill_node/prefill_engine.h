@@ -1,12 +1,12 @@
 #pragma once
-// The prefill node's request logic, free of gRPC server code (CONVENTIONS.md 2): tokenize a
+// The prefill node's request logic, free of gRPC server code: tokenize a
 // prompt, run it through the model layer by layer, and per layer (as soon as the layer's last
 // prefill chunk ran) build and serialise its retrieval index, cut out the sink and local-window
 // rows for the decode node and start the put of all its K/V rows to the KV store, overlapped with
 // the next layers' compute. Then sample the first token and hand header + layers to the decode
 // node (or finish the request when the first token already ends it).
 //
-// The two remote parties are seams with fakes (CONVENTIONS.md 4): the KV store is a
+// The two remote parties are seams with fakes: the KV store is a
 // kv_store::KvStoreClient (FakeKvStoreClient in tests) found through a StoreClients lookup, and
 // the decode node is a HandoffSink opened through a HandoffOpener (a gRPC client-streaming
 // DecodeService.Handoff call in kvr-prefill, a recorder in tests).

@@ -61,7 +61,7 @@ struct IncomingState;
 using AmId = uint16_t;
 inline constexpr AmId kMaxUserAmId = 255;
 
-// The explicit state of an asynchronous operation (CONVENTIONS.md 3; NIXL's NIXL_IN_PROG).
+// The explicit state of an asynchronous operation (NIXL's NIXL_IN_PROG).
 enum class OpState { kInProgress, kDone };
 
 // ---------------------------------------------------------------------------------------------

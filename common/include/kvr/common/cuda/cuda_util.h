@@ -1,11 +1,11 @@
 #pragma once
 // Small CUDA runtime helpers shared by every CUDA component (retrieval kernels, the CUDA model
 // backend, the decode node's GPU path). Include only from CUDA-enabled translation units (the
-// `kvr::common_cuda` target exists only when the build found nvcc; CONVENTIONS.md 7).
+// `kvr::common_cuda` target exists only when the build found nvcc).
 //
 // - KVR_CUDA_RETURN_IF_ERROR(expr): turn a cudaError_t into an absl::Status naming the call.
 // - CudaStream, CudaEvent, DeviceBuffer<T>, PinnedBuffer<T>: move-only RAII owners
-//   (CONVENTIONS.md 8). Allocation failures come back as Status, never as exceptions.
+//  . Allocation failures come back as Status, never as exceptions.
 
 #include <cuda_runtime.h>
 

@@ -1,5 +1,5 @@
 // MembershipClient against an in-process fake kvr.cluster.v1.Membership service.
-#include "kvr/controller/membership_client.h"
+#include "kvr/node/membership_client.h"
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
-namespace kvr::controller {
+namespace kvr::node {
 namespace {
 
 namespace cv1 = ::kvr::cluster::v1;
@@ -250,4 +250,4 @@ TEST(MembershipClientTest, ClusterViewFollowsLiveStoresAndDropsOnLossAndStop) {
 }
 
 }  // namespace
-}  // namespace kvr::controller
+}  // namespace kvr::node

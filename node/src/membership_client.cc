@@ -1,4 +1,4 @@
-#include "kvr/controller/membership_client.h"
+#include "kvr/node/membership_client.h"
 
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
@@ -8,7 +8,7 @@
 
 #include "kvr/common/instance_id.h"
 
-namespace kvr::controller {
+namespace kvr::node {
 
 namespace cv1 = ::kvr::cluster::v1;
 
@@ -163,4 +163,4 @@ void MembershipClient::Loop() {
   }
 }
 
-}  // namespace kvr::controller
+}  // namespace kvr::node

@@ -1,9 +1,12 @@
-// Cost of recording kvr metrics (kvr/common/metrics.h) on the paths that call them per token
-// or per (step, layer), and of one scrape. Single-threaded and 4-thread (contended) runs.
-//   build-metrics/common/metrics_bench --benchmark_min_time=0.3
+// Cost of recording kvr metrics (the controller's and the decode node's metric sets) on the
+// paths that call them per token or per (step, layer), and of one scrape. Single-threaded and
+// 4-thread (contended) runs.
+//   build/tests/metrics/metrics_bench --benchmark_min_time=0.3
 #include <benchmark/benchmark.h>
 
 #include "kvr/common/metrics.h"
+#include "kvr/controller/metrics.h"
+#include "kvr/decode/metrics.h"
 
 namespace kvr::metrics {
 namespace {

@@ -25,7 +25,7 @@
 #include "absl/time/time.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 
-namespace kvr::controller {
+namespace kvr::node {
 
 // The grpc.health.v1 service name of a prefill or decode node's readiness: SERVING while the
 // node is registered and the controller holds at least one live store ("model loaded and store
@@ -95,4 +95,4 @@ class MembershipClient {
   std::thread thread_;                          // last: started after everything above
 };
 
-}  // namespace kvr::controller
+}  // namespace kvr::node

@@ -1,0 +1,68 @@
+#include "kvr/kv_store/metrics.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include "kvr/common/metric_families.h"
+
+namespace kvr::metrics {
+
+struct StoreMetrics::Families {
+  explicit Families(prometheus::Registry& r)
+      : capacity(
+            GaugeFamily(r, "kvr_store_capacity_bytes", "Bytes of the store's page pool").Add({})),
+        used(GaugeFamily(r, "kvr_store_used_bytes", "Bytes of the page pool in use").Add({})),
+        pages(GaugeFamily(r, "kvr_store_pages", "Pages of the pool, by state (free, used)")),
+        sequences(GaugeFamily(r, "kvr_store_sequences", "Sequences held by the store").Add({})),
+        evictions(CounterFamily(r, "kvr_store_evictions_total",
+                                "Sequences evicted by the capacity policy")
+                      .Add({})),
+        expired(CounterFamily(r, "kvr_store_expired_sequences_total",
+                              "Sequences dropped because their lease expired")
+                    .Add({})),
+        written(CounterFamily(r, "kvr_store_written_bytes_total", "KV bytes written to the store")
+                    .Add({})),
+        read(
+            CounterFamily(r, "kvr_store_read_bytes_total", "KV bytes read from the store").Add({})),
+        free_pages(pages.Add({{"state", "free"}})),
+        used_pages(pages.Add({{"state", "used"}})) {}
+  prometheus::Gauge& capacity;
+  prometheus::Gauge& used;
+  prometheus::Family<prometheus::Gauge>& pages;
+  prometheus::Gauge& sequences;
+  prometheus::Counter& evictions;
+  prometheus::Counter& expired;
+  prometheus::Counter& written;
+  prometheus::Counter& read;
+  prometheus::Gauge& free_pages;
+  prometheus::Gauge& used_pages;
+  // Previous values of the monotonic fields, to turn absolute values into increments.
+  std::mutex mu;
+  StoreSnapshot last;
+};
+
+StoreMetrics::StoreMetrics(prometheus::Registry& registry)
+    : f_(std::make_unique<Families>(registry)) {}
+StoreMetrics::~StoreMetrics() = default;
+
+namespace {
+double Increase(uint64_t now, uint64_t before) {
+  return static_cast<double>(now >= before ? now - before : now);
+}
+}  // namespace
+
+void StoreMetrics::Update(const StoreSnapshot& s) {
+  f_->capacity.Set(static_cast<double>(s.capacity_bytes));
+  f_->used.Set(static_cast<double>(s.used_bytes));
+  f_->free_pages.Set(static_cast<double>(s.free_pages));
+  f_->used_pages.Set(static_cast<double>(s.total_pages - std::min(s.free_pages, s.total_pages)));
+  f_->sequences.Set(static_cast<double>(s.sequences));
+  std::lock_guard<std::mutex> lock(f_->mu);
+  f_->evictions.Increment(Increase(s.evictions, f_->last.evictions));
+  f_->expired.Increment(Increase(s.expired_sequences, f_->last.expired_sequences));
+  f_->written.Increment(Increase(s.bytes_written, f_->last.bytes_written));
+  f_->read.Increment(Increase(s.bytes_read, f_->last.bytes_read));
+  f_->last = s;
+}
+
+}  // namespace kvr::metrics

@@ -1,0 +1,61 @@
+// StoreMetrics: polled absolute values become gauges and counters, which promtool accepts.
+#include "kvr/kv_store/metrics.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "metrics_test_util.h"
+
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+namespace kvr::metrics::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(StoreMetricsTest, CountersFollowMonotonicFieldsAcrossAReset) {
+  auto server = Offline("store");
+  StoreMetrics m(server->registry());
+  m.Update({.capacity_bytes = 1 << 30,
+            .used_bytes = 4096,
+            .total_pages = 10,
+            .free_pages = 7,
+            .sequences = 2,
+            .evictions = 3,
+            .expired_sequences = 1,
+            .bytes_written = 100,
+            .bytes_read = 50});
+  m.Update({.capacity_bytes = 1 << 30,
+            .used_bytes = 8192,
+            .total_pages = 10,
+            .free_pages = 6,
+            .sequences = 2,
+            .evictions = 5,
+            .expired_sequences = 1,
+            .bytes_written = 300,
+            .bytes_read = 50});
+  m.Update({.capacity_bytes = 1 << 30,
+            .used_bytes = 8192,
+            .total_pages = 10,
+            .free_pages = 6,
+            .sequences = 2,
+            .evictions = 1,
+            .expired_sequences = 1,
+            .bytes_written = 300,
+            .bytes_read = 60});  // evictions went back: counted from zero
+  const std::string text = server->ScrapeText();
+  EXPECT_THAT(text, HasSubstr("kvr_store_capacity_bytes 1073741824"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_used_bytes 8192"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_pages{state=\"free\"} 6"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_pages{state=\"used\"} 4"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_sequences 2"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total 6"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_expired_sequences_total 1"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_written_bytes_total 300"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_read_bytes_total 60"));
+  ExpectPromtoolClean(text);
+}
+
+}  // namespace
+}  // namespace kvr::metrics::testing
