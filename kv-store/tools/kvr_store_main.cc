@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/tls.h"
 #include "kvr/controller/membership_client.h"
 #include "kvr/kv_store/config.h"
 #include "kvr/kv_store/server.h"
@@ -20,9 +21,12 @@ namespace {
 
 // The UCX worker address and instance id, asked of our own gRPC service (GetDataPlaneInfo) so
 // that the registration carries exactly what clients are told.
-absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> OwnDataPlaneInfo(int port) {
+absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> OwnDataPlaneInfo(
+    int port, const kvr::GrpcSecurity& security) {
+  // Dialled as "localhost": certificates name the hosts their process is reached at, and a
+  // local one names localhost (kvr up's do); the same name works over plaintext.
   auto stub = kvr::store::v1::KvStore::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+      security.CreateChannel(absl::StrCat(security.enabled() ? "localhost:" : "127.0.0.1:", port)));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   kvr::store::v1::GetDataPlaneInfoResponse info;
@@ -76,8 +80,14 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<kvr::controller::MembershipClient> membership;
   if (!config->controller.empty()) {
+    // Loaded once more (StoreServer::Start loaded it for the port): cannot fail differently.
+    absl::StatusOr<kvr::GrpcSecurity> security = kvr::GrpcSecurity::Load(config->tls);
+    if (!security.ok()) {
+      std::fprintf(stderr, "kvr-store: %s\n", std::string(security.status().message()).c_str());
+      return 1;
+    }
     absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> info =
-        OwnDataPlaneInfo((*server)->port());
+        OwnDataPlaneInfo((*server)->port(), *security);
     if (!info.ok()) {
       std::fprintf(stderr, "kvr-store: %s\n", std::string(info.status().message()).c_str());
       return 1;
@@ -86,6 +96,7 @@ int main(int argc, char** argv) {
     const std::string advertised = config->AdvertisedAddress((*server)->port());
     kvr::controller::MembershipClient::Options o;
     o.controller = config->controller;
+    o.security = *security;
     o.registration.set_role(cv1::NODE_ROLE_STORE);
     o.registration.set_protocol_version(1);
     o.registration.set_name(absl::StrCat(config->name, "@", advertised));

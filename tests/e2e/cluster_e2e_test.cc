@@ -22,6 +22,7 @@
 //       first request is UNAVAILABLE or served, never INVALID_ARGUMENT; served once the nodes
 //       registered again)
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -33,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <future>
 #include <optional>
 #include <set>
 #include <thread>
@@ -45,6 +47,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/common/tls.h"
 #include "kvr/controller/membership_client.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
@@ -174,6 +177,21 @@ TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
   EXPECT_EQ(cluster.StoreStats().used_bytes(), baseline);
 }
 
+// A unary call of `method` with `bytes` as the request message (generic stub, 10 s deadline).
+grpc::Status RawUnaryCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                          const std::string& bytes) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) { done.set_value(std::move(s)); });
+  return done.get_future().get();
+}
+
 TEST_F(ModelFixture, BadRequestsAndCancellation) {
   Cluster cluster(1, 1);
   ASSERT_TRUE(cluster.ready());
@@ -207,6 +225,29 @@ TEST_F(ModelFixture, BadRequestsAndCancellation) {
   r.set_prompt(long_text);
   r.mutable_sampling()->clear_max_tokens();
   expect_invalid(r, "prompt");
+
+  // Bytes that are not the request message, sent to every internal service of the cluster
+  // (over mutual TLS with kvr up's client certificate): INVALID_ARGUMENT naming the method,
+  // not gRPC's bare INTERNAL. A client without a certificate is refused by those ports.
+  const std::string garbage = "\xff\xff\xff\xff\x0f garbage";
+  for (const auto& [node, method] : std::vector<std::pair<std::string, std::string>>{
+           {"store-0", "/kvr.store.v1.KvStore/CreateSequence"},
+           {"prefill-0", "/kvr.cluster.v1.PrefillService/Prefill"},
+           {"decode-0", "/kvr.cluster.v1.DecodeService/Cancel"},
+           {"controller", "/kvr.cluster.v1.Membership/Register"}}) {
+    const std::string address = node == "controller" ? cluster.endpoint() : cluster.Find(node).grpc;
+    const grpc::Status s = RawUnaryCall(cluster.Channel(address), method, garbage);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << method << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(method), std::string::npos) << s.error_message();
+    if (node == "controller") continue;  // its public API takes clients without a certificate
+    const kvr::TlsConfig ca_only{.ca_file = cluster.tls().ca_file};
+    absl::StatusOr<kvr::GrpcSecurity> no_certificate = kvr::GrpcSecurity::Load(ca_only);
+    ASSERT_TRUE(no_certificate.ok());
+    const grpc::Status refused = RawUnaryCall(no_certificate->CreateChannel(address), method, "");
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << node << " answered a client without a certificate: " << refused.error_message();
+  }
 
   // (d) A client that cancels mid-stream: the store pages are free within a second.
   const uint64_t baseline = cluster.StoreStats().used_bytes();
@@ -375,16 +416,16 @@ TEST_F(ModelFixture, EveryListenerOfKvrUpIsOnLoopback) {
 }
 
 // The health status of `service` on a node's gRPC port (UNKNOWN when the call fails).
-grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& address,
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(const Cluster& cluster,
+                                                            const std::string& address,
                                                             const std::string& service) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  const grpc::Status s = grpc::health::v1::Health::NewStub(
-                             grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))
-                             ->Check(&ctx, request, &response);
+  const grpc::Status s =
+      grpc::health::v1::Health::NewStub(cluster.Channel(address))->Check(&ctx, request, &response);
   return s.ok() ? response.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
 }
 
@@ -399,13 +440,13 @@ TEST_F(ModelFixture, ReadinessFollowsTheStore) {
                       Status::ServingStatus want, absl::Duration timeout) {
     const absl::Time until = absl::Now() + timeout;
     Status::ServingStatus got;
-    while ((got = Health(address, service)) != want && absl::Now() < until)
+    while ((got = Health(cluster, address, service)) != want && absl::Now() < until)
       absl::SleepFor(absl::Milliseconds(100));
     return got;
   };
   for (const std::string& node : nodes) {
     ASSERT_FALSE(node.empty());
-    EXPECT_EQ(Health(node, ""), Status::SERVING) << node;
+    EXPECT_EQ(Health(cluster, node, ""), Status::SERVING) << node;
     // Registered with a live store: ready (at registration or the next heartbeat).
     EXPECT_EQ(wait_for(node, ready, Status::SERVING, absl::Seconds(5)), Status::SERVING) << node;
   }
@@ -416,7 +457,7 @@ TEST_F(ModelFixture, ReadinessFollowsTheStore) {
   for (const std::string& node : nodes) {
     EXPECT_EQ(wait_for(node, ready, Status::NOT_SERVING, absl::Seconds(15)), Status::NOT_SERVING)
         << node;
-    EXPECT_EQ(Health(node, ""), Status::SERVING) << node << " must stay live";
+    EXPECT_EQ(Health(cluster, node, ""), Status::SERVING) << node << " must stay live";
   }
 }
 
@@ -490,9 +531,10 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
 
   // The same store again, on the same port.
   const std::string port = store.grpc.substr(store.grpc.rfind(':') + 1);
-  Subprocess restarted({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
-                        "--evict-expired", "true", "--sweep-interval-ms", "500", "--controller",
-                        cluster.endpoint()});
+  Subprocess restarted(cluster.WithTls(
+      {KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB", "--evict-expired", "true",
+       "--sweep-interval-ms", "500", "--controller", cluster.endpoint()},
+      "store-0"));
   const absl::Time restart = absl::Now();
   ASSERT_FALSE(restarted.WaitForLine("kvr-store listening port=" + port, absl::Seconds(20)).empty())
       << "the store did not start on port " << port;
@@ -534,8 +576,9 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
   EXPECT_EQ(placed_on_dead.status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << placed_on_dead.status.error_message();
   EXPECT_LT(placed_took, absl::Seconds(5));
-  Subprocess again({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
-                    "--controller", cluster.endpoint()});
+  Subprocess again(cluster.WithTls({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes",
+                                    "1GiB", "--controller", cluster.endpoint()},
+                                   "store-0"));
   const absl::Time second_restart = absl::Now();
   ASSERT_FALSE(again.WaitForLine("kvr-store registered", absl::Seconds(20)).empty());
   failures.clear();
@@ -557,14 +600,14 @@ TEST_F(ModelFixture, ControllerKilledAndRestarted) {
   ASSERT_TRUE(warm.status.ok()) << warm.status.error_message();
 
   ASSERT_EQ(kill(controller.pid, SIGKILL), 0);
-  Subprocess restarted({KVR_CONTROLLER_BIN, "--listen", cluster.endpoint()});
+  Subprocess restarted(
+      cluster.WithTls({KVR_CONTROLLER_BIN, "--listen", cluster.endpoint()}, "controller"));
   ASSERT_FALSE(restarted.WaitForLine("kvr-controller listening on", absl::Seconds(10)).empty());
   const absl::Time restart = absl::Now();
   // At once, on a new channel that waits for the connection (the old one may still report the
   // dead controller's closed socket): the nodes have not registered again yet (they heartbeat
   // every lease/3), so this reaches a controller without nodes.
-  auto fresh = kvr::v1::Generation::NewStub(
-      grpc::CreateChannel(cluster.endpoint(), grpc::InsecureChannelCredentials()));
+  auto fresh = kvr::v1::Generation::NewStub(cluster.Channel(cluster.endpoint()));
   Outcome first = Generate(*fresh, TokenRequest(prompt, "full", 4), absl::Seconds(10),
                            /*wait_for_ready=*/true);
   std::printf("first request after the controller restart: %s %s\n",
@@ -577,7 +620,7 @@ TEST_F(ModelFixture, ControllerKilledAndRestarted) {
   std::printf("controller restart: served %s after the restart (%zu failed before)\n",
               served ? absl::FormatDuration(*served).c_str() : "NOT", failures.size());
   ASSERT_TRUE(served.has_value()) << "no request served within 15 s of the controller restart";
-  EXPECT_EQ(Health(cluster.endpoint(), kvr::controller::kReadinessService),
+  EXPECT_EQ(Health(cluster, cluster.endpoint(), kvr::controller::kReadinessService),
             grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
