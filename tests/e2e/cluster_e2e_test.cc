@@ -589,6 +589,81 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
   EXPECT_TRUE(recovered.has_value()) << "no request served within 10 s of the second restart";
 }
 
+// A request with resume_on_failure whose store is killed (SIGKILL) while it streams: the
+// controller prefills prompt + the N tokens sent on the other store and the stream goes on;
+// the client gets OK and 64 tokens: the N of the fault-free run, then exactly what the cluster
+// answers to prompt + those N (nothing repeated, nothing lost). Not the fault-free run's
+// tokens after N: on the CPU runtime prefill computes in float and a decode step with 8-bit
+// activations, so the token after the resume point can differ where the model is near a tie.
+TEST_F(ModelFixture, ResumeOnFailureSurvivesTheStoreKilledMidStream) {
+  Cluster cluster(1, 1, {"--stores", "2"});
+  ASSERT_TRUE(cluster.ready());
+  const std::vector<int32_t> prompt = Prompt(120, 5);
+  kvr::v1::GenerateRequest request = TokenRequest(prompt, "full", 64);
+  request.set_resume_on_failure(true);
+  const Outcome reference = Generate(cluster.stub(), request, absl::Seconds(60));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  ASSERT_EQ(reference.tokens.size(), 64u);
+
+  auto sequences = [&](const std::string& store) -> uint64_t {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    kvr::store::v1::StatsResponse stats;
+    const grpc::Status s =
+        kvr::store::v1::KvStore::NewStub(cluster.Channel(store))->Stats(&ctx, {}, &stats);
+    return s.ok() ? stats.sequences() : 0;
+  };
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(90)));
+  auto reader = cluster.stub().Generate(&ctx, request);
+  std::vector<int32_t> tokens;
+  kvr::v1::GenerateResponse msg;
+  std::string killed;
+  while (reader->Read(&msg)) {
+    tokens.insert(tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    if (killed.empty() && tokens.size() >= 4) {
+      for (const char* name : {"store-0", "store-1"}) {
+        if (sequences(cluster.Find(name).grpc) > 0) {
+          ASSERT_EQ(kill(cluster.Find(name).pid, SIGKILL), 0);
+          killed = name;
+          break;
+        }
+      }
+      ASSERT_FALSE(killed.empty()) << "no store held the sequence";
+    }
+    if (msg.has_completion()) {
+      EXPECT_EQ(msg.completion().usage().completion_tokens(), 64u);
+      EXPECT_EQ(msg.completion().usage().prompt_tokens(), 120u);
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  ASSERT_TRUE(status.ok()) << "killed " << killed << " after " << tokens.size()
+                           << " tokens: " << status.error_message();
+  ASSERT_EQ(tokens.size(), 64u);
+  // The controller logs how many tokens the client had when it resumed.
+  std::ifstream log(absl::StrCat(cluster.log_dir(), "/controller.log"));
+  size_t sent = 0;
+  for (std::string line; std::getline(log, line);) {
+    const size_t at = line.find("resuming after ");
+    if (at != std::string::npos) {
+      ASSERT_TRUE(
+          absl::SimpleAtoi(line.substr(at + 15, line.find(' ', at + 15) - (at + 15)), &sent));
+    }
+  }
+  ASSERT_GT(sent, 0u) << "the controller did not resume (" << killed << " killed)";
+  ASSERT_LT(sent, 64u);
+  std::printf("store %s killed: resumed after %zu of 64 tokens\n", killed.c_str(), sent);
+  EXPECT_EQ(std::vector<int32_t>(tokens.begin(), tokens.begin() + sent),
+            std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + sent));
+  std::vector<int32_t> context = prompt;
+  context.insert(context.end(), tokens.begin(), tokens.begin() + sent);
+  const Outcome rest =
+      Generate(cluster.stub(), TokenRequest(context, "full", 64 - sent), absl::Seconds(60));
+  ASSERT_TRUE(rest.status.ok()) << rest.status.error_message();
+  EXPECT_EQ(std::vector<int32_t>(tokens.begin() + sent, tokens.end()), rest.tokens)
+      << "after the resume point the stream must be the cluster's answer to prompt + sent";
+}
+
 // The controller dies (kill -9) and comes back on the same port with an empty membership.
 TEST_F(ModelFixture, ControllerKilledAndRestarted) {
   Cluster cluster(1, 1);
