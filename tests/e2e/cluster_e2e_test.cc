@@ -391,8 +391,10 @@ bool IsLoopbackHex(const std::string& a) {
 
 // Every TCP listener of every process of a `kvr up` cluster (gRPC, /metrics, the HTTP API and
 // UCX's own TCP listeners) is on loopback: a local cluster reaches nothing else.
+// Run with --insecure, which no other test uses: the plaintext cluster serves as well.
 TEST_F(ModelFixture, EveryListenerOfKvrUpIsOnLoopback) {
-  Cluster cluster(1, 1);
+  Cluster cluster(1, 1, {"--insecure"});
+  ASSERT_TRUE(cluster.tls().ca_file.empty()) << "kvr up --insecure printed a CA";
   ASSERT_TRUE(cluster.ready());
   // One request, so the data plane's endpoints exist.
   Outcome o = Generate(cluster.stub(), TokenRequest(Prompt(40, 3), "full", 4), absl::Seconds(60));
