@@ -22,11 +22,16 @@ namespace {
 // The UCX worker address and instance id, asked of our own gRPC service (GetDataPlaneInfo) so
 // that the registration carries exactly what clients are told.
 absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> OwnDataPlaneInfo(
-    int port, const kvr::GrpcSecurity& security) {
-  // Dialled as "localhost": certificates name the hosts their process is reached at, and a
-  // local one names localhost (kvr up's do); the same name works over plaintext.
+    int port, const kvr::GrpcSecurity& security, const std::string& advertised) {
+  // Dialled on loopback; with TLS the certificate is checked against the host this store
+  // advertises, which its certificate names (as every peer that dials it needs), rather than
+  // against "127.0.0.1", which an operator's certificate need not name.
+  grpc::ChannelArguments args;
+  if (security.enabled()) {
+    args.SetSslTargetNameOverride(advertised.substr(0, advertised.rfind(':')));
+  }
   auto stub = kvr::store::v1::KvStore::NewStub(
-      security.CreateChannel(absl::StrCat(security.enabled() ? "localhost:" : "127.0.0.1:", port)));
+      security.CreateChannel(absl::StrCat("127.0.0.1:", port), args));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   kvr::store::v1::GetDataPlaneInfoResponse info;
@@ -86,14 +91,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kvr-store: %s\n", std::string(security.status().message()).c_str());
       return 1;
     }
+    const std::string advertised = config->AdvertisedAddress((*server)->port());
     absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> info =
-        OwnDataPlaneInfo((*server)->port(), *security);
+        OwnDataPlaneInfo((*server)->port(), *security, advertised);
     if (!info.ok()) {
       std::fprintf(stderr, "kvr-store: %s\n", std::string(info.status().message()).c_str());
       return 1;
     }
     namespace cv1 = ::kvr::cluster::v1;
-    const std::string advertised = config->AdvertisedAddress((*server)->port());
     kvr::controller::MembershipClient::Options o;
     o.controller = config->controller;
     o.security = *security;
