@@ -322,6 +322,13 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // data plane on loopback (shared memory between its processes, TCP over lo), so the
   // children inherit UCX_NET_DEVICES=lo unless the operator chose devices.
   if (getenv("UCX_NET_DEVICES") == nullptr) setenv("UCX_NET_DEVICES", "lo", 1);
+  // The children's TLS files come from this run's flags alone: a KVR_TLS_* left in the
+  // environment for kvr generate must not reach them (with --insecure it would make them
+  // TLS servers without a certificate).
+  for (const char* name : {"KVR_TLS_CA", "KVR_TLS_CERT", "KVR_TLS_KEY", "KVR_STORE_TLS_CA",
+                           "KVR_STORE_TLS_CERT", "KVR_STORE_TLS_KEY"}) {
+    unsetenv(name);
+  }
 
   // Every gRPC channel is TLS with certificates of a CA made for this run, unless --insecure:
   // nodes and stores present theirs to each other and to the controller, which admits no
