@@ -44,6 +44,8 @@ echo "== starting a local cluster (logs in $logs)"
   --base-port "$port" --log-dir "$logs" --detach --pid-file "$pid_file"
 
 echo "== passkey question in a ~$tokens-token prompt, method ${KVR_DEMO_METHOD:-clusterkv}"
-"$build/tools/kvr" generate --endpoint "127.0.0.1:$port" --model smollm2-135m-instruct --chat \
+# kvr up secures the cluster's gRPC with a CA it made in its log directory.
+"$build/tools/kvr" generate --endpoint "127.0.0.1:$port" --tls-ca "$logs/tls/ca.pem" \
+  --model smollm2-135m-instruct --chat \
   --passkey "$tokens" --passkey-seed "${KVR_DEMO_SEED:-7}" --max-tokens 48 \
   --method "${KVR_DEMO_METHOD:-clusterkv}" --budget "${KVR_DEMO_BUDGET:-256}"

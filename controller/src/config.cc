@@ -9,6 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/tls.h"
 
 namespace kvr::controller {
 namespace {
@@ -138,7 +139,10 @@ const std::vector<ConfigField>& ControllerConfigFields() {
          return c.api_key.empty() ? std::string("\"\"") : std::string("<redacted>");
        }},
   };
-  return *fields;
+  // Every binary's TLS settings, the same three (kvr/common/tls.h).
+  static const std::vector<ConfigField>* const with_tls =
+      AppendTlsSettingFields(new std::vector<ConfigField>(*fields), &ControllerConfig::tls);
+  return *with_tls;
 }
 
 absl::StatusOr<ConfigValues> ReadConfigFile(const std::string& path) {

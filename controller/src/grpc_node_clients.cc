@@ -37,7 +37,7 @@ std::shared_ptr<grpc::Channel> GrpcNodeClients::ChannelFor(const NodeSnapshot& n
   // may sit in reconnect backoff after the dead process refused it, failing every call at once
   // for up to gRPC's maximum backoff (120 s) although the new node listens.
   if (cached.channel == nullptr || cached.instance_id != node.registration.instance_id) {
-    cached.channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+    cached.channel = security_.CreateChannel(address);
     cached.instance_id = node.registration.instance_id;
   }
   return cached.channel;

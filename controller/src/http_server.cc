@@ -156,6 +156,11 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
                               nullptr};
   mg_callbacks callbacks;
   std::memset(&callbacks, 0, sizeof(callbacks));
+  // civetweb's own errors (a port in use, ...) reach the log instead of vanishing.
+  callbacks.log_message = [](const mg_connection*, const char* message) {
+    spdlog::warn("http: {}", message);
+    return 1;
+  };
   server->context_ = mg_start(&callbacks, nullptr, mg_options);
   if (server->context_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("http: cannot listen on ", server->options_.listen));

@@ -17,8 +17,10 @@
 #include "CLI/CLI.hpp"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/version.h"
+#include "kvr/common/tls.h"
 #include "kvr/controller/clock.h"
 #include "kvr/controller/config.h"
 #include "kvr/controller/generator.h"
@@ -46,6 +48,13 @@ int Serve(const ControllerConfig& config) {
   // A write to an HTTP client that has gone away must fail with EPIPE, not end the process.
   signal(SIGPIPE, SIG_IGN);
 
+  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(config.tls);
+  if (!security.ok()) {
+    std::cerr << "kvr-controller: " << security.status().message() << "\n";
+    return 2;
+  }
+  spdlog::info("gRPC: {}{}", security->Describe(),
+               security->enabled() ? "; members must present a certificate of the CA" : "");
   SystemClock clock;
   const std::string host = config.listen.substr(0, config.listen.rfind(':'));
   // Declared before everything that reports to it, so it outlives them.
@@ -63,7 +72,7 @@ int Serve(const ControllerConfig& config) {
   Membership membership(&clock, absl::Seconds(config.lease_seconds));
   Placement placement(&membership);
   Admission admission(config.max_in_flight);
-  GrpcNodeClients clients;
+  GrpcNodeClients clients(*security);
   RequestRunner runner(
       &membership, &placement, &clients, &clients, &clock,
       RunnerOptions{.max_attempts = config.max_attempts, .observer = &metrics_observer});
@@ -73,7 +82,10 @@ int Serve(const ControllerConfig& config) {
                        .default_timeout = absl::Seconds(config.default_timeout_seconds),
                        .observer = &metrics_observer});
   GenerationService generation(&generator);
-  MembershipService membership_service(&membership);
+  // With TLS, only peers whose certificate chains to the cluster CA may join or act as members;
+  // public clients share the port without one.
+  MembershipService membership_service(
+      &membership, MembershipService::Options{.require_member_certificate = security->enabled()});
   // The OpenAI-compatible HTTP API, in this process over the same Generator as the gRPC API.
   std::unique_ptr<OpenAiHttpServer> http_server;
   if (!config.http_listen.empty()) {
@@ -95,7 +107,12 @@ int Serve(const ControllerConfig& config) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  if (absl::Status s =
+          ConfigureServer(&builder, config.listen, *security, ClientCertificates::kOptional, &port);
+      !s.ok()) {
+    std::cerr << "kvr-controller: " << s.message() << "\n";
+    return 2;
+  }
   builder.RegisterService(&generation);
   builder.RegisterService(&membership_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

@@ -154,7 +154,8 @@ absl::Status ParseSampling(Endpoint endpoint, Fields& f, kvr::v1::SamplingParams
   return absl::OkStatus();
 }
 
-absl::Status ParseKvrExtension(Fields& f, kvr::v1::RetrievalParams* rp) {
+absl::Status ParseKvrExtension(Fields& f, kvr::v1::GenerateRequest* request) {
+  kvr::v1::RetrievalParams* rp = request->mutable_retrieval();
   const json* v = f.Get("kvr");
   if (v == nullptr) return absl::OkStatus();
   if (!v->is_object()) return Invalid("kvr", "expected an object");
@@ -176,6 +177,10 @@ absl::Status ParseKvrExtension(Fields& f, kvr::v1::RetrievalParams* rp) {
       (rp->*c.set)(*n);
     }
   }
+  if (const json* r = k.Get("resume_on_failure")) {
+    if (!r->is_boolean()) return Invalid("kvr.resume_on_failure", "expected a boolean");
+    request->set_resume_on_failure(r->get<bool>());
+  }
   if (const json* o = k.Get("options")) {
     if (!o->is_object()) return Invalid("kvr.options", "expected an object of strings");
     for (auto it = o->begin(); it != o->end(); ++it) {
@@ -187,7 +192,8 @@ absl::Status ParseKvrExtension(Fields& f, kvr::v1::RetrievalParams* rp) {
   }
   if (std::optional<std::string> unknown = k.FirstUnread()) {
     return Invalid(absl::StrCat("kvr.", *unknown),
-                   "unknown field; kvr takes method, budget, n_sink, local_window, options",
+                   "unknown field; kvr takes method, budget, n_sink, local_window, options, "
+                   "resume_on_failure",
                    "unknown_parameter");
   }
   return absl::OkStatus();
@@ -286,7 +292,7 @@ absl::StatusOr<ParsedRequest> ParseObject(Endpoint endpoint, const json& body) {
                                                       : ParseMessages(f, &out.request);
   if (!s.ok()) return s;
   if (s = ParseSampling(endpoint, f, out.request.mutable_sampling()); !s.ok()) return s;
-  if (s = ParseKvrExtension(f, out.request.mutable_retrieval()); !s.ok()) return s;
+  if (s = ParseKvrExtension(f, &out.request); !s.ok()) return s;
 
   if (const json* v = f.Get("stream")) {
     if (!v->is_boolean()) return Invalid("stream", "expected a boolean");

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <variant>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -55,12 +56,49 @@ absl::Status RequestRunner::Run(const GenerateParams& params, absl::Time arrival
   std::optional<FinalReport> report;
   std::optional<GenerateParams> tokenized;
   absl::Status status = TokenizeFirst(params, deadline, &tokenized);
+  const GenerateParams& run_params = tokenized ? *tokenized : params;
+  Progress progress;
   if (status.ok()) {
-    status = RunAttempts(tokenized ? *tokenized : params, arrival, deadline, cancel, sink,
-                         observer, report);
+    status = RunAttempts(run_params, arrival, deadline, cancel, sink, observer, progress, report);
+  }
+  for (uint32_t resumes = 0;
+       !status.ok() && progress.failed_after_tokens && params.resume_on_failure; ++resumes) {
+    if (!std::holds_alternative<std::vector<uint32_t>>(run_params.prompt)) {
+      status = absl::Status(status.code(), absl::StrCat(status.message(),
+                                                        "; not resumed: no prefill node "
+                                                        "tokenized the prompt for the controller"));
+      break;
+    }
+    if (resumes >= options_.max_attempts) {
+      status = absl::Status(
+          status.code(),
+          absl::StrCat(status.message(), "; not resumed again: ", resumes, " resumes already"));
+      break;
+    }
+    spdlog::warn(
+        "request {}: resuming after {} tokens: prefilling prompt + sent tokens on "
+        "another placement",
+        params.request_id, progress.sent.size());
+    progress.failed_after_tokens = false;
+    status = RunAttempts(ResumedParams(run_params, progress), arrival, deadline, cancel, sink,
+                         observer, progress, report);
   }
   observer.OnEnd(params, status, status.ok() && report ? &*report : nullptr);
   return status;
+}
+
+GenerateParams RequestRunner::ResumedParams(const GenerateParams& params,
+                                            const Progress& progress) {
+  GenerateParams next = params;
+  std::vector<uint32_t> context = std::get<std::vector<uint32_t>>(params.prompt);
+  context.insert(context.end(), progress.sent.begin(), progress.sent.end());
+  next.prompt_tokens_bound = context.size();
+  next.prompt = std::move(context);
+  const uint32_t sent = static_cast<uint32_t>(progress.sent.size());
+  // Validation keeps prompt + max_tokens inside the context, so this one fits as well.
+  next.sampling.max_tokens =
+      params.sampling.max_tokens > sent ? params.sampling.max_tokens - sent : 0;
+  return next;
 }
 
 absl::Status RequestRunner::TokenizeFirst(const GenerateParams& params, absl::Time deadline,
@@ -115,10 +153,13 @@ absl::StatusCode GiveUpCode(const absl::Status& last_failure) {
 absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time arrival,
                                         absl::Time deadline, CancellationToken* cancel,
                                         ResponseSink* sink, RequestObserver& observer,
+                                        Progress& progress,
                                         std::optional<FinalReport>& final_report) {
   RequestStateMachine state(options_.max_attempts);
-  absl::flat_hash_set<std::string> excluded;
+  absl::flat_hash_set<std::string>& excluded = progress.excluded;
   absl::Status last_failure;
+  // A resumed run continues a stream: its first token is the client's next one.
+  const bool resumed = !progress.sent.empty();
 
   while (true) {
     if (cancel->IsCancelled()) {
@@ -132,6 +173,23 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
           last_failure.ok() ? "" : absl::StrCat(" (last failure: ", last_failure.message(), ")")));
     }
     if (absl::Status s = state.BeginAttempt(); !s.ok()) return s;
+    if (resumed && params.sampling.max_tokens == 0) {
+      // The node died after the last token the request may have: what it owed is the end.
+      FinalReport report;
+      report.queue = progress.queue;
+      report.time_to_first_token = progress.time_to_first_token;
+      report.attempts = progress.attempts;
+      report.completion.finish_reason = FinishReason::kLength;
+      report.completion.prompt_tokens = progress.prompt_tokens;
+      report.completion.completion_tokens = static_cast<uint32_t>(progress.sent.size());
+      GenerateEvent last;
+      last.prompt_tokens = progress.prompt_tokens;
+      last.completion_tokens = report.completion.completion_tokens;
+      last.final = report;
+      final_report = std::move(report);
+      state.Finish();
+      return sink->Send(last);
+    }
 
     PlacementRequest preq{params.model, params.retrieval.method, params.prompt_tokens_bound,
                           params.sampling.max_tokens, excluded};
@@ -216,25 +274,35 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
                                        " attempts: ", last_failure.message()));
     }
 
-    // First token: from here on the request cannot be retried.
+    // First token: from here on the run cannot be retried (only resumed).
     const PrefillResult& first = *prefilled;
     const absl::Time first_token_time = clock_->Now();
+    if (!resumed) {
+      progress.prompt_tokens = first.prompt_tokens;
+      progress.queue = prefill_start - arrival;
+      progress.time_to_first_token = first_token_time - arrival;
+    }
     FinalReport report;
-    report.queue = prefill_start - arrival;
-    report.time_to_first_token = first_token_time - arrival;
+    report.queue = progress.queue;
+    report.time_to_first_token = progress.time_to_first_token;
     report.prefill = first.prefill_time;
     report.prefill_node = where.prefill.id;
     report.decode_node = where.decode.id;
     report.store_node = where.store.id;
-    report.attempts = state.attempts();
+    report.attempts = progress.attempts + state.attempts();
 
     GenerateEvent event;
     event.chunk.token_ids = {first.first_token};
     event.chunk.text = first.first_text;
-    event.prompt_tokens = first.prompt_tokens;
-    event.completion_tokens = 1;
+    progress.sent.push_back(first.first_token);
+    event.prompt_tokens = progress.prompt_tokens;
+    event.completion_tokens = static_cast<uint32_t>(progress.sent.size());
     (void)state.OnTokensSent(1);
-    observer.OnFirstToken(params, report.queue, report.time_to_first_token);
+    if (resumed) {
+      observer.OnTokens(params, 1);
+    } else {
+      observer.OnFirstToken(params, report.queue, report.time_to_first_token);
+    }
     if (absl::Status s = sink->Send(event); !s.ok()) {
       state.Cancel();
       CancelDownstream(nullptr, &where.decode, params, sequence_id, "client disconnected");
@@ -244,13 +312,13 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
     if (first.finish_reason != FinishReason::kUnspecified) {
       report.completion.finish_reason = first.finish_reason;
       report.completion.matched_stop = first.matched_stop;
-      report.completion.prompt_tokens = first.prompt_tokens;
-      report.completion.completion_tokens = 1;
+      report.completion.prompt_tokens = progress.prompt_tokens;
+      report.completion.completion_tokens = static_cast<uint32_t>(progress.sent.size());
       report.completion.retrieval.bytes_shipped = first.kv_bytes_shipped;
       report.decode = clock_->Now() - first_token_time;
       GenerateEvent last;
-      last.prompt_tokens = first.prompt_tokens;
-      last.completion_tokens = 1;
+      last.prompt_tokens = progress.prompt_tokens;
+      last.completion_tokens = report.completion.completion_tokens;
       last.final = report;
       final_report = std::move(report);
       state.Finish();
@@ -264,8 +332,10 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
                           GenerateEvent e;
                           e.chunk = chunk;
                           (void)state.OnTokensSent(static_cast<uint32_t>(chunk.token_ids.size()));
-                          e.completion_tokens = state.tokens_sent();
-                          e.prompt_tokens = first.prompt_tokens;
+                          progress.sent.insert(progress.sent.end(), chunk.token_ids.begin(),
+                                               chunk.token_ids.end());
+                          e.completion_tokens = static_cast<uint32_t>(progress.sent.size());
+                          e.prompt_tokens = progress.prompt_tokens;
                           observer.OnTokens(params, static_cast<uint32_t>(chunk.token_ids.size()));
                           sink_status = sink->Send(e);
                           return sink_status;
@@ -288,6 +358,9 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       // D names the node that failed when it is not itself (its store died under the
       // sequence): that one leaves the cluster, and D, which is fine, stays.
       const std::string failed = FailedNodeOf(err).value_or(where.decode.id);
+      excluded.insert(failed);
+      progress.failed_after_tokens = IsNodeFailure(err);
+      progress.attempts += state.attempts();
       observer.OnNodeFailure(params, failed, err);
       if (absl::IsUnavailable(err)) membership_->MarkFailed(failed);
       CancelDownstream(nullptr, &where.decode, params, sequence_id, "decode failed");
@@ -295,24 +368,29 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
           failed == where.decode.id
               ? absl::StrCat("decode node ", where.decode.id, " (",
                              where.decode.registration.endpoints.grpc_address, ") failed after ",
-                             state.tokens_sent(),
+                             progress.sent.size(),
                              " tokens were streamed; not retried because tokens were already "
                              "sent: ",
                              err.message())
               : absl::StrCat("node ", failed, " failed while decode node ", where.decode.id,
-                             " streamed; not retried because ", state.tokens_sent(),
+                             " streamed; not retried because ", progress.sent.size(),
                              " tokens were already sent: ", err.message());
       spdlog::warn("request {}: {}", params.request_id, message);
       return absl::UnavailableError(message);
     }
 
     report.completion = *done;
-    if (report.completion.prompt_tokens == 0) report.completion.prompt_tokens = first.prompt_tokens;
+    // The client's prompt: a resumed run's prompt also holds the tokens sent before it.
+    if (resumed || report.completion.prompt_tokens == 0) {
+      report.completion.prompt_tokens = progress.prompt_tokens;
+    }
     report.completion.retrieval.bytes_shipped += first.kv_bytes_shipped;
     report.decode = clock_->Now() - first_token_time;
     GenerateEvent last;
     last.prompt_tokens = report.completion.prompt_tokens;
-    last.completion_tokens = std::max(report.completion.completion_tokens, state.tokens_sent());
+    const uint32_t sent_before = static_cast<uint32_t>(progress.sent.size()) - state.tokens_sent();
+    last.completion_tokens = std::max(sent_before + report.completion.completion_tokens,
+                                      static_cast<uint32_t>(progress.sent.size()));
     report.completion.completion_tokens = last.completion_tokens;
     last.final = report;
     final_report = std::move(report);

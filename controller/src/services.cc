@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvr/common/grpc_server.h"
+#include "kvr/common/tls.h"
 #include "kvr/controller/ids.h"
 #include "proto_convert.h"
 #include "spdlog/spdlog.h"
@@ -17,8 +19,20 @@ namespace kvr::controller {
 namespace cv1 = ::kvr::cluster::v1;
 namespace v1 = ::kvr::v1;
 
-grpc::Status MembershipService::Register(grpc::ServerContext*, const cv1::RegisterRequest* request,
+grpc::Status MembershipService::CheckMember(const grpc::ServerContext& context) const {
+  if (!options_.require_member_certificate || PeerHasClusterCertificate(context)) {
+    return grpc::Status::OK;
+  }
+  spdlog::warn("membership call from {} refused: no certificate of the cluster CA", context.peer());
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      "membership: the peer presented no certificate of the cluster CA (a node "
+                      "needs --tls-ca, --tls-cert and --tls-key)");
+}
+
+grpc::Status MembershipService::Register(grpc::ServerContext* context,
+                                         const cv1::RegisterRequest* request,
                                          cv1::RegisterResponse* response) {
+  if (grpc::Status s = CheckMember(*context); !s.ok()) return s;
   if (request->protocol_version() != kClusterProtocolVersion) {
     return grpc::Status(
         grpc::StatusCode::FAILED_PRECONDITION,
@@ -47,9 +61,10 @@ grpc::Status MembershipService::Register(grpc::ServerContext*, const cv1::Regist
   return grpc::Status::OK;
 }
 
-grpc::Status MembershipService::Heartbeat(grpc::ServerContext*,
+grpc::Status MembershipService::Heartbeat(grpc::ServerContext* context,
                                           const cv1::HeartbeatRequest* request,
                                           cv1::HeartbeatResponse* response) {
+  if (grpc::Status s = CheckMember(*context); !s.ok()) return s;
   absl::StatusOr<absl::Time> expiry =
       membership_->Heartbeat(request->node_id(), FromProto(request->load()));
   if (!expiry.ok()) return ToGrpcStatus(expiry.status());
@@ -59,9 +74,10 @@ grpc::Status MembershipService::Heartbeat(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status MembershipService::Deregister(grpc::ServerContext*,
+grpc::Status MembershipService::Deregister(grpc::ServerContext* context,
                                            const cv1::DeregisterRequest* request,
                                            cv1::DeregisterResponse*) {
+  if (grpc::Status s = CheckMember(*context); !s.ok()) return s;
   absl::Status s = membership_->Deregister(request->node_id());
   if (s.ok()) spdlog::info("node {} deregistered", request->node_id());
   return ToGrpcStatus(s);
@@ -149,13 +165,9 @@ class WriterSink final : public ResponseSink {
 };
 
 // The answer to a request message that did not decode (Read failed: the bytes are not the
-// message, or the client sent none).
-grpc::Status Undecodable(absl::string_view message) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                      absl::StrCat("request: not a valid ", message,
-                                   " (undecodable protobuf, a string field that is not UTF-8, "
-                                   "or no request message)"));
-}
+// message, or the client sent none); the same words as every other kvr server's
+// (kvr/common/grpc_server.h).
+grpc::Status Undecodable(absl::string_view message) { return UndecodableRequestStatus(message); }
 
 }  // namespace
 

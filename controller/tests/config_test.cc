@@ -38,6 +38,17 @@ TEST_F(ConfigTest, DefaultsWhenNothingIsSet) {
   EXPECT_EQ(c->defaults.method, "full");
 }
 
+TEST_F(ConfigTest, TlsFilesFromFlagsFileAndEnvironment) {
+  env_["KVR_TLS_CA"] = "/etc/kvr/ca.pem";
+  auto c = Resolve({{"tls_cert", "/etc/kvr/controller.pem"}},
+                   WriteFile("tls_key: /etc/kvr/controller-key.pem\n"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->tls.ca_file, "/etc/kvr/ca.pem");
+  EXPECT_EQ(c->tls.cert_file, "/etc/kvr/controller.pem");
+  EXPECT_EQ(c->tls.key_file, "/etc/kvr/controller-key.pem");
+  EXPECT_THAT(FormatConfig(*c), HasSubstr("tls_ca: /etc/kvr/ca.pem"));
+}
+
 TEST_F(ConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
   env_ = {{"KVR_LISTEN", "env:1"},
           {"KVR_MAX_ATTEMPTS", "5"},

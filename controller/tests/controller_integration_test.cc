@@ -7,7 +7,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <future>
 #include <memory>
 #include <optional>
@@ -19,6 +22,9 @@
 #include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/cert_authority.h"
+#include "kvr/common/tls.h"
 #include "kvr/v1/generation.grpc.pb.h"
 #include "subprocess.h"
 
@@ -228,6 +234,14 @@ TEST(ControllerIntegrationTest, UndecodableRequestsAreInvalidArgumentWithAMessag
     const grpc::Status s = call(method, garbage);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
     EXPECT_THAT(s.error_message(), HasSubstr("not a valid")) << method;
+  }
+  // The internal Membership service answers the same way (the interceptor every kvr server
+  // installs), naming the method.
+  for (const char* method :
+       {"/kvr.cluster.v1.Membership/Register", "/kvr.cluster.v1.Membership/Heartbeat"}) {
+    const grpc::Status s = call(method, garbage);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_THAT(s.error_message(), HasSubstr(method));
   }
   // A well-formed ListModels through the same raw path still answers.
   EXPECT_TRUE(call("/kvr.v1.Generation/ListModels", "").ok());
@@ -499,6 +513,112 @@ TEST(ControllerIntegrationTest, ControllerRestartServesOnceNodesReturn) {
     absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_EQ(Health(c, "kvr.ready"), HS::SERVING);
+}
+
+// A controller with TLS (a CA made here) admits as a member only a peer that presents a
+// certificate of that CA. A "rogue node" without one cannot Register, nor Heartbeat or
+// Deregister a real member's id; one with a certificate of another CA does not get past the
+// handshake; a plaintext one neither. Public clients share the port with the CA alone.
+TEST(ControllerIntegrationTest, RogueNodeWithoutAClusterCertificateCannotJoin) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-rogue-", getpid());
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("cluster CA", absl::Hours(1));
+  absl::StatusOr<PemCertificate> other = GenerateCertificateAuthority("rogue CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok() && other.ok());
+  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
+  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  auto issue = [&](const PemCertificate& by, const std::string& name) {
+    absl::StatusOr<PemCertificate> cert =
+        IssueCertificate(by, name, {"127.0.0.1", "localhost"}, absl::Hours(1));
+    EXPECT_TRUE(cert.ok()) << cert.status();
+    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *cert, ca_file);
+    EXPECT_TRUE(files.ok()) << files.status();
+    return *files;
+  };
+  const TlsConfig controller_tls = issue(*ca, "controller");
+  const TlsConfig member_tls = issue(*ca, "member");
+  const TlsConfig rogue_ca_tls = issue(*other, "rogue");
+  Subprocess controller({KVR_CONTROLLER_BIN, "--listen", "127.0.0.1:0", "--tls-ca", ca_file,
+                         "--tls-cert", controller_tls.cert_file, "--tls-key",
+                         controller_tls.key_file});
+  const std::string line = controller.WaitForLine("kvr-controller listening on ");
+  ASSERT_FALSE(line.empty());
+  const std::string address = line.substr(line.rfind(' ') + 1);
+
+  auto stub = [&](const TlsConfig& tls) {
+    absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
+    EXPECT_TRUE(security.ok()) << security.status();
+    return kvr::cluster::v1::Membership::NewStub(security->CreateChannel(address));
+  };
+  kvr::cluster::v1::RegisterRequest registration;
+  registration.set_role(kvr::cluster::v1::NODE_ROLE_PREFILL);
+  registration.set_protocol_version(1);
+  registration.set_name("rogue");
+  registration.mutable_endpoints()->set_grpc_address("127.0.0.1:1");
+  kvr::cluster::v1::ModelInfo* model = registration.mutable_capacity()->add_models();
+  model->set_name("smollm2");
+  model->set_context_length(2048);
+  model->set_kv_bytes_per_token(1000);
+  auto register_with = [&](const TlsConfig& tls, kvr::cluster::v1::RegisterResponse* response) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    return stub(tls)->Register(&ctx, registration, response);
+  };
+
+  kvr::cluster::v1::RegisterResponse response;
+  const grpc::Status no_certificate = register_with(TlsConfig{.ca_file = ca_file}, &response);
+  EXPECT_EQ(no_certificate.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+      << no_certificate.error_message();
+  EXPECT_THAT(no_certificate.error_message(), HasSubstr("certificate of the cluster CA"));
+  const grpc::Status other_ca = register_with(rogue_ca_tls, &response);
+  EXPECT_EQ(other_ca.error_code(), grpc::StatusCode::UNAVAILABLE) << other_ca.error_message();
+  const grpc::Status plaintext = register_with(TlsConfig{}, &response);
+  EXPECT_EQ(plaintext.error_code(), grpc::StatusCode::UNAVAILABLE) << plaintext.error_message();
+
+  // A real member joins; the rogue can neither renew nor remove it.
+  const grpc::Status member = register_with(member_tls, &response);
+  ASSERT_TRUE(member.ok()) << member.error_message();
+  const std::string member_id = response.node_id();
+  // And a decode node beside it, so that the model is served (ListModels below).
+  registration.set_role(kvr::cluster::v1::NODE_ROLE_DECODE);
+  registration.mutable_endpoints()->set_grpc_address("127.0.0.1:2");
+  registration.mutable_capacity()->set_batch_slots(4);
+  registration.mutable_capacity()->set_memory_bytes(1 << 30);
+  kvr::cluster::v1::RetrievalMethodInfo* method = model->add_retrieval_methods();
+  method->set_name("full");
+  method->set_summary_bytes_per_token(1);
+  const grpc::Status decode_member = register_with(member_tls, &response);
+  ASSERT_TRUE(decode_member.ok()) << decode_member.error_message();
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    kvr::cluster::v1::DeregisterRequest request;
+    request.set_node_id(member_id);
+    kvr::cluster::v1::DeregisterResponse ignored;
+    EXPECT_EQ(stub(TlsConfig{.ca_file = ca_file})->Deregister(&ctx, request, &ignored).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    kvr::cluster::v1::HeartbeatRequest request;
+    request.set_node_id(member_id);
+    kvr::cluster::v1::HeartbeatResponse ignored;
+    EXPECT_EQ(stub(TlsConfig{.ca_file = ca_file})->Heartbeat(&ctx, request, &ignored).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // The public API answers a client that has the CA and no certificate; the members are still
+  // there (one prefill node of smollm2: the rogue's registrations never counted).
+  absl::StatusOr<GrpcSecurity> public_client = GrpcSecurity::Load({.ca_file = ca_file});
+  ASSERT_TRUE(public_client.ok());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  kvr::v1::ListModelsResponse models;
+  const grpc::Status listed = kvr::v1::Generation::NewStub(public_client->CreateChannel(address))
+                                  ->ListModels(&ctx, {}, &models);
+  ASSERT_TRUE(listed.ok()) << listed.error_message();
+  ASSERT_EQ(models.models_size(), 1);
+  EXPECT_EQ(models.models(0).prefill_nodes(), 1u);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -59,6 +59,7 @@ TEST(OpenAiParse, CompletionsMapsSamplingAndRetrieval) {
                                                    {"budget", 256},
                                                    {"n_sink", 4},
                                                    {"local_window", 32},
+                                                   {"resume_on_failure", true},
                                                    {"options", {{"page", "16"}}}}}}));
   ASSERT_TRUE(r.ok()) << r.status();
   const kvr::v1::GenerateRequest& g = r->request;
@@ -76,6 +77,7 @@ TEST(OpenAiParse, CompletionsMapsSamplingAndRetrieval) {
   EXPECT_EQ(g.retrieval().n_sink(), 4u);
   EXPECT_EQ(g.retrieval().local_window(), 32u);
   EXPECT_EQ(g.retrieval().options().at("page"), "16");
+  EXPECT_TRUE(g.resume_on_failure());
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
 }
@@ -215,6 +217,8 @@ TEST(OpenAiParse, RefusesUnknownAndMalformed) {
   EXPECT_EQ(e.param, "kvr.budgett");
   e = Refusal(Endpoint::kCompletions, Completions({{"kvr", {{"budget", "many"}}}}));
   EXPECT_EQ(e.param, "kvr.budget");
+  e = Refusal(Endpoint::kCompletions, Completions({{"kvr", {{"resume_on_failure", 1}}}}));
+  EXPECT_EQ(e.param, "kvr.resume_on_failure");
   e = Refusal(Endpoint::kCompletions, Completions({{"stream_options", {{"include_usage", true}}}}));
   EXPECT_EQ(e.param, "stream_options");
   e = Refusal(Endpoint::kCompletions, Completions({{"max_tokens", "ten"}}));

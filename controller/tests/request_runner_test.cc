@@ -425,6 +425,195 @@ TEST_F(RequestRunnerTest, StoreDeathNamedByDecodeDropsTheStoreNotTheDecodeNode) 
   EXPECT_FALSE(membership_.Find(s1_).has_value());
 }
 
+// A deterministic "model" for resume tests: the next token is a function of the whole context
+// (prompt and every token before it), so a run that loses or repeats a token, or continues
+// from a wrong context, produces other tokens from there on.
+uint32_t NextToken(const std::vector<uint32_t>& context) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint32_t t : context) h = (h ^ t) * 1099511628211ull;
+  return 200 + static_cast<uint32_t>(h % 1000);
+}
+
+// Prefill and decode over NextToken: prefill answers the prompt's next token and hands the
+// sequence (its context and tokens left) to decode, which streams the rest one token per
+// chunk. `die_after[node]` chunks into a sequence, that decode node dies (UNAVAILABLE; with
+// `store_dies`, naming the sequence's store as the node that failed); `deaths_left` deaths in
+// all.
+class ContextModel final : public DecodeClient {
+ public:
+  absl::StatusOr<PrefillResult> Prefill(const PrefillCall& call) {
+    const std::vector<uint32_t> prompt = std::get<std::vector<uint32_t>>(call.params->prompt);
+    prompts.push_back(prompt);
+    max_tokens.push_back(call.params->sampling.max_tokens);
+    Sequence& seq = sequences[call.sequence_id];
+    seq.context = prompt;
+    seq.store = call.store.id;
+    PrefillResult r;
+    r.prompt_tokens = static_cast<uint32_t>(prompt.size());
+    r.first_token = NextToken(seq.context);
+    seq.context.push_back(r.first_token);
+    seq.left = call.params->sampling.max_tokens - 1;
+    if (seq.left == 0) r.finish_reason = FinishReason::kLength;
+    return r;
+  }
+  absl::StatusOr<Completion> Stream(
+      const NodeSnapshot& node, absl::string_view, uint64_t seq_id, absl::Time, CancellationToken*,
+      absl::FunctionRef<absl::Status(const TokenChunk&)> on_chunk) override {
+    decode_nodes.push_back(node.id);
+    Sequence& seq = sequences.at(seq_id);
+    const uint32_t n = seq.left;
+    for (uint32_t i = 0; i <= n; ++i) {
+      if (auto it = die_after.find(node.id);
+          it != die_after.end() && it->second == i && deaths_left > 0) {
+        die_after.erase(it);
+        --deaths_left;
+        absl::Status died = absl::UnavailableError("Socket closed");
+        if (store_dies) {
+          died = absl::UnavailableError("its KV store failed");
+          died.SetPayload(kFailedNodePayloadUrl, absl::Cord(seq.store));
+          dead_stores.push_back(seq.store);
+        }
+        return died;
+      }
+      if (i == n) break;
+      const uint32_t t = NextToken(seq.context);
+      seq.context.push_back(t);
+      --seq.left;
+      if (absl::Status s = on_chunk(TokenChunk{{t}, ""}); !s.ok()) return s;
+    }
+    Completion done;
+    done.finish_reason = FinishReason::kLength;
+    done.prompt_tokens = 0;
+    done.completion_tokens = n + 1;
+    return done;
+  }
+  absl::Status Cancel(const NodeSnapshot&, absl::string_view, uint64_t, absl::string_view,
+                      absl::Time) override {
+    return absl::OkStatus();
+  }
+
+  struct Sequence {
+    std::vector<uint32_t> context;
+    uint32_t left = 0;
+    std::string store;
+  };
+  std::map<uint64_t, Sequence> sequences;
+  std::map<std::string, uint32_t> die_after;
+  bool store_dies = false;
+  int deaths_left = 1;
+  std::vector<std::string> dead_stores;
+  std::vector<std::vector<uint32_t>> prompts;
+  std::vector<uint32_t> max_tokens;
+  std::vector<std::string> decode_nodes;
+};
+
+class ResumeTest : public RequestRunnerTest {
+ protected:
+  ResumeTest() {
+    for (const std::string& p : {p1_, p2_}) {
+      prefill_.behavior[p] = [this](const PrefillCall& call) { return model_.Prefill(call); };
+    }
+    params_.prompt = std::vector<uint32_t>{11, 12, 13};
+    params_.prompt_tokens_bound = 3;
+    params_.sampling.max_tokens = 8;
+  }
+  // A run on a fresh sink; returns its status.
+  absl::Status RunOn(RecordingSink* sink) {
+    return runner_.Run(params_, clock_.Now(), deadline_, &cancel_, sink);
+  }
+  ContextModel model_;
+  RequestRunner runner_{&membership_, &placement_, &prefill_,
+                        &model_,      &clock_,     RunnerOptions{.max_attempts = 3}};
+};
+
+// The decode node dies after 3 of its tokens (4 streamed with the first): with
+// resume_on_failure the stream goes on from another placement and equals the fault-free run
+// token for token; usage counts the client's prompt and every token once.
+TEST_F(ResumeTest, DecodeDeathMidStreamResumesWithoutRepeatingOrLosingTokens) {
+  params_.resume_on_failure = true;
+  RecordingSink reference;
+  ASSERT_TRUE(RunOn(&reference).ok());
+  const std::vector<uint32_t> expected = reference.Tokens();
+  ASSERT_EQ(expected.size(), 8u);
+
+  model_ = ContextModel();
+  model_.die_after[d1_] = 3;  // whichever the request is placed on; one death in all
+  model_.die_after[d2_] = 3;
+  RecordingSink resumed;
+  const absl::Status s = RunOn(&resumed);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resumed.Tokens(), expected);
+  // The second prefill got prompt + the 4 tokens sent, and 4 tokens to go, away from the
+  // dead node.
+  ASSERT_EQ(model_.prompts.size(), 2u);
+  std::vector<uint32_t> context = {11, 12, 13};
+  context.insert(context.end(), expected.begin(), expected.begin() + 4);
+  EXPECT_EQ(model_.prompts[1], context);
+  EXPECT_EQ(model_.max_tokens[1], 4u);
+  ASSERT_EQ(model_.decode_nodes.size(), 2u);
+  const std::string dead = model_.decode_nodes[0];
+  EXPECT_NE(model_.decode_nodes[1], dead);
+  EXPECT_FALSE(membership_.Find(dead).has_value()) << "the dead decode node left the cluster";
+  uint32_t counted = 0;
+  for (const GenerateEvent& e : resumed.events) {
+    counted += static_cast<uint32_t>(e.chunk.token_ids.size());
+    EXPECT_EQ(e.completion_tokens, counted) << "usage counts each token once, in order";
+    EXPECT_EQ(e.prompt_tokens, 3u) << "the client's prompt, not the resumed one";
+  }
+  ASSERT_TRUE(resumed.events.back().final.has_value());
+  const FinalReport& f = *resumed.events.back().final;
+  EXPECT_EQ(f.completion.completion_tokens, 8u);
+  EXPECT_EQ(f.completion.prompt_tokens, 3u);
+  EXPECT_EQ(f.completion.finish_reason, FinishReason::kLength);
+  EXPECT_EQ(f.decode_node, model_.decode_nodes[1]);
+  EXPECT_EQ(f.attempts, 2u);
+}
+
+// The store under the sequence dies (the decode node names it): resumed on the other store.
+TEST_F(ResumeTest, StoreDeathMidStreamResumesOnAnotherStore) {
+  ASSERT_TRUE(membership_.Register(Store("s:2")).ok());
+  params_.resume_on_failure = true;
+  RecordingSink reference;
+  ASSERT_TRUE(RunOn(&reference).ok());
+  model_ = ContextModel();
+  model_.die_after[d1_] = 2;
+  model_.die_after[d2_] = 2;
+  model_.store_dies = true;
+  RecordingSink resumed;
+  const absl::Status s = RunOn(&resumed);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resumed.Tokens(), reference.Tokens());
+  ASSERT_EQ(model_.dead_stores.size(), 1u) << "one death: the resume went to the other store";
+  EXPECT_FALSE(membership_.Find(model_.dead_stores[0]).has_value());
+  ASSERT_TRUE(resumed.events.back().final.has_value());
+  EXPECT_NE(resumed.events.back().final->store_node, model_.dead_stores[0]);
+}
+
+// Without the flag the stream ends UNAVAILABLE after the tokens it sent, as before.
+TEST_F(ResumeTest, WithoutTheFlagADeathMidStreamEndsTheRequest) {
+  model_.die_after[d1_] = 3;
+  model_.die_after[d2_] = 3;
+  RecordingSink sink;
+  const absl::Status s = RunOn(&sink);
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_EQ(sink.Tokens().size(), 4u);
+  EXPECT_EQ(model_.prompts.size(), 1u);
+}
+
+// A node dying right after the last token the request may have: the resume sends the end.
+TEST_F(ResumeTest, DeathAfterTheLastTokenFinishesTheStream) {
+  params_.resume_on_failure = true;
+  model_.die_after[d1_] = 7;  // all 8 tokens were sent, then the stream failed
+  model_.die_after[d2_] = 7;
+  RecordingSink sink;
+  const absl::Status s = RunOn(&sink);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(sink.Tokens().size(), 8u);
+  EXPECT_EQ(model_.prompts.size(), 1u) << "nothing left to prefill";
+  ASSERT_TRUE(sink.events.back().final.has_value());
+  EXPECT_EQ(sink.events.back().final->completion.completion_tokens, 8u);
+}
+
 TEST_F(RequestRunnerTest, OnlyUnreachableNodesLeaveTheCluster) {
   prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
     return absl::ResourceExhaustedError("prefill queue full");

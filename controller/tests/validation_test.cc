@@ -49,6 +49,7 @@ TEST_F(ValidationTest, AppliesDefaults) {
   EXPECT_EQ(p->retrieval.budget, 64u);
   EXPECT_EQ(p->retrieval.n_sink, 4u);
   EXPECT_EQ(p->retrieval.local_window, 8u);
+  EXPECT_FALSE(p->resume_on_failure);
 }
 
 TEST_F(ValidationTest, KeepsExplicitValues) {
@@ -63,6 +64,7 @@ TEST_F(ValidationTest, KeepsExplicitValues) {
   r.mutable_retrieval()->set_budget(7);
   (*r.mutable_retrieval()->mutable_options())["n_clusters"] = "40";
   r.set_request_id("my-req.1");
+  r.set_resume_on_failure(true);
   auto p = Parse(r);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(std::get<std::vector<uint32_t>>(p->prompt), (std::vector<uint32_t>{1, 2}));
@@ -73,6 +75,7 @@ TEST_F(ValidationTest, KeepsExplicitValues) {
   EXPECT_EQ(p->retrieval.budget, 7u);
   EXPECT_EQ(p->retrieval.options.at("n_clusters"), "40");
   EXPECT_EQ(p->request_id, "my-req.1");
+  EXPECT_TRUE(p->resume_on_failure);
 }
 
 TEST_F(ValidationTest, UnknownModel) {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kvr/common/byte_size.h"
+#include "kvr/common/tls.h"
 
 namespace kvr::decode {
 namespace {
@@ -182,7 +183,10 @@ const std::vector<DecodeConfigField>& DecodeConfigFields() {
        },
        [](const DecodeConfig& c) { return c.log_level; }},
   };
-  return *fields;
+  // Every binary's TLS settings, the same three (kvr/common/tls.h).
+  static const std::vector<DecodeConfigField>* const with_tls =
+      AppendTlsSettingFields(new std::vector<DecodeConfigField>(*fields), &DecodeConfig::tls);
+  return *with_tls;
 }
 
 absl::StatusOr<DecodeConfig> ResolveDecodeConfig(

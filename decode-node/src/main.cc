@@ -23,9 +23,11 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/common/version.h"
+#include "kvr/common/tls.h"
 #include "kvr/decode/config.h"
 #include "kvr/decode/cuda_backend.h"
 #include "kvr/decode/engine.h"
@@ -132,10 +134,18 @@ int Serve(const DecodeConfig& config) {
     return 2;
   }
 
+  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(config.tls);
+  if (!security.ok()) {
+    std::cerr << "kvr-decode: " << security.status().message() << "\n";
+    return 2;
+  }
+  spdlog::info("gRPC: {}", security->Describe());
   StoreClients stores(
-      [](const std::string& address) -> absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> {
+      [security = *security](
+          const std::string& address) -> absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> {
         kv_store::UcxClientOptions options;
         options.name = "kvr-decode";
+        options.security = security;
         // A handoff naming a store that just died must not wait for it to come back.
         options.connect_timeout = absl::Seconds(2);
         auto client = kv_store::UcxKvStoreClient::Connect(address, options);
@@ -195,7 +205,12 @@ int Serve(const DecodeConfig& config) {
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(-1);  // handoffs of long prompts carry many summary bytes
   int port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  if (absl::Status s =
+          ConfigureServer(&builder, config.listen, *security, ClientCertificates::kRequired, &port);
+      !s.ok()) {
+    std::cerr << "kvr-decode: " << s.message() << "\n";
+    return 2;
+  }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
@@ -242,6 +257,7 @@ int Serve(const DecodeConfig& config) {
   // unreachable) on the client's thread; Stop() deregisters.
   kvr::node::MembershipClient::Options membership_options;
   membership_options.controller = config.controller;
+  membership_options.security = *security;
   membership_options.registration = std::move(registration);
   membership_options.load = [engine = engine->get()] {
     cv1::NodeLoad load;

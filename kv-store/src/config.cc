@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "kvr/common/byte_size.h"
 #include "kvr/common/version.h"
+#include "kvr/common/tls.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvr::kv_store {
@@ -94,6 +95,9 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
        "register the page pool with UCX and hand its rkey to every client for RMA range "
        "reads (bool); the rkey reads the whole pool past every sequence capability, so only "
        "on a trusted data-plane network; off: range reads go through checked messages"},
+      {"tls_ca", kTlsCaHelp},
+      {"tls_cert", kTlsCertHelp},
+      {"tls_key", kTlsKeyHelp},
   };
   for (Field& f : fields) {
     std::string flag = "--" + f.key;
@@ -160,6 +164,9 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       config.controller = *text;
     } else if (k == "local_socket") {
       config.local_socket = *text;
+    } else if (k == "tls_ca" || k == "tls_cert" || k == "tls_key") {
+      (k == "tls_ca" ? config.tls.ca_file
+                     : (k == "tls_cert" ? config.tls.cert_file : config.tls.key_file)) = *text;
     } else if (k == "advertise_address") {
       if (!text->empty() && text->rfind(':') == std::string::npos) {
         return fail(absl::InvalidArgumentError(
@@ -216,6 +223,7 @@ StoreServerOptions StoreConfig::ToServerOptions() const {
   options.rma_reads = rma_reads;
   options.max_reply_bytes = max_reply_bytes;
   options.max_outstanding_reply_bytes = max_outstanding_reply_bytes;
+  options.tls = tls;
   return options;
 }
 
@@ -243,6 +251,9 @@ std::string StoreConfig::Describe() const {
   line("advertise_address", advertise_address.empty() ? "(from listen)" : advertise_address);
   line("local_socket", local_socket.empty() ? "(off)" : local_socket);
   line("rma_reads", rma_reads ? "true" : "false");
+  line("tls_ca", tls.ca_file.empty() ? "(off)" : tls.ca_file);
+  line("tls_cert", tls.cert_file.empty() ? "(off)" : tls.cert_file);
+  line("tls_key", tls.key_file.empty() ? "(off)" : tls.key_file);
   line("max_reply_bytes", absl::StrCat(max_reply_bytes));
   line("max_outstanding_reply_bytes", absl::StrCat(max_outstanding_reply_bytes));
   return out;

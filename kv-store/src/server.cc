@@ -10,6 +10,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "kvr/common/grpc_server.h"
 #include "kvr/common/instance_id.h"
 #include "kvr/common/metrics.h"
 #include "kvr/kv_store/metrics.h"
@@ -110,8 +111,18 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(options.tls);
+  if (!security.ok()) {
+    impl->Shutdown();
+    return security.status();
+  }
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
+  if (absl::Status s = ConfigureServer(&builder, options.listen, *security,
+                                       ClientCertificates::kRequired, &impl->port);
+      !s.ok()) {
+    impl->Shutdown();
+    return s;
+  }
   builder.RegisterService(impl->service.get());
   // Appends of a few tokens are small; this bounds what a misbehaving client can make the
   // store buffer (bulk data goes over UCX).

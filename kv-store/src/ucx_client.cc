@@ -193,8 +193,7 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   // ids, about 1 MiB); gRPC's default 4 MiB receive limit would cap the context.
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(256 << 20);
-  impl->channel =
-      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), channel_args);
+  impl->channel = impl->options.security.CreateChannel(target, channel_args);
   impl->stub = v1::KvStore::NewStub(impl->channel);
 
   grpc::ClientContext ctx;

@@ -100,5 +100,27 @@ TEST(ConfigTest, ByteSizesAreDecimalOrBinaryAsWritten) {
   EXPECT_EQ(config->capacity_bytes, 4ull << 30);
 }
 
+TEST(ConfigTest, TlsFilesFromEachSourceReachTheServerOptions) {
+  auto config = Parse({"--tls-ca", "/etc/kvr/ca.pem", "--tls-cert", "/etc/kvr/store.pem"},
+                      FakeEnv({{"KVR_STORE_TLS_KEY", "/etc/kvr/store-key.pem"}}));
+  ASSERT_TRUE(config.ok()) << config.status();
+  const StoreServerOptions options = config->ToServerOptions();
+  EXPECT_EQ(options.tls.ca_file, "/etc/kvr/ca.pem");
+  EXPECT_EQ(options.tls.cert_file, "/etc/kvr/store.pem");
+  EXPECT_EQ(options.tls.key_file, "/etc/kvr/store-key.pem");
+  EXPECT_THAT(config->Describe(), HasSubstr("tls_key: /etc/kvr/store-key.pem  # env"));
+  config = Parse({"--config", WriteYaml("tls_ca: /etc/kvr/file-ca.pem\n")}, FakeEnv({}));
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(config->tls.ca_file, "/etc/kvr/file-ca.pem");
+  // A partial configuration is refused when the server starts, naming the missing setting.
+  StoreServerOptions partial;
+  partial.store.pool = {.capacity_bytes = 1 << 20, .page_bytes = 64 << 10};
+  partial.tls.ca_file = "/etc/kvr/ca.pem";
+  partial.tls.cert_file = "/etc/kvr/store.pem";
+  auto server = StoreServer::Start(partial);
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("tls_key"));
+}
+
 }  // namespace
 }  // namespace kvr::kv_store

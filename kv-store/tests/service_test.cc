@@ -232,6 +232,43 @@ TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
   EXPECT_TRUE(absl::IsUnavailable(client.MapLocalPool().status()));
 }
 
+// Bytes that do not decode as the request message get INVALID_ARGUMENT naming the method
+// (not gRPC's bare INTERNAL), on every method, and the store keeps serving.
+TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
+  StoreServerOptions options;
+  options.store = SmallStore();
+  auto server = StoreServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()),
+                                     grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  auto call = [&](const std::string& method, const std::string& bytes) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
+      status = std::move(s);
+      done.Notify();
+    });
+    done.WaitForNotification();
+    return status;
+  };
+  const std::string garbage = "\xff\xff\xff\xff\x0f garbage";
+  for (const char* method :
+       {"/kvr.store.v1.KvStore/CreateSequence", "/kvr.store.v1.KvStore/Append",
+        "/kvr.store.v1.KvStore/Release", "/kvr.store.v1.KvStore/ReservePageTable"}) {
+    const grpc::Status s = call(method, garbage);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_NE(s.error_message().find(method), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("not a valid"), std::string::npos) << s.error_message();
+  }
+  // A well-formed (empty) Stats request still answers.
+  EXPECT_TRUE(call("/kvr.store.v1.KvStore/Stats", "").ok());
+}
+
 TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
   StoreServerOptions options;
   options.store = SmallStore();

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/tls.h"
 #include "kvr/kv_store/config.h"
 #include "kvr/kv_store/server.h"
 #include "kvr/node/membership_client.h"
@@ -20,9 +21,17 @@ namespace {
 
 // The UCX worker address and instance id, asked of our own gRPC service (GetDataPlaneInfo) so
 // that the registration carries exactly what clients are told.
-absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> OwnDataPlaneInfo(int port) {
+absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> OwnDataPlaneInfo(
+    int port, const kvr::GrpcSecurity& security, const std::string& advertised) {
+  // Dialled on loopback; with TLS the certificate is checked against the host this store
+  // advertises, which its certificate names (as every peer that dials it needs), rather than
+  // against "127.0.0.1", which an operator's certificate need not name.
+  grpc::ChannelArguments args;
+  if (security.enabled()) {
+    args.SetSslTargetNameOverride(advertised.substr(0, advertised.rfind(':')));
+  }
   auto stub = kvr::store::v1::KvStore::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+      security.CreateChannel(absl::StrCat("127.0.0.1:", port), args));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   kvr::store::v1::GetDataPlaneInfoResponse info;
@@ -76,16 +85,23 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<kvr::node::MembershipClient> membership;
   if (!config->controller.empty()) {
+    // Loaded once more (StoreServer::Start loaded it for the port): cannot fail differently.
+    absl::StatusOr<kvr::GrpcSecurity> security = kvr::GrpcSecurity::Load(config->tls);
+    if (!security.ok()) {
+      std::fprintf(stderr, "kvr-store: %s\n", std::string(security.status().message()).c_str());
+      return 1;
+    }
+    const std::string advertised = config->AdvertisedAddress((*server)->port());
     absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> info =
-        OwnDataPlaneInfo((*server)->port());
+        OwnDataPlaneInfo((*server)->port(), *security, advertised);
     if (!info.ok()) {
       std::fprintf(stderr, "kvr-store: %s\n", std::string(info.status().message()).c_str());
       return 1;
     }
     namespace cv1 = ::kvr::cluster::v1;
-    const std::string advertised = config->AdvertisedAddress((*server)->port());
     kvr::node::MembershipClient::Options o;
     o.controller = config->controller;
+    o.security = *security;
     o.registration.set_role(cv1::NODE_ROLE_STORE);
     o.registration.set_protocol_version(1);
     o.registration.set_name(absl::StrCat(config->name, "@", advertised));

@@ -23,7 +23,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const MembershipClient::Options& o) {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::max(initial_ms, 1));
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::max(initial_ms, 1));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, std::max(max_ms, 1));
-  return grpc::CreateCustomChannel(o.controller, grpc::InsecureChannelCredentials(), args);
+  return o.security.CreateChannel(o.controller, args);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/tls.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -129,7 +130,10 @@ const std::vector<PrefillConfigField>& PrefillConfigFields() {
        },
        [](const PrefillConfig& c) { return c.log_level; }},
   };
-  return *fields;
+  // Every binary's TLS settings, the same three (kvr/common/tls.h).
+  static const std::vector<PrefillConfigField>* const with_tls =
+      AppendTlsSettingFields(new std::vector<PrefillConfigField>(*fields), &PrefillConfig::tls);
+  return *with_tls;
 }
 
 absl::StatusOr<PrefillConfig> ResolvePrefillConfig(

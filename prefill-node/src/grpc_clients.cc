@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<HandoffSink>> GrpcHandoffOpener::Open(const cv1::
       // Summaries of long prompts exceed gRPC's default 4 MiB message limit on the way in;
       // outgoing messages are not limited by default, but say it for the reader.
       args.SetMaxSendMessageSize(-1);
-      c.channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+      c.channel = security_.CreateChannel(address, args);
       c.instance_id = decode.instance_id();
     }
     channel = c.channel;

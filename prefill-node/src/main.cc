@@ -20,9 +20,11 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/common/version.h"
+#include "kvr/common/tls.h"
 #include "kvr/model/loader.h"
 #include "kvr/node/membership_client.h"
 #include "kvr/prefill_node/config.h"
@@ -195,13 +197,20 @@ int Serve(const PrefillConfig& config) {
                served, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length,
                (*backend)->name());
 
+  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(config.tls);
+  if (!security.ok()) {
+    std::cerr << "kvr-prefill: " << security.status().message() << "\n";
+    return 2;
+  }
+  spdlog::info("gRPC: {}", security->Describe());
   kv_store::UcxClientOptions store_options;
+  store_options.security = *security;
   store_options.timeout = absl::Seconds(config.store_timeout_seconds);
   store_options.name = "kvr-prefill";
   // A request placed on a store that just died must not wait for it to come back.
   store_options.connect_timeout = absl::Seconds(2);
   UcxStoreClients stores(store_options);
-  GrpcHandoffOpener handoff;
+  GrpcHandoffOpener handoff(*security);
   // Metrics: declared before the engine, which reports to them.
   const std::string listen_host = config.listen.substr(0, config.listen.rfind(':'));
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
@@ -231,7 +240,12 @@ int Serve(const PrefillConfig& config) {
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(-1);  // token-id prompts of long contexts
   int port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  if (absl::Status s =
+          ConfigureServer(&builder, config.listen, *security, ClientCertificates::kRequired, &port);
+      !s.ok()) {
+    std::cerr << "kvr-prefill: " << s.message() << "\n";
+    return 2;
+  }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
@@ -267,6 +281,7 @@ int Serve(const PrefillConfig& config) {
   // unreachable) on the client's thread; Stop() deregisters.
   kvr::node::MembershipClient::Options membership_options;
   membership_options.controller = config.controller;
+  membership_options.security = *security;
   membership_options.registration = std::move(registration);
   membership_options.load = [&engine] {
     cv1::NodeLoad load;

@@ -117,7 +117,9 @@ case "${1:-}" in
       for _ in $(seq 1 100); do pgrep -f "$kStage/bin/" > /dev/null || break; sleep 0.1; done
     }
     generate() {  # PORT METHOD PASSKEY_TOKENS LOGFILE
-      "$kStage/bin/kvr" generate --endpoint "127.0.0.1:$1" --model smollm2 --chat --passkey "$3" \
+      # The cluster's CA is in its log directory, where the output file goes.
+      "$kStage/bin/kvr" generate --endpoint "127.0.0.1:$1" --tls-ca "$(dirname "$4")/tls/ca.pem" \
+        --model smollm2 --chat --passkey "$3" \
         --passkey-seed 7 --max-tokens 48 --method "$2" --budget 256 --n-sink 16 \
         --local-window 256 2>&1 | tee "$4"
       return "${PIPESTATUS[0]}"

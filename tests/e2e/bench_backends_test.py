@@ -58,7 +58,8 @@ def main():
         try:
             http = bench(args.kvr, ["--backend", "openai-chat", "--base-url", cluster.base_url],
                          os.path.join(tmp, "http.json"))
-            grpc = bench(args.kvr, ["--backend", "kvr-grpc", "--chat", "--target", cluster.grpc],
+            grpc = bench(args.kvr, ["--backend", "kvr-grpc", "--chat", "--target", cluster.grpc,
+                                    *cluster.grpc_args],
                          os.path.join(tmp, "grpc.json"))
         finally:
             cluster.stop()

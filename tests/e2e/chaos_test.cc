@@ -68,11 +68,10 @@ struct Record {
 // to a restarted controller by itself).
 class Load {
  public:
-  Load(const std::string& endpoint, int clients) {
+  Load(const Cluster& cluster, int clients) {
     for (int c = 0; c < clients; ++c) {
-      threads_.emplace_back([this, endpoint, c] {
-        auto stub = kvr::v1::Generation::NewStub(
-            grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()));
+      threads_.emplace_back([this, channel = cluster.Channel(cluster.endpoint()), c] {
+        auto stub = kvr::v1::Generation::NewStub(channel);
         for (int i = 0; !stop_.load(); ++i) {
           Record r;
           r.prompt = (c + i * kClients) % kPrompts;
@@ -125,26 +124,23 @@ class Load {
   std::vector<Record> records_ ABSL_GUARDED_BY(mu_);
 };
 
-std::optional<kvr::store::v1::StatsResponse> StoreStats(const std::string& address) {
+std::optional<kvr::store::v1::StatsResponse> StoreStats(const Cluster& cluster,
+                                                        const std::string& address) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   kvr::store::v1::StatsResponse stats;
-  if (!kvr::store::v1::KvStore::NewStub(
-           grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))
-           ->Stats(&ctx, {}, &stats)
-           .ok()) {
+  if (!kvr::store::v1::KvStore::NewStub(cluster.Channel(address))->Stats(&ctx, {}, &stats).ok()) {
     return std::nullopt;
   }
   return stats;
 }
 
 // Prefill and decode nodes of the model in the controller's membership (-1, -1 on failure).
-std::pair<int, int> Members(const std::string& endpoint) {
+std::pair<int, int> Members(const Cluster& cluster) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
   kvr::v1::ListModelsResponse models;
-  if (!kvr::v1::Generation::NewStub(
-           grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()))
+  if (!kvr::v1::Generation::NewStub(cluster.Channel(cluster.endpoint()))
            ->ListModels(&ctx, {}, &models)
            .ok() ||
       models.models_size() != 1) {
@@ -192,7 +188,7 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
   ASSERT_FALSE(stores[1].empty());
   std::vector<uint64_t> baseline;
   for (const std::string& s : stores) {
-    auto stats = StoreStats(s);
+    auto stats = StoreStats(cluster, s);
     ASSERT_TRUE(stats.has_value()) << s;
     baseline.push_back(stats->used_bytes());
   }
@@ -217,12 +213,12 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
   }
   // Both stores took sequences of the fault-free run (placement spreads them).
   for (const std::string& s : stores) {
-    auto stats = StoreStats(s);
+    auto stats = StoreStats(cluster, s);
     ASSERT_TRUE(stats.has_value());
     EXPECT_GT(stats->bytes_written(), 0u) << s << " was never used";
   }
 
-  Load load(endpoint, kClients);
+  Load load(cluster, kClients);
   std::vector<std::unique_ptr<Subprocess>> restarted;
   std::vector<Kill> kills;
   struct Victim {
@@ -237,7 +233,7 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
       // Killed while it holds a sequence of a request in flight.
       const absl::Time until = absl::Now() + absl::Seconds(10);
       std::optional<kvr::store::v1::StatsResponse> stats;
-      while ((!(stats = StoreStats(node.grpc)) || stats->sequences() == 0) &&
+      while ((!(stats = StoreStats(cluster, node.grpc)) || stats->sequences() == 0) &&
              absl::Now() < until) {
         absl::SleepFor(absl::Milliseconds(10));
       }
@@ -267,14 +263,14 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
       argv = {KVR_CONTROLLER_BIN, "--listen", endpoint};
       registered_line = "kvr-controller listening on";
     }
-    restarted.push_back(std::make_unique<Subprocess>(argv));
+    restarted.push_back(std::make_unique<Subprocess>(cluster.WithTls(argv, v.name)));
     Subprocess& process = *restarted.back();
     std::optional<absl::Time> registered;
     std::optional<absl::Time> served;
     while (absl::Now() - killed < kRecoveryLimit + absl::Seconds(5) && !(registered && served)) {
       if (!registered && !process.WaitForLine(registered_line, absl::ZeroDuration()).empty()) {
         // The controller is whole once every node has registered with the new one.
-        if (v.kind != "controller" || Members(endpoint) == std::make_pair(2, 2)) {
+        if (v.kind != "controller" || Members(cluster) == std::make_pair(2, 2)) {
           registered = absl::Now();
         }
       }
@@ -324,7 +320,7 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
   while (!empty && absl::Now() - drain < absl::Seconds(12)) {
     empty = true;
     for (size_t i = 0; i < stores.size(); ++i) {
-      end[i] = StoreStats(stores[i]);
+      end[i] = StoreStats(cluster, stores[i]);
       empty = empty && end[i].has_value() && end[i]->sequences() == 0 &&
               end[i]->used_bytes() == baseline[i];
     }

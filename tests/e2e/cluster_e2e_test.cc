@@ -22,6 +22,7 @@
 //       first request is UNAVAILABLE or served, never INVALID_ARGUMENT; served once the nodes
 //       registered again)
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -36,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <future>
 #include <optional>
 #include <set>
 #include <thread>
@@ -49,6 +51,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/common/tls.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
@@ -178,6 +181,21 @@ TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
   EXPECT_EQ(cluster.StoreStats().used_bytes(), baseline);
 }
 
+// A unary call of `method` with `bytes` as the request message (generic stub, 10 s deadline).
+grpc::Status RawUnaryCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                          const std::string& bytes) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) { done.set_value(std::move(s)); });
+  return done.get_future().get();
+}
+
 TEST_F(ModelFixture, BadRequestsAndCancellation) {
   Cluster cluster(1, 1);
   ASSERT_TRUE(cluster.ready());
@@ -211,6 +229,29 @@ TEST_F(ModelFixture, BadRequestsAndCancellation) {
   r.set_prompt(long_text);
   r.mutable_sampling()->clear_max_tokens();
   expect_invalid(r, "prompt");
+
+  // Bytes that are not the request message, sent to every internal service of the cluster
+  // (over mutual TLS with kvr up's client certificate): INVALID_ARGUMENT naming the method,
+  // not gRPC's bare INTERNAL. A client without a certificate is refused by those ports.
+  const std::string garbage = "\xff\xff\xff\xff\x0f garbage";
+  for (const auto& [node, method] : std::vector<std::pair<std::string, std::string>>{
+           {"store-0", "/kvr.store.v1.KvStore/CreateSequence"},
+           {"prefill-0", "/kvr.cluster.v1.PrefillService/Prefill"},
+           {"decode-0", "/kvr.cluster.v1.DecodeService/Cancel"},
+           {"controller", "/kvr.cluster.v1.Membership/Register"}}) {
+    const std::string address = node == "controller" ? cluster.endpoint() : cluster.Find(node).grpc;
+    const grpc::Status s = RawUnaryCall(cluster.Channel(address), method, garbage);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << method << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(method), std::string::npos) << s.error_message();
+    if (node == "controller") continue;  // its public API takes clients without a certificate
+    const kvr::TlsConfig ca_only{.ca_file = cluster.tls().ca_file};
+    absl::StatusOr<kvr::GrpcSecurity> no_certificate = kvr::GrpcSecurity::Load(ca_only);
+    ASSERT_TRUE(no_certificate.ok());
+    const grpc::Status refused = RawUnaryCall(no_certificate->CreateChannel(address), method, "");
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << node << " answered a client without a certificate: " << refused.error_message();
+  }
 
   // (d) A client that cancels mid-stream: the store pages are free within a second.
   const uint64_t baseline = cluster.StoreStats().used_bytes();
@@ -389,8 +430,10 @@ bool IsLoopbackHex(const std::string& a) {
 
 // Every TCP listener of every process of a `kvr up` cluster (gRPC, /metrics, the HTTP API and
 // UCX's own TCP listeners) is on loopback: a local cluster reaches nothing else.
+// Run with --insecure, which no other test uses: the plaintext cluster serves as well.
 TEST_F(ModelFixture, EveryListenerOfKvrUpIsOnLoopback) {
-  Cluster cluster(1, 1);
+  Cluster cluster(1, 1, {"--insecure"});
+  ASSERT_TRUE(cluster.tls().ca_file.empty()) << "kvr up --insecure printed a CA";
   ASSERT_TRUE(cluster.ready());
   // One request, so the data plane's endpoints exist.
   Outcome o = Generate(cluster.stub(), TokenRequest(Prompt(40, 3), "full", 4), absl::Seconds(60));
@@ -414,16 +457,16 @@ TEST_F(ModelFixture, EveryListenerOfKvrUpIsOnLoopback) {
 }
 
 // The health status of `service` on a node's gRPC port (UNKNOWN when the call fails).
-grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& address,
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(const Cluster& cluster,
+                                                            const std::string& address,
                                                             const std::string& service) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  const grpc::Status s = grpc::health::v1::Health::NewStub(
-                             grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))
-                             ->Check(&ctx, request, &response);
+  const grpc::Status s =
+      grpc::health::v1::Health::NewStub(cluster.Channel(address))->Check(&ctx, request, &response);
   return s.ok() ? response.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
 }
 
@@ -438,13 +481,13 @@ TEST_F(ModelFixture, ReadinessFollowsTheStore) {
                       Status::ServingStatus want, absl::Duration timeout) {
     const absl::Time until = absl::Now() + timeout;
     Status::ServingStatus got;
-    while ((got = Health(address, service)) != want && absl::Now() < until)
+    while ((got = Health(cluster, address, service)) != want && absl::Now() < until)
       absl::SleepFor(absl::Milliseconds(100));
     return got;
   };
   for (const std::string& node : nodes) {
     ASSERT_FALSE(node.empty());
-    EXPECT_EQ(Health(node, ""), Status::SERVING) << node;
+    EXPECT_EQ(Health(cluster, node, ""), Status::SERVING) << node;
     // Registered with a live store: ready (at registration or the next heartbeat).
     EXPECT_EQ(wait_for(node, ready, Status::SERVING, absl::Seconds(5)), Status::SERVING) << node;
   }
@@ -455,7 +498,7 @@ TEST_F(ModelFixture, ReadinessFollowsTheStore) {
   for (const std::string& node : nodes) {
     EXPECT_EQ(wait_for(node, ready, Status::NOT_SERVING, absl::Seconds(15)), Status::NOT_SERVING)
         << node;
-    EXPECT_EQ(Health(node, ""), Status::SERVING) << node << " must stay live";
+    EXPECT_EQ(Health(cluster, node, ""), Status::SERVING) << node << " must stay live";
   }
 }
 
@@ -529,9 +572,10 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
 
   // The same store again, on the same port.
   const std::string port = store.grpc.substr(store.grpc.rfind(':') + 1);
-  Subprocess restarted({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
-                        "--evict-expired", "true", "--sweep-interval-ms", "500", "--controller",
-                        cluster.endpoint()});
+  Subprocess restarted(cluster.WithTls(
+      {KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB", "--evict-expired", "true",
+       "--sweep-interval-ms", "500", "--controller", cluster.endpoint()},
+      "store-0"));
   const absl::Time restart = absl::Now();
   ASSERT_FALSE(restarted.WaitForLine("kvr-store listening port=" + port, absl::Seconds(20)).empty())
       << "the store did not start on port " << port;
@@ -573,8 +617,9 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
   EXPECT_EQ(placed_on_dead.status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << placed_on_dead.status.error_message();
   EXPECT_LT(placed_took, absl::Seconds(5));
-  Subprocess again({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
-                    "--controller", cluster.endpoint()});
+  Subprocess again(cluster.WithTls({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes",
+                                    "1GiB", "--controller", cluster.endpoint()},
+                                   "store-0"));
   const absl::Time second_restart = absl::Now();
   ASSERT_FALSE(again.WaitForLine("kvr-store registered", absl::Seconds(20)).empty());
   failures.clear();
@@ -583,6 +628,81 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
   std::printf("second store restart: served %s after the restart (%zu failed before)\n",
               recovered ? absl::FormatDuration(*recovered).c_str() : "NOT", failures.size());
   EXPECT_TRUE(recovered.has_value()) << "no request served within 10 s of the second restart";
+}
+
+// A request with resume_on_failure whose store is killed (SIGKILL) while it streams: the
+// controller prefills prompt + the N tokens sent on the other store and the stream goes on;
+// the client gets OK and 64 tokens: the N of the fault-free run, then exactly what the cluster
+// answers to prompt + those N (nothing repeated, nothing lost). Not the fault-free run's
+// tokens after N: on the CPU runtime prefill computes in float and a decode step with 8-bit
+// activations, so the token after the resume point can differ where the model is near a tie.
+TEST_F(ModelFixture, ResumeOnFailureSurvivesTheStoreKilledMidStream) {
+  Cluster cluster(1, 1, {"--stores", "2"});
+  ASSERT_TRUE(cluster.ready());
+  const std::vector<int32_t> prompt = Prompt(120, 5);
+  kvr::v1::GenerateRequest request = TokenRequest(prompt, "full", 64);
+  request.set_resume_on_failure(true);
+  const Outcome reference = Generate(cluster.stub(), request, absl::Seconds(60));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  ASSERT_EQ(reference.tokens.size(), 64u);
+
+  auto sequences = [&](const std::string& store) -> uint64_t {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    kvr::store::v1::StatsResponse stats;
+    const grpc::Status s =
+        kvr::store::v1::KvStore::NewStub(cluster.Channel(store))->Stats(&ctx, {}, &stats);
+    return s.ok() ? stats.sequences() : 0;
+  };
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(90)));
+  auto reader = cluster.stub().Generate(&ctx, request);
+  std::vector<int32_t> tokens;
+  kvr::v1::GenerateResponse msg;
+  std::string killed;
+  while (reader->Read(&msg)) {
+    tokens.insert(tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    if (killed.empty() && tokens.size() >= 4) {
+      for (const char* name : {"store-0", "store-1"}) {
+        if (sequences(cluster.Find(name).grpc) > 0) {
+          ASSERT_EQ(kill(cluster.Find(name).pid, SIGKILL), 0);
+          killed = name;
+          break;
+        }
+      }
+      ASSERT_FALSE(killed.empty()) << "no store held the sequence";
+    }
+    if (msg.has_completion()) {
+      EXPECT_EQ(msg.completion().usage().completion_tokens(), 64u);
+      EXPECT_EQ(msg.completion().usage().prompt_tokens(), 120u);
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  ASSERT_TRUE(status.ok()) << "killed " << killed << " after " << tokens.size()
+                           << " tokens: " << status.error_message();
+  ASSERT_EQ(tokens.size(), 64u);
+  // The controller logs how many tokens the client had when it resumed.
+  std::ifstream log(absl::StrCat(cluster.log_dir(), "/controller.log"));
+  size_t sent = 0;
+  for (std::string line; std::getline(log, line);) {
+    const size_t at = line.find("resuming after ");
+    if (at != std::string::npos) {
+      ASSERT_TRUE(
+          absl::SimpleAtoi(line.substr(at + 15, line.find(' ', at + 15) - (at + 15)), &sent));
+    }
+  }
+  ASSERT_GT(sent, 0u) << "the controller did not resume (" << killed << " killed)";
+  ASSERT_LT(sent, 64u);
+  std::printf("store %s killed: resumed after %zu of 64 tokens\n", killed.c_str(), sent);
+  EXPECT_EQ(std::vector<int32_t>(tokens.begin(), tokens.begin() + sent),
+            std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + sent));
+  std::vector<int32_t> context = prompt;
+  context.insert(context.end(), tokens.begin(), tokens.begin() + sent);
+  const Outcome rest =
+      Generate(cluster.stub(), TokenRequest(context, "full", 64 - sent), absl::Seconds(60));
+  ASSERT_TRUE(rest.status.ok()) << rest.status.error_message();
+  EXPECT_EQ(std::vector<int32_t>(tokens.begin() + sent, tokens.end()), rest.tokens)
+      << "after the resume point the stream must be the cluster's answer to prompt + sent";
 }
 
 // The controller dies (kill -9) and comes back on the same port with an empty membership.
@@ -596,14 +716,14 @@ TEST_F(ModelFixture, ControllerKilledAndRestarted) {
   ASSERT_TRUE(warm.status.ok()) << warm.status.error_message();
 
   ASSERT_EQ(kill(controller.pid, SIGKILL), 0);
-  Subprocess restarted({KVR_CONTROLLER_BIN, "--listen", cluster.endpoint()});
+  Subprocess restarted(
+      cluster.WithTls({KVR_CONTROLLER_BIN, "--listen", cluster.endpoint()}, "controller"));
   ASSERT_FALSE(restarted.WaitForLine("kvr-controller listening on", absl::Seconds(10)).empty());
   const absl::Time restart = absl::Now();
   // At once, on a new channel that waits for the connection (the old one may still report the
   // dead controller's closed socket): the nodes have not registered again yet (they heartbeat
   // every lease/3), so this reaches a controller without nodes.
-  auto fresh = kvr::v1::Generation::NewStub(
-      grpc::CreateChannel(cluster.endpoint(), grpc::InsecureChannelCredentials()));
+  auto fresh = kvr::v1::Generation::NewStub(cluster.Channel(cluster.endpoint()));
   Outcome first = Generate(*fresh, TokenRequest(prompt, "full", 4), absl::Seconds(10),
                            /*wait_for_ready=*/true);
   std::printf("first request after the controller restart: %s %s\n",
@@ -616,7 +736,7 @@ TEST_F(ModelFixture, ControllerKilledAndRestarted) {
   std::printf("controller restart: served %s after the restart (%zu failed before)\n",
               served ? absl::FormatDuration(*served).c_str() : "NOT", failures.size());
   ASSERT_TRUE(served.has_value()) << "no request served within 15 s of the controller restart";
-  EXPECT_EQ(Health(cluster.endpoint(), kvr::node::kReadinessService),
+  EXPECT_EQ(Health(cluster, cluster.endpoint(), kvr::node::kReadinessService),
             grpc::health::v1::HealthCheckResponse::SERVING);
 }
 

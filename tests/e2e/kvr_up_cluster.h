@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kvr/common/tls.h"
 #include "kvr/store/v1/store.grpc.pb.h"
 #include "kvr/v1/generation.grpc.pb.h"
 #include "subprocess.h"
@@ -54,6 +55,12 @@ class Cluster {
     for (const std::string& line : up_->Lines()) {
       std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
       if (f.size() >= 4 && f[0] == "public") endpoint_ = f.back();
+      // "tls ca PATH", "tls client CERT KEY": kvr up's CA and a client certificate of it.
+      if (f.size() >= 3 && f[0] == "tls" && f[1] == "ca") tls_.ca_file = f[2];
+      if (f.size() >= 4 && f[0] == "tls" && f[1] == "client") {
+        tls_.cert_file = f[2];
+        tls_.key_file = f[3];
+      }
       if (f.size() >= 5 && f[1] == "pid") {
         Node n{f[0], 0, f[4]};
         if (!absl::SimpleAtoi(f[2], &n.pid)) continue;
@@ -64,12 +71,34 @@ class Cluster {
       for (const std::string& line : up_->Lines())
         std::fprintf(stderr, "kvr up: %s\n", line.c_str());
     }
+    absl::StatusOr<kvr::GrpcSecurity> security = kvr::GrpcSecurity::Load(tls_);
+    EXPECT_TRUE(security.ok()) << security.status();
+    if (security.ok()) security_ = *std::move(security);
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(-1);
-    stub_ = kvr::v1::Generation::NewStub(
-        grpc::CreateCustomChannel(endpoint_, grpc::InsecureChannelCredentials(), args));
-    store_ = kvr::store::v1::KvStore::NewStub(
-        grpc::CreateChannel(Find("store-0").grpc, grpc::InsecureChannelCredentials()));
+    stub_ = kvr::v1::Generation::NewStub(security_.CreateChannel(endpoint_, args));
+    store_ = kvr::store::v1::KvStore::NewStub(Channel(Find("store-0").grpc));
+  }
+
+  // A channel to any process of the cluster, with kvr up's client certificate (plaintext
+  // under --insecure).
+  std::shared_ptr<grpc::Channel> Channel(const std::string& address) const {
+    return security_.CreateChannel(address);
+  }
+  // kvr up's CA and client certificate (empty under --insecure).
+  const kvr::TlsConfig& tls() const { return tls_; }
+  // The --tls-* flags of the process `name` (kvr up wrote its certificate beside the CA), for
+  // a test that starts it again; none under --insecure.
+  std::vector<std::string> TlsFlags(const std::string& name) const {
+    if (tls_.ca_file.empty()) return {};
+    const std::string dir = tls_.ca_file.substr(0, tls_.ca_file.rfind('/'));
+    return {"--tls-ca=" + tls_.ca_file, absl::StrCat("--tls-cert=", dir, "/", name, ".pem"),
+            absl::StrCat("--tls-key=", dir, "/", name, "-key.pem")};
+  }
+  // `argv` with TlsFlags(name) appended.
+  std::vector<std::string> WithTls(std::vector<std::string> argv, const std::string& name) const {
+    for (std::string& f : TlsFlags(name)) argv.push_back(std::move(f));
+    return argv;
   }
 
   struct Node {
@@ -114,6 +143,8 @@ class Cluster {
   std::string log_dir_;
   bool ready_ = false;
   std::string endpoint_;
+  kvr::TlsConfig tls_;
+  kvr::GrpcSecurity security_;
   std::vector<Node> nodes_;
   std::unique_ptr<kvr::v1::Generation::Stub> stub_;
   std::unique_ptr<kvr::store::v1::KvStore::Stub> store_;

@@ -45,7 +45,8 @@ def check(cond, what):
 
 def grpc_reference(kvr, cluster, prompt, chat):
     """(text, prompt_tokens, completion_tokens) from `kvr generate --endpoint`."""
-    argv = [kvr, "generate", "--endpoint", cluster.grpc, "--model", MODEL, "--prompt", prompt,
+    argv = [kvr, "generate", "--endpoint", cluster.grpc, *cluster.grpc_args, "--model", MODEL,
+            "--prompt", prompt,
             "--max-tokens", str(MAX_TOKENS), "--temperature", "0"]
     if chat:
         argv.append("--chat")

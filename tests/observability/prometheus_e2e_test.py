@@ -235,8 +235,10 @@ class PrometheusE2eTest(unittest.TestCase):
         # steps select, fetch from the store and hit its hot cache (the retrieval panels).
         # 2 in flight keeps the 2-core machine responsive (store memory is reserved for the
         # tokenized prompt: a prefill node tokenizes text before placement).
+        # The cluster's gRPC is TLS with the CA kvr up made in its log directory.
         args = ["--num-prompts", "4", "--input-len", "1000", "--output-len", "8",
-                "--concurrency", "2", "--method", "clusterkv", "--budget", "64"]
+                "--concurrency", "2", "--method", "clusterkv", "--budget", "64",
+                "--tls-ca", os.path.join(cls.tmp, "logs", "tls", "ca.pem")]
         r = kvr_cluster.run_bench(KVR, cls.address, [*args, "--result-file", result_file],
                                   timeout=300)
         if r.returncode != 0:

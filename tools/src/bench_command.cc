@@ -39,6 +39,7 @@
 #include "kvr/model/gguf.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/tokenizer.h"
+#include "tls_options.h"
 
 extern char** environ;
 
@@ -48,6 +49,7 @@ namespace {
 struct BenchFlags {
   std::string backend = "kvr-grpc";
   std::string target = "127.0.0.1:50051";
+  TlsConfig tls;  // kvr-grpc: the channel's TLS
   std::string base_url;
   std::string api_key;
   bool chat = false;
@@ -181,6 +183,7 @@ absl::Status RunBench(const BenchFlags& f) {
   loadgen::BackendOptions backend_options;
   KVR_ASSIGN_OR_RETURN(backend_options.kind, loadgen::ParseBackendKind(f.backend));
   backend_options.target = f.target;
+  backend_options.tls = f.tls;
   backend_options.base_url = f.base_url;
   backend_options.api_key = f.api_key;
   if (backend_options.api_key.empty()) {
@@ -292,6 +295,7 @@ void AddBenchCommand(CLI::App& app) {
           ->capture_default_str();
   CLI::Option* base_url = cmd->add_option("--base-url", f.base_url,
                                           "openai-*: the API root, e.g. http://127.0.0.1:8000/v1");
+  AddTlsOptions(cmd, &f.tls);
   cmd->add_option("--api-key", f.api_key,
                   "openai-*: sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)");
   cmd->add_flag("--chat", f.chat,

@@ -24,11 +24,13 @@
 #include "commands.h"
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/common/tls.h"
 #include "kvr/model/cpu_kernels.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
 #include "kvr/v1/generation.grpc.pb.h"
+#include "tls_options.h"
 
 namespace kvr::tools {
 namespace {
@@ -53,6 +55,7 @@ struct GenerateOptions {
   bool ignore_eos = false;
   // Cluster mode (--endpoint).
   std::string endpoint;
+  TlsConfig tls;
   std::string method;  // empty: the controller's default
   std::optional<uint32_t> budget, n_sink, local_window;
   std::vector<std::string> method_options;  // key=value
@@ -143,8 +146,9 @@ absl::Status RunRemote(const GenerateOptions& o) {
 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
-  auto stub = kvr::v1::Generation::NewStub(
-      grpc::CreateCustomChannel(o.endpoint, grpc::InsecureChannelCredentials(), args));
+  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(o.tls);
+  if (!security.ok()) return security.status();
+  auto stub = kvr::v1::Generation::NewStub(security->CreateChannel(o.endpoint, args));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000)));
@@ -165,8 +169,13 @@ absl::Status RunRemote(const GenerateOptions& o) {
   std::fflush(stdout);
   grpc::Status status = reader->Finish();
   if (!status.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        absl::StrCat("Generate on ", o.endpoint, ": ", status.error_message()));
+    return absl::Status(
+        static_cast<absl::StatusCode>(status.error_code()),
+        absl::StrCat("Generate on ", o.endpoint, ": ", status.error_message(),
+                     status.error_code() == grpc::StatusCode::UNAVAILABLE && !security->enabled()
+                         ? " (a TLS cluster, as kvr up starts by default, needs "
+                           "--tls-ca: the CA kvr up printed)"
+                         : ""));
   }
   if (!completion) return absl::InternalError("the stream ended without a completion message");
   const kvr::v1::Completion& c = *completion;
@@ -372,6 +381,7 @@ void AddGenerateCommand(CLI::App& app) {
   // Cluster mode.
   cmd->add_option("--endpoint", options->endpoint,
                   "host:port of a kvr cluster (kvr up); --model is then the served model name");
+  AddTlsOptions(cmd, &options->tls);
   cmd->add_option("--method", options->method,
                   "endpoint: retrieval method (full, exact, quest, streaming, clusterkv, ctkvr, "
                   "keydiff, pariskv, a2ats); default: the controller's");

@@ -37,6 +37,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "commands.h"
+#include "kvr/common/cert_authority.h"
+#include "kvr/common/status.h"
+#include "kvr/common/tls.h"
 #include "kvr/v1/generation.grpc.pb.h"
 
 namespace kvr::tools {
@@ -59,6 +62,50 @@ struct UpOptions {
   std::string a2ats_codebooks;  // given to every prefill and decode node
   std::string device = "cpu";   // --device of every prefill and decode node
   std::string store_dtype;      // --store-dtype of every prefill node; empty: the node's default
+  bool insecure = false;        // plaintext gRPC everywhere instead of the throw-away CA's TLS
+};
+
+// The throw-away PKI of a secured local cluster, in <log dir>/tls: a CA made for this run and
+// one certificate per process (SANs 127.0.0.1 and localhost, where every process listens),
+// plus "client" for kvr generate / kvr bench / tests. The CA's key stays in the directory
+// (0600) so that a restarted process of this run can be given a certificate; the whole
+// directory is worth nothing after the run.
+class LocalPki {
+ public:
+  static absl::StatusOr<LocalPki> Create(const std::string& dir) {
+    LocalPki pki;
+    pki.dir_ = dir;
+    absl::StatusOr<PemCertificate> ca =
+        GenerateCertificateAuthority("kvr up local cluster CA", kValidity);
+    if (!ca.ok()) return ca.status();
+    pki.ca_ = *std::move(ca);
+    absl::StatusOr<TlsConfig> files =
+        WriteCertificate(dir, "ca", pki.ca_, absl::StrCat(dir, "/ca.pem"));
+    if (!files.ok()) return files.status();
+    pki.ca_file_ = files->cert_file;
+    return pki;
+  }
+  // A certificate for the process `name`, written beside the CA.
+  absl::StatusOr<TlsConfig> Issue(const std::string& name) const {
+    absl::StatusOr<PemCertificate> cert =
+        IssueCertificate(ca_, name, {"127.0.0.1", "localhost"}, kValidity);
+    if (!cert.ok()) return cert.status();
+    return WriteCertificate(dir_, name, *cert, ca_file_);
+  }
+  // --tls-ca, --tls-cert and --tls-key for `name`'s command line.
+  absl::StatusOr<std::vector<std::string>> Flags(const std::string& name) const {
+    absl::StatusOr<TlsConfig> tls = Issue(name);
+    if (!tls.ok()) return tls.status();
+    return std::vector<std::string>{"--tls-ca=" + tls->ca_file, "--tls-cert=" + tls->cert_file,
+                                    "--tls-key=" + tls->key_file};
+  }
+  const std::string& ca_file() const { return ca_file_; }
+
+ private:
+  static constexpr absl::Duration kValidity = absl::Hours(24 * 30);
+  std::string dir_;
+  std::string ca_file_;
+  PemCertificate ca_;
 };
 
 // A child process whose stdout lines are copied into its log file and scanned for the lines
@@ -275,16 +322,45 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // data plane on loopback (shared memory between its processes, TCP over lo), so the
   // children inherit UCX_NET_DEVICES=lo unless the operator chose devices.
   if (getenv("UCX_NET_DEVICES") == nullptr) setenv("UCX_NET_DEVICES", "lo", 1);
+  // The children's TLS files come from this run's flags alone: a KVR_TLS_* left in the
+  // environment for kvr generate must not reach them (with --insecure it would make them
+  // TLS servers without a certificate).
+  for (const char* name : {"KVR_TLS_CA", "KVR_TLS_CERT", "KVR_TLS_KEY", "KVR_STORE_TLS_CA",
+                           "KVR_STORE_TLS_CERT", "KVR_STORE_TLS_KEY"}) {
+    unsetenv(name);
+  }
+
+  // Every gRPC channel is TLS with certificates of a CA made for this run, unless --insecure:
+  // nodes and stores present theirs to each other and to the controller, which admits no
+  // member without one. The controller's port also serves the public API: its clients need
+  // the CA (--tls-ca, printed below) but no certificate. The HTTP API stays plaintext.
+  std::optional<LocalPki> pki;
+  TlsConfig client_tls;
+  auto tls_flags = [&](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
+    if (!pki) return std::vector<std::string>{};
+    return pki->Flags(name);
+  };
+  if (!o.insecure) {
+    absl::StatusOr<LocalPki> created = LocalPki::Create(absl::StrCat(log_dir, "/tls"));
+    if (!created.ok()) return created.status();
+    pki = *std::move(created);
+    absl::StatusOr<TlsConfig> client = pki->Issue("client");
+    if (!client.ok()) return client.status();
+    client_tls = *client;
+  }
+  absl::StatusOr<GrpcSecurity> client_security = GrpcSecurity::Load(client_tls);
+  if (!client_security.ok()) return client_security.status();
 
   // Controller first: everyone registers with it.
   std::vector<std::unique_ptr<Child>> nodes;
-  auto controller = std::make_unique<Child>(
-      "controller",
-      // The OpenAI-compatible HTTP API on loopback beside the gRPC port. An API key reaches
-      // the controller through the inherited environment (KVR_API_KEY), not its command line.
-      std::vector<std::string>{bins[0].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 0)),
-                               "--http-listen", absl::StrCat("127.0.0.1:", Port(o, 2))},
-      log("controller"));
+  // The OpenAI-compatible HTTP API on loopback beside the gRPC port. An API key reaches
+  // the controller through the inherited environment (KVR_API_KEY), not its command line.
+  std::vector<std::string> controller_argv = {
+      bins[0].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 0)), "--http-listen",
+      absl::StrCat("127.0.0.1:", Port(o, 2))};
+  KVR_ASSIGN_OR_RETURN(std::vector<std::string> controller_tls, tls_flags("controller"));
+  controller_argv.insert(controller_argv.end(), controller_tls.begin(), controller_tls.end());
+  auto controller = std::make_unique<Child>("controller", controller_argv, log("controller"));
   const std::string controller_address =
       controller->WaitFor("kvr-controller listening on ", start_timeout);
   if (controller_address.empty()) {
@@ -295,21 +371,21 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   std::vector<std::string> store_addresses;
   for (int i = 0; i < o.stores; ++i) {
     const std::string name = absl::StrCat("store-", i);
-    stores.push_back(std::make_unique<Child>(
-        name,
-        std::vector<std::string>{
-            bins[1].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, StorePortOffset(i))),
-            "--capacity-bytes", o.store_capacity,
-            // Sequences of a node that died mid-request are dropped when their lease runs out.
-            "--evict-expired", "true", "--sweep-interval-ms", "500",
-            // It registers itself (role STORE) and heartbeats its free bytes and sequences.
-            "--controller", controller_address,
-            // Same-host readers (a CUDA decode node) map its page pool through this socket
-            // and read rows in place.
-            "--local-socket", absl::StrCat(log_dir, "/", name, ".sock"),
-            // One name per node: kvr up's, the node's metrics label and its registration.
-            "--name", name},
-        log(name)));
+    KVR_ASSIGN_OR_RETURN(std::vector<std::string> store_tls, tls_flags(name));
+    std::vector<std::string> store_argv = {
+        bins[1].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, StorePortOffset(i))),
+        "--capacity-bytes", o.store_capacity,
+        // Sequences of a node that died mid-request are dropped when their lease runs out.
+        "--evict-expired", "true", "--sweep-interval-ms", "500",
+        // It registers itself (role STORE) and heartbeats its free bytes and sequences.
+        "--controller", controller_address,
+        // Same-host readers (a CUDA decode node) map its page pool through this socket
+        // and read rows in place.
+        "--local-socket", absl::StrCat(log_dir, "/", name, ".sock"),
+        // One name per node: kvr up's, the node's metrics label and its registration.
+        "--name", name};
+    store_argv.insert(store_argv.end(), store_tls.begin(), store_tls.end());
+    stores.push_back(std::make_unique<Child>(name, store_argv, log(name)));
   }
   for (int i = 0; i < o.stores; ++i) {
     const std::string name = stores[i]->name();
@@ -335,6 +411,8 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
     argv.push_back("--device=" + o.device);
     if (!o.store_dtype.empty()) argv.push_back("--store-dtype=" + o.store_dtype);
+    KVR_ASSIGN_OR_RETURN(std::vector<std::string> node_tls, tls_flags(absl::StrCat("prefill-", i)));
+    argv.insert(argv.end(), node_tls.begin(), node_tls.end());
     argv.insert(argv.end(), o.prefill_args.begin(), o.prefill_args.end());
     nodes.push_back(std::make_unique<Child>(name, argv, log(name)));
   }
@@ -351,13 +429,15 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
                                      absl::StrCat("127.0.0.1:", Port(o, 30 + i))};
     if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
     argv.push_back("--device=" + o.device);
+    KVR_ASSIGN_OR_RETURN(std::vector<std::string> node_tls, tls_flags(absl::StrCat("decode-", i)));
+    argv.insert(argv.end(), node_tls.begin(), node_tls.end());
     argv.insert(argv.end(), o.decode_args.begin(), o.decode_args.end());
     nodes.push_back(std::make_unique<Child>(name, argv, log(name)));
   }
 
   // Ready when the store registered and ListModels shows every prefill and decode node.
-  auto generation = kvr::v1::Generation::NewStub(
-      grpc::CreateChannel(controller_address, grpc::InsecureChannelCredentials()));
+  auto generation =
+      kvr::v1::Generation::NewStub(client_security->CreateChannel(controller_address));
   const absl::Time give_up = absl::Now() + start_timeout;
   std::string model_name;
   std::vector<std::string> store_ids(stores.size());
@@ -425,6 +505,16 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     absl::StrAppendFormat(&report, "  %-12s pid %-7d grpc %-21s metrics %s\n", n->name(), n->pid(),
                           grpc_address, metrics.empty() ? "-" : metrics);
   }
+  if (pki) {
+    // Parseable: "tls ca PATH" and "tls client CERT KEY" (tests read them).
+    absl::StrAppend(&report, "  tls ca ", pki->ca_file(),
+                    "\n    (gRPC is TLS: kvr generate --endpoint / kvr bench need --tls-ca "
+                    "PATH or KVR_TLS_CA=PATH; the HTTP API is plaintext)\n");
+    absl::StrAppend(&report, "  tls client ", client_tls.cert_file, " ", client_tls.key_file,
+                    "\n    (a certificate for calls to the nodes' own ports)\n");
+  } else {
+    absl::StrAppend(&report, "  tls off (--insecure): every gRPC channel is plaintext\n");
+  }
   absl::StrAppend(&report, "  logs ", log_dir, "\n", "kvr up: ready (Ctrl-C stops the cluster)\n");
   std::cout << report << std::flush;
   if (ready_fd >= 0) {
@@ -486,6 +576,9 @@ void AddUpCommand(CLI::App& app) {
                   "element type of the KV rows the prefill nodes put to the store: f32 or bf16 "
                   "(default: the nodes' own, bf16 with --device cuda, f32 with cpu)")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_flag("--insecure", o->insecure,
+                "plaintext gRPC (default: a CA made for this run in <log dir>/tls, mutual TLS "
+                "between the processes, TLS on the controller's public port)");
   cmd->add_flag("--detach", o->detach,
                 "return once the cluster is up; it runs on in a background process");
   cmd->add_option("--pid-file", o->pid_file,

@@ -29,7 +29,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& optio
     if (options.target.empty()) {
       return absl::InvalidArgumentError("the kvr-grpc backend needs a target host:port");
     }
-    return MakeGrpcBackend(options.target, options.chat);
+    absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(options.tls);
+    if (!security.ok()) return security.status();
+    return MakeGrpcBackend(options.target, options.chat, *std::move(security));
   }
   return MakeOpenAiBackend(options);
 }

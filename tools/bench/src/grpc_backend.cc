@@ -117,11 +117,10 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
 
 class GrpcBackend final : public Backend {
  public:
-  GrpcBackend(std::string target, bool chat)
+  GrpcBackend(std::string target, bool chat, const GrpcSecurity& security)
       : target_(std::move(target)),
         chat_(chat),
-        stub_(v1::Generation::NewStub(
-            grpc::CreateChannel(target_, grpc::InsecureChannelCredentials()))) {}
+        stub_(v1::Generation::NewStub(security.CreateChannel(target_))) {}
 
   absl::StatusOr<std::string> ResolveModel(const std::string& wanted) override {
     grpc::ClientContext ctx;
@@ -187,8 +186,9 @@ class GrpcBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeGrpcBackend(const std::string& target, bool chat) {
-  return std::make_unique<GrpcBackend>(target, chat);
+std::unique_ptr<Backend> MakeGrpcBackend(const std::string& target, bool chat,
+                                         GrpcSecurity security) {
+  return std::make_unique<GrpcBackend>(target, chat, security);
 }
 
 }  // namespace kvr::loadgen

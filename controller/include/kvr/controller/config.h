@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvr/common/tls.h"
 #include "kvr/controller/validation.h"
 
 namespace kvr::controller {
@@ -36,6 +37,8 @@ struct ControllerConfig {
   // When set, the HTTP API's /v1/* requires "Authorization: Bearer <api_key>". Printed
   // redacted.
   std::string api_key;
+  // Transport security of the gRPC port and of this process's channels (kvr/common/tls.h).
+  TlsConfig tls;
 };
 
 // One setting: its snake_case name, help text and how to set/print it.

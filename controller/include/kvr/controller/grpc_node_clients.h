@@ -5,10 +5,12 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "kvr/common/tls.h"
 #include "kvr/controller/node_clients.h"
 
 namespace grpc {
@@ -19,7 +21,8 @@ namespace kvr::controller {
 
 class GrpcNodeClients final : public PrefillClient, public DecodeClient {
  public:
-  GrpcNodeClients() = default;
+  // Channels to the nodes use `security` (kvr/common/tls.h; default plaintext).
+  explicit GrpcNodeClients(GrpcSecurity security = {}) : security_(std::move(security)) {}
   GrpcNodeClients(const GrpcNodeClients&) = delete;
   GrpcNodeClients& operator=(const GrpcNodeClients&) = delete;
 
@@ -44,6 +47,7 @@ class GrpcNodeClients final : public PrefillClient, public DecodeClient {
     std::string instance_id;
     std::shared_ptr<grpc::Channel> channel;
   };
+  const GrpcSecurity security_;
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, CachedChannel> channels_ ABSL_GUARDED_BY(mu_);
 };

@@ -4,14 +4,19 @@
 // ResponseSink, and applies the retry rule of RequestStateMachine when a node fails. Every
 // attempt gets a fresh random store sequence id and capability (ids.h); an id the store
 // already holds (ALREADY_EXISTS from P, a 2^-64 event) is retried with a fresh one on the same
-// nodes, counting as an attempt. Plain
-// class over the node-client interfaces; the gRPC service is a thin shell around it.
+// nodes, counting as an attempt. A request with resume_on_failure whose node dies after tokens
+// were streamed is run again ("resumed"): its prompt plus the tokens already sent are
+// prefilled on a new placement (the failed node excluded) and the stream goes on from the next
+// token, at most max_attempts times per request. Plain class over the node-client interfaces;
+// the gRPC service is a thin shell around it.
 
 #include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -114,10 +119,31 @@ class RequestRunner {
   // tokenize) leaves `*out` unset, and the request goes on with the byte bound.
   absl::Status TokenizeFirst(const GenerateParams& params, absl::Time deadline,
                              std::optional<GenerateParams>* out);
-  // Run without the OnEnd hook.
+  // What a request streamed over its runs (the first, then one per resume).
+  struct Progress {
+    // Token ids the client received, in order.
+    std::vector<uint32_t> sent;
+    // The client's prompt, as the first prefill counted it.
+    uint32_t prompt_tokens = 0;
+    // Placements tried by the runs before the current one.
+    uint32_t attempts = 0;
+    // Of the first run: the client's queue and time to first token.
+    absl::Duration queue;
+    absl::Duration time_to_first_token;
+    // Nodes that failed this request; placement avoids them.
+    absl::flat_hash_set<std::string> excluded;
+    // Set by a run that ended because a node failed after tokens were sent (what a resume
+    // recovers from); false for every other ending.
+    bool failed_after_tokens = false;
+  };
+  // One run: placement, prefill and decode with retries until the first token, then the
+  // stream. Without the OnEnd hook.
   absl::Status RunAttempts(const GenerateParams& params, absl::Time arrival, absl::Time deadline,
                            CancellationToken* cancel, ResponseSink* sink, RequestObserver& observer,
-                           std::optional<FinalReport>& report);
+                           Progress& progress, std::optional<FinalReport>& report);
+  // `params` of the run that continues after `progress`: the prompt's token ids followed by
+  // the tokens sent, and max_tokens less those.
+  static GenerateParams ResumedParams(const GenerateParams& params, const Progress& progress);
   void CancelDownstream(const NodeSnapshot* prefill, const NodeSnapshot* decode,
                         const GenerateParams& params, uint64_t sequence_id,
                         absl::string_view reason);

@@ -35,7 +35,15 @@ inline constexpr uint32_t kClusterProtocolVersion = 1;
 
 class MembershipService final : public kvr::cluster::v1::Membership::Service {
  public:
+  struct Options {
+    // Every call must come from a peer that presented a certificate of the cluster CA
+    // (kvr::PeerHasClusterCertificate); others get UNAUTHENTICATED and change nothing. Set
+    // when the server's port is TLS: on a plaintext port no peer could pass.
+    bool require_member_certificate = false;
+  };
   explicit MembershipService(Membership* membership) : membership_(membership) {}
+  MembershipService(Membership* membership, Options options)
+      : membership_(membership), options_(options) {}
 
   grpc::Status Register(grpc::ServerContext* context,
                         const kvr::cluster::v1::RegisterRequest* request,
@@ -48,7 +56,11 @@ class MembershipService final : public kvr::cluster::v1::Membership::Service {
                           kvr::cluster::v1::DeregisterResponse* response) override;
 
  private:
+  // UNAUTHENTICATED unless the peer may act as a member (Options).
+  grpc::Status CheckMember(const grpc::ServerContext& context) const;
+
   Membership* membership_;
+  const Options options_{};
 };
 
 // Watches the ServerContexts of running Generate calls and cancels a request's token when its

@@ -122,6 +122,8 @@ struct GenerateParams {
   SamplingParams sampling;
   RetrievalParams retrieval;
   StreamOptions stream;
+  // Re-prefill prompt + sent tokens elsewhere when a node dies mid-stream (GenerateRequest).
+  bool resume_on_failure = false;
 };
 
 enum class FinishReason { kUnspecified, kEos, kStopString, kLength };

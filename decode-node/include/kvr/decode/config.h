@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvr/common/tls.h"
 
 namespace kvr::decode {
 
@@ -58,6 +59,8 @@ struct DecodeConfig {
   // Most tokens (prompt + generated) per sequence: sizes each slot's pinned host KV and
   // summaries; 0: the model's context length.
   uint32_t gpu_max_context = 0;
+  // Transport security of the gRPC port and of this process's channels (kvr/common/tls.h).
+  TlsConfig tls;
 };
 
 struct DecodeConfigField {

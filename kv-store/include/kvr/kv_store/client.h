@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvr/common/tls.h"
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/kv_store/store.h"
 #include "kvr/kv_store/types.h"
@@ -172,6 +173,8 @@ struct UcxClientOptions {
   // false, by an active-message request answered with the rows. Off by default: the rkey
   // reads the whole pool past every capability check (kv-store/README.md).
   bool rma_range_reads = false;
+  // The gRPC control channel's transport security (kvr/common/tls.h); default plaintext.
+  GrpcSecurity security;
 };
 
 // Real client: gRPC control channel + one UCX worker/endpoint to the store's data plane.

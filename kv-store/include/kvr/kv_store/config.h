@@ -41,6 +41,8 @@ struct StoreConfig {
   // Memory outside the pool for replies (StoreServerOptions::max_reply_bytes, ...).
   uint64_t max_reply_bytes = uint64_t{512} << 20;
   uint64_t max_outstanding_reply_bytes = uint64_t{2} << 30;
+  // The gRPC port's TLS and the certificate presented to the controller (kvr/common/tls.h).
+  TlsConfig tls;
 
   // Where each value came from ("flag", "file", "env" or "default"), in field order.
   std::vector<std::pair<std::string, std::string>> sources;

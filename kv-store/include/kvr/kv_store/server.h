@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kvr/common/tls.h"
 #include "kvr/kv_store/store.h"
 
 namespace kvr::kv_store {
@@ -54,6 +55,9 @@ struct StoreServerOptions {
   // error, not the store its memory.
   uint64_t max_reply_bytes = uint64_t{512} << 20;
   uint64_t max_outstanding_reply_bytes = uint64_t{2} << 30;
+  // The gRPC port: mutual TLS when set (every client must present a certificate of the
+  // cluster CA), plaintext when empty (kvr/common/tls.h).
+  TlsConfig tls;
 };
 
 class StoreServer {

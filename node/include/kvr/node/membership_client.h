@@ -24,6 +24,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/tls.h"
 
 namespace kvr::node {
 
@@ -45,6 +46,9 @@ class MembershipClient {
     kvr::cluster::v1::RegisterRequest registration;
     // Current load, for Register and every Heartbeat. Null: an empty NodeLoad.
     std::function<kvr::cluster::v1::NodeLoad()> load;
+    // Transport security of the channel to the controller (kvr/common/tls.h): with TLS the
+    // node presents its certificate, which the controller requires of every member.
+    GrpcSecurity security;
     // Deadline of each Register/Heartbeat/Deregister call.
     absl::Duration rpc_timeout = absl::Seconds(2);
     // Register retry backoff: doubles from initial to max while registration fails.

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvr/common/tls.h"
 #include "kvr/kv_store/types.h"
 
 namespace kvr::prefill_node {
@@ -53,6 +54,8 @@ struct PrefillConfig {
   // `kvr calibrate` codebook file for this model: needed to build method a2ats's summaries
   // (empty: a2ats requests fail with INVALID_ARGUMENT naming the missing codebooks).
   std::string a2ats_codebooks;
+  // Transport security of the gRPC port and of this process's channels (kvr/common/tls.h).
+  TlsConfig tls;
 };
 
 struct PrefillConfigField {

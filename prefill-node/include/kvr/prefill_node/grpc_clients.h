@@ -22,6 +22,8 @@ namespace kvr::prefill_node {
 
 class GrpcHandoffOpener final : public HandoffOpener {
  public:
+  // Channels to decode nodes use `security` (kvr/common/tls.h; default plaintext).
+  explicit GrpcHandoffOpener(GrpcSecurity security = {}) : security_(std::move(security)) {}
   absl::StatusOr<std::unique_ptr<HandoffSink>> Open(const kvr::cluster::v1::NodeRef& decode,
                                                     absl::Time deadline) override;
 
@@ -30,6 +32,7 @@ class GrpcHandoffOpener final : public HandoffOpener {
     std::string instance_id;  // of the decode node the channel was made for
     std::shared_ptr<grpc::Channel> channel;
   };
+  const GrpcSecurity security_;
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, CachedChannel> channels_ ABSL_GUARDED_BY(mu_);
 };

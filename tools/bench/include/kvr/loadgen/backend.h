@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvr/common/tls.h"
 #include "kvr/loadgen/dataset.h"
 #include "kvr/loadgen/metrics.h"
 
@@ -31,6 +32,7 @@ std::string_view BackendName(BackendKind kind);
 struct BackendOptions {
   BackendKind kind = BackendKind::kKvrGrpc;
   std::string target;    // kvr-grpc: host:port of kvr-controller
+  TlsConfig tls;         // kvr-grpc: the channel's TLS (kvr/common/tls.h); empty: plaintext
   std::string base_url;  // openai-*: the API root, e.g. http://127.0.0.1:8000/v1
   std::string api_key;   // openai-*: sent as "Authorization: Bearer KEY"; empty: no header
   // kvr-grpc: send a text prompt as one user chat message (the server applies the model's
@@ -78,7 +80,8 @@ class Backend {
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options);
 
 // The two kinds, for MakeBackend (grpc_backend.cc, openai_backend.cc).
-[[nodiscard]] std::unique_ptr<Backend> MakeGrpcBackend(const std::string& target, bool chat);
+[[nodiscard]] std::unique_ptr<Backend> MakeGrpcBackend(const std::string& target, bool chat,
+                                                       GrpcSecurity security = {});
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Backend>> MakeOpenAiBackend(
     const BackendOptions& options);
 

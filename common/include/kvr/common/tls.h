@@ -1,0 +1,124 @@
+#pragma once
+// Transport security of kvr's gRPC channels, one mechanism for every server and client.
+//
+// A process is given three PEM files: the cluster's CA, its own certificate and that
+// certificate's private key (TlsConfig; flags --tls-ca/--tls-cert/--tls-key, YAML keys
+// tls_ca/tls_cert/tls_key, env KVR_TLS_CA/KVR_TLS_CERT/KVR_TLS_KEY in every binary). With
+// them, GrpcSecurity makes
+//   - server credentials: TLS with this certificate; a client must present a certificate
+//     that chains to the CA (ClientCertificates::kRequired: the store, prefill and decode
+//     nodes), or may present none (kOptional: the controller, whose port also serves public
+//     clients; its internal services then ask PeerHasClusterCertificate);
+//   - channel credentials: TLS that verifies the server against the CA (and its name against
+//     the address dialled, so certificates carry the hosts nodes advertise as SANs) and
+//     presents this process's certificate.
+// With no file given everything is plaintext, as before TLS existed; a partial configuration
+// (a certificate without its key, a key without the CA ...) is an error, never a silent
+// downgrade.
+//
+// Thread safety: a GrpcSecurity is immutable after Load and may be shared across threads.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace grpc {
+class Channel;
+class ChannelArguments;
+class ChannelCredentials;
+class ServerBuilder;
+class ServerContext;
+class ServerCredentials;
+}  // namespace grpc
+
+namespace kvr {
+
+struct TlsConfig {
+  std::string ca_file;    // PEM: the CA that peers' certificates must chain to
+  std::string cert_file;  // PEM: the certificate (chain) this process presents
+  std::string key_file;   // PEM: the private key of cert_file
+  [[nodiscard]] bool empty() const {
+    return ca_file.empty() && cert_file.empty() && key_file.empty();
+  }
+};
+
+// Help texts of the three settings, the same in every binary.
+inline constexpr char kTlsCaHelp[] =
+    "PEM file of the cluster CA: peers' certificates must chain to it (with tls_cert and "
+    "tls_key: every internal gRPC channel is mutual TLS; all three empty: plaintext)";
+inline constexpr char kTlsCertHelp[] = "PEM certificate this process presents (see tls_ca)";
+inline constexpr char kTlsKeyHelp[] = "PEM private key of tls_cert";
+
+// Appends the tls_ca / tls_cert / tls_key settings, stored in `Config::*tls`, to a node's
+// table of settings (a Field is {name, help, set(Config&, value) -> absl::Status,
+// get(const Config&) -> std::string}, as every kvr binary's config resolver has), so that
+// every binary offers the same three settings the same way. Returns `fields`.
+template <typename Field, typename Config>
+std::vector<Field>* AppendTlsSettingFields(std::vector<Field>* fields, TlsConfig Config::*tls) {
+  auto add = [&](const char* name, const char* help, std::string TlsConfig::*file) {
+    fields->push_back(Field{name, help,
+                            [tls, file](Config& c, const std::string& v) {
+                              (c.*tls).*file = v;
+                              return absl::OkStatus();
+                            },
+                            [tls, file](const Config& c) {
+                              const std::string& v = (c.*tls).*file;
+                              return v.empty() ? std::string("\"\"") : v;
+                            }});
+  };
+  add("tls_ca", kTlsCaHelp, &TlsConfig::ca_file);
+  add("tls_cert", kTlsCertHelp, &TlsConfig::cert_file);
+  add("tls_key", kTlsKeyHelp, &TlsConfig::key_file);
+  return fields;
+}
+
+enum class ClientCertificates {
+  // The handshake fails unless the client presents a certificate that chains to the CA.
+  kRequired,
+  // A client may connect without a certificate (public clients of the controller); one that
+  // presents a certificate must chain to the CA. Handlers of internal services call
+  // PeerHasClusterCertificate.
+  kOptional,
+};
+
+class GrpcSecurity {
+ public:
+  // Plaintext.
+  GrpcSecurity() = default;
+  // Reads the files of `config`. All empty: plaintext. A client-only configuration is the CA
+  // alone (kvr generate, kvr bench); a certificate needs its key and the CA.
+  [[nodiscard]] static absl::StatusOr<GrpcSecurity> Load(const TlsConfig& config);
+
+  [[nodiscard]] bool enabled() const { return !ca_pem_.empty(); }
+  // Whether this process has a certificate to present (servers need one).
+  [[nodiscard]] bool has_certificate() const { return !cert_pem_.empty(); }
+
+  // Server credentials for a listening port: plaintext when disabled; an error when enabled
+  // without a certificate.
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
+      ClientCertificates client_certificates) const;
+  [[nodiscard]] std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials() const;
+  // grpc::CreateCustomChannel with ChannelCredentials().
+  [[nodiscard]] std::shared_ptr<grpc::Channel> CreateChannel(
+      const std::string& target, const grpc::ChannelArguments& args) const;
+  [[nodiscard]] std::shared_ptr<grpc::Channel> CreateChannel(const std::string& target) const;
+
+  // "mutual TLS" / "plaintext", for the effective-config line of each node.
+  [[nodiscard]] std::string Describe() const;
+
+ private:
+  std::string ca_pem_;
+  std::string cert_pem_;
+  std::string key_pem_;
+};
+
+// True when the peer of `context` presented a certificate that chained to the CA of a server
+// whose credentials came from an enabled GrpcSecurity (gRPC verified it in the handshake).
+// False on a plaintext port and for a TLS client without a certificate.
+[[nodiscard]] bool PeerHasClusterCertificate(const grpc::ServerContext& context);
+
+}  // namespace kvr

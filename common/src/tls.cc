@@ -1,0 +1,105 @@
+#include "kvr/common/tls.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvr {
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* setting) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat(setting, ": cannot read '", path, "'"));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  std::string pem = text.str();
+  if (pem.find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(setting, ": '", path, "' is not a PEM file (no -----BEGIN line)"));
+  }
+  return pem;
+}
+
+}  // namespace
+
+absl::StatusOr<GrpcSecurity> GrpcSecurity::Load(const TlsConfig& config) {
+  GrpcSecurity security;
+  if (config.empty()) return security;
+  if (config.ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_ca: empty, but tls_cert or tls_key is set (TLS needs the CA that peers chain to)");
+  }
+  if (config.cert_file.empty() != config.key_file.empty()) {
+    return absl::InvalidArgumentError(config.cert_file.empty()
+                                          ? "tls_cert: empty, but tls_key is set"
+                                          : "tls_key: empty, but tls_cert is set");
+  }
+  absl::StatusOr<std::string> ca = ReadPem(config.ca_file, "tls_ca");
+  if (!ca.ok()) return ca.status();
+  security.ca_pem_ = std::move(*ca);
+  if (!config.cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPem(config.cert_file, "tls_cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPem(config.key_file, "tls_key");
+    if (!key.ok()) return key.status();
+    security.cert_pem_ = std::move(*cert);
+    security.key_pem_ = std::move(*key);
+  }
+  return security;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcSecurity::ServerCredentials(
+    ClientCertificates client_certificates) const {
+  if (!enabled()) return grpc::InsecureServerCredentials();
+  if (!has_certificate()) {
+    return absl::InvalidArgumentError(
+        "tls_cert, tls_key: a TLS server needs its own certificate and key (only tls_ca is set)");
+  }
+  grpc::SslServerCredentialsOptions options(
+      client_certificates == ClientCertificates::kRequired
+          ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+          : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  options.pem_root_certs = ca_pem_;
+  options.pem_key_cert_pairs.push_back({key_pem_, cert_pem_});
+  return grpc::SslServerCredentials(options);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> GrpcSecurity::ChannelCredentials() const {
+  if (!enabled()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions options;
+  options.pem_root_certs = ca_pem_;
+  options.pem_private_key = key_pem_;
+  options.pem_cert_chain = cert_pem_;
+  return grpc::SslCredentials(options);
+}
+
+std::shared_ptr<grpc::Channel> GrpcSecurity::CreateChannel(
+    const std::string& target, const grpc::ChannelArguments& args) const {
+  return grpc::CreateCustomChannel(target, ChannelCredentials(), args);
+}
+
+std::shared_ptr<grpc::Channel> GrpcSecurity::CreateChannel(const std::string& target) const {
+  return CreateChannel(target, grpc::ChannelArguments());
+}
+
+std::string GrpcSecurity::Describe() const {
+  if (!enabled()) return "plaintext";
+  return has_certificate() ? "TLS with a client certificate (mutual TLS)"
+                           : "TLS, server verified, no client certificate";
+}
+
+bool PeerHasClusterCertificate(const grpc::ServerContext& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  // gRPC's SSL security sets a peer identity only from a certificate it verified against the
+  // server's root certificates; plaintext and certificate-less TLS peers have none.
+  return auth != nullptr && auth->IsPeerAuthenticated();
+}
+
+}  // namespace kvr
