@@ -1,19 +1,19 @@
-# kvr::retrieval_cuda_build: GPU summary building at prefill (issue 6, "kernels-build"): ClusterKV
+# kvr::retrieval_cuda_build (sources in cuda/summaries/): GPU summary building at prefill: ClusterKV
 # k-means + layout, Quest page bounds, KeyDiff scores, A2ATS quantise, CTKVR qcIVF build. Contract and launchers:
-# cuda/include/kvr/retrieval/cuda/build.cuh. Only with nvcc (CONVENTIONS.md 7); the parity test
+# cuda/include/kvr/retrieval/cuda/build.cuh. Only with nvcc (a build without it has no GPU summary building); the parity test
 # carries the CTest label `gpu` (CI compiles it, never runs it).
 if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_select)
   add_library(kvr_retrieval_cuda_build
-    cuda/build/clusterkv.cu
-    cuda/build/quest.cu
-    cuda/build/keydiff.cu
-    cuda/build/a2ats.cu
-    cuda/build/ctkvr.cu
-    cuda/build/plan.cc)
+    cuda/summaries/clusterkv.cu
+    cuda/summaries/quest.cu
+    cuda/summaries/keydiff.cu
+    cuda/summaries/a2ats.cu
+    cuda/summaries/ctkvr.cu
+    cuda/summaries/plan.cc)
   add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)
   target_include_directories(kvr_retrieval_cuda_build
     PUBLIC cuda/include
-    PRIVATE cuda/build)
+    PRIVATE cuda/summaries)
   # kvr::retrieval_cuda_select for the shared KeyView / KeyDType of selection.cuh and the
   # selector's layout (the build writes it).
   target_link_libraries(kvr_retrieval_cuda_build
@@ -27,19 +27,19 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
   # argmax_split_test.cu: the pre-split 3xTF32 assignment kernel against the in-loop-split one
   # (argmax_gemm.cuh, private: included by relative path).
   kvr_add_test(retrieval_cuda_build_test
-    SOURCES cuda/build/tests/build_test.cc cuda/build/tests/argmax_split_test.cu
+    SOURCES cuda/summaries/tests/build_test.cc cuda/summaries/tests/argmax_split_test.cu
     LIBS kvr::retrieval_cuda_build kvr::retrieval_cuda_select kvr::retrieval_quant
          kvr::retrieval_core kvr::common
     LABELS gpu)
   set_target_properties(retrieval_cuda_build_test PROPERTIES CUDA_STANDARD 20
                                                              CUDA_STANDARD_REQUIRED ON)
 
-  add_executable(build_cuda_bench cuda/build/bench/build_cuda_bench.cc)
+  add_executable(build_cuda_bench cuda/summaries/bench/build_cuda_bench.cc)
   target_link_libraries(build_cuda_bench PRIVATE kvr::retrieval_cuda_build kvr::common)
   kvr_warnings(build_cuda_bench)
 
   # ClusterKV's assignment kernel alone: in-loop vs pre-split 3xTF32 (and fp32) in one process.
-  add_executable(assign_bench cuda/build/bench/assign_bench.cu)
+  add_executable(assign_bench cuda/summaries/bench/assign_bench.cu)
   target_link_libraries(assign_bench PRIVATE kvr::retrieval_cuda_build)
   set_target_properties(assign_bench PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON)
   kvr_warnings(assign_bench)

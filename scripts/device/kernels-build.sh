@@ -40,7 +40,7 @@ bundle() {
     grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda)\.so' |
     while read -r lib; do cp -L "$lib" "$DEV/lib/"; done
   strip -g "$DEV"/lib/*.so* 2>/dev/null || true
-  cp retrieval/cuda/build/bench/prefill_sdpa.py "$DEV/"
+  cp retrieval/cuda/summaries/bench/prefill_sdpa.py "$DEV/"
   # OpenBLAS alone is ~37 MB: the bundle travels xz-compressed (run unpacks it).
   tar -C "$DEV" -cf - . | xz -T2 -6 >/tmp/kernels-build-bundle.tar.xz
   rm -rf "$DEV" && mkdir -p "$DEV" && mv /tmp/kernels-build-bundle.tar.xz "$DEV/bundle.tar.xz"

@@ -1,6 +1,6 @@
 #pragma once
 // ClusterKV build parameters as the CPU index (retrieval/src/clusterkv.cc) derives them, exposed
-// so that the GPU summary build (retrieval/cuda/build) clusters with the same cluster count and
+// so that the GPU summary build (retrieval/cuda/summaries) clusters with the same cluster count and
 // the same k-means seeds, and its results are comparable with the CPU's.
 
 #include <cstdint>

@@ -37,7 +37,7 @@ struct KMeansResult {
 
 // The initial centroids of KMeans without plus_plus_init: k distinct point indices drawn from
 // `seed` (a partial Fisher-Yates shuffle), in centroid order. Exposed so that the GPU k-means
-// (retrieval/cuda/build) starts from exactly the CPU's centroids.
+// (retrieval/cuda/summaries) starts from exactly the CPU's centroids.
 std::vector<int64_t> KMeansRandomInitPoints(int64_t n_points, int64_t k, uint64_t seed);
 
 // Lloyd's k-means over `points` ([n_points, dim], consecutive rows `stride` floats apart).

@@ -20,7 +20,7 @@
 // seq_len[b] sizing grids and outputs. Accumulation is fp32 in the GEMM-like parts and fp64 where
 // the CPU reference sums in double (means, KeyDiff), so results match it to rounding.
 //
-// CPU references (parity tests in retrieval/cuda/build/tests): ClusterKvIndex::Build and
+// CPU references (parity tests in retrieval/cuda/summaries/tests): ClusterKvIndex::Build and
 // KMeans (retrieval/src/clusterkv.cc, ops.cc), QuestIndex's bounds (baselines.cc),
 // KeyDiffScores (keydiff.cc), A2atsIndex::Build / HeadCodebook::Assign (a2ats.cc, codebook.cc),
 // CtkvrIndex::Build (ctkvr.cc).
