@@ -11,6 +11,7 @@
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/cpu_kernels.h"
+#include "kvr/model/kv_cache.h"
 
 namespace kvr::model {
 
@@ -34,7 +35,9 @@ absl::Status ValidateAttentionRequest(const AttentionShape& shape,
   const KvView& kv = request.kv;
   if (kv.n_rows < 0) return bad("negative n_rows");
   if (kv.n_rows > 0) {
-    if (kv.k == nullptr || kv.v == nullptr) return bad("k or v is null");
+    if ((kv.k == nullptr || kv.v == nullptr) && (kv.k_f16 == nullptr || kv.v_f16 == nullptr)) {
+      return bad("k or v is null");
+    }
     if (kv.row_stride < int64_t{shape.n_kv_heads} * shape.head_dim) {
       return bad(absl::StrCat("row_stride ", kv.row_stride, " < n_kv_heads * head_dim = ",
                               int64_t{shape.n_kv_heads} * shape.head_dim));
@@ -164,6 +167,9 @@ bool AllRowsVisible(const KvView& kv, int64_t position) {
 AttentionRows KvRowsForHead(const KvView& kv, int kv_head, int head_dim, int64_t first_row,
                             int64_t n_rows) {
   const int64_t at = first_row * kv.row_stride + int64_t{kv_head} * head_dim;
+  if (kv.k == nullptr && kv.k_f16 != nullptr) {
+    return {kv.k_f16 + at, kv.v_f16 + at, n_rows, kv.row_stride, true};
+  }
   return {kv.k + at, kv.v + at, n_rows, kv.row_stride, false};
 }
 
@@ -190,9 +196,17 @@ absl::Status DenseAttention::Attend(const AttentionShape& shape,
                                              (decode_requests * shape.n_kv_heads)),
                             1, group);
   const int share_heads = (group + shares - 1) / shares;
+  // The SGEMM path reads float rows: requests on it over half rows get a widened copy (once
+  // per call, in the cache's layout, so that the GEMMs see what a float32 cache of the same
+  // values would give them).
+  std::vector<AttentionRequest> widened;
+  widened.reserve(batch.size());
+  std::vector<std::vector<float>> widened_rows;
+  widened_rows.reserve(batch.size());
   std::vector<Task> tasks;
-  for (const AttentionRequest& r : batch) {
-    if (r.n_queries == 1 && AllRowsVisible(r.kv, r.first_position)) {
+  for (const AttentionRequest& original : batch) {
+    if (original.n_queries == 1 && AllRowsVisible(original.kv, original.first_position)) {
+      const AttentionRequest& r = original;
       for (int h = 0; h < shape.n_kv_heads; ++h) {
         for (int g0 = 0; g0 < group; g0 += share_heads) {
           decode_tasks.push_back({&r, h, h * group + g0, std::min(share_heads, group - g0)});
@@ -200,6 +214,16 @@ absl::Status DenseAttention::Attend(const AttentionShape& shape,
       }
       continue;
     }
+    const AttentionRequest* rp = &original;
+    if (original.kv.k == nullptr && original.kv.k_f16 != nullptr) {
+      AttentionRequest& w = widened.emplace_back(original);
+      w.kv.n_rows = original.kv.positions.empty()
+                        ? std::min(original.kv.n_rows, original.first_position + original.n_queries)
+                        : original.kv.n_rows;
+      w.kv = AsFloatView(w.kv, &widened_rows.emplace_back());
+      rp = &w;
+    }
+    const AttentionRequest& r = *rp;
     if (r.n_queries == 1) {
       // Decode: the `group` query heads of one KV head are contiguous rows of one GEMM.
       for (int h = 0; h < shape.n_kv_heads; ++h) {
