@@ -51,3 +51,7 @@ add_executable(model_runtime_bench bench/runtime_bench.cc)
 kvr_warnings(model_runtime_bench)
 target_link_libraries(model_runtime_bench PRIVATE kvr::model kvr::common PkgConfig::OPENBLAS
                                                   CLI11::CLI11 absl::str_format)
+
+add_executable(model_greedy_agreement bench/greedy_agreement.cc)
+kvr_warnings(model_greedy_agreement)
+target_link_libraries(model_greedy_agreement PRIVATE kvr::model kvr::common CLI11::CLI11)

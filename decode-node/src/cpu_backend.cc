@@ -37,7 +37,7 @@ class CpuDecodeBackend final : public DecodeBackend {
                     .head_dim = model->config().head_dim,
                     .hot_cache_bytes = options_.hot_cache_bytes,
                     .quality_sample_rate = options_.quality_sample_rate},
-                   observer) {}
+                   observer, model->pool()) {}
 
   const model::ModelConfig& config() const override { return model_->config(); }
   std::string name() const override { return "cpu"; }

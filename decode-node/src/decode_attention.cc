@@ -11,8 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/half.h"
 #include "kvr/common/status.h"
+#include "kvr/common/thread_pool.h"
+#include "kvr/model/cpu_kernels.h"
+#include "kvr/model/dense_attention.h"
 #include "kvr/retrieval/ops.h"
-#include "kvr/retrieval/partial_attention.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::decode {
@@ -29,9 +31,11 @@ void RetrievalCounters::Add(const RetrievalCounters& o) {
   rows_offloaded += o.rows_offloaded;
 }
 
-DecodeAttention::DecodeAttention(DecodeAttentionOptions options, DecodeObserver* observer)
+DecodeAttention::DecodeAttention(DecodeAttentionOptions options, DecodeObserver* observer,
+                                 ThreadPool* pool)
     : options_(options),
       observer_(observer),
+      pool_(pool),
       hot_cache_(options.hot_cache_bytes),
       quality_rng_(options.quality_seed),
       quality_coin_(std::clamp(options.quality_sample_rate, 0.0, 1.0)) {}
@@ -187,6 +191,7 @@ absl::Status DecodeAttention::Prepare(const AttentionShape& shape, const Attenti
     w.request = request_index;
     w.head = kvh;
     w.positions.swap(ids);
+    w.sink_rows = n_sink;
   }
   return absl::OkStatus();
 }
@@ -328,34 +333,40 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
     for (const auto& [method, report] : by_method) observer_->OnRetrieval(method, report);
   }
 
-  // One softmax over resident ∪ selected, as two partials merged by log-sum-exp.
+  // One softmax per query head over sinks, selected rows and the local window, in position
+  // order (the selected positions lie between the sinks and the window and are ascending).
   const int group = shape.n_heads / shape.n_kv_heads;
-  partial_out_.resize(hd);
-  for (const HeadWork& w : work_) {
-    const AttentionRequest& r = batch[w.request];
-    const size_t need =
-        std::max<size_t>({static_cast<size_t>(r.kv.n_rows), w.positions.size(), size_t{1}});
-    if (scores_.size() < need) scores_.resize(need);
-    for (int g = 0; g < group; ++g) {
-      const int h = w.head * group + g;
-      retrieval::PartialAttentionInput in;
-      in.q = r.q + static_cast<int64_t>(h) * hd;
-      in.keys = r.kv.k + static_cast<int64_t>(w.head) * hd;
-      in.values = r.kv.v + static_cast<int64_t>(w.head) * hd;
-      in.row_stride = r.kv.row_stride;
-      in.n_rows = r.kv.n_rows;
-      in.head_dim = hd;
-      in.scale = shape.scale;
-      float* out = r.out + static_cast<int64_t>(h) * hd;
-      float lse = retrieval::AttendPartial(in, out, scores_);
-      if (w.positions.empty()) continue;
-      in.keys = rows_.data() + w.rows_offset;
-      in.values = in.keys + hd;
-      in.row_stride = row_floats;
-      in.n_rows = static_cast<int64_t>(w.positions.size());
-      const float lse_b = retrieval::AttendPartial(in, partial_out_.data(), scores_);
-      retrieval::MergeAttentionPartial(out, &lse, partial_out_.data(), lse_b, hd);
+  const model::CpuKernels& kernels = model::BestCpuKernels();
+  auto attend = [&](size_t begin, size_t end) {
+    std::vector<float> state(static_cast<size_t>(group) * (hd + 2));
+    float* m = state.data();
+    float* l = m + group;
+    float* acc = l + group;
+    for (size_t wi = begin; wi < end; ++wi) {
+      const HeadWork& w = work_[wi];
+      const AttentionRequest& r = batch[w.request];
+      std::fill_n(m, group, -std::numeric_limits<float>::infinity());
+      std::fill(l, state.data() + state.size(), 0.f);
+      const int64_t offset = int64_t{w.head} * group * hd;
+      const float* q = r.q + offset;
+      kernels.attend_rows(q, group, hd, shape.scale,
+                          model::KvRowsForHead(r.kv, w.head, hd, 0, w.sink_rows), m, l, acc);
+      const float* fetched = rows_.data() + w.rows_offset;
+      kernels.attend_rows(q, group, hd, shape.scale,
+                          {fetched, fetched + hd, static_cast<int64_t>(w.positions.size()),
+                           row_floats, false},
+                          m, l, acc);
+      kernels.attend_rows(
+          q, group, hd, shape.scale,
+          model::KvRowsForHead(r.kv, w.head, hd, w.sink_rows, r.kv.n_rows - w.sink_rows), m, l,
+          acc);
+      model::FinishAttention(group, hd, l, acc, r.out + offset);
     }
+  };
+  if (pool_ != nullptr) {
+    pool_->ParallelFor(work_.size(), attend);
+  } else {
+    attend(0, work_.size());
   }
   if (options_.quality_sample_rate > 0) SampleQuality(shape, batch);
   return absl::OkStatus();

@@ -48,7 +48,8 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
   const int64_t n_sink = std::min(o.params.n_sink, L);
   const int64_t n_local = std::min(o.params.local_window, L - n_sink);
   for (int layer = 0; layer < c.n_layers; ++layer) {
-    const model::KvView kv = cache.View(layer);
+    std::vector<float> widened;
+    const model::KvView kv = model::AsFloatView(cache.View(layer), &widened);
     // Rows to the store, packed [L, n_kv_heads, head_dim] for K and for V, in its dtype.
     const size_t row_bytes = static_cast<size_t>(row) * kv_store::DTypeSize(o.store_dtype);
     std::vector<uint8_t> k(L * row_bytes), v(L * row_bytes);

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/common/half.h"
+#include "kvr/common/thread_pool.h"
 #include "kvr/kv_store/test_pattern.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/retrieval/all_methods.h"
@@ -158,9 +159,10 @@ std::vector<float> Reference(const std::vector<float>& k, const std::vector<floa
 }
 
 // Runs `steps` decode steps (from the cache's end) through DecodeAttention and checks each
-// layer's output against `expected_rows(layer, p)`.
+// layer's output against `expected_rows(layer, p)`, within `tolerance` (0: bit for bit).
 template <typename Expected>
-void RunSteps(Fixture& f, DecodeAttention& attention, int steps, Expected expected_rows) {
+void RunSteps(Fixture& f, DecodeAttention& attention, int steps, Expected expected_rows,
+              float tolerance = 2e-5f) {
   for (int s = 0; s < steps; ++s) {
     const int64_t p = f.cache.n_tokens();  // continues where the previous call stopped
     for (int l = 0; l < kLayers; ++l) {
@@ -174,7 +176,11 @@ void RunSteps(Fixture& f, DecodeAttention& attention, int steps, Expected expect
       if (rows.empty()) continue;  // the caller checks something else
       const std::vector<float> want = Reference(f.k[l], f.v[l], q.data(), p, rows);
       for (size_t i = 0; i < out.size(); ++i) {
-        ASSERT_NEAR(out[i], want[i], 2e-5f) << "step " << s << " layer " << l << " i " << i;
+        if (tolerance == 0.f) {
+          ASSERT_EQ(out[i], want[i]) << "step " << s << " layer " << l << " i " << i;
+        } else {
+          ASSERT_NEAR(out[i], want[i], tolerance) << "step " << s << " layer " << l << " i " << i;
+        }
       }
     }
     attention.StartOffload();
@@ -188,13 +194,19 @@ std::vector<int64_t> AllUpTo(int64_t p) {
   return rows;
 }
 
+// `full` attends sinks, fetched rows and the local window in position order through the kernel
+// DenseAttention runs over the same rows, so the two agree bit for bit (what lets the cluster
+// reproduce single-process greedy decoding token for token), with or without a thread pool.
 TEST(DecodeAttentionTest, FullEqualsDenseWithAndWithoutSummaries) {
+  ThreadPool pool(2);
   for (bool null_index : {false, true}) {
     Fixture f(/*prompt=*/100, /*total=*/140, /*sink=*/4, /*local=*/16);
-    DecodeAttention attention({kLayers, kKvHeads, kDim, 1 << 20}, nullptr);
+    DecodeAttention attention({kLayers, kKvHeads, kDim, 1 << 20}, nullptr,
+                              null_index ? &pool : nullptr);
     ASSERT_TRUE(attention.AddSequence(7, f.Setup("full", 8, null_index)).ok());
-    RunSteps(f, attention, 30,
-             [](int, int64_t p, const std::vector<float>&) { return AllUpTo(p); });
+    RunSteps(
+        f, attention, 30, [](int, int64_t p, const std::vector<float>&) { return AllUpTo(p); },
+        /*tolerance=*/0.f);
     // One gather per (step, layer): the whole batch's misses go into one request.
     EXPECT_EQ(f.store.gathers.load(), 30 * kLayers);
     EXPECT_EQ(attention.node_counters().gathers, 30 * kLayers);

@@ -105,11 +105,12 @@ class DecodeIntegrationTest : public ::testing::Test {
                                    model::KvCache* prefilled) {
     model::DenseAttention dense(&pool_);
     const model::Model& m = *loaded_.model;
-    model::KvCache cache = m.NewCache();
+    // Float32 storage (the tests read float rows) of the model's half-rounded values.
+    model::KvCache cache = m.NewCache(model::KvDType::kF32);
     auto logits = m.Prefill(1, cache, prompt, dense);
     EXPECT_TRUE(logits.ok());
     std::vector<int32_t> out{model::ArgMax(*logits)};
-    model::KvCache copy = m.NewCache();
+    model::KvCache copy = m.NewCache(model::KvDType::kF32);
     for (int l = 0; l < m.config().n_layers; ++l) {
       const model::KvView v = cache.View(l);
       EXPECT_TRUE(copy.Append(l, v.n_rows, v.k, v.v, v.row_stride).ok());
@@ -135,7 +136,7 @@ class DecodeIntegrationTest : public ::testing::Test {
 
   // A dense copy of `cache` with every K/V value rounded to bf16 (exact in f32 and in bf16).
   model::KvCache RoundedToBf16(const model::KvCache& cache) {
-    model::KvCache out = loaded_.model->NewCache();
+    model::KvCache out = loaded_.model->NewCache(model::KvDType::kF32);
     const int64_t row = cache.row_floats();
     for (int l = 0; l < cache.n_layers(); ++l) {
       const model::KvView v = cache.View(l);
@@ -228,7 +229,7 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
       "summaries select it. The quick brown fox jumps over the lazy dog, again and again, while "
       "the store answers gathers for many heads and sequences in one request.");
   ASSERT_TRUE(ids.ok());
-  model::KvCache prefilled = loaded_.model->NewCache();
+  model::KvCache prefilled = loaded_.model->NewCache(model::KvDType::kF32);
   const int kTokens = 12;
   const std::vector<int32_t> expected = DenseGreedy(*ids, kTokens, &prefilled);
 
@@ -262,7 +263,7 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
     const model::KvCache rounded = RoundedToBf16(prefilled);
     const std::vector<int32_t> expected_bf16 = GreedyFrom(
         [&] {
-          model::KvCache copy = loaded_.model->NewCache();
+          model::KvCache copy = loaded_.model->NewCache(model::KvDType::kF32);
           for (int l = 0; l < rounded.n_layers(); ++l) {
             const model::KvView v = rounded.View(l);
             EXPECT_TRUE(copy.Append(l, v.n_rows, v.k, v.v, v.row_stride).ok());

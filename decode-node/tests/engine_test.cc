@@ -44,7 +44,8 @@ class EngineTest : public ::testing::Test {
   // Single-process greedy decoding with dense attention: `n` tokens, the first included.
   std::vector<int32_t> DenseGreedy(const std::vector<int32_t>& prompt, int n) {
     model::DenseAttention dense(&pool_);
-    model::KvCache cache = model_->NewCache();
+    // Float32 storage (the tests read float rows) of the model's half-rounded values.
+    model::KvCache cache = model_->NewCache(model::KvDType::kF32);
     auto logits = model_->Prefill(1, cache, prompt, dense);
     EXPECT_TRUE(logits.ok());
     std::vector<int32_t> out{model::ArgMax(*logits)};
@@ -61,7 +62,7 @@ class EngineTest : public ::testing::Test {
   Handoff MakeHandoff(uint64_t id, const std::vector<int32_t>& prompt, const std::string& method,
                       int64_t budget, uint32_t max_tokens) {
     model::DenseAttention dense(&pool_);
-    model::KvCache cache = model_->NewCache();
+    model::KvCache cache = model_->NewCache(model::KvDType::kF32);
     auto logits = model_->Prefill(id, cache, prompt, dense);
     EXPECT_TRUE(logits.ok());
     LocalHandoffOptions o;
@@ -237,7 +238,7 @@ TEST_F(EngineTest, Bf16StoreRowsDecodeAsF32RowsRoundedToBf16) {
   const std::vector<int32_t> prompt = Prompt(90, 7);
   const int64_t L = static_cast<int64_t>(prompt.size());
   model::DenseAttention dense(&pool_);
-  model::KvCache cache = model_->NewCache();
+  model::KvCache cache = model_->NewCache(model::KvDType::kF32);
   auto prefill_logits = model_->Prefill(1, cache, prompt, dense);
   ASSERT_TRUE(prefill_logits.ok());
   const model::KvCache rounded = RoundedToBf16(cache);

@@ -4,7 +4,8 @@
 //
 //   model_runtime_bench [--model PATH|smollm2-135m-instruct] [--load-format dummy --model SHAPE]
 //                       [--prompt-tokens 2048] [--decode-steps 32] [--batch 1] [--threads 0]
-//                       [--weights packed|float32] [--no-ceilings]   (--help says what each does)
+//                       [--weights packed|float32] [--kv-dtype f16|f32] [--no-ceilings]
+//                       (--help says what each does)
 //
 // Process CPU time over wall time x threads is printed as "cpu use": well under 100% means
 // other processes shared the cores and the figures are pessimistic.
@@ -121,6 +122,11 @@ int main(int argc, char** argv) {
                  "GGUF weight storage: packed (the file's formats, gemv kernels) or float32 "
                  "(dequantised at load, SGEMM/SGEMV)")
       ->capture_default_str();
+  std::string kv_dtype_name = "f16";
+  app.add_option("--kv-dtype", kv_dtype_name,
+                 "KV cache precision: f16 (half the bytes per decode step) or f32 (the exact "
+                 "float32 reference)")
+      ->capture_default_str();
   app.add_flag("--ceilings,!--no-ceilings", ceilings,
                "measure the SGEMM and memory-read ceilings first (about a second)")
       ->capture_default_str();
@@ -135,6 +141,9 @@ int main(int argc, char** argv) {
   auto storage = kvr::model::ParseWeightStorage(storage_name);
   if (!storage.ok()) return std::fprintf(stderr, "%s\n", storage.status().ToString().c_str()), 2;
   options.weights = *storage;
+  auto kv_dtype = kvr::model::ParseKvDType(kv_dtype_name);
+  if (!kv_dtype.ok()) return std::fprintf(stderr, "%s\n", kv_dtype.status().ToString().c_str()), 2;
+  options.kv_dtype = *kv_dtype;
   auto loaded = kvr::model::LoadModel(model_name, options, &pool);
   if (!loaded.ok()) return std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str()), 1;
   const kvr::model::Model& model = *loaded->model;
@@ -142,12 +151,13 @@ int main(int argc, char** argv) {
 
   const double gemm_ceiling = ceilings ? SgemmCeiling(pool) : 0;
   const double read_ceiling = ceilings ? ReadCeiling(pool) : 0;
-  std::printf("%s (%s weights, %.1f MiB, %s kernels) on %zu threads: sgemm ceiling %.1f GFLOP/s, "
-              "read ceiling %.1f GB/s\n",
-              loaded->source.c_str(), model.weights().packed() ? "packed" : "float32",
-              model.weights().allocated_bytes() / 1048576.0,
-              kvr::model::CpuIsaName(kvr::model::BestCpuKernels().isa), pool.size(), gemm_ceiling,
-              read_ceiling);
+  std::printf(
+      "%s (%s weights, %.1f MiB, %s kernels, %s KV) on %zu threads: sgemm ceiling "
+      "%.1f GFLOP/s, read ceiling %.1f GB/s\n",
+      loaded->source.c_str(), model.weights().packed() ? "packed" : "float32",
+      model.weights().allocated_bytes() / 1048576.0,
+      kvr::model::CpuIsaName(kvr::model::BestCpuKernels().isa),
+      kvr::model::KvDTypeName(model.kv_dtype()), pool.size(), gemm_ceiling, read_ceiling);
 
   // Prefill: the same synthetic prompt for every sequence (ids spread over the vocabulary).
   std::vector<int32_t> prompt(prompt_tokens);
@@ -197,9 +207,10 @@ int main(int argc, char** argv) {
   }
   const double decode_s = Since(start);
   const double decode_cpu = CpuSeconds() - cpu0;
-  // Bytes streamed per step: every weight once (float32) plus each sequence's K and V.
+  // Bytes streamed per step: every weight once plus each sequence's K and V.
+  const double kv_elem_bytes = model.kv_dtype() == kvr::model::KvDType::kF16 ? 2 : 4;
   const double kv_bytes =
-      2.0 * c.n_layers * c.kv_dim() * 4 * (prompt_tokens + decode_steps / 2.0) * batch;
+      2.0 * c.n_layers * c.kv_dim() * kv_elem_bytes * (prompt_tokens + decode_steps / 2.0) * batch;
   const double step_bytes = static_cast<double>(model.weights().allocated_bytes()) + kv_bytes;
   std::printf(
       "decode: batch %d at context %lld, %d steps in %.2f s = %.1f tok/s (%.1f steps/s), "

@@ -137,26 +137,29 @@ void DequantizeRows(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t 
   for (int64_t r = 0; r < n_rows; ++r) (void)DequantizeRow(type, w + r * row_bytes, k, out + r * k);
 }
 
-void AttendOneToken(const float* q, int group, int d, const float* k, const float* v,
-                    int64_t n_keys, int64_t row_stride, float scale, float* scores, float* out) {
-  for (int g = 0; g < group; ++g) {
-    const float* qg = q + int64_t{g} * d;
-    float* s = scores + g * n_keys;
-    float max_score = -INFINITY;
-    for (int64_t r = 0; r < n_keys; ++r) {
-      float acc = 0.f;
-      for (int i = 0; i < d; ++i) acc += qg[i] * k[r * row_stride + i];
-      s[r] = acc * scale;
-      max_score = std::max(max_score, s[r]);
-    }
-    float sum = 0.f;
-    for (int64_t r = 0; r < n_keys; ++r) sum += (s[r] = std::exp(s[r] - max_score));
-    const float inv = 1.f / sum;
-    float* og = out + int64_t{g} * d;
-    std::fill_n(og, d, 0.f);
-    for (int64_t r = 0; r < n_keys; ++r) {
-      const float p = s[r] * inv;
-      for (int i = 0; i < d; ++i) og[i] += p * v[r * row_stride + i];
+void AttendRows(const float* q, int n_heads, int d, float scale, const AttentionRows& rows,
+                float* m, float* l, float* acc) {
+  const auto element = [&](const void* base, int64_t r, int i) {
+    const int64_t at = r * rows.row_stride + i;
+    return rows.f16 ? Fp16ToFloat(static_cast<const uint16_t*>(base)[at])
+                    : static_cast<const float*>(base)[at];
+  };
+  for (int h = 0; h < n_heads; ++h) {
+    const float* qh = q + int64_t{h} * d;
+    float* ah = acc + int64_t{h} * d;
+    for (int64_t r = 0; r < rows.n_rows; ++r) {
+      float dot = 0.f;
+      for (int i = 0; i < d; ++i) dot += qh[i] * element(rows.k, r, i);
+      const float s = dot * scale;
+      if (s > m[h]) {
+        const float alpha = std::exp(m[h] - s);  // 0 for the first row (m = -inf)
+        for (int i = 0; i < d; ++i) ah[i] *= alpha;
+        l[h] *= alpha;
+        m[h] = s;
+      }
+      const float p = std::exp(s - m[h]);
+      l[h] += p;
+      for (int i = 0; i < d; ++i) ah[i] += p * element(rows.v, r, i);
     }
   }
 }

@@ -16,9 +16,8 @@
                      int64_t k, const float* a, int64_t m, float* y, int64_t ldy);              \
   void DequantizeRows(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,         \
                       int64_t k, float* out);                                                   \
-  void AttendOneToken(const float* q, int group, int d, const float* k, const float* v,          \
-                      int64_t n_keys, int64_t row_stride, float scale, float* scores,           \
-                      float* out);                                                              \
+  void AttendRows(const float* q, int n_heads, int d, float scale, const AttentionRows& rows,    \
+                  float* m, float* l, float* acc);                                              \
   void GemvFloats(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, \
                   const float* a, int64_t m, float* y, int64_t ldy);                            \
   }

@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/model/cpu_kernels.h"
+#include "kvr/model/kv_cache.h"
 
 namespace kvr::model {
 
@@ -33,7 +35,9 @@ absl::Status ValidateAttentionRequest(const AttentionShape& shape,
   const KvView& kv = request.kv;
   if (kv.n_rows < 0) return bad("negative n_rows");
   if (kv.n_rows > 0) {
-    if (kv.k == nullptr || kv.v == nullptr) return bad("k or v is null");
+    if ((kv.k == nullptr || kv.v == nullptr) && (kv.k_f16 == nullptr || kv.v_f16 == nullptr)) {
+      return bad("k or v is null");
+    }
     if (kv.row_stride < int64_t{shape.n_kv_heads} * shape.head_dim) {
       return bad(absl::StrCat("row_stride ", kv.row_stride, " < n_kv_heads * head_dim = ",
                               int64_t{shape.n_kv_heads} * shape.head_dim));
@@ -122,7 +126,52 @@ void RunTask(const AttentionShape& shape, const Task& t, std::vector<float>& sco
               static_cast<int>(kv.row_stride), 0.f, t.out, static_cast<int>(t.lda));
 }
 
+// A decode query (one token) of `n_heads` query heads that share KV head `kv_head`, over every
+// row: one pass through attend_rows.
+struct DecodeTask {
+  const AttentionRequest* request;
+  int kv_head;
+  int first_head;  // query head
+  int n_heads;
+};
+
+void RunDecodeTask(const CpuKernels& kernels, const AttentionShape& shape, const DecodeTask& t,
+                   std::vector<float>& state) {
+  const KvView& kv = t.request->kv;
+  const int d = shape.head_dim;
+  // Dense rows are positions 0..n_rows-1: rows past the query's position are never used.
+  const int64_t n_keys =
+      kv.positions.empty() ? std::min(kv.n_rows, t.request->first_position + 1) : kv.n_rows;
+  state.assign(static_cast<size_t>(t.n_heads) * (d + 2), 0.f);
+  float* m = state.data();
+  float* l = m + t.n_heads;
+  float* acc = l + t.n_heads;
+  std::fill_n(m, t.n_heads, -std::numeric_limits<float>::infinity());
+  const int64_t offset = int64_t{t.first_head} * d;
+  kernels.attend_rows(t.request->q + offset, t.n_heads, d, shape.scale,
+                      KvRowsForHead(kv, t.kv_head, d, 0, n_keys), m, l, acc);
+  FinishAttention(t.n_heads, d, l, acc, t.request->out + offset);
+}
+
+// True when every row is visible to a decode query at `position` (the one-pass kernel has no
+// mask).
+bool AllRowsVisible(const KvView& kv, int64_t position) {
+  for (int64_t p : kv.positions) {
+    if (p > position) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+AttentionRows KvRowsForHead(const KvView& kv, int kv_head, int head_dim, int64_t first_row,
+                            int64_t n_rows) {
+  const int64_t at = first_row * kv.row_stride + int64_t{kv_head} * head_dim;
+  if (kv.k == nullptr && kv.k_f16 != nullptr) {
+    return {kv.k_f16 + at, kv.v_f16 + at, n_rows, kv.row_stride, true};
+  }
+  return {kv.k + at, kv.v + at, n_rows, kv.row_stride, false};
+}
 
 absl::Status DenseAttention::Attend(const AttentionShape& shape,
                                     std::span<const AttentionRequest> batch) {
@@ -131,8 +180,50 @@ absl::Status DenseAttention::Attend(const AttentionShape& shape,
   }
   const int group = shape.n_heads / shape.n_kv_heads;
   const int64_t head_stride = int64_t{shape.n_heads} * shape.head_dim;  // floats per token
-  std::vector<Task> tasks;
+  // Decode queries: one pass over the rows per (KV head, share of its query heads). A group
+  // is split into shares when there are fewer KV heads than threads have work for; the result
+  // does not depend on the split (attend_rows).
+  std::vector<DecodeTask> decode_tasks;
+  const size_t threads = pool_ != nullptr ? pool_->size() : 1;
+  size_t decode_requests = 0;
   for (const AttentionRequest& r : batch) {
+    decode_requests += r.n_queries == 1 && AllRowsVisible(r.kv, r.first_position) ? 1 : 0;
+  }
+  const int shares =
+      decode_requests == 0
+          ? 1
+          : std::clamp<int>(static_cast<int>((2 * threads + decode_requests * shape.n_kv_heads - 1) /
+                                             (decode_requests * shape.n_kv_heads)),
+                            1, group);
+  const int share_heads = (group + shares - 1) / shares;
+  // The SGEMM path reads float rows: requests on it over half rows get a widened copy (once
+  // per call, in the cache's layout, so that the GEMMs see what a float32 cache of the same
+  // values would give them).
+  std::vector<AttentionRequest> widened;
+  widened.reserve(batch.size());
+  std::vector<std::vector<float>> widened_rows;
+  widened_rows.reserve(batch.size());
+  std::vector<Task> tasks;
+  for (const AttentionRequest& original : batch) {
+    if (original.n_queries == 1 && AllRowsVisible(original.kv, original.first_position)) {
+      const AttentionRequest& r = original;
+      for (int h = 0; h < shape.n_kv_heads; ++h) {
+        for (int g0 = 0; g0 < group; g0 += share_heads) {
+          decode_tasks.push_back({&r, h, h * group + g0, std::min(share_heads, group - g0)});
+        }
+      }
+      continue;
+    }
+    const AttentionRequest* rp = &original;
+    if (original.kv.k == nullptr && original.kv.k_f16 != nullptr) {
+      AttentionRequest& w = widened.emplace_back(original);
+      w.kv.n_rows = original.kv.positions.empty()
+                        ? std::min(original.kv.n_rows, original.first_position + original.n_queries)
+                        : original.kv.n_rows;
+      w.kv = AsFloatView(w.kv, &widened_rows.emplace_back());
+      rp = &w;
+    }
+    const AttentionRequest& r = *rp;
     if (r.n_queries == 1) {
       // Decode: the `group` query heads of one KV head are contiguous rows of one GEMM.
       for (int h = 0; h < shape.n_kv_heads; ++h) {
@@ -155,14 +246,22 @@ absl::Status DenseAttention::Attend(const AttentionShape& shape,
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
     return a.first_position > b.first_position;
   });
+  const CpuKernels& kernels = BestCpuKernels();
   auto run = [&](size_t begin, size_t end) {
-    std::vector<float> scores;
-    for (size_t i = begin; i < end; ++i) RunTask(shape, tasks[i], scores);
+    std::vector<float> scratch;
+    for (size_t i = begin; i < end; ++i) {
+      if (i < decode_tasks.size()) {
+        RunDecodeTask(kernels, shape, decode_tasks[i], scratch);
+      } else {
+        RunTask(shape, tasks[i - decode_tasks.size()], scratch);
+      }
+    }
   };
+  const size_t n_tasks = decode_tasks.size() + tasks.size();
   if (pool_ != nullptr) {
-    pool_->ParallelFor(tasks.size(), run);
+    pool_->ParallelFor(n_tasks, run);
   } else {
-    run(0, tasks.size());
+    run(0, n_tasks);
   }
   return absl::OkStatus();
 }

@@ -4,16 +4,26 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 
 namespace kvr::model {
 
-KvCache::KvCache(int n_layers, int n_kv_heads, int head_dim)
-    : n_kv_heads_(n_kv_heads), head_dim_(head_dim), layers_(n_layers) {}
+const char* KvDTypeName(KvDType dtype) { return dtype == KvDType::kF16 ? "f16" : "f32"; }
+
+absl::StatusOr<KvDType> ParseKvDType(absl::string_view name) {
+  if (name == "f32" || name == "float32") return KvDType::kF32;
+  if (name == "f16" || name == "float16") return KvDType::kF16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("KV cache dtype '", name, "': expected f32 or f16"));
+}
+
+KvCache::KvCache(int n_layers, int n_kv_heads, int head_dim, KvDType dtype)
+    : n_kv_heads_(n_kv_heads), head_dim_(head_dim), dtype_(dtype), layers_(n_layers) {}
 
 KvCache KvCache::Windowed(int n_layers, int n_kv_heads, int head_dim, int64_t n_sink,
                           int64_t local_window) {
-  KvCache cache(n_layers, n_kv_heads, head_dim);
+  KvCache cache(n_layers, n_kv_heads, head_dim, KvDType::kF32);
   cache.windowed_ = true;
   cache.n_sink_ = std::max<int64_t>(0, n_sink);
   cache.local_window_ = std::max<int64_t>(1, local_window);
@@ -29,8 +39,13 @@ void KvCache::Grow(Layer& layer, int64_t min_capacity) {
   // Geometric growth keeps appends amortised O(1) per token.
   const int64_t capacity = std::max<int64_t>({min_capacity, 2 * layer.capacity, 16});
   const size_t floats = static_cast<size_t>(capacity * row_floats());
-  layer.k.resize(floats);
-  layer.v.resize(floats);
+  if (dtype_ == KvDType::kF16) {
+    layer.k16.resize(floats);
+    layer.v16.resize(floats);
+  } else {
+    layer.k.resize(floats);
+    layer.v.resize(floats);
+  }
   if (windowed_) layer.positions.resize(static_cast<size_t>(capacity));
   layer.capacity = capacity;
 }
@@ -117,6 +132,15 @@ absl::Status KvCache::Append(int layer, int64_t n, const float* k, const float* 
   Grow(l, l.n_tokens + n);
   const int64_t row = row_floats();
   for (int64_t i = 0; i < n; ++i) {
+    if (dtype_ == KvDType::kF16) {
+      uint16_t* kd = l.k16.data() + (l.n_tokens + i) * row;
+      uint16_t* vd = l.v16.data() + (l.n_tokens + i) * row;
+      for (int64_t j = 0; j < row; ++j) {
+        kd[j] = FloatToFp16(k[i * src_stride + j]);
+        vd[j] = FloatToFp16(v[i * src_stride + j]);
+      }
+      continue;
+    }
     std::memcpy(l.k.data() + (l.n_tokens + i) * row, k + i * src_stride, row * sizeof(float));
     std::memcpy(l.v.data() + (l.n_tokens + i) * row, v + i * src_stride, row * sizeof(float));
   }
@@ -137,8 +161,13 @@ KvView KvCache::View(int layer) const {
     view.total_tokens = l.n_tokens;
     return view;
   }
-  view.k = l.k.data();
-  view.v = l.v.data();
+  if (dtype_ == KvDType::kF16) {
+    view.k_f16 = l.k16.data();
+    view.v_f16 = l.v16.data();
+  } else {
+    view.k = l.k.data();
+    view.v = l.v.data();
+  }
   view.n_rows = l.n_tokens;
   view.row_stride = row_floats();
   view.total_tokens = l.n_tokens;
@@ -177,6 +206,7 @@ int64_t KvCache::allocated_bytes() const {
   int64_t bytes = 0;
   for (const Layer& layer : layers_) {
     bytes += static_cast<int64_t>((layer.k.size() + layer.v.size()) * sizeof(float) +
+                                  (layer.k16.size() + layer.v16.size()) * sizeof(uint16_t) +
                                   layer.positions.size() * sizeof(int64_t));
   }
   return bytes;

@@ -100,7 +100,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& model, const LoadOption
     KVR_ASSIGN_OR_RETURN(ModelConfig config, DummyConfig(model, options.dummy_layers));
     KVR_RETURN_IF_ERROR(CheckFits(config));
     KVR_ASSIGN_OR_RETURN(ModelWeights weights, RandomWeights(config, options.dummy_seed, pool));
-    KVR_ASSIGN_OR_RETURN(loaded.model, Model::Create(std::move(config), std::move(weights), pool));
+    KVR_ASSIGN_OR_RETURN(
+        loaded.model, Model::Create(std::move(config), std::move(weights), pool, options.kv_dtype));
     loaded.source = absl::StrCat("dummy:", model);
     return loaded;
   }
@@ -126,7 +127,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& model, const LoadOption
     KVR_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::FromGgufMetadata(spec));
     loaded.tokenizer.emplace(std::move(tokenizer));
     KVR_ASSIGN_OR_RETURN(ModelWeights weights, LoadGgufWeights(file, config, pool, options.weights));
-    KVR_ASSIGN_OR_RETURN(loaded.model, Model::Create(std::move(config), std::move(weights), pool));
+    KVR_ASSIGN_OR_RETURN(
+        loaded.model, Model::Create(std::move(config), std::move(weights), pool, options.kv_dtype));
     return loaded;
   }
   if (!is_dir) {
@@ -140,7 +142,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& model, const LoadOption
   KVR_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::FromHuggingFaceDir(path));
   loaded.tokenizer.emplace(std::move(tokenizer));
   KVR_ASSIGN_OR_RETURN(ModelWeights weights, LoadHfWeights(checkpoint, config, pool));
-  KVR_ASSIGN_OR_RETURN(loaded.model, Model::Create(std::move(config), std::move(weights), pool));
+  KVR_ASSIGN_OR_RETURN(
+      loaded.model, Model::Create(std::move(config), std::move(weights), pool, options.kv_dtype));
   return loaded;
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
 
@@ -111,26 +112,27 @@ void MatMulTransposed(ThreadPool* pool, const float* a, int64_t m, int64_t k, co
   }
 }
 
-Model::Model(ModelConfig config, ModelWeights weights, ThreadPool* pool)
+Model::Model(ModelConfig config, ModelWeights weights, ThreadPool* pool, KvDType kv_dtype)
     : config_(std::move(config)),
       weights_(std::move(weights)),
       pool_(pool),
+      kv_dtype_(kv_dtype),
       kernels_(&BestCpuKernels()),
       rope_inv_freq_(RopeInverseFrequencies(config_)) {}
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Create(ModelConfig config, ModelWeights weights,
-                                                     ThreadPool* pool) {
+                                                     ThreadPool* pool, KvDType kv_dtype) {
   KVR_RETURN_IF_ERROR(config.Validate());
   KVR_RETURN_IF_ERROR(weights.CheckShapes(config));
   // Every GEMM is issued from the pool's threads, one slice each; OpenBLAS's own threads would
   // only compete with them (2 cores here). This is process-wide OpenBLAS state, set the same
   // way by every Model.
   openblas_set_num_threads(1);
-  return std::unique_ptr<Model>(new Model(std::move(config), std::move(weights), pool));
+  return std::unique_ptr<Model>(new Model(std::move(config), std::move(weights), pool, kv_dtype));
 }
 
-KvCache Model::NewCache() const {
-  return KvCache(config_.n_layers, config_.n_kv_heads, config_.head_dim);
+KvCache Model::NewCache(KvDType storage) const {
+  return KvCache(config_.n_layers, config_.n_kv_heads, config_.head_dim, storage);
 }
 
 absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& attention,
@@ -259,6 +261,13 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
                  cos_table.data() + b * half, sin_table.data() + b * half);
       RotateRows(qkv.data() + b * qkv_dim + q_dim, e - b, c.n_kv_heads, c.head_dim, qkv_dim,
                  cos_table.data() + b * half, sin_table.data() + b * half);
+      if (kv_dtype_ == KvDType::kF16) {
+        // Every cache gets the half values, whatever it stores (see Create).
+        for (size_t t = b; t < e; ++t) {
+          float* kv_row = qkv.data() + t * qkv_dim + q_dim;
+          for (int64_t i = 0; i < 2 * kv_dim; ++i) kv_row[i] = Fp16ToFloat(FloatToFp16(kv_row[i]));
+        }
+      }
     });
     for (size_t b = 0; b < batch.size(); ++b) {
       const ForwardSequence& s = batch[b];

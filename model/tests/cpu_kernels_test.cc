@@ -14,12 +14,14 @@
 // summation order) to 1e-5 relative, and quantise activations to identical bytes.
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvr/common/half.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/cpu_kernels.h"
 #include "kvr/model/dequant.h"
@@ -243,44 +245,129 @@ TEST_P(CpuKernelsTest, AgreesWithTheGenericPath) {
   }
 }
 
-// One decode token's attention for a group of heads against a float64 softmax. Tolerance
-// 2e-5 x max|v| (float scores and the vectorised exp's < 2e-7 relative error).
-TEST_P(CpuKernelsTest, AttendOneTokenMatchesFloat64Softmax) {
+// Online-softmax state of `heads` query heads before any row.
+struct OnlineState {
+  OnlineState(int heads, int d) : m(heads, -INFINITY), l(heads, 0.f), acc(int64_t{heads} * d, 0.f) {}
+  std::vector<float> m, l, acc;
+};
+
+// K/V as the kernel reads them: float32, or the same values rounded to IEEE half (then `f32`
+// holds the rounded values, which the float64 reference uses).
+struct KvRowsUnderTest {
+  std::vector<float> f32;
+  std::vector<uint16_t> f16;
+  const void* data(bool half) const { return half ? static_cast<const void*>(f16.data()) : f32.data(); }
+};
+KvRowsUnderTest RowsOf(std::vector<float> values, bool half) {
+  KvRowsUnderTest r;
+  if (half) {
+    for (float& x : values) r.f16.push_back(FloatToFp16(x)), x = Fp16ToFloat(r.f16.back());
+  }
+  r.f32 = std::move(values);
+  return r;
+}
+
+// One decode token's attention (attend_rows + FinishAttention) for a group of heads against a
+// float64 softmax over the same (f32 or f16-rounded) rows. Tolerance 2e-5 x max|v|: float
+// scores, the online rescaling (a few roundings per rise of the maximum) and the vectorised
+// exp's < 2e-7 relative error.
+TEST_P(CpuKernelsTest, AttendRowsMatchesFloat64Softmax) {
   struct Case {
     int group, d;
     int64_t n_keys, row_stride;
   };
-  for (const Case& c : {Case{3, 64, 1, 192}, Case{3, 64, 9, 192}, Case{3, 64, 300, 200},
-                        Case{1, 128, 17, 128}, Case{5, 64, 40, 320}, Case{8, 128, 33, 1024},
-                        Case{2, 40, 20, 80}, Case{4, 24, 8, 24}}) {
-    SCOPED_TRACE(CaseName(c.group, c.d, c.n_keys));
-    const std::vector<float> q = RandomValues(c.group * c.d, 13, 0.5f);
-    const std::vector<float> k = RandomValues(c.n_keys * c.row_stride, 14);
-    const std::vector<float> v = RandomValues(c.n_keys * c.row_stride, 15);
-    const float scale = 1.f / std::sqrt(static_cast<float>(c.d));
-    std::vector<float> scores(c.group * c.n_keys);
-    std::vector<float> out(c.group * c.d, std::numeric_limits<float>::quiet_NaN());
-    kernels().attend_one_token(q.data(), c.group, c.d, k.data(), v.data(), c.n_keys, c.row_stride,
-                               scale, scores.data(), out.data());
-    double vmax = 0;
-    for (float x : v) vmax = std::max(vmax, std::fabs(static_cast<double>(x)));
-    for (int g = 0; g < c.group; ++g) {
-      std::vector<double> p(c.n_keys);
-      double max_s = -INFINITY, sum = 0;
+  for (const bool half : {false, true}) {
+    for (const Case& c : {Case{3, 64, 1, 192}, Case{3, 64, 9, 192}, Case{3, 64, 300, 200},
+                          Case{1, 128, 17, 128}, Case{5, 64, 40, 320}, Case{8, 128, 33, 1024},
+                          Case{2, 32, 65, 64}, Case{2, 40, 20, 80}, Case{4, 24, 8, 24}}) {
+      SCOPED_TRACE(CaseName(c.group, c.d, c.n_keys) + (half ? " f16" : " f32"));
+      const std::vector<float> q = RandomValues(c.group * c.d, 13, 0.5f);
+      // Rising keys make the running maximum rise often (the rescaling path).
+      std::vector<float> kvals = RandomValues(c.n_keys * c.row_stride, 14);
       for (int64_t r = 0; r < c.n_keys; ++r) {
-        double s = 0;
-        for (int i = 0; i < c.d; ++i) s += static_cast<double>(q[g * c.d + i]) * k[r * c.row_stride + i];
-        p[r] = s * scale;
-        max_s = std::max(max_s, p[r]);
+        for (int i = 0; i < c.d; ++i) kvals[r * c.row_stride + i] += 0.01f * r * q[i];
       }
-      for (double& x : p) sum += (x = std::exp(x - max_s));
-      for (int i = 0; i < c.d; ++i) {
-        double ref = 0;
-        for (int64_t r = 0; r < c.n_keys; ++r) ref += p[r] / sum * v[r * c.row_stride + i];
-        ASSERT_NEAR(out[g * c.d + i], ref, 2e-5 * vmax) << "head " << g << " dim " << i;
+      const KvRowsUnderTest k = RowsOf(std::move(kvals), half);
+      const KvRowsUnderTest v = RowsOf(RandomValues(c.n_keys * c.row_stride, 15), half);
+      const float scale = 1.f / std::sqrt(static_cast<float>(c.d));
+      OnlineState st(c.group, c.d);
+      kernels().attend_rows(q.data(), c.group, c.d, scale,
+                            {k.data(half), v.data(half), c.n_keys, c.row_stride, half},
+                            st.m.data(), st.l.data(), st.acc.data());
+      std::vector<float> out(c.group * c.d, std::numeric_limits<float>::quiet_NaN());
+      FinishAttention(c.group, c.d, st.l.data(), st.acc.data(), out.data());
+      double vmax = 0;
+      for (float x : v.f32) vmax = std::max(vmax, std::fabs(static_cast<double>(x)));
+      for (int g = 0; g < c.group; ++g) {
+        std::vector<double> p(c.n_keys);
+        double max_s = -INFINITY, sum = 0;
+        for (int64_t r = 0; r < c.n_keys; ++r) {
+          double s = 0;
+          for (int i = 0; i < c.d; ++i) {
+            s += static_cast<double>(q[g * c.d + i]) * k.f32[r * c.row_stride + i];
+          }
+          p[r] = s * scale;
+          max_s = std::max(max_s, p[r]);
+        }
+        for (double& x : p) sum += (x = std::exp(x - max_s));
+        for (int i = 0; i < c.d; ++i) {
+          double ref = 0;
+          for (int64_t r = 0; r < c.n_keys; ++r) ref += p[r] / sum * v.f32[r * c.row_stride + i];
+          ASSERT_NEAR(out[g * c.d + i], ref, 2e-5 * vmax) << "head " << g << " dim " << i;
+        }
       }
     }
   }
+}
+
+// The property the model's dense attention and the decode node's attention rely on to agree bit
+// for bit: the same rows attended in one call, in runs of any lengths (a decode node's sinks,
+// fetched rows and local window), or one head at a time give identical bits.
+TEST_P(CpuKernelsTest, AttendRowsIsIndependentOfHowRowsAndHeadsAreSplit) {
+  constexpr int kGroup = 3, kD = 64;
+  constexpr int64_t kRows = 517, kStride = 3 * kD;
+  for (const bool half : {false, true}) {
+    SCOPED_TRACE(half ? "f16" : "f32");
+    const std::vector<float> q = RandomValues(kGroup * kD, 21, 0.8f);
+    const KvRowsUnderTest k = RowsOf(RandomValues(kRows * kStride, 22), half);
+    const KvRowsUnderTest v = RowsOf(RandomValues(kRows * kStride, 23), half);
+    const size_t elem = half ? 2 : 4;
+    auto rows = [&](int64_t begin, int64_t n, int head_offset) {
+      const auto* kb = static_cast<const uint8_t*>(k.data(half));
+      const auto* vb = static_cast<const uint8_t*>(v.data(half));
+      const size_t at = (begin * kStride + head_offset) * elem;
+      return AttentionRows{kb + at, vb + at, n, kStride, half};
+    };
+    const float scale = 0.125f;
+    OnlineState whole(kGroup, kD);
+    kernels().attend_rows(q.data(), kGroup, kD, scale, rows(0, kRows, 0), whole.m.data(),
+                          whole.l.data(), whole.acc.data());
+    std::mt19937 rng(7);
+    for (int trial = 0; trial < 20; ++trial) {
+      OnlineState split(kGroup, kD);
+      for (int h = 0; h < kGroup; ++h) {
+        for (int64_t begin = 0; begin < kRows;) {
+          const int64_t n = std::min<int64_t>(kRows - begin, 1 + rng() % 70);
+          kernels().attend_rows(q.data() + h * kD, 1, kD, scale, rows(begin, n, 0),
+                                split.m.data() + h, split.l.data() + h,
+                                split.acc.data() + h * kD);
+          begin += n;
+        }
+      }
+      ASSERT_EQ(split.m, whole.m);
+      ASSERT_EQ(split.l, whole.l);
+      ASSERT_EQ(0, std::memcmp(split.acc.data(), whole.acc.data(), split.acc.size() * 4));
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, FinishAttentionOfNoRowsIsZero) {
+  OnlineState st(2, 32);
+  kernels().attend_rows(nullptr, 2, 32, 1.f, {nullptr, nullptr, 0, 32, false}, st.m.data(),
+                        st.l.data(), st.acc.data());
+  std::vector<float> out(64, std::numeric_limits<float>::quiet_NaN());
+  FinishAttention(2, 32, st.l.data(), st.acc.data(), out.data());
+  for (float x : out) ASSERT_EQ(x, 0.f);
 }
 
 INSTANTIATE_TEST_SUITE_P(AvailableIsas, CpuKernelsTest, testing::ValuesIn(AvailableCpuIsas()),

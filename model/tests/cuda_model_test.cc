@@ -176,6 +176,7 @@ TEST(CudaModelTest, SmolLm2GgufGreedyMatchesCpu) {
   ThreadPool pool;
   LoadOptions options;
   options.weights = WeightStorage::kFloat32;  // CreateCudaModel uploads float32 weights
+  options.kv_dtype = KvDType::kF32;           // and keeps float32 KV
   auto loaded = LoadModel(path, options, &pool);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   const Model& cpu = *loaded->model;

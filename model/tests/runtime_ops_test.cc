@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvr/common/half.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/config.h"
 #include "kvr/model/dense_attention.h"
@@ -245,6 +246,61 @@ TEST(DenseAttentionTest, MatchesNaiveGqaCausal) {
     for (size_t i = 0; i < expected.size(); ++i) {
       ASSERT_NEAR((*outs[b])[i], expected[i], 1e-5) << "sequence " << b << " element " << i;
     }
+  }
+}
+
+// A half cache holds each row rounded to nearest even, in half the bytes; AsFloatView widens
+// it back exactly.
+TEST(KvCacheTest, HalfCacheHoldsRoundedRowsInHalfTheBytes) {
+  KvCache half(1, 2, 8, KvDType::kF16), full(1, 2, 8, KvDType::kF32);
+  const auto k = RandomVector(37 * 16, 40, 3.f), v = RandomVector(37 * 16, 41);
+  ASSERT_TRUE(half.Append(0, 37, k.data(), v.data(), 16).ok());
+  ASSERT_TRUE(full.Append(0, 37, k.data(), v.data(), 16).ok());
+  EXPECT_EQ(half.dtype(), KvDType::kF16);
+  EXPECT_EQ(2 * half.allocated_bytes(), full.allocated_bytes());
+  const KvView view = half.View(0);
+  EXPECT_EQ(view.k, nullptr);
+  ASSERT_NE(view.k_f16, nullptr);
+  std::vector<float> scratch;
+  const KvView wide = AsFloatView(view, &scratch);
+  ASSERT_EQ(wide.n_rows, 37);
+  for (size_t i = 0; i < k.size(); ++i) {
+    ASSERT_EQ(view.k_f16[i], FloatToFp16(k[i]));
+    ASSERT_EQ(wide.k[i], Fp16ToFloat(FloatToFp16(k[i])));
+    ASSERT_EQ(wide.v[i], Fp16ToFloat(FloatToFp16(v[i])));
+  }
+  EXPECT_EQ(ParseKvDType("f16").value(), KvDType::kF16);
+  EXPECT_EQ(ParseKvDType("f32").value(), KvDType::kF32);
+  EXPECT_FALSE(ParseKvDType("bf16").ok());
+}
+
+// Dense attention over a half cache equals dense attention over a float32 cache of the rounded
+// values, bit for bit, for prefill (SGEMM on widened rows) and decode (attend_rows on half).
+TEST(DenseAttentionTest, HalfRowsGiveTheBitsOfTheirFloatValues) {
+  ThreadPool pool(2);
+  DenseAttention attention(&pool, /*query_block=*/4);
+  const AttentionShape shape{6, 2, 32, 1.f / std::sqrt(32.f)};
+  KvCache half(1, 2, 32, KvDType::kF16), full(1, 2, 32, KvDType::kF32);
+  const auto k = RandomVector(50 * 64, 42, 2.f), v = RandomVector(50 * 64, 43);
+  std::vector<float> rk(k.size()), rv(v.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    rk[i] = Fp16ToFloat(FloatToFp16(k[i]));
+    rv[i] = Fp16ToFloat(FloatToFp16(v[i]));
+  }
+  ASSERT_TRUE(half.Append(0, 50, k.data(), v.data(), 64).ok());
+  ASSERT_TRUE(full.Append(0, 50, rk.data(), rv.data(), 64).ok());
+  const auto q = RandomVector(9 * 192, 44);
+  for (int64_t n_queries : {9, 1}) {
+    SCOPED_TRACE(n_queries == 1 ? "decode" : "prefill");
+    std::vector<float> out_half(n_queries * 192, NAN), out_full(n_queries * 192, NAN);
+    AttentionRequest a{0, 0, 50 - n_queries, n_queries, q.data(), half.View(0), out_half.data()};
+    AttentionRequest b{0, 0, 50 - n_queries, n_queries, q.data(), full.View(0), out_full.data()};
+    ASSERT_TRUE(attention.Attend(shape, std::span(&a, 1)).ok());
+    ASSERT_TRUE(attention.Attend(shape, std::span(&b, 1)).ok());
+    for (size_t i = 0; i < out_half.size(); ++i) ASSERT_EQ(out_half[i], out_full[i]) << i;
+    std::vector<float> expected;
+    NaiveAttention(shape, b, expected);
+    for (size_t i = 0; i < expected.size(); ++i) ASSERT_NEAR(out_half[i], expected[i], 1e-5) << i;
   }
 }
 

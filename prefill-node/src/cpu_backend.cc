@@ -80,7 +80,8 @@ class CpuPrefillBackend final : public PrefillBackend {
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     const int64_t L = static_cast<int64_t>(call.ids.size());
-    auto owned = std::make_unique<CpuRows>(model_->NewCache(), model_->config().n_layers);
+    auto owned = std::make_unique<CpuRows>(model_->NewCache(model::KvDType::kF32),
+                                           model_->config().n_layers);
     CpuRows* r = owned.get();
     *rows = std::move(owned);
     r->cache.Reserve(L);  // views handed out must not move

@@ -136,7 +136,8 @@ TEST_F(PrefillEngineTest, ShipsEveryLayerToStoreAndDecodeNode) {
   auto ids = engine_->Tokenize(job.prompt);
   ASSERT_TRUE(ids.ok());
   const int64_t L = static_cast<int64_t>(ids->size());
-  model::KvCache cache = m.NewCache();
+  // Float32 storage (the tests read float rows) of the model's half-rounded values.
+  model::KvCache cache = m.NewCache(model::KvDType::kF32);
   model::DenseAttention dense(pool_);
   auto logits = m.Prefill(1, cache, *ids, dense, 64);
   ASSERT_TRUE(logits.ok());
@@ -220,7 +221,7 @@ TEST_F(PrefillEngineTest, Bf16StoreRowsAreTheRowsRoundedToBf16) {
   auto ids = engine.Tokenize(job.prompt);
   ASSERT_TRUE(ids.ok());
   const int64_t L = static_cast<int64_t>(ids->size());
-  model::KvCache cache = m.NewCache();
+  model::KvCache cache = m.NewCache(model::KvDType::kF32);
   model::DenseAttention dense(pool_);
   ASSERT_TRUE(m.Prefill(1, cache, *ids, dense, 64).ok());
   // Half the bytes of f32 rows.

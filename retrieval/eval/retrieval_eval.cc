@@ -244,7 +244,7 @@ class RecordingDense final : public kvr::model::Attention {
 
 absl::StatusOr<KvCache> CopyCache(const kvr::model::Model& model, const KvCache& src,
                                   int64_t reserve) {
-  KvCache dst = model.NewCache();
+  KvCache dst = model.NewCache(kvr::model::KvDType::kF32);
   dst.Reserve(reserve);
   for (int l = 0; l < src.n_layers(); ++l) {
     const kvr::model::KvView v = src.View(l);
@@ -365,7 +365,7 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
         progress(absl::StrCat(pc.name, " context ", n_prompt, ": dense prefill"));
       }
       // Dense prefill, once; its logits predict continuation[0] for every method alike.
-      KvCache prefilled = model.NewCache();
+      KvCache prefilled = model.NewCache(kvr::model::KvDType::kF32);
       prefilled.Reserve(total);
       RecordingDense recorder(pool, cfg.n_layers, 512);
       const auto t_prefill = Clock::now();

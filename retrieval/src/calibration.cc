@@ -178,7 +178,7 @@ absl::Status CollectCalibrationSamples(const model::Model& model,
   model::SequenceId id = 1;
   for (const std::vector<int32_t>& tokens : sequences) {
     if (tokens.empty()) continue;
-    model::KvCache cache = model.NewCache();
+    model::KvCache cache = model.NewCache(model::KvDType::kF32);
     KVR_RETURN_IF_ERROR(model.Prefill(id, cache, tokens, attention, prefill_chunk).status());
     attention.Release(id);
     ++id;

@@ -110,7 +110,13 @@ int64_t SparseAttention::IndexBytes(kvr::model::SequenceId sequence) const {
 }
 
 absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
-                                        const AttentionRequest& request) {
+                                        const AttentionRequest& half_or_float) {
+  // Half rows (a KvDType::kF16 cache) are widened to float32 for this call: the index and the
+  // partial attention read float rows. A float32 cache (Model::NewCache(KvDType::kF32)) of
+  // the same values avoids the copy.
+  std::vector<float> widened;
+  AttentionRequest request = half_or_float;
+  request.kv = kvr::model::AsFloatView(half_or_float.kv, &widened);
   if (!request.kv.positions.empty()) {
     return absl::UnimplementedError(
         "SparseAttention: KvView rows with explicit positions (a partial cache) are not "

@@ -48,6 +48,7 @@ struct GenerateOptions {
   int threads = 0;
   std::string load_format = "auto";
   std::string weights = "packed";
+  std::string kv_dtype = "f16";
   bool show_ids = false;
   bool parse_special = false;
   int layers = 0;
@@ -252,6 +253,7 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   if (!o.endpoint.empty()) return RunRemote(o);
   KVR_ASSIGN_OR_RETURN(model::LoadFormat format, model::ParseLoadFormat(o.load_format));
   KVR_ASSIGN_OR_RETURN(model::WeightStorage storage, model::ParseWeightStorage(o.weights));
+  KVR_ASSIGN_OR_RETURN(model::KvDType kv_dtype, model::ParseKvDType(o.kv_dtype));
   KVR_ASSIGN_OR_RETURN(model::Sampler sampler,
                        model::Sampler::Create({.temperature = o.temperature,
                                                .top_p = o.top_p,
@@ -266,6 +268,7 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   load_options.dummy_seed = o.seed;
   load_options.dummy_layers = o.layers;
   load_options.weights = storage;
+  load_options.kv_dtype = kv_dtype;
   KVR_ASSIGN_OR_RETURN(model::LoadedModel loaded, model::LoadModel(o.model, load_options, &pool));
   const model::Model& m = *loaded.model;
   const model::ModelConfig& c = m.config();
@@ -366,6 +369,11 @@ void AddGenerateCommand(CLI::App& app) {
                   "GGUF weight storage: packed (the file's formats, 8-bit activations in decode; "
                   "the fast path) or float32 (dequantised at load; the exact reference)")
       ->check(CLI::IsMember({"packed", "float32"}))
+      ->capture_default_str();
+  cmd->add_option("--kv-dtype", options->kv_dtype,
+                  "local: KV cache precision, f16 (half the bytes a decode step reads; what the "
+                  "nodes use) or f32 (the exact reference)")
+      ->check(CLI::IsMember({"f16", "f32"}))
       ->capture_default_str();
   cmd->add_flag("--parse-special", options->parse_special,
                 "raw prompts: recognise special tokens written in the text (e.g. <|im_start|>) "

@@ -10,8 +10,9 @@
 //      positions that are neither sink nor local (`full`: every such position);
 //   3. the selected (sequence, layer, head, position) rows are looked up in the hot cache; ALL
 //      misses of all sequences and heads go into ONE StartGather per store;
-//   4. attention = one softmax over sink ∪ local ∪ selected, computed as two partials (resident
-//      rows, selected rows) merged by log-sum-exp (retrieval/partial_attention.h).
+//   4. attention = one softmax over sink ∪ selected ∪ local, in position order, through the
+//      model's one-pass kernel (CpuKernels::attend_rows: online softmax over the sinks, then
+//      the selected rows, then the local window), per (request, KV head) over the thread pool.
 // With quality_sample_rate > 0, after the attention a sampled fraction of (sequence, layer)
 // also reads the keys of every candidate position from the store (one RangeRead for all KV
 // heads), computes the exact oracle's top-budget and the softmax over [0, position], and
@@ -25,8 +26,9 @@
 // byte counters count the bytes really moved.
 //
 // Same computation as kvr::retrieval::SparseAttention (single process), with the KV split
-// between resident rows and the store: with `full` the result equals dense attention up to
-// float rounding.
+// between resident rows and the store. With `full` and f32 store rows, every row is attended
+// in position order by the kernel DenseAttention runs, so the result equals single-process
+// dense attention bit for bit (attend_rows does not depend on how rows are split into runs).
 //
 // Thread safety: one thread (the decode loop) calls everything.
 
@@ -45,6 +47,10 @@
 #include "kvr/model/attention.h"
 #include "kvr/model/kv_cache.h"
 #include "kvr/retrieval/index.h"
+
+namespace kvr {
+class ThreadPool;
+}  // namespace kvr
 
 namespace kvr::decode {
 
@@ -104,8 +110,10 @@ struct DecodeAttentionOptions {
 
 class DecodeAttention final : public model::Attention {
  public:
-  // `observer` may be null; it must outlive this object.
-  DecodeAttention(DecodeAttentionOptions options, DecodeObserver* observer);
+  // `observer` and `pool` may be null (single-threaded attention); both must outlive this
+  // object. The pool is the model's: Attend runs between the model's parallel sections.
+  DecodeAttention(DecodeAttentionOptions options, DecodeObserver* observer,
+                  ThreadPool* pool = nullptr);
   ~DecodeAttention() override;
 
   // InvalidArgument when the setup does not fit the model (layers, cache shape) or its
@@ -149,6 +157,7 @@ class DecodeAttention final : public model::Attention {
     size_t request = 0;
     int head = 0;
     std::vector<int64_t> positions;  // selected, ascending
+    int64_t sink_rows = 0;           // resident rows before the selected positions
     size_t rows_offset = 0;          // into rows_ (floats)
   };
   struct PendingPut {
@@ -168,6 +177,7 @@ class DecodeAttention final : public model::Attention {
 
   DecodeAttentionOptions options_;
   DecodeObserver* observer_;
+  ThreadPool* pool_;
   HotCache hot_cache_;
   absl::flat_hash_map<model::SequenceId, Sequence> sequences_;
   NodeCounters node_;
@@ -177,8 +187,7 @@ class DecodeAttention final : public model::Attention {
   retrieval::Selection selection_;
   std::vector<HeadWork> work_;
   std::vector<float> rows_;  // [selected rows, 2 * head_dim]: the selected rows of every HeadWork
-  std::vector<float> scores_;
-  std::vector<float> partial_out_;
+  std::vector<float> scores_;  // quality sampling's scores
   std::mt19937_64 quality_rng_;
   std::bernoulli_distribution quality_coin_;
   std::vector<float> quality_rows_;    // [n_kv_heads, candidates, 2 * head_dim]

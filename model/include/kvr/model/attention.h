@@ -10,8 +10,10 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "kvr/common/half.h"
 
 namespace kvr::model {
 
@@ -28,17 +30,37 @@ struct AttentionShape {
 // The KV rows of one sequence and layer that are resident where the attention runs.
 // Row r holds the key and value of token position `positions[r]`, or of position r when
 // `positions` is empty (the common case: a dense cache holding positions [0, n_rows)).
-// Keys have RoPE applied. Rows are float32.
+// Keys have RoPE applied. Rows are float32 (k, v), or IEEE half (k_f16, v_f16, set instead of
+// k and v) when the cache stores half (KvCache with KvDType::kF16). Implementations that take
+// only float rows widen them (AsFloatView below).
 struct KvView {
   const float* k = nullptr;  // [n_rows, n_kv_heads, head_dim], consecutive rows `row_stride` apart
   const float* v = nullptr;  // [n_rows, n_kv_heads, head_dim], same strides as k
   int64_t n_rows = 0;
-  int64_t row_stride = 0;    // floats between row r and r+1 (>= n_kv_heads * head_dim)
+  int64_t row_stride = 0;              // elements between row r and r+1 (>= n_kv_heads * head_dim)
   std::span<const int64_t> positions;  // [n_rows] or empty
   // Tokens in the sequence so far at this layer, including the queries' own tokens. May exceed
   // n_rows when some rows live elsewhere (a KV store).
   int64_t total_tokens = 0;
+  // The rows in half, set instead of k and v when the cache stores half; same layout.
+  const uint16_t* k_f16 = nullptr;
+  const uint16_t* v_f16 = nullptr;
 };
+
+// `view` with float32 rows: itself when it has them, else its half rows widened into `scratch`
+// (the rows [0, n_rows), same strides). For consumers that read float rows directly.
+inline KvView AsFloatView(const KvView& view, std::vector<float>* scratch) {
+  if (view.k != nullptr || view.k_f16 == nullptr || view.n_rows == 0) return view;
+  const size_t n = static_cast<size_t>(view.n_rows * view.row_stride);
+  scratch->resize(2 * n);
+  for (size_t i = 0; i < n; ++i) (*scratch)[i] = Fp16ToFloat(view.k_f16[i]);
+  for (size_t i = 0; i < n; ++i) (*scratch)[n + i] = Fp16ToFloat(view.v_f16[i]);
+  KvView out = view;
+  out.k = scratch->data();
+  out.v = scratch->data() + n;
+  out.k_f16 = out.v_f16 = nullptr;
+  return out;
+}
 
 // One sequence's share of an attention call.
 struct AttentionRequest {

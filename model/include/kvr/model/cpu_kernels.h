@@ -29,6 +29,27 @@ struct ActivationBlock {
 };
 static_assert(sizeof(ActivationBlock) == 40);
 
+// K/V rows for CpuKernels::attend_rows: row r of K starts at element r * row_stride of `k`,
+// row r of V likewise of `v`; d elements are used from each. Elements are float32, or IEEE
+// half (the f16 KV cache) when `f16`.
+struct AttentionRows {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t n_rows = 0;
+  int64_t row_stride = 0;  // elements
+  bool f16 = false;
+};
+
+// out[h] = acc[h] / l[h] for the state attend_rows left ([n_heads, d]); zeros where no row was
+// attended (l == 0). Every caller of attend_rows finishes through this one function, so that
+// two paths over the same rows agree bit for bit.
+inline void FinishAttention(int n_heads, int d, const float* l, const float* acc, float* out) {
+  for (int h = 0; h < n_heads; ++h) {
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    for (int i = 0; i < d; ++i) out[int64_t{h} * d + i] = acc[int64_t{h} * d + i] * inv;
+  }
+}
+
 enum class CpuIsa { kGeneric, kAvx2, kAvx512 };
 
 // "generic", "avx2", "avx512".
@@ -58,14 +79,18 @@ struct CpuKernels {
   void (*dequantize_rows)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
                           int64_t k, float* out) = nullptr;
 
-  // Attention of one decode token for the `group` query heads that share a KV head:
-  //   out[g] = softmax(scale * q[g] . k[r] over r < n_keys) . v
-  // q, out: [group, d] contiguous; k, v: n_keys rows `row_stride` floats apart, d floats used
-  // from each; scores: scratch of group * n_keys floats. One pass over K, one over V (the
-  // group's heads share each row load). n_keys >= 1.
-  void (*attend_one_token)(const float* q, int group, int d, const float* k, const float* v,
-                           int64_t n_keys, int64_t row_stride, float scale, float* scores,
-                           float* out) = nullptr;
+  // One decode token's attention over a run of K/V rows, as online softmax: folds the rows
+  // into the running state (m, l, acc) of `n_heads` query heads that share these rows, so that
+  // a cache can be attended in several runs (a decode node's sinks, fetched rows and local
+  // window) with FinishAttention at the end. Per head and row, in row order:
+  //   s = scale * (q[h] . k[r]);  if s > m[h]: acc[h], l[h] *= exp(m[h] - s), m[h] = s
+  //   p = exp(s - m[h]);  l[h] += p;  acc[h] += p * v[r]
+  // The arithmetic of each (head, row) depends only on q, the row and the state before it,
+  // never on how the rows are split into runs, how many heads are passed together or which
+  // thread runs them: attending rows [0, n) in one call or in consecutive runs gives the same
+  // bits. q: [n_heads, d]; m, l: [n_heads] (start at -inf and 0); acc: [n_heads, d] (zeros).
+  void (*attend_rows)(const float* q, int n_heads, int d, float scale, const AttentionRows& rows,
+                      float* m, float* l, float* acc) = nullptr;
 
   // Float weights (F32, F16, BF16) against float activations `a` [m, k]; same output layout.
   void (*gemv_floats)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,

@@ -2,9 +2,12 @@
 // Exact attention over every row of the KV view: the reference implementation of the seam in
 // attention.h, and what `kvr generate` uses.
 //
-// Per (sequence, head, block of queries) it forms the score block with one SGEMM, applies the
-// causal mask, a numerically stable softmax (max subtracted, float32), and multiplies by V with
-// a second SGEMM. Work is spread over the thread pool, whose threads each call a
+// A decode query (one token whose position is past every row) takes one pass over K and V per
+// KV head through CpuKernels::attend_rows (online softmax, SIMD), the same kernel the decode
+// node runs over its resident and fetched rows, so that the two agree bit for bit on the same
+// rows. Other queries (prefill), per (sequence, head, block of queries): the score block with
+// one SGEMM, the causal mask, a numerically stable softmax (max subtracted, float32), and a
+// second SGEMM by V. Work is spread over the thread pool, whose threads each call a
 // single-threaded OpenBLAS (the constructor sets OpenBLAS to one thread when given a pool of
 // several, as Model::Create does) so that the cores are not oversubscribed.
 //
@@ -14,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "kvr/model/attention.h"
+#include "kvr/model/cpu_kernels.h"
 
 namespace kvr {
 class ThreadPool;
@@ -33,6 +37,11 @@ class DenseAttention final : public Attention {
   ThreadPool* pool_;
   int query_block_;
 };
+
+// The rows [first_row, first_row + n_rows) of `kv` for KV head `kv_head`, as attend_rows
+// takes them.
+AttentionRows KvRowsForHead(const KvView& kv, int kv_head, int head_dim, int64_t first_row,
+                            int64_t n_rows);
 
 // Checks one request against the shape: pointers set, counts non-negative, strides large
 // enough. Shared with other Attention implementations.

@@ -1,5 +1,7 @@
 #pragma once
-// The KV cache of one sequence, float32, keys with RoPE applied. Two modes:
+// The KV cache of one sequence, keys with RoPE applied, rows float32 or (dense mode) IEEE half
+// (KvDType::kF16: half the bytes that a decode step reads; the model rounds K and V to half
+// before they reach any cache, model.h). Two modes:
 //
 // - dense (the constructor): for every layer, K and V rows of every token seen so far. What
 //   DenseAttention attends over and what `kvr generate` keeps.
@@ -20,15 +22,27 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kvr/model/attention.h"
 
 namespace kvr::model {
 
+// Element type of a cache's stored rows.
+enum class KvDType { kF32, kF16 };
+
+// "f32", "f16".
+const char* KvDTypeName(KvDType dtype);
+// "f32" / "float32", "f16" / "float16"; InvalidArgument otherwise.
+[[nodiscard]] absl::StatusOr<KvDType> ParseKvDType(absl::string_view name);
+
 class KvCache {
  public:
-  KvCache(int n_layers, int n_kv_heads, int head_dim);
+  // A dense cache (see above) storing rows as `dtype`; Append takes float rows either way
+  // (kF16 rounds them to nearest even).
+  KvCache(int n_layers, int n_kv_heads, int head_dim, KvDType dtype = KvDType::kF32);
 
-  // A windowed cache (see above). n_sink >= 0, local_window >= 1.
+  // A windowed cache (see above), float32. n_sink >= 0, local_window >= 1.
   static KvCache Windowed(int n_layers, int n_kv_heads, int head_dim, int64_t n_sink,
                           int64_t local_window);
 
@@ -41,6 +55,7 @@ class KvCache {
   int n_kv_heads() const { return n_kv_heads_; }
   int head_dim() const { return head_dim_; }
   int64_t row_floats() const { return int64_t{n_kv_heads_} * head_dim_; }
+  KvDType dtype() const { return dtype_; }
 
   bool windowed() const { return windowed_; }
   int64_t n_sink() const { return n_sink_; }              // windowed mode only
@@ -88,8 +103,9 @@ class KvCache {
 
  private:
   struct Layer {
-    std::vector<float> k;  // [capacity, n_kv_heads, head_dim]
-    std::vector<float> v;  // [capacity, n_kv_heads, head_dim]
+    std::vector<float> k;            // [capacity, n_kv_heads, head_dim] (kF32)
+    std::vector<float> v;            // [capacity, n_kv_heads, head_dim] (kF32)
+    std::vector<uint16_t> k16, v16;  // the same as half (kF16)
     int64_t n_tokens = 0;
     int64_t capacity = 0;
     // Windowed mode. Resident rows are rows [first, first + rows) of k/v: the sinks, then the
@@ -111,6 +127,7 @@ class KvCache {
 
   int n_kv_heads_;
   int head_dim_;
+  KvDType dtype_ = KvDType::kF32;
   std::vector<Layer> layers_;
   bool windowed_ = false;
   int64_t n_sink_ = 0;

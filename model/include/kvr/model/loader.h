@@ -34,6 +34,9 @@ struct LoadOptions {
   // everything at load (the exact reference, and what the CUDA backend uploads from). Hugging
   // Face and dummy weights are float32 either way.
   WeightStorage weights = WeightStorage::kPacked;
+  // Precision of the KV rows (Model::Create): half by default, as llama.cpp's CPU path; kF32
+  // keeps the exact float32 reference.
+  KvDType kv_dtype = KvDType::kF16;
 };
 
 // "packed", "float32"; InvalidArgument otherwise.

@@ -55,9 +55,12 @@ enum class LogitsMode {
 class Model {
  public:
   // `pool` must outlive the model. Fails when the weights do not match the config.
-  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Model>> Create(ModelConfig config,
-                                                                     ModelWeights weights,
-                                                                     ThreadPool* pool);
+  // `kv_dtype` is the precision of the KV rows: with kF16, Forward rounds every new K and V
+  // row to half before it reaches any cache, and NewCache() stores half. So a float32 cache
+  // (a node's, whose rows go to the KV store and to retrieval indexes as float) holds the same
+  // values as a half cache of a single process, and the two agree bit for bit.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Model>> Create(
+      ModelConfig config, ModelWeights weights, ThreadPool* pool, KvDType kv_dtype = KvDType::kF32);
 
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -66,8 +69,12 @@ class Model {
   const ModelWeights& weights() const { return weights_; }
   ThreadPool* pool() const { return pool_; }
 
-  // An empty cache shaped for this model.
-  KvCache NewCache() const;
+  KvDType kv_dtype() const { return kv_dtype_; }
+
+  // An empty dense cache shaped for this model, storing kv_dtype() rows (or `storage`'s: a
+  // float32 cache for consumers that read float rows; the values are the same).
+  KvCache NewCache() const { return NewCache(kv_dtype_); }
+  KvCache NewCache(KvDType storage) const;
 
   // Runs the new tokens of every sequence and writes their logits into `logits` (sized for
   // `mode`). Errors: empty batch or sequence, token id outside the vocabulary, a sequence that
@@ -84,11 +91,12 @@ class Model {
                                                            int64_t chunk_tokens = 512) const;
 
  private:
-  Model(ModelConfig config, ModelWeights weights, ThreadPool* pool);
+  Model(ModelConfig config, ModelWeights weights, ThreadPool* pool, KvDType kv_dtype);
 
   ModelConfig config_;
   ModelWeights weights_;
   ThreadPool* pool_;
+  KvDType kv_dtype_;
   const CpuKernels* kernels_;  // packed weights' gemv kernels (the CPU's widest ISA)
   std::vector<float> rope_inv_freq_;  // [head_dim / 2]
 };
