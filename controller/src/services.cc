@@ -23,7 +23,11 @@ grpc::Status MembershipService::CheckMember(const grpc::ServerContext& context) 
   if (!options_.require_member_certificate || PeerHasClusterCertificate(context)) {
     return grpc::Status::OK;
   }
-  spdlog::warn("membership call from {} refused: no certificate of the cluster CA", context.peer());
+  if (int64_t count = 0; refusals_log_.Allow(absl::Now(), &count)) {
+    spdlog::warn("membership call from {} refused: no certificate of the cluster CA ({} such "
+                 "refusals since the last line)",
+                 context.peer(), count);
+  }
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                       "membership: the peer presented no certificate of the cluster CA (a node "
                       "needs --tls-ca, --tls-cert and --tls-key)");

@@ -15,6 +15,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/common/log_limiter.h"
 #include "kvr/controller/cancellation.h"
 #include "kvr/controller/clock.h"
 #include "kvr/controller/generator.h"
@@ -61,6 +62,8 @@ class MembershipService final : public kvr::cluster::v1::Membership::Service {
 
   Membership* membership_;
   const Options options_{};
+  // Refusals are a peer's doing: logged at most once per 10 s, with their count.
+  mutable LogLimiter refusals_log_{absl::Seconds(10)};
 };
 
 // Watches the ServerContexts of running Generate calls and cancels a request's token when its
