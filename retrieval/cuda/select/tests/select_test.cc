@@ -67,6 +67,25 @@ std::vector<T> Download(const DeviceBuffer<T>& b, size_t n) {
 }
 
 // Checks the selection contract for one row and returns its ids.
+// A launch at budget `wide` with per-row budgets (ids/counts downloaded) against the launches at
+// each row's budget (`uniform`: budget -> its ids and counts): row by row the same counts and ids.
+using UniformSelections = std::map<int, std::pair<std::vector<int32_t>, std::vector<int32_t>>>;
+void ExpectRowsAsAtTheirBudget(const std::vector<int32_t>& ids, const std::vector<int32_t>& counts,
+                               int wide, int nkv, const std::vector<int32_t>& row_budgets,
+                               const UniformSelections& uniform) {
+  for (size_t b = 0; b < row_budgets.size(); ++b) {
+    const auto& [want_ids, want_counts] = uniform.at(row_budgets[b]);
+    for (int h = 0; h < nkv; ++h) {
+      const size_t row = b * nkv + h;
+      ASSERT_EQ(counts[row], want_counts[row]) << "per-row budget, seq " << b << " head " << h;
+      const int32_t* got = ids.data() + row * wide;
+      const int32_t* want = want_ids.data() + row * row_budgets[b];
+      EXPECT_TRUE(std::equal(got, got + counts[row], want))
+          << "per-row budget, seq " << b << " head " << h;
+    }
+  }
+}
+
 std::vector<int64_t> CheckRow(const int32_t* ids, int32_t count, int budget, int64_t lo, int64_t hi,
                               const std::string& where) {
   std::vector<int64_t> out;
@@ -438,7 +457,7 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
     params.gqa = gqa;
     params.quest.page_size = ps;
     // Each budget's rows, for the launch with per-row budgets at the end.
-    std::map<int, std::pair<std::vector<int32_t>, std::vector<int32_t>>> uniform;
+    UniformSelections uniform;
     for (int budget : {1, 40, 256, 1024}) {
       QuestSelectParams p;
       p.batch = batch;
@@ -534,19 +553,8 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
     p.workspace_bytes = ws->bytes();
     ASSERT_OK(QuestSelect(p, nullptr));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(*ids, batch * nkv * wide);
-    const auto h_counts = Download(*counts, batch * nkv);
-    for (int b = 0; b < batch; ++b) {
-      const auto& [want_ids, want_counts] = uniform.at(row_budgets[b]);
-      for (int h = 0; h < nkv; ++h) {
-        const int row = b * nkv + h;
-        ASSERT_EQ(h_counts[row], want_counts[row]) << "per-row budget, seq " << b << " head " << h;
-        const int32_t* got = h_ids.data() + static_cast<size_t>(row) * wide;
-        const int32_t* want = want_ids.data() + static_cast<size_t>(row) * row_budgets[b];
-        EXPECT_TRUE(std::equal(got, got + h_counts[row], want))
-            << "per-row budget, seq " << b << " head " << h;
-      }
-    }
+    ExpectRowsAsAtTheirBudget(Download(*ids, batch * nkv * wide), Download(*counts, batch * nkv),
+                              wide, nkv, row_budgets, uniform);
   }
 }
 
@@ -614,7 +622,7 @@ TEST_F(SelectTest, ClusterKvMatchesCpuClusterKvIndex) {
     auto d_nc = Upload(layout->n_clusters);
     auto d_off = Upload(layout->offsets);
     auto d_mem = Upload(layout->members);
-    std::map<int, std::pair<std::vector<int32_t>, std::vector<int32_t>>> uniform;
+    UniformSelections uniform;
     auto params_for = [&](int budget) {
       ClusterKvSelectParams p;
       p.batch = batch;
@@ -635,22 +643,7 @@ TEST_F(SelectTest, ClusterKvMatchesCpuClusterKvIndex) {
       return p;
     };
     for (int budget : {1, 40, 256, 1024}) {
-      ClusterKvSelectParams p;
-      p.batch = batch;
-      p.n_heads = nh;
-      p.n_kv_heads = nkv;
-      p.head_dim = hd;
-      p.scale = 1.f / std::sqrt(static_cast<float>(hd));
-      p.gqa = gqa;
-      p.query = d_query.data();
-      p.centroids = d_cent.data();
-      p.n_clusters = d_nc.data();
-      p.offsets = d_off.data();
-      p.members = d_mem.data();
-      p.max_clusters = layout->max_clusters;
-      p.max_members = layout->max_members;
-      p.cand = {d_begin.data(), d_end.data()};
-      p.out.budget = budget;
+      ClusterKvSelectParams p = params_for(budget);
       auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
       auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
       auto ws = DeviceBuffer<char>::Create(ClusterKvSelectWorkspaceBytes(p));
@@ -711,19 +704,8 @@ TEST_F(SelectTest, ClusterKvMatchesCpuClusterKvIndex) {
     p.workspace_bytes = ws->bytes();
     ASSERT_OK(ClusterKvSelect(p, nullptr));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(*ids, batch * nkv * wide);
-    const auto h_counts = Download(*counts, batch * nkv);
-    for (int b = 0; b < batch; ++b) {
-      const auto& [want_ids, want_counts] = uniform.at(row_budgets[b]);
-      for (int h = 0; h < nkv; ++h) {
-        const int row = b * nkv + h;
-        ASSERT_EQ(h_counts[row], want_counts[row]) << "per-row budget, seq " << b << " head " << h;
-        const int32_t* got = h_ids.data() + static_cast<size_t>(row) * wide;
-        const int32_t* want = want_ids.data() + static_cast<size_t>(row) * row_budgets[b];
-        EXPECT_TRUE(std::equal(got, got + h_counts[row], want))
-            << "per-row budget, seq " << b << " head " << h;
-      }
-    }
+    ExpectRowsAsAtTheirBudget(Download(*ids, batch * nkv * wide), Download(*counts, batch * nkv),
+                              wide, nkv, row_budgets, uniform);
   }
 }
 
