@@ -2,6 +2,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -13,8 +14,11 @@ using ::testing::HasSubstr;
 
 class ConfigTest : public ::testing::Test {
  protected:
+  // A file of its own per test process: CTest runs this binary's tests in parallel processes.
   std::string WriteFile(const std::string& text) {
-    std::string path = ::testing::TempDir() + "/controller_config_test.yaml";
+    std::string path = ::testing::TempDir() + "/controller_config_test." +
+                       ::testing::UnitTest::GetInstance()->current_test_info()->name() + "." +
+                       std::to_string(::getpid()) + ".yaml";
     std::ofstream(path) << text;
     return path;
   }

@@ -1,5 +1,7 @@
 #include "kvr/kv_store/config.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -27,8 +29,11 @@ absl::StatusOr<StoreConfig> Parse(std::vector<std::string> args, const EnvLookup
   return ParseStoreConfig(static_cast<int>(argv.size()), argv.data(), env);
 }
 
+// A file of its own per test process: CTest runs this binary's tests in parallel processes.
 std::string WriteYaml(const std::string& text) {
-  std::string path = ::testing::TempDir() + "/kvr_store_config_test.yaml";
+  std::string path = ::testing::TempDir() + "/kvr_store_config_test." +
+                     ::testing::UnitTest::GetInstance()->current_test_info()->name() + "." +
+                     std::to_string(::getpid()) + ".yaml";
   std::ofstream(path) << text;
   return path;
 }
