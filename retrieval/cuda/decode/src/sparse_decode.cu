@@ -122,7 +122,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     int slot = -1;
     std::shared_ptr<HostKvImpl> host;
     bool new_rows_ready = false;  // row source: NewRows holds the last Forward's rows
-    uint64_t source_key = 0;      // row source: a hash of where its rows are (0: own host KV)
+    uint64_t source_key = 0;  // paged row source: a hash of where its rows are (0: none)
     int64_t sparse_steps = 0;     // Forwards taken part in
     uint64_t filled_seed = 0;     // as HostKvImpl, for this slot's ring and summaries
     // Selects on the host (SparseHostSelector) instead of with the GPU method; null: GPU.
@@ -137,9 +137,15 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     // Fetches its rows (SparseSequenceOptions::fetch; null: reads them in place), the rows
     // fetched so far, and the first failed fetch (the sequence's output is void from then on).
     std::shared_ptr<SparseRowFetcher> fetch;
-    bool paged = false;  // a SparseRowSource too: read at activation only when fetched
     int64_t fetched_rows = 0;
     absl::Status fetch_failure;
+  };
+  // One fetched sequence's part of a layer's fetch (FetchMisses): its rows at [first, first +
+  // count) of the layer's positions / entries, per KV head with misses.
+  struct FetchPending {
+    Sequence* s = nullptr;
+    size_t first = 0, count = 0;
+    std::vector<SparseRowFetcher::Rows> heads;
   };
   // The GPU state shared by the sequences (Configure); layouts in sparse_kernels.cuh.
   struct SparseState {
@@ -191,6 +197,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     const int32_t* staged_index_device = nullptr;
     PinnedBuffer<int32_t> h_fetch_ids, h_fetch_counts, h_slot_of;
     std::vector<int32_t> fetch_positions;
+    std::vector<FetchPending> fetch_pending;  // per fetched sequence of the layer (reused)
     std::vector<int64_t> fetch_entries;  // the entry index of each fetched row
     std::vector<std::unique_ptr<GpuLane>> lanes;  // SparseDecodeOptions::lanes, in order
     std::unique_ptr<ThreadPool> host_pool;        // host selectors (null: the calling thread)
@@ -262,13 +269,13 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
   [[nodiscard]] absl::Status FetchRing(Sequence& s, int64_t n_tokens);
   // The slot's ring (and with `summaries` the GPU method's summaries) from where its rows are.
   [[nodiscard]] absl::Status PrepareSlot(Sequence& s, int64_t n_tokens, bool summaries) {
-    return s.fetch != nullptr && !s.paged ? FetchRing(s, n_tokens)
+    return s.fetch != nullptr && s.source_key == 0 ? FetchRing(s, n_tokens)
                                           : FillSlotFromHostKv(s, n_tokens, summaries);
   }
   // A fetched sequence activated from pages: from now on its misses come from the fetcher (a
   // null base in its slot's pool entry). Synchronous.
   [[nodiscard]] absl::Status FetchFromNowOn(const Sequence& s) {
-    if (s.fetch == nullptr || !s.paged) return absl::OkStatus();
+    if (s.fetch == nullptr || s.source_key == 0) return absl::OkStatus();
     KvPoolSlot& slot = sparse_->h_pool_slots.data()[s.slot];
     slot.base = nullptr;
     KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sparse_->pool_slots.data() + s.slot, &slot,
@@ -628,7 +635,6 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
   s.lane_indexes = options.lane_indexes;
   s.budget = options.budget > 0 ? options.budget : sparse_->opt.budget;
   s.fetch = options.fetch;
-  s.paged = options.rows.has_value();
   if (options.rows.has_value()) {
     const SparseRowSource& r = *options.rows;
     s.source_key = absl::HashOf(reinterpret_cast<uintptr_t>(r.base), r.page_bytes, r.page_rows,
@@ -1090,14 +1096,17 @@ absl::Status SparseDecodeImpl::FetchMisses(int layer, cudaStream_t st) {
   std::vector<int64_t>& entries = sp.fetch_entries;
   positions.clear();
   entries.clear();
-  struct Pending {
-    Sequence* s;
-    size_t first, count;  // its rows in positions / entries
-    std::vector<SparseRowFetcher::Rows> heads;
-  };
-  std::vector<Pending> pending;
-  for (Sequence* s : fetched_) {
-    Pending p{s, positions.size(), 0, {}};
+  // At most budget rows per (slot, head): reserved, so the spans taken below stay valid.
+  positions.reserve(static_cast<size_t>(sp.opt.slots * kv * B));
+  entries.reserve(static_cast<size_t>(sp.opt.slots * kv * B));
+  std::vector<FetchPending>& pending = sp.fetch_pending;
+  pending.resize(fetched_.size());
+  for (size_t f = 0; f < fetched_.size(); ++f) {
+    Sequence* s = fetched_[f];
+    FetchPending& p = pending[f];
+    p.s = s;
+    p.first = positions.size();
+    p.heads.clear();
     for (int64_t h = 0; h < kv; ++h) {
       const int64_t e0 = (int64_t{s->slot} * kv + h) * B;
       const size_t head_first = positions.size();
@@ -1108,33 +1117,22 @@ absl::Status SparseDecodeImpl::FetchMisses(int layer, cudaStream_t st) {
         entries.push_back(e0 + i);
       }
       if (positions.size() > head_first) {
-        p.heads.push_back({layer, static_cast<int>(h), {}});  // positions set below (no realloc)
+        p.heads.push_back({layer, static_cast<int>(h),
+                           {positions.data() + head_first, positions.size() - head_first}});
       }
     }
     p.count = positions.size() - p.first;
-    pending.push_back(std::move(p));
   }
   // Straight into the staging, each sequence's rows after the previous one's.
   uint16_t* staged = reinterpret_cast<uint16_t*>(sp.staged.data());
   int32_t* staged_index = sp.staged_index.data();
   for (size_t i = 0; i < entries.size(); ++i) staged_index[entries[i]] = static_cast<int32_t>(i);
-  for (Pending& p : pending) {
-    // The heads' position spans, now that `positions` no longer grows.
-    size_t at = p.first;
-    for (SparseRowFetcher::Rows& r : p.heads) {
-      size_t n = 0;
-      while (at + n < p.first + p.count &&
-             entries[at + n] / B == int64_t{p.s->slot} * kv + r.kv_head) {
-        ++n;
-      }
-      r.positions = {positions.data() + at, n};
-      at += n;
-    }
+  for (FetchPending& p : pending) {
     if (p.count == 0 || !p.s->fetch_failure.ok()) continue;
     p.s->fetch_failure = p.s->fetch->Start(
         p.heads, {staged + p.first * row, p.count * static_cast<size_t>(row)});
   }
-  for (Pending& p : pending) {
+  for (FetchPending& p : pending) {
     if (p.count == 0) continue;
     Sequence& s = *p.s;
     const bool started = s.fetch_failure.ok();
@@ -1306,7 +1304,7 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
     s->lane_indexes.clear();
     s->lane_indexed = n_tokens;
   }
-  if (s->fetch != nullptr && !s->paged && s->selector == nullptr) {
+  if (s->fetch != nullptr && s->source_key == 0 && s->selector == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "ActivateSequence: sequence ", id,
         " fetches its rows, so the GPU method cannot build its summaries from them: give it a "
