@@ -172,6 +172,22 @@ class SummaryCountingBackend final : public PrefillBackend {
   std::unique_ptr<PrefillBackend> inner_;
 };
 
+// The tests' request: the prompt `ids` with `method` at budget 16, sink 4, window 32, 8 tokens.
+PrefillJob Job(std::string request_id, uint64_t sequence_id, const std::vector<int32_t>& ids,
+               const std::string& method) {
+  PrefillJob job;
+  job.request_id = std::move(request_id);
+  job.sequence_id = sequence_id;
+  job.store_capability = kv_store::Capability::Generate();
+  job.prompt = TokenPrompt{ids};
+  job.sampling.set_max_tokens(8);
+  job.retrieval.set_method(method);
+  job.retrieval.set_budget(16);
+  job.retrieval.set_n_sink(4);
+  job.retrieval.set_local_window(32);
+  return job;
+}
+
 TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
   ThreadPool pool;
@@ -216,16 +232,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     SCOPED_TRACE(method);
     cpu.opener.chunks.clear();
     gpu.opener.chunks.clear();
-    PrefillJob job;
-    job.request_id = std::string("req-") + method;
-    job.sequence_id = ++seq;
-    job.store_capability = kv_store::Capability::Generate();
-    job.prompt = TokenPrompt{ids};
-    job.sampling.set_max_tokens(8);
-    job.retrieval.set_method(method);
-    job.retrieval.set_budget(16);
-    job.retrieval.set_n_sink(4);
-    job.retrieval.set_local_window(32);
+    PrefillJob job = Job(std::string("req-") + method, ++seq, ids, method);
     if (std::string(method) == "quest") {
       // Another method's option, out of its range: quest ignores it on the CPU, so must the
       // GPU build (the CUDA backend applies clusterkv.* options to clusterkv only).
@@ -428,16 +435,7 @@ TEST(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
     SCOPED_TRACE(method);
     f32.opener.chunks.clear();
     b16.opener.chunks.clear();
-    PrefillJob job;
-    job.request_id = std::string("bf16-") + method;
-    job.sequence_id = ++seq;
-    job.store_capability = kv_store::Capability::Generate();
-    job.prompt = TokenPrompt{ids};
-    job.sampling.set_max_tokens(8);
-    job.retrieval.set_method(method);
-    job.retrieval.set_budget(16);
-    job.retrieval.set_n_sink(4);
-    job.retrieval.set_local_window(32);
+    PrefillJob job = Job(std::string("bf16-") + method, ++seq, ids, method);
     job.deadline = absl::Now() + absl::Seconds(120);
     auto want = f32.engine->Run(job);
     ASSERT_TRUE(want.ok()) << want.status();

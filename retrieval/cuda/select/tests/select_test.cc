@@ -458,7 +458,7 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
     params.quest.page_size = ps;
     // Each budget's rows, for the launch with per-row budgets at the end.
     UniformSelections uniform;
-    for (int budget : {1, 40, 256, 1024}) {
+    auto params_for = [&]() {
       QuestSelectParams p;
       p.batch = batch;
       p.n_heads = nh;
@@ -472,6 +472,10 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
       p.bounds_batch_stride = batch_stride;
       p.cand = {d_begin.data(), d_end.data()};
       p.max_candidates = max_cand;
+      return p;
+    };
+    for (int budget : {1, 40, 256, 1024}) {
+      QuestSelectParams p = params_for();
       auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
       auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
       p.out = {budget, nullptr, nullptr};
@@ -529,19 +533,7 @@ TEST_F(SelectTest, QuestMatchesCpuQuestIndex) {
     const std::vector<int32_t> row_budgets = {40, 1, 256};
     const int wide = 1024;
     auto d_budgets = Upload(row_budgets);
-    QuestSelectParams p;
-    p.batch = batch;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.head_dim = hd;
-    p.page_size = ps;
-    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
-    p.gqa = gqa;
-    p.query = d_query.data();
-    p.bounds = d_bounds.data();
-    p.bounds_batch_stride = batch_stride;
-    p.cand = {d_begin.data(), d_end.data()};
-    p.max_candidates = max_cand;
+    QuestSelectParams p = params_for();
     p.budgets = d_budgets.data();
     auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * wide);
     auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
