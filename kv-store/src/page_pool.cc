@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -182,6 +183,7 @@ absl::StatusOr<PagePool> PagePool::Create(const PagePoolOptions& options) {
   free.resize(pages);
   // Handed out from the back: low page ids first, so a fresh pool fills from its start.
   for (uint64_t i = 0; i < pages; ++i) free[i] = static_cast<PageId>(pages - 1 - i);
+  pool.state_->refs.assign(pages, 0);
   return pool;
 }
 
@@ -218,20 +220,64 @@ absl::Status PagePool::Allocate(size_t n, std::vector<PageId>& out) {
         "need %d bytes (%d pages), %d free of %d", uint64_t{n} * page_bytes_, n,
         uint64_t{free.size()} * page_bytes_, capacity_bytes()));
   }
+  for (auto it = free.end() - static_cast<ptrdiff_t>(n); it != free.end(); ++it) {
+    state_->refs[*it] = 1;
+  }
   out.insert(out.end(), free.end() - static_cast<ptrdiff_t>(n), free.end());
   free.resize(free.size() - n);
   return absl::OkStatus();
 }
 
+void PagePool::Share(std::span<const PageId> pages) {
+  if (pages.empty()) return;
+  absl::MutexLock lock(&state_->mu);
+  for (PageId page : pages) {
+    uint32_t& refs = state_->refs[page];
+    if (refs == 0) {
+      // Sharing a free page would hand it to two owners behind the free list's back.
+      assert(false && "PagePool::Share of a free page");
+      ++state_->refcount_errors;
+      continue;
+    }
+    if (refs == 1) ++state_->shared;
+    ++refs;
+  }
+}
+
 void PagePool::Free(std::span<const PageId> pages) {
   if (pages.empty()) return;
   absl::MutexLock lock(&state_->mu);
-  state_->free.insert(state_->free.end(), pages.begin(), pages.end());
+  for (PageId page : pages) {
+    uint32_t& refs = state_->refs[page];
+    if (refs == 0) {
+      // Putting it on the free list a second time would let two owners allocate it.
+      assert(false && "PagePool::Free of a free page");
+      ++state_->refcount_errors;
+      continue;
+    }
+    if (refs == 2) --state_->shared;
+    if (--refs == 0) state_->free.push_back(page);
+  }
 }
 
 uint64_t PagePool::free_pages() const {
   absl::MutexLock lock(&state_->mu);
   return state_->free.size();
+}
+
+uint64_t PagePool::shared_pages() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->shared;
+}
+
+uint32_t PagePool::references(PageId page) const {
+  absl::MutexLock lock(&state_->mu);
+  return page < state_->refs.size() ? state_->refs[page] : 0;
+}
+
+uint64_t PagePool::refcount_errors() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->refcount_errors;
 }
 
 }  // namespace kvr::kv_store

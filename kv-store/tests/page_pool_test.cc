@@ -46,6 +46,40 @@ TEST(PagePoolTest, ShortfallIsAllOrNothingAndNamesBytes) {
   EXPECT_EQ(pool->free_pages(), 4u);
 }
 
+TEST(PagePoolTest, SharedPageReturnsOnlyWhenTheLastReferenceIsFreed) {
+  auto pool = PagePool::Create({.capacity_bytes = 4 * 1024, .page_bytes = 1024});
+  ASSERT_TRUE(pool.ok());
+  std::vector<PageId> pages;
+  ASSERT_TRUE(pool->Allocate(2, pages).ok());
+  EXPECT_EQ(pool->references(pages[0]), 1u);
+  EXPECT_EQ(pool->shared_pages(), 0u);
+  // Two more holders of the first page, one more of the second.
+  const std::vector<PageId> first = {pages[0]};
+  pool->Share(first);
+  pool->Share(pages);
+  EXPECT_EQ(pool->references(pages[0]), 3u);
+  EXPECT_EQ(pool->references(pages[1]), 2u);
+  EXPECT_EQ(pool->shared_pages(), 2u);
+  EXPECT_EQ(pool->free_pages(), 2u);
+  pool->Free(pages);  // each down by one: 2 and 1
+  EXPECT_EQ(pool->free_pages(), 2u);
+  EXPECT_EQ(pool->shared_pages(), 1u);
+  pool->Free(std::vector<PageId>{pages[1]});  // the second page's last reference
+  EXPECT_EQ(pool->free_pages(), 3u);
+  EXPECT_EQ(pool->references(pages[1]), 0u);
+  pool->Free(first);
+  EXPECT_EQ(pool->free_pages(), 3u);
+  EXPECT_EQ(pool->shared_pages(), 0u);
+  pool->Free(first);
+  EXPECT_EQ(pool->free_pages(), 4u);
+  EXPECT_EQ(pool->refcount_errors(), 0u);
+  // A page comes back from Allocate with one reference, whatever it had before.
+  std::vector<PageId> again;
+  ASSERT_TRUE(pool->Allocate(4, again).ok());
+  for (PageId p : again) EXPECT_EQ(pool->references(p), 1u);
+  EXPECT_EQ(pool->free_pages(), 0u);
+}
+
 TEST(PagePoolTest, RejectsBadSizes) {
   EXPECT_TRUE(absl::IsInvalidArgument(
       PagePool::Create({.capacity_bytes = 100, .page_bytes = 4096}).status()));

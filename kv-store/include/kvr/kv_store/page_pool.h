@@ -16,8 +16,14 @@
 // to truncate pages from under the store) and, where the kernel has F_SEAL_FUTURE_WRITE, against
 // any new writable mapping or write(); the store's own mapping stays writable.
 //
-// Thread safety: Allocate/Free/counters are safe to call concurrently. Page memory itself is
-// not synchronised here; the store's visibility protocol orders writers and readers.
+// Sharing: every allocated page has a reference count. Allocate hands pages out with count 1,
+// Share adds one reference per page (a forked sequence holding its parent's full pages, see
+// PagedKvStore::ForkSequence) and Free drops one; a page goes back to the free list only when
+// its count reaches zero. The counts are one uint32 per page, kept under the free list's
+// mutex, so sharing costs no allocation and no extra lock.
+//
+// Thread safety: Allocate/Share/Free/counters are safe to call concurrently. Page memory itself
+// is not synchronised here; the store's visibility protocol orders writers and readers.
 
 #include <cstddef>
 #include <cstdint>
@@ -55,6 +61,12 @@ class PagePool {
   // All-or-nothing: appends `n` page ids to `out`, or returns RESOURCE_EXHAUSTED naming the
   // shortfall and takes nothing.
   [[nodiscard]] absl::Status Allocate(size_t n, std::vector<PageId>& out);
+  // Adds one reference to each of `pages`, which must be allocated (count >= 1); a page named
+  // twice gets two. Every reference is dropped by its own Free.
+  void Share(std::span<const PageId> pages);
+  // Drops one reference to each of `pages`; a page whose count reaches zero is free again.
+  // Sharing a free page or freeing one is a caller bug: it asserts in debug builds, and
+  // otherwise the page is left alone and refcount_errors() counts it.
   void Free(std::span<const PageId> pages);
 
   uint8_t* PageData(PageId page) const { return base_ + size_t{page} * page_bytes_; }
@@ -65,7 +77,14 @@ class PagePool {
   uint64_t capacity_bytes() const { return total_pages_ * page_bytes_; }
   uint64_t page_bytes() const { return page_bytes_; }
   uint64_t total_pages() const { return total_pages_; }
+  // Pages on the free list (count zero).
   uint64_t free_pages() const;
+  // Allocated pages with more than one reference (held by more than one sequence).
+  uint64_t shared_pages() const;
+  // References of `page` (0: free). For tests and checks.
+  uint32_t references(PageId page) const;
+  // Shares and frees of free pages (see Free); stays 0 unless the store has a bug.
+  uint64_t refcount_errors() const;
   PageBacking backing() const { return backing_; }
   // The memfd behind the pool (owned; closed with the pool), opened read-write. Hand others a
   // read-only reopening of it (see local_pool.h), never this descriptor.
@@ -76,10 +95,13 @@ class PagePool {
   const std::string& pool_id() const { return pool_id_; }
 
  private:
-  // Guards the free list; held separately from the page memory itself.
+  // Guards the free list and the reference counts; held separately from the page memory.
   struct State {
     absl::Mutex mu;
     std::vector<PageId> free ABSL_GUARDED_BY(mu);
+    std::vector<uint32_t> refs ABSL_GUARDED_BY(mu);  // [total_pages] references per page
+    uint64_t shared ABSL_GUARDED_BY(mu) = 0;          // pages with refs > 1
+    uint64_t refcount_errors ABSL_GUARDED_BY(mu) = 0;
   };
   PagePool() = default;
   void Unmap();
