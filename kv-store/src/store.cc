@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -27,7 +28,8 @@ class PagedKvStore::Sequence {
 
   ~Sequence() {
     // Runs when the last reference (index or in-flight operation) drops: only then may the
-    // pages be reused.
+    // pages be reused. Free drops this sequence's reference; a page shared with a fork (or a
+    // parent) stays with the sequences that still hold it.
     absl::MutexLock lock(&mu_);
     for (const std::vector<PageId>& list : pages_) pool_->Free(list);
   }
@@ -105,11 +107,27 @@ class PagedKvStore::Sequence {
     for (const std::vector<PageId>& list : pages_) n += list.size();
     return n;
   }
+  // Page list of (layer, head) number `list` = layer * n_kv_heads + head.
+  const std::vector<PageId>& List(size_t list) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return pages_[list];
+  }
+  // A fork's starting state, before the sequence is in the index: `lists` (one per (layer,
+  // head), references already held) become its pages and `rows` its watermark in every layer.
+  void Adopt(std::vector<std::vector<PageId>> lists, uint64_t rows)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    pages_ = std::move(lists);
+    for (uint32_t layer = 0; layer < shape_.n_layers; ++layer) {
+      reserved_[layer] = rows;
+      Publish(layer, rows);
+    }
+  }
 
   mutable absl::Mutex mu_;
   std::vector<uint64_t> reserved_ ABSL_GUARDED_BY(mu_);  // [n_layers] rows incl. in-flight
   absl::Time expiry_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool released_kept_ ABSL_GUARDED_BY(mu_) = false;
+  // Tick of PagedKvStore::use_clock_ at the last use; relaxed (an eviction order, not a sync).
+  mutable std::atomic<uint64_t> last_use_{0};
 
   void Publish(uint32_t layer, uint64_t rows) {
     committed_[layer].store(rows, std::memory_order_release);
@@ -226,7 +244,8 @@ absl::StatusOr<CreateResult> PagedKvStore::CreateSequence(const SequenceRef& ref
           id, total * pool_.page_bytes(), expected_tokens, pool_.capacity_bytes()));
     }
     std::vector<PageId> fresh;
-    absl::Status st = AllocatePages(total, fresh, id);
+    const SequenceId keep[] = {id};
+    absl::Status st = AllocatePages(total, fresh, keep);
     if (!st.ok()) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "sequence %d (%d expected tokens): %s", id, expected_tokens, st.message()));
@@ -243,6 +262,7 @@ absl::StatusOr<CreateResult> PagedKvStore::CreateSequence(const SequenceRef& ref
     absl::MutexLock lock(&seq->mu_);
     if (lease > absl::ZeroDuration()) seq->expiry_ = options_.now() + lease;
   }
+  Touch(*seq);
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = sequences_.emplace(id, seq);
   if (!inserted) {
@@ -252,45 +272,194 @@ absl::StatusOr<CreateResult> PagedKvStore::CreateSequence(const SequenceRef& ref
   return result;
 }
 
-absl::Status PagedKvStore::AllocatePages(size_t n, std::vector<PageId>& out, SequenceId keep) {
-  absl::Status st = pool_.Allocate(n, out);
-  if (st.ok() || !options_.evict_expired || !absl::IsResourceExhausted(st)) return st;
-  if (EvictExpired(n, keep) == 0) return st;
-  return pool_.Allocate(n, out);
-}
-
-size_t PagedKvStore::EvictExpired(size_t pages_wanted, SequenceId keep) {
-  const absl::Time now = options_.now();
-  // Victims are destroyed (pages freed) after the index lock is dropped.
-  std::vector<std::shared_ptr<Sequence>> victims;
+absl::StatusOr<ForkResult> PagedKvStore::ForkSequence(const SequenceRef& child,
+                                                      const SequenceRef& parent_ref,
+                                                      uint64_t rows, uint64_t expected_tokens,
+                                                      absl::Duration lease) {
+  const SequenceId id = child.id;
+  if (child.cap.IsNone()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sequence %d: a sequence needs a capability (got none)", id));
+  }
+  if (lease < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("lease must not be negative");
+  }
+  // The parent holds its pages alive through this reference even if it is released or
+  // evicted meanwhile, so the pages shared below cannot be reused under the child.
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> parent, Find(parent_ref));
+  if (id == parent_ref.id) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sequence %d cannot be forked into itself", id));
+  }
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (sequences_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrFormat("sequence %d already exists", id));
+    }
+  }
+  Touch(*parent);
+  const SequenceShape& shape = parent->shape();
+  const uint32_t tpp = parent->tokens_per_page();
+  const uint64_t lists = uint64_t{shape.n_layers} * shape.n_kv_heads;
+  // Watermarks only grow, so rows [0, n) stay committed, hence immutable, from here on.
+  uint64_t n = rows;
+  for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
+    n = std::min(n, parent->Committed(layer));
+  }
+  const uint64_t full = n / tpp;       // parent pages wholly inside [0, n): shared
+  const uint64_t tail = n % tpp;       // rows of the partly covered page: copied
+  const uint64_t have = full + (tail != 0 ? 1 : 0);
+  // Division first: `expected_tokens` may be anything up to 2^64 - 1.
+  const uint64_t want = expected_tokens / tpp + (expected_tokens % tpp != 0 ? 1 : 0);
+  if (want > pool_.total_pages() / lists) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "sequence %d: %d expected tokens per (layer, kv head) need %d pages for each of %d "
+        "(layer, kv head) lists, more than the store's %d pages (%d bytes)",
+        id, expected_tokens, want, lists, pool_.total_pages(), pool_.capacity_bytes()));
+  }
+  const uint64_t per_list = std::max(have, want);
+  const uint64_t fresh_per_list = per_list - full;
+  std::vector<PageId> fresh;
+  if (fresh_per_list > 0) {
+    const SequenceId keep[] = {id, parent_ref.id};
+    absl::Status st = AllocatePages(fresh_per_list * lists, fresh, keep);
+    if (!st.ok()) {
+      return absl::Status(
+          st.code(), absl::StrFormat("sequence %d (fork of %d at %d rows, %d expected tokens): %s",
+                                     id, parent_ref.id, n, expected_tokens, st.message()));
+    }
+  }
+  auto seq = std::make_shared<Sequence>(id, child.cap, shape, tpp, &pool_);
+  std::vector<std::vector<PageId>> child_lists(lists);
+  std::vector<PageId> shared;
+  shared.reserve(full * lists);
+  {
+    // A writer of the parent may grow its lists meanwhile (under its exclusive lock) and copy
+    // rows past its watermark (under a shared lock): never rows below n, which are read here.
+    absl::ReaderMutexLock lock(&parent->mu_);
+    for (uint64_t i = 0; i < lists; ++i) {
+      const std::vector<PageId>& src = parent->List(i);
+      std::vector<PageId>& dst = child_lists[i];
+      dst.reserve(per_list);
+      dst.assign(src.begin(), src.begin() + static_cast<ptrdiff_t>(full));
+      shared.insert(shared.end(), dst.begin(), dst.end());
+      dst.insert(dst.end(), fresh.begin() + static_cast<ptrdiff_t>(i * fresh_per_list),
+                 fresh.begin() + static_cast<ptrdiff_t>((i + 1) * fresh_per_list));
+      if (tail != 0) {
+        std::memcpy(pool_.PageData(dst[full]), pool_.PageData(src[full]),
+                    tail * parent->row_bytes());
+      }
+    }
+    // Lock order: sequence -> pool.
+    pool_.Share(shared);
+  }
+  {
+    absl::MutexLock lock(&seq->mu_);
+    seq->Adopt(std::move(child_lists), n);
+    if (lease > absl::ZeroDuration()) seq->expiry_ = options_.now() + lease;
+  }
+  Touch(*seq);
   {
     absl::MutexLock lock(&mu_);
-    std::vector<std::pair<absl::Time, SequenceId>> expired;
-    for (const auto& [id, seq] : sequences_) {
-      if (id == keep) continue;
-      absl::MutexLock seq_lock(&seq->mu_);
-      if (seq->expiry_ <= now) expired.emplace_back(seq->expiry_, id);
+    auto [it, inserted] = sequences_.emplace(id, seq);
+    if (!inserted) {
+      // Lost a race with a create of the same id; `seq` drops its references on destruction.
+      return absl::AlreadyExistsError(absl::StrFormat("sequence %d already exists", id));
     }
-    std::sort(expired.begin(), expired.end());
-    uint64_t freed = pool_.free_pages();
-    for (const auto& [expiry, id] : expired) {
-      if (freed >= pages_wanted) break;
-      auto it = sequences_.find(id);
-      {
-        absl::ReaderMutexLock seq_lock(&it->second->mu_);
-        freed += it->second->PageCount();
+  }
+  forks_.fetch_add(1, std::memory_order_relaxed);
+  forked_rows_.fetch_add(n, std::memory_order_relaxed);
+  return ForkResult{.tokens_per_page = tpp,
+                    .reserved_bytes = fresh.size() * pool_.page_bytes(),
+                    .rows = n,
+                    .shared_pages = shared.size()};
+}
+
+void PagedKvStore::Touch(const Sequence& seq) const {
+  seq.last_use_.store(use_clock_.fetch_add(1, std::memory_order_relaxed) + 1,
+                      std::memory_order_relaxed);
+}
+
+absl::Status PagedKvStore::AllocatePages(size_t n, std::vector<PageId>& out,
+                                         std::span<const SequenceId> keep) {
+  for (;;) {
+    absl::Status st = pool_.Allocate(n, out);
+    if (st.ok() || !EvictionOn() || !absl::IsResourceExhausted(st)) return st;
+    // Another allocation may take what was freed before this one retries: go on while
+    // eviction makes progress (every round removes a sequence, so this ends).
+    if (EvictFor(n, keep) == 0) return st;
+  }
+}
+
+size_t PagedKvStore::EvictFor(size_t pages_wanted, std::span<const SequenceId> keep) {
+  size_t evicted = 0;
+  while (pool_.free_pages() < pages_wanted) {
+    const size_t round =
+        EvictRound(pages_wanted, keep, options_.evict_cached, /*hopeless_evicts_nothing=*/true);
+    if (round == 0) break;
+    evicted += round;
+  }
+  return evicted;
+}
+
+size_t PagedKvStore::EvictRound(size_t pages_wanted, std::span<const SequenceId> keep,
+                                bool cached, bool hopeless_evicts_nothing) {
+  const absl::Time now = options_.now();
+  // Victims are destroyed (page references dropped) after the index lock is dropped.
+  std::vector<std::shared_ptr<Sequence>> victims;
+  uint64_t expired_victims = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    // Eviction order: expired leases by expiry, then released-and-kept sequences by last use.
+    struct Candidate {
+      bool cached;     // false: expired
+      int64_t order;   // expiry (ns since the epoch) or last-use tick
+      SequenceId id;
+      uint64_t pages;  // page references it holds: an upper bound of what evicting it frees
+      bool operator<(const Candidate& o) const {
+        return std::tie(cached, order, id) < std::tie(o.cached, o.order, o.id);
       }
+    };
+    std::vector<Candidate> candidates;
+    uint64_t evictable = 0;
+    for (const auto& [id, seq] : sequences_) {
+      if (std::find(keep.begin(), keep.end(), id) != keep.end()) continue;
+      absl::ReaderMutexLock seq_lock(&seq->mu_);
+      if (options_.evict_expired && seq->expiry_ <= now) {
+        candidates.push_back({false, absl::ToUnixNanos(seq->expiry_), id, seq->PageCount()});
+      } else if (cached && seq->released_kept_) {
+        candidates.push_back(
+            {true, static_cast<int64_t>(seq->last_use_.load(std::memory_order_relaxed)), id,
+             seq->PageCount()});
+      } else {
+        continue;
+      }
+      evictable += candidates.back().pages;
+    }
+    std::sort(candidates.begin(), candidates.end());
+    uint64_t freed = pool_.free_pages();
+    // An allocation that would not fit even with every candidate gone is refused without
+    // throwing the cache away.
+    if (hopeless_evicts_nothing && freed + evictable < pages_wanted) return 0;
+    // Page counts overstate what a victim frees (pages it shares with another sequence stay),
+    // so a round evicts no more than needed and EvictFor runs another while still short.
+    for (const Candidate& c : candidates) {
+      if (freed >= pages_wanted) break;
+      auto it = sequences_.find(c.id);
+      freed += c.pages;
+      if (!c.cached) ++expired_victims;
       victims.push_back(std::move(it->second));
       sequences_.erase(it);
     }
   }
-  evictions_.fetch_add(victims.size(), std::memory_order_relaxed);
+  evictions_expired_.fetch_add(expired_victims, std::memory_order_relaxed);
+  evictions_cached_lru_.fetch_add(victims.size() - expired_victims, std::memory_order_relaxed);
   return victims.size();
 }
 
 size_t PagedKvStore::SweepExpired() {
   if (!options_.evict_expired) return 0;
-  return EvictExpired(~size_t{0}, /*keep=*/~SequenceId{0});
+  return EvictRound(~size_t{0}, {}, /*cached=*/false, /*hopeless_evicts_nothing=*/false);
 }
 
 absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
@@ -314,7 +483,7 @@ absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
 
   // Phase 1: reserve the rows and their pages.
   uint64_t start = 0;
-  for (int attempt = 0;; ++attempt) {
+  for (;;) {
     absl::ReleasableMutexLock lock(&seq->mu_);
     if (seq->released_kept_) {
       return absl::FailedPreconditionError(
@@ -338,11 +507,12 @@ absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
     if (grow > 0) {
       absl::Status st = pool_.Allocate(grow, fresh);
       if (!st.ok()) {
-        if (attempt == 0 && options_.evict_expired && absl::IsResourceExhausted(st)) {
-          // Evicting needs the index lock, which ranks above this sequence's lock.
+        if (EvictionOn() && absl::IsResourceExhausted(st)) {
+          // Evicting needs the index lock, which ranks above this sequence's lock. Every
+          // eviction removes a sequence, so the retries end.
           lock.Release();
-          EvictExpired(grow, id);
-          continue;
+          const SequenceId keep[] = {id};
+          if (EvictFor(grow, keep) > 0) continue;
         }
         return absl::ResourceExhaustedError(absl::StrFormat("sequence %d layer %d, %d rows: %s", id,
                                                             rows.layer, rows.n_rows, st.message()));
@@ -437,6 +607,7 @@ absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
   uint8_t* dst = out.data();
   for (size_t i = 0; i < entries.size(); ++i) {
     const Sequence& seq = *seqs[i];
+    if (i == 0 || seqs[i] != seqs[i - 1]) Touch(seq);
     const size_t row_bytes = seq.row_bytes();
     absl::ReaderMutexLock lock(&seq.mu_);
     for (uint32_t index : entries[i].indices) {
@@ -495,6 +666,7 @@ absl::Status PagedKvStore::RangeRead(std::span<const RangeEntry> ranges,
   uint8_t* dst = out.data();
   for (size_t i = 0; i < ranges.size(); ++i) {
     const Sequence& seq = *seqs[i];
+    if (i == 0 || seqs[i] != seqs[i - 1]) Touch(seq);
     const RangeEntry& r = ranges[i];
     const uint32_t tpp = seq.tokens_per_page();
     absl::ReaderMutexLock lock(&seq.mu_);
@@ -515,6 +687,7 @@ absl::StatusOr<std::vector<PagedKvStore::Segment>> PagedKvStore::LocateRange(
     const RangeEntry& range) const {
   KVR_RETURN_IF_ERROR(RangeBytes(std::span<const RangeEntry>(&range, 1)).status());
   KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(range.sequence));
+  Touch(*seq);
   std::vector<Segment> segments;
   const uint32_t tpp = seq->tokens_per_page();
   absl::ReaderMutexLock lock(&seq->mu_);
@@ -535,6 +708,7 @@ absl::StatusOr<std::vector<PagedKvStore::Segment>> PagedKvStore::LocateRange(
 
 absl::StatusOr<PageTable> PagedKvStore::ReservePageTable(const SequenceRef& ref, uint64_t rows) {
   KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(ref));
+  Touch(*seq);
   const SequenceId id = ref.id;
   const SequenceShape& shape = seq->shape();
   const uint32_t tpp = seq->tokens_per_page();
@@ -576,7 +750,8 @@ absl::StatusOr<PageTable> PagedKvStore::ReservePageTable(const SequenceRef& ref,
       }
     }
     std::vector<PageId> fresh;
-    absl::Status st = AllocatePages(need, fresh, id);
+    const SequenceId keep[] = {id};
+    absl::Status st = AllocatePages(need, fresh, keep);
     if (!st.ok()) {
       return absl::Status(st.code(),
                           absl::StrFormat("sequence %d, page table for %d rows per (layer, kv "
@@ -613,6 +788,7 @@ absl::Status PagedKvStore::Release(const SequenceRef& ref, absl::Duration keep) 
   absl::MutexLock seq_lock(&it->second->mu_);
   it->second->released_kept_ = true;
   it->second->expiry_ = options_.now() + keep;
+  Touch(*it->second);
   return absl::OkStatus();
 }
 
@@ -648,7 +824,12 @@ StoreStats PagedKvStore::Stats() const {
   stats.free_pages = pool_.free_pages();
   stats.used_bytes = (stats.total_pages - stats.free_pages) * stats.page_bytes;
   stats.page_backing = PageBackingName(pool_.backing());
-  stats.evictions = evictions_.load(std::memory_order_relaxed);
+  stats.evictions_expired = evictions_expired_.load(std::memory_order_relaxed);
+  stats.evictions_cached_lru = evictions_cached_lru_.load(std::memory_order_relaxed);
+  stats.evictions = stats.evictions_expired + stats.evictions_cached_lru;
+  stats.shared_pages = pool_.shared_pages();
+  stats.forks = forks_.load(std::memory_order_relaxed);
+  stats.forked_rows = forked_rows_.load(std::memory_order_relaxed);
   stats.bytes_written = bytes_written_.load(std::memory_order_relaxed);
   stats.bytes_read = bytes_read_.load(std::memory_order_relaxed);
   const absl::Time now = options_.now();

@@ -20,10 +20,12 @@ constexpr SequenceShape kShape{.n_layers = 3, .n_kv_heads = 2, .head_dim = 8,
 
 std::unique_ptr<PagedKvStore> MakeStore(uint64_t capacity, uint64_t page_bytes = 256,
                                         bool evict = false,
-                                        std::function<absl::Time()> now = nullptr) {
+                                        std::function<absl::Time()> now = nullptr,
+                                        bool evict_cached = true) {
   StoreOptions options;
   options.pool = {.capacity_bytes = capacity, .page_bytes = page_bytes};
   options.evict_expired = evict;
+  options.evict_cached = evict_cached;
   if (now) options.now = std::move(now);
   auto store = PagedKvStore::Create(std::move(options));
   EXPECT_TRUE(store.ok()) << store.status();
@@ -247,7 +249,8 @@ TEST(StoreTest, ExpiredLeasesAreEvictedOnlyWhenConfigured) {
   auto clock = [&now] { return now; };
   const SequenceShape shape{.n_layers = 1, .n_kv_heads = 1, .head_dim = 8};
   for (bool evict : {false, true}) {
-    auto store = MakeStore(4 * 256, 256, evict, clock);
+    // Without evicting cached sequences: sequence 2 (released, kept) must stay either way.
+    auto store = MakeStore(4 * 256, 256, evict, clock, /*evict_cached=*/false);
     ASSERT_TRUE(store->CreateSequence(TestRef(1), shape, 16, absl::Seconds(5)).ok());     // 2 pages
     ASSERT_TRUE(store->CreateSequence(TestRef(2), shape, 8, absl::ZeroDuration()).ok());  // 1 page
     ASSERT_TRUE(store->CreateSequence(TestRef(3), shape, 0, absl::ZeroDuration()).ok());

@@ -14,11 +14,25 @@
 // none of it: never half a layer. Rows below the watermark are never written again.
 //
 // Capacity: page allocation is all-or-nothing per call; a shortfall returns RESOURCE_EXHAUSTED
-// "need N bytes, M free of T" and nothing already stored changes. With evict_expired set, the
-// store first evicts whole sequences whose lease expired (oldest expiry first).
+// "need N bytes, M free of T" and nothing already stored changes. Before refusing, the store
+// evicts whole sequences: with evict_expired, those whose lease expired (oldest expiry first);
+// then with evict_cached, released-and-kept ("cached for reuse") ones, least recently used
+// first. A live (not released) sequence is only ever evicted for an expired lease. Evicting
+// a sequence frees only the pages no other sequence shares, so eviction goes on, sequence by
+// sequence in that order, until the allocation fits or nothing evictable is left.
+//
+// Sharing (ForkSequence): a forked sequence holds references to its parent's full committed
+// pages (PagePool reference counts) instead of copies. Such a page lies wholly below both
+// sequences' watermarks, and rows below a watermark are never written again, so a shared page
+// is immutable: every page that is written belongs to exactly one sequence.
+//
+// Use: creating, releasing, forking from and reading (Gather, RangeRead, LocateRange,
+// ReservePageTable) a sequence marks it used, with a tick of a store-wide logical clock (one
+// relaxed atomic add per read request and sequence); least recently used = lowest tick.
 //
 // Lifetime: sequences are reference counted; Release removes a sequence from the index at once,
-// and its pages go back to the pool when the last in-flight read or write of it finishes.
+// and it drops its page references when the last in-flight read or write of it finishes (a
+// page returns to the pool once no sequence holds it).
 //
 // Access: a sequence is created with a Capability (types.h) and every later operation on it
 // must present the same one (SequenceRef; the sequence field of LayerRows, GatherEntry and
@@ -55,6 +69,11 @@ struct StoreOptions {
   PagePoolOptions pool;
   // Evict whole sequences whose lease expired when space runs short (and in SweepExpired).
   bool evict_expired = false;
+  // Evict released-and-kept sequences (Release with keep > 0), least recently used first, when
+  // space runs short, after the expired ones. A cache of finished sequences should give way to
+  // new work rather than refuse it; off, a kept sequence holds its pages until its keep
+  // expires (and then only goes with evict_expired).
+  bool evict_cached = true;
   // Injected so that lease tests need no sleeps.
   std::function<absl::Time()> now = [] { return absl::Now(); };
 };
@@ -62,6 +81,13 @@ struct StoreOptions {
 struct CreateResult {
   uint32_t tokens_per_page = 0;
   uint64_t reserved_bytes = 0;
+};
+
+struct ForkResult {
+  uint32_t tokens_per_page = 0;
+  uint64_t reserved_bytes = 0;  // bytes of fresh pages taken (copied tail + reservation)
+  uint64_t rows = 0;            // rows the child starts with, the same in every layer
+  uint64_t shared_pages = 0;    // parent pages now shared with the child
 };
 
 class PagedKvStore {
@@ -79,6 +105,27 @@ class PagedKvStore {
                                                             const SequenceShape& shape,
                                                             uint64_t expected_tokens,
                                                             absl::Duration lease);
+
+  // Creates sequence `child` (its own id and capability, checked as by CreateSequence) with
+  // the shape of `parent`, whose rows [0, n) in every (layer, kv head) are the parent's, where
+  // n = min(rows, the parent's committed rows in every layer); n may be 0 (then it is
+  // CreateSequence with the parent's shape). The parent's pages wholly inside [0, n) are
+  // shared, not copied; the rows of a partly covered last page are copied into a fresh page of
+  // the child, so that the child appends after row n into pages of its own (as does the
+  // parent). The child's watermark is n in every layer; pages for `expected_tokens` rows are
+  // reserved and `lease` applies as for CreateSequence.
+  //
+  // The parent must be named with its capability (PERMISSION_DENIED as everywhere) and may be
+  // live (only its committed rows count; a writer of it goes on undisturbed) or released and
+  // kept. Counts as a use of the parent. INVALID_ARGUMENT for a none capability, a negative
+  // lease or child id == parent id; ALREADY_EXISTS for a taken child id. Allocation is
+  // all-or-nothing (RESOURCE_EXHAUSTED names the shortfall; nothing changes but evictions).
+  // The shared pages stay allocated while either sequence holds them, whatever becomes of
+  // the other (release, eviction).
+  [[nodiscard]] absl::StatusOr<ForkResult> ForkSequence(const SequenceRef& child,
+                                                        const SequenceRef& parent, uint64_t rows,
+                                                        uint64_t expected_tokens,
+                                                        absl::Duration lease);
 
   // Appends rows for all heads of one layer and commits them; returns the layer's committed
   // row count afterwards.
@@ -136,15 +183,33 @@ class PagedKvStore {
   // The sequence if `ref` names it with its capability; otherwise PERMISSION_DENIED, the same
   // for an unknown id and a wrong capability.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Sequence>> Find(const SequenceRef& ref) const;
-  // Allocates `n` pages, evicting expired sequences (never `keep`) first when allowed.
-  [[nodiscard]] absl::Status AllocatePages(size_t n, std::vector<PageId>& out, SequenceId keep);
-  size_t EvictExpired(size_t pages_wanted, SequenceId keep);
+  // Allocates `n` pages; on a shortfall evicts (EvictFor, never a sequence in `keep`) and
+  // tries again while eviction makes progress.
+  [[nodiscard]] absl::Status AllocatePages(size_t n, std::vector<PageId>& out,
+                                           std::span<const SequenceId> keep);
+  bool EvictionOn() const { return options_.evict_expired || options_.evict_cached; }
+  // Evicts in eviction order (class comment) until `pages_wanted` pages are free or nothing
+  // evictable is left; returns how many sequences went. Takes the index lock: call it with no
+  // sequence lock held.
+  size_t EvictFor(size_t pages_wanted, std::span<const SequenceId> keep);
+  // One round: removes victims from the index, in order, until their page counts (an upper
+  // bound of what they free: shared pages stay) would cover `pages_wanted`, then drops them.
+  // Only expired sequences when `cached` is false (the sweep). With
+  // `hopeless_evicts_nothing`, evicts nothing when even all candidates could not cover it.
+  size_t EvictRound(size_t pages_wanted, std::span<const SequenceId> keep, bool cached,
+                    bool hopeless_evicts_nothing);
+  // Marks `seq` used now (a tick of use_clock_).
+  void Touch(const Sequence& seq) const;
 
   StoreOptions options_;
   PagePool pool_;  // declared before the index: sequences return their pages on destruction
   mutable absl::Mutex mu_;
   absl::flat_hash_map<SequenceId, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
-  std::atomic<uint64_t> evictions_{0};
+  mutable std::atomic<uint64_t> use_clock_{0};
+  std::atomic<uint64_t> evictions_expired_{0};
+  std::atomic<uint64_t> evictions_cached_lru_{0};
+  std::atomic<uint64_t> forks_{0};
+  std::atomic<uint64_t> forked_rows_{0};
   mutable std::atomic<uint64_t> bytes_written_{0};
   mutable std::atomic<uint64_t> bytes_read_{0};
 };

@@ -112,11 +112,21 @@ struct StoreStats {
   uint64_t total_pages = 0;
   uint64_t free_pages = 0;
   uint64_t sequences = 0;
-  uint64_t evictions = 0;
+  uint64_t evictions = 0;  // evictions_expired + evictions_cached_lru
   uint64_t expired_sequences = 0;
   std::string page_backing;
   uint64_t bytes_written = 0;
   uint64_t bytes_read = 0;
+  // Sequences evicted because their lease expired (evict_expired), and released-and-kept
+  // ones evicted least recently used first (evict_cached); monotonic.
+  uint64_t evictions_expired = 0;
+  uint64_t evictions_cached_lru = 0;
+  // Pages held by more than one sequence (ForkSequence), now.
+  uint64_t shared_pages = 0;
+  // ForkSequence calls that created a sequence, and the rows per (layer, kv head) they
+  // started their children with (summed); monotonic.
+  uint64_t forks = 0;
+  uint64_t forked_rows = 0;
 };
 
 // What a reader may see of a sequence.
