@@ -62,6 +62,12 @@ class SharedRowsStore final : public kv_store::KvStoreClient {
                                                         absl::Duration lease) override {
     return inner_->CreateSequence(ref, shape, expected, lease);
   }
+  // Every id already reads `base`: there is nothing to fork.
+  absl::StatusOr<kv_store::ForkResult> ForkSequence(const kv_store::SequenceRef&,
+                                                    const kv_store::SequenceRef&, uint64_t,
+                                                    uint64_t, absl::Duration) override {
+    return absl::UnimplementedError("SharedRowsStore: no forks");
+  }
   absl::Status RangeRead(std::span<const kv_store::RangeEntry> ranges,
                          std::span<uint8_t> out) override {
     std::vector<kv_store::RangeEntry> r(ranges.begin(), ranges.end());

@@ -42,6 +42,12 @@ class CountingStore final : public kv_store::KvStoreClient {
                                                         absl::Duration lease) override {
     return inner_->CreateSequence(ref, shape, expected, lease);
   }
+  absl::StatusOr<kv_store::ForkResult> ForkSequence(const kv_store::SequenceRef& child,
+                                                    const kv_store::SequenceRef& parent,
+                                                    uint64_t rows, uint64_t expected,
+                                                    absl::Duration lease) override {
+    return inner_->ForkSequence(child, parent, rows, expected, lease);
+  }
   absl::Status RangeRead(std::span<const kv_store::RangeEntry> ranges,
                          std::span<uint8_t> out) override {
     ++range_reads;

@@ -56,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const uint8_t* body = data + at + 3;
     at += 3 + len;
     KvStoreGrpcService* s = &service;
-    switch (method % 8) {
+    switch (method % 9) {
       case 0:
         Call<sv1::CreateSequenceRequest, sv1::CreateSequenceResponse>(
             body, len, [s](auto... a) { return s->CreateSequence(a...); });
@@ -89,9 +89,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         Call<sv1::ReservePageTableRequest, sv1::ReservePageTableResponse>(
             body, len, [s](auto... a) { return s->ReservePageTable(a...); });
         break;
+      case 8:
+        Call<sv1::ForkSequenceRequest, sv1::ForkSequenceResponse>(
+            body, len, [s](auto... a) { return s->ForkSequence(a...); });
+        break;
     }
     const kvr::kv_store::StoreStats stats = (*store)->Stats();
     Check(stats.used_bytes <= stats.capacity_bytes && stats.free_pages <= stats.total_pages);
+    Check((*store)->pool().refcount_errors() == 0);
   }
   return 0;
 }

@@ -57,6 +57,11 @@ inline void ToProto(const StoreStats& s, store::v1::StatsResponse* p) {
   p->set_page_backing(s.page_backing);
   p->set_bytes_written(s.bytes_written);
   p->set_bytes_read(s.bytes_read);
+  p->set_evictions_expired(s.evictions_expired);
+  p->set_evictions_cached_lru(s.evictions_cached_lru);
+  p->set_shared_pages(s.shared_pages);
+  p->set_forks(s.forks);
+  p->set_forked_rows(s.forked_rows);
 }
 
 inline void ToProto(const PageTable& t, store::v1::ReservePageTableResponse* p) {
@@ -98,7 +103,10 @@ inline StoreStats FromProto(const store::v1::StatsResponse& p) {
           .page_bytes = p.page_bytes(), .total_pages = p.total_pages(),
           .free_pages = p.free_pages(), .sequences = p.sequences(), .evictions = p.evictions(),
           .expired_sequences = p.expired_sequences(), .page_backing = p.page_backing(),
-          .bytes_written = p.bytes_written(), .bytes_read = p.bytes_read()};
+          .bytes_written = p.bytes_written(), .bytes_read = p.bytes_read(),
+          .evictions_expired = p.evictions_expired(),
+          .evictions_cached_lru = p.evictions_cached_lru(), .shared_pages = p.shared_pages(),
+          .forks = p.forks(), .forked_rows = p.forked_rows()};
 }
 
 }  // namespace kvr::kv_store

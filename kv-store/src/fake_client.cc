@@ -27,6 +27,14 @@ absl::StatusOr<CreateResult> FakeKvStoreClient::CreateSequence(const SequenceRef
   return store_->CreateSequence(ref, shape, expected_tokens, lease);
 }
 
+absl::StatusOr<ForkResult> FakeKvStoreClient::ForkSequence(const SequenceRef& child,
+                                                           const SequenceRef& parent,
+                                                           uint64_t rows, uint64_t expected_tokens,
+                                                           absl::Duration lease) {
+  if (absl::Status st = Injected(); !st.ok()) return st;
+  return store_->ForkSequence(child, parent, rows, expected_tokens, lease);
+}
+
 namespace {
 
 // The fake runs every operation synchronously; its op only carries the result.

@@ -124,4 +124,27 @@ grpc::Status KvStoreGrpcService::ReservePageTable(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
+grpc::Status KvStoreGrpcService::ForkSequence(grpc::ServerContext* ctx,
+                                              const store::v1::ForkSequenceRequest* req,
+                                              store::v1::ForkSequenceResponse* resp) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  // The child's capability is being set, so a malformed one is refused as at creation; the
+  // parent's is only checked, so a malformed one reads like a wrong one.
+  absl::StatusOr<Capability> child_cap = Capability::FromBytes(req->child_capability());
+  if (!child_cap.ok()) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat("child_capability: ", child_cap.status().message())));
+  }
+  absl::StatusOr<ForkResult> result = store_.ForkSequence(
+      {req->child_sequence_id(), *child_cap},
+      {req->parent_sequence_id(), Capability::FromBytesOrNone(req->parent_capability())},
+      req->rows(), req->expected_tokens(), Millis(req->lease_ms()));
+  if (!result.ok()) return ToGrpc(result.status());
+  resp->set_tokens_per_page(result->tokens_per_page);
+  resp->set_reserved_bytes(result->reserved_bytes);
+  resp->set_rows(result->rows);
+  resp->set_shared_pages(result->shared_pages);
+  return grpc::Status::OK;
+}
+
 }  // namespace kvr::kv_store

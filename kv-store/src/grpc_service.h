@@ -48,6 +48,8 @@ class KvStoreGrpcService final : public store::v1::KvStore::Service {
   grpc::Status ReservePageTable(grpc::ServerContext* ctx,
                                 const store::v1::ReservePageTableRequest* req,
                                 store::v1::ReservePageTableResponse* resp) override;
+  grpc::Status ForkSequence(grpc::ServerContext* ctx, const store::v1::ForkSequenceRequest* req,
+                            store::v1::ForkSequenceResponse* resp) override;
 
  private:
   PagedKvStore& store_;

@@ -274,6 +274,32 @@ absl::StatusOr<CreateResult> UcxKvStoreClient::CreateSequence(const SequenceRef&
                       .reserved_bytes = resp.reserved_bytes()};
 }
 
+absl::StatusOr<ForkResult> UcxKvStoreClient::ForkSequence(const SequenceRef& child,
+                                                          const SequenceRef& parent,
+                                                          uint64_t rows, uint64_t expected_tokens,
+                                                          absl::Duration lease) {
+  if (lease < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("lease must not be negative");
+  }
+  v1::ForkSequenceRequest req;
+  req.set_child_sequence_id(child.id);
+  req.set_child_capability(child.cap.ToBytes());
+  req.set_parent_sequence_id(parent.id);
+  req.set_parent_capability(parent.cap.ToBytes());
+  req.set_rows(rows);
+  req.set_expected_tokens(expected_tokens);
+  req.set_lease_ms(absl::ToInt64Milliseconds(lease));
+  v1::ForkSequenceResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(ctx);
+  KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->ForkSequence(&ctx, req, &resp),
+                               absl::StrCat("kvr-store ", impl_->target, " ForkSequence")));
+  return ForkResult{.tokens_per_page = resp.tokens_per_page(),
+                    .reserved_bytes = resp.reserved_bytes(),
+                    .rows = resp.rows(),
+                    .shared_pages = resp.shared_pages()};
+}
+
 std::unique_ptr<KvStoreOp> UcxKvStoreClient::StartPutLayer(const LayerRows& rows) {
   const absl::Time deadline = impl_->Deadline();
   return impl_->Start(MessageType::kWrite, wire::EncodeWriteHeader(rows, deadline), nullptr,

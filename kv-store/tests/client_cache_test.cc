@@ -33,6 +33,10 @@ class FakeStoreClient final : public KvStoreClient {
                                               absl::Duration) override {
     return absl::UnimplementedError("fake");
   }
+  absl::StatusOr<ForkResult> ForkSequence(const SequenceRef&, const SequenceRef&, uint64_t,
+                                          uint64_t, absl::Duration) override {
+    return absl::UnimplementedError("fake");
+  }
   absl::Status RangeRead(std::span<const RangeEntry>, std::span<uint8_t>) override {
     return absl::UnimplementedError("fake");
   }

@@ -81,6 +81,65 @@ void ExerciseClient(KvStoreClient& client) {
   EXPECT_EQ(client.Stats()->used_bytes, 0u);
 }
 
+// A child forked from a released-and-kept parent reads the parent's rows, shares its pages and
+// appends its own; errors match on both implementations.
+void ExerciseFork(KvStoreClient& client) {
+  // bf16 head_dim 16: 64-byte rows, 64 per 4 KiB page.
+  ASSERT_TRUE(client.CreateSequence(TestRef(20), kShape, 0, absl::ZeroDuration()).ok());
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    auto rows = MakePatternRows(kShape, 20, layer, 0, 150);
+    ASSERT_TRUE(client
+                    .PutLayer({.sequence = TestRef(20),
+                               .layer = layer,
+                               .start_row = 0,
+                               .n_rows = 150,
+                               .k = rows.k,
+                               .v = rows.v})
+                    .ok());
+  }
+  ASSERT_TRUE(client.Release(TestRef(20), absl::Seconds(60)).ok());
+  auto fork = client.ForkSequence(TestRef(21), TestRef(20), 140, 200, absl::Seconds(60));
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(fork->rows, 140u);
+  EXPECT_EQ(fork->tokens_per_page, 64u);
+  EXPECT_EQ(fork->shared_pages, 2u * 4);          // 2 full pages in each of 4 (layer, head)
+  EXPECT_EQ(fork->reserved_bytes, 2u * 4 * 4096);  // pages 3 (the copied tail) and 4 of 4
+  auto stats = client.Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->shared_pages, 8u);
+  EXPECT_EQ(stats->forks, 1u);
+  EXPECT_EQ(stats->forked_rows, 140u);
+  auto tail = MakePatternRows(kShape, 21, 1, 140, 1);
+  ASSERT_EQ(
+      *client.Append({.sequence = TestRef(21), .layer = 1, .n_rows = 1, .k = tail.k, .v = tail.v}),
+      141u);
+  std::vector<uint32_t> idx = {0, 127, 128, 139, 140};
+  std::vector<GatherEntry> entries = {
+      {.sequence = TestRef(21), .layer = 1, .head = 1, .indices = idx}};
+  std::vector<uint8_t> out(GatherBytes(entries, kShape.RowBytes()));
+  ASSERT_TRUE(client.Gather(entries, out).ok());
+  for (size_t i = 0; i < idx.size(); ++i) {
+    EXPECT_TRUE(RowMatches(kShape, idx[i] < 140 ? 20 : 21, 1, 1, idx[i],
+                           out.data() + i * kShape.RowBytes()))
+        << idx[i];
+  }
+  EXPECT_TRUE(absl::IsPermissionDenied(
+      client.ForkSequence(TestRef(22), TestRef(99), 1, 0, absl::ZeroDuration()).status()));
+  EXPECT_TRUE(absl::IsPermissionDenied(
+      client.ForkSequence(TestRef(22), {20, TestRef(21).cap}, 1, 0, absl::ZeroDuration())
+          .status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      client.ForkSequence({22, Capability{}}, TestRef(20), 1, 0, absl::ZeroDuration()).status()));
+  EXPECT_TRUE(absl::IsAlreadyExists(
+      client.ForkSequence(TestRef(21), TestRef(20), 1, 0, absl::ZeroDuration()).status()));
+  EXPECT_TRUE(absl::IsResourceExhausted(
+      client.ForkSequence(TestRef(22), TestRef(20), 1, 1 << 30, absl::ZeroDuration()).status()));
+  ASSERT_TRUE(client.Release(TestRef(20), absl::ZeroDuration()).ok());
+  ASSERT_TRUE(client.Release(TestRef(21), absl::ZeroDuration()).ok());
+  EXPECT_EQ(client.Stats()->used_bytes, 0u);
+  EXPECT_EQ(client.Stats()->shared_pages, 0u);
+}
+
 // Puts of several layers and gathers of several layers in flight at once, as prefill and
 // decode overlap them with compute.
 void ExerciseAsync(KvStoreClient& client) {
@@ -140,6 +199,7 @@ TEST(ServiceTest, UcxClientAgainstInProcessServer) {
   ASSERT_TRUE(client.ok()) << client.status();
   ExerciseClient(**client);
   ExerciseAsync(**client);
+  ExerciseFork(**client);
 }
 
 // A gather that names more rows than the store answers in one reply (an amplification: a few
@@ -188,8 +248,11 @@ TEST(ServiceTest, FakeClientBehavesTheSame) {
   ASSERT_TRUE(fake.ok());
   ExerciseClient(**fake);
   ExerciseAsync(**fake);
+  ExerciseFork(**fake);
   (*fake)->InjectFailure(absl::UnavailableError("injected"));
   EXPECT_TRUE(absl::IsUnavailable((*fake)->Stats().status()));
+  EXPECT_TRUE(absl::IsUnavailable(
+      (*fake)->ForkSequence(TestRef(2), TestRef(1), 0, 0, absl::ZeroDuration()).status()));
   (*fake)->InjectFailure(absl::OkStatus());
   EXPECT_TRUE((*fake)->Stats().ok());
 }
@@ -259,7 +322,8 @@ TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
   const std::string garbage = "\xff\xff\xff\xff\x0f garbage";
   for (const char* method :
        {"/kvr.store.v1.KvStore/CreateSequence", "/kvr.store.v1.KvStore/Append",
-        "/kvr.store.v1.KvStore/Release", "/kvr.store.v1.KvStore/ReservePageTable"}) {
+        "/kvr.store.v1.KvStore/Release", "/kvr.store.v1.KvStore/ReservePageTable",
+        "/kvr.store.v1.KvStore/ForkSequence"}) {
     const grpc::Status s = call(method, garbage);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
     EXPECT_NE(s.error_message().find(method), std::string::npos) << s.error_message();

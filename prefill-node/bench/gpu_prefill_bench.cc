@@ -87,6 +87,12 @@ class DiscardPutStore final : public kv_store::KvStoreClient {
                                                         absl::Duration lease) override {
     return inner_->CreateSequence(ref, shape, expected_tokens, lease);
   }
+  absl::StatusOr<kv_store::ForkResult> ForkSequence(const kv_store::SequenceRef& child,
+                                                    const kv_store::SequenceRef& parent,
+                                                    uint64_t rows, uint64_t expected_tokens,
+                                                    absl::Duration lease) override {
+    return inner_->ForkSequence(child, parent, rows, expected_tokens, lease);
+  }
   absl::Status RangeRead(std::span<const kv_store::RangeEntry> r, std::span<uint8_t> out) override {
     return inner_->RangeRead(r, out);
   }

@@ -63,6 +63,15 @@ class KvStoreClient {
                                                                     const SequenceShape& shape,
                                                                     uint64_t expected_tokens,
                                                                     absl::Duration lease) = 0;
+  // Creates sequence `child` from the first rows of `parent` (prefix reuse): the child starts
+  // with the parent's rows [0, min(rows, parent's committed rows)) in every (layer, kv head),
+  // sharing the parent's full pages; see PagedKvStore::ForkSequence. `child.cap` is the
+  // caller's fresh Capability::Generate(); `parent` must carry the parent's capability.
+  [[nodiscard]] virtual absl::StatusOr<ForkResult> ForkSequence(const SequenceRef& child,
+                                                                const SequenceRef& parent,
+                                                                uint64_t rows,
+                                                                uint64_t expected_tokens,
+                                                                absl::Duration lease) = 0;
   // Writes rows for all heads of one layer (prefill's layer-wise put; rows.start_row =
   // LayerRows::kAtEnd appends, as decode does) and returns the layer's committed rows.
   [[nodiscard]] absl::StatusOr<uint64_t> PutLayer(const LayerRows& rows) {
@@ -127,6 +136,9 @@ class FakeKvStoreClient final : public KvStoreClient {
   absl::StatusOr<CreateResult> CreateSequence(const SequenceRef& ref, const SequenceShape& shape,
                                               uint64_t expected_tokens,
                                               absl::Duration lease) override;
+  absl::StatusOr<ForkResult> ForkSequence(const SequenceRef& child, const SequenceRef& parent,
+                                          uint64_t rows, uint64_t expected_tokens,
+                                          absl::Duration lease) override;
   // Runs the operation at once; the returned op is already done.
   std::unique_ptr<KvStoreOp> StartPutLayer(const LayerRows& rows) override;
   std::unique_ptr<KvStoreOp> StartGather(std::span<const GatherEntry> entries,
@@ -189,6 +201,10 @@ class UcxKvStoreClient final : public KvStoreClient {
   absl::StatusOr<CreateResult> CreateSequence(const SequenceRef& ref, const SequenceShape& shape,
                                               uint64_t expected_tokens,
                                               absl::Duration lease) override;
+  // Over gRPC (ForkSequence), under the client's timeout.
+  absl::StatusOr<ForkResult> ForkSequence(const SequenceRef& child, const SequenceRef& parent,
+                                          uint64_t rows, uint64_t expected_tokens,
+                                          absl::Duration lease) override;
   std::unique_ptr<KvStoreOp> StartPutLayer(const LayerRows& rows) override;
   std::unique_ptr<KvStoreOp> StartGather(std::span<const GatherEntry> entries,
                                          std::span<uint8_t> out) override;
