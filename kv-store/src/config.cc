@@ -70,6 +70,9 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
       {"evict_expired",
        "evict sequences whose lease expired: when space runs short and by a periodic sweep "
        "(bool); off: leases are reported in stats but nothing is dropped"},
+      {"evict_cached",
+       "evict released-and-kept (cached for reuse) sequences, least recently used first, when "
+       "space runs short, after expired ones and before refusing (bool); never a live one"},
       {"huge_pages", "try huge pages for the pool (bool)"},
       {"data_plane_threads", "threads serving UCX data-plane requests"},
       {"sweep_interval_ms", "how often expired leases are swept (with evict_expired)"},
@@ -192,11 +195,14 @@ absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
             "metrics_port: '%s' is not a port, 0 (any free port) or -1 (off)", *text)));
       }
       config.metrics_port = port;
-    } else if (k == "evict_expired" || k == "huge_pages" || k == "rma_reads") {
+    } else if (k == "evict_expired" || k == "evict_cached" || k == "huge_pages" ||
+               k == "rma_reads") {
       absl::StatusOr<bool> v = ParseBool(k, *text);
       if (!v.ok()) return fail(v.status());
-      (k == "evict_expired" ? config.evict_expired
-                            : (k == "huge_pages" ? config.huge_pages : config.rma_reads)) = *v;
+      (k == "evict_expired"  ? config.evict_expired
+       : k == "evict_cached" ? config.evict_cached
+       : k == "huge_pages"   ? config.huge_pages
+                             : config.rma_reads) = *v;
     } else {
       absl::StatusOr<uint64_t> v = ParseUint(k, *text);
       if (!v.ok()) return fail(v.status());
@@ -216,6 +222,7 @@ StoreServerOptions StoreConfig::ToServerOptions() const {
   options.store.pool = {
       .capacity_bytes = capacity_bytes, .page_bytes = page_bytes, .try_huge_pages = huge_pages};
   options.store.evict_expired = evict_expired;
+  options.store.evict_cached = evict_cached;
   options.data_plane_threads = data_plane_threads;
   options.sweep_interval = absl::Milliseconds(static_cast<int64_t>(sweep_interval_ms));
   options.metrics_port = static_cast<int>(metrics_port);
@@ -242,6 +249,7 @@ std::string StoreConfig::Describe() const {
   line("capacity_bytes", absl::StrCat(capacity_bytes));
   line("page_bytes", absl::StrCat(page_bytes));
   line("evict_expired", evict_expired ? "true" : "false");
+  line("evict_cached", evict_cached ? "true" : "false");
   line("huge_pages", huge_pages ? "true" : "false");
   line("data_plane_threads", absl::StrCat(data_plane_threads));
   line("sweep_interval_ms", absl::StrCat(sweep_interval_ms));

@@ -15,8 +15,19 @@ struct StoreMetrics::Families {
         pages(GaugeFamily(r, "kvr_store_pages", "Pages of the pool, by state (free, used)")),
         sequences(GaugeFamily(r, "kvr_store_sequences", "Sequences held by the store").Add({})),
         evictions(CounterFamily(r, "kvr_store_evictions_total",
-                                "Sequences evicted by the capacity policy")
-                      .Add({})),
+                                "Sequences evicted by the capacity policy, by reason (expired: "
+                                "lease ran out; cached_lru: released-and-kept, least recently "
+                                "used first)")),
+        shared_pages(GaugeFamily(r, "kvr_store_shared_pages",
+                                 "Pages held by more than one sequence (forks share prefixes)")
+                         .Add({})),
+        forks(CounterFamily(r, "kvr_store_forks_total",
+                            "Sequences created by forking another's rows")
+                  .Add({})),
+        forked_rows(CounterFamily(r, "kvr_store_forked_rows_total",
+                                  "Rows per (layer, kv head) that forks started their "
+                                  "sequences with, summed")
+                        .Add({})),
         expired(CounterFamily(r, "kvr_store_expired_sequences_total",
                               "Sequences dropped because their lease expired")
                     .Add({})),
@@ -25,17 +36,24 @@ struct StoreMetrics::Families {
         read(
             CounterFamily(r, "kvr_store_read_bytes_total", "KV bytes read from the store").Add({})),
         free_pages(pages.Add({{"state", "free"}})),
-        used_pages(pages.Add({{"state", "used"}})) {}
+        used_pages(pages.Add({{"state", "used"}})),
+        evictions_expired(evictions.Add({{"reason", "expired"}})),
+        evictions_cached_lru(evictions.Add({{"reason", "cached_lru"}})) {}
   prometheus::Gauge& capacity;
   prometheus::Gauge& used;
   prometheus::Family<prometheus::Gauge>& pages;
   prometheus::Gauge& sequences;
-  prometheus::Counter& evictions;
+  prometheus::Family<prometheus::Counter>& evictions;
+  prometheus::Gauge& shared_pages;
+  prometheus::Counter& forks;
+  prometheus::Counter& forked_rows;
   prometheus::Counter& expired;
   prometheus::Counter& written;
   prometheus::Counter& read;
   prometheus::Gauge& free_pages;
   prometheus::Gauge& used_pages;
+  prometheus::Counter& evictions_expired;
+  prometheus::Counter& evictions_cached_lru;
   // Previous values of the monotonic fields, to turn absolute values into increments.
   std::mutex mu;
   StoreSnapshot last;
@@ -57,8 +75,13 @@ void StoreMetrics::Update(const StoreSnapshot& s) {
   f_->free_pages.Set(static_cast<double>(s.free_pages));
   f_->used_pages.Set(static_cast<double>(s.total_pages - std::min(s.free_pages, s.total_pages)));
   f_->sequences.Set(static_cast<double>(s.sequences));
+  f_->shared_pages.Set(static_cast<double>(s.shared_pages));
   std::lock_guard<std::mutex> lock(f_->mu);
-  f_->evictions.Increment(Increase(s.evictions, f_->last.evictions));
+  f_->evictions_expired.Increment(Increase(s.evictions_expired, f_->last.evictions_expired));
+  f_->evictions_cached_lru.Increment(
+      Increase(s.evictions_cached_lru, f_->last.evictions_cached_lru));
+  f_->forks.Increment(Increase(s.forks, f_->last.forks));
+  f_->forked_rows.Increment(Increase(s.forked_rows, f_->last.forked_rows));
   f_->expired.Increment(Increase(s.expired_sequences, f_->last.expired_sequences));
   f_->written.Increment(Increase(s.bytes_written, f_->last.bytes_written));
   f_->read.Increment(Increase(s.bytes_read, f_->last.bytes_read));

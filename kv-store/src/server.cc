@@ -154,10 +154,14 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
                                   .total_pages = s.total_pages,
                                   .free_pages = s.free_pages,
                                   .sequences = s.sequences,
-                                  .evictions = s.evictions,
+                                  .evictions_expired = s.evictions_expired,
+                                  .evictions_cached_lru = s.evictions_cached_lru,
                                   .expired_sequences = s.expired_sequences,
                                   .bytes_written = s.bytes_written,
-                                  .bytes_read = s.bytes_read});
+                                  .bytes_read = s.bytes_read,
+                                  .shared_pages = s.shared_pages,
+                                  .forks = s.forks,
+                                  .forked_rows = s.forked_rows});
     });
   }
 

@@ -61,6 +61,23 @@ TEST(ConfigTest, PrecedenceIsFlagThenFileThenEnvThenDefault) {
   EXPECT_TRUE(options.store.evict_expired);
 }
 
+TEST(ConfigTest, EvictCachedIsOnByDefaultAndCanBeTurnedOff) {
+  auto config = Parse({}, FakeEnv({}));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->evict_cached);
+  EXPECT_TRUE(config->ToServerOptions().store.evict_cached);
+  EXPECT_THAT(config->Describe(), HasSubstr("evict_cached: true  # default"));
+  config = Parse({"--config", WriteYaml("evict_cached: false\n")},
+                 FakeEnv({{"KVR_STORE_EVICT_CACHED", "true"}}));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->evict_cached);  // file beats env
+  EXPECT_FALSE(config->ToServerOptions().store.evict_cached);
+  config = Parse({"--evict-cached", "off"}, FakeEnv({}));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->evict_cached);
+  EXPECT_THAT(config->Describe(), HasSubstr("evict_cached: false  # flag"));
+}
+
 TEST(ConfigTest, BadValuesNameTheOptionAndSource) {
   auto st = Parse({"--capacity-bytes", "12 parsecs"}, FakeEnv({})).status();
   EXPECT_TRUE(absl::IsInvalidArgument(st));

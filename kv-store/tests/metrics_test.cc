@@ -22,35 +22,51 @@ TEST(StoreMetricsTest, CountersFollowMonotonicFieldsAcrossAReset) {
             .total_pages = 10,
             .free_pages = 7,
             .sequences = 2,
-            .evictions = 3,
+            .evictions_expired = 3,
+            .evictions_cached_lru = 2,
             .expired_sequences = 1,
             .bytes_written = 100,
-            .bytes_read = 50});
+            .bytes_read = 50,
+            .shared_pages = 3,
+            .forks = 2,
+            .forked_rows = 700});
   m.Update({.capacity_bytes = 1 << 30,
             .used_bytes = 8192,
             .total_pages = 10,
             .free_pages = 6,
             .sequences = 2,
-            .evictions = 5,
+            .evictions_expired = 5,
+            .evictions_cached_lru = 4,
             .expired_sequences = 1,
             .bytes_written = 300,
-            .bytes_read = 50});
+            .bytes_read = 50,
+            .shared_pages = 5,
+            .forks = 3,
+            .forked_rows = 900});
   m.Update({.capacity_bytes = 1 << 30,
             .used_bytes = 8192,
             .total_pages = 10,
             .free_pages = 6,
             .sequences = 2,
-            .evictions = 1,
+            .evictions_expired = 1,
+            .evictions_cached_lru = 4,
             .expired_sequences = 1,
             .bytes_written = 300,
-            .bytes_read = 60});  // evictions went back: counted from zero
+            .bytes_read = 60,
+            .shared_pages = 1,
+            .forks = 3,
+            .forked_rows = 900});  // expired evictions went back: counted from zero
   const std::string text = server->ScrapeText();
   EXPECT_THAT(text, HasSubstr("kvr_store_capacity_bytes 1073741824"));
   EXPECT_THAT(text, HasSubstr("kvr_store_used_bytes 8192"));
   EXPECT_THAT(text, HasSubstr("kvr_store_pages{state=\"free\"} 6"));
   EXPECT_THAT(text, HasSubstr("kvr_store_pages{state=\"used\"} 4"));
   EXPECT_THAT(text, HasSubstr("kvr_store_sequences 2"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total 6"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total{reason=\"expired\"} 6"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total{reason=\"cached_lru\"} 4"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_shared_pages 1"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_forks_total 3"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_forked_rows_total 900"));
   EXPECT_THAT(text, HasSubstr("kvr_store_expired_sequences_total 1"));
   EXPECT_THAT(text, HasSubstr("kvr_store_written_bytes_total 300"));
   EXPECT_THAT(text, HasSubstr("kvr_store_read_bytes_total 60"));

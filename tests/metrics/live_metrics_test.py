@@ -107,7 +107,10 @@ class LiveMetricsTest(unittest.TestCase):
             self.assertIn('kvr_node_info{name="store-a",role="store"} 1', text)
             self.assertIn(f"kvr_store_capacity_bytes {64 << 20}", text)
             self.assertIn("kvr_store_used_bytes 0", text)
-            self.assertIn("kvr_store_evictions_total 0", text)
+            self.assertIn('kvr_store_evictions_total{reason="expired"} 0', text)
+            self.assertIn('kvr_store_evictions_total{reason="cached_lru"} 0', text)
+            self.assertIn("kvr_store_shared_pages 0", text)
+            self.assertIn("kvr_store_forks_total 0", text)
             self.assertRegex(text, r'kvr_store_pages\{state="free"\} \d+')
         finally:
             node.stop()

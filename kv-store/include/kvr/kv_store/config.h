@@ -18,6 +18,9 @@ struct StoreConfig {
   uint64_t capacity_bytes = 1ull << 30;
   uint64_t page_bytes = 64 << 10;
   bool evict_expired = false;
+  // Evict released-and-kept sequences, least recently used first, when space runs short
+  // (StoreOptions::evict_cached).
+  bool evict_cached = true;
   bool huge_pages = true;
   uint64_t data_plane_threads = 2;
   uint64_t sweep_interval_ms = 1000;

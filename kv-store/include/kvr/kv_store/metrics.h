@@ -17,10 +17,14 @@ struct StoreSnapshot {
   uint64_t total_pages = 0;
   uint64_t free_pages = 0;
   uint64_t sequences = 0;
-  uint64_t evictions = 0;          // monotonic since start
-  uint64_t expired_sequences = 0;  // monotonic since start
-  uint64_t bytes_written = 0;      // monotonic since start
-  uint64_t bytes_read = 0;         // monotonic since start
+  uint64_t evictions_expired = 0;     // monotonic since start
+  uint64_t evictions_cached_lru = 0;  // monotonic since start
+  uint64_t expired_sequences = 0;     // monotonic since start
+  uint64_t bytes_written = 0;         // monotonic since start
+  uint64_t bytes_read = 0;            // monotonic since start
+  uint64_t shared_pages = 0;
+  uint64_t forks = 0;        // monotonic since start
+  uint64_t forked_rows = 0;  // monotonic since start
 };
 
 class StoreMetrics {
@@ -31,9 +35,11 @@ class StoreMetrics {
   // Sets every store metric from `s`. Monotonic fields feed counters by their increase since
   // the previous call (a decrease, i.e. a restarted store core, is counted from zero).
   //   kvr_store_capacity_bytes, kvr_store_used_bytes, kvr_store_pages{state="free|used"},
-  //   kvr_store_sequences (gauges);
-  //   kvr_store_evictions_total, kvr_store_expired_sequences_total,
-  //   kvr_store_written_bytes_total, kvr_store_read_bytes_total (counters).
+  //   kvr_store_sequences, kvr_store_shared_pages (gauges);
+  //   kvr_store_evictions_total{reason="expired|cached_lru"},
+  //   kvr_store_expired_sequences_total, kvr_store_written_bytes_total,
+  //   kvr_store_read_bytes_total, kvr_store_forks_total, kvr_store_forked_rows_total
+  //   (counters).
   void Update(const StoreSnapshot& s);
 
  private:
