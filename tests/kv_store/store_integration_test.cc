@@ -349,6 +349,98 @@ TEST_F(StoreScenarioTest, FullStoreRefusesWithResourceExhaustedAndLosesNothing) 
   EXPECT_EQ(a->Stats()->free_pages, baseline->free_pages);
 }
 
+// Prefix reuse: a second client forks a cached (released-and-kept) sequence over gRPC; a UCX
+// gather and range read of the child's rows return exactly the parent's bytes; the child
+// appends into pages of its own; and the parent's release leaves the child whole.
+TEST_F(StoreScenarioTest, ForkedSequenceReadsTheParentsRowsOverUcx) {
+  auto a = Connect("a", /*rma=*/true);
+  auto b = Connect("b", /*rma=*/false);
+  ASSERT_TRUE(a && b);
+  auto baseline = a->Stats();
+  ASSERT_TRUE(baseline.ok()) << baseline.status();
+  // 700 rows: pages of 256 rows, so 2 full pages and a partial one per (layer, kv head).
+  ASSERT_TRUE(a->CreateSequence(TestRef(41), kShape, 0, absl::ZeroDuration()).ok());
+  for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
+    ASSERT_TRUE(Put(*a, kShape, 41, layer, 0, 400).ok());
+    ASSERT_TRUE(Put(*a, kShape, 41, layer, 400, 300).ok());
+  }
+  ASSERT_TRUE(a->Release(TestRef(41), absl::Seconds(60)).ok());
+
+  const uint64_t lists = uint64_t{kShape.n_layers} * kShape.n_kv_heads;
+  auto fork = b->ForkSequence(TestRef(42), TestRef(41), 600, 800, absl::Seconds(60));
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(fork->rows, 600u);
+  EXPECT_EQ(fork->tokens_per_page, 256u);
+  EXPECT_EQ(fork->shared_pages, 2 * lists);
+  EXPECT_EQ(fork->reserved_bytes, 2 * lists * kPageBytes);  // the copied tail + 1 reserved
+  auto stats = a->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->forks, baseline->forks + 1);
+  EXPECT_EQ(stats->forked_rows, baseline->forked_rows + 600);
+  EXPECT_EQ(stats->shared_pages, baseline->shared_pages + 2 * lists);
+  auto info = b->GetSequence(TestRef(42));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_THAT(info->committed_rows, ::testing::Each(600u));
+
+  // Gather the same rows of child and parent over UCX: equal bytes, and the parent's pattern.
+  std::vector<uint32_t> idx = {599, 0, 255, 256, 511, 512, 513, 300, 598};
+  for (uint32_t i = 0; i < 600; i += 37) idx.push_back(i);
+  std::vector<GatherEntry> child_entries, parent_entries;
+  for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
+    for (uint32_t h = 0; h < kShape.n_kv_heads; ++h) {
+      child_entries.push_back({.sequence = TestRef(42), .layer = layer, .head = h, .indices = idx});
+      parent_entries.push_back(
+          {.sequence = TestRef(41), .layer = layer, .head = h, .indices = idx});
+    }
+  }
+  std::vector<uint8_t> child_rows(GatherBytes(child_entries, kShape.RowBytes()));
+  std::vector<uint8_t> parent_rows(child_rows.size());
+  ASSERT_TRUE(b->Gather(child_entries, child_rows).ok());
+  ASSERT_TRUE(a->Gather(parent_entries, parent_rows).ok());
+  EXPECT_TRUE(child_rows == parent_rows);
+  EXPECT_EQ(CountBadRows(kShape, parent_entries, child_rows), 0u);
+  // A range read of all 600 rows of one (layer, head), by RMA where the writer has it.
+  std::vector<RangeEntry> child_range = {
+      {.sequence = TestRef(42), .layer = 3, .head = 2, .start = 0, .n_rows = 600}};
+  std::vector<RangeEntry> parent_range = {
+      {.sequence = TestRef(41), .layer = 3, .head = 2, .start = 0, .n_rows = 600}};
+  std::vector<uint8_t> child_run(600 * kShape.RowBytes()), parent_run(child_run.size());
+  ASSERT_TRUE(a->RangeRead(child_range, child_run).ok());
+  ASSERT_TRUE(b->RangeRead(parent_range, parent_run).ok());
+  EXPECT_TRUE(child_run == parent_run);
+
+  // The child appends after row 600 (the parent, kept read-only, cannot).
+  for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
+    ASSERT_TRUE(Put(*b, kShape, 42, layer, 600, 10).ok());
+  }
+  EXPECT_TRUE(absl::IsFailedPrecondition(Put(*a, kShape, 41, 0, 700, 1).status()));
+  // Errors over gRPC: a wrong parent capability reads like an unknown id; a child needs one.
+  absl::Status st =
+      b->ForkSequence(TestRef(43), {41, TestRef(42).cap}, 600, 0, absl::ZeroDuration()).status();
+  EXPECT_TRUE(absl::IsPermissionDenied(st)) << st;
+  EXPECT_THAT(st.message(), HasSubstr("no sequence 41 with this capability"));
+  st = b->ForkSequence({43, Capability{}}, TestRef(41), 600, 0, absl::ZeroDuration()).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+
+  // The parent goes; the child still reads its rows and then its own appended ones.
+  ASSERT_TRUE(a->Release(TestRef(41), absl::ZeroDuration()).ok());
+  std::vector<uint32_t> tail_idx = {0, 256, 599, 600, 609};
+  std::vector<GatherEntry> tail_entries = {
+      {.sequence = TestRef(42), .layer = 2, .head = 1, .indices = tail_idx}};
+  std::vector<uint8_t> tail_rows(GatherBytes(tail_entries, kShape.RowBytes()));
+  ASSERT_TRUE(b->Gather(tail_entries, tail_rows).ok());
+  for (size_t i = 0; i < tail_idx.size(); ++i) {
+    EXPECT_TRUE(RowMatches(kShape, tail_idx[i] < 600 ? 41 : 42, 2, 1, tail_idx[i],
+                           tail_rows.data() + i * kShape.RowBytes()))
+        << "row " << tail_idx[i];
+  }
+  ASSERT_TRUE(b->Release(TestRef(42), absl::ZeroDuration()).ok());
+  auto after = a->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->free_pages, baseline->free_pages);
+  EXPECT_EQ(after->shared_pages, baseline->shared_pages);
+}
+
 TEST_F(StoreScenarioTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) {
   auto c = Connect("malformed");
   ASSERT_TRUE(c);
@@ -631,6 +723,9 @@ TEST_F(NetnsTest, FullStoreRefusesWithResourceExhaustedAndLosesNothing) {
 }
 TEST_F(NetnsTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) {
   RunScenario("MalformedRequestsGetErrorRepliesAndStoreKeepsServing");
+}
+TEST_F(NetnsTest, ForkedSequenceReadsTheParentsRowsOverUcx) {
+  RunScenario("ForkedSequenceReadsTheParentsRowsOverUcx");
 }
 TEST_F(NetnsTest, KillingStoreMidReadGivesUnavailableWithinDeadline) {
   RunScenario("KillingStoreMidReadGivesUnavailableWithinDeadline");
