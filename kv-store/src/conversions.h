@@ -62,6 +62,8 @@ inline void ToProto(const StoreStats& s, store::v1::StatsResponse* p) {
   p->set_shared_pages(s.shared_pages);
   p->set_forks(s.forks);
   p->set_forked_rows(s.forked_rows);
+  p->set_cached_sequences(s.cached_sequences);
+  p->set_cached_bytes(s.cached_bytes);
 }
 
 inline void ToProto(const PageTable& t, store::v1::ReservePageTableResponse* p) {
@@ -106,7 +108,8 @@ inline StoreStats FromProto(const store::v1::StatsResponse& p) {
           .bytes_written = p.bytes_written(), .bytes_read = p.bytes_read(),
           .evictions_expired = p.evictions_expired(),
           .evictions_cached_lru = p.evictions_cached_lru(), .shared_pages = p.shared_pages(),
-          .forks = p.forks(), .forked_rows = p.forked_rows()};
+          .forks = p.forks(), .forked_rows = p.forked_rows(),
+          .cached_sequences = p.cached_sequences(), .cached_bytes = p.cached_bytes()};
 }
 
 }  // namespace kvr::kv_store

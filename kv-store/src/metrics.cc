@@ -21,6 +21,14 @@ struct StoreMetrics::Families {
         shared_pages(GaugeFamily(r, "kvr_store_shared_pages",
                                  "Pages held by more than one sequence (forks share prefixes)")
                          .Add({})),
+        cached_sequences(GaugeFamily(r, "kvr_store_cached_sequences",
+                                     "Released-and-kept sequences, kept for prefix reuse (part "
+                                     "of kvr_store_sequences)")
+                             .Add({})),
+        cached_bytes(GaugeFamily(r, "kvr_store_cached_bytes",
+                                 "Bytes of pages only cached sequences hold: what evicting them "
+                                 "all would free")
+                         .Add({})),
         forks(CounterFamily(r, "kvr_store_forks_total",
                             "Sequences created by forking another's rows")
                   .Add({})),
@@ -45,6 +53,8 @@ struct StoreMetrics::Families {
   prometheus::Gauge& sequences;
   prometheus::Family<prometheus::Counter>& evictions;
   prometheus::Gauge& shared_pages;
+  prometheus::Gauge& cached_sequences;
+  prometheus::Gauge& cached_bytes;
   prometheus::Counter& forks;
   prometheus::Counter& forked_rows;
   prometheus::Counter& expired;
@@ -76,6 +86,8 @@ void StoreMetrics::Update(const StoreSnapshot& s) {
   f_->used_pages.Set(static_cast<double>(s.total_pages - std::min(s.free_pages, s.total_pages)));
   f_->sequences.Set(static_cast<double>(s.sequences));
   f_->shared_pages.Set(static_cast<double>(s.shared_pages));
+  f_->cached_sequences.Set(static_cast<double>(s.cached_sequences));
+  f_->cached_bytes.Set(static_cast<double>(s.cached_bytes));
   std::lock_guard<std::mutex> lock(f_->mu);
   f_->evictions_expired.Increment(Increase(s.evictions_expired, f_->last.evictions_expired));
   f_->evictions_cached_lru.Increment(

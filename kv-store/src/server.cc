@@ -161,7 +161,9 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
                                   .bytes_read = s.bytes_read,
                                   .shared_pages = s.shared_pages,
                                   .forks = s.forks,
-                                  .forked_rows = s.forked_rows});
+                                  .forked_rows = s.forked_rows,
+                                  .cached_sequences = s.cached_sequences,
+                                  .cached_bytes = s.cached_bytes});
     });
   }
 

@@ -5,6 +5,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "kvr/common/status.h"
 
@@ -835,9 +836,26 @@ StoreStats PagedKvStore::Stats() const {
   const absl::Time now = options_.now();
   absl::ReaderMutexLock lock(&mu_);
   stats.sequences = sequences_.size();
+  // Pages of cached sequences that no live sequence shares (a fork of a cached prefix keeps
+  // the prefix's pages when the cached one goes).
+  absl::flat_hash_set<PageId> cached_pages, live_pages;
   for (const auto& [id, seq] : sequences_) {
     absl::ReaderMutexLock seq_lock(&seq->mu_);
     if (seq->expiry_ <= now) ++stats.expired_sequences;
+    if (seq->released_kept_) ++stats.cached_sequences;
+  }
+  if (stats.cached_sequences > 0 && options_.evict_cached) {
+    for (const auto& [id, seq] : sequences_) {
+      absl::ReaderMutexLock seq_lock(&seq->mu_);
+      absl::flat_hash_set<PageId>& into = seq->released_kept_ ? cached_pages : live_pages;
+      for (size_t l = 0; l < size_t{seq->shape().n_layers} * seq->shape().n_kv_heads; ++l) {
+        const std::vector<PageId>& list = seq->List(l);
+        into.insert(list.begin(), list.end());
+      }
+    }
+    uint64_t reclaimable = 0;
+    for (PageId p : cached_pages) reclaimable += live_pages.contains(p) ? 0 : 1;
+    stats.cached_bytes = reclaimable * stats.page_bytes;
   }
   return stats;
 }

@@ -117,9 +117,11 @@ int main(int argc, char** argv) {
     o.load = [store = &(*server)->store()] {
       const kvr::kv_store::StoreStats now = store->Stats();
       cv1::NodeLoad load;
-      load.set_free_memory_bytes(now.capacity_bytes - now.used_bytes);
+      // Cached sequences give their pages up before anything is refused (evict_cached): their
+      // bytes are room for new work, and they are not running.
+      load.set_free_memory_bytes(now.capacity_bytes - now.used_bytes + now.cached_bytes);
       // The controller's placement spreads sequences over stores by this count.
-      load.set_running_sequences(static_cast<uint32_t>(now.sequences));
+      load.set_running_sequences(static_cast<uint32_t>(now.sequences - now.cached_sequences));
       return load;
     };
     o.on_registered = [](const std::string& id) {

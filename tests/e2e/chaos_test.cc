@@ -190,7 +190,7 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
   for (const std::string& s : stores) {
     auto stats = StoreStats(cluster, s);
     ASSERT_TRUE(stats.has_value()) << s;
-    baseline.push_back(stats->used_bytes());
+    baseline.push_back(Cluster::LiveBytes(*stats));
   }
 
   // The fault-free run: every prompt once, the reference tokens (greedy: deterministic).
@@ -233,11 +233,11 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
       // Killed while it holds a sequence of a request in flight.
       const absl::Time until = absl::Now() + absl::Seconds(10);
       std::optional<kvr::store::v1::StatsResponse> stats;
-      while ((!(stats = StoreStats(cluster, node.grpc)) || stats->sequences() == 0) &&
+      while ((!(stats = StoreStats(cluster, node.grpc)) || Cluster::LiveSequences(*stats) == 0) &&
              absl::Now() < until) {
         absl::SleepFor(absl::Milliseconds(10));
       }
-      ASSERT_TRUE(stats.has_value() && stats->sequences() > 0) << v.name << " never held one";
+      ASSERT_TRUE(stats.has_value() && Cluster::LiveSequences(*stats) > 0) << v.name << " never held one";
     }
     ASSERT_EQ(kill(node.pid, SIGKILL), 0) << v.name;
     const absl::Time killed = absl::Now();
@@ -321,15 +321,15 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
     empty = true;
     for (size_t i = 0; i < stores.size(); ++i) {
       end[i] = StoreStats(cluster, stores[i]);
-      empty = empty && end[i].has_value() && end[i]->sequences() == 0 &&
-              end[i]->used_bytes() == baseline[i];
+      empty = empty && end[i].has_value() && Cluster::LiveSequences(*end[i]) == 0 &&
+              Cluster::LiveBytes(*end[i]) == baseline[i];
     }
     if (!empty) absl::SleepFor(absl::Milliseconds(200));
   }
   for (size_t i = 0; i < stores.size(); ++i) {
     ASSERT_TRUE(end[i].has_value()) << stores[i];
-    EXPECT_EQ(end[i]->sequences(), 0u) << stores[i];
-    EXPECT_EQ(end[i]->used_bytes(), baseline[i]) << stores[i];
+    EXPECT_EQ(Cluster::LiveSequences(*end[i]), 0u) << stores[i];
+    EXPECT_EQ(Cluster::LiveBytes(*end[i]), baseline[i]) << stores[i];
   }
 
   std::printf("chaos: %zu requests: %d completed (%d wrong), %d hung, failed:", records.size(),

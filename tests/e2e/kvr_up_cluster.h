@@ -128,14 +128,23 @@ class Cluster {
     return stats;
   }
 
-  // Waits until the store holds no sequence; false on timeout.
+  // Sequences of requests (live ones): those the store keeps for prefix reuse aside.
+  static uint64_t LiveSequences(const kvr::store::v1::StatsResponse& s) {
+    return s.sequences() - s.cached_sequences();
+  }
+  // Pool bytes in use by live sequences: cached ones' own pages are room (evicted on demand).
+  static uint64_t LiveBytes(const kvr::store::v1::StatsResponse& s) {
+    return s.used_bytes() - s.cached_bytes();
+  }
+
+  // Waits until the store holds no live sequence; false on timeout.
   bool WaitStoreEmpty(absl::Duration timeout) {
     const absl::Time until = absl::Now() + timeout;
     while (absl::Now() < until) {
-      if (StoreStats().sequences() == 0) return true;
+      if (LiveSequences(StoreStats()) == 0) return true;
       absl::SleepFor(absl::Milliseconds(50));
     }
-    return StoreStats().sequences() == 0;
+    return LiveSequences(StoreStats()) == 0;
   }
 
  private:

@@ -10,7 +10,8 @@ Checks, through the client's own API and exceptions:
     tools -> BadRequestError (400) naming the field; a wrong API key -> AuthenticationError
     (401) (the cluster runs with KVR_API_KEY set);
   * a client that closes a stream mid-way frees its sequence: the store holds no sequence
-    within 1 s (kvr_store_sequences on the store's /metrics; it is > 0 while the stream runs),
+    within 1 s (kvr_store_sequences - kvr_store_cached_sequences on the store's /metrics; it is
+    > 0 while the stream runs),
     and a follow-up request completes.
 
 Usage: openai_client_test.py --kvr build/tools/kvr   (KVR_TEST_MODEL: the GGUF; exit 77 when
@@ -58,9 +59,13 @@ def grpc_reference(kvr, cluster, prompt, chat):
 
 
 def store_sequences(cluster):
+    """Live sequences: those the store keeps for prefix reuse (cached) aside."""
     body = urllib.request.urlopen(f"http://{cluster.store_metrics}/metrics", timeout=5).read()
-    m = re.search(rb"^kvr_store_sequences(?:\{[^}]*\})? (\S+)$", body, re.M)
-    return float(m.group(1))
+
+    def gauge(name):
+        m = re.search(rb"^" + name + rb"(?:\{[^}]*\})? (\S+)$", body, re.M)
+        return float(m.group(1))
+    return gauge(b"kvr_store_sequences") - gauge(b"kvr_store_cached_sequences")
 
 
 def main():

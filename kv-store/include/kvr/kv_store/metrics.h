@@ -25,6 +25,8 @@ struct StoreSnapshot {
   uint64_t shared_pages = 0;
   uint64_t forks = 0;        // monotonic since start
   uint64_t forked_rows = 0;  // monotonic since start
+  uint64_t cached_sequences = 0;
+  uint64_t cached_bytes = 0;
 };
 
 class StoreMetrics {
@@ -35,7 +37,8 @@ class StoreMetrics {
   // Sets every store metric from `s`. Monotonic fields feed counters by their increase since
   // the previous call (a decrease, i.e. a restarted store core, is counted from zero).
   //   kvr_store_capacity_bytes, kvr_store_used_bytes, kvr_store_pages{state="free|used"},
-  //   kvr_store_sequences, kvr_store_shared_pages (gauges);
+  //   kvr_store_sequences, kvr_store_shared_pages, kvr_store_cached_sequences,
+  //   kvr_store_cached_bytes (gauges);
   //   kvr_store_evictions_total{reason="expired|cached_lru"},
   //   kvr_store_expired_sequences_total, kvr_store_written_bytes_total,
   //   kvr_store_read_bytes_total, kvr_store_forks_total, kvr_store_forked_rows_total

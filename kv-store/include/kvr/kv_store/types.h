@@ -127,6 +127,11 @@ struct StoreStats {
   // started their children with (summed); monotonic.
   uint64_t forks = 0;
   uint64_t forked_rows = 0;
+  // Released-and-kept sequences (cached for reuse, counted in `sequences`), and the bytes of
+  // the pages only they hold: what evicting every one of them would free (with evict_cached;
+  // 0 without). Capacity for new work is capacity_bytes - used_bytes + cached_bytes.
+  uint64_t cached_sequences = 0;
+  uint64_t cached_bytes = 0;
 };
 
 // What a reader may see of a sequence.
