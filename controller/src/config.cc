@@ -73,6 +73,19 @@ const std::vector<ConfigField>& ControllerConfigFields() {
                 [](ControllerConfig& c) -> uint32_t& { return c.max_in_flight; }),
       UintField("max_attempts", "attempts per request when nodes fail before the first token",
                 [](ControllerConfig& c) -> uint32_t& { return c.max_attempts; }),
+      {"prefix_cache_seconds",
+       "how long a store keeps a finished request's KV for requests sharing its prefix (0: off)",
+       [](ControllerConfig& c, const std::string& v) {
+         double x;
+         if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < 0) {
+           return BadValue(v, "a number of seconds, 0 for off");
+         }
+         c.prefix_cache_seconds = x;
+         return absl::OkStatus();
+       },
+       [](const ControllerConfig& c) { return absl::StrCat(c.prefix_cache_seconds); }},
+      UintField("prefix_cache_entries", "most cached prefixes the controller remembers",
+                [](ControllerConfig& c) -> uint32_t& { return c.prefix_cache_entries; }),
       UintField("default_max_tokens", "max_tokens of requests that set none",
                 [](ControllerConfig& c) -> uint32_t& { return c.defaults.max_tokens; }),
       {"default_method", "retrieval method of requests that set none",

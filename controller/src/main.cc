@@ -73,9 +73,13 @@ int Serve(const ControllerConfig& config) {
   Placement placement(&membership);
   Admission admission(config.max_in_flight);
   GrpcNodeClients clients(*security);
+  PrefixCache prefix_cache({.max_entries = config.prefix_cache_entries});
   RequestRunner runner(
       &membership, &placement, &clients, &clients, &clock,
-      RunnerOptions{.max_attempts = config.max_attempts, .observer = &metrics_observer});
+      RunnerOptions{.max_attempts = config.max_attempts,
+                    .observer = &metrics_observer,
+                    .prefix_cache = config.prefix_cache_seconds > 0 ? &prefix_cache : nullptr,
+                    .prefix_retain = absl::Seconds(config.prefix_cache_seconds)});
   Generator generator(
       &membership, &admission, &runner, &clock,
       GeneratorOptions{.defaults = config.defaults,

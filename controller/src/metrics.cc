@@ -32,6 +32,13 @@ struct ControllerMetrics::Families {
         prompt_tokens(
             CounterFamily(r, "kvr_prompt_tokens_total", "Prompt tokens of finished requests"),
             {"model"}),
+        cached_tokens(CounterFamily(r, "kvr_prompt_cached_tokens_total",
+                                    "Prompt tokens whose KV was reused from a cached prefix"),
+                      {"model"}),
+        prefix_requests(CounterFamily(r, "kvr_prefix_cache_requests_total",
+                                      "Finished requests that reused a cached prefix (hit) or "
+                                      "computed their whole prompt (miss)"),
+                        {"model", "result"}),
         generation_tokens(CounterFamily(r, "kvr_generation_tokens_total",
                                         "Completion tokens streamed to clients"),
                           {"model"}),
@@ -44,7 +51,8 @@ struct ControllerMetrics::Families {
   HistogramL ttft, queue, itl, tpot, e2e;
   CounterL requests, success;
   prometheus::Gauge& running;
-  CounterL prompt_tokens, generation_tokens, attempts, node_failures;
+  CounterL prompt_tokens, cached_tokens, prefix_requests, generation_tokens, attempts,
+      node_failures;
 };
 
 ControllerMetrics::ControllerMetrics(prometheus::Registry& registry)
@@ -90,6 +98,10 @@ void ControllerMetrics::RequestStarted() { f_->running.Increment(); }
 void ControllerMetrics::RequestEnded() { f_->running.Decrement(); }
 void ControllerMetrics::AddPromptTokens(std::string_view model, uint64_t n) {
   f_->prompt_tokens.Get({model}).Increment(static_cast<double>(n));
+}
+void ControllerMetrics::AddCachedPromptTokens(std::string_view model, uint64_t n) {
+  f_->cached_tokens.Get({model}).Increment(static_cast<double>(n));
+  f_->prefix_requests.Get({model, n > 0 ? "hit" : "miss"}).Increment();
 }
 void ControllerMetrics::AddGenerationTokens(std::string_view model, uint64_t n) {
   f_->generation_tokens.Get({model}).Increment(static_cast<double>(n));

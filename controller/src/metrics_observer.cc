@@ -120,6 +120,7 @@ void MetricsObserver::OnEnd(const GenerateParams& params, const absl::Status& ou
   if (outcome.ok() && report != nullptr) {
     metrics_->CountSuccess(model, method, FinishReasonLabel(report->completion.finish_reason));
     metrics_->AddPromptTokens(model, report->completion.prompt_tokens);
+    metrics_->AddCachedPromptTokens(model, report->completion.cached_tokens);
     metrics_->ObserveE2eLatency(model, method,
                                 Seconds(report->time_to_first_token + report->decode));
     if (report->completion.completion_tokens > 1) {

@@ -181,6 +181,10 @@ absl::Status ParseKvrExtension(Fields& f, kvr::v1::GenerateRequest* request) {
     if (!r->is_boolean()) return Invalid("kvr.resume_on_failure", "expected a boolean");
     request->set_resume_on_failure(r->get<bool>());
   }
+  if (const json* r = k.Get("prefix_cache")) {
+    if (!r->is_boolean()) return Invalid("kvr.prefix_cache", "expected a boolean");
+    request->set_prefix_cache(r->get<bool>());
+  }
   if (const json* o = k.Get("options")) {
     if (!o->is_object()) return Invalid("kvr.options", "expected an object of strings");
     for (auto it = o->begin(); it != o->end(); ++it) {
@@ -193,7 +197,7 @@ absl::Status ParseKvrExtension(Fields& f, kvr::v1::GenerateRequest* request) {
   if (std::optional<std::string> unknown = k.FirstUnread()) {
     return Invalid(absl::StrCat("kvr.", *unknown),
                    "unknown field; kvr takes method, budget, n_sink, local_window, options, "
-                   "resume_on_failure",
+                   "resume_on_failure, prefix_cache",
                    "unknown_parameter");
   }
   return absl::OkStatus();
@@ -312,6 +316,11 @@ absl::StatusOr<ParsedRequest> ParseObject(Endpoint endpoint, const json& body) {
   }
   // Metadata that does not change the output.
   (void)f.Get("user");
+  // The prefix-reuse scope, as vLLM spells it.
+  if (const json* v = f.Get("cache_salt")) {
+    if (!v->is_string()) return Invalid("cache_salt", "expected a string");
+    out.request.set_cache_salt(v->get<std::string>());
+  }
 
   // What kvr cannot honour: refused unless set to the value that means "off".
   const auto refuse = [&](const std::string& name, const std::string& why,
@@ -390,7 +399,8 @@ const char* FinishReasonName(FinishReason reason) {
 json UsageJson(const Completion& c) {
   return {{"prompt_tokens", c.prompt_tokens},
           {"completion_tokens", c.completion_tokens},
-          {"total_tokens", c.prompt_tokens + c.completion_tokens}};
+          {"total_tokens", c.prompt_tokens + c.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", c.cached_tokens}}}};
 }
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }

@@ -136,6 +136,7 @@ absl::StatusOr<PlacementDecision> Placement::Place(const PlacementRequest& req) 
         continue;
       }
       if (n.effective_load.free_memory_bytes < kv_bytes) continue;
+      if (n.id == req.preferred_store) return &n;
       if (best_s == nullptr) {
         best_s = &n;
         continue;

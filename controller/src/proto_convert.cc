@@ -123,6 +123,13 @@ cv1::PrefillRequest ToPrefillRequest(const PrefillCall& call) {
   ToProto(call.store, r.mutable_store());
   if (call.deadline != absl::InfiniteFuture()) SetTimestamp(call.deadline, r.mutable_deadline());
   r.set_attempt(call.attempt);
+  if (call.prefix.tokens > 0) {
+    cv1::PrefixRef* prefix = r.mutable_prefix();
+    prefix->set_sequence_id(call.prefix.sequence_id);
+    prefix->set_capability(call.prefix.capability);
+    prefix->set_tokens(call.prefix.tokens);
+  }
+  if (call.retain > absl::ZeroDuration()) SetDuration(call.retain, r.mutable_retain());
   return r;
 }
 
@@ -163,6 +170,7 @@ PrefillResult FromProto(const cv1::PrefillResponse& response) {
   r.prefill_time = FromProtoDuration(response.stats().prefill_time());
   r.kv_bytes_shipped = response.stats().kv_bytes_shipped();
   r.handoff_bytes = response.stats().handoff_bytes();
+  r.cached_tokens = response.cached_tokens();
   return r;
 }
 
@@ -190,6 +198,7 @@ v1::GenerateResponse ToGenerateResponse(const GenerateEvent& event, const Genera
   if (params.stream.continuous_usage || event.final) {
     r.mutable_usage()->set_prompt_tokens(event.prompt_tokens);
     r.mutable_usage()->set_completion_tokens(event.completion_tokens);
+    if (event.final) r.mutable_usage()->set_cached_tokens(event.final->completion.cached_tokens);
   }
   if (event.final) {
     const FinalReport& f = *event.final;
@@ -198,6 +207,7 @@ v1::GenerateResponse ToGenerateResponse(const GenerateEvent& event, const Genera
     c->set_matched_stop(f.completion.matched_stop);
     c->mutable_usage()->set_prompt_tokens(f.completion.prompt_tokens);
     c->mutable_usage()->set_completion_tokens(f.completion.completion_tokens);
+    c->mutable_usage()->set_cached_tokens(f.completion.cached_tokens);
     SetDuration(f.queue, c->mutable_timings()->mutable_queue());
     SetDuration(f.time_to_first_token, c->mutable_timings()->mutable_time_to_first_token());
     SetDuration(f.decode, c->mutable_timings()->mutable_decode());

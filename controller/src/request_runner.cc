@@ -160,6 +160,26 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
   absl::Status last_failure;
   // A resumed run continues a stream: its first token is the client's next one.
   const bool resumed = !progress.sent.empty();
+  // Prefix reuse needs the prompt's token ids (text and chat prompts: tokenized first).
+  const auto* prompt_ids = std::get_if<std::vector<uint32_t>>(&params.prompt);
+  PrefixCache* prefixes =
+      options_.prefix_cache != nullptr && params.prefix_cache && prompt_ids != nullptr
+          ? options_.prefix_cache
+          : nullptr;
+  // Records a sequence that ended well by its prompt. Only the prompt's rows are offered for
+  // reuse, not those of the generated tokens: the prefill node computed them exactly as a cold
+  // prefill of the same tokens would, while a decode step's rows depend on the method's
+  // selection (a sparse method attends to fewer rows) and, on the CPU runtime, on its 8-bit
+  // activations. A conversation's next turn thus reuses everything but the last answer.
+  const auto remember = [&](const NodeSnapshot& store, uint64_t sequence_id,
+                            const std::string& capability) {
+    if (prefixes == nullptr) return;
+    std::vector<uint32_t> tokens = *prompt_ids;
+    const absl::Time now = clock_->Now();
+    // Forgotten a little before the store drops the sequence.
+    prefixes->Insert(params.model, params.cache_salt, store.id, sequence_id, capability,
+                     std::move(tokens), now + options_.prefix_retain * 0.9, now);
+  };
 
   while (true) {
     if (cancel->IsCancelled()) {
@@ -191,8 +211,13 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       return sink->Send(last);
     }
 
+    std::optional<PrefixMatch> prefix;
+    if (prefixes != nullptr) {
+      prefix = prefixes->Lookup(params.model, params.cache_salt, *prompt_ids, clock_->Now());
+    }
     PlacementRequest preq{params.model, params.retrieval.method, params.prompt_tokens_bound,
-                          params.sampling.max_tokens, excluded};
+                          params.sampling.max_tokens, excluded,
+                          prefix ? prefix->store_id : std::string()};
     absl::StatusOr<PlacementDecision> placed = placement_->Place(preq);
     if (!placed.ok()) {
       state.Fail();
@@ -220,6 +245,8 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
     observer.OnAttempt(params, where, state.attempts());
     PrefillCall call{&params,     sequence_id, NewSequenceCapability(), where.decode,
                      where.store, deadline,    state.attempts()};
+    if (prefix && prefix->store_id == where.store.id) call.prefix = *prefix;
+    if (prefixes != nullptr) call.retain = options_.prefix_retain;
     absl::StatusOr<PrefillResult> prefilled = prefill_->Prefill(where.prefill, call, cancel);
     if (!prefilled.ok()) {
       const absl::Status& err = prefilled.status();
@@ -276,6 +303,11 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
 
     // First token: from here on the run cannot be retried (only resumed).
     const PrefillResult& first = *prefilled;
+    // The prefill node found the cached sequence gone (evicted, its store restarted) and
+    // computed the prompt cold: the entry is stale.
+    if (call.prefix.tokens > 0 && first.cached_tokens == 0) {
+      prefixes->Forget(call.prefix.sequence_id);
+    }
     const absl::Time first_token_time = clock_->Now();
     if (!resumed) {
       progress.prompt_tokens = first.prompt_tokens;
@@ -315,7 +347,9 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       report.completion.prompt_tokens = progress.prompt_tokens;
       report.completion.completion_tokens = static_cast<uint32_t>(progress.sent.size());
       report.completion.retrieval.bytes_shipped = first.kv_bytes_shipped;
+      report.completion.cached_tokens = first.cached_tokens;
       report.decode = clock_->Now() - first_token_time;
+      remember(where.store, sequence_id, call.sequence_capability);
       GenerateEvent last;
       last.prompt_tokens = progress.prompt_tokens;
       last.completion_tokens = report.completion.completion_tokens;
@@ -385,7 +419,9 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       report.completion.prompt_tokens = progress.prompt_tokens;
     }
     report.completion.retrieval.bytes_shipped += first.kv_bytes_shipped;
+    report.completion.cached_tokens = first.cached_tokens;
     report.decode = clock_->Now() - first_token_time;
+    remember(where.store, sequence_id, call.sequence_capability);
     GenerateEvent last;
     last.prompt_tokens = report.completion.prompt_tokens;
     const uint32_t sent_before = static_cast<uint32_t>(progress.sent.size()) - state.tokens_sent();

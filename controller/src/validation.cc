@@ -183,6 +183,11 @@ absl::StatusOr<GenerateParams> ParseGenerateRequest(const kvr::v1::GenerateReque
   out.stream.skip_token_ids = request.stream_options().skip_token_ids();
   out.stream.continuous_usage = request.stream_options().continuous_usage();
   out.resume_on_failure = request.resume_on_failure();
+  if (request.cache_salt().size() > 256) {
+    return Invalid("cache_salt", "at most 256 bytes");
+  }
+  out.cache_salt = request.cache_salt();
+  out.prefix_cache = !request.has_prefix_cache() || request.prefix_cache();
   if (out.stream.skip_text && out.stream.skip_token_ids) {
     return Invalid("stream_options",
                    "skip_text and skip_token_ids together leave nothing to stream");

@@ -46,6 +46,7 @@ TEST_F(MetricsObserverTest, SuccessfulRequestWithARetry) {
   FinalReport report;
   report.completion.finish_reason = FinishReason::kLength;
   report.completion.prompt_tokens = 50;
+  report.completion.cached_tokens = 32;
   report.completion.completion_tokens = 4;
   report.time_to_first_token = absl::Milliseconds(400);
   report.decode = absl::Milliseconds(60);
@@ -66,6 +67,8 @@ TEST_F(MetricsObserverTest, SuccessfulRequestWithARetry) {
   EXPECT_THAT(text,
               HasSubstr("kvr_request_success_total{finish_reason=\"length\"," + labels + "} 1"));
   EXPECT_THAT(text, HasSubstr("kvr_prompt_tokens_total{model=\"smol\"} 50"));
+  EXPECT_THAT(text, HasSubstr("kvr_prompt_cached_tokens_total{model=\"smol\"} 32"));
+  EXPECT_THAT(text, HasSubstr("kvr_prefix_cache_requests_total{model=\"smol\",result=\"hit\"} 1"));
   EXPECT_THAT(text, HasSubstr("kvr_generation_tokens_total{model=\"smol\"} 4"));
 }
 

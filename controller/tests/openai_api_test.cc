@@ -54,12 +54,14 @@ TEST(OpenAiParse, CompletionsMapsSamplingAndRetrieval) {
                                                  {"stream_options", {{"include_usage", true}}},
                                                  {"n", 1},
                                                  {"user", "someone"},
+                                                 {"cache_salt", "tenant-7"},
                                                  {"kvr",
                                                   {{"method", "quest"},
                                                    {"budget", 256},
                                                    {"n_sink", 4},
                                                    {"local_window", 32},
                                                    {"resume_on_failure", true},
+                                                   {"prefix_cache", false},
                                                    {"options", {{"page", "16"}}}}}}));
   ASSERT_TRUE(r.ok()) << r.status();
   const kvr::v1::GenerateRequest& g = r->request;
@@ -78,6 +80,9 @@ TEST(OpenAiParse, CompletionsMapsSamplingAndRetrieval) {
   EXPECT_EQ(g.retrieval().local_window(), 32u);
   EXPECT_EQ(g.retrieval().options().at("page"), "16");
   EXPECT_TRUE(g.resume_on_failure());
+  EXPECT_EQ(g.cache_salt(), "tenant-7");
+  ASSERT_TRUE(g.has_prefix_cache());
+  EXPECT_FALSE(g.prefix_cache());
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
 }
@@ -350,6 +355,7 @@ GenerateEvent Final(std::string text, FinishReason reason) {
   r.completion.finish_reason = reason;
   r.completion.prompt_tokens = 5;
   r.completion.completion_tokens = 3;
+  r.completion.cached_tokens = 2;
   r.decode_node = "d1";
   r.attempts = 1;
   e.final = r;
@@ -393,6 +399,7 @@ TEST(OpenAiResponse, ChatStreamWithUsage) {
   EXPECT_EQ(ev[2]["usage"]["prompt_tokens"], 5);
   EXPECT_EQ(ev[2]["usage"]["completion_tokens"], 3);
   EXPECT_EQ(ev[2]["usage"]["total_tokens"], 8);
+  EXPECT_EQ(ev[2]["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
   EXPECT_EQ(ev[3], "[DONE]");
 }
 

@@ -614,6 +614,123 @@ TEST_F(ResumeTest, DeathAfterTheLastTokenFinishesTheStream) {
   EXPECT_EQ(sink.events.back().final->completion.completion_tokens, 8u);
 }
 
+// Prefix reuse: the runner records every request that ends well and sends the next request
+// that starts with its tokens to the same store, with the cached sequence as its prefix.
+class PrefixReuseTest : public RequestRunnerTest {
+ protected:
+  PrefixReuseTest() {
+    s2_ = *membership_.Register(Store("s:2"));
+    for (const std::string& p : {p1_, p2_}) {
+      prefill_.behavior[p] = [this](const PrefillCall& call) -> absl::StatusOr<PrefillResult> {
+        PrefillResult r;
+        r.prompt_tokens =
+            static_cast<uint32_t>(std::get<std::vector<uint32_t>>(call.params->prompt).size());
+        r.first_token = 100;
+        r.cached_tokens = prefix_gone_ ? 0 : call.prefix.tokens;
+        return r;
+      };
+    }
+    params_.prompt = Document();
+    params_.prompt_tokens_bound = 20;
+  }
+  // 20 tokens: five blocks of 4.
+  static std::vector<uint32_t> Document() {
+    std::vector<uint32_t> d;
+    for (uint32_t i = 0; i < 20; ++i) d.push_back(1000 + i);
+    return d;
+  }
+  absl::Status RunPrompt(std::vector<uint32_t> prompt) {
+    params_.prompt_tokens_bound = prompt.size();
+    params_.prompt = std::move(prompt);
+    sink_.events.clear();
+    return Run();
+  }
+  const PrefillCall& LastCall() const { return prefill_.calls.back().second; }
+
+  PrefixCache cache_{{.block_tokens = 4, .max_entries = 16}};
+  RequestRunner runner_{&membership_, &placement_, &prefill_, &decode_, &clock_,
+                        RunnerOptions{.max_attempts = 3,
+                                      .prefix_cache = &cache_,
+                                      .prefix_retain = absl::Minutes(2)}};
+  std::string s2_;
+  bool prefix_gone_ = false;
+
+  absl::Status Run() { return runner_.Run(params_, clock_.Now(), deadline_, &cancel_, &sink_); }
+};
+
+TEST_F(PrefixReuseTest, TheNextTurnStartsFromTheFirstTurnsSequenceOnItsStore) {
+  ASSERT_TRUE(Run().ok());
+  const PrefillCall first = LastCall();
+  EXPECT_EQ(first.prefix.tokens, 0u);
+  EXPECT_EQ(first.retain, absl::Minutes(2));
+  // Turn 1 streamed 100, 101, 102, 103. Turn 2 resends all of it and asks more: the prompt
+  // of turn 1 is reused (not the answer, whose rows a decode step computed).
+  std::vector<uint32_t> turn2 = Document();
+  turn2.insert(turn2.end(), {100, 101, 102, 103, 7, 8});
+  ASSERT_TRUE(RunPrompt(turn2).ok());
+  const PrefillCall& second = LastCall();
+  EXPECT_EQ(second.prefix.sequence_id, first.sequence_id);
+  EXPECT_EQ(second.prefix.capability, first.sequence_capability);
+  EXPECT_EQ(second.prefix.store_id, first.store.id);
+  EXPECT_EQ(second.prefix.tokens, 20u);
+  // The placement went to the prefix's store although the rotation would pick the other.
+  EXPECT_EQ(second.store.id, first.store.id);
+  ASSERT_TRUE(sink_.events.back().final.has_value());
+  EXPECT_EQ(sink_.events.back().final->completion.cached_tokens, 20u);
+  // Turn 3 resends turn 2 and more: turn 2's whole prompt is reused.
+  std::vector<uint32_t> turn3 = turn2;
+  turn3.insert(turn3.end(), {100, 9});
+  const uint64_t turn2_sequence = LastCall().sequence_id;
+  ASSERT_TRUE(RunPrompt(turn3).ok());
+  EXPECT_EQ(LastCall().prefix.sequence_id, turn2_sequence);
+  EXPECT_EQ(LastCall().prefix.tokens, static_cast<uint32_t>(turn2.size()));
+}
+
+TEST_F(PrefixReuseTest, APrefixTheStoreNoLongerHasIsForgotten) {
+  ASSERT_TRUE(Run().ok());
+  std::vector<uint32_t> again = Document();
+  again.push_back(5);
+  prefix_gone_ = true;  // the prefill node finds the sequence gone and computes it all
+  ASSERT_TRUE(RunPrompt(again).ok());
+  EXPECT_GT(LastCall().prefix.tokens, 0u);
+  EXPECT_EQ(sink_.events.back().final->completion.cached_tokens, 0u);
+  // That request's own sequence is now the cached one (it ended well); the gone one is not
+  // offered again.
+  const uint64_t gone = prefill_.calls[0].second.sequence_id;
+  const uint64_t second = LastCall().sequence_id;
+  ASSERT_TRUE(RunPrompt(again).ok());
+  EXPECT_NE(LastCall().prefix.sequence_id, gone);
+  EXPECT_EQ(LastCall().prefix.sequence_id, second);
+}
+
+TEST_F(PrefixReuseTest, ScopedBySaltAndSkippedWhenTheRequestOptsOut) {
+  params_.cache_salt = "tenant-a";
+  ASSERT_TRUE(Run().ok());
+  std::vector<uint32_t> again = Document();
+  again.push_back(5);
+  params_.cache_salt = "tenant-b";
+  ASSERT_TRUE(RunPrompt(again).ok());
+  EXPECT_EQ(LastCall().prefix.tokens, 0u);
+  params_.cache_salt = "tenant-a";
+  params_.prefix_cache = false;
+  ASSERT_TRUE(RunPrompt(again).ok());
+  EXPECT_EQ(LastCall().prefix.tokens, 0u);
+  EXPECT_EQ(LastCall().retain, absl::ZeroDuration());
+  params_.prefix_cache = true;
+  ASSERT_TRUE(RunPrompt(again).ok());
+  EXPECT_EQ(LastCall().prefix.tokens, 20u);
+}
+
+TEST_F(PrefixReuseTest, FailedRequestsAreNotRecorded) {
+  decode_.fail_after = 1;
+  EXPECT_FALSE(Run().ok());
+  decode_.fail_after = UINT32_MAX;
+  std::vector<uint32_t> again = Document();
+  again.push_back(5);
+  ASSERT_TRUE(RunPrompt(again).ok());
+  EXPECT_EQ(LastCall().prefix.tokens, 0u);
+}
+
 TEST_F(RequestRunnerTest, OnlyUnreachableNodesLeaveTheCluster) {
   prefill_.behavior[p1_] = [](const PrefillCall&) -> absl::StatusOr<PrefillResult> {
     return absl::ResourceExhaustedError("prefill queue full");

@@ -269,7 +269,10 @@ void DecodeEngine::End(Sequence& seq, absl::Status status, const char* outcome) 
   // collects the outcome (up to unclaimed_ttl later).
   seq.state.reset();
   seq.lease.reset();
-  if (absl::Status s = seq.meta.store->Release(seq.meta.store_ref(), absl::ZeroDuration());
+  // A sequence that ended well stays readable for retain (a later request may start from its
+  // rows); any other ending frees it.
+  if (absl::Status s = seq.meta.store->Release(
+          seq.meta.store_ref(), status.ok() ? seq.meta.retain : absl::ZeroDuration());
       !s.ok()) {
     spdlog::warn("sequence {}: releasing it in the store: {}", id, s.ToString());
   }

@@ -67,6 +67,10 @@ absl::StatusOr<Handoff> HandoffFromProto(const cv1::HandoffHeader& header,
   h.first_token = static_cast<int32_t>(header.first_token());
   h.text_so_far = header.text_so_far();
   h.pending_utf8 = header.pending_utf8();
+  h.retain = absl::Seconds(header.retain().seconds()) + absl::Nanoseconds(header.retain().nanos());
+  if (h.retain < absl::ZeroDuration() || h.retain > absl::Hours(24 * 7)) {
+    return absl::InvalidArgumentError("handoff retain: must be between 0 and 7 days");
+  }
   if (layers.size() != header.n_layers()) {
     return absl::InvalidArgumentError(absl::StrCat("handoff of sequence ", h.sequence_id, ": ",
                                                    layers.size(), " layers arrived, header says ",

@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/kv_cache.h"
@@ -76,6 +77,7 @@ class CpuPrefillBackend final : public PrefillBackend {
 
   const model::ModelConfig& config() const override { return model_->config(); }
   std::string name() const override { return "cpu"; }
+  bool SupportsPrefix() const override { return true; }
 
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
@@ -85,8 +87,26 @@ class CpuPrefillBackend final : public PrefillBackend {
     CpuRows* r = owned.get();
     *rows = std::move(owned);
     r->cache.Reserve(L);  // views handed out must not move
+    const int64_t P = call.prefix_rows;
+    if (P < 0 || P >= L || (P > 0 && !call.load_prefix)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefill: prefix of ", P, " rows for a prompt of ", L, " tokens"));
+    }
+    if (P > 0) {
+      // The cached rows go into the cache as if computed here; the model then continues at
+      // position P.
+      const model::ModelConfig& c = model_->config();
+      const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+      std::vector<float> k(static_cast<size_t>(P * kv_dim)), v(k.size());
+      for (int layer = 0; layer < c.n_layers; ++layer) {
+        if (call.check) KVR_RETURN_IF_ERROR(call.check());
+        KVR_RETURN_IF_ERROR(call.load_prefix(layer, k, v));
+        KVR_RETURN_IF_ERROR(r->cache.Append(layer, P, k.data(), v.data(), kv_dim));
+      }
+    }
     HandoffAttention attention(model_->pool(), L, call.max_queries, r, &call);
-    return model_->Prefill(call.sequence, r->cache, call.ids, attention, call.chunk_tokens);
+    return model_->Prefill(call.sequence, r->cache, call.ids.subspan(static_cast<size_t>(P)),
+                           attention, call.chunk_tokens);
   }
 
  private:

@@ -110,6 +110,23 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
     job.store = request->store();
     job.deadline_proto = request->deadline();
     job.deadline = std::min(TimeOf(request->deadline()), absl::FromChrono(context->deadline()));
+    if (request->has_prefix() && request->prefix().tokens() > 0) {
+      absl::StatusOr<kv_store::Capability> prefix_cap =
+          kv_store::Capability::FromBytes(request->prefix().capability());
+      if (!prefix_cap.ok() || prefix_cap->IsNone()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "prefix.capability: must be 16 random bytes, not all zero");
+      }
+      job.prefix = {request->prefix().sequence_id(), *prefix_cap};
+      job.prefix_tokens = request->prefix().tokens();
+    }
+    job.retain_proto = request->retain();
+    job.retain = absl::Seconds(request->retain().seconds()) +
+                 absl::Nanoseconds(request->retain().nanos());
+    if (job.retain < absl::ZeroDuration() || job.retain > absl::Hours(24 * 7)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "retain: must be between 0 and 7 days");
+    }
     spdlog::info("prefill {} seq {} attempt {} -> D {} S {}", job.request_id, job.sequence_id,
                  request->attempt(), job.decode.node_id(), job.store.node_id());
     absl::StatusOr<PrefillResult> r =
@@ -132,8 +149,9 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
     stats->mutable_prefill_time()->set_nanos(static_cast<int32_t>(ns % 1'000'000'000));
     stats->set_kv_bytes_shipped(r->kv_bytes_shipped);
     stats->set_handoff_bytes(r->handoff_bytes);
-    spdlog::info("prefill {} done: {} tokens in {}, first token {}", job.request_id,
-                 r->prompt_tokens, absl::FormatDuration(t), r->first_token);
+    response->set_cached_tokens(r->cached_tokens);
+    spdlog::info("prefill {} done: {} tokens ({} reused) in {}, first token {}", job.request_id,
+                 r->prompt_tokens, r->cached_tokens, absl::FormatDuration(t), r->first_token);
     return grpc::Status::OK;
   }
 

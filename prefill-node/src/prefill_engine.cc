@@ -18,6 +18,7 @@
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/prebuilt.h"
+#include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -80,6 +81,9 @@ class LayerWorker {
     kv_store::DType store_dtype = kv_store::DType::kF32;  // f32 or bf16
     kv_store::SequenceRef sequence;
     int64_t prompt_tokens = 0;
+    // Rows [0, first_row) are already in the store (forked from a cached prefix): only the
+    // rest is put.
+    int64_t first_row = 0;
     PrefillObserver* observer = nullptr;
     int threads = 1;
   };
@@ -222,53 +226,55 @@ class LayerWorker {
     PackTaskRows(task, c.n_kv_heads, c.head_dim, positions, layer.mutable_local_kv());
     for (int64_t p : positions) layer.add_local_positions(static_cast<uint32_t>(p));
 
-    // 3. Every row to the store, asynchronously, in the store's dtype. Rows go as they lie when
-    // they are in the store's dtype at the row width (f32 from KvCache's layout, bf16 exported
-    // by the backend); otherwise they are packed (narrowed or widened) into a buffer the put
-    // reads.
+    // 3. Every row not yet there to the store, asynchronously, in the store's dtype. Rows go
+    // as they lie when they are in the store's dtype at the row width (f32 from KvCache's
+    // layout, bf16 exported by the backend); otherwise they are packed (narrowed or widened)
+    // into a buffer the put reads.
+    const int64_t first = ctx_.first_row;
     kv_store::LayerRows rows;
     rows.sequence = ctx_.sequence;
     rows.layer = static_cast<uint32_t>(task.layer);
-    rows.start_row = 0;
-    rows.n_rows = static_cast<uint32_t>(L);
+    rows.start_row = static_cast<uint64_t>(first);
+    rows.n_rows = static_cast<uint32_t>(L - first);
     const bool bf16 = ctx_.store_dtype == kv_store::DType::kBf16;
     const size_t elem_bytes = kv_store::DTypeSize(ctx_.store_dtype);
     const size_t row_bytes = static_cast<size_t>(kv_dim) * elem_bytes;
-    const size_t half_bytes = static_cast<size_t>(L) * row_bytes;
+    const size_t half_bytes = static_cast<size_t>(L - first) * row_bytes;
     const bool rows_bf16 = task.k_bf16 != nullptr;
     if (bf16 && rows_bf16) {
-      rows.k = {reinterpret_cast<const uint8_t*>(task.k_bf16), half_bytes};
-      rows.v = {reinterpret_cast<const uint8_t*>(task.v_bf16), half_bytes};
+      rows.k = {reinterpret_cast<const uint8_t*>(task.k_bf16 + first * kv_dim), half_bytes};
+      rows.v = {reinterpret_cast<const uint8_t*>(task.v_bf16 + first * kv_dim), half_bytes};
     } else if (!bf16 && !rows_bf16 && task.kv.row_stride == kv_dim) {
-      rows.k = {reinterpret_cast<const uint8_t*>(task.kv.k), half_bytes};
-      rows.v = {reinterpret_cast<const uint8_t*>(task.kv.v), half_bytes};
+      rows.k = {reinterpret_cast<const uint8_t*>(task.kv.k + first * kv_dim), half_bytes};
+      rows.v = {reinterpret_cast<const uint8_t*>(task.kv.v + first * kv_dim), half_bytes};
     } else {
       std::vector<uint8_t>* packed = nullptr;
       {
         absl::MutexLock lock(&out_mu_);
         packed = &packed_.emplace_back(2 * half_bytes);  // deque: stable addresses
       }
+      // Destination row i holds prompt row first + i.
       uint8_t* k_dst = packed->data();
       uint8_t* v_dst = packed->data() + half_bytes;
-      for (int64_t r = 0; r < L && rows_bf16; ++r) {  // bf16 rows into an f32 store: widened
+      for (int64_t r = first; r < L && rows_bf16; ++r) {  // bf16 rows into an f32 store: widened
         Bf16BytesToFloats(task.k_bf16 + r * kv_dim, static_cast<size_t>(kv_dim),
-                          reinterpret_cast<float*>(k_dst + r * row_bytes));
+                          reinterpret_cast<float*>(k_dst + (r - first) * row_bytes));
         Bf16BytesToFloats(task.v_bf16 + r * kv_dim, static_cast<size_t>(kv_dim),
-                          reinterpret_cast<float*>(v_dst + r * row_bytes));
+                          reinterpret_cast<float*>(v_dst + (r - first) * row_bytes));
       }
-      for (int64_t r = 0; r < L && !rows_bf16; ++r) {
+      for (int64_t r = first; r < L && !rows_bf16; ++r) {
         const float* k = task.kv.k + r * task.kv.row_stride;
         const float* v = task.kv.v + r * task.kv.row_stride;
         if (bf16) {
-          FloatsToBf16Bytes(k, static_cast<size_t>(kv_dim), k_dst + r * row_bytes);
-          FloatsToBf16Bytes(v, static_cast<size_t>(kv_dim), v_dst + r * row_bytes);
+          FloatsToBf16Bytes(k, static_cast<size_t>(kv_dim), k_dst + (r - first) * row_bytes);
+          FloatsToBf16Bytes(v, static_cast<size_t>(kv_dim), v_dst + (r - first) * row_bytes);
         } else {
-          std::memcpy(k_dst + r * row_bytes, k, row_bytes);
-          std::memcpy(v_dst + r * row_bytes, v, row_bytes);
+          std::memcpy(k_dst + (r - first) * row_bytes, k, row_bytes);
+          std::memcpy(v_dst + (r - first) * row_bytes, v, row_bytes);
         }
       }
-      rows.k = {k_dst, half_bytes};
-      rows.v = {v_dst, half_bytes};
+      rows.k = {packed->data(), half_bytes};
+      rows.v = {packed->data() + half_bytes, half_bytes};
     }
     std::unique_ptr<kv_store::KvStoreOp> put = ctx_.store->StartPutLayer(rows);
     {
@@ -558,22 +564,75 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
       (job.deadline == absl::InfiniteFuture() ? absl::Minutes(10) : job.deadline - absl::Now()) +
       options_.store_lease_margin;
   if (lease_keeper_ != nullptr) lease = std::min(lease, options_.store_lease);
-  if (absl::StatusOr<kv_store::CreateResult> created =
-          (*store)->CreateSequence(job.store_ref(), shape, expected, lease);
-      !created.ok()) {
-    // Sequence ids are random: a taken one is a collision, not a store failure. The
-    // controller retries with a fresh id.
-    if (absl::IsAlreadyExists(created.status())) return created.status();
-    return NodeFailure(job.store, "store", created.status());
+  // A cached prefix: the new sequence is forked from it (the store shares its pages) and only
+  // the rest of the prompt is computed. Gone (evicted, the store restarted), shorter or of
+  // another shape: whatever it lacks is computed, so the answer never depends on the cache.
+  int64_t reused = 0;
+  bool created = false;
+  // The reused rows end on a chunk boundary and within what the cached sequence holds in every
+  // layer. From a chunk boundary the rest is computed in the very chunks a cold prefill
+  // computes (each chunk's GEMMs see the same rows, its attention the same key counts), so the
+  // answer is bit for bit the cold one; the cached rows themselves came from such chunks. A
+  // prefix ending mid-chunk would give rows a few ulps off (BLAS sums depend on the row and
+  // key counts of a call), enough to flip a near-tied greedy choice.
+  const int64_t align = std::max<int64_t>(1, options_.chunk_tokens);
+  if (job.prefix_tokens > 0 && backend_->SupportsPrefix() && L > align) {
+    uint64_t want = std::min<uint64_t>(job.prefix_tokens, static_cast<uint64_t>(L - 1));
+    absl::StatusOr<kv_store::SequenceInfo> parent = (*store)->GetSequence(job.prefix);
+    if (parent.ok() && !(parent->shape == shape)) {
+      parent = absl::FailedPreconditionError("the cached sequence has another shape");
+    }
+    if (parent.ok()) {
+      for (uint64_t rows : parent->committed_rows) want = std::min(want, rows);
+      want -= want % static_cast<uint64_t>(align);
+      if (want == 0) parent = absl::FailedPreconditionError("less than one aligned block cached");
+    }
+    absl::StatusOr<kv_store::ForkResult> forked =
+        parent.ok() ? (*store)->ForkSequence(job.store_ref(), job.prefix, want, expected, lease)
+                    : absl::StatusOr<kv_store::ForkResult>(parent.status());
+    if (forked.ok() && forked->rows != want) {
+      // Committed rows only grow, so this is a store fault; the child is not usable as is.
+      (*store)->Release(job.store_ref(), absl::ZeroDuration()).IgnoreError();
+      return NodeFailure(job.store, "store",
+                         absl::InternalError(absl::StrCat("fork gave ", forked->rows,
+                                                          " rows, asked ", want)));
+    }
+    if (forked.ok()) {
+      created = true;
+      reused = static_cast<int64_t>(forked->rows);
+    } else if (absl::IsAlreadyExists(forked.status())) {
+      return forked.status();
+    } else if (absl::IsUnavailable(forked.status()) ||
+               absl::IsDeadlineExceeded(forked.status())) {
+      return NodeFailure(job.store, "store", forked.status());
+    } else {
+      spdlog::info("request {}: cached prefix not reused ({}); prefilling all {} tokens",
+                   job.request_id, forked.status().ToString(), L);
+    }
+  }
+  if (!created) {
+    if (absl::StatusOr<kv_store::CreateResult> made =
+            (*store)->CreateSequence(job.store_ref(), shape, expected, lease);
+        !made.ok()) {
+      // Sequence ids are random: a taken one is a collision, not a store failure. The
+      // controller retries with a fresh id.
+      if (absl::IsAlreadyExists(made.status())) return made.status();
+      return NodeFailure(job.store, "store", made.status());
+    }
   }
   // Renewed until this request is done with it (past the handoff, when the decode node keeps
   // it: their renewals overlap).
   std::unique_ptr<kv_store::LeaseKeeper::Handle> kept;
   if (lease_keeper_ != nullptr) kept = lease_keeper_->Keep(store->get(), *store, job.store_ref());
   bool handed_off = false;
+  // Kept for later requests sharing the prefix only when the first token ended the request
+  // well; a failed prefill's rows are freed.
+  bool ended_well = false;
   absl::Cleanup release = [&] {
     if (handed_off) return;  // D owns the sequence now and releases it
-    (*store)->Release(job.store_ref(), absl::ZeroDuration()).IgnoreError();
+    (*store)
+        ->Release(job.store_ref(), ended_well ? job.retain : absl::ZeroDuration())
+        .IgnoreError();
   };
 
   // Prefill with per-layer handoff work. `rows` (the memory the layer tasks point into) is
@@ -588,6 +647,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                       .store_dtype = options_.store_dtype,
                       .sequence = job.store_ref(),
                       .prompt_tokens = L,
+                      .first_row = reused,
                       .observer = options_.observer,
                       .threads = options_.layer_threads > 0
                                      ? options_.layer_threads
@@ -599,6 +659,43 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   call.chunk_tokens = options_.chunk_tokens;
   call.max_queries = options_.max_prefill_queries;
   call.bf16_rows = options_.store_dtype == kv_store::DType::kBf16;
+  call.prefix_rows = reused;
+  // One layer of the reused rows at a time, read from the new sequence (its first rows are
+  // the cached ones), converted to the float rows of the model's cache.
+  std::vector<uint8_t> prefix_buffer;
+  call.load_prefix = [&](int layer, std::span<float> k, std::span<float> v) -> absl::Status {
+    const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+    const size_t row_bytes = 2 * static_cast<size_t>(c.head_dim) * kv_store::DTypeSize(shape.dtype);
+    std::vector<kv_store::RangeEntry> ranges;
+    for (uint32_t h = 0; h < shape.n_kv_heads; ++h) {
+      ranges.push_back({job.store_ref(), static_cast<uint32_t>(layer), h, 0,
+                        static_cast<uint64_t>(reused)});
+    }
+    prefix_buffer.resize(static_cast<size_t>(reused) * shape.n_kv_heads * row_bytes);
+    if (absl::Status s = (*store)->RangeRead(ranges, prefix_buffer); !s.ok()) {
+      return NodeFailure(job.store, "store", s);
+    }
+    // [head][row][k | v] -> [row][head * head_dim] for K and V.
+    const int hd = c.head_dim;
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      for (int64_t r = 0; r < reused; ++r) {
+        const uint8_t* src =
+            prefix_buffer.data() + (static_cast<size_t>(h) * reused + r) * row_bytes;
+        float* kd = k.data() + r * kv_dim + int64_t{h} * hd;
+        float* vd = v.data() + r * kv_dim + int64_t{h} * hd;
+        if (shape.dtype == kv_store::DType::kBf16) {
+          Bf16BytesToFloats(reinterpret_cast<const uint16_t*>(src), static_cast<size_t>(hd), kd);
+          Bf16BytesToFloats(reinterpret_cast<const uint16_t*>(src) + hd, static_cast<size_t>(hd),
+                            vd);
+        } else {
+          std::memcpy(kd, src, static_cast<size_t>(hd) * sizeof(float));
+          std::memcpy(vd, src + static_cast<size_t>(hd) * sizeof(float),
+                      static_cast<size_t>(hd) * sizeof(float));
+        }
+      }
+    }
+    return absl::OkStatus();
+  };
   call.method = rp.method();
   call.params = &params;
   call.on_layer = [&worker](LayerTask&& task) { worker.Push(std::move(task)); };
@@ -627,6 +724,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   result.method = rp.method().empty() ? "full" : rp.method();
   result.prefill_time = absl::FromChrono(std::chrono::steady_clock::now() - t0);
   result.kv_bytes_shipped = worker.kv_bytes();
+  result.cached_tokens = static_cast<uint32_t>(reused);
 
   // The first token and its text.
   KVR_ASSIGN_OR_RETURN(int32_t first, sampler->Sample(*logits));
@@ -661,7 +759,10 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
       (max_tokens <= 1 || (c.context_length > 0 && L + 1 >= c.context_length))) {
     result.finish_reason = kvr::v1::FINISH_REASON_LENGTH;
   }
-  if (result.finish_reason != kvr::v1::FINISH_REASON_UNSPECIFIED) return result;  // no handoff
+  if (result.finish_reason != kvr::v1::FINISH_REASON_UNSPECIFIED) {
+    ended_well = true;
+    return result;  // no handoff
+  }
 
   // The handoff: header, then every layer.
   absl::StatusOr<std::unique_ptr<HandoffSink>> sink = handoff_->Open(job.decode, job.deadline);
@@ -681,6 +782,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   h->set_n_layers(static_cast<uint32_t>(c.n_layers));
   h->set_text_so_far(result.first_text);
   h->set_pending_utf8(pending);
+  if (job.retain > absl::ZeroDuration()) *h->mutable_retain() = job.retain_proto;
   bool ok = (*sink)->Write(chunk);
   result.handoff_bytes += chunk.ByteSizeLong();
   for (auto& layer : worker.layers()) {

@@ -209,6 +209,97 @@ TEST_F(PrefillEngineTest, ShipsEveryLayerToStoreAndDecodeNode) {
             0);
 }
 
+// Every row of every layer of sequence `id` in the store, in RangeRead order.
+std::vector<uint8_t> AllRows(kv_store::KvStoreClient& store, const kv_store::SequenceRef& ref,
+                             const model::ModelConfig& c, int64_t rows) {
+  std::vector<kv_store::RangeEntry> ranges;
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      ranges.push_back({ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(h), 0,
+                        static_cast<uint64_t>(rows)});
+    }
+  }
+  std::vector<uint8_t> out(ranges.size() * rows * 2 * c.head_dim * sizeof(float));
+  EXPECT_TRUE(store.RangeRead(ranges, out).ok());
+  return out;
+}
+
+// A prompt that starts with an earlier request's prompt, prefilled from that request's
+// sequence: the cached rows are forked (up to the last whole chunk), only the rest is
+// computed and put, and the rows, the first token and the handoff equal a cold prefill's, bit
+// for bit. A prefix the store no longer has is computed cold, with the same result.
+TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
+  const model::ModelConfig& c = loaded_->model->config();
+  PrefillJob first = Job(TextPrompt{Text()}, "full");
+  auto first_ids = engine_->Tokenize(first.prompt);
+  ASSERT_TRUE(first_ids.ok());
+  ASSERT_TRUE(engine_->Run(first).ok());
+  std::vector<int32_t> ids = *first_ids;
+  auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
+  ASSERT_TRUE(more.ok());
+  ids.insert(ids.end(), more->begin(), more->end());
+  const int64_t L = static_cast<int64_t>(ids.size());
+  const int64_t reused = static_cast<int64_t>(first_ids->size()) / 64 * 64;  // chunk_tokens 64
+  ASSERT_GT(reused, 0);
+
+  // Cold: the whole prompt computed.
+  PrefillJob cold = Job(TokenPrompt{ids}, "full");
+  cold.sequence_id = 43;
+  opener_.chunks.clear();
+  auto cold_result = engine_->Run(cold);
+  ASSERT_TRUE(cold_result.ok()) << cold_result.status();
+  EXPECT_EQ(cold_result->cached_tokens, 0u);
+  const auto cold_chunks = opener_.chunks;
+
+  // From the first request's sequence.
+  PrefillJob warm = Job(TokenPrompt{ids}, "full");
+  warm.sequence_id = 44;
+  warm.prefix = {42, cap_};
+  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  opener_.chunks.clear();
+  auto warm_result = engine_->Run(warm);
+  ASSERT_TRUE(warm_result.ok()) << warm_result.status();
+  EXPECT_EQ(warm_result->cached_tokens, static_cast<uint32_t>(reused));
+  EXPECT_EQ(warm_result->first_token, cold_result->first_token);
+  // Only the computed rows were put.
+  EXPECT_EQ(warm_result->kv_bytes_shipped,
+            uint64_t{2} * (L - reused) * c.n_kv_heads * c.head_dim * 4 * c.n_layers);
+  EXPECT_EQ(AllRows(*store_, {44, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
+  ASSERT_EQ(opener_.chunks.size(), cold_chunks.size());
+  for (size_t i = 1; i < cold_chunks.size(); ++i) {
+    EXPECT_EQ(opener_.chunks[i].layer().local_kv(), cold_chunks[i].layer().local_kv()) << i;
+    EXPECT_EQ(opener_.chunks[i].layer().sink_kv(), cold_chunks[i].layer().sink_kv()) << i;
+  }
+  // The forked rows share the first request's pages.
+  auto stats = store_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GT(stats->shared_pages, 0u);
+
+  // The cached sequence is gone (released, evicted, its store restarted): computed cold.
+  ASSERT_TRUE(store_->Release({42, cap_}, absl::ZeroDuration()).ok());
+  PrefillJob lost = Job(TokenPrompt{ids}, "full");
+  lost.sequence_id = 45;
+  lost.prefix = {42, cap_};
+  lost.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  auto lost_result = engine_->Run(lost);
+  ASSERT_TRUE(lost_result.ok()) << lost_result.status();
+  EXPECT_EQ(lost_result->cached_tokens, 0u);
+  EXPECT_EQ(lost_result->first_token, cold_result->first_token);
+  EXPECT_EQ(AllRows(*store_, {45, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
+}
+
+// The first token ends the request: a sequence that ended well stays readable for `retain`
+// (a later request may start from it); one that failed is freed.
+TEST_F(PrefillEngineTest, ASequenceThatEndedWellIsKeptForRetain) {
+  PrefillJob job = Job(TextPrompt{Text()}, "full");
+  job.sampling.set_max_tokens(1);
+  job.retain = absl::Minutes(1);
+  ASSERT_TRUE(engine_->Run(job).ok());
+  auto info = store_->GetSequence({42, cap_});
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->released_kept);
+}
+
 TEST_F(PrefillEngineTest, Bf16StoreRowsAreTheRowsRoundedToBf16) {
   PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(),
                        &opener_,

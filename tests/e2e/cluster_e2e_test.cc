@@ -18,6 +18,10 @@
 //       connected to the old one; the controller keeps the new store; killed again while idle,
 //       a request placed on the dead store fails UNAVAILABLE at once, and a second restart is
 //       served again)
+//   PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix  (a second turn over a long document
+//       is prefilled from the first turn's rows and equals the same prompt prefilled cold, for
+//       every method at a full budget; after the store is killed and restarted between turns
+//       the lost prefix is computed again, with the same tokens)
 //   ControllerKilledAndRestarted  (kill -9 of the controller, restart on the same port: the
 //       first request is UNAVAILABLE or served, never INVALID_ARGUMENT; served once the nodes
 //       registered again)
@@ -134,7 +138,7 @@ TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
   ASSERT_FALSE(codebooks.empty()) << "kvr calibrate failed";
   Cluster cluster(1, 1, {"--a2ats-codebooks", codebooks});
   ASSERT_TRUE(cluster.ready());
-  const uint64_t baseline = cluster.StoreStats().used_bytes();
+  const uint64_t baseline = Cluster::LiveBytes(cluster.StoreStats());
   constexpr int kTokens = 24;
   // (a) full, with a small resident set (4 sinks + 32 local) so that D fetches the rest.
   std::vector<std::vector<int32_t>> prompts = {Prompt(300, 0), Prompt(420, 1)};
@@ -178,7 +182,7 @@ TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
     }
   }
   EXPECT_TRUE(cluster.WaitStoreEmpty(absl::Seconds(2)));
-  EXPECT_EQ(cluster.StoreStats().used_bytes(), baseline);
+  EXPECT_EQ(Cluster::LiveBytes(cluster.StoreStats()), baseline);
 }
 
 // A unary call of `method` with `bytes` as the request message (generic stub, 10 s deadline).
@@ -254,7 +258,7 @@ TEST_F(ModelFixture, BadRequestsAndCancellation) {
   }
 
   // (d) A client that cancels mid-stream: the store pages are free within a second.
-  const uint64_t baseline = cluster.StoreStats().used_bytes();
+  const uint64_t baseline = Cluster::LiveBytes(cluster.StoreStats());
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
@@ -269,7 +273,7 @@ TEST_F(ModelFixture, BadRequestsAndCancellation) {
     EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
     EXPECT_TRUE(cluster.WaitStoreEmpty(absl::Seconds(1)))
         << "store still holds the sequence " << absl::Now() - cancelled << " after cancel";
-    EXPECT_EQ(cluster.StoreStats().used_bytes(), baseline);
+    EXPECT_EQ(Cluster::LiveBytes(cluster.StoreStats()), baseline);
   }
   // The decode slot is free again: a new request runs to completion.
   Outcome o = Generate(cluster.stub(), TokenRequest(short_prompt, "full", 4), absl::Seconds(30));
@@ -325,7 +329,7 @@ TEST_F(ModelFixture, KilledDecodeNode) {
   const absl::Duration last_request_ended = absl::Now() - killed;
   EXPECT_TRUE(
       cluster.WaitStoreEmpty(std::max(absl::Seconds(1), killed + absl::Seconds(10) - absl::Now())))
-      << cluster.StoreStats().sequences() << " sequences left in the store";
+      << Cluster::LiveSequences(cluster.StoreStats()) << " sequences left in the store";
   std::printf("store empty %s after the kill (the last request ended %s after it)\n",
               absl::FormatDuration(absl::Now() - killed).c_str(),
               absl::FormatDuration(last_request_ended).c_str());
@@ -630,6 +634,103 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
   EXPECT_TRUE(recovered.has_value()) << "no request served within 10 s of the second restart";
 }
 
+// Prefix reuse on the real model. Turn 2 resends turn 1 (a long document and a question) with
+// turn 1's answer and a new question: the controller finds turn 1's sequence, the prefill node
+// forks from it and computes only the rest, and the tokens equal those of the same prompt
+// prefilled cold (prefix_cache off), for `full` and for every method at a budget that covers
+// the context. Then the store is killed and restarted: the cached prefix is gone, and the next
+// turn is prefilled cold, with the same tokens as a cold run, never a wrong answer.
+TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
+  Cluster cluster(1, 1);
+  ASSERT_TRUE(cluster.ready());
+  constexpr uint32_t kTokens = 12;
+  const auto append = [](std::vector<int32_t> a, const std::vector<int32_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const auto request = [](const std::vector<int32_t>& ids, const std::string& method,
+                          bool reuse) {
+    kvr::v1::GenerateRequest r = TokenRequest(ids, method, kTokens);
+    r.mutable_retrieval()->set_budget(4096);  // more than the context: every row selected
+    if (!reuse) r.set_prefix_cache(false);
+    return r;
+  };
+  // The prefill node reuses a cached prefix up to its last whole prefill chunk (512 tokens):
+  // from there on it computes the cold prefill's chunks, and so its bits.
+  const auto aligned = [](size_t n) { return static_cast<uint32_t>(n / 512 * 512); };
+  const auto seconds = [](const google::protobuf::Duration& d) {
+    return static_cast<double>(d.seconds()) + d.nanos() * 1e-9;
+  };
+  const std::vector<int32_t> turn1 =
+      append(Prompt(1200, 2), Encode(" Question: what is paragraph 3 about? Answer:"));
+  Outcome first = Generate(cluster.stub(), request(turn1, "full", true));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.completion.usage().cached_tokens(), 0u);
+  const std::vector<int32_t> turn2 =
+      append(append(turn1, first.tokens),
+             Encode(" Question: which number does paragraph 5 mention? Answer:"));
+  Outcome reused = Generate(cluster.stub(), request(turn2, "full", true));
+  ASSERT_TRUE(reused.status.ok()) << reused.status.error_message();
+  Outcome cold = Generate(cluster.stub(), request(turn2, "full", false));
+  ASSERT_TRUE(cold.status.ok()) << cold.status.error_message();
+  EXPECT_EQ(reused.completion.usage().cached_tokens(), aligned(turn1.size()));
+  EXPECT_EQ(cold.completion.usage().cached_tokens(), 0u);
+  EXPECT_EQ(reused.tokens, cold.tokens);
+  std::printf("turn 2 (%zu tokens, %u reused): prefill %.3f s reused vs %.3f s cold; TTFT %.3f s "
+              "vs %.3f s\n",
+              turn2.size(), reused.completion.usage().cached_tokens(),
+              seconds(reused.completion.timings().prefill()),
+              seconds(cold.completion.timings().prefill()),
+              seconds(reused.completion.timings().time_to_first_token()),
+              seconds(cold.completion.timings().time_to_first_token()));
+
+  // Every method the decode node offers, at a budget over the context: reused == cold. The
+  // prefix (turn 2's prompt) is the same for all: prefill rows do not depend on the method.
+  grpc::ClientContext ctx;
+  kvr::v1::ListModelsResponse models;
+  ASSERT_TRUE(cluster.stub().ListModels(&ctx, {}, &models).ok());
+  int question = 0;
+  for (const std::string& method : models.models(0).retrieval_methods()) {
+    const std::vector<int32_t> next =
+        append(turn2, Encode(absl::StrCat(" Question ", ++question, ": and paragraph ",
+                                          question + 6, "? Answer:")));
+    Outcome r = Generate(cluster.stub(), request(next, method, true));
+    Outcome c = Generate(cluster.stub(), request(next, method, false));
+    ASSERT_TRUE(r.status.ok()) << method << ": " << r.status.error_message();
+    ASSERT_TRUE(c.status.ok()) << method << ": " << c.status.error_message();
+    EXPECT_GE(r.completion.usage().cached_tokens(), aligned(turn2.size())) << method;
+    EXPECT_EQ(r.tokens, c.tokens) << method;
+  }
+
+  // The store dies between turns and comes back empty on the same port.
+  const auto store = cluster.Find("store-0");
+  ASSERT_GT(store.pid, 0);
+  ASSERT_EQ(kill(store.pid, SIGKILL), 0);
+  absl::SleepFor(absl::Seconds(1));
+  Subprocess restarted(cluster.WithTls(
+      {KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB", "--evict-expired", "true",
+       "--sweep-interval-ms", "500", "--controller", cluster.endpoint()},
+      "store-0"));
+  ASSERT_FALSE(restarted.WaitForLine("kvr-store registered", absl::Seconds(20)).empty());
+  std::vector<std::string> failures;
+  ASSERT_TRUE(WaitServed(cluster.stub(), TokenRequest(Prompt(40, 1), "full", 2), absl::Now(),
+                         absl::Seconds(10), &failures)
+                  .has_value());
+  const std::vector<int32_t> turn3 =
+      append(turn2, Encode(" Question: what is paragraph 1 about? Answer:"));
+  Outcome lost = Generate(cluster.stub(), request(turn3, "full", true));
+  ASSERT_TRUE(lost.status.ok()) << lost.status.error_message();
+  EXPECT_EQ(lost.completion.usage().cached_tokens(), 0u) << "the prefix died with the store";
+  Outcome lost_cold = Generate(cluster.stub(), request(turn3, "full", false));
+  ASSERT_TRUE(lost_cold.status.ok()) << lost_cold.status.error_message();
+  EXPECT_EQ(lost.tokens, lost_cold.tokens);
+  // turn 3's own prompt is cached again in the new store.
+  Outcome again =
+      Generate(cluster.stub(), request(append(turn3, Encode(" Thanks.")), "full", true));
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(again.completion.usage().cached_tokens(), aligned(turn3.size()));
+}
+
 // A request with resume_on_failure whose store is killed (SIGKILL) while it streams: the
 // controller prefills prompt + the N tokens sent on the other store and the stream goes on;
 // the client gets OK and 64 tokens: the N of the fault-free run, then exactly what the cluster
@@ -652,7 +753,7 @@ TEST_F(ModelFixture, ResumeOnFailureSurvivesTheStoreKilledMidStream) {
     kvr::store::v1::StatsResponse stats;
     const grpc::Status s =
         kvr::store::v1::KvStore::NewStub(cluster.Channel(store))->Stats(&ctx, {}, &stats);
-    return s.ok() ? stats.sequences() : 0;
+    return s.ok() ? Cluster::LiveSequences(stats) : 0;
   };
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(90)));

@@ -26,6 +26,11 @@ struct ControllerConfig {
   double shutdown_grace_seconds = 10;
   uint32_t max_in_flight = 1024;
   uint32_t max_attempts = 3;
+  // Prefix reuse: how long a store keeps a finished request's KV for later requests that
+  // start with the same tokens (0: no reuse), and how many such sequences the controller
+  // remembers.
+  double prefix_cache_seconds = 300;
+  uint32_t prefix_cache_entries = 4096;
   RequestDefaults defaults;
   std::string log_level = "info";
   // Prometheus /metrics port, on the host of `listen`: > 0 that port, 0 any free port (printed

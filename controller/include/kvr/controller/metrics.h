@@ -49,6 +49,12 @@ class ControllerMetrics {
   // kvr_prompt_tokens_total{model}, kvr_generation_tokens_total{model}: prompt tokens of
   // finished requests; completion tokens streamed to clients (also of failed requests).
   void AddPromptTokens(std::string_view model, uint64_t n);
+  // kvr_prompt_cached_tokens_total{model}: prompt tokens of finished requests whose KV was
+  // reused from a cached prefix instead of computed (part of kvr_prompt_tokens_total).
+  // kvr_prefix_cache_requests_total{model,result}: finished requests that reused a cached
+  // prefix (result="hit") or computed their whole prompt ("miss"); the hit rate is
+  // hit / (hit + miss).
+  void AddCachedPromptTokens(std::string_view model, uint64_t n);
   void AddGenerationTokens(std::string_view model, uint64_t n);
   // kvr_request_attempts_total{model}: placement attempts (> requests when retried).
   // kvr_node_failures_total{role}: node errors seen during attempts.

@@ -16,6 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kvr/controller/cancellation.h"
+#include "kvr/controller/prefix_cache.h"
 #include "kvr/controller/types.h"
 
 namespace kvr::controller {
@@ -36,6 +37,10 @@ struct PrefillCall {
   NodeSnapshot store;
   absl::Time deadline = absl::InfiniteFuture();
   uint32_t attempt = 1;
+  // A cached prefix of the prompt in `store` (PrefixCache); tokens == 0: none.
+  PrefixMatch prefix;
+  // How long the store keeps the sequence after the request ends well; zero: freed at once.
+  absl::Duration retain;
 };
 
 struct PrefillResult {
@@ -48,6 +53,7 @@ struct PrefillResult {
   absl::Duration prefill_time;
   uint64_t kv_bytes_shipped = 0;
   uint64_t handoff_bytes = 0;
+  uint32_t cached_tokens = 0;
 };
 
 class PrefillClient {

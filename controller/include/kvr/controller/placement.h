@@ -7,7 +7,8 @@
 //      (prompt + max_tokens) tokens; most free slots, then most free memory, wins.
 //   S: has free bytes for the full KV of (prompt + max_tokens) tokens; fewest sequences (the
 //      store heartbeats how many it holds), then most free bytes, wins; stores still equal
-//      take turns (round robin in registration order, after the store picked last).
+//      take turns (round robin in registration order, after the store picked last); a store
+//      holding a cached prefix of the prompt (PlacementRequest::preferred_store) goes first.
 // Other ties go to the node that registered first, so equal clusters place identically.
 // A successful placement adds the request to the chosen nodes' pending load (Membership), so
 // that requests placed between two heartbeats spread out instead of piling on one node.
@@ -32,6 +33,9 @@ struct PlacementRequest {
   uint32_t max_tokens = 0;
   // Nodes this attempt must avoid (they failed an earlier attempt of the same request).
   absl::flat_hash_set<std::string> excluded;
+  // A store that holds a cached prefix of the prompt (PrefixCache): chosen over the ranking
+  // below whenever it may take the request.
+  std::string preferred_store;
 };
 
 struct PlacementDecision {

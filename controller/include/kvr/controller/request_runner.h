@@ -25,6 +25,7 @@
 #include "kvr/controller/membership.h"
 #include "kvr/controller/node_clients.h"
 #include "kvr/controller/placement.h"
+#include "kvr/controller/prefix_cache.h"
 #include "kvr/controller/types.h"
 
 namespace kvr::controller {
@@ -68,6 +69,12 @@ struct RunnerOptions {
   int tokenize_tries = 2;
   // Not owned; may be null.
   RequestObserver* observer = nullptr;
+  // Prefix reuse (not owned; null: off). A request whose prompt the controller knows as token
+  // ids looks up its longest cached prefix, prefers the store that holds it and sends it to
+  // the prefill node; a request that ends well is recorded by its prompt (the rows a prefill
+  // computed), and its store keeps the sequence for prefix_retain.
+  PrefixCache* prefix_cache = nullptr;
+  absl::Duration prefix_retain = absl::Minutes(5);
 };
 
 // What the client sees at the end of a successful request.

@@ -124,6 +124,9 @@ struct GenerateParams {
   StreamOptions stream;
   // Re-prefill prompt + sent tokens elsewhere when a node dies mid-stream (GenerateRequest).
   bool resume_on_failure = false;
+  // Prefix reuse scope (GenerateRequest.cache_salt) and whether this request takes part.
+  std::string cache_salt;
+  bool prefix_cache = true;
 };
 
 enum class FinishReason { kUnspecified, kEos, kStopString, kLength };
@@ -147,6 +150,8 @@ struct Completion {
   std::string matched_stop;
   uint32_t prompt_tokens = 0;
   uint32_t completion_tokens = 0;
+  // Prompt tokens whose KV was reused from a cached prefix.
+  uint32_t cached_tokens = 0;
   RetrievalStats retrieval;
 };
 

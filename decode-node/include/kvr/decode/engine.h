@@ -85,6 +85,9 @@ struct Handoff {
   int32_t first_token = 0;
   std::string text_so_far;
   std::string pending_utf8;
+  // How long the store keeps the sequence after it ends well, for later requests that share
+  // its prefix (HandoffHeader.retain); zero: released at once.
+  absl::Duration retain;
   std::vector<HandoffLayerData> layers;
 
   [[nodiscard]] kv_store::SequenceRef store_ref() const { return {sequence_id, store_capability}; }

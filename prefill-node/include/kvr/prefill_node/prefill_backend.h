@@ -66,6 +66,15 @@ struct PrefillCall {
   // The rows go to the store as bf16: a backend whose cache holds bf16 may hand them out as such
   // (LayerTask::k_bf16 / v_bf16) instead of widening them to float32.
   bool bf16_rows = false;
+  // Prefix reuse: rows [0, prefix_rows) of the prompt are not computed but loaded, before the
+  // rest is, in chunks of chunk_tokens from prefix_rows (with prefix_rows a multiple of
+  // chunk_tokens: the chunks a cold prefill computes, and so their bits).
+  // load_prefix(layer, k, v) fills the layer's K and V of those rows
+  // ([prefix_rows, n_kv_heads * head_dim] floats each, as the model's cache holds them). The
+  // layer tasks still cover all rows [0, L); their queries are those of the computed tokens
+  // only. Only for a backend whose SupportsPrefix() is true.
+  int64_t prefix_rows = 0;
+  std::function<absl::Status(int layer, std::span<float> k, std::span<float> v)> load_prefix;
   // Called once per layer (in layer order for both backends), possibly from another thread
   // (the CUDA backend: a CUDA runtime thread); must neither block nor call CUDA: queue the task.
   std::function<void(LayerTask&&)> on_layer;
@@ -80,6 +89,9 @@ class PrefillBackend {
   virtual const model::ModelConfig& config() const = 0;
   // "cpu" or "cuda:<device>", for logs and the effective config.
   virtual std::string name() const = 0;
+  // Whether Prefill honours PrefillCall::prefix_rows (else the engine computes the whole
+  // prompt).
+  virtual bool SupportsPrefix() const { return false; }
   // Runs the prompt; returns the logits of its last token [vocab]. `rows` is set before the
   // first on_layer call (also when Prefill then fails). One call at a time per backend.
   [[nodiscard]] virtual absl::StatusOr<std::vector<float>> Prefill(

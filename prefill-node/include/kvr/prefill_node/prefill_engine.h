@@ -76,6 +76,15 @@ struct PrefillJob {
   kvr::cluster::v1::NodeRef store;
   absl::Time deadline = absl::InfiniteFuture();
   google::protobuf::Timestamp deadline_proto;  // as received, forwarded to D
+  // A sequence in `store` that holds the rows of the prompt's first prefix_tokens tokens
+  // (PrefillRequest.prefix); prefix_tokens == 0: none. The new sequence is forked from it and
+  // only the rest of the prompt is computed; if it is gone or shorter, what it lacks is
+  // computed.
+  kv_store::SequenceRef prefix;
+  uint32_t prefix_tokens = 0;
+  // How long the store keeps the sequence after the request ends well (passed to D).
+  absl::Duration retain;
+  google::protobuf::Duration retain_proto;
 
   [[nodiscard]] kv_store::SequenceRef store_ref() const { return {sequence_id, store_capability}; }
 };
@@ -91,6 +100,7 @@ struct PrefillResult {
   absl::Duration prefill_time;
   uint64_t kv_bytes_shipped = 0;  // K/V bytes put to the store (in EngineOptions::store_dtype)
   uint64_t handoff_bytes = 0;     // serialized handoff chunks (header + layers)
+  uint32_t cached_tokens = 0;     // prompt tokens whose rows came from PrefillJob::prefix
 };
 
 // The client side of one DecodeService.Handoff stream. Write is called from one thread.
