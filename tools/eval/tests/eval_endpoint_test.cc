@@ -1,7 +1,8 @@
 // Unit tests of kvr::eval_endpoint: every task's generator (deterministic per seed, its answer
 // in the haystack at the depth asked, the prompt fitted to the length with the SmolLM2
 // tokenizer), the scoring rules, and the suite over a fake Backend (scores, agreement with
-// full, aggregation, the JSON).
+// full, aggregation, the JSON), and the quality gate (each rule that fails it, the checked-in
+// file).
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -20,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kvr/common/paths.h"
+#include "kvr/eval_endpoint/gate.h"
 #include "kvr/eval_endpoint/suite.h"
 #include "kvr/eval_endpoint/tasks.h"
 #include "kvr/model/gguf.h"
@@ -376,6 +378,135 @@ TEST(EvalCorpusTest, ReadsEachFileOnceInNameOrder) {
   EXPECT_EQ(names, (std::vector<std::string>{"A", "B"}));
   std::filesystem::remove_all(dir);
   EXPECT_EQ(ReadCorpus(dir).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvr::eval_endpoint
+
+// ---- The quality gate (gate.h) ----
+
+namespace kvr::eval_endpoint {
+namespace {
+
+GroupResult G(const std::string& task, const std::string& method, uint32_t budget, double acc) {
+  GroupResult g;
+  g.task = task;
+  g.length = 768;
+  g.method = method;
+  g.budget = budget;
+  g.accuracy = acc;
+  return g;
+}
+
+Gate TestGate() {
+  Gate gate;
+  gate.run.lengths = {768};
+  gate.run.budgets = {64};
+  gate.accuracy = {{"full", 0.5}, {"exact", 0.5}, {"streaming", 0.1}, {"quest", 0.4}};
+  return gate;
+}
+
+// Two tasks per method; the method's accuracy is their mean.
+std::vector<GroupResult> Groups(double full, double exact, double streaming, double quest) {
+  std::vector<GroupResult> g;
+  for (const std::string task : {"a", "b"}) {
+    g.push_back(G(task, "full", 0, full));
+    g.push_back(G(task, "exact", 64, exact));
+    g.push_back(G(task, "streaming", 64, streaming));
+    g.push_back(G(task, "quest", 64, quest));
+  }
+  g.push_back(G("a", "quest", 128, 0.0));  // another budget: not the gate's
+  return g;
+}
+
+TEST(EvalGateTest, TheRecordedFiguresPass) {
+  const GateOutcome o = CheckGate(TestGate(), Groups(0.5, 0.5, 0.1, 0.4));
+  EXPECT_TRUE(o.passed()) << o.report;
+  EXPECT_DOUBLE_EQ(o.accuracy.at("quest"), 0.4);
+  EXPECT_THAT(o.report, HasSubstr("gate: pass"));
+  // Within the tolerance (5 points) and the exact margin (2 points).
+  EXPECT_TRUE(CheckGate(TestGate(), Groups(0.5, 0.485, 0.1, 0.36)).passed());
+}
+
+TEST(EvalGateTest, AMethodBelowStreamingFails) {
+  Gate gate = TestGate();
+  gate.accuracy["quest"] = 0.05;  // its record would allow it: the floor does not
+  const GateOutcome o = CheckGate(gate, Groups(0.5, 0.5, 0.1, 0.05));
+  ASSERT_FALSE(o.passed());
+  EXPECT_THAT(o.report, HasSubstr("quest: accuracy 5.0 is below streaming's 10.0"));
+}
+
+TEST(EvalGateTest, ExactMoreThanTwoPointsUnderFullFails) {
+  Gate gate = TestGate();
+  gate.accuracy["exact"] = 0.47;
+  const GateOutcome o = CheckGate(gate, Groups(0.5, 0.47, 0.1, 0.4));
+  ASSERT_EQ(o.failures.size(), 1u) << o.report;
+  EXPECT_THAT(o.failures[0], HasSubstr("exact: accuracy 47.0 is more than 2.0 points under"));
+}
+
+TEST(EvalGateTest, MoreThanFivePointsUnderTheRecordFails) {
+  const GateOutcome o = CheckGate(TestGate(), Groups(0.5, 0.5, 0.1, 0.34));
+  ASSERT_EQ(o.failures.size(), 1u) << o.report;
+  EXPECT_THAT(o.failures[0], HasSubstr("quest: accuracy 34.0 is more than 5.0 points under"));
+}
+
+TEST(EvalGateTest, AMethodWithoutResultsFails) {
+  std::vector<GroupResult> groups = Groups(0.5, 0.5, 0.1, 0.4);
+  std::erase_if(groups, [](const GroupResult& g) { return g.method == "exact"; });
+  const GateOutcome o = CheckGate(TestGate(), groups);
+  ASSERT_FALSE(o.passed());
+  EXPECT_THAT(o.report, HasSubstr("exact: no result at length 768 budget 64"));
+}
+
+// The checked-in gate parses, names every task, and its own figures pass it.
+TEST(EvalGateTest, TheCheckedInGateFileParses) {
+  const char* source = std::getenv("KVR_SOURCE_DIR");
+  ASSERT_NE(source, nullptr);
+  std::ifstream in(std::string(source) + "/tools/eval/gate/smollm2-135m-768.json");
+  ASSERT_TRUE(in);
+  auto gate = ParseGate(nlohmann::json::parse(in));
+  ASSERT_TRUE(gate.ok()) << gate.status();
+  EXPECT_EQ(gate->run.tasks, TaskNames());
+  EXPECT_EQ(gate->run.lengths, std::vector<uint32_t>{768});
+  EXPECT_EQ(gate->run.methods[0], "full");
+  EXPECT_TRUE(gate->run.local_window.has_value());
+  std::vector<GroupResult> groups;
+  for (const auto& [method, acc] : gate->accuracy) {
+    for (const std::string& task : gate->run.tasks) {
+      groups.push_back(G(task, method, method == "full" ? 0 : gate->run.budgets[0], acc));
+    }
+  }
+  EXPECT_TRUE(CheckGate(*gate, groups).passed());
+}
+
+TEST(EvalGateTest, BadFilesAreRefusedNamingTheField) {
+  auto bad = ParseGate(nlohmann::json::parse(R"({"run": {"length": 768, "samples": 2},
+                                                  "accuracy": {"full": 0.5}})"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("run.budget"));
+  bad = ParseGate(nlohmann::json::parse(R"({"run": {"length": 768, "budget": 64, "samples": 2},
+                                             "accuracy": {"full": 1.5}})"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("accuracy.full"));
+  EXPECT_FALSE(GroupsFromJson(nlohmann::json::parse(R"({"groups": []})")).ok());
+  EXPECT_FALSE(GroupsFromJson(nlohmann::json::parse(
+                                  R"({"groups": [{"task": 1, "length": 1, "method": "x",
+                                                  "budget": 0, "accuracy": 0}]})"))
+                   .ok());
+}
+
+// What ToJson writes, GroupsFromJson reads back (the gate on a result file).
+TEST(EvalGateTest, ResultJsonRoundTrips) {
+  SuiteReport report;
+  report.model = "m";
+  report.groups = {G("a", "exact", 64, 0.25)};
+  report.groups[0].agreement = 0.5;
+  auto back = GroupsFromJson(ToJson(SuiteOptions{}, report, nullptr));
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_EQ(back->size(), 1u);
+  EXPECT_EQ((*back)[0].method, "exact");
+  EXPECT_EQ((*back)[0].budget, 64u);
+  EXPECT_EQ((*back)[0].length, 768u);
+  EXPECT_DOUBLE_EQ((*back)[0].accuracy, 0.25);
+  EXPECT_EQ((*back)[0].agreement, 0.5);
 }
 
 }  // namespace
