@@ -86,8 +86,8 @@ absl::Status CheckGateOn(const ee::Gate& gate, const std::vector<ee::GroupResult
   const ee::GateOutcome outcome = ee::CheckGate(gate, groups);
   std::cout << outcome.report << std::flush;
   if (!outcome.passed()) {
-    return absl::FailedPreconditionError(absl::StrCat("quality gate failed: ",
-                                                      absl::StrJoin(outcome.failures, "; ")));
+    return absl::FailedPreconditionError(
+        absl::StrCat("quality gate failed: ", absl::StrJoin(outcome.failures, "; ")));
   }
   return absl::OkStatus();
 }
@@ -122,13 +122,11 @@ absl::Status RunEvalEndpoint(EvalEndpointFlags& f) {
   const std::string tokenizer_path =
       f.tokenizer_model.empty() ? TestModelPath() : f.tokenizer_model;
   KVR_ASSIGN_OR_RETURN(const model::Tokenizer tokenizer, LoadTokenizer(tokenizer_path));
-  const ee::TokenCounter counter = [&tokenizer](std::string_view text)
-      -> absl::StatusOr<uint32_t> {
+  const ee::TokenCounter counter = [&tokenizer](std::string_view text) -> absl::StatusOr<uint32_t> {
     KVR_ASSIGN_OR_RETURN(std::vector<int32_t> ids, tokenizer.Encode(text, {}));
     return static_cast<uint32_t>(ids.size());
   };
-  const std::vector<std::string>& tasks =
-      f.suite.tasks.empty() ? ee::TaskNames() : f.suite.tasks;
+  const std::vector<std::string>& tasks = f.suite.tasks.empty() ? ee::TaskNames() : f.suite.tasks;
   std::vector<std::string> corpus, corpus_files;
   if (std::find(tasks.begin(), tasks.end(), "qa_licenses") != tasks.end()) {
     KVR_ASSIGN_OR_RETURN(corpus, ee::ReadCorpus(f.corpus_dir, &corpus_files));
@@ -192,8 +190,8 @@ void AddEvalEndpointCommand(CLI::App& eval) {
   cmd->add_option("--methods", f.suite.methods, "retrieval methods; full is always run first")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--budgets", f.suite.budgets, "budgets (tokens per KV head) of every method "
-                                                "but full")
+  cmd->add_option("--budgets", f.suite.budgets,
+                  "budgets (tokens per KV head) of every method but full")
       ->delimiter(',')
       ->check(CLI::Range(1u, 1u << 30))
       ->capture_default_str();

@@ -28,9 +28,8 @@ namespace kvr::tools {
   int status = 0;
   waitpid(pid, &status, 0);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    return absl::InternalError(
-        absl::StrCat(what, ": ", argv[0], " ", argv.size() > 1 ? argv[1] : "", " failed (status ",
-                     status, ")"));
+    return absl::InternalError(absl::StrCat(
+        what, ": ", argv[0], " ", argv.size() > 1 ? argv[1] : "", " failed (status ", status, ")"));
   }
   return absl::OkStatus();
 }

@@ -203,8 +203,8 @@ TEST(OpenAiRequestBodyTest, ChatAndCompletionsBodies) {
   spec.n_sink = 16;
   spec.local_window = 128;
   const json windowed = json::parse(OpenAiRequestBody(OpenAiEndpoint::kCompletions, spec, text));
-  EXPECT_EQ(windowed["kvr"], json::parse(
-                                 R"({"method":"quest","budget":256,"n_sink":16,"local_window":128})"));
+  EXPECT_EQ(windowed["kvr"],
+            json::parse(R"({"method":"quest","budget":256,"n_sink":16,"local_window":128})"));
 }
 
 std::string ShareGpt(const std::vector<json>& entries) { return json(entries).dump(); }

@@ -106,20 +106,19 @@ GateOutcome CheckGate(const Gate& gate, const std::vector<GroupResult>& groups) 
                         method == kReferenceMethod ? "" : absl::StrCat(" budget ", budget)));
       continue;
     }
-    out.report += absl::StrCat("gate: ", method, " accuracy ", points(it->second),
-                               " (recorded ", points(recorded), ")\n");
+    out.report += absl::StrCat("gate: ", method, " accuracy ", points(it->second), " (recorded ",
+                               points(recorded), ")\n");
     if (it->second < recorded - gate.tolerance - 1e-9) {
       fail(absl::StrCat(method, ": accuracy ", points(it->second), " is more than ",
-                        points(gate.tolerance), " points under its recorded ",
-                        points(recorded)));
+                        points(gate.tolerance), " points under its recorded ", points(recorded)));
     }
   }
   const auto floor = out.accuracy.find(gate.floor_method);
   if (floor != out.accuracy.end()) {
     for (const auto& [method, a] : out.accuracy) {
       if (method != gate.floor_method && a < floor->second - 1e-9) {
-        fail(absl::StrCat(method, ": accuracy ", points(a), " is below ", gate.floor_method,
-                          "'s ", points(floor->second)));
+        fail(absl::StrCat(method, ": accuracy ", points(a), " is below ", gate.floor_method, "'s ",
+                          points(floor->second)));
       }
     }
   }
@@ -128,45 +127,43 @@ GateOutcome CheckGate(const Gate& gate, const std::vector<GroupResult>& groups) 
   if (full != out.accuracy.end() && exact != out.accuracy.end() &&
       exact->second < full->second - gate.exact_margin - 1e-9) {
     fail(absl::StrCat("exact: accuracy ", points(exact->second), " is more than ",
-                      points(gate.exact_margin), " points under full's ",
-                      points(full->second)));
+                      points(gate.exact_margin), " points under full's ", points(full->second)));
   }
-  out.report += out.passed() ? "gate: pass\n" : absl::StrCat("gate: ", out.failures.size(),
-                                                              " failure(s)\n");
+  out.report +=
+      out.passed() ? "gate: pass\n" : absl::StrCat("gate: ", out.failures.size(), " failure(s)\n");
   return out;
 }
 
 absl::StatusOr<std::vector<GroupResult>> GroupsFromJson(const nlohmann::json& j) {
-  if (!j.is_object() || !j.contains("groups") || !j["groups"].is_array() ||
-      j["groups"].empty()) {
+  if (!j.is_object() || !j.contains("groups") || !j["groups"].is_array() || j["groups"].empty()) {
     return absl::InvalidArgumentError("result file: no \"groups\" (write one with --json)");
   }
   std::vector<GroupResult> out;
   // nlohmann's get<> throws on a field of the wrong type: caught here, answered as a status.
   try {
-  for (const nlohmann::json& g : j["groups"]) {
-    for (const char* key : {"task", "length", "method", "budget", "accuracy"}) {
-      if (!g.is_object() || !g.contains(key)) {
-        return absl::InvalidArgumentError(absl::StrCat("result file: a group has no \"", key,
-                                                       "\""));
+    for (const nlohmann::json& g : j["groups"]) {
+      for (const char* key : {"task", "length", "method", "budget", "accuracy"}) {
+        if (!g.is_object() || !g.contains(key)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("result file: a group has no \"", key, "\""));
+        }
       }
+      GroupResult r;
+      r.task = g["task"].get<std::string>();
+      r.length = g["length"].get<uint32_t>();
+      r.method = g["method"].get<std::string>();
+      r.budget = g["budget"].get<uint32_t>();
+      r.accuracy = g["accuracy"].get<double>();
+      r.samples = g.value("samples", 0u);
+      r.failed = g.value("failed", 0u);
+      if (g.contains("agreement_with_full") && g["agreement_with_full"].is_number()) {
+        r.agreement = g["agreement_with_full"].get<double>();
+      }
+      r.tokens_per_s = g.value("output_tokens_per_s", 0.0);
+      r.mean_ttft_ms = g.value("mean_ttft_ms", 0.0);
+      r.mean_prompt_tokens = g.value("mean_prompt_tokens", 0.0);
+      out.push_back(std::move(r));
     }
-    GroupResult r;
-    r.task = g["task"].get<std::string>();
-    r.length = g["length"].get<uint32_t>();
-    r.method = g["method"].get<std::string>();
-    r.budget = g["budget"].get<uint32_t>();
-    r.accuracy = g["accuracy"].get<double>();
-    r.samples = g.value("samples", 0u);
-    r.failed = g.value("failed", 0u);
-    if (g.contains("agreement_with_full") && g["agreement_with_full"].is_number()) {
-      r.agreement = g["agreement_with_full"].get<double>();
-    }
-    r.tokens_per_s = g.value("output_tokens_per_s", 0.0);
-    r.mean_ttft_ms = g.value("mean_ttft_ms", 0.0);
-    r.mean_prompt_tokens = g.value("mean_prompt_tokens", 0.0);
-    out.push_back(std::move(r));
-  }
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("result file: ", e.what()));
   }

@@ -90,8 +90,7 @@ absl::StatusOr<SuiteReport> RunSuite(loadgen::Backend& backend, const std::strin
     o.request.timeout_s = options.request_timeout_s;
     o.max_concurrency = std::max<uint32_t>(1, options.concurrency);
     o.num_requests = prompts.size();
-    KVR_ASSIGN_OR_RETURN(loadgen::RunOutcome outcome,
-                         loadgen::RunBenchmark(backend, o, prompts));
+    KVR_ASSIGN_OR_RETURN(loadgen::RunOutcome outcome, loadgen::RunBenchmark(backend, o, prompts));
     if (outcome.results.size() != samples.size()) {
       return absl::InternalError(absl::StrCat(method, ": ", outcome.results.size(), " results for ",
                                               samples.size(), " samples"));
@@ -209,11 +208,11 @@ std::string FormatTable(const std::vector<GroupResult>& groups) {
                          "method", "budget", "accuracy", "agree_full", "tok/s", "ttft_ms",
                          "prompt_tok", "n", "failed");
   for (const GroupResult& g : groups) {
-    out << absl::StrFormat(
-        "%-18s %7u %-10s %6s %8.3f %9s %8.1f %9.1f %10.0f %4u %6u\n", g.task, g.length, g.method,
-        g.budget > 0 ? absl::StrCat(g.budget) : "-", g.accuracy,
-        g.agreement ? absl::StrFormat("%.3f", *g.agreement) : "-", g.tokens_per_s,
-        g.mean_ttft_ms, g.mean_prompt_tokens, g.samples, g.failed);
+    out << absl::StrFormat("%-18s %7u %-10s %6s %8.3f %9s %8.1f %9.1f %10.0f %4u %6u\n", g.task,
+                           g.length, g.method, g.budget > 0 ? absl::StrCat(g.budget) : "-",
+                           g.accuracy, g.agreement ? absl::StrFormat("%.3f", *g.agreement) : "-",
+                           g.tokens_per_s, g.mean_ttft_ms, g.mean_prompt_tokens, g.samples,
+                           g.failed);
   }
   return out.str();
 }
@@ -253,23 +252,22 @@ nlohmann::json ToJson(const SuiteOptions& options, const SuiteReport& report,
   }
   nlohmann::json samples = nlohmann::json::array();
   for (const SampleResult& r : report.samples) {
-    samples.push_back(
-        {{"task", r.task},
-         {"length", r.length},
-         {"index", r.index},
-         {"method", r.method},
-         {"budget", r.budget},
-         {"success", r.success},
-         {"error", r.error},
-         {"answer", r.answer},
-         {"expected", r.expected},
-         {"score", r.score},
-         {"agrees_with_full", r.agrees_with_full ? nlohmann::json(*r.agrees_with_full)
-                                                 : nlohmann::json(nullptr)},
-         {"prompt_tokens", r.prompt_tokens},
-         {"output_tokens", r.output_tokens},
-         {"ttft_ms", 1000 * r.ttft_s},
-         {"latency_ms", 1000 * r.latency_s}});
+    samples.push_back({{"task", r.task},
+                       {"length", r.length},
+                       {"index", r.index},
+                       {"method", r.method},
+                       {"budget", r.budget},
+                       {"success", r.success},
+                       {"error", r.error},
+                       {"answer", r.answer},
+                       {"expected", r.expected},
+                       {"score", r.score},
+                       {"agrees_with_full", r.agrees_with_full ? nlohmann::json(*r.agrees_with_full)
+                                                               : nlohmann::json(nullptr)},
+                       {"prompt_tokens", r.prompt_tokens},
+                       {"output_tokens", r.output_tokens},
+                       {"ttft_ms", 1000 * r.ttft_s},
+                       {"latency_ms", 1000 * r.latency_s}});
   }
   return {{"config", config}, {"groups", groups}, {"samples", samples}};
 }

@@ -21,21 +21,21 @@ namespace {
 // Common English nouns: the keys of the magic-number tasks, the words of common_words and the
 // names in the licence fact. Lower case, one token or two for most tokenizers.
 constexpr std::string_view kWords[] = {
-    "apple",   "river",   "candle",  "garden",  "window",  "pencil",  "forest",  "bridge",
-    "castle",  "dragon",  "engine",  "falcon",  "guitar",  "harbor",  "island",  "jacket",
-    "kettle",  "ladder",  "magnet",  "needle",  "orange",  "parrot",  "quartz",  "rabbit",
-    "saddle",  "tunnel",  "umbrella", "valley", "wallet",  "yogurt",  "zebra",   "anchor",
-    "basket",  "cactus",  "dolphin", "feather", "glacier", "hammer",  "iceberg", "jungle",
-    "lantern", "meadow",  "nutmeg",  "oyster",  "pepper",  "riddle",  "saffron", "teapot",
-    "velvet",  "walnut",  "blanket", "cricket", "desert",  "emerald", "fossil",  "goblet",
-    "helmet",  "ivory",   "jasmine", "kitten",  "lemon",   "marble",  "noodle",  "orchid",
-    "pillow",  "rocket",  "silver",  "tomato",  "violin",  "whistle", "button",  "carpet",
-    "donkey",  "elbow",   "fiddle",  "ginger",  "hollow",  "insect",  "kernel",  "lizard",
-    "mirror",  "napkin",  "oxygen",  "pebble",  "rhythm",  "sponge",  "thunder", "vessel",
-    "wizard",  "badger",  "cobalt",  "denim",   "ember",   "flannel", "granite", "hazel",
-    "lobster", "mustard", "nickel",  "olive",   "pickle",  "radish",  "salmon",  "timber",
-    "turnip",  "waffle",  "beacon",  "copper",  "dagger",  "fabric",  "gravel",  "honey",
-    "juniper", "kayak",   "lentil",  "mango",   "nectar",  "otter",   "puzzle",  "quiver",
+    "apple",   "river",   "candle",   "garden",  "window",  "pencil",  "forest",  "bridge",
+    "castle",  "dragon",  "engine",   "falcon",  "guitar",  "harbor",  "island",  "jacket",
+    "kettle",  "ladder",  "magnet",   "needle",  "orange",  "parrot",  "quartz",  "rabbit",
+    "saddle",  "tunnel",  "umbrella", "valley",  "wallet",  "yogurt",  "zebra",   "anchor",
+    "basket",  "cactus",  "dolphin",  "feather", "glacier", "hammer",  "iceberg", "jungle",
+    "lantern", "meadow",  "nutmeg",   "oyster",  "pepper",  "riddle",  "saffron", "teapot",
+    "velvet",  "walnut",  "blanket",  "cricket", "desert",  "emerald", "fossil",  "goblet",
+    "helmet",  "ivory",   "jasmine",  "kitten",  "lemon",   "marble",  "noodle",  "orchid",
+    "pillow",  "rocket",  "silver",   "tomato",  "violin",  "whistle", "button",  "carpet",
+    "donkey",  "elbow",   "fiddle",   "ginger",  "hollow",  "insect",  "kernel",  "lizard",
+    "mirror",  "napkin",  "oxygen",   "pebble",  "rhythm",  "sponge",  "thunder", "vessel",
+    "wizard",  "badger",  "cobalt",   "denim",   "ember",   "flannel", "granite", "hazel",
+    "lobster", "mustard", "nickel",   "olive",   "pickle",  "radish",  "salmon",  "timber",
+    "turnip",  "waffle",  "beacon",   "copper",  "dagger",  "fabric",  "gravel",  "honey",
+    "juniper", "kayak",   "lentil",   "mango",   "nectar",  "otter",   "puzzle",  "quiver",
 };
 constexpr size_t kNumWords = sizeof(kWords) / sizeof(kWords[0]);
 
@@ -99,9 +99,8 @@ void Assemble(const Layout& l, Sample* s) {
     const double want = l.needles[i].first * static_cast<double>(total);
     const auto it = std::lower_bound(boundary.begin(), boundary.end(), want);
     size_t k = static_cast<size_t>(it - boundary.begin());
-    if (k == boundary.size() ||
-        (k > 0 && want - static_cast<double>(boundary[k - 1]) <
-                      static_cast<double>(boundary[k]) - want)) {
+    if (k == boundary.size() || (k > 0 && want - static_cast<double>(boundary[k - 1]) <
+                                              static_cast<double>(boundary[k]) - want)) {
       k = k == 0 ? 0 : k - 1;
     }
     at[i] = k;
@@ -209,8 +208,8 @@ absl::StatusOr<Sample> NiahMultikey(const SampleSpec& spec, std::mt19937_64& rng
     l.head = std::string(kNeedleIntro);
     l.units = NoiseUnits(n);
     for (int i = 0; i < kKeys; ++i) {
-      l.needles.push_back({depths[i], absl::StrCat("One of the special magic numbers for ",
-                                                   keys[i], " is: ", values[i], ".")});
+      l.needles.push_back({depths[i], absl::StrCat("One of the special magic numbers for ", keys[i],
+                                                   " is: ", values[i], ".")});
     }
     l.tail = absl::StrCat("\nWhat is the special magic number for ", keys[asked],
                           " mentioned in the provided text? The special magic number for ",
@@ -284,9 +283,9 @@ absl::StatusOr<Sample> VariableTracking(const SampleSpec& spec, std::mt19937_64&
   std::vector<std::string> statements;
   for (int i = 0; i <= kHops; ++i) {
     for (int c = 0; c < kChains; ++c) {
-      statements.push_back(i == 0 ? absl::StrCat("VAR ", chains[c][0], " = ", chain_values[c], ".")
-                                  : absl::StrCat("VAR ", chains[c][i], " = VAR ",
-                                                 chains[c][i - 1], "."));
+      statements.push_back(
+          i == 0 ? absl::StrCat("VAR ", chains[c][0], " = ", chain_values[c], ".")
+                 : absl::StrCat("VAR ", chains[c][i], " = VAR ", chains[c][i - 1], "."));
     }
   }
   auto make = [&](size_t n) {
@@ -296,8 +295,7 @@ absl::StatusOr<Sample> VariableTracking(const SampleSpec& spec, std::mt19937_64&
     l.units = NoiseUnits(n);
     for (size_t i = 0; i < statements.size(); ++i) {
       l.needles.push_back(
-          {(static_cast<double>(i) + 0.5) / static_cast<double>(statements.size()),
-           statements[i]});
+          {(static_cast<double>(i) + 0.5) / static_cast<double>(statements.size()), statements[i]});
     }
     l.tail = absl::StrCat(
         "\nQuestion: Find all variables that are assigned the value ", chain_values[0],
@@ -369,8 +367,8 @@ absl::StatusOr<Sample> QaLicenses(const SampleSpec& spec, std::mt19937_64& rng,
         "them; you will be asked about it.\n\n";
     l.sep = "\n";
     for (size_t i = 0; i < n; ++i) l.units.push_back(corpus[(start + i) % corpus.size()]);
-    l.needles = {{depth, absl::StrCat("The registration number of the ", thing, " is ", number,
-                                      ".")}};
+    l.needles = {
+        {depth, absl::StrCat("The registration number of the ", thing, " is ", number, ".")}};
     l.tail = absl::StrCat("\nQuestion: What is the registration number of the ", thing,
                           "? Answer: The registration number of the ", thing, " is");
     Sample s;
@@ -404,9 +402,9 @@ std::vector<std::string> Words(std::string_view text) {
 }  // namespace
 
 const std::vector<std::string>& TaskNames() {
-  static const std::vector<std::string> names = {"niah_single",       "niah_multikey",
-                                                 "niah_multivalue",   "variable_tracking",
-                                                 "common_words",      "qa_licenses"};
+  static const std::vector<std::string> names = {"niah_single",     "niah_multikey",
+                                                 "niah_multivalue", "variable_tracking",
+                                                 "common_words",    "qa_licenses"};
   return names;
 }
 
@@ -427,8 +425,8 @@ absl::StatusOr<Sample> GenerateSample(const SampleSpec& spec, const TokenCounter
   } else if (spec.task == "qa_licenses") {
     s = QaLicenses(spec, rng, counter);
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("unknown task '", spec.task, "' (tasks: ",
-                                                   absl::StrJoin(TaskNames(), ", "), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown task '", spec.task, "' (tasks: ", absl::StrJoin(TaskNames(), ", "), ")"));
   }
   if (!s.ok()) return s.status();
   s->task = spec.task;

@@ -111,8 +111,8 @@ TEST(EvalTasksTest, PromptsFitTheLengthInModelTokens) {
 }
 
 TEST(EvalTasksTest, TheAnswerIsInTheHaystackAtTheDepthAsked) {
-  for (const std::string task : {"niah_single", "niah_multikey", "niah_multivalue",
-                                 "variable_tracking", "qa_licenses"}) {
+  for (const std::string task :
+       {"niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "qa_licenses"}) {
     for (uint32_t index = 0; index < 5; ++index) {
       SCOPED_TRACE(task + " sample " + std::to_string(index));
       const Sample s = Make(task, 1500, 11, index);
@@ -137,7 +137,8 @@ TEST(EvalTasksTest, TheAnswerIsInTheHaystackAtTheDepthAsked) {
   }
   // niah_single and qa_licenses cycle through depths: the first five samples cover 0.1..0.9.
   std::vector<double> depths;
-  for (uint32_t i = 0; i < 5; ++i) depths.push_back(Make("niah_single", 800, 1, i).needles[0].depth);
+  for (uint32_t i = 0; i < 5; ++i)
+    depths.push_back(Make("niah_single", 800, 1, i).needles[0].depth);
   EXPECT_THAT(depths, ::testing::UnorderedElementsAre(0.1, 0.3, 0.5, 0.7, 0.9));
   // The pass key has 6 or 7 digits.
   for (uint32_t i = 0; i < 20; ++i) {
@@ -166,9 +167,10 @@ TEST(EvalTasksTest, CommonWordIsTheMostFrequentByFar) {
     const Sample s = Make("common_words", length, 9, 0);
     std::map<std::string, int> count;
     for (absl::string_view line :
-         absl::StrSplit(s.prompt.substr(s.haystack_begin, s.haystack_end - s.haystack_begin),
-                        ' ', absl::SkipWhitespace())) {
-      if (!line.empty() && !std::isdigit(static_cast<unsigned char>(line[0]))) ++count[std::string(line)];
+         absl::StrSplit(s.prompt.substr(s.haystack_begin, s.haystack_end - s.haystack_begin), ' ',
+                        absl::SkipWhitespace())) {
+      if (!line.empty() && !std::isdigit(static_cast<unsigned char>(line[0])))
+        ++count[std::string(line)];
     }
     int most_other = 0;
     for (const auto& [w, c] : count) {
@@ -225,8 +227,8 @@ class FakeBackend final : public loadgen::Backend {
   absl::Status CheckPrompt(const loadgen::Prompt&) const override { return absl::OkStatus(); }
   void Send(const loadgen::RequestSpec& spec, const loadgen::Prompt& prompt,
             loadgen::RequestResult* result, std::function<void()> on_done) override {
-    seen_.push_back({spec.method, spec.budget.value_or(0), spec.temperature,
-                     prompt.max_tokens.value_or(0)});
+    seen_.push_back(
+        {spec.method, spec.budget.value_or(0), spec.temperature, prompt.max_tokens.value_or(0)});
     const auto it = answers.find(spec.method + "|" + prompt.text);
     threads_.emplace_back([this, result, on_done = std::move(on_done),
                            answer = it == answers.end() ? std::string("?") : it->second] {
@@ -336,8 +338,12 @@ TEST(EvalSuiteTest, AFullRequestThatFailedLeavesAgreementUnknown) {
   samples[0].answers = {"123456"};
   std::vector<SampleResult> results(2);
   results[0] = {.task = "niah_single", .length = 100, .method = "full", .success = false};
-  results[1] = {.task = "niah_single", .length = 100, .method = "exact", .budget = 8,
-                .success = true, .answer = " 123456"};
+  results[1] = {.task = "niah_single",
+                .length = 100,
+                .method = "exact",
+                .budget = 8,
+                .success = true,
+                .answer = " 123456"};
   ScoreResults(samples, results);
   EXPECT_EQ(results[0].score, 0);
   EXPECT_EQ(results[1].score, 1);
