@@ -43,6 +43,7 @@ NAMESPACE = {
     "model": "model", "retrieval": "retrieval", "transport": "transport",
     "kv_store": "kv-store", "node": "node", "controller": "controller",
     "prefill_node": "prefill-node", "decode": "decode-node", "loadgen": "tools",
+    "eval_endpoint": "tools",
 }
 # (including folder, included folder, path prefix of the including files): why it is allowed.
 ALLOWED = {

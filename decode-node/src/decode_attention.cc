@@ -386,12 +386,18 @@ void DecodeAttention::SampleQuality(const AttentionShape& shape,
     const int64_t n_sink = std::min(setup.n_sink, p + 1);
     const int64_t local_begin = std::max(n_sink, p + 1 - setup.local_window);
     const int64_t nc = local_begin - n_sink;  // candidates [n_sink, local_begin)
-    // Only steps that chose: with at most `budget` candidates every one is selected, and `full`
-    // (or a null index) attends them all, so recall and mass would read 1 by definition and
-    // a dashboard could not tell "perfect" from "nothing to select". Such steps are not
-    // sampled; the samples' count (kvr_retrieval_recall_count) counts the steps that chose.
-    if (nc <= setup.budget) continue;
-    if (setup.method == "full" || setup.indexes[r.layer] == nullptr) continue;
+    // Only steps that chose are measured: with at most `budget` candidates every one is
+    // selected, and `full` (or a null index) attends them all, so recall and mass would read 1
+    // by definition. Such steps read nothing and record no recall; both kinds are counted
+    // (OnQualitySampled) so that a dashboard tells "perfect" from "nothing to select".
+    const bool selecting =
+        nc > setup.budget && setup.method != "full" && setup.indexes[r.layer] != nullptr;
+    if (observer_ != nullptr) observer_->OnQualitySampled(setup.method, selecting);
+    if (!selecting) {
+      ++node_.quality_not_selecting;
+      continue;
+    }
+    ++node_.quality_selecting;
     // The keys of every candidate of every KV head, in one request.
     std::vector<kv_store::RangeEntry> ranges;
     for (int kvh = 0; kvh < n_kv; ++kvh) {

@@ -47,6 +47,14 @@ struct DecodeMetrics::Families {
         mass(HistogramFamily(r, "kvr_retrieval_attention_mass",
                              "Sampled softmax attention mass covered by the attended rows"),
              {"model", "method"}, buckets::Ratio()),
+        selecting(CounterFamily(r, "kvr_retrieval_selecting_samples_total",
+                                "Sampled decode steps (per layer) that selected among more "
+                                "candidates than the budget: the ones recall is recorded for"),
+                  {"model", "method"}),
+        nonselecting(CounterFamily(r, "kvr_retrieval_nonselecting_samples_total",
+                                   "Sampled decode steps (per layer) with nothing to select "
+                                   "(candidates <= budget, or full): no recall recorded"),
+                     {"model", "method"}),
         sequences(CounterFamily(r, "kvr_decode_sequences_total",
                                 "Sequences finished on this node, by outcome"),
                   {"model", "outcome"}) {}
@@ -59,6 +67,7 @@ struct DecodeMetrics::Families {
   CounterL offloaded, hits, misses;
   GaugeL hit_ratio, summary_bytes;
   HistogramL recall, mass;
+  CounterL selecting, nonselecting;
   CounterL sequences;
 };
 
@@ -108,6 +117,12 @@ void DecodeMetrics::ObserveRecall(std::string_view model, std::string_view metho
 void DecodeMetrics::ObserveAttentionMass(std::string_view model, std::string_view method,
                                          double mass) {
   f_->mass.Get({model, method}).Observe(mass);
+}
+void DecodeMetrics::AddQualitySampled(std::string_view model, std::string_view method,
+                                      bool selecting, uint64_t n) {
+  (selecting ? f_->selecting : f_->nonselecting)
+      .Get({model, method})
+      .Increment(static_cast<double>(n));
 }
 void DecodeMetrics::CountSequence(std::string_view model, std::string_view outcome) {
   f_->sequences.Get({model, outcome}).Increment();

@@ -14,6 +14,8 @@ DecodeMetricsObserver::DecodeMetricsObserver(metrics::DecodeMetrics* metrics, st
   metrics_->AddHotCache(model_, default_method, 0, 0);
   metrics_->SetSummaryBytes(model_, default_method, 0);
   metrics_->AddOffloadedBytes(model_, 0);
+  metrics_->AddQualitySampled(model_, default_method, /*selecting=*/true, 0);
+  metrics_->AddQualitySampled(model_, default_method, /*selecting=*/false, 0);
 }
 
 void DecodeMetricsObserver::OnStep(const StepReport& step) {
@@ -44,6 +46,10 @@ void DecodeMetricsObserver::OnMethodSummaryBytes(std::string_view method, int64_
 
 void DecodeMetricsObserver::OnSequenceEnd(std::string_view outcome, int64_t completion_tokens) {
   metrics_->CountSequence(model_, outcome);
+}
+
+void DecodeMetricsObserver::OnQualitySampled(std::string_view method, bool selecting) {
+  metrics_->AddQualitySampled(model_, method, selecting, 1);
 }
 
 void DecodeMetricsObserver::ObserveQuality(std::string_view method, double recall,

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -506,7 +507,11 @@ class QualityRecorder final : public DecodeObserver {
   void OnQuality(std::string_view method, double recall, double mass) override {
     samples.push_back({std::string(method), recall, mass});
   }
+  void OnQualitySampled(std::string_view method, bool selecting) override {
+    ++(selecting ? selecting_by_method : not_selecting_by_method)[std::string(method)];
+  }
   std::vector<Sample> samples;
+  std::map<std::string, int64_t> selecting_by_method, not_selecting_by_method;
 };
 
 // A method that selects given positions (per KV head) whatever the query: the hand-made case.
@@ -730,6 +735,12 @@ TEST(DecodeAttentionQualityTest, RateZeroNeverReadsAndStepsThatDidNotChooseAreNo
     EXPECT_TRUE(recorder.samples.empty());
     EXPECT_EQ(attention.node_counters().quality_samples, 0);
     EXPECT_EQ(f.store.range_reads.load(), 0);
+    // ...but they are counted as sampled with nothing to select, so that no recall for a
+    // method reads as "nothing to select" and not as "perfect".
+    EXPECT_EQ(attention.node_counters().quality_not_selecting, 2 * kLayers);
+    EXPECT_EQ(attention.node_counters().quality_selecting, 0);
+    EXPECT_EQ(recorder.not_selecting_by_method[method], 2 * kLayers);
+    EXPECT_EQ(recorder.selecting_by_method[method], 0);
   }
   // The same sequence with a budget below its candidates chose, and is sampled every step.
   {
@@ -742,6 +753,10 @@ TEST(DecodeAttentionQualityTest, RateZeroNeverReadsAndStepsThatDidNotChooseAreNo
     RunSteps(f, attention, 2, NoCheck());
     EXPECT_EQ(recorder.samples.size(), size_t{2 * kLayers});
     EXPECT_EQ(attention.node_counters().quality_samples, 2 * kLayers);
+    EXPECT_EQ(attention.node_counters().quality_selecting, 2 * kLayers);
+    EXPECT_EQ(attention.node_counters().quality_not_selecting, 0);
+    EXPECT_EQ(recorder.selecting_by_method["exact"], 2 * kLayers);
+    EXPECT_EQ(recorder.not_selecting_by_method["exact"], 0);
   }
 }
 
@@ -755,6 +770,9 @@ TEST(DecodeAttentionQualityTest, PartialRateSamplesSomeStepsDeterministically) {
     EXPECT_TRUE(attention.AddSequence(7, f.Setup("exact", 4)).ok());
     RunSteps(f, attention, 20, NoCheck());
     EXPECT_EQ(f.store.range_reads.load(), attention.node_counters().quality_samples);
+    EXPECT_EQ(attention.node_counters().quality_selecting,
+              attention.node_counters().quality_samples);
+    EXPECT_EQ(attention.node_counters().quality_not_selecting, 0);
     return attention.node_counters().quality_samples;
   };
   const int64_t samples = run(1);

@@ -16,6 +16,10 @@ TEST(DecodeMetricsObserverTest, RecordsStepsFetchesCacheAndQuality) {
   EXPECT_THAT(before, HasSubstr("kvr_decode_tokens_total{model=\"smol\"} 0"));
   EXPECT_THAT(before,
               HasSubstr("kvr_kv_fetched_bytes_total{method=\"clusterkv\",model=\"smol\"} 0"));
+  EXPECT_THAT(before, HasSubstr("kvr_retrieval_selecting_samples_total{method=\"clusterkv\","
+                                "model=\"smol\"} 0"));
+  EXPECT_THAT(before, HasSubstr("kvr_retrieval_nonselecting_samples_total{method=\"clusterkv\","
+                                "model=\"smol\"} 0"));
 
   observer.OnStep({.seconds = 0.02, .batch_size = 3, .tokens = 3, .waiting = 1});
   observer.OnStep({.seconds = 0.03, .batch_size = 2, .tokens = 2, .waiting = 0});
@@ -31,7 +35,10 @@ TEST(DecodeMetricsObserverTest, RecordsStepsFetchesCacheAndQuality) {
   observer.OnSummaryBytes(3 << 20);  // all methods: not recorded
   observer.OnMethodSummaryBytes("clusterkv", 1 << 20);
   observer.OnSequenceEnd("eos", 5);
+  observer.OnQualitySampled("clusterkv", /*selecting=*/true);
   observer.ObserveQuality("clusterkv", 0.9, 0.99);
+  observer.OnQualitySampled("clusterkv", /*selecting=*/false);
+  observer.OnQualitySampled("clusterkv", /*selecting=*/false);
 
   const std::string text = server->ScrapeText();
   const std::string labels = "method=\"clusterkv\",model=\"smol\"";
@@ -52,6 +59,8 @@ TEST(DecodeMetricsObserverTest, RecordsStepsFetchesCacheAndQuality) {
   EXPECT_THAT(text, HasSubstr("kvr_decode_sequences_total{model=\"smol\",outcome=\"eos\"} 1"));
   EXPECT_THAT(text, HasSubstr("kvr_retrieval_recall_count{" + labels + "} 1"));
   EXPECT_THAT(text, HasSubstr("kvr_retrieval_attention_mass_sum{" + labels + "} 0.99"));
+  EXPECT_THAT(text, HasSubstr("kvr_retrieval_selecting_samples_total{" + labels + "} 1"));
+  EXPECT_THAT(text, HasSubstr("kvr_retrieval_nonselecting_samples_total{" + labels + "} 2"));
 }
 
 }  // namespace

@@ -29,6 +29,8 @@ TEST(DecodeMetricsTest, RecordsWhatItIsTold) {
   m.SetSummaryBytes("smol", "ctkvr", 1 << 16);
   m.ObserveRecall("smol", "ctkvr", 0.85);
   m.ObserveAttentionMass("smol", "ctkvr", 0.97);
+  m.AddQualitySampled("smol", "ctkvr", /*selecting=*/true, 1);
+  m.AddQualitySampled("smol", "ctkvr", /*selecting=*/false, 3);
   m.CountSequence("smol", "ok");
   const std::string text = server->ScrapeText();
   EXPECT_THAT(text, HasSubstr("kvr_decode_step_seconds_count{model=\"smol\"} 1"));
@@ -52,6 +54,10 @@ TEST(DecodeMetricsTest, RecordsWhatItIsTold) {
       HasSubstr(
           "kvr_retrieval_attention_mass_bucket{method=\"ctkvr\",model=\"smol\",le=\"0.98\"} 1"));
   EXPECT_THAT(text, HasSubstr("kvr_decode_sequences_total{model=\"smol\",outcome=\"ok\"} 1"));
+  EXPECT_THAT(text, HasSubstr("kvr_retrieval_selecting_samples_total{method=\"ctkvr\","
+                              "model=\"smol\"} 1"));
+  EXPECT_THAT(text, HasSubstr("kvr_retrieval_nonselecting_samples_total{method=\"ctkvr\","
+                              "model=\"smol\"} 3"));
   ExpectPromtoolClean(text);
 }
 

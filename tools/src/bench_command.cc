@@ -5,8 +5,6 @@
 // in the layout of `vllm bench serve --save-result`, and as a PNG (tools/scripts/plot_bench.py),
 // one of each per rate.
 
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -39,9 +37,8 @@
 #include "kvr/model/gguf.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/tokenizer.h"
+#include "spawn.h"
 #include "tls_options.h"
-
-extern char** environ;
 
 namespace kvr::tools {
 namespace {
@@ -139,20 +136,7 @@ absl::Status Plot(const std::string& json_path, const std::string& png_path) {
   std::string python = env_python != nullptr                   ? env_python
                        : access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3"
                                                                : "python3";
-  std::vector<std::string> argv = {python, script, json_path, png_path};
-  std::vector<char*> args;
-  for (std::string& a : argv) args.push_back(a.data());
-  args.push_back(nullptr);
-  pid_t pid = 0;
-  if (posix_spawnp(&pid, python.c_str(), nullptr, nullptr, args.data(), environ) != 0) {
-    return absl::InternalError(absl::StrCat("cannot start ", python, " for --plot"));
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    return absl::InternalError(absl::StrCat("--plot: ", script, " failed (status ", status, ")"));
-  }
-  return absl::OkStatus();
+  return RunAndWait({python, script, json_path, png_path}, "--plot");
 }
 
 // Writes the JSON and the PNG of one rate's results.

@@ -91,6 +91,7 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");
   cmd->add_option("--prefill-chunk", flags->eval.prefill_chunk, "prefill chunk in tokens")
       ->capture_default_str();
+  AddEvalEndpointCommand(*eval);
   cmd->callback([flags] {
     const absl::Status status = RunEvalRetrieval(*flags);
     if (!status.ok()) {

@@ -176,6 +176,8 @@ class GrpcBackend final : public Backend {
     s->set_ignore_eos(spec.ignore_eos);
     if (!spec.method.empty()) request.mutable_retrieval()->set_method(spec.method);
     if (spec.budget) request.mutable_retrieval()->set_budget(*spec.budget);
+    if (spec.n_sink) request.mutable_retrieval()->set_n_sink(*spec.n_sink);
+    if (spec.local_window) request.mutable_retrieval()->set_local_window(*spec.local_window);
     return request;
   }
 

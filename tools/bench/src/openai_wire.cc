@@ -108,10 +108,12 @@ std::string OpenAiRequestBody(OpenAiEndpoint endpoint, const RequestSpec& spec,
   body["stream"] = true;
   body["stream_options"] = {{"include_usage", true}};
   if (spec.ignore_eos) body["ignore_eos"] = true;
-  if (!spec.method.empty() || spec.budget) {
+  if (!spec.method.empty() || spec.budget || spec.n_sink || spec.local_window) {
     json kvr = json::object();
     if (!spec.method.empty()) kvr["method"] = spec.method;
     if (spec.budget) kvr["budget"] = *spec.budget;
+    if (spec.n_sink) kvr["n_sink"] = *spec.n_sink;
+    if (spec.local_window) kvr["local_window"] = *spec.local_window;
     body["kvr"] = std::move(kvr);
   }
   // Invalid UTF-8 in a dataset's text is replaced rather than thrown.

@@ -198,6 +198,13 @@ TEST(OpenAiRequestBodyTest, ChatAndCompletionsBodies) {
   EXPECT_EQ(completion["ignore_eos"], true);
   EXPECT_EQ(completion["kvr"], json::parse(R"({"method":"quest","budget":256})"));
   EXPECT_FALSE(completion.contains("messages"));
+
+  // Sink and local window travel in the same extension (kvr eval endpoint sets them).
+  spec.n_sink = 16;
+  spec.local_window = 128;
+  const json windowed = json::parse(OpenAiRequestBody(OpenAiEndpoint::kCompletions, spec, text));
+  EXPECT_EQ(windowed["kvr"],
+            json::parse(R"({"method":"quest","budget":256,"n_sink":16,"local_window":128})"));
 }
 
 std::string ShareGpt(const std::vector<json>& entries) { return json(entries).dump(); }

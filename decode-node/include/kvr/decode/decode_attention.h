@@ -71,8 +71,14 @@ struct NodeCounters {
   RetrievalCounters retrieval;
   int64_t gathers = 0;       // StartGather calls
   int64_t attend_calls = 0;  // Attend calls (one per step and layer)
-  // Sampled quality measurements (--quality-sample-rate): reported samples, rows/bytes read
-  // from the store for them (not in `retrieval`), and samples dropped because a read failed.
+  // Sampled quality measurements (--quality-sample-rate): (step, sequence, layer) the coin
+  // picked that selected among more candidates than the budget (`quality_selecting`) and
+  // that had nothing to select (`quality_not_selecting`: at most `budget` candidates, `full`
+  // or a null index; no recall is recorded for them), reported samples, rows/bytes read from
+  // the store for them (not in `retrieval`), and samples dropped because a read failed.
+  // quality_selecting = quality_samples + quality_failures.
+  int64_t quality_selecting = 0;
+  int64_t quality_not_selecting = 0;
   int64_t quality_samples = 0;
   int64_t quality_rows_fetched = 0;
   int64_t quality_bytes_fetched = 0;

@@ -47,6 +47,15 @@ class DecodeMetrics {
   //   context that the attended set (sink ∪ local ∪ selected) covers, 0..1.
   void ObserveRecall(std::string_view model, std::string_view method, double recall);
   void ObserveAttentionMass(std::string_view model, std::string_view method, double mass);
+  // kvr_retrieval_selecting_samples_total{model,method}: sampled (step, sequence, layer) that
+  //   selected among more candidates than the budget; each adds one recall and mass
+  //   observation unless the read of its candidates failed.
+  // kvr_retrieval_nonselecting_samples_total{model,method}: sampled ones with nothing to
+  //   select (at most `budget` candidates, `full`): every candidate is attended, so they are
+  //   not in the histograms. A method whose samples are all here reads no recall at all,
+  //   rather than a recall of 1.
+  void AddQualitySampled(std::string_view model, std::string_view method, bool selecting,
+                         uint64_t n);
   // kvr_decode_sequences_total{model,outcome}: sequences finished on this node.
   void CountSequence(std::string_view model, std::string_view outcome);
 

@@ -7,7 +7,8 @@
 // (OnRetrieval, OnMethodSummaryBytes); the all-method hooks (OnHotCache, OnSummaryBytes) are not
 // recorded again. OnFetch gives only the gather latency (one gather serves every method).
 // Retrieval quality (kvr_retrieval_recall, kvr_retrieval_attention_mass) comes from OnQuality,
-// DecodeAttention's sampled oracle comparison (--quality-sample-rate).
+// DecodeAttention's sampled oracle comparison (--quality-sample-rate), and the count of sampled
+// steps that selected / had nothing to select from OnQualitySampled.
 
 #include <cstdint>
 #include <string>
@@ -35,6 +36,7 @@ class DecodeMetricsObserver final : public DecodeObserver {
   void OnQuality(std::string_view method, double recall, double attention_mass) override {
     ObserveQuality(method, recall, attention_mass);
   }
+  void OnQualitySampled(std::string_view method, bool selecting) override;
 
   // One sampled quality measurement (both 0..1): recall of the selected rows against the exact
   // top-k, and the attention mass the attended rows cover.

@@ -55,6 +55,11 @@ class DecodeObserver {
   // top-budget over the same candidates (all KV heads), and the softmax mass over [0, position]
   // that sink ∪ local ∪ selected cover (mean over query heads); retrieval/eval's definitions.
   virtual void OnQuality(std::string_view method, double recall, double attention_mass) {}
+  // Each (step, sequence, layer) that --quality-sample-rate's coin picked: `selecting` when it
+  // selected among more candidates than the budget (an OnQuality follows unless the read of
+  // its candidates failed), false when there was nothing to select (at most `budget`
+  // candidates, `full`, a null index), which records no recall.
+  virtual void OnQualitySampled(std::string_view method, bool selecting) {}
   // A sequence ended: outcome is "eos", "stop", "length", "cancelled", "deadline" or "error".
   virtual void OnSequenceEnd(std::string_view outcome, int64_t completion_tokens) {}
 };

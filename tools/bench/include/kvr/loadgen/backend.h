@@ -48,6 +48,9 @@ struct RequestSpec {
   float temperature = 0.f;
   std::string method;  // kvr retrieval method (openai-*: the "kvr" extension field); empty: none
   std::optional<uint32_t> budget;
+  // Sink tokens and local window of the retrieval (RetrievalParams); unset: the server's.
+  std::optional<uint32_t> n_sink;
+  std::optional<uint32_t> local_window;
   double timeout_s = 600;  // each request's deadline, from when it is sent
 };
 

@@ -45,8 +45,9 @@ enum class OpenAiEndpoint { kChatCompletions, kCompletions };
 //   completions: "prompt" (the prompt's text; chat messages are the caller's error: see
 //                Backend::CheckPrompt), "max_tokens";
 // then "temperature", "stream": true, "stream_options": {"include_usage": true}; "ignore_eos"
-// (vLLM's extension) only when set and "kvr": {"method", "budget"} (kvr's) only when given, so
-// that a plain OpenAI server sees no field it does not know unless the run asks for one.
+// (vLLM's extension) only when set and "kvr": {"method", "budget", "n_sink", "local_window"}
+// (kvr's) only when given, so that a plain OpenAI server sees no field it does not know unless
+// the run asks for one.
 std::string OpenAiRequestBody(OpenAiEndpoint endpoint, const RequestSpec& spec,
                               const Prompt& prompt);
 
