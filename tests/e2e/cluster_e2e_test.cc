@@ -22,6 +22,9 @@
 //       is prefilled from the first turn's rows and equals the same prompt prefilled cold, for
 //       every method at a full budget; after the store is killed and restarted between turns
 //       the lost prefix is computed again, with the same tokens)
+//   CachedPrefixesAreEvictedBeforeAnythingIsRefused  (a small store filled with cached
+//       prefixes: every new request is served, the store evicts cached sequences least
+//       recently used first, and its pages return to the baseline once the prefixes expire)
 //   ControllerKilledAndRestarted  (kill -9 of the controller, restart on the same port: the
 //       first request is UNAVAILABLE or served, never INVALID_ARGUMENT; served once the nodes
 //       registered again)
@@ -729,6 +732,42 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
       Generate(cluster.stub(), request(append(turn3, Encode(" Thanks.")), "full", true));
   ASSERT_TRUE(again.status.ok()) << again.status.error_message();
   EXPECT_EQ(again.completion.usage().cached_tokens(), aligned(turn3.size()));
+}
+
+// A store far smaller than the prefixes the requests leave cached (128 MiB; a 700-token
+// SmolLM2 sequence holds ~32 MiB of f32 rows, and ~5 requests finish within a keep of 12 s):
+// no new request is refused while cached prefixes can be evicted, the store evicts them
+// (cached_lru), and once the prefixes' keep has passed every page is free again.
+TEST_F(ModelFixture, CachedPrefixesAreEvictedBeforeAnythingIsRefused) {
+  Cluster cluster(1, 1,
+                  {"--store-capacity", "128MiB", "--controller-arg=--prefix-cache-seconds=12"});
+  ASSERT_TRUE(cluster.ready());
+  const kvr::store::v1::StatsResponse before = cluster.StoreStats();
+  uint64_t most_cached = 0;
+  for (int i = 0; i < 10; ++i) {
+    Outcome o = Generate(cluster.stub(), TokenRequest(Prompt(700, i), "full", 4));
+    ASSERT_TRUE(o.status.ok()) << "request " << i << ": " << o.status.error_message();
+    most_cached = std::max<uint64_t>(most_cached, cluster.StoreStats().cached_sequences());
+  }
+  const kvr::store::v1::StatsResponse full = cluster.StoreStats();
+  std::printf("10 requests of 700 tokens in a 128 MiB store: %llu cached at most, %llu evicted "
+              "(cached_lru), %llu expired, %llu of %llu bytes used\n",
+              static_cast<unsigned long long>(most_cached),
+              static_cast<unsigned long long>(full.evictions_cached_lru()),
+              static_cast<unsigned long long>(full.evictions_expired()),
+              static_cast<unsigned long long>(full.used_bytes()),
+              static_cast<unsigned long long>(full.capacity_bytes()));
+  EXPECT_GE(most_cached, 2u);
+  EXPECT_GT(full.evictions_cached_lru(), 0u);
+  EXPECT_EQ(Cluster::LiveSequences(full), 0u);
+  // The keep runs out; the store sweeps expired sequences every 500 ms.
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (cluster.StoreStats().used_bytes() != before.used_bytes() && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  const kvr::store::v1::StatsResponse after = cluster.StoreStats();
+  EXPECT_EQ(after.used_bytes(), before.used_bytes());
+  EXPECT_EQ(after.sequences(), 0u);
 }
 
 // A request with resume_on_failure whose store is killed (SIGKILL) while it streams: the

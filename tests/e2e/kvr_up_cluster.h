@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -46,10 +47,12 @@ class Cluster {
                                      "--base-port",
                                      "0",
                                      "--log-dir",
-                                     log_dir,
-                                     "--store-capacity",
-                                     "1GiB"};
+                                     log_dir};
     argv.insert(argv.end(), extra.begin(), extra.end());
+    // 1 GiB of store unless the test names its own.
+    if (std::find(extra.begin(), extra.end(), "--store-capacity") == extra.end()) {
+      argv.insert(argv.end(), {"--store-capacity", "1GiB"});
+    }
     up_ = std::make_unique<Subprocess>(argv);
     ready_ = !up_->WaitForLine("kvr up: ready", absl::Seconds(240)).empty();
     for (const std::string& line : up_->Lines()) {

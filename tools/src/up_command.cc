@@ -57,6 +57,8 @@ struct UpOptions {
   double ready_timeout_s = 180;
   bool detach = false;
   std::string pid_file;
+  std::vector<std::string> controller_args;
+  std::vector<std::string> store_args;
   std::vector<std::string> prefill_args;
   std::vector<std::string> decode_args;
   std::string a2ats_codebooks;  // given to every prefill and decode node
@@ -360,6 +362,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
       absl::StrCat("127.0.0.1:", Port(o, 2))};
   KVR_ASSIGN_OR_RETURN(std::vector<std::string> controller_tls, tls_flags("controller"));
   controller_argv.insert(controller_argv.end(), controller_tls.begin(), controller_tls.end());
+  controller_argv.insert(controller_argv.end(), o.controller_args.begin(), o.controller_args.end());
   auto controller = std::make_unique<Child>("controller", controller_argv, log("controller"));
   const std::string controller_address =
       controller->WaitFor("kvr-controller listening on ", start_timeout);
@@ -385,6 +388,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
         // One name per node: kvr up's, the node's metrics label and its registration.
         "--name", name};
     store_argv.insert(store_argv.end(), store_tls.begin(), store_tls.end());
+    store_argv.insert(store_argv.end(), o.store_args.begin(), o.store_args.end());
     stores.push_back(std::make_unique<Child>(name, store_argv, log(name)));
   }
   for (int i = 0; i < o.stores; ++i) {
@@ -562,6 +566,9 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--log-dir", o->log_dir, "node logs (default /tmp/kvr-up-<pid>)");
   cmd->add_option("--ready-timeout", o->ready_timeout_s, "seconds to wait for registration")
       ->capture_default_str();
+  cmd->add_option("--controller-arg", o->controller_args,
+                  "extra argument for kvr-controller (e.g. --prefix-cache-seconds=60)");
+  cmd->add_option("--store-arg", o->store_args, "extra argument for every kvr-store");
   cmd->add_option("--prefill-arg", o->prefill_args, "extra argument for every kvr-prefill");
   cmd->add_option("--decode-arg", o->decode_args, "extra argument for every kvr-decode");
   cmd->add_option("--a2ats-codebooks", o->a2ats_codebooks,
