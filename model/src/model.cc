@@ -82,19 +82,20 @@ void ApplyRope(float* x, int64_t n_tokens, int n_heads, int head_dim, int64_t ro
 }
 
 void MatMulTransposed(ThreadPool* pool, const float* a, int64_t m, int64_t k, const float* w,
-                      int64_t n, float* c) {
+                      int64_t n, float* c, bool allow_gemv) {
   // Split the output columns (= weight rows) so each thread streams its own slice of W: for
   // decode (small m) the GEMM is bound by reading W, and this divides that traffic evenly.
-  constexpr int64_t kAlign = 16;
+  // Slices of whole 64-column SGEMM calls when rows must not depend on m (see PackedMatMul).
+  const int64_t align = allow_gemv ? 16 : 64;
   const int64_t threads = pool == nullptr ? 1 : static_cast<int64_t>(pool->size());
-  const int64_t parts = std::max<int64_t>(1, std::min(threads, n / kAlign));
-  const int64_t per_part = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
+  const int64_t parts = std::max<int64_t>(1, std::min(threads, n / align));
+  const int64_t per_part = ((n + parts - 1) / parts + align - 1) / align * align;
   auto run = [&](size_t begin, size_t end) {
     for (size_t p = begin; p < end; ++p) {
       const int64_t n0 = static_cast<int64_t>(p) * per_part;
       const int64_t n1 = std::min(n, n0 + per_part);
       if (n1 <= n0) continue;
-      if (m == 1) {
+      if (m == 1 && allow_gemv) {
         // OpenBLAS 0.3.21's sgemm packs all of W even for one row; sgemv streams it once.
         cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n1 - n0), static_cast<int>(k),
                     1.f, w + n0 * k, static_cast<int>(k), a, 1, 0.f, c + n0, 1);
@@ -232,13 +233,20 @@ absl::Status Model::Forward(std::span<const ForwardSequence> batch, Attention& a
   const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim,
                              1.f / std::sqrt(static_cast<float>(c.head_dim))};
   std::vector<AttentionRequest> requests(batch.size());
+  // A decode step (one token per sequence) takes the gemv kernels for its few rows. A prompt
+  // chunk never does, and its GEMMs are cut so that a row's result does not depend on how many
+  // rows the chunk has: a prefill that starts from a cached prefix then computes the bits a
+  // cold prefill does (with DenseAttention's query blocks, see kDefaultQueryBlock).
+  const bool decode_step = std::all_of(batch.begin(), batch.end(),
+                                       [](const ForwardSequence& s) { return s.tokens.size() == 1; });
   // out[m, n] = a[m, k] W^T in whichever storage the weights use.
   auto project = [&](const float* a, int64_t m, int64_t k, const std::vector<float>& dense,
                      const PackedMatrix& packed, int64_t n, float* out) {
     if (packed.empty()) {
-      MatMulTransposed(pool_, a, m, k, dense.data(), n, out);
+      MatMulTransposed(pool_, a, m, k, dense.data(), n, out, decode_step);
     } else {
-      PackedMatMul(pool_, *kernels_, a, m, k, packed, out);
+      PackedMatMul(pool_, *kernels_, a, m, k, packed, out, ActivationPrecision::kInt8,
+                   decode_step ? kMaxGemvRows : 0);
     }
   };
 

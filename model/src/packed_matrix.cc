@@ -151,9 +151,10 @@ absl::StatusOr<PackedMatrix> QuantizeMatrix(GgmlType type, const float* w, int64
 }
 
 void PackedMatMul(ThreadPool* pool, const CpuKernels& kernels, const float* a, int64_t m,
-                  int64_t k, const PackedMatrix& w, float* c, ActivationPrecision precision) {
+                  int64_t k, const PackedMatrix& w, float* c, ActivationPrecision precision,
+                  int64_t max_gemv_rows) {
   const int64_t n = w.rows;
-  const bool gemv = m <= kMaxGemvRows && (IsBlockKernelType(w.type) || IsFloatKernelType(w.type));
+  const bool gemv = m <= max_gemv_rows && (IsBlockKernelType(w.type) || IsFloatKernelType(w.type));
   const bool int8 = precision == ActivationPrecision::kInt8;
   // Decode: A's rows are quantised once here, then every thread streams its slice of W.
   thread_local std::vector<ActivationBlock> quantized;
@@ -166,10 +167,12 @@ void PackedMatMul(ThreadPool* pool, const CpuKernels& kernels, const float* a, i
   const ActivationBlock* a_blocks = quantized.data();
   // Several parts per thread, handed out dynamically: a worker that wakes late (or a core
   // shared with another process) takes fewer parts instead of leaving the caller to run all.
-  constexpr int64_t kAlign = 16;
+  // Parts of whole SGEMM tiles (TiledSgemm's 64 rows of W) on the tiled path, so that no
+  // part ends in a narrower tile; 16-row parts for the gemv kernels.
+  const int64_t align = gemv ? 16 : 64;
   const int64_t threads = pool == nullptr ? 1 : static_cast<int64_t>(pool->size());
-  const int64_t parts = std::max<int64_t>(1, std::min(threads == 1 ? 1 : threads * 4, n / kAlign));
-  const int64_t per_part = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
+  const int64_t parts = std::max<int64_t>(1, std::min(threads == 1 ? 1 : threads * 4, n / align));
+  const int64_t per_part = ((n + parts - 1) / parts + align - 1) / align * align;
   auto run = [&](size_t begin, size_t end) {
     thread_local std::vector<float> tile;
     for (size_t p = begin; p < end; ++p) {

@@ -78,6 +78,9 @@ class CpuPrefillBackend final : public PrefillBackend {
   const model::ModelConfig& config() const override { return model_->config(); }
   std::string name() const override { return "cpu"; }
   bool SupportsPrefix() const override { return true; }
+  // The model's prompt rows do not depend on the chunking as long as chunks start on a
+  // multiple of the attention's query block (model.cc, DenseAttention).
+  int64_t PrefixAlignment() const override { return model::DenseAttention::kDefaultQueryBlock; }
 
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
@@ -88,7 +91,7 @@ class CpuPrefillBackend final : public PrefillBackend {
     *rows = std::move(owned);
     r->cache.Reserve(L);  // views handed out must not move
     const int64_t P = call.prefix_rows;
-    if (P < 0 || P >= L || (P > 0 && !call.load_prefix)) {
+    if (P < 0 || P >= L || P % PrefixAlignment() != 0 || (P > 0 && !call.load_prefix)) {
       return absl::InvalidArgumentError(
           absl::StrCat("prefill: prefix of ", P, " rows for a prompt of ", L, " tokens"));
     }

@@ -569,13 +569,13 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   // another shape: whatever it lacks is computed, so the answer never depends on the cache.
   int64_t reused = 0;
   bool created = false;
-  // The reused rows end on a chunk boundary and within what the cached sequence holds in every
-  // layer. From a chunk boundary the rest is computed in the very chunks a cold prefill
-  // computes (each chunk's GEMMs see the same rows, its attention the same key counts), so the
-  // answer is bit for bit the cold one; the cached rows themselves came from such chunks. A
-  // prefix ending mid-chunk would give rows a few ulps off (BLAS sums depend on the row and
-  // key counts of a call), enough to flip a near-tied greedy choice.
-  const int64_t align = std::max<int64_t>(1, options_.chunk_tokens);
+  // The reused rows end on the backend's alignment (else on a whole chunk) and within what the
+  // cached sequence holds in every layer. From such a boundary the rest comes out bit for bit
+  // as a cold prefill computes it, and so does the answer; the cached rows came from a prefill
+  // too, and a cached prompt's last partial block is never reused (the alignment rounds it
+  // away). Rows a few ulps off would be enough to flip a near-tied greedy choice.
+  const int64_t align = std::max<int64_t>(
+      1, backend_->PrefixAlignment() > 0 ? backend_->PrefixAlignment() : options_.chunk_tokens);
   if (job.prefix_tokens > 0 && backend_->SupportsPrefix() && L > align) {
     uint64_t want = std::min<uint64_t>(job.prefix_tokens, static_cast<uint64_t>(L - 1));
     absl::StatusOr<kv_store::SequenceInfo> parent = (*store)->GetSequence(job.prefix);

@@ -658,9 +658,9 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
     if (!reuse) r.set_prefix_cache(false);
     return r;
   };
-  // The prefill node reuses a cached prefix up to its last whole prefill chunk (512 tokens):
-  // from there on it computes the cold prefill's chunks, and so its bits.
-  const auto aligned = [](size_t n) { return static_cast<uint32_t>(n / 512 * 512); };
+  // The prefill node reuses a cached prefix in whole attention query blocks (64 tokens): from
+  // such a boundary the rest comes out as the cold prefill's bits.
+  const auto aligned = [](size_t n) { return static_cast<uint32_t>(n / 64 * 64); };
   const auto seconds = [](const google::protobuf::Duration& d) {
     return static_cast<double>(d.seconds()) + d.nanos() * 1e-9;
   };

@@ -13,7 +13,7 @@ client, streaming chat completions, greedy):
      private copies (N x the first).
 
 Usage: prefix_reuse_bench.py --kvr build/tools/kvr [--history-tokens 3000] [--rounds 3]
-       [--shared-tokens 2000] [--conversations 10] [--json out.json]
+       [--shared-tokens 2000] [--conversations 10] [--json out.json] [--up-arg=ARG ...]
 Starts its own cluster (tests/e2e/kvr_up.py, loopback, free ports); KVR_TEST_MODEL names the
 GGUF. Needs the `openai` package (scripts/python-env.sh installs it).
 """
@@ -92,13 +92,15 @@ def main():
     ap.add_argument("--shared-tokens", type=int, default=2000)
     ap.add_argument("--conversations", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--up-arg", action="append", default=[],
+                    help="extra `kvr up` argument (repeatable), e.g. --up-arg=--prefill-arg=--chunk-tokens=256")
     args = ap.parse_args()
     if test_model() is None:
         sys.exit("no model: set KVR_TEST_MODEL")
     from openai import OpenAI
 
     with tempfile.TemporaryDirectory(prefix="kvr-prefix-bench-") as log_dir:
-        cluster = Cluster(args.kvr, log_dir)
+        cluster = Cluster(args.kvr, log_dir, args=args.up_arg)
         try:
             client = OpenAI(base_url=cluster.base_url, api_key="unused", timeout=600)
             result = {"date": time.strftime("%Y-%m-%d"), "model": MODEL}

@@ -187,12 +187,16 @@ absl::Status RunRemote(const GenerateOptions& o) {
   const uint64_t lookups = r.hot_cache_hits() + r.hot_cache_misses();
   std::cerr << absl::StrFormat(
       "--- summary (%s) ---\n"
-      "prompt: %u tokens | TTFT %.2f s (prefill %.2f s, queue %.3f s)\n"
+      "prompt: %u tokens%s | TTFT %.2f s (prefill %.2f s, queue %.3f s)\n"
       "decode: %u tokens after the first, %.2f tok/s | finish %s\n"
       "retrieval: method %s, budget %u | %.1f KiB fetched per decoded token (%llu rows) | "
       "hot-cache hit rate %s\n"
       "nodes: prefill %s, decode %s, store %s, attempts %u\n",
-      o.endpoint, c.usage().prompt_tokens(), Secs(c.timings().time_to_first_token()),
+      o.endpoint, c.usage().prompt_tokens(),
+      c.usage().cached_tokens() > 0
+          ? absl::StrFormat(" (%u reused from a cached prefix)", c.usage().cached_tokens())
+          : std::string(),
+      Secs(c.timings().time_to_first_token()),
       Secs(c.timings().prefill()), Secs(c.timings().queue()), decoded,
       decode_s > 0 ? decoded / decode_s : 0.0, kvr::v1::FinishReason_Name(c.finish_reason()),
       r.method(), r.budget(), decoded > 0 ? r.bytes_fetched() / 1024.0 / decoded : 0.0,

@@ -27,8 +27,13 @@ namespace kvr::model {
 
 class DenseAttention final : public Attention {
  public:
+  // Query rows of a prompt chunk go to the GEMMs in blocks of `query_block` counted from the
+  // chunk's first position, and a block's sums run over the keys up to its last row: rows come
+  // out the same however a prompt is cut into chunks as long as every chunk starts on a
+  // multiple of the block (what a prefill from a cached prefix relies on).
+  static constexpr int kDefaultQueryBlock = 64;
   // `pool` may be null (single-threaded); it must outlive this object.
-  explicit DenseAttention(ThreadPool* pool, int query_block = 64);
+  explicit DenseAttention(ThreadPool* pool, int query_block = kDefaultQueryBlock);
 
   [[nodiscard]] absl::Status Attend(const AttentionShape& shape,
                                     std::span<const AttentionRequest> batch) override;

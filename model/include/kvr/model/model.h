@@ -112,8 +112,10 @@ void RmsNorm(const float* x, const float* weight, int64_t n_rows, int dim, float
 void ApplyRope(float* x, int64_t n_tokens, int n_heads, int head_dim, int64_t row_stride,
                std::span<const int64_t> positions, std::span<const float> inv_freq);
 
-// C[m, n] = A[m, k] * W[n, k]^T, split along n over `pool` (may be null).
+// C[m, n] = A[m, k] * W[n, k]^T, split along n over `pool` (may be null). With allow_gemv one
+// row takes sgemv; without, every m takes SGEMM calls of whole 64-column slices, whose rows
+// do not depend on m (see PackedMatMul).
 void MatMulTransposed(ThreadPool* pool, const float* a, int64_t m, int64_t k, const float* w,
-                      int64_t n, float* c);
+                      int64_t n, float* c, bool allow_gemv = true);
 
 }  // namespace kvr::model

@@ -54,9 +54,14 @@ enum class ActivationPrecision {
 };
 
 // C[m, n] = A[m, k] * W[n, k]^T with W packed (k == w.cols, n == w.rows), split along n over
-// `pool` (may be null).
+// `pool` (may be null). m <= max_gemv_rows takes the gemv kernels. With max_gemv_rows 0 every
+// m takes the tiled SGEMM, whose tiles are whole 64-row slices of W wherever n allows: a
+// row of C then comes out the same whatever m is and wherever the row sits in A (measured
+// with OpenBLAS for such tiles; narrower tail tiles are not), which is what lets a prompt
+// prefilled from a cached prefix match a cold prefill bit for bit.
 void PackedMatMul(ThreadPool* pool, const CpuKernels& kernels, const float* a, int64_t m,
                   int64_t k, const PackedMatrix& w, float* c,
-                  ActivationPrecision precision = ActivationPrecision::kInt8);
+                  ActivationPrecision precision = ActivationPrecision::kInt8,
+                  int64_t max_gemv_rows = kMaxGemvRows);
 
 }  // namespace kvr::model

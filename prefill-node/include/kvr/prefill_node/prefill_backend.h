@@ -67,9 +67,8 @@ struct PrefillCall {
   // (LayerTask::k_bf16 / v_bf16) instead of widening them to float32.
   bool bf16_rows = false;
   // Prefix reuse: rows [0, prefix_rows) of the prompt are not computed but loaded, before the
-  // rest is, in chunks of chunk_tokens from prefix_rows (with prefix_rows a multiple of
-  // chunk_tokens: the chunks a cold prefill computes, and so their bits).
-  // load_prefix(layer, k, v) fills the layer's K and V of those rows
+  // rest is, in chunks of chunk_tokens from prefix_rows (prefix_rows a multiple of
+  // PrefixAlignment()). load_prefix(layer, k, v) fills the layer's K and V of those rows
   // ([prefix_rows, n_kv_heads * head_dim] floats each, as the model's cache holds them). The
   // layer tasks still cover all rows [0, L); their queries are those of the computed tokens
   // only. Only for a backend whose SupportsPrefix() is true.
@@ -90,8 +89,10 @@ class PrefillBackend {
   // "cpu" or "cuda:<device>", for logs and the effective config.
   virtual std::string name() const = 0;
   // Whether Prefill honours PrefillCall::prefix_rows (else the engine computes the whole
-  // prompt).
+  // prompt), and the multiple of rows a prefix must end on for the rest to come out bit for
+  // bit as a cold prefill computes it (0: only whole chunks of PrefillCall::chunk_tokens).
   virtual bool SupportsPrefix() const { return false; }
+  virtual int64_t PrefixAlignment() const { return 0; }
   // Runs the prompt; returns the logits of its last token [vocab]. `rows` is set before the
   // first on_layer call (also when Prefill then fails). One call at a time per backend.
   [[nodiscard]] virtual absl::StatusOr<std::vector<float>> Prefill(
