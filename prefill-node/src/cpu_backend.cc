@@ -91,7 +91,7 @@ class CpuPrefillBackend final : public PrefillBackend {
     *rows = std::move(owned);
     r->cache.Reserve(L);  // views handed out must not move
     const int64_t P = call.prefix_rows;
-    if (P < 0 || P >= L || P % PrefixAlignment() != 0 || (P > 0 && !call.load_prefix)) {
+    if (P < 0 || P >= L || (P > 0 && !call.load_prefix)) {
       return absl::InvalidArgumentError(
           absl::StrCat("prefill: prefix of ", P, " rows for a prompt of ", L, " tokens"));
     }
