@@ -74,6 +74,10 @@ class CudaModelImpl final : public CudaModel {
   absl::Status ReleaseSequence(SequenceId id) override;
   absl::StatusOr<int64_t> SequenceLength(SequenceId id) const override;
   absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens, uint64_t seed) override;
+  absl::Status AppendRows(
+      SequenceId id, int64_t n_rows,
+      const std::function<absl::Status(int, std::span<uint16_t>, std::span<uint16_t>)>& fill)
+      override;
   absl::Status Forward(std::span<const CudaSequence> batch, LogitsMode mode,
                        std::span<float> logits) override {
     return Run(batch, mode, logits, {}, nullptr);
@@ -266,6 +270,10 @@ class CudaModelImpl final : public CudaModel {
   int64_t q_stage_rows_ = 0;
   std::vector<PinnedBuffer<float>> export_pool_;  // free host buffers, reused by later exports
   int64_t export_pinned_bytes_ = 0;
+
+  // AppendRows of a sequence without a bf16 export: one layer's K and V rows, bf16, kept for
+  // later calls (grows to the longest).
+  PinnedBuffer<uint16_t> append_staging_;
 };
 
 absl::StatusOr<std::unique_ptr<CudaModelImpl>> CudaModelImpl::Make(
@@ -873,6 +881,97 @@ absl::Status CudaModelImpl::FillSequenceForBenchmark(SequenceId id, int64_t n_to
       cuda::LaunchRandomBf16(s.kv.data(), static_cast<int64_t>(s.kv.size()), seed, 1.f, stream()));
   KVR_RETURN_IF_ERROR(stream_.Synchronize());
   s.length = n_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModelImpl::AppendRows(
+    SequenceId id, int64_t n_rows,
+    const std::function<absl::Status(int, std::span<uint16_t>, std::span<uint16_t>)>& fill) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("AppendRows: no sequence ", id));
+  }
+  Sequence& s = it->second;
+  const ModelConfig& c = config_;
+  const int64_t first = s.length, end = s.length + n_rows;
+  KvExport* e = s.exporting.get();
+  // An exporting sequence keeps at least one token to compute: the Forward that completes the
+  // export hands its layers out.
+  const int64_t limit = std::min({s.capacity, int64_t{c.context_length},
+                                  e != nullptr ? e->opt.length - 1 : s.capacity});
+  if (n_rows < 1 || end > limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AppendRows: ", n_rows, " rows after ", first, " in sequence ", id, " (at most ", limit,
+        " rows: capacity ", s.capacity, ", context length ", c.context_length,
+        e != nullptr ? absl::StrCat(", export length ", e->opt.length, " less one") : "", ")"));
+  }
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  const int64_t kv = c.kv_dim();
+  const int64_t n = n_rows * kv;  // values of K (and of V) per layer
+  // With a bf16 export the rows are filled into the export's pinned buffer at their rows and
+  // uploaded from there: no staging, and the uploads need not be waited for before the next
+  // layer's fill. Otherwise one layer is staged at a time (and widened into a float32 export).
+  const bool direct = e != nullptr && e->opt.bf16_rows;
+  if (!direct && append_staging_.size() < static_cast<size_t>(2 * n)) {
+    append_staging_ = PinnedBuffer<uint16_t>();
+    KVR_ASSIGN_OR_RETURN(append_staging_, PinnedBuffer<uint16_t>::Create(2 * n));
+  }
+  SeqKv sk;
+  sk.base = s.kv.data();
+  sk.capacity = s.capacity;
+  const auto upload = [&]() -> absl::Status {
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      uint16_t *k = nullptr, *v = nullptr;
+      if (direct) {
+        const KvExportLayer& view = e->notes[layer].view;
+        k = const_cast<uint16_t*>(view.k_bf16) + first * kv;
+        v = const_cast<uint16_t*>(view.v_bf16) + first * kv;
+      } else {
+        // The previous layer's upload reads the staging buffer.
+        KVR_RETURN_IF_ERROR(stream_.Synchronize());
+        k = append_staging_.data();
+        v = k + n;
+      }
+      KVR_RETURN_IF_ERROR(fill(layer, std::span(k, static_cast<size_t>(n)),
+                               std::span(v, static_cast<size_t>(n))));
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cuda::KRow(sk, layer, first, static_cast<int>(kv)),
+                                               k, n * sizeof(uint16_t), cudaMemcpyHostToDevice,
+                                               stream()));
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cuda::VRow(sk, layer, first, static_cast<int>(kv)),
+                                               v, n * sizeof(uint16_t), cudaMemcpyHostToDevice,
+                                               stream()));
+      if (e != nullptr && !direct) {
+        // A float32 export: the same values widened (exact), as the export of a chunk.
+        const KvExportLayer& view = e->notes[layer].view;
+        float* kd = const_cast<float*>(view.kv.k) + first * kv;
+        float* vd = const_cast<float*>(view.kv.v) + first * kv;
+        for (int64_t i = 0; i < n; ++i) {
+          const uint32_t kb = uint32_t{k[i]} << 16, vb = uint32_t{v[i]} << 16;
+          std::memcpy(kd + i, &kb, sizeof(float));
+          std::memcpy(vd + i, &vb, sizeof(float));
+        }
+      }
+    }
+    return absl::OkStatus();
+  };
+  absl::Status status = upload();
+  // Every upload is done (or drained after an error) before the host memory can be reused.
+  const absl::Status synced = stream_.Synchronize();
+  if (status.ok()) status = synced;
+  if (!status.ok()) return status;
+  s.length = end;
+  if (e != nullptr) {
+    // Appended rows bring no queries: the window starts at the first computed token at the
+    // earliest (the chunks' staging writes each query at its position in the window).
+    const int64_t qd = c.q_dim();
+    for (ExportNote& note : e->notes) {
+      KvExportLayer& view = note.view;
+      const int64_t skip = std::max<int64_t>(0, end - view.queries_first_position);
+      view.queries += skip * qd;
+      view.n_queries -= skip;
+      view.queries_first_position += skip;
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -268,6 +268,25 @@ class CudaModel {
   // context without a prefill.
   [[nodiscard]] virtual absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens,
                                                               uint64_t seed) = 0;
+  // Appends `n_rows` K/V rows computed elsewhere (a cached prompt prefix read back from
+  // somewhere) to a dense sequence's cache without running the model, so that the next Forward
+  // continues at their end as if it had computed them. Layer by layer, `fill(layer, k, v)`
+  // writes that layer's rows as bf16 bits, K and V each [n_rows, n_kv_heads * head_dim], keys
+  // with RoPE applied at their positions (as the cache holds them), into pinned host memory;
+  // the upload of a layer runs on the model's stream while the next layer is filled. Rows that
+  // the cache would hold bit for bit make the following chunks compute what they compute after
+  // a Forward of the same tokens, when the chunks have the same boundaries.
+  // A sequence that exports (BeginKvExport) exports the appended rows too: they are filled
+  // straight into the export's buffer (bf16_rows) or widened into it (float32), and the layer
+  // views still cover [0, L); the exported queries are those of the tokens computed afterwards
+  // only (queries_first_position >= the appended rows' end). The export must be left at least
+  // one token to compute (its layers are handed out by the Forward that completes it).
+  // Errors: NotFound; InvalidArgument for n_rows < 1 or a length past the capacity, the
+  // context length or (exporting) L - 1; fill's first error. On error the length is unchanged.
+  [[nodiscard]] virtual absl::Status AppendRows(
+      SequenceId id, int64_t n_rows,
+      const std::function<absl::Status(int layer, std::span<uint16_t> k, std::span<uint16_t> v)>&
+          fill) = 0;
   // Runs the new tokens of every sequence, appends their K/V to the sequences' caches and writes
   // the logits into `logits` (kLast: [batch, vocab]; kAll: [total new tokens, vocab]).
   // Errors: empty batch or sequence, unknown or repeated sequence, more tokens or sequences than
