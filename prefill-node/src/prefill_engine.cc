@@ -569,13 +569,15 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   // another shape: whatever it lacks is computed, so the answer never depends on the cache.
   int64_t reused = 0;
   bool created = false;
-  // The reused rows end on the backend's alignment (else on a whole chunk) and within what the
-  // cached sequence holds in every layer. From such a boundary the rest comes out bit for bit
-  // as a cold prefill computes it, and so does the answer; the cached rows came from a prefill
-  // too, and a cached prompt's last partial block is never reused (the alignment rounds it
-  // away). Rows a few ulps off would be enough to flip a near-tied greedy choice.
-  const int64_t align = std::max<int64_t>(
-      1, backend_->PrefixAlignment() > 0 ? backend_->PrefixAlignment() : options_.chunk_tokens);
+  // The reused rows end on the backend's alignment (else on a whole chunk of the chunk length
+  // the backend really computes in: it may cap chunk_tokens) and within what the cached
+  // sequence holds in every layer. From such a boundary the rest comes out bit for bit as a
+  // cold prefill computes it, and so does the answer; the cached rows came from a prefill too,
+  // and a cached prompt's last partial block is never reused (the alignment rounds it away).
+  // Rows a few ulps off would be enough to flip a near-tied greedy choice.
+  const int64_t align = std::max<int64_t>(1, backend_->PrefixAlignment() > 0
+                                                 ? backend_->PrefixAlignment()
+                                                 : backend_->ChunkTokens(options_.chunk_tokens));
   if (job.prefix_tokens > 0 && backend_->SupportsPrefix() && L > align) {
     uint64_t want = std::min<uint64_t>(job.prefix_tokens, static_cast<uint64_t>(L - 1));
     absl::StatusOr<kv_store::SequenceInfo> parent = (*store)->GetSequence(job.prefix);
@@ -661,11 +663,11 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   call.bf16_rows = options_.store_dtype == kv_store::DType::kBf16;
   call.prefix_rows = reused;
   // One layer of the reused rows at a time, read from the new sequence (its first rows are
-  // the cached ones), converted to the float rows of the model's cache.
+  // the cached ones) and laid out as the model's cache holds them: float rows (CPU backend) or
+  // bf16 bits (CUDA backend), each [reused, n_kv_heads * head_dim].
   std::vector<uint8_t> prefix_buffer;
-  call.load_prefix = [&](int layer, std::span<float> k, std::span<float> v) -> absl::Status {
-    const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
-    const size_t row_bytes = 2 * static_cast<size_t>(c.head_dim) * kv_store::DTypeSize(shape.dtype);
+  const size_t row_bytes = 2 * static_cast<size_t>(c.head_dim) * kv_store::DTypeSize(shape.dtype);
+  auto read_prefix = [&](int layer) -> absl::Status {
     std::vector<kv_store::RangeEntry> ranges;
     for (uint32_t h = 0; h < shape.n_kv_heads; ++h) {
       ranges.push_back({job.store_ref(), static_cast<uint32_t>(layer), h, 0,
@@ -675,12 +677,19 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
     if (absl::Status s = (*store)->RangeRead(ranges, prefix_buffer); !s.ok()) {
       return NodeFailure(job.store, "store", s);
     }
-    // [head][row][k | v] -> [row][head * head_dim] for K and V.
-    const int hd = c.head_dim;
+    return absl::OkStatus();
+  };
+  // Row r of head h in the buffer read: [head][row][k | v].
+  auto stored_row = [&](int h, int64_t r) {
+    return prefix_buffer.data() + (static_cast<size_t>(h) * reused + r) * row_bytes;
+  };
+  const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  const int hd = c.head_dim;
+  call.load_prefix = [&](int layer, std::span<float> k, std::span<float> v) -> absl::Status {
+    KVR_RETURN_IF_ERROR(read_prefix(layer));
     for (int h = 0; h < c.n_kv_heads; ++h) {
       for (int64_t r = 0; r < reused; ++r) {
-        const uint8_t* src =
-            prefix_buffer.data() + (static_cast<size_t>(h) * reused + r) * row_bytes;
+        const uint8_t* src = stored_row(h, r);
         float* kd = k.data() + r * kv_dim + int64_t{h} * hd;
         float* vd = v.data() + r * kv_dim + int64_t{h} * hd;
         if (shape.dtype == kv_store::DType::kBf16) {
@@ -691,6 +700,30 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
           std::memcpy(kd, src, static_cast<size_t>(hd) * sizeof(float));
           std::memcpy(vd, src + static_cast<size_t>(hd) * sizeof(float),
                       static_cast<size_t>(hd) * sizeof(float));
+        }
+      }
+    }
+    return absl::OkStatus();
+  };
+  call.load_prefix_bf16 = [&](int layer, std::span<uint16_t> k,
+                              std::span<uint16_t> v) -> absl::Status {
+    KVR_RETURN_IF_ERROR(read_prefix(layer));
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      for (int64_t r = 0; r < reused; ++r) {
+        const uint8_t* src = stored_row(h, r);
+        uint16_t* kd = k.data() + r * kv_dim + int64_t{h} * hd;
+        uint16_t* vd = v.data() + r * kv_dim + int64_t{h} * hd;
+        if (shape.dtype == kv_store::DType::kBf16) {
+          std::memcpy(kd, src, static_cast<size_t>(hd) * sizeof(uint16_t));
+          std::memcpy(vd, src + static_cast<size_t>(hd) * sizeof(uint16_t),
+                      static_cast<size_t>(hd) * sizeof(uint16_t));
+        } else {
+          // Float32 rows: exact when they are widened bf16 (a CUDA prefill's).
+          const auto* f = reinterpret_cast<const float*>(src);
+          for (int i = 0; i < hd; ++i) {
+            kd[i] = FloatToBf16(f[i]);
+            vd[i] = FloatToBf16(f[hd + i]);
+          }
         }
       }
     }

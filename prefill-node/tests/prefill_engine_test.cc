@@ -6,10 +6,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kvr/common/half.h"
 #include "kvr/common/paths.h"
+#include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
@@ -286,6 +288,110 @@ TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
   EXPECT_EQ(lost_result->cached_tokens, 0u);
   EXPECT_EQ(lost_result->first_token, cold_result->first_token);
   EXPECT_EQ(AllRows(*store_, {45, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
+}
+
+// A backend that computes in chunks of at most 32 tokens whatever it is asked (as the CUDA
+// backend caps chunks to its model's max_batch_tokens), over the CPU backend. It also reads the
+// first and last layers' reused rows through both loaders and counts the values where the bf16
+// loader's bits are not the float loader's values rounded to bf16.
+class CappedChunkBackend final : public PrefillBackend {
+ public:
+  explicit CappedChunkBackend(const model::Model* model)
+      : inner_(MakeCpuPrefillBackend(model)) {}
+  const model::ModelConfig& config() const override { return inner_->config(); }
+  std::string name() const override { return "cpu-capped"; }
+  bool SupportsPrefix() const override { return true; }
+  int64_t ChunkTokens(int64_t requested) const override { return std::min<int64_t>(requested, 32); }
+  absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
+                                             std::unique_ptr<PrefillRows>* rows) override {
+    PrefillCall capped = call;
+    capped.chunk_tokens = ChunkTokens(call.chunk_tokens);
+    if (call.prefix_rows > 0) {
+      const model::ModelConfig& c = config();
+      const size_t n = static_cast<size_t>(call.prefix_rows) * c.n_kv_heads * c.head_dim;
+      std::vector<float> k(n), v(n);
+      std::vector<uint16_t> kb(n), vb(n);
+      for (const int layer : {0, c.n_layers - 1}) {
+        KVR_RETURN_IF_ERROR(call.load_prefix(layer, k, v));
+        KVR_RETURN_IF_ERROR(call.load_prefix_bf16(layer, kb, vb));
+        for (size_t i = 0; i < n; ++i) {
+          bf16_mismatches += (kb[i] != FloatToBf16(k[i])) + (vb[i] != FloatToBf16(v[i]));
+        }
+        bf16_checked += 2 * n;
+      }
+    }
+    return inner_->Prefill(capped, rows);
+  }
+  int64_t bf16_mismatches = 0, bf16_checked = 0;
+
+ private:
+  std::unique_ptr<PrefillBackend> inner_;
+};
+
+// The engine aligns a reused prefix to the chunk the backend really computes in
+// (PrefillBackend::ChunkTokens), not to EngineOptions::chunk_tokens: asked for chunks of 64, a
+// backend that caps them at 32 reuses 96 rows of a 96-token prefix (64 would be aligned to the
+// option), and the rows and first token are still the cold prefill's bit for bit (float32
+// store). The bf16
+// loader (PrefillCall::load_prefix_bf16, the CUDA backend's) gives the float loader's rows in
+// bf16, from a float32 and from a bf16 store.
+TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
+  for (const kv_store::DType dtype : {kv_store::DType::kF32, kv_store::DType::kBf16}) {
+    SCOPED_TRACE(kv_store::DTypeName(dtype));
+    auto owned = std::make_unique<CappedChunkBackend>(loaded_->model.get());
+    CappedChunkBackend* backend = owned.get();
+    PrefillEngine engine(std::move(owned), &*loaded_->tokenizer, registry_, stores_.get(),
+                         &opener_, EngineOptions{.chunk_tokens = 64, .store_dtype = dtype});
+    const model::ModelConfig& c = loaded_->model->config();
+    const uint64_t base = dtype == kv_store::DType::kF32 ? 100 : 200;
+    PrefillJob first = Job(TextPrompt{Text()}, "full");
+    first.sequence_id = base;
+    first.sampling.set_max_tokens(1);
+    first.retain = absl::Minutes(1);
+    auto first_ids = engine.Tokenize(first.prompt);
+    ASSERT_TRUE(first_ids.ok());
+    ASSERT_GE(first_ids->size(), 96u);
+    ASSERT_TRUE(engine.Run(first).ok());
+    std::vector<int32_t> ids = *first_ids;
+    auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
+    ASSERT_TRUE(more.ok());
+    ids.insert(ids.end(), more->begin(), more->end());
+    const int64_t L = static_cast<int64_t>(ids.size());
+
+    PrefillJob cold = Job(TokenPrompt{ids}, "quest");
+    cold.sequence_id = base + 1;
+    auto cold_result = engine.Run(cold);
+    ASSERT_TRUE(cold_result.ok()) << cold_result.status();
+    PrefillJob warm = Job(TokenPrompt{ids}, "quest");
+    warm.sequence_id = base + 2;
+    warm.prefix = {base, cap_};
+    warm.prefix_tokens = 96;
+    auto warm_result = engine.Run(warm);
+    ASSERT_TRUE(warm_result.ok()) << warm_result.status();
+    EXPECT_EQ(warm_result->cached_tokens, 96u);
+    EXPECT_EQ(warm_result->first_token, cold_result->first_token);
+    const size_t value_bytes = kv_store::DTypeSize(dtype);
+    std::vector<kv_store::RangeEntry> ranges;
+    for (const uint64_t id : {base + 1, base + 2}) {
+      for (int layer = 0; layer < c.n_layers; ++layer) {
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+          ranges.push_back({{id, cap_}, static_cast<uint32_t>(layer), static_cast<uint32_t>(h), 0,
+                            static_cast<uint64_t>(L)});
+        }
+      }
+    }
+    const size_t half = ranges.size() / 2 * L * 2 * c.head_dim * value_bytes;
+    std::vector<uint8_t> rows(2 * half);
+    ASSERT_TRUE(store_->RangeRead(ranges, rows).ok());
+    // The CPU model computes in float32: from a bf16 store it continues from rounded rows, so
+    // only a float32 store gives the cold bits (the CUDA model's cache is bf16 itself).
+    if (dtype == kv_store::DType::kF32) {
+      EXPECT_TRUE(std::equal(rows.begin(), rows.begin() + half, rows.begin() + half))
+          << "rows from the prefix differ from the cold prefill's";
+    }
+    EXPECT_GT(backend->bf16_checked, 0);
+    EXPECT_EQ(backend->bf16_mismatches, 0);
+  }
 }
 
 // The first token ends the request: a sequence that ended well stays readable for `retain`

@@ -57,7 +57,8 @@ class PrefillRows {
 struct PrefillCall {
   model::SequenceId sequence = 0;
   std::span<const int32_t> ids;  // the prompt, L = ids.size() >= 1
-  int64_t chunk_tokens = 512;    // prompt tokens per forward chunk (at most; a backend may cap it)
+  int64_t chunk_tokens = 512;    // prompt tokens per forward chunk (at most; a backend may cap
+                                 // it: PrefillBackend::ChunkTokens says to what)
   int64_t max_queries = 512;     // last prefill queries per layer in each LayerTask
   // The request's retrieval method and parameters (clusterkv.* options applied or not): a
   // backend may build that method's summaries itself and hand them out in LayerTask::summary.
@@ -74,6 +75,12 @@ struct PrefillCall {
   // only. Only for a backend whose SupportsPrefix() is true.
   int64_t prefix_rows = 0;
   std::function<absl::Status(int layer, std::span<float> k, std::span<float> v)> load_prefix;
+  // The same rows as bf16 bits, for a backend whose cache holds bf16 (CUDA): exact from a bf16
+  // store; from a float32 store the values rounded to nearest even, exact when they are
+  // widened bf16 (what a CUDA prefill puts into a float32 store; a CPU prefill's float32 rows
+  // would be rounded).
+  std::function<absl::Status(int layer, std::span<uint16_t> k, std::span<uint16_t> v)>
+      load_prefix_bf16;
   // Called once per layer (in layer order for both backends), possibly from another thread
   // (the CUDA backend: a CUDA runtime thread); must neither block nor call CUDA: queue the task.
   std::function<void(LayerTask&&)> on_layer;
@@ -90,9 +97,13 @@ class PrefillBackend {
   virtual std::string name() const = 0;
   // Whether Prefill honours PrefillCall::prefix_rows (else the engine computes the whole
   // prompt), and the multiple of rows a prefix must end on for the rest to come out bit for
-  // bit as a cold prefill computes it (0: only whole chunks of PrefillCall::chunk_tokens).
+  // bit as a cold prefill computes it (0: only whole chunks, of ChunkTokens(chunk_tokens)).
   virtual bool SupportsPrefix() const { return false; }
   virtual int64_t PrefixAlignment() const { return 0; }
+  // The chunk length Prefill really computes in when asked for `requested` tokens per chunk (a
+  // backend may cap it). With PrefixAlignment() 0 the engine aligns a reused prefix to it, so
+  // that the computed chunks are a cold prefill's.
+  virtual int64_t ChunkTokens(int64_t requested) const { return requested; }
   // Runs the prompt; returns the logits of its last token [vocab]. `rows` is set before the
   // first on_layer call (also when Prefill then fails). One call at a time per backend.
   [[nodiscard]] virtual absl::StatusOr<std::vector<float>> Prefill(
