@@ -8,6 +8,9 @@
 //       a handoff that discards, per method: the CPU index build of each layer from the exported
 //       rows on the engine's worker thread, the sink/local packing and the store put (the fake
 //       store copies synchronously on the worker thread; a real one is an async UCX put).
+//   (d) --prefix-tokens N: each method's request cold and from a kept sequence of the prompt's
+//       first N tokens (prefix reuse: the store forks it, the backend loads the reused rows, up
+//       to the last whole chunk, and computes the rest), interleaved, best of --reps each.
 //       --store discard: puts complete at once without copying (everything else as the fake
 //       store), to see the engine's own cost without the fake store's copy.
 // Times are wall clock (steady_clock), best of --reps after one untimed warm-up per row (the
@@ -160,6 +163,8 @@ class TimedBackend final : public PrefillBackend {
   explicit TimedBackend(std::unique_ptr<PrefillBackend> inner) : inner_(std::move(inner)) {}
   const model::ModelConfig& config() const override { return inner_->config(); }
   std::string name() const override { return inner_->name(); }
+  bool SupportsPrefix() const override { return inner_->SupportsPrefix(); }
+  int64_t ChunkTokens(int64_t requested) const override { return inner_->ChunkTokens(requested); }
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     auto r = inner_->Prefill(call, rows);
@@ -182,6 +187,7 @@ int Main(int argc, char** argv) {
   double store_gib = 0;
   std::string store_kind = "fake";
   std::string store_dtype = "f32";
+  int64_t prefix_tokens = 0;
   app.add_option("--shape", shape, "dummy shape (model/dummy.h)");
   app.add_option("--layers", layers, "layer count override (0: the shape's)");
   app.add_option("--prompt", prompts, "prompt lengths, comma separated");
@@ -202,6 +208,10 @@ int Main(int argc, char** argv) {
                  "(c)'s store rows: f32, or bf16 (the backend then exports the cache's bf16 rows "
                  "as they lie instead of float32)")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--prefix-tokens", prefix_tokens,
+                 "(d): each method's request again, cold and then with its first N tokens' rows "
+                 "in the store (a kept sequence of that prefix, reused up to the last whole "
+                 "chunk); 0: skip (d)");
   CLI11_PARSE(app, argc, argv);
 
   auto config = model::DummyConfig(shape, layers);
@@ -273,10 +283,12 @@ int Main(int argc, char** argv) {
 
   const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
   kv_store::StoreOptions so;
-  const double per_token = 2.0 * c.n_layers * c.kv_dim() * 4;
-  so.pool.capacity_bytes = store_gib > 0
-                               ? static_cast<uint64_t>(store_gib * (1ull << 30))
-                               : static_cast<uint64_t>(max_len * per_token * 1.1) + (256ull << 20);
+  const double per_token = 2.0 * c.n_layers * c.kv_dim() * (store_dtype == "bf16" ? 2 : 4);
+  // (d) keeps the prefix's sequence while a request's own rows are put.
+  const double held_tokens = static_cast<double>(max_len) + static_cast<double>(prefix_tokens);
+  so.pool.capacity_bytes =
+      store_gib > 0 ? static_cast<uint64_t>(store_gib * (1ull << 30))
+                    : static_cast<uint64_t>(held_tokens * per_token * 1.1) + (256ull << 20);
   so.pool.try_huge_pages = false;
   auto store = kv_store::FakeKvStoreClient::Create(so);
   if (!store.ok()) {
@@ -401,6 +413,82 @@ int Main(int argc, char** argv) {
           static_cast<long long>(L), m.label.c_str(), store_kind.c_str(), best_ms,
           100 * (best_ms / *fa - 1), build_ms, tail_ms);
       std::fflush(stdout);
+    }
+
+    // (d) prefix reuse: a request for the prompt's first prefix_tokens tokens ends well and
+    // its sequence is kept; then each method's request for the whole prompt, cold and from
+    // that sequence, interleaved. Times: Run's wall time (with max_tokens 1, the time to the
+    // first token: the store fork and the prefix's reads included) and the engine's
+    // prefill_time.
+    if (prefix_tokens <= 0 || prefix_tokens >= L) continue;
+    const uint64_t parent_id = next_id++;
+    const kv_store::Capability parent_cap = kv_store::Capability::Generate();
+    auto make_job = [&](uint64_t id, std::span<const int32_t> prompt, const MethodRow& m) {
+      PrefillJob job;
+      job.request_id = absl::StrCat("bench-", id);
+      job.sequence_id = id;
+      job.store_capability = kv_store::Capability::Generate();
+      job.prompt = TokenPrompt{std::vector<int32_t>(prompt.begin(), prompt.end())};
+      job.sampling.set_max_tokens(1);
+      job.retrieval.set_method(m.method);
+      if (budget > 0) job.retrieval.set_budget(static_cast<uint32_t>(budget));
+      for (const auto& [name, value] : m.options) (*job.retrieval.mutable_options())[name] = value;
+      return job;
+    };
+    {
+      PrefillJob parent =
+          make_job(parent_id, std::span(ids).first(static_cast<size_t>(prefix_tokens)),
+                   MethodRow{"full", "full", {}});
+      parent.store_capability = parent_cap;
+      parent.retain = absl::Hours(1);
+      auto made = engine.Run(parent);
+      if (!made.ok()) {
+        std::fprintf(stderr, "prefix of %lld: %s\n", static_cast<long long>(prefix_tokens),
+                     made.status().ToString().c_str());
+        return 1;
+      }
+    }
+    for (const MethodRow& m : method_rows) {
+      double cold_run = 1e30, cold_prefill = 1e30, warm_run = 1e30, warm_prefill = 1e30;
+      uint32_t cached = 0;
+      int32_t cold_token = -1, warm_token = -2;
+      for (int r = 0; r <= reps; ++r) {
+        for (const bool warm : {false, true}) {
+          PrefillJob job = make_job(next_id++, ids, m);
+          if (warm) {
+            job.prefix = {parent_id, parent_cap};
+            job.prefix_tokens = static_cast<uint32_t>(prefix_tokens);
+          }
+          const auto start = Clock::now();
+          auto result = engine.Run(job);
+          const double run_ms = Ms(Clock::now() - start);
+          if (!result.ok()) {
+            std::fprintf(stderr, "L %lld %s (d) %s: %s\n", static_cast<long long>(L),
+                         m.label.c_str(), warm ? "warm" : "cold",
+                         result.status().ToString().c_str());
+            return 1;
+          }
+          const double prefill_ms = absl::ToDoubleMilliseconds(result->prefill_time);
+          (warm ? warm_token : cold_token) = result->first_token;
+          if (warm) cached = result->cached_tokens;
+          if (r == 0) continue;  // warm-up
+          double& best_run = warm ? warm_run : cold_run;
+          double& best_prefill = warm ? warm_prefill : cold_prefill;
+          best_run = std::min(best_run, run_ms);
+          best_prefill = std::min(best_prefill, prefill_ms);
+        }
+      }
+      std::printf(
+          "L %6lld  (d) %-10s prefix %lld cached %u: cold run %9.1f ms (prefill %9.1f)  "
+          "from the prefix run %9.1f ms (prefill %9.1f)  = %.1f%% of cold  first token %s\n",
+          static_cast<long long>(L), m.label.c_str(), static_cast<long long>(prefix_tokens),
+          cached, cold_run, cold_prefill, warm_run, warm_prefill, 100 * warm_run / cold_run,
+          cold_token == warm_token ? "equal" : "DIFFERS");
+      std::fflush(stdout);
+    }
+    if (absl::Status s = store->get()->Release({parent_id, parent_cap}, absl::ZeroDuration());
+        !s.ok()) {
+      std::fprintf(stderr, "release of the prefix: %s\n", s.ToString().c_str());
     }
   }
   return 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -39,13 +40,17 @@ class CudaPrefillBackend final : public PrefillBackend {
 
   const model::ModelConfig& config() const override { return model_->config(); }
   std::string name() const override { return absl::StrCat("cuda:", device_); }
+  bool SupportsPrefix() const override { return true; }
+  // Chunks are capped to the model's activations (max_batch_tokens).
+  int64_t ChunkTokens(int64_t requested) const override { return std::min(requested, max_chunk_); }
 
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     const int64_t L = static_cast<int64_t>(call.ids.size());
-    if (L < 1 || call.chunk_tokens < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("CUDA prefill: ", L, " tokens in chunks of ", call.chunk_tokens));
+    if (L < 1 || call.chunk_tokens < 1 || call.prefix_rows < 0 || call.prefix_rows >= L) {
+      return absl::InvalidArgumentError(absl::StrCat("CUDA prefill: ", L, " tokens in chunks of ",
+                                                     call.chunk_tokens, ", prefix of ",
+                                                     call.prefix_rows, " rows"));
     }
     // The model's own ids: the engine's sequence ids are the cluster's, unique per request but
     // not guaranteed to be unused here.
@@ -77,9 +82,22 @@ class CudaPrefillBackend final : public PrefillBackend {
     eo.summaries = build;
     eo.bf16_rows = call.bf16_rows;
     KVR_RETURN_IF_ERROR(model_->BeginKvExport(id, eo));
+    const int64_t P = call.prefix_rows;
+    if (P > 0) {
+      // The reused rows go into the device cache (and the export: the layer tasks cover
+      // [0, L)) as bf16, what the cache holds; the chunks below continue at position P.
+      if (!call.load_prefix_bf16) {
+        return absl::InvalidArgumentError("CUDA prefill: a prefix without load_prefix_bf16");
+      }
+      KVR_RETURN_IF_ERROR(model_->AppendRows(
+          id, P, [&call](int layer, std::span<uint16_t> k, std::span<uint16_t> v) {
+            if (call.check) KVR_RETURN_IF_ERROR(call.check());
+            return call.load_prefix_bf16(layer, k, v);
+          }));
+    }
     std::vector<float> logits(model_->config().vocab);
-    const int64_t chunk = std::min(call.chunk_tokens, max_chunk_);
-    for (int64_t begin = 0; begin < L; begin += chunk) {
+    const int64_t chunk = ChunkTokens(call.chunk_tokens);
+    for (int64_t begin = P; begin < L; begin += chunk) {
       if (call.check) KVR_RETURN_IF_ERROR(call.check());
       const int64_t n = std::min(chunk, L - begin);
       // The chunk that completes the prompt builds the summaries over all of it.

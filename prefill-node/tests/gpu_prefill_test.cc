@@ -19,15 +19,19 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kvr/common/half.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dense_attention.h"
+#include "kvr/common/paths.h"
 #include "kvr/model/dummy.h"
+#include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
 #include "kvr/model/weights.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
@@ -157,6 +161,8 @@ class SummaryCountingBackend final : public PrefillBackend {
       : inner_(std::move(inner)) {}
   const model::ModelConfig& config() const override { return inner_->config(); }
   std::string name() const override { return inner_->name(); }
+  bool SupportsPrefix() const override { return inner_->SupportsPrefix(); }
+  int64_t ChunkTokens(int64_t requested) const override { return inner_->ChunkTokens(requested); }
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     PrefillCall counted = call;
@@ -475,6 +481,178 @@ TEST(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
       EXPECT_EQ(g.local_kv(), w->local_kv()) << "layer " << g.layer();
       EXPECT_EQ(g.summaries(), w->summaries()) << "layer " << g.layer();
     }
+  }
+}
+
+// Every stored value of a sequence, all layers and KV heads, rows [0, L), as stored.
+std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_store::SequenceRef& ref,
+                               const model::ModelConfig& c, int64_t L, kv_store::DType dtype) {
+  const size_t head_bytes = static_cast<size_t>(L) * 2 * c.head_dim * kv_store::DTypeSize(dtype);
+  std::vector<uint8_t> all(head_bytes * c.n_layers * c.n_kv_heads);
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    for (int head = 0; head < c.n_kv_heads; ++head) {
+      kv_store::RangeEntry range{ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(head),
+                                 0, static_cast<uint64_t>(L)};
+      const size_t at = (static_cast<size_t>(layer) * c.n_kv_heads + head) * head_bytes;
+      EXPECT_TRUE(
+          store.RangeRead(std::span(&range, 1), std::span(all).subspan(at, head_bytes)).ok());
+    }
+  }
+  return all;
+}
+
+// Prefix reuse on the CUDA backend (PrefillCall::prefix_rows, CudaModel::AppendRows), per store
+// dtype and method: a 200-token prompt ends well and its sequence is kept; the same prompt
+// extended to 300 tokens is prefilled cold and then from that sequence. The engine asks for
+// chunks of 128 but the backend's model takes 64 tokens per Forward (ChunkTokens: 64), so the
+// reused prefix is 192 rows (aligned to 64, not 128) and the computed chunks [192, 256),
+// [256, 300) are the cold prefill's. Then: the same first token; every store row of [0, L) bit
+// for bit; the handoff's sink and local rows and summaries (GPU-built quest and clusterkv,
+// CPU-built keydiff from the exported rows) byte for byte, each index over L tokens; only the
+// computed rows put. Last, the kept sequence released: the next request is computed cold with
+// the same bits.
+void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
+                      const model::ModelWeights& weights, kv_store::DType dtype) {
+  SCOPED_TRACE(std::string(label) + " " + std::string(kv_store::DTypeName(dtype)));
+  model::CudaModelOptions co;
+  co.max_batch_tokens = 64;
+  co.max_sequences = 1;
+  co.max_logits_rows = 1;
+  auto gpu_model = model::CreateCudaModel(c, weights, co);
+  ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
+  auto backend = CreateCudaPrefillBackend(*std::move(gpu_model), 0, 64);
+  ASSERT_TRUE(backend.ok());
+  EXPECT_TRUE((*backend)->SupportsPrefix());
+  EXPECT_EQ((*backend)->ChunkTokens(128), 64);
+  EXPECT_EQ((*backend)->ChunkTokens(32), 32);
+  auto registry = retrieval::AllMethods();
+  ASSERT_TRUE(registry.ok());
+  auto counting = std::make_unique<SummaryCountingBackend>(*std::move(backend));
+  SummaryCountingBackend* gpu_built = counting.get();
+  kv_store::StoreOptions so;
+  so.pool.capacity_bytes = 256ull << 20;
+  so.pool.try_huge_pages = false;
+  auto fake = kv_store::FakeKvStoreClient::Create(so);
+  ASSERT_TRUE(fake.ok()) << fake.status();
+  kv_store::FakeKvStoreClient& store = **fake;
+  OneStore stores(&store);
+  RecordingOpener opener;
+  PrefillEngine engine(
+      std::move(counting), nullptr, &*registry, &stores, &opener,
+      EngineOptions{.chunk_tokens = 128, .max_prefill_queries = 100, .store_dtype = dtype});
+
+  constexpr int64_t L = 300, kFirst = 200, kReused = 192;
+  const std::vector<int32_t> ids = Tokens(L, c.vocab);
+  const std::vector<int32_t> first_ids(ids.begin(), ids.begin() + kFirst);
+  PrefillJob parent = Job("parent", 7000, first_ids, "full");
+  parent.sampling.set_max_tokens(1);  // ends well at the first token: kept for `retain`
+  parent.retain = absl::Minutes(10);
+  auto made = engine.Run(parent);
+  ASSERT_TRUE(made.ok()) << made.status();
+  const size_t value_bytes = kv_store::DTypeSize(dtype);
+
+  uint64_t seq = 7100;
+  for (const char* method : {"full", "quest", "clusterkv", "keydiff"}) {
+    SCOPED_TRACE(method);
+    const bool gpu_summary = std::string(method) == "quest" || std::string(method) == "clusterkv";
+    opener.chunks.clear();
+    PrefillJob cold = Job(absl::StrCat("cold-", method), ++seq, ids, method);
+    auto cold_result = engine.Run(cold);
+    ASSERT_TRUE(cold_result.ok()) << cold_result.status();
+    EXPECT_EQ(cold_result->cached_tokens, 0u);
+    const std::vector<cv1::HandoffChunk> cold_chunks = opener.chunks;
+    const std::vector<uint8_t> cold_rows = StoreRows(store, cold.store_ref(), c, L, dtype);
+
+    opener.chunks.clear();
+    gpu_built->built = 0;
+    PrefillJob warm = Job(absl::StrCat("warm-", method), ++seq, ids, method);
+    warm.prefix = parent.store_ref();
+    warm.prefix_tokens = kFirst;
+    auto warm_result = engine.Run(warm);
+    ASSERT_TRUE(warm_result.ok()) << warm_result.status();
+    EXPECT_EQ(warm_result->cached_tokens, static_cast<uint32_t>(kReused));
+    EXPECT_EQ(warm_result->first_token, cold_result->first_token);
+    EXPECT_EQ(gpu_built->built.load(), gpu_summary ? c.n_layers : 0);
+    // Only the computed rows were put.
+    EXPECT_EQ(warm_result->kv_bytes_shipped,
+              uint64_t{2} * (L - kReused) * c.n_kv_heads * c.head_dim * value_bytes * c.n_layers);
+    const std::vector<uint8_t> warm_rows = StoreRows(store, warm.store_ref(), c, L, dtype);
+    ASSERT_EQ(warm_rows.size(), cold_rows.size());
+    int64_t differ = 0;
+    for (size_t i = 0; i < warm_rows.size(); i += value_bytes) {
+      differ += std::memcmp(&warm_rows[i], &cold_rows[i], value_bytes) != 0;
+    }
+    EXPECT_EQ(differ, 0) << "store values that differ from the cold prefill's";
+    ASSERT_EQ(opener.chunks.size(), cold_chunks.size());
+    ASSERT_EQ(opener.chunks.size(), static_cast<size_t>(c.n_layers) + 1);
+    EXPECT_EQ(opener.chunks[0].header().first_token(), cold_chunks[0].header().first_token());
+    int summaries_differ = 0;
+    for (size_t i = 1; i < opener.chunks.size(); ++i) {
+      const cv1::HandoffLayer& g = opener.chunks[i].layer();
+      const cv1::HandoffLayer* w = nullptr;
+      for (size_t j = 1; j < cold_chunks.size(); ++j) {
+        if (cold_chunks[j].layer().layer() == g.layer()) w = &cold_chunks[j].layer();
+      }
+      ASSERT_NE(w, nullptr);
+      EXPECT_EQ(g.sink_kv(), w->sink_kv()) << "layer " << g.layer();
+      EXPECT_EQ(g.local_kv(), w->local_kv()) << "layer " << g.layer();
+      summaries_differ += g.summaries() != w->summaries();
+      auto index = retrieval::DeserializeIndex(
+          {reinterpret_cast<const uint8_t*>(g.summaries().data()), g.summaries().size()},
+          *registry, retrieval::IndexParams{});
+      ASSERT_TRUE(index.ok()) << index.status();
+      EXPECT_EQ((*index)->size(), L);
+    }
+    EXPECT_EQ(summaries_differ, 0) << "layers whose summaries differ from the cold prefill's";
+    std::printf(
+        "[ prefix ] %-14s %-4s %-9s cached %u of %lld: store values differing %lld of %zu, "
+        "summaries differing %d of %d layers, first token %d / cold %d\n",
+        label, std::string(kv_store::DTypeName(dtype)).c_str(), method,
+        warm_result->cached_tokens, static_cast<long long>(kFirst),
+        static_cast<long long>(differ), warm_rows.size() / value_bytes, summaries_differ,
+        c.n_layers, warm_result->first_token, cold_result->first_token);
+  }
+
+  // The kept sequence is gone: computed cold, the same bits.
+  ASSERT_TRUE(store.Release(parent.store_ref(), absl::ZeroDuration()).ok());
+  PrefillJob cold = Job("lost-cold", ++seq, ids, "quest");
+  auto cold_result = engine.Run(cold);
+  ASSERT_TRUE(cold_result.ok()) << cold_result.status();
+  PrefillJob lost = Job("lost", ++seq, ids, "quest");
+  lost.prefix = parent.store_ref();
+  lost.prefix_tokens = kFirst;
+  auto lost_result = engine.Run(lost);
+  ASSERT_TRUE(lost_result.ok()) << lost_result.status();
+  EXPECT_EQ(lost_result->cached_tokens, 0u);
+  EXPECT_EQ(lost_result->first_token, cold_result->first_token);
+  EXPECT_TRUE(StoreRows(store, lost.store_ref(), c, L, dtype) ==
+              StoreRows(store, cold.store_ref(), c, L, dtype));
+}
+
+TEST(GpuPrefillTest, PrefixReuseGivesTheColdBits) {
+  if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  ThreadPool pool;
+  auto config = model::DummyConfig("smollm2-135m", 4);
+  ASSERT_TRUE(config.ok());
+  auto weights = model::RandomWeights(*config, 5, &pool);
+  ASSERT_TRUE(weights.ok());
+  for (const kv_store::DType dtype : {kv_store::DType::kBf16, kv_store::DType::kF32}) {
+    CheckPrefixReuse("smollm2-dummy4", *config, *weights, dtype);
+  }
+}
+
+// The same on the real SmolLM2-135M (all 30 layers; $KVR_TEST_MODEL), skipped without it.
+TEST(GpuPrefillTest, PrefixReuseOnSmolLm2GgufGivesTheColdBits) {
+  if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  const std::string path = TestModelPath();
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no model at " << path;
+  ThreadPool pool;
+  model::LoadOptions options;
+  options.weights = model::WeightStorage::kFloat32;  // CreateCudaModel uploads float32 weights
+  auto loaded = model::LoadModel(path, options, &pool);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  for (const kv_store::DType dtype : {kv_store::DType::kBf16, kv_store::DType::kF32}) {
+    CheckPrefixReuse("smollm2-gguf", loaded->model->config(), loaded->model->weights(), dtype);
   }
 }
 
