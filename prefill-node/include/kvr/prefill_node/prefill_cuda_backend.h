@@ -7,7 +7,10 @@
 // device-to-host into pinned buffers on a copy stream while the next layers compute), runs the
 // prompt in chunks of min(chunk_tokens, the model's max_batch_tokens), and hands each layer to
 // on_layer from the CUDA runtime's callback thread as soon as its copies of the last chunk are
-// done. `check` is polled before every chunk (a chunk runs all layers in one Forward). The
+// done. With PrefillCall::prefix_rows P, the reused rows go into the cache first
+// (CudaModel::AppendRows, filled by load_prefix_bf16 into the export's buffer, so the layers
+// still cover [0, L)) and the chunks start at P. `check` is polled before every chunk (a chunk
+// runs all layers in one Forward) and before each prefix layer's load. The
 // PrefillRows it returns end the export and free the sequence; the pinned buffers go back to
 // the model's pool for the next request.
 // This header has no CUDA types; in a build without CUDA the factories answer Unimplemented.
