@@ -74,10 +74,9 @@ class CudaModelImpl final : public CudaModel {
   absl::Status ReleaseSequence(SequenceId id) override;
   absl::StatusOr<int64_t> SequenceLength(SequenceId id) const override;
   absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens, uint64_t seed) override;
-  absl::Status AppendRows(
-      SequenceId id, int64_t n_rows,
-      const std::function<absl::Status(int, std::span<uint16_t>, std::span<uint16_t>)>& fill)
-      override;
+  absl::Status AppendRows(SequenceId id, int64_t n_rows,
+                          const std::function<absl::Status(int, std::span<uint16_t>,
+                                                           std::span<uint16_t>)>& fill) override;
   absl::Status Forward(std::span<const CudaSequence> batch, LogitsMode mode,
                        std::span<float> logits) override {
     return Run(batch, mode, logits, {}, nullptr);
@@ -897,8 +896,8 @@ absl::Status CudaModelImpl::AppendRows(
   KvExport* e = s.exporting.get();
   // An exporting sequence keeps at least one token to compute: the Forward that completes the
   // export hands its layers out.
-  const int64_t limit = std::min({s.capacity, int64_t{c.context_length},
-                                  e != nullptr ? e->opt.length - 1 : s.capacity});
+  const int64_t limit = std::min(
+      {s.capacity, int64_t{c.context_length}, e != nullptr ? e->opt.length - 1 : s.capacity});
   if (n_rows < 1 || end > limit) {
     return absl::InvalidArgumentError(absl::StrCat(
         "AppendRows: ", n_rows, " rows after ", first, " in sequence ", id, " (at most ", limit,
@@ -932,8 +931,8 @@ absl::Status CudaModelImpl::AppendRows(
         k = append_staging_.data();
         v = k + n;
       }
-      KVR_RETURN_IF_ERROR(fill(layer, std::span(k, static_cast<size_t>(n)),
-                               std::span(v, static_cast<size_t>(n))));
+      KVR_RETURN_IF_ERROR(
+          fill(layer, std::span(k, static_cast<size_t>(n)), std::span(v, static_cast<size_t>(n))));
       KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cuda::KRow(sk, layer, first, static_cast<int>(kv)),
                                                k, n * sizeof(uint16_t), cudaMemcpyHostToDevice,
                                                stream()));

@@ -503,8 +503,8 @@ int Main(int argc, char** argv) {
           "L %6lld  (d) %-10s prefix %lld cached %u: cold run %9.1f ms (prefill %9.1f)  "
           "from the prefix run %9.1f ms (prefill %9.1f; backend %7.1f, of which loading the "
           "rows %7.1f)  = %.1f%% of cold  first token %s\n",
-          static_cast<long long>(L), m.label.c_str(), static_cast<long long>(prefix_tokens),
-          cached, cold_run, cold_prefill, warm_run, warm_prefill, warm_backend, warm_load,
+          static_cast<long long>(L), m.label.c_str(), static_cast<long long>(prefix_tokens), cached,
+          cold_run, cold_prefill, warm_run, warm_prefill, warm_backend, warm_load,
           100 * warm_run / cold_run, cold_token == warm_token ? "equal" : "DIFFERS");
       std::fflush(stdout);
     }

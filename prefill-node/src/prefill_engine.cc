@@ -693,7 +693,8 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
     std::vector<absl::Status> status(pieces.size());
     auto run = [&](size_t i) {
       const Piece& p = pieces[i];
-      uint8_t* at = prefix_buffer.data() + (static_cast<size_t>(p.head) * reused + p.r0) * row_bytes;
+      uint8_t* at =
+          prefix_buffer.data() + (static_cast<size_t>(p.head) * reused + p.r0) * row_bytes;
       const kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
                                        static_cast<uint32_t>(p.head), static_cast<uint64_t>(p.r0),
                                        static_cast<uint64_t>(p.r1 - p.r0)};

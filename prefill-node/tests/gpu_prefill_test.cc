@@ -26,10 +26,10 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kvr/common/half.h"
+#include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dense_attention.h"
-#include "kvr/common/paths.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
@@ -491,8 +491,8 @@ std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_stor
   std::vector<uint8_t> all(head_bytes * c.n_layers * c.n_kv_heads);
   for (int layer = 0; layer < c.n_layers; ++layer) {
     for (int head = 0; head < c.n_kv_heads; ++head) {
-      kv_store::RangeEntry range{ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(head),
-                                 0, static_cast<uint64_t>(L)};
+      kv_store::RangeEntry range{ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(head), 0,
+                                 static_cast<uint64_t>(L)};
       const size_t at = (static_cast<size_t>(layer) * c.n_kv_heads + head) * head_bytes;
       EXPECT_TRUE(
           store.RangeRead(std::span(&range, 1), std::span(all).subspan(at, head_bytes)).ok());
@@ -598,8 +598,8 @@ void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
       EXPECT_EQ(g.local_kv(), w->local_kv()) << "layer " << g.layer();
       summaries_differ += g.summaries() != w->summaries();
       auto index = retrieval::DeserializeIndex(
-          {reinterpret_cast<const uint8_t*>(g.summaries().data()), g.summaries().size()},
-          *registry, retrieval::IndexParams{});
+          {reinterpret_cast<const uint8_t*>(g.summaries().data()), g.summaries().size()}, *registry,
+          retrieval::IndexParams{});
       ASSERT_TRUE(index.ok()) << index.status();
       EXPECT_EQ((*index)->size(), L);
     }
@@ -607,10 +607,10 @@ void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
     std::printf(
         "[ prefix ] %-14s %-4s %-9s cached %u of %lld: store values differing %lld of %zu, "
         "summaries differing %d of %d layers, first token %d / cold %d\n",
-        label, std::string(kv_store::DTypeName(dtype)).c_str(), method,
-        warm_result->cached_tokens, static_cast<long long>(kFirst),
-        static_cast<long long>(differ), warm_rows.size() / value_bytes, summaries_differ,
-        c.n_layers, warm_result->first_token, cold_result->first_token);
+        label, std::string(kv_store::DTypeName(dtype)).c_str(), method, warm_result->cached_tokens,
+        static_cast<long long>(kFirst), static_cast<long long>(differ),
+        warm_rows.size() / value_bytes, summaries_differ, c.n_layers, warm_result->first_token,
+        cold_result->first_token);
   }
 
   // The kept sequence is gone: computed cold, the same bits.

@@ -296,8 +296,7 @@ TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
 // loader's bits are not the float loader's values rounded to bf16.
 class CappedChunkBackend final : public PrefillBackend {
  public:
-  explicit CappedChunkBackend(const model::Model* model)
-      : inner_(MakeCpuPrefillBackend(model)) {}
+  explicit CappedChunkBackend(const model::Model* model) : inner_(MakeCpuPrefillBackend(model)) {}
   const model::ModelConfig& config() const override { return inner_->config(); }
   std::string name() const override { return "cpu-capped"; }
   bool SupportsPrefix() const override { return true; }
@@ -340,8 +339,8 @@ TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
     SCOPED_TRACE(kv_store::DTypeName(dtype));
     auto owned = std::make_unique<CappedChunkBackend>(loaded_->model.get());
     CappedChunkBackend* backend = owned.get();
-    PrefillEngine engine(std::move(owned), &*loaded_->tokenizer, registry_, stores_.get(),
-                         &opener_, EngineOptions{.chunk_tokens = 64, .store_dtype = dtype});
+    PrefillEngine engine(std::move(owned), &*loaded_->tokenizer, registry_, stores_.get(), &opener_,
+                         EngineOptions{.chunk_tokens = 64, .store_dtype = dtype});
     const model::ModelConfig& c = loaded_->model->config();
     const uint64_t base = dtype == kv_store::DType::kF32 ? 100 : 200;
     PrefillJob first = Job(TextPrompt{Text()}, "full");
@@ -375,7 +374,10 @@ TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
     for (const uint64_t id : {base + 1, base + 2}) {
       for (int layer = 0; layer < c.n_layers; ++layer) {
         for (int h = 0; h < c.n_kv_heads; ++h) {
-          ranges.push_back({{id, cap_}, static_cast<uint32_t>(layer), static_cast<uint32_t>(h), 0,
+          ranges.push_back({{id, cap_},
+                            static_cast<uint32_t>(layer),
+                            static_cast<uint32_t>(h),
+                            0,
                             static_cast<uint64_t>(L)});
         }
       }
