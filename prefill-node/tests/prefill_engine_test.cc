@@ -290,8 +290,9 @@ TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
   EXPECT_EQ(AllRows(*store_, {45, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
 }
 
-// A backend that computes in chunks of at most 32 tokens whatever it is asked (as the CUDA
-// backend caps chunks to its model's max_batch_tokens), over the CPU backend. It also reads the
+// A backend that computes in chunks of at most 128 tokens whatever it is asked (as the CUDA
+// backend caps chunks to its model's max_batch_tokens) and, like the CUDA backend, reuses only
+// whole chunks (PrefixAlignment 0), over the CPU backend. It also reads the
 // first and last layers' reused rows through both loaders and counts the values where the bf16
 // loader's bits are not the float loader's values rounded to bf16.
 class CappedChunkBackend final : public PrefillBackend {
@@ -300,7 +301,9 @@ class CappedChunkBackend final : public PrefillBackend {
   const model::ModelConfig& config() const override { return inner_->config(); }
   std::string name() const override { return "cpu-capped"; }
   bool SupportsPrefix() const override { return true; }
-  int64_t ChunkTokens(int64_t requested) const override { return std::min<int64_t>(requested, 32); }
+  int64_t ChunkTokens(int64_t requested) const override {
+    return std::min<int64_t>(requested, 128);
+  }
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     PrefillCall capped = call;
@@ -328,19 +331,19 @@ class CappedChunkBackend final : public PrefillBackend {
 };
 
 // The engine aligns a reused prefix to the chunk the backend really computes in
-// (PrefillBackend::ChunkTokens), not to EngineOptions::chunk_tokens: asked for chunks of 64, a
-// backend that caps them at 32 reuses 96 rows of a 96-token prefix (64 would be aligned to the
-// option), and the rows and first token are still the cold prefill's bit for bit (float32
-// store). The bf16
-// loader (PrefillCall::load_prefix_bf16, the CUDA backend's) gives the float loader's rows in
-// bf16, from a float32 and from a bf16 store.
+// (PrefillBackend::ChunkTokens, for a backend whose PrefixAlignment is 0), not to
+// EngineOptions::chunk_tokens: asked for chunks of 256, a backend that caps them at 128 reuses
+// 128 rows of a longer prefix (aligned to the option it would reuse none), and the rows and
+// first token are still the cold prefill's bit for bit (float32 store). The bf16 loader
+// (PrefillCall::load_prefix_bf16, the CUDA backend's) gives the float loader's rows in bf16,
+// from a float32 and from a bf16 store.
 TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
   for (const kv_store::DType dtype : {kv_store::DType::kF32, kv_store::DType::kBf16}) {
     SCOPED_TRACE(kv_store::DTypeName(dtype));
     auto owned = std::make_unique<CappedChunkBackend>(loaded_->model.get());
     CappedChunkBackend* backend = owned.get();
     PrefillEngine engine(std::move(owned), &*loaded_->tokenizer, registry_, stores_.get(), &opener_,
-                         EngineOptions{.chunk_tokens = 64, .store_dtype = dtype});
+                         EngineOptions{.chunk_tokens = 256, .store_dtype = dtype});
     const model::ModelConfig& c = loaded_->model->config();
     const uint64_t base = dtype == kv_store::DType::kF32 ? 100 : 200;
     PrefillJob first = Job(TextPrompt{Text()}, "full");
@@ -349,7 +352,8 @@ TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
     first.retain = absl::Minutes(1);
     auto first_ids = engine.Tokenize(first.prompt);
     ASSERT_TRUE(first_ids.ok());
-    ASSERT_GE(first_ids->size(), 96u);
+    ASSERT_GE(first_ids->size(), 128u);
+    ASSERT_LT(first_ids->size(), 256u);
     ASSERT_TRUE(engine.Run(first).ok());
     std::vector<int32_t> ids = *first_ids;
     auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
@@ -364,10 +368,10 @@ TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
     PrefillJob warm = Job(TokenPrompt{ids}, "quest");
     warm.sequence_id = base + 2;
     warm.prefix = {base, cap_};
-    warm.prefix_tokens = 96;
+    warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
     auto warm_result = engine.Run(warm);
     ASSERT_TRUE(warm_result.ok()) << warm_result.status();
-    EXPECT_EQ(warm_result->cached_tokens, 96u);
+    EXPECT_EQ(warm_result->cached_tokens, 128u);
     EXPECT_EQ(warm_result->first_token, cold_result->first_token);
     const size_t value_bytes = kv_store::DTypeSize(dtype);
     std::vector<kv_store::RangeEntry> ranges;
