@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
@@ -90,6 +91,8 @@ std::string TypeName(const SettingSpec& spec) {
       return "INT";
     case SettingType::kSeconds:
       return "SECONDS";
+    case SettingType::kNumber:
+      return "NUMBER";
     case SettingType::kByteSize:
       return "BYTES";
     case SettingType::kEnum:
@@ -155,6 +158,15 @@ absl::StatusOr<SettingValue> Parse(const SettingSpec& spec, const std::vector<st
       }
       return SettingValue(v);
     }
+    case SettingType::kNumber: {
+      double v = 0;
+      // !(v >= min && v <= max) also refuses NaN.
+      if (!absl::SimpleAtod(text, &v) || !(v >= spec.min_number && v <= spec.max_number)) {
+        return Bad(text, absl::StrCat("a number in [", spec.min_number, ", ", spec.max_number,
+                                      "]"));
+      }
+      return SettingValue(v);
+    }
     case SettingType::kByteSize: {
       absl::StatusOr<uint64_t> v = ParseByteSize(text);
       if (!v.ok()) return v.status();
@@ -180,7 +192,13 @@ std::string Format(const SettingSpec& spec, const SettingValue& value) {
     case SettingType::kInteger:
       return absl::StrCat(std::get<int64_t>(value));
     case SettingType::kSeconds:
-      return absl::StrCat(std::get<double>(value));
+    case SettingType::kNumber: {
+      // The shortest text that reads back as the same double (0.1, not 0.10000000000000001).
+      char text[32];
+      const std::to_chars_result end =
+          std::to_chars(text, text + sizeof(text), std::get<double>(value));
+      return std::string(text, end.ptr);
+    }
     case SettingType::kByteSize:
       return FormatBytes(std::get<uint64_t>(value));
     case SettingType::kList: {
@@ -280,7 +298,8 @@ absl::StatusOr<std::vector<std::optional<RawValue>>> Collect(
 }
 
 void AddOptions(CLI::App* app, const std::vector<const SettingSpec*>& specs,
-                const std::vector<std::string>& defaults, CommandLine* out) {
+                const std::vector<std::string>& defaults, const std::string& env_prefix,
+                CommandLine* out) {
   app->add_option(
          "--config",
          [out](const CLI::results_t& r) {
@@ -319,19 +338,26 @@ void AddOptions(CLI::App* app, const std::vector<const SettingSpec*>& specs,
       option->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     }
   }
-  app->footer(kFooter);
+  std::string footer = kFooter;
+  if (!env_prefix.empty() && !specs.empty()) {
+    absl::StrAppend(&footer, ", and an environment variable ", env_prefix,
+                    "<NAME IN CAPITALS> (", FlagName(specs.front()->name), " is ", env_prefix,
+                    absl::AsciiStrToUpper(specs.front()->name), ")");
+  }
+  app->footer(footer + ".");
   // Room for the longest options (--max-outstanding-reply-bytes BYTES=2GiB) beside their help.
   app->get_formatter()->column_width(44);
 }
 
 absl::StatusOr<CommandLine> ParseArgs(const std::string& program, const std::string& description,
                                       const std::vector<const SettingSpec*>& specs,
-                                      const std::vector<std::string>& defaults, int argc,
+                                      const std::vector<std::string>& defaults,
+                                      const std::string& env_prefix, int argc,
                                       const char* const* argv) {
   CLI::App app{description, program};
   app.set_version_flag("--version", VersionLine(program));
   CommandLine line;
-  AddOptions(&app, specs, defaults, &line);
+  AddOptions(&app, specs, defaults, env_prefix, &line);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

@@ -50,14 +50,15 @@ enum class SettingType {
   kBool,      // true/false, yes/no, on/off, 1/0; a bare flag means true
   kInteger,   // within [min, max]
   kSeconds,   // a non-negative number of seconds, fractions allowed
+  kNumber,    // a real number within [min_number, max_number]
   kByteSize,  // kvr::ParseByteSize: 4096, 512MiB, 4GB
   kEnum,      // one of `choices`
   kList,      // strings: a flag given again adds one, YAML a sequence, env words split on spaces
 };
 
 // A parsed value. The alternative follows the type: std::string (kString, kEnum), bool,
-// int64_t (kInteger), double (kSeconds), uint64_t (kByteSize), std::vector<std::string>
-// (kList).
+// int64_t (kInteger), double (kSeconds, kNumber), uint64_t (kByteSize),
+// std::vector<std::string> (kList).
 using SettingValue =
     std::variant<std::string, bool, int64_t, double, uint64_t, std::vector<std::string>>;
 
@@ -70,6 +71,8 @@ struct SettingSpec {
   bool allow_empty_or_zero = false;
   int64_t min = std::numeric_limits<int64_t>::min();  // kInteger
   int64_t max = std::numeric_limits<int64_t>::max();  // kInteger
+  double min_number = 0;                              // kNumber
+  double max_number = 1;                              // kNumber
   std::vector<std::string> choices;                   // kEnum
   // Printed as <redacted> (an API key).
   bool secret = false;
@@ -144,15 +147,18 @@ struct RawValue {
 
 // Adds --config, --print-config and an option per spec (type name and `defaults[i]` shown in
 // --help) to `app`; parsing fills `out`.
+// The help footer names the environment variables when `env_prefix` is set.
 void AddOptions(CLI::App* app, const std::vector<const SettingSpec*>& specs,
-                const std::vector<std::string>& defaults, CommandLine* out);
+                const std::vector<std::string>& defaults, const std::string& env_prefix,
+                CommandLine* out);
 // Parses argv with a CLI::App made here (with --version); CANCELLED carries the text of
 // --help / --version to print before exiting 0.
 [[nodiscard]] absl::StatusOr<CommandLine> ParseArgs(const std::string& program,
                                                     const std::string& description,
                                                     const std::vector<const SettingSpec*>& specs,
                                                     const std::vector<std::string>& defaults,
-                                                    int argc, const char* const* argv);
+                                                    const std::string& env_prefix, int argc,
+                                                    const char* const* argv);
 std::string EffectiveConfigText(const std::vector<const SettingSpec*>& specs,
                                 const std::vector<std::string>& values,
                                 const std::vector<std::string>& sources);
@@ -246,7 +252,8 @@ std::string FormatConfig(const SettingTable<Config>& table, const Config& config
 // `kvr up`); after app parses, Resolve(table, out->flags, out->config_file, env).
 template <typename Config>
 void AddSettingOptions(CLI::App* app, const SettingTable<Config>& table, CommandLine* out) {
-  settings_internal::AddOptions(app, Specs(table), FormatValues(table, Config{}), out);
+  settings_internal::AddOptions(app, Specs(table), FormatValues(table, Config{}),
+                                table.env_prefix, out);
 }
 
 // Parses a process's argv and resolves its config. CANCELLED carries the text to print for
@@ -256,7 +263,8 @@ template <typename Config>
     const SettingTable<Config>& table, int argc, const char* const* argv, const EnvLookup& env,
     bool* print_config = nullptr) {
   absl::StatusOr<CommandLine> line = settings_internal::ParseArgs(
-      table.program, table.description, Specs(table), FormatValues(table, Config{}), argc, argv);
+      table.program, table.description, Specs(table), FormatValues(table, Config{}),
+      table.env_prefix, argc, argv);
   if (!line.ok()) return line.status();
   if (print_config != nullptr) *print_config = line->print_config;
   return Resolve(table, line->flags, line->config_file, env);
@@ -363,6 +371,17 @@ Setting<Config> SecondsSetting(std::string name, std::string help, Ref ref,
           [ref](const Config& c) {
             return SettingValue(static_cast<double>(settings_internal::FieldValue(ref, c)));
           }};
+}
+
+// A real number in [min, max] (a fraction: 0, 1).
+template <typename Config, typename Ref>
+Setting<Config> NumberSetting(std::string name, std::string help, Ref ref, double min,
+                              double max) {
+  Setting<Config> s = SecondsSetting<Config>(std::move(name), std::move(help), ref);
+  s.spec.type = SettingType::kNumber;
+  s.spec.min_number = min;
+  s.spec.max_number = max;
+  return s;
 }
 
 template <typename Config, typename Ref>
