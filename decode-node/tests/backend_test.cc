@@ -21,6 +21,18 @@
 namespace kvr::decode {
 namespace {
 
+absl::StatusOr<DecodeConfig> ResolveDecodeConfig(const std::map<std::string, std::string>& flags,
+                                                 const std::optional<std::string>& file,
+                                                 const node::EnvLookup& env) {
+  auto r = node::Resolve(DecodeSettings(), flags, file, env);
+  if (!r.ok()) return r.status();
+  return r->config;
+}
+
+std::string FormatDecodeConfig(const DecodeConfig& c) {
+  return node::FormatConfig(DecodeSettings(), c);
+}
+
 using ::testing::HasSubstr;
 
 std::optional<std::string> NoEnv(const std::string&) { return std::nullopt; }
@@ -63,7 +75,7 @@ TEST(DecodeBackendConfigTest, DeviceAndGpuSettingsParseFromFlagFileAndEnv) {
   bad = ResolveDecodeConfig({{"gpu_method", "ctkvr"}}, std::nullopt, NoEnv);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("gpu_method (flag --gpu-method)"));
-  EXPECT_THAT(bad.status().message(), HasSubstr("quest or clusterkv"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("one of quest, clusterkv"));
   bad = ResolveDecodeConfig({{"gpu_budget", "0"}}, std::nullopt, NoEnv);
   EXPECT_THAT(bad.status().message(), HasSubstr("gpu_budget"));
 }

@@ -8,6 +8,18 @@
 namespace kvr::decode {
 namespace {
 
+absl::StatusOr<DecodeConfig> ResolveDecodeConfig(const std::map<std::string, std::string>& flags,
+                                                 const std::optional<std::string>& file,
+                                                 const node::EnvLookup& env) {
+  auto r = node::Resolve(DecodeSettings(), flags, file, env);
+  if (!r.ok()) return r.status();
+  return r->config;
+}
+
+std::string FormatDecodeConfig(const DecodeConfig& c) {
+  return node::FormatConfig(DecodeSettings(), c);
+}
+
 TEST(DecodeConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
   const std::string path = ::testing::TempDir() + "/decode_config_test.yaml";
   std::ofstream(path) << "batch_slots: 5\nhot_cache_bytes: 1000\n";
@@ -102,7 +114,7 @@ TEST(DecodeConfigTest, GpuRowSourceIsInPlaceFetchOrAuto) {
   }
   auto refused = ResolveDecodeConfig({{"gpu_row_source", "rdma"}}, std::nullopt, no_env);
   EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
-  EXPECT_NE(refused.status().message().find("in-place, fetch or auto"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("one of in-place, fetch, auto"), std::string::npos)
       << refused.status();
 }
 
