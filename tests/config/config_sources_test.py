@@ -3,10 +3,13 @@
 a --config YAML file, prints the same effective config (--print-config), and each line names the
 source it came from. Also: flag > file > env when all three are given, the controller's older
 KVR_<NAME> spelling, an unknown YAML key refused naming the key and the file, a bad value refused
-naming the setting and its source, and `kvr up --config` reading YAML.
+naming the setting and its source, `kvr up --config` reading YAML, and every --config file of
+the Kubernetes manifests (deploy/k8s/**/config/<role>.yaml) accepted by its binary.
 
 Usage: config_sources_test.py --controller BIN --store BIN --prefill BIN --decode BIN --kvr BIN
+                              [--deploy DIR]
 """
+import glob
 import argparse
 import os
 import subprocess
@@ -89,6 +92,7 @@ def main():
     for role in CASES:
         parser.add_argument("--" + role, required=True)
     parser.add_argument("--kvr", required=True)
+    parser.add_argument("--deploy", help="deploy/k8s: check its config/<role>.yaml files")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvr-config-sources-")
 
@@ -170,6 +174,18 @@ def main():
     r = run([args.kvr, "up", "--config", typo])
     check(r.returncode != 0 and "unknown setting 'store'" in r.stderr,
           f"kvr up: unknown key: {r.stderr}")
+
+    # The manifests' config files: every key known, every value valid.
+    if args.deploy:
+        files = glob.glob(os.path.join(args.deploy, "**", "config", "*.yaml"), recursive=True)
+        check(files, f"no config files under {args.deploy}")
+        for path in files:
+            role = os.path.splitext(os.path.basename(path))[0]
+            exe = getattr(args, role, None)
+            check(exe is not None, f"{path}: no binary for role {role}")
+            if exe:
+                r = run([exe, "--print-config", "--config", path])
+                check(r.returncode == 0, f"{path}: {r.stderr}")
 
     if failures:
         print(f"{len(failures)} failure(s)", file=sys.stderr)

@@ -359,7 +359,8 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // Controller first: everyone registers with it.
   std::vector<std::unique_ptr<Child>> nodes;
   // The OpenAI-compatible HTTP API on loopback beside the gRPC port. An API key reaches
-  // the controller through the inherited environment (KVR_API_KEY), not its command line.
+  // the controller through the inherited environment (KVR_CONTROLLER_API_KEY), not its
+  // command line.
   std::vector<std::string> controller_argv = {
       bins[0].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 0)), "--http-listen",
       absl::StrCat("127.0.0.1:", Port(o, 2))};
