@@ -22,8 +22,8 @@ node::Setting<Config> HttpListenSetting() {
     }
     const size_t colon = v.rfind(':');
     uint32_t port;
-    if (colon == std::string::npos || colon == 0 ||
-        !absl::SimpleAtoi(v.substr(colon + 1), &port) || port > 65535) {
+    if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(v.substr(colon + 1), &port) ||
+        port > 65535) {
       return absl::InvalidArgumentError(absl::StrCat("'", v, "' is not host:port, empty or -1"));
     }
     c.http_listen = v;
@@ -47,51 +47,54 @@ const node::SettingTable<ControllerConfig>& ControllerSettings() {
         // The controller's settings were read from KVR_<NAME> before every binary had its
         // role in the prefix; deployments that set them keep working.
         .legacy_env_prefixes = {"KVR_"},
-        .settings = {
-            StringSetting<Config>("listen",
-                                  "gRPC listen address host:port (port 0: any free port)",
-                                  &Config::listen),
-            SecondsSetting<Config>("lease_seconds",
-                                   "node lease: a node silent this long leaves the cluster",
-                                   &Config::lease_seconds),
-            SecondsSetting<Config>("default_timeout_seconds",
-                                   "deadline of requests whose client set none",
-                                   &Config::default_timeout_seconds),
-            SecondsSetting<Config>(
-                "shutdown_grace_seconds",
-                "on SIGTERM, how long running requests may finish before they are cancelled",
-                &Config::shutdown_grace_seconds),
-            IntegerSetting<Config>("max_in_flight",
-                                   "most requests in flight before RESOURCE_EXHAUSTED",
-                                   &Config::max_in_flight, 1),
-            IntegerSetting<Config>("max_attempts",
-                                   "attempts per request when nodes fail before the first token",
-                                   &Config::max_attempts, 1),
-            SecondsSetting<Config>("prefix_cache_seconds",
-                                   "how long a store keeps a finished request's KV for requests "
-                                   "sharing its prefix (0: off)",
-                                   &Config::prefix_cache_seconds, /*allow_zero=*/true),
-            IntegerSetting<Config>("prefix_cache_entries",
-                                   "most cached prefixes the controller remembers",
-                                   &Config::prefix_cache_entries, 1),
-            IntegerSetting<Config>(
-                "default_max_tokens", "max_tokens of requests that set none",
-                [](Config& c) -> uint32_t& { return c.defaults.max_tokens; }, 1),
-            StringSetting<Config>("default_method", "retrieval method of requests that set none",
-                                  [](Config& c) -> std::string& { return c.defaults.method; }),
-            IntegerSetting<Config>(
-                "default_budget", "retrieval budget (top-k) of requests that set none",
-                [](Config& c) -> uint32_t& { return c.defaults.budget; }, 1),
-            IntegerSetting<Config>(
-                "default_n_sink", "sink tokens of requests that set none",
-                [](Config& c) -> uint32_t& { return c.defaults.n_sink; }, 1),
-            IntegerSetting<Config>(
-                "default_local_window", "local window of requests that set none",
-                [](Config& c) -> uint32_t& { return c.defaults.local_window; }, 1),
-            node::LogLevelSetting<Config>(&Config::log_level),
-            node::MetricsPortSetting<Config>(&Config::metrics_port),
-            HttpListenSetting(),
-        },
+        .settings =
+            {
+                StringSetting<Config>("listen",
+                                      "gRPC listen address host:port (port 0: any free port)",
+                                      &Config::listen),
+                SecondsSetting<Config>("lease_seconds",
+                                       "node lease: a node silent this long leaves the cluster",
+                                       &Config::lease_seconds),
+                SecondsSetting<Config>("default_timeout_seconds",
+                                       "deadline of requests whose client set none",
+                                       &Config::default_timeout_seconds),
+                SecondsSetting<Config>(
+                    "shutdown_grace_seconds",
+                    "on SIGTERM, how long running requests may finish before they are cancelled",
+                    &Config::shutdown_grace_seconds),
+                IntegerSetting<Config>("max_in_flight",
+                                       "most requests in flight before RESOURCE_EXHAUSTED",
+                                       &Config::max_in_flight, 1),
+                IntegerSetting<Config>(
+                    "max_attempts", "attempts per request when nodes fail before the first token",
+                    &Config::max_attempts, 1),
+                SecondsSetting<Config>(
+                    "prefix_cache_seconds",
+                    "how long a store keeps a finished request's KV for requests "
+                    "sharing its prefix (0: off)",
+                    &Config::prefix_cache_seconds, /*allow_zero=*/true),
+                IntegerSetting<Config>("prefix_cache_entries",
+                                       "most cached prefixes the controller remembers",
+                                       &Config::prefix_cache_entries, 1),
+                IntegerSetting<Config>(
+                    "default_max_tokens", "max_tokens of requests that set none",
+                    [](Config& c) -> uint32_t& { return c.defaults.max_tokens; }, 1),
+                StringSetting<Config>("default_method",
+                                      "retrieval method of requests that set none",
+                                      [](Config& c) -> std::string& { return c.defaults.method; }),
+                IntegerSetting<Config>(
+                    "default_budget", "retrieval budget (top-k) of requests that set none",
+                    [](Config& c) -> uint32_t& { return c.defaults.budget; }, 1),
+                IntegerSetting<Config>(
+                    "default_n_sink", "sink tokens of requests that set none",
+                    [](Config& c) -> uint32_t& { return c.defaults.n_sink; }, 1),
+                IntegerSetting<Config>(
+                    "default_local_window", "local window of requests that set none",
+                    [](Config& c) -> uint32_t& { return c.defaults.local_window; }, 1),
+                node::LogLevelSetting<Config>(&Config::log_level),
+                node::MetricsPortSetting<Config>(&Config::metrics_port),
+                HttpListenSetting(),
+            },
     };
     node::Setting<Config> api_key = StringSetting<Config>(
         "api_key", "API key the HTTP API requires as 'Authorization: Bearer <key>' (empty: none)",

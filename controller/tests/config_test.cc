@@ -29,10 +29,8 @@ class ConfigTest : public ::testing::Test {
   }
   absl::StatusOr<ControllerConfig> Resolve(const std::map<std::string, std::string>& flags,
                                            std::optional<std::string> file = std::nullopt) {
-    auto r = node::Resolve(ControllerSettings(), flags, file,
-                           [this](const std::string& n) { return Env(n); });
-    if (!r.ok()) return r.status();
-    return r->config;
+    return node::ResolveConfig(ControllerSettings(), flags, file,
+                               [this](const std::string& n) { return Env(n); });
   }
   std::string Format(const ControllerConfig& c) {
     return node::FormatConfig(ControllerSettings(), c);
@@ -75,7 +73,8 @@ TEST_F(ConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
 }
 
 TEST_F(ConfigTest, OlderEnvironmentNamesStillWorkBelowTheNewOnes) {
-  env_ = {{"KVR_API_KEY", "old-key"}, {"KVR_LEASE_SECONDS", "9"},
+  env_ = {{"KVR_API_KEY", "old-key"},
+          {"KVR_LEASE_SECONDS", "9"},
           {"KVR_CONTROLLER_LEASE_SECONDS", "7"}};
   auto c = Resolve({});
   ASSERT_TRUE(c.ok()) << c.status();

@@ -49,76 +49,78 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
         .program = "kvr-decode",
         .description = "kvr-decode: decode node (continuous batching over retrieved KV)",
         .env_prefix = "KVR_DECODE_",
-        .settings = {
-            StringSetting<Config>("model", "model path (.gguf, HF dir) or known name",
-                                  &Config::model),
-            StringSetting<Config>("model_name",
-                                  "name the model is served under (empty: from model)",
-                                  &Config::model_name, /*allow_empty=*/true),
-            StringSetting<Config>("controller", "controller gRPC address host:port",
-                                  &Config::controller),
-            StringSetting<Config>("listen",
-                                  "gRPC listen address host:port (port 0: any free port)",
-                                  &Config::listen),
-            StringSetting<Config>("advertise_host",
-                                  "host other nodes use to reach this one (empty: the listen "
-                                  "host)",
-                                  &Config::advertise_host, /*allow_empty=*/true),
-            StringSetting<Config>("name", "node name in the controller's logs", &Config::name),
-            StringSetting<Config>("a2ats_codebooks",
-                                  "codebook file from `kvr calibrate` for this model: offers "
-                                  "method a2ats (empty: a2ats not offered)",
-                                  &Config::a2ats_codebooks, /*allow_empty=*/true),
-            EnumSetting<Config>("device", "where the forward pass runs", &Config::device,
-                                {"cpu", "cuda"}),
-            IntegerSetting<Config>("cuda_device", "CUDA device ordinal for --device cuda",
-                                   &Config::cuda_device, 0),
-            // clusterkv uploads the handed-off clusters (the prefill node's k-means).
-            EnumSetting<Config>("gpu_method",
-                                "--device cuda: the retrieval method selected with GPU "
-                                "summaries; other methods run in GPU lanes (gpu_lanes) or are "
-                                "selected on the host",
-                                &Config::gpu_method, {"quest", "clusterkv"}),
-            GpuLanesSetting(),
-            EnumSetting<Config>(
-                "gpu_row_source",
-                "--device cuda: where the GPU reads a sequence's rows: in-place (the store's "
-                "pages, mapped; the store must run on this host), fetch (the missed rows over "
-                "the store's data plane; any store) or auto (in place when possible, else "
-                "fetched)",
-                &Config::gpu_row_source, {"in-place", "fetch", "auto"}),
-            IntegerSetting<Config>("gpu_budget",
-                                   "--device cuda: selected tokens per KV head and step (<= 4096)",
-                                   &Config::gpu_budget, 1),
-            IntegerSetting<Config>("gpu_n_sink", "--device cuda: sink tokens of every sequence",
-                                   &Config::gpu_n_sink, 0),
-            IntegerSetting<Config>("gpu_local_window",
-                                   "--device cuda: local window of every sequence",
-                                   &Config::gpu_local_window, 1),
-            IntegerSetting<Config>("gpu_max_context",
-                                   "--device cuda: most tokens per sequence (pinned host KV per "
-                                   "slot; 0: the model's context length)",
-                                   &Config::gpu_max_context, 0),
-            IntegerSetting<Config>("batch_slots", "most sequences in the running batch",
-                                   &Config::batch_slots, 1),
-            IntegerSetting<Config>("max_waiting", "most sequences waiting for a slot",
-                                   &Config::max_waiting, 0),
-            ByteSizeSetting<Config>("hot_cache_bytes",
-                                    "fetched KV rows kept for later steps (0: off)",
-                                    &Config::hot_cache_bytes, /*allow_zero=*/true),
-            ByteSizeSetting<Config>("memory_bytes",
-                                    "memory offered for summaries and resident KV",
-                                    &Config::memory_bytes),
-            IntegerSetting<Config>("threads", "compute threads (0: all cores)", &Config::threads,
-                                   0),
-            node::MetricsPortSetting<Config>(&Config::metrics_port),
-            node::NumberSetting<Config>(
-                "quality_sample_rate",
-                "fraction (0..1) of decode steps per sequence and layer whose selection is "
-                "compared with the exact oracle (recall, attention mass metrics); 0: off",
-                &Config::quality_sample_rate, 0, 1),
-            node::LogLevelSetting<Config>(&Config::log_level),
-        },
+        .settings =
+            {
+                StringSetting<Config>("model", "model path (.gguf, HF dir) or known name",
+                                      &Config::model),
+                StringSetting<Config>("model_name",
+                                      "name the model is served under (empty: from model)",
+                                      &Config::model_name, /*allow_empty=*/true),
+                StringSetting<Config>("controller", "controller gRPC address host:port",
+                                      &Config::controller),
+                StringSetting<Config>("listen",
+                                      "gRPC listen address host:port (port 0: any free port)",
+                                      &Config::listen),
+                StringSetting<Config>("advertise_host",
+                                      "host other nodes use to reach this one (empty: the listen "
+                                      "host)",
+                                      &Config::advertise_host, /*allow_empty=*/true),
+                StringSetting<Config>("name", "node name in the controller's logs", &Config::name),
+                StringSetting<Config>("a2ats_codebooks",
+                                      "codebook file from `kvr calibrate` for this model: offers "
+                                      "method a2ats (empty: a2ats not offered)",
+                                      &Config::a2ats_codebooks, /*allow_empty=*/true),
+                EnumSetting<Config>("device", "where the forward pass runs", &Config::device,
+                                    {"cpu", "cuda"}),
+                IntegerSetting<Config>("cuda_device", "CUDA device ordinal for --device cuda",
+                                       &Config::cuda_device, 0),
+                // clusterkv uploads the handed-off clusters (the prefill node's k-means).
+                EnumSetting<Config>("gpu_method",
+                                    "--device cuda: the retrieval method selected with GPU "
+                                    "summaries; other methods run in GPU lanes (gpu_lanes) or are "
+                                    "selected on the host",
+                                    &Config::gpu_method, {"quest", "clusterkv"}),
+                GpuLanesSetting(),
+                EnumSetting<Config>(
+                    "gpu_row_source",
+                    "--device cuda: where the GPU reads a sequence's rows: in-place (the store's "
+                    "pages, mapped; the store must run on this host), fetch (the missed rows over "
+                    "the store's data plane; any store) or auto (in place when possible, else "
+                    "fetched)",
+                    &Config::gpu_row_source, {"in-place", "fetch", "auto"}),
+                IntegerSetting<Config>(
+                    "gpu_budget", "--device cuda: selected tokens per KV head and step (<= 4096)",
+                    &Config::gpu_budget, 1),
+                IntegerSetting<Config>("gpu_n_sink", "--device cuda: sink tokens of every sequence",
+                                       &Config::gpu_n_sink, 0),
+                IntegerSetting<Config>("gpu_local_window",
+                                       "--device cuda: local window of every sequence",
+                                       &Config::gpu_local_window, 1),
+                IntegerSetting<Config>(
+                    "gpu_max_context",
+                    "--device cuda: most tokens per sequence (pinned host KV per "
+                    "slot; 0: the model's context length)",
+                    &Config::gpu_max_context, 0),
+                IntegerSetting<Config>("batch_slots", "most sequences in the running batch",
+                                       &Config::batch_slots, 1),
+                IntegerSetting<Config>("max_waiting", "most sequences waiting for a slot",
+                                       &Config::max_waiting, 0),
+                ByteSizeSetting<Config>("hot_cache_bytes",
+                                        "fetched KV rows kept for later steps (0: off)",
+                                        &Config::hot_cache_bytes, /*allow_zero=*/true),
+                ByteSizeSetting<Config>("memory_bytes",
+                                        "memory offered for summaries and resident KV",
+                                        &Config::memory_bytes),
+                IntegerSetting<Config>("threads", "compute threads (0: all cores)",
+                                       &Config::threads, 0),
+                node::MetricsPortSetting<Config>(&Config::metrics_port),
+                node::NumberSetting<Config>(
+                    "quality_sample_rate",
+                    "fraction (0..1) of decode steps per sequence and layer whose selection is "
+                    "compared with the exact oracle (recall, attention mass metrics); 0: off",
+                    &Config::quality_sample_rate, 0, 1),
+                node::LogLevelSetting<Config>(&Config::log_level),
+            },
     };
     for (node::Setting<Config>& s : node::TlsSettings<Config>(&Config::tls)) {
       t->settings.push_back(std::move(s));

@@ -44,65 +44,70 @@ const node::SettingTable<StoreConfig>& StoreSettings() {
         .program = "kvr-store",
         .description = "kvr-store: CPU-memory KV cache store (gRPC control, UCX data plane)",
         .env_prefix = "KVR_STORE_",
-        .settings = {
-            StringSetting<Config>("listen",
-                                  "gRPC listen address host:port (port 0: any free port)",
-                                  &Config::listen),
-            // 0 is left to the store to refuse, with its reason.
-            ByteSizeSetting<Config>("capacity_bytes", "page pool size", &Config::capacity_bytes,
-                                    /*allow_zero=*/true),
-            ByteSizeSetting<Config>(
-                "page_bytes",
-                "bytes per page; a page holds page_bytes / (2*head_dim*dtype size) rows of one "
-                "(sequence, layer, kv head): 64KiB = 256 tokens at head_dim 64 f16",
-                &Config::page_bytes, /*allow_zero=*/true),
-            BoolSetting<Config>(
-                "evict_expired",
-                "evict sequences whose lease expired: when space runs short and by a periodic "
-                "sweep; off: leases are reported in stats but nothing is dropped",
-                &Config::evict_expired),
-            BoolSetting<Config>(
-                "evict_cached",
-                "evict released-and-kept (cached for reuse) sequences, least recently used "
-                "first, when space runs short, after expired ones and before refusing; never a "
-                "live one",
-                &Config::evict_cached),
-            BoolSetting<Config>("huge_pages", "try huge pages for the pool", &Config::huge_pages),
-            IntegerSetting<Config>("data_plane_threads", "threads serving UCX data-plane requests",
-                                   &Config::data_plane_threads, 1),
-            IntegerSetting<Config>("sweep_interval_ms",
-                                   "how often expired leases are swept (with evict_expired), "
-                                   "in milliseconds",
-                                   &Config::sweep_interval_ms, 0),
-            StringSetting<Config>("name", "name in logs and peers' error messages", &Config::name),
-            node::MetricsPortSetting<Config>(&Config::metrics_port),
-            StringSetting<Config>("controller",
-                                  "controller host:port to register with as a STORE node and "
-                                  "heartbeat to (empty: do not register)",
-                                  &Config::controller, /*allow_empty=*/true),
-            AdvertiseAddressSetting(),
-            StringSetting<Config>(
-                "local_socket",
-                "Unix socket path (created 0600) on which the page pool's memfd is handed to "
-                "processes on this host for zero-copy reads; every sequence in the pool is "
-                "readable through it (empty: off)",
-                &Config::local_socket, /*allow_empty=*/true),
-            ByteSizeSetting<Config>("max_reply_bytes",
-                                    "largest reply to one gather or range read (bigger requests "
-                                    "are refused: split them)",
-                                    &Config::max_reply_bytes),
-            ByteSizeSetting<Config>("max_outstanding_reply_bytes",
-                                    "most reply memory being filled or sent at once (past it "
-                                    "requests are refused as busy)",
-                                    &Config::max_outstanding_reply_bytes),
-            BoolSetting<Config>(
-                "rma_reads",
-                "register the page pool with UCX and hand its rkey to every client for RMA "
-                "range reads; the rkey reads the whole pool past every sequence capability, so "
-                "only on a trusted data-plane network; off: range reads go through checked "
-                "messages",
-                &Config::rma_reads),
-        },
+        .settings =
+            {
+                StringSetting<Config>("listen",
+                                      "gRPC listen address host:port (port 0: any free port)",
+                                      &Config::listen),
+                // 0 is left to the store to refuse, with its reason.
+                ByteSizeSetting<Config>("capacity_bytes", "page pool size", &Config::capacity_bytes,
+                                        /*allow_zero=*/true),
+                ByteSizeSetting<Config>(
+                    "page_bytes",
+                    "bytes per page; a page holds page_bytes / (2*head_dim*dtype size) rows of one "
+                    "(sequence, layer, kv head): 64KiB = 256 tokens at head_dim 64 f16",
+                    &Config::page_bytes, /*allow_zero=*/true),
+                BoolSetting<Config>(
+                    "evict_expired",
+                    "evict sequences whose lease expired: when space runs short and by a periodic "
+                    "sweep; off: leases are reported in stats but nothing is dropped",
+                    &Config::evict_expired),
+                BoolSetting<Config>(
+                    "evict_cached",
+                    "evict released-and-kept (cached for reuse) sequences, least recently used "
+                    "first, when space runs short, after expired ones and before refusing; never a "
+                    "live one",
+                    &Config::evict_cached),
+                BoolSetting<Config>("huge_pages", "try huge pages for the pool",
+                                    &Config::huge_pages),
+                IntegerSetting<Config>("data_plane_threads",
+                                       "threads serving UCX data-plane requests",
+                                       &Config::data_plane_threads, 1),
+                IntegerSetting<Config>("sweep_interval_ms",
+                                       "how often expired leases are swept (with evict_expired), "
+                                       "in milliseconds",
+                                       &Config::sweep_interval_ms, 0),
+                StringSetting<Config>("name", "name in logs and peers' error messages",
+                                      &Config::name),
+                node::MetricsPortSetting<Config>(&Config::metrics_port),
+                StringSetting<Config>("controller",
+                                      "controller host:port to register with as a STORE node and "
+                                      "heartbeat to (empty: do not register)",
+                                      &Config::controller, /*allow_empty=*/true),
+                AdvertiseAddressSetting(),
+                StringSetting<Config>(
+                    "local_socket",
+                    "Unix socket path (created 0600) on which the page pool's memfd is handed to "
+                    "processes on this host for zero-copy reads; every sequence in the pool is "
+                    "readable through it (empty: off)",
+                    &Config::local_socket, /*allow_empty=*/true),
+                ByteSizeSetting<Config>(
+                    "max_reply_bytes",
+                    "largest reply to one gather or range read (bigger requests "
+                    "are refused: split them)",
+                    &Config::max_reply_bytes),
+                ByteSizeSetting<Config>("max_outstanding_reply_bytes",
+                                        "most reply memory being filled or sent at once (past it "
+                                        "requests are refused as busy)",
+                                        &Config::max_outstanding_reply_bytes),
+                BoolSetting<Config>(
+                    "rma_reads",
+                    "register the page pool with UCX and hand its rkey to every client for RMA "
+                    "range reads; the rkey reads the whole pool past every sequence capability, so "
+                    "only on a trusted data-plane network; off: range reads go through checked "
+                    "messages",
+                    &Config::rma_reads),
+            },
     };
     for (node::Setting<Config>& s : node::TlsSettings<Config>(&Config::tls)) {
       t->settings.push_back(std::move(s));

@@ -162,8 +162,8 @@ absl::StatusOr<SettingValue> Parse(const SettingSpec& spec, const std::vector<st
       double v = 0;
       // !(v >= min && v <= max) also refuses NaN.
       if (!absl::SimpleAtod(text, &v) || !(v >= spec.min_number && v <= spec.max_number)) {
-        return Bad(text, absl::StrCat("a number in [", spec.min_number, ", ", spec.max_number,
-                                      "]"));
+        return Bad(text,
+                   absl::StrCat("a number in [", spec.min_number, ", ", spec.max_number, "]"));
       }
       return SettingValue(v);
     }
@@ -260,9 +260,9 @@ absl::StatusOr<std::vector<std::optional<RawValue>>> Collect(
           items.push_back(item.Scalar());
         }
       } else {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "config file ", path, ": ", key, ": expected a single value",
-            spec->type == SettingType::kList ? " or a list" : ""));
+        return absl::InvalidArgumentError(
+            absl::StrCat("config file ", path, ": ", key, ": expected a single value",
+                         spec->type == SettingType::kList ? " or a list" : ""));
       }
     }
   }
@@ -340,8 +340,8 @@ void AddOptions(CLI::App* app, const std::vector<const SettingSpec*>& specs,
   }
   std::string footer = kFooter;
   if (!env_prefix.empty() && !specs.empty()) {
-    absl::StrAppend(&footer, ", and an environment variable ", env_prefix,
-                    "<NAME IN CAPITALS> (", FlagName(specs.front()->name), " is ", env_prefix,
+    absl::StrAppend(&footer, ", and an environment variable ", env_prefix, "<NAME IN CAPITALS> (",
+                    FlagName(specs.front()->name), " is ", env_prefix,
                     absl::AsciiStrToUpper(specs.front()->name), ")");
   }
   app->footer(footer + ".");

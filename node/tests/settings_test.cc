@@ -42,23 +42,24 @@ const SettingTable<TestConfig>& Table() {
         .description = "kvr-test: a table of every setting type",
         .env_prefix = "KVR_TEST_",
         .legacy_env_prefixes = {"KVR_"},
-        .settings = {
-            StringSetting<TestConfig>("listen", "listen address", &TestConfig::listen),
-            StringSetting<TestConfig>("note", "free text", &TestConfig::note, true),
-            BoolSetting<TestConfig>("huge_pages", "try huge pages", &TestConfig::huge_pages),
-            IntegerSetting<TestConfig>("slots", "batch slots", &TestConfig::slots, 1),
-            MetricsPortSetting<TestConfig>(&TestConfig::metrics_port),
-            SecondsSetting<TestConfig>("lease_seconds", "lease", &TestConfig::lease_seconds),
-            SecondsSetting<TestConfig>("cache_seconds", "cache, 0 off", &TestConfig::cache_seconds,
-                                       true),
-            ByteSizeSetting<TestConfig>("pool_bytes", "pool size", &TestConfig::pool_bytes),
-            EnumSetting<TestConfig>("device", "where to run", &TestConfig::device,
-                                    {"cpu", "cuda"}),
-            ListSetting<TestConfig>("extra_arg", "extra arguments", &TestConfig::extra_args),
-            IntegerSetting<TestConfig>("depth", "a nested member", 
-                                       [](TestConfig& c) -> int32_t& { return c.nested.depth; },
-                                       0, 10),
-        },
+        .settings =
+            {
+                StringSetting<TestConfig>("listen", "listen address", &TestConfig::listen),
+                StringSetting<TestConfig>("note", "free text", &TestConfig::note, true),
+                BoolSetting<TestConfig>("huge_pages", "try huge pages", &TestConfig::huge_pages),
+                IntegerSetting<TestConfig>("slots", "batch slots", &TestConfig::slots, 1),
+                MetricsPortSetting<TestConfig>(&TestConfig::metrics_port),
+                SecondsSetting<TestConfig>("lease_seconds", "lease", &TestConfig::lease_seconds),
+                SecondsSetting<TestConfig>("cache_seconds", "cache, 0 off",
+                                           &TestConfig::cache_seconds, true),
+                ByteSizeSetting<TestConfig>("pool_bytes", "pool size", &TestConfig::pool_bytes),
+                EnumSetting<TestConfig>("device", "where to run", &TestConfig::device,
+                                        {"cpu", "cuda"}),
+                ListSetting<TestConfig>("extra_arg", "extra arguments", &TestConfig::extra_args),
+                IntegerSetting<TestConfig>(
+                    "depth", "a nested member",
+                    [](TestConfig& c) -> int32_t& { return c.nested.depth; }, 0, 10),
+            },
     };
     Setting<TestConfig> key =
         StringSetting<TestConfig>("api_key", "secret key", &TestConfig::api_key, true);
@@ -204,8 +205,11 @@ TEST_F(SettingsTest, ByteSizesAreDecimalOrBinaryAsWrittenAndPrintExactly) {
 
 TEST_F(SettingsTest, EffectiveConfigReadsBackAsTheSameConfig) {
   env_ = {{"KVR_TEST_EXTRA_ARG", "--a=1 --b"}};
-  auto r = Resolve({{"note", "a: b # c"}, {"device", "cuda"}, {"pool_bytes", "1000001"},
-                    {"lease_seconds", "0.25"}, {"huge_pages", "off"}});
+  auto r = Resolve({{"note", "a: b # c"},
+                    {"device", "cuda"},
+                    {"pool_bytes", "1000001"},
+                    {"lease_seconds", "0.25"},
+                    {"huge_pages", "off"}});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->config.extra_args, (std::vector<std::string>{"--a=1", "--b"}));
   const std::string text = FormatConfig(Table(), *r);

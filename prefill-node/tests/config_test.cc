@@ -13,18 +13,12 @@ using ::testing::HasSubstr;
 absl::StatusOr<PrefillConfig> Resolve(const std::map<std::string, std::string>& flags,
                                       std::optional<std::string> file,
                                       const std::map<std::string, std::string>& env) {
-  auto r = node::Resolve(PrefillSettings(), flags, file,
-                         [&](const std::string& n) -> std::optional<std::string> {
-                           auto it = env.find(n);
-                           if (it == env.end()) return std::nullopt;
-                           return it->second;
-                         });
-  if (!r.ok()) return r.status();
-  return r->config;
-}
-
-std::string FormatPrefillConfig(const PrefillConfig& c) {
-  return node::FormatConfig(PrefillSettings(), c);
+  return node::ResolveConfig(PrefillSettings(), flags, file,
+                             [&](const std::string& n) -> std::optional<std::string> {
+                               auto it = env.find(n);
+                               if (it == env.end()) return std::nullopt;
+                               return it->second;
+                             });
 }
 
 TEST(PrefillConfigTest, PrecedenceFlagOverFileOverEnvOverDefault) {
@@ -39,7 +33,7 @@ TEST(PrefillConfigTest, PrecedenceFlagOverFileOverEnvOverDefault) {
   EXPECT_EQ(c->threads, 3u);                // file
   EXPECT_EQ(c->controller, "host:1");       // env
   EXPECT_EQ(c->max_prefill_queries, 512u);  // default
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("chunk_tokens: 64\n"));
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("chunk_tokens: 64\n"));
 }
 
 TEST(PrefillConfigTest, BadValuesNameTheSettingAndSource) {
@@ -59,12 +53,12 @@ TEST(PrefillConfigTest, StoreDtypeFollowsTheDeviceUnlessSet) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->store_dtype, "f32");  // the CPU model runs in f32
   EXPECT_EQ(StoreDType(*c), kv_store::DType::kF32);
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("store_dtype: f32\n"));
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("store_dtype: f32\n"));
   c = Resolve({{"device", "cuda"}}, std::nullopt, {});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->store_dtype, "bf16");  // the GPU model's KV is bf16
   EXPECT_EQ(StoreDType(*c), kv_store::DType::kBf16);
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("store_dtype: bf16\n"));
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("store_dtype: bf16\n"));
   c = Resolve({{"device", "cuda"}}, std::nullopt, {{"KVR_PREFILL_STORE_DTYPE", "f32"}});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(StoreDType(*c), kv_store::DType::kF32);

@@ -56,11 +56,11 @@ TEST(ConfigTest, PrecedenceIsFlagThenFileThenEnvThenDefault) {
                       {"KVR_STORE_LISTEN", "1.2.3.4:5"}});
   auto config = Parse({"--config", path, "--listen", "127.0.0.1:0"}, env);
   ASSERT_TRUE(config.ok()) << config.status();
-  EXPECT_EQ(config->listen, "127.0.0.1:0");           // flag beats env
-  EXPECT_EQ(config->capacity_bytes, 2ull << 30);      // file beats env
-  EXPECT_TRUE(config->evict_expired);                 // file beats env
-  EXPECT_EQ(config->page_bytes, 128u << 10);          // env beats default
-  EXPECT_EQ(config->data_plane_threads, 2u);          // default
+  EXPECT_EQ(config->listen, "127.0.0.1:0");       // flag beats env
+  EXPECT_EQ(config->capacity_bytes, 2ull << 30);  // file beats env
+  EXPECT_TRUE(config->evict_expired);             // file beats env
+  EXPECT_EQ(config->page_bytes, 128u << 10);      // env beats default
+  EXPECT_EQ(config->data_plane_threads, 2u);      // default
   const std::string described = config->text;
   EXPECT_THAT(described, HasSubstr("listen: 127.0.0.1:0  # flag"));
   EXPECT_THAT(described, HasSubstr("capacity_bytes: 2GiB  # file"));
@@ -94,7 +94,9 @@ TEST(ConfigTest, BadValuesNameTheOptionAndSource) {
   EXPECT_THAT(st.message(), HasSubstr("capacity_bytes"));
   EXPECT_THAT(st.message(), HasSubstr("flag"));
   st = Parse({}, FakeEnv({{"KVR_STORE_EVICT_EXPIRED", "maybe"}})).status();
-  EXPECT_THAT(st.message(), HasSubstr("evict_expired (environment KVR_STORE_EVICT_EXPIRED): 'maybe' is not a boolean"));
+  EXPECT_THAT(
+      st.message(),
+      HasSubstr("evict_expired (environment KVR_STORE_EVICT_EXPIRED): 'maybe' is not a boolean"));
   st = Parse({"--config", WriteYaml("capacity: 1\n")}, FakeEnv({})).status();
   EXPECT_THAT(st.message(), HasSubstr("unknown setting 'capacity'"));
   st = Parse({"--no-such-flag"}, FakeEnv({})).status();

@@ -49,7 +49,7 @@ struct DecodeConfig {
   // missed rows fetched through the store's data plane, any store), "auto" (in place when the
   // store is on this host, else fetched).
   std::string gpu_row_source = "in-place";
-  uint32_t gpu_budget = 1024;       // selected tokens per KV head and step
+  uint32_t gpu_budget = 1024;  // selected tokens per KV head and step
   // The controller's defaults for requests that set none (controller/src/config.cc:
   // default_n_sink, default_local_window), so that `kvr up --device cuda` serves them as is.
   uint32_t gpu_n_sink = 64;

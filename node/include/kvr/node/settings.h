@@ -236,6 +236,17 @@ template <typename Config>
   return Resolve(table, values, config_file, env);
 }
 
+// The config alone, for callers that print no sources (tests).
+template <typename Config>
+[[nodiscard]] absl::StatusOr<Config> ResolveConfig(const SettingTable<Config>& table,
+                                                   const std::map<std::string, std::string>& flags,
+                                                   const std::optional<std::string>& config_file,
+                                                   const EnvLookup& env) {
+  absl::StatusOr<ResolvedConfig<Config>> r = Resolve(table, flags, config_file, env);
+  if (!r.ok()) return r.status();
+  return std::move(r->config);
+}
+
 // The effective configuration, valid YAML: a `name: value  # source` line per setting
 // (sources left out when `resolved` has none).
 template <typename Config>
@@ -252,8 +263,8 @@ std::string FormatConfig(const SettingTable<Config>& table, const Config& config
 // `kvr up`); after app parses, Resolve(table, out->flags, out->config_file, env).
 template <typename Config>
 void AddSettingOptions(CLI::App* app, const SettingTable<Config>& table, CommandLine* out) {
-  settings_internal::AddOptions(app, Specs(table), FormatValues(table, Config{}),
-                                table.env_prefix, out);
+  settings_internal::AddOptions(app, Specs(table), FormatValues(table, Config{}), table.env_prefix,
+                                out);
 }
 
 // Parses a process's argv and resolves its config. CANCELLED carries the text to print for
@@ -262,9 +273,9 @@ template <typename Config>
 [[nodiscard]] absl::StatusOr<ResolvedConfig<Config>> ParseCommandLine(
     const SettingTable<Config>& table, int argc, const char* const* argv, const EnvLookup& env,
     bool* print_config = nullptr) {
-  absl::StatusOr<CommandLine> line = settings_internal::ParseArgs(
-      table.program, table.description, Specs(table), FormatValues(table, Config{}),
-      table.env_prefix, argc, argv);
+  absl::StatusOr<CommandLine> line =
+      settings_internal::ParseArgs(table.program, table.description, Specs(table),
+                                   FormatValues(table, Config{}), table.env_prefix, argc, argv);
   if (!line.ok()) return line.status();
   if (print_config != nullptr) *print_config = line->print_config;
   return Resolve(table, line->flags, line->config_file, env);
@@ -327,12 +338,13 @@ Setting<Config> EnumSetting(std::string name, std::string help, Ref ref,
 
 template <typename Config, typename Ref>
 Setting<Config> BoolSetting(std::string name, std::string help, Ref ref) {
-  return {SettingSpec{.name = std::move(name), .help = std::move(help), .type = SettingType::kBool},
-          [ref](Config& c, const SettingValue& v) {
-            settings_internal::Field(ref, c) = std::get<bool>(v);
-            return absl::OkStatus();
-          },
-          [ref](const Config& c) { return SettingValue(bool(settings_internal::FieldValue(ref, c))); }};
+  return {
+      SettingSpec{.name = std::move(name), .help = std::move(help), .type = SettingType::kBool},
+      [ref](Config& c, const SettingValue& v) {
+        settings_internal::Field(ref, c) = std::get<bool>(v);
+        return absl::OkStatus();
+      },
+      [ref](const Config& c) { return SettingValue(bool(settings_internal::FieldValue(ref, c))); }};
 }
 
 // An integer in [min, max] (max defaults to the largest value of the member's type).
@@ -375,8 +387,7 @@ Setting<Config> SecondsSetting(std::string name, std::string help, Ref ref,
 
 // A real number in [min, max] (a fraction: 0, 1).
 template <typename Config, typename Ref>
-Setting<Config> NumberSetting(std::string name, std::string help, Ref ref, double min,
-                              double max) {
+Setting<Config> NumberSetting(std::string name, std::string help, Ref ref, double min, double max) {
   Setting<Config> s = SecondsSetting<Config>(std::move(name), std::move(help), ref);
   s.spec.type = SettingType::kNumber;
   s.spec.min_number = min;
