@@ -318,7 +318,7 @@ void AddOptions(CLI::App* app, const std::vector<const SettingSpec*>& specs,
         FlagName(spec.name),
         [out, name = spec.name, type = spec.type](const CLI::results_t& r) {
           std::vector<std::string>& values = out->flags[name];
-          if (type == SettingType::kBool && r.empty()) {
+          if (type == SettingType::kBool && (r.empty() || r.back().empty())) {
             values = {"true"};
           } else if (type == SettingType::kList) {
             values.insert(values.end(), r.begin(), r.end());
@@ -328,8 +328,14 @@ void AddOptions(CLI::App* app, const std::vector<const SettingSpec*>& specs,
           return true;
         },
         spec.help);
-    option->type_name(TypeName(spec));
-    if (spec.type != SettingType::kList || defaults[i] != "[]") option->default_str(defaults[i]);
+    if (spec.type == SettingType::kBool) {
+      // CLI11 gives a bare option the default string as its value: the default is shown in
+      // the type name instead, so that a bare --flag means true.
+      option->type_name(absl::StrCat(TypeName(spec), "=", defaults[i]));
+    } else {
+      option->type_name(TypeName(spec));
+      if (spec.type != SettingType::kList || defaults[i] != "[]") option->default_str(defaults[i]);
+    }
     if (spec.type == SettingType::kBool) {
       option->expected(0, 1);
     } else if (spec.type == SettingType::kList) {

@@ -242,6 +242,7 @@ TEST_F(SettingsTest, CommandLineIsTypedAndShowsDefaults) {
   EXPECT_THAT(text, HasSubstr("4GB (x 1000^3)"));
 
   bool print = false;
+  env_ = {{"KVR_TEST_HUGE_PAGES", "false"}};  // a bare flag means true, over the environment
   auto r = Parse({"--huge-pages", "--slots=3", "--slots", "6", "--extra-arg=--x=1", "--extra-arg",
                   "--y", "--print-config"},
                  &print);
@@ -250,6 +251,10 @@ TEST_F(SettingsTest, CommandLineIsTypedAndShowsDefaults) {
   EXPECT_TRUE(r->config.huge_pages);
   EXPECT_EQ(r->config.slots, 6u);  // the last one given
   EXPECT_EQ(r->config.extra_args, (std::vector<std::string>{"--x=1", "--y"}));
+  env_.clear();
+  r = Parse({"--slots=3", "--huge-pages"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->config.huge_pages);
   r = Parse({"--huge-pages=false"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->config.huge_pages);

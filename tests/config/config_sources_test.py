@@ -170,6 +170,9 @@ def main():
     check(file_values == flag_values, f"kvr up: flag and file differ:\n{file_values}\n{flag_values}")
     check(file_values.get("decode_arg") == "[--batch-slots=32, \"--gpu-lanes=exact,pariskv\"]",
           f"kvr up: decode_arg is {file_values.get('decode_arg')}")
+    r = run([args.kvr, "up", "--print-config", "--insecure", "--detach=false"])
+    check(effective(r.stdout).get("insecure") == ("true", "flag"),
+          f"kvr up: a bare --insecure is not true: {r.stdout} {r.stderr}")
     typo = write(tmp, "up-typo.yaml", "store: 2\n")
     r = run([args.kvr, "up", "--config", typo])
     check(r.returncode != 0 and "unknown setting 'store'" in r.stderr,
