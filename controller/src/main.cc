@@ -14,12 +14,10 @@
 #include <memory>
 #include <thread>
 
-#include "CLI/CLI.hpp"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
-#include "kvr/common/version.h"
 #include "kvr/common/tls.h"
 #include "kvr/controller/clock.h"
 #include "kvr/controller/config.h"
@@ -168,32 +166,9 @@ int Serve(const ControllerConfig& config) {
 }  // namespace kvr::controller
 
 int main(int argc, char** argv) {
-  using namespace kvr::controller;
-  CLI::App app{"kvr-controller: membership, placement and the public Generation API"};
-  app.set_version_flag("--version", kvr::VersionLine("kvr-controller"));
-  ConfigValues flag_values;
-  std::string config_file;
-  app.add_option("--config", config_file, "YAML file of settings (flag > file > KVR_* env)");
-  for (const ConfigField& field : ControllerConfigFields()) {
-    std::string flag = "--" + field.name;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    app.add_option_function<std::string>(
-        flag, [&flag_values, name = field.name](const std::string& v) { flag_values[name] = v; },
-        field.help);
-  }
-  CLI11_PARSE(app, argc, argv);
-
-  absl::StatusOr<ControllerConfig> config = ResolveControllerConfig(
-      flag_values, config_file.empty() ? std::nullopt : std::optional<std::string>(config_file),
-      [](const std::string& name) -> std::optional<std::string> {
-        const char* v = std::getenv(name.c_str());
-        if (v == nullptr) return std::nullopt;
-        return std::string(v);
-      });
-  if (!config.ok()) {
-    std::cerr << "kvr-controller: " << config.status().message() << "\n";
-    return 2;
-  }
-  std::cout << "# kvr-controller effective config\n" << FormatConfig(*config) << std::flush;
-  return Serve(*config);
+  int exit_code = 0;
+  std::optional<kvr::controller::ControllerConfig> config =
+      kvr::node::LoadConfigOrExit(kvr::controller::ControllerSettings(), argc, argv, &exit_code);
+  if (!config) return exit_code;
+  return kvr::controller::Serve(*config);
 }

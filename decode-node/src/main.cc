@@ -14,11 +14,11 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
 
-#include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -26,7 +26,6 @@
 #include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
-#include "kvr/common/version.h"
 #include "kvr/common/tls.h"
 #include "kvr/decode/config.h"
 #include "kvr/decode/cuda_backend.h"
@@ -292,31 +291,9 @@ int Serve(const DecodeConfig& config) {
 }  // namespace kvr::decode
 
 int main(int argc, char** argv) {
-  using namespace kvr::decode;
-  CLI::App app{"kvr-decode: decode node (continuous batching over retrieved KV)"};
-  app.set_version_flag("--version", kvr::VersionLine("kvr-decode"));
-  DecodeConfigValues flag_values;
-  std::string config_file;
-  app.add_option("--config", config_file, "YAML file of settings (flag > file > KVR_DECODE_* env)");
-  for (const DecodeConfigField& field : DecodeConfigFields()) {
-    std::string flag = "--" + field.name;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    app.add_option_function<std::string>(
-        flag, [&flag_values, name = field.name](const std::string& v) { flag_values[name] = v; },
-        field.help);
-  }
-  CLI11_PARSE(app, argc, argv);
-  absl::StatusOr<DecodeConfig> config = ResolveDecodeConfig(
-      flag_values, config_file.empty() ? std::nullopt : std::optional<std::string>(config_file),
-      [](const std::string& name) -> std::optional<std::string> {
-        const char* v = std::getenv(name.c_str());
-        if (v == nullptr) return std::nullopt;
-        return std::string(v);
-      });
-  if (!config.ok()) {
-    std::cerr << "kvr-decode: " << config.status().message() << "\n";
-    return 2;
-  }
-  std::cout << "# kvr-decode effective config\n" << FormatDecodeConfig(*config) << std::flush;
-  return Serve(*config);
+  int exit_code = 0;
+  std::optional<kvr::decode::DecodeConfig> config =
+      kvr::node::LoadConfigOrExit(kvr::decode::DecodeSettings(), argc, argv, &exit_code);
+  if (!config) return exit_code;
+  return kvr::decode::Serve(*config);
 }

@@ -26,7 +26,7 @@ using ::testing::HasSubstr;
 std::optional<std::string> NoEnv(const std::string&) { return std::nullopt; }
 
 TEST(DecodeBackendConfigTest, DeviceAndGpuSettingsParseFromFlagFileAndEnv) {
-  auto c = ResolveDecodeConfig({}, std::nullopt, NoEnv);
+  auto c = node::ResolveConfig(DecodeSettings(), {}, std::nullopt, NoEnv);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->device, "cpu");
   EXPECT_EQ(c->gpu_method, "quest");
@@ -43,28 +43,29 @@ TEST(DecodeBackendConfigTest, DeviceAndGpuSettingsParseFromFlagFileAndEnv) {
     if (name == "KVR_DECODE_GPU_LOCAL_WINDOW") return "128";
     return std::nullopt;
   };
-  c = ResolveDecodeConfig({{"gpu_max_context", "32768"}}, path, env);
+  c = node::ResolveConfig(DecodeSettings(), {{"gpu_max_context", "32768"}}, path, env);
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->device, "cuda");            // file
-  EXPECT_EQ(c->gpu_budget, 512u);          // file over env
-  EXPECT_EQ(c->cuda_device, 2u);           // env
-  EXPECT_EQ(c->gpu_local_window, 128u);    // env
-  EXPECT_EQ(c->gpu_max_context, 32768u);   // flag
-  EXPECT_THAT(FormatDecodeConfig(*c), HasSubstr("device: cuda"));
-  EXPECT_THAT(FormatDecodeConfig(*c), HasSubstr("gpu_budget: 512"));
+  EXPECT_EQ(c->device, "cuda");           // file
+  EXPECT_EQ(c->gpu_budget, 512u);         // file over env
+  EXPECT_EQ(c->cuda_device, 2u);          // env
+  EXPECT_EQ(c->gpu_local_window, 128u);   // env
+  EXPECT_EQ(c->gpu_max_context, 32768u);  // flag
+  EXPECT_THAT(node::FormatConfig(DecodeSettings(), *c), HasSubstr("device: cuda"));
+  EXPECT_THAT(node::FormatConfig(DecodeSettings(), *c), HasSubstr("gpu_budget: 512"));
   std::remove(path.c_str());
 
-  auto bad = ResolveDecodeConfig({{"device", "tpu"}}, std::nullopt, NoEnv);
+  auto bad = node::ResolveConfig(DecodeSettings(), {{"device", "tpu"}}, std::nullopt, NoEnv);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("device (flag --device)"));
-  auto ckv = ResolveDecodeConfig({{"gpu_method", "clusterkv"}}, std::nullopt, NoEnv);
+  auto ckv =
+      node::ResolveConfig(DecodeSettings(), {{"gpu_method", "clusterkv"}}, std::nullopt, NoEnv);
   ASSERT_TRUE(ckv.ok()) << ckv.status();
   EXPECT_EQ(ckv->gpu_method, "clusterkv");
-  bad = ResolveDecodeConfig({{"gpu_method", "ctkvr"}}, std::nullopt, NoEnv);
+  bad = node::ResolveConfig(DecodeSettings(), {{"gpu_method", "ctkvr"}}, std::nullopt, NoEnv);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("gpu_method (flag --gpu-method)"));
-  EXPECT_THAT(bad.status().message(), HasSubstr("quest or clusterkv"));
-  bad = ResolveDecodeConfig({{"gpu_budget", "0"}}, std::nullopt, NoEnv);
+  EXPECT_THAT(bad.status().message(), HasSubstr("one of quest, clusterkv"));
+  bad = node::ResolveConfig(DecodeSettings(), {{"gpu_budget", "0"}}, std::nullopt, NoEnv);
   EXPECT_THAT(bad.status().message(), HasSubstr("gpu_budget"));
 }
 
@@ -169,8 +170,8 @@ TEST(CudaBackendCheckTest, HostSelectsTheRegistrysOtherMethods) {
   h.local_window = 64;
   h.prompt_tokens = 200;
   h.sampling.max_tokens = 50;
-  for (const char* m : {"exact", "streaming", "clusterkv", "ctkvr", "pariskv", "a2ats", "keydiff",
-                        "full"}) {
+  for (const char* m :
+       {"exact", "streaming", "clusterkv", "ctkvr", "pariskv", "a2ats", "keydiff", "full"}) {
     h.method = m;
     EXPECT_TRUE(CheckHandoffForCudaBackend(h, o).ok()) << m;
   }

@@ -17,61 +17,68 @@ TEST(DecodeConfigTest, FlagBeatsFileBeatsEnvBeatsDefault) {
     if (name == "KVR_DECODE_HOT_CACHE_BYTES") return "7";
     return std::nullopt;
   };
-  auto config = ResolveDecodeConfig({{"hot_cache_bytes", "42"}}, path, env);
+  auto config = node::ResolveConfig(DecodeSettings(), {{"hot_cache_bytes", "42"}}, path, env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->hot_cache_bytes, 42);  // flag
   EXPECT_EQ(config->batch_slots, 5u);      // file over env
   EXPECT_EQ(config->memory_bytes, 4096);   // env
   EXPECT_EQ(config->log_level, "info");    // default
-  EXPECT_NE(FormatDecodeConfig(*config).find("batch_slots: 5"), std::string::npos);
+  EXPECT_NE(node::FormatConfig(DecodeSettings(), *config).find("batch_slots: 5"),
+            std::string::npos);
 
-  auto bad = ResolveDecodeConfig({{"batch_slots", "0"}}, std::nullopt, env);
+  auto bad = node::ResolveConfig(DecodeSettings(), {{"batch_slots", "0"}}, std::nullopt, env);
   EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
   EXPECT_NE(bad.status().message().find("batch_slots (flag --batch-slots)"), std::string::npos);
   std::ofstream(path) << "bogus: 1\n";
-  EXPECT_TRUE(absl::IsInvalidArgument(ResolveDecodeConfig({}, path, env).status()));
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(node::ResolveConfig(DecodeSettings(), {}, path, env).status()));
   std::remove(path.c_str());
 }
 
 TEST(DecodeConfigTest, ByteSizesAreDecimalOrBinaryAsWritten) {
   auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
-  auto config = ResolveDecodeConfig({{"memory_bytes", "8GiB"}, {"hot_cache_bytes", "256MB"}},
+  auto config = node::ResolveConfig(DecodeSettings(),
+                                    {{"memory_bytes", "8GiB"}, {"hot_cache_bytes", "256MB"}},
                                     std::nullopt, no_env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->memory_bytes, 8ll << 30);
   EXPECT_EQ(config->hot_cache_bytes, 256'000'000);
   EXPECT_TRUE(absl::IsInvalidArgument(
-      ResolveDecodeConfig({{"memory_bytes", "0GiB"}}, std::nullopt, no_env).status()));
+      node::ResolveConfig(DecodeSettings(), {{"memory_bytes", "0GiB"}}, std::nullopt, no_env)
+          .status()));
   EXPECT_TRUE(absl::IsInvalidArgument(
-      ResolveDecodeConfig({{"memory_bytes", "8 parsecs"}}, std::nullopt, no_env).status()));
+      node::ResolveConfig(DecodeSettings(), {{"memory_bytes", "8 parsecs"}}, std::nullopt, no_env)
+          .status()));
 }
 
 TEST(DecodeConfigTest, QualitySampleRateIsAFractionFromFlagFileOrEnv) {
   auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
-  auto config = ResolveDecodeConfig({}, std::nullopt, no_env);
+  auto config = node::ResolveConfig(DecodeSettings(), {}, std::nullopt, no_env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->quality_sample_rate, 0.0);  // off by default
 
-  config = ResolveDecodeConfig({{"quality_sample_rate", "0.25"}}, std::nullopt, no_env);
+  config = node::ResolveConfig(DecodeSettings(), {{"quality_sample_rate", "0.25"}}, std::nullopt,
+                               no_env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->quality_sample_rate, 0.25);
   auto env = [](const std::string& name) -> std::optional<std::string> {
     if (name == "KVR_DECODE_QUALITY_SAMPLE_RATE") return "1";
     return std::nullopt;
   };
-  config = ResolveDecodeConfig({}, std::nullopt, env);
+  config = node::ResolveConfig(DecodeSettings(), {}, std::nullopt, env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->quality_sample_rate, 1.0);
 
   for (const char* bad : {"1.5", "-0.1", "nan", "often"}) {
-    auto refused = ResolveDecodeConfig({{"quality_sample_rate", bad}}, std::nullopt, no_env);
+    auto refused =
+        node::ResolveConfig(DecodeSettings(), {{"quality_sample_rate", bad}}, std::nullopt, no_env);
     EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << bad;
     EXPECT_NE(refused.status().message().find("--quality-sample-rate"), std::string::npos)
         << refused.status();
   }
   const std::string path = ::testing::TempDir() + "/decode_quality_config_test.yaml";
   std::ofstream(path) << "quality_sample_rate: 2\n";
-  auto from_file = ResolveDecodeConfig({}, path, no_env);
+  auto from_file = node::ResolveConfig(DecodeSettings(), {}, path, no_env);
   EXPECT_TRUE(absl::IsInvalidArgument(from_file.status()));
   EXPECT_NE(from_file.status().message().find("quality_sample_rate"), std::string::npos);
   std::remove(path.c_str());
@@ -79,30 +86,32 @@ TEST(DecodeConfigTest, QualitySampleRateIsAFractionFromFlagFileOrEnv) {
 
 TEST(DecodeConfigTest, GpuLanesAreACommaSeparatedListOfKnownLanes) {
   auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
-  auto config = ResolveDecodeConfig({}, std::nullopt, no_env);
+  auto config = node::ResolveConfig(DecodeSettings(), {}, std::nullopt, no_env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_TRUE(config->gpu_lanes.empty());  // none by default: a lane holds codes per slot
-  config = ResolveDecodeConfig({{"gpu_lanes", "pariskv"}}, std::nullopt, no_env);
+  config = node::ResolveConfig(DecodeSettings(), {{"gpu_lanes", "pariskv"}}, std::nullopt, no_env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->gpu_lanes, std::vector<std::string>{"pariskv"});
-  auto refused = ResolveDecodeConfig({{"gpu_lanes", "pariskv,ctkvr"}}, std::nullopt, no_env);
+  auto refused =
+      node::ResolveConfig(DecodeSettings(), {{"gpu_lanes", "pariskv,ctkvr"}}, std::nullopt, no_env);
   EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
   EXPECT_NE(refused.status().message().find("ctkvr"), std::string::npos) << refused.status();
 }
 
 TEST(DecodeConfigTest, GpuRowSourceIsInPlaceFetchOrAuto) {
   auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
-  auto config = ResolveDecodeConfig({}, std::nullopt, no_env);
+  auto config = node::ResolveConfig(DecodeSettings(), {}, std::nullopt, no_env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->gpu_row_source, "in-place");
   for (const std::string v : {"fetch", "auto"}) {
-    config = ResolveDecodeConfig({{"gpu_row_source", v}}, std::nullopt, no_env);
+    config = node::ResolveConfig(DecodeSettings(), {{"gpu_row_source", v}}, std::nullopt, no_env);
     ASSERT_TRUE(config.ok()) << config.status();
     EXPECT_EQ(config->gpu_row_source, v);
   }
-  auto refused = ResolveDecodeConfig({{"gpu_row_source", "rdma"}}, std::nullopt, no_env);
+  auto refused =
+      node::ResolveConfig(DecodeSettings(), {{"gpu_row_source", "rdma"}}, std::nullopt, no_env);
   EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
-  EXPECT_NE(refused.status().message().find("in-place, fetch or auto"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("one of in-place, fetch, auto"), std::string::npos)
       << refused.status();
 }
 

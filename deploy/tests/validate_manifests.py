@@ -126,7 +126,7 @@ def binary(container):
 
 # The KVR_* environment prefix of each node binary's settings (flag > file > env > default).
 ENV_PREFIX = {"kvr-prefill": "KVR_PREFILL_", "kvr-decode": "KVR_DECODE_", "kvr-store": "KVR_STORE_",
-              "kvr-controller": "KVR_"}
+              "kvr-controller": "KVR_CONTROLLER_"}
 
 
 def effective_config(container, spec, configmaps):

@@ -8,14 +8,15 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <optional>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kvr/common/tls.h"
-#include "kvr/kv_store/config.h"
 #include "kvr/kv_store/server.h"
 #include "kvr/node/membership_client.h"
 #include "kvr/store/v1/store.grpc.pb.h"
+#include "store_config.h"
 
 namespace {
 
@@ -46,17 +47,10 @@ absl::StatusOr<kvr::store::v1::GetDataPlaneInfoResponse> OwnDataPlaneInfo(
 }  // namespace
 
 int main(int argc, char** argv) {
-  using kvr::kv_store::ParseStoreConfig;
-  absl::StatusOr<kvr::kv_store::StoreConfig> config =
-      ParseStoreConfig(argc, argv, kvr::kv_store::ProcessEnv());
-  if (!config.ok()) {
-    if (absl::IsCancelled(config.status())) {  // --help
-      std::printf("%s", std::string(config.status().message()).c_str());
-      return 0;
-    }
-    std::fprintf(stderr, "kvr-store: %s\n", std::string(config.status().message()).c_str());
-    return 2;
-  }
+  int exit_code = 0;
+  std::optional<kvr::kv_store::StoreConfig> config =
+      kvr::node::LoadConfigOrExit(kvr::kv_store::StoreSettings(), argc, argv, &exit_code);
+  if (!config) return exit_code;
   // SIGTERM/SIGINT are blocked before any thread starts (threads inherit the mask) and taken
   // synchronously below with sigwait: shutdown then runs on the main thread, outside any
   // signal handler.
@@ -66,7 +60,6 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  std::printf("kvr-store effective config:\n%s", config->Describe().c_str());
   absl::StatusOr<std::unique_ptr<kvr::kv_store::StoreServer>> server =
       kvr::kv_store::StoreServer::Start(config->ToServerOptions());
   if (!server.ok()) {

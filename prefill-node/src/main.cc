@@ -13,9 +13,9 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <thread>
 
-#include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -23,7 +23,6 @@
 #include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
-#include "kvr/common/version.h"
 #include "kvr/common/tls.h"
 #include "kvr/model/loader.h"
 #include "kvr/node/membership_client.h"
@@ -332,32 +331,9 @@ int Serve(const PrefillConfig& config) {
 }  // namespace kvr::prefill_node
 
 int main(int argc, char** argv) {
-  using namespace kvr::prefill_node;
-  CLI::App app{"kvr-prefill: prefill node (prompt -> KV store + decode-node handoff)"};
-  app.set_version_flag("--version", kvr::VersionLine("kvr-prefill"));
-  ConfigValues flag_values;
-  std::string config_file;
-  app.add_option("--config", config_file,
-                 "YAML file of settings (flag > file > KVR_PREFILL_* env)");
-  for (const PrefillConfigField& field : PrefillConfigFields()) {
-    std::string flag = "--" + field.name;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    app.add_option_function<std::string>(
-        flag, [&flag_values, name = field.name](const std::string& v) { flag_values[name] = v; },
-        field.help);
-  }
-  CLI11_PARSE(app, argc, argv);
-  absl::StatusOr<PrefillConfig> config = ResolvePrefillConfig(
-      flag_values, config_file.empty() ? std::nullopt : std::optional<std::string>(config_file),
-      [](const std::string& name) -> std::optional<std::string> {
-        const char* v = std::getenv(name.c_str());
-        if (v == nullptr) return std::nullopt;
-        return std::string(v);
-      });
-  if (!config.ok()) {
-    std::cerr << "kvr-prefill: " << config.status().message() << "\n";
-    return 2;
-  }
-  std::cout << "# kvr-prefill effective config\n" << FormatPrefillConfig(*config) << std::flush;
-  return Serve(*config);
+  int exit_code = 0;
+  std::optional<kvr::prefill_node::PrefillConfig> config =
+      kvr::node::LoadConfigOrExit(kvr::prefill_node::PrefillSettings(), argc, argv, &exit_code);
+  if (!config) return exit_code;
+  return kvr::prefill_node::Serve(*config);
 }

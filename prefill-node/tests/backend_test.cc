@@ -8,6 +8,7 @@
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/weights.h"
+#include "kvr/prefill_node/config.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 
 namespace kvr::prefill_node {
@@ -62,38 +63,39 @@ TEST(PrefillBackendTest, DeviceSettingParsesAndNamesBadValues) {
     if (n == "KVR_PREFILL_CUDA_DEVICE") return "1";
     return std::nullopt;
   };
-  auto c = ResolvePrefillConfig({}, std::nullopt, env);
+  auto c = node::ResolveConfig(PrefillSettings(), {}, std::nullopt, env);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->device, "cuda");
   EXPECT_EQ(c->cuda_device, 1u);
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("device: \"cuda\""));
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("cuda_device: \"1\""));
-  c = ResolvePrefillConfig({{"device", "cpu"}}, std::nullopt, env);  // flag over env
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("device: cuda\n"));
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("cuda_device: 1\n"));
+  c = node::ResolveConfig(PrefillSettings(), {{"device", "cpu"}}, std::nullopt,
+                          env);  // flag over env
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->device, "cpu");
-  EXPECT_EQ(ResolvePrefillConfig({}, std::nullopt,
-                                 [](const std::string&) { return std::optional<std::string>(); })
+  EXPECT_EQ(node::ResolveConfig(PrefillSettings(), {}, std::nullopt,
+                                [](const std::string&) { return std::optional<std::string>(); })
                 ->device,
             "cpu");  // default
-  c = ResolvePrefillConfig({{"device", "gpu"}}, std::nullopt, env);
+  c = node::ResolveConfig(PrefillSettings(), {{"device", "gpu"}}, std::nullopt, env);
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(), HasSubstr("device (flag --device)"));
-  EXPECT_THAT(c.status().message(), HasSubstr("cpu or cuda"));
-  c = ResolvePrefillConfig({{"cuda_device", "-1"}}, std::nullopt, env);
+  EXPECT_THAT(c.status().message(), HasSubstr("one of cpu, cuda"));
+  c = node::ResolveConfig(PrefillSettings(), {{"cuda_device", "-1"}}, std::nullopt, env);
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(), HasSubstr("cuda_device"));
 }
 
 TEST(PrefillBackendTest, GpuSummariesSettingParses) {
   auto none = [](const std::string&) { return std::optional<std::string>(); };
-  auto c = ResolvePrefillConfig({}, std::nullopt, none);
+  auto c = node::ResolveConfig(PrefillSettings(), {}, std::nullopt, none);
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE(c->gpu_summaries);  // default: quest / clusterkv summaries on the GPU
-  c = ResolvePrefillConfig({{"gpu_summaries", "false"}}, std::nullopt, none);
+  c = node::ResolveConfig(PrefillSettings(), {{"gpu_summaries", "false"}}, std::nullopt, none);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_FALSE(c->gpu_summaries);
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("gpu_summaries: \"false\""));
-  c = ResolvePrefillConfig({{"gpu_summaries", "yes"}}, std::nullopt, none);
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("gpu_summaries: false\n"));
+  c = node::ResolveConfig(PrefillSettings(), {{"gpu_summaries", "perhaps"}}, std::nullopt, none);
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(), HasSubstr("gpu_summaries"));
   EXPECT_THAT(c.status().message(), HasSubstr("true or false"));

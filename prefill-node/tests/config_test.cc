@@ -10,13 +10,15 @@ namespace {
 
 using ::testing::HasSubstr;
 
-absl::StatusOr<PrefillConfig> Resolve(const ConfigValues& flags, std::optional<std::string> file,
+absl::StatusOr<PrefillConfig> Resolve(const std::map<std::string, std::string>& flags,
+                                      std::optional<std::string> file,
                                       const std::map<std::string, std::string>& env) {
-  return ResolvePrefillConfig(flags, file, [&](const std::string& n) -> std::optional<std::string> {
-    auto it = env.find(n);
-    if (it == env.end()) return std::nullopt;
-    return it->second;
-  });
+  return node::ResolveConfig(PrefillSettings(), flags, file,
+                             [&](const std::string& n) -> std::optional<std::string> {
+                               auto it = env.find(n);
+                               if (it == env.end()) return std::nullopt;
+                               return it->second;
+                             });
 }
 
 TEST(PrefillConfigTest, PrecedenceFlagOverFileOverEnvOverDefault) {
@@ -31,7 +33,7 @@ TEST(PrefillConfigTest, PrecedenceFlagOverFileOverEnvOverDefault) {
   EXPECT_EQ(c->threads, 3u);                // file
   EXPECT_EQ(c->controller, "host:1");       // env
   EXPECT_EQ(c->max_prefill_queries, 512u);  // default
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("chunk_tokens: \"64\""));
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("chunk_tokens: 64\n"));
 }
 
 TEST(PrefillConfigTest, BadValuesNameTheSettingAndSource) {
@@ -51,12 +53,12 @@ TEST(PrefillConfigTest, StoreDtypeFollowsTheDeviceUnlessSet) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->store_dtype, "f32");  // the CPU model runs in f32
   EXPECT_EQ(StoreDType(*c), kv_store::DType::kF32);
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("store_dtype: \"f32\""));
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("store_dtype: f32\n"));
   c = Resolve({{"device", "cuda"}}, std::nullopt, {});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->store_dtype, "bf16");  // the GPU model's KV is bf16
   EXPECT_EQ(StoreDType(*c), kv_store::DType::kBf16);
-  EXPECT_THAT(FormatPrefillConfig(*c), HasSubstr("store_dtype: \"bf16\""));
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("store_dtype: bf16\n"));
   c = Resolve({{"device", "cuda"}}, std::nullopt, {{"KVR_PREFILL_STORE_DTYPE", "f32"}});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(StoreDType(*c), kv_store::DType::kF32);
@@ -70,7 +72,7 @@ TEST(PrefillConfigTest, StoreDtypeFollowsTheDeviceUnlessSet) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(c.status().message(), HasSubstr("store_dtype"));
   EXPECT_THAT(c.status().message(), HasSubstr("KVR_PREFILL_STORE_DTYPE"));
-  EXPECT_THAT(c.status().message(), HasSubstr("f32 or bf16"));
+  EXPECT_THAT(c.status().message(), HasSubstr("one of f32, bf16"));
 }
 
 TEST(PrefillConfigTest, ServedModelName) {

@@ -8,7 +8,7 @@ Checks, through the client's own API and exceptions:
   * the "kvr" extension field selects the retrieval method and is reported back;
   * /v1/models lists the model; unknown model -> NotFoundError (404); n=2, chat logprobs and
     tools -> BadRequestError (400) naming the field; a wrong API key -> AuthenticationError
-    (401) (the cluster runs with KVR_API_KEY set);
+    (401) (the cluster runs with KVR_CONTROLLER_API_KEY set);
   * a client that closes a stream mid-way frees its sequence: the store holds no sequence
     within 1 s (kvr_store_sequences - kvr_store_cached_sequences on the store's /metrics; it is
     > 0 while the stream runs),
@@ -83,7 +83,7 @@ def main():
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="kvr-openai-") as log_dir:
         cluster = Cluster(args.kvr, log_dir, ["--store-capacity", "1GiB"],
-                          env=dict(os.environ, KVR_API_KEY=API_KEY))
+                          env=dict(os.environ, KVR_CONTROLLER_API_KEY=API_KEY))
         try:
             run(openai, args.kvr, cluster)
         finally:

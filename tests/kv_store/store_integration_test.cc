@@ -585,8 +585,8 @@ TEST(StoreProcessTest, PrintsEffectiveConfigAndStopsGracefullyOnSigterm) {
                                    "--capacity-bytes", "8MiB"},
                                   {"KVR_STORE_PAGE_BYTES=32KiB"}, absl::Seconds(20));
   ASSERT_TRUE(proc.ok()) << proc.status();
-  EXPECT_THAT(proc->output(), HasSubstr("capacity_bytes: 8388608  # flag"));
-  EXPECT_THAT(proc->output(), HasSubstr("page_bytes: 32768  # env"));
+  EXPECT_THAT(proc->output(), HasSubstr("capacity_bytes: 8MiB  # flag"));
+  EXPECT_THAT(proc->output(), HasSubstr("page_bytes: 32KiB  # env KVR_STORE_PAGE_BYTES"));
   EXPECT_THAT(proc->output(), HasSubstr("evict_expired: false  # default"));
   const int status = proc->Kill(SIGTERM);
   EXPECT_TRUE(WIFEXITED(status)) << status;

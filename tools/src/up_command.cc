@@ -40,6 +40,7 @@
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/status.h"
 #include "kvr/common/tls.h"
+#include "kvr/node/settings.h"
 #include "kvr/v1/generation.grpc.pb.h"
 
 namespace kvr::tools {
@@ -51,7 +52,7 @@ struct UpOptions {
   int decode = 1;
   int stores = 1;
   int base_port = 50051;  // 0: every process picks a free port
-  std::string store_capacity = "1GiB";
+  uint64_t store_capacity = uint64_t{1} << 30;
   std::string bin_dir;
   std::string log_dir;
   double ready_timeout_s = 180;
@@ -324,12 +325,14 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // data plane on loopback (shared memory between its processes, TCP over lo), so the
   // children inherit UCX_NET_DEVICES=lo unless the operator chose devices.
   if (getenv("UCX_NET_DEVICES") == nullptr) setenv("UCX_NET_DEVICES", "lo", 1);
-  // The children's TLS files come from this run's flags alone: a KVR_TLS_* left in the
-  // environment for kvr generate must not reach them (with --insecure it would make them
-  // TLS servers without a certificate).
-  for (const char* name : {"KVR_TLS_CA", "KVR_TLS_CERT", "KVR_TLS_KEY", "KVR_STORE_TLS_CA",
-                           "KVR_STORE_TLS_CERT", "KVR_STORE_TLS_KEY"}) {
-    unsetenv(name);
+  // The children's TLS files come from this run's flags alone: a KVR_*TLS_* left in the
+  // environment (KVR_TLS_CA for kvr generate, which the controller also reads as its older
+  // spelling) must not reach them (with --insecure it would make them TLS servers without a
+  // certificate).
+  for (const char* role : {"", "CONTROLLER_", "STORE_", "PREFILL_", "DECODE_"}) {
+    for (const char* file : {"CA", "CERT", "KEY"}) {
+      unsetenv(absl::StrCat("KVR_", role, "TLS_", file).c_str());
+    }
   }
 
   // Every gRPC channel is TLS with certificates of a CA made for this run, unless --insecure:
@@ -356,7 +359,8 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // Controller first: everyone registers with it.
   std::vector<std::unique_ptr<Child>> nodes;
   // The OpenAI-compatible HTTP API on loopback beside the gRPC port. An API key reaches
-  // the controller through the inherited environment (KVR_API_KEY), not its command line.
+  // the controller through the inherited environment (KVR_CONTROLLER_API_KEY), not its
+  // command line.
   std::vector<std::string> controller_argv = {
       bins[0].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 0)), "--http-listen",
       absl::StrCat("127.0.0.1:", Port(o, 2))};
@@ -377,7 +381,7 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     KVR_ASSIGN_OR_RETURN(std::vector<std::string> store_tls, tls_flags(name));
     std::vector<std::string> store_argv = {
         bins[1].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, StorePortOffset(i))),
-        "--capacity-bytes", o.store_capacity,
+        "--capacity-bytes", std::to_string(o.store_capacity),
         // Sequences of a node that died mid-request are dropped when their lease runs out.
         "--evict-expired", "true", "--sweep-interval-ms", "500",
         // It registers itself (role STORE) and heartbeats its free bytes and sequences.
@@ -543,54 +547,108 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
 
 }  // namespace
 
+// kvr up's settings: flags or a --config YAML file, through the same table as the nodes'
+// (kvr/node/settings.h). No environment: KVR_* variables are left to the nodes, which inherit
+// them.
+const node::SettingTable<UpOptions>& UpSettings() {
+  using Config = UpOptions;
+  using node::BoolSetting;
+  using node::EnumSetting;
+  using node::IntegerSetting;
+  using node::ListSetting;
+  using node::StringSetting;
+  // Immutable after construction; a function-local static is a constant, not mutable state.
+  static const node::SettingTable<Config>* const table = [] {
+    node::Setting<Config> codebooks = StringSetting<Config>(
+        "a2ats_codebooks",
+        "`kvr calibrate` file for the model: prefill and decode nodes offer a2ats",
+        &Config::a2ats_codebooks, /*allow_empty=*/true);
+    codebooks.store = [](Config& c, const node::SettingValue& v) {
+      const std::string& path = std::get<std::string>(v);
+      if (!path.empty() && !std::filesystem::is_regular_file(path)) {
+        return absl::InvalidArgumentError(absl::StrCat("no file ", path));
+      }
+      c.a2ats_codebooks = path;
+      return absl::OkStatus();
+    };
+    return new node::SettingTable<Config>{
+        .program = "kvr up",
+        .settings = {
+            StringSetting<Config>("model", "model for the nodes: GGUF path or known name",
+                                  &Config::model),
+            IntegerSetting<Config>("prefill", "prefill nodes", &Config::prefill, 1),
+            IntegerSetting<Config>("decode", "decode nodes", &Config::decode, 1),
+            IntegerSetting<Config>("stores", "KV store processes (placement spreads sequences)",
+                                   &Config::stores, 1, 40),
+            IntegerSetting<Config>("base_port",
+                                   "controller port; store +1 (more stores +51..), OpenAI HTTP "
+                                   "+2, prefill +10.., decode +30.. (0: free ports)",
+                                   &Config::base_port, 0, 65535),
+            node::ByteSizeSetting<Config>("store_capacity", "KV store page pool of each store",
+                                          &Config::store_capacity),
+            StringSetting<Config>("bin_dir", "where the kvr-* binaries are (empty: found)",
+                                  &Config::bin_dir, /*allow_empty=*/true),
+            StringSetting<Config>("log_dir", "node logs (empty: /tmp/kvr-up-<pid>)",
+                                  &Config::log_dir, /*allow_empty=*/true),
+            node::SecondsSetting<Config>("ready_timeout", "how long to wait for registration",
+                                         &Config::ready_timeout_s),
+            ListSetting<Config>("controller_arg",
+                                "extra argument for kvr-controller (e.g. "
+                                "--controller-arg=--prefix-cache-seconds=60)",
+                                &Config::controller_args),
+            ListSetting<Config>("store_arg", "extra argument for every kvr-store",
+                                &Config::store_args),
+            ListSetting<Config>("prefill_arg", "extra argument for every kvr-prefill",
+                                &Config::prefill_args),
+            ListSetting<Config>("decode_arg", "extra argument for every kvr-decode",
+                                &Config::decode_args),
+            std::move(codebooks),
+            EnumSetting<Config>("device",
+                                "where prefill and decode nodes run the model (cuda: GPU 0; node "
+                                "settings such as --gpu-budget go through --prefill-arg / "
+                                "--decode-arg)",
+                                &Config::device, {"cpu", "cuda"}),
+            EnumSetting<Config>("store_dtype",
+                                "element type of the KV rows the prefill nodes put to the store "
+                                "(empty: the nodes' own, bf16 with --device cuda, f32 with cpu)",
+                                &Config::store_dtype, {"f32", "bf16"}, /*allow_empty=*/true),
+            BoolSetting<Config>("insecure",
+                                "plaintext gRPC (default: a CA made for this run in <log "
+                                "dir>/tls, mutual TLS between the processes, TLS on the "
+                                "controller's public port)",
+                                &Config::insecure),
+            BoolSetting<Config>("detach",
+                                "return once the cluster is up; it runs on in a background "
+                                "process",
+                                &Config::detach),
+            StringSetting<Config>("pid_file",
+                                  "write the pid of the process that owns the cluster (SIGTERM "
+                                  "it to stop)",
+                                  &Config::pid_file, /*allow_empty=*/true),
+        },
+    };
+  }();
+  return *table;
+}
+
 void AddUpCommand(CLI::App& app) {
-  auto o = std::make_shared<UpOptions>();
+  auto line = std::make_shared<node::CommandLine>();
   CLI::App* cmd = app.add_subcommand(
       "up", "start a local cluster (controller, store, prefill and decode nodes) on this machine");
-  cmd->set_config("--config", "", "TOML/INI file with any of these options (CLI11 format)");
-  cmd->add_option("--model", o->model, "model for the nodes: GGUF path or known name")
-      ->capture_default_str();
-  cmd->add_option("--prefill", o->prefill, "prefill nodes")->capture_default_str();
-  cmd->add_option("--decode", o->decode, "decode nodes")->capture_default_str();
-  cmd->add_option("--stores", o->stores, "KV store processes (placement spreads sequences)")
-      ->check(CLI::Range(1, 40))
-      ->capture_default_str();
-  cmd->add_option(
-         "--base-port", o->base_port,
-         "controller port; store +1 (more stores +51..), OpenAI HTTP +2, prefill +10.., decode "
-         "+30.. (0: free ports)")
-      ->capture_default_str();
-  cmd->add_option("--store-capacity", o->store_capacity, "KV store page pool (e.g. 1GiB)")
-      ->capture_default_str();
-  cmd->add_option("--bin-dir", o->bin_dir, "where the kvr-* binaries are (default: found)");
-  cmd->add_option("--log-dir", o->log_dir, "node logs (default /tmp/kvr-up-<pid>)");
-  cmd->add_option("--ready-timeout", o->ready_timeout_s, "seconds to wait for registration")
-      ->capture_default_str();
-  cmd->add_option("--controller-arg", o->controller_args,
-                  "extra argument for kvr-controller (e.g. --prefix-cache-seconds=60)");
-  cmd->add_option("--store-arg", o->store_args, "extra argument for every kvr-store");
-  cmd->add_option("--prefill-arg", o->prefill_args, "extra argument for every kvr-prefill");
-  cmd->add_option("--decode-arg", o->decode_args, "extra argument for every kvr-decode");
-  cmd->add_option("--a2ats-codebooks", o->a2ats_codebooks,
-                  "`kvr calibrate` file for the model: prefill and decode nodes offer a2ats")
-      ->check(CLI::ExistingFile);
-  cmd->add_option("--device", o->device,
-                  "where prefill and decode nodes run the model: cpu, or cuda (GPU 0; node "
-                  "settings such as --gpu-budget go through --prefill-arg / --decode-arg)")
-      ->check(CLI::IsMember({"cpu", "cuda"}))
-      ->capture_default_str();
-  cmd->add_option("--store-dtype", o->store_dtype,
-                  "element type of the KV rows the prefill nodes put to the store: f32 or bf16 "
-                  "(default: the nodes' own, bf16 with --device cuda, f32 with cpu)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
-  cmd->add_flag("--insecure", o->insecure,
-                "plaintext gRPC (default: a CA made for this run in <log dir>/tls, mutual TLS "
-                "between the processes, TLS on the controller's public port)");
-  cmd->add_flag("--detach", o->detach,
-                "return once the cluster is up; it runs on in a background process");
-  cmd->add_option("--pid-file", o->pid_file,
-                  "write the pid of the process that owns the cluster (SIGTERM it to stop)");
-  cmd->callback([o] {
+  node::AddSettingOptions(cmd, UpSettings(), line.get());
+  cmd->callback([line] {
+    absl::StatusOr<node::ResolvedConfig<UpOptions>> resolved =
+        node::Resolve(UpSettings(), line->flags, line->config_file, node::NoEnvironment());
+    if (!resolved.ok()) {
+      std::cerr << "kvr up: " << resolved.status().message() << "\n";
+      throw CLI::RuntimeError(2);
+    }
+    if (line->print_config) {
+      std::cout << "# kvr up effective config\n"
+                << node::FormatConfig(UpSettings(), *resolved) << std::flush;
+      return;
+    }
+    const UpOptions* o = &resolved->config;
     int ready_fd = -1;
     if (o->detach) {
       // Close-on-exec, so that the nodes do not hold the write end: the foreground part reads

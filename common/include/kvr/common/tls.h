@@ -3,7 +3,8 @@
 //
 // A process is given three PEM files: the cluster's CA, its own certificate and that
 // certificate's private key (TlsConfig; flags --tls-ca/--tls-cert/--tls-key, YAML keys
-// tls_ca/tls_cert/tls_key, env KVR_TLS_CA/KVR_TLS_CERT/KVR_TLS_KEY in every binary). With
+// tls_ca/tls_cert/tls_key, env KVR_<ROLE>_TLS_CA/_CERT/_KEY in every binary: the node settings
+// of kvr/node/settings.h; kvr generate and kvr bench read KVR_TLS_CA). With
 // them, GrpcSecurity makes
 //   - server credentials: TLS with this certificate; a client must present a certificate
 //     that chains to the CA (ClientCertificates::kRequired: the store, prefill and decode
@@ -20,7 +21,6 @@
 
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,35 +46,12 @@ struct TlsConfig {
   }
 };
 
-// Help texts of the three settings, the same in every binary.
+// Help texts of the three settings, the same in every binary (kvr::node::TlsSettings).
 inline constexpr char kTlsCaHelp[] =
     "PEM file of the cluster CA: peers' certificates must chain to it (with tls_cert and "
     "tls_key: every internal gRPC channel is mutual TLS; all three empty: plaintext)";
 inline constexpr char kTlsCertHelp[] = "PEM certificate this process presents (see tls_ca)";
 inline constexpr char kTlsKeyHelp[] = "PEM private key of tls_cert";
-
-// Appends the tls_ca / tls_cert / tls_key settings, stored in `Config::*tls`, to a node's
-// table of settings (a Field is {name, help, set(Config&, value) -> absl::Status,
-// get(const Config&) -> std::string}, as every kvr binary's config resolver has), so that
-// every binary offers the same three settings the same way. Returns `fields`.
-template <typename Field, typename Config>
-std::vector<Field>* AppendTlsSettingFields(std::vector<Field>* fields, TlsConfig Config::*tls) {
-  auto add = [&](const char* name, const char* help, std::string TlsConfig::*file) {
-    fields->push_back(Field{name, help,
-                            [tls, file](Config& c, const std::string& v) {
-                              (c.*tls).*file = v;
-                              return absl::OkStatus();
-                            },
-                            [tls, file](const Config& c) {
-                              const std::string& v = (c.*tls).*file;
-                              return v.empty() ? std::string("\"\"") : v;
-                            }});
-  };
-  add("tls_ca", kTlsCaHelp, &TlsConfig::ca_file);
-  add("tls_cert", kTlsCertHelp, &TlsConfig::cert_file);
-  add("tls_key", kTlsKeyHelp, &TlsConfig::key_file);
-  return fields;
-}
 
 enum class ClientCertificates {
   // The handshake fails unless the client presents a certificate that chains to the CA.

@@ -1,22 +1,19 @@
 #pragma once
-// Configuration of kvr-controller from flags, a YAML file (--config) and KVR_* environment
-// variables, with precedence flag > file > env > default. Each setting
-// has one name in three spellings: flag --lease-seconds, YAML key lease_seconds, environment
-// variable KVR_LEASE_SECONDS.
+// Configuration of kvr-controller: its table of settings for the node settings mechanism
+// (kvr/node/settings.h), read from flags, a --config YAML file and KVR_CONTROLLER_*
+// environment variables, with precedence flag > file > env > default. Each setting has one
+// name in three spellings: flag --lease-seconds, YAML key lease_seconds, environment variable
+// KVR_CONTROLLER_LEASE_SECONDS (KVR_LEASE_SECONDS, the older spelling, is still read when the
+// new one is unset).
 
 #include <cstdint>
-#include <functional>
-#include <map>
-#include <optional>
 #include <string>
-#include <vector>
 
-#include "absl/status/statusor.h"
 #include "kvr/common/tls.h"
 #include "kvr/controller/validation.h"
+#include "kvr/node/settings.h"
 
 namespace kvr::controller {
-
 struct ControllerConfig {
   // host:port of the gRPC server; port 0 picks a free port (printed at start).
   std::string listen = "0.0.0.0:50051";
@@ -46,28 +43,6 @@ struct ControllerConfig {
   TlsConfig tls;
 };
 
-// One setting: its snake_case name, help text and how to set/print it.
-struct ConfigField {
-  std::string name;
-  std::string help;
-  std::function<absl::Status(ControllerConfig&, const std::string&)> set;
-  std::function<std::string(const ControllerConfig&)> get;
-};
-const std::vector<ConfigField>& ControllerConfigFields();
-
-// Values by setting name, from one source.
-using ConfigValues = std::map<std::string, std::string>;
-
-// Merges the sources by precedence and parses the values. INVALID_ARGUMENT names the setting
-// and the source of a bad value, or an unknown key in the file.
-[[nodiscard]] absl::StatusOr<ControllerConfig> ResolveControllerConfig(
-    const ConfigValues& flags, const std::optional<std::string>& config_file,
-    const std::function<std::optional<std::string>(const std::string&)>& getenv);
-
-// Reads a YAML file of top-level `name: value` pairs.
-[[nodiscard]] absl::StatusOr<ConfigValues> ReadConfigFile(const std::string& path);
-
-// The effective configuration, one `name: value` per line (valid YAML).
-std::string FormatConfig(const ControllerConfig& config);
+const node::SettingTable<ControllerConfig>& ControllerSettings();
 
 }  // namespace kvr::controller

@@ -1,18 +1,16 @@
 #pragma once
-// Configuration of kvr-decode from flags, a YAML file (--config) and KVR_DECODE_* environment
-// variables, with precedence flag > file > env > default (the pattern of
-// controller/src/config.cc). Each setting has one name in three spellings: flag
-// --batch-slots, YAML key batch_slots, environment variable KVR_DECODE_BATCH_SLOTS.
+// Configuration of kvr-decode: its table of settings for the node settings mechanism
+// (kvr/node/settings.h), read from flags, a --config YAML file and KVR_DECODE_* environment
+// variables, with precedence flag > file > env > default. Each setting has one name in three
+// spellings: flag --batch-slots, YAML key batch_slots, environment variable
+// KVR_DECODE_BATCH_SLOTS.
 
 #include <cstdint>
-#include <functional>
-#include <map>
-#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "kvr/common/tls.h"
+#include "kvr/node/settings.h"
 
 namespace kvr::decode {
 
@@ -51,7 +49,7 @@ struct DecodeConfig {
   // missed rows fetched through the store's data plane, any store), "auto" (in place when the
   // store is on this host, else fetched).
   std::string gpu_row_source = "in-place";
-  uint32_t gpu_budget = 1024;       // selected tokens per KV head and step
+  uint32_t gpu_budget = 1024;  // selected tokens per KV head and step
   // The controller's defaults for requests that set none (controller/src/config.cc:
   // default_n_sink, default_local_window), so that `kvr up --device cuda` serves them as is.
   uint32_t gpu_n_sink = 64;
@@ -63,25 +61,9 @@ struct DecodeConfig {
   TlsConfig tls;
 };
 
-struct DecodeConfigField {
-  std::string name;
-  std::string help;
-  std::function<absl::Status(DecodeConfig&, const std::string&)> set;
-  std::function<std::string(const DecodeConfig&)> get;
-};
-const std::vector<DecodeConfigField>& DecodeConfigFields();
-
-using DecodeConfigValues = std::map<std::string, std::string>;
-
-// INVALID_ARGUMENT names the setting and the source of a bad value, or an unknown file key.
-[[nodiscard]] absl::StatusOr<DecodeConfig> ResolveDecodeConfig(
-    const DecodeConfigValues& flags, const std::optional<std::string>& config_file,
-    const std::function<std::optional<std::string>(const std::string&)>& getenv);
+const node::SettingTable<DecodeConfig>& DecodeSettings();
 
 // The served model name: model_name, else `model` when it is a name, else the file stem.
 std::string ServedModelName(const DecodeConfig& config);
-
-// The effective configuration, one `name: value` per line (valid YAML).
-std::string FormatDecodeConfig(const DecodeConfig& config);
 
 }  // namespace kvr::decode

@@ -1,19 +1,16 @@
 #pragma once
-// Configuration of kvr-prefill from flags, a YAML file (--config) and KVR_PREFILL_* environment
-// variables, with precedence flag > file > env > default. Each setting has
-// one name in three spellings: flag --chunk-tokens, YAML key chunk_tokens, environment variable
-// KVR_PREFILL_CHUNK_TOKENS. The pattern is controller/src/config.cc's.
+// Configuration of kvr-prefill: its table of settings for the node settings mechanism
+// (kvr/node/settings.h), read from flags, a --config YAML file and KVR_PREFILL_* environment
+// variables, with precedence flag > file > env > default. Each setting has one name in three
+// spellings: flag --chunk-tokens, YAML key chunk_tokens, environment variable
+// KVR_PREFILL_CHUNK_TOKENS.
 
 #include <cstdint>
-#include <functional>
-#include <map>
-#include <optional>
 #include <string>
-#include <vector>
 
-#include "absl/status/statusor.h"
 #include "kvr/common/tls.h"
 #include "kvr/kv_store/types.h"
+#include "kvr/node/settings.h"
 
 namespace kvr::prefill_node {
 
@@ -43,7 +40,7 @@ struct PrefillConfig {
   // cuda_device; the weights are loaded on the host, then uploaded once as bf16).
   std::string device = "cpu";
   // Element type of the rows put to the KV store: "f32" or "bf16". Unset, it follows the
-  // device (ResolvePrefillConfig fills it in): bf16 on cuda (the GPU model's KV is bf16, so
+  // device (the table's finish step fills it in): bf16 on cuda (the GPU model's KV is bf16, so
   // nothing is lost and the rows are half the bytes), f32 on cpu (the CPU model runs in f32).
   std::string store_dtype;
   uint32_t cuda_device = 0;
@@ -58,24 +55,7 @@ struct PrefillConfig {
   TlsConfig tls;
 };
 
-struct PrefillConfigField {
-  std::string name;
-  std::string help;
-  std::function<absl::Status(PrefillConfig&, const std::string&)> set;
-  std::function<std::string(const PrefillConfig&)> get;
-};
-const std::vector<PrefillConfigField>& PrefillConfigFields();
-
-using ConfigValues = std::map<std::string, std::string>;
-
-// Merges the sources by precedence and parses the values; INVALID_ARGUMENT names the setting
-// and the source of a bad value, or an unknown key in the file.
-[[nodiscard]] absl::StatusOr<PrefillConfig> ResolvePrefillConfig(
-    const ConfigValues& flags, const std::optional<std::string>& config_file,
-    const std::function<std::optional<std::string>(const std::string&)>& getenv);
-
-// The effective configuration, one `name: value  # source` per line (valid YAML).
-std::string FormatPrefillConfig(const PrefillConfig& config);
+const node::SettingTable<PrefillConfig>& PrefillSettings();
 
 // The store row dtype of a resolved config (PrefillConfig::store_dtype).
 [[nodiscard]] kv_store::DType StoreDType(const PrefillConfig& config);

@@ -1,15 +1,15 @@
 #pragma once
-// Configuration of the kvr-store binary: flags, a --config YAML file and KVR_STORE_*
-// environment variables, with precedence flag > file > env > default.
+// Configuration of the kvr-store binary: its table of settings for the node settings mechanism
+// (kvr/node/settings.h): flags, a --config YAML file and KVR_STORE_* environment variables,
+// with precedence flag > file > env > default. It sits beside the binary, above the store
+// library, because the mechanism lives in the node library.
 
 #include <cstdint>
-#include <functional>
-#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "kvr/kv_store/server.h"
+#include "kvr/node/settings.h"
 
 namespace kvr::kv_store {
 
@@ -47,25 +47,12 @@ struct StoreConfig {
   // The gRPC port's TLS and the certificate presented to the controller (kvr/common/tls.h).
   TlsConfig tls;
 
-  // Where each value came from ("flag", "file", "env" or "default"), in field order.
-  std::vector<std::pair<std::string, std::string>> sources;
-
   [[nodiscard]] StoreServerOptions ToServerOptions() const;
-  // One "key: value  # source" line per field, for the start-up log.
-  [[nodiscard]] std::string Describe() const;
   // What goes into Endpoints.grpc_address: advertise_address, or the listen host (wildcard
   // resolved as above) with `bound_port` (the port actually bound, for listen port 0).
   [[nodiscard]] std::string AdvertisedAddress(int bound_port) const;
 };
 
-// Reads environment variables; injected so tests need not touch the process environment.
-using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
-[[nodiscard]] EnvLookup ProcessEnv();
-
-
-// Parses argv (CLI11). --help prints usage and returns a CANCELLED status whose message is the
-// help text, so that main can print it and exit 0.
-[[nodiscard]] absl::StatusOr<StoreConfig> ParseStoreConfig(int argc, const char* const* argv,
-                                                           const EnvLookup& env);
+const node::SettingTable<StoreConfig>& StoreSettings();
 
 }  // namespace kvr::kv_store

@@ -1,4 +1,4 @@
-#include "kvr/kv_store/config.h"
+#include "store_config.h"
 
 #include <unistd.h>
 
@@ -14,6 +14,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
+using node::EnvLookup;
+
 EnvLookup FakeEnv(std::map<std::string, std::string> vars) {
   return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
     auto it = vars.find(name);
@@ -22,11 +24,19 @@ EnvLookup FakeEnv(std::map<std::string, std::string> vars) {
   };
 }
 
-absl::StatusOr<StoreConfig> Parse(std::vector<std::string> args, const EnvLookup& env) {
+// The store's resolved config and its effective-config text.
+struct Parsed : StoreConfig {
+  std::string text;
+};
+
+absl::StatusOr<Parsed> Parse(std::vector<std::string> args, const EnvLookup& env) {
   args.insert(args.begin(), "kvr-store");
   std::vector<const char*> argv;
   for (const std::string& a : args) argv.push_back(a.c_str());
-  return ParseStoreConfig(static_cast<int>(argv.size()), argv.data(), env);
+  auto r = node::ParseCommandLine(StoreSettings(), static_cast<int>(argv.size()), argv.data(), env);
+  if (!r.ok()) return r.status();
+  Parsed parsed{r->config, node::FormatConfig(StoreSettings(), *r)};
+  return parsed;
 }
 
 // A file of its own per test process: CTest runs this binary's tests in parallel processes.
@@ -46,15 +56,15 @@ TEST(ConfigTest, PrecedenceIsFlagThenFileThenEnvThenDefault) {
                       {"KVR_STORE_LISTEN", "1.2.3.4:5"}});
   auto config = Parse({"--config", path, "--listen", "127.0.0.1:0"}, env);
   ASSERT_TRUE(config.ok()) << config.status();
-  EXPECT_EQ(config->listen, "127.0.0.1:0");           // flag beats env
-  EXPECT_EQ(config->capacity_bytes, 2ull << 30);      // file beats env
-  EXPECT_TRUE(config->evict_expired);                 // file beats env
-  EXPECT_EQ(config->page_bytes, 128u << 10);          // env beats default
-  EXPECT_EQ(config->data_plane_threads, 2u);          // default
-  const std::string described = config->Describe();
+  EXPECT_EQ(config->listen, "127.0.0.1:0");       // flag beats env
+  EXPECT_EQ(config->capacity_bytes, 2ull << 30);  // file beats env
+  EXPECT_TRUE(config->evict_expired);             // file beats env
+  EXPECT_EQ(config->page_bytes, 128u << 10);      // env beats default
+  EXPECT_EQ(config->data_plane_threads, 2u);      // default
+  const std::string described = config->text;
   EXPECT_THAT(described, HasSubstr("listen: 127.0.0.1:0  # flag"));
-  EXPECT_THAT(described, HasSubstr("capacity_bytes: 2147483648  # file"));
-  EXPECT_THAT(described, HasSubstr("page_bytes: 131072  # env"));
+  EXPECT_THAT(described, HasSubstr("capacity_bytes: 2GiB  # file"));
+  EXPECT_THAT(described, HasSubstr("page_bytes: 128KiB  # env KVR_STORE_PAGE_BYTES"));
   EXPECT_THAT(described, HasSubstr("data_plane_threads: 2  # default"));
   auto options = config->ToServerOptions();
   EXPECT_EQ(options.store.pool.capacity_bytes, 2ull << 30);
@@ -66,7 +76,7 @@ TEST(ConfigTest, EvictCachedIsOnByDefaultAndCanBeTurnedOff) {
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_TRUE(config->evict_cached);
   EXPECT_TRUE(config->ToServerOptions().store.evict_cached);
-  EXPECT_THAT(config->Describe(), HasSubstr("evict_cached: true  # default"));
+  EXPECT_THAT(config->text, HasSubstr("evict_cached: true  # default"));
   config = Parse({"--config", WriteYaml("evict_cached: false\n")},
                  FakeEnv({{"KVR_STORE_EVICT_CACHED", "true"}}));
   ASSERT_TRUE(config.ok()) << config.status();
@@ -75,7 +85,7 @@ TEST(ConfigTest, EvictCachedIsOnByDefaultAndCanBeTurnedOff) {
   config = Parse({"--evict-cached", "off"}, FakeEnv({}));
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_FALSE(config->evict_cached);
-  EXPECT_THAT(config->Describe(), HasSubstr("evict_cached: false  # flag"));
+  EXPECT_THAT(config->text, HasSubstr("evict_cached: false  # flag"));
 }
 
 TEST(ConfigTest, BadValuesNameTheOptionAndSource) {
@@ -84,9 +94,11 @@ TEST(ConfigTest, BadValuesNameTheOptionAndSource) {
   EXPECT_THAT(st.message(), HasSubstr("capacity_bytes"));
   EXPECT_THAT(st.message(), HasSubstr("flag"));
   st = Parse({}, FakeEnv({{"KVR_STORE_EVICT_EXPIRED", "maybe"}})).status();
-  EXPECT_THAT(st.message(), HasSubstr("evict_expired: 'maybe' is not a boolean (from env)"));
+  EXPECT_THAT(
+      st.message(),
+      HasSubstr("evict_expired (environment KVR_STORE_EVICT_EXPIRED): 'maybe' is not a boolean"));
   st = Parse({"--config", WriteYaml("capacity: 1\n")}, FakeEnv({})).status();
-  EXPECT_THAT(st.message(), HasSubstr("unknown option 'capacity'"));
+  EXPECT_THAT(st.message(), HasSubstr("unknown setting 'capacity'"));
   st = Parse({"--no-such-flag"}, FakeEnv({})).status();
   EXPECT_TRUE(absl::IsInvalidArgument(st));
   EXPECT_TRUE(absl::IsCancelled(Parse({"--help"}, FakeEnv({})).status()));
@@ -96,7 +108,7 @@ TEST(ConfigTest, LocalSocketFromEachSourceReachesTheServerOptions) {
   auto config = Parse({}, FakeEnv({}));
   ASSERT_TRUE(config.ok());
   EXPECT_EQ(config->local_socket, "");  // off by default
-  EXPECT_THAT(config->Describe(), HasSubstr("local_socket: (off)  # default"));
+  EXPECT_THAT(config->text, HasSubstr("local_socket: \"\"  # default"));
   config = Parse({}, FakeEnv({{"KVR_STORE_LOCAL_SOCKET", "/run/kvr/env.sock"}}));
   ASSERT_TRUE(config.ok());
   EXPECT_EQ(config->local_socket, "/run/kvr/env.sock");
@@ -107,7 +119,7 @@ TEST(ConfigTest, LocalSocketFromEachSourceReachesTheServerOptions) {
   config = Parse({"--local-socket", "/run/kvr/flag.sock"},
                  FakeEnv({{"KVR_STORE_LOCAL_SOCKET", "/run/kvr/env.sock"}}));
   ASSERT_TRUE(config.ok());
-  EXPECT_THAT(config->Describe(), HasSubstr("local_socket: /run/kvr/flag.sock  # flag"));
+  EXPECT_THAT(config->text, HasSubstr("local_socket: /run/kvr/flag.sock  # flag"));
   EXPECT_EQ(config->ToServerOptions().local_socket, "/run/kvr/flag.sock");
 }
 
@@ -130,7 +142,7 @@ TEST(ConfigTest, TlsFilesFromEachSourceReachTheServerOptions) {
   EXPECT_EQ(options.tls.ca_file, "/etc/kvr/ca.pem");
   EXPECT_EQ(options.tls.cert_file, "/etc/kvr/store.pem");
   EXPECT_EQ(options.tls.key_file, "/etc/kvr/store-key.pem");
-  EXPECT_THAT(config->Describe(), HasSubstr("tls_key: /etc/kvr/store-key.pem  # env"));
+  EXPECT_THAT(config->text, HasSubstr("tls_key: /etc/kvr/store-key.pem  # env KVR_STORE_TLS_KEY"));
   config = Parse({"--config", WriteYaml("tls_ca: /etc/kvr/file-ca.pem\n")}, FakeEnv({}));
   ASSERT_TRUE(config.ok());
   EXPECT_EQ(config->tls.ca_file, "/etc/kvr/file-ca.pem");
