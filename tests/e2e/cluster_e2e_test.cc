@@ -694,8 +694,9 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
   ASSERT_TRUE(cluster.stub().ListModels(&ctx, {}, &models).ok());
   int question = 0;
   for (const std::string& method : models.models(0).retrieval_methods()) {
+    ++question;
     const std::vector<int32_t> next =
-        append(turn2, Encode(absl::StrCat(" Question ", ++question, ": and paragraph ",
+        append(turn2, Encode(absl::StrCat(" Question ", question, ": and paragraph ",
                                           question + 6, "? Answer:")));
     Outcome r = Generate(cluster.stub(), request(next, method, true));
     Outcome c = Generate(cluster.stub(), request(next, method, false));
