@@ -82,7 +82,8 @@ void PrefixCache::Insert(const std::string& model, const std::string& salt,
       it->second = entry;
     }
   }
-  for (auto& [id, old] : displaced) {
+  for (auto& displaced_entry : displaced) {
+    const Lru::iterator old = displaced_entry.second;
     const bool still_found = std::any_of(
         old->block_hashes.begin(), old->block_hashes.end(), [&](uint64_t bh) {
           auto it = by_block_.find(bh);
