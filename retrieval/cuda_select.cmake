@@ -1,4 +1,4 @@
-# kvr::retrieval_cuda_select: GPU decode-time scoring and selection (issue 6, "kernels-select").
+# kvr::retrieval_cuda_select: GPU decode-time scoring and selection.
 # Contract and launchers: cuda/include/kvr/retrieval/cuda/selection.cuh. Only with nvcc
 # (CONVENTIONS.md 7); the parity test carries the CTest label `gpu` (CI compiles it, never runs it).
 if(KVR_HAVE_CUDA)

@@ -6,7 +6,7 @@
 //
 //   cuda_model_bench --shape llama3-8b --prefill 2048,8192 --batch 1,8,32 --context 4096
 //
-// With --summaries (issue 7 item 2) it times only prefill, once per summary method, in one run:
+// With --summaries it times only prefill, once per summary method, in one run:
 //   cuda_model_bench --prefill 8192,32768 --summaries none,quest,keydiff,clusterkv,clusterkv-it3
 //       [--serial] [--reps 3]
 // each prefill one chunk whose per-layer summary build runs on a side stream (and, with

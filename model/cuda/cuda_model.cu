@@ -1386,7 +1386,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         rope.layer = layer;
         KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
         if (!builds.empty()) {
-          // This layer's K rows are in the caches: its summaries can be built (issue 7).
+          // This layer's K rows are in the caches: its summaries can be built.
           cudaStream_t bs = stream();
           if (side) {
             bs = side_stream_.get();

@@ -1,4 +1,4 @@
-// CudaModel's per-layer KV export (BeginKvExport, issue 7 item 2) and its bf16 -> float32 kernel.
+// CudaModel's per-layer KV export (BeginKvExport) and its bf16 -> float32 kernel.
 //
 // - Bf16ToF32 against its plain reference (Bf16BitsToFloat): bit-exact, both kernel paths
 //   (paired and unaligned), odd sizes, poisoned outputs.

@@ -1,4 +1,4 @@
-// Prefill summaries built during a GPU prefill (CudaModel::SetPrefillSummaries, issue 7 item 2)
+// Prefill summaries built during a GPU prefill (CudaModel::SetPrefillSummaries)
 // against the same kernels run afterwards over the same device KV cache
 // (RebuildPrefillSummariesForTesting): the results must be bitwise equal, for the builds on the
 // side stream (layer-pipelined) and on the main stream. A build that read a layer's keys before

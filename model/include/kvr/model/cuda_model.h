@@ -69,7 +69,7 @@ struct CudaSequence {
   bool build_summaries = false;
 };
 
-// Summaries built on the GPU during prefill (issue 7 item 2), from the device KV cache in place,
+// Summaries built on the GPU during prefill, from the device KV cache in place,
 // by the kernels of retrieval/cuda/include/kvr/retrieval/cuda/build.cuh.
 // - Per layer, once that layer's K rows of a `build_summaries` chunk are in the cache (a CUDA
 //   event on the main stream), the layer's build is launched on a SECOND stream, so that the
@@ -111,7 +111,7 @@ struct PrefillSummaryData {
   std::vector<int32_t> i32;  // clusterkv: n_clusters, offsets, members (concatenated)
 };
 
-// Per-layer export of a dense sequence's K/V rows to host memory (issue 7 item 2: the prefill
+// Per-layer export of a dense sequence's K/V rows to host memory (for the prefill
 // node ships every row to the KV store while the next layers compute).
 //
 // BeginKvExport(id, {length = L, ...}) on an empty dense sequence; then every Forward chunk of

@@ -1,5 +1,5 @@
 #pragma once
-// GPU summary building at prefill (issue 6, part "kernels-build"): the kernels that turn one
+// GPU summary building at prefill: the kernels that turn one
 // layer's prefill keys of every (sequence, KV head) into the summaries that the decode node's
 // selectors (selection.cuh) and capacity policies consume.
 //

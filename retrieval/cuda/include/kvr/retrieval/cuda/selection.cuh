@@ -1,5 +1,5 @@
 #pragma once
-// GPU decode-time selection (issue 6, part "kernels-select"): score the summaries of every
+// GPU decode-time selection: score the summaries of every
 // (sequence, KV head) of one layer and choose the token ids the decode step fetches.
 //
 // THE SELECTION CONTRACT (what every selector here writes and what the gather / hot cache /
@@ -208,7 +208,7 @@ struct ClusterKvHostLayout {
     std::span<const RetrievalIndex* const> indexes);
 
 // =============================================================================================
-// ParisKV, CTKVR and A2ATS (issue 6, "kselect2"). CPU references: retrieval/src/pariskv.cc,
+// ParisKV, CTKVR and A2ATS. CPU references: retrieval/src/pariskv.cc,
 // ctkvr.cc, a2ats.cc; parity tests in retrieval/cuda/select/tests/select_quant_test.cc.
 
 // ---------------------------------------------------------------------------------------------
