@@ -5,7 +5,6 @@
 #include <tuple>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "kvr/common/status.h"
 
@@ -259,18 +258,24 @@ absl::StatusOr<CreateResult> PagedKvStore::CreateSequence(const SequenceRef& ref
     }
     result.reserved_bytes = total * pool_.page_bytes();
   }
+  KVR_RETURN_IF_ERROR(Publish(id, std::move(seq), lease));
+  return result;
+}
+
+absl::Status PagedKvStore::Publish(SequenceId id, std::shared_ptr<Sequence> seq,
+                                   absl::Duration lease) {
   {
     absl::MutexLock lock(&seq->mu_);
     if (lease > absl::ZeroDuration()) seq->expiry_ = options_.now() + lease;
   }
   Touch(*seq);
   absl::MutexLock lock(&mu_);
-  auto [it, inserted] = sequences_.emplace(id, seq);
-  if (!inserted) {
-    // Lost a race with another create of the same id; `seq` returns its pages on destruction.
+  if (!sequences_.emplace(id, std::move(seq)).second) {
+    // Lost a race with another create of the same id; the new sequence gives its pages (or
+    // page references) back on destruction.
     return absl::AlreadyExistsError(absl::StrFormat("sequence %d already exists", id));
   }
-  return result;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ForkResult> PagedKvStore::ForkSequence(const SequenceRef& child,
@@ -357,17 +362,8 @@ absl::StatusOr<ForkResult> PagedKvStore::ForkSequence(const SequenceRef& child,
   {
     absl::MutexLock lock(&seq->mu_);
     seq->Adopt(std::move(child_lists), n);
-    if (lease > absl::ZeroDuration()) seq->expiry_ = options_.now() + lease;
   }
-  Touch(*seq);
-  {
-    absl::MutexLock lock(&mu_);
-    auto [it, inserted] = sequences_.emplace(id, seq);
-    if (!inserted) {
-      // Lost a race with a create of the same id; `seq` drops its references on destruction.
-      return absl::AlreadyExistsError(absl::StrFormat("sequence %d already exists", id));
-    }
-  }
+  KVR_RETURN_IF_ERROR(Publish(id, std::move(seq), lease));
   forks_.fetch_add(1, std::memory_order_relaxed);
   forked_rows_.fetch_add(n, std::memory_order_relaxed);
   return ForkResult{.tokens_per_page = tpp,
@@ -836,25 +832,25 @@ StoreStats PagedKvStore::Stats() const {
   const absl::Time now = options_.now();
   absl::ReaderMutexLock lock(&mu_);
   stats.sequences = sequences_.size();
-  // Pages of cached sequences that no live sequence shares (a fork of a cached prefix keeps
-  // the prefix's pages when the cached one goes).
-  absl::flat_hash_set<PageId> cached_pages, live_pages;
   for (const auto& [id, seq] : sequences_) {
     absl::ReaderMutexLock seq_lock(&seq->mu_);
     if (seq->expiry_ <= now) ++stats.expired_sequences;
     if (seq->released_kept_) ++stats.cached_sequences;
   }
   if (stats.cached_sequences > 0 && options_.evict_cached) {
+    // Pages of cached sequences that no live sequence shares (a fork of a cached prefix keeps
+    // the prefix's pages when the cached one goes): one mark per pool page.
+    enum : uint8_t { kCached = 1, kLive = 2 };
+    std::vector<uint8_t> mark(stats.total_pages, 0);
     for (const auto& [id, seq] : sequences_) {
       absl::ReaderMutexLock seq_lock(&seq->mu_);
-      absl::flat_hash_set<PageId>& into = seq->released_kept_ ? cached_pages : live_pages;
+      const uint8_t m = seq->released_kept_ ? kCached : kLive;
       for (size_t l = 0; l < size_t{seq->shape().n_layers} * seq->shape().n_kv_heads; ++l) {
-        const std::vector<PageId>& list = seq->List(l);
-        into.insert(list.begin(), list.end());
+        for (PageId p : seq->List(l)) mark[p] |= m;
       }
     }
-    uint64_t reclaimable = 0;
-    for (PageId p : cached_pages) reclaimable += live_pages.contains(p) ? 0 : 1;
+    const uint64_t reclaimable =
+        static_cast<uint64_t>(std::count(mark.begin(), mark.end(), uint8_t{kCached}));
     stats.cached_bytes = reclaimable * stats.page_bytes;
   }
   return stats;

@@ -243,6 +243,29 @@ TEST(ForkTest, SharedPagesAreCountedOnce) {
   EXPECT_EQ(store->pool().refcount_errors(), 0u);
 }
 
+// cached_bytes counts only the pages that evicting every cached sequence would free: a cached
+// parent's pages that a live child shares are not among them.
+TEST(ForkTest, CachedBytesAreThePagesOnlyCachedSequencesHold) {
+  auto store = MakeStore(4 << 20, 1024);  // 32 rows per page
+  ASSERT_TRUE(store->CreateSequence(TestRef(1), kShape, 0, absl::ZeroDuration()).ok());
+  AppendAllLayers(*store, 1, 0, 256, 1);  // 8 pages per (layer, head)
+  EXPECT_EQ(store->Stats().cached_bytes, 0u);
+  ASSERT_TRUE(store->Release(TestRef(1), absl::Minutes(1)).ok());
+  StoreStats stats = store->Stats();
+  EXPECT_EQ(stats.cached_sequences, 1u);
+  EXPECT_EQ(stats.cached_bytes, 8u * kLists * 1024);
+  // A live child shares the first 5 pages of each list (160 rows).
+  ASSERT_TRUE(store->ForkSequence(TestRef(2), TestRef(1), 160, 0, absl::ZeroDuration()).ok());
+  stats = store->Stats();
+  EXPECT_EQ(stats.cached_sequences, 1u);
+  EXPECT_EQ(stats.cached_bytes, 3u * kLists * 1024);
+  // Released and kept too: every page is reclaimable again, each counted once.
+  ASSERT_TRUE(store->Release(TestRef(2), absl::Minutes(1)).ok());
+  stats = store->Stats();
+  EXPECT_EQ(stats.cached_sequences, 2u);
+  EXPECT_EQ(stats.cached_bytes, stats.used_bytes);
+}
+
 // A live parent keeps appending (and forking stays consistent) while children are forked
 // from it: every child sees exactly the parent's rows below its n, whatever n it got.
 TEST(ForkTest, LiveParentKeepsAppendingWhileForked) {

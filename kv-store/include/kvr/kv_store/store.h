@@ -200,6 +200,10 @@ class PagedKvStore {
                     bool hopeless_evicts_nothing);
   // Marks `seq` used now (a tick of use_clock_).
   void Touch(const Sequence& seq) const;
+  // Sets a new sequence's lease, records its first use and puts it in the index
+  // (ALREADY_EXISTS when another create took the id meanwhile).
+  [[nodiscard]] absl::Status Publish(SequenceId id, std::shared_ptr<Sequence> seq,
+                                     absl::Duration lease);
 
   StoreOptions options_;
   PagePool pool_;  // declared before the index: sequences return their pages on destruction
