@@ -43,19 +43,6 @@ std::vector<std::vector<float>> ReadLines(const std::string& path, bool split_ba
   return out;
 }
 
-float TopTwoGap(const std::vector<float>& logits) {
-  float first = -1e30f, second = -1e30f;
-  for (float v : logits) {
-    if (v > first) {
-      second = first;
-      first = v;
-    } else if (v > second) {
-      second = v;
-    }
-  }
-  return first - second;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -111,7 +98,7 @@ int main(int argc, char** argv) {
         std::printf(
             "prompt %zu step %zu: reference %d (top-2 gap %.3f), kvr %d (top-2 gap %.3f, "
             "reference's token %.3f below)\n",
-            p, s, ref, s < ref_gaps[p].size() ? ref_gaps[p][s] : -1.f, mine, TopTwoGap(step),
+            p, s, ref, s < ref_gaps[p].size() ? ref_gaps[p][s] : -1.f, mine, kvr::model::TopTwoGap(step),
             step[mine] - step[ref]);
       }
       if (s + 1 == ref_tokens[p].size()) break;

@@ -2,10 +2,24 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
 namespace kvr::model {
+
+float TopTwoGap(std::span<const float> logits) {
+  float first = -std::numeric_limits<float>::infinity(), second = first;
+  for (float v : logits) {
+    if (v > first) {
+      second = first;
+      first = v;
+    } else if (v > second) {
+      second = v;
+    }
+  }
+  return first - second;
+}
 
 int32_t ArgMax(std::span<const float> logits) {
   int32_t best = -1;

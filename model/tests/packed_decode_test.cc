@@ -44,19 +44,6 @@ double RelativeError(std::span<const float> got, std::span<const float> ref) {
   return diff / scale;
 }
 
-float TopTwoGap(std::span<const float> logits) {
-  float first = -INFINITY, second = -INFINITY;
-  for (float v : logits) {
-    if (v > first) {
-      second = first;
-      first = v;
-    } else if (v > second) {
-      second = v;
-    }
-  }
-  return first - second;
-}
-
 void CompareWithFloat32Path(KvDType packed_kv) {
   ThreadPool pool(0);
   LoadOptions f32_options;

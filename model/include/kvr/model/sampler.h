@@ -42,5 +42,7 @@ class Sampler {
 
 // Index of the largest finite logit (lowest id among ties); -1 when there is none.
 int32_t ArgMax(std::span<const float> logits);
+// The largest logit minus the second largest: how near a greedy choice is to a tie.
+float TopTwoGap(std::span<const float> logits);
 
 }  // namespace kvr::model
