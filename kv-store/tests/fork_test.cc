@@ -18,6 +18,7 @@ namespace {
 using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::PatternByte;
 using ::kvr::kv_store::testing::RowMatches;
+using ::kvr::kv_store::testing::WritePatternRows;
 using ::kvr::kv_store::testing::TestCapability;
 using ::kvr::kv_store::testing::TestRef;
 using ::testing::ElementsAre;
@@ -39,13 +40,7 @@ std::unique_ptr<PagedKvStore> MakeStore(uint64_t capacity, uint64_t page_bytes =
 // Writes rows [start, start + n) of `layer` of sequence `seq`, with the pattern of `pattern`.
 absl::StatusOr<uint64_t> Append(PagedKvStore& store, SequenceId seq, uint32_t layer,
                                 uint64_t start, uint32_t n, SequenceId pattern) {
-  auto rows = MakePatternRows(kShape, pattern, layer, start, n);
-  return store.Write({.sequence = TestRef(seq),
-                      .layer = layer,
-                      .start_row = start,
-                      .n_rows = n,
-                      .k = rows.k,
-                      .v = rows.v});
+  return WritePatternRows(store, kShape, seq, layer, start, n, pattern);
 }
 
 void AppendAllLayers(PagedKvStore& store, SequenceId seq, uint64_t start, uint32_t n,

@@ -16,6 +16,7 @@ namespace {
 
 using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::RowMatches;
+using ::kvr::kv_store::testing::WritePatternRows;
 using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
@@ -35,13 +36,7 @@ std::unique_ptr<PagedKvStore> MakeStore(uint64_t pages) {
 
 absl::StatusOr<uint64_t> WritePattern(PagedKvStore& store, SequenceId seq, uint32_t layer,
                                       uint64_t start, uint32_t n) {
-  auto rows = MakePatternRows(kShape, seq, layer, start, n);
-  return store.Write({.sequence = TestRef(seq),
-                      .layer = layer,
-                      .start_row = start,
-                      .n_rows = n,
-                      .k = rows.k,
-                      .v = rows.v});
+  return WritePatternRows(store, kShape, seq, layer, start, n, seq);
 }
 
 // Every committed row of every (layer, head), read at the table's address in `base`, equals

@@ -12,6 +12,7 @@ namespace {
 
 using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::RowMatches;
+using ::kvr::kv_store::testing::WritePatternRows;
 using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
@@ -34,13 +35,7 @@ std::unique_ptr<PagedKvStore> MakeStore(uint64_t capacity, uint64_t page_bytes =
 
 absl::StatusOr<uint64_t> WritePattern(PagedKvStore& store, const SequenceShape& shape,
                                       SequenceId seq, uint32_t layer, uint64_t start, uint32_t n) {
-  auto rows = MakePatternRows(shape, seq, layer, start, n);
-  return store.Write({.sequence = TestRef(seq),
-                      .layer = layer,
-                      .start_row = start,
-                      .n_rows = n,
-                      .k = rows.k,
-                      .v = rows.v});
+  return WritePatternRows(store, shape, seq, layer, start, n, seq);
 }
 
 TEST(StoreTest, WrittenRowsReadBackBitExactByGatherAndRange) {

@@ -55,6 +55,20 @@ inline PatternRows MakePatternRows(const SequenceShape& shape, SequenceId seq, u
   return rows;
 }
 
+// Writes rows [start, start + n) of `layer` of sequence `seq` (TestRef) holding the pattern of
+// sequence `pattern`, through `store.Write` (a PagedKvStore, or anything with its Write).
+template <typename Store>
+auto WritePatternRows(Store& store, const SequenceShape& shape, SequenceId seq, uint32_t layer,
+                      uint64_t start, uint32_t n, SequenceId pattern) {
+  const PatternRows rows = MakePatternRows(shape, pattern, layer, start, n);
+  return store.Write({.sequence = TestRef(seq),
+                      .layer = layer,
+                      .start_row = start,
+                      .n_rows = n,
+                      .k = rows.k,
+                      .v = rows.v});
+}
+
 // True when `row` (RowBytes() long) is row `row_index` of (seq, layer, head) as written by
 // MakePatternRows.
 inline bool RowMatches(const SequenceShape& shape, SequenceId seq, uint32_t layer, uint32_t head,
