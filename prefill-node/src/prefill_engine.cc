@@ -677,21 +677,22 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   const int64_t per_head =
       std::max<int64_t>(1, (threads + c.n_kv_heads - 1) / c.n_kv_heads);  // row pieces per head
   const int64_t piece_rows = std::max<int64_t>(1, (reused + per_head - 1) / per_head);
-  std::vector<uint8_t> prefix_buffer;
-  // Reads rows [r0, r1) of head h of `layer` into the buffer ([head][row][k | v]) and calls
-  // lay(h, r, stored row) for each.
-  auto load_layer = [&](int layer, const auto& lay) -> absl::Status {
-    prefix_buffer.resize(static_cast<size_t>(reused) * shape.n_kv_heads * row_bytes);
-    struct Piece {
-      int head;
-      int64_t r0, r1;
-    };
-    std::vector<Piece> pieces;
-    for (int h = 0; h < c.n_kv_heads; ++h) {
-      for (int64_t r0 = 0; r0 < reused; r0 += piece_rows) {
-        pieces.push_back({h, r0, std::min(reused, r0 + piece_rows)});
-      }
+  std::vector<uint8_t> prefix_buffer(static_cast<size_t>(reused) * shape.n_kv_heads * row_bytes);
+  // The same pieces for every layer: rows [r0, r1) of KV head `head`.
+  struct Piece {
+    int head;
+    int64_t r0, r1;
+  };
+  std::vector<Piece> pieces;
+  for (int h = 0; h < c.n_kv_heads && reused > 0; ++h) {
+    for (int64_t r0 = 0; r0 < reused; r0 += piece_rows) {
+      pieces.push_back({h, r0, std::min(reused, r0 + piece_rows)});
     }
+  }
+  // Reads every piece of `layer` into the buffer ([head][row][k | v]) and calls
+  // lay(h, r, stored row) for each row.
+  auto load_layer = [&](int layer, const auto& lay) -> absl::Status {
+    if (pieces.empty()) return absl::OkStatus();
     std::vector<absl::Status> status(pieces.size());
     auto run = [&](size_t i) {
       const Piece& p = pieces[i];
