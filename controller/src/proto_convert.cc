@@ -8,33 +8,6 @@ namespace kvr::controller {
 namespace cv1 = ::kvr::cluster::v1;
 namespace v1 = ::kvr::v1;
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  // absl and gRPC share the canonical code numbering.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
-void SetDuration(absl::Duration d, google::protobuf::Duration* out) {
-  const int64_t nanos = absl::ToInt64Nanoseconds(d);
-  out->set_seconds(nanos / 1'000'000'000);
-  out->set_nanos(static_cast<int32_t>(nanos % 1'000'000'000));
-}
-
-absl::Duration FromProtoDuration(const google::protobuf::Duration& d) {
-  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
-}
-
-void SetTimestamp(absl::Time t, google::protobuf::Timestamp* out) {
-  const int64_t nanos = absl::ToUnixNanos(t);
-  out->set_seconds(nanos / 1'000'000'000);
-  out->set_nanos(static_cast<int32_t>(nanos % 1'000'000'000));
-}
-
 namespace {
 
 NodeRole FromProto(cv1::NodeRole role) {

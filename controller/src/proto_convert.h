@@ -13,16 +13,18 @@
 #include "kvr/controller/node_clients.h"
 #include "kvr/controller/request_runner.h"
 #include "kvr/controller/types.h"
+#include "kvr/proto/convert.h"
 #include "kvr/v1/generation.pb.h"
 
 namespace kvr::controller {
 
-grpc::Status ToGrpcStatus(const absl::Status& status);
-absl::Status FromGrpcStatus(const grpc::Status& status);
-
-void SetDuration(absl::Duration d, google::protobuf::Duration* out);
-absl::Duration FromProtoDuration(const google::protobuf::Duration& d);
-void SetTimestamp(absl::Time t, google::protobuf::Timestamp* out);
+using ::kvr::proto::FromGrpcStatus;
+using ::kvr::proto::SetDuration;
+using ::kvr::proto::SetTimestamp;
+using ::kvr::proto::ToGrpcStatus;
+inline absl::Duration FromProtoDuration(const google::protobuf::Duration& d) {
+  return ::kvr::proto::FromProto(d);
+}
 
 NodeRegistration FromProto(const kvr::cluster::v1::RegisterRequest& request);
 NodeLoad FromProto(const kvr::cluster::v1::NodeLoad& load);

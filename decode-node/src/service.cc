@@ -1,3 +1,4 @@
+#include "kvr/proto/convert.h"
 #include "kvr/decode/service.h"
 
 #include "absl/cleanup/cleanup.h"
@@ -12,14 +13,9 @@ namespace {
 
 namespace cv1 = ::kvr::cluster::v1;
 
-absl::Time TimeOf(const google::protobuf::Timestamp& t) {
-  if (t.seconds() == 0 && t.nanos() == 0) return absl::InfiniteFuture();
-  return absl::FromUnixSeconds(t.seconds()) + absl::Nanoseconds(t.nanos());
-}
+using ::kvr::proto::TimeOf;
 
-grpc::Status ToGrpc(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
+grpc::Status ToGrpc(const absl::Status& s) { return ::kvr::proto::ToGrpcStatus(s); }
 
 kvr::v1::FinishReason ToProto(FinishReason r) {
   switch (r) {
@@ -67,7 +63,7 @@ absl::StatusOr<Handoff> HandoffFromProto(const cv1::HandoffHeader& header,
   h.first_token = static_cast<int32_t>(header.first_token());
   h.text_so_far = header.text_so_far();
   h.pending_utf8 = header.pending_utf8();
-  h.retain = absl::Seconds(header.retain().seconds()) + absl::Nanoseconds(header.retain().nanos());
+  h.retain = ::kvr::proto::FromProto(header.retain());
   if (h.retain < absl::ZeroDuration() || h.retain > absl::Hours(24 * 7)) {
     return absl::InvalidArgumentError("handoff retain: must be between 0 and 7 days");
   }

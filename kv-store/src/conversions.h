@@ -4,6 +4,7 @@
 
 #include <chrono>
 
+#include "kvr/proto/convert.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -14,15 +15,12 @@
 
 namespace kvr::kv_store {
 
-// absl and gRPC share the canonical code numbering.
-inline grpc::Status ToGrpc(const absl::Status& st) {
-  if (st.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
-}
+using ::kvr::proto::ToGrpcStatus;
+inline grpc::Status ToGrpc(const absl::Status& st) { return ToGrpcStatus(st); }
+// The gRPC error with `what` (the call) in front of its message.
 inline absl::Status FromGrpc(const grpc::Status& st, const std::string& what) {
-  if (st.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(st.error_code()),
-                      absl::StrCat(what, ": ", st.error_message()));
+  const absl::Status s = ::kvr::proto::FromGrpcStatus(st);
+  return s.ok() ? s : absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
 }
 
 inline std::chrono::system_clock::time_point ToChrono(absl::Time t) {

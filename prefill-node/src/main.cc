@@ -16,6 +16,7 @@
 #include <optional>
 #include <thread>
 
+#include "kvr/proto/convert.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -40,14 +41,8 @@ namespace {
 
 namespace cv1 = ::kvr::cluster::v1;
 
-absl::Time TimeOf(const google::protobuf::Timestamp& t) {
-  if (t.seconds() == 0 && t.nanos() == 0) return absl::InfiniteFuture();
-  return absl::FromUnixSeconds(t.seconds()) + absl::Nanoseconds(t.nanos());
-}
-
-grpc::Status ToGrpc(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
+using ::kvr::proto::TimeOf;
+grpc::Status ToGrpc(const absl::Status& s) { return ::kvr::proto::ToGrpcStatus(s); }
 
 // Proto -> PrefillJob -> engine -> proto.
 class PrefillServiceImpl final : public cv1::PrefillService::Service {
@@ -120,8 +115,7 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
       job.prefix_tokens = request->prefix().tokens();
     }
     job.retain_proto = request->retain();
-    job.retain = absl::Seconds(request->retain().seconds()) +
-                 absl::Nanoseconds(request->retain().nanos());
+    job.retain = ::kvr::proto::FromProto(request->retain());
     if (job.retain < absl::ZeroDuration() || job.retain > absl::Hours(24 * 7)) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "retain: must be between 0 and 7 days");
