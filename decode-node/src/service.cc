@@ -1,4 +1,3 @@
-#include "kvr/proto/convert.h"
 #include "kvr/decode/service.h"
 
 #include "absl/cleanup/cleanup.h"
@@ -6,6 +5,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvr/proto/convert.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::decode {

@@ -4,13 +4,13 @@
 
 #include <chrono>
 
-#include "kvr/proto/convert.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/kv_store/types.h"
+#include "kvr/proto/convert.h"
 #include "kvr/store/v1/store.pb.h"
 
 namespace kvr::kv_store {

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "kvr/common/instance_id.h"
+#include "kvr/proto/convert.h"
 
 namespace kvr::node {
 
@@ -110,8 +111,7 @@ bool MembershipClient::Register() {
     return false;
   }
   NoteSuccess("register");
-  interval_ = absl::Seconds(response.heartbeat_interval().seconds()) +
-              absl::Nanoseconds(response.heartbeat_interval().nanos());
+  interval_ = ::kvr::proto::FromProto(response.heartbeat_interval());
   if (interval_ <= absl::ZeroDuration()) interval_ = absl::Seconds(1);
   {
     absl::MutexLock lock(&mu_);

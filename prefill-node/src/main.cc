@@ -16,7 +16,6 @@
 #include <optional>
 #include <thread>
 
-#include "kvr/proto/convert.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -32,6 +31,7 @@
 #include "kvr/prefill_node/metrics_observer.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
+#include "kvr/proto/convert.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
