@@ -13,8 +13,6 @@ if(KVR_HAVE_CUDA)
   target_link_libraries(kvr_model_cuda
     PUBLIC kvr::model absl::status absl::statusor
     PRIVATE kvr::common_cuda CUDA::cublas absl::strings)
-  # Prefill summaries (SetPrefillSummaries): the GPU build kernels of retrieval/cuda.
-  target_link_libraries(kvr_model_cuda PRIVATE kvr::retrieval_cuda_build)
   target_compile_options(kvr_model_cuda PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 else()
@@ -41,11 +39,8 @@ if(KVR_HAVE_CUDA)
   # The sparse decode's tests (an attention hook of this model) live with it:
   # retrieval/cuda_decode.cmake (retrieval_cuda_decode_test, retrieval_cuda_decode_load_test).
 
-  # Prefill summaries: builds during prefill == the same builds afterwards.
-  kvr_add_test(model_cuda_prefill_summaries_test
-    SOURCES tests/cuda_prefill_summaries_test.cc
-    LIBS kvr::model_cuda kvr::model kvr::common absl::strings
-    LABELS gpu)
+  # Per-layer builds (CudaLayerBuilder; retrieval's summaries are one, tested with them in
+  # retrieval/cuda_build.cmake): builds during prefill == the same builds afterwards.
 
   # Per-layer KV export (the GPU prefill node's): rows and queries vs the CPU.
   kvr_add_test(model_cuda_export_test

@@ -1,7 +1,10 @@
 # kvr::retrieval_cuda_build (sources in cuda/summaries/): GPU summary building at prefill: ClusterKV
 # k-means + layout, Quest page bounds, KeyDiff scores, A2ATS quantise, CTKVR qcIVF build. Contract and launchers:
-# cuda/include/kvr/retrieval/cuda/build.cuh. Only with nvcc (a build without it has no GPU summary building); the parity test
-# carries the CTest label `gpu` (CI compiles it, never runs it).
+# cuda/include/kvr/retrieval/cuda/build.cuh. The builders behind the model's per-layer build hook
+# (cuda/include/kvr/retrieval/cuda/prefill_summaries.h) are its host part: without nvcc the
+# target still exists with a stub whose factory answers Unimplemented, so the prefill node links
+# it unconditionally. The parity tests carry the CTest label `gpu` (CI compiles them, never runs
+# them).
 if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_select)
   add_library(kvr_retrieval_cuda_build
     cuda/summaries/clusterkv.cu
@@ -9,7 +12,8 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
     cuda/summaries/keydiff.cu
     cuda/summaries/a2ats.cu
     cuda/summaries/ctkvr.cu
-    cuda/summaries/plan.cc)
+    cuda/summaries/plan.cc
+    cuda/summaries/prefill_summaries.cc)
   add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)
   target_include_directories(kvr_retrieval_cuda_build
     PUBLIC cuda/include
@@ -18,7 +22,7 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
   # selector's layout (the build writes it).
   target_link_libraries(kvr_retrieval_cuda_build
     PUBLIC kvr::retrieval_cuda_select kvr::retrieval_quant kvr::common_cuda kvr::retrieval_core
-           absl::status absl::statusor absl::strings)
+           kvr::model_cuda kvr::model absl::status absl::statusor absl::strings)
   set_target_properties(kvr_retrieval_cuda_build PROPERTIES CUDA_STANDARD 20
                                                             CUDA_STANDARD_REQUIRED ON)
   target_compile_options(kvr_retrieval_cuda_build PRIVATE
@@ -43,4 +47,26 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
   target_link_libraries(assign_bench PRIVATE kvr::retrieval_cuda_build)
   set_target_properties(assign_bench PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON)
   kvr_warnings(assign_bench)
+
+  # The builders during a real prefill == the same builds afterwards (RebuildForTesting), on the
+  # side stream and on the main stream.
+  kvr_add_test(retrieval_cuda_prefill_summaries_test
+    SOURCES cuda/summaries/tests/prefill_summaries_test.cc
+    LIBS kvr::retrieval_cuda_build kvr::model_cuda kvr::model kvr::common absl::strings
+    LABELS gpu)
+  target_include_directories(retrieval_cuda_prefill_summaries_test
+    PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)
+  # Prefill with summary building: overhead per method against no build, side vs main stream.
+  add_executable(prefill_summaries_bench cuda/summaries/bench/prefill_summaries_bench.cc)
+  target_link_libraries(prefill_summaries_bench PRIVATE kvr::retrieval_cuda_build kvr::model_cuda
+                                                        kvr::model kvr::common CLI11::CLI11
+                                                        absl::str_format absl::strings)
+  kvr_warnings(prefill_summaries_bench)
+else()
+  add_library(kvr_retrieval_cuda_build cuda/summaries/prefill_summaries_stub.cc)
+  add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)
+  target_include_directories(kvr_retrieval_cuda_build PUBLIC cuda/include)
+  target_link_libraries(kvr_retrieval_cuda_build
+    PUBLIC kvr::model_cuda kvr::model kvr::retrieval_core absl::status absl::statusor)
+  kvr_warnings(kvr_retrieval_cuda_build)
 endif()

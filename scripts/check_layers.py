@@ -12,9 +12,8 @@ The same order holds for CMake links: a target's component is that of its first 
 (kvr-store's is kv-store/tools/), and every kvr target it links (target_link_libraries,
 kvr_add_test / kvr_add_fuzzer LIBS) must come from its own component or a lower layer.
 
-Known debts are listed in ALLOWED (includes) and ALLOWED_LINKS with the reason; anything else
-above the includer fails, and so does an entry that nothing needs any more (the debt was paid:
-delete the entry).
+There are no exceptions: the model's GPU code, the last one, builds retrieval summaries through
+a hook the prefill node supplies.
 
 Usage: check_layers.py [ROOT]   (default: the repository this script is in). Exit 0 when the
 tree holds the layering, 1 with one line per offending include otherwise.
@@ -45,19 +44,6 @@ NAMESPACE = {
     "prefill_node": "prefill-node", "decode": "decode-node", "loadgen": "tools",
     "eval_endpoint": "tools",
 }
-# (including folder, included folder, path prefix of the including files): why it is allowed.
-ALLOWED = {
-    ("model", "retrieval", "model/cuda/cuda_model.cu"):
-        "CudaModel still builds the prefill summaries (SetPrefillSummaries) with retrieval's GPU "
-        "build kernels; they move behind a per-layer build hook that the prefill node supplies "
-        "(the sparse decode already left: retrieval/cuda/decode, a CudaAttention hook)",
-}
-# (linking folder, linked folder, linking target): why it is allowed.
-ALLOWED_LINKS = {
-    ("model", "retrieval", "kvr_model_cuda"):
-        "CudaModel still builds the prefill summaries with retrieval's GPU build kernels "
-        "(the include debt above)",
-}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"kvr/([a-z_0-9]+)/')
 SOURCES = ("*.h", "*.cc", "*.cu", "*.cuh")
 
@@ -86,7 +72,7 @@ def sources(root):
 
 
 def check(root):
-    errors, used = [], set()
+    errors = []
     for path in sources(root):
         rel = path.relative_to(root).as_posix()
         folder = component(rel)
@@ -98,15 +84,8 @@ def check(root):
             target = NAMESPACE[m.group(1)]
             if RANK[target] <= rank and (target == folder or RANK[target] < rank):
                 continue
-            allowed = [k for k in ALLOWED
-                       if k[0] == folder and k[1] == target and rel.startswith(k[2])]
-            if allowed:
-                used.update(allowed)
-                continue
             errors.append(f"{rel}:{n}: {folder} (layer {rank}) includes {target} "
                           f"(layer {RANK[target]}): {line.strip()}")
-    for key in sorted(set(ALLOWED) - used):
-        errors.append(f"ALLOWED entry {key} is no longer needed: remove it from {__file__}")
     return errors
 
 
@@ -158,7 +137,7 @@ def check_links(root):
                     defined[args[0]] = component(first) or component(rel)
                 if name in ("target_link_libraries", "kvr_add_test", "kvr_add_fuzzer"):
                     links.append((rel, args[0], args[1:]))
-    errors, used = [], set()
+    errors = []
     for rel, target, deps in links:
         folder = defined.get(target)
         if folder is None:
@@ -171,14 +150,8 @@ def check_links(root):
                 continue
             if RANK[dep_folder] <= rank and (dep_folder == folder or RANK[dep_folder] < rank):
                 continue
-            key = (folder, dep_folder, target)
-            if key in ALLOWED_LINKS:
-                used.add(key)
-                continue
             errors.append(f"{rel}: {target} ({folder}, layer {rank}) links {dep} ({dep_folder}, "
                           f"layer {RANK[dep_folder]})")
-    for key in sorted(set(ALLOWED_LINKS) - used):
-        errors.append(f"ALLOWED_LINKS entry {key} is no longer needed: remove it from {__file__}")
     return errors
 
 

@@ -6,14 +6,8 @@
 //
 //   cuda_model_bench --shape llama3-8b --prefill 2048,8192 --batch 1,8,32 --context 4096
 //
-// With --summaries it times only prefill, once per summary method, in one run:
-//   cuda_model_bench --prefill 8192,32768 --summaries none,quest,keydiff,clusterkv,clusterkv-it3
-//       [--serial] [--reps 3]
-// each prefill one chunk whose per-layer summary build runs on a side stream (and, with
-// --serial, again with the builds on the main stream); columns: wall time (best of the timed
-// reps, methods interleaved within each rep), overhead vs 'none' of the same run, the builds'
-// own GPU time (sum over layers of each build's span on its stream, CUDA events), the host
-// time of the clusterkv plans, and the 5% target. "clusterkv-itN": N k-means iterations.
+// Prefill with retrieval summaries built on the GPU: prefill_summaries_bench
+// (retrieval/cuda/summaries/bench).
 //
 // Peaks default to the H100 SXM datasheet (989 TFLOP/s bf16 dense, 3.35 TB/s HBM3).
 
@@ -44,10 +38,6 @@ struct Flags {
   int warmup = 3;
   double peak_tflops = 989;
   double peak_tbps = 3.35;
-  std::vector<std::string> summaries;  // non-empty: the prefill-with-summaries table only
-  bool serial = false;
-  int reps = 3;  // summaries: rep 0 warms up
-  int64_t budget = 256;  // summaries: IndexParams budget (its default; clusterkv C0 from it)
 };
 
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
@@ -60,92 +50,6 @@ void Fail(const absl::Status& s, const char* what) {
   std::exit(1);
 }
 
-absl::StatusOr<PrefillSummaryOptions> ParseSummary(const std::string& name, int64_t budget) {
-  PrefillSummaryOptions o;
-  o.budget = budget;
-  if (name == "none") return o;
-  if (name == "quest") {
-    o.method = PrefillSummaryMethod::kQuest;
-  } else if (name == "keydiff") {
-    o.method = PrefillSummaryMethod::kKeyDiff;
-  } else if (name.rfind("clusterkv", 0) == 0) {
-    o.method = PrefillSummaryMethod::kClusterKv;
-    if (name.size() > 9) {
-      if (name.rfind("clusterkv-it", 0) != 0) return absl::InvalidArgumentError(name);
-      o.clusterkv_max_iterations = std::atoi(name.c_str() + 12);
-      if (o.clusterkv_max_iterations < 1) return absl::InvalidArgumentError(name);
-    }
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown summary method '", name,
-        "' (none, quest, keydiff, clusterkv, clusterkv-itN; ctkvr is not offered in prefill)"));
-  }
-  return o;
-}
-
-int RunSummaries(const Flags& f, CudaModel& model) {
-  const ModelConfig& c = model.config();
-  model.set_profile(false);
-  struct Row {
-    std::string name;
-    PrefillSummaryOptions opt;
-    double best = 1e30, build_ms = 0, plan_ms = 0;
-  };
-  std::printf("\nprefill with summary building (one sequence, one chunk, logits of the last token;"
-              " best of %d reps, methods interleaved; budget %lld)\n",
-              f.reps - 1, static_cast<long long>(f.budget));
-  std::printf("%7s %-15s %-6s %10s %9s %9s %9s %8s %8s\n", "tokens", "summaries", "stream",
-              "time_ms", "overhead", "build_ms", "hidden", "plan_ms", "<=5%");
-  SequenceId next_id = 1000000;
-  for (int64_t t : f.prefill) {
-    std::vector<Row> rows;
-    for (const std::string& name : f.summaries) {
-      auto o = ParseSummary(name, f.budget);
-      Fail(o.status(), "--summaries");
-      rows.push_back({name, *o});
-      if (f.serial && o->method != PrefillSummaryMethod::kNone) {
-        o->side_stream = false;
-        rows.push_back({name, *o});
-      }
-    }
-    const std::vector<int32_t> tokens(t, 1000);
-    std::vector<float> logits(c.vocab);
-    for (int rep = 0; rep < f.reps; ++rep) {
-      for (Row& r : rows) {
-        Fail(model.SetPrefillSummaries(r.opt), "SetPrefillSummaries");
-        const SequenceId id = next_id++;
-        Fail(model.AddSequence(id, t), "AddSequence");
-        CudaSequence s{id, tokens};
-        s.build_summaries = true;
-        const auto t0 = std::chrono::steady_clock::now();
-        Fail(model.Forward(std::span(&s, 1), LogitsMode::kLast, logits), "Forward");
-        const double sec = Seconds(t0, std::chrono::steady_clock::now());
-        if (rep > 0 && sec < r.best) {
-          r.best = sec;
-          r.build_ms = model.last_summary_build_ms();
-          r.plan_ms = model.last_summary_plan_ms();
-        }
-        Fail(model.ReleaseSequence(id), "ReleaseSequence");
-      }
-    }
-    const double none_ms = rows[0].name == "none" ? rows[0].best * 1e3 : 0;
-    for (const Row& r : rows) {
-      const double ms = r.best * 1e3;
-      const double over = none_ms > 0 ? ms / none_ms - 1 : 0;
-      const bool is_none = r.opt.method == PrefillSummaryMethod::kNone;
-      // hidden: the share of the builds' own GPU time that did not show up in the wall time.
-      const double hidden = r.build_ms > 0 ? 1 - (ms - none_ms) / r.build_ms : 0;
-      std::printf("%7lld %-15s %-6s %10.1f %8.2f%% %9.2f %8.0f%% %8.2f %8s\n",
-                  static_cast<long long>(t), r.name.c_str(),
-                  is_none ? "-" : (r.opt.side_stream ? "side" : "main"), ms, 100 * over,
-                  r.build_ms, 100 * hidden, r.plan_ms,
-                  is_none || none_ms == 0 ? "-" : (over <= 0.05 ? "met" : "MISSED"));
-    }
-  }
-  std::printf("(ctkvr: not built during prefill, its queries are not kept; see model/cuda/README.md)\n");
-  return 0;
-}
-
 int Run(const Flags& f) {
   auto config = DummyConfig(f.shape, f.layers);
   Fail(config.status(), "config");
@@ -155,19 +59,10 @@ int Run(const Flags& f) {
       std::max<int64_t>(*std::max_element(f.prefill.begin(), f.prefill.end()),
                         *std::max_element(f.batch.begin(), f.batch.end()));
   options.max_sequences = *std::max_element(f.batch.begin(), f.batch.end());
-  if (!f.summaries.empty()) {
-    options.max_batch_tokens = *std::max_element(f.prefill.begin(), f.prefill.end());
-    options.max_sequences = 1;
-  }
   options.profile = true;
   auto model_or = CreateCudaModelWithRandomWeights(c, 1, options);
   Fail(model_or.status(), "CreateCudaModelWithRandomWeights");
   CudaModel& model = **model_or;
-  if (!f.summaries.empty()) {
-    std::printf("shape %s: %d layers, %.2f GB of bf16 weights on the GPU\n", f.shape.c_str(),
-                c.n_layers, model.weight_bytes() / 1e9);
-    return RunSummaries(f, model);
-  }
 
   // Per token: 2 flops per weight of every projection (the embedding is a gather).
   const double h = c.hidden, q = c.q_dim(), kv = c.kv_dim(), ffn = c.ffn;
@@ -282,12 +177,6 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", f.warmup, "untimed decode steps first");
   app.add_option("--peak-tflops", f.peak_tflops, "bf16 dense peak for the roofline");
   app.add_option("--peak-tbps", f.peak_tbps, "HBM bandwidth for the roofline, TB/s");
-  app.add_option("--summaries", f.summaries,
-                 "prefill summary methods to time (none first: the overhead's base)")
-      ->delimiter(',');
-  app.add_flag("--serial", f.serial, "summaries: also run the builds on the main stream");
-  app.add_option("--reps", f.reps, "summaries: prefills per method (the first warms up)");
-  app.add_option("--budget", f.budget, "summaries: selection budget (clusterkv's C0 default)");
   CLI11_PARSE(app, argc, argv);
   return kvr::model::Run(f);
 }

@@ -28,9 +28,6 @@
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
 #include "kvr/model/cuda_model.h"
-// Prefill summaries (SetPrefillSummaries) still call retrieval's GPU build kernels from here;
-// they move behind a per-layer build hook of the prefill node next (scripts/check_layers.py).
-#include "kvr/retrieval/cuda/build.cuh"
 #include "ops.cuh"
 
 namespace kvr::model {
@@ -42,7 +39,6 @@ using kvr::cuda::CudaEvent;
 using kvr::cuda::CudaStream;
 using kvr::cuda::DeviceBuffer;
 using kvr::cuda::PinnedBuffer;
-namespace rc = kvr::retrieval::cuda;
 
 [[nodiscard]] absl::Status CublasStatus(cublasStatus_t s, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
@@ -70,7 +66,8 @@ class CudaModelImpl final : public CudaModel {
 
   const ModelConfig& config() const override { return config_; }
   int64_t weight_bytes() const override { return weight_bytes_; }
-  absl::Status AddSequence(SequenceId id, int64_t capacity) override;
+  absl::Status AddSequence(SequenceId id, int64_t capacity,
+                           std::unique_ptr<CudaLayerBuilder> builder) override;
   absl::Status ReleaseSequence(SequenceId id) override;
   absl::StatusOr<int64_t> SequenceLength(SequenceId id) const override;
   absl::Status FillSequenceForBenchmark(SequenceId id, int64_t n_tokens, uint64_t seed) override;
@@ -110,11 +107,9 @@ class CudaModelImpl final : public CudaModel {
     return cuda::LaunchRandomBf16(static_cast<bf16*>(device), n, seed, 1.f, stream());
   }
   absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const override;
-  absl::Status SetPrefillSummaries(const PrefillSummaryOptions& options) override;
-  double last_summary_build_ms() const override { return summary_build_ms_; }
-  double last_summary_plan_ms() const override { return summary_plan_ms_; }
-  absl::StatusOr<PrefillSummaryData> PrefillSummariesForTesting(SequenceId id) const override;
-  absl::Status RebuildPrefillSummariesForTesting(SequenceId id) override;
+  double last_build_ms() const override { return build_ms_; }
+  double last_build_plan_ms() const override { return build_plan_ms_; }
+  absl::Status RebuildForTesting(SequenceId id) override;
   CudaForwardProfile last_profile() const override { return profile_; }
   void set_profile(bool on) override { options_.profile = on; }
   CudaGraphStats graph_stats() const override { return graph_stats_; }
@@ -133,23 +128,8 @@ class CudaModelImpl final : public CudaModel {
     DeviceBuffer<bf16> w_gate_up;   // [2 ffn, hidden]
     DeviceBuffer<bf16> w_down;      // [hidden, ffn]
   };
-  // A dense sequence's prefill summaries (PrefillSummaryOptions), all layers.
-  struct Summaries {
-    PrefillSummaryOptions opt;             // as set when the sequence was added
-    int max_clusters = 1, max_points = 1;  // clusterkv: the plan's at the capacity
-    int64_t pages = 0;                     // quest: pages at the capacity
-    int64_t layer_f32 = 0, layer_i32 = 0;  // per-layer sizes of f32 / i32
-    DeviceBuffer<float> f32;
-    DeviceBuffer<int32_t> i32;
-    // Build metadata: [0] the length built over; clusterkv: then per layer, plan_stride ints:
-    // first_token [1], n_points [n_kv], n_init [n_kv], init_points [n_kv, max_clusters].
-    int64_t plan_stride = 0;
-    PinnedBuffer<int32_t> h_meta;
-    DeviceBuffer<int32_t> meta;
-    int64_t built_length = 0;
-  };
   // A dense sequence's KV export (BeginKvExport). `host` holds, per layer, K [L, kv_dim], V
-  // [L, kv_dim], the queries [nq, q_dim] (float32) and the layer's summary; `notes` point into it.
+  // [L, kv_dim], the queries [nq, q_dim] (float32) and the layer's build; `notes` point into it.
   struct KvExport;
   struct ExportNote {  // the user data of one layer's cudaLaunchHostFunc
     const KvExport* exp = nullptr;
@@ -164,7 +144,8 @@ class CudaModelImpl final : public CudaModel {
   struct Sequence {
     DeviceBuffer<bf16> kv;                 // [n_layers, 2, capacity, n_kv_heads, head_dim]
     std::unique_ptr<KvExport> exporting;   // between BeginKvExport and EndKvExport
-    std::unique_ptr<Summaries> summaries;  // dense sequences added with a summary method
+    std::unique_ptr<CudaLayerBuilder> builder;  // AddSequence's, or null
+    int64_t built_length = 0;                   // tokens the last build covered
     int64_t capacity = 0;
     int64_t length = 0;
   };
@@ -191,11 +172,10 @@ class CudaModelImpl final : public CudaModel {
 
   cudaStream_t stream() const { return stream_.get(); }
 
-  // Prefill summaries: fills the sequence's build metadata for `len` tokens (host plans) and
-  // queues its upload on the main stream; queues layer `layer`'s build on `st`.
-  [[nodiscard]] absl::Status PrepareSummaryBuild(Sequence& s, int64_t len);
-  [[nodiscard]] absl::Status QueueSummaryBuild(Sequence& s, int layer, int64_t len,
-                                               cudaStream_t st);
+  // Queues layer `layer`'s build of `s` over its first `len` tokens on `st`.
+  [[nodiscard]] absl::Status QueueBuild(Sequence& s, int layer, int64_t len, cudaStream_t st);
+  // The build stream and the per-layer events, created for the first sequence with a builder.
+  [[nodiscard]] absl::Status EnsureBuildStream();
   // KV export: returns the export's buffer to the pool.
   void RecycleExport(std::unique_ptr<KvExport> e);
 
@@ -251,15 +231,13 @@ class CudaModelImpl final : public CudaModel {
   std::vector<Kind> event_kinds_;
   CudaForwardProfile profile_;
 
-  // Prefill summaries (SetPrefillSummaries).
-  PrefillSummaryOptions summary_opt_;
-  CudaStream side_stream_;                          // created by SetPrefillSummaries
+  // Per-layer builds (CudaLayerBuilder).
+  CudaStream side_stream_;                          // created by EnsureBuildStream
   std::vector<CudaEvent> layer_ready_;              // [n_layers] K of the layer appended (main)
   std::vector<CudaEvent> build_begin_, build_end_;  // [n_layers] on the build stream
   CudaEvent builds_done_;
-  DeviceBuffer<uint8_t> summary_ws_;  // shared by the builds (one stream at a time)
-  double summary_build_ms_ = 0;
-  double summary_plan_ms_ = 0;
+  double build_ms_ = 0;
+  double build_plan_ms_ = 0;
 
   // KV export (BeginKvExport), created by the first export.
   CudaStream copy_stream_;
@@ -438,7 +416,8 @@ absl::Status CudaModelImpl::RandomizeWeights(uint64_t seed) {
   return stream_.Synchronize();
 }
 
-absl::Status CudaModelImpl::AddSequence(SequenceId id, int64_t capacity) {
+absl::Status CudaModelImpl::AddSequence(SequenceId id, int64_t capacity,
+                                        std::unique_ptr<CudaLayerBuilder> builder) {
   if (sequences_.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("CudaModel: sequence ", id, " already exists"));
   }
@@ -447,257 +426,62 @@ absl::Status CudaModelImpl::AddSequence(SequenceId id, int64_t capacity) {
                                                    " tokens outside [1, context length ",
                                                    config_.context_length, "]"));
   }
+  if (builder != nullptr) KVR_RETURN_IF_ERROR(EnsureBuildStream());
   Sequence s;
   s.capacity = capacity;
   KVR_RETURN_IF_ERROR(Alloc(s.kv, int64_t{config_.n_layers} * 2 * capacity * config_.kv_dim()));
-  if (summary_opt_.method != PrefillSummaryMethod::kNone) {
-    const ModelConfig& c = config_;
-    const PrefillSummaryOptions& o = summary_opt_;
-    auto sm = std::make_unique<Summaries>();
-    sm->opt = o;
-    const int64_t nkv = c.n_kv_heads, d = c.head_dim, L = c.n_layers;
-    size_t ws = 0;
-    switch (o.method) {
-      case PrefillSummaryMethod::kQuest:
-        sm->pages = (capacity + o.quest_page_size - 1) / o.quest_page_size;
-        sm->layer_f32 = sm->pages * nkv * 2 * d;
-        break;
-      case PrefillSummaryMethod::kKeyDiff: {
-        sm->layer_f32 = nkv * capacity;
-        rc::KeyDiffBuildParams p;
-        p.batch = 1;
-        p.n_kv_heads = c.n_kv_heads;
-        p.head_dim = c.head_dim;
-        p.max_tokens = static_cast<int>(capacity);
-        p.score_stride = capacity;
-        ws = rc::KeyDiffBuildWorkspaceBytes(p);
-        break;
-      }
-      case PrefillSummaryMethod::kClusterKv: {
-        retrieval::IndexShape shape;
-        shape.n_heads = c.n_heads;
-        shape.n_kv_heads = c.n_kv_heads;
-        shape.head_dim = c.head_dim;
-        shape.n_layers = c.n_layers;
-        retrieval::IndexParams params;
-        params.n_sink = o.n_sink;
-        params.budget = o.budget;
-        params.seed = o.seed;
-        params.clusterkv.n_clusters = o.clusterkv_n_clusters;
-        params.clusterkv.max_iterations = o.clusterkv_max_iterations;
-        const int64_t cap = capacity;
-        KVR_ASSIGN_OR_RETURN(const rc::ClusterKvBuildPlan plan,
-                             rc::MakeClusterKvBuildPlan(shape, params, std::span(&cap, 1)));
-        sm->max_clusters = plan.max_clusters;
-        sm->max_points = plan.max_points;
-        sm->layer_f32 = nkv * sm->max_clusters * d;
-        sm->layer_i32 = nkv + nkv * (sm->max_clusters + 1) + nkv * sm->max_points;
-        sm->plan_stride = 1 + 2 * nkv + nkv * sm->max_clusters;
-        rc::ClusterKvBuildParams p;
-        p.batch = 1;
-        p.n_kv_heads = c.n_kv_heads;
-        p.head_dim = c.head_dim;
-        p.max_points = sm->max_points;
-        p.max_clusters = sm->max_clusters;
-        p.max_iterations = o.clusterkv_max_iterations;
-        ws = rc::ClusterKvBuildWorkspaceBytes(p);
-        break;
-      }
-      case PrefillSummaryMethod::kNone:
-        break;
-    }
-    KVR_RETURN_IF_ERROR(Alloc(sm->f32, std::max<int64_t>(1, L * sm->layer_f32)));
-    KVR_RETURN_IF_ERROR(Alloc(sm->i32, std::max<int64_t>(1, L * sm->layer_i32)));
-    KVR_RETURN_IF_ERROR(Alloc(sm->meta, 1 + L * sm->plan_stride));
-    KVR_RETURN_IF_ERROR(AllocPinned(sm->h_meta, 1 + L * sm->plan_stride));
-    // Poisoned (NaN floats, -1 ints) until a build writes them.
-    KVR_CUDA_RETURN_IF_ERROR(cudaMemset(sm->f32.data(), 0xFF, sm->f32.bytes()));
-    KVR_CUDA_RETURN_IF_ERROR(cudaMemset(sm->i32.data(), 0xFF, sm->i32.bytes()));
-    if (ws > summary_ws_.bytes()) {
-      summary_ws_ = DeviceBuffer<uint8_t>();
-      KVR_RETURN_IF_ERROR(Alloc(summary_ws_, static_cast<int64_t>(ws)));
-    }
-    s.summaries = std::move(sm);
-  }
+  s.builder = std::move(builder);
   sequences_.emplace(id, std::move(s));
   return absl::OkStatus();
 }
 
-absl::Status CudaModelImpl::SetPrefillSummaries(const PrefillSummaryOptions& o) {
-  if (o.n_sink < 0 || o.budget < 1 || o.quest_page_size < 1 || o.clusterkv_n_clusters < 0 ||
-      o.clusterkv_max_iterations < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("SetPrefillSummaries: n_sink ", o.n_sink, ", budget ", o.budget,
-                     ", quest_page_size ", o.quest_page_size, ", clusterkv n_clusters ",
-                     o.clusterkv_n_clusters, " / max_iterations ", o.clusterkv_max_iterations));
+absl::Status CudaModelImpl::EnsureBuildStream() {
+  if (side_stream_.get() != nullptr) return absl::OkStatus();
+  KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  KVR_ASSIGN_OR_RETURN(CudaStream side, CudaStream::Create());
+  KVR_ASSIGN_OR_RETURN(CudaEvent done, CudaEvent::Create(cudaEventDisableTiming));
+  std::vector<CudaEvent> ready, begin, end;
+  for (int l = 0; l < config_.n_layers; ++l) {
+    KVR_ASSIGN_OR_RETURN(CudaEvent r, CudaEvent::Create(cudaEventDisableTiming));
+    KVR_ASSIGN_OR_RETURN(CudaEvent b, CudaEvent::Create());
+    KVR_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
+    ready.push_back(std::move(r));
+    begin.push_back(std::move(b));
+    end.push_back(std::move(e));
   }
-  if (side_stream_.get() == nullptr) {
-    KVR_ASSIGN_OR_RETURN(side_stream_, CudaStream::Create());
-    KVR_ASSIGN_OR_RETURN(builds_done_, CudaEvent::Create(cudaEventDisableTiming));
-    for (int l = 0; l < config_.n_layers; ++l) {
-      KVR_ASSIGN_OR_RETURN(CudaEvent ready, CudaEvent::Create(cudaEventDisableTiming));
-      KVR_ASSIGN_OR_RETURN(CudaEvent begin, CudaEvent::Create());
-      KVR_ASSIGN_OR_RETURN(CudaEvent end, CudaEvent::Create());
-      layer_ready_.push_back(std::move(ready));
-      build_begin_.push_back(std::move(begin));
-      build_end_.push_back(std::move(end));
-    }
-  }
-  summary_opt_ = o;
+  side_stream_ = std::move(side);
+  builds_done_ = std::move(done);
+  layer_ready_ = std::move(ready);
+  build_begin_ = std::move(begin);
+  build_end_ = std::move(end);
   return absl::OkStatus();
 }
 
-absl::Status CudaModelImpl::PrepareSummaryBuild(Sequence& s, int64_t len) {
-  Summaries& sm = *s.summaries;
-  const ModelConfig& c = config_;
-  int32_t* h = sm.h_meta.data();
-  h[0] = static_cast<int32_t>(len);
-  if (sm.opt.method == PrefillSummaryMethod::kClusterKv) {
-    const int nkv = c.n_kv_heads, K = sm.max_clusters;
-    retrieval::IndexShape shape;
-    shape.n_heads = c.n_heads;
-    shape.n_kv_heads = c.n_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.n_layers = c.n_layers;
-    retrieval::IndexParams params;
-    params.n_sink = sm.opt.n_sink;
-    params.budget = sm.opt.budget;
-    params.seed = sm.opt.seed;
-    params.clusterkv.n_clusters = sm.opt.clusterkv_n_clusters;
-    params.clusterkv.max_iterations = sm.opt.clusterkv_max_iterations;
-    for (int l = 0; l < c.n_layers; ++l) {
-      shape.layer = l;
-      KVR_ASSIGN_OR_RETURN(const rc::ClusterKvBuildPlan plan,
-                           rc::MakeClusterKvBuildPlan(shape, params, std::span(&len, 1)));
-      if (plan.max_clusters > K || plan.max_points > sm.max_points) {
-        return absl::InternalError("PrepareSummaryBuild: plan larger than at the capacity");
-      }
-      int32_t* m = h + 1 + l * sm.plan_stride;
-      m[0] = plan.first_token[0];
-      std::copy(plan.n_points.begin(), plan.n_points.end(), m + 1);
-      std::copy(plan.n_init.begin(), plan.n_init.end(), m + 1 + nkv);
-      int32_t* init = m + 1 + 2 * nkv;
-      std::fill(init, init + int64_t{nkv} * K, -1);
-      for (int r = 0; r < nkv; ++r) {
-        std::copy_n(plan.init_points.begin() + int64_t{r} * plan.max_clusters, plan.max_clusters,
-                    init + int64_t{r} * K);
-      }
-    }
-  }
-  KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sm.meta.data(), h,
-                                           (1 + c.n_layers * sm.plan_stride) * sizeof(int32_t),
-                                           cudaMemcpyHostToDevice, stream()));
-  return absl::OkStatus();
+absl::Status CudaModelImpl::QueueBuild(Sequence& s, int layer, int64_t len, cudaStream_t st) {
+  CudaLayerKeys keys;
+  keys.layer = layer;
+  keys.keys = s.kv.data() + int64_t{layer} * 2 * s.capacity * config_.kv_dim();
+  keys.token_stride = config_.kv_dim();
+  keys.length = len;
+  return s.builder->Build(keys, st);
 }
 
-absl::Status CudaModelImpl::QueueSummaryBuild(Sequence& s, int layer, int64_t len,
-                                              cudaStream_t st) {
-  Summaries& sm = *s.summaries;
-  const ModelConfig& c = config_;
-  const int64_t kv_dim = c.kv_dim();
-  rc::KeyView keys;
-  keys.data = s.kv.data() + int64_t{layer} * 2 * s.capacity * kv_dim;
-  keys.dtype = rc::KeyDType::kBf16;
-  keys.token_stride = kv_dim;
-  keys.head_stride = c.head_dim;
-  keys.batch_stride = 0;
-  float* f32 = sm.f32.data() + layer * sm.layer_f32;
-  switch (sm.opt.method) {
-    case PrefillSummaryMethod::kQuest: {
-      rc::QuestBoundsParams p;
-      p.batch = 1;
-      p.n_kv_heads = c.n_kv_heads;
-      p.head_dim = c.head_dim;
-      p.page_size = sm.opt.quest_page_size;
-      p.keys = keys;
-      p.seq_len = sm.meta.data();
-      p.max_tokens = static_cast<int>(len);
-      p.bounds = f32;
-      p.bounds_batch_stride = sm.layer_f32;
-      return rc::QuestPageBounds(p, st);
-    }
-    case PrefillSummaryMethod::kKeyDiff: {
-      rc::KeyDiffBuildParams p;
-      p.batch = 1;
-      p.n_kv_heads = c.n_kv_heads;
-      p.head_dim = c.head_dim;
-      p.keys = keys;
-      p.seq_len = sm.meta.data();
-      p.max_tokens = static_cast<int>(len);
-      p.scores = f32;
-      p.score_stride = s.capacity;
-      p.workspace = summary_ws_.data();
-      p.workspace_bytes = summary_ws_.bytes();
-      return rc::KeyDiffBuild(p, st);
-    }
-    case PrefillSummaryMethod::kClusterKv: {
-      const int nkv = c.n_kv_heads, K = sm.max_clusters;
-      const int32_t* m = sm.meta.data() + 1 + layer * sm.plan_stride;
-      int32_t* i32 = sm.i32.data() + layer * sm.layer_i32;
-      rc::ClusterKvBuildParams p;
-      p.batch = 1;
-      p.n_kv_heads = nkv;
-      p.head_dim = c.head_dim;
-      p.keys = keys;
-      p.max_points = sm.max_points;
-      p.max_clusters = K;
-      p.max_iterations = sm.opt.clusterkv_max_iterations;
-      p.first_token = m;
-      p.n_points = m + 1;
-      p.n_init = m + 1 + nkv;
-      p.init_points = m + 1 + 2 * nkv;
-      p.centroids = f32;
-      p.n_clusters = i32;
-      p.offsets = i32 + nkv;
-      p.members = i32 + nkv + int64_t{nkv} * (K + 1);
-      p.workspace = summary_ws_.data();
-      p.workspace_bytes = summary_ws_.bytes();
-      return rc::ClusterKvBuild(p, st);
-    }
-    case PrefillSummaryMethod::kNone:
-      break;
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<PrefillSummaryData> CudaModelImpl::PrefillSummariesForTesting(SequenceId id) const {
-  auto it = sequences_.find(id);
-  if (it == sequences_.end()) {
-    return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
-  }
-  const Summaries* sm = it->second.summaries.get();
-  if (sm == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("CudaModel: sequence ", id, " has no prefill summaries"));
-  }
-  PrefillSummaryData d;
-  d.method = sm->opt.method;
-  d.length = sm->built_length;
-  d.f32.resize(sm->f32.size());
-  d.i32.resize(sm->i32.size());
-  KVR_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(d.f32.data(), sm->f32.data(), sm->f32.bytes(), cudaMemcpyDeviceToHost));
-  KVR_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(d.i32.data(), sm->i32.data(), sm->i32.bytes(), cudaMemcpyDeviceToHost));
-  return d;
-}
-
-absl::Status CudaModelImpl::RebuildPrefillSummariesForTesting(SequenceId id) {
+absl::Status CudaModelImpl::RebuildForTesting(SequenceId id) {
   auto it = sequences_.find(id);
   if (it == sequences_.end()) {
     return absl::NotFoundError(absl::StrCat("CudaModel: no sequence ", id));
   }
   Sequence& s = it->second;
-  if (s.summaries == nullptr || s.length < 1) {
+  if (s.builder == nullptr || s.length < 1) {
     return absl::FailedPreconditionError(
-        absl::StrCat("CudaModel: sequence ", id, " has no prefill summaries or no tokens"));
+        absl::StrCat("CudaModel: sequence ", id, " has no builder or no tokens"));
   }
-  KVR_RETURN_IF_ERROR(PrepareSummaryBuild(s, s.length));
+  KVR_RETURN_IF_ERROR(s.builder->Prepare(s.length, stream()));
   for (int l = 0; l < config_.n_layers; ++l) {
-    KVR_RETURN_IF_ERROR(QueueSummaryBuild(s, l, s.length, stream()));
+    KVR_RETURN_IF_ERROR(QueueBuild(s, l, s.length, stream()));
   }
   KVR_RETURN_IF_ERROR(stream_.Synchronize());
-  s.summaries->built_length = s.length;
+  s.built_length = s.length;
   return absl::OkStatus();
 }
 
@@ -727,20 +511,23 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
                                                    " outside [1, capacity ", s.capacity,
                                                    "] or max_queries ", o.max_queries, " < 0"));
   }
-  if (o.summaries && s.summaries == nullptr) {
+  if (o.built && s.builder == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "BeginKvExport: summaries asked for sequence ", id,
-        ", which was added without a prefill summary method (SetPrefillSummaries first)"));
+        "BeginKvExport: builds asked for sequence ", id, ", which was added without a builder"));
   }
-  // The summary part of each layer's export (floats, then the int32s in the same buffer).
+  // The build part of each layer's export (floats, then the int32s in the same buffer), sized
+  // for the largest layer.
   int64_t sum_f32 = 0, sum_i32 = 0;
-  if (o.summaries) {
-    const Summaries& sm = *s.summaries;
-    sum_f32 = sm.opt.method == PrefillSummaryMethod::kQuest
-                  ? (o.length + sm.opt.quest_page_size - 1) / sm.opt.quest_page_size *
-                        int64_t{config_.n_kv_heads} * 2 * config_.head_dim
-                  : sm.layer_f32;
-    sum_i32 = sm.layer_i32;
+  if (o.built) {
+    for (int l = 0; l < config_.n_layers; ++l) {
+      const CudaLayerOutput out = s.builder->Output(l, o.length);
+      if (out.n_f32 < 0 || out.n_i32 < 0) {
+        return absl::InternalError(absl::StrCat("BeginKvExport: layer ", l, "'s build has ",
+                                                out.n_f32, " floats and ", out.n_i32, " ints"));
+      }
+      sum_f32 = std::max(sum_f32, out.n_f32);
+      sum_i32 = std::max(sum_i32, out.n_i32);
+    }
   }
   const ModelConfig& c = config_;
   const int64_t kv = c.kv_dim(), qd = c.q_dim(), T = options_.max_batch_tokens;
@@ -821,17 +608,14 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
     n.view.queries = base + row_floats;
     n.view.n_queries = e->nq;
     n.view.queries_first_position = o.length - e->nq;
-    if (o.summaries) {
-      const Summaries& sm = *s.summaries;
-      PrefillSummaryLayer& v = n.view.summary;
-      v.method = sm.opt.method;
+    if (o.built) {
+      const CudaLayerOutput out = s.builder->Output(l, o.length);
+      CudaBuiltLayer& v = n.view.built;
       v.length = o.length;
       v.f32 = base + row_floats + e->nq * qd;
-      v.n_f32 = sum_f32;
+      v.n_f32 = out.n_f32;
       v.i32 = reinterpret_cast<const int32_t*>(v.f32 + sum_f32);
-      v.n_i32 = sum_i32;
-      v.max_clusters = sm.max_clusters;
-      v.max_points = sm.max_points;
+      v.n_i32 = out.n_i32;
     }
   }
   s.exporting = std::move(e);
@@ -1087,11 +871,11 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
               "sequence ", in.id, " would be ", length,
               " tokens, past the length of its KV export (", s.exporting->opt.length, ")"));
         }
-        if (s.exporting != nullptr && s.exporting->opt.summaries &&
-            length == s.exporting->opt.length && !in.build_summaries) {
+        if (s.exporting != nullptr && s.exporting->opt.built &&
+            length == s.exporting->opt.length && !in.build) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "sequence ", in.id, " exports its summaries: the chunk that completes its ", length,
-              " tokens must set build_summaries"));
+              "sequence ", in.id, " exports its builds: the chunk that completes its ", length,
+              " tokens must set build"));
         }
       }
       for (int32_t token : in.tokens) {
@@ -1170,18 +954,19 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       for (int64_t i = 0; i < total; ++i) h_out_rows_.data()[i] = static_cast<int32_t>(i);
     }
   }
-  // Prefill summaries to build in this Forward (dense sequences added with a method).
-  summary_build_ms_ = summary_plan_ms_ = 0;
+  // Per-layer builds of this Forward (dense sequences added with a builder).
+  build_ms_ = build_plan_ms_ = 0;
   std::vector<std::pair<Sequence*, int64_t>> builds;  // sequence, its length after the chunk
   if (!hooked) {
     for (size_t b = 0; b < batch.size(); ++b) {
-      if (batch[b].build_summaries && seqs[b]->summaries != nullptr) {
+      if (batch[b].build && seqs[b]->builder != nullptr) {
         builds.emplace_back(seqs[b],
                             seqs[b]->length + static_cast<int64_t>(batch[b].tokens.size()));
       }
     }
   }
-  const bool side = !builds.empty() && summary_opt_.side_stream;
+  const bool side = std::any_of(builds.begin(), builds.end(),
+                                [](const auto& x) { return x.first->builder->side_stream(); });
   // KV exports of this chunk (BeginKvExport): per exporting sequence, its new rows and the
   // queries among them that fall in the export's window [L - nq, L).
   struct ChunkExport {
@@ -1261,16 +1046,16 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         KVR_CUDA_RETURN_IF_ERROR(d2h(view.queries + (x.q_first - view.queries_first_position) * qd,
                                      stage + x.stage_row * qd, x.q_n * qd));
       }
-      const PrefillSummaryLayer& sv = view.summary;
-      if (x.first + x.n == x.exp->opt.length && sv.method != PrefillSummaryMethod::kNone) {
-        // The layer's summary, once its build (queued before this export) is done.
-        const Summaries& sm = *seqs[x.b]->summaries;
+      const CudaBuiltLayer& bv = view.built;
+      if (x.first + x.n == x.exp->opt.length && bv.length > 0) {
+        // The layer's build, once it is done (queued before this export).
+        const CudaLayerOutput out = seqs[x.b]->builder->Output(layer, bv.length);
         KVR_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(cs, build_end_[layer].get(), 0));
-        KVR_CUDA_RETURN_IF_ERROR(d2h(sv.f32, sm.f32.data() + layer * sm.layer_f32, sv.n_f32));
-        if (sv.n_i32 > 0) {
-          KVR_CUDA_RETURN_IF_ERROR(
-              cudaMemcpyAsync(const_cast<int32_t*>(sv.i32), sm.i32.data() + layer * sm.layer_i32,
-                              sv.n_i32 * sizeof(int32_t), cudaMemcpyDeviceToHost, cs));
+        if (bv.n_f32 > 0) KVR_CUDA_RETURN_IF_ERROR(d2h(bv.f32, out.f32, bv.n_f32));
+        if (bv.n_i32 > 0) {
+          KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(const_cast<int32_t*>(bv.i32), out.i32,
+                                                   bv.n_i32 * sizeof(int32_t),
+                                                   cudaMemcpyDeviceToHost, cs));
         }
       }
       if (x.first + x.n == x.exp->opt.length && x.exp->opt.on_layer) {
@@ -1343,8 +1128,8 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
 
     if (!builds.empty()) {
       const auto t0 = std::chrono::steady_clock::now();
-      for (auto& [seq, len] : builds) KVR_RETURN_IF_ERROR(PrepareSummaryBuild(*seq, len));
-      summary_plan_ms_ =
+      for (auto& [seq, len] : builds) KVR_RETURN_IF_ERROR(seq->builder->Prepare(len, stream()));
+      build_plan_ms_ =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     }
     const int64_t h = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
@@ -1386,7 +1171,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         rope.layer = layer;
         KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
         if (!builds.empty()) {
-          // This layer's K rows are in the caches: its summaries can be built.
+          // This layer's K rows are in the caches: it can be built.
           cudaStream_t bs = stream();
           if (side) {
             bs = side_stream_.get();
@@ -1395,11 +1180,11 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
           }
           KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(build_begin_[layer].get(), bs));
           for (auto& [seq, len] : builds) {
-            KVR_RETURN_IF_ERROR(QueueSummaryBuild(*seq, layer, len, bs));
+            KVR_RETURN_IF_ERROR(QueueBuild(*seq, layer, len, bs));
           }
           KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(build_end_[layer].get(), bs));
         }
-        // After the builds: an export of summaries waits for build_end_[layer].
+        // After the builds: an export of builds waits for build_end_[layer].
         if (!exports.empty()) KVR_RETURN_IF_ERROR(queue_export(layer));
         KVR_RETURN_IF_ERROR(Mark(Kind::kAttention));
         ap.layer = layer;
@@ -1509,9 +1294,9 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       float ms = 0.f;
       KVR_CUDA_RETURN_IF_ERROR(
           cudaEventElapsedTime(&ms, build_begin_[l].get(), build_end_[l].get()));
-      summary_build_ms_ += ms;
+      build_ms_ += ms;
     }
-    for (auto& [seq, len] : builds) seq->summaries->built_length = len;
+    for (auto& [seq, len] : builds) seq->built_length = len;
   }
   if (!next_tokens.empty()) {
     std::memcpy(next_tokens.data(), h_argmax_.data(), n_out * sizeof(int32_t));

@@ -9,6 +9,7 @@
 //   the exported values are bf16 values exactly widened (low 16 bits zero); on_layer once per
 //   layer, in order, on another thread, in the last chunk only, all before Forward returns;
 //   logits bitwise equal with and without the export (it must not change the compute).
+// - Per-layer builds (CudaLayerBuilder) exported with the rows, after the layer's keys.
 // - Misuse errors and the reuse of pooled pinned buffers.
 // CTest label `gpu`.
 
@@ -24,6 +25,7 @@
 #include "cuda_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dense_attention.h"
@@ -289,60 +291,118 @@ TEST(CudaExportTest, RejectsMisuse) {
       << "a sequence that holds tokens";
 }
 
-// KvExportOptions::summaries: the sequence needs a summary method, and the chunk that completes
-// the export must build; then each layer's view carries its summary (quest: ceil(L / 16) pages).
-TEST(CudaExportTest, ExportsSummariesWithTheRows) {
+// A CudaLayerBuilder for the tests: its "build" of a layer copies the bf16 bits of the first
+// two tokens' keys into its int32 output and fills `length` floats with the layer's number, so
+// that the export can be checked against the rows it hands out with them.
+class KeyCopyBuilder final : public CudaLayerBuilder {
+ public:
+  KeyCopyBuilder(const ModelConfig& c, int64_t capacity, bool side)
+      : c_(c), capacity_(capacity), side_(side) {}
+  absl::Status Init() {
+    KVR_RETURN_IF_ERROR(kvr::cuda::Alloc(i32_, int64_t{c_.n_layers} * c_.kv_dim()));
+    return kvr::cuda::Alloc(f32_, int64_t{c_.n_layers} * capacity_);
+  }
+  bool side_stream() const override { return side_; }
+  absl::Status Prepare(int64_t length, void*) override {
+    prepared.push_back(length);
+    return absl::OkStatus();
+  }
+  absl::Status Build(const CudaLayerKeys& k, void* stream) override {
+    built.push_back({k.layer, k.length});
+    const auto st = static_cast<cudaStream_t>(stream);
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(i32_.data() + k.layer * c_.kv_dim(), k.keys,
+                                             2 * k.token_stride * sizeof(uint16_t),
+                                             cudaMemcpyDeviceToDevice, st));
+    // Bytes 0x40: every float is 3.0039 (0x40404040), whichever the layer.
+    KVR_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(f32_.data() + k.layer * capacity_, 0x40, k.length * sizeof(float), st));
+    return absl::OkStatus();
+  }
+  CudaLayerOutput Output(int layer, int64_t length) const override {
+    return {f32_.data() + layer * capacity_, length, i32_.data() + layer * c_.kv_dim(),
+            c_.kv_dim()};
+  }
+  std::vector<int64_t> prepared;
+  std::vector<std::pair<int, int64_t>> built;
+
+ private:
+  ModelConfig c_;
+  int64_t capacity_;
+  bool side_;
+  kvr::cuda::DeviceBuffer<int32_t> i32_;
+  kvr::cuda::DeviceBuffer<float> f32_;
+};
+
+// KvExportOptions::built: the sequence needs a builder, and the chunk that completes the export
+// must build; then each layer's view carries its build, made after the layer's K rows were in
+// the cache (the copied keys equal the exported rows), on the side stream and on the main one.
+TEST(CudaExportTest, ExportsBuildsWithTheRows) {
   SKIP_WITHOUT_GPU();
   auto config = DummyConfig("smollm2-135m", 2);
   ASSERT_TRUE(config.ok());
+  const ModelConfig& c = *config;
   CudaModelOptions opt;
   opt.max_batch_tokens = 64;
-  auto gpu = CreateCudaModelWithRandomWeights(*config, 1, opt);
+  auto gpu = CreateCudaModelWithRandomWeights(c, 1, opt);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   KvExportOptions eo;
   eo.length = 40;
-  eo.summaries = true;
+  eo.built = true;
+  eo.bf16_rows = true;
   ASSERT_TRUE((*gpu)->AddSequence(1, 40).ok());
   EXPECT_EQ((*gpu)->BeginKvExport(1, eo).code(), absl::StatusCode::kFailedPrecondition)
-      << "no summary method";
-  PrefillSummaryOptions so;
-  so.method = PrefillSummaryMethod::kQuest;
-  ASSERT_TRUE((*gpu)->SetPrefillSummaries(so).ok());
-  ASSERT_TRUE((*gpu)->AddSequence(2, 40).ok());
-  std::vector<KvExportLayer> seen;
-  std::vector<std::vector<float>> bounds;
-  eo.on_layer = [&](const KvExportLayer& x) {
-    seen.push_back(x);
-    bounds.emplace_back(x.summary.f32, x.summary.f32 + x.summary.n_f32);
-  };
-  ASSERT_TRUE((*gpu)->BeginKvExport(2, eo).ok());
+      << "no builder";
   std::vector<int32_t> tokens(40);
   for (int i = 0; i < 40; ++i) tokens[i] = 3 * i + 1;
-  std::vector<float> logits(config->vocab);
-  const CudaSequence first{2, std::span(tokens).first(24)};
-  ASSERT_TRUE((*gpu)->Forward(std::span(&first, 1), LogitsMode::kLast, logits).ok());
-  const CudaSequence no_build{2, std::span(tokens).subspan(24)};
-  EXPECT_EQ((*gpu)->Forward(std::span(&no_build, 1), LogitsMode::kLast, logits).code(),
-            absl::StatusCode::kInvalidArgument)
-      << "the completing chunk must build the summaries";
-  const CudaSequence last{2, std::span(tokens).subspan(24), /*build_summaries=*/true};
-  ASSERT_TRUE((*gpu)->Forward(std::span(&last, 1), LogitsMode::kLast, logits).ok());
-  ASSERT_EQ(seen.size(), 2u);
-  auto built = (*gpu)->PrefillSummariesForTesting(2);
-  ASSERT_TRUE(built.ok()) << built.status();
-  const int64_t per_layer = int64_t{3} * config->n_kv_heads * 2 * config->head_dim;  // 3 pages
-  for (int l = 0; l < 2; ++l) {
-    EXPECT_EQ(seen[l].layer, l);
-    EXPECT_EQ(seen[l].summary.method, PrefillSummaryMethod::kQuest);
-    EXPECT_EQ(seen[l].summary.length, 40);
-    ASSERT_EQ(seen[l].summary.n_f32, per_layer);
-    // The exported bounds are the model's buffers for that layer (bitwise).
-    const int64_t layer_f32 = static_cast<int64_t>(built->f32.size()) / 2;
-    EXPECT_EQ(0, std::memcmp(bounds[l].data(), built->f32.data() + l * layer_f32,
-                             per_layer * sizeof(float)))
-        << "layer " << l;
+  SequenceId id = 2;
+  for (bool side : {true, false}) {
+    auto owned = std::make_unique<KeyCopyBuilder>(c, 48, side);
+    ASSERT_TRUE(owned->Init().ok());
+    KeyCopyBuilder* builder = owned.get();
+    ASSERT_TRUE((*gpu)->AddSequence(id, 48, std::move(owned)).ok());
+    std::vector<int> layers;
+    std::vector<std::vector<uint16_t>> rows;  // the first two tokens' keys, as exported
+    std::vector<std::vector<int32_t>> copied;
+    std::vector<std::vector<float>> filled;
+    std::vector<int64_t> lengths;
+    eo.on_layer = [&](const KvExportLayer& x) {
+      layers.push_back(x.layer);
+      rows.emplace_back(x.k_bf16, x.k_bf16 + 2 * c.kv_dim());
+      copied.emplace_back(x.built.i32, x.built.i32 + x.built.n_i32);
+      filled.emplace_back(x.built.f32, x.built.f32 + x.built.n_f32);
+      lengths.push_back(x.built.length);
+    };
+    ASSERT_TRUE((*gpu)->BeginKvExport(id, eo).ok());
+    std::vector<float> logits(c.vocab);
+    const CudaSequence first{id, std::span(tokens).first(24)};
+    ASSERT_TRUE((*gpu)->Forward(std::span(&first, 1), LogitsMode::kLast, logits).ok());
+    EXPECT_TRUE(builder->prepared.empty()) << "a chunk without build";
+    const CudaSequence no_build{id, std::span(tokens).subspan(24)};
+    EXPECT_EQ((*gpu)->Forward(std::span(&no_build, 1), LogitsMode::kLast, logits).code(),
+              absl::StatusCode::kInvalidArgument)
+        << "the completing chunk must build";
+    const CudaSequence last{id, std::span(tokens).subspan(24), /*build=*/true};
+    ASSERT_TRUE((*gpu)->Forward(std::span(&last, 1), LogitsMode::kLast, logits).ok());
+    EXPECT_EQ(builder->prepared, std::vector<int64_t>{40});
+    ASSERT_EQ(builder->built.size(), 2u);
+    ASSERT_EQ(layers, (std::vector<int>{0, 1}));
+    for (int l = 0; l < 2; ++l) {
+      EXPECT_EQ(builder->built[l], std::make_pair(l, int64_t{40}));
+      EXPECT_EQ(lengths[l], 40);
+      ASSERT_EQ(copied[l].size(), static_cast<size_t>(c.kv_dim()));
+      EXPECT_EQ(0, std::memcmp(copied[l].data(), rows[l].data(), rows[l].size() * 2))
+          << "layer " << l << (side ? " side" : " main")
+          << ": the build did not see the layer's keys, or the export did not wait for it";
+      ASSERT_EQ(filled[l].size(), 40u);
+      EXPECT_TRUE(std::all_of(filled[l].begin(), filled[l].end(),
+                              [](float v) { return v > 3.003f && v < 3.005f; }));
+    }
+    EXPECT_GT((*gpu)->last_build_ms(), 0.0);
+    ASSERT_TRUE((*gpu)->RebuildForTesting(id).ok());
+    EXPECT_EQ(builder->prepared, (std::vector<int64_t>{40, 40}));
+    ASSERT_TRUE((*gpu)->EndKvExport(id).ok());
+    ++id;
   }
-  ASSERT_TRUE((*gpu)->EndKvExport(2).ok());
 }
 
 }  // namespace

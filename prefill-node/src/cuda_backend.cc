@@ -10,6 +10,7 @@
 #include "kvr/common/status.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/retrieval/clusterkv.h"
+#include "kvr/retrieval/cuda/prefill_summaries.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -55,18 +56,20 @@ class CudaPrefillBackend final : public PrefillBackend {
     // The model's own ids: the engine's sequence ids are the cluster's, unique per request but
     // not guaranteed to be unused here.
     const model::SequenceId id = next_id_++;
-    // The summaries the GPU builds for this call (read by AddSequence).
-    KVR_ASSIGN_OR_RETURN(const model::PrefillSummaryOptions summaries, SummariesFor(call));
-    KVR_RETURN_IF_ERROR(model_->SetPrefillSummaries(summaries));
-    const bool build = summaries.method != model::PrefillSummaryMethod::kNone;
-    KVR_RETURN_IF_ERROR(model_->AddSequence(id, L));
+    // The summaries the GPU builds for this call, if any (the sequence owns the builder; the
+    // layer tasks' serialisers point into it until `rows` releases the sequence).
+    KVR_ASSIGN_OR_RETURN(std::unique_ptr<retrieval::cuda::PrefillSummaryBuilder> builder,
+                         BuilderFor(call, L));
+    const retrieval::cuda::PrefillSummaryBuilder* summaries = builder.get();
+    const bool build = summaries != nullptr;
+    KVR_RETURN_IF_ERROR(model_->AddSequence(id, L, std::move(builder)));
     *rows = std::make_unique<CudaRows>(model_.get(), id);
     model::KvExportOptions eo;
     eo.length = L;
     eo.max_queries = call.max_queries;
     if (call.on_layer) {
       // Runs on the CUDA callback thread, only during the Forward calls below.
-      eo.on_layer = [&call](const model::KvExportLayer& x) {
+      eo.on_layer = [&call, summaries](const model::KvExportLayer& x) {
         LayerTask task;
         task.layer = x.layer;
         task.kv = x.kv;
@@ -75,11 +78,15 @@ class CudaPrefillBackend final : public PrefillBackend {
         task.queries = x.queries;
         task.n_queries = x.n_queries;
         task.queries_first_position = x.queries_first_position;
-        task.summary = x.summary;
+        if (summaries != nullptr && x.built.length > 0) {
+          task.summary = [summaries, built = x.built](const retrieval::IndexShape& shape) {
+            return summaries->Serialize(shape, built);
+          };
+        }
         call.on_layer(std::move(task));
       };
     }
-    eo.summaries = build;
+    eo.built = build;
     eo.bf16_rows = call.bf16_rows;
     KVR_RETURN_IF_ERROR(model_->BeginKvExport(id, eo));
     const int64_t P = call.prefix_rows;
@@ -108,41 +115,34 @@ class CudaPrefillBackend final : public PrefillBackend {
   }
 
  private:
-  // GPU summaries of the call's method with its parameters (kNone: the engine builds them).
-  absl::StatusOr<model::PrefillSummaryOptions> SummariesFor(const PrefillCall& call) const {
-    model::PrefillSummaryOptions o;
-    if (!gpu_summaries_ || call.params == nullptr) return o;
-    if (call.method == "quest") {
-      o.method = model::PrefillSummaryMethod::kQuest;
-    } else if (call.method == "clusterkv") {
-      o.method = model::PrefillSummaryMethod::kClusterKv;
-    } else {
-      return o;
+  // The GPU builder of the call's summaries over `capacity` tokens; null when the engine
+  // builds them (no builder that ships for the method, or gpu_summaries off).
+  absl::StatusOr<std::unique_ptr<retrieval::cuda::PrefillSummaryBuilder>> BuilderFor(
+      const PrefillCall& call, int64_t capacity) {
+    namespace rc = retrieval::cuda;
+    if (!gpu_summaries_ || call.params == nullptr ||
+        !rc::PrefillSummaryBuilders::Ships(call.method)) {
+      return nullptr;
     }
+    if (builders_ == nullptr) {
+      KVR_ASSIGN_OR_RETURN(builders_, rc::PrefillSummaryBuilders::Create(config(), device_));
+    }
+    rc::PrefillSummaryOptions o;
+    o.method = call.method;
     // clusterkv: the request's clusterkv.* options, as the CPU index's factory applies them
     // (quest's factory ignores them, so a quest request with a bad one is not refused here).
-    const bool clusterkv = call.method == "clusterkv";
-    KVR_ASSIGN_OR_RETURN(const retrieval::IndexParams p,
-                         clusterkv ? retrieval::ApplyClusterKvOptions(*call.params)
-                                   : absl::StatusOr<retrieval::IndexParams>(*call.params));
-    // quest's build is ~50 us per layer: on the main stream it is done when the layer's export
-    // starts. On the side stream it waited for SMs behind the prefill's kernels, and the export
-    // (which waits for the build) with it: all layers then reached the worker at the end
-    // (measured: +25% at 32K). clusterkv's k-means (ms per layer) keeps the side stream.
-    o.side_stream = clusterkv;
-    o.n_sink = p.n_sink;
-    o.budget = p.budget;
-    o.quest_page_size = p.quest.page_size;
-    o.clusterkv_n_clusters = p.clusterkv.n_clusters;
-    o.clusterkv_max_iterations = p.clusterkv.max_iterations;
-    o.seed = p.seed;
-    return o;
+    KVR_ASSIGN_OR_RETURN(o.params, call.method == "clusterkv"
+                                       ? retrieval::ApplyClusterKvOptions(*call.params)
+                                       : absl::StatusOr<retrieval::IndexParams>(*call.params));
+    return builders_->ForSequence(o, capacity);
   }
 
   std::unique_ptr<model::CudaModel> model_;
   int device_;
   int64_t max_chunk_;
   bool gpu_summaries_;
+  // The GPU summary builders (and their shared scratch), made for the first call that wants one.
+  std::unique_ptr<retrieval::cuda::PrefillSummaryBuilders> builders_;
   model::SequenceId next_id_ = 1;
 };
 

@@ -17,7 +17,6 @@
 #include "kvr/common/status.h"
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/index.h"
-#include "kvr/retrieval/prebuilt.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
@@ -171,9 +170,9 @@ class LayerWorker {
     // The runtime rotates Hugging Face style (rotate-half) for every architecture.
     shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
     std::vector<uint8_t> bytes;
-    if (task.summary.method != model::PrefillSummaryMethod::kNone) {
+    if (task.summary) {
       // Built by the backend (on the GPU): only serialised here.
-      absl::StatusOr<std::vector<uint8_t>> built = SerializeBackendSummary(shape, task);
+      absl::StatusOr<std::vector<uint8_t>> built = task.summary(shape);
       if (!built.ok()) {
         return absl::InternalError(
             absl::StrCat("retrieval (method '", ctx_.method, "', layer ", task.layer,
@@ -289,52 +288,6 @@ class LayerWorker {
     }
     layers_[task.layer] = std::move(layer);
     return absl::OkStatus();
-  }
-
-  // The shipped bytes of a summary the backend built (LayerTask::summary), as the CPU index
-  // with the same state serialises (retrieval/prebuilt.h).
-  absl::StatusOr<std::vector<uint8_t>> SerializeBackendSummary(const retrieval::IndexShape& shape,
-                                                               const LayerTask& task) const {
-    const model::PrefillSummaryLayer& s = task.summary;
-    if (s.length != ctx_.prompt_tokens) {
-      return absl::InternalError(
-          absl::StrCat("summary over ", s.length, " tokens, expected ", ctx_.prompt_tokens));
-    }
-    switch (s.method) {
-      case model::PrefillSummaryMethod::kQuest:
-        return retrieval::SerializePrebuiltQuest(shape, *ctx_.params, s.length,
-                                                 {s.f32, static_cast<size_t>(s.n_f32)});
-      case model::PrefillSummaryMethod::kClusterKv: {
-        const int nkv = shape.n_kv_heads, hd = shape.head_dim, K = s.max_clusters;
-        const int64_t need = nkv + int64_t{nkv} * (K + 1) + int64_t{nkv} * s.max_points;
-        if (s.n_i32 < need || s.n_f32 < int64_t{nkv} * K * hd) {
-          return absl::InternalError("clusterkv summary smaller than its layout");
-        }
-        const int32_t* n_clusters = s.i32;
-        const int32_t* offsets = s.i32 + nkv;
-        const int32_t* members = offsets + int64_t{nkv} * (K + 1);
-        std::vector<retrieval::PrebuiltClusterKvHead> heads(nkv);
-        for (int h = 0; h < nkv; ++h) {
-          const int64_t nc = n_clusters[h];
-          if (nc < 0 || nc > K) {
-            return absl::InternalError(
-                absl::StrCat("clusterkv head ", h, ": ", nc, " clusters, at most ", K));
-          }
-          const int32_t* off = offsets + int64_t{h} * (K + 1);
-          const int64_t n_members = off[nc];
-          if (n_members < 0 || n_members > s.max_points) {
-            return absl::InternalError(absl::StrCat("clusterkv head ", h, ": ", n_members,
-                                                    " members, at most ", s.max_points));
-          }
-          heads[h].centroids = {s.f32 + int64_t{h} * K * hd, static_cast<size_t>(nc * hd)};
-          heads[h].offsets = {off, static_cast<size_t>(nc + 1)};
-          heads[h].ids = {members + int64_t{h} * s.max_points, static_cast<size_t>(n_members)};
-        }
-        return retrieval::SerializePrebuiltClusterKv(shape, *ctx_.params, s.length, heads);
-      }
-      default:
-        return absl::UnimplementedError("the backend built a summary this node cannot ship");
-    }
   }
 
   Context ctx_;

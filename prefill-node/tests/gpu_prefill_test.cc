@@ -167,7 +167,7 @@ class SummaryCountingBackend final : public PrefillBackend {
                                              std::unique_ptr<PrefillRows>* rows) override {
     PrefillCall counted = call;
     counted.on_layer = [this, &call](LayerTask&& task) {
-      if (task.summary.method != model::PrefillSummaryMethod::kNone) ++built;
+      if (task.summary) ++built;
       call.on_layer(std::move(task));
     };
     return inner_->Prefill(counted, rows);

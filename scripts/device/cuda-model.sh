@@ -34,7 +34,8 @@ case "${1:-}" in
     build="${BUILD_DIR:-build-cudamodel}"
     # OpenBLAS and ICU's data alone are 67 MB: the bundle travels xz-compressed (~15 MB).
     bundle_bins "$kBundle" "$build"/model/{model_cuda_ops_test,model_cuda_model_test} \
-      "$build"/model/{model_cuda_prefill_summaries_test,model_cuda_graph_test,cuda_model_bench} \
+      "$build"/model/{model_cuda_graph_test,cuda_model_bench} \
+      "$build"/retrieval/{retrieval_cuda_prefill_summaries_test,prefill_summaries_bench} \
       model/bench/cuda_model_bench_sdpa.py || exit 1
     model="${KVR_TEST_MODEL:-$HOME/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
     # Uneven halves: the first travels with the bundle, both calls stay under 64 MiB.
@@ -76,16 +77,16 @@ case "${1:-}" in
     export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     status=0
-    "$kStage/bin/model_cuda_prefill_summaries_test" 2>&1 | tee "$out/summaries_test.log" |
+    "$kStage/bin/retrieval_cuda_prefill_summaries_test" 2>&1 | tee "$out/summaries_test.log" |
       grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|summary) |Failure|error' || true
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-    "$kStage/bin/cuda_model_bench" --shape llama3-8b --prefill 8192,32768 \
+    "$kStage/bin/prefill_summaries_bench" --shape llama3-8b --prefill 8192,32768 \
       --summaries "${SUMMARIES:-none,quest,keydiff,clusterkv,clusterkv-it3}" --serial --reps 3 \
       2>&1 | tee "$out/bench_summaries.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
       timeout "${MEMCHECK_S:-100}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
-        --error-exitcode 3 "$kStage/bin/model_cuda_prefill_summaries_test" \
+        --error-exitcode 3 "$kStage/bin/retrieval_cuda_prefill_summaries_test" \
         --gtest_filter=*Smollm2*:*Rejects* > "$out/sanitizer_summaries.log" 2>&1
       echo "compute-sanitizer memcheck (summaries test, smollm2 shape): rc $?  $(grep 'ERROR SUMMARY' "$out/sanitizer_summaries.log" | tail -1)"
     fi

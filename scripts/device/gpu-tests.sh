@@ -13,7 +13,7 @@ set -uo pipefail
 readonly kBundle=.device/gputests
 readonly kStage=/tmp/kvr-gputests
 readonly kAll="model_cuda_ops_test model_cuda_model_test retrieval_cuda_decode_test
-  retrieval_cuda_decode_load_test model_cuda_prefill_summaries_test model_cuda_export_test
+  retrieval_cuda_decode_load_test retrieval_cuda_prefill_summaries_test model_cuda_export_test
   model_cuda_graph_test prefill_gpu_test decode_gpu_test retrieval_cuda_select_test
   retrieval_cuda_attend_test retrieval_cuda_build_test"
 # GPU_TESTS: run only these (bundle always takes all); MEMCHECK_FILTER: a gtest filter for the

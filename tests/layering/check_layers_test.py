@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tests of scripts/check_layers.py: it passes on the repository, and fails on a tree with a
 deliberately wrong include (a lower layer including a higher one), naming the file and line,
-and on an allowance that nothing needs any more."""
+with no exception for the model's GPU code."""
 import pathlib
 import subprocess
 import sys
@@ -23,17 +23,6 @@ def write(root, rel, text):
     path.write_text(text)
 
 
-# The allowances of the real tree, so that a synthetic tree does not fail for unused ones.
-ALLOWANCES = {
-    "model/cuda/cuda_model.cu": '#include "kvr/retrieval/cuda/build.cuh"\n',
-    "model/cuda.cmake": "add_library(kvr_model_cuda cuda/cuda_model.cu)\n"
-                        "target_link_libraries(kvr_model_cuda PRIVATE kvr::retrieval_cuda_build)\n",
-    "retrieval/cuda_build.cmake": "add_library(kvr_retrieval_cuda_build cuda/build/build.cu)\n"
-                                  "add_library(kvr::retrieval_cuda_build ALIAS "
-                                  "kvr_retrieval_cuda_build)\n",
-}
-
-
 class CheckLayersTest(unittest.TestCase):
     def test_the_repository_holds_the_layering(self):
         r = run(ROOT)
@@ -42,34 +31,37 @@ class CheckLayersTest(unittest.TestCase):
     def test_a_lower_layer_including_a_higher_one_fails(self):
         with tempfile.TemporaryDirectory() as d:
             root = pathlib.Path(d)
-            for rel, text in ALLOWANCES.items():
-                write(root, rel, text)
             write(root, "retrieval/src/ok.cc", '#include "kvr/model/model.h"\n')
             write(root, "decode-node/src/ok.cc", '#include "kvr/kv_store/client.h"\n')
             self.assertEqual(run(root).returncode, 0, run(root).stdout)
-            # The model must not know a retrieval method (outside the listed GPU debt).
+            # The model must not know a retrieval method.
             write(root, "model/src/bad.cc", '// x\n#include "kvr/retrieval/registry.h"\n')
             r = run(root)
             self.assertEqual(r.returncode, 1, r.stdout)
             self.assertIn("model/src/bad.cc:2: model (layer 1) includes retrieval (layer 2)",
                           r.stdout)
 
-    def test_the_model_allowance_covers_one_file_only(self):
+    def test_the_models_gpu_code_may_not_include_or_link_retrieval(self):
         with tempfile.TemporaryDirectory() as d:
             root = pathlib.Path(d)
-            for rel, text in ALLOWANCES.items():
-                write(root, rel, text)
-            # The sparse decode left the model: no other model/cuda file may include retrieval.
-            write(root, "model/cuda/sparse.cu", '#include "kvr/retrieval/cuda/hot_cache.cuh"\n')
+            # What CudaModel did before its per-layer build hook: retrieval's build kernels.
+            write(root, "model/cuda/cuda_model.cu", '#include "kvr/retrieval/cuda/build.cuh"\n')
+            write(root, "model/cuda.cmake",
+                  "add_library(kvr_model_cuda cuda/cuda_model.cu)\n"
+                  "target_link_libraries(kvr_model_cuda PRIVATE kvr::retrieval_cuda_build)\n")
+            write(root, "retrieval/cuda_build.cmake",
+                  "add_library(kvr_retrieval_cuda_build cuda/summaries/quest.cu)\n"
+                  "add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)\n")
             r = run(root)
             self.assertEqual(r.returncode, 1, r.stdout)
-            self.assertIn("model/cuda/sparse.cu:1", r.stdout)
+            self.assertIn("model/cuda/cuda_model.cu:1: model (layer 1) includes retrieval",
+                          r.stdout)
+            self.assertIn("kvr_model_cuda (model, layer 1) links kvr::retrieval_cuda_build",
+                          r.stdout)
 
     def test_same_rank_components_may_not_include_each_other(self):
         with tempfile.TemporaryDirectory() as d:
             root = pathlib.Path(d)
-            for rel, text in ALLOWANCES.items():
-                write(root, rel, text)
             write(root, "decode-node/src/bad.cc", '#include "kvr/prefill_node/engine.h"\n')
             r = run(root)
             self.assertEqual(r.returncode, 1, r.stdout)
@@ -78,8 +70,6 @@ class CheckLayersTest(unittest.TestCase):
     def test_the_store_library_is_below_the_node_library_and_its_binary_above(self):
         with tempfile.TemporaryDirectory() as d:
             root = pathlib.Path(d)
-            for rel, text in ALLOWANCES.items():
-                write(root, rel, text)
             # The kvr-store binary registers through the node library, like the other nodes.
             write(root, "kv-store/tools/main.cc", '#include "kvr/node/membership_client.h"\n'
                                                   '#include "kvr/kv_store/server.h"\n')
@@ -102,8 +92,6 @@ class CheckLayersTest(unittest.TestCase):
     def test_links_point_down_like_includes(self):
         with tempfile.TemporaryDirectory() as d:
             root = pathlib.Path(d)
-            for rel, text in ALLOWANCES.items():
-                write(root, rel, text)
             write(root, "controller/CMakeLists.txt",
                   "add_library(kvr_controller src/membership.cc)\n"
                   "add_library(kvr::controller ALIAS kvr_controller)\n")
@@ -130,14 +118,6 @@ class CheckLayersTest(unittest.TestCase):
             self.assertIn("kvr_kv_store (kv-store, layer 4) links kvr::controller (controller, "
                           "layer 6)", r.stdout)
             self.assertIn("bad_test (kv-store, layer 4) links kvr::node (node, layer 5)", r.stdout)
-
-    def test_an_allowance_nothing_needs_fails(self):
-        with tempfile.TemporaryDirectory() as d:
-            root = pathlib.Path(d)
-            write(root, "common/x.h", "// nothing\n")
-            r = run(root)
-            self.assertEqual(r.returncode, 1, r.stdout)
-            self.assertIn("is no longer needed", r.stdout)
 
 
 if __name__ == "__main__":

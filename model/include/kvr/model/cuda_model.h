@@ -62,53 +62,56 @@ struct CudaModelOptions {
 struct CudaSequence {
   SequenceId id = 0;
   std::span<const int32_t> tokens;
-  // Prefill summaries (SetPrefillSummaries): this chunk completes the prompt; after each layer's
-  // K rows of the chunk are appended, that layer's summary is built over ALL the sequence's
-  // tokens so far (a later build of the same sequence overwrites it). Ignored for a sequence
-  // added while no method was set, and in a ForwardWithAttention.
-  bool build_summaries = false;
+  // This chunk completes the prompt: after each layer's K rows of the chunk are appended, the
+  // sequence's CudaLayerBuilder (AddSequence) builds that layer over ALL the sequence's tokens
+  // so far (a later build of the same sequence overwrites it). Ignored for a sequence added
+  // without a builder, and in a ForwardWithAttention.
+  bool build = false;
 };
 
-// Summaries built on the GPU during prefill, from the device KV cache in place,
-// by the kernels of retrieval/cuda/include/kvr/retrieval/cuda/build.cuh.
-// - Per layer, once that layer's K rows of a `build_summaries` chunk are in the cache (a CUDA
-//   event on the main stream), the layer's build is launched on a SECOND stream, so that the
-//   next layers' compute goes on (layer-pipelined); Forward waits for that stream before it
-//   returns. side_stream = false runs the builds on the main stream instead (serial, to compare);
-//   side_stream is read from the options current at the Forward.
-// - Outputs go to per-sequence buffers reserved by AddSequence (sized for its capacity), layouts
-//   as the build kernels write them, per layer:
-//     quest      bounds [pages, n_kv_heads, 2, head_dim] fp32 (pages = ceil(len / page_size))
-//     clusterkv  centroids [n_kv_heads, max_clusters, head_dim] fp32, n_clusters [n_kv_heads],
-//                offsets [n_kv_heads, max_clusters + 1], members [n_kv_heads, max_points]
-//                (max_clusters / max_points: the build plan's at the sequence's capacity)
-//     keydiff    scores [n_kv_heads, capacity] fp32
-// - clusterkv's host plan (C0, initial points: MakeClusterKvBuildPlan, the CPU index's) is made
-//   in Forward for the sequence's length, one per layer (its seeds depend on the layer).
-// CTKVR is not offered: its build needs the last C prefill queries of every layer (C up to 2048),
-// which the runtime overwrites layer by layer (see model/cuda/README.md).
-enum class PrefillSummaryMethod { kNone, kQuest, kClusterKv, kKeyDiff };
-
-struct PrefillSummaryOptions {
-  PrefillSummaryMethod method = PrefillSummaryMethod::kNone;
-  bool side_stream = true;
-  // As retrieval's IndexParams (index.h): n_sink (clusterkv does not cluster the sinks), budget
-  // (clusterkv's default C0 = max(L / 80, 4 L / budget), at most L / 8), quest.page_size,
-  // clusterkv.{n_clusters (0: default), max_iterations}, seed (k-means initial points).
-  int64_t n_sink = 16;
-  int64_t budget = 256;
-  int quest_page_size = 16;
-  int64_t clusterkv_n_clusters = 0;
-  int clusterkv_max_iterations = 10;
-  uint64_t seed = 0x6b7672;
+// Per-layer builds over a dense sequence's keys on the GPU during prefill, supplied with
+// AddSequence: what is built (a prefill node's retrieval summaries, for one) is the builder's
+// business; the model only schedules it.
+// - A Forward chunk with CudaSequence::build: before the layers, Prepare(length) on the thread
+//   that drives the model (host plans; it may queue uploads on the model's stream, `stream`);
+//   then per layer, once that layer's K rows of the chunk are in the cache (a CUDA event on the
+//   main stream), Build on a SECOND stream when any builder of the Forward asks for it
+//   (side_stream(): the next layers' compute goes on, layer-pipelined), else on the main stream.
+//   Forward waits for the builds before it returns.
+// - The builds of one Forward run one after another on one stream, sequence by sequence, so
+//   builders of one model may share device scratch.
+// - Output(layer, length): the device arrays a KV export (KvExportOptions::built) copies to the
+//   host once the layer's build is done, in layer order with the rows.
+struct CudaLayerKeys {
+  int layer = 0;
+  const void* keys = nullptr;  // the layer's K cache: bf16 [capacity, n_kv_heads, head_dim]
+  int64_t token_stride = 0;    // elements from one token's keys to the next (kv_dim)
+  int64_t length = 0;          // tokens to build over
+};
+struct CudaLayerOutput {  // device arrays (either may be empty)
+  const float* f32 = nullptr;
+  int64_t n_f32 = 0;
+  const int32_t* i32 = nullptr;
+  int64_t n_i32 = 0;
+};
+class CudaLayerBuilder {
+ public:
+  virtual ~CudaLayerBuilder() = default;
+  // Whether builds should leave the main stream (a build of milliseconds per layer: yes; one of
+  // microseconds is done sooner on the main stream than waiting for SMs on a side stream).
+  virtual bool side_stream() const = 0;
+  [[nodiscard]] virtual absl::Status Prepare(int64_t length, void* stream) = 0;
+  [[nodiscard]] virtual absl::Status Build(const CudaLayerKeys& keys, void* stream) = 0;
+  virtual CudaLayerOutput Output(int layer, int64_t length) const = 0;
 };
 
-// For tests: a sequence's prefill summaries copied back (all layers, the buffers whole).
-struct PrefillSummaryData {
-  PrefillSummaryMethod method = PrefillSummaryMethod::kNone;
-  int64_t length = 0;        // tokens the last build covered (0: never built)
-  std::vector<float> f32;    // quest bounds, clusterkv centroids, keydiff scores
-  std::vector<int32_t> i32;  // clusterkv: n_clusters, offsets, members (concatenated)
+// A layer's build as a KV export hands it out, in pinned host memory (Output's arrays).
+struct CudaBuiltLayer {
+  int64_t length = 0;  // tokens it covers (L); 0: nothing was built
+  const float* f32 = nullptr;
+  int64_t n_f32 = 0;
+  const int32_t* i32 = nullptr;
+  int64_t n_i32 = 0;
 };
 
 // Per-layer export of a dense sequence's K/V rows to host memory (for the prefill
@@ -138,20 +141,6 @@ struct PrefillSummaryData {
 //   layer's copies): it must not call CUDA and must not block (push to a queue and return);
 //   every call has returned before the Forward that made it returns.
 // - Forward refuses a chunk that would take an exporting sequence past L.
-// One layer's prefill summary as built on the GPU (SetPrefillSummaries), in pinned host memory,
-// layouts as PrefillSummaryOptions describes (quest: only the ceil(L / page_size) pages of L).
-struct PrefillSummaryLayer {
-  PrefillSummaryMethod method = PrefillSummaryMethod::kNone;  // kNone: not exported
-  int64_t length = 0;                                         // tokens it covers (L)
-  const float* f32 = nullptr;  // quest bounds, clusterkv centroids, keydiff scores
-  int64_t n_f32 = 0;
-  // clusterkv: n_clusters [n_kv_heads], offsets [n_kv_heads, max_clusters + 1], members
-  // [n_kv_heads, max_points], concatenated.
-  const int32_t* i32 = nullptr;
-  int64_t n_i32 = 0;
-  int max_clusters = 0, max_points = 0;
-};
-
 struct KvExportLayer {
   SequenceId sequence = 0;
   int layer = 0;
@@ -164,17 +153,17 @@ struct KvExportLayer {
   const float* queries = nullptr;  // [n_queries, n_heads, head_dim]
   int64_t n_queries = 0;
   int64_t queries_first_position = 0;  // L - n_queries
-  PrefillSummaryLayer summary;         // KvExportOptions::summaries only
+  CudaBuiltLayer built;                // KvExportOptions::built only
 };
 
 struct KvExportOptions {
   int64_t length = 0;         // L: the prompt's tokens (the sequence's length when complete)
   int64_t max_queries = 512;  // last prefill queries per layer to export (0: none)
-  // Also export each layer's prefill summary: the sequence must have been added with a summary
-  // method (SetPrefillSummaries) and the chunk that completes L must set build_summaries. The
-  // layer's copy then waits for its build (on the build stream) as well, so on_layer sees rows
-  // and summary together; the builds still overlap the later layers' compute.
-  bool summaries = false;
+  // Also export each layer's build (CudaLayerBuilder::Output): the sequence must have been added
+  // with a builder and the chunk that completes L must set CudaSequence::build. The layer's copy
+  // then waits for its build (on the build stream) as well, so on_layer sees rows and build
+  // together; the builds still overlap the later layers' compute.
+  bool built = false;
   // Export the K/V rows as the cache's bf16 (KvExportLayer::k_bf16 / v_bf16), copied device to
   // host as they lie: half the PCIe bytes and no conversion, for a consumer that stores bf16
   // rows (a prefill node with store_dtype bf16). Queries stay float32.
@@ -257,8 +246,10 @@ class CudaModel {
   virtual int64_t weight_bytes() const = 0;
 
   // Reserves the device KV cache of a new sequence for `capacity` tokens (at most the model's
-  // context length). AlreadyExists for a known id, ResourceExhausted when the GPU is full.
-  [[nodiscard]] virtual absl::Status AddSequence(SequenceId id, int64_t capacity) = 0;
+  // context length), with an optional per-layer builder (CudaLayerBuilder) that the model owns
+  // from here. AlreadyExists for a known id, ResourceExhausted when the GPU is full.
+  [[nodiscard]] virtual absl::Status AddSequence(
+      SequenceId id, int64_t capacity, std::unique_ptr<CudaLayerBuilder> builder = nullptr) = 0;
   // Frees the sequence's KV cache. NotFound for an unknown id.
   [[nodiscard]] virtual absl::Status ReleaseSequence(SequenceId id) = 0;
   // Tokens held in the sequence's cache.
@@ -321,22 +312,17 @@ class CudaModel {
   virtual void* cuda_stream() const = 0;
   [[nodiscard]] virtual absl::Status FillRandomBf16(void* device, int64_t n, uint64_t seed) = 0;
 
-  // Prefill summaries (see PrefillSummaryOptions): the method built for `build_summaries`
-  // chunks of sequences added AFTER this call (AddSequence reserves the buffers). InvalidArgument
-  // for bad options; ResourceExhausted is answered later, by AddSequence.
-  [[nodiscard]] virtual absl::Status SetPrefillSummaries(const PrefillSummaryOptions& options) = 0;
-  // GPU time of the last Forward's summary builds: the sum over layers of each build's own
-  // span on its stream (CUDA events after its wait on the layer's K append), ms; 0 when none.
-  // Overlapped with the main stream, that is the builds' time while sharing the GPU.
-  virtual double last_summary_build_ms() const = 0;
-  // Host time of the last Forward spent making the builds' host plans (clusterkv), ms.
-  virtual double last_summary_plan_ms() const = 0;
-  // For tests: copies the sequence's summaries back. NotFound / FailedPrecondition (no buffers).
-  [[nodiscard]] virtual absl::StatusOr<PrefillSummaryData> PrefillSummariesForTesting(
-      SequenceId id) const = 0;
-  // For tests: builds the summaries again over the sequence's current cache (every layer, the
-  // same kernels and plan, on the main stream, synchronously) into the same buffers.
-  [[nodiscard]] virtual absl::Status RebuildPrefillSummariesForTesting(SequenceId id) = 0;
+  // GPU time of the last Forward's builds (CudaLayerBuilder): the sum over layers of each
+  // layer's builds' span on their stream (CUDA events after the wait on the layer's K append),
+  // ms; 0 when none. Overlapped with the main stream, that is the builds' time while sharing
+  // the GPU.
+  virtual double last_build_ms() const = 0;
+  // Host time of the last Forward in the builders' Prepare, ms.
+  virtual double last_build_plan_ms() const = 0;
+  // For tests: runs the sequence's builder again over its current cache (Prepare, every layer's
+  // Build, on the main stream, synchronously). NotFound; FailedPrecondition without a builder
+  // or tokens.
+  [[nodiscard]] virtual absl::Status RebuildForTesting(SequenceId id) = 0;
 
   // KV export (see KvExportOptions). BeginKvExport: NotFound for an unknown id;
   // FailedPrecondition for a sequence already exporting or one that holds tokens;

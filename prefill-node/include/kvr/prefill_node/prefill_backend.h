@@ -41,9 +41,11 @@ struct LayerTask {
   const float* queries = nullptr;  // [n_queries, n_heads, head_dim], RoPE applied
   int64_t n_queries = 0;
   int64_t queries_first_position = 0;  // L - n_queries
-  // The layer's summary when the backend built it (the CUDA backend: quest and clusterkv on the
-  // GPU, PrefillCall::gpu_summaries); method kNone: the engine builds the index from `kv`.
-  model::PrefillSummaryLayer summary;
+  // When the backend built the layer's retrieval summary itself (the CUDA backend: quest and
+  // clusterkv on the GPU while the prompt runs), its shipped bytes as SerializeIndex writes them
+  // for the CPU index in the same state, given the layer's shape; called on the engine's worker
+  // thread, valid as long as the views above. Empty: the engine builds the index from `kv`.
+  std::function<absl::StatusOr<std::vector<uint8_t>>(const retrieval::IndexShape&)> summary;
 };
 
 // Owns the memory that a Prefill call's LayerTasks point into (a KvCache, pinned export

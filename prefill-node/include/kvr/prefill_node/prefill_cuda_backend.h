@@ -27,10 +27,11 @@ namespace kvr::prefill_node {
 
 // A backend over `model` (owned). `max_chunk_tokens` must not exceed the model's
 // max_batch_tokens (the caller made the model; it is what chunks are capped to).
-// gpu_summaries: for a call whose method is quest or clusterkv, the summaries are built on the
-// GPU while the prompt runs (CudaModel::SetPrefillSummaries with the call's IndexParams, the
-// chunk that completes the prompt builds; side stream) and exported with each layer's rows
-// (LayerTask::summary), so the engine only serialises them; other methods leave it unset.
+// gpu_summaries: for a call whose method has a GPU builder that ships (quest, clusterkv:
+// retrieval/cuda/.../prefill_summaries.h), the summaries are built on the GPU while the prompt
+// runs (the sequence's per-layer build hook with the call's IndexParams; the chunk that
+// completes the prompt builds) and exported with each layer's rows (LayerTask::summary), so the
+// engine only serialises them; other methods leave it unset.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<PrefillBackend>> CreateCudaPrefillBackend(
     std::unique_ptr<model::CudaModel> model, int device, int64_t max_chunk_tokens,
     bool gpu_summaries = true);

@@ -1,6 +1,6 @@
 #pragma once
 // Shipped indexes (SerializeIndex bytes) from summaries that were built elsewhere, e.g. on the
-// GPU during prefill (model/cuda SetPrefillSummaries, retrieval/cuda/summaries kernels): the bytes
+// GPU during prefill (retrieval/cuda prefill_summaries.h, on the model's build hook): the bytes
 // are those that SerializeIndex writes for the CPU index holding the same state, so a decode
 // node deserialises them as if the prefill node had built the index on the CPU.
 //

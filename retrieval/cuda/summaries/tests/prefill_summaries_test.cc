@@ -1,6 +1,6 @@
-// Prefill summaries built during a GPU prefill (CudaModel::SetPrefillSummaries)
-// against the same kernels run afterwards over the same device KV cache
-// (RebuildPrefillSummariesForTesting): the results must be bitwise equal, for the builds on the
+// Retrieval summaries built during a GPU prefill (prefill_summaries.h: the model's per-layer
+// build hook) against the same kernels run afterwards over the same device KV cache
+// (CudaModel::RebuildForTesting): the results must be bitwise equal, for the builds on the
 // side stream (layer-pipelined) and on the main stream. A build that read a layer's keys before
 // the layer's K append (a missing event dependency) or while another build used the shared
 // workspace would differ. Also: the logits are bitwise those of a prefill without summaries,
@@ -19,14 +19,21 @@
 #include "gtest/gtest.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
+#include "kvr/retrieval/cuda/prefill_summaries.h"
 
-namespace kvr::model {
+namespace kvr::retrieval::cuda {
 namespace {
 
-using cuda_test::Tokens;
+using model::CudaModel;
+using model::CudaModelOptions;
+using model::CudaSequence;
+using model::LogitsMode;
+using model::ModelConfig;
+using model::SequenceId;
+using model::cuda_test::Tokens;
 
 struct Case {
-  PrefillSummaryMethod method;
+  const char* method;
   int iterations;
   const char* name;
 };
@@ -34,25 +41,38 @@ struct Case {
 // Two sequences (lengths 700 and 389, capacities above them) prefilled together in chunks of
 // 256 tokens; the chunk that completes each prompt asks for the build.
 void CheckShape(const std::string& shape, int n_layers) {
-  auto config = DummyConfig(shape, n_layers);
+  auto config = model::DummyConfig(shape, n_layers);
   ASSERT_TRUE(config.ok()) << config.status();
   const ModelConfig& c = *config;
   CudaModelOptions opt;
   opt.max_batch_tokens = 512;
   opt.max_sequences = 4;
-  auto model_or = CreateCudaModelWithRandomWeights(c, 3, opt);
+  auto model_or = model::CreateCudaModelWithRandomWeights(c, 3, opt);
   ASSERT_TRUE(model_or.ok()) << model_or.status();
   CudaModel& m = **model_or;
+  auto builders = PrefillSummaryBuilders::Create(c, opt.device);
+  ASSERT_TRUE(builders.ok()) << builders.status();
   const std::vector<int> lengths = {700, 389};
   const std::vector<int64_t> capacities = {1024, 400};
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < lengths.size(); ++i) prompts.push_back(Tokens(lengths[i], c.vocab, 5 + i));
 
-  // Prefills both sequences (ids base, base + 1); returns the logits of every chunk.
-  auto prefill = [&](SequenceId base, bool build) {
+  // Prefills both sequences (ids base, base + 1), with builders of `o` unless `o` is null;
+  // returns the logits of every chunk; `built` gets the builders.
+  std::vector<const PrefillSummaryBuilder*> built;
+  auto prefill = [&](SequenceId base, const PrefillSummaryOptions* o) {
+    const bool build = o != nullptr;
     std::vector<float> all;
+    built.clear();
     for (size_t i = 0; i < lengths.size(); ++i) {
-      EXPECT_TRUE(m.AddSequence(base + i, capacities[i]).ok());
+      std::unique_ptr<PrefillSummaryBuilder> b;
+      if (build) {
+        auto made = (*builders)->ForSequence(*o, capacities[i]);
+        EXPECT_TRUE(made.ok()) << made.status();
+        if (made.ok()) b = *std::move(made);
+      }
+      built.push_back(b.get());
+      EXPECT_TRUE(m.AddSequence(base + i, capacities[i], std::move(b)).ok());
     }
     std::vector<int> done(lengths.size(), 0);
     while (done[0] < lengths[0] || done[1] < lengths[1]) {
@@ -62,7 +82,7 @@ void CheckShape(const std::string& shape, int n_layers) {
         if (n == 0) continue;
         CudaSequence s{base + static_cast<SequenceId>(i),
                        std::span(prompts[i]).subspan(done[i], n)};
-        s.build_summaries = build && done[i] + n == lengths[i];
+        s.build = build && done[i] + n == lengths[i];
         batch.push_back(s);
         done[i] += n;
       }
@@ -71,9 +91,9 @@ void CheckShape(const std::string& shape, int n_layers) {
       EXPECT_TRUE(st.ok()) << st;
       if (build) {
         bool any = false;
-        for (const CudaSequence& s : batch) any = any || s.build_summaries;
+        for (const CudaSequence& s : batch) any = any || s.build;
         if (any) {
-          EXPECT_GT(m.last_summary_build_ms(), 0.0);
+          EXPECT_GT(m.last_build_ms(), 0.0);
         }
       }
       all.insert(all.end(), logits.begin(), logits.end());
@@ -81,15 +101,14 @@ void CheckShape(const std::string& shape, int n_layers) {
     return all;
   };
 
-  ASSERT_TRUE(m.SetPrefillSummaries({}).ok());  // method none
-  const std::vector<float> plain = prefill(100, false);
+  const std::vector<float> plain = prefill(100, nullptr);
   ASSERT_TRUE(m.ReleaseSequence(100).ok());
   ASSERT_TRUE(m.ReleaseSequence(101).ok());
 
-  const Case cases[] = {{PrefillSummaryMethod::kQuest, 0, "quest"},
-                        {PrefillSummaryMethod::kKeyDiff, 0, "keydiff"},
-                        {PrefillSummaryMethod::kClusterKv, 10, "clusterkv it10"},
-                        {PrefillSummaryMethod::kClusterKv, 2, "clusterkv it2"}};
+  const Case cases[] = {{"quest", 0, "quest"},
+                        {"keydiff", 0, "keydiff"},
+                        {"clusterkv", 10, "clusterkv it10"},
+                        {"clusterkv", 2, "clusterkv it2"}};
   SequenceId next = 200;
   for (const Case& cs : cases) {
     for (bool side : {true, false}) {
@@ -97,23 +116,23 @@ void CheckShape(const std::string& shape, int n_layers) {
       PrefillSummaryOptions o;
       o.method = cs.method;
       o.side_stream = side;
-      o.n_sink = 16;
-      o.budget = 64;
-      if (cs.iterations > 0) o.clusterkv_max_iterations = cs.iterations;
-      ASSERT_TRUE(m.SetPrefillSummaries(o).ok());
+      o.params.n_sink = 16;
+      o.params.budget = 64;
+      if (cs.iterations > 0) o.params.clusterkv.max_iterations = cs.iterations;
       const SequenceId base = next;
       next += 10;
-      const std::vector<float> logits = prefill(base, true);
+      const std::vector<float> logits = prefill(base, &o);
+      ASSERT_EQ(built.size(), lengths.size());
       ASSERT_EQ(logits.size(), plain.size());
       EXPECT_EQ(std::memcmp(logits.data(), plain.data(), plain.size() * sizeof(float)), 0)
           << what << ": logits differ from a prefill without summaries";
       for (size_t i = 0; i < lengths.size(); ++i) {
         const SequenceId id = base + i;
-        auto during = m.PrefillSummariesForTesting(id);
+        ASSERT_NE(built[i], nullptr);
+        auto during = built[i]->CopyBackForTesting();
         ASSERT_TRUE(during.ok()) << during.status();
-        EXPECT_EQ(during->length, lengths[i]) << what;
-        ASSERT_TRUE(m.RebuildPrefillSummariesForTesting(id).ok()) << what;
-        auto after = m.PrefillSummariesForTesting(id);
+        ASSERT_TRUE(m.RebuildForTesting(id).ok()) << what;
+        auto after = built[i]->CopyBackForTesting();
         ASSERT_TRUE(after.ok()) << after.status();
         ASSERT_EQ(during->f32.size(), after->f32.size());
         ASSERT_EQ(during->i32.size(), after->i32.size());
@@ -127,7 +146,8 @@ void CheckShape(const std::string& shape, int n_layers) {
         const int64_t len = lengths[i], cap = capacities[i];
         const int nkv = c.n_kv_heads, d = c.head_dim, L = c.n_layers;
         int64_t bad = 0, checked = 0;
-        if (cs.method == PrefillSummaryMethod::kQuest) {
+        const std::string method = cs.method;
+        if (method == "quest") {
           const int64_t pages = (len + 15) / 16, cap_pages = (cap + 15) / 16;
           for (int l = 0; l < L; ++l)
             for (int64_t p = 0; p < pages; ++p)
@@ -137,7 +157,7 @@ void CheckShape(const std::string& shape, int n_layers) {
                   bad += !(std::isfinite(b[j]) && std::isfinite(b[d + j]) && b[j] <= b[d + j]);
                 }
               }
-        } else if (cs.method == PrefillSummaryMethod::kKeyDiff) {
+        } else if (method == "keydiff") {
           for (int l = 0; l < L; ++l)
             for (int h = 0; h < nkv; ++h)
               for (int64_t t = 0; t < len; ++t, ++checked) {
@@ -180,16 +200,28 @@ TEST(CudaPrefillSummariesTest, Smollm2ShapeHeadDim64) {
 
 TEST(CudaPrefillSummariesTest, RejectsBadOptions) {
   SKIP_WITHOUT_GPU();
-  auto config = DummyConfig("smollm2-135m", 1);
+  auto config = model::DummyConfig("smollm2-135m", 1);
   ASSERT_TRUE(config.ok());
-  auto m = CreateCudaModelWithRandomWeights(*config, 1, CudaModelOptions{});
+  auto m = model::CreateCudaModelWithRandomWeights(*config, 1, CudaModelOptions{});
   ASSERT_TRUE(m.ok()) << m.status();
+  auto builders = PrefillSummaryBuilders::Create(*config, 0);
+  ASSERT_TRUE(builders.ok()) << builders.status();
   PrefillSummaryOptions o;
-  o.method = PrefillSummaryMethod::kQuest;
-  o.quest_page_size = 0;
-  EXPECT_EQ((*m)->SetPrefillSummaries(o).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*m)->PrefillSummariesForTesting(1).status().code(), absl::StatusCode::kNotFound);
+  o.method = "quest";
+  o.params.quest.page_size = 0;
+  const absl::Status bad = (*builders)->ForSequence(o, 64).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("quest.page_size 0"), std::string_view::npos) << bad;
+  o.method = "ctkvr";
+  o.params.quest.page_size = 16;
+  const absl::Status none = (*builders)->ForSequence(o, 64).status();
+  EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(none.message().find("'ctkvr'"), std::string_view::npos) << none;
+  // A sequence without a builder has nothing to rebuild.
+  ASSERT_TRUE((*m)->AddSequence(1, 64).ok());
+  EXPECT_EQ((*m)->RebuildForTesting(1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*m)->RebuildForTesting(2).code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
-}  // namespace kvr::model
+}  // namespace kvr::retrieval::cuda

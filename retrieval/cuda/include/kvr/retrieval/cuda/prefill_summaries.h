@@ -1,0 +1,89 @@
+#pragma once
+// Retrieval summaries built on the GPU while a CUDA prefill runs: the model's per-layer build
+// hook (model::CudaLayerBuilder, cuda_model.h) implemented with the kernels of build.cuh. The
+// model schedules the builds (layer-pipelined, on a side stream where the builder asks for it)
+// and exports their arrays beside the rows; this file knows what they are.
+//
+//   quest      bounds [ceil(length / page_size), n_kv_heads, 2, head_dim] fp32 (f32)
+//   clusterkv  centroids [n_kv_heads, max_clusters, head_dim] fp32 (f32); n_clusters
+//              [n_kv_heads], offsets [n_kv_heads, max_clusters + 1], members [n_kv_heads,
+//              max_points] int32, concatenated (i32); max_clusters / max_points are the build
+//              plan's at the sequence's capacity; the host plan (C0, initial points: the CPU
+//              index's, MakeClusterKvBuildPlan) is made in Prepare for the built length
+//   keydiff    scores [n_kv_heads, capacity] fp32 (f32)
+//
+// quest and clusterkv builds serialise to the bytes SerializeIndex writes for the CPU index in
+// the same state (prebuilt.h), so a decode node cannot tell them from a CPU build. keydiff is
+// built (its GPU decode lane reads the scores) but not shipped: the CPU index also carries the
+// running mean of the keys.
+//
+// CTKVR is not offered: its build needs the last C prefill queries of every layer (C up to 2048),
+// which the model's activations do not keep (model/cuda/README.md).
+//
+// This header has no CUDA types: in a build without nvcc the target still exists and Create
+// answers Unimplemented, so the prefill node links it unconditionally.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvr/model/config.h"
+#include "kvr/model/cuda_model.h"
+#include "kvr/retrieval/index.h"
+
+namespace kvr::retrieval::cuda {
+
+struct PrefillSummaryOptions {
+  std::string method;  // quest, clusterkv or keydiff
+  // n_sink, budget, seed, quest.page_size, clusterkv.{n_clusters, max_iterations}, with the
+  // clusterkv.* request options already applied (ApplyClusterKvOptions), as the CPU index's
+  // factory applies them.
+  IndexParams params;
+  // Whether the builds leave the model's main stream; default: clusterkv (milliseconds of
+  // k-means per layer) yes, quest and keydiff (tens of microseconds) no. On the side stream
+  // quest's build waited for SMs behind the prefill's kernels and its export with it, so every
+  // layer reached the prefill node's workers at the end (measured: +25% at 32K).
+  std::optional<bool> side_stream;
+};
+
+// One sequence's builder (what model::CudaModel::AddSequence takes).
+class PrefillSummaryBuilder : public model::CudaLayerBuilder {
+ public:
+  virtual std::string_view method() const = 0;
+  // The bytes SerializeIndex writes for the CPU index in the state of one layer's build, from
+  // its arrays as a KV export handed them out; `shape` is that layer's. InvalidArgument /
+  // Internal naming what does not fit the layout; Unimplemented for keydiff.
+  [[nodiscard]] virtual absl::StatusOr<std::vector<uint8_t>> Serialize(
+      const IndexShape& shape, const model::CudaBuiltLayer& built) const = 0;
+  // For tests: every layer's arrays copied back whole (synchronous; poisoned with NaN / -1
+  // until a build writes them).
+  struct Arrays {
+    std::vector<float> f32;    // [n_layers, per-layer floats at the capacity]
+    std::vector<int32_t> i32;  // [n_layers, per-layer ints]
+  };
+  [[nodiscard]] virtual absl::StatusOr<Arrays> CopyBackForTesting() const = 0;
+};
+
+// The builders of one model: owns the device scratch its builders share (a model runs the
+// builds of a Forward one after another on one stream). Must outlive its builders' builds.
+class PrefillSummaryBuilders {
+ public:
+  // Methods with a GPU builder, and those whose build can be shipped (Serialize).
+  static bool HasBuilder(std::string_view method);
+  static bool Ships(std::string_view method);
+  // `config`: the model's. Unimplemented without CUDA.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> Create(
+      const model::ModelConfig& config, int device);
+  virtual ~PrefillSummaryBuilders() = default;
+  // A builder for a sequence of `capacity` tokens: reserves its outputs on the GPU.
+  // InvalidArgument for a method without a builder or bad parameters (naming them);
+  // ResourceExhausted when the GPU is full.
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<PrefillSummaryBuilder>> ForSequence(
+      const PrefillSummaryOptions& options, int64_t capacity) = 0;
+};
+
+}  // namespace kvr::retrieval::cuda

@@ -1,0 +1,378 @@
+// GPU retrieval summaries behind the model's per-layer build hook (prefill_summaries.h).
+
+#include "kvr/retrieval/cuda/prefill_summaries.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <span>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/status.h"
+#include "kvr/retrieval/cuda/build.cuh"
+#include "kvr/retrieval/prebuilt.h"
+
+namespace kvr::retrieval::cuda {
+namespace {
+
+using kvr::cuda::Alloc;
+using kvr::cuda::AllocPinned;
+using kvr::cuda::DeviceBuffer;
+using kvr::cuda::PinnedBuffer;
+
+enum class Method { kQuest, kClusterKv, kKeyDiff };
+
+std::optional<Method> Parse(std::string_view method) {
+  if (method == "quest") return Method::kQuest;
+  if (method == "clusterkv") return Method::kClusterKv;
+  if (method == "keydiff") return Method::kKeyDiff;
+  return std::nullopt;
+}
+
+// Scratch shared by the builders of one model (their builds never run at the same time).
+struct Workspace {
+  int device = 0;
+  DeviceBuffer<uint8_t> bytes;
+  // Grows to `n` bytes; only between Forwards (ForSequence), never while a build may run.
+  absl::Status Reserve(size_t n) {
+    if (n <= bytes.bytes()) return absl::OkStatus();
+    bytes = DeviceBuffer<uint8_t>();
+    return Alloc(bytes, static_cast<int64_t>(n));
+  }
+};
+
+IndexShape ShapeOf(const model::ModelConfig& c, int layer) {
+  IndexShape shape;
+  shape.n_heads = c.n_heads;
+  shape.n_kv_heads = c.n_kv_heads;
+  shape.head_dim = c.head_dim;
+  shape.n_layers = c.n_layers;
+  shape.layer = layer;
+  return shape;
+}
+
+class Builder final : public PrefillSummaryBuilder {
+ public:
+  Builder(const model::ModelConfig& config, Method method, PrefillSummaryOptions options,
+          int64_t capacity, std::shared_ptr<Workspace> ws)
+      : c_(config),
+        method_(method),
+        opt_(std::move(options)),
+        capacity_(capacity),
+        ws_(std::move(ws)) {}
+
+  // Sizes the outputs for the capacity and reserves them (and the shared scratch).
+  absl::Status Init() {
+    const int64_t nkv = c_.n_kv_heads, d = c_.head_dim, L = c_.n_layers;
+    const IndexParams& p = opt_.params;
+    size_t ws = 0;
+    switch (method_) {
+      case Method::kQuest:
+        pages_ = (capacity_ + p.quest.page_size - 1) / p.quest.page_size;
+        layer_f32_ = pages_ * nkv * 2 * d;
+        break;
+      case Method::kKeyDiff: {
+        layer_f32_ = nkv * capacity_;
+        ws = KeyDiffBuildWorkspaceBytes(KeyDiffParams(nullptr, 0, nullptr));
+        break;
+      }
+      case Method::kClusterKv: {
+        const int64_t cap = capacity_;
+        KVR_ASSIGN_OR_RETURN(const ClusterKvBuildPlan plan,
+                             MakeClusterKvBuildPlan(ShapeOf(c_, 0), p, std::span(&cap, 1)));
+        max_clusters_ = plan.max_clusters;
+        max_points_ = plan.max_points;
+        layer_f32_ = nkv * max_clusters_ * d;
+        layer_i32_ = nkv + nkv * (max_clusters_ + 1) + nkv * max_points_;
+        plan_stride_ = 1 + 2 * nkv + nkv * max_clusters_;
+        ws = ClusterKvBuildWorkspaceBytes(ClusterKvParams(0, nullptr));
+        break;
+      }
+    }
+    KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(ws_->device));
+    KVR_RETURN_IF_ERROR(Alloc(f32_, std::max<int64_t>(1, L * layer_f32_)));
+    KVR_RETURN_IF_ERROR(Alloc(i32_, std::max<int64_t>(1, L * layer_i32_)));
+    KVR_RETURN_IF_ERROR(Alloc(meta_, 1 + L * plan_stride_));
+    KVR_RETURN_IF_ERROR(AllocPinned(h_meta_, 1 + L * plan_stride_));
+    // Poisoned (NaN floats, -1 ints) until a build writes them.
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemset(f32_.data(), 0xFF, f32_.bytes()));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemset(i32_.data(), 0xFF, i32_.bytes()));
+    return ws_->Reserve(ws);
+  }
+
+  std::string_view method() const override {
+    switch (method_) {
+      case Method::kQuest:
+        return "quest";
+      case Method::kClusterKv:
+        return "clusterkv";
+      case Method::kKeyDiff:
+        return "keydiff";
+    }
+    return "";
+  }
+
+  bool side_stream() const override {
+    return opt_.side_stream.value_or(method_ == Method::kClusterKv);
+  }
+
+  // The built length (and clusterkv's per-layer host plans) into the metadata, uploaded on the
+  // model's stream ahead of the layers.
+  absl::Status Prepare(int64_t length, void* stream) override {
+    if (length < 1 || length > capacity_) {
+      return absl::InvalidArgumentError(absl::StrCat("prefill summaries: build over ", length,
+                                                     " tokens, capacity ", capacity_));
+    }
+    int32_t* h = h_meta_.data();
+    h[0] = static_cast<int32_t>(length);
+    if (method_ == Method::kClusterKv) {
+      const int nkv = c_.n_kv_heads, K = max_clusters_;
+      for (int l = 0; l < c_.n_layers; ++l) {
+        KVR_ASSIGN_OR_RETURN(
+            const ClusterKvBuildPlan plan,
+            MakeClusterKvBuildPlan(ShapeOf(c_, l), opt_.params, std::span(&length, 1)));
+        if (plan.max_clusters > K || plan.max_points > max_points_) {
+          return absl::InternalError("prefill summaries: plan larger than at the capacity");
+        }
+        int32_t* m = h + 1 + l * plan_stride_;
+        m[0] = plan.first_token[0];
+        std::copy(plan.n_points.begin(), plan.n_points.end(), m + 1);
+        std::copy(plan.n_init.begin(), plan.n_init.end(), m + 1 + nkv);
+        int32_t* init = m + 1 + 2 * nkv;
+        std::fill(init, init + int64_t{nkv} * K, -1);
+        for (int r = 0; r < nkv; ++r) {
+          std::copy_n(plan.init_points.begin() + int64_t{r} * plan.max_clusters,
+                      plan.max_clusters, init + int64_t{r} * K);
+        }
+      }
+    }
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_.data(), h,
+                                             (1 + c_.n_layers * plan_stride_) * sizeof(int32_t),
+                                             cudaMemcpyHostToDevice,
+                                             static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
+  absl::Status Build(const model::CudaLayerKeys& k, void* stream_ptr) override {
+    const auto stream = static_cast<cudaStream_t>(stream_ptr);
+    KeyView keys;
+    keys.data = k.keys;
+    keys.dtype = KeyDType::kBf16;
+    keys.token_stride = k.token_stride;
+    keys.head_stride = c_.head_dim;
+    keys.batch_stride = 0;
+    float* f32 = f32_.data() + k.layer * layer_f32_;
+    switch (method_) {
+      case Method::kQuest: {
+        QuestBoundsParams p;
+        p.batch = 1;
+        p.n_kv_heads = c_.n_kv_heads;
+        p.head_dim = c_.head_dim;
+        p.page_size = opt_.params.quest.page_size;
+        p.keys = keys;
+        p.seq_len = meta_.data();
+        p.max_tokens = static_cast<int>(k.length);
+        p.bounds = f32;
+        p.bounds_batch_stride = layer_f32_;
+        return QuestPageBounds(p, stream);
+      }
+      case Method::kKeyDiff: {
+        KeyDiffBuildParams p = KeyDiffParams(&keys, k.length, f32);
+        return KeyDiffBuild(p, stream);
+      }
+      case Method::kClusterKv: {
+        ClusterKvBuildParams p = ClusterKvParams(k.layer, &keys);
+        return ClusterKvBuild(p, stream);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  model::CudaLayerOutput Output(int layer, int64_t length) const override {
+    model::CudaLayerOutput out;
+    out.f32 = f32_.data() + layer * layer_f32_;
+    out.n_f32 = layer_f32_;
+    if (method_ == Method::kQuest) {
+      // Only the pages of `length` tokens.
+      out.n_f32 = (std::min(length, capacity_) + opt_.params.quest.page_size - 1) /
+                  opt_.params.quest.page_size * int64_t{c_.n_kv_heads} * 2 * c_.head_dim;
+    }
+    if (layer_i32_ > 0) {
+      out.i32 = i32_.data() + layer * layer_i32_;
+      out.n_i32 = layer_i32_;
+    }
+    return out;
+  }
+
+  absl::StatusOr<std::vector<uint8_t>> Serialize(
+      const IndexShape& shape, const model::CudaBuiltLayer& s) const override {
+    if (s.length < 1 || s.length > capacity_) {
+      return absl::InternalError(absl::StrCat("prefill summaries: an export over ", s.length,
+                                              " tokens, capacity ", capacity_));
+    }
+    switch (method_) {
+      case Method::kQuest:
+        return SerializePrebuiltQuest(shape, opt_.params, s.length,
+                                      {s.f32, static_cast<size_t>(s.n_f32)});
+      case Method::kClusterKv: {
+        const int nkv = shape.n_kv_heads, hd = shape.head_dim, K = max_clusters_;
+        const int64_t need = nkv + int64_t{nkv} * (K + 1) + int64_t{nkv} * max_points_;
+        if (s.n_i32 < need || s.n_f32 < int64_t{nkv} * K * hd) {
+          return absl::InternalError("clusterkv summary smaller than its layout");
+        }
+        const int32_t* n_clusters = s.i32;
+        const int32_t* offsets = s.i32 + nkv;
+        const int32_t* members = offsets + int64_t{nkv} * (K + 1);
+        std::vector<PrebuiltClusterKvHead> heads(nkv);
+        for (int h = 0; h < nkv; ++h) {
+          const int64_t nc = n_clusters[h];
+          if (nc < 0 || nc > K) {
+            return absl::InternalError(
+                absl::StrCat("clusterkv head ", h, ": ", nc, " clusters, at most ", K));
+          }
+          const int32_t* off = offsets + int64_t{h} * (K + 1);
+          const int64_t n_members = off[nc];
+          if (n_members < 0 || n_members > max_points_) {
+            return absl::InternalError(absl::StrCat("clusterkv head ", h, ": ", n_members,
+                                                    " members, at most ", max_points_));
+          }
+          heads[h].centroids = {s.f32 + int64_t{h} * K * hd, static_cast<size_t>(nc * hd)};
+          heads[h].offsets = {off, static_cast<size_t>(nc + 1)};
+          heads[h].ids = {members + int64_t{h} * max_points_, static_cast<size_t>(n_members)};
+        }
+        return SerializePrebuiltClusterKv(shape, opt_.params, s.length, heads);
+      }
+      case Method::kKeyDiff:
+        break;
+    }
+    return absl::UnimplementedError(
+        absl::StrCat("prefill summaries: ", std::string(method()), " builds are not shipped"));
+  }
+
+  absl::StatusOr<Arrays> CopyBackForTesting() const override {
+    Arrays a;
+    a.f32.resize(f32_.size());
+    a.i32.resize(i32_.size());
+    KVR_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(a.f32.data(), f32_.data(), f32_.bytes(), cudaMemcpyDeviceToHost));
+    KVR_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(a.i32.data(), i32_.data(), i32_.bytes(), cudaMemcpyDeviceToHost));
+    return a;
+  }
+
+ private:
+  // KeyDiff's launch parameters (keys null: for the workspace size only).
+  KeyDiffBuildParams KeyDiffParams(const KeyView* keys, int64_t length, float* scores) const {
+    KeyDiffBuildParams p;
+    p.batch = 1;
+    p.n_kv_heads = c_.n_kv_heads;
+    p.head_dim = c_.head_dim;
+    p.max_tokens = static_cast<int>(keys != nullptr ? length : capacity_);
+    p.score_stride = capacity_;
+    if (keys != nullptr) {
+      p.keys = *keys;
+      p.seq_len = meta_.data();
+      p.scores = scores;
+      p.workspace = ws_->bytes.data();
+      p.workspace_bytes = ws_->bytes.bytes();
+    }
+    return p;
+  }
+
+  // ClusterKV's launch parameters for `layer` (keys null: for the workspace size only).
+  ClusterKvBuildParams ClusterKvParams(int layer, const KeyView* keys) const {
+    const int nkv = c_.n_kv_heads, K = max_clusters_;
+    ClusterKvBuildParams p;
+    p.batch = 1;
+    p.n_kv_heads = nkv;
+    p.head_dim = c_.head_dim;
+    p.max_points = max_points_;
+    p.max_clusters = K;
+    p.max_iterations = opt_.params.clusterkv.max_iterations;
+    if (keys != nullptr) {
+      const int32_t* m = meta_.data() + 1 + layer * plan_stride_;
+      int32_t* i32 = i32_.data() + layer * layer_i32_;
+      p.keys = *keys;
+      p.first_token = m;
+      p.n_points = m + 1;
+      p.n_init = m + 1 + nkv;
+      p.init_points = m + 1 + 2 * nkv;
+      p.centroids = f32_.data() + layer * layer_f32_;
+      p.n_clusters = i32;
+      p.offsets = i32 + nkv;
+      p.members = i32 + nkv + int64_t{nkv} * (K + 1);
+      p.workspace = ws_->bytes.data();
+      p.workspace_bytes = ws_->bytes.bytes();
+    }
+    return p;
+  }
+
+  model::ModelConfig c_;
+  Method method_;
+  PrefillSummaryOptions opt_;
+  int64_t capacity_;
+  std::shared_ptr<Workspace> ws_;
+  int max_clusters_ = 1, max_points_ = 1;  // clusterkv: the plan's at the capacity
+  int64_t pages_ = 0;                      // quest: pages at the capacity
+  int64_t layer_f32_ = 0, layer_i32_ = 0;  // per-layer sizes of f32_ / i32_
+  DeviceBuffer<float> f32_;
+  DeviceBuffer<int32_t> i32_;
+  // Build metadata: [0] the length built over; clusterkv: then per layer, plan_stride_ ints:
+  // first_token [1], n_points [n_kv], n_init [n_kv], init_points [n_kv, max_clusters].
+  int64_t plan_stride_ = 0;
+  PinnedBuffer<int32_t> h_meta_;
+  DeviceBuffer<int32_t> meta_;
+};
+
+class Builders final : public PrefillSummaryBuilders {
+ public:
+  Builders(const model::ModelConfig& config, int device)
+      : c_(config), ws_(std::make_shared<Workspace>()) {
+    ws_->device = device;
+  }
+
+  absl::StatusOr<std::unique_ptr<PrefillSummaryBuilder>> ForSequence(
+      const PrefillSummaryOptions& o, int64_t capacity) override {
+    const std::optional<Method> method = Parse(o.method);
+    if (!method) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefill summaries: no GPU builder for method '", o.method,
+                       "' (quest, clusterkv, keydiff)"));
+    }
+    const IndexParams& p = o.params;
+    if (capacity < 1 || p.n_sink < 0 || p.budget < 1 || p.quest.page_size < 1 ||
+        p.clusterkv.n_clusters < 0 || p.clusterkv.max_iterations < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefill summaries: capacity ", capacity, ", n_sink ", p.n_sink, ", budget ", p.budget,
+          ", quest.page_size ", p.quest.page_size, ", clusterkv n_clusters ",
+          p.clusterkv.n_clusters, " / max_iterations ", p.clusterkv.max_iterations));
+    }
+    auto b = std::make_unique<Builder>(c_, *method, o, capacity, ws_);
+    KVR_RETURN_IF_ERROR(b->Init());
+    return b;
+  }
+
+ private:
+  model::ModelConfig c_;
+  std::shared_ptr<Workspace> ws_;
+};
+
+}  // namespace
+
+bool PrefillSummaryBuilders::HasBuilder(std::string_view method) {
+  return Parse(method).has_value();
+}
+
+bool PrefillSummaryBuilders::Ships(std::string_view method) {
+  return method == "quest" || method == "clusterkv";
+}
+
+absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> PrefillSummaryBuilders::Create(
+    const model::ModelConfig& config, int device) {
+  KVR_RETURN_IF_ERROR(config.Validate());
+  return std::make_unique<Builders>(config, device);
+}
+
+}  // namespace kvr::retrieval::cuda
