@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "kvr/retrieval/cuda/sparse_decode.h"
 
 namespace kvr::decode {
 namespace {
@@ -15,18 +16,19 @@ using Config = DecodeConfig;
 node::Setting<Config> GpuLanesSetting() {
   return {node::SettingSpec{.name = "gpu_lanes",
                             .help = "--device cuda: methods also selected on the GPU, from their "
-                                    "handed-off indexes (comma-separated: exact, pariskv; empty: "
-                                    "none; pariskv holds codes for batch_slots x gpu_max_context "
-                                    "tokens)",
+                                    "handed-off indexes (comma-separated: exact, pariskv, "
+                                    "keydiff; empty: none; pariskv and keydiff hold state for "
+                                    "batch_slots x gpu_max_context tokens)",
                             .type = node::SettingType::kString,
                             .allow_empty_or_zero = true},
           [](Config& c, const node::SettingValue& value) {
             std::vector<std::string> lanes;
             for (absl::string_view lane :
                  absl::StrSplit(std::get<std::string>(value), ',', absl::SkipEmpty())) {
-              if (lane != "exact" && lane != "pariskv") {
+              if (!retrieval::cuda::IsGpuLaneMethod(std::string_view(lane.data(), lane.size()))) {
                 return absl::InvalidArgumentError(
-                    absl::StrCat("'", lane, "' is not exact or pariskv (the GPU lanes)"));
+                    absl::StrCat("'", lane, "' is not a GPU lane (",
+                                 retrieval::cuda::GpuLaneMethodList(), ")"));
               }
               lanes.emplace_back(lane);
             }

@@ -29,6 +29,15 @@ class KeyDiffIndex final : public RetrievalIndex {
   }
 
   std::string_view method() const override { return "keydiff"; }
+
+  KeyDiffState State() const {
+    KeyDiffState s;
+    s.fill = fill_;
+    for (int h = 0; h < shape().n_kv_heads; ++h) {
+      s.heads.push_back({scores_[h], trackers_[h].sum(), trackers_[h].count()});
+    }
+    return s;
+  }
   int64_t size() const override { return size_; }
 
   absl::Status Build(const BuildInput& input) override {
@@ -143,6 +152,15 @@ class KeyDiffIndex final : public RetrievalIndex {
 };
 
 }  // namespace
+
+absl::StatusOr<KeyDiffState> KeyDiffStateOf(const RetrievalIndex& index) {
+  const auto* k = dynamic_cast<const KeyDiffIndex*>(&index);
+  if (k == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KeyDiffStateOf: a '", std::string(index.method()), "' index, not keydiff"));
+  }
+  return k->State();
+}
 
 absl::Status RegisterKeyDiff(MethodRegistry& registry) {
   return registry.Register(

@@ -373,6 +373,47 @@ TEST(KeyDiffTest, MostDistinctiveKeysAreSelectedAndEvictedLast) {
   EXPECT_LT(tracker.Score(&keys[(25 * s.n_kv_heads) * s.head_dim]), 0.f);
 }
 
+// KeyDiffStateOf hands out what the index selects from: its scores (those KeyDiffScores gives
+// for the prompt), the running sum of every key and their count, after an Append too; another
+// method's index is refused by name.
+TEST(KeyDiffTest, StateIsTheIndexsScoresAndRunningSum) {
+  IndexShape s = SmallShape();
+  const int64_t n = 30;
+  std::vector<float> keys = RandomTensor(n + 2, s.n_kv_heads, s.head_dim, 21);
+  IndexParams p;
+  p.keydiff.fill = 0.5f;
+  auto index = MakeBuilt(CoreRegistry(), "keydiff", s, p,
+                         std::vector<float>(keys.begin(), keys.begin() + n * s.n_kv_heads *
+                                                                             s.head_dim),
+                         {});
+  ASSERT_TRUE(index->Append({View(keys, s.n_kv_heads, s.head_dim, n, 2), {}}).ok());
+  auto state = KeyDiffStateOf(*index);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->fill, 0.5f);
+  ASSERT_EQ(state->heads.size(), static_cast<size_t>(s.n_kv_heads));
+  for (int h = 0; h < s.n_kv_heads; ++h) {
+    const KeyDiffState::Head& hd = state->heads[h];
+    ASSERT_EQ(hd.scores.size(), static_cast<size_t>(n + 2));
+    EXPECT_EQ(hd.count, n + 2);
+    // The prompt's scores are KeyDiffScores over the prompt; the sum is every key's.
+    std::vector<float> prompt(keys.begin(), keys.begin() + n * s.n_kv_heads * s.head_dim);
+    const std::vector<float> want = KeyDiffScores(View(prompt, s.n_kv_heads, s.head_dim), h,
+                                                  s.head_dim);
+    EXPECT_THAT(std::vector<float>(hd.scores.begin(), hd.scores.begin() + n),
+                ElementsAreArray(want));
+    ASSERT_EQ(hd.sum.size(), static_cast<size_t>(s.head_dim));
+    for (int i = 0; i < s.head_dim; ++i) {
+      double sum = 0;
+      for (int64_t t = 0; t < n + 2; ++t) sum += keys[(t * s.n_kv_heads + h) * s.head_dim + i];
+      EXPECT_EQ(hd.sum[i], sum) << "head " << h << " dim " << i;
+    }
+  }
+  auto quest = MakeBuilt(CoreRegistry(), "quest", s, IndexParams{}, keys, {});
+  const absl::Status wrong = KeyDiffStateOf(*quest).status();
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong.message().find("'quest'"), std::string_view::npos) << wrong;
+}
+
 TEST(TrivialMethodsTest, FullSelectsEveryCandidateStreamingNone) {
   IndexShape s = SmallShape();
   std::vector<float> keys = RandomTensor(50, s.n_kv_heads, s.head_dim, 14);

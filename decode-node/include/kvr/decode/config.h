@@ -43,7 +43,7 @@ struct DecodeConfig {
   std::string device = "cpu";
   uint32_t cuda_device = 0;
   std::string gpu_method = "quest";
-  std::vector<std::string> gpu_lanes;  // methods also selected on the GPU (exact, pariskv)
+  std::vector<std::string> gpu_lanes;  // methods also selected on the GPU (kGpuLaneMethods)
   // Where the GPU reads a sequence's rows: "in-place" (the store's pool mapped and read over
   // PCIe; needs a store on this host, so the controller places only such stores), "fetch" (the
   // missed rows fetched through the store's data plane, any store), "auto" (in place when the

@@ -174,4 +174,15 @@ absl::StatusOr<std::unique_ptr<GpuLane>> CreateExactLane(const model::ModelConfi
   return std::unique_ptr<GpuLane>(std::move(lane));
 }
 
+absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(std::string_view method,
+                                                       const model::ModelConfig& config,
+                                                       int slots, int64_t max_tokens, int budget,
+                                                       cudaStream_t stream) {
+  if (method == "exact") return CreateExactLane(config, slots, max_tokens, budget, stream);
+  if (method == "pariskv") return CreateParisKvLane(config, slots, max_tokens, budget, stream);
+  if (method == "keydiff") return CreateKeyDiffLane(config, slots, max_tokens, budget, stream);
+  return absl::InvalidArgumentError(
+      absl::StrCat("no GPU lane for method '", std::string(method), "'"));
+}
+
 }  // namespace kvr::retrieval::cuda

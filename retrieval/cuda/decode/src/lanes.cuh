@@ -17,8 +17,13 @@
 //            ParisKvEncode, whose bytes equal the CPU index's Append of the same key. Sequences
 //            must share the lane's codec per layer (the first activated sets it) and use
 //            ParisKvOptions' defaults (the caller checks the options).
-// Either selects exactly as the method's CPU index would on the same (bf16-valued) keys and
-// queries.
+//   keydiff  KeyDiffIndex::Select over the CPU index's scores ([n_layers, slots, n_kv_heads,
+//            max_tokens] fp32, uploaded at activation through KeyDiffStateOf, no bytes parsed),
+//            with the running key sums in double: a token leaving the window is read from the
+//            row source, added to its head's sum and scored against it as KeyDiffTracker does,
+//            to the last bit. The lane's sequences share one fill (the first activated sets it).
+// Each selects as the method's CPU index would on the same (bf16-valued) keys and queries
+// (exact up to the order of its fp32 sums).
 
 #include <cuda_runtime.h>
 
@@ -116,5 +121,12 @@ class GpuLane {
 [[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateParisKvLane(
     const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
     cudaStream_t stream);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateKeyDiffLane(
+    const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
+    cudaStream_t stream);
+// The lane of `method` (one of kGpuLaneMethods, sparse_decode.h); InvalidArgument otherwise.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(
+    std::string_view method, const model::ModelConfig& config, int slots, int64_t max_tokens,
+    int budget, cudaStream_t stream);
 
 }  // namespace kvr::retrieval::cuda

@@ -353,10 +353,9 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   }
   if (o.min_page_rows < 1) return bad("Configure: min_page_rows ", o.min_page_rows, " < 1");
   for (const std::string& lane : o.lanes) {
-    if ((lane != "exact" && lane != "pariskv") ||
-        std::count(o.lanes.begin(), o.lanes.end(), lane) > 1) {
-      return bad("Configure: lane '", lane, "' unknown or listed twice (the GPU lanes: exact, "
-                 "pariskv)");
+    if (!IsGpuLaneMethod(lane) || std::count(o.lanes.begin(), o.lanes.end(), lane) > 1) {
+      return bad("Configure: lane '", lane, "' unknown or listed twice (the GPU lanes: ",
+                 GpuLaneMethodList(), ")");
     }
   }
   sparse_.reset();
@@ -476,10 +475,8 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   }
   int64_t lane_bytes = 0;
   for (const std::string& lane : o.lanes) {
-    KVR_ASSIGN_OR_RETURN(
-        std::unique_ptr<GpuLane> created,
-        lane == "exact" ? CreateExactLane(c, o.slots, o.max_capacity, o.budget, stream())
-                        : CreateParisKvLane(c, o.slots, o.max_capacity, o.budget, stream()));
+    KVR_ASSIGN_OR_RETURN(std::unique_ptr<GpuLane> created,
+                         CreateGpuLane(lane, c, o.slots, o.max_capacity, o.budget, stream()));
     lane_bytes += created->bytes();
     st->lanes.push_back(std::move(created));
   }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kvr/retrieval/index.h"
 
 namespace kvr::retrieval {
@@ -46,11 +47,27 @@ class KeyDiffTracker {
   // cos(key, mean of the tracked keys); 0 when nothing is tracked.
   float Score(const float* key) const;
   std::vector<float> Mean() const;  // [head_dim]
+  // The running key sum, as Score reads it.
+  std::span<const double> sum() const { return sum_d_; }
 
  private:
   int head_dim_;
   int64_t count_ = 0;
   std::vector<double> sum_d_;  // [head_dim] accumulated in double: long sequences
 };
+
+// The state of a `keydiff` index, read through its type rather than its serialised bytes: what
+// a GPU decode lane uploads to select and append as the index does. Spans point into the index
+// (valid while it lives and is not appended to). InvalidArgument for another method's index.
+struct KeyDiffState {
+  float fill = 1.f;  // KeyDiffParams::fill
+  struct Head {
+    std::span<const float> scores;  // [size]
+    std::span<const double> sum;    // [head_dim] the running key sum (KeyDiffTracker)
+    int64_t count = 0;              // keys summed
+  };
+  std::vector<Head> heads;  // [n_kv_heads]
+};
+[[nodiscard]] absl::StatusOr<KeyDiffState> KeyDiffStateOf(const RetrievalIndex& index);
 
 }  // namespace kvr::retrieval

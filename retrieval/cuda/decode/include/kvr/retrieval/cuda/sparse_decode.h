@@ -38,11 +38,14 @@
 // Thread safety: none; the thread that drives the model drives this object too, except
 // AcquireHostKv and RegisterHostRegion / UnregisterHostRegion, which any thread may call.
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -61,6 +64,19 @@ using model::SequenceId;
 enum class SparseMethod { kQuest, kClusterKv };
 
 // The shared configuration of a SparseDecodeAttention's sequences (Configure).
+// The methods a GPU lane can select (SparseDecodeOptions::lanes).
+inline constexpr std::array<std::string_view, 3> kGpuLaneMethods = {"exact", "pariskv", "keydiff"};
+inline bool IsGpuLaneMethod(std::string_view method) {
+  return std::find(kGpuLaneMethods.begin(), kGpuLaneMethods.end(), method) !=
+         kGpuLaneMethods.end();
+}
+// "exact, pariskv, keydiff", for messages.
+inline std::string GpuLaneMethodList() {
+  std::string list;
+  for (std::string_view m : kGpuLaneMethods) list.append(list.empty() ? "" : ", ").append(m);
+  return list;
+}
+
 struct SparseDecodeOptions {
   SparseMethod method = SparseMethod::kQuest;
   int slots = 0;              // sparse sequences at once (sizes every per-sequence GPU buffer)
@@ -83,7 +99,9 @@ struct SparseDecodeOptions {
   // per slot built at activation from the sequence's CPU indexes (SparseSequenceOptions::lane):
   // "exact" (the keys read in place from the row source; no state), "pariskv" (4-bit codes and
   // weights, [n_layers, slots, n_kv_heads, max_capacity] each, encoded on the GPU as generated
-  // tokens leave the window). Empty: none.
+  // tokens leave the window), "keydiff" (fp32 scores [n_layers, slots, n_kv_heads,
+  // max_capacity] and the running key sums; a generated token is scored as it leaves the
+  // window). Empty: none.
   std::vector<std::string> lanes;
   // Threads that run the host selectors (SparseHostSelector) of a step's sequences in parallel,
   // one sequence per task: 0 = the machine's cores, 1 = on the calling thread.
