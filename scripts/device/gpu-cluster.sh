@@ -103,7 +103,7 @@ case "${1:-}" in
         --prefill-arg="--cuda-device=$3" --decode-arg="--cuda-device=$4" \
         --decode-arg="--gpu-method=$5" --decode-arg=--gpu-n-sink=16 \
         --decode-arg=--gpu-local-window=256 --decode-arg="--gpu-budget=${6:-1024}" \
-        --decode-arg=--gpu-lanes=exact,pariskv \
+        --decode-arg=--gpu-lanes=exact,pariskv,keydiff \
         --decode-arg="--gpu-row-source=${GPUCLUSTER_ROW_SOURCE:-in-place}" \
         "${codebooks[@]}" --prefill 1 --decode 1 --base-port "$2" \
         --log-dir "$logs" --detach --pid-file "$logs/up.pid" --ready-timeout 120 \
