@@ -17,7 +17,9 @@
 # run: per GPU method (a cluster each), passkey prompts of ~1000 and ~3000 tokens; after each,
 # the decode node's private resident memory (RssAnon) and its mappings of the store's shared
 # pool (RssShmem): the decode node reads the store's pages in place, so its own memory must not
-# follow the prompt. On the quest cluster then every other method at ~3000 tokens (exact and pariskv in
+# follow the prompt. On the quest cluster then a new ~3000-token prompt twice (the first
+# computed cold and cached, the second reusing the cached prefix: TTFT of each), and every other
+# method at ~3000 tokens (exact, pariskv and keydiff in
 # GPU lanes, the rest selected on the host; a2ats with codebooks from `kvr calibrate`:
 # bundle with GPUCLUSTER_CODEBOOKS=FILE), `full` at ~1000 tokens, and `full` at ~3000 tokens
 # refused (its rows exceed gpu_budget, 1024).
@@ -116,11 +118,11 @@ case "${1:-}" in
       pkill -TERM -f "$kStage/bin/" 2>/dev/null
       for _ in $(seq 1 100); do pgrep -f "$kStage/bin/" > /dev/null || break; sleep 0.1; done
     }
-    generate() {  # PORT METHOD PASSKEY_TOKENS LOGFILE
+    generate() {  # PORT METHOD PASSKEY_TOKENS LOGFILE [PASSKEY_SEED]
       # The cluster's CA is in its log directory, where the output file goes.
       "$kStage/bin/kvr" generate --endpoint "127.0.0.1:$1" --tls-ca "$(dirname "$4")/tls/ca.pem" \
         --model smollm2 --chat --passkey "$3" \
-        --passkey-seed 7 --max-tokens 48 --method "$2" --budget 256 --n-sink 16 \
+        --passkey-seed "${5:-7}" --max-tokens 48 --method "$2" --budget 256 --n-sink 16 \
         --local-window 256 2>&1 | tee "$4"
       return "${PIPESTATUS[0]}"
     }
@@ -149,8 +151,16 @@ case "${1:-}" in
         grep -h -E "on cuda|device|gpu_method|GPU|cuda:|local pool|mapped" \
           "$out/up-$method"/prefill-0.log "$out/up-$method"/decode-0.log | head -8
         if [[ $method == quest ]]; then
+          # Prefix reuse through the whole GPU cluster: a prompt not seen yet (seed 11), then the
+          # same again (the controller's prefix cache matches it; the prefill node forks the
+          # cached rows and computes only what follows them), TTFT cold vs reused.
+          for turn in cold reused; do
+            generate "$port" quest 3000 "$out/up-$method/generate-prefix-$turn.txt" 11 \
+              > /dev/null || status=1
+            echo "-- the same ~3000-token prompt, $turn: $(grep -E '^prompt:' "$out/up-$method/generate-prefix-$turn.txt")"
+          done
           for m in exact streaming clusterkv ctkvr pariskv keydiff a2ats; do
-            echo "-- $m (on the quest node: GPU lanes for exact and pariskv, else host-selected), ~3000 tokens"
+            echo "-- $m (on the quest node: GPU lanes for exact, pariskv and keydiff, else host-selected), ~3000 tokens"
             generate "$port" "$m" 3000 "$out/up-$method/generate-$m.txt" || status=1
           done
           echo "-- full at ~1000 tokens (its 776 rows fit gpu_budget 1024)"
