@@ -17,7 +17,7 @@
 # run: per GPU method (a cluster each), passkey prompts of ~1000 and ~3000 tokens; after each,
 # the decode node's private resident memory (RssAnon) and its mappings of the store's shared
 # pool (RssShmem): the decode node reads the store's pages in place, so its own memory must not
-# follow the prompt. On the quest cluster then a new ~3000-token prompt twice (the first
+# follow the prompt. On the quest cluster then a new 8000-token prompt twice (the first
 # computed cold and cached, the second reusing the cached prefix: TTFT of each), and every other
 # method at ~3000 tokens (exact, pariskv and keydiff in
 # GPU lanes, the rest selected on the host; a2ats with codebooks from `kvr calibrate`:
@@ -151,15 +151,21 @@ case "${1:-}" in
         grep -h -E "on cuda|device|gpu_method|GPU|cuda:|local pool|mapped" \
           "$out/up-$method"/prefill-0.log "$out/up-$method"/decode-0.log | head -8
         if [[ $method == quest ]]; then
-          # Prefix reuse through the whole GPU cluster: a prompt not seen yet (seed 11), then the
-          # same again (the controller's prefix cache matches it; the prefill node forks the
-          # cached rows and computes only what follows them), TTFT cold vs reused.
+          # Prefix reuse through the whole GPU cluster: an 8000-token prompt not seen yet (its
+          # first words are this run's own), then the same again (the controller's prefix cache
+          # matches it; the prefill node forks the cached rows and computes only what follows
+          # them), TTFT cold vs reused.
+          unique="Run $(date +%s%N) notes: the store keeps every row and the decode node pulls few."
           for turn in cold reused; do
-            generate "$port" quest 3000 "$out/up-$method/generate-prefix-$turn.txt" 11 \
-              > /dev/null || status=1
-            echo "-- the same ~3000-token prompt, $turn: $(grep -E '^prompt:' "$out/up-$method/generate-prefix-$turn.txt")"
+            "$kStage/bin/kvr" generate --endpoint "127.0.0.1:$port" \
+              --tls-ca "$out/up-$method/tls/ca.pem" --model smollm2 --prompt "$unique" \
+              --prompt-tokens 8000 --max-tokens 8 --method quest --budget 256 --n-sink 16 \
+              --local-window 256 > "$out/up-$method/generate-prefix-$turn.txt" 2>&1 || status=1
+            echo "-- an 8000-token prompt, $turn: $(grep -E '^prompt:' "$out/up-$method/generate-prefix-$turn.txt")"
           done
-          for m in exact streaming clusterkv ctkvr pariskv keydiff a2ats; do
+          methods_here="exact streaming clusterkv ctkvr pariskv keydiff"
+          [[ ${#codebooks[@]} -gt 0 ]] && methods_here+=" a2ats"  # a2ats needs codebooks
+          for m in $methods_here; do
             echo "-- $m (on the quest node: GPU lanes for exact, pariskv and keydiff, else host-selected), ~3000 tokens"
             generate "$port" "$m" 3000 "$out/up-$method/generate-$m.txt" || status=1
           done
