@@ -17,7 +17,7 @@
 # run: per GPU method (a cluster each), passkey prompts of ~1000 and ~3000 tokens; after each,
 # the decode node's private resident memory (RssAnon) and its mappings of the store's shared
 # pool (RssShmem): the decode node reads the store's pages in place, so its own memory must not
-# follow the prompt. On the quest cluster then a new 8000-token prompt twice (the first
+# follow the prompt. On the quest cluster then a new ~7000-token prompt twice (the first
 # computed cold and cached, the second reusing the cached prefix: TTFT of each), and every other
 # method at ~3000 tokens (exact, pariskv and keydiff in
 # GPU lanes, the rest selected on the host; a2ats with codebooks from `kvr calibrate`:
@@ -151,17 +151,24 @@ case "${1:-}" in
         grep -h -E "on cuda|device|gpu_method|GPU|cuda:|local pool|mapped" \
           "$out/up-$method"/prefill-0.log "$out/up-$method"/decode-0.log | head -8
         if [[ $method == quest ]]; then
-          # Prefix reuse through the whole GPU cluster: an 8000-token prompt not seen yet (its
+          # Prefix reuse through the whole GPU cluster: a ~7000-token prompt not seen yet (its
           # first words are this run's own), then the same again (the controller's prefix cache
           # matches it; the prefill node forks the cached rows and computes only what follows
           # them), TTFT cold vs reused.
-          unique="Run $(date +%s%N) notes: the store keeps every row and the decode node pulls few."
+          prompt_file="$out/up-$method/prefix-prompt.txt"
+          {
+            echo "Run $(date +%s%N) notes."
+            for i in $(seq 1 360); do
+              echo "Line $i: the store keeps every row and the decode node pulls only a few."
+            done
+            echo "Which line number comes after line 17?"
+          } > "$prompt_file"
           for turn in cold reused; do
             "$kStage/bin/kvr" generate --endpoint "127.0.0.1:$port" \
-              --tls-ca "$out/up-$method/tls/ca.pem" --model smollm2 --prompt "$unique" \
-              --prompt-tokens 8000 --max-tokens 8 --method quest --budget 256 --n-sink 16 \
+              --tls-ca "$out/up-$method/tls/ca.pem" --model smollm2 --prompt-file "$prompt_file" \
+              --max-tokens 8 --method quest --budget 256 --n-sink 16 \
               --local-window 256 > "$out/up-$method/generate-prefix-$turn.txt" 2>&1 || status=1
-            echo "-- an 8000-token prompt, $turn: $(grep -E '^prompt:' "$out/up-$method/generate-prefix-$turn.txt")"
+            echo "-- a long prompt of this run's own, $turn: $(grep -E '^prompt:' "$out/up-$method/generate-prefix-$turn.txt")"
           done
           methods_here="exact streaming clusterkv ctkvr pariskv keydiff"
           [[ ${#codebooks[@]} -gt 0 ]] && methods_here+=" a2ats"  # a2ats needs codebooks
