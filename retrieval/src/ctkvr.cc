@@ -33,6 +33,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/registry.h"
 #include "method_util.h"
@@ -254,6 +255,22 @@ class CtkvrIndex final : public RetrievalIndex {
     return bytes;
   }
 
+  CtkvrState State() const {
+    CtkvrState s;
+    s.gqa = params_.gqa;
+    s.n_sink = n_sink_;
+    s.n_centroids = n_centroids_;
+    s.rho = rho_;
+    s.n_recall = n_recall_;
+    s.fifo_size = fifo_size_;
+    s.keys = keys_;
+    for (const auto& h : heads_) {
+      std::vector<CtkvrState::Entry>& entries = s.heads.emplace_back();
+      for (const Entry& e : h) entries.push_back({e.centroid, e.norms, e.list, e.threshold});
+    }
+    return s;
+  }
+
   absl::Status SerializePayload(ByteWriter& w) const override {
     w.Put<uint8_t>(static_cast<uint8_t>(params_.gqa));
     w.Put<int64_t>(n_sink_);
@@ -356,6 +373,15 @@ class CtkvrIndex final : public RetrievalIndex {
 };
 
 }  // namespace
+
+absl::StatusOr<CtkvrState> CtkvrStateOf(const RetrievalIndex& index) {
+  const auto* c = dynamic_cast<const CtkvrIndex*>(&index);
+  if (c == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CtkvrStateOf: a '", std::string(index.method()), "' index, not ctkvr"));
+  }
+  return c->State();
+}
 
 absl::Status RegisterCtkvr(MethodRegistry& registry) {
   return registry.Register(

@@ -117,6 +117,16 @@ class ParisKvIndex final : public RetrievalIndex {
     return bytes;
   }
 
+  ParisKvState State() const {
+    ParisKvState s;
+    s.subspace_dim = m_;
+    s.padded_dim = padded_dim_;
+    s.rotation_seed = srht_.seed();
+    s.levels.assign(levels_.begin(), levels_.end());
+    for (const Head& h : heads_) s.heads.push_back({h.codes, h.weights, h.counts});
+    return s;
+  }
+
   absl::Status SerializePayload(ByteWriter& writer) const override {
     writer.Put<uint32_t>(kPayloadVersion);
     writer.Put<int32_t>(m_);
@@ -551,6 +561,15 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeParisKvIndex(const In
                                               level_array);
   KVR_RETURN_IF_ERROR(index->LoadHeads(size, payload));
   return index;
+}
+
+absl::StatusOr<ParisKvState> ParisKvStateOf(const RetrievalIndex& index) {
+  const auto* p = dynamic_cast<const ParisKvIndex*>(&index);
+  if (p == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ParisKvStateOf: a '", std::string(index.method()), "' index, not pariskv"));
+  }
+  return p->State();
 }
 
 }  // namespace kvr::retrieval

@@ -8,6 +8,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/keydiff.h"
 #include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
@@ -289,6 +290,53 @@ TEST(CtkvrTest, ListsOfMatchingCentroidsAreRecalledAndReranked) {
   Selection sel;
   ASSERT_TRUE(index->Select({q.data(), n, 4, 4, n}, &sel).ok());
   for (const auto& ids : sel.per_head) EXPECT_THAT(ids, ElementsAreArray(hot));
+}
+
+// CtkvrStateOf: the index's parameters, keys and qcIVF entries (unit centroids of the group,
+// ascending lists inside the indexed tokens); another method's index is refused by name.
+TEST(CtkvrTest, StateHandsOutTheIndexsEntries) {
+  IndexShape s = SmallShape();
+  const int64_t n = 128;
+  std::vector<float> keys = RandomTensor(n, s.n_kv_heads, s.head_dim, 5);
+  std::vector<float> queries = RandomTensor(n, s.n_heads, s.head_dim, 7);
+  IndexParams p;
+  p.n_sink = 4;
+  p.ctkvr.n_centroids = 16;
+  p.ctkvr.list_length = 8;
+  p.ctkvr.n_recall = 2;
+  auto index = MakeBuilt(CoreRegistry(), "ctkvr", s, p, keys, queries);
+  auto st = CtkvrStateOf(*index);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->n_sink, 4);
+  EXPECT_EQ(st->n_centroids, 16);
+  EXPECT_EQ(st->rho, 8);
+  EXPECT_EQ(st->n_recall, 2);
+  EXPECT_EQ(st->fifo_size, 0);
+  EXPECT_EQ(st->keys.size(), keys.size());
+  ASSERT_EQ(st->heads.size(), static_cast<size_t>(s.n_kv_heads));
+  const int group = s.group_size();
+  for (const auto& entries : st->heads) {
+    ASSERT_EQ(entries.size(), 16u);
+    for (const CtkvrState::Entry& e : entries) {
+      ASSERT_EQ(e.centroid.size(), static_cast<size_t>(group) * s.head_dim);
+      EXPECT_EQ(e.norms.size(), static_cast<size_t>(group));
+      for (int g = 0; g < group; ++g) {
+        double sq = 0;
+        for (int i = 0; i < s.head_dim; ++i) {
+          const float x = e.centroid[g * s.head_dim + i];
+          sq += x * x;
+        }
+        EXPECT_NEAR(sq, 1.0, 1e-4);
+      }
+      EXPECT_LE(e.list.size(), 8u);
+      EXPECT_TRUE(std::is_sorted(e.list.begin(), e.list.end()));
+      for (int32_t id : e.list) EXPECT_TRUE(id >= 4 && id < n) << id;
+    }
+  }
+  auto keydiff = MakeBuilt(CoreRegistry(), "keydiff", s, IndexParams{}, keys, {});
+  const absl::Status wrong = CtkvrStateOf(*keydiff).status();
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong.message().find("'keydiff'"), std::string_view::npos) << wrong;
 }
 
 TEST(CtkvrTest, FifoUpdateReplacesOldestCentroidWithDecodeQuery) {

@@ -240,6 +240,40 @@ TEST(ParisKvIndexTest, FindsPlantedKeys) {
   EXPECT_EQ(sel.per_head[0], planted);
 }
 
+// ParisKvStateOf: the index's codec and per-head arrays, sized by its tokens; the counts hold
+// every token once per sub-space; another method's index is refused by name.
+TEST(ParisKvIndexTest, StateHandsOutTheIndexsCodesWeightsAndCounts) {
+  auto data = MakeClusteredKeys(300, 2, 6, 64, 8, 0.5f, 1);
+  auto index = MakeParisKvIndex(Shape(6, 2, 64), IndexParams{});
+  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_TRUE((*index)->Build(BuildInput{Keys(data.keys, 300, 2, 64)}).ok());
+  auto st = ParisKvStateOf(**index);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->subspace_dim, 8);
+  EXPECT_EQ(st->padded_dim, 64);
+  EXPECT_EQ(st->levels.size(), 8u);
+  ASSERT_EQ(st->heads.size(), 2u);
+  const int n_sub = 64 / 8;
+  for (const ParisKvState::Head& h : st->heads) {
+    EXPECT_EQ(h.codes.size(), 300u * 32);
+    EXPECT_EQ(h.weights.size(), 300u * n_sub);
+    ASSERT_EQ(h.counts.size(), static_cast<size_t>(n_sub) * 256);
+    for (int b = 0; b < n_sub; ++b) {
+      EXPECT_EQ(std::accumulate(h.counts.begin() + b * 256, h.counts.begin() + (b + 1) * 256,
+                                uint64_t{0}),
+                300u)
+          << "sub-space " << b;
+    }
+  }
+  MethodRegistry core;
+  ASSERT_TRUE(RegisterCoreMethods(core).ok());
+  auto other = core.Make("full", Shape(6, 2, 64), IndexParams{});
+  ASSERT_TRUE(other.ok()) << other.status();
+  const absl::Status wrong = ParisKvStateOf(**other).status();
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong.message().find("'full'"), std::string_view::npos) << wrong;
+}
+
 TEST(ParisKvIndexTest, BudgetCoveringCandidatesSelectsAllExceptSinkAndLocal) {
   auto data = MakeClusteredKeys(300, 2, 6, 64, 8, 0.5f, 1);
   auto index = MakeParisKvIndex(Shape(6, 2, 64), IndexParams{});

@@ -1,6 +1,6 @@
-// Host side of the GPU pariskv, ctkvr and a2ats selectors: the device layouts of CPU indexes,
-// read from their payloads (the shipped bytes; retrieval/src/pariskv.cc, ctkvr.cc, a2ats.cc
-// SerializePayload), so that what a prefill node ships can be uploaded as is.
+// Host side of the GPU pariskv, ctkvr and a2ats selectors: the device layouts of CPU indexes.
+// pariskv and ctkvr are read through the indexes' typed state (ParisKvStateOf, CtkvrStateOf);
+// a2ats still from its payload (the shipped bytes, retrieval/src/a2ats.cc SerializePayload).
 
 #include <algorithm>
 #include <cstdint>
@@ -11,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/codebook.h"
+#include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/cuda/selection.cuh"
+#include "kvr/retrieval/pariskv.h"
 #include "kvr/retrieval/serialization.h"
 
 namespace kvr::retrieval::cuda {
@@ -32,40 +34,20 @@ absl::Status CheckMethod(const RetrievalIndex& index, std::string_view method, s
   return absl::OkStatus();
 }
 
-struct ParisHeader {
-  uint32_t version = 0;
-  int32_t m = 0, padded = 0;
-  uint64_t seed = 0;
-  std::vector<float> levels;
-};
-
-absl::Status ReadParisHeader(ByteReader& r, ParisHeader* h) {
-  KVR_RETURN_IF_ERROR(r.Get("version", &h->version));
-  KVR_RETURN_IF_ERROR(r.Get("subspace_dim", &h->m));
-  KVR_RETURN_IF_ERROR(r.Get("padded_dim", &h->padded));
-  KVR_RETURN_IF_ERROR(r.Get("seed", &h->seed));
-  KVR_RETURN_IF_ERROR(r.GetArray("levels", &h->levels, 8));
-  if (h->version != 1 || h->levels.size() != 8 || h->m < 2 || h->m > 8 || h->padded < h->m) {
-    return absl::DataLossError("pariskv payload: unsupported version or corrupt header");
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<ParisKvCodec> ParisKvCodecFromIndex(const RetrievalIndex& index) {
   KVR_RETURN_IF_ERROR(CheckMethod(index, "pariskv", 0, index.shape()));
-  ByteWriter w;
-  KVR_RETURN_IF_ERROR(index.SerializePayload(w));
-  ByteReader r(w.bytes());
-  ParisHeader h;
-  KVR_RETURN_IF_ERROR(ReadParisHeader(r, &h));
+  KVR_ASSIGN_OR_RETURN(const ParisKvState st, ParisKvStateOf(index));
+  if (st.levels.size() != 8) {
+    return absl::InternalError(absl::StrCat("pariskv: ", st.levels.size(), " levels, not 8"));
+  }
   ParisKvCodec c;
   c.head_dim = index.shape().head_dim;
-  c.padded_dim = h.padded;
-  c.subspace_dim = h.m;
-  c.rotation_seed = h.seed;
-  std::copy(h.levels.begin(), h.levels.end(), c.levels);
+  c.padded_dim = st.padded_dim;
+  c.subspace_dim = st.subspace_dim;
+  c.rotation_seed = st.rotation_seed;
+  std::copy(st.levels.begin(), st.levels.end(), c.levels);
   return c;
 }
 
@@ -92,44 +74,28 @@ absl::StatusOr<ParisKvHostLayout> ParisKvLayoutFromIndexes(
   for (size_t b = 0; b < indexes.size(); ++b) {
     const RetrievalIndex& index = *indexes[b];
     KVR_RETURN_IF_ERROR(CheckMethod(index, "pariskv", b, shape));
-    ByteWriter w;
-    KVR_RETURN_IF_ERROR(index.SerializePayload(w));
-    ByteReader r(w.bytes());
-    ParisHeader h;
-    KVR_RETURN_IF_ERROR(ReadParisHeader(r, &h));
-    if (h.m != m || h.padded != pd || h.seed != out.codec.rotation_seed ||
-        !std::equal(h.levels.begin(), h.levels.end(), out.codec.levels)) {
+    KVR_ASSIGN_OR_RETURN(const ParisKvState st, ParisKvStateOf(index));
+    if (st.subspace_dim != m || st.padded_dim != pd ||
+        st.rotation_seed != out.codec.rotation_seed ||
+        !std::equal(st.levels.begin(), st.levels.end(), out.codec.levels)) {
       return absl::InvalidArgumentError(
           absl::StrCat("ParisKvLayoutFromIndexes: index ", b, " has another codec"));
     }
     const int64_t n = index.size();
     out.n_tokens[b] = static_cast<int32_t>(n);
     for (int hh = 0; hh < nkv; ++hh) {
-      std::vector<uint8_t> codes;
-      std::vector<uint16_t> weights;
-      KVR_RETURN_IF_ERROR(r.GetArray("codes", &codes));
-      KVR_RETURN_IF_ERROR(r.GetArray("weights", &weights));
-      if (codes.size() != static_cast<size_t>(n) * (pd / 2) ||
-          weights.size() != static_cast<size_t>(n) * n_sub) {
-        return absl::DataLossError("ParisKvLayoutFromIndexes: payload sizes do not match");
+      const ParisKvState::Head& h = st.heads[hh];
+      if (h.codes.size() != static_cast<size_t>(n) * (pd / 2) ||
+          h.weights.size() != static_cast<size_t>(n) * n_sub ||
+          h.counts.size() != static_cast<size_t>(n_sub) * n_cent) {
+        return absl::InternalError("ParisKvLayoutFromIndexes: state sizes do not match");
       }
       const size_t row = b * nkv + hh;
-      std::copy(codes.begin(), codes.end(), out.codes.begin() + row * out.max_tokens * (pd / 2));
-      std::copy(weights.begin(), weights.end(),
+      std::copy(h.codes.begin(), h.codes.end(),
+                out.codes.begin() + row * out.max_tokens * (pd / 2));
+      std::copy(h.weights.begin(), h.weights.end(),
                 out.weights.begin() + row * out.max_tokens * n_sub);
-      uint32_t* counts = out.counts.data() + row * n_sub * n_cent;
-      for (int64_t t = 0; t < n; ++t) {
-        const uint8_t* tc = codes.data() + t * (pd / 2);
-        for (int sb = 0; sb < n_sub; ++sb) {
-          const uint8_t* packed = tc + sb * (m / 2);
-          uint32_t id = 0;
-          for (int i = 0; i < m / 2; ++i) {
-            const uint32_t byte = packed[i];
-            id |= (((byte >> 3) & 1u) | ((byte >> 6) & 2u)) << (2 * i);
-          }
-          ++counts[sb * n_cent + id];
-        }
-      }
+      std::copy(h.counts.begin(), h.counts.end(), out.counts.begin() + row * n_sub * n_cent);
     }
   }
   return out;
@@ -141,53 +107,29 @@ absl::StatusOr<CtkvrHostLayout> CtkvrLayoutFromIndexes(
   if (indexes.empty()) return out;
   const IndexShape& shape = indexes[0]->shape();
   const int nkv = shape.n_kv_heads, hd = shape.head_dim, group = shape.group_size();
-  struct Entry {
-    std::vector<float> centroid;
-    std::vector<int32_t> list;
-  };
-  std::vector<std::vector<std::vector<Entry>>> heads(indexes.size());  // [b][h][c]
-  std::vector<std::vector<float>> keys(indexes.size());
+  std::vector<CtkvrState> states;
   for (size_t b = 0; b < indexes.size(); ++b) {
     const RetrievalIndex& index = *indexes[b];
     KVR_RETURN_IF_ERROR(CheckMethod(index, "ctkvr", b, shape));
-    ByteWriter w;
-    KVR_RETURN_IF_ERROR(index.SerializePayload(w));
-    ByteReader r(w.bytes());
-    uint8_t gqa = 0;
-    int64_t n_sink = 0, n_centroids = 0, rho = 0, n_recall = 0, fifo = 0, cursor = 0;
-    KVR_RETURN_IF_ERROR(r.Get("gqa", &gqa));
-    KVR_RETURN_IF_ERROR(r.Get("n_sink", &n_sink));
-    KVR_RETURN_IF_ERROR(r.Get("C", &n_centroids));
-    KVR_RETURN_IF_ERROR(r.Get("rho", &rho));
-    KVR_RETURN_IF_ERROR(r.Get("C'", &n_recall));
-    KVR_RETURN_IF_ERROR(r.Get("fifo", &fifo));
-    KVR_RETURN_IF_ERROR(r.Get("cursor", &cursor));
-    KVR_RETURN_IF_ERROR(r.GetArray("keys", &keys[b]));
-    if (b == 0) out.n_recall = static_cast<int>(n_recall);
-    if (n_recall != out.n_recall || n_recall < 1 || n_recall > 32) {
+    KVR_ASSIGN_OR_RETURN(CtkvrState st, CtkvrStateOf(index));
+    if (b == 0) out.n_recall = static_cast<int>(st.n_recall);
+    if (st.n_recall != out.n_recall || st.n_recall < 1 || st.n_recall > 32) {
       return absl::InvalidArgumentError(
           absl::StrCat("CtkvrLayoutFromIndexes: C' must be in [1, 32] and equal over the batch; "
                        "index ",
-                       b, " has ", n_recall));
+                       b, " has ", st.n_recall));
     }
-    heads[b].resize(nkv);
-    for (int h = 0; h < nkv; ++h) {
-      heads[b][h].resize(n_centroids);
-      for (Entry& e : heads[b][h]) {
-        std::vector<float> norms;
-        float threshold = 0.f;
-        KVR_RETURN_IF_ERROR(r.GetArray("centroid", &e.centroid));
-        KVR_RETURN_IF_ERROR(r.GetArray("norms", &norms));
-        KVR_RETURN_IF_ERROR(r.GetArray("list", &e.list));
-        KVR_RETURN_IF_ERROR(r.Get("threshold", &threshold));
-        out.max_list_length = std::max(out.max_list_length, static_cast<int>(e.list.size()));
-      }
+    for (const auto& entries : st.heads) {
       int total = 0;
-      for (const Entry& e : heads[b][h]) total += static_cast<int>(e.list.size());
+      for (const CtkvrState::Entry& e : entries) {
+        out.max_list_length = std::max(out.max_list_length, static_cast<int>(e.list.size()));
+        total += static_cast<int>(e.list.size());
+      }
       out.max_list_entries = std::max(out.max_list_entries, total);
     }
-    out.max_centroids = std::max(out.max_centroids, static_cast<int>(n_centroids));
+    out.max_centroids = std::max(out.max_centroids, static_cast<int>(st.n_centroids));
     out.max_tokens = std::max(out.max_tokens, static_cast<int>(index.size()));
+    states.push_back(std::move(st));
   }
   out.batch = static_cast<int>(indexes.size());
   out.n_kv_heads = nkv;
@@ -205,16 +147,17 @@ absl::StatusOr<CtkvrHostLayout> CtkvrLayoutFromIndexes(
   const size_t key_row = static_cast<size_t>(nkv) * hd;
   out.keys.assign(static_cast<size_t>(out.batch) * out.max_tokens * key_row, 0.f);
   for (int b = 0; b < out.batch; ++b) {
-    std::copy(keys[b].begin(), keys[b].end(),
+    const CtkvrState& st = states[b];
+    std::copy(st.keys.begin(), st.keys.end(),
               out.keys.begin() + static_cast<size_t>(b) * out.max_tokens * key_row);
     for (int h = 0; h < nkv; ++h) {
       const size_t row = static_cast<size_t>(b) * nkv + h;
-      const auto& entries = heads[b][h];
+      const auto& entries = st.heads[h];
       out.n_centroids[row] = static_cast<int32_t>(entries.size());
       int32_t* offsets = out.list_offsets.data() + row * (out.max_centroids + 1);
       int32_t pos = 0;
       for (size_t c = 0; c < entries.size(); ++c) {
-        const Entry& e = entries[c];
+        const CtkvrState::Entry& e = entries[c];
         offsets[c] = pos;
         if (e.centroid.size() == cent) {
           std::copy(e.centroid.begin(), e.centroid.end(),

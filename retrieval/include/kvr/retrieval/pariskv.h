@@ -36,6 +36,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvr/retrieval/index.h"
@@ -71,5 +73,21 @@ ParisKvSchedule ScheduleParisKv(const ParisKvOptions& options, int64_t n_selecta
     const IndexShape& shape, const IndexParams& params);
 [[nodiscard]] absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeParisKvIndex(
     const IndexShape& shape, const IndexParams& params, int64_t size, ByteReader& payload);
+
+// The state of a `pariskv` index, read through its type rather than its serialised bytes: what
+// the GPU selector uploads. Spans point into the index (valid while it lives and is not appended
+// to). InvalidArgument for another method's index.
+struct ParisKvState {
+  int subspace_dim = 0, padded_dim = 0;
+  uint64_t rotation_seed = 0;
+  std::vector<float> levels;  // the magnitude levels (8)
+  struct Head {
+    std::span<const uint8_t> codes;     // [size, padded_dim / 2], two 4-bit codes per byte
+    std::span<const uint16_t> weights;  // [size, padded_dim / subspace_dim] fp16
+    std::span<const uint32_t> counts;   // [padded_dim / subspace_dim, 2^subspace_dim]
+  };
+  std::vector<Head> heads;  // [n_kv_heads]
+};
+[[nodiscard]] absl::StatusOr<ParisKvState> ParisKvStateOf(const RetrievalIndex& index);
 
 }  // namespace kvr::retrieval
