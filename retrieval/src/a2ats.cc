@@ -101,6 +101,14 @@ class A2atsIndex final : public RetrievalIndex {
     return bytes;
   }
 
+  A2atsState State() const {
+    A2atsState s;
+    s.codebook_hash = books_->content_hash();
+    s.codebook_size = books_->head(shape().layer, 0).size;
+    for (const auto& ids : ids_) s.ids.emplace_back(ids);
+    return s;
+  }
+
   absl::Status SerializePayload(ByteWriter& writer) const override {
     writer.Put<uint32_t>(kPayloadVersion);
     writer.Put<uint64_t>(books_->content_hash());
@@ -318,6 +326,15 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeA2atsIndex(const Inde
   auto index = std::make_unique<A2atsIndex>(shape, params, std::move(books));
   KVR_RETURN_IF_ERROR(index->LoadIds(size, payload));
   return index;
+}
+
+absl::StatusOr<A2atsState> A2atsStateOf(const RetrievalIndex& index) {
+  const auto* a = dynamic_cast<const A2atsIndex*>(&index);
+  if (a == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("A2atsStateOf: a '", std::string(index.method()), "' index, not a2ats"));
+  }
+  return a->State();
 }
 
 }  // namespace kvr::retrieval

@@ -150,6 +150,15 @@ class ClusterKvIndex final : public RetrievalIndex {
     return bytes;
   }
 
+  ClusterKvState State() const {
+    ClusterKvState s;
+    s.n_sink = n_sink_;
+    s.pending_begin = pending_begin_;
+    s.pending_keys = pending_keys_;
+    for (const HeadClusters& h : heads_) s.heads.push_back({h.centroids, h.offsets, h.ids});
+    return s;
+  }
+
   absl::Status SerializePayload(ByteWriter& w) const override {
     w.Put<uint8_t>(static_cast<uint8_t>(params_.gqa));
     w.Put<int64_t>(n_sink_);
@@ -434,6 +443,15 @@ absl::Status RegisterClusterKv(MethodRegistry& registry) {
         return std::make_unique<ClusterKvIndex>(s, params);
       },
       &ClusterKvIndex::Read);
+}
+
+absl::StatusOr<ClusterKvState> ClusterKvStateOf(const RetrievalIndex& index) {
+  const auto* c = dynamic_cast<const ClusterKvIndex*>(&index);
+  if (c == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ClusterKvStateOf: a '", std::string(index.method()), "' index, not clusterkv"));
+  }
+  return c->State();
 }
 
 }  // namespace kvr::retrieval

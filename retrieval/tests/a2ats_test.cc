@@ -194,6 +194,33 @@ TEST(A2atsIndexTest, FindsPlantedKeysThroughRope) {
   EXPECT_EQ(ExactTopK(post.data(), kD, q_post.data(), 2, 1, kD, 0, 4, kN - 64, 6), planted);
 }
 
+// A2atsStateOf: the codebooks' hash and size and a codeword id per token and KV head, the ids
+// the index selects by; another method's index is refused by name.
+TEST(A2atsIndexTest, StateHandsOutTheCodewordIds) {
+  const RopeParams none;
+  ModelFingerprint m = Model(4, 2, 16, none);
+  auto data = MakeClusteredKeys(400, 2, 4, 16, 8, 0.5f, 3);
+  auto books = Calibrate(data, m, 16, 3);
+  auto index = MakeA2atsIndex(ShapeOf(m, 0), WithBooks(books));
+  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_TRUE((*index)->Build(BuildInput{TokenTensor{data.keys.data(), 400, 32}}).ok());
+  auto st = A2atsStateOf(**index);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->codebook_hash, books->content_hash());
+  EXPECT_EQ(st->codebook_size, books->head(0, 0).size);
+  ASSERT_EQ(st->ids.size(), 2u);
+  for (const auto& ids : st->ids) {
+    ASSERT_EQ(ids.size(), 400u);
+    for (uint16_t id : ids) EXPECT_LT(id, st->codebook_size);
+  }
+  MethodRegistry core;
+  ASSERT_TRUE(RegisterCoreMethods(core).ok());
+  auto other = core.Make("exact", ShapeOf(m, 0), IndexParams{});
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(std::string(A2atsStateOf(**other).status().message()).find("'exact'"),
+            std::string::npos);
+}
+
 TEST(A2atsIndexTest, BudgetCoveringCandidatesSelectsAllAndBudgetIsExact) {
   const RopeParams none;
   ModelFingerprint m = Model(4, 2, 16, none);

@@ -8,6 +8,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/keydiff.h"
 #include "kvr/retrieval/prebuilt.h"
@@ -201,6 +202,20 @@ TEST(PrebuiltTest, ClusterKvClustersSelectLikeTheCpuIndex) {
   auto again = SerializeIndex(**index);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(*again, *bytes);
+  // Its typed state (what the GPU layout reads): the same clusters, nothing pending.
+  {
+    auto st = ClusterKvStateOf(**index);
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->n_sink, 4);
+    EXPECT_EQ(st->pending_begin, n);
+    EXPECT_TRUE(st->pending_keys.empty());
+    ASSERT_EQ(st->heads.size(), 2u);
+    for (int h = 0; h < 2; ++h) {
+      EXPECT_THAT(st->heads[h].ids, ElementsAreArray(ids));
+      EXPECT_THAT(st->heads[h].offsets, ElementsAreArray(offsets));
+      EXPECT_THAT(st->heads[h].centroids, ElementsAreArray(centroids[h]));
+    }
+  }
   // As the CPU-built index of ClusterKvTest.SemanticClustersSelectWholeCluster.
   std::vector<float> q = AxisQuery(s, 2);
   Selection sel;
@@ -232,6 +247,7 @@ TEST(PrebuiltTest, ClusterKvClustersSelectLikeTheCpuIndex) {
   ASSERT_TRUE(quest_bytes.ok());
   auto not_ckv = ParsePrebuiltClusterKv(*quest_bytes, CoreRegistry());
   EXPECT_THAT(std::string(not_ckv.status().message()), HasSubstr("'quest' index"));
+  EXPECT_THAT(std::string(ClusterKvStateOf(*quest).status().message()), HasSubstr("'quest'"));
 
   // Layout errors name what is wrong.
   std::vector<int32_t> dup = ids;

@@ -1,15 +1,14 @@
 // Host side of the GPU clusterkv selector: the device layout of CPU ClusterKvIndex objects, read
-// from their payload (the shipped bytes, retrieval/src/clusterkv.cc SerializePayload): gqa,
-// n_sink, append_every, append_clusters, max_iterations, seed, pending_begin, pending keys
-// [n_pending, n_kv_heads, head_dim], then per KV head centroids, offsets and ids.
+// through their typed state (ClusterKvStateOf): per KV head centroids, offsets and ids, then the
+// pending (appended, not yet clustered) keys as singleton clusters.
 
 #include <algorithm>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/cuda/selection.cuh"
-#include "kvr/retrieval/serialization.h"
 
 namespace kvr::retrieval::cuda {
 namespace {
@@ -39,30 +38,17 @@ absl::StatusOr<ClusterKvHostLayout> ClusterKvLayoutFromIndexes(
       return absl::InvalidArgumentError(
           absl::StrCat("ClusterKvLayoutFromIndexes: index ", b, " has another shape"));
     }
-    ByteWriter w;
-    KVR_RETURN_IF_ERROR(index.SerializePayload(w));
-    ByteReader r(w.bytes());
-    uint8_t gqa = 0;
-    int64_t n_sink = 0, append_every = 0, pending_begin = 0;
-    int32_t append_clusters = 0, max_iterations = 0;
-    uint64_t seed = 0;
-    KVR_RETURN_IF_ERROR(r.Get("gqa", &gqa));
-    KVR_RETURN_IF_ERROR(r.Get("n_sink", &n_sink));
-    KVR_RETURN_IF_ERROR(r.Get("append_every", &append_every));
-    KVR_RETURN_IF_ERROR(r.Get("append_clusters", &append_clusters));
-    KVR_RETURN_IF_ERROR(r.Get("max_iterations", &max_iterations));
-    KVR_RETURN_IF_ERROR(r.Get("seed", &seed));
-    KVR_RETURN_IF_ERROR(r.Get("pending_begin", &pending_begin));
-    std::vector<float> pending;
-    KVR_RETURN_IF_ERROR(r.GetArray("pending keys", &pending));
+    KVR_ASSIGN_OR_RETURN(const ClusterKvState st, ClusterKvStateOf(index));
+    const std::span<const float> pending = st.pending_keys;
+    const int64_t pending_begin = st.pending_begin;
     const int64_t row = static_cast<int64_t>(nkv) * hd;
     const int64_t n_pending = static_cast<int64_t>(pending.size()) / row;
     heads[b].resize(nkv);
     for (int h = 0; h < nkv; ++h) {
       Head& head = heads[b][h];
-      KVR_RETURN_IF_ERROR(r.GetArray("centroids", &head.centroids));
-      KVR_RETURN_IF_ERROR(r.GetArray("offsets", &head.offsets));
-      KVR_RETURN_IF_ERROR(r.GetArray("ids", &head.ids));
+      head.centroids.assign(st.heads[h].centroids.begin(), st.heads[h].centroids.end());
+      head.offsets.assign(st.heads[h].offsets.begin(), st.heads[h].offsets.end());
+      head.ids.assign(st.heads[h].ids.begin(), st.heads[h].ids.end());
       if (head.offsets.empty()) head.offsets.push_back(0);
       // Pending tokens: singleton clusters after the real ones (the CPU's unit order).
       for (int64_t i = 0; i < n_pending; ++i) {

@@ -1,6 +1,6 @@
-// Host side of the GPU pariskv, ctkvr and a2ats selectors: the device layouts of CPU indexes.
-// pariskv and ctkvr are read through the indexes' typed state (ParisKvStateOf, CtkvrStateOf);
-// a2ats still from its payload (the shipped bytes, retrieval/src/a2ats.cc SerializePayload).
+// Host side of the GPU pariskv, ctkvr and a2ats selectors: the device layouts of CPU indexes,
+// read through the indexes' typed state (ParisKvStateOf, CtkvrStateOf, A2atsStateOf), not
+// their serialised payloads.
 
 #include <algorithm>
 #include <cstdint>
@@ -10,11 +10,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/cuda/selection.cuh"
 #include "kvr/retrieval/pariskv.h"
-#include "kvr/retrieval/serialization.h"
 
 namespace kvr::retrieval::cuda {
 namespace {
@@ -228,24 +228,17 @@ absl::StatusOr<A2atsHostLayout> A2atsLayoutFromIndexes(
   for (size_t b = 0; b < indexes.size(); ++b) {
     const RetrievalIndex& index = *indexes[b];
     KVR_RETURN_IF_ERROR(CheckMethod(index, "a2ats", b, shape));
-    ByteWriter w;
-    KVR_RETURN_IF_ERROR(index.SerializePayload(w));
-    ByteReader r(w.bytes());
-    uint32_t version = 0;
-    uint64_t hash = 0;
-    int32_t size = 0;
-    KVR_RETURN_IF_ERROR(r.Get("version", &version));
-    KVR_RETURN_IF_ERROR(r.Get("hash", &hash));
-    KVR_RETURN_IF_ERROR(r.Get("codebook size", &size));
-    if (hash != books->content_hash() || size != out.codebook_size) {
+    KVR_ASSIGN_OR_RETURN(const A2atsState st, A2atsStateOf(index));
+    if (st.codebook_hash != books->content_hash() || st.codebook_size != out.codebook_size) {
       return absl::InvalidArgumentError(
           absl::StrCat("A2atsLayoutFromIndexes: index ", b, " was built with other codebooks"));
     }
     out.n_tokens[b] = static_cast<int32_t>(index.size());
     for (int h = 0; h < nkv; ++h) {
-      std::vector<uint16_t> ids;
-      KVR_RETURN_IF_ERROR(r.GetArray("ids", &ids));
-      std::copy(ids.begin(), ids.end(),
+      if (st.ids[h].size() != static_cast<size_t>(index.size())) {
+        return absl::InternalError("A2atsLayoutFromIndexes: state sizes do not match");
+      }
+      std::copy(st.ids[h].begin(), st.ids[h].end(),
                 out.ids.begin() + (b * nkv + h) * static_cast<size_t>(out.max_tokens));
     }
   }

@@ -31,6 +31,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvr/retrieval/index.h"
@@ -45,5 +47,15 @@ inline constexpr std::string_view kA2atsMethodName = "a2ats";
     const IndexShape& shape, const IndexParams& params);
 [[nodiscard]] absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeA2atsIndex(
     const IndexShape& shape, const IndexParams& params, int64_t size, ByteReader& payload);
+
+// The state of an `a2ats` index, read through its type rather than its serialised bytes: what
+// the GPU selector uploads beside the codebooks. Spans point into the index (valid while it
+// lives and is not appended to). InvalidArgument for another method's index.
+struct A2atsState {
+  uint64_t codebook_hash = 0;  // A2atsCodebooks::content_hash of the codebooks it was built with
+  int codebook_size = 0;       // codewords per KV head of its layer
+  std::vector<std::span<const uint16_t>> ids;  // [n_kv_heads][size] codeword id per token
+};
+[[nodiscard]] absl::StatusOr<A2atsState> A2atsStateOf(const RetrievalIndex& index);
 
 }  // namespace kvr::retrieval

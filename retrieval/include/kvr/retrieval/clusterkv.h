@@ -4,6 +4,8 @@
 // the same k-means seeds, and its results are comparable with the CPU's.
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvr/retrieval/index.h"
@@ -24,5 +26,21 @@ namespace kvr::retrieval {
 
 // The k-means seed of one clustering call: `salt` is the KV head for the prefill clusters.
 uint64_t ClusterKvKMeansSeed(const IndexParams& params, uint64_t salt, int layer);
+
+// The state of a `clusterkv` index, read through its type rather than its serialised bytes: what
+// the GPU selector uploads. Spans point into the index (valid while it lives and is not appended
+// to). InvalidArgument for another method's index.
+struct ClusterKvState {
+  int64_t n_sink = 0;
+  int64_t pending_begin = 0;  // tokens from here on are appended but not clustered yet
+  std::span<const float> pending_keys;  // [size - pending_begin, n_kv_heads, head_dim]
+  struct Head {
+    std::span<const float> centroids;  // [n_clusters, head_dim] mean key of each cluster
+    std::span<const int32_t> offsets;  // [n_clusters + 1] into ids (empty: no clusters)
+    std::span<const int32_t> ids;      // token ids grouped by cluster
+  };
+  std::vector<Head> heads;  // [n_kv_heads]
+};
+[[nodiscard]] absl::StatusOr<ClusterKvState> ClusterKvStateOf(const RetrievalIndex& index);
 
 }  // namespace kvr::retrieval
