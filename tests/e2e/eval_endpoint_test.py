@@ -8,6 +8,8 @@ checked-in quality gate (tools/eval/gate/*.json: its settings, e.g. every task a
     accuracy and agreement is in [0, 1], no request failed, the server counted each prompt
     within the length, and full answered the pass key of niah_single at least once;
   * the PNG is written;
+  * the needle task's samples sent again through the OpenAI-compatible HTTP API
+    (--backend openai-completions) get the same answers from full and exact as over gRPC;
   * the same result with exact's answers doctored to a broken method's (accuracy 0 on every
     task, as a method selecting random rows would score) fails the gate on each rule it breaks:
     more than 2 points under full, more than 5 under its record, below streaming when
@@ -64,6 +66,18 @@ def main():
             print(r.stdout)
             print(r.stderr, file=sys.stderr)
             print(f"      kvr eval endpoint took {time.time() - up:.1f} s")
+            # The same samples of one task through the OpenAI-compatible HTTP API: greedy
+            # answers, so they must be the gRPC run's.
+            http_path = os.path.join(tmp, "http.json")
+            h = subprocess.run([args.kvr, "eval", "endpoint", "--backend", "openai-completions",
+                                "--base-url", cluster.base_url, "--tasks", "niah_single",
+                                "--methods", "full,exact", "--budgets", str(run["budget"]),
+                                "--lengths", str(run["length"]), "--samples", str(run["samples"]),
+                                "--seed", str(run["seed"]), "--sink", str(run["n_sink"]),
+                                "--local", str(run["local_window"]), "--json", http_path],
+                               capture_output=True, text=True, timeout=600)
+            print(h.stdout)
+            print(h.stderr, file=sys.stderr)
         finally:
             cluster.stop()
         check(r.returncode == 0 and "gate: pass" in r.stdout,
@@ -94,6 +108,18 @@ def main():
         found = sum(1 for s in passkeys if s["score"] == 1)
         check(found >= 1, f"full found the pass key in {found} of {len(passkeys)} prompts "
                           f"({[s['answer'] for s in passkeys]})")
+
+        check(h.returncode == 0 and os.path.exists(http_path),
+              f"the suite runs over the HTTP API (exit {h.returncode})")
+        if os.path.exists(http_path):
+            with open(http_path) as f:
+                over_http = json.load(f)
+
+            def answers(samples):
+                return sorted((s["method"], s["prompt_tokens"], s["answer"]) for s in samples
+                              if s["task"] == "niah_single" and s["method"] in ("full", "exact"))
+            check(answers(over_http["samples"]) == answers(result["samples"]),
+                  "over HTTP, full and exact answer the needle prompts as over gRPC")
 
         # A broken method: exact's answers replaced by wrong ones, as random rows would give.
         doctored = json.loads(json.dumps(result))

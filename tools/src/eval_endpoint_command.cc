@@ -1,5 +1,6 @@
 // kvr eval endpoint: the long-context task suite (tools/eval, kvr::eval_endpoint) through a
-// cluster's public gRPC API, for each retrieval method and budget asked, with `full` as the
+// cluster's public API (gRPC, or the OpenAI-compatible HTTP API: --backend openai-completions
+// --base-url URL), for each retrieval method and budget asked, with `full` as the
 // reference: a table on stdout, optionally JSON (--json), a PNG (--png) and a quality gate
 // against recorded figures (--gate; with --results, on a result file written before).
 
@@ -38,7 +39,10 @@ namespace {
 namespace ee = eval_endpoint;
 
 struct EvalEndpointFlags {
+  std::string backend = "kvr-grpc";
   std::string target = "127.0.0.1:50051";
+  std::string base_url;
+  std::string api_key;
   TlsConfig tls;
   std::string model;
   ee::SuiteOptions suite;
@@ -135,14 +139,18 @@ absl::Status RunEvalEndpoint(EvalEndpointFlags& f) {
                        ee::GenerateSamples(f.suite, counter, &corpus));
 
   loadgen::BackendOptions backend_options;
-  backend_options.kind = loadgen::BackendKind::kKvrGrpc;
+  KVR_ASSIGN_OR_RETURN(backend_options.kind, loadgen::ParseBackendKind(f.backend));
   backend_options.target = f.target;
   backend_options.tls = f.tls;
+  backend_options.base_url = f.base_url;
+  backend_options.api_key = f.api_key;
   KVR_ASSIGN_OR_RETURN(std::unique_ptr<loadgen::Backend> backend,
                        loadgen::MakeBackend(backend_options));
   KVR_ASSIGN_OR_RETURN(const std::string model, backend->ResolveModel(f.model));
+  const std::string& where =
+      backend_options.kind == loadgen::BackendKind::kKvrGrpc ? f.target : f.base_url;
   std::cerr << "kvr eval endpoint: " << samples.size() << " prompts (" << tasks.size()
-            << " tasks) to " << f.target << " (" << model << ")\n";
+            << " tasks) to " << where << " over " << f.backend << " (" << model << ")\n";
   KVR_ASSIGN_OR_RETURN(
       const ee::SuiteReport report,
       ee::RunSuite(*backend, model, f.suite, samples, [&f](const std::string& line) {
@@ -154,7 +162,10 @@ absl::Status RunEvalEndpoint(EvalEndpointFlags& f) {
   const bool temporary_json = json_path.empty() && !f.png.empty();
   if (temporary_json) json_path = absl::StrCat(f.png, ".json.tmp");
   if (!json_path.empty()) {
-    const nlohmann::json extra = {{"target", f.target},
+    const nlohmann::json extra = {{"backend", f.backend},
+                                  {"target", backend_options.kind == loadgen::BackendKind::kKvrGrpc
+                                                 ? f.target
+                                                 : f.base_url},
                                   {"tokenizer", tokenizer_path},
                                   {"corpus_dir", f.corpus_dir},
                                   {"corpus_files", corpus_files}};
@@ -183,8 +194,18 @@ void AddEvalEndpointCommand(CLI::App& eval) {
   CLI::App* cmd = eval.add_subcommand(
       "endpoint",
       "long-context tasks (needles, variable tracking, common words, QA over licence texts) "
-      "through a cluster's gRPC API: accuracy and agreement with full per method and budget");
-  cmd->add_option("--target", f.target, "controller address host:port")->capture_default_str();
+      "through a cluster's gRPC or HTTP API: accuracy and agreement with full per method and "
+      "budget");
+  cmd->add_option("--backend", f.backend,
+                  "kvr-grpc (--target) or the OpenAI-compatible HTTP API: openai-completions "
+                  "(the prompt as text, as over gRPC) or openai-chat (--base-url)")
+      ->check(CLI::IsMember({"kvr-grpc", "openai-completions", "openai-chat"}))
+      ->capture_default_str();
+  cmd->add_option("--target", f.target, "kvr-grpc: controller address host:port")
+      ->capture_default_str();
+  cmd->add_option("--base-url", f.base_url,
+                  "openai-*: the API root, e.g. http://127.0.0.1:8000/v1");
+  cmd->add_option("--api-key", f.api_key, "openai-*: sent as Authorization: Bearer KEY");
   AddTlsOptions(cmd, &f.tls);
   cmd->add_option("--model", f.model, "model name (default: the first one the server lists)");
   cmd->add_option("--methods", f.suite.methods, "retrieval methods; full is always run first")
