@@ -110,6 +110,13 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
                 ByteSizeSetting<Config>("hot_cache_bytes",
                                         "fetched KV rows kept for later steps (0: off)",
                                         &Config::hot_cache_bytes, /*allow_zero=*/true),
+                node::NumberSetting<Config>(
+                    "gpu_hot_cache_fraction",
+                    "--device cuda: fraction (0..1) of the GPU memory still free after the "
+                    "weights and the sparse state that the hot cache also takes (up to "
+                    "gpu_max_context rows per slot, layer and KV head; 0: hot_cache_bytes only; "
+                    "leave room for other processes on the same GPU)",
+                    &Config::gpu_hot_cache_fraction, 0, 1),
                 ByteSizeSetting<Config>("memory_bytes",
                                         "memory offered for summaries and resident KV",
                                         &Config::memory_bytes),

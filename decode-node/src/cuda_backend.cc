@@ -643,11 +643,32 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
   int64_t rows = std::min<int64_t>(4096, o.hot_cache_bytes / std::max<int64_t>(1, per_row));
   so.hot_cache_rows = static_cast<int>(rows / 8 * 8);
-  if (absl::Status s = sparse->Configure(so); !s.ok()) {
-    return absl::Status(
-        s.code(), absl::StrCat("device cuda (gpu_budget ", o.budget, ", gpu_n_sink ", o.n_sink,
-                               ", gpu_local_window ", o.local_window, ", batch_slots ", o.slots,
-                               ", gpu_max_context ", o.max_context, "): ", s.message()));
+  auto configure = [&]() -> absl::Status {
+    if (absl::Status s = sparse->Configure(so); !s.ok()) {
+      return absl::Status(
+          s.code(), absl::StrCat("device cuda (gpu_budget ", o.budget, ", gpu_n_sink ", o.n_sink,
+                                 ", gpu_local_window ", o.local_window, ", batch_slots ", o.slots,
+                                 ", gpu_max_context ", o.max_context, ", hot cache ",
+                                 so.hot_cache_rows, " rows): ", s.message()));
+    }
+    return absl::OkStatus();
+  };
+  KVR_RETURN_IF_ERROR(configure());
+  if (o.hot_cache_fraction > 0) {
+    // Everything else is allocated now: grow the hot cache by the fraction of what is free,
+    // up to a whole sequence's rows (a cache larger than the sequence holds nothing more).
+    KVR_ASSIGN_OR_RETURN(const int64_t free, model->FreeDeviceBytes());
+    const int64_t extra = static_cast<int64_t>(o.hot_cache_fraction * static_cast<double>(free));
+    const int64_t more = extra / std::max<int64_t>(1, per_row) / 8 * 8;
+    const int64_t want = std::min<int64_t>(o.max_context / 8 * 8, so.hot_cache_rows + more);
+    if (want > so.hot_cache_rows) {
+      so.hot_cache_rows = static_cast<int>(want);
+      KVR_RETURN_IF_ERROR(configure());
+    }
+    spdlog::info("hot cache: {} rows per (slot, layer, KV head), {:.1f} MiB ({} of the {:.2f} "
+                 "GiB free after the weights and the sparse state)",
+                 so.hot_cache_rows, static_cast<double>(so.hot_cache_rows * per_row) / (1 << 20),
+                 o.hot_cache_fraction, static_cast<double>(free) / (1 << 30));
   }
   // One slot's device bytes (its share of the sparse state): what a running sequence holds. Its
   // past stays in the store; the node pins no host memory per sequence.
@@ -715,6 +736,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   o.local_window = static_cast<int>(config.gpu_local_window);
   o.max_context = config.gpu_max_context;
   o.hot_cache_bytes = config.hot_cache_bytes;
+  o.hot_cache_fraction = config.gpu_hot_cache_fraction;
   o.registry = registry;
   o.method_assets = std::move(assets);
   return CreateCudaDecodeBackend(*std::move(gpu), o, observer);

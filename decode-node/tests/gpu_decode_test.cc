@@ -80,7 +80,9 @@ class GpuDecodeTest : public ::testing::Test {
   std::unique_ptr<DecodeEngine> CudaEngine(int budget, const std::string& method = "quest",
                                            DecodeObserver* observer = nullptr,
                                            std::vector<std::string> lanes = {},
-                                           const std::string& row_source = "in-place") {
+                                           const std::string& row_source = "in-place",
+                                           double hot_cache_fraction = 0,
+                                           int64_t hot_cache_bytes = 1 << 20) {
     model::CudaModelOptions mo;
     mo.max_batch_tokens = kSlots;
     mo.max_sequences = kSlots;
@@ -94,10 +96,11 @@ class GpuDecodeTest : public ::testing::Test {
     o.n_sink = kSink;
     o.local_window = kWindow;
     o.max_context = 512;
-    o.hot_cache_bytes = 1 << 20;
+    o.hot_cache_bytes = hot_cache_bytes;
     o.registry = &registry_;
     o.lanes = std::move(lanes);
     o.row_source = row_source;
+    o.hot_cache_fraction = hot_cache_fraction;
     auto backend = CreateCudaDecodeBackend(*std::move(gpu), o, observer);
     EXPECT_TRUE(backend.ok()) << backend.status();
     EXPECT_EQ((*backend)->name(), "cuda:0");
@@ -540,6 +543,34 @@ TEST_F(GpuDecodeTest, GpuLanesSelectAsTheHostIndex) {
                   static_cast<long long>(b.retrieval.selected_rows),
                   static_cast<long long>(a.retrieval.selected_rows));
     }
+}
+
+// A hot cache sized by the GPU's free memory (hot_cache_fraction) instead of a 64 KiB byte
+// budget (a few rows per slot, layer and KV head) holds every row the sequences select (up to
+// max_context rows): the same tokens, and more of the selected rows come from it.
+TEST_F(GpuDecodeTest, HotCacheSizedByFreeGpuMemoryServesMoreRows) {
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
+                                                     Prompt(233, 3)};
+  auto small_store = testing::MakeFakeStore(256 << 20);
+  auto large_store = testing::MakeFakeStore(256 << 20);
+  auto small = CudaEngine(64, "quest", nullptr, {}, "in-place", 0, /*hot_cache_bytes=*/64 << 10);
+  auto large = CudaEngine(64, "quest", nullptr, {}, "in-place", /*hot_cache_fraction=*/0.01,
+                          /*hot_cache_bytes=*/64 << 10);
+  std::vector<int32_t> first_small, first_large;
+  auto want = Run(*small, *small_store, prompts, 64, &first_small, {"quest"},
+                  kv_store::DType::kBf16);
+  auto got = Run(*large, *large_store, prompts, 64, &first_large, {"quest"},
+                 kv_store::DType::kBf16);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(got[40 + i], want[40 + i]) << "sequence " << i;
+  }
+  const NodeCounters a = small->node_counters(), b = large->node_counters();
+  EXPECT_EQ(a.retrieval.selected_rows, b.retrieval.selected_rows);
+  EXPECT_GT(b.retrieval.hot_cache_hits, a.retrieval.hot_cache_hits);
+  std::printf("[ hot cache ] 64 KiB: %lld of %lld selected rows hit; sized by free memory: %lld\n",
+              static_cast<long long>(a.retrieval.hot_cache_hits),
+              static_cast<long long>(a.retrieval.selected_rows),
+              static_cast<long long>(b.retrieval.hot_cache_hits));
 }
 
 TEST_F(GpuDecodeTest, RefusesHandoffsThatDoNotFitTheNode) {

@@ -107,6 +107,12 @@ class CudaModelImpl final : public CudaModel {
     return cuda::LaunchRandomBf16(static_cast<bf16*>(device), n, seed, 1.f, stream());
   }
   absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const override;
+  absl::StatusOr<int64_t> FreeDeviceBytes() const override {
+    KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+    size_t free = 0, total = 0;
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free, &total));
+    return static_cast<int64_t>(free);
+  }
   double last_build_ms() const override { return build_ms_; }
   double last_build_plan_ms() const override { return build_plan_ms_; }
   absl::Status RebuildForTesting(SequenceId id) override;

@@ -24,6 +24,7 @@ struct DecodeConfig {
   uint32_t batch_slots = 8;
   uint32_t max_waiting = 64;
   int64_t hot_cache_bytes = 256ll << 20;
+  double gpu_hot_cache_fraction = 0;  // CudaDecodeBackendOptions::hot_cache_fraction
   int64_t memory_bytes = 4ll << 30;
   uint32_t threads = 0;  // compute threads; 0: all cores
   std::string log_level = "info";

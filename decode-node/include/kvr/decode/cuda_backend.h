@@ -74,6 +74,11 @@ struct CudaDecodeBackendOptions {
   int local_window = 256;
   int64_t max_context = 0;  // tokens per sequence (host KV per slot); 0: the model's context
   int64_t hot_cache_bytes = 64 << 20;  // over all slots, layers and KV heads
+  // > 0: the hot cache takes this fraction of the GPU memory still free once the weights and
+  // the sparse state are allocated (on top of hot_cache_bytes), up to max_context rows per
+  // (slot, layer, KV head): sized by the GPU, not by a fixed byte budget. Memory later wanted
+  // by others on the same GPU (a prefill node there) is not counted: leave them room.
+  double hot_cache_fraction = 0;
   // Smallest store page (in rows) the node takes: sizes the GPU page tables
   // (SparseDecodeOptions::min_page_rows). A 16 KiB page holds 64 bf16 rows at head_dim 64.
   int min_page_rows = 64;

@@ -303,6 +303,9 @@ class CudaModel {
                                                                 std::span<int32_t> next_tokens) = 0;
   // Device bytes of a dense sequence's KV cache.
   [[nodiscard]] virtual absl::StatusOr<int64_t> SequenceDeviceBytes(SequenceId id) const = 0;
+  // Device memory free now on the model's GPU (cudaMemGetInfo: every process's allocations
+  // counted), for sizing caches by what is left.
+  [[nodiscard]] virtual absl::StatusOr<int64_t> FreeDeviceBytes() const = 0;
 
   // For hooks: the CUDA device ordinal, the model's options, its stream (a cudaStream_t; a
   // hook's setup work between Forwards goes there, so that it is ordered with the model's), and
