@@ -329,6 +329,33 @@ absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltQuest(const IndexShape& sh
   return SerializeIndex(*index);
 }
 
+namespace {
+
+// params with the quest.* method options applied: quest.page_size in [1, 4096]. Options of other
+// methods are ignored; an unknown quest.* name or a bad value is InvalidArgument naming it.
+absl::StatusOr<IndexParams> ApplyQuestOptions(const IndexParams& params) {
+  IndexParams out = params;
+  constexpr std::string_view kPrefix = "quest.";
+  for (const auto& [name, value] : params.options) {
+    if (!name.starts_with(kPrefix)) continue;  // another method's option
+    const std::string_view key = std::string_view(name).substr(kPrefix.size());
+    KVR_ASSIGN_OR_RETURN(const int v, internal::ParseIntOption(name, value));
+    if (key == "page_size") {
+      if (v < 1 || v > 4096) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("option quest.page_size must be in [1, 4096], got ", value));
+      }
+      out.quest.page_size = v;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option '", name, "'; quest has quest.page_size"));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::Status RegisterBaselines(MethodRegistry& registry) {
   KVR_RETURN_IF_ERROR(registry.Register(
       "full", "every token (dense attention through the sparse path)",
@@ -359,7 +386,8 @@ absl::Status RegisterBaselines(MethodRegistry& registry) {
       "quest", "pages with per-channel key min/max, ranked by the score upper bound",
       [](const IndexShape& s,
          const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
-        return std::make_unique<QuestIndex>(s, p);
+        KVR_ASSIGN_OR_RETURN(IndexParams params, ApplyQuestOptions(p));
+        return std::make_unique<QuestIndex>(s, params);
       },
       &QuestIndex::Read));
   return absl::OkStatus();

@@ -355,6 +355,38 @@ class CtkvrIndex final : public RetrievalIndex {
   std::vector<float> logits_;              // scratch
 };
 
+// params with the ctkvr.* method options applied: ctkvr.n_centroids, ctkvr.list_length,
+// ctkvr.n_recall and ctkvr.fifo_size, each >= 0 (0: the default of CtkvrParams). Options of other
+// methods are ignored; an unknown ctkvr.* name or a bad value is InvalidArgument naming it.
+absl::StatusOr<IndexParams> ApplyCtkvrOptions(const IndexParams& params) {
+  IndexParams out = params;
+  constexpr std::string_view kPrefix = "ctkvr.";
+  for (const auto& [name, value] : params.options) {
+    if (!name.starts_with(kPrefix)) continue;  // another method's option
+    const std::string_view key = std::string_view(name).substr(kPrefix.size());
+    KVR_ASSIGN_OR_RETURN(const int v, internal::ParseIntOption(name, value));
+    if (v < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("option ", name, " must be >= 0 (0: default), got ", value));
+    }
+    if (key == "n_centroids") {
+      out.ctkvr.n_centroids = v;
+    } else if (key == "list_length") {
+      out.ctkvr.list_length = v;
+    } else if (key == "n_recall") {
+      out.ctkvr.n_recall = v;
+    } else if (key == "fifo_size") {
+      out.ctkvr.fifo_size = v;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option '", name,
+                       "'; ctkvr has ctkvr.n_centroids, ctkvr.list_length, ctkvr.n_recall, "
+                       "ctkvr.fifo_size"));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::Status RegisterCtkvr(MethodRegistry& registry) {
@@ -362,7 +394,8 @@ absl::Status RegisterCtkvr(MethodRegistry& registry) {
       "ctkvr", "CTKVR: last-C prefill queries as centroids, qcIVF lists, recall C' then rerank",
       [](const IndexShape& s,
          const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
-        return std::make_unique<CtkvrIndex>(s, p);
+        KVR_ASSIGN_OR_RETURN(IndexParams params, ApplyCtkvrOptions(p));
+        return std::make_unique<CtkvrIndex>(s, params);
       },
       &CtkvrIndex::Read);
 }

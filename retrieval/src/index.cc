@@ -49,12 +49,12 @@ absl::Status IndexParams::Validate() const {
         absl::StrCat("retrieval params: quest page_size must be > 0, got ", quest.page_size));
   }
   if (clusterkv.n_clusters < 0 || clusterkv.append_every < 0 || clusterkv.append_clusters <= 0 ||
-      clusterkv.max_iterations <= 0) {
+      clusterkv.max_iterations <= 0 || clusterkv.clusters_per_budget <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "retrieval params: clusterkv n_clusters/append_every must be >= 0 (0 = default), "
-        "append_clusters and max_iterations > 0; got ",
+        "append_clusters, max_iterations and clusters_per_budget > 0; got ",
         clusterkv.n_clusters, "/", clusterkv.append_every, "/", clusterkv.append_clusters, "/",
-        clusterkv.max_iterations));
+        clusterkv.max_iterations, "/", clusterkv.clusters_per_budget));
   }
   if (ctkvr.n_centroids < 0 || ctkvr.list_length < 0 || ctkvr.n_recall < 0 || ctkvr.fifo_size < 0) {
     return absl::InvalidArgumentError(

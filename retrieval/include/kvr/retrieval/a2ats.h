@@ -15,6 +15,12 @@
 // Ties inside the last codeword that fits are broken toward the most recent tokens (nearer tokens
 // tend to draw more attention, and the order is deterministic).
 //
+// Option a2ats.rerank = R (IndexParams::options, 0 = off, the default): the codeword ranking
+// keeps R x budget tokens and their exact scores q.k pick the budget (the paper fetches the
+// selected keys anyway; this reads R times as many). The CPU index then keeps a copy of the keys
+// (not counted in MemoryBytes, as for ctkvr: they are read where the KV lives) and the payload is
+// version 2, with R and the keys.
+//
 // Summary bytes per token and KV head: 2 (the id). The codebooks (per model, not per sequence)
 // are IndexParams::assets, an A2atsCodebooks; without them Make fails with FailedPrecondition.
 // The payload records the codebooks' content hash: a decode node holding different codebooks

@@ -145,8 +145,16 @@ struct QuestParams {
 };
 
 struct ClusterKvParams {
-  // Prefill clusters C0. ClusterKV uses C0 = L / 80 (400 clusters at 32K). 0 -> max(1, L / 80).
+  // Prefill clusters C0. ClusterKV uses C0 = L / 80 (400 clusters at 32K), where its 1-2K budgets
+  // take 13-25 clusters per step. 0 -> scaled: max(L / 80, clusters_per_budget * L / budget),
+  // at most L / 8 (see clusterkv.h).
   int64_t n_clusters = 0;
+  // Average clusters a step's budget spans under the scaled C0 (budget / mean cluster size).
+  int clusters_per_budget = 4;
+  // When a step's last cluster does not fit the budget whole, take its tokens in the order of
+  // their own scores (the CPU index then keeps the keys, as ctkvr's rerank does) instead of in
+  // position order.
+  bool rank_trimmed = false;
   int max_iterations = 10;  // k-means iterations (stops earlier when assignments settle)
   // Incremental clustering: every `append_every` (m) generated tokens are clustered into
   // `append_clusters` (C+) new clusters. Paper: m = 320, C+ = 4. 0 -> scaled from the context.
