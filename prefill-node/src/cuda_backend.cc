@@ -132,7 +132,7 @@ class CudaPrefillBackend final : public PrefillBackend {
     o.side_stream = clusterkv;
     o.n_sink = p.n_sink;
     o.budget = p.budget;
-    o.quest_page_size = p.quest.page_size;
+    o.quest_page_size = retrieval::QuestPageSize(p);
     o.clusterkv_n_clusters = p.clusterkv.n_clusters;
     o.clusterkv_max_iterations = p.clusterkv.max_iterations;
     o.seed = p.seed;

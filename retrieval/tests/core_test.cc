@@ -65,7 +65,7 @@ TEST(ParamsTest, BadParamsGetClearErrors) {
   EXPECT_THAT(std::string(b.status().message()), HasSubstr("not a multiple of n_kv_heads"));
 
   IndexParams q;
-  q.quest.page_size = 0;
+  q.quest.page_size = -1;
   EXPECT_THAT(std::string(r.Make("quest", SmallShape(), q).status().message()),
               HasSubstr("page_size"));
 }
@@ -180,7 +180,7 @@ TEST(ParamsTest, QuestAndCtkvrOptionsReachTheIndex) {
 
   for (const auto& [method, name, value, want] :
        {std::tuple<std::string, std::string, std::string, std::string>{
-            "quest", "quest.page_size", "0", "must be in [1, 4096]"},
+            "quest", "quest.page_size", "-1", "must be in [0, 4096]"},
         {"quest", "quest.bogus", "1", "unknown option 'quest.bogus'"},
         {"ctkvr", "ctkvr.fifo_size", "-1", "must be >= 0"},
         {"ctkvr", "ctkvr.bogus", "1", "unknown option 'ctkvr.bogus'"}}) {

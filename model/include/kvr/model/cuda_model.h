@@ -93,7 +93,7 @@ struct PrefillSummaryOptions {
   PrefillSummaryMethod method = PrefillSummaryMethod::kNone;
   bool side_stream = true;
   // As retrieval's IndexParams (index.h): n_sink (clusterkv does not cluster the sinks), budget
-  // (clusterkv's default C0 = max(L / 80, 4 L / budget), at most L / 8), quest.page_size,
+  // (clusterkv's default C0 = max(L / 80, 16 L / budget), at most L / 8), quest.page_size,
   // clusterkv.{n_clusters (0: default), max_iterations}, seed (k-means initial points).
   int64_t n_sink = 16;
   int64_t budget = 256;
