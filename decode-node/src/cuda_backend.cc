@@ -674,12 +674,18 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   // past stays in the store; the node pins no host memory per sequence.
   const int64_t slot_bytes = sparse->slot_device_bytes();
   const int64_t pages = (o.max_context + so.quest_page_size - 1) / so.quest_page_size;
-  // quest: page bounds; clusterkv: ~L/80 centroids + offsets and one member id per token.
+  // quest: page bounds; clusterkv: the CPU index's default clusters at the node's budget
+  // (max(L/80, clusters_per_budget L/budget), at most L/8: ClusterKvPrefillClusters) + offsets
+  // and one member id per token.
+  const int64_t per_budget = retrieval::IndexParams{}.clusterkv.clusters_per_budget;
+  const int64_t clusters = std::clamp<int64_t>(
+      std::max<int64_t>(o.max_context / 80, per_budget * o.max_context / std::max(1, o.budget)),
+      1, std::max<int64_t>(1, o.max_context / 8));
   const int64_t summary_bytes =
       o.method == "quest"
           ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4
           : int64_t{c.n_layers} * c.n_kv_heads *
-                ((o.max_context / 80 + 1) * (int64_t{c.head_dim} * 4 + 4) + o.max_context * 4);
+                ((clusters + 1) * (int64_t{c.head_dim} * 4 + 4) + o.max_context * 4);
   return std::make_unique<CudaDecodeBackend>(std::move(model), std::move(sparse), o, slot_bytes,
                                              summary_bytes, observer);
 }

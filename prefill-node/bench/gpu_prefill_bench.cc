@@ -214,7 +214,7 @@ int Main(int argc, char** argv) {
   app.add_option("--store-gib", store_gib, "fake store pool (0: sized for the longest prompt)");
   app.add_option("--budget", budget,
                  "retrieval budget of (c)'s requests (0: IndexParams' default, 256; clusterkv's C0 "
-                 "= max(L/80, 4L/budget))");
+                 "= max(L/80, 16L/budget))");
   app.add_option("--gpu-summaries", gpu_summaries,
                  "quest and clusterkv summaries built on the GPU (false: on the CPU from the "
                  "exported rows)");

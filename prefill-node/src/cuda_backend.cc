@@ -134,6 +134,8 @@ class CudaPrefillBackend final : public PrefillBackend {
     KVR_ASSIGN_OR_RETURN(o.params, call.method == "clusterkv"
                                        ? retrieval::ApplyClusterKvOptions(*call.params)
                                        : absl::StatusOr<retrieval::IndexParams>(*call.params));
+    // quest.page_size 0: scaled to the budget, as the CPU index does.
+    o.params.quest.page_size = retrieval::QuestPageSize(o.params);
     return builders_->ForSequence(o, capacity);
   }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "kvr/common/status.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
@@ -265,6 +267,28 @@ int32_t Argmax(std::span<const float> logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
+// One --method entry: a registered name, plus options for that entry only ("name:opt=v,...").
+struct MethodVariant {
+  std::string name;
+  std::map<std::string, std::string, std::less<>> options;
+};
+
+absl::StatusOr<MethodVariant> ParseMethodVariant(const std::string& spec) {
+  MethodVariant v;
+  const size_t colon = spec.find(':');
+  v.name = spec.substr(0, colon);
+  if (colon == std::string::npos) return v;
+  for (absl::string_view kv : absl::StrSplit(spec.substr(colon + 1), ',', absl::SkipEmpty())) {
+    const size_t eq = kv.find('=');
+    if (eq == absl::string_view::npos || eq == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("method '", spec, "': expected name:option=value[,option=value]"));
+    }
+    v.options[std::string(kv.substr(0, eq))] = std::string(kv.substr(eq + 1));
+  }
+  return v;
+}
+
 struct PromptCase {
   std::string name;
   std::vector<int32_t> prompt;        // prefill tokens
@@ -287,11 +311,16 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   KVR_ASSIGN_OR_RETURN(MethodRegistry registry, AllMethods());
   std::vector<std::string> methods = options.methods;
   if (methods.empty()) methods = registry.Names();
+  // "name" or "name:opt=v,opt=v" (a variant: the options apply to that row only; the label is
+  // the whole spec), so that ablations share one dense prefill.
+  std::map<std::string, MethodVariant> variants;
   for (const std::string& m : methods) {
-    if (!registry.Has(m)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown method '", m, "'; valid: ", absl::StrJoin(registry.Names(), ", ")));
+    KVR_ASSIGN_OR_RETURN(MethodVariant v, ParseMethodVariant(m));
+    if (!registry.Has(v.name)) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown method '", v.name, "'; valid: ",
+                                                     absl::StrJoin(registry.Names(), ", ")));
     }
+    variants[m] = std::move(v);
   }
   IndexParams base;
   base.n_sink = options.n_sink;
@@ -308,9 +337,11 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   }
 #endif
   if (a2ats_assets == nullptr) {
-    const auto it = std::find(methods.begin(), methods.end(), "a2ats");
+    const auto it = std::remove_if(methods.begin(), methods.end(), [&](const std::string& m) {
+      return variants[m].name == "a2ats";
+    });
     if (it != methods.end()) {
-      methods.erase(it);
+      methods.erase(it, methods.end());
       if (progress)
         progress("skipping a2ats: no --a2ats-codebooks file (make one with kvr calibrate)");
     }
@@ -415,11 +446,13 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
                              std::map<SequenceId, MeasuringAttention::Entry>& entries)
             -> absl::Status {
           for (size_t b = 0; b < options.budgets.size(); ++b) {
+            const MethodVariant& variant = variants.at(method);
             SparseAttentionOptions so;
-            so.method = method;
+            so.method = variant.name;
             so.params = base;
+            for (const auto& [k, v] : variant.options) so.params.options[k] = v;
             so.params.budget = options.budgets[b];
-            if (method == "a2ats") so.params.assets = a2ats_assets;
+            if (variant.name == "a2ats") so.params.assets = a2ats_assets;
             so.rope = rope;
             so.n_layers = cfg.n_layers;
             KVR_ASSIGN_OR_RETURN(std::unique_ptr<SparseAttention> sa,

@@ -48,7 +48,9 @@ namespace kvr::retrieval::eval {
 struct EvalOptions {
   std::vector<int64_t> contexts = {2048};  // prefill lengths
   std::vector<int64_t> budgets = {64, 128, 256, 512};
-  std::vector<std::string> methods;  // empty: every registered method
+  // Registered names, or "name:opt=v[,opt=v]" variants (options for that row only, on top of
+  // method_options; the row is labelled with the whole spec). Empty: every registered method.
+  std::vector<std::string> methods;
   int64_t steps = 64;                // teacher-forced decode steps
   int64_t free_tokens = 128;         // greedy tokens decoded freely per run; 0: no free decoding
   int64_t hot_cache_rows = 0;        // replayed hot cache per (layer, KV head); 0: the budget

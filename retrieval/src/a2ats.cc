@@ -12,13 +12,39 @@
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/retrieval/codebook.h"
+#include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/rope.h"
 #include "kvr/retrieval/serialization.h"
+#include "method_util.h"
 
 namespace kvr::retrieval {
 namespace {
 
+// Version 1: the codeword ids. Version 2 (written only with a2ats.rerank > 0): then the rerank
+// factor and the keys it reads.
 constexpr uint32_t kPayloadVersion = 1;
+constexpr uint32_t kPayloadVersionRerank = 2;
+constexpr int kMaxRerank = 64;
+
+// a2ats.rerank from params.options (0: off); any other a2ats.* option is an error.
+absl::StatusOr<int> RerankOption(const IndexParams& params) {
+  int rerank = 0;
+  for (const auto& [name, value] : params.options) {
+    if (!name.starts_with("a2ats.")) continue;
+    if (name != "a2ats.rerank") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option '", name,
+                       "'; a2ats has a2ats.rerank (its other knobs are calibration flags of `kvr "
+                       "calibrate`, stored in the codebook file)"));
+    }
+    KVR_ASSIGN_OR_RETURN(rerank, internal::ParseIntOption(name, value));
+    if (rerank < 0 || rerank > kMaxRerank) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("option a2ats.rerank must be in [0, ", kMaxRerank, "], got ", value));
+    }
+  }
+  return rerank;
+}
 
 void ForEachHead(ThreadPool* pool, int n, const std::function<void(int)>& fn) {
   if (pool == nullptr || n <= 1) {
@@ -33,14 +59,7 @@ void ForEachHead(ThreadPool* pool, int n, const std::function<void(int)>& fn) {
 // The codebooks from params.assets, checked against the index shape.
 absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> CodebooksFor(const IndexShape& shape,
                                                                    const IndexParams& params) {
-  for (const auto& [name, value] : params.options) {
-    if (name.starts_with("a2ats.")) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown option '", name,
-                       "'; a2ats has no selection options (its knobs are calibration flags of `kvr "
-                       "calibrate`, stored in the codebook file)"));
-    }
-  }
+  KVR_RETURN_IF_ERROR(RerankOption(params).status());
   if (params.assets == nullptr) {
     return absl::FailedPreconditionError(
         "a2ats needs query-aware codebooks: build them once per model with `kvr calibrate "
@@ -73,9 +92,10 @@ absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> CodebooksFor(const IndexSh
 class A2atsIndex final : public RetrievalIndex {
  public:
   A2atsIndex(const IndexShape& shape, const IndexParams& params,
-             std::shared_ptr<const A2atsCodebooks> books)
+             std::shared_ptr<const A2atsCodebooks> books, int rerank)
       : RetrievalIndex(shape),
         gqa_(params.gqa),
+        rerank_(rerank),
         pool_(params.pool),
         books_(std::move(books)),
         ids_(shape.n_kv_heads) {}
@@ -95,6 +115,8 @@ class A2atsIndex final : public RetrievalIndex {
   }
   absl::Status Select(const SelectRequest& request, Selection* out) override;
 
+  // The key copy of a2ats.rerank is not counted: as for ctkvr's rerank, a decode node reads the
+  // candidates' keys where the KV lives; the CPU reference keeps a copy.
   int64_t MemoryBytes() const override {
     int64_t bytes = 0;
     for (const auto& ids : ids_) bytes += static_cast<int64_t>(ids.size() * sizeof(uint16_t));
@@ -110,14 +132,18 @@ class A2atsIndex final : public RetrievalIndex {
   }
 
   absl::Status SerializePayload(ByteWriter& writer) const override {
-    writer.Put<uint32_t>(kPayloadVersion);
+    writer.Put<uint32_t>(rerank_ > 0 ? kPayloadVersionRerank : kPayloadVersion);
     writer.Put<uint64_t>(books_->content_hash());
     writer.Put<int32_t>(books_->head(shape().layer, 0).size);
     for (const auto& ids : ids_) writer.PutArray<uint16_t>(ids);
+    if (rerank_ > 0) {
+      writer.Put<int32_t>(rerank_);
+      writer.PutArray<float>(keys_);
+    }
     return absl::OkStatus();
   }
 
-  absl::Status LoadIds(int64_t size, ByteReader& payload) {
+  absl::Status LoadIds(int64_t size, uint32_t version, ByteReader& payload) {
     const int codebook_size = books_->head(shape().layer, 0).size;
     for (int h = 0; h < shape().n_kv_heads; ++h) {
       KVR_RETURN_IF_ERROR(
@@ -135,6 +161,19 @@ class A2atsIndex final : public RetrievalIndex {
         }
       }
     }
+    if (version == kPayloadVersionRerank) {
+      KVR_RETURN_IF_ERROR(payload.Get("a2ats rerank", &rerank_));
+      if (rerank_ < 1 || rerank_ > kMaxRerank) {
+        return absl::DataLossError(absl::StrFormat("a2ats payload: rerank %d", rerank_));
+      }
+      const uint64_t floats = static_cast<uint64_t>(size) * shape().n_kv_heads * shape().head_dim;
+      KVR_RETURN_IF_ERROR(payload.GetArray("a2ats rerank keys", &keys_, floats));
+      if (keys_.size() != floats) {
+        return absl::DataLossError("a2ats payload: rerank keys do not match the header size");
+      }
+    } else {
+      rerank_ = 0;
+    }
     size_ = size;
     return payload.ExpectEnd("the a2ats payload");
   }
@@ -143,6 +182,10 @@ class A2atsIndex final : public RetrievalIndex {
   absl::Status Encode(const TokenTensor& keys, absl::string_view what);
 
   GqaAggregation gqa_;
+  // a2ats.rerank: the top rerank_ x budget tokens by codeword score are reranked by their exact
+  // scores to the budget (0: off; the codeword ranking alone).
+  int32_t rerank_ = 0;
+  std::vector<float> keys_;  // [size_, n_kv_heads, head_dim] as given (RoPE applied); rerank only
   ThreadPool* pool_;  // not owned; may be null
   std::shared_ptr<const A2atsCodebooks> books_;
   std::vector<std::vector<uint16_t>> ids_;  // [n_kv_heads][n_tokens]
@@ -160,6 +203,7 @@ absl::Status A2atsIndex::Encode(const TokenTensor& keys, absl::string_view what)
   }
   const int64_t n = keys.n_tokens;
   if (n == 0) return absl::OkStatus();
+  if (rerank_ > 0) internal::AppendPacked(keys, s.n_kv_heads, d, &keys_);
   const int64_t first = size_;
   ForEachHead(pool_, s.n_kv_heads, [&](int h) {
     std::vector<float> pre(static_cast<size_t>(n) * d);  // [n, head_dim] pre-RoPE keys
@@ -200,6 +244,8 @@ absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
   const int group = s.group_size();
   const int d = s.head_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  // Tokens the codeword ranking keeps: the budget, or rerank_ x budget for the exact rerank.
+  const int64_t keep = rerank_ > 0 ? std::min(n_sel, rerank_ * request.budget) : request.budget;
   // WRoPE: the query at position p was rotated by p; scores use it rotated by b instead.
   const double rerotate = static_cast<double>(books_->params().wrope_offset) -
                           static_cast<double>(request.query_position);
@@ -255,10 +301,10 @@ absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
     int64_t filled = 0;
     int boundary = -1;
     for (int c : order) {
-      if (filled + count[c] <= request.budget) {
+      if (filled + count[c] <= keep) {
         take[c] = 2;
         filled += count[c];
-        if (filled == request.budget) break;
+        if (filled == keep) break;
       } else {
         take[c] = 1;
         boundary = c;
@@ -266,7 +312,7 @@ absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
       }
     }
     std::vector<int64_t>& selected = out->per_head[h];
-    selected.reserve(request.budget);
+    selected.reserve(keep);
     std::vector<int64_t> boundary_tokens;
     for (int64_t t = lo; t < hi; ++t) {
       const uint8_t k = take[ids[t]];
@@ -278,9 +324,26 @@ absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
     }
     if (boundary >= 0) {
       // The most recent tokens of the boundary codeword fill the rest of the budget.
-      const int64_t rest = request.budget - filled;
+      const int64_t rest = keep - filled;
       selected.insert(selected.end(), boundary_tokens.end() - rest, boundary_tokens.end());
       std::inplace_merge(selected.begin(), selected.end() - rest, selected.end());
+    }
+    if (static_cast<int64_t>(selected.size()) > request.budget) {
+      // Exact rerank: the kept tokens' true scores (keys and query both carry RoPE).
+      const int64_t nk = static_cast<int64_t>(selected.size());
+      const int64_t row = static_cast<int64_t>(s.n_kv_heads) * d;
+      std::vector<float> gathered(static_cast<size_t>(nk) * d), logits;
+      for (int64_t i = 0; i < nk; ++i) {
+        std::copy_n(keys_.data() + selected[i] * row + static_cast<int64_t>(h) * d, d,
+                    gathered.data() + i * d);
+      }
+      internal::GroupLogits(request.query, s, h, gathered.data(), d, nk, scale, &logits);
+      std::vector<float> exact = internal::AggregateGroupScores(gqa_, logits, group, nk);
+      std::vector<int64_t> top = TopKIndices(exact, request.budget);
+      std::vector<int64_t> reranked(top.size());
+      for (size_t i = 0; i < top.size(); ++i) reranked[i] = selected[top[i]];
+      std::sort(reranked.begin(), reranked.end());
+      selected = std::move(reranked);
     }
   });
   return absl::OkStatus();
@@ -292,7 +355,8 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> MakeA2atsIndex(const IndexShape&
                                                                const IndexParams& params) {
   KVR_RETURN_IF_ERROR(shape.Validate());
   KVR_ASSIGN_OR_RETURN(auto books, CodebooksFor(shape, params));
-  return std::make_unique<A2atsIndex>(shape, params, std::move(books));
+  KVR_ASSIGN_OR_RETURN(const int rerank, RerankOption(params));
+  return std::make_unique<A2atsIndex>(shape, params, std::move(books), rerank);
 }
 
 absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeA2atsIndex(const IndexShape& shape,
@@ -305,7 +369,7 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeA2atsIndex(const Inde
   uint64_t hash = 0;
   int32_t codebook_size = 0;
   KVR_RETURN_IF_ERROR(payload.Get("a2ats payload version", &version));
-  if (version != kPayloadVersion) {
+  if (version != kPayloadVersion && version != kPayloadVersionRerank) {
     return absl::InvalidArgumentError(
         absl::StrFormat("a2ats payload version %d is not supported (this build reads %d)", version,
                         kPayloadVersion));
@@ -323,8 +387,8 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeA2atsIndex(const Inde
         "a2ats payload: codebook size %d / token count %d inconsistent with the codebooks (%d)",
         codebook_size, size, books->head(shape.layer, 0).size));
   }
-  auto index = std::make_unique<A2atsIndex>(shape, params, std::move(books));
-  KVR_RETURN_IF_ERROR(index->LoadIds(size, payload));
+  auto index = std::make_unique<A2atsIndex>(shape, params, std::move(books), 0);
+  KVR_RETURN_IF_ERROR(index->LoadIds(size, version, payload));
   return index;
 }
 

@@ -152,7 +152,8 @@ class ExactIndex final : public RetrievalIndex {
   std::vector<float> logits_;  // scratch [group, n_candidates]
 };
 
-// quest: pages of `page_size` consecutive tokens; per page and KV head the per-channel min and
+// quest: pages of `page_size` consecutive tokens (QuestPageSize: 16 by default; 0 scales them
+// to the budget); per page and KV head the per-channel min and
 // max key. Upper bound of q.k over a page: sum_d max(q_d min_d, q_d max_d) (Quest, sec. 3).
 // Pages are ranked by that bound (GQA-aggregated) and their candidate tokens taken in order until
 // the budget is reached; the last page is trimmed. Bounds are kept in float32 here (Quest keeps
@@ -160,7 +161,7 @@ class ExactIndex final : public RetrievalIndex {
 class QuestIndex final : public RetrievalIndex {
  public:
   QuestIndex(const IndexShape& shape, const IndexParams& params)
-      : RetrievalIndex(shape), page_size_(params.quest.page_size), gqa_(params.gqa) {}
+      : RetrievalIndex(shape), page_size_(QuestPageSize(params)), gqa_(params.gqa) {}
 
   std::string_view method() const override { return "quest"; }
   int64_t size() const override { return size_; }
@@ -329,6 +330,34 @@ absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltQuest(const IndexShape& sh
   return SerializeIndex(*index);
 }
 
+namespace {
+
+// params with the quest.* method options applied: quest.page_size in [0, 4096] (0: scaled to the
+// budget, QuestPageSize). Options of other
+// methods are ignored; an unknown quest.* name or a bad value is InvalidArgument naming it.
+absl::StatusOr<IndexParams> ApplyQuestOptions(const IndexParams& params) {
+  IndexParams out = params;
+  constexpr std::string_view kPrefix = "quest.";
+  for (const auto& [name, value] : params.options) {
+    if (!name.starts_with(kPrefix)) continue;  // another method's option
+    const std::string_view key = std::string_view(name).substr(kPrefix.size());
+    KVR_ASSIGN_OR_RETURN(const int v, internal::ParseIntOption(name, value));
+    if (key == "page_size") {
+      if (v < 0 || v > 4096) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("option quest.page_size must be in [0, 4096], got ", value));
+      }
+      out.quest.page_size = v;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option '", name, "'; quest has quest.page_size"));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::Status RegisterBaselines(MethodRegistry& registry) {
   KVR_RETURN_IF_ERROR(registry.Register(
       "full", "every token (dense attention through the sparse path)",
@@ -359,7 +388,8 @@ absl::Status RegisterBaselines(MethodRegistry& registry) {
       "quest", "pages with per-channel key min/max, ranked by the score upper bound",
       [](const IndexShape& s,
          const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
-        return std::make_unique<QuestIndex>(s, p);
+        KVR_ASSIGN_OR_RETURN(IndexParams params, ApplyQuestOptions(p));
+        return std::make_unique<QuestIndex>(s, params);
       },
       &QuestIndex::Read));
   return absl::OkStatus();

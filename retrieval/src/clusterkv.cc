@@ -7,15 +7,21 @@
 //    magnitude, which the cosine assignment ignores) plus the token ids sorted by cluster with
 //    per-cluster offsets;
 //  - selection sorts clusters by their (GQA-aggregated) score and takes their candidate tokens in
-//    that order until the budget, trimming the last cluster;
+//    that order until the budget, trimming the last cluster (in position order, or with
+//    ClusterKvParams::rank_trimmed by the tokens' own scores, from a copy of the keys);
 //  - generated tokens are buffered and every m of them are clustered into C+ new clusters.
 //    Buffered tokens not yet clustered are scored exactly, as singleton clusters (the paper keeps
 //    them in the GPU-resident recent window instead; our local window may be shorter than m).
 //
 // Choices (the paper's settings are for 32K contexts and budgets of 1-2K):
-//  - C0 default: max(L/80, 4L/budget), at most L/8. The paper's L/80 gives ~80-token clusters,
-//    1/3 to 1/25 of its budgets; at our budgets (64-512) an 80-token cluster can exceed the whole
-//    budget, so we also keep the average cluster at most a quarter of the budget.
+//  - C0 default: max(L/80, k L/budget) with k = ClusterKvParams::clusters_per_budget (16), at
+//    most L/8. The paper's L/80 gives ~80-token clusters, 1/13 to 1/25 of its 1-2K budgets; at our
+//    budgets (81-810) an 80-token cluster can exceed the whole budget, so the average cluster is
+//    also kept at most 1/k of the budget (a step then spans about k clusters, as in the paper).
+//    Measured at 8K, budget 243 (BENCHMARKS.md): recall 0.48 / 0.56 / 0.60 at k = 4 / 16 / 32,
+//    summary 9 / 22 / 37 B per token and head; 16 is the paper's range at half the bytes of 32.
+//  - rank_trimmed is off by default: +0.03 recall at k = 4 but +0.01 at k = 16, where the trimmed
+//    cluster is a sixteenth of the budget, for a read of that cluster's keys per step.
 //  - m = 320 and C+ = 4 as in the paper when not set: they only amortise clustering work, since
 //    pending tokens are scored exactly; for contexts under 3200 tokens m is L/10 (>= 32).
 //  - Sinks: the first IndexParams::n_sink tokens are never clustered (always attended).
@@ -62,6 +68,9 @@ class ClusterKvIndex final : public RetrievalIndex {
     const int64_t points = n - sink;
     KVR_ASSIGN_OR_RETURN(const int64_t c0, ClusterKvPrefillClusters(points, n, params_));
     MarkPrefilled(n, sink);
+    if (params_.clusterkv.rank_trimmed) {
+      internal::AppendPacked(input.keys, shape().n_kv_heads, hd, &keys_);
+    }
     if (points > 0) {
       for (int kvh = 0; kvh < shape().n_kv_heads; ++kvh) {
         KVR_RETURN_IF_ERROR(AddClusters(kvh, input.keys.At(sink, kvh, hd), input.keys.row_stride,
@@ -77,6 +86,9 @@ class ClusterKvIndex final : public RetrievalIndex {
     KVR_RETURN_IF_ERROR(
         internal::ValidateTensor(input.keys, shape().n_kv_heads, hd, "clusterkv Append keys"));
     internal::AppendPacked(input.keys, shape().n_kv_heads, hd, &pending_keys_);
+    if (params_.clusterkv.rank_trimmed) {
+      internal::AppendPacked(input.keys, shape().n_kv_heads, hd, &keys_);
+    }
     size_ += input.keys.n_tokens;
     const int64_t row = static_cast<int64_t>(shape().n_kv_heads) * hd;
     while (size_ - pending_begin_ >= append_every_) {
@@ -126,12 +138,16 @@ class ClusterKvIndex final : public RetrievalIndex {
       const int64_t budget = request.budget;
       for (int64_t u : order) {
         if (u < nc) {
+          member_.clear();
           for (int32_t j = h.offsets[u]; j < h.offsets[u + 1]; ++j) {
-            if (c.Contains(h.ids[j])) {
-              ids.push_back(h.ids[j]);
-              if (static_cast<int64_t>(ids.size()) >= budget) break;
-            }
+            if (c.Contains(h.ids[j])) member_.push_back(h.ids[j]);
           }
+          const int64_t room = budget - static_cast<int64_t>(ids.size());
+          if (static_cast<int64_t>(member_.size()) > room && params_.clusterkv.rank_trimmed) {
+            TopMembersByScore(request.query, kvh, room);
+          }
+          const int64_t take = std::min<int64_t>(room, static_cast<int64_t>(member_.size()));
+          ids.insert(ids.end(), member_.begin(), member_.begin() + take);
         } else if (c.Contains(pending_begin_ + (u - nc))) {
           ids.push_back(pending_begin_ + (u - nc));
         }
@@ -142,6 +158,8 @@ class ClusterKvIndex final : public RetrievalIndex {
     return absl::OkStatus();
   }
 
+  // The key copy of rank_trimmed is not counted: as for ctkvr's rerank, a decode node reads the
+  // trimmed cluster's keys where the KV lives; the CPU reference keeps a copy.
   int64_t MemoryBytes() const override {
     int64_t bytes = static_cast<int64_t>(pending_keys_.size() * sizeof(float));
     for (const auto& h : heads_) {
@@ -168,6 +186,8 @@ class ClusterKvIndex final : public RetrievalIndex {
     w.Put<uint64_t>(params_.seed);
     w.Put<int64_t>(pending_begin_);
     w.PutArray<float>(pending_keys_);
+    w.Put<uint8_t>(params_.clusterkv.rank_trimmed ? 1 : 0);
+    w.PutArray<float>(keys_);
     for (const auto& h : heads_) {
       w.PutArray<float>(h.centroids);
       w.PutArray<int32_t>(h.offsets);
@@ -206,6 +226,14 @@ class ClusterKvIndex final : public RetrievalIndex {
         r.GetArray("clusterkv pending keys", &index->pending_keys_, n_pending * row));
     if (static_cast<int64_t>(index->pending_keys_.size()) != n_pending * row) {
       return absl::DataLossError("clusterkv payload: pending keys do not match the header size");
+    }
+    uint8_t rank_trimmed = 0;
+    KVR_RETURN_IF_ERROR(r.Get("clusterkv rank_trimmed", &rank_trimmed));
+    if (rank_trimmed > 1) return absl::DataLossError("clusterkv payload: bad rank_trimmed flag");
+    index->params_.clusterkv.rank_trimmed = rank_trimmed == 1;
+    KVR_RETURN_IF_ERROR(r.GetArray("clusterkv keys", &index->keys_, size * row));
+    if (static_cast<int64_t>(index->keys_.size()) != (rank_trimmed ? size * row : 0)) {
+      return absl::DataLossError("clusterkv payload: kept keys do not match the header size");
     }
     for (auto& h : index->heads_) {
       KVR_RETURN_IF_ERROR(r.GetArray("clusterkv centroids", &h.centroids, size * hd));
@@ -259,6 +287,10 @@ class ClusterKvIndex final : public RetrievalIndex {
                                                      " heads, expected ", shape.n_kv_heads));
     }
     if (size < 0) return absl::InvalidArgumentError("prebuilt clusterkv: negative size");
+    if (params.clusterkv.rank_trimmed) {
+      return absl::InvalidArgumentError(
+          "prebuilt clusterkv: rank_trimmed needs the keys, which prebuilt clusters do not carry");
+    }
     auto index = std::make_unique<ClusterKvIndex>(shape, params);
     const int64_t sink = std::min(params.n_sink, size);
     const int hd = shape.head_dim;
@@ -315,6 +347,27 @@ class ClusterKvIndex final : public RetrievalIndex {
     pending_begin_ = n;
   }
 
+  // Reorders member_ (one cluster's candidate ids) so that its first `k` are the k with the
+  // highest scores against the query group, combined per IndexParams::gqa over the cluster.
+  void TopMembersByScore(const float* query, int kvh, int64_t k) {
+    const int hd = shape().head_dim;
+    const int group = shape().group_size();
+    const int64_t row = static_cast<int64_t>(shape().n_kv_heads) * hd;
+    const int64_t n = static_cast<int64_t>(member_.size());
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    member_scores_.assign(static_cast<size_t>(group) * n, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      internal::GroupLogits(query, shape(), kvh, keys_.data() + member_[i] * row + kvh * hd, row, 1,
+                            scale, &tmp_);
+      for (int g = 0; g < group; ++g) member_scores_[g * n + i] = tmp_[g];
+    }
+    std::vector<float> agg = internal::AggregateGroupScores(params_.gqa, member_scores_, group, n);
+    std::vector<int64_t> order = TopKIndices(agg, k);
+    std::vector<int64_t> top(order.size());
+    for (size_t i = 0; i < order.size(); ++i) top[i] = member_[order[i]];
+    member_ = std::move(top);
+  }
+
   // Clusters `n` keys of one head (token ids first_id..first_id+n-1, rows `stride` floats apart)
   // into `k` new clusters appended to that head's tables.
   absl::Status AddClusters(int kvh, const float* keys, int64_t stride, int64_t first_id, int64_t n,
@@ -363,7 +416,9 @@ class ClusterKvIndex final : public RetrievalIndex {
   int64_t pending_begin_ = 0;        // tokens [pending_begin_, size_) are not clustered yet
   std::vector<float> pending_keys_;  // [size_ - pending_begin_, n_kv_heads, head_dim]
   std::vector<HeadClusters> heads_;  // [n_kv_heads]
-  std::vector<float> scores_, tmp_;  // scratch
+  std::vector<float> keys_;  // [size_, n_kv_heads, head_dim] only with rank_trimmed
+  std::vector<float> scores_, tmp_, member_scores_;  // scratch
+  std::vector<int64_t> member_;                      // scratch: one cluster's candidate ids
 };
 
 }  // namespace
@@ -372,7 +427,8 @@ absl::StatusOr<int64_t> ClusterKvPrefillClusters(int64_t points, int64_t context
                                                  const IndexParams& params) {
   int64_t c0 = params.clusterkv.n_clusters;
   if (c0 == 0) {
-    c0 = std::max<int64_t>(points / 80, 4 * points / std::max<int64_t>(1, params.budget));
+    c0 = std::max<int64_t>(points / 80, int64_t{params.clusterkv.clusters_per_budget} * points /
+                                            std::max<int64_t>(1, params.budget));
     c0 = std::clamp<int64_t>(c0, 1, std::max<int64_t>(1, points / 8));
   } else if (c0 > points && points > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -399,6 +455,18 @@ absl::StatusOr<IndexParams> ApplyClusterKvOptions(const IndexParams& params) {
             absl::StrCat("option clusterkv.max_iterations must be in [1, 100], got ", value));
       }
       out.clusterkv.max_iterations = v;
+    } else if (key == "clusters_per_budget") {
+      if (v < 1 || v > 256) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "option clusterkv.clusters_per_budget must be in [1, 256], got ", value));
+      }
+      out.clusterkv.clusters_per_budget = v;
+    } else if (key == "rank_trimmed") {
+      if (v != 0 && v != 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("option clusterkv.rank_trimmed must be 0 or 1, got ", value));
+      }
+      out.clusterkv.rank_trimmed = v == 1;
     } else if (key == "n_clusters") {
       if (v < 0) {
         return absl::InvalidArgumentError(
@@ -407,7 +475,9 @@ absl::StatusOr<IndexParams> ApplyClusterKvOptions(const IndexParams& params) {
       out.clusterkv.n_clusters = v;
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
-          "unknown option '", name, "'; clusterkv has clusterkv.max_iterations, clusterkv.n_clusters"));
+          "unknown option '", name,
+          "'; clusterkv has clusterkv.max_iterations, clusterkv.n_clusters, "
+          "clusterkv.clusters_per_budget, clusterkv.rank_trimmed"));
     }
   }
   return out;

@@ -12,9 +12,15 @@
 // prefill centroids stay once the rotating part is full).
 //
 // Choices:
-//  - Defaults as in the paper (sec. 4.1.1): C = min(2048, L/16), C' = 4, rho = 2.5 * budget
+//  - Defaults as in the paper (sec. 4.1.1) for C = min(2048, L/16) and rho = 2.5 * budget
 //    (IndexParams::budget at Build time), clipped to the clusterable tokens. An explicit C larger
-//    than the prefill queries given to Build is an error.
+//    than the prefill queries given to Build is an error. C' = 6, not the paper's 4: its own sweep
+//    (Fig. 10, App. C.2) has accuracy still rising with C' up to ~5; on SmolLM2 at 8K (BENCHMARKS.md,
+//    budget 243, FIFO on) recall is 0.939 / 0.955 / 0.963 at C' = 4 / 6 / 8, and 6 keeps the
+//    recalled lists (C' x rho) within 1.5x of the paper's.
+//  - The FIFO update is on by default (fifo_size 2048 >= the default C: every centroid rotates):
+//    +0.013 recall at budget 243, +0.03 at 81 (BENCHMARKS.md). The GPU selector
+//    (retrieval/cuda/select) keeps the qcIVF read-only, i.e. runs without it.
 //  - Sinks are never listed (always attended); the local window is listed (it leaves the window).
 //  - Generated tokens (Append): the paper leaves them to the GPU-resident recent window. Here a
 //    new key is also inserted into every list whose centroid would rank it in its top-rho (its
@@ -87,7 +93,7 @@ class CtkvrIndex final : public RetrievalIndex {
                ? params_.ctkvr.list_length
                : static_cast<int64_t>(std::ceil(2.5 * static_cast<double>(params_.budget)));
     rho_ = std::max<int64_t>(1, std::min(rho_, listable));
-    n_recall_ = params_.ctkvr.n_recall > 0 ? params_.ctkvr.n_recall : 4;
+    n_recall_ = params_.ctkvr.n_recall > 0 ? params_.ctkvr.n_recall : 6;
     fifo_size_ = std::min(params_.ctkvr.fifo_size, c);
     n_centroids_ = c;
     internal::AppendPacked(input.keys, shape().n_kv_heads, hd, &keys_);
@@ -226,18 +232,33 @@ class CtkvrIndex final : public RetrievalIndex {
         ids.push_back(recalled_[order[j]]);
       }
       std::sort(ids.begin(), ids.end());
-      // Dynamic centroid update (FIFO): the decode query becomes a centroid listing its top-rho
-      // reranked keys, replacing the oldest rotating entry.
+      // Dynamic centroid update (FIFO): the decode query becomes a centroid listing its top
+      // max(rho, budget) reranked keys (rho is clipped to the prefill at Build; the list must at
+      // least cover what this step selected), replacing the oldest rotating entry.
       if (fifo_size_ > 0 && nr > 0) {
+        const int64_t keep = std::max(rho_, request.budget);
         const int64_t slot = n_centroids_ - fifo_size_ + next_fifo_ % fifo_size_;
         Entry& e = entries[slot];
         e.centroid = qn;
         e.norms = qnorms;
         e.list.clear();
         e.threshold = std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < static_cast<int64_t>(order.size()) && j < rho_; ++j) {
+        for (int64_t j = 0; j < static_cast<int64_t>(order.size()) && j < keep; ++j) {
           e.list.push_back(static_cast<int32_t>(recalled_[order[j]]));
           e.threshold = std::min(e.threshold, maxlogit[order[j]]);
+        }
+        // Every recalled key listed: fewer than `keep` keys outrank any other, so later keys
+        // always join (Append's test).
+        if (nr <= keep) e.threshold = -std::numeric_limits<float>::infinity();
+        // The local window's keys are no candidates now but will be once they leave it: they
+        // join as Append's insertion test would have let them, had the entry existed then.
+        for (int64_t t = range.end; t < size_; ++t) {
+          float best = -std::numeric_limits<float>::infinity();
+          for (int g = 0; g < group; ++g) {
+            const float* q = request.query + static_cast<int64_t>(kvh * group + g) * hd;
+            best = std::max(best, scale * Dot(q, keys_.data() + t * row + kvh * hd, hd));
+          }
+          if (best >= e.threshold) e.list.push_back(static_cast<int32_t>(t));
         }
         std::sort(e.list.begin(), e.list.end());
       }
@@ -372,6 +393,38 @@ class CtkvrIndex final : public RetrievalIndex {
   std::vector<float> logits_;              // scratch
 };
 
+// params with the ctkvr.* method options applied: ctkvr.n_centroids, ctkvr.list_length,
+// ctkvr.n_recall and ctkvr.fifo_size, each >= 0 (0: the default of CtkvrParams). Options of other
+// methods are ignored; an unknown ctkvr.* name or a bad value is InvalidArgument naming it.
+absl::StatusOr<IndexParams> ApplyCtkvrOptions(const IndexParams& params) {
+  IndexParams out = params;
+  constexpr std::string_view kPrefix = "ctkvr.";
+  for (const auto& [name, value] : params.options) {
+    if (!name.starts_with(kPrefix)) continue;  // another method's option
+    const std::string_view key = std::string_view(name).substr(kPrefix.size());
+    KVR_ASSIGN_OR_RETURN(const int v, internal::ParseIntOption(name, value));
+    if (v < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("option ", name, " must be >= 0 (0: default), got ", value));
+    }
+    if (key == "n_centroids") {
+      out.ctkvr.n_centroids = v;
+    } else if (key == "list_length") {
+      out.ctkvr.list_length = v;
+    } else if (key == "n_recall") {
+      out.ctkvr.n_recall = v;
+    } else if (key == "fifo_size") {
+      out.ctkvr.fifo_size = v;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option '", name,
+                       "'; ctkvr has ctkvr.n_centroids, ctkvr.list_length, ctkvr.n_recall, "
+                       "ctkvr.fifo_size"));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<CtkvrState> CtkvrStateOf(const RetrievalIndex& index) {
@@ -388,7 +441,8 @@ absl::Status RegisterCtkvr(MethodRegistry& registry) {
       "ctkvr", "CTKVR: last-C prefill queries as centroids, qcIVF lists, recall C' then rerank",
       [](const IndexShape& s,
          const IndexParams& p) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
-        return std::make_unique<CtkvrIndex>(s, p);
+        KVR_ASSIGN_OR_RETURN(IndexParams params, ApplyCtkvrOptions(p));
+        return std::make_unique<CtkvrIndex>(s, params);
       },
       &CtkvrIndex::Read);
 }

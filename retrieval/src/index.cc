@@ -44,17 +44,17 @@ absl::Status IndexParams::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("retrieval params: local_window must be >= 0, got ", local_window));
   }
-  if (quest.page_size <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("retrieval params: quest page_size must be > 0, got ", quest.page_size));
+  if (quest.page_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "retrieval params: quest page_size must be >= 0 (0 = default), got ", quest.page_size));
   }
   if (clusterkv.n_clusters < 0 || clusterkv.append_every < 0 || clusterkv.append_clusters <= 0 ||
-      clusterkv.max_iterations <= 0) {
+      clusterkv.max_iterations <= 0 || clusterkv.clusters_per_budget <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "retrieval params: clusterkv n_clusters/append_every must be >= 0 (0 = default), "
-        "append_clusters and max_iterations > 0; got ",
+        "append_clusters, max_iterations and clusters_per_budget > 0; got ",
         clusterkv.n_clusters, "/", clusterkv.append_every, "/", clusterkv.append_clusters, "/",
-        clusterkv.max_iterations));
+        clusterkv.max_iterations, "/", clusterkv.clusters_per_budget));
   }
   if (ctkvr.n_centroids < 0 || ctkvr.list_length < 0 || ctkvr.n_recall < 0 || ctkvr.fifo_size < 0) {
     return absl::InvalidArgumentError(
@@ -66,6 +66,11 @@ absl::Status IndexParams::Validate() const {
         absl::StrCat("retrieval params: keydiff fill must be in (0, 1], got ", keydiff.fill));
   }
   return absl::OkStatus();
+}
+
+int QuestPageSize(const IndexParams& params) {
+  if (params.quest.page_size > 0) return params.quest.page_size;
+  return static_cast<int>(std::clamp<int64_t>(params.budget / 16, 1, 16));
 }
 
 }  // namespace kvr::retrieval

@@ -285,6 +285,58 @@ TEST(A2atsIndexTest, RecallOnClusteredDataAboveFloor) {
   EXPECT_GT(recall, 0.50);
 }
 
+TEST(A2atsIndexTest, ExactRerankRaisesRecallAndSurvivesTheByteFormat) {
+  constexpr int kN = 2048, kKv = 2, kHeads = 6, kD = 64;
+  const RopeParams none;
+  ModelFingerprint m = Model(kHeads, kKv, kD, none);
+  auto data = MakeClusteredKeys(kN, kKv, kHeads, kD, 32, 0.6f, 7);
+  auto books = Calibrate(data, m, 128, 11);
+  ASSERT_NE(books, nullptr);
+  IndexParams with_rerank = WithBooks(books);
+  with_rerank.options["a2ats.rerank"] = "4";
+  auto plain = MakeA2atsIndex(ShapeOf(m, 0), WithBooks(books));
+  auto reranked = MakeA2atsIndex(ShapeOf(m, 0), with_rerank);
+  ASSERT_TRUE(plain.ok() && reranked.ok());
+  const BuildInput in{TokenTensor{data.keys.data(), kN, kKv * kD}};
+  ASSERT_TRUE((*plain)->Build(in).ok());
+  ASSERT_TRUE((*reranked)->Build(in).ok());
+  EXPECT_EQ((*reranked)->MemoryBytes(), (*plain)->MemoryBytes());  // the key copy is not counted
+  auto bytes = SerializeIndex(**reranked);
+  ASSERT_TRUE(bytes.ok());
+  MethodRegistry registry;
+  ASSERT_TRUE(RegisterQuantMethods(registry).ok());
+  IndexShape shape = ShapeOf(m, 0);
+  auto copy = DeserializeIndex(*bytes, registry, WithBooks(books), &shape);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  double recall_plain = 0, recall_reranked = 0;
+  int count = 0;
+  for (uint32_t trial = 0; trial < 5; ++trial) {
+    auto q = MakeQuery(data, 0.5f, 1.f, 100 + trial);
+    const SelectRequest req{q.data(), kN, 64, 16, kN - 128};
+    Selection a, b, c;
+    ASSERT_TRUE((*plain)->Select(req, &a).ok());
+    ASSERT_TRUE((*reranked)->Select(req, &b).ok());
+    ASSERT_TRUE((*copy)->Select(req, &c).ok());
+    EXPECT_EQ(b.per_head, c.per_head);
+    for (int h = 0; h < kKv; ++h) {
+      ASSERT_EQ(b.per_head[h].size(), 64u);
+      auto exact =
+          ExactTopK(data.keys.data(), kKv * kD, q.data(), kHeads, kKv, kD, h, 16, kN - 128, 64);
+      recall_plain += Recall(a.per_head[h], exact);
+      recall_reranked += Recall(b.per_head[h], exact);
+      ++count;
+    }
+  }
+  std::printf("a2ats recall@64: %.3f, with rerank 4: %.3f\n", recall_plain / count,
+              recall_reranked / count);
+  EXPECT_GT(recall_reranked, recall_plain);
+  for (const char* bad : {"-1", "65", "x"}) {
+    IndexParams p = WithBooks(books);
+    p.options["a2ats.rerank"] = bad;
+    EXPECT_FALSE(MakeA2atsIndex(ShapeOf(m, 0), p).ok()) << bad;
+  }
+}
+
 TEST(A2atsIndexTest, AppendMatchesBuildingAtOnce) {
   constexpr int kN = 1000, kD = 16;
   RopeParams rope;

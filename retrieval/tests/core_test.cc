@@ -65,7 +65,7 @@ TEST(ParamsTest, BadParamsGetClearErrors) {
   EXPECT_THAT(std::string(b.status().message()), HasSubstr("not a multiple of n_kv_heads"));
 
   IndexParams q;
-  q.quest.page_size = 0;
+  q.quest.page_size = -1;
   EXPECT_THAT(std::string(r.Make("quest", SmallShape(), q).status().message()),
               HasSubstr("page_size"));
 }
@@ -131,6 +131,63 @@ TEST(ParamsTest, ClusterKvOptionsSetIterationsAndClusters) {
     auto made = r.Make("clusterkv", s, bad);
     ASSERT_FALSE(made.ok()) << name << "=" << value;
     EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(made.status().message()), HasSubstr(want));
+  }
+}
+
+TEST(ParamsTest, ClusterKvOptionsSetClustersPerBudgetAndTrimmedRanking) {
+  IndexParams p;
+  p.options["clusterkv.clusters_per_budget"] = "16";
+  p.options["clusterkv.rank_trimmed"] = "1";
+  absl::StatusOr<IndexParams> applied = ApplyClusterKvOptions(p);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(applied->clusterkv.clusters_per_budget, 16);
+  EXPECT_TRUE(applied->clusterkv.rank_trimmed);
+  // C0 = max(L/80, k L/budget) capped at L/8: 16 * 8000 / 256 = 500 clusters.
+  applied->budget = 256;
+  EXPECT_EQ(*ClusterKvPrefillClusters(8000, 8016, *applied), 500);
+  applied->budget = 64;  // 2000 -> capped at 8000 / 8
+  EXPECT_EQ(*ClusterKvPrefillClusters(8000, 8016, *applied), 1000);
+  for (const auto& [name, value] : {std::pair<std::string, std::string>{
+                                        "clusterkv.clusters_per_budget", "0"},
+                                    {"clusterkv.rank_trimmed", "2"}}) {
+    IndexParams bad;
+    bad.options[name] = value;
+    EXPECT_EQ(ApplyClusterKvOptions(bad).status().code(), absl::StatusCode::kInvalidArgument)
+        << name;
+  }
+}
+
+TEST(ParamsTest, QuestAndCtkvrOptionsReachTheIndex) {
+  MethodRegistry r = CoreRegistry();
+  IndexShape s = SmallShape();
+  IndexParams p;
+  p.options["quest.page_size"] = "4";
+  auto quest = r.Make("quest", s, p);
+  ASSERT_TRUE(quest.ok()) << quest.status();
+  std::vector<float> keys = RandomTensor(40, s.n_kv_heads, s.head_dim, 3);
+  ASSERT_TRUE((*quest)->Build({View(keys, s.n_kv_heads, s.head_dim), {}, 0}).ok());
+  // 10 pages of 4 tokens x heads x (min, max) x dim x 4 bytes.
+  EXPECT_EQ((*quest)->MemoryBytes(), 10 * s.n_kv_heads * 2 * s.head_dim * 4);
+
+  p.options["ctkvr.n_centroids"] = "60";  // more than the 40 tokens: the index sees the option
+  auto ctkvr = r.Make("ctkvr", s, p);
+  ASSERT_TRUE(ctkvr.ok()) << ctkvr.status();
+  std::vector<float> queries = RandomTensor(40, s.n_heads, s.head_dim, 4);
+  absl::Status st = (*ctkvr)->Build(
+      {View(keys, s.n_kv_heads, s.head_dim), View(queries, s.n_heads, s.head_dim), 0});
+  EXPECT_THAT(std::string(st.message()), HasSubstr("C (60 query centroids)"));
+
+  for (const auto& [method, name, value, want] :
+       {std::tuple<std::string, std::string, std::string, std::string>{
+            "quest", "quest.page_size", "-1", "must be in [0, 4096]"},
+        {"quest", "quest.bogus", "1", "unknown option 'quest.bogus'"},
+        {"ctkvr", "ctkvr.fifo_size", "-1", "must be >= 0"},
+        {"ctkvr", "ctkvr.bogus", "1", "unknown option 'ctkvr.bogus'"}}) {
+    IndexParams bad;
+    bad.options[name] = value;
+    auto made = r.Make(method, s, bad);
+    ASSERT_FALSE(made.ok()) << name << "=" << value;
     EXPECT_THAT(std::string(made.status().message()), HasSubstr(want));
   }
 }

@@ -126,6 +126,37 @@ TEST(ClusterKvTest, SelectsTheClusterAlignedWithTheQuery) {
   }
 }
 
+TEST(ClusterKvTest, RankTrimmedTakesTheTrimmedClustersHighestScoringTokens) {
+  IndexShape s = SmallShape();
+  // As above: the axis-2 cluster holds tokens t % 3 == 0, their axis-2 component 1 + t % 5.
+  const int64_t n = 64;
+  std::vector<float> keys = RandomTensor(n, s.n_kv_heads, s.head_dim, 3, 0.05f);
+  for (int64_t t = 4; t < n; ++t) {
+    const int axis = (t % 3 == 0) ? 2 : 1;
+    for (int h = 0; h < s.n_kv_heads; ++h)
+      keys[(t * s.n_kv_heads + h) * s.head_dim + axis] += 1.f + (t % 5);
+  }
+  IndexParams p;
+  p.n_sink = 4;
+  p.clusterkv.n_clusters = 2;
+  p.clusterkv.rank_trimmed = true;
+  MethodRegistry r = CoreRegistry();
+  auto index = MakeBuilt(r, "clusterkv", s, p, keys, {});
+  std::vector<float> q = AxisQuery(s, 2);
+  // Budget 4 inside the 20-token cluster: its four largest keys (t % 5 == 4), not its first four.
+  const std::vector<int64_t> largest = {9, 24, 39, 54};
+  Selection sel;
+  ASSERT_TRUE(index->Select({q.data(), n, 4, 4, n}, &sel).ok());
+  for (const auto& ids : sel.per_head) EXPECT_THAT(ids, ElementsAreArray(largest));
+  // The choice survives the byte format (the keys travel with it).
+  auto bytes = SerializeIndex(*index);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto copy = DeserializeIndex(*bytes, r, IndexParams{}, &s);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  ASSERT_TRUE((*copy)->Select({q.data(), n, 4, 4, n}, &sel).ok());
+  for (const auto& ids : sel.per_head) EXPECT_THAT(ids, ElementsAreArray(largest));
+}
+
 // Prebuilt summaries (prebuilt.h): the bytes a GPU-built summary ships as.
 TEST(PrebuiltTest, QuestBoundsGiveTheCpuIndexBytes) {
   IndexShape s = SmallShape();

@@ -176,11 +176,12 @@ TEST(ParisKvEstimatorTest, InnerProductEstimateIsAccurateAndAlphaHelps) {
 
 TEST(ParisKvScheduleTest, ScalesWithContextAndBudget) {
   ParisKvOptions o;
-  // Short context: beta = 10%, but never fewer than 4x the budget.
-  ParisKvSchedule s = ScheduleParisKv(o, 8000, 64);
+  // Short context: beta = 10%, but never fewer than 16x the budget.
+  ParisKvSchedule s = ScheduleParisKv(o, 8000, 32);
   EXPECT_EQ(s.n_candidates, 800);
   EXPECT_NEAR(s.collision_ratio, 0.6, 1e-9);  // 6 tiers x beta
-  EXPECT_EQ(ScheduleParisKv(o, 8000, 512).n_candidates, 2048);
+  EXPECT_EQ(ScheduleParisKv(o, 8000, 100).n_candidates, 1600);
+  EXPECT_EQ(ScheduleParisKv(o, 8000, 512).n_candidates, 8000);  // every selectable token
   // Long context: beta falls toward 5%.
   s = ScheduleParisKv(o, 131072, 64);
   EXPECT_EQ(s.n_candidates, 6554);

@@ -67,7 +67,9 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_option("--context", flags->eval.contexts, "prefill lengths in tokens")
       ->capture_default_str();
   cmd->add_option("--budget", flags->eval.budgets, "tokens per KV head")->capture_default_str();
-  cmd->add_option("--method", flags->eval.methods, "methods (default: all registered)");
+  cmd->add_option("--method", flags->eval.methods,
+                  "methods (default: all registered); NAME:OPT=V[,OPT=V] runs NAME with those "
+                  "options (an ablation sharing the dense prefill)");
   cmd->add_option("--steps", flags->eval.steps, "teacher-forced decode steps")
       ->capture_default_str();
   cmd->add_option("--free-tokens", flags->eval.free_tokens,

@@ -373,6 +373,7 @@ TEST_F(QuantSelectTest, CtkvrSelectMatchesCpu) {
     params.budget = 128;  // rho = 2.5 x 128 = 320 keys per list
     params.ctkvr.n_centroids = 64;
     params.ctkvr.n_recall = 4;
+    params.ctkvr.fifo_size = 0;  // the GPU selector keeps the qcIVF read-only
     std::vector<std::unique_ptr<RetrievalIndex>> indexes;
     std::vector<const RetrievalIndex*> views;
     for (int b = 0; b < batch; ++b) {

@@ -618,7 +618,7 @@ double Objective(const Batch& b, size_t s, int h, const float* centroids, const 
 TEST_P(BuildTest, ClusterKvFullBuildObjectiveWithin1Percent) {
   const Case& c = GetParam();
   Batch b = MakeBatch(c, 15);
-  IndexParams params;  // CPU defaults: C0 = max(L/80, 4L/budget), 10 iterations, 16 sinks
+  IndexParams params;  // CPU defaults: C0 = max(L/80, 16L/budget), 10 iterations, 16 sinks
   MethodRegistry registry;
   ASSERT_OK(RegisterCoreMethods(registry));
   std::vector<std::unique_ptr<RetrievalIndex>> indexes;

@@ -15,6 +15,16 @@
 // Ties inside the last codeword that fits are broken toward the most recent tokens (nearer tokens
 // tend to draw more attention, and the order is deterministic).
 //
+// Option a2ats.rerank = R (IndexParams::options, 0 = off, the default): the codeword ranking
+// keeps R x budget tokens and their exact scores q.k pick the budget (the paper fetches the
+// selected keys anyway; this reads R times as many). Measured at 8K, budget 243, 8K-token
+// calibration (BENCHMARKS.md): recall 0.23 / 0.33 / 0.47 / 0.65 at R = 0 / 2 / 4 / 8. Off by
+// default: the paper has no rerank, and R x budget key reads per step are the traffic the 2-byte
+// summary exists to avoid. Codebooks from 24K calibration tokens with 2048 codewords instead of
+// 8K with 1024 moved recall by +0.005 (0.225 -> 0.230): not the limit here either. The CPU index then keeps a copy of the keys
+// (not counted in MemoryBytes, as for ctkvr: they are read where the KV lives) and the payload is
+// version 2, with R and the keys.
+//
 // Summary bytes per token and KV head: 2 (the id). The codebooks (per model, not per sequence)
 // are IndexParams::assets, an A2atsCodebooks; without them Make fails with FailedPrecondition.
 // The payload records the codebooks' content hash: a decode node holding different codebooks

@@ -141,12 +141,25 @@ class MethodAssets {
 // Knobs of the core methods. 0 means "scaled default", chosen from the context length at Build
 // time as documented on each field (papers' settings scaled to our context lengths).
 struct QuestParams {
-  int page_size = 16;  // tokens per page (ClusterKV's comparison uses 16; Quest's paper 16)
+  // Tokens per page (Quest's paper and ClusterKV's comparison: 16). 0 -> scaled to the budget:
+  // clamp(budget / 16, 1, 16) (QuestPageSize), so that a step takes at least 16 pages as at
+  // Quest's smallest budget (256 tokens in pages of 16). Not the default: the GPU decode path
+  // (retrieval/cuda/decode, sparse_decode.h) assumes 16-token pages.
+  int page_size = 16;
 };
 
 struct ClusterKvParams {
-  // Prefill clusters C0. ClusterKV uses C0 = L / 80 (400 clusters at 32K). 0 -> max(1, L / 80).
+  // Prefill clusters C0. ClusterKV uses C0 = L / 80 (400 clusters at 32K), where its 1-2K budgets
+  // take 13-25 clusters per step. 0 -> scaled: max(L / 80, clusters_per_budget * L / budget),
+  // at most L / 8 (see clusterkv.h).
   int64_t n_clusters = 0;
+  // Average clusters a step's budget spans under the scaled C0 (budget / mean cluster size).
+  // 16: the paper's 80-token clusters against its 1-2K budgets span 13-25.
+  int clusters_per_budget = 16;
+  // When a step's last cluster does not fit the budget whole, take its tokens in the order of
+  // their own scores (the CPU index then keeps the keys, as ctkvr's rerank does) instead of in
+  // position order.
+  bool rank_trimmed = false;
   int max_iterations = 10;  // k-means iterations (stops earlier when assignments settle)
   // Incremental clustering: every `append_every` (m) generated tokens are clustered into
   // `append_clusters` (C+) new clusters. Paper: m = 320, C+ = 4. 0 -> scaled from the context.
@@ -159,11 +172,12 @@ struct CtkvrParams {
   int64_t n_centroids = 0;
   // rho: keys listed per centroid (qcIVF list length). 0 -> scaled default.
   int64_t list_length = 0;
-  // C': centroids recalled per decode query before the token rerank. 0 -> scaled default.
+  // C': centroids recalled per decode query before the token rerank. 0 -> scaled default (6).
   int64_t n_recall = 0;
   // Dynamic centroid update: the newest `fifo_size` decode queries replace the oldest centroids
-  // (FIFO). 0 disables the update.
-  int64_t fifo_size = 0;
+  // (FIFO). 0 disables the update. Default: every centroid of the default C (<= 2048) rotates,
+  // as in the paper's update of the whole qcIVF.
+  int64_t fifo_size = 2048;
 };
 
 struct KeyDiffParams {
@@ -199,6 +213,9 @@ struct IndexParams {
   // Checks method-independent fields (budget > 0, n_sink >= 0, local_window >= 0).
   [[nodiscard]] absl::Status Validate() const;
 };
+
+// quest's page size for these params: quest.page_size, or when 0 clamp(budget / 16, 1, 16).
+int QuestPageSize(const IndexParams& params);
 
 class RetrievalIndex {
  public:

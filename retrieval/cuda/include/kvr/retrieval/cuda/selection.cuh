@@ -271,7 +271,7 @@ struct ParisKvSelectParams {
   int tiers = 6;                      // ParisKvOptions (pariskv.h)
   double candidate_ratio = 0;         // 0 = scheduled
   double collision_ratio = 0;         // 0 = scheduled
-  int min_candidates_per_budget = 4;
+  int min_candidates_per_budget = 16;  // as ParisKvOptions' default
   const float* query = nullptr;  // device [batch, n_heads, head_dim] fp32
   const uint8_t* codes = nullptr;
   const uint16_t* weights = nullptr;
@@ -305,7 +305,7 @@ struct ParisKvHostLayout {
 // the group; centroids with an empty qcIVF list never count), the union of their lists inside
 // the candidate range, and the rerank of that union by true GQA-aggregated scores q.k to the
 // budget (exactly the CPU CtkvrIndex::Select without its FIFO update: the GPU selector keeps the
-// qcIVF read-only, i.e. CtkvrParams::fifo_size == 0, the default).
+// qcIVF read-only, i.e. CtkvrParams::fifo_size == 0; the CPU default rotates every centroid).
 //   centroids    fp32  [batch, n_kv_heads, max_centroids, group, head_dim] unit query centroids
 //   n_centroids  int32 [batch, n_kv_heads]
 //   list_offsets int32 [batch, n_kv_heads, max_centroids + 1] into lists (empty list: no recall)
