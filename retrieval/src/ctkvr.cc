@@ -93,7 +93,7 @@ class CtkvrIndex final : public RetrievalIndex {
                ? params_.ctkvr.list_length
                : static_cast<int64_t>(std::ceil(2.5 * static_cast<double>(params_.budget)));
     rho_ = std::max<int64_t>(1, std::min(rho_, listable));
-    n_recall_ = params_.ctkvr.n_recall > 0 ? params_.ctkvr.n_recall : 6;
+    n_recall_ = CtkvrRecall(params_);
     fifo_size_ = std::min(params_.ctkvr.fifo_size, c);
     n_centroids_ = c;
     internal::AppendPacked(input.keys, shape().n_kv_heads, hd, &keys_);
@@ -426,6 +426,10 @@ absl::StatusOr<IndexParams> ApplyCtkvrOptions(const IndexParams& params) {
 }
 
 }  // namespace
+
+int CtkvrRecall(const IndexParams& params) {
+  return params.ctkvr.n_recall > 0 ? static_cast<int>(params.ctkvr.n_recall) : 6;
+}
 
 absl::StatusOr<CtkvrState> CtkvrStateOf(const RetrievalIndex& index) {
   const auto* c = dynamic_cast<const CtkvrIndex*>(&index);

@@ -351,6 +351,7 @@ TEST(CtkvrTest, StateHandsOutTheIndexsEntries) {
   p.ctkvr.n_centroids = 16;
   p.ctkvr.list_length = 8;
   p.ctkvr.n_recall = 2;
+  p.ctkvr.fifo_size = 4;
   auto index = MakeBuilt(CoreRegistry(), "ctkvr", s, p, keys, queries);
   auto st = CtkvrStateOf(*index);
   ASSERT_TRUE(st.ok()) << st.status();
@@ -358,7 +359,7 @@ TEST(CtkvrTest, StateHandsOutTheIndexsEntries) {
   EXPECT_EQ(st->n_centroids, 16);
   EXPECT_EQ(st->rho, 8);
   EXPECT_EQ(st->n_recall, 2);
-  EXPECT_EQ(st->fifo_size, 0);
+  EXPECT_EQ(st->fifo_size, 4);
   EXPECT_EQ(st->keys.size(), keys.size());
   ASSERT_EQ(st->heads.size(), static_cast<size_t>(s.n_kv_heads));
   const int group = s.group_size();

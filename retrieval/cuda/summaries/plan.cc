@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/clusterkv.h"
+#include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/cuda/build.cuh"
 #include "kvr/retrieval/ops.h"
 
@@ -80,7 +81,7 @@ absl::StatusOr<CtkvrBuildPlan> MakeCtkvrBuildPlan(const IndexShape& shape,
   plan.n_kv_heads = shape.n_kv_heads;
   plan.group = shape.n_heads / shape.n_kv_heads;
   plan.head_dim = shape.head_dim;
-  plan.n_recall = params.ctkvr.n_recall > 0 ? static_cast<int>(params.ctkvr.n_recall) : 4;
+  plan.n_recall = CtkvrRecall(params);
   const int nb = plan.batch;
   plan.per_seq.assign(static_cast<size_t>(5) * nb, 0);
   for (int b = 0; b < nb; ++b) {

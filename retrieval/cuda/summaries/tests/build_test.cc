@@ -958,6 +958,7 @@ TEST_P(BuildTest, CtkvrGpuBuildThenGpuSelectMatchesCpu) {
   Batch b = MakeBatch(c, 22);
   IndexParams params;
   params.budget = 16;
+  params.ctkvr.fifo_size = 0;  // the GPU selector keeps the qcIVF read-only
   const int nq = 48;
   CtkvrRun r;
   RunCtkvr(b, params, nq, 0, /*head_offsets=*/false, &r);

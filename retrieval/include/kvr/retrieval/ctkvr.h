@@ -11,6 +11,10 @@
 
 namespace kvr::retrieval {
 
+// C', the centroids a step recalls: params.ctkvr.n_recall, or the default (6) when it is 0. One
+// definition for the CPU index and the GPU build plan.
+int CtkvrRecall(const IndexParams& params);
+
 // The state of a `ctkvr` index, read through its type rather than its serialised bytes: what
 // the GPU selector uploads. Spans point into the index (valid while it lives and is not appended
 // to). InvalidArgument for another method's index.
