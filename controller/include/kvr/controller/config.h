@@ -39,6 +39,11 @@ struct ControllerConfig {
   // When set, the HTTP API's /v1/* requires "Authorization: Bearer <api_key>". Printed
   // redacted.
   std::string api_key;
+  // HTTPS of the HTTP API: PEM certificate and key (both empty: plaintext HTTP), and a CA
+  // that clients' certificates must chain to (empty: no client certificate asked for).
+  std::string http_tls_cert;
+  std::string http_tls_key;
+  std::string http_tls_client_ca;
   // Transport security of the gRPC port and of this process's channels (kvr/common/tls.h).
   TlsConfig tls;
 };
