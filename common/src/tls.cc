@@ -3,11 +3,18 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
 #include <fstream>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 
 namespace kvr {
 namespace {
@@ -93,6 +100,59 @@ std::string GrpcSecurity::Describe() const {
   if (!enabled()) return "plaintext";
   return has_certificate() ? "TLS with a client certificate (mutual TLS)"
                            : "TLS, server verified, no client certificate";
+}
+
+std::string NodeIdentityUri(absl::string_view node_name) {
+  return absl::StrCat(kNodeIdentityUriPrefix, node_name);
+}
+
+absl::StatusOr<std::vector<std::string>> NodeIdentitiesOfCertificate(absl::string_view pem) {
+  BIO* bio = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
+  if (bio == nullptr) return absl::ResourceExhaustedError("BIO_new_mem_buf");
+  X509* cert = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr);
+  BIO_free(bio);
+  if (cert == nullptr) return absl::InvalidArgumentError("not a PEM certificate");
+  std::vector<std::string> names;
+  auto* sans =
+      static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(cert, NID_subject_alt_name, nullptr, nullptr));
+  for (int i = 0; sans != nullptr && i < sk_GENERAL_NAME_num(sans); ++i) {
+    const GENERAL_NAME* name = sk_GENERAL_NAME_value(sans, i);
+    if (name->type != GEN_URI) continue;
+    const ASN1_IA5STRING* uri = name->d.uniformResourceIdentifier;
+    absl::string_view value(reinterpret_cast<const char*>(ASN1_STRING_get0_data(uri)),
+                            static_cast<size_t>(ASN1_STRING_length(uri)));
+    if (absl::ConsumePrefix(&value, kNodeIdentityUriPrefix)) names.emplace_back(value);
+  }
+  GENERAL_NAMES_free(sans);
+  X509_free(cert);
+  return names;
+}
+
+absl::StatusOr<std::string> PeerNodeIdentity(const grpc::ServerContext& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) {
+    return absl::UnauthenticatedError("the peer presented no certificate of the cluster CA");
+  }
+  // gRPC's SSL security puts the verified peer certificate's PEM in this property.
+  const std::vector<grpc::string_ref> pems = auth->FindPropertyValues("x509_pem_cert");
+  if (pems.empty()) {
+    return absl::UnauthenticatedError("the TLS peer's certificate is not available");
+  }
+  absl::StatusOr<std::vector<std::string>> names =
+      NodeIdentitiesOfCertificate(absl::string_view(pems[0].data(), pems[0].size()));
+  if (!names.ok()) return names.status();
+  if (names->empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("the peer's certificate names no node (it needs the "
+                     "URI subjectAltName ",
+                     kNodeIdentityUriPrefix, "<node name>)"));
+  }
+  if (names->size() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("the peer's certificate names ", names->size(),
+                                                   " nodes (", absl::StrJoin(*names, ", "),
+                                                   "); a node's certificate names one"));
+  }
+  return std::move((*names)[0]);
 }
 
 bool PeerHasClusterCertificate(const grpc::ServerContext& context) {

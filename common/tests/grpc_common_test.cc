@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <future>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -145,6 +146,29 @@ TEST(GrpcSecurityTest, PartialConfigurationsAreErrorsNamingTheSetting) {
       ConfigureServer(&builder, "127.0.0.1:0", *ca_only, ClientCertificates::kRequired, &port);
   EXPECT_THAT(std::string(s.message()), HasSubstr("tls_cert"));
   EXPECT_FALSE(GrpcSecurity().enabled());
+}
+
+TEST(CertificateAuthorityTest, NodeIdentityIsTheKvrNodeUriSubjectAltName) {
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("test CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  absl::StatusOr<PemCertificate> node =
+      IssueCertificate(*ca, "decode-0", {"127.0.0.1"}, absl::Hours(1),
+                       {NodeIdentityUri("decode-0"), "spiffe://example.org/not-a-kvr-name"});
+  ASSERT_TRUE(node.ok()) << node.status();
+  absl::StatusOr<std::vector<std::string>> names = NodeIdentitiesOfCertificate(node->cert_pem);
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_THAT(*names, ::testing::ElementsAre("decode-0"));
+
+  // A host-only certificate names no node, whatever its common name.
+  absl::StatusOr<PemCertificate> plain =
+      IssueCertificate(*ca, "decode-0", {"127.0.0.1"}, absl::Hours(1));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  names = NodeIdentitiesOfCertificate(plain->cert_pem);
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_THAT(*names, ::testing::IsEmpty());
+
+  EXPECT_EQ(NodeIdentitiesOfCertificate("not a certificate").status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CertificateAuthorityTest, KeysAreWrittenPrivate) {

@@ -116,6 +116,12 @@ const node::SettingTable<ControllerConfig>& ControllerSettings() {
     for (node::Setting<Config>& s : node::TlsSettings<Config>(&Config::tls)) {
       t->settings.push_back(std::move(s));
     }
+    t->settings.push_back(node::BoolSetting<Config>(
+        "require_node_identity",
+        "with TLS: a member's certificate must name its node (URI subjectAltName "
+        "kvr://node/<name>), which registers only under that name and alone renews or removes "
+        "its node id (false: any certificate of the CA may register under any name)",
+        &Config::require_node_identity));
     return t;
   }();
   return *table;

@@ -52,7 +52,10 @@ int Serve(const ControllerConfig& config) {
     return 2;
   }
   spdlog::info("gRPC: {}{}", security->Describe(),
-               security->enabled() ? "; members must present a certificate of the CA" : "");
+               !security->enabled()           ? ""
+               : config.require_node_identity ? "; members must present a certificate of the CA "
+                                                "that names their node (kvr://node/<name>)"
+                                              : "; members must present a certificate of the CA");
   SystemClock clock;
   const std::string host = config.listen.substr(0, config.listen.rfind(':'));
   // Declared before everything that reports to it, so it outlives them.
@@ -87,7 +90,9 @@ int Serve(const ControllerConfig& config) {
   // With TLS, only peers whose certificate chains to the cluster CA may join or act as members;
   // public clients share the port without one.
   MembershipService membership_service(
-      &membership, MembershipService::Options{.require_member_certificate = security->enabled()});
+      &membership,
+      MembershipService::Options{.require_member_certificate = security->enabled(),
+                                 .require_node_identity = config.require_node_identity});
   // The OpenAI-compatible HTTP API, in this process over the same Generator as the gRPC API.
   std::unique_ptr<OpenAiHttpServer> http_server;
   if (!config.http_listen.empty()) {

@@ -69,10 +69,10 @@ struct UpOptions {
 };
 
 // The throw-away PKI of a secured local cluster, in <log dir>/tls: a CA made for this run and
-// one certificate per process (SANs 127.0.0.1 and localhost, where every process listens),
-// plus "client" for kvr generate / kvr bench / tests. The CA's key stays in the directory
-// (0600) so that a restarted process of this run can be given a certificate; the whole
-// directory is worth nothing after the run.
+// one certificate per process (SANs 127.0.0.1 and localhost, where every process listens, and
+// kvr://node/<its name>), plus "client" for kvr generate / kvr bench / tests. The CA's key
+// stays in the directory (0600) so that a restarted process of this run can be given a
+// certificate; the whole directory is worth nothing after the run.
 class LocalPki {
  public:
   static absl::StatusOr<LocalPki> Create(const std::string& dir) {
@@ -88,10 +88,12 @@ class LocalPki {
     pki.ca_file_ = files->cert_file;
     return pki;
   }
-  // A certificate for the process `name`, written beside the CA.
+  // A certificate for the process `name`, written beside the CA. It names the node
+  // (kvr://node/<name>): each node registers under the name kvr up gives it, which the
+  // controller checks against its certificate.
   absl::StatusOr<TlsConfig> Issue(const std::string& name) const {
     absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(ca_, name, {"127.0.0.1", "localhost"}, kValidity);
+        IssueCertificate(ca_, name, {"127.0.0.1", "localhost"}, kValidity, {NodeIdentityUri(name)});
     if (!cert.ok()) return cert.status();
     return WriteCertificate(dir_, name, *cert, ca_file_);
   }

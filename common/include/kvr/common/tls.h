@@ -17,10 +17,18 @@
 // (a certificate without its key, a key without the CA ...) is an error, never a silent
 // downgrade.
 //
+// A node's certificate also says which node it is: a URI subjectAltName
+// `kvr://node/<name>` (NodeIdentityUri), where <name> is the name the node registers with
+// (RegisterRequest.name: kvr-store/kvr-decode --name, kvr-prefill --node-name). The
+// controller's Membership service reads it with PeerNodeIdentity and admits a registration
+// only under that name, and heartbeats and deregistrations of a node id only from the
+// certificate that registered it (controller/README.md, "Membership and node identity").
+//
 // Thread safety: a GrpcSecurity is immutable after Load and may be shared across threads.
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -92,6 +100,21 @@ class GrpcSecurity {
   std::string cert_pem_;
   std::string key_pem_;
 };
+
+// The URI subjectAltName that names a node in its certificate: "kvr://node/" + name.
+inline constexpr char kNodeIdentityUriPrefix[] = "kvr://node/";
+[[nodiscard]] std::string NodeIdentityUri(absl::string_view node_name);
+
+// The node names of the kvr://node/ URI subjectAltNames of a PEM certificate (empty: none).
+// INVALID_ARGUMENT when `pem` is not a certificate.
+[[nodiscard]] absl::StatusOr<std::vector<std::string>> NodeIdentitiesOfCertificate(
+    absl::string_view pem);
+
+// The node name that the peer of `context` proved: the one kvr://node/ URI subjectAltName of
+// the certificate gRPC verified in the handshake. UNAUTHENTICATED without a verified
+// certificate; NOT_FOUND when it carries no such name; INVALID_ARGUMENT when it carries
+// several (one certificate is one node). The messages say what the certificate lacks.
+[[nodiscard]] absl::StatusOr<std::string> PeerNodeIdentity(const grpc::ServerContext& context);
 
 // True when the peer of `context` presented a certificate that chained to the CA of a server
 // whose credentials came from an enabled GrpcSecurity (gRPC verified it in the handshake).
