@@ -3,10 +3,14 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -50,6 +54,7 @@ absl::StatusOr<GrpcSecurity> GrpcSecurity::Load(const TlsConfig& config) {
   }
   absl::StatusOr<std::string> ca = ReadPem(config.ca_file, "tls_ca");
   if (!ca.ok()) return ca.status();
+  security.files_ = config;
   security.ca_pem_ = std::move(*ca);
   if (!config.cert_file.empty()) {
     absl::StatusOr<std::string> cert = ReadPem(config.cert_file, "tls_cert");
@@ -69,13 +74,20 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcSecurity::ServerCre
     return absl::InvalidArgumentError(
         "tls_cert, tls_key: a TLS server needs its own certificate and key (only tls_ca is set)");
   }
-  grpc::SslServerCredentialsOptions options(
-      client_certificates == ClientCertificates::kRequired
-          ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
-          : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
-  options.pem_root_certs = ca_pem_;
-  options.pem_key_cert_pairs.push_back({key_pem_, cert_pem_});
-  return grpc::SslServerCredentials(options);
+  // The files were read (and checked) by Load; gRPC's file watcher reads them again at start
+  // and every server_reload_interval, keeping what it has when a read fails (a half-written
+  // renewal).
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      files_.key_file, files_.cert_file, files_.ca_file,
+      static_cast<unsigned int>(
+          std::max<int64_t>(1, absl::ToInt64Seconds(files_.server_reload_interval))));
+  grpc::experimental::TlsServerCredentialsOptions options(provider);
+  options.watch_root_certs();
+  options.watch_identity_key_cert_pairs();
+  options.set_cert_request_type(client_certificates == ClientCertificates::kRequired
+                                    ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                    : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  return grpc::experimental::TlsServerCredentials(options);
 }
 
 std::shared_ptr<grpc::ChannelCredentials> GrpcSecurity::ChannelCredentials() const {

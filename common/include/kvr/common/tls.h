@@ -6,7 +6,9 @@
 // tls_ca/tls_cert/tls_key, env KVR_<ROLE>_TLS_CA/_CERT/_KEY in every binary: the node settings
 // of kvr/node/settings.h; kvr generate and kvr bench read KVR_TLS_CA). With
 // them, GrpcSecurity makes
-//   - server credentials: TLS with this certificate; a client must present a certificate
+//   - server credentials: TLS with this certificate (the files are read again every
+//     TlsConfig::server_reload_interval, so a renewed certificate needs no restart); a client
+//     must present a certificate
 //     that chains to the CA (ClientCertificates::kRequired: the store, prefill and decode
 //     nodes), or may present none (kOptional: the controller, whose port also serves public
 //     clients; its internal services then ask PeerHasClusterCertificate);
@@ -33,6 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace grpc {
 class Channel;
@@ -49,6 +52,10 @@ struct TlsConfig {
   std::string ca_file;    // PEM: the CA that peers' certificates must chain to
   std::string cert_file;  // PEM: the certificate (chain) this process presents
   std::string key_file;   // PEM: the private key of cert_file
+  // How often a TLS server reads the three files again: a renewed certificate (or CA) is
+  // presented from the next handshake on, without a restart. Connections already open keep
+  // the certificate they were made with.
+  absl::Duration server_reload_interval = absl::Seconds(60);
   [[nodiscard]] bool empty() const {
     return ca_file.empty() && cert_file.empty() && key_file.empty();
   }
@@ -99,6 +106,7 @@ class GrpcSecurity {
   std::string ca_pem_;
   std::string cert_pem_;
   std::string key_pem_;
+  TlsConfig files_;
 };
 
 // The URI subjectAltName that names a node in its certificate: "kvr://node/" + name.
