@@ -12,6 +12,10 @@ find_package(benchmark CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+# cpp-httplib (libcpp-httplib-dev, built against OpenSSL 3): the controller's OpenAI-compatible
+# HTTP(S) server. Through pkg-config, whose flags carry the CPPHTTPLIB_*_SUPPORT definitions
+# the shared library was built with (the header's class layouts depend on them).
+pkg_check_modules(CPP_HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 include(GoogleTest)
 find_package(Protobuf REQUIRED)
 find_package(gRPC CONFIG REQUIRED)

@@ -10,7 +10,7 @@ packages=(
   # control plane
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev grpc-proto
   libabsl-dev
-  libcivetweb-dev  # the controller's OpenAI-compatible HTTP API (also prometheus-cpp's)
+  libcpp-httplib-dev  # the controller's OpenAI-compatible HTTP(S) API (cpp-httplib on OpenSSL 3)
   libcurl4-openssl-dev  # kvr bench's HTTP client (--backend openai-chat|openai-completions)
   # data plane
   libucx-dev ucx-utils libibverbs-dev librdmacm-dev rdma-core

@@ -134,7 +134,8 @@ absl::StatusOr<PemCertificate> GenerateCertificateAuthority(const std::string& c
 absl::StatusOr<PemCertificate> IssueCertificate(const PemCertificate& ca,
                                                 const std::string& common_name,
                                                 const std::vector<std::string>& hosts,
-                                                absl::Duration validity) {
+                                                absl::Duration validity,
+                                                const std::vector<std::string>& uris) {
   Bio ca_cert_bio(BIO_new_mem_buf(ca.cert_pem.data(), static_cast<int>(ca.cert_pem.size())));
   Bio ca_key_bio(BIO_new_mem_buf(ca.key_pem.data(), static_cast<int>(ca.key_pem.size())));
   Cert ca_cert(PEM_read_bio_X509(ca_cert_bio.get(), nullptr, nullptr, nullptr));
@@ -152,6 +153,7 @@ absl::StatusOr<PemCertificate> IssueCertificate(const PemCertificate& ca,
   for (const std::string& host : hosts) {
     names.push_back(absl::StrCat(IsIpAddress(host) ? "IP:" : "DNS:", host));
   }
+  for (const std::string& uri : uris) names.push_back(absl::StrCat("URI:", uri));
   X509V3_CTX ctx;
   X509V3_set_ctx_nodb(&ctx);
   X509V3_set_ctx(&ctx, ca_cert.get(), x, nullptr, nullptr, 0);

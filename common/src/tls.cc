@@ -3,11 +3,22 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 
 namespace kvr {
 namespace {
@@ -43,6 +54,7 @@ absl::StatusOr<GrpcSecurity> GrpcSecurity::Load(const TlsConfig& config) {
   }
   absl::StatusOr<std::string> ca = ReadPem(config.ca_file, "tls_ca");
   if (!ca.ok()) return ca.status();
+  security.files_ = config;
   security.ca_pem_ = std::move(*ca);
   if (!config.cert_file.empty()) {
     absl::StatusOr<std::string> cert = ReadPem(config.cert_file, "tls_cert");
@@ -62,13 +74,20 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcSecurity::ServerCre
     return absl::InvalidArgumentError(
         "tls_cert, tls_key: a TLS server needs its own certificate and key (only tls_ca is set)");
   }
-  grpc::SslServerCredentialsOptions options(
-      client_certificates == ClientCertificates::kRequired
-          ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
-          : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
-  options.pem_root_certs = ca_pem_;
-  options.pem_key_cert_pairs.push_back({key_pem_, cert_pem_});
-  return grpc::SslServerCredentials(options);
+  // The files were read (and checked) by Load; gRPC's file watcher reads them again at start
+  // and every server_reload_interval, keeping what it has when a read fails (a half-written
+  // renewal).
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      files_.key_file, files_.cert_file, files_.ca_file,
+      static_cast<unsigned int>(
+          std::max<int64_t>(1, absl::ToInt64Seconds(files_.server_reload_interval))));
+  grpc::experimental::TlsServerCredentialsOptions options(provider);
+  options.watch_root_certs();
+  options.watch_identity_key_cert_pairs();
+  options.set_cert_request_type(client_certificates == ClientCertificates::kRequired
+                                    ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                    : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  return grpc::experimental::TlsServerCredentials(options);
 }
 
 std::shared_ptr<grpc::ChannelCredentials> GrpcSecurity::ChannelCredentials() const {
@@ -93,6 +112,59 @@ std::string GrpcSecurity::Describe() const {
   if (!enabled()) return "plaintext";
   return has_certificate() ? "TLS with a client certificate (mutual TLS)"
                            : "TLS, server verified, no client certificate";
+}
+
+std::string NodeIdentityUri(absl::string_view node_name) {
+  return absl::StrCat(kNodeIdentityUriPrefix, node_name);
+}
+
+absl::StatusOr<std::vector<std::string>> NodeIdentitiesOfCertificate(absl::string_view pem) {
+  BIO* bio = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
+  if (bio == nullptr) return absl::ResourceExhaustedError("BIO_new_mem_buf");
+  X509* cert = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr);
+  BIO_free(bio);
+  if (cert == nullptr) return absl::InvalidArgumentError("not a PEM certificate");
+  std::vector<std::string> names;
+  auto* sans =
+      static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(cert, NID_subject_alt_name, nullptr, nullptr));
+  for (int i = 0; sans != nullptr && i < sk_GENERAL_NAME_num(sans); ++i) {
+    const GENERAL_NAME* name = sk_GENERAL_NAME_value(sans, i);
+    if (name->type != GEN_URI) continue;
+    const ASN1_IA5STRING* uri = name->d.uniformResourceIdentifier;
+    absl::string_view value(reinterpret_cast<const char*>(ASN1_STRING_get0_data(uri)),
+                            static_cast<size_t>(ASN1_STRING_length(uri)));
+    if (absl::ConsumePrefix(&value, kNodeIdentityUriPrefix)) names.emplace_back(value);
+  }
+  GENERAL_NAMES_free(sans);
+  X509_free(cert);
+  return names;
+}
+
+absl::StatusOr<std::string> PeerNodeIdentity(const grpc::ServerContext& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) {
+    return absl::UnauthenticatedError("the peer presented no certificate of the cluster CA");
+  }
+  // gRPC's SSL security puts the verified peer certificate's PEM in this property.
+  const std::vector<grpc::string_ref> pems = auth->FindPropertyValues("x509_pem_cert");
+  if (pems.empty()) {
+    return absl::UnauthenticatedError("the TLS peer's certificate is not available");
+  }
+  absl::StatusOr<std::vector<std::string>> names =
+      NodeIdentitiesOfCertificate(absl::string_view(pems[0].data(), pems[0].size()));
+  if (!names.ok()) return names.status();
+  if (names->empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("the peer's certificate names no node (it needs the "
+                     "URI subjectAltName ",
+                     kNodeIdentityUriPrefix, "<node name>)"));
+  }
+  if (names->size() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("the peer's certificate names ", names->size(),
+                                                   " nodes (", absl::StrJoin(*names, ", "),
+                                                   "); a node's certificate names one"));
+  }
+  return std::move((*names)[0]);
 }
 
 bool PeerHasClusterCertificate(const grpc::ServerContext& context) {

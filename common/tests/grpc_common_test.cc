@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <future>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -145,6 +146,83 @@ TEST(GrpcSecurityTest, PartialConfigurationsAreErrorsNamingTheSetting) {
       ConfigureServer(&builder, "127.0.0.1:0", *ca_only, ClientCertificates::kRequired, &port);
   EXPECT_THAT(std::string(s.message()), HasSubstr("tls_cert"));
   EXPECT_FALSE(GrpcSecurity().enabled());
+}
+
+// The common name of the certificate the server at `address` presents in a new handshake (a
+// channel of its own, so no connection is reused); "" when the call fails.
+std::string ServerCommonName(const std::string& address, const TlsConfig& client) {
+  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(client);
+  EXPECT_TRUE(security.ok()) << security.status();
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  grpc::GenericStub stub(security->CreateChannel(address, args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::Slice empty;
+  grpc::ByteBuffer request(&empty, 1), response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) { done.set_value(std::move(s)); });
+  if (!done.get_future().get().ok()) return "";
+  const std::vector<grpc::string_ref> names =
+      ctx.auth_context()->FindPropertyValues("x509_common_name");
+  return names.empty() ? "" : std::string(names[0].data(), names[0].size());
+}
+
+// A TLS server reads its files again every server_reload_interval: a certificate renewed in
+// place is what the next handshake presents, without a restart.
+TEST(GrpcSecurityTest, ServerPresentsARenewedCertificateWithoutARestart) {
+  Pki pki;
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("reload CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok());
+  const std::string dir = absl::StrCat(pki.dir, "/reload");
+  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
+  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  auto write_server = [&](const std::string& common_name) {
+    absl::StatusOr<PemCertificate> cert =
+        IssueCertificate(*ca, common_name, {"127.0.0.1", "localhost"}, absl::Hours(1));
+    EXPECT_TRUE(cert.ok()) << cert.status();
+    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, "server", *cert, ca_file);
+    EXPECT_TRUE(files.ok()) << files.status();
+    return *files;
+  };
+  TlsConfig server_tls = write_server("first");
+  server_tls.server_reload_interval = absl::Seconds(1);
+  HealthServer server(server_tls, ClientCertificates::kOptional);
+  const TlsConfig client{.ca_file = ca_file};
+  EXPECT_EQ(ServerCommonName(server.address, client), "first");
+
+  write_server("renewed");
+  // The watcher's next read (every second) picks it up; wait for it, at most 20 s.
+  std::string seen;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
+       absl::Now() < give_up && (seen = ServerCommonName(server.address, client)) != "renewed";) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(seen, "renewed");
+}
+
+TEST(CertificateAuthorityTest, NodeIdentityIsTheKvrNodeUriSubjectAltName) {
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("test CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  absl::StatusOr<PemCertificate> node =
+      IssueCertificate(*ca, "decode-0", {"127.0.0.1"}, absl::Hours(1),
+                       {NodeIdentityUri("decode-0"), "spiffe://example.org/not-a-kvr-name"});
+  ASSERT_TRUE(node.ok()) << node.status();
+  absl::StatusOr<std::vector<std::string>> names = NodeIdentitiesOfCertificate(node->cert_pem);
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_THAT(*names, ::testing::ElementsAre("decode-0"));
+
+  // A host-only certificate names no node, whatever its common name.
+  absl::StatusOr<PemCertificate> plain =
+      IssueCertificate(*ca, "decode-0", {"127.0.0.1"}, absl::Hours(1));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  names = NodeIdentitiesOfCertificate(plain->cert_pem);
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_THAT(*names, ::testing::IsEmpty());
+
+  EXPECT_EQ(NodeIdentitiesOfCertificate("not a certificate").status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CertificateAuthorityTest, KeysAreWrittenPrivate) {

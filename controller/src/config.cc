@@ -102,9 +102,26 @@ const node::SettingTable<ControllerConfig>& ControllerSettings() {
     // The key itself never reaches logs.
     api_key.spec.secret = true;
     t->settings.push_back(std::move(api_key));
+    t->settings.push_back(StringSetting<Config>(
+        "http_tls_cert",
+        "PEM certificate (chain) of the HTTP API: with http_tls_key it serves HTTPS (both "
+        "empty: plaintext HTTP)",
+        &Config::http_tls_cert, /*allow_empty=*/true));
+    t->settings.push_back(StringSetting<Config>("http_tls_key", "PEM private key of http_tls_cert",
+                                                &Config::http_tls_key, /*allow_empty=*/true));
+    t->settings.push_back(StringSetting<Config>(
+        "http_tls_client_ca",
+        "PEM CA that HTTPS clients' certificates must chain to (empty: clients need none)",
+        &Config::http_tls_client_ca, /*allow_empty=*/true));
     for (node::Setting<Config>& s : node::TlsSettings<Config>(&Config::tls)) {
       t->settings.push_back(std::move(s));
     }
+    t->settings.push_back(node::BoolSetting<Config>(
+        "require_node_identity",
+        "with TLS: a member's certificate must name its node (URI subjectAltName "
+        "kvr://node/<name>), which registers only under that name and alone renews or removes "
+        "its node id (false: any certificate of the CA may register under any name)",
+        &Config::require_node_identity));
     return t;
   }();
   return *table;

@@ -1,21 +1,20 @@
 #include "kvr/controller/http_server.h"
 
-#include <arpa/inet.h>
-#include <civetweb.h>
-#include <netinet/in.h>
+#include <httplib.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
-#include <cstring>
+#include <atomic>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "kvr/controller/openai_api.h"
 #include "spdlog/spdlog.h"
@@ -24,119 +23,141 @@ namespace kvr::controller {
 
 namespace oa = ::kvr::controller::openai;
 
-// The connection of one generate request and what has been written on it. `mu` serializes the
-// handler's writes with the watcher's keep-alives.
+// One generate request, shared by its HTTP worker, its generation thread (streaming) and the
+// response's content provider; it lives until the last of them lets go. `mu` guards what the
+// generation thread hands to the writer.
 struct OpenAiHttpServer::Exchange {
-  mg_connection* conn = nullptr;
-  bool streaming = false;
+  explicit Exchange(oa::ParsedRequest request) : parsed(std::move(request)) {}
+
+  const oa::ParsedRequest parsed;
   absl::Time started;
-  // Set once the request runs (its token lives in Generator::Generate).
-  CancellationToken* token ABSL_GUARDED_BY(mu) = nullptr;
+  // Made by the sink factory; used by the generation thread (streaming) or the worker.
+  std::optional<oa::ResponseBuilder> builder;
+  // Streaming: runs Generate; joined by the worker (an error before the stream) or by the
+  // response's resource releaser.
+  std::thread generation;
+
   absl::Mutex mu;
-  bool headers_sent ABSL_GUARDED_BY(mu) = false;
-  bool broken ABSL_GUARDED_BY(mu) = false;  // a write failed: the client is gone
-  absl::Time last_write ABSL_GUARDED_BY(mu);
+  // Set while Generate runs with a token (it lives in Generator::Generate).
+  CancellationToken* token ABSL_GUARDED_BY(mu) = nullptr;
+  // Streaming: SSE bytes produced and not yet written.
+  std::string pending ABSL_GUARDED_BY(mu);
+  bool any_event ABSL_GUARDED_BY(mu) = false;
+  // Generate returned `status`.
+  bool finished ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  bool headers_sent ABSL_GUARDED_BY(mu) = false;  // the stream answered 200
+  bool broken ABSL_GUARDED_BY(mu) = false;        // a write failed: the client is gone
 };
 
 namespace {
 
-bool WriteAll(mg_connection* conn, absl::string_view data) {
-  return data.empty() || mg_write(conn, data.data(), data.size()) == static_cast<int>(data.size());
+void SendJson(httplib::Response& res, int status, const std::string& body) {
+  res.status = status;
+  res.set_content(body, "application/json");
 }
 
-const char* Reason(int status) {
-  switch (status) {
-    case 200:
-      return "OK";
-    case 400:
-      return "Bad Request";
-    case 401:
-      return "Unauthorized";
-    case 404:
-      return "Not Found";
-    case 405:
-      return "Method Not Allowed";
-    case 409:
-      return "Conflict";
-    case 413:
-      return "Payload Too Large";
-    case 429:
-      return "Too Many Requests";
-    case 499:
-      return "Client Closed Request";
-    case 503:
-      return "Service Unavailable";
-    case 504:
-      return "Gateway Timeout";
-    default:
-      return "Internal Server Error";
-  }
+void SendError(httplib::Response& res, const oa::ApiError& e) {
+  if (e.retry_after_seconds > 0) res.set_header("Retry-After", absl::StrCat(e.retry_after_seconds));
+  if (e.http_status == 401) res.set_header("WWW-Authenticate", "Bearer");
+  SendJson(res, e.http_status, oa::ErrorBody(e));
 }
 
-// A whole response with a JSON body. Every response closes its connection (civetweb's
-// keep-alive is off), which also ends a streamed body.
-int SendJson(mg_connection* conn, int status, absl::string_view body,
-             absl::string_view extra_headers = "") {
-  const std::string head =
-      absl::StrCat("HTTP/1.1 ", status, " ", Reason(status),
-                   "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(), "\r\n",
-                   extra_headers, "Connection: close\r\n\r\n");
-  WriteAll(conn, head);
-  WriteAll(conn, body);
-  return status;
+void SendStatus(httplib::Response& res, const absl::Status& status, oa::Endpoint endpoint) {
+  SendError(res, oa::ErrorFromStatus(status, endpoint));
 }
 
-int SendError(mg_connection* conn, const oa::ApiError& e) {
-  std::string extra;
-  if (e.retry_after_seconds > 0)
-    extra = absl::StrCat("Retry-After: ", e.retry_after_seconds, "\r\n");
-  if (e.http_status == 401) extra += "WWW-Authenticate: Bearer\r\n";
-  return SendJson(conn, e.http_status, oa::ErrorBody(e), extra);
-}
-
-int SendStatus(mg_connection* conn, const absl::Status& status, oa::Endpoint endpoint) {
-  return SendError(conn, oa::ErrorFromStatus(status, endpoint));
-}
-
-constexpr char kStreamHeaders[] =
-    "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-    "X-Accel-Buffering: no\r\nConnection: close\r\n\r\n";
-
-// Writes `data` to a streaming exchange, sending the headers first if they are not out yet.
-// False when the client is gone.
-bool StreamWrite(OpenAiHttpServer::Exchange& x, absl::string_view data)
+void CancelLocked(OpenAiHttpServer::Exchange& x, const absl::Status& why)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(x.mu) {
-  if (x.broken) return false;
-  if (!x.headers_sent) {
-    x.headers_sent = true;
-    if (!WriteAll(x.conn, kStreamHeaders)) x.broken = true;
-  }
-  if (!x.broken && !WriteAll(x.conn, data)) x.broken = true;
-  x.last_write = absl::Now();
-  return !x.broken;
+  if (x.token != nullptr) x.token->Cancel(why);
 }
 
-// The request's events to its client, as SSE or collected for one JSON body.
+// The request's events to its client: collected for one JSON body, or SSE bytes queued for the
+// response's content provider.
 class HttpSink final : public ResponseSink {
  public:
-  HttpSink(OpenAiHttpServer::Exchange* exchange, oa::ResponseBuilder* builder)
-      : exchange_(exchange), builder_(builder) {}
+  explicit HttpSink(OpenAiHttpServer::Exchange* exchange) : x_(exchange) {}
   absl::Status Send(const GenerateEvent& event) override {
-    if (!exchange_->streaming) {
-      builder_->Add(event);
+    if (!x_->parsed.stream) {
+      x_->builder->Add(event);
       return absl::OkStatus();
     }
-    const std::string data = builder_->StreamEvents(event);
-    absl::MutexLock lock(&exchange_->mu);
-    if (data.empty() && exchange_->headers_sent) return absl::OkStatus();
-    if (!StreamWrite(*exchange_, data)) return absl::CancelledError("client disconnected");
+    const std::string data = x_->builder->StreamEvents(event);
+    absl::MutexLock lock(&x_->mu);
+    if (x_->broken) return absl::CancelledError("client disconnected");
+    x_->pending += data;
+    x_->any_event = true;
     return absl::OkStatus();
   }
 
  private:
-  OpenAiHttpServer::Exchange* exchange_;
-  oa::ResponseBuilder* builder_;
+  OpenAiHttpServer::Exchange* x_;
 };
+
+// OpenSSL's queued errors as one line (they name the file, the PEM problem, ...).
+std::string OpenSslErrors() {
+  std::string out;
+  for (unsigned long e; (e = ERR_get_error()) != 0;) {
+    char buf[256];
+    ERR_error_string_n(e, buf, sizeof(buf));
+    absl::StrAppend(&out, out.empty() ? "" : "; ", buf);
+  }
+  return out.empty() ? "unknown OpenSSL error" : out;
+}
+
+// The server's TLS: its certificate and key, and with a client CA, client certificates that
+// must chain to it.
+absl::Status ConfigureTls(SSL_CTX& ctx, const HttpTlsOptions& tls) {
+  ERR_clear_error();
+  SSL_CTX_set_min_proto_version(&ctx, TLS1_2_VERSION);
+  SSL_CTX_set_options(&ctx, SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION);
+  if (SSL_CTX_use_certificate_chain_file(&ctx, tls.cert_file.c_str()) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("http_tls_cert '", tls.cert_file,
+                                                   "': not a readable PEM certificate (",
+                                                   OpenSslErrors(), ")"));
+  }
+  if (SSL_CTX_use_PrivateKey_file(&ctx, tls.key_file.c_str(), SSL_FILETYPE_PEM) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "http_tls_key '", tls.key_file, "': not a readable PEM private key of http_tls_cert '",
+        tls.cert_file, "' (", OpenSslErrors(), ")"));
+  }
+  if (SSL_CTX_check_private_key(&ctx) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("http_tls_key '", tls.key_file,
+                                                   "' is not the key of http_tls_cert '",
+                                                   tls.cert_file, "' (", OpenSslErrors(), ")"));
+  }
+  if (!tls.client_ca_file.empty()) {
+    if (SSL_CTX_load_verify_locations(&ctx, tls.client_ca_file.c_str(), nullptr) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("http_tls_client_ca '", tls.client_ca_file,
+                                                     "': not a readable PEM certificate (",
+                                                     OpenSslErrors(), ")"));
+    }
+    // The CA names sent in the handshake, so that a client picks a matching certificate.
+    if (STACK_OF(X509_NAME)* names = SSL_load_client_CA_file(tls.client_ca_file.c_str())) {
+      SSL_CTX_set_client_CA_list(&ctx, names);
+    }
+    SSL_CTX_set_verify(&ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTlsOptions(const HttpTlsOptions& tls) {
+  if (!tls.enabled()) {
+    if (!tls.client_ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "http_tls_client_ca: set without http_tls_cert and http_tls_key (client certificates "
+          "need HTTPS)");
+    }
+    return absl::OkStatus();
+  }
+  if (tls.cert_file.empty()) {
+    return absl::InvalidArgumentError("http_tls_cert: empty while http_tls_key is set");
+  }
+  if (tls.key_file.empty()) {
+    return absl::InvalidArgumentError("http_tls_key: empty while http_tls_cert is set");
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -145,68 +166,107 @@ OpenAiHttpServer::OpenAiHttpServer(Generator* generator, HttpServerOptions optio
 
 absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
     Generator* generator, HttpServerOptions options) {
+  if (absl::Status s = CheckTlsOptions(options.tls); !s.ok()) return s;
+  const size_t colon = options.listen.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(options.listen.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("http listen address '", options.listen, "' is not host:port"));
+  }
+  const std::string host = options.listen.substr(0, colon);
   std::unique_ptr<OpenAiHttpServer> server(new OpenAiHttpServer(generator, std::move(options)));
-  const std::string threads = std::to_string(server->options_.threads);
-  const char* mg_options[] = {"listening_ports",
-                              server->options_.listen.c_str(),
-                              "num_threads",
-                              threads.c_str(),
-                              "enable_keep_alive",
-                              "no",
-                              nullptr};
-  mg_callbacks callbacks;
-  std::memset(&callbacks, 0, sizeof(callbacks));
-  // civetweb's own errors (a port in use, ...) reach the log instead of vanishing.
-  callbacks.log_message = [](const mg_connection*, const char* message) {
-    spdlog::warn("http: {}", message);
-    return 1;
+  if (server->options_.tls.enabled()) {
+    absl::Status tls_status;
+    server->server_ = std::make_unique<httplib::SSLServer>([&](SSL_CTX& ctx) {
+      tls_status = ConfigureTls(ctx, server->options_.tls);
+      return tls_status.ok();
+    });
+    if (!tls_status.ok()) return tls_status;
+    if (!server->server_->is_valid()) {
+      return absl::InternalError(absl::StrCat("http: no TLS context (", OpenSslErrors(), ")"));
+    }
+  } else {
+    server->server_ = std::make_unique<httplib::Server>();
+  }
+  httplib::Server& http = *server->server_;
+  const int threads = server->options_.threads;
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  // One request per connection: a kept-alive idle connection would hold a worker thread.
+  http.set_keep_alive_max_count(1);
+  http.set_payload_max_length(server->options_.max_body_bytes);
+  // SO_REUSEADDR (a restart may take the port of its predecessor's TIME_WAIT sockets) but not
+  // cpp-httplib's default SO_REUSEPORT, with which a second server would share a port in use
+  // instead of failing to listen.
+  http.set_socket_options([](int sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  // Every method and path reaches Handle, which answers unknown routes itself (after the API
+  // key for /v1/*), as one table.
+  const auto handle = [s = server.get()](const httplib::Request& req, httplib::Response& res) {
+    s->Handle(req, res);
   };
-  server->context_ = mg_start(&callbacks, nullptr, mg_options);
-  if (server->context_ == nullptr) {
+  http.Get(".*", handle);
+  http.Post(".*", handle);
+  http.Put(".*", handle);
+  http.Patch(".*", handle);
+  http.Delete(".*", handle);
+  http.Options(".*", handle);
+  // What cpp-httplib answers by itself (a body over the limit: 413; a malformed request: 400)
+  // gets an OpenAI error body too.
+  const size_t max_body = server->options_.max_body_bytes;
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [max_body](const httplib::Request&, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        SendError(res, oa::ApiError{
+                           .http_status = res.status,
+                           .type = "invalid_request_error",
+                           .message = res.status == 413
+                                          ? absl::StrCat("the body exceeds ", max_body, " bytes")
+                                          : absl::StrCat("the request could not be served (HTTP ",
+                                                         res.status, ")"),
+                       });
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  if (port == 0) {
+    port = http.bind_to_any_port(host);
+  } else if (!http.bind_to_port(host, port)) {
+    port = -1;
+  }
+  if (port <= 0) {
     return absl::UnavailableError(absl::StrCat("http: cannot listen on ", server->options_.listen));
   }
-  mg_server_port ports[4];
-  const int n = mg_get_server_ports(server->context_, 4, ports);
-  if (n <= 0 || ports[0].port <= 0) {
-    return absl::UnavailableError(
-        absl::StrCat("http: no listening port reported for ", server->options_.listen));
-  }
-  server->port_ = ports[0].port;
-  mg_set_request_handler(server->context_, "/", &OpenAiHttpServer::HandleRequest, server.get());
-  server->watcher_ = std::make_unique<std::thread>([s = server.get()] { s->WatchLoop(); });
+  server->port_ = port;
+  auto listen_returned = std::make_shared<std::atomic<bool>>(false);
+  server->listener_ = std::thread([s = server.get(), listen_returned] {
+    if (!s->server_->listen_after_bind()) spdlog::warn("http: the accept loop ended with an error");
+    *listen_returned = true;
+  });
+  // stop() stops only a server that runs: wait until it does, so that destroying the server
+  // right after Start cannot leave its accept loop behind.
+  while (!http.is_running() && !*listen_returned) absl::SleepFor(absl::Milliseconds(1));
   return server;
 }
 
 OpenAiHttpServer::~OpenAiHttpServer() {
   Shutdown(absl::Now());
-  {
-    absl::MutexLock lock(&mu_);
-    stop_watch_ = true;
-  }
-  if (watcher_ != nullptr) watcher_->join();
-  if (context_ == nullptr) return;
-  // mg_stop waits for civetweb's accept loop, which looks at its stop flag only between polls
-  // of 2 s (civetweb's SOCKET_TIMEOUT_QUANTUM) unless a connection arrives: connect to our own
-  // port until it returns, so that stopping takes milliseconds, not seconds.
-  absl::Notification stopped;
-  std::thread waker([this, &stopped] {
-    std::string host = options_.listen.substr(0, options_.listen.rfind(':'));
-    if (host.empty() || host == "0.0.0.0") host = "127.0.0.1";
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port_));
-    if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return;
-    do {
-      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (fd < 0) return;
-      (void)connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
-      close(fd);
-    } while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
-  });
-  // Waits for the worker threads; every request has ended above.
-  mg_stop(context_);
-  stopped.Notify();
-  waker.join();
+  // Closes the listening socket, which ends the accept loop; listen_after_bind then waits for
+  // the worker threads (every request has ended above).
+  if (server_ != nullptr) server_->stop();
+  if (listener_.joinable()) listener_.join();
+}
+
+bool OpenAiHttpServer::Enter(Exchange* x) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return false;
+  running_.insert(x);
+  return true;
+}
+
+void OpenAiHttpServer::Leave(Exchange* x) {
+  absl::MutexLock lock(&mu_);
+  running_.erase(x);
 }
 
 void OpenAiHttpServer::Shutdown(absl::Time deadline) {
@@ -220,142 +280,161 @@ void OpenAiHttpServer::Shutdown(absl::Time deadline) {
   while (!running_.empty()) {
     for (Exchange* x : running_) {
       absl::MutexLock xl(&x->mu);
-      if (x->token != nullptr)
-        x->token->Cancel(absl::UnavailableError("the controller is stopping"));
+      CancelLocked(*x, absl::UnavailableError("the controller is stopping"));
     }
     mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Milliseconds(50));
   }
 }
 
-void OpenAiHttpServer::WatchLoop() {
-  absl::MutexLock lock(&mu_);
-  while (!stop_watch_) {
-    const absl::Time now = absl::Now();
-    for (Exchange* x : running_) {
-      if (!x->streaming) continue;
-      // A handler in the middle of a write is not idle: skip rather than wait behind it.
-      if (!x->mu.TryLock()) continue;
-      const bool due = x->headers_sent ? now - x->last_write >= options_.keepalive_period
-                                       : now - x->started >= options_.headers_after;
-      if (due && !x->broken && !StreamWrite(*x, ": keep-alive\n\n") && x->token != nullptr) {
-        x->token->Cancel(absl::CancelledError("client disconnected"));
-      }
-      x->mu.Unlock();
-    }
-    // Entries leave the set only under mu_, so the pointers above stay valid during the scan.
-    mu_.AwaitWithTimeout(absl::Condition(&stop_watch_), options_.keepalive_period / 4);
-  }
-}
-
-int OpenAiHttpServer::HandleRequest(mg_connection* conn, void* self) {
-  return static_cast<OpenAiHttpServer*>(self)->Handle(conn);
-}
-
-int OpenAiHttpServer::Handle(mg_connection* conn) {
-  const mg_request_info* info = mg_get_request_info(conn);
-  const absl::string_view method = info->request_method;
-  const absl::string_view uri = info->local_uri != nullptr ? info->local_uri : "";
+void OpenAiHttpServer::Handle(const httplib::Request& req, httplib::Response& res) {
+  const std::string& method = req.method;
+  const std::string& uri = req.path;
   const auto not_found = [&] {
-    return SendError(conn, oa::ApiError{.http_status = 404,
-                                        .type = "invalid_request_error",
-                                        .message = absl::StrCat("no route ", method, " ", uri),
-                                        .code = "not_found"});
+    SendError(res, oa::ApiError{.http_status = 404,
+                                .type = "invalid_request_error",
+                                .message = absl::StrCat("no route ", method, " ", uri),
+                                .code = "not_found"});
   };
   if (uri == "/health") {
-    return method == "GET" ? SendJson(conn, 200, R"({"status":"ok"})") : not_found();
+    if (method != "GET") return not_found();
+    return SendJson(res, 200, R"({"status":"ok"})");
   }
   if (uri == "/ready") {
     if (method != "GET") return not_found();
-    return generator_->Models().empty() ? SendJson(conn, 503, R"({"status":"not ready"})")
-                                        : SendJson(conn, 200, R"({"status":"ready"})");
+    return generator_->Models().empty() ? SendJson(res, 503, R"({"status":"not ready"})")
+                                        : SendJson(res, 200, R"({"status":"ready"})");
   }
   if (!absl::StartsWith(uri, "/v1/")) return not_found();
-  if (absl::Status s = oa::CheckApiKey(options_.api_key, mg_get_header(conn, "Authorization"));
+  const std::string authorization = req.get_header_value("Authorization");
+  if (absl::Status s = oa::CheckApiKey(
+          options_.api_key, req.has_header("Authorization") ? authorization.c_str() : nullptr);
       !s.ok()) {
-    return SendStatus(conn, s, oa::Endpoint::kCompletions);
+    return SendStatus(res, s, oa::Endpoint::kCompletions);
   }
   if (uri == "/v1/models" && method == "GET") {
-    return SendJson(conn, 200, oa::ModelsBody(generator_->Models()));
+    return SendJson(res, 200, oa::ModelsBody(generator_->Models()));
   }
-  if (uri == "/v1/completions" && method == "POST") return HandleGenerate(conn, false);
-  if (uri == "/v1/chat/completions" && method == "POST") return HandleGenerate(conn, true);
+  if (uri == "/v1/completions" && method == "POST") return HandleGenerate(req, res, false);
+  if (uri == "/v1/chat/completions" && method == "POST") return HandleGenerate(req, res, true);
   return not_found();
 }
 
-int OpenAiHttpServer::HandleGenerate(mg_connection* conn, bool chat) {
+void OpenAiHttpServer::HandleGenerate(const httplib::Request& req, httplib::Response& res,
+                                      bool chat) {
   const oa::Endpoint endpoint = chat ? oa::Endpoint::kChatCompletions : oa::Endpoint::kCompletions;
-  std::string body;
-  // On the heap: civetweb's worker stacks are small (kvr::thread_stack_floor raises them to
-  // 1 MiB), and the request still has the whole Generate path to run on this one.
-  std::vector<char> buf(1 << 16);
-  for (int n; (n = mg_read(conn, buf.data(), buf.size())) > 0;) {
-    body.append(buf.data(), n);
-    if (body.size() > options_.max_body_bytes) {
-      return SendError(
-          conn, oa::ApiError{.http_status = 413,
-                             .type = "invalid_request_error",
-                             .message = absl::StrCat("the body exceeds ", options_.max_body_bytes,
-                                                     " bytes")});
-    }
-  }
-  absl::StatusOr<oa::ParsedRequest> parsed = oa::ParseRequest(endpoint, body);
-  if (!parsed.ok()) return SendStatus(conn, parsed.status(), endpoint);
+  absl::StatusOr<oa::ParsedRequest> parsed = oa::ParseRequest(endpoint, req.body);
+  if (!parsed.ok()) return SendStatus(res, parsed.status(), endpoint);
   if (absl::Status s = oa::CheckModelFound(parsed->request.model(),
                                            generator_->Presence(parsed->request.model()));
       !s.ok()) {
-    return SendStatus(conn, s, endpoint);
+    return SendStatus(res, s, endpoint);
+  }
+  auto x = std::make_shared<Exchange>(*std::move(parsed));
+  x->started = absl::Now();
+  if (!Enter(x.get())) {
+    return SendStatus(res, absl::UnavailableError("the controller is stopping"), endpoint);
+  }
+  // Runs the request to its end on the calling thread.
+  const auto run = [this](Exchange* x) {
+    const absl::Status status = generator_->Generate(
+        x->parsed.request, absl::InfiniteFuture(),
+        [&](const GenerateParams& params, CancellationToken* token) {
+          x->builder.emplace(x->parsed, params, absl::ToUnixSeconds(absl::Now()));
+          bool stopping;
+          {
+            absl::MutexLock lock(&mu_);
+            stopping = stopping_;
+          }
+          absl::MutexLock lock(&x->mu);
+          x->token = token;
+          if (x->broken) token->Cancel(absl::CancelledError("client disconnected"));
+          if (stopping) token->Cancel(absl::UnavailableError("the controller is stopping"));
+          return std::make_unique<HttpSink>(x);
+        });
+    // The token is gone: no one may use it from here on.
+    absl::MutexLock lock(&x->mu);
+    x->token = nullptr;
+    x->finished = true;
+    x->status = status;
+  };
+
+  if (!x->parsed.stream) {
+    run(x.get());
+    Leave(x.get());
+    absl::MutexLock lock(&x->mu);
+    if (x->status.ok()) return SendJson(res, 200, x->builder->Body());
+    return SendStatus(res, x->status, endpoint);
   }
 
-  Exchange exchange;
-  exchange.conn = conn;
-  exchange.streaming = parsed->stream;
-  exchange.started = absl::Now();
+  x->generation = std::thread([run, x] { run(x.get()); });
+  absl::Status failed;
   {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) {
-      return SendStatus(conn, absl::UnavailableError("the controller is stopping"), endpoint);
-    }
-    running_.insert(&exchange);
-  }
-  std::optional<oa::ResponseBuilder> builder;
-  const absl::Status status =
-      generator_->Generate(parsed->request, absl::InfiniteFuture(),
-                           [&](const GenerateParams& params, CancellationToken* token) {
-                             builder.emplace(*parsed, params, absl::ToUnixSeconds(absl::Now()));
-                             bool stopping;
-                             {
-                               absl::MutexLock lock(&mu_);
-                               stopping = stopping_;
-                             }
-                             absl::MutexLock lock(&exchange.mu);
-                             exchange.token = token;
-                             if (exchange.broken)
-                               token->Cancel(absl::CancelledError("client disconnected"));
-                             if (stopping)
-                               token->Cancel(absl::UnavailableError("the controller is stopping"));
-                             return std::make_unique<HttpSink>(&exchange, &*builder);
-                           });
-  {
-    // The token is gone: no one may use it from here on.
-    absl::MutexLock lock(&exchange.mu);
-    exchange.token = nullptr;
-  }
-  int code = 200;
-  if (status.ok()) {
-    if (!parsed->stream) code = SendJson(conn, 200, builder->Body());
-  } else {
-    const oa::ApiError error = oa::ErrorFromStatus(status, endpoint);
-    absl::MutexLock lock(&exchange.mu);
-    if (exchange.headers_sent) {
-      // The stream already said 200: the error goes as an event (the openai client raises it).
-      StreamWrite(exchange, oa::ResponseBuilder::StreamError(error));
+    absl::MutexLock lock(&x->mu);
+    auto started_or_done = [&x]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->mu) {
+      return x->finished || x->any_event;
+    };
+    x->mu.AwaitWithDeadline(absl::Condition(&started_or_done), x->started + options_.headers_after);
+    // An error before the first event (validation, admission, no node ...) has its own HTTP
+    // status; from the first event on, or once headers_after passed, the stream says 200.
+    if (x->finished && !x->any_event && !x->status.ok()) {
+      failed = x->status;
     } else {
-      code = SendError(conn, error);
+      x->headers_sent = true;
     }
   }
-  absl::MutexLock lock(&mu_);
-  running_.erase(&exchange);
-  return code;
+  if (!failed.ok()) {
+    x->generation.join();
+    Leave(x.get());
+    return SendStatus(res, failed, endpoint);
+  }
+  res.status = 200;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      // Writes what the request produced, or a keep-alive comment after keepalive_period
+      // without any; the write that fails (the client is gone) cancels the request.
+      [this, x, endpoint](size_t, httplib::DataSink& sink) {
+        std::string out;
+        bool done;
+        {
+          absl::MutexLock lock(&x->mu);
+          auto ready = [&x]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->mu) {
+            return x->finished || !x->pending.empty();
+          };
+          x->mu.AwaitWithTimeout(absl::Condition(&ready), options_.keepalive_period);
+          done = x->finished;
+          out.swap(x->pending);
+          // The stream already said 200: an error goes as an event (the openai client raises
+          // it).
+          if (done && !x->status.ok()) {
+            out += oa::ResponseBuilder::StreamError(oa::ErrorFromStatus(x->status, endpoint));
+          }
+        }
+        if (out.empty()) out = ": keep-alive\n\n";
+        if (!sink.write(out.data(), out.size())) {
+          absl::MutexLock lock(&x->mu);
+          x->broken = true;
+          CancelLocked(*x, absl::CancelledError("client disconnected"));
+          return false;
+        }
+        if (done) sink.done();
+        return true;
+      },
+      // When the response is gone (written, or the connection failed): a request still running
+      // has lost its client.
+      [this, x](bool) {
+        if (!x->generation.joinable()) return;
+        {
+          absl::MutexLock lock(&x->mu);
+          if (!x->finished) {
+            x->broken = true;
+            CancelLocked(*x, absl::CancelledError("client disconnected"));
+          }
+        }
+        x->generation.join();
+        Leave(x.get());
+      });
 }
 
 }  // namespace kvr::controller

@@ -52,7 +52,10 @@ int Serve(const ControllerConfig& config) {
     return 2;
   }
   spdlog::info("gRPC: {}{}", security->Describe(),
-               security->enabled() ? "; members must present a certificate of the CA" : "");
+               !security->enabled()           ? ""
+               : config.require_node_identity ? "; members must present a certificate of the CA "
+                                                "that names their node (kvr://node/<name>)"
+                                              : "; members must present a certificate of the CA");
   SystemClock clock;
   const std::string host = config.listen.substr(0, config.listen.rfind(':'));
   // Declared before everything that reports to it, so it outlives them.
@@ -87,22 +90,35 @@ int Serve(const ControllerConfig& config) {
   // With TLS, only peers whose certificate chains to the cluster CA may join or act as members;
   // public clients share the port without one.
   MembershipService membership_service(
-      &membership, MembershipService::Options{.require_member_certificate = security->enabled()});
+      &membership,
+      MembershipService::Options{.require_member_certificate = security->enabled(),
+                                 .require_node_identity = config.require_node_identity});
   // The OpenAI-compatible HTTP API, in this process over the same Generator as the gRPC API.
   std::unique_ptr<OpenAiHttpServer> http_server;
   if (!config.http_listen.empty()) {
     // One worker thread per running request (each blocks as a synchronous gRPC call does):
-    // enough for max_in_flight up to a bound; more wait in civetweb's accept queue.
+    // enough for max_in_flight up to a bound; more wait in the server's queue.
     const int threads = static_cast<int>(std::clamp<uint32_t>(config.max_in_flight + 4, 8, 256));
-    absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
-        OpenAiHttpServer::Start(&generator, HttpServerOptions{.listen = config.http_listen,
-                                                              .api_key = config.api_key,
-                                                              .threads = threads});
+    absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started = OpenAiHttpServer::Start(
+        &generator, HttpServerOptions{.listen = config.http_listen,
+                                      .api_key = config.api_key,
+                                      .threads = threads,
+                                      .tls = {
+                                          .cert_file = config.http_tls_cert,
+                                          .key_file = config.http_tls_key,
+                                          .client_ca_file = config.http_tls_client_ca,
+                                      }});
     if (!started.ok()) {
       std::cerr << "kvr-controller: " << started.status().message() << "\n";
-      return 1;
+      return started.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
     }
     http_server = std::move(*started);
+    spdlog::info("HTTP API: {}", http_server->tls()
+                                     ? (config.http_tls_client_ca.empty()
+                                            ? "HTTPS"
+                                            : "HTTPS; clients must present a certificate of "
+                                              "http_tls_client_ca")
+                                     : "plaintext HTTP");
   }
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -133,10 +149,11 @@ int Serve(const ControllerConfig& config) {
     for (const char* service : kControllerReadyServices) health->SetServingStatus(service, ready);
   });
   if (http_server != nullptr) {
-    // Printed before the "listening on" line, as the metrics port is.
+    // Printed before the "listening on" line, as the metrics port is; "https listening on"
+    // when the API is TLS.
     const std::string http_host = config.http_listen.substr(0, config.http_listen.rfind(':'));
-    std::cout << "kvr-controller http listening on " << http_host << ":" << http_server->port()
-              << std::endl;
+    std::cout << "kvr-controller " << (http_server->tls() ? "https" : "http") << " listening on "
+              << http_host << ":" << http_server->port() << std::endl;
   }
   // One parseable line on stdout for scripts and tests (kvr up reads it).
   std::cout << "kvr-controller listening on " << host << ":" << port << std::endl;

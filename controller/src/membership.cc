@@ -87,6 +87,16 @@ absl::StatusOr<std::string> Membership::Register(NodeRegistration registration,
   if (absl::Status s = ValidateRegistration(registration); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   ExpireLocked();
+  for (const auto& [serial, e] : nodes_) {
+    const NodeRegistration& old = e.snapshot.registration;
+    if (old.endpoints.grpc_address == registration.endpoints.grpc_address &&
+        !old.identity.empty() && old.identity != registration.identity) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "endpoints.grpc_address: '", old.endpoints.grpc_address, "' is node ", e.snapshot.id,
+          " of identity '", old.identity, "'; the certificate of '", registration.identity,
+          "' cannot replace it (it may once that node's lease lapsed)"));
+    }
+  }
   absl::erase_if(nodes_, [&](const auto& kv) {
     if (kv.second.snapshot.registration.endpoints.grpc_address !=
         registration.endpoints.grpc_address) {
@@ -115,9 +125,18 @@ auto FindById(Map& nodes, absl::string_view id) {
   return std::find_if(nodes.begin(), nodes.end(),
                       [&](const auto& kv) { return kv.second.snapshot.id == id; });
 }
+
+// PERMISSION_DENIED unless `caller` (when checked) is the identity `node` registered with.
+absl::Status CheckCaller(const NodeSnapshot& node, std::optional<absl::string_view> caller) {
+  if (!caller.has_value() || *caller == node.registration.identity) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("node_id: '", node.id, "' belongs to the certificate of node '",
+                   node.registration.identity, "', not to this peer's ('", *caller, "')"));
+}
 }  // namespace
 
-absl::StatusOr<absl::Time> Membership::Heartbeat(absl::string_view node_id, const NodeLoad& load) {
+absl::StatusOr<absl::Time> Membership::Heartbeat(absl::string_view node_id, const NodeLoad& load,
+                                                 std::optional<absl::string_view> caller) {
   absl::MutexLock lock(&mu_);
   ExpireLocked();
   auto it = FindById(nodes_, node_id);
@@ -125,6 +144,7 @@ absl::StatusOr<absl::Time> Membership::Heartbeat(absl::string_view node_id, cons
     return absl::NotFoundError(
         absl::StrCat("node_id: '", node_id, "' is not registered (unknown or lease expired)"));
   }
+  if (absl::Status s = CheckCaller(it->second.snapshot, caller); !s.ok()) return s;
   Entry& e = it->second;
   e.reported = load;
   e.pending = {};
@@ -133,12 +153,14 @@ absl::StatusOr<absl::Time> Membership::Heartbeat(absl::string_view node_id, cons
   return e.snapshot.lease_expiry;
 }
 
-absl::Status Membership::Deregister(absl::string_view node_id) {
+absl::Status Membership::Deregister(absl::string_view node_id,
+                                    std::optional<absl::string_view> caller) {
   absl::MutexLock lock(&mu_);
   auto it = FindById(nodes_, node_id);
   if (it == nodes_.end()) {
     return absl::NotFoundError(absl::StrCat("node_id: '", node_id, "' is not registered"));
   }
+  if (absl::Status s = CheckCaller(it->second.snapshot, caller); !s.ok()) return s;
   nodes_.erase(it);
   return absl::OkStatus();
 }

@@ -33,10 +33,45 @@ grpc::Status MembershipService::CheckMember(const grpc::ServerContext& context) 
                       "needs --tls-ca, --tls-cert and --tls-key)");
 }
 
+absl::StatusOr<std::optional<std::string>> MembershipService::CallerIdentity(
+    const grpc::ServerContext& context, absl::string_view call) const {
+  if (!options_.require_member_certificate || !options_.require_node_identity) {
+    return std::optional<std::string>();
+  }
+  absl::StatusOr<std::string> identity = PeerNodeIdentity(context);
+  if (identity.ok()) return std::optional<std::string>(*std::move(identity));
+  if (int64_t count = 0; refusals_log_.Allow(absl::Now(), &count)) {
+    spdlog::warn("membership {} from {} refused: {} ({} such refusals since the last line)",
+                 std::string(call), context.peer(), std::string(identity.status().message()),
+                 count);
+  }
+  return absl::PermissionDeniedError(
+      absl::StrCat("membership: ", identity.status().message(),
+                   "; the controller checks node identities (require_node_identity)"));
+}
+
+namespace {
+grpc::Status PermissionDenied(const absl::Status& s) {
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(s.message()));
+}
+}  // namespace
+
 grpc::Status MembershipService::Register(grpc::ServerContext* context,
                                          const cv1::RegisterRequest* request,
                                          cv1::RegisterResponse* response) {
   if (grpc::Status s = CheckMember(*context); !s.ok()) return s;
+  absl::StatusOr<std::optional<std::string>> caller = CallerIdentity(*context, "Register");
+  if (!caller.ok()) return PermissionDenied(caller.status());
+  if (caller->has_value() && **caller != request->name()) {
+    spdlog::warn(
+        "membership Register from {} refused: its certificate is for node '{}', the "
+        "registration names '{}'",
+        context->peer(), **caller, request->name());
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat("name: the peer's certificate is for node '", **caller, "' (",
+                                     NodeIdentityUri(**caller), "); it cannot register as '",
+                                     request->name(), "'"));
+  }
   if (request->protocol_version() != kClusterProtocolVersion) {
     return grpc::Status(
         grpc::StatusCode::FAILED_PRECONDITION,
@@ -47,7 +82,9 @@ grpc::Status MembershipService::Register(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "role: unspecified");
   }
   std::vector<std::string> replaced;
-  absl::StatusOr<std::string> id = membership_->Register(FromProto(*request), &replaced);
+  NodeRegistration registration = FromProto(*request);
+  registration.identity = caller->value_or("");
+  absl::StatusOr<std::string> id = membership_->Register(std::move(registration), &replaced);
   if (!id.ok()) return ToGrpcStatus(id.status());
   spdlog::info("registered {} node {} '{}' at {} (instance {})",
                cv1::NodeRole_Name(request->role()), *id, request->name(),
@@ -69,8 +106,10 @@ grpc::Status MembershipService::Heartbeat(grpc::ServerContext* context,
                                           const cv1::HeartbeatRequest* request,
                                           cv1::HeartbeatResponse* response) {
   if (grpc::Status s = CheckMember(*context); !s.ok()) return s;
+  absl::StatusOr<std::optional<std::string>> caller = CallerIdentity(*context, "Heartbeat");
+  if (!caller.ok()) return PermissionDenied(caller.status());
   absl::StatusOr<absl::Time> expiry =
-      membership_->Heartbeat(request->node_id(), FromProto(request->load()));
+      membership_->Heartbeat(request->node_id(), FromProto(request->load()), *caller);
   if (!expiry.ok()) return ToGrpcStatus(expiry.status());
   SetTimestamp(*expiry, response->mutable_lease_expiry());
   SetDuration(membership_->lease(), response->mutable_lease());
@@ -82,7 +121,9 @@ grpc::Status MembershipService::Deregister(grpc::ServerContext* context,
                                            const cv1::DeregisterRequest* request,
                                            cv1::DeregisterResponse*) {
   if (grpc::Status s = CheckMember(*context); !s.ok()) return s;
-  absl::Status s = membership_->Deregister(request->node_id());
+  absl::StatusOr<std::optional<std::string>> caller = CallerIdentity(*context, "Deregister");
+  if (!caller.ok()) return PermissionDenied(caller.status());
+  absl::Status s = membership_->Deregister(request->node_id(), *caller);
   if (s.ok()) spdlog::info("node {} deregistered", request->node_id());
   return ToGrpcStatus(s);
 }

@@ -527,8 +527,8 @@ TEST(ControllerIntegrationTest, RogueNodeWithoutAClusterCertificateCannotJoin) {
   const std::string ca_file = absl::StrCat(dir, "/ca.pem");
   ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
   auto issue = [&](const PemCertificate& by, const std::string& name) {
-    absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(by, name, {"127.0.0.1", "localhost"}, absl::Hours(1));
+    absl::StatusOr<PemCertificate> cert = IssueCertificate(by, name, {"127.0.0.1", "localhost"},
+                                                           absl::Hours(1), {NodeIdentityUri(name)});
     EXPECT_TRUE(cert.ok()) << cert.status();
     absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *cert, ca_file);
     EXPECT_TRUE(files.ok()) << files.status();
@@ -552,7 +552,7 @@ TEST(ControllerIntegrationTest, RogueNodeWithoutAClusterCertificateCannotJoin) {
   kvr::cluster::v1::RegisterRequest registration;
   registration.set_role(kvr::cluster::v1::NODE_ROLE_PREFILL);
   registration.set_protocol_version(1);
-  registration.set_name("rogue");
+  registration.set_name("member");
   registration.mutable_endpoints()->set_grpc_address("127.0.0.1:1");
   kvr::cluster::v1::ModelInfo* model = registration.mutable_capacity()->add_models();
   model->set_name("smollm2");
@@ -618,6 +618,140 @@ TEST(ControllerIntegrationTest, RogueNodeWithoutAClusterCertificateCannotJoin) {
   ASSERT_TRUE(listed.ok()) << listed.error_message();
   ASSERT_EQ(models.models_size(), 1);
   EXPECT_EQ(models.models(0).prefill_nodes(), 1u);
+  std::filesystem::remove_all(dir);
+}
+
+// With TLS a member's certificate names its node (URI SAN kvr://node/<name>): a node with a
+// valid cluster certificate for "node-a" cannot register as "node-b", nor renew, remove or
+// take the address of another certificate's node; a certificate that names no node is refused
+// unless the controller runs with --require-node-identity=false.
+TEST(ControllerIntegrationTest, ACertificateForOneNodeCannotActAsAnother) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-identity-", getpid());
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("cluster CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok());
+  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
+  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  auto issue = [&](const std::string& file, std::vector<std::string> uris) {
+    absl::StatusOr<PemCertificate> cert =
+        IssueCertificate(*ca, file, {"127.0.0.1", "localhost"}, absl::Hours(1), uris);
+    EXPECT_TRUE(cert.ok()) << cert.status();
+    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, file, *cert, ca_file);
+    EXPECT_TRUE(files.ok()) << files.status();
+    return *files;
+  };
+  const TlsConfig controller_tls = issue("controller", {NodeIdentityUri("controller")});
+  const TlsConfig node_a = issue("node-a", {NodeIdentityUri("node-a")});
+  const TlsConfig node_b = issue("node-b", {NodeIdentityUri("node-b")});
+  const TlsConfig nameless = issue("nameless", {});
+
+  auto start = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv = {KVR_CONTROLLER_BIN,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--tls-ca",
+                                     ca_file,
+                                     "--tls-cert",
+                                     controller_tls.cert_file,
+                                     "--tls-key",
+                                     controller_tls.key_file,
+                                     "--metrics-port",
+                                     "-1",
+                                     "--http-listen",
+                                     "-1"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return std::make_unique<Subprocess>(argv);
+  };
+  auto address_of = [](Subprocess& controller) {
+    const std::string line = controller.WaitForLine("kvr-controller listening on ");
+    return line.substr(line.rfind(' ') + 1);
+  };
+  auto stub = [](const std::string& address, const TlsConfig& tls) {
+    absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
+    EXPECT_TRUE(security.ok()) << security.status();
+    return kvr::cluster::v1::Membership::NewStub(security->CreateChannel(address));
+  };
+  auto registration = [](const std::string& name, const std::string& grpc_address) {
+    kvr::cluster::v1::RegisterRequest r;
+    r.set_role(kvr::cluster::v1::NODE_ROLE_PREFILL);
+    r.set_protocol_version(1);
+    r.set_name(name);
+    r.mutable_endpoints()->set_grpc_address(grpc_address);
+    kvr::cluster::v1::ModelInfo* model = r.mutable_capacity()->add_models();
+    model->set_name("smollm2");
+    model->set_context_length(2048);
+    model->set_kv_bytes_per_token(1000);
+    return r;
+  };
+  auto register_as = [&](const std::string& address, const TlsConfig& tls,
+                         const kvr::cluster::v1::RegisterRequest& request,
+                         std::string* node_id = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    kvr::cluster::v1::RegisterResponse response;
+    const grpc::Status status = stub(address, tls)->Register(&ctx, request, &response);
+    if (node_id != nullptr) *node_id = response.node_id();
+    return status;
+  };
+  auto heartbeat = [&](const std::string& address, const TlsConfig& tls, const std::string& id) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    kvr::cluster::v1::HeartbeatRequest request;
+    request.set_node_id(id);
+    kvr::cluster::v1::HeartbeatResponse ignored;
+    return stub(address, tls)->Heartbeat(&ctx, request, &ignored);
+  };
+  auto deregister = [&](const std::string& address, const TlsConfig& tls, const std::string& id) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    kvr::cluster::v1::DeregisterRequest request;
+    request.set_node_id(id);
+    kvr::cluster::v1::DeregisterResponse ignored;
+    return stub(address, tls)->Deregister(&ctx, request, &ignored);
+  };
+
+  std::unique_ptr<Subprocess> controller = start({});
+  std::string address = address_of(*controller);
+  ASSERT_FALSE(address.empty());
+
+  const grpc::Status as_b = register_as(address, node_a, registration("node-b", "127.0.0.1:1"));
+  EXPECT_EQ(as_b.error_code(), grpc::StatusCode::PERMISSION_DENIED) << as_b.error_message();
+  EXPECT_THAT(as_b.error_message(), HasSubstr("'node-a'"));
+  EXPECT_THAT(as_b.error_message(), HasSubstr("cannot register as 'node-b'"));
+
+  std::string id_a;
+  const grpc::Status as_a =
+      register_as(address, node_a, registration("node-a", "127.0.0.1:1"), &id_a);
+  ASSERT_TRUE(as_a.ok()) << as_a.error_message();
+
+  const grpc::Status b_renews_a = heartbeat(address, node_b, id_a);
+  EXPECT_EQ(b_renews_a.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << b_renews_a.error_message();
+  EXPECT_THAT(b_renews_a.error_message(), HasSubstr("'node-a'"));
+  EXPECT_EQ(deregister(address, node_b, id_a).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  // Nor may node-b register itself at node-a's address, which would evict node-a.
+  const grpc::Status b_takes_address =
+      register_as(address, node_b, registration("node-b", "127.0.0.1:1"));
+  EXPECT_EQ(b_takes_address.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << b_takes_address.error_message();
+  EXPECT_THAT(b_takes_address.error_message(), HasSubstr("grpc_address"));
+
+  const grpc::Status no_name = register_as(address, nameless, registration("x", "127.0.0.1:2"));
+  EXPECT_EQ(no_name.error_code(), grpc::StatusCode::PERMISSION_DENIED) << no_name.error_message();
+  EXPECT_THAT(no_name.error_message(), HasSubstr("kvr://node/"));
+
+  // node-a itself still renews and leaves.
+  EXPECT_TRUE(heartbeat(address, node_a, id_a).ok());
+  EXPECT_TRUE(deregister(address, node_a, id_a).ok());
+
+  // The documented opt-out: certificates that name no node, any name.
+  controller = start({"--require-node-identity=false"});
+  address = address_of(*controller);
+  ASSERT_FALSE(address.empty());
+  std::string id;
+  const grpc::Status opted_out =
+      register_as(address, nameless, registration("x", "127.0.0.1:2"), &id);
+  EXPECT_TRUE(opted_out.ok()) << opted_out.error_message();
+  EXPECT_TRUE(heartbeat(address, node_b, id).ok());
   std::filesystem::remove_all(dir);
 }
 

@@ -136,6 +136,43 @@ TEST_F(MembershipTest, ReRegistrationOnTheSameAddressReplacesTheOldEntry) {
   EXPECT_TRUE(replaced.empty());
 }
 
+// With identities checked, a node id is renewed and removed only by the identity that
+// registered it, and an address held by one identity is not taken over by another while its
+// lease runs.
+TEST_F(MembershipTest, ANodeIdBelongsToTheIdentityThatRegisteredIt) {
+  NodeRegistration a = Decode("d:1");
+  a.identity = "decode-a";
+  auto id = membership_.Register(a);
+  ASSERT_TRUE(id.ok()) << id.status();
+
+  absl::StatusOr<absl::Time> other = membership_.Heartbeat(*id, {}, "decode-b");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(other.status().message()), HasSubstr("'decode-a'"));
+  EXPECT_THAT(std::string(other.status().message()), HasSubstr("'decode-b'"));
+  EXPECT_EQ(membership_.Deregister(*id, "decode-b").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(membership_.Heartbeat(*id, {}, "decode-a").ok());
+  // Not checked (std::nullopt): the call is not refused.
+  EXPECT_TRUE(membership_.Heartbeat(*id, {}).ok());
+
+  NodeRegistration b = Decode("d:1");
+  b.identity = "decode-b";
+  std::vector<std::string> replaced;
+  absl::StatusOr<std::string> taken = membership_.Register(b, &replaced);
+  EXPECT_EQ(taken.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(taken.status().message()), HasSubstr("grpc_address: 'd:1'"));
+  EXPECT_TRUE(replaced.empty());
+  ASSERT_EQ(membership_.LiveNodes().size(), 1u);
+  EXPECT_EQ(membership_.LiveNodes()[0].id, *id);
+  // The same identity restarted on its address replaces its old entry, as without identities.
+  EXPECT_TRUE(membership_.Register(a, &replaced).ok());
+  EXPECT_THAT(replaced, ElementsAre(*id));
+  // Once the lease lapsed, the address is free for anyone.
+  clock_.Advance(absl::Seconds(11));
+  EXPECT_TRUE(membership_.Register(b).ok());
+
+  EXPECT_TRUE(membership_.Deregister(membership_.LiveNodes()[0].id, "decode-b").ok());
+}
+
 TEST_F(MembershipTest, PresenceTellsNotYetFromNeverSeen) {
   ModelPresence p = membership_.Presence("smollm2");
   EXPECT_FALSE(p.any_model_served);

@@ -67,7 +67,10 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
                                       "host other nodes use to reach this one (empty: the listen "
                                       "host)",
                                       &Config::advertise_host, /*allow_empty=*/true),
-                StringSetting<Config>("name", "node name in the controller's logs", &Config::name),
+                StringSetting<Config>("name",
+                                      "node name it registers with (the controller's logs; with "
+                                      "TLS, the kvr://node/<name> its certificate carries)",
+                                      &Config::name),
                 StringSetting<Config>("a2ats_codebooks",
                                       "codebook file from `kvr calibrate` for this model: offers "
                                       "method a2ats (empty: a2ats not offered)",

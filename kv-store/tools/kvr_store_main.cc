@@ -97,7 +97,9 @@ int main(int argc, char** argv) {
     o.security = *security;
     o.registration.set_role(cv1::NODE_ROLE_STORE);
     o.registration.set_protocol_version(1);
-    o.registration.set_name(absl::StrCat(config->name, "@", advertised));
+    // Its name alone: with TLS the controller admits the registration only under the node
+    // name its certificate carries (kvr://node/<name>); the address is in the endpoints.
+    o.registration.set_name(config->name);
     o.registration.mutable_endpoints()->set_grpc_address(advertised);
     o.registration.mutable_endpoints()->set_ucx_worker_address(info->worker_address());
     // Clients compare it with the instance they are connected to (a restart on the same

@@ -77,7 +77,9 @@ const node::SettingTable<StoreConfig>& StoreSettings() {
                                        "how often expired leases are swept (with evict_expired), "
                                        "in milliseconds",
                                        &Config::sweep_interval_ms, 0),
-                StringSetting<Config>("name", "name in logs and peers' error messages",
+                StringSetting<Config>("name",
+                                      "name in logs, peers' error messages and its registration "
+                                      "(with TLS, the kvr://node/<name> its certificate carries)",
                                       &Config::name),
                 node::MetricsPortSetting<Config>(&Config::metrics_port),
                 StringSetting<Config>("controller",

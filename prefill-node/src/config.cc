@@ -28,7 +28,9 @@ const node::SettingTable<PrefillConfig>& PrefillSettings() {
                                       "name the model is served under (empty: from --model)",
                                       &Config::model_name, /*allow_empty=*/true),
                 StringSetting<Config>(
-                    "node_name", "node name for the controller's logs (empty: kvr-prefill-PID)",
+                    "node_name",
+                    "node name it registers with (the controller's logs; with TLS, the "
+                    "kvr://node/<name> its certificate carries; empty: kvr-prefill-PID)",
                     &Config::node_name, /*allow_empty=*/true),
                 StringSetting<Config>(
                     "a2ats_codebooks",

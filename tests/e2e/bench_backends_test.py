@@ -56,7 +56,11 @@ def main():
                           ["--store-capacity", "512MiB", "--decode-arg=--batch-slots=32"],
                           ready_timeout=120)
         try:
-            http = bench(args.kvr, ["--backend", "openai-chat", "--base-url", cluster.base_url],
+            # HTTPS with kvr up's CA, which --tls-ca gives the HTTP backend too.
+            check(cluster.base_url.startswith("https://"),
+                  f"kvr up serves HTTPS: {cluster.base_url}")
+            http = bench(args.kvr, ["--backend", "openai-chat", "--base-url", cluster.base_url,
+                                    *cluster.grpc_args],
                          os.path.join(tmp, "http.json"))
             grpc = bench(args.kvr, ["--backend", "kvr-grpc", "--chat", "--target", cluster.grpc,
                                     *cluster.grpc_args],

@@ -245,19 +245,17 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
     std::vector<std::string> argv;
     std::string registered_line;
     if (v.kind == "store") {
-      argv = {KVR_STORE_BIN,  "--listen", node.grpc, "--capacity-bytes",    "1GiB",
-              "--evict-expired", "true",  "--sweep-interval-ms", "500", "--controller",
-              endpoint};
+      argv = {KVR_STORE_BIN, "--listen",        node.grpc, "--capacity-bytes",
+              "1GiB",        "--evict-expired", "true",    "--sweep-interval-ms",
+              "500",         "--controller",    endpoint,  "--name",
+              v.name};
       registered_line = "kvr-store registered";
     } else if (v.kind == "prefill" || v.kind == "decode") {
-      argv = {v.kind == "prefill" ? KVR_PREFILL_BIN : KVR_DECODE_BIN,
-              "--model",
-              kModel,
-              "--controller",
-              endpoint,
-              "--listen",
-              node.grpc,
-              "--device=cpu"};
+      argv = {v.kind == "prefill" ? KVR_PREFILL_BIN : KVR_DECODE_BIN, "--model", kModel,
+              "--controller", endpoint, "--listen", node.grpc, "--device=cpu",
+              // The name its certificate carries (kvr://node/<name>), which the controller
+              // admits it under.
+              v.kind == "prefill" ? "--node-name" : "--name", v.name};
       registered_line = absl::StrCat("kvr-", v.kind, " registered");
     } else {
       argv = {KVR_CONTROLLER_BIN, "--listen", endpoint};

@@ -581,7 +581,7 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
   const std::string port = store.grpc.substr(store.grpc.rfind(':') + 1);
   Subprocess restarted(cluster.WithTls(
       {KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB", "--evict-expired", "true",
-       "--sweep-interval-ms", "500", "--controller", cluster.endpoint()},
+       "--sweep-interval-ms", "500", "--controller", cluster.endpoint(), "--name", "store-0"},
       "store-0"));
   const absl::Time restart = absl::Now();
   ASSERT_FALSE(restarted.WaitForLine("kvr-store listening port=" + port, absl::Seconds(20)).empty())
@@ -624,9 +624,10 @@ TEST_F(ModelFixture, StoreKilledAndRestartedOnTheSamePort) {
   EXPECT_EQ(placed_on_dead.status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << placed_on_dead.status.error_message();
   EXPECT_LT(placed_took, absl::Seconds(5));
-  Subprocess again(cluster.WithTls({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes",
-                                    "1GiB", "--controller", cluster.endpoint()},
-                                   "store-0"));
+  Subprocess again(
+      cluster.WithTls({KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB",
+                       "--controller", cluster.endpoint(), "--name", "store-0"},
+                      "store-0"));
   const absl::Time second_restart = absl::Now();
   ASSERT_FALSE(again.WaitForLine("kvr-store registered", absl::Seconds(20)).empty());
   failures.clear();
@@ -713,7 +714,7 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
   absl::SleepFor(absl::Seconds(1));
   Subprocess restarted(cluster.WithTls(
       {KVR_STORE_BIN, "--listen", store.grpc, "--capacity-bytes", "1GiB", "--evict-expired", "true",
-       "--sweep-interval-ms", "500", "--controller", cluster.endpoint()},
+       "--sweep-interval-ms", "500", "--controller", cluster.endpoint(), "--name", "store-0"},
       "store-0"));
   ASSERT_FALSE(restarted.WaitForLine("kvr-store registered", absl::Seconds(20)).empty());
   std::vector<std::string> failures;

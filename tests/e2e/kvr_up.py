@@ -26,10 +26,11 @@ def test_model():
 
 class Cluster:
     """`kvr up --prefill 1 --decode 1` on free loopback ports; grpc, base_url and
-    store_metrics are the addresses it prints, grpc_args the TLS arguments a gRPC client
-    (kvr generate --endpoint, kvr bench --backend kvr-grpc) needs: the cluster's gRPC is TLS
-    with the CA kvr up made, unless `args` has --insecure. `args`: more `kvr up` arguments;
-    `env`: its environment (default: this process's)."""
+    store_metrics are the addresses it prints, ca the CA kvr up made (None with --insecure),
+    grpc_args the TLS arguments a client of the cluster (kvr generate --endpoint, kvr bench)
+    needs: the cluster's gRPC is TLS and its HTTP API HTTPS (base_url https://...) with that
+    CA, unless `args` has --insecure. `args`: more `kvr up` arguments; `env`: its environment
+    (default: this process's)."""
 
     def __init__(self, kvr, log_dir, args=(), env=None, ready_timeout=240):
         self.proc = subprocess.Popen(
@@ -52,10 +53,11 @@ class Cluster:
         # Keep draining stdout so that kvr up never blocks on a full pipe.
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
         self.grpc = re.search(r"public gRPC \(kvr.v1.Generation\)\s+(\S+)", text).group(1)
-        self.base_url = re.search(r"OpenAI-compatible HTTP\s+(http://\S+)", text).group(1)
+        self.base_url = re.search(r"OpenAI-compatible HTTP\s+(https?://\S+)", text).group(1)
         self.store_metrics = re.search(r"store-0 .* metrics (\S+)", text).group(1)
         ca = re.search(r"^\s*tls ca (\S+)", text, re.MULTILINE)
-        self.grpc_args = ["--tls-ca", ca.group(1)] if ca else []
+        self.ca = ca.group(1) if ca else None
+        self.grpc_args = ["--tls-ca", self.ca] if ca else []
 
     def stop(self):
         if self.proc.poll() is None:

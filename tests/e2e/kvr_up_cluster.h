@@ -91,7 +91,9 @@ class Cluster {
   // kvr up's CA and client certificate (empty under --insecure).
   const kvr::TlsConfig& tls() const { return tls_; }
   // The --tls-* flags of the process `name` (kvr up wrote its certificate beside the CA), for
-  // a test that starts it again; none under --insecure.
+  // a test that starts it again; none under --insecure. The certificate names the node
+  // (kvr://node/<name>): a node started again must register under the same name (--name /
+  // --node-name), or the controller refuses it.
   std::vector<std::string> TlsFlags(const std::string& name) const {
     if (tls_.ca_file.empty()) return {};
     const std::string dir = tls_.ca_file.substr(0, tls_.ca_file.rfind('/'));

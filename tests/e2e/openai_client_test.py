@@ -9,6 +9,10 @@ Checks, through the client's own API and exceptions:
   * /v1/models lists the model; unknown model -> NotFoundError (404); n=2, chat logprobs and
     tools -> BadRequestError (400) naming the field; a wrong API key -> AuthenticationError
     (401) (the cluster runs with KVR_CONTROLLER_API_KEY set);
+  * the API is HTTPS with the CA `kvr up` made (the client trusts it through
+    http_client=openai.DefaultHttpxClient(verify=CA), the client's own httpx); a plaintext
+    request to that port and a client that trusts only the system's CAs both fail to connect
+    (APIConnectionError);
   * a client that closes a stream mid-way frees its sequence: the store holds no sequence
     within 1 s (kvr_store_sequences - kvr_store_cached_sequences on the store's /metrics; it is
     > 0 while the stream runs),
@@ -93,8 +97,29 @@ def main():
 
 
 def run(openai, kvr, cluster):
-    client = openai.OpenAI(base_url=cluster.base_url, api_key=API_KEY, max_retries=0,
-                           timeout=60)
+    def client_for(base_url, api_key=API_KEY, verify=None):
+        return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60,
+                             http_client=openai.DefaultHttpxClient(verify=verify or cluster.ca))
+
+    client = client_for(cluster.base_url)
+
+    # HTTPS with kvr up's CA; nothing else gets through.
+    check(cluster.base_url.startswith("https://") and cluster.ca is not None,
+          f"kvr up serves HTTPS with its CA: {cluster.base_url} (CA {cluster.ca})")
+    for what, other in (
+            ("plaintext HTTP to the HTTPS port",
+             client_for(cluster.base_url.replace("https://", "http://", 1))),
+            ("a client that trusts only the system's CAs",
+             client_for(cluster.base_url, verify=True))):
+        try:
+            other.models.list()
+            check(False, f"{what}: no error")
+        except openai.APIConnectionError as e:
+            cause = repr(e.__cause__)
+            check("CERTIFICATE_VERIFY_FAILED" in cause if "system" in what else True,
+                  f"{what}: APIConnectionError ({cause[:120]})")
+        except Exception as e:  # noqa: BLE001 (report whatever else came)
+            check(False, f"{what}: got {type(e).__name__}: {e}")
 
     # Models.
     ids = [m.id for m in client.models.list().data]
@@ -183,7 +208,7 @@ def run(openai, kvr, cluster):
            lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                              extra_body={"kvr": {"method": "no-such"}}),
            "unknown retrieval method")
-    bad_key = openai.OpenAI(base_url=cluster.base_url, api_key="wrong", max_retries=0)
+    bad_key = client_for(cluster.base_url, api_key="wrong")
     expect(openai.AuthenticationError, 401, None,
            lambda: bad_key.completions.create(model=MODEL, prompt="x", max_tokens=2), "bad key")
     expect(openai.AuthenticationError, 401, None, lambda: bad_key.models.list(),

@@ -97,12 +97,14 @@ def main():
     args = ap.parse_args()
     if test_model() is None:
         sys.exit("no model: set KVR_TEST_MODEL")
-    from openai import OpenAI
+    from openai import DefaultHttpxClient, OpenAI
 
     with tempfile.TemporaryDirectory(prefix="kvr-prefix-bench-") as log_dir:
         cluster = Cluster(args.kvr, log_dir, args=args.up_arg)
         try:
-            client = OpenAI(base_url=cluster.base_url, api_key="unused", timeout=600)
+            # kvr up serves HTTPS with a CA of its own (plain HTTP with --up-arg=--insecure).
+            client = OpenAI(base_url=cluster.base_url, api_key="unused", timeout=600,
+                            http_client=DefaultHttpxClient(verify=cluster.ca or True))
             result = {"date": time.strftime("%Y-%m-%d"), "model": MODEL}
 
             # 1. Turn 2's TTFT, reused vs cold.

@@ -46,7 +46,7 @@ namespace {
 struct BenchFlags {
   std::string backend = "kvr-grpc";
   std::string target = "127.0.0.1:50051";
-  TlsConfig tls;  // kvr-grpc: the channel's TLS
+  TlsConfig tls;  // kvr-grpc: the channel's TLS; openai-*: HTTPS's CA and client certificate
   std::string base_url;
   std::string api_key;
   bool chat = false;

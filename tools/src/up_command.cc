@@ -65,14 +65,14 @@ struct UpOptions {
   std::string a2ats_codebooks;  // given to every prefill and decode node
   std::string device = "cpu";   // --device of every prefill and decode node
   std::string store_dtype;      // --store-dtype of every prefill node; empty: the node's default
-  bool insecure = false;        // plaintext gRPC everywhere instead of the throw-away CA's TLS
+  bool insecure = false;  // plaintext gRPC and HTTP everywhere instead of the throw-away CA's TLS
 };
 
 // The throw-away PKI of a secured local cluster, in <log dir>/tls: a CA made for this run and
-// one certificate per process (SANs 127.0.0.1 and localhost, where every process listens),
-// plus "client" for kvr generate / kvr bench / tests. The CA's key stays in the directory
-// (0600) so that a restarted process of this run can be given a certificate; the whole
-// directory is worth nothing after the run.
+// one certificate per process (SANs 127.0.0.1 and localhost, where every process listens, and
+// kvr://node/<its name>), plus "client" for kvr generate / kvr bench / tests. The CA's key
+// stays in the directory (0600) so that a restarted process of this run can be given a
+// certificate; the whole directory is worth nothing after the run.
 class LocalPki {
  public:
   static absl::StatusOr<LocalPki> Create(const std::string& dir) {
@@ -88,10 +88,12 @@ class LocalPki {
     pki.ca_file_ = files->cert_file;
     return pki;
   }
-  // A certificate for the process `name`, written beside the CA.
+  // A certificate for the process `name`, written beside the CA. It names the node
+  // (kvr://node/<name>): each node registers under the name kvr up gives it, which the
+  // controller checks against its certificate.
   absl::StatusOr<TlsConfig> Issue(const std::string& name) const {
     absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(ca_, name, {"127.0.0.1", "localhost"}, kValidity);
+        IssueCertificate(ca_, name, {"127.0.0.1", "localhost"}, kValidity, {NodeIdentityUri(name)});
     if (!cert.ok()) return cert.status();
     return WriteCertificate(dir_, name, *cert, ca_file_);
   }
@@ -338,7 +340,8 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   // Every gRPC channel is TLS with certificates of a CA made for this run, unless --insecure:
   // nodes and stores present theirs to each other and to the controller, which admits no
   // member without one. The controller's port also serves the public API: its clients need
-  // the CA (--tls-ca, printed below) but no certificate. The HTTP API stays plaintext.
+  // the CA (--tls-ca, printed below) but no certificate. The HTTP API is HTTPS with the
+  // controller's certificate.
   std::optional<LocalPki> pki;
   TlsConfig client_tls;
   auto tls_flags = [&](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
@@ -364,8 +367,16 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   std::vector<std::string> controller_argv = {
       bins[0].path, "--listen", absl::StrCat("127.0.0.1:", Port(o, 0)), "--http-listen",
       absl::StrCat("127.0.0.1:", Port(o, 2))};
-  KVR_ASSIGN_OR_RETURN(std::vector<std::string> controller_tls, tls_flags("controller"));
-  controller_argv.insert(controller_argv.end(), controller_tls.begin(), controller_tls.end());
+  if (pki) {
+    // The controller's certificate serves both its gRPC port and HTTPS (its SANs are the
+    // loopback names both listen on); OpenAI clients trust the CA printed below.
+    KVR_ASSIGN_OR_RETURN(TlsConfig controller_tls, pki->Issue("controller"));
+    controller_argv.insert(
+        controller_argv.end(),
+        {"--tls-ca=" + controller_tls.ca_file, "--tls-cert=" + controller_tls.cert_file,
+         "--tls-key=" + controller_tls.key_file, "--http-tls-cert=" + controller_tls.cert_file,
+         "--http-tls-key=" + controller_tls.key_file});
+  }
   controller_argv.insert(controller_argv.end(), o.controller_args.begin(), o.controller_args.end());
   auto controller = std::make_unique<Child>("controller", controller_argv, log("controller"));
   const std::string controller_address =
@@ -489,15 +500,20 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     if (model_name.empty() || !stores_registered()) absl::SleepFor(absl::Milliseconds(200));
   }
 
+  // "https listening on" when the controller serves HTTPS (kvr up's default).
+  std::string http_base_url;
+  if (const std::string https = controller->Find("https listening on "); !https.empty()) {
+    http_base_url = absl::StrCat("https://", https, "/v1");
+  } else if (const std::string http = controller->Find("http listening on "); !http.empty()) {
+    http_base_url = absl::StrCat("http://", http, "/v1");
+  }
   std::string report = absl::StrFormat(
       "kvr cluster up: model '%s', %d prefill + %d decode node(s), %d store(s)\n"
       "  public gRPC (kvr.v1.Generation)  %s\n"
       "  OpenAI-compatible HTTP           %s\n"
       "  %-12s pid %-7d grpc %-21s metrics %s\n",
       model_name, o.prefill, o.decode, o.stores, controller_address,
-      controller->Find("http listening on ").empty()
-          ? "-"
-          : absl::StrCat("http://", controller->Find("http listening on "), "/v1"),
+      http_base_url.empty() ? "-" : http_base_url,
       "controller", controller->pid(), controller_address,
       controller->Find("metrics on ").empty() ? "-" : controller->Find("metrics on "));
   for (size_t i = 0; i < stores.size(); ++i) {
@@ -516,12 +532,14 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   if (pki) {
     // Parseable: "tls ca PATH" and "tls client CERT KEY" (tests read them).
     absl::StrAppend(&report, "  tls ca ", pki->ca_file(),
-                    "\n    (gRPC is TLS: kvr generate --endpoint / kvr bench need --tls-ca "
-                    "PATH or KVR_TLS_CA=PATH; the HTTP API is plaintext)\n");
+                    "\n    (gRPC and the HTTP API are TLS: kvr generate --endpoint / kvr bench "
+                    "need --tls-ca PATH or KVR_TLS_CA=PATH; OpenAI clients trust PATH, e.g. "
+                    "OpenAI(http_client=openai.DefaultHttpxClient(verify=PATH)))\n");
     absl::StrAppend(&report, "  tls client ", client_tls.cert_file, " ", client_tls.key_file,
                     "\n    (a certificate for calls to the nodes' own ports)\n");
   } else {
-    absl::StrAppend(&report, "  tls off (--insecure): every gRPC channel is plaintext\n");
+    absl::StrAppend(&report,
+                    "  tls off (--insecure): every gRPC channel and the HTTP API are plaintext\n");
   }
   absl::StrAppend(&report, "  logs ", log_dir, "\n", "kvr up: ready (Ctrl-C stops the cluster)\n");
   std::cout << report << std::flush;
@@ -613,9 +631,9 @@ const node::SettingTable<UpOptions>& UpSettings() {
                                 "(empty: the nodes' own, bf16 with --device cuda, f32 with cpu)",
                                 &Config::store_dtype, {"f32", "bf16"}, /*allow_empty=*/true),
             BoolSetting<Config>("insecure",
-                                "plaintext gRPC (default: a CA made for this run in <log "
-                                "dir>/tls, mutual TLS between the processes, TLS on the "
-                                "controller's public port)",
+                                "plaintext gRPC and HTTP (default: a CA made for this run in "
+                                "<log dir>/tls, mutual TLS between the processes, TLS on the "
+                                "controller's public gRPC port and HTTPS on its OpenAI API)",
                                 &Config::insecure),
             BoolSetting<Config>("detach",
                                 "return once the cluster is up; it runs on in a background "

@@ -5,8 +5,11 @@
 // it (curl_multi_wakeup).
 
 #include <curl/curl.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -131,10 +134,11 @@ size_t AppendToString(char* data, size_t size, size_t count, void* user) {
 
 class OpenAiBackend final : public Backend {
  public:
-  OpenAiBackend(OpenAiEndpoint endpoint, std::string base_url, std::string api_key)
+  OpenAiBackend(OpenAiEndpoint endpoint, std::string base_url, std::string api_key, TlsConfig tls)
       : endpoint_(endpoint),
         base_url_(std::move(base_url)),
         api_key_(std::move(api_key)),
+        tls_(std::move(tls)),
         url_(absl::StrCat(base_url_, endpoint == OpenAiEndpoint::kChatCompletions
                                          ? "/chat/completions"
                                          : "/completions")),
@@ -168,6 +172,7 @@ class OpenAiBackend final : public Backend {
     curl_easy_setopt(easy.get(), CURLOPT_WRITEFUNCTION, &AppendToString);
     curl_easy_setopt(easy.get(), CURLOPT_WRITEDATA, &body);
     curl_easy_setopt(easy.get(), CURLOPT_ERRORBUFFER, error_buffer);
+    SetTls(easy.get());
     const CURLcode code = curl_easy_perform(easy.get());
     if (code != CURLE_OK) {
       return absl::UnavailableError(
@@ -229,6 +234,7 @@ class OpenAiBackend final : public Backend {
     curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, &OnResponseBytes);
     curl_easy_setopt(easy, CURLOPT_WRITEDATA, t.get());
     curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, t->error_buffer);
+    SetTls(easy);
     {
       absl::MutexLock lock(&mu_);
       queued_.push_back(std::move(t));
@@ -237,6 +243,16 @@ class OpenAiBackend final : public Backend {
   }
 
  private:
+  // HTTPS: the server is verified against --tls-ca instead of the system's CAs, and
+  // --tls-cert/--tls-key are presented to a server that asks for a client certificate.
+  void SetTls(CURL* easy) const {
+    if (!tls_.ca_file.empty()) curl_easy_setopt(easy, CURLOPT_CAINFO, tls_.ca_file.c_str());
+    if (!tls_.cert_file.empty()) {
+      curl_easy_setopt(easy, CURLOPT_SSLCERT, tls_.cert_file.c_str());
+      curl_easy_setopt(easy, CURLOPT_SSLKEY, tls_.key_file.c_str());
+    }
+  }
+
   // The transfer thread: adds queued transfers, drives every transfer, completes the finished
   // ones; returns once stopping and nothing is queued or running.
   void Loop() {
@@ -294,6 +310,7 @@ class OpenAiBackend final : public Backend {
   const OpenAiEndpoint endpoint_;
   const std::string base_url_;
   const std::string api_key_;
+  const TlsConfig tls_;
   const std::string url_;
   CURLM* const multi_;  // owned; curl_multi_wakeup may be called from any thread
   absl::Mutex mu_;
@@ -318,13 +335,28 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeOpenAiBackend(const BackendOptions&
     return absl::InvalidArgumentError(
         absl::StrCat("base URL '", options.base_url, "' must start with http:// or https://"));
   }
+  // The files are read by libcurl at each handshake: a missing one is named here, not as a
+  // failed request.
+  for (const auto& [flag, file] : {std::pair{"--tls-ca", &options.tls.ca_file},
+                                   std::pair{"--tls-cert", &options.tls.cert_file},
+                                   std::pair{"--tls-key", &options.tls.key_file}}) {
+    if (!file->empty() && access(file->c_str(), R_OK) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " '", *file, "': cannot be read (", strerror(errno), ")"));
+    }
+  }
+  if (options.tls.cert_file.empty() != options.tls.key_file.empty()) {
+    return absl::InvalidArgumentError(options.tls.cert_file.empty()
+                                          ? "--tls-key: given without --tls-cert"
+                                          : "--tls-cert: given without --tls-key");
+  }
   InitCurlOnce();
   std::string base_url = options.base_url;
   while (!base_url.empty() && base_url.back() == '/') base_url.pop_back();
   return std::make_unique<OpenAiBackend>(options.kind == BackendKind::kOpenAiChat
                                              ? OpenAiEndpoint::kChatCompletions
                                              : OpenAiEndpoint::kCompletions,
-                                         std::move(base_url), options.api_key);
+                                         std::move(base_url), options.api_key, options.tls);
 }
 
 }  // namespace kvr::loadgen

@@ -24,11 +24,11 @@ struct PemCertificate {
     const std::string& common_name, absl::Duration validity);
 
 // A certificate signed by `ca` for both TLS server and client use, with subject alternative
-// names `hosts` (each an IPv4/IPv6 address or a DNS name).
-[[nodiscard]] absl::StatusOr<PemCertificate> IssueCertificate(const PemCertificate& ca,
-                                                              const std::string& common_name,
-                                                              const std::vector<std::string>& hosts,
-                                                              absl::Duration validity);
+// names `hosts` (each an IPv4/IPv6 address or a DNS name) and `uris` (URI names, e.g. a
+// node's identity NodeIdentityUri(name), kvr/common/tls.h).
+[[nodiscard]] absl::StatusOr<PemCertificate> IssueCertificate(
+    const PemCertificate& ca, const std::string& common_name, const std::vector<std::string>& hosts,
+    absl::Duration validity, const std::vector<std::string>& uris = {});
 
 // Writes `<dir>/<name>.pem` and `<dir>/<name>-key.pem` (the key 0600) and returns the
 // TlsConfig of those files with `ca_file`.

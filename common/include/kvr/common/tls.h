@@ -6,7 +6,9 @@
 // tls_ca/tls_cert/tls_key, env KVR_<ROLE>_TLS_CA/_CERT/_KEY in every binary: the node settings
 // of kvr/node/settings.h; kvr generate and kvr bench read KVR_TLS_CA). With
 // them, GrpcSecurity makes
-//   - server credentials: TLS with this certificate; a client must present a certificate
+//   - server credentials: TLS with this certificate (the files are read again every
+//     TlsConfig::server_reload_interval, so a renewed certificate needs no restart); a client
+//     must present a certificate
 //     that chains to the CA (ClientCertificates::kRequired: the store, prefill and decode
 //     nodes), or may present none (kOptional: the controller, whose port also serves public
 //     clients; its internal services then ask PeerHasClusterCertificate);
@@ -17,14 +19,23 @@
 // (a certificate without its key, a key without the CA ...) is an error, never a silent
 // downgrade.
 //
+// A node's certificate also says which node it is: a URI subjectAltName
+// `kvr://node/<name>` (NodeIdentityUri), where <name> is the name the node registers with
+// (RegisterRequest.name: kvr-store/kvr-decode --name, kvr-prefill --node-name). The
+// controller's Membership service reads it with PeerNodeIdentity and admits a registration
+// only under that name, and heartbeats and deregistrations of a node id only from the
+// certificate that registered it (controller/README.md, "Membership and node identity").
+//
 // Thread safety: a GrpcSecurity is immutable after Load and may be shared across threads.
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace grpc {
 class Channel;
@@ -41,6 +52,10 @@ struct TlsConfig {
   std::string ca_file;    // PEM: the CA that peers' certificates must chain to
   std::string cert_file;  // PEM: the certificate (chain) this process presents
   std::string key_file;   // PEM: the private key of cert_file
+  // How often a TLS server reads the three files again: a renewed certificate (or CA) is
+  // presented from the next handshake on, without a restart. Connections already open keep
+  // the certificate they were made with.
+  absl::Duration server_reload_interval = absl::Seconds(60);
   [[nodiscard]] bool empty() const {
     return ca_file.empty() && cert_file.empty() && key_file.empty();
   }
@@ -91,7 +106,23 @@ class GrpcSecurity {
   std::string ca_pem_;
   std::string cert_pem_;
   std::string key_pem_;
+  TlsConfig files_;
 };
+
+// The URI subjectAltName that names a node in its certificate: "kvr://node/" + name.
+inline constexpr char kNodeIdentityUriPrefix[] = "kvr://node/";
+[[nodiscard]] std::string NodeIdentityUri(absl::string_view node_name);
+
+// The node names of the kvr://node/ URI subjectAltNames of a PEM certificate (empty: none).
+// INVALID_ARGUMENT when `pem` is not a certificate.
+[[nodiscard]] absl::StatusOr<std::vector<std::string>> NodeIdentitiesOfCertificate(
+    absl::string_view pem);
+
+// The node name that the peer of `context` proved: the one kvr://node/ URI subjectAltName of
+// the certificate gRPC verified in the handshake. UNAUTHENTICATED without a verified
+// certificate; NOT_FOUND when it carries no such name; INVALID_ARGUMENT when it carries
+// several (one certificate is one node). The messages say what the certificate lacks.
+[[nodiscard]] absl::StatusOr<std::string> PeerNodeIdentity(const grpc::ServerContext& context);
 
 // True when the peer of `context` presented a certificate that chained to the CA of a server
 // whose credentials came from an enabled GrpcSecurity (gRPC verified it in the handshake).

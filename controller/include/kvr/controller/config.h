@@ -39,8 +39,18 @@ struct ControllerConfig {
   // When set, the HTTP API's /v1/* requires "Authorization: Bearer <api_key>". Printed
   // redacted.
   std::string api_key;
+  // HTTPS of the HTTP API: PEM certificate and key (both empty: plaintext HTTP), and a CA
+  // that clients' certificates must chain to (empty: no client certificate asked for).
+  std::string http_tls_cert;
+  std::string http_tls_key;
+  std::string http_tls_client_ca;
   // Transport security of the gRPC port and of this process's channels (kvr/common/tls.h).
   TlsConfig tls;
+  // With TLS: a member's certificate must name the node (URI SAN kvr://node/<name>), which
+  // registers under that name only and alone renews or removes its node id
+  // (MembershipService::Options::require_node_identity). false: any certificate of the CA may
+  // register under any name, for certificates that name no node.
+  bool require_node_identity = true;
 };
 
 const node::SettingTable<ControllerConfig>& ControllerSettings();

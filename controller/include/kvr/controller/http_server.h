@@ -1,8 +1,8 @@
 #pragma once
-// The OpenAI-compatible HTTP server of kvr-controller, on civetweb (the HTTP library
-// prometheus-cpp already links). Thin: routes, reads bodies, checks the API
-// key, and writes what openai_api.h converts; requests run through the same Generator as the
-// gRPC Generate, in process.
+// The OpenAI-compatible HTTP server of kvr-controller, on cpp-httplib (Debian's
+// libcpp-httplib, built against the system OpenSSL), plaintext or HTTPS. Thin: routes, reads
+// bodies, checks the API key, and writes what openai_api.h converts; requests run through the
+// same Generator as the gRPC Generate, in process.
 //
 //   POST /v1/completions, POST /v1/chat/completions  (stream or not)
 //   GET  /v1/models
@@ -14,6 +14,12 @@
 // that fails cancels the request's token, which cancels its downstream calls (the decode node
 // frees the slot, the store the pages). A non-streaming response has nothing to write until
 // the end, so its client's disconnect is noticed only then.
+//
+// Threads: a non-streaming request runs on its HTTP worker thread. A streaming one runs on a
+// thread of its own while its worker writes the events (cpp-httplib sends a response's status
+// line only when the handler returns, and a stream's status is known only once its first
+// event or its error came, or `headers_after` passed); every response closes its connection,
+// so an idle client holds no worker.
 
 #include <memory>
 #include <string>
@@ -26,10 +32,24 @@
 #include "absl/time/time.h"
 #include "kvr/controller/generator.h"
 
-struct mg_context;
-struct mg_connection;
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
 
 namespace kvr::controller {
+
+// HTTPS of the server: PEM files. All empty: plaintext HTTP. A certificate needs its key;
+// a client CA needs both.
+struct HttpTlsOptions {
+  std::string cert_file;  // certificate (chain) the server presents
+  std::string key_file;   // its private key
+  // When set, a client must present a certificate that chains to this CA (mutual TLS);
+  // empty: any client may connect (the API key, if set, still applies).
+  std::string client_ca_file;
+  [[nodiscard]] bool enabled() const { return !cert_file.empty() || !key_file.empty(); }
+};
 
 struct HttpServerOptions {
   // host:port (IPv4); port 0 picks a free port (port()).
@@ -47,11 +67,14 @@ struct HttpServerOptions {
   absl::Duration headers_after = absl::Seconds(1);
   // Largest request body.
   size_t max_body_bytes = 64 << 20;
+  // HTTPS when set (TLS 1.2 or later).
+  HttpTlsOptions tls;
 };
 
 class OpenAiHttpServer {
  public:
-  // `generator` must outlive the server. UNAVAILABLE when it cannot listen.
+  // `generator` must outlive the server. INVALID_ARGUMENT naming the file for TLS files that
+  // cannot be used; UNAVAILABLE when it cannot listen.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> Start(
       Generator* generator, HttpServerOptions options);
   // Cancels running requests and stops (see Shutdown).
@@ -60,32 +83,33 @@ class OpenAiHttpServer {
   OpenAiHttpServer& operator=(const OpenAiHttpServer&) = delete;
 
   int port() const { return port_; }
+  bool tls() const { return options_.tls.enabled(); }
 
   // New requests get 503; running ones may finish until `deadline`, then are cancelled.
   // Returns when none runs.
   void Shutdown(absl::Time deadline);
 
-  // One running request's connection (opaque to callers; public for the handler's helpers).
+  // One running request (opaque to callers; public for the handler's helpers).
   struct Exchange;
 
  private:
   OpenAiHttpServer(Generator* generator, HttpServerOptions options);
-  static int HandleRequest(mg_connection* conn, void* self);
-  int Handle(mg_connection* conn);
-  int HandleGenerate(mg_connection* conn, bool chat);
-  void WatchLoop();
+  void Handle(const httplib::Request& req, httplib::Response& res);
+  void HandleGenerate(const httplib::Request& req, httplib::Response& res, bool chat);
+  // Registers `x` as running; false (and nothing registered) while stopping.
+  bool Enter(Exchange* x);
+  void Leave(Exchange* x);
 
   Generator* const generator_;
   const HttpServerOptions options_;
-  mg_context* context_ = nullptr;
+  std::unique_ptr<httplib::Server> server_;
+  std::thread listener_;
   int port_ = 0;
 
   absl::Mutex mu_;
-  // Requests running now; the watcher writes their keep-alives.
+  // Requests running now (Shutdown cancels them).
   absl::flat_hash_set<Exchange*> running_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool stop_watch_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<std::thread> watcher_;
 };
 
 }  // namespace kvr::controller

@@ -72,16 +72,23 @@ class Membership {
   // old entry is gone, and work placed on it (for a store: its sequences) is lost and fails
   // on its own. Without this the old entry of a restarted store stayed placeable until its
   // lease ran out, with requests sent to an address whose process no longer holds it.
+  // PERMISSION_DENIED, and nothing replaced, when that entry was registered with an identity
+  // (NodeRegistration::identity) other than this registration's: a certificate for one node
+  // cannot evict another by claiming its address (it may once that node's lease lapsed).
   [[nodiscard]] absl::StatusOr<std::string> Register(NodeRegistration registration,
                                                      std::vector<std::string>* replaced = nullptr);
 
   // Renews the lease, stores the load and returns the new lease expiry. NOT_FOUND when the id
-  // is unknown or its lease already lapsed (the node must register again).
-  [[nodiscard]] absl::StatusOr<absl::Time> Heartbeat(absl::string_view node_id,
-                                                     const NodeLoad& load);
+  // is unknown or its lease already lapsed (the node must register again). `caller`: the
+  // identity the caller proved when identities are checked (std::nullopt: not checked);
+  // PERMISSION_DENIED, naming both, when it is not the one the node registered with.
+  [[nodiscard]] absl::StatusOr<absl::Time> Heartbeat(
+      absl::string_view node_id, const NodeLoad& load,
+      std::optional<absl::string_view> caller = std::nullopt);
 
-  // NOT_FOUND when unknown.
-  [[nodiscard]] absl::Status Deregister(absl::string_view node_id);
+  // NOT_FOUND when unknown; PERMISSION_DENIED as Heartbeat.
+  [[nodiscard]] absl::Status Deregister(absl::string_view node_id,
+                                        std::optional<absl::string_view> caller = std::nullopt);
 
   // Drops a node that failed an RPC; no-op when it is already gone.
   void MarkFailed(absl::string_view node_id);

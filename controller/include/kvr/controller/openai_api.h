@@ -1,5 +1,5 @@
 #pragma once
-// The OpenAI-compatible HTTP API as plain conversions, without HTTP (the civetweb shell is
+// The OpenAI-compatible HTTP API as plain conversions, without HTTP (the cpp-httplib shell is
 // http_server.h): request JSON of /v1/completions and /v1/chat/completions -> kvr.v1
 // GenerateRequest, the request's events -> OpenAI response JSON (whole or as server-sent
 // events), absl::Status -> OpenAI error JSON and HTTP status, and the /v1/models list.

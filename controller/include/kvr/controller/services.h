@@ -6,11 +6,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -41,6 +43,13 @@ class MembershipService final : public kvr::cluster::v1::Membership::Service {
     // (kvr::PeerHasClusterCertificate); others get UNAUTHENTICATED and change nothing. Set
     // when the server's port is TLS: on a plaintext port no peer could pass.
     bool require_member_certificate = false;
+    // With require_member_certificate: the certificate must also name the node
+    // (kvr::PeerNodeIdentity, URI SAN kvr://node/<name>); Register is admitted only with that
+    // name as RegisterRequest.name, and Heartbeat / Deregister of a node id only from the
+    // identity that registered it (and a registration cannot replace another identity's
+    // entry at its address). Others get PERMISSION_DENIED naming the mismatch. Off: any
+    // certificate of the CA may register under any name (certificates without node names).
+    bool require_node_identity = false;
   };
   explicit MembershipService(Membership* membership) : membership_(membership) {}
   MembershipService(Membership* membership, Options options)
@@ -59,6 +68,10 @@ class MembershipService final : public kvr::cluster::v1::Membership::Service {
  private:
   // UNAUTHENTICATED unless the peer may act as a member (Options).
   grpc::Status CheckMember(const grpc::ServerContext& context) const;
+  // With require_node_identity: the node name the peer's certificate proves, or
+  // PERMISSION_DENIED saying what the certificate lacks; std::nullopt when not checked.
+  [[nodiscard]] absl::StatusOr<std::optional<std::string>> CallerIdentity(
+      const grpc::ServerContext& context, absl::string_view call) const;
 
   Membership* membership_;
   const Options options_{};

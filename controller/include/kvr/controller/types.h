@@ -62,6 +62,10 @@ struct NodeRegistration {
   NodeEndpoints endpoints;
   NodeCapacity capacity;
   NodeLoad load;
+  // The node name the registering peer's certificate proved (kvr::PeerNodeIdentity), when the
+  // controller checks node identities; "" when it does not. Heartbeats and deregistrations of
+  // the node, and a registration that would replace it, must prove the same name.
+  std::string identity;
 };
 
 // A copy of one live node's state, taken under the membership lock.

@@ -32,7 +32,10 @@ std::string_view BackendName(BackendKind kind);
 struct BackendOptions {
   BackendKind kind = BackendKind::kKvrGrpc;
   std::string target;    // kvr-grpc: host:port of kvr-controller
-  TlsConfig tls;         // kvr-grpc: the channel's TLS (kvr/common/tls.h); empty: plaintext
+  // kvr-grpc: the channel's TLS (kvr/common/tls.h); empty: plaintext. openai-*: with an
+  // https:// base URL, the CA that verifies the server (empty: the system's CAs) and a client
+  // certificate to present.
+  TlsConfig tls;
   std::string base_url;  // openai-*: the API root, e.g. http://127.0.0.1:8000/v1
   std::string api_key;   // openai-*: sent as "Authorization: Bearer KEY"; empty: no header
   // kvr-grpc: send a text prompt as one user chat message (the server applies the model's
