@@ -70,7 +70,8 @@ def main():
             # answers, so they must be the gRPC run's.
             http_path = os.path.join(tmp, "http.json")
             h = subprocess.run([args.kvr, "eval", "endpoint", "--backend", "openai-completions",
-                                "--base-url", cluster.base_url, "--tasks", "niah_single",
+                                "--base-url", cluster.base_url, *cluster.grpc_args,
+                                "--tasks", "niah_single",
                                 "--methods", "full,exact", "--budgets", str(run["budget"]),
                                 "--lengths", str(run["length"]), "--samples", str(run["samples"]),
                                 "--seed", str(run["seed"]), "--sink", str(run["n_sink"]),
