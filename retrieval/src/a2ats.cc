@@ -393,12 +393,9 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeA2atsIndex(const Inde
 }
 
 absl::StatusOr<A2atsState> A2atsStateOf(const RetrievalIndex& index) {
-  const auto* a = dynamic_cast<const A2atsIndex*>(&index);
-  if (a == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("A2atsStateOf: a '", std::string(index.method()), "' index, not a2ats"));
-  }
-  return a->State();
+  KVR_ASSIGN_OR_RETURN(const A2atsIndex* typed,
+                       internal::IndexAs<A2atsIndex>(index, "A2atsStateOf", "a2ats"));
+  return typed->State();
 }
 
 }  // namespace kvr::retrieval

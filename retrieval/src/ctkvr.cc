@@ -432,12 +432,9 @@ int CtkvrRecall(const IndexParams& params) {
 }
 
 absl::StatusOr<CtkvrState> CtkvrStateOf(const RetrievalIndex& index) {
-  const auto* c = dynamic_cast<const CtkvrIndex*>(&index);
-  if (c == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("CtkvrStateOf: a '", std::string(index.method()), "' index, not ctkvr"));
-  }
-  return c->State();
+  KVR_ASSIGN_OR_RETURN(const CtkvrIndex* typed,
+                       internal::IndexAs<CtkvrIndex>(index, "CtkvrStateOf", "ctkvr"));
+  return typed->State();
 }
 
 absl::Status RegisterCtkvr(MethodRegistry& registry) {

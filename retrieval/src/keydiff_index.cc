@@ -154,12 +154,9 @@ class KeyDiffIndex final : public RetrievalIndex {
 }  // namespace
 
 absl::StatusOr<KeyDiffState> KeyDiffStateOf(const RetrievalIndex& index) {
-  const auto* k = dynamic_cast<const KeyDiffIndex*>(&index);
-  if (k == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KeyDiffStateOf: a '", std::string(index.method()), "' index, not keydiff"));
-  }
-  return k->State();
+  KVR_ASSIGN_OR_RETURN(const KeyDiffIndex* typed,
+                       internal::IndexAs<KeyDiffIndex>(index, "KeyDiffStateOf", "keydiff"));
+  return typed->State();
 }
 
 absl::Status RegisterKeyDiff(MethodRegistry& registry) {

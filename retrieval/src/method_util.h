@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -96,6 +97,20 @@ inline void AppendPacked(const TokenTensor& t, int n_heads, int head_dim, std::v
   for (int64_t i = 0; i < t.n_tokens; ++i) {
     std::copy_n(t.data + i * t.row_stride, row, dst->data() + old + i * row);
   }
+}
+
+// `index` as its concrete class `Index`, for a method's typed state accessor (`caller`, e.g.
+// "KeyDiffStateOf"): InvalidArgument naming the method found when it is another method's index.
+template <typename Index>
+absl::StatusOr<const Index*> IndexAs(const RetrievalIndex& index, std::string_view caller,
+                                     std::string_view method) {
+  const auto* typed = dynamic_cast<const Index*>(&index);
+  if (typed == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(caller), ": a '",
+                                                   std::string(index.method()), "' index, not ",
+                                                   std::string(method)));
+  }
+  return typed;
 }
 
 }  // namespace kvr::retrieval::internal

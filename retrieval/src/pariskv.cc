@@ -564,12 +564,9 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeParisKvIndex(const In
 }
 
 absl::StatusOr<ParisKvState> ParisKvStateOf(const RetrievalIndex& index) {
-  const auto* p = dynamic_cast<const ParisKvIndex*>(&index);
-  if (p == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ParisKvStateOf: a '", std::string(index.method()), "' index, not pariskv"));
-  }
-  return p->State();
+  KVR_ASSIGN_OR_RETURN(const ParisKvIndex* typed,
+                       internal::IndexAs<ParisKvIndex>(index, "ParisKvStateOf", "pariskv"));
+  return typed->State();
 }
 
 }  // namespace kvr::retrieval
