@@ -15,6 +15,7 @@
 #include "kvr/decode/handoff_indexes.h"
 #include "kvr/decode/store_row_fetcher.h"
 #include "kvr/kv_store/local_pool.h"
+#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
@@ -675,12 +676,11 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   const int64_t slot_bytes = sparse->slot_device_bytes();
   const int64_t pages = (o.max_context + so.quest_page_size - 1) / so.quest_page_size;
   // quest: page bounds; clusterkv: the CPU index's default clusters at the node's budget
-  // (max(L/80, clusters_per_budget L/budget), at most L/8: ClusterKvPrefillClusters) + offsets
-  // and one member id per token.
-  const int64_t per_budget = retrieval::IndexParams{}.clusterkv.clusters_per_budget;
-  const int64_t clusters = std::clamp<int64_t>(
-      std::max<int64_t>(o.max_context / 80, per_budget * o.max_context / std::max(1, o.budget)),
-      1, std::max<int64_t>(1, o.max_context / 8));
+  // (ClusterKvPrefillClusters) + offsets and one member id per token.
+  retrieval::IndexParams at_budget;
+  at_budget.budget = o.budget;
+  const int64_t clusters =
+      retrieval::ClusterKvPrefillClusters(o.max_context, o.max_context, at_budget).value_or(1);
   const int64_t summary_bytes =
       o.method == "quest"
           ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4

@@ -429,7 +429,7 @@ absl::StatusOr<int64_t> ClusterKvPrefillClusters(int64_t points, int64_t context
   if (c0 == 0) {
     c0 = std::max<int64_t>(points / 80, int64_t{params.clusterkv.clusters_per_budget} * points /
                                             std::max<int64_t>(1, params.budget));
-    c0 = std::clamp<int64_t>(c0, 1, std::max<int64_t>(1, points / 8));
+    c0 = std::clamp<int64_t>(c0, 1, ClusterKvMaxDefaultClusters(points));
   } else if (c0 > points && points > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "clusterkv: n_clusters (", c0, ") is larger than the ", points,
@@ -516,12 +516,9 @@ absl::Status RegisterClusterKv(MethodRegistry& registry) {
 }
 
 absl::StatusOr<ClusterKvState> ClusterKvStateOf(const RetrievalIndex& index) {
-  const auto* c = dynamic_cast<const ClusterKvIndex*>(&index);
-  if (c == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ClusterKvStateOf: a '", std::string(index.method()), "' index, not clusterkv"));
-  }
-  return c->State();
+  KVR_ASSIGN_OR_RETURN(const ClusterKvIndex* typed,
+                       internal::IndexAs<ClusterKvIndex>(index, "ClusterKvStateOf", "clusterkv"));
+  return typed->State();
 }
 
 }  // namespace kvr::retrieval

@@ -24,6 +24,7 @@
 #include "kvr/retrieval/cuda/gather.cuh"
 #include "kvr/retrieval/cuda/hot_cache.cuh"
 #include "kvr/retrieval/cuda/selection.cuh"
+#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/index.h"
 #include "lanes.cuh"
 #include "sparse_kernels.cuh"
@@ -370,12 +371,13 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
     st->pages = (o.max_capacity + o.quest_page_size - 1) / o.quest_page_size;
     KVR_RETURN_IF_ERROR(Alloc(st->bounds, L * S * st->pages * st->bounds_row()));
   } else {
-    // Room for the prefill's clusters at their most (the CPU index's default clusters at most
-    // an eighth of the tokens: clusters of 8 and more, ClusterKvPrefillClusters; the benchmark
-    // stand-in's clusters of tokens_per_cluster may be smaller) plus the pending singletons.
+    // Room for the prefill's clusters at their most (the CPU index's default at any budget,
+    // ClusterKvMaxDefaultClusters; the benchmark stand-in's clusters of tokens_per_cluster may
+    // be smaller) plus the pending singletons.
     const int64_t stand_in = (o.max_capacity + o.clusterkv_tokens_per_cluster - 1) /
                              o.clusterkv_tokens_per_cluster;
-    const int64_t prefill_clusters = std::max<int64_t>((o.max_capacity + 7) / 8, stand_in);
+    const int64_t prefill_clusters =
+        std::max<int64_t>(ClusterKvMaxDefaultClusters(o.max_capacity), stand_in);
     st->max_clusters = static_cast<int>(
         std::min<int64_t>(o.max_capacity, prefill_clusters + o.clusterkv_max_pending));
     KVR_RETURN_IF_ERROR(Alloc(st->centroids, L * S * kv * st->max_clusters * d));

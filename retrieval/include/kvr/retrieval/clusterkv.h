@@ -18,6 +18,11 @@ namespace kvr::retrieval {
 // InvalidArgument when an explicit count exceeds `points` (> 0). `context` is for the message.
 [[nodiscard]] absl::StatusOr<int64_t> ClusterKvPrefillClusters(int64_t points, int64_t context,
                                                                const IndexParams& params);
+// The most clusters the scaled default gives `points` tokens, whatever the budget: L/8 (at
+// least 1). What a GPU decode node reserves for a sequence's prefill clusters.
+inline int64_t ClusterKvMaxDefaultClusters(int64_t points) {
+  return points / 8 > 1 ? points / 8 : 1;
+}
 
 // params with the clusterkv.* method options applied (IndexParams::options, as `--option` of
 // `kvr eval retrieval` and RetrievalParams.options of a request): clusterkv.max_iterations in
