@@ -77,8 +77,7 @@ class KeyDiffLane final : public GpuLane {
  public:
   absl::Status Create(const model::ModelConfig& c, int slots, int64_t max_tokens, int budget,
                       cudaStream_t stream) {
-    KVR_RETURN_IF_ERROR(Init("keydiff", c, slots, budget));
-    max_tokens_ = max_tokens;
+    KVR_RETURN_IF_ERROR(Init("keydiff", c, slots, max_tokens, budget));
     const int64_t heads = int64_t{c.n_layers} * slots * c.n_kv_heads;
     const int64_t rows = int64_t{slots} * c.n_kv_heads;
     KVR_RETURN_IF_ERROR(Alloc(scores_, heads * max_tokens));
@@ -102,14 +101,8 @@ class KeyDiffLane final : public GpuLane {
     auto bad = [](auto&&... parts) {
       return absl::InvalidArgumentError(absl::StrCat("keydiff lane: ", parts...));
     };
-    if (static_cast<int>(layers.size()) != n_layers_) {
-      return bad(layers.size(), " indexes for ", n_layers_, " layers");
-    }
-    if (n_tokens > max_tokens_) return bad(n_tokens, " tokens, the lane holds ", max_tokens_);
+    KVR_RETURN_IF_ERROR(CheckIndexes(layers, n_tokens));
     for (int l = 0; l < n_layers_; ++l) {
-      if (layers[l] == nullptr || layers[l]->size() != n_tokens) {
-        return bad("layer ", l, ": no index over ", n_tokens, " tokens");
-      }
       KVR_ASSIGN_OR_RETURN(const KeyDiffState st, KeyDiffStateOf(*layers[l]));
       if (static_cast<int>(st.heads.size()) != n_kv_) {
         return bad("layer ", l, ": ", st.heads.size(), " KV heads, the model has ", n_kv_);
@@ -191,7 +184,6 @@ class KeyDiffLane final : public GpuLane {
     return kvr::cuda::LastLaunchStatus("KeyDiffRestrideKernel");
   }
 
-  int64_t max_tokens_ = 0;
   float fill_ = 1.f;
   bool fill_set_ = false;
   kvr::cuda::DeviceBuffer<float> scores_;    // [n_layers, slots, n_kv, max_tokens]

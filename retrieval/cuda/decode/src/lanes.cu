@@ -41,7 +41,7 @@ class ExactLane final : public GpuLane {
  public:
   absl::Status Create(const model::ModelConfig& c, int slots, int64_t max_tokens, int budget,
                       cudaStream_t stream) {
-    KVR_RETURN_IF_ERROR(Init("exact", c, slots, budget));
+    KVR_RETURN_IF_ERROR(Init("exact", c, slots, max_tokens, budget));
     ExactSelectParams p = Params(nullptr, {}, {}, static_cast<int>(max_tokens), {budget});
     ws_bytes_ = ExactSelectWorkspaceBytes(p);
     KVR_RETURN_IF_ERROR(Alloc(ws_, static_cast<int64_t>(ws_bytes_) + 256));
@@ -86,8 +86,10 @@ class ExactLane final : public GpuLane {
 
 }  // namespace
 
-absl::Status GpuLane::Init(std::string method, const model::ModelConfig& c, int slots, int budget) {
+absl::Status GpuLane::Init(std::string method, const model::ModelConfig& c, int slots,
+                           int64_t max_tokens, int budget) {
   method_ = std::move(method);
+  max_tokens_ = max_tokens;
   n_layers_ = c.n_layers;
   n_heads_ = c.n_heads;
   n_kv_ = c.n_kv_heads;
@@ -99,6 +101,23 @@ absl::Status GpuLane::Init(std::string method, const model::ModelConfig& c, int 
   KVR_RETURN_IF_ERROR(Alloc(ids_, int64_t{slots} * c.n_kv_heads * budget));
   KVR_RETURN_IF_ERROR(Alloc(counts_, int64_t{slots} * c.n_kv_heads));
   bytes_ = static_cast<int64_t>(meta_.bytes() + ids_.bytes() + counts_.bytes());
+  return absl::OkStatus();
+}
+
+absl::Status GpuLane::CheckIndexes(std::span<const RetrievalIndex* const> layers,
+                                   int64_t n_tokens) const {
+  auto bad = [this](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(method_, " lane: ", parts...));
+  };
+  if (static_cast<int>(layers.size()) != n_layers_) {
+    return bad(layers.size(), " indexes for ", n_layers_, " layers");
+  }
+  if (n_tokens > max_tokens_) return bad(n_tokens, " tokens, the lane holds ", max_tokens_);
+  for (int l = 0; l < n_layers_; ++l) {
+    if (layers[l] == nullptr || layers[l]->size() != n_tokens) {
+      return bad("layer ", l, ": no index over ", n_tokens, " tokens");
+    }
+  }
   return absl::OkStatus();
 }
 

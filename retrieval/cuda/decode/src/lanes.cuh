@@ -80,7 +80,11 @@ class GpuLane {
   };
   // Sets the shape and allocates the plan and selection rows; `bytes_` counts them.
   [[nodiscard]] absl::Status Init(std::string method, const model::ModelConfig& config, int slots,
-                                  int budget);
+                                  int64_t max_tokens, int budget);
+  // Activate's checks every lane with state makes: one index per layer, each over `n_tokens`
+  // tokens, at most max_tokens_ (InvalidArgument naming the lane and what does not fit).
+  [[nodiscard]] absl::Status CheckIndexes(std::span<const RetrievalIndex* const> layers,
+                                          int64_t n_tokens) const;
   // Before a layer's selections (pariskv: the leaving tokens' codes).
   [[nodiscard]] virtual absl::Status Prepare(int layer, const kvr::cuda::KvPoolView& pool,
                                              cudaStream_t stream) {
@@ -100,6 +104,7 @@ class GpuLane {
 
   std::string method_;
   int n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, slots_ = 0, budget_ = 0;
+  int64_t max_tokens_ = 0;  // tokens per slot the lane's state holds
   int64_t bytes_ = 0;
   std::vector<Planned> planned_;  // by budget after Begin
 

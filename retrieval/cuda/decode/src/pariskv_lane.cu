@@ -34,8 +34,7 @@ class ParisKvLane final : public GpuLane {
  public:
   absl::Status Create(const model::ModelConfig& c, int slots, int64_t max_tokens, int budget,
                       cudaStream_t stream) {
-    KVR_RETURN_IF_ERROR(Init("pariskv", c, slots, budget));
-    max_tokens_ = max_tokens;
+    KVR_RETURN_IF_ERROR(Init("pariskv", c, slots, max_tokens, budget));
     // ParisKvOptions' default sub-space dimension m = 8: B = P / 8 sub-spaces of 256 centroids.
     padded_ = c.head_dim;
     sub_ = padded_ / 8;
@@ -74,7 +73,6 @@ class ParisKvLane final : public GpuLane {
                            const CandidateRanges& cand, int max_candidates,
                            const SelectionOutput& out, cudaStream_t stream) override;
 
-  int64_t max_tokens_ = 0;
   int padded_ = 0, sub_ = 0, centroids_ = 0;  // P, B, 2^m
   std::vector<ParisKvCodec> codec_;           // per layer
   std::vector<bool> codec_set_;
@@ -91,16 +89,10 @@ absl::Status ParisKvLane::Activate(int slot, std::span<const RetrievalIndex* con
   auto bad = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("pariskv lane: ", parts...));
   };
-  if (static_cast<int>(layers.size()) != n_layers_) {
-    return bad(layers.size(), " indexes for ", n_layers_, " layers");
-  }
-  if (n_tokens > max_tokens_) return bad(n_tokens, " tokens, the lane holds ", max_tokens_);
+  KVR_RETURN_IF_ERROR(CheckIndexes(layers, n_tokens));
   const int64_t head_codes = max_tokens_ * (padded_ / 2), head_weights = max_tokens_ * sub_,
                 head_counts = int64_t{sub_} * centroids_;
   for (int l = 0; l < n_layers_; ++l) {
-    if (layers[l] == nullptr || layers[l]->size() != n_tokens) {
-      return bad("layer ", l, ": no index over ", n_tokens, " tokens");
-    }
     const RetrievalIndex* one[] = {layers[l]};
     KVR_ASSIGN_OR_RETURN(ParisKvHostLayout h, ParisKvLayoutFromIndexes(one));
     const ParisKvCodec& c = h.codec;
