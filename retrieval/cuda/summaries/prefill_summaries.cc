@@ -70,8 +70,7 @@ class Builder final : public PrefillSummaryBuilder {
     size_t ws = 0;
     switch (method_) {
       case Method::kQuest:
-        pages_ = (capacity_ + p.quest.page_size - 1) / p.quest.page_size;
-        layer_f32_ = pages_ * nkv * 2 * d;
+        layer_f32_ = (capacity_ + p.quest.page_size - 1) / p.quest.page_size * nkv * 2 * d;
         break;
       case Method::kKeyDiff: {
         layer_f32_ = nkv * capacity_;
@@ -315,7 +314,6 @@ class Builder final : public PrefillSummaryBuilder {
   int64_t capacity_;
   std::shared_ptr<Workspace> ws_;
   int max_clusters_ = 1, max_points_ = 1;  // clusterkv: the plan's at the capacity
-  int64_t pages_ = 0;                      // quest: pages at the capacity
   int64_t layer_f32_ = 0, layer_i32_ = 0;  // per-layer sizes of f32_ / i32_
   DeviceBuffer<float> f32_;
   DeviceBuffer<int32_t> i32_;
@@ -360,10 +358,6 @@ class Builders final : public PrefillSummaryBuilders {
 };
 
 }  // namespace
-
-bool PrefillSummaryBuilders::HasBuilder(std::string_view method) {
-  return Parse(method).has_value();
-}
 
 bool PrefillSummaryBuilders::Ships(std::string_view method) {
   return method == "quest" || method == "clusterkv";

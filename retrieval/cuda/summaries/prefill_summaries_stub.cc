@@ -4,8 +4,6 @@
 
 namespace kvr::retrieval::cuda {
 
-bool PrefillSummaryBuilders::HasBuilder(std::string_view) { return false; }
-
 bool PrefillSummaryBuilders::Ships(std::string_view) { return false; }
 
 absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> PrefillSummaryBuilders::Create(
