@@ -194,16 +194,35 @@ TEST(A2atsIndexTest, FindsPlantedKeysThroughRope) {
   EXPECT_EQ(ExactTopK(post.data(), kD, q_post.data(), 2, 1, kD, 0, 4, kN - 64, 6), planted);
 }
 
+// 400 clustered keys (2 KV heads, 4 query heads, head_dim 16, no RoPE) and an a2ats index built
+// over them with codebooks of 16 codewords calibrated on the same keys.
+struct Built400 {
+  ModelFingerprint m;
+  testing::ClusteredData data;
+  std::shared_ptr<const A2atsCodebooks> books;
+  std::unique_ptr<RetrievalIndex> index;  // null when making or building it failed
+};
+Built400 BuildOn400Keys() {
+  Built400 b{Model(4, 2, 16, RopeParams{}), MakeClusteredKeys(400, 2, 4, 16, 8, 0.5f, 3), {}, {}};
+  b.books = Calibrate(b.data, b.m, 16, 3);
+  auto index = MakeA2atsIndex(ShapeOf(b.m, 0), WithBooks(b.books));
+  EXPECT_TRUE(index.ok()) << index.status();
+  if (!index.ok()) return b;
+  const absl::Status built =
+      (*index)->Build(BuildInput{TokenTensor{b.data.keys.data(), 400, 32}});
+  EXPECT_TRUE(built.ok()) << built;
+  if (built.ok()) b.index = *std::move(index);
+  return b;
+}
+
 // A2atsStateOf: the codebooks' hash and size and a codeword id per token and KV head, the ids
 // the index selects by; another method's index is refused by name.
 TEST(A2atsIndexTest, StateHandsOutTheCodewordIds) {
-  const RopeParams none;
-  ModelFingerprint m = Model(4, 2, 16, none);
-  auto data = MakeClusteredKeys(400, 2, 4, 16, 8, 0.5f, 3);
-  auto books = Calibrate(data, m, 16, 3);
-  auto index = MakeA2atsIndex(ShapeOf(m, 0), WithBooks(books));
-  ASSERT_TRUE(index.ok()) << index.status();
-  ASSERT_TRUE((*index)->Build(BuildInput{TokenTensor{data.keys.data(), 400, 32}}).ok());
+  Built400 b = BuildOn400Keys();
+  ASSERT_NE(b.index, nullptr);
+  const ModelFingerprint& m = b.m;
+  const std::shared_ptr<const A2atsCodebooks>& books = b.books;
+  const std::unique_ptr<RetrievalIndex>* index = &b.index;
   auto st = A2atsStateOf(**index);
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->codebook_hash, books->content_hash());
@@ -222,13 +241,10 @@ TEST(A2atsIndexTest, StateHandsOutTheCodewordIds) {
 }
 
 TEST(A2atsIndexTest, BudgetCoveringCandidatesSelectsAllAndBudgetIsExact) {
-  const RopeParams none;
-  ModelFingerprint m = Model(4, 2, 16, none);
-  auto data = MakeClusteredKeys(400, 2, 4, 16, 8, 0.5f, 3);
-  auto books = Calibrate(data, m, 16, 3);
-  auto index = MakeA2atsIndex(ShapeOf(m, 0), WithBooks(books));
-  ASSERT_TRUE(index.ok()) << index.status();
-  ASSERT_TRUE((*index)->Build(BuildInput{TokenTensor{data.keys.data(), 400, 32}}).ok());
+  Built400 b = BuildOn400Keys();
+  ASSERT_NE(b.index, nullptr);
+  const testing::ClusteredData& data = b.data;
+  const std::unique_ptr<RetrievalIndex>* index = &b.index;
   auto q = MakeQuery(data, 0.3f, 1.f, 4);
   Selection sel;
   for (int64_t budget : {334, 5000}) {
