@@ -11,7 +11,7 @@ namespace {
 #define KVR_KERNEL_TABLE(ns, isa_value) \
   CpuKernels {                            \
     isa_value, &ns::QuantizeActivations, &ns::GemvBlocks, &ns::GemvBlocksF32,                \
-        &ns::DequantizeRows, &ns::AttendRows, &ns::GemvFloats                             \
+        &ns::DequantizeRows, &ns::AttendRows, &ns::GemvFloats, &ns::SoftmaxPrefix              \
   }
 
 bool CpuHas(CpuIsa isa) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <vector>
 
@@ -169,6 +170,16 @@ void GemvFloats(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_ro
   for (int64_t r = 0; r < n_rows; ++r) {
     for (int64_t j = 0; j < m; ++j) y[j * ldy + r] = DotFloats(type, w + r * row_bytes, a + j * k, k);
   }
+}
+
+void SoftmaxPrefix(float* s, int64_t visible, int64_t n) {
+  float max_score = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < visible; ++r) max_score = std::max(max_score, s[r]);
+  float sum = 0.f;
+  for (int64_t r = 0; r < visible; ++r) sum += (s[r] = std::exp(s[r] - max_score));
+  const float inv = 1.f / sum;
+  for (int64_t r = 0; r < visible; ++r) s[r] *= inv;
+  std::fill(s + visible, s + n, 0.f);
 }
 
 }  // namespace kvr::model::generic

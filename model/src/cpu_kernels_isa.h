@@ -20,6 +20,7 @@
                   float* m, float* l, float* acc);                                              \
   void GemvFloats(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, \
                   const float* a, int64_t m, float* y, int64_t ldy);                            \
+  void SoftmaxPrefix(float* s, int64_t visible, int64_t n);                                     \
   }
 
 namespace kvr::model {

@@ -73,7 +73,8 @@ struct Task {
 };
 
 // softmax(scale q k^T) v for one task, with `scores` scratch of n_rows_q * n_keys floats.
-void RunTask(const AttentionShape& shape, const Task& t, std::vector<float>& scores) {
+void RunTask(const CpuKernels& kernels, const AttentionShape& shape, const Task& t,
+             std::vector<float>& scores) {
   const KvView& kv = t.request->kv;
   const int d = shape.head_dim;
   const int64_t last_position = t.first_position + (t.n_rows_q - 1) * t.position_step;
@@ -94,28 +95,30 @@ void RunTask(const AttentionShape& shape, const Task& t, std::vector<float>& sco
   for (int64_t i = 0; i < t.n_rows_q; ++i) {
     float* s = scores.data() + i * n_keys;
     const int64_t position = t.first_position + i * t.position_step;
-    float max_score = -std::numeric_limits<float>::infinity();
-    float sum = 0.f;
     if (kv.positions.empty()) {
       // Dense rows: the visible keys are exactly rows [0, position]; no per-row test.
       const int64_t visible = std::min(n_keys, position + 1);
-      for (int64_t r = 0; r < visible; ++r) max_score = std::max(max_score, s[r]);
-      for (int64_t r = 0; r < visible; ++r) sum += (s[r] = std::exp(s[r] - max_score));
-      std::fill(s + std::max<int64_t>(visible, 0), s + n_keys, 0.f);
-      if (visible <= 0) continue;  // nothing visible: the row stays zero
-    } else {
-      for (int64_t r = 0; r < n_keys; ++r) {
-        if (kv.positions[r] <= position) max_score = std::max(max_score, s[r]);
-      }
-      if (max_score == -std::numeric_limits<float>::infinity()) {
+      if (visible <= 0) {
         std::fill_n(s, n_keys, 0.f);  // nothing visible: the output row becomes zero
-        continue;
+      } else {
+        kernels.softmax_prefix(s, visible, n_keys);
       }
-      for (int64_t r = 0; r < n_keys; ++r) {
-        const float e = kv.positions[r] <= position ? std::exp(s[r] - max_score) : 0.f;
-        s[r] = e;
-        sum += e;
-      }
+      continue;
+    }
+    // Rows at arbitrary positions: only those at or before the query's position are visible.
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < n_keys; ++r) {
+      if (kv.positions[r] <= position) max_score = std::max(max_score, s[r]);
+    }
+    if (max_score == -std::numeric_limits<float>::infinity()) {
+      std::fill_n(s, n_keys, 0.f);  // nothing visible: the output row becomes zero
+      continue;
+    }
+    float sum = 0.f;
+    for (int64_t r = 0; r < n_keys; ++r) {
+      const float e = kv.positions[r] <= position ? std::exp(s[r] - max_score) : 0.f;
+      s[r] = e;
+      sum += e;
     }
     const float inv = 1.f / sum;
     for (int64_t r = 0; r < n_keys; ++r) s[r] *= inv;
@@ -253,7 +256,7 @@ absl::Status DenseAttention::Attend(const AttentionShape& shape,
       if (i < decode_tasks.size()) {
         RunDecodeTask(kernels, shape, decode_tasks[i], scratch);
       } else {
-        RunTask(shape, tasks[i - decode_tasks.size()], scratch);
+        RunTask(kernels, shape, tasks[i - decode_tasks.size()], scratch);
       }
     }
   };

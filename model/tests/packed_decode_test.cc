@@ -113,7 +113,9 @@ void CompareWithFloat32Path(KvDType packed_kv) {
     std::printf("%s: worst decode logits error %.4f (relative to max |logit|)\n",
                 p["name"].get<std::string>().c_str(), worst);
   }
-  if (packed_kv == KvDType::kF32) EXPECT_GT(prefill_checked, 0);
+  if (packed_kv == KvDType::kF32) {
+    EXPECT_GT(prefill_checked, 0);
+  }
   std::printf("greedy agreement packed (%s KV) vs float32 (teacher-forced): %d / %d steps\n",
               KvDTypeName(packed_kv), agree, steps);
 }

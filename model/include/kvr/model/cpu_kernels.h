@@ -95,6 +95,11 @@ struct CpuKernels {
   // Float weights (F32, F16, BF16) against float activations `a` [m, k]; same output layout.
   void (*gemv_floats)(GgmlType type, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
                       int64_t k, const float* a, int64_t m, float* y, int64_t ldy) = nullptr;
+
+  // One query row's softmax over the scores of its visible keys, in place (prefill attention,
+  // between its two GEMMs): for r < visible, s[r] = exp(s[r] - max) / sum, where max and sum
+  // run over s[0, visible); s[r] = 0 for visible <= r < n. 1 <= visible <= n.
+  void (*softmax_prefix)(float* s, int64_t visible, int64_t n) = nullptr;
 };
 
 // True for the weight types the kernels take directly.
