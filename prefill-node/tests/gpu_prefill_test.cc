@@ -234,7 +234,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   const double logit_rms = std::sqrt(logit_ms / logits->size());
 
   uint64_t seq = 100;
-  for (const char* method : {"full", "quest", "clusterkv"}) {
+  for (const char* method : {"full", "quest", "clusterkv", "keydiff"}) {
     SCOPED_TRACE(method);
     cpu.opener.chunks.clear();
     gpu.opener.chunks.clear();
@@ -317,9 +317,10 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     }
     EXPECT_EQ(store.failed, 0) << "store rows outside the tolerance";
 
-    // quest and clusterkv summaries were built on the GPU (gpu_summaries, the default). quest's
-    // must be byte for byte the CPU index built from the rows the GPU shipped (min / max of the
-    // same floats); clusterkv's (k-means in 3xTF32 on the GPU, float32 on the CPU) must select
+    // quest, clusterkv and keydiff summaries were built on the GPU (gpu_summaries, the default).
+    // quest's must be byte for byte the CPU index built from the rows the GPU shipped (min / max
+    // of the same floats), and so must keydiff's (fp64 sums, dots and norms of the same
+    // bf16-valued keys, exact in any order; one rounding to fp32 of the same values); clusterkv's (k-means in 3xTF32 on the GPU, float32 on the CPU) must select
     // like it: the share of equal ids over random queries is printed and must be >= 0.9.
     if (std::string(method) != "full") {
       retrieval::IndexParams params;
@@ -361,12 +362,12 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         ASSERT_NE(g, nullptr);
         const std::span<const uint8_t> shipped(
             reinterpret_cast<const uint8_t*>(g->summaries().data()), g->summaries().size());
-        if (std::string(method) == "quest") {
+        if (std::string(method) == "quest" || std::string(method) == "keydiff") {
           auto want_bytes = retrieval::SerializeIndex(**cpu_index);
           ASSERT_TRUE(want_bytes.ok());
           EXPECT_TRUE(std::equal(shipped.begin(), shipped.end(), want_bytes->begin(),
                                  want_bytes->end()))
-              << "layer " << layer << ": GPU quest bounds differ from the CPU index's";
+              << "layer " << layer << ": GPU " << method << " summary differs from the CPU index's";
           continue;
         }
         auto gpu_index = retrieval::DeserializeIndex(shipped, *registry, params);
@@ -408,7 +409,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
 // With store_dtype bf16 the CUDA backend exports the cache's bf16 rows as they lie (half the
 // PCIe bytes, no narrowing pass on the host); the result must be exactly what the float32
 // export gave once narrowed: the float32 export is the cache's bf16 values widened. Per method
-// (GPU-built quest, CPU-built keydiff from the widened keys, full): every store row bit for bit,
+// (GPU-built quest and keydiff, full): every store row bit for bit,
 // the handoff's sink and local rows and summaries byte for byte, the same first token, half the
 // shipped bytes.
 TEST(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
@@ -507,8 +508,8 @@ std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_stor
 // chunks of 128 but the backend's model takes 64 tokens per Forward (ChunkTokens: 64), so the
 // reused prefix is 192 rows (aligned to 64, not 128) and the computed chunks [192, 256),
 // [256, 300) are the cold prefill's. Then: the same first token; every store row of [0, L) bit
-// for bit; the handoff's sink and local rows and summaries (GPU-built quest and clusterkv,
-// CPU-built keydiff from the exported rows) byte for byte, each index over L tokens; only the
+// for bit; the handoff's sink and local rows and summaries (GPU-built quest, clusterkv and
+// keydiff) byte for byte, each index over L tokens; only the
 // computed rows put. Last, the kept sequence released: the next request is computed cold with
 // the same bits.
 void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
@@ -554,7 +555,7 @@ void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
   uint64_t seq = 7100;
   for (const char* method : {"full", "quest", "clusterkv", "keydiff"}) {
     SCOPED_TRACE(method);
-    const bool gpu_summary = std::string(method) == "quest" || std::string(method) == "clusterkv";
+    const bool gpu_summary = std::string(method) != "full";  // quest, clusterkv, keydiff
     opener.chunks.clear();
     PrefillJob cold = Job(absl::StrCat("cold-", method), ++seq, ids, method);
     auto cold_result = engine.Run(cold);

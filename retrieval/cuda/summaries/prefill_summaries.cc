@@ -73,7 +73,8 @@ class Builder final : public PrefillSummaryBuilder {
         layer_f32_ = (capacity_ + p.quest.page_size - 1) / p.quest.page_size * nkv * 2 * d;
         break;
       case Method::kKeyDiff: {
-        layer_f32_ = nkv * capacity_;
+        // [n_kv, capacity] scores, then [n_kv, head_dim] mean keys.
+        layer_f32_ = nkv * capacity_ + nkv * d;
         ws = KeyDiffBuildWorkspaceBytes(KeyDiffParams(nullptr, 0, nullptr));
         break;
       }
@@ -179,6 +180,7 @@ class Builder final : public PrefillSummaryBuilder {
       }
       case Method::kKeyDiff: {
         KeyDiffBuildParams p = KeyDiffParams(&keys, k.length, f32);
+        p.means = f32 + int64_t{c_.n_kv_heads} * capacity_;
         return KeyDiffBuild(p, stream);
       }
       case Method::kClusterKv: {
@@ -243,8 +245,19 @@ class Builder final : public PrefillSummaryBuilder {
         }
         return SerializePrebuiltClusterKv(shape, opt_.params, s.length, heads);
       }
-      case Method::kKeyDiff:
-        break;
+      case Method::kKeyDiff: {
+        const int nkv = shape.n_kv_heads, hd = shape.head_dim;
+        if (s.n_f32 < int64_t{nkv} * (capacity_ + hd)) {
+          return absl::InternalError("keydiff summary smaller than its layout");
+        }
+        std::vector<PrebuiltKeyDiffHead> heads(nkv);
+        for (int h = 0; h < nkv; ++h) {
+          heads[h].scores = {s.f32 + int64_t{h} * capacity_, static_cast<size_t>(s.length)};
+          heads[h].mean = {s.f32 + int64_t{nkv} * capacity_ + int64_t{h} * hd,
+                           static_cast<size_t>(hd)};
+        }
+        return SerializePrebuiltKeyDiff(shape, opt_.params, s.length, heads);
+      }
     }
     return absl::UnimplementedError(
         absl::StrCat("prefill summaries: ", std::string(method()), " builds are not shipped"));
@@ -360,7 +373,7 @@ class Builders final : public PrefillSummaryBuilders {
 }  // namespace
 
 bool PrefillSummaryBuilders::Ships(std::string_view method) {
-  return method == "quest" || method == "clusterkv";
+  return method == "quest" || method == "clusterkv" || method == "keydiff";
 }
 
 absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> PrefillSummaryBuilders::Create(
