@@ -36,7 +36,9 @@
 #include "kvr/model/weights.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
+#include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/serialization.h"
 
@@ -95,7 +97,8 @@ struct Side {
 
 void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
               const retrieval::MethodRegistry* registry,
-              kv_store::DType store_dtype = kv_store::DType::kF32) {
+              kv_store::DType store_dtype = kv_store::DType::kF32,
+              std::shared_ptr<const retrieval::MethodAssets> assets = nullptr) {
   kv_store::StoreOptions so;
   so.pool.capacity_bytes = 64ull << 20;
   so.pool.try_huge_pages = false;
@@ -105,8 +108,10 @@ void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
   side.stores = std::make_unique<OneStore>(side.store.get());
   side.engine = std::make_unique<PrefillEngine>(
       std::move(backend), nullptr, registry, side.stores.get(), &side.opener,
-      EngineOptions{
-          .chunk_tokens = kChunk, .max_prefill_queries = 100, .store_dtype = store_dtype});
+      EngineOptions{.chunk_tokens = kChunk,
+                    .max_prefill_queries = 100,
+                    .store_dtype = store_dtype,
+                    .method_assets = std::move(assets)});
 }
 
 // Rows of `head_dim` floats: counts those outside the tolerance; tracks the worst.
@@ -216,13 +221,31 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   ASSERT_TRUE(gpu_backend.ok());
   EXPECT_EQ((*gpu_backend)->name(), "cuda:0");
 
+  // a2ats codebooks of this model: 64 codewords per head from two 400-token prompts.
+  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab);
+  std::shared_ptr<const retrieval::MethodAssets> books;
+  {
+    auto fingerprint = retrieval::FingerprintOf(**cpu_model);
+    ASSERT_TRUE(fingerprint.ok()) << fingerprint.status();
+    retrieval::CodebookParams cp;
+    cp.codebook_size = 64;
+    auto samples = retrieval::CalibrationSamples::Create(*fingerprint, cp);
+    ASSERT_TRUE(samples.ok()) << samples.status();
+    std::vector<int32_t> other = Tokens(400, c.vocab);
+    std::reverse(other.begin(), other.end());
+    const std::vector<std::vector<int32_t>> text = {Tokens(400, c.vocab), other};
+    ASSERT_TRUE(retrieval::CollectCalibrationSamples(**cpu_model, text, *samples).ok());
+    auto built_books = retrieval::BuildCodebooks(*samples, &pool);
+    ASSERT_TRUE(built_books.ok()) << built_books.status();
+    books = *built_books;
+  }
+
   Side cpu, gpu;
-  MakeSide(cpu, MakeCpuPrefillBackend(cpu_model->get()), &*registry);
+  MakeSide(cpu, MakeCpuPrefillBackend(cpu_model->get()), &*registry, kv_store::DType::kF32, books);
   auto counting = std::make_unique<SummaryCountingBackend>(*std::move(gpu_backend));
   SummaryCountingBackend* gpu_built = counting.get();
-  MakeSide(gpu, std::move(counting), &*registry);
+  MakeSide(gpu, std::move(counting), &*registry, kv_store::DType::kF32, books);
 
-  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab);
   const int64_t L = kPromptTokens;
   // The CPU reference logits, for the near-tie rule of the first token.
   model::KvCache cache = (*cpu_model)->NewCache();
@@ -234,7 +257,9 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   const double logit_rms = std::sqrt(logit_ms / logits->size());
 
   uint64_t seq = 100;
-  for (const char* method : {"full", "quest", "clusterkv", "keydiff"}) {
+  retrieval::IndexParams load_params;  // the codebooks, for a2ats' indexes
+  load_params.assets = books;
+  for (const char* method : {"full", "quest", "clusterkv", "keydiff", "a2ats"}) {
     SCOPED_TRACE(method);
     cpu.opener.chunks.clear();
     gpu.opener.chunks.clear();
@@ -289,7 +314,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
       AddPieces(handoff, g.local_kv(), w->local_kv(), c.head_dim);
       auto index = retrieval::DeserializeIndex(
           {reinterpret_cast<const uint8_t*>(g.summaries().data()), g.summaries().size()}, *registry,
-          retrieval::IndexParams{});
+          load_params);
       ASSERT_TRUE(index.ok()) << index.status();
       EXPECT_EQ((*index)->method(), method);
       EXPECT_EQ((*index)->size(), L);
@@ -327,6 +352,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
       params.budget = 16;
       params.n_sink = 4;
       params.local_window = 32;
+      params.assets = books;
       double equal_ids = 0, total_ids = 0;
       for (int layer = 0; layer < c.n_layers; ++layer) {
         std::vector<float> keys(L * c.n_kv_heads * c.head_dim);
@@ -372,6 +398,20 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         }
         auto gpu_index = retrieval::DeserializeIndex(shipped, *registry, params);
         ASSERT_TRUE(gpu_index.ok()) << gpu_index.status();
+        if (std::string(method) == "a2ats") {
+          // The same codeword per token and KV head, except at near-ties of the nearest one.
+          auto g_state = retrieval::A2atsStateOf(**gpu_index);
+          auto c_state = retrieval::A2atsStateOf(**cpu_index);
+          ASSERT_TRUE(g_state.ok() && c_state.ok());
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            ASSERT_EQ(g_state->ids[h].size(), c_state->ids[h].size());
+            for (size_t t = 0; t < c_state->ids[h].size(); ++t) {
+              equal_ids += g_state->ids[h][t] == c_state->ids[h][t];
+            }
+            total_ids += static_cast<double>(c_state->ids[h].size());
+          }
+          continue;
+        }
         std::vector<float> q(static_cast<size_t>(c.n_heads) * c.head_dim);
         uint64_t x = 1234 + layer;
         for (int trial = 0; trial < 8; ++trial) {
@@ -395,6 +435,11 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         std::printf("[ summary ] clusterkv built on the GPU vs on the CPU from the same rows: "
                     "%.3f of selected ids equal\n", equal_ids / total_ids);
         EXPECT_GE(equal_ids / total_ids, 0.9);
+      }
+      if (std::string(method) == "a2ats") {
+        std::printf("[ summary ] a2ats built on the GPU vs on the CPU from the same rows: "
+                    "%.0f of %.0f codeword ids equal\n", equal_ids, total_ids);
+        EXPECT_GE(equal_ids / total_ids, 0.99);
       }
     }
     std::printf(
