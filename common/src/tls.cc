@@ -41,8 +41,8 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* setting
 
 // gRPC's file watcher counts whole seconds.
 unsigned int ReloadSeconds(absl::Duration interval) {
-  return static_cast<unsigned int>(std::clamp<int64_t>(
-      absl::ToInt64Seconds(interval), 1, std::numeric_limits<unsigned int>::max()));
+  return static_cast<unsigned int>(std::clamp<int64_t>(absl::ToInt64Seconds(interval), 1,
+                                                       std::numeric_limits<unsigned int>::max()));
 }
 
 }  // namespace
@@ -78,9 +78,8 @@ absl::StatusOr<GrpcSecurity> GrpcSecurity::Load(const TlsConfig& config) {
     security.provider_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
         config.key_file, config.cert_file, config.ca_file, seconds);
   } else {
-    security.provider_ =
-        std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(config.ca_file,
-                                                                             seconds);
+    security.provider_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        config.ca_file, seconds);
   }
   return security;
 }

@@ -243,9 +243,9 @@ struct PeerNameServer {
     EXPECT_TRUE(security.ok()) << security.status();
     grpc::ServerBuilder builder;
     int port = 0;
-    EXPECT_TRUE(ConfigureServer(&builder, "127.0.0.1:0", *security, ClientCertificates::kRequired,
-                                &port)
-                    .ok());
+    EXPECT_TRUE(
+        ConfigureServer(&builder, "127.0.0.1:0", *security, ClientCertificates::kRequired, &port)
+            .ok());
     builder.RegisterCallbackGenericService(&service);
     server = builder.BuildAndStart();
     EXPECT_NE(port, 0);
@@ -328,9 +328,9 @@ TEST(GrpcSecurityTest, ClientPresentsARenewedCertificateWithoutARestart) {
 
   // A renewed leaf of the same CA, written over the files the client was loaded from.
   write(*ca, "client", "client renewed", client_ca_file);
-  EXPECT_EQ(WaitFor("client renewed",
-                    [&] { return ClientCommonNameSeenBy(server.address, *client); }),
-            "client renewed");
+  EXPECT_EQ(
+      WaitFor("client renewed", [&] { return ClientCommonNameSeenBy(server.address, *client); }),
+      "client renewed");
 
   // The cluster moves to the next CA: the client's CA and its certificate both change.
   ASSERT_TRUE(WriteCertificate(dir, "client-ca", *next_ca, client_ca_file).ok());

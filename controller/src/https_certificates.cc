@@ -107,9 +107,8 @@ absl::StatusOr<std::shared_ptr<HttpsCertificates::Set>> Parse(const HttpTlsOptio
   }
   if (X509_check_private_key(set->leaf.get(), set->key.get()) != 1) {
     ERR_clear_error();
-    return absl::InvalidArgumentError(absl::StrCat("http_tls_key '", tls.key_file,
-                                                   "' is not the key of http_tls_cert '",
-                                                   tls.cert_file, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "http_tls_key '", tls.key_file, "' is not the key of http_tls_cert '", tls.cert_file, "'"));
   }
   if (!tls.client_ca_file.empty()) {
     std::vector<std::unique_ptr<X509, X509Free>> cas = Certificates(client_ca_text);
@@ -129,8 +128,8 @@ absl::StatusOr<std::shared_ptr<HttpsCertificates::Set>> Parse(const HttpTlsOptio
           sk_X509_NAME_push(set->client_names.get(), name) == 0) {
         X509_NAME_free(name);
         ERR_clear_error();
-        return absl::InvalidArgumentError(absl::StrCat(
-            "http_tls_client_ca '", tls.client_ca_file, "': a certificate cannot be used"));
+        return absl::InvalidArgumentError(absl::StrCat("http_tls_client_ca '", tls.client_ca_file,
+                                                       "': a certificate cannot be used"));
       }
     }
   }

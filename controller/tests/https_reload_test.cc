@@ -96,8 +96,8 @@ std::string ServerCommonName(int port, const std::string& ca_file) {
     if (SSL_connect(ssl) == 1) {
       if (X509* peer = SSL_get1_peer_certificate(ssl)) {
         char cn[256] = {};
-        if (X509_NAME_get_text_by_NID(X509_get_subject_name(peer), NID_commonName, cn,
-                                      sizeof(cn)) > 0) {
+        if (X509_NAME_get_text_by_NID(X509_get_subject_name(peer), NID_commonName, cn, sizeof(cn)) >
+            0) {
           name = cn;
         }
         X509_free(peer);
