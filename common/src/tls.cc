@@ -49,7 +49,13 @@ unsigned int ReloadSeconds(absl::Duration interval) {
 
 absl::StatusOr<GrpcSecurity> GrpcSecurity::Load(const TlsConfig& config) {
   GrpcSecurity security;
-  if (config.empty()) return security;
+  if (config.empty()) {
+    if (!config.server_name.empty()) {
+      return absl::InvalidArgumentError(
+          "tls_server_name: set, but tls_ca is empty (a name to check needs TLS)");
+    }
+    return security;
+  }
   if (config.ca_file.empty()) {
     return absl::InvalidArgumentError(
         "tls_ca: empty, but tls_cert or tls_key is set (TLS needs the CA that peers chain to)");
@@ -114,7 +120,12 @@ std::shared_ptr<grpc::ChannelCredentials> GrpcSecurity::ChannelCredentials() con
 
 std::shared_ptr<grpc::Channel> GrpcSecurity::CreateChannel(
     const std::string& target, const grpc::ChannelArguments& args) const {
-  return grpc::CreateCustomChannel(target, ChannelCredentials(), args);
+  if (!enabled() || files_.server_name.empty()) {
+    return grpc::CreateCustomChannel(target, ChannelCredentials(), args);
+  }
+  grpc::ChannelArguments named = args;
+  named.SetSslTargetNameOverride(files_.server_name);
+  return grpc::CreateCustomChannel(target, ChannelCredentials(), named);
 }
 
 std::shared_ptr<grpc::Channel> GrpcSecurity::CreateChannel(const std::string& target) const {

@@ -69,6 +69,11 @@ struct TlsConfig {
   // Connections already open keep the certificate they were made with. Rounded to whole
   // seconds, at least one (gRPC's file watcher counts seconds).
   absl::Duration reload_interval = kTlsReloadInterval;
+  // The DNS name the certificates of the servers this process dials must carry, checked instead
+  // of the host it dials (empty: that host). For clusters whose nodes are dialled at addresses
+  // no shared certificate can name (Kubernetes pod IPs): every node certificate carries this
+  // one name, and the CA still decides who belongs to the cluster.
+  std::string server_name;
   [[nodiscard]] bool empty() const {
     return ca_file.empty() && cert_file.empty() && key_file.empty();
   }
@@ -80,6 +85,9 @@ inline constexpr char kTlsCaHelp[] =
     "tls_key: every internal gRPC channel is mutual TLS; all three empty: plaintext)";
 inline constexpr char kTlsCertHelp[] = "PEM certificate this process presents (see tls_ca)";
 inline constexpr char kTlsKeyHelp[] = "PEM private key of tls_cert";
+inline constexpr char kTlsServerNameHelp[] =
+    "DNS name that the certificates of the kvr servers this process dials must carry, checked "
+    "instead of the address dialled (empty: the address; for nodes reached at pod IPs)";
 
 enum class ClientCertificates {
   // The handshake fails unless the client presents a certificate that chains to the CA.

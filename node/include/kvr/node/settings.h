@@ -442,7 +442,8 @@ Setting<Config> MetricsPortSetting(Ref ref) {
                                 ref, -1, 65535);
 }
 
-// tls_ca, tls_cert and tls_key (kvr/common/tls.h), stored in the TlsConfig at `tls`.
+// tls_ca, tls_cert, tls_key and tls_server_name (kvr/common/tls.h), stored in the TlsConfig at
+// `tls`.
 template <typename Config, typename Ref>
 std::vector<Setting<Config>> TlsSettings(Ref tls) {
   auto file = [tls](std::string TlsConfig::*member) {
@@ -452,7 +453,9 @@ std::vector<Setting<Config>> TlsSettings(Ref tls) {
   };
   return {StringSetting<Config>("tls_ca", kTlsCaHelp, file(&TlsConfig::ca_file), true),
           StringSetting<Config>("tls_cert", kTlsCertHelp, file(&TlsConfig::cert_file), true),
-          StringSetting<Config>("tls_key", kTlsKeyHelp, file(&TlsConfig::key_file), true)};
+          StringSetting<Config>("tls_key", kTlsKeyHelp, file(&TlsConfig::key_file), true),
+          StringSetting<Config>("tls_server_name", kTlsServerNameHelp,
+                                file(&TlsConfig::server_name), true)};
 }
 
 }  // namespace kvr::node
