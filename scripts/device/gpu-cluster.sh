@@ -19,7 +19,7 @@
 # pool (RssShmem): the decode node reads the store's pages in place, so its own memory must not
 # follow the prompt. On the quest cluster then a new ~7000-token prompt twice (the first
 # computed cold and cached, the second reusing the cached prefix: TTFT of each), and every other
-# method at ~3000 tokens (exact, pariskv and keydiff in
+# method at ~3000 tokens (exact, pariskv, keydiff and, with codebooks, a2ats in
 # GPU lanes, the rest selected on the host; a2ats with codebooks from `kvr calibrate`:
 # bundle with GPUCLUSTER_CODEBOOKS=FILE), `full` at ~1000 tokens, and `full` at ~3000 tokens
 # refused (its rows exceed gpu_budget, 1024).
@@ -93,7 +93,11 @@ case "${1:-}" in
         "/proc/$pid/status" && echo
     }
     codebooks=()
-    [[ -f "$kStage/smollm2.kvrcb" ]] && codebooks=(--a2ats-codebooks "$kStage/smollm2.kvrcb")
+    lanes=exact,pariskv,keydiff
+    if [[ -f "$kStage/smollm2.kvrcb" ]]; then
+      codebooks=(--a2ats-codebooks "$kStage/smollm2.kvrcb")
+      lanes+=,a2ats
+    fi
     # up NAME PORT PREFILL_GPU DECODE_GPU METHOD [BUDGET]: a cluster, detached; non-zero if it
     # failed.
     up() {
@@ -105,7 +109,7 @@ case "${1:-}" in
         --prefill-arg="--cuda-device=$3" --decode-arg="--cuda-device=$4" \
         --decode-arg="--gpu-method=$5" --decode-arg=--gpu-n-sink=16 \
         --decode-arg=--gpu-local-window=256 --decode-arg="--gpu-budget=${6:-1024}" \
-        --decode-arg=--gpu-lanes=exact,pariskv,keydiff \
+        --decode-arg="--gpu-lanes=$lanes" \
         --decode-arg="--gpu-row-source=${GPUCLUSTER_ROW_SOURCE:-in-place}" \
         "${codebooks[@]}" --prefill 1 --decode 1 --base-port "$2" \
         --log-dir "$logs" --detach --pid-file "$logs/up.pid" --ready-timeout 120 \
@@ -173,7 +177,7 @@ case "${1:-}" in
           methods_here="exact streaming clusterkv ctkvr pariskv keydiff"
           [[ ${#codebooks[@]} -gt 0 ]] && methods_here+=" a2ats"  # a2ats needs codebooks
           for m in $methods_here; do
-            echo "-- $m (on the quest node: GPU lanes for exact, pariskv and keydiff, else host-selected), ~3000 tokens"
+            echo "-- $m (on the quest node: GPU lanes for ${lanes//,/, }, else host-selected), ~3000 tokens"
             generate "$port" "$m" 3000 "$out/up-$method/generate-$m.txt" || status=1
           done
           echo "-- full at ~1000 tokens (its 776 rows fit gpu_budget 1024)"
