@@ -107,12 +107,12 @@ int Serve(const ControllerConfig& config) {
                                      : "plaintext HTTP");
   }
 
-  absl::StatusOr<std::unique_ptr<node::NodeServer>> server = node::NodeServer::Start(
-      {.grpc = {.listen = config.listen,
-                .security = *security,
-                .client_certificates = ClientCertificates::kOptional,
-                .services = {&generation, &membership_service}},
-       .health_address = config.health_address});
+  absl::StatusOr<std::unique_ptr<node::NodeServer>> server =
+      node::NodeServer::Start({.grpc = {.listen = config.listen,
+                                        .security = *security,
+                                        .client_certificates = ClientCertificates::kOptional,
+                                        .services = {&generation, &membership_service}},
+                               .health_address = config.health_address});
   if (!server.ok()) return node::ReportStartFailure("kvr-controller", server.status());
   if ((*metrics_server)->serving()) {
     // Printed before the "listening on" line, so a launcher that waits for that line knows

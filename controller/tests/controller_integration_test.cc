@@ -643,8 +643,8 @@ TEST(ControllerIntegrationTest, HealthPortAnswersProbesInPlaintextBesideAMutualT
   const TlsConfig controller_tls = issue("controller");
   const TlsConfig member_tls = issue("member");
   Subprocess controller({KVR_CONTROLLER_BIN, "--listen", "127.0.0.1:0", "--health-address",
-                         "127.0.0.1:0", "--tls-ca", ca_file, "--tls-cert",
-                         controller_tls.cert_file, "--tls-key", controller_tls.key_file});
+                         "127.0.0.1:0", "--tls-ca", ca_file, "--tls-cert", controller_tls.cert_file,
+                         "--tls-key", controller_tls.key_file});
   const std::string health_line = controller.WaitForLine("kvr-controller health on ");
   const std::string line = controller.WaitForLine("kvr-controller listening on ");
   ASSERT_FALSE(health_line.empty());

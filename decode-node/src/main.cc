@@ -188,14 +188,14 @@ int Serve(const DecodeConfig& config) {
   (*engine)->Start();
   DecodeServiceImpl service(engine->get(), &stores);
 
-  absl::StatusOr<std::unique_ptr<node::NodeServer>> server = node::NodeServer::Start(
-      {.grpc = {.listen = config.listen,
-                .security = *security,
-                .client_certificates = ClientCertificates::kRequired,
-                .services = {&service},
-                // handoffs of long prompts carry many summary bytes
-                .max_receive_message_bytes = -1},
-       .health_address = config.health_address});
+  absl::StatusOr<std::unique_ptr<node::NodeServer>> server =
+      node::NodeServer::Start({.grpc = {.listen = config.listen,
+                                        .security = *security,
+                                        .client_certificates = ClientCertificates::kRequired,
+                                        .services = {&service},
+                                        // handoffs of long prompts carry many summary bytes
+                                        .max_receive_message_bytes = -1},
+                               .health_address = config.health_address});
   if (!server.ok()) return node::ReportStartFailure("kvr-decode", server.status());
   const std::string host =
       node::ReachableHost(config.advertise_host.empty() ? listen_host : config.advertise_host);

@@ -12,8 +12,8 @@
 #include "kvr/common/grpc_server.h"
 #include "kvr/common/instance_id.h"
 #include "kvr/common/metrics.h"
-#include "kvr/kv_store/metrics.h"
 #include "kvr/common/status.h"
+#include "kvr/kv_store/metrics.h"
 #include "kvr/transport/ucx.h"
 #include "local_pool_socket.h"
 #include "work_queue.h"
@@ -113,19 +113,19 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
     impl->Shutdown();
     return security.status();
   }
-  absl::StatusOr<StartedGrpcServer> started = StartGrpcServer(
-      {.listen = options.listen,
-       .security = *security,
-       .client_certificates = ClientCertificates::kRequired,
-       .services = {impl->service.get()},
-       // Appends of a few tokens are small; this bounds what a misbehaving client can make the
-       // store buffer (bulk data goes over UCX).
-       .max_receive_message_bytes = 64 << 20});
+  absl::StatusOr<StartedGrpcServer> started =
+      StartGrpcServer({.listen = options.listen,
+                       .security = *security,
+                       .client_certificates = ClientCertificates::kRequired,
+                       .services = {impl->service.get()},
+                       // Appends of a few tokens are small; this bounds what a misbehaving client
+                       // can make the store buffer (bulk data goes over UCX).
+                       .max_receive_message_bytes = 64 << 20});
   if (!started.ok()) {
     impl->Shutdown();
     return started.status().code() == absl::StatusCode::kUnavailable
-               ? absl::UnavailableError(absl::StrFormat(
-                     "kvr-store: cannot listen for gRPC on '%s'", options.listen))
+               ? absl::UnavailableError(
+                     absl::StrFormat("kvr-store: cannot listen for gRPC on '%s'", options.listen))
                : started.status();
   }
   impl->grpc_server = std::move(started->server);

@@ -44,7 +44,8 @@ class HealthService final : public hv1::Health::Service {
     std::optional<hv1::HealthCheckResponse::ServingStatus> sent;
     while (!context->IsCancelled()) {
       const uint64_t seen = statuses_->version();
-      const hv1::HealthCheckResponse::ServingStatus now = StatusOf(statuses_->Get(request->service()));
+      const hv1::HealthCheckResponse::ServingStatus now =
+          StatusOf(statuses_->Get(request->service()));
       if (sent != now) {
         hv1::HealthCheckResponse response;
         response.set_status(now);

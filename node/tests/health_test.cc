@@ -16,8 +16,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "gtest/gtest.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
@@ -145,12 +145,12 @@ class NodeServerTest : public ::testing::Test {
   void SetUp() override {
     absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(pki_.server);
     ASSERT_TRUE(security.ok()) << security.status();
-    absl::StatusOr<std::unique_ptr<NodeServer>> server = NodeServer::Start(
-        {.grpc = {.listen = "127.0.0.1:0",
-                  .security = *security,
-                  .client_certificates = ClientCertificates::kRequired,
-                  .services = {&membership_}},
-         .health_address = "127.0.0.1:0"});
+    absl::StatusOr<std::unique_ptr<NodeServer>> server =
+        NodeServer::Start({.grpc = {.listen = "127.0.0.1:0",
+                                    .security = *security,
+                                    .client_certificates = ClientCertificates::kRequired,
+                                    .services = {&membership_}},
+                           .health_address = "127.0.0.1:0"});
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
     ASSERT_NE(server_->health_port(), 0);

@@ -234,14 +234,14 @@ int Serve(const PrefillConfig& config) {
                                      .observer = &metrics_observer});
   PrefillServiceImpl service(&engine);
 
-  absl::StatusOr<std::unique_ptr<node::NodeServer>> server = node::NodeServer::Start(
-      {.grpc = {.listen = config.listen,
-                .security = *security,
-                .client_certificates = ClientCertificates::kRequired,
-                .services = {&service},
-                // token-id prompts of long contexts
-                .max_receive_message_bytes = -1},
-       .health_address = config.health_address});
+  absl::StatusOr<std::unique_ptr<node::NodeServer>> server =
+      node::NodeServer::Start({.grpc = {.listen = config.listen,
+                                        .security = *security,
+                                        .client_certificates = ClientCertificates::kRequired,
+                                        .services = {&service},
+                                        // token-id prompts of long contexts
+                                        .max_receive_message_bytes = -1},
+                               .health_address = config.health_address});
   if (!server.ok()) return node::ReportStartFailure("kvr-prefill", server.status());
   // A wildcard address is not reachable as such; on one machine loopback is.
   const std::string host = node::ReachableHost(node::HostOf(config.listen));
