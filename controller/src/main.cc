@@ -138,6 +138,7 @@ int Serve(const ControllerConfig& config) {
   const int received = signals.Wait();
   spdlog::info("signal {}: shutting down", received);
   reporter.reset();
+  health->Shutdown();  // NOT_SERVING on both ports before the grace period starts
   // New calls are refused at once; running streams may finish during the grace period. After
   // it gRPC cancels their contexts, the disconnect watcher sees that and each request cancels
   // its downstream calls, so no node keeps decoding for a controller that is gone.
