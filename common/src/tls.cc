@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -36,6 +37,12 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* setting
         absl::StrCat(setting, ": '", path, "' is not a PEM file (no -----BEGIN line)"));
   }
   return pem;
+}
+
+// gRPC's file watcher counts whole seconds.
+unsigned int ReloadSeconds(absl::Duration interval) {
+  return static_cast<unsigned int>(std::clamp<int64_t>(absl::ToInt64Seconds(interval), 1,
+                                                       std::numeric_limits<unsigned int>::max()));
 }
 
 }  // namespace
@@ -64,6 +71,16 @@ absl::StatusOr<GrpcSecurity> GrpcSecurity::Load(const TlsConfig& config) {
     security.cert_pem_ = std::move(*cert);
     security.key_pem_ = std::move(*key);
   }
+  // The files were read (and checked) above; the watcher reads them again now and every
+  // reload_interval, keeping what it has when a read fails (a half-written renewal).
+  const unsigned int seconds = ReloadSeconds(config.reload_interval);
+  if (security.has_certificate()) {
+    security.provider_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        config.key_file, config.cert_file, config.ca_file, seconds);
+  } else {
+    security.provider_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        config.ca_file, seconds);
+  }
   return security;
 }
 
@@ -74,14 +91,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcSecurity::ServerCre
     return absl::InvalidArgumentError(
         "tls_cert, tls_key: a TLS server needs its own certificate and key (only tls_ca is set)");
   }
-  // The files were read (and checked) by Load; gRPC's file watcher reads them again at start
-  // and every server_reload_interval, keeping what it has when a read fails (a half-written
-  // renewal).
-  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      files_.key_file, files_.cert_file, files_.ca_file,
-      static_cast<unsigned int>(
-          std::max<int64_t>(1, absl::ToInt64Seconds(files_.server_reload_interval))));
-  grpc::experimental::TlsServerCredentialsOptions options(provider);
+  grpc::experimental::TlsServerCredentialsOptions options(provider_);
   options.watch_root_certs();
   options.watch_identity_key_cert_pairs();
   options.set_cert_request_type(client_certificates == ClientCertificates::kRequired
@@ -92,11 +102,14 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcSecurity::ServerCre
 
 std::shared_ptr<grpc::ChannelCredentials> GrpcSecurity::ChannelCredentials() const {
   if (!enabled()) return grpc::InsecureChannelCredentials();
-  grpc::SslCredentialsOptions options;
-  options.pem_root_certs = ca_pem_;
-  options.pem_private_key = key_pem_;
-  options.pem_cert_chain = cert_pem_;
-  return grpc::SslCredentials(options);
+  // The server's certificate must chain to the watched CA; gRPC's default verifier of TLS
+  // channel credentials then checks its name against the target's host, as SslCredentials
+  // does.
+  grpc::experimental::TlsChannelCredentialsOptions options;
+  options.set_certificate_provider(provider_);
+  options.watch_root_certs();
+  if (has_certificate()) options.watch_identity_key_cert_pairs();
+  return grpc::experimental::TlsCredentials(options);
 }
 
 std::shared_ptr<grpc::Channel> GrpcSecurity::CreateChannel(

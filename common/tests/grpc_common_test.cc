@@ -2,12 +2,14 @@
 // mutual-TLS port admits, and what a partial TLS configuration says.
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <string>
 #include <vector>
@@ -169,7 +171,7 @@ std::string ServerCommonName(const std::string& address, const TlsConfig& client
   return names.empty() ? "" : std::string(names[0].data(), names[0].size());
 }
 
-// A TLS server reads its files again every server_reload_interval: a certificate renewed in
+// A TLS server reads its files again every reload_interval: a certificate renewed in
 // place is what the next handshake presents, without a restart.
 TEST(GrpcSecurityTest, ServerPresentsARenewedCertificateWithoutARestart) {
   Pki pki;
@@ -187,7 +189,7 @@ TEST(GrpcSecurityTest, ServerPresentsARenewedCertificateWithoutARestart) {
     return *files;
   };
   TlsConfig server_tls = write_server("first");
-  server_tls.server_reload_interval = absl::Seconds(1);
+  server_tls.reload_interval = absl::Seconds(1);
   HealthServer server(server_tls, ClientCertificates::kOptional);
   const TlsConfig client{.ca_file = ca_file};
   EXPECT_EQ(ServerCommonName(server.address, client), "first");
@@ -200,6 +202,162 @@ TEST(GrpcSecurityTest, ServerPresentsARenewedCertificateWithoutARestart) {
     absl::SleepFor(absl::Milliseconds(200));
   }
   EXPECT_EQ(seen, "renewed");
+}
+
+// A server whose one method answers every call with the common name of the client
+// certificate it verified in the handshake ("" without one): what a client presents, seen
+// from the other end.
+class PeerNameService final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* context) override {
+    class Reactor final : public grpc::ServerGenericBidiReactor {
+     public:
+      explicit Reactor(grpc::GenericCallbackServerContext* context) {
+        const std::vector<grpc::string_ref> names =
+            context->auth_context()->FindPropertyValues("x509_common_name");
+        const std::string name = names.empty() ? "" : std::string(names[0].data(), names[0].size());
+        grpc::Slice slice(name);
+        response_ = grpc::ByteBuffer(&slice, 1);
+        StartRead(&request_);
+      }
+      void OnReadDone(bool ok) override {
+        if (!ok) return Finish(grpc::Status::OK);
+        StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+      }
+      void OnDone() override { delete this; }
+
+     private:
+      grpc::ByteBuffer request_, response_;
+    };
+    return new Reactor(context);
+  }
+};
+
+struct PeerNameServer {
+  PeerNameService service;
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+  explicit PeerNameServer(const TlsConfig& tls) {
+    absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
+    EXPECT_TRUE(security.ok()) << security.status();
+    grpc::ServerBuilder builder;
+    int port = 0;
+    EXPECT_TRUE(
+        ConfigureServer(&builder, "127.0.0.1:0", *security, ClientCertificates::kRequired, &port)
+            .ok());
+    builder.RegisterCallbackGenericService(&service);
+    server = builder.BuildAndStart();
+    EXPECT_NE(port, 0);
+    address = absl::StrCat("127.0.0.1:", port);
+  }
+  ~PeerNameServer() { server->Shutdown(absl::ToChronoTime(absl::Now())); }
+};
+
+// The client common name that the PeerNameServer at `address` saw on a new connection of
+// `security` (a channel of its own, so no connection is reused); "" when the call failed.
+std::string ClientCommonNameSeenBy(const std::string& address, const GrpcSecurity& security) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  grpc::GenericStub stub(security.CreateChannel(address, args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::Slice empty;
+  grpc::ByteBuffer request(&empty, 1), response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, "/kvr.test.PeerName/Get", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) { done.set_value(std::move(s)); });
+  if (!done.get_future().get().ok()) return "";
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return "";
+  std::string name;
+  for (const grpc::Slice& slice : slices) {
+    name.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  return name;
+}
+
+// Calls `seen` until it returns `want` or 20 s passed (a file watcher reading every second
+// picks up a change well within that); returns the last answer.
+std::string WaitFor(const std::string& want, const std::function<std::string()>& seen) {
+  std::string last;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
+       (last = seen()) != want && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  return last;
+}
+
+// A client reads its files again every reload_interval too: one GrpcSecurity (as a node keeps
+// for its life) presents a certificate renewed in place on its next connection, and a client
+// whose CA and certificate both change reaches a server of the new CA that refused it before,
+// without a restart.
+TEST(GrpcSecurityTest, ClientPresentsARenewedCertificateWithoutARestart) {
+  Pki pki;
+  const std::string dir = absl::StrCat(pki.dir, "/rotation");
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("first CA", absl::Hours(1));
+  absl::StatusOr<PemCertificate> next_ca = GenerateCertificateAuthority("next CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok() && next_ca.ok());
+  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
+  const std::string next_ca_file = absl::StrCat(dir, "/next-ca.pem");
+  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  ASSERT_TRUE(WriteCertificate(dir, "next-ca", *next_ca, next_ca_file).ok());
+  // Writes a certificate of `by` named `common_name` to <dir>/<file>.pem and its key.
+  auto write = [&](const PemCertificate& by, const std::string& file,
+                   const std::string& common_name, const std::string& trusts) {
+    absl::StatusOr<PemCertificate> cert =
+        IssueCertificate(by, common_name, {"127.0.0.1", "localhost"}, absl::Hours(1));
+    EXPECT_TRUE(cert.ok()) << cert.status();
+    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, file, *cert, trusts);
+    EXPECT_TRUE(files.ok()) << files.status();
+    return *files;
+  };
+  PeerNameServer server(write(*ca, "server", "server", ca_file));
+  PeerNameServer next_server(write(*next_ca, "next-server", "next server", next_ca_file));
+
+  // The client's CA is a file of its own, so that the test can replace it.
+  const std::string client_ca_file = absl::StrCat(dir, "/client-ca.pem");
+  ASSERT_TRUE(WriteCertificate(dir, "client-ca", *ca, client_ca_file).ok());
+  TlsConfig client_tls = write(*ca, "client", "client", client_ca_file);
+  client_tls.reload_interval = absl::Seconds(1);
+  absl::StatusOr<GrpcSecurity> client = GrpcSecurity::Load(client_tls);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ(ClientCommonNameSeenBy(server.address, *client), "client");
+  // The server of the next CA refuses a certificate of the first (and the client refuses it).
+  EXPECT_EQ(ClientCommonNameSeenBy(next_server.address, *client), "");
+
+  // A renewed leaf of the same CA, written over the files the client was loaded from.
+  write(*ca, "client", "client renewed", client_ca_file);
+  EXPECT_EQ(
+      WaitFor("client renewed", [&] { return ClientCommonNameSeenBy(server.address, *client); }),
+      "client renewed");
+
+  // The cluster moves to the next CA: the client's CA and its certificate both change.
+  ASSERT_TRUE(WriteCertificate(dir, "client-ca", *next_ca, client_ca_file).ok());
+  write(*next_ca, "client", "client of the next CA", client_ca_file);
+  EXPECT_EQ(WaitFor("client of the next CA",
+                    [&] { return ClientCommonNameSeenBy(next_server.address, *client); }),
+            "client of the next CA");
+  EXPECT_EQ(ClientCommonNameSeenBy(server.address, *client), "");
+}
+
+// Channel credentials check the server's name against the host dialled: a certificate of the
+// right CA issued for another address is refused.
+TEST(GrpcSecurityTest, ClientRefusesAServerCertificateForAnotherHost) {
+  Pki pki;
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("host CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok());
+  const std::string dir = absl::StrCat(pki.dir, "/host");
+  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
+  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  absl::StatusOr<PemCertificate> elsewhere =
+      IssueCertificate(*ca, "elsewhere", {"10.11.12.13", "elsewhere.example"}, absl::Hours(1));
+  ASSERT_TRUE(elsewhere.ok());
+  absl::StatusOr<TlsConfig> server_tls = WriteCertificate(dir, "server", *elsewhere, ca_file);
+  ASSERT_TRUE(server_tls.ok());
+  HealthServer server(*server_tls, ClientCertificates::kOptional);
+  EXPECT_EQ(Check(server.address, TlsConfig{.ca_file = ca_file}).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
 }
 
 TEST(CertificateAuthorityTest, NodeIdentityIsTheKvrNodeUriSubjectAltName) {

@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "https_certificates.h"
 #include "kvr/controller/openai_api.h"
 #include "spdlog/spdlog.h"
 
@@ -186,6 +187,14 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
     if (!server->server_->is_valid()) {
       return absl::InternalError(absl::StrCat("http: no TLS context (", OpenSslErrors(), ")"));
     }
+    // The SSL_CTX holds the files as read by ConfigureTls (which checked them); every handshake
+    // replaces them with what HttpsCertificates read last.
+    absl::StatusOr<std::unique_ptr<HttpsCertificates>> certificates =
+        HttpsCertificates::Load(server->options_.tls);
+    if (!certificates.ok()) return certificates.status();
+    server->certificates_ = std::move(*certificates);
+    SSL_CTX* ctx = static_cast<httplib::SSLServer&>(*server->server_).ssl_context();
+    server->certificates_->Install(*ctx);
   } else {
     server->server_ = std::make_unique<httplib::Server>();
   }
@@ -246,10 +255,42 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
   // stop() stops only a server that runs: wait until it does, so that destroying the server
   // right after Start cannot leave its accept loop behind.
   while (!http.is_running() && !*listen_returned) absl::SleepFor(absl::Milliseconds(1));
+  if (server->certificates_ != nullptr &&
+      server->options_.tls.reload_interval != absl::InfiniteDuration()) {
+    server->reloader_ = std::thread([s = server.get()] {
+      for (;;) {
+        {
+          absl::MutexLock lock(&s->reload_mu_);
+          if (s->reload_mu_.AwaitWithTimeout(absl::Condition(&s->reload_stop_),
+                                             s->options_.tls.reload_interval)) {
+            return;
+          }
+        }
+        (void)s->ReloadTls();  // logs what it did
+      }
+    });
+  }
   return server;
 }
 
+absl::StatusOr<bool> OpenAiHttpServer::ReloadTls() {
+  if (certificates_ == nullptr) return absl::FailedPreconditionError("http: not serving HTTPS");
+  absl::StatusOr<bool> reloaded = certificates_->Reload();
+  if (!reloaded.ok()) {
+    spdlog::warn("http: TLS files changed but cannot be used ({}); still presenting {}",
+                 reloaded.status().ToString(), certificates_->Describe());
+  } else if (*reloaded) {
+    spdlog::info("http: TLS files reloaded; presenting {}", certificates_->Describe());
+  }
+  return reloaded;
+}
+
 OpenAiHttpServer::~OpenAiHttpServer() {
+  {
+    absl::MutexLock lock(&reload_mu_);
+    reload_stop_ = true;
+  }
+  if (reloader_.joinable()) reloader_.join();
   Shutdown(absl::Now());
   // Closes the listening socket, which ends the accept loop; listen_after_bind then waits for
   // the worker threads (every request has ended above).

@@ -639,6 +639,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   so.local_window = o.local_window;
   so.min_page_rows = o.min_page_rows;
   so.lanes = o.lanes;
+  so.method_assets = o.method_assets;
   // The hot cache's rows per (slot, layer, KV head) from the byte budget (bf16 [K | V] rows),
   // a multiple of 8 (its ways), at most 4096.
   const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;

@@ -35,6 +35,7 @@
 #include "kvr/model/sampler.h"
 #include "kvr/model/weights.h"
 #include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/codebook.h"
 #include "test_util.h"
 
 namespace kvr::decode {
@@ -99,6 +100,7 @@ class GpuDecodeTest : public ::testing::Test {
     o.hot_cache_bytes = hot_cache_bytes;
     o.registry = &registry_;
     o.lanes = std::move(lanes);
+    o.method_assets = codebooks_;
     o.row_source = row_source;
     o.hot_cache_fraction = hot_cache_fraction;
     auto backend = CreateCudaDecodeBackend(*std::move(gpu), o, observer);
@@ -107,6 +109,25 @@ class GpuDecodeTest : public ::testing::Test {
     auto e = DecodeEngine::Create(*std::move(backend), nullptr, {.batch_slots = kSlots});
     EXPECT_TRUE(e.ok()) << e.status();
     return std::move(*e);
+  }
+
+  // a2ats codebooks of this model (64 codewords per head from two 400-token prompts), built
+  // once; the engines made after it get them as their method assets.
+  std::shared_ptr<const retrieval::MethodAssets> Codebooks() {
+    if (codebooks_ != nullptr) return codebooks_;
+    auto fingerprint = retrieval::FingerprintOf(*cpu_);
+    EXPECT_TRUE(fingerprint.ok()) << fingerprint.status();
+    retrieval::CodebookParams params;
+    params.codebook_size = 64;
+    auto samples = retrieval::CalibrationSamples::Create(*fingerprint, params);
+    EXPECT_TRUE(samples.ok()) << samples.status();
+    const std::vector<std::vector<int32_t>> text = {Prompt(400, 11), Prompt(400, 12)};
+    const absl::Status collected = retrieval::CollectCalibrationSamples(*cpu_, text, *samples);
+    EXPECT_TRUE(collected.ok()) << collected;
+    auto books = retrieval::BuildCodebooks(*samples, &pool_);
+    EXPECT_TRUE(books.ok()) << books.status();
+    codebooks_ = *books;
+    return codebooks_;
   }
 
   std::vector<int32_t> Prompt(int n, uint64_t seed) {
@@ -136,6 +157,7 @@ class GpuDecodeTest : public ::testing::Test {
     o.sampling.max_tokens = kMaxTokens;
     o.first_token = model::ArgMax(*logits);
     o.store_dtype = dtype;
+    if (method == "a2ats") o.params.assets = Codebooks();
     auto h = MakeLocalHandoff(*cpu_, cache, registry_, store, o);
     EXPECT_TRUE(h.ok()) << h.status();
     return std::move(*h);
@@ -213,6 +235,7 @@ class GpuDecodeTest : public ::testing::Test {
   ThreadPool pool_{4};
   std::unique_ptr<model::Model> cpu_;
   retrieval::MethodRegistry registry_;
+  std::shared_ptr<const retrieval::MethodAssets> codebooks_;  // Codebooks()
 };
 
 // clusterkv: the CUDA backend uploads the handed-off clusters (the CPU index's k-means); at
@@ -506,16 +529,21 @@ TEST_F(GpuDecodeTest, MixesMethodsInOneBatch) {
 // - exact (ExactSelect over the store's pages): fp32 sums in another order than the CPU's, so a
 //   near-tie may resolve differently at budget 16 (agreement reported); at 512 every candidate is
 //   selected: the same tokens. The selected-row counts are the same for both at both budgets.
+// - a2ats (A2atsSelect over the handed-off codeword ids, leaving tokens assigned on the GPU):
+//   the codeword scores and the assignment's distances are fp32 sums in another order than the
+//   CPU's, so as exact: agreement reported at 16, the same tokens at 512.
 TEST_F(GpuDecodeTest, GpuLanesSelectAsTheHostIndex) {
   const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
                                                      Prompt(233, 3)};
-  for (const std::string method : {"pariskv", "keydiff", "exact"})
+  Codebooks();  // before the engines: they take the codebooks as their method assets
+  for (const std::string method : {"pariskv", "keydiff", "exact", "a2ats"})
     for (int budget : {16, 512}) {
       SCOPED_TRACE(method + " " + std::to_string(budget));
       auto host_store = testing::MakeFakeStore(256 << 20);
       auto lane_store = testing::MakeFakeStore(256 << 20);
       auto host_engine = CudaEngine(512, "quest");
-      auto lane_engine = CudaEngine(512, "quest", nullptr, {"exact", "pariskv", "keydiff"});
+      auto lane_engine =
+          CudaEngine(512, "quest", nullptr, {"exact", "pariskv", "keydiff", "a2ats"});
       std::vector<int32_t> first_host, first_lane;
       auto want = Run(*host_engine, *host_store, prompts, budget, &first_host,
                       {method, "quest", method}, kv_store::DType::kBf16);
@@ -526,7 +554,7 @@ TEST_F(GpuDecodeTest, GpuLanesSelectAsTheHostIndex) {
         ASSERT_EQ(got[40 + i].size(), kMaxTokens - 1) << "sequence " << i;
         for (size_t t = 0; t < got[40 + i].size(); ++t) agree += got[40 + i][t] == want[40 + i][t];
         total += got[40 + i].size();
-        if (method != "exact" || budget >= 512) {
+        if ((method != "exact" && method != "a2ats") || budget >= 512) {
           EXPECT_EQ(got[40 + i], want[40 + i]) << "sequence " << i;
         }
       }

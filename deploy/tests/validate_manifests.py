@@ -21,13 +21,20 @@ Checks, per overlay:
     selected by two monitors for one port: that doubles sum() panels);
   * every pod runs as non-root with a read-only root filesystem, and NetworkPolicies admit only
     kvr's own pods (clients: the controller's gRPC port; scrapers: metrics ports);
+  * TLS (every overlay; the tls overlay must have it on every kvr container): each TLS file
+    setting (tls_ca, tls_cert, tls_key, http_tls_*) of a container's effective config names a
+    file that a volume mounted in that container provides (a key only from a Secret), and a
+    container with TLS serves a plaintext health port (health_address, a declared containerPort)
+    that all three of its gRPC probes ask, since the kubelet's probes speak plaintext;
   * the Grafana dashboard ConfigMap (label grafana_dashboard: "1") holds exactly
     deploy/grafana/kvr-dashboard.json, and every kvr_* metric the dashboard queries is one that
     the metrics headers document (METRICS_HEADERS: the registry's and each role's metric set,
     i.e. a metric kvr exports).
 Self-checks feed the schema validator a broken Deployment, and the shape checks each overlay
 with a GPU decode container set to the CPU and with a second PodMonitor over the decode pods,
-so checks that accept everything fail the test. Exit 0: all good; 1: a check failed; 77: no kustomize renderer
+and the TLS checks the tls overlay with a probe on the mutual-TLS port, a key outside every
+mount, a key in the config ConfigMap and a missing health_address, so checks that accept
+everything fail the test. Exit 0: all good; 1: a check failed; 77: no kustomize renderer
 (CTest reports SKIPPED, with the reason printed)."""
 import json
 import os
@@ -48,7 +55,7 @@ KUBERNETES_VERSION = "1.33.0"
 ROOT = os.environ.get("KVR_SOURCE_DIR") or os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy")
-OVERLAYS = ["dev", "multi-node-rdma"]
+OVERLAYS = ["dev", "multi-node-rdma", "tls"]
 GPU_ROLES = {"kvr-prefill", "kvr-decode"}
 errors = []
 
@@ -324,6 +331,147 @@ def shape_self_check(overlay, docs):
         fail(f"self-check ({overlay}): a decode pod in two PodMonitors was not caught")
 
 
+# The settings that name a TLS file (PEM), and those of them that hold a private key.
+TLS_FILE_SETTINGS = ("tls_ca", "tls_cert", "tls_key", "http_tls_cert", "http_tls_key",
+                     "http_tls_client_ca")
+TLS_KEY_SETTINGS = ("tls_key", "http_tls_key")
+
+
+def volume_files(volume, configmaps):
+    """(file names a volume provides or None when the manifests cannot tell, whether every
+    file comes from a Secret)."""
+    def source_files(kind, source):
+        items = source.get("items")
+        if items:
+            return {i["path"] for i in items}
+        if kind == "configMap":
+            return set(configmaps.get(source.get("name"), {}))
+        if kind == "secret":
+            return None  # a Secret made outside the manifests: its keys are unknown here
+        return set()
+
+    if "secret" in volume:
+        return source_files("secret", volume["secret"]), True
+    if "configMap" in volume:
+        return source_files("configMap", volume["configMap"]), False
+    if "csi" in volume:
+        return None, True  # e.g. cert-manager's csi-driver: files named by its attributes
+    if "projected" in volume:
+        files, secret_only = set(), True
+        for source in volume["projected"].get("sources", []):
+            kind = next(iter(source))
+            part = source_files(kind, source[kind])
+            files = None if files is None or part is None else files | part
+            secret_only = secret_only and kind == "secret"
+        return files, secret_only
+    return set(), False
+
+
+def probe_port(probe, container):
+    """The port number a gRPC probe asks (a named port resolved among the container's)."""
+    port = probe.get("grpc", {}).get("port")
+    if isinstance(port, str):
+        named = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+        return named.get(port)
+    return port
+
+
+def tls_errors(overlay, docs):
+    """Every TLS problem of one rendered overlay (see the module docstring)."""
+    errs = []
+    configmaps = {c["metadata"]["name"]: c.get("data", {}) for c in docs
+                  if c["kind"] == "ConfigMap"}
+    for w in [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]:
+        spec = pod_spec(w)
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            if binary(c) not in ENV_PREFIX:
+                continue
+            cname = f"{overlay}: {w['metadata']['name']}/{c['name']}"
+            config = effective_config(c, spec, configmaps)
+            mounts = {m["mountPath"].rstrip("/"): m["name"] for m in c.get("volumeMounts", [])}
+            for setting in TLS_FILE_SETTINGS:
+                path = str(config.get(setting) or "")
+                if not path:
+                    continue
+                under = [m for m in mounts if path.startswith(m + "/")]
+                if not under:
+                    errs.append(f"{cname}: {setting} {path} is on no volume the container mounts")
+                    continue
+                mount = max(under, key=len)
+                volume = volumes.get(mounts[mount], {})
+                files, secret_only = volume_files(volume, configmaps)
+                relative = path[len(mount) + 1:]
+                if files is not None and relative not in files:
+                    errs.append(f"{cname}: {setting} {path} is not a file of volume "
+                                f"{mounts[mount]} (it has {sorted(files)})")
+                if setting in TLS_KEY_SETTINGS and not secret_only:
+                    errs.append(f"{cname}: {setting} {path} is not from a Secret")
+            if not (config.get("tls_cert") or config.get("tls_ca")):
+                if overlay == "tls":
+                    errs.append(f"{cname}: no TLS (tls_ca, tls_cert, tls_key) in the tls overlay")
+                continue
+            # A mutual-TLS port fails the kubelet's plaintext gRPC probes: they must ask the
+            # plaintext health port.
+            health = str(config.get("health_address") or "")
+            if ":" not in health:
+                errs.append(f"{cname}: TLS without a plaintext health_address for its probes")
+                continue
+            port = int(health.rsplit(":", 1)[1])
+            if port not in [p["containerPort"] for p in c.get("ports", [])]:
+                errs.append(f"{cname}: health port {port} is not a declared containerPort")
+            for probe in ["startupProbe", "readinessProbe", "livenessProbe"]:
+                asked = probe_port(c.get(probe, {}), c)
+                if asked != port:
+                    errs.append(f"{cname}: {probe} asks port {asked}, not the plaintext health "
+                                f"port {port} (the gRPC port is TLS)")
+    return errs
+
+
+def tls_checks(overlay, docs):
+    for e in tls_errors(overlay, docs):
+        fail(e)
+
+
+def tls_self_check(overlay, docs):
+    """The TLS checks must catch a probe left on the TLS port, a key on no mount, a key in
+    the config ConfigMap and a container with TLS but no health port."""
+    import copy
+
+    def broken(edit):
+        docs2 = copy.deepcopy(docs)
+        for d in docs2:
+            if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvr-decode":
+                for c in pod_spec(d)["containers"]:
+                    edit(c)
+        return tls_errors(overlay, docs2)
+
+    def set_env(name, value):
+        def edit(c):
+            c["env"] = [e for e in c.get("env", []) if e["name"] != name]
+            if value is not None:
+                c["env"].append({"name": name, "value": value})
+        return edit
+
+    def probe_on_grpc_port(c):
+        if c["name"] == "decode":
+            c["readinessProbe"]["grpc"]["port"] = 50061
+
+    cases = [
+        ("a readiness probe on the mutual-TLS port", probe_on_grpc_port,
+         "readinessProbe asks port 50061, not the plaintext health port"),
+        ("a key on no mounted volume", set_env("KVR_DECODE_TLS_KEY", "/etc/kvr-certs/tls.key"),
+         "tls_key /etc/kvr-certs/tls.key is on no volume"),
+        ("a key in the config ConfigMap", set_env("KVR_DECODE_TLS_KEY", "/etc/kvr/tls.key"),
+         "tls_key /etc/kvr/tls.key is not a file of volume config"),
+        ("TLS without a health port", set_env("KVR_STORE_HEALTH_ADDRESS", None),
+         "TLS without a plaintext health_address"),
+    ]
+    for what, edit, want in cases:
+        if not any(want in e for e in broken(edit)):
+            fail(f"self-check ({overlay}): {what} was not caught")
+
+
 def dashboard_checks(overlay, docs):
     with open(os.path.join(DEPLOY, "grafana", "kvr-dashboard.json")) as f:
         text = f.read()
@@ -429,6 +577,9 @@ def main():
         shape_self_check(overlay, docs)
         dashboard_checks(overlay, docs)
         security_checks(overlay, docs)
+        tls_checks(overlay, docs)
+        if overlay == "tls":
+            tls_self_check(overlay, docs)
         print(f"{overlay}: {len(docs)} resources checked")
     if errors:
         print(f"{len(errors)} problem(s)")

@@ -36,7 +36,9 @@
 #include "kvr/model/weights.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
+#include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/serialization.h"
 
@@ -95,7 +97,8 @@ struct Side {
 
 void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
               const retrieval::MethodRegistry* registry,
-              kv_store::DType store_dtype = kv_store::DType::kF32) {
+              kv_store::DType store_dtype = kv_store::DType::kF32,
+              std::shared_ptr<const retrieval::MethodAssets> assets = nullptr) {
   kv_store::StoreOptions so;
   so.pool.capacity_bytes = 64ull << 20;
   so.pool.try_huge_pages = false;
@@ -105,8 +108,10 @@ void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
   side.stores = std::make_unique<OneStore>(side.store.get());
   side.engine = std::make_unique<PrefillEngine>(
       std::move(backend), nullptr, registry, side.stores.get(), &side.opener,
-      EngineOptions{
-          .chunk_tokens = kChunk, .max_prefill_queries = 100, .store_dtype = store_dtype});
+      EngineOptions{.chunk_tokens = kChunk,
+                    .max_prefill_queries = 100,
+                    .store_dtype = store_dtype,
+                    .method_assets = std::move(assets)});
 }
 
 // Rows of `head_dim` floats: counts those outside the tolerance; tracks the worst.
@@ -216,13 +221,31 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   ASSERT_TRUE(gpu_backend.ok());
   EXPECT_EQ((*gpu_backend)->name(), "cuda:0");
 
+  // a2ats codebooks of this model: 64 codewords per head from two 400-token prompts.
+  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab);
+  std::shared_ptr<const retrieval::MethodAssets> books;
+  {
+    auto fingerprint = retrieval::FingerprintOf(**cpu_model);
+    ASSERT_TRUE(fingerprint.ok()) << fingerprint.status();
+    retrieval::CodebookParams cp;
+    cp.codebook_size = 64;
+    auto samples = retrieval::CalibrationSamples::Create(*fingerprint, cp);
+    ASSERT_TRUE(samples.ok()) << samples.status();
+    std::vector<int32_t> other = Tokens(400, c.vocab);
+    std::reverse(other.begin(), other.end());
+    const std::vector<std::vector<int32_t>> text = {Tokens(400, c.vocab), other};
+    ASSERT_TRUE(retrieval::CollectCalibrationSamples(**cpu_model, text, *samples).ok());
+    auto built_books = retrieval::BuildCodebooks(*samples, &pool);
+    ASSERT_TRUE(built_books.ok()) << built_books.status();
+    books = *built_books;
+  }
+
   Side cpu, gpu;
-  MakeSide(cpu, MakeCpuPrefillBackend(cpu_model->get()), &*registry);
+  MakeSide(cpu, MakeCpuPrefillBackend(cpu_model->get()), &*registry, kv_store::DType::kF32, books);
   auto counting = std::make_unique<SummaryCountingBackend>(*std::move(gpu_backend));
   SummaryCountingBackend* gpu_built = counting.get();
-  MakeSide(gpu, std::move(counting), &*registry);
+  MakeSide(gpu, std::move(counting), &*registry, kv_store::DType::kF32, books);
 
-  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab);
   const int64_t L = kPromptTokens;
   // The CPU reference logits, for the near-tie rule of the first token.
   model::KvCache cache = (*cpu_model)->NewCache();
@@ -234,7 +257,9 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   const double logit_rms = std::sqrt(logit_ms / logits->size());
 
   uint64_t seq = 100;
-  for (const char* method : {"full", "quest", "clusterkv"}) {
+  retrieval::IndexParams load_params;  // the codebooks, for a2ats' indexes
+  load_params.assets = books;
+  for (const char* method : {"full", "quest", "clusterkv", "keydiff", "a2ats"}) {
     SCOPED_TRACE(method);
     cpu.opener.chunks.clear();
     gpu.opener.chunks.clear();
@@ -289,7 +314,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
       AddPieces(handoff, g.local_kv(), w->local_kv(), c.head_dim);
       auto index = retrieval::DeserializeIndex(
           {reinterpret_cast<const uint8_t*>(g.summaries().data()), g.summaries().size()}, *registry,
-          retrieval::IndexParams{});
+          load_params);
       ASSERT_TRUE(index.ok()) << index.status();
       EXPECT_EQ((*index)->method(), method);
       EXPECT_EQ((*index)->size(), L);
@@ -317,15 +342,17 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     }
     EXPECT_EQ(store.failed, 0) << "store rows outside the tolerance";
 
-    // quest and clusterkv summaries were built on the GPU (gpu_summaries, the default). quest's
-    // must be byte for byte the CPU index built from the rows the GPU shipped (min / max of the
-    // same floats); clusterkv's (k-means in 3xTF32 on the GPU, float32 on the CPU) must select
+    // quest, clusterkv and keydiff summaries were built on the GPU (gpu_summaries, the default).
+    // quest's must be byte for byte the CPU index built from the rows the GPU shipped (min / max
+    // of the same floats), and so must keydiff's (fp64 sums, dots and norms of the same
+    // bf16-valued keys, exact in any order; one rounding to fp32 of the same values); clusterkv's (k-means in 3xTF32 on the GPU, float32 on the CPU) must select
     // like it: the share of equal ids over random queries is printed and must be >= 0.9.
     if (std::string(method) != "full") {
       retrieval::IndexParams params;
       params.budget = 16;
       params.n_sink = 4;
       params.local_window = 32;
+      params.assets = books;
       double equal_ids = 0, total_ids = 0;
       for (int layer = 0; layer < c.n_layers; ++layer) {
         std::vector<float> keys(L * c.n_kv_heads * c.head_dim);
@@ -361,16 +388,30 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         ASSERT_NE(g, nullptr);
         const std::span<const uint8_t> shipped(
             reinterpret_cast<const uint8_t*>(g->summaries().data()), g->summaries().size());
-        if (std::string(method) == "quest") {
+        if (std::string(method) == "quest" || std::string(method) == "keydiff") {
           auto want_bytes = retrieval::SerializeIndex(**cpu_index);
           ASSERT_TRUE(want_bytes.ok());
           EXPECT_TRUE(std::equal(shipped.begin(), shipped.end(), want_bytes->begin(),
                                  want_bytes->end()))
-              << "layer " << layer << ": GPU quest bounds differ from the CPU index's";
+              << "layer " << layer << ": GPU " << method << " summary differs from the CPU index's";
           continue;
         }
         auto gpu_index = retrieval::DeserializeIndex(shipped, *registry, params);
         ASSERT_TRUE(gpu_index.ok()) << gpu_index.status();
+        if (std::string(method) == "a2ats") {
+          // The same codeword per token and KV head, except at near-ties of the nearest one.
+          auto g_state = retrieval::A2atsStateOf(**gpu_index);
+          auto c_state = retrieval::A2atsStateOf(**cpu_index);
+          ASSERT_TRUE(g_state.ok() && c_state.ok());
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            ASSERT_EQ(g_state->ids[h].size(), c_state->ids[h].size());
+            for (size_t t = 0; t < c_state->ids[h].size(); ++t) {
+              equal_ids += g_state->ids[h][t] == c_state->ids[h][t];
+            }
+            total_ids += static_cast<double>(c_state->ids[h].size());
+          }
+          continue;
+        }
         std::vector<float> q(static_cast<size_t>(c.n_heads) * c.head_dim);
         uint64_t x = 1234 + layer;
         for (int trial = 0; trial < 8; ++trial) {
@@ -395,6 +436,11 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
                     "%.3f of selected ids equal\n", equal_ids / total_ids);
         EXPECT_GE(equal_ids / total_ids, 0.9);
       }
+      if (std::string(method) == "a2ats") {
+        std::printf("[ summary ] a2ats built on the GPU vs on the CPU from the same rows: "
+                    "%.0f of %.0f codeword ids equal\n", equal_ids, total_ids);
+        EXPECT_GE(equal_ids / total_ids, 0.99);
+      }
     }
     std::printf(
         "[ parity ] %-9s store rows %6lld min cosine %.6f max |err|/rms %.4f;"
@@ -408,7 +454,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
 // With store_dtype bf16 the CUDA backend exports the cache's bf16 rows as they lie (half the
 // PCIe bytes, no narrowing pass on the host); the result must be exactly what the float32
 // export gave once narrowed: the float32 export is the cache's bf16 values widened. Per method
-// (GPU-built quest, CPU-built keydiff from the widened keys, full): every store row bit for bit,
+// (GPU-built quest and keydiff, full): every store row bit for bit,
 // the handoff's sink and local rows and summaries byte for byte, the same first token, half the
 // shipped bytes.
 TEST(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
@@ -507,8 +553,8 @@ std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_stor
 // chunks of 128 but the backend's model takes 64 tokens per Forward (ChunkTokens: 64), so the
 // reused prefix is 192 rows (aligned to 64, not 128) and the computed chunks [192, 256),
 // [256, 300) are the cold prefill's. Then: the same first token; every store row of [0, L) bit
-// for bit; the handoff's sink and local rows and summaries (GPU-built quest and clusterkv,
-// CPU-built keydiff from the exported rows) byte for byte, each index over L tokens; only the
+// for bit; the handoff's sink and local rows and summaries (GPU-built quest, clusterkv and
+// keydiff) byte for byte, each index over L tokens; only the
 // computed rows put. Last, the kept sequence released: the next request is computed cold with
 // the same bits.
 void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
@@ -554,7 +600,7 @@ void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
   uint64_t seq = 7100;
   for (const char* method : {"full", "quest", "clusterkv", "keydiff"}) {
     SCOPED_TRACE(method);
-    const bool gpu_summary = std::string(method) == "quest" || std::string(method) == "clusterkv";
+    const bool gpu_summary = std::string(method) != "full";  // quest, clusterkv, keydiff
     opener.chunks.clear();
     PrefillJob cold = Job(absl::StrCat("cold-", method), ++seq, ids, method);
     auto cold_result = engine.Run(cold);

@@ -13,6 +13,7 @@
 #include "kvr/common/thread_pool.h"
 #include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/ops.h"
+#include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/rope.h"
 #include "kvr/retrieval/serialization.h"
 #include "method_util.h"
@@ -140,6 +141,32 @@ class A2atsIndex final : public RetrievalIndex {
       writer.Put<int32_t>(rerank_);
       writer.PutArray<float>(keys_);
     }
+    return absl::OkStatus();
+  }
+
+  // The state after a Build that assigned `ids` ([n_kv_heads][size]), rerank off.
+  absl::Status SetIds(int64_t size, std::span<const std::span<const uint16_t>> ids) {
+    const int codebook_size = books_->head(shape().layer, 0).size;
+    if (size < 0 || static_cast<int64_t>(ids.size()) != shape().n_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat("prebuilt a2ats: ", ids.size(),
+                                                     " id arrays for ", shape().n_kv_heads,
+                                                     " KV heads, size ", size));
+    }
+    for (int h = 0; h < shape().n_kv_heads; ++h) {
+      if (static_cast<int64_t>(ids[h].size()) != size) {
+        return absl::InvalidArgumentError(absl::StrCat("prebuilt a2ats: KV head ", h, " has ",
+                                                       ids[h].size(), " ids for ", size, " tokens"));
+      }
+      for (uint16_t id : ids[h]) {
+        if (id >= codebook_size) {
+          return absl::InvalidArgumentError(absl::StrCat("prebuilt a2ats: KV head ", h,
+                                                         ": codeword id ", id, " outside the ",
+                                                         codebook_size, " codewords"));
+        }
+      }
+      ids_[h].assign(ids[h].begin(), ids[h].end());
+    }
+    size_ = size;
     return absl::OkStatus();
   }
 
@@ -390,6 +417,23 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeA2atsIndex(const Inde
   auto index = std::make_unique<A2atsIndex>(shape, params, std::move(books), 0);
   KVR_RETURN_IF_ERROR(index->LoadIds(size, version, payload));
   return index;
+}
+
+absl::StatusOr<int> A2atsRerank(const IndexParams& params) { return RerankOption(params); }
+
+absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltA2ats(
+    const IndexShape& shape, const IndexParams& params, int64_t size,
+    std::span<const std::span<const uint16_t>> ids) {
+  KVR_RETURN_IF_ERROR(shape.Validate());
+  KVR_ASSIGN_OR_RETURN(auto books, CodebooksFor(shape, params));
+  KVR_ASSIGN_OR_RETURN(const int rerank, RerankOption(params));
+  if (rerank > 0) {
+    return absl::InvalidArgumentError(
+        "prebuilt a2ats: a2ats.rerank is set (its payload carries the keys: build it on the CPU)");
+  }
+  A2atsIndex index(shape, params, std::move(books), 0);
+  KVR_RETURN_IF_ERROR(index.SetIds(size, ids));
+  return SerializeIndex(index);
 }
 
 absl::StatusOr<A2atsState> A2atsStateOf(const RetrievalIndex& index) {

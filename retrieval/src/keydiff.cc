@@ -41,6 +41,11 @@ std::vector<float> KeyDiffTracker::Mean() const {
   return mean;
 }
 
+void KeyDiffTracker::Restore(std::span<const float> mean, int64_t count) {
+  for (int i = 0; i < head_dim_; ++i) sum_d_[i] = static_cast<double>(mean[i]) * count;
+  count_ = count;
+}
+
 void KeyDiffTracker::Add(const float* key) {
   for (int i = 0; i < head_dim_; ++i) sum_d_[i] += key[i];
   ++count_;

@@ -9,11 +9,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/keydiff.h"
 #include "kvr/retrieval/ops.h"
+#include "kvr/retrieval/prebuilt.h"
 #include "kvr/retrieval/registry.h"
 #include "method_util.h"
 
@@ -142,6 +144,32 @@ class KeyDiffIndex final : public RetrievalIndex {
     return index;
   }
 
+  // The index a prefill Build over `size` tokens leaves, from its mean keys and scores.
+  static absl::StatusOr<std::unique_ptr<KeyDiffIndex>> FromPrebuilt(
+      const IndexShape& shape, const IndexParams& params, int64_t size,
+      std::span<const PrebuiltKeyDiffHead> heads) {
+    auto bad = [](auto&&... parts) {
+      return absl::InvalidArgumentError(absl::StrCat("prebuilt keydiff: ", parts...));
+    };
+    if (size < 0 || size >= (int64_t{1} << 29)) return bad("size ", size, " out of [0, 2^29)");
+    if (static_cast<int64_t>(heads.size()) != shape.n_kv_heads) {
+      return bad("heads has ", heads.size(), " entries for ", shape.n_kv_heads, " KV heads");
+    }
+    auto index = std::make_unique<KeyDiffIndex>(shape, params);
+    for (int h = 0; h < shape.n_kv_heads; ++h) {
+      if (static_cast<int64_t>(heads[h].mean.size()) != shape.head_dim ||
+          static_cast<int64_t>(heads[h].scores.size()) != size) {
+        return bad("head ", h, ": mean has ", heads[h].mean.size(), " values (head_dim ",
+                   shape.head_dim, "), scores ", heads[h].scores.size(), " (size ", size, ")");
+      }
+      if (size > 0) index->trackers_[h].Restore(heads[h].mean, size);
+      index->scores_[h].assign(heads[h].scores.begin(), heads[h].scores.end());
+    }
+    index->size_ = size;
+    index->built_ = true;
+    return index;
+  }
+
  private:
   float fill_;
   bool built_ = false;
@@ -157,6 +185,14 @@ absl::StatusOr<KeyDiffState> KeyDiffStateOf(const RetrievalIndex& index) {
   KVR_ASSIGN_OR_RETURN(const KeyDiffIndex* typed,
                        internal::IndexAs<KeyDiffIndex>(index, "KeyDiffStateOf", "keydiff"));
   return typed->State();
+}
+
+absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltKeyDiff(
+    const IndexShape& shape, const IndexParams& params, int64_t size,
+    std::span<const PrebuiltKeyDiffHead> heads) {
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<KeyDiffIndex> index,
+                       KeyDiffIndex::FromPrebuilt(shape, params, size, heads));
+  return SerializeIndex(*index);
 }
 
 absl::Status RegisterKeyDiff(MethodRegistry& registry) {

@@ -240,6 +240,39 @@ TEST(A2atsIndexTest, StateHandsOutTheCodewordIds) {
             std::string::npos);
 }
 
+// Codeword ids assigned elsewhere (the prefill GPU's A2atsQuantise) ship as the bytes of the
+// CPU index that assigned the same ids; wrong counts, ids outside the codebook and the rerank
+// option (whose payload carries keys) are refused, naming what is wrong.
+TEST(A2atsIndexTest, PrebuiltIdsGiveTheCpuIndexBytes) {
+  Built400 b = BuildOn400Keys();
+  ASSERT_NE(b.index, nullptr);
+  auto want = SerializeIndex(*b.index);
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto st = A2atsStateOf(*b.index);
+  ASSERT_TRUE(st.ok()) << st.status();
+  auto got = SerializePrebuiltA2ats(ShapeOf(b.m, 0), WithBooks(b.books), 400, st->ids);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, *want);
+
+  std::vector<uint16_t> short_ids(st->ids[1].begin(), st->ids[1].end() - 1);
+  std::vector<std::span<const uint16_t>> ids = {st->ids[0], short_ids};
+  auto bad = SerializePrebuiltA2ats(ShapeOf(b.m, 0), WithBooks(b.books), 400, ids);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(bad.status().message()).find("KV head 1 has 399 ids"), std::string::npos)
+      << bad.status();
+  std::vector<uint16_t> outside(st->ids[1].begin(), st->ids[1].end());
+  outside[7] = static_cast<uint16_t>(st->codebook_size);
+  ids = {st->ids[0], outside};
+  bad = SerializePrebuiltA2ats(ShapeOf(b.m, 0), WithBooks(b.books), 400, ids);
+  EXPECT_NE(std::string(bad.status().message()).find("outside the"), std::string::npos)
+      << bad.status();
+  IndexParams rerank = WithBooks(b.books);
+  rerank.options["a2ats.rerank"] = "2";
+  bad = SerializePrebuiltA2ats(ShapeOf(b.m, 0), rerank, 400, st->ids);
+  EXPECT_NE(std::string(bad.status().message()).find("a2ats.rerank"), std::string::npos)
+      << bad.status();
+}
+
 TEST(A2atsIndexTest, BudgetCoveringCandidatesSelectsAllAndBudgetIsExact) {
   Built400 b = BuildOn400Keys();
   ASSERT_NE(b.index, nullptr);

@@ -192,6 +192,39 @@ TEST(PrebuiltTest, QuestBoundsGiveTheCpuIndexBytes) {
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("bounds has"));
 }
 
+// A keydiff summary built elsewhere (the GPU's KeyDiffBuild) ships as the bytes of the CPU
+// index over the same keys, given the fp64 key sums' means and the scores.
+TEST(PrebuiltTest, KeyDiffMeansAndScoresGiveTheCpuIndexBytes) {
+  IndexShape s = SmallShape();
+  const int64_t n = 77;
+  std::vector<float> keys = RandomTensor(n, s.n_kv_heads, s.head_dim, 17);
+  IndexParams p;
+  p.keydiff.fill = 0.75f;
+  auto cpu = MakeBuilt(CoreRegistry(), "keydiff", s, p, keys, {});
+  auto want = SerializeIndex(*cpu);
+  ASSERT_TRUE(want.ok());
+  auto state = KeyDiffStateOf(*cpu);
+  ASSERT_TRUE(state.ok());
+  // The means as a builder computes them: fp64 sums of the keys, divided once, rounded to fp32.
+  std::vector<std::vector<float>> means(s.n_kv_heads, std::vector<float>(s.head_dim));
+  std::vector<PrebuiltKeyDiffHead> heads;
+  for (int h = 0; h < s.n_kv_heads; ++h) {
+    for (int d = 0; d < s.head_dim; ++d) {
+      double sum = 0;
+      for (int64_t t = 0; t < n; ++t) sum += keys[(t * s.n_kv_heads + h) * s.head_dim + d];
+      means[h][d] = static_cast<float>(sum / n);
+    }
+    heads.push_back({means[h], state->heads[h].scores});
+  }
+  auto got = SerializePrebuiltKeyDiff(s, p, n, heads);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, *want);
+  heads[1].scores = heads[1].scores.first(n - 1);
+  auto bad = SerializePrebuiltKeyDiff(s, p, n, heads);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("head 1"));
+}
+
 TEST(PrebuiltTest, ClusterKvClustersSelectLikeTheCpuIndex) {
   IndexShape s = SmallShape();
   const int64_t n = 64;

@@ -4,6 +4,7 @@
 //   1. per chunk of 256 tokens, per (head, channel): fp64 partial sums    [batch, chunks, nkv, d]
 //   2. the chunks summed in order                                         [batch, nkv, d]
 //   3. one warp per token (8 per warp): dot and |k|^2 in fp64, |sum|^2 once per CTA of 64
+//   (and, when asked, the mean keys float(sum / seq_len) after step 2)
 
 #include "build_common.cuh"
 #include "kvr/common/status.h"
@@ -50,6 +51,16 @@ __global__ void SumChunksKernel(KeyDiffBuildParams p, int n_chunks,
 #pragma unroll 8
     for (int c = 0; c < used; ++c) s += partial[(static_cast<int64_t>(b) * n_chunks + c) * per + e];
     sum[static_cast<int64_t>(b) * per + e] = s;
+  }
+}
+
+__global__ void MeanKernel(KeyDiffBuildParams p, const double* __restrict__ sum) {
+  const int b = blockIdx.x;
+  const int per = p.n_kv_heads * p.head_dim;
+  const int len = p.seq_len[b];
+  for (int e = threadIdx.x; e < per; e += blockDim.x) {
+    const int64_t at = static_cast<int64_t>(b) * per + e;
+    p.means[at] = len > 0 ? static_cast<float>(sum[at] / static_cast<double>(len)) : 0.f;
   }
 }
 
@@ -152,6 +163,10 @@ absl::Status KeyDiffBuild(const KeyDiffBuildParams& p, cudaStream_t stream) {
       KVR_RETURN_IF_ERROR(build_internal::LaunchStatus("KeyDiffBuild partial sums"));
       SumChunksKernel<<<p.batch, threads, 0, stream>>>(p, n_chunks, w.partial, w.sum);
       KVR_RETURN_IF_ERROR(build_internal::LaunchStatus("KeyDiffBuild sums"));
+      if (p.means != nullptr) {
+        MeanKernel<<<p.batch, threads, 0, stream>>>(p, w.sum);
+        KVR_RETURN_IF_ERROR(build_internal::LaunchStatus("KeyDiffBuild means"));
+      }
       ScoreKernel<T, D>
           <<<dim3((p.max_tokens + kScoreTokens - 1) / kScoreTokens, rows), 256, 0, stream>>>(p,
                                                                                              w.sum);

@@ -11,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/a2ats.h"
+#include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/cuda/build.cuh"
 #include "kvr/retrieval/prebuilt.h"
 
@@ -22,14 +24,63 @@ using kvr::cuda::AllocPinned;
 using kvr::cuda::DeviceBuffer;
 using kvr::cuda::PinnedBuffer;
 
-enum class Method { kQuest, kClusterKv, kKeyDiff };
+enum class Method { kQuest, kClusterKv, kKeyDiff, kA2ats };
 
 std::optional<Method> Parse(std::string_view method) {
   if (method == "quest") return Method::kQuest;
   if (method == "clusterkv") return Method::kClusterKv;
   if (method == "keydiff") return Method::kKeyDiff;
+  if (method == "a2ats") return Method::kA2ats;
   return std::nullopt;
 }
+
+// The node's a2ats codebooks on the device, every layer (the a2ats builders of one model share
+// them; uploaded with the first a2ats sequence, again only for other codebooks).
+struct A2atsDeviceBooks {
+  uint64_t hash = 0;
+  int size = 0;  // codewords per KV head, the same in every layer
+  RopeParams rope;
+  DeviceBuffer<float> chol;        // [n_layers, n_kv, d, d] L
+  DeviceBuffer<float> codewords;   // [n_layers, n_kv, size, d] C^z
+  DeviceBuffer<float> half_norms;  // [n_layers, n_kv, size]
+
+  static absl::StatusOr<std::shared_ptr<A2atsDeviceBooks>> Upload(const model::ModelConfig& c,
+                                                                   const A2atsCodebooks& books) {
+    auto out = std::make_shared<A2atsDeviceBooks>();
+    out->hash = books.content_hash();
+    const int64_t nkv = c.n_kv_heads, d = c.head_dim;
+    for (int l = 0; l < c.n_layers; ++l) {
+      KVR_ASSIGN_OR_RETURN(const A2atsHostCodebooks h, A2atsLayerCodebooksFromHost(books, l));
+      if (h.n_kv_heads != nkv || h.head_dim != d) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("prefill summaries: a2ats codebooks of ", h.n_kv_heads, " KV heads x ",
+                         h.head_dim, ", the model has ", nkv, " x ", d));
+      }
+      if (l == 0) {
+        out->size = h.size;
+        out->rope = h.rope;
+        KVR_RETURN_IF_ERROR(Alloc(out->chol, c.n_layers * nkv * d * d));
+        KVR_RETURN_IF_ERROR(Alloc(out->codewords, c.n_layers * nkv * h.size * d));
+        KVR_RETURN_IF_ERROR(Alloc(out->half_norms, c.n_layers * nkv * h.size));
+      } else if (h.size != out->size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "prefill summaries: a2ats codebooks of ", out->size, " codewords in layer 0 and ",
+            h.size, " in layer ", l, " (the GPU build takes one size)"));
+      }
+      const int64_t size = out->size;
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpy(out->chol.data() + l * nkv * d * d, h.chol.data(),
+                                          h.chol.size() * sizeof(float), cudaMemcpyHostToDevice));
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpy(out->codewords.data() + l * nkv * size * d,
+                                          h.codewords.data(), h.codewords.size() * sizeof(float),
+                                          cudaMemcpyHostToDevice));
+      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpy(out->half_norms.data() + l * nkv * size,
+                                          h.half_norms.data(),
+                                          h.half_norms.size() * sizeof(float),
+                                          cudaMemcpyHostToDevice));
+    }
+    return out;
+  }
+};
 
 // Scratch shared by the builders of one model (their builds never run at the same time).
 struct Workspace {
@@ -56,12 +107,14 @@ IndexShape ShapeOf(const model::ModelConfig& c, int layer) {
 class Builder final : public PrefillSummaryBuilder {
  public:
   Builder(const model::ModelConfig& config, Method method, PrefillSummaryOptions options,
-          int64_t capacity, std::shared_ptr<Workspace> ws)
+          int64_t capacity, std::shared_ptr<Workspace> ws,
+          std::shared_ptr<const A2atsDeviceBooks> books)
       : c_(config),
         method_(method),
         opt_(std::move(options)),
         capacity_(capacity),
-        ws_(std::move(ws)) {}
+        ws_(std::move(ws)),
+        books_(std::move(books)) {}
 
   // Sizes the outputs for the capacity and reserves them (and the shared scratch).
   absl::Status Init() {
@@ -73,7 +126,8 @@ class Builder final : public PrefillSummaryBuilder {
         layer_f32_ = (capacity_ + p.quest.page_size - 1) / p.quest.page_size * nkv * 2 * d;
         break;
       case Method::kKeyDiff: {
-        layer_f32_ = nkv * capacity_;
+        // [n_kv, capacity] scores, then [n_kv, head_dim] mean keys.
+        layer_f32_ = nkv * capacity_ + nkv * d;
         ws = KeyDiffBuildWorkspaceBytes(KeyDiffParams(nullptr, 0, nullptr));
         break;
       }
@@ -89,6 +143,11 @@ class Builder final : public PrefillSummaryBuilder {
         ws = ClusterKvBuildWorkspaceBytes(ClusterKvParams(0, nullptr));
         break;
       }
+      case Method::kA2ats:
+        // [n_kv, capacity] u16 codeword ids, two to an int32.
+        layer_i32_ = (nkv * capacity_ + 1) / 2;
+        ws = A2atsQuantiseWorkspaceBytes(A2atsParams(0, nullptr, capacity_));
+        break;
     }
     KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(ws_->device));
     KVR_RETURN_IF_ERROR(Alloc(f32_, std::max<int64_t>(1, L * layer_f32_)));
@@ -109,6 +168,8 @@ class Builder final : public PrefillSummaryBuilder {
         return "clusterkv";
       case Method::kKeyDiff:
         return "keydiff";
+      case Method::kA2ats:
+        return "a2ats";
     }
     return "";
   }
@@ -179,12 +240,15 @@ class Builder final : public PrefillSummaryBuilder {
       }
       case Method::kKeyDiff: {
         KeyDiffBuildParams p = KeyDiffParams(&keys, k.length, f32);
+        p.means = f32 + int64_t{c_.n_kv_heads} * capacity_;
         return KeyDiffBuild(p, stream);
       }
       case Method::kClusterKv: {
         ClusterKvBuildParams p = ClusterKvParams(k.layer, &keys);
         return ClusterKvBuild(p, stream);
       }
+      case Method::kA2ats:
+        return A2atsQuantise(A2atsParams(k.layer, &keys, k.length), stream);
     }
     return absl::OkStatus();
   }
@@ -243,8 +307,29 @@ class Builder final : public PrefillSummaryBuilder {
         }
         return SerializePrebuiltClusterKv(shape, opt_.params, s.length, heads);
       }
-      case Method::kKeyDiff:
-        break;
+      case Method::kKeyDiff: {
+        const int nkv = shape.n_kv_heads, hd = shape.head_dim;
+        if (s.n_f32 < int64_t{nkv} * (capacity_ + hd)) {
+          return absl::InternalError("keydiff summary smaller than its layout");
+        }
+        std::vector<PrebuiltKeyDiffHead> heads(nkv);
+        for (int h = 0; h < nkv; ++h) {
+          heads[h].scores = {s.f32 + int64_t{h} * capacity_, static_cast<size_t>(s.length)};
+          heads[h].mean = {s.f32 + int64_t{nkv} * capacity_ + int64_t{h} * hd,
+                           static_cast<size_t>(hd)};
+        }
+        return SerializePrebuiltKeyDiff(shape, opt_.params, s.length, heads);
+      }
+      case Method::kA2ats: {
+        const int nkv = shape.n_kv_heads;
+        if (s.n_i32 < layer_i32_) return absl::InternalError("a2ats summary smaller than its layout");
+        const auto* ids = reinterpret_cast<const uint16_t*>(s.i32);
+        std::vector<std::span<const uint16_t>> heads(nkv);
+        for (int h = 0; h < nkv; ++h) {
+          heads[h] = {ids + int64_t{h} * capacity_, static_cast<size_t>(s.length)};
+        }
+        return SerializePrebuiltA2ats(shape, opt_.params, s.length, heads);
+      }
     }
     return absl::UnimplementedError(
         absl::StrCat("prefill summaries: ", std::string(method()), " builds are not shipped"));
@@ -274,6 +359,31 @@ class Builder final : public PrefillSummaryBuilder {
       p.keys = *keys;
       p.seq_len = meta_.data();
       p.scores = scores;
+      p.workspace = ws_->bytes.data();
+      p.workspace_bytes = ws_->bytes.bytes();
+    }
+    return p;
+  }
+
+  // A2ATS's launch parameters for `layer` over `length` tokens (keys null: for the workspace
+  // size only).
+  A2atsQuantiseParams A2atsParams(int layer, const KeyView* keys, int64_t length) const {
+    const int64_t nkv = c_.n_kv_heads, d = c_.head_dim;
+    A2atsQuantiseParams p;
+    p.batch = 1;
+    p.n_kv_heads = c_.n_kv_heads;
+    p.head_dim = c_.head_dim;
+    p.max_tokens = static_cast<int>(length);
+    p.rope = books_->rope;
+    p.codebook_size = books_->size;
+    p.id_stride = capacity_;
+    if (keys != nullptr) {
+      p.keys = *keys;
+      p.seq_len = meta_.data();
+      p.chol = books_->chol.data() + layer * nkv * d * d;
+      p.codewords = books_->codewords.data() + layer * nkv * books_->size * d;
+      p.half_norms = books_->half_norms.data() + layer * nkv * books_->size;
+      p.ids = reinterpret_cast<uint16_t*>(i32_.data() + layer * layer_i32_);
       p.workspace = ws_->bytes.data();
       p.workspace_bytes = ws_->bytes.bytes();
     }
@@ -313,6 +423,7 @@ class Builder final : public PrefillSummaryBuilder {
   PrefillSummaryOptions opt_;
   int64_t capacity_;
   std::shared_ptr<Workspace> ws_;
+  std::shared_ptr<const A2atsDeviceBooks> books_;  // a2ats only
   int max_clusters_ = 1, max_points_ = 1;  // clusterkv: the plan's at the capacity
   int64_t layer_f32_ = 0, layer_i32_ = 0;  // per-layer sizes of f32_ / i32_
   DeviceBuffer<float> f32_;
@@ -337,7 +448,7 @@ class Builders final : public PrefillSummaryBuilders {
     if (!method) {
       return absl::InvalidArgumentError(
           absl::StrCat("prefill summaries: no GPU builder for method '", o.method,
-                       "' (quest, clusterkv, keydiff)"));
+                       "' (quest, clusterkv, keydiff, a2ats)"));
     }
     const IndexParams& p = o.params;
     if (capacity < 1 || p.n_sink < 0 || p.budget < 1 || p.quest.page_size < 1 ||
@@ -347,20 +458,44 @@ class Builders final : public PrefillSummaryBuilders {
           ", quest.page_size ", p.quest.page_size, ", clusterkv n_clusters ",
           p.clusterkv.n_clusters, " / max_iterations ", p.clusterkv.max_iterations));
     }
-    auto b = std::make_unique<Builder>(c_, *method, o, capacity, ws_);
+    std::shared_ptr<const A2atsDeviceBooks> books;
+    if (*method == Method::kA2ats) {
+      KVR_ASSIGN_OR_RETURN(books, A2atsBooks(p));
+    }
+    auto b = std::make_unique<Builder>(c_, *method, o, capacity, ws_, std::move(books));
     KVR_RETURN_IF_ERROR(b->Init());
     return b;
   }
 
  private:
+  // params.assets' codebooks on the device (uploaded when they are not the ones already there).
+  absl::StatusOr<std::shared_ptr<const A2atsDeviceBooks>> A2atsBooks(const IndexParams& p) {
+    const auto* books = dynamic_cast<const A2atsCodebooks*>(p.assets.get());
+    if (books == nullptr) {
+      return absl::FailedPreconditionError(
+          "prefill summaries: a2ats needs the node's codebooks (IndexParams::assets)");
+    }
+    KVR_ASSIGN_OR_RETURN(const int rerank, A2atsRerank(p));
+    if (rerank > 0) {
+      return absl::InvalidArgumentError(
+          "prefill summaries: a2ats.rerank keeps the keys in the summary: built on the CPU");
+    }
+    if (a2ats_ == nullptr || a2ats_->hash != books->content_hash()) {
+      KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(ws_->device));
+      KVR_ASSIGN_OR_RETURN(a2ats_, A2atsDeviceBooks::Upload(c_, *books));
+    }
+    return std::shared_ptr<const A2atsDeviceBooks>(a2ats_);
+  }
+
   model::ModelConfig c_;
   std::shared_ptr<Workspace> ws_;
+  std::shared_ptr<A2atsDeviceBooks> a2ats_;
 };
 
 }  // namespace
 
 bool PrefillSummaryBuilders::Ships(std::string_view method) {
-  return method == "quest" || method == "clusterkv";
+  return method == "quest" || method == "clusterkv" || method == "keydiff" || method == "a2ats";
 }
 
 absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> PrefillSummaryBuilders::Create(

@@ -6,15 +6,17 @@
 // tls_ca/tls_cert/tls_key, env KVR_<ROLE>_TLS_CA/_CERT/_KEY in every binary: the node settings
 // of kvr/node/settings.h; kvr generate and kvr bench read KVR_TLS_CA). With
 // them, GrpcSecurity makes
-//   - server credentials: TLS with this certificate (the files are read again every
-//     TlsConfig::server_reload_interval, so a renewed certificate needs no restart); a client
-//     must present a certificate
+//   - server credentials: TLS with this certificate; a client must present a certificate
 //     that chains to the CA (ClientCertificates::kRequired: the store, prefill and decode
 //     nodes), or may present none (kOptional: the controller, whose port also serves public
 //     clients; its internal services then ask PeerHasClusterCertificate);
 //   - channel credentials: TLS that verifies the server against the CA (and its name against
 //     the address dialled, so certificates carry the hosts nodes advertise as SANs) and
 //     presents this process's certificate.
+// Both sides take the three files from one gRPC file watcher, which reads them again every
+// TlsConfig::reload_interval: a renewed certificate, key or CA is what the next handshake of a
+// server or of a client channel uses, without a restart. Connections already open keep what
+// they were made with; a channel's next connection (after a reconnect) takes the new files.
 // With no file given everything is plaintext, as before TLS existed; a partial configuration
 // (a certificate without its key, a key without the CA ...) is an error, never a silent
 // downgrade.
@@ -26,7 +28,9 @@
 // only under that name, and heartbeats and deregistrations of a node id only from the
 // certificate that registered it (controller/README.md, "Membership and node identity").
 //
-// Thread safety: a GrpcSecurity is immutable after Load and may be shared across threads.
+// Thread safety: a GrpcSecurity is immutable after Load and may be shared across threads;
+// its copies share one file watcher (one thread), which lives until the last copy and the last
+// credentials made from it are gone.
 
 #include <memory>
 #include <string>
@@ -38,6 +42,9 @@
 #include "absl/time/time.h"
 
 namespace grpc {
+namespace experimental {
+class CertificateProviderInterface;
+}  // namespace experimental
 class Channel;
 class ChannelArguments;
 class ChannelCredentials;
@@ -48,14 +55,20 @@ class ServerCredentials;
 
 namespace kvr {
 
+// How often a process reads its TLS files again unless told otherwise (TlsConfig and the HTTPS
+// front door's options): a certificate renewed on disk (a Kubernetes Secret update, a
+// cert-manager renewal) is in use within this long.
+inline constexpr absl::Duration kTlsReloadInterval = absl::Seconds(60);
+
 struct TlsConfig {
   std::string ca_file;    // PEM: the CA that peers' certificates must chain to
   std::string cert_file;  // PEM: the certificate (chain) this process presents
   std::string key_file;   // PEM: the private key of cert_file
-  // How often a TLS server reads the three files again: a renewed certificate (or CA) is
-  // presented from the next handshake on, without a restart. Connections already open keep
-  // the certificate they were made with.
-  absl::Duration server_reload_interval = absl::Seconds(60);
+  // How often the servers and client channels of this process read the three files again: a
+  // renewed certificate (or CA) is used from the next handshake on, without a restart.
+  // Connections already open keep the certificate they were made with. Rounded to whole
+  // seconds, at least one (gRPC's file watcher counts seconds).
+  absl::Duration reload_interval = kTlsReloadInterval;
   [[nodiscard]] bool empty() const {
     return ca_file.empty() && cert_file.empty() && key_file.empty();
   }
@@ -90,9 +103,12 @@ class GrpcSecurity {
   [[nodiscard]] bool has_certificate() const { return !cert_pem_.empty(); }
 
   // Server credentials for a listening port: plaintext when disabled; an error when enabled
-  // without a certificate.
+  // without a certificate. The certificate, key and CA are those of the file watcher.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
       ClientCertificates client_certificates) const;
+  // Channel credentials: plaintext when disabled, else TLS verifying the server against the
+  // watched CA (and its name against the target dialled) and presenting the watched
+  // certificate, when there is one.
   [[nodiscard]] std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials() const;
   // grpc::CreateCustomChannel with ChannelCredentials().
   [[nodiscard]] std::shared_ptr<grpc::Channel> CreateChannel(
@@ -107,6 +123,8 @@ class GrpcSecurity {
   std::string cert_pem_;
   std::string key_pem_;
   TlsConfig files_;
+  // Reads files_ every files_.reload_interval; null when disabled.
+  std::shared_ptr<grpc::experimental::CertificateProviderInterface> provider_;
 };
 
 // The URI subjectAltName that names a node in its certificate: "kvr://node/" + name.

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvr/common/tls.h"
 #include "kvr/controller/generator.h"
 
 namespace httplib {
@@ -40,14 +41,21 @@ struct Response;
 
 namespace kvr::controller {
 
+class HttpsCertificates;
+
 // HTTPS of the server: PEM files. All empty: plaintext HTTP. A certificate needs its key;
-// a client CA needs both.
+// a client CA needs both. The files are read again every `reload_interval`: a renewed
+// certificate, key or client CA is what new handshakes get, without a restart (connections
+// already open keep theirs). Changed files that do not form a usable set (a key of another
+// certificate, a half-written file) are logged and the set in use is kept.
 struct HttpTlsOptions {
   std::string cert_file;  // certificate (chain) the server presents
   std::string key_file;   // its private key
   // When set, a client must present a certificate that chains to this CA (mutual TLS);
   // empty: any client may connect (the API key, if set, still applies).
   std::string client_ca_file;
+  // absl::InfiniteDuration(): read at start only (and by ReloadTls).
+  absl::Duration reload_interval = kTlsReloadInterval;
   [[nodiscard]] bool enabled() const { return !cert_file.empty() || !key_file.empty(); }
 };
 
@@ -85,6 +93,11 @@ class OpenAiHttpServer {
   int port() const { return port_; }
   bool tls() const { return options_.tls.enabled(); }
 
+  // Reads the HTTPS files again now, as every reload_interval does: true when they changed and
+  // new handshakes use them, false when unchanged; an error naming the file when they changed
+  // but cannot be used (the set in use stays). FAILED_PRECONDITION when serving plaintext.
+  [[nodiscard]] absl::StatusOr<bool> ReloadTls();
+
   // New requests get 503; running ones may finish until `deadline`, then are cancelled.
   // Returns when none runs.
   void Shutdown(absl::Time deadline);
@@ -102,8 +115,16 @@ class OpenAiHttpServer {
 
   Generator* const generator_;
   const HttpServerOptions options_;
+  // HTTPS: the certificates every handshake of server_ takes (declared first: destroyed after
+  // server_ and the reloader).
+  std::unique_ptr<HttpsCertificates> certificates_;
   std::unique_ptr<httplib::Server> server_;
   std::thread listener_;
+  // HTTPS with a finite reload_interval: calls ReloadTls every interval until
+  // reload_stop_.
+  std::thread reloader_;
+  absl::Mutex reload_mu_;
+  bool reload_stop_ ABSL_GUARDED_BY(reload_mu_) = false;
   int port_ = 0;
 
   absl::Mutex mu_;

@@ -131,8 +131,8 @@ void GpuLane::Clear() {
 }
 
 void GpuLane::Add(int slot, int32_t cand_begin, int32_t cand_end, int32_t n_tokens, int64_t leaving,
-                  int budget) {
-  planned_.push_back({slot, leaving, budget, cand_begin, cand_end, n_tokens});
+                  int budget, int64_t position) {
+  planned_.push_back({slot, leaving, budget, cand_begin, cand_end, n_tokens, position});
 }
 
 absl::Status GpuLane::Begin(cudaStream_t stream) {
@@ -193,13 +193,15 @@ absl::StatusOr<std::unique_ptr<GpuLane>> CreateExactLane(const model::ModelConfi
   return std::unique_ptr<GpuLane>(std::move(lane));
 }
 
-absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(std::string_view method,
-                                                       const model::ModelConfig& config,
-                                                       int slots, int64_t max_tokens, int budget,
-                                                       cudaStream_t stream) {
+absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(
+    std::string_view method, const model::ModelConfig& config, int slots, int64_t max_tokens,
+    int budget, std::shared_ptr<const MethodAssets> assets, cudaStream_t stream) {
   if (method == "exact") return CreateExactLane(config, slots, max_tokens, budget, stream);
   if (method == "pariskv") return CreateParisKvLane(config, slots, max_tokens, budget, stream);
   if (method == "keydiff") return CreateKeyDiffLane(config, slots, max_tokens, budget, stream);
+  if (method == "a2ats") {
+    return CreateA2atsLane(config, slots, max_tokens, budget, std::move(assets), stream);
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("no GPU lane for method '", std::string(method), "'"));
 }

@@ -22,6 +22,12 @@
 //            with the running key sums in double: a token leaving the window is read from the
 //            row source, added to its head's sum and scored against it as KeyDiffTracker does,
 //            to the last bit. The lane's sequences share one fill (the first activated sets it).
+//   a2ats    A2atsSelect over the CPU index's codeword ids ([n_layers, slots, n_kv_heads,
+//            max_tokens] u16, uploaded at activation through A2atsLayoutFromIndexes) and the
+//            node's codebooks (SparseDecodeOptions::method_assets: L, L^-1, C^z and |C^z|^2 / 2
+//            per layer, uploaded with the layer's first sequence); a token leaving the window is
+//            read from the row source, un-rotated to pre-RoPE and assigned its nearest codeword
+//            in the H-metric, as the CPU index's Append does.
 // Each selects as the method's CPU index would on the same (bf16-valued) keys and queries
 // (exact up to the order of its fp32 sums).
 
@@ -57,11 +63,11 @@ class GpuLane {
                                               int64_t n_tokens, cudaStream_t stream) = 0;
 
   // A step's plan (host): Clear, then per lane slot of the batch its candidate range, the tokens
-  // its state covers after this step, the position that leaves the window this step (-1: none)
-  // and its budget (<= the lane's).
+  // its state covers after this step, the position that leaves the window this step (-1: none),
+  // its budget (<= the lane's) and the position of its query (the token decoded this step).
   void Clear();
   void Add(int slot, int32_t cand_begin, int32_t cand_end, int32_t n_tokens, int64_t leaving,
-           int budget);
+           int budget, int64_t position);
   bool empty() const { return planned_.empty(); }
   // Uploads the plan (stream-ordered before the step's layers).
   [[nodiscard]] absl::Status Begin(cudaStream_t stream);
@@ -77,6 +83,7 @@ class GpuLane {
     int64_t leaving;
     int budget;
     int32_t cand_begin, cand_end, n_tokens;
+    int64_t position;
   };
   // Sets the shape and allocates the plan and selection rows; `bytes_` counts them.
   [[nodiscard]] absl::Status Init(std::string method, const model::ModelConfig& config, int slots,
@@ -129,9 +136,14 @@ class GpuLane {
 [[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateKeyDiffLane(
     const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
     cudaStream_t stream);
+// `assets`: the node's a2ats codebooks (FailedPrecondition without them).
+[[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateA2atsLane(
+    const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
+    std::shared_ptr<const MethodAssets> assets, cudaStream_t stream);
 // The lane of `method` (one of kGpuLaneMethods, sparse_decode.h); InvalidArgument otherwise.
+// `assets`: the node's method assets (a2ats: its codebooks; may be null for the others).
 [[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(
     std::string_view method, const model::ModelConfig& config, int slots, int64_t max_tokens,
-    int budget, cudaStream_t stream);
+    int budget, std::shared_ptr<const MethodAssets> assets, cudaStream_t stream);
 
 }  // namespace kvr::retrieval::cuda

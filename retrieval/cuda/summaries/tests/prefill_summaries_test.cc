@@ -158,12 +158,19 @@ void CheckShape(const std::string& shape, int n_layers) {
                 }
               }
         } else if (method == "keydiff") {
+          // Per layer: scores [nkv, cap], then the mean keys [nkv, d].
+          const int64_t per_layer = nkv * (cap + d);
+          ASSERT_EQ(static_cast<int64_t>(after->f32.size()), L * per_layer);
           for (int l = 0; l < L; ++l)
-            for (int h = 0; h < nkv; ++h)
+            for (int h = 0; h < nkv; ++h) {
               for (int64_t t = 0; t < len; ++t, ++checked) {
-                const float v = after->f32[(l * nkv + h) * cap + t];
+                const float v = after->f32[l * per_layer + h * cap + t];
                 bad += !(std::isfinite(v) && v >= -1.001f && v <= 1.001f);
               }
+              for (int j = 0; j < d; ++j, ++checked) {
+                bad += !std::isfinite(after->f32[l * per_layer + nkv * cap + h * d + j]);
+              }
+            }
         } else {
           // i32 per layer: n_clusters [nkv], offsets [nkv, K + 1], members [nkv, P].
           const int64_t per_layer = static_cast<int64_t>(after->i32.size()) / L;

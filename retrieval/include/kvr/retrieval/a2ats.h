@@ -68,4 +68,16 @@ struct A2atsState {
 };
 [[nodiscard]] absl::StatusOr<A2atsState> A2atsStateOf(const RetrievalIndex& index);
 
+// The a2ats.rerank option of `params` (0 when absent); InvalidArgument for a bad value or an
+// unknown a2ats.* option.
+[[nodiscard]] absl::StatusOr<int> A2atsRerank(const IndexParams& params);
+
+// The bytes SerializeIndex writes for an a2ats index right after its Build over `size` tokens,
+// from codeword ids assigned elsewhere (the GPU's A2atsQuantise): `ids` [n_kv_heads][size], each
+// below the codebook size of params.assets' codebooks for shape.layer. Without a2ats.rerank
+// only (the rerank payload carries the keys): InvalidArgument when it is set.
+[[nodiscard]] absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltA2ats(
+    const IndexShape& shape, const IndexParams& params, int64_t size,
+    std::span<const std::span<const uint16_t>> ids);
+
 }  // namespace kvr::retrieval

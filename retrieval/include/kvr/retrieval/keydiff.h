@@ -44,6 +44,10 @@ class KeyDiffTracker {
   int64_t count() const { return count_; }
   // Restores the count after a single Add of (mean * count) (deserialisation).
   void SetCount(int64_t count) { count_ = count; }
+  // Starts from `count` keys whose mean is `mean` ([head_dim]): the sum mean * count in double,
+  // exact for count < 2^29, so that Mean() gives `mean` back bit for bit (a summary built
+  // elsewhere that ships the mean).
+  void Restore(std::span<const float> mean, int64_t count);
   // cos(key, mean of the tracked keys); 0 when nothing is tracked.
   float Score(const float* key) const;
   std::vector<float> Mean() const;  // [head_dim]

@@ -36,6 +36,18 @@ struct PrebuiltClusterKvHead {
     const IndexShape& shape, const IndexParams& params, int64_t size,
     std::span<const PrebuiltClusterKvHead> heads);
 
+// keydiff right after its prefill Build over `size` tokens (every token summed into the mean):
+// per KV head the mean key as the CPU index ships it, float(sum / size) of the fp64 key sum, and
+// every token's score (cos(k_t, mean), KeyDiffBuild's). `heads` has n_kv_heads entries; the fill
+// is params.keydiff.fill.
+struct PrebuiltKeyDiffHead {
+  std::span<const float> mean;    // [head_dim]
+  std::span<const float> scores;  // [size]
+};
+[[nodiscard]] absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltKeyDiff(
+    const IndexShape& shape, const IndexParams& params, int64_t size,
+    std::span<const PrebuiltKeyDiffHead> heads);
+
 // The clusters of shipped clusterkv bytes right after the prefill Build (no generated tokens
 // appended yet): what a GPU decode node uploads instead of clustering again. InvalidArgument when
 // the bytes are not a clusterkv index (naming the method found) or hold appended tokens.

@@ -146,6 +146,9 @@ struct KeyDiffBuildParams {
   int max_tokens = 0;
   float* scores = nullptr;   // device [batch, n_kv_heads, score_stride]
   int64_t score_stride = 0;  // >= max_tokens
+  // Optional, device [batch, n_kv_heads, head_dim]: the mean key float(sum / seq_len) of the fp64
+  // sum, as KeyDiffTracker::Mean (what a shipped keydiff index carries); 0 when seq_len is 0.
+  float* means = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -72,8 +72,9 @@ class PrefillSummaryBuilder : public model::CudaLayerBuilder {
 // builds of a Forward one after another on one stream). Must outlive its builders' builds.
 class PrefillSummaryBuilders {
  public:
-  // Methods whose GPU build can be shipped (Serialize): quest, clusterkv. ForSequence also
-  // takes keydiff (built, not shipped).
+  // Methods whose GPU build can be shipped (Serialize): quest, clusterkv, keydiff, a2ats
+  // (ForSequence takes these; a2ats needs the codebooks in PrefillSummaryOptions::params.assets
+  // and no a2ats.rerank).
   static bool Ships(std::string_view method);
   // `config`: the model's. Unimplemented without CUDA.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> Create(

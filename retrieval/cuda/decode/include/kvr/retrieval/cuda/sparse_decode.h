@@ -54,6 +54,7 @@
 #include "kvr/model/model.h"
 
 namespace kvr::retrieval {
+class MethodAssets;
 class RetrievalIndex;
 }  // namespace kvr::retrieval
 
@@ -65,12 +66,13 @@ enum class SparseMethod { kQuest, kClusterKv };
 
 // The shared configuration of a SparseDecodeAttention's sequences (Configure).
 // The methods a GPU lane can select (SparseDecodeOptions::lanes).
-inline constexpr std::array<std::string_view, 3> kGpuLaneMethods = {"exact", "pariskv", "keydiff"};
+inline constexpr std::array<std::string_view, 4> kGpuLaneMethods = {"exact", "pariskv", "keydiff",
+                                                                     "a2ats"};
 inline bool IsGpuLaneMethod(std::string_view method) {
   return std::find(kGpuLaneMethods.begin(), kGpuLaneMethods.end(), method) !=
          kGpuLaneMethods.end();
 }
-// "exact, pariskv, keydiff", for messages.
+// "exact, pariskv, keydiff, a2ats", for messages.
 inline std::string GpuLaneMethodList() {
   std::string list;
   for (std::string_view m : kGpuLaneMethods) list.append(list.empty() ? "" : ", ").append(m);
@@ -101,8 +103,12 @@ struct SparseDecodeOptions {
   // weights, [n_layers, slots, n_kv_heads, max_capacity] each, encoded on the GPU as generated
   // tokens leave the window), "keydiff" (fp32 scores [n_layers, slots, n_kv_heads,
   // max_capacity] and the running key sums; a generated token is scored as it leaves the
+  // window), "a2ats" (codeword ids [n_layers, slots, n_kv_heads, max_capacity] u16 and the
+  // codebooks of `method_assets`; a generated token is assigned its codeword as it leaves the
   // window). Empty: none.
   std::vector<std::string> lanes;
+  // The node's method assets (a2ats codebooks), for the lanes that need them.
+  std::shared_ptr<const MethodAssets> method_assets;
   // Threads that run the host selectors (SparseHostSelector) of a step's sequences in parallel,
   // one sequence per task: 0 = the machine's cores, 1 = on the calling thread.
   int host_select_threads = 0;
