@@ -1,6 +1,8 @@
 #include "kvr/common/grpc_server.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/support/server_interceptor.h>
 
 #include <memory>
@@ -72,6 +74,29 @@ absl::Status ConfigureServer(grpc::ServerBuilder* builder, const std::string& ad
   creators.push_back(std::make_unique<UndecodableRequestInterceptorFactory>());
   builder->experimental().SetInterceptorCreators(std::move(creators));
   return absl::OkStatus();
+}
+
+absl::StatusOr<StartedGrpcServer> StartGrpcServer(const GrpcServerOptions& options) {
+  // Both are process-wide switches read by every builder made after them; setting them again
+  // is harmless.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  StartedGrpcServer started;
+  if (absl::Status s = ConfigureServer(&builder, options.listen, options.security,
+                                       options.client_certificates, &started.port);
+      !s.ok()) {
+    return absl::InvalidArgumentError(s.message());
+  }
+  if (options.max_receive_message_bytes != 0) {
+    builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  }
+  for (grpc::Service* service : options.services) builder.RegisterService(service);
+  started.server = builder.BuildAndStart();
+  if (started.server == nullptr || started.port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  }
+  return started;
 }
 
 }  // namespace kvr

@@ -93,6 +93,7 @@ const node::SettingTable<ControllerConfig>& ControllerSettings() {
                     [](Config& c) -> uint32_t& { return c.defaults.local_window; }, 1),
                 node::LogLevelSetting<Config>(&Config::log_level),
                 node::MetricsPortSetting<Config>(&Config::metrics_port),
+                node::HealthAddressSetting<Config>(&Config::health_address),
                 HttpListenSetting(),
             },
     };

@@ -2,11 +2,6 @@
 // kvr.cluster.v1.Membership to nodes, gRPC health and server reflection, and the
 // OpenAI-compatible HTTP API (http_server.h).
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <signal.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -16,7 +11,6 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/tls.h"
 #include "kvr/controller/clock.h"
@@ -29,6 +23,7 @@
 #include "kvr/controller/placement.h"
 #include "kvr/controller/request_runner.h"
 #include "kvr/controller/services.h"
+#include "kvr/node/run.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::controller {
@@ -36,15 +31,9 @@ namespace {
 
 int Serve(const ControllerConfig& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
-  // Block SIGTERM/SIGINT in every thread (gRPC's included, which inherit this mask) and wait
-  // for them on one thread with sigwait: no async-signal-safety concerns, no globals.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  // A write to an HTTP client that has gone away must fail with EPIPE, not end the process.
-  signal(SIGPIPE, SIG_IGN);
+  // Before any thread starts; also ignores SIGPIPE (a write to an HTTP client that has gone away
+  // must fail with EPIPE, not end the process).
+  node::ShutdownSignals signals;
 
   absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(config.tls);
   if (!security.ok()) {
@@ -57,13 +46,10 @@ int Serve(const ControllerConfig& config) {
                                                 "that names their node (kvr://node/<name>)"
                                               : "; members must present a certificate of the CA");
   SystemClock clock;
-  const std::string host = config.listen.substr(0, config.listen.rfind(':'));
+  const std::string host = node::HostOf(config.listen);
   // Declared before everything that reports to it, so it outlives them.
   absl::StatusOr<std::unique_ptr<kvr::metrics::MetricsServer>> metrics_server =
-      kvr::metrics::MetricsServer::Start({.host = host.empty() ? "0.0.0.0" : host,
-                                          .port = config.metrics_port,
-                                          .role = "controller",
-                                          .node_name = "kvr-controller"});
+      node::StartMetricsServer(config.listen, config.metrics_port, "controller", "kvr-controller");
   if (!metrics_server.ok()) {
     std::cerr << "kvr-controller: " << metrics_server.status().message() << "\n";
     return 1;
@@ -121,32 +107,22 @@ int Serve(const ControllerConfig& config) {
                                      : "plaintext HTTP");
   }
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  if (absl::Status s =
-          ConfigureServer(&builder, config.listen, *security, ClientCertificates::kOptional, &port);
-      !s.ok()) {
-    std::cerr << "kvr-controller: " << s.message() << "\n";
-    return 2;
-  }
-  builder.RegisterService(&generation);
-  builder.RegisterService(&membership_service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::cerr << "kvr-controller: cannot listen on " << config.listen << "\n";
-    return 1;
-  }
+  absl::StatusOr<std::unique_ptr<node::NodeServer>> server =
+      node::NodeServer::Start({.grpc = {.listen = config.listen,
+                                        .security = *security,
+                                        .client_certificates = ClientCertificates::kOptional,
+                                        .services = {&generation, &membership_service}},
+                               .health_address = config.health_address});
+  if (!server.ok()) return node::ReportStartFailure("kvr-controller", server.status());
   if ((*metrics_server)->serving()) {
     // Printed before the "listening on" line, so a launcher that waits for that line knows
     // both ports.
     std::cout << "kvr-controller metrics on " << host << ":" << (*metrics_server)->port()
               << std::endl;
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  node::ServingStatuses* health = &(*server)->health();
   auto reporter = std::make_unique<ReadinessReporter>(&membership, [health](bool ready) {
-    for (const char* service : kControllerReadyServices) health->SetServingStatus(service, ready);
+    for (const char* service : kControllerReadyServices) health->Set(service, ready);
   });
   if (http_server != nullptr) {
     // Printed before the "listening on" line, as the metrics port is; "https listening on"
@@ -155,14 +131,14 @@ int Serve(const ControllerConfig& config) {
     std::cout << "kvr-controller " << (http_server->tls() ? "https" : "http") << " listening on "
               << http_host << ":" << http_server->port() << std::endl;
   }
+  (*server)->PrintHealthPort("kvr-controller");
   // One parseable line on stdout for scripts and tests (kvr up reads it).
-  std::cout << "kvr-controller listening on " << host << ":" << port << std::endl;
+  std::cout << "kvr-controller listening on " << host << ":" << (*server)->port() << std::endl;
 
-  int received = 0;
-  sigwait(&signals, &received);
+  const int received = signals.Wait();
   spdlog::info("signal {}: shutting down", received);
   reporter.reset();
-  health->SetServingStatus(false);
+  health->Shutdown();  // NOT_SERVING on both ports before the grace period starts
   // New calls are refused at once; running streams may finish during the grace period. After
   // it gRPC cancels their contexts, the disconnect watcher sees that and each request cancels
   // its downstream calls, so no node keeps decoding for a controller that is gone.
@@ -171,8 +147,7 @@ int Serve(const ControllerConfig& config) {
   std::thread http_stop([&] {
     if (http_server != nullptr) http_server->Shutdown(grace_end);
   });
-  server->Shutdown(absl::ToChronoTime(grace_end));
-  server->Wait();
+  (*server)->Shutdown(grace_end);
   http_stop.join();
   http_server.reset();
   spdlog::info("shut down");

@@ -621,6 +621,123 @@ TEST(ControllerIntegrationTest, RogueNodeWithoutAClusterCertificateCannotJoin) {
   std::filesystem::remove_all(dir);
 }
 
+// With mutual TLS on the gRPC port and --health-address, kvr-controller also answers
+// grpc.health.v1 in plaintext on the health port (what kubelet's gRPC probes need), with the
+// gRPC port's statuses, the named readiness services included and as they change; that port
+// serves nothing else, and the gRPC port still refuses a plaintext client.
+TEST(ControllerIntegrationTest, HealthPortAnswersProbesInPlaintextBesideAMutualTlsPort) {
+  using HS = grpc::health::v1::HealthCheckResponse;
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-health-port-", getpid());
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("cluster CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok());
+  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
+  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  auto issue = [&](const std::string& name) {
+    absl::StatusOr<PemCertificate> cert = IssueCertificate(*ca, name, {"127.0.0.1", "localhost"},
+                                                           absl::Hours(1), {NodeIdentityUri(name)});
+    EXPECT_TRUE(cert.ok()) << cert.status();
+    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *cert, ca_file);
+    EXPECT_TRUE(files.ok()) << files.status();
+    return *files;
+  };
+  const TlsConfig controller_tls = issue("controller");
+  const TlsConfig member_tls = issue("member");
+  Subprocess controller({KVR_CONTROLLER_BIN, "--listen", "127.0.0.1:0", "--health-address",
+                         "127.0.0.1:0", "--tls-ca", ca_file, "--tls-cert", controller_tls.cert_file,
+                         "--tls-key", controller_tls.key_file});
+  const std::string health_line = controller.WaitForLine("kvr-controller health on ");
+  const std::string line = controller.WaitForLine("kvr-controller listening on ");
+  ASSERT_FALSE(health_line.empty());
+  ASSERT_FALSE(line.empty());
+  const std::string health_address = health_line.substr(health_line.rfind(' ') + 1);
+  const std::string address = line.substr(line.rfind(' ') + 1);
+  ASSERT_NE(health_address, address);
+
+  auto channel = [](const std::string& to, const TlsConfig& tls) {
+    absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
+    EXPECT_TRUE(security.ok()) << security.status();
+    return security->CreateChannel(to);
+  };
+  const auto probe = channel(health_address, TlsConfig{});  // plaintext, as kubelet
+  const auto member = channel(address, member_tls);
+  // The status of `service`, or 100 + the code of a failed call.
+  auto check = [](const std::shared_ptr<grpc::Channel>& ch, const std::string& service) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status s = grpc::health::v1::Health::NewStub(ch)->Check(&ctx, request, &response);
+    return s.ok() ? static_cast<int>(response.status()) : 100 + s.error_code();
+  };
+  auto wait_for = [&](const std::shared_ptr<grpc::Channel>& ch, const std::string& service,
+                      int want) {
+    const absl::Time until = absl::Now() + absl::Seconds(3);
+    while (check(ch, service) != want && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return check(ch, service);
+  };
+
+  EXPECT_EQ(check(probe, ""), HS::SERVING);
+  // No nodes yet: live, not ready, on both ports.
+  EXPECT_EQ(wait_for(probe, "kvr.ready", HS::NOT_SERVING), HS::NOT_SERVING);
+  EXPECT_EQ(check(member, "kvr.ready"), HS::NOT_SERVING);
+  EXPECT_EQ(check(probe, "kvr.v1.Generation"), HS::NOT_SERVING);
+  EXPECT_EQ(check(probe, "no.such.Service"), 100 + grpc::StatusCode::NOT_FOUND);
+
+  // Only health on the health port: Membership (served on the gRPC port) is UNIMPLEMENTED there.
+  kvr::cluster::v1::RegisterRequest registration;
+  registration.set_protocol_version(1);
+  registration.set_name("member");
+  kvr::cluster::v1::ModelInfo* model = registration.mutable_capacity()->add_models();
+  model->set_name("smollm2");
+  model->set_context_length(2048);
+  model->set_kv_bytes_per_token(1000);
+  auto register_as = [&](const std::shared_ptr<grpc::Channel>& ch, kvr::cluster::v1::NodeRole role,
+                         const std::string& grpc_address) {
+    registration.set_role(role);
+    registration.mutable_endpoints()->set_grpc_address(grpc_address);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    kvr::cluster::v1::RegisterResponse response;
+    return kvr::cluster::v1::Membership::NewStub(ch)->Register(&ctx, registration, &response);
+  };
+  EXPECT_EQ(register_as(probe, kvr::cluster::v1::NODE_ROLE_PREFILL, "127.0.0.1:1").error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  // Nor server reflection, which the gRPC port serves.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    auto stream =
+        grpc::reflection::v1alpha::ServerReflection::NewStub(probe)->ServerReflectionInfo(&ctx);
+    grpc::reflection::v1alpha::ServerReflectionRequest list;
+    list.set_list_services("");
+    stream->Write(list);
+    stream->WritesDone();
+    grpc::reflection::v1alpha::ServerReflectionResponse response;
+    EXPECT_FALSE(stream->Read(&response));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  }
+  // The gRPC port refuses a plaintext client.
+  EXPECT_EQ(check(channel(address, TlsConfig{}), ""), 100 + grpc::StatusCode::UNAVAILABLE);
+
+  // A prefill, a decode and a store join: ready, on the health port as on the gRPC port.
+  ASSERT_TRUE(register_as(member, kvr::cluster::v1::NODE_ROLE_PREFILL, "127.0.0.1:1").ok());
+  registration.mutable_capacity()->set_batch_slots(4);
+  registration.mutable_capacity()->set_memory_bytes(1 << 30);
+  kvr::cluster::v1::RetrievalMethodInfo* method = model->add_retrieval_methods();
+  method->set_name("full");
+  method->set_summary_bytes_per_token(1);
+  ASSERT_TRUE(register_as(member, kvr::cluster::v1::NODE_ROLE_DECODE, "127.0.0.1:2").ok());
+  registration.mutable_endpoints()->set_ucx_worker_address("fake-ucx-address");
+  ASSERT_TRUE(register_as(member, kvr::cluster::v1::NODE_ROLE_STORE, "127.0.0.1:3").ok());
+  EXPECT_EQ(wait_for(probe, "kvr.ready", HS::SERVING), HS::SERVING);
+  EXPECT_EQ(check(member, "kvr.ready"), HS::SERVING);
+  EXPECT_EQ(check(probe, "kvr.v1.Generation"), HS::SERVING);
+  std::filesystem::remove_all(dir);
+}
+
 // With TLS a member's certificate names its node (URI SAN kvr://node/<name>): a node with a
 // valid cluster certificate for "node-a" cannot register as "node-b", nor renew, remove or
 // take the address of another certificate's node; a certificate that names no node is refused

@@ -126,6 +126,7 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
                 IntegerSetting<Config>("threads", "compute threads (0: all cores)",
                                        &Config::threads, 0),
                 node::MetricsPortSetting<Config>(&Config::metrics_port),
+                node::HealthAddressSetting<Config>(&Config::health_address),
                 node::NumberSetting<Config>(
                     "quality_sample_rate",
                     "fraction (0..1) of decode steps per sequence and layer whose selection is "

@@ -3,11 +3,7 @@
 // registers with the controller and heartbeats its load until SIGTERM/SIGINT, then
 // deregisters.
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <pthread.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,7 +19,6 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
-#include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/common/tls.h"
@@ -35,6 +30,7 @@
 #include "kvr/kv_store/types.h"
 #include "kvr/model/loader.h"
 #include "kvr/node/membership_client.h"
+#include "kvr/node/run.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
@@ -88,11 +84,7 @@ std::vector<std::pair<std::string, double>> MeasureSummaryBytes(
 
 int Serve(const DecodeConfig& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  node::ShutdownSignals signals;  // before any thread starts
 
   ThreadPool pool(config.threads);
   // The CUDA backend uploads float32 weights; the CPU forward pass keeps GGUF weights packed.
@@ -158,12 +150,9 @@ int Serve(const DecodeConfig& config) {
         spdlog::warn("KV store at {}: {}; connecting again", address, why);
       });
   // Metrics (kvr/common/metrics.h): declared before the engine, which reports to them.
-  const std::string listen_host = config.listen.substr(0, config.listen.rfind(':'));
+  const std::string listen_host = node::HostOf(config.listen);
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
-      metrics::MetricsServer::Start({.host = listen_host.empty() ? "0.0.0.0" : listen_host,
-                                     .port = config.metrics_port,
-                                     .role = "decode",
-                                     .node_name = config.name});
+      node::StartMetricsServer(config.listen, config.metrics_port, "decode", config.name);
   if (!metrics_server.ok()) {
     std::cerr << "kvr-decode: " << metrics_server.status() << "\n";
     return 1;
@@ -199,27 +188,19 @@ int Serve(const DecodeConfig& config) {
   (*engine)->Start();
   DecodeServiceImpl service(engine->get(), &stores);
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(-1);  // handoffs of long prompts carry many summary bytes
-  int port = 0;
-  if (absl::Status s =
-          ConfigureServer(&builder, config.listen, *security, ClientCertificates::kRequired, &port);
-      !s.ok()) {
-    std::cerr << "kvr-decode: " << s.message() << "\n";
-    return 2;
-  }
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::cerr << "kvr-decode: cannot listen on " << config.listen << "\n";
-    return 1;
-  }
-  std::string host = config.advertise_host;
-  if (host.empty()) host = config.listen.substr(0, config.listen.rfind(':'));
-  if (host.empty() || host == "0.0.0.0" || host == "[::]") host = "127.0.0.1";
-  const std::string address = absl::StrCat(host, ":", port);
+  absl::StatusOr<std::unique_ptr<node::NodeServer>> server =
+      node::NodeServer::Start({.grpc = {.listen = config.listen,
+                                        .security = *security,
+                                        .client_certificates = ClientCertificates::kRequired,
+                                        .services = {&service},
+                                        // handoffs of long prompts carry many summary bytes
+                                        .max_receive_message_bytes = -1},
+                               .health_address = config.health_address});
+  if (!server.ok()) return node::ReportStartFailure("kvr-decode", server.status());
+  const std::string host =
+      node::ReachableHost(config.advertise_host.empty() ? listen_host : config.advertise_host);
+  const std::string address = absl::StrCat(host, ":", (*server)->port());
+  (*server)->PrintHealthPort("kvr-decode");
   std::cout << "kvr-decode listening on " << address << std::endl;
 
   cv1::RegisterRequest registration;
@@ -269,20 +250,13 @@ int Serve(const DecodeConfig& config) {
     std::cout << "kvr-decode registered " << id << std::endl;
   };
   // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
-  server->GetHealthCheckService()->SetServingStatus(kvr::node::kReadinessService, false);
-  membership_options.on_cluster_view = [health = server->GetHealthCheckService()](
-                                           uint32_t live_stores) {
-    health->SetServingStatus(kvr::node::kReadinessService, live_stores > 0);
-  };
+  membership_options.on_cluster_view = node::ReadinessFromClusterView(&(*server)->health());
   kvr::node::MembershipClient membership(std::move(membership_options));
 
-  int received = 0;
-  sigwait(&signals, &received);
+  const int received = signals.Wait();
   spdlog::info("signal {}: shutting down", received);
   membership.Stop();  // and Deregister
-  server->GetHealthCheckService()->SetServingStatus(false);
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  server->Wait();
+  (*server)->Shutdown(absl::Now() + absl::Seconds(5));
   engine->reset();  // stops the loop, releases what is left in the stores
   return 0;
 }

@@ -15,7 +15,7 @@ namespace cv1 = ::kvr::cluster::v1;
 
 using ::kvr::proto::TimeOf;
 
-grpc::Status ToGrpc(const absl::Status& s) { return ::kvr::proto::ToGrpcStatus(s); }
+using ::kvr::proto::ToGrpcStatus;
 
 kvr::v1::FinishReason ToProto(FinishReason r) {
   switch (r) {
@@ -114,17 +114,17 @@ grpc::Status DecodeServiceImpl::Handoff(grpc::ServerContext* context,
       stores_->Get(store_ref.endpoints().grpc_address(), store_ref.instance_id());
   if (!store.ok()) {
     context->AddTrailingMetadata(kFailedNodeKey, store_ref.node_id());
-    return ToGrpc(store.status());
+    return ToGrpcStatus(store.status());
   }
   absl::StatusOr<kvr::decode::Handoff> h =
       HandoffFromProto(*header, std::move(layers), store->get());
-  if (!h.ok()) return ToGrpc(h.status());
+  if (!h.ok()) return ToGrpcStatus(h.status());
   h->store_owner = *store;
   const std::string request_id = h->request_id;
   const uint64_t id = h->sequence_id;
   if (absl::Status s = engine_->Admit(std::move(*h)); !s.ok()) {
     spdlog::warn("handoff {} (sequence {}) refused: {}", request_id, id, s.ToString());
-    return ToGrpc(s);
+    return ToGrpcStatus(s);
   }
   Remember(id, {store_ref.node_id(), *store});
   spdlog::info("handoff {} (sequence {}, {} prompt tokens, method {}) admitted", request_id, id,
@@ -190,7 +190,7 @@ grpc::Status DecodeServiceImpl::Stream(grpc::ServerContext* context,
                             absl::StrCat("sequence ", id, ": its KV store ", store->node_id,
                                          " failed: ", chunk.status().message()));
       }
-      return ToGrpc(chunk.status());
+      return ToGrpcStatus(chunk.status());
     }
     cv1::StreamResponse msg;
     for (int32_t t : chunk->tokens) msg.add_token_ids(static_cast<uint32_t>(t));

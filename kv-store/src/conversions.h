@@ -16,7 +16,6 @@
 namespace kvr::kv_store {
 
 using ::kvr::proto::ToGrpcStatus;
-inline grpc::Status ToGrpc(const absl::Status& st) { return ToGrpcStatus(st); }
 // The gRPC error with `what` (the call) in front of its message.
 inline absl::Status FromGrpc(const grpc::Status& st, const std::string& what) {
   const absl::Status s = ::kvr::proto::FromGrpcStatus(st);

@@ -34,12 +34,12 @@ grpc::Status KvStoreGrpcService::CreateSequence(grpc::ServerContext* ctx,
                                                 store::v1::CreateSequenceResponse* resp) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
   absl::StatusOr<SequenceShape> shape = FromProto(req->shape());
-  if (!shape.ok()) return ToGrpc(shape.status());
+  if (!shape.ok()) return ToGrpcStatus(shape.status());
   absl::StatusOr<Capability> cap = Capability::FromBytes(req->capability());
-  if (!cap.ok()) return ToGrpc(cap.status());
+  if (!cap.ok()) return ToGrpcStatus(cap.status());
   absl::StatusOr<CreateResult> result = store_.CreateSequence(
       {req->sequence_id(), *cap}, *shape, req->expected_tokens(), Millis(req->lease_ms()));
-  if (!result.ok()) return ToGrpc(result.status());
+  if (!result.ok()) return ToGrpcStatus(result.status());
   resp->set_tokens_per_page(result->tokens_per_page);
   resp->set_reserved_bytes(result->reserved_bytes);
   return grpc::Status::OK;
@@ -56,7 +56,7 @@ grpc::Status KvStoreGrpcService::Append(grpc::ServerContext* ctx,
                  .k = {reinterpret_cast<const uint8_t*>(req->k().data()), req->k().size()},
                  .v = {reinterpret_cast<const uint8_t*>(req->v().data()), req->v().size()}};
   absl::StatusOr<uint64_t> committed = store_.Write(rows);
-  if (!committed.ok()) return ToGrpc(committed.status());
+  if (!committed.ok()) return ToGrpcStatus(committed.status());
   resp->set_committed_rows(*committed);
   return grpc::Status::OK;
 }
@@ -65,14 +65,14 @@ grpc::Status KvStoreGrpcService::Release(grpc::ServerContext* ctx,
                                          const store::v1::ReleaseRequest* req,
                                          store::v1::ReleaseResponse*) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
-  return ToGrpc(store_.Release(RefOf(*req), Millis(req->keep_ms())));
+  return ToGrpcStatus(store_.Release(RefOf(*req), Millis(req->keep_ms())));
 }
 
 grpc::Status KvStoreGrpcService::Lease(grpc::ServerContext* ctx,
                                        const store::v1::LeaseRequest* req,
                                        store::v1::LeaseResponse*) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
-  return ToGrpc(store_.Lease(RefOf(*req), Millis(req->lease_ms())));
+  return ToGrpcStatus(store_.Lease(RefOf(*req), Millis(req->lease_ms())));
 }
 
 grpc::Status KvStoreGrpcService::GetSequence(grpc::ServerContext* ctx,
@@ -80,7 +80,7 @@ grpc::Status KvStoreGrpcService::GetSequence(grpc::ServerContext* ctx,
                                              store::v1::GetSequenceResponse* resp) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
   absl::StatusOr<SequenceInfo> info = store_.GetSequence(RefOf(*req));
-  if (!info.ok()) return ToGrpc(info.status());
+  if (!info.ok()) return ToGrpcStatus(info.status());
   ToProto(info->shape, resp->mutable_shape());
   for (uint64_t rows : info->committed_rows) resp->add_committed_rows(rows);
   resp->set_tokens_per_page(info->tokens_per_page);
@@ -119,7 +119,7 @@ grpc::Status KvStoreGrpcService::ReservePageTable(grpc::ServerContext* ctx,
                                                   store::v1::ReservePageTableResponse* resp) {
   if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
   absl::StatusOr<PageTable> table = store_.ReservePageTable(RefOf(*req), req->rows());
-  if (!table.ok()) return ToGrpc(table.status());
+  if (!table.ok()) return ToGrpcStatus(table.status());
   ToProto(*table, resp);
   return grpc::Status::OK;
 }
@@ -132,14 +132,14 @@ grpc::Status KvStoreGrpcService::ForkSequence(grpc::ServerContext* ctx,
   // parent's is only checked, so a malformed one reads like a wrong one.
   absl::StatusOr<Capability> child_cap = Capability::FromBytes(req->child_capability());
   if (!child_cap.ok()) {
-    return ToGrpc(absl::InvalidArgumentError(
+    return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("child_capability: ", child_cap.status().message())));
   }
   absl::StatusOr<ForkResult> result = store_.ForkSequence(
       {req->child_sequence_id(), *child_cap},
       {req->parent_sequence_id(), Capability::FromBytesOrNone(req->parent_capability())},
       req->rows(), req->expected_tokens(), Millis(req->lease_ms()));
-  if (!result.ok()) return ToGrpc(result.status());
+  if (!result.ok()) return ToGrpcStatus(result.status());
   resp->set_tokens_per_page(result->tokens_per_page);
   resp->set_reserved_bytes(result->reserved_bytes);
   resp->set_rows(result->rows);

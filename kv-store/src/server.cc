@@ -7,14 +7,13 @@
 #include "absl/synchronization/notification.h"
 #include "data_plane.h"
 #include "grpc_service.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kvr/common/grpc_server.h"
 #include "kvr/common/instance_id.h"
 #include "kvr/common/metrics.h"
-#include "kvr/kv_store/metrics.h"
 #include "kvr/common/status.h"
+#include "kvr/kv_store/metrics.h"
 #include "kvr/transport/ucx.h"
 #include "local_pool_socket.h"
 #include "work_queue.h"
@@ -109,30 +108,28 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   }
   impl->service = std::make_unique<KvStoreGrpcService>(*impl->store, std::move(info));
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(options.tls);
   if (!security.ok()) {
     impl->Shutdown();
     return security.status();
   }
-  grpc::ServerBuilder builder;
-  if (absl::Status s = ConfigureServer(&builder, options.listen, *security,
-                                       ClientCertificates::kRequired, &impl->port);
-      !s.ok()) {
+  absl::StatusOr<StartedGrpcServer> started =
+      StartGrpcServer({.listen = options.listen,
+                       .security = *security,
+                       .client_certificates = ClientCertificates::kRequired,
+                       .services = {impl->service.get()},
+                       // Appends of a few tokens are small; this bounds what a misbehaving client
+                       // can make the store buffer (bulk data goes over UCX).
+                       .max_receive_message_bytes = 64 << 20});
+  if (!started.ok()) {
     impl->Shutdown();
-    return s;
+    return started.status().code() == absl::StatusCode::kUnavailable
+               ? absl::UnavailableError(
+                     absl::StrFormat("kvr-store: cannot listen for gRPC on '%s'", options.listen))
+               : started.status();
   }
-  builder.RegisterService(impl->service.get());
-  // Appends of a few tokens are small; this bounds what a misbehaving client can make the
-  // store buffer (bulk data goes over UCX).
-  builder.SetMaxReceiveMessageSize(64 << 20);
-  impl->grpc_server = builder.BuildAndStart();
-  if (impl->grpc_server == nullptr || impl->port == 0) {
-    impl->Shutdown();
-    return absl::UnavailableError(
-        absl::StrFormat("kvr-store: cannot listen for gRPC on '%s'", options.listen));
-  }
+  impl->grpc_server = std::move(started->server);
+  impl->port = started->port;
 
   if (options.metrics_port >= 0) {
     const std::string host = options.listen.substr(0, options.listen.rfind(':'));
@@ -188,6 +185,10 @@ int StoreServer::metrics_port() const {
 }
 
 PagedKvStore& StoreServer::store() { return *impl_->store; }
+
+grpc::HealthCheckServiceInterface* StoreServer::health_check_service() {
+  return impl_->grpc_server->GetHealthCheckService();
+}
 
 void StoreServer::Shutdown() { impl_->Shutdown(); }
 

@@ -18,6 +18,7 @@
 #include "kvr/kv_store/client.h"
 #include "kvr/kv_store/test_pattern.h"
 #include "kvr/kv_store/wire.h"
+#include "kvr/proto/convert.h"
 #include "kvr/store/v1/store.grpc.pb.h"
 #include "store_process.h"
 
@@ -105,8 +106,7 @@ std::vector<std::pair<std::string, absl::Status>> Attack(UcxKvStoreClient& clien
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
     grpc::Status st = stub.Append(&ctx, req, &resp);
-    out.emplace_back("append (gRPC)", absl::Status(static_cast<absl::StatusCode>(st.error_code()),
-                                                   st.error_message()));
+    out.emplace_back("append (gRPC)", proto::FromGrpcStatus(st));
   }
   return out;
 }

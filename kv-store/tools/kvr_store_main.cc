@@ -2,8 +2,6 @@
 // With --controller it registers itself (role STORE) and heartbeats its free pool bytes
 // through kvr::node::MembershipClient.
 #include <grpcpp/grpcpp.h>
-#include <pthread.h>
-#include <signal.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -14,7 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/tls.h"
 #include "kvr/kv_store/server.h"
+#include "kvr/node/health.h"
 #include "kvr/node/membership_client.h"
+#include "kvr/node/run.h"
 #include "kvr/store/v1/store.grpc.pb.h"
 #include "store_config.h"
 
@@ -51,14 +51,9 @@ int main(int argc, char** argv) {
   std::optional<kvr::kv_store::StoreConfig> config =
       kvr::node::LoadConfigOrExit(kvr::kv_store::StoreSettings(), argc, argv, &exit_code);
   if (!config) return exit_code;
-  // SIGTERM/SIGINT are blocked before any thread starts (threads inherit the mask) and taken
-  // synchronously below with sigwait: shutdown then runs on the main thread, outside any
-  // signal handler.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // Before any thread starts: shutdown then runs on the main thread, outside any signal
+  // handler.
+  kvr::node::ShutdownSignals signals;
 
   absl::StatusOr<std::unique_ptr<kvr::kv_store::StoreServer>> server =
       kvr::kv_store::StoreServer::Start(config->ToServerOptions());
@@ -68,6 +63,20 @@ int main(int argc, char** argv) {
   }
   if ((*server)->metrics_port() > 0) {
     std::printf("kvr-store metrics port=%d\n", (*server)->metrics_port());
+  }
+  // The statuses of the gRPC port, mirrored on the plaintext health-only port when asked for.
+  kvr::node::ServingStatuses health((*server)->health_check_service());
+  std::unique_ptr<kvr::node::HealthOnlyServer> health_server;
+  if (!config->health_address.empty()) {
+    absl::StatusOr<std::unique_ptr<kvr::node::HealthOnlyServer>> started =
+        kvr::node::HealthOnlyServer::Start(config->health_address, &health);
+    if (!started.ok()) {
+      std::fprintf(stderr, "kvr-store: %s\n", std::string(started.status().message()).c_str());
+      health.Shutdown();
+      return 1;
+    }
+    health_server = std::move(*started);
+    std::printf("kvr-store health port=%d\n", health_server->port());
   }
   const kvr::kv_store::StoreStats stats = (*server)->store().Stats();
   // Tests and launchers read the port from this line.
@@ -130,12 +139,13 @@ int main(int argc, char** argv) {
     membership = std::make_unique<kvr::node::MembershipClient>(std::move(o));
   }
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = signals.Wait();
   std::printf("kvr-store: signal %d, shutting down\n", sig);
   std::fflush(stdout);
   membership.reset();  // Deregister first: no new requests are placed here
+  health.Shutdown();   // both ports NOT_SERVING, before the gRPC server goes
   (*server)->Shutdown();
+  if (health_server) health_server->Shutdown(absl::Now());
   server->reset();
   std::printf("kvr-store: stopped\n");
   return 0;

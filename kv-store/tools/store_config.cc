@@ -82,6 +82,7 @@ const node::SettingTable<StoreConfig>& StoreSettings() {
                                       "(with TLS, the kvr://node/<name> its certificate carries)",
                                       &Config::name),
                 node::MetricsPortSetting<Config>(&Config::metrics_port),
+                node::HealthAddressSetting<Config>(&Config::health_address),
                 StringSetting<Config>("controller",
                                       "controller host:port to register with as a STORE node and "
                                       "heartbeat to (empty: do not register)",

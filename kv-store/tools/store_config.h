@@ -27,6 +27,8 @@ struct StoreConfig {
   std::string name = "kvr-store";
   // Prometheus /metrics port: 0 any free port (the default, printed at start), -1 off.
   int64_t metrics_port = 0;
+  // host:port of the plaintext health-only port (kvr/node/health.h); empty: none.
+  std::string health_address;
   // Controller host:port to register with (role STORE) and heartbeat free pool bytes to;
   // empty: not registered (someone else, e.g. `kvr up` of old, must tell the controller).
   std::string controller;

@@ -62,6 +62,7 @@ const node::SettingTable<PrefillConfig>& PrefillSettings() {
                                        "advertised queue limit in tokens (0: none)",
                                        &Config::max_queued_prefill_tokens, 0),
                 node::MetricsPortSetting<Config>(&Config::metrics_port),
+                node::HealthAddressSetting<Config>(&Config::health_address),
                 node::SecondsSetting<Config>("store_timeout_seconds",
                                              "budget of each KV-store call",
                                              &Config::store_timeout_seconds),

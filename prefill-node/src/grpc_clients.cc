@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
+#include "kvr/proto/convert.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
@@ -12,9 +13,7 @@ namespace {
 
 namespace cv1 = ::kvr::cluster::v1;
 
-absl::Status FromGrpc(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
+using ::kvr::proto::FromGrpcStatus;
 
 // One client-streaming call. The context, stub and response outlive the writer (members in
 // declaration order are destroyed in reverse).
@@ -39,7 +38,7 @@ class GrpcHandoffSink final : public HandoffSink {
     writer_->WritesDone();
     grpc::Status s = writer_->Finish();
     if (!s.ok()) {
-      absl::Status status = FromGrpc(s);
+      absl::Status status = FromGrpcStatus(s);
       // D blames another node (the store it could not reach): pass that on.
       const auto& trailers = context_.GetServerTrailingMetadata();
       if (auto it = trailers.find("kvr-failed-node"); it != trailers.end()) {

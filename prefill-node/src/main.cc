@@ -2,10 +2,7 @@
 // PrefillEngine; this file is the gRPC shell), grpc.health.v1.Health and server reflection;
 // registers with the controller and heartbeats until SIGTERM/SIGINT, then deregisters.
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,12 +17,12 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
-#include "kvr/common/grpc_server.h"
 #include "kvr/common/metrics.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/common/tls.h"
 #include "kvr/model/loader.h"
 #include "kvr/node/membership_client.h"
+#include "kvr/node/run.h"
 #include "kvr/prefill_node/config.h"
 #include "kvr/prefill_node/grpc_clients.h"
 #include "kvr/prefill_node/metrics_observer.h"
@@ -42,7 +39,7 @@ namespace {
 namespace cv1 = ::kvr::cluster::v1;
 
 using ::kvr::proto::TimeOf;
-grpc::Status ToGrpc(const absl::Status& s) { return ::kvr::proto::ToGrpcStatus(s); }
+using ::kvr::proto::ToGrpcStatus;
 
 // Proto -> PrefillJob -> engine -> proto.
 class PrefillServiceImpl final : public cv1::PrefillService::Service {
@@ -77,7 +74,7 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt: no input set");
     }
     absl::StatusOr<std::vector<int32_t>> ids = engine_->Tokenize(prompt);
-    if (!ids.ok()) return ToGrpc(ids.status());
+    if (!ids.ok()) return ToGrpcStatus(ids.status());
     response->mutable_token_ids()->mutable_ids()->Add(ids->begin(), ids->end());
     return grpc::Status::OK;
   }
@@ -128,7 +125,7 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
       const std::string failed = PrefillEngine::FailedNodeOf(r.status());
       if (!failed.empty()) context->AddTrailingMetadata("kvr-failed-node", failed);
       spdlog::warn("prefill {} failed: {}", job.request_id, r.status().ToString());
-      return ToGrpc(r.status());
+      return ToGrpcStatus(r.status());
     }
     response->set_prompt_tokens(r->prompt_tokens);
     response->set_first_token(static_cast<uint32_t>(r->first_token));
@@ -162,12 +159,7 @@ class PrefillServiceImpl final : public cv1::PrefillService::Service {
 
 int Serve(const PrefillConfig& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
-  // SIGTERM/SIGINT are blocked in every thread (gRPC's inherit the mask) and taken with sigwait.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  node::ShutdownSignals signals;  // before any thread starts
 
   ThreadPool pool(config.threads);
   // The CUDA backend uploads float32 weights; the CPU forward pass keeps GGUF weights packed.
@@ -223,14 +215,10 @@ int Serve(const PrefillConfig& config) {
   UcxStoreClients stores(store_options);
   GrpcHandoffOpener handoff(*security);
   // Metrics: declared before the engine, which reports to them.
-  const std::string listen_host = config.listen.substr(0, config.listen.rfind(':'));
+  const std::string node_name =
+      config.node_name.empty() ? absl::StrCat("kvr-prefill-", getpid()) : config.node_name;
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
-      metrics::MetricsServer::Start({.host = listen_host.empty() ? "0.0.0.0" : listen_host,
-                                     .port = config.metrics_port,
-                                     .role = "prefill",
-                                     .node_name = config.node_name.empty()
-                                                      ? absl::StrCat("kvr-prefill-", getpid())
-                                                      : config.node_name});
+      node::StartMetricsServer(config.listen, config.metrics_port, "prefill", node_name);
   if (!metrics_server.ok()) {
     std::cerr << "kvr-prefill: " << metrics_server.status() << "\n";
     return 1;
@@ -246,37 +234,28 @@ int Serve(const PrefillConfig& config) {
                                      .observer = &metrics_observer});
   PrefillServiceImpl service(&engine);
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(-1);  // token-id prompts of long contexts
-  int port = 0;
-  if (absl::Status s =
-          ConfigureServer(&builder, config.listen, *security, ClientCertificates::kRequired, &port);
-      !s.ok()) {
-    std::cerr << "kvr-prefill: " << s.message() << "\n";
-    return 2;
-  }
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::cerr << "kvr-prefill: cannot listen on " << config.listen << "\n";
-    return 1;
-  }
-  std::string host = config.listen.substr(0, config.listen.rfind(':'));
+  absl::StatusOr<std::unique_ptr<node::NodeServer>> server =
+      node::NodeServer::Start({.grpc = {.listen = config.listen,
+                                        .security = *security,
+                                        .client_certificates = ClientCertificates::kRequired,
+                                        .services = {&service},
+                                        // token-id prompts of long contexts
+                                        .max_receive_message_bytes = -1},
+                               .health_address = config.health_address});
+  if (!server.ok()) return node::ReportStartFailure("kvr-prefill", server.status());
   // A wildcard address is not reachable as such; on one machine loopback is.
-  if (host.empty() || host == "0.0.0.0" || host == "[::]") host = "127.0.0.1";
-  const std::string address = absl::StrCat(host, ":", port);
+  const std::string host = node::ReachableHost(node::HostOf(config.listen));
+  const std::string address = absl::StrCat(host, ":", (*server)->port());
   if ((*metrics_server)->serving()) {
     std::cout << "kvr-prefill metrics on " << host << ":" << (*metrics_server)->port() << std::endl;
   }
+  (*server)->PrintHealthPort("kvr-prefill");
   std::cout << "kvr-prefill listening on " << address << std::endl;
 
   cv1::RegisterRequest registration;
   registration.set_role(cv1::NODE_ROLE_PREFILL);
   registration.set_protocol_version(1);
-  registration.set_name(config.node_name.empty() ? absl::StrCat("kvr-prefill-", getpid())
-                                                 : config.node_name);
+  registration.set_name(node_name);
   registration.mutable_endpoints()->set_grpc_address(address);
   registration.mutable_endpoints()->set_metrics_port(
       static_cast<uint32_t>((*metrics_server)->port()));
@@ -304,20 +283,13 @@ int Serve(const PrefillConfig& config) {
     std::cout << "kvr-prefill registered " << id << std::endl;
   };
   // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
-  server->GetHealthCheckService()->SetServingStatus(kvr::node::kReadinessService, false);
-  membership_options.on_cluster_view = [health = server->GetHealthCheckService()](
-                                           uint32_t live_stores) {
-    health->SetServingStatus(kvr::node::kReadinessService, live_stores > 0);
-  };
+  membership_options.on_cluster_view = node::ReadinessFromClusterView(&(*server)->health());
   kvr::node::MembershipClient membership(std::move(membership_options));
 
-  int received = 0;
-  sigwait(&signals, &received);
+  const int received = signals.Wait();
   spdlog::info("signal {}: shutting down", received);
   membership.Stop();  // and Deregister
-  server->GetHealthCheckService()->SetServingStatus(false);
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  server->Wait();
+  (*server)->Shutdown(absl::Now() + absl::Seconds(5));
   return 0;
 }
 

@@ -24,24 +24,28 @@ CASES = {
         "max_attempts": ("5", "5"),
         "default_method": ("quest", "quest"),
         "log_level": ("debug", "debug"),
+        "health_address": ("127.0.0.1:47100", "127.0.0.1:47100"),
     }),
     "store": ("STORE", {
         "capacity_bytes": ("4GB", "4GB"),  # 4 x 1000^3, not 4GiB
         "page_bytes": ("131072", "128KiB"),
         "evict_expired": ("yes", "true"),
         "controller": ("127.0.0.1:9", "127.0.0.1:9"),
+        "health_address": ("127.0.0.1:47100", "127.0.0.1:47100"),
     }),
     "prefill": ("PREFILL", {
         "chunk_tokens": ("256", "256"),
         "device": ("cuda", "cuda"),
         "store_timeout_seconds": ("2.5", "2.5"),
         "node_name": ("p-1", "p-1"),
+        "health_address": ("127.0.0.1:47100", "127.0.0.1:47100"),
     }),
     "decode": ("DECODE", {
         "hot_cache_bytes": ("4GiB", "4GiB"),  # 4 x 1024^3
         "batch_slots": ("3", "3"),
         "gpu_lanes": ("exact,pariskv", "exact,pariskv"),
         "quality_sample_rate": ("0.25", "0.25"),
+        "health_address": ("127.0.0.1:47100", "127.0.0.1:47100"),
     }),
 }
 

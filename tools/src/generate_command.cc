@@ -29,6 +29,7 @@
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
+#include "kvr/proto/convert.h"
 #include "kvr/v1/generation.grpc.pb.h"
 #include "tls_options.h"
 
@@ -171,7 +172,7 @@ absl::Status RunRemote(const GenerateOptions& o) {
   grpc::Status status = reader->Finish();
   if (!status.ok()) {
     return absl::Status(
-        static_cast<absl::StatusCode>(status.error_code()),
+        kvr::proto::FromGrpcStatus(status).code(),
         absl::StrCat("Generate on ", o.endpoint, ": ", status.error_message(),
                      status.error_code() == grpc::StatusCode::UNAVAILABLE && !security->enabled()
                          ? " (a TLS cluster, as kvr up starts by default, needs "

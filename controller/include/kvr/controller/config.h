@@ -33,6 +33,8 @@ struct ControllerConfig {
   // Prometheus /metrics port, on the host of `listen`: > 0 that port, 0 any free port (printed
   // at start as "kvr-controller metrics on host:port"), -1 no metrics server.
   int32_t metrics_port = 0;
+  // host:port of the plaintext health-only port (kvr/node/health.h); empty: none.
+  std::string health_address;
   // host:port of the OpenAI-compatible HTTP API (port 0: any free port, printed at start as
   // "kvr-controller http listening on host:port"); empty or "-1": no HTTP server.
   std::string http_listen = "127.0.0.1:0";

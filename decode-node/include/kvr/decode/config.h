@@ -30,6 +30,8 @@ struct DecodeConfig {
   std::string log_level = "info";
   // Prometheus /metrics port on the listen host: 0 any free port (printed), -1 off.
   int32_t metrics_port = 0;
+  // host:port of the plaintext health-only port (kvr/node/health.h); empty: none.
+  std::string health_address;
   // Fraction of (step, sequence, layer) whose selection is compared with the exact oracle
   // (kvr_retrieval_recall / kvr_retrieval_attention_mass); 0 off. Each sample reads all the
   // candidate rows' keys from the store (README.md: cost).

@@ -24,6 +24,10 @@
 #include "kvr/common/tls.h"
 #include "kvr/kv_store/store.h"
 
+namespace grpc {
+class HealthCheckServiceInterface;
+}  // namespace grpc
+
 namespace kvr::kv_store {
 
 struct StoreServerOptions {
@@ -73,6 +77,9 @@ class StoreServer {
   // The bound /metrics port; 0 when metrics are off.
   int metrics_port() const;
   PagedKvStore& store();
+  // The gRPC server's grpc.health.v1 service (gRPC's default one), for a health-only port to
+  // mirror (kvr/node/health.h). Valid until Shutdown().
+  grpc::HealthCheckServiceInterface* health_check_service();
   // Idempotent; safe from any thread except gRPC/UCX callbacks.
   void Shutdown();
 

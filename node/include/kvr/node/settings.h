@@ -442,6 +442,16 @@ Setting<Config> MetricsPortSetting(Ref ref) {
                                 ref, -1, 65535);
 }
 
+template <typename Config, typename Ref>
+Setting<Config> HealthAddressSetting(Ref ref) {
+  return StringSetting<Config>(
+      "health_address",
+      "host:port of a plaintext port that serves only grpc.health.v1.Health, with the main "
+      "port's statuses, for probes that cannot present a client certificate (Kubernetes gRPC "
+      "probes); empty: none",
+      ref, /*allow_empty=*/true);
+}
+
 // tls_ca, tls_cert, tls_key and tls_server_name (kvr/common/tls.h), stored in the TlsConfig at
 // `tls`.
 template <typename Config, typename Ref>

@@ -36,6 +36,8 @@ struct PrefillConfig {
   std::string log_level = "info";
   // Prometheus /metrics port on the listen host: 0 any free port (printed), -1 off.
   int32_t metrics_port = 0;
+  // host:port of the plaintext health-only port (kvr/node/health.h); empty: none.
+  std::string health_address;
   // Where the forward pass runs: "cpu" (model::Model) or "cuda" (model::CudaModel on GPU
   // cuda_device; the weights are loaded on the host, then uploaded once as bf16).
   std::string device = "cpu";

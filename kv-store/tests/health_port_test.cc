@@ -1,0 +1,101 @@
+// kvr-store with mutual TLS and --health-address, as a real process on 127.0.0.1: the
+// plaintext health-only port answers grpc.health.v1 (what the kubelet's gRPC probes speak),
+// serves nothing else, and goes NOT_SERVING with the store; the gRPC port still refuses a
+// client without a certificate of the CA.
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kvr/common/cert_authority.h"
+#include "kvr/common/tls.h"
+#include "kvr/store/v1/store.grpc.pb.h"
+#include "store_process.h"
+
+namespace kvr::kv_store {
+namespace {
+
+using ::kvr::kv_store::testing::StoreProcess;
+using HS = ::grpc::health::v1::HealthCheckResponse;
+
+std::shared_ptr<grpc::Channel> ChannelTo(int port, const TlsConfig& tls) {
+  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
+  EXPECT_TRUE(security.ok()) << security.status();
+  return security->CreateChannel(absl::StrCat("127.0.0.1:", port));
+}
+
+// The status of the overall service, or 100 + the code of a failed call.
+int Check(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status s = grpc::health::v1::Health::NewStub(channel)->Check(&ctx, {}, &response);
+  return s.ok() ? static_cast<int>(response.status()) : 100 + s.error_code();
+}
+
+TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-store-health-", getpid());
+  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("cluster CA", absl::Hours(1));
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
+  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  auto issue = [&](const std::string& name) {
+    absl::StatusOr<PemCertificate> cert =
+        IssueCertificate(*ca, name, {"127.0.0.1", "localhost"}, absl::Hours(1));
+    EXPECT_TRUE(cert.ok()) << cert.status();
+    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *cert, ca_file);
+    EXPECT_TRUE(files.ok()) << files.status();
+    return *files;
+  };
+  const TlsConfig store_tls = issue("store");
+  const TlsConfig client_tls = issue("client");
+  absl::StatusOr<StoreProcess> store = StoreProcess::Start(
+      {KVR_STORE_BINARY, "--listen", "127.0.0.1:0", "--health-address", "127.0.0.1:0",
+       "--capacity-bytes", "16MiB", "--page-bytes", "64KiB", "--metrics-port", "-1", "--tls-ca",
+       ca_file, "--tls-cert", store_tls.cert_file, "--tls-key", store_tls.key_file},
+      {"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"}, absl::Seconds(20));
+  ASSERT_TRUE(store.ok()) << store.status();
+  constexpr char kMarker[] = "kvr-store health port=";
+  const size_t at = store->output().find(kMarker);
+  ASSERT_NE(at, std::string::npos) << store->output();
+  int health_port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(
+      store->output().substr(at + sizeof(kMarker) - 1,
+                             store->output().find('\n', at) - at - sizeof(kMarker) + 1),
+      &health_port))
+      << store->output();
+  ASSERT_NE(health_port, store->port());
+
+  const auto probe = ChannelTo(health_port, TlsConfig{});  // plaintext, as the kubelet
+  EXPECT_EQ(Check(probe), HS::SERVING);
+  EXPECT_EQ(Check(ChannelTo(store->port(), client_tls)), HS::SERVING);
+  // The gRPC port refuses a plaintext client and a TLS client without a certificate.
+  EXPECT_EQ(Check(ChannelTo(store->port(), TlsConfig{})), 100 + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(Check(ChannelTo(store->port(), TlsConfig{.ca_file = ca_file})),
+            100 + grpc::StatusCode::UNAVAILABLE);
+  // The store's own service is not on the health port.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    store::v1::GetDataPlaneInfoResponse info;
+    EXPECT_EQ(store::v1::KvStore::NewStub(probe)->GetDataPlaneInfo(&ctx, {}, &info).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
+  // SIGTERM: the store shuts down and the health port goes with it.
+  EXPECT_TRUE(WIFEXITED(store->Kill(SIGTERM)));
+  EXPECT_EQ(Check(ChannelTo(health_port, TlsConfig{})), 100 + grpc::StatusCode::UNAVAILABLE);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace kvr::kv_store
