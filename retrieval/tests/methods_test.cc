@@ -601,7 +601,9 @@ TEST_P(MethodProperties, SelectionIsBoundedDistinctAndOutsideSinkAndLocal) {
   ASSERT_TRUE(index->Select({q.data(), n, 24, 4, 250}, &sel).ok());
   ASSERT_EQ(sel.per_head.size(), 2u);
   for (const auto& ids : sel.per_head) {
-    if (method != "full") EXPECT_LE(ids.size(), 24u);
+    if (method != "full") {
+      EXPECT_LE(ids.size(), 24u);
+    }
     EXPECT_TRUE(std::is_sorted(ids.begin(), ids.end()));
     EXPECT_EQ(std::adjacent_find(ids.begin(), ids.end()), ids.end());
     for (int64_t id : ids) {
