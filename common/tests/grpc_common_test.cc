@@ -360,12 +360,12 @@ TEST(GrpcSecurityTest, ClientRefusesAServerCertificateForAnotherHost) {
             grpc::StatusCode::UNAVAILABLE);
   // A client told the name the cluster's certificates carry (tls_server_name) checks that name
   // instead of the address it dials; a name the certificate lacks is still refused.
-  EXPECT_TRUE(Check(server.address, TlsConfig{.ca_file = ca_file, .server_name = "elsewhere.example"})
-                  .ok());
-  EXPECT_EQ(
-      Check(server.address, TlsConfig{.ca_file = ca_file, .server_name = "other.example"})
-          .error_code(),
-      grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(
+      Check(server.address, TlsConfig{.ca_file = ca_file, .server_name = "elsewhere.example"})
+          .ok());
+  EXPECT_EQ(Check(server.address, TlsConfig{.ca_file = ca_file, .server_name = "other.example"})
+                .error_code(),
+            grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(GrpcSecurity::Load(TlsConfig{.server_name = "elsewhere.example"}).status().code(),
             absl::StatusCode::kInvalidArgument);
 }

@@ -8,10 +8,10 @@
 namespace kvr::model {
 namespace {
 
-#define KVR_KERNEL_TABLE(ns, isa_value) \
-  CpuKernels {                            \
-    isa_value, &ns::QuantizeActivations, &ns::GemvBlocks, &ns::GemvBlocksF32,                \
-        &ns::DequantizeRows, &ns::AttendRows, &ns::GemvFloats, &ns::SoftmaxPrefix              \
+#define KVR_KERNEL_TABLE(ns, isa_value)                                                            \
+  CpuKernels {                                                                                     \
+    isa_value, &ns::QuantizeActivations, &ns::GemvBlocks, &ns::GemvBlocksF32, &ns::DequantizeRows, \
+        &ns::AttendRows, &ns::GemvFloats, &ns::SoftmaxPrefix                                       \
   }
 
 bool CpuHas(CpuIsa isa) {

@@ -380,11 +380,11 @@ TEST_P(CpuKernelsTest, SoftmaxPrefixMatchesFloat64Softmax) {
     int64_t visible, n;
     float spread;
   };
-  for (const Case& c : {Case{1, 1, 1.f}, Case{1, 9, 1.f}, Case{7, 7, 3.f}, Case{8, 16, 3.f},
-                        Case{9, 9, 3.f}, Case{100, 130, 10.f}, Case{4099, 4099, 30.f},
-                        Case{513, 1024, 100.f}}) {
-    SCOPED_TRACE(testing::Message() << "visible " << c.visible << " of " << c.n << ", spread "
-                                    << c.spread);
+  for (const Case& c :
+       {Case{1, 1, 1.f}, Case{1, 9, 1.f}, Case{7, 7, 3.f}, Case{8, 16, 3.f}, Case{9, 9, 3.f},
+        Case{100, 130, 10.f}, Case{4099, 4099, 30.f}, Case{513, 1024, 100.f}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "visible " << c.visible << " of " << c.n << ", spread " << c.spread);
     const std::vector<float> scores = RandomValues(c.n, 31 + static_cast<uint32_t>(c.n), c.spread);
     std::vector<float> s = scores;
     kernels().softmax_prefix(s.data(), c.visible, c.n);

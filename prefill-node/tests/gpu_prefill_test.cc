@@ -106,12 +106,12 @@ void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
   ASSERT_TRUE(fake.ok()) << fake.status();
   side.store = std::move(*fake);
   side.stores = std::make_unique<OneStore>(side.store.get());
-  side.engine = std::make_unique<PrefillEngine>(
-      std::move(backend), nullptr, registry, side.stores.get(), &side.opener,
-      EngineOptions{.chunk_tokens = kChunk,
-                    .max_prefill_queries = 100,
-                    .store_dtype = store_dtype,
-                    .method_assets = std::move(assets)});
+  side.engine = std::make_unique<PrefillEngine>(std::move(backend), nullptr, registry,
+                                                side.stores.get(), &side.opener,
+                                                EngineOptions{.chunk_tokens = kChunk,
+                                                              .max_prefill_queries = 100,
+                                                              .store_dtype = store_dtype,
+                                                              .method_assets = std::move(assets)});
 }
 
 // Rows of `head_dim` floats: counts those outside the tolerance; tracks the worst.
@@ -345,8 +345,9 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     // quest, clusterkv and keydiff summaries were built on the GPU (gpu_summaries, the default).
     // quest's must be byte for byte the CPU index built from the rows the GPU shipped (min / max
     // of the same floats), and so must keydiff's (fp64 sums, dots and norms of the same
-    // bf16-valued keys, exact in any order; one rounding to fp32 of the same values); clusterkv's (k-means in 3xTF32 on the GPU, float32 on the CPU) must select
-    // like it: the share of equal ids over random queries is printed and must be >= 0.9.
+    // bf16-valued keys, exact in any order; one rounding to fp32 of the same values); clusterkv's
+    // (k-means in 3xTF32 on the GPU, float32 on the CPU) must select like it: the share of equal
+    // ids over random queries is printed and must be >= 0.9.
     if (std::string(method) != "full") {
       retrieval::IndexParams params;
       params.budget = 16;
@@ -391,8 +392,8 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         if (std::string(method) == "quest" || std::string(method) == "keydiff") {
           auto want_bytes = retrieval::SerializeIndex(**cpu_index);
           ASSERT_TRUE(want_bytes.ok());
-          EXPECT_TRUE(std::equal(shipped.begin(), shipped.end(), want_bytes->begin(),
-                                 want_bytes->end()))
+          EXPECT_TRUE(
+              std::equal(shipped.begin(), shipped.end(), want_bytes->begin(), want_bytes->end()))
               << "layer " << layer << ": GPU " << method << " summary differs from the CPU index's";
           continue;
         }
@@ -437,8 +438,10 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         EXPECT_GE(equal_ids / total_ids, 0.9);
       }
       if (std::string(method) == "a2ats") {
-        std::printf("[ summary ] a2ats built on the GPU vs on the CPU from the same rows: "
-                    "%.0f of %.0f codeword ids equal\n", equal_ids, total_ids);
+        std::printf(
+            "[ summary ] a2ats built on the GPU vs on the CPU from the same rows: "
+            "%.0f of %.0f codeword ids equal\n",
+            equal_ids, total_ids);
         EXPECT_GE(equal_ids / total_ids, 0.99);
       }
     }

@@ -146,16 +146,16 @@ class A2atsIndex final : public RetrievalIndex {
 
   // The state after a Build that assigned `ids` ([n_kv_heads][size]), rerank off.
   absl::Status SetIds(int64_t size, std::span<const std::span<const uint16_t>> ids) {
-    const int codebook_size = books_->head(shape().layer, 0).size;
     if (size < 0 || static_cast<int64_t>(ids.size()) != shape().n_kv_heads) {
       return absl::InvalidArgumentError(absl::StrCat("prebuilt a2ats: ", ids.size(),
                                                      " id arrays for ", shape().n_kv_heads,
                                                      " KV heads, size ", size));
     }
     for (int h = 0; h < shape().n_kv_heads; ++h) {
+      const int codebook_size = books_->head(shape().layer, h).size;
       if (static_cast<int64_t>(ids[h].size()) != size) {
-        return absl::InvalidArgumentError(absl::StrCat("prebuilt a2ats: KV head ", h, " has ",
-                                                       ids[h].size(), " ids for ", size, " tokens"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "prebuilt a2ats: KV head ", h, " has ", ids[h].size(), " ids for ", size, " tokens"));
       }
       for (uint16_t id : ids[h]) {
         if (id >= codebook_size) {

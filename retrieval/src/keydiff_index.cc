@@ -151,6 +151,7 @@ class KeyDiffIndex final : public RetrievalIndex {
     auto bad = [](auto&&... parts) {
       return absl::InvalidArgumentError(absl::StrCat("prebuilt keydiff: ", parts...));
     };
+    KVR_RETURN_IF_ERROR(shape.Validate());
     if (size < 0 || size >= (int64_t{1} << 29)) return bad("size ", size, " out of [0, 2^29)");
     if (static_cast<int64_t>(heads.size()) != shape.n_kv_heads) {
       return bad("heads has ", heads.size(), " entries for ", shape.n_kv_heads, " KV heads");

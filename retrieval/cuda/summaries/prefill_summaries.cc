@@ -45,16 +45,16 @@ struct A2atsDeviceBooks {
   DeviceBuffer<float> half_norms;  // [n_layers, n_kv, size]
 
   static absl::StatusOr<std::shared_ptr<A2atsDeviceBooks>> Upload(const model::ModelConfig& c,
-                                                                   const A2atsCodebooks& books) {
+                                                                  const A2atsCodebooks& books) {
     auto out = std::make_shared<A2atsDeviceBooks>();
     out->hash = books.content_hash();
     const int64_t nkv = c.n_kv_heads, d = c.head_dim;
     for (int l = 0; l < c.n_layers; ++l) {
       KVR_ASSIGN_OR_RETURN(const A2atsHostCodebooks h, A2atsLayerCodebooksFromHost(books, l));
       if (h.n_kv_heads != nkv || h.head_dim != d) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prefill summaries: a2ats codebooks of ", h.n_kv_heads, " KV heads x ",
-                         h.head_dim, ", the model has ", nkv, " x ", d));
+        return absl::InvalidArgumentError(absl::StrCat("prefill summaries: a2ats codebooks of ",
+                                                       h.n_kv_heads, " KV heads x ", h.head_dim,
+                                                       ", the model has ", nkv, " x ", d));
       }
       if (l == 0) {
         out->size = h.size;
@@ -74,8 +74,7 @@ struct A2atsDeviceBooks {
                                           h.codewords.data(), h.codewords.size() * sizeof(float),
                                           cudaMemcpyHostToDevice));
       KVR_CUDA_RETURN_IF_ERROR(cudaMemcpy(out->half_norms.data() + l * nkv * size,
-                                          h.half_norms.data(),
-                                          h.half_norms.size() * sizeof(float),
+                                          h.half_norms.data(), h.half_norms.size() * sizeof(float),
                                           cudaMemcpyHostToDevice));
     }
     return out;
@@ -322,7 +321,8 @@ class Builder final : public PrefillSummaryBuilder {
       }
       case Method::kA2ats: {
         const int nkv = shape.n_kv_heads;
-        if (s.n_i32 < layer_i32_) return absl::InternalError("a2ats summary smaller than its layout");
+        if (s.n_i32 < layer_i32_)
+          return absl::InternalError("a2ats summary smaller than its layout");
         const auto* ids = reinterpret_cast<const uint16_t*>(s.i32);
         std::vector<std::span<const uint16_t>> heads(nkv);
         for (int h = 0; h < nkv; ++h) {

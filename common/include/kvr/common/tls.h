@@ -116,7 +116,8 @@ class GrpcSecurity {
       ClientCertificates client_certificates) const;
   // Channel credentials: plaintext when disabled, else TLS verifying the server against the
   // watched CA (and its name against the target dialled) and presenting the watched
-  // certificate, when there is one.
+  // certificate, when there is one. tls_server_name is a channel argument: it applies only to
+  // channels made by CreateChannel.
   [[nodiscard]] std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials() const;
   // grpc::CreateCustomChannel with ChannelCredentials().
   [[nodiscard]] std::shared_ptr<grpc::Channel> CreateChannel(

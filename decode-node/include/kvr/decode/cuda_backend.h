@@ -66,8 +66,8 @@ struct CudaDecodeBackendOptions {
   int slots = 8;   // sequences at once (the engine's batch_slots)
   std::string method = "quest";
   // Methods selected on the GPU beside `method`, by lanes of the sparse decode built from the
-  // handed-off CPU indexes (SparseDecodeOptions::lanes): "exact", "pariskv", "keydiff", "a2ats" (with
-  // method_assets). A request for one with method options of its own is selected on the host.
+  // handed-off CPU indexes (SparseDecodeOptions::lanes): "exact", "pariskv", "keydiff", "a2ats"
+  // (with method_assets). A request for one with method options of its own is selected on the host.
   std::vector<std::string> lanes;
   int budget = 1024;
   int n_sink = 16;

@@ -98,7 +98,8 @@ struct CpuKernels {
 
   // One query row's softmax over the scores of its visible keys, in place (prefill attention,
   // between its two GEMMs): for r < visible, s[r] = exp(s[r] - max) / sum, where max and sum
-  // run over s[0, visible); s[r] = 0 for visible <= r < n. 1 <= visible <= n.
+  // run over s[0, visible); s[r] = 0 for visible <= r < n. 1 <= visible <= n. For finite
+  // scores (what the GEMM gives finite inputs); NaN is not propagated by the SIMD kernels.
   void (*softmax_prefix)(float* s, int64_t visible, int64_t n) = nullptr;
 };
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/codebook.h"
 #include "lanes.cuh"
 
@@ -22,8 +23,8 @@ constexpr int kAssignThreads = 256;
 // (i, h) for the i-th planned slot, skipped when no token leaves. As the CPU index's Append
 // (A2atsIndex::Encode + HeadCodebook::Assign) does: the bf16 key widened to fp32, un-rotated to
 // pre-RoPE (double angles, float rotation without contraction, as ApplyRope at -position),
-// z = k L, then the first codeword of the largest z . c^z - |c^z|^2 / 2. Only the fp32 sums'
-// order differs from the CPU's BLAS.
+// z = k L, then the first codeword of the largest z . c^z - |c^z|^2 / 2. What may differ from
+// the CPU: the order of the fp32 sums (BLAS there) and the device's fp64 pow / cos / sin.
 __global__ void __launch_bounds__(kAssignThreads)
     AssignLeavingKernel(kvr::cuda::KvPoolView pool, const int32_t* list, const int32_t* leaving,
                         int n_kv, int head_dim, int rope_style, int rotary_dim, float theta,
@@ -124,12 +125,14 @@ class A2atsLane final : public GpuLane {
     for (int l = 0; l < c.n_layers; ++l) {
       for (int h = 0; h < c.n_kv_heads; ++h) {
         if (books_->head(l, h).size != size_) {
-          return absl::InvalidArgumentError(
-              "a2ats lane: the codebooks differ in size between heads (the lane takes one size)");
+          return absl::InvalidArgumentError(absl::StrCat(
+              "a2ats lane: layer ", l, " KV head ", h, " has ", books_->head(l, h).size,
+              " codewords, layer 0 head 0 has ", size_, " (the lane takes one size)"));
         }
       }
     }
     wrope_offset_ = books_->params().wrope_offset;
+    rope_ = m.rope;
     const int64_t d = c.head_dim, heads = int64_t{c.n_layers} * c.n_kv_heads;
     KVR_RETURN_IF_ERROR(Alloc(ids_, heads * slots * max_tokens));
     KVR_RETURN_IF_ERROR(Alloc(chol_, heads * d * d));
@@ -148,11 +151,20 @@ class A2atsLane final : public GpuLane {
     p.max_tokens = static_cast<int>(max_tokens);
     p.max_candidates = static_cast<int>(max_tokens);
     p.out.budget = budget;
+    p.rope = rope_;
+    // The selector's limits (codebook size, GQA group, budget, RoPE), checked now rather than at
+    // the first step, where a refusal would fail the whole batch: with batch 0 it only checks.
+    A2atsSelectParams check = p;
+    check.batch = 0;
+    if (absl::Status s = A2atsSelect(check, stream); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("a2ats lane (gpu_lanes, a2ats_codebooks): ", s.message()));
+    }
     ws_bytes_ = A2atsSelectWorkspaceBytes(p);
     KVR_RETURN_IF_ERROR(Alloc(ws_, static_cast<int64_t>(ws_bytes_) + 256));
-    bytes_ += static_cast<int64_t>(ids_.bytes() + chol_.bytes() + chol_inv_.bytes() +
-                                   codewords_.bytes() + half_norms_.bytes() + positions_.bytes() +
-                                   ws_.bytes());
+    bytes_ +=
+        static_cast<int64_t>(ids_.bytes() + chol_.bytes() + chol_inv_.bytes() + codewords_.bytes() +
+                             half_norms_.bytes() + positions_.bytes() + ws_.bytes());
     return kvr::cuda::CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   }
 
@@ -168,13 +180,13 @@ class A2atsLane final : public GpuLane {
   std::shared_ptr<const A2atsCodebooks> books_;
   int size_ = 0;  // codewords per KV head
   int64_t wrope_offset_ = 0;
-  RopeParams rope_;  // the model's, from the first activation's layout
-  std::vector<bool> layer_ready_;  // the layer's codebooks are on the GPU
-  kvr::cuda::DeviceBuffer<uint16_t> ids_;      // [n_layers, slots, n_kv, max_tokens]
-  kvr::cuda::DeviceBuffer<float> chol_;        // [n_layers, n_kv, d, d] L
-  kvr::cuda::DeviceBuffer<float> chol_inv_;    // [n_layers, n_kv, d, d] L^-1
-  kvr::cuda::DeviceBuffer<float> codewords_;   // [n_layers, n_kv, size, d] C^z
-  kvr::cuda::DeviceBuffer<float> half_norms_;  // [n_layers, n_kv, size]
+  RopeParams rope_;                             // the codebooks' model's
+  std::vector<bool> layer_ready_;               // the layer's codebooks are on the GPU
+  kvr::cuda::DeviceBuffer<uint16_t> ids_;       // [n_layers, slots, n_kv, max_tokens]
+  kvr::cuda::DeviceBuffer<float> chol_;         // [n_layers, n_kv, d, d] L
+  kvr::cuda::DeviceBuffer<float> chol_inv_;     // [n_layers, n_kv, d, d] L^-1
+  kvr::cuda::DeviceBuffer<float> codewords_;    // [n_layers, n_kv, size, d] C^z
+  kvr::cuda::DeviceBuffer<float> half_norms_;   // [n_layers, n_kv, size]
   kvr::cuda::DeviceBuffer<int64_t> positions_;  // [slots] this step's query positions
   kvr::cuda::PinnedBuffer<int64_t> h_positions_;
   kvr::cuda::DeviceBuffer<uint8_t> ws_;
@@ -186,54 +198,62 @@ absl::Status A2atsLane::Activate(int slot, std::span<const RetrievalIndex* const
   KVR_RETURN_IF_ERROR(CheckIndexes(layers, n_tokens));
   const int64_t d = head_dim_;
   for (int l = 0; l < n_layers_; ++l) {
-    const RetrievalIndex* one[] = {layers[l]};
-    // Checks the method, the codebooks' hash and size against the index's.
-    KVR_ASSIGN_OR_RETURN(A2atsHostLayout h, A2atsLayoutFromIndexes(one, *books_));
-    if (h.codebook_size != size_) {
-      return absl::InvalidArgumentError(absl::StrCat("a2ats lane: layer ", l, ": codebook size ",
-                                                     h.codebook_size, ", the lane's is ", size_));
+    const RetrievalIndex& index = *layers[l];
+    if (index.shape().layer != l) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a2ats lane: index ", l, " is of layer ", index.shape().layer));
     }
     const int64_t layer_heads = int64_t{l} * n_kv_;
     if (!layer_ready_[l]) {
-      std::vector<float> chol(static_cast<size_t>(n_kv_ * d * d)), norms(static_cast<size_t>(n_kv_) * size_);
+      // The layer's first sequence: its layout (which checks the method and the codebooks'
+      // hash and size against the index) brings L^-1 and the codewords; L and the half norms
+      // come from the codebooks.
+      const RetrievalIndex* one[] = {&index};
+      KVR_ASSIGN_OR_RETURN(const A2atsHostLayout h, A2atsLayoutFromIndexes(one, *books_));
+      std::vector<float> chol(static_cast<size_t>(n_kv_ * d * d));
+      std::vector<float> norms(static_cast<size_t>(n_kv_) * size_);
       for (int hh = 0; hh < n_kv_; ++hh) {
-        const HeadCodebook& book = books_->head(l, hh);
+        HeadCodebook book = books_->head(l, hh);
+        if (book.half_norms.size() != static_cast<size_t>(size_)) book.Finalize();
         std::copy(book.chol.begin(), book.chol.end(), chol.begin() + hh * d * d);
         std::copy(book.half_norms.begin(), book.half_norms.end(), norms.begin() + hh * size_);
       }
       KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(chol_.data() + layer_heads * d * d, chol.data(),
-                                               chol.size() * sizeof(float),
-                                               cudaMemcpyHostToDevice, stream));
+                                               chol.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                               stream));
       KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(chol_inv_.data() + layer_heads * d * d,
                                                h.chol_inv.data(), h.chol_inv.size() * sizeof(float),
                                                cudaMemcpyHostToDevice, stream));
-      KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(codewords_.data() + layer_heads * size_ * d,
-                                               h.codewords.data(),
-                                               h.codewords.size() * sizeof(float),
-                                               cudaMemcpyHostToDevice, stream));
+      KVR_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(codewords_.data() + layer_heads * size_ * d, h.codewords.data(),
+                          h.codewords.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
       KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(half_norms_.data() + layer_heads * size_,
                                                norms.data(), norms.size() * sizeof(float),
                                                cudaMemcpyHostToDevice, stream));
+      // The host copies above are freed at the end of this block: wait for the copies.
+      KVR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
       layer_ready_[l] = true;
-      rope_ = h.rope;
-      wrope_offset_ = h.wrope_offset;
     }
-    // h: one sequence, [n_kv, h.max_tokens] ids with h.max_tokens = max(1, n_tokens).
+    // The sequence's ids, read through the index's own state (no layout rebuilt per join).
+    KVR_ASSIGN_OR_RETURN(const A2atsState st, A2atsStateOf(index));
+    if (st.codebook_hash != books_->content_hash() || st.codebook_size != size_ ||
+        static_cast<int>(st.ids.size()) != n_kv_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a2ats lane: layer ", l, " was built with other codebooks than the node's (size ",
+          st.codebook_size, ", the node's ", size_, ")"));
+    }
     const int64_t base = (int64_t{l} * slots_ + slot) * n_kv_;
     for (int hh = 0; hh < n_kv_; ++hh) {
       KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids_.data() + (base + hh) * max_tokens_,
-                                               h.ids.data() + hh * int64_t{h.max_tokens},
-                                               n_tokens * sizeof(uint16_t), cudaMemcpyHostToDevice,
-                                               stream));
+                                               st.ids[hh].data(), n_tokens * sizeof(uint16_t),
+                                               cudaMemcpyHostToDevice, stream));
     }
-    // The host layout is freed at the end of this iteration: wait for the copies.
-    KVR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   }
-  return absl::OkStatus();
+  // The ids are read from the indexes, which the caller frees after this returns.
+  return kvr::cuda::CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
-absl::Status A2atsLane::Prepare(int layer, const kvr::cuda::KvPoolView& pool,
-                                cudaStream_t stream) {
+absl::Status A2atsLane::Prepare(int layer, const kvr::cuda::KvPoolView& pool, cudaStream_t stream) {
   if (layer == 0) {
     // The step's query positions, once per step (the select re-rotates each query to b).
     for (const Planned& p : planned_) h_positions_.data()[p.slot] = p.position;
@@ -286,9 +306,10 @@ absl::Status A2atsLane::SelectGroup(int layer, const float* query, const kvr::cu
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GpuLane>> CreateA2atsLane(
-    const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
-    std::shared_ptr<const MethodAssets> assets, cudaStream_t stream) {
+absl::StatusOr<std::unique_ptr<GpuLane>> CreateA2atsLane(const model::ModelConfig& config,
+                                                         int slots, int64_t max_tokens, int budget,
+                                                         std::shared_ptr<const MethodAssets> assets,
+                                                         cudaStream_t stream) {
   if (config.head_dim != 64 && config.head_dim != 128) {
     return absl::InvalidArgumentError(absl::StrCat("a2ats lane: head_dim ", config.head_dim,
                                                    " (the GPU selector takes 64 or 128)"));

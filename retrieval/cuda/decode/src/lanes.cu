@@ -193,9 +193,11 @@ absl::StatusOr<std::unique_ptr<GpuLane>> CreateExactLane(const model::ModelConfi
   return std::unique_ptr<GpuLane>(std::move(lane));
 }
 
-absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(
-    std::string_view method, const model::ModelConfig& config, int slots, int64_t max_tokens,
-    int budget, std::shared_ptr<const MethodAssets> assets, cudaStream_t stream) {
+absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(std::string_view method,
+                                                       const model::ModelConfig& config, int slots,
+                                                       int64_t max_tokens, int budget,
+                                                       std::shared_ptr<const MethodAssets> assets,
+                                                       cudaStream_t stream) {
   if (method == "exact") return CreateExactLane(config, slots, max_tokens, budget, stream);
   if (method == "pariskv") return CreateParisKvLane(config, slots, max_tokens, budget, stream);
   if (method == "keydiff") return CreateKeyDiffLane(config, slots, max_tokens, budget, stream);

@@ -481,9 +481,9 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   }
   int64_t lane_bytes = 0;
   for (const std::string& lane : o.lanes) {
-    KVR_ASSIGN_OR_RETURN(std::unique_ptr<GpuLane> created,
-                         CreateGpuLane(lane, c, o.slots, o.max_capacity, o.budget, o.method_assets,
-                                       stream()));
+    KVR_ASSIGN_OR_RETURN(
+        std::unique_ptr<GpuLane> created,
+        CreateGpuLane(lane, c, o.slots, o.max_capacity, o.budget, o.method_assets, stream()));
     lane_bytes += created->bytes();
     st->lanes.push_back(std::move(created));
   }
@@ -1522,8 +1522,8 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
       const bool encode = left >= o.n_sink && left >= q.lane_indexed;
       seqs[b]->lane_next = encode ? left + 1 : q.lane_indexed;
       sp.lanes[q.lane]->Add(r, o.n_sink, static_cast<int32_t>(local_begin),
-                            static_cast<int32_t>(seqs[b]->lane_next), encode ? left : -1,
-                            q.budget, len - 1);
+                            static_cast<int32_t>(seqs[b]->lane_next), encode ? left : -1, q.budget,
+                            len - 1);
       max_candidates_ = std::max(max_candidates_, local_begin - o.n_sink);
     } else if (q.selector != nullptr) {
       // The GPU selector sees no candidates (it selects nothing for this slot); the host
