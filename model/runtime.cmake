@@ -52,6 +52,11 @@ kvr_warnings(model_runtime_bench)
 target_link_libraries(model_runtime_bench PRIVATE kvr::model kvr::common PkgConfig::OPENBLAS
                                                   CLI11::CLI11 absl::str_format)
 
+# One thread's decode attention (attend_rows) over a cache larger or smaller than the caches.
+add_executable(model_attend_rows_bench bench/attend_rows_bench.cc)
+kvr_warnings(model_attend_rows_bench)
+target_link_libraries(model_attend_rows_bench PRIVATE kvr::model)
+
 add_executable(model_greedy_agreement bench/greedy_agreement.cc)
 kvr_warnings(model_greedy_agreement)
 target_link_libraries(model_greedy_agreement PRIVATE kvr::model kvr::common CLI11::CLI11)
