@@ -9,7 +9,6 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
-#include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/cuda/prefill_summaries.h"
 
@@ -122,14 +121,8 @@ class CudaPrefillBackend final : public PrefillBackend {
       const PrefillCall& call, int64_t capacity) {
     namespace rc = retrieval::cuda;
     if (!gpu_summaries_ || call.params == nullptr ||
-        !rc::PrefillSummaryBuilders::Ships(call.method)) {
+        !rc::PrefillSummaryBuilders::Ships(call.method, *call.params)) {
       return nullptr;
-    }
-    // a2ats: on the GPU with the node's codebooks and without a2ats.rerank (whose summary keeps
-    // the keys); otherwise the CPU index builds it (and refuses what it must).
-    if (call.method == "a2ats") {
-      const absl::StatusOr<int> rerank = retrieval::A2atsRerank(*call.params);
-      if (call.params->assets == nullptr || !rerank.ok() || *rerank > 0) return nullptr;
     }
     if (builders_ == nullptr) {
       KVR_ASSIGN_OR_RETURN(builders_, rc::PrefillSummaryBuilders::Create(config(), device_));

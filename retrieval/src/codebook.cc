@@ -509,6 +509,10 @@ A2atsCodebooks::A2atsCodebooks(ModelFingerprint model, CodebookParams params,
       heads_(std::move(heads)),
       n_query_samples_(n_query_samples),
       n_key_samples_(n_key_samples) {
+  // Every holder of codebooks may read half_norms (derived, not stored in files).
+  for (HeadCodebook& h : heads_) {
+    if (h.half_norms.size() != static_cast<size_t>(h.size)) h.Finalize();
+  }
   content_hash_ = Fnv1a64(Serialize());
 }
 
@@ -623,7 +627,6 @@ absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> A2atsCodebooks::Parse(
             "a2ats codebook file: a Cholesky factor has a non-positive diagonal");
       }
     }
-    h.Finalize();
   }
   return std::make_shared<const A2atsCodebooks>(std::move(model), params, std::move(heads),
                                                 n_query_samples, n_key_samples);

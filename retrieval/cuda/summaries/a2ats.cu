@@ -158,13 +158,7 @@ absl::StatusOr<A2atsHostCodebooks> A2atsLayerCodebooksFromHost(const A2atsCodebo
     }
     out.chol.insert(out.chol.end(), hb.chol.begin(), hb.chol.end());
     out.codewords.insert(out.codewords.end(), hb.codewords.begin(), hb.codewords.end());
-    if (hb.half_norms.size() == static_cast<size_t>(hb.size)) {
-      out.half_norms.insert(out.half_norms.end(), hb.half_norms.begin(), hb.half_norms.end());
-    } else {
-      HeadCodebook copy = hb;
-      copy.Finalize();
-      out.half_norms.insert(out.half_norms.end(), copy.half_norms.begin(), copy.half_norms.end());
-    }
+    out.half_norms.insert(out.half_norms.end(), hb.half_norms.begin(), hb.half_norms.end());
   }
   return out;
 }

@@ -494,8 +494,12 @@ class Builders final : public PrefillSummaryBuilders {
 
 }  // namespace
 
-bool PrefillSummaryBuilders::Ships(std::string_view method) {
-  return method == "quest" || method == "clusterkv" || method == "keydiff" || method == "a2ats";
+bool PrefillSummaryBuilders::Ships(std::string_view method, const IndexParams& params) {
+  if (method == "a2ats") {
+    const absl::StatusOr<int> rerank = A2atsRerank(params);
+    return params.assets != nullptr && rerank.ok() && *rerank == 0;
+  }
+  return method == "quest" || method == "clusterkv" || method == "keydiff";
 }
 
 absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> PrefillSummaryBuilders::Create(

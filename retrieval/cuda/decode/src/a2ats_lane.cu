@@ -213,8 +213,7 @@ absl::Status A2atsLane::Activate(int slot, std::span<const RetrievalIndex* const
       std::vector<float> chol(static_cast<size_t>(n_kv_ * d * d));
       std::vector<float> norms(static_cast<size_t>(n_kv_) * size_);
       for (int hh = 0; hh < n_kv_; ++hh) {
-        HeadCodebook book = books_->head(l, hh);
-        if (book.half_norms.size() != static_cast<size_t>(size_)) book.Finalize();
+        const HeadCodebook& book = books_->head(l, hh);
         std::copy(book.chol.begin(), book.chol.end(), chol.begin() + hh * d * d);
         std::copy(book.half_norms.begin(), book.half_norms.end(), norms.begin() + hh * size_);
       }

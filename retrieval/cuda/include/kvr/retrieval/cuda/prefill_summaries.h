@@ -72,10 +72,11 @@ class PrefillSummaryBuilder : public model::CudaLayerBuilder {
 // builds of a Forward one after another on one stream). Must outlive its builders' builds.
 class PrefillSummaryBuilders {
  public:
-  // Methods whose GPU build can be shipped (Serialize): quest, clusterkv, keydiff, a2ats
-  // (ForSequence takes these; a2ats needs the codebooks in PrefillSummaryOptions::params.assets
-  // and no a2ats.rerank).
-  static bool Ships(std::string_view method);
+  // Whether a request for `method` with `params` gets a GPU build that ships (Serialize):
+  // quest, clusterkv, keydiff, and a2ats when params carry the codebooks (assets) and no
+  // a2ats.rerank (its summary keeps the keys). Otherwise the CPU index builds it (and refuses
+  // what it must).
+  static bool Ships(std::string_view method, const IndexParams& params);
   // `config`: the model's. Unimplemented without CUDA.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> Create(
       const model::ModelConfig& config, int device);
