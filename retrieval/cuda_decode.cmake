@@ -9,6 +9,7 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_cuda_select AND TARGET kvr_retrieval_c
     cuda/decode/src/pariskv_lane.cu
     cuda/decode/src/keydiff_lane.cu
     cuda/decode/src/a2ats_lane.cu
+    cuda/decode/src/ctkvr_lane.cu
     cuda/decode/src/sparse_decode.cu
     cuda/decode/src/sparse_kernels.cu)
   target_include_directories(kvr_retrieval_cuda_decode

@@ -284,6 +284,7 @@ class CtkvrIndex final : public RetrievalIndex {
     s.rho = rho_;
     s.n_recall = n_recall_;
     s.fifo_size = fifo_size_;
+    s.next_fifo = next_fifo_;
     s.keys = keys_;
     for (const auto& h : heads_) {
       std::vector<CtkvrState::Entry>& entries = s.heads.emplace_back();

@@ -93,7 +93,7 @@ case "${1:-}" in
         "/proc/$pid/status" && echo
     }
     codebooks=()
-    lanes=exact,pariskv,keydiff
+    lanes=exact,pariskv,keydiff,ctkvr
     if [[ -f "$kStage/smollm2.kvrcb" ]]; then
       codebooks=(--a2ats-codebooks "$kStage/smollm2.kvrcb")
       lanes+=,a2ats

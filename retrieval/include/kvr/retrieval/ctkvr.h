@@ -21,6 +21,7 @@ int CtkvrRecall(const IndexParams& params);
 struct CtkvrState {
   GqaAggregation gqa = GqaAggregation::kSumSoftmax;
   int64_t n_sink = 0, n_centroids = 0, rho = 0, n_recall = 0, fifo_size = 0;
+  int64_t next_fifo = 0;        // the FIFO cursor: Selects so far (the next rotated entry)
   std::span<const float> keys;  // [size, n_kv_heads, head_dim]: the copy the CPU reranks with
   struct Entry {
     std::span<const float> centroid;  // [group, head_dim] unit-normalised queries
