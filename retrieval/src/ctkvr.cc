@@ -20,7 +20,8 @@
 //    recalled lists (C' x rho) within 1.5x of the paper's.
 //  - The FIFO update is on by default (fifo_size 2048 >= the default C: every centroid rotates):
 //    +0.013 recall at budget 243, +0.03 at 81 (BENCHMARKS.md). The GPU selector
-//    (retrieval/cuda/select) keeps the qcIVF read-only, i.e. runs without it.
+//    (retrieval/cuda/select) reads the qcIVF; the GPU decode's ctkvr lane grows and rotates it
+//    between selections as this index does (retrieval/cuda/decode/src/ctkvr_lane.cu).
 //  - Sinks are never listed (always attended); the local window is listed (it leaves the window).
 //  - Generated tokens (Append): the paper leaves them to the GPU-resident recent window. Here a
 //    new key is also inserted into every list whose centroid would rank it in its top-rho (its
