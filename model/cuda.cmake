@@ -24,12 +24,8 @@ add_library(kvr::model_cuda ALIAS kvr_model_cuda)
 kvr_warnings(kvr_model_cuda)
 
 if(KVR_HAVE_CUDA)
-  # Kernel parity against the CPU building blocks (RmsNorm, ApplyRope, DenseAttention).
-  kvr_add_test(model_cuda_ops_test
-    SOURCES tests/cuda_ops_test.cc
-    LIBS kvr_model_cuda kvr::model kvr::common_cuda kvr::common absl::strings
-    LABELS gpu)
-  target_include_directories(model_cuda_ops_test PRIVATE cuda)
+  # Kernel parity against the CPU building blocks (RmsNorm, ApplyRope, DenseAttention): rows of
+  # tests/gpu_parity (gpu_parity_test).
   # Whole-model parity against the CPU Model: dummy shapes and the SmolLM2 GGUF.
   kvr_add_test(model_cuda_model_test
     SOURCES tests/cuda_model_test.cc

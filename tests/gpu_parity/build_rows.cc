@@ -1,4 +1,4 @@
-// Parity of the GPU summary builders (build.cuh) with the CPU references:
+// Rows of the GPU summary builders (build.cuh) against the CPU references:
 //  - QuestPageBounds against the `quest` index payload (baselines.cc): bit-exact;
 //  - KeyDiffBuild against KeyDiffScores (keydiff.cc): within 1e-5;
 //  - A2atsQuantise against the `a2ats` index payload (a2ats.cc, codebook.cc): ids exact except
@@ -13,9 +13,7 @@
 // Shapes swept: batch with sequences of different lengths (including one with no point past the
 // sinks), head_dim 64 / 128, GQA shapes 9x3 / 32x8, keys fp32 (token-major and head-major) and
 // bf16 (rounded first; the CPU sees the rounded values). Outputs are poisoned (NaN / 0x7f) before
-// each launch and checked for NaN. Skips when no GPU is present (label `gpu`).
-
-#include <gtest/gtest.h>
+// each launch and checked for NaN.
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +26,7 @@
 #include <vector>
 
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/gpu_testing.h"
 #include "kvr/common/half.h"
 #include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/clusterkv.h"
@@ -39,49 +38,24 @@
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/rope.h"
 #include "kvr/retrieval/serialization.h"
+#include "parity.h"
 
 namespace kvr::retrieval::cuda {
 namespace {
 
-#define ASSERT_OK(expr)                                  \
-  do {                                                   \
-    const absl::Status kvr_s_ = (expr);                  \
-    ASSERT_TRUE(kvr_s_.ok()) << #expr << ": " << kvr_s_; \
-  } while (false)
+using kvr::cuda::DeviceBuffer;
+using kvr::cuda::testing::Download;
+using kvr::cuda::testing::ExpectAtLeast;
+using kvr::cuda::testing::ExpectAtMost;
+using kvr::cuda::testing::kPoisonByte;
+using kvr::cuda::testing::Poisoned;
+using kvr::cuda::testing::RecordMeasure;
+using kvr::cuda::testing::Scratch;
+using kvr::cuda::testing::Upload;
+using kvr::gpu_parity::ParityRow;
 
-template <typename T>
-using DeviceBuffer = kvr::cuda::DeviceBuffer<T>;
-
-template <typename T>
-DeviceBuffer<T> Upload(const std::vector<T>& v) {
-  auto b = DeviceBuffer<T>::Create(std::max<size_t>(1, v.size()));
-  EXPECT_TRUE(b.ok()) << b.status();
-  if (!v.empty()) {
-    EXPECT_EQ(cudaMemcpy(b->data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  return std::move(*b);
-}
-
-template <typename T>
-DeviceBuffer<T> Poisoned(size_t n, int byte) {
-  auto b = DeviceBuffer<T>::Create(std::max<size_t>(1, n));
-  EXPECT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(cudaMemset(b->data(), byte, b->bytes()), cudaSuccess);
-  return std::move(*b);
-}
-
-template <typename T>
-std::vector<T> Download(const DeviceBuffer<T>& b, size_t n) {
-  std::vector<T> v(n);
-  EXPECT_EQ(cudaMemcpy(v.data(), b.data(), n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  return v;
-}
-
-DeviceBuffer<char> Workspace(size_t bytes) {
-  auto w = Poisoned<char>(bytes, 0x7f);
-  return w;
-}
+// Kernel workspaces are poisoned with 0x7f bytes.
+DeviceBuffer<char> Workspace(size_t bytes) { return Scratch(bytes, kPoisonByte); }
 
 // One test configuration: a batch of sequences of one layer's keys.
 struct Case {
@@ -191,16 +165,8 @@ std::vector<Case> Cases() {
 const char* MathName(AssignMath m) { return m == AssignMath::kFp32 ? "fp32" : "3xtf32"; }
 constexpr AssignMath kMaths[] = {AssignMath::kFp32, AssignMath::k3xTf32};
 
-class BuildTest : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device";
-  }
-};
-
 // ---------------------------------------------------------------------------------------------
-TEST_P(BuildTest, QuestBoundsBitExact) {
-  const Case& c = GetParam();
+void QuestBoundsBitExact(const Case& c) {
   Batch b = MakeBatch(c, 11);
   for (int page : {16, 7}) {
     const int nkv = c.n_kv_heads, d = c.head_dim;
@@ -243,12 +209,13 @@ TEST_P(BuildTest, QuestBoundsBitExact) {
       ASSERT_EQ(std::memcmp(want.data(), got.data() + s * stride, want.size() * sizeof(float)), 0)
           << c.Name() << " page " << page << " sequence " << s;
     }
+    RecordMeasure("page " + std::to_string(page) + ": sequences bit-equal",
+                  static_cast<double>(c.lens.size()), "all", true);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-TEST_P(BuildTest, KeyDiffScoresWithin1e5) {
-  const Case& c = GetParam();
+void KeyDiffScoresWithin1e5(const Case& c) {
   Batch b = MakeBatch(c, 12);
   const int rows = static_cast<int>(c.lens.size()) * c.n_kv_heads;
   const int64_t stride = b.max_tokens + 3;
@@ -268,6 +235,7 @@ TEST_P(BuildTest, KeyDiffScoresWithin1e5) {
   ASSERT_OK(KeyDiffBuild(p, nullptr));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got = Download(scores, rows * stride);
+  double worst = 0;
   for (size_t s = 0; s < c.lens.size(); ++s) {
     for (int h = 0; h < c.n_kv_heads; ++h) {
       const std::vector<float> want = KeyDiffScores(CpuKeys(b, s), h, c.head_dim);
@@ -275,9 +243,11 @@ TEST_P(BuildTest, KeyDiffScoresWithin1e5) {
       for (int64_t t = 0; t < c.lens[s]; ++t) {
         ASSERT_FALSE(std::isnan(g[t])) << c.Name() << " s" << s << " h" << h << " t" << t;
         ASSERT_NEAR(g[t], want[t], 1e-5f) << c.Name() << " s" << s << " h" << h << " t" << t;
+        worst = std::max(worst, std::abs(static_cast<double>(g[t]) - want[t]));
       }
     }
   }
+  RecordMeasure("max |score - CPU|", worst, "<= 1e-05", worst <= 1e-5);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -321,8 +291,7 @@ std::shared_ptr<const A2atsCodebooks> MakeCodebooks(const Case& c, const Batch& 
   return std::make_shared<const A2atsCodebooks>(m, cp, std::move(heads), 256, 1500);
 }
 
-TEST_P(BuildTest, A2atsIdsExactExceptNearTies) {
-  const Case& c = GetParam();
+void A2atsIdsExactExceptNearTies(const Case& c) {
   Batch b = MakeBatch(c, 13);
   RopeParams rope;
   rope.style = c.head_dim == 128 ? RopeStyle::kHalfSplit : RopeStyle::kAdjacentPairs;
@@ -412,7 +381,8 @@ TEST_P(BuildTest, A2atsIdsExactExceptNearTies) {
         }
       }
     }
-    EXPECT_LE(mismatched, total / 100 + 1) << c.Name();
+    ExpectAtMost(std::string(MathName(math)) + ": ids != CPU (near-ties)",
+                 static_cast<double>(mismatched), static_cast<double>(total / 100 + 1));
     std::printf("[ a2ats    ] %s %s: %lld ids, %lld near-tie differences\n", c.Name().c_str(),
                 MathName(math), static_cast<long long>(total), static_cast<long long>(mismatched));
   }
@@ -519,8 +489,7 @@ void CheckLayout(const Batch& b, const GpuClusters& g) {
   }
 }
 
-TEST_P(BuildTest, ClusterKvOneIterationMatchesKMeans) {
-  const Case& c = GetParam();
+void ClusterKvOneIterationMatchesKMeans(const Case& c) {
   Batch b = MakeBatch(c, 14);
   IndexParams params;
   params.clusterkv.max_iterations = 1;
@@ -528,9 +497,9 @@ TEST_P(BuildTest, ClusterKvOneIterationMatchesKMeans) {
     SCOPED_TRACE(MathName(math));
     GpuClusters g;
     RunClusterKv(b, params, math, &g);
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
     CheckLayout(b, g);
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
     const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
     int64_t total = 0, mismatched = 0;
     for (size_t s = 0; s < c.lens.size(); ++s) {
@@ -585,7 +554,8 @@ TEST_P(BuildTest, ClusterKvOneIterationMatchesKMeans) {
         }
       }
     }
-    EXPECT_LE(mismatched, total / 100 + 1) << c.Name();
+    ExpectAtMost(std::string(MathName(math)) + ": ids != KMeans (near-ties)",
+                 static_cast<double>(mismatched), static_cast<double>(total / 100 + 1));
     std::printf("[ clusterkv] %s %s one step: %lld ids, %lld near-tie differences\n",
                 c.Name().c_str(), MathName(math), static_cast<long long>(total),
                 static_cast<long long>(mismatched));
@@ -615,8 +585,7 @@ double Objective(const Batch& b, size_t s, int h, const float* centroids, const 
   return n > 0 ? sum / n : 0.0;
 }
 
-TEST_P(BuildTest, ClusterKvFullBuildObjectiveWithin1Percent) {
-  const Case& c = GetParam();
+void ClusterKvFullBuildObjectiveWithin1Percent(const Case& c) {
   Batch b = MakeBatch(c, 15);
   IndexParams params;  // CPU defaults: C0 = max(L/80, 16L/budget), 10 iterations, 16 sinks
   MethodRegistry registry;
@@ -638,11 +607,12 @@ TEST_P(BuildTest, ClusterKvFullBuildObjectiveWithin1Percent) {
     SCOPED_TRACE(MathName(math));
     GpuClusters g;
     RunClusterKv(b, params, math, &g);
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
     CheckLayout(b, g);
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
     const int K = g.plan.max_clusters, P = g.plan.max_points, d = c.head_dim;
     int64_t same_rows = 0, rows_checked = 0;
+    double worst_rel = 0;
     for (size_t s = 0; s < c.lens.size(); ++s) {
       for (int h = 0; h < c.n_kv_heads; ++h) {
         const int r = static_cast<int>(s) * c.n_kv_heads + h;
@@ -657,6 +627,7 @@ TEST_P(BuildTest, ClusterKvFullBuildObjectiveWithin1Percent) {
                       cpu->offsets.data() + static_cast<size_t>(r) * (CK + 1),
                       cpu->members.data() + static_cast<size_t>(r) * CP, cpu->n_clusters[r]);
         EXPECT_NEAR(og, oc, 0.01 * std::fabs(oc)) << c.Name() << " s" << s << " h" << h;
+        worst_rel = std::max(worst_rel, std::fabs(og - oc) / std::max(std::fabs(oc), 1e-300));
         const bool same =
             g.n_clusters[r] == cpu->n_clusters[r] &&
             std::equal(g.members.begin() + static_cast<size_t>(r) * P,
@@ -668,12 +639,14 @@ TEST_P(BuildTest, ClusterKvFullBuildObjectiveWithin1Percent) {
     std::printf("[ clusterkv] %s %s full build: %lld of %lld rows with the CPU's exact layout\n",
                 c.Name().c_str(), MathName(math), static_cast<long long>(same_rows),
                 static_cast<long long>(rows_checked));
+    RecordMeasure(std::string(MathName(math)) + ": max |objective - CPU| / CPU", worst_rel,
+                  "<= 0.01", worst_rel <= 0.01);
   }
 }
 
 // Many duplicate keys: k-means sees empty clusters (re-seeding path); the layout must stay valid.
-TEST_P(BuildTest, ClusterKvDuplicateKeysLayoutValid) {
-  Case c = GetParam();
+void ClusterKvDuplicateKeysLayoutValid(const Case& param) {
+  Case c = param;
   Batch b = MakeBatch(c, 16);
   // Overwrite keys with 6 distinct vectors per head (device and CPU copies).
   const int nkv = c.n_kv_heads, d = c.head_dim;
@@ -702,9 +675,10 @@ TEST_P(BuildTest, ClusterKvDuplicateKeysLayoutValid) {
     SCOPED_TRACE(MathName(math));
     GpuClusters g;
     RunClusterKv(b, params, math, &g);
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
     CheckLayout(b, g);
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
+    RecordMeasure(std::string(MathName(math)) + ": layout valid", 1, "contract", true);
   }
 }
 
@@ -847,7 +821,8 @@ std::vector<double> CtkvrLogScores(const Batch& b, const CtkvrRun& r, int s, int
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<double> best(listable, -INFINITY), l(listable);
   for (int g = 0; g < group; ++g) {
-    const float* q = r.queries[s].data() + (static_cast<size_t>(nq - C + i) * nh + h * group + g) * d;
+    const float* q =
+        r.queries[s].data() + (static_cast<size_t>(nq - C + i) * nh + h * group + g) * d;
     double mx = -INFINITY;
     for (int64_t t = 0; t < listable; ++t) {
       const float* k = b.cpu[s].data() + ((first + t) * nkv + h) * d;
@@ -869,8 +844,7 @@ std::vector<double> CtkvrLogScores(const Batch& b, const CtkvrRun& r, int s, int
 // equal expected), offsets / counts / padding exact. Two chunkings (auto with 16-byte key loads,
 // and 7 centroids per pass = several chunks of whole tiles with keys through head_offset, the
 // scalar-load path).
-TEST_P(BuildTest, CtkvrListsMatchCpuExceptNearTies) {
-  const Case& c = GetParam();
+void CtkvrListsMatchCpuExceptNearTies(const Case& c) {
   Batch b = MakeBatch(c, 21);
   IndexParams params;
   params.budget = 16;  // rho = 40
@@ -879,7 +853,7 @@ TEST_P(BuildTest, CtkvrListsMatchCpuExceptNearTies) {
     SCOPED_TRACE("chunk " + std::to_string(chunk));
     CtkvrRun r;
     RunCtkvr(b, params, nq, chunk, /*head_offsets=*/chunk != 0, &r);
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
     auto cpu = CtkvrLayoutFromIndexes(r.views);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     const int S = static_cast<int>(c.lens.size()), nkv = c.n_kv_heads, d = c.head_dim;
@@ -941,20 +915,21 @@ TEST_P(BuildTest, CtkvrListsMatchCpuExceptNearTies) {
         }
       }
     }
-    std::printf("[ ctkvr    ] %s chunk %d: %lld of %lld lists identical, %lld of %lld entries "
-                "differ (near-ties), %lld centroid floats not bit-equal\n",
-                c.Name().c_str(), chunk, static_cast<long long>(same_lists),
-                static_cast<long long>(lists), static_cast<long long>(differing),
-                static_cast<long long>(entries), static_cast<long long>(not_bit_equal));
-    EXPECT_LE(differing * 200, entries) << "more than 0.5% of the list entries differ";
+    std::printf(
+        "[ ctkvr    ] %s chunk %d: %lld of %lld lists identical, %lld of %lld entries "
+        "differ (near-ties), %lld centroid floats not bit-equal\n",
+        c.Name().c_str(), chunk, static_cast<long long>(same_lists), static_cast<long long>(lists),
+        static_cast<long long>(differing), static_cast<long long>(entries),
+        static_cast<long long>(not_bit_equal));
+    ExpectAtMost("chunk " + std::to_string(chunk) + ": list entries != CPU (near-ties)",
+                 static_cast<double>(differing), static_cast<double>(entries) / 200);
   }
 }
 
 // End to end: GPU-built qcIVF -> CtkvrSelect (GPU, no host trip) against CPU-built -> CPU Select,
 // over budgets and candidate ranges: the select test's bar (every row valid, counts equal,
 // recall >= 0.99, identical sets on >= 90% of the rows).
-TEST_P(BuildTest, CtkvrGpuBuildThenGpuSelectMatchesCpu) {
-  const Case& c = GetParam();
+void CtkvrGpuBuildThenGpuSelectMatchesCpu(const Case& c) {
   Batch b = MakeBatch(c, 22);
   IndexParams params;
   params.budget = 16;
@@ -962,9 +937,8 @@ TEST_P(BuildTest, CtkvrGpuBuildThenGpuSelectMatchesCpu) {
   const int nq = 48;
   CtkvrRun r;
   RunCtkvr(b, params, nq, 0, /*head_offsets=*/false, &r);
-  if (HasFatalFailure()) return;
-  const int S = static_cast<int>(c.lens.size()), nh = c.n_heads, nkv = c.n_kv_heads,
-            d = c.head_dim;
+  if (::testing::Test::HasFatalFailure()) return;
+  const int S = static_cast<int>(c.lens.size()), nh = c.n_heads, nkv = c.n_kv_heads, d = c.head_dim;
   std::mt19937 rng(5);
   std::normal_distribution<float> g(0.f, 1.f);
   std::vector<float> query(static_cast<size_t>(S) * nh * d);
@@ -1054,20 +1028,13 @@ TEST_P(BuildTest, CtkvrGpuBuildThenGpuSelectMatchesCpu) {
     }
   }
   const double recall = total > 0 ? hit / total : 1.0;
-  std::printf("[ ctkvr    ] %s GPU build -> GPU select vs CPU: %d/%d rows identical, recall "
-              "%.5f\n",
-              c.Name().c_str(), identical, rows_total, recall);
-  EXPECT_GE(recall, 0.99);
-  EXPECT_GE(identical, rows_total * 9 / 10);
+  std::printf(
+      "[ ctkvr    ] %s GPU build -> GPU select vs CPU: %d/%d rows identical, recall "
+      "%.5f\n",
+      c.Name().c_str(), identical, rows_total, recall);
+  ExpectAtLeast("k8,32,100: recall", recall, 0.99);
+  ExpectAtLeast("k8,32,100: identical rows", identical, rows_total * 9 / 10);
 }
-
-INSTANTIATE_TEST_SUITE_P(Shapes, BuildTest, ::testing::ValuesIn(Cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           std::string n = info.param.Name();
-                           for (char& ch : n)
-                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           return n;
-                         });
 
 TEST(BuildValidation, RejectsBadShapes) {
   QuestBoundsParams q;
@@ -1106,3 +1073,43 @@ TEST(BuildValidation, RejectsBadShapes) {
 
 }  // namespace
 }  // namespace kvr::retrieval::cuda
+
+namespace kvr::gpu_parity {
+
+std::vector<ParityRow> BuildRows() {
+  using namespace kvr::retrieval::cuda;
+  struct Kind {
+    const char* kernel;
+    const char* reference;
+    const char* comparison;
+    void (*run)(const Case&);
+  };
+  const Kind kinds[] = {
+      {"QuestPageBounds", "quest index payload", "bit-equal, pages 16 and 7", QuestBoundsBitExact},
+      {"KeyDiffBuild", "KeyDiffScores", "|err| <= 1e-5", KeyDiffScoresWithin1e5},
+      {"A2atsQuantise", "a2ats index payload", "ids equal but near-ties (1e-4), <= 1%",
+       A2atsIdsExactExceptNearTies},
+      {"ClusterKvBuild 1 step", "KMeans, 1 iteration",
+       "ids equal but near-ties, unit centroids 1e-5, layout contract",
+       ClusterKvOneIterationMatchesKMeans},
+      {"ClusterKvBuild", "clusterkv index layout", "objective within 1%, layout contract",
+       ClusterKvFullBuildObjectiveWithin1Percent},
+      {"ClusterKvBuild dup keys", "layout contract", "valid layout with empty clusters",
+       ClusterKvDuplicateKeysLayoutValid},
+      {"CtkvrBuild", "ctkvr index layout",
+       "lists equal but near-ties <= 0.5%, centroids 1e-6, offsets exact",
+       CtkvrListsMatchCpuExceptNearTies},
+      {"CtkvrBuild+CtkvrSelect", "ctkvr index Build + Select",
+       "recall >= 0.99, >= 90% rows identical", CtkvrGpuBuildThenGpuSelectMatchesCpu},
+  };
+  std::vector<ParityRow> rows;
+  for (const Kind& k : kinds) {
+    for (const Case& c : Cases()) {
+      auto run = k.run;
+      rows.push_back({k.kernel, c.Name(), k.reference, k.comparison, [run, c] { run(c); }});
+    }
+  }
+  return rows;
+}
+
+}  // namespace kvr::gpu_parity
