@@ -45,7 +45,8 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
   # side stream and on the main stream.
   kvr_add_test(retrieval_cuda_prefill_summaries_test
     SOURCES cuda/summaries/tests/prefill_summaries_test.cc
-    LIBS kvr::retrieval_cuda_build kvr::model_cuda kvr::model kvr::common absl::strings
+    LIBS kvr::retrieval_cuda_build kvr::model_cuda kvr::model kvr::gpu_testing kvr::common
+         absl::strings
     LABELS gpu)
   target_include_directories(retrieval_cuda_prefill_summaries_test
     PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)

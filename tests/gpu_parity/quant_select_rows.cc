@@ -32,6 +32,7 @@
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/rope.h"
 #include "parity.h"
+#include "select_check.h"
 
 namespace kvr::retrieval::cuda {
 namespace {
@@ -41,11 +42,13 @@ using kvr::cuda::testing::CheckIdRow;
 using kvr::cuda::testing::Download;
 using kvr::cuda::testing::ExpectAtLeast;
 using kvr::cuda::testing::ExpectAtMost;
-using kvr::cuda::testing::kPoison;
+using kvr::cuda::testing::kPoisonByte;
+using kvr::cuda::testing::Poisoned;
 using kvr::cuda::testing::Scratch;
 using kvr::cuda::testing::SetAgreement;
 using kvr::cuda::testing::TopicKeys;
 using kvr::cuda::testing::Upload;
+using kvr::gpu_parity::CompareWithCpuSelect;
 using kvr::gpu_parity::ParityRow;
 
 // Recall / identical-row bookkeeping of one budget's sweep, printed and recorded.
@@ -237,41 +240,29 @@ void ParisKvSelectRow(const QuantCase& c) {
     p.cand = {d_begin.data(), d_end.data()};
     p.max_candidates = max_cand;
     p.out.budget = budget;
-    auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
-    auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-    ASSERT_TRUE(ids.ok() && counts.ok());
+    auto ids = Poisoned<int32_t>(batch * nkv * budget, kPoisonByte);
+    auto counts = Poisoned<int32_t>(batch * nkv, kPoisonByte);
     auto ws = Scratch(ParisKvSelectWorkspaceBytes(p));
-    ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
-    p.out = {budget, ids->data(), counts->data()};
+    p.out = {budget, ids.data(), counts.data()};
     p.workspace = ws.data();
     p.workspace_bytes = ws.bytes();
     ASSERT_OK(ParisKvSelect(p, nullptr));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(*ids, batch * nkv * budget);
-    const auto h_counts = Download(*counts, batch * nkv);
+    const auto h_ids = Download(ids, batch * nkv * budget);
+    const auto h_counts = Download(counts, batch * nkv);
     Agreement agree;
     agree.budget = budget;
-    for (int b = 0; b < batch; ++b) {
+    auto cpu = [&](int b, Selection* sel) {
       SelectRequest req;
       req.query = query.data() + static_cast<size_t>(b) * nh * hd;
       req.budget = budget;
       req.n_sink = begin[b];
       req.local_begin = end[b];
-      Selection sel;
-      ASSERT_OK(indexes[b]->Select(req, &sel));
-      for (int h = 0; h < nkv; ++h) {
-        const std::string where = CaseName("pariskv", c, budget) + " seq " + std::to_string(b) +
-                                  " head " + std::to_string(h);
-        const int row = b * nkv + h;
-        ASSERT_NE(h_counts[row], kPoison) << where;
-        const auto got = CheckIdRow(h_ids.data() + static_cast<size_t>(row) * budget, h_counts[row],
-                                    budget, begin[b], end[b], where);
-        const auto& want = sel.per_head[h];
-        ASSERT_EQ(got.size(), want.size()) << where;
-        agree.Add(got, want);
-      }
-    }
+      return indexes[b]->Select(req, sel);
+    };
+    CompareWithCpuSelect(h_ids, h_counts, budget, nkv, begin, end, cpu,
+                         CaseName("pariskv", c, budget), &agree);
+    if (::testing::Test::HasFatalFailure()) return;
     agree.Expect(CaseName("pariskv", c, budget));
   }
 }
@@ -377,41 +368,29 @@ void CtkvrSelectRow(const QuantCase& c) {
     p.keys.batch_stride = static_cast<int64_t>(layout->max_tokens) * nkv * hd;
     p.cand = {d_begin.data(), d_end.data()};
     p.out.budget = budget;
-    auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
-    auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-    ASSERT_TRUE(ids.ok() && counts.ok());
+    auto ids = Poisoned<int32_t>(batch * nkv * budget, kPoisonByte);
+    auto counts = Poisoned<int32_t>(batch * nkv, kPoisonByte);
     auto ws = Scratch(CtkvrSelectWorkspaceBytes(p));
-    ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
-    p.out = {budget, ids->data(), counts->data()};
+    p.out = {budget, ids.data(), counts.data()};
     p.workspace = ws.data();
     p.workspace_bytes = ws.bytes();
     ASSERT_OK(CtkvrSelect(p, nullptr));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(*ids, batch * nkv * budget);
-    const auto h_counts = Download(*counts, batch * nkv);
+    const auto h_ids = Download(ids, batch * nkv * budget);
+    const auto h_counts = Download(counts, batch * nkv);
     Agreement agree;
     agree.budget = budget;
-    for (int b = 0; b < batch; ++b) {
+    auto cpu = [&](int b, Selection* sel) {
       SelectRequest req;
       req.query = query.data() + static_cast<size_t>(b) * nh * hd;
       req.budget = budget;
       req.n_sink = begin[b];
       req.local_begin = end[b];
-      Selection sel;
-      ASSERT_OK(indexes[b]->Select(req, &sel));
-      for (int h = 0; h < nkv; ++h) {
-        const std::string where = CaseName("ctkvr", c, budget) + " seq " + std::to_string(b) +
-                                  " head " + std::to_string(h);
-        const int row = b * nkv + h;
-        ASSERT_NE(h_counts[row], kPoison) << where;
-        const auto got = CheckIdRow(h_ids.data() + static_cast<size_t>(row) * budget, h_counts[row],
-                                    budget, begin[b], end[b], where);
-        const auto& want = sel.per_head[h];
-        ASSERT_EQ(got.size(), want.size()) << where;
-        agree.Add(got, want);
-      }
-    }
+      return indexes[b]->Select(req, sel);
+    };
+    CompareWithCpuSelect(h_ids, h_counts, budget, nkv, begin, end, cpu,
+                         CaseName("ctkvr", c, budget), &agree);
+    if (::testing::Test::HasFatalFailure()) return;
     agree.Expect(CaseName("ctkvr", c, budget));
   }
 }
@@ -519,42 +498,30 @@ void A2atsSelectRow(const QuantCase& c) {
     p.cand = {d_begin.data(), d_end.data()};
     p.max_candidates = max_cand;
     p.out.budget = budget;
-    auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
-    auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-    ASSERT_TRUE(ids.ok() && counts.ok());
+    auto ids = Poisoned<int32_t>(batch * nkv * budget, kPoisonByte);
+    auto counts = Poisoned<int32_t>(batch * nkv, kPoisonByte);
     auto ws = Scratch(A2atsSelectWorkspaceBytes(p));
-    ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
-    p.out = {budget, ids->data(), counts->data()};
+    p.out = {budget, ids.data(), counts.data()};
     p.workspace = ws.data();
     p.workspace_bytes = ws.bytes();
     ASSERT_OK(A2atsSelect(p, nullptr));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(*ids, batch * nkv * budget);
-    const auto h_counts = Download(*counts, batch * nkv);
+    const auto h_ids = Download(ids, batch * nkv * budget);
+    const auto h_counts = Download(counts, batch * nkv);
     Agreement agree;
     agree.budget = budget;
-    for (int b = 0; b < batch; ++b) {
+    auto cpu = [&](int b, Selection* sel) {
       SelectRequest req;
       req.query = query.data() + static_cast<size_t>(b) * nh * hd;
       req.query_position = position[b];
       req.budget = budget;
       req.n_sink = begin[b];
       req.local_begin = end[b];
-      Selection sel;
-      ASSERT_OK(indexes[b]->Select(req, &sel));
-      for (int h = 0; h < nkv; ++h) {
-        const std::string where = CaseName("a2ats", c, budget) + " seq " + std::to_string(b) +
-                                  " head " + std::to_string(h);
-        const int row = b * nkv + h;
-        ASSERT_NE(h_counts[row], kPoison) << where;
-        const auto got = CheckIdRow(h_ids.data() + static_cast<size_t>(row) * budget, h_counts[row],
-                                    budget, begin[b], end[b], where);
-        const auto& want = sel.per_head[h];
-        ASSERT_EQ(got.size(), want.size()) << where;
-        agree.Add(got, want);
-      }
-    }
+      return indexes[b]->Select(req, sel);
+    };
+    CompareWithCpuSelect(h_ids, h_counts, budget, nkv, begin, end, cpu,
+                         CaseName("a2ats", c, budget), &agree);
+    if (::testing::Test::HasFatalFailure()) return;
     agree.Expect(CaseName("a2ats", c, budget));
   }
 }

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -157,6 +158,29 @@ inline CloseResult ExpectClose(const std::vector<float>& got, const std::vector<
   EXPECT_EQ(r.bad, 0) << what << ": " << r.bad << " of " << got.size() << " elements off, worst "
                       << r.worst;
   return r;
+}
+
+// Agreement of one row of floats with its reference as a direction and a size: the cosine and
+// max |got - want| (for a tolerance relative to the reference's rms).
+struct RowError {
+  double cosine = 1, max_err = 0, rms = 0;  // a non-finite `got`: cosine -1, max_err infinite
+};
+
+inline RowError Compare(std::span<const float> got, std::span<const float> want) {
+  double dot = 0, gg = 0, ww = 0, max_err = 0;
+  bool finite = true;
+  for (size_t i = 0; i < want.size(); ++i) {
+    finite = finite && std::isfinite(got[i]);
+    dot += double{got[i]} * want[i];
+    gg += double{got[i]} * got[i];
+    ww += double{want[i]} * want[i];
+    max_err = std::max(max_err, std::abs(double{got[i]} - want[i]));
+  }
+  RowError e;
+  e.cosine = finite ? dot / std::sqrt(gg * ww + 1e-30) : -1;
+  e.max_err = finite ? max_err : INFINITY;
+  e.rms = std::sqrt(ww / want.size());
+  return e;
 }
 
 // ---- seeded inputs ----------------------------------------------------------------------------
