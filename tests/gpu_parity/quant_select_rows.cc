@@ -32,64 +32,29 @@
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/rope.h"
 #include "parity.h"
-#include "select_check.h"
+#include "select_sweep.h"
 
 namespace kvr::retrieval::cuda {
 namespace {
 
+using namespace kvr::cuda::testing;
+using namespace kvr::gpu_parity;
 using kvr::cuda::DeviceBuffer;
-using kvr::cuda::testing::CheckIdRow;
-using kvr::cuda::testing::Download;
-using kvr::cuda::testing::ExpectAtLeast;
-using kvr::cuda::testing::ExpectAtMost;
-using kvr::cuda::testing::kPoisonByte;
-using kvr::cuda::testing::Poisoned;
-using kvr::cuda::testing::Scratch;
-using kvr::cuda::testing::SetAgreement;
-using kvr::cuda::testing::TopicKeys;
-using kvr::cuda::testing::Upload;
-using kvr::gpu_parity::CompareWithCpuSelect;
-using kvr::gpu_parity::ParityRow;
 
-// Recall / identical-row bookkeeping of one budget's sweep, printed and recorded.
-struct Agreement : SetAgreement {
-  void Expect(const std::string& what) const {
-    std::printf("[ parity ] %s: %d/%d rows identical, recall %.5f\n", what.c_str(), identical, rows,
-                recall());
-    const std::string k = "k=" + std::to_string(budget) + ": ";
-    ExpectAtLeast(k + "recall", recall(), 0.99);
-    ExpectAtLeast(k + "identical rows", identical, rows * 9 / 10);
-  }
-  int budget = 0;
-};
+// The bar of every quantised selector: recall >= 0.99, identical sets on >= 90% of the rows.
+const AgreementBar kQuantBar{"recall", 0.99};
+const std::vector<int> kBudgets = {1, 64, 256, 1024};
 
-// The core and quant methods, registered once for the binary.
-MethodRegistry& Registry() {
-  static MethodRegistry* r = [] {
-    auto* reg = new MethodRegistry;
-    EXPECT_TRUE(RegisterCoreMethods(*reg).ok());
-    EXPECT_TRUE(RegisterQuantMethods(*reg).ok());
-    return reg;
-  }();
-  return *r;
+// The sweep of one quantised selector over a batch.
+SelectSweep Sweep(const std::string& method, const SelectCase& c, const std::vector<float>& query,
+                  const Candidates& cand) {
+  return SweepOf(method + " " + ShapeName(c), c, query, cand, kBudgets, kQuantBar);
 }
 
-struct QuantCase {
-  int head_dim, n_heads, n_kv_heads;
-  GqaAggregation gqa;
-  int m;  // pariskv subspace_dim
-};
-
-std::string CaseName(const std::string& method, const QuantCase& c, int budget) {
-  return method + " d" + std::to_string(c.head_dim) + " h" + std::to_string(c.n_heads) + "x" +
-         std::to_string(c.n_kv_heads) + " gqa" + std::to_string(static_cast<int>(c.gqa)) + " m" +
-         std::to_string(c.m) + " budget " + std::to_string(budget);
-}
-
-std::string ShapeName(const QuantCase& c) {
-  return "d" + std::to_string(c.head_dim) + "_h" + std::to_string(c.n_heads) + "x" +
-         std::to_string(c.n_kv_heads) + "_gqa" + std::to_string(static_cast<int>(c.gqa)) +
-         (c.m > 0 ? "_m" + std::to_string(c.m) : "");
+// Context lengths plus the appended tokens of each sequence.
+std::vector<int> Plus(std::vector<int> ctx, int n_append) {
+  for (int& x : ctx) x += n_append;
+  return ctx;
 }
 
 // ---- ParisKV encode -------------------------------------------------------------------------
@@ -101,36 +66,22 @@ void ParisKvEncodeRow(int hd, int m) {
   // A zero key and a key with one huge channel exercise the degenerate paths.
   std::fill_n(keys.begin() + static_cast<size_t>(5) * nkv * hd, nkv * hd, 0.f);
   keys[static_cast<size_t>(9) * nkv * hd + 3] = 3e4f;
-  IndexShape shape;
-  shape.n_heads = nkv * 2;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
   IndexParams params;
   params.options["pariskv.subspace_dim"] = std::to_string(m);
-  auto index = Registry().Make("pariskv", shape, params);
-  ASSERT_TRUE(index.ok()) << index.status();
-  BuildInput in;
-  in.keys = {keys.data(), n_first, static_cast<int64_t>(nkv) * hd};
-  ASSERT_OK((*index)->Build(in));
-  AppendInput app;
-  app.keys = {keys.data() + static_cast<size_t>(n_first) * nkv * hd, n - n_first,
-              static_cast<int64_t>(nkv) * hd};
-  ASSERT_OK((*index)->Append(app));
-  const RetrievalIndex* view = index->get();
-  auto layout = ParisKvLayoutFromIndexes(std::span<const RetrievalIndex* const>(&view, 1));
+  CpuIndexes cpu;
+  BuildCpuIndexes("pariskv", ShapeOf(nkv * 2, nkv, hd), params, {n_first}, n - n_first,
+                  [&](int) { return keys; }, nullptr, &cpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  auto layout = ParisKvLayoutFromIndexes(cpu.views);
   ASSERT_TRUE(layout.ok()) << layout.status();
   const ParisKvCodec& codec = layout->codec;
   const int pd = codec.padded_dim, n_sub = pd / m;
   ASSERT_EQ(layout->max_tokens, n);
 
   auto d_keys = Upload(keys);
-  auto codes = DeviceBuffer<uint8_t>::Create(layout->codes.size());
-  auto weights = DeviceBuffer<uint16_t>::Create(layout->weights.size());
-  auto counts = DeviceBuffer<uint32_t>::Create(layout->counts.size());
-  ASSERT_TRUE(codes.ok() && weights.ok() && counts.ok());
-  ASSERT_EQ(cudaMemset(codes->data(), 0xab, codes->bytes()), cudaSuccess);
-  ASSERT_EQ(cudaMemset(weights->data(), 0xff, weights->bytes()), cudaSuccess);  // NaN fp16
-  ASSERT_EQ(cudaMemset(counts->data(), 0, counts->bytes()), cudaSuccess);
+  auto codes = Poisoned<uint8_t>(layout->codes.size(), 0xab);
+  auto weights = Poisoned<uint16_t>(layout->weights.size(), kNanByte);  // NaN fp16
+  auto counts = Poisoned<uint32_t>(layout->counts.size(), 0);
   for (const auto& [first, count] : {std::pair{0, n_first}, std::pair{n_first, n - n_first}}) {
     ParisKvEncodeParams p;
     p.n_tokens = count;
@@ -139,17 +90,17 @@ void ParisKvEncodeRow(int hd, int m) {
     p.keys = d_keys.data() + static_cast<size_t>(first) * nkv * hd;
     p.key_token_stride = static_cast<int64_t>(nkv) * hd;
     p.first = first;
-    p.codes = codes->data();
+    p.codes = codes.data();
     p.codes_head_stride = static_cast<int64_t>(n) * (pd / 2);
-    p.weights = weights->data();
+    p.weights = weights.data();
     p.weights_head_stride = static_cast<int64_t>(n) * n_sub;
-    p.counts = counts->data();
+    p.counts = counts.data();
     ASSERT_OK(ParisKvEncode(p, nullptr));
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto g_codes = Download(*codes, layout->codes.size());
-  const auto g_weights = Download(*weights, layout->weights.size());
-  const auto g_counts = Download(*counts, layout->counts.size());
+  const auto g_codes = Download(codes, layout->codes.size());
+  const auto g_weights = Download(weights, layout->weights.size());
+  const auto g_counts = Download(counts, layout->counts.size());
   int64_t code_diff = 0, weight_diff = 0, big_weight_diff = 0;
   for (size_t i = 0; i < g_codes.size(); ++i) code_diff += g_codes[i] != layout->codes[i];
   for (size_t i = 0; i < g_weights.size(); ++i) {
@@ -174,112 +125,56 @@ void ParisKvEncodeRow(int hd, int m) {
 
 // ---- ParisKV select -------------------------------------------------------------------------
 
-void ParisKvSelectRow(const QuantCase& c) {
-  const int hd = c.head_dim, nh = c.n_heads, nkv = c.n_kv_heads;
+void ParisKvSelectRow(const SelectCase& c) {
+  const int hd = c.hd, nh = c.nh, nkv = c.nkv;
   const std::vector<int> ctx = {600, 5000, 20000};
   const int n_append = 40;
   const int batch = static_cast<int>(ctx.size());
   std::mt19937 rng(7 + hd + nh);
-  IndexShape shape;
-  shape.n_heads = nh;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
   IndexParams params;
   params.gqa = c.gqa;
   params.options["pariskv.subspace_dim"] = std::to_string(c.m);
-  std::vector<std::unique_ptr<RetrievalIndex>> indexes;
-  std::vector<const RetrievalIndex*> views;
-  for (int b = 0; b < batch; ++b) {
-    const int n = ctx[b] + n_append;
-    std::vector<float> keys = TopicKeys(n, nkv, hd, rng, b);
-    auto index = Registry().Make("pariskv", shape, params);
-    ASSERT_TRUE(index.ok()) << index.status();
-    BuildInput in;
-    in.keys = {keys.data(), ctx[b], static_cast<int64_t>(nkv) * hd};
-    ASSERT_OK((*index)->Build(in));
-    AppendInput app;
-    app.keys = {keys.data() + static_cast<size_t>(ctx[b]) * nkv * hd, n_append,
-                static_cast<int64_t>(nkv) * hd};
-    ASSERT_OK((*index)->Append(app));
-    views.push_back(index->get());
-    indexes.push_back(std::move(*index));
-  }
-  auto layout = ParisKvLayoutFromIndexes(views);
+  CpuIndexes cpu;
+  BuildCpuIndexes(
+      "pariskv", ShapeOf(nh, nkv, hd), params, ctx, n_append,
+      [&](int b) { return TopicKeys(ctx[b] + n_append, nkv, hd, rng, b); }, nullptr, &cpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  auto layout = ParisKvLayoutFromIndexes(cpu.views);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
-  for (float& x : query) x = 1.5f * nd(rng);
-  std::vector<int32_t> begin(batch), end(batch);
-  int max_cand = 0;
-  for (int b = 0; b < batch; ++b) {
-    begin[b] = 16;
-    end[b] = ctx[b] + n_append - 64;
-    max_cand = std::max(max_cand, end[b] - begin[b]);
-  }
-  auto d_query = Upload(query);
-  auto d_begin = Upload(begin);
-  auto d_end = Upload(end);
+  const std::vector<float> query = Normal(static_cast<size_t>(batch) * nh * hd, 1.5f, nd, rng);
+  const Candidates cand = CandidatesOf(Plus(ctx, n_append), 16, 64);
+  const DeviceInputs in = UploadInputs(query, cand);
   auto d_codes = Upload(layout->codes);
   auto d_weights = Upload(layout->weights);
   auto d_counts = Upload(layout->counts);
   auto d_ntok = Upload(layout->n_tokens);
-  for (int budget : {1, 64, 256, 1024}) {
-    ParisKvSelectParams p;
-    p.batch = batch;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
-    p.gqa = c.gqa;
-    p.codec = layout->codec;
-    p.query = d_query.data();
-    p.codes = d_codes.data();
-    p.weights = d_weights.data();
-    p.counts = d_counts.data();
-    p.n_tokens = d_ntok.data();
-    p.max_tokens = layout->max_tokens;
-    p.cand = {d_begin.data(), d_end.data()};
-    p.max_candidates = max_cand;
-    p.out.budget = budget;
-    auto ids = Poisoned<int32_t>(batch * nkv * budget, kPoisonByte);
-    auto counts = Poisoned<int32_t>(batch * nkv, kPoisonByte);
-    auto ws = Scratch(ParisKvSelectWorkspaceBytes(p));
-    p.out = {budget, ids.data(), counts.data()};
-    p.workspace = ws.data();
-    p.workspace_bytes = ws.bytes();
-    ASSERT_OK(ParisKvSelect(p, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(ids, batch * nkv * budget);
-    const auto h_counts = Download(counts, batch * nkv);
-    Agreement agree;
-    agree.budget = budget;
-    auto cpu = [&](int b, Selection* sel) {
-      SelectRequest req;
-      req.query = query.data() + static_cast<size_t>(b) * nh * hd;
-      req.budget = budget;
-      req.n_sink = begin[b];
-      req.local_begin = end[b];
-      return indexes[b]->Select(req, sel);
-    };
-    CompareWithCpuSelect(h_ids, h_counts, budget, nkv, begin, end, cpu,
-                         CaseName("pariskv", c, budget), &agree);
-    if (::testing::Test::HasFatalFailure()) return;
-    agree.Expect(CaseName("pariskv", c, budget));
-  }
+  auto launch = Launcher<ParisKvSelectParams>(
+      batch * nkv,
+      [&](int) {
+        auto p = CommonParams<ParisKvSelectParams>(c, batch, in);
+        p.codec = layout->codec;
+        p.codes = d_codes.data();
+        p.weights = d_weights.data();
+        p.counts = d_counts.data();
+        p.n_tokens = d_ntok.data();
+        p.max_tokens = layout->max_tokens;
+        p.max_candidates = cand.max_candidates;
+        return p;
+      },
+      ParisKvSelectWorkspaceBytes, ParisKvSelect);
+  RunSelectSweep(Sweep("pariskv", c, query, cand), launch, SelectOn(cpu));
 }
 
 // ---- CTKVR select ---------------------------------------------------------------------------
 
-void CtkvrSelectRow(const QuantCase& c) {
-  const int hd = c.head_dim, nh = c.n_heads, nkv = c.n_kv_heads;
+void CtkvrSelectRow(const SelectCase& c) {
+  const int hd = c.hd, nh = c.nh, nkv = c.nkv;
   const std::vector<int> ctx = {500, 4000, 12000};
   const int n_append = 30, n_queries = 96;
   const int batch = static_cast<int>(ctx.size());
   std::mt19937 rng(31 + hd + nh);
   std::normal_distribution<float> nd(0.f, 1.f);
-  IndexShape shape;
-  shape.n_heads = nh;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
   IndexParams params;
   params.gqa = c.gqa;
   params.n_sink = 16;
@@ -287,13 +182,9 @@ void CtkvrSelectRow(const QuantCase& c) {
   params.ctkvr.n_centroids = 64;
   params.ctkvr.n_recall = 4;
   params.ctkvr.fifo_size = 0;  // the GPU selector keeps the qcIVF read-only
-  std::vector<std::unique_ptr<RetrievalIndex>> indexes;
-  std::vector<const RetrievalIndex*> views;
-  for (int b = 0; b < batch; ++b) {
-    const int n = ctx[b] + n_append;
-    std::vector<float> keys = TopicKeys(n, nkv, hd, rng, b);
-    // Prefill queries near the keys' topics, so that lists differ between centroids.
-    std::vector<float> queries(static_cast<size_t>(n_queries) * nh * hd);
+  // Prefill queries near the keys' topics, so that lists differ between centroids.
+  std::vector<float> queries(static_cast<size_t>(n_queries) * nh * hd);
+  auto prefill = [&](int b, const std::vector<float>& keys, BuildInput* in) {
     for (int i = 0; i < n_queries; ++i)
       for (int qh = 0; qh < nh; ++qh) {
         const int src = (i * 37 + qh * 11) % ctx[b];
@@ -303,21 +194,15 @@ void CtkvrSelectRow(const QuantCase& c) {
               keys[(static_cast<size_t>(src) * nkv + kvh) * hd + d] + 0.5f * nd(rng);
         }
       }
-    auto index = Registry().Make("ctkvr", shape, params);
-    ASSERT_TRUE(index.ok()) << index.status();
-    BuildInput in;
-    in.keys = {keys.data(), ctx[b], static_cast<int64_t>(nkv) * hd};
-    in.queries = {queries.data(), n_queries, static_cast<int64_t>(nh) * hd};
-    in.queries_first_position = ctx[b] - n_queries;
-    ASSERT_OK((*index)->Build(in));
-    AppendInput app;
-    app.keys = {keys.data() + static_cast<size_t>(ctx[b]) * nkv * hd, n_append,
-                static_cast<int64_t>(nkv) * hd};
-    ASSERT_OK((*index)->Append(app));
-    views.push_back(index->get());
-    indexes.push_back(std::move(*index));
-  }
-  auto layout = CtkvrLayoutFromIndexes(views);
+    in->queries = {queries.data(), n_queries, static_cast<int64_t>(nh) * hd};
+    in->queries_first_position = ctx[b] - n_queries;
+  };
+  CpuIndexes cpu;
+  BuildCpuIndexes(
+      "ctkvr", ShapeOf(nh, nkv, hd), params, ctx, n_append,
+      [&](int b) { return TopicKeys(ctx[b] + n_append, nkv, hd, rng, b); }, prefill, &cpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  auto layout = CtkvrLayoutFromIndexes(cpu.views);
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
   for (int b = 0; b < batch; ++b)
@@ -330,75 +215,41 @@ void CtkvrSelectRow(const QuantCase& c) {
                 ->keys[((static_cast<size_t>(b) * layout->max_tokens + src) * nkv + kvh) * hd + d] +
             0.8f * nd(rng);
     }
-  std::vector<int32_t> begin(batch), end(batch);
-  for (int b = 0; b < batch; ++b) {
-    begin[b] = 16;
-    end[b] = ctx[b] + n_append - 20;
-  }
-  auto d_query = Upload(query);
-  auto d_begin = Upload(begin);
-  auto d_end = Upload(end);
+  const Candidates cand = CandidatesOf(Plus(ctx, n_append), 16, 20);
+  const DeviceInputs in = UploadInputs(query, cand);
   auto d_cent = Upload(layout->centroids);
   auto d_nc = Upload(layout->n_centroids);
   auto d_off = Upload(layout->list_offsets);
   auto d_lists = Upload(layout->lists);
   auto d_keys = Upload(layout->keys);
-  for (int budget : {1, 64, 256, 1024}) {
-    CtkvrSelectParams p;
-    p.batch = batch;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.head_dim = hd;
-    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
-    p.gqa = c.gqa;
-    p.n_recall = layout->n_recall;
-    p.query = d_query.data();
-    p.centroids = d_cent.data();
-    p.n_centroids = d_nc.data();
-    p.list_offsets = d_off.data();
-    p.lists = d_lists.data();
-    p.max_centroids = layout->max_centroids;
-    p.max_list_entries = layout->max_list_entries;
-    p.max_list_length = layout->max_list_length;
-    p.max_tokens = layout->max_tokens;
-    p.keys.data = d_keys.data();
-    p.keys.dtype = KeyDType::kF32;
-    p.keys.token_stride = static_cast<int64_t>(nkv) * hd;
-    p.keys.head_stride = hd;
-    p.keys.batch_stride = static_cast<int64_t>(layout->max_tokens) * nkv * hd;
-    p.cand = {d_begin.data(), d_end.data()};
-    p.out.budget = budget;
-    auto ids = Poisoned<int32_t>(batch * nkv * budget, kPoisonByte);
-    auto counts = Poisoned<int32_t>(batch * nkv, kPoisonByte);
-    auto ws = Scratch(CtkvrSelectWorkspaceBytes(p));
-    p.out = {budget, ids.data(), counts.data()};
-    p.workspace = ws.data();
-    p.workspace_bytes = ws.bytes();
-    ASSERT_OK(CtkvrSelect(p, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(ids, batch * nkv * budget);
-    const auto h_counts = Download(counts, batch * nkv);
-    Agreement agree;
-    agree.budget = budget;
-    auto cpu = [&](int b, Selection* sel) {
-      SelectRequest req;
-      req.query = query.data() + static_cast<size_t>(b) * nh * hd;
-      req.budget = budget;
-      req.n_sink = begin[b];
-      req.local_begin = end[b];
-      return indexes[b]->Select(req, sel);
-    };
-    CompareWithCpuSelect(h_ids, h_counts, budget, nkv, begin, end, cpu,
-                         CaseName("ctkvr", c, budget), &agree);
-    if (::testing::Test::HasFatalFailure()) return;
-    agree.Expect(CaseName("ctkvr", c, budget));
-  }
+  auto launch = Launcher<CtkvrSelectParams>(
+      batch * nkv,
+      [&](int) {
+        auto p = CommonParams<CtkvrSelectParams>(c, batch, in);
+        p.n_recall = layout->n_recall;
+        p.centroids = d_cent.data();
+        p.n_centroids = d_nc.data();
+        p.list_offsets = d_off.data();
+        p.lists = d_lists.data();
+        p.max_centroids = layout->max_centroids;
+        p.max_list_entries = layout->max_list_entries;
+        p.max_list_length = layout->max_list_length;
+        p.max_tokens = layout->max_tokens;
+        p.keys.data = d_keys.data();
+        p.keys.dtype = KeyDType::kF32;
+        p.keys.token_stride = static_cast<int64_t>(nkv) * hd;
+        p.keys.head_stride = hd;
+        p.keys.batch_stride = static_cast<int64_t>(layout->max_tokens) * nkv * hd;
+        return p;
+      },
+      CtkvrSelectWorkspaceBytes, CtkvrSelect);
+  RunSelectSweep(Sweep("ctkvr", c, query, cand), launch, SelectOn(cpu));
 }
 
 // ---- A2ATS select ---------------------------------------------------------------------------
 
-void A2atsSelectRow(const QuantCase& c) {
-  const int hd = c.head_dim, nh = c.n_heads, nkv = c.n_kv_heads;
+void A2atsSelectRow(const SelectCase& c) {
+  const int hd = c.hd, nh = c.nh, nkv = c.nkv;
   const int codebook_size = hd == 128 ? 512 : 256;
   std::mt19937 rng(53 + hd + nh);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -426,10 +277,7 @@ void A2atsSelectRow(const QuantCase& c) {
     book.Finalize();
   }
   auto books = std::make_shared<const A2atsCodebooks>(model, cp, std::move(heads), 1000, 1000);
-  IndexShape shape;
-  shape.n_heads = nh;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
+  IndexShape shape = ShapeOf(nh, nkv, hd);
   shape.layer = 0;
   shape.n_layers = 1;
   shape.rope = model.rope;
@@ -439,91 +287,43 @@ void A2atsSelectRow(const QuantCase& c) {
   const std::vector<int> ctx = {300, 5000, 20000};
   const int n_append = 25;
   const int batch = static_cast<int>(ctx.size());
-  std::vector<std::unique_ptr<RetrievalIndex>> indexes;
-  std::vector<const RetrievalIndex*> views;
-  for (int b = 0; b < batch; ++b) {
-    const int n = ctx[b] + n_append;
-    std::vector<float> keys = TopicKeys(n, nkv, hd, rng, b);
-    auto index = Registry().Make("a2ats", shape, params);
-    ASSERT_TRUE(index.ok()) << index.status();
-    BuildInput in;
-    in.keys = {keys.data(), ctx[b], static_cast<int64_t>(nkv) * hd};
-    ASSERT_OK((*index)->Build(in));
-    AppendInput app;
-    app.keys = {keys.data() + static_cast<size_t>(ctx[b]) * nkv * hd, n_append,
-                static_cast<int64_t>(nkv) * hd};
-    ASSERT_OK((*index)->Append(app));
-    views.push_back(index->get());
-    indexes.push_back(std::move(*index));
-  }
-  auto layout = A2atsLayoutFromIndexes(views, *books);
+  CpuIndexes cpu;
+  BuildCpuIndexes(
+      "a2ats", shape, params, ctx, n_append,
+      [&](int b) { return TopicKeys(ctx[b] + n_append, nkv, hd, rng, b); }, nullptr, &cpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  auto layout = A2atsLayoutFromIndexes(cpu.views, *books);
   ASSERT_TRUE(layout.ok()) << layout.status();
-  std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
-  for (float& x : query) x = 1.5f * nd(rng);
-  std::vector<int64_t> position(batch);
-  std::vector<int32_t> begin(batch), end(batch);
-  int max_cand = 0;
-  for (int b = 0; b < batch; ++b) {
-    position[b] = ctx[b] + n_append;
-    begin[b] = 16;
-    end[b] = ctx[b] + n_append - 64;
-    max_cand = std::max(max_cand, end[b] - begin[b]);
-  }
-  auto d_query = Upload(query);
+  const std::vector<float> query = Normal(static_cast<size_t>(batch) * nh * hd, 1.5f, nd, rng);
+  const std::vector<int> n = Plus(ctx, n_append);
+  const std::vector<int64_t> position(n.begin(), n.end());
+  const Candidates cand = CandidatesOf(n, 16, 64);
+  const DeviceInputs in = UploadInputs(query, cand);
   auto d_pos = Upload(position);
-  auto d_begin = Upload(begin);
-  auto d_end = Upload(end);
   auto d_chol = Upload(layout->chol_inv);
   auto d_cw = Upload(layout->codewords);
   auto d_ids = Upload(layout->ids);
   auto d_ntok = Upload(layout->n_tokens);
-  for (int budget : {1, 64, 256, 1024}) {
-    A2atsSelectParams p;
-    p.batch = batch;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.head_dim = hd;
-    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
-    p.gqa = c.gqa;
-    p.rope = layout->rope;
-    p.wrope_offset = layout->wrope_offset;
-    p.codebook_size = layout->codebook_size;
-    p.chol_inv = d_chol.data();
-    p.codewords = d_cw.data();
-    p.query = d_query.data();
-    p.query_position = d_pos.data();
-    p.ids = d_ids.data();
-    p.n_tokens = d_ntok.data();
-    p.max_tokens = layout->max_tokens;
-    p.cand = {d_begin.data(), d_end.data()};
-    p.max_candidates = max_cand;
-    p.out.budget = budget;
-    auto ids = Poisoned<int32_t>(batch * nkv * budget, kPoisonByte);
-    auto counts = Poisoned<int32_t>(batch * nkv, kPoisonByte);
-    auto ws = Scratch(A2atsSelectWorkspaceBytes(p));
-    p.out = {budget, ids.data(), counts.data()};
-    p.workspace = ws.data();
-    p.workspace_bytes = ws.bytes();
-    ASSERT_OK(A2atsSelect(p, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(ids, batch * nkv * budget);
-    const auto h_counts = Download(counts, batch * nkv);
-    Agreement agree;
-    agree.budget = budget;
-    auto cpu = [&](int b, Selection* sel) {
-      SelectRequest req;
-      req.query = query.data() + static_cast<size_t>(b) * nh * hd;
-      req.query_position = position[b];
-      req.budget = budget;
-      req.n_sink = begin[b];
-      req.local_begin = end[b];
-      return indexes[b]->Select(req, sel);
-    };
-    CompareWithCpuSelect(h_ids, h_counts, budget, nkv, begin, end, cpu,
-                         CaseName("a2ats", c, budget), &agree);
-    if (::testing::Test::HasFatalFailure()) return;
-    agree.Expect(CaseName("a2ats", c, budget));
-  }
+  auto launch = Launcher<A2atsSelectParams>(
+      batch * nkv,
+      [&](int) {
+        auto p = CommonParams<A2atsSelectParams>(c, batch, in);
+        p.rope = layout->rope;
+        p.wrope_offset = layout->wrope_offset;
+        p.codebook_size = layout->codebook_size;
+        p.chol_inv = d_chol.data();
+        p.codewords = d_cw.data();
+        p.query_position = d_pos.data();
+        p.ids = d_ids.data();
+        p.n_tokens = d_ntok.data();
+        p.max_tokens = layout->max_tokens;
+        p.max_candidates = cand.max_candidates;
+        return p;
+      },
+      A2atsSelectWorkspaceBytes, A2atsSelect);
+  SelectSweep sweep = Sweep("a2ats", c, query, cand);
+  sweep.position = &position;
+  RunSelectSweep(sweep, launch, SelectOn(cpu));
 }
 
 class QuantSelectContract : public kvr::cuda::testing::GpuTest {};
@@ -576,24 +376,24 @@ std::vector<ParityRow> QuantSelectRows() {
                     "pariskv index payload", "bytes equal but <= 1/2000 near-ties",
                     [hd = hd, m = m] { ParisKvEncodeRow(hd, m); }});
   }
-  for (const QuantCase& c : {QuantCase{128, 32, 8, GqaAggregation::kSumSoftmax, 8},
-                             QuantCase{64, 9, 3, GqaAggregation::kSumSoftmax, 8},
-                             QuantCase{64, 8, 4, GqaAggregation::kMaxLogit, 4},
-                             QuantCase{128, 32, 4, GqaAggregation::kSumLogit, 8}}) {
+  using G = GqaAggregation;
+  constexpr KeyDType kF32 = KeyDType::kF32;  // the quantised selectors read no key dtype
+  for (const SelectCase& c : {SelectCase{kF32, 128, 32, 8, G::kSumSoftmax, 8},
+                              SelectCase{kF32, 64, 9, 3, G::kSumSoftmax, 8},
+                              SelectCase{kF32, 64, 8, 4, G::kMaxLogit, 4},
+                              SelectCase{kF32, 128, 32, 4, G::kSumLogit, 8}}) {
     rows.push_back({"ParisKvSelect", ShapeName(c) + " k1,64,256,1024", "pariskv index",
                     "recall >= 0.99, >= 90% rows identical", [=] { ParisKvSelectRow(c); }});
   }
-  const QuantCase shapes[] = {QuantCase{128, 32, 8, GqaAggregation::kSumSoftmax, 0},
-                              QuantCase{64, 9, 3, GqaAggregation::kSumSoftmax, 0},
-                              QuantCase{64, 8, 4, GqaAggregation::kMaxLogit, 0},
-                              QuantCase{128, 32, 4, GqaAggregation::kSumLogit, 0}};
-  for (const QuantCase& c : shapes) {
-    rows.push_back({"CtkvrSelect", ShapeName(c) + " k1,64,256,1024", "ctkvr index",
-                    "recall >= 0.99, >= 90% rows identical", [=] { CtkvrSelectRow(c); }});
-  }
-  for (const QuantCase& c : shapes) {
-    rows.push_back({"A2atsSelect", ShapeName(c) + " k1,64,256,1024", "a2ats index",
-                    "recall >= 0.99, >= 90% rows identical", [=] { A2atsSelectRow(c); }});
+  const SelectCase shapes[] = {{kF32, 128, 32, 8, G::kSumSoftmax}, {kF32, 64, 9, 3, G::kSumSoftmax},
+                               {kF32, 64, 8, 4, G::kMaxLogit}, {kF32, 128, 32, 4, G::kSumLogit}};
+  for (const auto& [kernel, reference, run] :
+       {std::tuple{"CtkvrSelect", "ctkvr index", &CtkvrSelectRow},
+        std::tuple{"A2atsSelect", "a2ats index", &A2atsSelectRow}}) {
+    for (const SelectCase& c : shapes) {
+      rows.push_back({kernel, ShapeName(c) + " k1,64,256,1024", reference,
+                      "recall >= 0.99, >= 90% rows identical", [c, run = run] { run(c); }});
+    }
   }
   return rows;
 }

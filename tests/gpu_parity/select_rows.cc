@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -29,50 +30,23 @@
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/registry.h"
 #include "parity.h"
-#include "select_check.h"
+#include "select_sweep.h"
 
 namespace kvr::retrieval::cuda {
 namespace {
 
+using namespace kvr::cuda::testing;
+using namespace kvr::gpu_parity;
 using kvr::cuda::DeviceBuffer;
-using kvr::cuda::testing::CheckIdRow;
-using kvr::cuda::testing::Download;
-using kvr::cuda::testing::ExpectAtLeast;
-using kvr::cuda::testing::kPoison;
-using kvr::cuda::testing::RecordMeasure;
-using kvr::cuda::testing::SetAgreement;
-using kvr::cuda::testing::Upload;
-using kvr::gpu_parity::CompareWithCpuSelect;
-using kvr::gpu_parity::ParityRow;
 
 std::string S(int64_t v) { return std::to_string(v); }
 
-// A launch at budget `wide` with per-row budgets (ids/counts downloaded) against the launches at
-// each row's budget (`uniform`: budget -> its ids and counts): row by row the same counts and ids.
-// Returns the rows that differ.
-using UniformSelections = std::map<int, std::pair<std::vector<int32_t>, std::vector<int32_t>>>;
-int ExpectRowsAsAtTheirBudget(const std::vector<int32_t>& ids, const std::vector<int32_t>& counts,
-                              int wide, int nkv, const std::vector<int32_t>& row_budgets,
-                              const UniformSelections& uniform) {
-  int differ = 0;
-  for (size_t b = 0; b < row_budgets.size(); ++b) {
-    const auto& [want_ids, want_counts] = uniform.at(row_budgets[b]);
-    for (int h = 0; h < nkv; ++h) {
-      const size_t row = b * nkv + h;
-      EXPECT_EQ(counts[row], want_counts[row]) << "per-row budget, seq " << b << " head " << h;
-      if (counts[row] != want_counts[row]) {
-        ++differ;
-        continue;
-      }
-      const int32_t* got = ids.data() + row * wide;
-      const int32_t* want = want_ids.data() + row * row_budgets[b];
-      const bool same = std::equal(got, got + counts[row], want);
-      EXPECT_TRUE(same) << "per-row budget, seq " << b << " head " << h;
-      differ += !same;
-    }
-  }
-  RecordMeasure("per-row budgets: rows != uniform launch", differ, "0", differ == 0);
-  return differ;
+// ExactSelect's rows name the key dtype too.
+std::string Name(const SelectCase& c) {
+  return std::string(c.dtype == KeyDType::kF32   ? "f32"
+                     : c.dtype == KeyDType::kF16 ? "f16"
+                                                 : "bf16") +
+         "_" + ShapeName(c);
 }
 
 // ---- BatchedTopK ------------------------------------------------------------------------------
@@ -99,32 +73,26 @@ void TopKRow(int budget, int ties) {
   auto d_scores = Upload(scores);
   auto d_n = Upload(n_valid);
   auto d_off = Upload(offset);
-  auto ids = DeviceBuffer<int32_t>::Create(rows * budget);
-  auto counts = DeviceBuffer<int32_t>::Create(rows);
-  ASSERT_TRUE(ids.ok() && counts.ok());
-  ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
-  ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
+  auto ids = Poisoned<int32_t>(rows * budget, kPoisonByte);
+  auto counts = Poisoned<int32_t>(rows, kPoisonByte);
   TopKParams p;
   p.rows = rows;
   p.row_stride = stride;
   p.scores = d_scores.data();
   p.n_valid = d_n.data();
   p.id_offset = d_off.data();
-  p.out = {budget, ids->data(), counts->data()};
+  p.out = {budget, ids.data(), counts.data()};
   // Two-stage path (segments of 16K) with scratch, except budget 16: one CTA per row.
   DeviceBuffer<char> scratch;
   if (budget != 16) {
-    auto s = DeviceBuffer<char>::Create(BatchedTopKWorkspaceBytes(p));
-    ASSERT_TRUE(s.ok());
-    scratch = std::move(*s);
-    ASSERT_EQ(cudaMemset(scratch.data(), 0x7f, scratch.bytes()), cudaSuccess);
+    scratch = Scratch(BatchedTopKWorkspaceBytes(p), kPoisonByte);
     p.workspace = scratch.data();
     p.workspace_bytes = scratch.bytes();
   }
   ASSERT_OK(BatchedTopK(p, nullptr));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto h_ids = Download(*ids, rows * budget);
-  const auto h_counts = Download(*counts, rows);
+  const auto h_ids = Download(ids, rows * budget);
+  const auto h_counts = Download(counts, rows);
   int differ = 0;
   for (int r = 0; r < rows; ++r) {
     const std::string where = "budget " + S(budget) + " ties " + S(ties) + " len " + S(lengths[r]);
@@ -159,23 +127,67 @@ float FromHalfBits(uint16_t h, KeyDType t) {
   return t == KeyDType::kBf16 ? Bf16ToFloat(h) : Fp16ToFloat(h);
 }
 
-struct ExactCase {
-  KeyDType dtype;
-  int head_dim;
-  int n_heads, n_kv_heads;
-  GqaAggregation gqa;
-};
-
-std::string Name(const ExactCase& c) {
-  return std::string(c.dtype == KeyDType::kF32   ? "f32"
-                     : c.dtype == KeyDType::kF16 ? "f16"
-                                                 : "bf16") +
-         "_d" + S(c.head_dim) + "_h" + S(c.n_heads) + "x" + S(c.n_kv_heads) + "_gqa" +
-         S(static_cast<int>(c.gqa));
+// Every differing token of one row (in either set only) must be a near-tie of the k-th
+// reference score (double) within a tolerance: fp32 summation order resolves those differently.
+// Returns the differing tokens; adds those that are no near-tie to `far_tokens`.
+int NearTieDiff(const std::vector<int64_t>& got, const std::vector<int64_t>& want,
+                const std::vector<double>& agg, int64_t first, const std::string& where,
+                int64_t* far_tokens) {
+  std::vector<double> sorted(agg);
+  std::sort(sorted.begin(), sorted.end(), std::greater<>());
+  const double kth = sorted[got.size() - 1];
+  const double tol = 1e-4 * std::max(std::abs(sorted[0]), 1e-30) + 1e-6 * std::abs(kth);
+  std::set<int64_t> a(got.begin(), got.end()), w(want.begin(), want.end());
+  int diff = 0;
+  for (int64_t t : a)
+    if (!w.count(t)) {
+      ++diff;
+      EXPECT_NEAR(agg[t - first], kth, tol) << where << " extra token " << t;
+      *far_tokens += std::abs(agg[t - first] - kth) > tol;
+    }
+  for (int64_t t : w) {
+    if (!a.count(t)) {
+      EXPECT_NEAR(agg[t - first], kth, tol) << where << " missing " << t;
+      *far_tokens += std::abs(agg[t - first] - kth) > tol;
+    }
+  }
+  return diff;
 }
 
-void ExactRow(const ExactCase& c) {
-  const int hd = c.head_dim, nkv = c.n_kv_heads, nh = c.n_heads, group = nh / nkv;
+// GQA-aggregated reference scores (double) of candidates [first, first + n) of KV head h:
+// `key(i)` is candidate i's key, q the group's first query head.
+std::vector<double> AggregatedScores(const float* q, int n, int group, int hd, double scale,
+                                     GqaAggregation gqa,
+                                     const std::function<const float*(int)>& key) {
+  std::vector<double> logit(static_cast<size_t>(group) * n), agg(n, 0.0);
+  for (int g = 0; g < group; ++g) {
+    const float* qg = q + static_cast<size_t>(g) * hd;
+    double mx = -1e300;
+    for (int i = 0; i < n; ++i) {
+      const float* k = key(i);
+      double s = 0;
+      for (int d = 0; d < hd; ++d) s += static_cast<double>(qg[d]) * k[d];
+      logit[g * n + i] = s * scale;
+      mx = std::max(mx, s * scale);
+    }
+    double z = 0;
+    for (int i = 0; i < n; ++i) z += std::exp(logit[g * n + i] - mx);
+    for (int i = 0; i < n; ++i) {
+      const double l = logit[g * n + i];
+      if (gqa == GqaAggregation::kSumSoftmax) {
+        agg[i] += std::exp(l - mx) / z;
+      } else if (gqa == GqaAggregation::kMaxLogit) {
+        agg[i] = g == 0 ? l : std::max(agg[i], l);
+      } else {
+        agg[i] += l;
+      }
+    }
+  }
+  return agg;
+}
+
+void ExactRow(const SelectCase& c) {
+  const int hd = c.hd, nkv = c.nkv, nh = c.nh, group = nh / nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   // Sequences of different lengths and candidate windows (sink 16, local window 64).
   const std::vector<int> ctx = {40, 3000, 20000};
@@ -189,29 +201,22 @@ void ExactRow(const ExactCase& c) {
   for (float& x : topics) x = nd(rng);
   const size_t n_keys = static_cast<size_t>(batch) * nkv * max_ctx * hd;
   std::vector<float> keys(n_keys, 0.f);
+  auto key_at = [&](int b, int h, int t) {
+    return &keys[((static_cast<size_t>(b) * nkv + h) * max_ctx + t) * hd];
+  };
   for (int b = 0; b < batch; ++b)
     for (int h = 0; h < nkv; ++h)
       for (int t = 0; t < ctx[b]; ++t) {
         const int topic = (t / 40 + h * 7) % 32;
         for (int d = 0; d < hd; ++d) {
-          float v = topics[topic * hd + d] + 0.7f * nd(rng);
-          float& k = keys[((static_cast<size_t>(b) * nkv + h) * max_ctx + t) * hd + d];
-          if (c.dtype == KeyDType::kF32) {
-            k = v;
-          } else {
-            k = FromHalfBits(ToHalfBits(v, c.dtype), c.dtype);  // the values the GPU sees
-          }
+          const float v = topics[topic * hd + d] + 0.7f * nd(rng);
+          // The values the GPU sees.
+          key_at(b, h, t)[d] =
+              c.dtype == KeyDType::kF32 ? v : FromHalfBits(ToHalfBits(v, c.dtype), c.dtype);
         }
       }
-  std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
-  for (float& x : query) x = 1.5f * nd(rng);
-  std::vector<int32_t> begin(batch), end(batch);
-  int max_cand = 0;
-  for (int b = 0; b < batch; ++b) {
-    begin[b] = std::min(16, ctx[b]);
-    end[b] = std::max(begin[b], ctx[b] - 64);
-    max_cand = std::max(max_cand, end[b] - begin[b]);
-  }
+  const std::vector<float> query = Normal(static_cast<size_t>(batch) * nh * hd, 1.5f, nd, rng);
+  const Candidates cand = CandidatesOf(ctx, 16, 64);
   DeviceBuffer<float> d_keys_f;
   DeviceBuffer<uint16_t> d_keys_h;
   const void* key_ptr = nullptr;
@@ -224,130 +229,67 @@ void ExactRow(const ExactCase& c) {
     d_keys_h = Upload(bits);
     key_ptr = d_keys_h.data();
   }
-  auto d_query = Upload(query);
-  auto d_begin = Upload(begin);
-  auto d_end = Upload(end);
-
-  MethodRegistry registry;
-  ASSERT_OK(RegisterCoreMethods(registry));
-  IndexShape shape;
-  shape.n_heads = nh;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
+  const DeviceInputs in = UploadInputs(query, cand);
+  // CPU references on the same key values, token-major as the index expects.
   IndexParams params;
   params.gqa = c.gqa;
+  CpuIndexes cpu;
+  BuildCpuIndexes(
+      "exact", ShapeOf(nh, nkv, hd), params, ctx, 0,
+      [&](int b) {
+        std::vector<float> tok(static_cast<size_t>(ctx[b]) * nkv * hd);
+        for (int t = 0; t < ctx[b]; ++t)
+          for (int h = 0; h < nkv; ++h)
+            std::memcpy(&tok[(static_cast<size_t>(t) * nkv + h) * hd], key_at(b, h, t),
+                        hd * sizeof(float));
+        return tok;
+      },
+      nullptr, &cpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  auto launch = Launcher<ExactSelectParams>(
+      batch * nkv,
+      [&](int) {
+        auto p = CommonParams<ExactSelectParams>(c, batch, in);
+        p.keys.data = key_ptr;
+        p.keys.dtype = c.dtype;
+        p.keys.token_stride = hd;
+        p.keys.head_stride = static_cast<int64_t>(max_ctx) * hd;
+        p.keys.batch_stride = static_cast<int64_t>(nkv) * max_ctx * hd;
+        p.max_candidates = cand.max_candidates;
+        return p;
+      },
+      ExactSelectWorkspaceBytes, ExactSelect);
 
   for (int budget : {1, 100, 1024, 2048}) {
-    ExactSelectParams p;
-    p.batch = batch;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.head_dim = hd;
-    p.scale = scale;
-    p.gqa = c.gqa;
-    p.query = d_query.data();
-    p.keys.data = key_ptr;
-    p.keys.dtype = c.dtype;
-    p.keys.token_stride = hd;
-    p.keys.head_stride = static_cast<int64_t>(max_ctx) * hd;
-    p.keys.batch_stride = static_cast<int64_t>(nkv) * max_ctx * hd;
-    p.cand = {d_begin.data(), d_end.data()};
-    p.max_candidates = max_cand;
-    p.out.budget = budget;  // the workspace size depends on it
-    auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
-    auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-    auto ws = DeviceBuffer<char>::Create(ExactSelectWorkspaceBytes(p));
-    ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
-    ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(ws->data(), 0xff, ws->bytes()), cudaSuccess);  // NaN-poisoned scratch
-    p.out = {budget, ids->data(), counts->data()};
-    p.workspace = ws->data();
-    p.workspace_bytes = ws->bytes();
-    ASSERT_OK(ExactSelect(p, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(*ids, batch * nkv * budget);
-    const auto h_counts = Download(*counts, batch * nkv);
-
+    Selected out;
+    launch(budget, nullptr, &out);
+    if (::testing::Test::HasFatalFailure()) return;
     // The set differences of this budget: tokens in either set only, those of them that are no
     // near-tie of the k-th score, and rows with more than max(1, k / 100) of them.
     int64_t diff_tokens = 0, far_tokens = 0, rows_over = 0;
     for (int b = 0; b < batch; ++b) {
-      // CPU reference on the same key values, token-major as the index expects.
-      std::vector<float> tok(static_cast<size_t>(ctx[b]) * nkv * hd);
-      for (int t = 0; t < ctx[b]; ++t)
-        for (int h = 0; h < nkv; ++h)
-          std::memcpy(&tok[(static_cast<size_t>(t) * nkv + h) * hd],
-                      &keys[((static_cast<size_t>(b) * nkv + h) * max_ctx + t) * hd],
-                      hd * sizeof(float));
-      auto index = registry.Make("exact", shape, params);
-      ASSERT_TRUE(index.ok()) << index.status();
-      BuildInput in;
-      in.keys = {tok.data(), ctx[b], static_cast<int64_t>(nkv) * hd};
-      ASSERT_OK((*index)->Build(in));
       SelectRequest req;
       req.query = query.data() + static_cast<size_t>(b) * nh * hd;
       req.budget = budget;
-      req.n_sink = begin[b];
-      req.local_begin = end[b];
+      req.n_sink = cand.begin[b];
+      req.local_begin = cand.end[b];
       Selection sel;
-      ASSERT_OK((*index)->Select(req, &sel));
+      ASSERT_OK(cpu.owned[b]->Select(req, &sel));
       for (int h = 0; h < nkv; ++h) {
         const std::string where =
             Name(c) + " budget " + S(budget) + " seq " + S(b) + " head " + S(h);
         const int row = b * nkv + h;
-        ASSERT_NE(h_counts[row], kPoison) << where;
-        const auto got = CheckIdRow(h_ids.data() + static_cast<size_t>(row) * budget, h_counts[row],
-                                    budget, begin[b], end[b], where);
+        ASSERT_NE(out.counts[row], kPoison) << where;
+        const auto got = CheckIdRow(out.ids.data() + static_cast<size_t>(row) * budget,
+                                    out.counts[row], budget, cand.begin[b], cand.end[b], where);
         const auto& want = sel.per_head[h];
         ASSERT_EQ(got.size(), want.size()) << where;
         if (got == want) continue;
-        // Reference scores (double) to judge the differing tokens: each must sit at the k-th
-        // score within tolerance (a near-tie resolved differently by fp32 summation order).
-        const int n = end[b] - begin[b];
-        std::vector<double> logit(static_cast<size_t>(group) * n), agg(n, 0.0);
-        for (int g = 0; g < group; ++g) {
-          const float* q = query.data() + (static_cast<size_t>(b) * nh + h * group + g) * hd;
-          double mx = -1e300;
-          for (int i = 0; i < n; ++i) {
-            const float* k =
-                &keys[((static_cast<size_t>(b) * nkv + h) * max_ctx + begin[b] + i) * hd];
-            double s = 0;
-            for (int d = 0; d < hd; ++d) s += static_cast<double>(q[d]) * k[d];
-            logit[g * n + i] = s * scale;
-            mx = std::max(mx, s * scale);
-          }
-          double z = 0;
-          for (int i = 0; i < n; ++i) z += std::exp(logit[g * n + i] - mx);
-          for (int i = 0; i < n; ++i) {
-            const double l = logit[g * n + i];
-            if (c.gqa == GqaAggregation::kSumSoftmax) {
-              agg[i] += std::exp(l - mx) / z;
-            } else if (c.gqa == GqaAggregation::kMaxLogit) {
-              agg[i] = g == 0 ? l : std::max(agg[i], l);
-            } else {
-              agg[i] += l;
-            }
-          }
-        }
-        std::vector<double> sorted(agg);
-        std::sort(sorted.begin(), sorted.end(), std::greater<>());
-        const double kth = sorted[got.size() - 1];
-        const double tol = 1e-4 * std::max(std::abs(sorted[0]), 1e-30) + 1e-6 * std::abs(kth);
-        std::set<int64_t> a(got.begin(), got.end()), w(want.begin(), want.end());
-        int diff = 0;
-        for (int64_t t : a)
-          if (!w.count(t)) {
-            ++diff;
-            EXPECT_NEAR(agg[t - begin[b]], kth, tol) << where << " extra token " << t;
-            far_tokens += std::abs(agg[t - begin[b]] - kth) > tol;
-          }
-        for (int64_t t : w) {
-          if (!a.count(t)) {
-            EXPECT_NEAR(agg[t - begin[b]], kth, tol) << where << " missing " << t;
-            far_tokens += std::abs(agg[t - begin[b]] - kth) > tol;
-          }
-        }
+        const std::vector<double> agg = AggregatedScores(
+            query.data() + (static_cast<size_t>(b) * nh + h * group) * hd,
+            cand.end[b] - cand.begin[b], group, hd, scale, c.gqa,
+            [&](int i) { return key_at(b, h, cand.begin[b] + i); });
+        const int diff = NearTieDiff(got, want, agg, cand.begin[b], where, &far_tokens);
         const int max_diff = std::max<int>(1, static_cast<int>(got.size() / 100));
         EXPECT_LE(diff, max_diff) << where;
         diff_tokens += diff;
@@ -364,288 +306,121 @@ void ExactRow(const ExactCase& c) {
   }
 }
 
-// ---- QuestSelect ------------------------------------------------------------------------------
+// ---- QuestSelect / ClusterKvSelect ------------------------------------------------------------
 
-struct SelectShape {
-  int hd, nh, nkv;
-  GqaAggregation gqa;
-};
-
-std::string ShapeName(const SelectShape& s) {
-  return "d" + S(s.hd) + "_h" + S(s.nh) + "x" + S(s.nkv) + "_gqa" + S(static_cast<int>(s.gqa));
-}
-
-// One budget's sweep: identical sets on >= 90% of the rows, token overlap >= 0.97.
-void ExpectAgreement(const std::string& what, const SetAgreement& agree) {
-  ExpectAtLeast(what + "identical rows", agree.identical, agree.rows * 9 / 10);
-  ExpectAtLeast(what + "token overlap", agree.recall(), 0.97);
-}
+// The bar of quest and clusterkv: identical sets on >= 90% of the rows, token overlap >= 0.97.
+const AgreementBar kPageBar{"token overlap", 0.97};
+const std::vector<int> kPageBudgets = {1, 40, 256, 1024};
 
 // quest: the CPU QuestIndex on the same keys; the GPU gets the same page bounds (min / max are
 // exact in any order). Page bounds are sums in a different order on each side, so a near-tie
 // between two pages may resolve differently: require identical counts, identical sets on nearly
 // every row and >= 0.97 token overlap overall.
-void QuestRow(const SelectShape& shp) {
-  const auto [hd, nh, nkv, gqa] = shp;
-  const int group = nh / nkv, ps = 16;
+void QuestRow(const SelectCase& c) {
+  const int hd = c.hd, nh = c.nh, nkv = c.nkv, group = nh / nkv, ps = 16;
   const std::vector<int> ctx = {30, 2000, 9000};
   const int batch = static_cast<int>(ctx.size());
   const int max_ctx = 9000;
   const int max_pages = (max_ctx + ps - 1) / ps;
   std::mt19937 rng(5 + hd + nh);
   std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> topics(32 * hd);
-  for (float& x : topics) x = nd(rng);
+  const std::vector<float> topics = Normal(32 * hd, 1.f, nd, rng);
   const int64_t page_floats = static_cast<int64_t>(nkv) * 2 * hd;
   const int64_t batch_stride = max_pages * page_floats;
   std::vector<float> bounds(batch * batch_stride, 0.f);
   std::vector<std::vector<float>> keys(batch);  // [ctx, nkv, hd] token-major per sequence
   for (int b = 0; b < batch; ++b) {
-    keys[b].resize(static_cast<size_t>(ctx[b]) * nkv * hd);
+    keys[b] = TopicKeysFrom(topics, ctx[b], nkv, hd, b, nd, rng);
     for (int t = 0; t < ctx[b]; ++t)
       for (int h = 0; h < nkv; ++h) {
-        const int topic = (t / 40 + h * 7 + b) % 32;
+        const float* k = &keys[b][(static_cast<size_t>(t) * nkv + h) * hd];
+        float* mn = &bounds[b * batch_stride + (t / ps) * page_floats + h * 2 * hd];
+        const bool fresh = t % ps == 0;
         for (int d = 0; d < hd; ++d) {
-          const float v = topics[topic * hd + d] + 0.7f * nd(rng);
-          keys[b][(static_cast<size_t>(t) * nkv + h) * hd + d] = v;
-          float* mn = &bounds[b * batch_stride + (t / ps) * page_floats + h * 2 * hd];
-          const bool fresh = t % ps == 0;
-          mn[d] = fresh ? v : std::min(mn[d], v);
-          mn[hd + d] = fresh ? v : std::max(mn[hd + d], v);
+          mn[d] = fresh ? k[d] : std::min(mn[d], k[d]);
+          mn[hd + d] = fresh ? k[d] : std::max(mn[hd + d], k[d]);
         }
       }
   }
-  std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
-  for (float& x : query) x = 1.5f * nd(rng);
-  std::vector<int32_t> begin(batch), end(batch);
-  int max_cand = 0;
-  for (int b = 0; b < batch; ++b) {
-    begin[b] = std::min(16, ctx[b]);
-    end[b] = std::max(begin[b], ctx[b] - 64 + 3);  // not page-aligned on purpose
-    max_cand = std::max(max_cand, end[b] - begin[b]);
-  }
+  const std::vector<float> query = Normal(static_cast<size_t>(batch) * nh * hd, 1.5f, nd, rng);
+  const Candidates cand = CandidatesOf(ctx, 16, 64 - 3);  // not page-aligned on purpose
   auto d_bounds = Upload(bounds);
-  auto d_query = Upload(query);
-  auto d_begin = Upload(begin);
-  auto d_end = Upload(end);
-  MethodRegistry registry;
-  ASSERT_OK(RegisterCoreMethods(registry));
-  IndexShape shape;
-  shape.n_heads = nh;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
+  const DeviceInputs in = UploadInputs(query, cand);
   IndexParams params;
-  params.gqa = gqa;
+  params.gqa = c.gqa;
   params.quest.page_size = ps;
-  // Each budget's rows, for the launch with per-row budgets at the end.
-  UniformSelections uniform;
-  auto params_for = [&]() {
-    QuestSelectParams p;
-    p.batch = batch;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.head_dim = hd;
-    p.page_size = ps;
-    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
-    p.gqa = gqa;
-    p.query = d_query.data();
-    p.bounds = d_bounds.data();
-    p.bounds_batch_stride = batch_stride;
-    p.cand = {d_begin.data(), d_end.data()};
-    p.max_candidates = max_cand;
-    return p;
-  };
-  for (int budget : {1, 40, 256, 1024}) {
-    QuestSelectParams p = params_for();
-    auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
-    auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-    p.out = {budget, nullptr, nullptr};
-    auto ws = DeviceBuffer<char>::Create(QuestSelectWorkspaceBytes(p));
-    ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
-    ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(ws->data(), 0xff, ws->bytes()), cudaSuccess);
-    p.out = {budget, ids->data(), counts->data()};
-    p.workspace = ws->data();
-    p.workspace_bytes = ws->bytes();
-    ASSERT_OK(QuestSelect(p, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(*ids, batch * nkv * budget);
-    const auto h_counts = Download(*counts, batch * nkv);
-    uniform[budget] = {h_ids, h_counts};
-    auto cpu = [&](int b, Selection* sel) -> absl::Status {
-      auto index = registry.Make("quest", shape, params);
-      if (!index.ok()) return index.status();
-      BuildInput in;
-      in.keys = {keys[b].data(), ctx[b], static_cast<int64_t>(nkv) * hd};
-      if (absl::Status st = (*index)->Build(in); !st.ok()) return st;
-      SelectRequest req;
-      req.query = query.data() + static_cast<size_t>(b) * nh * hd;
-      req.budget = budget;
-      req.n_sink = begin[b];
-      req.local_begin = end[b];
-      return (*index)->Select(req, sel);
-    };
-    SetAgreement agree;
-    CompareWithCpuSelect(h_ids, h_counts, budget, nkv, begin, end, cpu,
-                         "quest d" + S(hd) + " group " + S(group) + " budget " + S(budget), &agree);
-    if (::testing::Test::HasFatalFailure()) return;
-    ExpectAgreement("k=" + S(budget) + ": ", agree);
-  }
-  // Per-row budgets (a decode batch whose requests ask for different budgets): one launch at
-  // the widest budget with row b capped at budgets[b] selects, row by row, what a launch at
-  // that budget selected.
-  const std::vector<int32_t> row_budgets = {40, 1, 256};
-  const int wide = 1024;
-  auto d_budgets = Upload(row_budgets);
-  QuestSelectParams p = params_for();
-  p.budgets = d_budgets.data();
-  auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * wide);
-  auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-  p.out = {wide, nullptr, nullptr};
-  auto ws = DeviceBuffer<char>::Create(QuestSelectWorkspaceBytes(p));
-  ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
-  p.out = {wide, ids->data(), counts->data()};
-  p.workspace = ws->data();
-  p.workspace_bytes = ws->bytes();
-  ASSERT_OK(QuestSelect(p, nullptr));
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  ExpectRowsAsAtTheirBudget(Download(*ids, batch * nkv * wide), Download(*counts, batch * nkv),
-                            wide, nkv, row_budgets, uniform);
+  CpuIndexes cpu;
+  BuildCpuIndexes("quest", ShapeOf(nh, nkv, hd), params, ctx, 0, [&](int b) { return keys[b]; },
+                  nullptr, &cpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  auto launch = Launcher<QuestSelectParams>(
+      batch * nkv,
+      [&](int) {
+        auto p = CommonParams<QuestSelectParams>(c, batch, in);
+        p.page_size = ps;
+        p.bounds = d_bounds.data();
+        p.bounds_batch_stride = batch_stride;
+        p.max_candidates = cand.max_candidates;
+        return p;
+      },
+      QuestSelectWorkspaceBytes, QuestSelect);
+  SelectSweep sweep =
+      SweepOf("quest d" + S(hd) + " group " + S(group), c, query, cand, kPageBudgets, kPageBar);
+  sweep.row_budgets = {40, 1, 256};
+  sweep.wide = 1024;
+  RunSelectSweep(sweep, launch, SelectOn(cpu));
 }
-
-// ---- ClusterKvSelect --------------------------------------------------------------------------
 
 // clusterkv: the CPU ClusterKvIndex (prefill clusters + appended pending tokens) and the GPU
 // selector on its layout (ClusterKvLayoutFromIndexes). Scores are sums in another order on the
 // GPU, so near-tied clusters may swap: identical counts, identical sets on nearly every row and
 // >= 0.97 token overlap overall.
-void ClusterKvRow(const SelectShape& shp) {
-  const auto [hd, nh, nkv, gqa] = shp;
+void ClusterKvRow(const SelectCase& c) {
+  const int hd = c.hd, nh = c.nh, nkv = c.nkv;
   const std::vector<int> ctx = {600, 4000, 9000};
   const int n_append = 50;
   const int batch = static_cast<int>(ctx.size());
   std::mt19937 rng(9 + hd + nh);
   std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> topics(32 * hd);
-  for (float& x : topics) x = nd(rng);
-  MethodRegistry registry;
-  ASSERT_OK(RegisterCoreMethods(registry));
-  IndexShape shape;
-  shape.n_heads = nh;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
+  const std::vector<float> topics = Normal(32 * hd, 1.f, nd, rng);
   IndexParams params;
-  params.gqa = gqa;
+  params.gqa = c.gqa;
   params.n_sink = 16;
-  std::vector<std::unique_ptr<RetrievalIndex>> indexes;
-  std::vector<const RetrievalIndex*> views;
-  for (int b = 0; b < batch; ++b) {
-    const int n = ctx[b] + n_append;
-    std::vector<float> keys(static_cast<size_t>(n) * nkv * hd);
-    for (int t = 0; t < n; ++t)
-      for (int h = 0; h < nkv; ++h) {
-        const int topic = (t / 40 + h * 7 + b) % 32;
-        for (int d = 0; d < hd; ++d)
-          keys[(static_cast<size_t>(t) * nkv + h) * hd + d] =
-              topics[topic * hd + d] + 0.7f * nd(rng);
-      }
-    auto index = registry.Make("clusterkv", shape, params);
-    ASSERT_TRUE(index.ok()) << index.status();
-    BuildInput in;
-    in.keys = {keys.data(), ctx[b], static_cast<int64_t>(nkv) * hd};
-    ASSERT_OK((*index)->Build(in));
-    AppendInput app;
-    app.keys = {keys.data() + static_cast<size_t>(ctx[b]) * nkv * hd, n_append,
-                static_cast<int64_t>(nkv) * hd};
-    ASSERT_OK((*index)->Append(app));
-    views.push_back(index->get());
-    indexes.push_back(std::move(*index));
-  }
-  auto layout = ClusterKvLayoutFromIndexes(views);
+  CpuIndexes cpu;
+  BuildCpuIndexes(
+      "clusterkv", ShapeOf(nh, nkv, hd), params, ctx, n_append,
+      [&](int b) { return TopicKeysFrom(topics, ctx[b] + n_append, nkv, hd, b, nd, rng); },
+      nullptr, &cpu);
+  if (::testing::Test::HasFatalFailure()) return;
+  auto layout = ClusterKvLayoutFromIndexes(cpu.views);
   ASSERT_TRUE(layout.ok()) << layout.status();
-  std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
-  for (float& x : query) x = 1.5f * nd(rng);
-  std::vector<int32_t> begin(batch), end(batch);
-  for (int b = 0; b < batch; ++b) {
-    begin[b] = 16;
-    end[b] = ctx[b] + n_append - 30;  // part of the pending tokens are in the local window
-  }
-  auto d_query = Upload(query);
-  auto d_begin = Upload(begin);
-  auto d_end = Upload(end);
+  const std::vector<float> query = Normal(static_cast<size_t>(batch) * nh * hd, 1.5f, nd, rng);
+  std::vector<int> n(ctx);
+  for (int& x : n) x += n_append;  // part of the pending tokens are in the local window
+  const Candidates cand = CandidatesOf(n, 16, 30);
+  const DeviceInputs in = UploadInputs(query, cand);
   auto d_cent = Upload(layout->centroids);
   auto d_nc = Upload(layout->n_clusters);
   auto d_off = Upload(layout->offsets);
   auto d_mem = Upload(layout->members);
-  UniformSelections uniform;
-  auto params_for = [&](int budget) {
-    ClusterKvSelectParams p;
-    p.batch = batch;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.head_dim = hd;
-    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
-    p.gqa = gqa;
-    p.query = d_query.data();
-    p.centroids = d_cent.data();
-    p.n_clusters = d_nc.data();
-    p.offsets = d_off.data();
-    p.members = d_mem.data();
-    p.max_clusters = layout->max_clusters;
-    p.max_members = layout->max_members;
-    p.cand = {d_begin.data(), d_end.data()};
-    p.out.budget = budget;
-    return p;
-  };
-  for (int budget : {1, 40, 256, 1024}) {
-    ClusterKvSelectParams p = params_for(budget);
-    auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
-    auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-    auto ws = DeviceBuffer<char>::Create(ClusterKvSelectWorkspaceBytes(p));
-    ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
-    ASSERT_EQ(cudaMemset(ids->data(), 0x7f, ids->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(counts->data(), 0x7f, counts->bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(ws->data(), 0xff, ws->bytes()), cudaSuccess);
-    p.out = {budget, ids->data(), counts->data()};
-    p.workspace = ws->data();
-    p.workspace_bytes = ws->bytes();
-    ASSERT_OK(ClusterKvSelect(p, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto h_ids = Download(*ids, batch * nkv * budget);
-    const auto h_counts = Download(*counts, batch * nkv);
-    uniform[budget] = {h_ids, h_counts};
-    auto cpu = [&](int b, Selection* sel) {
-      SelectRequest req;
-      req.query = query.data() + static_cast<size_t>(b) * nh * hd;
-      req.budget = budget;
-      req.n_sink = begin[b];
-      req.local_begin = end[b];
-      return indexes[b]->Select(req, sel);
-    };
-    SetAgreement agree;
-    CompareWithCpuSelect(h_ids, h_counts, budget, nkv, begin, end, cpu,
-                         "clusterkv d" + S(hd) + " budget " + S(budget), &agree);
-    if (::testing::Test::HasFatalFailure()) return;
-    ExpectAgreement("k=" + S(budget) + ": ", agree);
-  }
-  // Per-row budgets, as for quest.
-  const std::vector<int32_t> row_budgets = {256, 40, 1};
-  const int wide = 1024;
-  auto d_budgets = Upload(row_budgets);
-  ClusterKvSelectParams p = params_for(wide);
-  p.budgets = d_budgets.data();
-  auto ids = DeviceBuffer<int32_t>::Create(batch * nkv * wide);
-  auto counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-  auto ws = DeviceBuffer<char>::Create(ClusterKvSelectWorkspaceBytes(p));
-  ASSERT_TRUE(ids.ok() && counts.ok() && ws.ok());
-  p.out = {wide, ids->data(), counts->data()};
-  p.workspace = ws->data();
-  p.workspace_bytes = ws->bytes();
-  ASSERT_OK(ClusterKvSelect(p, nullptr));
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  ExpectRowsAsAtTheirBudget(Download(*ids, batch * nkv * wide), Download(*counts, batch * nkv),
-                            wide, nkv, row_budgets, uniform);
+  auto launch = Launcher<ClusterKvSelectParams>(
+      batch * nkv,
+      [&](int budget) {
+        auto p = CommonParams<ClusterKvSelectParams>(c, batch, in);
+        p.centroids = d_cent.data();
+        p.n_clusters = d_nc.data();
+        p.offsets = d_off.data();
+        p.members = d_mem.data();
+        p.max_clusters = layout->max_clusters;
+        p.max_members = layout->max_members;
+        p.out.budget = budget;
+        return p;
+      },
+      ClusterKvSelectWorkspaceBytes, ClusterKvSelect);
+  SelectSweep sweep = SweepOf("clusterkv d" + S(hd), c, query, cand, kPageBudgets, kPageBar);
+  sweep.row_budgets = {256, 40, 1};
+  sweep.wide = 1024;
+  RunSelectSweep(sweep, launch, SelectOn(cpu));
 }
 
 // ---- ExactSelect over paged keys --------------------------------------------------------------
@@ -661,8 +436,7 @@ void ExactPagedRow() {
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<uint16_t> keys(static_cast<size_t>(batch) * nkv * ctx * hd);
   for (uint16_t& k : keys) k = FloatToBf16(nd(rng));
-  std::vector<float> query(static_cast<size_t>(batch) * nh * hd);
-  for (float& q : query) q = nd(rng);
+  const std::vector<float> query = Normal(static_cast<size_t>(batch) * nh * hd, 1.f, nd, rng);
   // The pool: page i at i * page_bytes; (b, h)'s pages drawn from a shuffled order.
   const int64_t row_elems = 2 * hd, page_elems = int64_t{page_rows} * row_elems;
   const int n_pages = batch * nkv * pages_per_head;
@@ -687,20 +461,12 @@ void ExactPagedRow() {
   auto d_pages = Upload(pages);
   std::vector<kvr::cuda::KvPoolSlot> slots(batch, {d_pool.data(), page_elems * 2, page_rows, 0});
   auto d_slots = Upload(slots);
-  auto d_query = Upload(query);
-  const std::vector<int32_t> begin = {16, 16}, end = {ctx - 64, ctx - 500};
-  auto d_begin = Upload(begin);
-  auto d_end = Upload(end);
+  const DeviceInputs in = UploadInputs(query, {.begin = {16, 16}, .end = {ctx - 64, ctx - 500}});
   const int budget = 256;
-  std::vector<std::vector<int32_t>> ids(2), counts(2);
+  Selected out[2];
   for (int paged = 0; paged < 2; ++paged) {
-    ExactSelectParams p;
-    p.batch = batch;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.head_dim = hd;
-    p.scale = 1.f / std::sqrt(static_cast<float>(hd));
-    p.query = d_query.data();
+    ExactSelectParams p = CommonParams<ExactSelectParams>(
+        {KeyDType::kBf16, hd, nh, nkv, GqaAggregation::kSumSoftmax}, batch, in);
     p.keys.dtype = KeyDType::kBf16;
     if (paged == 1) {
       p.keys.pool = {d_slots.data(), d_pages.data(), pages_per_head, nkv};
@@ -711,27 +477,18 @@ void ExactPagedRow() {
       p.keys.head_stride = int64_t{ctx} * hd;
       p.keys.batch_stride = int64_t{nkv} * ctx * hd;
     }
-    p.cand = {d_begin.data(), d_end.data()};
     p.max_candidates = ctx;
-    p.out.budget = budget;
-    auto d_ids = DeviceBuffer<int32_t>::Create(batch * nkv * budget);
-    auto d_counts = DeviceBuffer<int32_t>::Create(batch * nkv);
-    auto ws = DeviceBuffer<char>::Create(ExactSelectWorkspaceBytes(p));
-    ASSERT_TRUE(d_ids.ok() && d_counts.ok() && ws.ok());
-    p.out = {budget, d_ids->data(), d_counts->data()};
-    p.workspace = ws->data();
-    p.workspace_bytes = ws->bytes();
-    ASSERT_OK(ExactSelect(p, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ids[paged] = Download(*d_ids, batch * nkv * budget);
-    counts[paged] = Download(*d_counts, batch * nkv);
+    LaunchSelector(p, budget, batch * nkv, ExactSelectWorkspaceBytes, ExactSelect, &out[paged]);
+    if (::testing::Test::HasFatalFailure()) return;
   }
-  EXPECT_EQ(counts[1], counts[0]);
-  EXPECT_EQ(ids[1], ids[0]);
-  EXPECT_EQ(counts[0][0], budget);
+  EXPECT_EQ(out[1].counts, out[0].counts);
+  EXPECT_EQ(out[1].ids, out[0].ids);
+  EXPECT_EQ(out[0].counts[0], budget);
   int64_t differ = 0;
-  for (size_t i = 0; i < ids[0].size(); ++i) differ += ids[1][i] != ids[0][i];
-  for (size_t i = 0; i < counts[0].size(); ++i) differ += counts[1][i] != counts[0][i];
+  for (size_t i = 0; i < out[0].ids.size(); ++i) differ += out[1].ids[i] != out[0].ids[i];
+  for (size_t i = 0; i < out[0].counts.size(); ++i) {
+    differ += out[1].counts[i] != out[0].counts[i];
+  }
   RecordMeasure("ids and counts != contiguous", static_cast<double>(differ), "0", differ == 0);
   // A paged view that does not fit the shape is refused.
   ExactSelectParams bad;
@@ -782,28 +539,29 @@ std::vector<ParityRow> SelectRows() {
                       "TopKIndices", "identical sets", [=] { TopKRow(budget, ties); }});
     }
   }
-  for (const ExactCase& c : {ExactCase{KeyDType::kBf16, 128, 32, 8, GqaAggregation::kSumSoftmax},
-                             ExactCase{KeyDType::kF16, 128, 32, 8, GqaAggregation::kSumSoftmax},
-                             ExactCase{KeyDType::kF32, 128, 32, 8, GqaAggregation::kSumSoftmax},
-                             ExactCase{KeyDType::kBf16, 64, 9, 3, GqaAggregation::kSumSoftmax},
-                             ExactCase{KeyDType::kF32, 64, 9, 3, GqaAggregation::kMaxLogit},
-                             ExactCase{KeyDType::kF16, 64, 8, 8, GqaAggregation::kSumLogit},
-                             ExactCase{KeyDType::kBf16, 128, 32, 4, GqaAggregation::kMaxLogit},
-                             ExactCase{KeyDType::kF32, 128, 32, 4, GqaAggregation::kSumSoftmax}}) {
+  using G = GqaAggregation;
+  for (const SelectCase& c : {SelectCase{KeyDType::kBf16, 128, 32, 8, G::kSumSoftmax},
+                              SelectCase{KeyDType::kF16, 128, 32, 8, G::kSumSoftmax},
+                              SelectCase{KeyDType::kF32, 128, 32, 8, G::kSumSoftmax},
+                              SelectCase{KeyDType::kBf16, 64, 9, 3, G::kSumSoftmax},
+                              SelectCase{KeyDType::kF32, 64, 9, 3, G::kMaxLogit},
+                              SelectCase{KeyDType::kF16, 64, 8, 8, G::kSumLogit},
+                              SelectCase{KeyDType::kBf16, 128, 32, 4, G::kMaxLogit},
+                              SelectCase{KeyDType::kF32, 128, 32, 4, G::kSumSoftmax}}) {
     rows.push_back({"ExactSelect", Name(c) + " k1,100,1024,2048", "registry exact index",
                     "sets equal but near-ties of the k-th score (1e-4)", [=] { ExactRow(c); }});
   }
-  const SelectShape shapes[] = {{128, 32, 8, GqaAggregation::kSumSoftmax},
-                                {64, 9, 3, GqaAggregation::kSumSoftmax},
-                                {64, 8, 4, GqaAggregation::kMaxLogit}};
-  for (const SelectShape& s : shapes) {
-    rows.push_back({"QuestSelect", ShapeName(s) + " k1,40,256,1024 + per-row", "quest index",
-                    ">= 90% rows identical, overlap >= 0.97", [=] { QuestRow(s); }});
-  }
-  for (const SelectShape& s : shapes) {
-    rows.push_back({"ClusterKvSelect", ShapeName(s) + " k1,40,256,1024 + per-row",
-                    "clusterkv index", ">= 90% rows identical, overlap >= 0.97",
-                    [=] { ClusterKvRow(s); }});
+  // quest and clusterkv read fp32 page bounds / centroids: the key dtype is not theirs.
+  const SelectCase shapes[] = {{KeyDType::kF32, 128, 32, 8, G::kSumSoftmax},
+                               {KeyDType::kF32, 64, 9, 3, G::kSumSoftmax},
+                               {KeyDType::kF32, 64, 8, 4, G::kMaxLogit}};
+  for (const auto& [kernel, reference, run] :
+       {std::tuple{"QuestSelect", "quest index", &QuestRow},
+        std::tuple{"ClusterKvSelect", "clusterkv index", &ClusterKvRow}}) {
+    for (const SelectCase& c : shapes) {
+      rows.push_back({kernel, ShapeName(c) + " k1,40,256,1024 + per-row", reference,
+                      ">= 90% rows identical, overlap >= 0.97", [c, run = run] { run(c); }});
+    }
   }
   rows.push_back({"ExactSelect", "paged bf16 d128 h8x2 pages of 64", "the same keys contiguous",
                   "identical ids", [] { ExactPagedRow(); }});

@@ -90,6 +90,18 @@ inline DeviceBuffer<char> Scratch(size_t bytes, int byte = kNanByte) {
   return Poisoned<char>(bytes, byte);
 }
 
+// Launches `launch(p)` with a workspace of workspace_bytes(p) bytes poisoned with `byte` (set
+// into p.workspace / p.workspace_bytes, freed on return) and waits for the device.
+template <typename P>
+void LaunchWithWorkspace(P& p, size_t (*workspace_bytes)(const P&),
+                         absl::Status (*launch)(const P&, cudaStream_t), int byte = kNanByte) {
+  auto ws = Scratch(workspace_bytes(p), byte);
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.bytes();
+  ASSERT_OK(launch(p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // ---- the selection contract -------------------------------------------------------------------
 
 // Checks one output row of a selector: 0 <= count <= budget; ids[0, count) in [lo, hi),
