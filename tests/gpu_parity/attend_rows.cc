@@ -22,15 +22,13 @@
 #include "kvr/retrieval/partial_attention.h"
 #include "parity.h"
 
-namespace kvr::retrieval::cuda {
+namespace kvr::gpu_parity {
 namespace {
 
-using kvr::cuda::DeviceBuffer;
-using kvr::cuda::PinnedBuffer;
-using kvr::cuda::testing::Download;
-using kvr::cuda::testing::RecordMeasure;
-using kvr::cuda::testing::Upload;
-using kvr::gpu_parity::ParityRow;
+using namespace kvr::retrieval;
+using namespace kvr::retrieval::cuda;
+using namespace kvr::cuda;  // DeviceBuffer, PinnedBuffer, CudaStream
+using namespace kvr::cuda::testing;
 
 template <typename T>
 T ValueOrDie(absl::StatusOr<T> v) {
@@ -291,7 +289,7 @@ void GatherAndAttendRow(const Case& param) {
   const size_t row_bytes = RowBytes(c.dtype, d);
   const int bh = c.batch * c.n_kv_heads;
 
-  auto stream = ValueOrDie(kvr::cuda::CudaStream::Create());
+  auto stream = ValueOrDie(CudaStream::Create());
   // The pool as the store pages it, in HBM and in mapped host memory.
   std::mt19937 page_rng(99);
   PagedPool paged;
@@ -435,7 +433,7 @@ void HotCacheRow(bool staged_slot, RowDType dtype) {
     for (int i = 0; i < bh; ++i) head_base[i] = static_cast<int64_t>(i) * n_pool;
     PagedPool paged;
     paged.Make(pool.bytes, head_base, n_rows, batch, n_kv, row_bytes, rng);
-    auto stream = ValueOrDie(kvr::cuda::CudaStream::Create());
+    auto stream = ValueOrDie(CudaStream::Create());
     auto h_pool =
         ValueOrDie(PinnedBuffer<uint8_t>::Create(paged.bytes.size(), cudaHostAllocMapped));
     std::memcpy(h_pool.data(), paged.bytes.data(), paged.bytes.size());
@@ -598,13 +596,8 @@ TEST(AttendContract, DecodeAttentionAndGatherRejectBadShapes) {
 }
 
 }  // namespace
-}  // namespace kvr::retrieval::cuda
-
-namespace kvr::gpu_parity {
 
 std::vector<ParityRow> AttendRows() {
-  using namespace kvr::retrieval;
-  using namespace kvr::retrieval::cuda;
   const Case cases[] = {// Llama-3-8B layer shape at a small budget.
                         Case{RowDType::kBf16, 128, 4, 4, 8, 512, 256, 4096},
                         Case{RowDType::kF16, 128, 4, 2, 8, 96, 1024, 8192},

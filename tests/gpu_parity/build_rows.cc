@@ -142,6 +142,19 @@ Batch MakeBatch(const Case& c, uint32_t seed) {
   return b;
 }
 
+// The parameters of a builder that reads the batch's keys: shape, key view, lengths.
+template <typename P>
+P KeysParams(const Batch& b) {
+  P p;
+  p.batch = static_cast<int>(b.c.lens.size());
+  p.n_kv_heads = b.c.n_kv_heads;
+  p.head_dim = b.c.head_dim;
+  p.keys = b.view;
+  p.seq_len = b.seq_len.data();
+  p.max_tokens = b.max_tokens;
+  return p;
+}
+
 TokenTensor CpuKeys(const Batch& b, size_t s) {
   return TokenTensor{b.cpu[s].data(), b.c.lens[s],
                      static_cast<int64_t>(b.c.n_kv_heads) * b.c.head_dim};
@@ -185,14 +198,8 @@ void QuestBoundsBitExact(const Case& c) {
     const int pages = (b.max_tokens + page - 1) / page;
     const int64_t stride = static_cast<int64_t>(pages) * nkv * 2 * d;
     auto bounds = Poisoned<float>(c.lens.size() * stride, kNanByte);
-    QuestBoundsParams p;
-    p.batch = static_cast<int>(c.lens.size());
-    p.n_kv_heads = nkv;
-    p.head_dim = d;
+    auto p = KeysParams<QuestBoundsParams>(b);
     p.page_size = page;
-    p.keys = b.view;
-    p.seq_len = b.seq_len.data();
-    p.max_tokens = b.max_tokens;
     p.bounds = bounds.data();
     p.bounds_batch_stride = stride;
     ASSERT_OK(QuestPageBounds(p, nullptr));
@@ -228,13 +235,7 @@ void KeyDiffScoresWithin1e5(const Case& c) {
   const int rows = static_cast<int>(c.lens.size()) * c.n_kv_heads;
   const int64_t stride = b.max_tokens + 3;
   auto scores = Poisoned<float>(rows * stride, kNanByte);
-  KeyDiffBuildParams p;
-  p.batch = static_cast<int>(c.lens.size());
-  p.n_kv_heads = c.n_kv_heads;
-  p.head_dim = c.head_dim;
-  p.keys = b.view;
-  p.seq_len = b.seq_len.data();
-  p.max_tokens = b.max_tokens;
+  auto p = KeysParams<KeyDiffBuildParams>(b);
   p.scores = scores.data();
   p.score_stride = stride;
   LaunchWithWorkspace(p, KeyDiffBuildWorkspaceBytes, KeyDiffBuild, kPoisonByte);
@@ -313,14 +314,8 @@ void A2atsIdsExactExceptNearTies(const Case& c) {
   for (AssignMath math : kMaths) {
     SCOPED_TRACE(MathName(math));
     auto ids = Poisoned<uint16_t>(rows * stride, kNanByte);
-    A2atsQuantiseParams p;
+    auto p = KeysParams<A2atsQuantiseParams>(b);
     p.math = math;
-    p.batch = static_cast<int>(c.lens.size());
-    p.n_kv_heads = c.n_kv_heads;
-    p.head_dim = c.head_dim;
-    p.keys = b.view;
-    p.seq_len = b.seq_len.data();
-    p.max_tokens = b.max_tokens;
     p.rope = rope;
     p.codebook_size = host->size;
     p.chol = chol.data();
@@ -899,25 +894,14 @@ void CtkvrGpuBuildThenGpuSelectMatchesCpu(const Case& c) {
         query[(static_cast<size_t>(s) * nh + qh) * d + k] =
             0.25f * b.cpu[s][(src * nkv + kvh) * d + k] + 0.5f * g(rng);
     }
-  std::vector<int32_t> begin(S), end(S);
-  for (int s = 0; s < S; ++s) {
-    begin[s] = static_cast<int32_t>(std::min<int64_t>(16, c.lens[s]));
-    end[s] = static_cast<int32_t>(std::max<int64_t>(begin[s], c.lens[s] - 3));
-  }
-  auto d_query = Upload(query);
-  auto d_begin = Upload(begin);
-  auto d_end = Upload(end);
+  const kvr::gpu_parity::Candidates cand =
+      kvr::gpu_parity::CandidatesOf(std::vector<int>(c.lens.begin(), c.lens.end()), 16, 3);
+  const auto in = kvr::gpu_parity::UploadInputs(query, cand);
   SetAgreement agree;  // over every budget
   for (int budget : {8, 32, 100}) {
-    CtkvrSelectParams p;
-    p.batch = S;
-    p.n_heads = nh;
-    p.n_kv_heads = nkv;
-    p.head_dim = d;
-    p.scale = 1.f / std::sqrt(static_cast<float>(d));
-    p.gqa = params.gqa;
+    auto p = kvr::gpu_parity::CommonParams<CtkvrSelectParams>({c.dtype, d, nh, nkv, params.gqa},
+                                                              S, in);
     p.n_recall = r.plan.n_recall;
-    p.query = d_query.data();
     p.centroids = r.d_centroids.data();
     p.n_centroids = r.d_nc.data();
     p.list_offsets = r.d_off.data();
@@ -927,7 +911,6 @@ void CtkvrGpuBuildThenGpuSelectMatchesCpu(const Case& c) {
     p.max_list_length = r.plan.max_list_length;
     p.max_tokens = b.max_tokens;
     p.keys = b.view;
-    p.cand = {d_begin.data(), d_end.data()};
     kvr::gpu_parity::Selected got;
     kvr::gpu_parity::LaunchSelector(p, budget, S * nkv, CtkvrSelectWorkspaceBytes, CtkvrSelect,
                                     &got, kPoisonByte);
@@ -936,11 +919,11 @@ void CtkvrGpuBuildThenGpuSelectMatchesCpu(const Case& c) {
       SelectRequest req;
       req.query = query.data() + static_cast<size_t>(s) * nh * d;
       req.budget = budget;
-      req.n_sink = begin[s];
-      req.local_begin = end[s];
+      req.n_sink = cand.begin[s];
+      req.local_begin = cand.end[s];
       return r.cpu.owned[s]->Select(req, sel);
     };
-    kvr::gpu_parity::CompareWithCpuSelect(got.ids, got.counts, budget, nkv, begin, end, cpu,
+    kvr::gpu_parity::CompareWithCpuSelect(got.ids, got.counts, budget, nkv, cand.begin, cand.end, cpu,
                                           c.Name() + " budget " + std::to_string(budget), &agree);
     if (::testing::Test::HasFatalFailure()) return;
   }

@@ -34,12 +34,12 @@
 #include "parity.h"
 #include "select_sweep.h"
 
-namespace kvr::retrieval::cuda {
+namespace kvr::gpu_parity {
 namespace {
 
+using namespace kvr::retrieval;
+using namespace kvr::retrieval::cuda;
 using namespace kvr::cuda::testing;
-using namespace kvr::gpu_parity;
-using kvr::cuda::DeviceBuffer;
 
 // The bar of every quantised selector: recall >= 0.99, identical sets on >= 90% of the rows.
 const AgreementBar kQuantBar{"recall", 0.99};
@@ -150,9 +150,8 @@ void ParisKvSelectRow(const SelectCase& c) {
   auto d_counts = Upload(layout->counts);
   auto d_ntok = Upload(layout->n_tokens);
   auto launch = Launcher<ParisKvSelectParams>(
-      batch * nkv,
-      [&](int) {
-        auto p = CommonParams<ParisKvSelectParams>(c, batch, in);
+      c, batch, in,
+      [&](ParisKvSelectParams& p) {
         p.codec = layout->codec;
         p.codes = d_codes.data();
         p.weights = d_weights.data();
@@ -160,7 +159,6 @@ void ParisKvSelectRow(const SelectCase& c) {
         p.n_tokens = d_ntok.data();
         p.max_tokens = layout->max_tokens;
         p.max_candidates = cand.max_candidates;
-        return p;
       },
       ParisKvSelectWorkspaceBytes, ParisKvSelect);
   RunSelectSweep(Sweep("pariskv", c, query, cand), launch, SelectOn(cpu));
@@ -223,9 +221,8 @@ void CtkvrSelectRow(const SelectCase& c) {
   auto d_lists = Upload(layout->lists);
   auto d_keys = Upload(layout->keys);
   auto launch = Launcher<CtkvrSelectParams>(
-      batch * nkv,
-      [&](int) {
-        auto p = CommonParams<CtkvrSelectParams>(c, batch, in);
+      c, batch, in,
+      [&](CtkvrSelectParams& p) {
         p.n_recall = layout->n_recall;
         p.centroids = d_cent.data();
         p.n_centroids = d_nc.data();
@@ -240,7 +237,6 @@ void CtkvrSelectRow(const SelectCase& c) {
         p.keys.token_stride = static_cast<int64_t>(nkv) * hd;
         p.keys.head_stride = hd;
         p.keys.batch_stride = static_cast<int64_t>(layout->max_tokens) * nkv * hd;
-        return p;
       },
       CtkvrSelectWorkspaceBytes, CtkvrSelect);
   RunSelectSweep(Sweep("ctkvr", c, query, cand), launch, SelectOn(cpu));
@@ -305,9 +301,8 @@ void A2atsSelectRow(const SelectCase& c) {
   auto d_ids = Upload(layout->ids);
   auto d_ntok = Upload(layout->n_tokens);
   auto launch = Launcher<A2atsSelectParams>(
-      batch * nkv,
-      [&](int) {
-        auto p = CommonParams<A2atsSelectParams>(c, batch, in);
+      c, batch, in,
+      [&](A2atsSelectParams& p) {
         p.rope = layout->rope;
         p.wrope_offset = layout->wrope_offset;
         p.codebook_size = layout->codebook_size;
@@ -318,7 +313,6 @@ void A2atsSelectRow(const SelectCase& c) {
         p.n_tokens = d_ntok.data();
         p.max_tokens = layout->max_tokens;
         p.max_candidates = cand.max_candidates;
-        return p;
       },
       A2atsSelectWorkspaceBytes, A2atsSelect);
   SelectSweep sweep = Sweep("a2ats", c, query, cand);
@@ -361,13 +355,8 @@ TEST_F(QuantSelectContract, LaunchersRejectBadShapes) {
 }
 
 }  // namespace
-}  // namespace kvr::retrieval::cuda
-
-namespace kvr::gpu_parity {
 
 std::vector<ParityRow> QuantSelectRows() {
-  using namespace kvr::retrieval;
-  using namespace kvr::retrieval::cuda;
   std::vector<ParityRow> rows;
   for (const auto& [hd, m] : {std::tuple{128, 8}, std::tuple{64, 8}, std::tuple{128, 4},
                               std::tuple{64, 4}, std::tuple{64, 2}}) {

@@ -32,11 +32,12 @@
 #include "parity.h"
 #include "select_sweep.h"
 
-namespace kvr::retrieval::cuda {
+namespace kvr::gpu_parity {
 namespace {
 
+using namespace kvr::retrieval;
+using namespace kvr::retrieval::cuda;
 using namespace kvr::cuda::testing;
-using namespace kvr::gpu_parity;
 using kvr::cuda::DeviceBuffer;
 
 std::string S(int64_t v) { return std::to_string(v); }
@@ -247,16 +248,14 @@ void ExactRow(const SelectCase& c) {
       nullptr, &cpu);
   if (::testing::Test::HasFatalFailure()) return;
   auto launch = Launcher<ExactSelectParams>(
-      batch * nkv,
-      [&](int) {
-        auto p = CommonParams<ExactSelectParams>(c, batch, in);
+      c, batch, in,
+      [&](ExactSelectParams& p) {
         p.keys.data = key_ptr;
         p.keys.dtype = c.dtype;
         p.keys.token_stride = hd;
         p.keys.head_stride = static_cast<int64_t>(max_ctx) * hd;
         p.keys.batch_stride = static_cast<int64_t>(nkv) * max_ctx * hd;
         p.max_candidates = cand.max_candidates;
-        return p;
       },
       ExactSelectWorkspaceBytes, ExactSelect);
 
@@ -354,14 +353,12 @@ void QuestRow(const SelectCase& c) {
                   nullptr, &cpu);
   if (::testing::Test::HasFatalFailure()) return;
   auto launch = Launcher<QuestSelectParams>(
-      batch * nkv,
-      [&](int) {
-        auto p = CommonParams<QuestSelectParams>(c, batch, in);
+      c, batch, in,
+      [&](QuestSelectParams& p) {
         p.page_size = ps;
         p.bounds = d_bounds.data();
         p.bounds_batch_stride = batch_stride;
         p.max_candidates = cand.max_candidates;
-        return p;
       },
       QuestSelectWorkspaceBytes, QuestSelect);
   SelectSweep sweep =
@@ -404,17 +401,14 @@ void ClusterKvRow(const SelectCase& c) {
   auto d_off = Upload(layout->offsets);
   auto d_mem = Upload(layout->members);
   auto launch = Launcher<ClusterKvSelectParams>(
-      batch * nkv,
-      [&](int budget) {
-        auto p = CommonParams<ClusterKvSelectParams>(c, batch, in);
+      c, batch, in,
+      [&](ClusterKvSelectParams& p) {
         p.centroids = d_cent.data();
         p.n_clusters = d_nc.data();
         p.offsets = d_off.data();
         p.members = d_mem.data();
         p.max_clusters = layout->max_clusters;
         p.max_members = layout->max_members;
-        p.out.budget = budget;
-        return p;
       },
       ClusterKvSelectWorkspaceBytes, ClusterKvSelect);
   SelectSweep sweep = SweepOf("clusterkv d" + S(hd), c, query, cand, kPageBudgets, kPageBar);
@@ -520,13 +514,8 @@ TEST_F(SelectContract, ExactSelectRejectsBadShapes) {
 }
 
 }  // namespace
-}  // namespace kvr::retrieval::cuda
-
-namespace kvr::gpu_parity {
 
 std::vector<ParityRow> SelectRows() {
-  using namespace kvr::retrieval;
-  using namespace kvr::retrieval::cuda;
   std::vector<ParityRow> rows;
   for (int budget : {1, 16, 255, 1024, 4096}) {
     for (int ties : {0, 1, 2}) {

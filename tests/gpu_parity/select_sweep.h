@@ -185,17 +185,17 @@ void LaunchSelector(P p, int budget, int rows, size_t (*workspace_bytes)(const P
 // One launch at `budget`, with per-row budgets (device [batch]) or none, into `out`.
 using SelectLaunch = std::function<void(int budget, const int32_t* row_budgets, Selected* out)>;
 
-// The launch of a selector whose parameters at a budget are `params(budget)`; per-row budgets go
-// to P::budgets where the selector has them.
+// The launch of a selector over a batch: CommonParams, then `set(p)` adds the selector's own
+// inputs; per-row budgets go to P::budgets where the selector has them. `in` must outlive it.
 template <typename P>
-SelectLaunch Launcher(int rows, std::function<P(int budget)> params,
-                      size_t (*workspace_bytes)(const P&),
-                      absl::Status (*select)(const P&, cudaStream_t),
-                      int workspace_byte = kvr::cuda::testing::kNanByte) {
-  return [=](int budget, const int32_t* row_budgets, Selected* out) {
-    P p = params(budget);
+SelectLaunch Launcher(const SelectCase& c, int batch, const DeviceInputs& in,
+                      std::function<void(P&)> set, size_t (*workspace_bytes)(const P&),
+                      absl::Status (*select)(const P&, cudaStream_t)) {
+  return [=, &in](int budget, const int32_t* row_budgets, Selected* out) {
+    P p = CommonParams<P>(c, batch, in);
+    set(p);
     if constexpr (requires(P& q) { q.budgets; }) p.budgets = row_budgets;
-    LaunchSelector(p, budget, rows, workspace_bytes, select, out, workspace_byte);
+    LaunchSelector(p, budget, batch * c.nkv, workspace_bytes, select, out);
   };
 }
 
