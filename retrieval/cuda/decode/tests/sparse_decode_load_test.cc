@@ -32,13 +32,8 @@
 namespace kvr::model {
 namespace {
 
-using retrieval::cuda::SparseClusterHead;
-using retrieval::cuda::SparseDecodeOptions;
-using retrieval::cuda::SparseHostKvBuffer;
-using retrieval::cuda::SparseMethod;
-using retrieval::cuda::SparseSequenceOptions;
-
 using namespace cuda_test;
+using namespace retrieval::cuda;  // SparseDecodeOptions, SparseClusterHead ...
 
 uint16_t Bf16Bits(float f) {  // f is a widened bf16 value: the top half is exact
   uint32_t u;

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -37,13 +38,8 @@
 namespace kvr::model {
 namespace {
 
-using retrieval::cuda::SparseDecodeOptions;
-using retrieval::cuda::SparseLayerSnapshot;
-using retrieval::cuda::SparseMethod;
-using retrieval::cuda::SparseSequenceOptions;
-using retrieval::cuda::SparseStats;
-
 using namespace cuda_test;
+using namespace retrieval::cuda;  // SparseDecodeOptions, SparseMethod, SparseStats ...
 
 struct Worst {
   double cosine = 1, ratio = 0;
@@ -166,22 +162,24 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
   ASSERT_TRUE(sp.ReleaseSequence(201).ok());
 }
 
-TEST(CudaSparseTest, Llama3QuestFullBudgetMatchesDense) {
+// The full-budget cases: (name, dummy shape, layers (0: the shape's own), method).
+using FullBudgetCase = std::tuple<std::string, std::string, int, SparseMethod>;
+class CudaSparseFullBudgetTest : public ::testing::TestWithParam<FullBudgetCase> {};
+
+TEST_P(CudaSparseFullBudgetTest, MatchesDense) {
   SKIP_WITHOUT_GPU();
-  CheckFullBudget("llama3-8b", 2, SparseMethod::kQuest);
+  const auto& [name, shape, n_layers, method] = GetParam();
+  CheckFullBudget(shape, n_layers, method);
 }
-TEST(CudaSparseTest, Llama3ClusterKvFullBudgetMatchesDense) {
-  SKIP_WITHOUT_GPU();
-  CheckFullBudget("llama3-8b", 2, SparseMethod::kClusterKv);
-}
-TEST(CudaSparseTest, Smollm2QuestFullBudgetMatchesDense) {
-  SKIP_WITHOUT_GPU();
-  CheckFullBudget("smollm2-135m", 0, SparseMethod::kQuest);
-}
-TEST(CudaSparseTest, Smollm2ClusterKvFullBudgetMatchesDense) {
-  SKIP_WITHOUT_GPU();
-  CheckFullBudget("smollm2-135m", 0, SparseMethod::kClusterKv);
-}
+
+INSTANTIATE_TEST_SUITE_P(
+    CudaSparseTest, CudaSparseFullBudgetTest,
+    ::testing::Values(FullBudgetCase{"Llama3Quest", "llama3-8b", 2, SparseMethod::kQuest},
+                      FullBudgetCase{"Llama3ClusterKv", "llama3-8b", 2, SparseMethod::kClusterKv},
+                      FullBudgetCase{"Smollm2Quest", "smollm2-135m", 0, SparseMethod::kQuest},
+                      FullBudgetCase{"Smollm2ClusterKv", "smollm2-135m", 0,
+                                     SparseMethod::kClusterKv}),
+    [](const ::testing::TestParamInfo<FullBudgetCase>& info) { return std::get<0>(info.param); });
 
 // Benchmark fill + small budget: runs, stays finite, reports; errors for misuse.
 TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
