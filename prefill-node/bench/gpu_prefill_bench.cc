@@ -38,6 +38,7 @@
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
 #include "kvr/retrieval/all_methods.h"
+#include "one_store.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -61,17 +62,6 @@ class DiscardOpener final : public HandoffOpener {
   absl::StatusOr<std::unique_ptr<HandoffSink>> Open(const cv1::NodeRef&, absl::Time) override {
     return std::make_unique<Sink>();
   }
-};
-
-class OneStore final : public StoreClients {
- public:
-  explicit OneStore(kv_store::KvStoreClient* client) : client_(client) {}
-  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(const cv1::NodeRef&) override {
-    return std::shared_ptr<kv_store::KvStoreClient>(std::shared_ptr<void>(), client_);  // unowned
-  }
-
- private:
-  kv_store::KvStoreClient* client_;
 };
 
 // The fake store, except that a put completes at once without copying the rows.
