@@ -38,7 +38,7 @@
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
 #include "kvr/retrieval/all_methods.h"
-#include "one_store.h"
+#include "engine_fakes.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -149,13 +149,9 @@ class Timing final : public PrefillObserver {
 };
 
 // A PrefillBackend that forwards to another and records when its Prefill returned.
-class TimedBackend final : public PrefillBackend {
+class TimedBackend final : public ForwardingBackend {
  public:
-  explicit TimedBackend(std::unique_ptr<PrefillBackend> inner) : inner_(std::move(inner)) {}
-  const model::ModelConfig& config() const override { return inner_->config(); }
-  std::string name() const override { return inner_->name(); }
-  bool SupportsPrefix() const override { return inner_->SupportsPrefix(); }
-  int64_t ChunkTokens(int64_t requested) const override { return inner_->ChunkTokens(requested); }
+  using ForwardingBackend::ForwardingBackend;
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     // The time in the engine's prefix loader (store reads and re-layout), per call.
@@ -171,16 +167,13 @@ class TimedBackend final : public PrefillBackend {
       };
     }
     const auto start = Clock::now();
-    auto r = inner_->Prefill(timed, rows);
+    auto r = ForwardingBackend::Prefill(timed, rows);
     forward_end = Clock::now();
     prefill_ms = Ms(forward_end - start);
     return r;
   }
   Clock::time_point forward_end;
   double load_ms = 0, prefill_ms = 0;
-
- private:
-  std::unique_ptr<PrefillBackend> inner_;
 };
 
 int Main(int argc, char** argv) {

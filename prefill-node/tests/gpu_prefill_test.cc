@@ -42,7 +42,7 @@
 #include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/serialization.h"
-#include "one_store.h"
+#include "engine_fakes.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -162,14 +162,9 @@ model::CudaModelOptions OneSequence(int64_t chunk) {
 // Forwards to another backend and counts the layer tasks that carried a summary the backend
 // built (LayerTask::summary): with gpu_summaries, quest's and clusterkv's must all come from the
 // GPU, or the comparisons below would compare the CPU build with itself.
-class SummaryCountingBackend final : public PrefillBackend {
+class SummaryCountingBackend final : public ForwardingBackend {
  public:
-  explicit SummaryCountingBackend(std::unique_ptr<PrefillBackend> inner)
-      : inner_(std::move(inner)) {}
-  const model::ModelConfig& config() const override { return inner_->config(); }
-  std::string name() const override { return inner_->name(); }
-  bool SupportsPrefix() const override { return inner_->SupportsPrefix(); }
-  int64_t ChunkTokens(int64_t requested) const override { return inner_->ChunkTokens(requested); }
+  using ForwardingBackend::ForwardingBackend;
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     PrefillCall counted = call;
@@ -177,12 +172,9 @@ class SummaryCountingBackend final : public PrefillBackend {
       if (task.summary) ++built;
       call.on_layer(std::move(task));
     };
-    return inner_->Prefill(counted, rows);
+    return ForwardingBackend::Prefill(counted, rows);
   }
   std::atomic<int> built{0};
-
- private:
-  std::unique_ptr<PrefillBackend> inner_;
 };
 
 // The tests' request: the prompt `ids` with `method` at budget 16, sink 4, window 32, 8 tokens.

@@ -17,7 +17,7 @@
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/all_methods.h"
-#include "one_store.h"
+#include "engine_fakes.h"
 
 namespace kvr::prefill_node {
 namespace {

@@ -323,34 +323,20 @@ void A2atsSelectRow(const SelectCase& c) {
 class QuantSelectContract : public kvr::cuda::testing::GpuTest {};
 
 TEST_F(QuantSelectContract, LaunchersRejectBadShapes) {
-  ParisKvSelectParams pk;
-  pk.batch = 1;
-  pk.n_heads = 32;
-  pk.n_kv_heads = 8;
+  auto pk = ContractParams<ParisKvSelectParams>();
   pk.codec.head_dim = 96;
   pk.codec.padded_dim = 128;
-  pk.out.budget = 16;
   EXPECT_EQ(ParisKvSelect(pk, nullptr).code(), absl::StatusCode::kInvalidArgument);
   pk.codec.head_dim = 128;
   pk.codec.subspace_dim = 2;  // P / m = 64 lanes: unsupported
   EXPECT_EQ(ParisKvSelect(pk, nullptr).code(), absl::StatusCode::kInvalidArgument);
   pk.codec.subspace_dim = 8;
   EXPECT_EQ(ParisKvSelect(pk, nullptr).code(), absl::StatusCode::kInvalidArgument);  // null ptrs
-  CtkvrSelectParams ck;
-  ck.batch = 1;
-  ck.n_heads = 32;
-  ck.n_kv_heads = 8;
-  ck.head_dim = 128;
+  auto ck = ContractParams<CtkvrSelectParams>();
   ck.n_recall = 64;
-  ck.out.budget = 16;
   EXPECT_EQ(CtkvrSelect(ck, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  A2atsSelectParams ak;
-  ak.batch = 1;
-  ak.n_heads = 32;
-  ak.n_kv_heads = 8;
-  ak.head_dim = 128;
+  auto ak = ContractParams<A2atsSelectParams>();
   ak.codebook_size = 100000;
-  ak.out.budget = 16;
   EXPECT_EQ(A2atsSelect(ak, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 

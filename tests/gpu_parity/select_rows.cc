@@ -499,12 +499,8 @@ void ExactPagedRow() {
 class SelectContract : public kvr::cuda::testing::GpuTest {};
 
 TEST_F(SelectContract, ExactSelectRejectsBadShapes) {
-  ExactSelectParams p;
-  p.batch = 1;
-  p.n_heads = 32;
-  p.n_kv_heads = 8;
+  auto p = ContractParams<ExactSelectParams>();
   p.head_dim = 96;
-  p.out.budget = 16;
   EXPECT_EQ(ExactSelect(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
   p.head_dim = 128;
   p.out.budget = kMaxBudget + 1;

@@ -109,19 +109,17 @@ inline std::vector<float> Normal(size_t n, float scale, std::normal_distribution
   return v;
 }
 
-// Keys with topic structure from given topics [32, hd]: token t of KV head h is
-// topics[(t / 40 + 7 h + salt) % 32] + 0.7 N(0, 1); [n, nkv, hd] token-major.
-inline std::vector<float> TopicKeysFrom(const std::vector<float>& topics, int n, int nkv, int hd,
-                                        int salt, std::normal_distribution<float>& nd,
-                                        std::mt19937& rng) {
-  std::vector<float> keys(static_cast<size_t>(n) * nkv * hd);
-  for (int t = 0; t < n; ++t)
-    for (int h = 0; h < nkv; ++h) {
-      const int topic = (t / 40 + h * 7 + salt) % 32;
-      for (int d = 0; d < hd; ++d)
-        keys[(static_cast<size_t>(t) * nkv + h) * hd + d] = topics[topic * hd + d] + 0.7f * nd(rng);
-    }
-  return keys;
+// The shape the contract tests hand a launcher before breaking one field: batch 1, 32 heads over
+// 8 KV heads, head_dim 128 (where P has it), budget 16, no buffers.
+template <typename P>
+P ContractParams() {
+  P p;
+  p.batch = 1;
+  p.n_heads = 32;
+  p.n_kv_heads = 8;
+  if constexpr (requires(P& q) { q.head_dim; }) p.head_dim = 128;
+  p.out.budget = 16;
+  return p;
 }
 
 // One CPU index per sequence of a batch, and their views for the *LayoutFromIndexes helpers.

@@ -206,12 +206,12 @@ inline std::vector<float> RandomUniform(size_t n, float lo, float hi, uint32_t s
   return v;
 }
 
-// Keys with topic structure (32 topics, 40-token runs, noise), so that attention scores spread
-// like real keys': [n, nkv, hd] token-major. Draws the topics, then the noise, from `rng`.
-inline std::vector<float> TopicKeys(int n, int nkv, int hd, std::mt19937& rng, int salt) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> topics(static_cast<size_t>(32) * hd);
-  for (float& x : topics) x = nd(rng);
+// Keys with topic structure from given topics [32, hd]: token t of KV head h is
+// topics[(t / 40 + 7 h + salt) % 32] + 0.7 N(0, 1), the noise drawn with `nd` from `rng`;
+// [n, nkv, hd] token-major.
+inline std::vector<float> TopicKeysFrom(const std::vector<float>& topics, int n, int nkv, int hd,
+                                        int salt, std::normal_distribution<float>& nd,
+                                        std::mt19937& rng) {
   std::vector<float> keys(static_cast<size_t>(n) * nkv * hd);
   for (int t = 0; t < n; ++t)
     for (int h = 0; h < nkv; ++h) {
@@ -220,6 +220,15 @@ inline std::vector<float> TopicKeys(int n, int nkv, int hd, std::mt19937& rng, i
         keys[(static_cast<size_t>(t) * nkv + h) * hd + d] = topics[topic * hd + d] + 0.7f * nd(rng);
     }
   return keys;
+}
+
+// Keys with topic structure (32 topics, 40-token runs, noise), so that attention scores spread
+// like real keys': [n, nkv, hd] token-major. Draws the topics, then the noise, from `rng`.
+inline std::vector<float> TopicKeys(int n, int nkv, int hd, std::mt19937& rng, int salt) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> topics(static_cast<size_t>(32) * hd);
+  for (float& x : topics) x = nd(rng);
+  return TopicKeysFrom(topics, n, nkv, hd, salt, nd, rng);
 }
 
 // ---- parity measurements ----------------------------------------------------------------------
