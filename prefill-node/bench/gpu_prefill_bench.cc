@@ -32,13 +32,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "engine_fakes.h"
 #include "kvr/common/status.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
 #include "kvr/retrieval/all_methods.h"
-#include "engine_fakes.h"
 
 namespace kvr::prefill_node {
 namespace {

@@ -25,6 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda_test_util.h"
+#include "engine_fakes.h"
 #include "gtest/gtest.h"
 #include "kvr/common/half.h"
 #include "kvr/common/paths.h"
@@ -42,7 +43,6 @@
 #include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/serialization.h"
-#include "engine_fakes.h"
 
 namespace kvr::prefill_node {
 namespace {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "engine_fakes.h"
 #include "kvr/common/half.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/status.h"
@@ -17,7 +18,6 @@
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/all_methods.h"
-#include "engine_fakes.h"
 
 namespace kvr::prefill_node {
 namespace {

@@ -747,11 +747,12 @@ void RunCtkvr(const Batch& b, const IndexParams& params, int nq, int chunk, bool
   out->offsets = Download(out->d_off, static_cast<size_t>(rows) * (C + 1));
   out->lists = Download(out->d_lists, static_cast<size_t>(rows) * E);
 
-  BuildOnBatch("ctkvr", ShapeOf(c), params, b, &out->cpu,
-               [&](int s, const std::vector<float>&, BuildInput* in) {
-                 in->queries = TokenTensor{out->queries[s].data(), nq, static_cast<int64_t>(nh) * d};
-                 in->queries_first_position = std::max<int64_t>(0, c.lens[s] - nq);
-               });
+  BuildOnBatch(
+      "ctkvr", ShapeOf(c), params, b, &out->cpu,
+      [&](int s, const std::vector<float>&, BuildInput* in) {
+        in->queries = TokenTensor{out->queries[s].data(), nq, static_cast<int64_t>(nh) * d};
+        in->queries_first_position = std::max<int64_t>(0, c.lens[s] - nq);
+      });
 }
 
 // Log of the CPU's score (max over the group of the softmax probability), in double, of every
@@ -899,8 +900,8 @@ void CtkvrGpuBuildThenGpuSelectMatchesCpu(const Case& c) {
   const auto in = kvr::gpu_parity::UploadInputs(query, cand);
   SetAgreement agree;  // over every budget
   for (int budget : {8, 32, 100}) {
-    auto p = kvr::gpu_parity::CommonParams<CtkvrSelectParams>({c.dtype, d, nh, nkv, params.gqa},
-                                                              S, in);
+    auto p =
+        kvr::gpu_parity::CommonParams<CtkvrSelectParams>({c.dtype, d, nh, nkv, params.gqa}, S, in);
     p.n_recall = r.plan.n_recall;
     p.centroids = r.d_centroids.data();
     p.n_centroids = r.d_nc.data();
@@ -923,8 +924,9 @@ void CtkvrGpuBuildThenGpuSelectMatchesCpu(const Case& c) {
       req.local_begin = cand.end[s];
       return r.cpu.owned[s]->Select(req, sel);
     };
-    kvr::gpu_parity::CompareWithCpuSelect(got.ids, got.counts, budget, nkv, cand.begin, cand.end, cpu,
-                                          c.Name() + " budget " + std::to_string(budget), &agree);
+    kvr::gpu_parity::CompareWithCpuSelect(got.ids, got.counts, budget, nkv, cand.begin, cand.end,
+                                          cpu, c.Name() + " budget " + std::to_string(budget),
+                                          &agree);
     if (::testing::Test::HasFatalFailure()) return;
   }
   std::printf(

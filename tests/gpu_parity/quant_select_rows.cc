@@ -69,8 +69,9 @@ void ParisKvEncodeRow(int hd, int m) {
   IndexParams params;
   params.options["pariskv.subspace_dim"] = std::to_string(m);
   CpuIndexes cpu;
-  BuildCpuIndexes("pariskv", ShapeOf(nkv * 2, nkv, hd), params, {n_first}, n - n_first,
-                  [&](int) { return keys; }, nullptr, &cpu);
+  BuildCpuIndexes(
+      "pariskv", ShapeOf(nkv * 2, nkv, hd), params, {n_first}, n - n_first,
+      [&](int) { return keys; }, nullptr, &cpu);
   if (::testing::Test::HasFatalFailure()) return;
   auto layout = ParisKvLayoutFromIndexes(cpu.views);
   ASSERT_TRUE(layout.ok()) << layout.status();
@@ -353,15 +354,17 @@ std::vector<ParityRow> QuantSelectRows() {
   }
   using G = GqaAggregation;
   constexpr KeyDType kF32 = KeyDType::kF32;  // the quantised selectors read no key dtype
-  for (const SelectCase& c : {SelectCase{kF32, 128, 32, 8, G::kSumSoftmax, 8},
-                              SelectCase{kF32, 64, 9, 3, G::kSumSoftmax, 8},
-                              SelectCase{kF32, 64, 8, 4, G::kMaxLogit, 4},
-                              SelectCase{kF32, 128, 32, 4, G::kSumLogit, 8}}) {
+  for (const SelectCase& c :
+       {SelectCase{kF32, 128, 32, 8, G::kSumSoftmax, 8},
+        SelectCase{kF32, 64, 9, 3, G::kSumSoftmax, 8}, SelectCase{kF32, 64, 8, 4, G::kMaxLogit, 4},
+        SelectCase{kF32, 128, 32, 4, G::kSumLogit, 8}}) {
     rows.push_back({"ParisKvSelect", ShapeName(c) + " k1,64,256,1024", "pariskv index",
                     "recall >= 0.99, >= 90% rows identical", [=] { ParisKvSelectRow(c); }});
   }
-  const SelectCase shapes[] = {{kF32, 128, 32, 8, G::kSumSoftmax}, {kF32, 64, 9, 3, G::kSumSoftmax},
-                               {kF32, 64, 8, 4, G::kMaxLogit}, {kF32, 128, 32, 4, G::kSumLogit}};
+  const SelectCase shapes[] = {{kF32, 128, 32, 8, G::kSumSoftmax},
+                               {kF32, 64, 9, 3, G::kSumSoftmax},
+                               {kF32, 64, 8, 4, G::kMaxLogit},
+                               {kF32, 128, 32, 4, G::kSumLogit}};
   for (const auto& [kernel, reference, run] :
        {std::tuple{"CtkvrSelect", "ctkvr index", &CtkvrSelectRow},
         std::tuple{"A2atsSelect", "a2ats index", &A2atsSelectRow}}) {

@@ -284,10 +284,10 @@ void ExactRow(const SelectCase& c) {
         const auto& want = sel.per_head[h];
         ASSERT_EQ(got.size(), want.size()) << where;
         if (got == want) continue;
-        const std::vector<double> agg = AggregatedScores(
-            query.data() + (static_cast<size_t>(b) * nh + h * group) * hd,
-            cand.end[b] - cand.begin[b], group, hd, scale, c.gqa,
-            [&](int i) { return key_at(b, h, cand.begin[b] + i); });
+        const std::vector<double> agg =
+            AggregatedScores(query.data() + (static_cast<size_t>(b) * nh + h * group) * hd,
+                             cand.end[b] - cand.begin[b], group, hd, scale, c.gqa,
+                             [&](int i) { return key_at(b, h, cand.begin[b] + i); });
         const int diff = NearTieDiff(got, want, agg, cand.begin[b], where, &far_tokens);
         const int max_diff = std::max<int>(1, static_cast<int>(got.size() / 100));
         EXPECT_LE(diff, max_diff) << where;
@@ -349,8 +349,8 @@ void QuestRow(const SelectCase& c) {
   params.gqa = c.gqa;
   params.quest.page_size = ps;
   CpuIndexes cpu;
-  BuildCpuIndexes("quest", ShapeOf(nh, nkv, hd), params, ctx, 0, [&](int b) { return keys[b]; },
-                  nullptr, &cpu);
+  BuildCpuIndexes(
+      "quest", ShapeOf(nh, nkv, hd), params, ctx, 0, [&](int b) { return keys[b]; }, nullptr, &cpu);
   if (::testing::Test::HasFatalFailure()) return;
   auto launch = Launcher<QuestSelectParams>(
       c, batch, in,
@@ -386,8 +386,8 @@ void ClusterKvRow(const SelectCase& c) {
   CpuIndexes cpu;
   BuildCpuIndexes(
       "clusterkv", ShapeOf(nh, nkv, hd), params, ctx, n_append,
-      [&](int b) { return TopicKeysFrom(topics, ctx[b] + n_append, nkv, hd, b, nd, rng); },
-      nullptr, &cpu);
+      [&](int b) { return TopicKeysFrom(topics, ctx[b] + n_append, nkv, hd, b, nd, rng); }, nullptr,
+      &cpu);
   if (::testing::Test::HasFatalFailure()) return;
   auto layout = ClusterKvLayoutFromIndexes(cpu.views);
   ASSERT_TRUE(layout.ok()) << layout.status();

@@ -93,7 +93,7 @@ P CommonParams(const SelectCase& c, int batch, const DeviceInputs& in) {
   p.batch = batch;
   p.n_heads = c.nh;
   p.n_kv_heads = c.nkv;
-  if constexpr (requires(P& q) { q.head_dim; }) p.head_dim = c.hd;
+  if constexpr (requires(P & q) { q.head_dim; }) p.head_dim = c.hd;
   p.scale = 1.f / std::sqrt(static_cast<float>(c.hd));
   p.gqa = c.gqa;
   p.query = in.query.data();
@@ -117,7 +117,7 @@ P ContractParams() {
   p.batch = 1;
   p.n_heads = 32;
   p.n_kv_heads = 8;
-  if constexpr (requires(P& q) { q.head_dim; }) p.head_dim = 128;
+  if constexpr (requires(P & q) { q.head_dim; }) p.head_dim = 128;
   p.out.budget = 16;
   return p;
 }
@@ -132,13 +132,12 @@ struct CpuIndexes {
 // keys; it is built on the first n_build[b] (`prefill(b, keys, &in)`, when given, adds the
 // prefill queries; what it points to must outlive the call), then appended the remaining
 // n_append (none: no Append).
-inline void BuildCpuIndexes(
-    const std::string& method, const retrieval::IndexShape& shape,
-    const retrieval::IndexParams& params, const std::vector<int>& n_build, int n_append,
-    const std::function<std::vector<float>(int b)>& keys,
-    const std::function<void(int b, const std::vector<float>& keys, retrieval::BuildInput*)>&
-        prefill,
-    CpuIndexes* out) {
+inline void BuildCpuIndexes(const std::string& method, const retrieval::IndexShape& shape,
+                            const retrieval::IndexParams& params, const std::vector<int>& n_build,
+                            int n_append, const std::function<std::vector<float>(int b)>& keys,
+                            const std::function<void(int b, const std::vector<float>& keys,
+                                                     retrieval::BuildInput*)>& prefill,
+                            CpuIndexes* out) {
   const int64_t stride = static_cast<int64_t>(shape.n_kv_heads) * shape.head_dim;
   for (size_t b = 0; b < n_build.size(); ++b) {
     const std::vector<float> k = keys(static_cast<int>(b));
@@ -192,7 +191,7 @@ SelectLaunch Launcher(const SelectCase& c, int batch, const DeviceInputs& in,
   return [=, &in](int budget, const int32_t* row_budgets, Selected* out) {
     P p = CommonParams<P>(c, batch, in);
     set(p);
-    if constexpr (requires(P& q) { q.budgets; }) p.budgets = row_budgets;
+    if constexpr (requires(P & q) { q.budgets; }) p.budgets = row_budgets;
     LaunchSelector(p, budget, batch * c.nkv, workspace_bytes, select, out);
   };
 }
@@ -298,8 +297,8 @@ inline SelectSweep SweepOf(const std::string& name, const SelectCase& c,
 }
 
 // `cpu(b, request, &selection)` selects sequence b on the CPU.
-using CpuSelect = std::function<absl::Status(int b, const retrieval::SelectRequest&,
-                                             retrieval::Selection*)>;
+using CpuSelect =
+    std::function<absl::Status(int b, const retrieval::SelectRequest&, retrieval::Selection*)>;
 
 inline CpuSelect SelectOn(const CpuIndexes& indexes) {
   return [&indexes](int b, const retrieval::SelectRequest& req, retrieval::Selection* sel) {
@@ -324,8 +323,8 @@ inline void RunSelectSweep(const SelectSweep& s, const SelectLaunch& launch, con
     };
     const std::string where = s.name + " budget " + std::to_string(budget);
     kvr::cuda::testing::SetAgreement agree;
-    CompareWithCpuSelect(got.ids, got.counts, budget, s.n_kv_heads, s.cand.begin, s.cand.end,
-                         cpu_b, where, &agree);
+    CompareWithCpuSelect(got.ids, got.counts, budget, s.n_kv_heads, s.cand.begin, s.cand.end, cpu_b,
+                         where, &agree);
     if (::testing::Test::HasFatalFailure()) return;
     s.bar.Expect(where, budget, agree);
     uniform[budget] = std::move(got);

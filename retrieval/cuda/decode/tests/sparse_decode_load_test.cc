@@ -22,12 +22,12 @@
 #include <vector>
 
 #include "cuda_test_util.h"
-#include "sparse_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
+#include "sparse_test_util.h"
 
 namespace kvr::model {
 namespace {

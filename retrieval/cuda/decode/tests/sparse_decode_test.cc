@@ -26,7 +26,6 @@
 #include <vector>
 
 #include "cuda_test_util.h"
-#include "sparse_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
@@ -34,6 +33,7 @@
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/registry.h"
+#include "sparse_test_util.h"
 
 namespace kvr::model {
 namespace {
