@@ -123,7 +123,8 @@ struct Worst {
 };
 
 // Compares two byte strings of float rows in head_dim pieces.
-void AddPieces(Worst& w, const std::string& got, const std::string& want, int head_dim) {
+template <typename Bytes>
+void AddPieces(Worst& w, const Bytes& got, const Bytes& want, int head_dim) {
   ASSERT_EQ(got.size(), want.size());
   const auto* g = reinterpret_cast<const float*>(got.data());
   const auto* r = reinterpret_cast<const float*>(want.data());
@@ -176,6 +177,23 @@ class SummaryCountingBackend final : public ForwardingBackend {
   }
   std::atomic<int> built{0};
 };
+
+// Every stored value of a sequence, all layers and KV heads, rows [0, L), as stored.
+std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_store::SequenceRef& ref,
+                               const model::ModelConfig& c, int64_t L, kv_store::DType dtype) {
+  const size_t head_bytes = static_cast<size_t>(L) * 2 * c.head_dim * kv_store::DTypeSize(dtype);
+  std::vector<uint8_t> all(head_bytes * c.n_layers * c.n_kv_heads);
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    for (int head = 0; head < c.n_kv_heads; ++head) {
+      kv_store::RangeEntry range{ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(head), 0,
+                                 static_cast<uint64_t>(L)};
+      const size_t at = (static_cast<size_t>(layer) * c.n_kv_heads + head) * head_bytes;
+      EXPECT_TRUE(
+          store.RangeRead(std::span(&range, 1), std::span(all).subspan(at, head_bytes)).ok());
+    }
+  }
+  return all;
+}
 
 // The tests' request: the prompt `ids` with `method` at budget 16, sink 4, window 32, 8 tokens.
 PrefillJob Job(std::string request_id, uint64_t sequence_id, const std::vector<int32_t>& ids,
@@ -311,19 +329,10 @@ TEST_F(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     auto info = gpu.store->GetSequence(job.store_ref());
     ASSERT_TRUE(info.ok()) << info.status();
     for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
-    std::vector<uint8_t> a(L * 2 * c.head_dim * 4), b(a.size());
-    for (int layer = 0; layer < c.n_layers; ++layer) {
-      for (int head = 0; head < c.n_kv_heads; ++head) {
-        kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
-                                   static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
-        ASSERT_TRUE(gpu.store->RangeRead(std::span(&range, 1), a).ok());
-        ASSERT_TRUE(cpu.store->RangeRead(std::span(&range, 1), b).ok());
-        for (int64_t r = 0; r < 2 * L; ++r) {  // [k | v] per row: head_dim pieces
-          store.Add(reinterpret_cast<const float*>(a.data()) + r * c.head_dim,
-                    reinterpret_cast<const float*>(b.data()) + r * c.head_dim, c.head_dim);
-        }
-      }
-    }
+    const std::vector<uint8_t> gpu_rows =
+        StoreRows(*gpu.store, job.store_ref(), c, L, kv_store::DType::kF32);
+    AddPieces(store, gpu_rows, StoreRows(*cpu.store, job.store_ref(), c, L, kv_store::DType::kF32),
+              c.head_dim);
     EXPECT_EQ(store.failed, 0) << "store rows outside the tolerance";
 
     // quest, clusterkv and keydiff summaries were built on the GPU (gpu_summaries, the default).
@@ -342,10 +351,8 @@ TEST_F(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
       for (int layer = 0; layer < c.n_layers; ++layer) {
         std::vector<float> keys(L * c.n_kv_heads * c.head_dim);
         for (int head = 0; head < c.n_kv_heads; ++head) {
-          kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
-                                     static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
-          ASSERT_TRUE(gpu.store->RangeRead(std::span(&range, 1), a).ok());
-          const auto* rows = reinterpret_cast<const float*>(a.data());
+          const auto* rows = reinterpret_cast<const float*>(gpu_rows.data()) +
+                             (int64_t{layer} * c.n_kv_heads + head) * L * 2 * c.head_dim;
           for (int64_t t = 0; t < L; ++t) {
             std::memcpy(&keys[(t * c.n_kv_heads + head) * c.head_dim], rows + t * 2 * c.head_dim,
                         c.head_dim * sizeof(float));
@@ -474,21 +481,16 @@ TEST_F(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
     EXPECT_EQ(2 * got->kv_bytes_shipped, want->kv_bytes_shipped);
     ASSERT_EQ(got->prompt_tokens, L);
     // The store: bf16 rows = the float32 rows narrowed, bit for bit.
-    std::vector<uint8_t> a(L * 2 * c.head_dim * 2), b(L * 2 * c.head_dim * 4);
+    const std::vector<uint8_t> a =
+        StoreRows(*b16.store, job.store_ref(), c, L, kv_store::DType::kBf16);
+    const std::vector<uint8_t> b =
+        StoreRows(*f32.store, job.store_ref(), c, L, kv_store::DType::kF32);
+    const auto* wide = reinterpret_cast<const float*>(b.data());
     int64_t differ = 0;
-    for (int layer = 0; layer < c.n_layers; ++layer) {
-      for (int head = 0; head < c.n_kv_heads; ++head) {
-        kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
-                                   static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
-        ASSERT_TRUE(b16.store->RangeRead(std::span(&range, 1), a).ok());
-        ASSERT_TRUE(f32.store->RangeRead(std::span(&range, 1), b).ok());
-        const auto* wide = reinterpret_cast<const float*>(b.data());
-        for (int64_t i = 0; i < L * 2 * c.head_dim; ++i) {
-          uint16_t h;
-          std::memcpy(&h, a.data() + 2 * i, 2);
-          differ += h != FloatToBf16(wide[i]);
-        }
-      }
+    for (size_t i = 0; i < b.size() / 4; ++i) {
+      uint16_t h;
+      std::memcpy(&h, a.data() + 2 * i, 2);
+      differ += h != FloatToBf16(wide[i]);
     }
     EXPECT_EQ(differ, 0) << "bf16 store values that are not the float32 export narrowed";
     // The handoff: the same bytes (sink/local rows widened from bf16 are the float32 export's).
@@ -505,23 +507,6 @@ TEST_F(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
       EXPECT_EQ(g.summaries(), w->summaries()) << "layer " << g.layer();
     }
   }
-}
-
-// Every stored value of a sequence, all layers and KV heads, rows [0, L), as stored.
-std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_store::SequenceRef& ref,
-                               const model::ModelConfig& c, int64_t L, kv_store::DType dtype) {
-  const size_t head_bytes = static_cast<size_t>(L) * 2 * c.head_dim * kv_store::DTypeSize(dtype);
-  std::vector<uint8_t> all(head_bytes * c.n_layers * c.n_kv_heads);
-  for (int layer = 0; layer < c.n_layers; ++layer) {
-    for (int head = 0; head < c.n_kv_heads; ++head) {
-      kv_store::RangeEntry range{ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(head), 0,
-                                 static_cast<uint64_t>(L)};
-      const size_t at = (static_cast<size_t>(layer) * c.n_kv_heads + head) * head_bytes;
-      EXPECT_TRUE(
-          store.RangeRead(std::span(&range, 1), std::span(all).subspan(at, head_bytes)).ok());
-    }
-  }
-  return all;
 }
 
 // Prefix reuse on the CUDA backend (PrefillCall::prefix_rows, CudaModel::AppendRows), per store
