@@ -50,7 +50,6 @@ using kvr::gpu_parity::BuildCpuIndexes;
 using kvr::gpu_parity::CpuIndexes;
 using kvr::gpu_parity::ParityRow;
 
-// Kernel workspaces are poisoned with 0x7f bytes (kPoisonByte).
 // One test configuration: a batch of sequences of one layer's keys.
 struct Case {
   int n_heads, n_kv_heads, head_dim;
