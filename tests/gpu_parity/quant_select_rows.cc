@@ -17,10 +17,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <memory>
 #include <random>
-#include <set>
 #include <string>
 #include <tuple>
 #include <vector>

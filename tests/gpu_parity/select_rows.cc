@@ -15,8 +15,6 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <map>
-#include <memory>
 #include <random>
 #include <set>
 #include <string>
