@@ -32,6 +32,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "engine_fakes.h"
 #include "kvr/common/status.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
@@ -61,17 +62,6 @@ class DiscardOpener final : public HandoffOpener {
   absl::StatusOr<std::unique_ptr<HandoffSink>> Open(const cv1::NodeRef&, absl::Time) override {
     return std::make_unique<Sink>();
   }
-};
-
-class OneStore final : public StoreClients {
- public:
-  explicit OneStore(kv_store::KvStoreClient* client) : client_(client) {}
-  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(const cv1::NodeRef&) override {
-    return std::shared_ptr<kv_store::KvStoreClient>(std::shared_ptr<void>(), client_);  // unowned
-  }
-
- private:
-  kv_store::KvStoreClient* client_;
 };
 
 // The fake store, except that a put completes at once without copying the rows.
@@ -159,13 +149,9 @@ class Timing final : public PrefillObserver {
 };
 
 // A PrefillBackend that forwards to another and records when its Prefill returned.
-class TimedBackend final : public PrefillBackend {
+class TimedBackend final : public ForwardingBackend {
  public:
-  explicit TimedBackend(std::unique_ptr<PrefillBackend> inner) : inner_(std::move(inner)) {}
-  const model::ModelConfig& config() const override { return inner_->config(); }
-  std::string name() const override { return inner_->name(); }
-  bool SupportsPrefix() const override { return inner_->SupportsPrefix(); }
-  int64_t ChunkTokens(int64_t requested) const override { return inner_->ChunkTokens(requested); }
+  using ForwardingBackend::ForwardingBackend;
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     // The time in the engine's prefix loader (store reads and re-layout), per call.
@@ -181,16 +167,13 @@ class TimedBackend final : public PrefillBackend {
       };
     }
     const auto start = Clock::now();
-    auto r = inner_->Prefill(timed, rows);
+    auto r = ForwardingBackend::Prefill(timed, rows);
     forward_end = Clock::now();
     prefill_ms = Ms(forward_end - start);
     return r;
   }
   Clock::time_point forward_end;
   double load_ms = 0, prefill_ms = 0;
-
- private:
-  std::unique_ptr<PrefillBackend> inner_;
 };
 
 int Main(int argc, char** argv) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "engine_fakes.h"
 #include "kvr/common/half.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/status.h"
@@ -54,17 +55,6 @@ class RecordingOpener final : public HandoffOpener {
   int opened = 0;
   absl::Status finish;  // what Finish returns
   std::vector<cv1::HandoffChunk> chunks;
-};
-
-class OneStore final : public StoreClients {
- public:
-  explicit OneStore(kv_store::KvStoreClient* client) : client_(client) {}
-  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(const cv1::NodeRef&) override {
-    return std::shared_ptr<kv_store::KvStoreClient>(std::shared_ptr<void>(), client_);  // unowned
-  }
-
- private:
-  kv_store::KvStoreClient* client_;
 };
 
 class PrefillEngineTest : public ::testing::Test {
