@@ -101,6 +101,11 @@ struct PrefillResult {
   uint64_t kv_bytes_shipped = 0;  // K/V bytes put to the store (in EngineOptions::store_dtype)
   uint64_t handoff_bytes = 0;     // serialized handoff chunks (header + layers)
   uint32_t cached_tokens = 0;     // prompt tokens whose rows came from PrefillJob::prefix
+  // With a reused prefix: layers whose retrieval summaries were the prefix's snapshot
+  // extended by Append, and layers whose summaries were built from the rows instead (no
+  // usable snapshot; summary_snapshot.h).
+  uint32_t summary_layers_extended = 0;
+  uint32_t summary_layers_rebuilt = 0;
 };
 
 // The client side of one DecodeService.Handoff stream. Write is called from one thread.
