@@ -84,11 +84,13 @@ class LayerWorker {
     // Rows [0, first_row) are already in the store (forked from a cached prefix): only the
     // rest is put.
     int64_t first_row = 0;
-    // Summary snapshots (summary_snapshot.h). With first_row > 0 each layer's index is first
-    // sought in the sequence's attachment (inherited from the cached prefix by the fork) and
-    // extended; snapshot_rows > 0 (a multiple of the reuse alignment, <= prompt_tokens): the
-    // layer's index at that many tokens is put as the sequence's attachment, for a later
-    // request that reuses this one. snapshot_key names what the snapshots are built for.
+    // Summary snapshots (summary_snapshot.h). With first_row > 0 and `extend`, each layer's
+    // index is first sought in the sequence's attachment (inherited from the cached prefix by
+    // the fork) and extended; snapshot_rows > 0 (a multiple of the reuse alignment, <=
+    // prompt_tokens): the layer's index at that many tokens is put as the sequence's attachment,
+    // for a later request that reuses this one. snapshot_key names what the snapshots are built
+    // for.
+    bool extend = true;
     int64_t snapshot_rows = 0;
     std::string snapshot_key;
     PrefillObserver* observer = nullptr;
@@ -208,8 +210,8 @@ class LayerWorker {
     } else {
       KVR_RETURN_IF_ERROR(CpuSummaries(task, shape, &bytes, &snapshot));
     }
-    if (!snapshot.empty()) KeepSnapshot(task.layer, snapshot);
     const auto t1 = std::chrono::steady_clock::now();
+    if (!snapshot.empty()) KeepSnapshot(task.layer, snapshot);
 
     // 2. Sink and local-window rows for D.
     cv1::HandoffLayer layer;
@@ -329,7 +331,9 @@ class LayerWorker {
       return absl::OkStatus();
     };
 
-    if (ctx_.first_row > 0) {
+    if (ctx_.first_row > 0 && !ctx_.extend) {
+      NoteRebuilt("extend_summaries is off");
+    } else if (ctx_.first_row > 0) {
       absl::Status extended = [&]() -> absl::Status {
         KVR_ASSIGN_OR_RETURN(
             kv_store::Attachment attachment,
@@ -376,8 +380,8 @@ class LayerWorker {
       return index;
     };
     if (S > 0 && S < L) {
-      // Built over the snapshot's rows and extended. A method whose Build cannot take the
-      // shorter prefix (too few of the kept queries lie in it) gets the whole prompt's Build
+      // Built over the snapshot's rows and extended. A method whose Build refuses the shorter
+      // prefix (a parameter that needs more rows than it has) gets the whole prompt's Build
       // and keeps no snapshot.
       absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index = build(S);
       if (index.ok() && finish(**index, /*with_snapshot=*/true).ok()) return absl::OkStatus();
@@ -727,7 +731,9 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   // boundary of its prompt, where a later request that shares the whole prompt forks it
   // (summary_snapshot.h).
   const int64_t snapshot_rows =
-      job.retain > absl::ZeroDuration() && backend_->SupportsPrefix() ? L / align * align : 0;
+      options_.extend_summaries && job.retain > absl::ZeroDuration() && backend_->SupportsPrefix()
+          ? L / align * align
+          : 0;
 
   // Prefill with per-layer handoff work. `rows` (the memory the layer tasks point into) is
   // declared before the worker, so it also outlives the worker on every early return.
@@ -746,6 +752,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                       .sequence = job.store_ref(),
                       .prompt_tokens = L,
                       .first_row = reused,
+                      .extend = options_.extend_summaries,
                       .snapshot_rows = snapshot_rows,
                       .snapshot_key = SnapshotKey(job.model, c, rp.method(), params),
                       .observer = options_.observer,
@@ -872,7 +879,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   const LayerWorker::SummaryStats summaries = worker.summary_stats();
   result.summary_layers_extended = static_cast<uint32_t>(summaries.extended);
   result.summary_layers_rebuilt = static_cast<uint32_t>(summaries.rebuilt);
-  if (summaries.rebuilt > 0) {
+  if (summaries.rebuilt > 0 && options_.extend_summaries) {
     spdlog::info("request {}: {} of {} layers' summaries rebuilt over the reused prefix ({})",
                  job.request_id, summaries.rebuilt, c.n_layers, summaries.rebuild_reason);
   }

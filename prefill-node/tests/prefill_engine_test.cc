@@ -561,6 +561,41 @@ TEST_F(PrefillEngineTest, AStoreWithoutAttachmentsRebuildsTheSummaries) {
   EXPECT_EQ((*index)->size(), static_cast<int64_t>(ids.size()));
 }
 
+// extend_summaries off: nothing is kept for later requests, and a reused prefix's summaries
+// are rebuilt (even where the prefix has a snapshot).
+TEST_F(PrefillEngineTest, ExtendSummariesOffKeepsNothingAndRebuilds) {
+  PrefillJob first = Job(TextPrompt{Text()}, "clusterkv");
+  first.retain = absl::Minutes(1);
+  auto first_ids = engine_->Tokenize(first.prompt);
+  ASSERT_TRUE(first_ids.ok());
+  ASSERT_TRUE(engine_->Run(first).ok());  // the default engine: snapshots kept
+  ASSERT_TRUE(store_->GetAttachment({42, cap_}, 0).ok());
+  PrefillEngine off(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(), &opener_,
+                    EngineOptions{.chunk_tokens = 64, .extend_summaries = false});
+  std::vector<int32_t> ids = *first_ids;
+  ids.push_back(ids.back());
+  PrefillJob warm = Job(TokenPrompt{ids}, "clusterkv");
+  warm.sequence_id = 44;
+  warm.prefix = {42, cap_};
+  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  warm.retain = absl::Minutes(1);
+  auto warm_result = off.Run(warm);
+  ASSERT_TRUE(warm_result.ok()) << warm_result.status();
+  EXPECT_GT(warm_result->cached_tokens, 0u);
+  EXPECT_EQ(warm_result->summary_layers_extended, 0u);
+  EXPECT_EQ(warm_result->summary_layers_rebuilt,
+            static_cast<uint32_t>(loaded_->model->config().n_layers));
+  // The fork inherited the prefix's snapshot; this engine put none of its own over it.
+  auto inherited = store_->GetAttachment({44, cap_}, 0);
+  ASSERT_TRUE(inherited.ok()) << inherited.status();
+  EXPECT_EQ(inherited->rows, first_ids->size() / 64 * 64);
+  PrefillJob fresh = Job(TextPrompt{Text()}, "clusterkv");
+  fresh.sequence_id = 45;
+  fresh.retain = absl::Minutes(1);
+  ASSERT_TRUE(off.Run(fresh).ok());
+  EXPECT_TRUE(absl::IsNotFound(store_->GetAttachment({45, cap_}, 0).status()));
+}
+
 // A backend that computes in chunks of at most 128 tokens whatever it is asked (as the CUDA
 // backend caps chunks to its model's max_batch_tokens) and, like the CUDA backend, reuses only
 // whole chunks (PrefixAlignment 0), over the CPU backend. It also reads the

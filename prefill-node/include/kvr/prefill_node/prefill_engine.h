@@ -177,6 +177,9 @@ struct EngineOptions {
   // half the bytes). Any other dtype fails every request with INVALID_ARGUMENT. The handoff's
   // sink/local rows are float32 either way.
   kv_store::DType store_dtype = kv_store::DType::kF32;
+  // Retrieval summaries of a reused prefix: kept with retained sequences and extended by
+  // Append (summary_snapshot.h); false: rebuilt over the whole prompt, nothing kept.
+  bool extend_summaries = true;
   // Method assets (A2ATS codebooks) for the indexes; may be null.
   std::shared_ptr<const retrieval::MethodAssets> method_assets;
   // Not owned; may be null.
