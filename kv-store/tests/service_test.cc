@@ -29,6 +29,21 @@ StoreOptions SmallStore() {
   return options;
 }
 
+// Puts rows [0, n_rows) of every layer of sequence `seq`, the test pattern's.
+absl::Status PutPatternLayers(KvStoreClient& client, SequenceId seq, uint32_t n_rows) {
+  for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
+    auto rows = MakePatternRows(kShape, seq, layer, 0, n_rows);
+    absl::StatusOr<uint64_t> committed = client.PutLayer({.sequence = TestRef(seq),
+                                                          .layer = layer,
+                                                          .start_row = 0,
+                                                          .n_rows = n_rows,
+                                                          .k = rows.k,
+                                                          .v = rows.v});
+    if (!committed.ok()) return committed.status();
+  }
+  return absl::OkStatus();
+}
+
 // Runs the same script against any KvStoreClient; returns the gathered rows.
 void ExerciseClient(KvStoreClient& client) {
   ASSERT_TRUE(client.CreateSequence(TestRef(5), kShape, 10, absl::Seconds(60)).ok());
@@ -86,17 +101,7 @@ void ExerciseClient(KvStoreClient& client) {
 void ExerciseFork(KvStoreClient& client) {
   // bf16 head_dim 16: 64-byte rows, 64 per 4 KiB page.
   ASSERT_TRUE(client.CreateSequence(TestRef(20), kShape, 0, absl::ZeroDuration()).ok());
-  for (uint32_t layer = 0; layer < 2; ++layer) {
-    auto rows = MakePatternRows(kShape, 20, layer, 0, 150);
-    ASSERT_TRUE(client
-                    .PutLayer({.sequence = TestRef(20),
-                               .layer = layer,
-                               .start_row = 0,
-                               .n_rows = 150,
-                               .k = rows.k,
-                               .v = rows.v})
-                    .ok());
-  }
+  ASSERT_TRUE(PutPatternLayers(client, 20, 150).ok());
   ASSERT_TRUE(client.Release(TestRef(20), absl::Seconds(60)).ok());
   auto fork = client.ForkSequence(TestRef(21), TestRef(20), 140, 200, absl::Seconds(60));
   ASSERT_TRUE(fork.ok()) << fork.status();
@@ -266,17 +271,7 @@ TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
       client.ReservePageTable(TestRef(3), 100);  // bf16 d16: 64-byte rows, 64 per 4 KiB page
   ASSERT_TRUE(table.ok()) << table.status();
   EXPECT_EQ(table->pages_per_head, 2u);
-  for (uint32_t layer = 0; layer < 2; ++layer) {
-    auto rows = MakePatternRows(kShape, 3, layer, 0, 100);
-    ASSERT_TRUE(client
-                    .PutLayer({.sequence = TestRef(3),
-                               .layer = layer,
-                               .start_row = 0,
-                               .n_rows = 100,
-                               .k = rows.k,
-                               .v = rows.v})
-                    .ok());
-  }
+  ASSERT_TRUE(PutPatternLayers(client, 3, 100).ok());
   auto mapping = client.MapLocalPool();
   ASSERT_TRUE(mapping.ok()) << mapping.status();
   EXPECT_NE((*mapping)->base(), (*fake)->store().pool().base());  // a second, read-only view
@@ -295,6 +290,32 @@ TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
   EXPECT_TRUE(absl::IsUnavailable(client.MapLocalPool().status()));
 }
 
+// Calls `method` with the request bytes `bytes` (5 s deadline); the reply's bytes go to `reply`
+// when given.
+grpc::Status RawUnaryCall(grpc::GenericStub& stub, const std::string& method,
+                          const std::string& bytes, std::string* reply = nullptr) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
+    status = std::move(s);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  if (status.ok() && reply != nullptr) {
+    std::vector<grpc::Slice> slices;
+    if (!response.Dump(&slices).ok()) return grpc::Status(grpc::StatusCode::INTERNAL, "dump");
+    reply->clear();
+    for (const grpc::Slice& s : slices) {
+      reply->append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  return status;
+}
+
 // Bytes that do not decode as the request message get INVALID_ARGUMENT naming the method
 // (not gRPC's bare INTERNAL), on every method, and the store keeps serving.
 TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
@@ -306,18 +327,7 @@ TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
                                      grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
   auto call = [&](const std::string& method, const std::string& bytes) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    grpc::Slice slice(bytes);
-    grpc::ByteBuffer request(&slice, 1), response;
-    absl::Notification done;
-    grpc::Status status;
-    stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
-      status = std::move(s);
-      done.Notify();
-    });
-    done.WaitForNotification();
-    return status;
+    return RawUnaryCall(stub, method, bytes);
   };
   const std::string garbage = "\xff\xff\xff\xff\x0f garbage";
   for (const char* method :
@@ -344,25 +354,9 @@ TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
   // HealthCheckResponse{status: SERVING (1)} = bytes 08 01. Sent through the generic stub so
   // the test needs no health proto of its own.
   grpc::GenericStub stub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::ByteBuffer request, response;
-  grpc::Slice empty;
-  request = grpc::ByteBuffer(&empty, 1);
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  ASSERT_TRUE(status.ok()) << status.error_message();
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(response.Dump(&slices).ok());
   std::string body;
-  for (const grpc::Slice& s : slices)
-    body.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  const grpc::Status status = RawUnaryCall(stub, "/grpc.health.v1.Health/Check", "", &body);
+  ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(body, std::string("\x08\x01", 2));
 
   // A client whose budget is already spent gets DEADLINE_EXCEEDED (gRPC refuses it before
