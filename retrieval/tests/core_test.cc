@@ -20,15 +20,10 @@ namespace kvr::retrieval {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::CoreRegistry;
 using testing::RandomTensor;
 using testing::SmallShape;
 using testing::View;
-
-MethodRegistry CoreRegistry() {
-  MethodRegistry r;
-  EXPECT_TRUE(RegisterCoreMethods(r).ok());
-  return r;
-}
 
 TEST(RegistryTest, RegistersEveryCoreMethod) {
   MethodRegistry r = CoreRegistry();

@@ -21,15 +21,10 @@ namespace {
 
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
+using testing::CoreRegistry;
 using testing::RandomTensor;
 using testing::SmallShape;
 using testing::View;
-
-MethodRegistry CoreRegistry() {
-  MethodRegistry r;
-  EXPECT_TRUE(RegisterCoreMethods(r).ok());
-  return r;
-}
 
 std::unique_ptr<RetrievalIndex> MakeBuilt(const MethodRegistry& r, std::string_view method,
                                           const IndexShape& s, const IndexParams& p,

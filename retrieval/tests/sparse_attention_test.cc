@@ -15,6 +15,7 @@ namespace {
 using kvr::model::AttentionRequest;
 using kvr::model::AttentionShape;
 using ::testing::HasSubstr;
+using testing::CoreRegistry;
 using testing::RandomTensor;
 
 constexpr int kLayers = 2;
@@ -83,12 +84,6 @@ class DenseReference final : public kvr::model::Attention {
     return absl::OkStatus();
   }
 };
-
-MethodRegistry CoreRegistry() {
-  MethodRegistry r;
-  EXPECT_TRUE(RegisterCoreMethods(r).ok());
-  return r;
-}
 
 class SparseEqualsDense : public ::testing::TestWithParam<std::string> {};
 
