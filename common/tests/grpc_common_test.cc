@@ -3,13 +3,11 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/generic/async_generic_service.h>
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include <filesystem>
 #include <functional>
-#include <future>
 #include <string>
 #include <vector>
 
@@ -20,6 +18,7 @@
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/grpc_server.h"
 #include "kvr/common/tls.h"
+#include "grpc_test_util.h"
 #include "tls_test_util.h"
 
 namespace kvr {
@@ -71,15 +70,8 @@ struct HealthServer {
 grpc::Status Check(const std::string& address, const TlsConfig& tls) {
   absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
   EXPECT_TRUE(security.ok()) << security.status();
-  grpc::GenericStub stub(security->CreateChannel(address));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::Slice empty;
-  grpc::ByteBuffer request(&empty, 1), response;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) { done.set_value(std::move(s)); });
-  return done.get_future().get();
+  return RawUnaryCall(security->CreateChannel(address), "/grpc.health.v1.Health/Check", "",
+                      absl::Seconds(5));
 }
 
 TEST(GrpcSecurityTest, MutualTlsPortAdmitsOnlyClientsWithACertificateOfTheCa) {
@@ -143,18 +135,15 @@ std::string ServerCommonName(const std::string& address, const TlsConfig& client
   EXPECT_TRUE(security.ok()) << security.status();
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  grpc::GenericStub stub(security->CreateChannel(address, args));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::Slice empty;
-  grpc::ByteBuffer request(&empty, 1), response;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) { done.set_value(std::move(s)); });
-  if (!done.get_future().get().ok()) return "";
-  const std::vector<grpc::string_ref> names =
-      ctx.auth_context()->FindPropertyValues("x509_common_name");
-  return names.empty() ? "" : std::string(names[0].data(), names[0].size());
+  std::string name;
+  const grpc::Status status =
+      RawUnaryCall(security->CreateChannel(address, args), "/grpc.health.v1.Health/Check", "",
+                   absl::Seconds(5), nullptr, [&](const grpc::ClientContext& ctx) {
+                     const std::vector<grpc::string_ref> names =
+                         ctx.auth_context()->FindPropertyValues("x509_common_name");
+                     if (!names.empty()) name.assign(names[0].data(), names[0].size());
+                   });
+  return status.ok() ? name : "";
 }
 
 // A TLS server reads its files again every reload_interval: a certificate renewed in
@@ -238,22 +227,10 @@ struct PeerNameServer {
 std::string ClientCommonNameSeenBy(const std::string& address, const GrpcSecurity& security) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  grpc::GenericStub stub(security.CreateChannel(address, args));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::Slice empty;
-  grpc::ByteBuffer request(&empty, 1), response;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, "/kvr.test.PeerName/Get", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) { done.set_value(std::move(s)); });
-  if (!done.get_future().get().ok()) return "";
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return "";
   std::string name;
-  for (const grpc::Slice& slice : slices) {
-    name.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-  }
-  return name;
+  const grpc::Status status = RawUnaryCall(security.CreateChannel(address, args),
+                                           "/kvr.test.PeerName/Get", "", absl::Seconds(5), &name);
+  return status.ok() ? name : "";
 }
 
 // Calls `seen` until it returns `want` or 20 s passed (a file watcher reading every second

@@ -1,7 +1,6 @@
 // The controller with real processes: kvr-controller plus fake prefill/decode/store nodes
 // (controller_fake_node) that register over gRPC and produce a known token stream.
 
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <gmock/gmock.h>
@@ -25,6 +24,7 @@
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
 #include "kvr/v1/generation.grpc.pb.h"
+#include "grpc_test_util.h"
 #include "subprocess.h"
 #include "tls_test_util.h"
 
@@ -210,17 +210,8 @@ TEST(ControllerIntegrationTest, UndecodableRequestsAreInvalidArgumentWithAMessag
   c.AddNode("prefill");
   c.AddNode("decode");
   c.AddNode("store");
-  grpc::GenericStub generic(c.channel());
   auto call = [&](const std::string& method, const std::string& bytes) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    grpc::Slice slice(bytes);
-    grpc::ByteBuffer request(&slice, 1);
-    grpc::ByteBuffer response;
-    std::promise<grpc::Status> done;
-    generic.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
-                      [&](grpc::Status s) { done.set_value(std::move(s)); });
-    return done.get_future().get();
+    return RawUnaryCall(c.channel(), method, bytes, absl::Seconds(10));
   };
   // Field 1 (model) "smollm2", field 2 (prompt) two bytes that are not UTF-8.
   const std::string bad_utf8("\x0a\x07smollm2\x12\x02\xff\xfe", 13);

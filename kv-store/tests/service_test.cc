@@ -3,13 +3,12 @@
 
 #include <memory>
 
-#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvr/kv_store/client.h"
 #include "kvr/kv_store/server.h"
+#include "grpc_test_util.h"
 #include "kvr/kv_store/test_pattern.h"
 
 namespace kvr::kv_store {
@@ -290,32 +289,6 @@ TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
   EXPECT_TRUE(absl::IsUnavailable(client.MapLocalPool().status()));
 }
 
-// Calls `method` with the request bytes `bytes` (5 s deadline); the reply's bytes go to `reply`
-// when given.
-grpc::Status RawUnaryCall(grpc::GenericStub& stub, const std::string& method,
-                          const std::string& bytes, std::string* reply = nullptr) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer request(&slice, 1), response;
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
-    status = std::move(s);
-    done.Notify();
-  });
-  done.WaitForNotification();
-  if (status.ok() && reply != nullptr) {
-    std::vector<grpc::Slice> slices;
-    if (!response.Dump(&slices).ok()) return grpc::Status(grpc::StatusCode::INTERNAL, "dump");
-    reply->clear();
-    for (const grpc::Slice& s : slices) {
-      reply->append(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-  }
-  return status;
-}
-
 // Bytes that do not decode as the request message get INVALID_ARGUMENT naming the method
 // (not gRPC's bare INTERNAL), on every method, and the store keeps serving.
 TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
@@ -325,9 +298,8 @@ TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()),
                                      grpc::InsecureChannelCredentials());
-  grpc::GenericStub stub(channel);
   auto call = [&](const std::string& method, const std::string& bytes) {
-    return RawUnaryCall(stub, method, bytes);
+    return RawUnaryCall(channel, method, bytes, absl::Seconds(5));
   };
   const std::string garbage = "\xff\xff\xff\xff\x0f garbage";
   for (const char* method :
@@ -353,9 +325,9 @@ TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
   // grpc.health.v1.Health/Check with an empty HealthCheckRequest; the reply is
   // HealthCheckResponse{status: SERVING (1)} = bytes 08 01. Sent through the generic stub so
   // the test needs no health proto of its own.
-  grpc::GenericStub stub(channel);
   std::string body;
-  const grpc::Status status = RawUnaryCall(stub, "/grpc.health.v1.Health/Check", "", &body);
+  const grpc::Status status =
+      RawUnaryCall(channel, "/grpc.health.v1.Health/Check", "", absl::Seconds(5), &body);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(body, std::string("\x08\x01", 2));
 

@@ -36,6 +36,7 @@
 #include "kvr/model/weights.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
+#include "kvr/prefill_node/single_store_clients.h"
 #include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
@@ -76,21 +77,10 @@ class RecordingOpener final : public HandoffOpener {
   std::vector<cv1::HandoffChunk> chunks;
 };
 
-class OneStore final : public StoreClients {
- public:
-  explicit OneStore(kv_store::KvStoreClient* client) : client_(client) {}
-  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(const cv1::NodeRef&) override {
-    return std::shared_ptr<kv_store::KvStoreClient>(std::shared_ptr<void>(), client_);  // unowned
-  }
-
- private:
-  kv_store::KvStoreClient* client_;
-};
-
 // One engine with its store and recorder.
 struct Side {
   std::unique_ptr<kv_store::FakeKvStoreClient> store;
-  std::unique_ptr<OneStore> stores;
+  std::unique_ptr<SingleStoreClients> stores;
   RecordingOpener opener;
   std::unique_ptr<PrefillEngine> engine;
 };
@@ -105,7 +95,7 @@ void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
   auto fake = kv_store::FakeKvStoreClient::Create(so);
   ASSERT_TRUE(fake.ok()) << fake.status();
   side.store = std::move(*fake);
-  side.stores = std::make_unique<OneStore>(side.store.get());
+  side.stores = std::make_unique<SingleStoreClients>(side.store.get());
   side.engine = std::make_unique<PrefillEngine>(std::move(backend), nullptr, registry,
                                                 side.stores.get(), &side.opener,
                                                 EngineOptions{.chunk_tokens = kChunk,
@@ -584,7 +574,7 @@ void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
   auto fake = kv_store::FakeKvStoreClient::Create(so);
   ASSERT_TRUE(fake.ok()) << fake.status();
   kv_store::FakeKvStoreClient& store = **fake;
-  OneStore stores(&store);
+  SingleStoreClients stores(&store);
   RecordingOpener opener;
   PrefillEngine engine(
       std::move(counting), nullptr, &*registry, &stores, &opener,

@@ -16,6 +16,7 @@
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
+#include "kvr/prefill_node/single_store_clients.h"
 #include "kvr/retrieval/all_methods.h"
 
 namespace kvr::prefill_node {
@@ -56,17 +57,6 @@ class RecordingOpener final : public HandoffOpener {
   std::vector<cv1::HandoffChunk> chunks;
 };
 
-class OneStore final : public StoreClients {
- public:
-  explicit OneStore(kv_store::KvStoreClient* client) : client_(client) {}
-  absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> Get(const cv1::NodeRef&) override {
-    return std::shared_ptr<kv_store::KvStoreClient>(std::shared_ptr<void>(), client_);  // unowned
-  }
-
- private:
-  kv_store::KvStoreClient* client_;
-};
-
 class PrefillEngineTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -86,7 +76,7 @@ class PrefillEngineTest : public ::testing::Test {
     auto fake = kv_store::FakeKvStoreClient::Create(so);
     ASSERT_TRUE(fake.ok()) << fake.status();
     store_ = std::move(*fake);
-    stores_ = std::make_unique<OneStore>(store_.get());
+    stores_ = std::make_unique<SingleStoreClients>(store_.get());
     engine_ =
         std::make_unique<PrefillEngine>(loaded_->model.get(), &*loaded_->tokenizer, registry_,
                                         stores_.get(), &opener_, EngineOptions{.chunk_tokens = 64});
@@ -122,7 +112,7 @@ class PrefillEngineTest : public ::testing::Test {
   static inline retrieval::MethodRegistry* registry_ = nullptr;
   std::unique_ptr<kv_store::FakeKvStoreClient> store_;
   const kv_store::Capability cap_ = kv_store::Capability::Generate();
-  std::unique_ptr<OneStore> stores_;
+  std::unique_ptr<SingleStoreClients> stores_;
   RecordingOpener opener_;
   std::unique_ptr<PrefillEngine> engine_;
 };

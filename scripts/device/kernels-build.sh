@@ -16,7 +16,7 @@
 # (assign_bench flags: ClusterKV's assignment kernel, in-loop vs pre-split), KB_SDPA_ARGS, KB_SDPA=0
 # (skip the torch SDPA anchor, e.g. when only a builder's own before/after matters).
 set -euo pipefail
-. "$(dirname "$0")/lib.sh"  # build_targets, stage_targets, compute_sanitizer
+. "$(dirname "$0")/lib.sh"  # build_targets, stage_targets, compute_sanitizer, dispatch_bundle_run
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 DEV=.device/kernels-build
@@ -79,8 +79,4 @@ run() {
   return $status
 }
 
-case ${1:-run} in
-  bundle) bundle ;;
-  run) shift || true; run "$@" ;;
-  *) echo "usage: $0 bundle|run [quick]" >&2; exit 2 ;;
-esac
+dispatch_bundle_run "bundle|run [quick]" "$@"

@@ -14,7 +14,7 @@
 #
 # `run` builds nothing. Logs and CSVs go to $OUT (the device tool's output folder) or ./out.
 set -euo pipefail
-. "$(dirname "$0")/lib.sh"  # build_targets, stage_targets, compute_sanitizer
+. "$(dirname "$0")/lib.sh"  # build_targets, stage_targets, compute_sanitizer, dispatch_bundle_run
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 DEV=.device/kernels-select
@@ -74,8 +74,4 @@ run() {
   return $status
 }
 
-case ${1:-run} in
-  bundle) bundle ;;
-  run) shift || true; run "$@" ;;
-  *) echo "usage: $0 bundle|run [quick|quant]" >&2; exit 2 ;;
-esac
+dispatch_bundle_run "bundle|run [quick|quant]" "$@"

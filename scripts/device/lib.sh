@@ -77,3 +77,16 @@ stage_targets() {
 compute_sanitizer() {
   command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
 }
+
+# dispatch_bundle_run USAGE [ARG...]: a bench script's command line. `bundle` calls the script's
+# bundle function, `run [MODE]` (also what no argument means) its run function with MODE;
+# anything else prints "usage: <script> USAGE" and exits 2.
+dispatch_bundle_run() {
+  local usage=$1
+  shift
+  case ${1:-run} in
+    bundle) bundle ;;
+    run) shift || true; run "$@" ;;
+    *) echo "usage: $0 $usage" >&2; exit 2 ;;
+  esac
+}
