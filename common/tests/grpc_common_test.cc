@@ -14,11 +14,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
+#include "grpc_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/grpc_server.h"
 #include "kvr/common/tls.h"
-#include "grpc_test_util.h"
 #include "tls_test_util.h"
 
 namespace kvr {

@@ -20,11 +20,11 @@
 #include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "grpc_test_util.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
 #include "kvr/v1/generation.grpc.pb.h"
-#include "grpc_test_util.h"
 #include "subprocess.h"
 #include "tls_test_util.h"
 

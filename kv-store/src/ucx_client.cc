@@ -81,7 +81,8 @@ struct UcxKvStoreClient::Impl {
                     const char* method, const Request& req, Response* resp) const {
     grpc::ClientContext ctx;
     Prepare(ctx);
-    return FromGrpc(((*stub).*rpc)(&ctx, req, resp), absl::StrCat("kvr-store ", target, " ", method));
+    return FromGrpc(((*stub).*rpc)(&ctx, req, resp),
+                    absl::StrCat("kvr-store ", target, " ", method));
   }
 
   absl::Status Annotate(const absl::Status& st) const {
@@ -287,7 +288,8 @@ absl::StatusOr<CreateResult> UcxKvStoreClient::CreateSequence(const SequenceRef&
   req.set_expected_tokens(expected_tokens);
   req.set_lease_ms(absl::ToInt64Milliseconds(lease));
   v1::CreateSequenceResponse resp;
-  KVR_RETURN_IF_ERROR(impl_->Call(&v1::KvStore::Stub::CreateSequence, "CreateSequence", req, &resp));
+  KVR_RETURN_IF_ERROR(
+      impl_->Call(&v1::KvStore::Stub::CreateSequence, "CreateSequence", req, &resp));
   return CreateResult{.tokens_per_page = resp.tokens_per_page(),
                       .reserved_bytes = resp.reserved_bytes()};
 }
@@ -418,7 +420,8 @@ absl::StatusOr<PageTable> UcxKvStoreClient::ReservePageTable(const SequenceRef& 
   auto req = RequestFor<v1::ReservePageTableRequest>(ref);
   req.set_rows(rows);
   v1::ReservePageTableResponse resp;
-  KVR_RETURN_IF_ERROR(impl_->Call(&v1::KvStore::Stub::ReservePageTable, "ReservePageTable", req, &resp));
+  KVR_RETURN_IF_ERROR(
+      impl_->Call(&v1::KvStore::Stub::ReservePageTable, "ReservePageTable", req, &resp));
   absl::StatusOr<PageTable> table = FromProto(resp);
   if (!table.ok()) return impl_->Annotate(table.status());
   if (table->page_bytes != impl_->page_bytes) {

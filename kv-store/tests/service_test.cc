@@ -4,11 +4,11 @@
 #include <memory>
 
 #include "gmock/gmock.h"
+#include "grpc_test_util.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvr/kv_store/client.h"
 #include "kvr/kv_store/server.h"
-#include "grpc_test_util.h"
 #include "kvr/kv_store/test_pattern.h"
 
 namespace kvr::kv_store {

@@ -300,13 +300,18 @@ absl::StatusOr<ModelWeights> LoadGgufWeights(const GgufFile& file, const ModelCo
   names.embd = "token_embd.weight";
   names.out_norm = "output_norm.weight";
   names.output = "output.weight";
-  static constexpr LayerRoleNames kRoles = {
-      {"attn_norm", "attn_norm.weight"}, {"wq", "attn_q.weight"},
-      {"wk", "attn_k.weight"},           {"wv", "attn_v.weight"},
-      {"bq", "attn_q.bias"},             {"bk", "attn_k.bias"},
-      {"bv", "attn_v.bias"},             {"wo", "attn_output.weight"},
-      {"ffn_norm", "ffn_norm.weight"},   {"w_gate", "ffn_gate.weight"},
-      {"w_up", "ffn_up.weight"},         {"w_down", "ffn_down.weight"}};
+  static constexpr LayerRoleNames kRoles = {{"attn_norm", "attn_norm.weight"},
+                                            {"wq", "attn_q.weight"},
+                                            {"wk", "attn_k.weight"},
+                                            {"wv", "attn_v.weight"},
+                                            {"bq", "attn_q.bias"},
+                                            {"bk", "attn_k.bias"},
+                                            {"bv", "attn_v.bias"},
+                                            {"wo", "attn_output.weight"},
+                                            {"ffn_norm", "ffn_norm.weight"},
+                                            {"w_gate", "ffn_gate.weight"},
+                                            {"w_up", "ffn_up.weight"},
+                                            {"w_down", "ffn_down.weight"}};
   names.layer = LayerNames("blk.", kRoles);
   TensorReader read = [&](const std::string& name, std::span<const int64_t> shape,
                           std::span<float> out) -> absl::Status {
@@ -332,19 +337,18 @@ absl::StatusOr<ModelWeights> LoadHfWeights(const SafetensorsCheckpoint& checkpoi
   names.embd = "model.embed_tokens.weight";
   names.out_norm = "model.norm.weight";
   names.output = "lm_head.weight";
-  static constexpr LayerRoleNames kRoles = {
-      {"attn_norm", "input_layernorm.weight"},
-      {"wq", "self_attn.q_proj.weight"},
-      {"wk", "self_attn.k_proj.weight"},
-      {"wv", "self_attn.v_proj.weight"},
-      {"bq", "self_attn.q_proj.bias"},
-      {"bk", "self_attn.k_proj.bias"},
-      {"bv", "self_attn.v_proj.bias"},
-      {"wo", "self_attn.o_proj.weight"},
-      {"ffn_norm", "post_attention_layernorm.weight"},
-      {"w_gate", "mlp.gate_proj.weight"},
-      {"w_up", "mlp.up_proj.weight"},
-      {"w_down", "mlp.down_proj.weight"}};
+  static constexpr LayerRoleNames kRoles = {{"attn_norm", "input_layernorm.weight"},
+                                            {"wq", "self_attn.q_proj.weight"},
+                                            {"wk", "self_attn.k_proj.weight"},
+                                            {"wv", "self_attn.v_proj.weight"},
+                                            {"bq", "self_attn.q_proj.bias"},
+                                            {"bk", "self_attn.k_proj.bias"},
+                                            {"bv", "self_attn.v_proj.bias"},
+                                            {"wo", "self_attn.o_proj.weight"},
+                                            {"ffn_norm", "post_attention_layernorm.weight"},
+                                            {"w_gate", "mlp.gate_proj.weight"},
+                                            {"w_up", "mlp.up_proj.weight"},
+                                            {"w_down", "mlp.down_proj.weight"}};
   names.layer = LayerNames("model.layers.", kRoles);
   TensorReader read = [&](const std::string& name, std::span<const int64_t> shape,
                           std::span<float> out) -> absl::Status {

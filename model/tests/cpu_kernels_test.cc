@@ -135,8 +135,8 @@ TEST_P(CpuKernelsTest, BlockGemvMatchesFloat64ReferenceWithinQuantisationBound) 
               for (int64_t j = 0; j < s.m; ++j) {
                 kernels().quantize_activations(x.data() + j * s.k, s.k, a.data() + j * s.k / 32);
               }
-              kernels().gemv_blocks(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k, a.data(),
-                                    s.m, y, ldy);
+              kernels().gemv_blocks(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k, a.data(), s.m,
+                                    y, ldy);
             });
 }
 
@@ -145,8 +145,8 @@ TEST_P(CpuKernelsTest, BlockGemvOnFloatActivationsMatchesFloat64Reference) {
   CheckGemv(kBlockTypes, 11, 2, /*quantized=*/false,
             [&](GgmlType type, const PackedMatrix& w, const Shape& s, const std::vector<float>& x,
                 float* y, int64_t ldy) {
-              kernels().gemv_blocks_f32(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k,
-                                        x.data(), s.m, y, ldy);
+              kernels().gemv_blocks_f32(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k, x.data(),
+                                        s.m, y, ldy);
             });
 }
 
@@ -169,8 +169,8 @@ TEST_P(CpuKernelsTest, FloatGemvMatchesFloat64Reference) {
   CheckGemv(kFloatTypes, 3, 0, /*quantized=*/false,
             [&](GgmlType type, const PackedMatrix& w, const Shape& s, const std::vector<float>& x,
                 float* y, int64_t ldy) {
-              kernels().gemv_floats(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k, x.data(),
-                                    s.m, y, ldy);
+              kernels().gemv_floats(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k, x.data(), s.m,
+                                    y, ldy);
             });
 }
 

@@ -267,8 +267,8 @@ int Main(int argc, char** argv) {
     return 1;
   }
   DiscardPutStore discard(store->get());
-  SingleStoreClients stores(store_kind == "discard" ? static_cast<kv_store::KvStoreClient*>(&discard)
-                                          : store->get());
+  SingleStoreClients stores(
+      store_kind == "discard" ? static_cast<kv_store::KvStoreClient*>(&discard) : store->get());
   DiscardOpener opener;
   Timing timing;
   auto registry = retrieval::AllMethods();

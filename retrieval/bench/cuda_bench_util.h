@@ -43,8 +43,7 @@ cuda::DeviceBuffer<T> Alloc(size_t n) {
 template <typename T>
 cuda::DeviceBuffer<T> Upload(const std::vector<T>& v) {
   auto d = Alloc<T>(v.size());
-  BENCH_CHECK_CUDA(
-      cudaMemcpy(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  BENCH_CHECK_CUDA(cudaMemcpy(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return d;
 }
 
@@ -52,8 +51,8 @@ cuda::DeviceBuffer<T> Upload(const std::vector<T>& v) {
 template <typename T>
 void TileOnDevice(T* dst, size_t block, size_t n) {
   for (size_t off = block; off < n; off += block) {
-    BENCH_CHECK_CUDA(cudaMemcpy(dst + off, dst, std::min(block, n - off) * sizeof(T),
-                                cudaMemcpyDeviceToDevice));
+    BENCH_CHECK_CUDA(
+        cudaMemcpy(dst + off, dst, std::min(block, n - off) * sizeof(T), cudaMemcpyDeviceToDevice));
   }
 }
 

@@ -85,7 +85,8 @@ struct Output {
   int budget;
   DeviceBuffer<int32_t> ids, counts;
   Output(int rows, int budget)
-      : budget(budget), ids(Alloc<int32_t>(static_cast<size_t>(rows) * budget)),
+      : budget(budget),
+        ids(Alloc<int32_t>(static_cast<size_t>(rows) * budget)),
         counts(Alloc<int32_t>(rows)) {}
   rc::SelectionOutput view() { return {budget, ids.data(), counts.data()}; }
 };
@@ -99,7 +100,6 @@ void SetShape(Params& p, int batch) {
   if constexpr (requires { p.head_dim; }) p.head_dim = kHeadDim;
   p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
 }
-
 
 Row BenchExact(int context, int batch, int budget, int iters, cudaStream_t stream) {
   const size_t n_keys = static_cast<size_t>(batch) * kKvHeads * context * kHeadDim;
@@ -366,8 +366,7 @@ std::vector<Row> BenchCtkvr(int context, int batch, const std::vector<int>& budg
         for (int k = 0; k < rho; ++k)
           host[static_cast<size_t>(c) * rho + k] =
               kSink + static_cast<int32_t>((k + u(rng) * 0.999) * stride);
-      BENCH_CHECK_CUDA(
-          cudaMemcpy(lists.data(), host.data(), list_row * 4, cudaMemcpyHostToDevice));
+      BENCH_CHECK_CUDA(cudaMemcpy(lists.data(), host.data(), list_row * 4, cudaMemcpyHostToDevice));
       TileOnDevice(lists.data(), list_row, rows * list_row);
     }
     Output out(rows, budget);

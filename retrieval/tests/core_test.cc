@@ -19,8 +19,8 @@
 namespace kvr::retrieval {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::CoreRegistry;
+using ::testing::HasSubstr;
 using testing::RandomTensor;
 using testing::SmallShape;
 using testing::View;

@@ -19,9 +19,9 @@
 namespace kvr::retrieval {
 namespace {
 
+using testing::CoreRegistry;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
-using testing::CoreRegistry;
 using testing::RandomTensor;
 using testing::SmallShape;
 using testing::View;

@@ -116,7 +116,8 @@ inline absl::StatusOr<double> MeanRecall(RetrievalIndex& index, const ClusteredD
   Selection sel;
   for (int trial = 0; trial < trials; ++trial) {
     const std::vector<float> q = MakeQuery(data, 0.5f, 1.f, 100 + static_cast<uint32_t>(trial));
-    const absl::Status selected = index.Select(SelectRequest{q.data(), n, budget, 16, n - 256}, &sel);
+    const absl::Status selected =
+        index.Select(SelectRequest{q.data(), n, budget, 16, n - 256}, &sel);
     if (!selected.ok()) return selected;
     for (int h = 0; h < data.n_kv_heads; ++h) {
       const std::vector<int64_t> exact =

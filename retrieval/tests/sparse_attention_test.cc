@@ -14,8 +14,8 @@ namespace {
 
 using kvr::model::AttentionRequest;
 using kvr::model::AttentionShape;
-using ::testing::HasSubstr;
 using testing::CoreRegistry;
+using ::testing::HasSubstr;
 using testing::RandomTensor;
 
 constexpr int kLayers = 2;

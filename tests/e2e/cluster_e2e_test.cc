@@ -231,7 +231,8 @@ TEST_F(ModelFixture, BadRequestsAndCancellation) {
            {"decode-0", "/kvr.cluster.v1.DecodeService/Cancel"},
            {"controller", "/kvr.cluster.v1.Membership/Register"}}) {
     const std::string address = node == "controller" ? cluster.endpoint() : cluster.Find(node).grpc;
-    const grpc::Status s = RawUnaryCall(cluster.Channel(address), method, garbage, absl::Seconds(10));
+    const grpc::Status s =
+        RawUnaryCall(cluster.Channel(address), method, garbage, absl::Seconds(10));
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
         << method << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(method), std::string::npos) << s.error_message();
@@ -239,8 +240,8 @@ TEST_F(ModelFixture, BadRequestsAndCancellation) {
     const kvr::TlsConfig ca_only{.ca_file = cluster.tls().ca_file};
     absl::StatusOr<kvr::GrpcSecurity> no_certificate = kvr::GrpcSecurity::Load(ca_only);
     ASSERT_TRUE(no_certificate.ok());
-    const grpc::Status refused = RawUnaryCall(no_certificate->CreateChannel(address), method, "",
-                                                 absl::Seconds(10));
+    const grpc::Status refused =
+        RawUnaryCall(no_certificate->CreateChannel(address), method, "", absl::Seconds(10));
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE)
         << node << " answered a client without a certificate: " << refused.error_message();
   }

@@ -118,11 +118,10 @@ int main(int argc, char** argv) {
     a_ref.best_dist = dist_ref;
     a_new.ids = ids_new;
     a_new.best_dist = dist_new;
-    const double us_ref = TimeUs(
-        iters, [&] { return bi::LaunchArgmaxGemmTc<D, true, int32_t>(a_ref, n, nullptr); });
-    const double us_new = TimeUs(iters, [&] {
-      return bi::LaunchArgmaxGemmTcSplit<D, true, int32_t>(a_new, n, nullptr);
-    });
+    const double us_ref =
+        TimeUs(iters, [&] { return bi::LaunchArgmaxGemmTc<D, true, int32_t>(a_ref, n, nullptr); });
+    const double us_new = TimeUs(
+        iters, [&] { return bi::LaunchArgmaxGemmTcSplit<D, true, int32_t>(a_new, n, nullptr); });
     const int64_t items = static_cast<int64_t>(kRows) * n;
     std::vector<int32_t> hr(items), hw(items);
     std::vector<uint32_t> dr(items), dw(items);
@@ -137,8 +136,8 @@ int main(int argc, char** argv) {
     }
     if (same_ids != items || same_dist != items) status = 1;
     bi::ArgmaxGemmArgs a_f = a_ref;  // fp32 kernel, output over the reference's
-    const double us_f = TimeUs(
-        iters, [&] { return bi::LaunchArgmaxGemm<D, true, int32_t>(a_f, n, nullptr); });
+    const double us_f =
+        TimeUs(iters, [&] { return bi::LaunchArgmaxGemm<D, true, int32_t>(a_f, n, nullptr); });
     const double flops = 2.0 * kRows * n * static_cast<double>(k) * D;
     char ref_s[64], new_s[64], f_s[64];
     std::snprintf(ref_s, sizeof(ref_s), "%9.1f us %5.1f TF/s", us_ref, flops / us_ref * 1e-6);

@@ -283,7 +283,8 @@ int main(int argc, char** argv) {
         const double flops = 2.0 * rows * P * static_cast<double>(K) * kD * max_it;
         const double rate = flops / (us * 1e-6);
         std::vector<int32_t> nc(rows);
-        BENCH_CHECK_CUDA(cudaMemcpy(nc.data(), n_clusters.data(), rows * 4, cudaMemcpyDeviceToHost));
+        BENCH_CHECK_CUDA(
+            cudaMemcpy(nc.data(), n_clusters.data(), rows * 4, cudaMemcpyDeviceToHost));
         char name[64];
         std::snprintf(name, sizeof(name), "clusterkv C=%d %dit %s", K, max_it, MathName(math));
         std::printf(
