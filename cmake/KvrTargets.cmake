@@ -6,14 +6,18 @@ function(kvr_warnings target)
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers>)
 endfunction()
 
-# kvr_add_test(<name> SOURCES ... LIBS ... [LABELS ...])
+# kvr_add_test(<name> SOURCES ... LIBS ... [LABELS ...] [OWN_MAIN])
 # A GoogleTest binary whose cases are discovered when ctest runs (not at build time, which
-# would cost a run of every test binary on each build).
+# would cost a run of every test binary on each build). OWN_MAIN: the sources define main()
+# (e.g. to install a test event listener), so gtest_main is not linked.
 function(kvr_add_test name)
-  cmake_parse_arguments(ARG "" "" "SOURCES;LIBS;LABELS" ${ARGN})
+  cmake_parse_arguments(ARG "OWN_MAIN" "" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${name} ${ARG_SOURCES})
   kvr_warnings(${name})
-  target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gmock GTest::gtest_main)
+  target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gmock)
+  if(NOT ARG_OWN_MAIN)
+    target_link_libraries(${name} PRIVATE GTest::gtest_main)
+  endif()
   set(labels unit)
   if(ARG_LABELS)
     # gtest_discover_tests writes a list property unquoted, so a second label became a property

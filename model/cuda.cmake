@@ -24,16 +24,12 @@ add_library(kvr::model_cuda ALIAS kvr_model_cuda)
 kvr_warnings(kvr_model_cuda)
 
 if(KVR_HAVE_CUDA)
-  # Kernel parity against the CPU building blocks (RmsNorm, ApplyRope, DenseAttention).
-  kvr_add_test(model_cuda_ops_test
-    SOURCES tests/cuda_ops_test.cc
-    LIBS kvr_model_cuda kvr::model kvr::common_cuda kvr::common absl::strings
-    LABELS gpu)
-  target_include_directories(model_cuda_ops_test PRIVATE cuda)
+  # Kernel parity against the CPU building blocks (RmsNorm, ApplyRope, DenseAttention): rows of
+  # tests/gpu_parity (gpu_parity_test).
   # Whole-model parity against the CPU Model: dummy shapes and the SmolLM2 GGUF.
   kvr_add_test(model_cuda_model_test
     SOURCES tests/cuda_model_test.cc
-    LIBS kvr::model_cuda kvr::model kvr::common absl::strings
+    LIBS kvr::model_cuda kvr::model kvr::gpu_testing kvr::common absl::strings
     LABELS gpu)
 
   # The sparse decode's tests (an attention hook of this model) live with it:
@@ -45,7 +41,7 @@ if(KVR_HAVE_CUDA)
   # Per-layer KV export (the GPU prefill node's): rows and queries vs the CPU.
   kvr_add_test(model_cuda_export_test
     SOURCES tests/cuda_export_test.cc
-    LIBS kvr_model_cuda kvr::model kvr::common_cuda kvr::common absl::strings
+    LIBS kvr_model_cuda kvr::model kvr::gpu_testing kvr::common_cuda kvr::common absl::strings
     LABELS gpu)
   target_include_directories(model_cuda_export_test PRIVATE cuda)
   # CUDA graphs of dense greedy decode steps against launch-by-launch steps.

@@ -1,6 +1,6 @@
 # kvr::retrieval_cuda_attend: the GPU decode data path (gather of selected rows from HBM or
 # mapped host memory, hot cache, sparse split-KV decode attention) and its benchmark.
-# Only when nvcc was found (CONVENTIONS.md 7); the parity test carries the CTest label `gpu`.
+# Only when nvcc was found (CONVENTIONS.md 7); its parity rows are in tests/gpu_parity.
 if(KVR_HAVE_CUDA)
   # CMake 3.25 (Debian 12) predates nvcc's C++20 support and knows no flag for it, while the
   # dependencies' cxx_std_20 feature also applies to CUDA sources: name the flag here.
@@ -20,12 +20,7 @@ if(KVR_HAVE_CUDA)
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
   kvr_warnings(kvr_retrieval_cuda_attend)
 
-  if(TARGET kvr_retrieval_core)
-    kvr_add_test(retrieval_cuda_attend_test
-      SOURCES cuda/attend/tests/attend_parity_test.cc
-      LIBS kvr::retrieval_cuda_attend kvr::retrieval_core kvr::common
-      LABELS gpu)
-  endif()
+  # Parity with the CPU reference: rows of tests/gpu_parity (gpu_parity_test).
 
   add_executable(decode_attention_bench bench/decode_attention_bench.cu)
   target_link_libraries(decode_attention_bench PRIVATE kvr::retrieval_cuda_attend)

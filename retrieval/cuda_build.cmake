@@ -3,8 +3,8 @@
 # cuda/include/kvr/retrieval/cuda/build.cuh. The builders behind the model's per-layer build hook
 # (cuda/include/kvr/retrieval/cuda/prefill_summaries.h) are its host part: without nvcc the
 # target still exists with a stub whose factory answers Unimplemented, so the prefill node links
-# it unconditionally. The parity tests carry the CTest label `gpu` (CI compiles them, never runs
-# them).
+# it unconditionally. Its parity rows are in tests/gpu_parity; the prefill test here carries the
+# CTest label `gpu` (CI compiles it, never runs it).
 if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_select)
   add_library(kvr_retrieval_cuda_build
     cuda/summaries/clusterkv.cu
@@ -28,15 +28,8 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
   target_compile_options(kvr_retrieval_cuda_build PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 
-  # argmax_split_test.cu: the pre-split 3xTF32 assignment kernel against the in-loop-split one
-  # (argmax_gemm.cuh, private: included by relative path).
-  kvr_add_test(retrieval_cuda_build_test
-    SOURCES cuda/summaries/tests/build_test.cc cuda/summaries/tests/argmax_split_test.cu
-    LIBS kvr::retrieval_cuda_build kvr::retrieval_cuda_select kvr::retrieval_quant
-         kvr::retrieval_core kvr::common
-    LABELS gpu)
-  set_target_properties(retrieval_cuda_build_test PROPERTIES CUDA_STANDARD 20
-                                                             CUDA_STANDARD_REQUIRED ON)
+  # Parity of the builders (and of the pre-split assignment kernel of argmax_gemm.cuh) with
+  # their references: rows of tests/gpu_parity (gpu_parity_test).
 
   add_executable(build_cuda_bench cuda/summaries/bench/build_cuda_bench.cc)
   target_link_libraries(build_cuda_bench PRIVATE kvr::retrieval_cuda_build
@@ -54,7 +47,8 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
   # side stream and on the main stream.
   kvr_add_test(retrieval_cuda_prefill_summaries_test
     SOURCES cuda/summaries/tests/prefill_summaries_test.cc
-    LIBS kvr::retrieval_cuda_build kvr::model_cuda kvr::model kvr::common absl::strings
+    LIBS kvr::retrieval_cuda_build kvr::model_cuda kvr::model kvr::gpu_testing kvr::common
+         absl::strings
     LABELS gpu)
   target_include_directories(retrieval_cuda_prefill_summaries_test
     PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)

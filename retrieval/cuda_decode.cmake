@@ -9,6 +9,7 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_cuda_select AND TARGET kvr_retrieval_c
     cuda/decode/src/pariskv_lane.cu
     cuda/decode/src/keydiff_lane.cu
     cuda/decode/src/a2ats_lane.cu
+    cuda/decode/src/ctkvr_lane.cu
     cuda/decode/src/sparse_decode.cu
     cuda/decode/src/sparse_kernels.cu)
   target_include_directories(kvr_retrieval_cuda_decode
@@ -24,14 +25,15 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_cuda_select AND TARGET kvr_retrieval_c
   # Sparse sequences (quest, clusterkv) against the model's dense path.
   kvr_add_test(retrieval_cuda_decode_test
     SOURCES cuda/decode/tests/sparse_decode_test.cc
-    LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::retrieval_core kvr::common
-         absl::strings
+    LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::retrieval_core
+         kvr::gpu_testing kvr::common absl::strings
     LABELS gpu)
   target_include_directories(retrieval_cuda_decode_test PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)
   # A real past loaded into a sparse sequence == the dense sequence it came from.
   kvr_add_test(retrieval_cuda_decode_load_test
     SOURCES cuda/decode/tests/sparse_decode_load_test.cc
-    LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::common absl::strings
+    LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::gpu_testing kvr::common
+         absl::strings
     LABELS gpu)
   target_include_directories(retrieval_cuda_decode_load_test
     PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)

@@ -1,6 +1,6 @@
 # kvr::retrieval_cuda_select: GPU decode-time scoring and selection.
 # Contract and launchers: cuda/include/kvr/retrieval/cuda/selection.cuh. Only with nvcc
-# (CONVENTIONS.md 7); the parity test carries the CTest label `gpu` (CI compiles it, never runs it).
+# (CONVENTIONS.md 7); its parity rows are in tests/gpu_parity (CTest label `gpu`).
 if(KVR_HAVE_CUDA)
   add_library(kvr_retrieval_cuda_select
     cuda/select/topk.cu
@@ -24,10 +24,7 @@ if(KVR_HAVE_CUDA)
   target_compile_options(kvr_retrieval_cuda_select PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 
-  kvr_add_test(retrieval_cuda_select_test
-    SOURCES cuda/select/tests/select_test.cc cuda/select/tests/select_quant_test.cc
-    LIBS kvr::retrieval_cuda_select kvr::retrieval_core kvr::retrieval_quant kvr::common
-    LABELS gpu)
+  # Parity with the CPU references: rows of tests/gpu_parity (gpu_parity_test).
 
   # What the GPU microbenchmarks share (bench/cuda_bench_util.h): select_cuda_bench here,
   # build_cuda_bench and assign_bench (cuda_build.cmake).

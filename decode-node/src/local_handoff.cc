@@ -85,6 +85,17 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
                            registry.Make(o.method, ishape, o.params));
       retrieval::BuildInput in;
       in.keys = {kv.k, L, kv.row_stride};
+      if (static_cast<size_t>(layer) < o.queries.size() && !o.queries[layer].empty()) {
+        const int64_t q_row = int64_t{c.n_heads} * c.head_dim;
+        const int64_t n_q = static_cast<int64_t>(o.queries[layer].size()) / q_row;
+        if (n_q * q_row != static_cast<int64_t>(o.queries[layer].size()) || n_q > L) {
+          return absl::InvalidArgumentError(absl::StrCat("MakeLocalHandoff: layer ", layer,
+                                                         " queries: ", o.queries[layer].size(),
+                                                         " floats for rows of ", q_row));
+        }
+        in.queries = {o.queries[layer].data(), n_q, q_row};
+        in.queries_first_position = L - n_q;
+      }
       KVR_RETURN_IF_ERROR(index->Build(in));
       KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, retrieval::SerializeIndex(*index));
       out.summaries.assign(bytes.begin(), bytes.end());

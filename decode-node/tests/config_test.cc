@@ -92,10 +92,15 @@ TEST(DecodeConfigTest, GpuLanesAreACommaSeparatedListOfKnownLanes) {
   config = node::ResolveConfig(DecodeSettings(), {{"gpu_lanes", "pariskv"}}, std::nullopt, no_env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->gpu_lanes, std::vector<std::string>{"pariskv"});
-  auto refused =
+  config =
       node::ResolveConfig(DecodeSettings(), {{"gpu_lanes", "pariskv,ctkvr"}}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->gpu_lanes, (std::vector<std::string>{"pariskv", "ctkvr"}));
+  // quest and clusterkv are GPU methods (gpu_method), not lanes.
+  auto refused =
+      node::ResolveConfig(DecodeSettings(), {{"gpu_lanes", "pariskv,quest"}}, std::nullopt, no_env);
   EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
-  EXPECT_NE(refused.status().message().find("ctkvr"), std::string::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("quest"), std::string::npos) << refused.status();
 }
 
 TEST(DecodeConfigTest, GpuRowSourceIsInPlaceFetchOrAuto) {

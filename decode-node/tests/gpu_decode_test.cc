@@ -57,6 +57,34 @@ class CountingObserver final : public DecodeObserver {
   int64_t hits = 0, misses = 0, bytes_fetched = 0, offloaded = 0;
 };
 
+// Dense attention that also keeps each layer's queries of the last `n` prompt positions (what a
+// prefill node hands the index builds: ctkvr's centroids come from them).
+class QueryCapture final : public model::Attention {
+ public:
+  QueryCapture(model::Attention* inner, int64_t prompt, int64_t n, int n_layers, int64_t q_row)
+      : inner_(inner), first_(prompt - std::min(n, prompt)), q_row_(q_row), queries(n_layers) {
+    for (auto& q : queries) q.assign(static_cast<size_t>((prompt - first_) * q_row), 0.f);
+  }
+  absl::Status Attend(const model::AttentionShape& shape,
+                      std::span<const model::AttentionRequest> batch) override {
+    for (const model::AttentionRequest& r : batch) {
+      for (int64_t i = 0; i < r.n_queries; ++i) {
+        const int64_t pos = r.first_position + i;
+        if (pos < first_) continue;
+        std::copy_n(r.q + i * q_row_, q_row_, queries[r.layer].data() + (pos - first_) * q_row_);
+      }
+    }
+    return inner_->Attend(shape, batch);
+  }
+
+ private:
+  model::Attention* inner_;
+  int64_t first_, q_row_;
+
+ public:
+  std::vector<std::vector<float>> queries;  // [n_layers][n, n_heads, head_dim]
+};
+
 class GpuDecodeTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -145,10 +173,15 @@ class GpuDecodeTest : public ::testing::Test {
                       const std::string& method = "quest",
                       kv_store::DType dtype = kv_store::DType::kBf16) {
     model::DenseAttention dense(&pool_);
+    const model::ModelConfig& c = cpu_->config();
+    // The last 64 queries, as a prefill node keeps its last max_prefill_queries.
+    QueryCapture capture(&dense, static_cast<int64_t>(prompt.size()), 64, c.n_layers,
+                         int64_t{c.n_heads} * c.head_dim);
     model::KvCache cache = cpu_->NewCache();
-    auto logits = cpu_->Prefill(id, cache, prompt, dense);
+    auto logits = cpu_->Prefill(id, cache, prompt, capture);
     EXPECT_TRUE(logits.ok());
     LocalHandoffOptions o;
+    if (method == "ctkvr") o.queries = std::move(capture.queries);
     o.sequence_id = id;
     o.method = method;
     o.params.budget = budget;
@@ -532,18 +565,21 @@ TEST_F(GpuDecodeTest, MixesMethodsInOneBatch) {
 // - a2ats (A2atsSelect over the handed-off codeword ids, leaving tokens assigned on the GPU):
 //   the codeword scores and the assignment's distances are fp32 sums in another order than the
 //   CPU's, so as exact: agreement reported at 16, the same tokens at 512.
+// - ctkvr (CtkvrSelect over the handed-off qcIVF, its lists grown by the leaving tokens and its
+//   oldest entry rotated by the FIFO update on the GPU): the rerank's softmax sums run in another
+//   order than the CPU's, so as exact: agreement reported at 16, the same tokens at 512.
 TEST_F(GpuDecodeTest, GpuLanesSelectAsTheHostIndex) {
   const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
                                                      Prompt(233, 3)};
   Codebooks();  // before the engines: they take the codebooks as their method assets
-  for (const std::string method : {"pariskv", "keydiff", "exact", "a2ats"})
+  for (const std::string method : {"pariskv", "keydiff", "exact", "a2ats", "ctkvr"})
     for (int budget : {16, 512}) {
       SCOPED_TRACE(method + " " + std::to_string(budget));
       auto host_store = testing::MakeFakeStore(256 << 20);
       auto lane_store = testing::MakeFakeStore(256 << 20);
       auto host_engine = CudaEngine(512, "quest");
       auto lane_engine =
-          CudaEngine(512, "quest", nullptr, {"exact", "pariskv", "keydiff", "a2ats"});
+          CudaEngine(512, "quest", nullptr, {"exact", "pariskv", "keydiff", "a2ats", "ctkvr"});
       std::vector<int32_t> first_host, first_lane;
       auto want = Run(*host_engine, *host_store, prompts, budget, &first_host,
                       {method, "quest", method}, kv_store::DType::kBf16);
@@ -554,7 +590,7 @@ TEST_F(GpuDecodeTest, GpuLanesSelectAsTheHostIndex) {
         ASSERT_EQ(got[40 + i].size(), kMaxTokens - 1) << "sequence " << i;
         for (size_t t = 0; t < got[40 + i].size(); ++t) agree += got[40 + i][t] == want[40 + i][t];
         total += got[40 + i].size();
-        if ((method != "exact" && method != "a2ats") || budget >= 512) {
+        if ((method != "exact" && method != "a2ats" && method != "ctkvr") || budget >= 512) {
           EXPECT_EQ(got[40 + i], want[40 + i]) << "sequence " << i;
         }
       }

@@ -56,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const uint8_t* body = data + at + 3;
     at += 3 + len;
     KvStoreGrpcService* s = &service;
-    switch (method % 9) {
+    switch (method % 11) {
       case 0:
         Call<sv1::CreateSequenceRequest, sv1::CreateSequenceResponse>(
             body, len, [s](auto... a) { return s->CreateSequence(a...); });
@@ -92,6 +92,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case 8:
         Call<sv1::ForkSequenceRequest, sv1::ForkSequenceResponse>(
             body, len, [s](auto... a) { return s->ForkSequence(a...); });
+        break;
+      case 9:
+        Call<sv1::PutAttachmentRequest, sv1::PutAttachmentResponse>(
+            body, len, [s](auto... a) { return s->PutAttachment(a...); });
+        break;
+      case 10:
+        Call<sv1::GetAttachmentRequest, sv1::GetAttachmentResponse>(
+            body, len, [s](auto... a) { return s->GetAttachment(a...); });
         break;
     }
     const kvr::kv_store::StoreStats stats = (*store)->Stats();

@@ -100,6 +100,18 @@ absl::StatusOr<PageTable> FakeKvStoreClient::ReservePageTable(const SequenceRef&
   return store_->ReservePageTable(ref, rows);
 }
 
+absl::Status FakeKvStoreClient::PutAttachment(const SequenceRef& ref, uint32_t layer, uint64_t rows,
+                                              std::span<const uint8_t> bytes) {
+  if (absl::Status st = Injected(); !st.ok()) return st;
+  return store_->PutAttachment(ref, layer, rows, bytes);
+}
+
+absl::StatusOr<Attachment> FakeKvStoreClient::GetAttachment(const SequenceRef& ref,
+                                                            uint32_t layer) {
+  if (absl::Status st = Injected(); !st.ok()) return st;
+  return store_->GetAttachment(ref, layer);
+}
+
 absl::StatusOr<std::shared_ptr<const LocalPoolMapping>> FakeKvStoreClient::MapLocalPool() {
   if (absl::Status st = Injected(); !st.ok()) return st;
   absl::MutexLock lock(&mu_);

@@ -147,4 +147,25 @@ grpc::Status KvStoreGrpcService::ForkSequence(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
+grpc::Status KvStoreGrpcService::PutAttachment(grpc::ServerContext* ctx,
+                                               const store::v1::PutAttachmentRequest* req,
+                                               store::v1::PutAttachmentResponse*) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  const std::string& data = req->data();
+  return ToGrpcStatus(
+      store_.PutAttachment(RefOf(*req), req->layer(), req->rows(),
+                           {reinterpret_cast<const uint8_t*>(data.data()), data.size()}));
+}
+
+grpc::Status KvStoreGrpcService::GetAttachment(grpc::ServerContext* ctx,
+                                               const store::v1::GetAttachmentRequest* req,
+                                               store::v1::GetAttachmentResponse* resp) {
+  if (grpc::Status st = CheckLive(ctx); !st.ok()) return st;
+  absl::StatusOr<Attachment> got = store_.GetAttachment(RefOf(*req), req->layer());
+  if (!got.ok()) return ToGrpcStatus(got.status());
+  resp->set_rows(got->rows);
+  resp->set_data(got->bytes.data(), got->bytes.size());
+  return grpc::Status::OK;
+}
+
 }  // namespace kvr::kv_store

@@ -50,6 +50,10 @@ class KvStoreGrpcService final : public store::v1::KvStore::Service {
                                 store::v1::ReservePageTableResponse* resp) override;
   grpc::Status ForkSequence(grpc::ServerContext* ctx, const store::v1::ForkSequenceRequest* req,
                             store::v1::ForkSequenceResponse* resp) override;
+  grpc::Status PutAttachment(grpc::ServerContext* ctx, const store::v1::PutAttachmentRequest* req,
+                             store::v1::PutAttachmentResponse* resp) override;
+  grpc::Status GetAttachment(grpc::ServerContext* ctx, const store::v1::GetAttachmentRequest* req,
+                             store::v1::GetAttachmentResponse* resp) override;
 
  private:
   PagedKvStore& store_;

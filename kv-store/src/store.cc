@@ -24,6 +24,7 @@ class PagedKvStore::Sequence {
         committed_(std::make_unique<std::atomic<uint64_t>[]>(shape.n_layers)) {
     absl::MutexLock lock(&mu_);
     reserved_.assign(shape.n_layers, 0);
+    attachments_.resize(shape.n_layers);
   }
 
   ~Sequence() {
@@ -32,6 +33,7 @@ class PagedKvStore::Sequence {
     // parent) stays with the sequences that still hold it.
     absl::MutexLock lock(&mu_);
     for (const std::vector<PageId>& list : pages_) pool_->Free(list);
+    for (const StoredAttachment& a : attachments_) pool_->Free(a.pages);
   }
 
   Sequence(const Sequence&) = delete;
@@ -102,9 +104,11 @@ class PagedKvStore::Sequence {
       out.insert(out.end(), list.begin(), list.begin() + static_cast<ptrdiff_t>(per_list));
     }
   }
+  // Row pages and attachment pages.
   uint64_t PageCount() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     uint64_t n = 0;
     for (const std::vector<PageId>& list : pages_) n += list.size();
+    for (const StoredAttachment& a : attachments_) n += a.pages.size();
     return n;
   }
   // Page list of (layer, head) number `list` = layer * n_kv_heads + head.
@@ -122,8 +126,18 @@ class PagedKvStore::Sequence {
     }
   }
 
+  // One layer's attachment (PagedKvStore::PutAttachment): `bytes` bytes laid over `pages` in
+  // order. Its pages are never written after the put, so a fork may share them.
+  struct StoredAttachment {
+    bool present = false;
+    uint64_t rows = 0;
+    uint64_t bytes = 0;
+    std::vector<PageId> pages;
+  };
+
   mutable absl::Mutex mu_;
   std::vector<uint64_t> reserved_ ABSL_GUARDED_BY(mu_);  // [n_layers] rows incl. in-flight
+  std::vector<StoredAttachment> attachments_ ABSL_GUARDED_BY(mu_);  // [n_layers]
   absl::Time expiry_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool released_kept_ ABSL_GUARDED_BY(mu_) = false;
   // Tick of PagedKvStore::use_clock_ at the last use; relaxed (an eviction order, not a sync).
@@ -339,6 +353,8 @@ absl::StatusOr<ForkResult> PagedKvStore::ForkSequence(const SequenceRef& child,
   std::vector<std::vector<PageId>> child_lists(lists);
   std::vector<PageId> shared;
   shared.reserve(full * lists);
+  std::vector<Sequence::StoredAttachment> child_attachments(shape.n_layers);
+  std::vector<PageId> shared_attachment_pages;
   {
     // A writer of the parent may grow its lists meanwhile (under its exclusive lock) and copy
     // rows past its watermark (under a shared lock): never rows below n, which are read here.
@@ -356,12 +372,22 @@ absl::StatusOr<ForkResult> PagedKvStore::ForkSequence(const SequenceRef& child,
                     tail * parent->row_bytes());
       }
     }
+    // Attachments describing rows the child shares go with it (their pages shared); one
+    // describing rows past n does not describe the child.
+    for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
+      const Sequence::StoredAttachment& a = parent->attachments_[layer];
+      if (!a.present || a.rows > n) continue;
+      child_attachments[layer] = a;
+      shared_attachment_pages.insert(shared_attachment_pages.end(), a.pages.begin(), a.pages.end());
+    }
     // Lock order: sequence -> pool.
     pool_.Share(shared);
+    pool_.Share(shared_attachment_pages);
   }
   {
     absl::MutexLock lock(&seq->mu_);
     seq->Adopt(std::move(child_lists), n);
+    seq->attachments_ = std::move(child_attachments);
   }
   KVR_RETURN_IF_ERROR(Publish(id, std::move(seq), lease));
   forks_.fetch_add(1, std::memory_order_relaxed);
@@ -745,6 +771,82 @@ absl::StatusOr<PageTable> PagedKvStore::ReservePageTable(const SequenceRef& ref,
   }
 }
 
+absl::Status PagedKvStore::PutAttachment(const SequenceRef& ref, uint32_t layer, uint64_t rows,
+                                         std::span<const uint8_t> bytes) {
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(ref));
+  if (layer >= seq->shape().n_layers) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "layer %d out of range for sequence %d (%d layers)", layer, ref.id, seq->shape().n_layers));
+  }
+  if (bytes.size() > kMaxAttachmentBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sequence %d layer %d: attachment of %d bytes, more than the %d allowed",
+                        ref.id, layer, bytes.size(), kMaxAttachmentBytes));
+  }
+  {
+    absl::ReaderMutexLock lock(&seq->mu_);
+    if (seq->released_kept_) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("sequence %d was released and is kept read-only for reuse", ref.id));
+    }
+  }
+  // Fresh pages, filled before they are published: the old attachment (if any) stays whole
+  // until the swap below.
+  const size_t page_bytes = pool_.page_bytes();
+  Sequence::StoredAttachment fresh{.present = true, .rows = rows, .bytes = bytes.size()};
+  const size_t n_pages = (bytes.size() + page_bytes - 1) / page_bytes;
+  if (n_pages > 0) {
+    const SequenceId keep[] = {ref.id};
+    absl::Status st = AllocatePages(n_pages, fresh.pages, keep);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrFormat("sequence %d layer %d, attachment of %d "
+                                                     "bytes: %s",
+                                                     ref.id, layer, bytes.size(), st.message()));
+    }
+  }
+  for (size_t i = 0; i < fresh.pages.size(); ++i) {
+    const size_t at = i * page_bytes;
+    std::memcpy(pool_.PageData(fresh.pages[i]), bytes.data() + at,
+                std::min(page_bytes, bytes.size() - at));
+  }
+  absl::MutexLock lock(&seq->mu_);
+  if (seq->released_kept_) {  // released meanwhile
+    pool_.Free(fresh.pages);
+    return absl::FailedPreconditionError(
+        absl::StrFormat("sequence %d was released and is kept read-only for reuse", ref.id));
+  }
+  std::swap(seq->attachments_[layer], fresh);
+  pool_.Free(fresh.pages);  // the replaced attachment's (lock order: sequence -> pool)
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Attachment> PagedKvStore::GetAttachment(const SequenceRef& ref,
+                                                       uint32_t layer) const {
+  KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(ref));
+  if (layer >= seq->shape().n_layers) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "layer %d out of range for sequence %d (%d layers)", layer, ref.id, seq->shape().n_layers));
+  }
+  Touch(*seq);
+  absl::ReaderMutexLock lock(&seq->mu_);
+  const Sequence::StoredAttachment& a = seq->attachments_[layer];
+  if (!a.present) {
+    return absl::NotFoundError(
+        absl::StrFormat("sequence %d layer %d has no attachment", ref.id, layer));
+  }
+  Attachment out;
+  out.rows = a.rows;
+  out.bytes.resize(a.bytes);
+  const size_t page_bytes = pool_.page_bytes();
+  for (size_t i = 0; i < a.pages.size(); ++i) {
+    const size_t at = i * page_bytes;
+    std::memcpy(out.bytes.data() + at, pool_.PageData(a.pages[i]),
+                std::min<size_t>(page_bytes, a.bytes - at));
+  }
+  bytes_read_.fetch_add(a.bytes, std::memory_order_relaxed);
+  return out;
+}
+
 absl::Status PagedKvStore::Release(const SequenceRef& ref, absl::Duration keep) {
   if (keep < absl::ZeroDuration()) return absl::InvalidArgumentError("keep must not be negative");
   std::shared_ptr<Sequence> victim;  // destroyed (pages freed) after the index lock is dropped
@@ -822,6 +924,9 @@ StoreStats PagedKvStore::Stats() const {
       const uint8_t m = seq->released_kept_ ? kCached : kLive;
       for (size_t l = 0; l < size_t{seq->shape().n_layers} * seq->shape().n_kv_heads; ++l) {
         for (PageId p : seq->List(l)) mark[p] |= m;
+      }
+      for (const Sequence::StoredAttachment& a : seq->attachments_) {
+        for (PageId p : a.pages) mark[p] |= m;
       }
     }
     const uint64_t reclaimable =

@@ -16,6 +16,7 @@ namespace {
 
 using ::kvr::kv_store::testing::MakePatternRows;
 using ::kvr::kv_store::testing::RowMatches;
+using ::kvr::kv_store::testing::TestCapability;
 using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
@@ -97,6 +98,30 @@ void ExerciseClient(KvStoreClient& client) {
 
 // A child forked from a released-and-kept parent reads the parent's rows, shares its pages and
 // appends its own; errors match on both implementations.
+// Attachments through the client: put/get round trip of a multi-page blob, the capability
+// check, NOT_FOUND for a layer without one, and a fork inheriting it.
+void ExerciseAttachments(KvStoreClient& client) {
+  ASSERT_TRUE(client.CreateSequence(TestRef(30), kShape, 0, absl::ZeroDuration()).ok());
+  std::vector<uint8_t> blob(3 * 4096 + 5);
+  for (size_t i = 0; i < blob.size(); ++i) blob[i] = static_cast<uint8_t>(i * 13 + 1);
+  ASSERT_TRUE(client.PutAttachment(TestRef(30), 1, 0, blob).ok());
+  auto got = client.GetAttachment(TestRef(30), 1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->rows, 0u);
+  EXPECT_EQ(got->bytes, blob);
+  EXPECT_TRUE(absl::IsNotFound(client.GetAttachment(TestRef(30), 0).status()));
+  const SequenceRef wrong{30, TestCapability(31)};
+  EXPECT_TRUE(absl::IsPermissionDenied(client.GetAttachment(wrong, 1).status()));
+  EXPECT_TRUE(absl::IsPermissionDenied(client.PutAttachment(wrong, 1, 0, blob)));
+  auto fork = client.ForkSequence(TestRef(31), TestRef(30), 0, 0, absl::ZeroDuration());
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  got = client.GetAttachment(TestRef(31), 1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->bytes, blob);
+  ASSERT_TRUE(client.Release(TestRef(31), absl::ZeroDuration()).ok());
+  ASSERT_TRUE(client.Release(TestRef(30), absl::ZeroDuration()).ok());
+}
+
 void ExerciseFork(KvStoreClient& client) {
   // bf16 head_dim 16: 64-byte rows, 64 per 4 KiB page.
   ASSERT_TRUE(client.CreateSequence(TestRef(20), kShape, 0, absl::ZeroDuration()).ok());
@@ -204,6 +229,7 @@ TEST(ServiceTest, UcxClientAgainstInProcessServer) {
   ExerciseClient(**client);
   ExerciseAsync(**client);
   ExerciseFork(**client);
+  ExerciseAttachments(**client);
 }
 
 // A gather that names more rows than the store answers in one reply (an amplification: a few
@@ -253,6 +279,7 @@ TEST(ServiceTest, FakeClientBehavesTheSame) {
   ExerciseClient(**fake);
   ExerciseAsync(**fake);
   ExerciseFork(**fake);
+  ExerciseAttachments(**fake);
   (*fake)->InjectFailure(absl::UnavailableError("injected"));
   EXPECT_TRUE(absl::IsUnavailable((*fake)->Stats().status()));
   EXPECT_TRUE(absl::IsUnavailable(

@@ -144,6 +144,11 @@ class CudaModelImpl final : public CudaModel {
   struct KvExport {
     KvExportOptions opt;
     int64_t nq = 0;  // min(max_queries, L)
+    // The builder wants_queries(): the window's queries of every layer on the device
+    // [n_layers, nq, q_dim] fp32 (rows from position L - nq), written as chunks compute them;
+    // q_first: the first position written (L until one is).
+    DeviceBuffer<float> build_q;
+    int64_t q_first = 0;
     PinnedBuffer<float> host;
     std::vector<ExportNote> notes;  // [n_layers]; stable addresses for the host callbacks
   };
@@ -469,6 +474,12 @@ absl::Status CudaModelImpl::QueueBuild(Sequence& s, int layer, int64_t len, cuda
   keys.keys = s.kv.data() + int64_t{layer} * 2 * s.capacity * config_.kv_dim();
   keys.token_stride = config_.kv_dim();
   keys.length = len;
+  const KvExport* e = s.exporting.get();
+  if (e != nullptr && e->build_q.size() > 0 && len == e->opt.length && e->q_first < len) {
+    const int64_t qd = config_.q_dim();
+    keys.queries = e->build_q.data() + (int64_t{layer} * e->nq + e->q_first - (len - e->nq)) * qd;
+    keys.n_queries = len - e->q_first;
+  }
   return s.builder->Build(keys, st);
 }
 
@@ -552,6 +563,10 @@ absl::Status CudaModelImpl::BeginKvExport(SequenceId id, const KvExportOptions& 
   auto e = std::make_unique<KvExport>();
   e->opt = o;
   e->nq = std::min(o.max_queries, o.length);
+  e->q_first = o.length;
+  if (o.built && s.builder->wants_queries() && e->nq > 0) {
+    KVR_RETURN_IF_ERROR(Alloc(e->build_q, int64_t{c.n_layers} * e->nq * qd));
+  }
   // Queries of one chunk that can fall in the windows of all exporting sequences at once.
   int64_t stage_rows = e->nq;
   for (const auto& [other_id, other] : sequences_) {
@@ -1176,6 +1191,19 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         rope.head_dim = c.head_dim;
         rope.layer = layer;
         KVR_RETURN_IF_ERROR(cuda::LaunchQkvRope(rope, stream()));
+        // The window's queries a builder reads (before the next layer's RoPE overwrites q_,
+        // and before this layer's build, which waits for the main stream).
+        for (const ChunkExport& x : exports) {
+          KvExport* e = x.exp;
+          if (x.q_n == 0 || e->build_q.size() == 0) continue;
+          const int64_t row = h_seqs_.data()[x.b].q_begin + (x.q_first - x.first);
+          KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(
+              q_.data() + row * q_dim,
+              e->build_q.data() +
+                  (int64_t{layer} * e->nq + x.q_first - (e->opt.length - e->nq)) * q_dim,
+              x.q_n * q_dim, stream()));
+          if (layer == 0) e->q_first = std::min(e->q_first, x.q_first);
+        }
         if (!builds.empty()) {
           // This layer's K rows are in the caches: it can be built.
           cudaStream_t bs = stream();

@@ -36,11 +36,7 @@
 namespace kvr::model {
 namespace {
 
-using cuda_test::Compare;
-using cuda_test::kMaxErrOverRms;
-using cuda_test::kMinCosine;
-using cuda_test::RowError;
-using cuda_test::Tokens;
+using namespace cuda_test;
 
 TEST(CudaExportTest, Bf16ToF32IsExactWidening) {
   SKIP_WITHOUT_GPU();

@@ -33,11 +33,7 @@
 namespace kvr::model {
 namespace {
 
-using cuda_test::Compare;
-using cuda_test::kMaxErrOverRms;
-using cuda_test::kMinCosine;
-using cuda_test::RowError;
-using cuda_test::Tokens;
+using namespace cuda_test;
 
 // Checks every [vocab] row of `got` against `want`; returns the worst max_err / rms.
 double ExpectRowsClose(const std::vector<float>& got, const std::vector<float>& want, int vocab,

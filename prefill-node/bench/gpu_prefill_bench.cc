@@ -32,13 +32,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "engine_fakes.h"
 #include "kvr/common/status.h"
 #include "kvr/kv_store/forwarding_client.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
-#include "kvr/prefill_node/single_store_clients.h"
 #include "kvr/retrieval/all_methods.h"
 
 namespace kvr::prefill_node {
@@ -114,13 +114,9 @@ class Timing final : public PrefillObserver {
 };
 
 // A PrefillBackend that forwards to another and records when its Prefill returned.
-class TimedBackend final : public PrefillBackend {
+class TimedBackend final : public ForwardingBackend {
  public:
-  explicit TimedBackend(std::unique_ptr<PrefillBackend> inner) : inner_(std::move(inner)) {}
-  const model::ModelConfig& config() const override { return inner_->config(); }
-  std::string name() const override { return inner_->name(); }
-  bool SupportsPrefix() const override { return inner_->SupportsPrefix(); }
-  int64_t ChunkTokens(int64_t requested) const override { return inner_->ChunkTokens(requested); }
+  using ForwardingBackend::ForwardingBackend;
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     // The time in the engine's prefix loader (store reads and re-layout), per call.
@@ -136,16 +132,13 @@ class TimedBackend final : public PrefillBackend {
       };
     }
     const auto start = Clock::now();
-    auto r = inner_->Prefill(timed, rows);
+    auto r = ForwardingBackend::Prefill(timed, rows);
     forward_end = Clock::now();
     prefill_ms = Ms(forward_end - start);
     return r;
   }
   Clock::time_point forward_end;
   double load_ms = 0, prefill_ms = 0;
-
- private:
-  std::unique_ptr<PrefillBackend> inner_;
 };
 
 int Main(int argc, char** argv) {
@@ -267,8 +260,8 @@ int Main(int argc, char** argv) {
     return 1;
   }
   DiscardPutStore discard(store->get());
-  SingleStoreClients stores(
-      store_kind == "discard" ? static_cast<kv_store::KvStoreClient*>(&discard) : store->get());
+  OneStore stores(store_kind == "discard" ? static_cast<kv_store::KvStoreClient*>(&discard)
+                                          : store->get());
   DiscardOpener opener;
   Timing timing;
   auto registry = retrieval::AllMethods();

@@ -51,6 +51,11 @@ const node::SettingTable<PrefillConfig>& PrefillSettings() {
                                           "--device cuda: build quest and clusterkv summaries on "
                                           "the GPU (false: on the CPU)",
                                           &Config::gpu_summaries),
+                node::BoolSetting<Config>("extend_summaries",
+                                          "keep retained requests' retrieval summaries in the "
+                                          "store and extend a reused prefix's by Append (false: "
+                                          "rebuild them over the whole prompt)",
+                                          &Config::extend_summaries),
                 IntegerSetting<Config>("threads", "model threads (0: all cores)", &Config::threads,
                                        0),
                 IntegerSetting<Config>("chunk_tokens", "prompt tokens per forward chunk",

@@ -79,8 +79,9 @@ class CudaPrefillBackend final : public PrefillBackend {
         task.n_queries = x.n_queries;
         task.queries_first_position = x.queries_first_position;
         if (summaries != nullptr && x.built.length > 0) {
-          task.summary = [summaries, built = x.built](const retrieval::IndexShape& shape) {
-            return summaries->Serialize(shape, built);
+          // The view's pointers stay valid until the export ends (the rows outlive the task).
+          task.summary = [summaries, x](const retrieval::IndexShape& shape) {
+            return summaries->Serialize(shape, x);
           };
         }
         call.on_layer(std::move(task));
@@ -129,6 +130,7 @@ class CudaPrefillBackend final : public PrefillBackend {
     }
     rc::PrefillSummaryOptions o;
     o.method = call.method;
+    o.max_queries = call.max_queries;
     // clusterkv: the request's clusterkv.* options, as the CPU index's factory applies them
     // (quest's factory ignores them, so a quest request with a bad one is not refused here).
     KVR_ASSIGN_OR_RETURN(o.params, call.method == "clusterkv"

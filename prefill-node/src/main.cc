@@ -230,6 +230,7 @@ int Serve(const PrefillConfig& config) {
                        EngineOptions{.chunk_tokens = config.chunk_tokens,
                                      .max_prefill_queries = config.max_prefill_queries,
                                      .store_dtype = StoreDType(config),
+                                     .extend_summaries = config.extend_summaries,
                                      .method_assets = a2ats_assets,
                                      .observer = &metrics_observer});
   PrefillServiceImpl service(&engine);

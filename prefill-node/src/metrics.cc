@@ -21,12 +21,17 @@ struct PrefillMetrics::Families {
                           .Add({})),
         prefills(CounterFamily(r, "kvr_prefill_requests_total",
                                "Prefills finished, by outcome (ok or lower-case gRPC code)"),
-                 {"model", "outcome"}) {}
+                 {"model", "outcome"}),
+        summary_layers(CounterFamily(r, "kvr_prefill_index_layers_total",
+                                     "Layers' retrieval summaries of prefills that reused a cached "
+                                     "prefix, by source (extended snapshot or rebuilt)"),
+                       {"model", "source"}) {}
   HistogramL step;
   CounterL tokens, shipped;
   prometheus::Gauge& waiting;
   prometheus::Gauge& queued_tokens;
   CounterL prefills;
+  CounterL summary_layers;
 };
 
 PrefillMetrics::PrefillMetrics(prometheus::Registry& registry)
@@ -52,6 +57,11 @@ void PrefillMetrics::SetQueuedTokens(int64_t tokens) {
 }
 void PrefillMetrics::CountPrefill(std::string_view model, std::string_view outcome) {
   f_->prefills.Get({model, outcome}).Increment();
+}
+
+void PrefillMetrics::AddSummaryLayers(std::string_view model, std::string_view source,
+                                      uint64_t layers) {
+  f_->summary_layers.Get({model, source}).Increment(static_cast<double>(layers));
 }
 
 }  // namespace kvr::metrics

@@ -30,6 +30,8 @@ PrefillMetricsObserver::PrefillMetricsObserver(metrics::PrefillMetrics* metrics,
   metrics_->AddPrefillTokens(model_, 0);
   metrics_->AddShippedBytes(model_, "store", 0);
   metrics_->AddShippedBytes(model_, "decode", 0);
+  metrics_->AddSummaryLayers(model_, "extended", 0);
+  metrics_->AddSummaryLayers(model_, "rebuilt", 0);
 }
 
 void PrefillMetricsObserver::OnQueued(uint32_t prompt_tokens) {
@@ -60,6 +62,8 @@ void PrefillMetricsObserver::OnFinished(const absl::Status& status, const Prefil
     metrics_->ObservePrefillStep(model_, result->method, absl::ToDoubleSeconds(result->prefill_time));
     metrics_->AddPrefillTokens(model_, result->prompt_tokens);
     metrics_->AddShippedBytes(model_, "decode", result->handoff_bytes);
+    metrics_->AddSummaryLayers(model_, "extended", result->summary_layers_extended);
+    metrics_->AddSummaryLayers(model_, "rebuilt", result->summary_layers_rebuilt);
   }
 }
 

@@ -16,6 +16,7 @@
 #include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/model/sampler.h"
+#include "kvr/prefill_node/summary_snapshot.h"
 #include "kvr/retrieval/index.h"
 #include "spdlog/spdlog.h"
 
@@ -83,8 +84,26 @@ class LayerWorker {
     // Rows [0, first_row) are already in the store (forked from a cached prefix): only the
     // rest is put.
     int64_t first_row = 0;
+    // Summary snapshots (summary_snapshot.h). With first_row > 0 and `extend`, each layer's
+    // index is first sought in the sequence's attachment (inherited from the cached prefix by
+    // the fork) and extended; snapshot_rows > 0 (a multiple of the reuse alignment, <=
+    // prompt_tokens): the layer's index at that many tokens is put as the sequence's attachment,
+    // for a later request that reuses this one. snapshot_key names what the snapshots are built
+    // for.
+    bool extend = true;
+    int64_t snapshot_rows = 0;
+    std::string snapshot_key;
     PrefillObserver* observer = nullptr;
     int threads = 1;
+  };
+
+  // How the layers' summaries came about (read after Close).
+  struct SummaryStats {
+    int extended = 0;            // from the prefix's snapshot, extended by Append
+    int rebuilt = 0;             // built from the rows although a prefix was reused
+    std::string rebuild_reason;  // why, for the first layer rebuilt
+    int snapshots_put = 0;
+    std::string snapshot_error;  // the first failure to keep a snapshot (the request goes on)
   };
 
   explicit LayerWorker(Context ctx) : ctx_(std::move(ctx)), layers_(ctx_.config->n_layers) {
@@ -128,6 +147,10 @@ class LayerWorker {
 
   std::vector<std::optional<cv1::HandoffLayer>>& layers() { return layers_; }
   uint64_t kv_bytes() const { return kv_bytes_; }
+  SummaryStats summary_stats() {
+    absl::MutexLock lock(&out_mu_);
+    return summary_stats_;
+  }
 
  private:
   void Loop() {
@@ -170,8 +193,11 @@ class LayerWorker {
     // The runtime rotates Hugging Face style (rotate-half) for every architecture.
     shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
     std::vector<uint8_t> bytes;
+    std::vector<uint8_t> snapshot;  // the index at ctx_.snapshot_rows tokens, when kept
     if (task.summary) {
-      // Built by the backend (on the GPU): only serialised here.
+      // Built by the backend (on the GPU, over every row): only serialised here. It is the
+      // snapshot too when the prompt ends on the alignment; otherwise none is kept (the CPU
+      // index at the aligned boundary would cost a second build).
       absl::StatusOr<std::vector<uint8_t>> built = task.summary(shape);
       if (!built.ok()) {
         return absl::InternalError(
@@ -179,36 +205,13 @@ class LayerWorker {
                          ", built by the backend): ", built.status().message()));
       }
       bytes = *std::move(built);
+      if (ctx_.snapshot_rows == L) snapshot = FrameSnapshot(ctx_.snapshot_key, bytes);
+      if (ctx_.first_row > 0) NoteRebuilt("summaries built by the backend");
     } else {
-      absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index =
-          ctx_.registry->Make(ctx_.method, shape, *ctx_.params);
-      if (!index.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("retrieval.method '", ctx_.method, "': ", index.status().message()));
-      }
-      retrieval::BuildInput in;
-      std::vector<float> widened;  // bf16 rows: the keys as floats (exact), for the CPU build
-      if (task.k_bf16 != nullptr) {
-        widened.resize(static_cast<size_t>(L * kv_dim));
-        Bf16BytesToFloats(task.k_bf16, widened.size(), widened.data());
-        in.keys = {widened.data(), L, kv_dim};
-      } else {
-        in.keys = {task.kv.k, L, task.kv.row_stride};
-      }
-      const int64_t q_row = int64_t{c.n_heads} * c.head_dim;
-      in.queries = {task.queries, task.n_queries, q_row};
-      in.queries_first_position = task.queries_first_position;
-      if (absl::Status s = (*index)->Build(in); !s.ok()) {
-        // Build checks the method's context-dependent parameters (e.g. CTKVR's C): a request
-        // error, not a node failure.
-        return absl::InvalidArgumentError(absl::StrCat(
-            "retrieval (method '", ctx_.method, "', layer ", task.layer, "): ", s.message()));
-      }
-      // `full` and `streaming` hold no summary: their payload is empty but the header (method,
-      // shape, token count) is still shipped, so D can deserialize every method the same way.
-      KVR_ASSIGN_OR_RETURN(bytes, retrieval::SerializeIndex(**index));
+      KVR_RETURN_IF_ERROR(CpuSummaries(task, shape, &bytes, &snapshot));
     }
     const auto t1 = std::chrono::steady_clock::now();
+    if (!snapshot.empty()) KeepSnapshot(task.layer, snapshot);
 
     // 2. Sink and local-window rows for D.
     cv1::HandoffLayer layer;
@@ -290,6 +293,137 @@ class LayerWorker {
     return absl::OkStatus();
   }
 
+  // The layer's index on the CPU, serialised into `handoff` (all L prompt tokens) and, when
+  // ctx_.snapshot_rows > 0, into `snapshot` (its first snapshot_rows tokens). From the
+  // prefix's snapshot extended by Append when there is a usable one; otherwise built from the
+  // rows (Build over the snapshot's rows, then Append of the rest, so that the handoff's index
+  // is the snapshot's extended, as on the reuse path).
+  absl::Status CpuSummaries(const LayerTask& task, const retrieval::IndexShape& shape,
+                            std::vector<uint8_t>* handoff, std::vector<uint8_t>* snapshot) {
+    const model::ModelConfig& c = *ctx_.config;
+    const int64_t L = ctx_.prompt_tokens;
+    const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+    std::vector<float> widened;  // bf16 rows: the keys as floats (exact), for the CPU index
+    retrieval::TokenTensor keys;
+    if (task.k_bf16 != nullptr) {
+      widened.resize(static_cast<size_t>(L * kv_dim));
+      Bf16BytesToFloats(task.k_bf16, widened.size(), widened.data());
+      keys = {widened.data(), L, kv_dim};
+    } else {
+      keys = {task.kv.k, L, task.kv.row_stride};
+    }
+    const retrieval::TokenTensor queries{task.queries, task.n_queries,
+                                         int64_t{c.n_heads} * c.head_dim};
+    const int64_t S = ctx_.snapshot_rows;
+    // Appends up to `end`, snapshotting on the way when the index passes S.
+    auto finish = [&](retrieval::RetrievalIndex& index, bool with_snapshot) -> absl::Status {
+      if (with_snapshot && S > 0 && index.size() <= S) {
+        KVR_RETURN_IF_ERROR(AppendPositions(index, keys, S, queries, task.queries_first_position));
+        KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> at_s, retrieval::SerializeIndex(index));
+        *snapshot = FrameSnapshot(ctx_.snapshot_key, at_s);
+        if (S == L) {
+          *handoff = std::move(at_s);
+          return absl::OkStatus();
+        }
+      }
+      KVR_RETURN_IF_ERROR(AppendPositions(index, keys, L, queries, task.queries_first_position));
+      KVR_ASSIGN_OR_RETURN(*handoff, retrieval::SerializeIndex(index));
+      return absl::OkStatus();
+    };
+
+    if (ctx_.first_row > 0 && !ctx_.extend) {
+      NoteRebuilt("extend_summaries is off");
+    } else if (ctx_.first_row > 0) {
+      absl::Status extended = [&]() -> absl::Status {
+        KVR_ASSIGN_OR_RETURN(
+            kv_store::Attachment attachment,
+            ctx_.store->GetAttachment(ctx_.sequence, static_cast<uint32_t>(task.layer)));
+        if (attachment.rows == 0 || attachment.rows > static_cast<uint64_t>(ctx_.first_row)) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("snapshot of ", attachment.rows, " rows, ", ctx_.first_row, " reused"));
+        }
+        KVR_ASSIGN_OR_RETURN(std::unique_ptr<retrieval::RetrievalIndex> index,
+                             OpenSnapshot(attachment.bytes, attachment.rows, ctx_.snapshot_key,
+                                          ctx_.method, shape, *ctx_.registry, *ctx_.params));
+        return finish(*index, /*with_snapshot=*/true);
+      }();
+      if (extended.ok()) {
+        absl::MutexLock lock(&out_mu_);
+        ++summary_stats_.extended;
+        return absl::OkStatus();
+      }
+      snapshot->clear();
+      NoteRebuilt(extended.ToString());
+    }
+
+    auto build = [&](int64_t rows) -> absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> {
+      absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index =
+          ctx_.registry->Make(ctx_.method, shape, *ctx_.params);
+      if (!index.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("retrieval.method '", ctx_.method, "': ", index.status().message()));
+      }
+      retrieval::BuildInput in;
+      in.keys = {keys.data, rows, keys.row_stride};
+      // Every kept query, also those of positions past `rows` when the index is built over the
+      // snapshot's rows only: they are this prompt's queries over keys that include the built
+      // ones, and a method that takes prefill queries (the last ones it needs, as ctkvr's
+      // centroids) then gets the same ones as a Build over every row.
+      in.queries = queries;
+      in.queries_first_position = task.queries_first_position;
+      if (absl::Status s = (*index)->Build(in); !s.ok()) {
+        // Build checks the method's context-dependent parameters (e.g. CTKVR's C): a request
+        // error, not a node failure.
+        return absl::InvalidArgumentError(absl::StrCat(
+            "retrieval (method '", ctx_.method, "', layer ", task.layer, "): ", s.message()));
+      }
+      return index;
+    };
+    if (S > 0 && S < L) {
+      // Built over the snapshot's rows and extended. A method whose Build refuses the shorter
+      // prefix (a parameter that needs more rows than it has) gets the whole prompt's Build
+      // and keeps no snapshot.
+      absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index = build(S);
+      if (index.ok() && finish(**index, /*with_snapshot=*/true).ok()) return absl::OkStatus();
+      snapshot->clear();
+      NoteSnapshotError(absl::StrCat("no snapshot at ", S, " rows: ",
+                                     index.ok() ? "append failed" : index.status().ToString()));
+    }
+    // `full` and `streaming` hold no summary: their payload is empty but the header (method,
+    // shape, token count) is still shipped, so D can deserialize every method the same way.
+    KVR_ASSIGN_OR_RETURN(std::unique_ptr<retrieval::RetrievalIndex> index, build(L));
+    KVR_RETURN_IF_ERROR(finish(*index, /*with_snapshot=*/S == L));
+    return absl::OkStatus();
+  }
+
+  // Puts the layer's snapshot as the sequence's attachment. A failure (a store without
+  // attachments, one that is full, a snapshot past kMaxAttachmentBytes) costs the next request
+  // a rebuild, not this one its answer: noted and logged, not returned.
+  void KeepSnapshot(int layer, const std::vector<uint8_t>& frame) {
+    absl::Status st;
+    if (frame.size() > kv_store::kMaxAttachmentBytes) {
+      st = absl::ResourceExhaustedError(
+          absl::StrCat("snapshot of ", frame.size(), " bytes, more than an attachment holds"));
+    } else {
+      st = ctx_.store->PutAttachment(ctx_.sequence, static_cast<uint32_t>(layer),
+                                     static_cast<uint64_t>(ctx_.snapshot_rows), frame);
+    }
+    if (!st.ok()) {
+      NoteSnapshotError(st.ToString());
+      return;
+    }
+    absl::MutexLock lock(&out_mu_);
+    ++summary_stats_.snapshots_put;
+  }
+  void NoteRebuilt(std::string reason) {
+    absl::MutexLock lock(&out_mu_);
+    if (summary_stats_.rebuilt++ == 0) summary_stats_.rebuild_reason = std::move(reason);
+  }
+  void NoteSnapshotError(std::string error) {
+    absl::MutexLock lock(&out_mu_);
+    if (summary_stats_.snapshot_error.empty()) summary_stats_.snapshot_error = std::move(error);
+  }
+
   Context ctx_;
   absl::Mutex mu_;
   std::deque<LayerTask> tasks_ ABSL_GUARDED_BY(mu_);
@@ -302,6 +436,7 @@ class LayerWorker {
   std::vector<std::unique_ptr<kv_store::KvStoreOp>> puts_;
   std::deque<std::vector<uint8_t>> packed_;  // buffers of puts whose rows needed packing
   uint64_t kv_bytes_ = 0;
+  SummaryStats summary_stats_ ABSL_GUARDED_BY(out_mu_);
   std::vector<std::thread> threads_;  // started in the constructor body, after the above
 };
 
@@ -592,6 +727,14 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
         .IgnoreError();
   };
 
+  // A sequence kept for later requests keeps its layers' summaries at the last aligned
+  // boundary of its prompt, where a later request that shares the whole prompt forks it
+  // (summary_snapshot.h).
+  const int64_t snapshot_rows =
+      options_.extend_summaries && job.retain > absl::ZeroDuration() && backend_->SupportsPrefix()
+          ? L / align * align
+          : 0;
+
   // Prefill with per-layer handoff work. `rows` (the memory the layer tasks point into) is
   // declared before the worker, so it also outlives the worker on every early return.
   const auto t0 = std::chrono::steady_clock::now();
@@ -609,6 +752,9 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
                       .sequence = job.store_ref(),
                       .prompt_tokens = L,
                       .first_row = reused,
+                      .extend = options_.extend_summaries,
+                      .snapshot_rows = snapshot_rows,
+                      .snapshot_key = SnapshotKey(job.model, c, rp.method(), params),
                       .observer = options_.observer,
                       .threads = threads});
   PrefillCall call;
@@ -730,6 +876,17 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   result.prefill_time = absl::FromChrono(std::chrono::steady_clock::now() - t0);
   result.kv_bytes_shipped = worker.kv_bytes();
   result.cached_tokens = static_cast<uint32_t>(reused);
+  const LayerWorker::SummaryStats summaries = worker.summary_stats();
+  result.summary_layers_extended = static_cast<uint32_t>(summaries.extended);
+  result.summary_layers_rebuilt = static_cast<uint32_t>(summaries.rebuilt);
+  if (summaries.rebuilt > 0 && options_.extend_summaries) {
+    spdlog::info("request {}: {} of {} layers' summaries rebuilt over the reused prefix ({})",
+                 job.request_id, summaries.rebuilt, c.n_layers, summaries.rebuild_reason);
+  }
+  if (!summaries.snapshot_error.empty()) {
+    spdlog::info("request {}: summaries kept for reuse in {} of {} layers ({})", job.request_id,
+                 summaries.snapshots_put, c.n_layers, summaries.snapshot_error);
+  }
 
   // The first token and its text.
   KVR_ASSIGN_OR_RETURN(int32_t first, sampler->Sample(*logits));

@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cuda_test_util.h"
+#include "engine_fakes.h"
 #include "gtest/gtest.h"
 #include "kvr/common/half.h"
 #include "kvr/common/paths.h"
@@ -36,10 +38,10 @@
 #include "kvr/model/weights.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
-#include "kvr/prefill_node/single_store_clients.h"
 #include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
+#include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/serialization.h"
 
@@ -48,8 +50,11 @@ namespace {
 
 namespace cv1 = ::kvr::cluster::v1;
 
-constexpr double kMinCosine = 0.999;
-constexpr double kMaxErrOverRms = 0.1;
+// The tolerance of GPU rows against CPU rows, the GPU skip and the prompts are the CUDA model
+// tests' (model/tests/cuda_test_util.h).
+using namespace model::cuda_test;
+
+constexpr uint64_t kPromptSeed = 99;
 constexpr int64_t kPromptTokens = 300;
 constexpr int64_t kChunk = 64;
 
@@ -80,7 +85,7 @@ class RecordingOpener final : public HandoffOpener {
 // One engine with its store and recorder.
 struct Side {
   std::unique_ptr<kv_store::FakeKvStoreClient> store;
-  std::unique_ptr<SingleStoreClients> stores;
+  std::unique_ptr<OneStore> stores;
   RecordingOpener opener;
   std::unique_ptr<PrefillEngine> engine;
 };
@@ -95,7 +100,7 @@ void MakeSide(Side& side, std::unique_ptr<PrefillBackend> backend,
   auto fake = kv_store::FakeKvStoreClient::Create(so);
   ASSERT_TRUE(fake.ok()) << fake.status();
   side.store = std::move(*fake);
-  side.stores = std::make_unique<SingleStoreClients>(side.store.get());
+  side.stores = std::make_unique<OneStore>(side.store.get());
   side.engine = std::make_unique<PrefillEngine>(std::move(backend), nullptr, registry,
                                                 side.stores.get(), &side.opener,
                                                 EngineOptions{.chunk_tokens = kChunk,
@@ -109,26 +114,18 @@ struct Worst {
   double cosine = 1, ratio = 0;
   int64_t rows = 0, failed = 0;
   void Add(const float* got, const float* want, int64_t n) {
-    double dot = 0, gg = 0, ww = 0, max_err = 0;
-    bool finite = true;
-    for (int64_t i = 0; i < n; ++i) {
-      finite = finite && std::isfinite(got[i]);
-      dot += double{got[i]} * want[i];
-      gg += double{got[i]} * got[i];
-      ww += double{want[i]} * want[i];
-      max_err = std::max(max_err, std::abs(double{got[i]} - want[i]));
-    }
-    const double cos = finite ? dot / std::sqrt(gg * ww + 1e-30) : -1;
-    const double r = finite ? max_err / std::max(std::sqrt(ww / n), 1e-12) : INFINITY;
-    cosine = std::min(cosine, cos);
+    const RowError e = Compare(std::span(got, n), std::span(want, n));
+    const double r = std::isfinite(e.max_err) ? e.max_err / std::max(e.rms, 1e-12) : INFINITY;
+    cosine = std::min(cosine, e.cosine);
     ratio = std::max(ratio, r);
     ++rows;
-    failed += cos < kMinCosine || r > kMaxErrOverRms;
+    failed += e.cosine < kMinCosine || r > kMaxErrOverRms;
   }
 };
 
 // Compares two byte strings of float rows in head_dim pieces.
-void AddPieces(Worst& w, const std::string& got, const std::string& want, int head_dim) {
+template <typename Bytes>
+void AddPieces(Worst& w, const Bytes& got, const Bytes& want, int head_dim) {
   ASSERT_EQ(got.size(), want.size());
   const auto* g = reinterpret_cast<const float*>(got.data());
   const auto* r = reinterpret_cast<const float*>(want.data());
@@ -137,27 +134,39 @@ void AddPieces(Worst& w, const std::string& got, const std::string& want, int he
   }
 }
 
-std::vector<int32_t> Tokens(int64_t n, int vocab) {
-  std::vector<int32_t> t(n);
-  uint64_t x = 99;
-  for (int32_t& v : t) {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    v = static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab));
+// Skips without a GPU; holds the tests' model: the smollm2 shape with 4 layers and random host
+// weights (seed 5), and a thread pool.
+class GpuPrefillTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_GPU();
+    auto config = model::DummyConfig("smollm2-135m", 4);
+    ASSERT_TRUE(config.ok());
+    c_ = *config;
+    auto weights = model::RandomWeights(c_, 5, &pool_);
+    ASSERT_TRUE(weights.ok());
+    weights_ = *std::move(weights);
   }
-  return t;
+  ThreadPool pool_;
+  model::ModelConfig c_;
+  model::ModelWeights weights_;
+};
+
+// CUDA model options for one sequence in chunks of `chunk` tokens.
+model::CudaModelOptions OneSequence(int64_t chunk) {
+  model::CudaModelOptions co;
+  co.max_batch_tokens = chunk;
+  co.max_sequences = 1;
+  co.max_logits_rows = 1;
+  return co;
 }
 
 // Forwards to another backend and counts the layer tasks that carried a summary the backend
 // built (LayerTask::summary): with gpu_summaries, quest's and clusterkv's must all come from the
 // GPU, or the comparisons below would compare the CPU build with itself.
-class SummaryCountingBackend final : public PrefillBackend {
+class SummaryCountingBackend final : public ForwardingBackend {
  public:
-  explicit SummaryCountingBackend(std::unique_ptr<PrefillBackend> inner)
-      : inner_(std::move(inner)) {}
-  const model::ModelConfig& config() const override { return inner_->config(); }
-  std::string name() const override { return inner_->name(); }
-  bool SupportsPrefix() const override { return inner_->SupportsPrefix(); }
-  int64_t ChunkTokens(int64_t requested) const override { return inner_->ChunkTokens(requested); }
+  using ForwardingBackend::ForwardingBackend;
   absl::StatusOr<std::vector<float>> Prefill(const PrefillCall& call,
                                              std::unique_ptr<PrefillRows>* rows) override {
     PrefillCall counted = call;
@@ -165,13 +174,27 @@ class SummaryCountingBackend final : public PrefillBackend {
       if (task.summary) ++built;
       call.on_layer(std::move(task));
     };
-    return inner_->Prefill(counted, rows);
+    return ForwardingBackend::Prefill(counted, rows);
   }
   std::atomic<int> built{0};
-
- private:
-  std::unique_ptr<PrefillBackend> inner_;
 };
+
+// Every stored value of a sequence, all layers and KV heads, rows [0, L), as stored.
+std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_store::SequenceRef& ref,
+                               const model::ModelConfig& c, int64_t L, kv_store::DType dtype) {
+  const size_t head_bytes = static_cast<size_t>(L) * 2 * c.head_dim * kv_store::DTypeSize(dtype);
+  std::vector<uint8_t> all(head_bytes * c.n_layers * c.n_kv_heads);
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    for (int head = 0; head < c.n_kv_heads; ++head) {
+      kv_store::RangeEntry range{ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(head), 0,
+                                 static_cast<uint64_t>(L)};
+      const size_t at = (static_cast<size_t>(layer) * c.n_kv_heads + head) * head_bytes;
+      EXPECT_TRUE(
+          store.RangeRead(std::span(&range, 1), std::span(all).subspan(at, head_bytes)).ok());
+    }
+  }
+  return all;
+}
 
 // The tests' request: the prompt `ids` with `method` at budget 16, sink 4, window 32, 8 tokens.
 PrefillJob Job(std::string request_id, uint64_t sequence_id, const std::vector<int32_t>& ids,
@@ -189,21 +212,11 @@ PrefillJob Job(std::string request_id, uint64_t sequence_id, const std::vector<i
   return job;
 }
 
-TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
-  if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
-  ThreadPool pool;
-  auto config = model::DummyConfig("smollm2-135m", 4);
-  ASSERT_TRUE(config.ok());
-  const model::ModelConfig& c = *config;
-  auto weights = model::RandomWeights(c, 5, &pool);
-  ASSERT_TRUE(weights.ok());
-  model::CudaModelOptions co;
-  co.max_batch_tokens = kChunk;
-  co.max_sequences = 1;
-  co.max_logits_rows = 1;
-  auto gpu_model = model::CreateCudaModel(c, *weights, co);
+TEST_F(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
+  const model::ModelConfig& c = c_;
+  auto gpu_model = model::CreateCudaModel(c, weights_, OneSequence(kChunk));
   ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
-  auto cpu_model = model::Model::Create(c, std::move(*weights), &pool);
+  auto cpu_model = model::Model::Create(c, std::move(weights_), &pool_);
   ASSERT_TRUE(cpu_model.ok());
   auto registry = retrieval::AllMethods();
   ASSERT_TRUE(registry.ok());
@@ -212,7 +225,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   EXPECT_EQ((*gpu_backend)->name(), "cuda:0");
 
   // a2ats codebooks of this model: 64 codewords per head from two 400-token prompts.
-  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab);
+  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab, kPromptSeed);
   std::shared_ptr<const retrieval::MethodAssets> books;
   {
     auto fingerprint = retrieval::FingerprintOf(**cpu_model);
@@ -221,11 +234,11 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     cp.codebook_size = 64;
     auto samples = retrieval::CalibrationSamples::Create(*fingerprint, cp);
     ASSERT_TRUE(samples.ok()) << samples.status();
-    std::vector<int32_t> other = Tokens(400, c.vocab);
+    std::vector<int32_t> other = Tokens(400, c.vocab, kPromptSeed);
     std::reverse(other.begin(), other.end());
-    const std::vector<std::vector<int32_t>> text = {Tokens(400, c.vocab), other};
+    const std::vector<std::vector<int32_t>> text = {Tokens(400, c.vocab, kPromptSeed), other};
     ASSERT_TRUE(retrieval::CollectCalibrationSamples(**cpu_model, text, *samples).ok());
-    auto built_books = retrieval::BuildCodebooks(*samples, &pool);
+    auto built_books = retrieval::BuildCodebooks(*samples, &pool_);
     ASSERT_TRUE(built_books.ok()) << built_books.status();
     books = *built_books;
   }
@@ -239,7 +252,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   const int64_t L = kPromptTokens;
   // The CPU reference logits, for the near-tie rule of the first token.
   model::KvCache cache = (*cpu_model)->NewCache();
-  model::DenseAttention dense(&pool);
+  model::DenseAttention dense(&pool_);
   auto logits = (*cpu_model)->Prefill(1, cache, ids, dense, kChunk);
   ASSERT_TRUE(logits.ok());
   double logit_ms = 0;
@@ -249,7 +262,7 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   uint64_t seq = 100;
   retrieval::IndexParams load_params;  // the codebooks, for a2ats' indexes
   load_params.assets = books;
-  for (const char* method : {"full", "quest", "clusterkv", "keydiff", "a2ats"}) {
+  for (const char* method : {"full", "quest", "clusterkv", "keydiff", "a2ats", "ctkvr"}) {
     SCOPED_TRACE(method);
     cpu.opener.chunks.clear();
     gpu.opener.chunks.clear();
@@ -317,19 +330,10 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
     auto info = gpu.store->GetSequence(job.store_ref());
     ASSERT_TRUE(info.ok()) << info.status();
     for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
-    std::vector<uint8_t> a(L * 2 * c.head_dim * 4), b(a.size());
-    for (int layer = 0; layer < c.n_layers; ++layer) {
-      for (int head = 0; head < c.n_kv_heads; ++head) {
-        kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
-                                   static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
-        ASSERT_TRUE(gpu.store->RangeRead(std::span(&range, 1), a).ok());
-        ASSERT_TRUE(cpu.store->RangeRead(std::span(&range, 1), b).ok());
-        for (int64_t r = 0; r < 2 * L; ++r) {  // [k | v] per row: head_dim pieces
-          store.Add(reinterpret_cast<const float*>(a.data()) + r * c.head_dim,
-                    reinterpret_cast<const float*>(b.data()) + r * c.head_dim, c.head_dim);
-        }
-      }
-    }
+    const std::vector<uint8_t> gpu_rows =
+        StoreRows(*gpu.store, job.store_ref(), c, L, kv_store::DType::kF32);
+    AddPieces(store, gpu_rows, StoreRows(*cpu.store, job.store_ref(), c, L, kv_store::DType::kF32),
+              c.head_dim);
     EXPECT_EQ(store.failed, 0) << "store rows outside the tolerance";
 
     // quest, clusterkv and keydiff summaries were built on the GPU (gpu_summaries, the default).
@@ -348,10 +352,8 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
       for (int layer = 0; layer < c.n_layers; ++layer) {
         std::vector<float> keys(L * c.n_kv_heads * c.head_dim);
         for (int head = 0; head < c.n_kv_heads; ++head) {
-          kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
-                                     static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
-          ASSERT_TRUE(gpu.store->RangeRead(std::span(&range, 1), a).ok());
-          const auto* rows = reinterpret_cast<const float*>(a.data());
+          const auto* rows = reinterpret_cast<const float*>(gpu_rows.data()) +
+                             (int64_t{layer} * c.n_kv_heads + head) * L * 2 * c.head_dim;
           for (int64_t t = 0; t < L; ++t) {
             std::memcpy(&keys[(t * c.n_kv_heads + head) * c.head_dim], rows + t * 2 * c.head_dim,
                         c.head_dim * sizeof(float));
@@ -366,10 +368,12 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
         auto cpu_index = registry->Make(method, shape, params);
         ASSERT_TRUE(cpu_index.ok());
-        ASSERT_TRUE((*cpu_index)->Build({{keys.data(), L, int64_t{c.n_kv_heads} * c.head_dim},
-                                         {},
-                                         0})
-                        .ok());
+        if (std::string(method) != "ctkvr") {  // ctkvr's needs the prefill's queries: below
+          ASSERT_TRUE((*cpu_index)->Build({{keys.data(), L, int64_t{c.n_kv_heads} * c.head_dim},
+                                           {},
+                                           0})
+                          .ok());
+        }
         const cv1::HandoffLayer* g = nullptr;
         for (size_t i = 1; i < gpu.opener.chunks.size(); ++i) {
           if (gpu.opener.chunks[i].layer().layer() == static_cast<uint32_t>(layer)) {
@@ -389,6 +393,44 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         }
         auto gpu_index = retrieval::DeserializeIndex(shipped, *registry, params);
         ASSERT_TRUE(gpu_index.ok()) << gpu_index.status();
+        if (std::string(method) == "ctkvr") {
+          // Against the CPU prefill's own ctkvr summary (its queries are the CPU model's, the
+          // GPU's the bf16 model's): the same C, rho and sinks, and lists that agree except where
+          // the two models' queries or the two GEMMs' roundings move a key across the rho-th
+          // score; the insertion thresholds near each other.
+          const cv1::HandoffLayer* w = nullptr;
+          for (size_t i = 1; i < cpu.opener.chunks.size(); ++i) {
+            if (cpu.opener.chunks[i].layer().layer() == static_cast<uint32_t>(layer)) {
+              w = &cpu.opener.chunks[i].layer();
+            }
+          }
+          ASSERT_NE(w, nullptr);
+          auto cpu_shipped = retrieval::DeserializeIndex(
+              {reinterpret_cast<const uint8_t*>(w->summaries().data()), w->summaries().size()},
+              *registry, params);
+          ASSERT_TRUE(cpu_shipped.ok()) << cpu_shipped.status();
+          auto gs = retrieval::CtkvrStateOf(**gpu_index);
+          auto cs = retrieval::CtkvrStateOf(**cpu_shipped);
+          ASSERT_TRUE(gs.ok() && cs.ok());
+          EXPECT_EQ(gs->n_centroids, cs->n_centroids);
+          EXPECT_EQ(gs->rho, cs->rho);
+          EXPECT_EQ(gs->n_sink, cs->n_sink);
+          EXPECT_EQ(gs->keys.size(), cs->keys.size());
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            ASSERT_EQ(gs->heads[h].size(), cs->heads[h].size());
+            for (size_t i = 0; i < cs->heads[h].size(); ++i) {
+              const auto& ge = gs->heads[h][i];
+              const auto& ce = cs->heads[h][i];
+              for (int32_t id : ge.list) {
+                equal_ids += std::binary_search(ce.list.begin(), ce.list.end(), id);
+              }
+              total_ids += static_cast<double>(ce.list.size());
+              EXPECT_NEAR(ge.threshold, ce.threshold, 0.05 + 0.05 * std::fabs(ce.threshold))
+                  << "layer " << layer << " head " << h << " entry " << i;
+            }
+          }
+          continue;
+        }
         if (std::string(method) == "a2ats") {
           // The same codeword per token and KV head, except at near-ties of the nearest one.
           auto g_state = retrieval::A2atsStateOf(**gpu_index);
@@ -427,6 +469,11 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
                     "%.3f of selected ids equal\n", equal_ids / total_ids);
         EXPECT_GE(equal_ids / total_ids, 0.9);
       }
+      if (std::string(method) == "ctkvr") {
+        std::printf("[ summary ] ctkvr built on the GPU vs the CPU prefill's: %.3f of list ids "
+                    "equal\n", equal_ids / total_ids);
+        EXPECT_GE(equal_ids / total_ids, 0.9);
+      }
       if (std::string(method) == "a2ats") {
         std::printf(
             "[ summary ] a2ats built on the GPU vs on the CPU from the same rows: "
@@ -450,30 +497,20 @@ TEST(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
 // (GPU-built quest and keydiff, full): every store row bit for bit,
 // the handoff's sink and local rows and summaries byte for byte, the same first token, half the
 // shipped bytes.
-TEST(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
-  if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
-  ThreadPool pool;
-  auto config = model::DummyConfig("smollm2-135m", 4);
-  ASSERT_TRUE(config.ok());
-  const model::ModelConfig& c = *config;
-  auto weights = model::RandomWeights(c, 5, &pool);
-  ASSERT_TRUE(weights.ok());
-  model::CudaModelOptions co;
-  co.max_batch_tokens = kChunk;
-  co.max_sequences = 1;
-  co.max_logits_rows = 1;
+TEST_F(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
+  const model::ModelConfig& c = c_;
   auto registry = retrieval::AllMethods();
   ASSERT_TRUE(registry.ok());
   Side f32, b16;
   for (Side* side : {&f32, &b16}) {
-    auto gpu_model = model::CreateCudaModel(c, *weights, co);
+    auto gpu_model = model::CreateCudaModel(c, weights_, OneSequence(kChunk));
     ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
     auto backend = CreateCudaPrefillBackend(*std::move(gpu_model), 0, kChunk);
     ASSERT_TRUE(backend.ok());
     MakeSide(*side, *std::move(backend), &*registry,
              side == &b16 ? kv_store::DType::kBf16 : kv_store::DType::kF32);
   }
-  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab);
+  const std::vector<int32_t> ids = Tokens(kPromptTokens, c.vocab, kPromptSeed);
   const int64_t L = kPromptTokens;
   uint64_t seq = 500;
   for (const char* method : {"full", "quest", "keydiff"}) {
@@ -490,21 +527,16 @@ TEST(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
     EXPECT_EQ(2 * got->kv_bytes_shipped, want->kv_bytes_shipped);
     ASSERT_EQ(got->prompt_tokens, L);
     // The store: bf16 rows = the float32 rows narrowed, bit for bit.
-    std::vector<uint8_t> a(L * 2 * c.head_dim * 2), b(L * 2 * c.head_dim * 4);
+    const std::vector<uint8_t> a =
+        StoreRows(*b16.store, job.store_ref(), c, L, kv_store::DType::kBf16);
+    const std::vector<uint8_t> b =
+        StoreRows(*f32.store, job.store_ref(), c, L, kv_store::DType::kF32);
+    const auto* wide = reinterpret_cast<const float*>(b.data());
     int64_t differ = 0;
-    for (int layer = 0; layer < c.n_layers; ++layer) {
-      for (int head = 0; head < c.n_kv_heads; ++head) {
-        kv_store::RangeEntry range{job.store_ref(), static_cast<uint32_t>(layer),
-                                   static_cast<uint32_t>(head), 0, static_cast<uint64_t>(L)};
-        ASSERT_TRUE(b16.store->RangeRead(std::span(&range, 1), a).ok());
-        ASSERT_TRUE(f32.store->RangeRead(std::span(&range, 1), b).ok());
-        const auto* wide = reinterpret_cast<const float*>(b.data());
-        for (int64_t i = 0; i < L * 2 * c.head_dim; ++i) {
-          uint16_t h;
-          std::memcpy(&h, a.data() + 2 * i, 2);
-          differ += h != FloatToBf16(wide[i]);
-        }
-      }
+    for (size_t i = 0; i < b.size() / 4; ++i) {
+      uint16_t h;
+      std::memcpy(&h, a.data() + 2 * i, 2);
+      differ += h != FloatToBf16(wide[i]);
     }
     EXPECT_EQ(differ, 0) << "bf16 store values that are not the float32 export narrowed";
     // The handoff: the same bytes (sink/local rows widened from bf16 are the float32 export's).
@@ -523,23 +555,6 @@ TEST(GpuPrefillTest, Bf16ExportGivesTheNarrowedFloatExport) {
   }
 }
 
-// Every stored value of a sequence, all layers and KV heads, rows [0, L), as stored.
-std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_store::SequenceRef& ref,
-                               const model::ModelConfig& c, int64_t L, kv_store::DType dtype) {
-  const size_t head_bytes = static_cast<size_t>(L) * 2 * c.head_dim * kv_store::DTypeSize(dtype);
-  std::vector<uint8_t> all(head_bytes * c.n_layers * c.n_kv_heads);
-  for (int layer = 0; layer < c.n_layers; ++layer) {
-    for (int head = 0; head < c.n_kv_heads; ++head) {
-      kv_store::RangeEntry range{ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(head), 0,
-                                 static_cast<uint64_t>(L)};
-      const size_t at = (static_cast<size_t>(layer) * c.n_kv_heads + head) * head_bytes;
-      EXPECT_TRUE(
-          store.RangeRead(std::span(&range, 1), std::span(all).subspan(at, head_bytes)).ok());
-    }
-  }
-  return all;
-}
-
 // Prefix reuse on the CUDA backend (PrefillCall::prefix_rows, CudaModel::AppendRows), per store
 // dtype and method: a 200-token prompt ends well and its sequence is kept; the same prompt
 // extended to 300 tokens is prefilled cold and then from that sequence. The engine asks for
@@ -553,11 +568,7 @@ std::vector<uint8_t> StoreRows(kv_store::FakeKvStoreClient& store, const kv_stor
 void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
                       const model::ModelWeights& weights, kv_store::DType dtype) {
   SCOPED_TRACE(std::string(label) + " " + std::string(kv_store::DTypeName(dtype)));
-  model::CudaModelOptions co;
-  co.max_batch_tokens = 64;
-  co.max_sequences = 1;
-  co.max_logits_rows = 1;
-  auto gpu_model = model::CreateCudaModel(c, weights, co);
+  auto gpu_model = model::CreateCudaModel(c, weights, OneSequence(64));
   ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
   auto backend = CreateCudaPrefillBackend(*std::move(gpu_model), 0, 64);
   ASSERT_TRUE(backend.ok());
@@ -574,14 +585,14 @@ void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
   auto fake = kv_store::FakeKvStoreClient::Create(so);
   ASSERT_TRUE(fake.ok()) << fake.status();
   kv_store::FakeKvStoreClient& store = **fake;
-  SingleStoreClients stores(&store);
+  OneStore stores(&store);
   RecordingOpener opener;
   PrefillEngine engine(
       std::move(counting), nullptr, &*registry, &stores, &opener,
       EngineOptions{.chunk_tokens = 128, .max_prefill_queries = 100, .store_dtype = dtype});
 
   constexpr int64_t L = 300, kFirst = 200, kReused = 192;
-  const std::vector<int32_t> ids = Tokens(L, c.vocab);
+  const std::vector<int32_t> ids = Tokens(L, c.vocab, kPromptSeed);
   const std::vector<int32_t> first_ids(ids.begin(), ids.begin() + kFirst);
   PrefillJob parent = Job("parent", 7000, first_ids, "full");
   parent.sampling.set_max_tokens(1);  // ends well at the first token: kept for `retain`
@@ -668,27 +679,20 @@ void CheckPrefixReuse(const char* label, const model::ModelConfig& c,
               StoreRows(store, cold.store_ref(), c, L, dtype));
 }
 
-TEST(GpuPrefillTest, PrefixReuseGivesTheColdBits) {
-  if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
-  ThreadPool pool;
-  auto config = model::DummyConfig("smollm2-135m", 4);
-  ASSERT_TRUE(config.ok());
-  auto weights = model::RandomWeights(*config, 5, &pool);
-  ASSERT_TRUE(weights.ok());
+TEST_F(GpuPrefillTest, PrefixReuseGivesTheColdBits) {
   for (const kv_store::DType dtype : {kv_store::DType::kBf16, kv_store::DType::kF32}) {
-    CheckPrefixReuse("smollm2-dummy4", *config, *weights, dtype);
+    CheckPrefixReuse("smollm2-dummy4", c_, weights_, dtype);
   }
 }
 
 // The same on the real SmolLM2-135M (all 30 layers; $KVR_TEST_MODEL), skipped without it.
-TEST(GpuPrefillTest, PrefixReuseOnSmolLm2GgufGivesTheColdBits) {
-  if (!model::CudaModelAvailable()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+// (The fixture's dummy model goes unused.)
+TEST_F(GpuPrefillTest, PrefixReuseOnSmolLm2GgufGivesTheColdBits) {
   const std::string path = TestModelPath();
   if (!std::filesystem::exists(path)) GTEST_SKIP() << "no model at " << path;
-  ThreadPool pool;
   model::LoadOptions options;
   options.weights = model::WeightStorage::kFloat32;  // CreateCudaModel uploads float32 weights
-  auto loaded = model::LoadModel(path, options, &pool);
+  auto loaded = model::LoadModel(path, options, &pool_);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   for (const kv_store::DType dtype : {kv_store::DType::kBf16, kv_store::DType::kF32}) {
     CheckPrefixReuse("smollm2-gguf", loaded->model->config(), loaded->model->weights(), dtype);

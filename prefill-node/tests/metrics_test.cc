@@ -24,6 +24,8 @@ TEST(PrefillMetricsTest, RecordsWhatItIsTold) {
   m.SetWaiting(3);
   m.SetQueuedTokens(12000);
   m.CountPrefill("smol", "ok");
+  m.AddSummaryLayers("smol", "extended", 30);
+  m.AddSummaryLayers("smol", "rebuilt", 2);
   const std::string text = server->ScrapeText();
   EXPECT_THAT(text,
               HasSubstr("kvr_prefill_step_seconds_count{method=\"pariskv\",model=\"smol\"} 1"));
@@ -35,6 +37,10 @@ TEST(PrefillMetricsTest, RecordsWhatItIsTold) {
   EXPECT_THAT(text, HasSubstr("kvr_requests_waiting{role=\"prefill\"} 3"));
   EXPECT_THAT(text, HasSubstr("kvr_prefill_queued_tokens 12000"));
   EXPECT_THAT(text, HasSubstr("kvr_prefill_requests_total{model=\"smol\",outcome=\"ok\"} 1"));
+  EXPECT_THAT(text,
+              HasSubstr("kvr_prefill_index_layers_total{model=\"smol\",source=\"extended\"} 30"));
+  EXPECT_THAT(text,
+              HasSubstr("kvr_prefill_index_layers_total{model=\"smol\",source=\"rebuilt\"} 2"));
   ExpectPromtoolClean(text);
 }
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "engine_fakes.h"
 #include "kvr/common/half.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/status.h"
@@ -16,7 +17,7 @@
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
 #include "kvr/model/sampler.h"
-#include "kvr/prefill_node/single_store_clients.h"
+#include "kvr/prefill_node/summary_snapshot.h"
 #include "kvr/retrieval/all_methods.h"
 
 namespace kvr::prefill_node {
@@ -76,7 +77,7 @@ class PrefillEngineTest : public ::testing::Test {
     auto fake = kv_store::FakeKvStoreClient::Create(so);
     ASSERT_TRUE(fake.ok()) << fake.status();
     store_ = std::move(*fake);
-    stores_ = std::make_unique<SingleStoreClients>(store_.get());
+    stores_ = std::make_unique<OneStore>(store_.get());
     engine_ =
         std::make_unique<PrefillEngine>(loaded_->model.get(), &*loaded_->tokenizer, registry_,
                                         stores_.get(), &opener_, EngineOptions{.chunk_tokens = 64});
@@ -112,7 +113,7 @@ class PrefillEngineTest : public ::testing::Test {
   static inline retrieval::MethodRegistry* registry_ = nullptr;
   std::unique_ptr<kv_store::FakeKvStoreClient> store_;
   const kv_store::Capability cap_ = kv_store::Capability::Generate();
-  std::unique_ptr<SingleStoreClients> stores_;
+  std::unique_ptr<OneStore> stores_;
   RecordingOpener opener_;
   std::unique_ptr<PrefillEngine> engine_;
 };
@@ -278,6 +279,311 @@ TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
   EXPECT_EQ(lost_result->cached_tokens, 0u);
   EXPECT_EQ(lost_result->first_token, cold_result->first_token);
   EXPECT_EQ(AllRows(*store_, {45, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
+}
+
+// The keys of rows [0, rows) of one layer of a sequence in the (float32) store, laid out as
+// the model's cache holds them: [rows, n_kv_heads * head_dim].
+std::vector<float> LayerKeys(kv_store::KvStoreClient& store, const kv_store::SequenceRef& ref,
+                             const model::ModelConfig& c, int layer, int64_t rows) {
+  const int hd = c.head_dim;
+  std::vector<float> keys(static_cast<size_t>(rows) * c.n_kv_heads * hd);
+  std::vector<float> head_rows(static_cast<size_t>(rows) * 2 * hd);  // [rows, k | v]
+  for (int h = 0; h < c.n_kv_heads; ++h) {
+    const kv_store::RangeEntry range{ref, static_cast<uint32_t>(layer), static_cast<uint32_t>(h), 0,
+                                     static_cast<uint64_t>(rows)};
+    EXPECT_TRUE(store
+                    .RangeRead(std::span(&range, 1), {reinterpret_cast<uint8_t*>(head_rows.data()),
+                                                      head_rows.size() * sizeof(float)})
+                    .ok());
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(&keys[(r * c.n_kv_heads + h) * hd], &head_rows[r * 2 * hd], hd * sizeof(float));
+    }
+  }
+  return keys;
+}
+
+std::span<const uint8_t> Bytes(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
+
+// The summaries of the handoff's layer `layer` (chunks [header, layer...] in any layer order).
+std::string SummariesOf(const std::vector<cv1::HandoffChunk>& chunks, int layer) {
+  for (const cv1::HandoffChunk& chunk : chunks) {
+    if (chunk.has_layer() && chunk.layer().layer() == static_cast<uint32_t>(layer)) {
+      return chunk.layer().summaries();
+    }
+  }
+  ADD_FAILURE() << "no layer " << layer << " in the handoff";
+  return "";
+}
+
+// A retained request keeps each layer's summaries at the last aligned boundary of its prompt
+// in the store (the handoff's index is that snapshot with the last partial block appended); a
+// later request forked from it ships the snapshot extended by Append over its new rows, byte
+// for byte what Deserialize(snapshot) + Append done by hand gives, and keeps its own snapshot.
+// Without a usable snapshot (another budget, a prefix kept without one) the summaries are
+// rebuilt, and equal a cold prefill's.
+TEST_F(PrefillEngineTest, AReusedPrefixExtendsTheSnapshotOfItsSummaries) {
+  const model::ModelConfig& c = loaded_->model->config();
+  retrieval::IndexShape shape{.n_heads = c.n_heads,
+                              .n_kv_heads = c.n_kv_heads,
+                              .head_dim = c.head_dim,
+                              .n_layers = c.n_layers,
+                              .rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0}};
+  uint64_t base = 0;  // sequence ids base + 1.. per method
+  for (const std::string method : {"quest", "clusterkv", "keydiff"}) {
+    SCOPED_TRACE(method);
+    base += 100;
+    const kv_store::SequenceRef first_ref{base + 1, cap_}, warm_ref{base + 2, cap_},
+        cold_ref{base + 3, cap_};
+    PrefillJob first = Job(TextPrompt{Text()}, method);
+    first.sequence_id = first_ref.id;
+    first.retain = absl::Minutes(1);
+    auto first_ids = engine_->Tokenize(first.prompt);
+    ASSERT_TRUE(first_ids.ok());
+    const int64_t L1 = static_cast<int64_t>(first_ids->size());
+    const int64_t S1 = L1 / 64 * 64;  // CPU backend: 64-row attention query blocks
+    ASSERT_GT(S1, 0);
+    ASSERT_LT(S1, L1) << "the test wants a prompt that does not end on the alignment";
+    opener_.chunks.clear();
+    auto first_result = engine_->Run(first);
+    ASSERT_TRUE(first_result.ok()) << first_result.status();
+    EXPECT_EQ(first_result->summary_layers_extended, 0u);
+    EXPECT_EQ(first_result->summary_layers_rebuilt, 0u);
+    const std::vector<cv1::HandoffChunk> first_chunks = opener_.chunks;
+    retrieval::IndexParams params;
+    params.budget = 16;
+    params.n_sink = 4;
+    params.local_window = 32;
+    const std::string key = SnapshotKey(first.model, c, method, params);
+
+    // Its snapshots: the index built over its first S1 rows; that index extended by Append of
+    // its last L1 - S1 rows is its handoff.
+    std::vector<kv_store::Attachment> snapshots;
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      shape.layer = layer;
+      auto att = store_->GetAttachment(first_ref, static_cast<uint32_t>(layer));
+      ASSERT_TRUE(att.ok()) << att.status();
+      EXPECT_EQ(att->rows, static_cast<uint64_t>(S1));
+      ASSERT_TRUE(OpenSnapshot(att->bytes, att->rows, key, method, shape, *registry_, params).ok());
+      const std::vector<float> keys = LayerKeys(*store_, first_ref, c, layer, L1);
+      const int64_t row = int64_t{c.n_kv_heads} * c.head_dim;
+      auto index = registry_->Make(method, shape, params);
+      ASSERT_TRUE(index.ok()) << index.status();
+      retrieval::BuildInput build;
+      build.keys = {keys.data(), S1, row};
+      ASSERT_TRUE((*index)->Build(build).ok());
+      auto at_s1 = retrieval::SerializeIndex(**index);
+      ASSERT_TRUE(at_s1.ok());
+      EXPECT_EQ(att->bytes, FrameSnapshot(key, *at_s1)) << "layer " << layer;
+      retrieval::AppendInput in;
+      in.keys = {keys.data() + S1 * row, L1 - S1, row};
+      ASSERT_TRUE((*index)->Append(in).ok());
+      auto bytes = retrieval::SerializeIndex(**index);
+      ASSERT_TRUE(bytes.ok());
+      EXPECT_TRUE(std::ranges::equal(*bytes, Bytes(SummariesOf(first_chunks, layer))))
+          << "layer " << layer;
+      snapshots.push_back(*std::move(att));
+    }
+
+    // Turn 2: the first prompt and more, forked from the first request's sequence.
+    std::vector<int32_t> ids = *first_ids;
+    auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
+    ASSERT_TRUE(more.ok());
+    ids.insert(ids.end(), more->begin(), more->end());
+    const int64_t L2 = static_cast<int64_t>(ids.size());
+    PrefillJob warm = Job(TokenPrompt{ids}, method);
+    warm.sequence_id = warm_ref.id;
+    warm.prefix = first_ref;
+    warm.prefix_tokens = static_cast<uint32_t>(L1);
+    warm.retain = absl::Minutes(1);
+    opener_.chunks.clear();
+    auto warm_result = engine_->Run(warm);
+    ASSERT_TRUE(warm_result.ok()) << warm_result.status();
+    EXPECT_EQ(warm_result->cached_tokens, static_cast<uint32_t>(S1));
+    EXPECT_EQ(warm_result->summary_layers_extended, static_cast<uint32_t>(c.n_layers));
+    EXPECT_EQ(warm_result->summary_layers_rebuilt, 0u);
+    const std::vector<cv1::HandoffChunk> warm_chunks = opener_.chunks;
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      shape.layer = layer;
+      auto index = OpenSnapshot(snapshots[layer].bytes, snapshots[layer].rows, key, method, shape,
+                                *registry_, params);
+      ASSERT_TRUE(index.ok()) << index.status();
+      const std::vector<float> keys = LayerKeys(*store_, warm_ref, c, layer, L2);
+      retrieval::AppendInput in;
+      in.keys = {keys.data() + S1 * c.n_kv_heads * c.head_dim, L2 - S1,
+                 int64_t{c.n_kv_heads} * c.head_dim};
+      ASSERT_TRUE((*index)->Append(in).ok());
+      auto bytes = retrieval::SerializeIndex(**index);
+      ASSERT_TRUE(bytes.ok());
+      EXPECT_TRUE(std::ranges::equal(*bytes, Bytes(SummariesOf(warm_chunks, layer))))
+          << "layer " << layer;
+      // Its own snapshot, at its own last aligned boundary, for the next turn.
+      auto own = store_->GetAttachment(warm_ref, static_cast<uint32_t>(layer));
+      ASSERT_TRUE(own.ok()) << own.status();
+      EXPECT_EQ(own->rows, static_cast<uint64_t>(L2 / 64 * 64));
+      EXPECT_TRUE(OpenSnapshot(own->bytes, own->rows, key, method, shape, *registry_, params).ok());
+    }
+
+    // Reference: the same prompt cold (kept for nobody: one Build over every row).
+    PrefillJob cold = Job(TokenPrompt{ids}, method);
+    cold.sequence_id = cold_ref.id;
+    opener_.chunks.clear();
+    ASSERT_TRUE(engine_->Run(cold).ok());
+    const std::vector<cv1::HandoffChunk> cold_chunks = opener_.chunks;
+
+    // Another budget: the snapshot is of other parameters, so every layer is rebuilt, as cold.
+    PrefillJob other = Job(TokenPrompt{ids}, method);
+    other.sequence_id = base + 4;
+    other.prefix = first_ref;
+    other.prefix_tokens = static_cast<uint32_t>(L1);
+    other.retrieval.set_budget(24);
+    PrefillJob other_cold = other;
+    other_cold.sequence_id = base + 5;
+    other_cold.prefix_tokens = 0;
+    opener_.chunks.clear();
+    auto other_result = engine_->Run(other);
+    ASSERT_TRUE(other_result.ok()) << other_result.status();
+    EXPECT_EQ(other_result->cached_tokens, static_cast<uint32_t>(S1));
+    EXPECT_EQ(other_result->summary_layers_extended, 0u);
+    EXPECT_EQ(other_result->summary_layers_rebuilt, static_cast<uint32_t>(c.n_layers));
+    const std::vector<cv1::HandoffChunk> other_chunks = opener_.chunks;
+    opener_.chunks.clear();
+    ASSERT_TRUE(engine_->Run(other_cold).ok());
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      EXPECT_EQ(SummariesOf(other_chunks, layer), SummariesOf(opener_.chunks, layer)) << layer;
+    }
+
+    // A prefix kept without snapshots (the cold request was not retained): rebuilt.
+    PrefillJob bare = Job(TokenPrompt{ids}, method);
+    bare.sequence_id = base + 6;
+    bare.prefix = cold_ref;
+    bare.prefix_tokens = static_cast<uint32_t>(L2 - 1);
+    opener_.chunks.clear();
+    auto bare_result = engine_->Run(bare);
+    ASSERT_TRUE(bare_result.ok()) << bare_result.status();
+    EXPECT_EQ(bare_result->cached_tokens, static_cast<uint32_t>((L2 - 1) / 64 * 64));
+    EXPECT_EQ(bare_result->summary_layers_extended, 0u);
+    EXPECT_EQ(bare_result->summary_layers_rebuilt, static_cast<uint32_t>(c.n_layers));
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      EXPECT_EQ(SummariesOf(opener_.chunks, layer), SummariesOf(cold_chunks, layer)) << layer;
+    }
+    EXPECT_TRUE(absl::IsNotFound(store_->GetAttachment({base + 6, cap_}, 0).status()));
+  }
+}
+
+// A store client without attachments (UNIMPLEMENTED): a retained request keeps no snapshot
+// and goes on; a request reusing a prefix rebuilds its summaries.
+class NoAttachments final : public kv_store::KvStoreClient {
+ public:
+  explicit NoAttachments(kv_store::KvStoreClient* inner) : inner_(inner) {}
+  std::unique_ptr<kv_store::KvStoreOp> StartPutLayer(const kv_store::LayerRows& rows) override {
+    return inner_->StartPutLayer(rows);
+  }
+  std::unique_ptr<kv_store::KvStoreOp> StartGather(std::span<const kv_store::GatherEntry> e,
+                                                   std::span<uint8_t> out) override {
+    return inner_->StartGather(e, out);
+  }
+  absl::StatusOr<kv_store::CreateResult> CreateSequence(const kv_store::SequenceRef& ref,
+                                                        const kv_store::SequenceShape& shape,
+                                                        uint64_t expected,
+                                                        absl::Duration lease) override {
+    return inner_->CreateSequence(ref, shape, expected, lease);
+  }
+  absl::StatusOr<kv_store::ForkResult> ForkSequence(const kv_store::SequenceRef& child,
+                                                    const kv_store::SequenceRef& parent,
+                                                    uint64_t rows, uint64_t expected,
+                                                    absl::Duration lease) override {
+    return inner_->ForkSequence(child, parent, rows, expected, lease);
+  }
+  absl::Status RangeRead(std::span<const kv_store::RangeEntry> r, std::span<uint8_t> out) override {
+    return inner_->RangeRead(r, out);
+  }
+  absl::Status Release(const kv_store::SequenceRef& ref, absl::Duration keep) override {
+    return inner_->Release(ref, keep);
+  }
+  absl::Status Lease(const kv_store::SequenceRef& ref, absl::Duration lease) override {
+    return inner_->Lease(ref, lease);
+  }
+  absl::StatusOr<kv_store::SequenceInfo> GetSequence(const kv_store::SequenceRef& ref) override {
+    return inner_->GetSequence(ref);
+  }
+  absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
+  absl::StatusOr<kv_store::PageTable> ReservePageTable(const kv_store::SequenceRef& ref,
+                                                       uint64_t rows) override {
+    return inner_->ReservePageTable(ref, rows);
+  }
+  absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {
+    return inner_->MapLocalPool();
+  }
+
+ private:
+  kv_store::KvStoreClient* inner_;
+};
+
+TEST_F(PrefillEngineTest, AStoreWithoutAttachmentsRebuildsTheSummaries) {
+  NoAttachments plain(store_.get());
+  OneStore stores(&plain);
+  PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, &stores, &opener_,
+                       EngineOptions{.chunk_tokens = 64});
+  PrefillJob first = Job(TextPrompt{Text()}, "quest");
+  first.retain = absl::Minutes(1);
+  auto first_ids = engine.Tokenize(first.prompt);
+  ASSERT_TRUE(first_ids.ok());
+  ASSERT_TRUE(engine.Run(first).ok());
+  EXPECT_TRUE(absl::IsNotFound(store_->GetAttachment({42, cap_}, 0).status()));
+  std::vector<int32_t> ids = *first_ids;
+  ids.push_back(ids.back());
+  PrefillJob warm = Job(TokenPrompt{ids}, "quest");
+  warm.sequence_id = 44;
+  warm.prefix = {42, cap_};
+  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  opener_.chunks.clear();
+  auto warm_result = engine.Run(warm);
+  ASSERT_TRUE(warm_result.ok()) << warm_result.status();
+  EXPECT_GT(warm_result->cached_tokens, 0u);
+  EXPECT_EQ(warm_result->summary_layers_extended, 0u);
+  EXPECT_EQ(warm_result->summary_layers_rebuilt,
+            static_cast<uint32_t>(loaded_->model->config().n_layers));
+  auto index = retrieval::DeserializeIndex(Bytes(SummariesOf(opener_.chunks, 0)), *registry_,
+                                           retrieval::IndexParams{});
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ((*index)->size(), static_cast<int64_t>(ids.size()));
+}
+
+// extend_summaries off: nothing is kept for later requests, and a reused prefix's summaries
+// are rebuilt (even where the prefix has a snapshot).
+TEST_F(PrefillEngineTest, ExtendSummariesOffKeepsNothingAndRebuilds) {
+  PrefillJob first = Job(TextPrompt{Text()}, "clusterkv");
+  first.retain = absl::Minutes(1);
+  auto first_ids = engine_->Tokenize(first.prompt);
+  ASSERT_TRUE(first_ids.ok());
+  ASSERT_TRUE(engine_->Run(first).ok());  // the default engine: snapshots kept
+  ASSERT_TRUE(store_->GetAttachment({42, cap_}, 0).ok());
+  PrefillEngine off(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(), &opener_,
+                    EngineOptions{.chunk_tokens = 64, .extend_summaries = false});
+  std::vector<int32_t> ids = *first_ids;
+  ids.push_back(ids.back());
+  PrefillJob warm = Job(TokenPrompt{ids}, "clusterkv");
+  warm.sequence_id = 44;
+  warm.prefix = {42, cap_};
+  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  warm.retain = absl::Minutes(1);
+  auto warm_result = off.Run(warm);
+  ASSERT_TRUE(warm_result.ok()) << warm_result.status();
+  EXPECT_GT(warm_result->cached_tokens, 0u);
+  EXPECT_EQ(warm_result->summary_layers_extended, 0u);
+  EXPECT_EQ(warm_result->summary_layers_rebuilt,
+            static_cast<uint32_t>(loaded_->model->config().n_layers));
+  // The fork inherited the prefix's snapshot; this engine put none of its own over it.
+  auto inherited = store_->GetAttachment({44, cap_}, 0);
+  ASSERT_TRUE(inherited.ok()) << inherited.status();
+  EXPECT_EQ(inherited->rows, first_ids->size() / 64 * 64);
+  PrefillJob fresh = Job(TextPrompt{Text()}, "clusterkv");
+  fresh.sequence_id = 45;
+  fresh.retain = absl::Minutes(1);
+  ASSERT_TRUE(off.Run(fresh).ok());
+  EXPECT_TRUE(absl::IsNotFound(store_->GetAttachment({45, cap_}, 0).status()));
 }
 
 // A backend that computes in chunks of at most 128 tokens whatever it is asked (as the CUDA

@@ -20,7 +20,8 @@
 //    recalled lists (C' x rho) within 1.5x of the paper's.
 //  - The FIFO update is on by default (fifo_size 2048 >= the default C: every centroid rotates):
 //    +0.013 recall at budget 243, +0.03 at 81 (BENCHMARKS.md). The GPU selector
-//    (retrieval/cuda/select) keeps the qcIVF read-only, i.e. runs without it.
+//    (retrieval/cuda/select) reads the qcIVF; the GPU decode's ctkvr lane grows and rotates it
+//    between selections as this index does (retrieval/cuda/decode/src/ctkvr_lane.cu).
 //  - Sinks are never listed (always attended); the local window is listed (it leaves the window).
 //  - Generated tokens (Append): the paper leaves them to the GPU-resident recent window. Here a
 //    new key is also inserted into every list whose centroid would rank it in its top-rho (its
@@ -284,6 +285,7 @@ class CtkvrIndex final : public RetrievalIndex {
     s.rho = rho_;
     s.n_recall = n_recall_;
     s.fifo_size = fifo_size_;
+    s.next_fifo = next_fifo_;
     s.keys = keys_;
     for (const auto& h : heads_) {
       std::vector<CtkvrState::Entry>& entries = s.heads.emplace_back();
@@ -310,6 +312,67 @@ class CtkvrIndex final : public RetrievalIndex {
       }
     }
     return absl::OkStatus();
+  }
+
+  // The index in `st` (SerializePrebuiltCtkvr): every entry checked as Read checks bytes.
+  static absl::StatusOr<std::unique_ptr<CtkvrIndex>> FromState(const IndexShape& shape,
+                                                               const IndexParams& params,
+                                                               int64_t size, const CtkvrState& st) {
+    auto bad = [](auto&&... parts) {
+      return absl::InvalidArgumentError(absl::StrCat("prebuilt ctkvr: ", parts...));
+    };
+    KVR_RETURN_IF_ERROR(shape.Validate());
+    const int hd = shape.head_dim, group = shape.group_size();
+    const int64_t row = static_cast<int64_t>(shape.n_kv_heads) * hd;
+    if (size < 0 || static_cast<int64_t>(st.keys.size()) != size * row) {
+      return bad(st.keys.size(), " key values for ", size, " tokens of ", row);
+    }
+    if (st.n_centroids < 0 || st.n_centroids > size || st.rho < 1 || st.n_recall < 1 ||
+        st.fifo_size < 0 || st.fifo_size > st.n_centroids || st.next_fifo < 0 || st.n_sink < 0 ||
+        st.n_sink > size) {
+      return bad("parameters C ", st.n_centroids, ", rho ", st.rho, ", C' ", st.n_recall, ", fifo ",
+                 st.fifo_size, ", sinks ", st.n_sink, " for ", size, " tokens");
+    }
+    if (static_cast<int>(st.heads.size()) != shape.n_kv_heads) {
+      return bad(st.heads.size(), " heads for ", shape.n_kv_heads, " KV heads");
+    }
+    auto index = std::make_unique<CtkvrIndex>(shape, params);
+    index->params_.gqa = st.gqa;
+    index->n_sink_ = st.n_sink;
+    index->n_centroids_ = st.n_centroids;
+    index->rho_ = st.rho;
+    index->n_recall_ = st.n_recall;
+    index->fifo_size_ = st.fifo_size;
+    index->next_fifo_ = st.next_fifo;
+    index->keys_.assign(st.keys.begin(), st.keys.end());
+    for (int h = 0; h < shape.n_kv_heads; ++h) {
+      if (static_cast<int64_t>(st.heads[h].size()) != st.n_centroids) {
+        return bad("head ", h, ": ", st.heads[h].size(), " entries for C ", st.n_centroids);
+      }
+      auto& entries = index->heads_[h];
+      entries.resize(st.n_centroids);
+      for (int64_t i = 0; i < st.n_centroids; ++i) {
+        const CtkvrState::Entry& in = st.heads[h][i];
+        if ((!in.centroid.empty() && static_cast<int>(in.centroid.size()) != group * hd) ||
+            in.norms.size() * hd != in.centroid.size()) {
+          return bad("head ", h, " entry ", i, ": a centroid of ", in.centroid.size(),
+                     " values and ", in.norms.size(), " norms");
+        }
+        for (int32_t id : in.list) {
+          if (id < 0 || id >= size) {
+            return bad("head ", h, " entry ", i, ": token id ", id, " outside [0, ", size, ")");
+          }
+        }
+        Entry& e = entries[i];
+        e.centroid.assign(in.centroid.begin(), in.centroid.end());
+        e.norms.assign(in.norms.begin(), in.norms.end());
+        e.list.assign(in.list.begin(), in.list.end());
+        e.threshold = in.threshold;
+      }
+    }
+    index->size_ = size;
+    index->built_ = true;
+    return index;
   }
 
   static absl::StatusOr<std::unique_ptr<RetrievalIndex>> Read(const IndexShape& shape,
@@ -393,9 +456,8 @@ class CtkvrIndex final : public RetrievalIndex {
   std::vector<float> logits_;              // scratch
 };
 
-// params with the ctkvr.* method options applied: ctkvr.n_centroids, ctkvr.list_length,
-// ctkvr.n_recall and ctkvr.fifo_size, each >= 0 (0: the default of CtkvrParams). Options of other
-// methods are ignored; an unknown ctkvr.* name or a bad value is InvalidArgument naming it.
+}  // namespace
+
 absl::StatusOr<IndexParams> ApplyCtkvrOptions(const IndexParams& params) {
   IndexParams out = params;
   constexpr std::string_view kPrefix = "ctkvr.";
@@ -425,8 +487,6 @@ absl::StatusOr<IndexParams> ApplyCtkvrOptions(const IndexParams& params) {
   return out;
 }
 
-}  // namespace
-
 int CtkvrRecall(const IndexParams& params) {
   return params.ctkvr.n_recall > 0 ? static_cast<int>(params.ctkvr.n_recall) : 6;
 }
@@ -435,6 +495,15 @@ absl::StatusOr<CtkvrState> CtkvrStateOf(const RetrievalIndex& index) {
   KVR_ASSIGN_OR_RETURN(const CtkvrIndex* typed,
                        internal::IndexAs<CtkvrIndex>(index, "CtkvrStateOf", "ctkvr"));
   return typed->State();
+}
+
+absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltCtkvr(const IndexShape& shape,
+                                                            const IndexParams& params, int64_t size,
+                                                            const CtkvrState& state) {
+  KVR_ASSIGN_OR_RETURN(IndexParams applied, ApplyCtkvrOptions(params));
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<CtkvrIndex> index,
+                       CtkvrIndex::FromState(shape, applied, size, state));
+  return SerializeIndex(*index);
 }
 
 absl::Status RegisterCtkvr(MethodRegistry& registry) {

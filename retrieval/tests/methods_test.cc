@@ -415,6 +415,38 @@ TEST(CtkvrTest, StateHandsOutTheIndexsEntries) {
   EXPECT_NE(wrong.message().find("'keydiff'"), std::string_view::npos) << wrong;
 }
 
+// SerializePrebuiltCtkvr from an index's own state gives that index's bytes (what a GPU build
+// ships must be indistinguishable from a CPU build in the same state); a state that does not fit
+// the shape is refused naming what.
+TEST(CtkvrTest, PrebuiltStateGivesTheCpuIndexBytes) {
+  IndexShape s = SmallShape();
+  const int64_t n = 128;
+  std::vector<float> keys = RandomTensor(n, s.n_kv_heads, s.head_dim, 5);
+  std::vector<float> queries = RandomTensor(n, s.n_heads, s.head_dim, 7);
+  IndexParams p;
+  p.n_sink = 4;
+  p.budget = 6;
+  p.ctkvr.n_centroids = 16;
+  auto index = MakeBuilt(CoreRegistry(), "ctkvr", s, p, keys, queries);
+  auto want = SerializeIndex(*index);
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto st = CtkvrStateOf(*index);
+  ASSERT_TRUE(st.ok()) << st.status();
+  auto got = SerializePrebuiltCtkvr(s, p, n, *st);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, *want);
+  CtkvrState short_keys = *st;
+  short_keys.keys = short_keys.keys.subspan(1);
+  EXPECT_EQ(SerializePrebuiltCtkvr(s, p, n, short_keys).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  CtkvrState bad_id = *st;
+  const std::vector<int32_t> outside = {0, static_cast<int32_t>(n)};
+  bad_id.heads[0][0].list = outside;
+  const absl::Status refused = SerializePrebuiltCtkvr(s, p, n, bad_id).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("token id 128"), std::string_view::npos) << refused;
+}
+
 TEST(CtkvrTest, FifoUpdateReplacesOldestCentroidWithDecodeQuery) {
   IndexShape s = SmallShape();
   const int64_t n = 128;

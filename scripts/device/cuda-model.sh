@@ -33,7 +33,8 @@ case "${1:-}" in
   bundle)
     build="${BUILD_DIR:-build-cudamodel}"
     # OpenBLAS and ICU's data alone are 67 MB: the bundle travels xz-compressed (~15 MB).
-    bundle_bins "$kBundle" "$build"/model/{model_cuda_ops_test,model_cuda_model_test} \
+    bundle_bins "$kBundle" "$build"/tests/gpu_parity/gpu_parity_test \
+      "$build"/model/model_cuda_model_test \
       "$build"/model/{model_cuda_graph_test,cuda_model_bench} \
       "$build"/retrieval/{retrieval_cuda_prefill_summaries_test,prefill_summaries_bench} \
       model/bench/cuda_model_bench_sdpa.py || exit 1
@@ -51,14 +52,17 @@ case "${1:-}" in
     export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     status=0
-    "$kStage/bin/model_cuda_ops_test" 2>&1 | tee "$out/ops_test.log" | grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) ' || true
+    # The model's kernel rows of the GPU parity table.
+    "$kStage/bin/gpu_parity_test" --gtest_filter='ModelOps/*' 2>&1 | tee "$out/ops_test.log" |
+      grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) ' || true
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     "$kStage/bin/model_cuda_model_test" --gtest_filter=-*Gguf* 2>&1 | tee "$out/model_test.log" |
       grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED|parity) ' || true
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
       timeout 240 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 \
-        "$kStage/bin/model_cuda_ops_test" --gtest_filter=*Attention*:*Rope*:*RmsNorm* \
+        "$kStage/bin/gpu_parity_test" \
+        --gtest_filter='ModelOps/*Attention*:ModelOps/*Rope*:ModelOps/*RmsNorm*' \
         > "$out/sanitizer.log" 2>&1
       echo "compute-sanitizer memcheck (ops test): rc $?  $(grep -c 'Invalid\|ERROR SUMMARY' "$out/sanitizer.log") lines; $(grep 'ERROR SUMMARY' "$out/sanitizer.log")"
     else

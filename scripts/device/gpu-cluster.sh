@@ -19,7 +19,7 @@
 # pool (RssShmem): the decode node reads the store's pages in place, so its own memory must not
 # follow the prompt. On the quest cluster then a new ~7000-token prompt twice (the first
 # computed cold and cached, the second reusing the cached prefix: TTFT of each), and every other
-# method at ~3000 tokens (exact, pariskv, keydiff and, with codebooks, a2ats in
+# method at ~3000 tokens (exact, pariskv, keydiff, ctkvr and, with codebooks, a2ats in
 # GPU lanes, the rest selected on the host; a2ats with codebooks from `kvr calibrate`:
 # bundle with GPUCLUSTER_CODEBOOKS=FILE), `full` at ~1000 tokens, and `full` at ~3000 tokens
 # refused (its rows exceed gpu_budget, 1024).
@@ -93,7 +93,7 @@ case "${1:-}" in
         "/proc/$pid/status" && echo
     }
     codebooks=()
-    lanes=exact,pariskv,keydiff
+    lanes=exact,pariskv,keydiff,ctkvr
     if [[ -f "$kStage/smollm2.kvrcb" ]]; then
       codebooks=(--a2ats-codebooks "$kStage/smollm2.kvrcb")
       lanes+=,a2ats

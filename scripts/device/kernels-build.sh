@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # GPU summary-building kernels: build here, check and time on the device.
 #
-#   bash scripts/device/kernels-build.sh bundle   # here: build retrieval_cuda_build_test and
+#   bash scripts/device/kernels-build.sh bundle   # here: build gpu_parity_test and
 #                                                 # build_cuda_bench and assign_bench, copy
 #                                                 # them + non-system shared libraries to
 #                                                 # .device/kernels-build/bundle.tar.xz (xz)
 #   bash scripts/device/kernels-build.sh run [quick]  # there (device tool, carry
-#                                                 # .device/kernels-build): parity tests,
+#                                                 # .device/kernels-build): the builders'
+#                                                 # rows of the parity table,
 #                                                 # compute-sanitizer memcheck on them, the bench,
 #                                                 # torch SDPA causal prefill attention anchor
 #
 # `run` builds nothing. Logs go to $OUT (the device tool's output folder) or ./out.
-# Optional environment for a partial run: KB_TESTS (gtest filter of the parity and memcheck runs),
+# Optional environment for a partial run: KB_TESTS (gtest filter of the parity and memcheck runs
+# over gpu_parity_test's names, e.g. 'Build/*Ctkvr*:BuildValidation*'; default: every build row),
 # KB_BENCH_ARGS (extra build_cuda_bench flags, e.g. "--builders ctkvr"), KB_ASSIGN_ARGS
 # (assign_bench flags: ClusterKV's assignment kernel, in-loop vs pre-split), KB_SDPA_ARGS, KB_SDPA=0
 # (skip the torch SDPA anchor, e.g. when only a builder's own before/after matters).
@@ -23,7 +25,7 @@ DEV=.device/kernels-build
 BUILD=${KVR_BUILD_DIR:-build-kbuild}
 
 bundle() {
-  local targets=(retrieval_cuda_build_test build_cuda_bench assign_bench)
+  local targets=(gpu_parity_test build_cuda_bench assign_bench)
   build_targets "$BUILD" "${targets[@]}"
   stage_targets "$BUILD" "$DEV" "${targets[@]}"
   cp retrieval/cuda/summaries/bench/prefill_sdpa.py "$DEV/"
@@ -49,14 +51,16 @@ run() {
   local san
   san=$(compute_sanitizer)
   local status=0
-  local filter=()
-  [[ -n ${KB_TESTS:-} ]] && filter=("--gtest_filter=$KB_TESTS")
+  # The builders' rows of gpu_parity_test (tests/gpu_parity), the assignment kernel's and the
+  # launchers' validation.
+  local filter=("--gtest_filter=${KB_TESTS:-Build/*:ArgmaxSplit/*:BuildValidation.*}")
   echo "== parity ${KB_TESTS:-}"
-  timeout 120 "$DEV/retrieval_cuda_build_test" "${filter[@]}" >"$out/parity.log" 2>&1 || status=1
+  timeout 120 "$DEV/gpu_parity_test" "${filter[@]}" >"$out/parity.log" 2>&1 || status=1
   grep -E "^\[ (a2ats|clusterkv|ctkvr)|^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$out/parity.log" |
     head -60 || true
+  sed -n '/^=== GPU parity table/,/^=== end of GPU parity table/p' "$out/parity.log"
   echo "== compute-sanitizer memcheck (every parity test${KB_TESTS:+ of $KB_TESTS})"
-  timeout 240 "$san" --tool memcheck --error-exitcode 3 "$DEV/retrieval_cuda_build_test" \
+  timeout 240 "$san" --tool memcheck --error-exitcode 3 "$DEV/gpu_parity_test" \
     "${filter[@]}" >"$out/memcheck.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|^\[  (PASSED|FAILED)" "$out/memcheck.log" | tail -3 || true
   echo "== bench"

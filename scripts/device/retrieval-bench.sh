@@ -18,10 +18,10 @@ DEV=.device/kernels-attend
 BUILD=${KVR_BUILD_DIR:-build-kattend}
 
 bundle() {
-  local targets=(retrieval_cuda_attend_test decode_attention_bench)
-  # kernels-select's binaries ride along when that part is in the tree.
-  if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q '^retrieval_cuda_select_test:'; then
-    targets+=(retrieval_cuda_select_test select_cuda_bench)
+  local targets=(gpu_parity_test decode_attention_bench)
+  # kernels-select's bench rides along when that part is in the tree.
+  if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q '^select_cuda_bench:'; then
+    targets+=(select_cuda_bench)
   fi
   build_targets "$BUILD" "${targets[@]}"
   stage_targets "$BUILD" "$DEV" "${targets[@]}"
@@ -39,18 +39,17 @@ run() {
   local san
   san=$(compute_sanitizer)
   local status=0
-  echo "== parity (gpu label tests)"
-  "$DEV/retrieval_cuda_attend_test" --gtest_brief=1 >"$out/parity.log" 2>&1 || status=1
-  tail -3 "$out/parity.log"
-  if [[ -x $DEV/retrieval_cuda_select_test ]]; then
-    { echo "== retrieval_cuda_select_test"; "$DEV/retrieval_cuda_select_test" --gtest_brief=1; } \
-      >>"$out/parity.log" 2>&1 || status=1
-    echo "select parity: $(tail -1 "$out/parity.log")"
-  fi
+  # The decode data path's and the selectors' rows of gpu_parity_test (tests/gpu_parity).
+  local attend='Attend/*:AttendContract.*'
+  echo "== parity (gpu_parity_test: attend and select rows)"
+  "$DEV/gpu_parity_test" --gtest_brief=1 --gtest_filter="$attend:Select/*:SelectContract.*" \
+    >"$out/parity.log" 2>&1 || status=1
+  sed -n '/^=== GPU parity table/,/^=== end of GPU parity table/p' "$out/parity.log"
   echo "== compute-sanitizer memcheck"
   if [[ -x $san ]]; then
     "$san" --tool memcheck --leak-check full --error-exitcode 3 \
-      "$DEV/retrieval_cuda_attend_test" --gtest_brief=1 >"$out/memcheck.log" 2>&1 || status=1
+      "$DEV/gpu_parity_test" --gtest_brief=1 --gtest_filter="$attend" >"$out/memcheck.log" 2>&1 ||
+      status=1
     grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -3
   else
     echo "compute-sanitizer not found"

@@ -20,7 +20,8 @@
 //       served again)
 //   PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix  (a second turn over a long document
 //       is prefilled from the first turn's rows and equals the same prompt prefilled cold, for
-//       every method at a full budget; after the store is killed and restarted between turns
+//       every method at a full budget, also where a turn's retrieval summaries are the
+//       previous turn's extended; after the store is killed and restarted between turns
 //       the lost prefix is computed again, with the same tokens)
 //   CachedPrefixesAreEvictedBeforeAnythingIsRefused  (a small store filled with cached
 //       prefixes: every new request is served, the store evicts cached sequences least
@@ -676,6 +677,8 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
 
   // Every method the decode node offers, at a budget over the context: reused == cold. The
   // prefix (turn 2's prompt) is the same for all: prefill rows do not depend on the method.
+  // Its summaries were kept for `full`, so the method's first turn rebuilds them (and keeps
+  // its own); the method's second turn extends that snapshot by Append (summary_snapshot.h).
   grpc::ClientContext ctx;
   kvr::v1::ListModelsResponse models;
   ASSERT_TRUE(cluster.stub().ListModels(&ctx, {}, &models).ok());
@@ -685,12 +688,37 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
     const std::vector<int32_t> next =
         append(turn2, Encode(absl::StrCat(" Question ", question, ": and paragraph ",
                                           question + 6, "? Answer:")));
-    Outcome r = Generate(cluster.stub(), request(next, method, true));
+    kvr::v1::GenerateRequest first_turn = request(next, method, true);
+    first_turn.set_request_id(absl::StrCat("reuse-", method));
+    Outcome r = Generate(cluster.stub(), first_turn);
     Outcome c = Generate(cluster.stub(), request(next, method, false));
     ASSERT_TRUE(r.status.ok()) << method << ": " << r.status.error_message();
     ASSERT_TRUE(c.status.ok()) << method << ": " << c.status.error_message();
     EXPECT_GE(r.completion.usage().cached_tokens(), aligned(turn2.size())) << method;
     EXPECT_EQ(r.tokens, c.tokens) << method;
+    const std::vector<int32_t> after =
+        append(append(next, r.tokens), Encode(" Thanks. And the paragraph after it?"));
+    kvr::v1::GenerateRequest second_turn = request(after, method, true);
+    second_turn.set_request_id(absl::StrCat("extend-", method));
+    Outcome r2 = Generate(cluster.stub(), second_turn);
+    Outcome c2 = Generate(cluster.stub(), request(after, method, false));
+    ASSERT_TRUE(r2.status.ok()) << method << ": " << r2.status.error_message();
+    ASSERT_TRUE(c2.status.ok()) << method << ": " << c2.status.error_message();
+    EXPECT_EQ(r2.completion.usage().cached_tokens(), aligned(next.size())) << method;
+    EXPECT_EQ(r2.tokens, c2.tokens) << method << " (summaries extended)";
+  }
+  // The prefill node logs each request that reused a prefix but rebuilt its summaries: the
+  // methods' first turns did (their prefix's snapshot is another method's), their second
+  // turns extended their own.
+  {
+    std::ifstream log(absl::StrCat(cluster.log_dir(), "/prefill-0.log"));
+    int first_turns_rebuilt = 0;
+    for (std::string line; std::getline(log, line);) {
+      if (line.find("summaries rebuilt over the reused prefix") == std::string::npos) continue;
+      if (line.find("request reuse-") != std::string::npos) ++first_turns_rebuilt;
+      EXPECT_EQ(line.find("request extend-"), std::string::npos) << line;
+    }
+    EXPECT_GT(first_turns_rebuilt, 0) << "no rebuild logged: is prefill-0.log read?";
   }
 
   // The store dies between turns and comes back empty on the same port.

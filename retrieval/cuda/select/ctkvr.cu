@@ -54,6 +54,7 @@ struct Args {
   const int32_t* n_centroids;
   const int32_t* offsets;
   const int32_t* lists;
+  const int32_t* lengths;  // optional [rows, max_centroids]
   int max_centroids, max_list_entries;
   KeyView keys;
   CandidateRanges cand;
@@ -62,6 +63,7 @@ struct Args {
   int words;
   int32_t* recalled;  // [rows, ld]
   int32_t* n_recalled;
+  int32_t* n_recalled_out;  // optional [rows]: the recall's count before the ld cap
   int ld;
   float* logits;     // kSumSoftmax [rows, group, ld]
   float2* partials;  // [rows, n_chunks, group]
@@ -71,6 +73,12 @@ struct Args {
 
 // Cosine of the group's unit queries to 32 centroids per CTA (8 lanes per dot product, the CPU's
 // Dot order), max over the group, -3 for an empty list: cos [rows, max_centroids].
+// End of list c of `row` (see CtkvrSelectParams::list_lengths).
+__device__ __forceinline__ int ListEnd(const Args& a, const int32_t* off, int row, int c) {
+  return a.lengths != nullptr ? off[c] + a.lengths[static_cast<int64_t>(row) * a.max_centroids + c]
+                              : off[c + 1];
+}
+
 template <int kHeadDim>
 static __global__ void __launch_bounds__(256) CtkvrCosKernel(Args a) {
   constexpr int kPerCta = 32;
@@ -107,7 +115,8 @@ static __global__ void __launch_bounds__(256) CtkvrCosKernel(Args a) {
     best = (best < d) ? d : best;  // std::max(best, d)
   }
   if (valid && (lane & 7) == 0) {
-    a.cos[static_cast<int64_t>(row) * a.max_centroids + c] = off[c + 1] == off[c] ? -3.f : best;
+    a.cos[static_cast<int64_t>(row) * a.max_centroids + c] =
+        ListEnd(a, off, row, c) == off[c] ? -3.f : best;
   }
 }
 
@@ -159,7 +168,8 @@ static __global__ void __launch_bounds__(kRecallThreads) CtkvrRecallKernel(Args 
   const int32_t* lists = a.lists + static_cast<int64_t>(row) * a.max_list_entries;
   for (int r = 0; r < n_pick; ++r) {
     const int c = s_chosen[r];
-    for (int i = off[c] + threadIdx.x; i < off[c + 1]; i += blockDim.x) {
+    const int end = ListEnd(a, off, row, c);
+    for (int i = off[c] + threadIdx.x; i < end; i += blockDim.x) {
       const int id = lists[i];
       if (id >= lo && id < hi) atomicOr(&bits[id >> 5], 1u << (id & 31));
     }
@@ -192,7 +202,10 @@ static __global__ void __launch_bounds__(kRecallThreads) CtkvrRecallKernel(Args 
     running += total;
     __syncthreads();  // s_warp is rewritten by the next tile
   }
-  if (threadIdx.x == 0) a.n_recalled[row] = min(running, a.ld);
+  if (threadIdx.x == 0) {
+    a.n_recalled[row] = min(running, a.ld);
+    if (a.n_recalled_out != nullptr) a.n_recalled_out[row] = running;
+  }
 }
 
 template <typename T>
@@ -231,6 +244,7 @@ static __global__ void __launch_bounds__(256) CtkvrRerankKernel(Args a) {
                                 : static_cast<int64_t>(b) * a.keys.batch_stride +
                                       static_cast<int64_t>(h) * a.keys.head_stride;
   const T* keys = static_cast<const T*>(a.keys.data) + head_base;
+  const bool paged = a.keys.pool.slots != nullptr;
   const int32_t* ids = a.recalled + static_cast<int64_t>(row) * a.ld;
   const bool softmax = a.gqa == GqaAggregation::kSumSoftmax;
   float run_max = -INFINITY, run_sum = 0.f;  // statistics of group head j (lanes j < group)
@@ -238,7 +252,9 @@ static __global__ void __launch_bounds__(256) CtkvrRerankKernel(Args a) {
     const int i = base + warp * 4 + sub;
     const bool valid = i < end;
     const int t = ids[valid ? i : begin];
-    const T* k = keys + static_cast<int64_t>(t) * a.keys.token_stride;
+    const T* k =
+        paged ? static_cast<const T*>(kvr::cuda::KvPoolRow(a.keys.pool, row, t, a.keys.row_bytes))
+              : keys + static_cast<int64_t>(t) * a.keys.token_stride;
     float kv[kPer];
 #pragma unroll
     for (int e = 0; e < kPer; ++e) kv[e] = ToF<T>(k[8 * e + j]);
@@ -395,9 +411,18 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         "CtkvrSelect: max_centroids, max_list_entries and max_tokens must be >= 1");
   }
+  const bool paged = p.keys.pool.slots != nullptr;
+  if (paged && (!kvr::cuda::KvPoolViewSet(p.keys.pool) || p.keys.pool.n_kv_heads != p.n_kv_heads ||
+                p.keys.row_bytes % 16 != 0 ||
+                p.keys.row_bytes <
+                    static_cast<int64_t>(p.head_dim) * (p.keys.dtype == KeyDType::kF32 ? 4 : 2))) {
+    return absl::InvalidArgumentError(
+        "CtkvrSelect: paged keys need a set pool of n_kv_heads heads and rows of a 16-byte "
+        "multiple holding head_dim keys");
+  }
   if (p.batch == 0) return absl::OkStatus();
   if (p.query == nullptr || p.centroids == nullptr || p.n_centroids == nullptr ||
-      p.list_offsets == nullptr || p.lists == nullptr || p.keys.data == nullptr ||
+      p.list_offsets == nullptr || p.lists == nullptr || (!paged && p.keys.data == nullptr) ||
       p.cand.begin == nullptr || p.cand.end == nullptr || p.out.ids == nullptr ||
       p.out.counts == nullptr) {
     return absl::InvalidArgumentError("CtkvrSelect: null query, summary, keys, candidates or output");
@@ -425,6 +450,7 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
   a.n_centroids = p.n_centroids;
   a.offsets = p.list_offsets;
   a.lists = p.lists;
+  a.lengths = p.list_lengths;
   a.max_centroids = p.max_centroids;
   a.max_list_entries = p.max_list_entries;
   a.keys = p.keys;
@@ -434,6 +460,7 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
   a.words = w.words;
   a.recalled = w.recalled;
   a.n_recalled = w.n_recalled;
+  a.n_recalled_out = p.n_recalled;
   a.ld = w.ld;
   a.logits = w.logits;
   a.partials = w.partials;

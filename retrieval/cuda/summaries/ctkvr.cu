@@ -146,7 +146,8 @@ template <int D, typename T>
 __global__ void __launch_bounds__(256)
     CentroidPrepKernel(KeyView queries, const int32_t* __restrict__ per_seq, int batch,
                        int n_kv_heads, int n_heads, int group, int max_centroids,
-                       float* __restrict__ qbuf, float* __restrict__ centroids) {
+                       float* __restrict__ qbuf, float* __restrict__ centroids,
+                       float* __restrict__ norms) {
   const int c = blockIdx.x, bh = blockIdx.y;
   const int b = bh / n_kv_heads, h = bh % n_kv_heads;
   const Seq s = LoadSeq(per_seq, batch, b);
@@ -184,6 +185,7 @@ __global__ void __launch_bounds__(256)
     const float ss = __fadd_rn(__fadd_rn(__fadd_rn(a[0], a[4]), __fadd_rn(a[1], a[5])),
                                __fadd_rn(__fadd_rn(a[2], a[6]), __fadd_rn(a[3], a[7])));
     const float norm = sqrtf(ss);
+    if (norms != nullptr && lane == 0) norms[at / D] = norm;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       float out = v[i];
@@ -194,6 +196,59 @@ __global__ void __launch_bounds__(256)
       }
       centroids[at + lane + 32 * i] = out;
     }
+  }
+}
+
+// ---- 6. the insertion thresholds ----------------------------------------------------------------
+// grid (max_centroids, rows_bh), 256 threads, 8 lanes per listed key: the smallest over the list
+// of max_g scale * Dot(q_g, k) with the queries as given (qbuf) and Dot's order of sums.
+template <int D, typename T>
+__global__ void __launch_bounds__(256)
+    ThresholdKernel(KeyView keys, const int32_t* __restrict__ per_seq, int batch, int n_kv_heads,
+                    int group, int max_centroids, int64_t max_list_entries, float scale,
+                    const float* __restrict__ qbuf, const int32_t* __restrict__ lists,
+                    float* __restrict__ thresholds) {
+  const int c = blockIdx.x, bh = blockIdx.y;
+  const int b = bh / n_kv_heads, h = bh % n_kv_heads;
+  const Seq s = LoadSeq(per_seq, batch, b);
+  float* out = thresholds + static_cast<int64_t>(bh) * max_centroids + c;
+  if (c >= s.n_centroids) return;
+  if (s.listable <= 0 || s.len <= 0) {
+    if (threadIdx.x == 0) *out = 0.f;
+    return;
+  }
+  const int j = threadIdx.x & 7, slot = threadIdx.x >> 3;
+  const float* q = qbuf + (static_cast<size_t>(bh) * max_centroids + c) * group * D;
+  const int32_t* list = lists + bh * max_list_entries + static_cast<int64_t>(c) * s.len;
+  const int64_t head = KeyBase(keys, b, h, n_kv_heads);
+  float low = INFINITY;
+  for (int base = 0; base < s.len; base += 32) {
+    const int i = base + slot;
+    const int t = list[i < s.len ? i : 0];
+    const int64_t k0 = head + static_cast<int64_t>(t) * keys.token_stride;
+    float best = -INFINITY;
+    for (int g = 0; g < group; ++g) {
+      float acc = 0.f;
+#pragma unroll
+      for (int e = 0; e < D / 8; ++e) {
+        acc =
+            __fadd_rn(acc, __fmul_rn(q[g * D + 8 * e + j], LoadKey<T>(keys.data, k0 + 8 * e + j)));
+      }
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+      best = fmaxf(best, __fmul_rn(scale, acc));
+    }
+    if (i < s.len) low = fminf(low, best);
+  }
+  for (int o = 16; o > 0; o >>= 1) low = fminf(low, __shfl_xor_sync(0xffffffffu, low, o));
+  __shared__ float warp_low[8];
+  if ((threadIdx.x & 31) == 0) warp_low[threadIdx.x >> 5] = low;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = INFINITY;
+    for (int w = 0; w < 8; ++w) m = fminf(m, warp_low[w]);
+    *out = m;
   }
 }
 
@@ -641,7 +696,7 @@ absl::Status CtkvrBuild(const CtkvrBuildParams& p, cudaStream_t stream) {
     KVR_RETURN_IF_ERROR(DispatchKeyType(p.queries.dtype, [&]<typename Q>() -> absl::Status {
       CentroidPrepKernel<D, Q><<<dim3(p.max_centroids, g.rows_bh), 256, 0, stream>>>(
           p.queries, p.per_seq, p.batch, p.n_kv_heads, p.n_heads, g.group, p.max_centroids, w.q,
-          p.centroids);
+          p.centroids, p.norms);
       return LaunchStatus("CtkvrBuild CentroidPrepKernel");
     }));
     return DispatchKeyType(p.keys.dtype, [&]<typename T>() -> absl::Status {
@@ -690,6 +745,12 @@ absl::Status CtkvrBuild(const CtkvrBuildParams& p, cudaStream_t stream) {
                                                         g.chunk, p.max_list_length, max_entries,
                                                         w.top_ids, w.top_counts, p.lists);
         KVR_RETURN_IF_ERROR(LaunchStatus("CtkvrBuild CompactKernel"));
+      }
+      if (p.thresholds != nullptr) {
+        ThresholdKernel<D, T><<<dim3(p.max_centroids, g.rows_bh), 256, 0, stream>>>(
+            p.keys, p.per_seq, p.batch, p.n_kv_heads, g.group, p.max_centroids, max_entries,
+            p.scale, w.q, p.lists, p.thresholds);
+        KVR_RETURN_IF_ERROR(LaunchStatus("CtkvrBuild ThresholdKernel"));
       }
       return absl::OkStatus();
     });

@@ -5,14 +5,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <span>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/a2ats.h"
 #include "kvr/retrieval/codebook.h"
+#include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/cuda/build.cuh"
 #include "kvr/retrieval/prebuilt.h"
 
@@ -24,13 +27,14 @@ using kvr::cuda::AllocPinned;
 using kvr::cuda::DeviceBuffer;
 using kvr::cuda::PinnedBuffer;
 
-enum class Method { kQuest, kClusterKv, kKeyDiff, kA2ats };
+enum class Method { kQuest, kClusterKv, kKeyDiff, kA2ats, kCtkvr };
 
 std::optional<Method> Parse(std::string_view method) {
   if (method == "quest") return Method::kQuest;
   if (method == "clusterkv") return Method::kClusterKv;
   if (method == "keydiff") return Method::kKeyDiff;
   if (method == "a2ats") return Method::kA2ats;
+  if (method == "ctkvr") return Method::kCtkvr;
   return std::nullopt;
 }
 
@@ -147,6 +151,26 @@ class Builder final : public PrefillSummaryBuilder {
         layer_i32_ = (nkv * capacity_ + 1) / 2;
         ws = A2atsQuantiseWorkspaceBytes(A2atsParams(0, nullptr, capacity_));
         break;
+      case Method::kCtkvr: {
+        // The plan at the capacity bounds every length's: C = min(2048, L / 16, queries) and
+        // rho (clipped to the listable keys) only grow with L.
+        KVR_ASSIGN_OR_RETURN(ctkvr_params_, ApplyCtkvrOptions(p));
+        const int64_t cap = capacity_, nq = std::max<int64_t>(1, opt_.max_queries);
+        KVR_ASSIGN_OR_RETURN(const CtkvrBuildPlan plan,
+                             MakeCtkvrBuildPlan(ShapeOf(c_, 0), ctkvr_params_, std::span(&cap, 1),
+                                                std::span(&nq, 1)));
+        max_centroids_ = plan.max_centroids;
+        max_list_length_ = plan.max_list_length;
+        max_listable_ = plan.max_listable;
+        const int64_t group = c_.n_heads / c_.n_kv_heads, C = max_centroids_;
+        // centroids [n_kv, C, group, d], norms [n_kv, C, group], thresholds [n_kv, C].
+        layer_f32_ = nkv * C * group * d + nkv * C * group + nkv * C;
+        // n_centroids [n_kv], list_offsets [n_kv, C + 1], lists [n_kv, C * rho].
+        layer_i32_ = nkv + nkv * (C + 1) + nkv * C * max_list_length_;
+        plan_stride_ = 5;  // the per-sequence plan rows (CtkvrBuildPlan::per_seq, batch 1)
+        ws = CtkvrBuildWorkspaceBytes(CtkvrParams(0, nullptr, nullptr));
+        break;
+      }
     }
     KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(ws_->device));
     KVR_RETURN_IF_ERROR(Alloc(f32_, std::max<int64_t>(1, L * layer_f32_)));
@@ -169,12 +193,16 @@ class Builder final : public PrefillSummaryBuilder {
         return "keydiff";
       case Method::kA2ats:
         return "a2ats";
+      case Method::kCtkvr:
+        return "ctkvr";
     }
     return "";
   }
 
+  bool wants_queries() const override { return method_ == Method::kCtkvr; }
+
   bool side_stream() const override {
-    return opt_.side_stream.value_or(method_ == Method::kClusterKv);
+    return opt_.side_stream.value_or(method_ == Method::kClusterKv || method_ == Method::kCtkvr);
   }
 
   // The built length (and clusterkv's per-layer host plans) into the metadata, uploaded on the
@@ -248,6 +276,36 @@ class Builder final : public PrefillSummaryBuilder {
       }
       case Method::kA2ats:
         return A2atsQuantise(A2atsParams(k.layer, &keys, k.length), stream);
+      case Method::kCtkvr: {
+        if (k.queries == nullptr || k.n_queries < 1) {
+          return absl::FailedPreconditionError(
+              "prefill summaries: ctkvr's build needs the prefill's queries (an export with "
+              "max_queries > 0)");
+        }
+        if (k.layer == 0 || ctkvr_plan_.per_seq.empty()) {
+          // The plan for this length and the queries there are (the same for every layer),
+          // uploaded on the build stream ahead of the layers' builds.
+          const int64_t len = k.length, nq = k.n_queries;
+          KVR_ASSIGN_OR_RETURN(ctkvr_plan_,
+                               MakeCtkvrBuildPlan(ShapeOf(c_, 0), ctkvr_params_, std::span(&len, 1),
+                                                  std::span(&nq, 1)));
+          if (ctkvr_plan_.max_centroids > max_centroids_ ||
+              ctkvr_plan_.max_list_length > max_list_length_ ||
+              ctkvr_plan_.max_listable > max_listable_) {
+            return absl::InternalError("prefill summaries: ctkvr plan larger than at the capacity");
+          }
+          std::copy(ctkvr_plan_.per_seq.begin(), ctkvr_plan_.per_seq.end(), h_meta_.data() + 1);
+          KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_.data() + 1, h_meta_.data() + 1,
+                                                   5 * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                                   stream));
+        }
+        KeyView queries;
+        queries.data = k.queries;
+        queries.dtype = KeyDType::kF32;
+        queries.token_stride = int64_t{c_.n_heads} * c_.head_dim;
+        queries.head_stride = c_.head_dim;
+        return CtkvrBuild(CtkvrParams(k.layer, &keys, &queries), stream);
+      }
     }
     return absl::OkStatus();
   }
@@ -268,8 +326,9 @@ class Builder final : public PrefillSummaryBuilder {
     return out;
   }
 
-  absl::StatusOr<std::vector<uint8_t>> Serialize(
-      const IndexShape& shape, const model::CudaBuiltLayer& s) const override {
+  absl::StatusOr<std::vector<uint8_t>> Serialize(const IndexShape& shape,
+                                                 const model::KvExportLayer& layer) const override {
+    const model::CudaBuiltLayer& s = layer.built;
     if (s.length < 1 || s.length > capacity_) {
       return absl::InternalError(absl::StrCat("prefill summaries: an export over ", s.length,
                                               " tokens, capacity ", capacity_));
@@ -330,6 +389,8 @@ class Builder final : public PrefillSummaryBuilder {
         }
         return SerializePrebuiltA2ats(shape, opt_.params, s.length, heads);
       }
+      case Method::kCtkvr:
+        return SerializeCtkvr(shape, layer);
     }
     return absl::UnimplementedError(
         absl::StrCat("prefill summaries: ", std::string(method()), " builds are not shipped"));
@@ -347,6 +408,92 @@ class Builder final : public PrefillSummaryBuilder {
   }
 
  private:
+  // CTKVR's launch parameters for `layer` (keys null: for the workspace size only).
+  CtkvrBuildParams CtkvrParams(int layer, const KeyView* keys, const KeyView* queries) const {
+    const int64_t nkv = c_.n_kv_heads, C = max_centroids_, group = c_.n_heads / c_.n_kv_heads;
+    CtkvrBuildParams p;
+    p.batch = 1;
+    p.n_heads = c_.n_heads;
+    p.n_kv_heads = c_.n_kv_heads;
+    p.head_dim = c_.head_dim;
+    p.scale = 1.f / std::sqrt(static_cast<float>(c_.head_dim));
+    p.max_centroids = max_centroids_;
+    p.max_list_length = max_list_length_;
+    p.max_listable = max_listable_;
+    if (keys != nullptr) {
+      float* f32 = f32_.data() + layer * layer_f32_;
+      int32_t* i32 = i32_.data() + layer * layer_i32_;
+      p.keys = *keys;
+      p.queries = *queries;
+      p.per_seq = meta_.data() + 1;
+      p.centroids = f32;
+      p.norms = f32 + nkv * C * group * c_.head_dim;
+      p.thresholds = p.norms + nkv * C * group;
+      p.n_centroids = i32;
+      p.list_offsets = i32 + nkv;
+      p.lists = i32 + nkv + nkv * (C + 1);
+      p.workspace = ws_->bytes.data();
+      p.workspace_bytes = ws_->bytes.bytes();
+    }
+    return p;
+  }
+
+  // The CPU index's bytes from a layer's ctkvr build and the layer's keys (the index keeps a
+  // copy of them for its rerank).
+  absl::StatusOr<std::vector<uint8_t>> SerializeCtkvr(const IndexShape& shape,
+                                                      const model::KvExportLayer& layer) const {
+    const model::CudaBuiltLayer& s = layer.built;
+    const int64_t nkv = shape.n_kv_heads, d = shape.head_dim, group = shape.group_size();
+    const int64_t C = max_centroids_, L = s.length, row = nkv * d;
+    if (s.n_f32 < layer_f32_ || s.n_i32 < layer_i32_ || ctkvr_plan_.per_seq.size() != 5) {
+      return absl::InternalError("ctkvr summary smaller than its layout");
+    }
+    std::vector<float> keys(static_cast<size_t>(L * row));
+    for (int64_t t = 0; t < L; ++t) {
+      if (layer.k_bf16 != nullptr) {
+        Bf16BytesToFloats(layer.k_bf16 + t * row, static_cast<size_t>(row), keys.data() + t * row);
+      } else if (layer.kv.k != nullptr) {
+        std::copy_n(layer.kv.k + t * layer.kv.row_stride, row, keys.data() + t * row);
+      } else {
+        return absl::InternalError("ctkvr summary: the export holds no keys");
+      }
+    }
+    const std::vector<int32_t>& ps = ctkvr_plan_.per_seq;  // [5, 1]
+    CtkvrState st;
+    st.gqa = ctkvr_params_.gqa;
+    st.n_sink = ps[0];
+    const int64_t listable = ps[1];
+    st.n_centroids = ps[2];
+    st.rho = std::max<int32_t>(1, ps[3]);
+    st.n_recall = ctkvr_plan_.n_recall;
+    st.fifo_size = std::min<int64_t>(ctkvr_params_.ctkvr.fifo_size, st.n_centroids);
+    st.keys = keys;
+    if (listable <= 0) {
+      // The CPU index's rho then is clipped to 1 and its entries are empty.
+      st.rho = 1;
+    }
+    const float* cent = s.f32;
+    const float* norms = cent + nkv * C * group * d;
+    const float* thr = norms + nkv * C * group;
+    const int32_t* offsets = s.i32 + nkv;
+    const int32_t* lists = offsets + nkv * (C + 1);
+    st.heads.resize(nkv);
+    for (int64_t h = 0; h < nkv; ++h) {
+      for (int64_t i = 0; i < st.n_centroids; ++i) {
+        CtkvrState::Entry& e = st.heads[h].emplace_back();
+        if (listable <= 0) continue;  // Entry{}: no centroid, no list, threshold 0
+        const int64_t at = h * C + i;
+        const int32_t* off = offsets + h * (C + 1);
+        e.centroid = {cent + at * group * d, static_cast<size_t>(group * d)};
+        e.norms = {norms + at * group, static_cast<size_t>(group)};
+        e.list = {lists + h * C * max_list_length_ + off[i],
+                  static_cast<size_t>(off[i + 1] - off[i])};
+        e.threshold = thr[at];
+      }
+    }
+    return SerializePrebuiltCtkvr(shape, opt_.params, L, st);
+  }
+
   // KeyDiff's launch parameters (keys null: for the workspace size only).
   KeyDiffBuildParams KeyDiffParams(const KeyView* keys, int64_t length, float* scores) const {
     KeyDiffBuildParams p;
@@ -425,6 +572,11 @@ class Builder final : public PrefillSummaryBuilder {
   std::shared_ptr<Workspace> ws_;
   std::shared_ptr<const A2atsDeviceBooks> books_;  // a2ats only
   int max_clusters_ = 1, max_points_ = 1;  // clusterkv: the plan's at the capacity
+  // ctkvr: its options applied, the plan's sizes at the capacity (the layout's strides) and the
+  // plan of the build (made with the first layer's build, read by Serialize afterwards).
+  IndexParams ctkvr_params_;
+  int max_centroids_ = 1, max_list_length_ = 1, max_listable_ = 1;
+  CtkvrBuildPlan ctkvr_plan_;
   int64_t layer_f32_ = 0, layer_i32_ = 0;  // per-layer sizes of f32_ / i32_
   DeviceBuffer<float> f32_;
   DeviceBuffer<int32_t> i32_;
@@ -448,7 +600,7 @@ class Builders final : public PrefillSummaryBuilders {
     if (!method) {
       return absl::InvalidArgumentError(
           absl::StrCat("prefill summaries: no GPU builder for method '", o.method,
-                       "' (quest, clusterkv, keydiff, a2ats)"));
+                       "' (quest, clusterkv, keydiff, a2ats, ctkvr)"));
     }
     const IndexParams& p = o.params;
     if (capacity < 1 || p.n_sink < 0 || p.budget < 1 || p.quest.page_size < 1 ||
@@ -499,7 +651,7 @@ bool PrefillSummaryBuilders::Ships(std::string_view method, const IndexParams& p
     const absl::StatusOr<int> rerank = A2atsRerank(params);
     return params.assets != nullptr && rerank.ok() && *rerank == 0;
   }
-  return method == "quest" || method == "clusterkv" || method == "keydiff";
+  return method == "quest" || method == "clusterkv" || method == "keydiff" || method == "ctkvr";
 }
 
 absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> PrefillSummaryBuilders::Create(

@@ -41,7 +41,6 @@
 //   a sequence's selector reads no rows: quest (whose GPU summaries and lanes read keys from the
 //   pages) is selected on the host by its handed-off index, clusterkv on the GPU from its
 //   handed-off clusters. A failed read ends the sequence with UNAVAILABLE (TakeFailures).
-// - Not done: GPU selectors for ctkvr, a2ats and keydiff (selected on the host).
 // This header has no CUDA types; in a build without CUDA the factories answer errors.
 
 #include <cstdint>
@@ -66,8 +65,9 @@ struct CudaDecodeBackendOptions {
   int slots = 8;   // sequences at once (the engine's batch_slots)
   std::string method = "quest";
   // Methods selected on the GPU beside `method`, by lanes of the sparse decode built from the
-  // handed-off CPU indexes (SparseDecodeOptions::lanes): "exact", "pariskv", "keydiff", "a2ats"
-  // (with method_assets). A request for one with method options of its own is selected on the host.
+  // handed-off CPU indexes (SparseDecodeOptions::lanes): "exact", "pariskv", "keydiff", "ctkvr",
+  // "a2ats" (with method_assets). A request for one with method options of its own is selected on
+  // the host.
   std::vector<std::string> lanes;
   int budget = 1024;
   int n_sink = 16;

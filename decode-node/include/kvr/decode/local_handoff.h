@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvr/decode/engine.h"
@@ -27,6 +28,10 @@ struct LocalHandoffOptions {
   // Element type of the store rows (kvr-prefill's store_dtype): f32, or bf16 rounded to nearest
   // even. The handoff's sink/local rows are float32 either way.
   kv_store::DType store_dtype = kv_store::DType::kF32;
+  // Per layer, the prefill's last queries [n, n_heads, head_dim] (RoPE applied) of the positions
+  // [L - n, L), as a prefill node passes them to the index builds (ctkvr needs them); empty:
+  // none.
+  std::vector<std::vector<float>> queries;
 };
 
 // `cache` holds the prompt (dense, prompt_tokens = cache.n_tokens()). The store sequence is

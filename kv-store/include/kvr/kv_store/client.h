@@ -97,6 +97,20 @@ class KvStoreClient {
   [[nodiscard]] virtual absl::StatusOr<SequenceInfo> GetSequence(const SequenceRef& ref) = 0;
   [[nodiscard]] virtual absl::StatusOr<StoreStats> Stats() = 0;
 
+  // A layer's attachment, a small opaque blob kept with the sequence (types.h, Attachment; see
+  // PagedKvStore::PutAttachment for the rules: capability, capacity, fork). Over the control
+  // channel. A client or store without them answers UNIMPLEMENTED: callers treat attachments
+  // as an optimisation and go on without.
+  [[nodiscard]] virtual absl::Status PutAttachment(const SequenceRef& ref, uint32_t layer,
+                                                   uint64_t rows, std::span<const uint8_t> bytes) {
+    return absl::UnimplementedError("this store client keeps no attachments");
+  }
+  // NOT_FOUND when the layer has none.
+  [[nodiscard]] virtual absl::StatusOr<Attachment> GetAttachment(const SequenceRef& ref,
+                                                                 uint32_t layer) {
+    return absl::UnimplementedError("this store client keeps no attachments");
+  }
+
   // Zero-copy reads on the same host (local_pool.h). Makes sure pages exist for rows [0, rows)
   // of every (layer, head) of the sequence (allocating all-or-nothing; RESOURCE_EXHAUSTED names
   // the shortfall), and returns its page table; see PagedKvStore::ReservePageTable. Rows
@@ -149,6 +163,9 @@ class FakeKvStoreClient final : public KvStoreClient {
   absl::StatusOr<SequenceInfo> GetSequence(const SequenceRef& ref) override;
   absl::StatusOr<StoreStats> Stats() override;
   absl::StatusOr<PageTable> ReservePageTable(const SequenceRef& ref, uint64_t rows) override;
+  absl::Status PutAttachment(const SequenceRef& ref, uint32_t layer, uint64_t rows,
+                             std::span<const uint8_t> bytes) override;
+  absl::StatusOr<Attachment> GetAttachment(const SequenceRef& ref, uint32_t layer) override;
   // Maps the fake's own in-process pool a second time, read-only, through the pool's memfd:
   // the same pages at another address, exactly what a decode node on the store's host gets.
   // So code written against MapLocalPool runs unchanged on the fake.
@@ -215,6 +232,10 @@ class UcxKvStoreClient final : public KvStoreClient {
   absl::StatusOr<StoreStats> Stats() override;
   // Over gRPC (ReservePageTable), under the client's timeout.
   absl::StatusOr<PageTable> ReservePageTable(const SequenceRef& ref, uint64_t rows) override;
+  // Over gRPC (PutAttachment / GetAttachment), under the client's timeout.
+  absl::Status PutAttachment(const SequenceRef& ref, uint32_t layer, uint64_t rows,
+                             std::span<const uint8_t> bytes) override;
+  absl::StatusOr<Attachment> GetAttachment(const SequenceRef& ref, uint32_t layer) override;
   // Checks that the store runs on this host (GetDataPlaneInfo's host_id equals this machine's
   // /proc/sys/kernel/random/boot_id), receives the pool's fd over the store's local socket
   // (within the client's timeout), checks that it is the pool the store announced (pool id,

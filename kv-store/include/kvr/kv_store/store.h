@@ -163,6 +163,27 @@ class PagedKvStore {
   // (FAILED_PRECONDITION). The table is valid only while the sequence is held.
   [[nodiscard]] absl::StatusOr<PageTable> ReservePageTable(const SequenceRef& ref, uint64_t rows);
 
+  // Attachments: at most one opaque blob per (sequence, layer) that describes the layer's rows
+  // [0, rows) (types.h, Attachment). They live in pool pages like the rows: counted against
+  // capacity (an allocation may evict as a Write's does; RESOURCE_EXHAUSTED when they do not
+  // fit), in the sequence's page count (eviction order, GetSequence) and freed with the
+  // sequence. ForkSequence gives the child every attachment of the parent whose `rows` lie
+  // within the forked rows, sharing its pages (an attachment is never written after its put,
+  // so a shared one is immutable); one describing rows the child does not share is left out.
+  // The store does not check `rows` against the committed rows (a prefill puts a layer's
+  // attachment while the layer's rows are still in flight); a fork compares it with the rows
+  // it really shares, which are committed.
+  //
+  // PutAttachment replaces the layer's attachment (all-or-nothing: on any error the old one
+  // stays). Same capability check as every call; OUT_OF_RANGE for a layer past the shape;
+  // INVALID_ARGUMENT for more than kMaxAttachmentBytes; FAILED_PRECONDITION for a released
+  // sequence (read-only, as for rows).
+  [[nodiscard]] absl::Status PutAttachment(const SequenceRef& ref, uint32_t layer, uint64_t rows,
+                                           std::span<const uint8_t> bytes);
+  // The layer's attachment; NOT_FOUND when it has none. Counts as a use of the sequence.
+  [[nodiscard]] absl::StatusOr<Attachment> GetAttachment(const SequenceRef& ref,
+                                                         uint32_t layer) const;
+
   // keep == ZeroDuration frees the sequence now; otherwise it stays readable (not writable)
   // until now + keep, then counts as expired.
   [[nodiscard]] absl::Status Release(const SequenceRef& ref, absl::Duration keep);

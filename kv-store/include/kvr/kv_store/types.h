@@ -134,6 +134,18 @@ struct StoreStats {
   uint64_t cached_bytes = 0;
 };
 
+// A small opaque blob kept with one layer of a sequence, describing its rows [0, rows) (a
+// prefill node keeps the layer's retrieval summaries there so that a later request forked
+// from the sequence can extend them instead of rebuilding them). The store does not look
+// inside `bytes`; it uses `rows` only to decide what a fork keeps (PagedKvStore::PutAttachment).
+struct Attachment {
+  uint64_t rows = 0;
+  std::vector<uint8_t> bytes;
+};
+
+// Largest attachment the store takes: well inside the control channel's 64 MiB messages.
+inline constexpr uint64_t kMaxAttachmentBytes = uint64_t{32} << 20;
+
 // What a reader may see of a sequence.
 struct SequenceInfo {
   SequenceShape shape;

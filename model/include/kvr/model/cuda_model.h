@@ -87,6 +87,13 @@ struct CudaLayerKeys {
   const void* keys = nullptr;  // the layer's K cache: bf16 [capacity, n_kv_heads, head_dim]
   int64_t token_stride = 0;    // elements from one token's keys to the next (kv_dim)
   int64_t length = 0;          // tokens to build over
+  // For a builder that wants_queries() and a sequence exporting (BeginKvExport): the layer's
+  // queries of positions [length - n_queries, length), fp32 [n_queries, n_heads, head_dim]
+  // (RoPE applied, the bf16 values widened: the export's queries), device memory of the model.
+  // They are those of the export's window (max_queries) that this sequence computed (rows
+  // appended by AppendRows bring none). Null / 0 otherwise.
+  const float* queries = nullptr;
+  int64_t n_queries = 0;
 };
 struct CudaLayerOutput {  // device arrays (either may be empty)
   const float* f32 = nullptr;
@@ -100,6 +107,9 @@ class CudaLayerBuilder {
   // Whether builds should leave the main stream (a build of milliseconds per layer: yes; one of
   // microseconds is done sooner on the main stream than waiting for SMs on a side stream).
   virtual bool side_stream() const = 0;
+  // Whether the builds read the layer's last queries (CudaLayerKeys::queries): the model then
+  // keeps the export window's queries of every layer on the device until the build.
+  virtual bool wants_queries() const { return false; }
   [[nodiscard]] virtual absl::Status Prepare(int64_t length, void* stream) = 0;
   [[nodiscard]] virtual absl::Status Build(const CudaLayerKeys& keys, void* stream) = 0;
   virtual CudaLayerOutput Output(int layer, int64_t length) const = 0;

@@ -50,6 +50,9 @@ struct PrefillConfig {
   // layer, on a second stream) and ship them as the CPU index's bytes; false: every method's
   // index is built on the CPU from the exported rows (as --device cpu does).
   bool gpu_summaries = true;
+  // Keep retained requests' retrieval summaries with their store sequence and extend a reused
+  // prefix's by Append (summary_snapshot.h); false: rebuild them over the whole prompt.
+  bool extend_summaries = true;
   // `kvr calibrate` codebook file for this model: needed to build method a2ats's summaries
   // (empty: a2ats requests fail with INVALID_ARGUMENT naming the missing codebooks).
   std::string a2ats_codebooks;

@@ -31,6 +31,10 @@ class PrefillMetrics {
   void SetQueuedTokens(int64_t tokens);
   // kvr_prefill_requests_total{model,outcome}: prefills finished, outcome "ok" or a gRPC code.
   void CountPrefill(std::string_view model, std::string_view outcome);
+  // kvr_prefill_index_layers_total{model,source}: layers' retrieval summaries of prefills
+  // that reused a cached prefix, source "extended" (the prefix's snapshot extended by Append)
+  // or "rebuilt" (built from the rows: no usable snapshot).
+  void AddSummaryLayers(std::string_view model, std::string_view source, uint64_t layers);
 
  private:
   struct Families;

@@ -101,6 +101,11 @@ struct PrefillResult {
   uint64_t kv_bytes_shipped = 0;  // K/V bytes put to the store (in EngineOptions::store_dtype)
   uint64_t handoff_bytes = 0;     // serialized handoff chunks (header + layers)
   uint32_t cached_tokens = 0;     // prompt tokens whose rows came from PrefillJob::prefix
+  // With a reused prefix: layers whose retrieval summaries were the prefix's snapshot
+  // extended by Append, and layers whose summaries were built from the rows instead (no
+  // usable snapshot; summary_snapshot.h).
+  uint32_t summary_layers_extended = 0;
+  uint32_t summary_layers_rebuilt = 0;
 };
 
 // The client side of one DecodeService.Handoff stream. Write is called from one thread.
@@ -172,6 +177,9 @@ struct EngineOptions {
   // half the bytes). Any other dtype fails every request with INVALID_ARGUMENT. The handoff's
   // sink/local rows are float32 either way.
   kv_store::DType store_dtype = kv_store::DType::kF32;
+  // Retrieval summaries of a reused prefix: kept with retained sequences and extended by
+  // Append (summary_snapshot.h); false: rebuilt over the whole prompt, nothing kept.
+  bool extend_summaries = true;
   // Method assets (A2ATS codebooks) for the indexes; may be null.
   std::shared_ptr<const retrieval::MethodAssets> method_assets;
   // Not owned; may be null.

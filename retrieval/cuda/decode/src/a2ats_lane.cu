@@ -169,7 +169,7 @@ class A2atsLane final : public GpuLane {
   }
 
   absl::Status Activate(int slot, std::span<const RetrievalIndex* const> layers, int64_t n_tokens,
-                        cudaStream_t stream) override;
+                        int64_t /*capacity*/, cudaStream_t stream) override;
 
  private:
   absl::Status Prepare(int layer, const kvr::cuda::KvPoolView& pool, cudaStream_t stream) override;
@@ -194,7 +194,7 @@ class A2atsLane final : public GpuLane {
 };
 
 absl::Status A2atsLane::Activate(int slot, std::span<const RetrievalIndex* const> layers,
-                                 int64_t n_tokens, cudaStream_t stream) {
+                                 int64_t n_tokens, int64_t, cudaStream_t stream) {
   KVR_RETURN_IF_ERROR(CheckIndexes(layers, n_tokens));
   const int64_t d = head_dim_;
   for (int l = 0; l < n_layers_; ++l) {

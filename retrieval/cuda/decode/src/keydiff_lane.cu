@@ -97,7 +97,7 @@ class KeyDiffLane final : public GpuLane {
   }
 
   absl::Status Activate(int slot, std::span<const RetrievalIndex* const> layers, int64_t n_tokens,
-                        cudaStream_t stream) override {
+                        int64_t /*capacity*/, cudaStream_t stream) override {
     auto bad = [](auto&&... parts) {
       return absl::InvalidArgumentError(absl::StrCat("keydiff lane: ", parts...));
     };

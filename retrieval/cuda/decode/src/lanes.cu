@@ -48,7 +48,7 @@ class ExactLane final : public GpuLane {
     bytes_ += static_cast<int64_t>(ws_.bytes());
     return kvr::cuda::CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   }
-  absl::Status Activate(int, std::span<const RetrievalIndex* const>, int64_t,
+  absl::Status Activate(int, std::span<const RetrievalIndex* const>, int64_t, int64_t,
                         cudaStream_t) override {
     return absl::OkStatus();  // the keys are the row source's
   }
@@ -193,14 +193,15 @@ absl::StatusOr<std::unique_ptr<GpuLane>> CreateExactLane(const model::ModelConfi
   return std::unique_ptr<GpuLane>(std::move(lane));
 }
 
-absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(std::string_view method,
-                                                       const model::ModelConfig& config, int slots,
-                                                       int64_t max_tokens, int budget,
-                                                       std::shared_ptr<const MethodAssets> assets,
-                                                       cudaStream_t stream) {
+absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(
+    std::string_view method, const model::ModelConfig& config, int slots, int64_t max_tokens,
+    int budget, int local_window, std::shared_ptr<const MethodAssets> assets, cudaStream_t stream) {
   if (method == "exact") return CreateExactLane(config, slots, max_tokens, budget, stream);
   if (method == "pariskv") return CreateParisKvLane(config, slots, max_tokens, budget, stream);
   if (method == "keydiff") return CreateKeyDiffLane(config, slots, max_tokens, budget, stream);
+  if (method == "ctkvr") {
+    return CreateCtkvrLane(config, slots, max_tokens, budget, local_window, stream);
+  }
   if (method == "a2ats") {
     return CreateA2atsLane(config, slots, max_tokens, budget, std::move(assets), stream);
   }

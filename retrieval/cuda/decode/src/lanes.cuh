@@ -28,6 +28,10 @@
 //            per layer, uploaded with the layer's first sequence); a token leaving the window is
 //            read from the row source, un-rotated to pre-RoPE and assigned its nearest codeword
 //            in the H-metric, as the CPU index's Append does.
+//   ctkvr    CtkvrSelect over the CPU index's qcIVF (centroids, norms, thresholds and lists in
+//            fixed-capacity rows per sequence, allocated at activation), grown by the token
+//            leaving the window and rotated by the FIFO update after each selection on the GPU,
+//            as the CPU index's Append and Select do (ctkvr_lane.cu).
 // Each selects as the method's CPU index would on the same (bf16-valued) keys and queries
 // (exact up to the order of its fp32 sums).
 
@@ -56,11 +60,13 @@ class GpuLane {
   // Device bytes held (state, plan, selection rows, workspace).
   int64_t bytes() const { return bytes_; }
 
-  // The slot's state from the sequence's CPU indexes ([n_layers], each over n_tokens tokens).
-  // InvalidArgument when the indexes do not fit the lane (method, codec, size). Synchronous.
+  // The slot's state from the sequence's CPU indexes ([n_layers], each over n_tokens tokens) for
+  // a sequence that may grow to `capacity` tokens. InvalidArgument when the indexes do not fit
+  // the lane (method, codec, size, GPU memory for a per-sequence state). Synchronous.
   [[nodiscard]] virtual absl::Status Activate(int slot,
                                               std::span<const RetrievalIndex* const> layers,
-                                              int64_t n_tokens, cudaStream_t stream) = 0;
+                                              int64_t n_tokens, int64_t capacity,
+                                              cudaStream_t stream) = 0;
 
   // A step's plan (host): Clear, then per lane slot of the batch its candidate range, the tokens
   // its state covers after this step, the position that leaves the window this step (-1: none),
@@ -136,6 +142,10 @@ class GpuLane {
 [[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateKeyDiffLane(
     const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
     cudaStream_t stream);
+// `local_window`: the decode's window (bounds the lists a FIFO update writes).
+[[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateCtkvrLane(
+    const model::ModelConfig& config, int slots, int64_t max_tokens, int budget, int local_window,
+    cudaStream_t stream);
 // `assets`: the node's a2ats codebooks (FailedPrecondition without them).
 [[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateA2atsLane(
     const model::ModelConfig& config, int slots, int64_t max_tokens, int budget,
@@ -144,6 +154,6 @@ class GpuLane {
 // `assets`: the node's method assets (a2ats: its codebooks; may be null for the others).
 [[nodiscard]] absl::StatusOr<std::unique_ptr<GpuLane>> CreateGpuLane(
     std::string_view method, const model::ModelConfig& config, int slots, int64_t max_tokens,
-    int budget, std::shared_ptr<const MethodAssets> assets, cudaStream_t stream);
+    int budget, int local_window, std::shared_ptr<const MethodAssets> assets, cudaStream_t stream);
 
 }  // namespace kvr::retrieval::cuda

@@ -65,7 +65,7 @@ class ParisKvLane final : public GpuLane {
   }
 
   absl::Status Activate(int slot, std::span<const RetrievalIndex* const> layers, int64_t n_tokens,
-                        cudaStream_t stream) override;
+                        int64_t /*capacity*/, cudaStream_t stream) override;
 
  private:
   absl::Status Prepare(int layer, const kvr::cuda::KvPoolView& pool, cudaStream_t stream) override;
@@ -85,7 +85,7 @@ class ParisKvLane final : public GpuLane {
 };
 
 absl::Status ParisKvLane::Activate(int slot, std::span<const RetrievalIndex* const> layers,
-                                   int64_t n_tokens, cudaStream_t stream) {
+                                   int64_t n_tokens, int64_t, cudaStream_t stream) {
   auto bad = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("pariskv lane: ", parts...));
   };

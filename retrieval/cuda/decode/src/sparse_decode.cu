@@ -481,9 +481,9 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   }
   int64_t lane_bytes = 0;
   for (const std::string& lane : o.lanes) {
-    KVR_ASSIGN_OR_RETURN(
-        std::unique_ptr<GpuLane> created,
-        CreateGpuLane(lane, c, o.slots, o.max_capacity, o.budget, o.method_assets, stream()));
+    KVR_ASSIGN_OR_RETURN(std::unique_ptr<GpuLane> created,
+                         CreateGpuLane(lane, c, o.slots, o.max_capacity, o.budget, o.local_window,
+                                       o.method_assets, stream()));
     lane_bytes += created->bytes();
     st->lanes.push_back(std::move(created));
   }
@@ -1303,8 +1303,8 @@ absl::Status SparseDecodeImpl::ActivateSequence(SequenceId id, int64_t n_tokens)
     return absl::OkStatus();
   }
   if (s->lane >= 0) {
-    KVR_RETURN_IF_ERROR(
-        sparse_->lanes[s->lane]->Activate(s->slot, s->lane_indexes, n_tokens, stream()));
+    KVR_RETURN_IF_ERROR(sparse_->lanes[s->lane]->Activate(s->slot, s->lane_indexes, n_tokens,
+                                                          s->capacity, stream()));
     s->lane_indexes.clear();
     s->lane_indexed = n_tokens;
   }

@@ -27,21 +27,13 @@
 #include "kvr/model/dummy.h"
 #include "kvr/model/sampler.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
+#include "sparse_test_util.h"
 
 namespace kvr::model {
 namespace {
 
-using retrieval::cuda::SparseClusterHead;
-using retrieval::cuda::SparseDecodeOptions;
-using retrieval::cuda::SparseHostKvBuffer;
-using retrieval::cuda::SparseMethod;
-using retrieval::cuda::SparseSequenceOptions;
-
-using cuda_test::Compare;
-using cuda_test::kMaxErrOverRms;
-using cuda_test::kMinCosine;
-using cuda_test::RowError;
-using cuda_test::Tokens;
+using namespace cuda_test;
+using namespace retrieval::cuda;  // SparseDecodeOptions, SparseClusterHead ...
 
 uint16_t Bf16Bits(float f) {  // f is a widened bf16 value: the top half is exact
   uint32_t u;
@@ -81,19 +73,12 @@ void Load(retrieval::cuda::SparseDecodeAttention& sp, SequenceId id, const Model
 }
 
 void CheckLoaded(const std::string& shape, int n_layers) {
-  auto config = DummyConfig(shape, n_layers);
-  ASSERT_TRUE(config.ok()) << config.status();
-  const ModelConfig& c = *config;
-  CudaModelOptions mo;
-  mo.max_batch_tokens = 256;
-  mo.max_sequences = 4;
-  mo.max_logits_rows = 4;
-  auto created = CreateCudaModelWithRandomWeights(c, 21, mo);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CudaModel& gpu = **created;
-  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
-  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
-  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
+  SparseModel m;
+  MakeSparseModel(shape, n_layers, 21, 256, 4, &m);
+  if (::testing::Test::HasFatalFailure()) return;
+  const ModelConfig& c = m.config;
+  CudaModel& gpu = *m.gpu;
+  retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
   const int vocab = c.vocab;
   constexpr int64_t kCapacity = 256, kPrompt = 150;
 
@@ -225,19 +210,11 @@ TEST(CudaSparseLoadTest, Smollm2LoadedQuestEqualsDense) {
 // logits at a budget that makes the selection matter. Misuse leaves the sequence unactivated.
 TEST(CudaSparseLoadTest, GivenClustersEqualTheBuiltOnes) {
   SKIP_WITHOUT_GPU();
-  auto config = DummyConfig("smollm2-135m", 2);
-  ASSERT_TRUE(config.ok()) << config.status();
-  const ModelConfig& c = *config;
-  CudaModelOptions mo;
-  mo.max_batch_tokens = 64;
-  mo.max_sequences = 2;
-  mo.max_logits_rows = 2;
-  auto created = CreateCudaModelWithRandomWeights(c, 23, mo);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CudaModel& gpu = **created;
-  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
-  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
-  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
+  SparseModel m;
+  MakeSparseModel("smollm2-135m", 2, 23, 64, 2, &m);
+  if (HasFatalFailure()) return;
+  const ModelConfig& c = m.config;
+  retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
   constexpr int64_t kCapacity = 256, kPrompt = 150;
   SparseDecodeOptions so;
   so.method = SparseMethod::kClusterKv;

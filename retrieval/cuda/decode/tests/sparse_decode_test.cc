@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -32,21 +33,13 @@
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/registry.h"
+#include "sparse_test_util.h"
 
 namespace kvr::model {
 namespace {
 
-using retrieval::cuda::SparseDecodeOptions;
-using retrieval::cuda::SparseLayerSnapshot;
-using retrieval::cuda::SparseMethod;
-using retrieval::cuda::SparseSequenceOptions;
-using retrieval::cuda::SparseStats;
-
-using cuda_test::Compare;
-using cuda_test::kMaxErrOverRms;
-using cuda_test::kMinCosine;
-using cuda_test::RowError;
-using cuda_test::Tokens;
+using namespace cuda_test;
+using namespace retrieval::cuda;  // SparseDecodeOptions, SparseMethod, SparseStats ...
 
 struct Worst {
   double cosine = 1, ratio = 0;
@@ -71,19 +64,12 @@ void CheckRow(std::span<const float> got, std::span<const float> want, const std
 }
 
 void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method) {
-  auto config = DummyConfig(shape, n_layers);
-  ASSERT_TRUE(config.ok()) << config.status();
-  CudaModelOptions mo;
-  mo.max_batch_tokens = 128;
-  mo.max_sequences = 8;
-  mo.max_logits_rows = 8;
-  auto created = CreateCudaModelWithRandomWeights(*config, 11, mo);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CudaModel& gpu = **created;
-  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
-  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
-  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
-  const int vocab = config->vocab;
+  SparseModel m;
+  MakeSparseModel(shape, n_layers, 11, 128, 8, &m);
+  if (::testing::Test::HasFatalFailure()) return;
+  CudaModel& gpu = *m.gpu;
+  retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
+  const int vocab = m.config.vocab;
 
   SparseDecodeOptions so;
   so.method = method;
@@ -176,38 +162,34 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
   ASSERT_TRUE(sp.ReleaseSequence(201).ok());
 }
 
-TEST(CudaSparseTest, Llama3QuestFullBudgetMatchesDense) {
+// The full-budget cases: (name, dummy shape, layers (0: the shape's own), method).
+using FullBudgetCase = std::tuple<std::string, std::string, int, SparseMethod>;
+class CudaSparseFullBudgetTest : public ::testing::TestWithParam<FullBudgetCase> {};
+
+TEST_P(CudaSparseFullBudgetTest, MatchesDense) {
   SKIP_WITHOUT_GPU();
-  CheckFullBudget("llama3-8b", 2, SparseMethod::kQuest);
+  const auto& [name, shape, n_layers, method] = GetParam();
+  CheckFullBudget(shape, n_layers, method);
 }
-TEST(CudaSparseTest, Llama3ClusterKvFullBudgetMatchesDense) {
-  SKIP_WITHOUT_GPU();
-  CheckFullBudget("llama3-8b", 2, SparseMethod::kClusterKv);
-}
-TEST(CudaSparseTest, Smollm2QuestFullBudgetMatchesDense) {
-  SKIP_WITHOUT_GPU();
-  CheckFullBudget("smollm2-135m", 0, SparseMethod::kQuest);
-}
-TEST(CudaSparseTest, Smollm2ClusterKvFullBudgetMatchesDense) {
-  SKIP_WITHOUT_GPU();
-  CheckFullBudget("smollm2-135m", 0, SparseMethod::kClusterKv);
-}
+
+INSTANTIATE_TEST_SUITE_P(
+    CudaSparseTest, CudaSparseFullBudgetTest,
+    ::testing::Values(FullBudgetCase{"Llama3Quest", "llama3-8b", 2, SparseMethod::kQuest},
+                      FullBudgetCase{"Llama3ClusterKv", "llama3-8b", 2, SparseMethod::kClusterKv},
+                      FullBudgetCase{"Smollm2Quest", "smollm2-135m", 0, SparseMethod::kQuest},
+                      FullBudgetCase{"Smollm2ClusterKv", "smollm2-135m", 0,
+                                     SparseMethod::kClusterKv}),
+    [](const ::testing::TestParamInfo<FullBudgetCase>& info) { return std::get<0>(info.param); });
 
 // Benchmark fill + small budget: runs, stays finite, reports; errors for misuse.
 TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
   SKIP_WITHOUT_GPU();
-  auto config = DummyConfig("llama3-8b", 2);
-  ASSERT_TRUE(config.ok());
-  CudaModelOptions mo;
-  mo.max_batch_tokens = 64;
-  mo.max_sequences = 8;
-  mo.max_logits_rows = 8;
-  auto created = CreateCudaModelWithRandomWeights(*config, 3, mo);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CudaModel& gpu = **created;
-  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
-  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
-  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
+  SparseModel m;
+  MakeSparseModel("llama3-8b", 2, 3, 64, 8, &m);
+  if (HasFatalFailure()) return;
+  CudaModel& gpu = *m.gpu;
+  retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
+  const int vocab = m.config.vocab;
   for (SparseMethod method : {SparseMethod::kQuest, SparseMethod::kClusterKv}) {
     SparseDecodeOptions so;
     so.method = method;
@@ -227,7 +209,7 @@ TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
     ASSERT_TRUE(gpu.AddSequence(9, 64).ok());
     const std::vector<int32_t> tok = {1, 2, 3};
     std::vector<CudaSequence> mixed = {{1, std::span(&tok[0], 1)}, {9, std::span(&tok[1], 1)}};
-    std::vector<float> logits(2 * config->vocab);
+    std::vector<float> logits(2 * vocab);
     EXPECT_EQ(sp.Forward(mixed, LogitsMode::kLast, logits).code(),
               absl::StatusCode::kInvalidArgument);
     ASSERT_TRUE(gpu.ReleaseSequence(9).ok());
@@ -235,7 +217,7 @@ TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
     for (int step = 0; step < 4; ++step) {
       std::vector<CudaSequence> batch;
       for (int i = 0; i < 3; ++i) batch.push_back({SequenceId(i + 1), std::span(&tok[i], 1)});
-      std::vector<float> out(3 * config->vocab, NAN);
+      std::vector<float> out(3 * vocab, NAN);
       const absl::Status st = sp.Forward(batch, LogitsMode::kLast, out);
       ASSERT_TRUE(st.ok()) << st;
       for (float v : out) ASSERT_TRUE(std::isfinite(v));
@@ -262,19 +244,11 @@ float Bf16(uint16_t bits) {
 // One decode step of a quest sequence at budget 64 over 2000 filled tokens, layer 1 of 2.
 TEST(CudaSparseTest, QuestSmallBudgetLayerMatchesCpuReference) {
   SKIP_WITHOUT_GPU();
-  auto config = DummyConfig("llama3-8b", 2);
-  ASSERT_TRUE(config.ok());
-  const ModelConfig& c = *config;
-  CudaModelOptions mo;
-  mo.max_batch_tokens = 16;
-  mo.max_sequences = 4;
-  mo.max_logits_rows = 4;
-  auto created = CreateCudaModelWithRandomWeights(c, 5, mo);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CudaModel& gpu = **created;
-  auto sp_created = retrieval::cuda::CreateSparseDecodeAttention(gpu);
-  ASSERT_TRUE(sp_created.ok()) << sp_created.status();
-  retrieval::cuda::SparseDecodeAttention& sp = **sp_created;
+  SparseModel m;
+  MakeSparseModel("llama3-8b", 2, 5, 16, 4, &m);
+  if (HasFatalFailure()) return;
+  const ModelConfig& c = m.config;
+  retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
   SparseDecodeOptions so;
   so.method = SparseMethod::kQuest;
   so.slots = 1;

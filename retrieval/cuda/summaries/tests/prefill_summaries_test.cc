@@ -219,11 +219,17 @@ TEST(CudaPrefillSummariesTest, RejectsBadOptions) {
   const absl::Status bad = (*builders)->ForSequence(o, 64).status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.message().find("quest.page_size 0"), std::string_view::npos) << bad;
-  o.method = "ctkvr";
+  o.method = "pariskv";
   o.params.quest.page_size = 16;
   const absl::Status none = (*builders)->ForSequence(o, 64).status();
   EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(none.message().find("'ctkvr'"), std::string_view::npos) << none;
+  EXPECT_NE(none.message().find("'pariskv'"), std::string_view::npos) << none;
+  // ctkvr's options are applied as its CPU index's factory applies them: a bad one is named.
+  o.method = "ctkvr";
+  o.params.options = {{"ctkvr.fifo_size", "-1"}};
+  const absl::Status bad_option = (*builders)->ForSequence(o, 64).status();
+  EXPECT_EQ(bad_option.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_option.message().find("ctkvr.fifo_size"), std::string_view::npos) << bad_option;
   // A sequence without a builder has nothing to rebuild.
   ASSERT_TRUE((*m)->AddSequence(1, 64).ok());
   EXPECT_EQ((*m)->RebuildForTesting(1).code(), absl::StatusCode::kFailedPrecondition);

@@ -264,6 +264,15 @@ struct CtkvrBuildParams {
   int32_t* n_centroids = nullptr;   // device [batch, n_kv_heads]
   int32_t* list_offsets = nullptr;  // device [batch, n_kv_heads, max_centroids + 1]
   int32_t* lists = nullptr;         // device [batch, n_kv_heads, max_centroids * max_list_length]
+  // Optional, what the CPU index keeps beside each entry for its Append (insertion test):
+  //   norms       fp32 [batch, n_kv_heads, max_centroids, group] the queries' norms (Norm's
+  //               order, as the centroids' normalisation);
+  //   thresholds  fp32 [batch, n_kv_heads, max_centroids] the smallest max-over-group logit
+  //               scale * q_g . k of the entry's list (sums in kvr::retrieval::Dot's order; the
+  //               CPU's come from a BLAS GEMM, so they may differ in the last bits); 0 for an
+  //               entry of a sequence without listable keys, as the CPU's empty entries.
+  float* norms = nullptr;
+  float* thresholds = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -10,15 +10,16 @@
 //              max_points] int32, concatenated (i32); max_clusters / max_points are the build
 //              plan's at the sequence's capacity; the host plan (C0, initial points: the CPU
 //              index's, MakeClusterKvBuildPlan) is made in Prepare for the built length
-//   keydiff    scores [n_kv_heads, capacity] fp32 (f32)
+//   keydiff    scores [n_kv_heads, capacity] fp32, then the mean keys [n_kv_heads, head_dim] (f32)
+//   a2ats      codeword ids [n_kv_heads, capacity] u16, two to an int32 (i32)
+//   ctkvr      centroids [n_kv_heads, C, group, head_dim], their norms [n_kv_heads, C, group]
+//              and the insertion thresholds [n_kv_heads, C] fp32 (f32); n_centroids
+//              [n_kv_heads], list_offsets [n_kv_heads, C + 1], lists [n_kv_heads, C * rho]
+//              int32 (i32), C and rho the plan's at the capacity; built from the keys and the
+//              export's queries, which the model keeps on the device for it (wants_queries)
 //
-// quest and clusterkv builds serialise to the bytes SerializeIndex writes for the CPU index in
-// the same state (prebuilt.h), so a decode node cannot tell them from a CPU build. keydiff is
-// built (its GPU decode lane reads the scores) but not shipped: the CPU index also carries the
-// running mean of the keys.
-//
-// CTKVR is not offered: its build needs the last C prefill queries of every layer (C up to 2048),
-// which the model's activations do not keep (model/cuda/README.md).
+// Every build serialises to the bytes SerializeIndex writes for the CPU index in the same state
+// (prebuilt.h, ctkvr.h), so a decode node cannot tell it from a CPU build.
 //
 // This header has no CUDA types: in a build without nvcc the target still exists and Create
 // answers Unimplemented, so the prefill node links it unconditionally.
@@ -38,7 +39,10 @@
 namespace kvr::retrieval::cuda {
 
 struct PrefillSummaryOptions {
-  std::string method;  // quest, clusterkv or keydiff
+  std::string method;  // quest, clusterkv, keydiff, a2ats or ctkvr
+  // The prefill's last queries the model keeps per layer (KvExportOptions::max_queries): ctkvr's
+  // C is at most this many, as on the CPU path.
+  int64_t max_queries = 512;
   // n_sink, budget, seed, quest.page_size, clusterkv.{n_clusters, max_iterations}, with the
   // clusterkv.* request options already applied (ApplyClusterKvOptions), as the CPU index's
   // factory applies them.
@@ -55,10 +59,11 @@ class PrefillSummaryBuilder : public model::CudaLayerBuilder {
  public:
   virtual std::string_view method() const = 0;
   // The bytes SerializeIndex writes for the CPU index in the state of one layer's build, from
-  // its arrays as a KV export handed them out; `shape` is that layer's. InvalidArgument /
-  // Internal naming what does not fit the layout; Unimplemented for keydiff.
+  // the layer as a KV export handed it out (its build's arrays, and its keys for ctkvr, whose
+  // index keeps a copy); `shape` is that layer's. InvalidArgument / Internal naming what does
+  // not fit the layout.
   [[nodiscard]] virtual absl::StatusOr<std::vector<uint8_t>> Serialize(
-      const IndexShape& shape, const model::CudaBuiltLayer& built) const = 0;
+      const IndexShape& shape, const model::KvExportLayer& layer) const = 0;
   // For tests: every layer's arrays copied back whole (synchronous; poisoned with NaN / -1
   // until a build writes them).
   struct Arrays {
@@ -73,7 +78,7 @@ class PrefillSummaryBuilder : public model::CudaLayerBuilder {
 class PrefillSummaryBuilders {
  public:
   // Whether a request for `method` with `params` gets a GPU build that ships (Serialize):
-  // quest, clusterkv, keydiff, and a2ats when params carry the codebooks (assets) and no
+  // quest, clusterkv, keydiff, ctkvr, and a2ats when params carry the codebooks (assets) and no
   // a2ats.rerank (its summary keeps the keys). Otherwise the CPU index builds it (and refuses
   // what it must).
   static bool Ships(std::string_view method, const IndexParams& params);

@@ -304,13 +304,17 @@ struct ParisKvHostLayout {
 // ctkvr: recall of the C' query centroids with the highest cosine to the decode query (max over
 // the group; centroids with an empty qcIVF list never count), the union of their lists inside
 // the candidate range, and the rerank of that union by true GQA-aggregated scores q.k to the
-// budget (exactly the CPU CtkvrIndex::Select without its FIFO update: the GPU selector keeps the
-// qcIVF read-only, i.e. CtkvrParams::fifo_size == 0; the CPU default rotates every centroid).
+// budget (exactly the CPU CtkvrIndex::Select without its FIFO update: the selector reads the
+// qcIVF; the GPU decode's ctkvr lane rotates and grows it between selections, as the CPU does).
 //   centroids    fp32  [batch, n_kv_heads, max_centroids, group, head_dim] unit query centroids
 //   n_centroids  int32 [batch, n_kv_heads]
 //   list_offsets int32 [batch, n_kv_heads, max_centroids + 1] into lists (empty list: no recall)
 //   lists        int32 [batch, n_kv_heads, max_list_entries] token ids, ascending per list
-// Keys for the rerank: `keys` as ExactSelect's (16-byte aligned, any of the three dtypes).
+//   list_lengths int32 [batch, n_kv_heads, max_centroids], optional: list c is then the first
+//                list_lengths[c] ids from list_offsets[c] (lists of a fixed capacity that grow
+//                in place; empty when 0); without it list c ends at list_offsets[c + 1]
+// Keys for the rerank: `keys` as ExactSelect's (16-byte aligned, any of the three dtypes; paged
+// through keys.pool as ExactSelect's).
 struct CtkvrSelectParams {
   int batch = 0;
   int n_heads = 0;
@@ -324,6 +328,7 @@ struct CtkvrSelectParams {
   const int32_t* n_centroids = nullptr;
   const int32_t* list_offsets = nullptr;
   const int32_t* lists = nullptr;
+  const int32_t* list_lengths = nullptr;
   int max_centroids = 0;
   int max_list_entries = 0;
   int max_list_length = 0;  // longest single list (sizes the recalled set: n_recall * this)
@@ -331,6 +336,9 @@ struct CtkvrSelectParams {
   KeyView keys;
   CandidateRanges cand;
   SelectionOutput out;
+  // Optional device int32 [batch, n_kv_heads]: how many distinct ids the recall found inside the
+  // candidate range (before the rerank cuts them to the budget).
+  int32_t* n_recalled = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

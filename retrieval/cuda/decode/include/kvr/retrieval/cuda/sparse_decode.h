@@ -66,8 +66,8 @@ enum class SparseMethod { kQuest, kClusterKv };
 
 // The shared configuration of a SparseDecodeAttention's sequences (Configure).
 // The methods a GPU lane can select (SparseDecodeOptions::lanes).
-inline constexpr std::array<std::string_view, 4> kGpuLaneMethods = {"exact", "pariskv", "keydiff",
-                                                                    "a2ats"};
+inline constexpr std::array<std::string_view, 5> kGpuLaneMethods = {"exact", "pariskv", "keydiff",
+                                                                    "a2ats", "ctkvr"};
 inline bool IsGpuLaneMethod(std::string_view method) {
   return std::find(kGpuLaneMethods.begin(), kGpuLaneMethods.end(), method) !=
          kGpuLaneMethods.end();

@@ -1,10 +1,9 @@
-// Parity of the CUDA model's kernels (model/cuda/ops.cuh, attention.cuh) with the CPU building
+// Rows of the CUDA model's kernels (model/cuda/ops.cuh, attention.cuh) with the CPU building
 // blocks: RmsNorm and ApplyRope (model.h), SiLU-gated product as model.cc computes it, ArgMax
 // (sampler.h) and DenseAttention (dense_attention.h). Outputs are poisoned with NaN before each
 // kernel; every output is checked finite and within a tolerance per output dtype:
 //   float32: 1e-5 relative (the CPU sums in double, the GPU in float).
 //   bf16:    2^-8 relative (twice bf16's rounding of 2^-9) plus a small absolute term.
-// CTest label `gpu`; also runnable as a plain binary on a machine with a GPU.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -18,38 +17,29 @@
 #include "attention.cuh"
 #include "gtest/gtest.h"
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/gpu_testing.h"
 #include "kvr/model/config.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/model.h"
 #include "kvr/model/sampler.h"
 #include "ops.cuh"
+#include "parity.h"
 
 namespace kvr::model::cuda {
 namespace {
 
 using kvr::cuda::DeviceBuffer;
-
-#define SKIP_WITHOUT_GPU() \
-  if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device"
+using kvr::cuda::testing::Download;
+using kvr::cuda::testing::Poisoned;
+using kvr::cuda::testing::RecordMeasure;
+using kvr::cuda::testing::Upload;
+using kvr::gpu_parity::ParityRow;
 
 float RoundBf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 std::vector<float> Random(size_t n, float lo, float hi, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-template <typename T>
-DeviceBuffer<T> Upload(const std::vector<T>& host) {
-  auto b = DeviceBuffer<T>::Create(host.size());
-  EXPECT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(cudaMemcpy(b->data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-            cudaSuccess);
-  return std::move(*b);
+  return kvr::cuda::testing::RandomUniform(n, lo, hi, seed);
 }
 
 std::vector<bf16> ToBf16(const std::vector<float>& v) {
@@ -61,51 +51,31 @@ std::vector<bf16> ToBf16(const std::vector<float>& v) {
 // A device buffer filled with 0xFF bytes: NaN as float32 and as bf16.
 template <typename T>
 DeviceBuffer<T> Poisoned(size_t n) {
-  auto b = DeviceBuffer<T>::Create(n);
-  EXPECT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(cudaMemset(b->data(), 0xFF, n * sizeof(T)), cudaSuccess);
-  return std::move(*b);
+  return Poisoned<T>(n, kvr::cuda::testing::kNanByte);
 }
 
-std::vector<float> Download(const DeviceBuffer<float>& b, size_t n) {
-  std::vector<float> out(n);
-  EXPECT_EQ(cudaMemcpy(out.data(), b.data(), n * sizeof(float), cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  return out;
-}
+// n bf16 elements from element `offset` on, widened to float.
 std::vector<float> Download(const DeviceBuffer<bf16>& b, size_t n, size_t offset = 0) {
-  std::vector<bf16> raw(n);
-  EXPECT_EQ(cudaMemcpy(raw.data(), b.data() + offset, n * sizeof(bf16), cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  const std::vector<bf16> raw = Download<bf16>(b, n, offset);
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) out[i] = __bfloat162float(raw[i]);
   return out;
 }
 
-// Every element finite and |got - want| <= rtol |want| + atol; reports the first few misses.
+// Every element finite and |got - want| <= rtol |want| + atol; recorded as the row's measure.
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, float rtol,
                  float atol, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  int bad = 0;
-  double worst = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double err = std::abs(double{got[i]} - want[i]);
-    worst = std::max(worst, err);
-    if (!std::isfinite(got[i]) || err > rtol * std::abs(want[i]) + atol) {
-      if (++bad <= 5) {
-        ADD_FAILURE() << what << ": element " << i << " got " << got[i] << " want " << want[i];
-      }
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " elements off, worst "
-                    << worst;
+  const kvr::cuda::testing::CloseResult r =
+      kvr::cuda::testing::ExpectClose(got, want, rtol, atol, what);
+  char bound[64];
+  std::snprintf(bound, sizeof(bound), "%g + %g |ref|", atol, rtol);
+  RecordMeasure(what + ": max |err|", r.worst, bound, r.bad == 0);
 }
 
 constexpr float kBf16Rtol = 1.f / 256;
 
-TEST(CudaOpsTest, RmsNormMatchesCpu) {
-  SKIP_WITHOUT_GPU();
-  for (int dim : {64, 576, 896, 4096}) {
+void RmsNormMatchesCpu(int dim) {
+  {
     for (int64_t rows : {1, 5, 33}) {
       const std::vector<float> x = Random(rows * dim, -3.f, 3.f, dim + rows);
       const std::vector<float> weight = Random(dim, 0.5f, 1.5f, dim);
@@ -141,8 +111,7 @@ TEST(CudaOpsTest, RmsNormMatchesCpu) {
   }
 }
 
-TEST(CudaOpsTest, RmsNormGathersRows) {
-  SKIP_WITHOUT_GPU();
+void RmsNormGathersRows() {
   const int dim = 576, rows = 9;
   const std::vector<float> x = Random(rows * dim, -2.f, 2.f, 3);
   const std::vector<float> weight(dim, 1.f);
@@ -169,9 +138,8 @@ TEST(CudaOpsTest, RmsNormGathersRows) {
 }
 
 // Q/K/V of one layer for two sequences (one at position 0, one deep into its context).
-TEST(CudaOpsTest, QkvRopeMatchesCpu) {
-  SKIP_WITHOUT_GPU();
-  for (const char* shape : {"smollm2-135m", "qwen2-0.5b", "llama3-8b"}) {
+void QkvRopeMatchesCpu(const char* shape) {
+  {
     auto config = DummyConfig(shape);
     ASSERT_TRUE(config.ok()) << config.status();
     const ModelConfig& c = *config;
@@ -254,9 +222,8 @@ TEST(CudaOpsTest, QkvRopeMatchesCpu) {
   }
 }
 
-TEST(CudaOpsTest, SwiGluMatchesCpu) {
-  SKIP_WITHOUT_GPU();
-  for (int ffn : {64, 1536, 14336, 1001}) {  // 1001: the scalar path
+void SwiGluMatchesCpu(int ffn) {
+  {
     for (int64_t n : {1, 7}) {
       const std::vector<float> gu = Random(n * 2 * ffn, -6.f, 6.f, ffn + n);
       std::vector<float> want(n * ffn);
@@ -276,8 +243,7 @@ TEST(CudaOpsTest, SwiGluMatchesCpu) {
   }
 }
 
-TEST(CudaOpsTest, ArgMaxMatchesCpuIncludingTies) {
-  SKIP_WITHOUT_GPU();
+void ArgMaxMatchesCpuIncludingTies() {
   const int vocab = 49152, rows = 4;
   std::vector<float> x = Random(int64_t{rows} * vocab, -5.f, 5.f, 5);
   x[0 * vocab + 100] = 9.f;  // a clear maximum
@@ -290,11 +256,14 @@ TEST(CudaOpsTest, ArgMaxMatchesCpuIncludingTies) {
   std::vector<int32_t> got(rows);
   ASSERT_EQ(cudaMemcpy(got.data(), out.data(), rows * sizeof(int32_t), cudaMemcpyDeviceToHost),
             cudaSuccess);
+  int differ = 0;
   for (int r = 0; r < rows; ++r) {
-    EXPECT_EQ(got[r], ArgMax(std::span<const float>(x.data() + int64_t{r} * vocab, vocab)))
-        << "row " << r;
+    const int32_t want = ArgMax(std::span<const float>(x.data() + int64_t{r} * vocab, vocab));
+    EXPECT_EQ(got[r], want) << "row " << r;
+    differ += got[r] != want;
   }
   EXPECT_EQ(got[1], 7);
+  RecordMeasure("rows != ArgMax", differ, "0", differ == 0 && got[1] == 7);
 }
 
 struct AttentionCase {
@@ -390,22 +359,57 @@ void CheckAttention(const AttentionCase& ac, const std::vector<std::pair<int64_t
 
 const AttentionCase kAttentionCases[] = {{9, 3, 64}, {14, 2, 64}, {32, 8, 128}};
 
-TEST(CudaOpsTest, PrefillAttentionMatchesDenseAttention) {
-  SKIP_WITHOUT_GPU();
-  for (const AttentionCase& ac : kAttentionCases) {
-    // One query alone, a chunk over a cached prefix, a fresh prompt over several tiles.
-    CheckAttention(ac, {{0, 1}, {100, 37}, {0, 130}, {5, 64}}, /*decode=*/false);
-  }
-}
-
-TEST(CudaOpsTest, DecodeAttentionMatchesDenseAttention) {
-  SKIP_WITHOUT_GPU();
-  for (const AttentionCase& ac : kAttentionCases) {
-    CheckAttention(ac, {{0, 1}, {62, 1}, {63, 1}, {64, 1}, {999, 1}, {3000, 1}}, /*decode=*/true);
-  }
-  // One long sequence alone: many splits.
-  CheckAttention(kAttentionCases[2], {{8191, 1}}, /*decode=*/true);
-}
-
 }  // namespace
 }  // namespace kvr::model::cuda
+
+namespace kvr::gpu_parity {
+
+std::vector<ParityRow> ModelOpsRows() {
+  using namespace kvr::model::cuda;
+  std::vector<ParityRow> rows;
+  for (int dim : {64, 576, 896, 4096}) {
+    rows.push_back({"LaunchRmsNorm", "dim " + std::to_string(dim) + " rows 1,5,33 f32+bf16 out",
+                    "RmsNorm", "f32 1e-5 rel, bf16 2^-8 rel", [dim] { RmsNormMatchesCpu(dim); }});
+  }
+  rows.push_back({"LaunchRmsNorm", "gather rows 8,0,4 of 9 dim 576", "RmsNorm", "1e-5 rel",
+                  [] { RmsNormGathersRows(); }});
+  for (const char* shape : {"smollm2-135m", "qwen2-0.5b", "llama3-8b"}) {
+    rows.push_back({"LaunchQkvRope", std::string(shape) + " 2 seqs at 0 and 31000",
+                    "bias + ApplyRope", "bf16 2^-8 rel + 1e-5",
+                    [shape] { QkvRopeMatchesCpu(shape); }});
+  }
+  for (int ffn : {64, 1536, 14336, 1001}) {  // 1001: the scalar path
+    rows.push_back({"LaunchSwiGlu", "ffn " + std::to_string(ffn) + " tokens 1,7",
+                    "silu(g) * u as model.cc", "bf16 2^-8 rel + 1e-6",
+                    [ffn] { SwiGluMatchesCpu(ffn); }});
+  }
+  rows.push_back({"LaunchArgMax", "vocab 49152 rows 4, ties", "ArgMax (sampler.h)",
+                  "equal, ties to the lower id", [] { ArgMaxMatchesCpuIncludingTies(); }});
+  for (const AttentionCase& ac : kAttentionCases) {
+    const std::string heads = "heads " + std::to_string(ac.n_heads) + "/" +
+                              std::to_string(ac.n_kv_heads) + " d" + std::to_string(ac.head_dim);
+    // One query alone, a chunk over a cached prefix, a fresh prompt over several tiles.
+    rows.push_back({"LaunchPrefillAttention", heads + " (cached,new) 0+1 100+37 0+130 5+64",
+                    "DenseAttention", "bf16 2^-8 rel + 5e-3", [ac] {
+                      CheckAttention(ac, {{0, 1}, {100, 37}, {0, 130}, {5, 64}},
+                                     /*decode=*/false);
+                    }});
+  }
+  for (const AttentionCase& ac : kAttentionCases) {
+    const std::string heads = "heads " + std::to_string(ac.n_heads) + "/" +
+                              std::to_string(ac.n_kv_heads) + " d" + std::to_string(ac.head_dim);
+    rows.push_back({"LaunchDecodeAttention", heads + " cached 0,62,63,64,999,3000",
+                    "DenseAttention", "bf16 2^-8 rel + 5e-3", [ac] {
+                      CheckAttention(ac, {{0, 1}, {62, 1}, {63, 1}, {64, 1}, {999, 1}, {3000, 1}},
+                                     /*decode=*/true);
+                    }});
+  }
+  // One long sequence alone: many splits.
+  rows.push_back({"LaunchDecodeAttention", "heads 32/8 d128 cached 8191 alone", "DenseAttention",
+                  "bf16 2^-8 rel + 5e-3", [] {
+                    CheckAttention(kAttentionCases[2], {{8191, 1}}, /*decode=*/true);
+                  }});
+  return rows;
+}
+
+}  // namespace kvr::gpu_parity

@@ -1,10 +1,7 @@
-// Parity of the GPU decode data path (gather, hot cache, decode attention) with the CPU
-// reference (kvr::retrieval::AttendPartial + MergeAttentionPartial). CTest label `gpu`; skips
-// when no CUDA device is present. Shapes: head_dim 64/128, GQA group 1/4/8, 1..70K rows ragged,
-// batch 1..16; dtypes fp32/fp16/bf16 with a tolerance per dtype. Outputs are poisoned with NaN
-// bytes before each kernel and checked finite after.
-
-#include <gtest/gtest.h>
+// Rows of the GPU decode data path (gather, hot cache, decode attention) against the CPU
+// reference (kvr::retrieval::AttendPartial + MergeAttentionPartial). Shapes: head_dim 64/128,
+// GQA group 1/4/8, 1..70K rows ragged, batch 1..16; dtypes fp32/fp16/bf16 with a tolerance per
+// dtype. Outputs are poisoned with NaN bytes before each kernel and checked finite after.
 
 #include <algorithm>
 #include <cmath>
@@ -17,23 +14,21 @@
 #include <vector>
 
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/gpu_testing.h"
 #include "kvr/common/half.h"
 #include "kvr/retrieval/cuda/decode_attention.cuh"
 #include "kvr/retrieval/cuda/gather.cuh"
 #include "kvr/retrieval/cuda/hot_cache.cuh"
 #include "kvr/retrieval/partial_attention.h"
+#include "parity.h"
 
-namespace kvr::retrieval::cuda {
+namespace kvr::gpu_parity {
 namespace {
 
-using kvr::cuda::DeviceBuffer;
-using kvr::cuda::PinnedBuffer;
-
-#define ASSERT_OK(expr)                                  \
-  do {                                                   \
-    const absl::Status kvr_s_ = (expr);                  \
-    ASSERT_TRUE(kvr_s_.ok()) << #expr << ": " << kvr_s_; \
-  } while (false)
+using namespace kvr::retrieval;
+using namespace kvr::retrieval::cuda;
+using namespace kvr::cuda;  // DeviceBuffer, PinnedBuffer, CudaStream
+using namespace kvr::cuda::testing;
 
 template <typename T>
 T ValueOrDie(absl::StatusOr<T> v) {
@@ -82,39 +77,22 @@ float ElementToFloat(const uint8_t* p, RowDType t) {
   return t == RowDType::kF16 ? Fp16ToFloat(h) : Bf16ToFloat(h);
 }
 
-template <typename T>
-DeviceBuffer<T> Upload(const std::vector<T>& host) {
-  auto buf = ValueOrDie(DeviceBuffer<T>::Create(std::max<size_t>(host.size(), 1)));
-  if (!host.empty()) {
-    EXPECT_EQ(cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  return buf;
-}
-
-template <typename T>
-std::vector<T> Download(const DeviceBuffer<T>& buf, size_t n) {
-  std::vector<T> host(n);
-  EXPECT_EQ(cudaMemcpy(host.data(), buf.data(), n * sizeof(T), cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  return host;
-}
-
 // The rows of each (b, h), rows [head_base[bh], head_base[bh] + n_rows[bh]) of `logical`, laid
 // out as the KV store keeps them: in pages of page_rows consecutive rows (16 rows for even slots,
 // 48 for odd ones: one size that is not a power of two), each slot's pages in a region of its
 // own, in a random order, with unused pages between them.
 struct PagedPool {
   std::vector<uint8_t> bytes;
-  std::vector<int64_t> region;       // [batch] byte offset of slot b's page 0
-  std::vector<int32_t> page_rows;    // [batch]
-  std::vector<int32_t> pages;        // [batch * n_kv_heads, max_pages]
+  std::vector<int64_t> region;     // [batch] byte offset of slot b's page 0
+  std::vector<int32_t> page_rows;  // [batch]
+  std::vector<int32_t> pages;      // [batch * n_kv_heads, max_pages]
   int max_pages = 0;
   int n_kv_heads = 0;
   size_t row_bytes = 0;
 
   void Make(const std::vector<uint8_t>& logical, const std::vector<int64_t>& head_base,
-            const std::vector<int64_t>& n_rows, int batch, int n_kv, size_t row, std::mt19937& rng) {
+            const std::vector<int64_t>& n_rows, int batch, int n_kv, size_t row,
+            std::mt19937& rng) {
     n_kv_heads = n_kv;
     row_bytes = row;
     page_rows.resize(batch);
@@ -192,8 +170,7 @@ struct Case {
   int max_pool;      // pool rows per (b, h) in [budget, max_pool], ragged
 };
 
-std::string CaseName(const testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
+std::string CaseName(const Case& c) {
   return DTypeName(c.dtype) + "_d" + std::to_string(c.head_dim) + "_g" + std::to_string(c.group) +
          "_b" + std::to_string(c.batch) + "_kv" + std::to_string(c.n_kv_heads) + "_res" +
          std::to_string(c.max_resident) + "_k" + std::to_string(c.budget) + "_pool" +
@@ -303,23 +280,16 @@ struct Problem {
 
 enum class Source { kGathered, kFusedHbm, kFusedHost };
 
-class AttendParityTest : public testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device";
-  }
-};
-
-TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
+void GatherAndAttendRow(const Case& param) {
   Problem pr;
-  pr.Make(GetParam(), 1234u + GetParam().head_dim * 7 + GetParam().batch);
+  pr.Make(param, 1234u + param.head_dim * 7 + param.batch);
   const Case& c = pr.c;
   const int d = c.head_dim;
   const size_t es = RowDTypeSize(c.dtype);
   const size_t row_bytes = RowBytes(c.dtype, d);
   const int bh = c.batch * c.n_kv_heads;
 
-  auto stream = ValueOrDie(kvr::cuda::CudaStream::Create());
+  auto stream = ValueOrDie(CudaStream::Create());
   // The pool as the store pages it, in HBM and in mapped host memory.
   std::mt19937 page_rng(99);
   PagedPool paged;
@@ -357,6 +327,7 @@ TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
     ASSERT_OK(GatherRows(g, stream.get()));
     ASSERT_OK(stream.Synchronize());
     const std::vector<uint8_t> got = Download(d_gathered, gathered_bytes);
+    int64_t rows_checked = 0;
     for (int i = 0; i < bh; ++i) {
       for (int j = 0; j < c.budget; ++j) {
         const uint8_t* g_row = got.data() + (static_cast<size_t>(i) * c.budget + j) * row_bytes;
@@ -364,12 +335,16 @@ TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
           const uint8_t* want =
               pr.pool.bytes.data() + (pr.head_base[i] + pr.ids[i * c.budget + j]) * row_bytes;
           ASSERT_EQ(std::memcmp(g_row, want, row_bytes), 0) << "head " << i << " slot " << j;
+          ++rows_checked;
         } else {
           ASSERT_TRUE(std::all_of(g_row, g_row + row_bytes, [](uint8_t x) { return x == 0xFF; }))
               << "padding slot written: head " << i << " slot " << j;
         }
       }
     }
+    RecordMeasure(std::string("GatherRows from ") + (src.slots == hbm_view.slots ? "HBM" : "host") +
+                      ": rows bit-equal, padding untouched",
+                  static_cast<double>(rows_checked), "all", true);
   }
 
   std::vector<float> want_out, want_lse;
@@ -410,7 +385,7 @@ TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
     ASSERT_OK(stream.Synchronize());
     const std::vector<uint8_t> out_bytes = Download(d_out, n_out * es);
     const std::vector<float> lse = Download(d_lse, static_cast<size_t>(c.batch) * pr.n_heads);
-    double max_err = 0;
+    double max_err = 0, max_lse_err = 0;
     for (size_t i = 0; i < n_out; ++i) {
       const float got = ElementToFloat(out_bytes.data() + i * es, c.dtype);
       ASSERT_TRUE(std::isfinite(got)) << "source " << int(src) << " out[" << i << "] = " << got;
@@ -427,37 +402,27 @@ TEST_P(AttendParityTest, GatherAndAttendMatchCpuReference) {
       } else {
         ASSERT_TRUE(std::isfinite(lse[i])) << "lse[" << i << "] = " << lse[i];
         ASSERT_NEAR(lse[i], want, 1e-4f + 1e-5f * std::abs(want)) << "lse[" << i << "]";
+        max_lse_err = std::max<double>(max_lse_err, std::abs(lse[i] - want));
       }
     }
-    RecordProperty("max_abs_err_" + std::to_string(int(src)), std::to_string(max_err));
+    const std::string from = src == Source::kGathered   ? "gathered"
+                             : src == Source::kFusedHbm ? "fused HBM"
+                                                        : "fused host";
+    char bound[64];
+    std::snprintf(bound, sizeof(bound), "%g + %g |ref|", tol.atol, tol.rtol);
+    RecordMeasure("DecodeAttention " + from + ": max |out - ref|", max_err, bound, true);
+    RecordMeasure("DecodeAttention " + from + ": max |lse - ref|", max_lse_err, "1e-4 + 1e-5 |ref|",
+                  true);
   }
 }
-
-INSTANTIATE_TEST_SUITE_P(Shapes, AttendParityTest,
-                         testing::Values(
-                             // Llama-3-8B layer shape at a small budget.
-                             Case{RowDType::kBf16, 128, 4, 4, 8, 512, 256, 4096},
-                             Case{RowDType::kF16, 128, 4, 2, 8, 96, 1024, 8192},
-                             Case{RowDType::kF32, 128, 1, 3, 4, 64, 300, 1000},
-                             // SmolLM2-like head_dim 64, group 3 is not a sweep point; 1/4/8 are.
-                             Case{RowDType::kBf16, 64, 8, 16, 2, 128, 64, 512},
-                             Case{RowDType::kF16, 64, 1, 5, 3, 33, 17, 200},
-                             Case{RowDType::kF32, 64, 4, 2, 2, 1, 1, 1},
-                             // Long: 70K rows per (b, h), dense-like (resident) and selected.
-                             Case{RowDType::kBf16, 128, 8, 1, 1, 70000, 2048, 70000},
-                             Case{RowDType::kF32, 64, 8, 2, 1, 20000, 50000, 70000}),
-                         CaseName);
 
 // Several decode steps through the hot cache with overlapping selections: every step's output
 // must equal the pool rows; once the selection stops changing the cache must serve it. Also in
 // two halves (Lookup, then Fill) with one slot's pool unreadable (a null base: a store on
 // another host): its misses are staged by the host from what Lookup reports, and exactly those
 // are staged.
-TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
-  if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device";
-  for (bool staged_slot : {false, true})
-  for (RowDType dtype : {RowDType::kBf16, RowDType::kF32}) {
-    SCOPED_TRACE(staged_slot ? "slot 2 staged" : "all slots in the pool");
+void HotCacheRow(bool staged_slot, RowDType dtype) {
+  {
     const int batch = 3, n_kv = 4, d = 64, budget = 128, n_pool = 2000;
     const size_t row_bytes = RowBytes(dtype, d);
     const int bh = batch * n_kv;
@@ -468,8 +433,9 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
     for (int i = 0; i < bh; ++i) head_base[i] = static_cast<int64_t>(i) * n_pool;
     PagedPool paged;
     paged.Make(pool.bytes, head_base, n_rows, batch, n_kv, row_bytes, rng);
-    auto stream = ValueOrDie(kvr::cuda::CudaStream::Create());
-    auto h_pool = ValueOrDie(PinnedBuffer<uint8_t>::Create(paged.bytes.size(), cudaHostAllocMapped));
+    auto stream = ValueOrDie(CudaStream::Create());
+    auto h_pool =
+        ValueOrDie(PinnedBuffer<uint8_t>::Create(paged.bytes.size(), cudaHostAllocMapped));
     std::memcpy(h_pool.data(), paged.bytes.data(), paged.bytes.size());
     auto d_pages = Upload(paged.pages);
     std::vector<KvPoolSlot> slots = paged.Slots(ValueOrDie(h_pool.device_pointer()));
@@ -506,6 +472,7 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
     }
     const int kSteps = 8;
     unsigned long long prev_hits = 0;
+    int64_t rows_checked = 0;
     for (int step = 0; step < kSteps; ++step) {
       // Steps 1..3 replace a quarter of each selection with rows not selected; later steps
       // repeat the selection, so the cache must converge to serving it.
@@ -544,9 +511,9 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
         ASSERT_OK(cache.Lookup(d_ids.data(), d_counts.data(), stream.get()));
         ASSERT_OK(stream.Synchronize());  // the stream does not wait on the legacy one
         std::vector<int32_t> slot_of(static_cast<size_t>(bh) * budget);
-        ASSERT_EQ(cudaMemcpy(slot_of.data(), cache.slot_of(), slot_of.size() * 4,
-                             cudaMemcpyDeviceToHost),
-                  cudaSuccess);
+        ASSERT_EQ(
+            cudaMemcpy(slot_of.data(), cache.slot_of(), slot_of.size() * 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
         std::memset(staged.data(), 0xFF, staged.bytes());
         std::fill_n(staged_index.data(), staged_index.size(), -1);
         int32_t next = 0;  // compact: the misses in reverse entry order, to test the index
@@ -578,6 +545,7 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
                                 want, row_bytes),
                     0)
               << "step " << step << " head " << i << " slot " << j;
+          ++rows_checked;
         }
       }
       unsigned long long hits = 0;
@@ -591,6 +559,8 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
       if (step == kSteps - 1) {
         EXPECT_GE(static_cast<double>(step_hits), 0.95 * selected)
             << "repeated selection mostly served from the cache (capacity 2x budget)";
+        RecordMeasure("last step hit rate", static_cast<double>(step_hits) / selected, ">= 0.95",
+                      static_cast<double>(step_hits) >= 0.95 * selected);
       }
       EXPECT_LE(step_hits, static_cast<unsigned long long>(selected));
       // The per-slot counters split the same hits by sequence slot.
@@ -610,10 +580,12 @@ TEST(HotCacheTest, StepsReturnPoolRowsAndHitWhenSelectionRepeats) {
         EXPECT_EQ(staged_rows + staged_slot_hits, slot_selected * (step + 1));
       }
     }
+    RecordMeasure("rows bit-equal to the pool, 8 steps", static_cast<double>(rows_checked), "all",
+                  true);
   }
 }
 
-TEST(DecodeAttentionTest, RejectsBadShapes) {
+TEST(AttendContract, DecodeAttentionAndGatherRejectBadShapes) {
   DecodeAttentionParams p{.batch = 1, .n_heads = 12, .n_kv_heads = 1, .head_dim = 128};
   EXPECT_EQ(DecodeAttention(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
   p.n_heads = 8;
@@ -624,4 +596,36 @@ TEST(DecodeAttentionTest, RejectsBadShapes) {
 }
 
 }  // namespace
-}  // namespace kvr::retrieval::cuda
+
+std::vector<ParityRow> AttendRows() {
+  const Case cases[] = {// Llama-3-8B layer shape at a small budget.
+                        Case{RowDType::kBf16, 128, 4, 4, 8, 512, 256, 4096},
+                        Case{RowDType::kF16, 128, 4, 2, 8, 96, 1024, 8192},
+                        Case{RowDType::kF32, 128, 1, 3, 4, 64, 300, 1000},
+                        // SmolLM2-like head_dim 64, group 3 is not a sweep point; 1/4/8 are.
+                        Case{RowDType::kBf16, 64, 8, 16, 2, 128, 64, 512},
+                        Case{RowDType::kF16, 64, 1, 5, 3, 33, 17, 200},
+                        Case{RowDType::kF32, 64, 4, 2, 2, 1, 1, 1},
+                        // Long: 70K rows per (b, h), dense-like (resident) and selected.
+                        Case{RowDType::kBf16, 128, 8, 1, 1, 70000, 2048, 70000},
+                        Case{RowDType::kF32, 64, 8, 2, 1, 20000, 50000, 70000}};
+  std::vector<ParityRow> rows;
+  for (const Case& c : cases) {
+    rows.push_back({"GatherRows+DecodeAttention", CaseName(c),
+                    "pool rows; AttendPartial + MergeAttentionPartial",
+                    "gather bit-equal; out atol + rtol per dtype, lse 1e-4",
+                    [c] { GatherAndAttendRow(c); }});
+  }
+  for (bool staged_slot : {false, true}) {
+    for (RowDType dtype : {RowDType::kBf16, RowDType::kF32}) {
+      rows.push_back({"HotCache",
+                      std::string(staged_slot ? "slot 2 staged" : "all slots in the pool") + " " +
+                          DTypeName(dtype) + " b3 kv4 d64 k128 8 steps",
+                      "pool rows", "bit-equal; hits 0 cold, >= 95% once repeated",
+                      [staged_slot, dtype] { HotCacheRow(staged_slot, dtype); }});
+    }
+  }
+  return rows;
+}
+
+}  // namespace kvr::gpu_parity

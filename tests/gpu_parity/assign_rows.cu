@@ -5,39 +5,28 @@
 // head_dim 64 / 128, cosine and bias scores, point counts and centre counts that are not multiples
 // of the 128 x 128 tile (one row with more than one centre tile, one with 5 centres), a skipped
 // row, exact ties (duplicated centres, points equal to centres: lowest id must win in both).
-// Label `gpu`: skips without a device.
-
-#include <gtest/gtest.h>
+// Not a CPU reference: the in-loop-split kernel is the reference, itself checked against the CPU
+// by the ClusterKvBuild rows.
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "../argmax_gemm.cuh"
+#include "argmax_gemm.cuh"
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/gpu_testing.h"
+#include "parity.h"
 
 namespace kvr::retrieval::cuda::build_internal {
 namespace {
 
-template <typename T>
-T* DeviceCopy(const std::vector<T>& v) {
-  T* p = nullptr;
-  EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, v.size()) * sizeof(T)),
-            cudaSuccess);
-  if (!v.empty()) {
-    EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  return p;
-}
-
-template <typename T>
-std::vector<T> HostCopy(const T* p, size_t n) {
-  std::vector<T> v(n);
-  EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  return v;
-}
+using kvr::cuda::DeviceBuffer;
+using kvr::cuda::testing::Download;
+using kvr::cuda::testing::RecordMeasure;
+using kvr::cuda::testing::Upload;
 
 __global__ void SplitAll(const float* c, int64_t n, float* copy, uint32_t* big, uint32_t* small) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -91,29 +80,35 @@ void Compare() {
   std::vector<int32_t> old_ids(static_cast<size_t>(kRows) * kMaxPoints);
   for (size_t i = 0; i < old_ids.size(); ++i) old_ids[i] = static_cast<int32_t>(i % 11);
 
-  float* d_c = DeviceCopy(c);
-  float* d_x = DeviceCopy(x);
-  float* d_bias = DeviceCopy(bias);
-  int32_t* d_np = DeviceCopy(n_points);
-  int32_t* d_nc = DeviceCopy(n_c);
-  int32_t* d_skip = DeviceCopy(skip);
-  float* d_copy = DeviceCopy(std::vector<float>(c.size(), 0.f));
-  uint32_t* d_big = DeviceCopy(std::vector<uint32_t>(c.size(), 0u));
-  uint32_t* d_small = DeviceCopy(std::vector<uint32_t>(c.size(), 0u));
+  const DeviceBuffer<float> c_buf = Upload(c), x_buf = Upload(x), bias_buf = Upload(bias);
+  const DeviceBuffer<int32_t> np_buf = Upload(n_points), nc_buf = Upload(n_c),
+                              skip_buf = Upload(skip);
+  const DeviceBuffer<float> copy_buf = Upload(std::vector<float>(c.size(), 0.f));
+  const DeviceBuffer<uint32_t> big_buf = Upload(std::vector<uint32_t>(c.size(), 0u)),
+                               small_buf = Upload(std::vector<uint32_t>(c.size(), 0u));
+  float* d_c = c_buf.data();
+  float* d_x = x_buf.data();
+  float* d_bias = bias_buf.data();
+  int32_t* d_np = np_buf.data();
+  int32_t* d_nc = nc_buf.data();
+  int32_t* d_skip = skip_buf.data();
+  float* d_copy = copy_buf.data();
+  uint32_t* d_big = big_buf.data();
+  uint32_t* d_small = small_buf.data();
   SplitAll<<<static_cast<int>((c.size() + 255) / 256), 256>>>(d_c, static_cast<int64_t>(c.size()),
                                                               d_copy, d_big, d_small);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   // The writer's copy of the centres is the centres.
-  ASSERT_EQ(HostCopy(d_copy, c.size()), c);
+  ASSERT_EQ(Download(copy_buf, c.size()), c);
 
   struct Out {
-    int32_t* ids;
-    float* dist;
-    int32_t* changed;
+    DeviceBuffer<int32_t> ids;
+    DeviceBuffer<float> dist;
+    DeviceBuffer<int32_t> changed;
   };
   auto run = [&](bool split) {
-    Out o{DeviceCopy(old_ids), DeviceCopy(std::vector<float>(old_ids.size(), -7.f)),
-          DeviceCopy(std::vector<int32_t>(kRows, 0))};
+    Out o{Upload(old_ids), Upload(std::vector<float>(old_ids.size(), -7.f)),
+          Upload(std::vector<int32_t>(kRows, 0))};
     ArgmaxGemmArgs a;
     a.rows = kRows;
     a.x = d_x;
@@ -128,10 +123,10 @@ void Compare() {
     a.bias = d_bias;
     a.bias_row_stride = kMaxC;
     a.skip = d_skip;
-    a.ids = o.ids;
+    a.ids = o.ids.data();
     a.out_row_stride = kMaxPoints;
-    a.best_dist = kCosine ? o.dist : nullptr;
-    a.changed = o.changed;
+    a.best_dist = kCosine ? o.dist.data() : nullptr;
+    a.changed = o.changed.data();
     const cudaError_t e = split
                               ? LaunchArgmaxGemmTcSplit<D, kCosine, int32_t>(a, kMaxPoints, nullptr)
                               : LaunchArgmaxGemmTc<D, kCosine, int32_t>(a, kMaxPoints, nullptr);
@@ -140,10 +135,10 @@ void Compare() {
     return o;
   };
   const Out ref = run(false), got = run(true);
-  const auto ref_ids = HostCopy(ref.ids, old_ids.size()),
-             got_ids = HostCopy(got.ids, old_ids.size());
-  const auto ref_d = HostCopy(ref.dist, old_ids.size()), got_d = HostCopy(got.dist, old_ids.size());
-  const auto ref_ch = HostCopy(ref.changed, kRows), got_ch = HostCopy(got.changed, kRows);
+  const auto ref_ids = Download(ref.ids, old_ids.size()),
+             got_ids = Download(got.ids, old_ids.size());
+  const auto ref_d = Download(ref.dist, old_ids.size()), got_d = Download(got.dist, old_ids.size());
+  const auto ref_ch = Download(ref.changed, kRows), got_ch = Download(got.changed, kRows);
   int64_t checked = 0, ties = 0;
   for (int r = 0; r < kRows; ++r) {
     for (int i = 0; i < kMaxPoints; ++i) {
@@ -177,28 +172,30 @@ void Compare() {
   std::printf(
       "[ clusterkv] pre-split assign %s: %lld ids and distances bit-equal, %lld exact ties\n",
       where.c_str(), static_cast<long long>(checked), static_cast<long long>(ties));
-  for (void* p :
-       {static_cast<void*>(d_c), static_cast<void*>(d_x), static_cast<void*>(d_bias),
-        static_cast<void*>(d_np), static_cast<void*>(d_nc), static_cast<void*>(d_skip),
-        static_cast<void*>(d_copy), static_cast<void*>(d_big), static_cast<void*>(d_small),
-        static_cast<void*>(ref.ids), static_cast<void*>(ref.dist), static_cast<void*>(ref.changed),
-        static_cast<void*>(got.ids), static_cast<void*>(got.dist),
-        static_cast<void*>(got.changed)}) {
-    cudaFree(p);
-  }
+  RecordMeasure("ids and distances bit-equal", static_cast<double>(checked), "all", true);
+  if (kCosine)
+    RecordMeasure("exact ties to the lower id", static_cast<double>(ties), "> 10", ties > 10);
 }
-
-class ArgmaxSplit : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!kvr::cuda::HaveCudaDevice()) GTEST_SKIP() << "no CUDA device";
-  }
-};
-
-TEST_F(ArgmaxSplit, ClusterKvPreSplitBitEqualD64Cosine) { Compare<64, true>(); }
-TEST_F(ArgmaxSplit, ClusterKvPreSplitBitEqualD128Cosine) { Compare<128, true>(); }
-TEST_F(ArgmaxSplit, ClusterKvPreSplitBitEqualD64Bias) { Compare<64, false>(); }
-TEST_F(ArgmaxSplit, ClusterKvPreSplitBitEqualD128Bias) { Compare<128, false>(); }
 
 }  // namespace
 }  // namespace kvr::retrieval::cuda::build_internal
+
+namespace kvr::gpu_parity {
+
+std::vector<ParityRow> AssignRows() {
+  using namespace kvr::retrieval::cuda::build_internal;
+  const char* ref = "ArgmaxGemmTcKernel (3xTF32 split in the k loop)";
+  const char* cmp = "ids, distances, changed bit-equal; ties to the lower id";
+  return {
+      {"ArgmaxGemmTcSplit", "d64 cosine rows 1000/777/517 centres 300/64/5", ref, cmp,
+       [] { Compare<64, true>(); }},
+      {"ArgmaxGemmTcSplit", "d128 cosine rows 1000/777/517 centres 300/64/5", ref, cmp,
+       [] { Compare<128, true>(); }},
+      {"ArgmaxGemmTcSplit", "d64 bias rows 1000/777/517 centres 300/64/5", ref, cmp,
+       [] { Compare<64, false>(); }},
+      {"ArgmaxGemmTcSplit", "d128 bias rows 1000/777/517 centres 300/64/5", ref, cmp,
+       [] { Compare<128, false>(); }},
+  };
+}
+
+}  // namespace kvr::gpu_parity
