@@ -28,7 +28,7 @@ endif()
 kvr_warnings(kvr_model)
 target_include_directories(kvr_model PUBLIC include)
 target_link_libraries(kvr_model
-  PUBLIC kvr::model_api kvr::model_formats kvr::tokenizer kvr::common absl::status
+  PUBLIC kvr::model_api kvr::model_formats kvr::tokenizer kvr::tokenizer_gguf kvr::common absl::status
          absl::statusor nlohmann_json::nlohmann_json
   PRIVATE PkgConfig::OPENBLAS absl::strings)
 

@@ -20,6 +20,16 @@ target_link_libraries(kvr_tokenizer
   PRIVATE kvr::common PkgConfig::PCRE2 PkgConfig::KVR_ICU_UC nlohmann_json::nlohmann_json absl::strings
           absl::str_format absl::flat_hash_map absl::synchronization)
 
+# kvr::tokenizer_gguf: TokenizerSpecFromGguf (tokenizer_gguf.h), the GGUF reader's side of the
+# tokenizer, apart so that the tokenizer itself needs no GGUF reader.
+add_library(kvr_tokenizer_gguf src/tokenizer_gguf.cc)
+add_library(kvr::tokenizer_gguf ALIAS kvr_tokenizer_gguf)
+kvr_warnings(kvr_tokenizer_gguf)
+target_include_directories(kvr_tokenizer_gguf PUBLIC include)
+target_link_libraries(kvr_tokenizer_gguf
+  PUBLIC kvr::tokenizer absl::status absl::statusor
+  PRIVATE kvr::model_formats kvr::common)
+
 # ---- tests -------------------------------------------------------------------------------
 set(_kvr_tokenizer_fixtures ${CMAKE_CURRENT_SOURCE_DIR}/tests/fixtures/tokenizer)
 
@@ -32,20 +42,22 @@ target_include_directories(tokenizer_test PRIVATE src)
 # The SmolLM2 GGUF against the Hugging Face reference fixture (>= 2,000 strings).
 kvr_add_test(tokenizer_reference_test
   SOURCES tests/tokenizer_reference_test.cc tests/tokenizer_test_util.cc
-  LIBS kvr::tokenizer kvr::model_formats kvr::common nlohmann_json::nlohmann_json Threads::Threads)
+  LIBS kvr::tokenizer kvr::tokenizer_gguf kvr::model_formats kvr::common nlohmann_json::nlohmann_json
+       Threads::Threads)
 target_compile_definitions(tokenizer_reference_test PRIVATE
   KVR_TOKENIZER_FIXTURES="${_kvr_tokenizer_fixtures}")
 
 kvr_add_test(chat_template_test
   SOURCES tests/chat_template_test.cc tests/tokenizer_test_util.cc
-  LIBS kvr::tokenizer kvr::model_formats kvr::common nlohmann_json::nlohmann_json)
+  LIBS kvr::tokenizer kvr::tokenizer_gguf kvr::model_formats kvr::common
+       nlohmann_json::nlohmann_json)
 target_compile_definitions(chat_template_test PRIVATE
   KVR_TOKENIZER_FIXTURES="${_kvr_tokenizer_fixtures}")
 
 # Encode throughput on the SmolLM2 vocabulary (prints tokens/s; not a test).
 add_executable(tokenizer_bench tests/tokenizer_bench.cc tests/tokenizer_test_util.cc)
-target_link_libraries(tokenizer_bench PRIVATE kvr::tokenizer kvr::model_formats kvr::common
-                      nlohmann_json::nlohmann_json)
+target_link_libraries(tokenizer_bench PRIVATE kvr::tokenizer kvr::tokenizer_gguf kvr::model_formats
+                      kvr::common nlohmann_json::nlohmann_json)
 target_compile_definitions(tokenizer_bench PRIVATE
   KVR_TOKENIZER_FIXTURES="${_kvr_tokenizer_fixtures}")
 kvr_warnings(tokenizer_bench)

@@ -23,7 +23,9 @@ if(KVR_HAVE_CUDA)
   # Parity with the CPU reference: rows of tests/gpu_parity (gpu_parity_test).
 
   add_executable(decode_attention_bench bench/decode_attention_bench.cu)
-  target_link_libraries(decode_attention_bench PRIVATE kvr::retrieval_cuda_attend)
+  # kvr::retrieval_cuda_bench_util (BENCH_CHECK) is defined in cuda_select.cmake.
+  target_link_libraries(decode_attention_bench PRIVATE kvr::retrieval_cuda_attend
+                                                       kvr::retrieval_cuda_bench_util)
   target_compile_options(decode_attention_bench PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
   kvr_warnings(decode_attention_bench)

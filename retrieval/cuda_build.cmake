@@ -32,12 +32,14 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
   # their references: rows of tests/gpu_parity (gpu_parity_test).
 
   add_executable(build_cuda_bench cuda/summaries/bench/build_cuda_bench.cc)
-  target_link_libraries(build_cuda_bench PRIVATE kvr::retrieval_cuda_build kvr::common)
+  target_link_libraries(build_cuda_bench PRIVATE kvr::retrieval_cuda_build
+                                                 kvr::retrieval_cuda_bench_util kvr::common)
   kvr_warnings(build_cuda_bench)
 
   # ClusterKV's assignment kernel alone: in-loop vs pre-split 3xTF32 (and fp32) in one process.
   add_executable(assign_bench cuda/summaries/bench/assign_bench.cu)
-  target_link_libraries(assign_bench PRIVATE kvr::retrieval_cuda_build)
+  target_link_libraries(assign_bench PRIVATE kvr::retrieval_cuda_build
+                                             kvr::retrieval_cuda_bench_util)
   set_target_properties(assign_bench PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON)
   kvr_warnings(assign_bench)
 

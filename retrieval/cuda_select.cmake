@@ -26,9 +26,17 @@ if(KVR_HAVE_CUDA)
 
   # Parity with the CPU references: rows of tests/gpu_parity (gpu_parity_test).
 
+  # What the GPU microbenchmarks share (bench/cuda_bench_util.h): select_cuda_bench here,
+  # build_cuda_bench and assign_bench (cuda_build.cmake).
+  add_library(kvr_retrieval_cuda_bench_util INTERFACE)
+  add_library(kvr::retrieval_cuda_bench_util ALIAS kvr_retrieval_cuda_bench_util)
+  target_include_directories(kvr_retrieval_cuda_bench_util INTERFACE bench)
+  target_link_libraries(kvr_retrieval_cuda_bench_util INTERFACE kvr::common_cuda absl::status)
+
   if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/bench/select_cuda_bench.cc)
     add_executable(select_cuda_bench bench/select_cuda_bench.cc)
-    target_link_libraries(select_cuda_bench PRIVATE kvr::retrieval_cuda_select kvr::common)
+    target_link_libraries(select_cuda_bench PRIVATE kvr::retrieval_cuda_select
+                                                    kvr::retrieval_cuda_bench_util kvr::common)
     kvr_warnings(select_cuda_bench)
   endif()
 endif()

@@ -3,24 +3,23 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/generic/async_generic_service.h>
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <functional>
-#include <future>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
+#include "grpc_test_util.h"
 #include "gtest/gtest.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/grpc_server.h"
 #include "kvr/common/tls.h"
+#include "tls_test_util.h"
 
 namespace kvr {
 namespace {
@@ -30,34 +29,20 @@ using ::testing::HasSubstr;
 // A CA, a server and a client certificate it signed, and a client certificate of another CA,
 // as files under a fresh directory.
 struct Pki {
-  std::string dir;
+  TestCertificates files{"kvr-tls"};
   TlsConfig server, client, ca_only, stranger;
+  std::string other_ca_file;
 
   Pki() {
-    dir = absl::StrCat(::testing::TempDir(), "/kvr-tls-", getpid(), "-",
-                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::create_directories(dir);
-    absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("test CA", absl::Hours(1));
-    absl::StatusOr<PemCertificate> other = GenerateCertificateAuthority("other CA", absl::Hours(1));
-    EXPECT_TRUE(ca.ok() && other.ok());
-    const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-    const std::string other_file = absl::StrCat(dir, "/other-ca.pem");
-    EXPECT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
-    EXPECT_TRUE(WriteCertificate(dir, "other-ca", *other, other_file).ok());
-    auto issue = [&](const PemCertificate& by, const std::string& name, const std::string& ca) {
-      absl::StatusOr<PemCertificate> c =
-          IssueCertificate(by, name, {"127.0.0.1", "localhost"}, absl::Hours(1));
-      EXPECT_TRUE(c.ok()) << c.status();
-      absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *c, ca);
-      EXPECT_TRUE(files.ok()) << files.status();
-      return *files;
-    };
-    server = issue(*ca, "server", ca_file);
-    client = issue(*ca, "client", ca_file);
-    stranger = issue(*other, "stranger", ca_file);
+    const PemCertificate ca = files.Ca("test CA");
+    const PemCertificate other = files.Ca("other CA");
+    const std::string ca_file = files.WriteCa(ca, "ca");
+    other_ca_file = files.WriteCa(other, "other-ca");
+    server = files.Issue(ca, "server", ca_file);
+    client = files.Issue(ca, "client", ca_file);
+    stranger = files.Issue(other, "stranger", ca_file);
     ca_only = TlsConfig{.ca_file = ca_file};
   }
-  ~Pki() { std::filesystem::remove_all(dir); }
 };
 
 // A server with the health service on a free loopback port (and reflection: a server needs a
@@ -85,15 +70,8 @@ struct HealthServer {
 grpc::Status Check(const std::string& address, const TlsConfig& tls) {
   absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
   EXPECT_TRUE(security.ok()) << security.status();
-  grpc::GenericStub stub(security->CreateChannel(address));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::Slice empty;
-  grpc::ByteBuffer request(&empty, 1), response;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) { done.set_value(std::move(s)); });
-  return done.get_future().get();
+  return RawUnaryCall(security->CreateChannel(address), "/grpc.health.v1.Health/Check", "",
+                      absl::Seconds(5));
 }
 
 TEST(GrpcSecurityTest, MutualTlsPortAdmitsOnlyClientsWithACertificateOfTheCa) {
@@ -121,7 +99,7 @@ TEST(GrpcSecurityTest, ClientRefusesAServerOfAnotherCa) {
   Pki pki;
   HealthServer server(pki.server, ClientCertificates::kOptional);
   TlsConfig trusts_other = pki.stranger;
-  trusts_other.ca_file = absl::StrCat(pki.dir, "/other-ca.pem");
+  trusts_other.ca_file = pki.other_ca_file;
   EXPECT_EQ(Check(server.address, trusts_other).error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
@@ -157,36 +135,26 @@ std::string ServerCommonName(const std::string& address, const TlsConfig& client
   EXPECT_TRUE(security.ok()) << security.status();
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  grpc::GenericStub stub(security->CreateChannel(address, args));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::Slice empty;
-  grpc::ByteBuffer request(&empty, 1), response;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) { done.set_value(std::move(s)); });
-  if (!done.get_future().get().ok()) return "";
-  const std::vector<grpc::string_ref> names =
-      ctx.auth_context()->FindPropertyValues("x509_common_name");
-  return names.empty() ? "" : std::string(names[0].data(), names[0].size());
+  std::string name;
+  const grpc::Status status =
+      RawUnaryCall(security->CreateChannel(address, args), "/grpc.health.v1.Health/Check", "",
+                   absl::Seconds(5), nullptr, [&](const grpc::ClientContext& ctx) {
+                     const std::vector<grpc::string_ref> names =
+                         ctx.auth_context()->FindPropertyValues("x509_common_name");
+                     if (!names.empty()) name.assign(names[0].data(), names[0].size());
+                   });
+  return status.ok() ? name : "";
 }
 
 // A TLS server reads its files again every reload_interval: a certificate renewed in
 // place is what the next handshake presents, without a restart.
 TEST(GrpcSecurityTest, ServerPresentsARenewedCertificateWithoutARestart) {
-  Pki pki;
-  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("reload CA", absl::Hours(1));
-  ASSERT_TRUE(ca.ok());
-  const std::string dir = absl::StrCat(pki.dir, "/reload");
-  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  TestCertificates files("kvr-tls-reload");
+  const PemCertificate ca = files.Ca("reload CA");
+  const std::string ca_file = files.WriteCa(ca, "ca");
+  ASSERT_FALSE(::testing::Test::HasFailure());
   auto write_server = [&](const std::string& common_name) {
-    absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(*ca, common_name, {"127.0.0.1", "localhost"}, absl::Hours(1));
-    EXPECT_TRUE(cert.ok()) << cert.status();
-    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, "server", *cert, ca_file);
-    EXPECT_TRUE(files.ok()) << files.status();
-    return *files;
+    return files.Issue(ca, "server", ca_file, {.common_name = common_name});
   };
   TlsConfig server_tls = write_server("first");
   server_tls.reload_interval = absl::Seconds(1);
@@ -259,22 +227,10 @@ struct PeerNameServer {
 std::string ClientCommonNameSeenBy(const std::string& address, const GrpcSecurity& security) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  grpc::GenericStub stub(security.CreateChannel(address, args));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::Slice empty;
-  grpc::ByteBuffer request(&empty, 1), response;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, "/kvr.test.PeerName/Get", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) { done.set_value(std::move(s)); });
-  if (!done.get_future().get().ok()) return "";
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return "";
   std::string name;
-  for (const grpc::Slice& slice : slices) {
-    name.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-  }
-  return name;
+  const grpc::Status status = RawUnaryCall(security.CreateChannel(address, args),
+                                           "/kvr.test.PeerName/Get", "", absl::Seconds(5), &name);
+  return status.ok() ? name : "";
 }
 
 // Calls `seen` until it returns `want` or 20 s passed (a file watcher reading every second
@@ -293,32 +249,23 @@ std::string WaitFor(const std::string& want, const std::function<std::string()>&
 // whose CA and certificate both change reaches a server of the new CA that refused it before,
 // without a restart.
 TEST(GrpcSecurityTest, ClientPresentsARenewedCertificateWithoutARestart) {
-  Pki pki;
-  const std::string dir = absl::StrCat(pki.dir, "/rotation");
-  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("first CA", absl::Hours(1));
-  absl::StatusOr<PemCertificate> next_ca = GenerateCertificateAuthority("next CA", absl::Hours(1));
-  ASSERT_TRUE(ca.ok() && next_ca.ok());
-  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-  const std::string next_ca_file = absl::StrCat(dir, "/next-ca.pem");
-  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
-  ASSERT_TRUE(WriteCertificate(dir, "next-ca", *next_ca, next_ca_file).ok());
+  TestCertificates files("kvr-tls-rotation");
+  const PemCertificate ca = files.Ca("first CA");
+  const PemCertificate next_ca = files.Ca("next CA");
+  const std::string ca_file = files.WriteCa(ca, "ca");
+  const std::string next_ca_file = files.WriteCa(next_ca, "next-ca");
+  ASSERT_FALSE(::testing::Test::HasFailure());
   // Writes a certificate of `by` named `common_name` to <dir>/<file>.pem and its key.
   auto write = [&](const PemCertificate& by, const std::string& file,
                    const std::string& common_name, const std::string& trusts) {
-    absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(by, common_name, {"127.0.0.1", "localhost"}, absl::Hours(1));
-    EXPECT_TRUE(cert.ok()) << cert.status();
-    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, file, *cert, trusts);
-    EXPECT_TRUE(files.ok()) << files.status();
-    return *files;
+    return files.Issue(by, file, trusts, {.common_name = common_name});
   };
-  PeerNameServer server(write(*ca, "server", "server", ca_file));
-  PeerNameServer next_server(write(*next_ca, "next-server", "next server", next_ca_file));
+  PeerNameServer server(write(ca, "server", "server", ca_file));
+  PeerNameServer next_server(write(next_ca, "next-server", "next server", next_ca_file));
 
   // The client's CA is a file of its own, so that the test can replace it.
-  const std::string client_ca_file = absl::StrCat(dir, "/client-ca.pem");
-  ASSERT_TRUE(WriteCertificate(dir, "client-ca", *ca, client_ca_file).ok());
-  TlsConfig client_tls = write(*ca, "client", "client", client_ca_file);
+  const std::string client_ca_file = files.WriteCa(ca, "client-ca");
+  TlsConfig client_tls = write(ca, "client", "client", client_ca_file);
   client_tls.reload_interval = absl::Seconds(1);
   absl::StatusOr<GrpcSecurity> client = GrpcSecurity::Load(client_tls);
   ASSERT_TRUE(client.ok()) << client.status();
@@ -327,14 +274,15 @@ TEST(GrpcSecurityTest, ClientPresentsARenewedCertificateWithoutARestart) {
   EXPECT_EQ(ClientCommonNameSeenBy(next_server.address, *client), "");
 
   // A renewed leaf of the same CA, written over the files the client was loaded from.
-  write(*ca, "client", "client renewed", client_ca_file);
+  write(ca, "client", "client renewed", client_ca_file);
   EXPECT_EQ(
       WaitFor("client renewed", [&] { return ClientCommonNameSeenBy(server.address, *client); }),
       "client renewed");
 
   // The cluster moves to the next CA: the client's CA and its certificate both change.
-  ASSERT_TRUE(WriteCertificate(dir, "client-ca", *next_ca, client_ca_file).ok());
-  write(*next_ca, "client", "client of the next CA", client_ca_file);
+  files.WriteCa(next_ca, "client-ca");
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  write(next_ca, "client", "client of the next CA", client_ca_file);
   EXPECT_EQ(WaitFor("client of the next CA",
                     [&] { return ClientCommonNameSeenBy(next_server.address, *client); }),
             "client of the next CA");
@@ -344,18 +292,14 @@ TEST(GrpcSecurityTest, ClientPresentsARenewedCertificateWithoutARestart) {
 // Channel credentials check the server's name against the host dialled: a certificate of the
 // right CA issued for another address is refused.
 TEST(GrpcSecurityTest, ClientRefusesAServerCertificateForAnotherHost) {
-  Pki pki;
-  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("host CA", absl::Hours(1));
-  ASSERT_TRUE(ca.ok());
-  const std::string dir = absl::StrCat(pki.dir, "/host");
-  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
-  absl::StatusOr<PemCertificate> elsewhere =
-      IssueCertificate(*ca, "elsewhere", {"10.11.12.13", "elsewhere.example"}, absl::Hours(1));
-  ASSERT_TRUE(elsewhere.ok());
-  absl::StatusOr<TlsConfig> server_tls = WriteCertificate(dir, "server", *elsewhere, ca_file);
-  ASSERT_TRUE(server_tls.ok());
-  HealthServer server(*server_tls, ClientCertificates::kOptional);
+  TestCertificates files("kvr-tls-host");
+  const PemCertificate ca = files.Ca("host CA");
+  const std::string ca_file = files.WriteCa(ca, "ca");
+  const TlsConfig server_tls =
+      files.Issue(ca, "server", ca_file,
+                  {.common_name = "elsewhere", .hosts = {"10.11.12.13", "elsewhere.example"}});
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  HealthServer server(server_tls, ClientCertificates::kOptional);
   EXPECT_EQ(Check(server.address, TlsConfig{.ca_file = ca_file}).error_code(),
             grpc::StatusCode::UNAVAILABLE);
   // A client told the name the cluster's certificates carry (tls_server_name) checks that name

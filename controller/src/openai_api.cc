@@ -453,56 +453,45 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, absl::string_view 
   }
 }
 
+namespace {
+
+// How a status code reaches an OpenAI client: HTTP status, error type, error code ("": null)
+// and Retry-After seconds (0: none).
+struct ErrorKind {
+  absl::StatusCode status;
+  int http_status;
+  const char* type;
+  const char* code;
+  int retry_after_seconds;
+};
+constexpr ErrorKind kErrorKinds[] = {
+    {absl::StatusCode::kInvalidArgument, 400, "invalid_request_error", "", 0},
+    {absl::StatusCode::kUnauthenticated, 401, "invalid_request_error", "invalid_api_key", 0},
+    {absl::StatusCode::kNotFound, 404, "invalid_request_error", "model_not_found", 0},
+    {absl::StatusCode::kAlreadyExists, 409, "invalid_request_error", "conflict", 0},
+    {absl::StatusCode::kResourceExhausted, 429, "rate_limit_error", "rate_limit_exceeded", 1},
+    // nginx's "client closed request": the client is usually gone and never reads it.
+    {absl::StatusCode::kCancelled, 499, "cancelled", "cancelled", 0},
+    {absl::StatusCode::kUnavailable, 503, "service_unavailable", "service_unavailable", 0},
+    {absl::StatusCode::kDeadlineExceeded, 504, "timeout", "deadline_exceeded", 0},
+};
+// Every other code.
+constexpr ErrorKind kServerError = {absl::StatusCode::kInternal, 500, "server_error",
+                                    "internal_error", 0};
+
+}  // namespace
+
 ApiError ErrorFromStatus(const absl::Status& status, Endpoint endpoint) {
+  ErrorKind kind = kServerError;
+  for (const ErrorKind& k : kErrorKinds) {
+    if (k.status == status.code()) kind = k;
+  }
   ApiError e;
   e.message = std::string(status.message());
-  switch (status.code()) {
-    case absl::StatusCode::kInvalidArgument:
-      e.http_status = 400;
-      e.type = "invalid_request_error";
-      break;
-    case absl::StatusCode::kUnauthenticated:
-      e.http_status = 401;
-      e.type = "invalid_request_error";
-      e.code = "invalid_api_key";
-      break;
-    case absl::StatusCode::kNotFound:
-      e.http_status = 404;
-      e.type = "invalid_request_error";
-      e.code = "model_not_found";
-      break;
-    case absl::StatusCode::kAlreadyExists:
-      e.http_status = 409;
-      e.type = "invalid_request_error";
-      e.code = "conflict";
-      break;
-    case absl::StatusCode::kResourceExhausted:
-      e.http_status = 429;
-      e.type = "rate_limit_error";
-      e.code = "rate_limit_exceeded";
-      e.retry_after_seconds = 1;
-      break;
-    case absl::StatusCode::kCancelled:
-      // nginx's "client closed request": the client is usually gone and never reads it.
-      e.http_status = 499;
-      e.type = "cancelled";
-      e.code = "cancelled";
-      break;
-    case absl::StatusCode::kUnavailable:
-      e.http_status = 503;
-      e.type = "service_unavailable";
-      e.code = "service_unavailable";
-      break;
-    case absl::StatusCode::kDeadlineExceeded:
-      e.http_status = 504;
-      e.type = "timeout";
-      e.code = "deadline_exceeded";
-      break;
-    default:
-      e.http_status = 500;
-      e.type = "server_error";
-      e.code = "internal_error";
-  }
+  e.http_status = kind.http_status;
+  e.type = kind.type;
+  e.code = kind.code;
+  e.retry_after_seconds = kind.retry_after_seconds;
   if (status.code() == absl::StatusCode::kInvalidArgument ||
       status.code() == absl::StatusCode::kNotFound) {
     const std::string field = LeadingField(status.message());

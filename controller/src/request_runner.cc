@@ -181,6 +181,14 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
                      std::move(tokens), now + options_.prefix_retain * 0.9, now);
   };
 
+  // Ends the request well: `last` (its token counts set) carries `report` as the final event.
+  const auto finish = [&](GenerateEvent last, FinalReport report) {
+    last.final = report;
+    final_report = std::move(report);
+    state.Finish();
+    return sink->Send(last);
+  };
+
   while (true) {
     if (cancel->IsCancelled()) {
       state.Cancel();
@@ -205,10 +213,7 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       GenerateEvent last;
       last.prompt_tokens = progress.prompt_tokens;
       last.completion_tokens = report.completion.completion_tokens;
-      last.final = report;
-      final_report = std::move(report);
-      state.Finish();
-      return sink->Send(last);
+      return finish(std::move(last), std::move(report));
     }
 
     std::optional<PrefixMatch> prefix;
@@ -353,10 +358,7 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
       GenerateEvent last;
       last.prompt_tokens = progress.prompt_tokens;
       last.completion_tokens = report.completion.completion_tokens;
-      last.final = report;
-      final_report = std::move(report);
-      state.Finish();
-      return sink->Send(last);
+      return finish(std::move(last), std::move(report));
     }
 
     absl::Status sink_status;
@@ -428,10 +430,7 @@ absl::Status RequestRunner::RunAttempts(const GenerateParams& params, absl::Time
     last.completion_tokens = std::max(sent_before + report.completion.completion_tokens,
                                       static_cast<uint32_t>(progress.sent.size()));
     report.completion.completion_tokens = last.completion_tokens;
-    last.final = report;
-    final_report = std::move(report);
-    state.Finish();
-    return sink->Send(last);
+    return finish(std::move(last), std::move(report));
   }
 }
 

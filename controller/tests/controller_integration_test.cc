@@ -1,7 +1,6 @@
 // The controller with real processes: kvr-controller plus fake prefill/decode/store nodes
 // (controller_fake_node) that register over gRPC and produce a known token stream.
 
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <gmock/gmock.h>
@@ -10,7 +9,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <filesystem>
 #include <future>
 #include <memory>
 #include <optional>
@@ -22,11 +20,13 @@
 #include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "grpc_test_util.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
 #include "kvr/v1/generation.grpc.pb.h"
 #include "subprocess.h"
+#include "tls_test_util.h"
 
 namespace kvr::controller {
 namespace {
@@ -210,17 +210,8 @@ TEST(ControllerIntegrationTest, UndecodableRequestsAreInvalidArgumentWithAMessag
   c.AddNode("prefill");
   c.AddNode("decode");
   c.AddNode("store");
-  grpc::GenericStub generic(c.channel());
   auto call = [&](const std::string& method, const std::string& bytes) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    grpc::Slice slice(bytes);
-    grpc::ByteBuffer request(&slice, 1);
-    grpc::ByteBuffer response;
-    std::promise<grpc::Status> done;
-    generic.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
-                      [&](grpc::Status s) { done.set_value(std::move(s)); });
-    return done.get_future().get();
+    return RawUnaryCall(c.channel(), method, bytes, absl::Seconds(10));
   };
   // Field 1 (model) "smollm2", field 2 (prompt) two bytes that are not UTF-8.
   const std::string bad_utf8("\x0a\x07smollm2\x12\x02\xff\xfe", 13);
@@ -520,23 +511,17 @@ TEST(ControllerIntegrationTest, ControllerRestartServesOnceNodesReturn) {
 // Deregister a real member's id; one with a certificate of another CA does not get past the
 // handshake; a plaintext one neither. Public clients share the port with the CA alone.
 TEST(ControllerIntegrationTest, RogueNodeWithoutAClusterCertificateCannotJoin) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-rogue-", getpid());
-  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("cluster CA", absl::Hours(1));
-  absl::StatusOr<PemCertificate> other = GenerateCertificateAuthority("rogue CA", absl::Hours(1));
-  ASSERT_TRUE(ca.ok() && other.ok());
-  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  TestCertificates files("kvr-rogue");
+  const PemCertificate ca = files.Ca("cluster CA");
+  const PemCertificate other = files.Ca("rogue CA");
+  const std::string ca_file = files.WriteCa(ca, "ca");
   auto issue = [&](const PemCertificate& by, const std::string& name) {
-    absl::StatusOr<PemCertificate> cert = IssueCertificate(by, name, {"127.0.0.1", "localhost"},
-                                                           absl::Hours(1), {NodeIdentityUri(name)});
-    EXPECT_TRUE(cert.ok()) << cert.status();
-    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *cert, ca_file);
-    EXPECT_TRUE(files.ok()) << files.status();
-    return *files;
+    return files.Issue(by, name, ca_file, {.uris = {NodeIdentityUri(name)}});
   };
-  const TlsConfig controller_tls = issue(*ca, "controller");
-  const TlsConfig member_tls = issue(*ca, "member");
-  const TlsConfig rogue_ca_tls = issue(*other, "rogue");
+  const TlsConfig controller_tls = issue(ca, "controller");
+  const TlsConfig member_tls = issue(ca, "member");
+  const TlsConfig rogue_ca_tls = issue(other, "rogue");
+  ASSERT_FALSE(::testing::Test::HasFailure());
   Subprocess controller({KVR_CONTROLLER_BIN, "--listen", "127.0.0.1:0", "--tls-ca", ca_file,
                          "--tls-cert", controller_tls.cert_file, "--tls-key",
                          controller_tls.key_file});
@@ -618,7 +603,6 @@ TEST(ControllerIntegrationTest, RogueNodeWithoutAClusterCertificateCannotJoin) {
   ASSERT_TRUE(listed.ok()) << listed.error_message();
   ASSERT_EQ(models.models_size(), 1);
   EXPECT_EQ(models.models(0).prefill_nodes(), 1u);
-  std::filesystem::remove_all(dir);
 }
 
 // With mutual TLS on the gRPC port and --health-address, kvr-controller also answers
@@ -627,21 +611,15 @@ TEST(ControllerIntegrationTest, RogueNodeWithoutAClusterCertificateCannotJoin) {
 // serves nothing else, and the gRPC port still refuses a plaintext client.
 TEST(ControllerIntegrationTest, HealthPortAnswersProbesInPlaintextBesideAMutualTlsPort) {
   using HS = grpc::health::v1::HealthCheckResponse;
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-health-port-", getpid());
-  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("cluster CA", absl::Hours(1));
-  ASSERT_TRUE(ca.ok());
-  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  TestCertificates files("kvr-health-port");
+  const PemCertificate ca = files.Ca("cluster CA");
+  const std::string ca_file = files.WriteCa(ca, "ca");
   auto issue = [&](const std::string& name) {
-    absl::StatusOr<PemCertificate> cert = IssueCertificate(*ca, name, {"127.0.0.1", "localhost"},
-                                                           absl::Hours(1), {NodeIdentityUri(name)});
-    EXPECT_TRUE(cert.ok()) << cert.status();
-    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *cert, ca_file);
-    EXPECT_TRUE(files.ok()) << files.status();
-    return *files;
+    return files.Issue(ca, name, ca_file, {.uris = {NodeIdentityUri(name)}});
   };
   const TlsConfig controller_tls = issue("controller");
   const TlsConfig member_tls = issue("member");
+  ASSERT_FALSE(::testing::Test::HasFailure());
   Subprocess controller({KVR_CONTROLLER_BIN, "--listen", "127.0.0.1:0", "--health-address",
                          "127.0.0.1:0", "--tls-ca", ca_file, "--tls-cert", controller_tls.cert_file,
                          "--tls-key", controller_tls.key_file});
@@ -735,7 +713,6 @@ TEST(ControllerIntegrationTest, HealthPortAnswersProbesInPlaintextBesideAMutualT
   EXPECT_EQ(wait_for(probe, "kvr.ready", HS::SERVING), HS::SERVING);
   EXPECT_EQ(check(member, "kvr.ready"), HS::SERVING);
   EXPECT_EQ(check(probe, "kvr.v1.Generation"), HS::SERVING);
-  std::filesystem::remove_all(dir);
 }
 
 // With TLS a member's certificate names its node (URI SAN kvr://node/<name>): a node with a
@@ -743,23 +720,17 @@ TEST(ControllerIntegrationTest, HealthPortAnswersProbesInPlaintextBesideAMutualT
 // take the address of another certificate's node; a certificate that names no node is refused
 // unless the controller runs with --require-node-identity=false.
 TEST(ControllerIntegrationTest, ACertificateForOneNodeCannotActAsAnother) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-identity-", getpid());
-  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("cluster CA", absl::Hours(1));
-  ASSERT_TRUE(ca.ok());
-  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
+  TestCertificates files("kvr-identity");
+  const PemCertificate ca = files.Ca("cluster CA");
+  const std::string ca_file = files.WriteCa(ca, "ca");
   auto issue = [&](const std::string& file, std::vector<std::string> uris) {
-    absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(*ca, file, {"127.0.0.1", "localhost"}, absl::Hours(1), uris);
-    EXPECT_TRUE(cert.ok()) << cert.status();
-    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, file, *cert, ca_file);
-    EXPECT_TRUE(files.ok()) << files.status();
-    return *files;
+    return files.Issue(ca, file, ca_file, {.uris = std::move(uris)});
   };
   const TlsConfig controller_tls = issue("controller", {NodeIdentityUri("controller")});
   const TlsConfig node_a = issue("node-a", {NodeIdentityUri("node-a")});
   const TlsConfig node_b = issue("node-b", {NodeIdentityUri("node-b")});
   const TlsConfig nameless = issue("nameless", {});
+  ASSERT_FALSE(::testing::Test::HasFailure());
 
   auto start = [&](std::vector<std::string> extra) {
     std::vector<std::string> argv = {KVR_CONTROLLER_BIN,
@@ -869,7 +840,6 @@ TEST(ControllerIntegrationTest, ACertificateForOneNodeCannotActAsAnother) {
       register_as(address, nameless, registration("x", "127.0.0.1:2"), &id);
   EXPECT_TRUE(opted_out.ok()) << opted_out.error_message();
   EXPECT_TRUE(heartbeat(address, node_b, id).ok());
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

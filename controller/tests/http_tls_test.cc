@@ -11,7 +11,6 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +20,7 @@
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
 #include "subprocess.h"
+#include "tls_test_util.h"
 
 namespace kvr::controller {
 namespace {
@@ -36,20 +36,15 @@ constexpr char kStreamedCompletion[] =
 // removed at the end.
 class Pki {
  public:
-  Pki() : dir_(absl::StrCat(::testing::TempDir(), "/kvr-http-tls-", getpid())) {
-    absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("kvr test CA", absl::Hours(1));
-    absl::StatusOr<PemCertificate> other =
-        GenerateCertificateAuthority("another CA", absl::Hours(1));
-    EXPECT_TRUE(ca.ok() && other.ok());
-    ca_file = absl::StrCat(dir_, "/ca.pem");
-    other_ca_file = absl::StrCat(dir_, "/other-ca.pem");
-    EXPECT_TRUE(WriteCertificate(dir_, "ca", *ca, ca_file).ok());
-    EXPECT_TRUE(WriteCertificate(dir_, "other-ca", *other, other_ca_file).ok());
-    server = Issue(*ca, "server", ca_file);
-    client = Issue(*ca, "client", ca_file);
-    other_client = Issue(*other, "other-client", other_ca_file);
+  Pki() {
+    const PemCertificate ca = files_.Ca("kvr test CA");
+    const PemCertificate other = files_.Ca("another CA");
+    ca_file = files_.WriteCa(ca, "ca");
+    other_ca_file = files_.WriteCa(other, "other-ca");
+    server = files_.Issue(ca, "server", ca_file);
+    client = files_.Issue(ca, "client", ca_file);
+    other_client = files_.Issue(other, "other-client", other_ca_file);
   }
-  ~Pki() { std::filesystem::remove_all(dir_); }
 
   std::string ca_file;
   std::string other_ca_file;
@@ -58,15 +53,8 @@ class Pki {
   TlsConfig other_client;  // of the other CA
 
  private:
-  TlsConfig Issue(const PemCertificate& by, const std::string& name, const std::string& ca) {
-    absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(by, name, {"127.0.0.1", "localhost"}, absl::Hours(1));
-    EXPECT_TRUE(cert.ok()) << cert.status();
-    absl::StatusOr<TlsConfig> files = WriteCertificate(dir_, name, *cert, ca);
-    EXPECT_TRUE(files.ok()) << files.status();
-    return *files;
-  }
-  std::string dir_;
+  // Filled in by the constructor's body, which runs after every member is made.
+  TestCertificates files_{"kvr-http-tls"};
 };
 
 // kvr-controller with `http_args` and one fake node of each role; port() is its HTTP(S) port.

@@ -22,46 +22,22 @@
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
 #include "kvr/controller/http_server.h"
+#include "tls_test_util.h"
 
 namespace kvr::controller {
 namespace {
 
-// A CA and a directory of certificate files it signed, removed at the end.
-class Files {
+// CAs and a directory of certificate files they signed, removed at the end.
+class Files : public TestCertificates {
  public:
-  Files()
-      : dir_(absl::StrCat(::testing::TempDir(), "/kvr-https-reload-", getpid(), "-",
-                          ::testing::UnitTest::GetInstance()->current_test_info()->name())) {
-    std::filesystem::create_directories(dir_);
-  }
-  ~Files() { std::filesystem::remove_all(dir_); }
+  Files() : TestCertificates("kvr-https-reload") {}
 
-  PemCertificate Ca(const std::string& name) {
-    absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority(name, absl::Hours(1));
-    EXPECT_TRUE(ca.ok()) << ca.status();
-    return *ca;
-  }
-  // Writes <dir>/<file>.pem (the CA certificate only) and returns its path.
-  std::string WriteCa(const PemCertificate& ca, const std::string& file) {
-    const std::string path = absl::StrCat(dir_, "/", file, ".pem");
-    EXPECT_TRUE(WriteCertificate(dir_, file, ca, path).ok());
-    return path;
-  }
   // Writes a certificate of `by` for 127.0.0.1 named `common_name` to <dir>/<file>.pem and
   // <dir>/<file>-key.pem.
   TlsConfig Write(const PemCertificate& by, const std::string& file,
                   const std::string& common_name) {
-    absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(by, common_name, {"127.0.0.1"}, absl::Hours(1));
-    EXPECT_TRUE(cert.ok()) << cert.status();
-    absl::StatusOr<TlsConfig> files = WriteCertificate(dir_, file, *cert, "");
-    EXPECT_TRUE(files.ok()) << files.status();
-    return *files;
+    return Issue(by, file, "", {.common_name = common_name, .hosts = {"127.0.0.1"}});
   }
-  const std::string& dir() const { return dir_; }
-
- private:
-  std::string dir_;
 };
 
 std::unique_ptr<OpenAiHttpServer> StartHttps(const HttpTlsOptions& tls) {

@@ -27,6 +27,7 @@
 #include "kvr/decode/cuda_backend.h"
 #include "kvr/decode/engine.h"
 #include "kvr/kv_store/client.h"
+#include "kvr/kv_store/forwarding_client.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/sampler.h"
@@ -43,24 +44,15 @@ double Since(Clock::time_point t0) {
 
 // Every sequence id reads store sequence `base`; releases are no-ops (the rows stay for the
 // next run). Benchmarks only.
-class SharedRowsStore final : public kv_store::KvStoreClient {
+class SharedRowsStore final : public kv_store::ForwardingKvStoreClient {
  public:
   SharedRowsStore(kv_store::KvStoreClient* inner, kv_store::SequenceRef base)
-      : inner_(inner), base_(base) {}
-  std::unique_ptr<kv_store::KvStoreOp> StartPutLayer(const kv_store::LayerRows& rows) override {
-    return inner_->StartPutLayer(rows);
-  }
+      : ForwardingKvStoreClient(inner, "SharedRowsStore"), base_(base) {}
   std::unique_ptr<kv_store::KvStoreOp> StartGather(std::span<const kv_store::GatherEntry> entries,
                                                    std::span<uint8_t> out) override {
     std::vector<kv_store::GatherEntry> e(entries.begin(), entries.end());
     for (auto& x : e) x.sequence = base_;
-    return inner_->StartGather(e, out);
-  }
-  absl::StatusOr<kv_store::CreateResult> CreateSequence(const kv_store::SequenceRef& ref,
-                                                        const kv_store::SequenceShape& shape,
-                                                        uint64_t expected,
-                                                        absl::Duration lease) override {
-    return inner_->CreateSequence(ref, shape, expected, lease);
+    return inner()->StartGather(e, out);
   }
   // Every id already reads `base`: there is nothing to fork.
   absl::StatusOr<kv_store::ForkResult> ForkSequence(const kv_store::SequenceRef&,
@@ -72,7 +64,7 @@ class SharedRowsStore final : public kv_store::KvStoreClient {
                          std::span<uint8_t> out) override {
     std::vector<kv_store::RangeEntry> r(ranges.begin(), ranges.end());
     for (auto& x : r) x.sequence = base_;
-    return inner_->RangeRead(r, out);
+    return inner()->RangeRead(r, out);
   }
   absl::Status Release(const kv_store::SequenceRef&, absl::Duration) override {
     return absl::OkStatus();
@@ -81,19 +73,10 @@ class SharedRowsStore final : public kv_store::KvStoreClient {
     return absl::OkStatus();
   }
   absl::StatusOr<kv_store::SequenceInfo> GetSequence(const kv_store::SequenceRef&) override {
-    return inner_->GetSequence(base_);
-  }
-  absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
-  absl::StatusOr<kv_store::PageTable> ReservePageTable(const kv_store::SequenceRef&,
-                                                       uint64_t) override {
-    return absl::UnimplementedError("SharedRowsStore: no page tables");
-  }
-  absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {
-    return absl::UnimplementedError("SharedRowsStore: no local pool");
+    return inner()->GetSequence(base_);
   }
 
  private:
-  kv_store::KvStoreClient* inner_;
   kv_store::SequenceRef base_;
 };
 

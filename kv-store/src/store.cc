@@ -567,7 +567,8 @@ absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
   return end;
 }
 
-absl::StatusOr<uint64_t> PagedKvStore::GatherBytes(std::span<const GatherEntry> entries) const {
+absl::StatusOr<uint64_t> PagedKvStore::CheckGather(
+    std::span<const GatherEntry> entries, std::vector<std::shared_ptr<Sequence>>* seqs) const {
   uint64_t total = 0;
   std::shared_ptr<Sequence> seq;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -578,7 +579,9 @@ absl::StatusOr<uint64_t> PagedKvStore::GatherBytes(std::span<const GatherEntry> 
       if (!found.ok()) return DeniedEntry(i, e.sequence.id);
       seq = *std::move(found);
     }
+    if (seqs != nullptr) seqs->push_back(seq);
     KVR_RETURN_IF_ERROR(CheckTarget(seq->shape(), e.sequence.id, e.layer, e.head, i));
+    // Watermarks only grow, so rows checked against this snapshot stay readable.
     const uint64_t committed = seq->Committed(e.layer);
     for (uint32_t index : e.indices) {
       if (index >= committed) {
@@ -593,36 +596,17 @@ absl::StatusOr<uint64_t> PagedKvStore::GatherBytes(std::span<const GatherEntry> 
   return total;
 }
 
+absl::StatusOr<uint64_t> PagedKvStore::GatherBytes(std::span<const GatherEntry> entries) const {
+  return CheckGather(entries, nullptr);
+}
+
 absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
                                   std::span<uint8_t> out) const {
   // Validate everything before copying anything; the references taken here keep the
   // sequences' pages alive through the copy even if they are released meanwhile.
-  std::vector<std::shared_ptr<Sequence>> seqs(entries.size());
-  uint64_t total = 0;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const GatherEntry& e = entries[i];
-    // Every entry is checked, also one naming the previous entry's sequence.
-    if (i > 0 && Admits(*seqs[i - 1], e.sequence)) {
-      seqs[i] = seqs[i - 1];
-    } else {
-      absl::StatusOr<std::shared_ptr<Sequence>> found = Find(e.sequence);
-      if (!found.ok()) return DeniedEntry(i, e.sequence.id);
-      seqs[i] = *std::move(found);
-    }
-    const Sequence& seq = *seqs[i];
-    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), e.sequence.id, e.layer, e.head, i));
-    // Watermarks only grow, so rows checked against this snapshot stay readable.
-    const uint64_t committed = seq.Committed(e.layer);
-    for (uint32_t index : e.indices) {
-      if (index >= committed) {
-        return absl::OutOfRangeError(absl::StrFormat(
-            "entry %d: row %d of sequence %d layer %d head %d is not stored (layer has %d "
-            "committed rows)",
-            i, index, e.sequence.id, e.layer, e.head, committed));
-      }
-    }
-    total += e.indices.size() * seq.row_bytes();
-  }
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  seqs.reserve(entries.size());
+  KVR_ASSIGN_OR_RETURN(const uint64_t total, CheckGather(entries, &seqs));
   if (out.size() != total) {
     return absl::InvalidArgumentError(
         absl::StrFormat("gather output buffer has %d bytes, the rows need %d", out.size(), total));
@@ -642,7 +626,8 @@ absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> PagedKvStore::RangeBytes(std::span<const RangeEntry> ranges) const {
+absl::StatusOr<uint64_t> PagedKvStore::CheckRanges(
+    std::span<const RangeEntry> ranges, std::vector<std::shared_ptr<Sequence>>* seqs) const {
   uint64_t total = 0;
   for (size_t i = 0; i < ranges.size(); ++i) {
     const RangeEntry& r = ranges[i];
@@ -658,30 +643,20 @@ absl::StatusOr<uint64_t> PagedKvStore::RangeBytes(std::span<const RangeEntry> ra
           i, r.start, r.start + r.n_rows, r.sequence.id, r.layer, r.head, committed));
     }
     total += r.n_rows * seq.row_bytes();
+    if (seqs != nullptr) seqs->push_back(*std::move(found));
   }
   return total;
 }
 
+absl::StatusOr<uint64_t> PagedKvStore::RangeBytes(std::span<const RangeEntry> ranges) const {
+  return CheckRanges(ranges, nullptr);
+}
+
 absl::Status PagedKvStore::RangeRead(std::span<const RangeEntry> ranges,
                                      std::span<uint8_t> out) const {
-  std::vector<std::shared_ptr<Sequence>> seqs(ranges.size());
-  uint64_t total = 0;
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    const RangeEntry& r = ranges[i];
-    absl::StatusOr<std::shared_ptr<Sequence>> found = Find(r.sequence);
-    if (!found.ok()) return DeniedEntry(i, r.sequence.id);
-    seqs[i] = *std::move(found);
-    const Sequence& seq = *seqs[i];
-    KVR_RETURN_IF_ERROR(CheckTarget(seq.shape(), r.sequence.id, r.layer, r.head, i));
-    const uint64_t committed = seq.Committed(r.layer);
-    if (r.start > committed || r.n_rows > committed - r.start) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "entry %d: rows [%d, %d) of sequence %d layer %d head %d are not stored (layer has %d "
-          "committed rows)",
-          i, r.start, r.start + r.n_rows, r.sequence.id, r.layer, r.head, committed));
-    }
-    total += r.n_rows * seq.row_bytes();
-  }
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  seqs.reserve(ranges.size());
+  KVR_ASSIGN_OR_RETURN(const uint64_t total, CheckRanges(ranges, &seqs));
   if (out.size() != total) {
     return absl::InvalidArgumentError(
         absl::StrFormat("range output buffer has %d bytes, the rows need %d", out.size(), total));

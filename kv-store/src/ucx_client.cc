@@ -22,6 +22,19 @@ namespace kvr::kv_store {
 namespace v1 = ::kvr::store::v1;
 using wire::MessageType;
 
+namespace {
+
+// A request naming the sequence of `ref` with its capability.
+template <typename Request>
+Request RequestFor(const SequenceRef& ref) {
+  Request req;
+  req.set_sequence_id(ref.id);
+  req.set_capability(ref.cap.ToBytes());
+  return req;
+}
+
+}  // namespace
+
 struct UcxKvStoreClient::Impl {
   // A read whose peer died while its reply was streaming in: the transport keeps such a call
   // open until UCX releases the receive, which UCX 1.13 over TCP may never do once the
@@ -59,6 +72,17 @@ struct UcxKvStoreClient::Impl {
 
   void Prepare(grpc::ClientContext& ctx) const {
     ctx.set_deadline(absl::ToChronoTime(Deadline()));
+  }
+
+  // A control-plane call under the client's timeout; its errors name the store and `method`.
+  template <typename Request, typename Response>
+  absl::Status Call(grpc::Status (v1::KvStore::Stub::*rpc)(grpc::ClientContext*, const Request&,
+                                                           Response*),
+                    const char* method, const Request& req, Response* resp) const {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    return FromGrpc(((*stub).*rpc)(&ctx, req, resp),
+                    absl::StrCat("kvr-store ", target, " ", method));
   }
 
   absl::Status Annotate(const absl::Status& st) const {
@@ -259,17 +283,13 @@ absl::StatusOr<CreateResult> UcxKvStoreClient::CreateSequence(const SequenceRef&
                                                               const SequenceShape& shape,
                                                               uint64_t expected_tokens,
                                                               absl::Duration lease) {
-  v1::CreateSequenceRequest req;
-  req.set_sequence_id(ref.id);
-  req.set_capability(ref.cap.ToBytes());
+  auto req = RequestFor<v1::CreateSequenceRequest>(ref);
   ToProto(shape, req.mutable_shape());
   req.set_expected_tokens(expected_tokens);
   req.set_lease_ms(absl::ToInt64Milliseconds(lease));
   v1::CreateSequenceResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->CreateSequence(&ctx, req, &resp),
-                               absl::StrCat("kvr-store ", impl_->target, " CreateSequence")));
+  KVR_RETURN_IF_ERROR(
+      impl_->Call(&v1::KvStore::Stub::CreateSequence, "CreateSequence", req, &resp));
   return CreateResult{.tokens_per_page = resp.tokens_per_page(),
                       .reserved_bytes = resp.reserved_bytes()};
 }
@@ -290,10 +310,7 @@ absl::StatusOr<ForkResult> UcxKvStoreClient::ForkSequence(const SequenceRef& chi
   req.set_expected_tokens(expected_tokens);
   req.set_lease_ms(absl::ToInt64Milliseconds(lease));
   v1::ForkSequenceResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->ForkSequence(&ctx, req, &resp),
-                               absl::StrCat("kvr-store ", impl_->target, " ForkSequence")));
+  KVR_RETURN_IF_ERROR(impl_->Call(&v1::KvStore::Stub::ForkSequence, "ForkSequence", req, &resp));
   return ForkResult{.tokens_per_page = resp.tokens_per_page(),
                     .reserved_bytes = resp.reserved_bytes(),
                     .rows = resp.rows(),
@@ -364,38 +381,23 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
 }
 
 absl::Status UcxKvStoreClient::Release(const SequenceRef& ref, absl::Duration keep) {
-  v1::ReleaseRequest req;
-  req.set_sequence_id(ref.id);
-  req.set_capability(ref.cap.ToBytes());
+  auto req = RequestFor<v1::ReleaseRequest>(ref);
   req.set_keep_ms(absl::ToInt64Milliseconds(keep));
   v1::ReleaseResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  return FromGrpc(impl_->stub->Release(&ctx, req, &resp),
-                  absl::StrCat("kvr-store ", impl_->target, " Release"));
+  return impl_->Call(&v1::KvStore::Stub::Release, "Release", req, &resp);
 }
 
 absl::Status UcxKvStoreClient::Lease(const SequenceRef& ref, absl::Duration lease) {
-  v1::LeaseRequest req;
-  req.set_sequence_id(ref.id);
-  req.set_capability(ref.cap.ToBytes());
+  auto req = RequestFor<v1::LeaseRequest>(ref);
   req.set_lease_ms(absl::ToInt64Milliseconds(lease));
   v1::LeaseResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  return FromGrpc(impl_->stub->Lease(&ctx, req, &resp),
-                  absl::StrCat("kvr-store ", impl_->target, " Lease"));
+  return impl_->Call(&v1::KvStore::Stub::Lease, "Lease", req, &resp);
 }
 
 absl::StatusOr<SequenceInfo> UcxKvStoreClient::GetSequence(const SequenceRef& ref) {
-  v1::GetSequenceRequest req;
-  req.set_sequence_id(ref.id);
-  req.set_capability(ref.cap.ToBytes());
+  auto req = RequestFor<v1::GetSequenceRequest>(ref);
   v1::GetSequenceResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetSequence(&ctx, req, &resp),
-                               absl::StrCat("kvr-store ", impl_->target, " GetSequence")));
+  KVR_RETURN_IF_ERROR(impl_->Call(&v1::KvStore::Stub::GetSequence, "GetSequence", req, &resp));
   SequenceInfo info;
   KVR_ASSIGN_OR_RETURN(info.shape, FromProto(resp.shape()));
   info.committed_rows.assign(resp.committed_rows().begin(), resp.committed_rows().end());
@@ -408,24 +410,18 @@ absl::StatusOr<SequenceInfo> UcxKvStoreClient::GetSequence(const SequenceRef& re
 
 absl::StatusOr<StoreStats> UcxKvStoreClient::Stats() {
   v1::StatsResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->Stats(&ctx, {}, &resp),
-                               absl::StrCat("kvr-store ", impl_->target, " Stats")));
+  const v1::StatsRequest req;
+  KVR_RETURN_IF_ERROR(impl_->Call(&v1::KvStore::Stub::Stats, "Stats", req, &resp));
   return FromProto(resp);
 }
 
 absl::StatusOr<PageTable> UcxKvStoreClient::ReservePageTable(const SequenceRef& ref,
                                                              uint64_t rows) {
-  v1::ReservePageTableRequest req;
-  req.set_sequence_id(ref.id);
-  req.set_capability(ref.cap.ToBytes());
+  auto req = RequestFor<v1::ReservePageTableRequest>(ref);
   req.set_rows(rows);
   v1::ReservePageTableResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->ReservePageTable(&ctx, req, &resp),
-                               absl::StrCat("kvr-store ", impl_->target, " ReservePageTable")));
+  KVR_RETURN_IF_ERROR(
+      impl_->Call(&v1::KvStore::Stub::ReservePageTable, "ReservePageTable", req, &resp));
   absl::StatusOr<PageTable> table = FromProto(resp);
   if (!table.ok()) return impl_->Annotate(table.status());
   if (table->page_bytes != impl_->page_bytes) {

@@ -7,7 +7,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -21,6 +20,7 @@
 #include "kvr/common/tls.h"
 #include "kvr/store/v1/store.grpc.pb.h"
 #include "store_process.h"
+#include "tls_test_util.h"
 
 namespace kvr::kv_store {
 namespace {
@@ -44,21 +44,12 @@ int Check(const std::shared_ptr<grpc::Channel>& channel) {
 }
 
 TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/kvr-store-health-", getpid());
-  absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("cluster CA", absl::Hours(1));
-  ASSERT_TRUE(ca.ok()) << ca.status();
-  const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-  ASSERT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
-  auto issue = [&](const std::string& name) {
-    absl::StatusOr<PemCertificate> cert =
-        IssueCertificate(*ca, name, {"127.0.0.1", "localhost"}, absl::Hours(1));
-    EXPECT_TRUE(cert.ok()) << cert.status();
-    absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *cert, ca_file);
-    EXPECT_TRUE(files.ok()) << files.status();
-    return *files;
-  };
-  const TlsConfig store_tls = issue("store");
-  const TlsConfig client_tls = issue("client");
+  TestCertificates files("kvr-store-health");
+  const PemCertificate ca = files.Ca("cluster CA");
+  const std::string ca_file = files.WriteCa(ca, "ca");
+  const TlsConfig store_tls = files.Issue(ca, "store", ca_file);
+  const TlsConfig client_tls = files.Issue(ca, "client", ca_file);
+  ASSERT_FALSE(::testing::Test::HasFailure());
   absl::StatusOr<StoreProcess> store = StoreProcess::Start(
       {KVR_STORE_BINARY, "--listen", "127.0.0.1:0", "--health-address", "127.0.0.1:0",
        "--capacity-bytes", "16MiB", "--page-bytes", "64KiB", "--metrics-port", "-1", "--tls-ca",
@@ -94,7 +85,6 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
   // SIGTERM: the store shuts down and the health port goes with it.
   EXPECT_TRUE(WIFEXITED(store->Kill(SIGTERM)));
   EXPECT_EQ(Check(ChannelTo(health_port, TlsConfig{})), 100 + grpc::StatusCode::UNAVAILABLE);
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

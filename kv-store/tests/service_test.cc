@@ -3,9 +3,8 @@
 
 #include <memory>
 
-#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
-#include "grpcpp/generic/generic_stub.h"
+#include "grpc_test_util.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvr/kv_store/client.h"
@@ -28,6 +27,21 @@ StoreOptions SmallStore() {
   StoreOptions options;
   options.pool = {.capacity_bytes = 4 << 20, .page_bytes = 4096};
   return options;
+}
+
+// Puts rows [0, n_rows) of every layer of sequence `seq`, the test pattern's.
+absl::Status PutPatternLayers(KvStoreClient& client, SequenceId seq, uint32_t n_rows) {
+  for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
+    auto rows = MakePatternRows(kShape, seq, layer, 0, n_rows);
+    absl::StatusOr<uint64_t> committed = client.PutLayer({.sequence = TestRef(seq),
+                                                          .layer = layer,
+                                                          .start_row = 0,
+                                                          .n_rows = n_rows,
+                                                          .k = rows.k,
+                                                          .v = rows.v});
+    if (!committed.ok()) return committed.status();
+  }
+  return absl::OkStatus();
 }
 
 // Runs the same script against any KvStoreClient; returns the gathered rows.
@@ -111,17 +125,7 @@ void ExerciseAttachments(KvStoreClient& client) {
 void ExerciseFork(KvStoreClient& client) {
   // bf16 head_dim 16: 64-byte rows, 64 per 4 KiB page.
   ASSERT_TRUE(client.CreateSequence(TestRef(20), kShape, 0, absl::ZeroDuration()).ok());
-  for (uint32_t layer = 0; layer < 2; ++layer) {
-    auto rows = MakePatternRows(kShape, 20, layer, 0, 150);
-    ASSERT_TRUE(client
-                    .PutLayer({.sequence = TestRef(20),
-                               .layer = layer,
-                               .start_row = 0,
-                               .n_rows = 150,
-                               .k = rows.k,
-                               .v = rows.v})
-                    .ok());
-  }
+  ASSERT_TRUE(PutPatternLayers(client, 20, 150).ok());
   ASSERT_TRUE(client.Release(TestRef(20), absl::Seconds(60)).ok());
   auto fork = client.ForkSequence(TestRef(21), TestRef(20), 140, 200, absl::Seconds(60));
   ASSERT_TRUE(fork.ok()) << fork.status();
@@ -293,17 +297,7 @@ TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
       client.ReservePageTable(TestRef(3), 100);  // bf16 d16: 64-byte rows, 64 per 4 KiB page
   ASSERT_TRUE(table.ok()) << table.status();
   EXPECT_EQ(table->pages_per_head, 2u);
-  for (uint32_t layer = 0; layer < 2; ++layer) {
-    auto rows = MakePatternRows(kShape, 3, layer, 0, 100);
-    ASSERT_TRUE(client
-                    .PutLayer({.sequence = TestRef(3),
-                               .layer = layer,
-                               .start_row = 0,
-                               .n_rows = 100,
-                               .k = rows.k,
-                               .v = rows.v})
-                    .ok());
-  }
+  ASSERT_TRUE(PutPatternLayers(client, 3, 100).ok());
   auto mapping = client.MapLocalPool();
   ASSERT_TRUE(mapping.ok()) << mapping.status();
   EXPECT_NE((*mapping)->base(), (*fake)->store().pool().base());  // a second, read-only view
@@ -331,20 +325,8 @@ TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()),
                                      grpc::InsecureChannelCredentials());
-  grpc::GenericStub stub(channel);
   auto call = [&](const std::string& method, const std::string& bytes) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    grpc::Slice slice(bytes);
-    grpc::ByteBuffer request(&slice, 1), response;
-    absl::Notification done;
-    grpc::Status status;
-    stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
-      status = std::move(s);
-      done.Notify();
-    });
-    done.WaitForNotification();
-    return status;
+    return RawUnaryCall(channel, method, bytes, absl::Seconds(5));
   };
   const std::string garbage = "\xff\xff\xff\xff\x0f garbage";
   for (const char* method :
@@ -370,26 +352,10 @@ TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
   // grpc.health.v1.Health/Check with an empty HealthCheckRequest; the reply is
   // HealthCheckResponse{status: SERVING (1)} = bytes 08 01. Sent through the generic stub so
   // the test needs no health proto of its own.
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::ByteBuffer request, response;
-  grpc::Slice empty;
-  request = grpc::ByteBuffer(&empty, 1);
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  ASSERT_TRUE(status.ok()) << status.error_message();
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(response.Dump(&slices).ok());
   std::string body;
-  for (const grpc::Slice& s : slices)
-    body.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  const grpc::Status status =
+      RawUnaryCall(channel, "/grpc.health.v1.Health/Check", "", absl::Seconds(5), &body);
+  ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(body, std::string("\x08\x01", 2));
 
   // A client whose budget is already spent gets DEADLINE_EXCEEDED (gRPC refuses it before

@@ -35,68 +35,51 @@ void DequantBf16(const uint8_t* src, int64_t n, float* y) {
   }
 }
 
-// block_q4_0 { half d; uint8 qs[16]; } : 18 bytes
-void DequantQ4_0(const uint8_t* x, int64_t nb, float* y) {
-  for (int64_t i = 0; i < nb; ++i, x += 18, y += kQk) {
+// One 4- or 5-bit value q of a block with scale d and, in the "_1" formats, minimum m: ggml's
+// q * d + m for those, (q - offset) * d for the "_0" formats (no addition of a zero m: that
+// would turn -0 into +0).
+template <bool kMin>
+float Dequant1(int q, int offset, float d, float m) {
+  if constexpr (kMin) {
+    return static_cast<float>(q) * d + m;
+  } else {
+    return static_cast<float>(q - offset) * d;
+  }
+}
+
+// block_q4_0 { half d; uint8 qs[16]; } : 18 bytes (kMin false)
+// block_q4_1 { half d; half m; uint8 qs[16]; } : 20 bytes (kMin true)
+template <bool kMin>
+void DequantQ4(const uint8_t* x, int64_t nb, float* y) {
+  constexpr int kHeader = kMin ? 4 : 2;
+  for (int64_t i = 0; i < nb; ++i, x += kHeader + kQk / 2, y += kQk) {
     const float d = Half(x);
-    const uint8_t* qs = x + 2;
+    const float m = kMin ? Half(x + 2) : 0.f;
+    const uint8_t* qs = x + kHeader;
     for (int j = 0; j < kQk / 2; ++j) {
-      const int x0 = (qs[j] & 0x0F) - 8;
-      const int x1 = (qs[j] >> 4) - 8;
-      y[j] = static_cast<float>(x0) * d;
-      y[j + kQk / 2] = static_cast<float>(x1) * d;
+      y[j] = Dequant1<kMin>(qs[j] & 0x0F, 8, d, m);
+      y[j + kQk / 2] = Dequant1<kMin>(qs[j] >> 4, 8, d, m);
     }
   }
 }
 
-// block_q4_1 { half d; half m; uint8 qs[16]; } : 20 bytes
-void DequantQ4_1(const uint8_t* x, int64_t nb, float* y) {
-  for (int64_t i = 0; i < nb; ++i, x += 20, y += kQk) {
+// block_q5_0 { half d; uint8 qh[4]; uint8 qs[16]; } : 22 bytes; qh bit j is bit 4 of element j
+// (kMin false).
+// block_q5_1 { half d; half m; uint8 qh[4]; uint8 qs[16]; } : 24 bytes (kMin true)
+template <bool kMin>
+void DequantQ5(const uint8_t* x, int64_t nb, float* y) {
+  constexpr int kScales = kMin ? 4 : 2;
+  for (int64_t i = 0; i < nb; ++i, x += kScales + 4 + kQk / 2, y += kQk) {
     const float d = Half(x);
-    const float m = Half(x + 2);
-    const uint8_t* qs = x + 4;
-    for (int j = 0; j < kQk / 2; ++j) {
-      const int x0 = qs[j] & 0x0F;
-      const int x1 = qs[j] >> 4;
-      y[j] = static_cast<float>(x0) * d + m;
-      y[j + kQk / 2] = static_cast<float>(x1) * d + m;
-    }
-  }
-}
-
-// block_q5_0 { half d; uint8 qh[4]; uint8 qs[16]; } : 22 bytes; qh bit j is bit 4 of element j.
-void DequantQ5_0(const uint8_t* x, int64_t nb, float* y) {
-  for (int64_t i = 0; i < nb; ++i, x += 22, y += kQk) {
-    const float d = Half(x);
+    const float m = kMin ? Half(x + 2) : 0.f;
     uint32_t qh;
-    std::memcpy(&qh, x + 2, sizeof(qh));
-    const uint8_t* qs = x + 6;
+    std::memcpy(&qh, x + kScales, sizeof(qh));
+    const uint8_t* qs = x + kScales + 4;
     for (int j = 0; j < kQk / 2; ++j) {
       const uint8_t xh0 = ((qh >> (j + 0)) << 4) & 0x10;
       const uint8_t xh1 = ((qh >> (j + 12))) & 0x10;
-      const int x0 = ((qs[j] & 0x0F) | xh0) - 16;
-      const int x1 = ((qs[j] >> 4) | xh1) - 16;
-      y[j] = static_cast<float>(x0) * d;
-      y[j + kQk / 2] = static_cast<float>(x1) * d;
-    }
-  }
-}
-
-// block_q5_1 { half d; half m; uint8 qh[4]; uint8 qs[16]; } : 24 bytes
-void DequantQ5_1(const uint8_t* x, int64_t nb, float* y) {
-  for (int64_t i = 0; i < nb; ++i, x += 24, y += kQk) {
-    const float d = Half(x);
-    const float m = Half(x + 2);
-    uint32_t qh;
-    std::memcpy(&qh, x + 4, sizeof(qh));
-    const uint8_t* qs = x + 8;
-    for (int j = 0; j < kQk / 2; ++j) {
-      const uint8_t xh0 = ((qh >> (j + 0)) << 4) & 0x10;
-      const uint8_t xh1 = ((qh >> (j + 12))) & 0x10;
-      const int x0 = (qs[j] & 0x0F) | xh0;
-      const int x1 = (qs[j] >> 4) | xh1;
-      y[j] = static_cast<float>(x0) * d + m;
-      y[j + kQk / 2] = static_cast<float>(x1) * d + m;
+      y[j] = Dequant1<kMin>((qs[j] & 0x0F) | xh0, 16, d, m);
+      y[j + kQk / 2] = Dequant1<kMin>((qs[j] >> 4) | xh1, 16, d, m);
     }
   }
 }
@@ -302,16 +285,16 @@ absl::Status DequantizeRow(GgmlType type, const void* src, int64_t n, float* dst
       DequantBf16(x, n, dst);
       break;
     case GgmlType::kQ4_0:
-      DequantQ4_0(x, nb, dst);
+      DequantQ4<false>(x, nb, dst);
       break;
     case GgmlType::kQ4_1:
-      DequantQ4_1(x, nb, dst);
+      DequantQ4<true>(x, nb, dst);
       break;
     case GgmlType::kQ5_0:
-      DequantQ5_0(x, nb, dst);
+      DequantQ5<false>(x, nb, dst);
       break;
     case GgmlType::kQ5_1:
-      DequantQ5_1(x, nb, dst);
+      DequantQ5<true>(x, nb, dst);
       break;
     case GgmlType::kQ8_0:
       DequantQ8_0(x, nb, dst);

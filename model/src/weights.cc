@@ -81,22 +81,12 @@ absl::Status ModelWeights::CheckShapes(const ModelConfig& c) const {
 }
 
 void UnpermuteRopeRows(float* w, int n_head, int head_dim, int64_t in) {
-  // GGUF row h*d + 2i + j came from HF row h*d + j*d/2 + i.
-  const int half = head_dim / 2;
-  std::vector<float> head(static_cast<size_t>(head_dim * in));
-  for (int h = 0; h < n_head; ++h) {
-    float* base = w + int64_t{h} * head_dim * in;
-    std::memcpy(head.data(), base, head.size() * sizeof(float));
-    for (int i = 0; i < half; ++i) {
-      for (int j = 0; j < 2; ++j) {
-        std::memcpy(base + (int64_t{j} * half + i) * in, head.data() + (2 * i + j) * in,
-                    in * sizeof(float));
-      }
-    }
-  }
+  UnpermuteRopeRowBytes(reinterpret_cast<uint8_t*>(w), n_head, head_dim,
+                        in * static_cast<int64_t>(sizeof(float)));
 }
 
 void UnpermuteRopeRowBytes(uint8_t* w, int n_head, int head_dim, int64_t row_bytes) {
+  // GGUF row h*d + 2i + j came from HF row h*d + j*d/2 + i.
   const int half = head_dim / 2;
   std::vector<uint8_t> head(static_cast<size_t>(head_dim * row_bytes));
   for (int h = 0; h < n_head; ++h) {
@@ -121,6 +111,41 @@ struct TensorNames {
   std::string embd, out_norm, output;
   std::function<std::string(int, absl::string_view)> layer;  // (layer, role) -> name
 };
+
+// A checkpoint format's tensor name suffix of each per-layer role of LoadAll.
+using LayerRoleNames = std::pair<absl::string_view, absl::string_view>[12];
+
+// (layer, role) -> "<prefix><layer>.<the role's suffix in `roles`>" (the role itself when
+// `roles` lacks it). `roles` must outlive the function.
+std::function<std::string(int, absl::string_view)> LayerNames(absl::string_view prefix,
+                                                              const LayerRoleNames& roles) {
+  return [prefix, &roles](int i, absl::string_view role) {
+    for (const auto& [r, suffix] : roles) {
+      if (r == role) return absl::StrCat(prefix, i, ".", suffix);
+    }
+    return absl::StrCat(prefix, i, ".", role);
+  };
+}
+
+// Layer `layer`'s fused Q/K/V bias [q + 2 kv] into l.bqkv when the architecture has one.
+absl::Status ReadQkvBias(const ModelConfig& c, const TensorNames& names, int layer,
+                         const TensorReader& read, bool unpermute_qk, LayerWeights& l) {
+  if (!c.qkv_bias) return absl::OkStatus();
+  const int64_t q = c.q_dim(), kv = c.kv_dim();
+  auto span_of = [&l](int64_t offset, int64_t count) {
+    return std::span<float>(l.bqkv.data() + offset, static_cast<size_t>(count));
+  };
+  l.bqkv.resize(static_cast<size_t>(q + 2 * kv));
+  KVR_RETURN_IF_ERROR(read(names.layer(layer, "bq"), std::vector<int64_t>{q}, span_of(0, q)));
+  KVR_RETURN_IF_ERROR(read(names.layer(layer, "bk"), std::vector<int64_t>{kv}, span_of(q, kv)));
+  KVR_RETURN_IF_ERROR(
+      read(names.layer(layer, "bv"), std::vector<int64_t>{kv}, span_of(q + kv, kv)));
+  if (unpermute_qk) {
+    UnpermuteRopeRows(l.bqkv.data(), c.n_heads, c.head_dim, 1);
+    UnpermuteRopeRows(l.bqkv.data() + q, c.n_kv_heads, c.head_dim, 1);
+  }
+  return absl::OkStatus();
+}
 
 // Reads every tensor through `read` into the fused layout. `unpermute_qk`: undo llama.cpp's
 // Q/K row permutation.
@@ -154,16 +179,7 @@ absl::StatusOr<ModelWeights> LoadAll(const ModelConfig& c, const TensorNames& na
       UnpermuteRopeRows(l.wqkv.data(), c.n_heads, c.head_dim, h);
       UnpermuteRopeRows(l.wqkv.data() + q * h, c.n_kv_heads, c.head_dim, h);
     }
-    if (c.qkv_bias) {
-      l.bqkv.resize(static_cast<size_t>(q + 2 * kv));
-      KVR_RETURN_IF_ERROR(read(n("bq"), std::vector<int64_t>{q}, span_of(l.bqkv, 0, q)));
-      KVR_RETURN_IF_ERROR(read(n("bk"), std::vector<int64_t>{kv}, span_of(l.bqkv, q, kv)));
-      KVR_RETURN_IF_ERROR(read(n("bv"), std::vector<int64_t>{kv}, span_of(l.bqkv, q + kv, kv)));
-      if (unpermute_qk) {
-        UnpermuteRopeRows(l.bqkv.data(), c.n_heads, c.head_dim, 1);
-        UnpermuteRopeRows(l.bqkv.data() + q, c.n_kv_heads, c.head_dim, 1);
-      }
-    }
+    KVR_RETURN_IF_ERROR(ReadQkvBias(c, names, i, read, unpermute_qk, l));
     l.wo.resize(static_cast<size_t>(h * q));
     KVR_RETURN_IF_ERROR(read(n("wo"), std::vector<int64_t>{h, q}, l.wo));
     l.ffn_norm.resize(h);
@@ -264,19 +280,7 @@ absl::StatusOr<ModelWeights> LoadPackedGguf(const GgufFile& file, const ModelCon
     KVR_RETURN_IF_ERROR(read(n("attn_norm"), std::vector<int64_t>{h}, l.attn_norm));
     KVR_ASSIGN_OR_RETURN(l.packed_wqkv, ReadPacked(file, {{n("wq"), q, q_heads}, {n("wk"), kv, k_heads}, {n("wv"), kv}},
                                                    h, c.head_dim, read));
-    if (c.qkv_bias) {
-      auto span_of = [](std::vector<float>& v, int64_t offset, int64_t count) {
-        return std::span<float>(v.data() + offset, static_cast<size_t>(count));
-      };
-      l.bqkv.resize(static_cast<size_t>(q + 2 * kv));
-      KVR_RETURN_IF_ERROR(read(n("bq"), std::vector<int64_t>{q}, span_of(l.bqkv, 0, q)));
-      KVR_RETURN_IF_ERROR(read(n("bk"), std::vector<int64_t>{kv}, span_of(l.bqkv, q, kv)));
-      KVR_RETURN_IF_ERROR(read(n("bv"), std::vector<int64_t>{kv}, span_of(l.bqkv, q + kv, kv)));
-      if (unpermute_qk) {
-        UnpermuteRopeRows(l.bqkv.data(), c.n_heads, c.head_dim, 1);
-        UnpermuteRopeRows(l.bqkv.data() + q, c.n_kv_heads, c.head_dim, 1);
-      }
-    }
+    KVR_RETURN_IF_ERROR(ReadQkvBias(c, names, i, read, unpermute_qk, l));
     KVR_ASSIGN_OR_RETURN(l.packed_wo, ReadPacked(file, {{n("wo"), h}}, q, c.head_dim, read));
     l.ffn_norm.resize(h);
     KVR_RETURN_IF_ERROR(read(n("ffn_norm"), std::vector<int64_t>{h}, l.ffn_norm));
@@ -296,25 +300,19 @@ absl::StatusOr<ModelWeights> LoadGgufWeights(const GgufFile& file, const ModelCo
   names.embd = "token_embd.weight";
   names.out_norm = "output_norm.weight";
   names.output = "output.weight";
-  names.layer = [](int i, absl::string_view role) {
-    static constexpr std::pair<absl::string_view, absl::string_view> kRoles[] = {
-        {"attn_norm", "attn_norm.weight"},
-        {"wq", "attn_q.weight"},
-        {"wk", "attn_k.weight"},
-        {"wv", "attn_v.weight"},
-        {"bq", "attn_q.bias"},
-        {"bk", "attn_k.bias"},
-        {"bv", "attn_v.bias"},
-        {"wo", "attn_output.weight"},
-        {"ffn_norm", "ffn_norm.weight"},
-        {"w_gate", "ffn_gate.weight"},
-        {"w_up", "ffn_up.weight"},
-        {"w_down", "ffn_down.weight"}};
-    for (const auto& [r, suffix] : kRoles) {
-      if (r == role) return absl::StrCat("blk.", i, ".", suffix);
-    }
-    return absl::StrCat("blk.", i, ".", role);
-  };
+  static constexpr LayerRoleNames kRoles = {{"attn_norm", "attn_norm.weight"},
+                                            {"wq", "attn_q.weight"},
+                                            {"wk", "attn_k.weight"},
+                                            {"wv", "attn_v.weight"},
+                                            {"bq", "attn_q.bias"},
+                                            {"bk", "attn_k.bias"},
+                                            {"bv", "attn_v.bias"},
+                                            {"wo", "attn_output.weight"},
+                                            {"ffn_norm", "ffn_norm.weight"},
+                                            {"w_gate", "ffn_gate.weight"},
+                                            {"w_up", "ffn_up.weight"},
+                                            {"w_down", "ffn_down.weight"}};
+  names.layer = LayerNames("blk.", kRoles);
   TensorReader read = [&](const std::string& name, std::span<const int64_t> shape,
                           std::span<float> out) -> absl::Status {
     KVR_ASSIGN_OR_RETURN(const GgufTensorInfo* info, file.FindTensor(name));
@@ -339,25 +337,19 @@ absl::StatusOr<ModelWeights> LoadHfWeights(const SafetensorsCheckpoint& checkpoi
   names.embd = "model.embed_tokens.weight";
   names.out_norm = "model.norm.weight";
   names.output = "lm_head.weight";
-  names.layer = [](int i, absl::string_view role) {
-    static constexpr std::pair<absl::string_view, absl::string_view> kRoles[] = {
-        {"attn_norm", "input_layernorm.weight"},
-        {"wq", "self_attn.q_proj.weight"},
-        {"wk", "self_attn.k_proj.weight"},
-        {"wv", "self_attn.v_proj.weight"},
-        {"bq", "self_attn.q_proj.bias"},
-        {"bk", "self_attn.k_proj.bias"},
-        {"bv", "self_attn.v_proj.bias"},
-        {"wo", "self_attn.o_proj.weight"},
-        {"ffn_norm", "post_attention_layernorm.weight"},
-        {"w_gate", "mlp.gate_proj.weight"},
-        {"w_up", "mlp.up_proj.weight"},
-        {"w_down", "mlp.down_proj.weight"}};
-    for (const auto& [r, suffix] : kRoles) {
-      if (r == role) return absl::StrCat("model.layers.", i, ".", suffix);
-    }
-    return absl::StrCat("model.layers.", i, ".", role);
-  };
+  static constexpr LayerRoleNames kRoles = {{"attn_norm", "input_layernorm.weight"},
+                                            {"wq", "self_attn.q_proj.weight"},
+                                            {"wk", "self_attn.k_proj.weight"},
+                                            {"wv", "self_attn.v_proj.weight"},
+                                            {"bq", "self_attn.q_proj.bias"},
+                                            {"bk", "self_attn.k_proj.bias"},
+                                            {"bv", "self_attn.v_proj.bias"},
+                                            {"wo", "self_attn.o_proj.weight"},
+                                            {"ffn_norm", "post_attention_layernorm.weight"},
+                                            {"w_gate", "mlp.gate_proj.weight"},
+                                            {"w_up", "mlp.up_proj.weight"},
+                                            {"w_down", "mlp.down_proj.weight"}};
+  names.layer = LayerNames("model.layers.", kRoles);
   TensorReader read = [&](const std::string& name, std::span<const int64_t> shape,
                           std::span<float> out) -> absl::Status {
     KVR_ASSIGN_OR_RETURN(const SafetensorsTensorInfo* info, checkpoint.FindTensor(name));

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -93,30 +94,29 @@ class CpuKernelsTest : public testing::TestWithParam<CpuIsa> {
   const CpuKernels& kernels() const { return *CpuKernelsFor(GetParam()); }
 };
 
-TEST_P(CpuKernelsTest, BlockGemvMatchesFloat64ReferenceWithinQuantisationBound) {
-  for (GgmlType type : kBlockTypes) {
+// For every type of `types` and shape of kShapes: weights (random, seed `seed`) times activations
+// (seed `seed` + 1) through `gemv(type, w, shape, x, y, ldy)`, y [m, ldy] poisoned with NaN,
+// against the float64 reference (`quantized`: with the activation rounding bound). Output rows
+// are `pad` floats apart: every written value must be finite and the gaps untouched.
+template <typename Gemv>
+void CheckGemv(std::span<const GgmlType> types, uint32_t seed, int64_t pad, bool quantized,
+               const Gemv& gemv) {
+  for (GgmlType type : types) {
     for (const Shape& s : kShapes) {
       SCOPED_TRACE(GgmlTypeName(type) + " rows " + std::to_string(s.n_rows) + " k " +
                    std::to_string(s.k) + " m " + std::to_string(s.m));
-      const std::vector<float> w_values = RandomValues(s.n_rows * s.k, 1, 0.05f);
+      const std::vector<float> w_values = RandomValues(s.n_rows * s.k, seed, 0.05f);
       auto w = QuantizeMatrix(type, w_values.data(), s.n_rows, s.k);
       ASSERT_TRUE(w.ok()) << w.status();
       const std::vector<float> wd = Dequantized(*w);
-      const std::vector<float> x = RandomValues(s.m * s.k, 2);
-      std::vector<ActivationBlock> a(static_cast<size_t>(s.m * s.k / 32));
-      for (int64_t j = 0; j < s.m; ++j) {
-        kernels().quantize_activations(x.data() + j * s.k, s.k, a.data() + j * s.k / 32);
-      }
-      // Output rows `ldy` apart with a poisoned gap after each: every written value must be
-      // finite and the gap untouched.
-      const int64_t ldy = s.n_rows + 3;
+      const std::vector<float> x = RandomValues(s.m * s.k, seed + 1);
+      const int64_t ldy = s.n_rows + pad;
       std::vector<float> y(static_cast<size_t>(s.m * ldy), std::numeric_limits<float>::quiet_NaN());
-      kernels().gemv_blocks(type, w->bytes.data(), w->row_bytes, s.n_rows, s.k, a.data(), s.m,
-                            y.data(), ldy);
+      gemv(type, *w, s, x, y.data(), ldy);
       for (int64_t j = 0; j < s.m; ++j) {
         for (int64_t r = 0; r < s.n_rows; ++r) {
           const Reference ref =
-              ReferenceDot(wd.data() + r * s.k, x.data() + j * s.k, s.k, /*quantized=*/true);
+              ReferenceDot(wd.data() + r * s.k, x.data() + j * s.k, s.k, quantized);
           const float got = y[j * ldy + r];
           ASSERT_TRUE(std::isfinite(got)) << "row " << r << " act " << j;
           EXPECT_NEAR(got, ref.value, ref.tolerance) << "row " << r << " act " << j;
@@ -127,31 +127,27 @@ TEST_P(CpuKernelsTest, BlockGemvMatchesFloat64ReferenceWithinQuantisationBound) 
   }
 }
 
+TEST_P(CpuKernelsTest, BlockGemvMatchesFloat64ReferenceWithinQuantisationBound) {
+  CheckGemv(kBlockTypes, 1, 3, /*quantized=*/true,
+            [&](GgmlType type, const PackedMatrix& w, const Shape& s, const std::vector<float>& x,
+                float* y, int64_t ldy) {
+              std::vector<ActivationBlock> a(static_cast<size_t>(s.m * s.k / 32));
+              for (int64_t j = 0; j < s.m; ++j) {
+                kernels().quantize_activations(x.data() + j * s.k, s.k, a.data() + j * s.k / 32);
+              }
+              kernels().gemv_blocks(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k, a.data(), s.m,
+                                    y, ldy);
+            });
+}
+
+// No activation rounding: the float tolerance.
 TEST_P(CpuKernelsTest, BlockGemvOnFloatActivationsMatchesFloat64Reference) {
-  for (GgmlType type : kBlockTypes) {
-    for (const Shape& s : kShapes) {
-      SCOPED_TRACE(GgmlTypeName(type) + " rows " + std::to_string(s.n_rows) + " k " +
-                   std::to_string(s.k) + " m " + std::to_string(s.m));
-      const std::vector<float> w_values = RandomValues(s.n_rows * s.k, 11, 0.05f);
-      auto w = QuantizeMatrix(type, w_values.data(), s.n_rows, s.k);
-      ASSERT_TRUE(w.ok()) << w.status();
-      const std::vector<float> wd = Dequantized(*w);
-      const std::vector<float> x = RandomValues(s.m * s.k, 12);
-      const int64_t ldy = s.n_rows + 2;
-      std::vector<float> y(static_cast<size_t>(s.m * ldy), std::numeric_limits<float>::quiet_NaN());
-      kernels().gemv_blocks_f32(type, w->bytes.data(), w->row_bytes, s.n_rows, s.k, x.data(), s.m,
-                                y.data(), ldy);
-      for (int64_t j = 0; j < s.m; ++j) {
-        for (int64_t r = 0; r < s.n_rows; ++r) {
-          // No activation rounding: the float tolerance.
-          const Reference ref =
-              ReferenceDot(wd.data() + r * s.k, x.data() + j * s.k, s.k, /*quantized=*/false);
-          EXPECT_NEAR(y[j * ldy + r], ref.value, ref.tolerance) << "row " << r << " act " << j;
-        }
-        for (int64_t r = s.n_rows; r < ldy; ++r) EXPECT_TRUE(std::isnan(y[j * ldy + r]));
-      }
-    }
-  }
+  CheckGemv(kBlockTypes, 11, 2, /*quantized=*/false,
+            [&](GgmlType type, const PackedMatrix& w, const Shape& s, const std::vector<float>& x,
+                float* y, int64_t ldy) {
+              kernels().gemv_blocks_f32(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k, x.data(),
+                                        s.m, y, ldy);
+            });
 }
 
 TEST_P(CpuKernelsTest, DequantizesRowsBitExactlyLikeDequantizeRow) {
@@ -170,27 +166,12 @@ TEST_P(CpuKernelsTest, DequantizesRowsBitExactlyLikeDequantizeRow) {
 }
 
 TEST_P(CpuKernelsTest, FloatGemvMatchesFloat64Reference) {
-  for (GgmlType type : kFloatTypes) {
-    for (const Shape& s : kShapes) {
-      SCOPED_TRACE(GgmlTypeName(type) + " rows " + std::to_string(s.n_rows) + " k " +
-                   std::to_string(s.k) + " m " + std::to_string(s.m));
-      const std::vector<float> w_values = RandomValues(s.n_rows * s.k, 3, 0.05f);
-      auto w = QuantizeMatrix(type, w_values.data(), s.n_rows, s.k);
-      ASSERT_TRUE(w.ok()) << w.status();
-      const std::vector<float> wd = Dequantized(*w);
-      const std::vector<float> x = RandomValues(s.m * s.k, 4);
-      std::vector<float> y(static_cast<size_t>(s.m * s.n_rows), std::numeric_limits<float>::quiet_NaN());
-      kernels().gemv_floats(type, w->bytes.data(), w->row_bytes, s.n_rows, s.k, x.data(), s.m,
-                            y.data(), s.n_rows);
-      for (int64_t j = 0; j < s.m; ++j) {
-        for (int64_t r = 0; r < s.n_rows; ++r) {
-          const Reference ref =
-              ReferenceDot(wd.data() + r * s.k, x.data() + j * s.k, s.k, /*quantized=*/false);
-          EXPECT_NEAR(y[j * s.n_rows + r], ref.value, ref.tolerance) << "row " << r << " act " << j;
-        }
-      }
-    }
-  }
+  CheckGemv(kFloatTypes, 3, 0, /*quantized=*/false,
+            [&](GgmlType type, const PackedMatrix& w, const Shape& s, const std::vector<float>& x,
+                float* y, int64_t ldy) {
+              kernels().gemv_floats(type, w.bytes.data(), w.row_bytes, s.n_rows, s.k, x.data(), s.m,
+                                    y, ldy);
+            });
 }
 
 TEST_P(CpuKernelsTest, QuantisesActivationsLikeTheGenericPath) {

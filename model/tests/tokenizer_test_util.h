@@ -9,9 +9,8 @@
 
 namespace kvr::model::testing {
 
-// TokenizerSpec from the `tokenizer.*` metadata of a GGUF file (the runtime's loader does the
-// same through TokenizerSpecFromGguf; the tests read it here so they depend only on the
-// format reader).
+// TokenizerSpec from the `tokenizer.*` metadata of the GGUF file at `gguf_path`
+// (TokenizerSpecFromGguf, as the runtime's loader reads it).
 [[nodiscard]] absl::StatusOr<TokenizerSpec> ReadTokenizerSpec(const std::string& gguf_path);
 
 // The reference fixture written by model/tests/scripts/tokenizer_make_fixture.py.

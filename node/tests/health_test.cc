@@ -6,9 +6,7 @@
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
-#include <unistd.h>
 
-#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -23,6 +21,7 @@
 #include "kvr/common/tls.h"
 #include "kvr/node/membership_client.h"
 #include "kvr/node/run.h"
+#include "tls_test_util.h"
 
 namespace kvr::node {
 namespace {
@@ -80,28 +79,14 @@ TEST(ServingStatusesTest, WaitForChangeWakesOnASetAndTimesOutWithout) {
 
 // A CA and a server and client certificate it signed, as files under a fresh directory.
 struct Pki {
-  std::string dir;
+  TestCertificates files{"kvr-health"};
   TlsConfig server, client;
   Pki() {
-    dir = absl::StrCat(::testing::TempDir(), "/kvr-health-", getpid(), "-",
-                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::create_directories(dir);
-    absl::StatusOr<PemCertificate> ca = GenerateCertificateAuthority("test CA", absl::Hours(1));
-    EXPECT_TRUE(ca.ok()) << ca.status();
-    const std::string ca_file = absl::StrCat(dir, "/ca.pem");
-    EXPECT_TRUE(WriteCertificate(dir, "ca", *ca, ca_file).ok());
-    auto issue = [&](const std::string& name) {
-      absl::StatusOr<PemCertificate> c =
-          IssueCertificate(*ca, name, {"127.0.0.1", "localhost"}, absl::Hours(1));
-      EXPECT_TRUE(c.ok()) << c.status();
-      absl::StatusOr<TlsConfig> files = WriteCertificate(dir, name, *c, ca_file);
-      EXPECT_TRUE(files.ok()) << files.status();
-      return *files;
-    };
-    server = issue("server");
-    client = issue("client");
+    const PemCertificate ca = files.Ca("test CA");
+    const std::string ca_file = files.WriteCa(ca, "ca");
+    server = files.Issue(ca, "server", ca_file);
+    client = files.Issue(ca, "client", ca_file);
   }
-  ~Pki() { std::filesystem::remove_all(dir); }
 };
 
 std::shared_ptr<grpc::Channel> ChannelTo(int port, const TlsConfig& tls) {

@@ -60,6 +60,10 @@ class FakeMembership final : public cv1::Membership::Service {
     absl::MutexLock lock(&mu_);
     live_.erase(id);
   }
+  std::vector<std::string> deregistered() const {
+    absl::MutexLock lock(&mu_);
+    return deregistered_;
+  }
   // Waits until `pred` holds (under the lock) or 10 s pass.
   bool Await(std::function<bool(const FakeMembership&)> pred) {
     absl::MutexLock lock(&mu_);
@@ -132,8 +136,7 @@ TEST(MembershipClientTest, RegistersHeartbeatsLoadAndDeregistersOnStop) {
   EXPECT_EQ(announced, "node-1");
   EXPECT_EQ(client.node_id(), "");
   EXPECT_FALSE(client.WaitRegistered(absl::ZeroDuration()));
-  absl::MutexLock lock(&fake.mu_);
-  EXPECT_EQ(fake.deregistered_, std::vector<std::string>{"node-1"});
+  EXPECT_EQ(fake.deregistered(), std::vector<std::string>{"node-1"});
   EXPECT_EQ(fake.registers_, 1);
 }
 
@@ -154,8 +157,7 @@ TEST(MembershipClientTest, RegistersAgainAfterNotFound) {
   }
   EXPECT_EQ(client.node_id(), "node-2");
   client.Stop();
-  absl::MutexLock lock(&fake.mu_);
-  EXPECT_EQ(fake.deregistered_, std::vector<std::string>{"node-2"});
+  EXPECT_EQ(fake.deregistered(), std::vector<std::string>{"node-2"});
 }
 
 TEST(MembershipClientTest, RegistersOnceTheControllerComesUp) {
@@ -174,8 +176,7 @@ TEST(MembershipClientTest, RegistersOnceTheControllerComesUp) {
   EXPECT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   EXPECT_EQ(client.node_id(), "node-1");
   client.Stop();
-  absl::MutexLock lock(&fake.mu_);
-  EXPECT_EQ(fake.deregistered_, std::vector<std::string>{"node-1"});
+  EXPECT_EQ(fake.deregistered(), std::vector<std::string>{"node-1"});
 }
 
 TEST(MembershipClientTest, DestructorDeregistersAndStopWithoutControllerReturns) {
@@ -187,10 +188,7 @@ TEST(MembershipClientTest, DestructorDeregistersAndStopWithoutControllerReturns)
     MembershipClient client(StoreOptions(absl::StrCat("127.0.0.1:", port), &free));
     ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   }
-  {
-    absl::MutexLock lock(&fake.mu_);
-    EXPECT_EQ(fake.deregistered_, std::vector<std::string>{"node-1"});
-  }
+  EXPECT_EQ(fake.deregistered(), std::vector<std::string>{"node-1"});
   // Never registered (nothing listens on port 1): Stop returns promptly, deregisters nothing.
   const absl::Time start = absl::Now();
   {

@@ -34,6 +34,7 @@
 #include "absl/strings/str_split.h"
 #include "engine_fakes.h"
 #include "kvr/common/status.h"
+#include "kvr/kv_store/forwarding_client.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
@@ -65,47 +66,12 @@ class DiscardOpener final : public HandoffOpener {
 };
 
 // The fake store, except that a put completes at once without copying the rows.
-class DiscardPutStore final : public kv_store::KvStoreClient {
+class DiscardPutStore final : public kv_store::ForwardingKvStoreClient {
  public:
-  explicit DiscardPutStore(kv_store::KvStoreClient* inner) : inner_(inner) {}
+  explicit DiscardPutStore(kv_store::KvStoreClient* inner)
+      : ForwardingKvStoreClient(inner, "DiscardPutStore") {}
   std::unique_ptr<kv_store::KvStoreOp> StartPutLayer(const kv_store::LayerRows& rows) override {
     return std::make_unique<DoneOp>(rows.n_rows);
-  }
-  std::unique_ptr<kv_store::KvStoreOp> StartGather(std::span<const kv_store::GatherEntry> e,
-                                                   std::span<uint8_t> out) override {
-    return inner_->StartGather(e, out);
-  }
-  absl::StatusOr<kv_store::CreateResult> CreateSequence(const kv_store::SequenceRef& ref,
-                                                        const kv_store::SequenceShape& shape,
-                                                        uint64_t expected_tokens,
-                                                        absl::Duration lease) override {
-    return inner_->CreateSequence(ref, shape, expected_tokens, lease);
-  }
-  absl::StatusOr<kv_store::ForkResult> ForkSequence(const kv_store::SequenceRef& child,
-                                                    const kv_store::SequenceRef& parent,
-                                                    uint64_t rows, uint64_t expected_tokens,
-                                                    absl::Duration lease) override {
-    return inner_->ForkSequence(child, parent, rows, expected_tokens, lease);
-  }
-  absl::Status RangeRead(std::span<const kv_store::RangeEntry> r, std::span<uint8_t> out) override {
-    return inner_->RangeRead(r, out);
-  }
-  absl::Status Release(const kv_store::SequenceRef& ref, absl::Duration keep) override {
-    return inner_->Release(ref, keep);
-  }
-  absl::Status Lease(const kv_store::SequenceRef& ref, absl::Duration lease) override {
-    return inner_->Lease(ref, lease);
-  }
-  absl::StatusOr<kv_store::SequenceInfo> GetSequence(const kv_store::SequenceRef& ref) override {
-    return inner_->GetSequence(ref);
-  }
-  absl::StatusOr<kv_store::StoreStats> Stats() override { return inner_->Stats(); }
-  absl::StatusOr<kv_store::PageTable> ReservePageTable(const kv_store::SequenceRef&,
-                                                       uint64_t) override {
-    return absl::UnimplementedError("DiscardPutStore: no page tables");
-  }
-  absl::StatusOr<std::shared_ptr<const kv_store::LocalPoolMapping>> MapLocalPool() override {
-    return absl::UnimplementedError("DiscardPutStore: no local pool");
   }
 
  private:
@@ -118,7 +84,6 @@ class DiscardPutStore final : public kv_store::KvStoreClient {
    private:
     uint64_t rows_;
   };
-  kv_store::KvStoreClient* inner_;
 };
 
 // Sums index build times and remembers when the last layer was ready.

@@ -22,37 +22,26 @@
 #include <cstdio>
 #include <random>
 #include <string>
-#include <type_traits>
 #include <vector>
 
+#include "cuda_bench_util.h"
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/half.h"
 #include "kvr/retrieval/cuda/selection.cuh"
 
 namespace {
 
+using kvr::bench::Alloc;
+using kvr::bench::AttachWorkspace;
+using kvr::bench::FillTiled;
+using kvr::bench::TileOnDevice;
+using kvr::bench::Upload;
 using kvr::cuda::DeviceBuffer;
 namespace rc = kvr::retrieval::cuda;
 
 constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 128, kSink = 16, kLocal = 256;
 constexpr double kHbmBytesPerS = 3.0e12;
-
-#define BENCH_CHECK(expr)                                               \
-  do {                                                                  \
-    const absl::Status s_ = (expr);                                     \
-    if (!s_.ok()) {                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
-                   std::string(s_.message()).c_str());                  \
-      std::exit(1);                                                     \
-    }                                                                   \
-  } while (false)
-
-template <typename T>
-DeviceBuffer<T> Alloc(size_t n) {
-  auto b = DeviceBuffer<T>::Create(n);
-  BENCH_CHECK(b.status());
-  return std::move(*b);
-}
+constexpr int kWarmups = 3;
 
 struct Row {
   std::string method;
@@ -64,73 +53,74 @@ struct Row {
 
 // Fills `dst` ([n_elems] bf16) by tiling a random block generated on the host.
 void FillRandomBf16(uint16_t* dst, size_t n_elems) {
-  const size_t block = std::min<size_t>(n_elems, size_t{1} << 22);
-  std::vector<uint16_t> host(block);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.f, 1.f);
-  for (auto& h : host) h = kvr::FloatToBf16(nd(rng));
-  BENCH_CHECK(kvr::cuda::CudaStatus(cudaMemcpy(dst, host.data(), block * 2, cudaMemcpyHostToDevice),
-                                    "upload"));
-  for (size_t off = block; off < n_elems; off += block) {
-    const size_t len = std::min(block, n_elems - off);
-    BENCH_CHECK(kvr::cuda::CudaStatus(cudaMemcpy(dst + off, dst, len * 2, cudaMemcpyDeviceToDevice),
-                                      "tile"));
-  }
+  FillTiled(dst, n_elems, size_t{1} << 22, [&] { return kvr::FloatToBf16(nd(rng)); });
 }
 
+// Mean microseconds of `launch` after kWarmups warm-up launches.
 template <typename Launch>
 double TimeUs(Launch launch, int iters, cudaStream_t stream) {
-  for (int i = 0; i < 3; ++i) BENCH_CHECK(launch());
-  auto start = kvr::cuda::CudaEvent::Create();
-  auto stop = kvr::cuda::CudaEvent::Create();
-  BENCH_CHECK(start.status());
-  BENCH_CHECK(stop.status());
-  BENCH_CHECK(kvr::cuda::CudaStatus(cudaEventRecord(start->get(), stream), "record"));
-  for (int i = 0; i < iters; ++i) BENCH_CHECK(launch());
-  BENCH_CHECK(kvr::cuda::CudaStatus(cudaEventRecord(stop->get(), stream), "record"));
-  BENCH_CHECK(kvr::cuda::CudaStatus(cudaEventSynchronize(stop->get()), "sync"));
-  float ms = 0.f;
-  BENCH_CHECK(kvr::cuda::CudaStatus(cudaEventElapsedTime(&ms, start->get(), stop->get()), "time"));
-  return 1000.0 * ms / iters;
+  return kvr::bench::TimeUs(stream, kWarmups, iters, launch);
+}
+
+std::vector<float> RandomQuery(int batch, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> q(static_cast<size_t>(batch) * kHeads * kHeadDim);
+  for (float& x : q) x = nd(rng);
+  return q;
+}
+
+// Every sequence's candidates: the tokens between the sink and the local window.
+struct Candidates {
+  DeviceBuffer<int32_t> begin, end;
+  Candidates(int batch, int context)
+      : begin(Upload(std::vector<int32_t>(batch, kSink))),
+        end(Upload(std::vector<int32_t>(batch, context - kLocal))) {}
+  rc::CandidateRanges view() { return {begin.data(), end.data()}; }
+};
+
+// A selector's output: `budget` ids and a count per (sequence, KV head) row.
+struct Output {
+  int budget;
+  DeviceBuffer<int32_t> ids, counts;
+  Output(int rows, int budget)
+      : budget(budget),
+        ids(Alloc<int32_t>(static_cast<size_t>(rows) * budget)),
+        counts(Alloc<int32_t>(rows)) {}
+  rc::SelectionOutput view() { return {budget, ids.data(), counts.data()}; }
+};
+
+// The attention shape of every selector's parameters (ParisKV's head size is its codec's).
+template <typename Params>
+void SetShape(Params& p, int batch) {
+  p.batch = batch;
+  p.n_heads = kHeads;
+  p.n_kv_heads = kKvHeads;
+  if constexpr (requires { p.head_dim; }) p.head_dim = kHeadDim;
+  p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
 }
 
 Row BenchExact(int context, int batch, int budget, int iters, cudaStream_t stream) {
   const size_t n_keys = static_cast<size_t>(batch) * kKvHeads * context * kHeadDim;
   auto keys = Alloc<uint16_t>(n_keys);
   FillRandomBf16(keys.data(), n_keys);
-  std::vector<float> q(static_cast<size_t>(batch) * kHeads * kHeadDim);
   std::mt19937 rng(2);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  for (float& x : q) x = nd(rng);
-  auto d_q = Alloc<float>(q.size());
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(d_q.data(), q.data(), q.size() * 4, cudaMemcpyHostToDevice), "q"));
-  std::vector<int32_t> begin(batch, kSink), end(batch, context - kLocal);
-  auto d_begin = Alloc<int32_t>(batch), d_end = Alloc<int32_t>(batch);
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(d_begin.data(), begin.data(), batch * 4, cudaMemcpyHostToDevice), "begin"));
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(d_end.data(), end.data(), batch * 4, cudaMemcpyHostToDevice), "end"));
-  auto ids = Alloc<int32_t>(static_cast<size_t>(batch) * kKvHeads * budget);
-  auto counts = Alloc<int32_t>(static_cast<size_t>(batch) * kKvHeads);
+  auto d_q = Upload(RandomQuery(batch, rng));
+  Candidates cand(batch, context);
+  Output out(batch * kKvHeads, budget);
   rc::ExactSelectParams p;
-  p.batch = batch;
-  p.n_heads = kHeads;
-  p.n_kv_heads = kKvHeads;
-  p.head_dim = kHeadDim;
-  p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+  SetShape(p, batch);
   p.query = d_q.data();
   p.keys.data = keys.data();
   p.keys.dtype = rc::KeyDType::kBf16;
   p.keys.token_stride = kHeadDim;
   p.keys.head_stride = static_cast<int64_t>(context) * kHeadDim;
   p.keys.batch_stride = static_cast<int64_t>(kKvHeads) * context * kHeadDim;
-  p.cand = {d_begin.data(), d_end.data()};
+  p.cand = cand.view();
   p.max_candidates = context - kLocal - kSink;
-  p.out = {budget, ids.data(), counts.data()};
-  auto ws = Alloc<char>(rc::ExactSelectWorkspaceBytes(p));
-  p.workspace = ws.data();
-  p.workspace_bytes = ws.bytes();
+  p.out = out.view();
+  const auto ws = AttachWorkspace(p, rc::ExactSelectWorkspaceBytes(p));
   const double us = TimeUs([&] { return rc::ExactSelect(p, stream); }, iters, stream);
   const double bytes = static_cast<double>(batch) * kKvHeads * p.max_candidates * kHeadDim * 2;
   return {"exact", context, batch, budget, us, bytes, kHeadDim * 2.0};
@@ -144,51 +134,24 @@ Row BenchQuest(int context, int batch, int budget, int iters, cudaStream_t strea
   const size_t n_floats = static_cast<size_t>(batch) * batch_stride;
   auto bounds = Alloc<float>(n_floats);
   {
-    const size_t block = std::min<size_t>(n_floats, size_t{1} << 22);
-    std::vector<float> host(block);
     std::mt19937 rng(3);
     std::normal_distribution<float> nd(0.f, 1.f);
-    for (auto& h : host) h = nd(rng);
-    BENCH_CHECK(kvr::cuda::CudaStatus(
-        cudaMemcpy(bounds.data(), host.data(), block * 4, cudaMemcpyHostToDevice), "upload"));
-    for (size_t off = block; off < n_floats; off += block) {
-      BENCH_CHECK(kvr::cuda::CudaStatus(
-          cudaMemcpy(bounds.data() + off, bounds.data(), std::min(block, n_floats - off) * 4,
-                     cudaMemcpyDeviceToDevice),
-          "tile"));
-    }
+    FillTiled(bounds.data(), n_floats, size_t{1} << 22, [&] { return nd(rng); });
   }
-  std::vector<float> q(static_cast<size_t>(batch) * kHeads * kHeadDim);
   std::mt19937 rng(2);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  for (float& x : q) x = nd(rng);
-  auto d_q = Alloc<float>(q.size());
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(d_q.data(), q.data(), q.size() * 4, cudaMemcpyHostToDevice), "q"));
-  std::vector<int32_t> begin(batch, kSink), end(batch, context - kLocal);
-  auto d_begin = Alloc<int32_t>(batch), d_end = Alloc<int32_t>(batch);
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(d_begin.data(), begin.data(), batch * 4, cudaMemcpyHostToDevice), "begin"));
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(d_end.data(), end.data(), batch * 4, cudaMemcpyHostToDevice), "end"));
-  auto ids = Alloc<int32_t>(static_cast<size_t>(batch) * kKvHeads * budget);
-  auto counts = Alloc<int32_t>(static_cast<size_t>(batch) * kKvHeads);
+  auto d_q = Upload(RandomQuery(batch, rng));
+  Candidates cand(batch, context);
+  Output out(batch * kKvHeads, budget);
   rc::QuestSelectParams p;
-  p.batch = batch;
-  p.n_heads = kHeads;
-  p.n_kv_heads = kKvHeads;
-  p.head_dim = kHeadDim;
+  SetShape(p, batch);
   p.page_size = kPage;
-  p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
   p.query = d_q.data();
   p.bounds = bounds.data();
   p.bounds_batch_stride = batch_stride;
-  p.cand = {d_begin.data(), d_end.data()};
+  p.cand = cand.view();
   p.max_candidates = context - kLocal - kSink;
-  p.out = {budget, ids.data(), counts.data()};
-  auto ws = Alloc<char>(rc::QuestSelectWorkspaceBytes(p));
-  p.workspace = ws.data();
-  p.workspace_bytes = ws.bytes();
+  p.out = out.view();
+  const auto ws = AttachWorkspace(p, rc::QuestSelectWorkspaceBytes(p));
   const double us = TimeUs([&] { return rc::QuestSelect(p, stream); }, iters, stream);
   // Pages overlapping the candidates, 2 * head_dim fp32 each per KV head.
   const double pages = (context - kLocal - 1) / kPage - kSink / kPage + 1;
@@ -205,24 +168,16 @@ Row BenchTopK(int context, int batch, int budget, int iters, cudaStream_t stream
   std::mt19937 rng(4);
   std::normal_distribution<float> nd(0.f, 2.f);
   for (auto& h : host) h = std::exp(nd(rng));
-  auto scores = Alloc<float>(n);
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(scores.data(), host.data(), n * 4, cudaMemcpyHostToDevice), "scores"));
-  std::vector<int32_t> n_valid(rows, context);
-  auto d_n = Alloc<int32_t>(rows);
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(d_n.data(), n_valid.data(), rows * 4, cudaMemcpyHostToDevice), "n"));
-  auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
-  auto counts = Alloc<int32_t>(rows);
+  auto scores = Upload(host);
+  auto d_n = Upload(std::vector<int32_t>(rows, context));
+  Output out(rows, budget);
   rc::TopKParams p;
   p.rows = rows;
   p.row_stride = context;
   p.scores = scores.data();
   p.n_valid = d_n.data();
-  p.out = {budget, ids.data(), counts.data()};
-  auto ws = Alloc<char>(std::max<size_t>(1, rc::BatchedTopKWorkspaceBytes(p)));
-  p.workspace = ws.data();
-  p.workspace_bytes = ws.bytes();
+  p.out = out.view();
+  const auto ws = AttachWorkspace(p, rc::BatchedTopKWorkspaceBytes(p));
   const double us = TimeUs([&] { return rc::BatchedTopK(p, stream); }, iters, stream);
   return {"topk", context, batch, budget, us, static_cast<double>(n) * 4, 0};
 }
@@ -245,30 +200,17 @@ Row BenchClusterKv(int context, int batch, int budget, int iters, cudaStream_t s
       off[static_cast<size_t>(r) * (n_clusters + 1) + c] = c * kClusterSize;
     for (int m = 0; m < n_members; ++m) mem[static_cast<size_t>(r) * n_members + m] = kSink + m;
   }
-  auto up = [](const auto& v) {
-    using T = typename std::decay_t<decltype(v)>::value_type;
-    auto d = Alloc<T>(v.size());
-    BENCH_CHECK(kvr::cuda::CudaStatus(
-        cudaMemcpy(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload"));
-    return d;
-  };
-  auto d_cent = up(cent);
-  auto d_nc = up(nc);
-  auto d_off = up(off);
-  auto d_mem = up(mem);
+  auto d_cent = Upload(cent);
+  auto d_nc = Upload(nc);
+  auto d_off = Upload(off);
+  auto d_mem = Upload(mem);
   std::vector<float> q(static_cast<size_t>(batch) * kHeads * kHeadDim);
   for (float& x : q) x = nd(rng);
-  auto d_q = up(q);
-  auto d_begin = up(std::vector<int32_t>(batch, kSink));
-  auto d_end = up(std::vector<int32_t>(batch, context - kLocal));
-  auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
-  auto counts = Alloc<int32_t>(rows);
+  auto d_q = Upload(q);
+  Candidates cand(batch, context);
+  Output out(rows, budget);
   rc::ClusterKvSelectParams p;
-  p.batch = batch;
-  p.n_heads = kHeads;
-  p.n_kv_heads = kKvHeads;
-  p.head_dim = kHeadDim;
-  p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+  SetShape(p, batch);
   p.query = d_q.data();
   p.centroids = d_cent.data();
   p.n_clusters = d_nc.data();
@@ -276,11 +218,9 @@ Row BenchClusterKv(int context, int batch, int budget, int iters, cudaStream_t s
   p.members = d_mem.data();
   p.max_clusters = n_clusters;
   p.max_members = n_members;
-  p.cand = {d_begin.data(), d_end.data()};
-  p.out = {budget, ids.data(), counts.data()};
-  auto ws = Alloc<char>(rc::ClusterKvSelectWorkspaceBytes(p));
-  p.workspace = ws.data();
-  p.workspace_bytes = ws.bytes();
+  p.cand = cand.view();
+  p.out = out.view();
+  const auto ws = AttachWorkspace(p, rc::ClusterKvSelectWorkspaceBytes(p));
   const double us = TimeUs([&] { return rc::ClusterKvSelect(p, stream); }, iters, stream);
   const double bytes = static_cast<double>(rows) * n_clusters * kHeadDim * 4;
   return {"clusterkv", context, batch, budget, us, bytes,
@@ -299,31 +239,6 @@ ParisKvScheduleLite ScheduleLite(int64_t n, int64_t budget) {
   return {std::min(n, c)};
 }
 
-template <typename T>
-DeviceBuffer<T> UploadVec(const std::vector<T>& v) {
-  auto d = Alloc<T>(std::max<size_t>(1, v.size()));
-  BENCH_CHECK(kvr::cuda::CudaStatus(
-      cudaMemcpy(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload"));
-  return d;
-}
-
-// Copies the first `block` elements of `dst` over the rest of its n elements (tiling on device).
-template <typename T>
-void TileOnDevice(T* dst, size_t block, size_t n) {
-  for (size_t off = block; off < n; off += block) {
-    BENCH_CHECK(kvr::cuda::CudaStatus(
-        cudaMemcpy(dst + off, dst, std::min(block, n - off) * sizeof(T), cudaMemcpyDeviceToDevice),
-        "tile"));
-  }
-}
-
-std::vector<float> RandomQuery(int batch, std::mt19937& rng) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> q(static_cast<size_t>(batch) * kHeads * kHeadDim);
-  for (float& x : q) x = nd(rng);
-  return q;
-}
-
 // pariskv: random fp32 keys of one sequence ([context, 8, 128], a 4096-token block tiled) are
 // encoded on the GPU (ParisKvEncode, timed as "pariskv_enc": budget 0, bytes = keys read) into
 // every sequence's summary, then ParisKvSelect (m = 8, B = 16, 6 tiers, scheduled beta / rho).
@@ -334,20 +249,16 @@ std::vector<Row> BenchParisKv(int context, int batch, const std::vector<int>& bu
   const size_t key_row = static_cast<size_t>(kKvHeads) * kHeadDim;
   auto keys = Alloc<float>(static_cast<size_t>(context) * key_row);
   {
-    const size_t block = std::min<size_t>(static_cast<size_t>(context) * key_row, 4096 * key_row);
-    std::vector<float> host(block);
     std::mt19937 rng(8);
     std::normal_distribution<float> nd(0.f, 1.f);
-    for (float& x : host) x = nd(rng);
-    BENCH_CHECK(kvr::cuda::CudaStatus(
-        cudaMemcpy(keys.data(), host.data(), block * 4, cudaMemcpyHostToDevice), "keys"));
-    TileOnDevice(keys.data(), block, static_cast<size_t>(context) * key_row);
+    FillTiled(keys.data(), static_cast<size_t>(context) * key_row, 4096 * key_row,
+              [&] { return nd(rng); });
   }
   const int rows = batch * kKvHeads;
   auto codes = Alloc<uint8_t>(static_cast<size_t>(rows) * context * (kP / 2));
   auto weights = Alloc<uint16_t>(static_cast<size_t>(rows) * context * kB);
   auto counts = Alloc<uint32_t>(static_cast<size_t>(rows) * kB * (1 << kM));
-  BENCH_CHECK(kvr::cuda::CudaStatus(cudaMemset(counts.data(), 0, counts.bytes()), "counts"));
+  BENCH_CHECK_CUDA(cudaMemset(counts.data(), 0, counts.bytes()));
   rc::ParisKvCodec codec;
   codec.head_dim = kHeadDim;
   codec.padded_dim = kP;
@@ -371,7 +282,7 @@ std::vector<Row> BenchParisKv(int context, int batch, const std::vector<int>& bu
     e.counts = counts.data() + static_cast<size_t>(b) * kKvHeads * kB * (1 << kM);
     BENCH_CHECK(rc::ParisKvEncode(e, stream));
   }
-  BENCH_CHECK(kvr::cuda::CudaStatus(cudaStreamSynchronize(stream), "encode"));
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
   if (batch == 1) {  // encode cost does not depend on the batch: one row per context
     e.codes = codes.data();
     e.weights = weights.data();
@@ -381,18 +292,13 @@ std::vector<Row> BenchParisKv(int context, int batch, const std::vector<int>& bu
                         static_cast<double>(context) * key_row * 4, kP / 2.0 + 2.0 * kB});
   }
   std::mt19937 rng(9);
-  auto d_q = UploadVec(RandomQuery(batch, rng));
-  auto d_begin = UploadVec(std::vector<int32_t>(batch, kSink));
-  auto d_end = UploadVec(std::vector<int32_t>(batch, context - kLocal));
-  auto d_ntok = UploadVec(std::vector<int32_t>(batch, context));
+  auto d_q = Upload(RandomQuery(batch, rng));
+  Candidates cand(batch, context);
+  auto d_ntok = Upload(std::vector<int32_t>(batch, context));
   for (int budget : budgets) {
-    auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
-    auto cnt = Alloc<int32_t>(rows);
+    Output out(rows, budget);
     rc::ParisKvSelectParams p;
-    p.batch = batch;
-    p.n_heads = kHeads;
-    p.n_kv_heads = kKvHeads;
-    p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+    SetShape(p, batch);
     p.codec = codec;
     p.query = d_q.data();
     p.codes = codes.data();
@@ -400,12 +306,10 @@ std::vector<Row> BenchParisKv(int context, int batch, const std::vector<int>& bu
     p.counts = counts.data();
     p.n_tokens = d_ntok.data();
     p.max_tokens = context;
-    p.cand = {d_begin.data(), d_end.data()};
+    p.cand = cand.view();
     p.max_candidates = context - kLocal - kSink;
-    p.out = {budget, ids.data(), cnt.data()};
-    auto ws = Alloc<char>(rc::ParisKvSelectWorkspaceBytes(p));
-    p.workspace = ws.data();
-    p.workspace_bytes = ws.bytes();
+    p.out = out.view();
+    const auto ws = AttachWorkspace(p, rc::ParisKvSelectWorkspaceBytes(p));
     const double us = TimeUs([&] { return rc::ParisKvSelect(p, stream); }, iters, stream);
     const ParisKvScheduleLite sched = ScheduleLite(p.max_candidates, budget);
     const double bytes = static_cast<double>(rows) *
@@ -436,24 +340,22 @@ std::vector<Row> BenchCtkvr(int context, int batch, const std::vector<int>& budg
       for (int d = 0; d < kHeadDim; ++d) n2 += host[i + d] * host[i + d];
       for (int d = 0; d < kHeadDim; ++d) host[i + d] /= std::sqrt(n2);
     }
-    BENCH_CHECK(kvr::cuda::CudaStatus(
-        cudaMemcpy(cent.data(), host.data(), cent_row * 4, cudaMemcpyHostToDevice), "cent"));
+    BENCH_CHECK_CUDA(cudaMemcpy(cent.data(), host.data(), cent_row * 4, cudaMemcpyHostToDevice));
     TileOnDevice(cent.data(), cent_row, rows * cent_row);
   }
   const size_t n_keys = static_cast<size_t>(batch) * context * kKvHeads * kHeadDim;
   auto keys = Alloc<uint16_t>(n_keys);
   FillRandomBf16(keys.data(), n_keys);
-  auto d_q = UploadVec(RandomQuery(batch, rng));
-  auto d_begin = UploadVec(std::vector<int32_t>(batch, kSink));
-  auto d_end = UploadVec(std::vector<int32_t>(batch, context - kLocal));
-  auto d_nc = UploadVec(std::vector<int32_t>(rows, n_cent));
+  auto d_q = Upload(RandomQuery(batch, rng));
+  Candidates cand(batch, context);
+  auto d_nc = Upload(std::vector<int32_t>(rows, n_cent));
   for (int budget : budgets) {
     const int rho = std::min(context - kSink, static_cast<int>(std::ceil(2.5 * budget)));
     const size_t list_row = static_cast<size_t>(n_cent) * rho;
     std::vector<int32_t> off(static_cast<size_t>(rows) * (n_cent + 1));
     for (int r = 0; r < rows; ++r)
       for (int c = 0; c <= n_cent; ++c) off[static_cast<size_t>(r) * (n_cent + 1) + c] = c * rho;
-    auto d_off = UploadVec(off);
+    auto d_off = Upload(off);
     auto lists = Alloc<int32_t>(rows * list_row);
     {
       std::vector<int32_t> host(list_row);
@@ -464,18 +366,12 @@ std::vector<Row> BenchCtkvr(int context, int batch, const std::vector<int>& budg
         for (int k = 0; k < rho; ++k)
           host[static_cast<size_t>(c) * rho + k] =
               kSink + static_cast<int32_t>((k + u(rng) * 0.999) * stride);
-      BENCH_CHECK(kvr::cuda::CudaStatus(
-          cudaMemcpy(lists.data(), host.data(), list_row * 4, cudaMemcpyHostToDevice), "lists"));
+      BENCH_CHECK_CUDA(cudaMemcpy(lists.data(), host.data(), list_row * 4, cudaMemcpyHostToDevice));
       TileOnDevice(lists.data(), list_row, rows * list_row);
     }
-    auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
-    auto cnt = Alloc<int32_t>(rows);
+    Output out(rows, budget);
     rc::CtkvrSelectParams p;
-    p.batch = batch;
-    p.n_heads = kHeads;
-    p.n_kv_heads = kKvHeads;
-    p.head_dim = kHeadDim;
-    p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+    SetShape(p, batch);
     p.n_recall = 4;
     p.query = d_q.data();
     p.centroids = cent.data();
@@ -491,11 +387,9 @@ std::vector<Row> BenchCtkvr(int context, int batch, const std::vector<int>& budg
     p.keys.token_stride = static_cast<int64_t>(kKvHeads) * kHeadDim;
     p.keys.head_stride = kHeadDim;
     p.keys.batch_stride = static_cast<int64_t>(context) * kKvHeads * kHeadDim;
-    p.cand = {d_begin.data(), d_end.data()};
-    p.out = {budget, ids.data(), cnt.data()};
-    auto ws = Alloc<char>(rc::CtkvrSelectWorkspaceBytes(p));
-    p.workspace = ws.data();
-    p.workspace_bytes = ws.bytes();
+    p.cand = cand.view();
+    p.out = out.view();
+    const auto ws = AttachWorkspace(p, rc::CtkvrSelectWorkspaceBytes(p));
     const double us = TimeUs([&] { return rc::CtkvrSelect(p, stream); }, iters, stream);
     const double bytes =
         static_cast<double>(rows) * (cent_row * 4.0 + 4.0 * rho * (4 + kHeadDim * 2.0));
@@ -523,33 +417,23 @@ std::vector<Row> BenchA2ats(int context, int batch, const std::vector<int>& budg
     }
   std::vector<float> cw(static_cast<size_t>(kKvHeads) * kCodebook * kHeadDim);
   for (float& x : cw) x = nd(rng);
-  auto d_chol = UploadVec(chol);
-  auto d_cw = UploadVec(cw);
+  auto d_chol = Upload(chol);
+  auto d_cw = Upload(cw);
   const size_t n_ids = static_cast<size_t>(rows) * context;
   auto ids_in = Alloc<uint16_t>(n_ids);
   {
-    const size_t block = std::min<size_t>(n_ids, size_t{1} << 22);
-    std::vector<uint16_t> host(block);
     std::uniform_int_distribution<int> pick(0, kCodebook - 1);
-    for (auto& x : host) x = static_cast<uint16_t>(pick(rng));
-    BENCH_CHECK(kvr::cuda::CudaStatus(
-        cudaMemcpy(ids_in.data(), host.data(), block * 2, cudaMemcpyHostToDevice), "ids"));
-    TileOnDevice(ids_in.data(), block, n_ids);
+    FillTiled(ids_in.data(), n_ids, size_t{1} << 22,
+              [&] { return static_cast<uint16_t>(pick(rng)); });
   }
-  auto d_q = UploadVec(RandomQuery(batch, rng));
-  auto d_pos = UploadVec(std::vector<int64_t>(batch, context));
-  auto d_begin = UploadVec(std::vector<int32_t>(batch, kSink));
-  auto d_end = UploadVec(std::vector<int32_t>(batch, context - kLocal));
-  auto d_ntok = UploadVec(std::vector<int32_t>(batch, context));
+  auto d_q = Upload(RandomQuery(batch, rng));
+  auto d_pos = Upload(std::vector<int64_t>(batch, context));
+  Candidates cand(batch, context);
+  auto d_ntok = Upload(std::vector<int32_t>(batch, context));
   for (int budget : budgets) {
-    auto ids = Alloc<int32_t>(static_cast<size_t>(rows) * budget);
-    auto cnt = Alloc<int32_t>(rows);
+    Output out(rows, budget);
     rc::A2atsSelectParams p;
-    p.batch = batch;
-    p.n_heads = kHeads;
-    p.n_kv_heads = kKvHeads;
-    p.head_dim = kHeadDim;
-    p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+    SetShape(p, batch);
     p.rope = {kvr::retrieval::RopeStyle::kHalfSplit, 500000.f, 0};
     p.wrope_offset = 2048;
     p.codebook_size = kCodebook;
@@ -560,12 +444,10 @@ std::vector<Row> BenchA2ats(int context, int batch, const std::vector<int>& budg
     p.ids = ids_in.data();
     p.n_tokens = d_ntok.data();
     p.max_tokens = context;
-    p.cand = {d_begin.data(), d_end.data()};
+    p.cand = cand.view();
     p.max_candidates = context - kLocal - kSink;
-    p.out = {budget, ids.data(), cnt.data()};
-    auto ws = Alloc<char>(rc::A2atsSelectWorkspaceBytes(p));
-    p.workspace = ws.data();
-    p.workspace_bytes = ws.bytes();
+    p.out = out.view();
+    const auto ws = AttachWorkspace(p, rc::A2atsSelectWorkspaceBytes(p));
     const double us = TimeUs([&] { return rc::A2atsSelect(p, stream); }, iters, stream);
     const double bytes = static_cast<double>(rows) * p.max_candidates * 2 * 2 +
                          static_cast<double>(kKvHeads) * kCodebook * kHeadDim * 4;
@@ -574,17 +456,7 @@ std::vector<Row> BenchA2ats(int context, int batch, const std::vector<int>& budg
   return rows_out;
 }
 
-std::vector<int> ParseList(const std::string& s) {
-  std::vector<int> out;
-  size_t pos = 0;
-  while (pos < s.size()) {
-    size_t comma = s.find(',', pos);
-    if (comma == std::string::npos) comma = s.size();
-    out.push_back(std::stoi(s.substr(pos, comma - pos)));
-    pos = comma + 1;
-  }
-  return out;
-}
+using kvr::bench::ParseList;
 
 }  // namespace
 
@@ -633,13 +505,13 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
   };
-  const std::vector<int> budget_list = ParseList(budgets);
+  const std::vector<int> budget_list = ParseList<int>(budgets);
   for (const std::string& m : {std::string("exact"), std::string("quest"), std::string("clusterkv"),
                                std::string("topk"), std::string("pariskv"), std::string("ctkvr"),
                                std::string("a2ats")}) {
     if (methods.find(m) == std::string::npos) continue;
-    for (int context : ParseList(contexts))
-      for (int batch : ParseList(batches)) {
+    for (int context : ParseList<int>(contexts))
+      for (int batch : ParseList<int>(batches)) {
         if (m == "pariskv" || m == "ctkvr" || m == "a2ats") {
           const std::vector<Row> rs =
               m == "pariskv" ? BenchParisKv(context, batch, budget_list, iters, stream->get())

@@ -127,12 +127,7 @@ class ExactIndex final : public RetrievalIndex {
                                                               const IndexParams& params,
                                                               int64_t size, ByteReader& r) {
     auto index = std::make_unique<ExactIndex>(shape, params);
-    uint8_t gqa = 0;
-    KVR_RETURN_IF_ERROR(r.Get("exact gqa", &gqa));
-    if (gqa > static_cast<uint8_t>(GqaAggregation::kSumLogit)) {
-      return absl::DataLossError(absl::StrCat("exact payload: unknown gqa mode ", int{gqa}));
-    }
-    index->gqa_ = static_cast<GqaAggregation>(gqa);
+    KVR_ASSIGN_OR_RETURN(index->gqa_, internal::ReadGqa(r, "exact"));
     const int64_t row = static_cast<int64_t>(shape.n_kv_heads) * shape.head_dim;
     KVR_RETURN_IF_ERROR(r.GetArray("exact keys", &index->keys_, size * row));
     if (static_cast<int64_t>(index->keys_.size()) != size * row) {
@@ -232,16 +227,11 @@ class QuestIndex final : public RetrievalIndex {
                                                               const IndexParams& params,
                                                               int64_t size, ByteReader& r) {
     auto index = std::make_unique<QuestIndex>(shape, params);
-    uint8_t gqa = 0;
     KVR_RETURN_IF_ERROR(r.Get("quest page_size", &index->page_size_));
     if (index->page_size_ <= 0 || index->page_size_ > (1 << 20)) {
       return absl::DataLossError(absl::StrCat("quest payload: bad page_size ", index->page_size_));
     }
-    KVR_RETURN_IF_ERROR(r.Get("quest gqa", &gqa));
-    if (gqa > static_cast<uint8_t>(GqaAggregation::kSumLogit)) {
-      return absl::DataLossError(absl::StrCat("quest payload: unknown gqa mode ", int{gqa}));
-    }
-    index->gqa_ = static_cast<GqaAggregation>(gqa);
+    KVR_ASSIGN_OR_RETURN(index->gqa_, internal::ReadGqa(r, "quest"));
     const int64_t n_pages = (size + index->page_size_ - 1) / index->page_size_;
     const int64_t expect = n_pages * index->PageFloats();
     KVR_RETURN_IF_ERROR(r.GetArray("quest bounds", &index->bounds_, expect));
@@ -359,24 +349,20 @@ absl::StatusOr<IndexParams> ApplyQuestOptions(const IndexParams& params) {
 }  // namespace
 
 absl::Status RegisterBaselines(MethodRegistry& registry) {
-  KVR_RETURN_IF_ERROR(registry.Register(
-      "full", "every token (dense attention through the sparse path)",
-      [](const IndexShape& s,
-         const IndexParams&) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
-        return std::make_unique<TrivialIndex>(s, true);
-      },
-      [](const IndexShape& s, const IndexParams&, int64_t size, ByteReader&) {
-        return ReadTrivial(s, true, size);
-      }));
-  KVR_RETURN_IF_ERROR(registry.Register(
-      "streaming", "sink + local window only (selects nothing)",
-      [](const IndexShape& s,
-         const IndexParams&) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
-        return std::make_unique<TrivialIndex>(s, false);
-      },
-      [](const IndexShape& s, const IndexParams&, int64_t size, ByteReader&) {
-        return ReadTrivial(s, false, size);
-      }));
+  // The two trivial methods: every token ("full") or none beyond sink and window.
+  for (const bool all : {true, false}) {
+    KVR_RETURN_IF_ERROR(registry.Register(
+        all ? "full" : "streaming",
+        all ? "every token (dense attention through the sparse path)"
+            : "sink + local window only (selects nothing)",
+        [all](const IndexShape& s,
+              const IndexParams&) -> absl::StatusOr<std::unique_ptr<RetrievalIndex>> {
+          return std::make_unique<TrivialIndex>(s, all);
+        },
+        [all](const IndexShape& s, const IndexParams&, int64_t size, ByteReader&) {
+          return ReadTrivial(s, all, size);
+        }));
+  }
   KVR_RETURN_IF_ERROR(registry.Register(
       "exact", "oracle top-k by true attention scores over full keys",
       [](const IndexShape& s,

@@ -200,12 +200,7 @@ class ClusterKvIndex final : public RetrievalIndex {
                                                               const IndexParams& params,
                                                               int64_t size, ByteReader& r) {
     auto index = std::make_unique<ClusterKvIndex>(shape, params);
-    uint8_t gqa = 0;
-    KVR_RETURN_IF_ERROR(r.Get("clusterkv gqa", &gqa));
-    if (gqa > static_cast<uint8_t>(GqaAggregation::kSumLogit)) {
-      return absl::DataLossError(absl::StrCat("clusterkv payload: unknown gqa mode ", int{gqa}));
-    }
-    index->params_.gqa = static_cast<GqaAggregation>(gqa);
+    KVR_ASSIGN_OR_RETURN(index->params_.gqa, internal::ReadGqa(r, "clusterkv"));
     KVR_RETURN_IF_ERROR(r.Get("clusterkv n_sink", &index->n_sink_));
     KVR_RETURN_IF_ERROR(r.Get("clusterkv append_every", &index->append_every_));
     KVR_RETURN_IF_ERROR(

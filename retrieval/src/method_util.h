@@ -29,6 +29,17 @@ inline absl::StatusOr<int> ParseIntOption(absl::string_view name, absl::string_v
   return out;
 }
 
+// A payload's GQA aggregation byte (written as uint8_t); the errors name `method`.
+inline absl::StatusOr<GqaAggregation> ReadGqa(ByteReader& r, const char* method) {
+  uint8_t gqa = 0;
+  const std::string field = absl::StrCat(method, " gqa");
+  if (absl::Status read = r.Get(field, &gqa); !read.ok()) return read;
+  if (gqa > static_cast<uint8_t>(GqaAggregation::kSumLogit)) {
+    return absl::DataLossError(absl::StrCat(method, " payload: unknown gqa mode ", int{gqa}));
+  }
+  return static_cast<GqaAggregation>(gqa);
+}
+
 // Checks that `t` is a usable [n_tokens, n_heads, head_dim] view.
 inline absl::Status ValidateTensor(const TokenTensor& t, int n_heads, int head_dim,
                                    const char* what) {

@@ -19,16 +19,11 @@
 namespace kvr::retrieval {
 namespace {
 
+using testing::CoreRegistry;
 using ::testing::HasSubstr;
 using testing::RandomTensor;
 using testing::SmallShape;
 using testing::View;
-
-MethodRegistry CoreRegistry() {
-  MethodRegistry r;
-  EXPECT_TRUE(RegisterCoreMethods(r).ok());
-  return r;
-}
 
 TEST(RegistryTest, RegistersEveryCoreMethod) {
   MethodRegistry r = CoreRegistry();

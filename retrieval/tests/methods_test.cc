@@ -19,17 +19,12 @@
 namespace kvr::retrieval {
 namespace {
 
+using testing::CoreRegistry;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 using testing::RandomTensor;
 using testing::SmallShape;
 using testing::View;
-
-MethodRegistry CoreRegistry() {
-  MethodRegistry r;
-  EXPECT_TRUE(RegisterCoreMethods(r).ok());
-  return r;
-}
 
 std::unique_ptr<RetrievalIndex> MakeBuilt(const MethodRegistry& r, std::string_view method,
                                           const IndexShape& s, const IndexParams& p,

@@ -105,4 +105,29 @@ inline double Recall(const std::vector<int64_t>& selected, const std::vector<int
   return static_cast<double>(hits) / exact.size();
 }
 
+// Mean recall of `index` (built on data.keys) against ExactTopK over `trials` decode queries
+// (MakeQuery, seeds 100, 101, ...), each selecting `budget` tokens per KV head at position
+// n_tokens with sink 16 and a local window of 256.
+inline absl::StatusOr<double> MeanRecall(RetrievalIndex& index, const ClusteredData& data,
+                                         int trials, int64_t budget) {
+  const int64_t n = data.n_tokens;
+  double total = 0;
+  int count = 0;
+  Selection sel;
+  for (int trial = 0; trial < trials; ++trial) {
+    const std::vector<float> q = MakeQuery(data, 0.5f, 1.f, 100 + static_cast<uint32_t>(trial));
+    const absl::Status selected =
+        index.Select(SelectRequest{q.data(), n, budget, 16, n - 256}, &sel);
+    if (!selected.ok()) return selected;
+    for (int h = 0; h < data.n_kv_heads; ++h) {
+      const std::vector<int64_t> exact =
+          ExactTopK(data.keys.data(), int64_t{data.n_kv_heads} * data.head_dim, q.data(),
+                    data.n_heads, data.n_kv_heads, data.head_dim, h, 16, n - 256, budget);
+      total += Recall(sel.per_head[h], exact);
+      ++count;
+    }
+  }
+  return total / count;
+}
+
 }  // namespace kvr::retrieval::testing

@@ -14,6 +14,7 @@ namespace {
 
 using kvr::model::AttentionRequest;
 using kvr::model::AttentionShape;
+using testing::CoreRegistry;
 using ::testing::HasSubstr;
 using testing::RandomTensor;
 
@@ -83,12 +84,6 @@ class DenseReference final : public kvr::model::Attention {
     return absl::OkStatus();
   }
 };
-
-MethodRegistry CoreRegistry() {
-  MethodRegistry r;
-  EXPECT_TRUE(RegisterCoreMethods(r).ok());
-  return r;
-}
 
 class SparseEqualsDense : public ::testing::TestWithParam<std::string> {};
 

@@ -1,13 +1,23 @@
 #pragma once
-// Helpers for the retrieval tests: small random tensors and an index factory.
+// Helpers for the retrieval tests: the core methods' registry, small random tensors and an
+// index factory.
 
 #include <cstdint>
 #include <random>
 #include <vector>
 
+#include "gtest/gtest.h"
 #include "kvr/retrieval/index.h"
+#include "kvr/retrieval/registry.h"
 
 namespace kvr::retrieval::testing {
+
+// A registry of the core methods (RegisterCoreMethods).
+inline MethodRegistry CoreRegistry() {
+  MethodRegistry r;
+  EXPECT_TRUE(RegisterCoreMethods(r).ok());
+  return r;
+}
 
 inline IndexShape SmallShape() {
   IndexShape s;

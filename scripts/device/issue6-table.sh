@@ -25,30 +25,16 @@
 # The 128K points run first so that the issue's target rows survive a timeout. The benches'
 # stdout is kept (rows are flushed per point) and parsed, not their --csv files (written at exit).
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"  # build_targets, stage_targets, compute_sanitizer
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 DEV=.device/i6table
 BUILD=${KVR_BUILD_DIR:-build-i6}
 
 bundle() {
-  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
-  [[ -f $BUILD/build.ninja ]] ||
-    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   local targets=(select_cuda_bench decode_attention_bench)
-  cmake --build "$BUILD" --target "${targets[@]}" -j2
-  rm -rf "$DEV" && mkdir -p "$DEV/lib"
-  local bins=()
-  for t in "${targets[@]}"; do
-    local b
-    b=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
-    cp "$b" "$DEV/" && strip -g "$DEV/$t" && bins+=("$DEV/$t")
-  done
-  # Every shared library but glibc's and the driver's (the device is Ubuntu 24.04 without
-  # Debian's absl / openblas builds).
-  ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
-    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda)\.so' |
-    while read -r lib; do cp -L "$lib" "$DEV/lib/"; done
-  strip -g "$DEV"/lib/*.so* 2>/dev/null || true
+  build_targets "$BUILD" "${targets[@]}"
+  stage_targets "$BUILD" "$DEV" "${targets[@]}"
   cp retrieval/bench/sdpa_dense.py retrieval/bench/issue6_table.py "$DEV/"
   du -sh "$DEV"
 }

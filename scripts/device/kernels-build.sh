@@ -18,30 +18,16 @@
 # (assign_bench flags: ClusterKV's assignment kernel, in-loop vs pre-split), KB_SDPA_ARGS, KB_SDPA=0
 # (skip the torch SDPA anchor, e.g. when only a builder's own before/after matters).
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"  # build_targets, stage_targets, compute_sanitizer, dispatch_bundle_run
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 DEV=.device/kernels-build
 BUILD=${KVR_BUILD_DIR:-build-kbuild}
 
 bundle() {
-  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
-  [[ -f $BUILD/build.ninja ]] ||
-    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   local targets=(gpu_parity_test build_cuda_bench assign_bench)
-  cmake --build "$BUILD" --target "${targets[@]}" -j2
-  rm -rf "$DEV" && mkdir -p "$DEV/lib"
-  local bins=()
-  for t in "${targets[@]}"; do
-    local b
-    b=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
-    cp "$b" "$DEV/" && strip -g "$DEV/$t" && bins+=("$DEV/$t")
-  done
-  # Every shared library but glibc's and the driver's (the device is Ubuntu 24.04 without
-  # Debian's absl / openblas builds).
-  ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
-    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda)\.so' |
-    while read -r lib; do cp -L "$lib" "$DEV/lib/"; done
-  strip -g "$DEV"/lib/*.so* 2>/dev/null || true
+  build_targets "$BUILD" "${targets[@]}"
+  stage_targets "$BUILD" "$DEV" "${targets[@]}"
   cp retrieval/cuda/summaries/bench/prefill_sdpa.py "$DEV/"
   # OpenBLAS alone is ~37 MB: the bundle travels xz-compressed (run unpacks it).
   tar -C "$DEV" -cf - . | xz -T2 -6 >/tmp/kernels-build-bundle.tar.xz
@@ -63,7 +49,7 @@ run() {
   export LD_LIBRARY_PATH=$DEV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   local san
-  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  san=$(compute_sanitizer)
   local status=0
   # The builders' rows of gpu_parity_test (tests/gpu_parity), the assignment kernel's and the
   # launchers' validation.
@@ -97,8 +83,4 @@ run() {
   return $status
 }
 
-case ${1:-run} in
-  bundle) bundle ;;
-  run) shift || true; run "$@" ;;
-  *) echo "usage: $0 bundle|run [quick]" >&2; exit 2 ;;
-esac
+dispatch_bundle_run "bundle|run [quick]" "$@"

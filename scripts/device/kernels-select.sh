@@ -15,30 +15,16 @@
 #
 # `run` builds nothing. Logs and CSVs go to $OUT (the device tool's output folder) or ./out.
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"  # build_targets, stage_targets, compute_sanitizer, dispatch_bundle_run
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 DEV=.device/kernels-select
 BUILD=${KVR_BUILD_DIR:-build-kselect2}
 
 bundle() {
-  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
-  [[ -f $BUILD/build.ninja ]] ||
-    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   local targets=(gpu_parity_test select_cuda_bench)
-  cmake --build "$BUILD" --target "${targets[@]}" -j2
-  rm -rf "$DEV" && mkdir -p "$DEV/lib"
-  local bins=()
-  for t in "${targets[@]}"; do
-    local b
-    b=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
-    cp "$b" "$DEV/" && strip -g "$DEV/$t" && bins+=("$DEV/$t")
-  done
-  # Every shared library but glibc's and the driver's (the device is Ubuntu 24.04 without
-  # Debian's absl / openblas builds).
-  ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
-    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda)\.so' |
-    while read -r lib; do cp -L "$lib" "$DEV/lib/"; done
-  strip -g "$DEV"/lib/*.so* 2>/dev/null || true
+  build_targets "$BUILD" "${targets[@]}"
+  stage_targets "$BUILD" "$DEV" "${targets[@]}"
   cp retrieval/bench/select_cuda_bench_torch.py "$DEV/" 2>/dev/null || true
   du -sh "$DEV"
 }
@@ -50,7 +36,7 @@ run() {
   export LD_LIBRARY_PATH=$ROOT/$DEV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   local san
-  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  san=$(compute_sanitizer)
   local status=0
   # The selectors' rows of gpu_parity_test (tests/gpu_parity) and their contract tests.
   local filter='Select/*:QuantSelect/*:SelectContract.*:QuantSelectContract.*'
@@ -93,8 +79,4 @@ run() {
   return $status
 }
 
-case ${1:-run} in
-  bundle) bundle ;;
-  run) shift || true; run "$@" ;;
-  *) echo "usage: $0 bundle|run [quick|quant]" >&2; exit 2 ;;
-esac
+dispatch_bundle_run "bundle|run [quick|quant]" "$@"

@@ -42,3 +42,51 @@ bundle_bins() {
   rm -rf "$tmp"
   return $rc
 }
+
+# build_targets BUILD TARGET...: configures BUILD (RelWithDebInfo; CUDA as CMake finds it) unless
+# it holds a build already, then builds TARGET... there. Run from the repository root.
+build_targets() {
+  local build=$1
+  shift
+  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
+  [[ -f $build/build.ninja ]] ||
+    cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build "$build" --target "$@" -j2
+}
+
+# stage_targets BUILD DIR TARGET...: DIR (emptied first) holds each TARGET's executable found
+# under BUILD, stripped of debug info, and DIR/lib every shared library they load but glibc's
+# and the CUDA driver's (the device is Ubuntu 24.04 without Debian's absl / openblas builds),
+# also stripped (more than bundle_libs copies: libstdc++, libgcc_s and the CUDA runtime go too).
+stage_targets() {
+  local build=$1 dir=$2 t b
+  shift 2
+  rm -rf "$dir" && mkdir -p "$dir/lib"
+  local bins=()
+  for t in "$@"; do
+    b=$(find "$build" -type f -name "$t" -perm -u+x | head -1)
+    cp "$b" "$dir/" && strip -g "$dir/$t" && bins+=("$dir/$t")
+  done
+  ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
+    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda)\.so' |
+    while read -r lib; do cp -L "$lib" "$dir/lib/"; done
+  strip -g "$dir"/lib/*.so* 2>/dev/null || true
+}
+
+# compute_sanitizer: the path of compute-sanitizer (on PATH, else CUDA's default place).
+compute_sanitizer() {
+  command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
+}
+
+# dispatch_bundle_run USAGE [ARG...]: a bench script's command line. `bundle` calls the script's
+# bundle function, `run [MODE]` (also what no argument means) its run function with MODE;
+# anything else prints "usage: <script> USAGE" and exits 2.
+dispatch_bundle_run() {
+  local usage=$1
+  shift
+  case ${1:-run} in
+    bundle) bundle ;;
+    run) shift || true; run "$@" ;;
+    *) echo "usage: $0 $usage" >&2; exit 2 ;;
+  esac
+}

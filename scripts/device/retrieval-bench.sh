@@ -11,34 +11,20 @@
 #
 # `run` builds nothing. Logs and CSVs go to $OUT (the device tool's output folder) or ./out.
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"  # build_targets, stage_targets, compute_sanitizer
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 DEV=.device/kernels-attend
 BUILD=${KVR_BUILD_DIR:-build-kattend}
 
 bundle() {
-  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/kvr/ccache}
-  [[ -f $BUILD/build.ninja ]] ||
-    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   local targets=(gpu_parity_test decode_attention_bench)
   # kernels-select's bench rides along when that part is in the tree.
   if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q '^select_cuda_bench:'; then
     targets+=(select_cuda_bench)
   fi
-  cmake --build "$BUILD" --target "${targets[@]}" -j2
-  rm -rf "$DEV" && mkdir -p "$DEV/lib"
-  local bins=()
-  for t in "${targets[@]}"; do
-    local b
-    b=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
-    cp "$b" "$DEV/" && strip -g "$DEV/$t" && bins+=("$DEV/$t")
-  done
-  # Every shared library but glibc's and the driver's (the device machine is Ubuntu 24.04 and
-  # has neither Debian's absl/gtest/protobuf nor our exact versions).
-  ldd "${bins[@]}" | awk '/=> \//{print $3}' | sort -u |
-    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda)\.so' |
-    while read -r lib; do cp -L "$lib" "$DEV/lib/"; done
-  strip -g "$DEV"/lib/*.so* 2>/dev/null || true
+  build_targets "$BUILD" "${targets[@]}"
+  stage_targets "$BUILD" "$DEV" "${targets[@]}"
   cp retrieval/bench/sdpa_dense.py "$DEV/"
   du -sh "$DEV"
 }
@@ -51,7 +37,7 @@ run() {
   export PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
   local san
-  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  san=$(compute_sanitizer)
   local status=0
   # The decode data path's and the selectors' rows of gpu_parity_test (tests/gpu_parity).
   local attend='Attend/*:AttendContract.*'

@@ -16,9 +16,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-from kvr_up import SKIP, Cluster, test_model
+from kvr_up import SKIP, Checks, Cluster, test_model
 NUM_PROMPTS = 6
 RUN_ARGS = ["--num-prompts", str(NUM_PROMPTS), "--concurrency", "2", "--input-len", "48",
             "--output-len", "4", "--ignore-eos", "--seed", "3", "--no-progress"]
@@ -40,13 +39,7 @@ def main():
     if test_model() is None:
         return SKIP
 
-    start = time.time()
-    failures = []
-
-    def check(cond, what):
-        print(("ok    " if cond else "FAIL  ") + what)
-        if not cond:
-            failures.append(what)
+    check = Checks()
 
     with tempfile.TemporaryDirectory(prefix="kvr-bench-backends-") as tmp:
         # The controller counts a placed request against the decode node until its next
@@ -93,8 +86,7 @@ def main():
         added = sorted(1000 * (t - s) for s, t in zip(j["server_ttfts"], j["ttfts"]))
         print(f"      {name}: client TTFT minus the controller's, median "
               f"{added[len(added) // 2]:.2f} ms")
-    print(f"{len(failures)} failure(s) in {time.time() - start:.1f} s")
-    return 1 if failures else 0
+    return check.result()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@
 //       first request is UNAVAILABLE or served, never INVALID_ARGUMENT; served once the nodes
 //       registered again)
 
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -45,7 +44,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <future>
 #include <optional>
 #include <set>
 #include <thread>
@@ -57,6 +55,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc_test_util.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/common/tls.h"
@@ -189,21 +188,6 @@ TEST_F(ModelFixture, FullEqualsSingleProcessAndEveryMethodCompletes) {
   EXPECT_EQ(Cluster::LiveBytes(cluster.StoreStats()), baseline);
 }
 
-// A unary call of `method` with `bytes` as the request message (generic stub, 10 s deadline).
-grpc::Status RawUnaryCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
-                          const std::string& bytes) {
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::ByteBuffer response;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) { done.set_value(std::move(s)); });
-  return done.get_future().get();
-}
-
 TEST_F(ModelFixture, BadRequestsAndCancellation) {
   Cluster cluster(1, 1);
   ASSERT_TRUE(cluster.ready());
@@ -248,7 +232,8 @@ TEST_F(ModelFixture, BadRequestsAndCancellation) {
            {"decode-0", "/kvr.cluster.v1.DecodeService/Cancel"},
            {"controller", "/kvr.cluster.v1.Membership/Register"}}) {
     const std::string address = node == "controller" ? cluster.endpoint() : cluster.Find(node).grpc;
-    const grpc::Status s = RawUnaryCall(cluster.Channel(address), method, garbage);
+    const grpc::Status s =
+        RawUnaryCall(cluster.Channel(address), method, garbage, absl::Seconds(10));
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
         << method << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(method), std::string::npos) << s.error_message();
@@ -256,7 +241,8 @@ TEST_F(ModelFixture, BadRequestsAndCancellation) {
     const kvr::TlsConfig ca_only{.ca_file = cluster.tls().ca_file};
     absl::StatusOr<kvr::GrpcSecurity> no_certificate = kvr::GrpcSecurity::Load(ca_only);
     ASSERT_TRUE(no_certificate.ok());
-    const grpc::Status refused = RawUnaryCall(no_certificate->CreateChannel(address), method, "");
+    const grpc::Status refused =
+        RawUnaryCall(no_certificate->CreateChannel(address), method, "", absl::Seconds(10));
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE)
         << node << " answered a client without a certificate: " << refused.error_message();
   }

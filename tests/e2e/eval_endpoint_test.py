@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from kvr_up import SKIP, Cluster, test_model
+from kvr_up import SKIP, Checks, Cluster, test_model
 
 
 def main():
@@ -43,13 +43,7 @@ def main():
         gate = json.load(f)
     run = gate["run"]
 
-    start = time.time()
-    failures = []
-
-    def check(cond, what):
-        print(("ok    " if cond else "FAIL  ") + what)
-        if not cond:
-            failures.append(what)
+    check = Checks()
 
     with tempfile.TemporaryDirectory(prefix="kvr-eval-endpoint-") as tmp:
         result_path = os.path.join(tmp, "eval.json")
@@ -161,8 +155,7 @@ def main():
                             result_path], capture_output=True, text=True, timeout=60)
         check(u.returncode == 0, f"the run's own result file passes (exit {u.returncode})")
 
-    print(f"{len(failures)} failure(s) in {time.time() - start:.1f} s")
-    return 1 if failures else 0
+    return check.result()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A `kvr up` cluster for the Python end-to-end tests: started on free loopback ports
-(--base-port 0) with SmolLM2, the addresses it prints parsed, stopped on exit. Standard library
-only."""
+(--base-port 0) with SmolLM2, the addresses it prints parsed, stopped on exit; and the tests'
+checks. Standard library only."""
 
 import os
 import re
@@ -10,6 +10,25 @@ import time
 
 SKIP = 77
 MODEL = "smollm2-135m-instruct"
+
+
+class Checks:
+    """A test's checks: each call prints "ok" or "FAIL" and what was checked, and remembers the
+    failed ones. result() prints how many failed in how long (since `start`, set at
+    construction) and returns the exit status, 1 when any did."""
+
+    def __init__(self):
+        self.failures = []
+        self.start = time.time()
+
+    def __call__(self, cond, what):
+        print(("ok    " if cond else "FAIL  ") + what)
+        if not cond:
+            self.failures.append(what)
+
+    def result(self):
+        print(f"{len(self.failures)} failure(s) in {time.time() - self.start:.1f} s")
+        return 1 if self.failures else 0
 
 
 def test_model():

@@ -31,21 +31,13 @@ import tempfile
 import time
 import urllib.request
 
-from kvr_up import MODEL, SKIP, Cluster, test_model
+from kvr_up import MODEL, SKIP, Checks, Cluster, test_model
 API_KEY = "kvr-test-key"
 PROMPT = "The capital of France is"
 CHAT_PROMPT = "Name three colors."
 MAX_TOKENS = 12
 
-failures = []
-
-
-def check(cond, what):
-    if cond:
-        print(f"ok    {what}")
-    else:
-        print(f"FAIL  {what}")
-        failures.append(what)
+check = Checks()
 
 
 def grpc_reference(kvr, cluster, prompt, chat):
@@ -84,7 +76,7 @@ def main():
         print("skip: the openai package is missing (scripts/python-env.sh installs it)")
         return SKIP
 
-    start = time.time()
+    check.start = time.time()
     with tempfile.TemporaryDirectory(prefix="kvr-openai-") as log_dir:
         cluster = Cluster(args.kvr, log_dir, ["--store-capacity", "1GiB"],
                           env=dict(os.environ, KVR_CONTROLLER_API_KEY=API_KEY))
@@ -92,8 +84,7 @@ def main():
             run(openai, args.kvr, cluster)
         finally:
             cluster.stop()
-    print(f"{len(failures)} failure(s) in {time.time() - start:.1f} s")
-    return 1 if failures else 0
+    return check.result()
 
 
 def run(openai, kvr, cluster):

@@ -416,42 +416,39 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
     store_addresses.push_back(absl::StrCat("127.0.0.1:", port.substr(0, port.find(' '))));
   }
 
-  for (int i = 0; i < o.prefill; ++i) {
-    const std::string name = absl::StrCat("prefill-", i);
-    std::vector<std::string> argv = {bins[2].path,
-                                     "--node-name",
+  // The command line of node `name` (a prefill or decode node): the flags both roles take,
+  // `role_flags`, its TLS files and the user's `extra_args` for the role, in that order.
+  const auto start_node = [&](const std::string& binary, const char* name_flag,
+                              const std::string& name, const std::string& port,
+                              const std::vector<std::string>& role_flags,
+                              const std::vector<std::string>& extra_args) -> absl::Status {
+    std::vector<std::string> argv = {binary,
+                                     name_flag,
                                      name,
                                      "--model",
                                      o.model,
                                      "--controller",
                                      controller_address,
                                      "--listen",
-                                     absl::StrCat("127.0.0.1:", Port(o, 10 + i))};
+                                     absl::StrCat("127.0.0.1:", port)};
     if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
     argv.push_back("--device=" + o.device);
-    if (!o.store_dtype.empty()) argv.push_back("--store-dtype=" + o.store_dtype);
-    KVR_ASSIGN_OR_RETURN(std::vector<std::string> node_tls, tls_flags(absl::StrCat("prefill-", i)));
+    argv.insert(argv.end(), role_flags.begin(), role_flags.end());
+    KVR_ASSIGN_OR_RETURN(std::vector<std::string> node_tls, tls_flags(name));
     argv.insert(argv.end(), node_tls.begin(), node_tls.end());
-    argv.insert(argv.end(), o.prefill_args.begin(), o.prefill_args.end());
+    argv.insert(argv.end(), extra_args.begin(), extra_args.end());
     nodes.push_back(std::make_unique<Child>(name, argv, log(name)));
+    return absl::OkStatus();
+  };
+  std::vector<std::string> prefill_flags;
+  if (!o.store_dtype.empty()) prefill_flags.push_back("--store-dtype=" + o.store_dtype);
+  for (int i = 0; i < o.prefill; ++i) {
+    KVR_RETURN_IF_ERROR(start_node(bins[2].path, "--node-name", absl::StrCat("prefill-", i),
+                                   Port(o, 10 + i), prefill_flags, o.prefill_args));
   }
   for (int i = 0; i < o.decode; ++i) {
-    const std::string name = absl::StrCat("decode-", i);
-    std::vector<std::string> argv = {bins[3].path,
-                                     "--name",
-                                     name,
-                                     "--model",
-                                     o.model,
-                                     "--controller",
-                                     controller_address,
-                                     "--listen",
-                                     absl::StrCat("127.0.0.1:", Port(o, 30 + i))};
-    if (!o.a2ats_codebooks.empty()) argv.push_back("--a2ats-codebooks=" + o.a2ats_codebooks);
-    argv.push_back("--device=" + o.device);
-    KVR_ASSIGN_OR_RETURN(std::vector<std::string> node_tls, tls_flags(absl::StrCat("decode-", i)));
-    argv.insert(argv.end(), node_tls.begin(), node_tls.end());
-    argv.insert(argv.end(), o.decode_args.begin(), o.decode_args.end());
-    nodes.push_back(std::make_unique<Child>(name, argv, log(name)));
+    KVR_RETURN_IF_ERROR(start_node(bins[3].path, "--name", absl::StrCat("decode-", i),
+                                   Port(o, 30 + i), {}, o.decode_args));
   }
 
   // Ready when the store registered and ListModels shows every prefill and decode node.

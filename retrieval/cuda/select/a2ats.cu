@@ -255,17 +255,7 @@ static __global__ void __launch_bounds__(kRankThreads) A2atsRankKernel(Args a, i
     const int r = first + e;
     if (r < sort_size && keys[r] != ~0ull) local += cnt[static_cast<uint32_t>(keys[r])];
   }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int incl = internal::WarpInclusiveScanInt(local, lane);
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int v = s_warp[lane];
-    const int wi = internal::WarpInclusiveScanInt(v, lane);
-    s_warp[lane] = wi - v;
-  }
-  __syncthreads();
-  int prefix = s_warp[warp] + incl - local;
+  int prefix = internal::BlockExclusiveScanInt(local, s_warp);
   for (int e = 0; e < per; ++e) {
     const int r = first + e;
     if (r >= sort_size || keys[r] == ~0ull) break;

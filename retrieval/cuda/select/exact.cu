@@ -35,8 +35,11 @@ absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // to
 
 namespace {
 
+using internal::AddToMaxSum;
+using internal::AggregateLogits;
 using internal::AlignUp;
 using internal::kMaxGroup;
+using internal::PickFromRegisters;
 using internal::RowLd;
 constexpr int kLogitThreads = 256;
 constexpr int kChunk = 512;  // candidates per CTA of the logits kernel
@@ -203,11 +206,7 @@ static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(Log
       if (i < chunk_end && g < group) {
         const float mine = x[0];
         out_row[static_cast<int64_t>(g) * a.max_cand + i] = mine;
-        if (mine > run_max) {
-          run_sum *= __expf(run_max - mine);
-          run_max = mine;
-        }
-        run_sum += __expf(mine - run_max);
+        AddToMaxSum(run_max, run_sum, mine);
       }
     } else {
 #pragma unroll
@@ -227,26 +226,13 @@ static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(Log
         }
         if (i >= chunk_end) continue;
         if (softmax) {
-          float mine = 0.f;  // dot[sub] without a run-time register index
-#pragma unroll
-          for (int g = 0; g < kGroup; ++g) mine = (sub == g) ? dot[g] : mine;
+          const float mine = PickFromRegisters(dot, sub);
           if (sub < group) {
             out_row[static_cast<int64_t>(sub) * a.max_cand + i] = mine;
-            if (mine > run_max) {
-              run_sum *= __expf(run_max - mine);
-              run_max = mine;
-            }
-            run_sum += __expf(mine - run_max);
+            AddToMaxSum(run_max, run_sum, mine);
           }
         } else if (sub == 0) {
-          float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
-#pragma unroll
-          for (int g = 0; g < kGroup; ++g) {
-            if (g < group) {
-              agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, dot[g]) : agg + dot[g];
-            }
-          }
-          out_row[i] = agg;
+          out_row[i] = AggregateLogits(a.gqa, dot, group);
         }
       }
     }

@@ -495,19 +495,9 @@ static __global__ void __launch_bounds__(kCandThreads) ParisCandidatesKernel(Sel
     const int s = top - j;
     if (s >= 0) local += hist[s];
   }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int incl = internal::WarpInclusiveScanInt(local, lane);
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int v = s_warp[lane];
-    const int wi = internal::WarpInclusiveScanInt(v, lane);
-    s_warp[lane] = wi - v;
-  }
-  __syncthreads();
   // The CPU walks down from the top while the scores above plus this bucket stay below C: the
   // threshold is the largest s >= 1 with suffix(s) >= C, else 0.
-  int suffix = s_warp[warp] + incl - local;
+  int suffix = internal::BlockExclusiveScanInt(local, s_warp);
   for (int j = 0; j < per; ++j) {
     const int s = top - j;
     if (s < 0) break;
@@ -629,11 +619,7 @@ static __global__ void __launch_bounds__(256) ParisRerankKernel(SelectArgs a) {
         if (g < group) {
           const float l = __fmul_rn(qs[g], est[g]);
           a.logits[(static_cast<int64_t>(row) * group + g) * a.ldc + i] = l;
-          if (l > run_max[g]) {
-            run_sum[g] *= __expf(run_max[g] - l);
-            run_max[g] = l;
-          }
-          run_sum[g] += __expf(l - run_max[g]);
+          internal::AddToMaxSum(run_max[g], run_sum[g], l);
         }
       }
     } else {

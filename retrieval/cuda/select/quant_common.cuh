@@ -87,6 +87,22 @@ __device__ __forceinline__ int WarpInclusiveScanInt(int v, int lane) {
   return v;
 }
 
+// Block-wide exclusive prefix sum of `local` (one value per thread, in thread order), through
+// `s_warp` [32] in shared memory. Every thread of the block calls it (it synchronises twice).
+__device__ __forceinline__ int BlockExclusiveScanInt(int local, int* s_warp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int incl = WarpInclusiveScanInt(local, lane);
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int v = s_warp[lane];
+    const int wi = WarpInclusiveScanInt(v, lane);
+    s_warp[lane] = wi - v;
+  }
+  __syncthreads();
+  return s_warp[warp] + incl - local;
+}
+
 struct CompactShared {
   int warp_a[32];
   int warp_b[32];

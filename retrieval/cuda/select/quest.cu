@@ -33,8 +33,11 @@ absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // to
 
 namespace {
 
+using internal::AddToMaxSum;
+using internal::AggregateLogits;
 using internal::AlignUp;
 using internal::kMaxGroup;
+using internal::PickFromRegisters;
 using internal::RowLd;
 
 constexpr int kThreads = 256;
@@ -115,26 +118,13 @@ static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs 
       bound[g] = a.scale * s;
     }
     if (softmax) {
-      float mine = 0.f;
-#pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) mine = (lane == g) ? bound[g] : mine;
+      const float mine = PickFromRegisters(bound, lane);
       if (lane < group) {
         out_row[static_cast<int64_t>(lane) * a.ld + p] = mine;
-        if (mine > run_max) {
-          run_sum *= __expf(run_max - mine);
-          run_max = mine;
-        }
-        run_sum += __expf(mine - run_max);
+        AddToMaxSum(run_max, run_sum, mine);
       }
     } else if (lane == 0) {
-      float agg = a.gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
-#pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) {
-        if (g < group) {
-          agg = a.gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, bound[g]) : agg + bound[g];
-        }
-      }
-      out_row[p] = agg;
+      out_row[p] = AggregateLogits(a.gqa, bound, group);
     }
   }
   if (!softmax) return;

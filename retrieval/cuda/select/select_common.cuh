@@ -27,6 +27,38 @@ __device__ __forceinline__ void MergeMaxSum(float& m, float& s, float m2, float 
   m = mm;
 }
 
+// Folds logit `l` into an online softmax denominator: run_sum = sum exp(l_i - run_max) over the
+// logits seen, run_max their maximum.
+__device__ __forceinline__ void AddToMaxSum(float& run_max, float& run_sum, float l) {
+  if (l > run_max) {
+    run_sum *= __expf(run_max - l);
+    run_max = l;
+  }
+  run_sum += __expf(l - run_max);
+}
+
+// The kMaxLogit (max) or kSumLogit (sum) aggregate of one item's logits `l` [kGroup], of which
+// the first `group` are the KV head's query heads.
+template <int kGroup>
+__device__ __forceinline__ float AggregateLogits(GqaAggregation gqa, const float (&l)[kGroup],
+                                                 int group) {
+  float agg = gqa == GqaAggregation::kMaxLogit ? -INFINITY : 0.f;
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+    if (g < group) agg = gqa == GqaAggregation::kMaxLogit ? fmaxf(agg, l[g]) : agg + l[g];
+  }
+  return agg;
+}
+
+// v[i] without a run-time register index (0 when i >= kN).
+template <int kN>
+__device__ __forceinline__ float PickFromRegisters(const float (&v)[kN], int i) {
+  float out = 0.f;
+#pragma unroll
+  for (int g = 0; g < kN; ++g) out = (i == g) ? v[g] : out;
+  return out;
+}
+
 // kSumSoftmax, step 1: lse[row, g] from the per-chunk (max, sum exp) partials
 // [rows, n_chunks, group] of a scoring kernel (chunks of `chunk` items, n_valid[row] items).
 // Grid (rows), one warp per group head (blockDim = 32 * group).

@@ -204,6 +204,13 @@ class PagedKvStore {
   // The sequence if `ref` names it with its capability; otherwise PERMISSION_DENIED, the same
   // for an unknown id and a wrong capability.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Sequence>> Find(const SequenceRef& ref) const;
+  // Checks every entry of a gather (GatherBytes' errors) and returns the reply's bytes; with
+  // `seqs`, appends each entry's sequence to it, which keeps their pages alive.
+  [[nodiscard]] absl::StatusOr<uint64_t> CheckGather(
+      std::span<const GatherEntry> entries, std::vector<std::shared_ptr<Sequence>>* seqs) const;
+  // The same for a range read (RangeBytes' errors).
+  [[nodiscard]] absl::StatusOr<uint64_t> CheckRanges(
+      std::span<const RangeEntry> ranges, std::vector<std::shared_ptr<Sequence>>* seqs) const;
   // Allocates `n` pages; on a shortfall evicts (EvictFor, never a sequence in `keep`) and
   // tries again while eviction makes progress.
   [[nodiscard]] absl::Status AllocatePages(size_t n, std::vector<PageId>& out,

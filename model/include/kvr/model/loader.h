@@ -12,14 +12,13 @@
 #include "absl/strings/string_view.h"
 #include "kvr/model/model.h"
 #include "kvr/model/tokenizer.h"
+#include "kvr/model/tokenizer_gguf.h"
 
 namespace kvr {
 class ThreadPool;
 }  // namespace kvr
 
 namespace kvr::model {
-
-class GgufFile;
 
 enum class LoadFormat { kAuto, kGguf, kHf, kDummy };
 
@@ -54,8 +53,5 @@ struct LoadedModel {
 // ResourceExhausted (saying how many layers would fit) rather than an out-of-memory kill.
 [[nodiscard]] absl::StatusOr<LoadedModel> LoadModel(const std::string& model,
                                                     const LoadOptions& options, ThreadPool* pool);
-
-// The tokenizer description stored in a GGUF file's `tokenizer.*` keys.
-[[nodiscard]] absl::StatusOr<TokenizerSpec> TokenizerSpecFromGguf(const GgufFile& file);
 
 }  // namespace kvr::model

@@ -21,19 +21,11 @@
 #include <vector>
 
 #include "../argmax_gemm.cuh"
+#include "cuda_bench_util.h"
 
 namespace {
 
 namespace bi = kvr::retrieval::cuda::build_internal;
-
-#define CHECK_CUDA(expr)                                               \
-  do {                                                                 \
-    const cudaError_t e_ = (expr);                                     \
-    if (e_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                    \
-    }                                                                  \
-  } while (false)
 
 __device__ uint32_t Hash(uint64_t i) {
   uint64_t z = i + 0x9e3779b97f4a7c15ull;
@@ -59,22 +51,12 @@ __global__ void PickCentres(const float* x, int n, int max_points, int k, float*
   }
 }
 
-template <typename Fn>
-double TimeUs(int iters, Fn&& fn) {
-  fn();
-  CHECK_CUDA(cudaDeviceSynchronize());
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  CHECK_CUDA(cudaEventRecord(a));
-  for (int i = 0; i < iters; ++i) fn();
-  CHECK_CUDA(cudaEventRecord(b));
-  CHECK_CUDA(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-  CHECK_CUDA(cudaEventDestroy(a));
-  CHECK_CUDA(cudaEventDestroy(b));
-  return 1000.0 * ms / iters;
+// Mean microseconds of launch() (returns cudaError_t) over `iters` after one warm-up, on the
+// default stream.
+template <typename Launch>
+double TimeUs(int iters, Launch&& launch) {
+  return kvr::bench::TimeUs(nullptr, 1, iters,
+                            [&] { return kvr::cuda::CudaStatus(launch(), "launch"); });
 }
 
 }  // namespace
@@ -85,15 +67,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--contexts" && i + 1 < argc) {
-      contexts.clear();
-      std::string s = argv[++i];
-      size_t pos = 0;
-      while (pos < s.size()) {
-        size_t next = s.find(',', pos);
-        if (next == std::string::npos) next = s.size();
-        contexts.push_back(std::stoll(s.substr(pos, next - pos)));
-        pos = next + 1;
-      }
+      contexts = kvr::bench::ParseList(argv[++i]);
     } else if (a == "--iters" && i + 1 < argc) {
       iters = std::atoi(argv[++i]);
     } else {
@@ -113,20 +87,20 @@ int main(int argc, char** argv) {
     float *x, *c, *dist_ref, *dist_new;
     uint32_t *cb, *csm;
     int32_t *np, *ids_ref, *ids_new;
-    CHECK_CUDA(cudaMalloc(&x, xs * 4));
-    CHECK_CUDA(cudaMalloc(&c, cs * 4));
-    CHECK_CUDA(cudaMalloc(&cb, cs * 4));
-    CHECK_CUDA(cudaMalloc(&csm, cs * 4));
-    CHECK_CUDA(cudaMalloc(&np, kRows * 4));
-    CHECK_CUDA(cudaMalloc(&ids_ref, static_cast<int64_t>(kRows) * n * 4));
-    CHECK_CUDA(cudaMalloc(&ids_new, static_cast<int64_t>(kRows) * n * 4));
-    CHECK_CUDA(cudaMalloc(&dist_ref, static_cast<int64_t>(kRows) * n * 4));
-    CHECK_CUDA(cudaMalloc(&dist_new, static_cast<int64_t>(kRows) * n * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&x, xs * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&c, cs * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&cb, cs * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&csm, cs * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&np, kRows * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&ids_ref, static_cast<int64_t>(kRows) * n * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&ids_new, static_cast<int64_t>(kRows) * n * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&dist_ref, static_cast<int64_t>(kRows) * n * 4));
+    BENCH_CHECK_CUDA(cudaMalloc(&dist_new, static_cast<int64_t>(kRows) * n * 4));
     FillPoints<<<static_cast<int>((xs + 255) / 256), 256>>>(x, xs);
     PickCentres<D><<<dim3(k, kRows), 128>>>(x, n, n, k, c, cb, csm);
     const std::vector<int32_t> hn(kRows, n);
-    CHECK_CUDA(cudaMemcpy(np, hn.data(), kRows * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaGetLastError());
+    BENCH_CHECK_CUDA(cudaMemcpy(np, hn.data(), kRows * 4, cudaMemcpyHostToDevice));
+    BENCH_CHECK_CUDA(cudaGetLastError());
     bi::ArgmaxGemmArgs a;
     a.rows = kRows;
     a.x = x;
@@ -144,18 +118,17 @@ int main(int argc, char** argv) {
     a_ref.best_dist = dist_ref;
     a_new.ids = ids_new;
     a_new.best_dist = dist_new;
-    const double us_ref = TimeUs(
-        iters, [&] { CHECK_CUDA((bi::LaunchArgmaxGemmTc<D, true, int32_t>(a_ref, n, nullptr))); });
-    const double us_new = TimeUs(iters, [&] {
-      CHECK_CUDA((bi::LaunchArgmaxGemmTcSplit<D, true, int32_t>(a_new, n, nullptr)));
-    });
+    const double us_ref =
+        TimeUs(iters, [&] { return bi::LaunchArgmaxGemmTc<D, true, int32_t>(a_ref, n, nullptr); });
+    const double us_new = TimeUs(
+        iters, [&] { return bi::LaunchArgmaxGemmTcSplit<D, true, int32_t>(a_new, n, nullptr); });
     const int64_t items = static_cast<int64_t>(kRows) * n;
     std::vector<int32_t> hr(items), hw(items);
     std::vector<uint32_t> dr(items), dw(items);
-    CHECK_CUDA(cudaMemcpy(hr.data(), ids_ref, items * 4, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(hw.data(), ids_new, items * 4, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(dr.data(), dist_ref, items * 4, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(dw.data(), dist_new, items * 4, cudaMemcpyDeviceToHost));
+    BENCH_CHECK_CUDA(cudaMemcpy(hr.data(), ids_ref, items * 4, cudaMemcpyDeviceToHost));
+    BENCH_CHECK_CUDA(cudaMemcpy(hw.data(), ids_new, items * 4, cudaMemcpyDeviceToHost));
+    BENCH_CHECK_CUDA(cudaMemcpy(dr.data(), dist_ref, items * 4, cudaMemcpyDeviceToHost));
+    BENCH_CHECK_CUDA(cudaMemcpy(dw.data(), dist_new, items * 4, cudaMemcpyDeviceToHost));
     int64_t same_ids = 0, same_dist = 0;
     for (int64_t i = 0; i < items; ++i) {
       same_ids += hr[i] == hw[i];
@@ -163,8 +136,8 @@ int main(int argc, char** argv) {
     }
     if (same_ids != items || same_dist != items) status = 1;
     bi::ArgmaxGemmArgs a_f = a_ref;  // fp32 kernel, output over the reference's
-    const double us_f = TimeUs(
-        iters, [&] { CHECK_CUDA((bi::LaunchArgmaxGemm<D, true, int32_t>(a_f, n, nullptr))); });
+    const double us_f =
+        TimeUs(iters, [&] { return bi::LaunchArgmaxGemm<D, true, int32_t>(a_f, n, nullptr); });
     const double flops = 2.0 * kRows * n * static_cast<double>(k) * D;
     char ref_s[64], new_s[64], f_s[64];
     std::snprintf(ref_s, sizeof(ref_s), "%9.1f us %5.1f TF/s", us_ref, flops / us_ref * 1e-6);
@@ -180,7 +153,7 @@ int main(int argc, char** argv) {
                     static_cast<void*>(csm), static_cast<void*>(np), static_cast<void*>(ids_ref),
                     static_cast<void*>(ids_new), static_cast<void*>(dist_ref),
                     static_cast<void*>(dist_new)}) {
-      CHECK_CUDA(cudaFree(p));
+      BENCH_CHECK_CUDA(cudaFree(p));
     }
   }
   return status;

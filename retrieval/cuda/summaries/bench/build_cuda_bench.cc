@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_bench_util.h"
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/half.h"
 #include "kvr/retrieval/cuda/build.cuh"
@@ -42,68 +43,26 @@ namespace rc = kvr::retrieval::cuda;
 constexpr double kFp32Peak = 67e12;
 constexpr double kHbm = 3.0e12;
 
-std::vector<int64_t> ParseList(const char* s) {
-  std::vector<int64_t> out;
-  std::string str(s);
-  size_t pos = 0;
-  while (pos < str.size()) {
-    size_t next = str.find(',', pos);
-    if (next == std::string::npos) next = str.size();
-    out.push_back(std::stoll(str.substr(pos, next - pos)));
-    pos = next + 1;
-  }
-  return out;
-}
-
-#define CHECK_OK(expr)                                                            \
-  do {                                                                            \
-    const absl::Status s_ = (expr);                                               \
-    if (!s_.ok()) {                                                               \
-      std::fprintf(stderr, "%s: %s\n", #expr, std::string(s_.message()).c_str()); \
-      std::exit(1);                                                               \
-    }                                                                             \
-  } while (false)
-#define CHECK_CUDA(expr)                                               \
-  do {                                                                 \
-    const cudaError_t e_ = (expr);                                     \
-    if (e_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                    \
-    }                                                                  \
-  } while (false)
-
-template <typename T>
-DeviceBuffer<T> Alloc(size_t n) {
-  auto b = DeviceBuffer<T>::Create(std::max<size_t>(1, n));
-  CHECK_OK(b.status());
-  return std::move(*b);
-}
-template <typename T>
-DeviceBuffer<T> Upload(const std::vector<T>& v) {
-  auto b = Alloc<T>(v.size());
-  CHECK_CUDA(cudaMemcpy(b.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
-}
+using kvr::bench::Alloc;
+using kvr::bench::AttachWorkspace;
+using kvr::bench::ParseList;
+using kvr::bench::Upload;
 
 const char* MathName(rc::AssignMath m) { return m == rc::AssignMath::kFp32 ? "fp32" : "3xtf32"; }
 
-// Mean microseconds of fn() over iters after one warm-up.
-template <typename Fn>
-double TimeUs(cudaStream_t stream, int iters, Fn&& fn) {
-  fn();
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  CHECK_CUDA(cudaEventRecord(a, stream));
-  for (int i = 0; i < iters; ++i) fn();
-  CHECK_CUDA(cudaEventRecord(b, stream));
-  CHECK_CUDA(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-  CHECK_CUDA(cudaEventDestroy(a));
-  CHECK_CUDA(cudaEventDestroy(b));
-  return 1000.0 * ms / iters;
+// Mean microseconds of launch() (returns absl::Status) over `iters` after one warm-up.
+template <typename Launch>
+double TimeUs(cudaStream_t stream, int iters, Launch&& launch) {
+  return kvr::bench::TimeUs(stream, 1, iters, launch);
+}
+
+// The key cache every builder reads and its shape, set in a builder's parameters.
+template <typename Params>
+void SetKeys(Params& p, int batch, int n_kv_heads, int head_dim, const rc::KeyView& keys) {
+  p.batch = batch;
+  p.n_kv_heads = n_kv_heads;
+  p.head_dim = head_dim;
+  p.keys = keys;
 }
 
 }  // namespace
@@ -138,9 +97,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   auto stream_or = kvr::cuda::CudaStream::Create();
-  CHECK_OK(stream_or.status());
+  BENCH_CHECK(stream_or.status());
   cudaStream_t stream = stream_or->get();
   constexpr int kNkv = 8, kD = 128;
   std::printf("build_cuda_bench on %s: batch %d, %d KV heads, d %d, bf16 keys, %d iters\n",
@@ -212,16 +171,13 @@ int main(int argc, char** argv) {
       const int64_t pages = (L + 15) / 16;
       auto bounds = Alloc<float>(static_cast<size_t>(batch) * pages * kNkv * 2 * kD);
       rc::QuestBoundsParams p;
-      p.batch = batch;
-      p.n_kv_heads = kNkv;
-      p.head_dim = kD;
+      SetKeys(p, batch, kNkv, kD, view);
       p.page_size = 16;
-      p.keys = view;
       p.seq_len = lens.data();
       p.max_tokens = static_cast<int>(L);
       p.bounds = bounds.data();
       p.bounds_batch_stride = pages * kNkv * 2 * kD;
-      const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::QuestPageBounds(p, stream)); });
+      const double us = TimeUs(stream, iters, [&] { return rc::QuestPageBounds(p, stream); });
       const double bw = (key_bytes + key_bytes / 16 * 2 * 2) / (us * 1e-6);  // + fp32 bounds
       std::printf("%-26s %8lld %12.1f %7.0f GB/s %5.1f%% of 3.0 TB/s\n", "quest bounds p16",
                   static_cast<long long>(L), us, bw / 1e9, 100 * bw / kHbm);
@@ -230,18 +186,13 @@ int main(int argc, char** argv) {
     if (want("keydiff")) {
       auto scores = Alloc<float>(static_cast<size_t>(rows) * L);
       rc::KeyDiffBuildParams p;
-      p.batch = batch;
-      p.n_kv_heads = kNkv;
-      p.head_dim = kD;
-      p.keys = view;
+      SetKeys(p, batch, kNkv, kD, view);
       p.seq_len = lens.data();
       p.max_tokens = static_cast<int>(L);
       p.scores = scores.data();
       p.score_stride = L;
-      auto ws = Alloc<char>(rc::KeyDiffBuildWorkspaceBytes(p));
-      p.workspace = ws.data();
-      p.workspace_bytes = ws.bytes();
-      const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::KeyDiffBuild(p, stream)); });
+      const auto ws = AttachWorkspace(p, rc::KeyDiffBuildWorkspaceBytes(p));
+      const double us = TimeUs(stream, iters, [&] { return rc::KeyDiffBuild(p, stream); });
       const double bw = 2 * key_bytes / (us * 1e-6);
       std::printf("%-26s %8lld %12.1f %7.0f GB/s %5.1f%% of 3.0 TB/s\n", "keydiff scores",
                   static_cast<long long>(L), us, bw / 1e9, 100 * bw / kHbm);
@@ -268,10 +219,7 @@ int main(int argc, char** argv) {
         auto d_hn = Upload(hn);
         auto ids = Alloc<uint16_t>(static_cast<size_t>(rows) * L);
         rc::A2atsQuantiseParams p;
-        p.batch = batch;
-        p.n_kv_heads = kNkv;
-        p.head_dim = kD;
-        p.keys = view;
+        SetKeys(p, batch, kNkv, kD, view);
         p.seq_len = lens.data();
         p.max_tokens = static_cast<int>(L);
         p.rope.style = kvr::retrieval::RopeStyle::kHalfSplit;
@@ -283,10 +231,8 @@ int main(int argc, char** argv) {
         p.math = math;
         p.ids = ids.data();
         p.id_stride = L;
-        auto ws = Alloc<char>(rc::A2atsQuantiseWorkspaceBytes(p));
-        p.workspace = ws.data();
-        p.workspace_bytes = ws.bytes();
-        const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::A2atsQuantise(p, stream)); });
+        const auto ws = AttachWorkspace(p, rc::A2atsQuantiseWorkspaceBytes(p));
+        const double us = TimeUs(stream, iters, [&] { return rc::A2atsQuantise(p, stream); });
         const double flops = 2.0 * rows * L * kD * (kD + size);
         const double rate = flops / (us * 1e-6);
         char name[64];
@@ -308,7 +254,7 @@ int main(int argc, char** argv) {
         params.clusterkv.max_iterations = max_it;
         std::vector<int64_t> seq(batch, L);
         auto plan = rc::MakeClusterKvBuildPlan(shape, params, seq);
-        CHECK_OK(plan.status());
+        BENCH_CHECK(plan.status());
         auto first = Upload(plan->first_token);
         auto n_points = Upload(plan->n_points);
         auto n_init = Upload(plan->n_init);
@@ -319,10 +265,7 @@ int main(int argc, char** argv) {
         auto offsets = Alloc<int32_t>(static_cast<size_t>(rows) * (K + 1));
         auto members = Alloc<int32_t>(static_cast<size_t>(rows) * P);
         rc::ClusterKvBuildParams p;
-        p.batch = batch;
-        p.n_kv_heads = kNkv;
-        p.head_dim = kD;
-        p.keys = view;
+        SetKeys(p, batch, kNkv, kD, view);
         p.max_points = P;
         p.max_clusters = K;
         p.max_iterations = plan->max_iterations;
@@ -335,14 +278,13 @@ int main(int argc, char** argv) {
         p.n_clusters = n_clusters.data();
         p.offsets = offsets.data();
         p.members = members.data();
-        auto ws = Alloc<char>(rc::ClusterKvBuildWorkspaceBytes(p));
-        p.workspace = ws.data();
-        p.workspace_bytes = ws.bytes();
-        const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::ClusterKvBuild(p, stream)); });
+        const auto ws = AttachWorkspace(p, rc::ClusterKvBuildWorkspaceBytes(p));
+        const double us = TimeUs(stream, iters, [&] { return rc::ClusterKvBuild(p, stream); });
         const double flops = 2.0 * rows * P * static_cast<double>(K) * kD * max_it;
         const double rate = flops / (us * 1e-6);
         std::vector<int32_t> nc(rows);
-        CHECK_CUDA(cudaMemcpy(nc.data(), n_clusters.data(), rows * 4, cudaMemcpyDeviceToHost));
+        BENCH_CHECK_CUDA(
+            cudaMemcpy(nc.data(), n_clusters.data(), rows * 4, cudaMemcpyDeviceToHost));
         char name[64];
         std::snprintf(name, sizeof(name), "clusterkv C=%d %dit %s", K, max_it, MathName(math));
         std::printf(
@@ -360,7 +302,7 @@ int main(int argc, char** argv) {
       params.budget = 1024;
       std::vector<int64_t> seq(batch, L), nq(batch, kMaxQueries);
       auto plan = rc::MakeCtkvrBuildPlan(shape, params, seq, nq);
-      CHECK_OK(plan.status());
+      BENCH_CHECK(plan.status());
       auto per_seq = Upload(plan->per_seq);
       const int C = plan->max_centroids, E = plan->max_list_entries;
       auto centroids = Alloc<float>(static_cast<size_t>(rows) * C * (kNh / kNkv) * kD);
@@ -368,12 +310,9 @@ int main(int argc, char** argv) {
       auto offsets = Alloc<int32_t>(static_cast<size_t>(rows) * (C + 1));
       auto lists = Alloc<int32_t>(static_cast<size_t>(rows) * E);
       rc::CtkvrBuildParams p;
-      p.batch = batch;
+      SetKeys(p, batch, kNkv, kD, view);
       p.n_heads = kNh;
-      p.n_kv_heads = kNkv;
-      p.head_dim = kD;
       p.scale = 1.f / std::sqrt(static_cast<float>(kD));
-      p.keys = view;
       p.queries.data = queries.data();
       p.queries.dtype = rc::KeyDType::kBf16;
       p.queries.token_stride = kNh * kD;
@@ -387,10 +326,8 @@ int main(int argc, char** argv) {
       p.n_centroids = n_centroids.data();
       p.list_offsets = offsets.data();
       p.lists = lists.data();
-      auto ws = Alloc<char>(rc::CtkvrBuildWorkspaceBytes(p));
-      p.workspace = ws.data();
-      p.workspace_bytes = ws.bytes();
-      const double us = TimeUs(stream, iters, [&] { CHECK_OK(rc::CtkvrBuild(p, stream)); });
+      const auto ws = AttachWorkspace(p, rc::CtkvrBuildWorkspaceBytes(p));
+      const double us = TimeUs(stream, iters, [&] { return rc::CtkvrBuild(p, stream); });
       // Useful flops: two passes (log-sum-exp, scores) of 2 C group listable d per KV head.
       const double flops =
           2.0 * 2.0 * rows * static_cast<double>(C) * (kNh / kNkv) * plan->max_listable * kD;
