@@ -17,8 +17,9 @@ node::Setting<Config> GpuLanesSetting() {
   return {node::SettingSpec{.name = "gpu_lanes",
                             .help = "--device cuda: methods also selected on the GPU, from their "
                                     "handed-off indexes (comma-separated: exact, pariskv, "
-                                    "keydiff; empty: none; pariskv and keydiff hold state for "
-                                    "batch_slots x gpu_max_context tokens)",
+                                    "keydiff, a2ats, ctkvr; empty: none; pariskv, keydiff and "
+                                    "a2ats hold state for batch_slots x gpu_max_context tokens, "
+                                    "ctkvr its qcIVF per sequence)",
                             .type = node::SettingType::kString,
                             .allow_empty_or_zero = true},
           [](Config& c, const node::SettingValue& value) {
