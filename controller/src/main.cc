@@ -9,6 +9,7 @@
 #include <memory>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kvr/common/metrics.h"
@@ -117,8 +118,8 @@ int Serve(const ControllerConfig& config) {
   if ((*metrics_server)->serving()) {
     // Printed before the "listening on" line, so a launcher that waits for that line knows
     // both ports.
-    std::cout << "kvr-controller metrics on " << host << ":" << (*metrics_server)->port()
-              << std::endl;
+    node::PrintLine(
+        absl::StrCat("kvr-controller metrics on ", host, ":", (*metrics_server)->port()));
   }
   node::ServingStatuses* health = &(*server)->health();
   auto reporter = std::make_unique<ReadinessReporter>(&membership, [health](bool ready) {
@@ -128,12 +129,12 @@ int Serve(const ControllerConfig& config) {
     // Printed before the "listening on" line, as the metrics port is; "https listening on"
     // when the API is TLS.
     const std::string http_host = config.http_listen.substr(0, config.http_listen.rfind(':'));
-    std::cout << "kvr-controller " << (http_server->tls() ? "https" : "http") << " listening on "
-              << http_host << ":" << http_server->port() << std::endl;
+    node::PrintLine(absl::StrCat("kvr-controller ", http_server->tls() ? "https" : "http",
+                                 " listening on ", http_host, ":", http_server->port()));
   }
   (*server)->PrintHealthPort("kvr-controller");
   // One parseable line on stdout for scripts and tests (kvr up reads it).
-  std::cout << "kvr-controller listening on " << host << ":" << (*server)->port() << std::endl;
+  node::PrintLine(absl::StrCat("kvr-controller listening on ", host, ":", (*server)->port()));
 
   const int received = signals.Wait();
   spdlog::info("signal {}: shutting down", received);

@@ -158,8 +158,8 @@ int Serve(const DecodeConfig& config) {
     return 1;
   }
   if ((*metrics_server)->serving()) {
-    std::cout << "kvr-decode metrics on " << listen_host << ":" << (*metrics_server)->port()
-              << std::endl;
+    node::PrintLine(
+        absl::StrCat("kvr-decode metrics on ", listen_host, ":", (*metrics_server)->port()));
   }
   metrics::DecodeMetrics decode_metrics((*metrics_server)->registry());
   DecodeMetricsObserver metrics_observer(&decode_metrics, served);
@@ -201,7 +201,7 @@ int Serve(const DecodeConfig& config) {
       node::ReachableHost(config.advertise_host.empty() ? listen_host : config.advertise_host);
   const std::string address = absl::StrCat(host, ":", (*server)->port());
   (*server)->PrintHealthPort("kvr-decode");
-  std::cout << "kvr-decode listening on " << address << std::endl;
+  node::PrintLine(absl::StrCat("kvr-decode listening on ", address));
 
   cv1::RegisterRequest registration;
   registration.set_role(cv1::NODE_ROLE_DECODE);
@@ -247,7 +247,7 @@ int Serve(const DecodeConfig& config) {
   };
   membership_options.on_registered = [](const std::string& id) {
     // One parseable line for launchers and tests.
-    std::cout << "kvr-decode registered " << id << std::endl;
+    node::PrintLine(absl::StrCat("kvr-decode registered ", id));
   };
   // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
   membership_options.on_cluster_view = node::ReadinessFromClusterView(&(*server)->health());

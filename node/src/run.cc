@@ -3,9 +3,10 @@
 #include <grpcpp/grpcpp.h>
 #include <pthread.h>
 
-#include <iostream>
+#include <cstdio>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "kvr/node/membership_client.h"
 
 namespace kvr::node {
@@ -67,10 +68,15 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeServerOptions 
 
 NodeServer::~NodeServer() { Shutdown(absl::Now()); }
 
+void PrintLine(const std::string& line) {
+  const std::string whole = line + "\n";
+  std::fwrite(whole.data(), 1, whole.size(), stdout);
+  std::fflush(stdout);
+}
+
 void NodeServer::PrintHealthPort(const std::string& program) const {
   if (health_ == nullptr) return;
-  std::cout << program << " health on " << HostOf(health_address_) << ":" << health_->port()
-            << std::endl;
+  PrintLine(absl::StrCat(program, " health on ", HostOf(health_address_), ":", health_->port()));
 }
 
 void NodeServer::Shutdown(absl::Time deadline) {

@@ -248,10 +248,10 @@ int Serve(const PrefillConfig& config) {
   const std::string host = node::ReachableHost(node::HostOf(config.listen));
   const std::string address = absl::StrCat(host, ":", (*server)->port());
   if ((*metrics_server)->serving()) {
-    std::cout << "kvr-prefill metrics on " << host << ":" << (*metrics_server)->port() << std::endl;
+    node::PrintLine(absl::StrCat("kvr-prefill metrics on ", host, ":", (*metrics_server)->port()));
   }
   (*server)->PrintHealthPort("kvr-prefill");
-  std::cout << "kvr-prefill listening on " << address << std::endl;
+  node::PrintLine(absl::StrCat("kvr-prefill listening on ", address));
 
   cv1::RegisterRequest registration;
   registration.set_role(cv1::NODE_ROLE_PREFILL);
@@ -281,7 +281,7 @@ int Serve(const PrefillConfig& config) {
   };
   membership_options.on_registered = [](const std::string& id) {
     // One parseable line for launchers and tests.
-    std::cout << "kvr-prefill registered " << id << std::endl;
+    node::PrintLine(absl::StrCat("kvr-prefill registered ", id));
   };
   // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
   membership_options.on_cluster_view = node::ReadinessFromClusterView(&(*server)->health());

@@ -53,6 +53,11 @@ class ShutdownSignals {
 [[nodiscard]] absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> StartMetricsServer(
     const std::string& listen, int port, const std::string& role, const std::string& node_name);
 
+// One line on stdout for launchers and tests to parse ("kvr-decode listening on HOST:PORT"),
+// written with one call and flushed, so that log lines other threads write to stdout (spdlog's
+// default sink) cannot land inside it.
+void PrintLine(const std::string& line);
+
 // The host part of a host:port address ("" when it has none).
 [[nodiscard]] std::string HostOf(const std::string& address);
 // `host`, or loopback for an empty or wildcard host (0.0.0.0, [::]), which is not reachable as
