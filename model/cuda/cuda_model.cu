@@ -1027,8 +1027,17 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     // The window's queries to the stage, on the MAIN stream: the next layer's RoPE overwrites
     // q_. bf16 -> float32 here, so the copy stream only copies them.
     float* stage = q_stage_.data() + int64_t{layer} * q_stage_rows_ * qd;
+    // A builder's sequence has them in build_q already (converted after this layer's RoPE): the
+    // copy stream copies them from there.
+    auto queries_of = [&](const ChunkExport& x) -> const float* {
+      const KvExport* e = x.exp;
+      return e->build_q.size() > 0
+                 ? e->build_q.data() +
+                       (int64_t{layer} * e->nq + x.q_first - (e->opt.length - e->nq)) * qd
+                 : stage + x.stage_row * qd;
+    };
     for (const ChunkExport& x : exports) {
-      if (x.q_n == 0) continue;
+      if (x.q_n == 0 || x.exp->build_q.size() > 0) continue;
       const int64_t row = h_seqs_.data()[x.b].q_begin + (x.q_first - x.first);
       KVR_RETURN_IF_ERROR(cuda::LaunchBf16ToF32(q_.data() + row * qd, stage + x.stage_row * qd,
                                                 x.q_n * qd, stream()));
@@ -1065,7 +1074,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       }
       if (x.q_n > 0) {
         KVR_CUDA_RETURN_IF_ERROR(d2h(view.queries + (x.q_first - view.queries_first_position) * qd,
-                                     stage + x.stage_row * qd, x.q_n * qd));
+                                     queries_of(x), x.q_n * qd));
       }
       const CudaBuiltLayer& bv = view.built;
       if (x.first + x.n == x.exp->opt.length && bv.length > 0) {

@@ -37,6 +37,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
@@ -314,25 +316,15 @@ class CtkvrIndex final : public RetrievalIndex {
     return absl::OkStatus();
   }
 
-  // The index in `st` (SerializePrebuiltCtkvr): every entry checked as Read checks bytes.
+  // The index in `st` (SerializePrebuiltCtkvr), checked as Read checks bytes (CheckState).
   static absl::StatusOr<std::unique_ptr<CtkvrIndex>> FromState(const IndexShape& shape,
                                                                const IndexParams& params,
                                                                int64_t size, const CtkvrState& st) {
+    KVR_RETURN_IF_ERROR(shape.Validate());
     auto bad = [](auto&&... parts) {
       return absl::InvalidArgumentError(absl::StrCat("prebuilt ctkvr: ", parts...));
     };
-    KVR_RETURN_IF_ERROR(shape.Validate());
-    const int hd = shape.head_dim, group = shape.group_size();
-    const int64_t row = static_cast<int64_t>(shape.n_kv_heads) * hd;
-    if (size < 0 || static_cast<int64_t>(st.keys.size()) != size * row) {
-      return bad(st.keys.size(), " key values for ", size, " tokens of ", row);
-    }
-    if (st.n_centroids < 0 || st.n_centroids > size || st.rho < 1 || st.n_recall < 1 ||
-        st.fifo_size < 0 || st.fifo_size > st.n_centroids || st.next_fifo < 0 || st.n_sink < 0 ||
-        st.n_sink > size) {
-      return bad("parameters C ", st.n_centroids, ", rho ", st.rho, ", C' ", st.n_recall, ", fifo ",
-                 st.fifo_size, ", sinks ", st.n_sink, " for ", size, " tokens");
-    }
+    if (size < 0) return bad("size ", size);
     if (static_cast<int>(st.heads.size()) != shape.n_kv_heads) {
       return bad(st.heads.size(), " heads for ", shape.n_kv_heads, " KV heads");
     }
@@ -349,27 +341,14 @@ class CtkvrIndex final : public RetrievalIndex {
       if (static_cast<int64_t>(st.heads[h].size()) != st.n_centroids) {
         return bad("head ", h, ": ", st.heads[h].size(), " entries for C ", st.n_centroids);
       }
-      auto& entries = index->heads_[h];
-      entries.resize(st.n_centroids);
-      for (int64_t i = 0; i < st.n_centroids; ++i) {
-        const CtkvrState::Entry& in = st.heads[h][i];
-        if ((!in.centroid.empty() && static_cast<int>(in.centroid.size()) != group * hd) ||
-            in.norms.size() * hd != in.centroid.size()) {
-          return bad("head ", h, " entry ", i, ": a centroid of ", in.centroid.size(),
-                     " values and ", in.norms.size(), " norms");
-        }
-        for (int32_t id : in.list) {
-          if (id < 0 || id >= size) {
-            return bad("head ", h, " entry ", i, ": token id ", id, " outside [0, ", size, ")");
-          }
-        }
-        Entry& e = entries[i];
-        e.centroid.assign(in.centroid.begin(), in.centroid.end());
-        e.norms.assign(in.norms.begin(), in.norms.end());
-        e.list.assign(in.list.begin(), in.list.end());
-        e.threshold = in.threshold;
+      for (const CtkvrState::Entry& in : st.heads[h]) {
+        index->heads_[h].push_back({{in.centroid.begin(), in.centroid.end()},
+                                    {in.norms.begin(), in.norms.end()},
+                                    {in.list.begin(), in.list.end()},
+                                    in.threshold});
       }
     }
+    if (std::optional<std::string> wrong = index->CheckState(size)) return bad(*wrong);
     index->size_ = size;
     index->built_ = true;
     return index;
@@ -391,18 +370,14 @@ class CtkvrIndex final : public RetrievalIndex {
     KVR_RETURN_IF_ERROR(r.Get("ctkvr C'", &index->n_recall_));
     KVR_RETURN_IF_ERROR(r.Get("ctkvr fifo_size", &index->fifo_size_));
     KVR_RETURN_IF_ERROR(r.Get("ctkvr fifo cursor", &index->next_fifo_));
-    if (index->n_centroids_ < 0 || index->n_centroids_ > size || index->rho_ < 1 ||
-        index->n_recall_ < 1 || index->fifo_size_ < 0 || index->fifo_size_ > index->n_centroids_ ||
-        index->next_fifo_ < 0) {
-      return absl::DataLossError("ctkvr payload: corrupt parameters");
+    // The counts below size the reads: checked before them.
+    if (std::optional<std::string> wrong = index->CheckParameters(size)) {
+      return absl::DataLossError(absl::StrCat("ctkvr payload: ", *wrong));
     }
     const int hd = shape.head_dim;
     const int group = shape.group_size();
     const int64_t row = static_cast<int64_t>(shape.n_kv_heads) * hd;
     KVR_RETURN_IF_ERROR(r.GetArray("ctkvr keys", &index->keys_, size * row));
-    if (static_cast<int64_t>(index->keys_.size()) != size * row) {
-      return absl::DataLossError("ctkvr payload: keys do not match the header size");
-    }
     for (auto& h : index->heads_) {
       h.resize(index->n_centroids_);
       for (Entry& e : h) {
@@ -410,17 +385,10 @@ class CtkvrIndex final : public RetrievalIndex {
         KVR_RETURN_IF_ERROR(r.GetArray("ctkvr centroid norms", &e.norms, group));
         KVR_RETURN_IF_ERROR(r.GetArray("ctkvr list", &e.list, size));
         KVR_RETURN_IF_ERROR(r.Get("ctkvr threshold", &e.threshold));
-        if ((!e.centroid.empty() && static_cast<int>(e.centroid.size()) != group * hd) ||
-            e.norms.size() * hd != e.centroid.size()) {
-          return absl::DataLossError("ctkvr payload: centroid of the wrong size");
-        }
-        for (int32_t id : e.list) {
-          if (id < 0 || id >= size) {
-            return absl::DataLossError(
-                absl::StrCat("ctkvr payload: token id ", id, " outside [0, ", size, ")"));
-          }
-        }
       }
+    }
+    if (std::optional<std::string> wrong = index->CheckState(size)) {
+      return absl::DataLossError(absl::StrCat("ctkvr payload: ", *wrong));
     }
     index->size_ = size;
     index->built_ = true;
@@ -428,6 +396,43 @@ class CtkvrIndex final : public RetrievalIndex {
   }
 
  private:
+  // What is wrong with the parameters of an index over `size` tokens (nullopt: nothing).
+  std::optional<std::string> CheckParameters(int64_t size) const {
+    if (n_centroids_ < 0 || n_centroids_ > size || rho_ < 1 || n_recall_ < 1 || fifo_size_ < 0 ||
+        fifo_size_ > n_centroids_ || next_fifo_ < 0 || n_sink_ < 0 || n_sink_ > size) {
+      return absl::StrCat("corrupt parameters: C ", n_centroids_, ", rho ", rho_, ", C' ",
+                          n_recall_, ", fifo ", fifo_size_, " (cursor ", next_fifo_, "), sinks ",
+                          n_sink_, " for ", size, " tokens");
+    }
+    return std::nullopt;
+  }
+  // The parameters, then the keys and every entry (Read's and FromState's one check).
+  std::optional<std::string> CheckState(int64_t size) const {
+    if (std::optional<std::string> wrong = CheckParameters(size)) return wrong;
+    const int hd = shape().head_dim, group = shape().group_size();
+    const int64_t row = static_cast<int64_t>(shape().n_kv_heads) * hd;
+    if (static_cast<int64_t>(keys_.size()) != size * row) {
+      return absl::StrCat(keys_.size(), " key values for ", size, " tokens of ", row);
+    }
+    for (size_t h = 0; h < heads_.size(); ++h) {
+      for (size_t i = 0; i < heads_[h].size(); ++i) {
+        const Entry& e = heads_[h][i];
+        if ((!e.centroid.empty() && static_cast<int>(e.centroid.size()) != group * hd) ||
+            e.norms.size() * hd != e.centroid.size()) {
+          return absl::StrCat("head ", h, " entry ", i, ": a centroid of ", e.centroid.size(),
+                              " values and ", e.norms.size(), " norms");
+        }
+        for (int32_t id : e.list) {
+          if (id < 0 || id >= size) {
+            return absl::StrCat("head ", h, " entry ", i, ": token id ", id, " outside [0, ", size,
+                                ")");
+          }
+        }
+      }
+    }
+    return std::nullopt;
+  }
+
   // Unit-normalises each of the group's query vectors in place; returns their norms.
   std::vector<float> NormaliseGroup(float* q) const {
     const int hd = shape().head_dim;

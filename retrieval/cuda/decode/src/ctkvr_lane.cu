@@ -90,7 +90,6 @@ struct LayerState {
   int32_t* offsets;    // [n_kv, C + 1]: c * cap (constant)
   int32_t* counts;     // [n_kv]: C (constant; CtkvrSelectParams::n_centroids)
   int32_t* lists;      // [n_kv, C, cap]
-  int32_t* overflows;  // [1]: list entries dropped for want of capacity (the bound says 0)
   int n_centroids, cap;
 };
 
@@ -118,24 +117,24 @@ __global__ void __launch_bounds__(256)
   }
   if (!valid || (threadIdx.x & 7) != 0 || len == 0) return;
   if (best >= s.thresholds[entry]) {
+    // cap bounds every list for the sequence's life (top of the file); the test only keeps a
+    // wrong bound from writing past the row.
     if (len < s.cap) {
       s.lists[entry * s.cap + len] = token;  // ids grow: the list stays ascending
       s.lengths[entry] = len + 1;
-    } else {
-      atomicAdd(s.overflows, 1);
     }
   }
 }
 
 // The FIFO update of entry `e` for every KV head (block h) whose recall was not empty: see the top
-// of the file. kept / kept_counts: the selection at `keep` ([n_kv, keep_ld] ascending ids);
+// of the file. kept / kept_counts: the selection at `keep` ([n_kv, keep] ascending ids);
 // recalled: the recall's sizes [n_kv]; window tokens [cand_end, n_tokens) are tested too.
 template <int kD>
 __global__ void __launch_bounds__(256)
     RotateEntryKernel(LayerState s, kvr::cuda::KvPoolView pool, int slot, int n_kv, int group,
-                      float scale, const float* query, int e, int keep, int keep_ld,
-                      const int32_t* kept, const int32_t* kept_counts, const int32_t* recalled,
-                      int32_t cand_end, int32_t n_tokens) {
+                      float scale, const float* query, int e, int keep, const int32_t* kept,
+                      const int32_t* kept_counts, const int32_t* recalled, int32_t cand_end,
+                      int32_t n_tokens) {
   const int h = blockIdx.x;
   const int nr = recalled[h];
   if (nr <= 0) return;
@@ -159,7 +158,7 @@ __global__ void __launch_bounds__(256)
   const int64_t bh = int64_t{slot} * n_kv + h;
   const int64_t entry = int64_t{h} * s.n_centroids + e;
   const int n_kept = kept_counts[h];
-  const int32_t* ids = kept + int64_t{h} * keep_ld;
+  const int32_t* ids = kept + int64_t{h} * keep;
   // Max-over-group logit (scale * Dot(q_g, k), the CPU's logits_) of token t; 8 lanes.
   auto max_logit = [&](int32_t t) {
     const __nv_bfloat16* k = KeyRow(pool, bh, t, kD);
@@ -182,11 +181,8 @@ __global__ void __launch_bounds__(256)
   // Every recalled key listed: later keys always join.
   if (nr <= keep) threshold = -INFINITY;
   int32_t* list = s.lists + entry * s.cap;
-  int len = 0;
-  for (int i = threadIdx.x; i < n_kept; i += blockDim.x) {
-    if (i < s.cap) list[i] = ids[i];
-  }
-  len = min(n_kept, s.cap);
+  int len = min(n_kept, s.cap);
+  for (int i = threadIdx.x; i < len; i += blockDim.x) list[i] = ids[i];
   // The window's indexed keys that pass, ascending (32 per round, compacted by thread 0).
   for (int base = cand_end; base < n_tokens; base += 32) {
     const int i = base + (threadIdx.x >> 3);
@@ -195,12 +191,7 @@ __global__ void __launch_bounds__(256)
     __syncthreads();
     if (threadIdx.x == 0) {
       for (int j = 0; j < 32; ++j) {
-        if (!pass[j]) continue;
-        if (len < s.cap) {
-          list[len++] = base + j;
-        } else {
-          atomicAdd(s.overflows, 1);
-        }
+        if (pass[j] && len < s.cap) list[len++] = base + j;
       }
       pass[0] = len;  // broadcast
     }
@@ -208,7 +199,6 @@ __global__ void __launch_bounds__(256)
     len = pass[0];
     __syncthreads();
   }
-  if (n_kept > s.cap && threadIdx.x == 0) atomicAdd(s.overflows, n_kept - s.cap);
   for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
     s.centroids[entry * group * kD + i] = qn[i];
   }
@@ -268,7 +258,7 @@ class CtkvrLane final : public GpuLane {
 
 // Byte offsets of a slot's layer state (LayerState's arrays, 256-byte aligned).
 struct StateLayout {
-  int64_t centroids, norms, thresholds, lengths, offsets, counts, lists, overflows, bytes;
+  int64_t centroids, norms, thresholds, lengths, offsets, counts, lists, bytes;
 };
 StateLayout LayoutFor(int n_kv, int c, int group, int d, int cap) {
   StateLayout l{};
@@ -285,7 +275,6 @@ StateLayout LayoutFor(int n_kv, int c, int group, int d, int cap) {
   l.offsets = take(int64_t{n_kv} * (c + 1) * 4);
   l.counts = take(int64_t{n_kv} * 4);
   l.lists = take(int64_t{n_kv} * c * cap * 4);
-  l.overflows = take(4);
   l.bytes = off;
   return l;
 }
@@ -301,7 +290,6 @@ LayerState CtkvrLane::StateOf(int slot, int layer) const {
           reinterpret_cast<int32_t*>(base + l.offsets),
           reinterpret_cast<int32_t*>(base + l.counts),
           reinterpret_cast<int32_t*>(base + l.lists),
-          reinterpret_cast<int32_t*>(base + l.overflows),
           s.n_centroids,
           s.cap};
 }
@@ -492,13 +480,13 @@ absl::Status CtkvrLane::SelectGroup(int layer, const float* query,
     const int e = s.n_centroids - s.fifo_size + static_cast<int>(s.cursor[layer] % s.fifo_size);
     const LayerState st = StateOf(p.slot, layer);
     if (head_dim_ == 64) {
-      RotateEntryKernel<64><<<n_kv_, 256, 0, stream>>>(
-          st, pool, p.slot, n_kv_, group, scale, q, e, keep, keep, kept_.data(),
-          kept_counts_.data(), recalled_.data(), p.cand_end, p.n_tokens);
+      RotateEntryKernel<64><<<n_kv_, 256, 0, stream>>>(st, pool, p.slot, n_kv_, group, scale, q, e,
+                                                       keep, kept_.data(), kept_counts_.data(),
+                                                       recalled_.data(), p.cand_end, p.n_tokens);
     } else {
-      RotateEntryKernel<128><<<n_kv_, 256, 0, stream>>>(
-          st, pool, p.slot, n_kv_, group, scale, q, e, keep, keep, kept_.data(),
-          kept_counts_.data(), recalled_.data(), p.cand_end, p.n_tokens);
+      RotateEntryKernel<128><<<n_kv_, 256, 0, stream>>>(st, pool, p.slot, n_kv_, group, scale, q, e,
+                                                        keep, kept_.data(), kept_counts_.data(),
+                                                        recalled_.data(), p.cand_end, p.n_tokens);
     }
     KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("RotateEntryKernel"));
     ++s.cursor[layer];
