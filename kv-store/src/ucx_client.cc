@@ -433,29 +433,19 @@ absl::StatusOr<PageTable> UcxKvStoreClient::ReservePageTable(const SequenceRef& 
 
 absl::Status UcxKvStoreClient::PutAttachment(const SequenceRef& ref, uint32_t layer, uint64_t rows,
                                              std::span<const uint8_t> bytes) {
-  v1::PutAttachmentRequest req;
-  req.set_sequence_id(ref.id);
-  req.set_capability(ref.cap.ToBytes());
+  auto req = RequestFor<v1::PutAttachmentRequest>(ref);
   req.set_layer(layer);
   req.set_rows(rows);
   req.set_data(bytes.data(), bytes.size());
   v1::PutAttachmentResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  return FromGrpc(impl_->stub->PutAttachment(&ctx, req, &resp),
-                  absl::StrCat("kvr-store ", impl_->target, " PutAttachment"));
+  return impl_->Call(&v1::KvStore::Stub::PutAttachment, "PutAttachment", req, &resp);
 }
 
 absl::StatusOr<Attachment> UcxKvStoreClient::GetAttachment(const SequenceRef& ref, uint32_t layer) {
-  v1::GetAttachmentRequest req;
-  req.set_sequence_id(ref.id);
-  req.set_capability(ref.cap.ToBytes());
+  auto req = RequestFor<v1::GetAttachmentRequest>(ref);
   req.set_layer(layer);
   v1::GetAttachmentResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(ctx);
-  KVR_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetAttachment(&ctx, req, &resp),
-                               absl::StrCat("kvr-store ", impl_->target, " GetAttachment")));
+  KVR_RETURN_IF_ERROR(impl_->Call(&v1::KvStore::Stub::GetAttachment, "GetAttachment", req, &resp));
   Attachment out;
   out.rows = resp.rows();
   out.bytes.assign(resp.data().begin(), resp.data().end());

@@ -59,12 +59,14 @@ absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> OpenSnapshot(
   }
   uint64_t n = 0;
   KVR_RETURN_IF_ERROR(r.Get("snapshot index length", &n));
-  retrieval::ByteReader index_bytes(std::span<const uint8_t>{});
-  KVR_RETURN_IF_ERROR(r.Sub("snapshot index", n, &index_bytes));
-  KVR_RETURN_IF_ERROR(r.ExpectEnd("the snapshot index"));
-  KVR_ASSIGN_OR_RETURN(std::unique_ptr<retrieval::RetrievalIndex> index,
-                       retrieval::DeserializeIndex(attachment.subspan(attachment.size() - n),
-                                                   registry, params, &shape));
+  // The index's bytes are the rest of the attachment, exactly.
+  if (n != r.remaining()) {
+    return absl::DataLossError(absl::StrCat("snapshot index: ", n, " bytes announced, ",
+                                            r.remaining(), " in the attachment"));
+  }
+  KVR_ASSIGN_OR_RETURN(
+      std::unique_ptr<retrieval::RetrievalIndex> index,
+      retrieval::DeserializeIndex(attachment.subspan(r.offset()), registry, params, &shape));
   if (index->method() != method) {
     return absl::FailedPreconditionError(absl::StrCat(
         "snapshot method: '", std::string(index->method()), "', this request's is '", method, "'"));

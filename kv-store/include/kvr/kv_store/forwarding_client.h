@@ -54,6 +54,13 @@ class ForwardingKvStoreClient : public KvStoreClient {
     return inner_->GetSequence(ref);
   }
   absl::StatusOr<StoreStats> Stats() override { return inner_->Stats(); }
+  absl::Status PutAttachment(const SequenceRef& ref, uint32_t layer, uint64_t rows,
+                             std::span<const uint8_t> bytes) override {
+    return inner_->PutAttachment(ref, layer, rows, bytes);
+  }
+  absl::StatusOr<Attachment> GetAttachment(const SequenceRef& ref, uint32_t layer) override {
+    return inner_->GetAttachment(ref, layer);
+  }
   absl::StatusOr<PageTable> ReservePageTable(const SequenceRef&, uint64_t) override {
     return absl::UnimplementedError(absl::StrCat(name_, ": no page tables"));
   }
