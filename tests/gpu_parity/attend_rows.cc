@@ -342,9 +342,10 @@ void GatherAndAttendRow(const Case& param) {
         }
       }
     }
-    RecordMeasure(std::string("GatherRows from ") + (src.slots == hbm_view.slots ? "HBM" : "host") +
+    // Every compared row passed the ASSERTs above; the row fails when none was compared.
+    ExpectAtLeast(std::string("GatherRows from ") + (src.slots == hbm_view.slots ? "HBM" : "host") +
                       ": rows bit-equal, padding untouched",
-                  static_cast<double>(rows_checked), "all", true);
+                  static_cast<double>(rows_checked), 1);
   }
 
   std::vector<float> want_out, want_lse;
@@ -580,8 +581,7 @@ void HotCacheRow(bool staged_slot, RowDType dtype) {
         EXPECT_EQ(staged_rows + staged_slot_hits, slot_selected * (step + 1));
       }
     }
-    RecordMeasure("rows bit-equal to the pool, 8 steps", static_cast<double>(rows_checked), "all",
-                  true);
+    ExpectAtLeast("rows bit-equal to the pool, 8 steps", static_cast<double>(rows_checked), 1);
   }
 }
 

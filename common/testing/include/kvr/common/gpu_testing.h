@@ -79,12 +79,6 @@ DeviceBuffer<T> Poisoned(size_t n, int byte) {
   return std::move(*b);
 }
 
-// Re-poisons a buffer before another launch into it.
-template <typename T>
-void Poison(const DeviceBuffer<T>& b, int byte) {
-  EXPECT_EQ(cudaMemset(b.data(), byte, b.bytes()), cudaSuccess);
-}
-
 // A kernel workspace of `bytes` (at least one), poisoned with `byte`.
 inline DeviceBuffer<char> Scratch(size_t bytes, int byte = kNanByte) {
   return Poisoned<char>(bytes, byte);
