@@ -532,9 +532,22 @@ void HotCacheRow(bool staged_slot, RowDType dtype) {
             ++staged_rows;
           }
         }
-        ASSERT_OK(cache.Fill(view, d_ids.data(), d_counts.data(), d_out.data(), stream.get(),
-                             ValueOrDie(staged.device_pointer()),
-                             ValueOrDie(staged_index.device_pointer())));
+        // Split as a decode step splits it: the slots before and after the staged one first,
+        // the staged slot last (odd steps: one Fill of every slot).
+        const void* staged_rows_dev = ValueOrDie(staged.device_pointer());
+        const int32_t* staged_index_dev = ValueOrDie(staged_index.device_pointer());
+        auto fill = [&](int first, int n) {
+          return cache.Fill(view, d_ids.data(), d_counts.data(), d_out.data(), stream.get(),
+                            staged_rows_dev, staged_index_dev, first, n);
+        };
+        if (step % 2 == 0) {
+          ASSERT_OK(fill(0, kStagedSlot));
+          ASSERT_OK(fill(kStagedSlot + 1, -1));
+          ASSERT_OK(fill(kStagedSlot, 1));
+        } else {
+          ASSERT_OK(fill(0, -1));
+        }
+        EXPECT_EQ(fill(kStagedSlot, batch).code(), absl::StatusCode::kInvalidArgument);
       }
       ASSERT_OK(stream.Synchronize());
       const std::vector<uint8_t> got = Download(d_out, d_out.bytes());

@@ -108,18 +108,17 @@ __global__ void HotCacheLookupKernel(const int32_t* __restrict__ ids,
 // the pool (mapped host memory: the only bytes that cross the link) or, for a slot whose pool
 // base is null, staged row staged_index[e], and, when they won their victim's claim, also write
 // the row into the cache and retag the slot.
-__global__ void HotCacheCopyKernel(KvPoolView pool, const uint4* __restrict__ staged,
-                                   const int32_t* __restrict__ staged_index,
-                                   const int32_t* __restrict__ ids,
-                                   const int32_t* __restrict__ counts,
-                                   const int32_t* __restrict__ slot_of, int32_t* tags,
-                                   uint32_t* stamps, const unsigned long long* claims, uint4* cache,
-                                   uint4* __restrict__ out, int budget, int slots,
-                                   int chunks_per_row, int64_t total_chunks, uint32_t* step_state) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+__global__ void HotCacheCopyKernel(
+    KvPoolView pool, const uint4* __restrict__ staged, const int32_t* __restrict__ staged_index,
+    const int32_t* __restrict__ ids, const int32_t* __restrict__ counts,
+    const int32_t* __restrict__ slot_of, int32_t* tags, uint32_t* stamps,
+    const unsigned long long* claims, uint4* cache, uint4* __restrict__ out, int budget, int slots,
+    int chunks_per_row, int64_t first_chunk, int64_t end_chunk, uint32_t* step_state) {
+  const int64_t t = first_chunk + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint32_t step = step_state[1];
-  if (t == 0) step_state[0] = step;  // completed once this kernel is; the next lookup reads it
-  if (t >= total_chunks) return;
+  // Completed once this kernel (or the last of a split Fill) is; the next lookup reads it.
+  if (t == first_chunk) step_state[0] = step;
+  if (t >= end_chunk) return;
   const int64_t e = t / chunks_per_row;  // selected entry
   const int chunk = static_cast<int>(t - e * chunks_per_row);
   const int64_t bh = e / budget;
@@ -234,7 +233,7 @@ absl::Status HotCache::Lookup(const int32_t* ids, const int32_t* counts, cudaStr
 
 absl::Status HotCache::Fill(const KvPoolView& pool, const int32_t* ids, const int32_t* counts,
                             void* out, cudaStream_t stream, const void* staged,
-                            const int32_t* staged_index) {
+                            const int32_t* staged_index, int first_slot, int n_slots) {
   if (!KvPoolViewSet(pool) || !ids || !counts || !out) {
     return absl::InvalidArgumentError("HotCache::Fill: null pool tables, ids, counts or out");
   }
@@ -245,17 +244,24 @@ absl::Status HotCache::Fill(const KvPoolView& pool, const int32_t* ids, const in
     return absl::InvalidArgumentError(absl::StrCat("HotCache::Fill: pool.n_kv_heads ",
                                                    pool.n_kv_heads, " != ", shape_.n_kv_heads));
   }
-  const int64_t entries = static_cast<int64_t>(shape_.batch) * shape_.n_kv_heads * shape_.budget;
+  if (n_slots < 0) n_slots = shape_.batch - first_slot;
+  if (first_slot < 0 || n_slots < 0 || first_slot + n_slots > shape_.batch) {
+    return absl::InvalidArgumentError(absl::StrCat("HotCache::Fill: slots [", first_slot, ", ",
+                                                   first_slot + n_slots, ") not in [0, ",
+                                                   shape_.batch, "]"));
+  }
+  if (n_slots == 0) return absl::OkStatus();
+  const int64_t per_slot = int64_t{shape_.n_kv_heads} * shape_.budget;
   constexpr int kThreads = 256;
   const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
-  const int64_t chunks = entries * chunks_per_row;
+  const int64_t first = first_slot * per_slot * chunks_per_row;
+  const int64_t chunks = n_slots * per_slot * chunks_per_row;
   HotCacheCopyKernel<<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0,
-                       stream>>>(pool, static_cast<const uint4*>(staged), staged_index, ids,
-                                 counts,
+                       stream>>>(pool, static_cast<const uint4*>(staged), staged_index, ids, counts,
                                  slot_of_.data(), tags_.data(), stamps_.data(), claims_.data(),
                                  reinterpret_cast<uint4*>(data_.data()), static_cast<uint4*>(out),
-                                 shape_.budget, slots_per_head(), chunks_per_row, chunks,
-                                 steps_.data());
+                                 shape_.budget, slots_per_head(), chunks_per_row, first,
+                                 first + chunks, steps_.data());
   return kvr::cuda::LastLaunchStatus("HotCacheCopyKernel");
 }
 

@@ -141,8 +141,8 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     int64_t fetched_rows = 0;
     absl::Status fetch_failure;
   };
-  // One fetched sequence's part of a layer's fetch (FetchMisses): its rows at [first, first +
-  // count) of the layer's positions / entries, per KV head with misses.
+  // One fetched sequence's part of a layer's fetch (FetchMissesAndFill): its rows at [first, first
+  // + count) of the layer's positions / entries, per KV head with misses.
   struct FetchPending {
     Sequence* s = nullptr;
     size_t first = 0, count = 0;
@@ -260,11 +260,14 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
   // queries come back, each selector runs, the selections go up into the slots' ids / counts.
   [[nodiscard]] absl::Status HostSelect(int layer, cudaStream_t stream);
   // The misses of this step's fetched sequences (fetched_) for `layer`, after the hot cache's
-  // Lookup: their ids, counts and cache slots come back, each sequence's fetcher reads its
-  // missed rows, which are staged at their entry index for the hot cache's Fill. A sequence
-  // whose fetch fails keeps its failure (SequenceFailure) and attends zero rows from then on;
-  // the step goes on for the others.
-  [[nodiscard]] absl::Status FetchMisses(int layer, cudaStream_t stream);
+  // Lookup, and the hot cache's Fill of every slot: their ids, counts and cache slots come back,
+  // each sequence's fetcher reads its missed rows, which are staged at their entry index; the
+  // slots that fetch nothing are filled at once and each fetched sequence's slot as soon as its
+  // fetch is done, so the GPU copies one sequence's rows while the host waits for the next. A
+  // sequence whose fetch fails keeps its failure (SequenceFailure) and attends zero rows from
+  // then on; the step goes on for the others.
+  [[nodiscard]] absl::Status FetchMissesAndFill(int layer, const KvPoolView& pool,
+                                                cudaStream_t stream);
   // A fetched sequence's sink and window rows of [0, n_tokens), read through its fetcher into
   // its slot's ring; its hot cache cleared. Synchronous.
   [[nodiscard]] absl::Status FetchRing(Sequence& s, int64_t n_tokens);
@@ -945,12 +948,9 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
   KVR_RETURN_IF_ERROR(mark(CudaStage::kGather));
   const KvPoolView pool = sp.PoolView(layer);
   if (!sp.hot.empty() && !fetched_.empty()) {
-    HotCache& hot = sp.hot[layer];
     KVR_RETURN_IF_ERROR(
-        hot.Lookup(sp.ids.data(), sp.counts.data(), st, sp.slot_counters.data() + S));
-    KVR_RETURN_IF_ERROR(FetchMisses(layer, st));
-    KVR_RETURN_IF_ERROR(hot.Fill(pool, sp.ids.data(), sp.counts.data(), sp.gathered.data(), st,
-                                 sp.staged_device, sp.staged_index_device));
+        sp.hot[layer].Lookup(sp.ids.data(), sp.counts.data(), st, sp.slot_counters.data() + S));
+    KVR_RETURN_IF_ERROR(FetchMissesAndFill(layer, pool, st));
   } else if (!sp.hot.empty()) {
     KVR_RETURN_IF_ERROR(sp.hot[layer].Gather(pool, sp.ids.data(), sp.counts.data(),
                                              sp.gathered.data(), st, sp.slot_counters.data() + S));
@@ -1078,8 +1078,14 @@ absl::Status SparseDecodeImpl::HostSelect(int layer, cudaStream_t st) {
   return absl::OkStatus();
 }
 
-absl::Status SparseDecodeImpl::FetchMisses(int layer, cudaStream_t st) {
+absl::Status SparseDecodeImpl::FetchMissesAndFill(int layer, const KvPoolView& pool,
+                                                  cudaStream_t st) {
   SparseState& sp = *sparse_;
+  HotCache& hot = sp.hot[layer];
+  auto fill = [&](int first_slot, int n_slots) {
+    return hot.Fill(pool, sp.ids.data(), sp.counts.data(), sp.gathered.data(), st, sp.staged_device,
+                    sp.staged_index_device, first_slot, n_slots);
+  };
   const int64_t kv = config_.n_kv_heads, B = sp.opt.budget, row = 2 * int64_t{config_.head_dim};
   const int32_t* slot_of = sp.hot[layer].slot_of();
   for (const Sequence* s : fetched_) {
@@ -1136,6 +1142,21 @@ absl::Status SparseDecodeImpl::FetchMisses(int layer, cudaStream_t st) {
     p.s->fetch_failure = p.s->fetch->Start(
         p.heads, {staged + p.first * row, p.count * static_cast<size_t>(row)});
   }
+  // While the fetches run: the slots that wait for none (sequences read in place, free slots),
+  // in runs of consecutive slots.
+  const int S = sp.opt.slots;
+  std::vector<bool> waits(S, false);
+  for (const FetchPending& p : pending) waits[p.s->slot] = p.count > 0;
+  for (int b = 0; b < S;) {
+    if (waits[b]) {
+      ++b;
+      continue;
+    }
+    int e = b;
+    while (e < S && !waits[e]) ++e;
+    KVR_RETURN_IF_ERROR(fill(b, e - b));
+    b = e;
+  }
   for (FetchPending& p : pending) {
     if (p.count == 0) continue;
     Sequence& s = *p.s;
@@ -1146,6 +1167,7 @@ absl::Status SparseDecodeImpl::FetchMisses(int layer, cudaStream_t st) {
     } else {  // void output from now on; the caller ends the sequence
       std::memset(staged + p.first * row, 0, p.count * row * sizeof(uint16_t));
     }
+    KVR_RETURN_IF_ERROR(fill(s.slot, 1));
   }
   return absl::OkStatus();
 }

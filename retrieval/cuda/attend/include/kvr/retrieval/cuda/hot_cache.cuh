@@ -60,12 +60,17 @@ class HotCache {
   // cache, misses from the pool or, for a slot whose KvPoolSlot::base is null, from `staged`
   // (device-readable rows, e.g. mapped pinned memory the host fetched them into: entry e's row
   // is staged row staged_index[e], an index the caller writes for those misses only), and
-  // caches the misses. Lookup and Fill must alternate on one stream.
+  // caches the misses. Lookup and Fill must alternate on one stream. A Fill may be split into
+  // several over disjoint ranges of sequence slots ([first_slot, first_slot + n_slots); n_slots
+  // -1: to the last), e.g. one per sequence as its fetch completes, so the GPU copies one
+  // sequence's rows while the host waits for the next one's; every selected slot must be
+  // filled before the next Lookup.
   [[nodiscard]] absl::Status Lookup(const int32_t* ids, const int32_t* counts, cudaStream_t stream,
                                     unsigned long long* slot_hits = nullptr);
-  [[nodiscard]] absl::Status Fill(const KvPoolView& pool, const int32_t* ids,
-                                  const int32_t* counts, void* out, cudaStream_t stream,
-                                  const void* staged, const int32_t* staged_index);
+  [[nodiscard]] absl::Status Fill(const KvPoolView& pool, const int32_t* ids, const int32_t* counts,
+                                  void* out, cudaStream_t stream, const void* staged,
+                                  const int32_t* staged_index, int first_slot = 0,
+                                  int n_slots = -1);
   // Device [batch, n_kv_heads, budget]: the last Lookup's cache slot per entry (>= 0: a hit).
   const int32_t* slot_of() const { return slot_of_.data(); }
 
