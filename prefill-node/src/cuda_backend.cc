@@ -122,7 +122,7 @@ class CudaPrefillBackend final : public PrefillBackend {
       const PrefillCall& call, int64_t capacity) {
     namespace rc = retrieval::cuda;
     if (!gpu_summaries_ || call.params == nullptr ||
-        !rc::PrefillSummaryBuilders::Ships(call.method, *call.params)) {
+        !rc::PrefillSummaryBuilders::Ships(config(), call.method, *call.params)) {
       return nullptr;
     }
     if (builders_ == nullptr) {

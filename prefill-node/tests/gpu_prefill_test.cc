@@ -42,6 +42,7 @@
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/ctkvr.h"
+#include "kvr/retrieval/pariskv.h"
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/serialization.h"
 
@@ -262,7 +263,8 @@ TEST_F(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
   uint64_t seq = 100;
   retrieval::IndexParams load_params;  // the codebooks, for a2ats' indexes
   load_params.assets = books;
-  for (const char* method : {"full", "quest", "clusterkv", "keydiff", "a2ats", "ctkvr"}) {
+  for (const char* method :
+       {"full", "quest", "clusterkv", "keydiff", "a2ats", "ctkvr", "pariskv"}) {
     SCOPED_TRACE(method);
     cpu.opener.chunks.clear();
     gpu.opener.chunks.clear();
@@ -431,6 +433,28 @@ TEST_F(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
           }
           continue;
         }
+        if (std::string(method) == "pariskv") {
+          // The CPU encode of the same (bf16-valued) keys: equal code bytes and fp16 weights
+          // except where a near-tie flips a level or the weight's last bit (never more).
+          auto g_state = retrieval::ParisKvStateOf(**gpu_index);
+          auto c_state = retrieval::ParisKvStateOf(**cpu_index);
+          ASSERT_TRUE(g_state.ok() && c_state.ok());
+          EXPECT_EQ(g_state->rotation_seed, c_state->rotation_seed);
+          EXPECT_EQ(g_state->levels, c_state->levels);
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            const auto& gh = g_state->heads[h];
+            const auto& ch = c_state->heads[h];
+            ASSERT_EQ(gh.codes.size(), ch.codes.size());
+            ASSERT_EQ(gh.weights.size(), ch.weights.size());
+            for (size_t i = 0; i < ch.codes.size(); ++i) equal_ids += gh.codes[i] == ch.codes[i];
+            total_ids += static_cast<double>(ch.codes.size());
+            for (size_t i = 0; i < ch.weights.size(); ++i) {
+              EXPECT_LE(std::abs(int{gh.weights[i]} - int{ch.weights[i]}), 1)
+                  << "layer " << layer << " head " << h << " weight " << i;
+            }
+          }
+          continue;
+        }
         if (std::string(method) == "a2ats") {
           // The same codeword per token and KV head, except at near-ties of the nearest one.
           auto g_state = retrieval::A2atsStateOf(**gpu_index);
@@ -473,6 +497,13 @@ TEST_F(GpuPrefillTest, CudaBackendMatchesCpuBackend) {
         std::printf("[ summary ] ctkvr built on the GPU vs the CPU prefill's: %.3f of list ids "
                     "equal\n", equal_ids / total_ids);
         EXPECT_GE(equal_ids / total_ids, 0.9);
+      }
+      if (std::string(method) == "pariskv") {
+        std::printf(
+            "[ summary ] pariskv built on the GPU vs on the CPU from the same rows: "
+            "%.0f of %.0f code bytes equal\n",
+            equal_ids, total_ids);
+        EXPECT_GE(equal_ids / total_ids, 0.999);
       }
       if (std::string(method) == "a2ats") {
         std::printf(

@@ -13,6 +13,7 @@
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/retrieval/ops.h"
+#include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/serialization.h"
 #include "method_util.h"
 #include "pariskv_codes.h"
@@ -137,6 +138,31 @@ class ParisKvIndex final : public RetrievalIndex {
       writer.PutArray<uint8_t>(head.codes);
       writer.PutArray<uint16_t>(head.weights);
     }
+    return absl::OkStatus();
+  }
+
+  // Takes codes and weights encoded elsewhere (SerializePrebuiltParisKv) into an empty index.
+  absl::Status SetHeads(int64_t size, std::span<const PrebuiltParisKvHead> heads) {
+    if (size_ != 0) return absl::FailedPreconditionError("pariskv: SetHeads on a non-empty index");
+    if (size < 0) return absl::InvalidArgumentError(absl::StrCat("prebuilt pariskv: size ", size));
+    if (heads.size() != heads_.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "prebuilt pariskv: %d heads, the shape has %d KV heads", heads.size(), heads_.size()));
+    }
+    const uint64_t code_bytes = static_cast<uint64_t>(size) * (padded_dim_ / 2);
+    const uint64_t n_weights = static_cast<uint64_t>(size) * n_subspaces_;
+    for (size_t h = 0; h < heads.size(); ++h) {
+      if (heads[h].codes.size() != code_bytes || heads[h].weights.size() != n_weights) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "prebuilt pariskv: KV head %d has %d code bytes and %d weights, %d tokens need %d "
+            "and %d",
+            h, heads[h].codes.size(), heads[h].weights.size(), size, code_bytes, n_weights));
+      }
+      heads_[h].codes.assign(heads[h].codes.begin(), heads[h].codes.end());
+      heads_[h].weights.assign(heads[h].weights.begin(), heads[h].weights.end());
+      for (int64_t t = 0; t < size; ++t) CountToken(heads_[h], t, +1);
+    }
+    size_ = size;
     return absl::OkStatus();
   }
 
@@ -561,6 +587,14 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeParisKvIndex(const In
                                               level_array);
   KVR_RETURN_IF_ERROR(index->LoadHeads(size, payload));
   return index;
+}
+
+absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltParisKv(
+    const IndexShape& shape, const IndexParams& params, int64_t size,
+    std::span<const PrebuiltParisKvHead> heads) {
+  KVR_ASSIGN_OR_RETURN(std::unique_ptr<RetrievalIndex> index, MakeParisKvIndex(shape, params));
+  KVR_RETURN_IF_ERROR(static_cast<ParisKvIndex&>(*index).SetHeads(size, heads));
+  return SerializeIndex(*index);
 }
 
 absl::StatusOr<ParisKvState> ParisKvStateOf(const RetrievalIndex& index) {

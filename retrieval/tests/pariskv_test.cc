@@ -276,6 +276,45 @@ TEST(ParisKvIndexTest, StateHandsOutTheIndexsCodesWeightsAndCounts) {
   EXPECT_NE(wrong.message().find("'full'"), std::string_view::npos) << wrong;
 }
 
+TEST(ParisKvIndexTest, PrebuiltCodesGiveTheCpuIndexBytes) {
+  auto data = MakeClusteredKeys(300, 2, 6, 64, 8, 0.5f, 3);
+  IndexParams params;
+  params.seed = 77;
+  params.options["pariskv.subspace_dim"] = "4";
+  auto index = MakeParisKvIndex(Shape(6, 2, 64), params);
+  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_TRUE((*index)->Build(BuildInput{Keys(data.keys, 300, 2, 64)}).ok());
+  auto want = SerializeIndex(**index);
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto st = ParisKvStateOf(**index);
+  ASSERT_TRUE(st.ok()) << st.status();
+  std::vector<PrebuiltParisKvHead> heads;
+  for (const ParisKvState::Head& h : st->heads) heads.push_back({h.codes, h.weights});
+  auto got = SerializePrebuiltParisKv(Shape(6, 2, 64), params, 300, heads);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, *want);
+  // The counts the selection needs are derived again from the codes.
+  MethodRegistry core;
+  ASSERT_TRUE(RegisterQuantMethods(core).ok());
+  auto back = DeserializeIndex(*got, core, params);
+  ASSERT_TRUE(back.ok()) << back.status();
+  auto back_state = ParisKvStateOf(**back);
+  ASSERT_TRUE(back_state.ok());
+  for (size_t h = 0; h < st->heads.size(); ++h) {
+    EXPECT_TRUE(std::equal(st->heads[h].counts.begin(), st->heads[h].counts.end(),
+                           back_state->heads[h].counts.begin(), back_state->heads[h].counts.end()));
+  }
+
+  heads[1].weights = heads[1].weights.first(299 * 16);
+  const absl::Status short_weights =
+      SerializePrebuiltParisKv(Shape(6, 2, 64), params, 300, heads).status();
+  EXPECT_EQ(short_weights.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(short_weights.message().find("KV head 1"), std::string_view::npos) << short_weights;
+  heads.pop_back();
+  EXPECT_EQ(SerializePrebuiltParisKv(Shape(6, 2, 64), params, 300, heads).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ParisKvIndexTest, BudgetCoveringCandidatesSelectsAllExceptSinkAndLocal) {
   auto data = MakeClusteredKeys(300, 2, 6, 64, 8, 0.5f, 1);
   auto index = MakeParisKvIndex(Shape(6, 2, 64), IndexParams{});

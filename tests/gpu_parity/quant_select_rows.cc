@@ -25,6 +25,7 @@
 
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/gpu_testing.h"
+#include "kvr/common/half.h"
 #include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/cuda/selection.cuh"
 #include "kvr/retrieval/registry.h"
@@ -57,13 +58,23 @@ std::vector<int> Plus(std::vector<int> ctx, int n_append) {
 
 // ---- ParisKV encode -------------------------------------------------------------------------
 
-void ParisKvEncodeRow(int hd, int m) {
+// bf16: the keys rounded to bf16 are encoded from their bits (a prefill's export) and must give
+// the CPU's codes of the same values widened.
+void ParisKvEncodeRow(int hd, int m, bool bf16) {
   const int nkv = 3, n = 3000, n_first = 2000;
   std::mt19937 rng(100 + hd + m);
   std::vector<float> keys = TopicKeys(n, nkv, hd, rng, m);
   // A zero key and a key with one huge channel exercise the degenerate paths.
   std::fill_n(keys.begin() + static_cast<size_t>(5) * nkv * hd, nkv * hd, 0.f);
   keys[static_cast<size_t>(9) * nkv * hd + 3] = 3e4f;
+  std::vector<uint16_t> keys_bf16;
+  if (bf16) {
+    keys_bf16.resize(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      keys_bf16[i] = FloatToBf16(keys[i]);
+      keys[i] = Bf16ToFloat(keys_bf16[i]);
+    }
+  }
   IndexParams params;
   params.options["pariskv.subspace_dim"] = std::to_string(m);
   CpuIndexes cpu;
@@ -78,6 +89,7 @@ void ParisKvEncodeRow(int hd, int m) {
   ASSERT_EQ(layout->max_tokens, n);
 
   auto d_keys = Upload(keys);
+  auto d_keys_bf16 = Upload(keys_bf16);
   auto codes = Poisoned<uint8_t>(layout->codes.size(), 0xab);
   auto weights = Poisoned<uint16_t>(layout->weights.size(), kNanByte);  // NaN fp16
   auto counts = Poisoned<uint32_t>(layout->counts.size(), 0);
@@ -86,7 +98,12 @@ void ParisKvEncodeRow(int hd, int m) {
     p.n_tokens = count;
     p.n_kv_heads = nkv;
     p.codec = codec;
-    p.keys = d_keys.data() + static_cast<size_t>(first) * nkv * hd;
+    if (bf16) {
+      p.keys = d_keys_bf16.data() + static_cast<size_t>(first) * nkv * hd;
+      p.key_dtype = KeyDType::kBf16;
+    } else {
+      p.keys = d_keys.data() + static_cast<size_t>(first) * nkv * hd;
+    }
     p.key_token_stride = static_cast<int64_t>(nkv) * hd;
     p.first = first;
     p.codes = codes.data();
@@ -109,8 +126,8 @@ void ParisKvEncodeRow(int hd, int m) {
       big_weight_diff += std::abs(static_cast<int>(g_weights[i]) - layout->weights[i]) > 1;
     }
   }
-  std::printf("[ parity ] pariskv encode d%d m%d: %lld/%zu code bytes, %lld/%zu weights differ\n",
-              hd, m, static_cast<long long>(code_diff), g_codes.size(),
+  std::printf("[ parity ] pariskv encode d%d m%d%s: %lld/%zu code bytes, %lld/%zu weights differ\n",
+              hd, m, bf16 ? " bf16" : "", static_cast<long long>(code_diff), g_codes.size(),
               static_cast<long long>(weight_diff), g_weights.size());
   ExpectAtMost("code bytes != CPU", static_cast<double>(code_diff),
                static_cast<double>(g_codes.size() / 2000));
@@ -348,7 +365,14 @@ std::vector<ParityRow> QuantSelectRows() {
     rows.push_back({"ParisKvEncode",
                     "d" + std::to_string(hd) + "_m" + std::to_string(m) + " h3 n3000 in 2 calls",
                     "pariskv index payload", "bytes equal but <= 1/2000 near-ties",
-                    [hd = hd, m = m] { ParisKvEncodeRow(hd, m); }});
+                    [hd = hd, m = m] { ParisKvEncodeRow(hd, m, false); }});
+  }
+  for (const auto& [hd, m] : {std::tuple{128, 8}, std::tuple{64, 8}}) {
+    rows.push_back({"ParisKvEncode",
+                    "d" + std::to_string(hd) + "_m" + std::to_string(m) + " bf16 keys h3 n3000",
+                    "pariskv index payload of the widened keys",
+                    "bytes equal but <= 1/2000 near-ties",
+                    [hd = hd, m = m] { ParisKvEncodeRow(hd, m, true); }});
   }
   using G = GqaAggregation;
   constexpr KeyDType kF32 = KeyDType::kF32;  // the quantised selectors read no key dtype

@@ -65,7 +65,7 @@ struct Levels {
 struct EncodeArgs {
   int n_tokens;
   int head_dim;
-  const float* keys;
+  const void* keys;  // float or bf16 bits (the kernel's K)
   int64_t key_token_stride;
   int first;
   uint8_t* codes;
@@ -114,7 +114,7 @@ __device__ __forceinline__ void SrhtLane(float (&x)[M], int sub, const internal:
   for (int i = 0; i < M; ++i) x[i] = __fmul_rn(x[i], inv);
 }
 
-template <int P, int M>
+template <int P, int M, typename K>
 static __global__ void __launch_bounds__(kEncodeThreads) ParisEncodeKernel(EncodeArgs a) {
   constexpr int kB = P / M;  // lanes per key
   constexpr int kKeysPerWarp = 32 / kB;
@@ -125,14 +125,14 @@ static __global__ void __launch_bounds__(kEncodeThreads) ParisEncodeKernel(Encod
   const int t = (blockIdx.x * (kEncodeThreads / 32) + warp) * kKeysPerWarp + slot;
   const bool valid = t < a.n_tokens;
   const int tc = valid ? t : a.n_tokens - 1;  // every lane runs the shuffles
-  const float* key = a.keys + static_cast<int64_t>(tc) * a.key_token_stride +
-                     static_cast<int64_t>(h) * a.head_dim;
+  const K* key = static_cast<const K*>(a.keys) + static_cast<int64_t>(tc) * a.key_token_stride +
+                 static_cast<int64_t>(h) * a.head_dim;
   const float norm = sqrtf(internal::Dot8(key, key, a.head_dim));
   float x[M];
 #pragma unroll
   for (int i = 0; i < M; ++i) {
     const int c = sub * M + i;
-    x[i] = c < a.head_dim ? key[c] : 0.f;
+    x[i] = c < a.head_dim ? internal::Widen(key[c]) : 0.f;
   }
   SrhtLane<P, M>(x, sub, a.signs);
   if (norm > 0.f) {
@@ -777,12 +777,19 @@ absl::Status DispatchCodec(const ParisKvCodec& c, Fn&& fn) {
 
 }  // namespace
 
+absl::Status ParisKvCodecSupported(const ParisKvCodec& codec) {
+  return CheckCodec(codec, "pariskv on the GPU");
+}
+
 absl::Status ParisKvEncode(const ParisKvEncodeParams& p, cudaStream_t stream) {
   KVR_RETURN_IF_ERROR(CheckCodec(p.codec, "ParisKvEncode"));
   if (p.n_tokens < 0 || p.n_kv_heads <= 0 || p.first < 0) {
     return absl::InvalidArgumentError(absl::StrCat("ParisKvEncode: n_tokens ", p.n_tokens,
                                                    ", n_kv_heads ", p.n_kv_heads, ", first ",
                                                    p.first));
+  }
+  if (p.key_dtype != KeyDType::kF32 && p.key_dtype != KeyDType::kBf16) {
+    return absl::InvalidArgumentError("ParisKvEncode: key_dtype must be kF32 or kBf16");
   }
   if (p.n_tokens == 0) return absl::OkStatus();
   if (p.keys == nullptr || p.codes == nullptr || p.weights == nullptr ||
@@ -809,7 +816,11 @@ absl::Status ParisKvEncode(const ParisKvEncodeParams& p, cudaStream_t stream) {
   const int keys_per_cta = (kEncodeThreads / 32) * (32 / sub);
   const dim3 grid((p.n_tokens + keys_per_cta - 1) / keys_per_cta, p.n_kv_heads);
   KVR_RETURN_IF_ERROR(DispatchCodec(p.codec, [&]<int P, int M>() {
-    ParisEncodeKernel<P, M><<<grid, kEncodeThreads, 0, stream>>>(a);
+    if (p.key_dtype == KeyDType::kBf16) {
+      ParisEncodeKernel<P, M, uint16_t><<<grid, kEncodeThreads, 0, stream>>>(a);
+    } else {
+      ParisEncodeKernel<P, M, float><<<grid, kEncodeThreads, 0, stream>>>(a);
+    }
   }));
   return kvr::cuda::LastLaunchStatus("ParisEncodeKernel");
 }

@@ -17,13 +17,21 @@
 
 namespace kvr::retrieval::cuda::internal {
 
+// A float, or bf16 bits widened exactly.
+__device__ __forceinline__ float Widen(float x) { return x; }
+__device__ __forceinline__ float Widen(uint16_t bf16) {
+  return __uint_as_float(static_cast<uint32_t>(bf16) << 16);
+}
+
 // kvr::retrieval::Dot(a, b, n) for n a multiple of 8, computed by an aligned group of 8 lanes
 // (lane & 7 = partial sum j; a and b may differ per group). Every lane of the warp must call it
-// (shuffles over the full mask); all 8 lanes of a group return the result.
-__device__ __forceinline__ float Dot8(const float* a, const float* b, int n) {
+// (shuffles over the full mask); all 8 lanes of a group return the result. A and B: float or
+// bf16 bits (Widen).
+template <typename A, typename B>
+__device__ __forceinline__ float Dot8(const A* a, const B* b, int n) {
   const int j = threadIdx.x & 7;
   float acc = 0.f;
-  for (int i = j; i < n; i += 8) acc = __fadd_rn(acc, __fmul_rn(a[i], b[i]));
+  for (int i = j; i < n; i += 8) acc = __fadd_rn(acc, __fmul_rn(Widen(a[i]), Widen(b[i])));
   acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));  // a_j + a_(j+4)
   acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));  // (t0 + t1), (t2 + t3)
   acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));  // (u0 + u2)

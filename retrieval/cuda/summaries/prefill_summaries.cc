@@ -17,6 +17,8 @@
 #include "kvr/retrieval/codebook.h"
 #include "kvr/retrieval/ctkvr.h"
 #include "kvr/retrieval/cuda/build.cuh"
+#include "kvr/retrieval/cuda/selection.cuh"
+#include "kvr/retrieval/pariskv.h"
 #include "kvr/retrieval/prebuilt.h"
 
 namespace kvr::retrieval::cuda {
@@ -27,7 +29,7 @@ using kvr::cuda::AllocPinned;
 using kvr::cuda::DeviceBuffer;
 using kvr::cuda::PinnedBuffer;
 
-enum class Method { kQuest, kClusterKv, kKeyDiff, kA2ats, kCtkvr };
+enum class Method { kQuest, kClusterKv, kKeyDiff, kA2ats, kCtkvr, kParisKv };
 
 std::optional<Method> Parse(std::string_view method) {
   if (method == "quest") return Method::kQuest;
@@ -35,6 +37,7 @@ std::optional<Method> Parse(std::string_view method) {
   if (method == "keydiff") return Method::kKeyDiff;
   if (method == "a2ats") return Method::kA2ats;
   if (method == "ctkvr") return Method::kCtkvr;
+  if (method == "pariskv") return Method::kParisKv;
   return std::nullopt;
 }
 
@@ -107,6 +110,17 @@ IndexShape ShapeOf(const model::ModelConfig& c, int layer) {
   return shape;
 }
 
+// The codec of the pariskv index a CPU prefill would make for `config` and `params` (one rotation
+// per model, shared by every layer); InvalidArgument when the GPU encode does not take it.
+absl::StatusOr<ParisKvCodec> ParisKvCodecFor(const model::ModelConfig& config,
+                                             const IndexParams& params) {
+  KVR_ASSIGN_OR_RETURN(const std::unique_ptr<RetrievalIndex> index,
+                       MakeParisKvIndex(ShapeOf(config, 0), params));
+  KVR_ASSIGN_OR_RETURN(const ParisKvCodec codec, ParisKvCodecFromIndex(*index));
+  KVR_RETURN_IF_ERROR(ParisKvCodecSupported(codec));
+  return codec;
+}
+
 class Builder final : public PrefillSummaryBuilder {
  public:
   Builder(const model::ModelConfig& config, Method method, PrefillSummaryOptions options,
@@ -171,6 +185,14 @@ class Builder final : public PrefillSummaryBuilder {
         ws = CtkvrBuildWorkspaceBytes(CtkvrParams(0, nullptr, nullptr));
         break;
       }
+      case Method::kParisKv: {
+        // codes [n_kv, capacity, P / 2] bytes, then weights [n_kv, capacity, B] fp16, in int32s.
+        KVR_ASSIGN_OR_RETURN(paris_codec_, ParisKvCodecFor(c_, p));
+        const int64_t code_bytes = nkv * capacity_ * (paris_codec_.padded_dim / 2);
+        const int64_t weight_bytes = nkv * capacity_ * ParisSubspaces() * 2;
+        layer_i32_ = (code_bytes + weight_bytes + 3) / 4;
+        break;
+      }
     }
     KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(ws_->device));
     KVR_RETURN_IF_ERROR(Alloc(f32_, std::max<int64_t>(1, L * layer_f32_)));
@@ -195,6 +217,8 @@ class Builder final : public PrefillSummaryBuilder {
         return "a2ats";
       case Method::kCtkvr:
         return "ctkvr";
+      case Method::kParisKv:
+        return "pariskv";
     }
     return "";
   }
@@ -306,6 +330,22 @@ class Builder final : public PrefillSummaryBuilder {
         queries.head_stride = c_.head_dim;
         return CtkvrBuild(CtkvrParams(k.layer, &keys, &queries), stream);
       }
+      case Method::kParisKv: {
+        ParisKvEncodeParams p;
+        p.n_tokens = static_cast<int>(k.length);
+        p.n_kv_heads = c_.n_kv_heads;
+        p.codec = paris_codec_;
+        p.keys = k.keys;
+        p.key_dtype = KeyDType::kBf16;
+        p.key_token_stride = k.token_stride;
+        p.first = 0;
+        auto* bytes = reinterpret_cast<uint8_t*>(i32_.data() + k.layer * layer_i32_);
+        p.codes = bytes;
+        p.codes_head_stride = capacity_ * (paris_codec_.padded_dim / 2);
+        p.weights = reinterpret_cast<uint16_t*>(bytes + ParisWeightsOffset());
+        p.weights_head_stride = capacity_ * ParisSubspaces();
+        return ParisKvEncode(p, stream);
+      }
     }
     return absl::OkStatus();
   }
@@ -391,6 +431,22 @@ class Builder final : public PrefillSummaryBuilder {
       }
       case Method::kCtkvr:
         return SerializeCtkvr(shape, layer);
+      case Method::kParisKv: {
+        if (s.n_i32 < layer_i32_) {
+          return absl::InternalError("pariskv summary smaller than its layout");
+        }
+        const auto* bytes = reinterpret_cast<const uint8_t*>(s.i32);
+        const auto* weights = reinterpret_cast<const uint16_t*>(bytes + ParisWeightsOffset());
+        const int64_t code_row = paris_codec_.padded_dim / 2, n_sub = ParisSubspaces();
+        std::vector<PrebuiltParisKvHead> heads(shape.n_kv_heads);
+        for (int h = 0; h < shape.n_kv_heads; ++h) {
+          heads[h].codes = {bytes + h * capacity_ * code_row,
+                            static_cast<size_t>(s.length * code_row)};
+          heads[h].weights = {weights + h * capacity_ * n_sub,
+                              static_cast<size_t>(s.length * n_sub)};
+        }
+        return SerializePrebuiltParisKv(shape, opt_.params, s.length, heads);
+      }
     }
     return absl::UnimplementedError(
         absl::StrCat("prefill summaries: ", std::string(method()), " builds are not shipped"));
@@ -408,6 +464,12 @@ class Builder final : public PrefillSummaryBuilder {
   }
 
  private:
+  // pariskv: B, and where the weights start in a layer's bytes (after every head's codes).
+  int64_t ParisSubspaces() const { return paris_codec_.padded_dim / paris_codec_.subspace_dim; }
+  int64_t ParisWeightsOffset() const {
+    return int64_t{c_.n_kv_heads} * capacity_ * (paris_codec_.padded_dim / 2);
+  }
+
   // CTKVR's launch parameters for `layer` (keys null: for the workspace size only).
   CtkvrBuildParams CtkvrParams(int layer, const KeyView* keys, const KeyView* queries) const {
     const int64_t nkv = c_.n_kv_heads, C = max_centroids_, group = c_.n_heads / c_.n_kv_heads;
@@ -577,6 +639,7 @@ class Builder final : public PrefillSummaryBuilder {
   IndexParams ctkvr_params_;
   int max_centroids_ = 1, max_list_length_ = 1, max_listable_ = 1;
   CtkvrBuildPlan ctkvr_plan_;
+  ParisKvCodec paris_codec_;               // pariskv: the CPU index's for the model and params
   int64_t layer_f32_ = 0, layer_i32_ = 0;  // per-layer sizes of f32_ / i32_
   DeviceBuffer<float> f32_;
   DeviceBuffer<int32_t> i32_;
@@ -600,7 +663,7 @@ class Builders final : public PrefillSummaryBuilders {
     if (!method) {
       return absl::InvalidArgumentError(
           absl::StrCat("prefill summaries: no GPU builder for method '", o.method,
-                       "' (quest, clusterkv, keydiff, a2ats, ctkvr)"));
+                       "' (quest, clusterkv, keydiff, a2ats, ctkvr, pariskv)"));
     }
     const IndexParams& p = o.params;
     if (capacity < 1 || p.n_sink < 0 || p.budget < 1 || p.quest.page_size < 1 ||
@@ -646,7 +709,9 @@ class Builders final : public PrefillSummaryBuilders {
 
 }  // namespace
 
-bool PrefillSummaryBuilders::Ships(std::string_view method, const IndexParams& params) {
+bool PrefillSummaryBuilders::Ships(const model::ModelConfig& config, std::string_view method,
+                                   const IndexParams& params) {
+  if (method == "pariskv") return ParisKvCodecFor(config, params).ok();
   if (method == "a2ats") {
     const absl::StatusOr<int> rerank = A2atsRerank(params);
     return params.assets != nullptr && rerank.ok() && *rerank == 0;

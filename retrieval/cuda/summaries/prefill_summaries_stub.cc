@@ -4,7 +4,10 @@
 
 namespace kvr::retrieval::cuda {
 
-bool PrefillSummaryBuilders::Ships(std::string_view, const IndexParams&) { return false; }
+bool PrefillSummaryBuilders::Ships(const model::ModelConfig&, std::string_view,
+                                   const IndexParams&) {
+  return false;
+}
 
 absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> PrefillSummaryBuilders::Create(
     const model::ModelConfig&, int) {

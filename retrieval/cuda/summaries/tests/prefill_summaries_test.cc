@@ -17,6 +17,7 @@
 
 #include "cuda_test_util.h"
 #include "gtest/gtest.h"
+#include "kvr/common/half.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/retrieval/cuda/prefill_summaries.h"
@@ -107,6 +108,7 @@ void CheckShape(const std::string& shape, int n_layers) {
 
   const Case cases[] = {{"quest", 0, "quest"},
                         {"keydiff", 0, "keydiff"},
+                        {"pariskv", 0, "pariskv"},
                         {"clusterkv", 10, "clusterkv it10"},
                         {"clusterkv", 2, "clusterkv it2"}};
   SequenceId next = 200;
@@ -171,6 +173,23 @@ void CheckShape(const std::string& shape, int n_layers) {
                 bad += !std::isfinite(after->f32[l * per_layer + nkv * cap + h * d + j]);
               }
             }
+        } else if (method == "pariskv") {
+          // Bytes per layer: codes [nkv, cap, d / 2], then fp16 weights [nkv, cap, d / 8] (the
+          // default m = 8): every weight of the built tokens written (not the NaN poison),
+          // finite and not negative.
+          const int64_t per_layer = static_cast<int64_t>(after->i32.size()) / L * 4;
+          const int64_t n_sub = d / 8;
+          ASSERT_EQ(per_layer, (nkv * cap * (d / 2) + nkv * cap * n_sub * 2 + 3) / 4 * 4);
+          const auto* bytes = reinterpret_cast<const uint8_t*>(after->i32.data());
+          for (int l = 0; l < L; ++l) {
+            const auto* w =
+                reinterpret_cast<const uint16_t*>(bytes + l * per_layer + nkv * cap * (d / 2));
+            for (int h = 0; h < nkv; ++h)
+              for (int64_t t = 0; t < len * n_sub; ++t, ++checked) {
+                const float v = kvr::Fp16ToFloat(w[h * cap * n_sub + t]);
+                bad += !(std::isfinite(v) && v >= 0.f);
+              }
+          }
         } else {
           // i32 per layer: n_clusters [nkv], offsets [nkv, K + 1], members [nkv, P].
           const int64_t per_layer = static_cast<int64_t>(after->i32.size()) / L;
@@ -219,11 +238,22 @@ TEST(CudaPrefillSummariesTest, RejectsBadOptions) {
   const absl::Status bad = (*builders)->ForSequence(o, 64).status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.message().find("quest.page_size 0"), std::string_view::npos) << bad;
-  o.method = "pariskv";
+  o.method = "exact";
   o.params.quest.page_size = 16;
   const absl::Status none = (*builders)->ForSequence(o, 64).status();
   EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(none.message().find("'pariskv'"), std::string_view::npos) << none;
+  EXPECT_NE(none.message().find("'exact'"), std::string_view::npos) << none;
+  // pariskv's options are parsed as its CPU index's factory parses them.
+  o.method = "pariskv";
+  o.params.options = {{"pariskv.subspace_dim", "3"}};
+  const absl::Status bad_m = (*builders)->ForSequence(o, 64).status();
+  EXPECT_EQ(bad_m.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_m.message().find("pariskv.subspace_dim"), std::string_view::npos) << bad_m;
+  model::ModelConfig wide = *config;
+  wide.head_dim = 96;
+  EXPECT_FALSE(PrefillSummaryBuilders::Ships(wide, "pariskv", IndexParams{}))
+      << "the GPU encode takes head_dim 64 or 128 only";
+  EXPECT_TRUE(PrefillSummaryBuilders::Ships(*config, "pariskv", IndexParams{}));
   // ctkvr's options are applied as its CPU index's factory applies them: a bad one is named.
   o.method = "ctkvr";
   o.params.options = {{"ctkvr.fifo_size", "-1"}};

@@ -95,4 +95,16 @@ struct ParisKvState {
 };
 [[nodiscard]] absl::StatusOr<ParisKvState> ParisKvStateOf(const RetrievalIndex& index);
 
+// The bytes SerializeIndex writes for a pariskv index right after its Build over `size` tokens,
+// from codes and weights encoded elsewhere (the GPU's ParisKvEncode with the codec of an index
+// made for `shape` and `params`): per KV head `codes` [size, P / 2] and `weights` [size, B] as
+// in ParisKvState. InvalidArgument naming the head and array whose size does not fit.
+struct PrebuiltParisKvHead {
+  std::span<const uint8_t> codes;
+  std::span<const uint16_t> weights;
+};
+[[nodiscard]] absl::StatusOr<std::vector<uint8_t>> SerializePrebuiltParisKv(
+    const IndexShape& shape, const IndexParams& params, int64_t size,
+    std::span<const PrebuiltParisKvHead> heads);
+
 }  // namespace kvr::retrieval

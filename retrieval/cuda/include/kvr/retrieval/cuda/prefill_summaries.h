@@ -17,6 +17,9 @@
 //              [n_kv_heads], list_offsets [n_kv_heads, C + 1], lists [n_kv_heads, C * rho]
 //              int32 (i32), C and rho the plan's at the capacity; built from the keys and the
 //              export's queries, which the model keeps on the device for it (wants_queries)
+//   pariskv    codes [n_kv_heads, capacity, P / 2] bytes, then weights [n_kv_heads, capacity,
+//              B] fp16, as bytes in the i32 array (ParisKvEncode over the bf16 keys, with the
+//              codec of the CPU index for the model and params)
 //
 // Every build serialises to the bytes SerializeIndex writes for the CPU index in the same state
 // (prebuilt.h, ctkvr.h), so a decode node cannot tell it from a CPU build.
@@ -39,7 +42,7 @@
 namespace kvr::retrieval::cuda {
 
 struct PrefillSummaryOptions {
-  std::string method;  // quest, clusterkv, keydiff, a2ats or ctkvr
+  std::string method;  // quest, clusterkv, keydiff, a2ats, ctkvr or pariskv
   // The prefill's last queries the model keeps per layer (KvExportOptions::max_queries): ctkvr's
   // C is at most this many, as on the CPU path.
   int64_t max_queries = 512;
@@ -77,11 +80,13 @@ class PrefillSummaryBuilder : public model::CudaLayerBuilder {
 // builds of a Forward one after another on one stream). Must outlive its builders' builds.
 class PrefillSummaryBuilders {
  public:
-  // Whether a request for `method` with `params` gets a GPU build that ships (Serialize):
-  // quest, clusterkv, keydiff, ctkvr, and a2ats when params carry the codebooks (assets) and no
-  // a2ats.rerank (its summary keeps the keys). Otherwise the CPU index builds it (and refuses
-  // what it must).
-  static bool Ships(std::string_view method, const IndexParams& params);
+  // Whether a request for `method` with `params` on a model of `config` gets a GPU build that
+  // ships (Serialize): quest, clusterkv, keydiff, ctkvr; pariskv where the GPU encode takes its
+  // codec (head_dim 64 or 128, head_dim / subspace_dim <= 32); a2ats when params carry the
+  // codebooks (assets) and no a2ats.rerank (its summary keeps the keys). Otherwise the CPU
+  // index builds it (and refuses what it must).
+  static bool Ships(const model::ModelConfig& config, std::string_view method,
+                    const IndexParams& params);
   // `config`: the model's. Unimplemented without CUDA.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<PrefillSummaryBuilders>> Create(
       const model::ModelConfig& config, int device);
