@@ -1088,20 +1088,32 @@ absl::Status SparseDecodeImpl::FetchMissesAndFill(int layer, const KvPoolView& p
   };
   const int64_t kv = config_.n_kv_heads, B = sp.opt.budget, row = 2 * int64_t{config_.head_dim};
   const int32_t* slot_of = sp.hot[layer].slot_of();
+  // The ids, cache slots and counts of the slots from the first fetched one to the last: three
+  // copies, however many sequences are fetched.
+  int lo = sp.opt.slots, hi = -1;
   for (const Sequence* s : fetched_) {
-    const int64_t e0 = int64_t{s->slot} * kv * B;
+    lo = std::min(lo, s->slot);
+    hi = std::max(hi, s->slot);
+  }
+  if (hi < lo) return fill(0, -1);
+  {
+    const int64_t e0 = int64_t{lo} * kv * B, n = int64_t{hi - lo + 1} * kv * B;
     KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_fetch_ids.data() + e0, sp.ids.data() + e0,
-                                             kv * B * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+                                             n * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
     KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_slot_of.data() + e0, slot_of + e0,
-                                             kv * B * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
-    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_fetch_counts.data() + s->slot * kv,
-                                             sp.counts.data() + s->slot * kv,
-                                             kv * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+                                             n * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        sp.h_fetch_counts.data() + lo * kv, sp.counts.data() + lo * kv,
+        int64_t{hi - lo + 1} * kv * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
   }
   // Also orders this layer's staging after the previous layer's Fill, which read it.
   KVR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
-  // Every fetched sequence's misses, in (sequence, head, entry) order, then one fetch per
-  // sequence, all started before any is waited for.
+  // Every fetched sequence's misses, in (sequence, head, entry) order, each sequence's fetch
+  // started as soon as its list is made (the store works while the host makes the next), all
+  // started before any is waited for; straight into the staging, each sequence's rows after the
+  // previous one's.
+  uint16_t* staged = reinterpret_cast<uint16_t*>(sp.staged.data());
+  int32_t* staged_index = sp.staged_index.data();
   std::vector<int32_t>& positions = sp.fetch_positions;
   std::vector<int64_t>& entries = sp.fetch_entries;
   positions.clear();
@@ -1132,15 +1144,12 @@ absl::Status SparseDecodeImpl::FetchMissesAndFill(int layer, const KvPoolView& p
       }
     }
     p.count = positions.size() - p.first;
-  }
-  // Straight into the staging, each sequence's rows after the previous one's.
-  uint16_t* staged = reinterpret_cast<uint16_t*>(sp.staged.data());
-  int32_t* staged_index = sp.staged_index.data();
-  for (size_t i = 0; i < entries.size(); ++i) staged_index[entries[i]] = static_cast<int32_t>(i);
-  for (FetchPending& p : pending) {
-    if (p.count == 0 || !p.s->fetch_failure.ok()) continue;
-    p.s->fetch_failure = p.s->fetch->Start(
-        p.heads, {staged + p.first * row, p.count * static_cast<size_t>(row)});
+    for (size_t i = p.first; i < entries.size(); ++i) {
+      staged_index[entries[i]] = static_cast<int32_t>(i);
+    }
+    if (p.count == 0 || !s->fetch_failure.ok()) continue;
+    s->fetch_failure =
+        s->fetch->Start(p.heads, {staged + p.first * row, p.count * static_cast<size_t>(row)});
   }
   // While the fetches run: the slots that wait for none (sequences read in place, free slots),
   // in runs of consecutive slots.
