@@ -94,6 +94,13 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
                     "the store's data plane; any store) or auto (in place when possible, else "
                     "fetched)",
                     &Config::gpu_row_source, {"in-place", "fetch", "auto"}),
+                node::BoolSetting<Config>(
+                    "store_rma_reads",
+                    "read rows from a store by RMA gets from its pool where it offers its rkey "
+                    "(kvr-store --rma-reads) and the transport has native RMA (shared memory, "
+                    "RDMA): the store only locates them; the rkey reads the whole pool, so only "
+                    "among trusted nodes",
+                    &Config::store_rma_reads),
                 IntegerSetting<Config>(
                     "gpu_budget", "--device cuda: selected tokens per KV head and step (<= 4096)",
                     &Config::gpu_budget, 1),

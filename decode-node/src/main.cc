@@ -132,11 +132,12 @@ int Serve(const DecodeConfig& config) {
   }
   spdlog::info("gRPC: {}", security->Describe());
   StoreClients stores(
-      [security = *security](
+      [security = *security, rma = config.store_rma_reads](
           const std::string& address) -> absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> {
         kv_store::UcxClientOptions options;
         options.name = "kvr-decode";
         options.security = security;
+        options.rma_reads = rma;
         // A handoff naming a store that just died must not wait for it to come back.
         options.connect_timeout = absl::Seconds(2);
         auto client = kv_store::UcxKvStoreClient::Connect(address, options);

@@ -108,6 +108,11 @@ TEST(DecodeConfigTest, GpuRowSourceIsInPlaceFetchOrAuto) {
   auto config = node::ResolveConfig(DecodeSettings(), {}, std::nullopt, no_env);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->gpu_row_source, "in-place");
+  EXPECT_FALSE(config->store_rma_reads);
+  config =
+      node::ResolveConfig(DecodeSettings(), {{"store_rma_reads", "true"}}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->store_rma_reads);
   for (const std::string v : {"fetch", "auto"}) {
     config = node::ResolveConfig(DecodeSettings(), {{"gpu_row_source", v}}, std::nullopt, no_env);
     ASSERT_TRUE(config.ok()) << config.status();

@@ -1,8 +1,13 @@
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
+
+#include "absl/container/flat_hash_map.h"
 
 #include "absl/synchronization/notification.h"
 
@@ -68,6 +73,20 @@ struct UcxKvStoreClient::Impl {
   std::shared_ptr<const LocalPoolMapping> local_pool ABSL_GUARDED_BY(local_pool_mu);
   std::string instance_id;  // of the store process, from GetDataPlaneInfo
 
+  // RMA gathers: where the rows of a (sequence, layer, KV head) lie in the store's pool, as
+  // the store located them for rows [0, rows). Committed rows are immutable and stay in their
+  // pages while the sequence is held, so a reader locates each row once; the key carries the
+  // capability, so a new sequence under a reused id is located afresh.
+  struct Located {
+    uint64_t rows = 0;
+    uint64_t row_bytes = 0;
+    std::vector<uint64_t> first_row;    // per run of contiguous rows: its first row
+    std::vector<uint64_t> pool_offset;  // and where that row starts in the pool
+  };
+  using LocatedKey = std::tuple<uint64_t, uint32_t, uint32_t, std::string>;
+  absl::Mutex located_mu;
+  absl::flat_hash_map<LocatedKey, Located> located ABSL_GUARDED_BY(located_mu);
+
   absl::Time Deadline() const { return absl::Now() + options.timeout; }
 
   void Prepare(grpc::ClientContext& ctx) const {
@@ -123,6 +142,30 @@ struct UcxKvStoreClient::Impl {
                                    std::shared_ptr<const std::vector<uint8_t>> owned,
                                    std::vector<transport::ByteView> payload,
                                    std::span<uint8_t> out, absl::Time deadline);
+
+  // The pool segments of `range` (kLocateRange, answered only for the sequence's capability).
+  absl::StatusOr<std::vector<wire::SegmentWire>> Locate(const RangeEntry& range,
+                                                        absl::Time deadline) {
+    wire::Encoded enc = wire::EncodeRange(MessageType::kLocateRange, {&range, 1}, deadline);
+    absl::StatusOr<transport::Response> resp =
+        CallSmall(MessageType::kLocateRange, enc.header, {enc.payload}, deadline);
+    if (!resp.ok()) return resp.status();
+    KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply, wire::ParseReply(transport::AsBytes(resp->header),
+                                                                   MessageType::kLocateRange));
+    if (resp->payload.size() != reply.value * sizeof(wire::SegmentWire)) {
+      return absl::InternalError("kvr-store sent a malformed segment list");
+    }
+    std::vector<wire::SegmentWire> segments(reply.value);
+    if (!segments.empty()) {
+      std::memcpy(segments.data(), resp->payload.data(), resp->payload.size());
+    }
+    return segments;
+  }
+
+  // The pieces of an RMA gather of `entries` into `out`, locating the rows not located yet.
+  absl::StatusOr<std::vector<transport::GetPiece>> PlanGather(std::span<const GatherEntry> entries,
+                                                              std::span<uint8_t> out,
+                                                              absl::Time deadline);
 
   // Parks a call abandoned after its endpoint failed (see Abandoned).
   void Abandon(transport::PendingCall call,
@@ -253,7 +296,7 @@ absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> UcxKvStoreClient::Connect(
   impl->host_id = info.host_id();
   impl->pool_id = info.pool_id();
   impl->instance_id = info.instance_id();
-  if (impl->options.rma_range_reads && !info.pool_rkey().empty()) {
+  if (impl->options.rma_reads && !info.pool_rkey().empty()) {
     // RMA only pays where it is native; over TCP UCX emulates it at a fraction of AM speed.
     // The store hands out an rkey only when it runs with --rma-reads.
     absl::StatusOr<bool> native = impl->endpoint->HasNativeRma();
@@ -323,9 +366,138 @@ std::unique_ptr<KvStoreOp> UcxKvStoreClient::StartPutLayer(const LayerRows& rows
                       {rows.k, rows.v}, {}, deadline);
 }
 
+namespace {
+
+// An op that failed before anything was sent.
+class FailedOp final : public KvStoreOp {
+ public:
+  explicit FailedOp(absl::Status status) : status_(std::move(status)) {}
+  bool Done() const override { return true; }
+  absl::StatusOr<uint64_t> Wait() override {
+    if (waited_) return absl::FailedPreconditionError("KvStoreOp::Wait called twice");
+    waited_ = true;
+    return status_;
+  }
+
+ private:
+  absl::Status status_;
+  bool waited_ = false;
+};
+
+// An RMA gather in flight: the gets of its pieces as one transfer.
+class RmaGatherOp final : public KvStoreOp {
+ public:
+  RmaGatherOp(UcxKvStoreClient::Impl* impl, transport::PendingTransfer transfer, uint64_t bytes)
+      : impl_(impl), transfer_(std::move(transfer)), bytes_(bytes) {}
+  ~RmaGatherOp() override {
+    if (!waited_) (void)transfer_.Wait();
+  }
+  bool Done() const override { return transfer_.state() == transport::OpState::kDone; }
+  absl::StatusOr<uint64_t> Wait() override;
+
+ private:
+  UcxKvStoreClient::Impl* impl_;
+  transport::PendingTransfer transfer_;
+  uint64_t bytes_;
+  bool waited_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<uint64_t> RmaGatherOp::Wait() {
+  if (waited_) return absl::FailedPreconditionError("KvStoreOp::Wait called twice");
+  waited_ = true;
+  absl::Status st = transfer_.Wait();
+  if (!st.ok()) return impl_->Annotate(st);
+  return bytes_;
+}
+
+absl::StatusOr<std::vector<transport::GetPiece>> UcxKvStoreClient::Impl::PlanGather(
+    std::span<const GatherEntry> entries, std::span<uint8_t> out, absl::Time deadline) {
+  std::vector<transport::GetPiece> pieces;
+  size_t at = 0;
+  absl::MutexLock lock(&located_mu);
+  // A reader holds a bounded number of sequences; forget them all past this many heads.
+  if (located.size() > (size_t{1} << 16)) located.clear();
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const GatherEntry& entry = entries[e];
+    if (entry.indices.empty()) continue;
+    Located& loc = located[LocatedKey(entry.sequence.id, entry.layer, entry.head,
+                                      entry.sequence.cap.ToBytes())];
+    const uint64_t need =
+        uint64_t{*std::max_element(entry.indices.begin(), entry.indices.end())} + 1;
+    if (need > loc.rows) {
+      // Locate the rows not located yet (the store refuses rows it does not hold).
+      const RangeEntry range{entry.sequence, entry.layer, entry.head, loc.rows, need - loc.rows};
+      absl::StatusOr<std::vector<wire::SegmentWire>> segments = Locate(range, deadline);
+      if (!segments.ok()) {
+        located.erase(
+            LocatedKey(entry.sequence.id, entry.layer, entry.head, entry.sequence.cap.ToBytes()));
+        return segments.status();
+      }
+      uint64_t bytes = 0;
+      for (const wire::SegmentWire& seg : *segments) bytes += seg.bytes;
+      const uint64_t rows = need - loc.rows;
+      if (bytes == 0 || bytes % rows != 0 ||
+          (loc.row_bytes != 0 && bytes / rows != loc.row_bytes)) {
+        return absl::InternalError(absl::StrFormat(
+            "kvr-store %s located %d bytes for %d rows of sequence %d layer %d head %d", target,
+            bytes, rows, entry.sequence.id, entry.layer, entry.head));
+      }
+      loc.row_bytes = bytes / rows;
+      uint64_t row = loc.rows;
+      for (const wire::SegmentWire& seg : *segments) {
+        if (seg.bytes % loc.row_bytes != 0) {
+          return absl::InternalError(
+              absl::StrFormat("kvr-store %s located a segment of %d bytes, not whole rows of %d",
+                              target, seg.bytes, loc.row_bytes));
+        }
+        loc.first_row.push_back(row);
+        loc.pool_offset.push_back(seg.pool_offset);
+        row += seg.bytes / loc.row_bytes;
+      }
+      loc.rows = need;
+    }
+    for (uint32_t index : entry.indices) {
+      if (loc.row_bytes > out.size() - at) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("gather output buffer has %d bytes, the rows need more", out.size()));
+      }
+      // The run holding the row: the last whose first row is <= index.
+      const size_t run =
+          std::upper_bound(loc.first_row.begin(), loc.first_row.end(), uint64_t{index}) -
+          loc.first_row.begin() - 1;
+      const uint64_t remote =
+          pool_base + loc.pool_offset[run] + (index - loc.first_row[run]) * loc.row_bytes;
+      transport::GetPiece* last = pieces.empty() ? nullptr : &pieces.back();
+      if (last != nullptr && last->remote_address + last->local.size() == remote &&
+          last->local.data() + last->local.size() == out.data() + at) {
+        last->local = {last->local.data(), last->local.size() + loc.row_bytes};  // coalesced
+      } else {
+        pieces.push_back({remote, out.subspan(at, loc.row_bytes)});
+      }
+      at += loc.row_bytes;
+    }
+  }
+  if (at != out.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("gather output buffer has %d bytes, the rows need %d", out.size(), at));
+  }
+  return pieces;
+}
+
 std::unique_ptr<KvStoreOp> UcxKvStoreClient::StartGather(std::span<const GatherEntry> entries,
                                                          std::span<uint8_t> out) {
   const absl::Time deadline = impl_->Deadline();
+  if (impl_->rkey) {
+    // RMA: the rows' places once per (sequence, layer, head), then one batch of gets straight
+    // from the store's pool, no store CPU in the copy.
+    absl::StatusOr<std::vector<transport::GetPiece>> pieces =
+        impl_->PlanGather(entries, out, deadline);
+    if (!pieces.ok()) return std::make_unique<FailedOp>(pieces.status());
+    return std::make_unique<RmaGatherOp>(
+        impl_.get(), impl_->endpoint->Get(*pieces, *impl_->rkey, deadline), out.size());
+  }
   wire::Encoded enc = wire::EncodeGather(entries, deadline);
   auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(enc.payload));
   std::vector<transport::ByteView> payload = {transport::ByteView(*owned)};
@@ -350,18 +522,9 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
   // immutable, and stay mapped while the sequence is held.
   size_t offset = 0;
   for (const RangeEntry& range : ranges) {
-    wire::Encoded enc = wire::EncodeRange(MessageType::kLocateRange, {&range, 1}, deadline);
-    absl::StatusOr<transport::Response> resp =
-        impl_->CallSmall(MessageType::kLocateRange, enc.header, {enc.payload}, deadline);
-    if (!resp.ok()) return resp.status();
-    KVR_ASSIGN_OR_RETURN(wire::ReplyHeader reply, wire::ParseReply(transport::AsBytes(resp->header),
-                                                                   MessageType::kLocateRange));
-    if (resp->payload.size() != reply.value * sizeof(wire::SegmentWire)) {
-      return absl::InternalError("kvr-store sent a malformed segment list");
-    }
-    for (uint64_t i = 0; i < reply.value; ++i) {
-      wire::SegmentWire seg;
-      std::memcpy(&seg, resp->payload.data() + i * sizeof(seg), sizeof(seg));
+    KVR_ASSIGN_OR_RETURN(const std::vector<wire::SegmentWire> segments,
+                         impl_->Locate(range, deadline));
+    for (const wire::SegmentWire& seg : segments) {
       if (seg.bytes > out.size() - offset) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "range output buffer has %d bytes, the rows need more", out.size()));

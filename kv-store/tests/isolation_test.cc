@@ -48,7 +48,7 @@ std::unique_ptr<UcxKvStoreClient> Connect(int port, const std::string& name) {
   options.timeout = absl::Seconds(5);
   options.ucx_config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
   // Ask for RMA: the store decides whether any rkey exists.
-  options.rma_range_reads = true;
+  options.rma_reads = true;
   auto client = UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", port), options);
   EXPECT_TRUE(client.ok()) << client.status();
   return client.ok() ? *std::move(client) : nullptr;

@@ -13,7 +13,9 @@
 #          bash scripts/device/gpu-decode.sh bench [bench flags...] (the bench alone)
 #          GPUDECODE_STORE_GIB=N: a kvr-store process with an N GiB pool and a local socket runs
 #          beside the bench, which gets --store (the "store" placement: rows read in place from
-#          that process's pages, as a CUDA decode node reads them)
+#          that process's pages, as a CUDA decode node reads them); GPUDECODE_STORE_RMA=1: the
+#          store runs with --rma-reads and the bench gets --store-rma (the fetched rows and their
+#          ceiling read by RMA gets from the store's pool)
 #          bash scripts/device/gpu-decode.sh ceil [bench flags...]  (compute-sanitizer memcheck of
 #          the link probes (--ceiling-only, 16 MiB), the bench, GPUDECODE_PROBE_MIB="64 16384"
 #          probes alone at those buffer sizes, then the sparse tests, each capped)
@@ -49,9 +51,11 @@ bench() {
     # often off): reserve enough for the pool, and say what the kernel granted.
     sysctl -w vm.nr_hugepages=$(( GPUDECODE_STORE_GIB * 512 + 64 )) > /dev/null 2>&1
     echo "vm.nr_hugepages: $(cat /proc/sys/vm/nr_hugepages)"
+    local rma_args=()
+    [[ -n "${GPUDECODE_STORE_RMA:-}" ]] && rma_args=(--rma-reads true)
     "$kStage/bin/kvr-store" --listen 127.0.0.1:0 \
       --capacity-bytes "${GPUDECODE_STORE_GIB}GiB" --local-socket /tmp/kvr-bench-store.sock \
-      > "$out/store.log" 2>&1 &
+      "${rma_args[@]}" > "$out/store.log" 2>&1 &
     store_pid=$!
     for _ in $(seq 100); do
       grep -q 'kvr-store listening port=' "$out/store.log" && break
@@ -62,6 +66,7 @@ bench() {
     [[ -n "$port" ]] || { echo "kvr-store did not start:"; tail -5 "$out/store.log"; return 1; }
     grep -E 'page_backing|backing' "$out/store.log" | head -2
     store_args=(--store "127.0.0.1:$port")
+    [[ -n "${GPUDECODE_STORE_RMA:-}" ]] && store_args+=(--store-rma)
   fi
   # GPUDECODE_KVR: another kvr binary (e.g. an earlier build, to compare in one call).
   timeout 540 "${GPUDECODE_KVR:-$kStage/bin/kvr}" bench decode --profile \

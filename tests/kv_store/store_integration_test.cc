@@ -106,7 +106,7 @@ class StoreScenarioTest : public ::testing::Test {
     UcxClientOptions options;
     options.name = std::move(name);
     options.timeout = absl::Seconds(5);
-    options.rma_range_reads = rma;
+    options.rma_reads = rma;
     auto client = UcxKvStoreClient::Connect(target_, options);
     EXPECT_TRUE(client.ok()) << client.status();
     return client.ok() ? *std::move(client) : nullptr;
@@ -178,6 +178,34 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
     ASSERT_TRUE(client->Gather(entries, out).ok());
     EXPECT_EQ(CountBadRows(kShape, entries, out), 0u);
   }
+  std::printf("gathers: writer client via %s, reader client via %s\n",
+              writer->range_read_path().c_str(), reader->range_read_path().c_str());
+  // A row appended after the writer's gather located the layer's rows: located on its own
+  // (the RMA path locates only the rows it has not located yet), read with the earlier ones.
+  auto two = MakePatternRows(kShape, 1, 3, 701, 1);
+  ASSERT_TRUE(
+      writer->Append({.sequence = TestRef(1), .layer = 3, .n_rows = 1, .k = two.k, .v = two.v})
+          .ok());
+  const std::vector<uint32_t> tail = {701, 700, 0, 701, 350};
+  const std::vector<GatherEntry> after = {
+      {.sequence = TestRef(1), .layer = 3, .head = 0, .indices = tail}};
+  for (KvStoreClient* client :
+       {static_cast<KvStoreClient*>(reader.get()), static_cast<KvStoreClient*>(writer.get())}) {
+    std::vector<uint8_t> out(GatherBytes(after, kShape.RowBytes()));
+    ASSERT_TRUE(client->Gather(after, out).ok());
+    EXPECT_EQ(CountBadRows(kShape, after, out), 0u);
+    // A row the store does not hold is refused, naming it, on either path.
+    const std::vector<uint32_t> past = {5, 702};
+    const std::vector<GatherEntry> bad = {
+        {.sequence = TestRef(1), .layer = 3, .head = 1, .indices = past}};
+    std::vector<uint8_t> bad_out(GatherBytes(bad, kShape.RowBytes()));
+    const absl::Status refused = client->Gather(bad, bad_out);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kOutOfRange) << refused;
+    // Another client's sequence is not located for a wrong capability.
+    const std::vector<GatherEntry> foreign = {
+        {.sequence = {.id = 1, .cap = TestRef(2).cap}, .layer = 0, .head = 0, .indices = past}};
+    EXPECT_EQ(client->Gather(foreign, bad_out).code(), absl::StatusCode::kPermissionDenied);
+  }
 
   // Range reads, through RMA (where native) and through active messages.
   const std::vector<RangeEntry> ranges = {
@@ -200,7 +228,7 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
   }
   auto info = reader->GetSequence(TestRef(1));
   ASSERT_TRUE(info.ok());
-  EXPECT_THAT(info->committed_rows, ::testing::ElementsAre(700, 700, 700, 701));
+  EXPECT_THAT(info->committed_rows, ::testing::ElementsAre(700, 700, 700, 702));
   EXPECT_EQ(info->tokens_per_page, 256u);
 }
 

@@ -96,6 +96,7 @@ struct DecodeBenchFlags {
   bool ceiling_only = false;
   std::string store;  // a same-host kvr-store: the "store" placement
   bool fetch = false;  // with store: the "fetched" placement
+  bool store_rma = false;  // the store client reads by RMA gets where the store offers its rkey
   std::string json;
 };
 
@@ -145,8 +146,12 @@ class DecodeBench {
   absl::Status PrepareStoreRows(int64_t context, int64_t capacity) {
     if (store_ == nullptr) {
       KVR_ASSIGN_OR_RETURN(
-          store_, kv_store::UcxKvStoreClient::Connect(
-                      f_.store, {.timeout = absl::Seconds(60), .name = "kvr-bench-decode"}));
+          store_, kv_store::UcxKvStoreClient::Connect(f_.store, {.timeout = absl::Seconds(60),
+                                                                 .name = "kvr-bench-decode",
+                                                                 .rma_reads = f_.store_rma}));
+      std::printf("store: reads by %s\n", store_->range_read_path() == "rma"
+                                              ? "RMA gets from the store's pool"
+                                              : "requests the store answers (active messages)");
       KVR_ASSIGN_OR_RETURN(pool_, store_->MapLocalPool());
       KVR_ASSIGN_OR_RETURN(pool_device_, sp_.RegisterHostRegion(pool_->base(), pool_->bytes(),
                                                                 /*read_only=*/true));
@@ -919,6 +924,10 @@ void AddBenchDecodeCommand(CLI::App& app) {
                 "with --store: adds the placement 'fetched', the misses fetched through the "
                 "store's data plane (UCX) as for a store on another host, against the store's "
                 "gather rate measured in the same run");
+  cmd->add_flag("--store-rma", f.store_rma,
+                "with --store: the store client reads rows (the 'fetched' placement's misses and "
+                "its ceiling) by RMA gets from the store's pool, where the store offers its rkey "
+                "(kvr-store --rma-reads true) and the transport has native RMA");
   cmd->add_option("--json", f.json, "write the rows as JSON");
   cmd->callback([flags] {
     const absl::Status s = RunDecodeBench(*flags);

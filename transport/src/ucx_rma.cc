@@ -2,6 +2,7 @@
 // keys unpacked per endpoint, and gets.
 
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kvr/transport/ucx.h"
@@ -146,6 +147,12 @@ absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) {
 
 PendingTransfer Endpoint::Get(uint64_t remote_address, const RemoteKey& rkey,
                               std::span<uint8_t> local, absl::Time deadline) {
+  const GetPiece piece{remote_address, local};
+  return Get(std::span(&piece, 1), rkey, deadline);
+}
+
+PendingTransfer Endpoint::Get(std::span<const GetPiece> pieces, const RemoteKey& rkey,
+                              absl::Time deadline) {
   auto transfer = std::make_shared<TransferState>();
   if (state_ == nullptr || rkey.state_ == nullptr) {
     transfer->Finish(absl::FailedPreconditionError("moved-from Endpoint or RemoteKey"));
@@ -156,10 +163,15 @@ PendingTransfer Endpoint::Get(uint64_t remote_address, const RemoteKey& rkey,
         "remote key was unpacked for another endpoint than the one to '", state_->peer_name, "'")));
     return PendingTransfer(std::move(transfer));
   }
+  if (pieces.empty()) {
+    transfer->Finish(absl::OkStatus());
+    return PendingTransfer(std::move(transfer));
+  }
   std::shared_ptr<WorkerCore> core = worker_;
   std::shared_ptr<EndpointState> state = state_;
   std::shared_ptr<RkeyState> key = rkey.state_;
-  auto cmd = [core, state, key, transfer, remote_address, local] {
+  auto cmd = [core, state, key, transfer,
+              pieces = std::vector<GetPiece>(pieces.begin(), pieces.end())] {
     if (core->stop_requested || state->ep == nullptr || key->rkey == nullptr) {
       absl::Status health = state->Health();
       transfer->Finish(!health.ok() ? health
@@ -167,32 +179,42 @@ PendingTransfer Endpoint::Get(uint64_t remote_address, const RemoteKey& rkey,
                                           "endpoint to '", state->peer_name, "' is closed")));
       return;
     }
-    struct Ctx {
+    // Completions run on this (the progress) thread, never while the gets are being issued:
+    // `remaining` counts the pieces still out plus one for the issuing loop itself.
+    struct Batch {
       std::shared_ptr<TransferState> transfer;
       std::shared_ptr<EndpointState> state;
       WorkerCore* core;
+      size_t remaining;
+      absl::Status first_failure;
+      void Done(absl::Status st) {
+        if (!st.ok() && first_failure.ok()) first_failure = std::move(st);
+        if (--remaining == 0) {
+          transfer->Finish(std::move(first_failure));
+          delete this;
+        }
+      }
     };
-    auto* ctx = new Ctx{transfer, state, core.get()};
+    auto* batch = new Batch{transfer, state, core.get(), pieces.size() + 1, absl::OkStatus()};
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
-      auto* ctx = static_cast<Ctx*>(user_data);
+      auto* batch = static_cast<Batch*>(user_data);
       ucp_request_free(request);
-      ctx->transfer->Finish(status == UCS_OK
-                                ? absl::OkStatus()
-                                : ctx->core->FailureFor(*ctx->state, status, "RMA get"));
-      delete ctx;
+      batch->Done(status == UCS_OK ? absl::OkStatus()
+                                   : batch->core->FailureFor(*batch->state, status, "RMA get"));
     };
-    param.user_data = ctx;
-    ucs_status_ptr_t req =
-        ucp_get_nbx(state->ep, local.data(), local.size(), remote_address, key->rkey, &param);
-    if (UCS_PTR_IS_ERR(req)) {
-      transfer->Finish(core->FailureFor(*state, UCS_PTR_STATUS(req), "RMA get"));
-      delete ctx;
-    } else if (req == nullptr) {
-      transfer->Finish(absl::OkStatus());
-      delete ctx;
+    param.user_data = batch;
+    for (const GetPiece& piece : pieces) {
+      ucs_status_ptr_t req = ucp_get_nbx(state->ep, piece.local.data(), piece.local.size(),
+                                         piece.remote_address, key->rkey, &param);
+      if (UCS_PTR_IS_ERR(req)) {
+        batch->Done(core->FailureFor(*state, UCS_PTR_STATUS(req), "RMA get"));
+      } else if (req == nullptr) {
+        batch->Done(absl::OkStatus());
+      }
     }
+    batch->Done(absl::OkStatus());  // the issuing loop's share
   };
   (void)deadline;  // see the header: a get ends when UCX releases the buffer
   if (core->OnProgressThread()) {

@@ -52,6 +52,10 @@ struct DecodeConfig {
   // missed rows fetched through the store's data plane, any store), "auto" (in place when the
   // store is on this host, else fetched).
   std::string gpu_row_source = "in-place";
+  // Rows read from a store (fetched misses, prefixes) by RMA gets from its pool where the store
+  // hands out its rkey (kvr-store --rma-reads) and the transport has native RMA: the store only
+  // locates the rows, no store CPU in the copy. Off: every read is a request the store answers.
+  bool store_rma_reads = false;
   uint32_t gpu_budget = 1024;  // selected tokens per KV head and step
   // The controller's defaults for requests that set none (controller/src/config.cc:
   // default_n_sink, default_local_window), so that `kvr up --device cuda` serves them as is.

@@ -197,11 +197,14 @@ struct UcxClientOptions {
   // UCX configuration overrides for this client's context (see transport::ContextOptions);
   // empty: UCX_* environment.
   std::vector<std::pair<std::string, std::string>> ucx_config;
-  // Range reads by RMA get when the endpoint has native RMA (shared memory, RDMA) and the
-  // store hands out its pool's rkey (kvr-store --rma-reads); otherwise, and always when
-  // false, by an active-message request answered with the rows. Off by default: the rkey
-  // reads the whole pool past every capability check (kv-store/README.md).
-  bool rma_range_reads = false;
+  // Range reads and gathers by RMA gets when the endpoint has native RMA (shared memory, RDMA)
+  // and the store hands out its pool's rkey (kvr-store --rma-reads): the store only locates
+  // the rows (checking the capability) and the client reads them from its pool, no store CPU
+  // in the copy; a gather locates each (sequence, layer, head)'s rows once and batches its
+  // gets. Otherwise, and always when false, by an active-message request answered with the
+  // rows. Off by default: the rkey reads the whole pool past every capability check
+  // (kv-store/README.md).
+  bool rma_reads = false;
   // The gRPC control channel's transport security (kvr/common/tls.h); default plaintext.
   GrpcSecurity security;
 };

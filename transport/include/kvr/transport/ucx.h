@@ -261,6 +261,13 @@ struct CallOptions {
 
 class RemoteKey;
 
+// One piece of a batched RMA get (Endpoint::Get): `local.size()` bytes at the peer's
+// `remote_address`.
+struct GetPiece {
+  uint64_t remote_address = 0;
+  std::span<uint8_t> local;
+};
+
 // A connection to a peer worker (ucp_ep with UCP_ERR_HANDLING_MODE_PEER: a dead peer fails
 // requests instead of hanging them). Move-only; closed on destruction (pending calls on it
 // complete with CANCELLED). Thread-safe.
@@ -305,6 +312,12 @@ class Endpoint {
   [[nodiscard]] absl::Status GetSync(uint64_t remote_address, const RemoteKey& rkey,
                                      std::span<uint8_t> local,
                                      absl::Time deadline = absl::InfiniteFuture());
+  // Gets of many pieces under one rkey as ONE transfer (one hand-off to the progress thread,
+  // every get issued before any completion is awaited): done when every piece is, with the
+  // first failure as its result. The pieces are copied; their local buffers follow the rule
+  // above.
+  [[nodiscard]] PendingTransfer Get(std::span<const GetPiece> pieces, const RemoteKey& rkey,
+                                    absl::Time deadline = absl::InfiniteFuture());
 
   // The UCX transports this endpoint's lanes use, as "transport/device" strings (e.g.
   // "tcp/lo", "posix/memory", "cma/memory"), from ucp_ep_print_info.
