@@ -54,7 +54,7 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
       {KVR_STORE_BINARY, "--listen", "127.0.0.1:0", "--health-address", "127.0.0.1:0",
        "--capacity-bytes", "16MiB", "--page-bytes", "64KiB", "--metrics-port", "-1", "--tls-ca",
        ca_file, "--tls-cert", store_tls.cert_file, "--tls-key", store_tls.key_file},
-      {"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"}, absl::Seconds(20));
+      testing::LoopbackUcxEnv(), absl::Seconds(20));
   ASSERT_TRUE(store.ok()) << store.status();
   constexpr char kMarker[] = "kvr-store health port=";
   const size_t at = store->output().find(kMarker);

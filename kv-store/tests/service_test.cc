@@ -11,13 +11,10 @@
 #include "kvr/kv_store/server.h"
 #include "kvr/kv_store/test_pattern.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::TestCapability;
-using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 constexpr SequenceShape kShape{
@@ -32,13 +29,7 @@ StoreOptions SmallStore() {
 // Puts rows [0, n_rows) of every layer of sequence `seq`, the test pattern's.
 absl::Status PutPatternLayers(KvStoreClient& client, SequenceId seq, uint32_t n_rows) {
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
-    auto rows = MakePatternRows(kShape, seq, layer, 0, n_rows);
-    absl::StatusOr<uint64_t> committed = client.PutLayer({.sequence = TestRef(seq),
-                                                          .layer = layer,
-                                                          .start_row = 0,
-                                                          .n_rows = n_rows,
-                                                          .k = rows.k,
-                                                          .v = rows.v});
+    absl::StatusOr<uint64_t> committed = PutPatternRows(client, kShape, seq, layer, 0, n_rows);
     if (!committed.ok()) return committed.status();
   }
   return absl::OkStatus();
@@ -48,13 +39,7 @@ absl::Status PutPatternLayers(KvStoreClient& client, SequenceId seq, uint32_t n_
 void ExerciseClient(KvStoreClient& client) {
   ASSERT_TRUE(client.CreateSequence(TestRef(5), kShape, 10, absl::Seconds(60)).ok());
   for (uint32_t layer = 0; layer < 2; ++layer) {
-    auto rows = MakePatternRows(kShape, 5, layer, 0, 70);
-    auto committed = client.PutLayer({.sequence = TestRef(5),
-                                      .layer = layer,
-                                      .start_row = 0,
-                                      .n_rows = 70,
-                                      .k = rows.k,
-                                      .v = rows.v});
+    auto committed = PutPatternRows(client, kShape, 5, layer, 0, 70);
     ASSERT_TRUE(committed.ok()) << committed.status();
     EXPECT_EQ(*committed, 70u);
   }
@@ -373,4 +358,4 @@ TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing
