@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "health_test_util.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvr/common/cert_authority.h"
@@ -27,21 +28,6 @@ namespace {
 
 using ::kvr::kv_store::testing::StoreProcess;
 using HS = ::grpc::health::v1::HealthCheckResponse;
-
-std::shared_ptr<grpc::Channel> ChannelTo(int port, const TlsConfig& tls) {
-  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
-  EXPECT_TRUE(security.ok()) << security.status();
-  return security->CreateChannel(absl::StrCat("127.0.0.1:", port));
-}
-
-// The status of the overall service, or 100 + the code of a failed call.
-int Check(const std::shared_ptr<grpc::Channel>& channel) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::health::v1::HealthCheckResponse response;
-  const grpc::Status s = grpc::health::v1::Health::NewStub(channel)->Check(&ctx, {}, &response);
-  return s.ok() ? static_cast<int>(response.status()) : 100 + s.error_code();
-}
 
 TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
   TestCertificates files("kvr-store-health");
@@ -67,13 +53,13 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
       << store->output();
   ASSERT_NE(health_port, store->port());
 
-  const auto probe = ChannelTo(health_port, TlsConfig{});  // plaintext, as the kubelet
-  EXPECT_EQ(Check(probe), HS::SERVING);
-  EXPECT_EQ(Check(ChannelTo(store->port(), client_tls)), HS::SERVING);
+  const auto probe = LoopbackChannel(health_port, TlsConfig{});  // plaintext, as the kubelet
+  EXPECT_EQ(HealthStatus(probe), HS::SERVING);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), client_tls)), HS::SERVING);
   // The gRPC port refuses a plaintext client and a TLS client without a certificate.
-  EXPECT_EQ(Check(ChannelTo(store->port(), TlsConfig{})), 100 + grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(Check(ChannelTo(store->port(), TlsConfig{.ca_file = ca_file})),
-            100 + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), TlsConfig{})), kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), TlsConfig{.ca_file = ca_file})),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
   // The store's own service is not on the health port.
   {
     grpc::ClientContext ctx;
@@ -84,7 +70,7 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
   }
   // SIGTERM: the store shuts down and the health port goes with it.
   EXPECT_TRUE(WIFEXITED(store->Kill(SIGTERM)));
-  EXPECT_EQ(Check(ChannelTo(health_port, TlsConfig{})), 100 + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(health_port, TlsConfig{})), kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
 }
 
 }  // namespace
