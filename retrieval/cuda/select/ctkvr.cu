@@ -480,22 +480,12 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
   CtkvrRecallKernel<<<rows, kRecallThreads, recall_smem, stream>>>(a);
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const dim3 grid(w.n_chunks, p.n_kv_heads, p.batch);
-  switch (p.keys.dtype) {
-    case KeyDType::kF32:
-      p.head_dim == 64 ? LaunchRerank<float, 64>(a, grid, stream)
-                       : LaunchRerank<float, 128>(a, grid, stream);
-      break;
-    case KeyDType::kF16:
-      p.head_dim == 64 ? LaunchRerank<__half, 64>(a, grid, stream)
-                       : LaunchRerank<__half, 128>(a, grid, stream);
-      break;
-    case KeyDType::kBf16:
-      p.head_dim == 64 ? LaunchRerank<__nv_bfloat16, 64>(a, grid, stream)
-                       : LaunchRerank<__nv_bfloat16, 128>(a, grid, stream);
-      break;
-    default:
-      return absl::InvalidArgumentError("CtkvrSelect: unknown key dtype");
-  }
+  KVR_RETURN_IF_ERROR(internal::DispatchKeyType(p.keys.dtype, [&]<typename T>() {
+    return internal::DispatchHeadDim(p.head_dim, [&]<int D>() {
+      LaunchRerank<T, D>(a, grid, stream);
+      return absl::OkStatus();
+    });
+  }));
   KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("CtkvrRerankKernel"));
   internal::RerankTail t;
   t.batch = p.batch;

@@ -31,7 +31,6 @@
 
 namespace kvr::retrieval::cuda {
 
-absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // topk.cu
 
 namespace {
 
@@ -393,23 +392,12 @@ absl::Status LaunchScores(const ExactSelectParams& p, const int32_t* row_count, 
                w.id_offset,
                row_count};
   const dim3 grid(n_chunks, p.n_kv_heads, p.batch);
-  switch (p.keys.dtype) {
-    case KeyDType::kF32:
-      p.head_dim == 64 ? LaunchLogits<float, 64>(a, grid, stream)
-                       : LaunchLogits<float, 128>(a, grid, stream);
-      break;
-    case KeyDType::kF16:
-      p.head_dim == 64 ? LaunchLogits<__half, 64>(a, grid, stream)
-                       : LaunchLogits<__half, 128>(a, grid, stream);
-      break;
-    case KeyDType::kBf16:
-      p.head_dim == 64 ? LaunchLogits<__nv_bfloat16, 64>(a, grid, stream)
-                       : LaunchLogits<__nv_bfloat16, 128>(a, grid, stream);
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("ExactSelect: unknown key dtype ", static_cast<int>(p.keys.dtype)));
-  }
+  KVR_RETURN_IF_ERROR(internal::DispatchKeyType(p.keys.dtype, [&]<typename T>() {
+    return internal::DispatchHeadDim(p.head_dim, [&]<int D>() {
+      LaunchLogits<T, D>(a, grid, stream);
+      return absl::OkStatus();
+    });
+  }));
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (softmax) {
     const int rows = p.batch * p.n_kv_heads;
