@@ -8,8 +8,8 @@ LineReader::LineReader(int fd, int copy_fd) : thread_([this, fd, copy_fd] { Read
 
 LineReader::~LineReader() { thread_.join(); }
 
-std::optional<std::string> LineReader::Await(
-    const std::function<bool(const std::string&)>& match, absl::Duration timeout) {
+std::optional<std::string> LineReader::Await(const std::function<bool(const std::string&)>& match,
+                                             absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   std::optional<std::string> found;
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

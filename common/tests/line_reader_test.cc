@@ -41,7 +41,8 @@ TEST(LineReaderTest, AwaitsALineThatArrivesInPiecesAndStopsAtEof) {
             std::nullopt);
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_TRUE(reader.eof());
-  EXPECT_EQ(reader.Lines(), (std::vector<std::string>{"starting", "kvr-x listening on 127.0.0.1:5"}));
+  EXPECT_EQ(reader.Lines(),
+            (std::vector<std::string>{"starting", "kvr-x listening on 127.0.0.1:5"}));
 }
 
 TEST(LineReaderTest, CopiesEveryByteToTheCopyFd) {

@@ -159,5 +159,6 @@ int Serve(const ControllerConfig& config) {
 }  // namespace kvr::controller
 
 int main(int argc, char** argv) {
-  return kvr::node::ServeMain(kvr::controller::ControllerSettings(), argc, argv, &kvr::controller::Serve);
+  return kvr::node::ServeMain(kvr::controller::ControllerSettings(), argc, argv,
+                              &kvr::controller::Serve);
 }

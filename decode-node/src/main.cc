@@ -133,22 +133,22 @@ int Serve(const DecodeConfig& config) {
   DecodeMetricsObserver metrics_observer(&decode_metrics, served);
   // The forward pass's backend (--device): with cuda the weights go to the GPU once, here, so
   // that a node that cannot use its GPU fails at start rather than on its first request.
-  absl::StatusOr<std::unique_ptr<DecodeBackend>> backend =
-      MakeDecodeBackend(config, loaded.model.get(), &serving->methods, a2ats_assets, &metrics_observer);
+  absl::StatusOr<std::unique_ptr<DecodeBackend>> backend = MakeDecodeBackend(
+      config, loaded.model.get(), &serving->methods, a2ats_assets, &metrics_observer);
   if (!backend.ok()) {
     std::cerr << "kvr-decode: " << backend.status().message() << "\n";
     return 2;
   }
   spdlog::info("decode backend {}", (*backend)->name());
-  absl::StatusOr<std::unique_ptr<DecodeEngine>> engine = DecodeEngine::Create(
-      *std::move(backend), loaded.tokenizer ? &*loaded.tokenizer : nullptr,
-      EngineOptions{.model_name = served,
-                    .batch_slots = static_cast<int>(config.batch_slots),
-                    .max_waiting = static_cast<int>(config.max_waiting),
-                    // hot_cache_bytes, quality_sample_rate, method_assets: the backend's
-                    // (MakeDecodeBackend above), not the engine's.
-                    .memory_bytes = config.memory_bytes},
-      &metrics_observer);
+  absl::StatusOr<std::unique_ptr<DecodeEngine>> engine =
+      DecodeEngine::Create(*std::move(backend), loaded.tokenizer ? &*loaded.tokenizer : nullptr,
+                           EngineOptions{.model_name = served,
+                                         .batch_slots = static_cast<int>(config.batch_slots),
+                                         .max_waiting = static_cast<int>(config.max_waiting),
+                                         // hot_cache_bytes, quality_sample_rate, method_assets: the
+                                         // backend's (MakeDecodeBackend above), not the engine's.
+                                         .memory_bytes = config.memory_bytes},
+                           &metrics_observer);
   if (!engine.ok()) {
     std::cerr << "kvr-decode: " << engine.status() << "\n";
     return 1;
@@ -191,19 +191,18 @@ int Serve(const DecodeConfig& config) {
     m->set_summary_bytes_per_token(bytes);
     spdlog::info("method {}: {:.1f} summary bytes per token", name, bytes);
   }
-  node::ServeUntilSignal("kvr-decode", signals, *worker->server,
-                         {.controller = config.controller,
-                          .registration = std::move(registration),
-                          .load =
-                              [engine = engine->get()] {
-                                cv1::NodeLoad load;
-                                load.set_running_sequences(
-                                    static_cast<uint32_t>(engine->running_sequences()));
-                                load.set_free_memory_bytes(
-                                    static_cast<uint64_t>(engine->free_memory_bytes()));
-                                return load;
-                              },
-                          .security = *security});
+  node::ServeUntilSignal(
+      "kvr-decode", signals, *worker->server,
+      {.controller = config.controller,
+       .registration = std::move(registration),
+       .load =
+           [engine = engine->get()] {
+             cv1::NodeLoad load;
+             load.set_running_sequences(static_cast<uint32_t>(engine->running_sequences()));
+             load.set_free_memory_bytes(static_cast<uint64_t>(engine->free_memory_bytes()));
+             return load;
+           },
+       .security = *security});
   engine->reset();  // stops the loop, releases what is left in the stores
   return 0;
 }

@@ -14,9 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "health_test_util.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "health_test_util.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
 #include "kvr/store/v1/store.grpc.pb.h"
@@ -57,7 +57,8 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
   EXPECT_EQ(HealthStatus(probe), HS::SERVING);
   EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), client_tls)), HS::SERVING);
   // The gRPC port refuses a plaintext client and a TLS client without a certificate.
-  EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), TlsConfig{})), kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), TlsConfig{})),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), TlsConfig{.ca_file = ca_file})),
             kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
   // The store's own service is not on the health port.
@@ -70,7 +71,8 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
   }
   // SIGTERM: the store shuts down and the health port goes with it.
   EXPECT_TRUE(WIFEXITED(store->Kill(SIGTERM)));
-  EXPECT_EQ(HealthStatus(LoopbackChannel(health_port, TlsConfig{})), kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(health_port, TlsConfig{})),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
 }
 
 }  // namespace

@@ -20,8 +20,8 @@ absl::StatusOr<WorkerServer> StartWorkerServer(WorkerServerOptions options) {
                                   .max_receive_message_bytes = -1},
                          .health_address = options.health_address});
   if (!server.ok()) return server.status();
-  const std::string host = ReachableHost(
-      options.advertise_host.empty() ? HostOf(options.listen) : options.advertise_host);
+  const std::string host = ReachableHost(options.advertise_host.empty() ? HostOf(options.listen)
+                                                                        : options.advertise_host);
   WorkerServer out{.server = *std::move(server), .address = ""};
   out.address = absl::StrCat(host, ":", out.server->port());
   out.server->PrintHealthPort(options.program);
@@ -41,8 +41,8 @@ cv1::RegisterRequest WorkerRegistration(cv1::NodeRole role, const std::string& n
   return registration;
 }
 
-int ServeUntilSignal(const std::string& program, const ShutdownSignals& signals,
-                     NodeServer& server, MembershipClient::Options membership) {
+int ServeUntilSignal(const std::string& program, const ShutdownSignals& signals, NodeServer& server,
+                     MembershipClient::Options membership) {
   membership.on_registered = [program](const std::string& id) {
     // One parseable line for launchers and tests.
     PrintLine(absl::StrCat(program, " registered ", id));

@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "health_test_util.h"
 #include "gtest/gtest.h"
+#include "health_test_util.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
@@ -136,8 +136,10 @@ TEST_F(NodeServerTest, HealthPortAnswersInPlaintextWithTheMainPortsStatuses) {
   EXPECT_EQ(HealthStatus(health_port_, ""), HS::SERVING);
   EXPECT_EQ(HealthStatus(main_, ""), HS::SERVING);
   // A named service, as kvr.ready: unknown on both until set, then mirrored at every change.
-  EXPECT_EQ(HealthStatus(health_port_, kReadinessService), kHealthCallFailed + grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(HealthStatus(main_, kReadinessService), kHealthCallFailed + grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(HealthStatus(health_port_, kReadinessService),
+            kHealthCallFailed + grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(HealthStatus(main_, kReadinessService),
+            kHealthCallFailed + grpc::StatusCode::NOT_FOUND);
   std::function<void(uint32_t)> on_cluster_view = ReadinessFromClusterView(&server_->health());
   EXPECT_EQ(HealthStatus(health_port_, kReadinessService), HS::NOT_SERVING);
   EXPECT_EQ(HealthStatus(main_, kReadinessService), HS::NOT_SERVING);

@@ -157,7 +157,7 @@ TEST_F(MembershipClientTest, RegistersAgainAfterNotFound) {
   ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   fake_.Forget("node-1");  // e.g. the controller restarted
   ASSERT_TRUE(fake_.Await([](const FakeMembership& f)
-                             ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.registers_ == 2; }));
+                              ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.registers_ == 2; }));
   ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   const absl::Time give_up = absl::Now() + absl::Seconds(10);
   while (client.node_id() != "node-2" && absl::Now() < give_up) {
@@ -228,9 +228,8 @@ TEST_F(MembershipClientTest, ClusterViewFollowsLiveStoresAndDropsOnLossAndStop) 
     absl::MutexLock lock(&fake_.mu_);
     fake_.live_.clear();
   }
-  ASSERT_TRUE(fake_.Await([](const FakeMembership& f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return f.registers_ >= 2;
-  }));
+  ASSERT_TRUE(fake_.Await([](const FakeMembership& f)
+                              ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.registers_ >= 2; }));
   EXPECT_TRUE(last_is(2));
   {
     absl::MutexLock lock(&mu);

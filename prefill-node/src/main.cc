@@ -255,5 +255,6 @@ int Serve(const PrefillConfig& config) {
 }  // namespace kvr::prefill_node
 
 int main(int argc, char** argv) {
-  return kvr::node::ServeMain(kvr::prefill_node::PrefillSettings(), argc, argv, &kvr::prefill_node::Serve);
+  return kvr::node::ServeMain(kvr::prefill_node::PrefillSettings(), argc, argv,
+                              &kvr::prefill_node::Serve);
 }

@@ -25,7 +25,6 @@
 
 namespace kvr::retrieval::cuda {
 
-
 namespace {
 
 using internal::AlignUp;

@@ -31,7 +31,6 @@
 
 namespace kvr::retrieval::cuda {
 
-
 namespace {
 
 using internal::AddToMaxSum;

@@ -29,7 +29,6 @@
 
 namespace kvr::retrieval::cuda {
 
-
 namespace {
 
 using internal::AddToMaxSum;

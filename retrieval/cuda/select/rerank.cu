@@ -13,7 +13,6 @@
 
 namespace kvr::retrieval::cuda {
 
-
 namespace internal {
 namespace {
 

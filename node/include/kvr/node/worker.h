@@ -65,7 +65,7 @@ struct WorkerServer {
 // seconds. Sets the options' on_registered to print "<program> registered <id>" and
 // on_cluster_view to drive the server's readiness (ReadinessFromClusterView). Returns the
 // signal received.
-int ServeUntilSignal(const std::string& program, const ShutdownSignals& signals,
-                     NodeServer& server, MembershipClient::Options membership);
+int ServeUntilSignal(const std::string& program, const ShutdownSignals& signals, NodeServer& server,
+                     MembershipClient::Options membership);
 
 }  // namespace kvr::node

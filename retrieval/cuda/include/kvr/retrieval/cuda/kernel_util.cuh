@@ -29,8 +29,7 @@ absl::Status DispatchKeyType(KeyDType dtype, Fn&& fn) {
     case KeyDType::kBf16:
       return fn.template operator()<__nv_bfloat16>();
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown key dtype ", static_cast<int>(dtype)));
+  return absl::InvalidArgumentError(absl::StrCat("unknown key dtype ", static_cast<int>(dtype)));
 }
 
 // Calls fn.template operator()<D>() for head_dim D in {64, 128}.
