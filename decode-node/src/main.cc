@@ -86,9 +86,10 @@ int Serve(const DecodeConfig& config) {
   node::ShutdownSignals signals;  // before any thread starts
 
   ThreadPool pool(config.threads);
-  absl::StatusOr<node::ServingModel> serving =
-      node::LoadServingModel(config.model, config.device, config.a2ats_codebooks, &pool);
-  if (!serving.ok()) return node::ReportStartFailure("kvr-decode", serving.status());
+  int exit_code = 0;
+  std::optional<node::ServingModel> serving = node::LoadServingModelOrExit(
+      "kvr-decode", config.model, config.device, config.a2ats_codebooks, &pool, &exit_code);
+  if (!serving) return exit_code;
   const model::LoadedModel& loaded = serving->loaded;
   const std::shared_ptr<const retrieval::MethodAssets>& a2ats_assets = serving->a2ats_assets;
   const model::ModelConfig& mc = loaded.model->config();

@@ -161,9 +161,10 @@ int Serve(const PrefillConfig& config) {
   node::ShutdownSignals signals;  // before any thread starts
 
   ThreadPool pool(config.threads);
-  absl::StatusOr<node::ServingModel> serving =
-      node::LoadServingModel(config.model, config.device, config.a2ats_codebooks, &pool);
-  if (!serving.ok()) return node::ReportStartFailure("kvr-prefill", serving.status());
+  int exit_code = 0;
+  std::optional<node::ServingModel> serving = node::LoadServingModelOrExit(
+      "kvr-prefill", config.model, config.device, config.a2ats_codebooks, &pool, &exit_code);
+  if (!serving) return exit_code;
   const model::LoadedModel& loaded = serving->loaded;
   // The forward pass's backend (--device): the weights go to the GPU once, here, so that a node
   // that cannot use its GPU fails at start rather than on its first request.

@@ -3,9 +3,9 @@
 // the retrieval methods and, when given, the A2ATS codebooks of the model.
 
 #include <memory>
+#include <optional>
 #include <string>
 
-#include "absl/status/statusor.h"
 #include "kvr/model/loader.h"
 #include "kvr/retrieval/registry.h"
 
@@ -25,11 +25,12 @@ struct ServingModel {
 // Loads `model` (model::LoadModel) with float32 weights for device "cuda" (what the CUDA
 // backend uploads) and GGUF weights kept packed otherwise (the CPU forward pass); `pool` must
 // outlive the model. Loads the codebooks at `a2ats_codebooks` (none when empty), checked
-// against the model: INVALID_ARGUMENT with the loader's message when they cannot be used.
-// Other errors are the loader's and the method registry's.
-[[nodiscard]] absl::StatusOr<ServingModel> LoadServingModel(const std::string& model,
-                                                            const std::string& device,
-                                                            const std::string& a2ats_codebooks,
-                                                            ThreadPool* pool);
+// against the model. On failure prints "<program>: <why>" to stderr and returns nullopt with
+// `*exit_code` set, as LoadConfigOrExit does: 1 when the model or the methods cannot be loaded
+// (the status with its code: NOT_FOUND for a missing file), 2 when the codebooks cannot be used
+// (the loader's message).
+[[nodiscard]] std::optional<ServingModel> LoadServingModelOrExit(
+    const std::string& program, const std::string& model, const std::string& device,
+    const std::string& a2ats_codebooks, ThreadPool* pool, int* exit_code);
 
 }  // namespace kvr::node
