@@ -145,15 +145,15 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& file) {
   KVR_ASSIGN_OR_RETURN(s.n_kv_heads, get_int_or("attention.head_count_kv", s.n_heads));
   KVR_ASSIGN_OR_RETURN(s.ffn, get_int("feed_forward_length"));
   KVR_ASSIGN_OR_RETURN(s.context_length, get_int("context_length"));
-  KVR_ASSIGN_OR_RETURN(s.head_dim, get_int_or("attention.key_length",
-                                              s.n_heads > 0 ? s.hidden / s.n_heads : 0));
+  KVR_ASSIGN_OR_RETURN(
+      s.head_dim, get_int_or("attention.key_length", s.n_heads > 0 ? s.hidden / s.n_heads : 0));
   KVR_ASSIGN_OR_RETURN(s.rms_eps, get_float_or("attention.layer_norm_rms_epsilon", 1e-5));
   KVR_ASSIGN_OR_RETURN(double theta, get_float_or("rope.freq_base", 10000.0));
   KVR_ASSIGN_OR_RETURN(int64_t rope_dims, get_int_or("rope.dimension_count", s.head_dim));
   if (rope_dims != s.head_dim) {
-    return absl::UnimplementedError(absl::StrCat("partial RoPE (", a,
-                                                 ".rope.dimension_count = ", rope_dims,
-                                                 ", head_dim = ", s.head_dim, ") is not supported"));
+    return absl::UnimplementedError(
+        absl::StrCat("partial RoPE (", a, ".rope.dimension_count = ", rope_dims,
+                     ", head_dim = ", s.head_dim, ") is not supported"));
   }
   if (file.Has(absl::StrCat(a, ".vocab_size"))) {
     KVR_ASSIGN_OR_RETURN(s.vocab, get_int("vocab_size"));
@@ -239,8 +239,7 @@ absl::StatusOr<ModelConfig> ConfigFromHfJson(const nlohmann::json& j) {
   KVR_ASSIGN_OR_RETURN(s.hidden, get_int("hidden_size", std::nullopt));
   KVR_ASSIGN_OR_RETURN(s.n_heads, get_int("num_attention_heads", std::nullopt));
   KVR_ASSIGN_OR_RETURN(s.n_kv_heads, get_int("num_key_value_heads", s.n_heads));
-  KVR_ASSIGN_OR_RETURN(s.head_dim,
-                       get_int("head_dim", s.n_heads > 0 ? s.hidden / s.n_heads : 0));
+  KVR_ASSIGN_OR_RETURN(s.head_dim, get_int("head_dim", s.n_heads > 0 ? s.hidden / s.n_heads : 0));
   KVR_ASSIGN_OR_RETURN(s.ffn, get_int("intermediate_size", std::nullopt));
   KVR_ASSIGN_OR_RETURN(s.vocab, get_int("vocab_size", std::nullopt));
   KVR_ASSIGN_OR_RETURN(s.context_length, get_int("max_position_embeddings", int64_t{4096}));

@@ -29,8 +29,10 @@ struct ServingModel {
 // `*exit_code` set, as LoadConfigOrExit does: 1 when the model or the methods cannot be loaded
 // (the status with its code: NOT_FOUND for a missing file), 2 when the codebooks cannot be used
 // (the loader's message).
-[[nodiscard]] std::optional<ServingModel> LoadServingModelOrExit(
-    const std::string& program, const std::string& model, const std::string& device,
-    const std::string& a2ats_codebooks, ThreadPool* pool, int* exit_code);
+[[nodiscard]] std::optional<ServingModel> LoadServingModelOrExit(const std::string& program,
+                                                                 const std::string& model,
+                                                                 const std::string& device,
+                                                                 const std::string& a2ats_codebooks,
+                                                                 ThreadPool* pool, int* exit_code);
 
 }  // namespace kvr::node
