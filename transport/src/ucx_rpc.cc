@@ -479,10 +479,9 @@ absl::Status IncomingRequest::Reply(ByteView header, Bytes payload) {
 
 absl::Status IncomingRequest::ReplyError(const absl::Status& error) {
   if (state_ == nullptr || state_->replied) return AlreadyReplied();
-  return SendReply(state_,
-                   error.ok() ? absl::InternalError("handler replied with an OK error status")
-                              : error,
-                   ByteView(), {}, {}, Bytes());
+  return SendReply(
+      state_, error.ok() ? absl::InternalError("handler replied with an OK error status") : error,
+      ByteView(), {}, {}, Bytes());
 }
 
 // ---------------------------------------------------------------------------------------------
