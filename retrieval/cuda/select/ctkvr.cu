@@ -343,34 +343,29 @@ Workspace Carve(const CtkvrSelectParams& p, char* base) {
   const size_t rows = static_cast<size_t>(p.batch) * p.n_kv_heads;
   const size_t group = Group(p);
   Workspace w;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* ptr = base != nullptr ? base + off : nullptr;
-    off += AlignUp(bytes);
-    return ptr;
-  };
-  w.cos = reinterpret_cast<float*>(take(rows * std::max(1, p.max_centroids) * sizeof(float)));
+  internal::Carver carve(base);
+  w.cos = carve.Take<float>(rows * std::max(1, p.max_centroids));
   w.words = (std::max(1, p.max_tokens) + 31) / 32;
   w.bitmap_bytes = rows * w.words * sizeof(uint32_t);
-  w.bitmap = reinterpret_cast<uint32_t*>(take(w.bitmap_bytes));
+  w.bitmap = reinterpret_cast<uint32_t*>(carve.TakeBytes(w.bitmap_bytes));
   const int max_r = MaxRecall(p);
   w.ld = RowLd(max_r);
-  w.recalled = reinterpret_cast<int32_t*>(take(rows * w.ld * sizeof(int32_t)));
-  w.n_recalled = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.recalled = carve.Take<int32_t>(rows * w.ld);
+  w.n_recalled = carve.Take<int32_t>(rows);
   w.n_chunks = (max_r + kRerankChunk - 1) / kRerankChunk;
   if (p.gqa == GqaAggregation::kSumSoftmax) {
-    w.logits = reinterpret_cast<float*>(take(rows * group * w.ld * sizeof(float)));
-    w.partials = reinterpret_cast<float2*>(take(rows * w.n_chunks * group * sizeof(float2)));
-    w.lse = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
+    w.logits = carve.Take<float>(rows * group * w.ld);
+    w.partials = carve.Take<float2>(rows * w.n_chunks * group);
+    w.lse = carve.Take<float>(rows * group);
   }
-  w.scores = reinterpret_cast<float*>(take(rows * w.ld * sizeof(float)));
+  w.scores = carve.Take<float>(rows * w.ld);
   TopKParams t;
   t.rows = static_cast<int>(rows);
   t.row_stride = w.ld;
   t.out.budget = p.out.budget;
   w.topk_bytes = BatchedTopKWorkspaceBytes(t);
-  w.topk = take(w.topk_bytes);
-  w.bytes = off;
+  w.topk = carve.TakeBytes(w.topk_bytes);
+  w.bytes = carve.used();
   return w;
 }
 

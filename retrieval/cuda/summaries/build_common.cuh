@@ -18,28 +18,10 @@
 namespace kvr::retrieval::cuda::build_internal {
 
 using ::kvr::retrieval::cuda::internal::AlignUp;
+using ::kvr::retrieval::cuda::internal::Carver;
 using ::kvr::retrieval::cuda::internal::DispatchHeadDim;
 using ::kvr::retrieval::cuda::internal::DispatchKeyType;
 using ::kvr::retrieval::cuda::internal::kAlign;
-
-// Carves 256-byte aligned pieces out of a caller-owned workspace (or only counts the bytes when
-// base is null).
-class Carver {
- public:
-  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
-  template <typename T>
-  T* Take(size_t n) {
-    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + used_);
-    used_ += AlignUp(n * sizeof(T));
-    return p;
-  }
-  void* TakeBytes(size_t n) { return Take<char>(n); }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
 
 inline absl::Status Invalid(const char* op, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));

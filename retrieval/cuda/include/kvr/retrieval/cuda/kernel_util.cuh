@@ -18,6 +18,26 @@ namespace kvr::retrieval::cuda::internal {
 inline constexpr size_t kAlign = 256;
 inline size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
+// Carves 256-byte aligned pieces out of a caller-owned workspace, from byte `used` on (or only
+// counts the bytes when base is null: what *WorkspaceBytes return).
+class Carver {
+ public:
+  explicit Carver(void* base, size_t used = 0) : base_(static_cast<char*>(base)), used_(used) {}
+  // Room for `n` values of T.
+  template <typename T>
+  T* Take(size_t n) {
+    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + used_);
+    used_ += AlignUp(n * sizeof(T));
+    return p;
+  }
+  void* TakeBytes(size_t n) { return Take<char>(n); }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
 // Calls fn.template operator()<T>() with T the element type of `dtype`.
 template <typename Fn>
 absl::Status DispatchKeyType(KeyDType dtype, Fn&& fn) {
