@@ -6,15 +6,63 @@ function(kvr_warnings target)
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers>)
 endfunction()
 
-# kvr_add_test(<name> SOURCES ... LIBS ... [LABELS ...] [OWN_MAIN])
-# A GoogleTest binary whose cases are discovered when ctest runs (not at build time, which
-# would cost a run of every test binary on each build). OWN_MAIN: the sources define main()
-# (e.g. to install a test event listener), so gtest_main is not linked.
-function(kvr_add_test name)
-  cmake_parse_arguments(ARG "OWN_MAIN" "" "SOURCES;LIBS;LABELS" ${ARGN})
+# kvr_add_library(<name> [INTERFACE] [CUDA] [SOURCES ...] [INCLUDES ...] [PRIVATE_INCLUDES ...]
+#                 [PUBLIC ...] [PRIVATE ...])
+# The library kvr_<name> with its alias kvr::<name> (what other targets link), the warning set,
+# include directories (INCLUDES public, PRIVATE_INCLUDES for its own sources) and links.
+# INTERFACE: a header-only library; its INCLUDES and PUBLIC links become INTERFACE ones.
+# CUDA: its .cu sources build with the nvcc options of every kvr kernel library.
+function(kvr_add_library name)
+  cmake_parse_arguments(ARG "INTERFACE;CUDA" "" "SOURCES;INCLUDES;PRIVATE_INCLUDES;PUBLIC;PRIVATE"
+                        ${ARGN})
+  set(target kvr_${name})
+  if(ARG_INTERFACE)
+    add_library(${target} INTERFACE)
+    set(public INTERFACE)
+  else()
+    add_library(${target} ${ARG_SOURCES})
+    kvr_warnings(${target})
+    set(public PUBLIC)
+  endif()
+  add_library(kvr::${name} ALIAS ${target})
+  # Empty lists are no-ops.
+  target_include_directories(${target} ${public} ${ARG_INCLUDES} PRIVATE ${ARG_PRIVATE_INCLUDES})
+  target_link_libraries(${target} ${public} ${ARG_PUBLIC} PRIVATE ${ARG_PRIVATE})
+  if(ARG_CUDA)
+    target_compile_options(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
+  endif()
+endfunction()
+
+# kvr_add_executable(<name> SOURCES ... [LIBS ...] [INCLUDES ...])
+# A program (a tool, a benchmark, a test's helper process) with the warning set, linking LIBS;
+# INCLUDES: include directories of its own sources.
+function(kvr_add_executable name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;LIBS;INCLUDES" ${ARGN})
   add_executable(${name} ${ARG_SOURCES})
   kvr_warnings(${name})
-  target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gmock)
+  target_link_libraries(${name} PRIVATE ${ARG_LIBS})
+  target_include_directories(${name} PRIVATE ${ARG_INCLUDES})
+endfunction()
+
+# kvr_add_test(<name> SOURCES ... LIBS ... [INCLUDES ...] [LABELS ...] [OWN_MAIN]
+#              [PROGRAMS <MACRO>=<target> ...])
+# A GoogleTest binary whose cases are discovered when ctest runs (not at build time, which
+# would cost a run of every test binary on each build). INCLUDES: include directories of its
+# own sources (another folder's test helpers). OWN_MAIN: the sources define main() (e.g. to
+# install a test event listener), so gtest_main is not linked. PROGRAMS: executables the test
+# runs, built before it, each one's path in the compile definition <MACRO>.
+function(kvr_add_test name)
+  cmake_parse_arguments(ARG "OWN_MAIN" "" "SOURCES;LIBS;INCLUDES;LABELS;PROGRAMS" ${ARGN})
+  kvr_add_executable(${name} SOURCES ${ARG_SOURCES} INCLUDES ${ARG_INCLUDES}
+                     LIBS ${ARG_LIBS} GTest::gtest GTest::gmock)
+  foreach(program ${ARG_PROGRAMS})
+    string(REPLACE "=" ";" macro_target ${program})
+    list(GET macro_target 0 macro)
+    list(GET macro_target 1 target)
+    add_dependencies(${name} ${target})
+    target_compile_definitions(${name} PRIVATE ${macro}="$<TARGET_FILE:${target}>")
+  endforeach()
   if(NOT ARG_OWN_MAIN)
     target_link_libraries(${name} PRIVATE GTest::gtest_main)
   endif()

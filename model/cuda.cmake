@@ -2,26 +2,18 @@
 # parity tests (CTest label `gpu`) and its benchmark. Included from model/CMakeLists.txt.
 # Without nvcc the target still exists and its factories answer Unimplemented (CONVENTIONS 7).
 if(KVR_HAVE_CUDA)
-  # CMake 3.25 (Debian 12) knows no nvcc flag for C++20, which the dependencies' cxx_std_20
-  # feature also asks of CUDA sources: name it (as retrieval/cuda_attend.cmake does).
-  if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
-    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
-    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
-  endif()
-  add_library(kvr_model_cuda cuda/cuda_model.cu cuda/ops.cu cuda/attention.cu)
-  target_include_directories(kvr_model_cuda PUBLIC include PRIVATE cuda)
-  target_link_libraries(kvr_model_cuda
+  kvr_add_library(model_cuda CUDA
+    SOURCES cuda/cuda_model.cu cuda/ops.cu cuda/attention.cu
+    INCLUDES include
+    PRIVATE_INCLUDES cuda
     PUBLIC kvr::model absl::status absl::statusor
     PRIVATE kvr::common_cuda CUDA::cublas absl::strings)
-  target_compile_options(kvr_model_cuda PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 else()
-  add_library(kvr_model_cuda cuda/cuda_model_stub.cc)
-  target_include_directories(kvr_model_cuda PUBLIC include)
-  target_link_libraries(kvr_model_cuda PUBLIC kvr::model absl::status absl::statusor)
+  kvr_add_library(model_cuda
+    SOURCES cuda/cuda_model_stub.cc
+    INCLUDES include
+    PUBLIC kvr::model absl::status absl::statusor)
 endif()
-add_library(kvr::model_cuda ALIAS kvr_model_cuda)
-kvr_warnings(kvr_model_cuda)
 
 if(KVR_HAVE_CUDA)
   # Kernel parity against the CPU building blocks (RmsNorm, ApplyRope, DenseAttention): rows of
@@ -42,16 +34,15 @@ if(KVR_HAVE_CUDA)
   kvr_add_test(model_cuda_export_test
     SOURCES tests/cuda_export_test.cc
     LIBS kvr_model_cuda kvr::model kvr::gpu_testing kvr::common_cuda kvr::common absl::strings
+    INCLUDES cuda
     LABELS gpu)
-  target_include_directories(model_cuda_export_test PRIVATE cuda)
   # CUDA graphs of dense greedy decode steps against launch-by-launch steps.
   kvr_add_test(model_cuda_graph_test
     SOURCES tests/cuda_graph_test.cc
     LIBS kvr_model_cuda kvr::model
     LABELS gpu)
 
-  add_executable(cuda_model_bench bench/cuda_model_bench.cc)
-  kvr_warnings(cuda_model_bench)
-  target_link_libraries(cuda_model_bench PRIVATE kvr::model_cuda kvr::model kvr::common
-                                                 CLI11::CLI11 absl::str_format absl::strings)
+  kvr_add_executable(cuda_model_bench
+    SOURCES bench/cuda_model_bench.cc
+    LIBS kvr::model_cuda kvr::model kvr::common CLI11::CLI11 absl::str_format absl::strings)
 endif()

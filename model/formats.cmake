@@ -1,24 +1,18 @@
 # kvr::model_formats: GGUF and Hugging Face (safetensors) readers and ggml dequantisation.
-add_library(kvr_model_formats
-  src/gguf_types.cc
-  src/dequant.cc
-  src/gguf.cc
-  src/safetensors.cc)
-add_library(kvr::model_formats ALIAS kvr_model_formats)
-target_include_directories(kvr_model_formats PUBLIC include)
-target_link_libraries(kvr_model_formats
+kvr_add_library(model_formats
+  SOURCES src/gguf_types.cc src/dequant.cc src/gguf.cc src/safetensors.cc
+  INCLUDES include
   PUBLIC kvr::common absl::status absl::statusor absl::strings absl::flat_hash_map
          nlohmann_json::nlohmann_json
   PRIVATE absl::int128)
-kvr_warnings(kvr_model_formats)
 # Bit-exactness with ggml's reference dequantisation needs unfused multiply-adds.
 set_source_files_properties(src/dequant.cc PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
 
 # ---- tests -------------------------------------------------------------------------------
 find_package(OpenSSL REQUIRED COMPONENTS Crypto)
-add_executable(gguf_dequant_digest tests/tools/gguf_dequant_digest.cc)
-target_link_libraries(gguf_dequant_digest PRIVATE kvr::model_formats CLI11::CLI11 OpenSSL::Crypto)
-kvr_warnings(gguf_dequant_digest)
+kvr_add_executable(gguf_dequant_digest
+  SOURCES tests/tools/gguf_dequant_digest.cc
+  LIBS kvr::model_formats CLI11::CLI11 OpenSSL::Crypto)
 
 # Bit-exact comparison with the gguf Python package. The interpreter comes from
 # $KVR_TEST_PYTHON (scripts/python-env.sh makes it), falling back to the default venv.

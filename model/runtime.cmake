@@ -1,18 +1,13 @@
 # kvr::model: architectures (config), weights, KV cache, dense attention, the CPU forward pass,
 # sampling and dummy shapes. Included from model/CMakeLists.txt.
-add_library(kvr_model
-  src/config.cc
-  src/weights.cc
-  src/kv_cache.cc
-  src/dense_attention.cc
-  src/model.cc
-  src/sampler.cc
-  src/dummy.cc
-  src/loader.cc
-  src/packed_matrix.cc
-  src/cpu_kernels.cc
-  src/cpu_kernels_generic.cc)
-add_library(kvr::model ALIAS kvr_model)
+kvr_add_library(model
+  SOURCES src/config.cc src/weights.cc src/kv_cache.cc src/dense_attention.cc src/model.cc
+          src/sampler.cc src/dummy.cc src/loader.cc src/packed_matrix.cc src/cpu_kernels.cc
+          src/cpu_kernels_generic.cc
+  INCLUDES include
+  PUBLIC kvr::model_api kvr::model_formats kvr::tokenizer kvr::tokenizer_gguf kvr::common
+         absl::status absl::statusor nlohmann_json::nlohmann_json
+  PRIVATE PkgConfig::OPENBLAS absl::strings)
 # The CPU kernels are built at -O3 whatever CMAKE_BUILD_TYPE is (the rest of the project stays
 # at its build type, so CI's cached objects are untouched), each ISA's file with its own target
 # flags; cpu_kernels.cc picks one at run time from cpuid, so the binary still runs on any x86-64.
@@ -25,12 +20,6 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64|amd64")
   set_source_files_properties(src/cpu_kernels_avx512.cc PROPERTIES COMPILE_OPTIONS
     "-O3;-mavx2;-mfma;-mf16c;-mavx512f;-mavx512bw;-mavx512vl;-mavx512vnni")
 endif()
-kvr_warnings(kvr_model)
-target_include_directories(kvr_model PUBLIC include)
-target_link_libraries(kvr_model
-  PUBLIC kvr::model_api kvr::model_formats kvr::tokenizer kvr::tokenizer_gguf kvr::common absl::status
-         absl::statusor nlohmann_json::nlohmann_json
-  PRIVATE PkgConfig::OPENBLAS absl::strings)
 
 kvr_add_test(model_runtime_test
   SOURCES tests/runtime_ops_test.cc tests/model_test.cc tests/weights_format_test.cc
@@ -47,16 +36,15 @@ kvr_add_test(model_logits_parity_test
 target_compile_definitions(model_logits_parity_test PRIVATE
   KVR_LOGITS_FIXTURE_DIR="${CMAKE_CURRENT_SOURCE_DIR}/tests/fixtures/logits")
 
-add_executable(model_runtime_bench bench/runtime_bench.cc)
-kvr_warnings(model_runtime_bench)
-target_link_libraries(model_runtime_bench PRIVATE kvr::model kvr::common PkgConfig::OPENBLAS
-                                                  CLI11::CLI11 absl::str_format)
+kvr_add_executable(model_runtime_bench
+  SOURCES bench/runtime_bench.cc
+  LIBS kvr::model kvr::common PkgConfig::OPENBLAS CLI11::CLI11 absl::str_format)
 
 # One thread's decode attention (attend_rows) over a cache larger or smaller than the caches.
-add_executable(model_attend_rows_bench bench/attend_rows_bench.cc)
-kvr_warnings(model_attend_rows_bench)
-target_link_libraries(model_attend_rows_bench PRIVATE kvr::model)
+kvr_add_executable(model_attend_rows_bench
+  SOURCES bench/attend_rows_bench.cc
+  LIBS kvr::model)
 
-add_executable(model_greedy_agreement bench/greedy_agreement.cc)
-kvr_warnings(model_greedy_agreement)
-target_link_libraries(model_greedy_agreement PRIVATE kvr::model kvr::common CLI11::CLI11)
+kvr_add_executable(model_greedy_agreement
+  SOURCES bench/greedy_agreement.cc
+  LIBS kvr::model kvr::common CLI11::CLI11)

@@ -3,30 +3,19 @@
 # ICU provides NFC normalisation (Qwen2's tokenizer.json); Debian package libicu-dev.
 pkg_check_modules(KVR_ICU_UC REQUIRED IMPORTED_TARGET icu-uc)
 
-add_library(kvr_tokenizer
-  src/bpe.cc
-  src/chat_template.cc
-  src/pretokenizer.cc
-  src/tokenizer.cc
-  src/tokenizer_json.cc
-  src/tokenizer_normalize.cc
-  src/tokenizer_utf8.cc
-)
-add_library(kvr::tokenizer ALIAS kvr_tokenizer)
-kvr_warnings(kvr_tokenizer)
-target_include_directories(kvr_tokenizer PUBLIC include)
-target_link_libraries(kvr_tokenizer
+kvr_add_library(tokenizer
+  SOURCES src/bpe.cc src/chat_template.cc src/pretokenizer.cc src/tokenizer.cc
+          src/tokenizer_json.cc src/tokenizer_normalize.cc src/tokenizer_utf8.cc
+  INCLUDES include
   PUBLIC absl::status absl::statusor
-  PRIVATE kvr::common PkgConfig::PCRE2 PkgConfig::KVR_ICU_UC nlohmann_json::nlohmann_json absl::strings
-          absl::str_format absl::flat_hash_map absl::synchronization)
+  PRIVATE kvr::common PkgConfig::PCRE2 PkgConfig::KVR_ICU_UC nlohmann_json::nlohmann_json
+          absl::strings absl::str_format absl::flat_hash_map absl::synchronization)
 
 # kvr::tokenizer_gguf: TokenizerSpecFromGguf (tokenizer_gguf.h), the GGUF reader's side of the
 # tokenizer, apart so that the tokenizer itself needs no GGUF reader.
-add_library(kvr_tokenizer_gguf src/tokenizer_gguf.cc)
-add_library(kvr::tokenizer_gguf ALIAS kvr_tokenizer_gguf)
-kvr_warnings(kvr_tokenizer_gguf)
-target_include_directories(kvr_tokenizer_gguf PUBLIC include)
-target_link_libraries(kvr_tokenizer_gguf
+kvr_add_library(tokenizer_gguf
+  SOURCES src/tokenizer_gguf.cc
+  INCLUDES include
   PUBLIC kvr::tokenizer absl::status absl::statusor
   PRIVATE kvr::model_formats kvr::common)
 
@@ -36,8 +25,8 @@ set(_kvr_tokenizer_fixtures ${CMAKE_CURRENT_SOURCE_DIR}/tests/fixtures/tokenizer
 # Hand-made vocabularies; also reaches the internal pieces (pre-tokenizer splits, UTF-8).
 kvr_add_test(tokenizer_test
   SOURCES tests/tokenizer_test.cc
-  LIBS kvr::tokenizer absl::strings)
-target_include_directories(tokenizer_test PRIVATE src)
+  LIBS kvr::tokenizer absl::strings
+  INCLUDES src)
 
 # The SmolLM2 GGUF against the Hugging Face reference fixture (>= 2,000 strings).
 kvr_add_test(tokenizer_reference_test

@@ -2,23 +2,11 @@
 # mapped host memory, hot cache, sparse split-KV decode attention) and its benchmark.
 # Only when nvcc was found (CONVENTIONS.md 7); its parity rows are in tests/gpu_parity.
 if(KVR_HAVE_CUDA)
-  # CMake 3.25 (Debian 12) predates nvcc's C++20 support and knows no flag for it, while the
-  # dependencies' cxx_std_20 feature also applies to CUDA sources: name the flag here.
-  if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
-    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
-    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
-  endif()
-  add_library(kvr_retrieval_cuda_attend
-    cuda/attend/src/gather.cu
-    cuda/attend/src/hot_cache.cu
-    cuda/attend/src/decode_attention.cu)
-  add_library(kvr::retrieval_cuda_attend ALIAS kvr_retrieval_cuda_attend)
-  target_include_directories(kvr_retrieval_cuda_attend PUBLIC cuda/attend/include)
-  target_link_libraries(kvr_retrieval_cuda_attend
+  kvr_add_library(retrieval_cuda_attend CUDA
+    SOURCES cuda/attend/src/gather.cu cuda/attend/src/hot_cache.cu
+            cuda/attend/src/decode_attention.cu
+    INCLUDES cuda/attend/include
     PUBLIC kvr::common_cuda absl::status absl::statusor absl::strings)
-  target_compile_options(kvr_retrieval_cuda_attend PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
-  kvr_warnings(kvr_retrieval_cuda_attend)
 
   # Parity with the CPU reference: rows of tests/gpu_parity (gpu_parity_test).
 

@@ -6,35 +6,25 @@
 # it unconditionally. Its parity rows are in tests/gpu_parity; the prefill test here carries the
 # CTest label `gpu` (CI compiles it, never runs it).
 if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_select)
-  add_library(kvr_retrieval_cuda_build
-    cuda/summaries/clusterkv.cu
-    cuda/summaries/quest.cu
-    cuda/summaries/keydiff.cu
-    cuda/summaries/a2ats.cu
-    cuda/summaries/ctkvr.cu
-    cuda/summaries/plan.cc
-    cuda/summaries/prefill_summaries.cc)
-  add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)
-  target_include_directories(kvr_retrieval_cuda_build
-    PUBLIC cuda/include
-    PRIVATE cuda/summaries)
   # kvr::retrieval_cuda_select for the shared KeyView / KeyDType of selection.cuh and the
   # selector's layout (the build writes it).
-  target_link_libraries(kvr_retrieval_cuda_build
+  kvr_add_library(retrieval_cuda_build CUDA
+    SOURCES cuda/summaries/clusterkv.cu cuda/summaries/quest.cu cuda/summaries/keydiff.cu
+            cuda/summaries/a2ats.cu cuda/summaries/ctkvr.cu cuda/summaries/plan.cc
+            cuda/summaries/prefill_summaries.cc
+    INCLUDES cuda/include
+    PRIVATE_INCLUDES cuda/summaries
     PUBLIC kvr::retrieval_cuda_select kvr::retrieval_quant kvr::common_cuda kvr::retrieval_core
            kvr::model_cuda kvr::model absl::status absl::statusor absl::strings)
   set_target_properties(kvr_retrieval_cuda_build PROPERTIES CUDA_STANDARD 20
                                                             CUDA_STANDARD_REQUIRED ON)
-  target_compile_options(kvr_retrieval_cuda_build PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 
   # Parity of the builders (and of the pre-split assignment kernel of argmax_gemm.cuh) with
   # their references: rows of tests/gpu_parity (gpu_parity_test).
 
-  add_executable(build_cuda_bench cuda/summaries/bench/build_cuda_bench.cc)
-  target_link_libraries(build_cuda_bench PRIVATE kvr::retrieval_cuda_build
-                                                 kvr::retrieval_cuda_bench_util kvr::common)
-  kvr_warnings(build_cuda_bench)
+  kvr_add_executable(build_cuda_bench
+    SOURCES cuda/summaries/bench/build_cuda_bench.cc
+    LIBS kvr::retrieval_cuda_build kvr::retrieval_cuda_bench_util kvr::common)
 
   # ClusterKV's assignment kernel alone: in-loop vs pre-split 3xTF32 (and fp32) in one process.
   add_executable(assign_bench cuda/summaries/bench/assign_bench.cu)
@@ -49,20 +39,16 @@ if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_quant AND TARGET kvr_retrieval_cuda_se
     SOURCES cuda/summaries/tests/prefill_summaries_test.cc
     LIBS kvr::retrieval_cuda_build kvr::model_cuda kvr::model kvr::gpu_testing kvr::common
          absl::strings
+    INCLUDES ${PROJECT_SOURCE_DIR}/model/tests
     LABELS gpu)
-  target_include_directories(retrieval_cuda_prefill_summaries_test
-    PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)
   # Prefill with summary building: overhead per method against no build, side vs main stream.
-  add_executable(prefill_summaries_bench cuda/summaries/bench/prefill_summaries_bench.cc)
-  target_link_libraries(prefill_summaries_bench PRIVATE kvr::retrieval_cuda_build kvr::model_cuda
-                                                        kvr::model kvr::common CLI11::CLI11
-                                                        absl::str_format absl::strings)
-  kvr_warnings(prefill_summaries_bench)
+  kvr_add_executable(prefill_summaries_bench
+    SOURCES cuda/summaries/bench/prefill_summaries_bench.cc
+    LIBS kvr::retrieval_cuda_build kvr::model_cuda kvr::model kvr::common CLI11::CLI11
+         absl::str_format absl::strings)
 else()
-  add_library(kvr_retrieval_cuda_build cuda/summaries/prefill_summaries_stub.cc)
-  add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)
-  target_include_directories(kvr_retrieval_cuda_build PUBLIC cuda/include)
-  target_link_libraries(kvr_retrieval_cuda_build
+  kvr_add_library(retrieval_cuda_build
+    SOURCES cuda/summaries/prefill_summaries_stub.cc
+    INCLUDES cuda/include
     PUBLIC kvr::model_cuda kvr::model kvr::retrieval_core absl::status absl::statusor)
-  kvr_warnings(kvr_retrieval_cuda_build)
 endif()

@@ -4,44 +4,34 @@
 # attention of the decode node's GPU path. Without nvcc the target still exists and its factory
 # answers Unimplemented (CONVENTIONS.md 7), so the decode node links it unconditionally.
 if(KVR_HAVE_CUDA AND TARGET kvr_retrieval_cuda_select AND TARGET kvr_retrieval_cuda_attend)
-  add_library(kvr_retrieval_cuda_decode
-    cuda/decode/src/lanes.cu
-    cuda/decode/src/pariskv_lane.cu
-    cuda/decode/src/keydiff_lane.cu
-    cuda/decode/src/a2ats_lane.cu
-    cuda/decode/src/ctkvr_lane.cu
-    cuda/decode/src/sparse_decode.cu
-    cuda/decode/src/sparse_kernels.cu)
-  target_include_directories(kvr_retrieval_cuda_decode
-    PUBLIC cuda/decode/include
-    PRIVATE cuda/decode/src)
-  target_link_libraries(kvr_retrieval_cuda_decode
+  kvr_add_library(retrieval_cuda_decode CUDA
+    SOURCES cuda/decode/src/lanes.cu cuda/decode/src/pariskv_lane.cu
+            cuda/decode/src/keydiff_lane.cu cuda/decode/src/a2ats_lane.cu
+            cuda/decode/src/ctkvr_lane.cu cuda/decode/src/sparse_decode.cu
+            cuda/decode/src/sparse_kernels.cu
+    INCLUDES cuda/decode/include
+    PRIVATE_INCLUDES cuda/decode/src
     PUBLIC kvr::model_cuda kvr::model absl::status absl::statusor
     PRIVATE kvr::retrieval_cuda_select kvr::retrieval_cuda_attend kvr::common_cuda kvr::common
             absl::strings absl::hash)
-  target_compile_options(kvr_retrieval_cuda_decode PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 
   # Sparse sequences (quest, clusterkv) against the model's dense path.
   kvr_add_test(retrieval_cuda_decode_test
     SOURCES cuda/decode/tests/sparse_decode_test.cc
-    LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::retrieval_core
-         kvr::gpu_testing kvr::common absl::strings
+    LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::retrieval_core kvr::gpu_testing
+         kvr::common absl::strings
+    INCLUDES ${PROJECT_SOURCE_DIR}/model/tests
     LABELS gpu)
-  target_include_directories(retrieval_cuda_decode_test PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)
   # A real past loaded into a sparse sequence == the dense sequence it came from.
   kvr_add_test(retrieval_cuda_decode_load_test
     SOURCES cuda/decode/tests/sparse_decode_load_test.cc
     LIBS kvr::retrieval_cuda_decode kvr::model_cuda kvr::model kvr::gpu_testing kvr::common
          absl::strings
+    INCLUDES ${PROJECT_SOURCE_DIR}/model/tests
     LABELS gpu)
-  target_include_directories(retrieval_cuda_decode_load_test
-    PRIVATE ${PROJECT_SOURCE_DIR}/model/tests)
 else()
-  add_library(kvr_retrieval_cuda_decode cuda/decode/src/sparse_decode_stub.cc)
-  target_include_directories(kvr_retrieval_cuda_decode PUBLIC cuda/decode/include)
-  target_link_libraries(kvr_retrieval_cuda_decode
+  kvr_add_library(retrieval_cuda_decode
+    SOURCES cuda/decode/src/sparse_decode_stub.cc
+    INCLUDES cuda/decode/include
     PUBLIC kvr::model_cuda kvr::model absl::status absl::statusor)
 endif()
-add_library(kvr::retrieval_cuda_decode ALIAS kvr_retrieval_cuda_decode)
-kvr_warnings(kvr_retrieval_cuda_decode)

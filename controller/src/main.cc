@@ -159,9 +159,6 @@ int Serve(const ControllerConfig& config) {
 }  // namespace kvr::controller
 
 int main(int argc, char** argv) {
-  int exit_code = 0;
-  std::optional<kvr::controller::ControllerConfig> config =
-      kvr::node::LoadConfigOrExit(kvr::controller::ControllerSettings(), argc, argv, &exit_code);
-  if (!config) return exit_code;
-  return kvr::controller::Serve(*config);
+  return kvr::node::ServeMain(kvr::controller::ControllerSettings(), argc, argv,
+                              &kvr::controller::Serve);
 }

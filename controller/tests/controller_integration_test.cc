@@ -21,6 +21,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "grpc_test_util.h"
+#include "health_test_util.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
@@ -411,17 +412,9 @@ TEST(ControllerIntegrationTest, AbortEndsTheStreamAndDeadlinePropagates) {
   EXPECT_EQ(c.node(1).WaitForLine("stream-cancelled too-slow"), "stream-cancelled too-slow");
 }
 
-// grpc.health.v1 status of `service` on the controller (UNKNOWN when the call fails).
-grpc::health::v1::HealthCheckResponse::ServingStatus Health(Cluster& c,
-                                                            const std::string& service) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  grpc::health::v1::HealthCheckRequest request;
-  request.set_service(service);
-  grpc::health::v1::HealthCheckResponse response;
-  const grpc::Status s =
-      grpc::health::v1::Health::NewStub(c.channel())->Check(&ctx, request, &response);
-  return s.ok() ? response.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+// grpc.health.v1 status of `service` on the controller (HealthStatus).
+int Health(Cluster& c, const std::string& service) {
+  return HealthStatus(c.channel(), service, absl::Seconds(2));
 }
 
 // Polls `service` until it reports `want` (true) or `timeout` passes.

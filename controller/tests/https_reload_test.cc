@@ -86,6 +86,24 @@ std::string ServerCommonName(int port, const std::string& ca_file) {
   return name;
 }
 
+// A front-door CA, its certificate file, and the files of the server certificate it signed.
+class HttpsReloadTest : public ::testing::Test {
+ protected:
+  // An HTTPS server presenting a certificate of ca_ for "front door 1" (files_ "server", also
+  // in first_) and reading its files every `reload_interval`; null after a failed start.
+  std::unique_ptr<OpenAiHttpServer> StartFrontDoor(absl::Duration reload_interval) {
+    first_ = files_.Write(ca_, "server", "front door 1");
+    return StartHttps({.cert_file = first_.cert_file,
+                       .key_file = first_.key_file,
+                       .reload_interval = reload_interval});
+  }
+
+  Files files_;
+  const PemCertificate ca_ = files_.Ca("front door CA");
+  const std::string ca_file_ = files_.WriteCa(ca_, "ca");
+  TlsConfig first_;
+};
+
 // GET /health over a new HTTPS connection that presents `client` (cpp-httplib's client);
 // true on 200.
 bool HealthWithClientCertificate(int port, const std::string& ca_file, const TlsConfig& client) {
@@ -98,65 +116,51 @@ bool HealthWithClientCertificate(int port, const std::string& ca_file, const Tls
   return result && result->status == 200;
 }
 
-TEST(HttpsReloadTest, NewHandshakesGetTheRenewedCertificateAfterAReload) {
-  Files files;
-  const PemCertificate ca = files.Ca("front door CA");
-  const std::string ca_file = files.WriteCa(ca, "ca");
-  const TlsConfig first = files.Write(ca, "server", "front door 1");
-  std::unique_ptr<OpenAiHttpServer> server =
-      StartHttps({.cert_file = first.cert_file,
-                  .key_file = first.key_file,
-                  .reload_interval = absl::InfiniteDuration()});
+TEST_F(HttpsReloadTest, NewHandshakesGetTheRenewedCertificateAfterAReload) {
+  std::unique_ptr<OpenAiHttpServer> server = StartFrontDoor(absl::InfiniteDuration());
   ASSERT_NE(server, nullptr);
-  EXPECT_EQ(ServerCommonName(server->port(), ca_file), "front door 1");
+  EXPECT_EQ(ServerCommonName(server->port(), ca_file_), "front door 1");
   absl::StatusOr<bool> unchanged = server->ReloadTls();
   ASSERT_TRUE(unchanged.ok()) << unchanged.status();
   EXPECT_FALSE(*unchanged);
 
-  files.Write(ca, "server", "front door 2");
+  files_.Write(ca_, "server", "front door 2");
   // Until the files are read again, handshakes get the certificate in use.
-  EXPECT_EQ(ServerCommonName(server->port(), ca_file), "front door 1");
+  EXPECT_EQ(ServerCommonName(server->port(), ca_file_), "front door 1");
   absl::StatusOr<bool> reloaded = server->ReloadTls();
   ASSERT_TRUE(reloaded.ok()) << reloaded.status();
   EXPECT_TRUE(*reloaded);
-  EXPECT_EQ(ServerCommonName(server->port(), ca_file), "front door 2");
+  EXPECT_EQ(ServerCommonName(server->port(), ca_file_), "front door 2");
 
   // A certificate whose key is not (yet) there, as a renewal half written: refused by name,
   // and the set in use stays.
-  const TlsConfig third = files.Write(ca, "third", "front door 3");
-  std::filesystem::copy_file(third.cert_file, first.cert_file,
+  const TlsConfig third = files_.Write(ca_, "third", "front door 3");
+  std::filesystem::copy_file(third.cert_file, first_.cert_file,
                              std::filesystem::copy_options::overwrite_existing);
   absl::StatusOr<bool> half = server->ReloadTls();
   EXPECT_FALSE(half.ok());
   EXPECT_NE(std::string(half.status().message()).find("is not the key of http_tls_cert"),
             std::string::npos)
       << half.status();
-  EXPECT_EQ(ServerCommonName(server->port(), ca_file), "front door 2");
+  EXPECT_EQ(ServerCommonName(server->port(), ca_file_), "front door 2");
   // The key arrives: the next reload takes both.
-  std::filesystem::copy_file(third.key_file, first.key_file,
+  std::filesystem::copy_file(third.key_file, first_.key_file,
                              std::filesystem::copy_options::overwrite_existing);
   reloaded = server->ReloadTls();
   ASSERT_TRUE(reloaded.ok()) << reloaded.status();
   EXPECT_TRUE(*reloaded);
-  EXPECT_EQ(ServerCommonName(server->port(), ca_file), "front door 3");
+  EXPECT_EQ(ServerCommonName(server->port(), ca_file_), "front door 3");
 }
 
 // Without being asked: the server's own timer reads the files every reload_interval.
-TEST(HttpsReloadTest, TheServerReadsItsFilesAgainEveryReloadInterval) {
-  Files files;
-  const PemCertificate ca = files.Ca("front door CA");
-  const std::string ca_file = files.WriteCa(ca, "ca");
-  const TlsConfig first = files.Write(ca, "server", "front door 1");
-  std::unique_ptr<OpenAiHttpServer> server =
-      StartHttps({.cert_file = first.cert_file,
-                  .key_file = first.key_file,
-                  .reload_interval = absl::Milliseconds(100)});
+TEST_F(HttpsReloadTest, TheServerReadsItsFilesAgainEveryReloadInterval) {
+  std::unique_ptr<OpenAiHttpServer> server = StartFrontDoor(absl::Milliseconds(100));
   ASSERT_NE(server, nullptr);
-  EXPECT_EQ(ServerCommonName(server->port(), ca_file), "front door 1");
-  files.Write(ca, "server", "front door 2");
+  EXPECT_EQ(ServerCommonName(server->port(), ca_file_), "front door 1");
+  files_.Write(ca_, "server", "front door 2");
   std::string seen;
   for (const absl::Time give_up = absl::Now() + absl::Seconds(10);
-       (seen = ServerCommonName(server->port(), ca_file)) != "front door 2" &&
+       (seen = ServerCommonName(server->port(), ca_file_)) != "front door 2" &&
        absl::Now() < give_up;) {
     absl::SleepFor(absl::Milliseconds(50));
   }
@@ -165,34 +169,31 @@ TEST(HttpsReloadTest, TheServerReadsItsFilesAgainEveryReloadInterval) {
 
 // A client CA that changes: after the reload, client certificates of the new CA are admitted
 // and those of the old one refused.
-TEST(HttpsReloadTest, ARenewedClientCaDecidesWhichClientsAreAdmitted) {
-  Files files;
-  const PemCertificate ca = files.Ca("front door CA");
-  const std::string ca_file = files.WriteCa(ca, "ca");
-  const PemCertificate old_clients = files.Ca("old client CA");
-  const PemCertificate new_clients = files.Ca("new client CA");
-  const TlsConfig server_files = files.Write(ca, "server", "front door");
-  const std::string client_ca_file = files.WriteCa(old_clients, "client-ca");
-  const TlsConfig old_client = files.Write(old_clients, "old-client", "old client");
-  const TlsConfig new_client = files.Write(new_clients, "new-client", "new client");
+TEST_F(HttpsReloadTest, ARenewedClientCaDecidesWhichClientsAreAdmitted) {
+  const PemCertificate old_clients = files_.Ca("old client CA");
+  const PemCertificate new_clients = files_.Ca("new client CA");
+  const TlsConfig server_files = files_.Write(ca_, "server", "front door");
+  const std::string client_ca_file = files_.WriteCa(old_clients, "client-ca");
+  const TlsConfig old_client = files_.Write(old_clients, "old-client", "old client");
+  const TlsConfig new_client = files_.Write(new_clients, "new-client", "new client");
   std::unique_ptr<OpenAiHttpServer> server =
       StartHttps({.cert_file = server_files.cert_file,
                   .key_file = server_files.key_file,
                   .client_ca_file = client_ca_file,
                   .reload_interval = absl::InfiniteDuration()});
   ASSERT_NE(server, nullptr);
-  EXPECT_TRUE(HealthWithClientCertificate(server->port(), ca_file, old_client));
-  EXPECT_FALSE(HealthWithClientCertificate(server->port(), ca_file, new_client));
+  EXPECT_TRUE(HealthWithClientCertificate(server->port(), ca_file_, old_client));
+  EXPECT_FALSE(HealthWithClientCertificate(server->port(), ca_file_, new_client));
 
-  files.WriteCa(new_clients, "client-ca");
+  files_.WriteCa(new_clients, "client-ca");
   absl::StatusOr<bool> reloaded = server->ReloadTls();
   ASSERT_TRUE(reloaded.ok()) << reloaded.status();
   EXPECT_TRUE(*reloaded);
-  EXPECT_TRUE(HealthWithClientCertificate(server->port(), ca_file, new_client));
-  EXPECT_FALSE(HealthWithClientCertificate(server->port(), ca_file, old_client));
+  EXPECT_TRUE(HealthWithClientCertificate(server->port(), ca_file_, new_client));
+  EXPECT_FALSE(HealthWithClientCertificate(server->port(), ca_file_, old_client));
 }
 
-TEST(HttpsReloadTest, PlaintextHasNothingToReload) {
+TEST_F(HttpsReloadTest, PlaintextHasNothingToReload) {
   HttpServerOptions options;
   options.threads = 1;
   absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> server =

@@ -6,13 +6,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvr/common/line_reader.h"
 
 extern char** environ;
 
@@ -33,35 +33,24 @@ class Subprocess {
     if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ) != 0) pid_ = -1;
     posix_spawn_file_actions_destroy(&actions);
     close(fds[1]);
-    reader_ = std::thread([this, fd = fds[0]] { ReadLines(fd); });
+    stdout_ = std::make_unique<LineReader>(fds[0]);
   }
   Subprocess(const Subprocess&) = delete;
   Subprocess& operator=(const Subprocess&) = delete;
-  ~Subprocess() {
-    Stop(SIGTERM);
-    reader_.join();
-  }
+  ~Subprocess() { Stop(SIGTERM); }  // then stdout_ reads to EOF
 
   bool started() const { return pid_ > 0; }
 
   // Waits for a stdout line starting with `prefix` and returns it ("" on timeout or exit).
   std::string WaitForLine(const std::string& prefix, absl::Duration timeout = absl::Seconds(10)) {
-    absl::MutexLock lock(&mu_);
-    auto found = [&]() -> const std::string* {
-      for (const std::string& l : lines_) {
-        if (absl::StartsWith(l, prefix)) return &l;
-      }
-      return nullptr;
-    };
-    auto ready = [&] { return found() != nullptr || eof_; };
-    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-    const std::string* l = found();
-    return l == nullptr ? "" : *l;
+    if (stdout_ == nullptr) return "";
+    return stdout_
+        ->Await([&](const std::string& l) { return absl::StartsWith(l, prefix); }, timeout)
+        .value_or("");
   }
 
   std::vector<std::string> Lines() {
-    absl::MutexLock lock(&mu_);
-    return lines_;
+    return stdout_ == nullptr ? std::vector<std::string>() : stdout_->Lines();
   }
 
   // Kills the process (SIGKILL: no cleanup, like a crashed node) and reaps it.
@@ -81,29 +70,8 @@ class Subprocess {
   }
 
  private:
-  void ReadLines(int fd) {
-    std::string partial;
-    char buf[4096];
-    ssize_t n;
-    while ((n = read(fd, buf, sizeof(buf))) > 0) {
-      partial.append(buf, static_cast<size_t>(n));
-      size_t pos;
-      while ((pos = partial.find('\n')) != std::string::npos) {
-        absl::MutexLock lock(&mu_);
-        lines_.push_back(partial.substr(0, pos));
-        partial.erase(0, pos + 1);
-      }
-    }
-    close(fd);
-    absl::MutexLock lock(&mu_);
-    eof_ = true;
-  }
-
   pid_t pid_ = -1;
-  std::thread reader_;
-  absl::Mutex mu_;
-  std::vector<std::string> lines_;
-  bool eof_ = false;
+  std::unique_ptr<LineReader> stdout_;  // null when the pipe could not be made
 };
 
 }  // namespace kvr::controller::testing

@@ -29,10 +29,9 @@
 #include "kvr/decode/service.h"
 #include "kvr/kv_store/types.h"
 #include "kvr/model/loader.h"
-#include "kvr/node/membership_client.h"
 #include "kvr/node/run.h"
-#include "kvr/retrieval/all_methods.h"
-#include "kvr/retrieval/codebook.h"
+#include "kvr/node/serving_model.h"
+#include "kvr/node/worker.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::decode {
@@ -87,35 +86,17 @@ int Serve(const DecodeConfig& config) {
   node::ShutdownSignals signals;  // before any thread starts
 
   ThreadPool pool(config.threads);
-  // The CUDA backend uploads float32 weights; the CPU forward pass keeps GGUF weights packed.
-  model::LoadOptions load_options;
-  load_options.weights =
-      config.device == "cuda" ? model::WeightStorage::kFloat32 : model::WeightStorage::kPacked;
-  absl::StatusOr<model::LoadedModel> loaded = model::LoadModel(config.model, load_options, &pool);
-  if (!loaded.ok()) {
-    std::cerr << "kvr-decode: " << loaded.status() << "\n";
-    return 1;
-  }
-  absl::StatusOr<retrieval::MethodRegistry> registry = retrieval::AllMethods();
-  if (!registry.ok()) {
-    std::cerr << "kvr-decode: " << registry.status() << "\n";
-    return 1;
-  }
-  const model::ModelConfig& mc = loaded->model->config();
+  int exit_code = 0;
+  std::optional<node::ServingModel> serving = node::LoadServingModelOrExit(
+      "kvr-decode", config.model, config.device, config.a2ats_codebooks, &pool, &exit_code);
+  if (!serving) return exit_code;
+  const model::LoadedModel& loaded = serving->loaded;
+  const std::shared_ptr<const retrieval::MethodAssets>& a2ats_assets = serving->a2ats_assets;
+  const model::ModelConfig& mc = loaded.model->config();
   const std::string served = ServedModelName(config);
-  spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded->source, served,
+  spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded.source, served,
                mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length);
-  std::shared_ptr<const retrieval::MethodAssets> a2ats_assets;
-  if (!config.a2ats_codebooks.empty()) {
-    absl::StatusOr<std::shared_ptr<const retrieval::A2atsCodebooks>> books =
-        retrieval::LoadCodebooksFor(*loaded->model, config.a2ats_codebooks);
-    if (!books.ok()) {
-      std::cerr << "kvr-decode: " << books.status().message() << "\n";
-      return 2;
-    }
-    a2ats_assets = *books;
-  }
-  auto methods = MeasureSummaryBytes(mc, *registry, 2048, a2ats_assets);
+  auto methods = MeasureSummaryBytes(mc, serving->methods, 2048, a2ats_assets);
   if (config.device == "cuda" &&
       std::none_of(methods.begin(), methods.end(),
                    [&](const auto& m) { return m.first == config.gpu_method; })) {
@@ -131,25 +112,13 @@ int Serve(const DecodeConfig& config) {
     return 2;
   }
   spdlog::info("gRPC: {}", security->Describe());
-  StoreClients stores(
-      [security = *security, rma = config.store_rma_reads](
-          const std::string& address) -> absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> {
-        kv_store::UcxClientOptions options;
-        options.name = "kvr-decode";
-        options.security = security;
-        options.rma_reads = rma;
-        // A handoff naming a store that just died must not wait for it to come back.
-        options.connect_timeout = absl::Seconds(2);
-        auto client = kv_store::UcxKvStoreClient::Connect(address, options);
-        if (!client.ok()) return client.status();
-        std::shared_ptr<kv_store::KvStoreClient> shared = std::move(*client);
-        spdlog::info("connected to the KV store at {} (instance {})", address,
-                     shared->instance_id());
-        return shared;
-      },
-      [](const std::string& address, const std::string& why) {
-        spdlog::warn("KV store at {}: {}; connecting again", address, why);
-      });
+  kv_store::UcxClientOptions store_options;
+  store_options.name = "kvr-decode";
+  store_options.security = *security;
+  store_options.rma_reads = config.store_rma_reads;
+  // A handoff naming a store that just died must not wait for it to come back.
+  store_options.connect_timeout = absl::Seconds(2);
+  StoreClients stores = kv_store::UcxStoreClientCache(std::move(store_options));
   // Metrics (kvr/common/metrics.h): declared before the engine, which reports to them.
   const std::string listen_host = node::HostOf(config.listen);
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> metrics_server =
@@ -166,22 +135,22 @@ int Serve(const DecodeConfig& config) {
   DecodeMetricsObserver metrics_observer(&decode_metrics, served);
   // The forward pass's backend (--device): with cuda the weights go to the GPU once, here, so
   // that a node that cannot use its GPU fails at start rather than on its first request.
-  absl::StatusOr<std::unique_ptr<DecodeBackend>> backend =
-      MakeDecodeBackend(config, loaded->model.get(), &*registry, a2ats_assets, &metrics_observer);
+  absl::StatusOr<std::unique_ptr<DecodeBackend>> backend = MakeDecodeBackend(
+      config, loaded.model.get(), &serving->methods, a2ats_assets, &metrics_observer);
   if (!backend.ok()) {
     std::cerr << "kvr-decode: " << backend.status().message() << "\n";
     return 2;
   }
   spdlog::info("decode backend {}", (*backend)->name());
-  absl::StatusOr<std::unique_ptr<DecodeEngine>> engine = DecodeEngine::Create(
-      *std::move(backend), loaded->tokenizer ? &*loaded->tokenizer : nullptr,
-      EngineOptions{.model_name = served,
-                    .batch_slots = static_cast<int>(config.batch_slots),
-                    .max_waiting = static_cast<int>(config.max_waiting),
-                    // hot_cache_bytes, quality_sample_rate, method_assets: the backend's
-                    // (MakeDecodeBackend above), not the engine's.
-                    .memory_bytes = config.memory_bytes},
-      &metrics_observer);
+  absl::StatusOr<std::unique_ptr<DecodeEngine>> engine =
+      DecodeEngine::Create(*std::move(backend), loaded.tokenizer ? &*loaded.tokenizer : nullptr,
+                           EngineOptions{.model_name = served,
+                                         .batch_slots = static_cast<int>(config.batch_slots),
+                                         .max_waiting = static_cast<int>(config.max_waiting),
+                                         // hot_cache_bytes, quality_sample_rate, method_assets: the
+                                         // backend's (MakeDecodeBackend above), not the engine's.
+                                         .memory_bytes = config.memory_bytes},
+                           &metrics_observer);
   if (!engine.ok()) {
     std::cerr << "kvr-decode: " << engine.status() << "\n";
     return 1;
@@ -189,32 +158,22 @@ int Serve(const DecodeConfig& config) {
   (*engine)->Start();
   DecodeServiceImpl service(engine->get(), &stores);
 
-  absl::StatusOr<std::unique_ptr<node::NodeServer>> server =
-      node::NodeServer::Start({.grpc = {.listen = config.listen,
-                                        .security = *security,
-                                        .client_certificates = ClientCertificates::kRequired,
-                                        .services = {&service},
-                                        // handoffs of long prompts carry many summary bytes
-                                        .max_receive_message_bytes = -1},
+  absl::StatusOr<node::WorkerServer> worker =
+      node::StartWorkerServer({.program = "kvr-decode",
+                               .listen = config.listen,
+                               .advertise_host = config.advertise_host,
+                               .security = *security,
+                               .service = &service,
                                .health_address = config.health_address});
-  if (!server.ok()) return node::ReportStartFailure("kvr-decode", server.status());
-  const std::string host =
-      node::ReachableHost(config.advertise_host.empty() ? listen_host : config.advertise_host);
-  const std::string address = absl::StrCat(host, ":", (*server)->port());
-  (*server)->PrintHealthPort("kvr-decode");
-  node::PrintLine(absl::StrCat("kvr-decode listening on ", address));
+  if (!worker.ok()) return node::ReportStartFailure("kvr-decode", worker.status());
 
-  cv1::RegisterRequest registration;
-  registration.set_role(cv1::NODE_ROLE_DECODE);
-  registration.set_protocol_version(1);
-  // The CUDA backend reads the store's pages in place: only a store on this host will do.
+  cv1::RegisterRequest registration = node::WorkerRegistration(
+      cv1::NODE_ROLE_DECODE,
+      config.name.empty() ? absl::StrCat("kvr-decode-", getpid()) : config.name, worker->address,
+      (*metrics_server)->port());
   // Read in place, a CUDA node's rows must be in a store of its host; fetched, any store will do.
   registration.set_needs_local_store(config.device == "cuda" &&
                                      config.gpu_row_source == "in-place");
-  registration.set_name(config.name.empty() ? absl::StrCat("kvr-decode-", getpid()) : config.name);
-  registration.mutable_endpoints()->set_grpc_address(address);
-  registration.mutable_endpoints()->set_metrics_port(
-      static_cast<uint32_t>(std::max(0, (*metrics_server)->port())));
   cv1::Capacity* capacity = registration.mutable_capacity();
   capacity->set_memory_bytes(static_cast<uint64_t>(config.memory_bytes));
   capacity->set_batch_slots(config.batch_slots);
@@ -234,30 +193,18 @@ int Serve(const DecodeConfig& config) {
     m->set_summary_bytes_per_token(bytes);
     spdlog::info("method {}: {:.1f} summary bytes per token", name, bytes);
   }
-  // Register + heartbeat (re-registers on NOT_FOUND, retries while the controller is
-  // unreachable) on the client's thread; Stop() deregisters.
-  kvr::node::MembershipClient::Options membership_options;
-  membership_options.controller = config.controller;
-  membership_options.security = *security;
-  membership_options.registration = std::move(registration);
-  membership_options.load = [engine = engine->get()] {
-    cv1::NodeLoad load;
-    load.set_running_sequences(static_cast<uint32_t>(engine->running_sequences()));
-    load.set_free_memory_bytes(static_cast<uint64_t>(engine->free_memory_bytes()));
-    return load;
-  };
-  membership_options.on_registered = [](const std::string& id) {
-    // One parseable line for launchers and tests.
-    node::PrintLine(absl::StrCat("kvr-decode registered ", id));
-  };
-  // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
-  membership_options.on_cluster_view = node::ReadinessFromClusterView(&(*server)->health());
-  kvr::node::MembershipClient membership(std::move(membership_options));
-
-  const int received = signals.Wait();
-  spdlog::info("signal {}: shutting down", received);
-  membership.Stop();  // and Deregister
-  (*server)->Shutdown(absl::Now() + absl::Seconds(5));
+  node::ServeUntilSignal(
+      "kvr-decode", signals, *worker->server,
+      {.controller = config.controller,
+       .registration = std::move(registration),
+       .load =
+           [engine = engine->get()] {
+             cv1::NodeLoad load;
+             load.set_running_sequences(static_cast<uint32_t>(engine->running_sequences()));
+             load.set_free_memory_bytes(static_cast<uint64_t>(engine->free_memory_bytes()));
+             return load;
+           },
+       .security = *security});
   engine->reset();  // stops the loop, releases what is left in the stores
   return 0;
 }
@@ -266,9 +213,5 @@ int Serve(const DecodeConfig& config) {
 }  // namespace kvr::decode
 
 int main(int argc, char** argv) {
-  int exit_code = 0;
-  std::optional<kvr::decode::DecodeConfig> config =
-      kvr::node::LoadConfigOrExit(kvr::decode::DecodeSettings(), argc, argv, &exit_code);
-  if (!config) return exit_code;
-  return kvr::decode::Serve(*config);
+  return kvr::node::ServeMain(kvr::decode::DecodeSettings(), argc, argv, &kvr::decode::Serve);
 }

@@ -109,13 +109,20 @@ TEST_F(MakeDecodeBackendTest, CudaDeviceWithoutAGpuFailsNamingTheSetting) {
   EXPECT_THAT(backend.status().message(), HasSubstr("--device cpu"));
 }
 
-TEST(CudaBackendCheckTest, RefusesHandoffsThatDoNotFitTheNode) {
+// The GPU node the handoff checks run against: quest with budget 256, 16 sink and 64 window
+// tokens, 1000 tokens of context.
+CudaDecodeBackendOptions QuestNode() {
   CudaDecodeBackendOptions o;
   o.method = "quest";
   o.budget = 256;
   o.n_sink = 16;
   o.local_window = 64;
   o.max_context = 1000;
+  return o;
+}
+
+TEST(CudaBackendCheckTest, RefusesHandoffsThatDoNotFitTheNode) {
+  const CudaDecodeBackendOptions o = QuestNode();
   Handoff h;
   h.sequence_id = 7;
   h.method = "quest";
@@ -156,12 +163,7 @@ TEST(CudaBackendCheckTest, RefusesHandoffsThatDoNotFitTheNode) {
 // refused when its rows would exceed what one step gathers.
 TEST(CudaBackendCheckTest, HostSelectsTheRegistrysOtherMethods) {
   const retrieval::MethodRegistry registry = *retrieval::AllMethods();
-  CudaDecodeBackendOptions o;
-  o.method = "quest";
-  o.budget = 256;
-  o.n_sink = 16;
-  o.local_window = 64;
-  o.max_context = 1000;
+  CudaDecodeBackendOptions o = QuestNode();
   o.registry = &registry;
   Handoff h;
   h.sequence_id = 7;

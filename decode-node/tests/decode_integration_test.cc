@@ -24,6 +24,7 @@
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/v1/generation.grpc.pb.h"
 #include "subprocess.h"
+#include "test_util.h"
 
 namespace kvr::decode {
 namespace {
@@ -130,24 +131,6 @@ class DecodeIntegrationTest : public ::testing::Test {
       model::ForwardSequence s{1, &cache, std::span(&out.back(), 1)};
       EXPECT_TRUE(m.Forward(std::span(&s, 1), dense, model::LogitsMode::kLast, step).ok());
       out.push_back(model::ArgMax(step));
-    }
-    return out;
-  }
-
-  // A dense copy of `cache` with every K/V value rounded to bf16 (exact in f32 and in bf16).
-  model::KvCache RoundedToBf16(const model::KvCache& cache) {
-    model::KvCache out = loaded_.model->NewCache(model::KvDType::kF32);
-    const int64_t row = cache.row_floats();
-    for (int l = 0; l < cache.n_layers(); ++l) {
-      const model::KvView v = cache.View(l);
-      std::vector<float> k(v.n_rows * row), vv(v.n_rows * row);
-      for (int64_t t = 0; t < v.n_rows; ++t) {
-        for (int64_t i = 0; i < row; ++i) {
-          k[t * row + i] = Bf16ToFloat(FloatToBf16(v.k[t * v.row_stride + i]));
-          vv[t * row + i] = Bf16ToFloat(FloatToBf16(v.v[t * v.row_stride + i]));
-        }
-      }
-      EXPECT_TRUE(out.Append(l, v.n_rows, k.data(), vv.data(), row).ok());
     }
     return out;
   }
@@ -260,7 +243,7 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
   // local window every fetched row is a prompt row, so `full` equals dense decoding over the
   // rounded prompt, and the same rows are fetched in half the bytes.
   {
-    const model::KvCache rounded = RoundedToBf16(prefilled);
+    const model::KvCache rounded = testing::RoundedToBf16(prefilled);
     const std::vector<int32_t> expected_bf16 = GreedyFrom(
         [&] {
           model::KvCache copy = loaded_.model->NewCache(model::KvDType::kF32);

@@ -210,24 +210,6 @@ TEST_F(EngineTest, RejectsBadHandoffs) {
   EXPECT_TRUE(absl::IsNotFound(engine->Next(999, absl::Now()).status()));
 }
 
-// A dense cache holding `cache`'s rows rounded to bf16 values (exact in f32 and in bf16).
-model::KvCache RoundedToBf16(const model::KvCache& cache) {
-  model::KvCache out(cache.n_layers(), cache.n_kv_heads(), cache.head_dim());
-  const int64_t row = cache.row_floats();
-  for (int l = 0; l < cache.n_layers(); ++l) {
-    const model::KvView kv = cache.View(l);
-    std::vector<float> k(kv.n_rows * row), v(kv.n_rows * row);
-    for (int64_t t = 0; t < kv.n_rows; ++t) {
-      for (int64_t i = 0; i < row; ++i) {
-        k[t * row + i] = Bf16ToFloat(FloatToBf16(kv.k[t * kv.row_stride + i]));
-        v[t * row + i] = Bf16ToFloat(FloatToBf16(kv.v[t * kv.row_stride + i]));
-      }
-    }
-    EXPECT_TRUE(out.Append(l, kv.n_rows, k.data(), v.data(), row).ok());
-  }
-  return out;
-}
-
 TEST_F(EngineTest, Bf16StoreRowsDecodeAsF32RowsRoundedToBf16) {
   // Two CPU backends decode the same prompt, whose prefill rows were rounded to bf16 values:
   // one from a store sequence of f32 rows, one from bf16 rows. Fewer steps than the local
@@ -241,7 +223,7 @@ TEST_F(EngineTest, Bf16StoreRowsDecodeAsF32RowsRoundedToBf16) {
   model::KvCache cache = model_->NewCache(model::KvDType::kF32);
   auto prefill_logits = model_->Prefill(1, cache, prompt, dense);
   ASSERT_TRUE(prefill_logits.ok());
-  const model::KvCache rounded = RoundedToBf16(cache);
+  const model::KvCache rounded = testing::RoundedToBf16(cache);
   constexpr int kSteps = 12;
   uint64_t id = 80;
   for (const char* method : {"full", "quest"}) {

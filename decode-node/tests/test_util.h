@@ -1,6 +1,6 @@
 #pragma once
-// Helpers for the decode-node tests: an in-process store and a store wrapper that counts
-// calls.
+// Helpers for the decode-node tests: an in-process store, a store wrapper that counts calls
+// and a cache's rows rounded to bf16.
 
 #include <atomic>
 #include <memory>
@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvr/common/half.h"
 #include "kvr/kv_store/client.h"
 #include "kvr/kv_store/forwarding_client.h"
+#include "kvr/model/kv_cache.h"
 
 namespace kvr::decode::testing {
 
@@ -58,6 +60,25 @@ inline std::vector<float> RandomTensor(int64_t n, int heads, int dim, uint64_t s
   std::vector<float> v(n * heads * dim);
   for (float& x : v) x = nd(rng);
   return v;
+}
+
+// A float32 cache holding `cache`'s rows rounded to bf16 values (exact in f32 and in bf16): what
+// a node that reads bf16 store rows has in its window.
+inline model::KvCache RoundedToBf16(const model::KvCache& cache) {
+  model::KvCache out(cache.n_layers(), cache.n_kv_heads(), cache.head_dim());
+  const int64_t row = cache.row_floats();
+  for (int l = 0; l < cache.n_layers(); ++l) {
+    const model::KvView kv = cache.View(l);
+    std::vector<float> k(kv.n_rows * row), v(kv.n_rows * row);
+    for (int64_t t = 0; t < kv.n_rows; ++t) {
+      for (int64_t i = 0; i < row; ++i) {
+        k[t * row + i] = Bf16ToFloat(FloatToBf16(kv.k[t * kv.row_stride + i]));
+        v[t * row + i] = Bf16ToFloat(FloatToBf16(kv.v[t * kv.row_stride + i]));
+      }
+    }
+    EXPECT_TRUE(out.Append(l, kv.n_rows, k.data(), v.data(), row).ok());
+  }
+  return out;
 }
 
 }  // namespace kvr::decode::testing

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
 
 namespace kvr::kv_store {
 
@@ -64,6 +65,24 @@ absl::StatusOr<std::shared_ptr<KvStoreClient>> StoreClientCache::Get(
 uint64_t StoreClientCache::connects() const {
   absl::MutexLock lock(&mu_);
   return connects_;
+}
+
+StoreClientCache UcxStoreClientCache(UcxClientOptions options) {
+  return StoreClientCache(
+      [options](const std::string& address) -> absl::StatusOr<std::shared_ptr<KvStoreClient>> {
+        UcxClientOptions o = options;
+        o.name = absl::StrCat(options.name, "->", address);
+        absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> client =
+            UcxKvStoreClient::Connect(address, o);
+        if (!client.ok()) return client.status();
+        std::shared_ptr<KvStoreClient> shared = std::move(*client);
+        spdlog::info("connected to the KV store at {} (instance {})", address,
+                     shared->instance_id());
+        return shared;
+      },
+      [](const std::string& address, const std::string& why) {
+        spdlog::warn("KV store at {}: {}; connecting again", address, why);
+      });
 }
 
 }  // namespace kvr::kv_store

@@ -8,13 +8,12 @@
 #include "gtest/gtest.h"
 #include "kvr/kv_store/store.h"
 #include "kvr/kv_store/test_pattern.h"
+#include "store_test_util.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_test_util.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::TestCapability;
-using ::kvr::kv_store::testing::TestRef;
-using ::kvr::kv_store::testing::WritePatternRows;
 using ::testing::HasSubstr;
 
 // 32-byte rows; 256-byte pages hold 8 of them.
@@ -22,12 +21,9 @@ constexpr SequenceShape kShape{.n_layers = 3, .n_kv_heads = 2, .head_dim = 8, .d
 constexpr uint64_t kPageBytes = 256;
 
 std::unique_ptr<PagedKvStore> MakeStore(uint64_t capacity, bool evict_cached = true) {
-  StoreOptions options;
-  options.pool = {.capacity_bytes = capacity, .page_bytes = kPageBytes, .try_huge_pages = false};
-  options.evict_cached = evict_cached;
-  auto store = PagedKvStore::Create(std::move(options));
-  EXPECT_TRUE(store.ok()) << store.status();
-  return std::move(store).value();
+  return MakeTestStore(
+      {.pool = {.capacity_bytes = capacity, .page_bytes = kPageBytes, .try_huge_pages = false},
+       .evict_cached = evict_cached});
 }
 
 // `n` bytes that differ with `seed`, spanning several pages for n > kPageBytes.
@@ -185,4 +181,4 @@ TEST(AttachmentTest, CountedAgainstCapacity) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

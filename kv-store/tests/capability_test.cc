@@ -13,12 +13,11 @@
 #include "gtest/gtest.h"
 #include "kvr/kv_store/store.h"
 #include "kvr/kv_store/test_pattern.h"
+#include "store_test_util.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_test_util.h).
+namespace kvr::kv_store::testing {
 namespace {
-
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
 
 // 64-byte rows in 1 KiB pages: 16 rows per page.
 constexpr SequenceShape kShape{
@@ -28,11 +27,7 @@ constexpr SequenceId kId = 0x5EC12E7;
 constexpr uint32_t kRows = 20;
 
 std::unique_ptr<PagedKvStore> MakeStore() {
-  StoreOptions options;
-  options.pool = {.capacity_bytes = 64 * kPageBytes, .page_bytes = kPageBytes};
-  auto store = PagedKvStore::Create(std::move(options));
-  EXPECT_TRUE(store.ok()) << store.status();
-  return std::move(store).value();
+  return MakeTestStore({.pool = {.capacity_bytes = 64 * kPageBytes, .page_bytes = kPageBytes}});
 }
 
 // Everything a refused call must leave as it was.
@@ -212,4 +207,4 @@ TEST(CapabilityTest, CreationNeedsACapabilityAndADuplicateKeepsTheFirst) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

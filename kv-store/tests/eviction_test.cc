@@ -8,13 +8,11 @@
 #include "gtest/gtest.h"
 #include "kvr/kv_store/store.h"
 #include "kvr/kv_store/test_pattern.h"
+#include "store_test_util.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_test_util.h).
+namespace kvr::kv_store::testing {
 namespace {
-
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::TestRef;
 
 // One (layer, head) of 32-byte rows: 8 rows per 256-byte page, so a sequence's pages are easy
 // to count.
@@ -23,25 +21,17 @@ constexpr SequenceShape kShape{.n_layers = 1, .n_kv_heads = 1, .head_dim = 8,
 
 std::unique_ptr<PagedKvStore> MakeStore(uint64_t pages, bool evict_expired, bool evict_cached,
                                         std::function<absl::Time()> now = nullptr) {
-  StoreOptions options;
-  options.pool = {.capacity_bytes = pages * 256, .page_bytes = 256, .try_huge_pages = false};
-  options.evict_expired = evict_expired;
-  options.evict_cached = evict_cached;
+  StoreOptions options{
+      .pool = {.capacity_bytes = pages * 256, .page_bytes = 256, .try_huge_pages = false},
+      .evict_expired = evict_expired,
+      .evict_cached = evict_cached};
   if (now) options.now = std::move(now);
-  auto store = PagedKvStore::Create(std::move(options));
-  EXPECT_TRUE(store.ok()) << store.status();
-  return std::move(store).value();
+  return MakeTestStore(std::move(options));
 }
 
 absl::StatusOr<uint64_t> Append(PagedKvStore& store, SequenceId seq, uint64_t start, uint32_t n,
                                 SequenceId pattern) {
-  auto rows = MakePatternRows(kShape, pattern, 0, start, n);
-  return store.Write({.sequence = TestRef(seq),
-                      .layer = 0,
-                      .start_row = start,
-                      .n_rows = n,
-                      .k = rows.k,
-                      .v = rows.v});
+  return WritePatternRows(store, kShape, seq, 0, start, n, pattern);
 }
 
 bool Held(PagedKvStore& store, SequenceId seq) { return store.GetSequence(TestRef(seq)).ok(); }
@@ -195,4 +185,4 @@ TEST(EvictionTest, CachedSequencesStayWhenNotEnabled) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

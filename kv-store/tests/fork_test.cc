@@ -11,16 +11,12 @@
 #include "gtest/gtest.h"
 #include "kvr/kv_store/store.h"
 #include "kvr/kv_store/test_pattern.h"
+#include "store_test_util.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_test_util.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::PatternByte;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::WritePatternRows;
-using ::kvr::kv_store::testing::TestCapability;
-using ::kvr::kv_store::testing::TestRef;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -30,11 +26,8 @@ constexpr SequenceShape kShape{.n_layers = 3, .n_kv_heads = 2, .head_dim = 8,
 constexpr uint64_t kLists = 3 * 2;
 
 std::unique_ptr<PagedKvStore> MakeStore(uint64_t capacity, uint64_t page_bytes = 256) {
-  StoreOptions options;
-  options.pool = {.capacity_bytes = capacity, .page_bytes = page_bytes, .try_huge_pages = false};
-  auto store = PagedKvStore::Create(std::move(options));
-  EXPECT_TRUE(store.ok()) << store.status();
-  return std::move(store).value();
+  return MakeTestStore(
+      {.pool = {.capacity_bytes = capacity, .page_bytes = page_bytes, .try_huge_pages = false}});
 }
 
 // Writes rows [start, start + n) of `layer` of sequence `seq`, with the pattern of `pattern`.
@@ -423,4 +416,4 @@ TEST(ForkTest, ShortfallIsRefusedAndChangesNothing) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

@@ -16,6 +16,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "health_test_util.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
 #include "kvr/store/v1/store.grpc.pb.h"
@@ -28,21 +29,6 @@ namespace {
 using ::kvr::kv_store::testing::StoreProcess;
 using HS = ::grpc::health::v1::HealthCheckResponse;
 
-std::shared_ptr<grpc::Channel> ChannelTo(int port, const TlsConfig& tls) {
-  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
-  EXPECT_TRUE(security.ok()) << security.status();
-  return security->CreateChannel(absl::StrCat("127.0.0.1:", port));
-}
-
-// The status of the overall service, or 100 + the code of a failed call.
-int Check(const std::shared_ptr<grpc::Channel>& channel) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  grpc::health::v1::HealthCheckResponse response;
-  const grpc::Status s = grpc::health::v1::Health::NewStub(channel)->Check(&ctx, {}, &response);
-  return s.ok() ? static_cast<int>(response.status()) : 100 + s.error_code();
-}
-
 TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
   TestCertificates files("kvr-store-health");
   const PemCertificate ca = files.Ca("cluster CA");
@@ -54,7 +40,7 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
       {KVR_STORE_BINARY, "--listen", "127.0.0.1:0", "--health-address", "127.0.0.1:0",
        "--capacity-bytes", "16MiB", "--page-bytes", "64KiB", "--metrics-port", "-1", "--tls-ca",
        ca_file, "--tls-cert", store_tls.cert_file, "--tls-key", store_tls.key_file},
-      {"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"}, absl::Seconds(20));
+      testing::LoopbackUcxEnv(), absl::Seconds(20));
   ASSERT_TRUE(store.ok()) << store.status();
   constexpr char kMarker[] = "kvr-store health port=";
   const size_t at = store->output().find(kMarker);
@@ -67,13 +53,14 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
       << store->output();
   ASSERT_NE(health_port, store->port());
 
-  const auto probe = ChannelTo(health_port, TlsConfig{});  // plaintext, as the kubelet
-  EXPECT_EQ(Check(probe), HS::SERVING);
-  EXPECT_EQ(Check(ChannelTo(store->port(), client_tls)), HS::SERVING);
+  const auto probe = LoopbackChannel(health_port, TlsConfig{});  // plaintext, as the kubelet
+  EXPECT_EQ(HealthStatus(probe), HS::SERVING);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), client_tls)), HS::SERVING);
   // The gRPC port refuses a plaintext client and a TLS client without a certificate.
-  EXPECT_EQ(Check(ChannelTo(store->port(), TlsConfig{})), 100 + grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(Check(ChannelTo(store->port(), TlsConfig{.ca_file = ca_file})),
-            100 + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), TlsConfig{})),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(store->port(), TlsConfig{.ca_file = ca_file})),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
   // The store's own service is not on the health port.
   {
     grpc::ClientContext ctx;
@@ -84,7 +71,8 @@ TEST(StoreHealthPortTest, PlaintextHealthPortBesideAMutualTlsPort) {
   }
   // SIGTERM: the store shuts down and the health port goes with it.
   EXPECT_TRUE(WIFEXITED(store->Kill(SIGTERM)));
-  EXPECT_EQ(Check(ChannelTo(health_port, TlsConfig{})), 100 + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(health_port, TlsConfig{})),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
 }
 
 }  // namespace

@@ -22,24 +22,18 @@
 #include "kvr/store/v1/store.grpc.pb.h"
 #include "store_process.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_process.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::StoreProcess;
 using ::testing::HasSubstr;
 
 constexpr SequenceShape kShape{
     .n_layers = 2, .n_kv_heads = 3, .head_dim = 64, .dtype = DType::kF16};
 constexpr uint32_t kPromptRows = 300;
-const std::vector<std::string> kUcxEnv = {"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"};
 
 absl::StatusOr<StoreProcess> StartStore(bool rma_reads) {
-  return StoreProcess::Start(
-      {KVR_STORE_BINARY, "--listen", "127.0.0.1:0", "--capacity-bytes", "64MiB", "--page-bytes",
-       "64KiB", "--metrics-port", "-1", "--rma-reads", rma_reads ? "true" : "false"},
-      kUcxEnv, absl::Seconds(20));
+  return StartLoopbackStore(KVR_STORE_BINARY, {"--rma-reads", rma_reads ? "true" : "false"});
 }
 
 std::unique_ptr<UcxKvStoreClient> Connect(int port, const std::string& name) {
@@ -238,4 +232,4 @@ INSTANTIATE_TEST_SUITE_P(RmaReads, IsolationTest, ::testing::Bool(),
                          });
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

@@ -7,10 +7,9 @@
 #include "kvr/kv_store/client.h"
 #include "kvr/kv_store/test_pattern.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h).
+namespace kvr::kv_store::testing {
 namespace {
-
-using ::kvr::kv_store::testing::TestRef;
 
 constexpr SequenceShape kShape{.n_layers = 1, .n_kv_heads = 1, .head_dim = 8, .dtype = DType::kF32};
 
@@ -42,4 +41,4 @@ TEST(LeaseKeeperTest, RenewsKeptSequencesUntilTheHandleGoes) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

@@ -20,39 +20,23 @@
 #include "kvr/kv_store/test_pattern.h"
 #include "store_process.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_process.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::StoreProcess;
-using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 // The SmolLM2 layout: 256-byte rows, 256 rows per 64 KiB page.
 constexpr SequenceShape kShape{
     .n_layers = 3, .n_kv_heads = 3, .head_dim = 64, .dtype = DType::kF16};
-const std::vector<std::string> kUcxEnv = {"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"};
 
 std::string SocketPath(const std::string& tag) {
   return absl::StrCat(::testing::TempDir(), "kvr-store-", getpid(), "-", tag, ".sock");
 }
 
 absl::StatusOr<StoreProcess> StartStore(const std::string& local_socket) {
-  std::vector<std::string> argv = {KVR_STORE_BINARY,
-                                   "--listen",
-                                   "127.0.0.1:0",
-                                   "--capacity-bytes",
-                                   "64MiB",
-                                   "--page-bytes",
-                                   "64KiB",
-                                   "--metrics-port",
-                                   "-1"};
-  if (!local_socket.empty()) {
-    argv.push_back("--local-socket");
-    argv.push_back(local_socket);
-  }
-  return StoreProcess::Start(std::move(argv), kUcxEnv, absl::Seconds(20));
+  if (local_socket.empty()) return StartLoopbackStore(KVR_STORE_BINARY, {});
+  return StartLoopbackStore(KVR_STORE_BINARY, {"--local-socket", local_socket});
 }
 
 std::unique_ptr<UcxKvStoreClient> Connect(int port) {
@@ -63,17 +47,6 @@ std::unique_ptr<UcxKvStoreClient> Connect(int port) {
   auto client = UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", port), options);
   EXPECT_TRUE(client.ok()) << client.status();
   return client.ok() ? *std::move(client) : nullptr;
-}
-
-absl::StatusOr<uint64_t> Put(KvStoreClient& client, SequenceId seq, uint32_t layer, uint64_t start,
-                             uint32_t n) {
-  auto rows = MakePatternRows(kShape, seq, layer, start, n);
-  return client.PutLayer({.sequence = TestRef(seq),
-                          .layer = layer,
-                          .start_row = start,
-                          .n_rows = n,
-                          .k = rows.k,
-                          .v = rows.v});
 }
 
 // The permissions ("r--s") of the /proc/self/maps line whose range holds `addr`.
@@ -110,7 +83,7 @@ TEST(LocalPoolTest, MappedPoolHoldsTheRowsAtThePageTableAddresses) {
   constexpr SequenceId kSeq = 11;
   ASSERT_TRUE(client->CreateSequence(TestRef(kSeq), kShape, 0, absl::ZeroDuration()).ok());
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
-    ASSERT_TRUE(Put(*client, kSeq, layer, 0, 300).ok());
+    ASSERT_TRUE(PutPatternRows(*client, kShape, kSeq, layer, 0, 300).ok());
   }
   auto table = client->ReservePageTable(TestRef(kSeq), 700);  // 3 pages per (layer, head)
   ASSERT_TRUE(table.ok()) << table.status();
@@ -119,7 +92,7 @@ TEST(LocalPoolTest, MappedPoolHoldsTheRowsAtThePageTableAddresses) {
   EXPECT_EQ(table->committed_rows, std::vector<uint64_t>(3, 300));
   ASSERT_EQ(table->pages.size(), 3u * 3u * 3u);
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
-    ASSERT_TRUE(Put(*client, kSeq, layer, 300, 250).ok());
+    ASSERT_TRUE(PutPatternRows(*client, kShape, kSeq, layer, 300, 250).ok());
     for (uint64_t r = 550; r < 560; ++r) {
       auto rows = MakePatternRows(kShape, kSeq, layer, r, 1);
       ASSERT_TRUE(client
@@ -239,4 +212,4 @@ TEST(LocalPoolTest, SecondStoreDoesNotTakeOverALiveSocket) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

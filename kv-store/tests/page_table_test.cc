@@ -10,14 +10,12 @@
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/kv_store/store.h"
 #include "kvr/kv_store/test_pattern.h"
+#include "store_test_util.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_test_util.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::WritePatternRows;
-using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 // 64-byte rows in 1 KiB pages: 16 rows per page.
@@ -27,11 +25,7 @@ constexpr uint64_t kPageBytes = 1024;
 constexpr uint32_t kRowsPerPage = 16;
 
 std::unique_ptr<PagedKvStore> MakeStore(uint64_t pages) {
-  StoreOptions options;
-  options.pool = {.capacity_bytes = pages * kPageBytes, .page_bytes = kPageBytes};
-  auto store = PagedKvStore::Create(std::move(options));
-  EXPECT_TRUE(store.ok()) << store.status();
-  return std::move(store).value();
+  return MakeTestStore({.pool = {.capacity_bytes = pages * kPageBytes, .page_bytes = kPageBytes}});
 }
 
 absl::StatusOr<uint64_t> WritePattern(PagedKvStore& store, SequenceId seq, uint32_t layer,
@@ -205,4 +199,4 @@ TEST(PageTableTest, UnknownAndKeptSequences) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

@@ -11,13 +11,10 @@
 #include "kvr/kv_store/server.h"
 #include "kvr/kv_store/test_pattern.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::TestCapability;
-using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 constexpr SequenceShape kShape{
@@ -29,16 +26,24 @@ StoreOptions SmallStore() {
   return options;
 }
 
+// An in-process StoreServer of `options` over a SmallStore() pool, on a free loopback port;
+// null, the test failed, when it cannot start.
+std::unique_ptr<StoreServer> StartServer(StoreServerOptions options = {}) {
+  options.store = SmallStore();
+  absl::StatusOr<std::unique_ptr<StoreServer>> server = StoreServer::Start(std::move(options));
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
+// The address of `server`'s gRPC port.
+std::string AddressOf(const StoreServer& server) {
+  return absl::StrCat("127.0.0.1:", server.port());
+}
+
 // Puts rows [0, n_rows) of every layer of sequence `seq`, the test pattern's.
 absl::Status PutPatternLayers(KvStoreClient& client, SequenceId seq, uint32_t n_rows) {
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
-    auto rows = MakePatternRows(kShape, seq, layer, 0, n_rows);
-    absl::StatusOr<uint64_t> committed = client.PutLayer({.sequence = TestRef(seq),
-                                                          .layer = layer,
-                                                          .start_row = 0,
-                                                          .n_rows = n_rows,
-                                                          .k = rows.k,
-                                                          .v = rows.v});
+    absl::StatusOr<uint64_t> committed = PutPatternRows(client, kShape, seq, layer, 0, n_rows);
     if (!committed.ok()) return committed.status();
   }
   return absl::OkStatus();
@@ -48,13 +53,7 @@ absl::Status PutPatternLayers(KvStoreClient& client, SequenceId seq, uint32_t n_
 void ExerciseClient(KvStoreClient& client) {
   ASSERT_TRUE(client.CreateSequence(TestRef(5), kShape, 10, absl::Seconds(60)).ok());
   for (uint32_t layer = 0; layer < 2; ++layer) {
-    auto rows = MakePatternRows(kShape, 5, layer, 0, 70);
-    auto committed = client.PutLayer({.sequence = TestRef(5),
-                                      .layer = layer,
-                                      .start_row = 0,
-                                      .n_rows = 70,
-                                      .k = rows.k,
-                                      .v = rows.v});
+    auto committed = PutPatternRows(client, kShape, 5, layer, 0, 70);
     ASSERT_TRUE(committed.ok()) << committed.status();
     EXPECT_EQ(*committed, 70u);
   }
@@ -220,11 +219,9 @@ void ExerciseAsync(KvStoreClient& client) {
 }
 
 TEST(ServiceTest, UcxClientAgainstInProcessServer) {
-  StoreServerOptions options;
-  options.store = SmallStore();
-  auto server = StoreServer::Start(options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto client = UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", (*server)->port()));
+  std::unique_ptr<StoreServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto client = UcxKvStoreClient::Connect(AddressOf(*server));
   ASSERT_TRUE(client.ok()) << client.status();
   ExerciseClient(**client);
   ExerciseAsync(**client);
@@ -237,11 +234,10 @@ TEST(ServiceTest, UcxClientAgainstInProcessServer) {
 // serving the same client and others.
 TEST(ServiceTest, RepliesAboveTheStoresLimitAreRefusedAndServiceGoesOn) {
   StoreServerOptions options;
-  options.store = SmallStore();
   options.max_reply_bytes = 64 * kShape.RowBytes();
-  auto server = StoreServer::Start(options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto client = UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", (*server)->port()));
+  std::unique_ptr<StoreServer> server = StartServer(std::move(options));
+  ASSERT_NE(server, nullptr);
+  auto client = UcxKvStoreClient::Connect(AddressOf(*server));
   ASSERT_TRUE(client.ok()) << client.status();
   ASSERT_TRUE((*client)->CreateSequence(TestRef(5), kShape, 10, absl::Seconds(60)).ok());
   auto rows = MakePatternRows(kShape, 5, 0, 0, 10);
@@ -319,12 +315,9 @@ TEST(ServiceTest, FakeClientMapsItsOwnPoolForPageTables) {
 // Bytes that do not decode as the request message get INVALID_ARGUMENT naming the method
 // (not gRPC's bare INTERNAL), on every method, and the store keeps serving.
 TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
-  StoreServerOptions options;
-  options.store = SmallStore();
-  auto server = StoreServer::Start(options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()),
-                                     grpc::InsecureChannelCredentials());
+  std::unique_ptr<StoreServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto channel = grpc::CreateChannel(AddressOf(*server), grpc::InsecureChannelCredentials());
   auto call = [&](const std::string& method, const std::string& bytes) {
     return RawUnaryCall(channel, method, bytes, absl::Seconds(5));
   };
@@ -343,12 +336,9 @@ TEST(ServiceTest, UndecodableRequestsAreInvalidArgumentNamingTheMethod) {
 }
 
 TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
-  StoreServerOptions options;
-  options.store = SmallStore();
-  auto server = StoreServer::Start(options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()),
-                                     grpc::InsecureChannelCredentials());
+  std::unique_ptr<StoreServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto channel = grpc::CreateChannel(AddressOf(*server), grpc::InsecureChannelCredentials());
   // grpc.health.v1.Health/Check with an empty HealthCheckRequest; the reply is
   // HealthCheckResponse{status: SERVING (1)} = bytes 08 01. Sent through the generic stub so
   // the test needs no health proto of its own.
@@ -363,14 +353,14 @@ TEST(ServiceTest, HealthServiceServesAndExpiredDeadlinesAreRefused) {
   // test "past deadline" case) and nothing is done on the store.
   UcxClientOptions late;
   late.timeout = absl::Seconds(5);
-  auto client = UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", (*server)->port()), late);
+  auto client = UcxKvStoreClient::Connect(AddressOf(*server), late);
   ASSERT_TRUE(client.ok());
   UcxClientOptions spent;
   spent.timeout = -absl::Seconds(1);  // budget already spent when the call starts
-  auto hurried = UcxKvStoreClient::Connect(absl::StrCat("127.0.0.1:", (*server)->port()), spent);
+  auto hurried = UcxKvStoreClient::Connect(AddressOf(*server), spent);
   EXPECT_TRUE(absl::IsDeadlineExceeded(hurried.status())) << hurried.status();
-  EXPECT_EQ((*server)->store().Stats().sequences, 0u);
+  EXPECT_EQ(server->store().Stats().sequences, 0u);
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

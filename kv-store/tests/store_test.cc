@@ -6,14 +6,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/kv_store/test_pattern.h"
+#include "store_test_util.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_test_util.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::WritePatternRows;
-using ::kvr::kv_store::testing::TestRef;
 using ::testing::HasSubstr;
 
 constexpr SequenceShape kShape{.n_layers = 3, .n_kv_heads = 2, .head_dim = 8,
@@ -23,14 +21,11 @@ std::unique_ptr<PagedKvStore> MakeStore(uint64_t capacity, uint64_t page_bytes =
                                         bool evict = false,
                                         std::function<absl::Time()> now = nullptr,
                                         bool evict_cached = true) {
-  StoreOptions options;
-  options.pool = {.capacity_bytes = capacity, .page_bytes = page_bytes};
-  options.evict_expired = evict;
-  options.evict_cached = evict_cached;
+  StoreOptions options{.pool = {.capacity_bytes = capacity, .page_bytes = page_bytes},
+                       .evict_expired = evict,
+                       .evict_cached = evict_cached};
   if (now) options.now = std::move(now);
-  auto store = PagedKvStore::Create(std::move(options));
-  EXPECT_TRUE(store.ok()) << store.status();
-  return std::move(store).value();
+  return MakeTestStore(std::move(options));
 }
 
 absl::StatusOr<uint64_t> WritePattern(PagedKvStore& store, const SequenceShape& shape,
@@ -336,4 +331,4 @@ TEST(StoreTest, ConcurrentReaderNeverSeesPartialLayer) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

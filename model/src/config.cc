@@ -79,6 +79,32 @@ absl::Status ModelConfig::Validate() const {
 
 namespace {
 
+// The shape a model file declares, as its reader gets it (integers int64, floats double).
+struct DeclaredShape {
+  int64_t n_layers = 0;
+  int64_t hidden = 0;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t ffn = 0;
+  int64_t vocab = 0;
+  int64_t context_length = 0;
+  double rms_eps = 0;
+};
+
+// The shape fields of `c` from `s` (Validate checks them afterwards).
+void SetShape(const DeclaredShape& s, ModelConfig& c) {
+  c.n_layers = static_cast<int>(s.n_layers);
+  c.hidden = static_cast<int>(s.hidden);
+  c.n_heads = static_cast<int>(s.n_heads);
+  c.n_kv_heads = static_cast<int>(s.n_kv_heads);
+  c.head_dim = static_cast<int>(s.head_dim);
+  c.ffn = static_cast<int>(s.ffn);
+  c.vocab = static_cast<int>(s.vocab);
+  c.context_length = s.context_length;
+  c.rms_eps = static_cast<float>(s.rms_eps);
+}
+
 absl::StatusOr<Architecture> ArchitectureFromGgufName(absl::string_view name) {
   if (name == "llama") return Architecture::kLlama;
   if (name == "mistral") return Architecture::kMistral;
@@ -112,38 +138,30 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& file) {
     if (!file.Has(full)) return fallback;
     return file.GetFloat(full);
   };
-  KVR_ASSIGN_OR_RETURN(int64_t n_layers, get_int("block_count"));
-  KVR_ASSIGN_OR_RETURN(int64_t hidden, get_int("embedding_length"));
-  KVR_ASSIGN_OR_RETURN(int64_t n_heads, get_int("attention.head_count"));
-  KVR_ASSIGN_OR_RETURN(int64_t n_kv_heads, get_int_or("attention.head_count_kv", n_heads));
-  KVR_ASSIGN_OR_RETURN(int64_t ffn, get_int("feed_forward_length"));
-  KVR_ASSIGN_OR_RETURN(int64_t ctx, get_int("context_length"));
-  KVR_ASSIGN_OR_RETURN(int64_t head_dim,
-                       get_int_or("attention.key_length", n_heads > 0 ? hidden / n_heads : 0));
-  KVR_ASSIGN_OR_RETURN(double eps, get_float_or("attention.layer_norm_rms_epsilon", 1e-5));
+  DeclaredShape s;
+  KVR_ASSIGN_OR_RETURN(s.n_layers, get_int("block_count"));
+  KVR_ASSIGN_OR_RETURN(s.hidden, get_int("embedding_length"));
+  KVR_ASSIGN_OR_RETURN(s.n_heads, get_int("attention.head_count"));
+  KVR_ASSIGN_OR_RETURN(s.n_kv_heads, get_int_or("attention.head_count_kv", s.n_heads));
+  KVR_ASSIGN_OR_RETURN(s.ffn, get_int("feed_forward_length"));
+  KVR_ASSIGN_OR_RETURN(s.context_length, get_int("context_length"));
+  KVR_ASSIGN_OR_RETURN(
+      s.head_dim, get_int_or("attention.key_length", s.n_heads > 0 ? s.hidden / s.n_heads : 0));
+  KVR_ASSIGN_OR_RETURN(s.rms_eps, get_float_or("attention.layer_norm_rms_epsilon", 1e-5));
   KVR_ASSIGN_OR_RETURN(double theta, get_float_or("rope.freq_base", 10000.0));
-  KVR_ASSIGN_OR_RETURN(int64_t rope_dims, get_int_or("rope.dimension_count", head_dim));
-  if (rope_dims != head_dim) {
-    return absl::UnimplementedError(absl::StrCat("partial RoPE (", a,
-                                                 ".rope.dimension_count = ", rope_dims,
-                                                 ", head_dim = ", head_dim, ") is not supported"));
+  KVR_ASSIGN_OR_RETURN(int64_t rope_dims, get_int_or("rope.dimension_count", s.head_dim));
+  if (rope_dims != s.head_dim) {
+    return absl::UnimplementedError(
+        absl::StrCat("partial RoPE (", a, ".rope.dimension_count = ", rope_dims,
+                     ", head_dim = ", s.head_dim, ") is not supported"));
   }
-  int64_t vocab = 0;
   if (file.Has(absl::StrCat(a, ".vocab_size"))) {
-    KVR_ASSIGN_OR_RETURN(vocab, get_int("vocab_size"));
+    KVR_ASSIGN_OR_RETURN(s.vocab, get_int("vocab_size"));
   } else {
     KVR_ASSIGN_OR_RETURN(const GgufTensorInfo* embd, file.FindTensor("token_embd.weight"));
-    vocab = embd->dims.size() == 2 ? embd->dims[1] : 0;
+    s.vocab = embd->dims.size() == 2 ? embd->dims[1] : 0;
   }
-  c.n_layers = static_cast<int>(n_layers);
-  c.hidden = static_cast<int>(hidden);
-  c.n_heads = static_cast<int>(n_heads);
-  c.n_kv_heads = static_cast<int>(n_kv_heads);
-  c.head_dim = static_cast<int>(head_dim);
-  c.ffn = static_cast<int>(ffn);
-  c.vocab = static_cast<int>(vocab);
-  c.context_length = ctx;
-  c.rms_eps = static_cast<float>(eps);
+  SetShape(s, c);
   c.rope_theta = static_cast<float>(theta);
   c.tied_embeddings = !file.HasTensor("output.weight");
   c.qkv_bias = file.HasTensor("blk.0.attn_q.bias");
@@ -216,24 +234,17 @@ absl::StatusOr<ModelConfig> ConfigFromHfJson(const nlohmann::json& j) {
     }
     return obj[key].get<double>();
   };
-  KVR_ASSIGN_OR_RETURN(int64_t n_layers, get_int("num_hidden_layers", std::nullopt));
-  KVR_ASSIGN_OR_RETURN(int64_t hidden, get_int("hidden_size", std::nullopt));
-  KVR_ASSIGN_OR_RETURN(int64_t n_heads, get_int("num_attention_heads", std::nullopt));
-  KVR_ASSIGN_OR_RETURN(int64_t n_kv_heads, get_int("num_key_value_heads", n_heads));
-  KVR_ASSIGN_OR_RETURN(int64_t head_dim, get_int("head_dim", n_heads > 0 ? hidden / n_heads : 0));
-  KVR_ASSIGN_OR_RETURN(int64_t ffn, get_int("intermediate_size", std::nullopt));
-  KVR_ASSIGN_OR_RETURN(int64_t vocab, get_int("vocab_size", std::nullopt));
-  KVR_ASSIGN_OR_RETURN(int64_t ctx, get_int("max_position_embeddings", int64_t{4096}));
-  KVR_ASSIGN_OR_RETURN(double eps, get_float(j, "rms_norm_eps", 1e-6));
-  c.n_layers = static_cast<int>(n_layers);
-  c.hidden = static_cast<int>(hidden);
-  c.n_heads = static_cast<int>(n_heads);
-  c.n_kv_heads = static_cast<int>(n_kv_heads);
-  c.head_dim = static_cast<int>(head_dim);
-  c.ffn = static_cast<int>(ffn);
-  c.vocab = static_cast<int>(vocab);
-  c.context_length = ctx;
-  c.rms_eps = static_cast<float>(eps);
+  DeclaredShape s;
+  KVR_ASSIGN_OR_RETURN(s.n_layers, get_int("num_hidden_layers", std::nullopt));
+  KVR_ASSIGN_OR_RETURN(s.hidden, get_int("hidden_size", std::nullopt));
+  KVR_ASSIGN_OR_RETURN(s.n_heads, get_int("num_attention_heads", std::nullopt));
+  KVR_ASSIGN_OR_RETURN(s.n_kv_heads, get_int("num_key_value_heads", s.n_heads));
+  KVR_ASSIGN_OR_RETURN(s.head_dim, get_int("head_dim", s.n_heads > 0 ? s.hidden / s.n_heads : 0));
+  KVR_ASSIGN_OR_RETURN(s.ffn, get_int("intermediate_size", std::nullopt));
+  KVR_ASSIGN_OR_RETURN(s.vocab, get_int("vocab_size", std::nullopt));
+  KVR_ASSIGN_OR_RETURN(s.context_length, get_int("max_position_embeddings", int64_t{4096}));
+  KVR_ASSIGN_OR_RETURN(s.rms_eps, get_float(j, "rms_norm_eps", 1e-6));
+  SetShape(s, c);
   c.tied_embeddings = j.value("tie_word_embeddings", false);
   c.qkv_bias = c.arch == Architecture::kQwen2 ? true : j.value("attention_bias", false);
 

@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "health_test_util.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/common/cert_authority.h"
 #include "kvr/common/tls.h"
@@ -89,25 +90,6 @@ struct Pki {
   }
 };
 
-std::shared_ptr<grpc::Channel> ChannelTo(int port, const TlsConfig& tls) {
-  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
-  EXPECT_TRUE(security.ok()) << security.status();
-  return security->CreateChannel(absl::StrCat("127.0.0.1:", port));
-}
-
-// Check of `service`; the status code when the call fails (kCallFailed + code).
-constexpr int kCallFailed = 100;
-int Check(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  hv1::HealthCheckRequest request;
-  request.set_service(service);
-  hv1::HealthCheckResponse response;
-  const grpc::Status s = hv1::Health::NewStub(channel)->Check(&ctx, request, &response);
-  if (!s.ok()) return kCallFailed + s.error_code();
-  return response.status();
-}
-
 // A Membership service whose Register answers OK: reachable on the main port, so that
 // UNIMPLEMENTED on the health port means the port, not the service.
 class OkMembership final : public cluster::v1::Membership::Service {
@@ -140,8 +122,8 @@ class NodeServerTest : public ::testing::Test {
     server_ = std::move(*server);
     ASSERT_NE(server_->health_port(), 0);
     ASSERT_NE(server_->health_port(), server_->port());
-    main_ = ChannelTo(server_->port(), pki_.client);
-    health_port_ = ChannelTo(server_->health_port(), TlsConfig{});
+    main_ = LoopbackChannel(server_->port(), pki_.client);
+    health_port_ = LoopbackChannel(server_->health_port(), TlsConfig{});
   }
 
   Pki pki_;
@@ -151,23 +133,25 @@ class NodeServerTest : public ::testing::Test {
 };
 
 TEST_F(NodeServerTest, HealthPortAnswersInPlaintextWithTheMainPortsStatuses) {
-  EXPECT_EQ(Check(health_port_, ""), HS::SERVING);
-  EXPECT_EQ(Check(main_, ""), HS::SERVING);
+  EXPECT_EQ(HealthStatus(health_port_, ""), HS::SERVING);
+  EXPECT_EQ(HealthStatus(main_, ""), HS::SERVING);
   // A named service, as kvr.ready: unknown on both until set, then mirrored at every change.
-  EXPECT_EQ(Check(health_port_, kReadinessService), kCallFailed + grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(Check(main_, kReadinessService), kCallFailed + grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(HealthStatus(health_port_, kReadinessService),
+            kHealthCallFailed + grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(HealthStatus(main_, kReadinessService),
+            kHealthCallFailed + grpc::StatusCode::NOT_FOUND);
   std::function<void(uint32_t)> on_cluster_view = ReadinessFromClusterView(&server_->health());
-  EXPECT_EQ(Check(health_port_, kReadinessService), HS::NOT_SERVING);
-  EXPECT_EQ(Check(main_, kReadinessService), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(health_port_, kReadinessService), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(main_, kReadinessService), HS::NOT_SERVING);
   on_cluster_view(1);
-  EXPECT_EQ(Check(health_port_, kReadinessService), HS::SERVING);
-  EXPECT_EQ(Check(main_, kReadinessService), HS::SERVING);
+  EXPECT_EQ(HealthStatus(health_port_, kReadinessService), HS::SERVING);
+  EXPECT_EQ(HealthStatus(main_, kReadinessService), HS::SERVING);
   on_cluster_view(0);
-  EXPECT_EQ(Check(health_port_, kReadinessService), HS::NOT_SERVING);
-  EXPECT_EQ(Check(main_, kReadinessService), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(health_port_, kReadinessService), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(main_, kReadinessService), HS::NOT_SERVING);
   server_->health().SetAll(false);
-  EXPECT_EQ(Check(health_port_, ""), HS::NOT_SERVING);
-  EXPECT_EQ(Check(main_, ""), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(health_port_, ""), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(main_, ""), HS::NOT_SERVING);
 }
 
 TEST_F(NodeServerTest, HealthPortServesNothingButHealth) {
@@ -196,10 +180,10 @@ TEST_F(NodeServerTest, HealthPortServesNothingButHealth) {
 }
 
 TEST_F(NodeServerTest, MainPortRefusesPlaintextAndHealthPortRefusesTls) {
-  EXPECT_EQ(Check(ChannelTo(server_->port(), TlsConfig{}), ""),
-            kCallFailed + grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(Check(ChannelTo(server_->health_port(), pki_.client), ""),
-            kCallFailed + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(server_->port(), TlsConfig{}), ""),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(server_->health_port(), pki_.client), ""),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
 }
 
 TEST_F(NodeServerTest, WatchOnTheHealthPortSeesChanges) {
@@ -223,12 +207,12 @@ TEST_F(NodeServerTest, ShutdownIsNotServingOnBothPortsThenClosesThem) {
   server_->health().Set(kReadinessService, true);
   // What a probe sees between the statuses going NOT_SERVING and the ports closing.
   server_->health().Shutdown();
-  EXPECT_EQ(Check(health_port_, ""), HS::NOT_SERVING);
-  EXPECT_EQ(Check(health_port_, kReadinessService), HS::NOT_SERVING);
-  EXPECT_EQ(Check(main_, kReadinessService), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(health_port_, ""), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(health_port_, kReadinessService), HS::NOT_SERVING);
+  EXPECT_EQ(HealthStatus(main_, kReadinessService), HS::NOT_SERVING);
   server_->Shutdown(absl::Now() + absl::Seconds(1));
-  EXPECT_EQ(Check(ChannelTo(server_->health_port(), TlsConfig{}), ""),
-            kCallFailed + grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HealthStatus(LoopbackChannel(server_->health_port(), TlsConfig{}), ""),
+            kHealthCallFailed + grpc::StatusCode::UNAVAILABLE);
 }
 
 TEST(HealthOnlyServerTest, AnAddressThatCannotBeBoundIsUnavailableNamingIt) {

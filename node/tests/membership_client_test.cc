@@ -108,48 +108,56 @@ MembershipClient::Options StoreOptions(const std::string& controller, std::atomi
   return o;
 }
 
-TEST(MembershipClientTest, RegistersHeartbeatsLoadAndDeregistersOnStop) {
-  FakeMembership fake;
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = Serve(&fake, 0, &port);
-  ASSERT_GT(port, 0);
-  std::atomic<uint64_t> free{1000};
+// A fake controller on a free port of 127.0.0.1, and the free memory the store under test
+// reports.
+class MembershipClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_GT(port_, 0); }
+  // StoreOptions with the fake controller.
+  MembershipClient::Options Options() {
+    return StoreOptions(absl::StrCat("127.0.0.1:", port_), &free_);
+  }
+
+  FakeMembership fake_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_ = Serve(&fake_, 0, &port_);
+  std::atomic<uint64_t> free_{5};
+};
+
+TEST_F(MembershipClientTest, RegistersHeartbeatsLoadAndDeregistersOnStop) {
+  free_ = 1000;
   std::string announced;
-  MembershipClient::Options o = StoreOptions(absl::StrCat("127.0.0.1:", port), &free);
+  MembershipClient::Options o = Options();
   o.on_registered = [&announced](const std::string& id) { announced = id; };
   MembershipClient client(std::move(o));
   ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   EXPECT_EQ(client.node_id(), "node-1");
   {
-    absl::MutexLock lock(&fake.mu_);
-    EXPECT_EQ(fake.last_register_.role(), cv1::NODE_ROLE_STORE);
-    EXPECT_EQ(fake.last_register_.endpoints().grpc_address(), "10.0.0.7:50070");
-    EXPECT_EQ(fake.last_register_.endpoints().ucx_worker_address(), "ucx-bytes");
-    EXPECT_EQ(fake.last_register_.capacity().memory_bytes(), 1u << 20);
-    EXPECT_EQ(fake.last_register_.load().free_memory_bytes(), 1000u);
+    absl::MutexLock lock(&fake_.mu_);
+    EXPECT_EQ(fake_.last_register_.role(), cv1::NODE_ROLE_STORE);
+    EXPECT_EQ(fake_.last_register_.endpoints().grpc_address(), "10.0.0.7:50070");
+    EXPECT_EQ(fake_.last_register_.endpoints().ucx_worker_address(), "ucx-bytes");
+    EXPECT_EQ(fake_.last_register_.capacity().memory_bytes(), 1u << 20);
+    EXPECT_EQ(fake_.last_register_.load().free_memory_bytes(), 1000u);
   }
-  free = 777;
-  ASSERT_TRUE(fake.Await([](const FakeMembership& f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  free_ = 777;
+  ASSERT_TRUE(fake_.Await([](const FakeMembership& f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return f.heartbeats_ >= 2 && f.last_load_.free_memory_bytes() == 777;
   }));
   client.Stop();
   EXPECT_EQ(announced, "node-1");
   EXPECT_EQ(client.node_id(), "");
   EXPECT_FALSE(client.WaitRegistered(absl::ZeroDuration()));
-  EXPECT_EQ(fake.deregistered(), std::vector<std::string>{"node-1"});
-  EXPECT_EQ(fake.registers_, 1);
+  EXPECT_EQ(fake_.deregistered(), std::vector<std::string>{"node-1"});
+  EXPECT_EQ(fake_.registers_, 1);
 }
 
-TEST(MembershipClientTest, RegistersAgainAfterNotFound) {
-  FakeMembership fake;
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = Serve(&fake, 0, &port);
-  std::atomic<uint64_t> free{1};
-  MembershipClient client(StoreOptions(absl::StrCat("127.0.0.1:", port), &free));
+TEST_F(MembershipClientTest, RegistersAgainAfterNotFound) {
+  MembershipClient client(Options());
   ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
-  fake.Forget("node-1");  // e.g. the controller restarted
-  ASSERT_TRUE(fake.Await([](const FakeMembership& f)
-                             ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.registers_ == 2; }));
+  fake_.Forget("node-1");  // e.g. the controller restarted
+  ASSERT_TRUE(fake_.Await([](const FakeMembership& f)
+                              ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.registers_ == 2; }));
   ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   const absl::Time give_up = absl::Now() + absl::Seconds(10);
   while (client.node_id() != "node-2" && absl::Now() < give_up) {
@@ -157,42 +165,35 @@ TEST(MembershipClientTest, RegistersAgainAfterNotFound) {
   }
   EXPECT_EQ(client.node_id(), "node-2");
   client.Stop();
-  EXPECT_EQ(fake.deregistered(), std::vector<std::string>{"node-2"});
+  EXPECT_EQ(fake_.deregistered(), std::vector<std::string>{"node-2"});
 }
 
-TEST(MembershipClientTest, RegistersOnceTheControllerComesUp) {
+TEST_F(MembershipClientTest, RegistersOnceTheControllerComesUp) {
   // A free port, then nothing listening on it.
-  FakeMembership fake;
-  int port = 0;
-  Serve(&fake, 0, &port)->Shutdown();
-  ASSERT_GT(port, 0);
-  std::atomic<uint64_t> free{5};
-  MembershipClient client(StoreOptions(absl::StrCat("127.0.0.1:", port), &free));
+  server_->Shutdown();
+  server_.reset();
+  MembershipClient client(Options());
   EXPECT_FALSE(client.WaitRegistered(absl::Milliseconds(300)));
   EXPECT_EQ(client.node_id(), "");
   int bound = 0;
-  std::unique_ptr<grpc::Server> server = Serve(&fake, port, &bound);
-  ASSERT_EQ(bound, port);
+  server_ = Serve(&fake_, port_, &bound);
+  ASSERT_EQ(bound, port_);
   EXPECT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   EXPECT_EQ(client.node_id(), "node-1");
   client.Stop();
-  EXPECT_EQ(fake.deregistered(), std::vector<std::string>{"node-1"});
+  EXPECT_EQ(fake_.deregistered(), std::vector<std::string>{"node-1"});
 }
 
-TEST(MembershipClientTest, DestructorDeregistersAndStopWithoutControllerReturns) {
-  FakeMembership fake;
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = Serve(&fake, 0, &port);
-  std::atomic<uint64_t> free{5};
+TEST_F(MembershipClientTest, DestructorDeregistersAndStopWithoutControllerReturns) {
   {
-    MembershipClient client(StoreOptions(absl::StrCat("127.0.0.1:", port), &free));
+    MembershipClient client(Options());
     ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   }
-  EXPECT_EQ(fake.deregistered(), std::vector<std::string>{"node-1"});
+  EXPECT_EQ(fake_.deregistered(), std::vector<std::string>{"node-1"});
   // Never registered (nothing listens on port 1): Stop returns promptly, deregisters nothing.
   const absl::Time start = absl::Now();
   {
-    MembershipClient client(StoreOptions("127.0.0.1:1", &free));
+    MembershipClient client(StoreOptions("127.0.0.1:1", &free_));
     EXPECT_FALSE(client.WaitRegistered(absl::Milliseconds(50)));
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
@@ -200,15 +201,11 @@ TEST(MembershipClientTest, DestructorDeregistersAndStopWithoutControllerReturns)
 
 // The cluster view follows the controller's live-store count on every heartbeat, drops to 0 when
 // the registration is lost and on Stop(): what the nodes' "kvr.ready" health follows.
-TEST(MembershipClientTest, ClusterViewFollowsLiveStoresAndDropsOnLossAndStop) {
-  FakeMembership fake;
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = Serve(&fake, 0, &port);
-  ASSERT_GT(port, 0);
-  std::atomic<uint64_t> free{0};
+TEST_F(MembershipClientTest, ClusterViewFollowsLiveStoresAndDropsOnLossAndStop) {
+  free_ = 0;
   absl::Mutex mu;
   std::vector<uint32_t> seen;  // every callback value, in order
-  MembershipClient::Options o = StoreOptions(absl::StrCat("127.0.0.1:", port), &free);
+  MembershipClient::Options o = Options();
   o.on_cluster_view = [&](uint32_t n) {
     absl::MutexLock lock(&mu);
     seen.push_back(n);
@@ -222,18 +219,17 @@ TEST(MembershipClientTest, ClusterViewFollowsLiveStoresAndDropsOnLossAndStop) {
   ASSERT_TRUE(client.WaitRegistered(absl::Seconds(10)));
   EXPECT_TRUE(last_is(0));  // no store yet
   {
-    absl::MutexLock lock(&fake.mu_);
-    fake.live_stores_ = 2;
+    absl::MutexLock lock(&fake_.mu_);
+    fake_.live_stores_ = 2;
   }
   EXPECT_TRUE(last_is(2));
   // The controller forgets the node: 0 at once, then 2 again after it registered again.
   {
-    absl::MutexLock lock(&fake.mu_);
-    fake.live_.clear();
+    absl::MutexLock lock(&fake_.mu_);
+    fake_.live_.clear();
   }
-  ASSERT_TRUE(fake.Await([](const FakeMembership& f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return f.registers_ >= 2;
-  }));
+  ASSERT_TRUE(fake_.Await([](const FakeMembership& f)
+                              ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.registers_ >= 2; }));
   EXPECT_TRUE(last_is(2));
   {
     absl::MutexLock lock(&mu);

@@ -6,7 +6,6 @@
 #include "absl/time/clock.h"
 #include "kvr/cluster/v1/cluster.grpc.pb.h"
 #include "kvr/proto/convert.h"
-#include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -88,22 +87,7 @@ absl::StatusOr<std::unique_ptr<HandoffSink>> GrpcHandoffOpener::Open(const cv1::
 }
 
 UcxStoreClients::UcxStoreClients(kv_store::UcxClientOptions options)
-    : cache_(
-          [options](const std::string& address)
-              -> absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> {
-            kv_store::UcxClientOptions o = options;
-            o.name = absl::StrCat(options.name, "->", address);
-            absl::StatusOr<std::unique_ptr<kv_store::UcxKvStoreClient>> client =
-                kv_store::UcxKvStoreClient::Connect(address, o);
-            if (!client.ok()) return client.status();
-            std::shared_ptr<kv_store::KvStoreClient> shared = std::move(*client);
-            spdlog::info("connected to the KV store at {} (instance {})", address,
-                         shared->instance_id());
-            return shared;
-          },
-          [](const std::string& address, const std::string& why) {
-            spdlog::warn("KV store at {}: {}; connecting again", address, why);
-          }) {}
+    : cache_(kv_store::UcxStoreClientCache(std::move(options))) {}
 
 absl::StatusOr<std::shared_ptr<kv_store::KvStoreClient>> UcxStoreClients::Get(
     const cv1::NodeRef& store) {

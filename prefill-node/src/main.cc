@@ -21,16 +21,15 @@
 #include "kvr/common/thread_pool.h"
 #include "kvr/common/tls.h"
 #include "kvr/model/loader.h"
-#include "kvr/node/membership_client.h"
 #include "kvr/node/run.h"
+#include "kvr/node/serving_model.h"
+#include "kvr/node/worker.h"
 #include "kvr/prefill_node/config.h"
 #include "kvr/prefill_node/grpc_clients.h"
 #include "kvr/prefill_node/metrics_observer.h"
 #include "kvr/prefill_node/prefill_cuda_backend.h"
 #include "kvr/prefill_node/prefill_engine.h"
 #include "kvr/proto/convert.h"
-#include "kvr/retrieval/all_methods.h"
-#include "kvr/retrieval/codebook.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
@@ -162,41 +161,22 @@ int Serve(const PrefillConfig& config) {
   node::ShutdownSignals signals;  // before any thread starts
 
   ThreadPool pool(config.threads);
-  // The CUDA backend uploads float32 weights; the CPU forward pass keeps GGUF weights packed.
-  model::LoadOptions load_options;
-  load_options.weights =
-      config.device == "cuda" ? model::WeightStorage::kFloat32 : model::WeightStorage::kPacked;
-  absl::StatusOr<model::LoadedModel> loaded = model::LoadModel(config.model, load_options, &pool);
-  if (!loaded.ok()) {
-    std::cerr << "kvr-prefill: " << loaded.status() << "\n";
-    return 1;
-  }
-  absl::StatusOr<retrieval::MethodRegistry> registry = retrieval::AllMethods();
-  if (!registry.ok()) {
-    std::cerr << "kvr-prefill: " << registry.status() << "\n";
-    return 1;
-  }
-  std::shared_ptr<const retrieval::MethodAssets> a2ats_assets;
-  if (!config.a2ats_codebooks.empty()) {
-    absl::StatusOr<std::shared_ptr<const retrieval::A2atsCodebooks>> books =
-        retrieval::LoadCodebooksFor(*loaded->model, config.a2ats_codebooks);
-    if (!books.ok()) {
-      std::cerr << "kvr-prefill: " << books.status().message() << "\n";
-      return 2;
-    }
-    a2ats_assets = *books;
-  }
+  int exit_code = 0;
+  std::optional<node::ServingModel> serving = node::LoadServingModelOrExit(
+      "kvr-prefill", config.model, config.device, config.a2ats_codebooks, &pool, &exit_code);
+  if (!serving) return exit_code;
+  const model::LoadedModel& loaded = serving->loaded;
   // The forward pass's backend (--device): the weights go to the GPU once, here, so that a node
   // that cannot use its GPU fails at start rather than on its first request.
   absl::StatusOr<std::unique_ptr<PrefillBackend>> backend =
-      MakePrefillBackend(config, loaded->model.get());
+      MakePrefillBackend(config, loaded.model.get());
   if (!backend.ok()) {
     std::cerr << "kvr-prefill: " << backend.status().message() << "\n";
     return 2;
   }
-  const model::ModelConfig& mc = loaded->model->config();
+  const model::ModelConfig& mc = loaded.model->config();
   const std::string served = ServedModelName(config);
-  spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {}) on {}", loaded->source,
+  spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {}) on {}", loaded.source,
                served, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length,
                (*backend)->name());
 
@@ -225,41 +205,32 @@ int Serve(const PrefillConfig& config) {
   }
   metrics::PrefillMetrics prefill_metrics((*metrics_server)->registry());
   PrefillMetricsObserver metrics_observer(&prefill_metrics, served);
-  PrefillEngine engine(*std::move(backend), loaded->tokenizer ? &*loaded->tokenizer : nullptr,
-                       &*registry, &stores, &handoff,
+  PrefillEngine engine(*std::move(backend), loaded.tokenizer ? &*loaded.tokenizer : nullptr,
+                       &serving->methods, &stores, &handoff,
                        EngineOptions{.chunk_tokens = config.chunk_tokens,
                                      .max_prefill_queries = config.max_prefill_queries,
                                      .store_dtype = StoreDType(config),
                                      .extend_summaries = config.extend_summaries,
-                                     .method_assets = a2ats_assets,
+                                     .method_assets = serving->a2ats_assets,
                                      .observer = &metrics_observer});
   PrefillServiceImpl service(&engine);
 
-  absl::StatusOr<std::unique_ptr<node::NodeServer>> server =
-      node::NodeServer::Start({.grpc = {.listen = config.listen,
-                                        .security = *security,
-                                        .client_certificates = ClientCertificates::kRequired,
-                                        .services = {&service},
-                                        // token-id prompts of long contexts
-                                        .max_receive_message_bytes = -1},
-                               .health_address = config.health_address});
-  if (!server.ok()) return node::ReportStartFailure("kvr-prefill", server.status());
-  // A wildcard address is not reachable as such; on one machine loopback is.
-  const std::string host = node::ReachableHost(node::HostOf(config.listen));
-  const std::string address = absl::StrCat(host, ":", (*server)->port());
   if ((*metrics_server)->serving()) {
-    node::PrintLine(absl::StrCat("kvr-prefill metrics on ", host, ":", (*metrics_server)->port()));
+    // A wildcard address is not reachable as such; on one machine loopback is.
+    node::PrintLine(absl::StrCat("kvr-prefill metrics on ",
+                                 node::ReachableHost(node::HostOf(config.listen)), ":",
+                                 (*metrics_server)->port()));
   }
-  (*server)->PrintHealthPort("kvr-prefill");
-  node::PrintLine(absl::StrCat("kvr-prefill listening on ", address));
+  absl::StatusOr<node::WorkerServer> worker =
+      node::StartWorkerServer({.program = "kvr-prefill",
+                               .listen = config.listen,
+                               .security = *security,
+                               .service = &service,
+                               .health_address = config.health_address});
+  if (!worker.ok()) return node::ReportStartFailure("kvr-prefill", worker.status());
 
-  cv1::RegisterRequest registration;
-  registration.set_role(cv1::NODE_ROLE_PREFILL);
-  registration.set_protocol_version(1);
-  registration.set_name(node_name);
-  registration.mutable_endpoints()->set_grpc_address(address);
-  registration.mutable_endpoints()->set_metrics_port(
-      static_cast<uint32_t>((*metrics_server)->port()));
+  cv1::RegisterRequest registration = node::WorkerRegistration(
+      cv1::NODE_ROLE_PREFILL, node_name, worker->address, (*metrics_server)->port());
   cv1::Capacity* capacity = registration.mutable_capacity();
   capacity->set_max_queued_prefill_tokens(config.max_queued_prefill_tokens);
   cv1::ModelInfo* info = capacity->add_models();
@@ -268,29 +239,16 @@ int Serve(const PrefillConfig& config) {
   // What the store holds per token: K and V of every layer, in the store row dtype.
   info->set_kv_bytes_per_token(uint64_t{2} * mc.n_layers * mc.n_kv_heads * mc.head_dim *
                                kv_store::DTypeSize(StoreDType(config)));
-  // Register + heartbeat (re-registers on NOT_FOUND, retries while the controller is
-  // unreachable) on the client's thread; Stop() deregisters.
-  kvr::node::MembershipClient::Options membership_options;
-  membership_options.controller = config.controller;
-  membership_options.security = *security;
-  membership_options.registration = std::move(registration);
-  membership_options.load = [&engine] {
-    cv1::NodeLoad load;
-    load.set_queued_prefill_tokens(engine.queued_prompt_tokens());
-    return load;
-  };
-  membership_options.on_registered = [](const std::string& id) {
-    // One parseable line for launchers and tests.
-    node::PrintLine(absl::StrCat("kvr-prefill registered ", id));
-  };
-  // Ready ("kvr.ready") = model loaded (we are here) and a live store in the cluster.
-  membership_options.on_cluster_view = node::ReadinessFromClusterView(&(*server)->health());
-  kvr::node::MembershipClient membership(std::move(membership_options));
-
-  const int received = signals.Wait();
-  spdlog::info("signal {}: shutting down", received);
-  membership.Stop();  // and Deregister
-  (*server)->Shutdown(absl::Now() + absl::Seconds(5));
+  node::ServeUntilSignal("kvr-prefill", signals, *worker->server,
+                         {.controller = config.controller,
+                          .registration = std::move(registration),
+                          .load =
+                              [&engine] {
+                                cv1::NodeLoad load;
+                                load.set_queued_prefill_tokens(engine.queued_prompt_tokens());
+                                return load;
+                              },
+                          .security = *security});
   return 0;
 }
 
@@ -298,9 +256,6 @@ int Serve(const PrefillConfig& config) {
 }  // namespace kvr::prefill_node
 
 int main(int argc, char** argv) {
-  int exit_code = 0;
-  std::optional<kvr::prefill_node::PrefillConfig> config =
-      kvr::node::LoadConfigOrExit(kvr::prefill_node::PrefillSettings(), argc, argv, &exit_code);
-  if (!config) return exit_code;
-  return kvr::prefill_node::Serve(*config);
+  return kvr::node::ServeMain(kvr::prefill_node::PrefillSettings(), argc, argv,
+                              &kvr::prefill_node::Serve);
 }

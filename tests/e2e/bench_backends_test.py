@@ -10,14 +10,13 @@ it is missing). Prints each run's median TTFT and what the client side added to 
 own TTFT (server_ttfts). Python standard library only.
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from kvr_up import SKIP, Checks, Cluster, test_model
+from kvr_up import SKIP, Checks, Cluster, parse_args
 NUM_PROMPTS = 6
 RUN_ARGS = ["--num-prompts", str(NUM_PROMPTS), "--concurrency", "2", "--input-len", "48",
             "--output-len", "4", "--ignore-eos", "--seed", "3", "--no-progress"]
@@ -33,10 +32,8 @@ def bench(kvr, args, result_file):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--kvr", required=True)
-    args = parser.parse_args()
-    if test_model() is None:
+    args = parse_args()
+    if args is None:
         return SKIP
 
     check = Checks()

@@ -56,6 +56,7 @@
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc_test_util.h"
+#include "health_test_util.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/common/tls.h"
@@ -450,18 +451,9 @@ TEST_F(ModelFixture, EveryListenerOfKvrUpIsOnLoopback) {
   std::printf("%d listening sockets of %zu processes checked\n", checked, cluster.nodes().size());
 }
 
-// The health status of `service` on a node's gRPC port (UNKNOWN when the call fails).
-grpc::health::v1::HealthCheckResponse::ServingStatus Health(const Cluster& cluster,
-                                                            const std::string& address,
-                                                            const std::string& service) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  grpc::health::v1::HealthCheckRequest request;
-  request.set_service(service);
-  grpc::health::v1::HealthCheckResponse response;
-  const grpc::Status s =
-      grpc::health::v1::Health::NewStub(cluster.Channel(address))->Check(&ctx, request, &response);
-  return s.ok() ? response.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+// The health status of `service` on a node's gRPC port (HealthStatus).
+int Health(const Cluster& cluster, const std::string& address, const std::string& service) {
+  return HealthStatus(cluster.Channel(address), service, absl::Seconds(2));
 }
 
 TEST_F(ModelFixture, ReadinessFollowsTheStore) {
@@ -474,7 +466,7 @@ TEST_F(ModelFixture, ReadinessFollowsTheStore) {
   auto wait_for = [&](const std::string& address, const std::string& service,
                       Status::ServingStatus want, absl::Duration timeout) {
     const absl::Time until = absl::Now() + timeout;
-    Status::ServingStatus got;
+    int got;
     while ((got = Health(cluster, address, service)) != want && absl::Now() < until)
       absl::SleepFor(absl::Milliseconds(100));
     return got;

@@ -21,7 +21,6 @@ Usage: eval_endpoint_test.py --kvr build/tools/kvr --gate tools/eval/gate/F.json
 PNG is drawn by the venv of scripts/python-env.sh (KVR_TEST_PYTHON).
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -29,15 +28,12 @@ import sys
 import tempfile
 import time
 
-from kvr_up import SKIP, Checks, Cluster, test_model
+from kvr_up import SKIP, Checks, Cluster, parse_args
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--kvr", required=True)
-    parser.add_argument("--gate", required=True)
-    args = parser.parse_args()
-    if test_model() is None:
+    args = parse_args("--gate")
+    if args is None:
         return SKIP
     with open(args.gate) as f:
         gate = json.load(f)

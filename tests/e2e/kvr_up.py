@@ -2,6 +2,7 @@
 (--base-port 0) with SmolLM2, the addresses it prints parsed, stopped on exit; and the tests'
 checks. Standard library only."""
 
+import argparse
 import os
 import re
 import subprocess
@@ -41,6 +42,16 @@ def test_model():
         return None
     os.environ["KVR_TEST_MODEL"] = path
     return path
+
+
+def parse_args(*flags):
+    """The command line of an e2e script: --kvr and each of `flags`, all required. None when
+    the test model is missing (test_model; the caller exits SKIP)."""
+    parser = argparse.ArgumentParser()
+    for flag in ("--kvr", *flags):
+        parser.add_argument(flag, required=True)
+    args = parser.parse_args()
+    return args if test_model() is not None else None
 
 
 class Cluster:

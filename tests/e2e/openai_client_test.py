@@ -22,7 +22,6 @@ Usage: openai_client_test.py --kvr build/tools/kvr   (KVR_TEST_MODEL: the GGUF; 
 the model or the openai package is missing).
 """
 
-import argparse
 import os
 import re
 import subprocess
@@ -31,7 +30,7 @@ import tempfile
 import time
 import urllib.request
 
-from kvr_up import MODEL, SKIP, Checks, Cluster, test_model
+from kvr_up import MODEL, SKIP, Checks, Cluster, parse_args
 API_KEY = "kvr-test-key"
 PROMPT = "The capital of France is"
 CHAT_PROMPT = "Name three colors."
@@ -65,10 +64,8 @@ def store_sequences(cluster):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--kvr", required=True)
-    args = parser.parse_args()
-    if test_model() is None:
+    args = parse_args()
+    if args is None:
         return SKIP
     try:
         import openai

@@ -33,14 +33,10 @@
 #include "kvr/kv_store/wire.h"
 #include "store_process.h"
 
-namespace kvr::kv_store {
+// In the test helpers' namespace (test_pattern.h, store_process.h).
+namespace kvr::kv_store::testing {
 namespace {
 
-using ::kvr::kv_store::testing::MakePatternRows;
-using ::kvr::kv_store::testing::RowMatches;
-using ::kvr::kv_store::testing::RunProcess;
-using ::kvr::kv_store::testing::StoreProcess;
-using ::kvr::kv_store::testing::TestRef;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
@@ -54,17 +50,6 @@ std::optional<std::string> Env(const char* name) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return std::nullopt;
   return std::string(v);
-}
-
-absl::StatusOr<uint64_t> Put(KvStoreClient& client, const SequenceShape& shape, SequenceId seq,
-                             uint32_t layer, uint64_t start, uint32_t n) {
-  auto rows = MakePatternRows(shape, seq, layer, start, n);
-  return client.PutLayer({.sequence = TestRef(seq),
-                          .layer = layer,
-                          .start_row = start,
-                          .n_rows = n,
-                          .k = rows.k,
-                          .v = rows.v});
 }
 
 // Counts rows of `out` (laid out as `entries` request) that differ from the pattern.
@@ -139,12 +124,12 @@ TEST_F(StoreScenarioTest, TwoClientsReadBackBitExactByGatherAndRange) {
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
     uint64_t at = 0;
     for (uint32_t n : {300u, 1u, 399u}) {
-      auto committed = Put(*writer, kShape, 1, layer, at, n);
+      auto committed = PutPatternRows(*writer, kShape, 1, layer, at, n);
       ASSERT_TRUE(committed.ok()) << committed.status();
       at += n;
       ASSERT_EQ(*committed, at);
     }
-    ASSERT_TRUE(Put(*reader, kShape, 2, layer, 0, 50).ok());
+    ASSERT_TRUE(PutPatternRows(*reader, kShape, 2, layer, 0, 50).ok());
   }
   // Decode-style append of one row.
   auto one = MakePatternRows(kShape, 1, 3, 700, 1);
@@ -275,8 +260,8 @@ TEST_F(StoreScenarioTest, ConcurrentReaderNeverSeesPartialLayer) {
     ASSERT_TRUE(writer->CreateSequence(TestRef(seq), kShape, 0, absl::ZeroDuration()).ok());
     for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
       // Half a layer first: a reader asking for all rows must not get it.
-      ASSERT_TRUE(Put(*writer, kShape, seq, layer, 0, kRows / 2).ok());
-      ASSERT_TRUE(Put(*writer, kShape, seq, layer, kRows / 2, kRows / 2).ok());
+      ASSERT_TRUE(PutPatternRows(*writer, kShape, seq, layer, 0, kRows / 2).ok());
+      ASSERT_TRUE(PutPatternRows(*writer, kShape, seq, layer, kRows / 2, kRows / 2).ok());
     }
   }
   writer_done = true;
@@ -301,7 +286,7 @@ TEST_F(StoreScenarioTest, ReleaseFreesEveryPage) {
     ASSERT_TRUE(
         c.CreateSequence(TestRef(seq), kShape, seq == 21 ? 1000 : 0, absl::ZeroDuration()).ok());
     for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
-      ASSERT_TRUE(Put(c, kShape, seq, layer, 0, 300).ok());
+      ASSERT_TRUE(PutPatternRows(c, kShape, seq, layer, 0, 300).ok());
     }
   }
   auto during = b->Stats();
@@ -341,7 +326,7 @@ TEST_F(StoreScenarioTest, FullStoreRefusesWithResourceExhaustedAndLosesNothing) 
   ASSERT_GT(pages_each, 8u);
   ASSERT_TRUE(a->CreateSequence(TestRef(31), shape, pages_each * 256, absl::ZeroDuration()).ok());
   for (uint32_t layer = 0; layer < shape.n_layers; ++layer) {
-    ASSERT_TRUE(Put(*a, shape, 31, layer, 0, 1000).ok());
+    ASSERT_TRUE(PutPatternRows(*a, shape, 31, layer, 0, 1000).ok());
   }
   const uint64_t free_before = a->Stats()->free_pages;
   // Another sequence whose reservation does not fit.
@@ -352,7 +337,7 @@ TEST_F(StoreScenarioTest, FullStoreRefusesWithResourceExhaustedAndLosesNothing) 
   // A write to another sequence needing more pages than are free.
   ASSERT_TRUE(b->CreateSequence(TestRef(33), shape, 0, absl::ZeroDuration()).ok());
   const uint32_t grow_rows = static_cast<uint32_t>((free_before / shape.n_kv_heads + 1) * 256);
-  absl::StatusOr<uint64_t> w = Put(*b, shape, 33, 0, 0, grow_rows);
+  absl::StatusOr<uint64_t> w = PutPatternRows(*b, shape, 33, 0, 0, grow_rows);
   EXPECT_TRUE(absl::IsResourceExhausted(w.status())) << w.status();
   EXPECT_THAT(w.status().message(), HasSubstr("free of"));
   EXPECT_EQ(b->GetSequence(TestRef(33))->committed_rows[0], 0u);
@@ -371,7 +356,7 @@ TEST_F(StoreScenarioTest, FullStoreRefusesWithResourceExhaustedAndLosesNothing) 
   EXPECT_EQ(info->committed_rows[0], 1000u);
   EXPECT_EQ(a->Stats()->free_pages, free_before);
   // Small writes that fit still succeed; releasing returns to baseline.
-  EXPECT_TRUE(Put(*a, shape, 31, 2, 1000, 10).ok());
+  EXPECT_TRUE(PutPatternRows(*a, shape, 31, 2, 1000, 10).ok());
   ASSERT_TRUE(a->Release(TestRef(31), absl::ZeroDuration()).ok());
   ASSERT_TRUE(b->Release(TestRef(33), absl::ZeroDuration()).ok());
   EXPECT_EQ(a->Stats()->free_pages, baseline->free_pages);
@@ -389,8 +374,8 @@ TEST_F(StoreScenarioTest, ForkedSequenceReadsTheParentsRowsOverUcx) {
   // 700 rows: pages of 256 rows, so 2 full pages and a partial one per (layer, kv head).
   ASSERT_TRUE(a->CreateSequence(TestRef(41), kShape, 0, absl::ZeroDuration()).ok());
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
-    ASSERT_TRUE(Put(*a, kShape, 41, layer, 0, 400).ok());
-    ASSERT_TRUE(Put(*a, kShape, 41, layer, 400, 300).ok());
+    ASSERT_TRUE(PutPatternRows(*a, kShape, 41, layer, 0, 400).ok());
+    ASSERT_TRUE(PutPatternRows(*a, kShape, 41, layer, 400, 300).ok());
   }
   ASSERT_TRUE(a->Release(TestRef(41), absl::Seconds(60)).ok());
 
@@ -439,9 +424,9 @@ TEST_F(StoreScenarioTest, ForkedSequenceReadsTheParentsRowsOverUcx) {
 
   // The child appends after row 600 (the parent, kept read-only, cannot).
   for (uint32_t layer = 0; layer < kShape.n_layers; ++layer) {
-    ASSERT_TRUE(Put(*b, kShape, 42, layer, 600, 10).ok());
+    ASSERT_TRUE(PutPatternRows(*b, kShape, 42, layer, 600, 10).ok());
   }
-  EXPECT_TRUE(absl::IsFailedPrecondition(Put(*a, kShape, 41, 0, 700, 1).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(PutPatternRows(*a, kShape, 41, 0, 700, 1).status()));
   // Errors over gRPC: a wrong parent capability reads like an unknown id; a child needs one.
   absl::Status st =
       b->ForkSequence(TestRef(43), {41, TestRef(42).cap}, 600, 0, absl::ZeroDuration()).status();
@@ -473,7 +458,7 @@ TEST_F(StoreScenarioTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) 
   auto c = Connect("malformed");
   ASSERT_TRUE(c);
   ASSERT_TRUE(c->CreateSequence(TestRef(41), kShape, 0, absl::ZeroDuration()).ok());
-  ASSERT_TRUE(Put(*c, kShape, 41, 0, 0, 10).ok());
+  ASSERT_TRUE(PutPatternRows(*c, kShape, 41, 0, 0, 10).ok());
   const auto gather_id = static_cast<uint16_t>(wire::MessageType::kGather);
   const auto write_id = static_cast<uint16_t>(wire::MessageType::kWrite);
   auto bytes = [](const std::string& s) {
@@ -548,7 +533,7 @@ TEST_F(StoreScenarioTest, MalformedRequestsGetErrorRepliesAndStoreKeepsServing) 
   std::vector<uint8_t> rows(GatherBytes(entries, kShape.RowBytes()));
   ASSERT_TRUE(c->Gather(entries, rows).ok());
   EXPECT_EQ(CountBadRows(kShape, entries, rows), 0u);
-  auto committed = Put(*c, kShape, 41, 0, 10, 5);
+  auto committed = PutPatternRows(*c, kShape, 41, 0, 10, 5);
   ASSERT_TRUE(committed.ok()) << committed.status();
   EXPECT_EQ(*committed, 15u);
 }
@@ -557,7 +542,7 @@ TEST_F(StoreScenarioTest, KillingStoreMidReadGivesUnavailableWithinDeadline) {
   auto c = Connect("victim");
   ASSERT_TRUE(c);
   ASSERT_TRUE(c->CreateSequence(TestRef(51), kShape, 0, absl::ZeroDuration()).ok());
-  ASSERT_TRUE(Put(*c, kShape, 51, 0, 0, 4096).ok());
+  ASSERT_TRUE(PutPatternRows(*c, kShape, 51, 0, 0, 4096).ok());
   std::vector<uint32_t> idx(4096);
   for (uint32_t i = 0; i < idx.size(); ++i) idx[i] = (i * 7919) % 4096;
   std::vector<GatherEntry> entries;
@@ -760,4 +745,4 @@ TEST_F(NetnsTest, KillingStoreMidReadGivesUnavailableWithinDeadline) {
 }
 
 }  // namespace
-}  // namespace kvr::kv_store
+}  // namespace kvr::kv_store::testing

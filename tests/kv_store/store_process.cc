@@ -163,4 +163,15 @@ absl::StatusOr<RunResult> RunProcess(std::vector<std::string> argv,
   return result;
 }
 
+std::vector<std::string> LoopbackUcxEnv() { return {"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"}; }
+
+absl::StatusOr<StoreProcess> StartLoopbackStore(const std::string& binary,
+                                                std::vector<std::string> flags) {
+  std::vector<std::string> argv = {binary,  "--listen",     "127.0.0.1:0", "--capacity-bytes",
+                                   "64MiB", "--page-bytes", "64KiB",       "--metrics-port",
+                                   "-1"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  return StoreProcess::Start(std::move(argv), LoopbackUcxEnv(), absl::Seconds(20));
+}
+
 }  // namespace kvr::kv_store::testing

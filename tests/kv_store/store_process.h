@@ -49,4 +49,13 @@ struct RunResult {
                                                    std::vector<std::string> env,
                                                    absl::Duration timeout);
 
+// Environment entries that make UCX use TCP on the loopback device: a store and its clients on
+// 127.0.0.1, whatever else the machine has.
+[[nodiscard]] std::vector<std::string> LoopbackUcxEnv();
+
+// The kvr-store at `binary` on 127.0.0.1 (a free port) with a 64 MiB pool of 64 KiB pages, no
+// metrics port and LoopbackUcxEnv(), given `flags` besides; waits up to 20 s for its port line.
+[[nodiscard]] absl::StatusOr<StoreProcess> StartLoopbackStore(const std::string& binary,
+                                                              std::vector<std::string> flags);
+
 }  // namespace kvr::kv_store::testing

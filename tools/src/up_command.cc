@@ -38,6 +38,7 @@
 #include "absl/time/time.h"
 #include "commands.h"
 #include "kvr/common/cert_authority.h"
+#include "kvr/common/line_reader.h"
 #include "kvr/common/status.h"
 #include "kvr/common/tls.h"
 #include "kvr/node/settings.h"
@@ -148,41 +149,25 @@ class Child {
       _exit(127);
     }
     close(fds[1]);
-    reader_ = std::thread([this, fd = fds[0], log] { ReadLines(fd, log); });
+    stdout_ = std::make_unique<LineReader>(fds[0], log);
   }
   Child(const Child&) = delete;
   Child& operator=(const Child&) = delete;
-  ~Child() {
-    Stop(absl::Seconds(5));
-    if (reader_.joinable()) reader_.join();
-  }
+  ~Child() { Stop(absl::Seconds(5)); }  // then stdout_ reads to EOF
 
   const std::string& name() const { return name_; }
   pid_t pid() const { return pid_; }
 
   // Waits for a line containing `marker` and returns what follows it ("" on timeout or exit).
   std::string WaitFor(const std::string& marker, absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    std::string found;
-    auto ready = [&] {
-      for (const std::string& l : lines_) {
-        const size_t at = l.find(marker);
-        if (at != std::string::npos) {
-          found = l.substr(at + marker.size());
-          return true;
-        }
-      }
-      return eof_;
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-    return found;
+    if (stdout_ == nullptr) return "";
+    const std::optional<std::string> line = stdout_->Await(
+        [&](const std::string& l) { return l.find(marker) != std::string::npos; }, timeout);
+    return line ? line->substr(line->find(marker) + marker.size()) : "";
   }
   // What follows `marker` if such a line was printed already.
   std::string Find(const std::string& marker) { return WaitFor(marker, absl::ZeroDuration()); }
-  bool exited() {
-    absl::MutexLock lock(&mu_);
-    return eof_;
-  }
+  bool exited() { return stdout_ == nullptr || stdout_->eof(); }
 
   // SIGTERM, then SIGKILL after `grace`; reaps the child.
   void Stop(absl::Duration grace) {
@@ -202,33 +187,10 @@ class Child {
   }
 
  private:
-  void ReadLines(int fd, int log) {
-    std::string partial;
-    char buf[4096];
-    ssize_t n;
-    while ((n = read(fd, buf, sizeof(buf))) > 0) {
-      if (log >= 0) (void)!write(log, buf, static_cast<size_t>(n));
-      partial.append(buf, static_cast<size_t>(n));
-      size_t pos;
-      while ((pos = partial.find('\n')) != std::string::npos) {
-        absl::MutexLock lock(&mu_);
-        lines_.push_back(partial.substr(0, pos));
-        partial.erase(0, pos + 1);
-      }
-    }
-    close(fd);
-    if (log >= 0) close(log);
-    absl::MutexLock lock(&mu_);
-    eof_ = true;
-  }
-
   std::string name_;
   std::vector<std::string> argv_;
   pid_t pid_ = -1;
-  std::thread reader_;
-  absl::Mutex mu_;
-  std::vector<std::string> lines_ ABSL_GUARDED_BY(mu_);
-  bool eof_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<LineReader> stdout_;  // null when the pipe could not be made
 };
 
 // The binary `name`: next to kvr, in the build tree's component folder, or on PATH.

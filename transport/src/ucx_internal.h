@@ -62,6 +62,8 @@ struct ReplyPrefix {
   int32_t status_code;
   uint32_t message_size;
 };
+// The AM header of the reply to `request_id`: the prefix, `status`'s message, `header`.
+std::string ReplyWireHeader(uint64_t request_id, const absl::Status& status, ByteView header);
 
 // Worker addresses are prefixed with the identity of the process that owns the worker:
 // UCX 1.13's shared-memory transports (posix, sysv) cannot run with

@@ -193,6 +193,16 @@ void WorkerCore::FailEndpointCalls(EndpointState* ep, const absl::Status& status
   }
 }
 
+std::string ReplyWireHeader(uint64_t request_id, const absl::Status& status, ByteView header) {
+  ReplyPrefix prefix{request_id, static_cast<int32_t>(status.code()),
+                     static_cast<uint32_t>(status.message().size())};
+  std::string wire(sizeof(prefix), '\0');
+  std::memcpy(wire.data(), &prefix, sizeof(prefix));
+  wire.append(status.message().data(), status.message().size());
+  wire.append(reinterpret_cast<const char*>(header.data()), header.size());
+  return wire;
+}
+
 IncomingState::~IncomingState() {
   if (!replied && core != nullptr && reply_to != nullptr) {
     // Dropped without a reply: answer INTERNAL so the caller does not wait for its deadline.
@@ -201,12 +211,9 @@ IncomingState::~IncomingState() {
     self->reply_to = reply_to;
     self->request_id = request_id;
     self->replied = true;
-    ReplyPrefix prefix{request_id, static_cast<int32_t>(absl::StatusCode::kInternal), 0};
-    constexpr std::string_view kMessage = "request dropped by the handler without a reply";
-    prefix.message_size = kMessage.size();
-    std::string wire(sizeof(prefix), '\0');
-    std::memcpy(wire.data(), &prefix, sizeof(prefix));
-    wire.append(kMessage);
+    std::string wire = ReplyWireHeader(
+        request_id, absl::InternalError("request dropped by the handler without a reply"),
+        ByteView());
     std::shared_ptr<WorkerCore> c = core;
     auto moved = std::make_shared<std::unique_ptr<IncomingState>>(std::move(self));
     c->Post([c, moved, wire = std::move(wire)]() mutable {
@@ -420,16 +427,6 @@ ByteView IncomingRequest::header() const { return state_ ? AsBytes(state_->heade
 ByteView IncomingRequest::payload() const { return state_ ? state_->payload : ByteView(); }
 
 namespace {
-std::string ReplyWireHeader(uint64_t request_id, const absl::Status& status, ByteView header) {
-  internal::ReplyPrefix prefix{request_id, static_cast<int32_t>(status.code()),
-                               static_cast<uint32_t>(status.message().size())};
-  std::string wire(sizeof(prefix), '\0');
-  std::memcpy(wire.data(), &prefix, sizeof(prefix));
-  wire.append(status.message().data(), status.message().size());
-  wire.append(reinterpret_cast<const char*>(header.data()), header.size());
-  return wire;
-}
-
 // Runs a reply's command at once on the progress thread (a handler replying inline), else
 // posts it; FAILED_PRECONDITION once the worker has shut down.
 absl::Status RunOrPost(WorkerCore& core, std::function<void()> cmd) {
@@ -442,54 +439,49 @@ absl::Status RunOrPost(WorkerCore& core, std::function<void()> cmd) {
   }
   return absl::OkStatus();
 }
+
+// What every Reply* of an IncomingRequest does once the request is known unanswered: marks it
+// replied, takes its state and has the worker send `status` and `header` with the payload (the
+// views, or the owned bytes). The command is copied into a std::function: what it owns it holds
+// through shared pointers.
+absl::Status SendReply(std::unique_ptr<IncomingState>& state, const absl::Status& status,
+                       ByteView header, std::vector<ByteView> payload,
+                       std::function<void(absl::Status)> on_sent, Bytes owned_payload) {
+  state->replied = true;
+  std::string wire = internal::ReplyWireHeader(state->request_id, status, header);
+  std::shared_ptr<WorkerCore> core = state->core;
+  auto moved = std::make_shared<std::unique_ptr<IncomingState>>(std::move(state));
+  auto owned = std::make_shared<Bytes>(std::move(owned_payload));
+  auto cmd = [core, moved, owned, wire = std::move(wire), payload = std::move(payload),
+              on_sent = std::move(on_sent)]() mutable {
+    core->Reply(std::move(*moved), std::move(wire), std::move(payload), std::move(on_sent),
+                std::move(*owned));
+  };
+  return RunOrPost(*core, std::move(cmd));
+}
+
+absl::Status AlreadyReplied() {
+  return absl::FailedPreconditionError("request already replied to");
+}
 }  // namespace
 
 absl::Status IncomingRequest::Reply(ByteView header, std::vector<ByteView> payload,
                                     std::function<void(absl::Status)> on_sent) {
-  if (state_ == nullptr || state_->replied) {
-    return absl::FailedPreconditionError("request already replied to");
-  }
-  state_->replied = true;
-  std::string wire = ReplyWireHeader(state_->request_id, absl::OkStatus(), header);
-  std::shared_ptr<WorkerCore> core = state_->core;
-  auto moved = std::make_shared<std::unique_ptr<IncomingState>>(std::move(state_));
-  auto cmd = [core, moved, wire = std::move(wire), payload = std::move(payload),
-              on_sent]() mutable {
-    core->Reply(std::move(*moved), std::move(wire), std::move(payload), std::move(on_sent),
-                Bytes());
-  };
-  return RunOrPost(*core, std::move(cmd));
+  if (state_ == nullptr || state_->replied) return AlreadyReplied();
+  return SendReply(state_, absl::OkStatus(), header, std::move(payload), std::move(on_sent),
+                   Bytes());
 }
 
 absl::Status IncomingRequest::Reply(ByteView header, Bytes payload) {
-  if (state_ == nullptr || state_->replied) {
-    return absl::FailedPreconditionError("request already replied to");
-  }
-  state_->replied = true;
-  std::string wire = ReplyWireHeader(state_->request_id, absl::OkStatus(), header);
-  std::shared_ptr<WorkerCore> core = state_->core;
-  auto moved = std::make_shared<std::unique_ptr<IncomingState>>(std::move(state_));
-  auto owned = std::make_shared<Bytes>(std::move(payload));
-  auto cmd = [core, moved, owned, wire = std::move(wire)]() mutable {
-    core->Reply(std::move(*moved), std::move(wire), {}, {}, std::move(*owned));
-  };
-  return RunOrPost(*core, std::move(cmd));
+  if (state_ == nullptr || state_->replied) return AlreadyReplied();
+  return SendReply(state_, absl::OkStatus(), header, {}, {}, std::move(payload));
 }
 
 absl::Status IncomingRequest::ReplyError(const absl::Status& error) {
-  if (state_ == nullptr || state_->replied) {
-    return absl::FailedPreconditionError("request already replied to");
-  }
-  absl::Status status =
-      error.ok() ? absl::InternalError("handler replied with an OK error status") : error;
-  state_->replied = true;
-  std::string wire = ReplyWireHeader(state_->request_id, status, ByteView());
-  std::shared_ptr<WorkerCore> core = state_->core;
-  auto moved = std::make_shared<std::unique_ptr<IncomingState>>(std::move(state_));
-  auto cmd = [core, moved, wire = std::move(wire)]() mutable {
-    core->Reply(std::move(*moved), std::move(wire), {}, {}, Bytes());
-  };
-  return RunOrPost(*core, std::move(cmd));
+  if (state_ == nullptr || state_->replied) return AlreadyReplied();
+  return SendReply(
+      state_, error.ok() ? absl::InternalError("handler replied with an OK error status") : error,
+      ByteView(), {}, {}, Bytes());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -329,21 +329,16 @@ Workspace Carve(const A2atsSelectParams& p, char* base) {
   const size_t rows = static_cast<size_t>(p.batch) * p.n_kv_heads;
   const size_t group = Group(p);
   Workspace w;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* ptr = base != nullptr ? base + off : nullptr;
-    off += AlignUp(bytes);
-    return ptr;
-  };
+  internal::Carver carve(base);
   const size_t L = std::max(1, p.codebook_size);
-  w.qz = reinterpret_cast<float*>(take(rows * group * std::max(1, p.head_dim) * sizeof(float)));
+  w.qz = carve.Take<float>(rows * group * std::max(1, p.head_dim));
   w.ldl = RowLd(static_cast<int>(L));
-  w.cw = reinterpret_cast<float*>(take(rows * group * w.ldl * sizeof(float)));
+  w.cw = carve.Take<float>(rows * group * w.ldl);
   w.counts_bytes = rows * L * sizeof(int32_t);
-  w.counts = reinterpret_cast<int32_t*>(take(w.counts_bytes));
-  w.take = reinterpret_cast<uint8_t*>(take(rows * L));
-  w.info = reinterpret_cast<int32_t*>(take(rows * 2 * sizeof(int32_t)));
-  w.bytes = off;
+  w.counts = reinterpret_cast<int32_t*>(carve.TakeBytes(w.counts_bytes));
+  w.take = carve.Take<uint8_t>(rows * L);
+  w.info = carve.Take<int32_t>(rows * 2);
+  w.bytes = carve.used();
   return w;
 }
 

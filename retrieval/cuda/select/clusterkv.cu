@@ -25,8 +25,6 @@
 
 namespace kvr::retrieval::cuda {
 
-absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // topk.cu
-
 namespace {
 
 using internal::AlignUp;
@@ -67,16 +65,11 @@ struct Tail {                     // after the scoring workspace
 
 Tail CarveTail(const ClusterKvSelectParams& p, char* base) {
   const size_t rows = static_cast<size_t>(p.batch) * p.n_kv_heads;
-  size_t off = AlignUp(internal::GroupScoresWorkspaceBytes(ScoreParams(p)));
+  internal::Carver carve(base, AlignUp(internal::GroupScoresWorkspaceBytes(ScoreParams(p))));
   Tail t;
-  auto take = [&](size_t bytes) {
-    char* ptr = base != nullptr ? base + off : nullptr;
-    off += AlignUp(bytes);
-    return ptr;
-  };
-  t.picked = reinterpret_cast<int32_t*>(take(rows * std::max(1, Pick(p)) * sizeof(int32_t)));
-  t.pick_count = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
-  t.bytes = off;
+  t.picked = carve.Take<int32_t>(rows * std::max(1, Pick(p)));
+  t.pick_count = carve.Take<int32_t>(rows);
+  t.bytes = carve.used();
   return t;
 }
 

@@ -343,34 +343,29 @@ Workspace Carve(const CtkvrSelectParams& p, char* base) {
   const size_t rows = static_cast<size_t>(p.batch) * p.n_kv_heads;
   const size_t group = Group(p);
   Workspace w;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* ptr = base != nullptr ? base + off : nullptr;
-    off += AlignUp(bytes);
-    return ptr;
-  };
-  w.cos = reinterpret_cast<float*>(take(rows * std::max(1, p.max_centroids) * sizeof(float)));
+  internal::Carver carve(base);
+  w.cos = carve.Take<float>(rows * std::max(1, p.max_centroids));
   w.words = (std::max(1, p.max_tokens) + 31) / 32;
   w.bitmap_bytes = rows * w.words * sizeof(uint32_t);
-  w.bitmap = reinterpret_cast<uint32_t*>(take(w.bitmap_bytes));
+  w.bitmap = reinterpret_cast<uint32_t*>(carve.TakeBytes(w.bitmap_bytes));
   const int max_r = MaxRecall(p);
   w.ld = RowLd(max_r);
-  w.recalled = reinterpret_cast<int32_t*>(take(rows * w.ld * sizeof(int32_t)));
-  w.n_recalled = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.recalled = carve.Take<int32_t>(rows * w.ld);
+  w.n_recalled = carve.Take<int32_t>(rows);
   w.n_chunks = (max_r + kRerankChunk - 1) / kRerankChunk;
   if (p.gqa == GqaAggregation::kSumSoftmax) {
-    w.logits = reinterpret_cast<float*>(take(rows * group * w.ld * sizeof(float)));
-    w.partials = reinterpret_cast<float2*>(take(rows * w.n_chunks * group * sizeof(float2)));
-    w.lse = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
+    w.logits = carve.Take<float>(rows * group * w.ld);
+    w.partials = carve.Take<float2>(rows * w.n_chunks * group);
+    w.lse = carve.Take<float>(rows * group);
   }
-  w.scores = reinterpret_cast<float*>(take(rows * w.ld * sizeof(float)));
+  w.scores = carve.Take<float>(rows * w.ld);
   TopKParams t;
   t.rows = static_cast<int>(rows);
   t.row_stride = w.ld;
   t.out.budget = p.out.budget;
   w.topk_bytes = BatchedTopKWorkspaceBytes(t);
-  w.topk = take(w.topk_bytes);
-  w.bytes = off;
+  w.topk = carve.TakeBytes(w.topk_bytes);
+  w.bytes = carve.used();
   return w;
 }
 
@@ -480,22 +475,12 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
   CtkvrRecallKernel<<<rows, kRecallThreads, recall_smem, stream>>>(a);
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const dim3 grid(w.n_chunks, p.n_kv_heads, p.batch);
-  switch (p.keys.dtype) {
-    case KeyDType::kF32:
-      p.head_dim == 64 ? LaunchRerank<float, 64>(a, grid, stream)
-                       : LaunchRerank<float, 128>(a, grid, stream);
-      break;
-    case KeyDType::kF16:
-      p.head_dim == 64 ? LaunchRerank<__half, 64>(a, grid, stream)
-                       : LaunchRerank<__half, 128>(a, grid, stream);
-      break;
-    case KeyDType::kBf16:
-      p.head_dim == 64 ? LaunchRerank<__nv_bfloat16, 64>(a, grid, stream)
-                       : LaunchRerank<__nv_bfloat16, 128>(a, grid, stream);
-      break;
-    default:
-      return absl::InvalidArgumentError("CtkvrSelect: unknown key dtype");
-  }
+  KVR_RETURN_IF_ERROR(internal::DispatchKeyType(p.keys.dtype, [&]<typename T>() {
+    return internal::DispatchHeadDim(p.head_dim, [&]<int D>() {
+      LaunchRerank<T, D>(a, grid, stream);
+      return absl::OkStatus();
+    });
+  }));
   KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("CtkvrRerankKernel"));
   internal::RerankTail t;
   t.batch = p.batch;

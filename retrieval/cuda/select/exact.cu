@@ -31,8 +31,6 @@
 
 namespace kvr::retrieval::cuda {
 
-absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // topk.cu
-
 namespace {
 
 using internal::AddToMaxSum;
@@ -282,28 +280,23 @@ Workspace Carve(const ExactSelectParams& p, char* base, bool with_topk = true) {
   const size_t n_chunks = (static_cast<size_t>(p.max_candidates) + kChunk - 1) / kChunk;
   const bool softmax = p.gqa == GqaAggregation::kSumSoftmax;
   Workspace w;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* ptr = base != nullptr ? base + off : nullptr;
-    off += AlignUp(bytes);
-    return ptr;
-  };
+  internal::Carver carve(base);
   const size_t ld = RowLd(p.max_candidates);
-  w.scores = reinterpret_cast<float*>(take(rows * ld * sizeof(float)));
+  w.scores = carve.Take<float>(rows * ld);
   if (softmax) {
-    w.logits = reinterpret_cast<float*>(take(rows * group * ld * sizeof(float)));
-    w.partials = reinterpret_cast<float2*>(take(rows * n_chunks * group * sizeof(float2)));
-    w.lse = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
+    w.logits = carve.Take<float>(rows * group * ld);
+    w.partials = carve.Take<float2>(rows * n_chunks * group);
+    w.lse = carve.Take<float>(rows * group);
   }
-  w.n_valid = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
-  w.id_offset = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.n_valid = carve.Take<int32_t>(rows);
+  w.id_offset = carve.Take<int32_t>(rows);
   TopKParams t;
   t.rows = static_cast<int>(rows);
   t.row_stride = ld;
   t.out.budget = p.out.budget;
   w.topk_bytes = with_topk ? BatchedTopKWorkspaceBytes(t) : 0;
-  w.topk = take(w.topk_bytes);
-  w.bytes = off;
+  w.topk = carve.TakeBytes(w.topk_bytes);
+  w.bytes = carve.used();
   return w;
 }
 
@@ -393,23 +386,12 @@ absl::Status LaunchScores(const ExactSelectParams& p, const int32_t* row_count, 
                w.id_offset,
                row_count};
   const dim3 grid(n_chunks, p.n_kv_heads, p.batch);
-  switch (p.keys.dtype) {
-    case KeyDType::kF32:
-      p.head_dim == 64 ? LaunchLogits<float, 64>(a, grid, stream)
-                       : LaunchLogits<float, 128>(a, grid, stream);
-      break;
-    case KeyDType::kF16:
-      p.head_dim == 64 ? LaunchLogits<__half, 64>(a, grid, stream)
-                       : LaunchLogits<__half, 128>(a, grid, stream);
-      break;
-    case KeyDType::kBf16:
-      p.head_dim == 64 ? LaunchLogits<__nv_bfloat16, 64>(a, grid, stream)
-                       : LaunchLogits<__nv_bfloat16, 128>(a, grid, stream);
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("ExactSelect: unknown key dtype ", static_cast<int>(p.keys.dtype)));
-  }
+  KVR_RETURN_IF_ERROR(internal::DispatchKeyType(p.keys.dtype, [&]<typename T>() {
+    return internal::DispatchHeadDim(p.head_dim, [&]<int D>() {
+      LaunchLogits<T, D>(a, grid, stream);
+      return absl::OkStatus();
+    });
+  }));
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (softmax) {
     const int rows = p.batch * p.n_kv_heads;

@@ -699,38 +699,33 @@ Workspace Carve(const ParisKvSelectParams& p, char* base) {
   const size_t group = Group(p);
   const size_t pd = p.codec.padded_dim;
   Workspace w;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* ptr = base != nullptr ? base + off : nullptr;
-    off += AlignUp(bytes);
-    return ptr;
-  };
-  w.xq = reinterpret_cast<float*>(take(rows * group * pd * sizeof(float)));
-  w.qnorm = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
-  w.bonus = reinterpret_cast<uint8_t*>(
-      take(rows * group * Subspaces(p.codec) * static_cast<size_t>(Centroids(p.codec))));
+  internal::Carver carve(base);
+  w.xq = carve.Take<float>(rows * group * pd);
+  w.qnorm = carve.Take<float>(rows * group);
+  w.bonus = carve.Take<uint8_t>(rows * group * Subspaces(p.codec) *
+                                static_cast<size_t>(Centroids(p.codec)));
   w.hist_bytes = rows * Bins(p) * sizeof(int32_t);
-  w.hist = reinterpret_cast<int32_t*>(take(w.hist_bytes));
+  w.hist = reinterpret_cast<int32_t*>(carve.TakeBytes(w.hist_bytes));
   w.ld16 = (std::max(1, p.max_candidates) + 7) / 8 * 8;
-  w.score16 = reinterpret_cast<uint16_t*>(take(rows * w.ld16 * sizeof(uint16_t)));
+  w.score16 = carve.Take<uint16_t>(rows * w.ld16);
   const int max_c = MaxCandidates(p);
   w.ldc = RowLd(max_c);
-  w.cand = reinterpret_cast<int32_t*>(take(rows * w.ldc * sizeof(int32_t)));
-  w.n_cand = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
+  w.cand = carve.Take<int32_t>(rows * w.ldc);
+  w.n_cand = carve.Take<int32_t>(rows);
   w.n_rchunks = (max_c + kRerankChunk - 1) / kRerankChunk;
   if (p.gqa == GqaAggregation::kSumSoftmax) {
-    w.logits = reinterpret_cast<float*>(take(rows * group * w.ldc * sizeof(float)));
-    w.partials = reinterpret_cast<float2*>(take(rows * w.n_rchunks * group * sizeof(float2)));
-    w.lse = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
+    w.logits = carve.Take<float>(rows * group * w.ldc);
+    w.partials = carve.Take<float2>(rows * w.n_rchunks * group);
+    w.lse = carve.Take<float>(rows * group);
   }
-  w.scores = reinterpret_cast<float*>(take(rows * w.ldc * sizeof(float)));
+  w.scores = carve.Take<float>(rows * w.ldc);
   TopKParams t;
   t.rows = static_cast<int>(rows);
   t.row_stride = w.ldc;
   t.out.budget = p.out.budget;
   w.topk_bytes = BatchedTopKWorkspaceBytes(t);
-  w.topk = take(w.topk_bytes);
-  w.bytes = off;
+  w.topk = carve.TakeBytes(w.topk_bytes);
+  w.bytes = carve.used();
   return w;
 }
 

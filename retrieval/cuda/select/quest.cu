@@ -29,8 +29,6 @@
 
 namespace kvr::retrieval::cuda {
 
-absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // topk.cu
-
 namespace {
 
 using internal::AddToMaxSum;
@@ -236,23 +234,18 @@ Workspace Carve(const QuestSelectParams& p, char* base) {
   const size_t ld = RowLd(MaxPages(p));
   const size_t n_chunks = (static_cast<size_t>(MaxPages(p)) + kChunk - 1) / kChunk;
   Workspace w;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* ptr = base != nullptr ? base + off : nullptr;
-    off += AlignUp(bytes);
-    return ptr;
-  };
-  w.scores = reinterpret_cast<float*>(take(rows * ld * sizeof(float)));
+  internal::Carver carve(base);
+  w.scores = carve.Take<float>(rows * ld);
   if (p.gqa == GqaAggregation::kSumSoftmax) {
-    w.logits = reinterpret_cast<float*>(take(rows * group * ld * sizeof(float)));
-    w.partials = reinterpret_cast<float2*>(take(rows * n_chunks * group * sizeof(float2)));
-    w.lse = reinterpret_cast<float*>(take(rows * group * sizeof(float)));
+    w.logits = carve.Take<float>(rows * group * ld);
+    w.partials = carve.Take<float2>(rows * n_chunks * group);
+    w.lse = carve.Take<float>(rows * group);
   }
-  w.n_pages = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
-  w.first_page = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
-  w.pages = reinterpret_cast<int32_t*>(take(rows * PagesToPick(p) * sizeof(int32_t)));
-  w.page_count = reinterpret_cast<int32_t*>(take(rows * sizeof(int32_t)));
-  w.bytes = off;
+  w.n_pages = carve.Take<int32_t>(rows);
+  w.first_page = carve.Take<int32_t>(rows);
+  w.pages = carve.Take<int32_t>(rows * PagesToPick(p));
+  w.page_count = carve.Take<int32_t>(rows);
+  w.bytes = carve.used();
   return w;
 }
 

@@ -13,8 +13,6 @@
 
 namespace kvr::retrieval::cuda {
 
-absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);  // topk.cu
-
 namespace internal {
 namespace {
 

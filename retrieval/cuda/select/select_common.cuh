@@ -8,14 +8,19 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kvr/retrieval/cuda/kernel_util.cuh"
 #include "kvr/retrieval/cuda/selection.cuh"
+
+namespace kvr::retrieval::cuda {
+
+// topk.cu: BatchedTopK on the caller's stream, without the host-side checks of the public entry.
+absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream);
+
+}  // namespace kvr::retrieval::cuda
 
 namespace kvr::retrieval::cuda::internal {
 
 inline constexpr int kMaxGroup = 8;  // query heads per KV head
-inline constexpr size_t kAlign = 256;
-
-inline size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 // Row length of fp32 scratch rows: a multiple of 4 so that every row is 16-byte aligned (the
 // top-k reads rows with float4 loads).
 inline int RowLd(int n) { return (n + 3) / 4 * 4; }

@@ -13,30 +13,15 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/retrieval/cuda/build.cuh"
+#include "kvr/retrieval/cuda/kernel_util.cuh"
 
 namespace kvr::retrieval::cuda::build_internal {
 
-inline constexpr size_t kAlign = 256;
-inline size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-
-// Carves 256-byte aligned pieces out of a caller-owned workspace (or only counts the bytes when
-// base is null).
-class Carver {
- public:
-  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
-  template <typename T>
-  T* Take(size_t n) {
-    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + used_);
-    used_ += AlignUp(n * sizeof(T));
-    return p;
-  }
-  void* TakeBytes(size_t n) { return Take<char>(n); }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
+using ::kvr::retrieval::cuda::internal::AlignUp;
+using ::kvr::retrieval::cuda::internal::Carver;
+using ::kvr::retrieval::cuda::internal::DispatchHeadDim;
+using ::kvr::retrieval::cuda::internal::DispatchKeyType;
+using ::kvr::retrieval::cuda::internal::kAlign;
 
 inline absl::Status Invalid(const char* op, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));
@@ -84,32 +69,6 @@ __device__ __forceinline__ float LoadKey<__half>(const void* data, int64_t i) {
 template <>
 __device__ __forceinline__ float LoadKey<__nv_bfloat16>(const void* data, int64_t i) {
   return __bfloat162float(static_cast<const __nv_bfloat16*>(data)[i]);
-}
-
-// Calls fn.template operator()<T>() with T the element type of `dtype`.
-template <typename Fn>
-absl::Status DispatchKeyType(KeyDType dtype, Fn&& fn) {
-  switch (dtype) {
-    case KeyDType::kF32:
-      return fn.template operator()<float>();
-    case KeyDType::kF16:
-      return fn.template operator()<__half>();
-    case KeyDType::kBf16:
-      return fn.template operator()<__nv_bfloat16>();
-  }
-  return absl::InvalidArgumentError("unknown key dtype");
-}
-
-// Calls fn.template operator()<D>() for head_dim D in {64, 128}.
-template <typename Fn>
-absl::Status DispatchHeadDim(int head_dim, Fn&& fn) {
-  switch (head_dim) {
-    case 64:
-      return fn.template operator()<64>();
-    case 128:
-      return fn.template operator()<128>();
-  }
-  return absl::InvalidArgumentError(absl::StrCat("head_dim ", head_dim, " (64 or 128)"));
 }
 
 }  // namespace kvr::retrieval::cuda::build_internal

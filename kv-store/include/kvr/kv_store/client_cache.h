@@ -83,4 +83,8 @@ class StoreClientCache {
   uint64_t connects_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// The cache of a node's UcxKvStoreClients: each connects with `options`, named
+// "<options.name>-><store address>"; connections and dropped clients are logged.
+[[nodiscard]] StoreClientCache UcxStoreClientCache(UcxClientOptions options);
+
 }  // namespace kvr::kv_store

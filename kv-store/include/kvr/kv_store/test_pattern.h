@@ -55,18 +55,36 @@ inline PatternRows MakePatternRows(const SequenceShape& shape, SequenceId seq, u
   return rows;
 }
 
-// Writes rows [start, start + n) of `layer` of sequence `seq` (TestRef) holding the pattern of
-// sequence `pattern`, through `store.Write` (a PagedKvStore, or anything with its Write).
+// Rows [start, start + n) of `layer` of sequence `seq` (TestRef) holding the pattern of
+// sequence `pattern`, pointing into `*keep`, which must outlive them.
+inline LayerRows PatternLayerRows(const SequenceShape& shape, SequenceId seq, uint32_t layer,
+                                  uint64_t start, uint32_t n, SequenceId pattern,
+                                  PatternRows* keep) {
+  *keep = MakePatternRows(shape, pattern, layer, start, n);
+  return {.sequence = TestRef(seq),
+          .layer = layer,
+          .start_row = start,
+          .n_rows = n,
+          .k = keep->k,
+          .v = keep->v};
+}
+
+// Writes PatternLayerRows(...) through `store.Write` (a PagedKvStore, or anything with its
+// Write).
 template <typename Store>
 auto WritePatternRows(Store& store, const SequenceShape& shape, SequenceId seq, uint32_t layer,
                       uint64_t start, uint32_t n, SequenceId pattern) {
-  const PatternRows rows = MakePatternRows(shape, pattern, layer, start, n);
-  return store.Write({.sequence = TestRef(seq),
-                      .layer = layer,
-                      .start_row = start,
-                      .n_rows = n,
-                      .k = rows.k,
-                      .v = rows.v});
+  PatternRows keep;
+  return store.Write(PatternLayerRows(shape, seq, layer, start, n, pattern, &keep));
+}
+
+// Puts PatternLayerRows(...) of sequence `seq`'s own pattern through `client.PutLayer` (a
+// KvStoreClient, or anything with its PutLayer).
+template <typename Client>
+auto PutPatternRows(Client& client, const SequenceShape& shape, SequenceId seq, uint32_t layer,
+                    uint64_t start, uint32_t n) {
+  PatternRows keep;
+  return client.PutLayer(PatternLayerRows(shape, seq, layer, start, n, seq, &keep));
 }
 
 // True when `row` (RowBytes() long) is row `row_index` of (seq, layer, head) as written by

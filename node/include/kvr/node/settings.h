@@ -289,6 +289,16 @@ template <typename Config>
 std::optional<Config> LoadConfigOrExit(const SettingTable<Config>& table, int argc,
                                        const char* const* argv, int* exit_code);
 
+// A node's whole main(): LoadConfigOrExit, then `serve` with the config; returns the exit
+// status.
+template <typename Config>
+int ServeMain(const SettingTable<Config>& table, int argc, const char* const* argv,
+              int (*serve)(const Config&)) {
+  int exit_code = 0;
+  std::optional<Config> config = LoadConfigOrExit(table, argc, argv, &exit_code);
+  return config ? serve(*config) : exit_code;
+}
+
 namespace settings_internal {
 // Prints the outcome of ParseCommandLine for LoadConfigOrExit; returns whether to go on.
 bool Report(const std::string& program, const absl::Status& status, const std::string& effective,
