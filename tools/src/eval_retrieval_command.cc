@@ -88,6 +88,11 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_flag("--passkey", flags->eval.passkey, "also run a generated passkey prompt");
   cmd->add_option("--a2ats-codebooks", flags->eval.a2ats_codebooks,
                   "codebook file from `kvr calibrate` (a2ats is skipped without it)");
+  cmd->add_option("--row-format", flags->eval.row_formats,
+                  "formats of the rows a decode step fetches from the store, each run beside "
+                  "the others: cache (as the KV cache holds them), bf16, fp8 (e4m3, a float "
+                  "scale per row and KV head)")
+      ->capture_default_str();
   cmd->add_option("--option", flags->options, "method option name=value (repeatable)");
   cmd->add_option("--json", flags->json, "write the rows as JSON here");
   cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");
