@@ -491,6 +491,7 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
         std::vector<double> nll(nr, 0.0);
         std::vector<int64_t> agree(nr, 0);
         std::vector<int64_t> passkey_tokens_ok(nr, 0);
+        std::vector<std::vector<int32_t>> run_argmax(nr);  // [run][step]
         for (int64_t t = 1; t <= steps; ++t) {
           const int32_t token = pc.continuation[t - 1];
           std::vector<kvr::model::ForwardSequence> batch;
@@ -505,6 +506,7 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
             nll[run] += Nll(lg, pc.continuation[t]);
             const int32_t am = Argmax(lg);
             agree[run] += am == ref_argmax[t - 1];
+            run_argmax[run].push_back(am);
             passkey_tokens_ok[run] += am == pc.continuation[t];
           }
         }
@@ -512,6 +514,7 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
         std::vector<double> free_agreement(nr, 0.0);
         std::vector<int64_t> free_prefix(nr, 0);
         std::vector<double> free_hot_hit(nr, 0.0), free_overlap(nr, 0.0);
+        std::vector<std::vector<int32_t>> run_free(nr);  // [run][position]
         if (n_free > 0) {
           std::vector<std::unique_ptr<SparseAttention>> fsparse;
           std::vector<KvCache> fcaches;
@@ -530,6 +533,7 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           std::vector<int64_t> equal(nr, 1);
           std::vector<bool> diverged(nr, false);
           std::fill(free_prefix.begin(), free_prefix.end(), 1);
+          for (auto& tokens : run_free) tokens.push_back(ref_free[0]);
           for (int64_t i = 1; i < n_free; ++i) {
             std::vector<kvr::model::ForwardSequence> batch;
             for (size_t run = 0; run < nr; ++run)
@@ -542,6 +546,7 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
             }
             for (size_t run = 0; run < nr; ++run) {
               last[run] = Argmax({logits.data() + run * cfg.vocab, static_cast<size_t>(cfg.vocab)});
+              run_free[run].push_back(last[run]);
               const bool same = last[run] == ref_free[i];
               equal[run] += same;
               if (!same) diverged[run] = true;
@@ -590,6 +595,15 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           row.hot_cache_rows = options.hot_cache_rows;
           row.hot_hit_rate = free_hot_hit[run];
           row.step_overlap = free_overlap[run];
+          // The same method and budget with the first format: run - run % nf.
+          const size_t base_run = run - run % nf;
+          auto share_equal = [](const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+            int64_t equal = 0;
+            for (size_t i = 0; i < a.size(); ++i) equal += a[i] == b[i];
+            return a.empty() ? 1.0 : static_cast<double>(equal) / static_cast<double>(a.size());
+          };
+          row.base_agreement = share_equal(run_argmax[run], run_argmax[base_run]);
+          row.base_free_agreement = share_equal(run_free[run], run_free[base_run]);
           rows.push_back(row);
         }
         if (progress) {
@@ -603,10 +617,14 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
 }
 
 std::string FormatTable(const std::vector<EvalRow>& rows) {
+  std::set<std::string> formats;
+  for (const EvalRow& r : rows) formats.insert(r.row_format);
+  const bool several_formats = formats.size() > 1;
   std::string out = absl::StrFormat(
-      "%-8s %6s %-10s %6s %-5s %7s %7s %8s %8s %8s %7s %11s %6s %6s %9s %9s %6s\n", "prompt", "ctx",
+      "%-8s %6s %-10s %6s %-5s %7s %7s %8s %8s %8s %7s %11s %6s %6s %9s %9s %6s", "prompt", "ctx",
       "method", "budget", "rows", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)",
       "hot", "ovl", "B/tok/hd", "select_us", "pass");
+  out += several_formats ? absl::StrFormat(" %13s\n", "vs1st tf/free") : "\n";
   for (const EvalRow& r : rows) {
     const std::string free =
         r.free_tokens > 0 ? absl::StrFormat("%.3f(%d)", r.free_agreement, r.free_prefix) : "-";
@@ -615,10 +633,13 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
     absl::StrAppendFormat(
         &out,
         "%-8s %6d %-10s %6d %-5s %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %11s %6s %6s %9.2f %9.1f "
-        "%6s\n",
+        "%6s",
         r.prompt, r.context, r.method, r.budget, r.row_format, r.recall, r.mass, r.rel_error, r.nll,
         r.nll_delta, r.agreement, free, hot, ovl, r.summary_bytes_per_token_head, r.select_us,
         r.passkey_ok < 0 ? "-" : (r.passkey_ok ? "yes" : "no"));
+    out += several_formats
+               ? absl::StrFormat(" %6.3f/%6.3f\n", r.base_agreement, r.base_free_agreement)
+               : "\n";
   }
   if (!rows.empty()) {
     absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16",
@@ -631,6 +652,12 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
                             : format == "bf16" ? "rounded to bf16"
                                                : "through fp8 e4m3 with a scale per row and head",
                             bytes);
+    }
+    if (several_formats) {
+      absl::StrAppendFormat(&out,
+                            "; vs1st tf/free: teacher-forced argmax and free greedy tokens equal "
+                            "to the same method and budget's with rows %s",
+                            rows.front().row_format);
     }
     if (rows.front().free_tokens > 0) {
       absl::StrAppendFormat(&out,
@@ -679,7 +706,9 @@ std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows)
                          {"free_agreement", r.free_agreement},
                          {"free_prefix", r.free_prefix},
                          {"hot_hit_rate", r.hot_hit_rate},
-                         {"step_overlap", r.step_overlap}});
+                         {"step_overlap", r.step_overlap},
+                         {"base_agreement", r.base_agreement},
+                         {"base_free_agreement", r.base_free_agreement}});
   }
   return j.dump(2);
 }

@@ -30,7 +30,10 @@
 // window, not the keys the summaries are built from) as the cache holds them ("cache"), rounded
 // to bf16, or through fp8 e4m3 with a scale per (row, KV head) (kvr/common/fp8.h). Every
 // metric still compares with dense attention over the cache's rows, so a format's cost is its
-// row's difference to the "cache" (or "bf16") row of the same method and budget.
+// row's difference to the "cache" (or "bf16") row of the same method and budget; and two direct
+// comparisons with the run of the first format listed (same method and budget):
+//   base_agreement       teacher-forced steps whose argmax equals that run's
+//   base_free_agreement  freely decoded tokens equal to that run's, position by position
 // Passkey prompts additionally report whether the teacher-forced argmax reproduces every token
 // of the key (passkey_ok).
 
@@ -93,6 +96,9 @@ struct EvalRow {
   int64_t hot_cache_rows = 0;   // as EvalOptions (0: the budget)
   double hot_hit_rate = 0;      // free decoding's selections through the replayed hot cache
   double step_overlap = 0;      // free decoding: selected rows also selected the step before
+  // Against the run with the first EvalOptions::row_formats entry (1 for that run itself).
+  double base_agreement = 1;
+  double base_free_agreement = 1;
 };
 
 using Progress = std::function<void(const std::string&)>;

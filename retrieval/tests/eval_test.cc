@@ -133,6 +133,23 @@ TEST(RetrievalEvalTest, FetchedRowFormatsChangeOnlyTheAttendedRows) {
       EXPECT_EQ(r.budget, 16);
     }
   }
+  // Against the first format's run of the same method: itself 1; the others a share.
+  EXPECT_DOUBLE_EQ(cache.base_agreement, 1.0);
+  EXPECT_DOUBLE_EQ(cache.base_free_agreement, 1.0);
+  for (const EvalRow& r : *rows) {
+    const EvalRow& c = by.at(r.method + "/cache");
+    // Steps where both equal dense's argmax equal each other: at least this share.
+    EXPECT_GE(r.base_agreement, 1.0 - (1.0 - r.agreement) - (1.0 - c.agreement) - 1e-12)
+        << r.method << " " << r.row_format;
+    EXPECT_LE(r.base_agreement, 1.0);
+    EXPECT_GE(r.base_free_agreement, 1.0 / 4 - 1e-12);  // the prefill's token is common
+  }
+  // `full` with the cache's rows decodes as dense does here, so the comparison with it is the
+  // comparison with dense.
+  ASSERT_DOUBLE_EQ(cache.free_agreement, 1.0);
+  EXPECT_DOUBLE_EQ(fp8.base_agreement, fp8.agreement);
+  EXPECT_DOUBLE_EQ(fp8.base_free_agreement, fp8.free_agreement);
+  EXPECT_NE(table.find("vs1st tf/free"), std::string::npos);
   EXPECT_EQ(fp8.fetched_row_bytes, 136);  // head_dim 64: 128 codes + 2 scales
   EXPECT_EQ(bf16.fetched_row_bytes, 256);
   EXPECT_NE(FormatTable(*rows).find("136 B per fetched row"), std::string::npos);
