@@ -49,8 +49,8 @@ uint8_t FloatToFp8E4m3(float x);
 // zero vector, or one without finite values), so that encoding never divides by zero.
 float Fp8Scale(const float* x, size_t n);
 
-// Codes of x[i] / scale (scale from Fp8Scale or any positive finite value). Returns nothing:
-// every float has a code (NaN -> 0x7f, beyond the range -> +-448).
+// Codes of x[i] / scale (scale from Fp8Scale or any positive finite value). Every float has a
+// code: NaN -> 0x7f, beyond the range -> +-448.
 void EncodeFp8(const float* x, size_t n, float scale, uint8_t* codes);
 
 // x[i] = Fp8E4m3ToFloat(codes[i]) * scale.
