@@ -29,9 +29,15 @@ def main() -> int:
         sub = [r for r in rows if r["prompt"] == prompt and r["context"] == context]
         for mi, (key, title) in enumerate(metrics):
             ax = axes[gi][mi]
-            for method in sorted({r["method"] for r in sub}):
-                pts = sorted((r["budget"], r[key]) for r in sub if r["method"] == method)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            # One line per (method, fetched-row format); the format shows only when there are
+            # several (`--row-format`; JSON written before the option has none: "cache").
+            lines = sorted({(r["method"], r.get("row_format", "cache")) for r in sub})
+            several = len({f for _, f in lines}) > 1
+            for method, fmt in lines:
+                pts = sorted((r["budget"], r[key]) for r in sub
+                             if r["method"] == method and r.get("row_format", "cache") == fmt)
+                label = f"{method} ({fmt})" if several else method
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("budget (tokens per KV head)")
             ax.set_title(f"{title}\n{prompt}, context {context}", fontsize=9)

@@ -306,6 +306,16 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   for (int64_t b : options.budgets) {
     if (b <= 0) return absl::InvalidArgumentError(absl::StrCat("budget must be > 0, got ", b));
   }
+  if (options.row_formats.empty()) {
+    return absl::InvalidArgumentError("--row-format: name at least one of cache, bf16, fp8");
+  }
+  std::vector<FetchedRowFormat> formats;
+  for (const std::string& name : options.row_formats) {
+    absl::StatusOr<FetchedRowFormat> f = ParseFetchedRowFormat(name);
+    if (!f.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--row-format: ", f.status().message()));
+    formats.push_back(*f);
+  }
   const kvr::model::Model& model = *loaded.model;
   const kvr::model::ModelConfig& cfg = model.config();
   KVR_ASSIGN_OR_RETURN(MethodRegistry registry, AllMethods());
@@ -440,26 +450,31 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
       }
       for (const std::string& method : methods) {
         const auto t_method = Clock::now();
-        // One SparseAttention and one copy of the prefilled cache per budget (ids 1..nb).
-        auto make_runs = [&](std::vector<std::unique_ptr<SparseAttention>>& sparse,
-                             std::vector<KvCache>& caches, std::vector<Accum>& accums,
-                             std::map<SequenceId, MeasuringAttention::Entry>& entries)
-            -> absl::Status {
-          for (size_t b = 0; b < options.budgets.size(); ++b) {
+        // One run per (budget, row format): its SparseAttention and its copy of the prefilled
+        // cache, sequence id = run index + 1, run = budget index * formats + format index.
+        const size_t nf = formats.size();
+        const size_t nr = options.budgets.size() * nf;
+        auto make_runs =
+            [&](std::vector<std::unique_ptr<SparseAttention>>& sparse, std::vector<KvCache>& caches,
+                std::vector<Accum>& accums,
+                std::map<SequenceId, MeasuringAttention::Entry>& entries) -> absl::Status {
+          for (size_t run = 0; run < nr; ++run) {
+            const size_t b = run / nf;
             const MethodVariant& variant = variants.at(method);
             SparseAttentionOptions so;
             so.method = variant.name;
             so.params = base;
             for (const auto& [k, v] : variant.options) so.params.options[k] = v;
             so.params.budget = options.budgets[b];
+            so.fetched_rows = formats[run % nf];
             if (variant.name == "a2ats") so.params.assets = a2ats_assets;
             so.rope = rope;
             so.n_layers = cfg.n_layers;
             KVR_ASSIGN_OR_RETURN(std::unique_ptr<SparseAttention> sa,
                                  SparseAttention::Create(&registry, so));
-            const SequenceId id = b + 1;
+            const SequenceId id = run + 1;
             recorder.HandTo(*sa, id, shape);
-            entries[id] = {sa.get(), &accums[b], options.budgets[b]};
+            entries[id] = {sa.get(), &accums[run], options.budgets[b]};
             sparse.push_back(std::move(sa));
             KVR_ASSIGN_OR_RETURN(KvCache c, CopyCache(model, prefilled, total));
             caches.push_back(std::move(c));
@@ -467,40 +482,43 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           return absl::OkStatus();
         };
         std::vector<std::unique_ptr<SparseAttention>> sparse;
-        std::vector<Accum> accums(options.budgets.size());
+        std::vector<Accum> accums(nr);
         std::vector<KvCache> caches;
         std::map<SequenceId, MeasuringAttention::Entry> entries;
         KVR_RETURN_IF_ERROR(make_runs(sparse, caches, accums, entries));
         MeasuringAttention attention(std::move(entries), options.n_sink, options.local_window);
-        const size_t nb = options.budgets.size();
-        std::vector<float> logits(nb * cfg.vocab);
-        std::vector<double> nll(nb, 0.0);
-        std::vector<int64_t> agree(nb, 0);
-        std::vector<int64_t> passkey_tokens_ok(nb, 0);
+        std::vector<float> logits(nr * cfg.vocab);
+        std::vector<double> nll(nr, 0.0);
+        std::vector<int64_t> agree(nr, 0);
+        std::vector<int64_t> passkey_tokens_ok(nr, 0);
+        std::vector<std::vector<int32_t>> run_argmax(nr);  // [run][step]
         for (int64_t t = 1; t <= steps; ++t) {
           const int32_t token = pc.continuation[t - 1];
           std::vector<kvr::model::ForwardSequence> batch;
-          for (size_t b = 0; b < nb; ++b) batch.push_back({b + 1, &caches[b], {&token, 1}});
+          for (size_t run = 0; run < nr; ++run)
+            batch.push_back({run + 1, &caches[run], {&token, 1}});
           absl::Status st = model.Forward(batch, attention, kvr::model::LogitsMode::kLast, logits);
           if (!st.ok()) {
             return absl::Status(st.code(), absl::StrCat("method ", method, ": ", st.message()));
           }
-          for (size_t b = 0; b < nb; ++b) {
-            std::span<const float> lg(logits.data() + b * cfg.vocab, cfg.vocab);
-            nll[b] += Nll(lg, pc.continuation[t]);
+          for (size_t run = 0; run < nr; ++run) {
+            std::span<const float> lg(logits.data() + run * cfg.vocab, cfg.vocab);
+            nll[run] += Nll(lg, pc.continuation[t]);
             const int32_t am = Argmax(lg);
-            agree[b] += am == ref_argmax[t - 1];
-            passkey_tokens_ok[b] += am == pc.continuation[t];
+            agree[run] += am == ref_argmax[t - 1];
+            run_argmax[run].push_back(am);
+            passkey_tokens_ok[run] += am == pc.continuation[t];
           }
         }
         // Free greedy decoding with fresh indexes and caches (no measuring: only the tokens).
-        std::vector<double> free_agreement(nb, 0.0);
-        std::vector<int64_t> free_prefix(nb, 0);
-        std::vector<double> free_hot_hit(nb, 0.0), free_overlap(nb, 0.0);
+        std::vector<double> free_agreement(nr, 0.0);
+        std::vector<int64_t> free_prefix(nr, 0);
+        std::vector<double> free_hot_hit(nr, 0.0), free_overlap(nr, 0.0);
+        std::vector<std::vector<int32_t>> run_free(nr);  // [run][position]
         if (n_free > 0) {
           std::vector<std::unique_ptr<SparseAttention>> fsparse;
           std::vector<KvCache> fcaches;
-          std::vector<Accum> faccums(nb);
+          std::vector<Accum> faccums(nr);
           std::map<SequenceId, MeasuringAttention::Entry> fentries;
           KVR_RETURN_IF_ERROR(make_runs(fsparse, fcaches, faccums, fentries));
           std::vector<std::unique_ptr<HotCacheSim>> hot;
@@ -511,66 +529,81 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           }
           MeasuringAttention fattention(std::move(fentries), options.n_sink,
                                         options.local_window, /*measure=*/false);
-          std::vector<int32_t> last(nb, ref_free[0]);  // the prefill's token is common to all
-          std::vector<int64_t> equal(nb, 1);
-          std::vector<bool> diverged(nb, false);
+          std::vector<int32_t> last(nr, ref_free[0]);  // the prefill's token is common to all
+          std::vector<int64_t> equal(nr, 1);
+          std::vector<bool> diverged(nr, false);
           std::fill(free_prefix.begin(), free_prefix.end(), 1);
+          for (auto& tokens : run_free) tokens.push_back(ref_free[0]);
           for (int64_t i = 1; i < n_free; ++i) {
             std::vector<kvr::model::ForwardSequence> batch;
-            for (size_t b = 0; b < nb; ++b) batch.push_back({b + 1, &fcaches[b], {&last[b], 1}});
+            for (size_t run = 0; run < nr; ++run)
+              batch.push_back({run + 1, &fcaches[run], {&last[run], 1}});
             absl::Status st =
                 model.Forward(batch, fattention, kvr::model::LogitsMode::kLast, logits);
             if (!st.ok()) {
               return absl::Status(st.code(),
                                   absl::StrCat("method ", method, " (free): ", st.message()));
             }
-            for (size_t b = 0; b < nb; ++b) {
-              last[b] = Argmax({logits.data() + b * cfg.vocab, static_cast<size_t>(cfg.vocab)});
-              const bool same = last[b] == ref_free[i];
-              equal[b] += same;
-              if (!same) diverged[b] = true;
-              if (!diverged[b]) ++free_prefix[b];
+            for (size_t run = 0; run < nr; ++run) {
+              last[run] = Argmax({logits.data() + run * cfg.vocab, static_cast<size_t>(cfg.vocab)});
+              run_free[run].push_back(last[run]);
+              const bool same = last[run] == ref_free[i];
+              equal[run] += same;
+              if (!same) diverged[run] = true;
+              if (!diverged[run]) ++free_prefix[run];
             }
           }
-          for (size_t b = 0; b < nb; ++b) {
-            free_agreement[b] = static_cast<double>(equal[b]) / static_cast<double>(n_free);
-            free_hot_hit[b] = hot[b]->hit_rate();
-            free_overlap[b] = hot[b]->overlap();
+          for (size_t run = 0; run < nr; ++run) {
+            free_agreement[run] = static_cast<double>(equal[run]) / static_cast<double>(n_free);
+            free_hot_hit[run] = hot[run]->hit_rate();
+            free_overlap[run] = hot[run]->overlap();
           }
         }
         // Context bytes: every layer's index over (prompt + steps) tokens.
         const double index_tokens = static_cast<double>(n_prompt + steps);
-        for (size_t b = 0; b < nb; ++b) {
+        for (size_t run = 0; run < nr; ++run) {
           EvalRow row;
           row.prompt = pc.name;
           row.context = n_prompt;
           row.method = method;
-          row.budget = options.budgets[b];
+          row.budget = options.budgets[run / nf];
+          row.row_format = FetchedRowFormatName(formats[run % nf]);
+          row.fetched_row_bytes =
+              static_cast<double>(FetchedRowBytes(formats[run % nf], cfg.head_dim));
           row.steps = steps;
-          const Accum& a = accums[b];
+          const Accum& a = accums[run];
           row.recall = a.recall_total > 0 ? a.recall_hit / a.recall_total : 1.0;
           row.mass = a.head_samples > 0 ? a.mass / a.head_samples : 0;
           row.rel_error = a.head_samples > 0 ? a.rel_error / a.head_samples : 0;
           double ref_total = 0;
           for (double x : ref_nll) ref_total += x;
-          row.nll = nll[b] / steps;
-          row.nll_delta = (nll[b] - ref_total) / steps;
-          row.agreement = static_cast<double>(agree[b]) / steps;
-          const SparseAttention& sa = *sparse[b];
-          row.summary_bytes_per_token_head = static_cast<double>(sa.IndexBytes(b + 1)) /
+          row.nll = nll[run] / steps;
+          row.nll_delta = (nll[run] - ref_total) / steps;
+          row.agreement = static_cast<double>(agree[run]) / steps;
+          const SparseAttention& sa = *sparse[run];
+          row.summary_bytes_per_token_head = static_cast<double>(sa.IndexBytes(run + 1)) /
                                              (index_tokens * cfg.n_layers * cfg.n_kv_heads);
           row.kv_bytes_per_token_head = 4.0 * cfg.head_dim;  // fp16 K + V
           row.select_us = sa.stats().decode_calls > 0
                               ? 1e6 * sa.stats().select_seconds / sa.stats().decode_calls
                               : 0;
           row.build_s = sa.stats().build_seconds;
-          if (pc.name == "passkey") row.passkey_ok = passkey_tokens_ok[b] == steps ? 1 : 0;
+          if (pc.name == "passkey") row.passkey_ok = passkey_tokens_ok[run] == steps ? 1 : 0;
           row.free_tokens = n_free;
-          row.free_agreement = free_agreement[b];
-          row.free_prefix = free_prefix[b];
+          row.free_agreement = free_agreement[run];
+          row.free_prefix = free_prefix[run];
           row.hot_cache_rows = options.hot_cache_rows;
-          row.hot_hit_rate = free_hot_hit[b];
-          row.step_overlap = free_overlap[b];
+          row.hot_hit_rate = free_hot_hit[run];
+          row.step_overlap = free_overlap[run];
+          // The same method and budget with the first format: run - run % nf.
+          const size_t base_run = run - run % nf;
+          auto share_equal = [](const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+            int64_t equal = 0;
+            for (size_t i = 0; i < a.size(); ++i) equal += a[i] == b[i];
+            return a.empty() ? 1.0 : static_cast<double>(equal) / static_cast<double>(a.size());
+          };
+          row.base_agreement = share_equal(run_argmax[run], run_argmax[base_run]);
+          row.base_free_agreement = share_equal(run_free[run], run_free[base_run]);
           rows.push_back(row);
         }
         if (progress) {
@@ -584,10 +617,14 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
 }
 
 std::string FormatTable(const std::vector<EvalRow>& rows) {
+  std::set<std::string> formats;
+  for (const EvalRow& r : rows) formats.insert(r.row_format);
+  const bool several_formats = formats.size() > 1;
   std::string out = absl::StrFormat(
-      "%-8s %6s %-10s %6s %7s %7s %8s %8s %8s %7s %11s %6s %6s %9s %9s %6s\n", "prompt", "ctx",
-      "method", "budget", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)", "hot",
-      "ovl", "B/tok/hd", "select_us", "pass");
+      "%-8s %6s %-10s %6s %-5s %7s %7s %8s %8s %8s %7s %11s %6s %6s %9s %9s %6s", "prompt", "ctx",
+      "method", "budget", "rows", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)",
+      "hot", "ovl", "B/tok/hd", "select_us", "pass");
+  out += several_formats ? absl::StrFormat(" %13s\n", "vs1st tf/free") : "\n";
   for (const EvalRow& r : rows) {
     const std::string free =
         r.free_tokens > 0 ? absl::StrFormat("%.3f(%d)", r.free_agreement, r.free_prefix) : "-";
@@ -595,14 +632,33 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
     const std::string ovl = r.free_tokens > 1 ? absl::StrFormat("%.3f", r.step_overlap) : "-";
     absl::StrAppendFormat(
         &out,
-        "%-8s %6d %-10s %6d %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %11s %6s %6s %9.2f %9.1f %6s\n",
-        r.prompt, r.context, r.method, r.budget, r.recall, r.mass, r.rel_error, r.nll,
+        "%-8s %6d %-10s %6d %-5s %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %11s %6s %6s %9.2f %9.1f "
+        "%6s",
+        r.prompt, r.context, r.method, r.budget, r.row_format, r.recall, r.mass, r.rel_error, r.nll,
         r.nll_delta, r.agreement, free, hot, ovl, r.summary_bytes_per_token_head, r.select_us,
         r.passkey_ok < 0 ? "-" : (r.passkey_ok ? "yes" : "no"));
+    out += several_formats
+               ? absl::StrFormat(" %6.3f/%6.3f\n", r.base_agreement, r.base_free_agreement)
+               : "\n";
   }
   if (!rows.empty()) {
     absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16",
                           rows.front().kv_bytes_per_token_head);
+    std::map<std::string, double> row_bytes;
+    for (const EvalRow& r : rows) row_bytes[r.row_format] = r.fetched_row_bytes;
+    for (const auto& [format, bytes] : row_bytes) {
+      absl::StrAppendFormat(&out, "; rows %s: the selected rows %s, %.0f B per fetched row", format,
+                            format == "cache"  ? "as the cache holds them"
+                            : format == "bf16" ? "rounded to bf16"
+                                               : "through fp8 e4m3 with a scale per row and head",
+                            bytes);
+    }
+    if (several_formats) {
+      absl::StrAppendFormat(&out,
+                            "; vs1st tf/free: teacher-forced argmax and free greedy tokens equal "
+                            "to the same method and budget's with rows %s",
+                            rows.front().row_format);
+    }
     if (rows.front().free_tokens > 0) {
       absl::StrAppendFormat(&out,
                             "; free(pfx): agreement of %d freely decoded greedy tokens with "
@@ -620,18 +676,20 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
 
 std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows) {
   nlohmann::json j;
-  j["options"] = {{"contexts", options.contexts},     {"budgets", options.budgets},
-                  {"methods", options.methods},       {"steps", options.steps},
-                  {"free_tokens", options.free_tokens},
-                  {"hot_cache_rows", options.hot_cache_rows},
-                  {"n_sink", options.n_sink},         {"local_window", options.local_window},
-                  {"text_files", options.text_files}, {"passkey", options.passkey}};
+  j["options"] = {{"contexts", options.contexts},       {"budgets", options.budgets},
+                  {"methods", options.methods},         {"steps", options.steps},
+                  {"free_tokens", options.free_tokens}, {"hot_cache_rows", options.hot_cache_rows},
+                  {"n_sink", options.n_sink},           {"local_window", options.local_window},
+                  {"text_files", options.text_files},   {"passkey", options.passkey},
+                  {"row_formats", options.row_formats}};
   j["rows"] = nlohmann::json::array();
   for (const EvalRow& r : rows) {
     j["rows"].push_back({{"prompt", r.prompt},
                          {"context", r.context},
                          {"method", r.method},
                          {"budget", r.budget},
+                         {"row_format", r.row_format},
+                         {"fetched_row_bytes", r.fetched_row_bytes},
                          {"steps", r.steps},
                          {"recall", r.recall},
                          {"mass", r.mass},
@@ -648,7 +706,9 @@ std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows)
                          {"free_agreement", r.free_agreement},
                          {"free_prefix", r.free_prefix},
                          {"hot_hit_rate", r.hot_hit_rate},
-                         {"step_overlap", r.step_overlap}});
+                         {"step_overlap", r.step_overlap},
+                         {"base_agreement", r.base_agreement},
+                         {"base_free_agreement", r.base_free_agreement}});
   }
   return j.dump(2);
 }

@@ -25,6 +25,15 @@
 //   bytes/token/head   summary bytes (RetrievalIndex::MemoryBytes) per token per KV head,
 //                      against K+V bytes per token per head (fp16: 4 * head_dim)
 //   select_us      time in RetrievalIndex::Select per (layer, decode step), all KV heads
+// With several --row-format values every (method, budget) also runs once per format: the rows a
+// decode step fetches from the store (the selected rows; not the resident sinks and local
+// window, not the keys the summaries are built from) as the cache holds them ("cache"), rounded
+// to bf16, or through fp8 e4m3 with a scale per (row, KV head) (kvr/common/fp8.h). Every
+// metric still compares with dense attention over the cache's rows, so a format's cost is its
+// row's difference to the "cache" (or "bf16") row of the same method and budget; and two direct
+// comparisons with the run of the first format listed (same method and budget):
+//   base_agreement       teacher-forced steps whose argmax equals that run's
+//   base_free_agreement  freely decoded tokens equal to that run's, position by position
 // Passkey prompts additionally report whether the teacher-forced argmax reproduces every token
 // of the key (passkey_ok).
 
@@ -62,6 +71,8 @@ struct EvalOptions {
   std::map<std::string, std::string, std::less<>> method_options;  // IndexParams::options
   uint64_t seed = 7;
   int64_t prefill_chunk = 512;
+  // Formats of the fetched rows, each run beside the others: "cache", "bf16", "fp8".
+  std::vector<std::string> row_formats = {"cache"};
 };
 
 struct EvalRow {
@@ -69,6 +80,8 @@ struct EvalRow {
   int64_t context = 0;
   std::string method;
   int64_t budget = 0;
+  std::string row_format = "cache";  // of the fetched rows (EvalOptions::row_formats)
+  double fetched_row_bytes = 0;      // one fetched [k | v] row of one KV head in that format
   int64_t steps = 0;
   double recall = 0, mass = 0, rel_error = 0;
   double nll = 0, nll_delta = 0, agreement = 0;
@@ -83,6 +96,9 @@ struct EvalRow {
   int64_t hot_cache_rows = 0;   // as EvalOptions (0: the budget)
   double hot_hit_rate = 0;      // free decoding's selections through the replayed hot cache
   double step_overlap = 0;      // free decoding: selected rows also selected the step before
+  // Against the run with the first EvalOptions::row_formats entry (1 for that run itself).
+  double base_agreement = 1;
+  double base_free_agreement = 1;
 };
 
 using Progress = std::function<void(const std::string&)>;

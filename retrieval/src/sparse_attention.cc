@@ -5,6 +5,8 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kvr/common/fp8.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/partial_attention.h"
 
@@ -37,6 +39,65 @@ absl::Status DenseAttention(const AttentionShape& shape, const AttentionRequest&
   }
   return absl::OkStatus();
 }
+
+const char* FetchedRowFormatName(FetchedRowFormat format) {
+  switch (format) {
+    case FetchedRowFormat::kAsCached:
+      return "cache";
+    case FetchedRowFormat::kBf16:
+      return "bf16";
+    case FetchedRowFormat::kFp8E4m3:
+      return "fp8";
+  }
+  return "?";
+}
+
+absl::StatusOr<FetchedRowFormat> ParseFetchedRowFormat(absl::string_view name) {
+  for (FetchedRowFormat f :
+       {FetchedRowFormat::kAsCached, FetchedRowFormat::kBf16, FetchedRowFormat::kFp8E4m3}) {
+    if (name == FetchedRowFormatName(f)) return f;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("row format '", name, "': expected cache, bf16 or fp8"));
+}
+
+int64_t FetchedRowBytes(FetchedRowFormat format, int head_dim) {
+  if (format == FetchedRowFormat::kFp8E4m3) {
+    return static_cast<int64_t>(Fp8RowLayout{2, head_dim}.RowBytes());
+  }
+  return 4 * static_cast<int64_t>(head_dim);
+}
+
+namespace {
+
+// Copies the selected rows' K and V of one KV head into [rows, head_dim] buffers as a reader of
+// `format` rows would see them: fp8 with one scale per row for K and one for V (the K and V
+// vectors of a store row [k | v], Fp8RowLayout{2, head_dim}), or bf16.
+void GatherFetchedRows(FetchedRowFormat format, const kvr::model::KvView& kv, int kv_head,
+                       int head_dim, std::span<const int64_t> rows, std::vector<float>* k,
+                       std::vector<float>* v) {
+  const size_t hd = static_cast<size_t>(head_dim);
+  k->resize(rows.size() * hd);
+  v->resize(rows.size() * hd);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t offset = rows[i] * kv.row_stride + static_cast<int64_t>(kv_head) * head_dim;
+    float* ki = k->data() + i * hd;
+    float* vi = v->data() + i * hd;
+    std::copy(kv.k + offset, kv.k + offset + head_dim, ki);
+    std::copy(kv.v + offset, kv.v + offset + head_dim, vi);
+    if (format == FetchedRowFormat::kFp8E4m3) {
+      RoundTripFp8(ki, hd);
+      RoundTripFp8(vi, hd);
+    } else if (format == FetchedRowFormat::kBf16) {
+      for (size_t d = 0; d < hd; ++d) {
+        ki[d] = Bf16ToFloat(FloatToBf16(ki[d]));
+        vi[d] = Bf16ToFloat(FloatToBf16(vi[d]));
+      }
+    }
+  }
+}
+
+}  // namespace
 
 SparseAttention::SparseAttention(const MethodRegistry* registry, SparseAttentionOptions options)
     : registry_(registry), options_(std::move(options)) {}
@@ -235,6 +296,11 @@ absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
     stats_.selected_rows += static_cast<int64_t>(picked.size());
     stats_.attended_rows += static_cast<int64_t>(picked.size() + rows_.size());
     if (scores_.size() < picked.size()) scores_.resize(picked.size());
+    const bool convert = options_.fetched_rows != FetchedRowFormat::kAsCached && !picked.empty();
+    if (convert) {
+      GatherFetchedRows(options_.fetched_rows, request.kv, kvh, hd, picked, &fetched_k_,
+                        &fetched_v_);
+    }
     for (int g = 0; g < group; ++g) {
       const int h = kvh * group + g;
       PartialAttentionInput in;
@@ -247,8 +313,16 @@ absl::Status SparseAttention::AttendOne(const AttentionShape& shape,
       in.rows = rows_;
       float* out = request.out + static_cast<int64_t>(h) * hd;
       float lse = AttendPartial(in, out, scores_);
-      if (!picked.empty()) {
+      if (convert) {
+        in.keys = fetched_k_.data();
+        in.values = fetched_v_.data();
+        in.row_stride = hd;
+        in.rows = {};
+        in.n_rows = static_cast<int64_t>(picked.size());
+      } else {
         in.rows = picked;
+      }
+      if (!picked.empty()) {
         const float lse_b = AttendPartial(in, partial_out_.data(), scores_);
         MergeAttentionPartial(out, &lse, partial_out_.data(), lse_b, hd);
       }

@@ -5,16 +5,18 @@
 //   exact: recall 1 by construction, mass below 1 (budget < candidates);
 //   streaming: recall 0 (it selects nothing), mass below exact's.
 
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "hot_cache_sim.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/loader.h"
-#include "hot_cache_sim.h"
 #include "retrieval_eval.h"
 
 namespace kvr::retrieval::eval {
@@ -80,6 +82,83 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   EXPECT_NE(ToJson(o, *rows).find("\"free_prefix\": 12"), std::string::npos);
   EXPECT_NE(ToJson(o, *rows).find("\"hot_hit_rate\""), std::string::npos);
   EXPECT_NE(FormatTable(*rows).find("4096 rows per layer"), std::string::npos);
+}
+
+// Fetched rows through bf16 and fp8 beside the cache's own rows, with `full` (every row between
+// the sinks and the local window is fetched): the cache's rows reproduce dense (dNLL 0), fp8
+// rows move the NLL a little but not by nothing and cost more output error than bf16 rows.
+TEST(RetrievalEvalTest, FetchedRowFormatsChangeOnlyTheAttendedRows) {
+  const std::string path = kvr::TestModelPath();
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
+  ThreadPool pool(0);
+  kvr::model::LoadOptions load_options;
+  load_options.weights = kvr::model::WeightStorage::kFloat32;  // full == dense (see above)
+  auto loaded = kvr::model::LoadModel(path, load_options, &pool);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EvalOptions o;
+  o.contexts = {320};
+  o.budgets = {16};
+  o.methods = {"full", "exact"};
+  o.steps = 6;
+  o.free_tokens = 4;
+  o.n_sink = 8;
+  o.local_window = 32;
+  o.row_formats = {"cache", "bf16", "fp8"};
+  auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 6u);
+  std::map<std::string, EvalRow> by;
+  for (const EvalRow& r : *rows) by[r.method + "/" + r.row_format] = r;
+  const EvalRow& cache = by.at("full/cache");
+  const EvalRow& bf16 = by.at("full/bf16");
+  const EvalRow& fp8 = by.at("full/fp8");
+  const std::string table = FormatTable(*rows);
+  // Not bit-equal: the sparse path sums the softmax in two merged partials.
+  EXPECT_NEAR(cache.nll_delta, 0.0, 1e-3) << table;
+  EXPECT_DOUBLE_EQ(cache.agreement, 1.0);
+  EXPECT_LT(cache.rel_error, 1e-4);
+  EXPECT_GT(bf16.rel_error, cache.rel_error);
+  EXPECT_GT(fp8.rel_error, 4 * bf16.rel_error);
+  EXPECT_LT(fp8.rel_error, 0.1);
+  EXPECT_GT(std::abs(fp8.nll_delta - cache.nll_delta), 1e-3) << table;
+  EXPECT_LT(std::abs(fp8.nll_delta), 0.1) << table;
+  // The selection reads the summaries and the query, not the fetched rows; the query itself
+  // moves with the rows attended at earlier layers and steps, so mass differs a little.
+  for (const char* method : {"full", "exact"}) {
+    for (const char* format : {"bf16", "fp8"}) {
+      const EvalRow& r = by.at(absl::StrCat(method, "/", format));
+      const EvalRow& c = by.at(absl::StrCat(method, "/cache"));
+      EXPECT_DOUBLE_EQ(r.recall, 1.0) << method << " " << format;
+      EXPECT_NEAR(r.mass, c.mass, 0.01) << method << " " << format;
+      EXPECT_EQ(r.budget, 16);
+    }
+  }
+  // Against the first format's run of the same method: itself 1; the others a share.
+  EXPECT_DOUBLE_EQ(cache.base_agreement, 1.0);
+  EXPECT_DOUBLE_EQ(cache.base_free_agreement, 1.0);
+  for (const EvalRow& r : *rows) {
+    const EvalRow& c = by.at(r.method + "/cache");
+    // Steps where both equal dense's argmax equal each other: at least this share.
+    EXPECT_GE(r.base_agreement, 1.0 - (1.0 - r.agreement) - (1.0 - c.agreement) - 1e-12)
+        << r.method << " " << r.row_format;
+    EXPECT_LE(r.base_agreement, 1.0);
+    EXPECT_GE(r.base_free_agreement, 1.0 / 4 - 1e-12);  // the prefill's token is common
+  }
+  // `full` with the cache's rows decodes as dense does here, so the comparison with it is the
+  // comparison with dense.
+  ASSERT_DOUBLE_EQ(cache.free_agreement, 1.0);
+  EXPECT_DOUBLE_EQ(fp8.base_agreement, fp8.agreement);
+  EXPECT_DOUBLE_EQ(fp8.base_free_agreement, fp8.free_agreement);
+  EXPECT_NE(table.find("vs1st tf/free"), std::string::npos);
+  EXPECT_EQ(fp8.fetched_row_bytes, 136);  // head_dim 64: 128 codes + 2 scales
+  EXPECT_EQ(bf16.fetched_row_bytes, 256);
+  EXPECT_NE(FormatTable(*rows).find("136 B per fetched row"), std::string::npos);
+  EXPECT_NE(ToJson(o, *rows).find("\"row_format\": \"fp8\""), std::string::npos);
+
+  o.row_formats = {"fp8", "int4"};
+  auto bad = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("--row-format"), std::string::npos) << bad.status();
 }
 
 // The replayed hot cache's policy on hand-traced selections (the eval test above only sees a

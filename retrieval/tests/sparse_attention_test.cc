@@ -1,10 +1,15 @@
 // SparseAttention through the model's attention seam: prefill stays dense, decode attends over
 // sink + local + selected, budget >= context reproduces dense attention.
 
+#include <algorithm>
 #include <cmath>
+#include <map>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvr/common/fp8.h"
+#include "kvr/common/half.h"
 #include "kvr/retrieval/registry.h"
 #include "kvr/retrieval/sparse_attention.h"
 #include "test_util.h"
@@ -150,6 +155,103 @@ TEST(SparseAttentionTest, SmallBudgetExactBeatsStreaming) {
   EXPECT_LT(err_exact, err_streaming);
   EXPECT_EQ(selected_exact, 4 * kLayers * 2 * 8);  // steps x layers x kv heads x budget
   EXPECT_EQ(selected_streaming, 0);
+}
+
+// Dense attention whose decode steps see the rows between the sinks and the local window as a
+// reader of `format` rows would: what SparseAttention with `fetched_rows` = format and a budget
+// covering every candidate must compute.
+class ConvertedMiddleReference final : public kvr::model::Attention {
+ public:
+  ConvertedMiddleReference(FetchedRowFormat format, int64_t n_sink, int64_t local_window)
+      : format_(format), n_sink_(n_sink), local_window_(local_window) {}
+  absl::Status Attend(const AttentionShape& shape,
+                      std::span<const AttentionRequest> batch) override {
+    for (AttentionRequest r : batch) {
+      if (r.n_queries == 1) {
+        const int64_t p = r.first_position;
+        const int64_t n_sink = std::min(n_sink_, p + 1);
+        const int64_t local_begin = std::max(n_sink, p + 1 - local_window_);
+        k_.assign(r.kv.k, r.kv.k + r.kv.n_rows * r.kv.row_stride);
+        v_.assign(r.kv.v, r.kv.v + r.kv.n_rows * r.kv.row_stride);
+        for (int64_t t = n_sink; t < local_begin; ++t) {
+          for (int h = 0; h < shape.n_kv_heads; ++h) {
+            for (std::vector<float>* kv : {&k_, &v_}) {
+              float* x = kv->data() + t * r.kv.row_stride + h * shape.head_dim;
+              if (format_ == FetchedRowFormat::kFp8E4m3) {
+                RoundTripFp8(x, shape.head_dim);
+              } else {
+                for (int d = 0; d < shape.head_dim; ++d) x[d] = Bf16ToFloat(FloatToBf16(x[d]));
+              }
+            }
+          }
+        }
+        r.kv.k = k_.data();
+        r.kv.v = v_.data();
+      }
+      absl::Status s = DenseAttention(shape, r);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  FetchedRowFormat format_;
+  int64_t n_sink_, local_window_;
+  std::vector<float> k_, v_;
+};
+
+// Fetched rows in fp8 or bf16: only the selected rows change (sinks and the local window stay as
+// cached), each (row, KV head)'s K and V with their own scale; fp8 costs more than bf16.
+TEST(SparseAttentionTest, FetchedRowFormatsConvertOnlyTheSelectedRows) {
+  MethodRegistry registry = CoreRegistry();
+  DenseReference dense;
+  DriveResult reference = Drive(dense, 120, 6);
+  ASSERT_TRUE(reference.status.ok());
+  std::map<FetchedRowFormat, double> error;
+  for (FetchedRowFormat format : {FetchedRowFormat::kBf16, FetchedRowFormat::kFp8E4m3}) {
+    SparseAttentionOptions opt;
+    opt.method = "full";
+    opt.n_layers = kLayers;
+    opt.params.budget = 1000;
+    opt.params.n_sink = 4;
+    opt.params.local_window = 16;
+    opt.fetched_rows = format;
+    auto sparse = SparseAttention::Create(&registry, opt);
+    ASSERT_TRUE(sparse.ok()) << sparse.status();
+    ConvertedMiddleReference converted(format, 4, 16);
+    DriveResult a = Drive(**sparse, 120, 6);
+    DriveResult b = Drive(converted, 120, 6);
+    ASSERT_TRUE(a.status.ok()) << a.status;
+    ASSERT_TRUE(b.status.ok()) << b.status;
+    ASSERT_EQ(a.outputs.size(), reference.outputs.size());
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < a.outputs.size(); ++i) {
+      ASSERT_NEAR(a.outputs[i], b.outputs[i], 2e-5f)
+          << FetchedRowFormatName(format) << " element " << i;
+      const double d = a.outputs[i] - reference.outputs[i];
+      diff += d * d;
+      norm += reference.outputs[i] * reference.outputs[i];
+    }
+    error[format] = std::sqrt(diff / norm);
+  }
+  // Relative output error: bf16 keeps 8 significant bits, e4m3 4.
+  EXPECT_GT(error[FetchedRowFormat::kBf16], 1e-5);
+  EXPECT_GT(error[FetchedRowFormat::kFp8E4m3], 4 * error[FetchedRowFormat::kBf16]);
+  EXPECT_LT(error[FetchedRowFormat::kFp8E4m3], 0.05);
+}
+
+TEST(SparseAttentionTest, FetchedRowFormatNamesParse) {
+  for (FetchedRowFormat f :
+       {FetchedRowFormat::kAsCached, FetchedRowFormat::kBf16, FetchedRowFormat::kFp8E4m3}) {
+    auto parsed = ParseFetchedRowFormat(FetchedRowFormatName(f));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, f);
+  }
+  auto bad = ParseFetchedRowFormat("int4");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("expected cache, bf16 or fp8"));
+  EXPECT_EQ(FetchedRowBytes(FetchedRowFormat::kFp8E4m3, 64), 136);
+  EXPECT_EQ(FetchedRowBytes(FetchedRowFormat::kBf16, 64), 256);
 }
 
 TEST(SparseAttentionTest, BadOptionsAreClearErrors) {

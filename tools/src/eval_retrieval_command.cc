@@ -27,6 +27,7 @@ struct EvalRetrievalFlags {
   std::vector<std::string> options;  // method options "name=value"
   std::string json;
   int threads = 0;
+  std::string weights = "packed";
 };
 
 absl::Status RunEvalRetrieval(EvalRetrievalFlags& f) {
@@ -38,7 +39,13 @@ absl::Status RunEvalRetrieval(EvalRetrievalFlags& f) {
     f.eval.method_options[parts[0]] = parts[1];
   }
   ThreadPool pool(f.threads > 0 ? static_cast<size_t>(f.threads) : 0);
-  KVR_ASSIGN_OR_RETURN(model::LoadedModel loaded, model::LoadModel(f.model, {}, &pool));
+  model::LoadOptions load_options;
+  absl::StatusOr<model::WeightStorage> storage = model::ParseWeightStorage(f.weights);
+  if (!storage.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--weights: ", storage.status().message()));
+  }
+  load_options.weights = *storage;
+  KVR_ASSIGN_OR_RETURN(model::LoadedModel loaded, model::LoadModel(f.model, load_options, &pool));
   KVR_ASSIGN_OR_RETURN(
       std::vector<retrieval::eval::EvalRow> rows,
       retrieval::eval::RunRetrievalEval(f.eval, loaded, &pool, [](const std::string& line) {
@@ -64,6 +71,10 @@ void AddEvalCommand(CLI::App& app) {
                            "retrieval methods vs dense attention: recall, mass, output error, NLL, "
                            "agreement, summary bytes, selection time");
   cmd->add_option("--model", flags->model, "GGUF/HF path or known name")->capture_default_str();
+  cmd->add_option("--weights", flags->weights,
+                  "GGUF weight storage: packed (the file's formats, 8-bit activations in decode; "
+                  "the fast path) or float32 (dequantised at load; the exact reference)")
+      ->capture_default_str();
   cmd->add_option("--context", flags->eval.contexts, "prefill lengths in tokens")
       ->capture_default_str();
   cmd->add_option("--budget", flags->eval.budgets, "tokens per KV head")->capture_default_str();
@@ -88,6 +99,11 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_flag("--passkey", flags->eval.passkey, "also run a generated passkey prompt");
   cmd->add_option("--a2ats-codebooks", flags->eval.a2ats_codebooks,
                   "codebook file from `kvr calibrate` (a2ats is skipped without it)");
+  cmd->add_option("--row-format", flags->eval.row_formats,
+                  "formats of the rows a decode step fetches from the store, each run beside "
+                  "the others: cache (as the KV cache holds them), bf16, fp8 (e4m3, a float "
+                  "scale per row and KV head)")
+      ->capture_default_str();
   cmd->add_option("--option", flags->options, "method option name=value (repeatable)");
   cmd->add_option("--json", flags->json, "write the rows as JSON here");
   cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");

@@ -25,11 +25,28 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kvr/model/attention.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/registry.h"
 
 namespace kvr::retrieval {
+
+// Precision of the rows a decode step reads from the KV store: the selected rows. The decode
+// node holds the sinks and the local window itself, as the cache holds them, and builds and
+// extends the summaries from its own keys, so only the selected rows' K and V change.
+enum class FetchedRowFormat {
+  kAsCached,  // the cache's values unchanged
+  kBf16,      // rounded to bf16 (the GPU store's dtype)
+  kFp8E4m3,   // fp8 e4m3, one float scale per (row, KV head) for K and one for V (common/fp8.h)
+};
+// "cache", "bf16", "fp8".
+const char* FetchedRowFormatName(FetchedRowFormat format);
+// The names above; InvalidArgument naming the valid ones otherwise.
+[[nodiscard]] absl::StatusOr<FetchedRowFormat> ParseFetchedRowFormat(absl::string_view name);
+// Bytes of one fetched [k | v] row of one KV head in `format`; kAsCached counts 2-byte elements
+// (the half rows of the CPU model's default cache).
+int64_t FetchedRowBytes(FetchedRowFormat format, int head_dim);
 
 struct SparseAttentionOptions {
   std::string method = "exact";
@@ -43,6 +60,8 @@ struct SparseAttentionOptions {
   int dense_layers = 0;
   // Prefill queries kept for the index (the last N); CTKVR's C must not exceed it.
   int64_t max_prefill_queries = 512;
+  // What the selected rows look like after the store (FetchedRowFormat).
+  FetchedRowFormat fetched_rows = FetchedRowFormat::kAsCached;
 };
 
 // Per-call statistics, accumulated until Reset (the evaluator reads them).
@@ -109,6 +128,7 @@ class SparseAttention final : public kvr::model::Attention {
   std::vector<float> scores_;
   std::vector<float> partial_out_;
   std::vector<float> partial_lse_;
+  std::vector<float> fetched_k_, fetched_v_;  // [selected rows, head_dim] of one KV head
 };
 
 // Dense causal attention reference for one request (every query over positions <= its own).
