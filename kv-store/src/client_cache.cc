@@ -75,10 +75,12 @@ StoreClientCache UcxStoreClientCache(UcxClientOptions options) {
         absl::StatusOr<std::unique_ptr<UcxKvStoreClient>> client =
             UcxKvStoreClient::Connect(address, o);
         if (!client.ok()) return client.status();
-        std::shared_ptr<KvStoreClient> shared = std::move(*client);
-        spdlog::info("connected to the KV store at {} (instance {})", address,
-                     shared->instance_id());
-        return shared;
+        // How rows are read matters to an operator who asked for RMA (it needs the store's
+        // --rma-reads and a transport with native RMA): say which path the client took.
+        spdlog::info("connected to the KV store at {} (instance {}; rows read by {})", address,
+                     (*client)->instance_id(),
+                     (*client)->range_read_path() == "rma" ? "RMA gets" : "store requests");
+        return std::shared_ptr<KvStoreClient>(std::move(*client));
       },
       [](const std::string& address, const std::string& why) {
         spdlog::warn("KV store at {}: {}; connecting again", address, why);

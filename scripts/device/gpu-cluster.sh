@@ -29,6 +29,8 @@
 # data plane (UCX; --gpu-row-source fetch, what a store on another host gets) instead of reading
 # the store's pages in place: the quest cluster only, every method at ~3000 tokens and the
 # decode node's memory at ~1000 and ~3000.
+# GPUCLUSTER_STORE_RMA=1 (with fetch): the store runs with --rma-reads and the decode node with
+# --store-rma-reads, so the misses are RMA gets from the store's pool.
 # Logs go to $OUT.
 set -uo pipefail
 . "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
@@ -101,7 +103,9 @@ case "${1:-}" in
     # up NAME PORT PREFILL_GPU DECODE_GPU METHOD [BUDGET]: a cluster, detached; non-zero if it
     # failed.
     up() {
-      local logs="$out/up-$1"
+      local logs="$out/up-$1" rma=()
+      [[ -n "${GPUCLUSTER_STORE_RMA:-}" ]] &&
+        rma=(--store-arg=--rma-reads=true --decode-arg=--store-rma-reads=true)
       mkdir -p "$logs"
       echo "== $1: kvr up --device cuda (prefill cuda:$3, decode cuda:$4, --gpu-method $5)"
       # Not through a pipe: the detached cluster keeps its stdout open.
@@ -111,7 +115,7 @@ case "${1:-}" in
         --decode-arg=--gpu-local-window=256 --decode-arg="--gpu-budget=${6:-1024}" \
         --decode-arg="--gpu-lanes=$lanes" \
         --decode-arg="--gpu-row-source=${GPUCLUSTER_ROW_SOURCE:-in-place}" \
-        "${codebooks[@]}" --prefill 1 --decode 1 --base-port "$2" \
+        "${rma[@]}" "${codebooks[@]}" --prefill 1 --decode 1 --base-port "$2" \
         --log-dir "$logs" --detach --pid-file "$logs/up.pid" --ready-timeout 120 \
         > "$logs/up.txt" 2>&1
       local rc=$?
