@@ -57,6 +57,9 @@ struct UcxKvStoreClient::Impl {
   // Declared before the UCX objects so that it is destroyed after the worker has shut down.
   absl::Mutex graveyard_mu;
   std::vector<Abandoned> graveyard ABSL_GUARDED_BY(graveyard_mu);
+  // RMA gathers abandoned after the endpoint failed: UCX may still hold their buffers' requests
+  // until the worker shuts down (the caller's buffer is no longer written: the peer is gone).
+  std::vector<transport::PendingTransfer> abandoned_transfers ABSL_GUARDED_BY(graveyard_mu);
   // Destroyed in reverse: rkey and endpoint before the worker, the worker before the context.
   std::optional<transport::Context> context;
   std::optional<transport::Worker> worker;
@@ -390,7 +393,7 @@ class RmaGatherOp final : public KvStoreOp {
   RmaGatherOp(UcxKvStoreClient::Impl* impl, transport::PendingTransfer transfer, uint64_t bytes)
       : impl_(impl), transfer_(std::move(transfer)), bytes_(bytes) {}
   ~RmaGatherOp() override {
-    if (!waited_) (void)transfer_.Wait();
+    if (!waited_) (void)Wait();
   }
   bool Done() const override { return transfer_.state() == transport::OpState::kDone; }
   absl::StatusOr<uint64_t> Wait() override;
@@ -407,6 +410,24 @@ class RmaGatherOp final : public KvStoreOp {
 absl::StatusOr<uint64_t> RmaGatherOp::Wait() {
   if (waited_) return absl::FailedPreconditionError("KvStoreOp::Wait called twice");
   waited_ = true;
+  // As UcxOp::Wait: once the endpoint has failed, wait at most a grace period (a get from a
+  // dead store may never complete), then answer UNAVAILABLE.
+  constexpr absl::Duration kPoll = absl::Milliseconds(50);
+  constexpr absl::Duration kGrace = absl::Milliseconds(500);
+  std::optional<absl::Time> failed_since;
+  while (!transfer_.WaitFor(kPoll)) {
+    absl::Status health = impl_->endpoint->health();
+    if (health.ok()) continue;
+    const absl::Time now = absl::Now();
+    if (!failed_since) failed_since = now;
+    if (now - *failed_since < kGrace) continue;
+    absl::MutexLock lock(&impl_->graveyard_mu);
+    std::erase_if(impl_->abandoned_transfers, [](const transport::PendingTransfer& t) {
+      return t.state() == transport::OpState::kDone;
+    });
+    impl_->abandoned_transfers.push_back(std::move(transfer_));
+    return impl_->Annotate(health);
+  }
   absl::Status st = transfer_.Wait();
   if (!st.ok()) return impl_->Annotate(st);
   return bytes_;

@@ -108,6 +108,12 @@ OpState PendingTransfer::state() const {
   return state_->done ? OpState::kDone : OpState::kInProgress;
 }
 
+bool PendingTransfer::WaitFor(absl::Duration timeout) {
+  if (state_ == nullptr) return true;
+  absl::MutexLock lock(&state_->mu);
+  return state_->mu.AwaitWithTimeout(absl::Condition(&state_->done), timeout);
+}
+
 absl::Status PendingTransfer::Wait() {
   if (state_ == nullptr) return absl::FailedPreconditionError("empty PendingTransfer");
   absl::MutexLock lock(&state_->mu);

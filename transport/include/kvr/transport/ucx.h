@@ -185,6 +185,8 @@ class PendingTransfer {
 
   [[nodiscard]] OpState state() const;
   [[nodiscard]] absl::Status Wait();
+  // Waits at most `timeout`; true once the transfer is done (then Wait returns at once).
+  [[nodiscard]] bool WaitFor(absl::Duration timeout);
 
  private:
   friend class Endpoint;
