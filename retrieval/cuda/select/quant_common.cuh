@@ -13,51 +13,10 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kvr/retrieval/cuda/dot8.cuh"  // Dot8, Dot8N, Widen
 #include "kvr/retrieval/cuda/selection.cuh"
 
 namespace kvr::retrieval::cuda::internal {
-
-// A float, or bf16 bits widened exactly.
-__device__ __forceinline__ float Widen(float x) { return x; }
-__device__ __forceinline__ float Widen(uint16_t bf16) {
-  return __uint_as_float(static_cast<uint32_t>(bf16) << 16);
-}
-
-// kvr::retrieval::Dot(a, b, n) for n a multiple of 8, computed by an aligned group of 8 lanes
-// (lane & 7 = partial sum j; a and b may differ per group). Every lane of the warp must call it
-// (shuffles over the full mask); all 8 lanes of a group return the result. A and B: float or
-// bf16 bits (Widen).
-template <typename A, typename B>
-__device__ __forceinline__ float Dot8(const A* a, const B* b, int n) {
-  const int j = threadIdx.x & 7;
-  float acc = 0.f;
-  for (int i = j; i < n; i += 8) acc = __fadd_rn(acc, __fmul_rn(Widen(a[i]), Widen(b[i])));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));  // a_j + a_(j+4)
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));  // (t0 + t1), (t2 + t3)
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));  // (u0 + u2)
-  return acc;
-}
-
-// Dot8 for a compile-time n: every load is issued before the dependent additions (the plain
-// loop waits for each load in turn, which dominates when a and b are in global memory).
-template <int kN>
-__device__ __forceinline__ float Dot8N(const float* a, const float* b) {
-  static_assert(kN % 8 == 0);
-  const int j = threadIdx.x & 7;
-  float av[kN / 8], bv[kN / 8];
-#pragma unroll
-  for (int e = 0; e < kN / 8; ++e) {
-    av[e] = a[8 * e + j];
-    bv[e] = b[8 * e + j];
-  }
-  float acc = 0.f;
-#pragma unroll
-  for (int e = 0; e < kN / 8; ++e) acc = __fadd_rn(acc, __fmul_rn(av[e], bv[e]));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
-  return acc;
-}
 
 // kvr::retrieval::Dot(x, x, n) of a thread-local array, n <= 8 (n = 8: the eight partial sums
 // combined; n < 8: the CPU's tail loop from +0).

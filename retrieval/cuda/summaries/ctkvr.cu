@@ -30,9 +30,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "argmax_gemm.cuh"
-#include "kvr/common/status.h"
 #include "build_common.cuh"
+#include "kvr/common/status.h"
 #include "kvr/retrieval/cuda/build.cuh"
+#include "kvr/retrieval/cuda/dot8.cuh"
 #include "kvr/retrieval/cuda/selection.cuh"
 
 namespace kvr::retrieval::cuda {
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(256)
     if (threadIdx.x == 0) *out = 0.f;
     return;
   }
-  const int j = threadIdx.x & 7, slot = threadIdx.x >> 3;
+  const int slot = threadIdx.x >> 3;
   const float* q = qbuf + (static_cast<size_t>(bh) * max_centroids + c) * group * D;
   const int32_t* list = lists + bh * max_list_entries + static_cast<int64_t>(c) * s.len;
   const int64_t head = KeyBase(keys, b, h, n_kv_heads);
@@ -228,16 +229,8 @@ __global__ void __launch_bounds__(256)
     const int64_t k0 = head + static_cast<int64_t>(t) * keys.token_stride;
     float best = -INFINITY;
     for (int g = 0; g < group; ++g) {
-      float acc = 0.f;
-#pragma unroll
-      for (int e = 0; e < D / 8; ++e) {
-        acc =
-            __fadd_rn(acc, __fmul_rn(q[g * D + 8 * e + j], LoadKey<T>(keys.data, k0 + 8 * e + j)));
-      }
-      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
-      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
-      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
-      best = fmaxf(best, __fmul_rn(scale, acc));
+      const float dot = internal::Dot8N<D>(q + g * D, static_cast<const T*>(keys.data) + k0);
+      best = fmaxf(best, __fmul_rn(scale, dot));
     }
     if (i < s.len) low = fminf(low, best);
   }

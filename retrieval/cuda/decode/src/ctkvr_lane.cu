@@ -36,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/ctkvr.h"
+#include "kvr/retrieval/cuda/dot8.cuh"
 #include "lanes.cuh"
 
 namespace kvr::retrieval::cuda {
@@ -45,35 +46,8 @@ using kvr::cuda::Alloc;
 
 constexpr int kMaxGroupLane = 8;  // CtkvrSelect's largest GQA group
 
-// kvr::retrieval::Dot(q, k, d) with q fp32 and k a bf16 row widened to fp32, by an aligned group
-// of 8 lanes (lane & 7 = partial sum j), as CtkvrSelect's rerank computes it. Every lane of the
-// warp must call it; all 8 lanes of a group return the result.
-template <int kD>
-__device__ __forceinline__ float DotBf16(const float* q, const __nv_bfloat16* k) {
-  const int j = threadIdx.x & 7;
-  float acc = 0.f;
-#pragma unroll
-  for (int e = 0; e < kD / 8; ++e) {
-    acc = __fadd_rn(acc, __fmul_rn(q[8 * e + j], __bfloat162float(k[8 * e + j])));
-  }
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
-  return acc;
-}
-
-// The same with both operands fp32 (a centroid and a widened key in shared memory).
-template <int kD>
-__device__ __forceinline__ float DotF32(const float* a, const float* b) {
-  const int j = threadIdx.x & 7;
-  float acc = 0.f;
-#pragma unroll
-  for (int e = 0; e < kD / 8; ++e) acc = __fadd_rn(acc, __fmul_rn(a[8 * e + j], b[8 * e + j]));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
-  acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
-  return acc;
-}
+// kvr::retrieval::Dot in the CPU's order (dot8.cuh), as CtkvrSelect's rerank computes it.
+using internal::Dot8N;
 
 __device__ __forceinline__ const __nv_bfloat16* KeyRow(const kvr::cuda::KvPoolView& pool,
                                                        int64_t bh, int64_t t, int head_dim) {
@@ -111,7 +85,7 @@ __global__ void __launch_bounds__(256)
   const int len = s.lengths[entry];
   float best = -INFINITY;
   for (int g = 0; g < group; ++g) {
-    const float dot = DotF32<kD>(s.centroids + (entry * group + g) * kD, k);
+    const float dot = Dot8N<kD>(s.centroids + (entry * group + g) * kD, k);
     // scale * e.norms[g] * Dot(...), left to right.
     best = fmaxf(best, __fmul_rn(__fmul_rn(scale, s.norms[entry * group + g]), dot));
   }
@@ -148,7 +122,7 @@ __global__ void __launch_bounds__(256)
   for (int i = threadIdx.x; i < group * kD; i += blockDim.x) q[i] = qn[i] = qsrc[i];
   __syncthreads();
   if (warp < group) {  // NormaliseGroup: Norm in Dot order, then a division per element
-    const float nrm = sqrtf(DotF32<kD>(q + warp * kD, q + warp * kD));
+    const float nrm = sqrtf(Dot8N<kD>(q + warp * kD, q + warp * kD));
     __syncwarp();
     if (nrm > 0.f) {
       for (int i = lane; i < kD; i += 32) qn[warp * kD + i] = __fdiv_rn(q[warp * kD + i], nrm);
@@ -163,7 +137,7 @@ __global__ void __launch_bounds__(256)
   auto max_logit = [&](int32_t t) {
     const __nv_bfloat16* k = KeyRow(pool, bh, t, kD);
     float m = -INFINITY;
-    for (int g = 0; g < group; ++g) m = fmaxf(m, __fmul_rn(scale, DotBf16<kD>(q + g * kD, k)));
+    for (int g = 0; g < group; ++g) m = fmaxf(m, __fmul_rn(scale, Dot8N<kD>(q + g * kD, k)));
     return m;
   };
   // The threshold: the smallest max-over-group logit of the kept keys.
