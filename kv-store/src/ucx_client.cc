@@ -1,6 +1,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -57,9 +58,6 @@ struct UcxKvStoreClient::Impl {
   // Declared before the UCX objects so that it is destroyed after the worker has shut down.
   absl::Mutex graveyard_mu;
   std::vector<Abandoned> graveyard ABSL_GUARDED_BY(graveyard_mu);
-  // RMA gathers abandoned after the endpoint failed: UCX may still hold their buffers' requests
-  // until the worker shuts down (the caller's buffer is no longer written: the peer is gone).
-  std::vector<transport::PendingTransfer> abandoned_transfers ABSL_GUARDED_BY(graveyard_mu);
   // Destroyed in reverse: rkey and endpoint before the worker, the worker before the context.
   std::optional<transport::Context> context;
   std::optional<transport::Worker> worker;
@@ -86,7 +84,8 @@ struct UcxKvStoreClient::Impl {
     std::vector<uint64_t> first_row;    // per run of contiguous rows: its first row
     std::vector<uint64_t> pool_offset;  // and where that row starts in the pool
   };
-  using LocatedKey = std::tuple<uint64_t, uint32_t, uint32_t, std::string>;
+  using LocatedKey =
+      std::tuple<uint64_t, uint32_t, uint32_t, std::array<uint8_t, Capability::kBytes>>;
   absl::Mutex located_mu;
   absl::flat_hash_map<LocatedKey, Located> located ABSL_GUARDED_BY(located_mu);
 
@@ -165,10 +164,42 @@ struct UcxKvStoreClient::Impl {
     return segments;
   }
 
+  // Locates rows [loc.rows, need) of `entry`'s (sequence, layer, head) into `loc`, which is
+  // left unchanged on an error.
+  absl::Status Extend(const GatherEntry& entry, uint64_t need, absl::Time deadline, Located& loc)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(located_mu);
+  // Forgets where a sequence's rows lie (it is released: its pages may be reused).
+  void Forget(const SequenceRef& ref) {
+    absl::MutexLock lock(&located_mu);
+    absl::erase_if(located, [&](const auto& kv) {
+      return std::get<0>(kv.first) == ref.id && std::get<3>(kv.first) == ref.cap.bytes;
+    });
+  }
+
   // The pieces of an RMA gather of `entries` into `out`, locating the rows not located yet.
   absl::StatusOr<std::vector<transport::GetPiece>> PlanGather(std::span<const GatherEntry> entries,
                                                               std::span<uint8_t> out,
                                                               absl::Time deadline);
+
+  // Waits with `wait_for(poll)` (true once done) while the endpoint works. Once it has failed,
+  // waits at most a short grace period: the peer is gone, so no further byte can land in the
+  // caller's buffer, and the caller gets UNAVAILABLE now instead of a hang (the transport would
+  // otherwise hold a call until UCX releases a rendezvous receive, which UCX 1.13 over TCP may
+  // never do, and a get from a dead store may never complete). OK once done; else the failure.
+  template <typename WaitFor>
+  absl::Status AwaitWhileAlive(WaitFor wait_for) const {
+    constexpr absl::Duration kPoll = absl::Milliseconds(50);
+    constexpr absl::Duration kGrace = absl::Milliseconds(500);
+    std::optional<absl::Time> failed_since;
+    while (!wait_for(kPoll)) {
+      absl::Status health = endpoint->health();
+      if (health.ok()) continue;
+      const absl::Time now = absl::Now();
+      if (!failed_since) failed_since = now;
+      if (now - *failed_since >= kGrace) return Annotate(health);
+    }
+    return absl::OkStatus();
+  }
 
   // Parks a call abandoned after its endpoint failed (see Abandoned).
   void Abandon(transport::PendingCall call,
@@ -183,11 +214,7 @@ struct UcxKvStoreClient::Impl {
 
 namespace {
 
-// A data-plane call in flight. Waits for the transport, except that once the endpoint has
-// failed it waits at most a short grace period: the peer is gone and the connection closed,
-// so no further byte can land in the caller's buffer, and the caller gets UNAVAILABLE now
-// instead of a hang (the transport would otherwise hold the call until UCX releases a
-// rendezvous receive, which UCX 1.13 over TCP may never do).
+// A data-plane call in flight; waits as Impl::AwaitWhileAlive says.
 class UcxOp final : public KvStoreOp {
  public:
   UcxOp(UcxKvStoreClient::Impl* impl, MessageType type, transport::PendingCall call,
@@ -218,17 +245,11 @@ class UcxOp final : public KvStoreOp {
 absl::StatusOr<uint64_t> UcxOp::Wait() {
   if (waited_) return absl::FailedPreconditionError("KvStoreOp::Wait called twice");
   waited_ = true;
-  constexpr absl::Duration kPoll = absl::Milliseconds(50);
-  constexpr absl::Duration kGrace = absl::Milliseconds(500);
-  std::optional<absl::Time> failed_since;
-  while (!done_->WaitForNotificationWithTimeout(kPoll)) {
-    absl::Status health = impl_->endpoint->health();
-    if (health.ok()) continue;
-    const absl::Time now = absl::Now();
-    if (!failed_since) failed_since = now;
-    if (now - *failed_since < kGrace) continue;
+  const absl::Status alive = impl_->AwaitWhileAlive(
+      [this](absl::Duration poll) { return done_->WaitForNotificationWithTimeout(poll); });
+  if (!alive.ok()) {
     impl_->Abandon(std::move(call_), std::move(owned_));
-    return impl_->Annotate(health);
+    return alive;
   }
   absl::StatusOr<transport::Response> resp = call_.Wait();
   if (!resp.ok()) return impl_->Annotate(resp.status());
@@ -410,27 +431,44 @@ class RmaGatherOp final : public KvStoreOp {
 absl::StatusOr<uint64_t> RmaGatherOp::Wait() {
   if (waited_) return absl::FailedPreconditionError("KvStoreOp::Wait called twice");
   waited_ = true;
-  // As UcxOp::Wait: once the endpoint has failed, wait at most a grace period (a get from a
-  // dead store may never complete), then answer UNAVAILABLE.
-  constexpr absl::Duration kPoll = absl::Milliseconds(50);
-  constexpr absl::Duration kGrace = absl::Milliseconds(500);
-  std::optional<absl::Time> failed_since;
-  while (!transfer_.WaitFor(kPoll)) {
-    absl::Status health = impl_->endpoint->health();
-    if (health.ok()) continue;
-    const absl::Time now = absl::Now();
-    if (!failed_since) failed_since = now;
-    if (now - *failed_since < kGrace) continue;
-    absl::MutexLock lock(&impl_->graveyard_mu);
-    std::erase_if(impl_->abandoned_transfers, [](const transport::PendingTransfer& t) {
-      return t.state() == transport::OpState::kDone;
-    });
-    impl_->abandoned_transfers.push_back(std::move(transfer_));
-    return impl_->Annotate(health);
-  }
+  // A get from a dead store may never complete; its in-flight state is owned by the transfer,
+  // so giving up on it here needs nothing parked.
+  KVR_RETURN_IF_ERROR(
+      impl_->AwaitWhileAlive([this](absl::Duration poll) { return transfer_.WaitFor(poll); }));
   absl::Status st = transfer_.Wait();
   if (!st.ok()) return impl_->Annotate(st);
   return bytes_;
+}
+
+absl::Status UcxKvStoreClient::Impl::Extend(const GatherEntry& entry, uint64_t need,
+                                            absl::Time deadline, Located& loc) {
+  const uint64_t rows = need - loc.rows;
+  const RangeEntry range{entry.sequence, entry.layer, entry.head, loc.rows, rows};
+  KVR_ASSIGN_OR_RETURN(const std::vector<wire::SegmentWire> segments, Locate(range, deadline));
+  uint64_t bytes = 0;
+  for (const wire::SegmentWire& seg : segments) bytes += seg.bytes;
+  if (bytes == 0 || bytes % rows != 0 || (loc.row_bytes != 0 && bytes / rows != loc.row_bytes)) {
+    return absl::InternalError(
+        absl::StrFormat("kvr-store %s located %d bytes for %d rows of sequence %d layer %d head %d",
+                        target, bytes, rows, entry.sequence.id, entry.layer, entry.head));
+  }
+  const uint64_t row_bytes = bytes / rows;
+  for (const wire::SegmentWire& seg : segments) {
+    if (seg.bytes % row_bytes != 0) {
+      return absl::InternalError(
+          absl::StrFormat("kvr-store %s located a segment of %d bytes, not whole rows of %d",
+                          target, seg.bytes, row_bytes));
+    }
+  }
+  loc.row_bytes = row_bytes;
+  uint64_t row = loc.rows;
+  for (const wire::SegmentWire& seg : segments) {
+    loc.first_row.push_back(row);
+    loc.pool_offset.push_back(seg.pool_offset);
+    row += seg.bytes / row_bytes;
+  }
+  loc.rows = need;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<transport::GetPiece>> UcxKvStoreClient::Impl::PlanGather(
@@ -443,41 +481,18 @@ absl::StatusOr<std::vector<transport::GetPiece>> UcxKvStoreClient::Impl::PlanGat
   for (size_t e = 0; e < entries.size(); ++e) {
     const GatherEntry& entry = entries[e];
     if (entry.indices.empty()) continue;
-    Located& loc = located[LocatedKey(entry.sequence.id, entry.layer, entry.head,
-                                      entry.sequence.cap.ToBytes())];
+    const LocatedKey key(entry.sequence.id, entry.layer, entry.head, entry.sequence.cap.bytes);
+    Located& loc = located[key];
     const uint64_t need =
         uint64_t{*std::max_element(entry.indices.begin(), entry.indices.end())} + 1;
     if (need > loc.rows) {
-      // Locate the rows not located yet (the store refuses rows it does not hold).
-      const RangeEntry range{entry.sequence, entry.layer, entry.head, loc.rows, need - loc.rows};
-      absl::StatusOr<std::vector<wire::SegmentWire>> segments = Locate(range, deadline);
-      if (!segments.ok()) {
-        located.erase(
-            LocatedKey(entry.sequence.id, entry.layer, entry.head, entry.sequence.cap.ToBytes()));
-        return segments.status();
+      // Locate the rows not located yet (the store refuses rows it does not hold); `loc` takes
+      // them only once they are whole rows, and any failure forgets the head.
+      absl::Status located_ok = Extend(entry, need, deadline, loc);
+      if (!located_ok.ok()) {
+        located.erase(key);
+        return located_ok;
       }
-      uint64_t bytes = 0;
-      for (const wire::SegmentWire& seg : *segments) bytes += seg.bytes;
-      const uint64_t rows = need - loc.rows;
-      if (bytes == 0 || bytes % rows != 0 ||
-          (loc.row_bytes != 0 && bytes / rows != loc.row_bytes)) {
-        return absl::InternalError(absl::StrFormat(
-            "kvr-store %s located %d bytes for %d rows of sequence %d layer %d head %d", target,
-            bytes, rows, entry.sequence.id, entry.layer, entry.head));
-      }
-      loc.row_bytes = bytes / rows;
-      uint64_t row = loc.rows;
-      for (const wire::SegmentWire& seg : *segments) {
-        if (seg.bytes % loc.row_bytes != 0) {
-          return absl::InternalError(
-              absl::StrFormat("kvr-store %s located a segment of %d bytes, not whole rows of %d",
-                              target, seg.bytes, loc.row_bytes));
-        }
-        loc.first_row.push_back(row);
-        loc.pool_offset.push_back(seg.pool_offset);
-        row += seg.bytes / loc.row_bytes;
-      }
-      loc.rows = need;
     }
     for (uint32_t index : entry.indices) {
       if (loc.row_bytes > out.size() - at) {
@@ -539,9 +554,10 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
         .status();
   }
   // RMA: ask where each range lies (one small AM, which the store answers only for the
-  // sequence's capability), then read the pages directly. The rows are committed, hence
-  // immutable, and stay mapped while the sequence is held.
+  // sequence's capability), then read the pages directly, every segment's get in one batch.
+  // The rows are committed, hence immutable, and stay mapped while the sequence is held.
   size_t offset = 0;
+  std::vector<transport::GetPiece> pieces;
   for (const RangeEntry& range : ranges) {
     KVR_ASSIGN_OR_RETURN(const std::vector<wire::SegmentWire> segments,
                          impl_->Locate(range, deadline));
@@ -550,10 +566,7 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
         return absl::InvalidArgumentError(absl::StrFormat(
             "range output buffer has %d bytes, the rows need more", out.size()));
       }
-      absl::Status st = impl_->endpoint->GetSync(impl_->pool_base + seg.pool_offset,
-                                                 *impl_->rkey, out.subspan(offset, seg.bytes),
-                                                 deadline);
-      if (!st.ok()) return impl_->Annotate(st);
+      pieces.push_back({impl_->pool_base + seg.pool_offset, out.subspan(offset, seg.bytes)});
       offset += seg.bytes;
     }
   }
@@ -561,10 +574,13 @@ absl::Status UcxKvStoreClient::RangeRead(std::span<const RangeEntry> ranges,
     return absl::InvalidArgumentError(absl::StrFormat(
         "range output buffer has %d bytes, the rows need %d", out.size(), offset));
   }
-  return absl::OkStatus();
+  return RmaGatherOp(impl_.get(), impl_->endpoint->Get(pieces, *impl_->rkey, deadline), out.size())
+      .Wait()
+      .status();
 }
 
 absl::Status UcxKvStoreClient::Release(const SequenceRef& ref, absl::Duration keep) {
+  impl_->Forget(ref);
   auto req = RequestFor<v1::ReleaseRequest>(ref);
   req.set_keep_ms(absl::ToInt64Milliseconds(keep));
   v1::ReleaseResponse resp;
