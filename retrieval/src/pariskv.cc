@@ -141,7 +141,9 @@ class ParisKvIndex final : public RetrievalIndex {
     return absl::OkStatus();
   }
 
-  // Takes codes and weights encoded elsewhere (SerializePrebuiltParisKv) into an empty index.
+  // Takes codes and weights encoded elsewhere into an empty index, for SerializePrebuiltParisKv
+  // only: the per-centroid counts (derived state, not shipped; a reader counts them again as it
+  // loads the bytes) are left at zero, which spares a pass over every token at prefill.
   absl::Status SetHeads(int64_t size, std::span<const PrebuiltParisKvHead> heads) {
     if (size_ != 0) return absl::FailedPreconditionError("pariskv: SetHeads on a non-empty index");
     if (size < 0) return absl::InvalidArgumentError(absl::StrCat("prebuilt pariskv: size ", size));
@@ -160,7 +162,6 @@ class ParisKvIndex final : public RetrievalIndex {
       }
       heads_[h].codes.assign(heads[h].codes.begin(), heads[h].codes.end());
       heads_[h].weights.assign(heads[h].weights.begin(), heads[h].weights.end());
-      for (int64_t t = 0; t < size; ++t) CountToken(heads_[h], t, +1);
     }
     size_ = size;
     return absl::OkStatus();
