@@ -200,6 +200,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     std::vector<int32_t> fetch_positions;
     std::vector<FetchPending> fetch_pending;  // per fetched sequence of the layer (reused)
     std::vector<int64_t> fetch_entries;  // the entry index of each fetched row
+    std::vector<uint8_t> fetch_waits;    // per slot: whether its Fill waits for a fetch
     std::vector<std::unique_ptr<GpuLane>> lanes;  // SparseDecodeOptions::lanes, in order
     std::unique_ptr<ThreadPool> host_pool;        // host selectors (null: the calling thread)
     KvPoolView PoolView(int layer) const {
@@ -1095,7 +1096,6 @@ absl::Status SparseDecodeImpl::FetchMissesAndFill(int layer, const KvPoolView& p
     lo = std::min(lo, s->slot);
     hi = std::max(hi, s->slot);
   }
-  if (hi < lo) return fill(0, -1);
   {
     const int64_t e0 = int64_t{lo} * kv * B, n = int64_t{hi - lo + 1} * kv * B;
     KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sp.h_fetch_ids.data() + e0, sp.ids.data() + e0,
@@ -1154,7 +1154,8 @@ absl::Status SparseDecodeImpl::FetchMissesAndFill(int layer, const KvPoolView& p
   // While the fetches run: the slots that wait for none (sequences read in place, free slots),
   // in runs of consecutive slots.
   const int S = sp.opt.slots;
-  std::vector<bool> waits(S, false);
+  std::vector<uint8_t>& waits = sp.fetch_waits;
+  waits.assign(S, 0);
   for (const FetchPending& p : pending) waits[p.s->slot] = p.count > 0;
   for (int b = 0; b < S;) {
     if (waits[b]) {
