@@ -272,8 +272,10 @@ std::vector<Row> BenchParisKv(int context, int batch, const std::vector<int>& bu
   e.n_tokens = context;
   e.n_kv_heads = kKvHeads;
   e.codec = codec;
-  e.keys = keys.data();
-  e.key_token_stride = static_cast<int64_t>(key_row);
+  e.keys.data = keys.data();
+  e.keys.dtype = rc::KeyDType::kF32;
+  e.keys.token_stride = static_cast<int64_t>(key_row);
+  e.keys.head_stride = kHeadDim;
   e.codes_head_stride = static_cast<int64_t>(context) * (kP / 2);
   e.weights_head_stride = static_cast<int64_t>(context) * kB;
   for (int b = 0; b < batch; ++b) {

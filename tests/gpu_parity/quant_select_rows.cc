@@ -99,12 +99,14 @@ void ParisKvEncodeRow(int hd, int m, bool bf16) {
     p.n_kv_heads = nkv;
     p.codec = codec;
     if (bf16) {
-      p.keys = d_keys_bf16.data() + static_cast<size_t>(first) * nkv * hd;
-      p.key_dtype = KeyDType::kBf16;
+      p.keys.data = d_keys_bf16.data() + static_cast<size_t>(first) * nkv * hd;
+      p.keys.dtype = KeyDType::kBf16;
     } else {
-      p.keys = d_keys.data() + static_cast<size_t>(first) * nkv * hd;
+      p.keys.data = d_keys.data() + static_cast<size_t>(first) * nkv * hd;
+      p.keys.dtype = KeyDType::kF32;
     }
-    p.key_token_stride = static_cast<int64_t>(nkv) * hd;
+    p.keys.token_stride = static_cast<int64_t>(nkv) * hd;
+    p.keys.head_stride = hd;
     p.first = first;
     p.codes = codes.data();
     p.codes_head_stride = static_cast<int64_t>(n) * (pd / 2);

@@ -67,6 +67,7 @@ struct EncodeArgs {
   int head_dim;
   const void* keys;  // float or bf16 bits (the kernel's K)
   int64_t key_token_stride;
+  int64_t key_head_stride;
   int first;
   uint8_t* codes;
   int64_t codes_head_stride;
@@ -126,7 +127,7 @@ static __global__ void __launch_bounds__(kEncodeThreads) ParisEncodeKernel(Encod
   const bool valid = t < a.n_tokens;
   const int tc = valid ? t : a.n_tokens - 1;  // every lane runs the shuffles
   const K* key = static_cast<const K*>(a.keys) + static_cast<int64_t>(tc) * a.key_token_stride +
-                 static_cast<int64_t>(h) * a.head_dim;
+                 static_cast<int64_t>(h) * a.key_head_stride;
   const float norm = sqrtf(internal::Dot8(key, key, a.head_dim));
   float x[M];
 #pragma unroll
@@ -783,35 +784,36 @@ absl::Status ParisKvEncode(const ParisKvEncodeParams& p, cudaStream_t stream) {
                                                    ", n_kv_heads ", p.n_kv_heads, ", first ",
                                                    p.first));
   }
-  if (p.key_dtype != KeyDType::kF32 && p.key_dtype != KeyDType::kBf16) {
-    return absl::InvalidArgumentError("ParisKvEncode: key_dtype must be kF32 or kBf16");
+  const KeyView& k = p.keys;
+  if (k.dtype != KeyDType::kF32 && k.dtype != KeyDType::kBf16) {
+    return absl::InvalidArgumentError("ParisKvEncode: keys.dtype must be kF32 or kBf16");
+  }
+  if (kvr::cuda::KvPoolViewSet(k.pool) || k.head_offset != nullptr) {
+    return absl::InvalidArgumentError("ParisKvEncode: keys must not be paged or offset per head");
   }
   if (p.n_tokens == 0) return absl::OkStatus();
-  if (p.keys == nullptr || p.codes == nullptr || p.weights == nullptr ||
-      p.key_token_stride < static_cast<int64_t>(p.n_kv_heads) * p.codec.head_dim) {
+  if (k.data == nullptr || p.codes == nullptr || p.weights == nullptr ||
+      k.head_stride < p.codec.head_dim ||
+      k.token_stride < static_cast<int64_t>(p.n_kv_heads) * k.head_stride) {
     return absl::InvalidArgumentError(
-        "ParisKvEncode: null keys / codes / weights or key_token_stride < n_kv_heads * head_dim");
+        "ParisKvEncode: null keys / codes / weights, keys.head_stride < head_dim or "
+        "keys.token_stride < n_kv_heads * head_stride");
   }
   const int sub = Subspaces(p.codec);
   if (reinterpret_cast<uintptr_t>(p.codes) % 4 != 0 || p.codes_head_stride % 4 != 0) {
     return absl::InvalidArgumentError("ParisKvEncode: codes must be 4-byte aligned");
   }
-  EncodeArgs a{p.n_tokens,
-               p.codec.head_dim,
-               p.keys,
-               p.key_token_stride,
-               p.first,
-               p.codes,
-               p.codes_head_stride,
-               p.weights,
-               p.weights_head_stride,
-               p.counts,
-               internal::MakeSrhtSigns(p.codec.rotation_seed, p.codec.padded_dim),
+  EncodeArgs a{p.n_tokens,       p.codec.head_dim,
+               k.data,           k.token_stride,
+               k.head_stride,    p.first,
+               p.codes,          p.codes_head_stride,
+               p.weights,        p.weights_head_stride,
+               p.counts,         internal::MakeSrhtSigns(p.codec.rotation_seed, p.codec.padded_dim),
                LevelsOf(p.codec)};
   const int keys_per_cta = (kEncodeThreads / 32) * (32 / sub);
   const dim3 grid((p.n_tokens + keys_per_cta - 1) / keys_per_cta, p.n_kv_heads);
   KVR_RETURN_IF_ERROR(DispatchCodec(p.codec, [&]<int P, int M>() {
-    if (p.key_dtype == KeyDType::kBf16) {
+    if (k.dtype == KeyDType::kBf16) {
       ParisEncodeKernel<P, M, uint16_t><<<grid, kEncodeThreads, 0, stream>>>(a);
     } else {
       ParisEncodeKernel<P, M, float><<<grid, kEncodeThreads, 0, stream>>>(a);

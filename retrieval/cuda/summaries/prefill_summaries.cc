@@ -335,9 +335,7 @@ class Builder final : public PrefillSummaryBuilder {
         p.n_tokens = static_cast<int>(k.length);
         p.n_kv_heads = c_.n_kv_heads;
         p.codec = paris_codec_;
-        p.keys = k.keys;
-        p.key_dtype = KeyDType::kBf16;
-        p.key_token_stride = k.token_stride;
+        p.keys = keys;  // the layer's bf16 cache, as every builder reads it
         p.first = 0;
         auto* bytes = reinterpret_cast<uint8_t*>(i32_.data() + k.layer * layer_i32_);
         p.codes = bytes;

@@ -144,8 +144,10 @@ absl::Status ParisKvLane::Prepare(int layer, const kvr::cuda::KvPoolView& pool,
     e.n_tokens = 1;
     e.n_kv_heads = n_kv_;
     e.codec = codec_[layer];
-    e.keys = keys_.data() + int64_t{p.slot} * n_kv_ * head_dim_;
-    e.key_token_stride = int64_t{n_kv_} * head_dim_;
+    e.keys.data = keys_.data() + int64_t{p.slot} * n_kv_ * head_dim_;
+    e.keys.dtype = KeyDType::kF32;
+    e.keys.token_stride = int64_t{n_kv_} * head_dim_;
+    e.keys.head_stride = head_dim_;
     e.first = static_cast<int>(p.leaving);
     e.codes = codes_.data() + base * max_tokens_ * (padded_ / 2);
     e.codes_head_stride = max_tokens_ * (padded_ / 2);

@@ -237,9 +237,8 @@ struct ParisKvCodec {
 // Whether the kernels below take `codec` (head_dim, m); InvalidArgument naming what they do not.
 [[nodiscard]] absl::Status ParisKvCodecSupported(const ParisKvCodec& codec);
 
-// Encode (prefill / offload of generated tokens): keys fp32 or bf16 (key_dtype; bf16 is widened
-// exactly, so its codes equal the CPU's over the widened floats) with RoPE applied, token t of
-// this call and KV head h at keys + t * key_token_stride + h * head_dim (elements). Writes token
+// Encode (prefill / offload of generated tokens): keys fp32 or bf16 (bf16 is widened exactly,
+// so its codes equal the CPU's over the widened floats) with RoPE applied. Writes token
 // first + t of KV head h at codes + h * codes_head_stride + (first + t) * P / 2 (bytes) and weights
 // + h * weights_head_stride + (first + t) * B (elements), and adds each token to `counts`
 // (optional, [n_kv_heads, B, 2^m] at counts + h * B * 2^m). The arithmetic follows the CPU's
@@ -248,10 +247,10 @@ struct ParisKvEncodeParams {
   int n_tokens = 0;
   int n_kv_heads = 0;
   ParisKvCodec codec;
-  const void* keys = nullptr;  // device [n_tokens, n_kv_heads, head_dim] (row stride below)
-  KeyDType key_dtype = KeyDType::kF32;  // kF32 or kBf16
-  int64_t key_token_stride = 0;         // elements, >= n_kv_heads * head_dim
-  int first = 0;                 // position of the first token
+  // Token t of this call, KV head h at keys.data + t * token_stride + h * head_stride
+  // (elements); dtype kF32 or kBf16; not paged (no pool, no head_offset; batch_stride unused).
+  KeyView keys;
+  int first = 0;  // position of the first token
   uint8_t* codes = nullptr;
   int64_t codes_head_stride = 0;  // bytes
   uint16_t* weights = nullptr;
