@@ -9,7 +9,7 @@ endif()
 # kvr::retrieval_eval: `kvr eval retrieval` (needs the model runtime).
 if(TARGET kvr_model)
   kvr_add_library(retrieval_eval
-    SOURCES eval/retrieval_eval.cc
+    SOURCES eval/retrieval_eval.cc eval/selection_trace.cc
     INCLUDES eval
     PUBLIC kvr::retrieval kvr::model kvr::common
     PRIVATE nlohmann_json::nlohmann_json absl::strings absl::str_format)
@@ -19,7 +19,8 @@ if(TARGET kvr_model)
   endif()
   kvr_add_test(retrieval_eval_test
     SOURCES tests/eval_test.cc
-    LIBS kvr::retrieval_eval kvr::model kvr::common)
+    LIBS kvr::retrieval_eval kvr::model kvr::common
+    INCLUDES ${PROJECT_SOURCE_DIR}/retrieval/cuda/decode/include)
 endif()
 
 if(TARGET kvr_model)

@@ -1,6 +1,7 @@
 #include "retrieval_eval.h"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "hot_cache_sim.h"
 #include "kvr/common/status.h"
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/loader.h"
@@ -24,7 +26,7 @@
 #include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/sparse_attention.h"
-#include "hot_cache_sim.h"
+#include "selection_trace.h"
 #ifdef KVR_RETRIEVAL_HAVE_QUANT
 #include "kvr/retrieval/codebook.h"
 #endif
@@ -106,6 +108,7 @@ class MeasuringAttention final : public kvr::model::Attention {
     Accum* accum = nullptr;
     int64_t budget = 0;
     HotCacheSim* hot = nullptr;  // replays the selections of decode calls when set
+    SelectionTrace* trace = nullptr;  // records the selections of decode calls when set
   };
   // measure = false: only dispatches to each sequence's SparseAttention (free decoding).
   MeasuringAttention(std::map<SequenceId, Entry> entries, int64_t n_sink, int64_t local_window,
@@ -124,6 +127,21 @@ class MeasuringAttention final : public kvr::model::Attention {
       }
       KVR_RETURN_IF_ERROR(it->second.sparse->Attend(shape, {&r, 1}));
       if (measure_ && r.n_queries == 1) Measure(shape, r, it->second);
+      if (it->second.trace != nullptr && r.n_queries == 1) {
+        SelectionTrace& t = *it->second.trace;
+        if (r.layer == 0) {
+          t.steps.emplace_back();
+          t.steps.back().position = r.first_position;
+          t.steps.back().heads.resize(static_cast<size_t>(t.n_layers) * t.n_kv_heads);
+        }
+        const Selection& sel = it->second.sparse->last_selection();
+        for (int kvh = 0; kvh < static_cast<int>(sel.per_head.size()) && !t.steps.empty(); ++kvh) {
+          std::vector<int32_t>& ids =
+              t.steps.back().heads[static_cast<size_t>(r.layer) * t.n_kv_heads + kvh];
+          ids.assign(sel.per_head[kvh].begin(), sel.per_head[kvh].end());
+          std::sort(ids.begin(), ids.end());
+        }
+      }
       if (it->second.hot != nullptr && r.n_queries == 1) {
         const Selection& sel = it->second.sparse->last_selection();
         for (int kvh = 0; kvh < static_cast<int>(sel.per_head.size()); ++kvh) {
@@ -527,6 +545,22 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
             hot.push_back(std::make_unique<HotCacheSim>((rows + 7) / 8 * 8));
             e.hot = hot.back().get();
           }
+          std::vector<SelectionTrace> traces;
+          if (!options.trace_dir.empty()) {
+            traces.resize(fentries.size());
+            size_t i = 0;
+            for (auto& [id, e] : fentries) {
+              SelectionTrace& t = traces[i++];
+              t.method = method;
+              t.n_layers = cfg.n_layers;
+              t.n_kv_heads = cfg.n_kv_heads;
+              t.budget = static_cast<int32_t>(e.budget);
+              t.n_sink = static_cast<int32_t>(options.n_sink);
+              t.local_window = static_cast<int32_t>(options.local_window);
+              t.prompt_tokens = n_prompt;
+              e.trace = &t;
+            }
+          }
           MeasuringAttention fattention(std::move(fentries), options.n_sink,
                                         options.local_window, /*measure=*/false);
           std::vector<int32_t> last(nr, ref_free[0]);  // the prefill's token is common to all
@@ -557,6 +591,25 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
             free_agreement[run] = static_cast<double>(equal[run]) / static_cast<double>(n_free);
             free_hot_hit[run] = hot[run]->hit_rate();
             free_overlap[run] = hot[run]->overlap();
+          }
+          for (size_t run = 0; run < traces.size(); run += nf) {
+            std::string name = absl::StrCat(pc.name, "_", n_prompt, "_", method, "_",
+                                            options.budgets[run / nf], ".kvrsel");
+            for (char& ch : name) {
+              if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '_') ch = '-';
+            }
+            const std::string path = absl::StrCat(options.trace_dir, "/", name);
+            // A method that attends more than the budget (full) has nothing to replay.
+            bool over = false;
+            for (const SelectionTrace::Step& step : traces[run].steps) {
+              for (const auto& ids : step.heads) over |= std::ssize(ids) > traces[run].budget;
+            }
+            if (over) continue;
+            KVR_RETURN_IF_ERROR(WriteSelectionTrace(path, traces[run]));
+            if (progress) {
+              progress(absl::StrCat("selection trace: ", path, " (", traces[run].steps.size(),
+                                    " steps)"));
+            }
           }
         }
         // Context bytes: every layer's index over (prompt + steps) tokens.

@@ -63,6 +63,10 @@ struct EvalOptions {
   int64_t steps = 64;                // teacher-forced decode steps
   int64_t free_tokens = 128;         // greedy tokens decoded freely per run; 0: no free decoding
   int64_t hot_cache_rows = 0;        // replayed hot cache per (layer, KV head); 0: the budget
+  // When set: every free decoding's selections are written to
+  // <trace_dir>/<prompt>_<context>_<method>_<budget>.kvrsel (selection_trace.h), for
+  // `kvr bench decode --replay`.
+  std::string trace_dir;
   int64_t n_sink = 16;
   int64_t local_window = 128;
   std::vector<std::string> text_files;  // natural text; empty: license texts

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -17,7 +19,9 @@
 #include "kvr/common/paths.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/loader.h"
+#include "kvr/retrieval/cuda/selection_replay.h"
 #include "retrieval_eval.h"
+#include "selection_trace.h"
 
 namespace kvr::retrieval::eval {
 namespace {
@@ -43,6 +47,11 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   o.local_window = 32;
   // Room for every token: a row selected once stays cached (< 512 tokens, 512 sets of 8 ways).
   o.hot_cache_rows = 4096;
+  const std::filesystem::path traces =
+      std::filesystem::path(::testing::TempDir()) / "eval_test_selection_traces";
+  std::filesystem::remove_all(traces);
+  std::filesystem::create_directories(traces);
+  o.trace_dir = traces.string();
   auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
   ASSERT_TRUE(rows.ok()) << rows.status();
   ASSERT_EQ(rows->size(), 3u);
@@ -82,6 +91,123 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   EXPECT_NE(ToJson(o, *rows).find("\"free_prefix\": 12"), std::string::npos);
   EXPECT_NE(ToJson(o, *rows).find("\"hot_hit_rate\""), std::string::npos);
   EXPECT_NE(FormatTable(*rows).find("4096 rows per layer"), std::string::npos);
+
+  // The free decodings' selections were recorded, one file per method that selects within the
+  // budget (not full): exact's replayed through the same hot cache gives the hit rate the
+  // evaluator reported.
+  std::map<std::string, SelectionTrace> recorded;
+  for (const auto& entry : std::filesystem::directory_iterator(traces)) {
+    auto t = ReadSelectionTrace(entry.path().string());
+    ASSERT_TRUE(t.ok()) << t.status();
+    recorded[t->method] = *std::move(t);
+  }
+  ASSERT_EQ(recorded.size(), 2u);
+  const SelectionTrace& t = recorded.at("exact");
+  EXPECT_EQ(t.budget, 16);
+  EXPECT_EQ(t.n_sink, 8);
+  EXPECT_EQ(t.local_window, 32);
+  ASSERT_EQ(t.steps.size(), 11u);  // 12 free tokens: the prefill's, then 11 decode steps
+  HotCacheSim sim(4096);
+  for (size_t i = 0; i < t.steps.size(); ++i) {
+    const SelectionTrace::Step& step = t.steps[i];
+    if (i > 0) {
+      EXPECT_EQ(step.position, t.steps[i - 1].position + 1);
+    }
+    ASSERT_EQ(step.heads.size(), static_cast<size_t>(t.n_layers) * t.n_kv_heads);
+    for (size_t h = 0; h < step.heads.size(); ++h) {
+      const std::vector<int32_t>& ids = step.heads[h];
+      ASSERT_EQ(ids.size(), 16u);
+      for (int32_t id : ids) {
+        EXPECT_GE(id, t.CandidatesBegin());
+        EXPECT_LT(id, t.CandidatesEnd(step));
+      }
+      sim.Step(static_cast<int>(h / t.n_kv_heads), static_cast<int>(h % t.n_kv_heads),
+               std::vector<int64_t>(ids.begin(), ids.end()));
+    }
+  }
+  EXPECT_DOUBLE_EQ(sim.hit_rate(), exact.hot_hit_rate);
+  for (const SelectionTrace::Step& step : recorded.at("streaming").steps) {
+    for (const auto& ids : step.heads) EXPECT_TRUE(ids.empty());
+  }
+}
+
+// A trace file round-trips, and a damaged one is refused with the file and the fault named.
+TEST(SelectionTraceTest, RoundTripAndDamage) {
+  SelectionTrace t;
+  t.method = "clusterkv";
+  t.n_layers = 2;
+  t.n_kv_heads = 2;
+  t.budget = 3;
+  t.n_sink = 4;
+  t.local_window = 8;
+  t.prompt_tokens = 100;
+  t.steps.push_back({100, {{4, 9, 50}, {5}, {}, {10, 11, 12}}});
+  t.steps.push_back({101, {{4, 9, 51}, {6}, {7}, {10, 11, 13}}});
+  const std::string path = ::testing::TempDir() + "/selection_trace_test.kvrsel";
+  ASSERT_TRUE(WriteSelectionTrace(path, t).ok());
+  auto back = ReadSelectionTrace(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->method, "clusterkv");
+  EXPECT_EQ(back->prompt_tokens, 100);
+  ASSERT_EQ(back->steps.size(), 2u);
+  EXPECT_EQ(back->steps[1].position, 101);
+  EXPECT_EQ(back->steps[1].heads, t.steps[1].heads);
+  EXPECT_EQ(back->CandidatesEnd(back->steps[0]), 93);
+
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto write = [&](const std::string& b) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << b;
+  };
+  auto refused = [&](const std::string& what) {
+    auto r = ReadSelectionTrace(path);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find(what), std::string::npos) << r.status();
+  };
+  write(bytes.substr(0, bytes.size() - 2));
+  refused("truncated");
+  write(bytes + "x");
+  refused("bytes after the last step");
+  std::string bad = bytes;
+  bad[0] = 'X';
+  write(bad);
+  refused("magic");
+  t.steps[0].heads[0] = {9, 4};  // not ascending
+  ASSERT_TRUE(WriteSelectionTrace(path, t).ok());
+  refused("not ascending");
+  t.steps[0].heads[0] = {4, 9, 50, 60};  // over the budget
+  ASSERT_TRUE(WriteSelectionTrace(path, t).ok());
+  refused("more than the budget");
+  EXPECT_EQ(ReadSelectionTrace(path + ".missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+// The replay's CPU reference: runs of `run` rows at the recorded positions' relative places,
+// distinct and ascending, cut at the candidates' end and at the budget.
+TEST(SelectionReplayTest, RunsAtRelativePlaces) {
+  using kvr::retrieval::cuda::ReplayHeadIds;
+  const int32_t recorded[] = {10, 11, 60, 109};
+  std::vector<int32_t> out(64, -1);
+  // Candidates [10, 110) recorded, [100, 1100) replayed at 4 rows a position: span 996.
+  int n = ReplayHeadIds(recorded, 4, 10, 110, 4, 100, 1100, 64, out.data());
+  ASSERT_EQ(n, 16);
+  const std::vector<int32_t> want = {100, 101, 102, 103, 109,  110,  111,  112,
+                                     598, 599, 600, 601, 1086, 1087, 1088, 1089};
+  EXPECT_EQ(std::vector<int32_t>(out.begin(), out.begin() + n), want);
+  // Adjacent positions whose runs would overlap are pushed apart.
+  n = ReplayHeadIds(recorded, 2, 10, 110, 16, 100, 200, 64, out.data());
+  ASSERT_EQ(n, 32);
+  for (int i = 1; i < n; ++i) EXPECT_EQ(out[i], out[i - 1] + 1);
+  // The budget and the candidates' end cut the runs.
+  EXPECT_EQ(ReplayHeadIds(recorded, 4, 10, 110, 4, 100, 1100, 6, out.data()), 6);
+  n = ReplayHeadIds(recorded, 4, 10, 110, 8, 100, 120, 64, out.data());
+  EXPECT_LE(n, 20);
+  for (int i = 0; i < n; ++i) EXPECT_LT(out[i], 120);
+  EXPECT_EQ(ReplayHeadIds(recorded, 4, 10, 110, 4, 100, 100, 64, out.data()), 0);
 }
 
 // Fetched rows through bf16 and fp8 beside the cache's own rows, with `full` (every row between

@@ -16,6 +16,9 @@
 #          that process's pages, as a CUDA decode node reads them); GPUDECODE_STORE_RMA=1: the
 #          store runs with --rma-reads and the bench gets --store-rma (the fetched rows and their
 #          ceiling read by RMA gets from the store's pool)
+#          GPUDECODE_TRACES=DIR at bundle: selection traces (kvr eval retrieval --trace-dir)
+#          that the bench replays beside the synthetic selections (--replay; GPUDECODE_REPLAY=0
+#          there: not)
 #          bash scripts/device/gpu-decode.sh ceil [bench flags...]  (compute-sanitizer memcheck of
 #          the link probes (--ceiling-only, 16 MiB), the bench, GPUDECODE_PROBE_MIB="64 16384"
 #          probes alone at those buffer sizes, then the sparse tests, each capped)
@@ -68,9 +71,15 @@ bench() {
     store_args=(--store "127.0.0.1:$port")
     [[ -n "${GPUDECODE_STORE_RMA:-}" ]] && store_args+=(--store-rma)
   fi
+  # The bundle's selection traces, replayed beside the synthetic selections (GPUDECODE_REPLAY=0:
+  # not).
+  local replay_args=() traces
+  traces=$(ls "$kStage"/traces/*.kvrsel 2>/dev/null | paste -sd, -)
+  [[ -n "$traces" && "${GPUDECODE_REPLAY:-1}" != 0 ]] && replay_args=(--replay "$traces")
   # GPUDECODE_KVR: another kvr binary (e.g. an earlier build, to compare in one call).
   timeout 540 "${GPUDECODE_KVR:-$kStage/bin/kvr}" bench decode --profile \
-    --json "$out/bench_decode.json" "${store_args[@]}" "$@" 2>&1 | tee "$out/bench_decode.log"
+    --json "$out/bench_decode.json" "${store_args[@]}" "${replay_args[@]}" "$@" 2>&1 |
+    tee "$out/bench_decode.log"
   local rc=${PIPESTATUS[0]}
   [[ -n "$store_pid" ]] && kill "$store_pid" 2>/dev/null
   return "$rc"
@@ -93,7 +102,11 @@ case "${1:-}" in
       grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt|libcuda|libcudart|libcublas|libcublasLt)\.so' |
       sort -u | while read -r lib; do cp -L "$lib" "$kBundle/lib/"; done
     strip -g "$kBundle"/lib/*.so* 2>/dev/null
-    tar -C "$kBundle" -cf - bin lib | xz -T2 -6 > /tmp/gpudecode-bundle.tar.xz
+    # GPUDECODE_TRACES=DIR: selection traces (kvr eval retrieval --trace-dir) that the bench
+    # replays (--replay); they compress ~40x.
+    mkdir -p "$kBundle/traces"
+    [[ -n "${GPUDECODE_TRACES:-}" ]] && cp "$GPUDECODE_TRACES"/*.kvrsel "$kBundle/traces/"
+    tar -C "$kBundle" -cf - bin lib traces | xz -T2 -6 > /tmp/gpudecode-bundle.tar.xz
     rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/gpudecode-bundle.tar.xz "$kBundle/bundle.tar.xz"
     du -sh "$kBundle"
     ;;

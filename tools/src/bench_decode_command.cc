@@ -8,7 +8,7 @@
 //                    [--hot-cache-rows 1024] [--steps 16] [--warmup 3] [--profile]
 //                    [--host-numa gpu[,far,unbound,thp,N,...+thp]] [--ceiling-mib 1024]
 //                    [--ceiling-only] [--store HOST:PORT [--fetch]]
-//                    [--json FILE]
+//                    [--replay TRACE,...] [--json FILE]
 //
 // Llama-3-8B shape with random weights generated on the GPU; SYNTHETIC KV (random rows) filled
 // by FillSequenceForBenchmark; all sparse sequences of a batch share one host KV (128 GiB of host
@@ -41,9 +41,19 @@
 // is on another host (kvr-decode --gpu-row-source fetch). Its ceiling is the store's gather rate
 // measured in the same run on the same sequence: as many concurrent gathers as the largest
 // batch's slots, each of `budget` random rows of every KV head, best of --ceiling-repeats.
+//
+// --replay TRACE,...: selection traces that `kvr eval retrieval --trace-dir` recorded from a real
+// model's free decoding (SmolLM2 at 8K). Each sparse method with a trace of its own runs again
+// as METHOD:replayed: its GPU selector still runs (its cost stays in the step), then every
+// slot's selection is replaced by the trace's (selection_replay.h: the trace nearest to this
+// budget's share of the context, recorded layers and KV heads mapped onto the model's, each
+// recorded position standing for budget / trace-budget consecutive rows), so the hot cache
+// and the gather see a real model's step-to-step reuse. Rows without the suffix are the
+// synthetic lower bound (random keys: the selection moves every step).
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -58,6 +68,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -69,6 +80,7 @@
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
+#include "selection_trace.h"
 
 namespace kvr::tools {
 namespace {
@@ -97,6 +109,7 @@ struct DecodeBenchFlags {
   std::string store;  // a same-host kvr-store: the "store" placement
   bool fetch = false;  // with store: the "fetched" placement
   bool store_rma = false;  // the store client reads by RMA gets where the store offers its rkey
+  std::vector<std::string> replay;  // selection traces (kvr eval retrieval --trace-dir)
   std::string json;
 };
 
@@ -129,6 +142,56 @@ struct Row {
     return prof.gather_ms > 0 ? gathered_bytes_per_step / (prof.gather_ms * 1e-3) / 1e9 : 0;
   }
 };
+
+// The trace of `method` whose share of its context (budget / prompt tokens) is nearest to the
+// bench's (budget / context), or null.
+const retrieval::eval::SelectionTrace* PickTrace(
+    const std::vector<retrieval::eval::SelectionTrace>& traces, const std::string& method,
+    int budget, int64_t context) {
+  const retrieval::eval::SelectionTrace* best = nullptr;
+  const double want = static_cast<double>(budget) / static_cast<double>(context);
+  auto off = [&](const retrieval::eval::SelectionTrace& t) {
+    return std::abs(std::log(static_cast<double>(t.budget) / t.prompt_tokens / want));
+  };
+  for (const auto& t : traces) {
+    if (t.method == method && !t.steps.empty() && (best == nullptr || off(t) < off(*best))) {
+      best = &t;
+    }
+  }
+  return best;
+}
+
+// A recorded trace as the GPU replays it on this model: recorded layer l * L_trace / L for model
+// layer l, recorded KV head h % H_trace for model head h, each recorded position standing for
+// budget / trace budget rows (selection_replay.h).
+std::shared_ptr<rc::SparseSelectionReplay> MakeReplay(const retrieval::eval::SelectionTrace& t,
+                                                      const model::ModelConfig& c, int budget) {
+  auto r = std::make_shared<rc::SparseSelectionReplay>();
+  r->n_steps = static_cast<int>(t.steps.size());
+  r->n_layers = c.n_layers;
+  r->n_kv_heads = c.n_kv_heads;
+  r->trace_budget = t.budget;
+  r->run = std::max(1, static_cast<int>(std::lround(static_cast<double>(budget) / t.budget)));
+  const size_t heads = static_cast<size_t>(c.n_layers) * c.n_kv_heads;
+  r->counts.assign(r->n_steps * heads, 0);
+  r->ids.assign(r->n_steps * heads * t.budget, 0);
+  for (int s = 0; s < r->n_steps; ++s) {
+    const retrieval::eval::SelectionTrace::Step& step = t.steps[s];
+    r->trace_begin.push_back(static_cast<int32_t>(t.CandidatesBegin()));
+    r->trace_end.push_back(static_cast<int32_t>(t.CandidatesEnd(step)));
+    for (int l = 0; l < c.n_layers; ++l) {
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        const int tl = static_cast<int>(int64_t{l} * t.n_layers / c.n_layers);
+        const std::vector<int32_t>& ids =
+            step.heads[static_cast<size_t>(tl) * t.n_kv_heads + h % t.n_kv_heads];
+        const size_t at = s * heads + static_cast<size_t>(l) * c.n_kv_heads + h;
+        r->counts[at] = static_cast<int32_t>(ids.size());
+        std::copy(ids.begin(), ids.end(), r->ids.begin() + at * t.budget);
+      }
+    }
+  }
+  return r;
+}
 
 double Percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
@@ -374,7 +437,8 @@ class DecodeBench {
   }
 
   absl::Status RunSparse(int64_t context, rc::SparseMethod method, const std::string& name,
-                         const Placement& placement, std::vector<Row>& rows) {
+                         const Placement& placement, std::vector<Row>& rows,
+                         std::shared_ptr<const rc::SparseSelectionReplay> replay = nullptr) {
     const int64_t capacity = context + f_.warmup + f_.steps + 8;
     rc::SparseDecodeOptions o;
     o.method = method;
@@ -384,6 +448,7 @@ class DecodeBench {
     o.local_window = f_.window;
     o.hot_cache_rows = f_.hot_cache_rows;
     o.clusterkv_max_pending = 4 * (f_.warmup + f_.steps) + 64;
+    o.replay = std::move(replay);
     // Largest slot count that fits (binary search on ConfigureSparse, which allocates it all).
     auto fits = [&](int slots) {
       o.slots = slots;
@@ -438,7 +503,7 @@ class DecodeBench {
     for (int b : Sweep(max_slots)) {
       absl::Status s = run_batch(b);
       if (!s.ok() && b == max_slots && b > 1) {
-        std::printf("%6lldK  %-9s  %5d  failed (%s); one fewer\n",
+        std::printf("%6lldK  %-16s  %5d  failed (%s); one fewer\n",
                     static_cast<long long>(context / 1024), name.c_str(), b, s.ToString().c_str());
         s = run_batch(b - 1);
       }
@@ -468,7 +533,7 @@ class DecodeBench {
   }
 
   void Print(const Row& r) const {
-    std::printf("%6lldK  %-9s  %-11s  %5d  %10.1f  %8.2f  %8.2f  %9.3f",
+    std::printf("%6lldK  %-16s  %-11s  %5d  %10.1f  %8.2f  %8.2f  %9.3f",
                 static_cast<long long>(r.context / 1024), r.method.c_str(),
                 r.placement != nullptr ? r.placement->label.c_str() : "-", r.batch, r.tokens_per_s,
                 r.p50_ms, r.p99_ms, r.gpu_bytes_per_seq / double(1 << 30));
@@ -642,7 +707,7 @@ void PrintCeilingAnalysis(const DecodeBenchFlags& f, const std::vector<Row>& row
       "replaced by host bytes / ceiling; '6x needs' = the hit rate at which host bytes / ceiling "
       "+ the measured non-gather time give 6x the best dense tok/s of that context; lookups "
       "stay in the gather time, so the needed rates are slight underestimates):\n");
-  std::printf("%7s  %-9s  %-11s  %5s  %9s  %9s  %5s  %5s  %9s  %10s  %16s  %15s\n", "context",
+  std::printf("%7s  %-16s  %-11s  %5s  %9s  %9s  %5s  %5s  %9s  %10s  %16s  %15s\n", "context",
               "method", "host KV", "batch", "tok/s", "gather GB/s", "frac", "hits", "MiB/token",
               "link tok/s", "at ceiling tok/s", "6x needs hits");
   for (int64_t ctx : f.contexts) {
@@ -670,7 +735,7 @@ void PrintCeilingAnalysis(const DecodeBenchFlags& f, const std::vector<Row>& row
         }
       }
       std::printf(
-          "%6lldK  %-9s  %-11s  %5d  %9.1f  %11.1f  %5.2f  %5.2f  %9.1f  %10.1f  %16.1f  %15s\n",
+          "%6lldK  %-16s  %-11s  %5d  %9.1f  %11.1f  %5.2f  %5.2f  %9.1f  %10.1f  %16.1f  %15s\n",
           static_cast<long long>(ctx / 1024), r.method.c_str(), r.placement->label.c_str(), r.batch,
           r.tokens_per_s, r.GatherGbps(), r.GatherGbps() * 1e9 / ceiling, r.hit_rate,
           per_token / (1 << 20), link_tps, at_ceiling_tps, needs.c_str());
@@ -748,7 +813,7 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
       "tokens, mean key); %d steps after %d warm-up; sparse rows once per host KV placement\n",
       f.shape.c_str(), config.n_layers, m->weight_bytes() / 1e9, f.budget, f.sink, f.window,
       f.hot_cache_rows, f.steps, f.warmup);
-  std::printf("%7s  %-9s  %-11s  %5s  %10s  %8s  %8s  %9s\n", "context", "method", "host KV",
+  std::printf("%7s  %-16s  %-11s  %5s  %10s  %8s  %8s  %9s\n", "context", "method", "host KV",
               "batch", "tokens/s", "p50 ms", "p99 ms", "GiB/seq");
   // Warm-up before the GPU is filled: loads every kernel module (CUDA loads them lazily, which
   // needs free memory) and sizes cuBLAS's workspace at the largest batch.
@@ -781,6 +846,17 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
       o.slots = 0;
       KVR_RETURN_IF_ERROR(sp->Configure(o));
     }
+  }
+  std::vector<retrieval::eval::SelectionTrace> traces;
+  for (const std::string& path : f.replay) {
+    KVR_ASSIGN_OR_RETURN(retrieval::eval::SelectionTrace t,
+                         retrieval::eval::ReadSelectionTrace(path));
+    std::printf(
+        "replay: %s: %s, %zu steps of budget %d over %lld tokens (%d layers x %d KV "
+        "heads)\n",
+        path.c_str(), t.method.c_str(), t.steps.size(), t.budget,
+        static_cast<long long>(t.prompt_tokens), t.n_layers, t.n_kv_heads);
+    traces.push_back(std::move(t));
   }
   DecodeBench bench(f, *m, *sp);
   std::vector<Row> rows;
@@ -827,28 +903,53 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
               method, placement, rows);
         }
         if (!s.ok())
-          std::printf("%6lldK  %-9s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
+          std::printf("%6lldK  %-16s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
                       method.c_str(), method == "full" ? "-" : placement.label.c_str(),
                       s.ToString().c_str());
         if (method == "full") break;  // the dense KV is in HBM: one run
+        const retrieval::eval::SelectionTrace* t = PickTrace(traces, method, f.budget, ctx);
+        if (t == nullptr) continue;
+        const std::shared_ptr<rc::SparseSelectionReplay> replay =
+            MakeReplay(*t, m->config(), f.budget);
+        std::printf(
+            "%6lldK  %s:replayed: trace of budget %d over %lld tokens, each position "
+            "%d rows\n",
+            static_cast<long long>(ctx / 1024), method.c_str(), t->budget,
+            static_cast<long long>(t->prompt_tokens), replay->run);
+        s = bench.RunSparse(
+            ctx, method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv,
+            method + ":replayed", placement, rows, replay);
+        if (!s.ok())
+          std::printf("%6lldK  %-16s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
+                      (method + ":replayed").c_str(), placement.label.c_str(),
+                      s.ToString().c_str());
       }
     }
   }
   KVR_RETURN_IF_ERROR(bench.ReleaseStoreRows());
-  std::printf("\nbest sparse / best dense tokens/s (target at 128K: >= 6x):\n");
+  std::printf(
+      "\nbest sparse / best dense tokens/s (targets: >= 6x at 128K, >= 1.5x at 32K; "
+      "synthetic selections are the lower bound, replayed ones a real model's reuse):\n");
   for (int64_t ctx : f.contexts) {
-    const Row* dense = nullptr;
-    const Row* sparse = nullptr;
-    for (const Row& r : rows) {
-      if (r.context != ctx) continue;
-      const Row*& best = r.method == "full" ? dense : sparse;
-      if (best == nullptr || r.tokens_per_s > best->tokens_per_s) best = &r;
-    }
-    if (dense != nullptr && sparse != nullptr) {
-      std::printf("  %6lldK: %s (host KV %s) b%d %.1f tok/s vs full b%d %.1f tok/s = %.2fx\n",
-                  static_cast<long long>(ctx / 1024), sparse->method.c_str(),
-                  sparse->placement->label.c_str(), sparse->batch, sparse->tokens_per_s,
-                  dense->batch, dense->tokens_per_s, sparse->tokens_per_s / dense->tokens_per_s);
+    for (const bool replayed : {false, true}) {
+      const Row* dense = nullptr;
+      const Row* sparse = nullptr;
+      for (const Row& r : rows) {
+        if (r.context != ctx) continue;
+        const bool is_replayed = absl::EndsWith(r.method, ":replayed");
+        if (r.method != "full" && is_replayed != replayed) continue;
+        const Row*& best = r.method == "full" ? dense : sparse;
+        if (best == nullptr || r.tokens_per_s > best->tokens_per_s) best = &r;
+      }
+      if (dense != nullptr && sparse != nullptr) {
+        std::printf(
+            "  %6lldK %-9s: %s (host KV %s) b%d %.1f tok/s vs full b%d %.1f tok/s = "
+            "%.2fx\n",
+            static_cast<long long>(ctx / 1024), replayed ? "replayed" : "synthetic",
+            sparse->method.c_str(), sparse->placement->label.c_str(), sparse->batch,
+            sparse->tokens_per_s, dense->batch, dense->tokens_per_s,
+            sparse->tokens_per_s / dense->tokens_per_s);
+      }
     }
   }
   if (f.profile) PrintCeilingAnalysis(f, rows);
@@ -928,6 +1029,12 @@ void AddBenchDecodeCommand(CLI::App& app) {
                 "with --store: the store client reads rows (the 'fetched' placement's misses and "
                 "its ceiling) by RMA gets from the store's pool, where the store offers its rkey "
                 "(kvr-store --rma-reads true) and the transport has native RMA");
+  cmd->add_option("--replay", f.replay,
+                  "selection traces (kvr eval retrieval --trace-dir): each sparse method with a "
+                  "trace of its own also runs as METHOD:replayed, its selections replaced by the "
+                  "trace's (the one nearest to budget / context; positions scaled to the context)")
+      ->delimiter(',')
+      ->check(CLI::ExistingFile);
   cmd->add_option("--json", f.json, "write the rows as JSON");
   cmd->callback([flags] {
     const absl::Status s = RunDecodeBench(*flags);

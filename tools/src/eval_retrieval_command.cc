@@ -91,6 +91,10 @@ void AddEvalCommand(CLI::App& app) {
                   "decoding's selections (0: the budget)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option("--trace-dir", flags->eval.trace_dir,
+                  "write every free decoding's selections into this folder "
+                  "(<prompt>_<context>_<method>_<budget>.kvrsel), for kvr bench decode --replay")
+      ->check(CLI::ExistingDirectory);
   cmd->add_option("--sink", flags->eval.n_sink, "sink tokens")->capture_default_str();
   cmd->add_option("--local", flags->eval.local_window, "local window tokens")
       ->capture_default_str();

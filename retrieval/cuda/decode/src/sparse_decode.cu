@@ -207,6 +207,9 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
       return {pool_slots.data(), pool_pages.data() + int64_t{layer} * opt.slots * n_kv * max_pages,
               max_pages, n_kv};
     }
+    // Replayed selections (SparseDecodeOptions::replay): counts [n_steps, n_layers, n_kv] and
+    // ids [.., trace_budget] on the device.
+    DeviceBuffer<int32_t> replay_counts, replay_ids;
     DeviceBuffer<unsigned long long> selected;  // [1]
     // Per slot since it was taken: rows selected [0, slots) and hot-cache hits [slots, 2 slots),
     // all layers; copied back at the end of every Forward (h_slot_counters).
@@ -363,6 +366,24 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
                  GpuLaneMethodList(), ")");
     }
   }
+  if (const SparseSelectionReplay* r = o.replay.get()) {
+    const int64_t heads = int64_t{r->n_steps} * r->n_layers * r->n_kv_heads;
+    if (r->n_steps < 1 || r->n_layers != c.n_layers || r->n_kv_heads != c.n_kv_heads ||
+        r->trace_budget < 1 || r->run < 1 ||
+        r->trace_begin.size() != static_cast<size_t>(r->n_steps) ||
+        r->trace_end.size() != static_cast<size_t>(r->n_steps) ||
+        r->counts.size() != static_cast<size_t>(heads) ||
+        r->ids.size() != static_cast<size_t>(heads * r->trace_budget)) {
+      return bad("Configure: replay of ", r->n_steps, " steps x ", r->n_layers, " layers x ",
+                 r->n_kv_heads, " KV heads (budget ", r->trace_budget, ", run ", r->run,
+                 ") does not match the model's ", c.n_layers, " layers and ", c.n_kv_heads,
+                 " KV heads or its own array sizes");
+    }
+    for (int32_t n : r->counts) {
+      if (n < 0 || n > r->trace_budget)
+        return bad("Configure: replay count ", n, " outside [0, ", r->trace_budget, "]");
+    }
+  }
   sparse_.reset();
   auto st = std::make_unique<SparseState>();
   st->opt = o;
@@ -432,6 +453,16 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_q, S * c.q_dim()));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_ids, S * kv * o.budget));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_counts, S * kv));
+  if (const SparseSelectionReplay* r = o.replay.get()) {
+    KVR_RETURN_IF_ERROR(Alloc(st->replay_counts, static_cast<int64_t>(r->counts.size())));
+    KVR_RETURN_IF_ERROR(Alloc(st->replay_ids, static_cast<int64_t>(r->ids.size())));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->replay_counts.data(), r->counts.data(),
+                                             st->replay_counts.bytes(), cudaMemcpyHostToDevice,
+                                             stream()));
+    KVR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->replay_ids.data(), r->ids.data(),
+                                             st->replay_ids.bytes(), cudaMemcpyHostToDevice,
+                                             stream()));
+  }
   KVR_RETURN_IF_ERROR(Alloc(st->selected, 1));
   KVR_RETURN_IF_ERROR(Alloc(st->slot_counters, 2 * S));
   KVR_RETURN_IF_ERROR(AllocPinned(st->h_slot_counters, 2 * S));
@@ -497,8 +528,8 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
                            st->q_f32.bytes() + st->ids.bytes() + st->counts.bytes() +
                            st->gathered.bytes() + st->select_ws.bytes() + st->attend_ws.bytes() +
                            st->meta.bytes() + st->budgets.bytes() + st->rows.bytes() +
-                           st->pool_slots.bytes() +
-                           st->pool_pages.bytes() + st->new_rows.bytes()) +
+                           st->pool_slots.bytes() + st->pool_pages.bytes() + st->new_rows.bytes() +
+                           st->replay_counts.bytes() + st->replay_ids.bytes()) +
       hot_bytes + lane_bytes;
   KVR_RETURN_IF_ERROR(Sync());
   sparse_ = std::move(st);
@@ -939,6 +970,27 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
                                      st));
   }
   if (!host_selected_.empty()) KVR_RETURN_IF_ERROR(HostSelect(layer, st));
+  if (const SparseSelectionReplay* r = o.replay.get()) {
+    const int step = static_cast<int>(sp.steps % r->n_steps);
+    const int64_t step_heads = int64_t{r->n_layers} * r->n_kv_heads;
+    ReplaySelectParams p;
+    p.counts = sp.replay_counts.data() + step * step_heads;
+    p.ids = sp.replay_ids.data() + step * step_heads * r->trace_budget;
+    p.trace_budget = r->trace_budget;
+    p.run = r->run;
+    p.layer = layer;
+    p.slots = S;
+    p.n_kv_heads = static_cast<int>(kv);
+    p.budget = o.budget;
+    p.trace_begin = r->trace_begin[step];
+    p.trace_end = r->trace_end[step];
+    p.cand_begin = cand.begin;
+    p.cand_end = cand.end;
+    p.budgets = sp.budgets.data();
+    p.out_ids = sp.ids.data();
+    p.out_counts = sp.counts.data();
+    KVR_RETURN_IF_ERROR(LaunchReplaySelect(p, st));
+  }
   if (r.profile) {
     KVR_RETURN_IF_ERROR(
         LaunchSumCounts(sp.counts.data(), static_cast<int>(S * kv), sp.selected.data(), st));

@@ -20,6 +20,7 @@
 
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/cuda/selection_replay.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "sparse_kernels.cuh"
 
@@ -276,6 +277,28 @@ absl::Status LaunchSumCountsPerSlot(const int32_t* counts, int slots, int n_kv,
   if (slots == 0) return absl::OkStatus();
   SumCountsPerSlotKernel<<<slots, 32, 0, stream>>>(counts, n_kv, per_slot);
   return kvr::cuda::LastLaunchStatus("SumCountsPerSlotKernel");
+}
+
+// One thread per (slot, KV head): a head's replay is a short serial loop (each run starts
+// after the previous one's end).
+__global__ void ReplaySelectKernel(ReplaySelectParams p) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= p.slots * p.n_kv_heads) return;
+  const int s = i / p.n_kv_heads, h = i % p.n_kv_heads;
+  const int32_t begin = p.cand_begin[s], end = p.cand_end[s];
+  if (end <= begin) return;  // nothing to select (empty slot, or selected elsewhere)
+  const int64_t head = int64_t{p.layer} * p.n_kv_heads + h;
+  const int budget = min(p.budget, p.budgets[s]);
+  p.out_counts[i] =
+      ReplayHeadIds(p.ids + head * p.trace_budget, p.counts[head], p.trace_begin, p.trace_end,
+                    p.run, begin, end, budget, p.out_ids + int64_t{i} * p.budget);
+}
+
+absl::Status LaunchReplaySelect(const ReplaySelectParams& p, cudaStream_t stream) {
+  const int n = p.slots * p.n_kv_heads;
+  if (n == 0) return absl::OkStatus();
+  ReplaySelectKernel<<<(n + 127) / 128, 128, 0, stream>>>(p);
+  return kvr::cuda::LastLaunchStatus("ReplaySelectKernel");
 }
 
 absl::Status LaunchSparseRope(const SparseRopeParams& p, cudaStream_t stream) {

@@ -106,6 +106,23 @@ struct SparseFillParams {
                                                   unsigned long long* per_slot,
                                                   cudaStream_t stream);
 
+// Replayed selections (selection_replay.h): for every slot s with candidates (meta begin[s] <
+// end[s]) and KV head h, overwrites ids[s, h, 0 .. budget) and counts[s, h] with ReplayHeadIds
+// of the recording's (step, layer, h) (the slot's budget from budgets[s]). Device copies of
+// SparseSelectionReplay's counts and ids.
+struct ReplaySelectParams {
+  const int32_t* counts = nullptr;  // [n_layers, n_kv_heads] of the step
+  const int32_t* ids = nullptr;     // [n_layers, n_kv_heads, trace_budget] of the step
+  int trace_budget = 0, run = 1, layer = 0, slots = 0, n_kv_heads = 0, budget = 0;
+  int32_t trace_begin = 0, trace_end = 0;
+  const int32_t* cand_begin = nullptr;  // [slots]
+  const int32_t* cand_end = nullptr;    // [slots]
+  const int32_t* budgets = nullptr;     // [slots]
+  int32_t* out_ids = nullptr;           // [slots, n_kv_heads, budget]
+  int32_t* out_counts = nullptr;        // [slots, n_kv_heads]
+};
+[[nodiscard]] absl::Status LaunchReplaySelect(const ReplaySelectParams& p, cudaStream_t stream);
+
 // *counter += sum of counts[0 .. n).
 [[nodiscard]] absl::Status LaunchSumCounts(const int32_t* counts, int n,
                                            unsigned long long* counter, cudaStream_t stream);

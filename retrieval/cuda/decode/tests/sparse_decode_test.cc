@@ -375,5 +375,109 @@ TEST(CudaSparseTest, QuestSmallBudgetLayerMatchesCpuReference) {
   }
 }
 
+// Replayed selections (selection_replay.h) replace the method's: every slot's ids of a layer
+// equal ReplayHeadIds over its own candidates, step after step, and a step that replays the
+// previous step's selection is served from the hot cache.
+TEST(CudaSparseTest, ReplayedSelectionsFollowTheReferenceAndHitTheHotCache) {
+  SKIP_WITHOUT_GPU();
+  SparseModel m;
+  MakeSparseModel("llama3-8b", 2, 5, 16, 4, &m);
+  if (HasFatalFailure()) return;
+  const ModelConfig& c = m.config;
+  retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
+  const int kv = c.n_kv_heads;
+  // Two recorded steps over candidates [4, 500): step 1 repeats step 0 (all reused), step 2
+  // picks other positions. 16 positions per head, each standing for 4 rows (budget 64).
+  auto replay = std::make_shared<retrieval::cuda::SparseSelectionReplay>();
+  replay->n_steps = 3;
+  replay->n_layers = c.n_layers;
+  replay->n_kv_heads = kv;
+  replay->trace_budget = 16;
+  replay->run = 4;
+  replay->trace_begin = {4, 4, 4};
+  replay->trace_end = {500, 500, 500};
+  const int64_t heads = int64_t{c.n_layers} * kv;
+  replay->counts.assign(3 * heads, 16);
+  replay->ids.resize(3 * heads * 16);
+  for (int s = 0; s < 3; ++s) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int i = 0; i < 16; ++i) {
+        const int base = s == 2 ? 7 : 4;  // step 2 moves every position
+        replay->ids[(s * heads + h) * 16 + i] = static_cast<int32_t>(base + (i * 29 + h * 5) % 490);
+      }
+      int32_t* ids = replay->ids.data() + (s * heads + h) * 16;
+      std::sort(ids, ids + 16);
+      replay->counts[s * heads + h] = static_cast<int32_t>(std::unique(ids, ids + 16) - ids);
+    }
+  }
+  SparseDecodeOptions so;
+  so.method = SparseMethod::kQuest;
+  so.slots = 2;
+  so.max_capacity = 4096;
+  so.budget = 64;
+  so.n_sink = 4;
+  so.local_window = 32;
+  so.hot_cache_rows = 256;  // 32 sets of 8: no set overflows with 64 rows a step
+  so.replay = replay;
+  ASSERT_TRUE(sp.Configure(so).ok());
+  const int64_t filled[2] = {2000, 3000};
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(sp.AddSequence(i + 1, 4096, {}).ok());
+    ASSERT_TRUE(sp.FillSequenceForBenchmark(i + 1, filled[i], 9 + i).ok());
+  }
+  constexpr int kLayer = 1;
+  const int32_t tokens[2] = {77, 78};
+  const CudaSequence batch[2] = {{1, std::span(&tokens[0], 1)}, {2, std::span(&tokens[1], 1)}};
+  std::vector<float> logits(2 * c.vocab);
+  std::vector<int64_t> hits_before(2, 0), selected_before(2, 0);
+  for (int step = 0; step < 3; ++step) {
+    sp.SnapshotLayerForTesting(kLayer);
+    ASSERT_TRUE(sp.Forward(batch, LogitsMode::kLast, logits).ok());
+    const SparseLayerSnapshot& snap = sp.snapshot();
+    ASSERT_EQ(snap.layer, kLayer);
+    for (int slot = 0; slot < 2; ++slot) {
+      const int64_t len = filled[slot] + step + 1;
+      const auto end = static_cast<int32_t>(len - so.local_window);
+      for (int h = 0; h < kv; ++h) {
+        const int64_t head = (int64_t{step} * heads + int64_t{kLayer} * kv + h);
+        std::vector<int32_t> want(so.budget);
+        const int n =
+            retrieval::cuda::ReplayHeadIds(replay->ids.data() + head * 16, replay->counts[head], 4,
+                                           500, 4, so.n_sink, end, so.budget, want.data());
+        want.resize(n);
+        const int64_t at = (int64_t{slot} * kv + h) * so.budget;
+        ASSERT_EQ(snap.counts[slot * kv + h], n) << "step " << step << " slot " << slot;
+        std::vector<int32_t> got(snap.ids.begin() + at, snap.ids.begin() + at + n);
+        std::sort(got.begin(), got.end());
+        EXPECT_EQ(got, want) << "step " << step << " slot " << slot << " head " << h;
+      }
+      auto counters = sp.Counters(slot + 1);
+      ASSERT_TRUE(counters.ok()) << counters.status();
+      const int64_t hits = counters->hot_cache_hits - hits_before[slot];
+      const int64_t selected = counters->selected_rows - selected_before[slot];
+      hits_before[slot] = counters->hot_cache_hits;
+      selected_before[slot] = counters->selected_rows;
+      EXPECT_GT(selected, 0);
+      switch (step) {
+        case 0:
+          EXPECT_EQ(hits, 0) << "a cold cache";
+          break;
+        case 1:
+          EXPECT_EQ(hits, selected) << "the previous step's rows, all cached";
+          break;
+        default:
+          EXPECT_LT(hits, selected / 2) << "moved selections mostly miss";
+      }
+    }
+  }
+  // A replay that does not match the model is refused.
+  ASSERT_TRUE(sp.ReleaseSequence(1).ok());
+  ASSERT_TRUE(sp.ReleaseSequence(2).ok());
+  auto wrong = std::make_shared<retrieval::cuda::SparseSelectionReplay>(*replay);
+  wrong->n_kv_heads = kv + 1;
+  so.replay = wrong;
+  EXPECT_EQ(sp.Configure(so).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvr::model

@@ -52,6 +52,7 @@
 #include "absl/status/statusor.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/model.h"
+#include "kvr/retrieval/cuda/selection_replay.h"
 
 namespace kvr::retrieval {
 class MethodAssets;
@@ -112,6 +113,10 @@ struct SparseDecodeOptions {
   // Threads that run the host selectors (SparseHostSelector) of a step's sequences in parallel,
   // one sequence per task: 0 = the machine's cores, 1 = on the calling thread.
   int host_select_threads = 0;
+  // Benchmarks only: after the configured method has selected (its cost stays in the step),
+  // every slot it selected for gets the replayed selection of step (Forward count mod n_steps)
+  // instead (selection_replay.h). Must match the model's layers and KV heads.
+  std::shared_ptr<const SparseSelectionReplay> replay;
 };
 
 // For tests: what one layer of a sparse Forward computed, per slot (SnapshotLayerForTesting).
