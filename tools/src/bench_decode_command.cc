@@ -609,11 +609,13 @@ absl::StatusOr<std::vector<Placement>> ResolvePlacements(const DecodeBenchFlags&
       }
     } else if (want == "unbound") {
       add("unbound", -1);
+    } else if (want == "none") {
+      continue;  // only the store's placements (--store)
     } else {
       int node = -1;
       if (!absl::SimpleAtoi(want, &node) || node < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--host-numa: gpu, far, unbound or a node number, not '", want, "'"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--host-numa: gpu, far, unbound, none or a node number, not '", want, "'"));
       }
       add(absl::StrCat("n", node), node);
     }
@@ -1008,7 +1010,7 @@ void AddBenchDecodeCommand(CLI::App& app) {
   cmd->add_option("--host-numa", f.host_numa,
                   "host KV placements of the sparse rows: gpu (the GPU's NUMA node), far, unbound "
                   "(cudaHostAlloc), a node number; '+thp' on any (or 'thp' = unbound+thp): "
-                  "backed by transparent huge pages")
+                  "backed by transparent huge pages; none: only the --store placements")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--ceiling-mib", f.ceiling_mib,
