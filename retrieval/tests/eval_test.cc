@@ -186,28 +186,29 @@ TEST(SelectionTraceTest, RoundTripAndDamage) {
   EXPECT_EQ(ReadSelectionTrace(path + ".missing").status().code(), absl::StatusCode::kNotFound);
 }
 
-// The replay's CPU reference: runs of `run` rows at the recorded positions' relative places,
+// The replay's CPU reference: runs of `run` rows at the recorded positions' offsets times `run`,
 // distinct and ascending, cut at the candidates' end and at the budget.
-TEST(SelectionReplayTest, RunsAtRelativePlaces) {
+TEST(SelectionReplayTest, RunsAtScaledPositions) {
   using kvr::retrieval::cuda::ReplayHeadIds;
   const int32_t recorded[] = {10, 11, 60, 109};
   std::vector<int32_t> out(64, -1);
-  // Candidates [10, 110) recorded, [100, 1100) replayed at 4 rows a position: span 996.
-  int n = ReplayHeadIds(recorded, 4, 10, 110, 4, 100, 1100, 64, out.data());
+  // Recorded candidates from 10, replayed from 100 at 4 rows a position.
+  int n = ReplayHeadIds(recorded, 4, 10, 4, 100, 1100, 64, out.data());
   ASSERT_EQ(n, 16);
-  const std::vector<int32_t> want = {100, 101, 102, 103, 109,  110,  111,  112,
-                                     598, 599, 600, 601, 1086, 1087, 1088, 1089};
+  const std::vector<int32_t> want = {100, 101, 102, 103, 104, 105, 106, 107,
+                                     300, 301, 302, 303, 496, 497, 498, 499};
   EXPECT_EQ(std::vector<int32_t>(out.begin(), out.begin() + n), want);
-  // Adjacent positions whose runs would overlap are pushed apart.
-  n = ReplayHeadIds(recorded, 2, 10, 110, 16, 100, 200, 64, out.data());
-  ASSERT_EQ(n, 32);
-  for (int i = 1; i < n; ++i) EXPECT_EQ(out[i], out[i - 1] + 1);
+  // A position before the recorded candidates counts as their first; runs never overlap.
+  const int32_t early[] = {5, 10};
+  n = ReplayHeadIds(early, 2, 10, 8, 100, 200, 64, out.data());
+  ASSERT_EQ(n, 16);
+  for (int i = 0; i < n; ++i) EXPECT_EQ(out[i], 100 + i);
   // The budget and the candidates' end cut the runs.
-  EXPECT_EQ(ReplayHeadIds(recorded, 4, 10, 110, 4, 100, 1100, 6, out.data()), 6);
-  n = ReplayHeadIds(recorded, 4, 10, 110, 8, 100, 120, 64, out.data());
-  EXPECT_LE(n, 20);
-  for (int i = 0; i < n; ++i) EXPECT_LT(out[i], 120);
-  EXPECT_EQ(ReplayHeadIds(recorded, 4, 10, 110, 4, 100, 100, 64, out.data()), 0);
+  EXPECT_EQ(ReplayHeadIds(recorded, 4, 10, 4, 100, 1100, 6, out.data()), 6);
+  n = ReplayHeadIds(recorded, 4, 10, 4, 100, 302, 64, out.data());
+  ASSERT_EQ(n, 10);
+  EXPECT_EQ(out[9], 301);
+  EXPECT_EQ(ReplayHeadIds(recorded, 4, 10, 4, 100, 100, 64, out.data()), 0);
 }
 
 // Fetched rows through bf16 and fp8 beside the cache's own rows, with `full` (every row between

@@ -47,7 +47,8 @@
 // as METHOD:replayed: its GPU selector still runs (its cost stays in the step), then every
 // slot's selection is replaced by the trace's (selection_replay.h: the trace nearest to this
 // budget's share of the context, recorded layers and KV heads mapped onto the model's, each
-// recorded position standing for budget / trace-budget consecutive rows), so the hot cache
+// recorded position p standing for the budget / trace-budget rows from sink + (p - its sink)
+// times that), so the hot cache
 // and the gather see a real model's step-to-step reuse. Rows without the suffix are the
 // synthetic lower bound (random keys: the selection moves every step).
 
@@ -79,6 +80,7 @@
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
+#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "selection_trace.h"
 
@@ -172,13 +174,12 @@ std::shared_ptr<rc::SparseSelectionReplay> MakeReplay(const retrieval::eval::Sel
   r->n_kv_heads = c.n_kv_heads;
   r->trace_budget = t.budget;
   r->run = std::max(1, static_cast<int>(std::lround(static_cast<double>(budget) / t.budget)));
+  r->trace_begin = static_cast<int32_t>(t.CandidatesBegin());
   const size_t heads = static_cast<size_t>(c.n_layers) * c.n_kv_heads;
   r->counts.assign(r->n_steps * heads, 0);
   r->ids.assign(r->n_steps * heads * t.budget, 0);
   for (int s = 0; s < r->n_steps; ++s) {
     const retrieval::eval::SelectionTrace::Step& step = t.steps[s];
-    r->trace_begin.push_back(static_cast<int32_t>(t.CandidatesBegin()));
-    r->trace_end.push_back(static_cast<int32_t>(t.CandidatesEnd(step)));
     for (int l = 0; l < c.n_layers; ++l) {
       for (int h = 0; h < c.n_kv_heads; ++h) {
         const int tl = static_cast<int>(int64_t{l} * t.n_layers / c.n_layers);
@@ -448,6 +449,24 @@ class DecodeBench {
     o.local_window = f_.window;
     o.hot_cache_rows = f_.hot_cache_rows;
     o.clusterkv_max_pending = 4 * (f_.warmup + f_.steps) + 64;
+    if (method == rc::SparseMethod::kClusterKv) {
+      // The stand-in's clusters as many as the prefill's k-means would make with the CPU
+      // index's defaults at this context and budget (ClusterKvPrefillClusters), and room for
+      // those only.
+      retrieval::IndexParams params;
+      params.budget = f_.budget;
+      const int64_t points = std::max<int64_t>(1, context - f_.sink);
+      KVR_ASSIGN_OR_RETURN(const int64_t clusters,
+                           retrieval::ClusterKvPrefillClusters(points, context, params));
+      o.clusterkv_tokens_per_cluster = static_cast<int>((points + clusters - 1) / clusters);
+      o.clusterkv_prefill_clusters =
+          (capacity + o.clusterkv_tokens_per_cluster - 1) / o.clusterkv_tokens_per_cluster;
+      std::printf(
+          "%6lldK  %s: stand-in of %lld clusters of %d tokens (the default k-means at "
+          "budget %d)\n",
+          static_cast<long long>(context / 1024), name.c_str(), static_cast<long long>(clusters),
+          o.clusterkv_tokens_per_cluster, f_.budget);
+    }
     o.replay = std::move(replay);
     // Largest slot count that fits (binary search on ConfigureSparse, which allocates it all).
     auto fits = [&](int slots) {
@@ -811,8 +830,9 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
   std::printf(
       "kvr bench decode: %s shape (%d layers), RANDOM weights (%.2f GB bf16), SYNTHETIC KV "
       "(random rows; sparse sequences of a batch share one host KV), budget %d, sink %d, "
-      "window %d, hot cache %d rows/head; clusterkv summaries: synthetic stand-in (runs of 80 "
-      "tokens, mean key); %d steps after %d warm-up; sparse rows once per host KV placement\n",
+      "window %d, hot cache %d rows/head; clusterkv summaries: synthetic stand-in (runs of "
+      "consecutive tokens, mean key, as many as the default k-means); %d steps after %d warm-up; "
+      "sparse rows once per host KV placement\n",
       f.shape.c_str(), config.n_layers, m->weight_bytes() / 1e9, f.budget, f.sink, f.window,
       f.hot_cache_rows, f.steps, f.warmup);
   std::printf("%7s  %-16s  %-11s  %5s  %10s  %8s  %8s  %9s\n", "context", "method", "host KV",

@@ -347,10 +347,12 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
                "clusterkv <= 2048)");
   }
   if (o.n_sink < 0 || o.local_window < 1 || o.hot_cache_rows < 0 ||
-      o.clusterkv_tokens_per_cluster < 1 || o.clusterkv_max_pending < 0) {
+      o.clusterkv_tokens_per_cluster < 1 || o.clusterkv_max_pending < 0 ||
+      o.clusterkv_prefill_clusters < 0) {
     return bad(
         "Configure: n_sink >= 0, local_window >= 1, hot_cache_rows >= 0, "
-        "clusterkv_tokens_per_cluster >= 1 and clusterkv_max_pending >= 0 needed");
+        "clusterkv_tokens_per_cluster >= 1, clusterkv_max_pending >= 0 and "
+        "clusterkv_prefill_clusters >= 0 needed");
   }
   if (c.n_heads / c.n_kv_heads > 8) {
     return absl::UnimplementedError("Configure: sparse decode attention takes GQA groups <= 8");
@@ -369,10 +371,7 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   if (const SparseSelectionReplay* r = o.replay.get()) {
     const int64_t heads = int64_t{r->n_steps} * r->n_layers * r->n_kv_heads;
     if (r->n_steps < 1 || r->n_layers != c.n_layers || r->n_kv_heads != c.n_kv_heads ||
-        r->trace_budget < 1 || r->run < 1 ||
-        r->trace_begin.size() != static_cast<size_t>(r->n_steps) ||
-        r->trace_end.size() != static_cast<size_t>(r->n_steps) ||
-        r->counts.size() != static_cast<size_t>(heads) ||
+        r->trace_budget < 1 || r->run < 1 || r->counts.size() != static_cast<size_t>(heads) ||
         r->ids.size() != static_cast<size_t>(heads * r->trace_budget)) {
       return bad("Configure: replay of ", r->n_steps, " steps x ", r->n_layers, " layers x ",
                  r->n_kv_heads, " KV heads (budget ", r->trace_budget, ", run ", r->run,
@@ -396,13 +395,15 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
     st->pages = (o.max_capacity + o.quest_page_size - 1) / o.quest_page_size;
     KVR_RETURN_IF_ERROR(Alloc(st->bounds, L * S * st->pages * st->bounds_row()));
   } else {
-    // Room for the prefill's clusters at their most (the CPU index's default at any budget,
-    // ClusterKvMaxDefaultClusters; the benchmark stand-in's clusters of tokens_per_cluster may
-    // be smaller) plus the pending singletons.
+    // Room for the prefill's clusters (clusterkv_prefill_clusters, or at their most: the CPU
+    // index's default at any budget, ClusterKvMaxDefaultClusters; at least the benchmark
+    // stand-in's clusters of tokens_per_cluster) plus the pending singletons.
     const int64_t stand_in = (o.max_capacity + o.clusterkv_tokens_per_cluster - 1) /
                              o.clusterkv_tokens_per_cluster;
-    const int64_t prefill_clusters =
-        std::max<int64_t>(ClusterKvMaxDefaultClusters(o.max_capacity), stand_in);
+    const int64_t prefill_clusters = std::max<int64_t>(
+        o.clusterkv_prefill_clusters > 0 ? o.clusterkv_prefill_clusters
+                                         : ClusterKvMaxDefaultClusters(o.max_capacity),
+        stand_in);
     st->max_clusters = static_cast<int>(
         std::min<int64_t>(o.max_capacity, prefill_clusters + o.clusterkv_max_pending));
     KVR_RETURN_IF_ERROR(Alloc(st->centroids, L * S * kv * st->max_clusters * d));
@@ -982,8 +983,7 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     p.slots = S;
     p.n_kv_heads = static_cast<int>(kv);
     p.budget = o.budget;
-    p.trace_begin = r->trace_begin[step];
-    p.trace_end = r->trace_end[step];
+    p.trace_begin = r->trace_begin;
     p.cand_begin = cand.begin;
     p.cand_end = cand.end;
     p.budgets = sp.budgets.data();

@@ -289,9 +289,8 @@ __global__ void ReplaySelectKernel(ReplaySelectParams p) {
   if (end <= begin) return;  // nothing to select (empty slot, or selected elsewhere)
   const int64_t head = int64_t{p.layer} * p.n_kv_heads + h;
   const int budget = min(p.budget, p.budgets[s]);
-  p.out_counts[i] =
-      ReplayHeadIds(p.ids + head * p.trace_budget, p.counts[head], p.trace_begin, p.trace_end,
-                    p.run, begin, end, budget, p.out_ids + int64_t{i} * p.budget);
+  p.out_counts[i] = ReplayHeadIds(p.ids + head * p.trace_budget, p.counts[head], p.trace_begin,
+                                  p.run, begin, end, budget, p.out_ids + int64_t{i} * p.budget);
 }
 
 absl::Status LaunchReplaySelect(const ReplaySelectParams& p, cudaStream_t stream) {

@@ -386,16 +386,16 @@ TEST(CudaSparseTest, ReplayedSelectionsFollowTheReferenceAndHitTheHotCache) {
   const ModelConfig& c = m.config;
   retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
   const int kv = c.n_kv_heads;
-  // Two recorded steps over candidates [4, 500): step 1 repeats step 0 (all reused), step 2
-  // picks other positions. 16 positions per head, each standing for 4 rows (budget 64).
+  // Three recorded steps over candidates from 4 on: step 1 repeats step 0 (all reused), step 2
+  // moves every position. 16 positions per head, each standing for the 4 rows from
+  // 4 + (p - 4) * 4 on (budget 64), within the slots' candidates but for a few cut at their end.
   auto replay = std::make_shared<retrieval::cuda::SparseSelectionReplay>();
   replay->n_steps = 3;
   replay->n_layers = c.n_layers;
   replay->n_kv_heads = kv;
   replay->trace_budget = 16;
   replay->run = 4;
-  replay->trace_begin = {4, 4, 4};
-  replay->trace_end = {500, 500, 500};
+  replay->trace_begin = 4;
   const int64_t heads = int64_t{c.n_layers} * kv;
   replay->counts.assign(3 * heads, 16);
   replay->ids.resize(3 * heads * 16);
@@ -443,7 +443,7 @@ TEST(CudaSparseTest, ReplayedSelectionsFollowTheReferenceAndHitTheHotCache) {
         std::vector<int32_t> want(so.budget);
         const int n =
             retrieval::cuda::ReplayHeadIds(replay->ids.data() + head * 16, replay->counts[head], 4,
-                                           500, 4, so.n_sink, end, so.budget, want.data());
+                                           4, so.n_sink, end, so.budget, want.data());
         want.resize(n);
         const int64_t at = (int64_t{slot} * kv + h) * so.budget;
         ASSERT_EQ(snap.counts[slot * kv + h], n) << "step " << step << " slot " << slot;

@@ -5,14 +5,15 @@
 // heads, so that the hot cache and the gather of a synthetic-weight benchmark see a real
 // model's step-to-step reuse instead of random selections.
 //
-// The mapping of one (step, layer, KV head): the recorded positions, ascending, lie in the
-// recorded candidates [trace_begin, trace_end); each becomes a run of `run` consecutive rows of
-// the replaying slot's candidates [begin, end), starting at the position's relative place in
-// the range: begin + floor((p - trace_begin) * (end - begin - run) / (trace_end - trace_begin)),
-// pushed past the previous run's end so that ids stay distinct and ascending, and cut at `end`
-// and at the slot's budget. A recording at budget b of context c replays budget b * run at
-// context c * run: the same share of the context, each selected token standing for `run`
-// neighbours (which makes the replayed selections runs of rows, as quest's pages are).
+// The mapping of one (step, layer, KV head): each recorded position p (ascending, at or after
+// the recorded candidates' begin) becomes the run of `run` consecutive rows starting at
+// begin + (p - trace_begin) * run of the replaying slot's candidates [begin, end), pushed past
+// the previous run's end so that ids stay distinct and ascending, cut at `end` and at the
+// slot's budget. The scale is fixed (not the ratio of the two candidate ranges, which moves
+// every step and would shift every run by several rows a step, destroying the reuse being
+// replayed). A recording at budget b of context c replays budget b * run at context ~c * run:
+// the same share of the context, each selected token standing for `run` neighbours (which makes
+// the replayed selections runs of rows, as quest's pages are).
 //
 // Plain C++ (no CUDA types): ReplayHeadIds is the CPU reference of the replay kernel and is
 // compiled into it.
@@ -36,8 +37,7 @@ struct SparseSelectionReplay {
   int n_kv_heads = 0;    // the replaying model's
   int trace_budget = 0;  // ids per (step, layer, head) at most
   int run = 1;           // rows replayed per recorded position
-  // Per step: the recorded candidates [trace_begin, trace_end).
-  std::vector<int32_t> trace_begin, trace_end;
+  int32_t trace_begin = 0;  // the recorded candidates' first position (the recording's sinks)
   // [n_steps, n_layers, n_kv_heads]: recorded ids per head; [.., trace_budget]: the ids,
   // ascending.
   std::vector<int32_t> counts;
@@ -46,19 +46,16 @@ struct SparseSelectionReplay {
 
 // Writes the replayed ids of one (step, layer, head) for candidates [begin, end) and `budget`
 // ids at most; returns how many. `recorded` holds `n` ascending positions.
-KVR_REPLAY_HD inline int ReplayHeadIds(const int32_t* recorded, int n, int32_t trace_begin,
-                                       int32_t trace_end, int run, int32_t begin, int32_t end,
-                                       int budget, int32_t* out) {
-  if (end <= begin || trace_end <= trace_begin || run < 1) return 0;
-  const int64_t span = end - begin - run > 0 ? end - begin - run : 0;
-  const int64_t trace_span = trace_end - trace_begin;
+KVR_REPLAY_HD inline int ReplayHeadIds(const int32_t* recorded, int n, int32_t trace_begin, int run,
+                                       int32_t begin, int32_t end, int budget, int32_t* out) {
+  if (end <= begin || run < 1) return 0;
   int written = 0;
   int64_t next = begin;  // the first id the next run may take
   for (int i = 0; i < n && written < budget; ++i) {
-    int64_t rel = recorded[i] - trace_begin;
-    rel = rel < 0 ? 0 : (rel >= trace_span ? trace_span - 1 : rel);
-    int64_t start = begin + rel * span / trace_span;
+    const int64_t rel = recorded[i] > trace_begin ? recorded[i] - trace_begin : 0;
+    int64_t start = begin + rel * run;
     if (start < next) start = next;
+    if (start >= end) break;
     for (int64_t t = start; t < start + run && t < end && written < budget; ++t) {
       out[written++] = static_cast<int32_t>(t);
     }

@@ -93,6 +93,11 @@ struct SparseDecodeOptions {
   // singleton clusters room for tokens leaving the window afterwards (dropped past it).
   int clusterkv_tokens_per_cluster = 80;
   int clusterkv_max_pending = 4096;
+  // clusterkv: room per KV head for the prefill's clusters; 0: the most the scaled default gives
+  // any budget (ClusterKvMaxDefaultClusters(max_capacity), L/8: fp32 centroids of 2 GiB per
+  // Llama-3-8B sequence of 128K). A caller that knows its sequences' cluster counts (a fixed
+  // budget, or the benchmark's stand-in) reserves only those.
+  int64_t clusterkv_prefill_clusters = 0;
   // Smallest page of rows a sequence's row source may have (SparseRowSource::page_rows; the
   // own host KVs use this size): sizes the page tables, [n_layers, slots, n_kv_heads,
   // ceil(max_capacity / min_page_rows)] int32. A 64 KiB store page of bf16 rows holds 128 rows at
