@@ -151,6 +151,9 @@ struct CudaPending final : BackendSequence {
   std::shared_ptr<IndexSelector> selector;
   std::string lane;
   std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;
+  // clusterkv: the handed-off clusters were more than the node reserved room for (a request
+  // budget below the node's asks the prefill for more): selected on the host instead.
+  bool clusters_over_room = false;
 };
 
 // A running sequence: its store, the rows of the last step being appended there, and counters.
@@ -177,7 +180,7 @@ class CudaDecodeBackend final : public DecodeBackend {
   CudaDecodeBackend(std::unique_ptr<model::CudaModel> model,
                     std::unique_ptr<rc::SparseDecodeAttention> sparse,
                     CudaDecodeBackendOptions options, int64_t slot_bytes, int64_t summary_bytes,
-                    DecodeObserver* observer)
+                    int64_t cluster_room, DecodeObserver* observer)
       : model_(std::move(model)),
         sparse_(std::move(sparse)),
         options_(std::move(options)),
@@ -185,6 +188,7 @@ class CudaDecodeBackend final : public DecodeBackend {
         fetch_staging_bytes_(int64_t{model_->config().n_kv_heads} * options_.budget * 4 *
                              model_->config().head_dim),
         summary_bytes_(summary_bytes),
+        cluster_room_(cluster_room),
         observer_(observer != nullptr ? observer : &noop_) {}
 
   const model::ModelConfig& config() const override { return model_->config(); }
@@ -231,6 +235,25 @@ class CudaDecodeBackend final : public DecodeBackend {
       }
     } else if (options_.method == "clusterkv") {
       KVR_ASSIGN_OR_RETURN(pending->clusters, ParseClusters(h));
+      size_t most = 0;
+      for (const retrieval::PrebuiltClusterKvData& layer : pending->clusters) {
+        for (const std::vector<int32_t>& offsets : layer.offsets) {
+          most = std::max(most, offsets.empty() ? size_t{0} : offsets.size() - 1);
+        }
+      }
+      if (static_cast<int64_t>(most) > cluster_room_) {
+        spdlog::info(
+            "sequence {}: {} clusters in a head, room for {} (budget {} below the "
+            "node's {}): selected on the host",
+            h.sequence_id, most, cluster_room_, h.budget, options_.budget);
+        pending->clusters.clear();
+        KVR_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes,
+                             IndexesFromHandoff(h, c, *options_.registry, options_.method_assets));
+        pending->selector = std::make_shared<IndexSelector>(std::move(indexes), c, h.method,
+                                                            h.prompt_tokens, h.budget);
+        pending->bytes += pending->selector->MemoryBytes();
+        pending->clusters_over_room = true;
+      }
     }
     const uint64_t id = h.sequence_id;
     auto refuse = [&](auto&&... parts) {
@@ -343,6 +366,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     pending->indexes.clear();  // the lane's GPU state is built from them: they may go
     KVR_RETURN_IF_ERROR(activated);
     if (!so.lane.empty()) ++node_.lane_sequences;
+    if (pending->clusters_over_room) ++node_.cluster_fallbacks;
     CudaRunning run;
     run.store = h.store;
     run.store_owner = h.store_owner;
@@ -543,6 +567,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   // head, bf16 [K | V]).
   int64_t fetch_staging_bytes_;
   int64_t summary_bytes_;
+  // clusterkv: prefill clusters per (layer, KV head) the GPU state has room for.
+  int64_t cluster_room_;
   absl::flat_hash_map<uint64_t, CudaRunning> running_;
   NodeCounters node_;
   NoopObserver noop_;
@@ -640,6 +666,15 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   so.min_page_rows = o.min_page_rows;
   so.lanes = o.lanes;
   so.method_assets = o.method_assets;
+  // clusterkv: room for the clusters the prefill makes at the node's budget with the default
+  // options (ClusterKvPrefillClusters: at 128K and budget 1024, L/64; a sequence with more, from
+  // a smaller request budget or its own options, is selected on the host). Room for every
+  // budget's (L/8) would take 2 GiB of centroids per Llama-3-8B sequence of 128K.
+  retrieval::IndexParams at_budget;
+  at_budget.budget = o.budget;
+  const int64_t clusters =
+      retrieval::ClusterKvPrefillClusters(o.max_context, o.max_context, at_budget).value_or(1);
+  if (o.method == "clusterkv") so.clusterkv_prefill_clusters = clusters;
   // The hot cache's rows per (slot, layer, KV head) from the byte budget (bf16 [K | V] rows),
   // a multiple of 8 (its ways), at most 4096.
   const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
@@ -678,17 +713,13 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   const int64_t pages = (o.max_context + so.quest_page_size - 1) / so.quest_page_size;
   // quest: page bounds; clusterkv: the CPU index's default clusters at the node's budget
   // (ClusterKvPrefillClusters) + offsets and one member id per token.
-  retrieval::IndexParams at_budget;
-  at_budget.budget = o.budget;
-  const int64_t clusters =
-      retrieval::ClusterKvPrefillClusters(o.max_context, o.max_context, at_budget).value_or(1);
   const int64_t summary_bytes =
       o.method == "quest"
           ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4
           : int64_t{c.n_layers} * c.n_kv_heads *
                 ((clusters + 1) * (int64_t{c.head_dim} * 4 + 4) + o.max_context * 4);
   return std::make_unique<CudaDecodeBackend>(std::move(model), std::move(sparse), o, slot_bytes,
-                                             summary_bytes, observer);
+                                             summary_bytes, clusters, observer);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(

@@ -609,6 +609,40 @@ TEST_F(GpuDecodeTest, GpuLanesSelectAsTheHostIndex) {
     }
 }
 
+// A clusterkv node reserves room for the clusters its own budget makes (16 per head here, at
+// budget 512 over 512 tokens); a request at budget 16 brings 37 per head (L/8 of ~300 tokens),
+// so it is selected on the host by the handed-off index, as a quest node selects a clusterkv
+// request: both give the same tokens.
+TEST_F(GpuDecodeTest, ClusterKvRequestsWithMoreClustersThanRoomAreSelectedOnTheHost) {
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
+                                                     Prompt(233, 3)};
+  auto over_store = testing::MakeFakeStore(256 << 20);
+  auto host_store = testing::MakeFakeStore(256 << 20);
+  auto over_engine = CudaEngine(512, "clusterkv");
+  auto host_engine = CudaEngine(512, "quest");
+  std::vector<int32_t> first_over, first_host;
+  auto got = Run(*over_engine, *over_store, prompts, 16, &first_over, {"clusterkv"},
+                 kv_store::DType::kBf16);
+  auto want = Run(*host_engine, *host_store, prompts, 16, &first_host, {"clusterkv"},
+                  kv_store::DType::kBf16);
+  ASSERT_EQ(first_over, first_host);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const uint64_t id = 40 + i;
+    ASSERT_EQ(got[id].size(), kMaxTokens - 1) << "sequence " << i;
+    EXPECT_EQ(got[id], want[id]) << "sequence " << i;
+  }
+  EXPECT_EQ(over_engine->node_counters().cluster_fallbacks, 3);
+  EXPECT_EQ(host_engine->node_counters().cluster_fallbacks, 0);
+  // At the node's own budget the clusters fit: the GPU selects them.
+  auto fit_store = testing::MakeFakeStore(256 << 20);
+  auto fit_engine = CudaEngine(512, "clusterkv");
+  std::vector<int32_t> first_fit;
+  auto fit =
+      Run(*fit_engine, *fit_store, prompts, 512, &first_fit, {"clusterkv"}, kv_store::DType::kBf16);
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(fit[40 + i].size(), kMaxTokens - 1);
+  EXPECT_EQ(fit_engine->node_counters().cluster_fallbacks, 0);
+}
+
 // A hot cache sized by the GPU's free memory (hot_cache_fraction) instead of a 64 KiB byte
 // budget (a few rows per slot, layer and KV head) holds every row the sequences select (up to
 // max_context rows): the same tokens, and more of the selected rows come from it.

@@ -87,6 +87,9 @@ struct NodeCounters {
   // admission and the host selected instead.
   int64_t lane_sequences = 0;
   int64_t lane_fallbacks = 0;
+  // CUDA backend, clusterkv: sequences whose prefill clusters were more than the node has room
+  // for (a request budget below the node's), selected on the host.
+  int64_t cluster_fallbacks = 0;
 };
 
 struct DecodeSequenceSetup {

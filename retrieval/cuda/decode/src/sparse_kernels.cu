@@ -20,7 +20,6 @@
 
 #include "kvr/common/cuda/cuda_util.h"
 #include "kvr/common/status.h"
-#include "kvr/retrieval/cuda/selection_replay.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
 #include "sparse_kernels.cuh"
 
@@ -279,24 +278,38 @@ absl::Status LaunchSumCountsPerSlot(const int32_t* counts, int slots, int n_kv,
   return kvr::cuda::LastLaunchStatus("SumCountsPerSlotKernel");
 }
 
-// One thread per (slot, KV head): a head's replay is a short serial loop (each run starts
-// after the previous one's end).
+// One warp per (slot, KV head): ReplayHeadIds with each run's rows written by the lanes (the
+// runs themselves stay in order: each starts after the previous one's end).
 __global__ void ReplaySelectKernel(ReplaySelectParams p) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int i = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
   if (i >= p.slots * p.n_kv_heads) return;
   const int s = i / p.n_kv_heads, h = i % p.n_kv_heads;
   const int32_t begin = p.cand_begin[s], end = p.cand_end[s];
   if (end <= begin) return;  // nothing to select (empty slot, or selected elsewhere)
   const int64_t head = int64_t{p.layer} * p.n_kv_heads + h;
   const int budget = min(p.budget, p.budgets[s]);
-  p.out_counts[i] = ReplayHeadIds(p.ids + head * p.trace_budget, p.counts[head], p.trace_begin,
-                                  p.run, begin, end, budget, p.out_ids + int64_t{i} * p.budget);
+  const int32_t* recorded = p.ids + head * p.trace_budget;
+  int32_t* out = p.out_ids + int64_t{i} * p.budget;
+  int written = 0;
+  int64_t next = begin;
+  for (int k = 0; k < p.counts[head] && written < budget; ++k) {
+    const int64_t rel = recorded[k] > p.trace_begin ? recorded[k] - p.trace_begin : 0;
+    const int64_t start = max(begin + rel * p.run, next);
+    if (start >= end) break;
+    const int len =
+        static_cast<int>(min(min(int64_t{p.run}, end - start), int64_t{budget - written}));
+    for (int j = lane; j < len; j += 32) out[written + j] = static_cast<int32_t>(start + j);
+    written += len;
+    next = start + p.run;
+  }
+  if (lane == 0) p.out_counts[i] = written;
 }
 
 absl::Status LaunchReplaySelect(const ReplaySelectParams& p, cudaStream_t stream) {
-  const int n = p.slots * p.n_kv_heads;
-  if (n == 0) return absl::OkStatus();
-  ReplaySelectKernel<<<(n + 127) / 128, 128, 0, stream>>>(p);
+  const int64_t threads = int64_t{p.slots} * p.n_kv_heads * 32;
+  if (threads == 0) return absl::OkStatus();
+  ReplaySelectKernel<<<static_cast<unsigned>((threads + 127) / 128), 128, 0, stream>>>(p);
   return kvr::cuda::LastLaunchStatus("ReplaySelectKernel");
 }
 

@@ -107,9 +107,9 @@ struct SparseFillParams {
                                                   cudaStream_t stream);
 
 // Replayed selections (selection_replay.h): for every slot s with candidates (meta begin[s] <
-// end[s]) and KV head h, overwrites ids[s, h, 0 .. budget) and counts[s, h] with ReplayHeadIds
-// of the recording's (step, layer, h) (the slot's budget from budgets[s]). Device copies of
-// SparseSelectionReplay's counts and ids.
+// end[s]) and KV head h, overwrites ids[s, h, 0 .. budget) and counts[s, h] with what
+// ReplayHeadIds (the CPU reference) gives for the recording's (step, layer, h) (the slot's budget
+// from budgets[s]). Device copies of SparseSelectionReplay's counts and ids.
 struct ReplaySelectParams {
   const int32_t* counts = nullptr;  // [n_layers, n_kv_heads] of the step
   const int32_t* ids = nullptr;     // [n_layers, n_kv_heads, trace_budget] of the step

@@ -15,17 +15,11 @@
 // the same share of the context, each selected token standing for `run` neighbours (which makes
 // the replayed selections runs of rows, as quest's pages are).
 //
-// Plain C++ (no CUDA types): ReplayHeadIds is the CPU reference of the replay kernel and is
-// compiled into it.
+// Plain C++ (no CUDA types): ReplayHeadIds is the CPU reference of the replay kernel, which the
+// GPU tests compare with it.
 
 #include <cstdint>
 #include <vector>
-
-#if defined(__CUDACC__)
-#define KVR_REPLAY_HD __host__ __device__
-#else
-#define KVR_REPLAY_HD
-#endif
 
 namespace kvr::retrieval::cuda {
 
@@ -46,8 +40,8 @@ struct SparseSelectionReplay {
 
 // Writes the replayed ids of one (step, layer, head) for candidates [begin, end) and `budget`
 // ids at most; returns how many. `recorded` holds `n` ascending positions.
-KVR_REPLAY_HD inline int ReplayHeadIds(const int32_t* recorded, int n, int32_t trace_begin, int run,
-                                       int32_t begin, int32_t end, int budget, int32_t* out) {
+inline int ReplayHeadIds(const int32_t* recorded, int n, int32_t trace_begin, int run,
+                         int32_t begin, int32_t end, int budget, int32_t* out) {
   if (end <= begin || run < 1) return 0;
   int written = 0;
   int64_t next = begin;  // the first id the next run may take
@@ -65,5 +59,3 @@ KVR_REPLAY_HD inline int ReplayHeadIds(const int32_t* recorded, int n, int32_t t
 }
 
 }  // namespace kvr::retrieval::cuda
-
-#undef KVR_REPLAY_HD
