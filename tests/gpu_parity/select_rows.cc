@@ -369,8 +369,9 @@ void QuestRow(const SelectCase& c) {
 // clusterkv: the CPU ClusterKvIndex (prefill clusters + appended pending tokens) and the GPU
 // selector on its layout (ClusterKvLayoutFromIndexes). Scores are sums in another order on the
 // GPU, so near-tied clusters may swap: identical counts, identical sets on nearly every row and
-// >= 0.97 token overlap overall.
-void ClusterKvRow(const SelectCase& c) {
+// >= 0.97 token overlap overall. first_pick: ClusterKvSelectParams::first_pick (4: almost every
+// row is ranked a second time; 0: the default, most rows once).
+void ClusterKvRow(const SelectCase& c, int first_pick) {
   const int hd = c.hd, nh = c.nh, nkv = c.nkv;
   const std::vector<int> ctx = {600, 4000, 9000};
   const int n_append = 50;
@@ -407,9 +408,11 @@ void ClusterKvRow(const SelectCase& c) {
         p.members = d_mem.data();
         p.max_clusters = layout->max_clusters;
         p.max_members = layout->max_members;
+        p.first_pick = first_pick;
       },
       ClusterKvSelectWorkspaceBytes, ClusterKvSelect);
-  SelectSweep sweep = SweepOf("clusterkv d" + S(hd), c, query, cand, kPageBudgets, kPageBar);
+  SelectSweep sweep = SweepOf("clusterkv d" + S(hd) + " first pick " + S(first_pick), c, query,
+                              cand, kPageBudgets, kPageBar);
   sweep.row_budgets = {256, 40, 1};
   sweep.wide = 1024;
   RunSelectSweep(sweep, launch, SelectOn(cpu));
@@ -538,12 +541,16 @@ std::vector<ParityRow> SelectRows() {
   const SelectCase shapes[] = {{KeyDType::kF32, 128, 32, 8, G::kSumSoftmax},
                                {KeyDType::kF32, 64, 9, 3, G::kSumSoftmax},
                                {KeyDType::kF32, 64, 8, 4, G::kMaxLogit}};
-  for (const auto& [kernel, reference, run] :
-       {std::tuple{"QuestSelect", "quest index", &QuestRow},
-        std::tuple{"ClusterKvSelect", "clusterkv index", &ClusterKvRow}}) {
+  for (const SelectCase& c : shapes) {
+    rows.push_back({"QuestSelect", ShapeName(c) + " k1,40,256,1024 + per-row", "quest index",
+                    ">= 90% rows identical, overlap >= 0.97", [c] { QuestRow(c); }});
+  }
+  for (const int first_pick : {0, 4}) {
     for (const SelectCase& c : shapes) {
-      rows.push_back({kernel, ShapeName(c) + " k1,40,256,1024 + per-row", reference,
-                      ">= 90% rows identical, overlap >= 0.97", [c, run = run] { run(c); }});
+      rows.push_back({"ClusterKvSelect",
+                      ShapeName(c) + " k1,40,256,1024 + per-row, first pick " + S(first_pick),
+                      "clusterkv index", ">= 90% rows identical, overlap >= 0.97",
+                      [c, first_pick] { ClusterKvRow(c, first_pick); }});
     }
   }
   rows.push_back({"ExactSelect", "paged bf16 d128 h8x2 pages of 64", "the same keys contiguous",

@@ -2,12 +2,18 @@
 //
 //  1. internal::GroupScores (exact.cu) over the fp32 centroids: GQA-aggregated q.mu per cluster
 //     ([rows, RowLd(max_clusters)]), the same kernels as `exact` with row_count = n_clusters.
-//  2. BatchedTopK of the top min(n_clusters, budget + 256) clusters (ascending cluster ids).
+//  2. BatchedTopK of the top first_pick clusters (default max(64, budget / 8); ascending ids).
 //  3. ClusterKvExpandKernel, one CTA per row: ranks the chosen clusters by (score desc, cluster
 //     asc) like the CPU's TopKIndices, counts each cluster's candidate members (a warp per
 //     cluster, coalesced), walks the ranks to
 //     find how many each contributes (a block scan) (last one trimmed to its first candidate
 //     members in stored order), gathers them and sorts them ascending (bitonic, shared memory).
+//     A row whose chosen clusters hold fewer candidates than its budget while more clusters
+//     exist is marked short and writes nothing.
+//  4. Only when a row is short (decided on the device: the launches always run, the others'
+//     rows are empty): 2 and 3 again for the short rows over min(n_clusters, budget + 256)
+//     clusters, the CPU's limit. The top first_pick clusters are the first first_pick of those
+//     in the same order, so a row that was not short has the selection the full ranking gives.
 // Bytes: centroids, head_dim * 4 bytes per cluster and KV head (~6.5 MiB per sequence at 128K
 // with L/80 clusters, Llama-3-8B), plus the members of the chosen clusters.
 
@@ -57,9 +63,15 @@ ExactSelectParams ScoreParams(const ClusterKvSelectParams& p) {
   return e;
 }
 
+int FirstPick(const ClusterKvSelectParams& p) {
+  const int want = p.first_pick > 0 ? p.first_pick : std::max(64, p.out.budget / 8);
+  return std::min(want, Pick(p));
+}
+
 struct Tail {                     // after the scoring workspace
   int32_t* picked = nullptr;      // [rows, pick]
   int32_t* pick_count = nullptr;  // [rows]
+  int32_t* short_valid = nullptr;  // [rows]: n_clusters of the rows ranked again, else 0
   size_t bytes = 0;
 };
 
@@ -69,6 +81,7 @@ Tail CarveTail(const ClusterKvSelectParams& p, char* base) {
   Tail t;
   t.picked = carve.Take<int32_t>(rows * std::max(1, Pick(p)));
   t.pick_count = carve.Take<int32_t>(rows);
+  t.short_valid = carve.Take<int32_t>(rows);
   t.bytes = carve.used();
   return t;
 }
@@ -79,8 +92,12 @@ static __global__ void __launch_bounds__(kThreads)
                           const int32_t* __restrict__ pick_count,
                           const int32_t* __restrict__ offsets, const int32_t* __restrict__ members,
                           CandidateRanges cand, int budget, const int32_t* __restrict__ budgets,
-                          int32_t* __restrict__ ids, int32_t* __restrict__ counts) {
+                          const int32_t* __restrict__ n_clusters, int32_t* __restrict__ short_valid,
+                          const int32_t* __restrict__ only, int32_t* __restrict__ ids,
+                          int32_t* __restrict__ counts) {
   const int row = blockIdx.x;
+  // The second pass (only != null) expands the rows the first marked short, and no other.
+  if (only != nullptr && only[row] == 0) return;
   const int b = row / n_kv_heads;
   // This row's budget; rows stay `budget` apart in ids.
   const int row_budget = budgets != nullptr ? max(0, min(budgets[b], budget)) : budget;
@@ -240,6 +257,13 @@ static __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int total = s_total;
+  if (short_valid != nullptr) {
+    // First pass: short when the chosen clusters could not fill the budget while others exist
+    // (uniform over the block: s_total and np are shared).
+    const bool is_short = total < row_budget && np == pick && np < n_clusters[row];
+    if (threadIdx.x == 0) short_valid[row] = is_short ? n_clusters[row] : 0;
+    if (is_short) return;
+  }
   int size = 1;
   while (size < total) size <<= 1;
   for (int i = total + threadIdx.x; i < size; i += kThreads) s_out[i] = INT_MAX;
@@ -298,22 +322,29 @@ absl::Status ClusterKvSelect(const ClusterKvSelectParams& p, cudaStream_t stream
   const int rows = p.batch * p.n_kv_heads;
   const int ld = RowLd(p.max_clusters);
   const auto* scores = static_cast<const float*>(p.workspace);  // GroupScores writes them first
-  const int pick = Pick(p);
-  TopKParams t;
-  t.rows = rows;
-  t.row_stride = ld;
-  t.scores = scores;
-  t.n_valid = p.n_clusters;
-  t.id_offset = nullptr;
-  t.out = {pick, tail.picked, tail.pick_count};
-  KVR_RETURN_IF_ERROR(LaunchBatchedTopK(t, stream));
   constexpr int kSmemBytes = (6 * kMaxPick + kMaxOutBudget) * sizeof(int);
   KVR_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       ClusterKvExpandKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  ClusterKvExpandKernel<<<rows, kThreads, kSmemBytes, stream>>>(
-      p.n_kv_heads, ld, pick, p.max_clusters, p.max_members, scores, tail.picked, tail.pick_count,
-      p.offsets, p.members, p.cand, p.out.budget, p.budgets, p.out.ids, p.out.counts);
-  return kvr::cuda::LastLaunchStatus("ClusterKvExpandKernel");
+  // Rank `pick` clusters of the rows with n_valid clusters (0: none) and expand them.
+  auto pass = [&](int pick, const int32_t* n_valid, int32_t* short_valid, const int32_t* only) {
+    TopKParams t;
+    t.rows = rows;
+    t.row_stride = ld;
+    t.scores = scores;
+    t.n_valid = n_valid;
+    t.id_offset = nullptr;
+    t.out = {pick, tail.picked, tail.pick_count};
+    KVR_RETURN_IF_ERROR(LaunchBatchedTopK(t, stream));
+    ClusterKvExpandKernel<<<rows, kThreads, kSmemBytes, stream>>>(
+        p.n_kv_heads, ld, pick, p.max_clusters, p.max_members, scores, tail.picked, tail.pick_count,
+        p.offsets, p.members, p.cand, p.out.budget, p.budgets, p.n_clusters, short_valid, only,
+        p.out.ids, p.out.counts);
+    return kvr::cuda::LastLaunchStatus("ClusterKvExpandKernel");
+  };
+  const int first = FirstPick(p), full = Pick(p);
+  if (first >= full) return pass(full, p.n_clusters, nullptr, nullptr);
+  KVR_RETURN_IF_ERROR(pass(first, p.n_clusters, tail.short_valid, nullptr));
+  return pass(full, tail.short_valid, nullptr, tail.short_valid);
 }
 
 }  // namespace kvr::retrieval::cuda

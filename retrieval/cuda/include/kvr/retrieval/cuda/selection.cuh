@@ -188,6 +188,11 @@ struct ClusterKvSelectParams {
   SelectionOutput out;  // budget <= 2048
   // Optional device [batch]: per-row budgets, as QuestSelectParams::budgets.
   const int32_t* budgets = nullptr;
+  // Clusters ranked first (0: max(64, budget / 8)). A row whose first ranked clusters hold
+  // fewer candidate tokens than its budget is ranked again over budget + 256 clusters, so the
+  // selection is the same either way; the first pass spares ranking and counting 1,280
+  // clusters when ~16 fill the budget.
+  int first_pick = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
