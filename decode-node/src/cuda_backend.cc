@@ -675,6 +675,10 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   const int64_t clusters =
       retrieval::ClusterKvPrefillClusters(o.max_context, o.max_context, at_budget).value_or(1);
   if (o.method == "clusterkv") so.clusterkv_prefill_clusters = clusters;
+  // What Configure then has room for: at least as many as its benchmark stand-in's clusters.
+  const int64_t cluster_room =
+      std::max(clusters, (o.max_context + so.clusterkv_tokens_per_cluster - 1) /
+                             so.clusterkv_tokens_per_cluster);
   // The hot cache's rows per (slot, layer, KV head) from the byte budget (bf16 [K | V] rows),
   // a multiple of 8 (its ways), at most 4096.
   const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
@@ -711,15 +715,16 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   // past stays in the store; the node pins no host memory per sequence.
   const int64_t slot_bytes = sparse->slot_device_bytes();
   const int64_t pages = (o.max_context + so.quest_page_size - 1) / so.quest_page_size;
-  // quest: page bounds; clusterkv: the CPU index's default clusters at the node's budget
-  // (ClusterKvPrefillClusters) + offsets and one member id per token.
+  // quest: page bounds; clusterkv: room for the prefill's clusters and the pending singletons
+  // (centroids and offsets) and one member id per token.
   const int64_t summary_bytes =
       o.method == "quest"
           ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4
           : int64_t{c.n_layers} * c.n_kv_heads *
-                ((clusters + 1) * (int64_t{c.head_dim} * 4 + 4) + o.max_context * 4);
+                ((cluster_room + so.clusterkv_max_pending + 1) * (int64_t{c.head_dim} * 4 + 4) +
+                 o.max_context * 4);
   return std::make_unique<CudaDecodeBackend>(std::move(model), std::move(sparse), o, slot_bytes,
-                                             summary_bytes, clusters, observer);
+                                             summary_bytes, cluster_room, observer);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(

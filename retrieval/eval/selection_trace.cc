@@ -42,6 +42,7 @@ class Reader {
   }
   bool truncated() const { return truncated_; }
   bool at_end() const { return at_ == bytes_.size(); }
+  size_t remaining() const { return bytes_.size() - at_; }
 
  private:
   const std::string& bytes_;
@@ -101,14 +102,24 @@ absl::StatusOr<SelectionTrace> ReadSelectionTrace(const std::string& path) {
   const uint32_t n_steps = r.Get<uint32_t>();
   if (r.truncated()) return bad("truncated header");
   if (t.n_layers < 1 || t.n_kv_heads < 1 || t.budget < 1 || t.n_sink < 0 || t.local_window < 1 ||
-      t.n_layers > 4096 || t.n_kv_heads > 4096) {
+      t.n_layers > 4096 || t.n_kv_heads > 4096 || t.budget > (1 << 20) || t.prompt_tokens < 1) {
     return bad("implausible shape: ", t.n_layers, " layers, ", t.n_kv_heads, " KV heads, budget ",
-               t.budget, ", sink ", t.n_sink, ", window ", t.local_window);
+               t.budget, ", sink ", t.n_sink, ", window ", t.local_window, ", prompt tokens ",
+               t.prompt_tokens);
   }
   const size_t heads = static_cast<size_t>(t.n_layers) * t.n_kv_heads;
   for (uint32_t i = 0; i < n_steps; ++i) {
     SelectionTrace::Step s;
     s.position = r.Get<int64_t>();
+    // Every head takes at least its count: a file too short for them is refused before any
+    // allocation.
+    if (r.truncated() || r.remaining() < heads * sizeof(uint32_t)) {
+      return bad("truncated at step ", i);
+    }
+    if (s.position < t.prompt_tokens) {
+      return bad("step ", i, " at position ", s.position, ", before the prompt's end ",
+                 t.prompt_tokens);
+    }
     s.heads.resize(heads);
     for (size_t h = 0; h < heads; ++h) {
       const uint32_t n = r.Get<uint32_t>();
@@ -116,6 +127,7 @@ absl::StatusOr<SelectionTrace> ReadSelectionTrace(const std::string& path) {
       if (n > static_cast<uint32_t>(t.budget)) {
         return bad("step ", i, " head ", h, " has ", n, " ids, more than the budget ", t.budget);
       }
+      if (r.remaining() < size_t{n} * sizeof(int32_t)) return bad("truncated at step ", i);
       s.heads[h].resize(n);
       for (uint32_t k = 0; k < n; ++k) {
         const int32_t id = r.Get<int32_t>();

@@ -177,6 +177,10 @@ TEST(SelectionTraceTest, RoundTripAndDamage) {
   bad[0] = 'X';
   write(bad);
   refused("magic");
+  t.steps[0].position = 99;  // before the prompt's end
+  ASSERT_TRUE(WriteSelectionTrace(path, t).ok());
+  refused("before the prompt's end");
+  t.steps[0].position = 100;
   t.steps[0].heads[0] = {9, 4};  // not ascending
   ASSERT_TRUE(WriteSelectionTrace(path, t).ok());
   refused("not ascending");

@@ -399,18 +399,38 @@ void ClusterKvRow(const SelectCase& c, int first_pick) {
   auto d_nc = Upload(layout->n_clusters);
   auto d_off = Upload(layout->offsets);
   auto d_mem = Upload(layout->members);
-  auto launch = Launcher<ClusterKvSelectParams>(
-      c, batch, in,
-      [&](ClusterKvSelectParams& p) {
-        p.centroids = d_cent.data();
-        p.n_clusters = d_nc.data();
-        p.offsets = d_off.data();
-        p.members = d_mem.data();
-        p.max_clusters = layout->max_clusters;
-        p.max_members = layout->max_members;
-        p.first_pick = first_pick;
-      },
-      ClusterKvSelectWorkspaceBytes, ClusterKvSelect);
+  auto launcher = [&](int pick) {
+    return Launcher<ClusterKvSelectParams>(
+        c, batch, in,
+        [&, pick](ClusterKvSelectParams& p) {
+          p.centroids = d_cent.data();
+          p.n_clusters = d_nc.data();
+          p.offsets = d_off.data();
+          p.members = d_mem.data();
+          p.max_clusters = layout->max_clusters;
+          p.max_members = layout->max_members;
+          p.first_pick = pick;
+        },
+        ClusterKvSelectWorkspaceBytes, ClusterKvSelect);
+  };
+  auto launch = launcher(first_pick);
+  if (first_pick > 0) {
+    // The two passes select what one ranking of budget + 256 clusters selects, bit for bit,
+    // with per-row budgets of 0 and rows whose candidates are fewer than the budget among them.
+    auto one_pass = launcher(1 << 30);
+    auto row_budgets = Upload(std::vector<int32_t>{0, 40, 1024});
+    int differing = 0;
+    for (const int budget : kPageBudgets) {
+      for (const int32_t* rb : {static_cast<const int32_t*>(nullptr),
+                                static_cast<const int32_t*>(row_budgets.data())}) {
+        Selected two, one;
+        launch(budget, rb, &two);
+        one_pass(budget, rb, &one);
+        differing += two.ids != one.ids || two.counts != one.counts;
+      }
+    }
+    RecordMeasure("launches != one full ranking", differing, "0", differing == 0);
+  }
   SelectSweep sweep = SweepOf("clusterkv d" + S(hd) + " first pick " + S(first_pick), c, query,
                               cand, kPageBudgets, kPageBar);
   sweep.row_budgets = {256, 40, 1};

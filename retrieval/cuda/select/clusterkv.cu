@@ -259,8 +259,10 @@ static __global__ void __launch_bounds__(kThreads)
   const int total = s_total;
   if (short_valid != nullptr) {
     // First pass: short when the chosen clusters could not fill the budget while others exist
-    // (uniform over the block: s_total and np are shared).
-    const bool is_short = total < row_budget && np == pick && np < n_clusters[row];
+    // and candidates are left for them (every candidate token is in one cluster: a row that
+    // took all of its candidates is done). Uniform over the block: s_total and np are shared.
+    const bool is_short =
+        total < min(row_budget, max(0, ce - cb)) && np == pick && np < n_clusters[row];
     if (threadIdx.x == 0) short_valid[row] = is_short ? n_clusters[row] : 0;
     if (is_short) return;
   }

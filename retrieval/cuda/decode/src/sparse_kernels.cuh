@@ -107,7 +107,7 @@ struct SparseFillParams {
                                                   cudaStream_t stream);
 
 // Replayed selections (selection_replay.h): for every slot s with candidates (meta begin[s] <
-// end[s]) and KV head h, overwrites ids[s, h, 0 .. budget) and counts[s, h] with what
+// end[s]) and KV head h, overwrites counts[s, h] and ids[s, h, 0 .. count) with what
 // ReplayHeadIds (the CPU reference) gives for the recording's (step, layer, h) (the slot's budget
 // from budgets[s]). Device copies of SparseSelectionReplay's counts and ids.
 struct ReplaySelectParams {
