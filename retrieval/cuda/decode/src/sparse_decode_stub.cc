@@ -19,5 +19,8 @@ absl::StatusOr<HostTopology> GetHostTopology(int) {
 absl::StatusOr<HostLinkProbe> MeasureHostLink(int, int, bool, int64_t, int) {
   return absl::UnimplementedError("MeasureHostLink: this build of kvr has no CUDA");
 }
+absl::StatusOr<double> MeasureMappedRows(const void*, const void*, int64_t, int64_t, int) {
+  return absl::UnimplementedError("MeasureMappedRows: this build of kvr has no CUDA");
+}
 
 }  // namespace kvr::retrieval::cuda

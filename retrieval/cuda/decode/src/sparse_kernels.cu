@@ -541,12 +541,12 @@ __global__ void ZeroCopyReadKernel(const uint4* __restrict__ src, uint4* __restr
 }
 
 __global__ void ZeroCopyRowsKernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                   int64_t n_rows, int chunks) {
+                                   int64_t n_rows, int64_t src_rows, int chunks) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t e = t / chunks;
   if (e >= n_rows) return;
   const int c = static_cast<int>(t - e * chunks);
-  dst[t] = src[ProbeRow(e, n_rows) * chunks + c];
+  dst[t] = src[ProbeRow(e, src_rows) * chunks + c];
 }
 
 }  // namespace
@@ -560,7 +560,7 @@ absl::Status LaunchZeroCopyRead(const void* src, void* dst, int64_t n16, cudaStr
 }
 
 absl::Status LaunchZeroCopyRows(const void* src, void* dst, int64_t n_rows, int row_bytes,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, int64_t src_rows) {
   if (row_bytes <= 0 || row_bytes % 16 != 0) {
     return absl::InvalidArgumentError("LaunchZeroCopyRows: row_bytes must be a multiple of 16");
   }
@@ -568,7 +568,8 @@ absl::Status LaunchZeroCopyRows(const void* src, void* dst, int64_t n_rows, int 
   const int chunks = row_bytes / 16;
   const int64_t blocks = (n_rows * chunks + 255) / 256;
   ZeroCopyRowsKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      static_cast<const uint4*>(src), static_cast<uint4*>(dst), n_rows, chunks);
+      static_cast<const uint4*>(src), static_cast<uint4*>(dst), n_rows,
+      src_rows > 0 ? src_rows : n_rows, chunks);
   return kvr::cuda::LastLaunchStatus("ZeroCopyRowsKernel");
 }
 
@@ -691,6 +692,51 @@ absl::StatusOr<HostLinkProbe> MeasureHostLink(int device, int numa_node, bool hu
     }
   }
   return p;
+}
+
+absl::StatusOr<double> MeasureMappedRows(const void* host, const void* device_src,
+                                         int64_t src_bytes, int64_t sample_bytes, int repeats) {
+  constexpr int kRowBytes = 512;
+  const int64_t src_rows = src_bytes / kRowBytes;
+  const int64_t n_rows = std::min(src_rows, sample_bytes / kRowBytes);
+  if (n_rows <= 0 || repeats <= 0 || host == nullptr || device_src == nullptr) {
+    return absl::InvalidArgumentError(
+        "MeasureMappedRows: a mapped region of >= 512 bytes, a sample >= 512 bytes, repeats >= 1");
+  }
+  const int64_t bytes = n_rows * kRowBytes;
+  KVR_ASSIGN_OR_RETURN(auto dev, kvr::cuda::DeviceBuffer<uint8_t>::Create(bytes));
+  KVR_ASSIGN_OR_RETURN(auto stream, kvr::cuda::CudaStream::Create());
+  KVR_ASSIGN_OR_RETURN(auto start, kvr::cuda::CudaEvent::Create());
+  KVR_ASSIGN_OR_RETURN(auto stop, kvr::cuda::CudaEvent::Create());
+  auto launch = [&] {
+    return cuda::LaunchZeroCopyRows(device_src, dev.data(), n_rows, kRowBytes, stream.get(),
+                                    src_rows);
+  };
+  KVR_RETURN_IF_ERROR(launch());
+  double best_ms = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream.get()));
+    KVR_RETURN_IF_ERROR(launch());
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream.get()));
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop.get()));
+    float ms = 0;
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    best_ms = std::min<double>(best_ms, ms);
+  }
+  // Every gathered row is the host's row at the same place.
+  std::vector<uint8_t> back(static_cast<size_t>(bytes));
+  KVR_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(back.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, stream.get()));
+  KVR_RETURN_IF_ERROR(stream.Synchronize());
+  const auto* h = static_cast<const uint8_t*>(host);
+  for (int64_t e = 0; e < n_rows; ++e) {
+    if (std::memcmp(back.data() + e * kRowBytes, h + cuda::ProbeRow(e, src_rows) * kRowBytes,
+                    kRowBytes) != 0) {
+      return absl::InternalError(
+          absl::StrCat("MeasureMappedRows: gathered row ", e, " differs from the host row"));
+    }
+  }
+  return static_cast<double>(bytes) / (best_ms * 1e-3) / 1e9;
 }
 
 }  // namespace kvr::retrieval::cuda

@@ -221,9 +221,11 @@ __host__ __device__ inline int64_t ProbeRow(int64_t e, int64_t n_rows) {
 // zero-copy, coalesced (a warp reads 512 contiguous bytes).
 [[nodiscard]] absl::Status LaunchZeroCopyRead(const void* src, void* dst, int64_t n16,
                                               cudaStream_t stream);
-// Gather-shaped zero-copy read: dst row e = src row ProbeRow(e, n_rows) for e < n_rows, rows of
-// row_bytes (a multiple of 16), one thread per 16-byte chunk (as HotCacheCopyKernel reads misses).
+// Gather-shaped zero-copy read: dst row e = src row ProbeRow(e, src_rows) for e < n_rows, rows of
+// row_bytes (a multiple of 16), one thread per 16-byte chunk (as HotCacheCopyKernel reads misses);
+// src_rows 0: n_rows (a permutation of the buffer), more: n_rows rows spread over src_rows.
 [[nodiscard]] absl::Status LaunchZeroCopyRows(const void* src, void* dst, int64_t n_rows,
-                                              int row_bytes, cudaStream_t stream);
+                                              int row_bytes, cudaStream_t stream,
+                                              int64_t src_rows = 0);
 
 }  // namespace kvr::retrieval::cuda

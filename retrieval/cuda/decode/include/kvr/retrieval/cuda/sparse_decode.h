@@ -410,5 +410,12 @@ struct HostLinkProbe {
 [[nodiscard]] absl::StatusOr<HostLinkProbe> MeasureHostLink(int device, int numa_node,
                                                             bool huge_pages, int64_t bytes,
                                                             int repeats);
+// The gather's shape over a region already mapped for the GPU (e.g. a KV store's whole pool,
+// RegisterHostRegion): GB/s of reading sample_bytes of random 512-byte rows spread over all
+// src_bytes (so that address translation covers the region's size), best of `repeats` after one
+// untimed run, the rows checked against `host` (the same region's host address).
+[[nodiscard]] absl::StatusOr<double> MeasureMappedRows(const void* host, const void* device_src,
+                                                       int64_t src_bytes, int64_t sample_bytes,
+                                                       int repeats);
 
 }  // namespace kvr::retrieval::cuda
