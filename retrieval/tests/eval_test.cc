@@ -213,6 +213,16 @@ TEST(SelectionReplayTest, RunsAtScaledPositions) {
   ASSERT_EQ(n, 10);
   EXPECT_EQ(out[9], 301);
   EXPECT_EQ(ReplayHeadIds(recorded, 4, 10, 4, 100, 100, 64, out.data()), 0);
+  // Scattered: the k-th row of every position, then the (k+1)-th, `scatter` apart (ascending).
+  n = ReplayHeadIds(recorded, 4, 10, 3, 100, 1100, 64, out.data(), 100);
+  const std::vector<int32_t> scattered = {100, 101, 150, 199, 200, 201,
+                                          250, 299, 300, 301, 350, 399};
+  EXPECT_EQ(std::vector<int32_t>(out.begin(), out.begin() + n), scattered);
+  // Cut at the candidates' end (inside a k) and at the budget.
+  n = ReplayHeadIds(recorded, 4, 10, 3, 100, 260, 64, out.data(), 100);
+  EXPECT_EQ(std::vector<int32_t>(out.begin(), out.begin() + n),
+            (std::vector<int32_t>{100, 101, 150, 199, 200, 201, 250}));
+  EXPECT_EQ(ReplayHeadIds(recorded, 4, 10, 3, 100, 1100, 5, out.data(), 100), 5);
 }
 
 // Fetched rows through bf16 and fp8 beside the cache's own rows, with `full` (every row between

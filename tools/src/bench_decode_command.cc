@@ -112,6 +112,7 @@ struct DecodeBenchFlags {
   bool fetch = false;  // with store: the "fetched" placement
   bool store_rma = false;  // the store client reads by RMA gets where the store offers its rkey
   std::vector<std::string> replay;  // selection traces (kvr eval retrieval --trace-dir)
+  bool replay_scattered = false;    // also replay each trace with its rows scattered
   std::string json;
 };
 
@@ -960,6 +961,17 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
           std::printf("%6lldK  %-16s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
                       (method + ":replayed").c_str(), placement.label.c_str(),
                       s.ToString().c_str());
+        if (!f.replay_scattered) continue;
+        // The same selections with each position's rows spread one by one over the context.
+        auto scattered = std::make_shared<rc::SparseSelectionReplay>(*replay);
+        scattered->scatter = static_cast<int32_t>(t->prompt_tokens - t->CandidatesBegin());
+        s = bench.RunSparse(
+            ctx, method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv,
+            method + ":scattered", placement, rows, scattered);
+        if (!s.ok())
+          std::printf("%6lldK  %-16s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
+                      (method + ":scattered").c_str(), placement.label.c_str(),
+                      s.ToString().c_str());
       }
     }
   }
@@ -973,7 +985,8 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
       const Row* sparse = nullptr;
       for (const Row& r : rows) {
         if (r.context != ctx) continue;
-        const bool is_replayed = absl::EndsWith(r.method, ":replayed");
+        const bool is_replayed =
+            absl::EndsWith(r.method, ":replayed") || absl::EndsWith(r.method, ":scattered");
         if (r.method != "full" && is_replayed != replayed) continue;
         const Row*& best = r.method == "full" ? dense : sparse;
         if (best == nullptr || r.tokens_per_s > best->tokens_per_s) best = &r;
@@ -1072,6 +1085,10 @@ void AddBenchDecodeCommand(CLI::App& app) {
                   "trace's (the one nearest to budget / context; positions scaled to the context)")
       ->delimiter(',')
       ->check(CLI::ExistingFile);
+  cmd->add_flag("--replay-scattered", f.replay_scattered,
+                "with --replay: also run METHOD:scattered, the same replayed selections with each "
+                "recorded position's rows spread one by one over the context instead of a run "
+                "(the fetch pattern of clusters whose members lie anywhere)");
   cmd->add_option("--json", f.json, "write the rows as JSON");
   cmd->callback([flags] {
     const absl::Status s = RunDecodeBench(*flags);

@@ -984,6 +984,7 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     p.n_kv_heads = static_cast<int>(kv);
     p.budget = o.budget;
     p.trace_begin = r->trace_begin;
+    p.scatter = r->scatter;
     p.cand_begin = cand.begin;
     p.cand_end = cand.end;
     p.budgets = sp.budgets.data();

@@ -292,6 +292,31 @@ __global__ void ReplaySelectKernel(ReplaySelectParams p) {
   const int32_t* recorded = p.ids + head * p.trace_budget;
   int32_t* out = p.out_ids + int64_t{i} * p.budget;
   int written = 0;
+  if (p.scatter > 0) {
+    // k-major: the lanes take 32 recorded positions at a time; the ids are ascending, so those
+    // kept (before `end`, `rel < scatter`) are a prefix of each chunk.
+    const unsigned lt = (1u << lane) - 1u;
+    const int n = p.counts[head];
+    for (int k = 0; k < p.run; ++k) {
+      bool stop = false;
+      for (int base = 0; base < n && !stop; base += 32) {
+        const int j = base + lane;
+        const int64_t rel =
+            j < n ? (recorded[j] > p.trace_begin ? recorded[j] - p.trace_begin : 0) : 0;
+        const int64_t t = begin + rel + int64_t{k} * p.scatter;
+        const bool ok = j < n && rel < p.scatter && t < end;
+        const unsigned ball = __ballot_sync(0xffffffffu, ok);
+        const int at = written + __popc(ball & lt);
+        if (ok && at < budget) out[at] = static_cast<int32_t>(t);
+        written = min(budget, written + __popc(ball));
+        // A chunk that kept fewer than its positions hit `end` (or the scatter's bound) or the
+        // budget: the reference stops this k there.
+        stop = __popc(ball) < min(32, n - base) || written == budget;
+      }
+    }
+    if (lane == 0) p.out_counts[i] = written;
+    return;
+  }
   int64_t next = begin;
   for (int k = 0; k < p.counts[head] && written < budget; ++k) {
     const int64_t rel = recorded[k] > p.trace_begin ? recorded[k] - p.trace_begin : 0;

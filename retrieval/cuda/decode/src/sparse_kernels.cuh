@@ -115,6 +115,7 @@ struct ReplaySelectParams {
   const int32_t* ids = nullptr;     // [n_layers, n_kv_heads, trace_budget] of the step
   int trace_budget = 0, run = 1, layer = 0, slots = 0, n_kv_heads = 0, budget = 0;
   int32_t trace_begin = 0;
+  int32_t scatter = 0;
   const int32_t* cand_begin = nullptr;  // [slots]
   const int32_t* cand_end = nullptr;    // [slots]
   const int32_t* budgets = nullptr;     // [slots]

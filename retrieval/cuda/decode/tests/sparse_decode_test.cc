@@ -376,8 +376,9 @@ TEST(CudaSparseTest, QuestSmallBudgetLayerMatchesCpuReference) {
 }
 
 // Replayed selections (selection_replay.h) replace the method's: every slot's ids of a layer
-// equal ReplayHeadIds over its own candidates, step after step, and a step that replays the
-// previous step's selection is served from the hot cache.
+// equal ReplayHeadIds over its own candidates, step after step, with each recorded position's
+// rows in a run or scattered, and a step that replays the previous step's selection is served
+// from the hot cache.
 TEST(CudaSparseTest, ReplayedSelectionsFollowTheReferenceAndHitTheHotCache) {
   SKIP_WITHOUT_GPU();
   SparseModel m;
@@ -418,61 +419,66 @@ TEST(CudaSparseTest, ReplayedSelectionsFollowTheReferenceAndHitTheHotCache) {
   so.n_sink = 4;
   so.local_window = 32;
   so.hot_cache_rows = 256;  // 32 sets of 8: no set overflows with 64 rows a step
-  so.replay = replay;
-  ASSERT_TRUE(sp.Configure(so).ok());
-  const int64_t filled[2] = {2000, 3000};
-  for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(sp.AddSequence(i + 1, 4096, {}).ok());
-    ASSERT_TRUE(sp.FillSequenceForBenchmark(i + 1, filled[i], 9 + i).ok());
-  }
-  constexpr int kLayer = 1;
-  const int32_t tokens[2] = {77, 78};
-  const CudaSequence batch[2] = {{1, std::span(&tokens[0], 1)}, {2, std::span(&tokens[1], 1)}};
-  std::vector<float> logits(2 * c.vocab);
-  std::vector<int64_t> hits_before(2, 0), selected_before(2, 0);
-  for (int step = 0; step < 3; ++step) {
-    sp.SnapshotLayerForTesting(kLayer);
-    ASSERT_TRUE(sp.Forward(batch, LogitsMode::kLast, logits).ok());
-    const SparseLayerSnapshot& snap = sp.snapshot();
-    ASSERT_EQ(snap.layer, kLayer);
-    for (int slot = 0; slot < 2; ++slot) {
-      const int64_t len = filled[slot] + step + 1;
-      const auto end = static_cast<int32_t>(len - so.local_window);
-      for (int h = 0; h < kv; ++h) {
-        const int64_t head = (int64_t{step} * heads + int64_t{kLayer} * kv + h);
-        std::vector<int32_t> want(so.budget);
-        const int n =
-            retrieval::cuda::ReplayHeadIds(replay->ids.data() + head * 16, replay->counts[head], 4,
-                                           4, so.n_sink, end, so.budget, want.data());
-        want.resize(n);
-        const int64_t at = (int64_t{slot} * kv + h) * so.budget;
-        ASSERT_EQ(snap.counts[slot * kv + h], n) << "step " << step << " slot " << slot;
-        std::vector<int32_t> got(snap.ids.begin() + at, snap.ids.begin() + at + n);
-        std::sort(got.begin(), got.end());
-        EXPECT_EQ(got, want) << "step " << step << " slot " << slot << " head " << h;
-      }
-      auto counters = sp.Counters(slot + 1);
-      ASSERT_TRUE(counters.ok()) << counters.status();
-      const int64_t hits = counters->hot_cache_hits - hits_before[slot];
-      const int64_t selected = counters->selected_rows - selected_before[slot];
-      hits_before[slot] = counters->hot_cache_hits;
-      selected_before[slot] = counters->selected_rows;
-      EXPECT_GT(selected, 0);
-      switch (step) {
-        case 0:
-          EXPECT_EQ(hits, 0) << "a cold cache";
-          break;
-        case 1:
-          EXPECT_EQ(hits, selected) << "the previous step's rows, all cached";
-          break;
-        default:
-          EXPECT_LT(hits, selected / 2) << "moved selections mostly miss";
+  for (const int32_t scatter : {0, 600}) {
+    SCOPED_TRACE(scatter);
+    auto run = std::make_shared<retrieval::cuda::SparseSelectionReplay>(*replay);
+    run->scatter = scatter;  // 0: runs of 4 rows; 600: the 4 rows 600 apart
+    so.replay = run;
+    ASSERT_TRUE(sp.Configure(so).ok());
+    const int64_t filled[2] = {2000, 3000};
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(sp.AddSequence(i + 1, 4096, {}).ok());
+      ASSERT_TRUE(sp.FillSequenceForBenchmark(i + 1, filled[i], 9 + i).ok());
+    }
+    constexpr int kLayer = 1;
+    const int32_t tokens[2] = {77, 78};
+    const CudaSequence batch[2] = {{1, std::span(&tokens[0], 1)}, {2, std::span(&tokens[1], 1)}};
+    std::vector<float> logits(2 * c.vocab);
+    std::vector<int64_t> hits_before(2, 0), selected_before(2, 0);
+    for (int step = 0; step < 3; ++step) {
+      sp.SnapshotLayerForTesting(kLayer);
+      ASSERT_TRUE(sp.Forward(batch, LogitsMode::kLast, logits).ok());
+      const SparseLayerSnapshot& snap = sp.snapshot();
+      ASSERT_EQ(snap.layer, kLayer);
+      for (int slot = 0; slot < 2; ++slot) {
+        const int64_t len = filled[slot] + step + 1;
+        const auto end = static_cast<int32_t>(len - so.local_window);
+        for (int h = 0; h < kv; ++h) {
+          const int64_t head = (int64_t{step} * heads + int64_t{kLayer} * kv + h);
+          std::vector<int32_t> want(so.budget);
+          const int n =
+              retrieval::cuda::ReplayHeadIds(replay->ids.data() + head * 16, replay->counts[head],
+                                             4, 4, so.n_sink, end, so.budget, want.data(), scatter);
+          want.resize(n);
+          const int64_t at = (int64_t{slot} * kv + h) * so.budget;
+          ASSERT_EQ(snap.counts[slot * kv + h], n) << "step " << step << " slot " << slot;
+          std::vector<int32_t> got(snap.ids.begin() + at, snap.ids.begin() + at + n);
+          std::sort(got.begin(), got.end());
+          EXPECT_EQ(got, want) << "step " << step << " slot " << slot << " head " << h;
+        }
+        auto counters = sp.Counters(slot + 1);
+        ASSERT_TRUE(counters.ok()) << counters.status();
+        const int64_t hits = counters->hot_cache_hits - hits_before[slot];
+        const int64_t selected = counters->selected_rows - selected_before[slot];
+        hits_before[slot] = counters->hot_cache_hits;
+        selected_before[slot] = counters->selected_rows;
+        EXPECT_GT(selected, 0);
+        switch (step) {
+          case 0:
+            EXPECT_EQ(hits, 0) << "a cold cache";
+            break;
+          case 1:
+            EXPECT_EQ(hits, selected) << "the previous step's rows, all cached";
+            break;
+          default:
+            EXPECT_LT(hits, selected / 2) << "moved selections mostly miss";
+        }
       }
     }
+    ASSERT_TRUE(sp.ReleaseSequence(1).ok());
+    ASSERT_TRUE(sp.ReleaseSequence(2).ok());
   }
   // A replay that does not match the model is refused.
-  ASSERT_TRUE(sp.ReleaseSequence(1).ok());
-  ASSERT_TRUE(sp.ReleaseSequence(2).ok());
   auto wrong = std::make_shared<retrieval::cuda::SparseSelectionReplay>(*replay);
   wrong->n_kv_heads = kv + 1;
   so.replay = wrong;

@@ -32,6 +32,11 @@ struct SparseSelectionReplay {
   int trace_budget = 0;  // ids per (step, layer, head) at most
   int run = 1;           // rows replayed per recorded position
   int32_t trace_begin = 0;  // the recorded candidates' first position (the recording's sinks)
+  // 0: each recorded position stands for `run` consecutive rows. > 0: for the `run` rows
+  // begin + rel + k * scatter (k < run, rel = p - trace_begin < scatter): as many rows, each in
+  // another part of the context, so that the fetched rows lie one by one across the store's
+  // pages (a real model's clusters) instead of in runs. Same reuse either way.
+  int32_t scatter = 0;
   // [n_steps, n_layers, n_kv_heads]: recorded ids per head; [.., trace_budget]: the ids,
   // ascending.
   std::vector<int32_t> counts;
@@ -39,11 +44,25 @@ struct SparseSelectionReplay {
 };
 
 // Writes the replayed ids of one (step, layer, head) for candidates [begin, end) and `budget`
-// ids at most; returns how many. `recorded` holds `n` ascending positions.
+// ids at most; returns how many. `recorded` holds `n` ascending positions. scatter > 0: see
+// SparseSelectionReplay::scatter (k-major, so ascending; positions at or past trace_begin +
+// scatter are left out).
 inline int ReplayHeadIds(const int32_t* recorded, int n, int32_t trace_begin, int run,
-                         int32_t begin, int32_t end, int budget, int32_t* out) {
+                         int32_t begin, int32_t end, int budget, int32_t* out,
+                         int32_t scatter = 0) {
   if (end <= begin || run < 1) return 0;
   int written = 0;
+  if (scatter > 0) {
+    for (int k = 0; k < run; ++k) {
+      for (int i = 0; i < n && written < budget; ++i) {
+        const int64_t rel = recorded[i] > trace_begin ? recorded[i] - trace_begin : 0;
+        const int64_t t = begin + rel + int64_t{k} * scatter;
+        if (rel >= scatter || t >= end) break;
+        out[written++] = static_cast<int32_t>(t);
+      }
+    }
+    return written;
+  }
   int64_t next = begin;  // the first id the next run may take
   for (int i = 0; i < n && written < budget; ++i) {
     const int64_t rel = recorded[i] > trace_begin ? recorded[i] - trace_begin : 0;
