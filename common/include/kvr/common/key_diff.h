@@ -1,0 +1,40 @@
+#pragma once
+// KeyDiff (Park et al., "Key Similarity-Based KV Cache Eviction"): a key's eviction score is its
+// cosine similarity to the anchor, the mean of the head's L2-normalised keys. The keys most
+// similar to the anchor are the least distinctive (they draw the least attention) and go
+// first. No attention scores are needed, so the score can be computed from stored K rows
+// alone: the KV store's thinning of cold cached prefixes and the retrieval eval's measurement
+// of what that thinning costs both use these functions, so they drop the same pages.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace kvr {
+
+// scores[i] = cos(key i, anchor), anchor = mean over j of key j / |key j|. Key i is the `dim`
+// floats at keys[i * stride]. A zero key (or an all-zero anchor) scores 0. Double-precision
+// accumulation, so the answer does not depend on the order of the keys.
+// keys: [n, stride] (the first `dim` of each row used); scores: [n].
+void KeyDiffScores(const float* keys, size_t n, size_t dim, size_t stride, float* scores);
+
+// Which pages of one (layer, kv head) may go, for a thinning that keeps whole pages.
+struct KeyDiffPagePolicy {
+  // Rows [0, sink_rows) (attention sinks) and the last `recent_rows` rows are always kept:
+  // no page holding one of them is dropped.
+  uint64_t sink_rows = 4;
+  uint64_t recent_rows = 64;
+};
+
+// The pages to drop among the rows that `scores` ([rows], KeyDiffScores of the head's rows
+// [0, rows)) covers, in pages of `page_rows` rows (the last one possibly partial): at most
+// `max_pages` of them, chosen among pages that hold no sink or recent row and are not marked
+// in `pinned` ([ceil(rows / page_rows)] or empty: none pinned), highest mean row score first
+// (least distinctive first; ties: the lower page). Returns page indices in that order.
+[[nodiscard]] std::vector<uint64_t> KeyDiffPagesToDrop(std::span<const float> scores,
+                                                       uint64_t page_rows, uint64_t max_pages,
+                                                       const KeyDiffPagePolicy& policy,
+                                                       std::span<const bool> pinned = {});
+
+}  // namespace kvr
