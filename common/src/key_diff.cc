@@ -37,11 +37,15 @@ void KeyDiffScores(const float* keys, size_t n, size_t dim, size_t stride, float
 }
 
 std::vector<uint64_t> KeyDiffPagesToDrop(std::span<const float> scores, uint64_t page_rows,
-                                         uint64_t max_pages, const KeyDiffPagePolicy& policy,
+                                         double keep_fraction, const KeyDiffPagePolicy& policy,
                                          std::span<const bool> pinned) {
   const uint64_t rows = scores.size();
-  if (rows == 0 || page_rows == 0 || max_pages == 0) return {};
+  if (rows == 0 || page_rows == 0) return {};
   const uint64_t n_pages = (rows + page_rows - 1) / page_rows;
+  const auto keep_pages = static_cast<uint64_t>(
+      std::ceil(std::clamp(keep_fraction, 0.0, 1.0) * static_cast<double>(n_pages)));
+  const uint64_t max_pages = n_pages - std::min(keep_pages, n_pages);
+  if (max_pages == 0) return {};
   // Rows [keep_from, rows) are recent; a page is a candidate when it lies wholly in
   // [sink_rows, keep_from).
   const uint64_t keep_from = rows > policy.recent_rows ? rows - policy.recent_rows : 0;

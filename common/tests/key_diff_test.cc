@@ -40,7 +40,7 @@ TEST(KeyDiffTest, StrideSkipsValuesAndZeroKeysScoreZero) {
 
 // Pages of 4 rows over 22 rows (6 pages, the last partial). Sinks (rows 0..3: page 0) and the
 // 6 recent rows (16..21: pages 4 and 5) are never candidates, nor a pinned page; the rest go
-// highest mean score first, at most max_pages.
+// highest mean score first, as many as the kept fraction (rounded up) leaves.
 TEST(KeyDiffTest, PagesGoLeastDistinctiveFirstSparingSinksRecentAndPinned) {
   std::vector<float> scores(22, 0.0f);
   auto fill = [&](uint64_t page, float v) {
@@ -53,15 +53,16 @@ TEST(KeyDiffTest, PagesGoLeastDistinctiveFirstSparingSinksRecentAndPinned) {
   fill(4, 0.95f);  // recent
   fill(5, 0.98f);  // recent
   const KeyDiffPagePolicy policy{.sink_rows = 4, .recent_rows = 6};
-  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 10, policy), ElementsAre(2, 3, 1));
-  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 2, policy), ElementsAre(2, 3));
+  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 0.0, policy), ElementsAre(2, 3, 1));
+  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 0.5, policy), ElementsAre(2, 3, 1));  // keep 3 of 6
+  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 0.6, policy), ElementsAre(2, 3));     // keep 4 (3.6)
   const bool pinned[] = {false, false, true, false, false, false};
-  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 2, policy, pinned), ElementsAre(3, 1));
+  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 0.6, policy, pinned), ElementsAre(3, 1));
   // A sink row inside page 1 protects it too.
-  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 10, {.sink_rows = 5, .recent_rows = 6}),
+  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 0.0, {.sink_rows = 5, .recent_rows = 6}),
               ElementsAre(2, 3));
-  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 0, policy), ElementsAre());
-  EXPECT_THAT(KeyDiffPagesToDrop({}, 4, 3, policy), ElementsAre());
+  EXPECT_THAT(KeyDiffPagesToDrop(scores, 4, 1.0, policy), ElementsAre());
+  EXPECT_THAT(KeyDiffPagesToDrop({}, 4, 0.0, policy), ElementsAre());
 }
 
 }  // namespace

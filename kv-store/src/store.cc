@@ -174,9 +174,9 @@ class PagedKvStore::Sequence {
       std::vector<PageId>& list = pages_[l];
       const uint64_t rows = Committed(static_cast<uint32_t>(l / shape_.n_kv_heads));
       const uint64_t n_pages = (rows + tokens_per_page_ - 1) / tokens_per_page_;
-      const auto keep_pages =
-          static_cast<uint64_t>(std::ceil(keep_fraction * static_cast<double>(n_pages)));
-      if (n_pages <= keep_pages) continue;
+      if (n_pages <= static_cast<uint64_t>(std::ceil(keep_fraction * static_cast<double>(n_pages)))) {
+        continue;  // nothing could go: skip reading the keys
+      }
       keys.resize(rows * dim);
       scores.resize(rows);
       for (uint64_t r = 0; r < rows; ++r) {
@@ -203,7 +203,7 @@ class PagedKvStore::Sequence {
       std::unique_ptr<bool[]> pinned(new bool[n_pages]);
       for (uint64_t p = 0; p < n_pages; ++p) pinned[p] = pool_->references(list[p]) > 1;
       for (uint64_t p :
-           KeyDiffPagesToDrop(scores, tokens_per_page_, n_pages - keep_pages, policy,
+           KeyDiffPagesToDrop(scores, tokens_per_page_, keep_fraction, policy,
                               std::span<const bool>(pinned.get(), n_pages))) {
         freed.push_back(list[p]);
         list[p] = kNoPage;

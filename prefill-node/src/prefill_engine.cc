@@ -676,6 +676,10 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
     }
     if (parent.ok()) {
       for (uint64_t rows : parent->committed_rows) want = std::min(want, rows);
+      // A thinned prefix (the store dropped some of its pages) is reused only up to its first
+      // hole; the rest is computed as in a cold prefill, on every backend, so no attention
+      // ever runs over a hole as if it were a row.
+      want = std::min(want, parent->intact_rows);
       want -= want % static_cast<uint64_t>(align);
       if (want == 0) parent = absl::FailedPreconditionError("less than one aligned block cached");
     }

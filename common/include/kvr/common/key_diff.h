@@ -28,12 +28,13 @@ struct KeyDiffPagePolicy {
 };
 
 // The pages to drop among the rows that `scores` ([rows], KeyDiffScores of the head's rows
-// [0, rows)) covers, in pages of `page_rows` rows (the last one possibly partial): at most
-// `max_pages` of them, chosen among pages that hold no sink or recent row and are not marked
-// in `pinned` ([ceil(rows / page_rows)] or empty: none pinned), highest mean row score first
-// (least distinctive first; ties: the lower page). Returns page indices in that order.
+// [0, rows)) covers, in pages of `page_rows` rows (the last one possibly partial): of its
+// n = ceil(rows / page_rows) pages at least ceil(keep_fraction * n) stay, so at most the rest
+// go, chosen among pages that hold no sink or recent row and are not marked in `pinned` ([n]
+// or empty: none pinned), highest mean row score first (least distinctive first; ties: the
+// lower page). Returns page indices in that order.
 [[nodiscard]] std::vector<uint64_t> KeyDiffPagesToDrop(std::span<const float> scores,
-                                                       uint64_t page_rows, uint64_t max_pages,
+                                                       uint64_t page_rows, double keep_fraction,
                                                        const KeyDiffPagePolicy& policy,
                                                        std::span<const bool> pinned = {});
 
