@@ -15,6 +15,7 @@ void KeyDiffScores(const float* keys, size_t n, size_t dim, size_t stride, float
     double sq = 0.0;
     for (size_t d = 0; d < dim; ++d) sq += double{k[d]} * k[d];
     norm[i] = std::sqrt(sq);
+    if (!std::isfinite(norm[i])) norm[i] = 0.0;  // unusable: scores 0 below
     if (norm[i] == 0.0) continue;
     for (size_t d = 0; d < dim; ++d) anchor[d] += k[d] / norm[i];
   }

@@ -36,6 +36,14 @@ TEST(KeyDiffTest, StrideSkipsValuesAndZeroKeysScoreZero) {
   EXPECT_NEAR(scores[0], std::sqrt(0.5f), 1e-6);  // anchor (1, 1) / 3, cos 45 degrees
   EXPECT_EQ(scores[1], 0.0f);
   EXPECT_NEAR(scores[2], std::sqrt(0.5f), 1e-6);
+  // A NaN or infinite key is as unusable as a zero one.
+  const std::vector<float> odd = {1, 0, NAN, 1, 0, 1, INFINITY, 0};
+  std::vector<float> odd_scores(4);
+  KeyDiffScores(odd.data(), 4, 2, 2, odd_scores.data());
+  EXPECT_NEAR(odd_scores[0], std::sqrt(0.5f), 1e-6);
+  EXPECT_EQ(odd_scores[1], 0.0f);
+  EXPECT_NEAR(odd_scores[2], std::sqrt(0.5f), 1e-6);
+  EXPECT_EQ(odd_scores[3], 0.0f);
 }
 
 // Pages of 4 rows over 22 rows (6 pages, the last partial). Sinks (rows 0..3: page 0) and the

@@ -14,8 +14,9 @@
 namespace kvr {
 
 // scores[i] = cos(key i, anchor), anchor = mean over j of key j / |key j|. Key i is the `dim`
-// floats at keys[i * stride]. A zero key (or an all-zero anchor) scores 0. Double-precision
-// accumulation, so the answer does not depend on the order of the keys.
+// floats at keys[i * stride]. A zero key or one with a non-finite element (the store holds
+// whatever bytes a client wrote) scores 0 and is left out of the anchor; with no usable key
+// every score is 0. Double-precision accumulation.
 // keys: [n, stride] (the first `dim` of each row used); scores: [n].
 void KeyDiffScores(const float* keys, size_t n, size_t dim, size_t stride, float* scores);
 
