@@ -30,9 +30,9 @@ struct StoreMetrics::Families {
                                  "Bytes of pages only cached sequences hold: what evicting them "
                                  "all would free")
                          .Add({})),
-        forks(CounterFamily(r, "kvr_store_forks_total",
-                            "Sequences created by forking another's rows")
-                  .Add({})),
+        forks(
+            CounterFamily(r, "kvr_store_forks_total", "Sequences created by forking another's rows")
+                .Add({})),
         forked_rows(CounterFamily(r, "kvr_store_forked_rows_total",
                                   "Rows per (layer, kv head) that forks started their "
                                   "sequences with, summed")

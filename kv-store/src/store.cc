@@ -174,7 +174,8 @@ class PagedKvStore::Sequence {
       std::vector<PageId>& list = pages_[l];
       const uint64_t rows = Committed(static_cast<uint32_t>(l / shape_.n_kv_heads));
       const uint64_t n_pages = (rows + tokens_per_page_ - 1) / tokens_per_page_;
-      if (n_pages <= static_cast<uint64_t>(std::ceil(keep_fraction * static_cast<double>(n_pages)))) {
+      if (n_pages <=
+          static_cast<uint64_t>(std::ceil(keep_fraction * static_cast<double>(n_pages)))) {
         continue;  // nothing could go: skip reading the keys
       }
       keys.resize(rows * dim);
@@ -202,9 +203,8 @@ class PagedKvStore::Sequence {
       KeyDiffScores(keys.data(), rows, dim, dim, scores.data());
       std::unique_ptr<bool[]> pinned(new bool[n_pages]);
       for (uint64_t p = 0; p < n_pages; ++p) pinned[p] = pool_->references(list[p]) > 1;
-      for (uint64_t p :
-           KeyDiffPagesToDrop(scores, tokens_per_page_, keep_fraction, policy,
-                              std::span<const bool>(pinned.get(), n_pages))) {
+      for (uint64_t p : KeyDiffPagesToDrop(scores, tokens_per_page_, keep_fraction, policy,
+                                           std::span<const bool>(pinned.get(), n_pages))) {
         freed.push_back(list[p]);
         list[p] = kNoPage;
       }
@@ -214,11 +214,11 @@ class PagedKvStore::Sequence {
       intact_rows_ = ~uint64_t{0};
       for (size_t l = 0; l < pages_.size(); ++l) {
         const std::vector<PageId>& list = pages_[l];
-        const auto hole = static_cast<uint64_t>(std::find(list.begin(), list.end(), kNoPage) -
-                                                list.begin());
-        intact_rows_ = std::min(
-            intact_rows_, std::min(hole * tokens_per_page_,
-                                   Committed(static_cast<uint32_t>(l / shape_.n_kv_heads))));
+        const auto hole =
+            static_cast<uint64_t>(std::find(list.begin(), list.end(), kNoPage) - list.begin());
+        intact_rows_ = std::min(intact_rows_,
+                                std::min(hole * tokens_per_page_,
+                                         Committed(static_cast<uint32_t>(l / shape_.n_kv_heads))));
       }
     }
     pool_->Free(freed);  // lock order: sequence -> pool

@@ -274,8 +274,8 @@ TEST(ServiceTest, RepliesAboveTheStoresLimitAreRefusedAndServiceGoesOn) {
 // (Gather and RangeRead alike), the whole rows read back, and Stats counts the thinning.
 TEST(ServiceTest, ThinnedSequenceOverTheWire) {
   // f32 rows of head_dim 16: 128 bytes, 32 rows per 4 KiB page.
-  constexpr SequenceShape shape{.n_layers = 1, .n_kv_heads = 1, .head_dim = 16,
-                                .dtype = DType::kF32};
+  constexpr SequenceShape shape{
+      .n_layers = 1, .n_kv_heads = 1, .head_dim = 16, .dtype = DType::kF32};
   StoreServerOptions options;
   options.store.pool = {.capacity_bytes = 12 * 4096, .page_bytes = 4096};
   options.store.cached_eviction = CachedEviction::kThin;

@@ -19,8 +19,7 @@ namespace {
 using ::testing::HasSubstr;
 
 // f32 rows of head_dim 4: 32 bytes, 4 rows per 128-byte page.
-constexpr SequenceShape kShape{.n_layers = 1, .n_kv_heads = 2, .head_dim = 4,
-                               .dtype = DType::kF32};
+constexpr SequenceShape kShape{.n_layers = 1, .n_kv_heads = 2, .head_dim = 4, .dtype = DType::kF32};
 constexpr uint64_t kPageBytes = 128;
 constexpr uint64_t kRowsPerPage = 4;
 
@@ -71,10 +70,9 @@ void WriteSequence(PagedKvStore& store, SequenceId id, uint32_t n, bool uniform 
 }
 
 // Rows [start, start + n) of head `h` of `id` by RangeRead; checks each one's V.
-absl::Status ReadRange(PagedKvStore& store, SequenceId id, uint32_t h, uint64_t start,
-                       uint64_t n) {
-  const RangeEntry range{.sequence = TestRef(id), .layer = 0, .head = h, .start = start,
-                         .n_rows = n};
+absl::Status ReadRange(PagedKvStore& store, SequenceId id, uint32_t h, uint64_t start, uint64_t n) {
+  const RangeEntry range{
+      .sequence = TestRef(id), .layer = 0, .head = h, .start = start, .n_rows = n};
   std::vector<float> out(n * 2 * kShape.head_dim);
   absl::Status st =
       store.RangeRead({&range, 1}, {reinterpret_cast<uint8_t*>(out.data()), out.size() * 4});

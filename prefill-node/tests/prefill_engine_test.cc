@@ -320,12 +320,12 @@ TEST_F(PrefillEngineTest, AThinnedPrefixIsReusedOnlyUpToItsFirstHole) {
   ASSERT_TRUE(cold_result.ok()) << cold_result.status();
   auto before = store_->Stats();
   ASSERT_TRUE(before.ok());
-  const kv_store::SequenceShape filler{.n_layers = 1, .n_kv_heads = 1, .head_dim = 64,
-                                       .dtype = kv_store::DType::kF32};
-  ASSERT_TRUE(store_
-                  ->CreateSequence({99, cap_}, filler, (before->free_pages + 1) * 16,
-                                   absl::ZeroDuration())
-                  .ok());
+  const kv_store::SequenceShape filler{
+      .n_layers = 1, .n_kv_heads = 1, .head_dim = 64, .dtype = kv_store::DType::kF32};
+  ASSERT_TRUE(
+      store_
+          ->CreateSequence({99, cap_}, filler, (before->free_pages + 1) * 16, absl::ZeroDuration())
+          .ok());
   auto info = store_->GetSequence({42, cap_});
   ASSERT_TRUE(info.ok()) << info.status();
   ASSERT_GT(info->thinned_pages, 0u);

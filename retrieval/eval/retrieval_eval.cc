@@ -384,7 +384,8 @@ absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& mod
     std::vector<bool> diverged(nr, false);
     for (int64_t i = 1; i < n_free; ++i) {
       std::vector<kvr::model::ForwardSequence> batch;
-      for (size_t run = 0; run < nr; ++run) batch.push_back({run + 1, &fcaches[run], {&last[run], 1}});
+      for (size_t run = 0; run < nr; ++run)
+        batch.push_back({run + 1, &fcaches[run], {&last[run], 1}});
       KVR_RETURN_IF_ERROR(model.Forward(batch, fattention, kvr::model::LogitsMode::kLast, logits));
       for (size_t run = 0; run < nr; ++run) {
         last[run] = Argmax({logits.data() + run * cfg.vocab, static_cast<size_t>(cfg.vocab)});
@@ -403,7 +404,8 @@ absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& mod
     row.context = n_prompt;
     row.method = runs[run].order == ThinOrder::kKeyDiff ? "thin-kd" : "thin-rnd";
     row.kept_fraction = runs[run].mask.kept_fraction;
-    row.budget = static_cast<int64_t>(std::llround(row.kept_fraction * static_cast<double>(n_prompt)));
+    row.budget =
+        static_cast<int64_t>(std::llround(row.kept_fraction * static_cast<double>(n_prompt)));
     row.steps = steps;
     row.recall = -1;
     const MaskedAttention::Accum& a = accums[run];
@@ -802,8 +804,8 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
   std::set<std::string> formats;
   for (const EvalRow& r : rows) formats.insert(r.row_format);
   const bool several_formats = formats.size() > 1;
-  const bool any_thin = std::any_of(rows.begin(), rows.end(),
-                                    [](const EvalRow& r) { return r.kept_fraction >= 0; });
+  const bool any_thin =
+      std::any_of(rows.begin(), rows.end(), [](const EvalRow& r) { return r.kept_fraction >= 0; });
   std::string out = absl::StrFormat(
       "%-8s %6s %-10s %6s %-5s %7s %7s %8s %8s %8s %7s %11s %6s %6s %9s %9s %6s", "prompt", "ctx",
       "method", "budget", "rows", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)",
@@ -826,7 +828,7 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
     if (several_formats) {
       absl::StrAppendFormat(&out, " %6.3f/%6.3f", r.base_agreement, r.base_free_agreement);
     }
-    out += !any_thin            ? "\n"
+    out += !any_thin             ? "\n"
            : r.kept_fraction < 0 ? absl::StrFormat(" %6s\n", "-")
                                  : absl::StrFormat(" %6.3f\n", r.kept_fraction);
   }
@@ -874,13 +876,20 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
 
 std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows) {
   nlohmann::json j;
-  j["options"] = {{"contexts", options.contexts},       {"budgets", options.budgets},
-                  {"methods", options.methods},         {"steps", options.steps},
-                  {"free_tokens", options.free_tokens}, {"hot_cache_rows", options.hot_cache_rows},
-                  {"n_sink", options.n_sink},           {"local_window", options.local_window},
-                  {"text_files", options.text_files},   {"passkey", options.passkey},
-                  {"row_formats", options.row_formats}, {"thin_keep", options.thin_keep},
-                  {"thin_page_rows", options.thin_page_rows}, {"thin_random", options.thin_random}};
+  j["options"] = {{"contexts", options.contexts},
+                  {"budgets", options.budgets},
+                  {"methods", options.methods},
+                  {"steps", options.steps},
+                  {"free_tokens", options.free_tokens},
+                  {"hot_cache_rows", options.hot_cache_rows},
+                  {"n_sink", options.n_sink},
+                  {"local_window", options.local_window},
+                  {"text_files", options.text_files},
+                  {"passkey", options.passkey},
+                  {"row_formats", options.row_formats},
+                  {"thin_keep", options.thin_keep},
+                  {"thin_page_rows", options.thin_page_rows},
+                  {"thin_random", options.thin_random}};
   j["rows"] = nlohmann::json::array();
   for (const EvalRow& r : rows) {
     j["rows"].push_back({{"prompt", r.prompt},

@@ -11,9 +11,9 @@
 
 namespace kvr::retrieval::eval {
 
-ThinMask MakeThinMask(const kvr::model::KvCache& cache, int n_kv_heads, int head_dim,
-                      int64_t rows, uint64_t page_rows, double keep_fraction,
-                      const KeyDiffPagePolicy& policy, ThinOrder order, uint64_t seed) {
+ThinMask MakeThinMask(const kvr::model::KvCache& cache, int n_kv_heads, int head_dim, int64_t rows,
+                      uint64_t page_rows, double keep_fraction, const KeyDiffPagePolicy& policy,
+                      ThinOrder order, uint64_t seed) {
   ThinMask mask;
   mask.rows = rows;
   mask.n_kv_heads = n_kv_heads;
@@ -27,8 +27,7 @@ ThinMask MakeThinMask(const kvr::model::KvCache& cache, int n_kv_heads, int head
       KeyDiffScores(view.k + int64_t{h} * head_dim, static_cast<size_t>(rows),
                     static_cast<size_t>(head_dim), static_cast<size_t>(view.row_stride),
                     scores.data());
-      std::vector<uint64_t> drop =
-          KeyDiffPagesToDrop(scores, page_rows, keep_fraction, policy);
+      std::vector<uint64_t> drop = KeyDiffPagesToDrop(scores, page_rows, keep_fraction, policy);
       if (order == ThinOrder::kRandom && !drop.empty()) {
         // The same number of pages among the same candidates (every page KeyDiff could drop
         // given no floor), uniformly.
@@ -59,11 +58,11 @@ absl::Status MaskedAttention::Attend(const kvr::model::AttentionShape& shape,
   for (const kvr::model::AttentionRequest& r : batch) {
     auto it = entries_.find(r.sequence);
     if (it == entries_.end()) {
-      return absl::InternalError(absl::StrCat("thinned-prefix eval: unknown sequence ", r.sequence));
+      return absl::InternalError(
+          absl::StrCat("thinned-prefix eval: unknown sequence ", r.sequence));
     }
     if (r.n_queries != 1 || r.kv.k == nullptr) {
-      return absl::UnimplementedError(
-          "thinned-prefix eval: decode queries over float rows only");
+      return absl::UnimplementedError("thinned-prefix eval: decode queries over float rows only");
     }
     const Entry& e = it->second;
     const int64_t n = r.first_position + 1;

@@ -39,10 +39,10 @@ struct ThinMask {
 // The mask of thinning the first `rows` rows of `cache` (float rows) in pages of `page_rows`,
 // keeping at least `keep_fraction` of every (layer, KV head)'s pages. kRandom drops, per
 // (layer, KV head), as many of the same candidate pages as kKeyDiff does, picked with `seed`.
-[[nodiscard]] ThinMask MakeThinMask(const kvr::model::KvCache& cache, int n_kv_heads,
-                                    int head_dim, int64_t rows, uint64_t page_rows,
-                                    double keep_fraction, const KeyDiffPagePolicy& policy,
-                                    ThinOrder order, uint64_t seed);
+[[nodiscard]] ThinMask MakeThinMask(const kvr::model::KvCache& cache, int n_kv_heads, int head_dim,
+                                    int64_t rows, uint64_t page_rows, double keep_fraction,
+                                    const KeyDiffPagePolicy& policy, ThinOrder order,
+                                    uint64_t seed);
 
 // Dense attention in which a decode query of a sequence that has a mask sees only the rows
 // its mask keeps (rows past the mask's `rows`, the decoded ones, are all kept). Measures per

@@ -348,7 +348,10 @@ TEST(MaskedAttentionTest, EqualsAttentionOverTheKeptRowsOnly) {
   r.first_position = kRows - 1;
   r.n_queries = 1;
   r.q = q.data();
-  r.kv = {.k = k.data(), .v = v.data(), .n_rows = kRows, .row_stride = kKvHeads * kDim,
+  r.kv = {.k = k.data(),
+          .v = v.data(),
+          .n_rows = kRows,
+          .row_stride = kKvHeads * kDim,
           .total_tokens = kRows};
   r.out = out.data();
   ASSERT_TRUE(attention.Attend(shape, {&r, 1}).ok());
@@ -368,7 +371,8 @@ TEST(MaskedAttentionTest, EqualsAttentionOverTheKeptRowsOnly) {
     for (double& x : w) z += (x = std::exp(x - m));
     for (int d = 0; d < kDim; ++d) {
       double o = 0;
-      for (size_t i = 0; i < ids.size(); ++i) o += w[i] / z * v[(ids[i] * kKvHeads + kvh) * kDim + d];
+      for (size_t i = 0; i < ids.size(); ++i)
+        o += w[i] / z * v[(ids[i] * kKvHeads + kvh) * kDim + d];
       EXPECT_NEAR(out[h * kDim + d], o, 1e-5) << "head " << h << " dim " << d;
     }
   }
