@@ -404,6 +404,7 @@ absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& mod
     row.context = n_prompt;
     row.method = runs[run].order == ThinOrder::kKeyDiff ? "thin-kd" : "thin-rnd";
     row.kept_fraction = runs[run].mask.kept_fraction;
+    row.intact_rows = runs[run].mask.intact_rows;
     row.budget =
         static_cast<int64_t>(std::llround(row.kept_fraction * static_cast<double>(n_prompt)));
     row.steps = steps;
@@ -811,12 +812,14 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
       "method", "budget", "rows", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)",
       "hot", "ovl", "B/tok/hd", "select_us", "pass");
   if (several_formats) absl::StrAppendFormat(&out, " %13s", "vs1st tf/free");
-  out += any_thin ? absl::StrFormat(" %6s\n", "kept") : "\n";
+  out += any_thin ? absl::StrFormat(" %6s %6s\n", "kept", "whole") : "\n";
   for (const EvalRow& r : rows) {
     const std::string free =
         r.free_tokens > 0 ? absl::StrFormat("%.3f(%d)", r.free_agreement, r.free_prefix) : "-";
-    const std::string hot = r.free_tokens > 1 ? absl::StrFormat("%.3f", r.hot_hit_rate) : "-";
-    const std::string ovl = r.free_tokens > 1 ? absl::StrFormat("%.3f", r.step_overlap) : "-";
+    // Thinned-prefix rows select nothing: no hot cache, no overlap.
+    const bool selects = r.free_tokens > 1 && r.kept_fraction < 0;
+    const std::string hot = selects ? absl::StrFormat("%.3f", r.hot_hit_rate) : "-";
+    const std::string ovl = selects ? absl::StrFormat("%.3f", r.step_overlap) : "-";
     const std::string recall = r.recall >= 0 ? absl::StrFormat("%.3f", r.recall) : "-";
     absl::StrAppendFormat(
         &out,
@@ -829,8 +832,9 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
       absl::StrAppendFormat(&out, " %6.3f/%6.3f", r.base_agreement, r.base_free_agreement);
     }
     out += !any_thin             ? "\n"
-           : r.kept_fraction < 0 ? absl::StrFormat(" %6s\n", "-")
-                                 : absl::StrFormat(" %6.3f\n", r.kept_fraction);
+           : r.kept_fraction < 0 ? absl::StrFormat(" %6s %6s\n", "-", "-")
+                                 : absl::StrFormat(" %6.3f %6d\n", r.kept_fraction,
+                                                   r.intact_rows);
   }
   if (!rows.empty()) {
     absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16",
@@ -856,8 +860,10 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
                             "store thins a cached prefix (KeyDiff, least distinctive pages "
                             "first), thin-rnd: as many pages at random, both then attending "
                             "densely over the kept rows; their budget is the mean kept prompt "
-                            "rows per layer and KV head, kept their share, mass the dense "
-                            "attention's mass on them");
+                            "rows per layer and KV head, kept their share, whole the rows before "
+                            "the first dropped one of any layer and KV head (what a prefill "
+                            "reuses of such a prefix), mass the dense attention's mass on the "
+                            "kept rows");
     }
     if (rows.front().free_tokens > 0) {
       absl::StrAppendFormat(&out,
@@ -917,7 +923,8 @@ std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows)
                          {"step_overlap", r.step_overlap},
                          {"base_agreement", r.base_agreement},
                          {"base_free_agreement", r.base_free_agreement},
-                         {"kept_fraction", r.kept_fraction}});
+                         {"kept_fraction", r.kept_fraction},
+                         {"intact_rows", r.intact_rows}});
   }
   return j.dump(2);
 }

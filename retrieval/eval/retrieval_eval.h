@@ -42,7 +42,9 @@
 // thin_random), then the same teacher-forced and free continuations with dense attention over
 // the kept rows. Such a row's budget is its mean kept prompt rows per (layer, KV head),
 // kept_fraction their share, mass the dense softmax mass on the kept rows, rel_error the
-// output's error against dense attention over every row; recall does not apply (-1).
+// output's error against dense attention over every row, intact_rows the rows before the first
+// hole of any (layer, KV head) (what the prefill node reuses of such a prefix); recall does
+// not apply (-1).
 
 #include <cstdint>
 #include <functional>
@@ -115,6 +117,7 @@ struct EvalRow {
   double base_agreement = 1;
   double base_free_agreement = 1;
   double kept_fraction = -1;  // thinned-prefix rows: share of prompt rows kept (-1: not one)
+  int64_t intact_rows = -1;   // thinned-prefix rows: rows before the first hole of any head
 };
 
 using Progress = std::function<void(const std::string&)>;

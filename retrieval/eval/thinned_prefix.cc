@@ -20,6 +20,7 @@ ThinMask MakeThinMask(const kvr::model::KvCache& cache, int n_kv_heads, int head
   std::mt19937_64 rng(seed);
   std::vector<float> scores(static_cast<size_t>(rows));
   uint64_t kept = 0;
+  mask.intact_rows = rows;
   for (int layer = 0; layer < cache.n_layers(); ++layer) {
     const kvr::model::KvView view = cache.View(layer);
     for (int h = 0; h < n_kv_heads; ++h) {
@@ -43,6 +44,8 @@ ThinMask MakeThinMask(const kvr::model::KvCache& cache, int n_kv_heads, int head
         for (uint64_t r = page * page_rows; r < end; ++r) keep[r] = 0;
       }
       for (uint8_t k : keep) kept += k;
+      mask.intact_rows =
+          std::min<int64_t>(mask.intact_rows, std::find(keep.begin(), keep.end(), 0) - keep.begin());
       mask.kept.push_back(std::move(keep));
     }
   }

@@ -34,6 +34,9 @@ struct ThinMask {
   int n_kv_heads = 0;
   std::vector<std::vector<uint8_t>> kept;  // [n_layers * n_kv_heads][rows], 1 = kept
   double kept_fraction = 1;                // kept rows over all (layer, KV head, row)
+  // Rows before the first dropped one of any (layer, KV head): what the prefill node reuses
+  // of such a prefix (the store forks no further).
+  int64_t intact_rows = 0;
 };
 
 // The mask of thinning the first `rows` rows of `cache` (float rows) in pages of `page_rows`,

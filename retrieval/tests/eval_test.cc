@@ -413,6 +413,7 @@ TEST(RetrievalEvalTest, ThinnedPrefixRows) {
   for (const EvalRow& r : *rows) by[absl::StrCat(r.method, "@", r.kept_fraction)] = r;
   const EvalRow& whole = by.at("thin-kd@1");
   EXPECT_EQ(whole.budget, 320);
+  EXPECT_EQ(whole.intact_rows, 320);
   EXPECT_NEAR(whole.mass, 1.0, 1e-6);
   EXPECT_LT(whole.rel_error, 1e-4);
   EXPECT_NEAR(whole.nll_delta, 0.0, 1e-3);
@@ -425,6 +426,10 @@ TEST(RetrievalEvalTest, ThinnedPrefixRows) {
     EXPECT_GT(half.mass, 0.0) << method;
     EXPECT_GT(half.rel_error, 0.0) << method;
     EXPECT_EQ(half.recall, -1) << method;
+    // The sink page stays; some head drops page 1 or another before the recent pages.
+    EXPECT_GE(half.intact_rows, 16) << method;
+    EXPECT_LT(half.intact_rows, 256) << method;
+    EXPECT_EQ(half.intact_rows % 16, 0) << method;
     const EvalRow& none = by.at(absl::StrCat(method, "@0.25"));
     EXPECT_EQ(none.budget, 80) << method;  // 5 of 20 pages
     EXPECT_LT(none.mass, half.mass + 1e-9) << method;
