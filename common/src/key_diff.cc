@@ -17,13 +17,11 @@ void KeyDiffScores(const float* keys, size_t n, size_t dim, size_t stride, float
     norm[i] = std::sqrt(sq);
     if (!std::isfinite(norm[i])) norm[i] = 0.0;  // unusable: scores 0 below
     if (norm[i] == 0.0) continue;
-    for (size_t d = 0; d < dim; ++d) anchor[d] += k[d] / norm[i];
+    for (size_t d = 0; d < dim; ++d) anchor[d] += k[d];
   }
+  // The sum, not the mean: the scale drops out of the cosine.
   double anchor_sq = 0.0;
-  for (size_t d = 0; d < dim; ++d) {
-    anchor[d] /= static_cast<double>(n);
-    anchor_sq += anchor[d] * anchor[d];
-  }
+  for (size_t d = 0; d < dim; ++d) anchor_sq += anchor[d] * anchor[d];
   const double anchor_norm = std::sqrt(anchor_sq);
   for (size_t i = 0; i < n; ++i) {
     if (norm[i] == 0.0 || anchor_norm == 0.0) {

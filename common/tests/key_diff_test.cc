@@ -11,15 +11,15 @@ namespace {
 
 using ::testing::ElementsAre;
 
-// Four keys in 2-D: three along x (one of them long), one along y. The anchor is the mean of
-// the unit keys, (3, 1) / 4, so the x keys score 3 / sqrt(10) whatever their length and the y
-// key 1 / sqrt(10): the odd one out is the most distinctive.
-TEST(KeyDiffTest, ScoresAreCosineToTheMeanOfTheUnitKeys) {
+// Four keys in 2-D: three along x (one of them long), one along y. The anchor is the mean key,
+// (8, 1) / 4, so the x keys score 8 / sqrt(65) whatever their length and the y key
+// 1 / sqrt(65): the odd one out is the most distinctive.
+TEST(KeyDiffTest, ScoresAreCosineToTheMeanKey) {
   const std::vector<float> keys = {1, 0, 0, 1, 5, 0, 2, 0};
   std::vector<float> scores(4);
   KeyDiffScores(keys.data(), 4, 2, 2, scores.data());
-  const float x = static_cast<float>(3 / std::sqrt(10.0));
-  const float y = static_cast<float>(1 / std::sqrt(10.0));
+  const float x = static_cast<float>(8 / std::sqrt(65.0));
+  const float y = static_cast<float>(1 / std::sqrt(65.0));
   EXPECT_NEAR(scores[0], x, 1e-6);
   EXPECT_NEAR(scores[1], y, 1e-6);
   EXPECT_NEAR(scores[2], x, 1e-6);

@@ -21,6 +21,7 @@
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/loader.h"
 #include "kvr/retrieval/cuda/selection_replay.h"
+#include "kvr/retrieval/keydiff.h"
 #include "retrieval_eval.h"
 #include "selection_trace.h"
 #include "thinned_prefix.h"
@@ -382,6 +383,24 @@ TEST(MaskedAttentionTest, EqualsAttentionOverTheKeptRowsOnly) {
   // Prefill calls are not what it measures.
   r.n_queries = 2;
   EXPECT_TRUE(absl::IsUnimplemented(attention.Attend(shape, {&r, 1})));
+}
+
+// The store's KeyDiff score (kvr/common/key_diff.h) is the `keydiff` method's: cosine to the
+// head's mean key, as KeyDiffScores over a token tensor computes it.
+TEST(MaskedAttentionTest, StoreScoreIsTheKeyDiffMethodsScore) {
+  constexpr int kKvHeads = 3, kDim = 16;
+  constexpr int64_t kTokens = 200;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.3f, 1.f);
+  std::vector<float> keys(kTokens * kKvHeads * kDim);
+  for (float& x : keys) x = normal(rng);
+  const TokenTensor tensor{keys.data(), kTokens, kKvHeads * kDim};
+  for (int h = 0; h < kKvHeads; ++h) {
+    const std::vector<float> method = KeyDiffScores(tensor, h, kDim);
+    std::vector<float> store(kTokens);
+    kvr::KeyDiffScores(keys.data() + h * kDim, kTokens, kDim, kKvHeads * kDim, store.data());
+    for (int64_t t = 0; t < kTokens; ++t) EXPECT_NEAR(store[t], method[t], 1e-5) << h << " " << t;
+  }
 }
 
 // Thinned-prefix rows on the real model: keeping everything reproduces dense (as `full`

@@ -1,10 +1,14 @@
 #pragma once
 // KeyDiff (Park et al., "Key Similarity-Based KV Cache Eviction"): a key's eviction score is its
-// cosine similarity to the anchor, the mean of the head's L2-normalised keys. The keys most
-// similar to the anchor are the least distinctive (they draw the least attention) and go
-// first. No attention scores are needed, so the score can be computed from stored K rows
+// cosine similarity to the anchor, the mean key of the head (the paper's evaluated variant,
+// Figure 3; its Eq. 8 averages the unit keys, and its Table 2 finds the plain mean loses no
+// accuracy). The keys most similar to the anchor are the least distinctive (they draw the
+// least attention) and go first. No attention scores are needed, so the score can be computed from stored K rows
 // alone: the KV store's thinning of cold cached prefixes and the retrieval eval's measurement
-// of what that thinning costs both use these functions, so they drop the same pages.
+// of what that thinning costs both use these functions, so they drop the same pages. The score
+// is the one kvr::retrieval::KeyDiffTracker keeps for the `keydiff` method; it lives here,
+// not in the retrieval library, so that the store does not link the retrieval methods (and
+// their BLAS) for one cosine.
 
 #include <cstddef>
 #include <cstdint>
@@ -13,10 +17,10 @@
 
 namespace kvr {
 
-// scores[i] = cos(key i, anchor), anchor = mean over j of key j / |key j|. Key i is the `dim`
-// floats at keys[i * stride]. A zero key or one with a non-finite element (the store holds
-// whatever bytes a client wrote) scores 0 and is left out of the anchor; with no usable key
-// every score is 0. Double-precision accumulation.
+// scores[i] = cos(key i, anchor), anchor = the mean of the keys. Key i is the `dim` floats at
+// keys[i * stride]. A zero key or one with a non-finite element (the store holds whatever
+// bytes a client wrote) scores 0 and is left out of the anchor; with no usable key, or keys
+// that cancel out, every score is 0. Double-precision accumulation.
 // keys: [n, stride] (the first `dim` of each row used); scores: [n].
 void KeyDiffScores(const float* keys, size_t n, size_t dim, size_t stride, float* scores);
 
