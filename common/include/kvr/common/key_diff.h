@@ -3,12 +3,12 @@
 // cosine similarity to the anchor, the mean key of the head (the paper's evaluated variant,
 // Figure 3; its Eq. 8 averages the unit keys, and its Table 2 finds the plain mean loses no
 // accuracy). The keys most similar to the anchor are the least distinctive (they draw the
-// least attention) and go first. No attention scores are needed, so the score can be computed from stored K rows
-// alone: the KV store's thinning of cold cached prefixes and the retrieval eval's measurement
-// of what that thinning costs both use these functions, so they drop the same pages. The score
-// is the one kvr::retrieval::KeyDiffTracker keeps for the `keydiff` method; it lives here,
-// not in the retrieval library, so that the store does not link the retrieval methods (and
-// their BLAS) for one cosine.
+// least attention) and go first. No attention scores are needed, so the score can be computed
+// from stored K rows alone: the KV store's thinning of cold cached prefixes and the retrieval
+// eval's measurement of what that thinning costs both use these functions, so they drop the
+// same pages. The score is the one kvr::retrieval::KeyDiffTracker keeps for the `keydiff`
+// method; it lives here, not in the retrieval library, so that the store does not link the
+// retrieval methods (and their BLAS) for one cosine.
 
 #include <cstddef>
 #include <cstdint>
