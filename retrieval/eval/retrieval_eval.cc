@@ -833,8 +833,7 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
     }
     out += !any_thin             ? "\n"
            : r.kept_fraction < 0 ? absl::StrFormat(" %6s %6s\n", "-", "-")
-                                 : absl::StrFormat(" %6.3f %6d\n", r.kept_fraction,
-                                                   r.intact_rows);
+                                 : absl::StrFormat(" %6.3f %6d\n", r.kept_fraction, r.intact_rows);
   }
   if (!rows.empty()) {
     absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16",

@@ -44,8 +44,8 @@ ThinMask MakeThinMask(const kvr::model::KvCache& cache, int n_kv_heads, int head
         for (uint64_t r = page * page_rows; r < end; ++r) keep[r] = 0;
       }
       for (uint8_t k : keep) kept += k;
-      mask.intact_rows =
-          std::min<int64_t>(mask.intact_rows, std::find(keep.begin(), keep.end(), 0) - keep.begin());
+      mask.intact_rows = std::min<int64_t>(mask.intact_rows,
+                                           std::find(keep.begin(), keep.end(), 0) - keep.begin());
       mask.kept.push_back(std::move(keep));
     }
   }
