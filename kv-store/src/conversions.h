@@ -61,6 +61,8 @@ inline void ToProto(const StoreStats& s, store::v1::StatsResponse* p) {
   p->set_forked_rows(s.forked_rows);
   p->set_cached_sequences(s.cached_sequences);
   p->set_cached_bytes(s.cached_bytes);
+  p->set_evictions_thinned(s.evictions_thinned);
+  p->set_thinned_pages(s.thinned_pages);
 }
 
 inline void ToProto(const PageTable& t, store::v1::ReservePageTableResponse* p) {
@@ -98,15 +100,26 @@ inline void ToProto(const PageTable& t, store::v1::ReservePageTableResponse* p) 
 }
 
 inline StoreStats FromProto(const store::v1::StatsResponse& p) {
-  return {.capacity_bytes = p.capacity_bytes(), .used_bytes = p.used_bytes(),
-          .page_bytes = p.page_bytes(), .total_pages = p.total_pages(),
-          .free_pages = p.free_pages(), .sequences = p.sequences(), .evictions = p.evictions(),
-          .expired_sequences = p.expired_sequences(), .page_backing = p.page_backing(),
-          .bytes_written = p.bytes_written(), .bytes_read = p.bytes_read(),
+  return {.capacity_bytes = p.capacity_bytes(),
+          .used_bytes = p.used_bytes(),
+          .page_bytes = p.page_bytes(),
+          .total_pages = p.total_pages(),
+          .free_pages = p.free_pages(),
+          .sequences = p.sequences(),
+          .evictions = p.evictions(),
+          .expired_sequences = p.expired_sequences(),
+          .page_backing = p.page_backing(),
+          .bytes_written = p.bytes_written(),
+          .bytes_read = p.bytes_read(),
           .evictions_expired = p.evictions_expired(),
-          .evictions_cached_lru = p.evictions_cached_lru(), .shared_pages = p.shared_pages(),
-          .forks = p.forks(), .forked_rows = p.forked_rows(),
-          .cached_sequences = p.cached_sequences(), .cached_bytes = p.cached_bytes()};
+          .evictions_cached_lru = p.evictions_cached_lru(),
+          .shared_pages = p.shared_pages(),
+          .forks = p.forks(),
+          .forked_rows = p.forked_rows(),
+          .cached_sequences = p.cached_sequences(),
+          .cached_bytes = p.cached_bytes(),
+          .evictions_thinned = p.evictions_thinned(),
+          .thinned_pages = p.thinned_pages()};
 }
 
 }  // namespace kvr::kv_store

@@ -87,6 +87,8 @@ grpc::Status KvStoreGrpcService::GetSequence(grpc::ServerContext* ctx,
   resp->set_pages(info->pages);
   resp->set_lease_expiry_unix_ms(info->lease_expiry_unix_ms);
   resp->set_released_kept(info->released_kept);
+  resp->set_thinned_pages(info->thinned_pages);
+  resp->set_intact_rows(info->intact_rows);
   return grpc::Status::OK;
 }
 

@@ -17,7 +17,8 @@ struct StoreMetrics::Families {
         evictions(CounterFamily(r, "kvr_store_evictions_total",
                                 "Sequences evicted by the capacity policy, by reason (expired: "
                                 "lease ran out; cached_lru: released-and-kept, least recently "
-                                "used first)")),
+                                "used first; thinned: a cached one lost its least distinctive "
+                                "pages, its summaries kept)")),
         shared_pages(GaugeFamily(r, "kvr_store_shared_pages",
                                  "Pages held by more than one sequence (forks share prefixes)")
                          .Add({})),
@@ -29,9 +30,9 @@ struct StoreMetrics::Families {
                                  "Bytes of pages only cached sequences hold: what evicting them "
                                  "all would free")
                          .Add({})),
-        forks(CounterFamily(r, "kvr_store_forks_total",
-                            "Sequences created by forking another's rows")
-                  .Add({})),
+        forks(
+            CounterFamily(r, "kvr_store_forks_total", "Sequences created by forking another's rows")
+                .Add({})),
         forked_rows(CounterFamily(r, "kvr_store_forked_rows_total",
                                   "Rows per (layer, kv head) that forks started their "
                                   "sequences with, summed")
@@ -46,7 +47,11 @@ struct StoreMetrics::Families {
         free_pages(pages.Add({{"state", "free"}})),
         used_pages(pages.Add({{"state", "used"}})),
         evictions_expired(evictions.Add({{"reason", "expired"}})),
-        evictions_cached_lru(evictions.Add({{"reason", "cached_lru"}})) {}
+        evictions_cached_lru(evictions.Add({{"reason", "cached_lru"}})),
+        evictions_thinned(evictions.Add({{"reason", "thinned"}})),
+        thinned_pages(CounterFamily(r, "kvr_store_thinned_pages_total",
+                                    "Pages freed by thinning cached sequences")
+                          .Add({})) {}
   prometheus::Gauge& capacity;
   prometheus::Gauge& used;
   prometheus::Family<prometheus::Gauge>& pages;
@@ -64,6 +69,8 @@ struct StoreMetrics::Families {
   prometheus::Gauge& used_pages;
   prometheus::Counter& evictions_expired;
   prometheus::Counter& evictions_cached_lru;
+  prometheus::Counter& evictions_thinned;
+  prometheus::Counter& thinned_pages;
   // Previous values of the monotonic fields, to turn absolute values into increments.
   std::mutex mu;
   StoreSnapshot last;
@@ -92,6 +99,8 @@ void StoreMetrics::Update(const StoreSnapshot& s) {
   f_->evictions_expired.Increment(Increase(s.evictions_expired, f_->last.evictions_expired));
   f_->evictions_cached_lru.Increment(
       Increase(s.evictions_cached_lru, f_->last.evictions_cached_lru));
+  f_->evictions_thinned.Increment(Increase(s.evictions_thinned, f_->last.evictions_thinned));
+  f_->thinned_pages.Increment(Increase(s.thinned_pages, f_->last.thinned_pages));
   f_->forks.Increment(Increase(s.forks, f_->last.forks));
   f_->forked_rows.Increment(Increase(s.forked_rows, f_->last.forked_rows));
   f_->expired.Increment(Increase(s.expired_sequences, f_->last.expired_sequences));

@@ -160,7 +160,9 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
                                   .forks = s.forks,
                                   .forked_rows = s.forked_rows,
                                   .cached_sequences = s.cached_sequences,
-                                  .cached_bytes = s.cached_bytes});
+                                  .cached_bytes = s.cached_bytes,
+                                  .evictions_thinned = s.evictions_thinned,
+                                  .thinned_pages = s.thinned_pages});
     });
   }
 

@@ -1,17 +1,23 @@
 #include "kvr/kv_store/store.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "kvr/common/half.h"
+#include "kvr/common/key_diff.h"
 #include "kvr/common/status.h"
 
 namespace kvr::kv_store {
 
 class PagedKvStore::Sequence {
  public:
+  // A page list entry whose page thinning dropped.
+  static constexpr PageId kNoPage = ~PageId{0};
+
   Sequence(SequenceId id, const Capability& cap, const SequenceShape& shape,
            uint32_t tokens_per_page, PagePool* pool)
       : id_(id),
@@ -32,7 +38,17 @@ class PagedKvStore::Sequence {
     // pages be reused. Free drops this sequence's reference; a page shared with a fork (or a
     // parent) stays with the sequences that still hold it.
     absl::MutexLock lock(&mu_);
-    for (const std::vector<PageId>& list : pages_) pool_->Free(list);
+    for (const std::vector<PageId>& list : pages_) {
+      if (thinned_pages_ == 0) {
+        pool_->Free(list);
+        continue;
+      }
+      std::vector<PageId> held;
+      for (PageId p : list) {
+        if (p != kNoPage) held.push_back(p);
+      }
+      pool_->Free(held);
+    }
     for (const StoredAttachment& a : attachments_) pool_->Free(a.pages);
   }
 
@@ -46,6 +62,12 @@ class PagedKvStore::Sequence {
   size_t row_bytes() const { return row_bytes_; }
   uint64_t Committed(uint32_t layer) const {
     return committed_[layer].load(std::memory_order_acquire);
+  }
+
+  // False when thinning dropped the page of row `row` of (layer, head) (the page must be in the
+  // list or dropped).
+  bool HasRow(uint32_t layer, uint32_t head, uint64_t row) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return pages_[size_t{layer} * shape_.n_kv_heads + head][row / tokens_per_page_] != kNoPage;
   }
 
   // Address of row `row` of (layer, head); the row's page must exist.
@@ -109,7 +131,7 @@ class PagedKvStore::Sequence {
     uint64_t n = 0;
     for (const std::vector<PageId>& list : pages_) n += list.size();
     for (const StoredAttachment& a : attachments_) n += a.pages.size();
-    return n;
+    return n - thinned_pages_;
   }
   // Page list of (layer, head) number `list` = layer * n_kv_heads + head.
   const std::vector<PageId>& List(size_t list) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -135,6 +157,78 @@ class PagedKvStore::Sequence {
     std::vector<PageId> pages;
   };
 
+  // Thins this released-and-kept sequence (PagedKvStore class comment): per (layer, head) the
+  // pages of committed rows that KeyDiffPagesToDrop picks, at most all but
+  // ceil(keep_fraction * pages) of them, sparing pages another sequence shares. Returns the
+  // pages freed. Runs once: later calls return 0. With `mu_` held exclusively, readers wait, so
+  // none is between its hole check and its copy.
+  uint64_t Thin(double keep_fraction, const KeyDiffPagePolicy& policy)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (thin_tried_) return 0;
+    thin_tried_ = true;
+    const size_t dim = shape_.head_dim;
+    std::vector<float> keys;    // [rows, head_dim]
+    std::vector<float> scores;  // [rows]
+    std::vector<PageId> freed;
+    for (size_t l = 0; l < pages_.size(); ++l) {
+      std::vector<PageId>& list = pages_[l];
+      const uint64_t rows = Committed(static_cast<uint32_t>(l / shape_.n_kv_heads));
+      const uint64_t n_pages = (rows + tokens_per_page_ - 1) / tokens_per_page_;
+      if (n_pages <=
+          static_cast<uint64_t>(std::ceil(keep_fraction * static_cast<double>(n_pages)))) {
+        continue;  // nothing could go: skip reading the keys
+      }
+      keys.resize(rows * dim);
+      scores.resize(rows);
+      for (uint64_t r = 0; r < rows; ++r) {
+        const uint8_t* k =
+            pool_->PageData(list[r / tokens_per_page_]) + (r % tokens_per_page_) * row_bytes_;
+        float* dst = keys.data() + r * dim;
+        switch (shape_.dtype) {
+          case DType::kF32:
+            std::memcpy(dst, k, dim * sizeof(float));
+            break;
+          case DType::kBf16:
+            Bf16BytesToFloats(k, dim, dst);
+            break;
+          case DType::kF16:
+            for (size_t d = 0; d < dim; ++d) {
+              uint16_t h;
+              std::memcpy(&h, k + 2 * d, sizeof(h));
+              dst[d] = Fp16ToFloat(h);
+            }
+            break;
+        }
+      }
+      KeyDiffScores(keys.data(), rows, dim, dim, scores.data());
+      std::unique_ptr<bool[]> pinned(new bool[n_pages]);
+      for (uint64_t p = 0; p < n_pages; ++p) pinned[p] = pool_->references(list[p]) > 1;
+      for (uint64_t p : KeyDiffPagesToDrop(scores, tokens_per_page_, keep_fraction, policy,
+                                           std::span<const bool>(pinned.get(), n_pages))) {
+        freed.push_back(list[p]);
+        list[p] = kNoPage;
+      }
+    }
+    thinned_pages_ += freed.size();
+    if (!freed.empty()) {
+      intact_rows_ = ~uint64_t{0};
+      for (size_t l = 0; l < pages_.size(); ++l) {
+        const std::vector<PageId>& list = pages_[l];
+        const auto hole =
+            static_cast<uint64_t>(std::find(list.begin(), list.end(), kNoPage) - list.begin());
+        intact_rows_ = std::min(intact_rows_,
+                                std::min(hole * tokens_per_page_,
+                                         Committed(static_cast<uint32_t>(l / shape_.n_kv_heads))));
+      }
+    }
+    pool_->Free(freed);  // lock order: sequence -> pool
+    return freed.size();
+  }
+  // Pages thinning dropped; rows [0, intact_rows()) are whole in every list when it is > 0.
+  uint64_t thinned_pages() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return thinned_pages_; }
+  uint64_t intact_rows() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return intact_rows_; }
+  bool thin_tried() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return thin_tried_; }
+
   mutable absl::Mutex mu_;
   std::vector<uint64_t> reserved_ ABSL_GUARDED_BY(mu_);  // [n_layers] rows incl. in-flight
   std::vector<StoredAttachment> attachments_ ABSL_GUARDED_BY(mu_);  // [n_layers]
@@ -154,8 +248,12 @@ class PagedKvStore::Sequence {
   const uint32_t tokens_per_page_;
   const size_t row_bytes_;
   PagePool* const pool_;
-  // [n_layers * n_kv_heads] page lists; a list only grows, under mu_ held exclusively.
+  // [n_layers * n_kv_heads] page lists; a list only grows, under mu_ held exclusively, except
+  // that Thin replaces dropped pages by kNoPage.
   std::vector<std::vector<PageId>> pages_ ABSL_GUARDED_BY(mu_);
+  bool thin_tried_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t thinned_pages_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t intact_rows_ ABSL_GUARDED_BY(mu_) = 0;
   std::unique_ptr<std::atomic<uint64_t>[]> committed_;  // [n_layers] reader-visible rows
 };
 
@@ -359,6 +457,15 @@ absl::StatusOr<ForkResult> PagedKvStore::ForkSequence(const SequenceRef& child,
     // A writer of the parent may grow its lists meanwhile (under its exclusive lock) and copy
     // rows past its watermark (under a shared lock): never rows below n, which are read here.
     absl::ReaderMutexLock lock(&parent->mu_);
+    if (parent->thinned_pages() > 0 && n > parent->intact_rows()) {
+      // Thinned (perhaps while the pages above were allocated): rows past the first hole are
+      // not the parent's rows any more.
+      pool_.Free(fresh);
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "sequence %d (fork of %d at %d rows): the parent was thinned, only rows [0, %d) are "
+          "whole",
+          id, parent_ref.id, n, parent->intact_rows()));
+    }
     for (uint64_t i = 0; i < lists; ++i) {
       const std::vector<PageId>& src = parent->List(i);
       std::vector<PageId>& dst = child_lists[i];
@@ -398,6 +505,14 @@ absl::StatusOr<ForkResult> PagedKvStore::ForkSequence(const SequenceRef& child,
                     .shared_pages = shared.size()};
 }
 
+absl::Status PagedKvStore::ThinnedRowError(SequenceId id, uint32_t layer, uint32_t head,
+                                           uint64_t row) {
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "row %d of sequence %d layer %d head %d was thinned away (its page was freed to make room; "
+      "the sequence's summaries stay)",
+      row, id, layer, head));
+}
+
 void PagedKvStore::Touch(const Sequence& seq) const {
   seq.last_use_.store(use_clock_.fetch_add(1, std::memory_order_relaxed) + 1,
                       std::memory_order_relaxed);
@@ -431,6 +546,8 @@ size_t PagedKvStore::EvictRound(size_t pages_wanted, std::span<const SequenceId>
   // Victims are destroyed (page references dropped) after the index lock is dropped.
   std::vector<std::shared_ptr<Sequence>> victims;
   uint64_t expired_victims = 0;
+  uint64_t thinned = 0;        // sequences thinned this round
+  uint64_t thinned_pages = 0;  // pages that freed
   {
     absl::MutexLock lock(&mu_);
     // Eviction order: expired leases by expiry, then released-and-kept sequences by last use.
@@ -466,18 +583,40 @@ size_t PagedKvStore::EvictRound(size_t pages_wanted, std::span<const SequenceId>
     if (hopeless_evicts_nothing && freed + evictable < pages_wanted) return 0;
     // Page counts overstate what a victim frees (pages it shares with another sequence stay),
     // so a round evicts no more than needed and EvictFor runs another while still short.
-    for (const Candidate& c : candidates) {
-      if (freed >= pages_wanted) break;
+    auto evict = [&](const Candidate& c) {
       auto it = sequences_.find(c.id);
       freed += c.pages;
       if (!c.cached) ++expired_victims;
       victims.push_back(std::move(it->second));
       sequences_.erase(it);
+    };
+    // Expired ones first (they sort first), then, with thinning, every cached one not yet
+    // thinned is thinned before any goes whole. Thinning runs here, under the index lock
+    // (index -> sequence -> pool), so that the candidates cannot leave the index meanwhile;
+    // it reads each (layer, head)'s committed keys once.
+    auto first_cached = std::find_if(candidates.begin(), candidates.end(),
+                                     [](const Candidate& c) { return c.cached; });
+    for (auto c = candidates.begin(); c != first_cached && freed < pages_wanted; ++c) evict(*c);
+    if (cached && options_.cached_eviction == CachedEviction::kThin) {
+      for (auto c = first_cached; c != candidates.end() && freed < pages_wanted; ++c) {
+        const std::shared_ptr<Sequence>& seq = sequences_.find(c->id)->second;
+        absl::MutexLock seq_lock(&seq->mu_);
+        if (seq->thin_tried()) continue;
+        const uint64_t pages = seq->Thin(options_.thin_keep_fraction, options_.thin_policy);
+        if (pages == 0) continue;
+        freed += pages;
+        c->pages -= pages;
+        ++thinned;
+        thinned_pages += pages;
+      }
     }
+    for (auto c = first_cached; c != candidates.end() && freed < pages_wanted; ++c) evict(*c);
   }
   evictions_expired_.fetch_add(expired_victims, std::memory_order_relaxed);
   evictions_cached_lru_.fetch_add(victims.size() - expired_victims, std::memory_order_relaxed);
-  return victims.size();
+  thinned_sequences_.fetch_add(thinned, std::memory_order_relaxed);
+  thinned_pages_.fetch_add(thinned_pages, std::memory_order_relaxed);
+  return victims.size() + thinned;
 }
 
 size_t PagedKvStore::SweepExpired() {
@@ -617,8 +756,13 @@ absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
     if (i == 0 || seqs[i] != seqs[i - 1]) Touch(seq);
     const size_t row_bytes = seq.row_bytes();
     absl::ReaderMutexLock lock(&seq.mu_);
-    for (uint32_t index : entries[i].indices) {
-      std::memcpy(dst, seq.RowPtr(entries[i].layer, entries[i].head, index), row_bytes);
+    const GatherEntry& e = entries[i];
+    const bool holes = seq.thinned_pages() > 0;
+    for (uint32_t index : e.indices) {
+      if (holes && !seq.HasRow(e.layer, e.head, index)) {
+        return ThinnedRowError(e.sequence.id, e.layer, e.head, index);
+      }
+      std::memcpy(dst, seq.RowPtr(e.layer, e.head, index), row_bytes);
       dst += row_bytes;
     }
   }
@@ -668,9 +812,13 @@ absl::Status PagedKvStore::RangeRead(std::span<const RangeEntry> ranges,
     const RangeEntry& r = ranges[i];
     const uint32_t tpp = seq.tokens_per_page();
     absl::ReaderMutexLock lock(&seq.mu_);
+    const bool holes = seq.thinned_pages() > 0;
     // One memcpy per page-sized run: rows inside a page are contiguous.
     for (uint64_t row = r.start; row < r.start + r.n_rows;) {
       const uint64_t run = std::min<uint64_t>(tpp - row % tpp, r.start + r.n_rows - row);
+      if (holes && !seq.HasRow(r.layer, r.head, row)) {
+        return ThinnedRowError(r.sequence.id, r.layer, r.head, row);
+      }
       const size_t bytes = run * seq.row_bytes();
       std::memcpy(dst, seq.RowPtr(r.layer, r.head, row), bytes);
       dst += bytes;
@@ -689,8 +837,12 @@ absl::StatusOr<std::vector<PagedKvStore::Segment>> PagedKvStore::LocateRange(
   std::vector<Segment> segments;
   const uint32_t tpp = seq->tokens_per_page();
   absl::ReaderMutexLock lock(&seq->mu_);
+  const bool holes = seq->thinned_pages() > 0;
   for (uint64_t row = range.start; row < range.start + range.n_rows;) {
     const uint64_t run = std::min<uint64_t>(tpp - row % tpp, range.start + range.n_rows - row);
+    if (holes && !seq->HasRow(range.layer, range.head, row)) {
+      return ThinnedRowError(range.sequence.id, range.layer, range.head, row);
+    }
     const uint64_t offset =
         static_cast<uint64_t>(seq->RowPtr(range.layer, range.head, row) - pool_.base());
     const uint64_t bytes = run * seq->row_bytes();
@@ -728,6 +880,12 @@ absl::StatusOr<PageTable> PagedKvStore::ReservePageTable(const SequenceRef& ref,
     uint64_t need = 0;
     {
       absl::ReaderMutexLock lock(&seq->mu_);
+      if (seq->thinned_pages() > 0) {
+        // A page table is dense: it cannot say which pages are gone.
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "sequence %d was thinned (%d pages dropped; rows [0, %d) whole): no page table", id,
+            seq->thinned_pages(), seq->intact_rows()));
+      }
       per_list = std::max<uint64_t>(want, seq->MaxListPages());
       need = seq->PagesToGrowAll(per_list);
       if (need > 0 && seq->released_kept_) {
@@ -885,6 +1043,9 @@ absl::StatusOr<SequenceInfo> PagedKvStore::GetSequence(const SequenceRef& ref) c
   absl::ReaderMutexLock lock(&seq->mu_);
   info.pages = seq->PageCount();
   info.released_kept = seq->released_kept_;
+  info.thinned_pages = seq->thinned_pages();
+  info.intact_rows = info.thinned_pages > 0 ? seq->intact_rows() : ~uint64_t{0};
+  for (uint64_t rows : info.committed_rows) info.intact_rows = std::min(info.intact_rows, rows);
   info.lease_expiry_unix_ms =
       seq->expiry_ == absl::InfiniteFuture() ? 0 : absl::ToUnixMillis(seq->expiry_);
   return info;
@@ -901,6 +1062,8 @@ StoreStats PagedKvStore::Stats() const {
   stats.evictions_expired = evictions_expired_.load(std::memory_order_relaxed);
   stats.evictions_cached_lru = evictions_cached_lru_.load(std::memory_order_relaxed);
   stats.evictions = stats.evictions_expired + stats.evictions_cached_lru;
+  stats.evictions_thinned = thinned_sequences_.load(std::memory_order_relaxed);
+  stats.thinned_pages = thinned_pages_.load(std::memory_order_relaxed);
   stats.shared_pages = pool_.shared_pages();
   stats.forks = forks_.load(std::memory_order_relaxed);
   stats.forked_rows = forked_rows_.load(std::memory_order_relaxed);
@@ -923,7 +1086,9 @@ StoreStats PagedKvStore::Stats() const {
       absl::ReaderMutexLock seq_lock(&seq->mu_);
       const uint8_t m = seq->released_kept_ ? kCached : kLive;
       for (size_t l = 0; l < size_t{seq->shape().n_layers} * seq->shape().n_kv_heads; ++l) {
-        for (PageId p : seq->List(l)) mark[p] |= m;
+        for (PageId p : seq->List(l)) {
+          if (p != Sequence::kNoPage) mark[p] |= m;
+        }
       }
       for (const Sequence::StoredAttachment& a : seq->attachments_) {
         for (PageId p : a.pages) mark[p] |= m;

@@ -605,6 +605,13 @@ absl::StatusOr<SequenceInfo> UcxKvStoreClient::GetSequence(const SequenceRef& re
   info.pages = resp.pages();
   info.lease_expiry_unix_ms = resp.lease_expiry_unix_ms();
   info.released_kept = resp.released_kept();
+  info.thinned_pages = resp.thinned_pages();
+  // A store that does not thin leaves it 0: then every committed row is whole.
+  info.intact_rows = resp.intact_rows();
+  if (info.thinned_pages == 0) {
+    info.intact_rows = ~uint64_t{0};
+    for (uint64_t rows : info.committed_rows) info.intact_rows = std::min(info.intact_rows, rows);
+  }
   return info;
 }
 

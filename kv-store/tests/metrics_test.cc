@@ -29,7 +29,9 @@ TEST(StoreMetricsTest, CountersFollowMonotonicFieldsAcrossAReset) {
             .bytes_read = 50,
             .shared_pages = 3,
             .forks = 2,
-            .forked_rows = 700});
+            .forked_rows = 700,
+            .evictions_thinned = 1,
+            .thinned_pages = 40});
   m.Update({.capacity_bytes = 1 << 30,
             .used_bytes = 8192,
             .total_pages = 10,
@@ -42,7 +44,9 @@ TEST(StoreMetricsTest, CountersFollowMonotonicFieldsAcrossAReset) {
             .bytes_read = 50,
             .shared_pages = 5,
             .forks = 3,
-            .forked_rows = 900});
+            .forked_rows = 900,
+            .evictions_thinned = 3,
+            .thinned_pages = 90});
   m.Update({.capacity_bytes = 1 << 30,
             .used_bytes = 8192,
             .total_pages = 10,
@@ -55,7 +59,9 @@ TEST(StoreMetricsTest, CountersFollowMonotonicFieldsAcrossAReset) {
             .bytes_read = 60,
             .shared_pages = 1,
             .forks = 3,
-            .forked_rows = 900});  // expired evictions went back: counted from zero
+            .forked_rows = 900,
+            .evictions_thinned = 3,
+            .thinned_pages = 90});  // expired evictions went back: counted from zero
   const std::string text = server->ScrapeText();
   EXPECT_THAT(text, HasSubstr("kvr_store_capacity_bytes 1073741824"));
   EXPECT_THAT(text, HasSubstr("kvr_store_used_bytes 8192"));
@@ -64,6 +70,8 @@ TEST(StoreMetricsTest, CountersFollowMonotonicFieldsAcrossAReset) {
   EXPECT_THAT(text, HasSubstr("kvr_store_sequences 2"));
   EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total{reason=\"expired\"} 6"));
   EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total{reason=\"cached_lru\"} 4"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total{reason=\"thinned\"} 3"));
+  EXPECT_THAT(text, HasSubstr("kvr_store_thinned_pages_total 90"));
   EXPECT_THAT(text, HasSubstr("kvr_store_shared_pages 1"));
   EXPECT_THAT(text, HasSubstr("kvr_store_forks_total 3"));
   EXPECT_THAT(text, HasSubstr("kvr_store_forked_rows_total 900"));

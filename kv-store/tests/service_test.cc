@@ -269,6 +269,62 @@ TEST(ServiceTest, RepliesAboveTheStoresLimitAreRefusedAndServiceGoesOn) {
   EXPECT_TRUE((*client)->Gather(entries, out).ok());
 }
 
+// A store that thins cached sequences (cached_eviction: thin), over gRPC and UCX: GetSequence
+// reports the holes and the whole rows, a read of a hole is FAILED_PRECONDITION on the client
+// (Gather and RangeRead alike), the whole rows read back, and Stats counts the thinning.
+TEST(ServiceTest, ThinnedSequenceOverTheWire) {
+  // f32 rows of head_dim 16: 128 bytes, 32 rows per 4 KiB page.
+  constexpr SequenceShape shape{
+      .n_layers = 1, .n_kv_heads = 1, .head_dim = 16, .dtype = DType::kF32};
+  StoreServerOptions options;
+  options.store.pool = {.capacity_bytes = 12 * 4096, .page_bytes = 4096};
+  options.store.cached_eviction = CachedEviction::kThin;
+  absl::StatusOr<std::unique_ptr<StoreServer>> server = StoreServer::Start(std::move(options));
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = UcxKvStoreClient::Connect(AddressOf(**server));
+  ASSERT_TRUE(client.ok()) << client.status();
+  KvStoreClient& c = **client;
+  ASSERT_TRUE(c.CreateSequence(TestRef(1), shape, 0, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(PutPatternRows(c, shape, 1, 0, 0, 256).ok());  // 8 pages
+  ASSERT_TRUE(c.Release(TestRef(1), absl::Hours(1)).ok());
+  // 8 more pages with 4 free: the cached one is thinned (of 8 pages, at least 4 stay; the
+  // sink page and the 2 recent ones always), not evicted.
+  ASSERT_TRUE(c.CreateSequence(TestRef(2), shape, 256, absl::ZeroDuration()).ok());
+  auto info = c.GetSequence(TestRef(1));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->thinned_pages, 4u);
+  EXPECT_EQ(info->pages, 4u);
+  EXPECT_TRUE(info->intact_rows == 32 || info->intact_rows == 64) << info->intact_rows;
+  auto stats = c.Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->evictions_thinned, 1u);
+  EXPECT_EQ(stats->thinned_pages, 4u);
+  EXPECT_EQ(stats->evictions_cached_lru, 0u);
+
+  std::vector<RangeEntry> whole = {
+      {.sequence = TestRef(1), .layer = 0, .head = 0, .start = 0, .n_rows = info->intact_rows}};
+  std::vector<uint8_t> out(256 * shape.RowBytes());
+  ASSERT_TRUE(c.RangeRead(whole, std::span(out).first(info->intact_rows * shape.RowBytes())).ok());
+  for (uint64_t r = 0; r < info->intact_rows; ++r) {
+    EXPECT_TRUE(RowMatches(shape, 1, 0, 0, r, out.data() + r * shape.RowBytes())) << r;
+  }
+  std::vector<RangeEntry> all = {
+      {.sequence = TestRef(1), .layer = 0, .head = 0, .start = 0, .n_rows = 256}};
+  absl::Status st = c.RangeRead(all, out);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_THAT(st.message(), HasSubstr("thinned"));
+  std::vector<uint32_t> hole = {static_cast<uint32_t>(info->intact_rows)};
+  std::vector<GatherEntry> gather = {
+      {.sequence = TestRef(1), .layer = 0, .head = 0, .indices = hole}};
+  st = c.Gather(gather, std::span(out).first(shape.RowBytes()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  // The recent rows stay.
+  std::vector<RangeEntry> recent = {
+      {.sequence = TestRef(1), .layer = 0, .head = 0, .start = 192, .n_rows = 64}};
+  ASSERT_TRUE(c.RangeRead(recent, std::span(out).first(64 * shape.RowBytes())).ok());
+  EXPECT_TRUE(RowMatches(shape, 1, 0, 0, 255, out.data() + 63 * shape.RowBytes()));
+}
+
 TEST(ServiceTest, FakeClientBehavesTheSame) {
   auto fake = FakeKvStoreClient::Create(SmallStore());
   ASSERT_TRUE(fake.ok());

@@ -68,6 +68,19 @@ const node::SettingTable<StoreConfig>& StoreSettings() {
                     "first, when space runs short, after expired ones and before refusing; never a "
                     "live one",
                     &Config::evict_cached),
+                node::EnumSetting<Config>(
+                    "cached_eviction",
+                    "how cached sequences give way (with evict_cached): lru drops whole ones, "
+                    "least recently used first; thin first drops, from the least recently used "
+                    "on, each one's pages whose keys are least distinctive (KeyDiff score), "
+                    "keeping thin_keep_fraction of every (layer, kv head), the sinks, the recent "
+                    "rows and the summaries; then whole ones LRU",
+                    &Config::cached_eviction, {"lru", "thin"}),
+                node::NumberSetting<Config>(
+                    "thin_keep_fraction",
+                    "with cached_eviction thin: the fraction of every (layer, kv head)'s pages "
+                    "a thinned sequence keeps",
+                    &Config::thin_keep_fraction, 0.0, 1.0),
                 BoolSetting<Config>("huge_pages", "try huge pages for the pool",
                                     &Config::huge_pages),
                 IntegerSetting<Config>("data_plane_threads",
@@ -128,6 +141,9 @@ StoreServerOptions StoreConfig::ToServerOptions() const {
       .capacity_bytes = capacity_bytes, .page_bytes = page_bytes, .try_huge_pages = huge_pages};
   options.store.evict_expired = evict_expired;
   options.store.evict_cached = evict_cached;
+  options.store.cached_eviction =
+      cached_eviction == "thin" ? CachedEviction::kThin : CachedEviction::kLru;
+  options.store.thin_keep_fraction = thin_keep_fraction;
   options.data_plane_threads = data_plane_threads;
   options.sweep_interval = absl::Milliseconds(static_cast<int64_t>(sweep_interval_ms));
   options.metrics_port = static_cast<int>(metrics_port);

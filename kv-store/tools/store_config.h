@@ -21,6 +21,10 @@ struct StoreConfig {
   // Evict released-and-kept sequences, least recently used first, when space runs short
   // (StoreOptions::evict_cached).
   bool evict_cached = true;
+  // "lru": cached sequences go whole; "thin": they are first thinned, their least distinctive
+  // pages dropped (StoreOptions::cached_eviction), keeping thin_keep_fraction of them.
+  std::string cached_eviction = "lru";
+  double thin_keep_fraction = 0.5;
   bool huge_pages = true;
   uint64_t data_plane_threads = 2;
   uint64_t sweep_interval_ms = 1000;

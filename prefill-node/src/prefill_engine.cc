@@ -676,8 +676,19 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
     }
     if (parent.ok()) {
       for (uint64_t rows : parent->committed_rows) want = std::min(want, rows);
+      // A thinned prefix (the store dropped some of its pages) is reused only up to its first
+      // hole; the rest is computed as in a cold prefill, on every backend, so no attention
+      // ever runs over a hole as if it were a row.
+      want = std::min(want, parent->intact_rows);
       want -= want % static_cast<uint64_t>(align);
-      if (want == 0) parent = absl::FailedPreconditionError("less than one aligned block cached");
+      if (want == 0) {
+        parent = absl::FailedPreconditionError(absl::StrCat(
+            "less than one aligned block cached (", job.prefix_tokens, " prompt tokens matched",
+            parent->thinned_pages > 0
+                ? absl::StrCat(", thinned: rows [0, ", parent->intact_rows, ") whole")
+                : "",
+            ")"));
+      }
     }
     absl::StatusOr<kv_store::ForkResult> forked =
         parent.ok() ? (*store)->ForkSequence(job.store_ref(), job.prefix, want, expected, lease)

@@ -281,6 +281,72 @@ TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
   EXPECT_EQ(AllRows(*store_, {45, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
 }
 
+// A cached prefix the store thinned (its least distinctive pages dropped under pressure) is
+// reused only up to its first hole, aligned: the rest is computed, and the rows and the first
+// token equal a cold prefill's. Nothing reads a dropped row.
+TEST_F(PrefillEngineTest, AThinnedPrefixIsReusedOnlyUpToItsFirstHole) {
+  const model::ModelConfig& c = loaded_->model->config();
+  kv_store::StoreOptions so;
+  so.pool.capacity_bytes = 64ull << 20;
+  so.pool.page_bytes = 8 << 10;  // 16 f32 rows of head_dim 64 per page
+  so.pool.try_huge_pages = false;
+  so.cached_eviction = kv_store::CachedEviction::kThin;
+  so.thin_policy = {.sink_rows = 64, .recent_rows = 16};
+  auto fake = kv_store::FakeKvStoreClient::Create(so);
+  ASSERT_TRUE(fake.ok()) << fake.status();
+  store_ = std::move(*fake);
+  stores_ = std::make_unique<OneStore>(store_.get());
+  engine_ =
+      std::make_unique<PrefillEngine>(loaded_->model.get(), &*loaded_->tokenizer, registry_,
+                                      stores_.get(), &opener_, EngineOptions{.chunk_tokens = 64});
+
+  PrefillJob first = Job(TextPrompt{Text() + Text()}, "full");
+  auto first_ids = engine_->Tokenize(first.prompt);
+  ASSERT_TRUE(first_ids.ok());
+  ASSERT_TRUE(engine_->Run(first).ok());
+  // Handed off; the decode node would release it kept for reuse when done.
+  ASSERT_TRUE(store_->Release({42, cap_}, absl::Hours(1)).ok());
+  std::vector<int32_t> ids = *first_ids;
+  auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
+  ASSERT_TRUE(more.ok());
+  ids.insert(ids.end(), more->begin(), more->end());
+  const int64_t L = static_cast<int64_t>(ids.size());
+
+  // Cold first, then a sequence one page larger than what is free: the cached prefix is
+  // thinned to make room.
+  PrefillJob cold = Job(TokenPrompt{ids}, "full");
+  cold.sequence_id = 43;
+  auto cold_result = engine_->Run(cold);
+  ASSERT_TRUE(cold_result.ok()) << cold_result.status();
+  auto before = store_->Stats();
+  ASSERT_TRUE(before.ok());
+  const kv_store::SequenceShape filler{
+      .n_layers = 1, .n_kv_heads = 1, .head_dim = 64, .dtype = kv_store::DType::kF32};
+  ASSERT_TRUE(
+      store_
+          ->CreateSequence({99, cap_}, filler, (before->free_pages + 1) * 16, absl::ZeroDuration())
+          .ok());
+  auto info = store_->GetSequence({42, cap_});
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_GT(info->thinned_pages, 0u);
+  ASSERT_GE(info->intact_rows, 64u);  // the sinks' pages stay
+  ASSERT_LT(info->intact_rows, first_ids->size());
+  const int64_t reused = static_cast<int64_t>(info->intact_rows) / 64 * 64;
+  ASSERT_TRUE(store_->Release({99, cap_}, absl::ZeroDuration()).ok());  // room for the fork
+
+  PrefillJob warm = Job(TokenPrompt{ids}, "full");
+  warm.sequence_id = 44;
+  warm.prefix = {42, cap_};
+  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  auto warm_result = engine_->Run(warm);
+  ASSERT_TRUE(warm_result.ok()) << warm_result.status();
+  EXPECT_EQ(warm_result->cached_tokens, static_cast<uint32_t>(reused));
+  EXPECT_EQ(warm_result->first_token, cold_result->first_token);
+  EXPECT_EQ(warm_result->kv_bytes_shipped,
+            uint64_t{2} * (L - reused) * c.n_kv_heads * c.head_dim * 4 * c.n_layers);
+  EXPECT_EQ(AllRows(*store_, {44, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
+}
+
 // The keys of rows [0, rows) of one layer of a sequence in the (float32) store, laid out as
 // the model's cache holds them: [rows, n_kv_heads * head_dim].
 std::vector<float> LayerKeys(kv_store::KvStoreClient& store, const kv_store::SequenceRef& ref,

@@ -27,6 +27,7 @@
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/sparse_attention.h"
 #include "selection_trace.h"
+#include "thinned_prefix.h"
 #ifdef KVR_RETRIEVAL_HAVE_QUANT
 #include "kvr/retrieval/codebook.h"
 #endif
@@ -313,6 +314,119 @@ struct PromptCase {
   std::vector<int32_t> continuation;  // teacher-forced tokens (first predicted by the prefill)
 };
 
+// Thinned-prefix rows of one prompt (EvalOptions::thin_keep): one run per (kept fraction,
+// order), batched as the methods' runs are, each on its own copy of the dense prefill's cache;
+// the same teacher-forced and free continuations as the methods', compared with the same dense
+// references.
+absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& model,
+                        const KvCache& prefilled, const PromptCase& pc, int64_t total,
+                        const std::vector<double>& ref_nll, const std::vector<int32_t>& ref_argmax,
+                        const std::vector<int32_t>& ref_free, std::vector<EvalRow>& rows) {
+  const kvr::model::ModelConfig& cfg = model.config();
+  const auto n_prompt = static_cast<int64_t>(pc.prompt.size());
+  const int64_t steps = static_cast<int64_t>(pc.continuation.size()) - 1;
+  const int64_t n_free = options.free_tokens;
+  struct Run {
+    double keep;
+    ThinOrder order;
+    ThinMask mask;
+  };
+  std::vector<Run> runs;
+  for (double keep : options.thin_keep) {
+    for (ThinOrder order : {ThinOrder::kKeyDiff, ThinOrder::kRandom}) {
+      if (order == ThinOrder::kRandom && !options.thin_random) continue;
+      // The store's sinks and recent rows (KeyDiffPagePolicy's defaults, as StoreOptions').
+      runs.push_back({keep, order,
+                      MakeThinMask(prefilled, cfg.n_kv_heads, cfg.head_dim, n_prompt,
+                                   static_cast<uint64_t>(options.thin_page_rows), keep,
+                                   KeyDiffPagePolicy{}, order, options.seed + runs.size())});
+    }
+  }
+  const size_t nr = runs.size();
+  std::vector<float> logits(nr * cfg.vocab);
+  // Teacher-forced.
+  std::vector<KvCache> caches;
+  std::vector<MaskedAttention::Accum> accums(nr);
+  std::map<SequenceId, MaskedAttention::Entry> entries;
+  for (size_t run = 0; run < nr; ++run) {
+    KVR_ASSIGN_OR_RETURN(KvCache c, CopyCache(model, prefilled, total));
+    caches.push_back(std::move(c));
+    entries[run + 1] = {&runs[run].mask, &accums[run]};
+  }
+  MaskedAttention attention(std::move(entries));
+  std::vector<double> nll(nr, 0.0);
+  std::vector<int64_t> agree(nr, 0), passkey_tokens_ok(nr, 0);
+  for (int64_t t = 1; t <= steps; ++t) {
+    const int32_t token = pc.continuation[t - 1];
+    std::vector<kvr::model::ForwardSequence> batch;
+    for (size_t run = 0; run < nr; ++run) batch.push_back({run + 1, &caches[run], {&token, 1}});
+    KVR_RETURN_IF_ERROR(model.Forward(batch, attention, kvr::model::LogitsMode::kLast, logits));
+    for (size_t run = 0; run < nr; ++run) {
+      std::span<const float> lg(logits.data() + run * cfg.vocab, cfg.vocab);
+      nll[run] += Nll(lg, pc.continuation[t]);
+      const int32_t am = Argmax(lg);
+      agree[run] += am == ref_argmax[t - 1];
+      passkey_tokens_ok[run] += am == pc.continuation[t];
+    }
+  }
+  // Free greedy decoding from the same thinned prefill.
+  std::vector<int64_t> equal(nr, 1), free_prefix(nr, 1);
+  if (n_free > 0) {
+    std::vector<KvCache> fcaches;
+    std::map<SequenceId, MaskedAttention::Entry> fentries;
+    for (size_t run = 0; run < nr; ++run) {
+      KVR_ASSIGN_OR_RETURN(KvCache c, CopyCache(model, prefilled, total));
+      fcaches.push_back(std::move(c));
+      fentries[run + 1] = {&runs[run].mask, nullptr};
+    }
+    MaskedAttention fattention(std::move(fentries));
+    std::vector<int32_t> last(nr, ref_free[0]);
+    std::vector<bool> diverged(nr, false);
+    for (int64_t i = 1; i < n_free; ++i) {
+      std::vector<kvr::model::ForwardSequence> batch;
+      for (size_t run = 0; run < nr; ++run)
+        batch.push_back({run + 1, &fcaches[run], {&last[run], 1}});
+      KVR_RETURN_IF_ERROR(model.Forward(batch, fattention, kvr::model::LogitsMode::kLast, logits));
+      for (size_t run = 0; run < nr; ++run) {
+        last[run] = Argmax({logits.data() + run * cfg.vocab, static_cast<size_t>(cfg.vocab)});
+        const bool same = last[run] == ref_free[i];
+        equal[run] += same;
+        if (!same) diverged[run] = true;
+        if (!diverged[run]) ++free_prefix[run];
+      }
+    }
+  }
+  double ref_total = 0;
+  for (double x : ref_nll) ref_total += x;
+  for (size_t run = 0; run < nr; ++run) {
+    EvalRow row;
+    row.prompt = pc.name;
+    row.context = n_prompt;
+    row.method = runs[run].order == ThinOrder::kKeyDiff ? "thin-kd" : "thin-rnd";
+    row.kept_fraction = runs[run].mask.kept_fraction;
+    row.intact_rows = runs[run].mask.intact_rows;
+    row.budget =
+        static_cast<int64_t>(std::llround(row.kept_fraction * static_cast<double>(n_prompt)));
+    row.steps = steps;
+    row.recall = -1;
+    const MaskedAttention::Accum& a = accums[run];
+    row.mass = a.head_samples > 0 ? a.mass / static_cast<double>(a.head_samples) : 0;
+    row.rel_error = a.head_samples > 0 ? a.rel_error / static_cast<double>(a.head_samples) : 0;
+    row.nll = nll[run] / static_cast<double>(steps);
+    row.nll_delta = (nll[run] - ref_total) / static_cast<double>(steps);
+    row.agreement = static_cast<double>(agree[run]) / static_cast<double>(steps);
+    row.kv_bytes_per_token_head = 4.0 * cfg.head_dim;
+    if (pc.name == "passkey") row.passkey_ok = passkey_tokens_ok[run] == steps ? 1 : 0;
+    row.free_tokens = n_free;
+    if (n_free > 0) {
+      row.free_agreement = static_cast<double>(equal[run]) / static_cast<double>(n_free);
+      row.free_prefix = free_prefix[run];
+    }
+    rows.push_back(row);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options,
@@ -326,6 +440,14 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   }
   if (options.row_formats.empty()) {
     return absl::InvalidArgumentError("--row-format: name at least one of cache, bf16, fp8");
+  }
+  for (double keep : options.thin_keep) {
+    if (!(keep >= 0 && keep <= 1)) {
+      return absl::InvalidArgumentError(absl::StrCat("--thin-keep must be in [0, 1], got ", keep));
+    }
+  }
+  if (!options.thin_keep.empty() && options.thin_page_rows < 1) {
+    return absl::InvalidArgumentError("--thin-page-rows must be >= 1");
   }
   std::vector<FetchedRowFormat> formats;
   for (const std::string& name : options.row_formats) {
@@ -664,6 +786,16 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
                                    std::chrono::duration<double>(Clock::now() - t_method).count()));
         }
       }
+      if (!options.thin_keep.empty()) {
+        const auto t_thin = Clock::now();
+        KVR_RETURN_IF_ERROR(
+            RunThinned(options, model, prefilled, pc, total, ref_nll, ref_argmax, ref_free, rows));
+        if (progress) {
+          progress(absl::StrFormat("%s context %d: thinned prefixes done in %.1f s", pc.name,
+                                   n_prompt,
+                                   std::chrono::duration<double>(Clock::now() - t_thin).count()));
+        }
+      }
     }
   }
   return rows;
@@ -673,26 +805,35 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
   std::set<std::string> formats;
   for (const EvalRow& r : rows) formats.insert(r.row_format);
   const bool several_formats = formats.size() > 1;
+  const bool any_thin =
+      std::any_of(rows.begin(), rows.end(), [](const EvalRow& r) { return r.kept_fraction >= 0; });
   std::string out = absl::StrFormat(
       "%-8s %6s %-10s %6s %-5s %7s %7s %8s %8s %8s %7s %11s %6s %6s %9s %9s %6s", "prompt", "ctx",
       "method", "budget", "rows", "recall", "mass", "relerr", "nll", "dNLL", "agree", "free(pfx)",
       "hot", "ovl", "B/tok/hd", "select_us", "pass");
-  out += several_formats ? absl::StrFormat(" %13s\n", "vs1st tf/free") : "\n";
+  if (several_formats) absl::StrAppendFormat(&out, " %13s", "vs1st tf/free");
+  out += any_thin ? absl::StrFormat(" %6s %6s\n", "kept", "whole") : "\n";
   for (const EvalRow& r : rows) {
     const std::string free =
         r.free_tokens > 0 ? absl::StrFormat("%.3f(%d)", r.free_agreement, r.free_prefix) : "-";
-    const std::string hot = r.free_tokens > 1 ? absl::StrFormat("%.3f", r.hot_hit_rate) : "-";
-    const std::string ovl = r.free_tokens > 1 ? absl::StrFormat("%.3f", r.step_overlap) : "-";
+    // Thinned-prefix rows select nothing: no hot cache, no overlap.
+    const bool selects = r.free_tokens > 1 && r.kept_fraction < 0;
+    const std::string hot = selects ? absl::StrFormat("%.3f", r.hot_hit_rate) : "-";
+    const std::string ovl = selects ? absl::StrFormat("%.3f", r.step_overlap) : "-";
+    const std::string recall = r.recall >= 0 ? absl::StrFormat("%.3f", r.recall) : "-";
     absl::StrAppendFormat(
         &out,
-        "%-8s %6d %-10s %6d %-5s %7.3f %7.3f %8.4f %8.4f %+8.4f %7.3f %11s %6s %6s %9.2f %9.1f "
+        "%-8s %6d %-10s %6d %-5s %7s %7.3f %8.4f %8.4f %+8.4f %7.3f %11s %6s %6s %9.2f %9.1f "
         "%6s",
-        r.prompt, r.context, r.method, r.budget, r.row_format, r.recall, r.mass, r.rel_error, r.nll,
+        r.prompt, r.context, r.method, r.budget, r.row_format, recall, r.mass, r.rel_error, r.nll,
         r.nll_delta, r.agreement, free, hot, ovl, r.summary_bytes_per_token_head, r.select_us,
         r.passkey_ok < 0 ? "-" : (r.passkey_ok ? "yes" : "no"));
-    out += several_formats
-               ? absl::StrFormat(" %6.3f/%6.3f\n", r.base_agreement, r.base_free_agreement)
-               : "\n";
+    if (several_formats) {
+      absl::StrAppendFormat(&out, " %6.3f/%6.3f", r.base_agreement, r.base_free_agreement);
+    }
+    out += !any_thin             ? "\n"
+           : r.kept_fraction < 0 ? absl::StrFormat(" %6s %6s\n", "-", "-")
+                                 : absl::StrFormat(" %6.3f %6d\n", r.kept_fraction, r.intact_rows);
   }
   if (!rows.empty()) {
     absl::StrAppendFormat(&out, "(K+V per token per head: %.0f B in fp16",
@@ -712,6 +853,17 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
                             "to the same method and budget's with rows %s",
                             rows.front().row_format);
     }
+    if (any_thin) {
+      absl::StrAppendFormat(&out,
+                            "; thin-kd: the prompt's rows thinned at page granularity as the KV "
+                            "store thins a cached prefix (KeyDiff, least distinctive pages "
+                            "first), thin-rnd: as many pages at random, both then attending "
+                            "densely over the kept rows; their budget is the mean kept prompt "
+                            "rows per layer and KV head, kept their share, whole the rows before "
+                            "the first dropped one of any layer and KV head (what a prefill "
+                            "reuses of such a prefix), mass the dense attention's mass on the "
+                            "kept rows");
+    }
     if (rows.front().free_tokens > 0) {
       absl::StrAppendFormat(&out,
                             "; free(pfx): agreement of %d freely decoded greedy tokens with "
@@ -729,12 +881,20 @@ std::string FormatTable(const std::vector<EvalRow>& rows) {
 
 std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows) {
   nlohmann::json j;
-  j["options"] = {{"contexts", options.contexts},       {"budgets", options.budgets},
-                  {"methods", options.methods},         {"steps", options.steps},
-                  {"free_tokens", options.free_tokens}, {"hot_cache_rows", options.hot_cache_rows},
-                  {"n_sink", options.n_sink},           {"local_window", options.local_window},
-                  {"text_files", options.text_files},   {"passkey", options.passkey},
-                  {"row_formats", options.row_formats}};
+  j["options"] = {{"contexts", options.contexts},
+                  {"budgets", options.budgets},
+                  {"methods", options.methods},
+                  {"steps", options.steps},
+                  {"free_tokens", options.free_tokens},
+                  {"hot_cache_rows", options.hot_cache_rows},
+                  {"n_sink", options.n_sink},
+                  {"local_window", options.local_window},
+                  {"text_files", options.text_files},
+                  {"passkey", options.passkey},
+                  {"row_formats", options.row_formats},
+                  {"thin_keep", options.thin_keep},
+                  {"thin_page_rows", options.thin_page_rows},
+                  {"thin_random", options.thin_random}};
   j["rows"] = nlohmann::json::array();
   for (const EvalRow& r : rows) {
     j["rows"].push_back({{"prompt", r.prompt},
@@ -761,7 +921,9 @@ std::string ToJson(const EvalOptions& options, const std::vector<EvalRow>& rows)
                          {"hot_hit_rate", r.hot_hit_rate},
                          {"step_overlap", r.step_overlap},
                          {"base_agreement", r.base_agreement},
-                         {"base_free_agreement", r.base_free_agreement}});
+                         {"base_free_agreement", r.base_free_agreement},
+                         {"kept_fraction", r.kept_fraction},
+                         {"intact_rows", r.intact_rows}});
   }
   return j.dump(2);
 }

@@ -36,6 +36,15 @@
 //   base_free_agreement  freely decoded tokens equal to that run's, position by position
 // Passkey prompts additionally report whether the teacher-forced argmax reproduces every token
 // of the key (passkey_ok).
+// With thin_keep, every prompt also runs thinned-prefix rows (thinned_prefix.h): per kept
+// fraction, the prompt's rows thinned at page granularity as the KV store thins a cached
+// prefix (method "thin-kd", and "thin-rnd" for a random choice of as many pages with
+// thin_random), then the same teacher-forced and free continuations with dense attention over
+// the kept rows. Such a row's budget is its mean kept prompt rows per (layer, KV head),
+// kept_fraction their share, mass the dense softmax mass on the kept rows, rel_error the
+// output's error against dense attention over every row, intact_rows the rows before the first
+// hole of any (layer, KV head) (what the prefill node reuses of such a prefix); recall does
+// not apply (-1).
 
 #include <cstdint>
 #include <functional>
@@ -77,6 +86,10 @@ struct EvalOptions {
   int64_t prefill_chunk = 512;
   // Formats of the fetched rows, each run beside the others: "cache", "bf16", "fp8".
   std::vector<std::string> row_formats = {"cache"};
+  // Thinned-prefix runs: kept fractions of every (layer, KV head)'s prompt pages (empty: none).
+  std::vector<double> thin_keep;
+  int64_t thin_page_rows = 128;  // rows per store page (64 KiB of SmolLM2's f32 rows)
+  bool thin_random = false;      // also a random choice of as many pages (a control)
 };
 
 struct EvalRow {
@@ -103,6 +116,8 @@ struct EvalRow {
   // Against the run with the first EvalOptions::row_formats entry (1 for that run itself).
   double base_agreement = 1;
   double base_free_agreement = 1;
+  double kept_fraction = -1;  // thinned-prefix rows: share of prompt rows kept (-1: not one)
+  int64_t intact_rows = -1;   // thinned-prefix rows: rows before the first hole of any head
 };
 
 using Progress = std::function<void(const std::string&)>;

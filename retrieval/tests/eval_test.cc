@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -20,8 +21,10 @@
 #include "kvr/common/thread_pool.h"
 #include "kvr/model/loader.h"
 #include "kvr/retrieval/cuda/selection_replay.h"
+#include "kvr/retrieval/keydiff.h"
 #include "retrieval_eval.h"
 #include "selection_trace.h"
+#include "thinned_prefix.h"
 
 namespace kvr::retrieval::eval {
 namespace {
@@ -327,6 +330,145 @@ TEST(HotCacheSimTest, EightWayLruPerStep) {
   two_sets.Step(3, 0, ids({1, 14}));  // 2 hits
   EXPECT_DOUBLE_EQ(two_sets.hit_rate(), 2.0 / 14.0);
   EXPECT_DOUBLE_EQ(two_sets.overlap(), 2.0 / 4.0);
+}
+
+// Masked attention over a thinned prefix equals softmax attention computed directly over the
+// kept rows alone (plus every row past the mask, the decoded ones); mass and error are
+// measured against attention over every row.
+TEST(MaskedAttentionTest, EqualsAttentionOverTheKeptRowsOnly) {
+  constexpr int kHeads = 4, kKvHeads = 2, kDim = 8;
+  constexpr int64_t kRows = 24, kMasked = 20;  // rows 20..23 are past the mask
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> k(kRows * kKvHeads * kDim), v(k.size()), q(kHeads * kDim);
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  for (float& x : q) x = normal(rng);
+  ThinMask mask;
+  mask.rows = kMasked;
+  mask.n_kv_heads = kKvHeads;
+  mask.kept.assign(kKvHeads, std::vector<uint8_t>(kMasked, 1));
+  for (int64_t r = 4; r < 12; ++r) mask.kept[0][r] = 0;  // head 0 loses rows 4..11
+  mask.kept[1][17] = 0;                                  // head 1 loses row 17
+  MaskedAttention::Accum accum;
+  MaskedAttention attention({{7, {&mask, &accum}}});
+  const kvr::model::AttentionShape shape{kHeads, kKvHeads, kDim, 0.35f};
+  std::vector<float> out(kHeads * kDim, -99.f);
+  kvr::model::AttentionRequest r;
+  r.sequence = 7;
+  r.first_position = kRows - 1;
+  r.n_queries = 1;
+  r.q = q.data();
+  r.kv = {.k = k.data(),
+          .v = v.data(),
+          .n_rows = kRows,
+          .row_stride = kKvHeads * kDim,
+          .total_tokens = kRows};
+  r.out = out.data();
+  ASSERT_TRUE(attention.Attend(shape, {&r, 1}).ok());
+  for (int h = 0; h < kHeads; ++h) {
+    const int kvh = h / 2;
+    std::vector<double> w;
+    std::vector<int64_t> ids;
+    for (int64_t t = 0; t < kRows; ++t) {
+      if (t < kMasked && mask.kept[kvh][t] == 0) continue;
+      double dot = 0;
+      for (int d = 0; d < kDim; ++d) dot += q[h * kDim + d] * k[(t * kKvHeads + kvh) * kDim + d];
+      w.push_back(0.35 * dot);
+      ids.push_back(t);
+    }
+    const double m = *std::max_element(w.begin(), w.end());
+    double z = 0;
+    for (double& x : w) z += (x = std::exp(x - m));
+    for (int d = 0; d < kDim; ++d) {
+      double o = 0;
+      for (size_t i = 0; i < ids.size(); ++i)
+        o += w[i] / z * v[(ids[i] * kKvHeads + kvh) * kDim + d];
+      EXPECT_NEAR(out[h * kDim + d], o, 1e-5) << "head " << h << " dim " << d;
+    }
+  }
+  EXPECT_EQ(accum.head_samples, kHeads);
+  EXPECT_LT(accum.mass, kHeads);  // every head lost some mass
+  EXPECT_GT(accum.rel_error, 0);
+  // Prefill calls are not what it measures.
+  r.n_queries = 2;
+  EXPECT_TRUE(absl::IsUnimplemented(attention.Attend(shape, {&r, 1})));
+}
+
+// The store's KeyDiff score (kvr/common/key_diff.h) is the `keydiff` method's: cosine to the
+// head's mean key, as KeyDiffScores over a token tensor computes it.
+TEST(MaskedAttentionTest, StoreScoreIsTheKeyDiffMethodsScore) {
+  constexpr int kKvHeads = 3, kDim = 16;
+  constexpr int64_t kTokens = 200;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.3f, 1.f);
+  std::vector<float> keys(kTokens * kKvHeads * kDim);
+  for (float& x : keys) x = normal(rng);
+  const TokenTensor tensor{keys.data(), kTokens, kKvHeads * kDim};
+  for (int h = 0; h < kKvHeads; ++h) {
+    const std::vector<float> method = KeyDiffScores(tensor, h, kDim);
+    std::vector<float> store(kTokens);
+    kvr::KeyDiffScores(keys.data() + h * kDim, kTokens, kDim, kKvHeads * kDim, store.data());
+    for (int64_t t = 0; t < kTokens; ++t) EXPECT_NEAR(store[t], method[t], 1e-5) << h << " " << t;
+  }
+}
+
+// Thinned-prefix rows on the real model: keeping everything reproduces dense (as `full`
+// does); keeping half of every (layer, KV head)'s 16-row pages keeps exactly half the rows
+// (20 pages: sink page, 4 recent pages, 15 candidates of which 10 go), for KeyDiff's choice and
+// the random control alike, and costs attention mass and output error; keeping none leaves the
+// sink and recent pages only.
+TEST(RetrievalEvalTest, ThinnedPrefixRows) {
+  const std::string path = kvr::TestModelPath();
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
+  ThreadPool pool(0);
+  kvr::model::LoadOptions load_options;
+  load_options.weights = kvr::model::WeightStorage::kFloat32;
+  auto loaded = kvr::model::LoadModel(path, load_options, &pool);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EvalOptions o;
+  o.contexts = {320};
+  o.budgets = {16};
+  o.methods = {"full"};
+  o.steps = 6;
+  o.free_tokens = 12;
+  o.thin_keep = {1.0, 0.5, 0.0};
+  o.thin_page_rows = 16;
+  o.thin_random = true;
+  auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 7u);  // full + 3 keeps x 2 orders
+  std::map<std::string, EvalRow> by;
+  for (const EvalRow& r : *rows) by[absl::StrCat(r.method, "@", r.kept_fraction)] = r;
+  const EvalRow& whole = by.at("thin-kd@1");
+  EXPECT_EQ(whole.budget, 320);
+  EXPECT_EQ(whole.intact_rows, 320);
+  EXPECT_NEAR(whole.mass, 1.0, 1e-6);
+  EXPECT_LT(whole.rel_error, 1e-4);
+  EXPECT_NEAR(whole.nll_delta, 0.0, 1e-3);
+  EXPECT_DOUBLE_EQ(whole.agreement, 1.0);
+  EXPECT_DOUBLE_EQ(whole.free_agreement, 1.0);
+  for (const char* method : {"thin-kd", "thin-rnd"}) {
+    const EvalRow& half = by.at(absl::StrCat(method, "@0.5"));
+    EXPECT_EQ(half.budget, 160) << method;
+    EXPECT_LT(half.mass, 1.0) << method;
+    EXPECT_GT(half.mass, 0.0) << method;
+    EXPECT_GT(half.rel_error, 0.0) << method;
+    EXPECT_EQ(half.recall, -1) << method;
+    // The sink page stays; some head drops page 1 or another before the recent pages.
+    EXPECT_GE(half.intact_rows, 16) << method;
+    EXPECT_LT(half.intact_rows, 256) << method;
+    EXPECT_EQ(half.intact_rows % 16, 0) << method;
+    const EvalRow& none = by.at(absl::StrCat(method, "@0.25"));
+    EXPECT_EQ(none.budget, 80) << method;  // 5 of 20 pages
+    EXPECT_LT(none.mass, half.mass + 1e-9) << method;
+  }
+  EXPECT_NE(FormatTable(*rows).find("thin-kd"), std::string::npos);
+  EXPECT_NE(ToJson(o, *rows).find("\"kept_fraction\": 0.5"), std::string::npos);
+  o.thin_keep = {1.5};
+  rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  ASSERT_FALSE(rows.ok());
+  EXPECT_NE(rows.status().message().find("--thin-keep"), std::string::npos);
 }
 
 TEST(RetrievalEvalTest, BadOptionsNameTheFlag) {

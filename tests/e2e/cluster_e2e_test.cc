@@ -778,6 +778,59 @@ TEST_F(ModelFixture, CachedPrefixesAreEvictedBeforeAnythingIsRefused) {
   EXPECT_EQ(after.sequences(), 0u);
 }
 
+// Thinning on real processes (kvr-store --cached-eviction thin): in a store too small for the
+// prefixes the requests leave cached (128 MiB; a 700-token SmolLM2 sequence holds ~34 MiB of
+// f32 rows in 64 KiB pages), the least recently used cached prefix, turn 1's, is thinned
+// rather than evicted. Its turn 2 reuses it only up to its first hole (more than nothing: the
+// sinks' page stays; less than the whole prompt) and streams the same tokens as a cold
+// prefill: a thinned prefix is never read as if it were whole.
+TEST_F(ModelFixture, AThinnedPrefixGivesTheColdTokens) {
+  Cluster cluster(1, 1,
+                  {"--store-capacity", "128MiB", "--store-arg=--cached-eviction=thin",
+                   "--controller-arg=--prefix-cache-seconds=300"});
+  ASSERT_TRUE(cluster.ready());
+  constexpr uint32_t kTokens = 8;
+  const auto append = [](std::vector<int32_t> a, const std::vector<int32_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const auto aligned = [](size_t n) { return static_cast<uint32_t>(n / 64 * 64); };
+  const std::vector<int32_t> turn1 =
+      append(Prompt(700, 20), Encode(" Question: what is paragraph 2 about? Answer:"));
+  Outcome first = Generate(cluster.stub(), TokenRequest(turn1, "full", kTokens));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  // Other conversations until the store has to make room. Their prompts share less than one
+  // 16-token block with turn 1's (variants that start on another topic): a request matched to
+  // turn 1 by a few tokens would not reuse it, and the controller would then forget it.
+  const int others[] = {21, 22, 23, 25, 26, 27};
+  for (int variant : others) {
+    if (cluster.StoreStats().evictions_thinned() > 0) break;
+    Outcome o = Generate(cluster.stub(), TokenRequest(Prompt(700, variant), "full", kTokens));
+    ASSERT_TRUE(o.status.ok()) << "variant " << variant << ": " << o.status.error_message();
+  }
+  const kvr::store::v1::StatsResponse thinned = cluster.StoreStats();
+  std::printf("thinned %llu cached sequences (%llu pages), evicted %llu whole\n",
+              static_cast<unsigned long long>(thinned.evictions_thinned()),
+              static_cast<unsigned long long>(thinned.thinned_pages()),
+              static_cast<unsigned long long>(thinned.evictions_cached_lru()));
+  ASSERT_GT(thinned.evictions_thinned(), 0u);
+  EXPECT_EQ(thinned.evictions_cached_lru(), 0u);
+
+  const std::vector<int32_t> turn2 =
+      append(append(turn1, first.tokens), Encode(" Question: and paragraph 4? Answer:"));
+  Outcome reused = Generate(cluster.stub(), TokenRequest(turn2, "full", kTokens));
+  ASSERT_TRUE(reused.status.ok()) << reused.status.error_message();
+  kvr::v1::GenerateRequest cold_request = TokenRequest(turn2, "full", kTokens);
+  cold_request.set_prefix_cache(false);
+  Outcome cold = Generate(cluster.stub(), cold_request);
+  ASSERT_TRUE(cold.status.ok()) << cold.status.error_message();
+  std::printf("turn 2 (%zu tokens): %u reused of the %u a whole prefix gives\n", turn2.size(),
+              reused.completion.usage().cached_tokens(), aligned(turn1.size()));
+  EXPECT_GT(reused.completion.usage().cached_tokens(), 0u);
+  EXPECT_LT(reused.completion.usage().cached_tokens(), aligned(turn1.size()));
+  EXPECT_EQ(reused.tokens, cold.tokens);
+}
+
 // A request with resume_on_failure whose store is killed (SIGKILL) while it streams: the
 // controller prefills prompt + the N tokens sent on the other store and the stream goes on;
 // the client gets OK and 64 tokens: the N of the fault-free run, then exactly what the cluster

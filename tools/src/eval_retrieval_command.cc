@@ -108,6 +108,17 @@ void AddEvalCommand(CLI::App& app) {
                   "the others: cache (as the KV cache holds them), bf16, fp8 (e4m3, a float "
                   "scale per row and KV head)")
       ->capture_default_str();
+  cmd->add_option("--thin-keep", flags->eval.thin_keep,
+                  "also run the prompt thinned as the KV store thins a cached prefix "
+                  "(cached_eviction: thin), keeping these fractions of every layer and KV "
+                  "head's pages, then attending over the kept rows (rows thin-kd)")
+      ->delimiter(',');
+  cmd->add_option("--thin-page-rows", flags->eval.thin_page_rows,
+                  "rows per store page for --thin-keep (64 KiB pages of f32 rows: 128 for "
+                  "head_dim 64)")
+      ->capture_default_str();
+  cmd->add_flag("--thin-random", flags->eval.thin_random,
+                "with --thin-keep, also drop as many pages at random (rows thin-rnd, a control)");
   cmd->add_option("--option", flags->options, "method option name=value (repeatable)");
   cmd->add_option("--json", flags->json, "write the rows as JSON here");
   cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");

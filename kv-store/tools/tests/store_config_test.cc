@@ -88,6 +88,21 @@ TEST(ConfigTest, EvictCachedIsOnByDefaultAndCanBeTurnedOff) {
   EXPECT_THAT(config->text, HasSubstr("evict_cached: false  # flag"));
 }
 
+TEST(ConfigTest, CachedEvictionIsLruUnlessThinIsAsked) {
+  auto config = Parse({}, FakeEnv({}));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->ToServerOptions().store.cached_eviction, CachedEviction::kLru);
+  EXPECT_THAT(config->text, HasSubstr("cached_eviction: lru  # default"));
+  config = Parse({"--cached-eviction", "thin", "--thin-keep-fraction", "0.25"}, FakeEnv({}));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->ToServerOptions().store.cached_eviction, CachedEviction::kThin);
+  EXPECT_EQ(config->ToServerOptions().store.thin_keep_fraction, 0.25);
+  auto st = Parse({"--cached-eviction", "random"}, FakeEnv({})).status();
+  EXPECT_THAT(st.message(), HasSubstr("cached_eviction"));
+  st = Parse({"--thin-keep-fraction", "1.5"}, FakeEnv({})).status();
+  EXPECT_THAT(st.message(), HasSubstr("thin_keep_fraction"));
+}
+
 TEST(ConfigTest, BadValuesNameTheOptionAndSource) {
   auto st = Parse({"--capacity-bytes", "12 parsecs"}, FakeEnv({})).status();
   EXPECT_TRUE(absl::IsInvalidArgument(st));

@@ -27,6 +27,8 @@ struct StoreSnapshot {
   uint64_t forked_rows = 0;  // monotonic since start
   uint64_t cached_sequences = 0;
   uint64_t cached_bytes = 0;
+  uint64_t evictions_thinned = 0;  // monotonic since start
+  uint64_t thinned_pages = 0;      // monotonic since start
 };
 
 class StoreMetrics {
@@ -39,10 +41,10 @@ class StoreMetrics {
   //   kvr_store_capacity_bytes, kvr_store_used_bytes, kvr_store_pages{state="free|used"},
   //   kvr_store_sequences, kvr_store_shared_pages, kvr_store_cached_sequences,
   //   kvr_store_cached_bytes (gauges);
-  //   kvr_store_evictions_total{reason="expired|cached_lru"},
-  //   kvr_store_expired_sequences_total, kvr_store_written_bytes_total,
-  //   kvr_store_read_bytes_total, kvr_store_forks_total, kvr_store_forked_rows_total
-  //   (counters).
+  //   kvr_store_evictions_total{reason="expired|cached_lru|thinned"},
+  //   kvr_store_thinned_pages_total, kvr_store_expired_sequences_total,
+  //   kvr_store_written_bytes_total, kvr_store_read_bytes_total, kvr_store_forks_total,
+  //   kvr_store_forked_rows_total (counters).
   void Update(const StoreSnapshot& s);
 
  private:

@@ -21,6 +21,15 @@
 // a sequence frees only the pages no other sequence shares, so eviction goes on, sequence by
 // sequence in that order, until the allocation fits or nothing evictable is left.
 //
+// Thinning (StoreOptions::cached_eviction = kThin): before any cached sequence goes whole, the
+// cached ones are thinned, least recently used first: in every (layer, kv head) the pages whose
+// rows the KeyDiff score ranks least distinctive (kvr/common/key_diff.h) are freed, down to a
+// floor (thin_keep_fraction of the pages; the sinks' and the recent rows' pages and pages
+// shared with another sequence always stay). A sequence is thinned once; its attachments
+// stay. Its dropped rows are holes: a read touching one (Gather, RangeRead, LocateRange) fails
+// FAILED_PRECONDITION naming the row, ReservePageTable refuses it, a fork may take only rows
+// below the first hole (GetSequence's intact_rows), so nothing reads a thinned prefix as whole.
+//
 // Sharing (ForkSequence): a forked sequence holds references to its parent's full committed
 // pages (PagePool reference counts) instead of copies. Such a page lies wholly below both
 // sequences' watermarks, and rows below a watermark are never written again, so a shared page
@@ -59,11 +68,18 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvr/common/key_diff.h"
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/kv_store/page_pool.h"
 #include "kvr/kv_store/types.h"
 
 namespace kvr::kv_store {
+
+// How released-and-kept sequences give way to new work (StoreOptions::cached_eviction).
+enum class CachedEviction {
+  kLru,   // whole sequences, least recently used first
+  kThin,  // thin them first (least recently used first), then whole sequences LRU
+};
 
 struct StoreOptions {
   PagePoolOptions pool;
@@ -74,6 +90,12 @@ struct StoreOptions {
   // new work rather than refuse it; off, a kept sequence holds its pages until its keep
   // expires (and then only goes with evict_expired).
   bool evict_cached = true;
+  // With evict_cached: kThin thins cached sequences before evicting any whole (class comment).
+  CachedEviction cached_eviction = CachedEviction::kLru;
+  // Thinning keeps at least this fraction of every (layer, kv head)'s pages (rounded up).
+  double thin_keep_fraction = 0.5;
+  // Rows thinning never drops: attention sinks and the most recent rows.
+  KeyDiffPagePolicy thin_policy;
   // Injected so that lease tests need no sleeps.
   std::function<absl::Time()> now = [] { return absl::Now(); };
 };
@@ -191,6 +213,10 @@ class PagedKvStore {
   [[nodiscard]] absl::Status Lease(const SequenceRef& ref, absl::Duration lease);
   [[nodiscard]] absl::StatusOr<SequenceInfo> GetSequence(const SequenceRef& ref) const;
 
+  // The error of a read of dropped row `row` of a thinned sequence (FAILED_PRECONDITION).
+  [[nodiscard]] static absl::Status ThinnedRowError(SequenceId id, uint32_t layer, uint32_t head,
+                                                    uint64_t row);
+
   // Evicts every expired sequence when evict_expired is set; returns how many.
   size_t SweepExpired();
   StoreStats Stats() const;
@@ -224,6 +250,9 @@ class PagedKvStore {
   // bound of what they free: shared pages stay) would cover `pages_wanted`, then drops them.
   // Only expired sequences when `cached` is false (the sweep). With
   // `hopeless_evicts_nothing`, evicts nothing when even all candidates could not cover it.
+  // With thinning on (cached_eviction = kThin), cached candidates not yet thinned are thinned
+  // (least recently used first) after the expired ones go and before any cached one goes
+  // whole. Returns sequences evicted plus sequences thinned (its progress).
   size_t EvictRound(size_t pages_wanted, std::span<const SequenceId> keep, bool cached,
                     bool hopeless_evicts_nothing);
   // Marks `seq` used now (a tick of use_clock_).
@@ -240,6 +269,8 @@ class PagedKvStore {
   mutable std::atomic<uint64_t> use_clock_{0};
   std::atomic<uint64_t> evictions_expired_{0};
   std::atomic<uint64_t> evictions_cached_lru_{0};
+  std::atomic<uint64_t> thinned_sequences_{0};
+  std::atomic<uint64_t> thinned_pages_{0};
   std::atomic<uint64_t> forks_{0};
   std::atomic<uint64_t> forked_rows_{0};
   mutable std::atomic<uint64_t> bytes_written_{0};

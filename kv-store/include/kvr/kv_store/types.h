@@ -132,6 +132,10 @@ struct StoreStats {
   // 0 without). Capacity for new work is capacity_bytes - used_bytes + cached_bytes.
   uint64_t cached_sequences = 0;
   uint64_t cached_bytes = 0;
+  // Cached sequences thinned (StoreOptions::cached_eviction = kThin) and the pages that freed;
+  // monotonic. Not part of `evictions`, which counts whole sequences.
+  uint64_t evictions_thinned = 0;
+  uint64_t thinned_pages = 0;
 };
 
 // A small opaque blob kept with one layer of a sequence, describing its rows [0, rows) (a
@@ -154,6 +158,11 @@ struct SequenceInfo {
   uint64_t pages = 0;
   int64_t lease_expiry_unix_ms = 0;  // 0: no expiry
   bool released_kept = false;
+  // Pages thinning dropped (0: the sequence is whole), and then the rows [0, intact_rows)
+  // stored whole in every (layer, kv head): a fork may take no more. Without holes,
+  // intact_rows is the fewest committed rows of any layer.
+  uint64_t thinned_pages = 0;
+  uint64_t intact_rows = 0;
 };
 
 }  // namespace kvr::kv_store
