@@ -176,6 +176,8 @@ std::shared_ptr<rc::SparseSelectionReplay> MakeReplay(const retrieval::eval::Sel
   r->trace_budget = t.budget;
   r->run = std::max(1, static_cast<int>(std::lround(static_cast<double>(budget) / t.budget)));
   r->trace_begin = static_cast<int32_t>(t.CandidatesBegin());
+  // The bench's slots share one store sequence: each replays other recorded heads.
+  r->rotate_slots = true;
   const size_t heads = static_cast<size_t>(c.n_layers) * c.n_kv_heads;
   r->counts.assign(r->n_steps * heads, 0);
   r->ids.assign(r->n_steps * heads * t.budget, 0);

@@ -985,6 +985,8 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     p.budget = o.budget;
     p.trace_begin = r->trace_begin;
     p.scatter = r->scatter;
+    p.rotate_slots = r->rotate_slots;
+    p.n_layers = r->n_layers;
     p.cand_begin = cand.begin;
     p.cand_end = cand.end;
     p.budgets = sp.budgets.data();

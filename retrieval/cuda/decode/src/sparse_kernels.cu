@@ -287,7 +287,9 @@ __global__ void ReplaySelectKernel(ReplaySelectParams p) {
   const int s = i / p.n_kv_heads, h = i % p.n_kv_heads;
   const int32_t begin = p.cand_begin[s], end = p.cand_end[s];
   if (end <= begin) return;  // nothing to select (empty slot, or selected elsewhere)
-  const int64_t head = int64_t{p.layer} * p.n_kv_heads + h;
+  const int64_t head =
+      p.rotate_slots ? int64_t{(p.layer + s) % p.n_layers} * p.n_kv_heads + (h + s) % p.n_kv_heads
+                     : int64_t{p.layer} * p.n_kv_heads + h;
   const int budget = min(p.budget, p.budgets[s]);
   const int32_t* recorded = p.ids + head * p.trace_budget;
   int32_t* out = p.out_ids + int64_t{i} * p.budget;

@@ -116,6 +116,8 @@ struct ReplaySelectParams {
   int trace_budget = 0, run = 1, layer = 0, slots = 0, n_kv_heads = 0, budget = 0;
   int32_t trace_begin = 0;
   int32_t scatter = 0;
+  bool rotate_slots = false;
+  int n_layers = 0;
   const int32_t* cand_begin = nullptr;  // [slots]
   const int32_t* cand_end = nullptr;    // [slots]
   const int32_t* budgets = nullptr;     // [slots]

@@ -423,6 +423,7 @@ TEST(CudaSparseTest, ReplayedSelectionsFollowTheReferenceAndHitTheHotCache) {
     SCOPED_TRACE(scatter);
     auto run = std::make_shared<retrieval::cuda::SparseSelectionReplay>(*replay);
     run->scatter = scatter;  // 0: runs of 4 rows; 600: the 4 rows 600 apart
+    run->rotate_slots = scatter > 0;  // slot 1 replays layer + 1 and KV head + 1
     so.replay = run;
     ASSERT_TRUE(sp.Configure(so).ok());
     const int64_t filled[2] = {2000, 3000};
@@ -444,7 +445,11 @@ TEST(CudaSparseTest, ReplayedSelectionsFollowTheReferenceAndHitTheHotCache) {
         const int64_t len = filled[slot] + step + 1;
         const auto end = static_cast<int32_t>(len - so.local_window);
         for (int h = 0; h < kv; ++h) {
-          const int64_t head = (int64_t{step} * heads + int64_t{kLayer} * kv + h);
+          const bool rotate = scatter > 0;
+          const int64_t head =
+              int64_t{step} * heads +
+              (rotate ? int64_t{(kLayer + slot) % c.n_layers} * kv + (h + slot) % kv
+                      : int64_t{kLayer} * kv + h);
           std::vector<int32_t> want(so.budget);
           const int n =
               retrieval::cuda::ReplayHeadIds(replay->ids.data() + head * 16, replay->counts[head],

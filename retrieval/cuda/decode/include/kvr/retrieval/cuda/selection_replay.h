@@ -37,6 +37,11 @@ struct SparseSelectionReplay {
   // another part of the context, so that the fetched rows lie one by one across the store's
   // pages (a real model's clusters) instead of in runs. Same reuse either way.
   int32_t scatter = 0;
+  // Slot s replays the recording of model layer (l + s) mod n_layers and KV head
+  // (h + s) mod n_kv_heads for (l, h): a batch's sequences select different rows, as real
+  // sequences do (a benchmark's slots may share one store sequence, where identical selections
+  // would also share every row's address translation).
+  bool rotate_slots = false;
   // [n_steps, n_layers, n_kv_heads]: recorded ids per head; [.., trace_budget]: the ids,
   // ascending.
   std::vector<int32_t> counts;
