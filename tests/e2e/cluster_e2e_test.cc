@@ -743,12 +743,12 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
 }
 
 // A store far smaller than the prefixes the requests leave cached (128 MiB; a 700-token
-// SmolLM2 sequence holds ~32 MiB of f32 rows, and ~5 requests finish within a keep of 12 s):
-// no new request is refused while cached prefixes can be evicted, the store evicts them
-// (cached_lru), and once the prefixes' keep has passed every page is free again.
+// SmolLM2 sequence holds ~32 MiB of f32 rows, and ~5 requests finish within a keep of 30 s even on
+// a loaded machine): no new request is refused while cached prefixes can be evicted, the store
+// evicts them (cached_lru), and once the prefixes' keep has passed every page is free again.
 TEST_F(ModelFixture, CachedPrefixesAreEvictedBeforeAnythingIsRefused) {
   Cluster cluster(1, 1,
-                  {"--store-capacity", "128MiB", "--controller-arg=--prefix-cache-seconds=12"});
+                  {"--store-capacity", "128MiB", "--controller-arg=--prefix-cache-seconds=30"});
   ASSERT_TRUE(cluster.ready());
   const kvr::store::v1::StatsResponse before = cluster.StoreStats();
   uint64_t most_cached = 0;
@@ -768,8 +768,10 @@ TEST_F(ModelFixture, CachedPrefixesAreEvictedBeforeAnythingIsRefused) {
   EXPECT_GE(most_cached, 2u);
   EXPECT_GT(full.evictions_cached_lru(), 0u);
   EXPECT_EQ(Cluster::LiveSequences(full), 0u);
-  // The keep runs out; the store sweeps expired sequences every 500 ms.
-  const absl::Time until = absl::Now() + absl::Seconds(20);
+  // The keep runs out; the store sweeps expired sequences every 500 ms. (The keep outlasts
+  // three requests on a loaded machine, ~10 s each: a shorter one let cached prefixes expire
+  // before the store filled, and nothing was left for LRU to evict.)
+  const absl::Time until = absl::Now() + absl::Seconds(45);
   while (cluster.StoreStats().used_bytes() != before.used_bytes() && absl::Now() < until) {
     absl::SleepFor(absl::Milliseconds(200));
   }

@@ -633,6 +633,44 @@ absl::StatusOr<HostTopology> GetHostTopology(int device) {
   return t;
 }
 
+namespace {
+
+// Best GB/s of `repeats` timed calls of `launch` (each moving `bytes`) after an untimed one.
+template <typename Launch>
+absl::StatusOr<double> BestGbps(cudaStream_t stream, int64_t bytes, int repeats, Launch&& launch) {
+  KVR_ASSIGN_OR_RETURN(auto start, kvr::cuda::CudaEvent::Create());
+  KVR_ASSIGN_OR_RETURN(auto stop, kvr::cuda::CudaEvent::Create());
+  KVR_RETURN_IF_ERROR(launch());
+  double best_ms = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
+    KVR_RETURN_IF_ERROR(launch());
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop.get()));
+    float ms = 0;
+    KVR_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    best_ms = std::min<double>(best_ms, ms);
+  }
+  return static_cast<double>(bytes) / (best_ms * 1e-3) / 1e9;
+}
+
+// Row e of `gathered` (n_rows rows of 512 bytes) is row ProbeRow(e, src_rows) of `host`.
+absl::Status CheckProbeRows(const uint8_t* gathered, const void* host, int64_t n_rows,
+                            int64_t src_rows, const char* what) {
+  constexpr int kRowBytes = 512;
+  const auto* h = static_cast<const uint8_t*>(host);
+  for (int64_t e = 0; e < n_rows; ++e) {
+    if (std::memcmp(gathered + e * kRowBytes, h + cuda::ProbeRow(e, src_rows) * kRowBytes,
+                    kRowBytes) != 0) {
+      return absl::InternalError(
+          absl::StrCat(what, ": gathered row ", e, " differs from the host row"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<HostLinkProbe> MeasureHostLink(int device, int numa_node, bool huge_pages,
                                               int64_t bytes, int repeats) {
   constexpr int kRowBytes = 512;  // one [K | V] row of a head_dim 128 KV head, bf16
@@ -657,23 +695,7 @@ absl::StatusOr<HostLinkProbe> MeasureHostLink(int device, int numa_node, bool hu
   KVR_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&mapped, host.data, 0));
   KVR_ASSIGN_OR_RETURN(auto dev, kvr::cuda::DeviceBuffer<uint8_t>::Create(bytes));
   KVR_ASSIGN_OR_RETURN(auto stream, kvr::cuda::CudaStream::Create());
-  KVR_ASSIGN_OR_RETURN(auto start, kvr::cuda::CudaEvent::Create());
-  KVR_ASSIGN_OR_RETURN(auto stop, kvr::cuda::CudaEvent::Create());
-  // Best GB/s of `repeats` timed calls of `launch` after an untimed one.
-  auto best_gbps = [&](auto&& launch) -> absl::StatusOr<double> {
-    KVR_RETURN_IF_ERROR(launch());
-    double best_ms = 1e30;
-    for (int r = 0; r < repeats; ++r) {
-      KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream.get()));
-      KVR_RETURN_IF_ERROR(launch());
-      KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream.get()));
-      KVR_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop.get()));
-      float ms = 0;
-      KVR_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
-      best_ms = std::min<double>(best_ms, ms);
-    }
-    return static_cast<double>(bytes) / (best_ms * 1e-3) / 1e9;
-  };
+  auto best_gbps = [&](auto&& launch) { return BestGbps(stream.get(), bytes, repeats, launch); };
   std::vector<uint8_t> back(static_cast<size_t>(bytes));
   auto copy_back = [&]() -> absl::Status {
     std::memset(back.data(), 0xff, back.size());  // poisoned: a row the kernel skipped shows
@@ -710,14 +732,7 @@ absl::StatusOr<HostLinkProbe> MeasureHostLink(int device, int numa_node, bool hu
                                                          stream.get());
                        }));
   KVR_RETURN_IF_ERROR(copy_back());
-  const auto* h = static_cast<const uint8_t*>(host.data);
-  for (int64_t e = 0; e < n_rows; ++e) {
-    if (std::memcmp(back.data() + e * kRowBytes, h + cuda::ProbeRow(e, n_rows) * kRowBytes,
-                    kRowBytes) != 0) {
-      return absl::InternalError(
-          absl::StrCat("MeasureHostLink: gathered row ", e, " differs from the host row"));
-    }
-  }
+  KVR_RETURN_IF_ERROR(CheckProbeRows(back.data(), host.data, n_rows, n_rows, "MeasureHostLink"));
   return p;
 }
 
@@ -733,37 +748,16 @@ absl::StatusOr<double> MeasureMappedRows(const void* host, const void* device_sr
   const int64_t bytes = n_rows * kRowBytes;
   KVR_ASSIGN_OR_RETURN(auto dev, kvr::cuda::DeviceBuffer<uint8_t>::Create(bytes));
   KVR_ASSIGN_OR_RETURN(auto stream, kvr::cuda::CudaStream::Create());
-  KVR_ASSIGN_OR_RETURN(auto start, kvr::cuda::CudaEvent::Create());
-  KVR_ASSIGN_OR_RETURN(auto stop, kvr::cuda::CudaEvent::Create());
-  auto launch = [&] {
-    return cuda::LaunchZeroCopyRows(device_src, dev.data(), n_rows, kRowBytes, stream.get(),
-                                    src_rows);
-  };
-  KVR_RETURN_IF_ERROR(launch());
-  double best_ms = 1e30;
-  for (int r = 0; r < repeats; ++r) {
-    KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream.get()));
-    KVR_RETURN_IF_ERROR(launch());
-    KVR_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream.get()));
-    KVR_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop.get()));
-    float ms = 0;
-    KVR_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
-    best_ms = std::min<double>(best_ms, ms);
-  }
-  // Every gathered row is the host's row at the same place.
+  KVR_ASSIGN_OR_RETURN(const double gbps, BestGbps(stream.get(), bytes, repeats, [&] {
+                         return cuda::LaunchZeroCopyRows(device_src, dev.data(), n_rows, kRowBytes,
+                                                         stream.get(), src_rows);
+                       }));
   std::vector<uint8_t> back(static_cast<size_t>(bytes));
   KVR_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(back.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, stream.get()));
   KVR_RETURN_IF_ERROR(stream.Synchronize());
-  const auto* h = static_cast<const uint8_t*>(host);
-  for (int64_t e = 0; e < n_rows; ++e) {
-    if (std::memcmp(back.data() + e * kRowBytes, h + cuda::ProbeRow(e, src_rows) * kRowBytes,
-                    kRowBytes) != 0) {
-      return absl::InternalError(
-          absl::StrCat("MeasureMappedRows: gathered row ", e, " differs from the host row"));
-    }
-  }
-  return static_cast<double>(bytes) / (best_ms * 1e-3) / 1e9;
+  KVR_RETURN_IF_ERROR(CheckProbeRows(back.data(), host, n_rows, src_rows, "MeasureMappedRows"));
+  return gbps;
 }
 
 }  // namespace kvr::retrieval::cuda
