@@ -166,6 +166,16 @@ absl::StatusOr<Sample> Fit(const std::function<Sample(size_t)>& make, uint32_t t
   return s;
 }
 
+// Tokens to generate for an answer the model writes as `text`: its tokens by the served model's
+// tokenizer and a margin (an opening colon or newline, a word more before it stops). Counted,
+// not guessed: SmolLM2's tokenizer spends a token per digit, so four 7-digit numbers alone take
+// 28 tokens and a fixed 28 cut the fourth one off.
+absl::StatusOr<uint32_t> AnswerTokens(const TokenCounter& counter, const std::string& text) {
+  constexpr uint32_t kMargin = 4;
+  KVR_ASSIGN_OR_RETURN(const uint32_t tokens, counter(text));
+  return tokens + kMargin;
+}
+
 constexpr std::string_view kNeedleIntro =
     "Some special magic numbers are hidden within the following text. Make sure to memorize "
     "them. I will quiz you about the numbers afterwards.\n";
@@ -234,6 +244,8 @@ absl::StatusOr<Sample> NiahMultivalue(const SampleSpec& spec, std::mt19937_64& r
     // One value per quarter of the haystack.
     depths.push_back((i + std::uniform_real_distribution<double>(0.1, 0.9)(rng)) / kValues);
   }
+  KVR_ASSIGN_OR_RETURN(const uint32_t max_tokens,
+                       AnswerTokens(counter, absl::StrCat(": ", absl::StrJoin(values, ", "), ".")));
   auto make = [&](size_t n) {
     Layout l;
     l.head = std::string(kNeedleIntro);
@@ -248,7 +260,7 @@ absl::StatusOr<Sample> NiahMultivalue(const SampleSpec& spec, std::mt19937_64& r
     Sample s;
     Assemble(l, &s);
     s.answers = values;
-    s.max_tokens = 28;  // four 7-digit numbers and commas
+    s.max_tokens = max_tokens;  // the four numbers, comma-separated
     return s;
   };
   return Fit(make, spec.target_tokens, counter, spec.task);
@@ -288,6 +300,9 @@ absl::StatusOr<Sample> VariableTracking(const SampleSpec& spec, std::mt19937_64&
                  : absl::StrCat("VAR ", chains[c][i], " = VAR ", chains[c][i - 1], "."));
     }
   }
+  KVR_ASSIGN_OR_RETURN(
+      const uint32_t max_tokens,
+      AnswerTokens(counter, absl::StrCat(" ", absl::StrJoin(chains[0], ", "), ".")));
   auto make = [&](size_t n) {
     Layout l;
     l.head =
@@ -305,7 +320,7 @@ absl::StatusOr<Sample> VariableTracking(const SampleSpec& spec, std::mt19937_64&
     Sample s;
     Assemble(l, &s);
     s.answers = chains[0];
-    s.max_tokens = 24;  // five names and commas
+    s.max_tokens = max_tokens;  // the five names, comma-separated
     return s;
   };
   return Fit(make, spec.target_tokens, counter, spec.task);

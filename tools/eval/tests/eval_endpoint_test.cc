@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kvr/common/paths.h"
@@ -106,6 +107,25 @@ TEST(EvalTasksTest, PromptsFitTheLengthInModelTokens) {
       EXPECT_LE(s.prompt_tokens, length);
       // Fitted, not just under: within one haystack unit (a list item, a licence line).
       EXPECT_GE(s.prompt_tokens + 40, length);
+    }
+  }
+}
+
+// The whole answer, written as the model writes it (": a, b, c, d."), fits the tokens each task
+// lets the model generate, in the served model's tokens: a budget too small cuts a multi-part
+// answer short and caps the task's score below 1 for every method alike.
+TEST(EvalTasksTest, TheWholeAnswerFitsMaxTokensInModelTokens) {
+  const TokenCounter counter = SmolCounter();
+  ASSERT_TRUE(counter) << "no tokenizer at " << TestModelPath() << " (scripts/fetch-model.sh)";
+  for (const std::string& task : TaskNames()) {
+    for (uint32_t index = 0; index < 4; ++index) {
+      SCOPED_TRACE(task + " sample " + std::to_string(index));
+      const Sample s = Make(task, 400, 21, index, counter);
+      ASSERT_FALSE(s.answers.empty());
+      const std::string written = absl::StrCat(": ", absl::StrJoin(s.answers, ", "), ".");
+      const absl::StatusOr<uint32_t> tokens = counter(written);
+      ASSERT_TRUE(tokens.ok()) << tokens.status();
+      EXPECT_LE(*tokens, s.max_tokens) << written;
     }
   }
 }
