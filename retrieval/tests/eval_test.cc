@@ -29,17 +29,26 @@
 namespace kvr::retrieval::eval {
 namespace {
 
-TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
-  const std::string path = kvr::TestModelPath();
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
-  ThreadPool pool(0);
-  // float32 weights: "full" must reproduce the dense reference token for token, and the
-  // reference's teacher-forced logits come from a many-token forward pass, which with packed
-  // weights takes the SGEMM path while decode steps take the 8-bit gemv.
-  kvr::model::LoadOptions load_options;
-  load_options.weights = kvr::model::WeightStorage::kFloat32;
-  auto loaded = kvr::model::LoadModel(path, load_options, &pool);
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
+// The real model (SmolLM2) with float32 weights, or the test skipped without it. float32:
+// "full" must reproduce the dense reference token for token, and the reference's teacher-forced
+// logits come from a many-token forward pass, which with packed weights takes the SGEMM path
+// while decode steps take the 8-bit gemv.
+class RetrievalEvalTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string path = kvr::TestModelPath();
+    if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
+    kvr::model::LoadOptions load_options;
+    load_options.weights = kvr::model::WeightStorage::kFloat32;
+    auto loaded = kvr::model::LoadModel(path, load_options, &pool);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    loaded_ = *std::move(loaded);
+  }
+  ThreadPool pool{0};
+  kvr::model::LoadedModel loaded_;
+};
+
+TEST_F(RetrievalEvalTest, BaselinesOnTheRealModel) {
   EvalOptions o;
   o.contexts = {320};
   o.budgets = {16};
@@ -55,7 +64,7 @@ TEST(RetrievalEvalTest, BaselinesOnTheRealModel) {
   std::filesystem::remove_all(traces);
   std::filesystem::create_directories(traces);
   o.trace_dir = traces.string();
-  auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  auto rows = RunRetrievalEval(o, loaded_, &pool, nullptr);
   ASSERT_TRUE(rows.ok()) << rows.status();
   ASSERT_EQ(rows->size(), 3u);
   std::map<std::string, EvalRow> by;
@@ -231,14 +240,7 @@ TEST(SelectionReplayTest, RunsAtScaledPositions) {
 // Fetched rows through bf16 and fp8 beside the cache's own rows, with `full` (every row between
 // the sinks and the local window is fetched): the cache's rows reproduce dense (dNLL 0), fp8
 // rows move the NLL a little but not by nothing and cost more output error than bf16 rows.
-TEST(RetrievalEvalTest, FetchedRowFormatsChangeOnlyTheAttendedRows) {
-  const std::string path = kvr::TestModelPath();
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
-  ThreadPool pool(0);
-  kvr::model::LoadOptions load_options;
-  load_options.weights = kvr::model::WeightStorage::kFloat32;  // full == dense (see above)
-  auto loaded = kvr::model::LoadModel(path, load_options, &pool);
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
+TEST_F(RetrievalEvalTest, FetchedRowFormatsChangeOnlyTheAttendedRows) {
   EvalOptions o;
   o.contexts = {320};
   o.budgets = {16};
@@ -248,7 +250,7 @@ TEST(RetrievalEvalTest, FetchedRowFormatsChangeOnlyTheAttendedRows) {
   o.n_sink = 8;
   o.local_window = 32;
   o.row_formats = {"cache", "bf16", "fp8"};
-  auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  auto rows = RunRetrievalEval(o, loaded_, &pool, nullptr);
   ASSERT_TRUE(rows.ok()) << rows.status();
   ASSERT_EQ(rows->size(), 6u);
   std::map<std::string, EvalRow> by;
@@ -300,7 +302,7 @@ TEST(RetrievalEvalTest, FetchedRowFormatsChangeOnlyTheAttendedRows) {
   EXPECT_NE(ToJson(o, *rows).find("\"row_format\": \"fp8\""), std::string::npos);
 
   o.row_formats = {"fp8", "int4"};
-  auto bad = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  auto bad = RunRetrievalEval(o, loaded_, &pool, nullptr);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("--row-format"), std::string::npos) << bad.status();
 }
@@ -418,14 +420,7 @@ TEST(MaskedAttentionTest, StoreScoreIsTheKeyDiffMethodsScore) {
 // (20 pages: sink page, 4 recent pages, 15 candidates of which 10 go), for KeyDiff's choice and
 // the random control alike, and costs attention mass and output error; keeping none leaves the
 // sink and recent pages only.
-TEST(RetrievalEvalTest, ThinnedPrefixRows) {
-  const std::string path = kvr::TestModelPath();
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
-  ThreadPool pool(0);
-  kvr::model::LoadOptions load_options;
-  load_options.weights = kvr::model::WeightStorage::kFloat32;
-  auto loaded = kvr::model::LoadModel(path, load_options, &pool);
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
+TEST_F(RetrievalEvalTest, ThinnedPrefixRows) {
   EvalOptions o;
   o.contexts = {320};
   o.budgets = {16};
@@ -435,7 +430,7 @@ TEST(RetrievalEvalTest, ThinnedPrefixRows) {
   o.thin_keep = {1.0, 0.5, 0.0};
   o.thin_page_rows = 16;
   o.thin_random = true;
-  auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  auto rows = RunRetrievalEval(o, loaded_, &pool, nullptr);
   ASSERT_TRUE(rows.ok()) << rows.status();
   ASSERT_EQ(rows->size(), 7u);  // full + 3 keeps x 2 orders
   std::map<std::string, EvalRow> by;
@@ -466,27 +461,22 @@ TEST(RetrievalEvalTest, ThinnedPrefixRows) {
   EXPECT_NE(FormatTable(*rows).find("thin-kd"), std::string::npos);
   EXPECT_NE(ToJson(o, *rows).find("\"kept_fraction\": 0.5"), std::string::npos);
   o.thin_keep = {1.5};
-  rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  rows = RunRetrievalEval(o, loaded_, &pool, nullptr);
   ASSERT_FALSE(rows.ok());
   EXPECT_NE(rows.status().message().find("--thin-keep"), std::string::npos);
 }
 
-TEST(RetrievalEvalTest, BadOptionsNameTheFlag) {
-  const std::string path = kvr::TestModelPath();
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no test model at " << path;
-  ThreadPool pool(0);
-  auto loaded = kvr::model::LoadModel(path, {}, &pool);
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
+TEST_F(RetrievalEvalTest, BadOptionsNameTheFlag) {
   EvalOptions o;
   o.contexts = {8000};
   o.free_tokens = 1000;  // 8000 + 1000 > SmolLM2's 8192 positions
-  auto rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  auto rows = RunRetrievalEval(o, loaded_, &pool, nullptr);
   ASSERT_FALSE(rows.ok());
   EXPECT_NE(rows.status().message().find("--free-tokens"), std::string::npos)
       << rows.status();
   o.contexts = {320};
   o.free_tokens = -1;
-  rows = RunRetrievalEval(o, *loaded, &pool, nullptr);
+  rows = RunRetrievalEval(o, loaded_, &pool, nullptr);
   ASSERT_FALSE(rows.ok());
   EXPECT_NE(rows.status().message().find("--free-tokens"), std::string::npos);
 }
