@@ -218,22 +218,8 @@ class CudaDecodeBackend final : public DecodeBackend {
     }
     // A fetched sequence's selector must read no rows: quest's GPU summaries and the lanes read
     // keys from the store's pages, so those methods are selected on the host by their index.
-    if (h.method != options_.method || (fetch && options_.method == "quest")) {
-      KVR_ASSIGN_OR_RETURN(
-          std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes,
-          IndexesFromHandoff(h, c, *options_.registry, options_.method_assets));
-      // A GPU lane takes the method at the request's budget with its default options.
-      if (!fetch && h.options.empty() &&
-          std::find(options_.lanes.begin(), options_.lanes.end(), h.method) !=
-              options_.lanes.end()) {
-        pending->lane = h.method;
-        pending->indexes = std::move(indexes);
-      } else {
-        pending->selector = std::make_shared<IndexSelector>(std::move(indexes), c, h.method,
-                                                            h.prompt_tokens, h.budget);
-        pending->bytes += pending->selector->MemoryBytes();
-      }
-    } else if (options_.method == "clusterkv") {
+    bool on_host = h.method != options_.method || (fetch && options_.method == "quest");
+    if (!on_host && options_.method == "clusterkv") {
       KVR_ASSIGN_OR_RETURN(pending->clusters, ParseClusters(h));
       size_t most = 0;
       for (const retrieval::PrebuiltClusterKvData& layer : pending->clusters) {
@@ -247,12 +233,22 @@ class CudaDecodeBackend final : public DecodeBackend {
             "node's {}): selected on the host",
             h.sequence_id, most, cluster_room_, h.budget, options_.budget);
         pending->clusters.clear();
-        KVR_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes,
-                             IndexesFromHandoff(h, c, *options_.registry, options_.method_assets));
+        pending->clusters_over_room = on_host = true;
+      }
+    }
+    if (on_host) {
+      KVR_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes,
+                           IndexesFromHandoff(h, c, *options_.registry, options_.method_assets));
+      // A GPU lane takes the method at the request's budget with its default options.
+      if (!fetch && h.options.empty() &&
+          std::find(options_.lanes.begin(), options_.lanes.end(), h.method) !=
+              options_.lanes.end()) {
+        pending->lane = h.method;
+        pending->indexes = std::move(indexes);
+      } else {
         pending->selector = std::make_shared<IndexSelector>(std::move(indexes), c, h.method,
                                                             h.prompt_tokens, h.budget);
         pending->bytes += pending->selector->MemoryBytes();
-        pending->clusters_over_room = true;
       }
     }
     const uint64_t id = h.sequence_id;

@@ -192,11 +192,7 @@ class PagedKvStore::Sequence {
             Bf16BytesToFloats(k, dim, dst);
             break;
           case DType::kF16:
-            for (size_t d = 0; d < dim; ++d) {
-              uint16_t h;
-              std::memcpy(&h, k + 2 * d, sizeof(h));
-              dst[d] = Fp16ToFloat(h);
-            }
+            Fp16BytesToFloats(k, dim, dst);
             break;
         }
       }

@@ -4,15 +4,18 @@
 #include <cmath>
 #include <numeric>
 
+#include "kvr/common/key_diff.h"
 #include "kvr/retrieval/ops.h"
 
 namespace kvr::retrieval {
 
 std::vector<float> KeyDiffScores(const TokenTensor& keys, int head, int head_dim) {
-  KeyDiffTracker tracker(head_dim);
-  for (int64_t t = 0; t < keys.n_tokens; ++t) tracker.Add(keys.At(t, head, head_dim));
   std::vector<float> scores(keys.n_tokens);
-  for (int64_t t = 0; t < keys.n_tokens; ++t) scores[t] = tracker.Score(keys.At(t, head, head_dim));
+  if (keys.n_tokens > 0) {
+    kvr::KeyDiffScores(keys.At(0, head, head_dim), static_cast<size_t>(keys.n_tokens),
+                       static_cast<size_t>(head_dim), static_cast<size_t>(keys.row_stride),
+                       scores.data());
+  }
   return scores;
 }
 

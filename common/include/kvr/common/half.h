@@ -69,6 +69,16 @@ inline float Fp16ToFloat(uint16_t h) {
   return f;
 }
 
+// Widens `n` fp16 values read at `src` (any alignment) to floats (exact).
+inline void Fp16BytesToFloats(const void* src, size_t n, float* dst) {
+  const auto* in = static_cast<const uint8_t*>(src);
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * i, sizeof(h));
+    dst[i] = Fp16ToFloat(h);
+  }
+}
+
 inline uint16_t FloatToFp16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, sizeof(x));

@@ -24,7 +24,8 @@
 
 namespace kvr::retrieval {
 
-// Cosine of every key to the mean of `keys` for one head.
+// Cosine of every key to the mean of `keys` for one head (kvr::KeyDiffScores, the score the KV
+// store thins cached prefixes by).
 // keys: [n_tokens, n_kv_heads, head_dim]; returns [n_tokens].
 std::vector<float> KeyDiffScores(const TokenTensor& keys, int head, int head_dim);
 
