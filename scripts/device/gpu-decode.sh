@@ -19,6 +19,16 @@
 #          GPUDECODE_TRACES=DIR at bundle: selection traces (kvr eval retrieval --trace-dir)
 #          that the bench replays beside the synthetic selections (--replay; GPUDECODE_REPLAY=0
 #          there: not)
+#          GPUDECODE_MODEL=1 at bundle: SmolLM2's GGUF in three parts as well,
+#          .device/gpudecode-m1, -m2 and -m3 (a call carries at most 64 MiB with the working
+#          tree), put in place by back-to-back calls on the warm machine (it keeps /tmp for 30 s):
+#            carry [".device/gpudecode", ".device/gpudecode-m1"]: ... gpu-decode.sh model-part
+#            carry [".device/gpudecode-m2"]: bash scripts/device/gpu-decode.sh model-part
+#            carry [".device/gpudecode-m3"]: bash scripts/device/gpu-decode.sh model-part &&
+#              GPUDECODE_REAL=1 ... bench [flags]
+#          GPUDECODE_REAL=1: the bench gets --model (the real SmolLM2, RoPE-scaled to the longest
+#          context) and --text (the corpus the bundle always carries: Debian's GNU info
+#          manuals), and no --replay
 #          bash scripts/device/gpu-decode.sh ceil [bench flags...]  (compute-sanitizer memcheck of
 #          the link probes (--ceiling-only, 16 MiB), the bench, GPUDECODE_PROBE_MIB="64 16384"
 #          probes alone at those buffer sizes, then the sparse tests, each capped)
@@ -29,11 +39,16 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 readonly kBundle=.device/gpudecode
 readonly kStage=/tmp/kvr-gpudecode
+readonly kModelDir=/tmp/kvr-gpudecode-model  # survives `stage` (which empties kStage)
+readonly kModelSha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+readonly kPart1Bytes=24000000 kPart2Bytes=50000000
 out="${OUT:-out/gpudecode}"
 mkdir -p "$out"
 
 stage() {
-  rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+  local bundle="$kBundle/bundle.tar.xz"
+  [[ -f "$bundle" ]] || bundle="$kModelDir/bundle.tar.xz"  # kept by model-part
+  rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$bundle" || exit 1
   export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,pci.bus_id --format=csv,noheader
   free -g | head -2
@@ -76,6 +91,15 @@ bench() {
   local replay_args=() traces
   traces=$(ls "$kStage"/traces/*.kvrsel 2>/dev/null | paste -sd, -)
   [[ -n "$traces" && "${GPUDECODE_REPLAY:-1}" != 0 ]] && replay_args=(--replay "$traces")
+  # GPUDECODE_REAL=1: the real SmolLM2 (both parts carried by earlier calls) over the corpus.
+  if [[ -n "${GPUDECODE_REAL:-}" ]]; then
+    [[ -f "$kModelDir/part00" && -f "$kModelDir/part01" && -f "$kModelDir/part02" ]] ||
+      { echo "no model parts in $kModelDir: run model-part with each part first"; return 1; }
+    cat "$kModelDir/part00" "$kModelDir/part01" "$kModelDir/part02" > "$kModelDir/smollm2.gguf" ||
+      return 1
+    echo "$kModelSha256  $kModelDir/smollm2.gguf" | sha256sum -c - || return 1
+    replay_args=(--model "$kModelDir/smollm2.gguf" --text "$kStage/corpus/gnu-info.txt")
+  fi
   # GPUDECODE_KVR: another kvr binary (e.g. an earlier build, to compare in one call).
   timeout 540 "${GPUDECODE_KVR:-$kStage/bin/kvr}" bench decode --profile \
     --json "$out/bench_decode.json" "${store_args[@]}" "${replay_args[@]}" "$@" 2>&1 |
@@ -106,9 +130,30 @@ case "${1:-}" in
     # replays (--replay); they compress ~40x.
     mkdir -p "$kBundle/traces"
     [[ -n "${GPUDECODE_TRACES:-}" ]] && cp "$GPUDECODE_TRACES"/*.kvrsel "$kBundle/traces/"
-    tar -C "$kBundle" -cf - bin lib traces | xz -T2 -6 > /tmp/gpudecode-bundle.tar.xz
+    # The real-model bench's corpus: Debian's GNU info manuals as plain text (~1.2M tokens).
+    mkdir -p "$kBundle/corpus"
+    for f in /usr/share/info/*.info*.gz; do zcat "$f"; done | tr -d '\000\037' \
+      > "$kBundle/corpus/gnu-info.txt"
+    tar -C "$kBundle" -cf - bin lib traces corpus | xz -T2 -6 > /tmp/gpudecode-bundle.tar.xz
     rm -rf "$kBundle" && mkdir -p "$kBundle" && mv /tmp/gpudecode-bundle.tar.xz "$kBundle/bundle.tar.xz"
+    rm -rf .device/gpudecode-m1 .device/gpudecode-m2 .device/gpudecode-m3
+    if [[ -n "${GPUDECODE_MODEL:-}" ]]; then
+      model="${KVR_TEST_MODEL:-$HOME/.cache/kvr/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+      mkdir -p .device/gpudecode-m1 .device/gpudecode-m2 .device/gpudecode-m3
+      head -c "$kPart1Bytes" "$model" > .device/gpudecode-m1/part00
+      tail -c +"$((kPart1Bytes + 1))" "$model" | head -c "$kPart2Bytes" > .device/gpudecode-m2/part01
+      tail -c +"$((kPart1Bytes + kPart2Bytes + 1))" "$model" > .device/gpudecode-m3/part02
+      du -sh .device/gpudecode-m1 .device/gpudecode-m2 .device/gpudecode-m3
+    fi
     du -sh "$kBundle"
+    ;;
+  model-part)  # whichever of the bundle and the model's parts this call carried
+    mkdir -p "$kModelDir"
+    for f in "$kBundle/bundle.tar.xz" .device/gpudecode-m1/part00 .device/gpudecode-m2/part01 \
+      .device/gpudecode-m3/part02; do
+      [[ -f "$f" ]] && cp "$f" "$kModelDir/"
+    done
+    ls -la "$kModelDir"
     ;;
   run)
     shift

@@ -61,6 +61,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -80,8 +81,12 @@
 #include "kvr/kv_store/local_pool.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
+#include "kvr/model/loader.h"
+#include "kvr/retrieval/all_methods.h"
 #include "kvr/retrieval/clusterkv.h"
+#include "kvr/retrieval/cuda/prefill_summaries.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
+#include "kvr/retrieval/prebuilt.h"
 #include "selection_trace.h"
 
 namespace kvr::tools {
@@ -113,6 +118,14 @@ struct DecodeBenchFlags {
   bool store_rma = false;  // the store client reads by RMA gets where the store offers its rkey
   std::vector<std::string> replay;  // selection traces (kvr eval retrieval --trace-dir)
   bool replay_scattered = false;    // also replay each trace with its rows scattered
+  // A real model instead of the random-weight shape: its weights and tokenizer, documents of
+  // the --text corpus prefilled on the GPU, their rows put to the --store.
+  std::string model;
+  std::vector<std::string> text;
+  int documents = 4;
+  int doc_stride = 61;     // slot i reads its document at context - doc_stride * (i / documents)
+  double rope_factor = 0;  // 0: max context / the model's context, where that is above 1
+  int prefill_chunk = 2048;
   std::string json;
 };
 
@@ -203,14 +216,24 @@ double Percentile(std::vector<double> v, double q) {
   return v[i];
 }
 
+// --model: one document of the corpus, prefilled on the GPU and held by the store.
+struct Document {
+  int64_t first = 0;            // its first token's place in the corpus
+  std::vector<int32_t> tokens;  // [context + 1]: the prompt and the token that follows it
+  kv_store::SequenceRef id;
+  kv_store::PageTable table;
+  rc::SparseRowSource rows;
+  std::vector<retrieval::PrebuiltClusterKvData> clusters;  // per layer (clusterkv runs only)
+};
+
 class DecodeBench {
  public:
   DecodeBench(const DecodeBenchFlags& f, model::CudaModel& m, rc::SparseDecodeAttention& sp)
       : f_(f), m_(m), sp_(sp) {}
 
-  // The "store" placement's rows for `context`: one store sequence of random bf16 rows covering
-  // `capacity` tokens (rows [0, context) written), its pages mapped and registered.
-  absl::Status PrepareStoreRows(int64_t context, int64_t capacity) {
+  // The store's client, its pool mapped and registered with CUDA (once), and the random-row
+  // probe over the whole pool.
+  absl::Status ConnectStore() {
     if (store_ == nullptr) {
       KVR_ASSIGN_OR_RETURN(
           store_, kv_store::UcxKvStoreClient::Connect(f_.store, {.timeout = absl::Seconds(60),
@@ -238,6 +261,13 @@ class DecodeBench {
                     pool_rows.status().ToString().c_str());
       }
     }
+    return absl::OkStatus();
+  }
+
+  // The "store" placement's rows for `context`: one store sequence of random bf16 rows covering
+  // `capacity` tokens (rows [0, context) written), its pages mapped and registered.
+  absl::Status PrepareStoreRows(int64_t context, int64_t capacity) {
+    KVR_RETURN_IF_ERROR(ConnectStore());
     KVR_RETURN_IF_ERROR(ReleaseStoreRows());
     const model::ModelConfig& c = m_.config();
     const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
@@ -291,13 +321,217 @@ class DecodeBench {
         static_cast<long long>(context), fill_s, 2.0 * half * context * c.n_layers / fill_s / 1e9,
         table.tokens_per_page, static_cast<unsigned long long>(table.page_bytes),
         table.pages.size());
+    rows_ = SourceOf(table);
+    return absl::OkStatus();
+  }
+
+  // The GPU's view of a store sequence's pages (the pool registered by ConnectStore).
+  rc::SparseRowSource SourceOf(const kv_store::PageTable& table) const {
     rc::SparseRowSource src;
     src.base = pool_device_;
     src.page_bytes = static_cast<int64_t>(table.page_bytes);
     src.page_rows = static_cast<int32_t>(table.tokens_per_page);
     src.pages_per_head = static_cast<int32_t>(table.pages_per_head);
     src.pages.assign(table.pages.begin(), table.pages.end());
-    rows_ = std::move(src);
+    return src;
+  }
+
+  // --model: the corpus (tokens) the documents are cut from, and the registry that parses the
+  // GPU-built clusters.
+  void SetCorpus(std::vector<int32_t> corpus, const retrieval::MethodRegistry* registry) {
+    corpus_ = std::move(corpus);
+    registry_ = registry;
+  }
+  bool real() const { return !f_.model.empty(); }
+
+  // --model: `documents` disjoint slices of the corpus, each of `context` tokens, prefilled on
+  // the GPU (a dense sequence exporting its bf16 rows, and with `clusters` its clusterkv
+  // k-means built on the GPU as a CUDA prefill node builds it), the rows put to one store
+  // sequence of `capacity` tokens per document, the clusters parsed as a decode node parses the
+  // shipped bytes. Rows read back from the store's pages are checked against the prefill's.
+  absl::Status PrepareDocuments(int64_t context, int64_t capacity, bool clusters) {
+    KVR_RETURN_IF_ERROR(ConnectStore());
+    KVR_RETURN_IF_ERROR(ReleaseDocuments());
+    const model::ModelConfig& c = m_.config();
+    const int64_t span = static_cast<int64_t>(corpus_.size()) / f_.documents;
+    if (span < context + 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--text: the corpus has ", corpus_.size(), " tokens; ", f_.documents,
+                       " disjoint documents of ", context + 1, " tokens need ",
+                       (context + 1) * f_.documents, " (more text, or fewer --documents)"));
+    }
+    const int64_t shortest = SlotLength(f_.max_batch - 1, context);
+    if (shortest < f_.sink + f_.window + f_.budget) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--doc-stride ", f_.doc_stride, ": the last slot's context ", shortest,
+                       " leaves nothing to select at budget ", f_.budget));
+    }
+    if (clusters && builders_ == nullptr) {
+      KVR_ASSIGN_OR_RETURN(builders_, rc::PrefillSummaryBuilders::Create(c, 0));
+    }
+    const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
+                                        static_cast<uint32_t>(c.n_kv_heads),
+                                        static_cast<uint32_t>(c.head_dim), kv_store::DType::kBf16};
+    const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+    max_clusters_ = 0;
+    for (int d = 0; d < f_.documents; ++d) {
+      Document doc;
+      doc.first = d * span;
+      doc.tokens.assign(corpus_.begin() + doc.first, corpus_.begin() + doc.first + context + 1);
+      doc.id = {0x6b7673000000ull + static_cast<uint64_t>(context) * 64 + d,
+                kv_store::Capability::Generate()};
+      KVR_RETURN_IF_ERROR(
+          store_
+              ->CreateSequence(doc.id, shape, static_cast<uint64_t>(capacity), absl::ZeroDuration())
+              .status());
+      docs_.push_back(doc);  // released with the others from here on
+      std::unique_ptr<rc::PrefillSummaryBuilder> builder;
+      if (clusters) {
+        rc::PrefillSummaryOptions o;
+        o.method = "clusterkv";
+        o.max_queries = 0;
+        retrieval::IndexParams params;
+        params.budget = f_.budget;
+        params.n_sink = f_.sink;
+        KVR_ASSIGN_OR_RETURN(o.params, retrieval::ApplyClusterKvOptions(params));
+        KVR_ASSIGN_OR_RETURN(builder, builders_->ForSequence(o, context));
+      }
+      const rc::PrefillSummaryBuilder* summaries = builder.get();
+      const model::SequenceId mid = 800000 + d;
+      KVR_RETURN_IF_ERROR(m_.AddSequence(mid, context, std::move(builder)));
+      std::vector<model::KvExportLayer> layers(c.n_layers);
+      std::mutex mu;
+      model::KvExportOptions eo;
+      eo.length = context;
+      eo.max_queries = 0;
+      eo.built = clusters;
+      eo.bf16_rows = true;
+      // On the CUDA callback thread: the views stay valid until EndKvExport.
+      eo.on_layer = [&](const model::KvExportLayer& x) {
+        std::lock_guard<std::mutex> lock(mu);
+        layers[x.layer] = x;
+      };
+      double prefill_s = 0, put_s = 0;
+      const absl::Status st = [&]() -> absl::Status {
+        KVR_RETURN_IF_ERROR(m_.BeginKvExport(mid, eo));
+        std::vector<float> logits(c.vocab);
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int64_t begin = 0; begin < context; begin += f_.prefill_chunk) {
+          const int64_t n = std::min<int64_t>(f_.prefill_chunk, context - begin);
+          const model::CudaSequence seq{mid, std::span(doc.tokens).subspan(begin, n),
+                                        clusters && begin + n == context};
+          KVR_RETURN_IF_ERROR(m_.Forward(std::span(&seq, 1), model::LogitsMode::kLast, logits));
+        }
+        const auto t1 = std::chrono::steady_clock::now();
+        prefill_s = std::chrono::duration<double>(t1 - t0).count();
+        std::lock_guard<std::mutex> lock(mu);
+        constexpr int64_t kChunk = 2048;
+        for (int l = 0; l < c.n_layers; ++l) {
+          const model::KvExportLayer& x = layers[l];
+          if (x.k_bf16 == nullptr || x.v_bf16 == nullptr) {
+            return absl::InternalError(absl::StrCat("prefill export: no rows for layer ", l));
+          }
+          for (int64_t t = 0; t < context; t += kChunk) {
+            const int64_t n = std::min(kChunk, context - t);
+            kv_store::LayerRows rows;
+            rows.sequence = doc.id;
+            rows.layer = static_cast<uint32_t>(l);
+            rows.start_row = static_cast<uint64_t>(t);
+            rows.n_rows = static_cast<uint32_t>(n);
+            rows.k = {reinterpret_cast<const uint8_t*>(x.k_bf16 + t * kv_dim),
+                      static_cast<size_t>(n * kv_dim * 2)};
+            rows.v = {reinterpret_cast<const uint8_t*>(x.v_bf16 + t * kv_dim),
+                      static_cast<size_t>(n * kv_dim * 2)};
+            KVR_RETURN_IF_ERROR(store_->PutLayer(rows).status());
+          }
+          if (clusters) {
+            retrieval::IndexShape ishape;
+            ishape.n_heads = c.n_heads;
+            ishape.n_kv_heads = c.n_kv_heads;
+            ishape.head_dim = c.head_dim;
+            ishape.layer = l;
+            ishape.n_layers = c.n_layers;
+            ishape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+            KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, summaries->Serialize(ishape, x));
+            KVR_ASSIGN_OR_RETURN(retrieval::PrebuiltClusterKvData parsed,
+                                 retrieval::ParsePrebuiltClusterKv(bytes, *registry_));
+            for (const std::vector<float>& centroids : parsed.centroids) {
+              max_clusters_ = std::max<int64_t>(
+                  max_clusters_, static_cast<int64_t>(centroids.size()) / c.head_dim);
+            }
+            docs_.back().clusters.push_back(std::move(parsed));
+          }
+        }
+        KVR_ASSIGN_OR_RETURN(docs_.back().table,
+                             store_->ReservePageTable(doc.id, static_cast<uint64_t>(capacity)));
+        // The rows as the GPU will read them: the store's pages against the prefill's export.
+        for (int l = 0; l < c.n_layers; ++l) {
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            for (int64_t t : {int64_t{0}, context / 3, context - 1}) {
+              const uint8_t* row = pool_->Row(docs_.back().table, l, h, t);
+              const size_t bytes = size_t{2} * c.head_dim;
+              if (std::memcmp(row, layers[l].k_bf16 + t * kv_dim + h * c.head_dim, bytes) != 0 ||
+                  std::memcmp(row + bytes, layers[l].v_bf16 + t * kv_dim + h * c.head_dim, bytes) !=
+                      0) {
+                return absl::DataLossError(absl::StrCat("document ", d, ": row ", t, " of layer ",
+                                                        l, " head ", h,
+                                                        " differs in the store's pages"));
+              }
+            }
+          }
+        }
+        put_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+        return absl::OkStatus();
+      }();
+      (void)m_.EndKvExport(mid);
+      KVR_RETURN_IF_ERROR(m_.ReleaseSequence(mid));
+      KVR_RETURN_IF_ERROR(st);
+      docs_.back().rows = SourceOf(docs_.back().table);
+      std::printf(
+          "%6lldK  document %d: corpus tokens [%lld, %lld) prefilled on the GPU in %.2f s "
+          "(%.0f tok/s)%s, %.2f GB of bf16 rows put to the store and checked in %.1f s\n",
+          static_cast<long long>(context / 1024), d, static_cast<long long>(doc.first),
+          static_cast<long long>(doc.first + context), prefill_s, context / prefill_s,
+          clusters ? " with clusterkv's k-means" : "",
+          2.0 * kv_dim * 2 * context * c.n_layers / 1e9, put_s);
+      std::fflush(stdout);
+    }
+    if (clusters) {
+      std::printf(
+          "%6lldK  clusterkv: k-means clusters of the GPU prefill build, up to %lld per head\n",
+          static_cast<long long>(context / 1024), static_cast<long long>(max_clusters_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReleaseDocuments() {
+    absl::Status first;
+    for (const Document& doc : docs_) first.Update(store_->Release(doc.id, absl::ZeroDuration()));
+    docs_.clear();
+    return first;
+  }
+
+  // --model: slot i reads document i % documents at context - doc_stride * (i / documents)
+  // tokens (neighbouring slots of one document at other positions, so that no two slots take
+  // the same steps).
+  const Document& SlotDocument(int i) const { return docs_[i % docs_.size()]; }
+  int64_t SlotLength(int i, int64_t context) const {
+    return context - int64_t{f_.doc_stride} * (i / f_.documents);
+  }
+  // Rows [0, n) of `layer` of a document, from the store's pages, as CudaModel::AppendRows
+  // takes them: K and V each [n, n_kv_heads * head_dim] bf16.
+  absl::Status FillFromDocument(const Document& doc, int layer, int64_t n, std::span<uint16_t> k,
+                                std::span<uint16_t> v) const {
+    const model::ModelConfig& c = m_.config();
+    const int H = c.n_kv_heads, hd = c.head_dim;
+    for (int64_t t = 0; t < n; ++t) {
+      for (int h = 0; h < H; ++h) {
+        const uint8_t* row = pool_->Row(doc.table, static_cast<uint32_t>(layer),
+                                        static_cast<uint32_t>(h), static_cast<uint64_t>(t));
+        std::memcpy(&k[(t * H + h) * hd], row, size_t{2} * hd);
+        std::memcpy(&v[(t * H + h) * hd], row + size_t{2} * hd, size_t{2} * hd);
+      }
+    }
     return absl::OkStatus();
   }
   // The store's gather rate on the current sequence (the "fetched" placement's ceiling): `n`
@@ -351,10 +585,14 @@ class DecodeBench {
 
   // Steps `ids` (the model's dense sequences, or with `sparse` the sparse decode's); fills row's
   // timing fields.
-  absl::Status Time(const std::vector<model::SequenceId>& ids, Row& row, bool sparse) {
+  // `first`: each sequence's first token (a document's next token); empty: arbitrary ones.
+  absl::Status Time(const std::vector<model::SequenceId>& ids, Row& row, bool sparse,
+                    std::span<const int32_t> first = {}) {
     std::vector<int32_t> tokens(ids.size());
     for (size_t i = 0; i < ids.size(); ++i) {
-      tokens[i] = static_cast<int32_t>((i * 7919 + 13) % m_.config().vocab);
+      tokens[i] = first.size() == ids.size()
+                      ? first[i]
+                      : static_cast<int32_t>((i * 7919 + 13) % m_.config().vocab);
     }
     std::vector<int32_t> next(ids.size());
     auto step = [&]() -> absl::Status {
@@ -433,10 +671,24 @@ class DecodeBench {
         auto once = [&](int n) -> absl::Status {
           row.batch = n;
           const std::vector<model::SequenceId> sub(ids.begin(), ids.begin() + n);
-          for (model::SequenceId id : sub) {
-            KVR_RETURN_IF_ERROR(m_.FillSequenceForBenchmark(id, context, 1));  // reset lengths
+          std::vector<int32_t> first;
+          for (int i = 0; i < n; ++i) {
+            if (!real()) {
+              KVR_RETURN_IF_ERROR(m_.FillSequenceForBenchmark(sub[i], context, 1));  // lengths
+              continue;
+            }
+            // A document's rows from the store (a new sequence: rows cannot be taken back).
+            KVR_RETURN_IF_ERROR(m_.ReleaseSequence(sub[i]));
+            KVR_RETURN_IF_ERROR(m_.AddSequence(sub[i], capacity));
+            const Document& doc = SlotDocument(i);
+            const int64_t len = SlotLength(i, context);
+            KVR_RETURN_IF_ERROR(m_.AppendRows(
+                sub[i], len, [&](int layer, std::span<uint16_t> k, std::span<uint16_t> v) {
+                  return FillFromDocument(doc, layer, len, k, v);
+                }));
+            first.push_back(doc.tokens[len]);
           }
-          return Time(sub, row, /*sparse=*/false);
+          return Time(sub, row, /*sparse=*/false, first);
         };
         absl::Status t = once(b);
         // The GPU filled to the last sequence may leave cuBLAS no room: one fewer.
@@ -479,11 +731,15 @@ class DecodeBench {
       o.clusterkv_tokens_per_cluster = static_cast<int>((points + clusters - 1) / clusters);
       o.clusterkv_prefill_clusters =
           (capacity + o.clusterkv_tokens_per_cluster - 1) / o.clusterkv_tokens_per_cluster;
-      std::printf(
-          "%6lldK  %s: stand-in of %lld clusters of %d tokens (the default k-means at "
-          "budget %d)\n",
-          static_cast<long long>(context / 1024), name.c_str(), static_cast<long long>(clusters),
-          o.clusterkv_tokens_per_cluster, f_.budget);
+      if (real()) {
+        o.clusterkv_prefill_clusters = max_clusters_;  // the documents' own k-means
+      } else {
+        std::printf(
+            "%6lldK  %s: stand-in of %lld clusters of %d tokens (the default k-means at "
+            "budget %d)\n",
+            static_cast<long long>(context / 1024), name.c_str(), static_cast<long long>(clusters),
+            o.clusterkv_tokens_per_cluster, f_.budget);
+      }
     }
     o.replay = std::move(replay);
     // Largest slot count that fits (binary search on ConfigureSparse, which allocates it all).
@@ -506,16 +762,22 @@ class DecodeBench {
       o.slots = b;
       KVR_RETURN_IF_ERROR(sp_.Configure(o));
       std::vector<model::SequenceId> ids;
+      std::vector<int32_t> first;  // --model: each slot's next document token
       const absl::Status s = [&]() -> absl::Status {
         for (int i = 0; i < b; ++i) {
           const model::SequenceId id = 5000 + i;
           rc::SparseSequenceOptions so;
           if (placement.store) {
-            if (!rows_.has_value()) return absl::FailedPreconditionError("no store rows");
-            so.rows = *rows_;
+            if (real()) {
+              so.rows = SlotDocument(i).rows;
+            } else if (rows_.has_value()) {
+              so.rows = *rows_;
+            } else {
+              return absl::FailedPreconditionError("no store rows");
+            }
             if (placement.fetch) {
-              so.fetch = std::make_shared<decode::StoreRowFetcher>(store_.get(), nullptr,
-                                                                   store_sequence_);
+              so.fetch = std::make_shared<decode::StoreRowFetcher>(
+                  store_.get(), nullptr, real() ? SlotDocument(i).id : store_sequence_);
             }
           } else {
             if (i > 0) so.share_host_kv_with = ids[0];
@@ -524,12 +786,30 @@ class DecodeBench {
           }
           KVR_RETURN_IF_ERROR(sp_.AddSequence(id, capacity, so));
           ids.push_back(id);
+          if (real()) {
+            // The document's real rows and, for clusterkv, its k-means clusters.
+            const Document& doc = SlotDocument(i);
+            const int64_t len = SlotLength(i, context);
+            first.push_back(doc.tokens[len]);
+            if (method == rc::SparseMethod::kClusterKv) {
+              std::vector<rc::SparseClusterHead> heads;
+              for (const retrieval::PrebuiltClusterKvData& layer : doc.clusters) {
+                for (size_t h = 0; h < layer.ids.size(); ++h) {
+                  heads.push_back({layer.centroids[h], layer.offsets[h], layer.ids[h]});
+                }
+              }
+              KVR_RETURN_IF_ERROR(sp_.ActivateSequenceWithClusters(id, len, heads));
+            } else {
+              KVR_RETURN_IF_ERROR(sp_.ActivateSequence(id, len));
+            }
+            continue;
+          }
           KVR_RETURN_IF_ERROR(placement.store ? sp_.ActivateSequence(id, context)
                                               : sp_.FillSequenceForBenchmark(id, context, 1));
         }
         Row row{context, name, b, &placement};
         row.ceiling_gbps = placement.ceiling_gbps;  // "fetched": measured per context
-        KVR_RETURN_IF_ERROR(Time(ids, row, /*sparse=*/true));
+        KVR_RETURN_IF_ERROR(Time(ids, row, /*sparse=*/true, first));
         Print(row);
         rows.push_back(row);
         return absl::OkStatus();
@@ -601,6 +881,12 @@ class DecodeBench {
   kv_store::SequenceRef store_sequence_;
   std::optional<rc::SparseRowSource> rows_;
   std::vector<uint16_t> random_;
+  // --model: the corpus, the documents of the current context and what built them.
+  std::vector<int32_t> corpus_;
+  const retrieval::MethodRegistry* registry_ = nullptr;
+  std::unique_ptr<rc::PrefillSummaryBuilders> builders_;
+  std::vector<Document> docs_;
+  int64_t max_clusters_ = 0;  // clusters in the largest head of the current documents
 };
 
 // --host-numa entries -> placements (deduplicated by node), with a line saying what each became.
@@ -832,27 +1118,104 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
   KVR_ASSIGN_OR_RETURN(std::vector<Placement> placements, ResolvePlacements(f, topo));
   KVR_RETURN_IF_ERROR(ProbeCeilings(f, topo, placements));
   if (f.ceiling_only) return absl::OkStatus();
-  KVR_ASSIGN_OR_RETURN(model::ModelConfig config, model::DummyConfig(f.shape, f.layers));
   const int64_t max_ctx = *std::max_element(f.contexts.begin(), f.contexts.end());
-  // Room for the decode steps past the longest context (128K is Llama-3's whole window).
-  config.context_length =
-      std::max<int64_t>(config.context_length, max_ctx + f.warmup + f.steps + 8);
+  const bool real = !f.model.empty();
   model::CudaModelOptions mo;
-  mo.max_batch_tokens = f.max_batch;
+  mo.max_batch_tokens = real ? std::max(f.max_batch, f.prefill_chunk) : f.max_batch;
   mo.max_sequences = f.max_batch;
   mo.max_logits_rows = 64;
-  KVR_ASSIGN_OR_RETURN(std::unique_ptr<model::CudaModel> m,
-                       model::CreateCudaModelWithRandomWeights(config, 1, mo));
+  std::unique_ptr<model::CudaModel> m;
+  retrieval::MethodRegistry registry;
+  std::vector<int32_t> corpus;
+  std::string rope;  // --model: the RoPE scaling applied, for the header
+  if (real) {
+    // A real model: float32 weights as the CUDA backend uploads them, the tokenizer for the
+    // corpus, and Llama 3.1-style RoPE scaling (the model config's llama3 rope_type) where the
+    // contexts exceed the trained context: one factor for the whole run, as Llama 3.1 uses one
+    // factor (8) at every length.
+    if (f.store.empty()) {
+      return absl::InvalidArgumentError(
+          "--model needs --store: the documents' rows live in the kvr-store, as on a decode node");
+    }
+    if (!f.replay.empty()) {
+      return absl::InvalidArgumentError("--model and --replay: a real model selects for itself");
+    }
+    if (f.text.empty()) return absl::InvalidArgumentError("--model needs --text (the corpus)");
+    KVR_ASSIGN_OR_RETURN(
+        model::LoadedModel loaded,
+        model::LoadModel(f.model, {.weights = model::WeightStorage::kFloat32}, nullptr));
+    if (!loaded.tokenizer.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("--model ", f.model, ": no tokenizer"));
+    }
+    model::ModelConfig config = loaded.model->config();
+    const int64_t trained = config.has_llama3_scaling
+                                ? config.llama3_scaling.original_context_length
+                                : config.context_length;
+    const double factor =
+        f.rope_factor > 0 ? f.rope_factor : std::max(1.0, static_cast<double>(max_ctx) / trained);
+    if (factor > 1.0) {
+      if (config.has_llama3_scaling || !config.rope_freq_factors.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("--model ", f.model,
+                                                       " already has RoPE scaling; its context is ",
+                                                       config.context_length));
+      }
+      config.has_llama3_scaling = true;
+      config.llama3_scaling = {.factor = static_cast<float>(factor),
+                               .low_freq_factor = 1.f,
+                               .high_freq_factor = 4.f,
+                               .original_context_length = trained};
+    }
+    rope = factor > 1.0
+               ? absl::StrFormat("llama3 RoPE scaling x%.2f from %lld (theta %.0f)", factor,
+                                 static_cast<long long>(trained), config.rope_theta)
+               : "no RoPE scaling";
+    config.context_length =
+        std::max<int64_t>(config.context_length, max_ctx + f.warmup + f.steps + 8);
+    KVR_ASSIGN_OR_RETURN(m, model::CreateCudaModel(config, loaded.model->weights(), mo));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const std::string& path : f.text) {
+      std::ifstream in(path, std::ios::binary);
+      if (!in) return absl::NotFoundError(absl::StrCat("--text ", path, ": cannot read"));
+      const std::string text((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+      KVR_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
+                           loaded.tokenizer->Encode(text, {.add_special = false}));
+      corpus.insert(corpus.end(), ids.begin(), ids.end());
+    }
+    std::printf("corpus: %zu tokens from %zu files, tokenized in %.1f s\n", corpus.size(),
+                f.text.size(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    KVR_ASSIGN_OR_RETURN(registry, retrieval::AllMethods());
+  } else {
+    KVR_ASSIGN_OR_RETURN(model::ModelConfig config, model::DummyConfig(f.shape, f.layers));
+    // Room for the decode steps past the longest context (128K is Llama-3's whole window).
+    config.context_length =
+        std::max<int64_t>(config.context_length, max_ctx + f.warmup + f.steps + 8);
+    KVR_ASSIGN_OR_RETURN(m, model::CreateCudaModelWithRandomWeights(config, 1, mo));
+  }
+  const model::ModelConfig& config = m->config();
   KVR_ASSIGN_OR_RETURN(std::unique_ptr<rc::SparseDecodeAttention> sp,
                        rc::CreateSparseDecodeAttention(*m));
-  std::printf(
-      "kvr bench decode: %s shape (%d layers), RANDOM weights (%.2f GB bf16), SYNTHETIC KV "
-      "(random rows; sparse sequences of a batch share one host KV), budget %d, sink %d, "
-      "window %d, hot cache %d rows/head; clusterkv summaries: synthetic stand-in (runs of "
-      "consecutive tokens, mean key, as many as the default k-means); %d steps after %d warm-up; "
-      "sparse rows once per host KV placement\n",
-      f.shape.c_str(), config.n_layers, m->weight_bytes() / 1e9, f.budget, f.sink, f.window,
-      f.hot_cache_rows, f.steps, f.warmup);
+  if (real) {
+    std::printf(
+        "kvr bench decode: REAL model %s (%d layers, %d KV heads x %d, %.2f GB bf16 weights), "
+        "%s; REAL KV: %d documents of the corpus prefilled on this GPU, their rows in the store; "
+        "slot i decodes document i %% %d from its context minus %d x (i / %d) tokens, fed the "
+        "document's next token; REAL selections (clusterkv: the GPU prefill's k-means); budget "
+        "%d, sink %d, window %d, hot cache %d rows/head; %d steps after %d warm-up\n",
+        f.model.c_str(), config.n_layers, config.n_kv_heads, config.head_dim,
+        m->weight_bytes() / 1e9, rope.c_str(), f.documents, f.documents, f.doc_stride, f.documents,
+        f.budget, f.sink, f.window, f.hot_cache_rows, f.steps, f.warmup);
+  } else {
+    std::printf(
+        "kvr bench decode: %s shape (%d layers), RANDOM weights (%.2f GB bf16), SYNTHETIC KV "
+        "(random rows; sparse sequences of a batch share one host KV), budget %d, sink %d, "
+        "window %d, hot cache %d rows/head; clusterkv summaries: synthetic stand-in (runs of "
+        "consecutive tokens, mean key, as many as the default k-means); %d steps after %d "
+        "warm-up; sparse rows once per host KV placement\n",
+        f.shape.c_str(), config.n_layers, m->weight_bytes() / 1e9, f.budget, f.sink, f.window,
+        f.hot_cache_rows, f.steps, f.warmup);
+  }
   std::printf("%7s  %-16s  %-11s  %5s  %10s  %8s  %8s  %9s\n", "context", "method", "host KV",
               "batch", "tokens/s", "p50 ms", "p99 ms", "GiB/seq");
   // Warm-up before the GPU is filled: loads every kernel module (CUDA loads them lazily, which
@@ -899,12 +1262,22 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
     traces.push_back(std::move(t));
   }
   DecodeBench bench(f, *m, *sp);
+  bench.SetCorpus(std::move(corpus), &registry);
   std::vector<Row> rows;
   for (int64_t ctx : f.contexts) {
     const bool want_store =
         !f.store.empty() && std::any_of(f.methods.begin(), f.methods.end(),
                                         [](const std::string& m) { return m != "full"; });
-    if (want_store) {
+    if (real) {
+      const bool clusters =
+          std::find(f.methods.begin(), f.methods.end(), "clusterkv") != f.methods.end();
+      const absl::Status s = bench.PrepareDocuments(ctx, ctx + f.warmup + f.steps + 8, clusters);
+      if (!s.ok()) {
+        std::printf("%6lldK  documents: error: %s\n", static_cast<long long>(ctx / 1024),
+                    s.ToString().c_str());
+        continue;
+      }
+    } else if (want_store) {
       const absl::Status s = bench.PrepareStoreRows(ctx, ctx + f.warmup + f.steps + 8);
       if (!s.ok()) {
         std::printf("%6lldK  store rows: error: %s\n", static_cast<long long>(ctx / 1024),
@@ -935,16 +1308,17 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
       }
       for (const Placement& placement : placements) {
         absl::Status s;
+        const std::string name = real && method != "full" ? method + ":real" : method;
         if (method == "full") {
           s = bench.RunDense(ctx, rows);
         } else {
           s = bench.RunSparse(
               ctx, method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv,
-              method, placement, rows);
+              name, placement, rows);
         }
         if (!s.ok())
           std::printf("%6lldK  %-16s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
-                      method.c_str(), method == "full" ? "-" : placement.label.c_str(),
+                      name.c_str(), method == "full" ? "-" : placement.label.c_str(),
                       s.ToString().c_str());
         if (method == "full") break;  // the dense KV is in HBM: one run
         const retrieval::eval::SelectionTrace* t = PickTrace(traces, method, f.budget, ctx);
@@ -978,18 +1352,25 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
     }
   }
   KVR_RETURN_IF_ERROR(bench.ReleaseStoreRows());
+  KVR_RETURN_IF_ERROR(bench.ReleaseDocuments());
   std::printf(
       "\nbest sparse / best dense tokens/s (targets: >= 6x at 128K, >= 1.5x at 32K; "
-      "synthetic selections are the lower bound, replayed ones a real model's reuse):\n");
+      "synthetic selections are the lower bound, replayed ones a real model's reuse, real ones "
+      "a real model's weights, KV and selections):\n");
+  // Which locality a row's selections have, from its name's suffix.
+  auto locality = [](const std::string& method) -> std::string_view {
+    if (absl::EndsWith(method, ":replayed") || absl::EndsWith(method, ":scattered")) {
+      return "replayed";
+    }
+    return absl::EndsWith(method, ":real") ? "real" : "synthetic";
+  };
   for (int64_t ctx : f.contexts) {
-    for (const bool replayed : {false, true}) {
+    for (const std::string_view kind : {"synthetic", "replayed", "real"}) {
       const Row* dense = nullptr;
       const Row* sparse = nullptr;
       for (const Row& r : rows) {
         if (r.context != ctx) continue;
-        const bool is_replayed =
-            absl::EndsWith(r.method, ":replayed") || absl::EndsWith(r.method, ":scattered");
-        if (r.method != "full" && is_replayed != replayed) continue;
+        if (r.method != "full" && locality(r.method) != kind) continue;
         const Row*& best = r.method == "full" ? dense : sparse;
         if (best == nullptr || r.tokens_per_s > best->tokens_per_s) best = &r;
       }
@@ -997,10 +1378,9 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
         std::printf(
             "  %6lldK %-9s: %s (host KV %s) b%d %.1f tok/s vs full b%d %.1f tok/s = "
             "%.2fx\n",
-            static_cast<long long>(ctx / 1024), replayed ? "replayed" : "synthetic",
-            sparse->method.c_str(), sparse->placement->label.c_str(), sparse->batch,
-            sparse->tokens_per_s, dense->batch, dense->tokens_per_s,
-            sparse->tokens_per_s / dense->tokens_per_s);
+            static_cast<long long>(ctx / 1024), std::string(kind).c_str(), sparse->method.c_str(),
+            sparse->placement->label.c_str(), sparse->batch, sparse->tokens_per_s, dense->batch,
+            dense->tokens_per_s, sparse->tokens_per_s / dense->tokens_per_s);
       }
     }
   }
@@ -1091,6 +1471,29 @@ void AddBenchDecodeCommand(CLI::App& app) {
                 "with --replay: also run METHOD:scattered, the same replayed selections with each "
                 "recorded position's rows spread one by one over the context instead of a run "
                 "(the fetch pattern of clusters whose members lie anywhere)");
+  cmd->add_option("--model", f.model,
+                  "a real model (GGUF file or Hugging Face folder) instead of --shape's random "
+                  "weights: documents of --text prefilled on the GPU, their rows in --store, real "
+                  "selections (rows METHOD:real)");
+  cmd->add_option("--text", f.text, "with --model: the corpus the documents are cut from")
+      ->delimiter(',')
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--documents", f.documents,
+                  "with --model: disjoint documents per context (slot i reads document i % N)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--doc-stride", f.doc_stride,
+                  "with --model: slot i starts at the context minus this x (i / documents) tokens")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--rope-factor", f.rope_factor,
+                  "with --model: llama3 RoPE scaling factor (0: the longest context over the "
+                  "model's trained context, where above 1)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1024.0));
+  cmd->add_option("--prefill-chunk", f.prefill_chunk, "with --model: prefill chunk, tokens")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--json", f.json, "write the rows as JSON");
   cmd->callback([flags] {
     const absl::Status s = RunDecodeBench(*flags);
