@@ -619,6 +619,9 @@ std::vector<ParityRow> AttendRows() {
                         Case{RowDType::kBf16, 64, 8, 16, 2, 128, 64, 512},
                         Case{RowDType::kF16, 64, 1, 5, 3, 33, 17, 200},
                         Case{RowDType::kF32, 64, 4, 2, 2, 1, 1, 1},
+                        // A big batch whose (b, h) pairs alone fill the GPU (SmolLM2's 3 KV heads
+                        // x 96): split by rows (DecodeAttentionSplits' cap), 1,296 rows each.
+                        Case{RowDType::kBf16, 64, 3, 96, 3, 272, 1024, 2048},
                         // Long: 70K rows per (b, h), dense-like (resident) and selected.
                         Case{RowDType::kBf16, 128, 8, 1, 1, 70000, 2048, 70000},
                         Case{RowDType::kF32, 64, 8, 2, 1, 20000, 50000, 70000}};

@@ -18,6 +18,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxGroup = 8;
 constexpr int kRowsPerIter = 4;  // rows a warp loads before it uses any (memory parallelism)
 constexpr int kMinRowsPerSplit = 32;
+constexpr int kMaxRowsPerSplit = 256;  // where the batch alone fills the GPU
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -284,6 +285,13 @@ int DecodeAttentionSplits(const DecodeAttentionParams& p) {
   int64_t splits = (kBlocksPerSm * MultiprocessorCount() + heads - 1) / heads;
   const int64_t by_rows =
       std::max<int64_t>(1, (p.max_rows + kMinRowsPerSplit - 1) / kMinRowsPerSplit);
+  if (heads >= kBlocksPerSm * MultiprocessorCount()) {
+    // The (b, h) pairs alone fill the GPU (a big batch): one split each would leave every warp
+    // a chain of max_rows / kWarps row steps (~80 at budget 1024 + a 272-row window), latency
+    // bound (measured 2026-11-27 on SmolLM2 at b128-256: ~0.57 TB/s). Split so that a warp
+    // walks at most kMaxRowsPerSplit / kWarps rows.
+    splits = std::max<int64_t>(splits, (p.max_rows + kMaxRowsPerSplit - 1) / kMaxRowsPerSplit);
+  }
   splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(by_rows, 1024));
   return static_cast<int>(splits);
 }
