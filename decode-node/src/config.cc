@@ -114,6 +114,16 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
                     "--device cuda: most tokens per sequence (pinned host KV per "
                     "slot; 0: the model's context length)",
                     &Config::gpu_max_context, 0),
+                IntegerSetting<Config>(
+                    "gpu_dense_max_tokens",
+                    "--device cuda: sequences of at most this many tokens (prompt + max_tokens) "
+                    "run densely, their KV in HBM, where sparse decoding would not be faster "
+                    "(0: only method full runs densely)",
+                    &Config::gpu_dense_max_tokens, 0),
+                ByteSizeSetting<Config>("gpu_dense_bytes",
+                                        "--device cuda: HBM for the KV of the sequences run "
+                                        "densely, together (0: none run densely)",
+                                        &Config::gpu_dense_bytes, /*allow_zero=*/true),
                 IntegerSetting<Config>("batch_slots", "most sequences in the running batch",
                                        &Config::batch_slots, 1),
                 IntegerSetting<Config>("max_waiting", "most sequences waiting for a slot",

@@ -3,7 +3,9 @@
 #include "kvr/decode/cuda_backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -138,9 +140,19 @@ class IndexSelector final : public rc::SparseHostSelector {
 // clusters.
 struct CudaPending final : BackendSequence {
   explicit CudaPending(int64_t bytes) : bytes(bytes) {}
+  ~CudaPending() override {
+    if (dense_room != nullptr) dense_room->fetch_sub(dense_bytes);  // never joined
+  }
   int64_t resident_bytes() const override { return bytes; }
   int64_t bytes;
   int64_t capacity = 0;  // tokens the sequence may hold (prompt + max_tokens, capped)
+  // Dense when it pays: the sequence runs densely, its KV in HBM, filled from `table`'s pages
+  // at Join; dense_bytes of the node's dense room are reserved for it until it leaves (given
+  // back here if it never joins).
+  bool dense = false;
+  kv_store::PageTable table;
+  std::atomic<int64_t>* dense_room = nullptr;
+  int64_t dense_bytes = 0;
   rc::SparseRowSource rows;
   std::shared_ptr<const kv_store::LocalPoolMapping> pool;  // keeps the mapping alive
   std::shared_ptr<rc::SparseRowFetcher> fetch;  // rows fetched instead (no page table)
@@ -170,6 +182,7 @@ struct CudaRunning {
   int64_t rows_offloaded = 0;
   std::string method;                        // the request's retrieval method
   bool fetched = false;  // rows fetched through the store's data plane (not read in place)
+  int64_t dense_bytes = 0;  // > 0: run densely (the model's own sequence), its reserved room
   std::shared_ptr<IndexSelector> selector;  // null: the GPU method selects
   rc::SparseSequenceCounters seen;  // the GPU's counters as last reported to the observer
   absl::Status failure;             // first failed append, reported once through TakeFailures
@@ -216,10 +229,25 @@ class CudaDecodeBackend final : public DecodeBackend {
         return pool.status();
       }
     }
+    pending->capacity = std::min<int64_t>(
+        options_.max_context, h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens));
+    // Dense when it pays (short sequences, and `full`), while the dense room lasts.
+    if (!fetch && (h.method == "full" || pending->capacity <= options_.dense_max_tokens)) {
+      pending->dense = ReserveDenseRoom(*pending);
+      if (!pending->dense && h.method == "full" &&
+          pending->capacity - h.n_sink - h.local_window > h.budget) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("handoff of sequence ", h.sequence_id,
+                         ": retrieval.method 'full' runs densely here, "
+                         "and the KV of the sequences already dense fills gpu_dense_bytes ",
+                         options_.dense_bytes, " (retry later)"));
+      }
+    }
     // A fetched sequence's selector must read no rows: quest's GPU summaries and the lanes read
     // keys from the store's pages, so those methods are selected on the host by their index.
-    bool on_host = h.method != options_.method || (fetch && options_.method == "quest");
-    if (!on_host && options_.method == "clusterkv") {
+    bool on_host =
+        !pending->dense && (h.method != options_.method || (fetch && options_.method == "quest"));
+    if (!pending->dense && !on_host && options_.method == "clusterkv") {
       KVR_ASSIGN_OR_RETURN(pending->clusters, ParseClusters(h));
       size_t most = 0;
       for (const retrieval::PrebuiltClusterKvData& layer : pending->clusters) {
@@ -275,8 +303,6 @@ class CudaDecodeBackend final : public DecodeBackend {
                       h.prompt_tokens);
       }
     }
-    pending->capacity = std::min<int64_t>(
-        options_.max_context, h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens));
     if (fetch) {
       pending->fetch = std::make_shared<StoreRowFetcher>(h.store, h.store_owner, h.store_ref());
       pending->bytes += fetch_staging_bytes_;
@@ -285,6 +311,10 @@ class CudaDecodeBackend final : public DecodeBackend {
     KVR_ASSIGN_OR_RETURN(
         kv_store::PageTable table,
         h.store->ReservePageTable(h.store_ref(), static_cast<uint64_t>(pending->capacity)));
+    if (pending->dense) {
+      pending->table = table;  // Join fills the dense KV from these pages
+      pending->bytes = pending->dense_bytes;
+    }
     KVR_ASSIGN_OR_RETURN(const void* base, Register(*pending->pool));
     const size_t row_bytes = s.RowBytes();
     if (table.tokens_per_page == 0 || table.page_bytes != pending->pool->page_bytes() ||
@@ -316,6 +346,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     const uint64_t id = h.sequence_id;
     auto* pending = dynamic_cast<CudaPending*>(state.get());
     if (pending == nullptr) return absl::InternalError("CUDA decode: Join without Prepare");
+    if (pending->dense) return JoinDense(h, *pending);
     rc::SparseSequenceOptions so;
     if (pending->fetch != nullptr) {
       so.fetch = pending->fetch;
@@ -403,6 +434,13 @@ class CudaDecodeBackend final : public DecodeBackend {
 
   RetrievalCounters Leave(uint64_t id) override {
     RetrievalCounters c;
+    if (auto it = running_.find(id); it != running_.end() && it->second.dense_bytes > 0) {
+      model_->ReleaseSequence(id).IgnoreError();
+      dense_room_.fetch_sub(it->second.dense_bytes);
+      running_.erase(it);
+      ReportSummaryBytes();
+      return c;
+    }
     if (auto it = running_.find(id); it != running_.end()) {
       WaitPuts(id, it->second);
       c.rows_offloaded = it->second.rows_offloaded;
@@ -425,7 +463,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   }
   NodeCounters node_counters() const override { return node_; }
   int64_t SummaryBytes(uint64_t id) const override {
-    return running_.contains(id) ? summary_bytes_ : 0;
+    auto it = running_.find(id);
+    return it != running_.end() && it->second.dense_bytes == 0 ? summary_bytes_ : 0;
   }
 
  private:
@@ -460,7 +499,9 @@ class CudaDecodeBackend final : public DecodeBackend {
     observer_->OnOffload(appended * c.n_layers * c.n_kv_heads * row_bytes);
   }
   void ReportSummaryBytes() {
-    const int64_t bytes = summary_bytes_ * static_cast<int64_t>(running_.size());
+    int64_t sparse = 0;
+    for (const auto& [id, run] : running_) sparse += run.dense_bytes == 0 ? 1 : 0;
+    const int64_t bytes = summary_bytes_ * sparse;
     observer_->OnMethodSummaryBytes(options_.method, bytes);
     observer_->OnSummaryBytes(bytes);
   }
@@ -497,6 +538,60 @@ class CudaDecodeBackend final : public DecodeBackend {
     return clusters;
   }
 
+  // Reserves the dense room for `p`'s KV (any thread): false when it would exceed dense_bytes.
+  bool ReserveDenseRoom(CudaPending& p) const {
+    const int64_t need = p.capacity * options_.dense_bytes_per_token;
+    if (need <= 0) return false;
+    int64_t used = dense_room_.load();
+    do {
+      if (used + need > options_.dense_bytes) return false;
+    } while (!dense_room_.compare_exchange_weak(used, used + need));
+    p.dense_room = &dense_room_;
+    p.dense_bytes = need;
+    return true;
+  }
+
+  // A dense sequence: the model's own, its prompt's rows copied from the store's pages into its
+  // device KV (bf16 as the store holds them, keys with RoPE), then stepped beside the sparse
+  // sequences (CudaModel::ForwardWithAttention's mixed batch).
+  absl::Status JoinDense(const Handoff& h, CudaPending& pending) {
+    const uint64_t id = h.sequence_id;
+    const model::ModelConfig& c = model_->config();
+    KVR_RETURN_IF_ERROR(model_->AddSequence(id, pending.capacity));
+    const kv_store::LocalPoolMapping& pool = *pending.pool;
+    const size_t half = size_t{2} * c.head_dim;  // bytes of one head's K (or V) row
+    const absl::Status filled = model_->AppendRows(
+        id, h.prompt_tokens, [&](int layer, std::span<uint16_t> k, std::span<uint16_t> v) {
+          for (int64_t t = 0; t < h.prompt_tokens; ++t) {
+            for (int hh = 0; hh < c.n_kv_heads; ++hh) {
+              const uint8_t* row = pool.Row(pending.table, static_cast<uint32_t>(layer),
+                                            static_cast<uint32_t>(hh), static_cast<uint64_t>(t));
+              const size_t at = (static_cast<size_t>(t) * c.n_kv_heads + hh) * c.head_dim;
+              std::memcpy(&k[at], row, half);
+              std::memcpy(&v[at], row + half, half);
+            }
+          }
+          return absl::OkStatus();
+        });
+    if (!filled.ok()) {
+      model_->ReleaseSequence(id).IgnoreError();
+      return filled;
+    }
+    CudaRunning run;
+    run.store = h.store;
+    run.store_owner = h.store_owner;
+    run.ref = h.store_ref();
+    run.pool = std::move(pending.pool);
+    run.next_row = h.prompt_tokens;
+    run.method = h.method;
+    run.dense_bytes = std::exchange(pending.dense_bytes, 0);
+    pending.dense_room = nullptr;  // the room is the running sequence's now
+    running_.emplace(id, std::move(run));
+    ++node_.dense_sequences;
+    ReportSummaryBytes();
+    return absl::OkStatus();
+  }
+
   // The pool's device address, registering it with CUDA the first time (any thread).
   absl::StatusOr<const void*> Register(const kv_store::LocalPoolMapping& pool) const {
     absl::MutexLock lock(&pools_mu_);
@@ -525,7 +620,7 @@ class CudaDecodeBackend final : public DecodeBackend {
   // a store row before it is there.
   void AppendNewRows(uint64_t id) {
     auto it = running_.find(id);
-    if (it == running_.end()) return;
+    if (it == running_.end() || it->second.dense_bytes > 0) return;
     CudaRunning& run = it->second;
     WaitPuts(id, run);
     if (!run.failure.ok()) return;
@@ -572,6 +667,8 @@ class CudaDecodeBackend final : public DecodeBackend {
   std::vector<model::CudaSequence> batch_;
   // ReportStep's per-method sums, kept so that a step allocates nothing once warm.
   absl::flat_hash_map<std::string_view, RetrievalReport> step_reports_;
+  // HBM reserved for the KV of the sequences run densely (Prepare reserves on any thread).
+  mutable std::atomic<int64_t> dense_room_{0};
   // Store pools registered with CUDA: host base -> device base (Prepare runs on any thread).
   mutable absl::Mutex pools_mu_;
   mutable absl::flat_hash_map<const void*, const void*> pools_ ABSL_GUARDED_BY(pools_mu_);
@@ -603,16 +700,21 @@ absl::Status CheckHandoffForCudaBackend(const Handoff& h, const CudaDecodeBacken
                o.max_context);
   }
   if (h.method == "full") {
-    // Every candidate of the last step: capacity - sink - window rows, gathered at once.
+    // Every candidate of the last step: capacity - sink - window rows, gathered at once, or
+    // the whole KV in HBM (dense).
     int64_t capacity = h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens);
     if (o.max_context > 0) capacity = std::min(capacity, o.max_context);
     const int64_t rows = capacity - h.n_sink - h.local_window;
-    if (rows > o.budget) {
+    const bool dense = o.row_source != "fetch" && o.dense_bytes_per_token > 0 &&
+                       capacity * o.dense_bytes_per_token <= o.dense_bytes;
+    if (rows > o.budget && !dense) {
       return bad("retrieval.method 'full' attends every row: up to ", rows,
                  " rows beyond the sink and window (prompt_tokens ", h.prompt_tokens,
                  " + max_tokens ", h.sampling.max_tokens,
                  "), more than the rows one step gathers on this node (gpu_budget ", o.budget,
-                 ")");
+                 "), and its KV of ", capacity * o.dense_bytes_per_token,
+                 " bytes does not fit gpu_dense_bytes ", o.dense_bytes,
+                 o.row_source == "fetch" ? " (and rows fetched never run densely)" : "");
     }
   }
   return absl::OkStatus();
@@ -638,6 +740,14 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   const model::ModelConfig& c = model->config();
   CudaDecodeBackendOptions o = options;
   if (o.max_context == 0) o.max_context = c.context_length;
+  o.dense_bytes_per_token = int64_t{c.n_layers} * c.n_kv_heads * c.head_dim * 2 * 2;
+  if ((o.dense_bytes > 0 || o.dense_max_tokens > 0) &&
+      model->options().max_batch_tokens < 2 * int64_t{o.slots}) {
+    // A mixed batch runs the dense rows beside every sparse slot's.
+    spdlog::warn("dense sequences off: the model's max_batch_tokens {} is below 2 x {} slots",
+                 model->options().max_batch_tokens, o.slots);
+    o.dense_bytes = o.dense_max_tokens = 0;
+  }
   if (o.max_context < 2 || o.max_context > c.context_length) {
     return absl::InvalidArgumentError(absl::StrCat("gpu_max_context ", o.max_context,
                                                    " outside [2, the model's context length ",
@@ -756,7 +866,8 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   }
   model::CudaModelOptions mo;
   mo.device = static_cast<int>(config.cuda_device);
-  mo.max_batch_tokens = config.batch_slots;
+  // A mixed batch: the dense sequences' rows beside every sparse slot's.
+  mo.max_batch_tokens = 2 * int64_t{config.batch_slots};
   mo.max_sequences = static_cast<int>(config.batch_slots);
   mo.max_logits_rows = config.batch_slots;
   absl::StatusOr<std::unique_ptr<model::CudaModel>> gpu =
@@ -776,6 +887,8 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   o.max_context = config.gpu_max_context;
   o.hot_cache_bytes = config.hot_cache_bytes;
   o.hot_cache_fraction = config.gpu_hot_cache_fraction;
+  o.dense_max_tokens = config.gpu_dense_max_tokens;
+  o.dense_bytes = config.gpu_dense_bytes;
   o.registry = registry;
   o.method_assets = std::move(assets);
   return CreateCudaDecodeBackend(*std::move(gpu), o, observer);

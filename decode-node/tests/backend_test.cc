@@ -190,6 +190,20 @@ TEST(CudaBackendCheckTest, HostSelectsTheRegistrysOtherMethods) {
   EXPECT_THAT(s.message(), HasSubstr("gpu_budget 256"));
   h.method = "quest";  // the GPU method selects its budget whatever the prompt
   EXPECT_TRUE(CheckHandoffForCudaBackend(h, o).ok());
+  // Unless it runs densely: its 450 tokens of KV fit gpu_dense_bytes (rows read in place).
+  h.method = "full";
+  o.dense_bytes_per_token = 1000;
+  o.dense_bytes = 450 * 1000;
+  EXPECT_TRUE(CheckHandoffForCudaBackend(h, o).ok());
+  o.dense_bytes = 450 * 1000 - 1;
+  s = CheckHandoffForCudaBackend(h, o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("gpu_dense_bytes 449999"));
+  o.dense_bytes = 450 * 1000;
+  o.row_source = "fetch";  // fetched rows never run densely
+  s = CheckHandoffForCudaBackend(h, o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("rows fetched never run densely"));
 }
 
 // A backend that counts the prepared sequence states alive (what a real backend holds for a

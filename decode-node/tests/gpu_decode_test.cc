@@ -111,9 +111,10 @@ class GpuDecodeTest : public ::testing::Test {
                                            std::vector<std::string> lanes = {},
                                            const std::string& row_source = "in-place",
                                            double hot_cache_fraction = 0,
-                                           int64_t hot_cache_bytes = 1 << 20) {
+                                           int64_t hot_cache_bytes = 1 << 20,
+                                           int64_t dense_max_tokens = 0, int64_t dense_bytes = 0) {
     model::CudaModelOptions mo;
-    mo.max_batch_tokens = kSlots;
+    mo.max_batch_tokens = 2 * kSlots;  // a mixed batch: dense rows beside every sparse slot
     mo.max_sequences = kSlots;
     mo.max_logits_rows = kSlots;
     auto gpu = model::CreateCudaModel(cpu_->config(), cpu_->weights(), mo);
@@ -131,6 +132,8 @@ class GpuDecodeTest : public ::testing::Test {
     o.method_assets = codebooks_;
     o.row_source = row_source;
     o.hot_cache_fraction = hot_cache_fraction;
+    o.dense_max_tokens = dense_max_tokens;
+    o.dense_bytes = dense_bytes;
     auto backend = CreateCudaDecodeBackend(*std::move(gpu), o, observer);
     EXPECT_TRUE(backend.ok()) << backend.status();
     EXPECT_EQ((*backend)->name(), "cuda:0");
@@ -669,6 +672,43 @@ TEST_F(GpuDecodeTest, HotCacheSizedByFreeGpuMemoryServesMoreRows) {
               static_cast<long long>(a.retrieval.hot_cache_hits),
               static_cast<long long>(a.retrieval.selected_rows),
               static_cast<long long>(b.retrieval.hot_cache_hits));
+}
+
+// Dense when it pays: a short sequence (170 + 33 tokens <= 210) and a `full` request whose rows
+// exceed the budget (300 + 33) run densely, their KV in HBM, in the same batches as a sparse
+// one (233 + 33 tokens, quest at budget 16). The dense ones' tokens are greedy choices of the
+// CPU model running densely (within the tolerance); the sparse one's rows are offloaded as
+// before, the dense ones' are not; the dense room comes back when they leave.
+TEST_F(GpuDecodeTest, ShortSequencesAndFullRunDenselyBesideSparseOnes) {
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
+                                                     Prompt(233, 3)};
+  const model::ModelConfig& c = cpu_->config();
+  const int64_t per_token = int64_t{c.n_layers} * c.n_kv_heads * c.head_dim * 4;
+  auto store = testing::MakeFakeStore(256 << 20);
+  // Room for the two dense sequences at once (333 + 203 tokens), not for a third.
+  auto engine = CudaEngine(16, "quest", nullptr, {}, "in-place", 0, 1 << 20, 210, 540 * per_token);
+  std::vector<int32_t> first;
+  auto got =
+      Run(*engine, *store, prompts, 16, &first, {"full", "quest", "quest"}, kv_store::DType::kBf16);
+  for (size_t i = 0; i < 2; ++i) {
+    const uint64_t id = 40 + i;
+    ASSERT_EQ(got[id].size(), kMaxTokens - 1) << "sequence " << i;
+    const double gap = WorstGap(prompts[i], first[i], got[id]);
+    EXPECT_LE(gap, kTieOverRms) << "sequence " << i << " (dense): a token is not a greedy "
+                                << "choice of the CPU model";
+    std::printf("[ engine ] dense seq %zu (prompt %3zu): worst CPU gap %.4f x rms\n", i,
+                prompts[i].size(), gap);
+  }
+  ASSERT_EQ(got[42].size(), kMaxTokens - 1);
+  const NodeCounters n = engine->node_counters();
+  EXPECT_EQ(n.dense_sequences, 2);
+  EXPECT_EQ(n.retrieval.rows_offloaded, int64_t{kMaxTokens - 1} * c.n_layers * c.n_kv_heads)
+      << "only the sparse sequence's generated rows go to the store";
+  EXPECT_GT(n.retrieval.selected_rows, 0);
+  // The room came back: the same two dense sequences again.
+  got = Run(*engine, *store, {prompts[0], prompts[1]}, 16, &first, {"full", "quest"},
+            kv_store::DType::kBf16);
+  EXPECT_EQ(engine->node_counters().dense_sequences, 4);
 }
 
 TEST_F(GpuDecodeTest, RefusesHandoffsThatDoNotFitTheNode) {

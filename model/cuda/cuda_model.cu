@@ -847,23 +847,32 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
                                                    options_.max_sequences));
   }
   // A hook's sequences are its own (not in sequences_) and take one token per Forward; the
-  // rows the layers run over are the hook's (its Plan).
-  const bool hooked = hook != nullptr;
-  std::vector<Sequence*> seqs(batch.size(), nullptr);
-  int64_t total = 0;
+  // rows they run over are the hook's (its Plan). A hooked Forward may carry the model's own
+  // dense sequences too (a mixed batch: a decode node runs a sequence densely where that pays):
+  // those run the dense path on rows [0, n_dense), the hook's on rows [n_dense, n_rows), and
+  // every GEMM runs once over all of them.
+  std::vector<Sequence*> seqs(batch.size(), nullptr);  // dense sequences; null: the hook's
+  std::vector<CudaSequence> hook_batch;                // the hook's, in batch order
+  std::vector<size_t> hook_of;                         // [hook_batch]: its place in batch
+  int64_t total = 0;                                   // tokens of the dense sequences
   {
     std::unordered_set<SequenceId> seen;
     for (size_t b = 0; b < batch.size(); ++b) {
       const CudaSequence& in = batch[b];
       auto it = sequences_.find(in.id);
-      if (!hooked && it == sequences_.end()) {
+      if (hook == nullptr && it == sequences_.end()) {
         return absl::NotFoundError(absl::StrCat("CudaModel::Forward: no sequence ", in.id));
       }
-      if (hooked && it != sequences_.end()) {
+      const bool dense = it != sequences_.end();
+      if (!dense) {
+        hook_batch.push_back(in);
+        hook_of.push_back(b);
+      }
+      if (hook != nullptr && dense &&
+          (mode != LogitsMode::kLast || it->second.exporting != nullptr || in.build)) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "CudaModel::Forward: sequence ", in.id,
-            " is a dense sequence of the model; a batch mixes dense and hooked sequences (run "
-            "them apart)"));
+            "CudaModel::Forward: dense sequence ", in.id,
+            " in a hooked Forward: only last-token logits, no KV export and no build there"));
       }
       if (!seen.insert(in.id).second) {
         return absl::InvalidArgumentError(
@@ -873,12 +882,12 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         return absl::InvalidArgumentError(
             absl::StrCat("CudaModel::Forward: sequence ", in.id, " has no tokens"));
       }
-      if (hooked && in.tokens.size() != 1) {
+      if (!dense && in.tokens.size() != 1) {
         return absl::InvalidArgumentError(
             absl::StrCat("CudaModel::Forward: sparse sequence ", in.id, " has ", in.tokens.size(),
                          " tokens; sparse sequences take one token per Forward"));
       }
-      if (!hooked) {
+      if (dense) {
         const Sequence& s = it->second;
         const int64_t length = s.length + static_cast<int64_t>(in.tokens.size());
         if (length > s.capacity || length > c.context_length) {
@@ -906,11 +915,17 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
                                                          ")"));
         }
       }
-      if (!hooked) seqs[b] = &it->second;
-      total += static_cast<int64_t>(in.tokens.size());
+      if (dense) {
+        seqs[b] = &it->second;
+        total += static_cast<int64_t>(in.tokens.size());
+      }
     }
   }
-  if (total > options_.max_batch_tokens) {
+  // Only dense sequences: the dense Forward (the hook hears nothing).
+  const bool hooked = !hook_batch.empty();
+  if (!hooked) hook = nullptr;
+  const int n_dense = static_cast<int>(batch.size() - hook_batch.size());
+  if (total + static_cast<int64_t>(hook_batch.size()) > options_.max_batch_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: ", total,
                                                    " tokens, more than max_batch_tokens ",
                                                    options_.max_batch_tokens));
@@ -925,24 +940,27 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   };
   CudaAttentionPlan plan;
   if (hooked) {
-    KVR_ASSIGN_OR_RETURN(plan, hook->Plan(batch));
+    KVR_ASSIGN_OR_RETURN(plan, hook->Plan(hook_batch));
   }
   HookFinish finish{hook};
-  if (hooked && (plan.n_rows < static_cast<int64_t>(batch.size()) ||
-                 plan.n_rows > options_.max_batch_tokens || plan.rows.size() != batch.size())) {
-    return absl::InternalError(absl::StrCat(
-        "CudaModel::Forward: the attention hook laid out ", plan.n_rows, " rows for ", batch.size(),
-        " sequences (max_batch_tokens ", options_.max_batch_tokens, ")"));
+  if (hooked &&
+      (plan.n_rows < static_cast<int64_t>(hook_batch.size()) ||
+       total + plan.n_rows > options_.max_batch_tokens || plan.rows.size() != hook_batch.size())) {
+    return absl::InternalError(
+        absl::StrCat("CudaModel::Forward: the attention hook laid out ", plan.n_rows, " rows for ",
+                     hook_batch.size(), " sequences beside ", total,
+                     " dense rows (max_batch_tokens ", options_.max_batch_tokens, ")"));
   }
-  const int64_t n_rows = hooked ? plan.n_rows : total;
+  const int64_t n_rows = total + (hooked ? plan.n_rows : 0);
   if (hooked) {
-    for (int64_t r = 0; r < n_rows; ++r) h_tokens_.data()[r] = 0;
-    for (size_t b = 0; b < batch.size(); ++b) {
-      h_tokens_.data()[plan.rows[b]] = batch[b].tokens[0];
-      h_out_rows_.data()[b] = plan.rows[b];
+    for (int64_t r = total; r < n_rows; ++r) h_tokens_.data()[r] = 0;
+    for (size_t i = 0; i < hook_batch.size(); ++i) {
+      h_tokens_.data()[total + plan.rows[i]] = hook_batch[i].tokens[0];
+      h_out_rows_.data()[hook_of[i]] = static_cast<int32_t>(total + plan.rows[i]);
     }
   }
-  const int64_t n_out = mode == LogitsMode::kLast ? static_cast<int64_t>(batch.size()) : total;
+  const int64_t n_out = mode == LogitsMode::kLast ? static_cast<int64_t>(batch.size())
+                                                  : total + static_cast<int64_t>(hook_batch.size());
   if (next_tokens.empty() && static_cast<int64_t>(logits.size()) != n_out * c.vocab) {
     return absl::InvalidArgumentError(absl::StrCat("CudaModel::Forward: logits has ", logits.size(),
                                                    " floats, expected ", n_out, " x ", c.vocab));
@@ -952,11 +970,15 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   bool all_decode = true;
   int max_q = 0;
   int64_t max_length = 0;
-  if (!hooked) {
+  {
+    // The dense sequences' rows come first; h_seqs_ holds them in batch order (so a dense
+    // Forward's exports index it by their batch place).
     int64_t row = 0;
+    int i = 0;
     for (size_t b = 0; b < batch.size(); ++b) {
+      if (seqs[b] == nullptr) continue;
       const int n = static_cast<int>(batch[b].tokens.size());
-      SeqKv& k = h_seqs_.data()[b];
+      SeqKv& k = h_seqs_.data()[i];
       k.base = seqs[b]->kv.data();
       k.capacity = seqs[b]->capacity;
       k.first_position = seqs[b]->length;
@@ -964,15 +986,16 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       k.q_begin = static_cast<int32_t>(row);
       k.n_q = n;
       std::memcpy(h_tokens_.data() + row, batch[b].tokens.data(), n * sizeof(int32_t));
-      for (int i = 0; i < n; ++i) h_token_seq_.data()[row + i] = static_cast<int32_t>(b);
+      for (int t = 0; t < n; ++t) h_token_seq_.data()[row + t] = i;
       if (mode == LogitsMode::kLast) h_out_rows_.data()[b] = static_cast<int32_t>(row + n - 1);
       row += n;
+      ++i;
       all_decode = all_decode && n == 1;
       max_q = std::max(max_q, n);
       max_length = std::max(max_length, k.length);
     }
-    if (mode == LogitsMode::kAll) {
-      for (int64_t i = 0; i < total; ++i) h_out_rows_.data()[i] = static_cast<int32_t>(i);
+    if (mode == LogitsMode::kAll && !hooked) {
+      for (int64_t r = 0; r < total; ++r) h_out_rows_.data()[r] = static_cast<int32_t>(r);
     }
   }
   // Per-layer builds of this Forward (dense sequences added with a builder).
@@ -1102,12 +1125,13 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     return absl::OkStatus();
   };
   // The hook's per-layer request (enqueue sets .layer and the layer's bias).
+  // The hook's rows follow the dense rows.
   CudaAttentionRequest request;
-  request.n_rows = n_rows;
-  request.qkv = qkv_.data();
+  request.n_rows = n_rows - total;
+  request.qkv = qkv_.data() + total * (c.q_dim() + 2 * c.kv_dim());
   request.inv_freq = inv_freq_.data();
-  request.q = q_.data();
-  request.out = attn_.data();
+  request.q = q_.data() + total * c.q_dim();
+  request.out = attn_.data() + total * c.q_dim();
   request.profile = options_.profile;
   request.mark = [this](CudaStage stage) {
     switch (stage) {
@@ -1127,7 +1151,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   ap.q = q_.data();
   ap.out = attn_.data();
   ap.seqs = d_seqs_.data();
-  ap.n_seqs = static_cast<int>(batch.size());
+  ap.n_seqs = n_dense;
   ap.max_q = max_q;
   ap.max_length = max_length;
   ap.n_heads = c.n_heads;
@@ -1148,12 +1172,10 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
     KVR_CUDA_RETURN_IF_ERROR(h2d(d_tokens_.data(), h_tokens_.data(), n_rows));
     KVR_CUDA_RETURN_IF_ERROR(h2d(d_out_rows_.data(), h_out_rows_.data(), n_out));
-    if (hooked) {
-      KVR_RETURN_IF_ERROR(hook->Begin(stream()));
-    } else {
+    if (hooked) KVR_RETURN_IF_ERROR(hook->Begin(stream()));
+    if (n_dense > 0) {
       KVR_CUDA_RETURN_IF_ERROR(h2d(d_token_seq_.data(), h_token_seq_.data(), total));
-      KVR_CUDA_RETURN_IF_ERROR(
-          h2d(d_seqs_.data(), h_seqs_.data(), static_cast<int64_t>(batch.size())));
+      KVR_CUDA_RETURN_IF_ERROR(h2d(d_seqs_.data(), h_seqs_.data(), int64_t{n_dense}));
     }
 
     if (!builds.empty()) {
@@ -1185,7 +1207,8 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
         request.layer = layer;
         request.qkv_bias = w.bqkv.size() > 0 ? w.bqkv.data() : nullptr;
         KVR_RETURN_IF_ERROR(hook->Attend(request, stream()));
-      } else {
+      }
+      if (n_dense > 0) {
         KVR_RETURN_IF_ERROR(Mark(Kind::kOther));
         cuda::QkvRopeParams rope;
         rope.qkv = qkv_.data();
@@ -1344,8 +1367,8 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
   if (!next_tokens.empty()) {
     std::memcpy(next_tokens.data(), h_argmax_.data(), n_out * sizeof(int32_t));
   }
-  for (size_t b = 0; b < batch.size() && !hooked; ++b) {
-    seqs[b]->length += static_cast<int64_t>(batch[b].tokens.size());
+  for (size_t b = 0; b < batch.size(); ++b) {
+    if (seqs[b] != nullptr) seqs[b]->length += static_cast<int64_t>(batch[b].tokens.size());
   }
   finish.ok = true;
   return absl::OkStatus();

@@ -17,7 +17,8 @@
 //   window, as on the CPU backend (one synchronization per layer of a step that has such a
 //   sequence); the GPU gathers and attends its selection like any other. A handoff with a bigger
 //   budget or another sink/window is refused (InvalidArgument naming the field and the node's
-//   setting), and so is `full` when its rows exceed gpu_budget (the rows one step gathers);
+//   setting), and so is `full` when its rows exceed gpu_budget (the rows one step gathers)
+//   and its KV could not run densely (dense_bytes; rows read in place);
 //   every other request runs at its own budget, whichever selector serves it (the GPU method
 //   takes a budget per slot).
 // - Prepare (the handoff's thread): checks the store sequence (shape, bf16 rows, the prompt's
@@ -92,6 +93,18 @@ struct CudaDecodeBackendOptions {
   const retrieval::MethodRegistry* registry = nullptr;
   // Method assets of the host-selected methods (a2ats' codebooks); may be null.
   std::shared_ptr<const retrieval::MethodAssets> method_assets;
+  // Dense when it pays: a sequence whose rows are read in place and that holds at most
+  // dense_max_tokens (prompt + max_tokens) runs densely, its whole KV in HBM (the model's own
+  // dense sequence, filled from the store's pages at Join) in the same batch as the sparse ones,
+  // where sparse decoding would not be faster (measured: BENCHMARKS.md "Where sparse stops
+  // paying"); so does a `full` request of any length. Their KV takes at most dense_bytes of HBM
+  // together; a sequence that finds no room runs sparse (`full`: ResourceExhausted). Their
+  // generated rows are not appended to the store (nothing reads them there: the window and the
+  // dense cache hold them). 0: none. dense_bytes_per_token is the model's KV per token (set by
+  // CreateCudaDecodeBackend; the admission check reads it).
+  int64_t dense_max_tokens = 0;
+  int64_t dense_bytes = 0;
+  int64_t dense_bytes_per_token = 0;
 };
 
 // The checks the CUDA backend's Prepare makes against its one configuration (exposed for tests

@@ -90,6 +90,8 @@ struct NodeCounters {
   // CUDA backend, clusterkv: sequences whose prefill clusters were more than the node has room
   // for (a request budget below the node's), selected on the host.
   int64_t cluster_fallbacks = 0;
+  // CUDA backend: sequences run densely, their KV in HBM (dense when it pays, and `full`).
+  int64_t dense_sequences = 0;
 };
 
 struct DecodeSequenceSetup {

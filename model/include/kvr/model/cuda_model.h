@@ -300,10 +300,13 @@ class CudaModel {
   [[nodiscard]] virtual absl::Status ForwardGreedy(std::span<const CudaSequence> batch,
                                                    std::span<int32_t> next_tokens) = 0;
 
-  // A Forward over sequences of `attention` (not the model's: a batch that names one of the
-  // model's dense sequences is InvalidArgument), each calling the hook per layer (see
-  // CudaAttention): the hook's Plan says which rows the layers run over. Never a CUDA graph.
-  // Errors as Forward's, plus the hook's.
+  // A Forward over sequences of `attention`, each calling the hook per layer (see
+  // CudaAttention): the hook's Plan says which rows its sequences run over. The batch may also
+  // name the model's own dense sequences (a mixed batch: a sequence run densely beside sparse
+  // ones): they run the dense path on rows before the hook's, every GEMM once over both, with
+  // last-token logits only (kAll, a KV export or a build there is InvalidArgument); a batch of
+  // dense sequences alone is a plain Forward. Logits and tokens come back in batch order. Never
+  // a CUDA graph while the hook has sequences in the batch. Errors as Forward's, plus the hook's.
   [[nodiscard]] virtual absl::Status ForwardWithAttention(CudaAttention& attention,
                                                           std::span<const CudaSequence> batch,
                                                           LogitsMode mode,

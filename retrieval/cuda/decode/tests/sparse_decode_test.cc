@@ -181,6 +181,75 @@ INSTANTIATE_TEST_SUITE_P(
                                      SparseMethod::kClusterKv}),
     [](const ::testing::TestParamInfo<FullBudgetCase>& info) { return std::get<0>(info.param); });
 
+// A mixed batch: the model's dense sequences and the hook's sparse ones in ONE Forward (a
+// decode node runs a sequence densely where that pays; every GEMM runs once over both) compute
+// what they compute apart: each row's logits against a copy of the same sequence stepped in a
+// Forward of its own kind, 16 steps fed the same tokens, the sparse rows listed first.
+TEST(CudaSparseTest, MixedDenseAndSparseBatchMatchesSeparateForwards) {
+  SKIP_WITHOUT_GPU();
+  SparseModel m;
+  MakeSparseModel("smollm2-135m", 0, 13, 128, 8, &m);
+  if (HasFatalFailure()) return;
+  CudaModel& gpu = *m.gpu;
+  retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
+  const int vocab = m.config.vocab;
+  SparseDecodeOptions so;
+  so.method = SparseMethod::kQuest;
+  so.slots = 4;
+  so.max_capacity = 128;
+  so.budget = 128;
+  so.n_sink = 4;
+  so.local_window = 8;
+  so.hot_cache_rows = 64;
+  so.quest_page_size = 16;
+  ASSERT_TRUE(sp.Configure(so).ok());
+  const std::vector<int32_t> dense_prompt = Tokens(37, vocab, 50);
+  const std::vector<int32_t> sparse_prompt = Tokens(29, vocab, 51);
+  const std::vector<int32_t> steps = Tokens(16, vocab, 52);
+  std::vector<float> logits(2 * vocab, NAN);
+  // 100 and 200 step together, 101 and 201 apart.
+  for (SequenceId id : {100, 101}) {
+    ASSERT_TRUE(gpu.AddSequence(id, 128).ok());
+    const CudaSequence d{id, dense_prompt};
+    ASSERT_TRUE(
+        gpu.Forward(std::span(&d, 1), LogitsMode::kLast, std::span(logits).first(vocab)).ok());
+  }
+  for (SequenceId id : {200, 201}) ASSERT_TRUE(sp.AddSequence(id, 128, {}).ok());
+  for (size_t t = 0; t < sparse_prompt.size(); ++t) {
+    const std::vector<CudaSequence> both = {{200, std::span(&sparse_prompt[t], 1)},
+                                            {201, std::span(&sparse_prompt[t], 1)}};
+    ASSERT_TRUE(sp.Forward(both, LogitsMode::kLast, logits).ok());
+  }
+  Worst worst;
+  for (size_t t = 0; t < steps.size(); ++t) {
+    const std::span<const int32_t> tok(&steps[t], 1);
+    const std::vector<CudaSequence> mixed = {{200, tok}, {100, tok}};
+    std::vector<float> got(2 * vocab, NAN), dense(vocab, NAN), sparse(vocab, NAN);
+    const absl::Status st = sp.Forward(mixed, LogitsMode::kLast, got);
+    ASSERT_TRUE(st.ok()) << st;
+    const CudaSequence d{101, tok}, s{201, tok};
+    ASSERT_TRUE(gpu.Forward(std::span(&d, 1), LogitsMode::kLast, dense).ok());
+    ASSERT_TRUE(sp.Forward(std::span(&s, 1), LogitsMode::kLast, sparse).ok());
+    CheckRow(std::span(got).first(vocab), sparse, "mixed sparse row, step " + std::to_string(t),
+             worst);
+    CheckRow(std::span(got).subspan(vocab), dense, "mixed dense row, step " + std::to_string(t),
+             worst);
+  }
+  // Greedy too: one token per sequence, in batch order.
+  const std::vector<CudaSequence> mixed = {{100, std::span(&steps[0], 1)},
+                                           {200, std::span(&steps[1], 1)}};
+  std::vector<int32_t> next(2, -1);
+  ASSERT_TRUE(sp.ForwardGreedy(mixed, next).ok());
+  for (int32_t t : next) EXPECT_TRUE(t >= 0 && t < vocab);
+  EXPECT_EQ(*gpu.SequenceLength(100), 37 + 17);
+  EXPECT_EQ(*sp.SequenceLength(200), 29 + 17);
+  EXPECT_EQ(*gpu.SequenceLength(101), 37 + 16);
+  std::printf("[ parity ] %-40s steps %3d  min cosine %.6f  max |err|/rms %.4f  near ties %d\n",
+              "mixed dense + sparse batch", worst.steps, worst.cosine, worst.ratio, worst.ties);
+  for (SequenceId id : {100, 101}) ASSERT_TRUE(gpu.ReleaseSequence(id).ok());
+  for (SequenceId id : {200, 201}) ASSERT_TRUE(sp.ReleaseSequence(id).ok());
+}
+
 // Benchmark fill + small budget: runs, stays finite, reports; errors for misuse.
 TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
   SKIP_WITHOUT_GPU();
@@ -210,7 +279,8 @@ TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
     const std::vector<int32_t> tok = {1, 2, 3};
     std::vector<CudaSequence> mixed = {{1, std::span(&tok[0], 1)}, {9, std::span(&tok[1], 1)}};
     std::vector<float> logits(2 * vocab);
-    EXPECT_EQ(sp.Forward(mixed, LogitsMode::kLast, logits).code(),
+    // A mixed batch takes last-token logits only.
+    EXPECT_EQ(sp.Forward(mixed, LogitsMode::kAll, logits).code(),
               absl::StatusCode::kInvalidArgument);
     ASSERT_TRUE(gpu.ReleaseSequence(9).ok());
     gpu.set_profile(true);

@@ -26,8 +26,9 @@
 //   and a fixed number of slots: a Forward runs the model's QKV/O/FFN GEMMs and the
 //   select/gather/attend launches over ALL slots (empty slots are masked), so size `slots` to
 //   the batch that is run.
-// - Its sequences are its own (ids apart from the model's dense sequences; a Forward that names
-//   one of the model's dense sequences is refused) and take exactly one token per Forward
+// - Its sequences are its own (ids apart from the model's dense sequences; a Forward may name
+//   the model's dense sequences too, which then run the model's dense path in the same batch:
+//   CudaModel::ForwardWithAttention) and take exactly one token per Forward
 //   (decode): their past comes from a row source (ActivateSequence over the store's pages: the
 //   decode node), from FillSequenceForBenchmark, from rows written into its host KV (HostKv +
 //   ActivateSequence) or from token-by-token steps.
