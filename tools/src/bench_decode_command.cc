@@ -51,6 +51,14 @@
 // times that), so the hot cache
 // and the gather see a real model's step-to-step reuse. Rows without the suffix are the
 // synthetic lower bound (random keys: the selection moves every step).
+//
+// --model M --text FILE,... (with --store): a real model instead (rows METHOD:real): M's weights
+// (RoPE-scaled with the llama3 rule past its trained context, --rope-factor), --documents
+// disjoint slices of the tokenized corpus prefilled on the GPU per context (clusterkv's k-means
+// built on the GPU as a CUDA prefill node builds it), their bf16 rows put to the store and
+// checked read back from its pages; slot i decodes document i % documents from the context
+// minus --doc-stride x (i / documents) tokens, fed the document's next token, then greedy;
+// dense slots get the same documents' rows in HBM. Real weights, KV and selections.
 
 #include <algorithm>
 #include <chrono>
