@@ -22,7 +22,8 @@
 //       is prefilled from the first turn's rows and equals the same prompt prefilled cold, for
 //       every method at a full budget, also where a turn's retrieval summaries are the
 //       previous turn's extended; after the store is killed and restarted between turns
-//       the lost prefix is computed again, with the same tokens)
+//       the lost prefix is computed again, with the same tokens; "equal" allows the texts to
+//       part at a near tie of the dense model's logits: ExpectSameTokensOrNearTie)
 //   CachedPrefixesAreEvictedBeforeAnythingIsRefused  (a small store filled with cached
 //       prefixes: every new request is served, the store evicts cached sequences least
 //       recently used first, and its pages return to the baseline once the prefixes expire)
@@ -41,6 +42,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -120,6 +122,38 @@ class ModelFixture : public ::testing::Test {
       EXPECT_TRUE(m.Forward(std::span(&step, 1), dense, model::LogitsMode::kLast, l).ok());
     }
     return out;
+  }
+
+  // `got` and `want`, both decoded greedily after `prompt`, are the same tokens, or equal up to
+  // a first difference that is a near tie: there the dense model (in-process) puts the two
+  // chosen tokens' logits within kNearTieOverRms x the logits' RMS. Bit-equal arithmetic gives
+  // equal tokens (measured on an AVX-512 host); where the packed kernels and the BLAS round a
+  // row by the batch or chunk it is in (an AVX2 host), a near tie may flip and the texts part
+  // there. A wrong row, cache or resume point gives a token far from the dense choice.
+  static void ExpectSameTokensOrNearTie(const std::vector<int32_t>& prompt,
+                                        const std::vector<int32_t>& got,
+                                        const std::vector<int32_t>& want, const std::string& what) {
+    constexpr double kNearTieOverRms = 0.2;
+    size_t i = 0;
+    while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+    if (i == got.size() && i == want.size()) return;
+    ASSERT_TRUE(i < got.size() && i < want.size())
+        << what << ": one stream ends early (" << got.size() << " vs " << want.size() << ")";
+    std::vector<int32_t> context = prompt;
+    context.insert(context.end(), want.begin(), want.begin() + i);
+    const model::Model& m = *loaded_->model;
+    model::KvCache cache = m.NewCache();
+    model::DenseAttention dense(pool_);
+    auto logits = m.Prefill(1, cache, context, dense, 512);
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    double ss = 0;
+    for (float v : *logits) ss += double{v} * v;
+    const double rms = std::sqrt(ss / static_cast<double>(logits->size()));
+    const double gap = std::abs(double{(*logits)[got[i]]} - (*logits)[want[i]]) / rms;
+    std::printf("%s: tokens part at %zu of %zu (%d vs %d), dense logit gap %.4f x rms\n",
+                what.c_str(), i, want.size(), got[i], want[i], gap);
+    EXPECT_LE(gap, kNearTieOverRms) << what << ": token " << i << " is " << got[i] << ", not "
+                                    << want[i] << ", and the dense model does not see a near tie";
   }
 
   static inline ThreadPool* pool_ = nullptr;
@@ -658,7 +692,7 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
   ASSERT_TRUE(cold.status.ok()) << cold.status.error_message();
   EXPECT_EQ(reused.completion.usage().cached_tokens(), aligned(turn1.size()));
   EXPECT_EQ(cold.completion.usage().cached_tokens(), 0u);
-  EXPECT_EQ(reused.tokens, cold.tokens);
+  ExpectSameTokensOrNearTie(turn2, reused.tokens, cold.tokens, "full, turn 2");
   std::printf("turn 2 (%zu tokens, %u reused): prefill %.3f s reused vs %.3f s cold; TTFT %.3f s "
               "vs %.3f s\n",
               turn2.size(), reused.completion.usage().cached_tokens(),
@@ -687,7 +721,7 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
     ASSERT_TRUE(r.status.ok()) << method << ": " << r.status.error_message();
     ASSERT_TRUE(c.status.ok()) << method << ": " << c.status.error_message();
     EXPECT_GE(r.completion.usage().cached_tokens(), aligned(turn2.size())) << method;
-    EXPECT_EQ(r.tokens, c.tokens) << method;
+    ExpectSameTokensOrNearTie(next, r.tokens, c.tokens, method);
     const std::vector<int32_t> after =
         append(append(next, r.tokens), Encode(" Thanks. And the paragraph after it?"));
     kvr::v1::GenerateRequest second_turn = request(after, method, true);
@@ -697,7 +731,7 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
     ASSERT_TRUE(r2.status.ok()) << method << ": " << r2.status.error_message();
     ASSERT_TRUE(c2.status.ok()) << method << ": " << c2.status.error_message();
     EXPECT_EQ(r2.completion.usage().cached_tokens(), aligned(next.size())) << method;
-    EXPECT_EQ(r2.tokens, c2.tokens) << method << " (summaries extended)";
+    ExpectSameTokensOrNearTie(after, r2.tokens, c2.tokens, method + " (summaries extended)");
   }
   // The prefill node logs each request that reused a prefix but rebuilt its summaries: the
   // methods' first turns did (their prefix's snapshot is another method's), their second
@@ -734,7 +768,7 @@ TEST_F(ModelFixture, PrefixReuseGivesTheColdTokensAndSurvivesALostPrefix) {
   EXPECT_EQ(lost.completion.usage().cached_tokens(), 0u) << "the prefix died with the store";
   Outcome lost_cold = Generate(cluster.stub(), request(turn3, "full", false));
   ASSERT_TRUE(lost_cold.status.ok()) << lost_cold.status.error_message();
-  EXPECT_EQ(lost.tokens, lost_cold.tokens);
+  ExpectSameTokensOrNearTie(turn3, lost.tokens, lost_cold.tokens, "full, after the lost prefix");
   // turn 3's own prompt is cached again in the new store.
   Outcome again =
       Generate(cluster.stub(), request(append(turn3, Encode(" Thanks.")), "full", true));
@@ -830,7 +864,8 @@ TEST_F(ModelFixture, AThinnedPrefixGivesTheColdTokens) {
               reused.completion.usage().cached_tokens(), aligned(turn1.size()));
   EXPECT_GT(reused.completion.usage().cached_tokens(), 0u);
   EXPECT_LT(reused.completion.usage().cached_tokens(), aligned(turn1.size()));
-  EXPECT_EQ(reused.tokens, cold.tokens);
+  ExpectSameTokensOrNearTie(turn2, reused.tokens, cold.tokens,
+                            "full, turn 2 over a thinned prefix");
 }
 
 // A request with resume_on_failure whose store is killed (SIGKILL) while it streams: the
@@ -904,8 +939,9 @@ TEST_F(ModelFixture, ResumeOnFailureSurvivesTheStoreKilledMidStream) {
   const Outcome rest =
       Generate(cluster.stub(), TokenRequest(context, "full", 64 - sent), absl::Seconds(60));
   ASSERT_TRUE(rest.status.ok()) << rest.status.error_message();
-  EXPECT_EQ(std::vector<int32_t>(tokens.begin() + sent, tokens.end()), rest.tokens)
-      << "after the resume point the stream must be the cluster's answer to prompt + sent";
+  // After the resume point the stream is the cluster's answer to prompt + sent.
+  ExpectSameTokensOrNearTie(context, std::vector<int32_t>(tokens.begin() + sent, tokens.end()),
+                            rest.tokens, "resumed stream");
 }
 
 // The controller dies (kill -9) and comes back on the same port with an empty membership.
