@@ -4,7 +4,6 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -250,24 +249,12 @@ absl::Status A2atsIndex::Encode(const TokenTensor& keys, absl::string_view what)
 
 absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
   const IndexShape& s = shape();
-  if (request.budget <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a2ats Select: budget must be > 0, got ", request.budget));
-  }
-  if (request.query == nullptr) return absl::InvalidArgumentError("a2ats Select: query is null");
-  out->per_head.resize(s.n_kv_heads);
-  for (auto& ids : out->per_head) ids.clear();
-  const int64_t lo = std::max<int64_t>(0, request.n_sink);
-  const int64_t hi = std::min(request.local_begin, size_);
+  KVR_ASSIGN_OR_RETURN(const internal::SelectStart start,
+                       internal::StartSelect(request, s.n_kv_heads, size_, "a2ats", out));
+  if (start.done) return absl::OkStatus();
+  const int64_t lo = start.lo;
+  const int64_t hi = start.hi;
   const int64_t n_sel = hi - lo;
-  if (n_sel <= 0) return absl::OkStatus();
-  if (request.budget >= n_sel) {
-    for (auto& ids : out->per_head) {
-      ids.resize(n_sel);
-      std::iota(ids.begin(), ids.end(), lo);
-    }
-    return absl::OkStatus();
-  }
   const int group = s.group_size();
   const int d = s.head_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));

@@ -90,6 +90,51 @@ inline void ResetSelection(Selection* out, int n_kv_heads) {
   for (auto& v : out->per_head) v.clear();
 }
 
+// The opening of a Select over Candidates(request, size): `request` checked, `out` reset to
+// n_kv_heads empty lists. count() == 0 of the range returned: nothing to rank, `out` is final.
+inline absl::StatusOr<CandidateRange> BeginSelect(const SelectRequest& request,
+                                                  const IndexShape& shape, int64_t size,
+                                                  Selection* out) {
+  if (absl::Status valid = ValidateSelect(request, shape, out); !valid.ok()) return valid;
+  ResetSelection(out, shape.n_kv_heads);
+  return Candidates(request, size);
+}
+
+// The opening of a Select that ranks [n_sink, min(local_begin, size)) itself (a2ats, pariskv):
+// `request` checked (the errors name `method`), `out` reset to n_kv_heads empty lists, and the
+// selectable tokens [lo, hi). `done` when nothing is left to rank: no selectable token, or a
+// budget that covers them all (every head then selects all of them, in order).
+struct SelectStart {
+  int64_t lo = 0;
+  int64_t hi = 0;
+  bool done = false;
+};
+
+inline absl::StatusOr<SelectStart> StartSelect(const SelectRequest& request, int n_kv_heads,
+                                               int64_t size, absl::string_view method,
+                                               Selection* out) {
+  if (request.budget <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(method, " Select: budget must be > 0, got ", request.budget));
+  }
+  if (request.query == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(method, " Select: query is null"));
+  }
+  ResetSelection(out, n_kv_heads);
+  SelectStart start{std::max<int64_t>(0, request.n_sink), std::min(request.local_begin, size)};
+  const int64_t n_sel = start.hi - start.lo;
+  if (n_sel <= 0) {
+    start.done = true;
+  } else if (request.budget >= n_sel) {
+    for (auto& ids : out->per_head) {
+      ids.resize(n_sel);
+      for (int64_t i = 0; i < n_sel; ++i) ids[i] = start.lo + i;
+    }
+    start.done = true;
+  }
+  return start;
+}
+
 // Combines per-head scores of one GQA group into one score per candidate.
 // scores: [group, n] scaled logits (modified in place for kSumSoftmax); returns [n].
 std::vector<float> AggregateGroupScores(GqaAggregation how, std::span<float> scores, int group,

@@ -283,26 +283,12 @@ absl::Status ParisKvIndex::Encode(const TokenTensor& keys, absl::string_view wha
 
 absl::Status ParisKvIndex::Select(const SelectRequest& request, Selection* out) {
   const IndexShape& s = shape();
-  if (request.budget <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pariskv Select: budget must be > 0, got ", request.budget));
-  }
-  if (request.query == nullptr) {
-    return absl::InvalidArgumentError("pariskv Select: query is null");
-  }
-  out->per_head.resize(s.n_kv_heads);
-  for (auto& ids : out->per_head) ids.clear();
-  const int64_t lo = std::max<int64_t>(0, request.n_sink);
-  const int64_t hi = std::min(request.local_begin, size_);
+  KVR_ASSIGN_OR_RETURN(const internal::SelectStart start,
+                       internal::StartSelect(request, s.n_kv_heads, size_, "pariskv", out));
+  if (start.done) return absl::OkStatus();
+  const int64_t lo = start.lo;
+  const int64_t hi = start.hi;
   const int64_t n_sel = hi - lo;
-  if (n_sel <= 0) return absl::OkStatus();
-  if (request.budget >= n_sel) {
-    for (auto& ids : out->per_head) {
-      ids.resize(n_sel);
-      for (int64_t i = 0; i < n_sel; ++i) ids[i] = lo + i;
-    }
-    return absl::OkStatus();
-  }
   const ParisKvSchedule schedule = ScheduleParisKv(options_, n_sel, request.budget);
   const int group = s.group_size();
   const int d = s.head_dim;
