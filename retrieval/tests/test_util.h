@@ -4,8 +4,12 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/registry.h"
@@ -47,6 +51,14 @@ inline TokenTensor View(const std::vector<float>& v, int heads, int dim, int64_t
   t.n_tokens = count >= 0 ? count : static_cast<int64_t>(v.size()) / row - first;
   t.row_stride = row;
   return t;
+}
+
+// What a method's typed state accessor (CtkvrStateOf, KeyDiffStateOf, ...) answers for an index
+// of another method `other`: InvalidArgument naming that method.
+inline void ExpectOtherMethodRefused(const absl::Status& status, absl::string_view other) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find(absl::StrCat("'", other, "'")), absl::string_view::npos)
+      << status;
 }
 
 }  // namespace kvr::retrieval::testing
