@@ -33,14 +33,20 @@ inline void FloatsToBf16Bytes(const float* src, size_t n, void* dst) {
   }
 }
 
-// Widens `n` bf16 values read at `src` (any alignment) to floats (exact).
-inline void Bf16BytesToFloats(const void* src, size_t n, float* dst) {
+// Widens `n` 16-bit values read at `src` (any alignment) to floats with `Widen`.
+template <float (*Widen)(uint16_t)>
+inline void HalfBytesToFloats(const void* src, size_t n, float* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
   for (size_t i = 0; i < n; ++i) {
     uint16_t h;
     std::memcpy(&h, in + 2 * i, sizeof(h));
-    dst[i] = Bf16ToFloat(h);
+    dst[i] = Widen(h);
   }
+}
+
+// Widens `n` bf16 values read at `src` (any alignment) to floats (exact).
+inline void Bf16BytesToFloats(const void* src, size_t n, float* dst) {
+  HalfBytesToFloats<Bf16ToFloat>(src, n, dst);
 }
 
 inline float Fp16ToFloat(uint16_t h) {
@@ -71,12 +77,7 @@ inline float Fp16ToFloat(uint16_t h) {
 
 // Widens `n` fp16 values read at `src` (any alignment) to floats (exact).
 inline void Fp16BytesToFloats(const void* src, size_t n, float* dst) {
-  const auto* in = static_cast<const uint8_t*>(src);
-  for (size_t i = 0; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, in + 2 * i, sizeof(h));
-    dst[i] = Fp16ToFloat(h);
-  }
+  HalfBytesToFloats<Fp16ToFloat>(src, n, dst);
 }
 
 inline uint16_t FloatToFp16(float f) {
@@ -84,7 +85,7 @@ inline uint16_t FloatToFp16(float f) {
   std::memcpy(&x, &f, sizeof(x));
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t abs = x & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
   if (abs < 0x38800000u) {  // fp16 subnormal or zero: value = n * 2^-24, n rounded half-even
     float a;
