@@ -29,15 +29,11 @@ void DequantF32(const uint8_t* src, int64_t n, float* y) {
 }
 
 void DequantF16(const uint8_t* src, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) y[i] = Half(src + 2 * i);
+  Fp16BytesToFloats(src, static_cast<size_t>(n), y);
 }
 
 void DequantBf16(const uint8_t* src, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, src + 2 * i, sizeof(h));
-    y[i] = Bf16ToFloat(h);
-  }
+  Bf16BytesToFloats(src, static_cast<size_t>(n), y);
 }
 
 // One 4- or 5-bit value q of a block with scale d and, in the "_1" formats, minimum m: ggml's
