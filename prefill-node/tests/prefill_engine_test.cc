@@ -74,7 +74,12 @@ class PrefillEngineTest : public ::testing::Test {
     kv_store::StoreOptions so;
     so.pool.capacity_bytes = 256ull << 20;
     so.pool.try_huge_pages = false;
-    auto fake = kv_store::FakeKvStoreClient::Create(so);
+    UseStore(so);
+  }
+
+  // A fake store of `options` in store_ (replacing the one there), and engine_ over it.
+  void UseStore(const kv_store::StoreOptions& options) {
+    auto fake = kv_store::FakeKvStoreClient::Create(options);
     ASSERT_TRUE(fake.ok()) << fake.status();
     store_ = std::move(*fake);
     stores_ = std::make_unique<OneStore>(store_.get());
@@ -314,13 +319,8 @@ TEST_F(PrefillEngineTest, AThinnedPrefixIsReusedOnlyUpToItsFirstHole) {
   so.pool.try_huge_pages = false;
   so.cached_eviction = kv_store::CachedEviction::kThin;
   so.thin_policy = {.sink_rows = 64, .recent_rows = 16};
-  auto fake = kv_store::FakeKvStoreClient::Create(so);
-  ASSERT_TRUE(fake.ok()) << fake.status();
-  store_ = std::move(*fake);
-  stores_ = std::make_unique<OneStore>(store_.get());
-  engine_ =
-      std::make_unique<PrefillEngine>(loaded_->model.get(), &*loaded_->tokenizer, registry_,
-                                      stores_.get(), &opener_, EngineOptions{.chunk_tokens = 64});
+  UseStore(so);
+  if (HasFatalFailure()) return;
 
   PrefillJob first = Job(TextPrompt{Text() + Text()}, "full");
   auto first_ids = engine_->Tokenize(first.prompt);
