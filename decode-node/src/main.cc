@@ -32,6 +32,7 @@
 #include "kvr/node/run.h"
 #include "kvr/node/serving_model.h"
 #include "kvr/node/worker.h"
+#include "kvr/retrieval/model_shape.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::decode {
@@ -54,13 +55,7 @@ std::vector<std::pair<std::string, double>> MeasureSummaryBytes(
   for (float& x : queries) x = nd(rng);
   std::vector<std::pair<std::string, double>> out;
   for (const std::string& method : registry.Names()) {
-    retrieval::IndexShape shape;
-    shape.n_heads = c.n_heads;
-    shape.n_kv_heads = c.n_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.layer = 0;
-    shape.n_layers = c.n_layers;
-    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+    const retrieval::IndexShape shape = retrieval::IndexShapeOf(c, 0);
     retrieval::IndexParams params;
     params.assets = assets;
     auto index = registry.Make(method, shape, params);
@@ -97,9 +92,9 @@ int Serve(const DecodeConfig& config) {
   spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded.source, served,
                mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length);
   auto methods = MeasureSummaryBytes(mc, serving->methods, 2048, a2ats_assets);
-  if (config.device == "cuda" &&
-      std::none_of(methods.begin(), methods.end(),
-                   [&](const auto& m) { return m.first == config.gpu_method; })) {
+  if (config.device == "cuda" && std::none_of(methods.begin(), methods.end(), [&](const auto& m) {
+        return m.first == config.gpu_method;
+      })) {
     // A CUDA node selects gpu_method on the GPU and the other methods on the host: it offers
     // them all, but gpu_method must be one of them.
     std::cerr << "kvr-decode: gpu_method '" << config.gpu_method << "' cannot be offered\n";

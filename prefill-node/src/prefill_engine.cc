@@ -18,6 +18,7 @@
 #include "kvr/model/sampler.h"
 #include "kvr/prefill_node/summary_snapshot.h"
 #include "kvr/retrieval/index.h"
+#include "kvr/retrieval/model_shape.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
@@ -35,10 +36,9 @@ absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl:
   // node whose settings cannot take it) keeps its code, so that the controller tries another
   // node and, when none takes it, gives the client the refusal; anything else is the node's
   // failure (UNAVAILABLE).
-  const absl::StatusCode code =
-      absl::IsInvalidArgument(cause) || absl::IsFailedPrecondition(cause)
-          ? cause.code()
-          : absl::StatusCode::kUnavailable;
+  const absl::StatusCode code = absl::IsInvalidArgument(cause) || absl::IsFailedPrecondition(cause)
+                                    ? cause.code()
+                                    : absl::StatusCode::kUnavailable;
   absl::Status s(code, absl::StrCat(role, " ", node.node_id(), " (",
                                     node.endpoints().grpc_address(), "): ", cause.ToString()));
   const auto named = cause.GetPayload(kFailedNodePayload);
@@ -184,14 +184,7 @@ class LayerWorker {
     }
 
     // 1. The retrieval index over all prompt positions [0, L).
-    retrieval::IndexShape shape;
-    shape.n_heads = c.n_heads;
-    shape.n_kv_heads = c.n_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.layer = task.layer;
-    shape.n_layers = c.n_layers;
-    // The runtime rotates Hugging Face style (rotate-half) for every architecture.
-    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+    const retrieval::IndexShape shape = retrieval::IndexShapeOf(c, task.layer);
     std::vector<uint8_t> bytes;
     std::vector<uint8_t> snapshot;  // the index at ctx_.snapshot_rows tokens, when kept
     if (task.summary) {
@@ -664,10 +657,9 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   // a near-tied greedy choice. A backend without a finer alignment (CUDA) reuses whole chunks
   // of the length it really computes in (it may cap chunk_tokens): then the computed chunks
   // are a cold prefill's.
-  const int64_t align =
-      std::max<int64_t>(1, backend_->PrefixAlignment() > 0
-                               ? backend_->PrefixAlignment()
-                               : backend_->ChunkTokens(options_.chunk_tokens));
+  const int64_t align = std::max<int64_t>(1, backend_->PrefixAlignment() > 0
+                                                 ? backend_->PrefixAlignment()
+                                                 : backend_->ChunkTokens(options_.chunk_tokens));
   if (job.prefix_tokens > 0 && backend_->SupportsPrefix() && L > align) {
     uint64_t want = std::min<uint64_t>(job.prefix_tokens, static_cast<uint64_t>(L - 1));
     absl::StatusOr<kv_store::SequenceInfo> parent = (*store)->GetSequence(job.prefix);
@@ -696,17 +688,16 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
     if (forked.ok() && forked->rows != want) {
       // Committed rows only grow, so this is a store fault; the child is not usable as is.
       (*store)->Release(job.store_ref(), absl::ZeroDuration()).IgnoreError();
-      return NodeFailure(job.store, "store",
-                         absl::InternalError(absl::StrCat("fork gave ", forked->rows,
-                                                          " rows, asked ", want)));
+      return NodeFailure(
+          job.store, "store",
+          absl::InternalError(absl::StrCat("fork gave ", forked->rows, " rows, asked ", want)));
     }
     if (forked.ok()) {
       created = true;
       reused = static_cast<int64_t>(forked->rows);
     } else if (absl::IsAlreadyExists(forked.status())) {
       return forked.status();
-    } else if (absl::IsUnavailable(forked.status()) ||
-               absl::IsDeadlineExceeded(forked.status())) {
+    } else if (absl::IsUnavailable(forked.status()) || absl::IsDeadlineExceeded(forked.status())) {
       return NodeFailure(job.store, "store", forked.status());
     } else {
       spdlog::info("request {}: cached prefix not reused ({}); prefilling all {} tokens",

@@ -19,6 +19,7 @@
 #include "kvr/model/sampler.h"
 #include "kvr/prefill_node/summary_snapshot.h"
 #include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/model_shape.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -403,11 +404,7 @@ std::string SummariesOf(const std::vector<cv1::HandoffChunk>& chunks, int layer)
 // rebuilt, and equal a cold prefill's.
 TEST_F(PrefillEngineTest, AReusedPrefixExtendsTheSnapshotOfItsSummaries) {
   const model::ModelConfig& c = loaded_->model->config();
-  retrieval::IndexShape shape{.n_heads = c.n_heads,
-                              .n_kv_heads = c.n_kv_heads,
-                              .head_dim = c.head_dim,
-                              .n_layers = c.n_layers,
-                              .rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0}};
+  retrieval::IndexShape shape = retrieval::IndexShapeOf(c, 0);
   uint64_t base = 0;  // sequence ids base + 1.. per method
   for (const std::string method : {"quest", "clusterkv", "keydiff"}) {
     SCOPED_TRACE(method);
