@@ -101,11 +101,8 @@ int Serve(const DecodeConfig& config) {
     return 2;
   }
 
-  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(config.tls);
-  if (!security.ok()) {
-    std::cerr << "kvr-decode: " << security.status().message() << "\n";
-    return 2;
-  }
+  const std::optional<GrpcSecurity> security = node::LoadSecurityOrReport("kvr-decode", config.tls);
+  if (!security) return 2;
   spdlog::info("gRPC: {}", security->Describe());
   kv_store::UcxClientOptions store_options;
   store_options.name = "kvr-decode";
