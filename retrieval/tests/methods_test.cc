@@ -21,6 +21,7 @@ namespace {
 
 using testing::CoreRegistry;
 using ::testing::ElementsAreArray;
+using testing::ExpectInvalidArgument;
 using testing::ExpectOtherMethodRefused;
 using ::testing::HasSubstr;
 using testing::RandomTensor;
@@ -184,8 +185,7 @@ TEST(PrebuiltTest, QuestBoundsGiveTheCpuIndexBytes) {
   EXPECT_EQ(*got, *want);
   bounds.pop_back();
   auto bad = SerializePrebuiltQuest(s, p, n, bounds);
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("bounds has"));
+  ExpectInvalidArgument(bad.status(), "bounds has");
 }
 
 // A keydiff summary built elsewhere (the GPU's KeyDiffBuild) ships as the bytes of the CPU
@@ -217,8 +217,7 @@ TEST(PrebuiltTest, KeyDiffMeansAndScoresGiveTheCpuIndexBytes) {
   EXPECT_EQ(*got, *want);
   heads[1].scores = heads[1].scores.first(n - 1);
   auto bad = SerializePrebuiltKeyDiff(s, p, n, heads);
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("head 1"));
+  ExpectInvalidArgument(bad.status(), "head 1");
 }
 
 TEST(PrebuiltTest, ClusterKvClustersSelectLikeTheCpuIndex) {
@@ -314,8 +313,7 @@ TEST(PrebuiltTest, ClusterKvClustersSelectLikeTheCpuIndex) {
   dup[1] = dup[0];
   heads[1].ids = dup;
   auto bad = SerializePrebuiltClusterKv(s, p, n, heads);
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("head 1"));
+  ExpectInvalidArgument(bad.status(), "head 1");
   heads[1].ids = std::span<const int32_t>(ids).subspan(1);
   bad = SerializePrebuiltClusterKv(s, p, n, heads);
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("ids ending at offset"));

@@ -53,12 +53,16 @@ inline TokenTensor View(const std::vector<float>& v, int heads, int dim, int64_t
   return t;
 }
 
+// `status` is INVALID_ARGUMENT and its message contains `part`.
+inline void ExpectInvalidArgument(const absl::Status& status, absl::string_view part) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find(part), absl::string_view::npos) << status;
+}
+
 // What a method's typed state accessor (CtkvrStateOf, KeyDiffStateOf, ...) answers for an index
 // of another method `other`: InvalidArgument naming that method.
 inline void ExpectOtherMethodRefused(const absl::Status& status, absl::string_view other) {
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_NE(status.message().find(absl::StrCat("'", other, "'")), absl::string_view::npos)
-      << status;
+  ExpectInvalidArgument(status, absl::StrCat("'", other, "'"));
 }
 
 }  // namespace kvr::retrieval::testing
