@@ -92,9 +92,9 @@ int Serve(const DecodeConfig& config) {
   spdlog::info("serving {} as '{}' ({} layers, {}/{} heads, context {})", loaded.source, served,
                mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length);
   auto methods = MeasureSummaryBytes(mc, serving->methods, 2048, a2ats_assets);
-  if (config.device == "cuda" && std::none_of(methods.begin(), methods.end(), [&](const auto& m) {
-        return m.first == config.gpu_method;
-      })) {
+  if (config.device == "cuda" &&
+      std::none_of(methods.begin(), methods.end(),
+                   [&](const auto& m) { return m.first == config.gpu_method; })) {
     // A CUDA node selects gpu_method on the GPU and the other methods on the host: it offers
     // them all, but gpu_method must be one of them.
     std::cerr << "kvr-decode: gpu_method '" << config.gpu_method << "' cannot be offered\n";

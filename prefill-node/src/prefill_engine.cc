@@ -36,9 +36,10 @@ absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl:
   // node whose settings cannot take it) keeps its code, so that the controller tries another
   // node and, when none takes it, gives the client the refusal; anything else is the node's
   // failure (UNAVAILABLE).
-  const absl::StatusCode code = absl::IsInvalidArgument(cause) || absl::IsFailedPrecondition(cause)
-                                    ? cause.code()
-                                    : absl::StatusCode::kUnavailable;
+  const absl::StatusCode code =
+      absl::IsInvalidArgument(cause) || absl::IsFailedPrecondition(cause)
+          ? cause.code()
+          : absl::StatusCode::kUnavailable;
   absl::Status s(code, absl::StrCat(role, " ", node.node_id(), " (",
                                     node.endpoints().grpc_address(), "): ", cause.ToString()));
   const auto named = cause.GetPayload(kFailedNodePayload);
@@ -657,9 +658,10 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   // a near-tied greedy choice. A backend without a finer alignment (CUDA) reuses whole chunks
   // of the length it really computes in (it may cap chunk_tokens): then the computed chunks
   // are a cold prefill's.
-  const int64_t align = std::max<int64_t>(1, backend_->PrefixAlignment() > 0
-                                                 ? backend_->PrefixAlignment()
-                                                 : backend_->ChunkTokens(options_.chunk_tokens));
+  const int64_t align =
+      std::max<int64_t>(1, backend_->PrefixAlignment() > 0
+                               ? backend_->PrefixAlignment()
+                               : backend_->ChunkTokens(options_.chunk_tokens));
   if (job.prefix_tokens > 0 && backend_->SupportsPrefix() && L > align) {
     uint64_t want = std::min<uint64_t>(job.prefix_tokens, static_cast<uint64_t>(L - 1));
     absl::StatusOr<kv_store::SequenceInfo> parent = (*store)->GetSequence(job.prefix);
@@ -688,16 +690,17 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
     if (forked.ok() && forked->rows != want) {
       // Committed rows only grow, so this is a store fault; the child is not usable as is.
       (*store)->Release(job.store_ref(), absl::ZeroDuration()).IgnoreError();
-      return NodeFailure(
-          job.store, "store",
-          absl::InternalError(absl::StrCat("fork gave ", forked->rows, " rows, asked ", want)));
+      return NodeFailure(job.store, "store",
+                         absl::InternalError(absl::StrCat("fork gave ", forked->rows,
+                                                          " rows, asked ", want)));
     }
     if (forked.ok()) {
       created = true;
       reused = static_cast<int64_t>(forked->rows);
     } else if (absl::IsAlreadyExists(forked.status())) {
       return forked.status();
-    } else if (absl::IsUnavailable(forked.status()) || absl::IsDeadlineExceeded(forked.status())) {
+    } else if (absl::IsUnavailable(forked.status()) ||
+               absl::IsDeadlineExceeded(forked.status())) {
       return NodeFailure(job.store, "store", forked.status());
     } else {
       spdlog::info("request {}: cached prefix not reused ({}); prefilling all {} tokens",

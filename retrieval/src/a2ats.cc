@@ -189,7 +189,7 @@ class A2atsIndex final : public internal::KeyEncodingIndex {
   // scores to the budget (0: off; the codeword ranking alone).
   int32_t rerank_ = 0;
   std::vector<float> keys_;  // [size_, n_kv_heads, head_dim] as given (RoPE applied); rerank only
-  ThreadPool* pool_;         // not owned; may be null
+  ThreadPool* pool_;  // not owned; may be null
   std::shared_ptr<const A2atsCodebooks> books_;
   std::vector<std::vector<uint16_t>> ids_;  // [n_kv_heads][n_tokens]
 };

@@ -140,9 +140,9 @@ TEST(ParamsTest, ClusterKvOptionsSetClustersPerBudgetAndTrimmedRanking) {
   EXPECT_EQ(*ClusterKvPrefillClusters(8000, 8016, *applied), 500);
   applied->budget = 64;  // 2000 -> capped at 8000 / 8
   EXPECT_EQ(*ClusterKvPrefillClusters(8000, 8016, *applied), 1000);
-  for (const auto& [name, value] :
-       {std::pair<std::string, std::string>{"clusterkv.clusters_per_budget", "0"},
-        {"clusterkv.rank_trimmed", "2"}}) {
+  for (const auto& [name, value] : {std::pair<std::string, std::string>{
+                                        "clusterkv.clusters_per_budget", "0"},
+                                    {"clusterkv.rank_trimmed", "2"}}) {
     IndexParams bad;
     bad.options[name] = value;
     EXPECT_EQ(ApplyClusterKvOptions(bad).status().code(), absl::StatusCode::kInvalidArgument)

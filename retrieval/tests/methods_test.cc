@@ -535,9 +535,10 @@ TEST(KeyDiffTest, StateIsTheIndexsScoresAndRunningSum) {
   std::vector<float> keys = RandomTensor(n + 2, s.n_kv_heads, s.head_dim, 21);
   IndexParams p;
   p.keydiff.fill = 0.5f;
-  auto index =
-      MakeBuilt(CoreRegistry(), "keydiff", s, p,
-                std::vector<float>(keys.begin(), keys.begin() + n * s.n_kv_heads * s.head_dim), {});
+  auto index = MakeBuilt(CoreRegistry(), "keydiff", s, p,
+                         std::vector<float>(keys.begin(), keys.begin() + n * s.n_kv_heads *
+                                                                             s.head_dim),
+                         {});
   ASSERT_TRUE(index->Append({View(keys, s.n_kv_heads, s.head_dim, n, 2), {}}).ok());
   auto state = KeyDiffStateOf(*index);
   ASSERT_TRUE(state.ok()) << state.status();
@@ -549,8 +550,8 @@ TEST(KeyDiffTest, StateIsTheIndexsScoresAndRunningSum) {
     EXPECT_EQ(hd.count, n + 2);
     // The prompt's scores are KeyDiffScores over the prompt; the sum is every key's.
     std::vector<float> prompt(keys.begin(), keys.begin() + n * s.n_kv_heads * s.head_dim);
-    const std::vector<float> want =
-        KeyDiffScores(View(prompt, s.n_kv_heads, s.head_dim), h, s.head_dim);
+    const std::vector<float> want = KeyDiffScores(View(prompt, s.n_kv_heads, s.head_dim), h,
+                                                  s.head_dim);
     EXPECT_THAT(std::vector<float>(hd.scores.begin(), hd.scores.begin() + n),
                 ElementsAreArray(want));
     ASSERT_EQ(hd.sum.size(), static_cast<size_t>(s.head_dim));
