@@ -10,7 +10,8 @@
 #include "kvr/common/metric_families.h"
 #include "metrics_test_util.h"
 
-// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectExposes, ExpectPromtoolClean,
+// HttpGet.
 namespace kvr::metrics::testing {
 namespace {
 
@@ -21,8 +22,7 @@ TEST(MetricsServerTest, DisabledServesNothingButRecordsInfo) {
   EXPECT_EQ(server->port(), 0);
   EXPECT_FALSE(server->serving());
   const std::string text = server->ScrapeText();
-  EXPECT_THAT(text, HasSubstr("kvr_node_info{name=\"decode-0\",role=\"decode\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_build_info{"));
+  ExpectExposes(text, {"kvr_node_info{name=\"decode-0\",role=\"decode\"} 1", "kvr_build_info{"});
 }
 
 TEST(MetricsServerTest, RejectsBadPort) {

@@ -11,9 +11,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <initializer_list>
 #include <memory>
 #include <string>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/status/statusor.h"
@@ -85,6 +87,12 @@ inline std::unique_ptr<MetricsServer> Offline(const std::string& role) {
   auto server = MetricsServer::Start({.port = -1, .role = role, .node_name = role + "-0"});
   EXPECT_TRUE(server.ok()) << server.status();
   return std::move(*server);
+}
+
+// Expects each of `lines` (exposition lines, or parts of one) to appear in the exposition `text`:
+// one EXPECT_THAT(text, HasSubstr(line)) a line.
+inline void ExpectExposes(const std::string& text, std::initializer_list<std::string> lines) {
+  for (const std::string& line : lines) EXPECT_THAT(text, ::testing::HasSubstr(line));
 }
 
 // Fails the test when promtool finds anything to say about `text`; skips it without promtool.

@@ -49,9 +49,7 @@ const node::SettingTable<ControllerConfig>& ControllerSettings() {
         .legacy_env_prefixes = {"KVR_"},
         .settings =
             {
-                StringSetting<Config>("listen",
-                                      "gRPC listen address host:port (port 0: any free port)",
-                                      &Config::listen),
+                node::ListenSetting<Config>(&Config::listen),
                 SecondsSetting<Config>("lease_seconds",
                                        "node lease: a node silent this long leaves the cluster",
                                        &Config::lease_seconds),

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -36,11 +37,9 @@ int Serve(const ControllerConfig& config) {
   // must fail with EPIPE, not end the process).
   node::ShutdownSignals signals;
 
-  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(config.tls);
-  if (!security.ok()) {
-    std::cerr << "kvr-controller: " << security.status().message() << "\n";
-    return 2;
-  }
+  const std::optional<GrpcSecurity> security =
+      node::LoadSecurityOrReport("kvr-controller", config.tls);
+  if (!security) return 2;
   spdlog::info("gRPC: {}{}", security->Describe(),
                !security->enabled()           ? ""
                : config.require_node_identity ? "; members must present a certificate of the CA "

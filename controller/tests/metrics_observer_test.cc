@@ -5,9 +5,12 @@
 
 #include "kvr/common/metrics.h"
 
+#include "metrics_test_util.h"
+
 namespace kvr::controller {
 namespace {
 
+using metrics::testing::ExpectExposes;
 using ::testing::HasSubstr;
 
 class MetricsObserverTest : public ::testing::Test {
@@ -54,22 +57,20 @@ TEST_F(MetricsObserverTest, SuccessfulRequestWithARetry) {
 
   const std::string text = server_->ScrapeText();
   const std::string labels = "method=\"clusterkv\",model=\"smol\"";
-  EXPECT_THAT(text, HasSubstr("kvr_requests_running 0"));
-  EXPECT_THAT(text, HasSubstr("kvr_request_attempts_total{model=\"smol\"} 2"));
-  EXPECT_THAT(text, HasSubstr("kvr_node_failures_total{role=\"prefill\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_time_to_first_token_seconds_sum{" + labels + "} 0.4"));
-  EXPECT_THAT(text, HasSubstr("kvr_request_queue_time_seconds_sum{" + labels + "} 0.1"));
-  EXPECT_THAT(text, HasSubstr("kvr_inter_token_latency_seconds_count{" + labels + "} 3"));
-  EXPECT_THAT(text, HasSubstr("kvr_inter_token_latency_seconds_sum{" + labels + "} 0.05"));
-  EXPECT_THAT(text, HasSubstr("kvr_time_per_output_token_seconds_sum{" + labels + "} 0.02"));
-  EXPECT_THAT(text, HasSubstr("kvr_e2e_request_latency_seconds_sum{" + labels + "} 0.46"));
-  EXPECT_THAT(text, HasSubstr("kvr_requests_total{" + labels + ",outcome=\"ok\"} 1"));
-  EXPECT_THAT(text,
-              HasSubstr("kvr_request_success_total{finish_reason=\"length\"," + labels + "} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_prompt_tokens_total{model=\"smol\"} 50"));
-  EXPECT_THAT(text, HasSubstr("kvr_prompt_cached_tokens_total{model=\"smol\"} 32"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefix_cache_requests_total{model=\"smol\",result=\"hit\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_generation_tokens_total{model=\"smol\"} 4"));
+  ExpectExposes(text, {"kvr_requests_running 0", "kvr_request_attempts_total{model=\"smol\"} 2",
+                       "kvr_node_failures_total{role=\"prefill\"} 1",
+                       "kvr_time_to_first_token_seconds_sum{" + labels + "} 0.4",
+                       "kvr_request_queue_time_seconds_sum{" + labels + "} 0.1",
+                       "kvr_inter_token_latency_seconds_count{" + labels + "} 3",
+                       "kvr_inter_token_latency_seconds_sum{" + labels + "} 0.05",
+                       "kvr_time_per_output_token_seconds_sum{" + labels + "} 0.02",
+                       "kvr_e2e_request_latency_seconds_sum{" + labels + "} 0.46",
+                       "kvr_requests_total{" + labels + ",outcome=\"ok\"} 1",
+                       "kvr_request_success_total{finish_reason=\"length\"," + labels + "} 1",
+                       "kvr_prompt_tokens_total{model=\"smol\"} 50",
+                       "kvr_prompt_cached_tokens_total{model=\"smol\"} 32",
+                       "kvr_prefix_cache_requests_total{model=\"smol\",result=\"hit\"} 1",
+                       "kvr_generation_tokens_total{model=\"smol\"} 4"});
 }
 
 TEST_F(MetricsObserverTest, FailureBeforeFirstTokenAndRejection) {
@@ -78,13 +79,12 @@ TEST_F(MetricsObserverTest, FailureBeforeFirstTokenAndRejection) {
   observer_.OnEnd(params_, absl::DeadlineExceededError("deadline"), nullptr);
   observer_.OnRejected(absl::ResourceExhaustedError("full"));
   const std::string text = server_->ScrapeText();
-  EXPECT_THAT(text, HasSubstr("kvr_requests_running 0"));
-  EXPECT_THAT(text, HasSubstr("kvr_requests_total{method=\"clusterkv\",model=\"smol\","
-                              "outcome=\"deadline_exceeded\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_requests_total{method=\"\",model=\"\","
-                              "outcome=\"resource_exhausted\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_e2e_request_latency_seconds_sum{method=\"clusterkv\","
-                              "model=\"smol\"} 2"));
+  ExpectExposes(
+      text,
+      {"kvr_requests_running 0",
+       "kvr_requests_total{method=\"clusterkv\",model=\"smol\",outcome=\"deadline_exceeded\"} 1",
+       "kvr_requests_total{method=\"\",model=\"\",outcome=\"resource_exhausted\"} 1",
+       "kvr_e2e_request_latency_seconds_sum{method=\"clusterkv\",model=\"smol\"} 2"});
   EXPECT_THAT(text, ::testing::Not(HasSubstr("kvr_request_success_total{")));
 }
 

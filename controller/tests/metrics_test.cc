@@ -8,11 +8,10 @@
 
 #include "metrics_test_util.h"
 
-// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectExposes, ExpectPromtoolClean,
+// HttpGet.
 namespace kvr::metrics::testing {
 namespace {
-
-using ::testing::HasSubstr;
 
 TEST(ControllerMetricsTest, RecordsWhatItIsTold) {
   auto server = Offline("controller");
@@ -33,35 +32,28 @@ TEST(ControllerMetricsTest, RecordsWhatItIsTold) {
   m.CountAttempt("smol");
   m.CountNodeFailure("decode");
   const std::string text = server->ScrapeText();
-  EXPECT_THAT(
-      text,
-      HasSubstr("kvr_time_to_first_token_seconds_count{method=\"clusterkv\",model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_time_to_first_token_seconds_bucket{method=\"clusterkv\",model="
-                              "\"smol\",le=\"0.25\"} 0"));
-  EXPECT_THAT(text, HasSubstr("kvr_time_to_first_token_seconds_bucket{method=\"clusterkv\",model="
-                              "\"smol\",le=\"0.5\"} 1"));
-  EXPECT_THAT(
-      text,
-      HasSubstr("kvr_inter_token_latency_seconds_count{method=\"clusterkv\",model=\"smol\"} 3"));
-  EXPECT_THAT(text, HasSubstr("kvr_inter_token_latency_seconds_bucket{method=\"clusterkv\",model="
-                              "\"smol\",le=\"0.01\"} 3"));
-  EXPECT_THAT(text, HasSubstr("kvr_e2e_request_latency_seconds_sum{method=\"clusterkv\","
-                              "model=\"smol\"} 1.5"));
-  EXPECT_THAT(text, HasSubstr("kvr_request_queue_time_seconds_count"));
-  EXPECT_THAT(text, HasSubstr("kvr_time_per_output_token_seconds_count"));
-  EXPECT_THAT(
-      text, HasSubstr("kvr_requests_total{method=\"clusterkv\",model=\"smol\",outcome=\"ok\"} 1"));
-  EXPECT_THAT(text, HasSubstr("outcome=\"resource_exhausted\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_request_success_total{finish_reason=\"length\","
-                              "method=\"clusterkv\",model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_requests_running 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_prompt_tokens_total{model=\"smol\"} 100"));
-  EXPECT_THAT(text, HasSubstr("kvr_generation_tokens_total{model=\"smol\"} 7"));
-  EXPECT_THAT(text, HasSubstr("kvr_request_attempts_total{model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_node_failures_total{role=\"decode\"} 1"));
+  ExpectExposes(text,
+                {"kvr_time_to_first_token_seconds_count{method=\"clusterkv\",model=\"smol\"} 1",
+                 "kvr_time_to_first_token_seconds_bucket{method=\"clusterkv\",model=\"smol\",le="
+                 "\"0.25\"} 0",
+                 "kvr_time_to_first_token_seconds_bucket{method=\"clusterkv\",model=\"smol\",le="
+                 "\"0.5\"} 1",
+                 "kvr_inter_token_latency_seconds_count{method=\"clusterkv\",model=\"smol\"} 3",
+                 "kvr_inter_token_latency_seconds_bucket{method=\"clusterkv\",model=\"smol\",le="
+                 "\"0.01\"} 3",
+                 "kvr_e2e_request_latency_seconds_sum{method=\"clusterkv\",model=\"smol\"} 1.5",
+                 "kvr_request_queue_time_seconds_count", "kvr_time_per_output_token_seconds_count",
+                 "kvr_requests_total{method=\"clusterkv\",model=\"smol\",outcome=\"ok\"} 1",
+                 "outcome=\"resource_exhausted\"} 1",
+                 "kvr_request_success_total{finish_reason=\"length\",method=\"clusterkv\",model="
+                 "\"smol\"} 1",
+                 "kvr_requests_running 1", "kvr_prompt_tokens_total{model=\"smol\"} 100",
+                 "kvr_generation_tokens_total{model=\"smol\"} 7",
+                 "kvr_request_attempts_total{model=\"smol\"} 1",
+                 "kvr_node_failures_total{role=\"decode\"} 1"});
   // Roles that saw no failure are exported at 0 (rate() works before the first failure).
-  EXPECT_THAT(text, HasSubstr("kvr_node_failures_total{role=\"prefill\"} 0"));
-  EXPECT_THAT(text, HasSubstr("kvr_node_failures_total{role=\"store\"} 0"));
+  ExpectExposes(text, {"kvr_node_failures_total{role=\"prefill\"} 0",
+                       "kvr_node_failures_total{role=\"store\"} 0"});
   ExpectPromtoolClean(text);
 }
 

@@ -61,9 +61,7 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
                                       &Config::model_name, /*allow_empty=*/true),
                 StringSetting<Config>("controller", "controller gRPC address host:port",
                                       &Config::controller),
-                StringSetting<Config>("listen",
-                                      "gRPC listen address host:port (port 0: any free port)",
-                                      &Config::listen),
+                node::ListenSetting<Config>(&Config::listen),
                 StringSetting<Config>("advertise_host",
                                       "host other nodes use to reach this one (empty: the listen "
                                       "host)",

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvr/retrieval/model_shape.h"
 
 namespace kvr::decode {
 
@@ -36,13 +37,7 @@ absl::StatusOr<std::vector<std::unique_ptr<retrieval::RetrievalIndex>>> IndexesF
       }
       continue;  // null index: every non-resident position
     }
-    retrieval::IndexShape shape;
-    shape.n_heads = c.n_heads;
-    shape.n_kv_heads = c.n_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.layer = layer.layer;
-    shape.n_layers = c.n_layers;
-    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+    const retrieval::IndexShape shape = retrieval::IndexShapeOf(c, layer.layer);
     absl::StatusOr<std::unique_ptr<retrieval::RetrievalIndex>> index = retrieval::DeserializeIndex(
         std::span(reinterpret_cast<const uint8_t*>(layer.summaries.data()), layer.summaries.size()),
         registry, params, &shape);

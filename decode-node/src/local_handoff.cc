@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvr/common/half.h"
 #include "kvr/common/status.h"
+#include "kvr/retrieval/model_shape.h"
 
 namespace kvr::decode {
 
@@ -74,13 +75,7 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
     HandoffLayerData& out = h.layers.emplace_back();
     out.layer = layer;
     if (!(o.method == "full" && o.empty_full_summaries)) {
-      retrieval::IndexShape ishape;
-      ishape.n_heads = c.n_heads;
-      ishape.n_kv_heads = c.n_kv_heads;
-      ishape.head_dim = c.head_dim;
-      ishape.layer = layer;
-      ishape.n_layers = c.n_layers;
-      ishape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+      const retrieval::IndexShape ishape = retrieval::IndexShapeOf(c, layer);
       KVR_ASSIGN_OR_RETURN(std::unique_ptr<retrieval::RetrievalIndex> index,
                            registry.Make(o.method, ishape, o.params));
       retrieval::BuildInput in;

@@ -32,6 +32,7 @@
 #include "kvr/node/run.h"
 #include "kvr/node/serving_model.h"
 #include "kvr/node/worker.h"
+#include "kvr/retrieval/model_shape.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::decode {
@@ -54,13 +55,7 @@ std::vector<std::pair<std::string, double>> MeasureSummaryBytes(
   for (float& x : queries) x = nd(rng);
   std::vector<std::pair<std::string, double>> out;
   for (const std::string& method : registry.Names()) {
-    retrieval::IndexShape shape;
-    shape.n_heads = c.n_heads;
-    shape.n_kv_heads = c.n_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.layer = 0;
-    shape.n_layers = c.n_layers;
-    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+    const retrieval::IndexShape shape = retrieval::IndexShapeOf(c, 0);
     retrieval::IndexParams params;
     params.assets = assets;
     auto index = registry.Make(method, shape, params);
@@ -106,11 +101,8 @@ int Serve(const DecodeConfig& config) {
     return 2;
   }
 
-  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(config.tls);
-  if (!security.ok()) {
-    std::cerr << "kvr-decode: " << security.status().message() << "\n";
-    return 2;
-  }
+  const std::optional<GrpcSecurity> security = node::LoadSecurityOrReport("kvr-decode", config.tls);
+  if (!security) return 2;
   spdlog::info("gRPC: {}", security->Describe());
   kv_store::UcxClientOptions store_options;
   store_options.name = "kvr-decode";

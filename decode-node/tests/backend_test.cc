@@ -141,21 +141,24 @@ TEST(CudaBackendCheckTest, RefusesHandoffsThatDoNotFitTheNode) {
     EXPECT_THAT(s.message(), HasSubstr(field));
     EXPECT_THAT(s.message(), HasSubstr(setting));
   };
-  Handoff x = h;
-  x.method = "clusterkv";
-  refused(x, "retrieval.method 'clusterkv'", "gpu_method");
-  x = h;
-  x.budget = 257;
-  refused(x, "retrieval.budget 257", "gpu_budget 256");
-  x = h;
-  x.n_sink = 4;
-  refused(x, "retrieval.n_sink 4", "gpu_n_sink 16");
-  x = h;
-  x.local_window = 256;
-  refused(x, "retrieval.local_window 256", "gpu_local_window 64");
-  x = h;
-  x.prompt_tokens = 1000;
-  refused(x, "prompt_tokens 1000", "gpu_max_context 1000");
+  // Each: one field of `h` changed, the field as the error names it, the node setting it names.
+  const struct {
+    void (*change)(Handoff&);
+    const char* field;
+    const char* setting;
+  } kRefused[] = {
+      {[](Handoff& x) { x.method = "clusterkv"; }, "retrieval.method 'clusterkv'", "gpu_method"},
+      {[](Handoff& x) { x.budget = 257; }, "retrieval.budget 257", "gpu_budget 256"},
+      {[](Handoff& x) { x.n_sink = 4; }, "retrieval.n_sink 4", "gpu_n_sink 16"},
+      {[](Handoff& x) { x.local_window = 256; }, "retrieval.local_window 256",
+       "gpu_local_window 64"},
+      {[](Handoff& x) { x.prompt_tokens = 1000; }, "prompt_tokens 1000", "gpu_max_context 1000"},
+  };
+  for (const auto& r : kRefused) {
+    Handoff x = h;
+    r.change(x);
+    refused(x, r.field, r.setting);
+  }
 }
 
 // With the node's registry, methods other than the GPU method are accepted (selected on the

@@ -48,6 +48,13 @@ std::vector<uint8_t> StoreBytes(const std::vector<float>& x, int64_t first, int6
   return out;
 }
 
+// The options of the quality-sampling tests: every decode step sampled.
+DecodeAttentionOptions EveryStepSampled() {
+  DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
+  options.quality_sample_rate = 1;
+  return options;
+}
+
 // A synthetic sequence: K/V of every position, the store holding the prompt, a windowed
 // cache seeded like a handoff, and one index per layer. With dtype bf16 the K/V values are
 // rounded to bf16 first, so that the store holds them exactly and dense attention over them is
@@ -616,9 +623,7 @@ TEST(DecodeAttentionQualityTest, ExactHasRecallOneAndTheDirectMass) {
     constexpr int kSteps = 3;
     Fixture f(/*prompt=*/120, /*total=*/130, /*sink=*/4, /*local=*/16, dtype);
     QualityRecorder recorder;
-    DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
-    options.quality_sample_rate = 1;
-    DecodeAttention attention(options, &recorder);
+    DecodeAttention attention(EveryStepSampled(), &recorder);
     ASSERT_TRUE(attention.AddSequence(7, f.Setup("exact", 8)).ok());
     RunSteps(f, attention, kSteps, NoCheck());
     ASSERT_EQ(recorder.samples.size(), size_t{kSteps * kLayers});  // rate 1: every (step, layer)
@@ -652,9 +657,7 @@ TEST(DecodeAttentionQualityTest, ExactHasRecallOneAndTheDirectMass) {
 TEST(DecodeAttentionQualityTest, EmptySelectionHasRecallZeroAndOnlyResidentMass) {
   Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
   QualityRecorder recorder;
-  DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
-  options.quality_sample_rate = 1;
-  DecodeAttention attention(options, &recorder);
+  DecodeAttention attention(EveryStepSampled(), &recorder);
   ASSERT_TRUE(attention.AddSequence(7, f.Setup("streaming", 8)).ok());
   RunSteps(f, attention, 1, NoCheck());
   ASSERT_EQ(recorder.samples.size(), size_t{kLayers});
@@ -687,9 +690,7 @@ TEST(DecodeAttentionQualityTest, HandMadeSelectionHasHalfRecall) {
   ASSERT_DOUBLE_EQ(want.recall, 0.5);
 
   QualityRecorder recorder;
-  DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
-  options.quality_sample_rate = 1;
-  DecodeAttention attention(options, &recorder);
+  DecodeAttention attention(EveryStepSampled(), &recorder);
   DecodeSequenceSetup setup = f.Setup("exact", 8, /*null_index=*/true);
   setup.method = "fixed";
   for (int layer = 0; layer < kLayers; ++layer) {
@@ -727,9 +728,7 @@ TEST(DecodeAttentionQualityTest, RateZeroNeverReadsAndStepsThatDidNotChooseAreNo
     SCOPED_TRACE(method);
     Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
     QualityRecorder recorder;
-    DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
-    options.quality_sample_rate = 1;
-    DecodeAttention attention(options, &recorder);
+    DecodeAttention attention(EveryStepSampled(), &recorder);
     ASSERT_TRUE(attention.AddSequence(7, f.Setup(method, budget)).ok());
     RunSteps(f, attention, 2, NoCheck());
     EXPECT_TRUE(recorder.samples.empty());
@@ -746,9 +745,7 @@ TEST(DecodeAttentionQualityTest, RateZeroNeverReadsAndStepsThatDidNotChooseAreNo
   {
     Fixture f(/*prompt=*/100, /*total=*/110, /*sink=*/4, /*local=*/16);
     QualityRecorder recorder;
-    DecodeAttentionOptions options{kLayers, kKvHeads, kDim, 1 << 20};
-    options.quality_sample_rate = 1;
-    DecodeAttention attention(options, &recorder);
+    DecodeAttention attention(EveryStepSampled(), &recorder);
     ASSERT_TRUE(attention.AddSequence(7, f.Setup("exact", 8)).ok());
     RunSteps(f, attention, 2, NoCheck());
     EXPECT_EQ(recorder.samples.size(), size_t{2 * kLayers});

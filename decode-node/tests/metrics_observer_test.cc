@@ -3,23 +3,23 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "metrics_test_util.h"
+
 namespace kvr::decode {
 namespace {
 
-using ::testing::HasSubstr;
+using metrics::testing::ExpectExposes;
 
 TEST(DecodeMetricsObserverTest, RecordsStepsFetchesCacheAndQuality) {
   auto server = *metrics::MetricsServer::Start({.port = -1, .role = "decode"});
   metrics::DecodeMetrics m(server->registry());
   DecodeMetricsObserver observer(&m, "smol", "clusterkv");
   const std::string before = server->ScrapeText();
-  EXPECT_THAT(before, HasSubstr("kvr_decode_tokens_total{model=\"smol\"} 0"));
-  EXPECT_THAT(before,
-              HasSubstr("kvr_kv_fetched_bytes_total{method=\"clusterkv\",model=\"smol\"} 0"));
-  EXPECT_THAT(before, HasSubstr("kvr_retrieval_selecting_samples_total{method=\"clusterkv\","
-                                "model=\"smol\"} 0"));
-  EXPECT_THAT(before, HasSubstr("kvr_retrieval_nonselecting_samples_total{method=\"clusterkv\","
-                                "model=\"smol\"} 0"));
+  ExpectExposes(
+      before, {"kvr_decode_tokens_total{model=\"smol\"} 0",
+               "kvr_kv_fetched_bytes_total{method=\"clusterkv\",model=\"smol\"} 0",
+               "kvr_retrieval_selecting_samples_total{method=\"clusterkv\",model=\"smol\"} 0",
+               "kvr_retrieval_nonselecting_samples_total{method=\"clusterkv\",model=\"smol\"} 0"});
 
   observer.OnStep({.seconds = 0.02, .batch_size = 3, .tokens = 3, .waiting = 1});
   observer.OnStep({.seconds = 0.03, .batch_size = 2, .tokens = 2, .waiting = 0});
@@ -42,25 +42,24 @@ TEST(DecodeMetricsObserverTest, RecordsStepsFetchesCacheAndQuality) {
 
   const std::string text = server->ScrapeText();
   const std::string labels = "method=\"clusterkv\",model=\"smol\"";
-  EXPECT_THAT(text, HasSubstr("kvr_decode_step_seconds_count{model=\"smol\"} 2"));
-  EXPECT_THAT(text, HasSubstr("kvr_decode_tokens_total{model=\"smol\"} 5"));
-  EXPECT_THAT(text, HasSubstr("kvr_decode_batch_size{model=\"smol\"} 2"));
-  EXPECT_THAT(text, HasSubstr("kvr_requests_waiting{role=\"decode\"} 0"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_fetched_bytes_total{" + labels + "} 5120"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_fetched_rows_total{" + labels + "} 10"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_fetch_latency_seconds_count{model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_hot_cache_hits_total{" + labels + "} 6"));
-  EXPECT_THAT(text, HasSubstr("kvr_hot_cache_misses_total{" + labels + "} 2"));
-  EXPECT_THAT(text, HasSubstr("kvr_hot_cache_hit_ratio{" + labels + "} 0.75"));
-  EXPECT_THAT(text, HasSubstr("kvr_summaries_bytes{" + labels + "} 1048576"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_fetched_bytes_total{method=\"quest\",model=\"smol\"} 512"));
-  EXPECT_THAT(text, HasSubstr("kvr_hot_cache_hit_ratio{method=\"quest\",model=\"smol\"} 0.5"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_offloaded_bytes_total{model=\"smol\"} 2048"));
-  EXPECT_THAT(text, HasSubstr("kvr_decode_sequences_total{model=\"smol\",outcome=\"eos\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_retrieval_recall_count{" + labels + "} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_retrieval_attention_mass_sum{" + labels + "} 0.99"));
-  EXPECT_THAT(text, HasSubstr("kvr_retrieval_selecting_samples_total{" + labels + "} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_retrieval_nonselecting_samples_total{" + labels + "} 2"));
+  ExpectExposes(
+      text,
+      {"kvr_decode_step_seconds_count{model=\"smol\"} 2",
+       "kvr_decode_tokens_total{model=\"smol\"} 5", "kvr_decode_batch_size{model=\"smol\"} 2",
+       "kvr_requests_waiting{role=\"decode\"} 0", "kvr_kv_fetched_bytes_total{" + labels + "} 5120",
+       "kvr_kv_fetched_rows_total{" + labels + "} 10",
+       "kvr_kv_fetch_latency_seconds_count{model=\"smol\"} 1",
+       "kvr_hot_cache_hits_total{" + labels + "} 6", "kvr_hot_cache_misses_total{" + labels + "} 2",
+       "kvr_hot_cache_hit_ratio{" + labels + "} 0.75",
+       "kvr_summaries_bytes{" + labels + "} 1048576",
+       "kvr_kv_fetched_bytes_total{method=\"quest\",model=\"smol\"} 512",
+       "kvr_hot_cache_hit_ratio{method=\"quest\",model=\"smol\"} 0.5",
+       "kvr_kv_offloaded_bytes_total{model=\"smol\"} 2048",
+       "kvr_decode_sequences_total{model=\"smol\",outcome=\"eos\"} 1",
+       "kvr_retrieval_recall_count{" + labels + "} 1",
+       "kvr_retrieval_attention_mass_sum{" + labels + "} 0.99",
+       "kvr_retrieval_selecting_samples_total{" + labels + "} 1",
+       "kvr_retrieval_nonselecting_samples_total{" + labels + "} 2"});
 }
 
 }  // namespace

@@ -8,11 +8,10 @@
 
 #include "metrics_test_util.h"
 
-// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectExposes, ExpectPromtoolClean,
+// HttpGet.
 namespace kvr::metrics::testing {
 namespace {
-
-using ::testing::HasSubstr;
 
 TEST(DecodeMetricsTest, RecordsWhatItIsTold) {
   auto server = Offline("decode");
@@ -33,31 +32,24 @@ TEST(DecodeMetricsTest, RecordsWhatItIsTold) {
   m.AddQualitySampled("smol", "ctkvr", /*selecting=*/false, 3);
   m.CountSequence("smol", "ok");
   const std::string text = server->ScrapeText();
-  EXPECT_THAT(text, HasSubstr("kvr_decode_step_seconds_count{model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_decode_tokens_total{model=\"smol\"} 4"));
-  EXPECT_THAT(text, HasSubstr("kvr_decode_batch_size{model=\"smol\"} 4"));
-  EXPECT_THAT(text, HasSubstr("kvr_requests_waiting{role=\"decode\"} 2"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_fetched_bytes_total{method=\"ctkvr\",model=\"smol\"} 5632"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_fetched_rows_total{method=\"ctkvr\",model=\"smol\"} 11"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_fetch_latency_seconds_count{model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_kv_offloaded_bytes_total{model=\"smol\"} 2048"));
-  EXPECT_THAT(text, HasSubstr("kvr_hot_cache_hits_total{method=\"ctkvr\",model=\"smol\"} 3"));
-  EXPECT_THAT(text, HasSubstr("kvr_hot_cache_misses_total{method=\"ctkvr\",model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_hot_cache_hit_ratio{method=\"ctkvr\",model=\"smol\"} 0.75"));
-  EXPECT_THAT(text, HasSubstr("kvr_summaries_bytes{method=\"ctkvr\",model=\"smol\"} 65536"));
-  EXPECT_THAT(
-      text, HasSubstr("kvr_retrieval_recall_bucket{method=\"ctkvr\",model=\"smol\",le=\"0.8\"} 0"));
-  EXPECT_THAT(
-      text, HasSubstr("kvr_retrieval_recall_bucket{method=\"ctkvr\",model=\"smol\",le=\"0.9\"} 1"));
-  EXPECT_THAT(
-      text,
-      HasSubstr(
-          "kvr_retrieval_attention_mass_bucket{method=\"ctkvr\",model=\"smol\",le=\"0.98\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_decode_sequences_total{model=\"smol\",outcome=\"ok\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_retrieval_selecting_samples_total{method=\"ctkvr\","
-                              "model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_retrieval_nonselecting_samples_total{method=\"ctkvr\","
-                              "model=\"smol\"} 3"));
+  ExpectExposes(
+      text, {"kvr_decode_step_seconds_count{model=\"smol\"} 1",
+             "kvr_decode_tokens_total{model=\"smol\"} 4", "kvr_decode_batch_size{model=\"smol\"} 4",
+             "kvr_requests_waiting{role=\"decode\"} 2",
+             "kvr_kv_fetched_bytes_total{method=\"ctkvr\",model=\"smol\"} 5632",
+             "kvr_kv_fetched_rows_total{method=\"ctkvr\",model=\"smol\"} 11",
+             "kvr_kv_fetch_latency_seconds_count{model=\"smol\"} 1",
+             "kvr_kv_offloaded_bytes_total{model=\"smol\"} 2048",
+             "kvr_hot_cache_hits_total{method=\"ctkvr\",model=\"smol\"} 3",
+             "kvr_hot_cache_misses_total{method=\"ctkvr\",model=\"smol\"} 1",
+             "kvr_hot_cache_hit_ratio{method=\"ctkvr\",model=\"smol\"} 0.75",
+             "kvr_summaries_bytes{method=\"ctkvr\",model=\"smol\"} 65536",
+             "kvr_retrieval_recall_bucket{method=\"ctkvr\",model=\"smol\",le=\"0.8\"} 0",
+             "kvr_retrieval_recall_bucket{method=\"ctkvr\",model=\"smol\",le=\"0.9\"} 1",
+             "kvr_retrieval_attention_mass_bucket{method=\"ctkvr\",model=\"smol\",le=\"0.98\"} 1",
+             "kvr_decode_sequences_total{model=\"smol\",outcome=\"ok\"} 1",
+             "kvr_retrieval_selecting_samples_total{method=\"ctkvr\",model=\"smol\"} 1",
+             "kvr_retrieval_nonselecting_samples_total{method=\"ctkvr\",model=\"smol\"} 3"});
   ExpectPromtoolClean(text);
 }
 

@@ -8,11 +8,10 @@
 
 #include "metrics_test_util.h"
 
-// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectExposes, ExpectPromtoolClean,
+// HttpGet.
 namespace kvr::metrics::testing {
 namespace {
-
-using ::testing::HasSubstr;
 
 TEST(StoreMetricsTest, CountersFollowMonotonicFieldsAcrossAReset) {
   auto server = Offline("store");
@@ -63,21 +62,15 @@ TEST(StoreMetricsTest, CountersFollowMonotonicFieldsAcrossAReset) {
             .evictions_thinned = 3,
             .thinned_pages = 90});  // expired evictions went back: counted from zero
   const std::string text = server->ScrapeText();
-  EXPECT_THAT(text, HasSubstr("kvr_store_capacity_bytes 1073741824"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_used_bytes 8192"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_pages{state=\"free\"} 6"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_pages{state=\"used\"} 4"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_sequences 2"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total{reason=\"expired\"} 6"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total{reason=\"cached_lru\"} 4"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_evictions_total{reason=\"thinned\"} 3"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_thinned_pages_total 90"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_shared_pages 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_forks_total 3"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_forked_rows_total 900"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_expired_sequences_total 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_written_bytes_total 300"));
-  EXPECT_THAT(text, HasSubstr("kvr_store_read_bytes_total 60"));
+  ExpectExposes(
+      text, {"kvr_store_capacity_bytes 1073741824", "kvr_store_used_bytes 8192",
+             "kvr_store_pages{state=\"free\"} 6", "kvr_store_pages{state=\"used\"} 4",
+             "kvr_store_sequences 2", "kvr_store_evictions_total{reason=\"expired\"} 6",
+             "kvr_store_evictions_total{reason=\"cached_lru\"} 4",
+             "kvr_store_evictions_total{reason=\"thinned\"} 3", "kvr_store_thinned_pages_total 90",
+             "kvr_store_shared_pages 1", "kvr_store_forks_total 3",
+             "kvr_store_forked_rows_total 900", "kvr_store_expired_sequences_total 1",
+             "kvr_store_written_bytes_total 300", "kvr_store_read_bytes_total 60"});
   ExpectPromtoolClean(text);
 }
 

@@ -46,9 +46,7 @@ const node::SettingTable<StoreConfig>& StoreSettings() {
         .env_prefix = "KVR_STORE_",
         .settings =
             {
-                StringSetting<Config>("listen",
-                                      "gRPC listen address host:port (port 0: any free port)",
-                                      &Config::listen),
+                node::ListenSetting<Config>(&Config::listen),
                 // 0 is left to the store to refuse, with its reason.
                 ByteSizeSetting<Config>("capacity_bytes", "page pool size", &Config::capacity_bytes,
                                         /*allow_zero=*/true),

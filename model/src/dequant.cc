@@ -23,16 +23,17 @@ inline float Half(const uint8_t* p) {
   return Fp16ToFloat(h);
 }
 
+// The unquantised types have one-element blocks: n_blocks is the element count.
+void DequantF32(const uint8_t* src, int64_t n, float* y) {
+  std::memcpy(y, src, static_cast<size_t>(n) * sizeof(float));
+}
+
 void DequantF16(const uint8_t* src, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) y[i] = Half(src + 2 * i);
+  Fp16BytesToFloats(src, static_cast<size_t>(n), y);
 }
 
 void DequantBf16(const uint8_t* src, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, src + 2 * i, sizeof(h));
-    y[i] = Bf16ToFloat(h);
-  }
+  Bf16BytesToFloats(src, static_cast<size_t>(n), y);
 }
 
 // One 4- or 5-bit value q of a block with scale d and, in the "_1" formats, minimum m: ggml's
@@ -173,6 +174,20 @@ inline void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
   }
 }
 
+// The scales and mins of sub-blocks `is` and `is + 1` of a Q4_K / Q5_K super-block with scale d
+// and minimum `min`: d * sc and min * m for each, as ggml computes them.
+struct SubBlockScales {
+  float d1, m1, d2, m2;
+};
+inline SubBlockScales ScaleMinPair(int is, const uint8_t* scales, float d, float min) {
+  uint8_t sc, m;
+  ScaleMinK4(is + 0, scales, &sc, &m);
+  const float d1 = d * sc;
+  const float m1 = min * m;
+  ScaleMinK4(is + 1, scales, &sc, &m);
+  return {d1, m1, d * sc, min * m};
+}
+
 // block_q4_K { half d; half dmin; uint8 scales[12]; uint8 qs[128]; } : 144 bytes
 void DequantQ4_K(const uint8_t* x, int64_t nb, float* y) {
   for (int64_t i = 0; i < nb; ++i, x += 144) {
@@ -181,14 +196,8 @@ void DequantQ4_K(const uint8_t* x, int64_t nb, float* y) {
     const uint8_t* scales = x + 4;
     const uint8_t* q = x + 16;
     int is = 0;
-    uint8_t sc, m;
     for (int j = 0; j < kQkK; j += 64) {
-      ScaleMinK4(is + 0, scales, &sc, &m);
-      const float d1 = d * sc;
-      const float m1 = min * m;
-      ScaleMinK4(is + 1, scales, &sc, &m);
-      const float d2 = d * sc;
-      const float m2 = min * m;
+      const auto [d1, m1, d2, m2] = ScaleMinPair(is, scales, d, min);
       for (int l = 0; l < 32; ++l) *y++ = d1 * static_cast<float>(q[l] & 0xF) - m1;
       for (int l = 0; l < 32; ++l) *y++ = d2 * static_cast<float>(q[l] >> 4) - m2;
       q += 32;
@@ -206,15 +215,9 @@ void DequantQ5_K(const uint8_t* x, int64_t nb, float* y) {
     const uint8_t* qh = x + 16;
     const uint8_t* ql = x + 48;
     int is = 0;
-    uint8_t sc, m;
     uint8_t u1 = 1, u2 = 2;
     for (int j = 0; j < kQkK; j += 64) {
-      ScaleMinK4(is + 0, scales, &sc, &m);
-      const float d1 = d * sc;
-      const float m1 = min * m;
-      ScaleMinK4(is + 1, scales, &sc, &m);
-      const float d2 = d * sc;
-      const float m2 = min * m;
+      const auto [d1, m1, d2, m2] = ScaleMinPair(is, scales, d, min);
       for (int l = 0; l < 32; ++l) {
         *y++ = d1 * static_cast<float>((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
       }
@@ -257,6 +260,21 @@ void DequantQ6_K(const uint8_t* x, int64_t nb, float* y) {
   }
 }
 
+// Each dequantisable type's row function: (block bytes, number of blocks, output elements).
+struct Dequantizer {
+  GgmlType type;
+  void (*row)(const uint8_t* x, int64_t n_blocks, float* y);
+};
+constexpr Dequantizer kDequantizers[] = {
+    {GgmlType::kF32, DequantF32},       {GgmlType::kF16, DequantF16},
+    {GgmlType::kBF16, DequantBf16},     {GgmlType::kQ4_0, DequantQ4<false>},
+    {GgmlType::kQ4_1, DequantQ4<true>}, {GgmlType::kQ5_0, DequantQ5<false>},
+    {GgmlType::kQ5_1, DequantQ5<true>}, {GgmlType::kQ8_0, DequantQ8_0},
+    {GgmlType::kQ2_K, DequantQ2_K},     {GgmlType::kQ3_K, DequantQ3_K},
+    {GgmlType::kQ4_K, DequantQ4_K},     {GgmlType::kQ5_K, DequantQ5_K},
+    {GgmlType::kQ6_K, DequantQ6_K},
+};
+
 }  // namespace
 
 absl::Status DequantizeRow(GgmlType type, const void* src, int64_t n, float* dst) {
@@ -272,54 +290,14 @@ absl::Status DequantizeRow(GgmlType type, const void* src, int64_t n, float* dst
                                                    traits->name, ": not a multiple of the ",
                                                    traits->block_size, "-element block"));
   }
-  const auto* x = static_cast<const uint8_t*>(src);
-  const int64_t nb = n / traits->block_size;
-  switch (type) {
-    case GgmlType::kF32:
-      std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float));
-      break;
-    case GgmlType::kF16:
-      DequantF16(x, n, dst);
-      break;
-    case GgmlType::kBF16:
-      DequantBf16(x, n, dst);
-      break;
-    case GgmlType::kQ4_0:
-      DequantQ4<false>(x, nb, dst);
-      break;
-    case GgmlType::kQ4_1:
-      DequantQ4<true>(x, nb, dst);
-      break;
-    case GgmlType::kQ5_0:
-      DequantQ5<false>(x, nb, dst);
-      break;
-    case GgmlType::kQ5_1:
-      DequantQ5<true>(x, nb, dst);
-      break;
-    case GgmlType::kQ8_0:
-      DequantQ8_0(x, nb, dst);
-      break;
-    case GgmlType::kQ2_K:
-      DequantQ2_K(x, nb, dst);
-      break;
-    case GgmlType::kQ3_K:
-      DequantQ3_K(x, nb, dst);
-      break;
-    case GgmlType::kQ4_K:
-      DequantQ4_K(x, nb, dst);
-      break;
-    case GgmlType::kQ5_K:
-      DequantQ5_K(x, nb, dst);
-      break;
-    case GgmlType::kQ6_K:
-      DequantQ6_K(x, nb, dst);
-      break;
-    default:
-      // Unreachable while the traits table and this switch agree.
-      return absl::InternalError(
-          absl::StrCat("dequantisation table out of sync for ", traits->name));
+  for (const Dequantizer& d : kDequantizers) {
+    if (d.type == type) {
+      d.row(static_cast<const uint8_t*>(src), n / traits->block_size, dst);
+      return absl::OkStatus();
+    }
   }
-  return absl::OkStatus();
+  // Unreachable while the traits table's `dequantizable` and kDequantizers agree.
+  return absl::InternalError(absl::StrCat("dequantisation table out of sync for ", traits->name));
 }
 
 }  // namespace kvr::model

@@ -20,30 +20,6 @@ namespace {
 // we, which also bounds what a corrupt length can make us parse.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
-struct DtypeEntry {
-  SafetensorsDtype dtype;
-  absl::string_view name;
-  int64_t size;
-};
-
-constexpr DtypeEntry kDtypes[] = {
-    {SafetensorsDtype::kBool, "BOOL", 1},      {SafetensorsDtype::kU8, "U8", 1},
-    {SafetensorsDtype::kI8, "I8", 1},          {SafetensorsDtype::kU16, "U16", 2},
-    {SafetensorsDtype::kI16, "I16", 2},        {SafetensorsDtype::kU32, "U32", 4},
-    {SafetensorsDtype::kI32, "I32", 4},        {SafetensorsDtype::kU64, "U64", 8},
-    {SafetensorsDtype::kI64, "I64", 8},        {SafetensorsDtype::kF16, "F16", 2},
-    {SafetensorsDtype::kBF16, "BF16", 2},      {SafetensorsDtype::kF32, "F32", 4},
-    {SafetensorsDtype::kF64, "F64", 8},        {SafetensorsDtype::kF8E4M3, "F8_E4M3", 1},
-    {SafetensorsDtype::kF8E5M2, "F8_E5M2", 1},
-};
-
-const DtypeEntry& Entry(SafetensorsDtype dtype) {
-  for (const DtypeEntry& e : kDtypes) {
-    if (e.dtype == dtype) return e;
-  }
-  return kDtypes[0];  // unreachable: every enumerator is in the table
-}
-
 template <typename T>
 void Convert(const uint8_t* src, size_t n, float* dst) {
   for (size_t i = 0; i < n; ++i) {
@@ -51,6 +27,45 @@ void Convert(const uint8_t* src, size_t n, float* dst) {
     std::memcpy(&v, src + i * sizeof(T), sizeof(T));
     dst[i] = static_cast<float>(v);
   }
+}
+
+void ConvertF32(const uint8_t* src, size_t n, float* dst) {
+  if (n > 0) std::memcpy(dst, src, n * sizeof(float));
+}
+
+struct DtypeEntry {
+  SafetensorsDtype dtype;
+  absl::string_view name;
+  int64_t size;
+  // Widens n elements at src (any alignment) to float32; null: not supported.
+  void (*to_float)(const uint8_t* src, size_t n, float* dst);
+};
+
+constexpr DtypeEntry kDtypes[] = {
+    {SafetensorsDtype::kBool, "BOOL", 1, nullptr},
+    {SafetensorsDtype::kU8, "U8", 1, Convert<uint8_t>},
+    {SafetensorsDtype::kI8, "I8", 1, Convert<int8_t>},
+    {SafetensorsDtype::kU16, "U16", 2, Convert<uint16_t>},
+    {SafetensorsDtype::kI16, "I16", 2, Convert<int16_t>},
+    {SafetensorsDtype::kU32, "U32", 4, Convert<uint32_t>},
+    {SafetensorsDtype::kI32, "I32", 4, Convert<int32_t>},
+    {SafetensorsDtype::kU64, "U64", 8, Convert<uint64_t>},
+    {SafetensorsDtype::kI64, "I64", 8, Convert<int64_t>},
+    {SafetensorsDtype::kF16, "F16", 2,
+     [](const uint8_t* src, size_t n, float* dst) { Fp16BytesToFloats(src, n, dst); }},
+    {SafetensorsDtype::kBF16, "BF16", 2,
+     [](const uint8_t* src, size_t n, float* dst) { Bf16BytesToFloats(src, n, dst); }},
+    {SafetensorsDtype::kF32, "F32", 4, ConvertF32},
+    {SafetensorsDtype::kF64, "F64", 8, Convert<double>},
+    {SafetensorsDtype::kF8E4M3, "F8_E4M3", 1, nullptr},
+    {SafetensorsDtype::kF8E5M2, "F8_E5M2", 1, nullptr},
+};
+
+const DtypeEntry& Entry(SafetensorsDtype dtype) {
+  for (const DtypeEntry& e : kDtypes) {
+    if (e.dtype == dtype) return e;
+  }
+  return kDtypes[0];  // unreachable: every enumerator is in the table
 }
 
 }  // namespace
@@ -219,58 +234,10 @@ absl::Status SafetensorsFile::ToFloat32Into(const SafetensorsTensorInfo& info,
     return absl::InvalidArgumentError(absl::StrCat("tensor '", info.name, "' has ", info.n_elements,
                                                    " elements but the output has ", out.size()));
   }
-  const uint8_t* src = TensorData(info).data();
-  const size_t n = out.size();
-  float* dst = out.data();
-  switch (info.dtype) {
-    case SafetensorsDtype::kF32:
-      if (n > 0) std::memcpy(dst, src, n * sizeof(float));
-      return absl::OkStatus();
-    case SafetensorsDtype::kF16:
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        dst[i] = Fp16ToFloat(h);
-      }
-      return absl::OkStatus();
-    case SafetensorsDtype::kBF16:
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        dst[i] = Bf16ToFloat(h);
-      }
-      return absl::OkStatus();
-    case SafetensorsDtype::kF64:
-      Convert<double>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kU8:
-      Convert<uint8_t>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kI8:
-      Convert<int8_t>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kU16:
-      Convert<uint16_t>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kI16:
-      Convert<int16_t>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kU32:
-      Convert<uint32_t>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kI32:
-      Convert<int32_t>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kU64:
-      Convert<uint64_t>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kI64:
-      Convert<int64_t>(src, n, dst);
-      return absl::OkStatus();
-    case SafetensorsDtype::kBool:
-    case SafetensorsDtype::kF8E4M3:
-    case SafetensorsDtype::kF8E5M2:
-      break;
+  const auto to_float = Entry(info.dtype).to_float;
+  if (to_float != nullptr) {
+    to_float(TensorData(info).data(), out.size(), out.data());
+    return absl::OkStatus();
   }
   return absl::UnimplementedError(absl::StrCat("tensor '", info.name, "': conversion of ",
                                                SafetensorsDtypeName(info.dtype),

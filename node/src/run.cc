@@ -40,6 +40,15 @@ int ReportStartFailure(const std::string& program, const absl::Status& status) {
   return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+std::optional<GrpcSecurity> LoadSecurityOrReport(const std::string& program, const TlsConfig& tls) {
+  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(tls);
+  if (!security.ok()) {
+    std::cerr << program << ": " << security.status().message() << "\n";
+    return std::nullopt;
+  }
+  return *std::move(security);
+}
+
 absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> StartMetricsServer(
     const std::string& listen, int port, const std::string& role, const std::string& node_name) {
   const std::string host = HostOf(listen);

@@ -16,9 +16,7 @@ const node::SettingTable<PrefillConfig>& PrefillSettings() {
         .env_prefix = "KVR_PREFILL_",
         .settings =
             {
-                StringSetting<Config>("listen",
-                                      "gRPC listen address host:port (port 0: any free port)",
-                                      &Config::listen),
+                node::ListenSetting<Config>(&Config::listen),
                 StringSetting<Config>("controller", "controller address host:port",
                                       &Config::controller),
                 StringSetting<Config>("model",

@@ -180,11 +180,9 @@ int Serve(const PrefillConfig& config) {
                served, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.context_length,
                (*backend)->name());
 
-  absl::StatusOr<GrpcSecurity> security = GrpcSecurity::Load(config.tls);
-  if (!security.ok()) {
-    std::cerr << "kvr-prefill: " << security.status().message() << "\n";
-    return 2;
-  }
+  const std::optional<GrpcSecurity> security =
+      node::LoadSecurityOrReport("kvr-prefill", config.tls);
+  if (!security) return 2;
   spdlog::info("gRPC: {}", security->Describe());
   kv_store::UcxClientOptions store_options;
   store_options.security = *security;

@@ -18,6 +18,7 @@
 #include "kvr/model/sampler.h"
 #include "kvr/prefill_node/summary_snapshot.h"
 #include "kvr/retrieval/index.h"
+#include "kvr/retrieval/model_shape.h"
 #include "spdlog/spdlog.h"
 
 namespace kvr::prefill_node {
@@ -184,14 +185,7 @@ class LayerWorker {
     }
 
     // 1. The retrieval index over all prompt positions [0, L).
-    retrieval::IndexShape shape;
-    shape.n_heads = c.n_heads;
-    shape.n_kv_heads = c.n_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.layer = task.layer;
-    shape.n_layers = c.n_layers;
-    // The runtime rotates Hugging Face style (rotate-half) for every architecture.
-    shape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
+    const retrieval::IndexShape shape = retrieval::IndexShapeOf(c, task.layer);
     std::vector<uint8_t> bytes;
     std::vector<uint8_t> snapshot;  // the index at ctx_.snapshot_rows tokens, when kept
     if (task.summary) {

@@ -5,10 +5,12 @@
 
 #include <thread>
 
+#include "metrics_test_util.h"
+
 namespace kvr::prefill_node {
 namespace {
 
-using ::testing::HasSubstr;
+using metrics::testing::ExpectExposes;
 
 TEST(PrefillMetricsObserverTest, RecordsQueueBytesAndOutcomes) {
   auto server = *metrics::MetricsServer::Start({.port = -1, .role = "prefill"});
@@ -22,8 +24,8 @@ TEST(PrefillMetricsObserverTest, RecordsQueueBytesAndOutcomes) {
   std::thread other([&] {
     observer.OnQueued(50);
     const std::string text = server->ScrapeText();
-    EXPECT_THAT(text, HasSubstr("kvr_requests_waiting{role=\"prefill\"} 1"));
-    EXPECT_THAT(text, HasSubstr("kvr_prefill_queued_tokens 150"));
+    ExpectExposes(text,
+                  {"kvr_requests_waiting{role=\"prefill\"} 1", "kvr_prefill_queued_tokens 150"});
     observer.OnFinished(absl::UnavailableError("store"), nullptr, absl::Seconds(1));
   });
   other.join();
@@ -37,19 +39,15 @@ TEST(PrefillMetricsObserverTest, RecordsQueueBytesAndOutcomes) {
   observer.OnFinished(absl::OkStatus(), &result, absl::Milliseconds(300));
 
   const std::string text = server->ScrapeText();
-  EXPECT_THAT(text, HasSubstr("kvr_requests_waiting{role=\"prefill\"} 0"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefill_queued_tokens 0"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefill_tokens_total{model=\"smol\"} 100"));
-  EXPECT_THAT(text,
-              HasSubstr("kvr_kv_shipped_bytes_total{destination=\"store\",model=\"smol\"} 8192"));
-  EXPECT_THAT(text,
-              HasSubstr("kvr_kv_shipped_bytes_total{destination=\"decode\",model=\"smol\"} 1000"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefill_step_seconds_sum{method=\"clusterkv\",model=\"smol\"} 0.25"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefill_requests_total{model=\"smol\",outcome=\"ok\"} 1"));
-  EXPECT_THAT(text,
-              HasSubstr("kvr_prefill_requests_total{model=\"smol\",outcome=\"unavailable\"} 1"));
-  EXPECT_THAT(
-      text, HasSubstr("kvr_prefill_requests_total{model=\"smol\",outcome=\"invalid_argument\"} 1"));
+  ExpectExposes(text,
+                {"kvr_requests_waiting{role=\"prefill\"} 0", "kvr_prefill_queued_tokens 0",
+                 "kvr_prefill_tokens_total{model=\"smol\"} 100",
+                 "kvr_kv_shipped_bytes_total{destination=\"store\",model=\"smol\"} 8192",
+                 "kvr_kv_shipped_bytes_total{destination=\"decode\",model=\"smol\"} 1000",
+                 "kvr_prefill_step_seconds_sum{method=\"clusterkv\",model=\"smol\"} 0.25",
+                 "kvr_prefill_requests_total{model=\"smol\",outcome=\"ok\"} 1",
+                 "kvr_prefill_requests_total{model=\"smol\",outcome=\"unavailable\"} 1",
+                 "kvr_prefill_requests_total{model=\"smol\",outcome=\"invalid_argument\"} 1"});
 }
 
 }  // namespace

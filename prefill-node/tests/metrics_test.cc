@@ -8,11 +8,10 @@
 
 #include "metrics_test_util.h"
 
-// In the helpers' namespace (metrics_test_util.h): Offline, ExpectPromtoolClean, HttpGet.
+// In the helpers' namespace (metrics_test_util.h): Offline, ExpectExposes, ExpectPromtoolClean,
+// HttpGet.
 namespace kvr::metrics::testing {
 namespace {
-
-using ::testing::HasSubstr;
 
 TEST(PrefillMetricsTest, RecordsWhatItIsTold) {
   auto server = Offline("prefill");
@@ -27,20 +26,15 @@ TEST(PrefillMetricsTest, RecordsWhatItIsTold) {
   m.AddSummaryLayers("smol", "extended", 30);
   m.AddSummaryLayers("smol", "rebuilt", 2);
   const std::string text = server->ScrapeText();
-  EXPECT_THAT(text,
-              HasSubstr("kvr_prefill_step_seconds_count{method=\"pariskv\",model=\"smol\"} 1"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefill_tokens_total{model=\"smol\"} 4096"));
-  EXPECT_THAT(
-      text, HasSubstr("kvr_kv_shipped_bytes_total{destination=\"store\",model=\"smol\"} 1048576"));
-  EXPECT_THAT(text,
-              HasSubstr("kvr_kv_shipped_bytes_total{destination=\"decode\",model=\"smol\"} 4096"));
-  EXPECT_THAT(text, HasSubstr("kvr_requests_waiting{role=\"prefill\"} 3"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefill_queued_tokens 12000"));
-  EXPECT_THAT(text, HasSubstr("kvr_prefill_requests_total{model=\"smol\",outcome=\"ok\"} 1"));
-  EXPECT_THAT(text,
-              HasSubstr("kvr_prefill_index_layers_total{model=\"smol\",source=\"extended\"} 30"));
-  EXPECT_THAT(text,
-              HasSubstr("kvr_prefill_index_layers_total{model=\"smol\",source=\"rebuilt\"} 2"));
+  ExpectExposes(text,
+                {"kvr_prefill_step_seconds_count{method=\"pariskv\",model=\"smol\"} 1",
+                 "kvr_prefill_tokens_total{model=\"smol\"} 4096",
+                 "kvr_kv_shipped_bytes_total{destination=\"store\",model=\"smol\"} 1048576",
+                 "kvr_kv_shipped_bytes_total{destination=\"decode\",model=\"smol\"} 4096",
+                 "kvr_requests_waiting{role=\"prefill\"} 3", "kvr_prefill_queued_tokens 12000",
+                 "kvr_prefill_requests_total{model=\"smol\",outcome=\"ok\"} 1",
+                 "kvr_prefill_index_layers_total{model=\"smol\",source=\"extended\"} 30",
+                 "kvr_prefill_index_layers_total{model=\"smol\",source=\"rebuilt\"} 2"});
   ExpectPromtoolClean(text);
 }
 

@@ -19,6 +19,7 @@
 #include "kvr/model/sampler.h"
 #include "kvr/prefill_node/summary_snapshot.h"
 #include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/model_shape.h"
 
 namespace kvr::prefill_node {
 namespace {
@@ -74,7 +75,12 @@ class PrefillEngineTest : public ::testing::Test {
     kv_store::StoreOptions so;
     so.pool.capacity_bytes = 256ull << 20;
     so.pool.try_huge_pages = false;
-    auto fake = kv_store::FakeKvStoreClient::Create(so);
+    UseStore(so);
+  }
+
+  // A fake store of `options` in store_ (replacing the one there), and engine_ over it.
+  void UseStore(const kv_store::StoreOptions& options) {
+    auto fake = kv_store::FakeKvStoreClient::Create(options);
     ASSERT_TRUE(fake.ok()) << fake.status();
     store_ = std::move(*fake);
     stores_ = std::make_unique<OneStore>(store_.get());
@@ -99,6 +105,27 @@ class PrefillEngineTest : public ::testing::Test {
     job.store.set_node_id("store-3");
     job.deadline = absl::Now() + absl::Seconds(60);
     return job;
+  }
+
+  // A request for `ids` as sequence `id` that reuses the first `prefix_tokens` tokens of the
+  // sequence `prefix`.
+  PrefillJob ForkJob(const std::vector<int32_t>& ids, const std::string& method, uint64_t id,
+                     const kv_store::SequenceRef& prefix, size_t prefix_tokens) {
+    PrefillJob job = Job(TokenPrompt{ids}, method);
+    job.sequence_id = id;
+    job.prefix = prefix;
+    job.prefix_tokens = static_cast<uint32_t>(prefix_tokens);
+    return job;
+  }
+
+  // `ids` and then the tokens of one more sentence: a later turn's prompt that starts with the
+  // prompt of `ids`.
+  static std::vector<int32_t> WithMore(const std::vector<int32_t>& ids) {
+    std::vector<int32_t> out = ids;
+    auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
+    EXPECT_TRUE(more.ok()) << more.status();
+    if (more.ok()) out.insert(out.end(), more->begin(), more->end());
+    return out;
   }
 
   static std::string Text() {
@@ -217,6 +244,21 @@ std::vector<uint8_t> AllRows(kv_store::KvStoreClient& store, const kv_store::Seq
   return out;
 }
 
+// A request forked from a prefix (`fork`, sequence `fork_ref`) against the same prompt of
+// `rows` tokens computed cold (`cold`, `cold_ref`), both in the float32 `store`: the fork
+// reused `reused` rows, put only the others, and its first token and rows are the cold ones.
+void ExpectForkMatchesCold(kv_store::KvStoreClient& store, const model::ModelConfig& c,
+                           const PrefillResult& fork, const kv_store::SequenceRef& fork_ref,
+                           const PrefillResult& cold, const kv_store::SequenceRef& cold_ref,
+                           int64_t reused, int64_t rows) {
+  EXPECT_EQ(fork.cached_tokens, static_cast<uint32_t>(reused));
+  EXPECT_EQ(fork.first_token, cold.first_token);
+  // Only the computed rows were put.
+  EXPECT_EQ(fork.kv_bytes_shipped,
+            uint64_t{2} * (rows - reused) * c.n_kv_heads * c.head_dim * 4 * c.n_layers);
+  EXPECT_EQ(AllRows(store, fork_ref, c, rows), AllRows(store, cold_ref, c, rows));
+}
+
 // A prompt that starts with an earlier request's prompt, prefilled from that request's
 // sequence: the cached rows are forked (up to the last whole chunk), only the rest is
 // computed and put, and the rows, the first token and the handoff equal a cold prefill's, bit
@@ -227,10 +269,7 @@ TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
   auto first_ids = engine_->Tokenize(first.prompt);
   ASSERT_TRUE(first_ids.ok());
   ASSERT_TRUE(engine_->Run(first).ok());
-  std::vector<int32_t> ids = *first_ids;
-  auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
-  ASSERT_TRUE(more.ok());
-  ids.insert(ids.end(), more->begin(), more->end());
+  const std::vector<int32_t> ids = WithMore(*first_ids);
   const int64_t L = static_cast<int64_t>(ids.size());
   const int64_t reused = static_cast<int64_t>(first_ids->size()) / 64 * 64;  // chunk_tokens 64
   ASSERT_GT(reused, 0);
@@ -245,19 +284,11 @@ TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
   const auto cold_chunks = opener_.chunks;
 
   // From the first request's sequence.
-  PrefillJob warm = Job(TokenPrompt{ids}, "full");
-  warm.sequence_id = 44;
-  warm.prefix = {42, cap_};
-  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  PrefillJob warm = ForkJob(ids, "full", 44, {42, cap_}, first_ids->size());
   opener_.chunks.clear();
   auto warm_result = engine_->Run(warm);
   ASSERT_TRUE(warm_result.ok()) << warm_result.status();
-  EXPECT_EQ(warm_result->cached_tokens, static_cast<uint32_t>(reused));
-  EXPECT_EQ(warm_result->first_token, cold_result->first_token);
-  // Only the computed rows were put.
-  EXPECT_EQ(warm_result->kv_bytes_shipped,
-            uint64_t{2} * (L - reused) * c.n_kv_heads * c.head_dim * 4 * c.n_layers);
-  EXPECT_EQ(AllRows(*store_, {44, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
+  ExpectForkMatchesCold(*store_, c, *warm_result, {44, cap_}, *cold_result, {43, cap_}, reused, L);
   ASSERT_EQ(opener_.chunks.size(), cold_chunks.size());
   for (size_t i = 1; i < cold_chunks.size(); ++i) {
     EXPECT_EQ(opener_.chunks[i].layer().local_kv(), cold_chunks[i].layer().local_kv()) << i;
@@ -270,10 +301,7 @@ TEST_F(PrefillEngineTest, APrefixFromTheStoreGivesTheColdPrefillsBits) {
 
   // The cached sequence is gone (released, evicted, its store restarted): computed cold.
   ASSERT_TRUE(store_->Release({42, cap_}, absl::ZeroDuration()).ok());
-  PrefillJob lost = Job(TokenPrompt{ids}, "full");
-  lost.sequence_id = 45;
-  lost.prefix = {42, cap_};
-  lost.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  PrefillJob lost = ForkJob(ids, "full", 45, {42, cap_}, first_ids->size());
   auto lost_result = engine_->Run(lost);
   ASSERT_TRUE(lost_result.ok()) << lost_result.status();
   EXPECT_EQ(lost_result->cached_tokens, 0u);
@@ -292,13 +320,8 @@ TEST_F(PrefillEngineTest, AThinnedPrefixIsReusedOnlyUpToItsFirstHole) {
   so.pool.try_huge_pages = false;
   so.cached_eviction = kv_store::CachedEviction::kThin;
   so.thin_policy = {.sink_rows = 64, .recent_rows = 16};
-  auto fake = kv_store::FakeKvStoreClient::Create(so);
-  ASSERT_TRUE(fake.ok()) << fake.status();
-  store_ = std::move(*fake);
-  stores_ = std::make_unique<OneStore>(store_.get());
-  engine_ =
-      std::make_unique<PrefillEngine>(loaded_->model.get(), &*loaded_->tokenizer, registry_,
-                                      stores_.get(), &opener_, EngineOptions{.chunk_tokens = 64});
+  UseStore(so);
+  if (HasFatalFailure()) return;
 
   PrefillJob first = Job(TextPrompt{Text() + Text()}, "full");
   auto first_ids = engine_->Tokenize(first.prompt);
@@ -306,10 +329,7 @@ TEST_F(PrefillEngineTest, AThinnedPrefixIsReusedOnlyUpToItsFirstHole) {
   ASSERT_TRUE(engine_->Run(first).ok());
   // Handed off; the decode node would release it kept for reuse when done.
   ASSERT_TRUE(store_->Release({42, cap_}, absl::Hours(1)).ok());
-  std::vector<int32_t> ids = *first_ids;
-  auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
-  ASSERT_TRUE(more.ok());
-  ids.insert(ids.end(), more->begin(), more->end());
+  const std::vector<int32_t> ids = WithMore(*first_ids);
   const int64_t L = static_cast<int64_t>(ids.size());
 
   // Cold first, then a sequence one page larger than what is free: the cached prefix is
@@ -334,17 +354,10 @@ TEST_F(PrefillEngineTest, AThinnedPrefixIsReusedOnlyUpToItsFirstHole) {
   const int64_t reused = static_cast<int64_t>(info->intact_rows) / 64 * 64;
   ASSERT_TRUE(store_->Release({99, cap_}, absl::ZeroDuration()).ok());  // room for the fork
 
-  PrefillJob warm = Job(TokenPrompt{ids}, "full");
-  warm.sequence_id = 44;
-  warm.prefix = {42, cap_};
-  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  PrefillJob warm = ForkJob(ids, "full", 44, {42, cap_}, first_ids->size());
   auto warm_result = engine_->Run(warm);
   ASSERT_TRUE(warm_result.ok()) << warm_result.status();
-  EXPECT_EQ(warm_result->cached_tokens, static_cast<uint32_t>(reused));
-  EXPECT_EQ(warm_result->first_token, cold_result->first_token);
-  EXPECT_EQ(warm_result->kv_bytes_shipped,
-            uint64_t{2} * (L - reused) * c.n_kv_heads * c.head_dim * 4 * c.n_layers);
-  EXPECT_EQ(AllRows(*store_, {44, cap_}, c, L), AllRows(*store_, {43, cap_}, c, L));
+  ExpectForkMatchesCold(*store_, c, *warm_result, {44, cap_}, *cold_result, {43, cap_}, reused, L);
 }
 
 // The keys of rows [0, rows) of one layer of a sequence in the (float32) store, laid out as
@@ -391,11 +404,7 @@ std::string SummariesOf(const std::vector<cv1::HandoffChunk>& chunks, int layer)
 // rebuilt, and equal a cold prefill's.
 TEST_F(PrefillEngineTest, AReusedPrefixExtendsTheSnapshotOfItsSummaries) {
   const model::ModelConfig& c = loaded_->model->config();
-  retrieval::IndexShape shape{.n_heads = c.n_heads,
-                              .n_kv_heads = c.n_kv_heads,
-                              .head_dim = c.head_dim,
-                              .n_layers = c.n_layers,
-                              .rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0}};
+  retrieval::IndexShape shape = retrieval::IndexShapeOf(c, 0);
   uint64_t base = 0;  // sequence ids base + 1.. per method
   for (const std::string method : {"quest", "clusterkv", "keydiff"}) {
     SCOPED_TRACE(method);
@@ -453,15 +462,9 @@ TEST_F(PrefillEngineTest, AReusedPrefixExtendsTheSnapshotOfItsSummaries) {
     }
 
     // Turn 2: the first prompt and more, forked from the first request's sequence.
-    std::vector<int32_t> ids = *first_ids;
-    auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
-    ASSERT_TRUE(more.ok());
-    ids.insert(ids.end(), more->begin(), more->end());
+    const std::vector<int32_t> ids = WithMore(*first_ids);
     const int64_t L2 = static_cast<int64_t>(ids.size());
-    PrefillJob warm = Job(TokenPrompt{ids}, method);
-    warm.sequence_id = warm_ref.id;
-    warm.prefix = first_ref;
-    warm.prefix_tokens = static_cast<uint32_t>(L1);
+    PrefillJob warm = ForkJob(ids, method, warm_ref.id, first_ref, L1);
     warm.retain = absl::Minutes(1);
     opener_.chunks.clear();
     auto warm_result = engine_->Run(warm);
@@ -499,10 +502,7 @@ TEST_F(PrefillEngineTest, AReusedPrefixExtendsTheSnapshotOfItsSummaries) {
     const std::vector<cv1::HandoffChunk> cold_chunks = opener_.chunks;
 
     // Another budget: the snapshot is of other parameters, so every layer is rebuilt, as cold.
-    PrefillJob other = Job(TokenPrompt{ids}, method);
-    other.sequence_id = base + 4;
-    other.prefix = first_ref;
-    other.prefix_tokens = static_cast<uint32_t>(L1);
+    PrefillJob other = ForkJob(ids, method, base + 4, first_ref, L1);
     other.retrieval.set_budget(24);
     PrefillJob other_cold = other;
     other_cold.sequence_id = base + 5;
@@ -521,10 +521,7 @@ TEST_F(PrefillEngineTest, AReusedPrefixExtendsTheSnapshotOfItsSummaries) {
     }
 
     // A prefix kept without snapshots (the cold request was not retained): rebuilt.
-    PrefillJob bare = Job(TokenPrompt{ids}, method);
-    bare.sequence_id = base + 6;
-    bare.prefix = cold_ref;
-    bare.prefix_tokens = static_cast<uint32_t>(L2 - 1);
+    PrefillJob bare = ForkJob(ids, method, base + 6, cold_ref, L2 - 1);
     opener_.chunks.clear();
     auto bare_result = engine_->Run(bare);
     ASSERT_TRUE(bare_result.ok()) << bare_result.status();
@@ -600,10 +597,7 @@ TEST_F(PrefillEngineTest, AStoreWithoutAttachmentsRebuildsTheSummaries) {
   EXPECT_TRUE(absl::IsNotFound(store_->GetAttachment({42, cap_}, 0).status()));
   std::vector<int32_t> ids = *first_ids;
   ids.push_back(ids.back());
-  PrefillJob warm = Job(TokenPrompt{ids}, "quest");
-  warm.sequence_id = 44;
-  warm.prefix = {42, cap_};
-  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  PrefillJob warm = ForkJob(ids, "quest", 44, {42, cap_}, first_ids->size());
   opener_.chunks.clear();
   auto warm_result = engine.Run(warm);
   ASSERT_TRUE(warm_result.ok()) << warm_result.status();
@@ -630,10 +624,7 @@ TEST_F(PrefillEngineTest, ExtendSummariesOffKeepsNothingAndRebuilds) {
                     EngineOptions{.chunk_tokens = 64, .extend_summaries = false});
   std::vector<int32_t> ids = *first_ids;
   ids.push_back(ids.back());
-  PrefillJob warm = Job(TokenPrompt{ids}, "clusterkv");
-  warm.sequence_id = 44;
-  warm.prefix = {42, cap_};
-  warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+  PrefillJob warm = ForkJob(ids, "clusterkv", 44, {42, cap_}, first_ids->size());
   warm.retain = absl::Minutes(1);
   auto warm_result = off.Run(warm);
   ASSERT_TRUE(warm_result.ok()) << warm_result.status();
@@ -717,20 +708,14 @@ TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
     ASSERT_GE(first_ids->size(), 128u);
     ASSERT_LT(first_ids->size(), 256u);
     ASSERT_TRUE(engine.Run(first).ok());
-    std::vector<int32_t> ids = *first_ids;
-    auto more = loaded_->tokenizer->Encode(" And then the dog jumps back over the fox, twice.");
-    ASSERT_TRUE(more.ok());
-    ids.insert(ids.end(), more->begin(), more->end());
+    const std::vector<int32_t> ids = WithMore(*first_ids);
     const int64_t L = static_cast<int64_t>(ids.size());
 
     PrefillJob cold = Job(TokenPrompt{ids}, "quest");
     cold.sequence_id = base + 1;
     auto cold_result = engine.Run(cold);
     ASSERT_TRUE(cold_result.ok()) << cold_result.status();
-    PrefillJob warm = Job(TokenPrompt{ids}, "quest");
-    warm.sequence_id = base + 2;
-    warm.prefix = {base, cap_};
-    warm.prefix_tokens = static_cast<uint32_t>(first_ids->size());
+    PrefillJob warm = ForkJob(ids, "quest", base + 2, {base, cap_}, first_ids->size());
     auto warm_result = engine.Run(warm);
     ASSERT_TRUE(warm_result.ok()) << warm_result.status();
     EXPECT_EQ(warm_result->cached_tokens, 128u);

@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -314,6 +315,102 @@ struct PromptCase {
   std::vector<int32_t> continuation;  // teacher-forced tokens (first predicted by the prefill)
 };
 
+// What a batch of runs decoded teacher-forced: every run fed pc.continuation, one step a batch.
+struct TeacherForced {
+  std::vector<double> nll;                   // [run] summed over the steps
+  std::vector<int64_t> agree;                // [run] steps whose argmax is the dense reference's
+  std::vector<int64_t> passkey_tokens_ok;    // [run] steps whose argmax is the continuation's
+  std::vector<std::vector<int32_t>> argmax;  // [run][step]
+};
+
+// Decodes pc.continuation teacher-forced on every cache of `caches` (sequence id = run + 1) in
+// one batch per step through `attention`, scoring each run against the dense `ref_argmax`.
+absl::StatusOr<TeacherForced> DecodeTeacherForced(const kvr::model::Model& model,
+                                                  kvr::model::Attention& attention,
+                                                  std::vector<KvCache>& caches,
+                                                  const PromptCase& pc,
+                                                  const std::vector<int32_t>& ref_argmax) {
+  const int vocab = model.config().vocab;
+  const size_t nr = caches.size();
+  const int64_t steps = static_cast<int64_t>(pc.continuation.size()) - 1;
+  TeacherForced out{std::vector<double>(nr, 0.0), std::vector<int64_t>(nr, 0),
+                    std::vector<int64_t>(nr, 0), std::vector<std::vector<int32_t>>(nr)};
+  std::vector<float> logits(nr * vocab);
+  for (int64_t t = 1; t <= steps; ++t) {
+    const int32_t token = pc.continuation[t - 1];
+    std::vector<kvr::model::ForwardSequence> batch;
+    for (size_t run = 0; run < nr; ++run) batch.push_back({run + 1, &caches[run], {&token, 1}});
+    KVR_RETURN_IF_ERROR(model.Forward(batch, attention, kvr::model::LogitsMode::kLast, logits));
+    for (size_t run = 0; run < nr; ++run) {
+      std::span<const float> lg(logits.data() + run * vocab, vocab);
+      out.nll[run] += Nll(lg, pc.continuation[t]);
+      const int32_t am = Argmax(lg);
+      out.agree[run] += am == ref_argmax[t - 1];
+      out.argmax[run].push_back(am);
+      out.passkey_tokens_ok[run] += am == pc.continuation[t];
+    }
+  }
+  return out;
+}
+
+// What a batch of runs decoded freely (greedy), from the prefill's token ref_free[0].
+struct FreeDecoded {
+  std::vector<int64_t> equal;                // [run] positions equal to the dense greedy tokens
+  std::vector<int64_t> prefix;               // [run] equal positions before the first difference
+  std::vector<std::vector<int32_t>> tokens;  // [run][position]
+};
+
+// Greedy decoding of ref_free.size() tokens on every cache of `caches` (sequence id = run + 1)
+// in one batch per step, each run compared position by position with the dense `ref_free`.
+absl::StatusOr<FreeDecoded> DecodeFree(const kvr::model::Model& model,
+                                       kvr::model::Attention& attention,
+                                       std::vector<KvCache>& caches,
+                                       const std::vector<int32_t>& ref_free) {
+  const int vocab = model.config().vocab;
+  const size_t nr = caches.size();
+  const auto n_free = static_cast<int64_t>(ref_free.size());
+  // The prefill's token is common to all runs.
+  FreeDecoded out{std::vector<int64_t>(nr, 1), std::vector<int64_t>(nr, 1),
+                  std::vector<std::vector<int32_t>>(nr, std::vector<int32_t>{ref_free[0]})};
+  std::vector<float> logits(nr * vocab);
+  std::vector<int32_t> last(nr, ref_free[0]);
+  std::vector<bool> diverged(nr, false);
+  for (int64_t i = 1; i < n_free; ++i) {
+    std::vector<kvr::model::ForwardSequence> batch;
+    for (size_t run = 0; run < nr; ++run) batch.push_back({run + 1, &caches[run], {&last[run], 1}});
+    KVR_RETURN_IF_ERROR(model.Forward(batch, attention, kvr::model::LogitsMode::kLast, logits));
+    for (size_t run = 0; run < nr; ++run) {
+      last[run] = Argmax({logits.data() + run * vocab, static_cast<size_t>(vocab)});
+      out.tokens[run].push_back(last[run]);
+      const bool same = last[run] == ref_free[i];
+      out.equal[run] += same;
+      if (!same) diverged[run] = true;
+      if (!diverged[run]) ++out.prefix[run];
+    }
+  }
+  return out;
+}
+
+// The decode metrics that method and thinned-prefix rows share, of run `run`; `fd` is null
+// when no free decoding ran (n_free == 0).
+void FillDecodeMetrics(const PromptCase& pc, const std::vector<double>& ref_nll,
+                       const TeacherForced& tf, const FreeDecoded* fd, int64_t n_free, size_t run,
+                       EvalRow& row) {
+  const int64_t steps = static_cast<int64_t>(pc.continuation.size()) - 1;
+  double ref_total = 0;
+  for (double x : ref_nll) ref_total += x;
+  row.steps = steps;
+  row.nll = tf.nll[run] / static_cast<double>(steps);
+  row.nll_delta = (tf.nll[run] - ref_total) / static_cast<double>(steps);
+  row.agreement = static_cast<double>(tf.agree[run]) / static_cast<double>(steps);
+  if (pc.name == "passkey") row.passkey_ok = tf.passkey_tokens_ok[run] == steps ? 1 : 0;
+  row.free_tokens = n_free;
+  if (fd != nullptr) {
+    row.free_agreement = static_cast<double>(fd->equal[run]) / static_cast<double>(n_free);
+    row.free_prefix = fd->prefix[run];
+  }
+}
+
 // Thinned-prefix rows of one prompt (EvalOptions::thin_keep): one run per (kept fraction,
 // order), batched as the methods' runs are, each on its own copy of the dense prefill's cache;
 // the same teacher-forced and free continuations as the methods', compared with the same dense
@@ -324,7 +421,6 @@ absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& mod
                         const std::vector<int32_t>& ref_free, std::vector<EvalRow>& rows) {
   const kvr::model::ModelConfig& cfg = model.config();
   const auto n_prompt = static_cast<int64_t>(pc.prompt.size());
-  const int64_t steps = static_cast<int64_t>(pc.continuation.size()) - 1;
   const int64_t n_free = options.free_tokens;
   struct Run {
     double keep;
@@ -343,7 +439,6 @@ absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& mod
     }
   }
   const size_t nr = runs.size();
-  std::vector<float> logits(nr * cfg.vocab);
   // Teacher-forced.
   std::vector<KvCache> caches;
   std::vector<MaskedAttention::Accum> accums(nr);
@@ -354,23 +449,10 @@ absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& mod
     entries[run + 1] = {&runs[run].mask, &accums[run]};
   }
   MaskedAttention attention(std::move(entries));
-  std::vector<double> nll(nr, 0.0);
-  std::vector<int64_t> agree(nr, 0), passkey_tokens_ok(nr, 0);
-  for (int64_t t = 1; t <= steps; ++t) {
-    const int32_t token = pc.continuation[t - 1];
-    std::vector<kvr::model::ForwardSequence> batch;
-    for (size_t run = 0; run < nr; ++run) batch.push_back({run + 1, &caches[run], {&token, 1}});
-    KVR_RETURN_IF_ERROR(model.Forward(batch, attention, kvr::model::LogitsMode::kLast, logits));
-    for (size_t run = 0; run < nr; ++run) {
-      std::span<const float> lg(logits.data() + run * cfg.vocab, cfg.vocab);
-      nll[run] += Nll(lg, pc.continuation[t]);
-      const int32_t am = Argmax(lg);
-      agree[run] += am == ref_argmax[t - 1];
-      passkey_tokens_ok[run] += am == pc.continuation[t];
-    }
-  }
+  KVR_ASSIGN_OR_RETURN(TeacherForced tf,
+                       DecodeTeacherForced(model, attention, caches, pc, ref_argmax));
   // Free greedy decoding from the same thinned prefill.
-  std::vector<int64_t> equal(nr, 1), free_prefix(nr, 1);
+  std::optional<FreeDecoded> free_decoded;
   if (n_free > 0) {
     std::vector<KvCache> fcaches;
     std::map<SequenceId, MaskedAttention::Entry> fentries;
@@ -380,24 +462,8 @@ absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& mod
       fentries[run + 1] = {&runs[run].mask, nullptr};
     }
     MaskedAttention fattention(std::move(fentries));
-    std::vector<int32_t> last(nr, ref_free[0]);
-    std::vector<bool> diverged(nr, false);
-    for (int64_t i = 1; i < n_free; ++i) {
-      std::vector<kvr::model::ForwardSequence> batch;
-      for (size_t run = 0; run < nr; ++run)
-        batch.push_back({run + 1, &fcaches[run], {&last[run], 1}});
-      KVR_RETURN_IF_ERROR(model.Forward(batch, fattention, kvr::model::LogitsMode::kLast, logits));
-      for (size_t run = 0; run < nr; ++run) {
-        last[run] = Argmax({logits.data() + run * cfg.vocab, static_cast<size_t>(cfg.vocab)});
-        const bool same = last[run] == ref_free[i];
-        equal[run] += same;
-        if (!same) diverged[run] = true;
-        if (!diverged[run]) ++free_prefix[run];
-      }
-    }
+    KVR_ASSIGN_OR_RETURN(free_decoded, DecodeFree(model, fattention, fcaches, ref_free));
   }
-  double ref_total = 0;
-  for (double x : ref_nll) ref_total += x;
   for (size_t run = 0; run < nr; ++run) {
     EvalRow row;
     row.prompt = pc.name;
@@ -407,21 +473,12 @@ absl::Status RunThinned(const EvalOptions& options, const kvr::model::Model& mod
     row.intact_rows = runs[run].mask.intact_rows;
     row.budget =
         static_cast<int64_t>(std::llround(row.kept_fraction * static_cast<double>(n_prompt)));
-    row.steps = steps;
     row.recall = -1;
     const MaskedAttention::Accum& a = accums[run];
     row.mass = a.head_samples > 0 ? a.mass / static_cast<double>(a.head_samples) : 0;
     row.rel_error = a.head_samples > 0 ? a.rel_error / static_cast<double>(a.head_samples) : 0;
-    row.nll = nll[run] / static_cast<double>(steps);
-    row.nll_delta = (nll[run] - ref_total) / static_cast<double>(steps);
-    row.agreement = static_cast<double>(agree[run]) / static_cast<double>(steps);
     row.kv_bytes_per_token_head = 4.0 * cfg.head_dim;
-    if (pc.name == "passkey") row.passkey_ok = passkey_tokens_ok[run] == steps ? 1 : 0;
-    row.free_tokens = n_free;
-    if (n_free > 0) {
-      row.free_agreement = static_cast<double>(equal[run]) / static_cast<double>(n_free);
-      row.free_prefix = free_prefix[run];
-    }
+    FillDecodeMetrics(pc, ref_nll, tf, free_decoded ? &*free_decoded : nullptr, n_free, run, row);
     rows.push_back(row);
   }
   return absl::OkStatus();
@@ -627,34 +684,15 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
         std::map<SequenceId, MeasuringAttention::Entry> entries;
         KVR_RETURN_IF_ERROR(make_runs(sparse, caches, accums, entries));
         MeasuringAttention attention(std::move(entries), options.n_sink, options.local_window);
-        std::vector<float> logits(nr * cfg.vocab);
-        std::vector<double> nll(nr, 0.0);
-        std::vector<int64_t> agree(nr, 0);
-        std::vector<int64_t> passkey_tokens_ok(nr, 0);
-        std::vector<std::vector<int32_t>> run_argmax(nr);  // [run][step]
-        for (int64_t t = 1; t <= steps; ++t) {
-          const int32_t token = pc.continuation[t - 1];
-          std::vector<kvr::model::ForwardSequence> batch;
-          for (size_t run = 0; run < nr; ++run)
-            batch.push_back({run + 1, &caches[run], {&token, 1}});
-          absl::Status st = model.Forward(batch, attention, kvr::model::LogitsMode::kLast, logits);
-          if (!st.ok()) {
-            return absl::Status(st.code(), absl::StrCat("method ", method, ": ", st.message()));
-          }
-          for (size_t run = 0; run < nr; ++run) {
-            std::span<const float> lg(logits.data() + run * cfg.vocab, cfg.vocab);
-            nll[run] += Nll(lg, pc.continuation[t]);
-            const int32_t am = Argmax(lg);
-            agree[run] += am == ref_argmax[t - 1];
-            run_argmax[run].push_back(am);
-            passkey_tokens_ok[run] += am == pc.continuation[t];
-          }
+        absl::StatusOr<TeacherForced> tf =
+            DecodeTeacherForced(model, attention, caches, pc, ref_argmax);
+        if (!tf.ok()) {
+          return absl::Status(tf.status().code(),
+                              absl::StrCat("method ", method, ": ", tf.status().message()));
         }
         // Free greedy decoding with fresh indexes and caches (no measuring: only the tokens).
-        std::vector<double> free_agreement(nr, 0.0);
-        std::vector<int64_t> free_prefix(nr, 0);
         std::vector<double> free_hot_hit(nr, 0.0), free_overlap(nr, 0.0);
-        std::vector<std::vector<int32_t>> run_free(nr);  // [run][position]
+        std::optional<FreeDecoded> free_decoded;
         if (n_free > 0) {
           std::vector<std::unique_ptr<SparseAttention>> fsparse;
           std::vector<KvCache> fcaches;
@@ -685,32 +723,14 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           }
           MeasuringAttention fattention(std::move(fentries), options.n_sink,
                                         options.local_window, /*measure=*/false);
-          std::vector<int32_t> last(nr, ref_free[0]);  // the prefill's token is common to all
-          std::vector<int64_t> equal(nr, 1);
-          std::vector<bool> diverged(nr, false);
-          std::fill(free_prefix.begin(), free_prefix.end(), 1);
-          for (auto& tokens : run_free) tokens.push_back(ref_free[0]);
-          for (int64_t i = 1; i < n_free; ++i) {
-            std::vector<kvr::model::ForwardSequence> batch;
-            for (size_t run = 0; run < nr; ++run)
-              batch.push_back({run + 1, &fcaches[run], {&last[run], 1}});
-            absl::Status st =
-                model.Forward(batch, fattention, kvr::model::LogitsMode::kLast, logits);
-            if (!st.ok()) {
-              return absl::Status(st.code(),
-                                  absl::StrCat("method ", method, " (free): ", st.message()));
-            }
-            for (size_t run = 0; run < nr; ++run) {
-              last[run] = Argmax({logits.data() + run * cfg.vocab, static_cast<size_t>(cfg.vocab)});
-              run_free[run].push_back(last[run]);
-              const bool same = last[run] == ref_free[i];
-              equal[run] += same;
-              if (!same) diverged[run] = true;
-              if (!diverged[run]) ++free_prefix[run];
-            }
+          absl::StatusOr<FreeDecoded> decoded = DecodeFree(model, fattention, fcaches, ref_free);
+          if (!decoded.ok()) {
+            return absl::Status(
+                decoded.status().code(),
+                absl::StrCat("method ", method, " (free): ", decoded.status().message()));
           }
+          free_decoded = *std::move(decoded);
           for (size_t run = 0; run < nr; ++run) {
-            free_agreement[run] = static_cast<double>(equal[run]) / static_cast<double>(n_free);
             free_hot_hit[run] = hot[run]->hit_rate();
             free_overlap[run] = hot[run]->overlap();
           }
@@ -745,16 +765,10 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
           row.row_format = FetchedRowFormatName(formats[run % nf]);
           row.fetched_row_bytes =
               static_cast<double>(FetchedRowBytes(formats[run % nf], cfg.head_dim));
-          row.steps = steps;
           const Accum& a = accums[run];
           row.recall = a.recall_total > 0 ? a.recall_hit / a.recall_total : 1.0;
           row.mass = a.head_samples > 0 ? a.mass / a.head_samples : 0;
           row.rel_error = a.head_samples > 0 ? a.rel_error / a.head_samples : 0;
-          double ref_total = 0;
-          for (double x : ref_nll) ref_total += x;
-          row.nll = nll[run] / steps;
-          row.nll_delta = (nll[run] - ref_total) / steps;
-          row.agreement = static_cast<double>(agree[run]) / steps;
           const SparseAttention& sa = *sparse[run];
           row.summary_bytes_per_token_head = static_cast<double>(sa.IndexBytes(run + 1)) /
                                              (index_tokens * cfg.n_layers * cfg.n_kv_heads);
@@ -763,10 +777,8 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
                               ? 1e6 * sa.stats().select_seconds / sa.stats().decode_calls
                               : 0;
           row.build_s = sa.stats().build_seconds;
-          if (pc.name == "passkey") row.passkey_ok = passkey_tokens_ok[run] == steps ? 1 : 0;
-          row.free_tokens = n_free;
-          row.free_agreement = free_agreement[run];
-          row.free_prefix = free_prefix[run];
+          FillDecodeMetrics(pc, ref_nll, *tf, free_decoded ? &*free_decoded : nullptr, n_free, run,
+                            row);
           row.hot_cache_rows = options.hot_cache_rows;
           row.hot_hit_rate = free_hot_hit[run];
           row.step_overlap = free_overlap[run];
@@ -777,8 +789,11 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
             for (size_t i = 0; i < a.size(); ++i) equal += a[i] == b[i];
             return a.empty() ? 1.0 : static_cast<double>(equal) / static_cast<double>(a.size());
           };
-          row.base_agreement = share_equal(run_argmax[run], run_argmax[base_run]);
-          row.base_free_agreement = share_equal(run_free[run], run_free[base_run]);
+          row.base_agreement = share_equal(tf->argmax[run], tf->argmax[base_run]);
+          if (free_decoded) {
+            row.base_free_agreement =
+                share_equal(free_decoded->tokens[run], free_decoded->tokens[base_run]);
+          }
           rows.push_back(row);
         }
         if (progress) {

@@ -2,9 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -47,16 +45,6 @@ absl::StatusOr<int> RerankOption(const IndexParams& params) {
   return rerank;
 }
 
-void ForEachHead(ThreadPool* pool, int n, const std::function<void(int)>& fn) {
-  if (pool == nullptr || n <= 1) {
-    for (int h = 0; h < n; ++h) fn(h);
-    return;
-  }
-  pool->ParallelFor(static_cast<size_t>(n), [&](size_t begin, size_t end) {
-    for (size_t h = begin; h < end; ++h) fn(static_cast<int>(h));
-  });
-}
-
 // The codebooks from params.assets, checked against the index shape.
 absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> CodebooksFor(const IndexShape& shape,
                                                                    const IndexParams& params) {
@@ -90,11 +78,11 @@ absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> CodebooksFor(const IndexSh
   return books;
 }
 
-class A2atsIndex final : public RetrievalIndex {
+class A2atsIndex final : public internal::KeyEncodingIndex {
  public:
   A2atsIndex(const IndexShape& shape, const IndexParams& params,
              std::shared_ptr<const A2atsCodebooks> books, int rerank)
-      : RetrievalIndex(shape),
+      : KeyEncodingIndex(shape),
         gqa_(params.gqa),
         rerank_(rerank),
         pool_(params.pool),
@@ -102,18 +90,6 @@ class A2atsIndex final : public RetrievalIndex {
         ids_(shape.n_kv_heads) {}
 
   std::string_view method() const override { return kA2atsMethodName; }
-  int64_t size() const override { return size_; }
-
-  absl::Status Build(const BuildInput& input) override {
-    if (size_ != 0)
-      return absl::FailedPreconditionError("a2ats: Build called on a non-empty index");
-    return Encode(input.keys, "a2ats Build keys");
-  }
-  // Shared offline codebooks do not go stale within a sequence: appended keys are assigned like
-  // prefill keys. An empty start is fine.
-  absl::Status Append(const AppendInput& input) override {
-    return Encode(input.keys, "a2ats Append keys");
-  }
   absl::Status Select(const SelectRequest& request, Selection* out) override;
 
   // The key copy of a2ats.rerank is not counted: as for ctkvr's rerank, a decode node reads the
@@ -206,7 +182,7 @@ class A2atsIndex final : public RetrievalIndex {
   }
 
  private:
-  absl::Status Encode(const TokenTensor& keys, absl::string_view what);
+  absl::Status Encode(const TokenTensor& keys, absl::string_view what) override;
 
   GqaAggregation gqa_;
   // a2ats.rerank: the top rerank_ x budget tokens by codeword score are reranked by their exact
@@ -216,7 +192,6 @@ class A2atsIndex final : public RetrievalIndex {
   ThreadPool* pool_;  // not owned; may be null
   std::shared_ptr<const A2atsCodebooks> books_;
   std::vector<std::vector<uint16_t>> ids_;  // [n_kv_heads][n_tokens]
-  int64_t size_ = 0;
 };
 
 absl::Status A2atsIndex::Encode(const TokenTensor& keys, absl::string_view what) {
@@ -232,7 +207,7 @@ absl::Status A2atsIndex::Encode(const TokenTensor& keys, absl::string_view what)
   if (n == 0) return absl::OkStatus();
   if (rerank_ > 0) internal::AppendPacked(keys, s.n_kv_heads, d, &keys_);
   const int64_t first = size_;
-  ForEachHead(pool_, s.n_kv_heads, [&](int h) {
+  internal::ForEachHead(pool_, s.n_kv_heads, [&](int h) {
     std::vector<float> pre(static_cast<size_t>(n) * d);  // [n, head_dim] pre-RoPE keys
     for (int64_t i = 0; i < n; ++i) {
       float* row = pre.data() + i * d;
@@ -250,24 +225,12 @@ absl::Status A2atsIndex::Encode(const TokenTensor& keys, absl::string_view what)
 
 absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
   const IndexShape& s = shape();
-  if (request.budget <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a2ats Select: budget must be > 0, got ", request.budget));
-  }
-  if (request.query == nullptr) return absl::InvalidArgumentError("a2ats Select: query is null");
-  out->per_head.resize(s.n_kv_heads);
-  for (auto& ids : out->per_head) ids.clear();
-  const int64_t lo = std::max<int64_t>(0, request.n_sink);
-  const int64_t hi = std::min(request.local_begin, size_);
+  KVR_ASSIGN_OR_RETURN(const internal::SelectStart start,
+                       internal::StartSelect(request, s.n_kv_heads, size_, "a2ats", out));
+  if (start.done) return absl::OkStatus();
+  const int64_t lo = start.lo;
+  const int64_t hi = start.hi;
   const int64_t n_sel = hi - lo;
-  if (n_sel <= 0) return absl::OkStatus();
-  if (request.budget >= n_sel) {
-    for (auto& ids : out->per_head) {
-      ids.resize(n_sel);
-      std::iota(ids.begin(), ids.end(), lo);
-    }
-    return absl::OkStatus();
-  }
   const int group = s.group_size();
   const int d = s.head_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
@@ -277,7 +240,7 @@ absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
   const double rerotate = static_cast<double>(books_->params().wrope_offset) -
                           static_cast<double>(request.query_position);
 
-  ForEachHead(pool_, s.n_kv_heads, [&](int h) {
+  internal::ForEachHead(pool_, s.n_kv_heads, [&](int h) {
     const HeadCodebook& book = books_->head(s.layer, h);
     const int size = book.size;
     const std::vector<uint16_t>& ids = ids_[h];

@@ -15,7 +15,6 @@ namespace kvr::retrieval {
 namespace {
 
 using internal::CandidateRange;
-using internal::Candidates;
 
 absl::Status CheckBuilt(bool built, std::string_view method) {
   if (!built) {
@@ -47,10 +46,9 @@ class TrivialIndex final : public RetrievalIndex {
     return absl::OkStatus();
   }
   absl::Status Select(const SelectRequest& request, Selection* out) override {
-    KVR_RETURN_IF_ERROR(internal::ValidateSelect(request, shape(), out));
-    internal::ResetSelection(out, shape().n_kv_heads);
+    KVR_ASSIGN_OR_RETURN(const CandidateRange c,
+                         internal::BeginSelect(request, shape(), size_, out));
     if (!select_all_) return absl::OkStatus();
-    const CandidateRange c = Candidates(request, size_);
     for (auto& ids : out->per_head) {
       ids.resize(c.count());
       std::iota(ids.begin(), ids.end(), c.begin);
@@ -94,9 +92,8 @@ class ExactIndex final : public RetrievalIndex {
   }
   absl::Status Select(const SelectRequest& request, Selection* out) override {
     KVR_RETURN_IF_ERROR(CheckBuilt(built_, method()));
-    KVR_RETURN_IF_ERROR(internal::ValidateSelect(request, shape(), out));
-    internal::ResetSelection(out, shape().n_kv_heads);
-    const CandidateRange c = Candidates(request, size_);
+    KVR_ASSIGN_OR_RETURN(const internal::CandidateRange c,
+                         internal::BeginSelect(request, shape(), size_, out));
     if (c.count() == 0) return absl::OkStatus();
     const int hd = shape().head_dim;
     const int64_t row = static_cast<int64_t>(shape().n_kv_heads) * hd;
@@ -177,9 +174,8 @@ class QuestIndex final : public RetrievalIndex {
   }
   absl::Status Select(const SelectRequest& request, Selection* out) override {
     KVR_RETURN_IF_ERROR(CheckBuilt(built_, method()));
-    KVR_RETURN_IF_ERROR(internal::ValidateSelect(request, shape(), out));
-    internal::ResetSelection(out, shape().n_kv_heads);
-    const CandidateRange c = Candidates(request, size_);
+    KVR_ASSIGN_OR_RETURN(const internal::CandidateRange c,
+                         internal::BeginSelect(request, shape(), size_, out));
     if (c.count() == 0) return absl::OkStatus();
     const int hd = shape().head_dim;
     const int group = shape().group_size();

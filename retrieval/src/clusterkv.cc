@@ -105,9 +105,8 @@ class ClusterKvIndex final : public RetrievalIndex {
 
   absl::Status Select(const SelectRequest& request, Selection* out) override {
     if (!built_) return absl::FailedPreconditionError("clusterkv: Select before Build");
-    KVR_RETURN_IF_ERROR(internal::ValidateSelect(request, shape(), out));
-    internal::ResetSelection(out, shape().n_kv_heads);
-    const internal::CandidateRange c = internal::Candidates(request, size_);
+    KVR_ASSIGN_OR_RETURN(const internal::CandidateRange c,
+                         internal::BeginSelect(request, shape(), size_, out));
     if (c.count() == 0) return absl::OkStatus();
     const int hd = shape().head_dim;
     const int group = shape().group_size();

@@ -80,9 +80,8 @@ class KeyDiffIndex final : public RetrievalIndex {
 
   absl::Status Select(const SelectRequest& request, Selection* out) override {
     if (!built_) return absl::FailedPreconditionError("keydiff: Select before Build");
-    KVR_RETURN_IF_ERROR(internal::ValidateSelect(request, shape(), out));
-    internal::ResetSelection(out, shape().n_kv_heads);
-    const internal::CandidateRange c = internal::Candidates(request, size_);
+    KVR_ASSIGN_OR_RETURN(const internal::CandidateRange c,
+                         internal::BeginSelect(request, shape(), size_, out));
     if (c.count() == 0) return absl::OkStatus();
     const int64_t k = std::max<int64_t>(
         1, static_cast<int64_t>(std::floor(fill_ * static_cast<double>(request.budget))));

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/thread_pool.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/serialization.h"
 
@@ -90,6 +92,51 @@ inline void ResetSelection(Selection* out, int n_kv_heads) {
   for (auto& v : out->per_head) v.clear();
 }
 
+// The opening of a Select over Candidates(request, size): `request` checked, `out` reset to
+// n_kv_heads empty lists. count() == 0 of the range returned: nothing to rank, `out` is final.
+inline absl::StatusOr<CandidateRange> BeginSelect(const SelectRequest& request,
+                                                  const IndexShape& shape, int64_t size,
+                                                  Selection* out) {
+  if (absl::Status valid = ValidateSelect(request, shape, out); !valid.ok()) return valid;
+  ResetSelection(out, shape.n_kv_heads);
+  return Candidates(request, size);
+}
+
+// The opening of a Select that ranks [n_sink, min(local_begin, size)) itself (a2ats, pariskv):
+// `request` checked (the errors name `method`), `out` reset to n_kv_heads empty lists, and the
+// selectable tokens [lo, hi). `done` when nothing is left to rank: no selectable token, or a
+// budget that covers them all (every head then selects all of them, in order).
+struct SelectStart {
+  int64_t lo = 0;
+  int64_t hi = 0;
+  bool done = false;
+};
+
+inline absl::StatusOr<SelectStart> StartSelect(const SelectRequest& request, int n_kv_heads,
+                                               int64_t size, absl::string_view method,
+                                               Selection* out) {
+  if (request.budget <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(method, " Select: budget must be > 0, got ", request.budget));
+  }
+  if (request.query == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(method, " Select: query is null"));
+  }
+  ResetSelection(out, n_kv_heads);
+  SelectStart start{std::max<int64_t>(0, request.n_sink), std::min(request.local_begin, size)};
+  const int64_t n_sel = start.hi - start.lo;
+  if (n_sel <= 0) {
+    start.done = true;
+  } else if (request.budget >= n_sel) {
+    for (auto& ids : out->per_head) {
+      ids.resize(n_sel);
+      for (int64_t i = 0; i < n_sel; ++i) ids[i] = start.lo + i;
+    }
+    start.done = true;
+  }
+  return start;
+}
+
 // Combines per-head scores of one GQA group into one score per candidate.
 // scores: [group, n] scaled logits (modified in place for kSumSoftmax); returns [n].
 std::vector<float> AggregateGroupScores(GqaAggregation how, std::span<float> scores, int group,
@@ -109,6 +156,44 @@ inline void AppendPacked(const TokenTensor& t, int n_heads, int head_dim, std::v
     std::copy_n(t.data + i * t.row_stride, row, dst->data() + old + i * row);
   }
 }
+
+// Runs fn(h) for h in [0, n), on the pool when there is one.
+inline void ForEachHead(ThreadPool* pool, int n, const std::function<void(int)>& fn) {
+  if (pool == nullptr || n <= 1) {
+    for (int h = 0; h < n; ++h) fn(h);
+    return;
+  }
+  pool->ParallelFor(static_cast<size_t>(n), [&](size_t begin, size_t end) {
+    for (size_t h = begin; h < end; ++h) fn(static_cast<int>(h));
+  });
+}
+
+// The base of an index that encodes each key on its own against what was fixed before the
+// sequence (a2ats' offline codebooks, pariskv's data-independent centroids): appended keys are
+// encoded exactly like prefill keys, so nothing learned goes stale, and an empty start is fine.
+// Build is for an empty index only. The errors name method().
+class KeyEncodingIndex : public RetrievalIndex {
+ public:
+  int64_t size() const override { return size_; }
+  absl::Status Build(const BuildInput& input) final {
+    if (size_ != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(std::string(method()), ": Build called on a non-empty index"));
+    }
+    return Encode(input.keys, absl::StrCat(std::string(method()), " Build keys"));
+  }
+  absl::Status Append(const AppendInput& input) final {
+    return Encode(input.keys, absl::StrCat(std::string(method()), " Append keys"));
+  }
+
+ protected:
+  using RetrievalIndex::RetrievalIndex;
+  // Encodes `keys` ([n_tokens, n_kv_heads, head_dim]) as tokens [size_, size_ + n_tokens) and
+  // advances size_; `what` names the tensor in errors.
+  virtual absl::Status Encode(const TokenTensor& keys, absl::string_view what) = 0;
+
+  int64_t size_ = 0;  // tokens encoded
+};
 
 // `index` as its concrete class `Index`, for a method's typed state accessor (`caller`, e.g.
 // "KeyDiffStateOf"): InvalidArgument naming the method found when it is another method's index.

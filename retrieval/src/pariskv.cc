@@ -61,22 +61,11 @@ absl::Status CheckTokenTensor(const TokenTensor& t, int n_heads, int head_dim,
   return absl::OkStatus();
 }
 
-// Runs fn(h) for h in [0, n), on the pool when there is one.
-void ForEachHead(ThreadPool* pool, int n, const std::function<void(int)>& fn) {
-  if (pool == nullptr || n <= 1) {
-    for (int h = 0; h < n; ++h) fn(h);
-    return;
-  }
-  pool->ParallelFor(static_cast<size_t>(n), [&](size_t begin, size_t end) {
-    for (size_t h = begin; h < end; ++h) fn(static_cast<int>(h));
-  });
-}
-
-class ParisKvIndex final : public RetrievalIndex {
+class ParisKvIndex final : public internal::KeyEncodingIndex {
  public:
   ParisKvIndex(const IndexShape& shape, const IndexParams& params, const ParisKvOptions& options,
                int subspace_dim, internal::Srht srht, const Levels& levels)
-      : RetrievalIndex(shape),
+      : KeyEncodingIndex(shape),
         options_(options),
         gqa_(params.gqa),
         pool_(params.pool),
@@ -92,21 +81,8 @@ class ParisKvIndex final : public RetrievalIndex {
   }
 
   std::string_view method() const override { return kParisKvMethodName; }
-  int64_t size() const override { return size_; }
-
-  absl::Status Build(const BuildInput& input) override {
-    if (size_ != 0) {
-      return absl::FailedPreconditionError("pariskv: Build called on a non-empty index");
-    }
-    return Encode(input.keys, "pariskv Build keys");
-  }
-
-  // Centroids are data-independent, so appended keys are encoded exactly like prefill keys and
-  // nothing learned goes stale (the paper's drift argument). An empty start is fine too.
-  absl::Status Append(const AppendInput& input) override {
-    return Encode(input.keys, "pariskv Append keys");
-  }
-
+  // Appended keys are encoded like prefill keys (KeyEncodingIndex): the centroids are
+  // data-independent, so nothing learned goes stale (the paper's drift argument).
   absl::Status Select(const SelectRequest& request, Selection* out) override;
 
   int64_t MemoryBytes() const override {
@@ -208,7 +184,7 @@ class ParisKvIndex final : public RetrievalIndex {
     }
   }
 
-  absl::Status Encode(const TokenTensor& keys, absl::string_view what);
+  absl::Status Encode(const TokenTensor& keys, absl::string_view what) override;
   // Encodes one key ([head_dim]) into codes ([padded_dim / 2]) and weights ([n_subspaces]).
   void EncodeKey(const float* key, std::span<float> rotated, std::span<uint8_t> nibbles,
                  uint8_t* codes, uint16_t* weights) const;
@@ -223,7 +199,6 @@ class ParisKvIndex final : public RetrievalIndex {
   internal::Srht srht_;
   Levels levels_;
   std::vector<Head> heads_;  // [n_kv_heads]
-  int64_t size_ = 0;
 };
 
 void ParisKvIndex::EncodeKey(const float* key, std::span<float> rotated, std::span<uint8_t> nibbles,
@@ -264,7 +239,7 @@ absl::Status ParisKvIndex::Encode(const TokenTensor& keys, absl::string_view wha
   const int64_t n = keys.n_tokens;
   if (n == 0) return absl::OkStatus();
   const int64_t first = size_;
-  ForEachHead(pool_, s.n_kv_heads, [&](int h) {
+  internal::ForEachHead(pool_, s.n_kv_heads, [&](int h) {
     Head& head = heads_[h];
     head.codes.resize(static_cast<size_t>(first + n) * (padded_dim_ / 2));
     head.weights.resize(static_cast<size_t>(first + n) * n_subspaces_);
@@ -283,26 +258,12 @@ absl::Status ParisKvIndex::Encode(const TokenTensor& keys, absl::string_view wha
 
 absl::Status ParisKvIndex::Select(const SelectRequest& request, Selection* out) {
   const IndexShape& s = shape();
-  if (request.budget <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pariskv Select: budget must be > 0, got ", request.budget));
-  }
-  if (request.query == nullptr) {
-    return absl::InvalidArgumentError("pariskv Select: query is null");
-  }
-  out->per_head.resize(s.n_kv_heads);
-  for (auto& ids : out->per_head) ids.clear();
-  const int64_t lo = std::max<int64_t>(0, request.n_sink);
-  const int64_t hi = std::min(request.local_begin, size_);
+  KVR_ASSIGN_OR_RETURN(const internal::SelectStart start,
+                       internal::StartSelect(request, s.n_kv_heads, size_, "pariskv", out));
+  if (start.done) return absl::OkStatus();
+  const int64_t lo = start.lo;
+  const int64_t hi = start.hi;
   const int64_t n_sel = hi - lo;
-  if (n_sel <= 0) return absl::OkStatus();
-  if (request.budget >= n_sel) {
-    for (auto& ids : out->per_head) {
-      ids.resize(n_sel);
-      for (int64_t i = 0; i < n_sel; ++i) ids[i] = lo + i;
-    }
-    return absl::OkStatus();
-  }
   const ParisKvSchedule schedule = ScheduleParisKv(options_, n_sel, request.budget);
   const int group = s.group_size();
   const int d = s.head_dim;
@@ -312,7 +273,7 @@ absl::Status ParisKvIndex::Select(const SelectRequest& request, Selection* out) 
   const double rho_keys = schedule.collision_ratio * static_cast<double>(size_);
   const int max_score = group * options_.tiers * n_subspaces_;
 
-  ForEachHead(pool_, s.n_kv_heads, [&](int h) {
+  internal::ForEachHead(pool_, s.n_kv_heads, [&](int h) {
     const Head& head = heads_[h];
     // Rotated unit queries of the group and their norms.
     std::vector<float> xq(static_cast<size_t>(group) * padded_dim_);  // [group, padded_dim]

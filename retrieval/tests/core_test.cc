@@ -20,6 +20,7 @@ namespace kvr::retrieval {
 namespace {
 
 using testing::CoreRegistry;
+using testing::ExpectInvalidArgument;
 using ::testing::HasSubstr;
 using testing::RandomTensor;
 using testing::SmallShape;
@@ -35,8 +36,7 @@ TEST(RegistryTest, UnknownMethodListsValidOnes) {
   MethodRegistry r = CoreRegistry();
   auto index = r.Make("clusterkvv", SmallShape(), IndexParams{});
   ASSERT_FALSE(index.ok());
-  EXPECT_EQ(index.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(index.status().message()), HasSubstr("clusterkvv"));
+  ExpectInvalidArgument(index.status(), "clusterkvv");
   EXPECT_THAT(std::string(index.status().message()), HasSubstr("clusterkv, ctkvr, exact"));
 }
 
@@ -76,8 +76,7 @@ TEST(ParamsTest, CtkvrCentroidsLargerThanContextIsAnError) {
   std::vector<float> queries = RandomTensor(50, s.n_heads, s.head_dim, 2);
   BuildInput in{View(keys, s.n_kv_heads, s.head_dim), View(queries, s.n_heads, s.head_dim), 0};
   absl::Status st = (*index)->Build(in);
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(st.message()), HasSubstr("larger than the 50-token context"));
+  ExpectInvalidArgument(st, "larger than the 50-token context");
 }
 
 TEST(ParamsTest, ClusterKvMoreClustersThanTokensIsAnError) {
@@ -90,8 +89,7 @@ TEST(ParamsTest, ClusterKvMoreClustersThanTokensIsAnError) {
   ASSERT_TRUE(index.ok());
   std::vector<float> keys = RandomTensor(50, s.n_kv_heads, s.head_dim, 1);
   absl::Status st = (*index)->Build({View(keys, s.n_kv_heads, s.head_dim), {}, 0});
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(st.message()), HasSubstr("n_clusters (60)"));
+  ExpectInvalidArgument(st, "n_clusters (60)");
 }
 
 TEST(ParamsTest, ClusterKvOptionsSetIterationsAndClusters) {
@@ -125,8 +123,7 @@ TEST(ParamsTest, ClusterKvOptionsSetIterationsAndClusters) {
     bad.options[name] = value;
     auto made = r.Make("clusterkv", s, bad);
     ASSERT_FALSE(made.ok()) << name << "=" << value;
-    EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(made.status().message()), HasSubstr(want));
+    ExpectInvalidArgument(made.status(), want);
   }
 }
 

@@ -4,8 +4,12 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
 #include "kvr/retrieval/index.h"
 #include "kvr/retrieval/registry.h"
@@ -47,6 +51,18 @@ inline TokenTensor View(const std::vector<float>& v, int heads, int dim, int64_t
   t.n_tokens = count >= 0 ? count : static_cast<int64_t>(v.size()) / row - first;
   t.row_stride = row;
   return t;
+}
+
+// `status` is INVALID_ARGUMENT and its message contains `part`.
+inline void ExpectInvalidArgument(const absl::Status& status, absl::string_view part) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find(part), absl::string_view::npos) << status;
+}
+
+// What a method's typed state accessor (CtkvrStateOf, KeyDiffStateOf, ...) answers for an index
+// of another method `other`: InvalidArgument naming that method.
+inline void ExpectOtherMethodRefused(const absl::Status& status, absl::string_view other) {
+  ExpectInvalidArgument(status, absl::StrCat("'", other, "'"));
 }
 
 }  // namespace kvr::retrieval::testing

@@ -22,7 +22,7 @@
 #                                                                  without graphs)
 # Logs go to $OUT.
 set -uo pipefail
-. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle, unpack_bundle*, use_stage_libs
 readonly kBundle=.device/cudamodel
 readonly kStage=/tmp/kvr-cudamodel
 readonly kModelSha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -47,9 +47,8 @@ case "${1:-}" in
     du -sh "$kBundle" .device/cudamodel-g1 .device/cudamodel-g2
     ;;
   run)
-    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+    unpack_bundle "$kBundle" "$kStage" || exit 1
     [[ -f .device/cudamodel-g1/part00 ]] && cp .device/cudamodel-g1/part00 "$kStage/"
-    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     status=0
     # The model's kernel rows of the GPU parity table.
@@ -77,8 +76,7 @@ case "${1:-}" in
     exit $status
     ;;
   summaries)
-    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
-    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    unpack_bundle "$kBundle" "$kStage" || exit 1
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     status=0
     "$kStage/bin/retrieval_cuda_prefill_summaries_test" 2>&1 | tee "$out/summaries_test.log" |
@@ -98,8 +96,7 @@ case "${1:-}" in
     exit $status
     ;;
   graphs)  # CUDA graphs of the dense greedy decode step: parity test, memcheck, model test, bench
-    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
-    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    unpack_bundle "$kBundle" "$kStage" || exit 1
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     status=0
     for t in model_cuda_graph_test model_cuda_model_test; do
@@ -123,7 +120,7 @@ case "${1:-}" in
   gguf)
     cat "$kStage/part00" .device/cudamodel-g2/part01 > "$kStage/smollm2.gguf" || exit 1
     echo "$kModelSha256  $kStage/smollm2.gguf" | sha256sum -c - || exit 1
-    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    use_stage_libs "$kStage"
     KVR_TEST_MODEL="$kStage/smollm2.gguf" "$kStage/bin/model_cuda_model_test" \
       --gtest_filter=*Gguf* 2>&1 | tee "$out/gguf_test.log"
     exit "${PIPESTATUS[0]}"

@@ -33,7 +33,7 @@
 # --store-rma-reads, so the misses are RMA gets from the store's pool.
 # Logs go to $OUT.
 set -uo pipefail
-. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle, unpack_bundle*, use_stage_libs
 readonly kBundle=.device/gpucluster
 readonly kStage=/tmp/kvr-gpucluster
 readonly kModelSha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -69,7 +69,7 @@ case "${1:-}" in
     du -sh "$kBundle" .device/gpucluster-g2 .device/gpucluster-g3
     ;;
   stage)
-    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
+    unpack_bundle "$kBundle" "$kStage" || exit 1
     cp "$kBundle/part00" "$kStage/" || exit 1
     ls "$kStage/bin" && du -sh "$kStage"
     ;;
@@ -84,7 +84,7 @@ case "${1:-}" in
     [[ -f "$kStage/part01" ]] || { echo "no staged parts: run 'stage' and 'part' first (same warm machine)"; exit 1; }
     cat "$kStage/part00" "$kStage/part01" .device/gpucluster-g3/part02 > "$kStage/smollm2.gguf" || exit 1
     echo "$kModelSha256  $kStage/smollm2.gguf" | sha256sum -c - || exit 1
-    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    use_stage_libs "$kStage"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     pkill -f "$kStage/bin/" 2>/dev/null; sleep 0.5  # an earlier call's cluster, if any
     status=0

@@ -11,16 +11,14 @@
 # Env: BENCH_ARGS (default: --contexts 8192,32768 --batches 1,4,8), MEMCHECK_S (per memcheck,
 # 150). Logs go to $OUT.
 set -uo pipefail
-. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle, unpack_bundle*, use_stage_libs
 readonly kBundle=.device/gpudecodenode
 readonly kStage=/tmp/kvr-gpudecodenode
 out="${OUT:-out}"
 mkdir -p "$out"
 
 stage() {
-  [[ -x "$kStage/bin/gpu_decode_bench" ]] ||
-    { mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1; }
-  export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  unpack_bundle_once "$kBundle" "$kStage" bin/gpu_decode_bench || exit 1
 }
 
 bench() {

@@ -36,6 +36,7 @@
 # placement decides the gather's link rate: kvr bench decode --host-numa).
 # Logs go to $OUT (or ./out/gpudecode).
 set -uo pipefail
+. "$(dirname "$0")/lib.sh"  # unpack_bundle
 cd "$(dirname "$0")/../.."
 readonly kBundle=.device/gpudecode
 readonly kStage=/tmp/kvr-gpudecode
@@ -46,10 +47,10 @@ out="${OUT:-out/gpudecode}"
 mkdir -p "$out"
 
 stage() {
-  local bundle="$kBundle/bundle.tar.xz"
-  [[ -f "$bundle" ]] || bundle="$kModelDir/bundle.tar.xz"  # kept by model-part
-  rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$bundle" || exit 1
-  export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  # The bundle carried with this call, else the copy model-part kept on this machine.
+  local dir="$kBundle"
+  [[ -f "$dir/bundle.tar.xz" ]] || dir="$kModelDir"
+  unpack_bundle "$dir" "$kStage" || exit 1
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,pci.bus_id --format=csv,noheader
   free -g | head -2
   echo "numa nodes: $(cat /sys/devices/system/node/online 2>/dev/null)  cpus: $(nproc)" \

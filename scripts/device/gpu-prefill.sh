@@ -10,7 +10,7 @@
 # Env: BENCH_ARGS (default: --prompt 8192,32768 --reps 2), MEMCHECK_S (per memcheck, 150).
 # Logs go to $OUT.
 set -uo pipefail
-. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle, unpack_bundle*, use_stage_libs
 readonly kBundle=.device/gpuprefill
 readonly kStage=/tmp/kvr-gpuprefill
 readonly kBins="model_cuda_export_test prefill_gpu_test gpu_prefill_bench"
@@ -25,8 +25,7 @@ case "${1:-}" in
     du -sh "$kBundle"
     ;;
   run)
-    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
-    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    unpack_bundle "$kBundle" "$kStage" || exit 1
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     nproc
     status=0
@@ -54,9 +53,7 @@ case "${1:-}" in
     exit $status
     ;;
   bench)  # the bench alone, with BENCH_ARGS (e.g. --store discard --methods full,quest)
-    [[ -x "$kStage/bin/gpu_prefill_bench" ]] ||
-      { mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1; }
-    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    unpack_bundle_once "$kBundle" "$kStage" bin/gpu_prefill_bench || exit 1
     # shellcheck disable=SC2086
     "$kStage/bin/gpu_prefill_bench" ${BENCH_ARGS:---prompt 8192,32768 --reps 2} 2>&1 |
       tee -a "$out/bench.log"

@@ -13,7 +13,7 @@
 #           PARITY_FILTER='Select/*' bash ... parity   (some rows of the table)
 # Logs go to $OUT (the parity table also to $OUT/parity_table.txt).
 set -uo pipefail
-. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle
+. "$(dirname "$0")/lib.sh"  # bundle_bins, bundle_libs, pack_bundle, unpack_bundle*, use_stage_libs
 readonly kBundle=.device/gputests
 readonly kStage=/tmp/kvr-gputests
 readonly kAll="gpu_parity_test model_cuda_model_test retrieval_cuda_decode_test
@@ -44,8 +44,7 @@ case "$mode" in
     du -sh "$kBundle"
     ;;
   run)
-    rm -rf "$kStage" && mkdir -p "$kStage" && tar -C "$kStage" -xJf "$kBundle/bundle.tar.xz" || exit 1
-    export LD_LIBRARY_PATH="$kStage/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    unpack_bundle "$kBundle" "$kStage" || exit 1
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     status=0
     printf '%-36s %6s %6s %6s %8s\n' binary passed failed skipped seconds

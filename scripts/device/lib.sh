@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Shared by the device scripts' `bundle` steps (source it: . "$(dirname "$0")/lib.sh"). Binaries
+# Shared by the device scripts' `bundle` steps and, for unpacking a bundle, their device-side
+# steps (source it: . "$(dirname "$0")/lib.sh"). Binaries
 # are built here and run on the device machine (Ubuntu 24.04 with CUDA, without the Debian
 # libraries the build links), so a bundle carries them with the shared libraries they need,
 # xz-compressed (OpenBLAS and ICU's data alone are tens of MB).
@@ -22,6 +23,29 @@ bundle_libs() {
 # the device unpacks with tar -C <stage> -xJf DIR/bundle.tar.xz.
 pack_bundle() {
   rm -rf "$2" && mkdir -p "$2" && tar -C "$1" -cf - . | xz -T2 -6 > "$2/bundle.tar.xz"
+}
+
+# use_stage_libs STAGE: LD_LIBRARY_PATH leads with STAGE/lib (a bundle's libraries) and the
+# CUDA runtime's folder, for the staged binaries.
+use_stage_libs() {
+  export LD_LIBRARY_PATH="$1/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+}
+
+# unpack_bundle DIR STAGE: on the device, STAGE (emptied first) holds the contents of
+# DIR/bundle.tar.xz (pack_bundle's), then use_stage_libs STAGE. Non-zero when it cannot be
+# unpacked.
+unpack_bundle() {
+  rm -rf "$2" && mkdir -p "$2" && tar -C "$2" -xJf "$1/bundle.tar.xz" || return 1
+  use_stage_libs "$2"
+}
+
+# unpack_bundle_once DIR STAGE FILE: unpack_bundle, but a STAGE that already holds the
+# executable STAGE/FILE (an earlier call on the same machine) is used as it is, not emptied.
+unpack_bundle_once() {
+  if [[ ! -x $2/$3 ]]; then
+    mkdir -p "$2" && tar -C "$2" -xJf "$1/bundle.tar.xz" || return 1
+  fi
+  use_stage_libs "$2"
 }
 
 # bundle_bins DIR FILE...: pack_bundle of bin/ (FILE..., stripped of debug info) and lib/

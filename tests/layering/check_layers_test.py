@@ -24,6 +24,13 @@ def write(root, rel, text):
 
 
 class CheckLayersTest(unittest.TestCase):
+    def assertRefused(self, root, *lines):
+        """The check fails on the tree at `root`, its report naming each of `lines`."""
+        r = run(root)
+        self.assertEqual(r.returncode, 1, r.stdout)
+        for line in lines:
+            self.assertIn(line, r.stdout)
+
     def test_the_repository_holds_the_layering(self):
         r = run(ROOT)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
@@ -36,10 +43,8 @@ class CheckLayersTest(unittest.TestCase):
             self.assertEqual(run(root).returncode, 0, run(root).stdout)
             # The model must not know a retrieval method.
             write(root, "model/src/bad.cc", '// x\n#include "kvr/retrieval/registry.h"\n')
-            r = run(root)
-            self.assertEqual(r.returncode, 1, r.stdout)
-            self.assertIn("model/src/bad.cc:2: model (layer 1) includes retrieval (layer 2)",
-                          r.stdout)
+            self.assertRefused(
+                root, "model/src/bad.cc:2: model (layer 1) includes retrieval (layer 2)")
 
     def test_the_models_gpu_code_may_not_include_or_link_retrieval(self):
         with tempfile.TemporaryDirectory() as d:
@@ -52,20 +57,16 @@ class CheckLayersTest(unittest.TestCase):
             write(root, "retrieval/cuda_build.cmake",
                   "add_library(kvr_retrieval_cuda_build cuda/summaries/quest.cu)\n"
                   "add_library(kvr::retrieval_cuda_build ALIAS kvr_retrieval_cuda_build)\n")
-            r = run(root)
-            self.assertEqual(r.returncode, 1, r.stdout)
-            self.assertIn("model/cuda/cuda_model.cu:1: model (layer 1) includes retrieval",
-                          r.stdout)
-            self.assertIn("kvr_model_cuda (model, layer 1) links kvr::retrieval_cuda_build",
-                          r.stdout)
+            self.assertRefused(
+                root,
+                "model/cuda/cuda_model.cu:1: model (layer 1) includes retrieval",
+                "kvr_model_cuda (model, layer 1) links kvr::retrieval_cuda_build")
 
     def test_same_rank_components_may_not_include_each_other(self):
         with tempfile.TemporaryDirectory() as d:
             root = pathlib.Path(d)
             write(root, "decode-node/src/bad.cc", '#include "kvr/prefill_node/engine.h"\n')
-            r = run(root)
-            self.assertEqual(r.returncode, 1, r.stdout)
-            self.assertIn("decode-node/src/bad.cc:1", r.stdout)
+            self.assertRefused(root, "decode-node/src/bad.cc:1")
 
     def test_the_store_library_is_below_the_node_library_and_its_binary_above(self):
         with tempfile.TemporaryDirectory() as d:
@@ -80,14 +81,11 @@ class CheckLayersTest(unittest.TestCase):
                                                '#include "kvr/controller/membership.h"\n')
             # The node library knows no controller.
             write(root, "node/src/bad.cc", '#include "kvr/controller/placement.h"\n')
-            r = run(root)
-            self.assertEqual(r.returncode, 1, r.stdout)
-            self.assertIn("kv-store/src/bad.cc:1: kv-store (layer 4) includes node (layer 5)",
-                          r.stdout)
-            self.assertIn("kv-store/src/bad.cc:2: kv-store (layer 4) includes controller",
-                          r.stdout)
-            self.assertIn("node/src/bad.cc:1: node (layer 5) includes controller (layer 6)",
-                          r.stdout)
+            self.assertRefused(
+                root,
+                "kv-store/src/bad.cc:1: kv-store (layer 4) includes node (layer 5)",
+                "kv-store/src/bad.cc:2: kv-store (layer 4) includes controller",
+                "node/src/bad.cc:1: node (layer 5) includes controller (layer 6)")
 
     def test_links_point_down_like_includes(self):
         with tempfile.TemporaryDirectory() as d:
@@ -113,11 +111,10 @@ class CheckLayersTest(unittest.TestCase):
             write(root, "kv-store/CMakeLists.txt",
                   store + "target_link_libraries(kvr_kv_store PUBLIC kvr::controller)\n"
                           "kvr_add_test(bad_test SOURCES tests/bad_test.cc LIBS kvr::node)\n")
-            r = run(root)
-            self.assertEqual(r.returncode, 1, r.stdout)
-            self.assertIn("kvr_kv_store (kv-store, layer 4) links kvr::controller (controller, "
-                          "layer 6)", r.stdout)
-            self.assertIn("bad_test (kv-store, layer 4) links kvr::node (node, layer 5)", r.stdout)
+            self.assertRefused(
+                root,
+                "kvr_kv_store (kv-store, layer 4) links kvr::controller (controller, layer 6)",
+                "bad_test (kv-store, layer 4) links kvr::node (node, layer 5)")
 
 
 if __name__ == "__main__":

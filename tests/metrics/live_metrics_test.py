@@ -72,17 +72,27 @@ def promtool_check(test, text, who):
 
 
 class LiveMetricsTest(unittest.TestCase):
+    def scrape(self, node, port_line, listening_line, who, timeout=60):
+        """The node's /metrics, promtool-clean, once it listens; its metrics port is the first
+        group of `port_line`."""
+        port = int(node.wait_for(port_line, timeout=timeout).group(1))
+        node.wait_for(listening_line)
+        text = get_metrics(port)
+        promtool_check(self, text, who)
+        return text
+
+    def assertExposes(self, text, *lines):
+        for line in lines:
+            self.assertIn(line, text)
+
     def test_controller(self):
         node = Node([os.environ["KVR_CONTROLLER_BIN"], "--listen", "127.0.0.1:0",
                      "--metrics-port", "0"])
         try:
-            port = int(node.wait_for(r"kvr-controller metrics on [^:]+:(\d+)").group(1))
-            node.wait_for("kvr-controller listening on")
-            text = get_metrics(port)
-            promtool_check(self, text, "kvr-controller")
-            self.assertIn('kvr_node_info{name="kvr-controller",role="controller"} 1', text)
-            self.assertIn("kvr_build_info{", text)
-            self.assertIn("kvr_requests_running 0", text)
+            text = self.scrape(node, r"kvr-controller metrics on [^:]+:(\d+)",
+                               "kvr-controller listening on", "kvr-controller")
+            self.assertExposes(text, 'kvr_node_info{name="kvr-controller",role="controller"} 1',
+                               "kvr_build_info{", "kvr_requests_running 0")
         finally:
             node.stop()
 
@@ -100,17 +110,13 @@ class LiveMetricsTest(unittest.TestCase):
                      "0", "--capacity-bytes", "64MiB", "--huge-pages", "false", "--name",
                      "store-a"])
         try:
-            port = int(node.wait_for(r"kvr-store metrics port=(\d+)").group(1))
-            node.wait_for("kvr-store listening")
-            text = get_metrics(port)
-            promtool_check(self, text, "kvr-store")
-            self.assertIn('kvr_node_info{name="store-a",role="store"} 1', text)
-            self.assertIn(f"kvr_store_capacity_bytes {64 << 20}", text)
-            self.assertIn("kvr_store_used_bytes 0", text)
-            self.assertIn('kvr_store_evictions_total{reason="expired"} 0', text)
-            self.assertIn('kvr_store_evictions_total{reason="cached_lru"} 0', text)
-            self.assertIn("kvr_store_shared_pages 0", text)
-            self.assertIn("kvr_store_forks_total 0", text)
+            text = self.scrape(node, r"kvr-store metrics port=(\d+)", "kvr-store listening",
+                               "kvr-store")
+            self.assertExposes(text, 'kvr_node_info{name="store-a",role="store"} 1',
+                               f"kvr_store_capacity_bytes {64 << 20}", "kvr_store_used_bytes 0",
+                               'kvr_store_evictions_total{reason="expired"} 0',
+                               'kvr_store_evictions_total{reason="cached_lru"} 0',
+                               "kvr_store_shared_pages 0", "kvr_store_forks_total 0")
             self.assertRegex(text, r'kvr_store_pages\{state="free"\} \d+')
         finally:
             node.stop()
@@ -127,12 +133,10 @@ class LiveMetricsTest(unittest.TestCase):
         node = Node([binary, "--model", model, "--listen", "127.0.0.1:0", "--metrics-port", "0",
                      "--controller", "127.0.0.1:1", name_flag, f"{role}-a"])
         try:
-            port = int(node.wait_for(rf"kvr-{role} metrics on [^:]+:(\d+)", timeout=90).group(1))
-            node.wait_for(f"kvr-{role} listening on")
-            text = get_metrics(port)
-            promtool_check(self, text, f"kvr-{role}")
-            self.assertIn(f'kvr_node_info{{name="{role}-a",role="{role}"}} 1', text)
-            self.assertIn(f'kvr_requests_waiting{{role="{role}"}} 0', text)
+            text = self.scrape(node, rf"kvr-{role} metrics on [^:]+:(\d+)",
+                               f"kvr-{role} listening on", f"kvr-{role}", timeout=90)
+            self.assertExposes(text, f'kvr_node_info{{name="{role}-a",role="{role}"}} 1',
+                               f'kvr_requests_waiting{{role="{role}"}} 0')
             return text
         finally:
             node.stop()

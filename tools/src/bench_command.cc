@@ -27,6 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "commands.h"
+#include "endpoint_flags.h"
 #include "kvr/common/status.h"
 #include "kvr/loadgen/backend.h"
 #include "kvr/loadgen/dataset.h"
@@ -44,11 +45,7 @@ namespace kvr::tools {
 namespace {
 
 struct BenchFlags {
-  std::string backend = "kvr-grpc";
-  std::string target = "127.0.0.1:50051";
-  TlsConfig tls;  // kvr-grpc: the channel's TLS; openai-*: HTTPS's CA and client certificate
-  std::string base_url;
-  std::string api_key;
+  EndpointFlags endpoint;
   bool chat = false;
   std::string model;
   std::string rates = "inf";  // --request-rate: a comma-separated list
@@ -164,12 +161,7 @@ absl::Status WriteOutputs(const loadgen::RunInfo& info, const loadgen::Benchmark
 
 absl::Status RunBench(const BenchFlags& f) {
   KVR_ASSIGN_OR_RETURN(const std::vector<double> rates, ParseRates(f.rates));
-  loadgen::BackendOptions backend_options;
-  KVR_ASSIGN_OR_RETURN(backend_options.kind, loadgen::ParseBackendKind(f.backend));
-  backend_options.target = f.target;
-  backend_options.tls = f.tls;
-  backend_options.base_url = f.base_url;
-  backend_options.api_key = f.api_key;
+  KVR_ASSIGN_OR_RETURN(loadgen::BackendOptions backend_options, BackendOptionsOf(f.endpoint));
   if (backend_options.api_key.empty()) {
     // As `vllm bench serve` and the openai clients read it.
     if (const char* key = std::getenv("OPENAI_API_KEY"); key != nullptr) {
@@ -270,17 +262,17 @@ void AddBenchCommand(CLI::App& app) {
       "load-test kvr (gRPC kvr.v1.Generation) or any OpenAI-compatible HTTP server and report "
       "latencies");
   BenchFlags& f = *flags;
-  cmd->add_option("--backend", f.backend,
+  cmd->add_option("--backend", f.endpoint.backend,
                   "kvr-grpc (--target) | openai-chat | openai-completions (--base-url)")
       ->check(CLI::IsMember({"kvr-grpc", "openai-chat", "openai-completions"}))
       ->capture_default_str();
   CLI::Option* target =
-      cmd->add_option("--target", f.target, "kvr-grpc: controller address host:port")
+      cmd->add_option("--target", f.endpoint.target, "kvr-grpc: controller address host:port")
           ->capture_default_str();
-  CLI::Option* base_url = cmd->add_option("--base-url", f.base_url,
+  CLI::Option* base_url = cmd->add_option("--base-url", f.endpoint.base_url,
                                           "openai-*: the API root, e.g. http://127.0.0.1:8000/v1");
-  AddTlsOptions(cmd, &f.tls);
-  cmd->add_option("--api-key", f.api_key,
+  AddTlsOptions(cmd, &f.endpoint.tls);
+  cmd->add_option("--api-key", f.endpoint.api_key,
                   "openai-*: sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)");
   cmd->add_flag("--chat", f.chat,
                 "kvr-grpc: send text prompts as one user chat message (as openai-chat does)");
@@ -357,7 +349,7 @@ void AddBenchCommand(CLI::App& app) {
     if (flags->sharegpt_output_len && flags->dataset != "sharegpt") {
       throw CLI::ValidationError("--sharegpt-output-len", "is only used with --dataset sharegpt");
     }
-    const bool grpc = flags->backend == "kvr-grpc";
+    const bool grpc = flags->endpoint.backend == "kvr-grpc";
     if (grpc && base_url->count() > 0) {
       throw CLI::ValidationError("--base-url",
                                  "is for --backend openai-chat|openai-completions; kvr-grpc "
@@ -366,8 +358,9 @@ void AddBenchCommand(CLI::App& app) {
     if (!grpc && target->count() > 0) {
       throw CLI::ValidationError("--target", "is for --backend kvr-grpc; openai-* take --base-url");
     }
-    if (!grpc && flags->base_url.empty()) {
-      throw CLI::ValidationError("--base-url", "is required with --backend " + flags->backend +
+    if (!grpc && flags->endpoint.base_url.empty()) {
+      throw CLI::ValidationError("--base-url", "is required with --backend " +
+                                                   flags->endpoint.backend +
                                                    " (e.g. http://127.0.0.1:8000/v1)");
     }
     if (!grpc && flags->chat) {

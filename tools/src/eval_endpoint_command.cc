@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "commands.h"
+#include "endpoint_flags.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/status.h"
 #include "kvr/eval_endpoint/gate.h"
@@ -39,11 +40,7 @@ namespace {
 namespace ee = eval_endpoint;
 
 struct EvalEndpointFlags {
-  std::string backend = "kvr-grpc";
-  std::string target = "127.0.0.1:50051";
-  std::string base_url;
-  std::string api_key;
-  TlsConfig tls;
+  EndpointFlags endpoint;
   std::string model;
   ee::SuiteOptions suite;
   std::string tokenizer_model;
@@ -138,19 +135,13 @@ absl::Status RunEvalEndpoint(EvalEndpointFlags& f) {
   KVR_ASSIGN_OR_RETURN(const std::vector<ee::Sample> samples,
                        ee::GenerateSamples(f.suite, counter, &corpus));
 
-  loadgen::BackendOptions backend_options;
-  KVR_ASSIGN_OR_RETURN(backend_options.kind, loadgen::ParseBackendKind(f.backend));
-  backend_options.target = f.target;
-  backend_options.tls = f.tls;
-  backend_options.base_url = f.base_url;
-  backend_options.api_key = f.api_key;
+  KVR_ASSIGN_OR_RETURN(const loadgen::BackendOptions backend_options, BackendOptionsOf(f.endpoint));
   KVR_ASSIGN_OR_RETURN(std::unique_ptr<loadgen::Backend> backend,
                        loadgen::MakeBackend(backend_options));
   KVR_ASSIGN_OR_RETURN(const std::string model, backend->ResolveModel(f.model));
-  const std::string& where =
-      backend_options.kind == loadgen::BackendKind::kKvrGrpc ? f.target : f.base_url;
   std::cerr << "kvr eval endpoint: " << samples.size() << " prompts (" << tasks.size()
-            << " tasks) to " << where << " over " << f.backend << " (" << model << ")\n";
+            << " tasks) to " << f.endpoint.address() << " over " << f.endpoint.backend << " ("
+            << model << ")\n";
   KVR_ASSIGN_OR_RETURN(
       const ee::SuiteReport report,
       ee::RunSuite(*backend, model, f.suite, samples, [&f](const std::string& line) {
@@ -162,10 +153,8 @@ absl::Status RunEvalEndpoint(EvalEndpointFlags& f) {
   const bool temporary_json = json_path.empty() && !f.png.empty();
   if (temporary_json) json_path = absl::StrCat(f.png, ".json.tmp");
   if (!json_path.empty()) {
-    const nlohmann::json extra = {{"backend", f.backend},
-                                  {"target", backend_options.kind == loadgen::BackendKind::kKvrGrpc
-                                                 ? f.target
-                                                 : f.base_url},
+    const nlohmann::json extra = {{"backend", f.endpoint.backend},
+                                  {"target", f.endpoint.address()},
                                   {"tokenizer", tokenizer_path},
                                   {"corpus_dir", f.corpus_dir},
                                   {"corpus_files", corpus_files}};
@@ -196,17 +185,17 @@ void AddEvalEndpointCommand(CLI::App& eval) {
       "long-context tasks (needles, variable tracking, common words, QA over licence texts) "
       "through a cluster's gRPC or HTTP API: accuracy and agreement with full per method and "
       "budget");
-  cmd->add_option("--backend", f.backend,
+  cmd->add_option("--backend", f.endpoint.backend,
                   "kvr-grpc (--target) or the OpenAI-compatible HTTP API: openai-completions "
                   "(the prompt as text, as over gRPC) or openai-chat (--base-url)")
       ->check(CLI::IsMember({"kvr-grpc", "openai-completions", "openai-chat"}))
       ->capture_default_str();
-  cmd->add_option("--target", f.target, "kvr-grpc: controller address host:port")
+  cmd->add_option("--target", f.endpoint.target, "kvr-grpc: controller address host:port")
       ->capture_default_str();
-  cmd->add_option("--base-url", f.base_url,
+  cmd->add_option("--base-url", f.endpoint.base_url,
                   "openai-*: the API root, e.g. http://127.0.0.1:8000/v1");
-  cmd->add_option("--api-key", f.api_key, "openai-*: sent as Authorization: Bearer KEY");
-  AddTlsOptions(cmd, &f.tls);
+  cmd->add_option("--api-key", f.endpoint.api_key, "openai-*: sent as Authorization: Bearer KEY");
+  AddTlsOptions(cmd, &f.endpoint.tls);
   cmd->add_option("--model", f.model, "model name (default: the first one the server lists)");
   cmd->add_option("--methods", f.suite.methods, "retrieval methods; full is always run first")
       ->delimiter(',')

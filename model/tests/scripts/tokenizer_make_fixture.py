@@ -123,29 +123,29 @@ def random_code_point(rng):
     return chr(rng.randint(lo, hi))
 
 
+def substring(rng, strings, max_len):
+    s = rng.choice(strings)
+    a = rng.randrange(len(s))
+    return s[a:a + rng.randint(1, max_len)]
+
+
+# One random piece of a test string, by kind; the draws from rng (and so the fixture) depend on
+# this order.
+PIECES = [
+    lambda rng: rng.choice(WORDS),
+    lambda rng: rng.choice(CONTRACTIONS),
+    lambda rng: substring(rng, SCRIPTS, 12),
+    lambda rng: rng.choice(EMOJI),
+    lambda rng: rng.choice(COMBINING),
+    lambda rng: rng.choice(NUMBERS),
+    lambda rng: substring(rng, CODE, 30),
+    lambda rng: "".join(random_code_point(rng) for _ in range(rng.randint(1, 4))),
+    lambda rng: rng.choice(SPACES),
+]
+
+
 def piece(rng):
-    kind = rng.randrange(9)
-    if kind == 0:
-        return rng.choice(WORDS)
-    if kind == 1:
-        return rng.choice(CONTRACTIONS)
-    if kind == 2:
-        s = rng.choice(SCRIPTS)
-        a = rng.randrange(len(s))
-        return s[a:a + rng.randint(1, 12)]
-    if kind == 3:
-        return rng.choice(EMOJI)
-    if kind == 4:
-        return rng.choice(COMBINING)
-    if kind == 5:
-        return rng.choice(NUMBERS)
-    if kind == 6:
-        s = rng.choice(CODE)
-        a = rng.randrange(len(s))
-        return s[a:a + rng.randint(1, 30)]
-    if kind == 7:
-        return "".join(random_code_point(rng) for _ in range(rng.randint(1, 4)))
-    return rng.choice(SPACES)
+    return PIECES[rng.randrange(len(PIECES))](rng)
 
 
 def make_strings():

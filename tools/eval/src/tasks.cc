@@ -86,7 +86,9 @@ struct Layout {
   std::vector<std::pair<double, std::string>> needles;  // (depth, text)
 };
 
-void Assemble(const Layout& l, Sample* s) {
+// The sample of layout `l` whose answer is `answers`, generating at most `max_tokens`.
+Sample Assemble(const Layout& l, std::vector<std::string> answers, uint32_t max_tokens) {
+  Sample s;
   size_t total = 0;
   std::vector<size_t> boundary = {0};  // character offset of each unit boundary
   for (const std::string& u : l.units) {
@@ -105,25 +107,27 @@ void Assemble(const Layout& l, Sample* s) {
     }
     at[i] = k;
   }
-  s->prompt = l.head;
-  s->haystack_begin = s->prompt.size();
-  s->needles.clear();
+  s.prompt = l.head;
+  s.haystack_begin = s.prompt.size();
   auto put_needles = [&](size_t k) {
     for (size_t i = 0; i < l.needles.size(); ++i) {
       if (at[i] != k) continue;
-      s->needles.push_back({l.needles[i].second, s->prompt.size(), l.needles[i].first});
-      s->prompt += l.needles[i].second;
-      s->prompt += l.sep;
+      s.needles.push_back({l.needles[i].second, s.prompt.size(), l.needles[i].first});
+      s.prompt += l.needles[i].second;
+      s.prompt += l.sep;
     }
   };
   for (size_t k = 0; k < l.units.size(); ++k) {
     put_needles(k);
-    s->prompt += l.units[k];
-    s->prompt += l.sep;
+    s.prompt += l.units[k];
+    s.prompt += l.sep;
   }
   put_needles(l.units.size());
-  s->haystack_end = s->prompt.size();
-  s->prompt += l.tail;
+  s.haystack_end = s.prompt.size();
+  s.prompt += l.tail;
+  s.answers = std::move(answers);
+  s.max_tokens = max_tokens;
+  return s;
 }
 
 std::vector<std::string> NoiseUnits(size_t n) {
@@ -193,11 +197,7 @@ absl::StatusOr<Sample> NiahSingle(const SampleSpec& spec, std::mt19937_64& rng,
     l.needles = {{depth, absl::StrCat("The pass key is ", key, ". Remember it. ", key,
                                       " is the pass key.")}};
     l.tail = "\nWhat is the pass key? The pass key is";
-    Sample s;
-    Assemble(l, &s);
-    s.answers = {key};
-    s.max_tokens = 12;
-    return s;
+    return Assemble(l, {key}, 12);
   };
   return Fit(make, spec.target_tokens, counter, spec.task);
 }
@@ -224,11 +224,7 @@ absl::StatusOr<Sample> NiahMultikey(const SampleSpec& spec, std::mt19937_64& rng
     l.tail = absl::StrCat("\nWhat is the special magic number for ", keys[asked],
                           " mentioned in the provided text? The special magic number for ",
                           keys[asked], " mentioned in the provided text is");
-    Sample s;
-    Assemble(l, &s);
-    s.answers = {values[asked]};
-    s.max_tokens = 16;
-    return s;
+    return Assemble(l, {values[asked]}, 16);
   };
   return Fit(make, spec.target_tokens, counter, spec.task);
 }
@@ -257,11 +253,7 @@ absl::StatusOr<Sample> NiahMultivalue(const SampleSpec& spec, std::mt19937_64& r
     l.tail = absl::StrCat("\nWhat are all the special magic numbers for ", key,
                           " mentioned in the provided text? The special magic numbers for ", key,
                           " mentioned in the provided text are");
-    Sample s;
-    Assemble(l, &s);
-    s.answers = values;
-    s.max_tokens = max_tokens;  // the four numbers, comma-separated
-    return s;
+    return Assemble(l, values, max_tokens);  // the four numbers, comma-separated
   };
   return Fit(make, spec.target_tokens, counter, spec.task);
 }
@@ -317,11 +309,7 @@ absl::StatusOr<Sample> VariableTracking(const SampleSpec& spec, std::mt19937_64&
         " in the text above. Answer: According to the chain(s) of variable assignment in the text "
         "above, ",
         kHops + 1, " variables are assigned the value ", chain_values[0], ", they are:");
-    Sample s;
-    Assemble(l, &s);
-    s.answers = chains[0];
-    s.max_tokens = max_tokens;  // the five names, comma-separated
-    return s;
+    return Assemble(l, chains[0], max_tokens);  // the five names, comma-separated
   };
   return Fit(make, spec.target_tokens, counter, spec.task);
 }
@@ -353,12 +341,9 @@ absl::StatusOr<Sample> CommonWords(const SampleSpec& spec, std::mt19937_64& rng,
     l.tail =
         "\nQuestion: What is the most common word in the above list? Answer: The most common "
         "word in the above list is";
-    Sample s;
-    Assemble(l, &s);
-    s.answers = {common};
+    Sample s = Assemble(l, {common}, 10);
     s.candidates = words;
     s.candidates.push_back(common);
-    s.max_tokens = 10;
     return s;
   };
   return Fit(make, spec.target_tokens, counter, spec.task);
@@ -386,11 +371,7 @@ absl::StatusOr<Sample> QaLicenses(const SampleSpec& spec, std::mt19937_64& rng,
         {depth, absl::StrCat("The registration number of the ", thing, " is ", number, ".")}};
     l.tail = absl::StrCat("\nQuestion: What is the registration number of the ", thing,
                           "? Answer: The registration number of the ", thing, " is");
-    Sample s;
-    Assemble(l, &s);
-    s.answers = {number};
-    s.max_tokens = 12;
-    return s;
+    return Assemble(l, {number}, 12);
   };
   return Fit(make, spec.target_tokens, counter, spec.task);
 }

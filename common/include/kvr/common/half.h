@@ -33,14 +33,20 @@ inline void FloatsToBf16Bytes(const float* src, size_t n, void* dst) {
   }
 }
 
-// Widens `n` bf16 values read at `src` (any alignment) to floats (exact).
-inline void Bf16BytesToFloats(const void* src, size_t n, float* dst) {
+// Widens `n` 16-bit values read at `src` (any alignment) to floats with `Widen`.
+template <float (*Widen)(uint16_t)>
+inline void HalfBytesToFloats(const void* src, size_t n, float* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
   for (size_t i = 0; i < n; ++i) {
     uint16_t h;
     std::memcpy(&h, in + 2 * i, sizeof(h));
-    dst[i] = Bf16ToFloat(h);
+    dst[i] = Widen(h);
   }
+}
+
+// Widens `n` bf16 values read at `src` (any alignment) to floats (exact).
+inline void Bf16BytesToFloats(const void* src, size_t n, float* dst) {
+  HalfBytesToFloats<Bf16ToFloat>(src, n, dst);
 }
 
 inline float Fp16ToFloat(uint16_t h) {
@@ -71,12 +77,7 @@ inline float Fp16ToFloat(uint16_t h) {
 
 // Widens `n` fp16 values read at `src` (any alignment) to floats (exact).
 inline void Fp16BytesToFloats(const void* src, size_t n, float* dst) {
-  const auto* in = static_cast<const uint8_t*>(src);
-  for (size_t i = 0; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, in + 2 * i, sizeof(h));
-    dst[i] = Fp16ToFloat(h);
-  }
+  HalfBytesToFloats<Fp16ToFloat>(src, n, dst);
 }
 
 inline uint16_t FloatToFp16(float f) {

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -67,6 +68,12 @@ void PrintLine(const std::string& line);
 // For a main whose start failed: prints "<program>: <message>" to stderr and returns the exit
 // status, 2 for a configuration the node cannot serve (INVALID_ARGUMENT), 1 otherwise.
 [[nodiscard]] int ReportStartFailure(const std::string& program, const absl::Status& status);
+
+// The security of a node's gRPC port and clients (GrpcSecurity::Load of `tls`), for a main: on
+// failure prints "<program>: <message>" to stderr and returns nullopt, a configuration the node
+// cannot serve (the main exits 2).
+[[nodiscard]] std::optional<GrpcSecurity> LoadSecurityOrReport(const std::string& program,
+                                                               const TlsConfig& tls);
 
 struct NodeServerOptions {
   GrpcServerOptions grpc;

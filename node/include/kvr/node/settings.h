@@ -440,6 +440,11 @@ Setting<Config> ListSetting(std::string name, std::string help, Ref ref) {
 
 // Settings every node has, the same way in each.
 template <typename Config, typename Ref>
+Setting<Config> ListenSetting(Ref ref) {
+  return StringSetting<Config>("listen", "gRPC listen address host:port (port 0: any free port)",
+                               ref);
+}
+template <typename Config, typename Ref>
 Setting<Config> LogLevelSetting(Ref ref) {
   return EnumSetting<Config>("log_level", "log verbosity", ref,
                              {"trace", "debug", "info", "warn", "error"});
