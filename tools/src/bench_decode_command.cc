@@ -94,6 +94,7 @@
 #include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/cuda/prefill_summaries.h"
 #include "kvr/retrieval/cuda/sparse_decode.h"
+#include "kvr/retrieval/model_shape.h"
 #include "kvr/retrieval/prebuilt.h"
 #include "selection_trace.h"
 
@@ -453,14 +454,8 @@ class DecodeBench {
             KVR_RETURN_IF_ERROR(store_->PutLayer(rows).status());
           }
           if (clusters) {
-            retrieval::IndexShape ishape;
-            ishape.n_heads = c.n_heads;
-            ishape.n_kv_heads = c.n_kv_heads;
-            ishape.head_dim = c.head_dim;
-            ishape.layer = l;
-            ishape.n_layers = c.n_layers;
-            ishape.rope = {retrieval::RopeStyle::kHalfSplit, c.rope_theta, 0};
-            KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, summaries->Serialize(ishape, x));
+            KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes,
+                                 summaries->Serialize(retrieval::IndexShapeOf(c, l), x));
             KVR_ASSIGN_OR_RETURN(retrieval::PrebuiltClusterKvData parsed,
                                  retrieval::ParsePrebuiltClusterKv(bytes, *registry_));
             for (const std::vector<float>& centroids : parsed.centroids) {
