@@ -234,14 +234,24 @@ class CudaDecodeBackend final : public DecodeBackend {
     // Dense when it pays (short sequences, and `full`), while the dense room lasts.
     if (!fetch && (h.method == "full" || pending->capacity <= options_.dense_max_tokens)) {
       pending->dense = ReserveDenseRoom(*pending);
-      if (!pending->dense && h.method == "full" &&
-          pending->capacity - h.n_sink - h.local_window > h.budget) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("handoff of sequence ", h.sequence_id,
-                         ": retrieval.method 'full' runs densely here, "
-                         "and the KV of the sequences already dense fills gpu_dense_bytes ",
-                         options_.dense_bytes, " (retry later)"));
+    }
+    // `full` with more rows than one step gathers (the admission check's rule) runs densely
+    // or not at all: its rows may turn out fetched (row source auto, a store on another host),
+    // or the dense room may be taken.
+    if (h.method == "full" && !pending->dense &&
+        pending->capacity - h.n_sink - h.local_window > options_.budget) {
+      if (fetch) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "handoff of sequence ", h.sequence_id, ": retrieval.method 'full' attends ",
+            pending->capacity - h.n_sink - h.local_window,
+            " rows beyond the sink and window, more than gpu_budget ", options_.budget,
+            ", and its rows are fetched from a store on another host, which never runs densely"));
       }
+      return absl::ResourceExhaustedError(
+          absl::StrCat("handoff of sequence ", h.sequence_id,
+                       ": retrieval.method 'full' runs densely here, and the KV of the sequences "
+                       "already dense fills gpu_dense_bytes ",
+                       options_.dense_bytes, " (retry later)"));
     }
     // A fetched sequence's selector must read no rows: quest's GPU summaries and the lanes read
     // keys from the store's pages, so those methods are selected on the host by their index.

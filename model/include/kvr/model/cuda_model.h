@@ -304,8 +304,9 @@ class CudaModel {
   // CudaAttention): the hook's Plan says which rows its sequences run over. The batch may also
   // name the model's own dense sequences (a mixed batch: a sequence run densely beside sparse
   // ones): they run the dense path on rows before the hook's, every GEMM once over both, with
-  // last-token logits only (kAll, a KV export or a build there is InvalidArgument); a batch of
-  // dense sequences alone is a plain Forward. Logits and tokens come back in batch order. Never
+  // last-token logits only (kAll, a KV export or a build for a dense sequence of a hooked
+  // Forward is InvalidArgument, even when the batch names none of the hook's); a batch of dense
+  // sequences alone then runs as a plain Forward. Logits and tokens come back in batch order. Never
   // a CUDA graph while the hook has sequences in the batch. Errors as Forward's, plus the hook's.
   [[nodiscard]] virtual absl::Status ForwardWithAttention(CudaAttention& attention,
                                                           std::span<const CudaSequence> batch,
