@@ -146,10 +146,10 @@ struct CudaPending final : BackendSequence {
   int64_t resident_bytes() const override { return bytes; }
   int64_t bytes;
   int64_t capacity = 0;  // tokens the sequence may hold (prompt + max_tokens, capped)
-  // Dense when it pays: the sequence runs densely, its KV in HBM, filled from `table`'s pages
-  // at Join; dense_bytes of the node's dense room are reserved for it until it leaves (given
-  // back here if it never joins).
-  bool dense = false;
+  // Dense when it pays (dense_bytes > 0): the sequence runs densely, its KV in HBM, filled from
+  // `table`'s pages at Join; dense_bytes of the node's dense room are reserved for it until it
+  // leaves (given back here if it never joins).
+  bool dense() const { return dense_bytes > 0; }
   kv_store::PageTable table;
   std::atomic<int64_t>* dense_room = nullptr;
   int64_t dense_bytes = 0;
@@ -182,7 +182,6 @@ struct CudaRunning {
   int64_t rows_offloaded = 0;
   std::string method;                        // the request's retrieval method
   bool fetched = false;  // rows fetched through the store's data plane (not read in place)
-  int64_t dense_bytes = 0;  // > 0: run densely (the model's own sequence), its reserved room
   std::shared_ptr<IndexSelector> selector;  // null: the GPU method selects
   rc::SparseSequenceCounters seen;  // the GPU's counters as last reported to the observer
   absl::Status failure;             // first failed append, reported once through TakeFailures
@@ -233,12 +232,12 @@ class CudaDecodeBackend final : public DecodeBackend {
         options_.max_context, h.prompt_tokens + std::max<int64_t>(1, h.sampling.max_tokens));
     // Dense when it pays (short sequences, and `full`), while the dense room lasts.
     if (!fetch && (h.method == "full" || pending->capacity <= options_.dense_max_tokens)) {
-      pending->dense = ReserveDenseRoom(*pending);
+      ReserveDenseRoom(*pending);
     }
     // `full` with more rows than one step gathers (the admission check's rule) runs densely
     // or not at all: its rows may turn out fetched (row source auto, a store on another host),
     // or the dense room may be taken.
-    if (h.method == "full" && !pending->dense &&
+    if (h.method == "full" && !pending->dense() &&
         pending->capacity - h.n_sink - h.local_window > options_.budget) {
       if (fetch) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -256,8 +255,8 @@ class CudaDecodeBackend final : public DecodeBackend {
     // A fetched sequence's selector must read no rows: quest's GPU summaries and the lanes read
     // keys from the store's pages, so those methods are selected on the host by their index.
     bool on_host =
-        !pending->dense && (h.method != options_.method || (fetch && options_.method == "quest"));
-    if (!pending->dense && !on_host && options_.method == "clusterkv") {
+        !pending->dense() && (h.method != options_.method || (fetch && options_.method == "quest"));
+    if (!pending->dense() && !on_host && options_.method == "clusterkv") {
       KVR_ASSIGN_OR_RETURN(pending->clusters, ParseClusters(h));
       size_t most = 0;
       for (const retrieval::PrebuiltClusterKvData& layer : pending->clusters) {
@@ -321,7 +320,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     KVR_ASSIGN_OR_RETURN(
         kv_store::PageTable table,
         h.store->ReservePageTable(h.store_ref(), static_cast<uint64_t>(pending->capacity)));
-    if (pending->dense) {
+    if (pending->dense()) {
       pending->table = table;  // Join fills the dense KV from these pages
       pending->bytes = pending->dense_bytes;
     }
@@ -356,7 +355,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     const uint64_t id = h.sequence_id;
     auto* pending = dynamic_cast<CudaPending*>(state.get());
     if (pending == nullptr) return absl::InternalError("CUDA decode: Join without Prepare");
-    if (pending->dense) return JoinDense(h, *pending);
+    if (pending->dense()) return JoinDense(h, *pending);
     rc::SparseSequenceOptions so;
     if (pending->fetch != nullptr) {
       so.fetch = pending->fetch;
@@ -444,11 +443,10 @@ class CudaDecodeBackend final : public DecodeBackend {
 
   RetrievalCounters Leave(uint64_t id) override {
     RetrievalCounters c;
-    if (auto it = running_.find(id); it != running_.end() && it->second.dense_bytes > 0) {
+    if (auto it = dense_.find(id); it != dense_.end()) {
       model_->ReleaseSequence(id).IgnoreError();
-      dense_room_.fetch_sub(it->second.dense_bytes);
-      running_.erase(it);
-      ReportSummaryBytes();
+      dense_room_.fetch_sub(it->second);
+      dense_.erase(it);
       return c;
     }
     if (auto it = running_.find(id); it != running_.end()) {
@@ -473,8 +471,7 @@ class CudaDecodeBackend final : public DecodeBackend {
   }
   NodeCounters node_counters() const override { return node_; }
   int64_t SummaryBytes(uint64_t id) const override {
-    auto it = running_.find(id);
-    return it != running_.end() && it->second.dense_bytes == 0 ? summary_bytes_ : 0;
+    return running_.contains(id) ? summary_bytes_ : 0;
   }
 
  private:
@@ -509,9 +506,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     observer_->OnOffload(appended * c.n_layers * c.n_kv_heads * row_bytes);
   }
   void ReportSummaryBytes() {
-    int64_t sparse = 0;
-    for (const auto& [id, run] : running_) sparse += run.dense_bytes == 0 ? 1 : 0;
-    const int64_t bytes = summary_bytes_ * sparse;
+    const int64_t bytes = summary_bytes_ * static_cast<int64_t>(running_.size());
     observer_->OnMethodSummaryBytes(options_.method, bytes);
     observer_->OnSummaryBytes(bytes);
   }
@@ -548,17 +543,17 @@ class CudaDecodeBackend final : public DecodeBackend {
     return clusters;
   }
 
-  // Reserves the dense room for `p`'s KV (any thread): false when it would exceed dense_bytes.
-  bool ReserveDenseRoom(CudaPending& p) const {
+  // Reserves the dense room for `p`'s KV (any thread), unless it would exceed dense_bytes: then
+  // `p` stays sparse.
+  void ReserveDenseRoom(CudaPending& p) const {
     const int64_t need = p.capacity * options_.dense_bytes_per_token;
-    if (need <= 0) return false;
+    if (need <= 0) return;
     int64_t used = dense_room_.load();
     do {
-      if (used + need > options_.dense_bytes) return false;
+      if (used + need > options_.dense_bytes) return;
     } while (!dense_room_.compare_exchange_weak(used, used + need));
     p.dense_room = &dense_room_;
     p.dense_bytes = need;
-    return true;
   }
 
   // A dense sequence: the model's own, its prompt's rows copied from the store's pages into its
@@ -568,37 +563,19 @@ class CudaDecodeBackend final : public DecodeBackend {
     const uint64_t id = h.sequence_id;
     const model::ModelConfig& c = model_->config();
     KVR_RETURN_IF_ERROR(model_->AddSequence(id, pending.capacity));
-    const kv_store::LocalPoolMapping& pool = *pending.pool;
-    const size_t half = size_t{2} * c.head_dim;  // bytes of one head's K (or V) row
     const absl::Status filled = model_->AppendRows(
         id, h.prompt_tokens, [&](int layer, std::span<uint16_t> k, std::span<uint16_t> v) {
-          for (int64_t t = 0; t < h.prompt_tokens; ++t) {
-            for (int hh = 0; hh < c.n_kv_heads; ++hh) {
-              const uint8_t* row = pool.Row(pending.table, static_cast<uint32_t>(layer),
-                                            static_cast<uint32_t>(hh), static_cast<uint64_t>(t));
-              const size_t at = (static_cast<size_t>(t) * c.n_kv_heads + hh) * c.head_dim;
-              std::memcpy(&k[at], row, half);
-              std::memcpy(&v[at], row + half, half);
-            }
-          }
-          return absl::OkStatus();
+          return pending.pool->CopyLayerRows(pending.table, static_cast<uint32_t>(layer),
+                                             static_cast<uint64_t>(h.prompt_tokens),
+                                             std::as_writable_bytes(k), std::as_writable_bytes(v));
         });
     if (!filled.ok()) {
       model_->ReleaseSequence(id).IgnoreError();
       return filled;
     }
-    CudaRunning run;
-    run.store = h.store;
-    run.store_owner = h.store_owner;
-    run.ref = h.store_ref();
-    run.pool = std::move(pending.pool);
-    run.next_row = h.prompt_tokens;
-    run.method = h.method;
-    run.dense_bytes = std::exchange(pending.dense_bytes, 0);
+    dense_.emplace(id, std::exchange(pending.dense_bytes, 0));
     pending.dense_room = nullptr;  // the room is the running sequence's now
-    running_.emplace(id, std::move(run));
     ++node_.dense_sequences;
-    ReportSummaryBytes();
     return absl::OkStatus();
   }
 
@@ -630,7 +607,7 @@ class CudaDecodeBackend final : public DecodeBackend {
   // a store row before it is there.
   void AppendNewRows(uint64_t id) {
     auto it = running_.find(id);
-    if (it == running_.end() || it->second.dense_bytes > 0) return;
+    if (it == running_.end()) return;
     CudaRunning& run = it->second;
     WaitPuts(id, run);
     if (!run.failure.ok()) return;
@@ -677,7 +654,10 @@ class CudaDecodeBackend final : public DecodeBackend {
   std::vector<model::CudaSequence> batch_;
   // ReportStep's per-method sums, kept so that a step allocates nothing once warm.
   absl::flat_hash_map<std::string_view, RetrievalReport> step_reports_;
-  // HBM reserved for the KV of the sequences run densely (Prepare reserves on any thread).
+  // The sequences run densely (the model's own; not in running_: no summaries, no appends to
+  // the store, no GPU counters) and the HBM each reserved; their sum is in dense_room_, which
+  // Prepare reserves from on any thread.
+  absl::flat_hash_map<uint64_t, int64_t> dense_;
   mutable std::atomic<int64_t> dense_room_{0};
   // Store pools registered with CUDA: host base -> device base (Prepare runs on any thread).
   mutable absl::Mutex pools_mu_;

@@ -59,3 +59,31 @@ LocalPoolMapping& LocalPoolMapping::operator=(LocalPoolMapping&& other) noexcept
 }
 
 }  // namespace kvr::kv_store
+
+namespace kvr::kv_store {
+
+absl::Status LocalPoolMapping::CopyLayerRows(const PageTable& table, uint32_t layer,
+                                             uint64_t n_rows, std::span<std::byte> k,
+                                             std::span<std::byte> v) const {
+  const SequenceShape& s = table.shape;
+  const size_t half = s.RowBytes() / 2;  // one head's K (or V) of one token
+  const size_t token = s.TokenHalfBytes();
+  if (layer >= s.n_layers || n_rows > uint64_t{table.pages_per_head} * table.tokens_per_page ||
+      k.size() != n_rows * token || v.size() != n_rows * token) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "CopyLayerRows: layer %d, %d rows of %d bytes per token (K and V spans of %d and %d "
+        "bytes; the table holds %d layers, %d rows)",
+        layer, n_rows, token, k.size(), v.size(), s.n_layers,
+        uint64_t{table.pages_per_head} * table.tokens_per_page));
+  }
+  for (uint64_t t = 0; t < n_rows; ++t) {
+    for (uint32_t h = 0; h < s.n_kv_heads; ++h) {
+      const uint8_t* row = Row(table, layer, h, t);  // [K | V] of one head
+      std::memcpy(k.data() + t * token + h * half, row, half);
+      std::memcpy(v.data() + t * token + h * half, row + half, half);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvr::kv_store

@@ -133,6 +133,41 @@ TEST(PageTableTest, RowsWrittenLaterLandInTheReservedPages) {
   EXPECT_NE(mapping->base(), store->pool().base());
   ExpectTableMatchesRangeRead(*store, *table, mapping->base(), 3);
   EXPECT_TRUE(RowMatches(kShape, 3, 1, 2, 44, mapping->Row(*table, 1, 2, 44)));
+  // A layer's rows as a model's cache holds them: token t's K of head h at [t, h * head_dim]
+  // of `k`, its V likewise in `v`, each the matching half of the row RangeRead returns.
+  {
+    constexpr uint64_t kRows = 45;
+    const size_t half = kShape.RowBytes() / 2, token = kShape.TokenHalfBytes();
+    std::vector<uint8_t> k(kRows * token), v(kRows * token);
+    ASSERT_TRUE(mapping
+                    ->CopyLayerRows(*table, 1, kRows, std::as_writable_bytes(std::span(k)),
+                                    std::as_writable_bytes(std::span(v)))
+                    .ok());
+    for (uint32_t head = 0; head < kShape.n_kv_heads; ++head) {
+      std::vector<uint8_t> rows(kRows * kShape.RowBytes());
+      const RangeEntry range{
+          .sequence = TestRef(3), .layer = 1, .head = head, .start = 0, .n_rows = kRows};
+      ASSERT_TRUE(store->RangeRead({&range, 1}, rows).ok());
+      for (uint64_t r = 0; r < kRows; ++r) {
+        const uint8_t* want = rows.data() + r * kShape.RowBytes();
+        ASSERT_EQ(std::memcmp(k.data() + r * token + head * half, want, half), 0) << r;
+        ASSERT_EQ(std::memcmp(v.data() + r * token + head * half, want + half, half), 0) << r;
+      }
+    }
+    // Spans of the wrong size, and rows past the table's pages, are refused.
+    EXPECT_EQ(
+        mapping
+            ->CopyLayerRows(*table, 1, kRows, std::as_writable_bytes(std::span(k).first(token)),
+                            std::as_writable_bytes(std::span(v)))
+            .code(),
+        absl::StatusCode::kInvalidArgument);
+    std::vector<uint8_t> big(1000 * token);
+    EXPECT_EQ(mapping
+                  ->CopyLayerRows(*table, 1, 1000, std::as_writable_bytes(std::span(big)),
+                                  std::as_writable_bytes(std::span(big)))
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
   // A view larger than the file is refused.
   EXPECT_FALSE(LocalPoolMapping::Map(store->pool().fd(), store->pool().mapped_bytes() + 4096,
                                      kPageBytes, store->pool().pool_id())

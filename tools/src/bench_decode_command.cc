@@ -231,7 +231,6 @@ struct Document {
   std::vector<int32_t> tokens;  // [context + 1]: the prompt and the token that follows it
   kv_store::SequenceRef id;
   kv_store::PageTable table;
-  rc::SparseRowSource rows;
   std::vector<retrieval::PrebuiltClusterKvData> clusters;  // per layer (clusterkv runs only)
 };
 
@@ -489,7 +488,6 @@ class DecodeBench {
       (void)m_.EndKvExport(mid);
       KVR_RETURN_IF_ERROR(m_.ReleaseSequence(mid));
       KVR_RETURN_IF_ERROR(st);
-      docs_.back().rows = SourceOf(docs_.back().table);
       std::printf(
           "%6lldK  document %d: corpus tokens [%lld, %lld) prefilled on the GPU in %.2f s "
           "(%.0f tok/s)%s, %.2f GB of bf16 rows put to the store and checked in %.1f s\n",
@@ -521,22 +519,7 @@ class DecodeBench {
   int64_t SlotLength(int i, int64_t context) const {
     return context - int64_t{f_.doc_stride} * (i / f_.documents);
   }
-  // Rows [0, n) of `layer` of a document, from the store's pages, as CudaModel::AppendRows
-  // takes them: K and V each [n, n_kv_heads * head_dim] bf16.
-  absl::Status FillFromDocument(const Document& doc, int layer, int64_t n, std::span<uint16_t> k,
-                                std::span<uint16_t> v) const {
-    const model::ModelConfig& c = m_.config();
-    const int H = c.n_kv_heads, hd = c.head_dim;
-    for (int64_t t = 0; t < n; ++t) {
-      for (int h = 0; h < H; ++h) {
-        const uint8_t* row = pool_->Row(doc.table, static_cast<uint32_t>(layer),
-                                        static_cast<uint32_t>(h), static_cast<uint64_t>(t));
-        std::memcpy(&k[(t * H + h) * hd], row, size_t{2} * hd);
-        std::memcpy(&v[(t * H + h) * hd], row + size_t{2} * hd, size_t{2} * hd);
-      }
-    }
-    return absl::OkStatus();
-  }
+
   // The store's gather rate on the current sequence (the "fetched" placement's ceiling): `n`
   // concurrent gathers, each of `budget` random rows of every KV head of one layer (a slot's
   // per-layer fetch when nothing hits), into pinned host memory; best of `repeats` after one
@@ -687,7 +670,9 @@ class DecodeBench {
             const int64_t len = SlotLength(i, context);
             KVR_RETURN_IF_ERROR(m_.AppendRows(
                 sub[i], len, [&](int layer, std::span<uint16_t> k, std::span<uint16_t> v) {
-                  return FillFromDocument(doc, layer, len, k, v);
+                  return pool_->CopyLayerRows(doc.table, static_cast<uint32_t>(layer),
+                                              static_cast<uint64_t>(len), std::as_writable_bytes(k),
+                                              std::as_writable_bytes(v));
                 }));
             first.push_back(doc.tokens[len]);
           }
@@ -772,7 +757,7 @@ class DecodeBench {
           rc::SparseSequenceOptions so;
           if (placement.store) {
             if (real()) {
-              so.rows = SlotDocument(i).rows;
+              so.rows = SourceOf(SlotDocument(i).table);
             } else if (rows_.has_value()) {
               so.rows = *rows_;
             } else {
@@ -1310,20 +1295,24 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
         return absl::InvalidArgumentError(absl::StrCat("unknown method ", method));
       }
       for (const Placement& placement : placements) {
-        absl::Status s;
-        const std::string name = real && method != "full" ? method + ":real" : method;
-        if (method == "full") {
-          s = bench.RunDense(ctx, rows);
-        } else {
-          s = bench.RunSparse(
-              ctx, method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv,
-              name, placement, rows);
-        }
-        if (!s.ok())
+        // One row of the table (an error is printed in its place, and the sweep goes on).
+        auto report = [&](const std::string& name, const absl::Status& s) {
+          if (s.ok()) return;
           std::printf("%6lldK  %-16s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
                       name.c_str(), method == "full" ? "-" : placement.label.c_str(),
                       s.ToString().c_str());
-        if (method == "full") break;  // the dense KV is in HBM: one run
+        };
+        if (method == "full") {
+          report(method, bench.RunDense(ctx, rows));
+          break;  // the dense KV is in HBM: one run
+        }
+        const rc::SparseMethod sparse =
+            method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv;
+        auto run = [&](const std::string& name,
+                       std::shared_ptr<const rc::SparseSelectionReplay> replay) {
+          report(name, bench.RunSparse(ctx, sparse, name, placement, rows, std::move(replay)));
+        };
+        run(real ? method + ":real" : method, nullptr);
         const retrieval::eval::SelectionTrace* t = PickTrace(traces, method, f.budget, ctx);
         if (t == nullptr) continue;
         const std::shared_ptr<rc::SparseSelectionReplay> replay =
@@ -1333,24 +1322,12 @@ absl::Status RunDecodeBench(const DecodeBenchFlags& f) {
             "%d rows\n",
             static_cast<long long>(ctx / 1024), method.c_str(), t->budget,
             static_cast<long long>(t->prompt_tokens), replay->run);
-        s = bench.RunSparse(
-            ctx, method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv,
-            method + ":replayed", placement, rows, replay);
-        if (!s.ok())
-          std::printf("%6lldK  %-16s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
-                      (method + ":replayed").c_str(), placement.label.c_str(),
-                      s.ToString().c_str());
+        run(method + ":replayed", replay);
         if (!f.replay_scattered) continue;
         // The same selections with each position's rows spread one by one over the context.
         auto scattered = std::make_shared<rc::SparseSelectionReplay>(*replay);
         scattered->scatter = static_cast<int32_t>(t->prompt_tokens - t->CandidatesBegin());
-        s = bench.RunSparse(
-            ctx, method == "quest" ? rc::SparseMethod::kQuest : rc::SparseMethod::kClusterKv,
-            method + ":scattered", placement, rows, scattered);
-        if (!s.ok())
-          std::printf("%6lldK  %-16s  %-11s  error: %s\n", static_cast<long long>(ctx / 1024),
-                      (method + ":scattered").c_str(), placement.label.c_str(),
-                      s.ToString().c_str());
+        run(method + ":scattered", scattered);
       }
     }
   }

@@ -14,10 +14,13 @@
 // Security: the mapping shows every sequence in the pool, not only the caller's. The store
 // hands the pool only over a 0600 Unix socket (kv-store/README.md).
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvr/kv_store/page_pool.h"
 #include "kvr/kv_store/types.h"
@@ -82,6 +85,12 @@ class LocalPoolMapping {
                                    uint64_t row) const {
     return base_ + table.RowOffset(layer, head, row);
   }
+  // Rows [0, n_rows) of `layer` of `table` laid out as a model's KV cache holds them: K into `k`
+  // and V into `v`, each [n_rows, n_kv_heads * head_dim] elements of the sequence's dtype (as
+  // bytes), heads side by side in a token's row. InvalidArgument when a span is not exactly
+  // that size or the rows lie beyond the table's pages.
+  [[nodiscard]] absl::Status CopyLayerRows(const PageTable& table, uint32_t layer, uint64_t n_rows,
+                                           std::span<std::byte> k, std::span<std::byte> v) const;
 
  private:
   LocalPoolMapping() = default;
