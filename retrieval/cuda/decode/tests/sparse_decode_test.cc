@@ -63,6 +63,21 @@ void CheckRow(std::span<const float> got, std::span<const float> want, const std
   ++worst.steps;
 }
 
+// Sequences of at most 128 tokens at a budget that covers every candidate (so a sparse
+// sequence attends what a dense one does), a window of 8 (the ring wraps) and a hot cache.
+SparseDecodeOptions FullBudgetOptions(SparseMethod method, int slots) {
+  SparseDecodeOptions so;
+  so.method = method;
+  so.slots = slots;
+  so.max_capacity = 128;
+  so.budget = 128;
+  so.n_sink = 4;
+  so.local_window = 8;
+  so.hot_cache_rows = 64;
+  so.quest_page_size = 16;
+  return so;
+}
+
 void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method) {
   SparseModel m;
   MakeSparseModel(shape, n_layers, 11, 128, 8, &m);
@@ -71,16 +86,8 @@ void CheckFullBudget(const std::string& shape, int n_layers, SparseMethod method
   retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
   const int vocab = m.config.vocab;
 
-  SparseDecodeOptions so;
-  so.method = method;
-  so.slots = 2;
-  so.max_capacity = 128;
-  so.budget = 128;  // covers every candidate: prompt + 32 steps < 128 tokens
-  so.n_sink = 4;
-  so.local_window = 8;
-  so.hot_cache_rows = 64;
-  so.quest_page_size = 16;
-  ASSERT_TRUE(sp.Configure(so).ok());
+  // The budget covers every candidate: prompt + 32 steps < 128 tokens.
+  ASSERT_TRUE(sp.Configure(FullBudgetOptions(method, 2)).ok());
 
   const std::vector<int> lengths = {41, 23};
   const std::string name =
@@ -193,16 +200,7 @@ TEST(CudaSparseTest, MixedDenseAndSparseBatchMatchesSeparateForwards) {
   CudaModel& gpu = *m.gpu;
   retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
   const int vocab = m.config.vocab;
-  SparseDecodeOptions so;
-  so.method = SparseMethod::kQuest;
-  so.slots = 4;
-  so.max_capacity = 128;
-  so.budget = 128;
-  so.n_sink = 4;
-  so.local_window = 8;
-  so.hot_cache_rows = 64;
-  so.quest_page_size = 16;
-  ASSERT_TRUE(sp.Configure(so).ok());
+  ASSERT_TRUE(sp.Configure(FullBudgetOptions(SparseMethod::kQuest, 4)).ok());
   const std::vector<int32_t> dense_prompt = Tokens(37, vocab, 50);
   const std::vector<int32_t> sparse_prompt = Tokens(29, vocab, 51);
   const std::vector<int32_t> steps = Tokens(16, vocab, 52);
