@@ -78,13 +78,17 @@ absl::Status MaskedAttention::Attend(const kvr::model::AttentionShape& shape,
           e.mask != nullptr ? &e.mask->kept[static_cast<size_t>(r.layer) * e.mask->n_kv_heads + kvh]
                             : nullptr;
       const int64_t masked_rows = keep != nullptr ? std::min<int64_t>(n, e.mask->rows) : 0;
+      // The dense softmax and output only where they are measured (free decoding needs the
+      // masked output alone).
+      const bool measure = e.accum != nullptr;
       const float* q = r.q + int64_t{h} * hd;
       for (int64_t t = 0; t < n; ++t) {
-        dense_[t] = shape.scale * Dot(q, r.kv.k + t * r.kv.row_stride + int64_t{kvh} * hd, hd);
-        masked_[t] = t < masked_rows && (*keep)[t] == 0 ? -std::numeric_limits<float>::infinity()
-                                                        : dense_[t];
+        const float s = shape.scale * Dot(q, r.kv.k + t * r.kv.row_stride + int64_t{kvh} * hd, hd);
+        if (measure) dense_[t] = s;
+        masked_[t] =
+            t < masked_rows && (*keep)[t] == 0 ? -std::numeric_limits<float>::infinity() : s;
       }
-      SoftmaxInPlace(dense_);
+      if (measure) SoftmaxInPlace(dense_);
       SoftmaxInPlace(masked_);
       float* o = r.out + int64_t{h} * hd;
       std::fill(o, o + hd, 0.f);
@@ -92,13 +96,12 @@ absl::Status MaskedAttention::Attend(const kvr::model::AttentionShape& shape,
       double mass = 0;
       for (int64_t t = 0; t < n; ++t) {
         const float* v = r.kv.v + t * r.kv.row_stride + int64_t{kvh} * hd;
-        for (int d = 0; d < hd; ++d) {
-          o[d] += masked_[t] * v[d];
-          out_[d] += dense_[t] * v[d];
-        }
+        for (int d = 0; d < hd; ++d) o[d] += masked_[t] * v[d];
+        if (!measure) continue;
+        for (int d = 0; d < hd; ++d) out_[d] += dense_[t] * v[d];
         if (t >= masked_rows || (*keep)[t] != 0) mass += dense_[t];
       }
-      if (e.accum != nullptr) {
+      if (measure) {
         double diff = 0, norm = 0;
         for (int d = 0; d < hd; ++d) {
           diff += (o[d] - out_[d]) * (o[d] - out_[d]);

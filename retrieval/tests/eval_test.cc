@@ -398,7 +398,8 @@ TEST(MaskedAttentionTest, EqualsAttentionOverTheKeptRowsOnly) {
 }
 
 // The store's KeyDiff score (kvr/common/key_diff.h) is the `keydiff` method's: cosine to the
-// head's mean key, as KeyDiffScores over a token tensor computes it.
+// head's mean key, as the method's KeyDiffTracker scores a key once every key is added (its own
+// running sum; retrieval::KeyDiffScores calls the store's function, so it is no witness).
 TEST(MaskedAttentionTest, StoreScoreIsTheKeyDiffMethodsScore) {
   constexpr int kKvHeads = 3, kDim = 16;
   constexpr int64_t kTokens = 200;
@@ -406,12 +407,15 @@ TEST(MaskedAttentionTest, StoreScoreIsTheKeyDiffMethodsScore) {
   std::normal_distribution<float> normal(0.3f, 1.f);
   std::vector<float> keys(kTokens * kKvHeads * kDim);
   for (float& x : keys) x = normal(rng);
-  const TokenTensor tensor{keys.data(), kTokens, kKvHeads * kDim};
   for (int h = 0; h < kKvHeads; ++h) {
-    const std::vector<float> method = KeyDiffScores(tensor, h, kDim);
+    KeyDiffTracker method(kDim);
+    for (int64_t t = 0; t < kTokens; ++t) method.Add(keys.data() + (t * kKvHeads + h) * kDim);
     std::vector<float> store(kTokens);
     kvr::KeyDiffScores(keys.data() + h * kDim, kTokens, kDim, kKvHeads * kDim, store.data());
-    for (int64_t t = 0; t < kTokens; ++t) EXPECT_NEAR(store[t], method[t], 1e-5) << h << " " << t;
+    for (int64_t t = 0; t < kTokens; ++t) {
+      EXPECT_NEAR(store[t], method.Score(keys.data() + (t * kKvHeads + h) * kDim), 1e-5)
+          << h << " " << t;
+    }
   }
 }
 
