@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <limits>
 #include <set>
 #include <utility>
@@ -61,12 +62,17 @@ constexpr DtypeEntry kDtypes[] = {
     {SafetensorsDtype::kF8E5M2, "F8_E5M2", 1, nullptr},
 };
 
-const DtypeEntry& Entry(SafetensorsDtype dtype) {
-  for (const DtypeEntry& e : kDtypes) {
-    if (e.dtype == dtype) return e;
+// Row i is enumerator i, and every enumerator (up to the last, kF8E5M2) has its row: a new
+// dtype without one fails to compile instead of reading another's.
+constexpr bool InEnumeratorOrder() {
+  for (size_t i = 0; i < std::size(kDtypes); ++i) {
+    if (static_cast<size_t>(kDtypes[i].dtype) != i) return false;
   }
-  return kDtypes[0];  // unreachable: every enumerator is in the table
+  return std::size(kDtypes) == static_cast<size_t>(SafetensorsDtype::kF8E5M2) + 1;
 }
+static_assert(InEnumeratorOrder(), "kDtypes: one row per SafetensorsDtype, in enumerator order");
+
+const DtypeEntry& Entry(SafetensorsDtype dtype) { return kDtypes[static_cast<size_t>(dtype)]; }
 
 }  // namespace
 

@@ -25,6 +25,7 @@
 #include "kvr/model/loader.h"
 #include "kvr/model/model.h"
 #include "kvr/retrieval/all_methods.h"
+#include "kvr/retrieval/model_shape.h"
 #include "kvr/retrieval/ops.h"
 #include "kvr/retrieval/sparse_attention.h"
 #include "selection_trace.h"
@@ -534,7 +535,7 @@ absl::StatusOr<std::vector<EvalRow>> RunRetrievalEval(const EvalOptions& options
   base.local_window = options.local_window;
   base.options = options.method_options;
   base.pool = nullptr;
-  RopeParams rope{RopeStyle::kHalfSplit, cfg.rope_theta, 0};
+  RopeParams rope = RuntimeRope(cfg);
   std::shared_ptr<const MethodAssets> a2ats_assets;
 #ifdef KVR_RETRIEVAL_HAVE_QUANT
   if (!options.a2ats_codebooks.empty()) {

@@ -12,6 +12,7 @@
 #include "kvr/model/dense_attention.h"
 #include "kvr/model/model.h"
 #include "kvr/retrieval/codebook.h"
+#include "kvr/retrieval/model_shape.h"
 
 namespace kvr::retrieval {
 namespace {
@@ -102,11 +103,7 @@ absl::StatusOr<RopeParams> RopeParamsOf(const model::ModelConfig& config) {
         "a2ats: model '", config.name,
         "' uses frequency-scaled RoPE (llama3 scaling); WRoPE supports plain RoPE only"));
   }
-  RopeParams rope;
-  rope.style = RopeStyle::kHalfSplit;  // the runtime's layout for every architecture
-  rope.theta = config.rope_theta;
-  rope.rotary_dim = 0;
-  return rope;
+  return RuntimeRope(config);
 }
 
 absl::StatusOr<ModelFingerprint> FingerprintOf(const model::Model& model) {

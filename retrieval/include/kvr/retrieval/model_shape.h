@@ -7,8 +7,14 @@
 
 namespace kvr::retrieval {
 
-// Layer `layer` of a model with config `c`: its heads and layers, and the runtime's RoPE
-// (Hugging Face rotate-half for every architecture) with the config's theta.
+// The runtime's RoPE as the indexes describe it: Hugging Face rotate-half pairs for every
+// architecture, the config's theta, every dimension rotated. (Frequency scaling is not in it:
+// RopeParams has no field for it; the keys the indexes see are rotated already.)
+[[nodiscard]] inline RopeParams RuntimeRope(const model::ModelConfig& c) {
+  return {RopeStyle::kHalfSplit, c.rope_theta, 0};
+}
+
+// Layer `layer` of a model with config `c`: its heads and layers, and the runtime's RoPE.
 [[nodiscard]] inline IndexShape IndexShapeOf(const model::ModelConfig& c, int layer) {
   IndexShape shape;
   shape.n_heads = c.n_heads;
@@ -16,7 +22,7 @@ namespace kvr::retrieval {
   shape.head_dim = c.head_dim;
   shape.layer = layer;
   shape.n_layers = c.n_layers;
-  shape.rope = {RopeStyle::kHalfSplit, c.rope_theta, 0};
+  shape.rope = RuntimeRope(c);
   return shape;
 }
 
