@@ -67,7 +67,8 @@ struct DecodeConfig {
   // Dense when it pays (CudaDecodeBackendOptions::dense_*): sequences of at most this many
   // tokens (prompt + max_tokens), and `full` requests, run densely with their KV in HBM, up to
   // gpu_dense_bytes together. Measured on the H100 with SmolLM2 at budget 1024: sparse is
-  // 0.46x dense at 8K, 0.91x at 16K, 1.70x at 32K (BENCHMARKS.md).
+  // 0.46x dense at 8K, 0.91x at 16K (before the last attention kernel change), 1.93x at 32K
+  // (BENCHMARKS.md).
   uint32_t gpu_dense_max_tokens = 16384;
   int64_t gpu_dense_bytes = 2ll << 30;
   // Transport security of the gRPC port and of this process's channels (kvr/common/tls.h).

@@ -35,7 +35,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 //   part_o   [batch, n_heads, n_splits, D]
 //   part_lse [batch, n_heads, n_splits]  (log2 domain, -inf when the split had no rows)
 // (Measured 2026-11-27 on SmolLM2's head_dim 64 at b256: the former layout, a row over all 32
-// lanes with 4-byte loads and 5 shuffle levels, read the rows at ~0.7 TB/s.)
+// lanes with 4-byte loads and 5 shuffle levels, took 10.6 ms per step for rows that HBM reads
+// in ~3 ms; this one 5.5 ms. BENCHMARKS.md, "a row over 8 lanes".)
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads)
     DecodeAttentionSplitKernel(DecodeAttentionParams p, int rows_per_split, float* part_o,
@@ -326,7 +327,8 @@ int DecodeAttentionSplits(const DecodeAttentionParams& p) {
   if (heads >= kBlocksPerSm * MultiprocessorCount()) {
     // The (b, h) pairs alone fill the GPU (a big batch): one split each would leave every warp
     // a chain of max_rows / kWarps row steps (~80 at budget 1024 + a 272-row window), latency
-    // bound (measured 2026-11-27 on SmolLM2 at b128-256: ~0.57 TB/s). Split so that a warp
+    // bound (measured 2026-11-27 on SmolLM2 at b256: the attention stage 12.8 -> 10.6 ms with
+    // the split). Split so that a warp
     // walks at most kMaxRowsPerSplit / kWarps rows.
     splits = std::max<int64_t>(splits, (p.max_rows + kMaxRowsPerSplit - 1) / kMaxRowsPerSplit);
   }
