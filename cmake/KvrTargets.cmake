@@ -45,15 +45,17 @@ function(kvr_add_executable name)
   target_include_directories(${name} PRIVATE ${ARG_INCLUDES})
 endfunction()
 
-# kvr_add_test(<name> SOURCES ... LIBS ... [INCLUDES ...] [LABELS ...] [OWN_MAIN]
+# kvr_add_test(<name> SOURCES ... LIBS ... [INCLUDES ...] [LABELS ...] [OWN_MAIN] [RUN_SERIAL]
 #              [PROGRAMS <MACRO>=<target> ...])
 # A GoogleTest binary whose cases are discovered when ctest runs (not at build time, which
 # would cost a run of every test binary on each build). INCLUDES: include directories of its
 # own sources (another folder's test helpers). OWN_MAIN: the sources define main() (e.g. to
 # install a test event listener), so gtest_main is not linked. PROGRAMS: executables the test
-# runs, built before it, each one's path in the compile definition <MACRO>.
+# runs, built before it, each one's path in the compile definition <MACRO>. RUN_SERIAL: its
+# cases never share the machine with another test (ones that time a recovery).
 function(kvr_add_test name)
-  cmake_parse_arguments(ARG "OWN_MAIN" "" "SOURCES;LIBS;INCLUDES;LABELS;PROGRAMS" ${ARGN})
+  cmake_parse_arguments(ARG "OWN_MAIN;RUN_SERIAL" "" "SOURCES;LIBS;INCLUDES;LABELS;PROGRAMS"
+                        ${ARGN})
   kvr_add_executable(${name} SOURCES ${ARG_SOURCES} INCLUDES ${ARG_INCLUDES}
                      LIBS ${ARG_LIBS} GTest::gtest GTest::gmock)
   foreach(program ${ARG_PROGRAMS})
@@ -76,8 +78,12 @@ function(kvr_add_test name)
     endif()
     set(labels ${ARG_LABELS})
   endif()
+  set(serial)
+  if(ARG_RUN_SERIAL)
+    set(serial RUN_SERIAL TRUE)
+  endif()
   gtest_discover_tests(${name} DISCOVERY_MODE PRE_TEST
-    PROPERTIES LABELS "${labels}" ENVIRONMENT "KVR_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+    PROPERTIES LABELS "${labels}" ENVIRONMENT "KVR_SOURCE_DIR=${PROJECT_SOURCE_DIR}" ${serial})
 endfunction()
 
 # kvr_add_fuzzer(<name> SOURCES ... LIBS ... CORPUS <seed dir>)

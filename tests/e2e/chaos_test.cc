@@ -275,7 +275,20 @@ TEST(ChaosTest, EveryKindKilledOnceUnderLoad) {
       if (!served) served = load.FirstServedAfter(killed);
       absl::SleepFor(absl::Milliseconds(50));
     }
-    ASSERT_TRUE(registered.has_value()) << v.name << " did not register again";
+    if (!registered.has_value()) {
+      // What to look at: the restarted process's last lines and, for the controller, which
+      // members it has.
+      const std::vector<std::string> lines = process.Lines();
+      std::string tail;
+      for (size_t i = lines.size() > 10 ? lines.size() - 10 : 0; i < lines.size(); ++i) {
+        absl::StrAppend(&tail, "\n  ", lines[i]);
+      }
+      const std::pair<int, int> members = Members(cluster);
+      FAIL() << v.name << " did not register again (\"" << registered_line << "\" "
+             << (process.WaitForLine(registered_line, absl::ZeroDuration()).empty() ? "not " : "")
+             << "seen; members " << members.first << ", " << members.second
+             << "); its last lines:" << tail;
+    }
     ASSERT_TRUE(served.has_value()) << "no request served after the kill of " << v.name;
     Kill k{v.kind, v.name, killed, *registered - killed, *served - killed,
            std::max(*registered, *served) - killed};
