@@ -1,6 +1,7 @@
 // clusterkv: centroid scoring, top clusters, cluster-ordered expansion to token ids.
 //
-//  1. internal::GroupScores (exact.cu) over the fp32 centroids: GQA-aggregated q.mu per cluster
+//  1. internal::GroupScores (exact.cu) over the centroids (fp32 or bf16): GQA-aggregated q.mu per
+//  cluster
 //     ([rows, RowLd(max_clusters)]), the same kernels as `exact` with row_count = n_clusters.
 //  2. BatchedTopK of the top first_pick clusters (default max(64, budget / 8); ascending ids).
 //  3. ClusterKvExpandKernel, one CTA per row: ranks the chosen clusters by (score desc, cluster
@@ -14,8 +15,8 @@
 //     rows are empty): 2 and 3 again for the short rows over min(n_clusters, budget + 256)
 //     clusters, the CPU's limit. The top first_pick clusters are the first first_pick of those
 //     in the same order, so a row that was not short has the selection the full ranking gives.
-// Bytes: centroids, head_dim * 4 bytes per cluster and KV head (~6.5 MiB per sequence at 128K
-// with L/80 clusters, Llama-3-8B), plus the members of the chosen clusters.
+// Bytes: centroids, head_dim * 4 (fp32) or 2 (bf16) bytes per cluster and KV head (~6.5 MiB per
+// sequence at 128K with L/80 fp32 clusters, Llama-3-8B), plus the members of the chosen clusters.
 
 #include <cuda_runtime.h>
 
@@ -53,7 +54,7 @@ ExactSelectParams ScoreParams(const ClusterKvSelectParams& p) {
   e.gqa = p.gqa;
   e.query = p.query;
   e.keys.data = p.centroids;
-  e.keys.dtype = KeyDType::kF32;
+  e.keys.dtype = p.centroid_dtype;
   e.keys.token_stride = p.head_dim;
   e.keys.head_stride = static_cast<int64_t>(p.max_clusters) * p.head_dim;
   e.keys.batch_stride = static_cast<int64_t>(p.n_kv_heads) * p.max_clusters * p.head_dim;
@@ -307,6 +308,9 @@ absl::Status ClusterKvSelect(const ClusterKvSelectParams& p, cudaStream_t stream
     return absl::InvalidArgumentError(
         absl::StrCat("ClusterKvSelect: max_clusters and max_members must be >= 1, got ",
                      p.max_clusters, ", ", p.max_members));
+  }
+  if (p.centroid_dtype != KeyDType::kF32 && p.centroid_dtype != KeyDType::kBf16) {
+    return absl::InvalidArgumentError("ClusterKvSelect: centroids must be fp32 or bf16");
   }
   if (p.batch == 0) return absl::OkStatus();
   if (p.n_clusters == nullptr || p.offsets == nullptr || p.members == nullptr ||

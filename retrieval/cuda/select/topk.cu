@@ -34,7 +34,14 @@ int Segments(const TopKParams& p) {
   return static_cast<int>((p.row_stride + kSegment - 1) / kSegment);
 }
 
-static __global__ void __launch_bounds__(kThreads)
+// Rows of at most kShortRow scores (clusterkv's ~2K clusters, quest's pages at 32K) take CTAs of
+// kShortThreads: a CTA's time there is mostly its barriers and the 2048-bin histogram passes,
+// not the loads, so four times as many CTAs per SM finish a batch of rows sooner.
+constexpr int kShortRow = 4096;
+constexpr int kShortThreads = 256;
+
+template <int kT>
+static __global__ void __launch_bounds__(kT)
     BatchedTopKKernel(const float* __restrict__ scores, int64_t row_stride,
                       const int32_t* __restrict__ n_valid, const int32_t* __restrict__ id_offset,
                       int budget, int32_t* __restrict__ ids, int32_t* __restrict__ counts) {
@@ -42,8 +49,8 @@ static __global__ void __launch_bounds__(kThreads)
   const int row = blockIdx.x;
   const int n = n_valid[row];
   const int offset = id_offset != nullptr ? id_offset[row] : 0;
-  internal::RowTopK<kThreads>(scores + row * row_stride, n, offset, budget,
-                              ids + static_cast<int64_t>(row) * budget, counts + row, shared);
+  internal::RowTopK<kT>(scores + row * row_stride, n, offset, budget,
+                        ids + static_cast<int64_t>(row) * budget, counts + row, shared);
 }
 
 // Stage 1: grid (segments, rows); candidates [rows, segments, budget] (row-local indices).
@@ -112,8 +119,13 @@ absl::Status LaunchBatchedTopK(const TopKParams& p, cudaStream_t stream) {
                                                      cand, p.id_offset, p.out.ids, p.out.counts);
     return kvr::cuda::LastLaunchStatus("TopKMergeKernel");
   }
-  BatchedTopKKernel<<<p.rows, kThreads, 0, stream>>>(p.scores, p.row_stride, p.n_valid, p.id_offset,
-                                                     p.out.budget, p.out.ids, p.out.counts);
+  if (p.row_stride <= kShortRow) {
+    BatchedTopKKernel<kShortThreads><<<p.rows, kShortThreads, 0, stream>>>(
+        p.scores, p.row_stride, p.n_valid, p.id_offset, p.out.budget, p.out.ids, p.out.counts);
+  } else {
+    BatchedTopKKernel<kThreads><<<p.rows, kThreads, 0, stream>>>(
+        p.scores, p.row_stride, p.n_valid, p.id_offset, p.out.budget, p.out.ids, p.out.counts);
+  }
   return kvr::cuda::LastLaunchStatus("BatchedTopKKernel");
 }
 

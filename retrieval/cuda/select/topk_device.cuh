@@ -49,6 +49,13 @@ __device__ void RowTopKLoad4(Load4 load4, int n, MapId map_id, int budget, int32
   const int lane = tid & 31;
   const int warp = tid >> 5;
   n = n > 0 ? n : 0;
+  if (n == 0) {
+    // Nothing to rank (e.g. a row a second pass skips): the empty result without the three
+    // histogram passes, which cost as much as a full row of ~2K scores.
+    for (int j = tid; j < budget; j += kThreads) ids[j] = -1;
+    if (tid == 0 && count != nullptr) *count = 0;
+    return;
+  }
   const int n4 = (n + 3) / 4;
 
   // Three passes: digits of 11, 11 and 10 bits, most significant first.

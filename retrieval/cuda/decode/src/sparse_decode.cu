@@ -156,7 +156,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     int64_t bytes = 0;  // device bytes of everything below
     DeviceBuffer<bf16> resident;
     DeviceBuffer<float> bounds;
-    DeviceBuffer<float> centroids;
+    DeviceBuffer<bf16> centroids;
     DeviceBuffer<int32_t> n_clusters, offsets, members;
     std::vector<HotCache> hot;     // per layer
     DeviceBuffer<float> q_f32;     // [slots, q_dim]
@@ -952,6 +952,7 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     cp.scale = scale;
     cp.query = sp.q_f32.data();
     cp.centroids = sp.centroids.data() + heads_before * sp.max_clusters * d;
+    cp.centroid_dtype = KeyDType::kBf16;
     cp.n_clusters = sp.n_clusters.data() + heads_before;
     cp.offsets = sp.offsets.data() + heads_before * (sp.max_clusters + 1);
     cp.members = sp.members.data() + heads_before * o.max_capacity;
@@ -1429,14 +1430,14 @@ absl::Status SparseDecodeImpl::ActivateSequenceWithClusters(
   const int K = sp.max_clusters;
   const int64_t M = sp.opt.max_capacity;
   const int64_t lo = sp.opt.n_sink, hi = n_tokens - sp.opt.local_window;  // clustered: [lo, hi)
-  std::vector<float> cent(static_cast<size_t>(kv * K * d));
+  std::vector<bf16> cent(static_cast<size_t>(kv * K * d));
   std::vector<int32_t> count(kv), off(static_cast<size_t>(kv * (K + 1))), mem(kv * M);
   const int64_t S = sp.opt.slots;
   auto fail = [&](auto&&... parts) {  // s.length stays 0: not activated
     return absl::InvalidArgumentError(absl::StrCat("ActivateSequenceWithClusters: ", parts...));
   };
   for (int l = 0; l < c.n_layers; ++l) {
-    std::fill(cent.begin(), cent.end(), 0.f);
+    std::fill(cent.begin(), cent.end(), __float2bfloat16(0.f));
     std::fill(mem.begin(), mem.end(), -1);
     for (int64_t h = 0; h < kv; ++h) {
       const SparseClusterHead& in = heads[l * kv + h];
@@ -1458,7 +1459,8 @@ absl::Status SparseDecodeImpl::ActivateSequenceWithClusters(
         }
         if (n == before) continue;  // empty after the window's tokens left it
         if (nc >= K) return fail("layer ", l, " head ", h, ": more than ", K, " clusters");
-        std::copy_n(in.centroids.data() + cl * d, d, cent.data() + (h * K + nc) * d);
+        std::transform(in.centroids.data() + cl * d, in.centroids.data() + (cl + 1) * d,
+                       cent.data() + (h * K + nc) * d, [](float x) { return __float2bfloat16(x); });
         o[++nc] = n;
       }
       for (int cl = nc + 1; cl <= K; ++cl) o[cl] = n;

@@ -93,7 +93,7 @@ __global__ void SparseRopeKernel(SparseRopeParams p) {
       }
       const sbf16* key = ResidentRow(p.resident, p.resident_layer_stride, p.layer, slot,
                                      p.n_kv_heads, h, p.rcap, rs, d);
-      s.centroids[(hh * s.max_clusters + c) * d + i] = __bfloat162float(key[i]);
+      s.centroids[(hh * s.max_clusters + c) * d + i] = key[i];
     }
     __syncthreads();
     for (int h = threadIdx.x; h < p.n_kv_heads; h += blockDim.x) {
@@ -226,7 +226,8 @@ __global__ void FillClusterKernel(SparseFillParams p, int64_t end, int n_cluster
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     float sum = 0.f;
     for (int64_t t = t0; t < t1; ++t) sum += __bfloat162float(FillRow(p, layer, h, t)[i]);
-    s.centroids[(hh * s.max_clusters + c) * d + i] = sum / static_cast<float>(t1 - t0);
+    s.centroids[(hh * s.max_clusters + c) * d + i] =
+        __float2bfloat16(sum / static_cast<float>(t1 - t0));
   }
   int32_t* off = s.offsets + hh * (s.max_clusters + 1);
   for (int64_t t = t0 + threadIdx.x; t < t1; t += blockDim.x) {

@@ -11,7 +11,7 @@
 //   resident               [n_layers, slots, n_kv_heads, rcap, row]    rcap = n_sink + window;
 //                          token p at p when p < n_sink, else n_sink + (p - n_sink) % window
 //   quest bounds           [n_layers, slots, n_pages, n_kv_heads, 2, head_dim] fp32 (min, max)
-//   clusterkv centroids    [n_layers, slots, n_kv_heads, max_clusters, head_dim] fp32
+//   clusterkv centroids    [n_layers, slots, n_kv_heads, max_clusters, head_dim] bf16
 //             n_clusters   [n_layers, slots, n_kv_heads]
 //             offsets      [n_layers, slots, n_kv_heads, max_clusters + 1]
 //             members      [n_layers, slots, n_kv_heads, max_members]
@@ -50,7 +50,7 @@ struct SparseSummaryView {
   int64_t bounds_layer_stride = 0, bounds_slot_stride = 0;
   int page_size = 16;
   // clusterkv
-  float* centroids = nullptr;
+  sbf16* centroids = nullptr;  // bf16: the scoring reads them every step (ClusterKvSelect)
   int32_t* n_clusters = nullptr;
   int32_t* offsets = nullptr;
   int32_t* members = nullptr;

@@ -154,12 +154,16 @@ void CheckLoaded(const std::string& shape, int n_layers) {
     worst_ratio = std::max(worst_ratio, e.max_err / std::max(e.rms, 1e-6));
     EXPECT_GE(e.cosine, kMinCosine) << shape << " step " << step;
     EXPECT_LE(e.max_err, kMaxErrOverRms * e.rms) << shape << " step " << step;
+    // Greedy tokens: the same, or a near tie of the dense logits (within twice the logits'
+    // error; which way such a tie goes depends on the GEMM algorithms the GPU picks).
     const int32_t g = ArgMax(got), w = ArgMax(want);
     if (g != w) ++mismatches;
-    EXPECT_EQ(g, w) << shape << " step " << step << ": sparse greedy " << g << " vs dense " << w
-                    << " (dense gap " << want[w] - want[g] << ")";
+    EXPECT_TRUE(g == w || want[w] - want[g] <= 2 * e.max_err)
+        << shape << " step " << step << ": sparse greedy " << g << " vs dense " << w
+        << " (dense gap " << want[w] - want[g] << ", logits max |err| " << e.max_err << ")";
     next = w;
   }
+  EXPECT_LE(mismatches, 2) << shape << ": near ties stay rare";
   EXPECT_EQ(*sp.SequenceLength(kSparse), kPrompt + 32);
   std::printf(
       "[ load   ] %-14s prompt %lld, 32 steps: min cosine %.6f  max |err|/rms %.4f  "

@@ -178,7 +178,10 @@ struct ClusterKvSelectParams {
   float scale = 0.f;
   GqaAggregation gqa = GqaAggregation::kSumSoftmax;
   const float* query = nullptr;         // device [batch, n_heads, head_dim] fp32
-  const float* centroids = nullptr;     // device [batch, n_kv_heads, max_clusters, head_dim] fp32
+  // Device [batch, n_kv_heads, max_clusters, head_dim] in centroid_dtype (kF32 or kBf16). bf16
+  // halves the bytes the scoring reads, which is most of this selector's time at long context.
+  const void* centroids = nullptr;
+  KeyDType centroid_dtype = KeyDType::kF32;
   const int32_t* n_clusters = nullptr;  // device [batch, n_kv_heads]
   const int32_t* offsets = nullptr;     // device [batch, n_kv_heads, max_clusters + 1] into members
   const int32_t* members = nullptr;     // device [batch, n_kv_heads, max_members] token ids

@@ -11,7 +11,7 @@
 //   own, [n_layers, n_kv_heads, capacity, 2 (K | V), head_dim] bf16 (benchmarks and tests, and
 //   rows a caller writes itself: HostKv).
 // - On the GPU it keeps only: the sink rows and a ring of the local window (the "resident"
-//   rows), the method's summaries (quest: fp32 per-page key min/max; clusterkv: fp32 centroids,
+//   rows), the method's summaries (quest: fp32 per-page key min/max; clusterkv: bf16 centroids,
 //   member lists) and a hot cache of recently fetched rows (hot_cache.cuh).
 // - Its part of a decode step, per layer (Attend, between the model's QKV GEMM and its O GEMM):
 //   RoPE (here, not in the model: it is fused with the KV append and the summary update in one
@@ -95,7 +95,7 @@ struct SparseDecodeOptions {
   int clusterkv_tokens_per_cluster = 80;
   int clusterkv_max_pending = 4096;
   // clusterkv: room per KV head for the prefill's clusters; 0: the most the scaled default gives
-  // any budget (ClusterKvMaxDefaultClusters(max_capacity), L/8: fp32 centroids of 2 GiB per
+  // any budget (ClusterKvMaxDefaultClusters(max_capacity), L/8: bf16 centroids of 1 GiB per
   // Llama-3-8B sequence of 128K). A caller that knows its sequences' cluster counts (a fixed
   // budget, or the benchmark's stand-in) reserves only those.
   int64_t clusterkv_prefill_clusters = 0;
