@@ -35,6 +35,7 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.join(SOURCE_DIR, "tools", "bench", "tests"))
 sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "pylib"))
 import child_process  # noqa: E402
+import grafana_dashboard  # noqa: E402
 import kvr_cluster  # noqa: E402
 
 KVR = os.environ.get("KVR_BIN", "kvr")
@@ -161,21 +162,9 @@ class Prometheus:
 
 
 def dashboard_expressions(dashboard):
-    exprs = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if isinstance(node.get("expr"), str) and node["expr"].strip():
-                exprs.append(node["expr"])
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(dashboard.get("panels", []))
-    walk(dashboard.get("rows", []))
-    return exprs
+    """The non-empty PromQL expressions of the dashboard's panels and rows."""
+    return [expr for part in (dashboard.get("panels", []), dashboard.get("rows", []))
+            for expr in grafana_dashboard.expressions(part) if expr.strip()]
 
 
 def substitute(expr, variables):
