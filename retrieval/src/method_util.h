@@ -32,6 +32,34 @@ inline absl::StatusOr<int> ParseIntOption(absl::string_view name, absl::string_v
   return out;
 }
 
+// RopeParams as the index bytes (registry.cc) and the a2ats codebook file write them: style
+// (uint8), 3 zero bytes, theta (float), rotary_dim (int32).
+inline void PutRope(ByteWriter& w, const RopeParams& rope) {
+  w.Put<uint8_t>(static_cast<uint8_t>(rope.style));
+  for (int i = 0; i < 3; ++i) w.Put<uint8_t>(0);
+  w.Put<float>(rope.theta);
+  w.Put<int32_t>(rope.rotary_dim);
+}
+
+// Reads what PutRope wrote; DATA_LOSS naming `format` (the bytes being read) for an unknown
+// style.
+inline absl::Status GetRope(ByteReader& r, absl::string_view format, RopeParams* rope) {
+  uint8_t style = 0, pad = 0;
+  if (absl::Status read = r.Get("rope style", &style); !read.ok()) return read;
+  if (style > static_cast<uint8_t>(RopeStyle::kHalfSplit)) {
+    return absl::DataLossError(absl::StrCat(format, ": unknown rope style ", int{style}));
+  }
+  rope->style = static_cast<RopeStyle>(style);
+  for (int i = 0; i < 3; ++i) {
+    if (absl::Status read = r.Get("rope reserved", &pad); !read.ok()) return read;
+  }
+  if (absl::Status read = r.Get("rope theta", &rope->theta); !read.ok()) return read;
+  int32_t rotary_dim = 0;
+  if (absl::Status read = r.Get("rope rotary_dim", &rotary_dim); !read.ok()) return read;
+  rope->rotary_dim = rotary_dim;
+  return absl::OkStatus();
+}
+
 // A payload's GQA aggregation byte (written as uint8_t); the errors name `method`.
 inline absl::StatusOr<GqaAggregation> ReadGqa(ByteReader& r, const char* method) {
   uint8_t gqa = 0;
