@@ -9,7 +9,7 @@ endif()
 # kvr::retrieval_eval: `kvr eval retrieval` (needs the model runtime).
 if(TARGET kvr_model)
   kvr_add_library(retrieval_eval
-    SOURCES eval/retrieval_eval.cc eval/selection_trace.cc eval/thinned_prefix.cc
+    SOURCES eval/retrieval_eval.cc eval/selection_trace.cc eval/thinned_prefix.cc eval/head_quality.cc
     INCLUDES eval
     PUBLIC kvr::retrieval kvr::model kvr::common
     PRIVATE nlohmann_json::nlohmann_json absl::strings absl::str_format)

@@ -55,6 +55,9 @@ KUBERNETES_VERSION = "1.33.0"
 ROOT = os.environ.get("KVR_SOURCE_DIR") or os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy")
+sys.path.insert(0, os.path.join(ROOT, "tests", "pylib"))
+import grafana_dashboard  # noqa: E402
+
 OVERLAYS = ["dev", "multi-node-rdma", "tls"]
 GPU_ROLES = {"kvr-prefill", "kvr-decode"}
 errors = []
@@ -502,19 +505,7 @@ def dashboard_metrics_exported():
     for header in METRICS_HEADERS:
         with open(os.path.join(ROOT, header)) as f:
             documented |= set(re.findall(r"\bkvr_[a-z0-9_]+", f.read()))
-    exprs = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if isinstance(node.get("expr"), str):
-                exprs.append(node["expr"])
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(dashboard)
+    exprs = grafana_dashboard.expressions(dashboard)
     if not exprs:
         fail("the dashboard has no PromQL expressions")
     for expr in exprs:

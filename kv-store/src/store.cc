@@ -77,6 +77,25 @@ class PagedKvStore::Sequence {
     return pool_->PageData(list[row / tokens_per_page_]) + (row % tokens_per_page_) * row_bytes_;
   }
 
+  // Calls run(rows, bytes) with the address and size of each page-sized run of the rows of
+  // `range` (checked against this sequence), in order: rows inside a page are contiguous.
+  // ThinnedRowError for the first row of a run whose page thinning dropped.
+  template <typename Run>
+  absl::Status ForEachPageRun(const RangeEntry& range, Run&& run) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const bool holes = thinned_pages_ > 0;
+    const uint64_t end = range.start + range.n_rows;
+    for (uint64_t row = range.start; row < end;) {
+      const uint64_t n = std::min<uint64_t>(tokens_per_page_ - row % tokens_per_page_, end - row);
+      if (holes && !HasRow(range.layer, range.head, row)) {
+        return ThinnedRowError(range.sequence.id, range.layer, range.head, row);
+      }
+      run(static_cast<const uint8_t*>(RowPtr(range.layer, range.head, row)), n * row_bytes_);
+      row += n;
+    }
+    return absl::OkStatus();
+  }
+
   // Pages needed so that every head of `layer` holds `rows` rows.
   size_t PagesToGrow(uint32_t layer, uint64_t rows) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     const size_t want = (rows + tokens_per_page_ - 1) / tokens_per_page_;
@@ -735,6 +754,25 @@ absl::StatusOr<uint64_t> PagedKvStore::GatherBytes(std::span<const GatherEntry> 
   return CheckGather(entries, nullptr);
 }
 
+absl::Status PagedKvStore::CopyEntries(std::string_view what,
+                                       std::span<const std::shared_ptr<Sequence>> seqs,
+                                       uint64_t total, std::span<uint8_t> out,
+                                       EntryCopy copy_entry) const {
+  if (out.size() != total) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s output buffer has %d bytes, the rows need %d", what, out.size(), total));
+  }
+  uint8_t* dst = out.data();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const Sequence& seq = *seqs[i];
+    if (i == 0 || seqs[i] != seqs[i - 1]) Touch(seq);
+    absl::ReaderMutexLock lock(&seq.mu_);
+    KVR_ASSIGN_OR_RETURN(dst, copy_entry(seq, i, dst));
+  }
+  bytes_read_.fetch_add(total, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
 absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
                                   std::span<uint8_t> out) const {
   // Validate everything before copying anything; the references taken here keep the
@@ -742,28 +780,20 @@ absl::Status PagedKvStore::Gather(std::span<const GatherEntry> entries,
   std::vector<std::shared_ptr<Sequence>> seqs;
   seqs.reserve(entries.size());
   KVR_ASSIGN_OR_RETURN(const uint64_t total, CheckGather(entries, &seqs));
-  if (out.size() != total) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("gather output buffer has %d bytes, the rows need %d", out.size(), total));
-  }
-  uint8_t* dst = out.data();
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const Sequence& seq = *seqs[i];
-    if (i == 0 || seqs[i] != seqs[i - 1]) Touch(seq);
-    const size_t row_bytes = seq.row_bytes();
-    absl::ReaderMutexLock lock(&seq.mu_);
-    const GatherEntry& e = entries[i];
-    const bool holes = seq.thinned_pages() > 0;
-    for (uint32_t index : e.indices) {
-      if (holes && !seq.HasRow(e.layer, e.head, index)) {
-        return ThinnedRowError(e.sequence.id, e.layer, e.head, index);
-      }
-      std::memcpy(dst, seq.RowPtr(e.layer, e.head, index), row_bytes);
-      dst += row_bytes;
-    }
-  }
-  bytes_read_.fetch_add(total, std::memory_order_relaxed);
-  return absl::OkStatus();
+  return CopyEntries("gather", seqs, total, out,
+                     [&](const Sequence& seq, size_t i, uint8_t* dst) -> absl::StatusOr<uint8_t*> {
+                       const GatherEntry& e = entries[i];
+                       const size_t row_bytes = seq.row_bytes();
+                       const bool holes = seq.thinned_pages() > 0;
+                       for (uint32_t index : e.indices) {
+                         if (holes && !seq.HasRow(e.layer, e.head, index)) {
+                           return ThinnedRowError(e.sequence.id, e.layer, e.head, index);
+                         }
+                         std::memcpy(dst, seq.RowPtr(e.layer, e.head, index), row_bytes);
+                         dst += row_bytes;
+                       }
+                       return dst;
+                     });
 }
 
 absl::StatusOr<uint64_t> PagedKvStore::CheckRanges(
@@ -797,32 +827,15 @@ absl::Status PagedKvStore::RangeRead(std::span<const RangeEntry> ranges,
   std::vector<std::shared_ptr<Sequence>> seqs;
   seqs.reserve(ranges.size());
   KVR_ASSIGN_OR_RETURN(const uint64_t total, CheckRanges(ranges, &seqs));
-  if (out.size() != total) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("range output buffer has %d bytes, the rows need %d", out.size(), total));
-  }
-  uint8_t* dst = out.data();
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    const Sequence& seq = *seqs[i];
-    if (i == 0 || seqs[i] != seqs[i - 1]) Touch(seq);
-    const RangeEntry& r = ranges[i];
-    const uint32_t tpp = seq.tokens_per_page();
-    absl::ReaderMutexLock lock(&seq.mu_);
-    const bool holes = seq.thinned_pages() > 0;
-    // One memcpy per page-sized run: rows inside a page are contiguous.
-    for (uint64_t row = r.start; row < r.start + r.n_rows;) {
-      const uint64_t run = std::min<uint64_t>(tpp - row % tpp, r.start + r.n_rows - row);
-      if (holes && !seq.HasRow(r.layer, r.head, row)) {
-        return ThinnedRowError(r.sequence.id, r.layer, r.head, row);
-      }
-      const size_t bytes = run * seq.row_bytes();
-      std::memcpy(dst, seq.RowPtr(r.layer, r.head, row), bytes);
-      dst += bytes;
-      row += run;
-    }
-  }
-  bytes_read_.fetch_add(total, std::memory_order_relaxed);
-  return absl::OkStatus();
+  return CopyEntries(
+      "range", seqs, total, out,
+      [&](const Sequence& seq, size_t i, uint8_t* dst) -> absl::StatusOr<uint8_t*> {
+        KVR_RETURN_IF_ERROR(seq.ForEachPageRun(ranges[i], [&](const uint8_t* rows, uint64_t bytes) {
+          std::memcpy(dst, rows, bytes);
+          dst += bytes;
+        }));
+        return dst;
+      });
 }
 
 absl::StatusOr<std::vector<PagedKvStore::Segment>> PagedKvStore::LocateRange(
@@ -831,24 +844,15 @@ absl::StatusOr<std::vector<PagedKvStore::Segment>> PagedKvStore::LocateRange(
   KVR_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(range.sequence));
   Touch(*seq);
   std::vector<Segment> segments;
-  const uint32_t tpp = seq->tokens_per_page();
   absl::ReaderMutexLock lock(&seq->mu_);
-  const bool holes = seq->thinned_pages() > 0;
-  for (uint64_t row = range.start; row < range.start + range.n_rows;) {
-    const uint64_t run = std::min<uint64_t>(tpp - row % tpp, range.start + range.n_rows - row);
-    if (holes && !seq->HasRow(range.layer, range.head, row)) {
-      return ThinnedRowError(range.sequence.id, range.layer, range.head, row);
-    }
-    const uint64_t offset =
-        static_cast<uint64_t>(seq->RowPtr(range.layer, range.head, row) - pool_.base());
-    const uint64_t bytes = run * seq->row_bytes();
+  KVR_RETURN_IF_ERROR(seq->ForEachPageRun(range, [&](const uint8_t* rows, uint64_t bytes) {
+    const uint64_t offset = static_cast<uint64_t>(rows - pool_.base());
     if (!segments.empty() && segments.back().pool_offset + segments.back().bytes == offset) {
       segments.back().bytes += bytes;
     } else {
       segments.push_back({offset, bytes});
     }
-    row += run;
-  }
+  }));
   return segments;
 }
 

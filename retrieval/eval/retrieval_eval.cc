@@ -96,10 +96,8 @@ PasskeyPrompt MakePasskey(uint64_t seed, int64_t filler_sentences, double depth)
   return {text, absl::StrCat(" ", key)};
 }
 
-struct Accum {
+struct Accum : HeadQuality {
   double recall_hit = 0, recall_total = 0;
-  double mass = 0, rel_error = 0;
-  int64_t head_samples = 0;
 };
 
 // Wraps SparseAttention for the evaluated sequences: after each decode call it recomputes dense
@@ -166,13 +164,10 @@ class MeasuringAttention final : public kvr::model::Attention {
     const Selection& sel = e.sparse->last_selection();
     probs_.resize(static_cast<size_t>(shape.n_heads) * n);
     for (int h = 0; h < shape.n_heads; ++h) {
-      const int kvh = h / group;
-      const float* q = r.q + static_cast<int64_t>(h) * hd;
-      float* pr = probs_.data() + static_cast<int64_t>(h) * n;
-      for (int64_t t = 0; t < n; ++t) {
-        pr[t] = shape.scale * Dot(q, r.kv.k + t * r.kv.row_stride + kvh * hd, hd);
-      }
-      SoftmaxInPlace({pr, static_cast<size_t>(n)});
+      const std::span<float> pr(probs_.data() + static_cast<int64_t>(h) * n,
+                                static_cast<size_t>(n));
+      HeadLogits(shape, r, h, pr);
+      SoftmaxInPlace(pr);
     }
     for (int kvh = 0; kvh < shape.n_kv_heads; ++kvh) {
       const std::vector<int64_t>& picked = sel.per_head[kvh];
@@ -202,20 +197,9 @@ class MeasuringAttention final : public kvr::model::Attention {
         for (int64_t t = local_begin; t < n; ++t) mass += pr[t];
         for (int64_t id : picked) mass += pr[id];
         // Dense output from the probabilities; the sparse output is what SparseAttention wrote.
-        dense_.assign(hd, 0.f);
-        for (int64_t t = 0; t < n; ++t) {
-          const float* v = r.kv.v + t * r.kv.row_stride + kvh * hd;
-          for (int d = 0; d < hd; ++d) dense_[d] += pr[t] * v[d];
-        }
-        const float* o = r.out + static_cast<int64_t>(h) * hd;
-        double diff = 0, norm = 0;
-        for (int d = 0; d < hd; ++d) {
-          diff += (o[d] - dense_[d]) * (o[d] - dense_[d]);
-          norm += dense_[d] * dense_[d];
-        }
-        e.accum->mass += std::min(1.0, mass);
-        e.accum->rel_error += norm > 0 ? std::sqrt(diff / norm) : 0.0;
-        ++e.accum->head_samples;
+        dense_.resize(hd);
+        WeightedValues(r, kvh, hd, {pr, static_cast<size_t>(n)}, dense_.data());
+        e.accum->Add(mass, r.out + static_cast<int64_t>(h) * hd, dense_);
       }
     }
   }

@@ -81,36 +81,22 @@ absl::Status MaskedAttention::Attend(const kvr::model::AttentionShape& shape,
       // The dense softmax and output only where they are measured (free decoding needs the
       // masked output alone).
       const bool measure = e.accum != nullptr;
-      const float* q = r.q + int64_t{h} * hd;
+      HeadLogits(shape, r, h, dense_);
       for (int64_t t = 0; t < n; ++t) {
-        const float s = shape.scale * Dot(q, r.kv.k + t * r.kv.row_stride + int64_t{kvh} * hd, hd);
-        if (measure) dense_[t] = s;
-        masked_[t] =
-            t < masked_rows && (*keep)[t] == 0 ? -std::numeric_limits<float>::infinity() : s;
+        masked_[t] = t < masked_rows && (*keep)[t] == 0 ? -std::numeric_limits<float>::infinity()
+                                                        : dense_[t];
       }
-      if (measure) SoftmaxInPlace(dense_);
       SoftmaxInPlace(masked_);
       float* o = r.out + int64_t{h} * hd;
-      std::fill(o, o + hd, 0.f);
-      std::fill(out_.begin(), out_.end(), 0.f);
+      WeightedValues(r, kvh, hd, masked_, o);
+      if (!measure) continue;
+      SoftmaxInPlace(dense_);
+      WeightedValues(r, kvh, hd, dense_, out_.data());
       double mass = 0;
       for (int64_t t = 0; t < n; ++t) {
-        const float* v = r.kv.v + t * r.kv.row_stride + int64_t{kvh} * hd;
-        for (int d = 0; d < hd; ++d) o[d] += masked_[t] * v[d];
-        if (!measure) continue;
-        for (int d = 0; d < hd; ++d) out_[d] += dense_[t] * v[d];
         if (t >= masked_rows || (*keep)[t] != 0) mass += dense_[t];
       }
-      if (measure) {
-        double diff = 0, norm = 0;
-        for (int d = 0; d < hd; ++d) {
-          diff += (o[d] - out_[d]) * (o[d] - out_[d]);
-          norm += out_[d] * out_[d];
-        }
-        e.accum->mass += std::min(1.0, mass);
-        e.accum->rel_error += norm > 0 ? std::sqrt(diff / norm) : 0.0;
-        ++e.accum->head_samples;
-      }
+      e.accum->Add(mass, o, out_);
     }
   }
   return absl::OkStatus();

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "head_quality.h"
 #include "kvr/common/key_diff.h"
 #include "kvr/model/attention.h"
 
@@ -54,11 +55,7 @@ struct ThinMask {
 // anything else is UNIMPLEMENTED.
 class MaskedAttention final : public kvr::model::Attention {
  public:
-  struct Accum {
-    double mass = 0;
-    double rel_error = 0;
-    int64_t head_samples = 0;
-  };
+  using Accum = HeadQuality;
   struct Entry {
     const ThinMask* mask = nullptr;
     Accum* accum = nullptr;  // may be null: not measured

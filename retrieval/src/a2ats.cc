@@ -228,8 +228,8 @@ absl::Status A2atsIndex::Select(const SelectRequest& request, Selection* out) {
   KVR_ASSIGN_OR_RETURN(const internal::SelectStart start,
                        internal::StartSelect(request, s.n_kv_heads, size_, "a2ats", out));
   if (start.done) return absl::OkStatus();
-  const int64_t lo = start.lo;
-  const int64_t hi = start.hi;
+  const int64_t lo = start.candidates.begin;
+  const int64_t hi = start.candidates.end;
   const int64_t n_sel = hi - lo;
   const int group = s.group_size();
   const int d = s.head_dim;

@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "kvr/common/status.h"
@@ -48,11 +47,7 @@ class TrivialIndex final : public RetrievalIndex {
   absl::Status Select(const SelectRequest& request, Selection* out) override {
     KVR_ASSIGN_OR_RETURN(const CandidateRange c,
                          internal::BeginSelect(request, shape(), size_, out));
-    if (!select_all_) return absl::OkStatus();
-    for (auto& ids : out->per_head) {
-      ids.resize(c.count());
-      std::iota(ids.begin(), ids.end(), c.begin);
-    }
+    if (select_all_) internal::SelectEveryCandidate(c, out);
     return absl::OkStatus();
   }
   int64_t MemoryBytes() const override { return 0; }

@@ -18,6 +18,7 @@
 #include "kvr/common/thread_pool.h"
 #include "kvr/retrieval/rope.h"
 #include "kvr/retrieval/serialization.h"
+#include "method_util.h"
 #include "srht.h"
 
 // LAPACK's Cholesky from the OpenBLAS library we already link (Debian's libopenblas exports the
@@ -527,10 +528,7 @@ std::vector<uint8_t> A2atsCodebooks::Serialize() const {
   w.Put<int32_t>(model_.n_heads);
   w.Put<int32_t>(model_.n_kv_heads);
   w.Put<int32_t>(model_.head_dim);
-  w.Put<uint8_t>(static_cast<uint8_t>(model_.rope.style));
-  for (int i = 0; i < 3; ++i) w.Put<uint8_t>(0);
-  w.Put<float>(model_.rope.theta);
-  w.Put<int32_t>(model_.rope.rotary_dim);
+  internal::PutRope(w, model_.rope);
   const int size = heads_.empty() ? 0 : heads_.front().size;
   w.Put<int32_t>(size);
   w.Put<int64_t>(params_.wrope_offset);
@@ -578,15 +576,7 @@ absl::StatusOr<std::shared_ptr<const A2atsCodebooks>> A2atsCodebooks::Parse(
   KVR_RETURN_IF_ERROR(r.Get("n_heads", &model.n_heads));
   KVR_RETURN_IF_ERROR(r.Get("n_kv_heads", &model.n_kv_heads));
   KVR_RETURN_IF_ERROR(r.Get("head_dim", &model.head_dim));
-  uint8_t style = 0, reserved = 0;
-  KVR_RETURN_IF_ERROR(r.Get("rope style", &style));
-  for (int i = 0; i < 3; ++i) KVR_RETURN_IF_ERROR(r.Get("reserved", &reserved));
-  if (style > static_cast<uint8_t>(RopeStyle::kHalfSplit)) {
-    return absl::DataLossError(absl::StrCat("a2ats codebook file: unknown rope style ", style));
-  }
-  model.rope.style = static_cast<RopeStyle>(style);
-  KVR_RETURN_IF_ERROR(r.Get("rope theta", &model.rope.theta));
-  KVR_RETURN_IF_ERROR(r.Get("rope rotary_dim", &model.rope.rotary_dim));
+  KVR_RETURN_IF_ERROR(internal::GetRope(r, "a2ats codebook file", &model.rope));
   if (absl::Status s = model.Validate(); !s.ok()) {
     return absl::DataLossError(absl::StrCat("a2ats codebook file: ", s.message()));
   }

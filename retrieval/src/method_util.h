@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <span>
 #include <string>
 #include <string_view>
@@ -29,6 +30,34 @@ inline absl::StatusOr<int> ParseIntOption(absl::string_view name, absl::string_v
         absl::StrCat("option ", name, ": '", value, "' is not an integer"));
   }
   return out;
+}
+
+// RopeParams as the index bytes (registry.cc) and the a2ats codebook file write them: style
+// (uint8), 3 zero bytes, theta (float), rotary_dim (int32).
+inline void PutRope(ByteWriter& w, const RopeParams& rope) {
+  w.Put<uint8_t>(static_cast<uint8_t>(rope.style));
+  for (int i = 0; i < 3; ++i) w.Put<uint8_t>(0);
+  w.Put<float>(rope.theta);
+  w.Put<int32_t>(rope.rotary_dim);
+}
+
+// Reads what PutRope wrote; DATA_LOSS naming `format` (the bytes being read) for an unknown
+// style.
+inline absl::Status GetRope(ByteReader& r, absl::string_view format, RopeParams* rope) {
+  uint8_t style = 0, pad = 0;
+  if (absl::Status read = r.Get("rope style", &style); !read.ok()) return read;
+  if (style > static_cast<uint8_t>(RopeStyle::kHalfSplit)) {
+    return absl::DataLossError(absl::StrCat(format, ": unknown rope style ", int{style}));
+  }
+  rope->style = static_cast<RopeStyle>(style);
+  for (int i = 0; i < 3; ++i) {
+    if (absl::Status read = r.Get("rope reserved", &pad); !read.ok()) return read;
+  }
+  if (absl::Status read = r.Get("rope theta", &rope->theta); !read.ok()) return read;
+  int32_t rotary_dim = 0;
+  if (absl::Status read = r.Get("rope rotary_dim", &rotary_dim); !read.ok()) return read;
+  rope->rotary_dim = rotary_dim;
+  return absl::OkStatus();
 }
 
 // A payload's GQA aggregation byte (written as uint8_t); the errors name `method`.
@@ -92,6 +121,14 @@ inline void ResetSelection(Selection* out, int n_kv_heads) {
   for (auto& v : out->per_head) v.clear();
 }
 
+// Every head selects every candidate of `c`, in order.
+inline void SelectEveryCandidate(const CandidateRange& c, Selection* out) {
+  for (auto& ids : out->per_head) {
+    ids.resize(c.count());
+    std::iota(ids.begin(), ids.end(), c.begin);
+  }
+}
+
 // The opening of a Select over Candidates(request, size): `request` checked, `out` reset to
 // n_kv_heads empty lists. count() == 0 of the range returned: nothing to rank, `out` is final.
 inline absl::StatusOr<CandidateRange> BeginSelect(const SelectRequest& request,
@@ -102,13 +139,12 @@ inline absl::StatusOr<CandidateRange> BeginSelect(const SelectRequest& request,
   return Candidates(request, size);
 }
 
-// The opening of a Select that ranks [n_sink, min(local_begin, size)) itself (a2ats, pariskv):
-// `request` checked (the errors name `method`), `out` reset to n_kv_heads empty lists, and the
-// selectable tokens [lo, hi). `done` when nothing is left to rank: no selectable token, or a
-// budget that covers them all (every head then selects all of them, in order).
+// The opening of a Select that ranks the candidates itself (a2ats, pariskv): `request` checked
+// (the errors name `method`; a negative n_sink counts as 0), `out` reset to n_kv_heads empty
+// lists, and the candidates. `done` when nothing is left to rank: no candidate, or a budget
+// that covers them all (every head then selects all of them, in order).
 struct SelectStart {
-  int64_t lo = 0;
-  int64_t hi = 0;
+  CandidateRange candidates;
   bool done = false;
 };
 
@@ -123,15 +159,13 @@ inline absl::StatusOr<SelectStart> StartSelect(const SelectRequest& request, int
     return absl::InvalidArgumentError(absl::StrCat(method, " Select: query is null"));
   }
   ResetSelection(out, n_kv_heads);
-  SelectStart start{std::max<int64_t>(0, request.n_sink), std::min(request.local_begin, size)};
-  const int64_t n_sel = start.hi - start.lo;
-  if (n_sel <= 0) {
+  SelectStart start{Candidates(request, size)};
+  start.candidates.begin = std::max<int64_t>(0, start.candidates.begin);
+  const int64_t n_sel = start.candidates.count();
+  if (n_sel == 0) {
     start.done = true;
   } else if (request.budget >= n_sel) {
-    for (auto& ids : out->per_head) {
-      ids.resize(n_sel);
-      for (int64_t i = 0; i < n_sel; ++i) ids[i] = start.lo + i;
-    }
+    SelectEveryCandidate(start.candidates, out);
     start.done = true;
   }
   return start;

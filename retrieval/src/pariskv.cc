@@ -261,8 +261,8 @@ absl::Status ParisKvIndex::Select(const SelectRequest& request, Selection* out) 
   KVR_ASSIGN_OR_RETURN(const internal::SelectStart start,
                        internal::StartSelect(request, s.n_kv_heads, size_, "pariskv", out));
   if (start.done) return absl::OkStatus();
-  const int64_t lo = start.lo;
-  const int64_t hi = start.hi;
+  const int64_t lo = start.candidates.begin;
+  const int64_t hi = start.candidates.end;
   const int64_t n_sel = hi - lo;
   const ParisKvSchedule schedule = ScheduleParisKv(options_, n_sel, request.budget);
   const int group = s.group_size();

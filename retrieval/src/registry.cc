@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "kvr/common/status.h"
 #include "kvr/retrieval/serialization.h"
+#include "method_util.h"
 
 namespace kvr::retrieval {
 
@@ -79,12 +80,7 @@ absl::StatusOr<std::vector<uint8_t>> SerializeIndex(const RetrievalIndex& index)
   w.Put<int32_t>(s.head_dim);
   w.Put<int32_t>(s.layer);
   w.Put<int32_t>(s.n_layers);
-  w.Put<uint8_t>(static_cast<uint8_t>(s.rope.style));
-  w.Put<uint8_t>(0);
-  w.Put<uint8_t>(0);
-  w.Put<uint8_t>(0);
-  w.Put<float>(s.rope.theta);
-  w.Put<int32_t>(s.rope.rotary_dim);
+  internal::PutRope(w, s.rope);
   w.Put<int64_t>(index.size());
   // The payload is written in place after its length, which is patched once known (no second
   // buffer and copy: summaries are MBs per layer on the prefill node's hot path).
@@ -118,22 +114,12 @@ absl::StatusOr<std::unique_ptr<RetrievalIndex>> DeserializeIndex(std::span<const
   std::string method;
   KVR_RETURN_IF_ERROR(r.GetString("method", &method, 64));
   IndexShape shape;
-  int32_t v32 = 0;
   KVR_RETURN_IF_ERROR(r.Get("n_heads", &shape.n_heads));
   KVR_RETURN_IF_ERROR(r.Get("n_kv_heads", &shape.n_kv_heads));
   KVR_RETURN_IF_ERROR(r.Get("head_dim", &shape.head_dim));
   KVR_RETURN_IF_ERROR(r.Get("layer", &shape.layer));
   KVR_RETURN_IF_ERROR(r.Get("n_layers", &shape.n_layers));
-  uint8_t style = 0, pad = 0;
-  KVR_RETURN_IF_ERROR(r.Get("rope style", &style));
-  if (style > static_cast<uint8_t>(RopeStyle::kHalfSplit)) {
-    return absl::DataLossError(absl::StrCat("index bytes: unknown rope style ", int{style}));
-  }
-  shape.rope.style = static_cast<RopeStyle>(style);
-  for (int i = 0; i < 3; ++i) KVR_RETURN_IF_ERROR(r.Get("rope reserved", &pad));
-  KVR_RETURN_IF_ERROR(r.Get("rope theta", &shape.rope.theta));
-  KVR_RETURN_IF_ERROR(r.Get("rope rotary_dim", &v32));
-  shape.rope.rotary_dim = v32;
+  KVR_RETURN_IF_ERROR(internal::GetRope(r, "index bytes", &shape.rope));
   if (absl::Status s = shape.Validate(); !s.ok()) {
     return absl::DataLossError(absl::StrCat("index bytes: corrupt shape: ", s.message()));
   }

@@ -5,9 +5,11 @@ checks. Standard library only."""
 import argparse
 import os
 import re
-import subprocess
-import threading
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pylib"))
+from child_process import Process  # noqa: E402
 
 SKIP = 77
 MODEL = "smollm2-135m-instruct"
@@ -63,25 +65,16 @@ class Cluster:
     (default: this process's)."""
 
     def __init__(self, kvr, log_dir, args=(), env=None, ready_timeout=240):
-        self.proc = subprocess.Popen(
-            [kvr, "up", "--model", MODEL, "--prefill", "1", "--decode", "1", "--base-port", "0",
-             "--log-dir", log_dir, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        lines = []
-        deadline = time.time() + ready_timeout
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "kvr up: ready" in line:
-                break
-        text = "".join(lines)
-        if "kvr up: ready" not in text:
+        # The reader thread keeps draining stdout, so that kvr up never blocks on a full pipe.
+        self.up = Process([kvr, "up", "--model", MODEL, "--prefill", "1", "--decode", "1",
+                           "--base-port", "0", "--log-dir", log_dir, *args],
+                          env=env, stop_timeout=30)
+        try:
+            self.up.wait_match("kvr up: ready", timeout=ready_timeout)
+        except RuntimeError as e:
             self.stop()
-            raise RuntimeError("kvr up did not get ready:\n" + text)
-        # Keep draining stdout so that kvr up never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+            raise RuntimeError(f"kvr up did not get ready: {e}") from None
+        text = "\n".join(self.up.lines)
         self.grpc = re.search(r"public gRPC \(kvr.v1.Generation\)\s+(\S+)", text).group(1)
         self.base_url = re.search(r"OpenAI-compatible HTTP\s+(https?://\S+)", text).group(1)
         self.store_metrics = re.search(r"store-0 .* metrics (\S+)", text).group(1)
@@ -90,10 +83,4 @@ class Cluster:
         self.grpc_args = ["--tls-ca", self.ca] if ca else []
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.up.stop()

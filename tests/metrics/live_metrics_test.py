@@ -7,55 +7,21 @@ passes `promtool check metrics` and holds the node's kvr_node_info and its own m
 Environment (set by CTest): KVR_CONTROLLER_BIN, KVR_STORE_BIN, KVR_PREFILL_BIN, KVR_DECODE_BIN,
 PROMTOOL_BIN, KVR_TEST_MODEL."""
 import os
-import re
 import subprocess
-import threading
-import time
+import sys
 import unittest
 import urllib.request
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pylib"))
+from child_process import Process  # noqa: E402
 
 PROMTOOL = os.environ.get("PROMTOOL_BIN", "promtool")
 
 
-class Node:
-    """A child process whose stdout lines are collected by a thread."""
-
-    def __init__(self, argv):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        self.lines = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            with self.cond:
-                self.lines.append(line.rstrip("\n"))
-                self.cond.notify_all()
-
-    def wait_for(self, pattern, timeout=60):
-        regex = re.compile(pattern)
-        deadline = time.time() + timeout
-        with self.cond:
-            while True:
-                for line in self.lines:
-                    m = regex.search(line)
-                    if m:
-                        return m
-                left = deadline - time.time()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise AssertionError(f"no line matching {pattern!r}; output:\n" +
-                                         "\n".join(self.lines))
-                self.cond.wait(min(left, 0.5))
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
+def start_node(argv):
+    """`argv` as a child whose output (stdout and stderr) is collected; stop() gives it 20 s
+    after SIGTERM."""
+    return Process(argv, stop_timeout=20)
 
 
 def get_metrics(port):
@@ -75,8 +41,8 @@ class LiveMetricsTest(unittest.TestCase):
     def scrape(self, node, port_line, listening_line, who, timeout=60):
         """The node's /metrics, promtool-clean, once it listens; its metrics port is the first
         group of `port_line`."""
-        port = int(node.wait_for(port_line, timeout=timeout).group(1))
-        node.wait_for(listening_line)
+        port = int(node.wait_match(port_line, timeout=timeout).group(1))
+        node.wait_match(listening_line, timeout=60)
         text = get_metrics(port)
         promtool_check(self, text, who)
         return text
@@ -86,8 +52,8 @@ class LiveMetricsTest(unittest.TestCase):
             self.assertIn(line, text)
 
     def test_controller(self):
-        node = Node([os.environ["KVR_CONTROLLER_BIN"], "--listen", "127.0.0.1:0",
-                     "--metrics-port", "0"])
+        node = start_node([os.environ["KVR_CONTROLLER_BIN"], "--listen", "127.0.0.1:0",
+                           "--metrics-port", "0"])
         try:
             text = self.scrape(node, r"kvr-controller metrics on [^:]+:(\d+)",
                                "kvr-controller listening on", "kvr-controller")
@@ -97,18 +63,18 @@ class LiveMetricsTest(unittest.TestCase):
             node.stop()
 
     def test_controller_metrics_off(self):
-        node = Node([os.environ["KVR_CONTROLLER_BIN"], "--listen", "127.0.0.1:0",
-                     "--metrics-port", "-1"])
+        node = start_node([os.environ["KVR_CONTROLLER_BIN"], "--listen", "127.0.0.1:0",
+                           "--metrics-port", "-1"])
         try:
-            node.wait_for("kvr-controller listening on")
+            node.wait_match("kvr-controller listening on", timeout=60)
             self.assertFalse(any("metrics on" in line for line in node.lines), node.lines)
         finally:
             node.stop()
 
     def test_store(self):
-        node = Node([os.environ["KVR_STORE_BIN"], "--listen", "127.0.0.1:0", "--metrics-port",
-                     "0", "--capacity-bytes", "64MiB", "--huge-pages", "false", "--name",
-                     "store-a"])
+        node = start_node([os.environ["KVR_STORE_BIN"], "--listen", "127.0.0.1:0",
+                           "--metrics-port", "0", "--capacity-bytes", "64MiB", "--huge-pages",
+                           "false", "--name", "store-a"])
         try:
             text = self.scrape(node, r"kvr-store metrics port=(\d+)", "kvr-store listening",
                                "kvr-store")
@@ -130,8 +96,9 @@ class LiveMetricsTest(unittest.TestCase):
         if not os.path.exists(model):
             self.skipTest(f"test model {model} missing (scripts/fetch-model.sh)")
         # No controller: the node keeps retrying registration, which does not matter here.
-        node = Node([binary, "--model", model, "--listen", "127.0.0.1:0", "--metrics-port", "0",
-                     "--controller", "127.0.0.1:1", name_flag, f"{role}-a"])
+        node = start_node([binary, "--model", model, "--listen", "127.0.0.1:0",
+                           "--metrics-port", "0", "--controller", "127.0.0.1:1", name_flag,
+                           f"{role}-a"])
         try:
             text = self.scrape(node, rf"kvr-{role} metrics on [^:]+:(\d+)",
                                f"kvr-{role} listening on", f"kvr-{role}", timeout=90)

@@ -33,6 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_DIR = os.environ.get("KVR_SOURCE_DIR", os.path.dirname(os.path.dirname(HERE)))
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.join(SOURCE_DIR, "tools", "bench", "tests"))
+sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "pylib"))
+import child_process  # noqa: E402
+import grafana_dashboard  # noqa: E402
 import kvr_cluster  # noqa: E402
 
 KVR = os.environ.get("KVR_BIN", "kvr")
@@ -154,31 +157,14 @@ class Prometheus:
             time.sleep(0.5)
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        child_process.stop(self.proc, timeout=10)
         self.log.close()
 
 
 def dashboard_expressions(dashboard):
-    exprs = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if isinstance(node.get("expr"), str) and node["expr"].strip():
-                exprs.append(node["expr"])
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(dashboard.get("panels", []))
-    walk(dashboard.get("rows", []))
-    return exprs
+    """The non-empty PromQL expressions of the dashboard's panels and rows."""
+    return [expr for part in (dashboard.get("panels", []), dashboard.get("rows", []))
+            for expr in grafana_dashboard.expressions(part) if expr.strip()]
 
 
 def substitute(expr, variables):
@@ -211,7 +197,7 @@ class PrometheusE2eTest(unittest.TestCase):
                 "--decode-arg=--quality-sample-rate=1"]
         if os.environ.get("KVR_TEST_MODEL"):
             argv += ["--model", os.environ["KVR_TEST_MODEL"]]
-        cls.up = kvr_cluster.Process(argv, "kvr-up")
+        cls.up = child_process.Process(argv, "kvr-up")
         cls.up.wait_for("kvr up: ready", timeout=180)
         line = cls.up.wait_for("  public gRPC")
         cls.address = line.split()[-1]

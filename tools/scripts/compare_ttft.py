@@ -13,15 +13,8 @@ import json
 import statistics
 import sys
 
-
-def percentile(values, p):
-    """numpy's default (linear interpolation) percentile of a sorted list."""
-    if not values:
-        return 0.0
-    k = (len(values) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+from percentile import percentile  # noqa: E402
 
 
 def main(argv):

@@ -15,15 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def percentile(sorted_values, p):
-    """numpy's linear-interpolation percentile, without numpy."""
-    if not sorted_values:
-        return 0.0
-    rank = p / 100.0 * (len(sorted_values) - 1)
-    lo = int(rank)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+from percentile import percentile  # noqa: E402
 
 
 def cdf(ax, values_ms, title):

@@ -368,10 +368,7 @@ void AddBenchCommand(CLI::App& app) {
                                  "is for --backend kvr-grpc (openai-chat always sends "
                                  "chat messages)");
     }
-    if (absl::Status s = RunBench(*flags); !s.ok()) {
-      std::cerr << "kvr bench: " << s << "\n";
-      throw CLI::RuntimeError(1);
-    }
+    ExitIfError("bench", RunBench(*flags));
   });
 }
 

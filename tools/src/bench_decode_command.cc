@@ -1476,11 +1476,7 @@ void AddBenchDecodeCommand(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--json", f.json, "write the rows as JSON");
   cmd->callback([flags] {
-    const absl::Status s = RunDecodeBench(*flags);
-    if (!s.ok()) {
-      std::cerr << "kvr bench decode: " << s << "\n";
-      throw CLI::RuntimeError(1);
-    }
+    ExitIfError("bench decode", RunDecodeBench(*flags));
     // `kvr bench` itself (the load generator) must not run after its subcommand.
     throw CLI::Success();
   });

@@ -173,13 +173,7 @@ void AddCalibrateCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--threads", options->threads, "worker threads (0 = all cores)")
       ->capture_default_str();
-  cmd->callback([options] {
-    const absl::Status status = RunCalibrate(*options);
-    if (!status.ok()) {
-      std::cerr << "kvr calibrate: " << status << "\n";
-      throw CLI::RuntimeError(1);
-    }
-  });
+  cmd->callback([options] { ExitIfError("calibrate", RunCalibrate(*options)); });
 }
 
 }  // namespace kvr::tools

@@ -252,10 +252,9 @@ void AddEvalEndpointCommand(CLI::App& eval) {
     if (results->count() > 0 && flags->gate.empty()) {
       throw CLI::ValidationError("--results", "is only used with --gate");
     }
-    if (absl::Status s = RunEvalEndpoint(*flags); !s.ok()) {
-      std::cerr << "kvr eval endpoint: " << s << "\n";
-      throw CLI::RuntimeError(s.code() == absl::StatusCode::kFailedPrecondition ? 2 : 1);
-    }
+    // A failed quality gate (FAILED_PRECONDITION) exits 2, any other error 1.
+    const absl::Status s = RunEvalEndpoint(*flags);
+    ExitIfError("eval endpoint", s, s.code() == absl::StatusCode::kFailedPrecondition ? 2 : 1);
   });
 }
 

@@ -125,13 +125,7 @@ void AddEvalCommand(CLI::App& app) {
   cmd->add_option("--prefill-chunk", flags->eval.prefill_chunk, "prefill chunk in tokens")
       ->capture_default_str();
   AddEvalEndpointCommand(*eval);
-  cmd->callback([flags] {
-    const absl::Status status = RunEvalRetrieval(*flags);
-    if (!status.ok()) {
-      std::cerr << "kvr eval retrieval: " << status << "\n";
-      throw CLI::RuntimeError(1);
-    }
-  });
+  cmd->callback([flags] { ExitIfError("eval retrieval", RunEvalRetrieval(*flags)); });
 }
 
 }  // namespace kvr::tools

@@ -412,13 +412,7 @@ void AddGenerateCommand(CLI::App& app) {
                   "5-digit key); the summary says whether the answer contains the key");
   cmd->add_option("--passkey-seed", options->passkey_seed,
                   "seed of the passkey prompt (0: random)");
-  cmd->callback([options] {
-    const absl::Status status = RunGenerate(*options);
-    if (!status.ok()) {
-      std::cerr << "kvr generate: " << status << "\n";
-      throw CLI::RuntimeError(1);
-    }
-  });
+  cmd->callback([options] { ExitIfError("generate", RunGenerate(*options)); });
 }
 
 }  // namespace kvr::tools

@@ -118,13 +118,7 @@ void AddTokenizeCommand(CLI::App& app) {
                 "recognise special tokens written in the text (e.g. <|im_start|>) instead of "
                 "splitting them as plain text (always on with --chat)");
   cmd->add_flag("--ids-only", options->ids_only, "print only the ids, space-separated");
-  cmd->callback([options] {
-    const absl::Status status = RunTokenize(*options);
-    if (!status.ok()) {
-      std::fprintf(stderr, "kvr tokenize: %s\n", status.ToString().c_str());
-      throw CLI::RuntimeError(1);
-    }
-  });
+  cmd->callback([options] { ExitIfError("tokenize", RunTokenize(*options)); });
 }
 
 }  // namespace kvr::tools

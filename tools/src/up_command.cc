@@ -657,10 +657,7 @@ void AddUpCommand(CLI::App& app) {
     if (!o->pid_file.empty()) std::ofstream(o->pid_file) << getpid() << "\n";
     const absl::Status status = RunUp(*o, ready_fd);
     if (!o->pid_file.empty()) std::filesystem::remove(o->pid_file);
-    if (!status.ok()) {
-      std::cerr << "kvr up: " << status << "\n";
-      throw CLI::RuntimeError(1);
-    }
+    ExitIfError("up", status);
   });
 }
 

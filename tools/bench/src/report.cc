@@ -9,11 +9,6 @@
 namespace kvr::loadgen {
 namespace {
 
-template <typename T>
-nlohmann::json OrNull(const std::optional<T>& v) {
-  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
-}
-
 void AddDistribution(nlohmann::json& j, const std::string& name, const Distribution& d) {
   j[absl::StrCat("mean_", name, "_ms")] = d.mean_ms;
   j[absl::StrCat("median_", name, "_ms")] = d.median_ms;

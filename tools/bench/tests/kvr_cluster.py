@@ -3,55 +3,11 @@ standard library only): kvr-controller plus controller_fake_node nodes, and a he
 `kvr bench` as a process."""
 import os
 import subprocess
-import tempfile
-import threading
-import time
+import sys
 
-
-class Process:
-    """A child process whose stdout lines can be waited for."""
-
-    def __init__(self, argv, log_name):
-        self.argv = argv
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=log_name + "-", suffix=".log",
-                                               delete=False)
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.lines = []
-        self.cv = threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            with self.cv:
-                self.lines.append(line.rstrip("\n"))
-                self.cv.notify_all()
-        with self.cv:
-            self.cv.notify_all()
-
-    def wait_for(self, prefix, timeout=20.0):
-        """The first stdout line starting with `prefix`; raises on timeout or exit."""
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return line
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{self.argv[0]}: no line starting with {prefix!r} "
-                        f"(exit {self.proc.poll()}); stderr in {self.log.name}")
-                self.cv.wait(min(left, 0.2))
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                "tests", "pylib"))
+from child_process import Process  # noqa: E402
 
 
 class FakeCluster:

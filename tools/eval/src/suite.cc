@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvr/common/status.h"
+#include "kvr/loadgen/report.h"
 #include "kvr/loadgen/runner.h"
 
 namespace kvr::eval_endpoint {
@@ -230,9 +231,8 @@ nlohmann::json ToJson(const SuiteOptions& options, const SuiteReport& report,
       {"concurrency", options.concurrency},
       {"context", options.context},
       {"temperature", 0},
-      {"n_sink", options.n_sink ? nlohmann::json(*options.n_sink) : nlohmann::json(nullptr)},
-      {"local_window",
-       options.local_window ? nlohmann::json(*options.local_window) : nlohmann::json(nullptr)},
+      {"n_sink", loadgen::OrNull(options.n_sink)},
+      {"local_window", loadgen::OrNull(options.local_window)},
   };
   if (extra_config.is_object()) config.update(extra_config);
   nlohmann::json groups = nlohmann::json::array();
@@ -244,8 +244,7 @@ nlohmann::json ToJson(const SuiteOptions& options, const SuiteReport& report,
                       {"samples", g.samples},
                       {"failed", g.failed},
                       {"accuracy", g.accuracy},
-                      {"agreement_with_full",
-                       g.agreement ? nlohmann::json(*g.agreement) : nlohmann::json(nullptr)},
+                      {"agreement_with_full", loadgen::OrNull(g.agreement)},
                       {"output_tokens_per_s", g.tokens_per_s},
                       {"mean_ttft_ms", g.mean_ttft_ms},
                       {"mean_prompt_tokens", g.mean_prompt_tokens}});
@@ -262,8 +261,7 @@ nlohmann::json ToJson(const SuiteOptions& options, const SuiteReport& report,
                        {"answer", r.answer},
                        {"expected", r.expected},
                        {"score", r.score},
-                       {"agrees_with_full", r.agrees_with_full ? nlohmann::json(*r.agrees_with_full)
-                                                               : nlohmann::json(nullptr)},
+                       {"agrees_with_full", loadgen::OrNull(r.agrees_with_full)},
                        {"prompt_tokens", r.prompt_tokens},
                        {"output_tokens", r.output_tokens},
                        {"ttft_ms", 1000 * r.ttft_s},

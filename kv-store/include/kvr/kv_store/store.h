@@ -60,10 +60,12 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -237,6 +239,17 @@ class PagedKvStore {
   // The same for a range read (RangeBytes' errors).
   [[nodiscard]] absl::StatusOr<uint64_t> CheckRanges(
       std::span<const RangeEntry> ranges, std::vector<std::shared_ptr<Sequence>>* seqs) const;
+  // The copy of a checked read (Gather, RangeRead): `out` must be `total` bytes
+  // (INVALID_ARGUMENT naming the `what` read otherwise). For each entry i, in order, with
+  // seqs[i] (from CheckGather / CheckRanges) touched and reader-locked, copy_entry(seqs[i], i,
+  // dst) copies the entry's rows to dst and returns the end of what it wrote, or the error
+  // that ends the read. Counts `total` bytes as read.
+  using EntryCopy =
+      absl::FunctionRef<absl::StatusOr<uint8_t*>(const Sequence& seq, size_t i, uint8_t* dst)>;
+  [[nodiscard]] absl::Status CopyEntries(std::string_view what,
+                                         std::span<const std::shared_ptr<Sequence>> seqs,
+                                         uint64_t total, std::span<uint8_t> out,
+                                         EntryCopy copy_entry) const;
   // Allocates `n` pages; on a shortfall evicts (EvictFor, never a sequence in `keep`) and
   // tries again while eviction makes progress.
   [[nodiscard]] absl::Status AllocatePages(size_t n, std::vector<PageId>& out,

@@ -12,6 +12,13 @@
 
 namespace kvr::loadgen {
 
+// An optional as JSON: its value, or null (how kvr's JSON reports write "not measured" or "not
+// set").
+template <typename T>
+nlohmann::json OrNull(const std::optional<T>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
 struct RunInfo {
   std::string date;                  // "%Y%m%d-%H%M%S", as vllm writes it
   std::string backend = "kvr-grpc";  // kvr-grpc | openai-chat | openai-completions
