@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -221,7 +222,9 @@ class CudaModelImpl final : public CudaModel {
   struct GraphExecDeleter {
     void operator()(cudaGraphExec_t g) const { cudaGraphExecDestroy(g); }
   };
-  std::map<std::pair<int, int>,
+  // Key: dense sequences, their attention splits, the hook's rows (-1: no hook), output rows,
+  // the hook's graph key.
+  std::map<std::array<int64_t, 5>,
            std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, GraphExecDeleter>>
       graphs_;
   CudaGraphStats graph_stats_;
@@ -1312,13 +1315,17 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     return absl::OkStatus();
   };
   const absl::Status queued = [&]() -> absl::Status {
-    const bool graph = options_.cuda_graphs && !options_.profile && !hooked && all_decode &&
+    const bool graph = options_.cuda_graphs && !options_.profile &&
+                       (!hooked || plan.graph_key.has_value()) && all_decode &&
                        !next_tokens.empty() && exports.empty() && builds.empty();
     if (!graph) {
       KVR_RETURN_IF_ERROR(enqueue());
     } else {
-      // The grid of the decode attention is the only launch shape that depends on the step.
-      const std::pair<int, int> key{ap.n_seqs, cuda::DecodeSplits(ap)};
+      // The grid of the decode attention is the only launch shape of the model's own that
+      // depends on the step; the hook's launches depend on its key alone.
+      const std::array<int64_t, 5> key{ap.n_seqs, n_dense > 0 ? cuda::DecodeSplits(ap) : 0,
+                                       hooked ? plan.n_rows : -1, n_out,
+                                       static_cast<int64_t>(hooked ? *plan.graph_key : 0)};
       auto it = graphs_.find(key);
       if (it == graphs_.end()) {
         KVR_CUDA_RETURN_IF_ERROR(

@@ -51,9 +51,11 @@ struct CudaModelOptions {
   bool profile = false;
   // Dense decode steps of ForwardGreedy (every sequence one token, no export or summary build,
   // profiling off) run as a CUDA graph: captured once per (batch size, attention split count)
-  // and replayed, so the ~10 launches per layer cost one graph launch. Every per-step value
-  // (tokens, positions, cache pointers, lengths) is read from device metadata that the graph's
-  // first nodes copy from pinned host memory, so a replay serves any sequences of that size.
+  // and replayed, so the ~10 launches per layer cost one graph launch. A step with an attention
+  // hook does too when the hook's plan has a graph_key (CudaAttentionPlan), captured per key. Every
+  // per-step value (tokens, positions, cache pointers, lengths) is read from device metadata that
+  // the graph's first nodes copy from pinned host memory, so a replay serves any sequences of that
+  // size.
   bool cuda_graphs = true;
 };
 
@@ -182,7 +184,8 @@ struct KvExportOptions {
 };
 
 struct CudaGraphStats {
-  int64_t captures = 0;  // decode steps captured and instantiated (one per batch size / splits)
+  int64_t captures = 0;  // decode steps captured and instantiated (one per batch size / splits
+                         // / hook key)
   int64_t replays = 0;   // decode steps run as a graph launch (captures included)
 };
 
@@ -223,6 +226,12 @@ struct CudaAttentionRequest {
 struct CudaAttentionPlan {
   int64_t n_rows = 0;         // rows of every layer's tensors (at least the batch's tokens)
   std::vector<int32_t> rows;  // [batch]: the row of each sequence's token
+  // Set when everything the hook queues for this plan (Begin, every Attend, End) is the same
+  // launches with the same arguments as for any other plan with the same key: every per-step
+  // value is read from device memory or copied from pinned host memory at run time. A greedy
+  // decode step may then run as a CUDA graph captured once per key (CudaModelOptions::
+  // cuda_graphs). Unset: the step is queued launch by launch.
+  std::optional<uint64_t> graph_key;
 };
 
 // The per-layer device attention hook. One Forward calls, on the thread that drives the model:
@@ -306,8 +315,9 @@ class CudaModel {
   // ones): they run the dense path on rows before the hook's, every GEMM once over both, with
   // last-token logits only (kAll, a KV export or a build for a dense sequence of a hooked
   // Forward is InvalidArgument, even when the batch names none of the hook's); a batch of dense
-  // sequences alone then runs as a plain Forward. Logits and tokens come back in batch order. Never
-  // a CUDA graph while the hook has sequences in the batch. Errors as Forward's, plus the hook's.
+  // sequences alone then runs as a plain Forward. Logits and tokens come back in batch order. A
+  // greedy step runs as a CUDA graph only when the hook's plan has a graph_key. Errors as
+  // Forward's, plus the hook's.
   [[nodiscard]] virtual absl::Status ForwardWithAttention(CudaAttention& attention,
                                                           std::span<const CudaSequence> batch,
                                                           LogitsMode mode,

@@ -1629,6 +1629,18 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
     copy_new_rows_ |= q.host == nullptr;
     if (q.fetch != nullptr) fetched_.push_back(seqs[b]);
   }
+  // A CUDA graph of the step (CudaAttentionPlan::graph_key) when its launches and their arguments
+  // depend on nothing that changes between steps but End's copy of the new rows: clusterkv's
+  // selection reads its ranges and cluster counts on the device and its grid follows max_clusters,
+  // while quest's grid follows this step's longest candidate range; lanes, host selectors and
+  // fetches do host work between launches, a replay picks its step on the host and a test
+  // snapshot copies back in the middle of a layer.
+  const bool lanes_idle =
+      std::all_of(sp.lanes.begin(), sp.lanes.end(), [](const auto& lane) { return lane->empty(); });
+  if (o.method == SparseMethod::kClusterKv && lanes_idle && host_selected_.empty() &&
+      fetched_.empty() && o.replay == nullptr && snapshot_layer_ < 0) {
+    plan.graph_key = copy_new_rows_ ? 1 : 0;
+  }
   planned_ = std::move(seqs);
   return plan;
 }
