@@ -419,9 +419,24 @@ class CudaDecodeBackend final : public DecodeBackend {
 
   absl::Status Step(std::span<const uint64_t> ids, std::span<const int32_t> tokens,
                     std::span<float> logits) override {
+    return RunStep(ids, tokens,
+                   [&] { return sparse_->Forward(batch_, model::LogitsMode::kLast, logits); });
+  }
+  // The argmax on the GPU (and, for a batch of clusterkv sequences, the whole step as one CUDA
+  // graph: CudaAttentionPlan::graph_key).
+  bool HasStepGreedy() const override { return true; }
+  absl::Status StepGreedy(std::span<const uint64_t> ids, std::span<const int32_t> tokens,
+                          std::span<int32_t> next) override {
+    return RunStep(ids, tokens, [&] { return sparse_->ForwardGreedy(batch_, next); });
+  }
+
+  // One step over `ids` by `forward` (a Forward over batch_), then the new rows to the store.
+  template <typename F>
+  absl::Status RunStep(std::span<const uint64_t> ids, std::span<const int32_t> tokens,
+                       F&& forward) {
     batch_.clear();
     for (size_t b = 0; b < ids.size(); ++b) batch_.push_back({ids[b], tokens.subspan(b, 1)});
-    KVR_RETURN_IF_ERROR(sparse_->Forward(batch_, model::LogitsMode::kLast, logits));
+    KVR_RETURN_IF_ERROR(forward());
     node_.attend_calls += model_->config().n_layers;
     for (uint64_t id : ids) AppendNewRows(id);
     ReportStep(ids);
@@ -561,7 +576,6 @@ class CudaDecodeBackend final : public DecodeBackend {
   // sequences (CudaModel::ForwardWithAttention's mixed batch).
   absl::Status JoinDense(const Handoff& h, CudaPending& pending) {
     const uint64_t id = h.sequence_id;
-    const model::ModelConfig& c = model_->config();
     KVR_RETURN_IF_ERROR(model_->AddSequence(id, pending.capacity));
     const absl::Status filled = model_->AppendRows(
         id, h.prompt_tokens, [&](int layer, std::span<uint16_t> k, std::span<uint16_t> v) {

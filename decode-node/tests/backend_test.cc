@@ -277,5 +277,128 @@ TEST(EngineBackendStateTest, ASequenceThatEndsWaitingFreesItsBackendStateAtOnce)
   EXPECT_TRUE(absl::IsCancelled((*engine)->Next(2, absl::Now()).status()));
 }
 
+// A backend whose logits put every sequence's next token at (token + 1) % vocab, on the host
+// (Step) or picked where the logits are (StepGreedy); it counts both.
+class GreedyStepBackend final : public DecodeBackend {
+ public:
+  GreedyStepBackend() {
+    config_.n_layers = 2;
+    config_.vocab = 16;
+    config_.context_length = 1000;
+  }
+  const model::ModelConfig& config() const override { return config_; }
+  std::string name() const override { return "greedy-step"; }
+  int64_t max_sequence_tokens() const override { return config_.context_length; }
+  struct State final : BackendSequence {
+    int64_t resident_bytes() const override { return 100; }
+  };
+  absl::StatusOr<std::unique_ptr<BackendSequence>> Prepare(Handoff&) const override {
+    return std::make_unique<State>();
+  }
+  absl::Status Join(const Handoff&, std::unique_ptr<BackendSequence>) override {
+    return absl::OkStatus();
+  }
+  absl::Status Step(std::span<const uint64_t> ids, std::span<const int32_t> tokens,
+                    std::span<float> logits) override {
+    ++steps;
+    std::fill(logits.begin(), logits.end(), 0.f);
+    for (size_t b = 0; b < ids.size(); ++b) {
+      logits[b * config_.vocab + (tokens[b] + 1) % config_.vocab] = 50.f;
+    }
+    return absl::OkStatus();
+  }
+  bool HasStepGreedy() const override { return true; }
+  absl::Status StepGreedy(std::span<const uint64_t> ids, std::span<const int32_t> tokens,
+                          std::span<int32_t> next) override {
+    ++greedy_steps;
+    for (size_t b = 0; b < ids.size(); ++b) {
+      next[b] = no_finite_logit ? -1 : (tokens[b] + 1) % config_.vocab;
+    }
+    return absl::OkStatus();
+  }
+  RetrievalCounters Leave(uint64_t) override { return {}; }
+  NodeCounters node_counters() const override { return {}; }
+  int64_t SummaryBytes(uint64_t) const override { return 0; }
+
+  int steps = 0, greedy_steps = 0;
+  bool no_finite_logit = false;
+
+ private:
+  model::ModelConfig config_;
+};
+
+Handoff GreedyTestHandoff(kv_store::KvStoreClient* store, uint64_t id, float temperature) {
+  Handoff h;
+  h.sequence_id = id;
+  h.store_capability = kv_store::Capability::Generate();
+  h.store = store;
+  h.prompt_tokens = 10;
+  h.first_token = 3;
+  h.sampling.max_tokens = 5;
+  h.sampling.temperature = temperature;
+  h.sampling.ignore_eos = true;
+  h.layers.resize(2);
+  return h;
+}
+
+std::vector<int32_t> AllTokens(DecodeEngine& engine, uint64_t id) {
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < 20; ++i) {
+    absl::StatusOr<StreamChunk> c = engine.Next(id, absl::Now());
+    if (!c.ok()) break;
+    tokens.insert(tokens.end(), c->tokens.begin(), c->tokens.end());
+    if (c->completion.has_value()) break;
+  }
+  return tokens;
+}
+
+TEST(EngineGreedyStepTest, AllGreedyBatchesTakeTheBackendsGreedyStepOthersTheLogits) {
+  auto store = testing::MakeFakeStore();
+  {
+    auto backend = std::make_unique<GreedyStepBackend>();
+    GreedyStepBackend* b = backend.get();
+    auto engine = DecodeEngine::Create(std::move(backend), nullptr, {.batch_slots = 2});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 1, 0.f)).ok());
+    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 2, 0.f)).ok());
+    while ((*engine)->Step()) {
+    }
+    EXPECT_GT(b->greedy_steps, 0);
+    EXPECT_EQ(b->steps, 0);
+    // After the first token (the prefill node streams it), each the previous plus one: what the
+    // logits would have given.
+    EXPECT_EQ(AllTokens(**engine, 1), (std::vector<int32_t>{4, 5, 6, 7}));
+    EXPECT_EQ(AllTokens(**engine, 2), (std::vector<int32_t>{4, 5, 6, 7}));
+  }
+  {
+    // One sampling sequence in the batch: the logits come back for every sequence.
+    auto backend = std::make_unique<GreedyStepBackend>();
+    GreedyStepBackend* b = backend.get();
+    auto engine = DecodeEngine::Create(std::move(backend), nullptr, {.batch_slots = 2});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 1, 0.f)).ok());
+    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 2, 0.7f)).ok());
+    while ((*engine)->Step()) {
+    }
+    EXPECT_EQ(b->greedy_steps, 0);
+    EXPECT_GT(b->steps, 0);
+    EXPECT_EQ(AllTokens(**engine, 1), (std::vector<int32_t>{4, 5, 6, 7}));
+  }
+  {
+    // No finite logit: the sequence fails as the host sampler fails it.
+    auto backend = std::make_unique<GreedyStepBackend>();
+    backend->no_finite_logit = true;
+    auto engine = DecodeEngine::Create(std::move(backend), nullptr, {.batch_slots = 1});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 1, 0.f)).ok());
+    while ((*engine)->Step()) {
+    }
+    absl::StatusOr<StreamChunk> c = (*engine)->Next(1, absl::Now());
+    while (c.ok() && !c->completion.has_value()) c = (*engine)->Next(1, absl::Now());
+    ASSERT_FALSE(c.ok());
+    EXPECT_THAT(c.status().message(), HasSubstr("no finite logit"));
+  }
+}
+
 }  // namespace
 }  // namespace kvr::decode

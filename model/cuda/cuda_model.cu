@@ -841,6 +841,9 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
                                 std::span<float> logits, std::span<int32_t> next_tokens,
                                 CudaAttention* hook) {
   const ModelConfig& c = config_;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t_entry = Clock::now();
+  Clock::time_point t_queue = t_entry, t_queued = t_entry, t_synced = t_entry;
   if (batch.empty()) return absl::InvalidArgumentError("CudaModel::Forward: empty batch");
   // The calling thread may not be the one that made the model (a server's request threads).
   KVR_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
@@ -1315,6 +1318,7 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     return absl::OkStatus();
   };
   const absl::Status queued = [&]() -> absl::Status {
+    t_queue = Clock::now();
     const bool graph = options_.cuda_graphs && !options_.profile &&
                        (!hooked || plan.graph_key.has_value()) && all_decode &&
                        !next_tokens.empty() && exports.empty() && builds.empty();
@@ -1349,7 +1353,9 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
       KVR_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second.get(), stream()));
       ++graph_stats_.replays;
     }
+    t_queued = Clock::now();
     KVR_RETURN_IF_ERROR(stream_.Synchronize());
+    t_synced = Clock::now();
     // The exports' copies and host callbacks (all queued before the main stream's tail).
     if (!exports.empty()) KVR_RETURN_IF_ERROR(copy_stream_.Synchronize());
     return absl::OkStatus();
@@ -1378,6 +1384,13 @@ absl::Status CudaModelImpl::Run(std::span<const CudaSequence> batch, LogitsMode 
     if (seqs[b] != nullptr) seqs[b]->length += static_cast<int64_t>(batch[b].tokens.size());
   }
   finish.ok = true;
+  const auto ms = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  };
+  profile_.host_before_ms = ms(t_entry, t_queue);
+  profile_.host_queue_ms = ms(t_queue, t_queued);
+  profile_.host_wait_ms = ms(t_queued, t_synced);
+  profile_.host_after_ms = ms(t_synced, Clock::now());
   return absl::OkStatus();
 }
 

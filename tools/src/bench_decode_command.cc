@@ -17,7 +17,8 @@
 // token (one step = one token of every sequence, wall clock around ForwardGreedy), GPU bytes per
 // sequence; batches up to what GPU memory allows (dense: sequences added until the GPU is full;
 // sparse: slots configured until it is). Then the best sparse / best dense ratio per context,
-// and with --profile the per-step GPU time split and the bytes gathered from host per step.
+// and with --profile the per-step GPU time split, the bytes gathered from host per step and
+// where the timed steps' wall time went on the host (plan, queue, wait for the GPU, after).
 //
 // Same-run ceilings (before the rows): the GPU's PCI bus id and NUMA node, then per host KV
 // placement (--host-numa: the GPU's node, the far node, cudaHostAlloc's unbound pages, or a node
@@ -161,6 +162,7 @@ struct Row {
   int64_t gpu_bytes_per_seq = 0;
   bool profiled = false;
   model::CudaForwardProfile prof;
+  model::CudaForwardProfile host;  // the timed steps' host_* means (wall time on the host)
   double gathered_bytes_per_step = 0, hit_rate = 0;
   double selected_bytes_per_step = 0;  // hits included: what the step needs before the cache
   double GatherGbps() const {
@@ -590,11 +592,18 @@ class DecodeBench {
     };
     for (int i = 0; i < f_.warmup; ++i) KVR_RETURN_IF_ERROR(step());
     std::vector<double> ms;
+    row.host = {};
     for (int i = 0; i < f_.steps; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
       KVR_RETURN_IF_ERROR(step());
       ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      // Where the timed step's wall time went on the host (CudaForwardProfile's host_* fields).
+      const model::CudaForwardProfile p = m_.last_profile();
+      row.host.host_before_ms += p.host_before_ms / f_.steps;
+      row.host.host_queue_ms += p.host_queue_ms / f_.steps;
+      row.host.host_wait_ms += p.host_wait_ms / f_.steps;
+      row.host.host_after_ms += p.host_after_ms / f_.steps;
     }
     double sum = 0;
     for (double v : ms) sum += v;
@@ -847,6 +856,8 @@ class DecodeBench {
           "  | gpu %7.2f ms: gemm %6.2f  select %6.2f  gather %6.2f  attn %6.2f  other %5.2f",
           r.prof.total_ms, r.prof.gemm_ms, r.prof.select_ms, r.prof.gather_ms, r.prof.attention_ms,
           r.prof.other_ms);
+      std::printf("  | wall: plan %.2f queue %.2f wait %.2f after %.2f ms", r.host.host_before_ms,
+                  r.host.host_queue_ms, r.host.host_wait_ms, r.host.host_after_ms);
       if (r.placement != nullptr) {
         std::printf("  | host %7.1f MiB/step, hits %.2f | gather %5.1f GB/s = %.2f of %.1f",
                     r.gathered_bytes_per_step / (1 << 20), r.hit_rate, r.GatherGbps(),

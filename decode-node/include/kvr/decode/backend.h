@@ -59,6 +59,17 @@ class DecodeBackend {
   [[nodiscard]] virtual absl::Status Step(std::span<const uint64_t> ids,
                                           std::span<const int32_t> tokens,
                                           std::span<float> logits) = 0;
+  // A backend that picks greedy tokens where the logits are (the GPU) says so here; the engine
+  // then runs a step whose every sequence samples greedily as StepGreedy, and no logits cross
+  // to the host ([batch, vocab] floats: 50 MB a step at batch 256 and a 49K vocabulary).
+  virtual bool HasStepGreedy() const { return false; }
+  // The same step as Step, with next[b] = the argmax of sequence b's logits (the lowest id among
+  // ties, as model::ArgMax; negative when no logit is finite) instead of the logits.
+  [[nodiscard]] virtual absl::Status StepGreedy(std::span<const uint64_t> /*ids*/,
+                                                std::span<const int32_t> /*tokens*/,
+                                                std::span<int32_t> /*next*/) {
+    return absl::UnimplementedError("this decode backend has no greedy step");
+  }
   // After the step's tokens were sampled (the CPU backend starts appending the step's rows to
   // the store); then the sequences whose background work failed since the last call.
   virtual void AfterStep() {}

@@ -202,6 +202,7 @@ class DecodeEngine {
   std::vector<uint64_t> step_ids_;
   std::vector<int32_t> step_tokens_;
   std::vector<float> logits_;
+  std::vector<int32_t> greedy_next_;  // a greedy step's tokens (DecodeBackend::StepGreedy)
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;

@@ -197,6 +197,10 @@ struct CudaForwardProfile {
   double other_ms = 0;      // norms, RoPE (+ a hook's KV append), SwiGLU, embedding, argmax
   double select_ms = 0;     // attention hooks (CudaStage::kSelect): e.g. sparse selection
   double gather_ms = 0;     // attention hooks (CudaStage::kGather): e.g. hot cache + gather
+  // Host wall time of the last Forward, filled whether profiling or not: from the call to the
+  // first queued work (checks, plans, metadata), queueing (launches, or one graph launch),
+  // waiting for the stream, and from the stream's end to the return.
+  double host_before_ms = 0, host_queue_ms = 0, host_wait_ms = 0, host_after_ms = 0;
 };
 
 // Where the GPU time of a hooked layer goes (CudaForwardProfile's buckets).
