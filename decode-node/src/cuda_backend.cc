@@ -422,8 +422,8 @@ class CudaDecodeBackend final : public DecodeBackend {
     return RunStep(ids, tokens,
                    [&] { return sparse_->Forward(batch_, model::LogitsMode::kLast, logits); });
   }
-  // The argmax on the GPU (and, for a batch of clusterkv sequences, the whole step as one CUDA
-  // graph: CudaAttentionPlan::graph_key).
+  // The argmax on the GPU (and, for a batch of quest or clusterkv sequences on the GPU method,
+  // the whole step as one CUDA graph: CudaAttentionPlan::graph_key).
   bool HasStepGreedy() const override { return true; }
   absl::Status StepGreedy(std::span<const uint64_t> ids, std::span<const int32_t> tokens,
                           std::span<int32_t> next) override {

@@ -314,6 +314,14 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
   std::vector<HostSelected> host_selected_;
   std::vector<Sequence*> fetched_;  // this step's sequences with a SparseRowFetcher
   int64_t max_candidates_ = 0;
+  // The longest candidate range quest's selection is launched for: max_candidates rounded up to
+  // 4096 tokens (at most the capacity its workspace was sized for), so that a graph of the step
+  // serves 4096 steps; chunks past a sequence's own range return at once.
+  int64_t QuestCandidateBound(int64_t max_candidates) const {
+    constexpr int64_t kStep = 4096;
+    const int64_t up = (std::max<int64_t>(1, max_candidates) + kStep - 1) / kStep * kStep;
+    return std::min<int64_t>(up, sparse_->opt.max_capacity);
+  }
   bool copy_new_rows_ = false;
 };
 
@@ -936,7 +944,7 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     qp.bounds = v.bounds + layer * v.bounds_layer_stride;
     qp.bounds_batch_stride = v.bounds_slot_stride;
     qp.cand = cand;
-    qp.max_candidates = static_cast<int>(std::max<int64_t>(1, max_candidates));
+    qp.max_candidates = static_cast<int>(QuestCandidateBound(max_candidates));
     qp.out = out;
     qp.budgets = sp.budgets.data();
     qp.workspace = sp.select_ws.data();
@@ -1630,16 +1638,20 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
     if (q.fetch != nullptr) fetched_.push_back(seqs[b]);
   }
   // A CUDA graph of the step (CudaAttentionPlan::graph_key) when its launches and their arguments
-  // depend on nothing that changes between steps but End's copy of the new rows: clusterkv's
-  // selection reads its ranges and cluster counts on the device and its grid follows max_clusters,
-  // while quest's grid follows this step's longest candidate range; lanes, host selectors and
-  // fetches do host work between launches, a replay picks its step on the host and a test
-  // snapshot copies back in the middle of a layer.
+  // depend on nothing that changes between steps but End's copy of the new rows and, for quest,
+  // the bound of the candidate ranges its grid covers (QuestCandidateBound: it moves every 4096
+  // tokens, not every step); clusterkv's selection reads its ranges and cluster counts on the
+  // device and its grid follows max_clusters. Lanes, host selectors and fetches do host work
+  // between launches, a replay picks its step on the host and a test snapshot copies back in the
+  // middle of a layer: those steps are launched one by one.
   const bool lanes_idle =
       std::all_of(sp.lanes.begin(), sp.lanes.end(), [](const auto& lane) { return lane->empty(); });
-  if (o.method == SparseMethod::kClusterKv && lanes_idle && host_selected_.empty() &&
-      fetched_.empty() && o.replay == nullptr && snapshot_layer_ < 0) {
-    plan.graph_key = copy_new_rows_ ? 1 : 0;
+  if (lanes_idle && host_selected_.empty() && fetched_.empty() && o.replay == nullptr &&
+      snapshot_layer_ < 0) {
+    const uint64_t bound = o.method == SparseMethod::kQuest
+                               ? static_cast<uint64_t>(QuestCandidateBound(max_candidates_))
+                               : 0;
+    plan.graph_key = bound << 1 | (copy_new_rows_ ? 1 : 0);
   }
   planned_ = std::move(seqs);
   return plan;

@@ -304,10 +304,10 @@ TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
   }
 }
 
-// Greedy steps of clusterkv sequences run as a CUDA graph (the plan's graph_key) and choose the
-// tokens the same steps choose launch by launch, on two models of the same weights and rows;
-// quest steps (their grid follows the step's longest candidate range) are never captured.
-TEST(CudaSparseTest, GreedyClusterKvStepsRunAsOneGraphLikeLaunchByLaunch) {
+// Greedy steps of clusterkv or quest sequences run as a CUDA graph (the plan's graph_key) and
+// choose the tokens the same steps choose launch by launch, on two models of the same weights and
+// rows.
+TEST(CudaSparseTest, GreedySparseStepsRunAsOneGraphLikeLaunchByLaunch) {
   SKIP_WITHOUT_GPU();
   struct Run {
     std::vector<std::vector<int32_t>> tokens;  // per step
@@ -347,31 +347,33 @@ TEST(CudaSparseTest, GreedyClusterKvStepsRunAsOneGraphLikeLaunchByLaunch) {
     out->hits = sp.stats().hot_cache_hits;
     out->graphs = m.gpu->graph_stats();
   };
-  Run graphed, eager;
-  run(SparseMethod::kClusterKv, true, &graphed);
-  if (HasFatalFailure()) return;
-  run(SparseMethod::kClusterKv, false, &eager);
-  if (HasFatalFailure()) return;
-  EXPECT_EQ(graphed.tokens, eager.tokens);
-  // Not equal hit counts: a miss's victim depends on which hits of the same lookup have stamped
-  // their ways yet (hot_cache.cu), so counts vary between any two runs (3918 graphed vs 4100
-  // launch by launch on the H200); the rows gathered, and so the tokens, do not.
-  EXPECT_GT(graphed.hits, 0);
-  EXPECT_NEAR(static_cast<double>(graphed.hits), static_cast<double>(eager.hits),
-              0.15 * static_cast<double>(eager.hits));
-  EXPECT_EQ(graphed.graphs.captures, 2);  // batches of 3 and of 2
-  EXPECT_EQ(graphed.graphs.replays, 8);
-  EXPECT_EQ(eager.graphs.replays, 0);
-  Run quest;
-  run(SparseMethod::kQuest, true, &quest);
-  if (HasFatalFailure()) return;
-  EXPECT_EQ(quest.graphs.replays, 0);
-  std::printf(
-      "[ sparse ] clusterkv greedy steps: %lld graph captures, %lld replays, tokens equal "
-      "to launch by launch: %s, hot-cache hits %lld vs %lld\n",
-      static_cast<long long>(graphed.graphs.captures),
-      static_cast<long long>(graphed.graphs.replays), graphed.tokens == eager.tokens ? "yes" : "no",
-      static_cast<long long>(graphed.hits), static_cast<long long>(eager.hits));
+  for (const SparseMethod method : {SparseMethod::kClusterKv, SparseMethod::kQuest}) {
+    const char* name = method == SparseMethod::kQuest ? "quest" : "clusterkv";
+    Run graphed, eager;
+    run(method, true, &graphed);
+    if (HasFatalFailure()) return;
+    run(method, false, &eager);
+    if (HasFatalFailure()) return;
+    EXPECT_EQ(graphed.tokens, eager.tokens) << name;
+    // Not equal hit counts: a miss's victim depends on which hits of the same lookup have
+    // stamped their ways yet (hot_cache.cu), so counts vary between any two runs (3918 graphed
+    // vs 4100 launch by launch on the H200); the rows gathered, and so the tokens, do not.
+    EXPECT_GT(graphed.hits, 0) << name;
+    EXPECT_NEAR(static_cast<double>(graphed.hits), static_cast<double>(eager.hits),
+                0.15 * static_cast<double>(eager.hits))
+        << name;
+    // Batches of 3 and of 2; quest's candidate bound (6,000 tokens -> 8,192) does not move.
+    EXPECT_EQ(graphed.graphs.captures, 2) << name;
+    EXPECT_EQ(graphed.graphs.replays, 8) << name;
+    EXPECT_EQ(eager.graphs.replays, 0) << name;
+    std::printf(
+        "[ sparse ] %s greedy steps: %lld graph captures, %lld replays, tokens equal to "
+        "launch by launch: %s, hot-cache hits %lld vs %lld\n",
+        name, static_cast<long long>(graphed.graphs.captures),
+        static_cast<long long>(graphed.graphs.replays),
+        graphed.tokens == eager.tokens ? "yes" : "no", static_cast<long long>(graphed.hits),
+        static_cast<long long>(eager.hits));
+  }
 }
 
 float Bf16(uint16_t bits) {
