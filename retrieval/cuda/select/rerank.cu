@@ -58,13 +58,9 @@ absl::Status FinishRerank(int batch, int n_kv_heads, int group, GqaAggregation g
   const int rows = batch * n_kv_heads;
   if (rows == 0) return absl::OkStatus();
   if (gqa == GqaAggregation::kSumSoftmax) {
-    LseKernel<<<rows, 32 * group, 0, stream>>>(group, chunk, b.n_chunks, b.partials, b.n_valid,
-                                               b.lse);
-    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    const dim3 grid(std::max(1, (max_items + 1023) / 1024), n_kv_heads, batch);
-    SoftmaxAggregateKernel<<<grid, 256, 0, stream>>>(n_kv_heads, group, b.ld, b.logits, b.lse,
-                                                     b.n_valid, b.scores);
-    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    KVR_RETURN_IF_ERROR(SoftmaxAggregate(batch, n_kv_heads, group, chunk, b.n_chunks, b.ld,
+                                         max_items, b.logits, b.partials, b.n_valid, b.lse,
+                                         b.scores, stream));
   }
   TopKParams k;
   k.rows = rows;
