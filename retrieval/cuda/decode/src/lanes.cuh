@@ -37,6 +37,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -114,6 +115,16 @@ class GpuLane {
   const int32_t* planned_slots() const;
   const int32_t* slot_tokens() const;
   const int32_t* slot_leaving() const;
+  // A selector's attention shape over `batch` sequences: the model's heads and the scale
+  // 1 / sqrt(head_dim) (and head_dim where the parameters carry it).
+  template <typename P>
+  void SetSelectShape(P& p, int batch) const {
+    p.batch = batch;
+    p.n_heads = n_heads_;
+    p.n_kv_heads = n_kv_;
+    if constexpr (requires { p.head_dim; }) p.head_dim = head_dim_;
+    p.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
+  }
 
   std::string method_;
   int n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, slots_ = 0, budget_ = 0;
