@@ -377,6 +377,19 @@ static __global__ void __launch_bounds__(256) ParisQueryKernel(SelectArgs a) {
   }
 }
 
+// Row t of kN 32-bit words (rows of kN / 4 uint4, kN a multiple of 4) in 16-byte loads.
+template <int kN>
+__device__ __forceinline__ void LoadRow(const uint4* rows, int t, uint32_t (&w)[kN]) {
+#pragma unroll
+  for (int v = 0; v < kN / 4; ++v) {
+    const uint4 u = __ldg(rows + static_cast<int64_t>(t) * (kN / 4) + v);
+    w[4 * v] = u.x;
+    w[4 * v + 1] = u.y;
+    w[4 * v + 2] = u.z;
+    w[4 * v + 3] = u.w;
+  }
+}
+
 // Sign bits of the 8 codes in a 32-bit word (coordinate 2i: bit 3 of byte i, 2i + 1: bit 7) as
 // an 8-bit id (bit j = coordinate j negative), as CentroidIdFromPacked.
 __device__ __forceinline__ uint32_t SignByte(uint32_t w) {
@@ -427,14 +440,7 @@ static __global__ void __launch_bounds__(256) ParisCollisionKernel(SelectArgs a)
     const bool valid = i < end;
     const int t = lo + (valid ? i : begin);
     uint32_t w[kWords];
-#pragma unroll
-    for (int v = 0; v < kWords / 4; ++v) {
-      const uint4 u = __ldg(codes + static_cast<int64_t>(t) * (kWords / 4) + v);
-      w[4 * v] = u.x;
-      w[4 * v + 1] = u.y;
-      w[4 * v + 2] = u.z;
-      w[4 * v + 3] = u.w;
-    }
+    LoadRow(codes, t, w);
     uint32_t total = 0;
 #pragma unroll
     for (int k = 0; k < kWords; ++k) {
@@ -571,23 +577,9 @@ static __global__ void __launch_bounds__(256) ParisRerankKernel(SelectArgs a) {
   for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
     const int t = cand[i];
     uint32_t w[kWords];
-#pragma unroll
-    for (int v = 0; v < kWords / 4; ++v) {
-      const uint4 u = __ldg(codes + static_cast<int64_t>(t) * (kWords / 4) + v);
-      w[4 * v] = u.x;
-      w[4 * v + 1] = u.y;
-      w[4 * v + 2] = u.z;
-      w[4 * v + 3] = u.w;
-    }
+    LoadRow(codes, t, w);
     uint32_t wt[kB / 2];  // fp16 pairs
-#pragma unroll
-    for (int v = 0; v < kB / 8; ++v) {
-      const uint4 u = __ldg(weights + static_cast<int64_t>(t) * (kB / 8) + v);
-      wt[4 * v] = u.x;
-      wt[4 * v + 1] = u.y;
-      wt[4 * v + 2] = u.z;
-      wt[4 * v + 3] = u.w;
-    }
+    LoadRow(weights, t, wt);
     float est[kG];
 #pragma unroll
     for (int g = 0; g < kG; ++g) est[g] = 0.f;
