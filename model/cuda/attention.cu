@@ -81,6 +81,20 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// The double-buffered K/V pipeline at tile `tile` of n_tiles: issues the next tile's load into the
+// other stage (load_kv(tile, stage)), then waits until this tile's stage is in shared memory for
+// the whole block.
+template <typename LoadKv>
+__device__ __forceinline__ void WaitKvTile(int tile, int n_tiles, const LoadKv& load_kv) {
+  if (tile + 1 < n_tiles) {
+    load_kv(tile + 1, (tile & 1) ^ 1);
+    CpAsyncWait<1>();
+  } else {
+    CpAsyncWait<0>();
+  }
+  __syncthreads();
+}
+
 // S[16, 8 kN] = Q K^T for the warp: qf holds its 16 query rows as A fragments, sk the kN * 8 keys
 // (row stride kLd) in shared memory.
 template <int HD, int kN, int kLd>
@@ -211,13 +225,7 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(AttentionParams
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int stage = tile & 1;
-    if (tile + 1 < n_tiles) {
-      load_kv(tile + 1, stage ^ 1);
-      CpAsyncWait<1>();
-    } else {
-      CpAsyncWait<0>();
-    }
-    __syncthreads();
+    WaitKvTile(tile, n_tiles, load_kv);
     const bf16* sk = s_kv + (2 * stage) * L::kTile;
     const bf16* sv = sk + L::kTile;
     const int64_t k0 = int64_t{tile} * kBlockK;
@@ -351,13 +359,7 @@ __global__ void __launch_bounds__(kThreads) DecodeMmaKernel(AttentionParams p, i
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int stage = tile & 1;
-    if (tile + 1 < n_tiles) {
-      load_kv(tile + 1, stage ^ 1);
-      CpAsyncWait<1>();
-    } else {
-      CpAsyncWait<0>();
-    }
-    __syncthreads();
+    WaitKvTile(tile, n_tiles, load_kv);
     const bf16* sk = s_kv + (2 * stage) * L::kTile + warp * 16 * kLd;  // this warp's 16 keys
     const bf16* sv = sk + L::kTile;
     const int64_t k0 = begin + int64_t{tile} * kBlockK + warp * 16;
