@@ -205,21 +205,6 @@ static __global__ void __launch_bounds__(kRecallThreads) CtkvrRecallKernel(Args 
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float ToF(T v);
-template <>
-__device__ __forceinline__ float ToF<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float ToF<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
 template <typename T, int kHeadDim, int kG>
 static __global__ void __launch_bounds__(256) CtkvrRerankKernel(Args a) {
   constexpr int kPer = kHeadDim / 8;
@@ -254,7 +239,7 @@ static __global__ void __launch_bounds__(256) CtkvrRerankKernel(Args a) {
               : keys + static_cast<int64_t>(t) * a.keys.token_stride;
     float kv[kPer];
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) kv[e] = ToF<T>(k[8 * e + j]);
+    for (int e = 0; e < kPer; ++e) kv[e] = internal::Widen(k[8 * e + j]);
     float dots[kG];
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
