@@ -291,11 +291,7 @@ absl::Status A2atsLane::SelectGroup(int layer, const float* query, const kvr::cu
   p.ids = ids_.data() + int64_t{layer} * slots_ * n_kv_ * max_tokens_;
   p.n_tokens = slot_tokens();
   p.max_tokens = static_cast<int>(max_tokens_);
-  p.cand = cand;
-  p.max_candidates = max_candidates;
-  p.out = out;
-  p.workspace = ws_.data();
-  p.workspace_bytes = ws_bytes_;
+  SetSelectCall(p, cand, max_candidates, out, ws_.data(), ws_bytes_);
   return A2atsSelect(p, stream);
 }
 

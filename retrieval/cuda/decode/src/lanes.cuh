@@ -125,6 +125,16 @@ class GpuLane {
     if constexpr (requires { p.head_dim; }) p.head_dim = head_dim_;
     p.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
   }
+  // A SelectGroup call's candidates, output rows and the lane's selector workspace.
+  template <typename P>
+  static void SetSelectCall(P& p, const CandidateRanges& cand, int max_candidates,
+                            const SelectionOutput& out, void* workspace, size_t workspace_bytes) {
+    p.cand = cand;
+    p.max_candidates = max_candidates;
+    p.out = out;
+    p.workspace = workspace;
+    p.workspace_bytes = workspace_bytes;
+  }
 
   std::string method_;
   int n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, slots_ = 0, budget_ = 0;

@@ -172,11 +172,7 @@ absl::Status ParisKvLane::SelectGroup(int layer, const float* query, const kvr::
   p.counts = centroid_counts_.data() + layer_heads * sub_ * centroids_;
   p.n_tokens = slot_tokens();
   p.max_tokens = static_cast<int>(max_tokens_);
-  p.cand = cand;
-  p.max_candidates = max_candidates;
-  p.out = out;
-  p.workspace = ws_.data();
-  p.workspace_bytes = ws_bytes_;
+  SetSelectCall(p, cand, max_candidates, out, ws_.data(), ws_bytes_);
   return ParisKvSelect(p, stream);
 }
 
