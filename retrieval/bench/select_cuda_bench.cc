@@ -94,11 +94,7 @@ struct Output {
 // The attention shape of every selector's parameters (ParisKV's head size is its codec's).
 template <typename Params>
 void SetShape(Params& p, int batch) {
-  p.batch = batch;
-  p.n_heads = kHeads;
-  p.n_kv_heads = kKvHeads;
-  if constexpr (requires { p.head_dim; }) p.head_dim = kHeadDim;
-  p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+  rc::SetAttentionShape(p, batch, kHeads, kKvHeads, kHeadDim);
 }
 
 // Every selector's candidates (the tokens between the sink and the local window, as Candidates;

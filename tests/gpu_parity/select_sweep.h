@@ -92,11 +92,7 @@ inline DeviceInputs UploadInputs(const std::vector<float>& query, const Candidat
 template <typename P>
 P CommonParams(const SelectCase& c, int batch, const DeviceInputs& in) {
   P p;
-  p.batch = batch;
-  p.n_heads = c.nh;
-  p.n_kv_heads = c.nkv;
-  if constexpr (requires(P & q) { q.head_dim; }) p.head_dim = c.hd;
-  p.scale = 1.f / std::sqrt(static_cast<float>(c.hd));
+  retrieval::cuda::SetAttentionShape(p, batch, c.nh, c.nkv, c.hd);
   p.gqa = c.gqa;
   p.query = in.query.data();
   p.cand = {in.begin.data(), in.end.data()};

@@ -37,7 +37,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -115,15 +114,10 @@ class GpuLane {
   const int32_t* planned_slots() const;
   const int32_t* slot_tokens() const;
   const int32_t* slot_leaving() const;
-  // A selector's attention shape over `batch` sequences: the model's heads and the scale
-  // 1 / sqrt(head_dim) (and head_dim where the parameters carry it).
+  // A selector's attention shape over `batch` sequences: the model's.
   template <typename P>
   void SetSelectShape(P& p, int batch) const {
-    p.batch = batch;
-    p.n_heads = n_heads_;
-    p.n_kv_heads = n_kv_;
-    if constexpr (requires { p.head_dim; }) p.head_dim = head_dim_;
-    p.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
+    SetAttentionShape(p, batch, n_heads_, n_kv_, head_dim_);
   }
   // A SelectGroup call's candidates, output rows and the lane's selector workspace.
   template <typename P>
