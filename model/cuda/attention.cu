@@ -81,6 +81,85 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// The double-buffered K/V pipeline at tile `tile` of n_tiles: issues the next tile's load into the
+// other stage (load_kv(tile, stage)), then waits until this tile's stage is in shared memory for
+// the whole block.
+template <typename LoadKv>
+__device__ __forceinline__ void WaitKvTile(int tile, int n_tiles, const LoadKv& load_kv) {
+  if (tile + 1 < n_tiles) {
+    load_kv(tile + 1, (tile & 1) ^ 1);
+    CpAsyncWait<1>();
+  } else {
+    CpAsyncWait<0>();
+  }
+  __syncthreads();
+}
+
+// S[16, 8 kN] = Q K^T for the warp: qf holds its 16 query rows as A fragments, sk the kN * 8 keys
+// (row stride kLd) in shared memory.
+template <int HD, int kN, int kLd>
+__device__ __forceinline__ void QkTile(float (&sc)[kN][4], const uint32_t (&qf)[HD / 16][4],
+                                       const bf16* sk, int lane) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+    sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk += 2) {
+      uint32_t b[4];  // keys n*8.., dims kk*16 .. kk*16 + 31
+      LdMatrixX4(b, sk + (n * 8 + lane % 8) * kLd + kk * 16 + (lane / 8) * 8);
+      Mma16816(sc[n], qf[kk], b[0], b[1]);
+      Mma16816(sc[n], qf[kk + 1], b[2], b[3]);
+    }
+  }
+}
+
+// Masks S (keys k0 + n*8 + 2t + (e & 1); visible(key, e): e < 2 is row g, else row g + 8), scales
+// it to log2 units and returns the tile's row maxima in mx0 / mx1 (over the row's 4 lanes).
+template <int kN, typename Visible>
+__device__ __forceinline__ void MaskScaleRowMax(float (&sc)[kN][4], int64_t k0, int t,
+                                                float scale_log2, Visible visible, float& mx0,
+                                                float& mx1) {
+  mx0 = -INFINITY;
+  mx1 = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t key = k0 + n * 8 + 2 * t + (e & 1);
+      const float v = visible(key, e) ? sc[n][e] * scale_log2 : -INFINITY;
+      sc[n][e] = v;
+      if (e < 2) {
+        mx0 = fmaxf(mx0, v);
+      } else {
+        mx1 = fmaxf(mx1, v);
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  }
+}
+
+// The online softmax's new maxima: m0 / m1 become n0 / n1, and the running sums and output rows
+// are scaled by a0 (row g) / a1 (row g + 8).
+template <int kJ>
+__device__ __forceinline__ void MoveMax(float& m0, float& m1, float n0, float n1, float a0,
+                                        float a1, float& l0, float& l1, float (&o)[kJ][4]) {
+  m0 = n0;
+  m1 = n1;
+  l0 *= a0;
+  l1 *= a1;
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    o[j][0] *= a0;
+    o[j][1] *= a0;
+    o[j][2] *= a1;
+    o[j][3] *= a1;
+  }
+}
+
 // grid (ceil(max_q / kBlockQ), n_heads, n_seqs).
 template <int HD>
 __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(AttentionParams p) {
@@ -146,68 +225,25 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(AttentionParams
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int stage = tile & 1;
-    if (tile + 1 < n_tiles) {
-      load_kv(tile + 1, stage ^ 1);
-      CpAsyncWait<1>();
-    } else {
-      CpAsyncWait<0>();
-    }
-    __syncthreads();
+    WaitKvTile(tile, n_tiles, load_kv);
     const bf16* sk = s_kv + (2 * stage) * L::kTile;
     const bf16* sv = sk + L::kTile;
     const int64_t k0 = int64_t{tile} * kBlockK;
 
     float sc[kBlockK / 8][4];  // S of 16 rows x 64 keys
-#pragma unroll
-    for (int n = 0; n < kBlockK / 8; ++n) {
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; kk += 2) {
-        uint32_t b[4];  // keys n*8.., dims kk*16 .. kk*16 + 31
-        LdMatrixX4(b, sk + (n * 8 + lane % 8) * kLd + kk * 16 + (lane / 8) * 8);
-        Mma16816(sc[n], qf[kk], b[0], b[1]);
-        Mma16816(sc[n], qf[kk + 1], b[2], b[3]);
-      }
-    }
+    QkTile<HD, kBlockK / 8, kLd>(sc, qf, sk, lane);
 
     // Causal mask, scale to log2 units, online softmax. (Skipping the mask on tiles wholly
     // below the diagonal measured slower on the H100, one run each: 106 ms against 87 ms of
     // attention at 8K tokens; not understood yet.)
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < kBlockK / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t key = k0 + n * 8 + 2 * t + (e & 1);
-        const int64_t pos = e < 2 ? pos0 : pos1;
-        const float v = (key <= pos && key < kv_end) ? sc[n][e] * scale_log2 : -INFINITY;
-        sc[n][e] = v;
-        if (e < 2) {
-          mx0 = fmaxf(mx0, v);
-        } else {
-          mx1 = fmaxf(mx1, v);
-        }
-      }
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
+    float mx0, mx1;
+    MaskScaleRowMax(
+        sc, k0, t, scale_log2,
+        [&](int64_t key, int e) { return key <= (e < 2 ? pos0 : pos1) && key < kv_end; }, mx0, mx1);
     // Key 0 is visible to every query, so after the first tile the maxima are finite.
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
     const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    l0 *= a0;
-    l1 *= a1;
-#pragma unroll
-    for (int j = 0; j < HD / 8; ++j) {
-      o[j][0] *= a0;
-      o[j][1] *= a0;
-      o[j][2] *= a1;
-      o[j][3] *= a1;
-    }
+    MoveMax(m0, m1, n0, n1, a0, a1, l0, l1, o);
     uint32_t pa[kBlockK / 16][4];  // P as A fragments, 16 keys each
 #pragma unroll
     for (int n = 0; n < kBlockK / 8; ++n) {
@@ -323,65 +359,22 @@ __global__ void __launch_bounds__(kThreads) DecodeMmaKernel(AttentionParams p, i
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int stage = tile & 1;
-    if (tile + 1 < n_tiles) {
-      load_kv(tile + 1, stage ^ 1);
-      CpAsyncWait<1>();
-    } else {
-      CpAsyncWait<0>();
-    }
-    __syncthreads();
+    WaitKvTile(tile, n_tiles, load_kv);
     const bf16* sk = s_kv + (2 * stage) * L::kTile + warp * 16 * kLd;  // this warp's 16 keys
     const bf16* sv = sk + L::kTile;
     const int64_t k0 = begin + int64_t{tile} * kBlockK + warp * 16;
 
-    float sc[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; kk += 2) {
-        uint32_t bk[4];
-        LdMatrixX4(bk, sk + (n * 8 + lane % 8) * kLd + kk * 16 + (lane / 8) * 8);
-        Mma16816(sc[n], qf[kk], bk[0], bk[1]);
-        Mma16816(sc[n], qf[kk + 1], bk[2], bk[3]);
-      }
-    }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t key = k0 + n * 8 + 2 * t + (e & 1);
-        const float v = key < end ? sc[n][e] * scale_log2 : -INFINITY;
-        sc[n][e] = v;
-        if (e < 2) {
-          mx0 = fmaxf(mx0, v);
-        } else {
-          mx1 = fmaxf(mx1, v);
-        }
-      }
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
+    float sc[2][4];  // S of the group's rows x the warp's 16 keys
+    QkTile<HD, 2, kLd>(sc, qf, sk, lane);
+    float mx0, mx1;
+    MaskScaleRowMax(
+        sc, k0, t, scale_log2, [&](int64_t key, int) { return key < end; }, mx0, mx1);
     // A warp may not have seen a key yet (its slice of the last tile can be empty): subtract
     // 0 rather than -inf then, so that every weight is exp2(-inf) = 0 and nothing is NaN.
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
     const float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
     const float a0 = exp2f(m0 - base0), a1 = exp2f(m1 - base1);
-    m0 = n0;
-    m1 = n1;
-    l0 *= a0;
-    l1 *= a1;
-#pragma unroll
-    for (int j = 0; j < HD / 8; ++j) {
-      o[j][0] *= a0;
-      o[j][1] *= a0;
-      o[j][2] *= a1;
-      o[j][3] *= a1;
-    }
+    MoveMax(m0, m1, n0, n1, a0, a1, l0, l1, o);
     uint32_t pa[4];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {

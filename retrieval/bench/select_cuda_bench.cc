@@ -94,11 +94,16 @@ struct Output {
 // The attention shape of every selector's parameters (ParisKV's head size is its codec's).
 template <typename Params>
 void SetShape(Params& p, int batch) {
-  p.batch = batch;
-  p.n_heads = kHeads;
-  p.n_kv_heads = kKvHeads;
-  if constexpr (requires { p.head_dim; }) p.head_dim = kHeadDim;
-  p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+  rc::SetAttentionShape(p, batch, kHeads, kKvHeads, kHeadDim);
+}
+
+// Every selector's candidates (the tokens between the sink and the local window, as Candidates;
+// the bound where the parameters have one) and output.
+template <typename Params>
+void SetCandidates(Params& p, Candidates& cand, Output& out, int context) {
+  p.cand = cand.view();
+  if constexpr (requires { p.max_candidates; }) p.max_candidates = context - kLocal - kSink;
+  p.out = out.view();
 }
 
 Row BenchExact(int context, int batch, int budget, int iters, cudaStream_t stream) {
@@ -117,9 +122,7 @@ Row BenchExact(int context, int batch, int budget, int iters, cudaStream_t strea
   p.keys.token_stride = kHeadDim;
   p.keys.head_stride = static_cast<int64_t>(context) * kHeadDim;
   p.keys.batch_stride = static_cast<int64_t>(kKvHeads) * context * kHeadDim;
-  p.cand = cand.view();
-  p.max_candidates = context - kLocal - kSink;
-  p.out = out.view();
+  SetCandidates(p, cand, out, context);
   const auto ws = AttachWorkspace(p, rc::ExactSelectWorkspaceBytes(p));
   const double us = TimeUs([&] { return rc::ExactSelect(p, stream); }, iters, stream);
   const double bytes = static_cast<double>(batch) * kKvHeads * p.max_candidates * kHeadDim * 2;
@@ -148,9 +151,7 @@ Row BenchQuest(int context, int batch, int budget, int iters, cudaStream_t strea
   p.query = d_q.data();
   p.bounds = bounds.data();
   p.bounds_batch_stride = batch_stride;
-  p.cand = cand.view();
-  p.max_candidates = context - kLocal - kSink;
-  p.out = out.view();
+  SetCandidates(p, cand, out, context);
   const auto ws = AttachWorkspace(p, rc::QuestSelectWorkspaceBytes(p));
   const double us = TimeUs([&] { return rc::QuestSelect(p, stream); }, iters, stream);
   // Pages overlapping the candidates, 2 * head_dim fp32 each per KV head.
@@ -218,8 +219,7 @@ Row BenchClusterKv(int context, int batch, int budget, int iters, cudaStream_t s
   p.members = d_mem.data();
   p.max_clusters = n_clusters;
   p.max_members = n_members;
-  p.cand = cand.view();
-  p.out = out.view();
+  SetCandidates(p, cand, out, context);
   const auto ws = AttachWorkspace(p, rc::ClusterKvSelectWorkspaceBytes(p));
   const double us = TimeUs([&] { return rc::ClusterKvSelect(p, stream); }, iters, stream);
   const double bytes = static_cast<double>(rows) * n_clusters * kHeadDim * 4;
@@ -308,9 +308,7 @@ std::vector<Row> BenchParisKv(int context, int batch, const std::vector<int>& bu
     p.counts = counts.data();
     p.n_tokens = d_ntok.data();
     p.max_tokens = context;
-    p.cand = cand.view();
-    p.max_candidates = context - kLocal - kSink;
-    p.out = out.view();
+    SetCandidates(p, cand, out, context);
     const auto ws = AttachWorkspace(p, rc::ParisKvSelectWorkspaceBytes(p));
     const double us = TimeUs([&] { return rc::ParisKvSelect(p, stream); }, iters, stream);
     const ParisKvScheduleLite sched = ScheduleLite(p.max_candidates, budget);
@@ -389,8 +387,7 @@ std::vector<Row> BenchCtkvr(int context, int batch, const std::vector<int>& budg
     p.keys.token_stride = static_cast<int64_t>(kKvHeads) * kHeadDim;
     p.keys.head_stride = kHeadDim;
     p.keys.batch_stride = static_cast<int64_t>(context) * kKvHeads * kHeadDim;
-    p.cand = cand.view();
-    p.out = out.view();
+    SetCandidates(p, cand, out, context);
     const auto ws = AttachWorkspace(p, rc::CtkvrSelectWorkspaceBytes(p));
     const double us = TimeUs([&] { return rc::CtkvrSelect(p, stream); }, iters, stream);
     const double bytes =
@@ -446,9 +443,7 @@ std::vector<Row> BenchA2ats(int context, int batch, const std::vector<int>& budg
     p.ids = ids_in.data();
     p.n_tokens = d_ntok.data();
     p.max_tokens = context;
-    p.cand = cand.view();
-    p.max_candidates = context - kLocal - kSink;
-    p.out = out.view();
+    SetCandidates(p, cand, out, context);
     const auto ws = AttachWorkspace(p, rc::A2atsSelectWorkspaceBytes(p));
     const double us = TimeUs([&] { return rc::A2atsSelect(p, stream); }, iters, stream);
     const double bytes = static_cast<double>(rows) * p.max_candidates * 2 * 2 +

@@ -176,7 +176,6 @@ void ParisKvSelectRow(const SelectCase& c) {
         p.counts = d_counts.data();
         p.n_tokens = d_ntok.data();
         p.max_tokens = layout->max_tokens;
-        p.max_candidates = cand.max_candidates;
       },
       ParisKvSelectWorkspaceBytes, ParisKvSelect);
   RunSelectSweep(Sweep("pariskv", c, query, cand), launch, SelectOn(cpu));
@@ -330,7 +329,6 @@ void A2atsSelectRow(const SelectCase& c) {
         p.ids = d_ids.data();
         p.n_tokens = d_ntok.data();
         p.max_tokens = layout->max_tokens;
-        p.max_candidates = cand.max_candidates;
       },
       A2atsSelectWorkspaceBytes, A2atsSelect);
   SelectSweep sweep = Sweep("a2ats", c, query, cand);

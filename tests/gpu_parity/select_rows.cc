@@ -258,7 +258,6 @@ void ExactRow(const SelectCase& c) {
         p.keys.token_stride = hd;
         p.keys.head_stride = static_cast<int64_t>(max_ctx) * hd;
         p.keys.batch_stride = static_cast<int64_t>(nkv) * max_ctx * hd;
-        p.max_candidates = cand.max_candidates;
       },
       ExactSelectWorkspaceBytes, ExactSelect);
 
@@ -366,7 +365,6 @@ void QuestRow(const SelectCase& c) {
         p.page_size = ps;
         p.bounds = d_bounds.data();
         p.bounds_batch_stride = batch_stride;
-        p.max_candidates = cand.max_candidates;
       },
       QuestSelectWorkspaceBytes, QuestSelect);
   SelectSweep sweep =

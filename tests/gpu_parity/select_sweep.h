@@ -76,28 +76,27 @@ inline Candidates CandidatesOf(const std::vector<int>& n, int sink, int local) {
   return c;
 }
 
-// The device copies of a batch's queries [batch, nh, hd] and candidate ranges.
+// The device copies of a batch's queries [batch, nh, hd] and candidate ranges (and the longest).
 struct DeviceInputs {
   kvr::cuda::DeviceBuffer<float> query;
   kvr::cuda::DeviceBuffer<int32_t> begin, end;
+  int max_candidates = 0;
 };
 inline DeviceInputs UploadInputs(const std::vector<float>& query, const Candidates& cand) {
   return {kvr::cuda::testing::Upload(query), kvr::cuda::testing::Upload(cand.begin),
-          kvr::cuda::testing::Upload(cand.end)};
+          kvr::cuda::testing::Upload(cand.end), cand.max_candidates};
 }
 
-// The parameters every selector shares: shape, scale, aggregation, queries, candidates.
+// The parameters every selector shares: shape, scale, aggregation, queries, candidates (and
+// their longest range where P has max_candidates).
 template <typename P>
 P CommonParams(const SelectCase& c, int batch, const DeviceInputs& in) {
   P p;
-  p.batch = batch;
-  p.n_heads = c.nh;
-  p.n_kv_heads = c.nkv;
-  if constexpr (requires(P & q) { q.head_dim; }) p.head_dim = c.hd;
-  p.scale = 1.f / std::sqrt(static_cast<float>(c.hd));
+  retrieval::cuda::SetAttentionShape(p, batch, c.nh, c.nkv, c.hd);
   p.gqa = c.gqa;
   p.query = in.query.data();
   p.cand = {in.begin.data(), in.end.data()};
+  if constexpr (requires(P & q) { q.max_candidates; }) p.max_candidates = in.max_candidates;
   return p;
 }
 

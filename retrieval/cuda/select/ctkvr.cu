@@ -34,13 +34,10 @@
 
 namespace kvr::retrieval::cuda {
 
-size_t BatchedTopKWorkspaceBytes(const TopKParams& p);
-
 namespace {
 
 using internal::AlignUp;
 using internal::kMaxGroup;
-using internal::RowLd;
 
 constexpr int kRecallThreads = 256;
 constexpr int kRerankChunk = 256;  // recalled keys per CTA of the rerank
@@ -208,21 +205,6 @@ static __global__ void __launch_bounds__(kRecallThreads) CtkvrRecallKernel(Args 
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float ToF(T v);
-template <>
-__device__ __forceinline__ float ToF<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float ToF<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
 template <typename T, int kHeadDim, int kG>
 static __global__ void __launch_bounds__(256) CtkvrRerankKernel(Args a) {
   constexpr int kPer = kHeadDim / 8;
@@ -257,7 +239,7 @@ static __global__ void __launch_bounds__(256) CtkvrRerankKernel(Args a) {
               : keys + static_cast<int64_t>(t) * a.keys.token_stride;
     float kv[kPer];
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) kv[e] = ToF<T>(k[8 * e + j]);
+    for (int e = 0; e < kPer; ++e) kv[e] = internal::Widen(k[8 * e + j]);
     float dots[kG];
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
@@ -326,16 +308,7 @@ struct Workspace {
   uint32_t* bitmap = nullptr;
   size_t bitmap_bytes = 0;
   int words = 0;
-  int32_t* recalled = nullptr;
-  int32_t* n_recalled = nullptr;
-  int ld = 0;
-  float* logits = nullptr;
-  float2* partials = nullptr;
-  int n_chunks = 0;
-  float* lse = nullptr;
-  float* scores = nullptr;
-  void* topk = nullptr;
-  size_t topk_bytes = 0;
+  internal::RerankBuffers rerank;  // ids: the recalled token ids
   size_t bytes = 0;
 };
 
@@ -348,23 +321,8 @@ Workspace Carve(const CtkvrSelectParams& p, char* base) {
   w.words = (std::max(1, p.max_tokens) + 31) / 32;
   w.bitmap_bytes = rows * w.words * sizeof(uint32_t);
   w.bitmap = reinterpret_cast<uint32_t*>(carve.TakeBytes(w.bitmap_bytes));
-  const int max_r = MaxRecall(p);
-  w.ld = RowLd(max_r);
-  w.recalled = carve.Take<int32_t>(rows * w.ld);
-  w.n_recalled = carve.Take<int32_t>(rows);
-  w.n_chunks = (max_r + kRerankChunk - 1) / kRerankChunk;
-  if (p.gqa == GqaAggregation::kSumSoftmax) {
-    w.logits = carve.Take<float>(rows * group * w.ld);
-    w.partials = carve.Take<float2>(rows * w.n_chunks * group);
-    w.lse = carve.Take<float>(rows * group);
-  }
-  w.scores = carve.Take<float>(rows * w.ld);
-  TopKParams t;
-  t.rows = static_cast<int>(rows);
-  t.row_stride = w.ld;
-  t.out.budget = p.out.budget;
-  w.topk_bytes = BatchedTopKWorkspaceBytes(t);
-  w.topk = carve.TakeBytes(w.topk_bytes);
+  w.rerank =
+      internal::CarveRerank(carve, rows, group, MaxRecall(p), kRerankChunk, p.gqa, p.out.budget);
   w.bytes = carve.used();
   return w;
 }
@@ -453,14 +411,14 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
   a.cos = w.cos;
   a.bitmap = w.bitmap;
   a.words = w.words;
-  a.recalled = w.recalled;
-  a.n_recalled = w.n_recalled;
+  a.recalled = w.rerank.ids;
+  a.n_recalled = w.rerank.n_valid;
   a.n_recalled_out = p.n_recalled;
-  a.ld = w.ld;
-  a.logits = w.logits;
-  a.partials = w.partials;
-  a.n_chunks = w.n_chunks;
-  a.scores = w.scores;
+  a.ld = w.rerank.ld;
+  a.logits = w.rerank.logits;
+  a.partials = w.rerank.partials;
+  a.n_chunks = w.rerank.n_chunks;
+  a.scores = w.rerank.scores;
   const int rows = p.batch * p.n_kv_heads;
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(w.bitmap, 0, w.bitmap_bytes, stream));
   const dim3 cos_grid((p.max_centroids + 31) / 32, rows);
@@ -474,7 +432,7 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
       CtkvrRecallKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(recall_smem)));
   CtkvrRecallKernel<<<rows, kRecallThreads, recall_smem, stream>>>(a);
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  const dim3 grid(w.n_chunks, p.n_kv_heads, p.batch);
+  const dim3 grid(w.rerank.n_chunks, p.n_kv_heads, p.batch);
   KVR_RETURN_IF_ERROR(internal::DispatchKeyType(p.keys.dtype, [&]<typename T>() {
     return internal::DispatchHeadDim(p.head_dim, [&]<int D>() {
       LaunchRerank<T, D>(a, grid, stream);
@@ -482,25 +440,8 @@ absl::Status CtkvrSelect(const CtkvrSelectParams& p, cudaStream_t stream) {
     });
   }));
   KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("CtkvrRerankKernel"));
-  internal::RerankTail t;
-  t.batch = p.batch;
-  t.n_kv_heads = p.n_kv_heads;
-  t.group = group;
-  t.gqa = p.gqa;
-  t.ld = w.ld;
-  t.max_items = MaxRecall(p);
-  t.chunk = kRerankChunk;
-  t.n_chunks = w.n_chunks;
-  t.logits = w.logits;
-  t.partials = w.partials;
-  t.lse = w.lse;
-  t.scores = w.scores;
-  t.n_valid = w.n_recalled;
-  t.id_map = w.recalled;
-  t.out = p.out;
-  t.topk_workspace = w.topk;
-  t.topk_workspace_bytes = w.topk_bytes;
-  return internal::FinishRerank(t, stream);
+  return internal::FinishRerank(p.batch, p.n_kv_heads, group, p.gqa, MaxRecall(p), kRerankChunk,
+                                w.rerank, p.out, stream);
 }
 
 }  // namespace kvr::retrieval::cuda

@@ -34,11 +34,10 @@ namespace kvr::retrieval::cuda {
 namespace {
 
 using internal::AddToMaxSum;
-using internal::AggregateLogits;
 using internal::AlignUp;
 using internal::kMaxGroup;
-using internal::PickFromRegisters;
 using internal::RowLd;
+using internal::StoreItemLogits;
 constexpr int kLogitThreads = 256;
 constexpr int kChunk = 512;  // candidates per CTA of the logits kernel
 constexpr int kUnroll = 4;   // keys per lane in flight
@@ -223,15 +222,7 @@ static __global__ void __launch_bounds__(kLogitThreads, 2) ExactLogitsKernel(Log
           dot[g] = s;
         }
         if (i >= chunk_end) continue;
-        if (softmax) {
-          const float mine = PickFromRegisters(dot, sub);
-          if (sub < group) {
-            out_row[static_cast<int64_t>(sub) * a.max_cand + i] = mine;
-            AddToMaxSum(run_max, run_sum, mine);
-          }
-        } else if (sub == 0) {
-          out_row[i] = AggregateLogits(a.gqa, dot, group);
-        }
+        StoreItemLogits(softmax, a.gqa, dot, group, sub, out_row, a.max_cand, i, run_max, run_sum);
       }
     }
   }
@@ -394,15 +385,9 @@ absl::Status LaunchScores(const ExactSelectParams& p, const int32_t* row_count, 
   }));
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (softmax) {
-    const int rows = p.batch * p.n_kv_heads;
-    internal::LseKernel<<<rows, 32 * group, 0, stream>>>(group, kChunk, n_chunks, w.partials,
-                                                         w.n_valid, w.lse);
-    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    const int max_items = p.max_candidates;
-    const dim3 agg_grid(std::max(1, (max_items + 1023) / 1024), p.n_kv_heads, p.batch);
-    internal::SoftmaxAggregateKernel<<<agg_grid, 256, 0, stream>>>(
-        p.n_kv_heads, group, RowLd(p.max_candidates), w.logits, w.lse, w.n_valid, w.scores);
-    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    KVR_RETURN_IF_ERROR(internal::SoftmaxAggregate(
+        p.batch, p.n_kv_heads, group, kChunk, n_chunks, RowLd(p.max_candidates), p.max_candidates,
+        w.logits, w.partials, w.n_valid, w.lse, w.scores, stream));
   }
   return absl::OkStatus();
 }

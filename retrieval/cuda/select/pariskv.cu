@@ -43,13 +43,10 @@
 
 namespace kvr::retrieval::cuda {
 
-size_t BatchedTopKWorkspaceBytes(const TopKParams& p);
-
 namespace {
 
 using internal::AlignUp;
 using internal::kMaxGroup;
-using internal::RowLd;
 
 constexpr int kEncodeThreads = 256;
 constexpr int kTokChunk = 2048;  // tokens per CTA of the collision kernel
@@ -380,6 +377,19 @@ static __global__ void __launch_bounds__(256) ParisQueryKernel(SelectArgs a) {
   }
 }
 
+// Row t of kN 32-bit words (rows of kN / 4 uint4, kN a multiple of 4) in 16-byte loads.
+template <int kN>
+__device__ __forceinline__ void LoadRow(const uint4* rows, int t, uint32_t (&w)[kN]) {
+#pragma unroll
+  for (int v = 0; v < kN / 4; ++v) {
+    const uint4 u = __ldg(rows + static_cast<int64_t>(t) * (kN / 4) + v);
+    w[4 * v] = u.x;
+    w[4 * v + 1] = u.y;
+    w[4 * v + 2] = u.z;
+    w[4 * v + 3] = u.w;
+  }
+}
+
 // Sign bits of the 8 codes in a 32-bit word (coordinate 2i: bit 3 of byte i, 2i + 1: bit 7) as
 // an 8-bit id (bit j = coordinate j negative), as CentroidIdFromPacked.
 __device__ __forceinline__ uint32_t SignByte(uint32_t w) {
@@ -430,14 +440,7 @@ static __global__ void __launch_bounds__(256) ParisCollisionKernel(SelectArgs a)
     const bool valid = i < end;
     const int t = lo + (valid ? i : begin);
     uint32_t w[kWords];
-#pragma unroll
-    for (int v = 0; v < kWords / 4; ++v) {
-      const uint4 u = __ldg(codes + static_cast<int64_t>(t) * (kWords / 4) + v);
-      w[4 * v] = u.x;
-      w[4 * v + 1] = u.y;
-      w[4 * v + 2] = u.z;
-      w[4 * v + 3] = u.w;
-    }
+    LoadRow(codes, t, w);
     uint32_t total = 0;
 #pragma unroll
     for (int k = 0; k < kWords; ++k) {
@@ -574,23 +577,9 @@ static __global__ void __launch_bounds__(256) ParisRerankKernel(SelectArgs a) {
   for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
     const int t = cand[i];
     uint32_t w[kWords];
-#pragma unroll
-    for (int v = 0; v < kWords / 4; ++v) {
-      const uint4 u = __ldg(codes + static_cast<int64_t>(t) * (kWords / 4) + v);
-      w[4 * v] = u.x;
-      w[4 * v + 1] = u.y;
-      w[4 * v + 2] = u.z;
-      w[4 * v + 3] = u.w;
-    }
+    LoadRow(codes, t, w);
     uint32_t wt[kB / 2];  // fp16 pairs
-#pragma unroll
-    for (int v = 0; v < kB / 8; ++v) {
-      const uint4 u = __ldg(weights + static_cast<int64_t>(t) * (kB / 8) + v);
-      wt[4 * v] = u.x;
-      wt[4 * v + 1] = u.y;
-      wt[4 * v + 2] = u.z;
-      wt[4 * v + 3] = u.w;
-    }
+    LoadRow(weights, t, wt);
     float est[kG];
 #pragma unroll
     for (int g = 0; g < kG; ++g) est[g] = 0.f;
@@ -682,16 +671,7 @@ struct Workspace {
   size_t hist_bytes = 0;
   uint16_t* score16 = nullptr;
   int ld16 = 0;
-  int32_t* cand = nullptr;
-  int32_t* n_cand = nullptr;
-  int ldc = 0;
-  float* logits = nullptr;
-  float2* partials = nullptr;
-  int n_rchunks = 0;
-  float* lse = nullptr;
-  float* scores = nullptr;
-  void* topk = nullptr;
-  size_t topk_bytes = 0;
+  internal::RerankBuffers rerank;  // ids: the candidates' token ids
   size_t bytes = 0;
 };
 
@@ -709,23 +689,8 @@ Workspace Carve(const ParisKvSelectParams& p, char* base) {
   w.hist = reinterpret_cast<int32_t*>(carve.TakeBytes(w.hist_bytes));
   w.ld16 = (std::max(1, p.max_candidates) + 7) / 8 * 8;
   w.score16 = carve.Take<uint16_t>(rows * w.ld16);
-  const int max_c = MaxCandidates(p);
-  w.ldc = RowLd(max_c);
-  w.cand = carve.Take<int32_t>(rows * w.ldc);
-  w.n_cand = carve.Take<int32_t>(rows);
-  w.n_rchunks = (max_c + kRerankChunk - 1) / kRerankChunk;
-  if (p.gqa == GqaAggregation::kSumSoftmax) {
-    w.logits = carve.Take<float>(rows * group * w.ldc);
-    w.partials = carve.Take<float2>(rows * w.n_rchunks * group);
-    w.lse = carve.Take<float>(rows * group);
-  }
-  w.scores = carve.Take<float>(rows * w.ldc);
-  TopKParams t;
-  t.rows = static_cast<int>(rows);
-  t.row_stride = w.ldc;
-  t.out.budget = p.out.budget;
-  w.topk_bytes = BatchedTopKWorkspaceBytes(t);
-  w.topk = carve.TakeBytes(w.topk_bytes);
+  w.rerank = internal::CarveRerank(carve, rows, group, MaxCandidates(p), kRerankChunk, p.gqa,
+                                   p.out.budget);
   w.bytes = carve.used();
   return w;
 }
@@ -887,13 +852,13 @@ absl::Status ParisKvSelect(const ParisKvSelectParams& p, cudaStream_t stream) {
   a.n_bins = Bins(p);
   a.score16 = w.score16;
   a.ld16 = w.ld16;
-  a.cand_ids = w.cand;
-  a.n_cand = w.n_cand;
-  a.ldc = w.ldc;
-  a.logits = w.logits;
-  a.partials = w.partials;
-  a.n_rchunks = w.n_rchunks;
-  a.scores = w.scores;
+  a.cand_ids = w.rerank.ids;
+  a.n_cand = w.rerank.n_valid;
+  a.ldc = w.rerank.ld;
+  a.logits = w.rerank.logits;
+  a.partials = w.rerank.partials;
+  a.n_rchunks = w.rerank.n_chunks;
+  a.scores = w.rerank.scores;
   KVR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(w.hist, 0, w.hist_bytes, stream));
   const int n_sub = Subspaces(p.codec);
   const int n_tok_chunks = std::max(1, (p.max_candidates + kTokChunk - 1) / kTokChunk);
@@ -905,7 +870,7 @@ absl::Status ParisKvSelect(const ParisKvSelectParams& p, cudaStream_t stream) {
     ParisCollisionKernel<P, M>
         <<<dim3(n_tok_chunks, p.n_kv_heads, p.batch), 256, coll_smem, stream>>>(a);
     ParisCandidatesKernel<<<rows, kCandThreads, a.n_bins * sizeof(int), stream>>>(a);
-    const dim3 rgrid(w.n_rchunks, p.n_kv_heads, p.batch);
+    const dim3 rgrid(w.rerank.n_chunks, p.n_kv_heads, p.batch);
     if (group <= 4) {
       const cudaError_t e = cudaFuncSetAttribute(ParisRerankKernel<P, M, 4>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -922,25 +887,8 @@ absl::Status ParisKvSelect(const ParisKvSelectParams& p, cudaStream_t stream) {
   }));
   KVR_RETURN_IF_ERROR(launch);
   KVR_RETURN_IF_ERROR(kvr::cuda::LastLaunchStatus("ParisKvSelect kernels"));
-  internal::RerankTail t;
-  t.batch = p.batch;
-  t.n_kv_heads = p.n_kv_heads;
-  t.group = group;
-  t.gqa = p.gqa;
-  t.ld = w.ldc;
-  t.max_items = MaxCandidates(p);
-  t.chunk = kRerankChunk;
-  t.n_chunks = w.n_rchunks;
-  t.logits = w.logits;
-  t.partials = w.partials;
-  t.lse = w.lse;
-  t.scores = w.scores;
-  t.n_valid = w.n_cand;
-  t.id_map = w.cand;
-  t.out = p.out;
-  t.topk_workspace = w.topk;
-  t.topk_workspace_bytes = w.topk_bytes;
-  return internal::FinishRerank(t, stream);
+  return internal::FinishRerank(p.batch, p.n_kv_heads, group, p.gqa, MaxCandidates(p), kRerankChunk,
+                                w.rerank, p.out, stream);
 }
 
 }  // namespace kvr::retrieval::cuda

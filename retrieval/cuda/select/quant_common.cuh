@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "kvr/retrieval/cuda/dot8.cuh"  // Dot8, Dot8N, Widen
+#include "kvr/retrieval/cuda/kernel_util.cuh"  // Carver
 #include "kvr/retrieval/cuda/selection.cuh"
 
 namespace kvr::retrieval::cuda::internal {
@@ -161,27 +162,32 @@ inline SrhtSigns MakeSrhtSigns(uint64_t seed, int padded_dim) {
   return s;
 }
 
-// The tail of a rerank (pariskv, ctkvr): per-item logits of every group head are written; this
-// aggregates them over the group (kSumSoftmax: LseKernel + SoftmaxAggregateKernel over the chunk
-// partials), takes the top `out.budget` with BatchedTopK and maps the chosen item indices to
-// token ids through id_map ([rows, ld], ascending per row, so the output stays ascending).
-struct RerankTail {
-  int batch = 0, n_kv_heads = 0, group = 0;
-  GqaAggregation gqa = GqaAggregation::kSumSoftmax;
-  int ld = 0;         // items per row (row stride of logits / scores / id_map)
-  int max_items = 0;  // largest n_valid
-  int chunk = 0;      // items per chunk partial
-  int n_chunks = 0;
-  const float* logits = nullptr;      // kSumSoftmax: [rows, group, ld]
-  const float2* partials = nullptr;   // kSumSoftmax: [rows, n_chunks, group]
-  float* lse = nullptr;               // kSumSoftmax: [rows, group]
-  float* scores = nullptr;            // [rows, ld] (written here for kSumSoftmax, else input)
-  const int32_t* n_valid = nullptr;   // [rows]
-  const int32_t* id_map = nullptr;    // [rows, ld]
-  SelectionOutput out;
-  void* topk_workspace = nullptr;
-  size_t topk_workspace_bytes = 0;
+// The buffers of a rerank (pariskv, ctkvr): the items of each row (ascending token ids, up to
+// ld of them), their per-head logits and chunk partials (kSumSoftmax), the aggregated scores and
+// the top-k workspace.
+struct RerankBuffers {
+  int ld = 0;                  // items per row (row stride of logits / scores / ids)
+  int32_t* ids = nullptr;      // [rows, ld] item -> token id, ascending per row
+  int32_t* n_valid = nullptr;  // [rows]
+  int n_chunks = 0;            // chunk partials per row
+  float* logits = nullptr;     // kSumSoftmax: [rows, group, ld]
+  float2* partials = nullptr;  // kSumSoftmax: [rows, n_chunks, group]
+  float* lse = nullptr;        // kSumSoftmax: [rows, group]
+  float* scores = nullptr;     // [rows, ld] (written by FinishRerank for kSumSoftmax, else input)
+  void* topk = nullptr;
+  size_t topk_bytes = 0;
 };
-absl::Status FinishRerank(const RerankTail& t, cudaStream_t stream);  // rerank.cu
+// Takes the RerankBuffers of `rows` rows of at most max_items items (chunk items per partial,
+// top `budget`) from `carve`, after whatever the caller carved before.
+RerankBuffers CarveRerank(Carver& carve, size_t rows, size_t group, int max_items, int chunk,
+                          GqaAggregation gqa, int budget);  // rerank.cu
+
+// The tail of a rerank: per-item logits of every group head are written; this aggregates them
+// over the group (kSumSoftmax: LseKernel + SoftmaxAggregateKernel over the chunk partials), takes
+// the top `out.budget` with BatchedTopK and maps the chosen item indices to token ids through
+// b.ids (ascending per row, so the output stays ascending). max_items: the largest n_valid.
+absl::Status FinishRerank(int batch, int n_kv_heads, int group, GqaAggregation gqa, int max_items,
+                          int chunk, const RerankBuffers& b, const SelectionOutput& out,
+                          cudaStream_t stream);  // rerank.cu
 
 }  // namespace kvr::retrieval::cuda::internal

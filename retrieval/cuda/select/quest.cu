@@ -31,12 +31,10 @@ namespace kvr::retrieval::cuda {
 
 namespace {
 
-using internal::AddToMaxSum;
-using internal::AggregateLogits;
 using internal::AlignUp;
 using internal::kMaxGroup;
-using internal::PickFromRegisters;
 using internal::RowLd;
+using internal::StoreItemLogits;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -115,15 +113,7 @@ static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs 
       }
       bound[g] = a.scale * s;
     }
-    if (softmax) {
-      const float mine = PickFromRegisters(bound, lane);
-      if (lane < group) {
-        out_row[static_cast<int64_t>(lane) * a.ld + p] = mine;
-        AddToMaxSum(run_max, run_sum, mine);
-      }
-    } else if (lane == 0) {
-      out_row[p] = AggregateLogits(a.gqa, bound, group);
-    }
+    StoreItemLogits(softmax, a.gqa, bound, group, lane, out_row, a.ld, p, run_max, run_sum);
   }
   if (!softmax) return;
   __shared__ float2 part[kWarps][kMaxGroup];
@@ -317,15 +307,9 @@ absl::Status QuestSelect(const QuestSelectParams& p, cudaStream_t stream) {
   }
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (softmax) {
-    const int rows = p.batch * p.n_kv_heads;
-    internal::LseKernel<<<rows, 32 * group, 0, stream>>>(group, kChunk, n_chunks, w.partials,
-                                                         w.n_pages, w.lse);
-    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    const int max_items = max_pages;
-    const dim3 agg_grid(std::max(1, (max_items + 1023) / 1024), p.n_kv_heads, p.batch);
-    internal::SoftmaxAggregateKernel<<<agg_grid, 256, 0, stream>>>(
-        p.n_kv_heads, group, ld, w.logits, w.lse, w.n_pages, w.scores);
-    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    KVR_RETURN_IF_ERROR(internal::SoftmaxAggregate(p.batch, p.n_kv_heads, group, kChunk, n_chunks,
+                                                   ld, max_pages, w.logits, w.partials, w.n_pages,
+                                                   w.lse, w.scores, stream));
   }
   const int pick = PagesToPick(p);
   TopKParams t;

@@ -30,29 +30,49 @@ static __global__ void __launch_bounds__(256)
 
 }  // namespace
 
-absl::Status FinishRerank(const RerankTail& t, cudaStream_t stream) {
-  const int rows = t.batch * t.n_kv_heads;
+RerankBuffers CarveRerank(Carver& carve, size_t rows, size_t group, int max_items, int chunk,
+                          GqaAggregation gqa, int budget) {
+  RerankBuffers b;
+  b.ld = RowLd(max_items);
+  b.ids = carve.Take<int32_t>(rows * b.ld);
+  b.n_valid = carve.Take<int32_t>(rows);
+  b.n_chunks = (max_items + chunk - 1) / chunk;
+  if (gqa == GqaAggregation::kSumSoftmax) {
+    b.logits = carve.Take<float>(rows * group * b.ld);
+    b.partials = carve.Take<float2>(rows * b.n_chunks * group);
+    b.lse = carve.Take<float>(rows * group);
+  }
+  b.scores = carve.Take<float>(rows * b.ld);
+  TopKParams t;
+  t.rows = static_cast<int>(rows);
+  t.row_stride = b.ld;
+  t.out.budget = budget;
+  b.topk_bytes = BatchedTopKWorkspaceBytes(t);
+  b.topk = carve.TakeBytes(b.topk_bytes);
+  return b;
+}
+
+absl::Status FinishRerank(int batch, int n_kv_heads, int group, GqaAggregation gqa, int max_items,
+                          int chunk, const RerankBuffers& b, const SelectionOutput& out,
+                          cudaStream_t stream) {
+  const int rows = batch * n_kv_heads;
   if (rows == 0) return absl::OkStatus();
-  if (t.gqa == GqaAggregation::kSumSoftmax) {
-    LseKernel<<<rows, 32 * t.group, 0, stream>>>(t.group, t.chunk, t.n_chunks, t.partials,
-                                                 t.n_valid, t.lse);
-    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    const dim3 grid(std::max(1, (t.max_items + 1023) / 1024), t.n_kv_heads, t.batch);
-    SoftmaxAggregateKernel<<<grid, 256, 0, stream>>>(t.n_kv_heads, t.group, t.ld, t.logits, t.lse,
-                                                     t.n_valid, t.scores);
-    KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (gqa == GqaAggregation::kSumSoftmax) {
+    KVR_RETURN_IF_ERROR(SoftmaxAggregate(batch, n_kv_heads, group, chunk, b.n_chunks, b.ld,
+                                         max_items, b.logits, b.partials, b.n_valid, b.lse,
+                                         b.scores, stream));
   }
   TopKParams k;
   k.rows = rows;
-  k.row_stride = t.ld;
-  k.scores = t.scores;
-  k.n_valid = t.n_valid;
+  k.row_stride = b.ld;
+  k.scores = b.scores;
+  k.n_valid = b.n_valid;
   k.id_offset = nullptr;
-  k.out = t.out;
-  k.workspace = t.topk_workspace;
-  k.workspace_bytes = t.topk_workspace_bytes;
+  k.out = out;
+  k.workspace = b.topk;
+  k.workspace_bytes = b.topk_bytes;
   KVR_RETURN_IF_ERROR(LaunchBatchedTopK(k, stream));
-  RemapIdsKernel<<<rows, 256, 0, stream>>>(t.out.budget, t.ld, t.id_map, t.out.counts, t.out.ids);
+  RemapIdsKernel<<<rows, 256, 0, stream>>>(out.budget, b.ld, b.ids, out.counts, out.ids);
   return kvr::cuda::LastLaunchStatus("RemapIdsKernel");
 }
 

@@ -3,11 +3,13 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kvr/common/cuda/cuda_util.h"
 #include "kvr/retrieval/cuda/kernel_util.cuh"
 #include "kvr/retrieval/cuda/selection.cuh"
 
@@ -64,6 +66,26 @@ __device__ __forceinline__ float PickFromRegisters(const float (&v)[kN], int i) 
   return out;
 }
 
+// Stores item i's logits `l` (those of the group's heads, the same in every lane of the caller's
+// lanes `sub`): with softmax, lane sub < group writes head sub's logit to out_row[sub * ld + i]
+// and folds it into its running (max, sum exp); without, lane sub 0 writes the aggregate of the
+// group to out_row[i].
+template <int kGroup>
+__device__ __forceinline__ void StoreItemLogits(bool softmax, GqaAggregation gqa,
+                                                const float (&l)[kGroup], int group, int sub,
+                                                float* out_row, int ld, int i, float& run_max,
+                                                float& run_sum) {
+  if (softmax) {
+    const float mine = PickFromRegisters(l, sub);
+    if (sub < group) {
+      out_row[static_cast<int64_t>(sub) * ld + i] = mine;
+      AddToMaxSum(run_max, run_sum, mine);
+    }
+  } else if (sub == 0) {
+    out_row[i] = AggregateLogits(gqa, l, group);
+  }
+}
+
 // kSumSoftmax, step 1: lse[row, g] from the per-chunk (max, sum exp) partials
 // [rows, n_chunks, group] of a scoring kernel (chunks of `chunk` items, n_valid[row] items).
 // Grid (rows), one warp per group head (blockDim = 32 * group).
@@ -111,6 +133,23 @@ static __global__ void __launch_bounds__(256)
     }
     scores[static_cast<int64_t>(row) * ld + i] = s;
   }
+}
+
+// kSumSoftmax, both steps over rows = batch * n_kv_heads of at most max_items items (row stride
+// ld; chunk partials as LseKernel's).
+static inline absl::Status SoftmaxAggregate(int batch, int n_kv_heads, int group, int chunk,
+                                            int n_chunks, int ld, int max_items,
+                                            const float* logits, const float2* partials,
+                                            const int32_t* n_valid, float* lse, float* scores,
+                                            cudaStream_t stream) {
+  const int rows = batch * n_kv_heads;
+  LseKernel<<<rows, 32 * group, 0, stream>>>(group, chunk, n_chunks, partials, n_valid, lse);
+  KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  const dim3 grid(std::max(1, (max_items + 1023) / 1024), n_kv_heads, batch);
+  SoftmaxAggregateKernel<<<grid, 256, 0, stream>>>(n_kv_heads, group, ld, logits, lse, n_valid,
+                                                   scores);
+  KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
 }
 
 // exact.cu: the scoring half of ExactSelect (no top-k). Writes the GQA-aggregated scores of

@@ -42,6 +42,25 @@ struct ArgmaxGemmArgs {
   int32_t* changed = nullptr;  // optional [rows]: set to 1 when an id differs from the old one
 };
 
+// The CTA's share of the work in every kernel below: row blockIdx.y, points [m0, m0 + kBm) of
+// its n, against k centres of centre row crow.
+struct ArgmaxTile {
+  int row, n, m0, k, crow;
+};
+// False when the CTA has nothing to do: a skipped row, no point from m0 on, or no centre.
+template <int kBm>
+__device__ __forceinline__ bool ArgmaxTileBegin(const ArgmaxGemmArgs& a, ArgmaxTile& t) {
+  t.row = blockIdx.y;
+  if (a.skip != nullptr && a.skip[t.row] != 0) return false;
+  t.n = a.n_points[t.row / a.n_points_div];
+  t.m0 = blockIdx.x * kBm;
+  if (t.m0 >= t.n) return false;
+  t.k = a.n_c != nullptr ? a.n_c[t.row] : a.k_const;
+  if (t.k <= 0) return false;
+  t.crow = t.row % a.c_mod;
+  return true;
+}
+
 inline constexpr int kAgBm = 128, kAgBn = 128, kAgBk = 16, kAgThreads = 256;
 template <int D>
 constexpr size_t ArgmaxGemmSmemBytes() {
@@ -54,14 +73,9 @@ __global__ void __launch_bounds__(kAgThreads, 2) ArgmaxGemmKernel(const ArgmaxGe
   extern __shared__ __align__(16) float smem[];
   float* xs = smem;             // [D][kLdx] transposed point tile
   float* cs = smem + D * kLdx;  // [kAgBk][kLdc] transposed centre tile
-  const int row = blockIdx.y;
-  if (a.skip != nullptr && a.skip[row] != 0) return;
-  const int n = a.n_points[row / a.n_points_div];
-  const int m0 = blockIdx.x * kAgBm;
-  if (m0 >= n) return;
-  const int k = a.n_c != nullptr ? a.n_c[row] : a.k_const;
-  if (k <= 0) return;
-  const int crow = row % a.c_mod;
+  ArgmaxTile tile;
+  if (!ArgmaxTileBegin<kAgBm>(a, tile)) return;
+  const int row = tile.row, n = tile.n, m0 = tile.m0, k = tile.k, crow = tile.crow;
   const float* x = a.x + row * a.x_row_stride;
   const float* c = a.c + crow * a.c_row_stride;
   const float* bias = kCosine ? nullptr : a.bias + crow * a.bias_row_stride;
@@ -215,6 +229,57 @@ __device__ __forceinline__ void MmaTf32(float (&c)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// The accumulators of a 64 x 32 warp tile (4 x 4 mma m16n8k8), zeroed.
+__device__ __forceinline__ void ZeroMmaAcc(float (&acc)[4][4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+}
+
+// The A fragment of one m16 x k8 mma from pre-split tf32 halves in shared memory: big / small
+// halves at xb / xsm + o (o: the thread's row g, column t), row pitch ld.
+__device__ __forceinline__ void LoadSplitA(const uint32_t* xb, const uint32_t* xsm, int o, int ld,
+                                           uint32_t (&ab)[4], uint32_t (&as)[4]) {
+  ab[0] = xb[o];
+  ab[1] = xb[o + 8 * ld];
+  ab[2] = xb[o + 4];
+  ab[3] = xb[o + 8 * ld + 4];
+  as[0] = xsm[o];
+  as[1] = xsm[o + 8 * ld];
+  as[2] = xsm[o + 4];
+  as[3] = xsm[o + 8 * ld + 4];
+}
+
+// One k step of 8 of the warp tile in 3xTF32: per output small.big, big.small, big.big (in that
+// order, so that every kernel sums the same chain). kBSmall false: B is exactly tf32 (its small
+// half is 0 and bs is not read), so the big.small product is left out.
+template <bool kBSmall = true>
+__device__ __forceinline__ void Mma3xTf32Step(float (&acc)[4][4][4], const uint32_t (&ab)[4][4],
+                                              const uint32_t (&as)[4][4],
+                                              const uint32_t (&bb)[4][2],
+                                              const uint32_t (&bs)[4][2]) {
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      MmaTf32(acc[mt][nt], as[mt], bb[nt]);
+      if constexpr (kBSmall) MmaTf32(acc[mt][nt], ab[mt], bs[nt]);
+      MmaTf32(acc[mt][nt], ab[mt], bb[nt]);
+    }
+}
+
+// The thread's best value and centre id of each of its 8 points (ids: none yet, above any).
+__device__ __forceinline__ void TcInitBest(float (&best)[8], int (&best_id)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    best[i] = -INFINITY;
+    best_id[i] = 0x7fffffff;
+  }
+}
+
 // The epilogue of both 3xTF32 kernels (ArgmaxGemmTcKernel, ArgmaxGemmTcSplitKernel), one code so
 // that their ids and best distances stay equal bit for bit.
 // Folds a finished tile of centres from n0 into the thread's best: acc[mt][nt][h * 2 + j] is
@@ -307,14 +372,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcKernel(const Argmax
   float* cs = smem + kTcBm * kLd;   // [kTcBn][kLd] centres
   float* red_v = cs + kTcBn * kLd;  // [4][kTcBm] per centre-warp best value
   int* red_i = reinterpret_cast<int*>(red_v + 4 * kTcBm);
-  const int row = blockIdx.y;
-  if (a.skip != nullptr && a.skip[row] != 0) return;
-  const int n = a.n_points[row / a.n_points_div];
-  const int m0 = blockIdx.x * kTcBm;
-  if (m0 >= n) return;
-  const int k = a.n_c != nullptr ? a.n_c[row] : a.k_const;
-  if (k <= 0) return;
-  const int crow = row % a.c_mod;
+  ArgmaxTile tile;
+  if (!ArgmaxTileBegin<kTcBm>(a, tile)) return;
+  const int row = tile.row, n = tile.n, m0 = tile.m0, k = tile.k, crow = tile.crow;
   const float* x = a.x + row * a.x_row_stride;
   const float* c = a.c + crow * a.c_row_stride;
   const float* bias = kCosine ? nullptr : a.bias + crow * a.bias_row_stride;
@@ -332,11 +392,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcKernel(const Argmax
 
   float best[8];
   int best_id[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    best[i] = -INFINITY;
-    best_id[i] = 0x7fffffff;
-  }
+  TcInitBest(best, best_id);
   for (int n0 = 0; n0 < k; n0 += kTcBn) {
     __syncthreads();  // previous centre tile consumed (first time: nothing)
     for (int idx = tid; idx < kTcBn * (D / 4); idx += kTcThreads) {
@@ -348,12 +404,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcKernel(const Argmax
     }
     __syncthreads();
     float acc[4][4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+    ZeroMmaAcc(acc);
 #pragma unroll 2
     for (int k0 = 0; k0 < D; k0 += 8) {
       uint32_t ab[4][4], as[4][4], bb[4][2], bs[4][2];
@@ -371,31 +422,29 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcKernel(const Argmax
         SplitTf32(p0[0], bb[nt][0], bs[nt][0]);
         SplitTf32(p0[4], bb[nt][1], bs[nt][1]);
       }
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          MmaTf32(acc[mt][nt], as[mt], bb[nt]);
-          MmaTf32(acc[mt][nt], ab[mt], bs[nt]);
-          MmaTf32(acc[mt][nt], ab[mt], bb[nt]);
-        }
+      Mma3xTf32Step(acc, ab, as, bb, bs);
     }
     TcFoldTile<kCosine>(acc, n0, k, bias, wn, t, best, best_id);
   }
   TcReduceStore<OutT>(a, best, best_id, red_v, red_i, row, n, m0, tid, wm, wn, g, t);
 }
 
+// Launches a 3xTF32 kernel (kTcBm points per CTA, kTcThreads threads, `smem` dynamic bytes).
+inline cudaError_t LaunchTcKernel(void (*kernel)(ArgmaxGemmArgs), size_t smem,
+                                  const ArgmaxGemmArgs& a, int max_points, cudaStream_t stream) {
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(smem));
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid((max_points + kTcBm - 1) / kTcBm, a.rows);
+  kernel<<<grid, kTcThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <int D, bool kCosine, typename OutT>
 cudaError_t LaunchArgmaxGemmTc(const ArgmaxGemmArgs& a, int max_points, cudaStream_t stream) {
   if (a.rows <= 0 || max_points <= 0) return cudaSuccess;
-  constexpr size_t smem = ArgmaxGemmTcSmemBytes<D>();
-  const cudaError_t attr =
-      cudaFuncSetAttribute(ArgmaxGemmTcKernel<D, kCosine, OutT>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (attr != cudaSuccess) return attr;
-  const dim3 grid((max_points + kTcBm - 1) / kTcBm, a.rows);
-  ArgmaxGemmTcKernel<D, kCosine, OutT><<<grid, kTcThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return LaunchTcKernel(ArgmaxGemmTcKernel<D, kCosine, OutT>, ArgmaxGemmTcSmemBytes<D>(), a,
+                        max_points, stream);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -457,14 +506,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcSplitKernel(const A
   uint32_t* cst = xsm + kTcBm * kLd;                 // [2 stages][big, small][kTcBn][kTsLdc]
   float* red_v = reinterpret_cast<float*>(cst + 4 * kStage);  // [4][kTcBm]
   int* red_i = reinterpret_cast<int*>(red_v + 4 * kTcBm);
-  const int row = blockIdx.y;
-  if (a.skip != nullptr && a.skip[row] != 0) return;
-  const int n = a.n_points[row / a.n_points_div];
-  const int m0 = blockIdx.x * kTcBm;
-  if (m0 >= n) return;
-  const int k = a.n_c != nullptr ? a.n_c[row] : a.k_const;
-  if (k <= 0) return;
-  const int crow = row % a.c_mod;
+  ArgmaxTile tile;
+  if (!ArgmaxTileBegin<kTcBm>(a, tile)) return;
+  const int row = tile.row, n = tile.n, m0 = tile.m0, k = tile.k, crow = tile.crow;
   const float* x = a.x + row * a.x_row_stride;
   const uint32_t* cbig = a.c_big + crow * a.c_row_stride;
   const uint32_t* csmall = a.c_small + crow * a.c_row_stride;
@@ -507,11 +551,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcSplitKernel(const A
 
   float best[8];
   int best_id[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    best[i] = -INFINITY;
-    best_id[i] = 0x7fffffff;
-  }
+  TcInitBest(best, best_id);
   float acc[4][4][4];
   for (int ci = 0; ci < total; ++ci) {
     const int kc = ci % kChunks;
@@ -522,14 +562,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcSplitKernel(const A
       CpAsyncWait<0>();
     }
     __syncthreads();  // chunk ci visible to every warp (first time: the points too)
-    if (kc == 0) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
-    }
+    if (kc == 0) ZeroMmaAcc(acc);
     const uint32_t* cb = cst + (2 * (ci & 1)) * kStage;
     const uint32_t* cs = cb + kStage;
 #pragma unroll
@@ -538,14 +571,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcSplitKernel(const A
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
         const int o = (wm * 64 + mt * 16 + g) * kLd + kc * kTsKc + k0 + t;
-        ab[mt][0] = xb[o];
-        ab[mt][1] = xb[o + 8 * kLd];
-        ab[mt][2] = xb[o + 4];
-        ab[mt][3] = xb[o + 8 * kLd + 4];
-        as[mt][0] = xsm[o];
-        as[mt][1] = xsm[o + 8 * kLd];
-        as[mt][2] = xsm[o + 4];
-        as[mt][3] = xsm[o + 8 * kLd + 4];
+        LoadSplitA(xb, xsm, o, kLd, ab[mt], as[mt]);
       }
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
@@ -555,14 +581,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) ArgmaxGemmTcSplitKernel(const A
         bs[nt][0] = cs[o];
         bs[nt][1] = cs[o + 4];
       }
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          MmaTf32(acc[mt][nt], as[mt], bb[nt]);
-          MmaTf32(acc[mt][nt], ab[mt], bs[nt]);
-          MmaTf32(acc[mt][nt], ab[mt], bb[nt]);
-        }
+      Mma3xTf32Step(acc, ab, as, bb, bs);
     }
     if (kc == kChunks - 1) {
       TcFoldTile<kCosine>(acc, (ci / kChunks) * kTcBn, k, bias, wn, t, best, best_id);
@@ -577,14 +596,8 @@ cudaError_t LaunchArgmaxGemmTcSplit(const ArgmaxGemmArgs& a, int max_points,
                                     cudaStream_t stream) {
   if (a.rows <= 0 || max_points <= 0) return cudaSuccess;
   if (a.c_big == nullptr || a.c_small == nullptr) return cudaErrorInvalidValue;
-  constexpr size_t smem = ArgmaxGemmTcSplitSmemBytes<D>();
-  const cudaError_t attr =
-      cudaFuncSetAttribute(ArgmaxGemmTcSplitKernel<D, kCosine, OutT>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (attr != cudaSuccess) return attr;
-  const dim3 grid((max_points + kTcBm - 1) / kTcBm, a.rows);
-  ArgmaxGemmTcSplitKernel<D, kCosine, OutT><<<grid, kTcThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return LaunchTcKernel(ArgmaxGemmTcSplitKernel<D, kCosine, OutT>, ArgmaxGemmTcSplitSmemBytes<D>(),
+                        a, max_points, stream);
 }
 
 // The fp32 or the 3xTF32 kernel.

@@ -47,8 +47,10 @@ using build_internal::Invalid;
 using build_internal::KeyBase;
 using build_internal::LaunchStatus;
 using build_internal::LoadKey;
-using build_internal::MmaTf32;
+using build_internal::LoadSplitA;
+using build_internal::Mma3xTf32Step;
 using build_internal::SplitTf32;
+using build_internal::ZeroMmaAcc;
 
 constexpr const char* kOp = "CtkvrBuild";
 constexpr int kBm = 128;  // query rows per CTA (128 / group whole centroids)
@@ -425,26 +427,14 @@ __global__ void __launch_bounds__(kThreads, 1) QkTileKernel(const QkArgs a) {
       if (n0 + kBn < k_end) prefetch(n0 + kBn);  // in flight during the mma
     }
     float acc[4][4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+    ZeroMmaAcc(acc);
 #pragma unroll 2
     for (int k0 = 0; k0 < D; k0 += 8) {
       uint32_t ab[4][4], as[4][4], bb[4][2], bs[4][2];
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
         const int o = (wm * 64 + mt * 16 + g8) * kLd + k0 + t4;
-        ab[mt][0] = xb[o];
-        ab[mt][1] = xb[o + 8 * kLd];
-        ab[mt][2] = xb[o + 4];
-        ab[mt][3] = xb[o + 8 * kLd + 4];
-        as[mt][0] = xsm[o];
-        as[mt][1] = xsm[o + 8 * kLd];
-        as[mt][2] = xsm[o + 4];
-        as[mt][3] = xsm[o + 8 * kLd + 4];
+        LoadSplitA(xb, xsm, o, kLd, ab[mt], as[mt]);
       }
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
@@ -457,14 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) QkTileKernel(const QkArgs a) {
           SplitTf32(p0[4], bb[nt][1], bs[nt][1]);
         }
       }
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          MmaTf32(acc[mt][nt], as[mt], bb[nt]);
-          if constexpr (!kKey16) MmaTf32(acc[mt][nt], ab[mt], bs[nt]);
-          MmaTf32(acc[mt][nt], ab[mt], bb[nt]);
-        }
+      Mma3xTf32Step<!kKey16>(acc, ab, as, bb, bs);
     }
     __syncthreads();  // every warp done with the key tile: the logits tile overwrites it
     // acc[mt][nt][hh * 2 + j]: query row wm*64 + mt*16 + hh*8 + g8, key wn*32 + nt*8 + 2*t4 + j.

@@ -280,11 +280,7 @@ absl::Status A2atsLane::SelectGroup(int layer, const float* query, const kvr::cu
                                     const SelectionOutput& out, cudaStream_t stream) {
   const int64_t layer_heads = int64_t{layer} * n_kv_, d = head_dim_;
   A2atsSelectParams p;
-  p.batch = slots_;
-  p.n_heads = n_heads_;
-  p.n_kv_heads = n_kv_;
-  p.head_dim = head_dim_;
-  p.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
+  SetSelectShape(p, slots_);
   p.rope = rope_;
   p.wrope_offset = wrope_offset_;
   p.codebook_size = size_;
@@ -295,11 +291,7 @@ absl::Status A2atsLane::SelectGroup(int layer, const float* query, const kvr::cu
   p.ids = ids_.data() + int64_t{layer} * slots_ * n_kv_ * max_tokens_;
   p.n_tokens = slot_tokens();
   p.max_tokens = static_cast<int>(max_tokens_);
-  p.cand = cand;
-  p.max_candidates = max_candidates;
-  p.out = out;
-  p.workspace = ws_.data();
-  p.workspace_bytes = ws_bytes_;
+  SetSelectCall(p, cand, max_candidates, out, ws_.data(), ws_bytes_);
   return A2atsSelect(p, stream);
 }
 

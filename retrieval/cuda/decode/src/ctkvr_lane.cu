@@ -381,11 +381,7 @@ CtkvrSelectParams CtkvrLane::SelectParams(int slot, int layer, const float* quer
   const Slot& s = slot_[slot];
   const LayerState st = StateOf(slot, layer);
   CtkvrSelectParams p;
-  p.batch = 1;
-  p.n_heads = n_heads_;
-  p.n_kv_heads = n_kv_;
-  p.head_dim = head_dim_;
-  p.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
+  SetSelectShape(p, 1);
   p.gqa = s.gqa;
   p.n_recall = s.n_recall;
   p.query = query;

@@ -58,11 +58,7 @@ class ExactLane final : public GpuLane {
                            const CandidateRanges& cand, int max_candidates,
                            const SelectionOutput& out) const {
     ExactSelectParams p;
-    p.batch = slots_;
-    p.n_heads = n_heads_;
-    p.n_kv_heads = n_kv_;
-    p.head_dim = head_dim_;
-    p.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
+    SetSelectShape(p, slots_);
     p.query = query;
     p.keys.dtype = KeyDType::kBf16;
     p.keys.pool = pool;

@@ -114,6 +114,21 @@ class GpuLane {
   const int32_t* planned_slots() const;
   const int32_t* slot_tokens() const;
   const int32_t* slot_leaving() const;
+  // A selector's attention shape over `batch` sequences: the model's.
+  template <typename P>
+  void SetSelectShape(P& p, int batch) const {
+    SetAttentionShape(p, batch, n_heads_, n_kv_, head_dim_);
+  }
+  // A SelectGroup call's candidates, output rows and the lane's selector workspace.
+  template <typename P>
+  static void SetSelectCall(P& p, const CandidateRanges& cand, int max_candidates,
+                            const SelectionOutput& out, void* workspace, size_t workspace_bytes) {
+    p.cand = cand;
+    p.max_candidates = max_candidates;
+    p.out = out;
+    p.workspace = workspace;
+    p.workspace_bytes = workspace_bytes;
+  }
 
   std::string method_;
   int n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, slots_ = 0, budget_ = 0;

@@ -164,10 +164,7 @@ absl::Status ParisKvLane::SelectGroup(int layer, const float* query, const kvr::
                                       const SelectionOutput& out, cudaStream_t stream) {
   const int64_t layer_heads = int64_t{layer} * slots_ * n_kv_;
   ParisKvSelectParams p;
-  p.batch = slots_;
-  p.n_heads = n_heads_;
-  p.n_kv_heads = n_kv_;
-  p.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
+  SetSelectShape(p, slots_);
   p.codec = codec_[layer];
   p.query = query;
   p.codes = codes_.data() + layer_heads * max_tokens_ * (padded_ / 2);
@@ -175,11 +172,7 @@ absl::Status ParisKvLane::SelectGroup(int layer, const float* query, const kvr::
   p.counts = centroid_counts_.data() + layer_heads * sub_ * centroids_;
   p.n_tokens = slot_tokens();
   p.max_tokens = static_cast<int>(max_tokens_);
-  p.cand = cand;
-  p.max_candidates = max_candidates;
-  p.out = out;
-  p.workspace = ws_.data();
-  p.workspace_bytes = ws_bytes_;
+  SetSelectCall(p, cand, max_candidates, out, ws_.data(), ws_bytes_);
   return ParisKvSelect(p, stream);
 }
 

@@ -39,6 +39,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -111,6 +112,18 @@ struct KeyView {
   kvr::cuda::KvPoolView pool;            // paged keys (see above)
   int64_t row_bytes = 0;                 // paged: bytes of one row (16-byte multiple)
 };
+
+// The attention shape of a selector's parameters P (any *SelectParams below): batch, heads, KV
+// heads, head_dim where P has it (ParisKV's is its codec's) and the CPU reference's scale
+// 1 / sqrt(head_dim).
+template <typename P>
+void SetAttentionShape(P& p, int batch, int n_heads, int n_kv_heads, int head_dim) {
+  p.batch = batch;
+  p.n_heads = n_heads;
+  p.n_kv_heads = n_kv_heads;
+  if constexpr (requires { p.head_dim; }) p.head_dim = head_dim;
+  p.scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+}
 
 struct ExactSelectParams {
   int batch = 0;
