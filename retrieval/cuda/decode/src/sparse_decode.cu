@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -314,6 +315,10 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
   std::vector<HostSelected> host_selected_;
   std::vector<Sequence*> fetched_;  // this step's sequences with a SparseRowFetcher
   int64_t max_candidates_ = 0;
+  // This sparse state's number among every Configure of every SparseDecodeAttention in the
+  // process: part of the graph key, so that no graph captured over another state's buffers (this
+  // object's before a Configure, or another object's over the same model) is replayed.
+  uint64_t generation_ = 0;
   // The longest candidate range quest's selection is launched for: max_candidates rounded up to
   // 4096 tokens (at most the capacity its workspace was sized for), so that a graph of the step
   // serves 4096 steps; chunks past a sequence's own range return at once.
@@ -542,6 +547,9 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
       hot_bytes + lane_bytes;
   KVR_RETURN_IF_ERROR(Sync());
   sparse_ = std::move(st);
+  // A graph captured before holds the buffers just freed: a new generation keys new graphs.
+  static std::atomic<uint64_t> generations{0};
+  generation_ = ++generations;
   return absl::OkStatus();
 }
 
@@ -1651,7 +1659,10 @@ absl::StatusOr<model::CudaAttentionPlan> SparseDecodeImpl::Plan(
     const uint64_t bound = o.method == SparseMethod::kQuest
                                ? static_cast<uint64_t>(QuestCandidateBound(max_candidates_))
                                : 0;
-    plan.graph_key = bound << 1 | (copy_new_rows_ ? 1 : 0);
+    // Bits: generation | quest's bound (< 2^30 tokens) | End's copy of the new rows.
+    if (bound < (uint64_t{1} << 30)) {
+      plan.graph_key = generation_ << 31 | bound << 1 | (copy_new_rows_ ? 1 : 0);
+    }
   }
   planned_ = std::move(seqs);
   return plan;
