@@ -388,9 +388,8 @@ bool DecodeEngine::Step() {
   }
   // Every sequence greedy and a backend that picks on the device: tokens, not logits, come back.
   const bool greedy =
-      backend_->HasStepGreedy() && std::all_of(running_.begin(), running_.end(), [](Sequence* s) {
-        return s->sampler.options().temperature <= 0.f;
-      });
+      backend_->HasStepGreedy() && std::all_of(running_.begin(), running_.end(),
+                                               [](Sequence* s) { return s->sampler.greedy(); });
   // [batch, vocab], reused: a fresh 0.5 MiB per sequence (128K vocabularies) costs page faults
   // and zeroing every step.
   logits_.resize(greedy ? 0 : step_ids_.size() * vocab);
@@ -409,10 +408,8 @@ bool DecodeEngine::Step() {
   for (size_t b = 0; b < step.size(); ++b) {
     Sequence* seq = step[b];
     absl::StatusOr<int32_t> token =
-        !greedy ? seq->sampler.Sample(std::span<const float>(logits.data() + b * vocab, vocab))
-        : greedy_next_[b] >= 0
-            ? absl::StatusOr<int32_t>(greedy_next_[b])
-            : absl::StatusOr<int32_t>(absl::InvalidArgumentError("Sample: no finite logit"));
+        greedy ? model::Sampler::GreedyPick(greedy_next_[b])
+               : seq->sampler.Sample(std::span<const float>(logits.data() + b * vocab, vocab));
     if (!token.ok()) {
       End(*seq, token.status(), "error");
       continue;

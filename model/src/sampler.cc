@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kvr/common/status.h"
 
 namespace kvr::model {
 
@@ -41,11 +42,15 @@ absl::StatusOr<Sampler> Sampler::Create(const SamplingOptions& options) {
   return Sampler(options);
 }
 
+absl::StatusOr<int32_t> Sampler::GreedyPick(int32_t argmax) {
+  if (argmax < 0) return absl::InvalidArgumentError("Sample: no finite logit");
+  return argmax;
+}
+
 absl::StatusOr<int32_t> Sampler::Sample(std::span<const float> logits) {
   if (logits.empty()) return absl::InvalidArgumentError("Sample: empty logits");
-  const int32_t best = ArgMax(logits);
-  if (best < 0) return absl::InvalidArgumentError("Sample: no finite logit");
-  if (options_.temperature <= 0.f) return best;
+  KVR_ASSIGN_OR_RETURN(const int32_t best, GreedyPick(ArgMax(logits)));
+  if (greedy()) return best;
 
   // Softmax at temperature T, from the largest logit down.
   const float max_logit = logits[best];

@@ -337,6 +337,26 @@ TEST(SamplerTest, GreedyPicksArgmaxLowestIdOnTies) {
   EXPECT_EQ(*sampler->Sample(logits), 1);
 }
 
+TEST(SamplerTest, GreedyPickIsWhatAGreedySampleReturns) {
+  auto greedy = Sampler::Create({});
+  auto hot = Sampler::Create({0.8f, 1.f, 1});
+  ASSERT_TRUE(greedy.ok() && hot.ok());
+  EXPECT_TRUE(greedy->greedy());
+  EXPECT_FALSE(hot->greedy());
+  const std::vector<float> logits = {0.5f, 3.f, -1.f, 3.f};
+  auto sampled = greedy->Sample(logits);
+  ASSERT_TRUE(sampled.ok());
+  auto picked = Sampler::GreedyPick(ArgMax(logits));
+  ASSERT_TRUE(picked.ok());
+  EXPECT_EQ(*picked, *sampled);
+  // No finite logit: the same error either way.
+  const std::vector<float> nan(3, std::nanf(""));
+  const absl::Status from_sample = greedy->Sample(nan).status();
+  const absl::Status from_pick = Sampler::GreedyPick(ArgMax(nan)).status();
+  EXPECT_EQ(from_sample.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(from_pick, from_sample);
+}
+
 TEST(SamplerTest, SameSeedSameTokensDifferentSeedDiffers) {
   const auto logits = RandomVector(1000, 20, 2.f);
   auto draw = [&](uint64_t seed) {

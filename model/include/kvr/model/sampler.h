@@ -29,6 +29,11 @@ class Sampler {
   // Picks a token from `logits` [vocab]. InvalidArgument for an empty vector or one whose
   // logits are all NaN.
   [[nodiscard]] absl::StatusOr<int32_t> Sample(std::span<const float> logits);
+  // Whether Sample is the argmax (temperature <= 0).
+  bool greedy() const { return options_.temperature <= 0.f; }
+  // What a greedy Sample returns, given the argmax found elsewhere (e.g. on the GPU; as ArgMax:
+  // negative when no logit is finite, which is InvalidArgument here as in Sample).
+  [[nodiscard]] static absl::StatusOr<int32_t> GreedyPick(int32_t argmax);
 
   const SamplingOptions& options() const { return options_; }
 
