@@ -209,9 +209,42 @@ TEST(CudaBackendCheckTest, HostSelectsTheRegistrysOtherMethods) {
   EXPECT_THAT(s.message(), HasSubstr("rows fetched never run densely"));
 }
 
+// What the engine tests' backends share: a 2-layer, 16-token vocabulary model shape and nothing
+// to join, leave or count.
+class TestBackend : public DecodeBackend {
+ public:
+  TestBackend() {
+    config_.n_layers = 2;
+    config_.vocab = 16;
+    config_.context_length = 1000;
+  }
+  const model::ModelConfig& config() const override { return config_; }
+  int64_t max_sequence_tokens() const override { return config_.context_length; }
+  absl::Status Join(const Handoff&, std::unique_ptr<BackendSequence>) override {
+    return absl::OkStatus();
+  }
+  RetrievalCounters Leave(uint64_t) override { return {}; }
+  NodeCounters node_counters() const override { return {}; }
+  int64_t SummaryBytes(uint64_t) const override { return 0; }
+
+ protected:
+  model::ModelConfig config_;
+};
+
+// A handoff of a 10-token prompt for TestBackend's 2 layers, in `store`.
+Handoff TestHandoff(kv_store::KvStoreClient* store, uint64_t id) {
+  Handoff h;
+  h.sequence_id = id;
+  h.store_capability = kv_store::Capability::Generate();
+  h.store = store;
+  h.prompt_tokens = 10;
+  h.layers.resize(2);
+  return h;
+}
+
 // A backend that counts the prepared sequence states alive (what a real backend holds for a
 // sequence between Prepare and Join: the CUDA backend's pinned host KV) and drops them at Join.
-class CountingBackend final : public DecodeBackend {
+class CountingBackend final : public TestBackend {
  public:
   struct State final : BackendSequence {
     explicit State(int* live) : live(live) { ++*live; }
@@ -219,33 +252,17 @@ class CountingBackend final : public DecodeBackend {
     int64_t resident_bytes() const override { return 100; }
     int* live;
   };
-  CountingBackend() {
-    config_.n_layers = 2;
-    config_.vocab = 16;
-    config_.context_length = 1000;
-  }
-  const model::ModelConfig& config() const override { return config_; }
   std::string name() const override { return "counting"; }
-  int64_t max_sequence_tokens() const override { return config_.context_length; }
   absl::StatusOr<std::unique_ptr<BackendSequence>> Prepare(Handoff&) const override {
     return std::make_unique<State>(&live);
-  }
-  absl::Status Join(const Handoff&, std::unique_ptr<BackendSequence>) override {
-    return absl::OkStatus();
   }
   absl::Status Step(std::span<const uint64_t>, std::span<const int32_t>,
                     std::span<float> logits) override {
     std::fill(logits.begin(), logits.end(), 0.f);
     return absl::OkStatus();
   }
-  RetrievalCounters Leave(uint64_t) override { return {}; }
-  NodeCounters node_counters() const override { return {}; }
-  int64_t SummaryBytes(uint64_t) const override { return 0; }
 
   mutable int live = 0;
-
- private:
-  model::ModelConfig config_;
 };
 
 TEST(EngineBackendStateTest, ASequenceThatEndsWaitingFreesItsBackendStateAtOnce) {
@@ -255,13 +272,8 @@ TEST(EngineBackendStateTest, ASequenceThatEndsWaitingFreesItsBackendStateAtOnce)
   auto engine = DecodeEngine::Create(std::move(backend), nullptr, {.batch_slots = 1});
   ASSERT_TRUE(engine.ok()) << engine.status();
   auto handoff = [&](uint64_t id) {
-    Handoff h;
-    h.sequence_id = id;
-    h.store_capability = kv_store::Capability::Generate();
-    h.store = store.get();
-    h.prompt_tokens = 10;
+    Handoff h = TestHandoff(store.get(), id);
     h.sampling.max_tokens = 100;
-    h.layers.resize(2);
     return h;
   };
   ASSERT_TRUE((*engine)->Admit(handoff(1)).ok());
@@ -279,24 +291,14 @@ TEST(EngineBackendStateTest, ASequenceThatEndsWaitingFreesItsBackendStateAtOnce)
 
 // A backend whose logits put every sequence's next token at (token + 1) % vocab, on the host
 // (Step) or picked where the logits are (StepGreedy); it counts both.
-class GreedyStepBackend final : public DecodeBackend {
+class GreedyStepBackend final : public TestBackend {
  public:
-  GreedyStepBackend() {
-    config_.n_layers = 2;
-    config_.vocab = 16;
-    config_.context_length = 1000;
-  }
-  const model::ModelConfig& config() const override { return config_; }
-  std::string name() const override { return "greedy-step"; }
-  int64_t max_sequence_tokens() const override { return config_.context_length; }
   struct State final : BackendSequence {
     int64_t resident_bytes() const override { return 100; }
   };
+  std::string name() const override { return "greedy-step"; }
   absl::StatusOr<std::unique_ptr<BackendSequence>> Prepare(Handoff&) const override {
     return std::make_unique<State>();
-  }
-  absl::Status Join(const Handoff&, std::unique_ptr<BackendSequence>) override {
-    return absl::OkStatus();
   }
   absl::Status Step(std::span<const uint64_t> ids, std::span<const int32_t> tokens,
                     std::span<float> logits) override {
@@ -316,28 +318,17 @@ class GreedyStepBackend final : public DecodeBackend {
     }
     return absl::OkStatus();
   }
-  RetrievalCounters Leave(uint64_t) override { return {}; }
-  NodeCounters node_counters() const override { return {}; }
-  int64_t SummaryBytes(uint64_t) const override { return 0; }
 
   int steps = 0, greedy_steps = 0;
   bool no_finite_logit = false;
-
- private:
-  model::ModelConfig config_;
 };
 
 Handoff GreedyTestHandoff(kv_store::KvStoreClient* store, uint64_t id, float temperature) {
-  Handoff h;
-  h.sequence_id = id;
-  h.store_capability = kv_store::Capability::Generate();
-  h.store = store;
-  h.prompt_tokens = 10;
+  Handoff h = TestHandoff(store, id);
   h.first_token = 3;
   h.sampling.max_tokens = 5;
   h.sampling.temperature = temperature;
   h.sampling.ignore_eos = true;
-  h.layers.resize(2);
   return h;
 }
 
@@ -352,49 +343,55 @@ std::vector<int32_t> AllTokens(DecodeEngine& engine, uint64_t id) {
   return tokens;
 }
 
+// An engine over a GreedyStepBackend (`backend` set up by the caller) that admitted one greedy
+// test handoff per temperature (ids 1, 2, ...) and stepped until nothing was left to run.
+std::unique_ptr<DecodeEngine> RunGreedyEngine(kv_store::KvStoreClient* store,
+                                              std::unique_ptr<GreedyStepBackend> backend,
+                                              const std::vector<float>& temperatures) {
+  auto engine = DecodeEngine::Create(std::move(backend), nullptr,
+                                     {.batch_slots = static_cast<int>(temperatures.size())});
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  if (!engine.ok()) return nullptr;
+  for (size_t i = 0; i < temperatures.size(); ++i) {
+    EXPECT_TRUE((*engine)->Admit(GreedyTestHandoff(store, i + 1, temperatures[i])).ok());
+  }
+  while ((*engine)->Step()) {
+  }
+  return std::move(*engine);
+}
+
 TEST(EngineGreedyStepTest, AllGreedyBatchesTakeTheBackendsGreedyStepOthersTheLogits) {
   auto store = testing::MakeFakeStore();
   {
     auto backend = std::make_unique<GreedyStepBackend>();
     GreedyStepBackend* b = backend.get();
-    auto engine = DecodeEngine::Create(std::move(backend), nullptr, {.batch_slots = 2});
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 1, 0.f)).ok());
-    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 2, 0.f)).ok());
-    while ((*engine)->Step()) {
-    }
+    auto engine = RunGreedyEngine(store.get(), std::move(backend), {0.f, 0.f});
+    ASSERT_NE(engine, nullptr);
     EXPECT_GT(b->greedy_steps, 0);
     EXPECT_EQ(b->steps, 0);
     // After the first token (the prefill node streams it), each the previous plus one: what the
     // logits would have given.
-    EXPECT_EQ(AllTokens(**engine, 1), (std::vector<int32_t>{4, 5, 6, 7}));
-    EXPECT_EQ(AllTokens(**engine, 2), (std::vector<int32_t>{4, 5, 6, 7}));
+    EXPECT_EQ(AllTokens(*engine, 1), (std::vector<int32_t>{4, 5, 6, 7}));
+    EXPECT_EQ(AllTokens(*engine, 2), (std::vector<int32_t>{4, 5, 6, 7}));
   }
   {
     // One sampling sequence in the batch: the logits come back for every sequence.
     auto backend = std::make_unique<GreedyStepBackend>();
     GreedyStepBackend* b = backend.get();
-    auto engine = DecodeEngine::Create(std::move(backend), nullptr, {.batch_slots = 2});
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 1, 0.f)).ok());
-    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 2, 0.7f)).ok());
-    while ((*engine)->Step()) {
-    }
+    auto engine = RunGreedyEngine(store.get(), std::move(backend), {0.f, 0.7f});
+    ASSERT_NE(engine, nullptr);
     EXPECT_EQ(b->greedy_steps, 0);
     EXPECT_GT(b->steps, 0);
-    EXPECT_EQ(AllTokens(**engine, 1), (std::vector<int32_t>{4, 5, 6, 7}));
+    EXPECT_EQ(AllTokens(*engine, 1), (std::vector<int32_t>{4, 5, 6, 7}));
   }
   {
     // No finite logit: the sequence fails as the host sampler fails it.
     auto backend = std::make_unique<GreedyStepBackend>();
     backend->no_finite_logit = true;
-    auto engine = DecodeEngine::Create(std::move(backend), nullptr, {.batch_slots = 1});
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    ASSERT_TRUE((*engine)->Admit(GreedyTestHandoff(store.get(), 1, 0.f)).ok());
-    while ((*engine)->Step()) {
-    }
-    absl::StatusOr<StreamChunk> c = (*engine)->Next(1, absl::Now());
-    while (c.ok() && !c->completion.has_value()) c = (*engine)->Next(1, absl::Now());
+    auto engine = RunGreedyEngine(store.get(), std::move(backend), {0.f});
+    ASSERT_NE(engine, nullptr);
+    absl::StatusOr<StreamChunk> c = engine->Next(1, absl::Now());
+    while (c.ok() && !c->completion.has_value()) c = engine->Next(1, absl::Now());
     ASSERT_FALSE(c.ok());
     EXPECT_THAT(c.status().message(), HasSubstr("no finite logit"));
   }

@@ -250,6 +250,29 @@ TEST(CudaSparseTest, MixedDenseAndSparseBatchMatchesSeparateForwards) {
   for (SequenceId id : {200, 201}) ASSERT_TRUE(sp.ReleaseSequence(id).ok());
 }
 
+// 3 slots of capacity 8192 at budget 256, a hot cache of 256 rows: AddFilledSequences' options.
+SparseDecodeOptions FilledOptions(SparseMethod method) {
+  SparseDecodeOptions so;
+  so.method = method;
+  so.slots = 3;
+  so.max_capacity = 8192;
+  so.budget = 256;
+  so.hot_cache_rows = 256;
+  return so;
+}
+
+// Configures `sp` with `so` (FilledOptions) and adds sequences 1, 2 and 3 of 6000 filled tokens,
+// 2 and 3 reading 1's host KV.
+void AddFilledSequences(retrieval::cuda::SparseDecodeAttention& sp, const SparseDecodeOptions& so) {
+  ASSERT_TRUE(sp.Configure(so).ok());
+  ASSERT_TRUE(sp.AddSequence(1, 8192, {}).ok());
+  SparseSequenceOptions share;
+  share.share_host_kv_with = 1;
+  ASSERT_TRUE(sp.AddSequence(2, 8192, share).ok());
+  ASSERT_TRUE(sp.AddSequence(3, 8192, share).ok());
+  for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(sp.FillSequenceForBenchmark(id, 6000, 5).ok());
+}
+
 // Benchmark fill + small budget: runs, stays finite, reports; errors for misuse.
 TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
   SKIP_WITHOUT_GPU();
@@ -260,21 +283,11 @@ TEST(CudaSparseTest, SmallBudgetFilledSequencesDecode) {
   retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
   const int vocab = m.config.vocab;
   for (SparseMethod method : {SparseMethod::kQuest, SparseMethod::kClusterKv}) {
-    SparseDecodeOptions so;
-    so.method = method;
-    so.slots = 3;
-    so.max_capacity = 8192;
-    so.budget = 256;
-    so.hot_cache_rows = 256;
-    ASSERT_TRUE(sp.Configure(so).ok());
-    ASSERT_TRUE(sp.AddSequence(1, 8192, {}).ok());
-    SparseSequenceOptions share;
-    share.share_host_kv_with = 1;
-    ASSERT_TRUE(sp.AddSequence(2, 8192, share).ok());
-    ASSERT_TRUE(sp.AddSequence(3, 8192, share).ok());
+    const SparseDecodeOptions so = FilledOptions(method);
+    AddFilledSequences(sp, so);
+    if (HasFatalFailure()) return;
     EXPECT_EQ(sp.AddSequence(4, 8192, {}).code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(sp.Configure(so).code(), absl::StatusCode::kFailedPrecondition);
-    for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(sp.FillSequenceForBenchmark(id, 6000, 5).ok());
     ASSERT_TRUE(gpu.AddSequence(9, 64).ok());
     const std::vector<int32_t> tok = {1, 2, 3};
     std::vector<CudaSequence> mixed = {{1, std::span(&tok[0], 1)}, {9, std::span(&tok[1], 1)}};
@@ -320,12 +333,7 @@ TEST(CudaSparseTest, GreedySparseStepsRunAsOneGraphLikeLaunchByLaunch) {
     if (::testing::Test::HasFatalFailure()) return;
     m.gpu->set_cuda_graphs(graphs);
     retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
-    SparseDecodeOptions so;
-    so.method = method;
-    so.slots = 3;
-    so.max_capacity = 8192;
-    so.budget = 256;
-    so.hot_cache_rows = 256;
+    const SparseDecodeOptions so = FilledOptions(method);
     std::vector<int32_t> tok = {1, 2, 3}, next(3, -1);
     // Twice: a second Configure frees the buffers the first one's graphs were captured over, so
     // its steps must be captured again (never a replay of a graph of freed buffers).
@@ -333,13 +341,8 @@ TEST(CudaSparseTest, GreedySparseStepsRunAsOneGraphLikeLaunchByLaunch) {
       if (round > 0) {
         for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(sp.ReleaseSequence(id).ok());
       }
-      ASSERT_TRUE(sp.Configure(so).ok());
-      ASSERT_TRUE(sp.AddSequence(1, 8192, {}).ok());
-      SparseSequenceOptions share;
-      share.share_host_kv_with = 1;
-      ASSERT_TRUE(sp.AddSequence(2, 8192, share).ok());
-      ASSERT_TRUE(sp.AddSequence(3, 8192, share).ok());
-      for (SequenceId id : {1, 2, 3}) ASSERT_TRUE(sp.FillSequenceForBenchmark(id, 6000, 5).ok());
+      AddFilledSequences(sp, so);
+      if (::testing::Test::HasFatalFailure()) return;
       for (int step = 0; step < (round == 0 ? 8 : 4); ++step) {
         // Two sequences in one step: another batch size, so another graph.
         const int n = round == 0 && step == 5 ? 2 : 3;
