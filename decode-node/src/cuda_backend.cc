@@ -779,8 +779,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   // clusterkv: room for the clusters the prefill makes at the node's budget with the default
   // options (ClusterKvPrefillClusters: at 128K and budget 1024, L/64; a sequence with more, from
   // a smaller request budget or its own options, is selected on the host). Room for every
-  // budget's (L/8) would take 1 GiB of bf16 centroids per Llama-3-8B sequence of
-  // 128K.
+  // budget's (L/8) would take 1 GiB of bf16 centroids per Llama-3-8B sequence of 128K.
   retrieval::IndexParams at_budget;
   at_budget.budget = o.budget;
   const int64_t clusters =

@@ -1,8 +1,8 @@
 // clusterkv: centroid scoring, top clusters, cluster-ordered expansion to token ids.
 //
-//  1. internal::GroupScores (exact.cu) over the centroids (fp32 or bf16): GQA-aggregated q.mu per
-//  cluster
-//     ([rows, RowLd(max_clusters)]), the same kernels as `exact` with row_count = n_clusters.
+//  1. internal::GroupScores (exact.cu) over the centroids (fp32 or bf16): GQA-aggregated q.mu
+//     per cluster ([rows, RowLd(max_clusters)]), the same kernels as `exact` with row_count =
+//     n_clusters.
 //  2. BatchedTopK of the top first_pick clusters (default max(64, budget / 8); ascending ids).
 //  3. ClusterKvExpandKernel, one CTA per row: ranks the chosen clusters by (score desc, cluster
 //     asc) like the CPU's TopKIndices, counts each cluster's candidate members (a warp per

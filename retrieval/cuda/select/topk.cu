@@ -35,8 +35,10 @@ int Segments(const TopKParams& p) {
 }
 
 // Rows of at most kShortRow scores (clusterkv's ~2K clusters, quest's pages at 32K) take CTAs of
-// kShortThreads: a CTA's time there is mostly its barriers and the 2048-bin histogram passes,
-// not the loads, so four times as many CTAs per SM finish a batch of rows sooner.
+// kShortThreads, four times as many per SM: a CTA's time there goes to its barriers and the
+// 2048-bin histogram passes more than to the loads (1,024-thread CTAs took 116 us for 768 rows
+// of 2,047 scores on the H100). Measured only together with the other selection changes of
+// BENCHMARKS.md "Cheaper selection", not alone.
 constexpr int kShortRow = 4096;
 constexpr int kShortThreads = 256;
 
