@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/fp8.h"
 #include "kvr/common/gpu_testing.h"
 #include "kvr/common/half.h"
 #include "kvr/retrieval/cuda/decode_attention.cuh"
@@ -422,14 +423,38 @@ void GatherAndAttendRow(const Case& param) {
 // two halves (Lookup, then Fill) with one slot's pool unreadable (a null base: a store on
 // another host): its misses are staged by the host from what Lookup reports, and exactly those
 // are staged.
-void HotCacheRow(bool staged_slot, RowDType dtype) {
+// With fp8 pool rows (PoolRowFormat::kFp8E4m3, dtype bf16) the pool holds EncodeFp8Row's rows
+// and every output row must be DecodeFp8Row's values rounded to bf16, bit for bit.
+void HotCacheRow(bool staged_slot, RowDType dtype, bool fp8) {
   {
     const int batch = 3, n_kv = 4, d = 64, budget = 128, n_pool = 2000;
-    const size_t row_bytes = RowBytes(dtype, d);
+    const PoolRowFormat format = fp8 ? PoolRowFormat::kFp8E4m3 : PoolRowFormat::kAsDType;
+    const size_t row_bytes = PoolRowBytes(format, dtype, d);  // pool, staged and cache rows
+    const size_t out_row_bytes = RowBytes(dtype, d);
     const int bh = batch * n_kv;
     std::mt19937 rng(7);
     HostTensor pool;
     pool.Fill(static_cast<size_t>(bh) * n_pool * 2 * d, dtype, rng, -1.f, 1.f);
+    // What each pool row must come out as.
+    std::vector<uint8_t> want_rows = pool.bytes;
+    if (fp8) {
+      const Fp8RowLayout layout{2, d};
+      std::vector<float> decoded(2 * d);
+      pool.bytes.assign(static_cast<size_t>(bh) * n_pool * row_bytes, 0);
+      for (size_t r = 0; r < static_cast<size_t>(bh) * n_pool; ++r) {
+        // Per-row magnitudes from 2^-6 to 2^6, so the scales differ from row to row.
+        const float mag = std::ldexp(1.f, static_cast<int>(r % 13) - 6);
+        std::vector<float> x(pool.values.begin() + r * 2 * d,
+                             pool.values.begin() + (r + 1) * 2 * d);
+        for (float& v : x) v *= mag;
+        EncodeFp8Row(layout, x.data(), pool.bytes.data() + r * row_bytes);
+        DecodeFp8Row(layout, pool.bytes.data() + r * row_bytes, decoded.data());
+        for (int i = 0; i < 2 * d; ++i) {
+          const uint16_t b = FloatToBf16(decoded[i]);
+          std::memcpy(want_rows.data() + r * out_row_bytes + 2 * i, &b, 2);
+        }
+      }
+    }
     std::vector<int64_t> head_base(bh), n_rows(bh, n_pool);
     for (int i = 0; i < bh; ++i) head_base[i] = static_cast<int64_t>(i) * n_pool;
     PagedPool paged;
@@ -453,13 +478,14 @@ void HotCacheRow(bool staged_slot, RowDType dtype) {
                                               .n_kv_heads = n_kv,
                                               .head_dim = d,
                                               .dtype = dtype,
+                                              .pool_format = format,
                                               .n_sets = 64,
                                               .ways = 4,
                                               .budget = budget},
                                              stream.get()));
     auto d_ids = ValueOrDie(DeviceBuffer<int32_t>::Create(static_cast<size_t>(bh) * budget));
     auto d_out =
-        ValueOrDie(DeviceBuffer<uint8_t>::Create(static_cast<size_t>(bh) * budget * row_bytes));
+        ValueOrDie(DeviceBuffer<uint8_t>::Create(static_cast<size_t>(bh) * budget * out_row_bytes));
     std::vector<int32_t> counts(bh);
     for (int i = 0; i < bh; ++i) counts[i] = i == 1 ? 0 : budget - (i % 5);
     auto d_counts = Upload(counts);
@@ -554,9 +580,9 @@ void HotCacheRow(bool staged_slot, RowDType dtype) {
       for (int i = 0; i < bh; ++i) {
         for (int j = 0; j < counts[i]; ++j) {
           const uint8_t* want =
-              pool.bytes.data() + (head_base[i] + ids[i * budget + j]) * row_bytes;
-          ASSERT_EQ(std::memcmp(got.data() + (static_cast<size_t>(i) * budget + j) * row_bytes,
-                                want, row_bytes),
+              want_rows.data() + (head_base[i] + ids[i * budget + j]) * out_row_bytes;
+          ASSERT_EQ(std::memcmp(got.data() + (static_cast<size_t>(i) * budget + j) * out_row_bytes,
+                                want, out_row_bytes),
                     0)
               << "step " << step << " head " << i << " slot " << j;
           ++rows_checked;
@@ -638,8 +664,13 @@ std::vector<ParityRow> AttendRows() {
                       std::string(staged_slot ? "slot 2 staged" : "all slots in the pool") + " " +
                           DTypeName(dtype) + " b3 kv4 d64 k128 8 steps",
                       "pool rows", "bit-equal; hits 0 cold, >= 95% once repeated",
-                      [staged_slot, dtype] { HotCacheRow(staged_slot, dtype); }});
+                      [staged_slot, dtype] { HotCacheRow(staged_slot, dtype, false); }});
     }
+    rows.push_back({"HotCache",
+                    std::string(staged_slot ? "slot 2 staged" : "all slots in the pool") +
+                        " fp8 rows -> bf16 b3 kv4 d64 k128 8 steps",
+                    "DecodeFp8Row, rounded to bf16", "bit-equal; hits 0 cold, >= 95% once repeated",
+                    [staged_slot] { HotCacheRow(staged_slot, RowDType::kBf16, true); }});
   }
   return rows;
 }

@@ -1,5 +1,9 @@
 #include "kvr/retrieval/cuda/hot_cache.cuh"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <climits>
 
 #include "absl/strings/str_cat.h"
@@ -151,6 +155,76 @@ __global__ void HotCacheCopyKernel(
   }
 }
 
+// Eight e4m3 codes (byte i of `codes` is element i) times `scale`, as eight bf16 (element i in
+// bytes [2i, 2i + 2)): e4m3 -> half is exact, the product is fp32, the bf16 rounding to nearest
+// even, as DecodeFp8 followed by a bf16 rounding on the host.
+__device__ __forceinline__ uint4 DecodeFp8x8(uint2 codes, float scale) {
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+  const uint32_t w[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>((w[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+    o[i] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  return out;
+}
+
+// HotCacheCopyKernel for fp8 rows (PoolRowFormat::kFp8E4m3): one thread per 8 codes of each
+// selected row (head_dim / 4 a row) reads them and their vector's scale from the cache, the
+// pool or the staged rows, and writes the 8 decoded bf16 values (16 bytes) to `out`. A miss that
+// won its victim's claim stores the codes (and, from the row's first thread, both scales) in
+// the cache: the cache keeps fp8 rows.
+__global__ void HotCacheCopyFp8Kernel(
+    KvPoolView pool, const uint8_t* __restrict__ staged, const int32_t* __restrict__ staged_index,
+    const int32_t* __restrict__ ids, const int32_t* __restrict__ counts,
+    const int32_t* __restrict__ slot_of, int32_t* tags, uint32_t* stamps,
+    const unsigned long long* claims, uint8_t* cache, uint4* __restrict__ out, int budget,
+    int slots, int head_dim, int64_t first_chunk, int64_t end_chunk, uint32_t* step_state) {
+  const int64_t t = first_chunk + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint32_t step = step_state[1];
+  if (t == first_chunk) step_state[0] = step;  // as HotCacheCopyKernel
+  if (t >= end_chunk) return;
+  const int chunks_per_row = head_dim / 4;
+  const int64_t row_bytes = 2 * int64_t{head_dim} + 2 * sizeof(float);
+  const int64_t e = t / chunks_per_row;
+  const int chunk = static_cast<int>(t - e * chunks_per_row);
+  const int64_t bh = e / budget;
+  const int i = static_cast<int>(e - bh * budget);
+  if (i >= counts[bh]) return;
+  const int32_t id = ids[e];
+  if (id < 0) return;
+  const int s = slot_of[e];
+  uint8_t* cache_bh = cache + bh * slots * row_bytes;
+  const uint8_t* src;
+  if (s >= 0) {
+    src = cache_bh + s * row_bytes;
+  } else if (staged != nullptr && pool.slots[bh / pool.n_kv_heads].base == nullptr) {
+    const int32_t row = staged_index[e];
+    if (row < 0) return;
+    src = staged + row * row_bytes;
+  } else {
+    src = static_cast<const uint8_t*>(KvPoolRow(pool, bh, id, static_cast<size_t>(row_bytes)));
+  }
+  const uint2 codes = reinterpret_cast<const uint2*>(src)[chunk];
+  const float2 scales = *reinterpret_cast<const float2*>(src + 2 * head_dim);
+  out[e * chunks_per_row + chunk] =
+      DecodeFp8x8(codes, chunk < chunks_per_row / 2 ? scales.x : scales.y);
+  if (s >= 0) return;
+  const int victim = -2 - s;
+  if (claims[bh * slots + victim] == ClaimKey(step, MissPriority(id))) {
+    uint8_t* dst = cache_bh + victim * row_bytes;
+    reinterpret_cast<uint2*>(dst)[chunk] = codes;
+    if (chunk == 0) {
+      *reinterpret_cast<float2*>(dst + 2 * head_dim) = scales;
+      tags[bh * slots + victim] = id;
+      stamps[bh * slots + victim] = step;
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream_t stream) {
@@ -165,6 +239,9 @@ absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream
     return absl::InvalidArgumentError(
         absl::StrCat("HotCache: head_dim must be 64 or 128, got ", shape.head_dim));
   }
+  if (shape.pool_format == PoolRowFormat::kFp8E4m3 && shape.dtype != RowDType::kBf16) {
+    return absl::InvalidArgumentError("HotCache: fp8 pool rows decode to bf16 only");
+  }
   HotCache c;
   c.shape_ = shape;
   const size_t heads = static_cast<size_t>(shape.batch) * shape.n_kv_heads;
@@ -178,7 +255,7 @@ absl::StatusOr<HotCache> HotCache::Create(const HotCacheShape& shape, cudaStream
   if (!claims.ok()) return claims.status();
   auto slot_of = DeviceBuffer<int32_t>::Create(heads * shape.budget);
   if (!slot_of.ok()) return slot_of.status();
-  auto data = DeviceBuffer<uint8_t>::Create(slots * RowBytes(shape.dtype, shape.head_dim));
+  auto data = DeviceBuffer<uint8_t>::Create(slots * c.row_bytes());
   if (!data.ok()) return data.status();
   auto fills = DeviceBuffer<unsigned>::Create(heads * shape.n_sets);
   if (!fills.ok()) return fills.status();
@@ -253,15 +330,23 @@ absl::Status HotCache::Fill(const KvPoolView& pool, const int32_t* ids, const in
   if (n_slots == 0) return absl::OkStatus();
   const int64_t per_slot = int64_t{shape_.n_kv_heads} * shape_.budget;
   constexpr int kThreads = 256;
+  // Threads per row: one per 16 bytes of a row (8 codes of an fp8 row, 16 bytes of its output).
   const int chunks_per_row = static_cast<int>(RowBytes(shape_.dtype, shape_.head_dim) / 16);
   const int64_t first = first_slot * per_slot * chunks_per_row;
   const int64_t chunks = n_slots * per_slot * chunks_per_row;
-  HotCacheCopyKernel<<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0,
-                       stream>>>(pool, static_cast<const uint4*>(staged), staged_index, ids, counts,
-                                 slot_of_.data(), tags_.data(), stamps_.data(), claims_.data(),
-                                 reinterpret_cast<uint4*>(data_.data()), static_cast<uint4*>(out),
-                                 shape_.budget, slots_per_head(), chunks_per_row, first,
-                                 first + chunks, steps_.data());
+  const unsigned blocks = static_cast<unsigned>((chunks + kThreads - 1) / kThreads);
+  if (shape_.pool_format == PoolRowFormat::kFp8E4m3) {
+    HotCacheCopyFp8Kernel<<<blocks, kThreads, 0, stream>>>(
+        pool, static_cast<const uint8_t*>(staged), staged_index, ids, counts, slot_of_.data(),
+        tags_.data(), stamps_.data(), claims_.data(), data_.data(), static_cast<uint4*>(out),
+        shape_.budget, slots_per_head(), shape_.head_dim, first, first + chunks, steps_.data());
+    return kvr::cuda::LastLaunchStatus("HotCacheCopyFp8Kernel");
+  }
+  HotCacheCopyKernel<<<blocks, kThreads, 0, stream>>>(
+      pool, static_cast<const uint4*>(staged), staged_index, ids, counts, slot_of_.data(),
+      tags_.data(), stamps_.data(), claims_.data(), reinterpret_cast<uint4*>(data_.data()),
+      static_cast<uint4*>(out), shape_.budget, slots_per_head(), chunks_per_row, first,
+      first + chunks, steps_.data());
   return kvr::cuda::LastLaunchStatus("HotCacheCopyKernel");
 }
 

@@ -33,6 +33,11 @@
 namespace kvr::retrieval::cuda {
 namespace {
 
+// The hot cache's and gather's name for a row source format.
+PoolRowFormat PoolFormatOf(SparseRowFormat f) {
+  return f == SparseRowFormat::kFp8E4m3 ? PoolRowFormat::kFp8E4m3 : PoolRowFormat::kAsDType;
+}
+
 using bf16 = sbf16;
 using kvr::cuda::DeviceBuffer;
 using kvr::cuda::PinnedBuffer;
@@ -375,6 +380,11 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
     return bad("Configure: hot_cache_rows ", o.hot_cache_rows, " not a multiple of 8");
   }
   if (o.min_page_rows < 1) return bad("Configure: min_page_rows ", o.min_page_rows, " < 1");
+  if (o.row_format == SparseRowFormat::kFp8E4m3 && (o.hot_cache_rows == 0 || !o.lanes.empty())) {
+    return bad(
+        "Configure: fp8 rows need a hot cache (hot_cache_rows > 0) and no lanes (the "
+        "lanes read bf16 rows)");
+  }
   for (const std::string& lane : o.lanes) {
     if (!IsGpuLaneMethod(lane) || std::count(o.lanes.begin(), o.lanes.end(), lane) > 1) {
       return bad("Configure: lane '", lane, "' unknown or listed twice (the GPU lanes: ",
@@ -431,6 +441,7 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
     hs.n_kv_heads = c.n_kv_heads;
     hs.head_dim = c.head_dim;
     hs.dtype = RowDType::kBf16;
+    hs.pool_format = PoolFormatOf(o.row_format);
     hs.n_sets = o.hot_cache_rows / ways;
     hs.ways = ways;
     hs.budget = o.budget;
@@ -614,9 +625,17 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
           AllocPinned(sparse_->h_fetch_counts, int64_t{sparse_->opt.slots} * c.n_kv_heads));
     }
   }
+  const bool fp8_rows = sparse_->opt.row_format == SparseRowFormat::kFp8E4m3;
+  if (fp8_rows && (!options.rows.has_value() || options.fetch != nullptr)) {
+    return absl::InvalidArgumentError(
+        "AddSequence: this configuration reads fp8 rows (SparseDecodeOptions::row_format), so "
+        "every sequence needs a row source of fp8 pages (SparseSequenceOptions::rows) and no "
+        "fetcher");
+  }
   if (options.rows.has_value()) {
     const SparseRowSource& r = *options.rows;
-    const int64_t row_bytes = 4 * int64_t{c.head_dim};
+    const int64_t row_bytes = static_cast<int64_t>(
+        PoolRowBytes(PoolFormatOf(sparse_->opt.row_format), RowDType::kBf16, c.head_dim));
     auto bad = [&](auto&&... parts) {
       return absl::InvalidArgumentError(absl::StrCat("AddSequence: row source: ", parts...));
     };
@@ -888,7 +907,8 @@ SparseStats SparseDecodeImpl::stats() const {
   SparseStats st;
   if (sparse_ == nullptr) return st;
   st.steps = sparse_->steps;
-  st.row_bytes = 2 * int64_t{config_.head_dim} * 2;
+  st.row_bytes = static_cast<int64_t>(
+      PoolRowBytes(PoolFormatOf(sparse_->opt.row_format), RowDType::kBf16, config_.head_dim));
   unsigned long long v = 0;
   if (cudaMemcpy(&v, sparse_->selected.data(), sizeof(v), cudaMemcpyDeviceToHost) == cudaSuccess) {
     st.selected_rows = static_cast<int64_t>(v);
@@ -1337,6 +1357,7 @@ absl::Status SparseDecodeImpl::FillSlotFromHostKv(Sequence& s, int64_t n_tokens,
   fp.n_layers = c.n_layers;
   fp.n_kv_heads = c.n_kv_heads;
   fp.head_dim = c.head_dim;
+  fp.fp8_rows = sp.opt.row_format == SparseRowFormat::kFp8E4m3;  // then every source is paged
   fp.summaries = summaries;
   KVR_RETURN_IF_ERROR(LaunchSparseFill(fp, stream()));
   for (HotCache& h : sp.hot) KVR_RETURN_IF_ERROR(h.ResetSlot(s.slot, stream()));

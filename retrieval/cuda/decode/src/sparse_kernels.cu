@@ -1,6 +1,7 @@
 // Kernels of the GPU sparse decode (sparse_kernels.cuh).
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -55,12 +56,24 @@ __device__ __forceinline__ sbf16* NewRow(const SparseRopeParams& p, int slot, in
 }
 
 // Row `pos` of (layer, head) of the slot being filled, wherever its pages are.
-__device__ __forceinline__ const sbf16* FillRow(const SparseFillParams& p, int layer, int h,
-                                                int64_t pos) {
+__device__ __forceinline__ const uint8_t* FillRow(const SparseFillParams& p, int layer, int h,
+                                                  int64_t pos) {
   kvr::cuda::KvPoolView v = p.pool;
   v.pages += layer * p.pages_layer_stride;
-  return static_cast<const sbf16*>(
-      kvr::cuda::KvPoolRow(v, int64_t{p.slot} * p.n_kv_heads + h, pos, size_t{4} * p.head_dim));
+  const size_t row_bytes =
+      p.fp8_rows ? 2 * size_t(p.head_dim) + 2 * sizeof(float) : size_t{4} * p.head_dim;
+  return static_cast<const uint8_t*>(
+      kvr::cuda::KvPoolRow(v, int64_t{p.slot} * p.n_kv_heads + h, pos, row_bytes));
+}
+
+// Element i of a FillRow row (K: i < head_dim, V after it) as a float: a bf16 row's value, or an
+// fp8 row's code times its vector's scale (HotCache decodes the gathered rows alike).
+__device__ __forceinline__ float RowValue(const SparseFillParams& p, const uint8_t* row, int i) {
+  if (!p.fp8_rows) return __bfloat162float(reinterpret_cast<const sbf16*>(row)[i]);
+  __nv_fp8_e4m3 code;
+  code.__x = row[i];
+  return static_cast<float>(code) *
+         reinterpret_cast<const float*>(row + 2 * p.head_dim)[i < p.head_dim ? 0 : 1];
 }
 
 // One block per slot.
@@ -189,10 +202,12 @@ __global__ void FillResidentKernel(SparseFillParams p) {
     pos = base + k;
   }
   if (pos >= p.length) return;
-  const sbf16* src = FillRow(p, layer, h, pos);
+  const uint8_t* src = FillRow(p, layer, h, pos);
   sbf16* dst = ResidentRow(p.resident, p.resident_layer_stride, layer, p.slot, p.n_kv_heads, h,
                            p.rcap, r, d);
-  for (int i = threadIdx.x; i < 2 * d; i += blockDim.x) dst[i] = src[i];
+  for (int i = threadIdx.x; i < 2 * d; i += blockDim.x) {
+    dst[i] = __float2bfloat16(RowValue(p, src, i));  // exact for bf16 rows
+  }
 }
 
 // grid (n_layers * n_kv, pages), block head_dim: min/max of the page's keys.
@@ -204,7 +219,7 @@ __global__ void FillQuestKernel(SparseFillParams p) {
   const int64_t t0 = page * ps, t1 = min(p.length, t0 + ps);
   float mn = FLT_MAX, mx = -FLT_MAX;
   for (int64_t t = t0; t < t1; ++t) {
-    const float v = __bfloat162float(FillRow(p, layer, h, t)[i]);
+    const float v = RowValue(p, FillRow(p, layer, h, t), i);
     mn = fminf(mn, v);
     mx = fmaxf(mx, v);
   }
@@ -225,7 +240,7 @@ __global__ void FillClusterKernel(SparseFillParams p, int64_t end, int n_cluster
   const int64_t t1 = min(end, t0 + p.tokens_per_cluster);
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     float sum = 0.f;
-    for (int64_t t = t0; t < t1; ++t) sum += __bfloat162float(FillRow(p, layer, h, t)[i]);
+    for (int64_t t = t0; t < t1; ++t) sum += RowValue(p, FillRow(p, layer, h, t), i);
     s.centroids[(hh * s.max_clusters + c) * d + i] =
         __float2bfloat16(sum / static_cast<float>(t1 - t0));
   }

@@ -92,6 +92,8 @@ struct SparseFillParams {
   SparseSummaryView sum;
   int tokens_per_cluster = 80;
   int n_layers = 0, n_kv_heads = 0, head_dim = 0;
+  // The pages hold fp8 rows (PoolRowFormat::kFp8E4m3) instead of bf16 ones: decoded as read.
+  bool fp8_rows = false;
   bool summaries = true;  // false: the ring rows only (the caller uploads the summaries)
 };
 [[nodiscard]] absl::Status LaunchSparseFill(const SparseFillParams& p, cudaStream_t stream);

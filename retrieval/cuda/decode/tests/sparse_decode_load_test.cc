@@ -10,12 +10,14 @@
 // differently) and the greedy tokens must be equal (a near tie would be reported and fails).
 // A second sparse sequence loaded alike at a small budget must run and stay finite. Misuse
 // answers the documented errors. Clusterkv: ActivateSequenceWithClusters given the clustering
-// ActivateSequence builds decodes the same logits. CTest label `gpu`.
+// ActivateSequence builds decodes the same logits. fp8 row sources decode the same logits as
+// bf16 row sources of the values they decode to. CTest label `gpu`.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -23,6 +25,8 @@
 
 #include "cuda_test_util.h"
 #include "gtest/gtest.h"
+#include "kvr/common/fp8.h"
+#include "kvr/common/half.h"
 #include "kvr/model/cuda_model.h"
 #include "kvr/model/dummy.h"
 #include "kvr/model/sampler.h"
@@ -321,6 +325,156 @@ TEST(CudaSparseLoadTest, GivenClustersEqualTheBuiltOnes) {
         << Compare(got, want).cosine << ")";
     next = ArgMax(want);
   }
+}
+
+// A paged row source (SparseRowSource) over host memory this test owns, in the store's layout:
+// page p of (layer l, head h) is page (l * kv + h) * pages_per_head + (pages_per_head - 1 - p)
+// (reversed, so the page table matters), each of kPageRows rows of `row_bytes`.
+struct PagedRows {
+  static constexpr int32_t kPageRows = 128;
+  void* host = nullptr;
+  size_t bytes = 0;
+  size_t row_bytes = 0;
+  SparseRowSource source;
+
+  PagedRows(const ModelConfig& c, int64_t capacity, size_t row) : row_bytes(row) {
+    source.page_rows = kPageRows;
+    source.pages_per_head = static_cast<int32_t>((capacity + kPageRows - 1) / kPageRows);
+    source.page_bytes = int64_t{kPageRows} * static_cast<int64_t>(row);
+    const int64_t heads = int64_t{c.n_layers} * c.n_kv_heads;
+    for (int64_t j = 0; j < heads; ++j) {
+      for (int32_t p = 0; p < source.pages_per_head; ++p) {
+        source.pages.push_back(
+            static_cast<int32_t>(j * source.pages_per_head + (source.pages_per_head - 1 - p)));
+      }
+    }
+    bytes = static_cast<size_t>(heads * source.pages_per_head * source.page_bytes);
+    bytes = (bytes + 4095) / 4096 * 4096;
+    host = std::aligned_alloc(4096, bytes);
+    std::memset(host, 0, bytes);
+  }
+  ~PagedRows() { std::free(host); }
+  PagedRows(const PagedRows&) = delete;
+  PagedRows& operator=(const PagedRows&) = delete;
+
+  uint8_t* Row(int layer, int h, int n_kv, int64_t t) {
+    const int32_t page =
+        source.pages[(int64_t{layer} * n_kv + h) * source.pages_per_head + t / kPageRows];
+    return static_cast<uint8_t*>(host) + page * source.page_bytes + (t % kPageRows) * row_bytes;
+  }
+};
+
+// fp8 row sources (SparseDecodeOptions::row_format) against bf16 row sources of the values the
+// fp8 rows decode to. Every K and V vector's largest magnitude is 448 * 2^k, so its fp8 scale is
+// exactly 2^k and every decoded value (a 4-bit significand times 2^k) is a bf16: the two sources
+// then hold the same numbers, and the ring, the summaries (quest bounds, clusterkv centroids),
+// the selections and the gathered rows must be the same, so the logits must be bit-equal, at
+// budgets where the selection matters, over steps that hit the hot cache.
+TEST(CudaSparseLoadTest, Fp8RowSourceDecodesAsItsBf16Values) {
+  SKIP_WITHOUT_GPU();
+  SparseModel m;
+  MakeSparseModel("smollm2-135m", 2, 29, 64, 2, &m);
+  if (HasFatalFailure()) return;
+  const ModelConfig& c = m.config;
+  retrieval::cuda::SparseDecodeAttention& sp = *m.sp;
+  const int kv = c.n_kv_heads, d = c.head_dim;
+  constexpr int64_t kCapacity = 256, kPrompt = 200;
+  constexpr SequenceId kSeq = 1;
+  const Fp8RowLayout layout{2, d};
+
+  PagedRows fp8(c, kCapacity, layout.RowBytes()), bf16(c, kCapacity, 4 * size_t(d));
+  uint64_t x = 1234;
+  auto uniform = [&x] {  // in [-1, 1)
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<float>(static_cast<int64_t>(x >> 40) - (1 << 23)) / (1 << 23);
+  };
+  std::vector<float> row(2 * d), decoded(2 * d);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int h = 0; h < kv; ++h) {
+      for (int64_t t = 0; t < kCapacity; ++t) {
+        for (int half = 0; half < 2; ++half) {
+          const float top = 448.f * std::ldexp(1.f, -static_cast<int>((t + half) % 7) - 5);
+          for (int i = 0; i < d; ++i) row[half * d + i] = top * uniform();
+          row[half * d + static_cast<int>(t % d)] = (t % 2 == 0 ? top : -top);
+        }
+        uint8_t* f = fp8.Row(l, h, kv, t);
+        EncodeFp8Row(layout, row.data(), f);
+        DecodeFp8Row(layout, f, decoded.data());
+        uint16_t* b = reinterpret_cast<uint16_t*>(bf16.Row(l, h, kv, t));
+        for (int i = 0; i < 2 * d; ++i) {
+          b[i] = FloatToBf16(decoded[i]);
+          ASSERT_EQ(Bf16ToFloat(b[i]), decoded[i]) << "the decoded fp8 value is a bf16";
+        }
+      }
+    }
+  }
+  for (PagedRows* p : {&fp8, &bf16}) {
+    auto device = sp.RegisterHostRegion(p->host, p->bytes, /*read_only=*/true);
+    ASSERT_TRUE(device.ok()) << device.status();
+    p->source.base = *device;
+  }
+
+  for (SparseMethod method : {SparseMethod::kQuest, SparseMethod::kClusterKv}) {
+    const char* name = method == SparseMethod::kQuest ? "quest" : "clusterkv";
+    SparseDecodeOptions so;
+    so.method = method;
+    so.slots = 2;
+    so.max_capacity = kCapacity;
+    so.budget = 32;  // of ~180 candidates: the selection decides what is attended
+    so.n_sink = 4;
+    so.local_window = 16;
+    so.hot_cache_rows = 64;
+    so.clusterkv_tokens_per_cluster = 8;
+    so.min_page_rows = PagedRows::kPageRows;
+    std::vector<std::vector<float>> want;  // per step: the bf16 source's logits
+    int32_t tokens[24];
+    for (SparseRowFormat format : {SparseRowFormat::kBf16, SparseRowFormat::kFp8E4m3}) {
+      const bool is_fp8 = format == SparseRowFormat::kFp8E4m3;
+      so.row_format = format;
+      ASSERT_TRUE(sp.Configure({}).ok());
+      if (is_fp8) {
+        SparseDecodeOptions no_cache = so;
+        no_cache.hot_cache_rows = 0;
+        EXPECT_EQ(sp.Configure(no_cache).code(), absl::StatusCode::kInvalidArgument)
+            << "fp8 rows without a hot cache";
+      }
+      ASSERT_TRUE(sp.Configure(so).ok());
+      if (is_fp8) {
+        EXPECT_EQ(sp.AddSequence(kSeq, kCapacity, SparseSequenceOptions{}).code(),
+                  absl::StatusCode::kInvalidArgument)
+            << "an fp8 configuration takes row sources only";
+        EXPECT_EQ(sp.stats().row_bytes, static_cast<int64_t>(layout.RowBytes()));
+      }
+      SparseSequenceOptions opts;
+      opts.rows = is_fp8 ? fp8.source : bf16.source;
+      ASSERT_TRUE(sp.AddSequence(kSeq, kCapacity, opts).ok());
+      const absl::Status st = sp.ActivateSequence(kSeq, kPrompt);
+      ASSERT_TRUE(st.ok()) << name << ": " << st;
+      int32_t next = 1;
+      for (int step = 0; step < 24; ++step) {
+        std::vector<float> logits(c.vocab, NAN);
+        if (is_fp8) next = tokens[step];
+        const CudaSequence s{kSeq, std::span(&next, 1)};
+        const absl::Status fs = sp.Forward(std::span(&s, 1), LogitsMode::kLast, logits);
+        ASSERT_TRUE(fs.ok()) << name << " step " << step << ": " << fs;
+        if (!is_fp8) {
+          tokens[step] = next;
+          want.push_back(logits);
+          next = ArgMax(logits);
+          continue;
+        }
+        ASSERT_EQ(std::memcmp(logits.data(), want[step].data(), logits.size() * sizeof(float)), 0)
+            << name << " step " << step << ": fp8 rows decode other logits than their bf16 "
+            << "values (cosine " << Compare(logits, want[step]).cosine << ")";
+      }
+      const auto counters = sp.Counters(kSeq);
+      ASSERT_TRUE(counters.ok()) << counters.status();
+      EXPECT_GT(counters->hot_cache_hits, 0) << name << ": steps after the first hit the cache";
+      ASSERT_TRUE(sp.ReleaseSequence(kSeq).ok());
+    }
+  }
+  ASSERT_TRUE(sp.Configure({}).ok());
+  for (PagedRows* p : {&fp8, &bf16}) ASSERT_TRUE(sp.UnregisterHostRegion(p->host).ok());
 }
 
 }  // namespace

@@ -31,6 +31,17 @@ enum class RowDType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3 };
   return 2 * static_cast<size_t>(head_dim) * RowDTypeSize(t);
 }
 
+// How a pool holds its rows when that differs from the attention's dtype: kFp8E4m3 rows are
+// kvr/common/fp8.h's Fp8RowLayout{2, head_dim} ([k codes | v codes | k scale | v scale], e4m3
+// codes of x / scale, float scales; 2 * head_dim + 8 bytes), the KV store's fp8 dtype. Readers
+// decode them to the attention's dtype (bf16) as they copy them out.
+enum class PoolRowFormat : uint8_t { kAsDType, kFp8E4m3 };
+// Bytes of one pool row of `format` whose decoded rows are `t`.
+[[nodiscard]] constexpr size_t PoolRowBytes(PoolRowFormat format, RowDType t, int head_dim) {
+  return format == PoolRowFormat::kFp8E4m3 ? 2 * static_cast<size_t>(head_dim) + 2 * sizeof(float)
+                                           : RowBytes(t, head_dim);
+}
+
 // The paged row layout (KvPoolSlot, KvPoolView, KvPoolRow) lives in common so that the model's
 // kernels and these share it without the model depending on retrieval.
 using kvr::cuda::KvPoolRow;

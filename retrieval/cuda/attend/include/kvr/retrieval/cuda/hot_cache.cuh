@@ -36,7 +36,12 @@ struct HotCacheShape {
   int batch = 0;  // sequence slots
   int n_kv_heads = 0;
   int head_dim = 0;  // 64 or 128
-  RowDType dtype = RowDType::kBf16;
+  RowDType dtype = RowDType::kBf16;  // of the rows written to `out`
+  // The pool's rows, the staged rows and the cache's own: kFp8E4m3 (dtype must be bf16) keeps
+  // fp8 rows in the cache (2 * head_dim + 8 bytes a row instead of 4 * head_dim) and decodes
+  // every row, hit or miss, into `out` as bf16: value = e4m3 code * its vector's scale in fp32,
+  // rounded to nearest bf16 (kvr/common/fp8.h's DecodeFp8Row, then bf16 rounding).
+  PoolRowFormat pool_format = PoolRowFormat::kAsDType;
   int n_sets = 0;  // per (sequence slot, kv head)
   int ways = 0;    // 1..8
   int budget = 0;  // largest selection per (b, h) that Gather accepts
@@ -84,6 +89,10 @@ class HotCache {
   const HotCacheShape& shape() const { return shape_; }
   int slots_per_head() const { return shape_.n_sets * shape_.ways; }
   size_t data_bytes() const { return data_.bytes(); }
+  // Bytes of one cached (and pool) row.
+  size_t row_bytes() const {
+    return PoolRowBytes(shape_.pool_format, shape_.dtype, shape_.head_dim);
+  }
 
  private:
   HotCacheShape shape_;
@@ -92,7 +101,7 @@ class HotCache {
   kvr::cuda::DeviceBuffer<unsigned long long> claims_;    // [batch, n_kv_heads, slots]
   kvr::cuda::DeviceBuffer<unsigned> fills_;               // [batch, n_kv_heads, n_sets]
   kvr::cuda::DeviceBuffer<int32_t> slot_of_;              // [batch, n_kv_heads, budget]
-  kvr::cuda::DeviceBuffer<uint8_t> data_;                 // [batch, n_kv_heads, slots, 2*d]
+  kvr::cuda::DeviceBuffer<uint8_t> data_;                 // [batch, n_kv_heads, slots, row]
   kvr::cuda::DeviceBuffer<uint32_t> steps_;               // [2]: last completed step, current step
   kvr::cuda::DeviceBuffer<unsigned long long> counters_;  // [1 + batch] hits, per-slot hits
 };

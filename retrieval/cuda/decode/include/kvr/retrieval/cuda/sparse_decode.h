@@ -66,6 +66,13 @@ using model::SequenceId;
 
 enum class SparseMethod { kQuest, kClusterKv };
 
+// How the row sources' pages hold their rows (the KV store sequence's dtype): bf16 [K | V], or
+// fp8 e4m3 rows with one float scale for K and one for V (kvr/common/fp8.h's
+// Fp8RowLayout{2, head_dim}: 136 bytes at head_dim 64 against 256; the store's fp8 dtype).
+// The GPU decodes fp8 rows to bf16 as it reads them (window ring and summaries at activation,
+// every gathered row); the hot cache keeps them in fp8.
+enum class SparseRowFormat { kBf16, kFp8E4m3 };
+
 // The shared configuration of a SparseDecodeAttention's sequences (Configure).
 // The methods a GPU lane can select (SparseDecodeOptions::lanes).
 inline constexpr std::array<std::string_view, 5> kGpuLaneMethods = {"exact", "pariskv", "keydiff",
@@ -104,6 +111,10 @@ struct SparseDecodeOptions {
   // ceil(max_capacity / min_page_rows)] int32. A 64 KiB store page of bf16 rows holds 128 rows at
   // head_dim 128 and 256 at 64.
   int min_page_rows = 128;
+  // The format of every sequence's row source (SparseSequenceOptions::rows). kFp8E4m3 needs a
+  // hot cache, no lanes, and a row source for every sequence (a sequence's own host KV, filled
+  // rows and fetched rows are bf16).
+  SparseRowFormat row_format = SparseRowFormat::kBf16;
   // Methods selected on the GPU beside `method` ("lanes", src/lanes.cuh), each with GPU state
   // per slot built at activation from the sequence's CPU indexes (SparseSequenceOptions::lane):
   // "exact" (the keys read in place from the row source; no state), "pariskv" (4-bit codes and
