@@ -161,7 +161,8 @@ class SparseHostKvBuffer {
 // store's page pool, mapped into this process and registered with CUDA (RegisterHostRegion). The
 // GPU reads the selected rows from those pages; the sequence holds no copy of its past. Layout as
 // the store keeps it: page p of (layer l, kv head h) holds rows [p * page_rows, (p + 1) *
-// page_rows) of bf16 [K | V] rows (keys with RoPE applied), at byte `base + pages[(l *
+// page_rows) of [K | V] rows (keys with RoPE applied; bf16, or fp8 rows when
+// SparseDecodeOptions::row_format says so), at byte `base + pages[(l *
 // n_kv_heads + h) * pages_per_head + p] * page_bytes`. The pages must cover every row the
 // sequence will hold (its capacity); rows the decode generates are NOT written there (the memory
 // may be read-only): each Forward's new rows are handed back (NewRows) for the caller to
