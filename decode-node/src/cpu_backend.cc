@@ -128,8 +128,10 @@ absl::StatusOr<std::unique_ptr<BackendSequence>> CpuDecodeBackend::Prepare(Hando
                store_shape.head_dim, ", the model is ", c.n_layers, "x", c.n_kv_heads, "x",
                c.head_dim);
   }
-  if (store_shape.dtype != kv_store::DType::kF32 && store_shape.dtype != kv_store::DType::kBf16) {
-    return bad("store rows are ", kv_store::DTypeName(store_shape.dtype), "; f32 or bf16 needed");
+  if (store_shape.dtype != kv_store::DType::kF32 && store_shape.dtype != kv_store::DType::kBf16 &&
+      store_shape.dtype != kv_store::DType::kFp8E4m3) {
+    return bad("store rows are ", kv_store::DTypeName(store_shape.dtype),
+               "; f32, bf16 or fp8_e4m3 needed");
   }
   auto seq = std::make_unique<CpuSequence>(
       model::KvCache::Windowed(c.n_layers, c.n_kv_heads, c.head_dim, h.n_sink, h.local_window));

@@ -71,10 +71,11 @@ absl::Status DecodeAttention::AddSequence(model::SequenceId id, DecodeSequenceSe
     return absl::InvalidArgumentError(
         absl::StrCat("DecodeAttention: sequence ", id, ": budget must be > 0"));
   }
-  if (setup.row_dtype != kv_store::DType::kF32 && setup.row_dtype != kv_store::DType::kBf16) {
+  if (setup.row_dtype != kv_store::DType::kF32 && setup.row_dtype != kv_store::DType::kBf16 &&
+      setup.row_dtype != kv_store::DType::kFp8E4m3) {
     return absl::InvalidArgumentError(
         absl::StrCat("DecodeAttention: sequence ", id, ": store rows are ",
-                     kv_store::DTypeName(setup.row_dtype), "; f32 or bf16 needed"));
+                     kv_store::DTypeName(setup.row_dtype), "; f32, bf16 or fp8_e4m3 needed"));
   }
   Sequence seq;
   seq.setup = std::move(setup);
@@ -266,8 +267,9 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
   const auto t0 = std::chrono::steady_clock::now();
   // The reply holds each entry's rows in its sequence's dtype (sequences of one store may
   // differ).
-  auto store_row_bytes = [row_floats](kv_store::DType dtype) {
-    return row_floats * static_cast<int64_t>(kv_store::DTypeSize(dtype));
+  const auto head_dim = static_cast<uint32_t>(hd);
+  auto store_row_bytes = [head_dim](kv_store::DType dtype) {
+    return static_cast<int64_t>(kv_store::RowBytes(dtype, head_dim));
   };
   for (auto& [store, sb] : stores) {
     size_t bytes = 0;
@@ -302,11 +304,7 @@ absl::Status DecodeAttention::Attend(const AttentionShape& shape,
       const int64_t row_bytes = store_row_bytes(dtype);
       for (size_t j : sb.slots[e].second) {
         float* dst = rows_.data() + w.rows_offset + j * row_floats;
-        if (dtype == kv_store::DType::kBf16) {
-          Bf16BytesToFloats(src, static_cast<size_t>(row_floats), dst);
-        } else {
-          std::memcpy(dst, src, static_cast<size_t>(row_bytes));
-        }
+        kv_store::StoredRowToFloats(dtype, head_dim, src, dst);
         hot_cache_.Insert({r.sequence, static_cast<uint32_t>(r.layer),
                            static_cast<uint32_t>(w.head), w.positions[j]},
                           dst, row_floats);
@@ -405,14 +403,15 @@ void DecodeAttention::SampleQuality(const AttentionShape& shape,
                         static_cast<uint32_t>(kvh), static_cast<uint64_t>(n_sink),
                         static_cast<uint64_t>(nc)});
     }
-    // f32 rows are read in place; bf16 rows into a byte buffer, then widened.
-    const bool bf16 = setup.row_dtype == kv_store::DType::kBf16;
+    // f32 rows are read in place; bf16 and fp8 rows into a byte buffer, then widened.
+    const bool widen = setup.row_dtype != kv_store::DType::kF32;
+    const size_t stored_row_bytes = kv_store::RowBytes(setup.row_dtype, static_cast<uint32_t>(hd));
     quality_rows_.resize(static_cast<size_t>(n_kv * nc * row_floats));
     std::span<uint8_t> out(reinterpret_cast<uint8_t*>(quality_rows_.data()),
                            quality_rows_.size() * sizeof(float));
-    if (bf16) {
-      quality_bf16_.resize(quality_rows_.size() * kv_store::DTypeSize(setup.row_dtype));
-      out = std::span(quality_bf16_);
+    if (widen) {
+      quality_stored_.resize(static_cast<size_t>(n_kv * nc) * stored_row_bytes);
+      out = std::span(quality_stored_);
     }
     if (absl::Status s = setup.store->RangeRead(ranges, out); !s.ok()) {
       ++node_.quality_failures;
@@ -420,7 +419,11 @@ void DecodeAttention::SampleQuality(const AttentionShape& shape,
                    r.sequence, r.layer, n_kv * nc, s.ToString());
       continue;
     }
-    if (bf16) Bf16BytesToFloats(out.data(), quality_rows_.size(), quality_rows_.data());
+    for (int64_t i = 0; widen && i < n_kv * nc; ++i) {
+      kv_store::StoredRowToFloats(setup.row_dtype, static_cast<uint32_t>(hd),
+                                  out.data() + i * stored_row_bytes,
+                                  quality_rows_.data() + i * row_floats);
+    }
     node_.quality_rows_fetched += n_kv * nc;
     node_.quality_bytes_fetched += static_cast<int64_t>(out.size());
 
@@ -479,7 +482,8 @@ void DecodeAttention::StartOffload() {
   int64_t bytes = 0;
   for (auto& [id, seq] : sequences_) {
     const kv_store::DType dtype = seq.setup.row_dtype;
-    const size_t row_bytes = static_cast<size_t>(row) * kv_store::DTypeSize(dtype);
+    // As written: bf16 also for an fp8 sequence, which the store encodes.
+    const size_t row_bytes = static_cast<size_t>(row) * kv_store::WriteElementBytes(dtype);
     for (int layer = 0; layer < options_.n_layers; ++layer) {
       if (!seq.has_new_rows[layer]) continue;
       seq.has_new_rows[layer] = false;
@@ -489,7 +493,7 @@ void DecodeAttention::StartOffload() {
       put.v.resize(row_bytes);
       const float* k = seq.new_k.data() + layer * row;
       const float* v = seq.new_v.data() + layer * row;
-      if (dtype == kv_store::DType::kBf16) {
+      if (dtype != kv_store::DType::kF32) {
         FloatsToBf16Bytes(k, static_cast<size_t>(row), put.k.data());
         FloatsToBf16Bytes(v, static_cast<size_t>(row), put.v.data());
       } else {

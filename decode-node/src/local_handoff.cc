@@ -18,9 +18,11 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
   if (L <= 0 || cache.windowed()) {
     return absl::InvalidArgumentError("MakeLocalHandoff: needs a dense cache after prefill");
   }
-  if (o.store_dtype != kv_store::DType::kF32 && o.store_dtype != kv_store::DType::kBf16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "MakeLocalHandoff: store_dtype ", kv_store::DTypeName(o.store_dtype), ": f32 or bf16"));
+  if (o.store_dtype != kv_store::DType::kF32 && o.store_dtype != kv_store::DType::kBf16 &&
+      o.store_dtype != kv_store::DType::kFp8E4m3) {
+    return absl::InvalidArgumentError(absl::StrCat("MakeLocalHandoff: store_dtype ",
+                                                   kv_store::DTypeName(o.store_dtype),
+                                                   ": f32, bf16 or fp8_e4m3"));
   }
   const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
                                       static_cast<uint32_t>(c.n_kv_heads),
@@ -51,11 +53,12 @@ absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model, const model:
   for (int layer = 0; layer < c.n_layers; ++layer) {
     std::vector<float> widened;
     const model::KvView kv = model::AsFloatView(cache.View(layer), &widened);
-    // Rows to the store, packed [L, n_kv_heads, head_dim] for K and for V, in its dtype.
-    const size_t row_bytes = static_cast<size_t>(row) * kv_store::DTypeSize(o.store_dtype);
+    // Rows to the store, packed [L, n_kv_heads, head_dim] for K and for V, as it takes them:
+    // f32, or bf16 (for a bf16 sequence, or an fp8 one, whose store encodes them).
+    const size_t row_bytes = static_cast<size_t>(row) * kv_store::WriteElementBytes(o.store_dtype);
     std::vector<uint8_t> k(L * row_bytes), v(L * row_bytes);
     for (int64_t t = 0; t < L; ++t) {
-      if (o.store_dtype == kv_store::DType::kBf16) {
+      if (o.store_dtype != kv_store::DType::kF32) {
         FloatsToBf16Bytes(kv.k + t * kv.row_stride, static_cast<size_t>(row), &k[t * row_bytes]);
         FloatsToBf16Bytes(kv.v + t * kv.row_stride, static_cast<size_t>(row), &v[t * row_bytes]);
       } else {

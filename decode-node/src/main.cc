@@ -177,8 +177,8 @@ int Serve(const DecodeConfig& config) {
   // dtype its prefill node chose; the CPU path reads f32 and bf16 alike.
   const kv_store::DType row_dtype =
       config.device == "cuda" ? kv_store::DType::kBf16 : kv_store::DType::kF32;
-  info->set_kv_bytes_per_token(uint64_t{2} * mc.n_layers * mc.n_kv_heads * mc.head_dim *
-                               kv_store::DTypeSize(row_dtype));
+  info->set_kv_bytes_per_token(static_cast<uint64_t>(mc.n_layers) * mc.n_kv_heads *
+                               kv_store::RowBytes(row_dtype, static_cast<uint32_t>(mc.head_dim)));
   for (const auto& [name, bytes] : methods) {
     cv1::RetrievalMethodInfo* m = info->add_retrieval_methods();
     m->set_name(name);

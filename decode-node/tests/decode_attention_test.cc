@@ -14,6 +14,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvr/common/fp8.h"
 #include "kvr/common/half.h"
 #include "kvr/common/thread_pool.h"
 #include "kvr/kv_store/test_pattern.h"
@@ -35,12 +36,28 @@ void RoundToBf16(std::vector<float>& x) {
   for (float& f : x) f = Bf16ToFloat(FloatToBf16(f));
 }
 
-// `n` rows of `x` from row `first`, as store bytes of `dtype`.
+// The values of every (token, KV head) row [k | v] replaced by what a reader of its fp8 row
+// sees: DecodeFp8Row of EncodeFp8Row.
+void RoundTripFp8Rows(std::vector<float>& k, std::vector<float>& v) {
+  const Fp8RowLayout layout{2, kDim};
+  std::vector<float> row(2 * kDim);
+  std::vector<uint8_t> stored(layout.RowBytes());
+  for (size_t at = 0; at < k.size(); at += kDim) {
+    std::copy_n(k.begin() + at, kDim, row.begin());
+    std::copy_n(v.begin() + at, kDim, row.begin() + kDim);
+    EncodeFp8Row(layout, row.data(), stored.data());
+    DecodeFp8Row(layout, stored.data(), row.data());
+    std::copy_n(row.begin(), kDim, k.begin() + at);
+    std::copy_n(row.begin() + kDim, kDim, v.begin() + at);
+  }
+}
+
+// `n` rows of `x` from row `first`, as a store of `dtype` takes them (bf16 for fp8).
 std::vector<uint8_t> StoreBytes(const std::vector<float>& x, int64_t first, int64_t n,
                                 kv_store::DType dtype) {
   const size_t count = static_cast<size_t>(n * kRow);
-  std::vector<uint8_t> out(count * kv_store::DTypeSize(dtype));
-  if (dtype == kv_store::DType::kBf16) {
+  std::vector<uint8_t> out(count * kv_store::WriteElementBytes(dtype));
+  if (dtype != kv_store::DType::kF32) {
     FloatsToBf16Bytes(x.data() + first * kRow, count, out.data());
   } else {
     std::memcpy(out.data(), x.data() + first * kRow, out.size());
@@ -58,12 +75,15 @@ DecodeAttentionOptions EveryStepSampled() {
 // A synthetic sequence: K/V of every position, the store holding the prompt, a windowed
 // cache seeded like a handoff, and one index per layer. With dtype bf16 the K/V values are
 // rounded to bf16 first, so that the store holds them exactly and dense attention over them is
-// still the reference.
+// still the reference. With fp8 the store is given the bf16-rounded values and k/v then hold
+// what its prompt rows decode to (RoundTripFp8Rows): the reference for rows fetched from the
+// prompt.
 struct Fixture {
   int64_t prompt = 0;
   int64_t n_sink = 0, window = 0;
   kv_store::DType dtype = kv_store::DType::kF32;
   std::vector<std::vector<float>> k, v;  // [n_layers][positions, n_kv_heads, head_dim]
+  std::vector<std::vector<float>> put_k, put_v;  // the values the store was given (as k, v)
   std::unique_ptr<kv_store::FakeKvStoreClient> fake = testing::MakeFakeStore();
   CountingStore store{fake.get()};
   retrieval::MethodRegistry registry = *retrieval::AllMethods();
@@ -75,10 +95,13 @@ struct Fixture {
     for (int l = 0; l < kLayers; ++l) {
       k.push_back(RandomTensor(total, kKvHeads, kDim, 10 + l));
       v.push_back(RandomTensor(total, kKvHeads, kDim, 20 + l));
-      if (dtype == kv_store::DType::kBf16) {
+      if (dtype != kv_store::DType::kF32) {
         RoundToBf16(k.back());
         RoundToBf16(v.back());
       }
+      put_k.push_back(k.back());
+      put_v.push_back(v.back());
+      if (dtype == kv_store::DType::kFp8E4m3) RoundTripFp8Rows(k.back(), v.back());
     }
     EXPECT_TRUE(store
                     .CreateSequence(kv_store::testing::TestRef(7), {kLayers, kKvHeads, kDim, dtype},
@@ -87,8 +110,8 @@ struct Fixture {
     cache = model::KvCache::Windowed(kLayers, kKvHeads, kDim, sink, local);
     const int64_t n_s = std::min(sink, prompt), n_l = std::min(local, prompt - n_s);
     for (int l = 0; l < kLayers; ++l) {
-      const std::vector<uint8_t> k_bytes = StoreBytes(k[l], 0, prompt, dtype);
-      const std::vector<uint8_t> v_bytes = StoreBytes(v[l], 0, prompt, dtype);
+      const std::vector<uint8_t> k_bytes = StoreBytes(put_k[l], 0, prompt, dtype);
+      const std::vector<uint8_t> v_bytes = StoreBytes(put_v[l], 0, prompt, dtype);
       kv_store::LayerRows rows{kv_store::testing::TestRef(7),
                                static_cast<uint32_t>(l),
                                0,
@@ -491,7 +514,53 @@ TEST(DecodeAttentionTest, OneGatherMixesF32AndBf16Sequences) {
   EXPECT_EQ(attention.counters(8).bytes_fetched, rows * 2 * kDim * 2);
 }
 
-TEST(DecodeAttentionTest, RefusesRowDtypesOtherThanF32AndBf16) {
+// fp8 rows: what is fetched is decoded (DecodeFp8Row), so `full` equals dense attention over
+// the decoded rows bit for bit; a fetched row moves its 40 stored bytes (head_dim 16: 32 codes,
+// 2 scales), and generated rows go to the store as bf16, which it encodes.
+TEST(DecodeAttentionTest, Fp8RowsAttendAsTheirDecodedValues) {
+  Fixture f(/*prompt=*/100, /*total=*/140, /*sink=*/4, /*local=*/16, kv_store::DType::kFp8E4m3);
+  ByteRecorder bytes;
+  DecodeAttention attention({kLayers, kKvHeads, kDim, 1 << 20}, &bytes);
+  ASSERT_TRUE(attention.AddSequence(7, f.Setup("full", 8)).ok());
+  // 10 steps: the fetched rows [4, local_begin <= 94] are prompt rows, whose decoded values
+  // the fixture holds.
+  RunSteps(
+      f, attention, 10, [](int, int64_t p, const std::vector<float>&) { return AllUpTo(p); },
+      /*tolerance=*/0.f);
+  const int64_t fp8_row_bytes = 40;
+  ASSERT_EQ(kv_store::RowBytes(kv_store::DType::kFp8E4m3, kDim), 40u);
+  const RetrievalCounters c = attention.counters(7);
+  EXPECT_GT(c.rows_fetched, 0);
+  EXPECT_EQ(c.bytes_fetched, c.rows_fetched * fp8_row_bytes);
+  EXPECT_EQ(bytes.fetched_bytes, c.bytes_fetched);
+  EXPECT_EQ(bytes.offloaded_bytes, 10 * kLayers * 2 * kRow * 2);  // bf16 K and V
+  // The generated rows [100, 110) are stored as the fp8 rows of their bf16 values.
+  auto info = f.store.GetSequence(kv_store::testing::TestRef(7));
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->shape.dtype, kv_store::DType::kFp8E4m3);
+  const Fp8RowLayout layout{2, kDim};
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(info->committed_rows[l], 110u);
+    for (int h = 0; h < kKvHeads; ++h) {
+      kv_store::RangeEntry range{kv_store::testing::TestRef(7), static_cast<uint32_t>(l),
+                                 static_cast<uint32_t>(h), 100, 10};
+      std::vector<uint8_t> got(10 * fp8_row_bytes);
+      ASSERT_TRUE(f.store.RangeRead(std::span(&range, 1), got).ok());
+      std::vector<uint8_t> want(got.size());
+      std::vector<float> row(2 * kDim);
+      for (int64_t t = 100; t < 110; ++t) {
+        for (int d = 0; d < kDim; ++d) {
+          row[d] = Bf16ToFloat(FloatToBf16(f.k[l][t * kRow + h * kDim + d]));
+          row[kDim + d] = Bf16ToFloat(FloatToBf16(f.v[l][t * kRow + h * kDim + d]));
+        }
+        EncodeFp8Row(layout, row.data(), want.data() + (t - 100) * fp8_row_bytes);
+      }
+      EXPECT_EQ(got, want) << "layer " << l << " head " << h;
+    }
+  }
+}
+
+TEST(DecodeAttentionTest, RefusesRowDtypesItCannotRead) {
   Fixture f(40, 50, 4, 8);
   DecodeAttention attention({kLayers, kKvHeads, kDim, 1 << 20}, nullptr);
   DecodeSequenceSetup setup = f.Setup("full", 8);
@@ -617,9 +686,11 @@ auto NoCheck() {
 
 TEST(DecodeAttentionQualityTest, ExactHasRecallOneAndTheDirectMass) {
   // bf16 store rows: the oracle reads them (half the bytes) and widens them to the values.
-  for (const kv_store::DType dtype : {kv_store::DType::kF32, kv_store::DType::kBf16}) {
+  // fp8 rows likewise, decoded (the fixture's values are the decoded ones).
+  for (const kv_store::DType dtype :
+       {kv_store::DType::kF32, kv_store::DType::kBf16, kv_store::DType::kFp8E4m3}) {
     SCOPED_TRACE(kv_store::DTypeName(dtype));
-    const int64_t elem = static_cast<int64_t>(kv_store::DTypeSize(dtype));
+    const auto row_bytes = static_cast<int64_t>(kv_store::RowBytes(dtype, kDim));
     constexpr int kSteps = 3;
     Fixture f(/*prompt=*/120, /*total=*/130, /*sink=*/4, /*local=*/16, dtype);
     QualityRecorder recorder;
@@ -645,11 +716,11 @@ TEST(DecodeAttentionQualityTest, ExactHasRecallOneAndTheDirectMass) {
     const NodeCounters& node = attention.node_counters();
     EXPECT_EQ(node.quality_samples, kSteps * kLayers);
     EXPECT_EQ(node.quality_rows_fetched, candidates * kLayers * kKvHeads);
-    EXPECT_EQ(node.quality_bytes_fetched, node.quality_rows_fetched * 2 * kDim * elem);
+    EXPECT_EQ(node.quality_bytes_fetched, node.quality_rows_fetched * row_bytes);
     EXPECT_EQ(f.store.range_reads.load(), kSteps * kLayers);  // one read per sample, all heads
     const RetrievalCounters c = attention.counters(7);
     EXPECT_EQ(c.rows_fetched, c.hot_cache_misses);
-    EXPECT_EQ(c.bytes_fetched, c.rows_fetched * 2 * kDim * elem);
+    EXPECT_EQ(c.bytes_fetched, c.rows_fetched * row_bytes);
     EXPECT_EQ(node.retrieval.rows_fetched, c.rows_fetched);
   }
 }

@@ -1,12 +1,14 @@
 // Real processes: kvr-controller, kvr-store and kvr-decode; this test plays the prefill node
 // (SmolLM2 prefill in-process, rows to the store over UCX, Handoff over gRPC) and the
 // controller's Stream/Cancel calls. Checks: kvr-decode registers; with `full` the streamed
-// greedy tokens equal single-process dense decoding, from f32 and from bf16 store rows; the
-// store sequence is released at the end; a cancelled Stream frees it within a second; Stream
+// greedy tokens equal single-process dense decoding, from f32 and from bf16 store rows, and
+// from fp8 store rows they run to the end and mostly equal the bf16 run's; the store sequence
+// is released at the end; a cancelled Stream frees it within a second; Stream
 // without handoff is NOT_FOUND.
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 
@@ -267,6 +269,35 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
     EXPECT_EQ(completion_bf16.retrieval().rows_fetched(), completion.retrieval().rows_fetched());
     EXPECT_EQ(2 * completion_bf16.retrieval().bytes_fetched(),
               completion.retrieval().bytes_fetched());
+    for (int i = 0; i < 100 && StoreSequences() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_EQ(StoreSequences(), 0u);
+
+    // fp8 store rows (kvr-prefill store_dtype fp8): the handoff puts bf16 rows, the store
+    // encodes them, the decode node fetches the fp8 rows (136 bytes at SmolLM2's head_dim 64,
+    // against bf16's 256) and decodes them. The same rows are fetched; the generation runs to
+    // its end; the codec's error (about 2^-4 relative per element) may flip a near-tied
+    // argmax, so the tokens are held to most of the bf16 run's, not all.
+    LocalHandoffOptions o8 = o;
+    o8.sequence_id = 4245;
+    o8.store_dtype = kv_store::DType::kFp8E4m3;
+    auto h8 = MakeLocalHandoff(*loaded_.model, rounded, registry_, *store_client_, o8);
+    ASSERT_TRUE(h8.ok()) << h8.status();
+    ASSERT_TRUE(SendHandoff(*h8).ok());
+    std::vector<int32_t> got_fp8;
+    kvr::v1::Completion completion_fp8;
+    StreamToEnd(4245, &got_fp8, &completion_fp8);
+    ASSERT_EQ(got_fp8.size(), got_bf16.size());
+    EXPECT_EQ(completion_fp8.usage().completion_tokens(), static_cast<uint32_t>(kTokens));
+    EXPECT_EQ(completion_fp8.retrieval().rows_fetched(),
+              completion_bf16.retrieval().rows_fetched());
+    EXPECT_EQ(completion_fp8.retrieval().bytes_fetched() * 256,
+              completion_bf16.retrieval().bytes_fetched() * 136);
+    size_t same = 0;
+    for (size_t i = 0; i < got_fp8.size(); ++i) same += got_fp8[i] == got_bf16[i] ? 1 : 0;
+    std::printf("fp8 rows: %zu of %zu generated tokens equal the bf16 rows' run\n", same,
+                got_fp8.size());
+    EXPECT_GE(2 * same, got_fp8.size());
+    EXPECT_EQ(got_fp8[0], got_bf16[0]);
     for (int i = 0; i < 100 && StoreSequences() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
     EXPECT_EQ(StoreSequences(), 0u);
   }

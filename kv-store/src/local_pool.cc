@@ -6,8 +6,11 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
+#include "kvr/common/fp8.h"
+#include "kvr/common/half.h"
 
 namespace kvr::kv_store {
 
@@ -66,8 +69,8 @@ absl::Status LocalPoolMapping::CopyLayerRows(const PageTable& table, uint32_t la
                                              uint64_t n_rows, std::span<std::byte> k,
                                              std::span<std::byte> v) const {
   const SequenceShape& s = table.shape;
-  const size_t half = s.RowBytes() / 2;  // one head's K (or V) of one token
-  const size_t token = s.TokenHalfBytes();
+  const size_t token = s.TokenHalfBytes();   // K (or V) of one token, all heads, as written
+  const size_t half = token / s.n_kv_heads;  // one head's K (or V) of one token
   if (layer >= s.n_layers || n_rows > uint64_t{table.pages_per_head} * table.tokens_per_page ||
       k.size() != n_rows * token || v.size() != n_rows * token) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -75,6 +78,18 @@ absl::Status LocalPoolMapping::CopyLayerRows(const PageTable& table, uint32_t la
         "bytes; the table holds %d layers, %d rows)",
         layer, n_rows, token, k.size(), v.size(), s.n_layers,
         uint64_t{table.pages_per_head} * table.tokens_per_page));
+  }
+  if (s.dtype == DType::kFp8E4m3) {
+    const Fp8RowLayout layout{2, static_cast<int>(s.head_dim)};
+    std::vector<float> kv(2 * size_t{s.head_dim});  // [2, head_dim]
+    for (uint64_t t = 0; t < n_rows; ++t) {
+      for (uint32_t h = 0; h < s.n_kv_heads; ++h) {
+        DecodeFp8Row(layout, Row(table, layer, h, t), kv.data());
+        FloatsToBf16Bytes(kv.data(), s.head_dim, k.data() + t * token + h * half);
+        FloatsToBf16Bytes(kv.data() + s.head_dim, s.head_dim, v.data() + t * token + h * half);
+      }
+    }
+    return absl::OkStatus();
   }
   for (uint64_t t = 0; t < n_rows; ++t) {
     for (uint32_t h = 0; h < s.n_kv_heads; ++h) {

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "kvr/common/fp8.h"
 #include "kvr/common/half.h"
 #include "kvr/common/key_diff.h"
 #include "kvr/common/status.h"
@@ -213,6 +214,14 @@ class PagedKvStore::Sequence {
           case DType::kF16:
             Fp16BytesToFloats(k, dim, dst);
             break;
+          case DType::kFp8E4m3: {
+            // The k codes lead the row; the k scale is the first float after the codes.
+            const Fp8RowLayout layout{2, static_cast<int>(dim)};
+            float scale;
+            std::memcpy(&scale, k + layout.ScaleOffset(), sizeof(scale));
+            DecodeFp8(k, dim, scale, dst);
+            break;
+          }
         }
       }
       KeyDiffScores(keys.data(), rows, dim, dim, scores.data());
@@ -651,11 +660,14 @@ absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
   const size_t half = shape.TokenHalfBytes();
   const uint64_t want = uint64_t{rows.n_rows} * half;
   if (rows.k.size() != want || rows.v.size() != want) {
+    const std::string written = shape.dtype == DType::kFp8E4m3
+                                    ? "bf16 (the store encodes them to fp8_e4m3)"
+                                    : DTypeName(shape.dtype);
     return absl::InvalidArgumentError(absl::StrFormat(
         "sequence %d layer %d: %d rows of [%d kv heads x head_dim %d x %s] need %d bytes each "
         "of k and v, got k=%d v=%d",
-        id, rows.layer, rows.n_rows, shape.n_kv_heads, shape.head_dim, DTypeName(shape.dtype), want,
-        rows.k.size(), rows.v.size()));
+        id, rows.layer, rows.n_rows, shape.n_kv_heads, shape.head_dim, written, want, rows.k.size(),
+        rows.v.size()));
   }
 
   // Phase 1: reserve the rows and their pages.
@@ -704,20 +716,36 @@ absl::StatusOr<uint64_t> PagedKvStore::Write(const LayerRows& rows) {
   // look past the committed watermark, so a shared lock (keeping page lists stable) suffices.
   {
     absl::ReaderMutexLock lock(&seq->mu_);
-    const size_t head_bytes = half / shape.n_kv_heads;  // [head_dim] of one of k or v
-    for (uint32_t r = 0; r < rows.n_rows; ++r) {
-      for (uint32_t h = 0; h < shape.n_kv_heads; ++h) {
-        uint8_t* dst = seq->RowPtr(rows.layer, h, start + r);
-        const size_t src = size_t{r} * half + size_t{h} * head_bytes;
-        std::memcpy(dst, rows.k.data() + src, head_bytes);
-        std::memcpy(dst + head_bytes, rows.v.data() + src, head_bytes);
+    const size_t head_bytes = half / shape.n_kv_heads;  // [head_dim] of one of k or v, as written
+    if (shape.dtype == DType::kFp8E4m3) {
+      // bf16 k and v of one (row, head) widened side by side, then encoded as one fp8 row.
+      const Fp8RowLayout layout{2, static_cast<int>(shape.head_dim)};
+      std::vector<float> kv(2 * size_t{shape.head_dim});  // [2, head_dim]
+      for (uint32_t r = 0; r < rows.n_rows; ++r) {
+        for (uint32_t h = 0; h < shape.n_kv_heads; ++h) {
+          const size_t src = size_t{r} * half + size_t{h} * head_bytes;
+          Bf16BytesToFloats(rows.k.data() + src, shape.head_dim, kv.data());
+          Bf16BytesToFloats(rows.v.data() + src, shape.head_dim, kv.data() + shape.head_dim);
+          EncodeFp8Row(layout, kv.data(), seq->RowPtr(rows.layer, h, start + r));
+        }
+      }
+    } else {
+      for (uint32_t r = 0; r < rows.n_rows; ++r) {
+        for (uint32_t h = 0; h < shape.n_kv_heads; ++h) {
+          uint8_t* dst = seq->RowPtr(rows.layer, h, start + r);
+          const size_t src = size_t{r} * half + size_t{h} * head_bytes;
+          std::memcpy(dst, rows.k.data() + src, head_bytes);
+          std::memcpy(dst + head_bytes, rows.v.data() + src, head_bytes);
+        }
       }
     }
   }
   // Phase 3: publish.
   const uint64_t end = start + rows.n_rows;
   seq->Publish(rows.layer, end);
-  bytes_written_.fetch_add(2 * want, std::memory_order_relaxed);
+  // Bytes stored (for an fp8 sequence fewer than the bf16 bytes handed in).
+  bytes_written_.fetch_add(uint64_t{rows.n_rows} * shape.n_kv_heads * shape.RowBytes(),
+                           std::memory_order_relaxed);
   return end;
 }
 

@@ -3,6 +3,8 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "kvr/common/fp8.h"
+#include "kvr/common/half.h"
 #include "kvr/common/secure_random.h"
 
 namespace kvr::kv_store {
@@ -62,9 +64,11 @@ absl::StatusOr<DType> DTypeFromInt(uint32_t value) {
       return DType::kF16;
     case 3:
       return DType::kBf16;
+    case 4:
+      return DType::kFp8E4m3;
     default:
       return absl::InvalidArgumentError(
-          absl::StrFormat("unknown dtype %d (expected 1=f32, 2=f16, 3=bf16)", value));
+          absl::StrFormat("unknown dtype %d (expected 1=f32, 2=f16, 3=bf16, 4=fp8_e4m3)", value));
   }
 }
 
@@ -76,8 +80,28 @@ std::string DTypeName(DType dtype) {
       return "f16";
     case DType::kBf16:
       return "bf16";
+    case DType::kFp8E4m3:
+      return "fp8_e4m3";
   }
   return "unknown";
+}
+
+void StoredRowToFloats(DType dtype, uint32_t head_dim, const uint8_t* row, float* dst) {
+  const size_t n = 2 * size_t{head_dim};
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, row, n * sizeof(float));
+      return;
+    case DType::kF16:
+      Fp16BytesToFloats(row, n, dst);
+      return;
+    case DType::kBf16:
+      Bf16BytesToFloats(row, n, dst);
+      return;
+    case DType::kFp8E4m3:
+      DecodeFp8Row(Fp8RowLayout{2, static_cast<int>(head_dim)}, row, dst);
+      return;
+  }
 }
 
 absl::Status SequenceShape::Validate() const {

@@ -53,7 +53,8 @@ const node::SettingTable<StoreConfig>& StoreSettings() {
                 ByteSizeSetting<Config>(
                     "page_bytes",
                     "bytes per page; a page holds page_bytes / (2*head_dim*dtype size) rows of one "
-                    "(sequence, layer, kv head): 64KiB = 256 tokens at head_dim 64 f16",
+                    "(sequence, layer, kv head) (an fp8 row: 2*head_dim + 8 bytes, to a multiple "
+                    "of 8): 64KiB = 256 tokens at head_dim 64 f16",
                     &Config::page_bytes, /*allow_zero=*/true),
                 BoolSetting<Config>(
                     "evict_expired",

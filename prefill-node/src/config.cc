@@ -40,8 +40,11 @@ const node::SettingTable<PrefillConfig>& PrefillSettings() {
                 node::EnumSetting<Config>(
                     "store_dtype",
                     "element type of the rows put to the KV store (empty: bf16 "
-                    "with --device cuda, f32 with --device cpu)",
-                    &Config::store_dtype, {"f32", "bf16"},
+                    "with --device cuda, f32 with --device cpu); fp8: scaled e4m3 rows "
+                    "the store encodes from bf16, about half a bf16 row's bytes in the "
+                    "store and on every fetch, at a small quality cost (BENCHMARKS.md, "
+                    "\"fp8 rows: quality cost against bf16\")",
+                    &Config::store_dtype, {"f32", "bf16", "fp8"},
                     /*allow_empty=*/true),
                 IntegerSetting<Config>("cuda_device", "CUDA device ordinal for --device cuda",
                                        &Config::cuda_device, 0),
@@ -87,7 +90,9 @@ const node::SettingTable<PrefillConfig>& PrefillSettings() {
 }
 
 kv_store::DType StoreDType(const PrefillConfig& config) {
-  return config.store_dtype == "bf16" ? kv_store::DType::kBf16 : kv_store::DType::kF32;
+  if (config.store_dtype == "bf16") return kv_store::DType::kBf16;
+  if (config.store_dtype == "fp8") return kv_store::DType::kFp8E4m3;
+  return kv_store::DType::kF32;
 }
 
 std::string ServedModelName(const PrefillConfig& config) {

@@ -234,9 +234,11 @@ int Serve(const PrefillConfig& config) {
   cv1::ModelInfo* info = capacity->add_models();
   info->set_name(served);
   info->set_context_length(static_cast<uint32_t>(mc.context_length));
-  // What the store holds per token: K and V of every layer, in the store row dtype.
-  info->set_kv_bytes_per_token(uint64_t{2} * mc.n_layers * mc.n_kv_heads * mc.head_dim *
-                               kv_store::DTypeSize(StoreDType(config)));
+  // What the store holds per token: K and V of every layer, in the store row dtype (an fp8 row
+  // with its scales).
+  info->set_kv_bytes_per_token(
+      static_cast<uint64_t>(mc.n_layers) * mc.n_kv_heads *
+      kv_store::RowBytes(StoreDType(config), static_cast<uint32_t>(mc.head_dim)));
   node::ServeUntilSignal("kvr-prefill", signals, *worker->server,
                          {.controller = config.controller,
                           .registration = std::move(registration),

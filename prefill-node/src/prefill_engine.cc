@@ -13,6 +13,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kvr/common/fp8.h"
 #include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/model/sampler.h"
@@ -44,6 +45,19 @@ absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl:
                                     node.endpoints().grpc_address(), "): ", cause.ToString()));
   const auto named = cause.GetPayload(kFailedNodePayload);
   s.SetPayload(kFailedNodePayload, named ? *named : absl::Cord(node.node_id()));
+  return s;
+}
+
+// The k and v scales of one stored fp8 row [k codes | v codes | k scale | v scale | pad]
+// (Fp8RowLayout{2, head_dim}).
+struct Fp8Scales {
+  float k = 0, v = 0;
+};
+Fp8Scales Fp8RowScales(const uint8_t* row, int head_dim) {
+  Fp8Scales s;
+  const uint8_t* at = row + Fp8RowLayout{2, head_dim}.ScaleOffset();
+  std::memcpy(&s.k, at, sizeof(float));
+  std::memcpy(&s.v, at + sizeof(float), sizeof(float));
   return s;
 }
 
@@ -79,7 +93,7 @@ class LayerWorker {
     const retrieval::IndexParams* params = nullptr;
     std::string method;
     kv_store::KvStoreClient* store = nullptr;
-    kv_store::DType store_dtype = kv_store::DType::kF32;  // f32 or bf16
+    kv_store::DType store_dtype = kv_store::DType::kF32;  // f32, bf16 or fp8_e4m3
     kv_store::SequenceRef sequence;
     int64_t prompt_tokens = 0;
     // Rows [0, first_row) are already in the store (forked from a cached prefix): only the
@@ -222,18 +236,19 @@ class LayerWorker {
     PackTaskRows(task, c.n_kv_heads, c.head_dim, positions, layer.mutable_local_kv());
     for (int64_t p : positions) layer.add_local_positions(static_cast<uint32_t>(p));
 
-    // 3. Every row not yet there to the store, asynchronously, in the store's dtype. Rows go
-    // as they lie when they are in the store's dtype at the row width (f32 from KvCache's
-    // layout, bf16 exported by the backend); otherwise they are packed (narrowed or widened)
-    // into a buffer the put reads.
+    // 3. Every row not yet there to the store, asynchronously, in the dtype the store takes
+    // (f32 or bf16; bf16 for an fp8 sequence, which the store encodes). Rows go as they lie
+    // when they are in that dtype at the row width (f32 from KvCache's layout, bf16 exported
+    // by the backend); otherwise they are packed (narrowed or widened) into a buffer the put
+    // reads.
     const int64_t first = ctx_.first_row;
     kv_store::LayerRows rows;
     rows.sequence = ctx_.sequence;
     rows.layer = static_cast<uint32_t>(task.layer);
     rows.start_row = static_cast<uint64_t>(first);
     rows.n_rows = static_cast<uint32_t>(L - first);
-    const bool bf16 = ctx_.store_dtype == kv_store::DType::kBf16;
-    const size_t elem_bytes = kv_store::DTypeSize(ctx_.store_dtype);
+    const bool bf16 = ctx_.store_dtype != kv_store::DType::kF32;
+    const size_t elem_bytes = kv_store::WriteElementBytes(ctx_.store_dtype);
     const size_t row_bytes = static_cast<size_t>(kv_dim) * elem_bytes;
     const size_t half_bytes = static_cast<size_t>(L - first) * row_bytes;
     const bool rows_bf16 = task.k_bf16 != nullptr;
@@ -585,10 +600,11 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   const model::ModelConfig& c = backend_->config();
   const int64_t L = static_cast<int64_t>(ids.size());
   if (options_.store_dtype != kv_store::DType::kF32 &&
-      options_.store_dtype != kv_store::DType::kBf16) {
+      options_.store_dtype != kv_store::DType::kBf16 &&
+      options_.store_dtype != kv_store::DType::kFp8E4m3) {
     return absl::InvalidArgumentError(absl::StrCat("store_dtype ",
                                                    kv_store::DTypeName(options_.store_dtype),
-                                                   ": this node puts f32 or bf16 rows"));
+                                                   ": this node puts f32, bf16 or fp8_e4m3 rows"));
   }
   auto check = [&]() -> absl::Status {
     if (running.cancelled || (gone && gone())) {
@@ -767,7 +783,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   call.ids = ids;
   call.chunk_tokens = options_.chunk_tokens;
   call.max_queries = options_.max_prefill_queries;
-  call.bf16_rows = options_.store_dtype == kv_store::DType::kBf16;
+  call.bf16_rows = options_.store_dtype != kv_store::DType::kF32;  // an fp8 store takes bf16
   call.prefix_rows = reused;
   // One layer of the reused rows at a time, read from the new sequence (its first rows are
   // the cached ones) and laid out as the model's cache holds them: float rows (CPU backend) or
@@ -775,7 +791,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   // are split into pieces of (head, rows) on `threads` threads: the memory copies of one thread
   // were the whole cost of a long prefix (4 GB for 30K rows of Llama-3-8B: ~2.6 s on one
   // thread; the GPU computes those rows in less).
-  const size_t row_bytes = 2 * static_cast<size_t>(c.head_dim) * kv_store::DTypeSize(shape.dtype);
+  const size_t row_bytes = shape.RowBytes();
   const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   const int hd = c.head_dim;
   const int64_t per_head =
@@ -826,6 +842,10 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
       if (shape.dtype == kv_store::DType::kBf16) {
         Bf16BytesToFloats(reinterpret_cast<const uint16_t*>(src), static_cast<size_t>(hd), kd);
         Bf16BytesToFloats(reinterpret_cast<const uint16_t*>(src) + hd, static_cast<size_t>(hd), vd);
+      } else if (shape.dtype == kv_store::DType::kFp8E4m3) {
+        const Fp8Scales scale = Fp8RowScales(src, hd);
+        DecodeFp8(src, static_cast<size_t>(hd), scale.k, kd);
+        DecodeFp8(src + hd, static_cast<size_t>(hd), scale.v, vd);
       } else {
         std::memcpy(kd, src, static_cast<size_t>(hd) * sizeof(float));
         std::memcpy(vd, src + static_cast<size_t>(hd) * sizeof(float),
@@ -842,6 +862,14 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
         std::memcpy(kd, src, static_cast<size_t>(hd) * sizeof(uint16_t));
         std::memcpy(vd, src + static_cast<size_t>(hd) * sizeof(uint16_t),
                     static_cast<size_t>(hd) * sizeof(uint16_t));
+      } else if (shape.dtype == kv_store::DType::kFp8E4m3) {
+        // Decoded (DecodeFp8's arithmetic), then rounded to bf16 to nearest even: code * scale
+        // may need more bits than bf16 has.
+        const Fp8Scales scale = Fp8RowScales(src, hd);
+        for (int i = 0; i < hd; ++i) {
+          kd[i] = FloatToBf16(Fp8E4m3ToFloat(src[i]) * scale.k);
+          vd[i] = FloatToBf16(Fp8E4m3ToFloat(src[hd + i]) * scale.v);
+        }
       } else {
         // Float32 rows: exact when they are widened bf16 (a CUDA prefill's).
         const auto* f = reinterpret_cast<const float*>(src);

@@ -75,6 +75,23 @@ TEST(PrefillConfigTest, StoreDtypeFollowsTheDeviceUnlessSet) {
   EXPECT_THAT(c.status().message(), HasSubstr("one of f32, bf16"));
 }
 
+TEST(PrefillConfigTest, StoreDtypeFp8IsTheFp8RowDtype) {
+  auto c = Resolve({{"store_dtype", "fp8"}}, std::nullopt, {});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(StoreDType(*c), kv_store::DType::kFp8E4m3);
+  EXPECT_THAT(node::FormatConfig(PrefillSettings(), *c), HasSubstr("store_dtype: fp8\n"));
+  c = Resolve({{"device", "cuda"}}, std::nullopt, {{"KVR_PREFILL_STORE_DTYPE", "fp8"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(StoreDType(*c), kv_store::DType::kFp8E4m3);
+
+  c = Resolve({{"store_dtype", "fp9"}}, std::nullopt, {});
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("store_dtype"));
+  EXPECT_THAT(c.status().message(), HasSubstr("fp9"));
+  EXPECT_THAT(c.status().message(), HasSubstr("one of f32, bf16, fp8"));
+}
+
 TEST(PrefillConfigTest, ServedModelName) {
   PrefillConfig c;
   c.model = "smollm2-135m-instruct";

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "engine_fakes.h"
+#include "kvr/common/fp8.h"
 #include "kvr/common/half.h"
 #include "kvr/common/paths.h"
 #include "kvr/common/status.h"
@@ -689,16 +690,17 @@ class CappedChunkBackend final : public PrefillBackend {
 // 128 rows of a longer prefix (aligned to the option it would reuse none), and the rows and
 // first token are still the cold prefill's bit for bit (float32 store). The bf16 loader
 // (PrefillCall::load_prefix_bf16, the CUDA backend's) gives the float loader's rows in bf16,
-// from a float32 and from a bf16 store.
+// from a float32, a bf16 and an fp8 store (decoded rows).
 TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
-  for (const kv_store::DType dtype : {kv_store::DType::kF32, kv_store::DType::kBf16}) {
+  for (const kv_store::DType dtype :
+       {kv_store::DType::kF32, kv_store::DType::kBf16, kv_store::DType::kFp8E4m3}) {
     SCOPED_TRACE(kv_store::DTypeName(dtype));
     auto owned = std::make_unique<CappedChunkBackend>(loaded_->model.get());
     CappedChunkBackend* backend = owned.get();
     PrefillEngine engine(std::move(owned), &*loaded_->tokenizer, registry_, stores_.get(), &opener_,
                          EngineOptions{.chunk_tokens = 256, .store_dtype = dtype});
     const model::ModelConfig& c = loaded_->model->config();
-    const uint64_t base = dtype == kv_store::DType::kF32 ? 100 : 200;
+    const uint64_t base = 100 * static_cast<uint64_t>(dtype);
     PrefillJob first = Job(TextPrompt{Text()}, "full");
     first.sequence_id = base;
     first.sampling.set_max_tokens(1);
@@ -720,7 +722,6 @@ TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
     ASSERT_TRUE(warm_result.ok()) << warm_result.status();
     EXPECT_EQ(warm_result->cached_tokens, 128u);
     EXPECT_EQ(warm_result->first_token, cold_result->first_token);
-    const size_t value_bytes = kv_store::DTypeSize(dtype);
     std::vector<kv_store::RangeEntry> ranges;
     for (const uint64_t id : {base + 1, base + 2}) {
       for (int layer = 0; layer < c.n_layers; ++layer) {
@@ -733,7 +734,8 @@ TEST_F(PrefillEngineTest, APrefixIsAlignedToTheBackendsChunk) {
         }
       }
     }
-    const size_t half = ranges.size() / 2 * L * 2 * c.head_dim * value_bytes;
+    const size_t half =
+        ranges.size() / 2 * L * kv_store::RowBytes(dtype, static_cast<uint32_t>(c.head_dim));
     std::vector<uint8_t> rows(2 * half);
     ASSERT_TRUE(store_->RangeRead(ranges, rows).ok());
     // The CPU model computes in float32: from a bf16 store it continues from rounded rows, so
@@ -812,7 +814,58 @@ TEST_F(PrefillEngineTest, Bf16StoreRowsAreTheRowsRoundedToBf16) {
   EXPECT_EQ(layer.local_kv(), expected);
 }
 
-TEST_F(PrefillEngineTest, StoreDtypeOtherThanF32OrBf16IsRefused) {
+// fp8 store: the engine puts the rows as bf16 (as for a bf16 store: kv_bytes_shipped counts
+// those) and the store holds EncodeFp8Row of their values, 136 bytes a row at head_dim 64.
+TEST_F(PrefillEngineTest, Fp8StoreRowsAreTheBf16RowsEncoded) {
+  PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(),
+                       &opener_,
+                       EngineOptions{.chunk_tokens = 64, .store_dtype = kv_store::DType::kFp8E4m3});
+  PrefillJob job = Job(TextPrompt{Text()}, "quest");
+  auto result = engine.Run(job);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const model::Model& m = *loaded_->model;
+  const model::ModelConfig& c = m.config();
+  auto ids = engine.Tokenize(job.prompt);
+  ASSERT_TRUE(ids.ok());
+  const int64_t L = static_cast<int64_t>(ids->size());
+  model::KvCache cache = m.NewCache(model::KvDType::kF32);
+  model::DenseAttention dense(pool_);
+  ASSERT_TRUE(m.Prefill(1, cache, *ids, dense, 64).ok());
+  EXPECT_EQ(result->kv_bytes_shipped, uint64_t{2} * L * c.n_kv_heads * c.head_dim * 2 * c.n_layers);
+
+  auto info = store_->GetSequence({42, cap_});
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->shape.dtype, kv_store::DType::kFp8E4m3);
+  for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
+  const Fp8RowLayout layout{2, c.head_dim};
+  const size_t row_bytes = layout.RowBytes();
+  ASSERT_EQ(info->shape.RowBytes(), row_bytes);
+  std::vector<float> kv(2 * c.head_dim);
+  for (const int layer : {0, c.n_layers - 1}) {
+    const model::KvView view = cache.View(layer);
+    for (int head = 0; head < c.n_kv_heads; ++head) {
+      kv_store::RangeEntry range{{42, cap_},
+                                 static_cast<uint32_t>(layer),
+                                 static_cast<uint32_t>(head),
+                                 0,
+                                 static_cast<uint64_t>(L)};
+      std::vector<uint8_t> got(L * row_bytes);
+      ASSERT_TRUE(store_->RangeRead(std::span(&range, 1), got).ok());
+      std::vector<uint8_t> want(got.size());
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t at = t * view.row_stride + int64_t{head} * c.head_dim;
+        for (int d = 0; d < c.head_dim; ++d) {
+          kv[d] = Bf16ToFloat(FloatToBf16(view.k[at + d]));
+          kv[c.head_dim + d] = Bf16ToFloat(FloatToBf16(view.v[at + d]));
+        }
+        EncodeFp8Row(layout, kv.data(), want.data() + t * row_bytes);
+      }
+      EXPECT_EQ(got, want) << "layer " << layer << " head " << head;
+    }
+  }
+}
+
+TEST_F(PrefillEngineTest, StoreDtypeOtherThanF32Bf16OrFp8IsRefused) {
   PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(),
                        &opener_,
                        EngineOptions{.chunk_tokens = 64, .store_dtype = kv_store::DType::kF16});

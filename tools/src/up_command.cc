@@ -587,8 +587,11 @@ const node::SettingTable<UpOptions>& UpSettings() {
                                 &Config::device, {"cpu", "cuda"}),
             EnumSetting<Config>("store_dtype",
                                 "element type of the KV rows the prefill nodes put to the store "
-                                "(empty: the nodes' own, bf16 with --device cuda, f32 with cpu)",
-                                &Config::store_dtype, {"f32", "bf16"}, /*allow_empty=*/true),
+                                "(empty: the nodes' own, bf16 with --device cuda, f32 with cpu; "
+                                "fp8: scaled e4m3 rows, half of bf16's bytes, a CPU decode node "
+                                "reads them)",
+                                &Config::store_dtype, {"f32", "bf16", "fp8"},
+                                /*allow_empty=*/true),
             BoolSetting<Config>("insecure",
                                 "plaintext gRPC and HTTP (default: a CA made for this run in "
                                 "<log dir>/tls, mutual TLS between the processes, TLS on the "

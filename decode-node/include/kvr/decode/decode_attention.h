@@ -20,10 +20,11 @@
 // Those reads are counted in NodeCounters::quality_*, not in the sequence's bytes_fetched.
 // It also keeps each step's new K/V rows, which StartOffload appends to the store.
 //
-// Store rows are in the sequence's dtype (DecodeSequenceSetup::row_dtype, f32 or bf16): fetched
-// and sampled bf16 rows are widened to float32 (the attention and the hot cache work in f32),
-// generated rows are narrowed to bf16 (round to nearest even) on their way to the store, and the
-// byte counters count the bytes really moved.
+// Store rows are in the sequence's dtype (DecodeSequenceSetup::row_dtype, f32, bf16 or
+// fp8_e4m3): fetched and sampled bf16 rows are widened to float32 (the attention and the hot
+// cache work in f32) and fp8 rows decoded (DecodeFp8Row); generated rows are narrowed to bf16
+// (round to nearest even) on their way to a bf16 or fp8 store (the store encodes fp8), and the
+// byte counters count the bytes really moved (fp8 rows as stored: Fp8RowLayout).
 //
 // Same computation as kvr::retrieval::SparseAttention (single process), with the KV split
 // between resident rows and the store. With `full` and f32 store rows, every row is attended
@@ -104,7 +105,8 @@ struct DecodeSequenceSetup {
   std::vector<std::unique_ptr<retrieval::RetrievalIndex>> indexes;
   kv_store::KvStoreClient* store = nullptr;  // not owned; outlives the sequence
   kv_store::SequenceRef store_sequence;      // id and capability of the sequence in `store`
-  // Element type of the store sequence's rows (its SequenceShape::dtype): f32 or bf16.
+  // Element type of the store sequence's rows (its SequenceShape::dtype): f32, bf16 or
+  // fp8_e4m3.
   kv_store::DType row_dtype = kv_store::DType::kF32;
   model::KvCache* cache = nullptr;  // windowed; not owned; drained of its evicted rows
 };
@@ -128,7 +130,7 @@ class DecodeAttention final : public model::Attention {
   ~DecodeAttention() override;
 
   // InvalidArgument when the setup does not fit the model (layers, cache shape) or its
-  // row_dtype is neither f32 nor bf16 (naming it); AlreadyExists when the id is taken.
+  // row_dtype is not f32, bf16 or fp8_e4m3 (naming it); AlreadyExists when the id is taken.
   [[nodiscard]] absl::Status AddSequence(model::SequenceId id, DecodeSequenceSetup setup);
 
   [[nodiscard]] absl::Status Attend(const model::AttentionShape& shape,
@@ -202,7 +204,7 @@ class DecodeAttention final : public model::Attention {
   std::mt19937_64 quality_rng_;
   std::bernoulli_distribution quality_coin_;
   std::vector<float> quality_rows_;    // [n_kv_heads, candidates, 2 * head_dim]
-  std::vector<uint8_t> quality_bf16_;  // the same rows as read, when the sequence's are bf16
+  std::vector<uint8_t> quality_stored_;  // the same rows as read, when they are bf16 or fp8
   std::vector<float> quality_probs_;   // [candidates] one query head's probabilities
   std::vector<float> quality_agg_;     // [candidates] the group's summed, renormalised probs
   std::vector<char> quality_truth_;    // [candidates] in the oracle's top-budget

@@ -25,8 +25,9 @@ struct LocalHandoffOptions {
   int32_t first_token = 0;
   // `full` only: ship no summaries (the decode node then selects every non-resident row).
   bool empty_full_summaries = false;
-  // Element type of the store rows (kvr-prefill's store_dtype): f32, or bf16 rounded to nearest
-  // even. The handoff's sink/local rows are float32 either way.
+  // Element type of the store rows (kvr-prefill's store_dtype): f32, bf16 rounded to nearest
+  // even, or fp8_e4m3 (rows put as bf16, which the store encodes). The handoff's sink/local rows
+  // are float32 either way.
   kv_store::DType store_dtype = kv_store::DType::kF32;
   // Per layer, the prefill's last queries [n, n_heads, head_dim] (RoPE applied) of the positions
   // [L - n, L), as a prefill node passes them to the index builds (ctkvr needs them); empty:
@@ -35,8 +36,8 @@ struct LocalHandoffOptions {
 };
 
 // `cache` holds the prompt (dense, prompt_tokens = cache.n_tokens()). The store sequence is
-// created with room for prompt + max_tokens rows. A store_dtype other than f32 or bf16 is
-// INVALID_ARGUMENT.
+// created with room for prompt + max_tokens rows. A store_dtype other than f32, bf16 or
+// fp8_e4m3 is INVALID_ARGUMENT.
 [[nodiscard]] absl::StatusOr<Handoff> MakeLocalHandoff(const model::Model& model,
                                                        const model::KvCache& cache,
                                                        const retrieval::MethodRegistry& registry,

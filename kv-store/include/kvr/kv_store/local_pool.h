@@ -30,7 +30,8 @@ namespace kvr::kv_store {
 // Rows of one sequence as pages of the pool: page p of (layer l, kv head h) holds rows
 // [p*tokens_per_page, (p+1)*tokens_per_page) at pool byte offset
 // pages[(l*n_kv_heads+h)*pages_per_head+p]*page_bytes, row r at
-// + (r % tokens_per_page) * shape.RowBytes(). Rows appended later (Write/PutLayer at kAtEnd)
+// + (r % tokens_per_page) * shape.RowBytes() (an fp8 sequence's rows as stored: Fp8RowLayout).
+// Rows appended later (Write/PutLayer at kAtEnd)
 // land in exactly these pages while they fit (r < pages_per_head * tokens_per_page); past
 // that the store adds pages that only a new ReservePageTable reports.
 struct PageTable {
@@ -87,8 +88,11 @@ class LocalPoolMapping {
   }
   // Rows [0, n_rows) of `layer` of `table` laid out as a model's KV cache holds them: K into `k`
   // and V into `v`, each [n_rows, n_kv_heads * head_dim] elements of the sequence's dtype (as
-  // bytes), heads side by side in a token's row. InvalidArgument when a span is not exactly
-  // that size or the rows lie beyond the table's pages.
+  // bytes), heads side by side in a token's row. An fp8 sequence's rows are decoded
+  // (DecodeFp8Row) and narrowed to bf16 (round to nearest even): its spans are bf16, what a
+  // dense bf16 KV cache takes (SequenceShape::TokenHalfBytes per token, as for a write).
+  // InvalidArgument when a span is not exactly that size or the rows lie beyond the table's
+  // pages.
   [[nodiscard]] absl::Status CopyLayerRows(const PageTable& table, uint32_t layer, uint64_t n_rows,
                                            std::span<std::byte> k, std::span<std::byte> v) const;
 

@@ -39,7 +39,7 @@ struct PatternRows {
 };
 inline PatternRows MakePatternRows(const SequenceShape& shape, SequenceId seq, uint32_t layer,
                                    uint64_t start, uint32_t n) {
-  const size_t head_bytes = size_t{shape.head_dim} * DTypeSize(shape.dtype);
+  const size_t head_bytes = size_t{shape.head_dim} * WriteElementBytes(shape.dtype);
   PatternRows rows;
   rows.k.resize(size_t{n} * shape.n_kv_heads * head_bytes);
   rows.v.resize(rows.k.size());
@@ -88,7 +88,8 @@ auto PutPatternRows(Client& client, const SequenceShape& shape, SequenceId seq, 
 }
 
 // True when `row` (RowBytes() long) is row `row_index` of (seq, layer, head) as written by
-// MakePatternRows.
+// MakePatternRows. For the dtypes stored as written (f32, f16, bf16): an fp8 sequence encodes
+// what it is given, so its rows are not the pattern's bytes.
 inline bool RowMatches(const SequenceShape& shape, SequenceId seq, uint32_t layer, uint32_t head,
                        uint64_t row_index, const uint8_t* row) {
   const size_t n = shape.RowBytes();

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvr/common/fp8.h"
 
 namespace kvr::kv_store {
 
@@ -51,11 +52,40 @@ struct SequenceRef {
 };
 
 // Element type of the stored rows; values match kvr.store.v1.DType and the wire format.
-enum class DType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3 };
+// kFp8E4m3: each stored row [k | v] of one (token, KV head) is one scaled fp8 row
+// (kvr/common/fp8.h, Fp8RowLayout{2, head_dim}: k codes, v codes, k scale, v scale, zero pad;
+// 136 bytes at head_dim 64, 264 at 128). Writers hand such a sequence bf16 K and V
+// (WriteElementBytes) and the store encodes them; readers get the fp8 rows as stored.
+enum class DType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3, kFp8E4m3 = 4 };
 
-[[nodiscard]] constexpr size_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+// Bytes of one stored element: 4, 2, 2 and 1 (an fp8 code). An fp8 row also holds its scales,
+// so a row's size comes from RowBytes, never from 2 * head_dim * DTypeSize.
+[[nodiscard]] constexpr size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return 4;
+    case DType::kFp8E4m3:
+      return 1;
+    default:
+      return 2;
+  }
+}
+// Bytes of one element of K or V as a writer hands them to the store (LayerRows): the stored
+// element for f32, f16 and bf16; bf16 (2) for fp8, which the store encodes.
+[[nodiscard]] constexpr size_t WriteElementBytes(DType dtype) {
+  return dtype == DType::kF32 ? 4 : 2;
+}
+// Bytes of one stored row [k | v] of one (token, KV head).
+[[nodiscard]] inline size_t RowBytes(DType dtype, uint32_t head_dim) {
+  if (dtype == DType::kFp8E4m3) return Fp8RowLayout{2, static_cast<int>(head_dim)}.RowBytes();
+  return 2 * size_t{head_dim} * DTypeSize(dtype);
+}
 [[nodiscard]] absl::StatusOr<DType> DTypeFromInt(uint32_t value);
 [[nodiscard]] std::string DTypeName(DType dtype);
+
+// One stored row [k | v] (RowBytes(dtype, head_dim) bytes, any alignment) as 2 * head_dim
+// floats, k then v: exact for f32, f16 and bf16; fp8 rows decoded (DecodeFp8Row).
+void StoredRowToFloats(DType dtype, uint32_t head_dim, const uint8_t* row, float* dst);
 
 // Shape of one sequence's KV: per (layer, kv_head) an append-only array of rows [k | v].
 struct SequenceShape {
@@ -64,11 +94,12 @@ struct SequenceShape {
   uint32_t head_dim = 0;
   DType dtype = DType::kF16;
 
-  // Bytes of one [k | v] row: 2 * head_dim elements.
-  [[nodiscard]] size_t RowBytes() const { return 2 * size_t{head_dim} * DTypeSize(dtype); }
-  // Bytes of K (or of V) for one token of one layer, all kv heads.
+  // Bytes of one stored [k | v] row: 2 * head_dim elements, or one fp8 row with its scales.
+  [[nodiscard]] size_t RowBytes() const { return kv_store::RowBytes(dtype, head_dim); }
+  // Bytes of K (or of V) for one token of one layer, all kv heads, as written (LayerRows):
+  // bf16 for an fp8 sequence. Stored rows are RowBytes() each.
   [[nodiscard]] size_t TokenHalfBytes() const {
-    return size_t{n_kv_heads} * head_dim * DTypeSize(dtype);
+    return size_t{n_kv_heads} * head_dim * WriteElementBytes(dtype);
   }
   // Rejects zero or absurd dimensions with a message naming the field.
   [[nodiscard]] absl::Status Validate() const;
@@ -100,7 +131,10 @@ struct LayerRows {
   // length; kAtEnd appends wherever the layer currently ends (decode).
   uint64_t start_row = 0;
   uint32_t n_rows = 0;
-  std::span<const uint8_t> k;  // [n_rows, n_kv_heads, head_dim] in the sequence's dtype
+  // K and V in the sequence's dtype, except for an fp8 sequence (DType::kFp8E4m3): bf16, which
+  // the store encodes into one fp8 row per (token, KV head) (EncodeFp8Row of the widened
+  // values, k and v scaled separately). Each SequenceShape::TokenHalfBytes() per row.
+  std::span<const uint8_t> k;  // [n_rows, n_kv_heads, head_dim]
   std::span<const uint8_t> v;  // [n_rows, n_kv_heads, head_dim]
   static constexpr uint64_t kAtEnd = ~uint64_t{0};
 };

@@ -41,9 +41,13 @@ struct PrefillConfig {
   // Where the forward pass runs: "cpu" (model::Model) or "cuda" (model::CudaModel on GPU
   // cuda_device; the weights are loaded on the host, then uploaded once as bf16).
   std::string device = "cpu";
-  // Element type of the rows put to the KV store: "f32" or "bf16". Unset, it follows the
+  // Element type of the rows put to the KV store: "f32", "bf16" or "fp8". Unset, it follows the
   // device (the table's finish step fills it in): bf16 on cuda (the GPU model's KV is bf16, so
   // nothing is lost and the rows are half the bytes), f32 on cpu (the CPU model runs in f32).
+  // "fp8" (kv_store::DType::kFp8E4m3): the node puts bf16 rows and the store encodes them as
+  // scaled e4m3 rows (kvr/common/fp8.h), 136 bytes per (token, KV head) at head_dim 64 instead
+  // of 256 in bf16: half the store's memory and the decode's fetched bytes, for a small quality
+  // cost (BENCHMARKS.md, "fp8 rows: quality cost against bf16").
   std::string store_dtype;
   uint32_t cuda_device = 0;
   // --device cuda: build quest and clusterkv summaries on the GPU during prefill (layer by

@@ -66,8 +66,9 @@ struct PrefillCall {
   // backend may build that method's summaries itself and hand them out in LayerTask::summary.
   std::string method;
   const retrieval::IndexParams* params = nullptr;
-  // The rows go to the store as bf16: a backend whose cache holds bf16 may hand them out as such
-  // (LayerTask::k_bf16 / v_bf16) instead of widening them to float32.
+  // The rows go to the store as bf16 (a bf16 store, or an fp8 one, which takes bf16): a backend
+  // whose cache holds bf16 may hand them out as such (LayerTask::k_bf16 / v_bf16) instead of
+  // widening them to float32.
   bool bf16_rows = false;
   // Prefix reuse: rows [0, prefix_rows) of the prompt are not computed but loaded, before the
   // rest is, in chunks of chunk_tokens from prefix_rows (prefix_rows a multiple of

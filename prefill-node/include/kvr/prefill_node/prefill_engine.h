@@ -98,7 +98,8 @@ struct PrefillResult {
   kvr::v1::FinishReason finish_reason = kvr::v1::FINISH_REASON_UNSPECIFIED;
   std::string matched_stop;
   absl::Duration prefill_time;
-  uint64_t kv_bytes_shipped = 0;  // K/V bytes put to the store (in EngineOptions::store_dtype)
+  // K/V bytes put to the store (in EngineOptions::store_dtype; bf16 for an fp8 store)
+  uint64_t kv_bytes_shipped = 0;
   uint64_t handoff_bytes = 0;     // serialized handoff chunks (header + layers)
   uint32_t cached_tokens = 0;     // prompt tokens whose rows came from PrefillJob::prefix
   // With a reused prefix: layers whose retrieval summaries were the prefix's snapshot
@@ -173,9 +174,11 @@ struct EngineOptions {
   // independent); 0: min(8, hardware threads).
   int layer_threads = 0;
   // Element type of the rows put to the store (the sequence is created with it): kF32 as the
-  // model computes them, or kBf16 rounded to nearest even (exact for a model whose KV is bf16,
-  // half the bytes). Any other dtype fails every request with INVALID_ARGUMENT. The handoff's
-  // sink/local rows are float32 either way.
+  // model computes them, kBf16 rounded to nearest even (exact for a model whose KV is bf16,
+  // half the bytes), or kFp8E4m3: the rows are put as bf16 and the store encodes them to
+  // scaled fp8 rows (kvr/common/fp8.h; about a quarter of f32's bytes), and a reused prefix is
+  // read back decoded. Any other dtype fails every request with INVALID_ARGUMENT. The
+  // handoff's sink/local rows are float32 either way.
   kv_store::DType store_dtype = kv_store::DType::kF32;
   // Retrieval summaries of a reused prefix: kept with retained sequences and extended by
   // Append (summary_snapshot.h); false: rebuilt over the whole prompt, nothing kept.
