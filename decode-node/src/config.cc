@@ -92,6 +92,13 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
                     "the store's data plane; any store) or auto (in place when possible, else "
                     "fetched)",
                     &Config::gpu_row_source, {"in-place", "fetch", "auto"}),
+                EnumSetting<Config>(
+                    "gpu_row_format",
+                    "--device cuda: the store dtype of the rows read in place (the prefill "
+                    "nodes' store_dtype): bf16, or fp8 (half the bytes per row over the link and "
+                    "in the hot cache, a small quality cost; rows read in place only, no "
+                    "gpu_lanes)",
+                    &Config::gpu_row_format, {"bf16", "fp8"}),
                 node::BoolSetting<Config>(
                     "store_rma_reads",
                     "read rows from a store by RMA gets from its pool where it offers its rkey "

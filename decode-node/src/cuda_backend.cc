@@ -26,6 +26,11 @@
 namespace kvr::decode {
 namespace {
 
+// The store dtype of the rows a node of these options reads (gpu_row_format).
+kv_store::DType StoreRowDType(const CudaDecodeBackendOptions& o) {
+  return o.row_format == "fp8" ? kv_store::DType::kFp8E4m3 : kv_store::DType::kBf16;
+}
+
 namespace rc = kvr::retrieval::cuda;
 
 // The selection of a method this node has no GPU selector for: the method's CPU index of every
@@ -301,10 +306,11 @@ class CudaDecodeBackend final : public DecodeBackend {
       return refuse("shape ", s.n_layers, "x", s.n_kv_heads, "x", s.head_dim, ", the model is ",
                     c.n_layers, "x", c.n_kv_heads, "x", c.head_dim);
     }
-    if (s.dtype != kv_store::DType::kBf16) {
-      return refuse("rows are ", kv_store::DTypeName(s.dtype),
-                    "; a CUDA decode node reads bf16 rows in place (kvr-prefill store_dtype bf16, "
-                    "its default with --device cuda)");
+    const kv_store::DType want = StoreRowDType(options_);
+    if (s.dtype != want) {
+      return refuse("rows are ", kv_store::DTypeName(s.dtype), "; this CUDA decode node reads ",
+                    kv_store::DTypeName(want), " rows (gpu_row_format ", options_.row_format,
+                    "; the prefill nodes' store_dtype must match)");
     }
     for (int l = 0; l < c.n_layers; ++l) {
       if (static_cast<int64_t>(info.committed_rows[l]) < h.prompt_tokens) {
@@ -468,7 +474,7 @@ class CudaDecodeBackend final : public DecodeBackend {
       WaitPuts(id, it->second);
       c.rows_offloaded = it->second.rows_offloaded;
       if (absl::StatusOr<rc::SparseSequenceCounters> sc = sparse_->Counters(id); sc.ok()) {
-        const int64_t row_bytes = 4 * int64_t{model_->config().head_dim};
+        const int64_t row_bytes = StoredRowBytes();
         c.selected_rows = sc->selected_rows;
         c.hot_cache_hits = sc->hot_cache_hits;
         c.hot_cache_misses = sc->selected_rows - sc->hot_cache_hits;
@@ -493,7 +499,10 @@ class CudaDecodeBackend final : public DecodeBackend {
   // The step's retrieval work from the GPU's per-slot counters (as of this Forward): hot-cache
   // hits and misses, rows and bytes that crossed the link (the misses), rows appended.
   void ReportStep(std::span<const uint64_t> ids) {
-    const int64_t row_bytes = 4 * int64_t{model_->config().head_dim};
+    // Rows cross the link as the store keeps them; they go to the store as bf16 (the store
+    // encodes an fp8 sequence's rows).
+    const int64_t row_bytes = StoredRowBytes();
+    const int64_t put_row_bytes = 4 * int64_t{model_->config().head_dim};
     absl::flat_hash_map<std::string_view, RetrievalReport>& by_method = step_reports_;
     by_method.clear();  // keys point into running_'s methods: valid for this call only
     int64_t appended = 0, hits_all = 0, misses_all = 0;
@@ -518,7 +527,7 @@ class CudaDecodeBackend final : public DecodeBackend {
     observer_->OnHotCache(hits_all, misses_all);
     for (const auto& [method, r] : by_method) observer_->OnRetrieval(method, r);
     const model::ModelConfig& c = model_->config();
-    observer_->OnOffload(appended * c.n_layers * c.n_kv_heads * row_bytes);
+    observer_->OnOffload(appended * c.n_layers * c.n_kv_heads * put_row_bytes);
   }
   void ReportSummaryBytes() {
     const int64_t bytes = summary_bytes_ * static_cast<int64_t>(running_.size());
@@ -649,6 +658,12 @@ class CudaDecodeBackend final : public DecodeBackend {
     run.rows_offloaded += int64_t{c.n_layers} * c.n_kv_heads;
   }
 
+  // Bytes of one store row of the dtype this node reads (gpu_row_format).
+  int64_t StoredRowBytes() const {
+    return static_cast<int64_t>(kv_store::RowBytes(
+        StoreRowDType(options_), static_cast<uint32_t>(model_->config().head_dim)));
+  }
+
   std::unique_ptr<model::CudaModel> model_;
   // The model's sparse decode (its attention hook): the running sequences. Declared after
   // model_, so that it goes first (it refers to the model).
@@ -761,6 +776,17 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
     return absl::InvalidArgumentError(
         absl::StrCat("gpu_method '", o.method, "': a CUDA decode node runs quest or clusterkv"));
   }
+  const bool fp8 = o.row_format == "fp8";
+  if (o.row_format != "bf16" && !fp8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu_row_format '", o.row_format, "': bf16 or fp8"));
+  }
+  if (fp8 && (o.row_source != "in-place" || !o.lanes.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gpu_row_format fp8: fp8 rows are read in place only and not by the GPU lanes; this node "
+        "has gpu_row_source ",
+        o.row_source, " and ", o.lanes.size(), " gpu_lanes (use in-place and none)"));
+  }
   if (o.method == "clusterkv" && (o.registry == nullptr || !o.registry->Has("clusterkv"))) {
     return absl::InvalidArgumentError(
         "gpu_method 'clusterkv': no method registry with clusterkv to parse the handed-off "
@@ -774,6 +800,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   so.n_sink = o.n_sink;
   so.local_window = o.local_window;
   so.min_page_rows = o.min_page_rows;
+  so.row_format = fp8 ? rc::SparseRowFormat::kFp8E4m3 : rc::SparseRowFormat::kBf16;
   so.lanes = o.lanes;
   so.method_assets = o.method_assets;
   // clusterkv: room for the clusters the prefill makes at the node's budget with the default
@@ -789,9 +816,11 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   const int64_t cluster_room =
       std::max(clusters, (o.max_context + so.clusterkv_tokens_per_cluster - 1) /
                              so.clusterkv_tokens_per_cluster);
-  // The hot cache's rows per (slot, layer, KV head) from the byte budget (bf16 [K | V] rows),
+  // The hot cache's rows per (slot, layer, KV head) from the byte budget (rows of the store
+  // dtype: the cache keeps fp8 rows as read),
   // a multiple of 8 (its ways), at most 4096.
-  const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
+  const int64_t row_bytes = static_cast<int64_t>(kv_store::RowBytes(StoreRowDType(o), c.head_dim));
+  const int64_t per_row = int64_t{o.slots} * c.n_layers * c.n_kv_heads * row_bytes;
   int64_t rows = std::min<int64_t>(4096, o.hot_cache_bytes / std::max<int64_t>(1, per_row));
   so.hot_cache_rows = static_cast<int>(rows / 8 * 8);
   auto configure = [&]() -> absl::Status {
@@ -885,6 +914,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> MakeDecodeBackend(
   o.method = config.gpu_method;
   o.lanes = config.gpu_lanes;
   o.row_source = config.gpu_row_source;
+  o.row_format = config.gpu_row_format;
   o.budget = static_cast<int>(config.gpu_budget);
   o.n_sink = static_cast<int>(config.gpu_n_sink);
   o.local_window = static_cast<int>(config.gpu_local_window);

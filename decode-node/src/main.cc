@@ -172,11 +172,12 @@ int Serve(const DecodeConfig& config) {
   cv1::ModelInfo* info = capacity->add_models();
   info->set_name(served);
   info->set_context_length(static_cast<uint32_t>(mc.context_length));
-  // Store bytes per token in the row dtype of this node's model: bf16 on cuda (what a
-  // cuda prefill node writes by default), f32 on cpu. The rows of a sequence are in whatever
-  // dtype its prefill node chose; the CPU path reads f32 and bf16 alike.
-  const kv_store::DType row_dtype =
-      config.device == "cuda" ? kv_store::DType::kBf16 : kv_store::DType::kF32;
+  // Store bytes per token in the row dtype this node reads: on cuda its gpu_row_format (bf16,
+  // what a cuda prefill node writes by default, or fp8), f32 on cpu. The rows of a sequence are
+  // in whatever dtype its prefill node chose; the CPU path reads every dtype.
+  const kv_store::DType row_dtype = config.device != "cuda"          ? kv_store::DType::kF32
+                                    : config.gpu_row_format == "fp8" ? kv_store::DType::kFp8E4m3
+                                                                     : kv_store::DType::kBf16;
   info->set_kv_bytes_per_token(static_cast<uint64_t>(mc.n_layers) * mc.n_kv_heads *
                                kv_store::RowBytes(row_dtype, static_cast<uint32_t>(mc.head_dim)));
   for (const auto& [name, bytes] : methods) {

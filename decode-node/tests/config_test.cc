@@ -125,5 +125,20 @@ TEST(DecodeConfigTest, GpuRowSourceIsInPlaceFetchOrAuto) {
       << refused.status();
 }
 
+TEST(DecodeConfigTest, GpuRowFormatIsBf16OrFp8) {
+  auto no_env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
+  auto config = node::ResolveConfig(DecodeSettings(), {}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->gpu_row_format, "bf16");
+  config = node::ResolveConfig(DecodeSettings(), {{"gpu_row_format", "fp8"}}, std::nullopt, no_env);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->gpu_row_format, "fp8");
+  auto refused =
+      node::ResolveConfig(DecodeSettings(), {{"gpu_row_format", "fp4"}}, std::nullopt, no_env);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
+  EXPECT_NE(refused.status().message().find("one of bf16, fp8"), std::string::npos)
+      << refused.status();
+}
+
 }  // namespace
 }  // namespace kvr::decode

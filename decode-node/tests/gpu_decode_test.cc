@@ -134,6 +134,7 @@ class GpuDecodeTest : public ::testing::Test {
     o.hot_cache_fraction = hot_cache_fraction;
     o.dense_max_tokens = dense_max_tokens;
     o.dense_bytes = dense_bytes;
+    o.row_format = row_format_;
     auto backend = CreateCudaDecodeBackend(*std::move(gpu), o, observer);
     EXPECT_TRUE(backend.ok()) << backend.status();
     EXPECT_EQ((*backend)->name(), "cuda:0");
@@ -272,6 +273,7 @@ class GpuDecodeTest : public ::testing::Test {
   std::unique_ptr<model::Model> cpu_;
   retrieval::MethodRegistry registry_;
   std::shared_ptr<const retrieval::MethodAssets> codebooks_;  // Codebooks()
+  std::string row_format_ = "bf16";  // CudaEngine's CudaDecodeBackendOptions::row_format
 };
 
 // clusterkv: the CUDA backend uploads the handed-off clusters (the CPU index's k-means); at
@@ -335,6 +337,85 @@ TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
       EXPECT_EQ(observed.offloaded, n.retrieval.rows_offloaded * 4 * c.head_dim);
       EXPECT_GT(n.attend_calls, 0);
     }
+}
+
+// A node with gpu_row_format fp8 over store sequences of the fp8 dtype (the store encodes the
+// handoff's bf16 rows and the generated ones): at budget 512 every candidate is attended, and each
+// CUDA token must be a greedy choice of the dense CPU model (float32 KV) on its own prefix within
+// the same tolerance as bf16 rows (fp8 moves each K and V value by up to ~6%, the logits far
+// less); agreement with a bf16 node's tokens is reported. Every missed row crossed the link at
+// the fp8 row's 136 bytes (head_dim 64). A bf16 store sequence is refused with the reason; an
+// fp8 node that would fetch rows is refused at creation.
+TEST_F(GpuDecodeTest, Fp8RowsDecodeOnTheNode) {
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
+                                                     Prompt(233, 3)};
+  const model::ModelConfig& c = cpu_->config();
+  const int64_t fp8_row = static_cast<int64_t>(
+      kv_store::RowBytes(kv_store::DType::kFp8E4m3, static_cast<uint32_t>(c.head_dim)));
+  for (const std::string method : {"quest", "clusterkv"})
+    for (int budget : {512, 16}) {
+      SCOPED_TRACE(method + " " + std::to_string(budget));
+      auto bf16_store = testing::MakeFakeStore(256 << 20);
+      auto fp8_store = testing::MakeFakeStore(256 << 20);
+      row_format_ = "bf16";
+      auto bf16_engine = CudaEngine(budget, method);
+      row_format_ = "fp8";
+      CountingObserver observed;
+      auto fp8_engine = CudaEngine(budget, method, &observed);
+      row_format_ = "bf16";
+      std::vector<int32_t> first_bf16, first_fp8;
+      auto want = Run(*bf16_engine, *bf16_store, prompts, budget, &first_bf16, {method},
+                      kv_store::DType::kBf16);
+      auto got = Run(*fp8_engine, *fp8_store, prompts, budget, &first_fp8, {method},
+                     kv_store::DType::kFp8E4m3);
+      ASSERT_EQ(first_bf16, first_fp8);  // the CPU prefill's, both sides
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        const uint64_t id = 40 + i;
+        ASSERT_EQ(got[id].size(), kMaxTokens - 1) << "sequence " << i;
+        size_t agree = 0;
+        for (size_t t = 0; t < want[id].size(); ++t) agree += want[id][t] == got[id][t];
+        const double gap = budget >= 512 ? WorstGap(prompts[i], first_fp8[i], got[id]) : -1;
+        if (budget >= 512) {
+          EXPECT_LE(gap, kTieOverRms) << "sequence " << i << ": an fp8 token is not a greedy "
+                                      << "choice of the CPU model within the tolerance";
+        }
+        std::printf(
+            "[ fp8    ] %-9s budget %3d seq %zu: %2zu/%zu tokens equal to the bf16 node's; "
+            "worst CPU gap %.4f x rms\n",
+            method.c_str(), budget, i, agree, want[id].size(), gap);
+      }
+      const NodeCounters n = fp8_engine->node_counters();
+      EXPECT_GT(n.retrieval.hot_cache_hits, 0);
+      EXPECT_EQ(n.retrieval.rows_fetched, n.retrieval.hot_cache_misses);
+      EXPECT_EQ(n.retrieval.bytes_fetched, n.retrieval.rows_fetched * fp8_row);
+      EXPECT_EQ(observed.bytes_fetched, n.retrieval.bytes_fetched);
+      EXPECT_EQ(n.retrieval.rows_offloaded,
+                int64_t{3} * (kMaxTokens - 1) * c.n_layers * c.n_kv_heads);
+    }
+  // A bf16 sequence on the fp8 node: refused, with the reason.
+  auto store = testing::MakeFakeStore(64 << 20);
+  row_format_ = "fp8";
+  auto engine = CudaEngine(64);
+  row_format_ = "bf16";
+  const absl::Status s = engine->Admit(MakeHandoff(*store, 9, Prompt(100, 4), 64));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("rows are bf16"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("gpu_row_format fp8"), std::string::npos) << s;
+  // Fetched fp8 rows: refused at creation.
+  model::CudaModelOptions mo;
+  mo.max_batch_tokens = 2 * kSlots;
+  mo.max_sequences = kSlots;
+  mo.max_logits_rows = kSlots;
+  auto gpu = model::CreateCudaModel(cpu_->config(), cpu_->weights(), mo);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  CudaDecodeBackendOptions o;
+  o.slots = kSlots;
+  o.max_context = 512;
+  o.registry = &registry_;
+  o.row_format = "fp8";
+  o.row_source = "fetch";
+  auto refused = CreateCudaDecodeBackend(*std::move(gpu), o, nullptr);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
 }
 
 // The node reads bf16 rows in place: a store sequence of float32 rows, or one whose prompt rows

@@ -42,6 +42,10 @@
 // is on another host (kvr-decode --gpu-row-source fetch). Its ceiling is the store's gather rate
 // measured in the same run on the same sequence: as many concurrent gathers as the largest
 // batch's slots, each of `budget` random rows of every KV head, best of --ceiling-repeats.
+// --store-fp8 adds the placement "store:fp8": the same rows put to a second store sequence of
+// the fp8 dtype (the store encodes them; Fp8RowLayout{2, head_dim}, checked against
+// EncodeFp8Row for real documents), read in place with SparseDecodeOptions::row_format fp8: half
+// the bytes a miss moves, and fp8 rows in the hot cache.
 //
 // --replay TRACE,...: selection traces that `kvr eval retrieval --trace-dir` recorded from a real
 // model's free decoding (SmolLM2 at 8K). Each sparse method with a trace of its own runs again
@@ -84,6 +88,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "commands.h"
+#include "kvr/common/fp8.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/decode/store_row_fetcher.h"
 #include "kvr/kv_store/client.h"
@@ -126,6 +132,7 @@ struct DecodeBenchFlags {
   std::string store;  // a same-host kvr-store: the "store" placement
   bool fetch = false;  // with store: the "fetched" placement
   bool store_rma = false;  // the store client reads by RMA gets where the store offers its rkey
+  bool store_fp8 = false;  // with store: the "store:fp8" placement (the same rows, fp8 dtype)
   std::vector<std::string> replay;  // selection traces (kvr eval retrieval --trace-dir)
   bool replay_scattered = false;    // also replay each trace with its rows scattered
   // A real model instead of the random-weight shape: its weights and tokenizer, documents of
@@ -147,6 +154,7 @@ struct Placement {
   bool huge = false;   // transparent huge pages (SparseSequenceOptions::host_huge_pages)
   bool store = false;  // rows read in place from a kvr-store's pool (--store)
   bool fetch = false;  // with store: misses fetched through its data plane (--fetch)
+  bool fp8 = false;    // with store: the same rows in an fp8 store sequence (--store-fp8)
   bool probed = false;
   rc::HostLinkProbe probe;
   double ceiling_gbps = 0;  // zero-copy coalesced read, or --host-gbps without a probe
@@ -233,6 +241,9 @@ struct Document {
   std::vector<int32_t> tokens;  // [context + 1]: the prompt and the token that follows it
   kv_store::SequenceRef id;
   kv_store::PageTable table;
+  // --store-fp8: the same rows in a store sequence of the fp8 dtype (id 0: none).
+  kv_store::SequenceRef fp8_id;
+  kv_store::PageTable fp8_table;
   std::vector<retrieval::PrebuiltClusterKvData> clusters;  // per layer (clusterkv runs only)
 };
 
@@ -280,15 +291,25 @@ class DecodeBench {
     KVR_RETURN_IF_ERROR(ConnectStore());
     KVR_RETURN_IF_ERROR(ReleaseStoreRows());
     const model::ModelConfig& c = m_.config();
-    const kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
-                                        static_cast<uint32_t>(c.n_kv_heads),
-                                        static_cast<uint32_t>(c.head_dim), kv_store::DType::kBf16};
+    kv_store::SequenceShape shape{static_cast<uint32_t>(c.n_layers),
+                                  static_cast<uint32_t>(c.n_kv_heads),
+                                  static_cast<uint32_t>(c.head_dim), kv_store::DType::kBf16};
     const kv_store::SequenceRef id{0x6b7672000000ull + static_cast<uint64_t>(context),
                                    kv_store::Capability::Generate()};
     KVR_RETURN_IF_ERROR(
         store_->CreateSequence(id, shape, static_cast<uint64_t>(capacity), absl::ZeroDuration())
             .status());
     store_sequence_ = id;
+    if (f_.store_fp8) {
+      shape.dtype = kv_store::DType::kFp8E4m3;
+      const kv_store::SequenceRef fp8_id{id.id | (uint64_t{1} << 40),
+                                         kv_store::Capability::Generate()};
+      KVR_RETURN_IF_ERROR(
+          store_
+              ->CreateSequence(fp8_id, shape, static_cast<uint64_t>(capacity), absl::ZeroDuration())
+              .status());
+      store_fp8_sequence_ = fp8_id;
+    }
     // Random rows: one 64 MiB buffer of bf16 values in [-1, 1), each chunk put from another
     // offset of it (the values' distribution is what the synthetic bench needs, not novelty).
     const size_t half = size_t{2} * c.n_kv_heads * c.head_dim;  // bytes of K (or V), one token
@@ -307,18 +328,22 @@ class DecodeBench {
     const auto t0 = std::chrono::steady_clock::now();
     const auto* bytes = reinterpret_cast<const uint8_t*>(random_.data());
     const size_t span = random_.size() * 2 - 2 * kChunk * half;
-    for (int l = 0; l < c.n_layers; ++l) {
-      for (int64_t t = 0; t < context; t += kChunk) {
-        const int64_t n = std::min(kChunk, context - t);
-        const size_t off = ((static_cast<size_t>(l) * 7919 + t / kChunk * 104729) * 64) % span;
-        kv_store::LayerRows rows;
-        rows.sequence = id;
-        rows.layer = static_cast<uint32_t>(l);
-        rows.start_row = static_cast<uint64_t>(t);
-        rows.n_rows = static_cast<uint32_t>(n);
-        rows.k = {bytes + off, n * half};
-        rows.v = {bytes + off + n * half, n * half};
-        KVR_RETURN_IF_ERROR(store_->PutLayer(rows).status());
+    // The fp8 sequence (--store-fp8) gets the same bf16 rows; the store encodes them.
+    for (const kv_store::SequenceRef& to : {id, store_fp8_sequence_}) {
+      if (to.id == 0) continue;
+      for (int l = 0; l < c.n_layers; ++l) {
+        for (int64_t t = 0; t < context; t += kChunk) {
+          const int64_t n = std::min(kChunk, context - t);
+          const size_t off = ((static_cast<size_t>(l) * 7919 + t / kChunk * 104729) * 64) % span;
+          kv_store::LayerRows rows;
+          rows.sequence = to;
+          rows.layer = static_cast<uint32_t>(l);
+          rows.start_row = static_cast<uint64_t>(t);
+          rows.n_rows = static_cast<uint32_t>(n);
+          rows.k = {bytes + off, n * half};
+          rows.v = {bytes + off + n * half, n * half};
+          KVR_RETURN_IF_ERROR(store_->PutLayer(rows).status());
+        }
       }
     }
     const double fill_s =
@@ -332,6 +357,12 @@ class DecodeBench {
         table.tokens_per_page, static_cast<unsigned long long>(table.page_bytes),
         table.pages.size());
     rows_ = SourceOf(table);
+    if (store_fp8_sequence_.id != 0) {
+      KVR_ASSIGN_OR_RETURN(
+          kv_store::PageTable fp8_table,
+          store_->ReservePageTable(store_fp8_sequence_, static_cast<uint64_t>(capacity)));
+      rows_fp8_ = SourceOf(fp8_table);
+    }
     return absl::OkStatus();
   }
 
@@ -394,6 +425,20 @@ class DecodeBench {
           store_
               ->CreateSequence(doc.id, shape, static_cast<uint64_t>(capacity), absl::ZeroDuration())
               .status());
+      if (f_.store_fp8) {
+        kv_store::SequenceShape fp8_shape = shape;
+        fp8_shape.dtype = kv_store::DType::kFp8E4m3;
+        doc.fp8_id = {doc.id.id | (uint64_t{1} << 40), kv_store::Capability::Generate()};
+        const absl::Status created =
+            store_
+                ->CreateSequence(doc.fp8_id, fp8_shape, static_cast<uint64_t>(capacity),
+                                 absl::ZeroDuration())
+                .status();
+        if (!created.ok()) {
+          (void)store_->Release(doc.id, absl::ZeroDuration());
+          return created;
+        }
+      }
       docs_.push_back(doc);  // released with the others from here on
       std::unique_ptr<rc::PrefillSummaryBuilder> builder;
       if (clusters) {
@@ -441,18 +486,21 @@ class DecodeBench {
           if (x.k_bf16 == nullptr || x.v_bf16 == nullptr) {
             return absl::InternalError(absl::StrCat("prefill export: no rows for layer ", l));
           }
-          for (int64_t t = 0; t < context; t += kChunk) {
-            const int64_t n = std::min(kChunk, context - t);
-            kv_store::LayerRows rows;
-            rows.sequence = doc.id;
-            rows.layer = static_cast<uint32_t>(l);
-            rows.start_row = static_cast<uint64_t>(t);
-            rows.n_rows = static_cast<uint32_t>(n);
-            rows.k = {reinterpret_cast<const uint8_t*>(x.k_bf16 + t * kv_dim),
-                      static_cast<size_t>(n * kv_dim * 2)};
-            rows.v = {reinterpret_cast<const uint8_t*>(x.v_bf16 + t * kv_dim),
-                      static_cast<size_t>(n * kv_dim * 2)};
-            KVR_RETURN_IF_ERROR(store_->PutLayer(rows).status());
+          // The fp8 sequence (--store-fp8) gets the same bf16 rows; the store encodes them.
+          for (const kv_store::SequenceRef& to : {doc.id, doc.fp8_id}) {
+            for (int64_t t = 0; to.id != 0 && t < context; t += kChunk) {
+              const int64_t n = std::min(kChunk, context - t);
+              kv_store::LayerRows rows;
+              rows.sequence = to;
+              rows.layer = static_cast<uint32_t>(l);
+              rows.start_row = static_cast<uint64_t>(t);
+              rows.n_rows = static_cast<uint32_t>(n);
+              rows.k = {reinterpret_cast<const uint8_t*>(x.k_bf16 + t * kv_dim),
+                        static_cast<size_t>(n * kv_dim * 2)};
+              rows.v = {reinterpret_cast<const uint8_t*>(x.v_bf16 + t * kv_dim),
+                        static_cast<size_t>(n * kv_dim * 2)};
+              KVR_RETURN_IF_ERROR(store_->PutLayer(rows).status());
+            }
           }
           if (clusters) {
             KVR_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes,
@@ -468,18 +516,39 @@ class DecodeBench {
         }
         KVR_ASSIGN_OR_RETURN(docs_.back().table,
                              store_->ReservePageTable(doc.id, static_cast<uint64_t>(capacity)));
+        if (doc.fp8_id.id != 0) {
+          KVR_ASSIGN_OR_RETURN(
+              docs_.back().fp8_table,
+              store_->ReservePageTable(doc.fp8_id, static_cast<uint64_t>(capacity)));
+        }
         // The rows as the GPU will read them: the store's pages against the prefill's export.
         for (int l = 0; l < c.n_layers; ++l) {
           for (int h = 0; h < c.n_kv_heads; ++h) {
             for (int64_t t : {int64_t{0}, context / 3, context - 1}) {
               const uint8_t* row = pool_->Row(docs_.back().table, l, h, t);
               const size_t bytes = size_t{2} * c.head_dim;
-              if (std::memcmp(row, layers[l].k_bf16 + t * kv_dim + h * c.head_dim, bytes) != 0 ||
-                  std::memcmp(row + bytes, layers[l].v_bf16 + t * kv_dim + h * c.head_dim, bytes) !=
-                      0) {
+              const uint16_t* k = layers[l].k_bf16 + t * kv_dim + h * c.head_dim;
+              const uint16_t* v = layers[l].v_bf16 + t * kv_dim + h * c.head_dim;
+              if (std::memcmp(row, k, bytes) != 0 || std::memcmp(row + bytes, v, bytes) != 0) {
                 return absl::DataLossError(absl::StrCat("document ", d, ": row ", t, " of layer ",
                                                         l, " head ", h,
                                                         " differs in the store's pages"));
+              }
+              if (doc.fp8_id.id == 0) continue;
+              // The fp8 sequence's row: EncodeFp8Row of the same values.
+              const Fp8RowLayout layout{2, c.head_dim};
+              std::vector<float> values(2 * c.head_dim);
+              for (int i = 0; i < c.head_dim; ++i) {
+                values[i] = Bf16ToFloat(k[i]);
+                values[c.head_dim + i] = Bf16ToFloat(v[i]);
+              }
+              std::vector<uint8_t> want(layout.RowBytes());
+              EncodeFp8Row(layout, values.data(), want.data());
+              if (std::memcmp(pool_->Row(docs_.back().fp8_table, l, h, t), want.data(),
+                              want.size()) != 0) {
+                return absl::DataLossError(absl::StrCat("document ", d, ": fp8 row ", t,
+                                                        " of layer ", l, " head ", h,
+                                                        " is not the encoded bf16 row"));
               }
             }
           }
@@ -492,11 +561,12 @@ class DecodeBench {
       KVR_RETURN_IF_ERROR(st);
       std::printf(
           "%6lldK  document %d: corpus tokens [%lld, %lld) prefilled on the GPU in %.2f s "
-          "(%.0f tok/s)%s, %.2f GB of bf16 rows put to the store and checked in %.1f s\n",
+          "(%.0f tok/s)%s, %.2f GB of bf16 rows%s put to the store and checked in %.1f s\n",
           static_cast<long long>(context / 1024), d, static_cast<long long>(doc.first),
           static_cast<long long>(doc.first + context), prefill_s, context / prefill_s,
           clusters ? " with clusterkv's k-means" : "",
-          2.0 * kv_dim * 2 * context * c.n_layers / 1e9, put_s);
+          2.0 * kv_dim * 2 * context * c.n_layers / 1e9,
+          doc.fp8_id.id != 0 ? " (and again as fp8 rows)" : "", put_s);
       std::fflush(stdout);
     }
     if (clusters) {
@@ -509,7 +579,10 @@ class DecodeBench {
 
   absl::Status ReleaseDocuments() {
     absl::Status first;
-    for (const Document& doc : docs_) first.Update(store_->Release(doc.id, absl::ZeroDuration()));
+    for (const Document& doc : docs_) {
+      first.Update(store_->Release(doc.id, absl::ZeroDuration()));
+      if (doc.fp8_id.id != 0) first.Update(store_->Release(doc.fp8_id, absl::ZeroDuration()));
+    }
     docs_.clear();
     return first;
   }
@@ -566,9 +639,13 @@ class DecodeBench {
 
   absl::Status ReleaseStoreRows() {
     rows_.reset();
-    if (store_ == nullptr || store_sequence_.id == 0) return absl::OkStatus();
-    const kv_store::SequenceRef id = std::exchange(store_sequence_, {});
-    return store_->Release(id, absl::ZeroDuration());
+    rows_fp8_.reset();
+    absl::Status first;
+    for (kv_store::SequenceRef* seq : {&store_sequence_, &store_fp8_sequence_}) {
+      if (store_ == nullptr || seq->id == 0) continue;
+      first.Update(store_->Release(std::exchange(*seq, {}), absl::ZeroDuration()));
+    }
+    return first;
   }
 
   // Steps `ids` (the model's dense sequences, or with `sparse` the sparse decode's); fills row's
@@ -715,6 +792,7 @@ class DecodeBench {
     o.n_sink = f_.sink;
     o.local_window = f_.window;
     o.hot_cache_rows = f_.hot_cache_rows;
+    o.row_format = placement.fp8 ? rc::SparseRowFormat::kFp8E4m3 : rc::SparseRowFormat::kBf16;
     o.clusterkv_max_pending = 4 * (f_.warmup + f_.steps) + 64;
     if (method == rc::SparseMethod::kClusterKv) {
       // The stand-in's clusters as many as the prefill's k-means would make with the CPU
@@ -765,10 +843,12 @@ class DecodeBench {
           const model::SequenceId id = 5000 + i;
           rc::SparseSequenceOptions so;
           if (placement.store) {
+            const std::optional<rc::SparseRowSource>& own = placement.fp8 ? rows_fp8_ : rows_;
             if (real()) {
-              so.rows = SourceOf(SlotDocument(i).table);
-            } else if (rows_.has_value()) {
-              so.rows = *rows_;
+              const Document& doc = SlotDocument(i);
+              so.rows = SourceOf(placement.fp8 ? doc.fp8_table : doc.table);
+            } else if (own.has_value()) {
+              so.rows = *own;
             } else {
               return absl::FailedPreconditionError("no store rows");
             }
@@ -878,7 +958,8 @@ class DecodeBench {
   std::shared_ptr<const kv_store::LocalPoolMapping> pool_;
   const void* pool_device_ = nullptr;
   kv_store::SequenceRef store_sequence_;
-  std::optional<rc::SparseRowSource> rows_;
+  kv_store::SequenceRef store_fp8_sequence_;  // --store-fp8
+  std::optional<rc::SparseRowSource> rows_, rows_fp8_;
   std::vector<uint16_t> random_;
   // --model: the corpus, the documents of the current context and what built them.
   std::vector<int32_t> corpus_;
@@ -946,13 +1027,19 @@ absl::StatusOr<std::vector<Placement>> ResolvePlacements(const DecodeBenchFlags&
     Placement store{"store", -1, false};
     store.store = true;
     out.push_back(store);
+    if (f.store_fp8) {
+      Placement fp8{"store:fp8", -1, false};
+      fp8.store = fp8.fp8 = true;
+      out.push_back(fp8);
+    }
     if (f.fetch) {
       Placement fetched{"fetched", -1, false};
       fetched.store = fetched.fetch = true;
       out.push_back(fetched);
     }
-  } else if (f.fetch) {
-    return absl::InvalidArgumentError("--fetch needs --store (the kvr-store to fetch from)");
+  } else if (f.fetch || f.store_fp8) {
+    return absl::InvalidArgumentError(
+        "--fetch and --store-fp8 need --store (the kvr-store to read from)");
   }
   if (out.empty()) return absl::InvalidArgumentError("--host-numa: no placement left to run");
   return out;
@@ -1448,6 +1535,10 @@ void AddBenchDecodeCommand(CLI::App& app) {
                 "with --store: adds the placement 'fetched', the misses fetched through the "
                 "store's data plane (UCX) as for a store on another host, against the store's "
                 "gather rate measured in the same run");
+  cmd->add_flag("--store-fp8", f.store_fp8,
+                "with --store: adds the placement 'store:fp8', the same rows in a store sequence "
+                "of the fp8 dtype (e4m3 codes, a float scale per K and per V: 136 B a row at "
+                "head_dim 64 against 256), read in place and kept fp8 in the hot cache");
   cmd->add_flag("--store-rma", f.store_rma,
                 "with --store: the store client reads rows (the 'fetched' placement's misses and "
                 "its ceiling) by RMA gets from the store's pool, where the store offers its rkey "

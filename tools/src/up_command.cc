@@ -404,13 +404,16 @@ absl::Status RunUp(const UpOptions& o, int ready_fd) {
   };
   std::vector<std::string> prefill_flags;
   if (!o.store_dtype.empty()) prefill_flags.push_back("--store-dtype=" + o.store_dtype);
+  // A CUDA decode node reads the rows in the store's dtype: fp8 rows take its fp8 row format.
+  std::vector<std::string> decode_flags;
+  if (o.device == "cuda" && o.store_dtype == "fp8") decode_flags.push_back("--gpu-row-format=fp8");
   for (int i = 0; i < o.prefill; ++i) {
     KVR_RETURN_IF_ERROR(start_node(bins[2].path, "--node-name", absl::StrCat("prefill-", i),
                                    Port(o, 10 + i), prefill_flags, o.prefill_args));
   }
   for (int i = 0; i < o.decode; ++i) {
     KVR_RETURN_IF_ERROR(start_node(bins[3].path, "--name", absl::StrCat("decode-", i),
-                                   Port(o, 30 + i), {}, o.decode_args));
+                                   Port(o, 30 + i), decode_flags, o.decode_args));
   }
 
   // Ready when the store registered and ListModels shows every prefill and decode node.
@@ -550,62 +553,65 @@ const node::SettingTable<UpOptions>& UpSettings() {
     };
     return new node::SettingTable<Config>{
         .program = "kvr up",
-        .settings = {
-            StringSetting<Config>("model", "model for the nodes: GGUF path or known name",
-                                  &Config::model),
-            IntegerSetting<Config>("prefill", "prefill nodes", &Config::prefill, 1),
-            IntegerSetting<Config>("decode", "decode nodes", &Config::decode, 1),
-            IntegerSetting<Config>("stores", "KV store processes (placement spreads sequences)",
-                                   &Config::stores, 1, 40),
-            IntegerSetting<Config>("base_port",
-                                   "controller port; store +1 (more stores +51..), OpenAI HTTP "
-                                   "+2, prefill +10.., decode +30.. (0: free ports)",
-                                   &Config::base_port, 0, 65535),
-            node::ByteSizeSetting<Config>("store_capacity", "KV store page pool of each store",
-                                          &Config::store_capacity),
-            StringSetting<Config>("bin_dir", "where the kvr-* binaries are (empty: found)",
-                                  &Config::bin_dir, /*allow_empty=*/true),
-            StringSetting<Config>("log_dir", "node logs (empty: /tmp/kvr-up-<pid>)",
-                                  &Config::log_dir, /*allow_empty=*/true),
-            node::SecondsSetting<Config>("ready_timeout", "how long to wait for registration",
-                                         &Config::ready_timeout_s),
-            ListSetting<Config>("controller_arg",
-                                "extra argument for kvr-controller (e.g. "
-                                "--controller-arg=--prefix-cache-seconds=60)",
-                                &Config::controller_args),
-            ListSetting<Config>("store_arg", "extra argument for every kvr-store",
-                                &Config::store_args),
-            ListSetting<Config>("prefill_arg", "extra argument for every kvr-prefill",
-                                &Config::prefill_args),
-            ListSetting<Config>("decode_arg", "extra argument for every kvr-decode",
-                                &Config::decode_args),
-            std::move(codebooks),
-            EnumSetting<Config>("device",
-                                "where prefill and decode nodes run the model (cuda: GPU 0; node "
-                                "settings such as --gpu-budget go through --prefill-arg / "
-                                "--decode-arg)",
-                                &Config::device, {"cpu", "cuda"}),
-            EnumSetting<Config>("store_dtype",
-                                "element type of the KV rows the prefill nodes put to the store "
-                                "(empty: the nodes' own, bf16 with --device cuda, f32 with cpu; "
-                                "fp8: scaled e4m3 rows, half of bf16's bytes, a CPU decode node "
-                                "reads them)",
-                                &Config::store_dtype, {"f32", "bf16", "fp8"},
-                                /*allow_empty=*/true),
-            BoolSetting<Config>("insecure",
-                                "plaintext gRPC and HTTP (default: a CA made for this run in "
-                                "<log dir>/tls, mutual TLS between the processes, TLS on the "
-                                "controller's public gRPC port and HTTPS on its OpenAI API)",
-                                &Config::insecure),
-            BoolSetting<Config>("detach",
-                                "return once the cluster is up; it runs on in a background "
-                                "process",
-                                &Config::detach),
-            StringSetting<Config>("pid_file",
-                                  "write the pid of the process that owns the cluster (SIGTERM "
-                                  "it to stop)",
-                                  &Config::pid_file, /*allow_empty=*/true),
-        },
+        .settings =
+            {
+                StringSetting<Config>("model", "model for the nodes: GGUF path or known name",
+                                      &Config::model),
+                IntegerSetting<Config>("prefill", "prefill nodes", &Config::prefill, 1),
+                IntegerSetting<Config>("decode", "decode nodes", &Config::decode, 1),
+                IntegerSetting<Config>("stores", "KV store processes (placement spreads sequences)",
+                                       &Config::stores, 1, 40),
+                IntegerSetting<Config>("base_port",
+                                       "controller port; store +1 (more stores +51..), OpenAI HTTP "
+                                       "+2, prefill +10.., decode +30.. (0: free ports)",
+                                       &Config::base_port, 0, 65535),
+                node::ByteSizeSetting<Config>("store_capacity", "KV store page pool of each store",
+                                              &Config::store_capacity),
+                StringSetting<Config>("bin_dir", "where the kvr-* binaries are (empty: found)",
+                                      &Config::bin_dir, /*allow_empty=*/true),
+                StringSetting<Config>("log_dir", "node logs (empty: /tmp/kvr-up-<pid>)",
+                                      &Config::log_dir, /*allow_empty=*/true),
+                node::SecondsSetting<Config>("ready_timeout", "how long to wait for registration",
+                                             &Config::ready_timeout_s),
+                ListSetting<Config>("controller_arg",
+                                    "extra argument for kvr-controller (e.g. "
+                                    "--controller-arg=--prefix-cache-seconds=60)",
+                                    &Config::controller_args),
+                ListSetting<Config>("store_arg", "extra argument for every kvr-store",
+                                    &Config::store_args),
+                ListSetting<Config>("prefill_arg", "extra argument for every kvr-prefill",
+                                    &Config::prefill_args),
+                ListSetting<Config>("decode_arg", "extra argument for every kvr-decode",
+                                    &Config::decode_args),
+                std::move(codebooks),
+                EnumSetting<Config>(
+                    "device",
+                    "where prefill and decode nodes run the model (cuda: GPU 0; node "
+                    "settings such as --gpu-budget go through --prefill-arg / "
+                    "--decode-arg)",
+                    &Config::device, {"cpu", "cuda"}),
+                EnumSetting<Config>(
+                    "store_dtype",
+                    "element type of the KV rows the prefill nodes put to the store "
+                    "(empty: the nodes' own, bf16 with --device cuda, f32 with cpu; "
+                    "fp8: scaled e4m3 rows, half of bf16's bytes; CPU decode nodes "
+                    "read them, CUDA ones get --gpu-row-format fp8)",
+                    &Config::store_dtype, {"f32", "bf16", "fp8"},
+                    /*allow_empty=*/true),
+                BoolSetting<Config>("insecure",
+                                    "plaintext gRPC and HTTP (default: a CA made for this run in "
+                                    "<log dir>/tls, mutual TLS between the processes, TLS on the "
+                                    "controller's public gRPC port and HTTPS on its OpenAI API)",
+                                    &Config::insecure),
+                BoolSetting<Config>("detach",
+                                    "return once the cluster is up; it runs on in a background "
+                                    "process",
+                                    &Config::detach),
+                StringSetting<Config>("pid_file",
+                                      "write the pid of the process that owns the cluster (SIGTERM "
+                                      "it to stop)",
+                                      &Config::pid_file, /*allow_empty=*/true),
+            },
     };
   }();
   return *table;

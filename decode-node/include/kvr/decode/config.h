@@ -52,6 +52,9 @@ struct DecodeConfig {
   // missed rows fetched through the store's data plane, any store), "auto" (in place when the
   // store is on this host, else fetched).
   std::string gpu_row_source = "in-place";
+  // --device cuda: the store dtype of the rows this node reads in place, "bf16" or "fp8" (its
+  // prefill nodes' store_dtype): CudaDecodeBackendOptions::row_format.
+  std::string gpu_row_format = "bf16";
   // Rows read from a store (fetched misses, prefixes) by RMA gets from its pool where the store
   // hands out its rkey (kvr-store --rma-reads) and the transport has native RMA: the store only
   // locates the rows, no store CPU in the copy. Off: every read is a request the store answers.
