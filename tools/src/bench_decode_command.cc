@@ -110,6 +110,10 @@ namespace {
 
 namespace rc = kvr::retrieval::cuda;
 
+// The fp8 copy of a bench store sequence (--store-fp8) has the bf16 one's id with this bit set
+// (the bench's ids stay below 2^48).
+constexpr uint64_t kFp8SequenceBit = uint64_t{1} << 56;
+
 struct DecodeBenchFlags {
   std::string shape = "llama3-8b";
   int layers = 0;
@@ -302,8 +306,7 @@ class DecodeBench {
     store_sequence_ = id;
     if (f_.store_fp8) {
       shape.dtype = kv_store::DType::kFp8E4m3;
-      const kv_store::SequenceRef fp8_id{id.id | (uint64_t{1} << 40),
-                                         kv_store::Capability::Generate()};
+      const kv_store::SequenceRef fp8_id{id.id | kFp8SequenceBit, kv_store::Capability::Generate()};
       KVR_RETURN_IF_ERROR(
           store_
               ->CreateSequence(fp8_id, shape, static_cast<uint64_t>(capacity), absl::ZeroDuration())
@@ -428,7 +431,7 @@ class DecodeBench {
       if (f_.store_fp8) {
         kv_store::SequenceShape fp8_shape = shape;
         fp8_shape.dtype = kv_store::DType::kFp8E4m3;
-        doc.fp8_id = {doc.id.id | (uint64_t{1} << 40), kv_store::Capability::Generate()};
+        doc.fp8_id = {doc.id.id | kFp8SequenceBit, kv_store::Capability::Generate()};
         const absl::Status created =
             store_
                 ->CreateSequence(doc.fp8_id, fp8_shape, static_cast<uint64_t>(capacity),

@@ -45,8 +45,34 @@ inline float Fp8E4m3ToFloat(uint8_t code) {
   return f;
 }
 
-// Narrowing with round-to-nearest-even and saturation (see the file comment).
-uint8_t FloatToFp8E4m3(float x);
+// Narrowing with round-to-nearest-even and saturation (see the file comment). Inline and
+// branch-free (both roundings computed, one selected), so that encoding loops compile to
+// straight-line code: the store encodes every row of an fp8 sequence as it is written.
+inline uint8_t FloatToFp8E4m3(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t abs = bits & 0x7fffffffu;
+  // Normal (from 2^-6): exponent field = float exponent - 127 + 7 and the top 3 of 23 mantissa
+  // bits, i.e. (abs >> 20) - (120 << 3), rounded half to even on the 20 bits dropped by adding
+  // 0x7ffff plus the kept lowest bit first (no branch on the dropped bits, which are random); a
+  // mantissa carry moves into the exponent.
+  const uint32_t normal = ((abs + 0x7ffffu + ((abs >> 20) & 1u)) >> 20) - (120u << 3);
+  // Below 2^-6: value = n * 2^-9 with n in [0, 8] rounded half to even, by adding 2^23 (the
+  // float addition rounds to an integer in the default rounding mode; the scaling is exact).
+  // n == 8 is the code of 2^-6, the right answer for that rounding.
+  float a;
+  std::memcpy(&a, &abs, sizeof(a));
+  const float shifted = a * 512.f + 8388608.f;
+  uint32_t shifted_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  uint32_t code = abs < 0x3c800000u ? shifted_bits - 0x4b000000u : normal;
+  // Above 464 (0x43e80000) rounding would leave the range: saturate (infinities too). 464
+  // itself is the tie between 448 and the missing 480 and rounds to 448 (even) above.
+  code = abs > 0x43e80000u ? 0x7eu : code;
+  // NaN: 0x7f, its sign dropped as __nv_cvt_float_to_fp8 does.
+  return static_cast<uint8_t>(abs > 0x7f800000u ? 0x7fu : (sign | code));
+}
 
 // The scale of one vector: max |x| over its finite values / 448; 1 when that maximum is 0 (a
 // zero vector, or one without finite values), so that encoding never divides by zero.
