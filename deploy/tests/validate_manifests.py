@@ -14,9 +14,10 @@ Checks, per overlay:
   * GPUs serve: every container requesting nvidia.com/gpu runs with device cuda (its effective
     config: --config file from the mounted ConfigMap, KVR_* env, flags) and every device-cuda
     container requests one; a CUDA decode node sets gpu_method and gpu_budget, the controller's
-    default method and budget fit them, prefill writes bf16 store rows, and the decode pod holds
-    a kvr-store whose local_socket is in a volume both containers mount at the same path; the
-    dev overlay requests exactly one GPU in all;
+    default method and budget fit them, prefill writes store rows of the dtype the decode node
+    reads (gpu_row_format, bf16 by default), and the decode pod holds a kvr-store whose
+    local_socket is in a volume both containers mount at the same path; the dev overlay requests
+    exactly one GPU in all;
   * every metrics port of every pod is scraped by exactly one PodMonitor endpoint (no pod is
     selected by two monitors for one port: that doubles sum() panels);
   * every pod runs as non-root with a read-only root filesystem, and NetworkPolicies admit only
@@ -281,7 +282,8 @@ def kvr_shape_errors(overlay, docs):
                         errs.append(f"{cname}: the store's socket {socket} is not in a volume "
                                     "both containers mount at that path")
     # Requests that name no method get the controller's default: the CUDA decode nodes must
-    # serve it, and its budget must fit theirs; their rows must come from the store in bf16.
+    # serve it, and its budget must fit theirs; their rows must come from the store in the dtype
+    # they read (gpu_row_format: bf16 unless set to fp8).
     decode_workloads = [w for w in workloads if w["metadata"]["name"] == "kvr-decode"]
     for w in decode_workloads:
         spec = pod_spec(w)
@@ -297,11 +299,13 @@ def kvr_shape_errors(overlay, docs):
             if int(controller_config.get("default_budget", 1 << 30)) > int(
                     config.get("gpu_budget", 0)):
                 errs.append(f"{overlay}: controller default_budget is above gpu_budget")
+            reads = config.get("gpu_row_format", "bf16")
             for pname, pconfig in prefill_configs:
                 dtype = pconfig.get("store_dtype",
                                     "bf16" if pconfig.get("device") == "cuda" else "f32")
-                if dtype != "bf16":
-                    errs.append(f"{pname}: store_dtype {dtype!r}: a CUDA decode node reads bf16")
+                if dtype != reads:
+                    errs.append(f"{pname}: store_dtype {dtype!r}: the CUDA decode node reads "
+                                f"{reads} rows (gpu_row_format)")
     if overlay == "dev" and total_gpus != 1:
         errs.append(f"dev: requests {total_gpus} GPUs in all; the overlay is for one GPU")
     return errs
