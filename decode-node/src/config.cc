@@ -95,9 +95,8 @@ const node::SettingTable<DecodeConfig>& DecodeSettings() {
                 EnumSetting<Config>(
                     "gpu_row_format",
                     "--device cuda: the store dtype of the rows read in place (the prefill "
-                    "nodes' store_dtype): bf16, or fp8 (half the bytes per row over the link and "
-                    "in the hot cache, a small quality cost; rows read in place only, no "
-                    "gpu_lanes)",
+                    "nodes' store_dtype): bf16, or fp8 (half the bytes per row over the link or "
+                    "the network and in the hot cache, a small quality cost; no gpu_lanes)",
                     &Config::gpu_row_format, {"bf16", "fp8"}),
                 node::BoolSetting<Config>(
                     "store_rma_reads",

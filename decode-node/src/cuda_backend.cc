@@ -202,8 +202,10 @@ class CudaDecodeBackend final : public DecodeBackend {
         sparse_(std::move(sparse)),
         options_(std::move(options)),
         slot_bytes_(slot_bytes),
-        fetch_staging_bytes_(int64_t{model_->config().n_kv_heads} * options_.budget * 4 *
-                             model_->config().head_dim),
+        fetch_staging_bytes_(
+            int64_t{model_->config().n_kv_heads} * options_.budget *
+            static_cast<int64_t>(kv_store::RowBytes(
+                StoreRowDType(options_), static_cast<uint32_t>(model_->config().head_dim)))),
         summary_bytes_(summary_bytes),
         cluster_room_(cluster_room),
         observer_(observer != nullptr ? observer : &noop_) {}
@@ -781,11 +783,10 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
     return absl::InvalidArgumentError(
         absl::StrCat("gpu_row_format '", o.row_format, "': bf16 or fp8"));
   }
-  if (fp8 && (o.row_source != "in-place" || !o.lanes.empty())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "gpu_row_format fp8: fp8 rows are read in place only and not by the GPU lanes; this node "
-        "has gpu_row_source ",
-        o.row_source, " and ", o.lanes.size(), " gpu_lanes (use in-place and none)"));
+  if (fp8 && !o.lanes.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu_row_format fp8: the GPU lanes read bf16 rows; this node has ",
+                     o.lanes.size(), " gpu_lanes (use none, or gpu_row_format bf16)"));
   }
   if (o.method == "clusterkv" && (o.registry == nullptr || !o.registry->Has("clusterkv"))) {
     return absl::InvalidArgumentError(

@@ -11,7 +11,7 @@ StoreRowFetcher::StoreRowFetcher(kv_store::KvStoreClient* store,
                                  kv_store::SequenceRef sequence)
     : store_(store), owner_(std::move(owner)), sequence_(std::move(sequence)) {}
 
-absl::Status StoreRowFetcher::Start(std::span<const Rows> rows, std::span<uint16_t> out) {
+absl::Status StoreRowFetcher::Start(std::span<const Rows> rows, std::span<uint8_t> out) {
   if (op_ != nullptr) return absl::InternalError("StoreRowFetcher: a fetch is still running");
   size_t n = 0;
   for (const Rows& r : rows) n += r.positions.size();
@@ -30,7 +30,7 @@ absl::Status StoreRowFetcher::Start(std::span<const Rows> rows, std::span<uint16
                         std::span<const uint32_t>(indices_.data() + at, r.positions.size())});
     at += r.positions.size();
   }
-  op_ = store_->StartGather(entries_, {reinterpret_cast<uint8_t*>(out.data()), out.size_bytes()});
+  op_ = store_->StartGather(entries_, out);
   expected_ = out.size_bytes();
   return absl::OkStatus();
 }

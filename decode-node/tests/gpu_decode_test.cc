@@ -344,8 +344,8 @@ TEST_F(GpuDecodeTest, CudaEngineMatchesCpuEngine) {
 // CUDA token must be a greedy choice of the dense CPU model (float32 KV) on its own prefix within
 // the same tolerance as bf16 rows (fp8 moves each K and V value by up to ~6%, the logits far
 // less); agreement with a bf16 node's tokens is reported. Every missed row crossed the link at
-// the fp8 row's 136 bytes (head_dim 64). A bf16 store sequence is refused with the reason; an
-// fp8 node that would fetch rows is refused at creation.
+// the fp8 row's 136 bytes (head_dim 64). A bf16 store sequence is refused with the reason.
+// (Fetched fp8 rows: FetchedRowsGiveTheTokensOfRowsReadInPlace.)
 TEST_F(GpuDecodeTest, Fp8RowsDecodeOnTheNode) {
   const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
                                                      Prompt(233, 3)};
@@ -401,21 +401,6 @@ TEST_F(GpuDecodeTest, Fp8RowsDecodeOnTheNode) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("rows are bf16"), std::string::npos) << s;
   EXPECT_NE(s.message().find("gpu_row_format fp8"), std::string::npos) << s;
-  // Fetched fp8 rows: refused at creation.
-  model::CudaModelOptions mo;
-  mo.max_batch_tokens = 2 * kSlots;
-  mo.max_sequences = kSlots;
-  mo.max_logits_rows = kSlots;
-  auto gpu = model::CreateCudaModel(cpu_->config(), cpu_->weights(), mo);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  CudaDecodeBackendOptions o;
-  o.slots = kSlots;
-  o.max_context = 512;
-  o.registry = &registry_;
-  o.row_format = "fp8";
-  o.row_source = "fetch";
-  auto refused = CreateCudaDecodeBackend(*std::move(gpu), o, nullptr);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
 }
 
 // The node reads bf16 rows in place: a store sequence of float32 rows, or one whose prompt rows
@@ -458,11 +443,13 @@ TEST_F(GpuDecodeTest, StoreFailureMidDecodeEndsTheSequenceUnavailable) {
 
 // Rows fetched through the store client (gpu_row_source fetch: what a store on another host
 // gets), against the same sequences with their rows read in place: the same selection over the
-// same bf16 rows must give the same tokens, for the GPU method from its handed-off clusters
+// same rows must give the same tokens, for the GPU method from its handed-off clusters
 // (clusterkv) and for host-selected methods; quest, whose GPU summaries would read every key,
 // is selected on the host by its index when fetched, so at budget 512 (dense) its tokens are
 // checked as greedy choices of the dense CPU model. What crossed the link is exactly the sink
-// and window rows at activation plus the hot-cache misses.
+// and window rows at activation plus the hot-cache misses, at the stored row's size. Both with
+// bf16 and with fp8 store rows (fetched fp8 rows: the ring decoded on the host, the misses by the
+// hot cache, as the rows read in place are decoded on the GPU: the same bf16 values).
 TEST_F(GpuDecodeTest, FetchedRowsGiveTheTokensOfRowsReadInPlace) {
   const std::vector<std::vector<int32_t>> prompts = {Prompt(300, 1), Prompt(170, 2),
                                                      Prompt(233, 3)};
@@ -473,47 +460,53 @@ TEST_F(GpuDecodeTest, FetchedRowsGiveTheTokensOfRowsReadInPlace) {
     ring_rows += (std::min<int64_t>(kSink, n) + n - std::max<int64_t>(kSink, n - kWindow)) *
                  c.n_layers * c.n_kv_heads;
   }
-  for (const std::string method : {"clusterkv", "exact", "keydiff", "quest"})
-    for (int budget : {512, 16}) {
-      SCOPED_TRACE(method + " " + std::to_string(budget));
-      const std::string node_method = method == "clusterkv" ? "clusterkv" : "quest";
-      auto place_store = testing::MakeFakeStore(256 << 20);
-      auto fetch_store = testing::MakeFakeStore(256 << 20);
-      CountingObserver seen;
-      auto in_place = CudaEngine(512, node_method);
-      auto fetched = CudaEngine(512, node_method, &seen, {}, "fetch");
-      std::vector<int32_t> first_a, first_b;
-      auto want = Run(*in_place, *place_store, prompts, budget, &first_a, {method},
-                      kv_store::DType::kBf16);
-      auto got = Run(*fetched, *fetch_store, prompts, budget, &first_b, {method},
-                     kv_store::DType::kBf16);
-      for (size_t i = 0; i < prompts.size(); ++i) {
-        const uint64_t id = 40 + i;
-        ASSERT_EQ(got[id].size(), kMaxTokens - 1) << "sequence " << i;
-        if (method == "quest") {
-          if (budget >= 512) {
-            EXPECT_LE(WorstGap(prompts[i], first_b[i], got[id]), kTieOverRms) << "sequence " << i;
+  for (const std::string format : {"bf16", "fp8"})
+    for (const std::string method : {"clusterkv", "exact", "keydiff", "quest"})
+      for (int budget : {512, 16}) {
+        SCOPED_TRACE(format + " " + method + " " + std::to_string(budget));
+        const kv_store::DType dtype =
+            format == "fp8" ? kv_store::DType::kFp8E4m3 : kv_store::DType::kBf16;
+        const std::string node_method = method == "clusterkv" ? "clusterkv" : "quest";
+        auto place_store = testing::MakeFakeStore(256 << 20);
+        auto fetch_store = testing::MakeFakeStore(256 << 20);
+        CountingObserver seen;
+        row_format_ = format;
+        auto in_place = CudaEngine(512, node_method);
+        auto fetched = CudaEngine(512, node_method, &seen, {}, "fetch");
+        row_format_ = "bf16";
+        std::vector<int32_t> first_a, first_b;
+        auto want = Run(*in_place, *place_store, prompts, budget, &first_a, {method}, dtype);
+        auto got = Run(*fetched, *fetch_store, prompts, budget, &first_b, {method}, dtype);
+        for (size_t i = 0; i < prompts.size(); ++i) {
+          const uint64_t id = 40 + i;
+          ASSERT_EQ(got[id].size(), kMaxTokens - 1) << "sequence " << i;
+          if (method == "quest") {
+            if (budget >= 512) {
+              EXPECT_LE(WorstGap(prompts[i], first_b[i], got[id]), kTieOverRms) << "sequence " << i;
+            }
+          } else {
+            EXPECT_EQ(got[id], want[id]) << "sequence " << i;
           }
-        } else {
-          EXPECT_EQ(got[id], want[id]) << "sequence " << i;
         }
+        const NodeCounters n = fetched->node_counters();
+        EXPECT_GT(n.retrieval.hot_cache_misses, 0);
+        EXPECT_EQ(n.retrieval.rows_fetched, ring_rows + n.retrieval.hot_cache_misses);
+        EXPECT_EQ(seen.bytes_fetched,
+                  n.retrieval.rows_fetched * static_cast<int64_t>(kv_store::RowBytes(
+                                                 dtype, static_cast<uint32_t>(c.head_dim))));
+        if (method != "quest") {
+          const NodeCounters m = in_place->node_counters();
+          EXPECT_EQ(n.retrieval.selected_rows, m.retrieval.selected_rows);
+          EXPECT_EQ(n.retrieval.hot_cache_hits, m.retrieval.hot_cache_hits);
+        }
+        std::printf(
+            "[ fetched ] %-4s %-9s budget %3d: rows fetched %lld (ring %lld + misses %lld "
+            "of %lld selected)\n",
+            format.c_str(), method.c_str(), budget,
+            static_cast<long long>(n.retrieval.rows_fetched), static_cast<long long>(ring_rows),
+            static_cast<long long>(n.retrieval.hot_cache_misses),
+            static_cast<long long>(n.retrieval.selected_rows));
       }
-      const NodeCounters n = fetched->node_counters();
-      EXPECT_GT(n.retrieval.hot_cache_misses, 0);
-      EXPECT_EQ(n.retrieval.rows_fetched, ring_rows + n.retrieval.hot_cache_misses);
-      EXPECT_EQ(seen.bytes_fetched, n.retrieval.rows_fetched * 4 * c.head_dim);
-      if (method != "quest") {
-        const NodeCounters m = in_place->node_counters();
-        EXPECT_EQ(n.retrieval.selected_rows, m.retrieval.selected_rows);
-        EXPECT_EQ(n.retrieval.hot_cache_hits, m.retrieval.hot_cache_hits);
-      }
-      std::printf("[ fetched ] %-9s budget %3d: rows fetched %lld (ring %lld + misses %lld of "
-                  "%lld selected)\n",
-                  method.c_str(), budget, static_cast<long long>(n.retrieval.rows_fetched),
-                  static_cast<long long>(ring_rows),
-                  static_cast<long long>(n.retrieval.hot_cache_misses),
-                  static_cast<long long>(n.retrieval.selected_rows));
-    }
 }
 
 // A store that fails while a fetched sequence decodes ends that sequence with UNAVAILABLE and

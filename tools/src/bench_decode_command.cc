@@ -45,7 +45,8 @@
 // --store-fp8 adds the placement "store:fp8": the same rows put to a second store sequence of
 // the fp8 dtype (the store encodes them; Fp8RowLayout{2, head_dim}, checked against
 // EncodeFp8Row for real documents), read in place with SparseDecodeOptions::row_format fp8: half
-// the bytes a miss moves, and fp8 rows in the hot cache.
+// the bytes a miss moves, and fp8 rows in the hot cache; with --fetch also "fetched:fp8", the
+// fp8 rows' misses fetched through the store's data plane.
 //
 // --replay TRACE,...: selection traces that `kvr eval retrieval --trace-dir` recorded from a real
 // model's free decoding (SmolLM2 at 8K). Each sparse method with a trace of its own runs again
@@ -856,8 +857,9 @@ class DecodeBench {
               return absl::FailedPreconditionError("no store rows");
             }
             if (placement.fetch) {
-              so.fetch = std::make_shared<decode::StoreRowFetcher>(
-                  store_.get(), nullptr, real() ? SlotDocument(i).id : store_sequence_);
+              kv_store::SequenceRef from = real() ? SlotDocument(i).id : store_sequence_;
+              if (placement.fp8) from = real() ? SlotDocument(i).fp8_id : store_fp8_sequence_;
+              so.fetch = std::make_shared<decode::StoreRowFetcher>(store_.get(), nullptr, from);
             }
           } else {
             if (i > 0) so.share_host_kv_with = ids[0];
@@ -1039,6 +1041,11 @@ absl::StatusOr<std::vector<Placement>> ResolvePlacements(const DecodeBenchFlags&
       Placement fetched{"fetched", -1, false};
       fetched.store = fetched.fetch = true;
       out.push_back(fetched);
+      if (f.store_fp8) {
+        Placement fp8{"fetched:fp8", -1, false};
+        fp8.store = fp8.fetch = fp8.fp8 = true;
+        out.push_back(fp8);
+      }
     }
   } else if (f.fetch || f.store_fp8) {
     return absl::InvalidArgumentError(
@@ -1539,9 +1546,10 @@ void AddBenchDecodeCommand(CLI::App& app) {
                 "store's data plane (UCX) as for a store on another host, against the store's "
                 "gather rate measured in the same run");
   cmd->add_flag("--store-fp8", f.store_fp8,
-                "with --store: adds the placement 'store:fp8', the same rows in a store sequence "
-                "of the fp8 dtype (e4m3 codes, a float scale per K and per V: 136 B a row at "
-                "head_dim 64 against 256), read in place and kept fp8 in the hot cache");
+                "with --store: adds the placement 'store:fp8' (and with --fetch 'fetched:fp8'), "
+                "the same rows in a store sequence of the fp8 dtype (e4m3 codes, a float scale "
+                "per K and per V: 136 B a row at head_dim 64 against 256), read in place (or "
+                "fetched) and kept fp8 in the hot cache");
   cmd->add_flag("--store-rma", f.store_rma,
                 "with --store: the store client reads rows (the 'fetched' placement's misses and "
                 "its ceiling) by RMA gets from the store's pool, where the store offers its rkey "

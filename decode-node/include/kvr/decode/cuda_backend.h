@@ -88,9 +88,9 @@ struct CudaDecodeBackendOptions {
   // plane), "auto" (in place when the store offers its pool on this host, else fetched).
   std::string row_source = "in-place";
   // The store dtype of every sequence's rows (DecodeConfig::gpu_row_format): "bf16", or "fp8"
-  // (kv_store::DType::kFp8E4m3, read in place as SparseDecodeOptions::row_format kFp8E4m3 and
-  // kept fp8 in the hot cache; needs row_source "in-place" and no lanes). A sequence of the other
-  // dtype is refused.
+  // (kv_store::DType::kFp8E4m3: read in place or fetched as SparseDecodeOptions::row_format
+  // kFp8E4m3, half the bytes a bf16 row moves, and kept fp8 in the hot cache; no lanes). A
+  // sequence of the other dtype is refused.
   std::string row_format = "bf16";
   // The node's registry (not owned, outlives the backend): clusterkv's handed-off clusters are
   // parsed with it, and a request for a method other than `method` is selected on the host by

@@ -24,7 +24,7 @@ class StoreRowFetcher final : public retrieval::cuda::SparseRowFetcher {
   StoreRowFetcher(kv_store::KvStoreClient* store, std::shared_ptr<kv_store::KvStoreClient> owner,
                   kv_store::SequenceRef sequence);
   // InternalError for a negative position or a fetch still running.
-  absl::Status Start(std::span<const Rows> rows, std::span<uint16_t> out) override;
+  absl::Status Start(std::span<const Rows> rows, std::span<uint8_t> out) override;
   // UNAVAILABLE naming the store's error when the gather failed; InternalError when the store
   // sent another byte count than the rows need.
   absl::Status Wait() override;

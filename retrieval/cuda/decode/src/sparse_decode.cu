@@ -19,13 +19,15 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "kvr/common/cuda/cuda_util.h"
+#include "kvr/common/fp8.h"
+#include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/common/thread_pool.h"
+#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/cuda/decode_attention.cuh"
 #include "kvr/retrieval/cuda/gather.cuh"
 #include "kvr/retrieval/cuda/hot_cache.cuh"
 #include "kvr/retrieval/cuda/selection.cuh"
-#include "kvr/retrieval/clusterkv.h"
 #include "kvr/retrieval/index.h"
 #include "lanes.cuh"
 #include "sparse_kernels.cuh"
@@ -198,9 +200,9 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     // row that holds it (staged_index, written for the misses of fetched slots only); their
     // device addresses; allocated with the first such sequence. Each fetched slot's ids, counts
     // and hot-cache slots come back per layer.
-    PinnedBuffer<bf16> staged;
+    PinnedBuffer<uint8_t> staged;  // rows in the row format (pool_row_bytes each)
     PinnedBuffer<int32_t> staged_index;
-    const bf16* staged_device = nullptr;
+    const uint8_t* staged_device = nullptr;
     const int32_t* staged_index_device = nullptr;
     PinnedBuffer<int32_t> h_fetch_ids, h_fetch_counts, h_slot_of;
     std::vector<int32_t> fetch_positions;
@@ -331,6 +333,11 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     constexpr int64_t kStep = 4096;
     const int64_t up = (std::max<int64_t>(1, max_candidates) + kStep - 1) / kStep * kStep;
     return std::min<int64_t>(up, sparse_->opt.max_capacity);
+  }
+  // Bytes of one row as the row sources and fetchers hold it (SparseDecodeOptions::row_format).
+  int64_t SourceRowBytes() const {
+    return static_cast<int64_t>(
+        PoolRowBytes(PoolFormatOf(sparse_->opt.row_format), RowDType::kBf16, config_.head_dim));
   }
   bool copy_new_rows_ = false;
 };
@@ -610,9 +617,9 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
     if (sparse_->staged.size() == 0) {
       const int64_t n = int64_t{sparse_->opt.slots} * c.n_kv_heads * sparse_->opt.budget;
       KVR_ASSIGN_OR_RETURN(sparse_->staged,
-                           PinnedBuffer<bf16>::Create(static_cast<size_t>(n * 2 * c.head_dim),
-                                                      cudaHostAllocMapped));
-      KVR_ASSIGN_OR_RETURN(bf16 * device, sparse_->staged.device_pointer());
+                           PinnedBuffer<uint8_t>::Create(static_cast<size_t>(n * SourceRowBytes()),
+                                                         cudaHostAllocMapped));
+      KVR_ASSIGN_OR_RETURN(uint8_t * device, sparse_->staged.device_pointer());
       sparse_->staged_device = device;
       KVR_ASSIGN_OR_RETURN(sparse_->staged_index,
                            PinnedBuffer<int32_t>::Create(static_cast<size_t>(n),
@@ -626,16 +633,15 @@ absl::Status SparseDecodeImpl::AddSequence(SequenceId id, int64_t capacity,
     }
   }
   const bool fp8_rows = sparse_->opt.row_format == SparseRowFormat::kFp8E4m3;
-  if (fp8_rows && (!options.rows.has_value() || options.fetch != nullptr)) {
+  if (fp8_rows && !options.rows.has_value() && options.fetch == nullptr) {
     return absl::InvalidArgumentError(
         "AddSequence: this configuration reads fp8 rows (SparseDecodeOptions::row_format), so "
-        "every sequence needs a row source of fp8 pages (SparseSequenceOptions::rows) and no "
-        "fetcher");
+        "every sequence needs a row source of fp8 pages or a fetcher of fp8 rows "
+        "(SparseSequenceOptions::rows or fetch)");
   }
   if (options.rows.has_value()) {
     const SparseRowSource& r = *options.rows;
-    const int64_t row_bytes = static_cast<int64_t>(
-        PoolRowBytes(PoolFormatOf(sparse_->opt.row_format), RowDType::kBf16, c.head_dim));
+    const int64_t row_bytes = SourceRowBytes();
     auto bad = [&](auto&&... parts) {
       return absl::InvalidArgumentError(absl::StrCat("AddSequence: row source: ", parts...));
     };
@@ -907,8 +913,7 @@ SparseStats SparseDecodeImpl::stats() const {
   SparseStats st;
   if (sparse_ == nullptr) return st;
   st.steps = sparse_->steps;
-  st.row_bytes = static_cast<int64_t>(
-      PoolRowBytes(PoolFormatOf(sparse_->opt.row_format), RowDType::kBf16, config_.head_dim));
+  st.row_bytes = SourceRowBytes();
   unsigned long long v = 0;
   if (cudaMemcpy(&v, sparse_->selected.data(), sizeof(v), cudaMemcpyDeviceToHost) == cudaSuccess) {
     st.selected_rows = static_cast<int64_t>(v);
@@ -1179,7 +1184,7 @@ absl::Status SparseDecodeImpl::FetchMissesAndFill(int layer, const KvPoolView& p
     return hot.Fill(pool, sp.ids.data(), sp.counts.data(), sp.gathered.data(), st, sp.staged_device,
                     sp.staged_index_device, first_slot, n_slots);
   };
-  const int64_t kv = config_.n_kv_heads, B = sp.opt.budget, row = 2 * int64_t{config_.head_dim};
+  const int64_t kv = config_.n_kv_heads, B = sp.opt.budget, row = SourceRowBytes();
   const int32_t* slot_of = sp.hot[layer].slot_of();
   // The ids, cache slots and counts of the slots from the first fetched one to the last: three
   // copies, however many sequences are fetched.
@@ -1204,7 +1209,7 @@ absl::Status SparseDecodeImpl::FetchMissesAndFill(int layer, const KvPoolView& p
   // started as soon as its list is made (the store works while the host makes the next), all
   // started before any is waited for; straight into the staging, each sequence's rows after the
   // previous one's.
-  uint16_t* staged = reinterpret_cast<uint16_t*>(sp.staged.data());
+  uint8_t* staged = sp.staged.data();
   int32_t* staged_index = sp.staged_index.data();
   std::vector<int32_t>& positions = sp.fetch_positions;
   std::vector<int64_t>& entries = sp.fetch_entries;
@@ -1277,7 +1282,10 @@ absl::Status SparseDecodeImpl::FetchMissesAndFill(int layer, const KvPoolView& p
 absl::Status SparseDecodeImpl::FetchRing(Sequence& s, int64_t n_tokens) {
   SparseState& sp = *sparse_;
   const ModelConfig& c = config_;
+  // row: bf16 values of a ring row; fetched: bytes of a fetched (store) row.
   const int64_t kv = c.n_kv_heads, row = 2 * int64_t{c.head_dim}, S = sp.opt.slots;
+  const int64_t fetched_row = SourceRowBytes();
+  const bool fp8 = sp.opt.row_format == SparseRowFormat::kFp8E4m3;
   const int64_t sink = std::min<int64_t>(sp.opt.n_sink, n_tokens);
   const int64_t base = std::max<int64_t>(sp.opt.n_sink, n_tokens - sp.opt.local_window);
   std::vector<int32_t> positions;
@@ -1288,20 +1296,27 @@ absl::Status SparseDecodeImpl::FetchRing(Sequence& s, int64_t n_tokens) {
   for (int l = 0; l < c.n_layers; ++l) {
     for (int h = 0; h < kv; ++h) rows.push_back({l, h, positions});
   }
-  std::vector<uint16_t> fetched(static_cast<size_t>(c.n_layers * kv * n * row));
+  std::vector<uint8_t> fetched(static_cast<size_t>(c.n_layers * kv * n * fetched_row));
   KVR_RETURN_IF_ERROR(s.fetch->Start(rows, fetched));
   KVR_RETURN_IF_ERROR(s.fetch->Wait());
   s.fetched_rows += c.n_layers * kv * n;
   // Into the ring's order (sparse_kernels.cuh: token p at p below n_sink, else at n_sink +
   // (p - n_sink) % window), one (layer, head) at a time.
   std::vector<uint16_t> ring(static_cast<size_t>(sp.rcap * row), 0);
+  std::vector<float> decoded(static_cast<size_t>(row));
   for (int l = 0; l < c.n_layers; ++l) {
     for (int64_t h = 0; h < kv; ++h) {
-      const uint16_t* src = fetched.data() + (l * kv + h) * n * row;
+      const uint8_t* src = fetched.data() + (l * kv + h) * n * fetched_row;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t p = positions[i];
         const int64_t r = p < sp.opt.n_sink ? p : sp.opt.n_sink + (p - sp.opt.n_sink) % sp.opt.local_window;
-        std::memcpy(ring.data() + r * row, src + i * row, row * sizeof(uint16_t));
+        if (fp8) {
+          // As the GPU decodes an fp8 row (HotCache, SparseFill): code x scale, rounded to bf16.
+          DecodeFp8Row(Fp8RowLayout{2, c.head_dim}, src + i * fetched_row, decoded.data());
+          for (int64_t j = 0; j < row; ++j) ring[r * row + j] = FloatToBf16(decoded[j]);
+        } else {
+          std::memcpy(ring.data() + r * row, src + i * fetched_row, fetched_row);
+        }
       }
       bf16* dst = sp.resident.data() + ((int64_t{l} * S + s.slot) * kv + h) * sp.rcap * row;
       // Pageable source: staged when the call returns, so `ring` may be reused at once.

@@ -111,9 +111,10 @@ struct SparseDecodeOptions {
   // ceil(max_capacity / min_page_rows)] int32. A 64 KiB store page of bf16 rows holds 128 rows at
   // head_dim 128 and 256 at 64.
   int min_page_rows = 128;
-  // The format of every sequence's row source (SparseSequenceOptions::rows). kFp8E4m3 needs a
-  // hot cache, no lanes, and a row source for every sequence (a sequence's own host KV, filled
-  // rows and fetched rows are bf16).
+  // The format of every sequence's row source (SparseSequenceOptions::rows) and of the rows its
+  // fetcher reads (SparseSequenceOptions::fetch). kFp8E4m3 needs a hot cache, no lanes, and a
+  // row source or a fetcher for every sequence (a sequence's own host KV and filled rows are
+  // bf16).
   SparseRowFormat row_format = SparseRowFormat::kBf16;
   // Methods selected on the GPU beside `method` ("lanes", src/lanes.cuh), each with GPU state
   // per slot built at activation from the sequence's CPU indexes (SparseSequenceOptions::lane):
@@ -195,10 +196,11 @@ class SparseRowFetcher {
     int kv_head = 0;
     std::span<const int32_t> positions;
   };
-  // Starts reading every request's rows into `out` one after another, [sum of positions,
-  // 2 (K | V), head_dim] bf16 bits (keys with RoPE, as the store keeps them); `out` and the
+  // Starts reading every request's rows into `out` one after another, as the store keeps them
+  // (keys with RoPE): [sum of positions] rows of 2 (K | V) x head_dim bf16, or fp8 rows
+  // (Fp8RowLayout{2, head_dim}) when SparseDecodeOptions::row_format is fp8; `out` and the
   // positions stay valid until Wait. One fetch at a time per fetcher.
-  [[nodiscard]] virtual absl::Status Start(std::span<const Rows> rows, std::span<uint16_t> out) = 0;
+  [[nodiscard]] virtual absl::Status Start(std::span<const Rows> rows, std::span<uint8_t> out) = 0;
   // Waits for the started fetch; UNAVAILABLE when the store is gone (the sequence's step fails).
   [[nodiscard]] virtual absl::Status Wait() = 0;
 };
