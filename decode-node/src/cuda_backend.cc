@@ -859,7 +859,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> CreateCudaDecodeBackend(
   // (centroids and offsets) and one member id per token.
   const int64_t summary_bytes =
       o.method == "quest"
-          ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 4
+          ? pages * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2  // bf16 bounds
           : int64_t{c.n_layers} * c.n_kv_heads *
                 ((cluster_room + so.clusterkv_max_pending + 1) * (int64_t{c.head_dim} * 4 + 4) +
                  o.max_context * 4);

@@ -318,10 +318,27 @@ const AgreementBar kPageBar{"token overlap", 0.97};
 const AgreementBar kRoundedCentroidBar{"token overlap", 0.99, 7};
 const std::vector<int> kPageBudgets = {1, 40, 256, 1024};
 
+// bf16 bounds (the sparse decode's) against the CPU's fp32 ones: each min rounded down and each
+// max up to bf16 widens a page's bound by up to 2^-8 of its terms, so pages near the budget's
+// edge may swap on more rows while the tokens barely move: as for bf16 centroids.
+const AgreementBar kRoundedBoundsBar{"token overlap", 0.99, 7};
+
+// One bound rounded outward to bf16: down for a min, up for a max (what __float2bfloat16_rd /
+// _ru do on the GPU).
+uint16_t Bf16Outward(float x, bool up) {
+  uint16_t b = FloatToBf16(x);
+  const float f = Bf16ToFloat(b);
+  if (up ? f >= x : f <= x) return b;
+  const bool negative = (b & 0x8000u) != 0;
+  if ((b & 0x7fffu) == 0) return up ? uint16_t{0x0001} : uint16_t{0x8001};  // +-0 -> +-min
+  return static_cast<uint16_t>(up != negative ? b + 1 : b - 1);             // one ulp outward
+}
+
 // quest: the CPU QuestIndex on the same keys; the GPU gets the same page bounds (min / max are
-// exact in any order). Page bounds are sums in a different order on each side, so a near-tie
-// between two pages may resolve differently: require identical counts, identical sets on nearly
-// every row and >= 0.97 token overlap overall.
+// exact in any order), in fp32, or rounded outward to bf16 when c.dtype is kBf16. Page bounds
+// are sums in a different order on each side, so a near-tie between two pages may resolve
+// differently: require identical counts, identical sets on nearly every row and >= 0.97 token
+// overlap overall (bf16 bounds: kRoundedBoundsBar).
 void QuestRow(const SelectCase& c) {
   const int hd = c.hd, nh = c.nh, nkv = c.nkv, group = nh / nkv, ps = 16;
   const std::vector<int> ctx = {30, 2000, 9000};
@@ -350,7 +367,20 @@ void QuestRow(const SelectCase& c) {
   }
   const std::vector<float> query = Normal(static_cast<size_t>(batch) * nh * hd, 1.5f, nd, rng);
   const Candidates cand = CandidatesOf(ctx, 16, 64 - 3);  // not page-aligned on purpose
+  const bool bf16 = c.dtype == KeyDType::kBf16;
+  std::vector<uint16_t> bounds_bf16;
+  if (bf16) {
+    bounds_bf16.resize(bounds.size());
+    for (size_t i = 0; i < bounds.size(); ++i) {
+      const bool max_half = (i % (2 * hd)) >= static_cast<size_t>(hd);
+      const uint16_t b = Bf16Outward(bounds[i], max_half);
+      const float f = Bf16ToFloat(b);
+      ASSERT_TRUE(max_half ? f >= bounds[i] : f <= bounds[i]) << "bound " << i;
+      bounds_bf16[i] = b;
+    }
+  }
   auto d_bounds = Upload(bounds);
+  auto d_bounds_bf16 = Upload(bf16 ? bounds_bf16 : std::vector<uint16_t>(1));
   const DeviceInputs in = UploadInputs(query, cand);
   IndexParams params;
   params.gqa = c.gqa;
@@ -363,12 +393,13 @@ void QuestRow(const SelectCase& c) {
       c, batch, in,
       [&](QuestSelectParams& p) {
         p.page_size = ps;
-        p.bounds = d_bounds.data();
+        p.bounds = bf16 ? static_cast<const void*>(d_bounds_bf16.data()) : d_bounds.data();
+        p.bounds_dtype = bf16 ? KeyDType::kBf16 : KeyDType::kF32;
         p.bounds_batch_stride = batch_stride;
       },
       QuestSelectWorkspaceBytes, QuestSelect);
-  SelectSweep sweep =
-      SweepOf("quest d" + S(hd) + " group " + S(group), c, query, cand, kPageBudgets, kPageBar);
+  SelectSweep sweep = SweepOf("quest d" + S(hd) + " group " + S(group) + (bf16 ? " bf16" : ""), c,
+                              query, cand, kPageBudgets, bf16 ? kRoundedBoundsBar : kPageBar);
   sweep.row_budgets = {40, 1, 256};
   sweep.wide = 1024;
   RunSelectSweep(sweep, launch, SelectOn(cpu));
@@ -587,6 +618,13 @@ std::vector<ParityRow> SelectRows() {
   for (const SelectCase& c : shapes) {
     rows.push_back({"QuestSelect", ShapeName(c) + " k1,40,256,1024 + per-row", "quest index",
                     ">= 90% rows identical, overlap >= 0.97", [c] { QuestRow(c); }});
+  }
+  // bf16 page bounds rounded outward (the sparse decode's) against the CPU index's fp32 ones.
+  for (const SelectCase& c : {SelectCase{KeyDType::kBf16, 64, 9, 3, G::kSumSoftmax},
+                              SelectCase{KeyDType::kBf16, 128, 32, 8, G::kSumSoftmax}}) {
+    rows.push_back({"QuestSelect", "bf16 bounds " + ShapeName(c) + " k1,40,256,1024 + per-row",
+                    "quest index (fp32 bounds)", ">= 70% rows identical, overlap >= 0.99",
+                    [c] { QuestRow(c); }});
   }
   for (const int first_pick : {0, 4}) {
     for (const SelectCase& c : shapes) {

@@ -138,6 +138,7 @@ struct DecodeBenchFlags {
   bool fetch = false;  // with store: the "fetched" placement
   bool store_rma = false;  // the store client reads by RMA gets where the store offers its rkey
   bool store_fp8 = false;  // with store: the "store:fp8" placement (the same rows, fp8 dtype)
+  bool quest_fp32_bounds = false;   // quest's page bounds in fp32 instead of bf16
   std::vector<std::string> replay;  // selection traces (kvr eval retrieval --trace-dir)
   bool replay_scattered = false;    // also replay each trace with its rows scattered
   // A real model instead of the random-weight shape: its weights and tokenizer, documents of
@@ -796,6 +797,7 @@ class DecodeBench {
     o.n_sink = f_.sink;
     o.local_window = f_.window;
     o.hot_cache_rows = f_.hot_cache_rows;
+    o.quest_bf16_bounds = !f_.quest_fp32_bounds;
     o.row_format = placement.fp8 ? rc::SparseRowFormat::kFp8E4m3 : rc::SparseRowFormat::kBf16;
     o.clusterkv_max_pending = 4 * (f_.warmup + f_.steps) + 64;
     if (method == rc::SparseMethod::kClusterKv) {
@@ -1550,6 +1552,8 @@ void AddBenchDecodeCommand(CLI::App& app) {
                 "the same rows in a store sequence of the fp8 dtype (e4m3 codes, a float scale "
                 "per K and per V: 136 B a row at head_dim 64 against 256), read in place (or "
                 "fetched) and kept fp8 in the hot cache");
+  cmd->add_flag("--quest-fp32-bounds", f.quest_fp32_bounds,
+                "quest's page bounds in fp32 (the sparse decode's default: bf16, rounded outward)");
   cmd->add_flag("--store-rma", f.store_rma,
                 "with --store: the store client reads rows (the 'fetched' placement's misses and "
                 "its ceiling) by RMA gets from the store's pool, where the store offers its rkey "

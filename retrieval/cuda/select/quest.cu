@@ -13,8 +13,9 @@
 //     TopKIndices, walks them in rank order to find how many tokens each contributes (the last
 //     one trimmed to its first tokens) and writes the tokens in ascending order.
 // Bytes: the fp32 bounds, 2 * head_dim * 4 / page_size bytes per token and KV head (64 B at
-// d = 128, page 16: a quarter of bf16 K), read once.
+// d = 128, page 16: a quarter of bf16 K), or half that in bf16, read once.
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -46,8 +47,8 @@ struct BoundsArgs {
   float scale;
   GqaAggregation gqa;
   const float* query;
-  const float* bounds;
-  int64_t batch_stride;
+  const void* bounds;
+  int64_t batch_stride;  // elements
   CandidateRanges cand;
   int ld;            // row length of logits / scores
   float* logits;     // kSumSoftmax: [rows, group, ld]; else aggregated [rows, ld]
@@ -57,7 +58,32 @@ struct BoundsArgs {
   int32_t* first_page;  // [rows]
 };
 
-template <int kHeadDim>
+// kN consecutive bounds (fp32 or bf16) as floats, in one aligned load.
+template <int kN>
+__device__ __forceinline__ void LoadBounds(const float* p, float (&out)[kN]) {
+  if constexpr (kN == 4) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+  } else {
+    const float2 v = __ldg(reinterpret_cast<const float2*>(p));
+    out[0] = v.x, out[1] = v.y;
+  }
+}
+template <int kN>
+__device__ __forceinline__ void LoadBounds(const __nv_bfloat16* p, float (&out)[kN]) {
+  if constexpr (kN == 4) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
+  } else {
+    const unsigned v = __ldg(reinterpret_cast<const unsigned*>(p));
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+    out[0] = a.x, out[1] = a.y;
+  }
+}
+
+template <int kHeadDim, typename T>
 static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs a) {
   constexpr int kDpl = kHeadDim / 32;  // channels per lane: 2 or 4
   const int b = blockIdx.z, h = blockIdx.y, chunk = blockIdx.x;
@@ -84,23 +110,14 @@ static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs 
   float* out_row = a.logits + static_cast<int64_t>(row) * (softmax ? group : 1) * a.ld;
   float run_max = -INFINITY, run_sum = 0.f;  // head `lane` (lanes < group)
   const int p_end = min(n, (chunk + 1) * kChunk);
-  const float* base = a.bounds + b * a.batch_stride + static_cast<int64_t>(h) * 2 * kHeadDim;
-  const int64_t page_floats = static_cast<int64_t>(a.n_kv_heads) * 2 * kHeadDim;
+  const T* base =
+      static_cast<const T*>(a.bounds) + b * a.batch_stride + static_cast<int64_t>(h) * 2 * kHeadDim;
+  const int64_t page_elems = static_cast<int64_t>(a.n_kv_heads) * 2 * kHeadDim;
   for (int p = chunk * kChunk + warp; p < p_end; p += kWarps) {
-    const float* mn = base + (first + p) * page_floats + lane * kDpl;
-    const float* mx = mn + kHeadDim;
+    const T* mn = base + (first + p) * page_elems + lane * kDpl;
     float lo[kDpl], hi[kDpl];
-    if constexpr (kDpl == 4) {
-      const float4 l4 = __ldg(reinterpret_cast<const float4*>(mn));
-      const float4 h4 = __ldg(reinterpret_cast<const float4*>(mx));
-      lo[0] = l4.x, lo[1] = l4.y, lo[2] = l4.z, lo[3] = l4.w;
-      hi[0] = h4.x, hi[1] = h4.y, hi[2] = h4.z, hi[3] = h4.w;
-    } else {
-      const float2 l2 = __ldg(reinterpret_cast<const float2*>(mn));
-      const float2 h2 = __ldg(reinterpret_cast<const float2*>(mx));
-      lo[0] = l2.x, lo[1] = l2.y;
-      hi[0] = h2.x, hi[1] = h2.y;
-    }
+    LoadBounds(mn, lo);
+    LoadBounds(mn + kHeadDim, hi);
     float bound[kMaxGroup];
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
@@ -270,7 +287,11 @@ absl::Status QuestSelect(const QuestSelectParams& p, cudaStream_t stream) {
       p.cand.end == nullptr || p.out.ids == nullptr || p.out.counts == nullptr) {
     return absl::InvalidArgumentError("QuestSelect: null query, bounds, candidates or output");
   }
-  if (reinterpret_cast<uintptr_t>(p.bounds) % 16 != 0 || p.bounds_batch_stride % 4 != 0) {
+  if (p.bounds_dtype != KeyDType::kF32 && p.bounds_dtype != KeyDType::kBf16) {
+    return absl::InvalidArgumentError("QuestSelect: bounds must be fp32 or bf16");
+  }
+  const int64_t elem = p.bounds_dtype == KeyDType::kF32 ? 4 : 2;
+  if (reinterpret_cast<uintptr_t>(p.bounds) % 16 != 0 || p.bounds_batch_stride * elem % 16 != 0) {
     return absl::InvalidArgumentError(
         "QuestSelect: bounds and bounds_batch_stride must be 16-byte aligned");
   }
@@ -300,10 +321,15 @@ absl::Status QuestSelect(const QuestSelectParams& p, cudaStream_t stream) {
                w.n_pages,
                w.first_page};
   const dim3 grid(n_chunks, p.n_kv_heads, p.batch);
-  if (p.head_dim == 64) {
-    QuestBoundsKernel<64><<<grid, kThreads, 0, stream>>>(a);
+  const bool bf16 = p.bounds_dtype == KeyDType::kBf16;
+  if (p.head_dim == 64 && bf16) {
+    QuestBoundsKernel<64, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(a);
+  } else if (p.head_dim == 64) {
+    QuestBoundsKernel<64, float><<<grid, kThreads, 0, stream>>>(a);
+  } else if (bf16) {
+    QuestBoundsKernel<128, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    QuestBoundsKernel<128><<<grid, kThreads, 0, stream>>>(a);
+    QuestBoundsKernel<128, float><<<grid, kThreads, 0, stream>>>(a);
   }
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (softmax) {

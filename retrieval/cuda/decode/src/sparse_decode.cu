@@ -163,7 +163,8 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
     int64_t pages = 0;
     int64_t bytes = 0;  // device bytes of everything below
     DeviceBuffer<bf16> resident;
-    DeviceBuffer<float> bounds;
+    DeviceBuffer<float> bounds;      // quest, fp32 (quest_bf16_bounds false)
+    DeviceBuffer<bf16> bounds_bf16;  // quest, bf16
     DeviceBuffer<bf16> centroids;
     DeviceBuffer<int32_t> n_clusters, offsets, members;
     std::vector<HotCache> hot;     // per layer
@@ -230,6 +231,7 @@ class SparseDecodeImpl final : public SparseDecodeAttention {
       v.method = opt.method == SparseMethod::kQuest ? 0 : 1;
       v.slots = opt.slots;
       v.bounds = bounds.data();
+      v.bounds_bf16 = bounds_bf16.data();
       v.bounds_slot_stride = pages * bounds_row();
       v.bounds_layer_stride = opt.slots * v.bounds_slot_stride;
       v.page_size = opt.quest_page_size;
@@ -423,7 +425,11 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
   KVR_RETURN_IF_ERROR(Alloc(st->resident, L * S * kv * st->rcap * 2 * d));
   if (quest) {
     st->pages = (o.max_capacity + o.quest_page_size - 1) / o.quest_page_size;
-    KVR_RETURN_IF_ERROR(Alloc(st->bounds, L * S * st->pages * st->bounds_row()));
+    if (o.quest_bf16_bounds) {
+      KVR_RETURN_IF_ERROR(Alloc(st->bounds_bf16, L * S * st->pages * st->bounds_row()));
+    } else {
+      KVR_RETURN_IF_ERROR(Alloc(st->bounds, L * S * st->pages * st->bounds_row()));
+    }
   } else {
     // Room for the prefill's clusters (clusterkv_prefill_clusters, or at their most: the CPU
     // index's default at any budget, ClusterKvMaxDefaultClusters; at least the benchmark
@@ -512,6 +518,7 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
     qp.n_kv_heads = c.n_kv_heads;
     qp.head_dim = c.head_dim;
     qp.page_size = o.quest_page_size;
+    qp.bounds_dtype = o.quest_bf16_bounds ? KeyDType::kBf16 : KeyDType::kF32;
     qp.scale = scale;
     qp.max_candidates = static_cast<int>(o.max_capacity);
     qp.out = out;
@@ -555,13 +562,13 @@ absl::Status SparseDecodeImpl::Configure(const SparseDecodeOptions& o) {
     st->lanes.push_back(std::move(created));
   }
   st->bytes =
-      static_cast<int64_t>(st->resident.bytes() + st->bounds.bytes() + st->centroids.bytes() +
-                           st->n_clusters.bytes() + st->offsets.bytes() + st->members.bytes() +
-                           st->q_f32.bytes() + st->ids.bytes() + st->counts.bytes() +
-                           st->gathered.bytes() + st->select_ws.bytes() + st->attend_ws.bytes() +
-                           st->meta.bytes() + st->budgets.bytes() + st->rows.bytes() +
-                           st->pool_slots.bytes() + st->pool_pages.bytes() + st->new_rows.bytes() +
-                           st->replay_counts.bytes() + st->replay_ids.bytes()) +
+      static_cast<int64_t>(
+          st->resident.bytes() + st->bounds.bytes() + st->bounds_bf16.bytes() +
+          st->centroids.bytes() + st->n_clusters.bytes() + st->offsets.bytes() +
+          st->members.bytes() + st->q_f32.bytes() + st->ids.bytes() + st->counts.bytes() +
+          st->gathered.bytes() + st->select_ws.bytes() + st->attend_ws.bytes() + st->meta.bytes() +
+          st->budgets.bytes() + st->rows.bytes() + st->pool_slots.bytes() + st->pool_pages.bytes() +
+          st->new_rows.bytes() + st->replay_counts.bytes() + st->replay_ids.bytes()) +
       hot_bytes + lane_bytes;
   KVR_RETURN_IF_ERROR(Sync());
   sparse_ = std::move(st);
@@ -974,7 +981,12 @@ absl::Status SparseDecodeImpl::Attend(const model::CudaAttentionRequest& r, void
     qp.page_size = o.quest_page_size;
     qp.scale = scale;
     qp.query = sp.q_f32.data();
-    qp.bounds = v.bounds + layer * v.bounds_layer_stride;
+    if (v.bounds_bf16 != nullptr) {
+      qp.bounds = v.bounds_bf16 + layer * v.bounds_layer_stride;
+      qp.bounds_dtype = KeyDType::kBf16;
+    } else {
+      qp.bounds = v.bounds + layer * v.bounds_layer_stride;
+    }
     qp.bounds_batch_stride = v.bounds_slot_stride;
     qp.cand = cand;
     qp.max_candidates = static_cast<int>(QuestCandidateBound(max_candidates));
@@ -1343,7 +1355,11 @@ absl::Status SparseDecodeImpl::CopySlot(const Sequence& from, Sequence& to) {
   };
   KVR_RETURN_IF_ERROR(copy(sp.resident.data(), kv * sp.rcap * 2 * d));
   if (sp.opt.method == SparseMethod::kQuest) {
-    KVR_RETURN_IF_ERROR(copy(sp.bounds.data(), sp.pages * sp.bounds_row()));
+    if (sp.bounds_bf16.size() > 0) {
+      KVR_RETURN_IF_ERROR(copy(sp.bounds_bf16.data(), sp.pages * sp.bounds_row()));
+    } else {
+      KVR_RETURN_IF_ERROR(copy(sp.bounds.data(), sp.pages * sp.bounds_row()));
+    }
   } else {
     KVR_RETURN_IF_ERROR(copy(sp.centroids.data(), kv * sp.max_clusters * d));
     KVR_RETURN_IF_ERROR(copy(sp.n_clusters.data(), kv));

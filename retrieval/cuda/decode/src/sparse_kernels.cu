@@ -37,10 +37,25 @@ __device__ __forceinline__ sbf16* ResidentRow(sbf16* resident, int64_t layer_str
   return resident + layer * layer_stride + ((int64_t{slot} * n_kv + h) * rcap + r) * 2 * d;
 }
 
-__device__ __forceinline__ float* QuestBound(const SparseSummaryView& s, int layer, int slot,
-                                             int64_t page, int n_kv, int h, int d) {
-  return s.bounds + layer * s.bounds_layer_stride + slot * s.bounds_slot_stride +
-         (page * n_kv + h) * 2 * d;
+// Widens quest's bounds of element i (min at i, max at d + i) of (layer, slot, page, head) to
+// [lo, hi], or sets them to it (`first`: the page's first token). bf16 bounds round outward (min
+// down, max up), so a page's score stays an upper bound; for bf16 keys that is exact.
+__device__ __forceinline__ void WidenBound(const SparseSummaryView& s, int layer, int slot,
+                                           int64_t page, int n_kv, int h, int d, int i, float lo,
+                                           float hi, bool first) {
+  const int64_t o =
+      layer * s.bounds_layer_stride + slot * s.bounds_slot_stride + (page * n_kv + h) * 2 * d;
+  if (s.bounds_bf16 != nullptr) {
+    sbf16* b = s.bounds_bf16 + o;
+    const float mn = first ? lo : fminf(__bfloat162float(b[i]), lo);
+    const float mx = first ? hi : fmaxf(__bfloat162float(b[d + i]), hi);
+    b[i] = __float2bfloat16_rd(mn);
+    b[d + i] = __float2bfloat16_ru(mx);
+  } else {
+    float* b = s.bounds + o;
+    b[i] = first ? lo : fminf(b[i], lo);
+    b[d + i] = first ? hi : fmaxf(b[d + i], hi);
+  }
 }
 
 // (layer, slot, head) index of the clusterkv arrays.
@@ -159,18 +174,11 @@ __global__ void SparseRopeKernel(SparseRopeParams p) {
       ring[i] = b0;
       ring[i + half] = b1;
       if (s.method == 0) {
-        float* mn = QuestBound(s, p.layer, slot, pos / s.page_size, p.n_kv_heads, h, d);
-        float* mx = mn + d;
         const float f0 = __bfloat162float(b0), f1 = __bfloat162float(b1);
-        if (pos % s.page_size == 0) {
-          mn[i] = mx[i] = f0;
-          mn[i + half] = mx[i + half] = f1;
-        } else {
-          mn[i] = fminf(mn[i], f0);
-          mx[i] = fmaxf(mx[i], f0);
-          mn[i + half] = fminf(mn[i + half], f1);
-          mx[i + half] = fmaxf(mx[i + half], f1);
-        }
+        const int64_t page = pos / s.page_size;
+        const bool first = pos % s.page_size == 0;
+        WidenBound(s, p.layer, slot, page, p.n_kv_heads, h, d, i, f0, f0, first);
+        WidenBound(s, p.layer, slot, page, p.n_kv_heads, h, d, i + half, f1, f1, first);
       }
     }
   }
@@ -223,9 +231,7 @@ __global__ void FillQuestKernel(SparseFillParams p) {
     mn = fminf(mn, v);
     mx = fmaxf(mx, v);
   }
-  float* b = QuestBound(p.sum, layer, p.slot, page, p.n_kv_heads, h, d);
-  b[i] = mn;
-  b[d + i] = mx;
+  WidenBound(p.sum, layer, p.slot, page, p.n_kv_heads, h, d, i, mn, mx, /*first=*/true);
 }
 
 // grid (n_layers * n_kv, clusters), block head_dim: cluster c = candidates

@@ -10,7 +10,8 @@
 //                          tables [n_layers, slots, n_kv_heads, max_pages] (kv_pool.h)
 //   resident               [n_layers, slots, n_kv_heads, rcap, row]    rcap = n_sink + window;
 //                          token p at p when p < n_sink, else n_sink + (p - n_sink) % window
-//   quest bounds           [n_layers, slots, n_pages, n_kv_heads, 2, head_dim] fp32 (min, max)
+//   quest bounds           [n_layers, slots, n_pages, n_kv_heads, 2, head_dim] bf16 or fp32
+//                          (min, max)
 //   clusterkv centroids    [n_layers, slots, n_kv_heads, max_clusters, head_dim] bf16
 //             n_clusters   [n_layers, slots, n_kv_heads]
 //             offsets      [n_layers, slots, n_kv_heads, max_clusters + 1]
@@ -46,7 +47,10 @@ struct SparseSummaryView {
   int method = 0;  // 0 quest, 1 clusterkv
   int slots = 0;
   // quest
-  float* bounds = nullptr;  // layer 0; layer stride below
+  // Layer 0 (layer stride below): bf16 (bounds_bf16, rounded outward: exact for bf16 keys) or
+  // fp32 (bounds); one of the two is set.
+  float* bounds = nullptr;
+  sbf16* bounds_bf16 = nullptr;
   int64_t bounds_layer_stride = 0, bounds_slot_stride = 0;
   int page_size = 16;
   // clusterkv

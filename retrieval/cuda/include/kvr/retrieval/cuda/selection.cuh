@@ -151,7 +151,9 @@ struct ExactSelectParams {
 // tokens (exactly the CPU QuestIndex, baselines.cc).
 // Bounds of sequence b: bounds + b * bounds_batch_stride, laid out [n_pages, n_kv_heads, 2,
 // head_dim] (min then max): the CPU index's payload array as is. Page p covers tokens
-// [p * page_size, (p + 1) * page_size).
+// [p * page_size, (p + 1) * page_size). The bounds may be bf16 (bounds_dtype): half the bytes the
+// scoring reads; whoever writes them rounds each min down and each max up (outward), so that
+// the page's score stays an upper bound of its tokens' q.k.
 struct QuestSelectParams {
   int batch = 0;
   int n_heads = 0;
@@ -161,8 +163,9 @@ struct QuestSelectParams {
   float scale = 0.f;
   GqaAggregation gqa = GqaAggregation::kSumSoftmax;
   const float* query = nullptr;     // device [batch, n_heads, head_dim] fp32
-  const float* bounds = nullptr;    // device, see above
-  int64_t bounds_batch_stride = 0;  // floats
+  const void* bounds = nullptr;     // device, see above
+  KeyDType bounds_dtype = KeyDType::kF32;  // kF32 or kBf16
+  int64_t bounds_batch_stride = 0;         // elements
   CandidateRanges cand;
   int max_candidates = 0;  // >= cand_end[b] - cand_begin[b] for every b
   SelectionOutput out;     // ceil(budget / page_size) + 2 must be <= 1024

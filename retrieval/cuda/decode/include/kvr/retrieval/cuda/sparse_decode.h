@@ -97,6 +97,10 @@ struct SparseDecodeOptions {
   int local_window = 256;     // most recent tokens (incl. the new one), kept on the GPU
   int hot_cache_rows = 1024;  // per (sequence, layer, KV head); 0: no hot cache
   int quest_page_size = 16;
+  // quest: page bounds in bf16 (half the bytes the scoring reads every step and half the HBM:
+  // ~0.19 GB per SmolLM2 sequence of 128K instead of 0.38), rounded outward so that a page's
+  // score stays an upper bound; exact for bf16 rows. false: fp32.
+  bool quest_bf16_bounds = true;
   // clusterkv: tokens per cluster of FillSequenceForBenchmark's stand-in clustering, and the
   // singleton clusters room for tokens leaving the window afterwards (dropped past it).
   int clusterkv_tokens_per_cluster = 80;
