@@ -1,9 +1,10 @@
 // quest: page-bound scoring, top pages, and expansion of the pages to token ids.
 //
 // Kernels (grid z = sequence, y = KV head):
-//  1. QuestBoundsKernel: one warp per page (kChunk pages per CTA); lane l holds head_dim / 32
-//     channels of min and max (coalesced 16- or 8-byte loads) and of every query head of the
-//     group; bound_g = scale * sum_d max(q_d min_d, q_d max_d), reduced over the warp. Writes
+//  1. QuestBoundsKernel: head_dim / (16 bytes of bounds) lanes per page, so several pages per
+//     warp (kChunk pages per CTA); a lane holds 4 (fp32) or 8 (bf16) channels of min and max
+//     (16-byte loads) and of every query head of the group; bound_g = scale * sum_d max(q_d
+//     min_d, q_d max_d), reduced over the page's lanes. Writes
 //     per-head bounds + chunk (max, sum exp) partials for kSumSoftmax, else the aggregate.
 //  2. (kSumSoftmax) SoftmaxAggregateKernel (select_common.cuh).
 //  3. Top-(ceil(budget / page_size) + 2) pages per row with the batched top-k (ascending pages):
@@ -58,37 +59,35 @@ struct BoundsArgs {
   int32_t* first_page;  // [rows]
 };
 
-// kN consecutive bounds (fp32 or bf16) as floats, in one aligned load.
-template <int kN>
-__device__ __forceinline__ void LoadBounds(const float* p, float (&out)[kN]) {
-  if constexpr (kN == 4) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(p));
-    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
-  } else {
-    const float2 v = __ldg(reinterpret_cast<const float2*>(p));
-    out[0] = v.x, out[1] = v.y;
-  }
+// 16 bytes of bounds (4 fp32 or 8 bf16) as floats, in one aligned load.
+__device__ __forceinline__ void LoadBounds(const float* p, float (&out)[4]) {
+  const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+  out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
 }
-template <int kN>
-__device__ __forceinline__ void LoadBounds(const __nv_bfloat16* p, float (&out)[kN]) {
-  if constexpr (kN == 4) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
-    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
-  } else {
-    const unsigned v = __ldg(reinterpret_cast<const unsigned*>(p));
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-    out[0] = a.x, out[1] = a.y;
+__device__ __forceinline__ void LoadBounds(const __nv_bfloat16* p, float (&out)[8]) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k]));
+    out[2 * k] = f.x, out[2 * k + 1] = f.y;
   }
 }
 
+// kLanes = head_dim / kChan lanes score one page (each kChan channels of min and of max: one
+// 16-byte load each), so a warp scores 32 / kLanes pages at a time (4 at head_dim 64 in bf16)
+// and reduces each over kLanes lanes only: the reductions, not the bytes, bound this kernel
+// with one page per warp.
 template <int kHeadDim, typename T>
 static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs a) {
-  constexpr int kDpl = kHeadDim / 32;  // channels per lane: 2 or 4
+  constexpr int kChan = 16 / static_cast<int>(sizeof(T));  // 4 fp32 or 8 bf16
+  constexpr int kLanes = kHeadDim / kChan;                 // 8, 16 or 32 (>= kMaxGroup)
+  constexpr int kPagesPerWarp = 32 / kLanes;
+  static_assert(kLanes >= kMaxGroup && kLanes <= 32, "a page's lanes hold every group head");
   const int b = blockIdx.z, h = blockIdx.y, chunk = blockIdx.x;
   const int row = b * a.n_kv_heads + h;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane % kLanes, slot = lane / kLanes;
   const int cb = a.cand.begin[b], ce = a.cand.end[b];
   const int first = cb / a.page_size;
   const int n = ce > cb ? (ce - 1) / a.page_size + 1 - first : 0;
@@ -97,42 +96,61 @@ static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs 
     a.first_page[row] = first;
   }
   const int group = a.group;
-  float q[kMaxGroup][kDpl];
+  float q[kMaxGroup][kChan];
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
     if (g < group) {
-      const float* qp = a.query + (static_cast<int64_t>(row) * group + g) * kHeadDim + lane * kDpl;
+      const float* qp = a.query + (static_cast<int64_t>(row) * group + g) * kHeadDim + sub * kChan;
 #pragma unroll
-      for (int j = 0; j < kDpl; ++j) q[g][j] = qp[j];
+      for (int j = 0; j < kChan; ++j) q[g][j] = qp[j];
     }
   }
   const bool softmax = a.gqa == GqaAggregation::kSumSoftmax;
   float* out_row = a.logits + static_cast<int64_t>(row) * (softmax ? group : 1) * a.ld;
-  float run_max = -INFINITY, run_sum = 0.f;  // head `lane` (lanes < group)
+  float run_max = -INFINITY, run_sum = 0.f;  // head `sub` (subs < group) of this lane's pages
   const int p_end = min(n, (chunk + 1) * kChunk);
   const T* base =
       static_cast<const T*>(a.bounds) + b * a.batch_stride + static_cast<int64_t>(h) * 2 * kHeadDim;
   const int64_t page_elems = static_cast<int64_t>(a.n_kv_heads) * 2 * kHeadDim;
-  for (int p = chunk * kChunk + warp; p < p_end; p += kWarps) {
-    const T* mn = base + (first + p) * page_elems + lane * kDpl;
-    float lo[kDpl], hi[kDpl];
-    LoadBounds(mn, lo);
-    LoadBounds(mn + kHeadDim, hi);
+  // Every lane runs every iteration (the reductions shuffle across the whole warp); lanes whose
+  // page is past the chunk's end score nothing.
+  for (int p0 = chunk * kChunk + warp * kPagesPerWarp; p0 < p_end; p0 += kWarps * kPagesPerWarp) {
+    const int p = p0 + slot;
+    const bool valid = p < p_end;
+    float lo[kChan], hi[kChan];
+    if (valid) {
+      const T* mn = base + (first + p) * page_elems + sub * kChan;
+      LoadBounds(mn, lo);
+      LoadBounds(mn + kHeadDim, hi);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kChan; ++j) lo[j] = hi[j] = 0.f;
+    }
     float bound[kMaxGroup];
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
       float s = 0.f;
       if (g < group) {
 #pragma unroll
-        for (int j = 0; j < kDpl; ++j) s += fmaxf(q[g][j] * lo[j], q[g][j] * hi[j]);
+        for (int j = 0; j < kChan; ++j) s += fmaxf(q[g][j] * lo[j], q[g][j] * hi[j]);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        for (int o = kLanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       }
       bound[g] = a.scale * s;
     }
-    StoreItemLogits(softmax, a.gqa, bound, group, lane, out_row, a.ld, p, run_max, run_sum);
+    if (valid) {
+      StoreItemLogits(softmax, a.gqa, bound, group, sub, out_row, a.ld, p, run_max, run_sum);
+    }
   }
   if (!softmax) return;
+    // Head `sub`'s running (max, sum exp) merged over the warp's page slots: lane g < group then
+    // holds the warp's.
+#pragma unroll
+  for (int o = kLanes; o < 32; o <<= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, run_max, o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, run_sum, o);
+    internal::MergeMaxSum(run_max, run_sum, m2, s2);
+  }
   __shared__ float2 part[kWarps][kMaxGroup];
   if (lane < group) part[warp][lane] = make_float2(run_max, run_sum);
   __syncthreads();
