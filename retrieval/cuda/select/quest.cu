@@ -78,12 +78,15 @@ __device__ __forceinline__ void LoadBounds(const __nv_bfloat16* p, float (&out)[
 // 16-byte load each), so a warp scores 32 / kLanes pages at a time (4 at head_dim 64 in bf16)
 // and reduces each over kLanes lanes only: the reductions, not the bytes, bound this kernel
 // with one page per warp.
-template <int kHeadDim, typename T>
+// kGroup: the most query heads per KV head this instance takes (4 or kMaxGroup): the query
+// registers are sized by it, and fewer registers let more CTAs hide the loads' latency.
+template <int kHeadDim, typename T, int kGroup>
 static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs a) {
   constexpr int kChan = 16 / static_cast<int>(sizeof(T));  // 4 fp32 or 8 bf16
   constexpr int kLanes = kHeadDim / kChan;                 // 8, 16 or 32 (>= kMaxGroup)
   constexpr int kPagesPerWarp = 32 / kLanes;
   static_assert(kLanes >= kMaxGroup && kLanes <= 32, "a page's lanes hold every group head");
+  static_assert(kGroup <= kMaxGroup);
   const int b = blockIdx.z, h = blockIdx.y, chunk = blockIdx.x;
   const int row = b * a.n_kv_heads + h;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -96,9 +99,9 @@ static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs 
     a.first_page[row] = first;
   }
   const int group = a.group;
-  float q[kMaxGroup][kChan];
+  float q[kGroup][kChan];
 #pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
+  for (int g = 0; g < kGroup; ++g) {
     if (g < group) {
       const float* qp = a.query + (static_cast<int64_t>(row) * group + g) * kHeadDim + sub * kChan;
 #pragma unroll
@@ -126,9 +129,9 @@ static __global__ void __launch_bounds__(kThreads) QuestBoundsKernel(BoundsArgs 
 #pragma unroll
       for (int j = 0; j < kChan; ++j) lo[j] = hi[j] = 0.f;
     }
-    float bound[kMaxGroup];
+    float bound[kGroup];
 #pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) {
+    for (int g = 0; g < kGroup; ++g) {
       float s = 0.f;
       if (g < group) {
 #pragma unroll
@@ -340,14 +343,21 @@ absl::Status QuestSelect(const QuestSelectParams& p, cudaStream_t stream) {
                w.first_page};
   const dim3 grid(n_chunks, p.n_kv_heads, p.batch);
   const bool bf16 = p.bounds_dtype == KeyDType::kBf16;
-  if (p.head_dim == 64 && bf16) {
-    QuestBoundsKernel<64, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(a);
-  } else if (p.head_dim == 64) {
-    QuestBoundsKernel<64, float><<<grid, kThreads, 0, stream>>>(a);
-  } else if (bf16) {
-    QuestBoundsKernel<128, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(a);
+  auto launch = [&]<int kGroup>() {
+    if (p.head_dim == 64 && bf16) {
+      QuestBoundsKernel<64, __nv_bfloat16, kGroup><<<grid, kThreads, 0, stream>>>(a);
+    } else if (p.head_dim == 64) {
+      QuestBoundsKernel<64, float, kGroup><<<grid, kThreads, 0, stream>>>(a);
+    } else if (bf16) {
+      QuestBoundsKernel<128, __nv_bfloat16, kGroup><<<grid, kThreads, 0, stream>>>(a);
+    } else {
+      QuestBoundsKernel<128, float, kGroup><<<grid, kThreads, 0, stream>>>(a);
+    }
+  };
+  if (group <= 4) {
+    launch.template operator()<4>();
   } else {
-    QuestBoundsKernel<128, float><<<grid, kThreads, 0, stream>>>(a);
+    launch.template operator()<kMaxGroup>();
   }
   KVR_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (softmax) {
