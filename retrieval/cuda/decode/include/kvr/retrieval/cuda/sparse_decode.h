@@ -11,8 +11,8 @@
 //   own, [n_layers, n_kv_heads, capacity, 2 (K | V), head_dim] bf16 (benchmarks and tests, and
 //   rows a caller writes itself: HostKv).
 // - On the GPU it keeps only: the sink rows and a ring of the local window (the "resident"
-//   rows), the method's summaries (quest: fp32 per-page key min/max; clusterkv: bf16 centroids,
-//   member lists) and a hot cache of recently fetched rows (hot_cache.cuh).
+//   rows), the method's summaries (quest: bf16 (or fp32) per-page key min/max; clusterkv:
+//   bf16 centroids, member lists) and a hot cache of recently fetched rows (hot_cache.cuh).
 // - Its part of a decode step, per layer (Attend, between the model's QKV GEMM and its O GEMM):
 //   RoPE (here, not in the model: it is fused with the KV append and the summary update in one
 //   kernel), the new K/V row written to the window ring, to the own host KV if any, and to the
