@@ -267,12 +267,17 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
           return copy;
         }(),
         expected[0], kTokens);
-    LocalHandoffOptions ob = o;
-    ob.sequence_id = 4244;
-    ob.store_dtype = kv_store::DType::kBf16;
+    // The handoff `o` as sequence `id`, its rows stored as `dtype`.
+    const auto stored_as = [&o](uint64_t id, kv_store::DType dtype) {
+      LocalHandoffOptions with = o;
+      with.sequence_id = id;
+      with.store_dtype = dtype;
+      return with;
+    };
     std::vector<int32_t> got_bf16;
     kvr::v1::Completion completion_bf16;
-    ASSERT_NO_FATAL_FAILURE(HandoffAndStream(rounded, ob, &got_bf16, &completion_bf16));
+    ASSERT_NO_FATAL_FAILURE(HandoffAndStream(rounded, stored_as(4244, kv_store::DType::kBf16),
+                                             &got_bf16, &completion_bf16));
     EXPECT_EQ(got_bf16, std::vector<int32_t>(expected_bf16.begin() + 1, expected_bf16.end()));
     EXPECT_EQ(completion_bf16.retrieval().rows_fetched(), completion.retrieval().rows_fetched());
     EXPECT_EQ(2 * completion_bf16.retrieval().bytes_fetched(),
@@ -284,12 +289,10 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
     // against bf16's 256) and decodes them. The same rows are fetched; the generation runs to
     // its end; the codec's error (about 2^-4 relative per element) may flip a near-tied
     // argmax, so the tokens are held to most of the bf16 run's, not all.
-    LocalHandoffOptions o8 = o;
-    o8.sequence_id = 4245;
-    o8.store_dtype = kv_store::DType::kFp8E4m3;
     std::vector<int32_t> got_fp8;
     kvr::v1::Completion completion_fp8;
-    ASSERT_NO_FATAL_FAILURE(HandoffAndStream(rounded, o8, &got_fp8, &completion_fp8));
+    ASSERT_NO_FATAL_FAILURE(HandoffAndStream(rounded, stored_as(4245, kv_store::DType::kFp8E4m3),
+                                             &got_fp8, &completion_fp8));
     ASSERT_EQ(got_fp8.size(), got_bf16.size());
     EXPECT_EQ(completion_fp8.usage().completion_tokens(), static_cast<uint32_t>(kTokens));
     EXPECT_EQ(completion_fp8.retrieval().rows_fetched(),
