@@ -140,16 +140,22 @@ class DecodeIntegrationTest : public ::testing::Test {
   // Streams sequence `id` to its end: the tokens after the first, and the completion.
   void StreamToEnd(uint64_t id, std::vector<int32_t>* tokens, kvr::v1::Completion* completion) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    cv1::StreamRequest req;
-    req.set_sequence_id(id);
-    auto reader = decode_stub_->Stream(&ctx, req);
+    auto reader = OpenStream(ctx, id, std::chrono::seconds(60));
     cv1::StreamResponse msg;
     while (reader->Read(&msg)) {
       tokens->insert(tokens->end(), msg.token_ids().begin(), msg.token_ids().end());
       if (msg.has_completion()) *completion = msg.completion();
     }
     EXPECT_TRUE(reader->Finish().ok());
+  }
+
+  // The Stream of sequence `id` on `ctx`, whose deadline is `timeout` from now.
+  std::unique_ptr<grpc::ClientReader<cv1::StreamResponse>> OpenStream(
+      grpc::ClientContext& ctx, uint64_t id, std::chrono::milliseconds timeout) {
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+    cv1::StreamRequest req;
+    req.set_sequence_id(id);
+    return decode_stub_->Stream(&ctx, req);
   }
 
   grpc::Status SendHandoff(const Handoff& h) {
@@ -180,10 +186,15 @@ class DecodeIntegrationTest : public ::testing::Test {
   // end: the tokens after the first, and the completion.
   void HandoffAndStream(const model::KvCache& cache, const LocalHandoffOptions& o,
                         std::vector<int32_t>* tokens, kvr::v1::Completion* completion) {
+    ASSERT_NO_FATAL_FAILURE(SendLocalHandoff(cache, o));
+    StreamToEnd(o.sequence_id, tokens, completion);
+  }
+
+  // Hands `cache` off to the decode node as `o` says.
+  void SendLocalHandoff(const model::KvCache& cache, const LocalHandoffOptions& o) {
     auto h = MakeLocalHandoff(*loaded_.model, cache, registry_, *store_client_, o);
     ASSERT_TRUE(h.ok()) << h.status();
     ASSERT_TRUE(SendHandoff(*h).ok());
-    StreamToEnd(o.sequence_id, tokens, completion);
   }
 
   ThreadPool pool_{2};
@@ -311,15 +322,10 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
   // Cancel: the client goes away mid-stream; the store sequence is released within a second.
   o.sequence_id = 4343;
   o.sampling.max_tokens = 500;
-  auto h2 = MakeLocalHandoff(*loaded_.model, prefilled, registry_, *store_client_, o);
-  ASSERT_TRUE(h2.ok());
-  ASSERT_TRUE(SendHandoff(*h2).ok());
+  ASSERT_NO_FATAL_FAILURE(SendLocalHandoff(prefilled, o));
   {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    cv1::StreamRequest req;
-    req.set_sequence_id(4343);
-    auto reader = decode_stub_->Stream(&ctx, req);
+    auto reader = OpenStream(ctx, 4343, std::chrono::seconds(60));
     cv1::StreamResponse msg;
     ASSERT_TRUE(reader->Read(&msg));
     ctx.TryCancel();
@@ -334,10 +340,7 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
 
   // No handoff: NOT_FOUND at the Stream's deadline.
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
-  cv1::StreamRequest req;
-  req.set_sequence_id(999);
-  auto reader = decode_stub_->Stream(&ctx, req);
+  auto reader = OpenStream(ctx, 999, std::chrono::milliseconds(300));
   cv1::StreamResponse msg;
   while (reader->Read(&msg)) {
   }
