@@ -34,6 +34,22 @@ function(kvr_add_library name)
   endif()
 endfunction()
 
+# kvr_add_metric_set(<name> [DIR <folder>] [INCLUDES ...] [PUBLIC ...])
+# A role's Prometheus metric set (its metrics.h) with the observer adapter that feeds it: the
+# library kvr_<name> of DIR/src/metrics.cc and DIR/src/metrics_observer.cc (DIR: the calling
+# folder unless given), linking PUBLIC and kvr::metrics (kvr/common/metrics.h).
+function(kvr_add_metric_set name)
+  cmake_parse_arguments(ARG "" "DIR" "INCLUDES;PUBLIC" ${ARGN})
+  if(NOT ARG_DIR)
+    set(ARG_DIR ${CMAKE_CURRENT_SOURCE_DIR})
+  endif()
+  kvr_add_library(${name}
+    SOURCES ${ARG_DIR}/src/metrics.cc ${ARG_DIR}/src/metrics_observer.cc
+    INCLUDES ${ARG_INCLUDES}
+    PUBLIC ${ARG_PUBLIC} kvr::metrics
+    PRIVATE prometheus-cpp::core absl::strings absl::synchronization absl::flat_hash_map)
+endfunction()
+
 # kvr_add_executable(<name> SOURCES ... [LIBS ...] [INCLUDES ...])
 # A program (a tool, a benchmark, a test's helper process) with the warning set, linking LIBS;
 # INCLUDES: include directories of its own sources.

@@ -65,6 +65,13 @@ class Cluster {
     std::vector<std::string> parts = absl::StrSplit(line, ' ');
     return parts.size() >= 2 ? parts[1] : "";
   }
+  // A prefill, a decode (with `decode_extra` arguments) and a store node, in that order:
+  // node(0), node(1) and node(2) of an empty cluster.
+  void AddOneOfEach(std::vector<std::string> decode_extra = {}) {
+    AddNode("prefill");
+    AddNode("decode", std::move(decode_extra));
+    AddNode("store");
+  }
   Subprocess& node(size_t i) { return *nodes_[i]; }
   Subprocess& controller() { return *controller_; }
 
@@ -177,9 +184,7 @@ TEST(ControllerIntegrationTest, ServesHealthAndReflection) {
 
 TEST(ControllerIntegrationTest, BadRequestsAreInvalidArgumentNamingTheField) {
   Cluster c;
-  c.AddNode("prefill");
-  c.AddNode("decode");
-  c.AddNode("store");
+  c.AddOneOfEach();
   auto expect_invalid = [&](const kvr::v1::GenerateRequest& r, const std::string& field) {
     StreamResult out = c.Generate(r);
     EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
@@ -208,9 +213,7 @@ TEST(ControllerIntegrationTest, BadRequestsAreInvalidArgumentNamingTheField) {
 // controller keeps serving.
 TEST(ControllerIntegrationTest, UndecodableRequestsAreInvalidArgumentWithAMessage) {
   Cluster c;
-  c.AddNode("prefill");
-  c.AddNode("decode");
-  c.AddNode("store");
+  c.AddOneOfEach();
   auto call = [&](const std::string& method, const std::string& bytes) {
     return RawUnaryCall(c.channel(), method, bytes, absl::Seconds(10));
   };
@@ -259,9 +262,7 @@ TEST(ControllerIntegrationTest, FullClusterIsResourceExhaustedNamingTheResource)
 
 TEST(ControllerIntegrationTest, DecodeNodeKilledMidStreamEndsWithClearError) {
   Cluster c;
-  c.AddNode("prefill");
-  c.AddNode("decode", {"--token-delay-ms", "50"});
-  c.AddNode("store");
+  c.AddOneOfEach({"--token-delay-ms", "50"});
   StreamResult out =
       c.Generate(Request(200), absl::Seconds(20), [&](size_t n, grpc::ClientContext&) {
         if (n == 3) c.node(1).Kill();
@@ -288,9 +289,7 @@ TEST(ControllerIntegrationTest, DecodeNodeKilledMidStreamEndsWithClearError) {
 // no client connected it returns in ~10 ms.
 TEST(ControllerIntegrationTest, SigtermShutsDownGracefully) {
   Cluster c;
-  c.AddNode("prefill");
-  c.AddNode("decode");
-  c.AddNode("store");
+  c.AddOneOfEach();
   ASSERT_TRUE(c.Generate(Request(2)).status.ok());
   const int status = c.controller().Stop(SIGTERM);
   EXPECT_TRUE(WIFEXITED(status)) << status << "\n" << absl::StrJoin(c.controller().Lines(), "\n");
@@ -371,9 +370,7 @@ TEST(ControllerIntegrationTest, ConcurrentRequestsWithANodeKilledEachCompleteOrF
 
 TEST(ControllerIntegrationTest, ClientCancellationReachesTheDecodeNode) {
   Cluster c;
-  c.AddNode("prefill");
-  c.AddNode("decode", {"--token-delay-ms", "50"});
-  c.AddNode("store");
+  c.AddOneOfEach({"--token-delay-ms", "50"});
   kvr::v1::GenerateRequest r = Request(200);
   r.set_request_id("cancel-me");
   StreamResult out = c.Generate(r, absl::Seconds(20), [&](size_t n, grpc::ClientContext& ctx) {
@@ -386,9 +383,7 @@ TEST(ControllerIntegrationTest, ClientCancellationReachesTheDecodeNode) {
 
 TEST(ControllerIntegrationTest, AbortEndsTheStreamAndDeadlinePropagates) {
   Cluster c;
-  c.AddNode("prefill");
-  c.AddNode("decode", {"--token-delay-ms", "50"});
-  c.AddNode("store");
+  c.AddOneOfEach({"--token-delay-ms", "50"});
   kvr::v1::GenerateRequest r = Request(200);
   r.set_request_id("abort-me");
   StreamResult out = c.Generate(r, absl::Seconds(20), [&](size_t n, grpc::ClientContext&) {
@@ -462,9 +457,7 @@ TEST(ControllerIntegrationTest, NoNodesYetIsUnavailableAndNotReady) {
 TEST(ControllerIntegrationTest, ControllerRestartServesOnceNodesReturn) {
   using HS = grpc::health::v1::HealthCheckResponse;
   Cluster c;
-  c.AddNode("prefill");
-  c.AddNode("decode");
-  c.AddNode("store");
+  c.AddOneOfEach();
   ASSERT_TRUE(c.Generate(Request(3)).status.ok());
   ASSERT_TRUE(c.RestartController());
   const absl::Time restarted = absl::Now();

@@ -140,16 +140,22 @@ class DecodeIntegrationTest : public ::testing::Test {
   // Streams sequence `id` to its end: the tokens after the first, and the completion.
   void StreamToEnd(uint64_t id, std::vector<int32_t>* tokens, kvr::v1::Completion* completion) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    cv1::StreamRequest req;
-    req.set_sequence_id(id);
-    auto reader = decode_stub_->Stream(&ctx, req);
+    auto reader = OpenStream(ctx, id, std::chrono::seconds(60));
     cv1::StreamResponse msg;
     while (reader->Read(&msg)) {
       tokens->insert(tokens->end(), msg.token_ids().begin(), msg.token_ids().end());
       if (msg.has_completion()) *completion = msg.completion();
     }
     EXPECT_TRUE(reader->Finish().ok());
+  }
+
+  // The Stream of sequence `id` on `ctx`, whose deadline is `timeout` from now.
+  std::unique_ptr<grpc::ClientReader<cv1::StreamResponse>> OpenStream(
+      grpc::ClientContext& ctx, uint64_t id, std::chrono::milliseconds timeout) {
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+    cv1::StreamRequest req;
+    req.set_sequence_id(id);
+    return decode_stub_->Stream(&ctx, req);
   }
 
   grpc::Status SendHandoff(const Handoff& h) {
@@ -168,6 +174,27 @@ class DecodeIntegrationTest : public ::testing::Test {
     auto stats = store_client_->Stats();
     EXPECT_TRUE(stats.ok());
     return stats.ok() ? stats->sequences : 999;
+  }
+
+  // The store holds no sequence within a second (a finished stream releases its sequence).
+  void ExpectStoreEmptiesSoon() {
+    for (int i = 0; i < 100 && StoreSequences() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_EQ(StoreSequences(), 0u);
+  }
+
+  // Hands `cache` off to the decode node as `o` says and streams sequence o.sequence_id to its
+  // end: the tokens after the first, and the completion.
+  void HandoffAndStream(const model::KvCache& cache, const LocalHandoffOptions& o,
+                        std::vector<int32_t>* tokens, kvr::v1::Completion* completion) {
+    ASSERT_NO_FATAL_FAILURE(SendLocalHandoff(cache, o));
+    StreamToEnd(o.sequence_id, tokens, completion);
+  }
+
+  // Hands `cache` off to the decode node as `o` says.
+  void SendLocalHandoff(const model::KvCache& cache, const LocalHandoffOptions& o) {
+    auto h = MakeLocalHandoff(*loaded_.model, cache, registry_, *store_client_, o);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE(SendHandoff(*h).ok());
   }
 
   ThreadPool pool_{2};
@@ -225,20 +252,15 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
   o.params.local_window = 16;  // most of the prompt (and soon generated rows) is fetched
   o.sampling.max_tokens = kTokens;
   o.first_token = expected[0];
-  auto h = MakeLocalHandoff(*loaded_.model, prefilled, registry_, *store_client_, o);
-  ASSERT_TRUE(h.ok()) << h.status();
-  ASSERT_TRUE(SendHandoff(*h).ok());
-
   std::vector<int32_t> got;
   kvr::v1::Completion completion;
-  StreamToEnd(4242, &got, &completion);
+  ASSERT_NO_FATAL_FAILURE(HandoffAndStream(prefilled, o, &got, &completion));
   EXPECT_EQ(got, std::vector<int32_t>(expected.begin() + 1, expected.end()));
   EXPECT_EQ(completion.usage().completion_tokens(), static_cast<uint32_t>(kTokens));
   EXPECT_EQ(completion.usage().prompt_tokens(), ids->size());
   EXPECT_GT(completion.retrieval().bytes_fetched(), 0u);
   EXPECT_GT(completion.retrieval().hot_cache_hits(), 0u);
-  for (int i = 0; i < 100 && StoreSequences() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
-  EXPECT_EQ(StoreSequences(), 0u);
+  ExpectStoreEmptiesSoon();
 
   // bf16 store rows (as a cuda prefill node writes them): the prompt's rows rounded to bf16
   // values, sink/local rows too (the handoff carries them as f32). With fewer tokens than the
@@ -256,36 +278,32 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
           return copy;
         }(),
         expected[0], kTokens);
-    LocalHandoffOptions ob = o;
-    ob.sequence_id = 4244;
-    ob.store_dtype = kv_store::DType::kBf16;
-    auto hb = MakeLocalHandoff(*loaded_.model, rounded, registry_, *store_client_, ob);
-    ASSERT_TRUE(hb.ok()) << hb.status();
-    ASSERT_TRUE(SendHandoff(*hb).ok());
+    // The handoff `o` as sequence `id`, its rows stored as `dtype`.
+    const auto stored_as = [&o](uint64_t id, kv_store::DType dtype) {
+      LocalHandoffOptions with = o;
+      with.sequence_id = id;
+      with.store_dtype = dtype;
+      return with;
+    };
     std::vector<int32_t> got_bf16;
     kvr::v1::Completion completion_bf16;
-    StreamToEnd(4244, &got_bf16, &completion_bf16);
+    ASSERT_NO_FATAL_FAILURE(HandoffAndStream(rounded, stored_as(4244, kv_store::DType::kBf16),
+                                             &got_bf16, &completion_bf16));
     EXPECT_EQ(got_bf16, std::vector<int32_t>(expected_bf16.begin() + 1, expected_bf16.end()));
     EXPECT_EQ(completion_bf16.retrieval().rows_fetched(), completion.retrieval().rows_fetched());
     EXPECT_EQ(2 * completion_bf16.retrieval().bytes_fetched(),
               completion.retrieval().bytes_fetched());
-    for (int i = 0; i < 100 && StoreSequences() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
-    EXPECT_EQ(StoreSequences(), 0u);
+    ExpectStoreEmptiesSoon();
 
     // fp8 store rows (kvr-prefill store_dtype fp8): the handoff puts bf16 rows, the store
     // encodes them, the decode node fetches the fp8 rows (136 bytes at SmolLM2's head_dim 64,
     // against bf16's 256) and decodes them. The same rows are fetched; the generation runs to
     // its end; the codec's error (about 2^-4 relative per element) may flip a near-tied
     // argmax, so the tokens are held to most of the bf16 run's, not all.
-    LocalHandoffOptions o8 = o;
-    o8.sequence_id = 4245;
-    o8.store_dtype = kv_store::DType::kFp8E4m3;
-    auto h8 = MakeLocalHandoff(*loaded_.model, rounded, registry_, *store_client_, o8);
-    ASSERT_TRUE(h8.ok()) << h8.status();
-    ASSERT_TRUE(SendHandoff(*h8).ok());
     std::vector<int32_t> got_fp8;
     kvr::v1::Completion completion_fp8;
-    StreamToEnd(4245, &got_fp8, &completion_fp8);
+    ASSERT_NO_FATAL_FAILURE(HandoffAndStream(rounded, stored_as(4245, kv_store::DType::kFp8E4m3),
+                                             &got_fp8, &completion_fp8));
     ASSERT_EQ(got_fp8.size(), got_bf16.size());
     EXPECT_EQ(completion_fp8.usage().completion_tokens(), static_cast<uint32_t>(kTokens));
     EXPECT_EQ(completion_fp8.retrieval().rows_fetched(),
@@ -298,22 +316,16 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
                 got_fp8.size());
     EXPECT_GE(2 * same, got_fp8.size());
     EXPECT_EQ(got_fp8[0], got_bf16[0]);
-    for (int i = 0; i < 100 && StoreSequences() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
-    EXPECT_EQ(StoreSequences(), 0u);
+    ExpectStoreEmptiesSoon();
   }
 
   // Cancel: the client goes away mid-stream; the store sequence is released within a second.
   o.sequence_id = 4343;
   o.sampling.max_tokens = 500;
-  auto h2 = MakeLocalHandoff(*loaded_.model, prefilled, registry_, *store_client_, o);
-  ASSERT_TRUE(h2.ok());
-  ASSERT_TRUE(SendHandoff(*h2).ok());
+  ASSERT_NO_FATAL_FAILURE(SendLocalHandoff(prefilled, o));
   {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    cv1::StreamRequest req;
-    req.set_sequence_id(4343);
-    auto reader = decode_stub_->Stream(&ctx, req);
+    auto reader = OpenStream(ctx, 4343, std::chrono::seconds(60));
     cv1::StreamResponse msg;
     ASSERT_TRUE(reader->Read(&msg));
     ctx.TryCancel();
@@ -328,10 +340,7 @@ TEST_F(DecodeIntegrationTest, FullStreamsDenseGreedyTokensAndCancelFreesTheStore
 
   // No handoff: NOT_FOUND at the Stream's deadline.
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
-  cv1::StreamRequest req;
-  req.set_sequence_id(999);
-  auto reader = decode_stub_->Stream(&ctx, req);
+  auto reader = OpenStream(ctx, 999, std::chrono::milliseconds(300));
   cv1::StreamResponse msg;
   while (reader->Read(&msg)) {
   }

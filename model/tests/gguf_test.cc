@@ -1,5 +1,5 @@
-// GGUF reader tests on files written byte by byte here: every metadata type, v2 and v3, custom
-// alignment, and crafted corrupt files that must give a clear error (never a crash).
+// GGUF reader tests on files written byte by byte (gguf_builder.h): every metadata type, v2 and v3,
+// custom alignment, and crafted corrupt files that must give a clear error (never a crash).
 
 #include <cmath>
 #include <cstdint>
@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "gguf_builder.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/common/half.h"
@@ -19,68 +20,12 @@
 namespace kvr::model {
 namespace {
 
+using gguf_test::GgufBuilder;
 using ::testing::HasSubstr;
-
-// Appends little-endian GGUF pieces to a byte buffer.
-class GgufBuilder {
- public:
-  explicit GgufBuilder(uint32_t version = 3) { Header(0x46554747u, version); }
-  GgufBuilder(uint32_t magic, uint32_t version) { Header(magic, version); }
-
-  std::vector<uint8_t>& bytes() { return bytes_; }
-  size_t size() const { return bytes_.size(); }
-
-  template <typename T>
-  GgufBuilder& Pod(T v) {
-    return Raw(&v, sizeof(T));
-  }
-  GgufBuilder& Str(const std::string& s) {
-    Pod<uint64_t>(s.size());
-    bytes_.insert(bytes_.end(), s.begin(), s.end());
-    return *this;
-  }
-  // Counts are patched in place so that tests can write them first and lie if they want.
-  GgufBuilder& Counts(uint64_t n_tensors, uint64_t n_kv) {
-    return Pod<uint64_t>(n_tensors).Pod<uint64_t>(n_kv);
-  }
-  template <typename T>
-  GgufBuilder& Kv(const std::string& key, GgufValueType type, T v) {
-    Str(key).Pod<uint32_t>(static_cast<uint32_t>(type));
-    return Pod<T>(v);
-  }
-  GgufBuilder& KvStr(const std::string& key, const std::string& v) {
-    Str(key).Pod<uint32_t>(static_cast<uint32_t>(GgufValueType::kString));
-    return Str(v);
-  }
-  GgufBuilder& TensorInfo(const std::string& name, std::vector<int64_t> dims, uint32_t type,
-                          uint64_t offset) {
-    Str(name).Pod<uint32_t>(static_cast<uint32_t>(dims.size()));
-    for (int64_t d : dims) Pod<int64_t>(d);
-    return Pod<uint32_t>(type).Pod<uint64_t>(offset);
-  }
-  GgufBuilder& Align(size_t alignment) {
-    while (bytes_.size() % alignment != 0) bytes_.push_back(0);
-    return *this;
-  }
-  GgufBuilder& Raw(const void* data, size_t n) {
-    // resize + memcpy rather than insert: GCC 12 warns falsely (-Wstringop-overflow) about
-    // inserting into an empty vector.
-    const size_t old = bytes_.size();
-    bytes_.resize(old + n);
-    if (n > 0) std::memcpy(bytes_.data() + old, data, n);
-    return *this;
-  }
-
- private:
-  void Header(uint32_t magic, uint32_t version) { Pod<uint32_t>(magic).Pod<uint32_t>(version); }
-  std::vector<uint8_t> bytes_;
-};
 
 std::string WriteFile(const std::string& name, const std::vector<uint8_t>& bytes) {
   const std::string path = ::testing::TempDir() + "/kvr_gguf_test_" + name + ".gguf";
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(bytes.data()),
-            static_cast<std::streamsize>(bytes.size()));
+  gguf_test::WriteBytes(path, bytes);
   return path;
 }
 

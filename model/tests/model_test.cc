@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "gguf_builder.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/common/thread_pool.h"
@@ -255,27 +256,14 @@ TEST(ConfigTest, MissingHfFieldIsNamed) {
 
 // A crafted GGUF v3 file with string metadata only and no tensors.
 std::string WriteGguf(const std::vector<std::pair<std::string, std::string>>& kv) {
-  std::string bytes = "GGUF";
-  auto put = [&](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); };
-  auto put_u32 = [&](uint32_t v) { put(&v, 4); };
-  auto put_u64 = [&](uint64_t v) { put(&v, 8); };
-  auto put_str = [&](const std::string& s) {
-    put_u64(s.size());
-    bytes += s;
-  };
-  put_u32(3);
-  put_u64(0);
-  put_u64(kv.size());
-  for (const auto& [key, value] : kv) {
-    put_str(key);
-    put_u32(8);  // string
-    put_str(value);
-  }
-  while (bytes.size() % 32 != 0) bytes.push_back('\0');
+  gguf_test::GgufBuilder b;
+  b.Counts(0, kv.size());
+  for (const auto& [key, value] : kv) b.KvStr(key, value);
+  b.Align(32);
   const std::string path = (std::filesystem::temp_directory_path() /
                             ("kvr_config_test_" + std::to_string(::getpid()) + ".gguf"))
                                .string();
-  std::ofstream(path, std::ios::binary) << bytes;
+  b.WriteTo(path);
   return path;
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "gguf_builder.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvr/common/thread_pool.h"
@@ -106,16 +107,9 @@ std::vector<float> Permute(const std::vector<float>& w, int n_head, int d, int64
 void WriteGguf(const ModelConfig& c, const TensorMap& hf, const std::string& path) {
   const bool llama = c.arch == Architecture::kLlama;
   const std::string a = llama ? "llama" : "qwen2";
-  std::string b = "GGUF";
-  auto put = [&](const void* p, size_t n) { b.append(static_cast<const char*>(p), n); };
-  auto u32 = [&](uint32_t v) { put(&v, 4); };
-  auto u64 = [&](uint64_t v) { put(&v, 8); };
-  auto str = [&](const std::string& s) {
-    u64(s.size());
-    b += s;
-  };
-  auto kv_u32 = [&](const std::string& k, uint32_t v) { str(k), u32(4), u32(v); };
-  auto kv_f32 = [&](const std::string& k, float v) { str(k), u32(6), put(&v, 4); };
+  gguf_test::GgufBuilder b;
+  auto kv_u32 = [&](const std::string& k, uint32_t v) { b.Kv(k, GgufValueType::kUint32, v); };
+  auto kv_f32 = [&](const std::string& k, float v) { b.Kv(k, GgufValueType::kFloat32, v); };
 
   // GGUF names, with Q/K permuted.
   std::vector<std::pair<std::string, Tensor>> tensors;
@@ -148,10 +142,8 @@ void WriteGguf(const ModelConfig& c, const TensorMap& hf, const std::string& pat
     add(g + "ffn_up.weight", p + "mlp.up_proj.weight");
     add(g + "ffn_down.weight", p + "mlp.down_proj.weight");
   }
-  u32(3);
-  u64(tensors.size());
-  u64(10);
-  str("general.architecture"), u32(8), str(a);
+  b.Counts(tensors.size(), 10);
+  b.KvStr("general.architecture", a);
   kv_u32(a + ".block_count", c.n_layers);
   kv_u32(a + ".context_length", static_cast<uint32_t>(c.context_length));
   kv_u32(a + ".embedding_length", c.hidden);
@@ -163,19 +155,13 @@ void WriteGguf(const ModelConfig& c, const TensorMap& hf, const std::string& pat
   kv_u32(a + ".vocab_size", c.vocab);
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
-    str(name);
-    u32(static_cast<uint32_t>(t.shape.size()));
-    for (auto it = t.shape.rbegin(); it != t.shape.rend(); ++it) u64(*it);  // ggml order
-    u32(0);                                                                 // F32
-    u64(offset);
+    // ggml order (fastest dimension first), F32 (type 0).
+    b.TensorInfo(name, {t.shape.rbegin(), t.shape.rend()}, 0, offset);
     offset += (t.data.size() * 4 + 31) / 32 * 32;
   }
-  while (b.size() % 32 != 0) b.push_back('\0');
-  for (const auto& [name, t] : tensors) {
-    put(t.data.data(), t.data.size() * 4);
-    while (b.size() % 32 != 0) b.push_back('\0');
-  }
-  std::ofstream(path, std::ios::binary) << b;
+  b.Align(32);
+  for (const auto& [name, t] : tensors) b.Raw(t.data.data(), t.data.size() * 4).Align(32);
+  b.WriteTo(path);
 }
 
 class WeightsFormatTest : public testing::TestWithParam<Architecture> {};

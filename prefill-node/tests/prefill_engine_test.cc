@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <optional>
 
 #include "engine_fakes.h"
 #include "kvr/common/fp8.h"
@@ -134,6 +136,64 @@ class PrefillEngineTest : public ::testing::Test {
     for (int i = 0; i < 12; ++i)
       s += "The quick brown fox jumps over the lazy dog number " + std::to_string(i) + ". ";
     return s;
+  }
+
+  // A "quest" request run on an engine that stores rows as some dtype, and its prompt
+  // prefilled by the model alone into a float32 cache: the reference the stored rows derive
+  // from.
+  struct StoreRun {
+    PrefillResult result;
+    model::KvCache cache;
+    int64_t tokens = 0;
+  };
+
+  // Runs the request on an engine over store_ that stores rows as `dtype`; `out` is set when
+  // nothing failed.
+  void RunStoring(kv_store::DType dtype, std::optional<StoreRun>* out) {
+    PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(),
+                         &opener_, EngineOptions{.chunk_tokens = 64, .store_dtype = dtype});
+    PrefillJob job = Job(TextPrompt{Text()}, "quest");
+    auto result = engine.Run(job);
+    ASSERT_TRUE(result.ok()) << result.status();
+    const model::Model& m = *loaded_->model;
+    auto ids = engine.Tokenize(job.prompt);
+    ASSERT_TRUE(ids.ok());
+    model::KvCache cache = m.NewCache(model::KvDType::kF32);
+    model::DenseAttention dense(pool_);
+    ASSERT_TRUE(m.Prefill(1, cache, *ids, dense, 64).ok());
+    out->emplace(StoreRun{std::move(*result), std::move(cache), static_cast<int64_t>(ids->size())});
+  }
+
+  // The store holds `run`'s sequence as `dtype` (`row_bytes` a row), every layer committed to
+  // the prompt's length, and every row of every head of the first and last layers is
+  // `encode(k, v, row)` of that token's float32 k and v (head_dim floats each) in run.cache.
+  void ExpectStoredRows(kv_store::DType dtype, size_t row_bytes, const StoreRun& run,
+                        const std::function<void(const float*, const float*, uint8_t*)>& encode) {
+    const model::ModelConfig& c = loaded_->model->config();
+    const int64_t L = run.tokens;
+    auto info = store_->GetSequence({42, cap_});
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->shape.dtype, dtype);
+    for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
+    ASSERT_EQ(info->shape.RowBytes(), row_bytes);
+    for (const int layer : {0, c.n_layers - 1}) {
+      const model::KvView view = run.cache.View(layer);
+      for (int head = 0; head < c.n_kv_heads; ++head) {
+        kv_store::RangeEntry range{{42, cap_},
+                                   static_cast<uint32_t>(layer),
+                                   static_cast<uint32_t>(head),
+                                   0,
+                                   static_cast<uint64_t>(L)};
+        std::vector<uint8_t> got(L * row_bytes);
+        ASSERT_TRUE(store_->RangeRead(std::span(&range, 1), got).ok());
+        std::vector<uint8_t> want(got.size());
+        for (int64_t t = 0; t < L; ++t) {
+          const int64_t at = t * view.row_stride + int64_t{head} * c.head_dim;
+          encode(view.k + at, view.v + at, want.data() + t * row_bytes);
+        }
+        EXPECT_EQ(got, want) << "layer " << layer << " head " << head;
+      }
+    }
   }
 
   static inline ThreadPool* pool_ = nullptr;
@@ -762,107 +822,47 @@ TEST_F(PrefillEngineTest, ASequenceThatEndedWellIsKeptForRetain) {
 }
 
 TEST_F(PrefillEngineTest, Bf16StoreRowsAreTheRowsRoundedToBf16) {
-  PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(),
-                       &opener_,
-                       EngineOptions{.chunk_tokens = 64, .store_dtype = kv_store::DType::kBf16});
-  PrefillJob job = Job(TextPrompt{Text()}, "quest");
-  auto result = engine.Run(job);
-  ASSERT_TRUE(result.ok()) << result.status();
-  const model::Model& m = *loaded_->model;
-  const model::ModelConfig& c = m.config();
-  auto ids = engine.Tokenize(job.prompt);
-  ASSERT_TRUE(ids.ok());
-  const int64_t L = static_cast<int64_t>(ids->size());
-  model::KvCache cache = m.NewCache(model::KvDType::kF32);
-  model::DenseAttention dense(pool_);
-  ASSERT_TRUE(m.Prefill(1, cache, *ids, dense, 64).ok());
+  std::optional<StoreRun> run;
+  ASSERT_NO_FATAL_FAILURE(RunStoring(kv_store::DType::kBf16, &run));
+  const model::ModelConfig& c = loaded_->model->config();
+  const int64_t L = run->tokens;
   // Half the bytes of f32 rows.
-  EXPECT_EQ(result->kv_bytes_shipped, uint64_t{2} * L * c.n_kv_heads * c.head_dim * 2 * c.n_layers);
-
-  auto info = store_->GetSequence({42, cap_});
-  ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->shape.dtype, kv_store::DType::kBf16);
-  for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
-  // Every row of every head of the first and last layers: FloatToBf16 of the f32 rows.
-  for (const int layer : {0, c.n_layers - 1}) {
-    const model::KvView view = cache.View(layer);
-    for (int head = 0; head < c.n_kv_heads; ++head) {
-      kv_store::RangeEntry range{{42, cap_},
-                                 static_cast<uint32_t>(layer),
-                                 static_cast<uint32_t>(head),
-                                 0,
-                                 static_cast<uint64_t>(L)};
-      std::vector<uint8_t> got(L * 2 * c.head_dim * 2);
-      ASSERT_TRUE(store_->RangeRead(std::span(&range, 1), got).ok());
-      std::vector<uint8_t> want(got.size());
-      for (int64_t t = 0; t < L; ++t) {
-        uint8_t* row = want.data() + t * 2 * c.head_dim * 2;
-        const int64_t at = t * view.row_stride + int64_t{head} * c.head_dim;
-        FloatsToBf16Bytes(view.k + at, c.head_dim, row);
-        FloatsToBf16Bytes(view.v + at, c.head_dim, row + c.head_dim * 2);
-      }
-      EXPECT_EQ(got, want) << "layer " << layer << " head " << head;
-    }
-  }
+  EXPECT_EQ(run->result.kv_bytes_shipped,
+            uint64_t{2} * L * c.n_kv_heads * c.head_dim * 2 * c.n_layers);
+  // Every row: FloatToBf16 of the f32 rows.
+  ExpectStoredRows(kv_store::DType::kBf16, size_t{2} * c.head_dim * 2, *run,
+                   [&](const float* k, const float* v, uint8_t* row) {
+                     FloatsToBf16Bytes(k, c.head_dim, row);
+                     FloatsToBf16Bytes(v, c.head_dim, row + c.head_dim * 2);
+                   });
   // The handoff's sink/local rows stay f32, bit for bit.
   ASSERT_EQ(opener_.chunks.size(), static_cast<size_t>(c.n_layers) + 1);
   const cv1::HandoffLayer& layer = opener_.chunks[1].layer();
   std::vector<int64_t> local(32);
   for (int j = 0; j < 32; ++j) local[j] = L - 32 + j;
   std::string expected;
-  PackRows(cache.View(layer.layer()), c.n_kv_heads, c.head_dim, local, &expected);
+  PackRows(run->cache.View(layer.layer()), c.n_kv_heads, c.head_dim, local, &expected);
   EXPECT_EQ(layer.local_kv(), expected);
 }
 
 // fp8 store: the engine puts the rows as bf16 (as for a bf16 store: kv_bytes_shipped counts
 // those) and the store holds EncodeFp8Row of their values, 136 bytes a row at head_dim 64.
 TEST_F(PrefillEngineTest, Fp8StoreRowsAreTheBf16RowsEncoded) {
-  PrefillEngine engine(loaded_->model.get(), &*loaded_->tokenizer, registry_, stores_.get(),
-                       &opener_,
-                       EngineOptions{.chunk_tokens = 64, .store_dtype = kv_store::DType::kFp8E4m3});
-  PrefillJob job = Job(TextPrompt{Text()}, "quest");
-  auto result = engine.Run(job);
-  ASSERT_TRUE(result.ok()) << result.status();
-  const model::Model& m = *loaded_->model;
-  const model::ModelConfig& c = m.config();
-  auto ids = engine.Tokenize(job.prompt);
-  ASSERT_TRUE(ids.ok());
-  const int64_t L = static_cast<int64_t>(ids->size());
-  model::KvCache cache = m.NewCache(model::KvDType::kF32);
-  model::DenseAttention dense(pool_);
-  ASSERT_TRUE(m.Prefill(1, cache, *ids, dense, 64).ok());
-  EXPECT_EQ(result->kv_bytes_shipped, uint64_t{2} * L * c.n_kv_heads * c.head_dim * 2 * c.n_layers);
-
-  auto info = store_->GetSequence({42, cap_});
-  ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->shape.dtype, kv_store::DType::kFp8E4m3);
-  for (uint64_t rows : info->committed_rows) EXPECT_EQ(rows, static_cast<uint64_t>(L));
+  std::optional<StoreRun> run;
+  ASSERT_NO_FATAL_FAILURE(RunStoring(kv_store::DType::kFp8E4m3, &run));
+  const model::ModelConfig& c = loaded_->model->config();
+  EXPECT_EQ(run->result.kv_bytes_shipped,
+            uint64_t{2} * run->tokens * c.n_kv_heads * c.head_dim * 2 * c.n_layers);
   const Fp8RowLayout layout{2, c.head_dim};
-  const size_t row_bytes = layout.RowBytes();
-  ASSERT_EQ(info->shape.RowBytes(), row_bytes);
   std::vector<float> kv(2 * c.head_dim);
-  for (const int layer : {0, c.n_layers - 1}) {
-    const model::KvView view = cache.View(layer);
-    for (int head = 0; head < c.n_kv_heads; ++head) {
-      kv_store::RangeEntry range{{42, cap_},
-                                 static_cast<uint32_t>(layer),
-                                 static_cast<uint32_t>(head),
-                                 0,
-                                 static_cast<uint64_t>(L)};
-      std::vector<uint8_t> got(L * row_bytes);
-      ASSERT_TRUE(store_->RangeRead(std::span(&range, 1), got).ok());
-      std::vector<uint8_t> want(got.size());
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t at = t * view.row_stride + int64_t{head} * c.head_dim;
-        for (int d = 0; d < c.head_dim; ++d) {
-          kv[d] = Bf16ToFloat(FloatToBf16(view.k[at + d]));
-          kv[c.head_dim + d] = Bf16ToFloat(FloatToBf16(view.v[at + d]));
-        }
-        EncodeFp8Row(layout, kv.data(), want.data() + t * row_bytes);
-      }
-      EXPECT_EQ(got, want) << "layer " << layer << " head " << head;
-    }
-  }
+  ExpectStoredRows(kv_store::DType::kFp8E4m3, layout.RowBytes(), *run,
+                   [&](const float* k, const float* v, uint8_t* row) {
+                     for (int d = 0; d < c.head_dim; ++d) {
+                       kv[d] = Bf16ToFloat(FloatToBf16(k[d]));
+                       kv[c.head_dim + d] = Bf16ToFloat(FloatToBf16(v[d]));
+                     }
+                     EncodeFp8Row(layout, kv.data(), row);
+                   });
 }
 
 TEST_F(PrefillEngineTest, StoreDtypeOtherThanF32Bf16OrFp8IsRefused) {
