@@ -9,8 +9,10 @@ generated protos kvr/v1, kvr/store, kvr/cluster). Components of one rank may not
 other.
 
 The same order holds for CMake links: a target's component is that of its first source file
-(kvr-store's is kv-store/tools/), and every kvr target it links (target_link_libraries,
-kvr_add_test / kvr_add_fuzzer LIBS) must come from its own component or a lower layer.
+(kvr-store's is kv-store/tools/; a target without sources: its CMake file's), and every kvr
+target it links (target_link_libraries; the project's wrappers: kvr_add_library PUBLIC /
+PRIVATE, kvr_add_metric_set PUBLIC, kvr_add_executable / kvr_add_test / kvr_add_fuzzer LIBS)
+must come from its own component or a lower layer.
 
 There are no exceptions: the model's GPU code, the last one, builds retrieval summaries through
 a hook the prefill node supplies.
@@ -111,6 +113,47 @@ def cmake_commands(text):
         pos = i
 
 
+# The project's target wrappers (cmake/KvrTargets.cmake): keyword -> whether what follows it are
+# sources or links, and the target's name ("kvr_" + the given name for the libraries, which
+# also get the alias kvr::<name>).
+WRAPPERS = {
+    "kvr_add_library": ("kvr_", {"SOURCES": "sources", "PUBLIC": "links", "PRIVATE": "links"}),
+    # Its sources are DIR/src/metrics.cc and metrics_observer.cc (DIR: the calling folder).
+    "kvr_add_metric_set": ("kvr_", {"DIR": "dir", "PUBLIC": "links"}),
+    "kvr_add_executable": ("", {"SOURCES": "sources", "LIBS": "links"}),
+}
+WRAPPER_KEYWORDS = {"SOURCES", "INCLUDES", "PRIVATE_INCLUDES", "PUBLIC", "PRIVATE", "LIBS",
+                    "INTERFACE", "CUDA", "DIR"}
+
+
+def wrapper_sections(args, roles):
+    """(sources, links) of a wrapper call's arguments: the words after each keyword of `roles`
+    up to the next keyword."""
+    out = {"sources": [], "links": [], "dir": []}
+    role = None
+    for a in args[1:]:
+        if a in WRAPPER_KEYWORDS:
+            role = roles.get(a)
+            continue
+        if role is not None:
+            out[role].append(a)
+    if "DIR" in roles:  # kvr_add_metric_set: its sources lie in DIR, else beside the call
+        out["sources"] = [(out["dir"][0] + "/" if out["dir"] else "") + "src/metrics.cc"]
+    return out["sources"], out["links"]
+
+
+def source_component(first, folder, rel):
+    """The component of a target whose first source is `first` (as written in the CMake file at
+    `rel`, in `folder`), or of that file when it names no source."""
+    if first is None:
+        return component(rel)
+    if first.startswith("${PROJECT_SOURCE_DIR}/"):
+        first = first[len("${PROJECT_SOURCE_DIR}/"):]
+    else:
+        first = folder + "/" + first.replace("${CMAKE_CURRENT_SOURCE_DIR}/", "")
+    return component(first) or component(rel)
+
+
 def check_links(root):
     """Errors for CMake targets that link a kvr target of a higher (or same-rank other) layer."""
     defined, aliases, links = {}, {}, []
@@ -129,12 +172,17 @@ def check_links(root):
                         aliases[args[0]] = args[2]
                         continue
                     sources = [a for a in args[1:] if a not in KEYWORDS and "::" not in a]
-                    first = sources[0] if sources else "CMakeLists.txt"
-                    if first.startswith("${PROJECT_SOURCE_DIR}/"):
-                        first = first[len("${PROJECT_SOURCE_DIR}/"):]
-                    else:
-                        first = folder + "/" + first.replace("${CMAKE_CURRENT_SOURCE_DIR}/", "")
-                    defined[args[0]] = component(first) or component(rel)
+                    defined[args[0]] = source_component(sources[0] if sources else None, folder,
+                                                        rel)
+                if name in WRAPPERS and not args[0].startswith("$"):
+                    prefix, roles = WRAPPERS[name]
+                    target = prefix + args[0]
+                    sources, deps = wrapper_sections(args, roles)
+                    defined[target] = source_component(sources[0] if sources else None, folder,
+                                                       rel)
+                    if prefix:
+                        aliases["kvr::" + args[0]] = target
+                    links.append((rel, target, deps))
                 if name in ("target_link_libraries", "kvr_add_test", "kvr_add_fuzzer"):
                     links.append((rel, args[0], args[1:]))
     errors = []

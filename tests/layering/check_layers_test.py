@@ -62,6 +62,29 @@ class CheckLayersTest(unittest.TestCase):
                 "model/cuda/cuda_model.cu:1: model (layer 1) includes retrieval",
                 "kvr_model_cuda (model, layer 1) links kvr::retrieval_cuda_build")
 
+    def test_links_through_the_projects_wrappers_are_checked(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = pathlib.Path(d)
+            write(root, "kv-store/CMakeLists.txt",
+                  "kvr_add_library(kv_store SOURCES src/store.cc PUBLIC kvr::common)\n")
+            write(root, "controller/CMakeLists.txt",
+                  "kvr_add_library(controller SOURCES src/c.cc PRIVATE kvr::kv_store)\n"
+                  "kvr_add_executable(kvr-controller SOURCES src/main.cc LIBS kvr::controller)\n")
+            write(root, "common/CMakeLists.txt",
+                  "kvr_add_library(common SOURCES src/a.cc)\n")
+            self.assertEqual(run(root).returncode, 0, run(root).stdout)
+            # The store library may not link the controller (a library one layer up) ...
+            write(root, "kv-store/CMakeLists.txt",
+                  "kvr_add_library(kv_store SOURCES src/store.cc PUBLIC kvr::common\n"
+                  "  PRIVATE kvr::controller)\n")
+            self.assertRefused(
+                root, "kvr_kv_store (kv-store, layer 4) links kvr::controller (controller")
+            # ... nor may a program of a lower layer link a higher library.
+            write(root, "kv-store/CMakeLists.txt",
+                  "kvr_add_library(kv_store SOURCES src/store.cc PUBLIC kvr::common)\n"
+                  "kvr_add_executable(store_tool SOURCES src/tool.cc LIBS kvr::controller)\n")
+            self.assertRefused(root, "store_tool (kv-store, layer 4) links kvr::controller")
+
     def test_same_rank_components_may_not_include_each_other(self):
         with tempfile.TemporaryDirectory() as d:
             root = pathlib.Path(d)
