@@ -203,26 +203,8 @@ class PagedKvStore::Sequence {
       for (uint64_t r = 0; r < rows; ++r) {
         const uint8_t* k =
             pool_->PageData(list[r / tokens_per_page_]) + (r % tokens_per_page_) * row_bytes_;
-        float* dst = keys.data() + r * dim;
-        switch (shape_.dtype) {
-          case DType::kF32:
-            std::memcpy(dst, k, dim * sizeof(float));
-            break;
-          case DType::kBf16:
-            Bf16BytesToFloats(k, dim, dst);
-            break;
-          case DType::kF16:
-            Fp16BytesToFloats(k, dim, dst);
-            break;
-          case DType::kFp8E4m3: {
-            // The k codes lead the row; the k scale is the first float after the codes.
-            const Fp8RowLayout layout{2, static_cast<int>(dim)};
-            float scale;
-            std::memcpy(&scale, k + layout.ScaleOffset(), sizeof(scale));
-            DecodeFp8(k, dim, scale, dst);
-            break;
-          }
-        }
+        StoredRowToFloats(shape_.dtype, static_cast<uint32_t>(dim), k, keys.data() + r * dim,
+                          /*v=*/nullptr);
       }
       KeyDiffScores(keys.data(), rows, dim, dim, scores.data());
       std::unique_ptr<bool[]> pinned(new bool[n_pages]);

@@ -86,21 +86,30 @@ std::string DTypeName(DType dtype) {
   return "unknown";
 }
 
-void StoredRowToFloats(DType dtype, uint32_t head_dim, const uint8_t* row, float* dst) {
-  const size_t n = 2 * size_t{head_dim};
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, row, n * sizeof(float));
-      return;
-    case DType::kF16:
-      Fp16BytesToFloats(row, n, dst);
-      return;
-    case DType::kBf16:
-      Bf16BytesToFloats(row, n, dst);
-      return;
-    case DType::kFp8E4m3:
-      DecodeFp8Row(Fp8RowLayout{2, static_cast<int>(head_dim)}, row, dst);
-      return;
+void StoredRowToFloats(DType dtype, uint32_t head_dim, const uint8_t* row, float* k, float* v) {
+  const size_t n = head_dim;
+  if (dtype == DType::kFp8E4m3) {
+    float scales[2];  // k's, v's (Fp8RowLayout: after the codes)
+    std::memcpy(scales, row + Fp8RowLayout{2, static_cast<int>(head_dim)}.ScaleOffset(),
+                sizeof(scales));
+    DecodeFp8(row, n, scales[0], k);
+    if (v != nullptr) DecodeFp8(row + n, n, scales[1], v);
+    return;
+  }
+  const size_t half = n * DTypeSize(dtype);
+  for (auto [src, dst] : {std::pair{row, k}, std::pair{row + half, v}}) {
+    if (dst == nullptr) continue;
+    switch (dtype) {
+      case DType::kF32:
+        std::memcpy(dst, src, half);
+        break;
+      case DType::kF16:
+        Fp16BytesToFloats(src, n, dst);
+        break;
+      default:  // kBf16
+        Bf16BytesToFloats(src, n, dst);
+        break;
+    }
   }
 }
 

@@ -13,7 +13,6 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "kvr/common/fp8.h"
 #include "kvr/common/half.h"
 #include "kvr/common/status.h"
 #include "kvr/model/sampler.h"
@@ -45,19 +44,6 @@ absl::Status NodeFailure(const cv1::NodeRef& node, const char* role, const absl:
                                     node.endpoints().grpc_address(), "): ", cause.ToString()));
   const auto named = cause.GetPayload(kFailedNodePayload);
   s.SetPayload(kFailedNodePayload, named ? *named : absl::Cord(node.node_id()));
-  return s;
-}
-
-// The k and v scales of one stored fp8 row [k codes | v codes | k scale | v scale | pad]
-// (Fp8RowLayout{2, head_dim}).
-struct Fp8Scales {
-  float k = 0, v = 0;
-};
-Fp8Scales Fp8RowScales(const uint8_t* row, int head_dim) {
-  Fp8Scales s;
-  const uint8_t* at = row + Fp8RowLayout{2, head_dim}.ScaleOffset();
-  std::memcpy(&s.k, at, sizeof(float));
-  std::memcpy(&s.v, at + sizeof(float), sizeof(float));
   return s;
 }
 
@@ -837,20 +823,9 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
   };
   call.load_prefix = [&](int layer, std::span<float> k, std::span<float> v) -> absl::Status {
     return load_layer(layer, [&](int h, int64_t r, const uint8_t* src) {
-      float* kd = k.data() + r * kv_dim + int64_t{h} * hd;
-      float* vd = v.data() + r * kv_dim + int64_t{h} * hd;
-      if (shape.dtype == kv_store::DType::kBf16) {
-        Bf16BytesToFloats(reinterpret_cast<const uint16_t*>(src), static_cast<size_t>(hd), kd);
-        Bf16BytesToFloats(reinterpret_cast<const uint16_t*>(src) + hd, static_cast<size_t>(hd), vd);
-      } else if (shape.dtype == kv_store::DType::kFp8E4m3) {
-        const Fp8Scales scale = Fp8RowScales(src, hd);
-        DecodeFp8(src, static_cast<size_t>(hd), scale.k, kd);
-        DecodeFp8(src + hd, static_cast<size_t>(hd), scale.v, vd);
-      } else {
-        std::memcpy(kd, src, static_cast<size_t>(hd) * sizeof(float));
-        std::memcpy(vd, src + static_cast<size_t>(hd) * sizeof(float),
-                    static_cast<size_t>(hd) * sizeof(float));
-      }
+      kv_store::StoredRowToFloats(shape.dtype, static_cast<uint32_t>(hd), src,
+                                  k.data() + r * kv_dim + int64_t{h} * hd,
+                                  v.data() + r * kv_dim + int64_t{h} * hd);
     });
   };
   call.load_prefix_bf16 = [&](int layer, std::span<uint16_t> k,
@@ -862,21 +837,15 @@ absl::StatusOr<PrefillResult> PrefillEngine::RunLocked(const PrefillJob& job,
         std::memcpy(kd, src, static_cast<size_t>(hd) * sizeof(uint16_t));
         std::memcpy(vd, src + static_cast<size_t>(hd) * sizeof(uint16_t),
                     static_cast<size_t>(hd) * sizeof(uint16_t));
-      } else if (shape.dtype == kv_store::DType::kFp8E4m3) {
-        // Decoded (DecodeFp8's arithmetic), then rounded to bf16 to nearest even: code * scale
-        // may need more bits than bf16 has.
-        const Fp8Scales scale = Fp8RowScales(src, hd);
-        for (int i = 0; i < hd; ++i) {
-          kd[i] = FloatToBf16(Fp8E4m3ToFloat(src[i]) * scale.k);
-          vd[i] = FloatToBf16(Fp8E4m3ToFloat(src[hd + i]) * scale.v);
-        }
       } else {
-        // Float32 rows: exact when they are widened bf16 (a CUDA prefill's).
-        const auto* f = reinterpret_cast<const float*>(src);
-        for (int i = 0; i < hd; ++i) {
-          kd[i] = FloatToBf16(f[i]);
-          vd[i] = FloatToBf16(f[hd + i]);
-        }
+        // Widened (exact for f32 rows that are widened bf16, a CUDA prefill's; fp8 rows
+        // decoded), then rounded to bf16 to nearest even: an fp8 code * scale may need more
+        // bits than bf16 has.
+        thread_local std::vector<float> widened;
+        widened.resize(2 * static_cast<size_t>(hd));
+        kv_store::StoredRowToFloats(shape.dtype, static_cast<uint32_t>(hd), src, widened.data());
+        FloatsToBf16Bytes(widened.data(), static_cast<size_t>(hd), kd);
+        FloatsToBf16Bytes(widened.data() + hd, static_cast<size_t>(hd), vd);
       }
     });
   };

@@ -83,9 +83,13 @@ enum class DType : uint8_t { kF32 = 1, kF16 = 2, kBf16 = 3, kFp8E4m3 = 4 };
 [[nodiscard]] absl::StatusOr<DType> DTypeFromInt(uint32_t value);
 [[nodiscard]] std::string DTypeName(DType dtype);
 
-// One stored row [k | v] (RowBytes(dtype, head_dim) bytes, any alignment) as 2 * head_dim
-// floats, k then v: exact for f32, f16 and bf16; fp8 rows decoded (DecodeFp8Row).
-void StoredRowToFloats(DType dtype, uint32_t head_dim, const uint8_t* row, float* dst);
+// One stored row [k | v] (RowBytes(dtype, head_dim) bytes, any alignment) as floats, K into
+// `k` and V into `v` (head_dim each; v null: the keys only): exact for f32, f16 and bf16; fp8
+// rows decoded (DecodeFp8Row's values). The second form writes [k | v] to `dst`.
+void StoredRowToFloats(DType dtype, uint32_t head_dim, const uint8_t* row, float* k, float* v);
+inline void StoredRowToFloats(DType dtype, uint32_t head_dim, const uint8_t* row, float* dst) {
+  StoredRowToFloats(dtype, head_dim, row, dst, dst + head_dim);
+}
 
 // Shape of one sequence's KV: per (layer, kv_head) an append-only array of rows [k | v].
 struct SequenceShape {
